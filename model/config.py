@@ -1,0 +1,400 @@
+"""ModelConfig: the released DeepSeek-V4.1-Flash `config.json` translated once into named fields.
+
+Everything downstream (model, engine, byte accounting) reads these fields; nothing re-parses the
+HF dict or guesses features from magic numbers. Per-layer roles follow model_spec.md §1.3:
+
+    ratio 0                          -> SWA_ONLY  (window attention only)
+    layer in kv_source_layer_ids     -> FULL      (owns compressor + index keys; also index source)
+    layer in index_source \\ kv_source -> REINDEX  (own index query over kv_src's keys)
+    otherwise                        -> REUSE     (reuses kv_src's cache and idx_src's top-k)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+class LayerRole(str, enum.Enum):
+    SWA_ONLY = "swa_only"
+    FULL = "full"
+    REINDEX = "reindex"
+    REUSE = "reuse"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Resolved role of one backbone layer (model_spec §1.3)."""
+
+    layer_id: int
+    ratio: int  # compress ratio of the cache this layer reads (0 = none)
+    role: LayerRole
+    kv_src: int | None  # layer whose compressed cache this layer reads
+    idx_src: int | None  # layer whose top-k this layer uses
+    is_candidate_source: bool
+    uses_candidates: bool  # an index source after the candidate source (candidate-masked)
+    has_engram: bool
+    engram_index: int | None  # position in engram_layer_ids
+    is_encoder: bool  # before the candidate source (layers 0..19 released)
+
+    @property
+    def owns_compressor(self) -> bool:
+        return self.role is LayerRole.FULL
+
+    @property
+    def owns_index_query(self) -> bool:
+        return self.role in (LayerRole.FULL, LayerRole.REINDEX)
+
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float  # base for SWA-only layers (no YaRN)
+    compress_theta: float  # base for ratio>0 layers (with YaRN)
+    yarn_factor: float
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    yarn_original_max_position: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]  # backbone layers only (DSpark tail dropped)
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    candidate_source_layer_id: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    swiglu_limit: float
+    gate_temp: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    engram_layer_ids: tuple[int, ...]
+    engram_num_embeddings: tuple[int, ...]
+    engram_max_ngram_size: int
+    engram_n_heads: int
+    engram_head_dim: int
+    engram_vocab_size: int  # prime search start (model_spec §8.3)
+    engram_compressed_vocab_size: int
+    engram_pad_token_id: int
+    image_token_id: int | None
+    weight_block_size: tuple[int, int] = (32, 32)
+    tie_word_embeddings: bool = False
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str = "model") -> ModelConfig:
+        """Translate a released-style config dict (nested `text_config` or flat)."""
+        t = hf.get("text_config", hf)
+        n_layers = int(t["num_hidden_layers"])
+        ratios = tuple(int(r) for r in t["compress_ratios"][:n_layers])
+        if len(ratios) != n_layers:
+            raise ValueError(
+                f"compress_ratios has {len(t['compress_ratios'])} entries, "
+                f"need at least num_hidden_layers={n_layers}"
+            )
+        kv_src = tuple(int(x) for x in t["kv_source_layer_ids"])
+        idx_src = tuple(int(x) for x in t.get("index_source_layer_ids", kv_src))
+        cand = int(t.get("candidate_source_layer_id", kv_src[-1]))
+        rs = t.get("rope_scaling") or {}
+        if rs and rs.get("type", rs.get("rope_type")) != "yarn":
+            raise ValueError(f"rope_scaling.type must be 'yarn', got {rs.get('type')!r}")
+        if "engram_pad_token_id" in t:
+            pad = int(t["engram_pad_token_id"])
+        elif "engram_pad_id" in t:
+            pad = int(t["engram_pad_id"])
+        else:
+            raise ValueError("config lacks engram_pad_token_id (or engram_pad_id)")
+        q = hf.get("quantization_config") or {}
+        cfg = cls(
+            name=name,
+            vocab_size=int(t["vocab_size"]),
+            hidden_size=int(t["hidden_size"]),
+            num_layers=n_layers,
+            num_heads=int(t["num_attention_heads"]),
+            head_dim=int(t["head_dim"]),
+            rope_head_dim=int(t["qk_rope_head_dim"]),
+            q_lora_rank=int(t["q_lora_rank"]),
+            o_groups=int(t["o_groups"]),
+            o_lora_rank=int(t["o_lora_rank"]),
+            sliding_window=int(t["sliding_window"]),
+            compress_ratios=ratios,
+            kv_source_layer_ids=kv_src,
+            index_source_layer_ids=idx_src,
+            candidate_source_layer_id=cand,
+            candidate_topk_blocks=int(t["candidate_topk_blocks"]),
+            candidate_block_size=int(t["candidate_block_size"]),
+            index_n_heads=int(t["index_n_heads"]),
+            index_head_dim=int(t["index_head_dim"]),
+            index_topk=int(t["index_topk"]),
+            n_routed_experts=int(t["n_routed_experts"]),
+            num_experts_per_tok=int(t["num_experts_per_tok"]),
+            n_shared_experts=int(t["n_shared_experts"]),
+            moe_intermediate_size=int(t["moe_intermediate_size"]),
+            routed_scaling_factor=float(t["routed_scaling_factor"]),
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            swiglu_limit=float(t["swiglu_limit"]),
+            gate_temp=float(t.get("gate_temp", 1.0)),
+            hc_mult=int(t["hc_mult"]),
+            hc_sinkhorn_iters=int(t["hc_sinkhorn_iters"]),
+            hc_eps=float(t["hc_eps"]),
+            rms_norm_eps=float(t["rms_norm_eps"]),
+            rope=RopeConfig(
+                theta=float(t["rope_theta"]),
+                compress_theta=float(t["compress_rope_theta"]),
+                yarn_factor=float(rs.get("factor", 1.0)),
+                yarn_beta_fast=float(rs.get("beta_fast", 32)),
+                yarn_beta_slow=float(rs.get("beta_slow", 1)),
+                yarn_original_max_position=int(
+                    rs.get("original_max_position_embeddings", t["max_position_embeddings"])
+                ),
+            ),
+            max_position_embeddings=int(t["max_position_embeddings"]),
+            engram_layer_ids=tuple(int(x) for x in t.get("engram_layer_ids", ())),
+            engram_num_embeddings=tuple(int(x) for x in t.get("engram_num_embeddings", ())),
+            engram_max_ngram_size=int(t.get("engram_max_ngram_size", 4)),
+            engram_n_heads=int(t.get("engram_n_heads", 0)),
+            engram_head_dim=int(t.get("engram_head_dim", 0)),
+            engram_vocab_size=int(t.get("engram_vocab_size", 0)),
+            engram_compressed_vocab_size=int(t.get("engram_compressed_vocab_size", 0)),
+            engram_pad_token_id=pad,
+            image_token_id=hf.get("image_token_id"),
+            weight_block_size=tuple(q.get("weight_block_size", (32, 32))),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str) -> ModelConfig:
+        """Load `config.json` (or a checkpoint directory containing one)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+        name = hf.get("flashpd_preset") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+        return cls.from_hf(hf, name=name)
+
+    def to_hf(self) -> dict[str, Any]:
+        """Inverse of from_hf: a released-style dict (nested text_config)."""
+        t = {
+            "model_type": "deepseek_v41_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": 1,
+            "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.rope_head_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "o_lora_rank": self.o_lora_rank,
+            "o_groups": self.o_groups,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_shared_experts": self.n_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "hidden_act": "silu",
+            "swiglu_limit": self.swiglu_limit,
+            "gate_temp": self.gate_temp,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope.theta,
+            "compress_rope_theta": self.rope.compress_theta,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": self.rope.yarn_factor,
+                "beta_fast": self.rope.yarn_beta_fast,
+                "beta_slow": self.rope.yarn_beta_slow,
+                "original_max_position_embeddings": self.rope.yarn_original_max_position,
+            },
+            "sliding_window": self.sliding_window,
+            "compress_ratios": list(self.compress_ratios),
+            "kv_source_layer_ids": list(self.kv_source_layer_ids),
+            "index_source_layer_ids": list(self.index_source_layer_ids),
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "candidate_source_layer_id": self.candidate_source_layer_id,
+            "candidate_topk_blocks": self.candidate_topk_blocks,
+            "candidate_block_size": self.candidate_block_size,
+            "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
+            "hc_eps": self.hc_eps,
+            "engram_layer_ids": list(self.engram_layer_ids),
+            "engram_num_embeddings": list(self.engram_num_embeddings),
+            "engram_max_ngram_size": self.engram_max_ngram_size,
+            "engram_n_heads": self.engram_n_heads,
+            "engram_head_dim": self.engram_head_dim,
+            "engram_vocab_size": self.engram_vocab_size,
+            "engram_compressed_vocab_size": self.engram_compressed_vocab_size,
+            "engram_pad_token_id": self.engram_pad_token_id,
+        }
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV41ForCausalLM"],
+            "model_type": "deepseek_v41",
+            "flashpd_preset": self.name,
+            "text_config": t,
+            "quantization_config": {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(self.weight_block_size),
+                "scale_fmt": "ue8m0",
+                "expert_dtype": "fp4",
+            },
+            "torch_dtype": "bfloat16",
+        }
+        if self.image_token_id is not None:
+            out["image_token_id"] = self.image_token_id
+        return out
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid ModelConfig {self.name!r}: {msg}")
+
+        need(self.num_heads % self.o_groups == 0, "num_attention_heads % o_groups != 0")
+        need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "qk_rope_head_dim")
+        need(self.rope_head_dim <= self.index_head_dim, "qk_rope_head_dim > index_head_dim")
+        need(self.head_dim % 32 == 0, "head_dim must be a multiple of 32 (FP8/NVFP4 blocks)")
+        need(self.index_head_dim % 32 == 0, "index_head_dim must be a multiple of 32 (MXFP4)")
+        need(all(r in (0, 1, 2) for r in self.compress_ratios), "compress_ratios must be 0, 1 or 2")
+        need(set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
+             "every kv source must be an index source")
+        for s in self.kv_source_layer_ids:
+            need(0 <= s < self.num_layers and self.compress_ratios[s] > 0,
+                 f"kv source {s} must be a layer with ratio > 0")
+        for layer, r in enumerate(self.compress_ratios):
+            if r > 0:
+                src = [s for s in self.kv_source_layer_ids if s <= layer]
+                need(bool(src), f"layer {layer} has ratio {r} but no kv source at or before it")
+                need(self.compress_ratios[max(src)] == r,
+                     f"layer {layer} ratio {r} differs from its kv source {max(src)}")
+        need(self.candidate_source_layer_id in self.kv_source_layer_ids,
+             "candidate_source_layer_id must be a kv source")
+        need(len(self.engram_layer_ids) == len(self.engram_num_embeddings),
+             "engram_layer_ids and engram_num_embeddings differ in length")
+        need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult / hc_sinkhorn_iters")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
+        need(self.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1")
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        return _resolve_layers(self)
+
+    @property
+    def encoder_layer_ids(self) -> tuple[int, ...]:
+        """Layers run on every prompt token by the prefill worker (0..19 released)."""
+        return tuple(range(self.candidate_source_layer_id))
+
+    @property
+    def global_kv_sources(self) -> tuple[int, ...]:
+        return self.kv_source_layer_ids
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def compressed_entry_bytes(self) -> int:
+        """NVFP4 main-KV record: packed E2M1 + one E4M3 scale per 16 channels (288 B)."""
+        return self.head_dim // 2 + self.head_dim // 16
+
+    @property
+    def index_entry_bytes(self) -> int:
+        """MXFP4 index-key record: packed E2M1 + one UE8M0 scale per 32 channels (68 B)."""
+        return self.index_head_dim // 2 + self.index_head_dim // 32
+
+    @property
+    def window_record_bytes(self) -> int:
+        """FP8 window record per token per layer: E4M3 + UE8M0 per 32 channels (528 B)."""
+        return self.head_dim + self.head_dim // 32
+
+    @property
+    def global_kv_bytes_per_token(self) -> float:
+        """Compact global KV moved P->D and prefix-cached: 890 B/token for the released config."""
+        total = 0.0
+        for s in self.kv_source_layer_ids:
+            total += (self.compressed_entry_bytes + self.index_entry_bytes) / self.compress_ratios[s]
+        return total
+
+    @property
+    def engram_hash_columns(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+
+def _resolve_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    specs = []
+    kv = sorted(cfg.kv_source_layer_ids)
+    idx = sorted(cfg.index_source_layer_ids)
+    for layer in range(cfg.num_layers):
+        r = cfg.compress_ratios[layer]
+        if r == 0:
+            role, kv_src, idx_src = LayerRole.SWA_ONLY, None, None
+        else:
+            kv_src = max(s for s in kv if s <= layer)
+            idx_src = max(s for s in idx if s <= layer)
+            if layer in kv:
+                role = LayerRole.FULL
+            elif layer in idx:
+                role = LayerRole.REINDEX
+            else:
+                role = LayerRole.REUSE
+        owns_index = role in (LayerRole.FULL, LayerRole.REINDEX)
+        has_engram = layer in cfg.engram_layer_ids
+        specs.append(
+            LayerSpec(
+                layer_id=layer,
+                ratio=r,
+                role=role,
+                kv_src=kv_src,
+                idx_src=idx_src,
+                is_candidate_source=layer == cfg.candidate_source_layer_id,
+                uses_candidates=owns_index and layer > cfg.candidate_source_layer_id,
+                has_engram=has_engram,
+                engram_index=cfg.engram_layer_ids.index(layer) if has_engram else None,
+                is_encoder=layer < cfg.candidate_source_layer_id,
+            )
+        )
+    return tuple(specs)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
