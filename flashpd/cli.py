@@ -15,7 +15,7 @@ import sys
 SUBCOMMAND_MODULES = {
     "make-checkpoint": "flashpd.model.cli",
     "inspect": "flashpd.model.cli",
-    "logits": "flashpd.model.cli",
+    "logits": "flashpd.model.logits_cli",
     "generate": "flashpd.engine.cli",
     "serve": "flashpd.services.cli",
     "bench": "flashpd.bench.cli",

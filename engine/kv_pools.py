@@ -1,0 +1,309 @@
+"""Packed KV pools in the real byte formats, and the paged `SeqState` the forward runs on.
+
+Global groups (prefix-cacheable, transferable), one pair per KV source s with ratio r:
+
+    main[s]  uint8 [num_blocks, 128 // r, compressed_entry_bytes]   NVFP4: 256 B codes + 32 B E4M3
+    index[s] uint8 [num_blocks, 128 // r, index_entry_bytes]        MXFP4:  64 B codes +  4 B UE8M0
+
+A block is one 128-token chunk of every global group; entry e of source s lives in block
+`block_table[e // (128 // r)]`, row `e % (128 // r)`.
+
+Private groups (never cached or transferred), one slot per running sequence:
+
+    window   uint8 [num_slots, num_layers, W - 1, window_record_bytes]   FP8 + UE8M0, a ring:
+             position p sits at row p % (W - 1)
+    open     float32 [num_slots, num_ratio2_sources, 2, head_dim]       (a, g) of a lone token
+
+The forward hands the state values that are already fake-quantised, so packing them is lossless:
+power-of-two scales (FP8/UE8M0, MXFP4) re-derive an equivalent scale, and NVFP4 blocks whose
+E4M3 scale would re-round differently (only below the E4M3 normal range) are re-encoded by
+searching the scale that reproduces the values exactly (`_pack_nvfp4_exact`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.kernels.quant import ref as q
+from flashpd.model.config import ModelConfig
+from flashpd.model.state import (
+    LOOKBACK_TOKENS,
+    Entries,
+    GlobalKV,
+    OpenGroup,
+    SeqState,
+    StateError,
+    Window,
+)
+
+CHUNK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Byte geometry of the pools, derived from the config (no runtime facts)."""
+
+    cfg: ModelConfig
+    chunk_tokens: int = CHUNK_TOKENS
+
+    def entries_per_block(self, src: int) -> int:
+        return self.chunk_tokens // self.cfg.compress_ratios[src]
+
+    def group_block_bytes(self) -> dict[str, int]:
+        """Transfer groups and the bytes one block holds in each."""
+        out = {}
+        for s in self.cfg.kv_source_layer_ids:
+            out[f"main.L{s}"] = self.entries_per_block(s) * self.cfg.compressed_entry_bytes
+            out[f"index.L{s}"] = self.entries_per_block(s) * self.cfg.index_entry_bytes
+        return out
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.group_block_bytes().values())
+
+    @property
+    def slot_bytes(self) -> int:
+        cfg = self.cfg
+        window = cfg.num_layers * (cfg.sliding_window - 1) * cfg.window_record_bytes
+        open_rows = len(self.ratio2_sources) * 2 * cfg.head_dim * 4
+        return window + open_rows
+
+    @property
+    def ratio2_sources(self) -> tuple[int, ...]:
+        return tuple(s for s in self.cfg.kv_source_layer_ids if self.cfg.compress_ratios[s] == 2)
+
+
+class KVPools:
+    """All packed KV memory of one worker (CPU or CUDA)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
+                 device: str | torch.device = "cpu"):
+        self.geometry = PoolGeometry(cfg)
+        self.cfg, self.num_blocks, self.num_slots = cfg, num_blocks, num_slots
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.main = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
+                                    cfg.compressed_entry_bytes, **u8)
+                     for s in cfg.kv_source_layer_ids}
+        self.index = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
+                                     cfg.index_entry_bytes, **u8)
+                      for s in cfg.kv_source_layer_ids}
+        self.window = torch.zeros(num_slots, cfg.num_layers, cfg.sliding_window - 1,
+                                  cfg.window_record_bytes, **u8)
+        r2 = self.geometry.ratio2_sources
+        self.open_row_of = {s: i for i, s in enumerate(r2)}
+        self.open = torch.zeros(num_slots, max(len(r2), 1), 2, cfg.head_dim,
+                                dtype=torch.float32, device=device)
+
+    def transfer_groups(self) -> dict[str, torch.Tensor]:
+        """Each global group as a [num_blocks, block_bytes] uint8 view (what NIXL registers)."""
+        out = {}
+        for s in self.cfg.kv_source_layer_ids:
+            out[f"main.L{s}"] = self.main[s].view(self.num_blocks, -1)
+            out[f"index.L{s}"] = self.index[s].view(self.num_blocks, -1)
+        return out
+
+    @property
+    def global_bytes(self) -> int:
+        return sum(t.numel() for t in self.main.values()) + sum(
+            t.numel() for t in self.index.values())
+
+    @property
+    def private_bytes(self) -> int:
+        return self.window.numel() + self.open.numel() * 4
+
+
+class PagedSeqState(SeqState):
+    """`SeqState` over `KVPools`: global entries in the sequence's blocks, private rows in its slot.
+
+    `block_table` is the live list the KV cache manager grows; the runner passes the same list
+    object each step, so blocks added later are seen here.
+    """
+
+    def __init__(self, pools: KVPools, slot: int, block_table: list[int],
+                 dtype: torch.dtype = torch.float32):
+        self.pools, self.slot, self.block_table, self.dtype = pools, slot, block_table, dtype
+        cfg = pools.cfg
+        self._keep = cfg.sliding_window - 1
+        self._num_tokens = 0
+        self._lookback: tuple[int, ...] = ()
+        self._win_start: dict[int, int | None] = dict.fromkeys(range(cfg.num_layers), 0)
+        self._win_len: dict[int, int] = dict.fromkeys(range(cfg.num_layers), 0)
+        self._open_set: dict[int, bool] = dict.fromkeys(pools.open_row_of, False)
+        self._n_entries: dict[int, int] = dict.fromkeys(cfg.kv_source_layer_ids, 0)
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def lookback_ids(self) -> tuple[int, ...]:
+        return self._lookback
+
+    def record_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        if num_tokens < self._num_tokens:
+            raise StateError(f"token count would go back from {self._num_tokens} to {num_tokens}")
+        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
+        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
+            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
+        self._num_tokens, self._lookback = num_tokens, ids
+
+    def adopt_prefix(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        """The first `num_tokens` tokens' global entries already sit in this sequence's blocks
+        (a prefix-cache hit or a completed transfer): count them, leave windows unset until a
+        bounded replay rebuilds them."""
+        for s in self._n_entries:
+            self._n_entries[s] = num_tokens // self.pools.cfg.compress_ratios[s]
+            self._check_blocks(self._n_entries[s], s)
+        self._win_start = dict.fromkeys(self._win_start)
+        self._win_len = dict.fromkeys(self._win_len, 0)
+        self._open_set = dict.fromkeys(self._open_set, False)
+        self._num_tokens = 0
+        self.record_tokens(num_tokens, lookback_ids)
+
+    # ------------------------------------------------------------------ windows
+    def window(self, layer: int) -> Window:
+        start = self._win_start[layer]
+        if start is None:
+            raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
+        n = self._win_len[layer]
+        if n == 0:
+            return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype))
+        rows = torch.arange(start, start + n) % self._keep
+        rec = self.pools.window[self.slot, layer, rows.to(self.pools.window.device)]
+        return Window(start, q.unpack_window_fp8(rec, self.dtype))
+
+    def append_window(self, layer: int, start_pos: int, kv: torch.Tensor) -> None:
+        start = self._win_start[layer]
+        if start is None:
+            raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
+        end = start + self._win_len[layer]
+        if start_pos != end:
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at {end}")
+        total = kv.shape[0]
+        kv = kv[-self._keep:]  # only the last W-1 positions can ever be read again
+        first = start_pos + total - kv.shape[0]  # position of the first kept row
+        rows = torch.arange(first, first + kv.shape[0]) % self._keep
+        self.pools.window[self.slot, layer, rows.to(self.pools.window.device)] = \
+            q.pack_window_fp8(kv.float()).to(self.pools.window.device)
+        new_end = start_pos + total
+        new_start = max(start, new_end - self._keep)
+        self._win_start[layer], self._win_len[layer] = new_start, new_end - new_start
+
+    def clip_window(self, layer: int, start_pos: int) -> None:
+        self._win_start[layer], self._win_len[layer] = start_pos, 0
+
+    # ------------------------------------------------------------------ open groups
+    def open_group(self, src: int) -> OpenGroup | None:
+        row = self._open_row(src)
+        if not self._open_set[src]:
+            return None
+        kv, gate = self.pools.open[self.slot, row]
+        return OpenGroup(kv.clone(), gate.clone())
+
+    def set_open_group(self, src: int, group: OpenGroup | None) -> None:
+        row = self._open_row(src)
+        self._open_set[src] = group is not None
+        if group is not None:
+            self.pools.open[self.slot, row, 0] = group.kv.float().reshape(-1)
+            self.pools.open[self.slot, row, 1] = group.gate.float().reshape(-1)
+
+    # ------------------------------------------------------------------ global entries
+    def num_entries(self, src: int) -> int:
+        return self._n_entries[self._src(src)]
+
+    def entries(self, src: int) -> Entries:
+        n = self._n_entries[self._src(src)]
+        if n == 0:
+            cfg = self.pools.cfg
+            return Entries(torch.zeros(0, cfg.head_dim, dtype=self.dtype),
+                           torch.zeros(0, cfg.index_head_dim, dtype=self.dtype))
+        main = self._gather(self.pools.main[src], src, n)
+        keys = self._gather(self.pools.index[src], src, n)
+        return Entries(q.unpack_nvfp4(main, self.dtype), q.unpack_mxfp4(keys, self.dtype))
+
+    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor,
+                       keys: torch.Tensor) -> None:
+        n = self._n_entries[self._src(src)]
+        if first_entry != n:
+            raise StateError(f"source {src}: entries appended at {first_entry}, {n} stored")
+        count = kv.shape[0]
+        if count == 0:
+            return
+        blocks, rows = self._locate(src, n, n + count)
+        self.pools.main[src][blocks, rows] = _pack_nvfp4_exact(kv.float()).to(blocks.device)
+        self.pools.index[src][blocks, rows] = q.pack_mxfp4(keys.float()).to(blocks.device)
+        self._n_entries[src] = n + count
+
+    def global_state(self) -> GlobalKV:
+        return GlobalKV(self._num_tokens, self._lookback,
+                        {s: self.entries(s) for s in self._n_entries})
+
+    def load_global_state(self, state: GlobalKV) -> None:
+        if set(state.entries) != set(self._n_entries):
+            raise StateError(f"global state has sources {sorted(state.entries)}, config has "
+                             f"{sorted(self._n_entries)}")
+        self._n_entries = dict.fromkeys(self._n_entries, 0)
+        for s, ent in state.entries.items():
+            self.append_entries(s, 0, ent.kv, ent.keys)
+        self.adopt_prefix(state.num_tokens, state.lookback_ids)
+
+    # ------------------------------------------------------------------ helpers
+    def _src(self, src: int) -> int:
+        if src not in self._n_entries:
+            raise StateError(f"layer {src} is not a kv source")
+        return src
+
+    def _open_row(self, src: int) -> int:
+        if src not in self.pools.open_row_of:
+            raise StateError(f"layer {src} is not a ratio-2 kv source")
+        return self.pools.open_row_of[src]
+
+    def _locate(self, src: int, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids, rows) of entries [first, end) of `src`."""
+        self._check_blocks(end, src)
+        epb = self.pools.geometry.entries_per_block(src)
+        e = torch.arange(first, end)
+        table = torch.tensor(self.block_table, dtype=torch.long)
+        device = self.pools.main[src].device
+        return table[e // epb].to(device), (e % epb).to(device)
+
+    def _gather(self, pool: torch.Tensor, src: int, n: int) -> torch.Tensor:
+        if n == 0:
+            return pool.new_zeros(0, pool.shape[-1])
+        blocks, rows = self._locate(src, 0, n)
+        return pool[blocks, rows]
+
+    def _check_blocks(self, num_entries: int, src: int) -> None:
+        need = -(-num_entries // self.pools.geometry.entries_per_block(src))
+        if need > len(self.block_table):
+            raise StateError(f"source {src}: {num_entries} entries need {need} blocks, the "
+                             f"block table has {len(self.block_table)}")
+
+
+def _pack_nvfp4_exact(x: torch.Tensor) -> torch.Tensor:
+    """Pack NVFP4-fake-quantised values so that unpacking reproduces them bit for bit."""
+    rec = q.pack_nvfp4(x)
+    if x.numel() == 0 or torch.equal(q.unpack_nvfp4(rec, torch.float32), x):
+        return rec
+    return _repack_nvfp4_searching_scales(x, rec)
+
+
+def _repack_nvfp4_searching_scales(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+    """Re-encode blocks whose recomputed E4M3 scale differs from the one that produced them:
+    take, per 16-channel block, the smallest E4M3 scale under which every value is an E2M1 code."""
+    d = x.shape[-1]
+    blocks = x.reshape(-1, d // 16, 16)  # [N, nb, 16]
+    scales = q.e4m3_decode(torch.arange(1, 127, dtype=torch.uint8))  # positive finite E4M3
+    codes_ok = q.e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    ratio = blocks.unsqueeze(-1) / scales  # [N, nb, 16, S]
+    exact = (ratio.unsqueeze(-1) == codes_ok).any(-1).all(-2)  # [N, nb, S]
+    if not bool(exact.any(-1).all()):
+        raise StateError("values are not NVFP4 fake-quantised; cannot pack them losslessly")
+    best = scales[exact.float().argmax(-1)]  # [N, nb], smallest scale that is exact
+    codes = q.e2m1_encode(blocks / best.unsqueeze(-1)).reshape(*x.shape[:-1], d)
+    packed = q.pack_nibbles(codes)
+    scale_bytes = q.e4m3_encode(best).reshape(*x.shape[:-1], d // 16)
+    return torch.cat((packed, scale_bytes), dim=-1)

@@ -1,0 +1,156 @@
+"""Request state as the scheduler sees it, and what it hands back per step.
+
+There are no phases: a request knows `token_ids` (prompt + outputs so far) and how many of them
+have their KV computed; every step moves `num_computed_tokens` towards `num_tokens`. The newest
+sampled token is always known-but-not-computed, so a decoding request computes exactly one token.
+
+The sampling parameters are an opaque mapping that travels to the runner; the core reads only
+`max_tokens`, `ignore_eos` and `stop_token_ids`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, global KV in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, outputs kept, KV to be recomputed
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_KV_READY = "finished_kv_ready"  # prefill role: the prompt's global KV is computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # EOS (unless ignore_eos), a stop token id, or a stop signal from the runner
+    ABORT = "abort"
+    KV_READY = "kv_ready"  # prefill role
+
+    @property
+    def status(self) -> RequestStatus:
+        return _STATUS_OF_REASON[self]
+
+
+_STATUS_OF_REASON = {
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.KV_READY: RequestStatus.FINISHED_KV_READY,
+}
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Tokens [from_token, to_token) are recomputed only to rebuild private state (window rings,
+    open-group rows): their global KV is already in the blocks, so global-KV writes are
+    suppressed, and every layer's window is clipped at from_token."""
+
+    from_token: int
+    to_token: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.from_token < self.to_token:
+            raise ValueError(f"empty or negative replay range [{self.from_token}, {self.to_token})")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        session_id: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs (known tokens)
+        self.sampling_params: Mapping[str, Any] = {} if sampling_params is None else sampling_params
+        self.max_tokens, self.ignore_eos, self.stop_token_ids = _read_sampling(
+            request_id, self.sampling_params
+        )
+        self.session_id = session_id
+        self.arrival_time = arrival_time
+        self.arrival_order = -1  # FCFS priority, assigned by the scheduler on admission
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix credit at first admission
+        self.num_preemptions = 0
+        self.replay: Replay | None = None  # set while a replay range is still ahead
+        self.fresh_slot = False  # the slot's private state must be reset before the next chunk
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"outputs={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready: blocks held until release_kv
+
+
+def _read_sampling(
+    request_id: str, params: Mapping[str, Any]
+) -> tuple[int | None, bool, frozenset[int]]:
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(
+            f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
+        )
+    ignore_eos = params.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"request {request_id!r}: ignore_eos must be a bool, got {ignore_eos!r}")
+    stop_token_ids = params.get("stop_token_ids") or ()
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise ValueError(
+            f"request {request_id!r}: stop_token_ids must be ints, got {stop_token_ids!r}"
+        )
+    return max_tokens, ignore_eos, frozenset(stop_token_ids)

@@ -1,0 +1,137 @@
+"""Sampling parameters and the batched sampler.
+
+`SamplingParams` is validated once where a request enters the engine (field names in errors);
+`sample()` turns a batch of FP32 logits rows into token ids (+ optional top-n logprobs).
+
+Determinism: a request with `seed` draws from its own `torch.Generator`, advanced once per
+sampled token, so its output does not depend on batch neighbours or step order. Requests without
+a seed share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, cut from the returned text
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1"),
+            (self.temperature >= 0.0, "temperature", ">= 0"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", ">= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
+            (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", "in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SamplingError(f"unknown sampling field(s): {', '.join(unknown)}")
+        d = dict(d)
+        for key in ("stop_token_ids", "stop"):
+            if key in d and d[key] is not None:
+                d[key] = tuple(d[key])
+            elif key in d:
+                d[key] = ()
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
+            "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids), "stop": list(self.stop),
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
+        }
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks on one row of FP32 logits [V]."""
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= p.top_p  # keep the token crossing p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._shared = torch.Generator().manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator:
+        if p.seed is None:
+            return self._shared
+        gen = self._per_request.get(request_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed(int(p.seed))
+            self._per_request[request_id] = gen
+        return gen
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> list[SampleOutput]:
+        """logits: [B, V] (any float dtype, upcast to FP32); one row per request."""
+        logits = logits.float()
+        logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
+        outs = []
+        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            if p.greedy:
+                token = int(torch.argmax(logits[row]))
+            else:
+                probs = torch.softmax(_filter_logits(logits[row], p), dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=self._generator(rid, p)))
+            top: tuple[tuple[int, float], ...] = ()
+            if p.logprobs:
+                vals, ids = torch.topk(logprobs_all[row], p.logprobs)
+                top = tuple((int(i), float(v)) for i, v in zip(ids, vals, strict=True))
+            outs.append(SampleOutput(token, float(logprobs_all[row, token]), top))
+        return outs

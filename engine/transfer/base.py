@@ -1,0 +1,320 @@
+"""Backend-neutral KV transfer interface: a decode-side receiver and a prefill-side sender.
+
+Each worker owns one pool per global group, a contiguous uint8 tensor [num_blocks, block_bytes];
+block id b addresses the same 128-token chunk in every group. A transfer copies, for pairs
+(src_block_id -> dst_block_id), every group's block bytes from the sender's pools into the
+receiver's, then delivers a notice (request id, sender incarnation, dst block ids).
+
+    decode (KVReceiver)                         prefill (KVSender)
+    descriptor() ---- bytes via router/ticket ---> connect(descriptor)   contract checked here
+    expect(request, dst blocks, lease, inc)
+                                                 send(request, src, dst, inc) -> handle
+                 <-- WRITE block bytes + notice --
+    poll_completed() -> [request]                wait(handle, timeout_s) -> TransferStats
+    expire(now_s) -> [request]  (owner frees blocks)
+
+Backends implement a handful of `_`-prefixed hooks; accounting lives here and in ledger.py.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flashpd.engine.transfer.contract import TransferContract, check_compatible
+from flashpd.engine.transfer.ledger import ReceiverLedger
+from flashpd.engine.transfer.wire import PeerDescriptor, PoolRegion, TransferNotice
+
+KVPools = Mapping[str, torch.Tensor]  # group name -> [num_blocks, block_bytes] uint8
+
+# Poll back-off while waiting on a transfer: start by yielding, never sleep longer than this.
+_MAX_POLL_SLEEP_S = 1e-3
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not complete within its wait; it has been aborted."""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    num_bytes: int
+    seconds: float  # from posting to observed completion
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.num_bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
+
+
+class TransferHandle:
+    """One posted send; opaque to callers except for the fields below."""
+
+    def __init__(self, request_id: str, peer: str, num_bytes: int, posted_at_s: float,
+                 xfer: Any):
+        self.request_id = request_id
+        self.peer = peer
+        self.num_bytes = num_bytes
+        self.posted_at_s = posted_at_s  # time.perf_counter() at post
+        self.xfer = xfer  # backend transfer object
+        self.stats: TransferStats | None = None  # set once complete
+        self.aborted = False
+
+
+def check_pools(contract: TransferContract, pools: KVPools) -> int:
+    """Validate pools against the contract; returns the shared num_blocks."""
+    if set(pools) != set(contract.group_names):
+        raise ValueError(f"pool groups {sorted(pools)} != contract groups "
+                         f"{sorted(contract.group_names)}")
+    shapes = {}
+    for name, pool in pools.items():
+        block_bytes = contract.group(name).block_bytes
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
+            raise ValueError(f"pool {name}: need a contiguous 2-D uint8 tensor")
+        if pool.shape[1] != block_bytes:
+            raise ValueError(f"pool {name}: row of {pool.shape[1]} B, contract says {block_bytes}")
+        shapes[name] = (pool.shape[0], pool.device)
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"pools must share num_blocks and device, got {shapes}")
+    num_blocks = next(iter(shapes.values()))[0]
+    if num_blocks == 0:
+        raise ValueError("pools have no blocks")
+    return num_blocks
+
+
+def pool_regions(contract: TransferContract, pools: KVPools) -> tuple[PoolRegion, ...]:
+    regions = []
+    for name in contract.group_names:
+        pool = pools[name]
+        on_cpu = pool.device.type == "cpu"
+        regions.append(PoolRegion(group=name, address=pool.data_ptr(), num_blocks=pool.shape[0],
+                                  block_bytes=pool.shape[1],
+                                  device_id=0 if on_cpu else pool.get_device(),
+                                  mem_type="DRAM" if on_cpu else "VRAM"))
+    return tuple(regions)
+
+
+class KVReceiver(ABC):
+    """Decode side: owns the destination pools and the ledger of expected requests."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str,
+                 agent_name: str):
+        if not incarnation:
+            raise ValueError("incarnation must be non-empty")
+        self.contract = contract
+        self.pools = dict(pools)
+        self.num_blocks = check_pools(contract, self.pools)
+        self.incarnation = incarnation
+        self.agent_name = agent_name
+        self._ledger = ReceiverLedger(self.num_blocks)
+
+    def descriptor(self) -> bytes:
+        """Peer metadata for the sender: contract, agent, incarnation, pool registrations."""
+        return PeerDescriptor(backend=self.backend, agent_name=self.agent_name,
+                              incarnation=self.incarnation, contract=self.contract,
+                              regions=pool_regions(self.contract, self.pools),
+                              agent_metadata=self._agent_metadata()).to_bytes()
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
+               incarnation: str) -> None:
+        """Wait for `request_id`'s KV in `dst_block_ids`, from writes carrying `incarnation`.
+
+        `incarnation` is the fencing token the writer must echo in `send`: the sender worker's
+        incarnation id, or a token handed out with the ticket. Expecting again with another
+        token supersedes the first; writes carrying the old one are then rejected.
+        `lease_deadline_s` is absolute, on whatever clock the owner later passes to `expire`
+        (e.g. a ticket's unix deadline with time.time()).
+        """
+        self._ledger.expect(request_id, dst_block_ids, lease_deadline_s, incarnation)
+
+    def poll_completed(self) -> list[str]:
+        """Request ids whose every expected block has arrived since the last poll."""
+        self._drain_notices()
+        return self._ledger.take_completed()
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop waiting; True if the request was live. Later notices for it are rejected."""
+        return self._ledger.cancel(request_id)
+
+    def expire(self, now_s: float) -> list[str]:
+        """Request ids whose lease passed at `now_s` without completion; the owner frees them."""
+        self._drain_notices()  # a transfer that did finish is not expired
+        return self._ledger.expire(now_s)
+
+    def rejection_counts(self) -> dict[str, int]:
+        """Rejected notices by reason (see ledger.Rejection)."""
+        self._drain_notices()
+        return self._ledger.rejection_counts()
+
+    @property
+    def live_request_ids(self) -> tuple[str, ...]:
+        return self._ledger.live_request_ids
+
+    def _drain_notices(self) -> None:
+        for raw in self._fetch_notices():
+            try:
+                notice = TransferNotice.from_bytes(raw)
+            except ValueError:
+                self._ledger.on_malformed()
+                continue
+            self._ledger.on_notice(notice.request_id, notice.incarnation, notice.dst_block_ids)
+
+    @abstractmethod
+    def _agent_metadata(self) -> bytes:
+        """Transport metadata the sender needs to reach this receiver."""
+
+    @abstractmethod
+    def _fetch_notices(self) -> list[bytes]:
+        """Notices that arrived since the last call."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release transport resources (memory registrations, agent)."""
+
+
+class KVSender(ABC):
+    """Prefill side: owns the source pools; writes blocks into connected receivers."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, contract: TransferContract, pools: KVPools):
+        self.contract = contract
+        self.pools = dict(pools)
+        self.num_blocks = check_pools(contract, self.pools)
+        self._peers: dict[str, PeerDescriptor] = {}
+
+    # ------------------------------------------------------------------ peers
+    def connect(self, descriptor: bytes) -> str:
+        """Check the receiver's contract, then attach to it; returns the peer name."""
+        try:
+            peer = PeerDescriptor.from_bytes(descriptor)
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransferError(f"malformed peer descriptor: {e}") from e
+        if peer.backend != self.backend:
+            raise TransferError(f"peer uses backend {peer.backend!r}, this sender {self.backend!r}")
+        check_compatible(self.contract, peer.contract)  # before the transport sees the peer
+        for name in self.contract.group_names:
+            if peer.region(name).block_bytes != self.contract.group(name).block_bytes:
+                raise TransferError(f"peer region {name} disagrees with its own contract")
+        if peer.agent_name in self._peers:
+            raise TransferError(f"already connected to {peer.agent_name}")
+        self._attach(peer)
+        self._peers[peer.agent_name] = peer
+        return peer.agent_name
+
+    def disconnect(self, peer: str) -> None:
+        self._detach(self._peer(peer))
+        del self._peers[peer]
+
+    def peer_incarnation(self, peer: str) -> str:
+        return self._peer(peer).incarnation
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    # ------------------------------------------------------------------ transfers
+    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             incarnation: str, *, peer: str | None = None) -> TransferHandle:
+        """Post the write of every group's src blocks into the peer's dst blocks.
+
+        `incarnation` is the fencing token the receiver expects (see KVReceiver.expect);
+        `peer` may be omitted with exactly one connection.
+        """
+        target = self._only_peer() if peer is None else self._peer(peer)
+        src, dst = self._checked_pairs(src_block_ids, dst_block_ids, target.num_blocks)
+        notice = TransferNotice(request_id, incarnation, tuple(int(b) for b in dst)).to_bytes()
+        num_bytes = len(src) * self.contract.bytes_per_block
+        posted_at_s = time.perf_counter()
+        xfer = self._post(target, src, dst, notice)
+        return TransferHandle(request_id, target.agent_name, num_bytes, posted_at_s, xfer)
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferStats:
+        """Block until the transfer completes; on failure or timeout abort it and raise."""
+        if handle.stats is not None:
+            return handle.stats
+        if handle.aborted:
+            raise TransferError(f"{handle.request_id}: transfer was aborted")
+        deadline_s = time.perf_counter() + timeout_s
+        sleep_s = 0.0
+        while True:
+            state = self._poll(handle.xfer)
+            now_s = time.perf_counter()
+            if state == "DONE":
+                handle.stats = TransferStats(handle.num_bytes, now_s - handle.posted_at_s)
+                return handle.stats
+            if state != "PROC":
+                handle.aborted = True
+                raise TransferError(f"{handle.request_id}: transfer to {handle.peer} failed")
+            if now_s >= deadline_s:
+                self.abort(handle)
+                raise TransferTimeout(f"{handle.request_id}: not done after {timeout_s} s")
+            time.sleep(sleep_s)
+            sleep_s = min(max(2 * sleep_s, 1e-5), _MAX_POLL_SLEEP_S)
+
+    def abort(self, handle: TransferHandle) -> None:
+        """Cancel an unfinished transfer (best effort at the transport); idempotent."""
+        if handle.stats is not None or handle.aborted:
+            return
+        handle.aborted = True
+        if self._poll(handle.xfer) == "PROC":
+            self._abort(handle.xfer)
+
+    # ------------------------------------------------------------------ helpers
+    def _peer(self, peer: str) -> PeerDescriptor:
+        if peer not in self._peers:
+            raise TransferError(f"not connected to {peer!r} (peers: {sorted(self._peers)})")
+        return self._peers[peer]
+
+    def _only_peer(self) -> PeerDescriptor:
+        if len(self._peers) != 1:
+            raise TransferError(f"send needs peer= with {len(self._peers)} connections")
+        return next(iter(self._peers.values()))
+
+    def _checked_pairs(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                       dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)  # [n]
+        dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)  # [n]
+        if len(src) == 0 or len(src) != len(dst):
+            raise ValueError(f"need equal, non-empty block lists, got {len(src)} -> {len(dst)}")
+        if src.min() < 0 or src.max() >= self.num_blocks:
+            raise ValueError(f"src_block_ids outside [0, {self.num_blocks})")
+        if dst.min() < 0 or dst.max() >= dst_num_blocks:
+            raise ValueError(f"dst_block_ids outside the peer's [0, {dst_num_blocks})")
+        if len(np.unique(dst)) != len(dst):
+            raise ValueError("duplicate dst_block_ids")
+        return src, dst
+
+    @abstractmethod
+    def _attach(self, peer: PeerDescriptor) -> None:
+        """Make the peer reachable (load its metadata, prepare its descriptor lists)."""
+
+    @abstractmethod
+    def _detach(self, peer: PeerDescriptor) -> None:
+        """Forget the peer and free what _attach prepared."""
+
+    @abstractmethod
+    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray,
+              notice: bytes) -> Any:
+        """Start the write of all groups' blocks src -> dst plus the notice; returns xfer."""
+
+    @abstractmethod
+    def _poll(self, xfer: Any) -> str:
+        """"DONE", "PROC" or "ERR"; a finished xfer frees its transport resources."""
+
+    @abstractmethod
+    def _abort(self, xfer: Any) -> None:
+        """Cancel an unfinished xfer and free it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release transport resources (memory registrations, agent)."""

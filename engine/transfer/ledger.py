@@ -1,0 +1,136 @@
+"""Receiver-side accounting of expected transfers: leases, completion, fencing of late writes.
+
+Pure Python (no torch, no transport), shared by every receiver backend. A decode worker
+`expect`s a request's KV into blocks it reserved, under a lease deadline and the incarnation id
+of the prefill worker allowed to write it. Completion notices from the sender are matched
+against that record:
+
+    notice(request_id, sender_incarnation, dst_block_ids)
+      request live, incarnation current, blocks within the expected set -> accepted
+      anything else                                                   -> rejected, counted
+
+A request completes when every expected block id has been covered by accepted notices (a
+sender may push one request in several sends). Cancelled, expired and completed requests are
+remembered (bounded) so that their late notices are classified rather than called unknown.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class Rejection(str, enum.Enum):
+    UNKNOWN = "unknown"  # never expected here (or forgotten long ago)
+    CANCELLED = "cancelled"  # request cancelled before the notice arrived
+    EXPIRED = "expired"  # lease passed before the notice arrived
+    DUPLICATE = "duplicate"  # request already completed
+    STALE_INCARNATION = "stale_incarnation"  # sender is not the incarnation now expected
+    FOREIGN_BLOCKS = "foreign_blocks"  # notice names blocks the request did not reserve
+    MALFORMED = "malformed"  # notice bytes could not be decoded
+
+
+@dataclass
+class _Expected:
+    dst_block_ids: frozenset[int]
+    lease_deadline_s: float
+    incarnation: str
+    received_block_ids: set[int] = field(default_factory=set)
+
+
+class ReceiverLedger:
+    def __init__(self, num_blocks: int, max_remembered: int = 65536):
+        self._num_blocks = num_blocks
+        self._max_remembered = max_remembered
+        self._live: dict[str, _Expected] = {}
+        self._closed: OrderedDict[str, Rejection] = OrderedDict()  # request_id -> late reason
+        self._completed: list[str] = []
+        self._rejected: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ owner side
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
+               incarnation: str) -> None:
+        """Start (or supersede, with a new sender incarnation) the wait for one request's KV."""
+        block_ids = self._checked_block_ids(request_id, dst_block_ids)
+        if not math.isfinite(lease_deadline_s):
+            raise ValueError(f"{request_id}: lease_deadline_s must be finite")
+        if not incarnation:
+            raise ValueError(f"{request_id}: incarnation must be non-empty")
+        current = self._live.get(request_id)
+        if current is not None and current.incarnation == incarnation:
+            raise ValueError(f"{request_id}: already expected from incarnation {incarnation!r}")
+        # A newer incarnation restarts the request: the old sender's notices become stale.
+        self._closed.pop(request_id, None)
+        self._live[request_id] = _Expected(block_ids, float(lease_deadline_s), incarnation)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop waiting for a request; True if it was live. Its late notices are rejected."""
+        if request_id not in self._live:
+            return False
+        del self._live[request_id]
+        self._remember(request_id, Rejection.CANCELLED)
+        return True
+
+    def expire(self, now_s: float) -> list[str]:
+        """Request ids whose lease passed at `now_s` without completion; they stop being live."""
+        expired = [rid for rid, exp in self._live.items() if exp.lease_deadline_s <= now_s]
+        for rid in expired:
+            del self._live[rid]
+            self._remember(rid, Rejection.EXPIRED)
+        return expired
+
+    def take_completed(self) -> list[str]:
+        done, self._completed = self._completed, []
+        return done
+
+    # ------------------------------------------------------------------ notice side
+    def on_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int]) -> bool:
+        """Apply one sender notice; returns whether it was accepted."""
+        expected = self._live.get(request_id)
+        if expected is None:
+            return self._reject(self._closed.get(request_id, Rejection.UNKNOWN))
+        if incarnation != expected.incarnation:
+            return self._reject(Rejection.STALE_INCARNATION)
+        if not expected.dst_block_ids.issuperset(dst_block_ids):
+            return self._reject(Rejection.FOREIGN_BLOCKS)
+        expected.received_block_ids.update(dst_block_ids)
+        if len(expected.received_block_ids) == len(expected.dst_block_ids):
+            del self._live[request_id]
+            self._remember(request_id, Rejection.DUPLICATE)
+            self._completed.append(request_id)
+        return True
+
+    def on_malformed(self) -> None:
+        self._reject(Rejection.MALFORMED)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def live_request_ids(self) -> tuple[str, ...]:
+        return tuple(self._live)
+
+    def rejection_counts(self) -> dict[str, int]:
+        return dict(self._rejected)
+
+    # ------------------------------------------------------------------ helpers
+    def _checked_block_ids(self, request_id: str, block_ids: Sequence[int]) -> frozenset[int]:
+        ids = frozenset(int(b) for b in block_ids)
+        if not ids:
+            raise ValueError(f"{request_id}: dst_block_ids is empty")
+        if len(ids) != len(block_ids):
+            raise ValueError(f"{request_id}: duplicate dst_block_ids")
+        if min(ids) < 0 or max(ids) >= self._num_blocks:
+            raise ValueError(f"{request_id}: dst_block_ids outside [0, {self._num_blocks})")
+        return ids
+
+    def _reject(self, reason: Rejection) -> bool:
+        self._rejected[reason.value] += 1
+        return False
+
+    def _remember(self, request_id: str, late_reason: Rejection) -> None:
+        self._closed[request_id] = late_reason
+        self._closed.move_to_end(request_id)
+        while len(self._closed) > self._max_remembered:
+            self._closed.popitem(last=False)

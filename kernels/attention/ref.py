@@ -1,0 +1,60 @@
+"""Sparse MQA attention over window ∪ selected compressed entries, one softmax, per-head sink.
+
+Each query t gathers its own key set (model_spec §3.4), laid out the same way in every path so
+that prefill, chunked prefill and decode do identical arithmetic per query:
+
+    slot:   0 ........................ W-1 | W ............. W+K-1
+    key:    window positions p-W+1 .. p    | compressed entries topk[t, 0..K-1]
+    valid:  position >= window start       | index >= 0
+
+(W = sliding window, K = index top-k.) K = V: the gathered latent is both key and value.
+Scores (q . k) * scale are FP32; the sink logit enters only the denominator (§3.5):
+
+    m = max(sink_h, max_u s_hu);  P_hu = exp(s_hu - m) / (exp(sink_h - m) + sum_v exp(s_hv - m))
+
+A query with no valid key outputs 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
+                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each query's window slots.
+
+    window_kv [Nw, d] holds positions [window_start, window_start + Nw); q_positions [T].
+    Returns keys [T, W, d] and valid [T, W] (slot i of query p is position p - W + 1 + i).
+    """
+    num_kv = window_kv.shape[0]
+    if q_positions.numel() and int(q_positions.max()) >= window_start + num_kv:
+        raise ValueError("a query position lies past the window buffer")
+    offsets = torch.arange(window, device=q_positions.device) - (window - 1)  # [W]
+    slot_pos = q_positions[:, None] + offsets[None, :]  # [T, W]
+    valid = slot_pos >= window_start
+    index = (slot_pos - window_start).clamp_min(0)  # [T, W]
+    return window_kv[index], valid  # [T, W, d], [T, W]
+
+
+def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """entries [N, d], topk [T, K] (-1 = empty slot) -> keys [T, K, d], valid [T, K]."""
+    valid = topk >= 0
+    if entries.shape[0] == 0:
+        shape = (*topk.shape, entries.shape[1])
+        return entries.new_zeros(shape), valid
+    return entries[topk.clamp_min(0)], valid
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
+    k32 = keys.to(torch.float32)
+    scores = torch.bmm(q.to(torch.float32), k32.transpose(1, 2)) * softmax_scale  # [T, H, N]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sink.to(torch.float32)[None, :]  # [1, H]
+    row_max = torch.maximum(scores.amax(dim=-1), sink)  # [T, H]
+    weights = torch.exp(scores - row_max[..., None])  # [T, H, N]; masked -> 0
+    denom = torch.exp(sink - row_max) + weights.sum(dim=-1)  # [T, H]
+    probs = weights / denom[..., None]
+    return torch.bmm(probs, k32).to(q.dtype)  # [T, H, d]

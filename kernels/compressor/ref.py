@@ -1,0 +1,73 @@
+"""KV compressor (model_spec §4): one compressed entry per `ratio` tokens.
+
+Ratio 2 (gated pooling, all FP32). Group j = tokens {2j, 2j+1}; per channel c:
+
+    a_t = x_t . wkv^T,  g_t = x_t . wgate^T                       (FP32 GEMMs)
+    w_r = softmax_r(g_{2j+r, c}),  P_{j, c} = w_0 a_{2j, c} + w_1 a_{2j+1, c}
+
+A call that ends after the first token of a group keeps that token's FP32 (a, g) as the
+open-group row; the next call closes the group with it (§4.5):
+
+    tokens:     ... | 2j  2j+1 | 2j+2 ]  call ends      [ 2j+3 | 2j+4 ...
+    groups:         |  entry j |  open row (a, g) ------> entry j+1
+
+Ratio 1 is a per-token projection (`project`) with no pooling. The caller RMS-normalises the
+pooled value (`latent`), which is the pre-RoPE latent shared by the main KV and the index keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.kernels.dense.ref import linear, linear_fp32, rms_norm
+
+
+@dataclass(frozen=True)
+class OpenGroup:
+    """FP32 projections of the lone first token of a ratio-2 group: a, g [c]."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+
+
+def gated_projection(x: torch.Tensor, wkv: torch.Tensor,
+                     wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (a, g), each FP32 [T, c] (input and weights upcast, §4.1)."""
+    return linear_fp32(x, wkv), linear_fp32(x, wgate)
+
+
+def pool_pairs(kv: torch.Tensor, gate: torch.Tensor,
+               open_group: OpenGroup | None) -> tuple[torch.Tensor, OpenGroup | None]:
+    """Close the groups of consecutive tokens (after the carried open row, if any).
+
+    kv, gate FP32 [T, c] for consecutive tokens whose first token opens a group unless
+    `open_group` is given. Returns pooled FP32 [G, c] and the new open row (or None).
+    """
+    if open_group is not None:
+        kv = torch.cat((open_group.kv[None], kv), dim=0)
+        gate = torch.cat((open_group.gate[None], gate), dim=0)
+    num_rows = kv.shape[0]
+    num_groups = num_rows // 2
+    left = OpenGroup(kv[-1].clone(), gate[-1].clone()) if num_rows % 2 else None
+    width = kv.shape[-1]
+    a = kv[: 2 * num_groups].reshape(num_groups, 2, width)  # [G, 2, c]
+    g = gate[: 2 * num_groups].reshape(num_groups, 2, width)
+    g_max = torch.maximum(g[:, 0], g[:, 1])  # [G, c]
+    e0, e1 = torch.exp(g[:, 0] - g_max), torch.exp(g[:, 1] - g_max)
+    total = e0 + e1
+    pooled = (e0 / total) * a[:, 0] + (e1 / total) * a[:, 1]  # [G, c] FP32
+    return pooled, left
+
+
+def latent(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Pre-RoPE latent = RMSNorm(bf16(P)) [G, c] in `dtype` (§4.1)."""
+    return rms_norm(pooled.to(dtype), norm_weight, eps)
+
+
+def project(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """Ratio 1 (§4.2): latent_t = RMSNorm(x_t . wkv^T) [T, c] in x.dtype."""
+    return rms_norm(linear(x, wkv), norm_weight, eps)

@@ -1,0 +1,54 @@
+"""Strict kernel registry: `get(op, impl)` returns the module that implements one op family.
+
+Every op has a readable torch reference (`flashpd.kernels.<op>.ref`, registered here); faster
+implementations register themselves under another name (e.g. a Triton module calls
+`register("attention", "triton", module)`) and must expose the same function names and
+signatures as the reference. Unknown ops or implementations raise; nothing falls back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# Op families the model forward calls, in paper order.
+OPS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer", "moe")
+
+# (op, impl) -> module, or its dotted path until first use
+_REGISTRY: dict[tuple[str, str], ModuleType | str] = {
+    (op, "ref"): f"flashpd.kernels.{op}.ref" for op in OPS
+}
+
+
+def register(op: str, impl: str, module: ModuleType | str, replace: bool = False) -> None:
+    """Register `module` (or its dotted import path) as implementation `impl` of `op`."""
+    _check_op(op)
+    if not impl or not isinstance(impl, str):
+        raise ValueError(f"implementation name must be a non-empty string, got {impl!r}")
+    if (op, impl) in _REGISTRY and not replace:
+        raise ValueError(f"kernel {op}/{impl} is already registered")
+    _REGISTRY[(op, impl)] = module
+
+
+def get(op: str, impl: str = "ref") -> ModuleType:
+    """The module implementing `op` under `impl`; raises KeyError for unknown names."""
+    _check_op(op)
+    key = (op, impl)
+    if key not in _REGISTRY:
+        raise KeyError(f"no kernel {op}/{impl}; registered for {op}: {', '.join(available(op))}")
+    target = _REGISTRY[key]
+    if isinstance(target, str):
+        target = importlib.import_module(target)
+        _REGISTRY[key] = target
+    return target
+
+
+def available(op: str) -> tuple[str, ...]:
+    """Registered implementation names of `op`, sorted."""
+    _check_op(op)
+    return tuple(sorted(impl for (o, impl) in _REGISTRY if o == op))
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise KeyError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")

@@ -1,0 +1,77 @@
+"""Manifold-constrained hyper-connections (model_spec §2.2-§2.3), all arithmetic FP32.
+
+Mixes of one site from the streams X [T, S, D]:
+
+    z = flatten(X) [S*D] (stream-major),  rho = 1/sqrt(mean(z^2) + eps)
+    m = rho * (fn . z)  -> [pre(S) | post(S) | comb(S*S)]
+    pre  = sigmoid(scale0 * m_pre  + base_pre) + hc_eps
+    post = 2 sigmoid(scale1 * m_post + base_post)
+    comb = Sinkhorn(scale2 * m_comb + base_comb as S x S, row-major A[j][k]: j source, k dest)
+
+Collapse x = sum_k pre_k X_k; expand X'_k = post_k y + sum_j comb[j][k] X_j. Both round once to
+the stream dtype. The stream sums run in a fixed order (k or j ascending) for every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.kernels.dense.ref import linear_fp32, sigmoid
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """logits [T, S, S] -> comb [T, S, S] (§2.2 step 5).
+
+    Row softmax (+eps), one column normalisation, then (iters - 1) x (rows, columns). Rows are
+    the last axis (destinations k), columns the middle axis (sources j).
+    """
+    if iters < 1:
+        raise ValueError(f"sinkhorn needs at least one iteration, got {iters}")
+    logits = logits.to(torch.float32)
+    e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    c = e / e.sum(dim=-1, keepdim=True) + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    return c
+
+
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+             sinkhorn_iters: int, hc_eps: float,
+             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, S, D] -> pre [T, S], post [T, S], comb [T, S, S], all FP32."""
+    num_tokens, num_streams, _ = streams.shape
+    z = streams.to(torch.float32).reshape(num_tokens, -1)  # [T, S*D]
+    rho = torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + norm_eps)  # [T, 1]
+    m = linear_fp32(z, fn) * rho  # [T, (2+S)*S]
+    base, scale = base.to(torch.float32), scale.to(torch.float32)
+    s = num_streams
+    pre = sigmoid(scale[0] * m[:, :s] + base[:s]) + hc_eps
+    post = 2.0 * sigmoid(scale[1] * m[:, s:2 * s] + base[s:2 * s])
+    comb_logits = (scale[2] * m[:, 2 * s:] + base[2 * s:]).reshape(num_tokens, s, s)
+    return pre, post, sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams [T, S, D], pre [T, S] -> x [T, D] = bf16(sum_k pre_k X_k)."""
+    x32 = streams.to(torch.float32)
+    pre = pre.to(torch.float32)
+    out = pre[:, 0, None] * x32[:, 0]
+    for k in range(1, streams.shape[1]):
+        out = out + pre[:, k, None] * x32[:, k]
+    return out.to(streams.dtype)
+
+
+def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+           comb: torch.Tensor) -> torch.Tensor:
+    """y [T, D], streams [T, S, D], post [T, S], comb [T, S, S] -> new streams [T, S, D]."""
+    x32 = streams.to(torch.float32)
+    y32 = y.to(torch.float32)
+    outs = []
+    for k in range(streams.shape[1]):
+        acc = post[:, k, None] * y32
+        for j in range(streams.shape[1]):
+            acc = acc + comb[:, j, k, None] * x32[:, j]
+        outs.append(acc)
+    return torch.stack(outs, dim=1).to(streams.dtype)

@@ -1,0 +1,1 @@
+"""Mixture of experts: sqrtsoftplus router, clamped SwiGLU experts, shared expert (§7)."""

@@ -1,0 +1,1 @@
+"""Partial interleaved-pair RoPE with DeepSeek YaRN frequencies (model_spec §3.3)."""

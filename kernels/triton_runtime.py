@@ -1,0 +1,74 @@
+"""Where flashpd's Triton kernels run: the GPU when CUDA is present, Triton's interpreter otherwise.
+
+Triton decides at *decoration* time whether a `@triton.jit` function is compiled or interpreted
+(it reads TRITON_INTERPRET then), so every `kernels/<op>/triton.py` imports this module before it
+defines a kernel. On a host without CUDA (CI, laptops) the interpreter is the only way a Triton
+kernel can run, so it is selected unless the caller set TRITON_INTERPRET explicitly.
+
+The interpreter executes kernels with NumPy, which differs from the GPU in two ways the kernels
+guard against (see kernels/quant/triton.py): float casts to BF16 and FP8 truncate instead of
+rounding to nearest even, and libdevice functions are missing. Kernels therefore round with
+explicit bit arithmetic, which is exact on both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Let `range(0, K, BLOCK)` take a runtime scalar K under the interpreter with NumPy >= 2.
+
+    Triton 3.6's interpreter holds scalar arguments as 1-element arrays and converts them with
+    `int(array)`, which NumPy 2.x refuses for arrays of one dimension. This converts the single
+    element instead; it changes nothing on the GPU path.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_flashpd_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._flashpd_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def interpreting() -> bool:
+    """True when Triton kernels defined after this import run in the interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device() -> torch.device:
+    """The device kernel inputs must live on: CUDA, or CPU under the interpreter."""
+    return torch.device("cpu") if interpreting() else torch.device("cuda")
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raise unless every tensor is on the device the kernels run on (strict, no copies)."""
+    want = kernel_device().type
+    for t in tensors:
+        if t.device.type != want:
+            raise ValueError(
+                f"Triton kernels here run on {want} (TRITON_INTERPRET="
+                f"{os.environ.get('TRITON_INTERPRET', '')!r}); got a tensor on {t.device}")
+
+
+def launch_options() -> dict:
+    """Compile options for launches: no FMA contraction, so a*b - c*d rounds as torch does.
+
+    The interpreter accepts no compile options, hence the empty dict there.
+    """
+    return {} if interpreting() else {"enable_fp_fusion": False}
+
+
+if interpreting():
+    _patch_interpreter_scalar_index()

@@ -1,0 +1,568 @@
+"""DeepSeek-V4.1-Flash text model forward, in paper order (model_spec §0.1), over a batch of segments.
+
+One call runs a batch of sequence segments. Token ids of all segments are concatenated [T]; each
+segment brings its state, its start position and an immutable `SeqPlan`. Dense work
+(projections, mHC, MoE, Engram, head) runs over all rows at once; per-sequence work (window,
+compressor, indexer, attention) runs per segment. A segment's numbers never depend on its batch
+neighbours: every kernel is batch-invariant per row (kernels/dense/ref.py).
+
+Rows a layer computes, per segment of T tokens (the forward modes of the plan):
+
+    layers 0 .. cand-1 (encoder)       every row
+    layer cand (candidate source)      seam (collapse + attn_norm) and global KV writes on every
+                                       row; the rest of the layer on the decoder rows
+    layers cand+1 .. L-1 (decoder)     the decoder rows: all, the last `decoder_rows`, or none
+
+    full prefill / chunk / decode      SeqPlan()                     decoder rows = all
+    encoder-only prefill               SeqPlan.encoder_only()        decoder rows = none
+    decoder narrowing (§11.2-§11.3)    SeqPlan(decoder_rows=128)     decoder rows = last 128
+    bounded replay (§11.3-§11.4)       replay_segment(...)           windows clipped at the segment
+                                                                     start, global writes suppressed
+
+A layer that computes rows [f, T) of a segment with f > 0, or any layer of a replay, clips its
+window there: query t sees window positions [max(t - W + 1, start + f), t].
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpd.kernels import dispatch
+from flashpd.kernels.rope.ref import Yarn
+from flashpd.model.config import LayerSpec, ModelConfig
+from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
+from flashpd.model.weights import (AttentionWeights, CompressorWeights, IndexQueryWeights,
+                                   LayerWeights, ModelWeights, load_weights)
+
+
+# ============================================================================ plans
+class LogitsRequest(enum.Enum):
+    NONE = "none"
+    LAST = "last"  # [1, V]: the segment's last row
+    ALL = "all"  # [T, V]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Bounded replay of positions the state already holds global KV for.
+
+    Every layer's window is clipped at the segment start; compressed entries and index keys are
+    read from the state, never written; the ratio-2 open-group rows are rebuilt.
+    `lookback_ids`: the (up to 3) token ids before the segment, for Engram hashing.
+    """
+
+    lookback_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SeqPlan:
+    """What one forward does for one sequence."""
+
+    logits: LogitsRequest = LogitsRequest.LAST
+    decoder_rows: int | None = None  # rows the decoder layers run on: None = all, 0 = none
+    replay: Replay | None = None
+
+    def __post_init__(self) -> None:
+        if self.decoder_rows is not None and self.decoder_rows < 0:
+            raise ValueError(f"decoder_rows must be >= 0, got {self.decoder_rows}")
+        if self.decoder_rows == 0 and self.logits is not LogitsRequest.NONE:
+            raise ValueError("an encoder-only plan (decoder_rows=0) produces no logits")
+
+    @classmethod
+    def encoder_only(cls) -> SeqPlan:
+        """Layers before the candidate source, plus its seam and global KV writes (§11.2)."""
+        return cls(logits=LogitsRequest.NONE, decoder_rows=0)
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    state: SeqState
+    start_pos: int
+    num_tokens: int
+    plan: SeqPlan = field(default_factory=SeqPlan)
+
+
+@dataclass(frozen=True)
+class ReplaySegment:
+    token_ids: tuple[int, ...]
+    start_pos: int
+    plan: SeqPlan
+
+
+def replay_segment(prompt_ids: Sequence[int], end_pos: int, rows: int,
+                   logits: LogitsRequest = LogitsRequest.LAST) -> ReplaySegment:
+    """Replay positions [end_pos - rows, end_pos) of a prompt (clamped at 0).
+
+    Decode side (§11.3): end_pos = len(prompt), rows = W. Encoder side after a prefix hit of H
+    (§11.4): end_pos = H, rows = W, then continue normally from H. Exact: rows =
+    exact_replay_rows(cfg).
+    """
+    if not 0 < end_pos <= len(prompt_ids):
+        raise ValueError(f"replay end {end_pos} outside the prompt (length {len(prompt_ids)})")
+    if rows < 1:
+        raise ValueError(f"replay needs at least one row, got {rows}")
+    start = max(0, end_pos - rows)
+    lookback = tuple(int(t) for t in prompt_ids[max(0, start - 3):start])
+    return ReplaySegment(tuple(int(t) for t in prompt_ids[start:end_pos]), start,
+                         SeqPlan(logits=logits, replay=Replay(lookback)))
+
+
+def exact_replay_rows(cfg: ModelConfig) -> int:
+    """Rows after which a replay is exact: W + (L-1)(W-1) for L stacked window layers (§11.3).
+
+    The last row's output needs every layer's input exact on its W-row window; each layer widens
+    the needed range by W-1 rows. The rebuilt windows (last W-1 rows of every layer) need
+    L(W-1) < W + (L-1)(W-1) rows.
+    """
+    w = cfg.sliding_window
+    return w + (cfg.num_layers - 1) * (w - 1)
+
+
+# ============================================================================ row bookkeeping
+@dataclass(frozen=True)
+class _Seg:
+    """One sequence of the batch: its rows [offset, offset + num_tokens) of the batch."""
+
+    index: int
+    inp: SeqInput
+    offset: int
+    decoder_first: int  # first row (within the segment) the decoder layers compute
+
+    @property
+    def state(self) -> SeqState:
+        return self.inp.state
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inp.num_tokens
+
+    @property
+    def start_pos(self) -> int:
+        return self.inp.start_pos
+
+    @property
+    def replay(self) -> Replay | None:
+        return self.inp.plan.replay
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The rows one layer touches in one segment.
+
+    seam rows [seam_first, T): the layer input is formed (and global KV written);
+    compute rows [first, T): attention, MoE, mHC. seam_first <= first.
+    c0:c1 / s0:s1 locate them in the layer's compute / seam tensors.
+    """
+
+    seg: _Seg
+    first: int
+    seam_first: int
+    c0: int
+    c1: int
+    s0: int
+    s1: int
+
+    @property
+    def first_pos(self) -> int:
+        return self.seg.start_pos + self.first
+
+    @property
+    def clip_window(self) -> bool:
+        return self.first > 0 or self.seg.replay is not None
+
+
+class _LayerRows:
+    """Seam and compute rows of one layer over the batch, as index tensors into [T]."""
+
+    def __init__(self, spec: LayerSpec, segs: Sequence[_Seg], cand: int):
+        self.parts: list[_Part] = []
+        c = s = 0
+        seam_idx, compute_idx, compute_in_seam = [], [], []
+        for seg in segs:
+            first = 0 if spec.layer_id < cand else seg.decoder_first
+            writes_global = spec.owns_compressor and seg.replay is None
+            seam_first = 0 if writes_global else first
+            n_seam, n_comp = seg.num_tokens - seam_first, seg.num_tokens - first
+            if n_seam == 0:
+                continue
+            self.parts.append(_Part(seg, first, seam_first, c, c + n_comp, s, s + n_seam))
+            seam_idx.append(torch.arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
+            compute_idx.append(torch.arange(seg.offset + first, seg.offset + seg.num_tokens))
+            compute_in_seam.append(torch.arange(s + first - seam_first, s + n_seam))
+            c, s = c + n_comp, s + n_seam
+        self.num_compute, self.num_seam = c, s
+        self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
+        self.seam_idx = _cat_long(seam_idx)  # [Ts]
+        self.compute_idx = _cat_long(compute_idx)  # [Tc]
+        self.compute_in_seam = _cat_long(compute_in_seam)  # [Tc]
+        self.positions = _cat_long([p.first_pos + torch.arange(p.c1 - p.c0) for p in self.parts])
+        self.seam_positions = _cat_long(
+            [p.seg.start_pos + p.seam_first + torch.arange(p.s1 - p.s0) for p in self.parts])
+
+
+def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+class _Published:
+    """Per-forward results later layers reuse: top-k per index source, layer-cand candidates."""
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[int, str, int], tuple[int, torch.Tensor]] = {}
+
+    def put(self, part: _Part, kind: str, layer: int, value: torch.Tensor) -> None:
+        self._rows[(part.seg.index, kind, layer)] = (part.first, value)
+
+    def get(self, part: _Part, kind: str, layer: int) -> torch.Tensor:
+        """The published rows for this part's compute rows (a suffix of the publisher's)."""
+        key = (part.seg.index, kind, layer)
+        if key not in self._rows:
+            raise RuntimeError(f"layer {layer} published no {kind} for sequence {part.seg.index}")
+        first, value = self._rows[key]
+        if part.first < first:
+            raise RuntimeError(f"{kind} of layer {layer} start at row {first}, need {part.first}")
+        return value[part.first - first:]
+
+
+# ============================================================================ the model
+class Model:
+    """The forward over dequantised weights; kernels come from the dispatcher by name."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
+                 hasher=None, kernels: Mapping[str, str] | None = None):
+        if cfg.engram_layer_ids and hasher is None:
+            raise ValueError("config has Engram layers: an EngramHasher is required")
+        if cfg.hc_mult < 1 or len(weights.layers) != cfg.num_layers:
+            raise ValueError("weights do not match the config")
+        self.cfg, self.w, self.dtype, self.hasher = cfg, weights, dtype, hasher
+        impls = dict(kernels or {})
+        unknown = set(impls) - set(dispatch.OPS)
+        if unknown:
+            raise KeyError(f"unknown kernel ops {sorted(unknown)}")
+        k = {op: dispatch.get(op, impls.get(op, "ref")) for op in dispatch.OPS}
+        self.dense, self.quant, self.rope = k["dense"], k["quant"], k["rope"]
+        self.mhc, self.engram, self.attention = k["mhc"], k["engram"], k["attention"]
+        self.compressor, self.indexer, self.moe_k = k["compressor"], k["indexer"], k["moe"]
+        rope = cfg.rope
+        yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow,
+                    rope.yarn_original_max_position)
+        self.freqs_main = self.rope.rope_frequencies(cfg.rope_head_dim, rope.theta, None)
+        self.freqs_compress = self.rope.rope_frequencies(cfg.rope_head_dim, rope.compress_theta,
+                                                         yarn)
+        self.eps = cfg.rms_norm_eps
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.bfloat16,
+                        kernels: Mapping[str, str] | None = None) -> Model:
+        """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
+        hasher = None
+        if ckpt.cfg.engram_layer_ids:
+            from flashpd.model.engram import EngramHasher
+
+            hasher = EngramHasher.from_tokenizer(ckpt.cfg, ckpt.tokenizer_path)
+        weights = load_weights(ckpt.cfg, ckpt.tensors, dtype)
+        return cls(ckpt.cfg, weights, dtype, hasher, kernels)
+
+    def new_state(self) -> DenseSeqState:
+        return DenseSeqState(self.cfg, self.dtype)
+
+    # ------------------------------------------------------------------ entry points
+    def run(self, state: SeqState, token_ids: Sequence[int], plan: SeqPlan | None = None,
+            start_pos: int | None = None) -> torch.Tensor | None:
+        """One sequence: `forward` with a batch of one (start defaults to state.num_tokens)."""
+        plan = plan or SeqPlan()
+        start = state.num_tokens if start_pos is None else start_pos
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        return self.forward(ids, [SeqInput(state, start, len(ids), plan)])[0]
+
+    def run_replay(self, state: SeqState, segment: ReplaySegment) -> torch.Tensor | None:
+        return self.run(state, segment.token_ids, segment.plan, segment.start_pos)
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor,
+                seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+        """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None."""
+        segs = self._segments(token_ids, seqs)
+        cfg = self.cfg
+        hash_ids = self._engram_ids(token_ids, segs)  # {layer: [T, C]}, issued before the forward
+        num_rows = token_ids.shape[0]
+        embed = self.w.embed[token_ids]  # [T, D]
+        streams = embed[:, None, :].expand(num_rows, cfg.hc_mult, cfg.hidden_size).clone()
+        carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32)  # [T, S]
+        carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
+        published = _Published()
+        for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
+            rows = _LayerRows(spec, segs, cfg.candidate_source_layer_id)
+            if rows.num_seam:
+                self._layer(spec, lw, rows, streams, carried_pre, hash_ids, published)
+        logits = self._logits(streams, carried_pre, segs)
+        for seg in segs:
+            self._record_tokens(seg, token_ids[seg.offset:seg.offset + seg.num_tokens])
+        return logits
+
+    # ------------------------------------------------------------------ batch setup
+    def _segments(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[_Seg]:
+        if token_ids.ndim != 1 or token_ids.dtype != torch.long:
+            raise ValueError("token_ids must be a 1-D int64 tensor")
+        if sum(s.num_tokens for s in seqs) != token_ids.shape[0]:
+            raise ValueError(f"segments cover {sum(s.num_tokens for s in seqs)} tokens, "
+                             f"token_ids has {token_ids.shape[0]}")
+        if len({id(s.state) for s in seqs}) != len(seqs):
+            raise ValueError("a state appears twice in one batch")
+        if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token id outside [0, {self.cfg.vocab_size})")
+        segs, offset = [], 0
+        for i, inp in enumerate(seqs):
+            self._check_segment(inp)
+            rows = inp.plan.decoder_rows
+            first = 0 if rows is None else inp.num_tokens - min(rows, inp.num_tokens)
+            if inp.plan.logits is LogitsRequest.ALL and first:
+                raise ValueError("logits for all rows need the decoder on all rows")
+            segs.append(_Seg(i, inp, offset, first))
+            offset += inp.num_tokens
+        return segs
+
+    def _check_segment(self, inp: SeqInput) -> None:
+        if inp.num_tokens < 1:
+            raise ValueError("a segment needs at least one token")
+        if getattr(inp.state, "dtype", self.dtype) != self.dtype:
+            raise ValueError(f"state dtype {inp.state.dtype} != model dtype {self.dtype}")
+        held = inp.state.num_tokens
+        end = inp.start_pos + inp.num_tokens
+        if inp.plan.replay is None:
+            if inp.start_pos != held:
+                raise StateError(f"segment starts at {inp.start_pos}, state holds {held} tokens")
+        elif inp.start_pos < 0 or end != held:
+            raise StateError(f"replay of [{inp.start_pos}, {end}) must end where the state "
+                             f"ends ({held})")
+        if end > self.cfg.max_position_embeddings:
+            raise ValueError(f"position {end - 1} beyond max_position_embeddings")
+
+    def _lookback(self, seg: _Seg) -> tuple[int, ...]:
+        ids = seg.replay.lookback_ids if seg.replay else seg.state.lookback_ids()
+        if len(ids) != min(3, seg.start_pos):
+            raise StateError(f"{len(ids)} lookback ids for a segment starting at {seg.start_pos}")
+        return tuple(ids)
+
+    def _engram_ids(self, token_ids: torch.Tensor, segs: list[_Seg]) -> dict[int, torch.Tensor]:
+        out = {}
+        for spec in self.cfg.layers:
+            if not spec.has_engram:
+                continue
+            out[spec.layer_id] = torch.cat([
+                self.hasher.hash_ids(spec.engram_index,
+                                     token_ids[s.offset:s.offset + s.num_tokens],
+                                     list(self._lookback(s)))
+                for s in segs])  # [T, C]
+        return out
+
+    def _record_tokens(self, seg: _Seg, ids: torch.Tensor) -> None:
+        history = self._lookback(seg) + tuple(int(t) for t in ids)
+        end = seg.start_pos + seg.num_tokens
+        seg.state.record_tokens(max(end, seg.state.num_tokens), history[-3:])
+
+    # ------------------------------------------------------------------ one layer (§2.4)
+    def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: _LayerRows, streams: torch.Tensor,
+               carried_pre: torch.Tensor, hash_ids: dict[int, torch.Tensor],
+               published: _Published) -> None:
+        cfg, d = self.cfg, self.dense
+        xs = streams[rows.seam_idx]  # [Ts, S, D]
+        if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
+            table_rows = lw.engram.table.rows(hash_ids[spec.layer_id][rows.seam_idx], self.dtype)
+            xs = self.engram.engram_inject(xs, table_rows, lw.engram.wkv, lw.engram.qk, self.eps)
+        # 3. (seam) attention input = attn_norm(collapse(X, carried pre))
+        x_seam = d.rms_norm(self.mhc.collapse(xs, carried_pre[rows.seam_idx]), lw.attn_norm,
+                            self.eps)  # [Ts, D]
+        if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
+            self._write_global_kv(spec, lw.compressor, x_seam, rows)
+        if rows.num_compute == 0:
+            return
+        xc = xs[rows.compute_in_seam]  # [Tc, S, D]
+        pre_a, post_a, comb_a = self._mixes(xc, lw.hc_attn)  # 2.
+        y = self._attention(spec, lw, x_seam[rows.compute_in_seam], rows, published)
+        xc = self.mhc.expand(y, xc, post_a, comb_a)  # 4.
+        pre_f, post_f, comb_f = self._mixes(xc, lw.hc_ffn)  # 5.
+        h = d.rms_norm(self.mhc.collapse(xc, pre_a), lw.ffn_norm, self.eps)  # 6.
+        m = lw.moe
+        y = self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
+                           cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
+                           cfg.norm_topk_prob)
+        streams[rows.compute_idx] = self.mhc.expand(y, xc, post_f, comb_f)  # 7.
+        carried_pre[rows.compute_idx] = pre_f  # 8.
+
+    def _mixes(self, streams: torch.Tensor, mw) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        return self.mhc.hc_mixes(streams, mw.fn, mw.base, mw.scale, cfg.hc_sinkhorn_iters,
+                                 cfg.hc_eps, self.eps)
+
+    def _freqs(self, spec: LayerSpec) -> torch.Tensor:
+        return self.freqs_compress if spec.ratio > 0 else self.freqs_main
+
+    # ------------------------------------------------------------------ compressor (§4, §5.2)
+    def _write_global_kv(self, spec: LayerSpec, cw: CompressorWeights, x_seam: torch.Tensor,
+                         rows: _LayerRows) -> None:
+        src, ratio = spec.layer_id, spec.ratio
+        if ratio == 2:
+            kv32, gate32 = self.compressor.gated_projection(x_seam, cw.wkv, cw.wgate)  # FP32
+        else:
+            latents_all = self.compressor.project(x_seam, cw.wkv, cw.norm, self.eps)  # [Ts, d]
+        for part in rows.parts:
+            seg, state = part.seg, part.seg.state
+            first_pos = seg.start_pos + part.seam_first
+            end_pos = seg.start_pos + seg.num_tokens
+            if seg.replay is not None:  # entries exist; rebuild only the open-group row
+                if state.num_entries(src) < end_pos // ratio:
+                    raise StateError(f"replay: source {src} holds {state.num_entries(src)} "
+                                     f"entries, positions up to {end_pos} need {end_pos // ratio}")
+                if ratio == 2:
+                    last = part.s1 - 1
+                    state.set_open_group(src, self._open_row(kv32[last], gate32[last], end_pos))
+                continue
+            if ratio == 2:
+                open_in = state.open_group(src)
+                if (open_in is not None) != (first_pos % 2 == 1):
+                    raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'} "
+                                     f"at position {first_pos}")
+                pooled, open_out = self.compressor.pool_pairs(
+                    kv32[part.s0:part.s1], gate32[part.s0:part.s1], open_in)
+                latents = self.compressor.latent(pooled, cw.norm, self.eps, self.dtype)  # [G, d]
+                state.set_open_group(src, open_out)
+            else:
+                latents = latents_all[part.s0:part.s1]  # [G, d]
+            if latents.shape[0]:
+                first_entry = first_pos // ratio
+                kv, keys = self._entries(cw, latents, first_entry, ratio)
+                state.append_entries(src, first_entry, kv, keys)
+
+    @staticmethod
+    def _open_row(kv: torch.Tensor, gate: torch.Tensor, end_pos: int) -> OpenGroup | None:
+        return OpenGroup(kv.clone(), gate.clone()) if end_pos % 2 else None
+
+    def _entries(self, cw: CompressorWeights, latents: torch.Tensor, first_entry: int,
+                 ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE latents [G, d] -> (main KV [G, d] NVFP4, index keys [G, dI] MXFP4)."""
+        d = self.dense
+        entry_pos = (first_entry + torch.arange(latents.shape[0])) * ratio  # first token of group
+        keys = d.rms_norm(d.linear(latents, cw.index_wk), cw.index_k_norm, self.eps)  # [G, dI]
+        keys = self.quant.fake_quant_mxfp4(self.rope.apply_rope(keys, entry_pos,
+                                                                self.freqs_compress))
+        kv = self.quant.fake_quant_nvfp4(self.rope.apply_rope(latents, entry_pos,
+                                                              self.freqs_compress))
+        return kv, keys
+
+    # ------------------------------------------------------------------ attention (§3)
+    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: _LayerRows,
+                   published: _Published) -> torch.Tensor:
+        """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
+        cfg, d, aw = self.cfg, self.dense, lw.attn
+        pos, freqs, num_q = rows.positions, self._freqs(spec), x.shape[0]
+        c_q = d.rms_norm(d.linear(x, aw.wq_a), aw.q_norm, self.eps)  # [Tc, q_lora]
+        q = d.linear(c_q, aw.wq_b).reshape(num_q, cfg.num_heads, cfg.head_dim)  # [Tc, H, d]
+        q = self.rope.apply_rope(q, pos, freqs)  # no per-head q norm in V4.1 (§12.4)
+        kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, self.eps)  # [Tc, d]
+        kv = self.quant.fake_quant_fp8_ue8m0(self.rope.apply_rope(kv, pos, freqs))
+        if lw.index_query is not None:
+            self._select(spec, lw.index_query, x, c_q, rows, published)
+        outs = []
+        for part in rows.compute_parts:
+            keys, valid = self._window(spec.layer_id, part, kv[part.c0:part.c1],
+                                       pos[part.c0:part.c1])  # [t, W, d]
+            if spec.ratio > 0:
+                entries = part.seg.state.entries(spec.kv_src).kv  # [N, d]
+                topk = published.get(part, "topk", spec.idx_src)  # [t, K]
+                ck, cvalid = self.attention.compressed_keys(entries, topk)  # [t, K, d]
+                keys, valid = torch.cat((keys, ck), 1), torch.cat((valid, cvalid), 1)
+            outs.append(self.attention.sparse_attention(
+                q[part.c0:part.c1], keys, valid, aw.sink, cfg.head_dim ** -0.5))
+        o = torch.cat(outs)  # [Tc, H, d]
+        o = self.rope.apply_rope(o, pos, freqs, inverse=True)
+        return self._output_projection(aw, o)
+
+    def _window(self, layer: int, part: _Part, kv_new: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window keys of the part's queries; appends the new window KV to the state."""
+        state = part.seg.state
+        if part.clip_window:
+            state.clip_window(layer, part.first_pos)
+        win = state.window(layer)
+        if win.end_pos != part.first_pos:
+            raise StateError(f"layer {layer}: window ends at {win.end_pos}, segment rows start "
+                             f"at {part.first_pos} (replay needed?)")
+        buffer = torch.cat((win.kv, kv_new))  # positions win.start_pos ..
+        keys, valid = self.attention.window_keys(buffer, win.start_pos, positions,
+                                                 self.cfg.sliding_window)
+        state.append_window(layer, part.first_pos, kv_new)
+        return keys, valid
+
+    def _output_projection(self, aw: AttentionWeights, o: torch.Tensor) -> torch.Tensor:
+        """o [Tc, H, d] -> grouped wo_a (block-diagonal, §3.6) -> wo_b -> [Tc, D]."""
+        cfg, d = self.cfg, self.dense
+        groups = o.reshape(o.shape[0], cfg.o_groups, -1)  # [Tc, G, (H/G)*d]
+        wo_a = aw.wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*d]
+        z = torch.cat([d.linear(groups[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+        return d.linear(z, aw.wo_b)  # [Tc, D]
+
+    # ------------------------------------------------------------------ indexer (§5)
+    def _select(self, spec: LayerSpec, iw: IndexQueryWeights, x: torch.Tensor, c_q: torch.Tensor,
+                rows: _LayerRows, published: _Published) -> None:
+        """Score the kv source's index keys, publish top-k (and candidates at the source)."""
+        cfg, d = self.cfg, self.dense
+        pos, num_q = rows.positions, x.shape[0]
+        q = d.linear(c_q, iw.wq_b).reshape(num_q, cfg.index_n_heads, cfg.index_head_dim)
+        q = self.quant.fake_quant_mxfp4(self.rope.apply_rope(q, pos, self.freqs_compress))
+        scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5  # 1/64 released
+        head_w = d.linear(x, iw.weights_proj).to(torch.float32) * scale  # [Tc, hI]
+        for part in rows.compute_parts:
+            keys = part.seg.state.entries(spec.kv_src).keys  # [N, dI]
+            n_visible = (pos[part.c0:part.c1] + 1) // spec.ratio  # [t]
+            scores = self.indexer.index_scores(q[part.c0:part.c1], head_w[part.c0:part.c1],
+                                               keys, n_visible)  # [t, N] FP32
+            allowed = None
+            if spec.is_candidate_source:
+                published.put(part, "candidates", spec.layer_id, self.indexer.candidate_mask(
+                    scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks))
+            if spec.uses_candidates:
+                allowed = published.get(part, "candidates", cfg.candidate_source_layer_id)
+            published.put(part, "topk", spec.layer_id,
+                          self.indexer.select_topk(scores, cfg.index_topk, allowed))
+
+    # ------------------------------------------------------------------ head (§9)
+    def _logits(self, streams: torch.Tensor, carried_pre: torch.Tensor,
+                segs: list[_Seg]) -> list[torch.Tensor | None]:
+        picks: list[torch.Tensor | None] = []
+        for seg in segs:
+            request = seg.inp.plan.logits
+            end = seg.offset + seg.num_tokens
+            if request is LogitsRequest.NONE:
+                picks.append(None)
+            elif request is LogitsRequest.LAST:
+                picks.append(torch.tensor([end - 1]))
+            else:
+                picks.append(torch.arange(seg.offset, end))
+        wanted = [p for p in picks if p is not None]
+        if not wanted:
+            return [None] * len(segs)
+        idx = torch.cat(wanted)
+        h = self.mhc.collapse(streams[idx], carried_pre[idx])  # layer L-1's FFN pre
+        h = self.dense.rms_norm(h, self.w.norm, self.eps)
+        logits = self.dense.linear_fp32(h, self.w.head)  # [n, V] FP32
+        out, at = [], 0
+        for p in picks:
+            if p is None:
+                out.append(None)
+            else:
+                out.append(logits[at:at + p.numel()])
+                at += p.numel()
+        return out
+
+
+def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
+               kernels: Mapping[str, str] | None = None) -> Model:
+    """Load a checkpoint directory and build the model in `dtype`."""
+    from flashpd.model.checkpoint import load_checkpoint
+
+    return Model.from_checkpoint(load_checkpoint(path), dtype, kernels)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (sdk/generate_stubs.py); do not edit."""

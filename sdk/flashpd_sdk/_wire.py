@@ -1,0 +1,163 @@
+"""Shared by the sync and async clients: request building, stream state, retry/resume rules.
+
+Retry rules (the server's contract, proto/flashpd.proto):
+- UNAVAILABLE before any token arrived: send the same request again (same request id), up to
+  `max_retries` times with exponential backoff;
+- UNAVAILABLE after tokens arrived: resume with `resume_from_token` = tokens received, up to
+  `max_resumes` times; if the server cannot resume that request (NOT_FOUND, INVALID_ARGUMENT
+  on the resume), the error that broke the stream is raised;
+- anything else is raised as its typed error.
+The overall `timeout_s` covers every attempt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from flashpd_sdk._gen import flashpd_pb2 as pb
+from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, Unavailable
+from flashpd_sdk.types import GenerateResult, TokenChunk, TokenLogprobs, Usage
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_ABORT: "abort"}
+TIMELINE_FIELDS = tuple(f.name for f in pb.Timeline.DESCRIPTOR.fields)
+USAGE_FIELDS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 3  # repeats before the first token
+    max_resumes: int = 3  # resumes after tokens arrived
+    backoff_s: float = 0.1  # first pause; doubles per attempt
+    max_backoff_s: float = 2.0
+
+    def pause_s(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+
+def build_request(
+    *, model: str, prompt: str | None, prompt_ids: Sequence[int] | None, max_tokens: int,
+    temperature: float, top_p: float | None, top_k: int | None, min_p: float | None,
+    seed: int | None, stop: Sequence[str] | None, stop_token_ids: Sequence[int] | None,
+    ignore_eos: bool, logprobs: int, session_id: str | None, parent_session_id: str | None,
+    request_id: str | None,
+) -> pb.GenerateRequest:
+    if (prompt is None) == (prompt_ids is None):
+        raise InvalidArgument("exactly one of prompt and prompt_ids is required", field="prompt")
+    if isinstance(stop, str):
+        stop = [stop]
+    msg = pb.GenerateRequest(
+        model=model, max_tokens=max_tokens, temperature=temperature, stop=stop or (),
+        stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos, logprobs=logprobs,
+        session_id=session_id or "", parent_session_id=parent_session_id or "",
+        request_id=request_id or uuid.uuid4().hex)  # a client id makes the stream resumable
+    if prompt is not None:
+        msg.prompt = prompt
+    else:
+        msg.prompt_ids.ids.extend(prompt_ids)
+    for name, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+Action = Literal["retry", "resume", "raise"]
+
+
+class StreamState:
+    """What one logical generate call received so far, across retries and resumes."""
+
+    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy,
+                 timeout_s: float | None) -> None:
+        self.request, self.policy = request, policy
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.output_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.result: GenerateResult | None = None
+        self.retries = self.resumes = 0
+        self.broken_by: FlashpdError | None = None  # the error a pending resume recovers from
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def next_request(self) -> pb.GenerateRequest:
+        msg = pb.GenerateRequest()
+        msg.CopyFrom(self.request)
+        msg.resume_from_token = len(self.output_ids)
+        return msg
+
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def on_response(self, resp: pb.GenerateResponse) -> TokenChunk | None:
+        """A chunk to hand out, or None when the final message arrived."""
+        self.broken_by = None
+        if resp.WhichOneof("kind") == "chunk":
+            chunk = chunk_from_proto(resp.chunk)
+            if chunk.index != len(self.output_ids):
+                raise InternalError(f"chunk index {chunk.index} != {len(self.output_ids)} "
+                                    "tokens received")
+            self.output_ids.extend(chunk.token_ids)
+            self.text_parts.append(chunk.text)
+            return chunk
+        if resp.WhichOneof("kind") != "final":
+            raise InternalError("empty GenerateResponse")
+        self.text_parts.append(resp.final.text)
+        self.result = self._result(resp.final)
+        return None
+
+    def on_stream_end(self) -> None:
+        if self.result is None:
+            raise InternalError("the stream ended without a final message")
+
+    def decide(self, error: FlashpdError) -> Action:
+        """What to do about `error` (sets the counters; call `pause_s` before acting)."""
+        if self.broken_by is not None and not isinstance(error, Unavailable):
+            raise self.broken_by  # the server cannot resume this request: report the break
+        if not isinstance(error, Unavailable) or self.remaining_s() == 0.0:
+            return "raise"
+        if not self.output_ids and self.retries < self.policy.max_retries:
+            self.retries += 1
+            return "retry"
+        if self.output_ids and self.resumes < self.policy.max_resumes:
+            self.resumes += 1
+            self.broken_by = self.broken_by or error
+            return "resume"
+        return "raise"
+
+    def pause_s(self) -> float:
+        return self.policy.pause_s(self.retries + self.resumes - 1)
+
+    def _result(self, final: pb.Final) -> GenerateResult:
+        return GenerateResult(
+            request_id=final.request_id or self.request_id, output_ids=tuple(self.output_ids),
+            text="".join(self.text_parts), finish_reason=FINISH_REASONS.get(final.finish_reason,
+                                                                             "unspecified"),
+            usage=Usage(**{f: getattr(final.usage, f) for f in USAGE_FIELDS}),
+            timeline={f: getattr(final.timeline, f) for f in TIMELINE_FIELDS},
+            prefill_worker=final.prefill_worker, decode_worker=final.decode_worker,
+            retries=self.retries, resumes=self.resumes)
+
+
+def chunk_from_proto(msg: pb.TokenChunk) -> TokenChunk:
+    return TokenChunk(
+        token_ids=tuple(msg.token_ids), text=msg.text, index=msg.index,
+        logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
+                                                           strict=True)))
+                       for lp in msg.logprobs))
+
+
+CHANNEL_OPTIONS_BASE = (
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # long quiet streams (a long prefill) keep pinging
+)
+
+
+def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    return [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), *CHANNEL_OPTIONS_BASE]

@@ -1,0 +1,398 @@
+"""The internal API between the router and the prefill/decode workers.
+
+Plain frozen dataclasses (picklable, no Ray/gRPC imports), so the same types travel through Ray
+Serve handles in production and through in-process fakes in tests. The wire contract for clients
+is `proto/flashpd.proto`; `services/router/convert.py` is the only place that maps between them.
+
+Life of a request (all calls made by the router's orchestrator):
+
+    router --reserve(req)---------> DecodeServer   -> Ticket        (blocks for missing chunks)
+           --run(req, ticket)-----> PrefillServer  -> PrefillResult (KV pushed into the blocks)
+           --generate(req)--------> DecodeServer   -> TokenEvent* FinalEvent
+           --abort(request_id)----> both, on cancel / deadline / failure (idempotent)
+
+Worker method contract (the lead implements these as Ray Serve deployments; the orchestrator
+calls `handle.method.remote(...)` and awaits it, `generate` through
+`handle.options(stream=True)`):
+
+- `DecodeServer.reserve(req: InternalRequest) -> Ticket`
+  Looks up the prompt's chunk hashes in D's prefix cache, allocates blocks for the chunks D
+  lacks (including a trailing partial chunk) and pins the hit blocks until `lease_deadline`.
+  Raises `ResourceExhausted` when the blocks do not fit, `Unavailable` while draining.
+  `ticket.dst_block_ids` empty means D already holds every chunk: the router skips prefill.
+- `PrefillServer.run(req: InternalRequest, ticket: Ticket) -> PrefillResult`
+  Runs the encoder path over the chunks D lacks (bounded replay on P's own prefix hit) and
+  pushes them into `ticket.dst_block_ids` (chunk `ticket.first_block_index` onwards) through
+  `ticket.transfer_descriptor`. Returns after the last write completed. Writes carry
+  `ticket.incarnation`; D drops writes for a request it no longer holds or from an older
+  incarnation (fencing). Raises `TransferFailed` when the push fails, `DeadlineExceeded` past
+  `req.deadline_unix_s`, `ResourceExhausted` when its queue is full.
+- `DecodeServer.generate(req: InternalRequest) -> async iterator of TokenEvent, then exactly one
+  FinalEvent`. Called after `run` returned (or right after `reserve` when no prefill was
+  needed). D checks that every reserved chunk arrived, replays the last 128 prompt tokens,
+  samples and streams. D fills FinalEvent.usage (prompt_tokens, completion_tokens,
+  cached_tokens_decode), FinalEvent.timeline.replay_ms and FinalEvent.decode_worker; the router
+  fills in the rest. D applies stop token ids and EOS; stop *strings* are applied by the router
+  (it owns the tokenizer) and it aborts D when one matches.
+- `abort(request_id: str) -> bool` on both: frees the request's blocks and stops its work;
+  unknown ids return False. Idempotent.
+- `stats() -> WorkerStats` on both; the same record is published as the worker's heartbeat.
+
+Errors cross the seam as the `ServiceError` subclasses below; each maps to one gRPC status code
+and one HTTP status. `as_service_error` also maps Ray's own failures (actor died, back-pressure,
+cancellation) so the router never has to import Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar, Literal, Protocol
+
+CHUNK_TOKENS = 128  # prefix-cache and transfer unit
+MAX_LOGPROBS = 20
+
+FinishReason = Literal["stop", "length", "abort"]
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class ServiceError(Exception):
+    """Base of the errors that cross the router/worker seam. `field` names the offending request
+    field for InvalidArgument (and is the OpenAI `param`)."""
+
+    code: ClassVar[str] = "INTERNAL"  # grpc.StatusCode name
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.message = message
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+    def __reduce__(self):  # keep `field` through pickling (Ray, multiprocessing)
+        return (_rebuild_error, (type(self), self.message, self.field))
+
+
+def _rebuild_error(cls: type[ServiceError], message: str, field: str | None) -> ServiceError:
+    return cls(message, field=field)
+
+
+class InvalidArgument(ServiceError):
+    code, http_status = "INVALID_ARGUMENT", 400
+
+
+class NotFound(ServiceError):
+    code, http_status = "NOT_FOUND", 404
+
+
+class ResourceExhausted(ServiceError):
+    code, http_status = "RESOURCE_EXHAUSTED", 429
+
+
+class DeadlineExceeded(ServiceError):
+    code, http_status = "DEADLINE_EXCEEDED", 504
+
+
+class Unavailable(ServiceError):
+    """A worker is gone, draining or unreachable; the router retries elsewhere before the
+    first token."""
+
+    code, http_status = "UNAVAILABLE", 503
+
+
+class TransferFailed(Unavailable):
+    """The KV push from prefill to decode failed (counted in the transfer-failure metric)."""
+
+
+class Cancelled(ServiceError):
+    code, http_status = "CANCELLED", 499
+
+
+class Internal(ServiceError):
+    code, http_status = "INTERNAL", 500
+
+
+ERRORS_BY_CODE: dict[str, type[ServiceError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, DeadlineExceeded, Unavailable,
+                Cancelled, Internal)
+}
+
+# Ray failures by class name (matched by name so this module never imports Ray).
+_RAY_UNAVAILABLE = frozenset({
+    "ActorDiedError", "ActorUnavailableError", "RayActorError", "BackPressureError",
+    "DeploymentUnavailableError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
+    "OwnerDiedError", "RaySystemError",
+})
+_RAY_CANCELLED = frozenset({"RequestCancelledError", "TaskCancelledError"})
+
+
+def as_service_error(exc: BaseException) -> ServiceError:
+    """The ServiceError an exception raised by a worker call stands for.
+
+    Ray re-raises a replica's exception as a RayTaskError subclass whose `cause` is the original;
+    that original is returned when it is a ServiceError.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ServiceError):
+        return cause
+    if isinstance(exc, ServiceError):
+        return exc
+    name = type(exc).__name__
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return DeadlineExceeded("deadline passed during a worker call")
+    if isinstance(exc, asyncio.CancelledError) or name in _RAY_CANCELLED:
+        return Cancelled("worker call cancelled")
+    if name in _RAY_UNAVAILABLE or isinstance(exc, ConnectionError):
+        return Unavailable(f"worker unavailable ({name}: {exc})")
+    return Internal(f"{name}: {exc}")
+
+
+# -------------------------------------------------------------------------------- request types
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Field for field the engine's `SamplingParams` (`engine.sampling.SamplingParams.from_dict(
+    p.to_dict())` converts); validated here too so bad values fail at the edge with the field."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, applied by the router
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", "must be >= 0"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be token ids >= 0"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidArgument(f"{rule}, got {getattr(self, name)!r}", field=name)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["stop_token_ids"], out["stop"] = list(self.stop_token_ids), list(self.stop)
+        return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class InternalRequest:
+    request_id: str
+    model: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    deadline_unix_s: float | None = None  # absolute; None = no deadline
+    arrival_unix_s: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise InvalidArgument("must be non-empty", field="request_id")
+        if not self.prompt_ids:
+            raise InvalidArgument("must not be empty", field="prompt")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def remaining_s(self, now_unix_s: float | None = None) -> float | None:
+        """Seconds left before the deadline (may be negative); None without a deadline."""
+        if self.deadline_unix_s is None:
+            return None
+        return self.deadline_unix_s - (time.time() if now_unix_s is None else now_unix_s)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Decode's answer to reserve: where the prefill worker writes the missing chunks.
+
+        prompt chunks: | 0 | 1 | 2 | 3 | 4 | 5 |      (128 tokens each, the last may be partial)
+        cached on D:   |<- decode_cached ->|          decode_cached_tokens = 3 * 128
+        dst_block_ids:                 | b0| b1| b2|  first_block_index = 3
+    """
+
+    request_id: str
+    decode_worker_id: str
+    incarnation: str  # D's incarnation; P's writes carry it, D fences older ones
+    decode_cached_tokens: int
+    transfer_descriptor: bytes  # opaque to the router: D's transfer agent + memory descriptors
+    dst_block_ids: tuple[int, ...]
+    first_block_index: int  # prompt chunk index written into dst_block_ids[0]
+    lease_deadline_unix_s: float  # D frees the blocks if generate has not started by then
+
+    @property
+    def needs_prefill(self) -> bool:
+        return bool(self.dst_block_ids)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    prefill_worker_id: str
+    prefill_cached_tokens: int  # prompt tokens P reused from its prefix cache (usable credit)
+    computed_tokens: int  # prompt tokens P ran through the encoder path (incl. the replay)
+    pushed_bytes: int
+    queue_ms: float
+    compute_ms: float
+    transfer_ms: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]
+    index: int  # offset of token_ids[0] in the completion
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when requested
+    text: str = ""  # released text; filled by the router's detokenizer
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Each prompt token counted once; see proto/flashpd.proto `Usage` for the definitions."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_prefill: int = 0
+    cached_tokens_decode: int = 0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Milliseconds; see proto/flashpd.proto `Timeline`."""
+
+    route_ms: float = 0.0
+    reserve_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    replay_ms: float = 0.0
+    first_token_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: FinishReason
+    usage: Usage
+    timeline: Timeline = Timeline()
+    prefill_worker: str = ""  # worker id; empty when no prefill was needed
+    decode_worker: str = ""
+    request_id: str = ""
+    text: str = ""  # router: text released only at the end (held-back tail)
+
+
+Event = TokenEvent | FinalEvent
+
+
+# ------------------------------------------------------------------------------- worker identity
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """One incarnation of one worker. `worker_id` is stable across restarts (e.g. "decode-3"),
+    `incarnation` is new for every process start."""
+
+    role: Role
+    worker_id: str
+    incarnation: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("worker_id", "incarnation"):
+            value = getattr(self, name)
+            if not value or any(c in value for c in "| \t\n{}"):
+                raise ValueError(f"{name} must be non-empty without '|', braces or spaces: {value!r}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}|{self.worker_id}|{self.incarnation}"
+
+    @classmethod
+    def from_key(cls, key: str) -> WorkerRef:
+        role, worker_id, incarnation = key.split("|")
+        return cls(role, worker_id, incarnation)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    incarnation: str
+    role: Role
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or running in prefill
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running: int = 0
+    waiting: int = 0
+    draining: bool = False  # a draining worker takes no new requests
+
+    @property
+    def ref(self) -> WorkerRef:
+        return WorkerRef(self.role, self.worker_id, self.incarnation)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerStats:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        if set(data) != known:
+            raise ValueError(f"worker stats fields {sorted(data)} != {sorted(known)}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------- worker protocols
+
+
+class PrefillServerApi(Protocol):
+    async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def stats(self) -> WorkerStats: ...
+
+
+class DecodeServerApi(Protocol):
+    async def reserve(self, req: InternalRequest) -> Ticket: ...
+
+    def generate(self, req: InternalRequest) -> AsyncIterator[Event]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def stats(self) -> WorkerStats: ...

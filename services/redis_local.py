@@ -1,0 +1,99 @@
+"""A throwaway local redis-server on a free loopback port (no persistence).
+
+Used by `flashpd serve` when no `--redis` address is given, and by the tests:
+
+    with LocalRedis() as redis_server:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    def __init__(self, *, executable: str = "redis-server", start_timeout_s: float = 10.0,
+                 attempts: int = 3) -> None:
+        path = shutil.which(executable)
+        if path is None:
+            raise FileNotFoundError(f"{executable} not found on PATH")
+        self._executable, self._timeout_s, self._attempts = path, start_timeout_s, attempts
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("redis-server is not running")
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> LocalRedis:
+        """Start on a free port; retried on a new port if another process grabbed it first."""
+        last_error = ""
+        for _ in range(self._attempts):
+            port = free_port()
+            log_file = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall redis
+            proc = subprocess.Popen(
+                [self._executable, "--port", str(port), "--bind", LOOPBACK, "--save", "",
+                 "--appendonly", "no", "--protected-mode", "yes"],
+                stdout=log_file, stderr=subprocess.STDOUT)
+            if self._wait_ready(proc, port):
+                self._proc, self._log_file, self.port = proc, log_file, port
+                return self
+            last_error = _stop_process(proc, log_file)
+        raise RuntimeError(f"redis-server did not start after {self._attempts} tries: {last_error}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop_process(self._proc, self._log_file)
+        self._proc, self._log_file, self.port = None, None, None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
+        deadline = time.monotonic() + self._timeout_s
+        client = redis.Redis(host=LOOPBACK, port=port, socket_connect_timeout=0.2)
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if client.ping():
+                        return True
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+
+def _stop_process(proc: subprocess.Popen, log_file) -> str:
+    """Terminate (then kill) the process; return the tail of what it printed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log_file.seek(0)
+    output = log_file.read()
+    log_file.close()
+    return output[-2000:]

@@ -1,0 +1,264 @@
+"""Edge conversion: the one place where wire types (proto/flashpd.proto) meet the internal API,
+plus the request validation shared by the gRPC and HTTP frontends and the chat template.
+
+Validation errors are `InvalidArgument` with `field` set to the request field at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flashpd.services.api import (
+    FinalEvent,
+    InternalRequest,
+    InvalidArgument,
+    SamplingParams,
+    Timeline,
+    TokenEvent,
+    TokenLogprobs,
+    Usage,
+)
+from flashpd.services.router.text import Tokenizer
+from flashpd_sdk._gen import flashpd_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+MAX_ID_CHARS = 128  # request and session ids
+
+# DeepSeek-style chat markers, as plain strings (the tokenizer maps them to special tokens).
+BOS = "<|begin_of_sentence|>"
+EOS = "<|end_of_sentence|>"
+USER = "<|User|>"
+ASSISTANT = "<|Assistant|>"
+CHAT_ROLES = ("system", "user", "assistant")
+
+FINISH_TO_PROTO = {
+    "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    context_tokens: int  # prompt + completion limit
+    vocab_size: int
+
+
+class ModelTable:
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        if not models:
+            raise ValueError("at least one served model is required")
+        self.models = tuple(models)
+        self._by_name = {m.name: m for m in models}
+
+    @property
+    def default(self) -> ServedModel:
+        return self.models[0]
+
+    def resolve(self, name: str) -> ServedModel:
+        """Empty name -> the default (first) model."""
+        if not name:
+            return self.default
+        if name not in self._by_name:
+            raise InvalidArgument(f"unknown model {name!r}; served: {sorted(self._by_name)}",
+                                  field="model")
+        return self._by_name[name]
+
+
+# ------------------------------------------------------------------------------- chat template
+
+
+def deepseek_chat_prompt(messages: Sequence[dict]) -> str:
+    """DeepSeek-style prompt: BOS, system text, then `<|User|>u<|Assistant|>a<|end_of_sentence|>`
+    per turn, ending with `<|Assistant|>` so the model writes the next assistant turn."""
+    if not messages:
+        raise InvalidArgument("must contain at least one message", field="messages")
+    system, turns = [], []
+    for i, message in enumerate(messages):
+        role, content = _message_parts(message, i)
+        if role == "system":
+            system.append(content)
+        elif role == "user":
+            turns.append(USER + content)
+        else:
+            turns.append(ASSISTANT + content + EOS)
+    return BOS + "\n\n".join(system) + "".join(turns) + ASSISTANT
+
+
+def _message_parts(message: object, i: int) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise InvalidArgument("must be an object with role and content", field=f"messages[{i}]")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {role!r}",
+                              field=f"messages[{i}].role")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise InvalidArgument("only text content parts are supported",
+                                  field=f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidArgument("must be a string or a list of text parts",
+                              field=f"messages[{i}].content")
+    return role, content
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def check_prompt_ids(ids: Sequence[int], model: ServedModel, field: str) -> tuple[int, ...]:
+    if not ids:
+        raise InvalidArgument("must not be empty", field=field)
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < model.vocab_size]
+    if bad:
+        raise InvalidArgument(f"token ids must be in [0, {model.vocab_size}), got {bad[0]!r}",
+                              field=field)
+    return tuple(ids)
+
+
+def check_context(model: ServedModel, prompt_tokens: int, max_tokens: int, prompt_field: str) -> None:
+    if prompt_tokens > model.context_tokens:
+        raise InvalidArgument(f"{prompt_tokens} tokens exceed the context limit of "
+                              f"{model.context_tokens} tokens", field=prompt_field)
+    if prompt_tokens + max_tokens > model.context_tokens:
+        raise InvalidArgument(
+            f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the context limit of "
+            f"{model.context_tokens} tokens", field="max_tokens")
+
+
+def check_id(value: str, field: str) -> str | None:
+    """Request/session ids: printable ASCII without spaces, at most MAX_ID_CHARS."""
+    if not value:
+        return None
+    if len(value) > MAX_ID_CHARS or not all(33 <= ord(c) < 127 for c in value):
+        raise InvalidArgument(f"must be at most {MAX_ID_CHARS} printable ASCII characters "
+                              "without spaces", field=field)
+    return value
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def deadline_from(timeout_s: float | None, now_unix_s: float) -> float | None:
+    return None if timeout_s is None else now_unix_s + timeout_s
+
+
+# -------------------------------------------------------------------------------- proto -> API
+
+
+@dataclass(frozen=True)
+class EdgeRequest:
+    request: InternalRequest
+    resume_from_token: int
+    resumable: bool  # the client chose the request id, so it can come back for the stream
+    fingerprint: str  # identifies the request's content, resume_from_token excluded
+
+
+def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: Tokenizer, *,
+                       timeout_s: float | None, now_unix_s: float | None = None) -> EdgeRequest:
+    now = time.time() if now_unix_s is None else now_unix_s
+    model = models.resolve(msg.model)
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("one of prompt or prompt_ids is required", field="prompt")
+    if kind == "prompt" and not msg.prompt:
+        raise InvalidArgument("must not be empty", field="prompt")
+    raw_ids = tokenizer.encode(msg.prompt) if kind == "prompt" else list(msg.prompt_ids.ids)
+    prompt_ids = check_prompt_ids(raw_ids, model, kind)
+    sampling = sampling_from_proto(msg)
+    check_context(model, len(prompt_ids), sampling.max_tokens, kind)
+    client_id = check_id(msg.request_id, "request_id")
+    request = InternalRequest(
+        request_id=client_id or new_request_id(), model=model.name, prompt_ids=prompt_ids,
+        sampling=sampling, session_id=check_id(msg.session_id, "session_id"),
+        parent_session_id=check_id(msg.parent_session_id, "parent_session_id"),
+        deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now)
+    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg))
+
+
+def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
+    def opt(name: str, default):
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=_f32(opt("temperature", 0.0)), top_k=opt("top_k", 0),
+        top_p=_f32(opt("top_p", 1.0)), min_p=_f32(opt("min_p", 0.0)), seed=opt("seed", None),
+        stop_token_ids=tuple(msg.stop_token_ids), stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos, logprobs=msg.logprobs)
+
+
+def sampling_to_proto(p: SamplingParams, msg: pb.GenerateRequest) -> None:
+    """Write `p` into `msg` (every optional field set explicitly)."""
+    msg.max_tokens, msg.temperature, msg.top_k = p.max_tokens, p.temperature, p.top_k
+    msg.top_p, msg.min_p = p.top_p, p.min_p
+    if p.seed is not None:
+        msg.seed = p.seed
+    msg.stop_token_ids[:] = p.stop_token_ids
+    msg.stop[:] = p.stop
+    msg.ignore_eos, msg.logprobs = p.ignore_eos, p.logprobs
+
+
+def _f32(x: float) -> float:
+    """float32 wire values back to the decimal the client most likely wrote (0.7, not 0.699..)."""
+    return float(f"{x:.7g}")
+
+
+def fingerprint(msg: pb.GenerateRequest) -> str:
+    content = pb.GenerateRequest()
+    content.CopyFrom(msg)
+    content.ClearField("resume_from_token")
+    return hashlib.sha256(content.SerializeToString(deterministic=True)).hexdigest()
+
+
+# -------------------------------------------------------------------------------- API -> proto
+
+
+def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
+    if isinstance(event, TokenEvent):
+        return pb.GenerateResponse(chunk=token_event_to_proto(event))
+    return pb.GenerateResponse(final=final_to_proto(event))
+
+
+def token_event_to_proto(ev: TokenEvent) -> pb.TokenChunk:
+    return pb.TokenChunk(
+        token_ids=ev.token_ids, text=ev.text, index=ev.index,
+        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                                   top_logprobs=[v for _, v in lp.top]) for lp in ev.logprobs])
+
+
+def token_event_from_proto(msg: pb.TokenChunk) -> TokenEvent:
+    return TokenEvent(
+        token_ids=tuple(msg.token_ids), index=msg.index, text=msg.text,
+        logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
+                                                           strict=True)))
+                       for lp in msg.logprobs))
+
+
+def final_to_proto(ev: FinalEvent) -> pb.Final:
+    return pb.Final(
+        finish_reason=FINISH_TO_PROTO[ev.finish_reason],
+        usage=pb.Usage(**vars(ev.usage)), timeline=pb.Timeline(**ev.timeline.as_dict()),
+        prefill_worker=ev.prefill_worker, decode_worker=ev.decode_worker,
+        request_id=ev.request_id, text=ev.text)
+
+
+def final_from_proto(msg: pb.Final) -> FinalEvent:
+    return FinalEvent(
+        finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
+        usage=Usage(**{f: getattr(msg.usage, f) for f in vars(Usage())}),
+        timeline=Timeline(**{f: getattr(msg.timeline, f) for f in Timeline().as_dict()}),
+        prefill_worker=msg.prefill_worker, decode_worker=msg.decode_worker,
+        request_id=msg.request_id, text=msg.text)

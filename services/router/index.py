@@ -1,0 +1,299 @@
+"""The Redis prefix/session index: workers write it (`IndexPublisher`), the router reads it
+(`PrefixIndex`). Only the router reads Redis on the request path.
+
+Key layout, all under one model (the `{model}` braces are also a Redis Cluster hash tag, so one
+model's keys share a slot and pipelines stay on one node). A worker key (`wkey`) is
+`role|worker_id|incarnation`, so a restarted worker never inherits its predecessor's entries.
+
+    fpd:{model}:workers          SET    wkeys that registered                 (no TTL)
+    fpd:{model}:hb:<wkey>        STRING WorkerStats JSON = liveness + load    PX heartbeat_ttl
+    fpd:{model}:chunk:<hash>     SET    wkeys holding this chunk              EX chunk_ttl
+    fpd:{model}:wchunks:<wkey>   SET    hashes this worker holds (reverse)    EX chunk_ttl
+    fpd:{model}:session:<sid>    HASH   {prefill: wkey, decode: wkey}         EX session_ttl (idle)
+    fpd:{model}:wsessions:<wkey> SET    session ids bound to this worker      EX session_ttl
+
+Invariants: nothing on the request path uses SCAN or KEYS; `deregister` finds a worker's chunks
+and sessions through its reverse sets. A registered worker whose heartbeat key expired is dead:
+lookups ignore it at once and the router deregisters it in the background. TTLs on chunk keys are
+a safety net for garbage, not an eviction policy: engines report evictions (BlockRemoved).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from flashpd.engine.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
+from flashpd.services.api import WorkerRef, WorkerStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_TTL_S = 5.0
+DEFAULT_CHUNK_TTL_S = 24 * 3600.0
+DEFAULT_SESSION_TTL_S = 3600.0
+FIRST_LOOKUP_BATCH = 64  # chunks; later batches grow 4x, and stop once no worker's run continues
+DELETE_BATCH = 1000  # members per SREM pipeline when deregistering
+
+
+class IndexKeys:
+    def __init__(self, model: str) -> None:
+        if not model or any(c in model for c in "{} \t\n"):
+            raise ValueError(f"model name must be non-empty without braces or spaces: {model!r}")
+        self.prefix = f"fpd:{{{model}}}:"
+
+    @property
+    def workers(self) -> str:
+        return self.prefix + "workers"
+
+    def heartbeat(self, wkey: str) -> str:
+        return f"{self.prefix}hb:{wkey}"
+
+    def chunk(self, chunk_hash: str) -> str:
+        return f"{self.prefix}chunk:{chunk_hash}"
+
+    def worker_chunks(self, wkey: str) -> str:
+        return f"{self.prefix}wchunks:{wkey}"
+
+    def session(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}"
+
+    def worker_sessions(self, wkey: str) -> str:
+        return f"{self.prefix}wsessions:{wkey}"
+
+
+@dataclass(frozen=True)
+class SessionBinding:
+    prefill: WorkerRef | None  # None: the session's turns needed no prefill so far
+    decode: WorkerRef
+
+
+@dataclass(frozen=True)
+class LiveView:
+    workers: tuple[WorkerStats, ...]  # registered with a live heartbeat
+    dead: tuple[WorkerRef, ...]  # registered, heartbeat expired
+
+    def role(self, role: str) -> list[WorkerStats]:
+        return [w for w in self.workers if w.role == role]
+
+
+@dataclass(frozen=True)
+class Lookup:
+    hit_chunks: dict[WorkerRef, int]  # leading chunks of the prompt each worker holds (> 0 only)
+    session: SessionBinding | None
+    parent_session: SessionBinding | None
+
+
+async def deregister_worker(redis, keys: IndexKeys, worker: WorkerRef) -> None:
+    """Remove a worker's chunks and session bindings via its reverse sets, then the worker."""
+    wkey = worker.key
+    await _drop_worker_chunks(redis, keys, wkey)
+    await _drop_worker_sessions(redis, keys, wkey)
+    pipe = redis.pipeline(transaction=True)
+    pipe.srem(keys.workers, wkey)
+    pipe.delete(keys.heartbeat(wkey))
+    await pipe.execute()
+
+
+async def _drop_worker_chunks(redis, keys: IndexKeys, wkey: str) -> None:
+    hashes = sorted(_text(h) for h in await redis.smembers(keys.worker_chunks(wkey)))
+    for begin in range(0, len(hashes), DELETE_BATCH):
+        pipe = redis.pipeline(transaction=False)
+        for chunk_hash in hashes[begin : begin + DELETE_BATCH]:
+            pipe.srem(keys.chunk(chunk_hash), wkey)
+        await pipe.execute()
+    await redis.delete(keys.worker_chunks(wkey))
+
+
+async def _drop_worker_sessions(redis, keys: IndexKeys, wkey: str) -> None:
+    """Drop only bindings that still name this worker (a session may have moved since)."""
+    session_ids = sorted(_text(s) for s in await redis.smembers(keys.worker_sessions(wkey)))
+    if session_ids:
+        pipe = redis.pipeline(transaction=False)
+        for sid in session_ids:
+            pipe.hgetall(keys.session(sid))
+        bindings = await pipe.execute()
+        stale = [keys.session(sid) for sid, b in zip(session_ids, bindings, strict=True)
+                 if wkey in {_text(v) for v in b.values()}]
+        if stale:
+            await redis.delete(*stale)
+    await redis.delete(keys.worker_sessions(wkey))
+
+
+class IndexPublisher:
+    """Worker-side writer. Call `register` at start, `heartbeat` every ~1 s with fresh stats,
+    `publish` with batches of cache events drained from the engine (off the step loop), and
+    `deregister` on graceful shutdown."""
+
+    def __init__(self, redis, model: str, *, heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
+                 chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S) -> None:
+        self._redis, self.keys = redis, IndexKeys(model)
+        self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self._chunk_ttl_s = int(chunk_ttl_s)
+
+    async def register(self, stats: WorkerStats) -> None:
+        """Announce a new incarnation; earlier incarnations of the same worker are removed."""
+        me = stats.ref
+        for wkey in await self._redis.smembers(self.keys.workers):
+            other = WorkerRef.from_key(_text(wkey))
+            if (other.role, other.worker_id) == (me.role, me.worker_id) and other != me:
+                await deregister_worker(self._redis, self.keys, other)
+        await self.heartbeat(stats)
+
+    async def heartbeat(self, stats: WorkerStats) -> bool:
+        """Refresh liveness and load. Returns True when the worker had been dropped from the
+        registry (e.g. reaped after a long stall): its cache entries are gone, so the caller
+        should re-publish what it holds."""
+        wkey = stats.ref.key
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self.keys.heartbeat(wkey), stats.to_json(), px=self._heartbeat_ttl_ms)
+        pipe.sadd(self.keys.workers, wkey)
+        _, added = await pipe.execute()
+        return bool(added)
+
+    async def publish(self, worker: WorkerRef, events: Sequence[KVCacheEvent]) -> None:
+        """Apply a batch of cache events in order; each run between AllCleared events is one
+        MULTI/EXEC transaction."""
+        pending: list[BlockStored | BlockRemoved] = []
+        for event in events:
+            if isinstance(event, AllCleared):
+                await self._apply(worker.key, pending)
+                pending = []
+                await _drop_worker_chunks(self._redis, self.keys, worker.key)
+            elif isinstance(event, BlockStored | BlockRemoved):
+                pending.append(event)
+            else:
+                raise TypeError(f"unknown cache event {type(event).__name__}")
+        await self._apply(worker.key, pending)
+
+    async def deregister(self, worker: WorkerRef) -> None:
+        await deregister_worker(self._redis, self.keys, worker)
+
+    async def run(self, stats: Callable[[], WorkerStats],
+                  drain_events: Callable[[], Sequence[KVCacheEvent]],
+                  interval_s: float = 0.5) -> None:
+        """Publish loop for a worker's event loop (cancel it to stop): every interval, publish
+        the drained cache events and refresh the heartbeat. Events stay ordered because one
+        task publishes them all."""
+        first = stats()
+        await self.register(first)
+        while True:
+            events = drain_events()
+            if events:
+                await self.publish(first.ref, events)
+            if await self.heartbeat(stats()):
+                log.warning("%s was reaped (heartbeat lapsed) and re-registered; chunks cached "
+                            "before that are not indexed until stored again", first.ref.key)
+            await asyncio.sleep(interval_s)
+
+    async def _apply(self, wkey: str, events: Iterable[BlockStored | BlockRemoved]) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        reverse = self.keys.worker_chunks(wkey)
+        touched = False
+        for event in events:
+            for chunk_hash in event.block_hashes:
+                touched = True
+                if isinstance(event, BlockStored):
+                    pipe.sadd(self.keys.chunk(chunk_hash), wkey)
+                    pipe.expire(self.keys.chunk(chunk_hash), self._chunk_ttl_s)
+                    pipe.sadd(reverse, chunk_hash)
+                else:
+                    pipe.srem(self.keys.chunk(chunk_hash), wkey)
+                    pipe.srem(reverse, chunk_hash)
+        if touched:
+            pipe.expire(reverse, self._chunk_ttl_s)
+            await pipe.execute()
+
+
+class PrefixIndex:
+    """Router-side reader (plus session bindings and reaping of dead workers)."""
+
+    def __init__(self, redis, model: str, *, session_ttl_s: float = DEFAULT_SESSION_TTL_S) -> None:
+        self._redis, self.keys = redis, IndexKeys(model)
+        self._session_ttl_s = int(session_ttl_s)
+
+    async def live_view(self) -> LiveView:
+        wkeys = sorted(_text(k) for k in await self._redis.smembers(self.keys.workers))
+        beats = await self._redis.mget([self.keys.heartbeat(k) for k in wkeys]) if wkeys else []
+        live, dead = [], []
+        for wkey, beat in zip(wkeys, beats, strict=True):
+            if beat is None:
+                dead.append(WorkerRef.from_key(wkey))
+            else:
+                live.append(WorkerStats.from_json(beat))
+        return LiveView(tuple(live), tuple(dead))
+
+    async def lookup(self, chunk_hashes: Sequence[str], live: Iterable[WorkerRef],
+                     session_id: str | None = None,
+                     parent_session_id: str | None = None) -> Lookup:
+        """Per live worker, the number of leading prompt chunks it holds, plus the session's and
+        the parent session's bindings. Pipelined in growing batches; stops early once no worker
+        holds the whole batch so far."""
+        live_keys = {w.key for w in live}
+        run = dict.fromkeys(live_keys, 0)  # wkey -> leading chunks held so far
+        open_keys = set(live_keys)  # workers whose run has not broken yet
+        pipe = self._redis.pipeline(transaction=False)
+        for sid in (session_id, parent_session_id):
+            if sid:
+                pipe.hgetall(self.keys.session(sid))
+        begin, size = 0, FIRST_LOOKUP_BATCH
+        sessions: list[dict] | None = None
+        while sessions is None or (open_keys and begin < len(chunk_hashes)):
+            batch = chunk_hashes[begin : begin + size] if open_keys else []
+            for chunk_hash in batch:
+                pipe.smembers(self.keys.chunk(chunk_hash))
+            replies = await pipe.execute()
+            if sessions is None:
+                n_sessions = len(replies) - len(batch)
+                sessions, replies = replies[:n_sessions], replies[n_sessions:]
+            for holders in replies:
+                open_keys &= {_text(h) for h in holders}
+                for wkey in open_keys:
+                    run[wkey] += 1
+            begin, size = begin + len(batch), size * 4
+            pipe = self._redis.pipeline(transaction=False)
+        bindings = iter(sessions)
+        session = _binding(next(bindings)) if session_id else None
+        parent = _binding(next(bindings)) if parent_session_id else None
+        hits = {WorkerRef.from_key(k): n for k, n in run.items() if n > 0}
+        return Lookup(hits, session, parent)
+
+    async def bind_session(self, session_id: str, prefill: WorkerRef | None, decode: WorkerRef,
+                           previous: SessionBinding | None) -> None:
+        """Bind (or re-bind) a session to a worker pair and restart its idle TTL."""
+        key = self.keys.session(session_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping={"decode": decode.key, "prefill": prefill.key if prefill else ""})
+        pipe.expire(key, self._session_ttl_s)
+        for worker in (prefill, decode):
+            if worker is not None:
+                pipe.sadd(self.keys.worker_sessions(worker.key), session_id)
+                pipe.expire(self.keys.worker_sessions(worker.key), self._session_ttl_s)
+        if previous is not None:
+            for old in {previous.prefill, previous.decode} - {prefill, decode, None}:
+                pipe.srem(self.keys.worker_sessions(old.key), session_id)
+        await pipe.execute()
+
+    async def touch_session(self, session_id: str) -> None:
+        await self._redis.expire(self.keys.session(session_id), self._session_ttl_s)
+
+    async def deregister(self, worker: WorkerRef) -> None:
+        await deregister_worker(self._redis, self.keys, worker)
+
+    async def reap(self, dead: Iterable[WorkerRef]) -> None:
+        """Deregister workers whose heartbeat expired (their chunks, bindings, registry entry)."""
+        await asyncio.gather(*(self.deregister(w) for w in dead))
+
+
+def _binding(raw: dict) -> SessionBinding | None:
+    data = {_text(k): _text(v) for k, v in raw.items()}
+    if not data.get("decode"):
+        return None
+    prefill = WorkerRef.from_key(data["prefill"]) if data.get("prefill") else None
+    return SessionBinding(prefill, WorkerRef.from_key(data["decode"]))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,100 @@
+"""Shared fixtures for the bench tests: a small scaled workload and an in-process fake server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from flashpd.bench.backend import BackendError, Completion, GenerateCall, OnTokens
+from flashpd.bench.workload import Workload, WorkloadConfig, generate_workload
+
+
+class FakeBackend:
+    """Sleeps like a server (TTFT, then one token per ITL) and keeps an exact prefix cache.
+
+    The cache holds every (prompt + output) sequence it has produced; a request's cached tokens
+    are its longest common prefix with any of them. Output ids are drawn from [1, 1000), below
+    the workload's synthetic ids, so spliced outputs are recognisable.
+    """
+
+    def __init__(
+        self,
+        ttft_s: float = 0.004,
+        itl_s: float = 0.001,
+        fail: Callable[[GenerateCall], bool] | None = None,
+    ) -> None:
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
+        self.fail = fail
+        self.calls: list[GenerateCall] = []
+        self.sequences: list[list[int]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.closed = False
+
+    async def generate(self, call: GenerateCall, on_tokens: OnTokens) -> Completion:
+        self.calls.append(call)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.fail is not None and self.fail(call):
+                raise BackendError("Unavailable", "fake failure")
+            cached = max((_common_prefix(call.prompt_ids, s) for s in self.sequences), default=0)
+            await asyncio.sleep(self.ttft_s)
+            output = [1 + (len(self.calls) * 7 + i) % 998 for i in range(call.max_tokens)]
+            for i, token in enumerate(output):
+                if i > 0:
+                    await asyncio.sleep(self.itl_s)
+                on_tokens([token])
+            self.sequences.append(list(call.prompt_ids) + output)
+        finally:
+            self.in_flight -= 1
+        return Completion(
+            request_id=f"r{len(self.calls)}",
+            finish_reason="length",
+            prompt_tokens=len(call.prompt_ids),
+            completion_tokens=len(output),
+            cached_tokens=cached,
+            cached_tokens_prefill=cached,
+            cached_tokens_decode=0,
+            prefill_worker="p0",
+            decode_worker="d0",
+            timeline={"first_token": self.ttft_s},
+        )
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.fixture
+def fake_backend_cls() -> type[FakeBackend]:
+    return FakeBackend
+
+
+def small_workload_config(**overrides: object) -> WorkloadConfig:
+    base = dict(
+        seed=3, num_trees=6, scale=2000.0, output_scale=200.0, time_scale=2000.0, max_turns=12
+    )
+    base.update(overrides)
+    return WorkloadConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def small_workload() -> Workload:
+    return generate_workload(small_workload_config())
+
+
+@pytest.fixture
+def workload_config() -> Callable[..., WorkloadConfig]:
+    return small_workload_config

@@ -1,0 +1,151 @@
+"""NIXL backend between two processes over loopback: the receiver runs in a spawned child.
+
+The child serves a small command protocol over a pipe and polls its receiver between commands
+(without a NIXL progress thread, the receiver's polling is what progresses UCX on its side).
+"""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from flashpd.engine.transfer import (  # noqa: E402
+    ContractMismatch,
+    GroupSpec,
+    TransferContract,
+)
+from flashpd.engine.transfer.nixl_backend import NixlSender  # noqa: E402
+
+pytestmark = pytest.mark.net
+
+CONTRACT = TransferContract("tiny", (
+    GroupSpec("main.L2", 256, "nvfp4_e4m3x16"),
+    GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"),
+))
+RECEIVER_BLOCKS = 16
+REPLY_TIMEOUT_S = 60.0
+
+
+def receiver_main(conn, contract_json: str, num_blocks: int, incarnation: str) -> None:
+    from flashpd.engine.transfer.nixl_backend import NixlReceiver
+
+    contract = TransferContract.from_json(contract_json)
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8)
+             for g in contract.groups}
+    receiver = NixlReceiver(contract, pools, incarnation)
+    conn.send(receiver.descriptor())
+    completed: list[str] = []
+    while True:
+        completed += receiver.poll_completed()
+        if not conn.poll(0.001):
+            continue
+        command, *args = conn.recv()
+        if command == "stop":
+            break
+        if command == "expect":
+            request_id, block_ids, lease_s, sender_incarnation = args
+            receiver.expect(request_id, block_ids, time.monotonic() + lease_s, sender_incarnation)
+            conn.send(None)
+        elif command == "cancel":
+            conn.send(receiver.cancel(args[0]))
+        elif command == "completed":
+            conn.send(completed)
+            completed = []
+        elif command == "rejections":
+            conn.send(receiver.rejection_counts())
+        elif command == "rows":
+            group, block_ids = args
+            conn.send(receiver.pools[group][block_ids].clone())
+        else:
+            conn.send(ValueError(f"unknown command {command!r}"))
+    receiver.close()
+
+
+class Peer:
+    """The parent's end of the child receiver."""
+
+    def __init__(self, conn, process):
+        self.conn, self.process = conn, process
+
+    def call(self, *command):
+        self.conn.send(command)
+        assert self.conn.poll(REPLY_TIMEOUT_S), f"receiver did not answer {command[0]}"
+        reply = self.conn.recv()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def wait_for(self, command: str, ready, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.call(command)
+            if ready(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("UCX_NET_DEVICES", "lo")
+        env.setenv("NIXL_LOG_LEVEL", "WARN")
+        ctx = mp.get_context("spawn")
+        parent_end, child_end = ctx.Pipe()
+        process = ctx.Process(target=receiver_main, daemon=True,
+                              args=(child_end, CONTRACT.to_json(), RECEIVER_BLOCKS, "decode-1"))
+        process.start()
+        assert parent_end.poll(REPLY_TIMEOUT_S), "receiver process did not start"
+        the_peer = Peer(parent_end, process)
+        the_peer.descriptor = parent_end.recv()
+        yield the_peer
+        parent_end.send(("stop",))
+        process.join(timeout=20)
+        if process.is_alive():
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def sender(peer):
+    gen = torch.Generator().manual_seed(0)
+    pools = {g.name: torch.randint(0, 256, (8, g.block_bytes), dtype=torch.uint8, generator=gen)
+             for g in CONTRACT.groups}
+    the_sender = NixlSender(CONTRACT, pools)
+    the_sender.connect(peer.descriptor)
+    yield the_sender
+    the_sender.close()
+
+
+def test_bytes_move_between_processes_and_receiver_sees_completion(peer, sender):
+    src, dst = [5, 0, 1, 2], [13, 3, 4, 5]
+    peer.call("expect", "r1", dst, 60.0, "prefill-1")
+    stats = sender.wait(sender.send("r1", src, dst, "prefill-1"), timeout_s=30)
+    assert stats.num_bytes == 4 * (256 + 64) and stats.seconds > 0
+    assert peer.wait_for("completed", lambda done: done) == ["r1"]
+    for name in CONTRACT.group_names:
+        assert torch.equal(peer.call("rows", name, dst), sender.pools[name][src])
+        assert int(peer.call("rows", name, [0, 1, 2, 15]).sum()) == 0
+
+
+def test_late_write_after_cancel_is_rejected(peer, sender):
+    peer.call("expect", "r2", [7, 8], 60.0, "prefill-1")
+    assert peer.call("cancel", "r2") is True
+    sender.wait(sender.send("r2", [6, 7], [7, 8], "prefill-1"), timeout_s=30)
+    counts = peer.wait_for("rejections", lambda c: c.get("cancelled", 0) >= 1)
+    assert counts.get("cancelled") == 1
+    assert peer.call("completed") == []
+
+
+def test_contract_mismatch_fails_at_connect(peer):
+    other = TransferContract("tiny", (
+        GroupSpec("main.L2", 128, "nvfp4_e4m3x16"),
+        GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"),
+    ))
+    pools = {g.name: torch.zeros(2, g.block_bytes, dtype=torch.uint8) for g in other.groups}
+    mismatched = NixlSender(other, pools)
+    with pytest.raises(ContractMismatch, match=r"groups\[main.L2\].block_bytes"):
+        mismatched.connect(peer.descriptor)
+    assert mismatched.peers == ()
+    mismatched.close()
