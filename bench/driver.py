@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from flashpd.bench.backend import Backend, BackendError, Completion, GenerateCall
 from flashpd.bench.pacing import IdlePacer
 from flashpd.bench.records import Phase, RequestRecord, RunMeta
@@ -242,7 +243,7 @@ class _Lane:
             self.splicer.clear()
             start = 0
             if ordinal == 0:
-                start = self._start_index(len(tree.requests))
+                start = self._start_index(tree)
                 await self._prime(tree, start)
             for request in tree.requests[start:]:
                 think_s = await self.run.pacer.think(self.lane, request.think_s)
@@ -254,8 +255,15 @@ class _Lane:
                     self._warmup_done()
 
     async def _prime(self, tree: SessionTree, start: int) -> None:
-        if start > 0 and not self.run.stopped.is_set():
-            await self._send(tree.requests[start - 1], Phase.PRIMER, 0.0, max_tokens=1)
+        """Sends the main agent's previous turn (max_tokens=1) so the server holds its prefix."""
+        turn = tree.requests[start].turn_index
+        if turn > 0 and not self.run.stopped.is_set():
+            previous = next(
+                r
+                for r in reversed(tree.requests[:start])
+                if not r.is_subagent and r.turn_index == turn - 1
+            )
+            await self._send(previous, Phase.PRIMER, 0.0, max_tokens=1)
         if self.warmup_left == 0:
             self.run.lane_warmed()
 
@@ -273,11 +281,14 @@ class _Lane:
         prefix = f"e{self.config.salt_epoch}-c{c}-l{self.lane}-n{ordinal}-t{tree.tree_id}"
         return tree.instantiate(salt, prefix)
 
-    def _start_index(self, num_requests: int) -> int:
+    def _start_index(self, tree: SessionTree) -> int:
+        """The first main-agent request at or after a random point 25-75% into the tree."""
         rng = np.random.default_rng(
             [self.config.seed, self.config.salt_epoch, self.config.concurrency, self.lane]
         )
-        return int(rng.uniform(0.25, 0.75) * num_requests)
+        point = int(rng.uniform(0.25, 0.75) * len(tree.requests))
+        main = [r.index for r in tree.requests if not r.is_subagent]
+        return next((i for i in main if i >= point), main[-1])
 
     def _prompt_ids(self, request: Request) -> list[int]:
         prompt = self.workload.token_space.prompt_array(request.segments)  # [prompt_tokens]
@@ -401,7 +412,7 @@ def _sigint_stops(run: _Run, enabled: bool) -> Iterator[None]:
 async def _show_progress(run: _Run, enabled: bool) -> None:
     from tqdm import tqdm
 
-    total_s = int(round(run.config.window_s))
+    total_s = max(1, int(round(run.config.window_s)))
     with tqdm(total=total_s, unit="s", file=sys.stderr, disable=not enabled, leave=False) as bar:
         while not run.stopped.is_set():
             if run.window_start_s is None:

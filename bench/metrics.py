@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from flashpd.bench.records import Phase, RequestRecord, RunMeta
 
 INTERACTIVITY_DEFS = ("itl", "e2e")

@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
 from flashpd.bench.metrics import (  # noqa: E402
     Goodput,
     RunMetrics,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from flashpd.bench.laws import AgentShape, LogQuantiles
 from flashpd.bench.tokens import Segment, TokenSpace, derive_key
 

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 CHUNK_TOKENS = 128  # the prefix-cache and transfer unit of the real model
 REPLAY_TOKENS = 128  # the sliding window rebuilt by bounded replay
 DIGEST_BYTES = 16
-MAX_TOKEN_ID = 2**32 - 1
 
 
 def namespace_for(model_id: str, salt: str = "") -> str:
@@ -40,13 +39,13 @@ def root_hash(namespace: str) -> str:
 
 def next_chunk_hash(parent_hash: str, chunk_token_ids: Sequence[int]) -> str:
     """h_i = H(h_{i-1} || token ids of chunk i), ids packed as little-endian uint32."""
-    for token_id in chunk_token_ids:
-        if not 0 <= token_id <= MAX_TOKEN_ID:
-            raise ValueError(f"token id {token_id} does not fit in uint32")
-    payload = bytes.fromhex(parent_hash) + struct.pack(
-        f"<{len(chunk_token_ids)}I", *chunk_token_ids
-    )
-    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).hexdigest()
+    try:
+        packed = struct.pack(f"<{len(chunk_token_ids)}I", *chunk_token_ids)
+    except struct.error as error:  # negative, >= 2**32, or not an int
+        raise ValueError(f"token ids must be uint32: {error}") from None
+    return hashlib.blake2b(
+        bytes.fromhex(parent_hash) + packed, digest_size=DIGEST_BYTES
+    ).hexdigest()
 
 
 def chunk_hashes(

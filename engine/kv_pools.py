@@ -163,6 +163,15 @@ class PagedSeqState(SeqState):
         self._num_tokens = 0
         self.record_tokens(num_tokens, lookback_ids)
 
+    def move_cursor(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        """Point the token counter at the end of the next replay piece. A replay split across
+        steps runs [a, b) while the blocks already hold global KV up to the replay end; entries
+        stay as they are (queries only see entries their position allows)."""
+        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
+        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
+            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
+        self._num_tokens, self._lookback = num_tokens, ids
+
     # ------------------------------------------------------------------ windows
     def window(self, layer: int) -> Window:
         start = self._win_start[layer]

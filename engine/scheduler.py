@@ -6,8 +6,9 @@ No phases: every running request's `num_computed_tokens` catches up with its kno
 
     1. running requests, decodes first, then unfinished prefills, each FCFS; a long prompt takes
        what is left of the budget and continues next step (chunked prefill);
-    2. then waiting requests FCFS (head-of-line: stop at the first that does not fit), unless
-       this step preempted someone.
+    2. then waiting requests, unless this step preempted someone: first those whose KV already
+       arrived (decode role; they need no memory), then FCFS with head-of-line blocking (stop
+       at the first that does not fit, so big requests are not starved by small ones).
 
 When a running request cannot grow, the most recently arrived running request is preempted by
 recompute: its blocks and slot are freed, it goes back to the waiting queue (in arrival order)
@@ -260,6 +261,8 @@ class Scheduler:
         return len(self._kv_held)
 
     def has_unfinished(self) -> bool:
+        """Whether a step can make progress: requests waiting to run or running. Requests
+        waiting for KV or holding finished KV only move on kv_arrived / release_kv / abort."""
         return bool(self._waiting or self._running)
 
     def status(self, request_id: str) -> RequestStatus | None:
@@ -287,7 +290,7 @@ class Scheduler:
         while self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens) is None:
             victim = max(self._running, key=_by_arrival)
             dropped = chunks.pop(victim.request_id, None)
-            refund += 0 if dropped is None else dropped.num_tokens
+            refund += 0
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:

@@ -54,7 +54,8 @@ def sigmoid_f32(x):
 def log1p_f32(u):
     """log(1 + u) accurate for small u (Goldberg's trick; libdevice is absent in the interpreter)."""
     w = 1.0 + u
-    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    exact = w == 1.0
+    return tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
 
 
 @triton.jit

@@ -39,6 +39,9 @@ class RetryPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
 
+DEFAULT_RETRY = RetryPolicy()
+
+
 def build_request(
     *, model: str, prompt: str | None, prompt_ids: Sequence[int] | None, max_tokens: int,
     temperature: float, top_p: float | None, top_k: int | None, min_p: float | None,
@@ -116,9 +119,7 @@ class StreamState:
             raise InternalError("the stream ended without a final message")
 
     def decide(self, error: FlashpdError) -> Action:
-        """What to do about `error` (sets the counters; call `pause_s` before acting)."""
-        if self.broken_by is not None and not isinstance(error, Unavailable):
-            raise self.broken_by  # the server cannot resume this request: report the break
+        """What to do about `error` (counts the attempt; sleep `pause_s()` before acting)."""
         if not isinstance(error, Unavailable) or self.remaining_s() == 0.0:
             return "raise"
         if not self.output_ids and self.retries < self.policy.max_retries:
@@ -129,6 +130,13 @@ class StreamState:
             self.broken_by = self.broken_by or error
             return "resume"
         return "raise"
+
+    def reported(self, error: FlashpdError) -> FlashpdError:
+        """The error to raise: when a resume attempt failed because the server cannot resume
+        this request, the error that broke the stream is the one that matters."""
+        if self.broken_by is not None and not isinstance(error, Unavailable):
+            return self.broken_by
+        return error
 
     def pause_s(self) -> float:
         return self.policy.pause_s(self.retries + self.resumes - 1)

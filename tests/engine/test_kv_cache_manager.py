@@ -195,3 +195,14 @@ def test_allocate_checks_its_arguments():
         kv.allocate("a", [1, 2], 2)
     with pytest.raises(KeyError):
         kv.grow("nobody", 3)
+
+
+def test_real_sizes_credit_whole_chunks_minus_the_128_token_replay():
+    kv = KVCacheManager(8, 2, namespace=NS)  # 128-token chunks, 128-token replay
+    prompt = list(range(300))
+    prefill(kv, "a", prompt)  # chunks 0 and 1 cached, the 44-token tail is not
+    kv.free("a")
+    hit = kv.lookup(prompt + [1, 2, 3])
+    assert (hit.hit_tokens, hit.usable_tokens, hit.block_ids) == (256, 128, (0, 1))
+    assert kv.lookup(prompt[:255]).hit_tokens == 128
+    assert kv.lookup(prompt[:255]).usable_tokens == 0

@@ -44,7 +44,6 @@ def test_pure_core_imports_only_the_standard_library_and_itself():
         if m.split(".")[0] not in sys.stdlib_module_names
         and m not in ("flashpd", "flashpd.engine")
         and m not in PURE_CORE
-        and not m.startswith("_")  # interpreter internals and the editable-install finder
     ]
     assert foreign == []
     assert set(PURE_CORE) <= set(loaded)

@@ -190,24 +190,26 @@ def test_arrived_kv_is_admitted_before_a_preempted_request_waiting_for_memory():
 
 
 def test_the_victim_already_planned_this_step_gives_back_its_tokens():
-    s = make(num_blocks=4, num_slots=2, budget=16)
-    s.add(req("a", range(3), max_tokens=9))
-    s.add(req("b", range(100, 104), max_tokens=5))
+    s = make(num_blocks=5, num_slots=3, max_seqs=3, budget=3)
+    for name, first_token in (("a", 0), ("d", 50), ("b", 100)):
+        s.add(req(name, [first_token], max_tokens=9))
 
-    def two_for_a() -> StepPlan:
+    def a_and_d_get_two_tokens() -> StepPlan:
         plan = s.schedule()
-        sampled = {c.request_id: [7, 7] if c.request_id == "a" else [8] for c in plan.chunks}
+        sampled = {c.request_id: [8] if c.request_id == "b" else [7, 7] for c in plan.chunks}
         s.update(plan, StepResult(sampled))
         return plan
 
-    assert ranges(two_for_a()) == [("a", 0, 3), ("b", 0, 4)]
-    # a gets two tokens per step, so it computes two per step and is planned after b's decode.
-    assert ranges(two_for_a()) == [("b", 4, 5), ("a", 3, 5)]
-    assert ranges(two_for_a()) == [("b", 5, 6), ("a", 5, 7)]
-    plan = two_for_a()
-    # a needs a third block: b (most recent) is preempted although already planned.
+    assert ranges(a_and_d_get_two_tokens()) == [("a", 0, 1), ("d", 0, 1), ("b", 0, 1)]
+    # b computes one token per step, so it is planned first; a and d compute two.
+    assert ranges(a_and_d_get_two_tokens()) == [("b", 1, 2), ("a", 1, 3)]
+    assert ranges(a_and_d_get_two_tokens()) == [("b", 2, 3), ("a", 3, 5)]
+    assert ranges(a_and_d_get_two_tokens()) == [("b", 3, 4), ("a", 5, 7)]
+    plan = a_and_d_get_two_tokens()
+    # a needs a third block: b (most recent) is preempted although already planned, and its
+    # token of budget goes to d.
     assert plan.preempted_request_ids == ("b",)
-    assert ranges(plan) == [("a", 7, 9)] and plan.num_tokens == 2
+    assert ranges(plan) == [("a", 7, 9), ("d", 1, 2)]
 
 
 def test_max_tokens_finishes_with_length():

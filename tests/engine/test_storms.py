@@ -20,7 +20,7 @@ from flashpd.engine.scheduler import FinishSignal, Scheduler, SchedulerConfig, S
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27]]
 STORM = settings(
-    max_examples=120,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -1,0 +1,117 @@
+"""ModelRunner: executes the scheduler's StepPlan on the model over the packed KV pools.
+
+One step becomes at most two batched forwards:
+
+    1. replay segments (rows [from, to) of a chunk that overlaps its request's replay range):
+       global writes suppressed, windows clipped at the replay start (model_spec §11.3-§11.4);
+    2. normal segments (the rest of every chunk), all requests in one batch.
+
+A chunk that starts on a fresh slot first adopts the global KV already in its blocks (a prefix
+hit, or the KV a prefill worker pushed): the state's counters are set to the replay end, and the
+replay rebuilds windows and open-group rows. A replay the scheduler split across steps runs
+piece by piece: before each piece the state's token cursor is moved to the piece's end.
+
+The forward path (all layers vs the encoder path) comes from the plan; the runner returns FP32
+logits rows only for chunks that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.engine.kv_pools import KVPools, PagedSeqState
+from flashpd.engine.policies import ForwardPath
+from flashpd.engine.scheduler import ScheduledChunk, StepPlan
+from flashpd.model.model import LogitsRequest, Model, Replay, SeqInput, SeqPlan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: dict[str, torch.Tensor]  # request id -> FP32 [V], for chunks with needs_logits
+    num_tokens: int  # rows computed (replay rows included)
+
+
+class ModelRunner:
+    def __init__(self, model: Model, pools: KVPools, decoder_rows: int | None = None):
+        """decoder_rows: colocated prefill runs layers after the candidate source only on each
+        chunk's last `decoder_rows` rows (the decoder-side bounded replay, §11.3); None = all."""
+        self.model, self.pools, self.decoder_rows = model, pools, decoder_rows
+        self._states: dict[str, PagedSeqState] = {}
+        self._tables: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+            self._tables.pop(rid, None)
+
+    def state(self, request_id: str) -> PagedSeqState:
+        return self._states[request_id]
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, token_ids_of: dict[str, Sequence[int]]) -> StepOutput:
+        """token_ids_of: request id -> all known token ids (prompt + outputs), for replays."""
+        self.forget(plan.freed_request_ids + plan.preempted_request_ids)
+        replays, normals = [], []
+        for chunk in plan.chunks:
+            state = self._prepare(chunk, token_ids_of[chunk.request_id])
+            split = chunk.start
+            if chunk.replay is not None:
+                split = min(chunk.end, chunk.replay.to_token)
+                replays.append((chunk, state, chunk.start, split))
+            if split < chunk.end:
+                normals.append((chunk, state, split, chunk.end))
+        out: dict[str, torch.Tensor] = {}
+        rows = 0
+        if replays:
+            rows += self._run(plan.path, replays, token_ids_of, out, replay=True)
+        if normals:
+            rows += self._run(plan.path, normals, token_ids_of, out, replay=False)
+        return StepOutput(out, rows)
+
+    def _prepare(self, chunk: ScheduledChunk, known: Sequence[int]) -> PagedSeqState:
+        rid = chunk.request_id
+        table = self._tables.setdefault(rid, [])
+        table[:] = chunk.block_ids  # same list object: the state sees growth
+        if chunk.fresh_slot or rid not in self._states:
+            state = PagedSeqState(self.pools, chunk.slot, table, self.model.dtype)
+            self._states[rid] = state
+            if chunk.start > 0:
+                # The blocks already hold global KV up to the replay end (or the chunk start).
+                held = chunk.replay.to_token if chunk.replay is not None else chunk.start
+                state.adopt_prefix(held, tuple(known[max(0, held - 3):held]))
+        return self._states[rid]
+
+    def _run(self, path: ForwardPath, parts, token_ids_of, out, replay: bool) -> int:
+        ids, seqs, owners = [], [], []
+        for chunk, state, start, end in parts:
+            known = token_ids_of[chunk.request_id]
+            last = end == chunk.end and chunk.needs_logits
+            logits = LogitsRequest.LAST if last else LogitsRequest.NONE
+            if replay:
+                lookback = tuple(known[max(0, start - 3):start])
+                state.move_cursor(end, tuple(known[max(0, end - 3):end]))
+                plan = SeqPlan(logits=logits, replay=Replay(lookback),
+                               decoder_rows=0 if path is ForwardPath.ENCODER else None)
+            else:
+                plan = self._normal_plan(path, logits, end - start)
+            ids.extend(known[start:end])
+            seqs.append(SeqInput(state, start, end - start, plan))
+            owners.append((chunk.request_id, last))
+        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs)
+        for (rid, last), logits in zip(owners, results, strict=True):
+            if last:
+                out[rid] = logits[-1].float()
+        return len(ids)
+
+    def _normal_plan(self, path: ForwardPath, logits: LogitsRequest, num_tokens: int) -> SeqPlan:
+        if path is ForwardPath.ENCODER:
+            return SeqPlan.encoder_only()
+        if self.decoder_rows is not None and num_tokens > self.decoder_rows:
+            return SeqPlan(logits=logits, decoder_rows=self.decoder_rows)
+        return SeqPlan(logits=logits)
+

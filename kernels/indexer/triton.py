@@ -1,0 +1,318 @@
+"""Lightning indexer in Triton (model_spec §5): scores over MXFP4 keys read packed, radix top-k.
+
+Same function names and signatures as `indexer/ref.py` (index_scores, candidate_mask,
+select_topk), plus the serving paths:
+
+    index_scores_packed(q, w, key_records, n_visible)        keys as 68 B MXFP4 records [N, R]
+    candidate_blocks(scores, n_visible, block_size, n)       layer 20: kept block ids, ascending
+    index_topk_sparse(q, w, key_records, n_visible, blocks, block_size, k)
+                                                             reindex layers: score only the
+                                                             candidate entries, then top-k
+
+Scores (FP32): I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]) for visible j, else -inf. The key
+tile is dequantised in registers (E2M1 nibbles * 2^(UE8M0 - 127), exact in BF16) and multiplied
+on the tensor cores with FP32 accumulation.
+
+Top-k (`_topk_kernel`, one program per query row) is a radix select on a monotone integer image
+of the FP32 score, 4 bits per pass (8 passes, each a histogram of the 16 next digits among keys
+matching the prefix found so far), which yields the k-th largest score T. One more pass in
+position order emits every entry > T and the first (k - #greater) entries == T, so the output is
+ascending by position and ties go to the lower index (the ref's stable sort), with no sort at
+all. Entries that are -inf are never emitted; the tail is padded with -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.kernels import triton_runtime
+from flashpd.kernels.dense.triton import DOT_UPCAST, mma
+from flashpd.kernels.quant import ref as qref
+from flashpd.kernels.quant.triton import e2m1_decode, e8m0_decode
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+NEG_INF = float("-inf")
+_BLOCK_N = 64  # entries per scoring program
+_CHUNK = 1024  # entries per top-k step
+
+
+# ============================================================================ scoring
+@triton.jit
+def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constexpr,
+              DOT_DTYPE: tl.constexpr):
+    """Keys of entries j [BN] as [BN, DI] in DOT_DTYPE; PACKED reads MXFP4 records."""
+    rows = keys_ptr + j[:, None].to(tl.int64) * stride_k
+    if PACKED:
+        half = tl.arange(0, DI // 2)[None, :]
+        packed = tl.load(rows + half, mask=jmask[:, None], other=0).to(tl.int32)
+        vals = tl.interleave(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))  # [BN, DI]
+        sb = tl.load(rows + DI // 2 + tl.arange(0, DI)[None, :] // 32, mask=jmask[:, None],
+                     other=127)
+        keys = (vals * e8m0_decode(sb)).to(DOT_DTYPE)
+    else:
+        keys = tl.load(rows + tl.arange(0, DI)[None, :], mask=jmask[:, None], other=0.0)
+        keys = keys.to(DOT_DTYPE)
+    return keys
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_ptr, N_COLS,
+                  H, NB_LIST, BLOCK_SIZE, DI: tl.constexpr, H_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = col < N_COLS
+    if SPARSE:  # column c -> entry blocks[t, c // bs] * bs + c % bs
+        blk = tl.load(blocks_ptr + t * NB_LIST + col // BLOCK_SIZE, mask=cmask, other=-1)
+        j = blk * BLOCK_SIZE + col % BLOCK_SIZE
+        jmask = cmask & (blk >= 0)
+    else:
+        j = col
+        jmask = cmask
+    jmask = jmask & (j < tl.load(nvis_ptr + t))
+    h = tl.arange(0, H_PAD)
+    hmask = h < H
+    q = tl.load(q_ptr + (t * H + h[:, None]) * DI + tl.arange(0, DI)[None, :],
+                mask=hmask[:, None], other=0.0)  # [H_PAD, DI]
+    keys = _key_tile(keys_ptr, stride_k, j, jmask, DI, PACKED, q_ptr.dtype.element_ty)
+    dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
+    w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
+    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
+    tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
+
+
+def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+            n_visible: torch.Tensor, packed: bool, blocks: torch.Tensor | None = None,
+            block_size: int = 1) -> torch.Tensor:
+    num_q, num_heads, head_dim = q.shape
+    if blocks is None:
+        n_cols = keys.shape[0]
+    else:
+        n_cols = blocks.shape[1] * block_size
+    out = torch.empty(num_q, n_cols, dtype=torch.float32, device=q.device)
+    if num_q == 0 or n_cols == 0:
+        return out
+    if packed:
+        key_arg = keys
+        dot_q = q.to(torch.bfloat16).contiguous() if q.dtype != torch.float32 else q.contiguous()
+    else:
+        dot_q = q.contiguous() if q.dtype == keys.dtype else q.to(torch.float32).contiguous()
+        key_arg = keys.to(dot_q.dtype).contiguous()
+    blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else n_visible
+    grid = (num_q, triton.cdiv(n_cols, _BLOCK_N))
+    _score_kernel[grid](
+        dot_q, head_weights.to(torch.float32).contiguous(), key_arg, key_arg.stride(0),
+        n_visible.to(torch.int32).contiguous(), blocks_arg, out, n_cols, num_heads,
+        blocks.shape[1] if blocks is not None else 0, block_size, DI=head_dim,
+        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, PACKED=packed,
+        SPARSE=blocks is not None, IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST,
+        num_warps=4)
+    return out
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+                 n_visible: torch.Tensor) -> torch.Tensor:
+    """q [T, h, dI], head_weights [T, h], keys [N, dI], n_visible [T] -> scores [T, N] FP32."""
+    _check_scores(q, head_weights, n_visible)
+    if keys.ndim != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(f"keys must be [N, {q.shape[2]}], got {tuple(keys.shape)}")
+    triton_runtime.check_device(keys)
+    return _scores(q, head_weights, keys, n_visible, packed=False)
+
+
+def index_scores_packed(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
+                        n_visible: torch.Tensor) -> torch.Tensor:
+    """As index_scores, keys as MXFP4 records uint8 [N, dI/2 + dI/32] (dequantised in registers)."""
+    _check_scores(q, head_weights, n_visible)
+    _check_records(key_records, q.shape[2])
+    return _scores(q, head_weights, key_records, n_visible, packed=True)
+
+
+def _check_scores(q: torch.Tensor, head_weights: torch.Tensor, n_visible: torch.Tensor) -> None:
+    if q.ndim != 3 or head_weights.shape != q.shape[:2] or n_visible.shape != q.shape[:1]:
+        raise ValueError(f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)}, "
+                         f"n_visible {tuple(n_visible.shape)} do not match")
+    head_dim = q.shape[2]
+    if head_dim % 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"index head dim {head_dim} must be a power of two >= 32")
+    triton_runtime.check_device(q, head_weights, n_visible)
+
+
+def _check_records(records: torch.Tensor, head_dim: int) -> None:
+    if records.dtype != torch.uint8 or records.ndim != 2 or records.stride(1) != 1:
+        raise TypeError("key records must be a row-major uint8 [N, record_bytes] tensor")
+    if records.shape[1] != qref.mxfp4_record_bytes(head_dim):
+        raise ValueError(f"records are {records.shape[1]} B, MXFP4 needs "
+                         f"{qref.mxfp4_record_bytes(head_dim)} B for dI={head_dim}")
+    triton_runtime.check_device(records)
+
+
+# ============================================================================ radix top-k
+@triton.jit
+def _order_key(s, valid):
+    """FP32 score -> int64 in [0, 2^32) with the same order; invalid -> key of -inf; -0 -> +0."""
+    s = tl.where(valid, s, float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    flipped = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone as signed int32
+    return flipped.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _load_keys(s_ptr, allowed_ptr, row, idx, N, HAS_ALLOWED: tl.constexpr):
+    in_range = idx < N
+    s = tl.load(s_ptr + row * N + idx, mask=in_range, other=float("-inf"))
+    ok = in_range
+    if HAS_ALLOWED:
+        ok = ok & (tl.load(allowed_ptr + row * N + idx, mask=in_range, other=0) != 0)
+    return _order_key(s, ok), in_range
+
+
+@triton.jit
+def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_SIZE,
+                 HAS_ALLOWED: tl.constexpr, MAP_BLOCKS: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32),
+                             tl.full((1,), True, tl.int1))
+    digits = tl.arange(0, 16)
+    # number of selectable entries -> kk = min(K, that)
+    n_valid = 0
+    for c0 in range(0, N, CHUNK):
+        key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,
+                                   HAS_ALLOWED)
+        n_valid += tl.sum((in_range & (key > neg_inf_key)).to(tl.int32), axis=0)
+    kk = tl.minimum(n_valid, K)
+    prefix = tl.zeros((), dtype=tl.int64)
+    above = tl.zeros((), dtype=tl.int32)
+    for p in tl.static_range(8):  # most significant digit first
+        shift: tl.constexpr = 28 - 4 * p
+        hist = tl.zeros((16,), dtype=tl.int32)
+        for c0 in range(0, N, CHUNK):
+            key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,
+                                       HAS_ALLOWED)
+            match = in_range
+            if p > 0:
+                match = match & ((key >> (shift + 4)) == prefix)
+            dig = (key >> shift) & 15
+            hit = match[None, :] & (dig[None, :] == digits[:, None])
+            hist += tl.sum(hit.to(tl.int32), axis=1)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys with digit >= d
+        chosen = tl.max(tl.where(at_least >= kk - above, digits, 0), axis=0)
+        above += tl.sum(tl.where(digits > chosen, hist, 0), axis=0)
+        prefix = prefix * 16 + chosen
+    take_equal = kk - above
+    emitted = tl.zeros((), dtype=tl.int32)
+    equal_seen = tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        key, in_range = _load_keys(s_ptr, allowed_ptr, row, idx, N, HAS_ALLOWED)
+        live = in_range & (kk > 0)
+        gt = live & (key > prefix)
+        eq = (live & (key == prefix)).to(tl.int32)
+        eq_rank = equal_seen + tl.cumsum(eq, axis=0) - eq
+        sel = (gt | ((eq != 0) & (eq_rank < take_equal))).to(tl.int32)
+        pos = emitted + tl.cumsum(sel, axis=0) - sel
+        entry = idx
+        if MAP_BLOCKS:
+            blk = tl.load(blocks_ptr + row * NB_LIST + idx // BLOCK_SIZE, mask=sel != 0, other=0)
+            entry = blk * BLOCK_SIZE + idx % BLOCK_SIZE
+        tl.store(out_ptr + row * K + pos, entry.to(tl.int64), mask=sel != 0)
+        emitted += tl.sum(sel, axis=0)
+        equal_seen += tl.sum(eq, axis=0)
+    for c0 in range(0, K, CHUNK):  # pad with -1
+        slot = c0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + row * K + slot, tl.full((CHUNK,), -1, tl.int64),
+                 mask=(slot < K) & (slot >= kk))
+
+
+def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+          blocks: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
+    num_q, n_cols = scores.shape
+    out = torch.empty(num_q, k, dtype=torch.int64, device=scores.device)
+    if num_q == 0 or k == 0:
+        return out
+    s = scores.to(torch.float32).contiguous()
+    allowed_arg = allowed.contiguous().view(torch.uint8) if allowed is not None else s
+    blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else s
+    _topk_kernel[(num_q,)](
+        s, allowed_arg, blocks_arg, out, n_cols, k,
+        blocks.shape[1] if blocks is not None else 0, block_size,
+        HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
+        CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(n_cols))), num_warps=8)
+    return out
+
+
+def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5)."""
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be [T, N], got {tuple(scores.shape)}")
+    if allowed is not None and (allowed.shape != scores.shape or allowed.dtype != torch.bool):
+        raise ValueError("allowed must be a bool mask shaped like scores")
+    triton_runtime.check_device(scores)
+    return _topk(scores, k, allowed)
+
+
+# ============================================================================ candidates
+@triton.jit
+def _block_max_kernel(s_ptr, nvis_ptr, out_ptr, N, NB, BLOCK_SIZE: tl.constexpr,
+                      BLOCKS: tl.constexpr):
+    """Block score = max over its entries; the newest (partial) block of the query -> +inf."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    e = b[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    s = tl.load(s_ptr + row * N + e, mask=e < N, other=float("-inf"))
+    best = tl.max(s, axis=1)
+    n_vis = tl.load(nvis_ptr + row)
+    newest = (tl.maximum(n_vis, 1) - 1) // BLOCK_SIZE
+    best = tl.where((n_vis >= 1) & (b == newest), float("inf"), best)
+    tl.store(out_ptr + row * NB + b, best, mask=b < NB)
+
+
+def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
+                     num_blocks: int) -> torch.Tensor:
+    """scores [T, N] -> kept block ids [T, min(num_blocks, #blocks)] ascending, -1 padded (§5.4)."""
+    if scores.ndim != 2 or n_visible.shape != scores.shape[:1]:
+        raise ValueError("candidate_blocks needs scores [T, N] and n_visible [T]")
+    if block_size & (block_size - 1):
+        raise ValueError(f"candidate block size {block_size} must be a power of two")
+    triton_runtime.check_device(scores, n_visible)
+    num_q, num_keys = scores.shape
+    n_blocks = -(-num_keys // block_size)
+    block_score = torch.empty(num_q, n_blocks, dtype=torch.float32, device=scores.device)
+    if num_q and n_blocks:
+        per = 64
+        _block_max_kernel[(num_q, triton.cdiv(n_blocks, per))](
+            scores.to(torch.float32).contiguous(), n_visible.to(torch.int32).contiguous(),
+            block_score, num_keys, n_blocks, BLOCK_SIZE=block_size, BLOCKS=per)
+    return _topk(block_score, min(num_blocks, n_blocks))
+
+
+def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
+                   num_blocks: int) -> torch.Tensor:
+    """Two-level candidates (§5.4): scores [T, N] -> bool [T, N], entries of the kept blocks."""
+    num_q, num_keys = scores.shape
+    blocks = candidate_blocks(scores, n_visible, block_size, num_blocks)  # [T, kept]
+    n_blocks = -(-num_keys // block_size)
+    kept = torch.zeros(num_q, n_blocks + 1, dtype=torch.bool, device=scores.device)
+    kept.scatter_(1, torch.where(blocks < 0, n_blocks, blocks), True)
+    return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
+
+
+def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
+                      n_visible: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                      k: int) -> torch.Tensor:
+    """Reindex layers (§5.4): score only the entries of each query's candidate blocks [T, nb]
+    (ascending block ids, -1 padded) over packed MXFP4 keys, then select the top k.
+
+    Equals select_topk(index_scores(...), k, allowed=candidate_mask(...)) with the same blocks.
+    """
+    _check_scores(q, head_weights, n_visible)
+    _check_records(key_records, q.shape[2])
+    if blocks.ndim != 2 or blocks.shape[0] != q.shape[0]:
+        raise ValueError(f"blocks must be [T, nb], got {tuple(blocks.shape)}")
+    scores = _scores(q, head_weights, key_records, n_visible, packed=True, blocks=blocks,
+                     block_size=block_size)  # [T, nb * bs]
+    return _topk(scores, k, blocks=blocks, block_size=block_size)

@@ -1,0 +1,277 @@
+"""MoE in Triton (model_spec §7): a fused router, and grouped expert GEMMs on checkpoint formats.
+
+Same function names and signatures as `moe/ref.py` (route, swiglu, expert_ffn, moe), plus
+`moe_quantized` whose routed experts are MXFP4 and shared expert FP8, read as stored.
+
+Fused router (`route`), one launch:
+
+    grid (token blocks of 16, SPLIT slices of D)
+    each program: partial logits [16, E] = x[:, slice] . W_g[:, slice]^T   (FP32 accumulation)
+    the last program of a token block to finish (atomic counter) sums the SPLIT partials in
+    slice order, then: / gate_temp -> sqrt(softplus) -> + bias -> top-k (ties: lower id)
+    -> gamma = s / (sum s + 1e-20) * routed_scale
+
+SPLIT is a constant, so a token's arithmetic does not depend on the batch (dense/ref.py); it
+spreads the router weight stream over more SMs at decode batch sizes.
+
+Experts: token-slot pairs are sorted by expert; one grouped GEMM computes
+h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L)) from W1/W3 (SwiGLU epilogue), a second
+y = bf16(h . W2^T); each token then sums its pairs in ascending expert id, in FP32, as the ref.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.kernels import triton_runtime
+from flashpd.kernels.dense import triton as dense
+from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, softplus_f32, sigmoid_f32
+from flashpd.kernels.moe.ref import ROUTER_NORM_EPS, ExpertWeights
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
+_ROUTER_BLOCK_T = 16
+_ROUTER_BLOCK_K = 32
+
+
+# ============================================================================ fused router
+@triton.jit
+def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
+                    inv_temp, routed_scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                    E_PAD: tl.constexpr):
+    scores = tl.sqrt_rn(softplus_f32(logits * inv_temp))  # [BT, E_PAD]
+    bias = tl.load(bias_ptr + experts, mask=emask, other=0.0)
+    biased = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
+    slot = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
+    sel_ids = tl.zeros((logits.shape[0], K_PAD), dtype=tl.int32)
+    sel_scores = tl.zeros((logits.shape[0], K_PAD), dtype=tl.float32)
+    total = tl.zeros_like(tl.max(scores, axis=1))
+    for i in tl.static_range(TOP_K):  # selection by biased score, lower id on ties
+        best = tl.max(biased, axis=1)
+        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], E_PAD), axis=1)
+        hit = experts[None, :] == pick[:, None]
+        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score
+        total = total + chosen
+        sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
+        sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
+        biased = tl.where(hit, float("-inf"), biased)
+    gamma = sel_scores / (total[:, None] + 1e-20) * routed_scale
+    out = rows[:, None].to(tl.int64) * TOP_K + slot
+    omask = rmask[:, None] & (slot < TOP_K)
+    tl.store(ids_ptr + out, sel_ids.to(tl.int64), mask=omask)
+    tl.store(weights_ptr + out, gamma, mask=omask)
+
+
+@triton.jit
+def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, counter_ptr,
+                  ids_ptr, weights_ptr, T, E, D, chunk, inv_temp, routed_scale,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                  IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    experts = tl.arange(0, E_PAD)
+    emask = experts < E
+    acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    k_end = tl.minimum(sp * chunk + chunk, D)
+    for k0 in range(sp * chunk, k_end, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        kmask = k_idx < k_end
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k_idx[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * stride_w + k_idx[None, :],
+                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        acc = mma(a, tl.trans(w), acc, IEEE, UPCAST)
+    if SPLIT == 1:
+        _route_epilogue(acc, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
+                        inv_temp, routed_scale, TOP_K, K_PAD, E_PAD)
+    else:
+        tile = (rows[:, None].to(tl.int64) * E_PAD + experts[None, :])
+        tl.store(partial_ptr + sp * T.to(tl.int64) * E_PAD + tile, acc, mask=rmask[:, None])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # last slice of this token block: reduce in slice order
+            logits = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                logits += tl.load(partial_ptr + s * T.to(tl.int64) * E_PAD + tile,
+                                  mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(counter_ptr + tb, 0)  # ready for the next launch
+            _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr,
+                            weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters; every launch leaves them zeroed again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+          routed_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (expert ids [T, k] int64, weights [T, k] FP32), one fused launch."""
+    _check_route(x, gate_weight, bias, top_k)
+    num_tokens, dim = x.shape
+    num_experts = gate_weight.shape[0]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return ids, weights
+    e_pad = triton.next_power_of_2(num_experts)
+    n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
+    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), _ROUTER_BLOCK_K) * _ROUTER_BLOCK_K
+    partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
+    w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
+    _route_kernel[(n_blocks, ROUTER_SPLIT)](
+        x, x.stride(0), w, w.stride(0), bias.to(torch.float32).contiguous(), partial,
+        _counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
+        1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        BLOCK_T=_ROUTER_BLOCK_T,
+        E_PAD=e_pad, BLOCK_K=_ROUTER_BLOCK_K, SPLIT=ROUTER_SPLIT,
+        IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST,
+        num_warps=8, num_stages=3, **triton_runtime.launch_options())
+    return ids, weights
+
+
+def _check_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+                 top_k: int) -> None:
+    if x.ndim != 2 or x.stride(1) != 1 or gate_weight.ndim != 2 or gate_weight.stride(1) != 1:
+        raise ValueError("route needs row-major x [T, D] and gate_weight [E, D]")
+    if x.shape[1] != gate_weight.shape[1] or bias.shape != (gate_weight.shape[0],):
+        raise ValueError(f"route shapes x {tuple(x.shape)}, W {tuple(gate_weight.shape)}, "
+                         f"bias {tuple(bias.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"route input must be bf16 or fp32, got {x.dtype}")
+    if not 1 <= top_k <= gate_weight.shape[0]:
+        raise ValueError(f"top_k {top_k} outside [1, {gate_weight.shape[0]}]")
+    triton_runtime.check_device(x, gate_weight, bias)
+
+
+# ============================================================================ SwiGLU
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, n, limit, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.minimum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(h_ptr + offs, g * sigmoid_f32(g) * u, mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """FP32 silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    triton_runtime.check_device(gate, up)
+    g, u = gate.contiguous(), up.contiguous()
+    h = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    if h.numel():
+        _swiglu_kernel[(triton.cdiv(h.numel(), 1024),)](g, u, h, h.numel(), float(limit),
+                                                         BLOCK=1024)
+    return h
+
+
+# ============================================================================ experts
+@dataclass(frozen=True)
+class ExpertSet:
+    """SwiGLU experts in any checkpoint format: w1, w3 [E, I, D], w2 [E, D, I] (as `Weights`)."""
+
+    w1: Weights
+    w3: Weights
+    w2: Weights
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.num_experts
+
+    @staticmethod
+    def plain(weights: ExpertWeights) -> ExpertSet:
+        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3),
+                         Weights.plain(weights.w2))
+
+
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+               limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, D] -> [n, D] in x.dtype; `weight` [n, 1] FP32 multiplies h before w2."""
+    experts = ExpertSet(Weights.plain(w1.to(x.dtype)), Weights.plain(w3.to(x.dtype)),
+                        Weights.plain(w2.to(x.dtype)))
+    gamma = None if weight is None else weight.reshape(-1).to(torch.float32).contiguous()
+    return _dense_experts(x, experts, limit, gamma)
+
+
+def _dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
+                   gamma: torch.Tensor | None) -> torch.Tensor:
+    """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
+    num_rows = x.shape[0]
+    block_m = dense._block_m(num_rows)
+    schedule = dense.single_schedule(num_rows, block_m, x.device)
+    h = torch.empty(num_rows, experts.w1.out_dim, dtype=x.dtype, device=x.device)
+    dense.grouped_gemm(x, experts.w1, schedule, h, w3=experts.w3, gamma=gamma, limit=limit)
+    y = torch.empty(num_rows, experts.w2.out_dim, dtype=x.dtype, device=x.device)
+    return dense.grouped_gemm(h, experts.w2, schedule, y)
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   experts: ExpertSet, limit: float) -> torch.Tensor:
+    """Sum over each token's k experts, ascending expert id, FP32 [T, D] (no shared expert)."""
+    num_tokens, top_k = ids.shape
+    num_pairs = num_tokens * top_k
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    token_of_pair = (order // top_k).to(torch.int32)
+    gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    block_m = dense._block_m(max(1, num_pairs // max(1, experts.num_experts)))
+    schedule = dense.grouped_schedule(counts, num_pairs, block_m)
+    h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
+    dense.grouped_gemm(x, experts.w1, schedule, h, a_rows=token_of_pair, w3=experts.w3,
+                       gamma=gamma, limit=limit)
+    y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
+    dense.grouped_gemm(h, experts.w2, schedule, y)
+    # position of each (token, slot) in the sorted order; ascending position = ascending id
+    position = torch.empty_like(order)
+    position[order] = torch.arange(num_pairs, device=x.device)
+    position = position.reshape(num_tokens, top_k).sort(dim=-1).values  # [T, k]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(top_k):
+        out = out + y[position[:, slot]].to(torch.float32)
+    return out
+
+
+def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
+        shared: ExpertWeights | None, top_k: int, routed_scale: float, limit: float,
+        gate_temp: float = 1.0) -> torch.Tensor:
+    """x [T, D] -> y [T, D] in x.dtype (dequantised expert weights, as the ref)."""
+    return moe_quantized(x, gate_weight, bias, ExpertSet.plain(experts),
+                         None if shared is None else ExpertSet.plain(shared), top_k,
+                         routed_scale, limit, gate_temp)
+
+
+def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+                  experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
+                  limit: float, gate_temp: float = 1.0) -> torch.Tensor:
+    """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared)."""
+    triton_runtime.check_device(x)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp)
+    out = routed_experts(x, ids, weights, experts, limit)
+    if shared is not None:
+        for e in range(shared.num_experts):
+            one = ExpertSet(*(Weights(w.fmt, w.data[e:e + 1],
+                                      None if w.scale is None else w.scale[e:e + 1])
+                              for w in (shared.w1, shared.w3, shared.w2)))
+            out = out + _dense_experts(x, one, limit, None).to(torch.float32)
+    return out.to(x.dtype)

@@ -1,0 +1,27 @@
+"""flashpd SDK: gRPC client for flashpd (DeepSeek-V4.1-Flash, disaggregated prefill/decode).
+
+Sync `Client` and asyncio `AsyncClient` with the same API; typed errors in `flashpd_sdk.errors`.
+Depends only on grpcio and protobuf.
+"""
+
+from flashpd_sdk._wire import RetryPolicy
+from flashpd_sdk.aio import AsyncClient, AsyncGenerateStream
+from flashpd_sdk.client import Client, GenerateStream
+from flashpd_sdk.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FlashpdError,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk, TokenLogprobs, Usage
+
+__all__ = [
+    "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
+    "FlashpdError", "GenerateResult", "GenerateStream", "InternalError", "InvalidArgument",
+    "ModelInfo", "NotFound", "ResourceExhausted", "RetryPolicy", "TokenChunk", "TokenLogprobs",
+    "Unavailable", "Usage",
+]

@@ -1,0 +1,176 @@
+"""asyncio client (grpc.aio); same API as `Client`, awaited.
+
+    async with AsyncClient("127.0.0.1:9000") as client:
+        stream = client.generate(prompt_ids=[1, 2, 3], max_tokens=8)
+        async for chunk in stream:
+            ...
+        result = stream.result
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from flashpd_sdk import _health
+from flashpd_sdk._gen import flashpd_pb2 as pb
+from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
+from flashpd_sdk._wire import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    StreamState,
+    build_request,
+    channel_options,
+)
+from flashpd_sdk.errors import Cancelled, from_rpc_error
+from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+
+
+class AsyncGenerateStream:
+    """`async for` for TokenChunks; `result` once iteration ended (or `await final()`)."""
+
+    def __init__(self, stub: pb_grpc.GenerationStub, state: StreamState) -> None:
+        self._stub, self._state = stub, state
+        self._call = None
+        self._cancelled = False
+        self._abort_task: asyncio.Task | None = None
+        self._chunks = self._run()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        return await self._chunks.__anext__()
+
+    @property
+    def result(self) -> GenerateResult:
+        if self._state.result is None:
+            raise RuntimeError("the stream has not finished; iterate it or await final()")
+        return self._state.result
+
+    async def final(self) -> GenerateResult:
+        """Drain the stream and return the result."""
+        async for _ in self._chunks:
+            continue
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the stream and abort the request on the server (the Abort RPC runs in the
+        background; `await aclose()` to wait for it)."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+        self._abort_task = asyncio.ensure_future(self._abort())
+
+    async def aclose(self) -> None:
+        if self._state.result is None:
+            self.cancel()
+        if self._abort_task is not None:
+            await self._abort_task
+        await self._chunks.aclose()
+
+    async def _abort(self) -> None:
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_id=self.request_id),
+                                   timeout=ABORT_TIMEOUT_S)
+        except grpc.RpcError as exc:  # best effort: the cancelled call already ended the stream
+            log.info("abort of %s after cancel failed: %s", self.request_id, exc)
+
+    async def _run(self) -> AsyncIterator[TokenChunk]:
+        state = self._state
+        while True:
+            if self._cancelled:
+                raise Cancelled("cancelled by the client")
+            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s())
+            try:
+                async for resp in self._call:
+                    chunk = state.on_response(resp)
+                    if chunk is None:
+                        return
+                    yield chunk
+                state.on_stream_end()
+                return
+            except asyncio.CancelledError:
+                if self._cancelled:  # our own call.cancel(), not the caller's task
+                    raise Cancelled("cancelled by the client") from None
+                raise
+            except grpc.RpcError as exc:
+                if self._cancelled:
+                    raise Cancelled("cancelled by the client") from None
+                error = from_rpc_error(exc)
+                if state.decide(error) == "raise":
+                    raise state.reported(error) from None
+                await asyncio.sleep(state.pause_s())
+
+
+class AsyncClient:
+    def __init__(self, target: str, *, keepalive_s: float = 30.0,
+                 default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        options = channel_options(keepalive_s)
+        self._channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
+                         else grpc.aio.insecure_channel(target, options))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = self._channel.unary_unary(
+            _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,
+            response_deserializer=_health.HealthCheckResponse.FromString)
+        self.default_timeout_s, self.retry = default_timeout_s, retry
+
+    def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
+                 max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
+                 session_id: str | None = None, parent_session_id: str | None = None,
+                 ignore_eos: bool = False, stop: Sequence[str] | str | None = None,
+                 timeout_s: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None,
+                 stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
+                 request_id: str | None = None, model: str = "") -> AsyncGenerateStream:
+        request = build_request(
+            model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id)
+        timeout = timeout_s if timeout_s is not None else self.default_timeout_s
+        return AsyncGenerateStream(self._stub, StreamState(request, self.retry, timeout))
+
+    async def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
+        reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+                                  timeout_s)
+        return reply.found
+
+    async def health(self, service: str = "", *, timeout_s: float = 5.0) -> str:
+        reply = await self._unary(self._health, _health.HealthCheckRequest(service=service),
+                                  timeout_s)
+        return _health.status_name(reply)
+
+    async def models(self, *, timeout_s: float = 5.0) -> list[ModelInfo]:
+        reply = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout_s)
+        return [ModelInfo(m.id, m.context_tokens, m.vocab_size) for m in reply.models]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @staticmethod
+    async def _unary(method, request, timeout_s: float):
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None

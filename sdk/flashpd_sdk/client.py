@@ -1,0 +1,158 @@
+"""Synchronous client.
+
+    with Client("127.0.0.1:9000") as client:
+        stream = client.generate(prompt="Hello", max_tokens=32, session_id="chat-1")
+        for chunk in stream:
+            print(chunk.text, end="")
+        print(stream.result.usage)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from flashpd_sdk import _health
+from flashpd_sdk._gen import flashpd_pb2 as pb
+from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
+from flashpd_sdk._wire import (
+    DEFAULT_RETRY,
+    RetryPolicy,
+    StreamState,
+    build_request,
+    channel_options,
+)
+from flashpd_sdk.errors import Cancelled, from_rpc_error
+from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+
+
+class GenerateStream:
+    """Iterate for TokenChunks; `result` afterwards (reading it early drains the stream)."""
+
+    def __init__(self, stub: pb_grpc.GenerationStub, state: StreamState) -> None:
+        self._stub, self._state = stub, state
+        self._call = None
+        self._cancelled = threading.Event()
+        self._chunks = self._run()
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __iter__(self) -> Iterator[TokenChunk]:
+        return self
+
+    def __next__(self) -> TokenChunk:
+        return next(self._chunks)
+
+    @property
+    def result(self) -> GenerateResult:
+        collections.deque(self._chunks, maxlen=0)  # drain: the result comes with the final
+        assert self._state.result is not None
+        return self._state.result
+
+    def cancel(self) -> None:
+        """Stop the stream and abort the request on the server (both legs). Thread-safe."""
+        if self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        if self._call is not None:
+            self._call.cancel()
+        try:
+            self._stub.Abort(pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S)
+        except grpc.RpcError as exc:  # best effort: the cancelled call already ended the stream
+            log.info("abort of %s after cancel failed: %s", self.request_id, exc)
+
+    def _run(self) -> Iterator[TokenChunk]:
+        state = self._state
+        while True:
+            if self._cancelled.is_set():
+                raise Cancelled("cancelled by the client")
+            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s())
+            try:
+                for resp in self._call:
+                    chunk = state.on_response(resp)
+                    if chunk is None:
+                        return
+                    yield chunk
+                state.on_stream_end()
+                return
+            except grpc.RpcError as exc:
+                if self._cancelled.is_set():
+                    raise Cancelled("cancelled by the client") from None
+                error = from_rpc_error(exc)
+                if state.decide(error) == "raise":
+                    raise state.reported(error) from None
+                time.sleep(state.pause_s())
+
+
+class Client:
+    def __init__(self, target: str, *, keepalive_s: float = 30.0,
+                 default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        options = channel_options(keepalive_s)
+        self._channel = (grpc.secure_channel(target, credentials, options) if credentials
+                         else grpc.insecure_channel(target, options))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = self._channel.unary_unary(
+            _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,
+            response_deserializer=_health.HealthCheckResponse.FromString)
+        self.default_timeout_s, self.retry = default_timeout_s, retry
+
+    def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
+                 max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
+                 session_id: str | None = None, parent_session_id: str | None = None,
+                 ignore_eos: bool = False, stop: Sequence[str] | str | None = None,
+                 timeout_s: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None,
+                 stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
+                 request_id: str | None = None, model: str = "") -> GenerateStream:
+        request = build_request(
+            model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id)
+        timeout = timeout_s if timeout_s is not None else self.default_timeout_s
+        return GenerateStream(self._stub, StreamState(request, self.retry, timeout))
+
+    def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
+        """Abort a running request by id; False if the server does not know it (any more)."""
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+                           timeout_s).found
+
+    def health(self, service: str = "", *, timeout_s: float = 5.0) -> str:
+        """grpc.health.v1 status: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"."""
+        reply = self._unary(self._health, _health.HealthCheckRequest(service=service), timeout_s)
+        return _health.status_name(reply)
+
+    def models(self, *, timeout_s: float = 5.0) -> list[ModelInfo]:
+        reply = self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout_s)
+        return [ModelInfo(m.id, m.context_tokens, m.vocab_size) for m in reply.models]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _unary(method, request, timeout_s: float):
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+
+

@@ -1,0 +1,118 @@
+"""The flashpd_sdk adapter maps the SDK's stream, result and errors onto the Backend seam."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from flashpd.bench.backend import BackendError, GenerateCall, SdkBackend
+
+
+class SdkError(Exception):
+    pass
+
+
+class Unavailable(SdkError):
+    pass
+
+
+class FakeStream:
+    def __init__(self, chunks, result, error=None):
+        self._chunks, self.result_value, self._error = chunks, result, error
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for chunk in self._chunks:
+            yield chunk
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def result(self):
+        return self.result_value
+
+
+class FakeClient:
+    def __init__(self, stream):
+        self.stream = stream
+        self.kwargs = None
+        self.closed = False
+
+    def generate(self, **kwargs):
+        self.kwargs = kwargs
+        return self.stream
+
+    async def close(self):
+        self.closed = True
+
+
+def sdk_result():
+    usage = SimpleNamespace(
+        prompt_tokens=5,
+        completion_tokens=3,
+        cached_tokens=4,
+        cached_tokens_prefill=3,
+        cached_tokens_decode=1,
+    )
+    return SimpleNamespace(
+        request_id="r1",
+        output_ids=[7, 8, 9],
+        text="",
+        finish_reason="length",
+        usage=usage,
+        timeline={"route": 0.001},
+        prefill_worker="p1",
+        decode_worker="d2",
+    )
+
+
+CALL = GenerateCall(
+    prompt_ids=[1, 2, 3, 4, 5], max_tokens=3, session_id="s", parent_session_id="p", timeout_s=30.0
+)
+
+
+def test_adapter_sends_greedy_ignore_eos_with_session_ids_and_maps_the_result():
+    chunks = [
+        SimpleNamespace(token_ids=[7], text="", index=0),
+        SimpleNamespace(token_ids=[8, 9], text="", index=1),
+    ]
+    client = FakeClient(FakeStream(chunks, sdk_result()))
+    seen: list[list[int]] = []
+
+    async def scenario():
+        backend = SdkBackend(client, SdkError)
+        done = await backend.generate(CALL, lambda ids: seen.append(list(ids)))
+        await backend.aclose()
+        return done
+
+    done = asyncio.run(scenario())
+    assert client.kwargs == dict(
+        prompt_ids=[1, 2, 3, 4, 5],
+        max_tokens=3,
+        ignore_eos=True,
+        session_id="s",
+        parent_session_id="p",
+        temperature=0.0,
+        timeout_s=30.0,
+    )
+    assert seen == [[7], [8, 9]]
+    assert (done.cached_tokens, done.cached_tokens_prefill, done.cached_tokens_decode) == (4, 3, 1)
+    assert (done.prefill_worker, done.decode_worker, done.request_id) == ("p1", "d2", "r1")
+    assert client.closed
+
+
+def test_adapter_turns_sdk_errors_into_backend_errors():
+    client = FakeClient(FakeStream([], None, error=Unavailable("no decode worker")))
+    with pytest.raises(BackendError) as info:
+        asyncio.run(SdkBackend(client, SdkError).generate(CALL, lambda ids: None))
+    assert info.value.kind == "Unavailable" and "no decode worker" in info.value.message
+
+
+def test_adapter_lets_other_exceptions_through():
+    client = FakeClient(FakeStream([], None, error=KeyError("bug")))
+    with pytest.raises(KeyError):
+        asyncio.run(SdkBackend(client, SdkError).generate(CALL, lambda ids: None))

@@ -1,0 +1,203 @@
+"""In-process fake workers, a byte tokenizer and a router stack builder for the router tests.
+
+The fakes honour the worker contract of `flashpd.services.api` and record every call, so the
+tests can assert what the orchestrator did to each leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from flashpd.engine.events import BlockStored
+from flashpd.engine.hashing import chunk_hashes, namespace_for
+from flashpd.services.api import (
+    CHUNK_TOKENS,
+    FinalEvent,
+    InternalRequest,
+    PrefillResult,
+    ServiceError,
+    Ticket,
+    Timeline,
+    TokenEvent,
+    TokenLogprobs,
+    Usage,
+    WorkerStats,
+)
+from flashpd.services.router.convert import ModelTable, ServedModel, deepseek_chat_prompt
+from flashpd.services.router.endpoints import StaticDirectory
+from flashpd.services.router.index import IndexPublisher, PrefixIndex
+from flashpd.services.router.metrics import RouterMetrics
+from flashpd.services.router.orchestrator import Orchestrator, OrchestratorConfig
+from flashpd.services.router.placement import Placement
+from flashpd.services.router.policy import make_policy
+
+MODEL = "flash-tiny"
+EOS_ID = 0
+SERVED = ServedModel(MODEL, context_tokens=2048, vocab_size=256)
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte; ids never exceed 255."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages) -> list[int]:
+        return self.encode(deepseek_chat_prompt(messages))
+
+
+def text_ids(text: str) -> tuple[int, ...]:
+    return tuple(text.encode("utf-8"))
+
+
+@dataclass
+class FakeDecode:
+    worker_id: str
+    output: tuple[int, ...] = text_ids("abcdefghijklmnopqrstuvwxyz")
+    cached_chunks: int = 0  # leading prompt chunks this worker reports as resident
+    token_delay_s: float = 0.0
+    reserve_error: ServiceError | None = None
+    generate_error: ServiceError | None = None  # raised before the first token
+    fail_after_tokens: tuple[int, ServiceError] | None = None
+    replay_ms: float = 1.5
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    seen: list[InternalRequest] = field(default_factory=list)
+    closed_streams: int = 0
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "i0", "decode", kv_blocks_total=1000)
+
+    async def reserve(self, req: InternalRequest) -> Ticket:
+        self.calls.append(("reserve", req.request_id))
+        self.seen.append(req)
+        if self.reserve_error is not None:
+            raise self.reserve_error
+        prompt_chunks = -(-req.prompt_tokens // CHUNK_TOKENS)
+        cached = min(self.cached_chunks, req.prompt_tokens // CHUNK_TOKENS)
+        return Ticket(req.request_id, self.worker_id, "i0", cached * CHUNK_TOKENS, b"desc",
+                      tuple(range(100, 100 + prompt_chunks - cached)), cached, time.time() + 30)
+
+    async def generate(self, req: InternalRequest):
+        self.calls.append(("generate", req.request_id))
+        if self.generate_error is not None:
+            raise self.generate_error
+        try:
+            reason, count = "length", 0
+            for token in self.output[: req.sampling.max_tokens]:
+                if self.fail_after_tokens and count == self.fail_after_tokens[0]:
+                    raise self.fail_after_tokens[1]
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                logprobs = ((TokenLogprobs(-0.5, ((token, -0.5), (1, -2.0))),)
+                            if req.sampling.logprobs else ())
+                yield TokenEvent((token,), count, logprobs)
+                count += 1
+                if token == EOS_ID and not req.sampling.ignore_eos:
+                    reason = "stop"
+                    break
+            cached = min(self.cached_chunks, req.prompt_tokens // CHUNK_TOKENS) * CHUNK_TOKENS
+            yield FinalEvent(reason, Usage(req.prompt_tokens, count, 0, 0, cached),
+                             Timeline(replay_ms=self.replay_ms), decode_worker=self.worker_id)
+        finally:
+            self.closed_streams += 1
+
+    async def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        self.aborted.append(request_id)
+        return True
+
+
+@dataclass
+class FakePrefill:
+    worker_id: str
+    cached_tokens: int = 0
+    delay_s: float = 0.0
+    error: ServiceError | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    tickets: list[Ticket] = field(default_factory=list)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "i0", "prefill")
+
+    async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
+        self.calls.append(("run", req.request_id))
+        self.tickets.append(ticket)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        computed = req.prompt_tokens - self.cached_tokens
+        return PrefillResult(self.worker_id, self.cached_tokens, computed,
+                             pushed_bytes=890 * len(ticket.dst_block_ids) * CHUNK_TOKENS,
+                             queue_ms=0.5, compute_ms=2.0, transfer_ms=0.25)
+
+    async def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        self.aborted.append(request_id)
+        return True
+
+
+@dataclass
+class Stack:
+    orchestrator: Orchestrator
+    publisher: IndexPublisher
+    index: PrefixIndex
+    redis: aioredis.Redis
+    metrics: RouterMetrics
+    models: ModelTable
+    tokenizer: ByteTokenizer
+
+    async def cache(self, worker, prompt_ids) -> None:
+        """Announce that `worker` holds every full chunk of `prompt_ids`."""
+        hashes = chunk_hashes(prompt_ids, namespace_for(MODEL))
+        await self.publisher.publish(worker.stats().ref, [BlockStored(tuple(hashes))])
+
+
+@contextlib.asynccontextmanager
+async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], *,
+                       routing: str = "affinity", config: OrchestratorConfig | None = None):
+    redis = aioredis.Redis.from_url(redis_url)
+    publisher = IndexPublisher(redis, MODEL)
+    for worker in [*prefill, *decode]:
+        await publisher.register(worker.stats())
+    index = PrefixIndex(redis, MODEL)
+    placement = Placement(index, make_policy(routing), model=MODEL, view_refresh_s=0.0)
+    metrics = RouterMetrics(MODEL)
+    tokenizer = ByteTokenizer()
+    directory = StaticDirectory({p.worker_id: p for p in prefill},
+                                {d.worker_id: d for d in decode})
+    orchestrator = Orchestrator({MODEL: placement}, directory, tokenizer, metrics=metrics,
+                                config=config or OrchestratorConfig(resume_grace_s=0.2))
+    try:
+        yield Stack(orchestrator, publisher, index, redis, metrics, ModelTable([SERVED]),
+                    tokenizer)
+    finally:
+        await orchestrator.close()
+        await redis.aclose()
+
+
+def request(prompt_ids, *, rid="r1", max_tokens=5, session=None, deadline_s=None, **sampling):
+    from flashpd.services.api import SamplingParams
+
+    now = time.time()
+    return InternalRequest(rid, MODEL, tuple(prompt_ids),
+                           SamplingParams(max_tokens=max_tokens, **sampling), session, None,
+                           None if deadline_s is None else now + deadline_s, now)
+
+
+async def collect(orchestrator: Orchestrator, run, from_token: int = 0):
+    events = []
+    async with contextlib.aclosing(orchestrator.stream(run, from_token)) as stream:
+        async for event in stream:
+            events.append(event)
+    return events
