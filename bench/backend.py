@@ -7,6 +7,7 @@ final usage. Transport failures are raised as BackendError; anything else is a b
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -82,6 +83,9 @@ class SdkBackend:
             result = stream.result
         except self._error_type as exc:
             raise BackendError(type(exc).__name__, str(exc)) from exc
+        except asyncio.CancelledError:
+            await stream.aclose()  # Abort on the server, so neither leg keeps the request
+            raise
         return _completion(result)
 
     async def aclose(self) -> None:

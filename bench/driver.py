@@ -34,6 +34,7 @@ import numpy as np
 
 from flashpd.bench.backend import Backend, BackendError, Completion, GenerateCall
 from flashpd.bench.pacing import IdlePacer
+from flashpd.bench.prompts import PromptBuilder
 from flashpd.bench.records import Phase, RequestRecord, RunMeta
 from flashpd.bench.tokens import derive_key
 from flashpd.bench.workload import Request, SessionTree, Workload
@@ -117,7 +118,7 @@ class _Run:
 
     def lane_warmed(self) -> None:
         self.lanes_warm += 1
-        if self.lanes_warm == self.config.concurrency:
+        if self.lanes_warm == self.config.concurrency and not self.stopped.is_set():
             self.window_start_s = self.now_s()
             self.window_end_s = self.window_start_s + self.config.window_s
             self.loop.call_later(self.config.window_s, self.stop)
@@ -192,32 +193,6 @@ class _TokenTimer:
         self.ids.extend(token_ids)
 
 
-class _OutputSplicer:
-    """Per session, the server's actual output ids and where they sit in later prompts."""
-
-    def __init__(self) -> None:
-        self._by_session: dict[str, list[tuple[int, np.ndarray]]] = {}
-
-    def apply(self, request: Request, prompt: np.ndarray) -> None:
-        # only outputs inside the prefix shared with the previous request are still in context
-        kept = [
-            (pos, ids)
-            for pos, ids in self._by_session.get(request.session_id, [])
-            if pos + len(ids) <= request.ideal_cached_tokens
-        ]
-        for pos, ids in kept:
-            prompt[pos : pos + len(ids)] = ids
-        self._by_session[request.session_id] = kept
-
-    def add(self, session_id: str, position: int, ids: list[int]) -> None:
-        self._by_session.setdefault(session_id, []).append(
-            (position, np.asarray(ids, dtype=np.int64))
-        )
-
-    def clear(self) -> None:
-        self._by_session.clear()
-
-
 class _Lane:
     def __init__(self, lane: int, run: _Run, workload: Workload, backend: Backend) -> None:
         self.lane = lane
@@ -226,7 +201,7 @@ class _Lane:
         self.backend = backend
         self.config = run.config
         self.warmup_left = run.config.warmup_requests
-        self.splicer = _OutputSplicer()
+        self.prompts = PromptBuilder(workload.token_space, run.config.splice_outputs)
 
     async def replay(self) -> None:
         try:
@@ -240,7 +215,7 @@ class _Lane:
     async def _replay_trees(self) -> None:
         for ordinal in itertools.count():
             tree = self._tree(ordinal)
-            self.splicer.clear()
+            self.prompts.clear()
             start = 0
             if ordinal == 0:
                 start = self._start_index(tree)
@@ -290,17 +265,11 @@ class _Lane:
         main = [r.index for r in tree.requests if not r.is_subagent]
         return next((i for i in main if i >= point), main[-1])
 
-    def _prompt_ids(self, request: Request) -> list[int]:
-        prompt = self.workload.token_space.prompt_array(request.segments)  # [prompt_tokens]
-        if self.config.splice_outputs:
-            self.splicer.apply(request, prompt)
-        return prompt.tolist()
-
     async def _send(
         self, request: Request, phase: Phase, think_s: float, max_tokens: int | None = None
     ) -> None:
         call = GenerateCall(
-            prompt_ids=self._prompt_ids(request),
+            prompt_ids=self.prompts.build(request).tolist(),
             max_tokens=request.max_tokens if max_tokens is None else max_tokens,
             session_id=request.session_id,
             parent_session_id=request.parent_session_id,
@@ -339,12 +308,8 @@ class _Lane:
                     outcome,
                 )
             )
-        if (
-            outcome.completion is not None
-            and self.config.splice_outputs
-            and len(timer.ids) == call.max_tokens
-        ):
-            self.splicer.add(request.session_id, len(call.prompt_ids), timer.ids)
+        if outcome.completion is not None and len(timer.ids) == call.max_tokens:
+            self.prompts.record_output(request, timer.ids)
 
 
 @dataclass

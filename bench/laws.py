@@ -122,6 +122,11 @@ class AgentShape:
                 raise ValueError(f"{name} must be in [0, 1], got {share}")
         if self.salt_tokens < 1 or self.context_cap_tokens < 1:
             raise ValueError("salt_tokens and context_cap_tokens must be >= 1")
+        for window in (self.short_window_compact_tokens, self.long_window_compact_tokens):
+            if window.hi > self.context_cap_tokens:
+                raise ValueError(
+                    f"compaction window {window} passes the context cap {self.context_cap_tokens}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict

@@ -78,10 +78,12 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         row = asdict(self)
         row["phase"] = self.phase.value
+        row["e2e_s"] = self.e2e_s  # derived, written for readers of the JSONL
         return row
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> RequestRecord:
+        row = {k: v for k, v in row.items() if k != "e2e_s"}
         known = {f.name for f in fields(cls)}
         unknown = set(row) - known
         if unknown:

@@ -88,7 +88,16 @@ class TokenSpace:
         return (hashed % span).astype(np.int64) + self.vocab_lo  # [n]
 
     def prompt_array(self, segments: Sequence[Segment]) -> np.ndarray:
-        parts = [self.stream_ids(s.stream_key, 0, s.num_tokens) for s in segments]
+        return self.prompt_slice(segments, 0, sum(s.num_tokens for s in segments))
+
+    def prompt_slice(self, segments: Sequence[Segment], start: int, stop: int) -> np.ndarray:
+        """Ids at prompt positions [start, stop)."""
+        parts, offset = [], 0
+        for seg in segments:
+            lo, hi = max(start, offset), min(stop, offset + seg.num_tokens)
+            if lo < hi:
+                parts.append(self.stream_ids(seg.stream_key, lo - offset, hi - lo))
+            offset += seg.num_tokens
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def prompt_ids(self, segments: Sequence[Segment]) -> list[int]:

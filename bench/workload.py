@@ -14,9 +14,10 @@ that request's prompt plus its output. A sub-agent's first request shares salt +
 with its parent. When a context would pass the tree's compaction threshold, the agent compacts:
 a new stream starts with a summary and only salt + system prefix stay shared.
 
-`scale` divides every token count (and the caps) and `time_scale` every think time, so small
-models and CPU runs keep the shape. Everything is deterministic from the seed: tree i depends only
-on (seed, i, scale, max_turns), not on how many trees are generated.
+`scale` divides every token count (and the caps; `output_scale`, when given, divides output
+lengths instead) and `time_scale` every think time, so small models and CPU runs keep the shape.
+Everything is deterministic from the config: tree i depends only on (seed, i, scales, max_turns),
+not on how many trees are generated.
 """
 
 from __future__ import annotations

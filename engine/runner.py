@@ -80,7 +80,7 @@ class ModelRunner:
         if chunk.fresh_slot or rid not in self._states:
             state = PagedSeqState(self.pools, chunk.slot, table, self.model.dtype)
             self._states[rid] = state
-            if chunk.start > 0:
+            if chunk.start > 0 or chunk.replay is not None:
                 # The blocks already hold global KV up to the replay end (or the chunk start).
                 held = chunk.replay.to_token if chunk.replay is not None else chunk.start
                 state.adopt_prefix(held, tuple(known[max(0, held - 3):held]))

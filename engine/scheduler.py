@@ -290,7 +290,7 @@ class Scheduler:
         while self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens) is None:
             victim = max(self._running, key=_by_arrival)
             dropped = chunks.pop(victim.request_id, None)
-            refund += 0
+            refund += 0 if dropped is None else dropped.num_tokens
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:

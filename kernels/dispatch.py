@@ -1,9 +1,9 @@
 """Strict kernel registry: `get(op, impl)` returns the module that implements one op family.
 
 Every op has a readable torch reference (`flashpd.kernels.<op>.ref`, registered here); faster
-implementations register themselves under another name (e.g. a Triton module calls
-`register("attention", "triton", module)`) and must expose the same function names and
-signatures as the reference. Unknown ops or implementations raise; nothing falls back.
+implementations register themselves under another name from the op package's `__init__`
+(e.g. `register("attention", "triton", "flashpd.kernels.attention.triton")`; `get` imports the
+package first) and must expose the same function names and signatures as the reference. Unknown ops or implementations raise; nothing falls back.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def register(op: str, impl: str, module: ModuleType | str, replace: bool = False
 def get(op: str, impl: str = "ref") -> ModuleType:
     """The module implementing `op` under `impl`; raises KeyError for unknown names."""
     _check_op(op)
+    importlib.import_module(f"flashpd.kernels.{op}")  # its __init__ registers further impls
     key = (op, impl)
     if key not in _REGISTRY:
         raise KeyError(f"no kernel {op}/{impl}; registered for {op}: {', '.join(available(op))}")
@@ -46,6 +47,7 @@ def get(op: str, impl: str = "ref") -> ModuleType:
 def available(op: str) -> tuple[str, ...]:
     """Registered implementation names of `op`, sorted."""
     _check_op(op)
+    importlib.import_module(f"flashpd.kernels.{op}")
     return tuple(sorted(impl for (o, impl) in _REGISTRY if o == op))
 
 

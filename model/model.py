@@ -204,6 +204,15 @@ class _LayerRows:
             [p.seg.start_pos + p.seam_first + torch.arange(p.s1 - p.s0) for p in self.parts])
 
 
+    @classmethod
+    def cached(cls, cache: dict, spec: LayerSpec, segs: Sequence[_Seg], cand: int) -> _LayerRows:
+        """Rows depend only on (decoder layer?, owns a compressor?): build each kind once."""
+        key = (spec.layer_id >= cand, spec.owns_compressor)
+        if key not in cache:
+            cache[key] = cls(spec, segs, cand)
+        return cache[key]
+
+
 def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -282,7 +291,7 @@ class Model:
     def run_replay(self, state: SeqState, segment: ReplaySegment) -> torch.Tensor | None:
         return self.run(state, segment.token_ids, segment.plan, segment.start_pos)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor,
                 seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None."""
@@ -295,8 +304,9 @@ class Model:
         carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32)  # [T, S]
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
         published = _Published()
+        row_sets: dict[tuple[bool, bool], _LayerRows] = {}
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
-            rows = _LayerRows(spec, segs, cfg.candidate_source_layer_id)
+            rows = _LayerRows.cached(row_sets, spec, segs, cfg.candidate_source_layer_id)
             if rows.num_seam:
                 self._layer(spec, lw, rows, streams, carried_pre, hash_ids, published)
         logits = self._logits(streams, carried_pre, segs)
@@ -447,11 +457,10 @@ class Model:
         """Pre-RoPE latents [G, d] -> (main KV [G, d] NVFP4, index keys [G, dI] MXFP4)."""
         d = self.dense
         entry_pos = (first_entry + torch.arange(latents.shape[0])) * ratio  # first token of group
+        cos, sin = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
         keys = d.rms_norm(d.linear(latents, cw.index_wk), cw.index_k_norm, self.eps)  # [G, dI]
-        keys = self.quant.fake_quant_mxfp4(self.rope.apply_rope(keys, entry_pos,
-                                                                self.freqs_compress))
-        kv = self.quant.fake_quant_nvfp4(self.rope.apply_rope(latents, entry_pos,
-                                                              self.freqs_compress))
+        keys = self.quant.fake_quant_mxfp4(self.rope.rotate(keys, cos, sin))
+        kv = self.quant.fake_quant_nvfp4(self.rope.rotate(latents, cos, sin))
         return kv, keys
 
     # ------------------------------------------------------------------ attention (§3)
@@ -459,14 +468,15 @@ class Model:
                    published: _Published) -> torch.Tensor:
         """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
         cfg, d, aw = self.cfg, self.dense, lw.attn
-        pos, freqs, num_q = rows.positions, self._freqs(spec), x.shape[0]
+        pos, num_q = rows.positions, x.shape[0]
+        cos, sin = self.rope.rope_cos_sin(pos, self._freqs(spec))  # [Tc, r/2] FP32
         c_q = d.rms_norm(d.linear(x, aw.wq_a), aw.q_norm, self.eps)  # [Tc, q_lora]
         q = d.linear(c_q, aw.wq_b).reshape(num_q, cfg.num_heads, cfg.head_dim)  # [Tc, H, d]
-        q = self.rope.apply_rope(q, pos, freqs)  # no per-head q norm in V4.1 (§12.4)
+        q = self.rope.rotate(q, cos, sin)  # no per-head q norm in V4.1 (§12.4)
         kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, self.eps)  # [Tc, d]
-        kv = self.quant.fake_quant_fp8_ue8m0(self.rope.apply_rope(kv, pos, freqs))
-        if lw.index_query is not None:
-            self._select(spec, lw.index_query, x, c_q, rows, published)
+        kv = self.quant.fake_quant_fp8_ue8m0(self.rope.rotate(kv, cos, sin))
+        if lw.index_query is not None:  # index sources have ratio > 0: same (compress) table
+            self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, published)
         outs = []
         for part in rows.compute_parts:
             keys, valid = self._window(spec.layer_id, part, kv[part.c0:part.c1],
@@ -479,7 +489,7 @@ class Model:
             outs.append(self.attention.sparse_attention(
                 q[part.c0:part.c1], keys, valid, aw.sink, cfg.head_dim ** -0.5))
         o = torch.cat(outs)  # [Tc, H, d]
-        o = self.rope.apply_rope(o, pos, freqs, inverse=True)
+        o = self.rope.rotate(o, cos, sin, inverse=True)
         return self._output_projection(aw, o)
 
     def _window(self, layer: int, part: _Part, kv_new: torch.Tensor,
@@ -508,12 +518,13 @@ class Model:
 
     # ------------------------------------------------------------------ indexer (§5)
     def _select(self, spec: LayerSpec, iw: IndexQueryWeights, x: torch.Tensor, c_q: torch.Tensor,
-                rows: _LayerRows, published: _Published) -> None:
+                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: _LayerRows,
+                published: _Published) -> None:
         """Score the kv source's index keys, publish top-k (and candidates at the source)."""
         cfg, d = self.cfg, self.dense
         pos, num_q = rows.positions, x.shape[0]
         q = d.linear(c_q, iw.wq_b).reshape(num_q, cfg.index_n_heads, cfg.index_head_dim)
-        q = self.quant.fake_quant_mxfp4(self.rope.apply_rope(q, pos, self.freqs_compress))
+        q = self.quant.fake_quant_mxfp4(self.rope.rotate(q, *cos_sin))  # [Tc, hI, dI]
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5  # 1/64 released
         head_w = d.linear(x, iw.weights_proj).to(torch.float32) * scale  # [Tc, hI]
         for part in rows.compute_parts:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from flashpd.kernels.dense.ref import fp32
+
 
 def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
                 window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +51,10 @@ def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Te
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
                      sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
-    k32 = keys.to(torch.float32)
-    scores = torch.bmm(q.to(torch.float32), k32.transpose(1, 2)) * softmax_scale  # [T, H, N]
+    k32 = fp32(keys)
+    scores = torch.bmm(fp32(q), k32.transpose(1, 2)) * softmax_scale  # [T, H, N]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sink.to(torch.float32)[None, :]  # [1, H]
+    sink = fp32(sink)[None, :]  # [1, H]
     row_max = torch.maximum(scores.amax(dim=-1), sink)  # [T, H]
     weights = torch.exp(scores - row_max[..., None])  # [T, H, N]; masked -> 0
     denom = torch.exp(sink - row_max) + weights.sum(dim=-1)  # [T, H]

@@ -108,6 +108,20 @@ def _weight_tile(w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_
 
 
 @triton.jit
+def _dot_scaled_mxfp4(a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se,
+                      stride_sn, acc, BLOCK_K: tl.constexpr):
+    """acc + a . W^T with the MXFP4 tile handed to tl.dot_scaled as stored (no dequant here)."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    nmask = n_idx[:, None] < N
+    base = w_ptr + e.to(tl.int64) * stride_we + n_idx[:, None].to(tl.int64) * stride_wn
+    packed = tl.load(base + half[None, :], mask=nmask & (half[None, :] < K // 2), other=0)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sbase = s_ptr + e.to(tl.int64) * stride_se + n_idx[:, None].to(tl.int64) * stride_sn
+    scale = tl.load(sbase + groups[None, :], mask=nmask & (groups[None, :] < K // 32), other=127)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
+
+
+@triton.jit
 def _round_out(x, OUT_BF16: tl.constexpr):
     if OUT_BF16:
         x = round_bf16(x)
@@ -121,7 +135,7 @@ def _grouped_gemm_kernel(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit,
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     start = tl.load(tile_start_ptr + tile)
@@ -142,13 +156,20 @@ def _grouped_gemm_kernel(
             k_idx = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
                         mask=p_mask[:, None] & (k_idx[None, :] < K), other=0.0)
-            w1 = _weight_tile(w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
-                              stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype)
-            acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
-            if EPILOGUE == 1:
-                w3 = _weight_tile(w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
+            if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
+                acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we,
+                                         stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
+                if EPILOGUE == 1:
+                    acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we,
+                                             stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
+            else:
+                w1 = _weight_tile(w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
                                   stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype)
-                acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+                if EPILOGUE == 1:
+                    w3 = _weight_tile(w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
+                                      stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype)
+                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
         if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
             g = tl.minimum(_round_out(acc1, ROUND_ACT_BF16), limit)
             u = tl.minimum(tl.maximum(_round_out(acc3, ROUND_ACT_BF16), -limit), limit)
@@ -249,9 +270,16 @@ def grouped_schedule(counts: torch.Tensor, total_rows: int, block_m: int) -> Til
 
 def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch.Tensor,
                  a_rows: torch.Tensor | None = None, w3: Weights | None = None,
-                 gamma: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
-    """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given."""
+                 gamma: torch.Tensor | None = None, limit: float = 0.0,
+                 dot_scaled: bool = False) -> torch.Tensor:
+    """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given.
+
+    dot_scaled=True (MXFP4 weights, GPU only) feeds the packed tile to tl.dot_scaled instead of
+    dequantising it in registers; it is rejected under the interpreter, which cannot run it.
+    """
     _check_gemm(a, w, out, w3)
+    if dot_scaled and (w.fmt != W_MXFP4 or triton_runtime.interpreting()):
+        raise ValueError("dot_scaled needs MXFP4 weights and a GPU (not the interpreter)")
     n_dim, k_dim = w.out_dim, w.in_dim
     n_tiles = schedule.start.shape[0]
     if n_tiles == 0 or out.shape[0] == 0:
@@ -269,7 +297,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if w3 is not None else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, BLOCK_M=schedule.block_m, BLOCK_N=_BLOCK_N,
+        IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
+        DOT_SCALED=dot_scaled, BLOCK_M=schedule.block_m, BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3, **triton_runtime.launch_options())
     return out
 

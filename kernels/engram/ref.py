@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from flashpd.kernels.dense.ref import linear, sigmoid
+from flashpd.kernels.dense.ref import fp32, linear, sigmoid
 
 SIGNED_SQRT_CLAMP = 1e-6
 
@@ -25,12 +25,12 @@ SIGNED_SQRT_CLAMP = 1e-6
 def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor,
                  norm_eps: float) -> torch.Tensor:
     """streams, keys [T, S, D]; qk [S, D] -> gates FP32 [T, S]."""
-    h = streams.to(torch.float32)
-    key = keys.to(torch.float32)
+    h = fp32(streams)
+    key = fp32(keys)
     d_model = h.shape[-1]
     rho = torch.rsqrt(h.square().mean(dim=-1) + norm_eps) * torch.rsqrt(
         key.square().mean(dim=-1) + norm_eps)  # [T, S]
-    dot = rho * (h * qk.to(torch.float32)[None] * key).sum(dim=-1) / math.sqrt(d_model)
+    dot = rho * (h * fp32(qk)[None] * key).sum(dim=-1) / math.sqrt(d_model)
     sign = torch.where(dot < 0, -1.0, 1.0)
     return sigmoid(sign * torch.sqrt(dot.abs().clamp_min(SIGNED_SQRT_CLAMP)))
 
@@ -42,7 +42,7 @@ def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, 
     num_tokens, num_streams, d_model = streams.shape
     kv = linear(rows.to(streams.dtype), wkv)  # [T, (S+1)*D]
     keys = kv[:, : num_streams * d_model].reshape(num_tokens, num_streams, d_model)
-    value = kv[:, num_streams * d_model:].to(torch.float32)  # [T, D]
+    value = fp32(kv[:, num_streams * d_model:])  # [T, D]
     gates = engram_gates(streams, keys, qk, norm_eps)  # [T, S]
-    out = streams.to(torch.float32) + gates[..., None] * value[:, None, :]
+    out = fp32(streams) + gates[..., None] * value[:, None, :]
     return out.to(streams.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpd.kernels.dense.ref import matmul_nt
+from flashpd.kernels.dense.ref import fp32, matmul_nt
 
 NEG_INF = float("-inf")
 
@@ -25,7 +25,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     num_keys = keys.shape[0]
     dots = matmul_nt(q.reshape(num_q * num_heads, head_dim), keys)  # [T*h, N]
     dots = dots.reshape(num_q, num_heads, num_keys).clamp_min(0)  # ReLU
-    w = head_weights.to(torch.float32)
+    w = fp32(head_weights)
     scores = torch.zeros(num_q, num_keys, dtype=torch.float32, device=q.device)
     for h in range(num_heads):  # fixed summation order over heads
         scores = scores + w[:, h, None] * dots[:, h, :]

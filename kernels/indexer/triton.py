@@ -188,7 +188,7 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
     prefix = tl.zeros((), dtype=tl.int64)
     above = tl.zeros((), dtype=tl.int32)
     for p in tl.static_range(8):  # most significant digit first
-        shift: tl.constexpr = 28 - 4 * p
+        shift = 28 - 4 * p
         hist = tl.zeros((16,), dtype=tl.int32)
         for c0 in range(0, N, CHUNK):
             key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,

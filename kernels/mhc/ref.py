@@ -9,14 +9,15 @@ Mixes of one site from the streams X [T, S, D]:
     comb = Sinkhorn(scale2 * m_comb + base_comb as S x S, row-major A[j][k]: j source, k dest)
 
 Collapse x = sum_k pre_k X_k; expand X'_k = post_k y + sum_j comb[j][k] X_j. Both round once to
-the stream dtype. The stream sums run in a fixed order (k or j ascending) for every token.
+the stream dtype. The stream sums are per-token batched GEMMs of fixed shape ([1|S, S] x [S, D]),
+so every token sees the same arithmetic whatever the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashpd.kernels.dense.ref import linear_fp32, sigmoid
+from flashpd.kernels.dense.ref import fp32, linear_fp32, sigmoid
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -27,13 +28,13 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """
     if iters < 1:
         raise ValueError(f"sinkhorn needs at least one iteration, got {iters}")
-    logits = logits.to(torch.float32)
+    logits = fp32(logits)
     e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     c = e / e.sum(dim=-1, keepdim=True) + eps
-    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    c.div_(c.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+        c.div_(c.sum(dim=-1, keepdim=True).add_(eps))  # rows
+        c.div_(c.sum(dim=-2, keepdim=True).add_(eps))  # columns
     return c
 
 
@@ -42,10 +43,10 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, S, D] -> pre [T, S], post [T, S], comb [T, S, S], all FP32."""
     num_tokens, num_streams, _ = streams.shape
-    z = streams.to(torch.float32).reshape(num_tokens, -1)  # [T, S*D]
+    z = fp32(streams).reshape(num_tokens, -1)  # [T, S*D]
     rho = torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + norm_eps)  # [T, 1]
     m = linear_fp32(z, fn) * rho  # [T, (2+S)*S]
-    base, scale = base.to(torch.float32), scale.to(torch.float32)
+    base, scale = fp32(base), fp32(scale)
     s = num_streams
     pre = sigmoid(scale[0] * m[:, :s] + base[:s]) + hc_eps
     post = 2.0 * sigmoid(scale[1] * m[:, s:2 * s] + base[s:2 * s])
@@ -55,23 +56,16 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """streams [T, S, D], pre [T, S] -> x [T, D] = bf16(sum_k pre_k X_k)."""
-    x32 = streams.to(torch.float32)
-    pre = pre.to(torch.float32)
-    out = pre[:, 0, None] * x32[:, 0]
-    for k in range(1, streams.shape[1]):
-        out = out + pre[:, k, None] * x32[:, k]
-    return out.to(streams.dtype)
+    mixed = torch.bmm(fp32(pre)[:, None, :], fp32(streams))  # [T, 1, D]
+    return mixed[:, 0].to(streams.dtype)
 
 
 def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
            comb: torch.Tensor) -> torch.Tensor:
-    """y [T, D], streams [T, S, D], post [T, S], comb [T, S, S] -> new streams [T, S, D]."""
-    x32 = streams.to(torch.float32)
-    y32 = y.to(torch.float32)
-    outs = []
-    for k in range(streams.shape[1]):
-        acc = post[:, k, None] * y32
-        for j in range(streams.shape[1]):
-            acc = acc + comb[:, j, k, None] * x32[:, j]
-        outs.append(acc)
-    return torch.stack(outs, dim=1).to(streams.dtype)
+    """y [T, D], streams [T, S, D], post [T, S], comb [T, S, S] -> new streams [T, S, D].
+
+    X'_k = post_k y + sum_j comb[j][k] X_j: the residual mix is comb^T (per token) times X.
+    """
+    mixed = torch.bmm(fp32(comb).transpose(1, 2), fp32(streams))
+    out = fp32(post)[..., None] * fp32(y)[:, None, :] + mixed
+    return out.to(streams.dtype)  # [T, S, D]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpd.kernels.dense.ref import linear, linear_fp32, silu, softplus
+from flashpd.kernels.dense.ref import fp32, linear, linear_fp32, silu, softplus
 
 ROUTER_NORM_EPS = 1e-20
 
@@ -43,7 +43,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     """
     logits = linear_fp32(x, gate_weight) / gate_temp  # [T, E]
     scores = torch.sqrt(softplus(logits))
-    biased = scores + bias.to(torch.float32)[None, :]
+    biased = scores + fp32(bias)[None, :]
     ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
     chosen = torch.gather(scores, 1, ids)  # unbiased
     if normalize:
@@ -53,8 +53,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """FP32 silu(min(gate, limit)) * clamp(up, -limit, limit) (§7.5, §12.14)."""
-    gate = gate.to(torch.float32).clamp_max(limit)
-    up = up.to(torch.float32).clamp(-limit, limit)
+    gate = fp32(gate).clamp_max(limit)
+    up = fp32(up).clamp(-limit, limit)
     return silu(gate) * up
 
 
@@ -73,14 +73,12 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts:
     """x [T, D] -> y [T, D] in x.dtype."""
     ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
-    for e in range(experts.num_experts):  # expert-id order: fixed per-token summation order
+    for e in torch.unique(ids).tolist():  # ascending expert id: fixed per-token sum order
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-        if token_idx.numel() == 0:
-            continue
         y = expert_ffn(x[token_idx], experts.w1[e], experts.w3[e], experts.w2[e], limit,
                        weights[token_idx, slot][:, None])
-        out.index_add_(0, token_idx, y.to(torch.float32))
+        out.index_add_(0, token_idx, fp32(y))
     if shared is not None:
         for e in range(shared.num_experts):
-            out += expert_ffn(x, shared.w1[e], shared.w3[e], shared.w2[e], limit).float()
+            out += fp32(expert_ffn(x, shared.w1[e], shared.w3[e], shared.w2[e], limit))
     return out.to(x.dtype)

@@ -42,7 +42,7 @@ _ROUTER_BLOCK_K = 32
 @triton.jit
 def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
                     inv_temp, routed_scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                    E_PAD: tl.constexpr):
+                    E_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     scores = tl.sqrt_rn(softplus_f32(logits * inv_temp))  # [BT, E_PAD]
     bias = tl.load(bias_ptr + experts, mask=emask, other=0.0)
     biased = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
@@ -59,7 +59,10 @@ def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weig
         sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
         sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
         biased = tl.where(hit, float("-inf"), biased)
-    gamma = sel_scores / (total[:, None] + 1e-20) * routed_scale
+    if NORMALIZE:  # norm_topk_prob
+        gamma = sel_scores / (total[:, None] + 1e-20) * routed_scale
+    else:
+        gamma = sel_scores * routed_scale
     out = rows[:, None].to(tl.int64) * TOP_K + slot
     omask = rmask[:, None] & (slot < TOP_K)
     tl.store(ids_ptr + out, sel_ids.to(tl.int64), mask=omask)
@@ -71,8 +74,7 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                   ids_ptr, weights_ptr, T, E, D, chunk, inv_temp, routed_scale,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                  IEEE: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, NORMALIZE: tl.constexpr):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,7 +93,7 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
         acc = mma(a, tl.trans(w), acc, IEEE, UPCAST)
     if SPLIT == 1:
         _route_epilogue(acc, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
-                        inv_temp, routed_scale, TOP_K, K_PAD, E_PAD)
+                        inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
     else:
         tile = (rows[:, None].to(tl.int64) * E_PAD + experts[None, :])
         tl.store(partial_ptr + sp * T.to(tl.int64) * E_PAD + tile, acc, mask=rmask[:, None])
@@ -104,7 +106,7 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                                   mask=rmask[:, None], other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
             _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr,
-                            weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD)
+                            weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -120,8 +122,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-          routed_scale: float, gate_temp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (expert ids [T, k] int64, weights [T, k] FP32), one fused launch."""
+          routed_scale: float, gate_temp: float = 1.0,
+          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (expert ids [T, k] int64, weights [T, k] FP32), one fused launch.
+
+    Ties in s + bias go to the lower expert id. `normalize` is norm_topk_prob.
+    """
     _check_route(x, gate_weight, bias, top_k)
     num_tokens, dim = x.shape
     num_experts = gate_weight.shape[0]
@@ -140,7 +146,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
         1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
         E_PAD=e_pad, BLOCK_K=_ROUTER_BLOCK_K, SPLIT=ROUTER_SPLIT,
-        IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST,
+        IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST, NORMALIZE=normalize,
         num_warps=8, num_stages=3, **triton_runtime.launch_options())
     return ids, weights
 
@@ -252,21 +258,21 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
         shared: ExpertWeights | None, top_k: int, routed_scale: float, limit: float,
-        gate_temp: float = 1.0) -> torch.Tensor:
+        gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
     """x [T, D] -> y [T, D] in x.dtype (dequantised expert weights, as the ref)."""
     return moe_quantized(x, gate_weight, bias, ExpertSet.plain(experts),
                          None if shared is None else ExpertSet.plain(shared), top_k,
-                         routed_scale, limit, gate_temp)
+                         routed_scale, limit, gate_temp, normalize)
 
 
 def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
                   experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
-                  limit: float, gate_temp: float = 1.0) -> torch.Tensor:
+                  limit: float, gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
     """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared)."""
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp)
+    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
     out = routed_experts(x, ids, weights, experts, limit)
     if shared is not None:
         for e in range(shared.num_experts):

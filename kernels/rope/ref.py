@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpd.kernels.dense.ref import fp32
+
 
 @dataclass(frozen=True)
 class Yarn:
@@ -59,24 +61,32 @@ def rope_frequencies(rope_dim: int, base: float, yarn: Yarn | None = None) -> to
 
 def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int -> (cos, sin), each FP32 [T, rope_dim / 2]."""
-    phase = positions.to(torch.float32)[:, None] * freqs.to(torch.float32)[None, :]  # [T, n]
+    phase = fp32(positions)[:, None] * fp32(freqs)[None, :]  # [T, n]
     return torch.cos(phase), torch.sin(phase)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., dim] rotated on its last 2n channels by cos, sin [T, n]; x.dtype out."""
+    n = cos.shape[-1]
+    rope_dim = 2 * n
+    if x.shape[0] != cos.shape[0] or x.shape[-1] < rope_dim:
+        raise ValueError(f"rotate: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    if inverse:
+        sin = -sin
+    extra = (1,) * (x.ndim - 2)  # broadcast over head axes
+    cos = cos.reshape(cos.shape[0], *extra, n)  # [T, 1.., n]
+    sin = sin.reshape(sin.shape[0], *extra, n)
+    pairs = fp32(x[..., -rope_dim:]).unflatten(-1, (n, 2))  # [T, .., n, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
                inverse: bool = False) -> torch.Tensor:
     """x [T, ..., dim] rotated on its last 2*len(freqs) channels at positions [T]; x.dtype out."""
-    rope_dim = 2 * freqs.shape[0]
-    if x.shape[0] != positions.shape[0] or x.shape[-1] < rope_dim:
-        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, "
-                         f"rope_dim {rope_dim}")
-    cos, sin = rope_cos_sin(positions, freqs)  # [T, n]
-    if inverse:
-        sin = -sin
-    extra = (1,) * (x.ndim - 2)  # broadcast over head axes
-    cos = cos.reshape(cos.shape[0], *extra, freqs.shape[0])  # [T, 1.., n]
-    sin = sin.reshape(sin.shape[0], *extra, freqs.shape[0])
-    pairs = x[..., -rope_dim:].to(torch.float32).unflatten(-1, (rope_dim // 2, 2))  # [T,..,n,2]
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
+    if x.shape[0] != positions.shape[0]:
+        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}")
+    cos, sin = rope_cos_sin(positions, freqs)
+    return rotate(x, cos, sin, inverse)

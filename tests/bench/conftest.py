@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from flashpd.bench.backend import BackendError, Completion, GenerateCall, OnTokens
+from flashpd.bench.laws import AgentShape, UniformRange
 from flashpd.bench.workload import Workload, WorkloadConfig, generate_workload
 
 
@@ -77,7 +78,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fake_backend_cls() -> type[FakeBackend]:
     return FakeBackend
 
@@ -95,6 +96,17 @@ def small_workload() -> Workload:
     return generate_workload(small_workload_config())
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def workload_config() -> Callable[..., WorkloadConfig]:
     return small_workload_config
+
+
+@pytest.fixture(scope="session")
+def compacting_workload() -> Workload:
+    shape = AgentShape(
+        short_window_compact_tokens=UniformRange(40_000, 50_000),
+        long_window_compact_tokens=UniformRange(60_000, 80_000),
+    )
+    return generate_workload(
+        WorkloadConfig(seed=2, num_trees=4, scale=200.0, max_turns=40, shape=shape)
+    )

@@ -21,6 +21,7 @@ class Unavailable(SdkError):
 class FakeStream:
     def __init__(self, chunks, result, error=None):
         self._chunks, self.result_value, self._error = chunks, result, error
+        self.closed = False
 
     def __aiter__(self):
         return self._iterate()
@@ -34,6 +35,9 @@ class FakeStream:
     @property
     def result(self):
         return self.result_value
+
+    async def aclose(self):
+        self.closed = True
 
 
 class FakeClient:
@@ -116,3 +120,44 @@ def test_adapter_lets_other_exceptions_through():
     client = FakeClient(FakeStream([], None, error=KeyError("bug")))
     with pytest.raises(KeyError):
         asyncio.run(SdkBackend(client, SdkError).generate(CALL, lambda ids: None))
+
+
+class EndlessStream(FakeStream):
+    async def _iterate(self):
+        while True:
+            await asyncio.sleep(0.01)
+            yield SimpleNamespace(token_ids=(1,), text="", index=0)
+
+
+def test_adapter_closes_the_stream_when_the_request_is_cancelled():
+    stream = EndlessStream([], None)
+
+    async def scenario():
+        task = asyncio.create_task(
+            SdkBackend(FakeClient(stream), SdkError).generate(CALL, lambda ids: None)
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert stream.closed
+
+
+@pytest.mark.net
+def test_adapter_matches_the_real_sdk_and_maps_unavailable():
+    # loopback port 1 refuses connections: the real AsyncClient accepts our keyword arguments,
+    # retries, then raises Unavailable, which must surface as a BackendError
+    pytest.importorskip("flashpd_sdk")
+
+    async def scenario():
+        backend = SdkBackend.connect("127.0.0.1:1")
+        try:
+            await backend.generate(CALL, lambda ids: None)
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(BackendError) as info:
+        asyncio.run(scenario())
+    assert info.value.kind == "Unavailable"

@@ -33,10 +33,8 @@ def run(workload, backend, **overrides) -> RunResult:
 
 
 @pytest.fixture(scope="module")
-def normal_run(small_workload):
-    from conftest import FakeBackend
-
-    backend = FakeBackend()
+def normal_run(small_workload, fake_backend_cls):
+    backend = fake_backend_cls()
     return run(small_workload, backend), backend
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashpd.bench.laws import Z90, Z99, AgentShape, LogQuantiles
+from flashpd.bench.laws import Z90, Z99, AgentShape, LogQuantiles, UniformRange
 
 
 def test_log_quantiles_pass_through_their_knots():
@@ -38,3 +38,8 @@ def test_agent_shape_dict_round_trip():
 def test_agent_shape_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown"):
         AgentShape.from_dict({"bogus": 1})
+
+
+def test_agent_shape_rejects_compaction_past_the_context_cap():
+    with pytest.raises(ValueError, match="context cap"):
+        AgentShape(long_window_compact_tokens=UniformRange(600_000, 2_000_000))

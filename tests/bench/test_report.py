@@ -14,9 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def study_dir(tmp_path_factory, small_workload):
-    from conftest import FakeBackend
-
+def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
     root = tmp_path_factory.mktemp("study")
     for name, ttft_s in (("base", 0.006), ("fast", 0.002)):
         for concurrency in (1, 2):
@@ -30,7 +28,7 @@ def study_dir(tmp_path_factory, small_workload):
             )
             coro = run_closed_loop(
                 small_workload,
-                FakeBackend(ttft_s=ttft_s),
+                fake_backend_cls(ttft_s=ttft_s),
                 config,
                 name=name,
                 target=f"inproc-{name}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashpd.bench.laws import AgentShape, UniformRange
 from flashpd.bench.tokens import Segment, TokenSpace, shared_prefix_tokens
 from flashpd.bench.workload import Workload, WorkloadConfig, generate_tree, generate_workload
 
@@ -44,17 +43,6 @@ def test_read_jsonl_rejects_foreign_files(tmp_path):
     path.write_text('{"format": "something-else"}\n')
     with pytest.raises(ValueError, match="not a"):
         Workload.read_jsonl(path)
-
-
-@pytest.fixture(scope="module")
-def compacting_workload() -> Workload:
-    shape = AgentShape(
-        short_window_compact_tokens=UniformRange(40_000, 50_000),
-        long_window_compact_tokens=UniformRange(60_000, 80_000),
-    )
-    return generate_workload(
-        WorkloadConfig(seed=2, num_trees=4, scale=200.0, max_turns=40, shape=shape)
-    )
 
 
 def test_compaction_restarts_the_context_after_the_prefix(compacting_workload):

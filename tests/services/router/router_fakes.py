@@ -201,3 +201,44 @@ async def collect(orchestrator: Orchestrator, run, from_token: int = 0):
         async for event in stream:
             events.append(event)
     return events
+
+
+@contextlib.asynccontextmanager
+async def grpc_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode],
+                     **kwargs):
+    """The router stack behind a real grpc.aio server on a free 127.0.0.1 port."""
+    from flashpd.services.router.grpc_server import start_grpc_server
+
+    async with router_stack(redis_url, prefill, decode, **kwargs) as stack:
+        frontend = await start_grpc_server(stack.orchestrator, stack.models, stack.tokenizer,
+                                           host="127.0.0.1", port=0, health_poll_s=0.05)
+        try:
+            yield stack, f"127.0.0.1:{frontend.port}"
+        finally:
+            await frontend.stop(grace_s=None)
+
+
+@contextlib.asynccontextmanager
+async def http_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode],
+                     **kwargs):
+    """The router stack behind the OpenAI app served by uvicorn on a free 127.0.0.1 port."""
+    import uvicorn
+
+    from flashpd.services.redis_local import free_port
+    from flashpd.services.router.http_app import build_http_app
+
+    async with router_stack(redis_url, prefill, decode, **kwargs) as stack:
+        app = build_http_app(stack.orchestrator, stack.models, stack.tokenizer, stack.metrics)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                               log_level="warning", lifespan="off"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        try:
+            yield stack, f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            await task

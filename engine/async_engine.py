@@ -1,0 +1,196 @@
+"""AsyncLLMEngine: the step loop on its own thread, an asyncio face for servers.
+
+Every engine mutation runs on the loop thread: callers submit commands (`call`), which run
+between steps, so the engine itself needs no locks. Outputs are fanned out to per-request
+asyncio queues on the caller's event loop.
+
+    async for out in engine.generate(rid, prompt_ids, params):   # colocated / decode role
+        ...
+    ready = await engine.prefill(rid, prompt_ids)                  # prefill role -> kv_ready
+
+`hooks` run on the loop thread once per iteration (after commands, before a step): the decode
+server polls KV-transfer completions there; workers drain prefix-cache events there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from flashpd.engine.llm_engine import EngineOutput, LLMEngine
+from flashpd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.005
+
+
+class EngineDead(RuntimeError):
+    """The step loop stopped (an exception in a step, or shutdown)."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = _IDLE_WAIT_S):
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.hooks: list[Callable[[LLMEngine], None]] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="flashpd-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ commands
+    def call_sync(self, fn: Callable[[LLMEngine], Any], timeout_s: float | None = 60.0) -> Any:
+        """Run fn(engine) on the loop thread and wait for its result (from a non-loop thread)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(fn, fut)
+        return fut.result(timeout_s)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(fn, fut)
+        return await asyncio.wrap_future(fut)
+
+    def _submit(self, fn, fut) -> None:
+        if self._error is not None or self._stop.is_set():
+            raise EngineDead(f"engine loop is not running: {self._error!r}")
+        self._commands.put((fn, fut))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_ids, params: SamplingParams,
+                       session_id: str | None = None) -> AsyncIterator[EngineOutput]:
+        """Colocated role: add and stream. Cancelling the consumer aborts the request."""
+        stream = self._open(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
+        """Stream outputs of a request already admitted (decode role after reserve)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"request {request_id!r} has no open stream")
+        async for out in self._drain(request_id, stream[1]):
+            yield out
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def open_stream(self, request_id: str) -> None:
+        """Create the output queue before the request is admitted (so no output is missed)."""
+        self._open(request_id)
+
+    async def prefill(self, request_id: str, prompt_ids) -> EngineOutput:
+        """Prefill role: run the encoder path; returns the kv_ready output (blocks held)."""
+        params = SamplingParams(max_tokens=1)
+        last = None
+        async for out in self.generate(request_id, prompt_ids, params):
+            last = out
+        if last is None or last.finish_reason != "kv_ready":
+            raise RuntimeError(f"prefill of {request_id!r} ended with {last and last.finish_reason}")
+        return last
+
+    async def abort(self, request_id: str) -> bool:
+        found = await self.call(lambda e: e.abort(request_id))
+        self.close_stream(request_id, abort=True)
+        return found
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} already has an open stream")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[EngineOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                try:
+                    await self.call(lambda e: e.abort(request_id))
+                except EngineDead:
+                    pass
+
+    def close_stream(self, request_id: str, abort: bool) -> None:
+        """Drop a request's output queue; with abort, its consumer sees CancelledError."""
+        entry = self._streams.pop(request_id, None)
+        if entry is not None and abort:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, asyncio.CancelledError(f"{request_id} aborted"))
+
+    # ------------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                for hook in self.hooks:
+                    hook(self.engine)
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._deliver(out)
+                else:
+                    self._wait_for_command()
+        except BaseException as exc:  # surface to every waiter, never hang them
+            log.exception("engine loop died")
+            self._error = exc
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(exc)))
+            self._fail_pending(exc)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _wait_for_command(self) -> None:
+        self._wake.wait(self._idle_wait_s)
+        self._wake.clear()
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(EngineDead(repr(exc)))
+
+    def _deliver(self, out: EngineOutput) -> None:
+        entry = self._streams.get(out.request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)

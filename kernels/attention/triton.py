@@ -1,0 +1,264 @@
+"""Sparse MQA attention in Triton (model_spec §3.4-§3.6): window ∪ selected compressed entries.
+
+Same function names and signatures as `attention/ref.py` (window_keys, compressed_keys,
+sparse_attention), plus the serving kernel `sparse_attention_packed`, one launch per layer:
+
+    q [T, H, d] (pre-RoPE) --RoPE at the query position, rounded as rope.ref--> q'
+    keys = FP8 window records (528 B)  rows window_rows[t, :W]   (-1 = empty slot)
+         ∪ compressed records          rows comp_rows[t, :K]     (-1 = empty slot)
+           NVFP4 (288 B) or, for comparison, FP8 (528 B)
+    o = softmax-with-sink(q' . k * scale) . k      (K = V, scores FP32, online softmax)
+    --round to q.dtype, inverse RoPE at the query position, round--> out [T, H, d]
+
+Keys are dequantised in registers (exact in BF16) and shared by a block of 16 heads (MQA).
+One program per (query, head block): decode batches and prefill chunks use the same kernel,
+each query with its own row lists (a prefill chunk passes one row list per query). The sink
+enters the running softmax as its initial max with weight exp(0) = 1 in the denominator.
+
+GPU numerics: P is rounded to BF16 before the P.V product (as FlashAttention does); under the
+interpreter every product runs in FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.kernels import triton_runtime
+from flashpd.kernels.dense.triton import DOT_UPCAST, mma
+from flashpd.kernels.quant import ref as qref
+from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
+FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
+_HEADS_PER_PROGRAM = 16
+_BLOCK_N = 16
+HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
+
+
+# ============================================================================ device helpers
+@triton.jit
+def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, partner,
+               inverse: tl.constexpr):
+    """Rotate the last 2*ROPE_PAIRS channels of rows x [M, D]; partner[c] = x[c ^ 1]."""
+    c = tl.arange(0, D)
+    off: tl.constexpr = D - 2 * ROPE_PAIRS
+    is_rope = c >= off
+    pair = tl.where(is_rope, (c - off) // 2, 0)
+    cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)
+    if inverse:
+        sin = -sin
+    signed_sin = tl.where((c & 1) == 0, -sin, sin)  # a' = a cos - b sin, b' = b cos + a sin
+    rotated = round_bf16(x * cos[None, :] + partner * signed_sin[None, :])
+    return tl.where(is_rope[None, :], rotated, x)
+
+
+@triton.jit
+def _record_tile(pool_ptr, stride_p, rows, valid, D: tl.constexpr, FMT: tl.constexpr,
+                 HW: tl.constexpr):
+    """Records at pool rows [BN] -> values [BN, D] in BF16 (exact)."""
+    base = pool_ptr + rows[:, None].to(tl.int64) * stride_p
+    c = tl.arange(0, D)[None, :]
+    m = valid[:, None]
+    if FMT == 0:
+        q = tl.load(base + c, mask=m, other=0)
+        if HW:
+            val = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            val = e4m3_decode(q)
+        scale = e8m0_decode(tl.load(base + D + c // 32, mask=m, other=127))
+    else:
+        packed = tl.load(base + tl.arange(0, D // 2)[None, :], mask=m, other=0).to(tl.int32)
+        val = tl.interleave(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
+        scale = e4m3_decode(tl.load(base + D // 2 + c // 16, mask=m, other=0x38))
+    return (val * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _attend(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of the online softmax; keys [BN, D] are both K and V."""
+    s = mma(q, tl.trans(keys), tl.zeros((q.shape[0], keys.shape[0]), tl.float32), IEEE, UPCAST)
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = mma(p.to(keys.dtype), keys, acc * alpha[:, None], IEEE, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
+    kv_ptr, valid_ptr, N,  # SRC 0: gathered keys [T, N, D] + valid [T, N]
+    win_ptr, stride_win, win_rows_ptr, W, comp_ptr, stride_comp, comp_rows_ptr, KC,  # SRC 1
+    H, scale,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SRC: tl.constexpr, COMP_FMT: tl.constexpr,
+    HB: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, HW: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    hmask = heads < H
+    c = tl.arange(0, D)
+    q_rows = q_ptr + (t * H + heads[:, None]) * D
+    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    if ROPE_PAIRS > 0:
+        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), False)
+    q = q.to(q_ptr.dtype.element_ty)
+    m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)  # the sink: running max ...
+    l_i = tl.full((HB,), 1.0, tl.float32)  # ... with exp(sink - sink) = 1 in the denominator
+    acc = tl.zeros((HB, D), dtype=tl.float32)
+    if SRC == 0:
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = tl.load(valid_ptr + t * N + n, mask=n < N, other=0) != 0
+            keys = tl.load(kv_ptr + (t * N + n[:, None]) * D + c[None, :], mask=valid[:, None],
+                           other=0.0).to(q.dtype)
+            m_i, l_i, acc = _attend(q, keys, valid, m_i, l_i, acc, scale, IEEE, UPCAST)
+    else:
+        for n0 in range(0, W, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            rows = tl.load(win_rows_ptr + t * W + n, mask=n < W, other=-1)
+            keys = _record_tile(win_ptr, stride_win, rows, rows >= 0, D, 0, HW)
+            m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
+        for n0 in range(0, KC, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            rows = tl.load(comp_rows_ptr + t * KC + n, mask=n < KC, other=-1)
+            keys = _record_tile(comp_ptr, stride_comp, rows, rows >= 0, D, COMP_FMT, HW)
+            m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
+    o = acc / l_i[:, None]
+    if OUT_BF16:
+        o = round_bf16(o)
+    o_rows = out_ptr + (t * H + heads[:, None]) * D
+    tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output: partner channels from memory
+        tl.debug_barrier()
+        partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), True)
+        tl.debug_barrier()
+        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+
+
+def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src: int,
+            kv=None, valid=None, win=None, win_rows=None, comp=None, comp_rows=None,
+            comp_fmt: int = FMT_NVFP4) -> torch.Tensor:
+    num_q, num_heads, dim = q.shape
+    out = torch.empty_like(q)
+    if num_q == 0:
+        return out
+    q = q.contiguous()
+    if rope is not None:
+        cos, sin = (r.to(torch.float32).contiguous() for r in rope)
+        rope_pairs = cos.shape[1]
+    else:
+        cos = sin = torch.ones(1, 1, dtype=torch.float32, device=q.device)
+        rope_pairs = 0
+    dummy = q
+    grid = (num_q, triton.cdiv(num_heads, _HEADS_PER_PROGRAM))
+    _attn_kernel[grid](
+        q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
+        kv if kv is not None else dummy, valid if valid is not None else dummy,
+        kv.shape[1] if kv is not None else 0,
+        win if win is not None else dummy, win.stride(0) if win is not None else 0,
+        win_rows if win_rows is not None else dummy, win_rows.shape[1] if win is not None else 0,
+        comp if comp is not None else dummy, comp.stride(0) if comp is not None else 0,
+        comp_rows if comp_rows is not None else dummy,
+        comp_rows.shape[1] if comp is not None else 0, num_heads, float(softmax_scale),
+        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=_HEADS_PER_PROGRAM,
+        BLOCK_N=_BLOCK_N, OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=8, num_stages=1,
+        **triton_runtime.launch_options())
+    return out
+
+
+# ============================================================================ ref surface
+def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
+                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """window_kv [Nw, d] (positions window_start..), q_positions [T] -> keys [T, W, d], valid."""
+    num_kv = window_kv.shape[0]
+    if q_positions.numel() and int(q_positions.max()) >= window_start + num_kv:
+        raise ValueError("a query position lies past the window buffer")
+    slot_pos = q_positions[:, None] + (torch.arange(window, device=q_positions.device)
+                                       - (window - 1))[None, :]  # [T, W]
+    valid = slot_pos >= window_start
+    return window_kv[(slot_pos - window_start).clamp_min(0)], valid
+
+
+def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """entries [N, d], topk [T, K] (-1 = empty slot) -> keys [T, K, d], valid [T, K]."""
+    valid = topk >= 0
+    if entries.shape[0] == 0:
+        return entries.new_zeros((*topk.shape, entries.shape[1])), valid
+    return entries[topk.clamp_min(0)], valid
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
+    _check_q(q, sink)
+    if keys.ndim != 3 or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
+        raise ValueError(f"keys must be [T, N, {q.shape[2]}], got {tuple(keys.shape)}")
+    if valid.shape != keys.shape[:2]:
+        raise ValueError(f"valid must be {tuple(keys.shape[:2])}, got {tuple(valid.shape)}")
+    triton_runtime.check_device(keys, valid)
+    return _launch(q, sink, softmax_scale, None, 0, kv=keys.to(q.dtype).contiguous(),
+                   valid=valid.contiguous().view(torch.uint8))
+
+
+def sparse_attention_packed(
+    q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
+    window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
+    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4,
+) -> torch.Tensor:
+    """Fused RoPE(q) -> attention over packed window ∪ compressed records -> inverse RoPE.
+
+    q [T, H, d] pre-RoPE; rope = (cos, sin) [T, R/2] at each query's position (None: no RoPE);
+    window_pool uint8 [rows, d + d/32], window_rows [T, W] int32 pool rows (-1 empty);
+    comp_pool uint8 [rows, record], comp_rows [T, K] int32 pool rows (-1 empty) or None.
+    Returns [T, H, d] in q.dtype = inverse_rope(round(attention)).
+    """
+    _check_q(q, sink)
+    dim = q.shape[2]
+    _check_pool(window_pool, window_rows, qref.window_fp8_record_bytes(dim), q.shape[0])
+    if comp_pool is None:
+        comp_pool, comp_rows = window_pool, window_rows[:, :0]
+        comp_format = FMT_FP8
+    want = qref.nvfp4_record_bytes(dim) if comp_format == FMT_NVFP4 else \
+        qref.window_fp8_record_bytes(dim)
+    _check_pool(comp_pool, comp_rows, want, q.shape[0])
+    if rope is not None and (rope[0].shape[0] != q.shape[0] or 2 * rope[0].shape[1] > dim):
+        raise ValueError(f"rope tables {tuple(rope[0].shape)} do not fit q {tuple(q.shape)}")
+    if q.dtype != torch.bfloat16:
+        raise TypeError("packed attention computes on bf16 queries")
+    return _launch(q, sink, softmax_scale, rope, 1, win=window_pool,
+                   win_rows=window_rows.to(torch.int32).contiguous(), comp=comp_pool,
+                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format)
+
+
+def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:
+    if q.ndim != 3 or sink.shape != (q.shape[1],):
+        raise ValueError(f"q must be [T, H, d] and sink [H], got {tuple(q.shape)}, "
+                         f"{tuple(sink.shape)}")
+    if q.shape[2] & (q.shape[2] - 1) or q.shape[2] < 32:
+        raise ValueError(f"head dim {q.shape[2]} must be a power of two >= 32")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be bf16 or fp32, got {q.dtype}")
+    triton_runtime.check_device(q, sink)
+
+
+def _check_pool(pool: torch.Tensor, rows: torch.Tensor, record_bytes: int, num_q: int) -> None:
+    if pool.dtype != torch.uint8 or pool.ndim != 2 or pool.stride(1) != 1:
+        raise TypeError("pools are row-major uint8 [rows, record_bytes] tensors")
+    if pool.shape[1] != record_bytes:
+        raise ValueError(f"pool records are {pool.shape[1]} B, expected {record_bytes} B")
+    if rows.ndim != 2 or rows.shape[0] != num_q:
+        raise ValueError(f"row lists must be [T, n], got {tuple(rows.shape)}")
+    triton_runtime.check_device(pool, rows)

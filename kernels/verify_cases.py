@@ -1,0 +1,420 @@
+"""The cases of kernels/verify.py: per op, inputs at `tiny` and `bench` shapes, kernel vs ref.
+
+Bench shapes follow the bench preset (model_spec §1.1 per-layer geometry): hidden 5120, 64 heads
+x 512, window 128, top-k 512, index 32 x 128, 64 routed experts (384 for the router, as
+released), d_ff 2304, mHC S = 4, Engram rows of 256 with 24 columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.kernels.verify import (
+    Check,
+    _timed,
+    close_check,
+    device,
+    exact_check,
+    randn,
+    register_check,
+    selection_check,
+)
+
+
+def _dims(scale: str, tiny: dict, bench: dict) -> dict:
+    return tiny if scale == "tiny" else bench
+
+
+def _rope(num: int, pairs: int, seed: int):
+    from flashpd.kernels.rope import ref as rope
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 1 << 20, (num,), generator=g)
+    freqs = rope.rope_frequencies(2 * pairs, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    cos, sin = rope.rope_cos_sin(pos, freqs)
+    return pos.to(device()), freqs.to(device()), (cos.to(device()), sin.to(device()))
+
+
+# ============================================================================ 1. KV writes
+@register_check("kv_write")
+def check_kv_write(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.quant import ref as qref
+    from flashpd.kernels.quant import triton as qt
+    from flashpd.kernels.rope import ref as rope
+
+    dm = _dims(scale, dict(n=12, d=64, di=32, rp=8), dict(n=8192, d=512, di=128, rp=32))
+    out = []
+    for name, write, pack, dim in (("window_fp8", qt.write_window_fp8, qref.pack_window_fp8,
+                                    dm["d"]),
+                                   ("compressed_nvfp4", qt.write_nvfp4, qref.pack_nvfp4, dm["d"]),
+                                   ("index_mxfp4", qt.write_mxfp4, qref.pack_mxfp4, dm["di"])):
+        n = dm["n"]
+        vals = randn(n, dim, seed=1, scale=3.0)
+        pos, freqs, tables = _rope(n, dm["rp"], seed=2)
+        rows = torch.randperm(2 * n, generator=torch.Generator().manual_seed(3))[:n].to(device())
+        rows[::7] = -1
+        pool = torch.full((2 * n, pack(vals[:1]).shape[1]), 0xAB, dtype=torch.uint8,
+                          device=device())
+        write(vals, rows, pool, rope=tables)
+        expect = pack(rope.apply_rope(vals, pos, freqs))
+        live = rows >= 0
+        chk = exact_check("kv_write", f"{name} +rope N={n} D={dim}", pool[rows[live]],
+                          expect[live])
+        untouched = torch.ones(2 * n, dtype=torch.bool, device=device())
+        untouched[rows[live]] = False
+        if not bool((pool[untouched] == 0xAB).all()):
+            chk.passed, chk.note = False, "wrote outside the destination rows"
+        chk.bytes_moved = n * dim * 2 + n * pool.shape[1] + n * dm["rp"] * 8
+        out.append(_timed(chk, timing, lambda: write(vals, rows, pool, rope=tables),
+                          lambda: pack(rope.apply_rope(vals, pos, freqs))))
+    return out
+
+
+# ============================================================================ 2. MoE gate
+@register_check("moe_gate")
+def check_moe_gate(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.moe import triton as mt
+
+    shapes = [(20, 128, 8, 2)] if scale == "tiny" else [
+        (64, 5120, 64, 6), (4096, 5120, 64, 6), (64, 5120, 384, 6), (4096, 5120, 384, 6)]
+    out = []
+    for t, d, e, k in shapes:
+        x = randn(t, d, seed=10)
+        w = randn(e, d, seed=11, scale=d ** -0.5)
+        bias = randn(e, seed=12, scale=0.1, dtype=torch.float32)
+        ids, gam = mt.route(x, w, bias, k, 1.5)
+        rids, rgam = mref.route(x, w, bias, k, 1.5)
+        biased = torch.sqrt(mref.softplus(mref.linear_fp32(x, w))) + bias[None]
+        sel = selection_check("moe_gate", f"route ids T={t} E={e} k={k}", ids, rids, biased,
+                              1e-5)
+        same = torch.equal(ids, rids)  # else compare the weight multisets (near-tie swaps)
+        wts = close_check("moe_gate", f"route weights T={t} E={e}",
+                          gam if same else gam.sort(1).values,
+                          rgam if same else rgam.sort(1).values, 1e-5)
+        sel.flops = 2.0 * t * e * d
+        sel.bytes_moved = t * d * 2 + e * d * 2
+        out.append(_timed(sel, timing, lambda: mt.route(x, w, bias, k, 1.5),
+                          lambda: mref.route(x, w, bias, k, 1.5)))
+        if sel.kernel_ms and sel.ref_ms:
+            sel.note += f"; fused {sel.ref_ms / sel.kernel_ms:.2f}x vs unfused torch"
+        out.append(wts)
+    return out
+
+
+# ============================================================================ 3. mHC
+@register_check("mhc")
+def check_mhc(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.dense import ref as dref
+    from flashpd.kernels.mhc import ref as href
+    from flashpd.kernels.mhc import triton as ht
+
+    shapes = [(19, 96)] if scale == "tiny" else [(64, 5120), (4096, 5120)]
+    out = []
+    for t, d in shapes:
+        s = 4
+        x = randn(t, s, d, seed=20)
+        y = randn(t, d, seed=21)
+        fn = randn(24, s * d, seed=22, scale=(s * d) ** -0.5, dtype=torch.float32)
+        base = randn(24, seed=23, scale=0.5, dtype=torch.float32)
+        hsc = torch.tensor([1.0, 0.5, 2.0], device=device())
+        nw = randn(d, seed=24)
+        pre_in, post, comb = href.hc_mixes(x, fn, base, hsc, 20, 1e-6, 1e-20)
+
+        def unfused():
+            xn = href.expand(y, x, post, comb)
+            mixes = href.hc_mixes(xn, fn, base, hsc, 20, 1e-6, 1e-20)
+            return xn, mixes, dref.rms_norm(href.collapse(xn, pre_in), nw, 1e-20)
+
+        def fused():
+            return ht.expand_mix_collapse(y, x, post, comb, fn, base, hsc, 20, 1e-6, 1e-20,
+                                          pre_in, nw)
+
+        xn, (rpre, rpost, rcomb), rxc = unfused()
+        fxn, fpre, fpost, fcomb, fxc = fused()
+        main = close_check("mhc", f"fused write-back+mixes+norm T={t}", fxn, xn, 8e-3)
+        main.bytes_moved = t * s * d * 2 * 2 + t * d * 2 * 3 + 24 * s * d * 4
+        main.flops = 2.0 * t * 24 * s * d
+        out.append(_timed(main, timing, fused, unfused))
+        if main.kernel_ms and main.ref_ms:
+            main.note = f"fused {main.ref_ms / main.kernel_ms:.2f}x vs unfused torch"
+        out.append(close_check("mhc", f"pre/post T={t}", torch.cat((fpre, fpost), 1),
+                               torch.cat((rpre, rpost), 1), 1e-4))
+        out.append(close_check("mhc", f"comb (Sinkhorn) T={t}", fcomb, rcomb, 1e-4))
+        out.append(close_check("mhc", f"collapsed+RMSNorm T={t}", fxc, rxc, 2e-2))
+    return out
+
+
+# ============================================================================ 4. indexer
+def _index_inputs(t: int, n: int, h: int, di: int, seed: int):
+    from flashpd.kernels.quant import ref as qref
+
+    q = qref.fake_quant_mxfp4(randn(t, h, di, seed=seed, dtype=torch.float32)).bfloat16()
+    w = randn(t, h, seed=seed + 1, scale=1 / 64, dtype=torch.float32)
+    records = qref.pack_mxfp4(randn(n, di, seed=seed + 2, dtype=torch.float32))
+    g = torch.Generator().manual_seed(seed + 3)
+    n_vis = torch.randint(max(1, n // 2), n + 1, (t,), generator=g)
+    n_vis[-1] = n
+    return q, w, records, n_vis.to(device())
+
+
+@register_check("indexer")
+def check_indexer(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.indexer import ref as iref
+    from flashpd.kernels.indexer import triton as it
+    from flashpd.kernels.quant import ref as qref
+
+    dm = _dims(scale, dict(t=5, h=4, di=32, k=16, bs=4, nb=8, ns=[300]),
+               dict(t=16, h=32, di=128, k=512, bs=8, nb=2048, ns=[8192, 524288]))
+    out = []
+    for n in dm["ns"]:
+        q, w, rec, n_vis = _index_inputs(dm["t"], n, dm["h"], dm["di"], seed=30)
+        keys = qref.unpack_mxfp4(rec, torch.bfloat16)
+        ref_scores = iref.index_scores(q, w, keys, n_vis)
+        scores = it.index_scores_packed(q, w, rec, n_vis)
+        sc = close_check("indexer", f"scores packed MXFP4 N={n}", scores, ref_scores, 1e-5)
+        sc.bytes_moved = dm["t"] * n * (rec.shape[1] + 4)
+        sc.flops = 2.0 * dm["t"] * n * dm["h"] * dm["di"]
+        out.append(_timed(sc, timing, lambda: it.index_scores_packed(q, w, rec, n_vis),
+                          lambda: iref.index_scores(q, w, keys, n_vis)))
+        out.append(close_check("indexer", f"scores values N={n}",
+                               it.index_scores(q, w, keys, n_vis), ref_scores, 1e-5))
+        topk = selection_check("indexer", f"top-{dm['k']} ascending N={n}",
+                               it.select_topk(ref_scores, dm["k"]),
+                               iref.select_topk(ref_scores, dm["k"]), ref_scores, 0.0)
+        out.append(_timed(topk, timing, lambda: it.select_topk(ref_scores, dm["k"]),
+                          lambda: iref.select_topk(ref_scores, dm["k"])))
+        ref_mask = iref.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"])
+        out.append(exact_check("indexer", f"layer-20 candidate mask N={n}",
+                               it.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"]),
+                               ref_mask))
+        blocks = it.candidate_blocks(ref_scores, n_vis, dm["bs"], dm["nb"])
+        ref_sel = iref.select_topk(ref_scores, dm["k"], allowed=ref_mask)
+        sparse = selection_check(
+            "indexer", f"sparse reindex top-k N={n}",
+            it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"]), ref_sel,
+            ref_scores, 1e-5)
+
+        def dense_path():
+            s = it.index_scores_packed(q, w, rec, n_vis)
+            return it.select_topk(s, dm["k"], allowed=ref_mask)
+
+        def sparse_path():
+            return it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"])
+
+        out.append(_timed(sparse, timing, sparse_path, dense_path))
+        if sparse.kernel_ms and sparse.ref_ms:
+            sparse.note += f"; sparse {sparse.ref_ms / sparse.kernel_ms:.2f}x vs dense scoring"
+            sparse.extra["dense_ms"] = sparse.ref_ms
+    return out
+
+
+# ============================================================================ 5. attention
+@register_check("attention")
+def check_attention(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.attention import ref as aref
+    from flashpd.kernels.attention import triton as at
+    from flashpd.kernels.quant import ref as qref
+    from flashpd.kernels.rope import ref as rope
+
+    dm = _dims(scale, dict(ts=[3], h=4, d=64, w=8, k=6, rp=8, entries=40),
+               dict(ts=[64, 1024], h=64, d=512, w=128, k=512, rp=32, entries=65536))
+    out = []
+    for t in dm["ts"]:
+        h, d, w, k = dm["h"], dm["d"], dm["w"], dm["k"]
+        q = randn(t, h, d, seed=40)
+        sink = randn(h, seed=41, dtype=torch.float32)
+        pos, freqs, tables = _rope(t, dm["rp"], seed=42)
+        win_pool = qref.pack_window_fp8(randn(t * w, d, seed=43, dtype=torch.float32))
+        g = torch.Generator().manual_seed(44)
+        win_rows = torch.randperm(t * w, generator=g).reshape(t, w)
+        win_rows[:, : w // 4] = -1  # a window not yet full
+        comp_rows = torch.randint(0, dm["entries"], (t, k), generator=g)
+        comp_rows[:, -k // 8:] = -1
+        win_rows, comp_rows = win_rows.to(device()), comp_rows.to(device())
+        comp_vals = randn(dm["entries"], d, seed=45, dtype=torch.float32)
+        scale_ = d ** -0.5
+        for fmt, pack, unpack, label in ((at.FMT_NVFP4, qref.pack_nvfp4, qref.unpack_nvfp4,
+                                          "NVFP4"),
+                                         (at.FMT_FP8, qref.pack_window_fp8,
+                                          qref.unpack_window_fp8, "FP8")):
+            comp_pool = pack(comp_vals)
+
+            def kernel():
+                return at.sparse_attention_packed(q, tables, win_pool, win_rows, comp_pool,
+                                                  comp_rows, sink, scale_, comp_format=fmt)
+
+            def reference():
+                keys = torch.cat((qref.unpack_window_fp8(win_pool, torch.bfloat16)[
+                    win_rows.clamp_min(0)], unpack(comp_pool, torch.bfloat16)[
+                    comp_rows.clamp_min(0)]), dim=1)
+                valid = torch.cat((win_rows >= 0, comp_rows >= 0), dim=1)
+                o = aref.sparse_attention(rope.apply_rope(q, pos, freqs), keys, valid, sink,
+                                          scale_)
+                return rope.apply_rope(o, pos, freqs, inverse=True)
+
+            chk = close_check("attention", f"packed {label} comp T={t}", kernel(),
+                              reference(), 2e-2)
+            chk.bytes_moved = t * (w * 528 / 512 * d + k * comp_pool.shape[1] + 4 * h * d)
+            chk.flops = 4.0 * t * h * (w + k) * d
+            out.append(_timed(chk, timing, kernel, reference))
+        if timing and out[-2].kernel_ms and out[-1].kernel_ms:
+            out[-2].note = f"NVFP4 {out[-1].kernel_ms / out[-2].kernel_ms:.2f}x vs FP8 comp KV"
+    t = dm["ts"][0]
+    q = randn(t, dm["h"], dm["d"], seed=46)
+    keys = randn(t, dm["w"] + dm["k"], dm["d"], seed=47)
+    valid = (torch.rand(t, dm["w"] + dm["k"], generator=torch.Generator().manual_seed(48))
+             > 0.2).to(device())
+    sink = randn(dm["h"], seed=49, dtype=torch.float32)
+    out.append(close_check("attention", f"sparse_attention (ref signature) T={t}",
+                           at.sparse_attention(q, keys, valid, sink, dm["d"] ** -0.5),
+                           aref.sparse_attention(q, keys, valid, sink, dm["d"] ** -0.5), 2e-2))
+    return out
+
+
+# ============================================================================ 6. GEMMs
+@register_check("gemm")
+def check_gemm(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.dense import ref as dref
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.quant import ref as qref
+
+    out = []
+    shapes = [(5, 70, 96)] if scale == "tiny" else [(16, 5120, 8192), (4096, 5120, 8192)]
+    for t, n, k in shapes:
+        x = randn(t, k, seed=50)
+        w_f8, s8 = qref.quantize_fp8_blockwise(randn(n, k, seed=51, dtype=torch.float32))
+        w_deq = qref.dequantize_fp8_blockwise(w_f8, s8)
+        chk = close_check("gemm", f"FP8 32x32 linear T={t} N={n} K={k}",
+                          dt.linear_fp8(x, w_f8, s8), dref.linear(x, w_deq), 8e-3)
+        chk.flops, chk.bytes_moved = 2.0 * t * n * k, n * k + t * (k + n) * 2
+        out.append(_timed(chk, timing, lambda: dt.linear_fp8(x, w_f8, s8),
+                          lambda: torch.matmul(x, w_deq.T)))
+        if chk.ref_ms:
+            chk.note = "ref_ms = cuBLAS bf16 on dequantised W"
+    t, d, i, e, k = (12, 64, 64, 4, 2) if scale == "tiny" else (4096, 5120, 2304, 64, 6)
+    out.extend(_check_grouped(t, d, i, e, k, timing))
+    if scale == "tiny":
+        x = randn(7, 96, seed=52)
+        out.append(close_check("gemm", "rms_norm", dt.rms_norm(x, randn(96, seed=53), 1e-20),
+                               dref.rms_norm(x, randn(96, seed=53), 1e-20), 8e-3))
+        xf = randn(7, 96, seed=54, dtype=torch.float32)
+        wf = randn(24, 96, seed=55, dtype=torch.float32)
+        out.append(close_check("gemm", "linear_fp32 (IEEE)", dt.linear_fp32(xf, wf),
+                               dref.linear_fp32(xf, wf), 1e-5))
+    return out
+
+
+def _random_mxfp4(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(118, 123, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    return packed.to(device()), scale.to(device())
+
+
+def _check_grouped(t: int, d: int, i: int, e: int, k: int, timing: bool) -> list[Check]:
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.moe import triton as mt
+    from flashpd.kernels.quant import ref as qref
+
+    x = randn(t, d, seed=56)
+    g = torch.Generator().manual_seed(57)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device())
+    gam = randn(t, k, seed=58, scale=0.3, dtype=torch.float32).abs()
+    ws = [_random_mxfp4(e, i, d, 60), _random_mxfp4(e, i, d, 61), _random_mxfp4(e, d, i, 62)]
+    experts = mt.ExpertSet(*(dt.Weights.mxfp4(p, s) for p, s in ws))
+    deq = [torch.stack([qref.dequantize_mxfp4_weight(p[j], s[j]) for j in range(e)])
+           for p, s in ws]
+
+    def reference():
+        acc = torch.zeros(t, d, dtype=torch.float32, device=device())
+        for j in range(e):
+            tok, slot = torch.nonzero(ids == j, as_tuple=True)
+            if tok.numel():
+                y = mref.expert_ffn(x[tok], deq[0][j], deq[1][j], deq[2][j], 10.0,
+                                    gam[tok, slot][:, None])
+                acc.index_add_(0, tok, y.float())
+        return acc
+
+    chk = close_check("gemm", f"MXFP4 grouped experts T={t} E={e} k={k}",
+                      mt.routed_experts(x, ids, gam, experts, 10.0), reference(), 1e-2)
+    chk.flops = 6.0 * t * k * d * i
+    chk.bytes_moved = 3 * e * i * d * (0.5 + 1 / 32) + t * d * 2 * 2
+    out = [_timed(chk, timing, lambda: mt.routed_experts(x, ids, gam, experts, 10.0),
+                  reference, reps=10)]
+    if device().type == "cuda":
+        out.append(_check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing))
+    return out
+
+
+def _check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing) -> Check:
+    """The constexpr DOT_SCALED path of the grouped GEMM (GPU only): W1 of every pair."""
+    from flashpd.kernels.dense import triton as dt
+
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = (order // k).to(torch.int32)
+    sched = dt.grouped_schedule(torch.bincount(flat, minlength=e), t * k, 64)
+    out_a = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
+    out_b = torch.empty_like(out_a)
+    dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows)
+    try:
+        dt.grouped_gemm(x, experts.w1, sched, out_b, a_rows=rows, dot_scaled=True)
+    except Exception as exc:  # report, do not hide: the switch is experimental on Hopper
+        return Check("gemm", "MXFP4 W1 via tl.dot_scaled", float("nan"), float("nan"), 1e-2,
+                     False, note=f"dot_scaled failed: {type(exc).__name__}: {exc}"[:160])
+    chk = close_check("gemm", "MXFP4 W1 via tl.dot_scaled", out_b, out_a, 1e-2)
+    chk.flops = 2.0 * t * k * d * i
+    return _timed(chk, timing, lambda: dt.grouped_gemm(x, experts.w1, sched, out_b, a_rows=rows,
+                                                       dot_scaled=True),
+                  lambda: dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows))
+
+
+# ============================================================================ 7. Engram
+@register_check("engram")
+def check_engram(scale: str, timing: bool) -> list[Check]:
+    from flashpd.kernels.engram import ref as eref
+    from flashpd.kernels.engram import triton as et
+    from flashpd.kernels.quant import ref as qref
+
+    dm = _dims(scale, dict(t=5, c=6, rows=500, r=32, d=64),
+               dict(t=4096, c=24, rows=24 * 100_003, r=256, d=5120))
+    g = torch.Generator().manual_seed(70)
+    w_bytes = torch.randint(0, 256, (dm["rows"], dm["r"]), generator=g, dtype=torch.uint8)
+    w_bytes[(w_bytes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    scales = torch.randint(120, 130, (dm["rows"], dm["r"] // 32), generator=g, dtype=torch.uint8)
+    w_f8 = w_bytes.view(torch.float8_e4m3fn)
+    table = et.HostTable.from_quantized(w_f8, scales)
+    ids = torch.randint(0, dm["rows"], (dm["t"], dm["c"]), generator=g)
+    expect = qref.dequantize_fp8_rows(w_f8[ids.reshape(-1)], scales[ids.reshape(-1)])
+    ids_dev = ids.to(device())
+    rows = et.gather_rows(table, ids_dev)
+    chk = exact_check("engram", f"host-table gather T={dm['t']} C={dm['c']}",
+                      rows.reshape(-1, dm["r"]).cpu(), expect)
+    chk.bytes_moved = ids.numel() * (dm["r"] * (1 + 2) + dm["r"] // 32)
+    chk.extra.update(huge_pages=table.huge_pages, pinned=table.pinned,
+                     thp=et.transparent_huge_pages_mode())
+
+    def plain():  # host gather on a pageable table, copy, dequantise on the device
+        flat = ids.reshape(-1)
+        wq = w_f8[flat].to(device())
+        sq = scales[flat].to(device())
+        return qref.dequantize_fp8_rows(wq, sq)
+
+    out = [_timed(chk, timing, lambda: et.gather_rows(table, ids_dev), plain, reps=10)]
+    if chk.kernel_ms and chk.ref_ms:
+        chk.note += (f"; zero-copy {chk.ref_ms / chk.kernel_ms:.2f}x vs plain gather+copy "
+                     f"(huge pages: {table.huge_pages})")
+    t, s, d = min(dm["t"], 64), 4, dm["d"]
+    x = randn(t, s, d, seed=71)
+    feats = rows[:t]
+    wkv = randn((s + 1) * d, feats.shape[1], seed=72, scale=feats.shape[1] ** -0.5)
+    qk = randn(s, d, seed=73, dtype=torch.float32)
+    out.append(close_check("engram", f"inject (GEMM + fused gate) T={t}",
+                           et.engram_inject(x, feats, wkv, qk, 1e-20),
+                           eref.engram_inject(x, feats, wkv, qk, 1e-20), 2e-2))
+    keys = randn(t, s, d, seed=74)
+    out.append(close_check("engram", f"gates T={t}", et.engram_gates(x, keys, qk, 1e-20),
+                           eref.engram_gates(x, keys, qk, 1e-20), 1e-4))
+    return out

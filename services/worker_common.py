@@ -1,0 +1,78 @@
+"""What prefill and decode workers share: config, identity, transfer contract and backends.
+
+Validated config lives at the edge (services/app.py, pydantic); workers receive the frozen
+`WorkerConfig` below. Runtime facts (block counts in use, peer addresses) never go back into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from flashpd.engine.kv_pools import KVPools, PoolGeometry
+from flashpd.engine.llm_engine import EngineConfig
+from flashpd.engine.transfer.contract import GroupSpec, TransferContract
+from flashpd.services.api import WorkerRef
+
+log = logging.getLogger(__name__)
+
+TRANSFER_BACKENDS = ("nixl", "local")
+RECORD_FORMATS = {"main": "nvfp4_e2m1_e4m3x16", "index": "mxfp4_e2m1_ue8m0x32"}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    checkpoint: str
+    model_id: str
+    engine: EngineConfig
+    transfer_backend: str = "nixl"
+    redis_url: str | None = None
+    lease_s: float = 30.0  # decode frees reserved blocks if the KV has not arrived by then
+    transfer_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, "
+                             f"got {self.transfer_backend!r}")
+
+
+def transfer_contract(pools: KVPools, model_id: str) -> TransferContract:
+    """The byte contract both sides check at handshake: groups, block sizes, record formats."""
+    groups = []
+    for name, block_bytes in PoolGeometry(pools.cfg).group_block_bytes().items():
+        groups.append(GroupSpec(name, block_bytes, RECORD_FORMATS[name.split(".")[0]]))
+    return TransferContract(model_id=model_id, groups=tuple(groups))
+
+
+def new_worker_ref(role: str, worker_id: str | None = None) -> WorkerRef:
+    """A fresh incarnation; `worker_id` is stable across restarts when given."""
+    wid = worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    return WorkerRef(role, wid, f"{int(time.time())}-{uuid.uuid4().hex[:8]}")  # type: ignore[arg-type]
+
+
+def make_receiver(backend: str, contract: TransferContract, pools: KVPools, incarnation: str):
+    if backend == "nixl":
+        from flashpd.engine.transfer.nixl_backend import NixlReceiver
+
+        return NixlReceiver(contract, pools.transfer_groups(), incarnation)
+    from flashpd.engine.transfer.local import LocalReceiver
+
+    return LocalReceiver(contract, pools.transfer_groups(), incarnation)
+
+
+def make_sender(backend: str, contract: TransferContract, pools: KVPools):
+    if backend == "nixl":
+        from flashpd.engine.transfer.nixl_backend import NixlSender
+
+        return NixlSender(contract, pools.transfer_groups())
+    from flashpd.engine.transfer.local import LocalSender
+
+    return LocalSender(contract, pools.transfer_groups())
+
+
+def ms_since(t0: float) -> float:
+    return 1e3 * (time.monotonic() - t0)

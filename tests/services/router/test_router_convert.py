@@ -1,0 +1,111 @@
+"""Edge conversion: proto round trips and the validation matrix shared by both frontends."""
+
+import pytest
+from router_fakes import SERVED, ByteTokenizer
+
+from flashpd.services.api import (
+    FinalEvent,
+    InvalidArgument,
+    SamplingParams,
+    Timeline,
+    TokenEvent,
+    TokenLogprobs,
+    Usage,
+)
+from flashpd.services.router import convert
+from flashpd.services.router.convert import ModelTable, ServedModel, request_from_proto
+from flashpd_sdk._gen import flashpd_pb2 as pb
+
+MODELS = ModelTable([SERVED])
+TOK = ByteTokenizer()
+
+
+def test_token_event_round_trip():
+    ev = TokenEvent((5, 6), 3, (TokenLogprobs(-0.5, ((5, -0.5), (9, -1.25))),
+                                TokenLogprobs(-1.0)), "hi")
+    back = convert.token_event_from_proto(convert.token_event_to_proto(ev))
+    assert back == ev
+
+
+def test_final_event_round_trip():
+    ev = FinalEvent("length", Usage(10, 4, 3, 2, 1), Timeline(1, 2, 3, 4, 5, 6, 7, 8),
+                    "p0", "d0", "req", "tail")
+    assert convert.final_from_proto(convert.final_to_proto(ev)) == ev
+
+
+def test_sampling_round_trip():
+    p = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3,
+                       stop_token_ids=(1,), stop=("x",), ignore_eos=True, logprobs=2)
+    msg = pb.GenerateRequest()
+    convert.sampling_to_proto(p, msg)
+    assert convert.sampling_from_proto(msg) == p
+
+
+def test_defaults_when_fields_are_unset():
+    edge = request_from_proto(pb.GenerateRequest(prompt="hi"), MODELS, TOK, timeout_s=None)
+    assert edge.request.sampling == SamplingParams(max_tokens=16)
+    assert edge.request.model == SERVED.name and not edge.resumable
+    assert edge.request.deadline_unix_s is None
+
+
+def test_client_id_makes_a_request_resumable_and_deadline_is_absolute():
+    msg = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2]), request_id="abc",
+                             resume_from_token=4, session_id="s")
+    edge = request_from_proto(msg, MODELS, TOK, timeout_s=2.5, now_unix_s=100.0)
+    assert edge.resumable and edge.resume_from_token == 4
+    assert edge.request.deadline_unix_s == 102.5 and edge.request.session_id == "s"
+    msg.resume_from_token = 0
+    assert request_from_proto(msg, MODELS, TOK, timeout_s=None).fingerprint == edge.fingerprint
+
+
+@pytest.mark.parametrize("msg,field", [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(prompt=""), "prompt"),
+    (pb.GenerateRequest(prompt_ids=pb.TokenIds()), "prompt_ids"),
+    (pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[300])), "prompt_ids"),
+    (pb.GenerateRequest(prompt="x", model="nope"), "model"),
+    (pb.GenerateRequest(prompt="x", max_tokens=-1), "max_tokens"),
+    (pb.GenerateRequest(prompt="x", max_tokens=0), "max_tokens"),
+    (pb.GenerateRequest(prompt="x" * 3000), "prompt"),
+    (pb.GenerateRequest(prompt="x" * 2000, max_tokens=100), "max_tokens"),
+    (pb.GenerateRequest(prompt="x", temperature=-1), "temperature"),
+    (pb.GenerateRequest(prompt="x", top_p=1.5), "top_p"),
+    (pb.GenerateRequest(prompt="x", logprobs=50), "logprobs"),
+    (pb.GenerateRequest(prompt="x", request_id="has space"), "request_id"),
+    (pb.GenerateRequest(prompt="x", session_id="s" * 200), "session_id"),
+])
+def test_bad_requests_name_the_field(msg, field):
+    with pytest.raises(InvalidArgument) as info:
+        request_from_proto(msg, MODELS, TOK, timeout_s=None)
+    assert info.value.field == field
+
+
+def test_model_table_resolves_default_and_rejects_unknown():
+    table = ModelTable([ServedModel("a", 10, 10), ServedModel("b", 10, 10)])
+    assert table.resolve("").name == "a" and table.resolve("b").name == "b"
+    with pytest.raises(InvalidArgument, match="unknown model"):
+        table.resolve("c")
+
+
+def test_deepseek_chat_template():
+    text = convert.deepseek_chat_prompt([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": [{"type": "text", "text": "Again"}]},
+    ])
+    assert text == ("<|begin_of_sentence|>Be brief.<|User|>Hi<|Assistant|>Hello"
+                    "<|end_of_sentence|><|User|>Again<|Assistant|>")
+
+
+@pytest.mark.parametrize("messages,field", [
+    ([], "messages"),
+    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+    (["hi"], "messages[0]"),
+])
+def test_chat_template_errors_name_the_message(messages, field):
+    with pytest.raises(InvalidArgument) as info:
+        convert.deepseek_chat_prompt(messages)
+    assert info.value.field == field
