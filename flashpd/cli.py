@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = {
     "logits": "flashpd.model.logits_cli",
     "generate": "flashpd.engine.cli",
     "serve": "flashpd.services.cli",
+    "demo": "flashpd.services.cli",
     "bench": "flashpd.bench.cli",
     "verify-kernels": "flashpd.kernels.cli",
 }

@@ -1,0 +1,147 @@
+"""`flashpd serve` and `flashpd demo`: the whole stack on this machine with embedded defaults.
+
+With no addresses given: a local Ray instance bound to 127.0.0.1, a local Redis on a free
+loopback port, the tiny preset (a random checkpoint made once under ~/.cache/flashpd), gRPC on
+9000 and OpenAI HTTP on 8000. `demo` also runs a short multi-turn conversation through the SDK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+DEFAULT_CACHE = os.path.expanduser("~/.cache/flashpd")
+
+
+def register(sub) -> None:
+    for name, func, help_ in (("serve", run_serve, "serve the model locally (Ray Serve)"),
+                              ("demo", run_demo, "serve locally and chat through the SDK")):
+        p = sub.add_parser(name, help=help_)
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("--preset", default="tiny", choices=["tiny"])
+        src.add_argument("--checkpoint")
+        p.add_argument("--redis", help="redis://host:port (default: start a local one)")
+        p.add_argument("--prefill-replicas", type=int, default=1)
+        p.add_argument("--decode-replicas", type=int, default=1)
+        p.add_argument("--grpc-port", type=int, default=9000)
+        p.add_argument("--http-port", type=int, default=8000)
+        p.add_argument("--routing", default="affinity", choices=["affinity", "random", "round_robin"])
+        p.add_argument("--no-swa-bounded-replay", action="store_true")
+        p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
+        p.add_argument("--num-blocks", type=int, default=512)
+        p.set_defaults(func=func)
+
+
+def tiny_checkpoint(seed: int = 0) -> str:
+    """The tiny preset's random checkpoint, written once."""
+    from flashpd.model.checkpoint import write_random_checkpoint
+    from flashpd.model.presets import preset_config
+
+    out = os.path.join(DEFAULT_CACHE, f"tiny-seed{seed}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        tmp = out + ".tmp"
+        write_random_checkpoint(preset_config("tiny"), tmp, seed=seed)
+        os.replace(tmp, out)
+    return out
+
+
+def app_args(args, checkpoint: str, redis_url: str) -> dict:
+    role = {"num_blocks": args.num_blocks}
+    return {
+        "checkpoint": checkpoint, "model_id": "flashpd-tiny" if not args.checkpoint else
+        os.path.basename(os.path.normpath(checkpoint)),
+        "redis_url": redis_url, "grpc_port": args.grpc_port, "routing": args.routing,
+        "swa_bounded_replay": not args.no_swa_bounded_replay,
+        "transfer_backend": args.transfer_backend,
+        "prefill": dict(role, replicas=args.prefill_replicas),
+        "decode": dict(role, replicas=args.decode_replicas),
+    }
+
+
+@contextlib.contextmanager
+def local_stack(args):
+    """Start Redis (unless given), Ray and the Serve app; yield the app args; tear down."""
+    import ray
+    from ray import serve
+
+    from flashpd.services.app import build_app
+    from flashpd.services.redis_local import LocalRedis
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    checkpoint = args.checkpoint or tiny_checkpoint()
+    redis = None if args.redis else LocalRedis().start()
+    try:
+        redis_url = args.redis or redis.url
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+        a = app_args(args, checkpoint, redis_url)
+        serve.run(build_app(a), name="flashpd", route_prefix="/")
+        yield a
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if redis is not None:
+            redis.stop()
+
+
+def run_serve(args) -> int:
+    with local_stack(args) as a:
+        print(f"flashpd serving {a['model_id']}: gRPC 127.0.0.1:{args.grpc_port}, "
+              f"HTTP http://127.0.0.1:{args.http_port}/v1 (Ctrl-C to stop)", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop.wait()
+    return 0
+
+
+DEMO_TURNS = (
+    "Hello! Can you tell me about prefill and decode?",
+    "Why does the decode worker replay the last 128 tokens?",
+    "And what does the router keep in Redis?",
+)
+
+
+def run_demo(args) -> int:
+    from flashpd_sdk import Client
+
+    with local_stack(args):
+        client = Client(f"127.0.0.1:{args.grpc_port}")
+        wait_healthy(client)
+        history = ""
+        for i, user in enumerate(DEMO_TURNS, 1):
+            history += f"<|User|>{user}<|Assistant|>"
+            print(f"\n[turn {i}] user: {user}\n[turn {i}] assistant: ", end="", flush=True)
+            stream = client.generate(prompt=history, max_tokens=24, session_id="demo-session",
+                                     timeout_s=120)
+            for chunk in stream:
+                print(chunk.text, end="", flush=True)
+            r = stream.result
+            history += r.text + "<|end_of_sentence|>"
+            print(f"\n[turn {i}] prompt={r.usage.prompt_tokens} cached={r.usage.cached_tokens} "
+                  f"(decode {r.usage.cached_tokens_decode}, prefill "
+                  f"{r.usage.cached_tokens_prefill}) ttft={r.timeline['first_token_ms']:.0f} ms "
+                  f"finish={r.finish_reason} P={r.prefill_worker or '-'} D={r.decode_worker}")
+        client.close()
+    return 0
+
+
+def wait_healthy(client, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if client.health():
+                return
+        except Exception:  # not up yet
+            pass
+        time.sleep(0.5)
+    sys.exit("flashpd did not become healthy in time")

@@ -1,0 +1,134 @@
+"""The Router deployment: Serve ingress for OpenAI HTTP, plus a gRPC server per replica.
+
+On replica start (`__serve_build_asgi_app__`, awaited by Serve after the constructor) it opens
+Redis, builds the placement (index + policy) and the orchestrator over the prefill/decode
+deployment handles, starts the gRPC frontend on `grpc_port` (SO_REUSEPORT lets several router
+replicas on one host share it) and returns the FastAPI app Serve's HTTP proxy serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from ray import serve
+
+from flashpd.services.api import (
+    Event,
+    InternalRequest,
+    PrefillResult,
+    Ticket,
+    WorkerRef,
+    WorkerStats,
+)
+from flashpd.services.pinned_router import TARGET_KWARG
+from flashpd.services.router.convert import deepseek_chat_prompt
+
+log = logging.getLogger(__name__)
+
+
+class HFTokenizer:
+    """The router's tokenizer protocol over an HF `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(deepseek_chat_prompt(messages))
+
+
+class PinnedEndpoint:
+    """One worker (by id) reached through its deployment's handle and PinnedWorkerRouter."""
+
+    def __init__(self, handle, worker: WorkerRef) -> None:
+        self._handle, self._kw = handle, {TARGET_KWARG: worker.worker_id}
+        self._stream = handle.options(stream=True)
+
+    async def reserve(self, req: InternalRequest) -> Ticket:
+        return await self._handle.reserve.remote(req, **self._kw)
+
+    async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
+        return await self._handle.run.remote(req, ticket, **self._kw)
+
+    async def generate(self, req: InternalRequest) -> AsyncIterator[Event]:
+        gen = self._stream.generate.remote(req, **self._kw)
+        try:
+            async for event in gen:
+                yield event
+        finally:
+            gen.cancel()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._handle.abort.remote(request_id, **self._kw)
+
+    async def stats(self) -> WorkerStats:
+        return await self._handle.stats.remote(**self._kw)
+
+
+class PinnedDirectory:
+    def __init__(self, prefill_handle, decode_handle) -> None:
+        self._prefill, self._decode = prefill_handle, decode_handle
+
+    def prefill(self, worker: WorkerRef) -> PinnedEndpoint:
+        return PinnedEndpoint(self._prefill, worker)
+
+    def decode(self, worker: WorkerRef) -> PinnedEndpoint:
+        return PinnedEndpoint(self._decode, worker)
+
+
+@serve.ingress()
+class Router:
+    def __init__(self, args: dict, prefill_handle, decode_handle) -> None:
+        self.args = args
+        self._prefill, self._decode = prefill_handle, decode_handle
+        self.grpc = None
+
+    async def __serve_build_asgi_app__(self):
+        import redis.asyncio as aioredis
+
+        from flashpd.engine.loading import load_tokenizer
+        from flashpd.model.config import ModelConfig
+        from flashpd.services.router.convert import ModelTable, ServedModel
+        from flashpd.services.router.grpc_server import start_grpc_server
+        from flashpd.services.router.http_app import build_http_app
+        from flashpd.services.router.index import PrefixIndex
+        from flashpd.services.router.metrics import RouterMetrics
+        from flashpd.services.router.orchestrator import Orchestrator
+        from flashpd.services.router.placement import Placement
+        from flashpd.services.router.policy import make_policy
+
+        a = self.args
+        cfg = ModelConfig.from_file(a["checkpoint"])
+        tok = load_tokenizer(a["checkpoint"])
+        if tok is None:
+            raise ValueError(f"checkpoint {a['checkpoint']} ships no tokenizer.json")
+        self.tokenizer = HFTokenizer(tok)
+        model = a["model_id"]
+        self.redis = aioredis.from_url(a["redis_url"])
+        placement = Placement(PrefixIndex(self.redis, model), make_policy(a["routing"]),
+                              model=model, cache_salt=a["cache_salt"])
+        models = ModelTable([ServedModel(model, cfg.max_position_embeddings, cfg.vocab_size)])
+        self.metrics = RouterMetrics(model)
+        self.orchestrator = Orchestrator({model: placement},
+                                         PinnedDirectory(self._prefill, self._decode),
+                                         self.tokenizer, metrics=self.metrics)
+        self.grpc = await start_grpc_server(self.orchestrator, models, self.tokenizer,
+                                            host=a["grpc_host"], port=a["grpc_port"])
+        log.info("flashpd router: gRPC on %s:%d", a["grpc_host"], self.grpc.port)
+        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics)
+
+    async def grpc_port(self) -> int:
+        return self.grpc.port if self.grpc is not None else -1
+
+    async def __del__(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(1.0)
+        redis = getattr(self, "redis", None)
+        if redis is not None:
+            await redis.aclose()

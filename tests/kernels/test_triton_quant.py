@@ -1,0 +1,67 @@
+"""KV writes into packed pools (kernels/quant/triton.py) are bit-exact with quant/ref.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.quant import ref as qref
+from flashpd.kernels.quant import triton as qt
+from flashpd.kernels.rope import ref as rope
+
+FORMATS = [("fp8", qt.write_window_fp8, qref.pack_window_fp8, 64),
+           ("nvfp4", qt.write_nvfp4, qref.pack_nvfp4, 64),
+           ("mxfp4", qt.write_mxfp4, qref.pack_mxfp4, 32)]
+
+
+def _values(n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n * d)
+    x = torch.randn(n, d, generator=g) * torch.logspace(-8, 4, n)[:, None]
+    x[0, :5] = 0.0
+    x[1, 3] = -0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name,write,pack,dim", FORMATS)
+def test_pack_matches_reference_bytes(name, write, pack, dim, dtype):
+    x = _values(9, dim, dtype)
+    assert torch.equal(getattr(qt, pack.__name__)(x), pack(x))
+
+
+@pytest.mark.parametrize("name,write,pack,dim", FORMATS)
+def test_write_with_fused_rope_lands_in_destination_rows(name, write, pack, dim):
+    x = _values(6, dim, torch.bfloat16)
+    pos = torch.tensor([0, 3, 1000, 65537, 7, 1 << 20])
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    cos, sin = rope.rope_cos_sin(pos, freqs)
+    rows = torch.tensor([4, -1, 0, 9, 2, 5])
+    pool = torch.full((10, pack(x[:1]).shape[1]), 0x5A, dtype=torch.uint8)
+    write(x, rows, pool, rope=(cos, sin))
+    expect = pack(rope.apply_rope(x, pos, freqs))
+    live = rows >= 0
+    assert torch.equal(pool[rows[live]], expect[live])
+    untouched = [r for r in range(10) if r not in rows.tolist()]
+    assert bool((pool[untouched] == 0x5A).all())
+
+
+def test_e4m3_encoder_matches_torch_on_every_bf16_value():
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).float()
+    x = x[torch.isfinite(x)].clamp(-448, 448).reshape(-1, 32)[:, :32]
+    rows = torch.arange(x.shape[0])
+    # window-FP8 records of values pre-scaled so every scale byte is 127 (scale 1) where possible
+    got = qt.pack_window_fp8(x)
+    assert torch.equal(got, qref.pack_window_fp8(x))
+
+
+def test_pool_width_must_match_the_format():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="record"):
+        qt.write_nvfp4(x, torch.tensor([0, 1]), torch.zeros(2, 64, dtype=torch.uint8))
+
+
+def test_destination_row_past_the_pool_raises():
+    x = torch.randn(1, 64)
+    with pytest.raises(IndexError):
+        qt.write_window_fp8(x, torch.tensor([5]), torch.zeros(2, 66, dtype=torch.uint8))

@@ -1,0 +1,117 @@
+"""Prefill and decode workers wired in one process (local transfer backend): the disaggregated
+path gives the colocated engine's greedy output, moves only what decode lacks, frees on abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.sampling import SamplingParams as EngineSampling
+from flashpd.services.api import InternalRequest, SamplingParams, TokenEvent
+from flashpd.services.decode.server import DecodeWorker
+from flashpd.services.prefill.server import PrefillWorker
+from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+
+MODEL_ID = "flashpd-tiny"
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _workers(model, replay: bool):
+    def cfg(role):
+        ec = EngineConfig(role=role, num_blocks=32, num_slots=8, swa_bounded_replay=replay,
+                          model_id=MODEL_ID)
+        return LLMEngine(model, ec), WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local")
+
+    pe, pc = cfg("prefill")
+    de, dc = cfg("decode")
+    return (PrefillWorker(pe, pc, new_worker_ref("prefill")),
+            DecodeWorker(de, dc, new_worker_ref("decode")))
+
+
+async def _turn(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], n: int):
+    req = InternalRequest(rid, MODEL_ID, tuple(prompt), SamplingParams(max_tokens=n))
+    ticket = await d.reserve(req)
+    pushed = 0
+    if ticket.needs_prefill:
+        pushed = (await p.run(req, ticket)).pushed_bytes
+    ids, final = [], None
+    async for ev in d.generate(req):
+        if isinstance(ev, TokenEvent):
+            ids.extend(ev.token_ids)
+        else:
+            final = ev
+    return ids, final, ticket, pushed
+
+
+def _colocated(model, prompt, n):
+    eng = LLMEngine(model, EngineConfig(num_blocks=32, swa_bounded_replay=False, model_id=MODEL_ID))
+    eng.add_request("c", prompt, EngineSampling(max_tokens=n))
+    out = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+def test_disaggregated_equals_colocated_and_moves_only_the_tail(model_f32):
+    async def main():
+        p, d = _workers(model_f32, replay=False)
+        try:
+            turn1 = _prompt(200, 1)
+            ids1, fin1, t1, bytes1 = await _turn(p, d, "t1", turn1, 6)
+            assert ids1 == _colocated(model_f32, turn1, 6)
+            assert fin1.finish_reason == "length" and t1.first_block_index == 0
+            block = sum(p.contract.group(g.name).block_bytes for g in p.contract.groups)
+            assert bytes1 == 2 * block  # two chunks (one partial) of global KV
+            turn2 = turn1 + ids1 + _prompt(150, 2)  # 356 tokens; decode holds chunk 0 (+ its tail)
+            ids2, fin2, t2, bytes2 = await _turn(p, d, "t2", turn2, 4)
+            assert ids2 == _colocated(model_f32, turn2, 4)
+            assert t2.decode_cached_tokens == 128 and t2.first_block_index == 1
+            assert bytes2 == 2 * block  # only chunks 1..2 travel
+            assert fin2.usage.cached_tokens_decode == 128
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
+
+
+def test_abort_after_reserve_frees_decode_blocks(model_f32):
+    async def main():
+        p, d = _workers(model_f32, replay=True)
+        try:
+            idle = await d.stats()
+            req = InternalRequest("x", MODEL_ID, tuple(_prompt(300, 3)), SamplingParams(max_tokens=4))
+            ticket = await d.reserve(req)
+            assert (await d.stats()).kv_blocks_used == len(ticket.dst_block_ids)
+            assert await d.abort("x")
+            assert (await d.stats()).kv_blocks_used == idle.kv_blocks_used
+            assert not await d.abort("x")
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
+
+
+def test_unknown_model_is_invalid_argument(model_f32):
+    from flashpd.services.api import InvalidArgument
+
+    async def main():
+        p, d = _workers(model_f32, replay=True)
+        try:
+            req = InternalRequest("y", "other-model", (1, 2, 3), SamplingParams(max_tokens=2))
+            with pytest.raises(InvalidArgument) as err:
+                await d.reserve(req)
+            assert err.value.field == "model"
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
