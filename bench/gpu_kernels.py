@@ -39,8 +39,6 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = time_ms(lambda: a @ b, reps=10)
-    del src, dst, a, b
-    torch.cuda.empty_cache()
     return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
             "bf16_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12}
 
@@ -95,6 +93,90 @@ def engram_paths(num_tokens: int = 4096, cols: int = 24, rows: int = 24 * 100_00
     return out
 
 
+def _sweep(module, configs: list[dict], make_inputs, run) -> list[dict]:
+    """Time `run(inputs)` under each launch CONFIG of `module`; restores the original."""
+    from flashpd.kernels.verify import time_ms
+
+    original = dict(module.CONFIG)
+    inputs = make_inputs()
+    rows = []
+    try:
+        for cfg in configs:
+            module.CONFIG.clear()
+            module.CONFIG.update(cfg)
+            try:
+                rows.append({**cfg, "ms": time_ms(lambda: run(inputs), reps=20)})
+            except Exception as exc:
+                rows.append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    finally:
+        module.CONFIG.clear()
+        module.CONFIG.update(original)
+    return rows
+
+
+def sweeps() -> dict:
+    """Launch-configuration sweeps for the two heaviest kernels (decode attention, MoE GEMMs)."""
+    from flashpd.kernels.attention import triton as at
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.moe import triton as mt
+    from flashpd.kernels.quant import ref as qref
+
+    def attn_inputs(t=64, h=64, d=512):
+        g = torch.Generator().manual_seed(90)
+        q = torch.randn(t, h, d, generator=g).bfloat16().cuda()
+        win = qref.pack_window_fp8(torch.randn(t * 128, d, device="cuda"))
+        comp = qref.pack_nvfp4(torch.randn(65536, d, device="cuda"))
+        win_rows = torch.randperm(t * 128, generator=g).reshape(t, 128).int().cuda()
+        comp_rows = torch.randint(0, 65536, (t, 512), generator=g).int().cuda()
+        cs = torch.rand(t, 32, device="cuda")
+        return q, (cs, cs), win, win_rows, comp, comp_rows, torch.zeros(h, device="cuda")
+
+    def attn_run(a):
+        return at.sparse_attention_packed(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0.044)
+
+    attn_cfgs = [{"heads": 16, "block_n": 16, "warps": 8, "stages": 1},
+                 {"heads": 16, "block_n": 32, "warps": 8, "stages": 2},
+                 {"heads": 32, "block_n": 16, "warps": 8, "stages": 1},
+                 {"heads": 16, "block_n": 32, "warps": 4, "stages": 1},
+                 {"heads": 64, "block_n": 16, "warps": 8, "stages": 1}]
+
+    def moe_inputs(t=4096, d=5120, i=2304, e=64, k=6):
+        g = torch.Generator().manual_seed(91)
+        x = torch.randn(t, d, generator=g).bfloat16().cuda()
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).cuda()
+        gam = torch.rand(t, k, device="cuda")
+        mk = lambda n, kk: dt.Weights.mxfp4(  # noqa: E731
+            torch.randint(0, 256, (e, n, kk // 2), dtype=torch.uint8, device="cuda"),
+            torch.randint(118, 123, (e, n, kk // 32), dtype=torch.uint8, device="cuda"))
+        return x, ids, gam, mt.ExpertSet(mk(i, d), mk(i, d), mk(d, i))
+
+    def moe_run(a):
+        return mt.routed_experts(a[0], a[1], a[2], a[3], 10.0)
+
+    gemm_cfgs = [{"block_n": 64, "warps": 4, "stages": 3},
+                 {"block_n": 128, "warps": 8, "stages": 3},
+                 {"block_n": 128, "warps": 4, "stages": 4},
+                 {"block_n": 64, "warps": 8, "stages": 2},
+                 {"block_n": 256, "warps": 8, "stages": 3}]
+    return {"attention_decode_T64": _sweep(at, attn_cfgs, attn_inputs, attn_run),
+            "moe_mxfp4_T4096": _sweep(dt, gemm_cfgs, moe_inputs, moe_run)}
+
+
+def apply_best(sweep: dict) -> dict:
+    """Set each module's CONFIG to its fastest swept configuration; returns the choices."""
+    from flashpd.kernels.attention import triton as at
+    from flashpd.kernels.dense import triton as dt
+
+    chosen = {}
+    for name, module in (("attention_decode_T64", at), ("moe_mxfp4_T4096", dt)):
+        ok = [row for row in sweep.get(name, []) if "ms" in row]
+        if ok:
+            best = min(ok, key=lambda row: row["ms"])
+            module.CONFIG.update({k: v for k, v in best.items() if k != "ms"})
+            chosen[name] = dict(module.CONFIG)
+    return chosen
+
+
 def _write(out_dir: str, payload: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "kernels.json"), "w") as f:
@@ -129,6 +211,9 @@ def render_markdown(payload: dict) -> str:
             f"{c['tol']:.1g} | {'yes' if c['passed'] else 'NO'} | {num(c['kernel_ms'], '.4f')} "
             f"| {num(c['ref_ms'], '.4f')} | {num(c['gbps'], '.0f')} | {pct(c['gbps'], copy)} | "
             f"{num(c['tflops'], '.1f')} | {pct(c['tflops'], mm)} | {c['note']} |")
+    for name, rows in (payload.get("sweeps") or {}).items():
+        lines += ["", f"## Launch sweep: {name}", ""]
+        lines += [f"- {row}" for row in rows]
     eng = payload.get("engram_paths")
     if eng:
         lines += ["", "## Engram lookups (host-memory table)", ""]
@@ -146,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/h200")
     parser.add_argument("--ops", nargs="*", default=None)
     parser.add_argument("--skip-engram-paths", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_kernels.py needs a CUDA GPU")
@@ -159,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     payload["ceilings"] = measure_ceilings()
     print("ceilings", payload["ceilings"], flush=True)
     from flashpd.kernels import verify_cases  # noqa: F401
+
+    if args.sweep:  # first, so that the checks below run (and verify) the chosen configs
+        try:
+            payload["sweeps"] = sweeps()
+            payload["chosen_configs"] = apply_best(payload["sweeps"])
+        except Exception as exc:
+            payload["errors"].append(f"sweeps: {type(exc).__name__}: {exc}")
+        print("sweeps", json.dumps(payload.get("sweeps"), indent=1), flush=True)
+        print("chosen", payload.get("chosen_configs"), flush=True)
 
     for op in args.ops or list(verify.CHECKS):
         t0 = time.perf_counter()
@@ -179,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             payload["errors"].append(f"engram_paths: {type(exc).__name__}: {exc}")
         print("engram", payload.get("engram_paths"), flush=True)
     _write(args.out, payload)
+    print(verify.format_table([verify.Check(**{k: v for k, v in c.items()
+                                               if k not in ("gbps", "tflops")})
+                               for c in payload["checks"]]))
+    print("errors:", payload["errors"])
     failed = [c for c in payload["checks"] if not c["passed"]]
     print(f"{len(payload['checks']) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed or payload["errors"] else 0

@@ -40,108 +40,115 @@ def _rope(num: int, pairs: int, seed: int):
 def check_kv_write(scale: str, timing: bool) -> list[Check]:
     from flashpd.kernels.quant import ref as qref
     from flashpd.kernels.quant import triton as qt
-    from flashpd.kernels.rope import ref as rope
 
     dm = _dims(scale, dict(n=12, d=64, di=32, rp=8), dict(n=8192, d=512, di=128, rp=32))
-    out = []
-    for name, write, pack, dim in (("window_fp8", qt.write_window_fp8, qref.pack_window_fp8,
-                                    dm["d"]),
-                                   ("compressed_nvfp4", qt.write_nvfp4, qref.pack_nvfp4, dm["d"]),
-                                   ("index_mxfp4", qt.write_mxfp4, qref.pack_mxfp4, dm["di"])):
-        n = dm["n"]
-        vals = randn(n, dim, seed=1, scale=3.0)
-        pos, freqs, tables = _rope(n, dm["rp"], seed=2)
-        rows = torch.randperm(2 * n, generator=torch.Generator().manual_seed(3))[:n].to(device())
-        rows[::7] = -1
-        pool = torch.full((2 * n, pack(vals[:1]).shape[1]), 0xAB, dtype=torch.uint8,
-                          device=device())
-        write(vals, rows, pool, rope=tables)
-        expect = pack(rope.apply_rope(vals, pos, freqs))
-        live = rows >= 0
-        chk = exact_check("kv_write", f"{name} +rope N={n} D={dim}", pool[rows[live]],
-                          expect[live])
-        untouched = torch.ones(2 * n, dtype=torch.bool, device=device())
-        untouched[rows[live]] = False
-        if not bool((pool[untouched] == 0xAB).all()):
-            chk.passed, chk.note = False, "wrote outside the destination rows"
-        chk.bytes_moved = n * dim * 2 + n * pool.shape[1] + n * dm["rp"] * 8
-        out.append(_timed(chk, timing, lambda: write(vals, rows, pool, rope=tables),
-                          lambda: pack(rope.apply_rope(vals, pos, freqs))))
-    return out
+    return [_kv_write_case(name, write, pack, dim, dm["n"], dm["rp"], timing)
+            for name, write, pack, dim in (
+                ("window_fp8", qt.write_window_fp8, qref.pack_window_fp8, dm["d"]),
+                ("compressed_nvfp4", qt.write_nvfp4, qref.pack_nvfp4, dm["d"]),
+                ("index_mxfp4", qt.write_mxfp4, qref.pack_mxfp4, dm["di"]))]
+
+
+def _kv_write_case(name: str, write, pack, dim: int, n: int, rope_pairs: int,
+                   timing: bool) -> Check:
+    from flashpd.kernels.rope import ref as rope
+
+    vals = randn(n, dim, seed=1, scale=3.0)
+    pos, freqs, tables = _rope(n, rope_pairs, seed=2)
+    rows = torch.randperm(2 * n, generator=torch.Generator().manual_seed(3))[:n].to(device())
+    rows[::7] = -1
+    pool = torch.full((2 * n, pack(vals[:1]).shape[1]), 0xAB, dtype=torch.uint8,
+                      device=device())
+    write(vals, rows, pool, rope=tables)
+    expect = pack(rope.apply_rope(vals, pos, freqs))
+    live = rows >= 0
+    chk = exact_check("kv_write", f"{name} +rope N={n} D={dim}", pool[rows[live]], expect[live])
+    untouched = torch.ones(2 * n, dtype=torch.bool, device=device())
+    untouched[rows[live]] = False
+    if not bool((pool[untouched] == 0xAB).all()):
+        chk.passed, chk.note = False, "wrote outside the destination rows"
+    chk.bytes_moved = n * dim * 2 + n * pool.shape[1] + n * rope_pairs * 8
+    return _timed(chk, timing, lambda: write(vals, rows, pool, rope=tables),
+                  lambda: pack(rope.apply_rope(vals, pos, freqs)))
 
 
 # ============================================================================ 2. MoE gate
 @register_check("moe_gate")
 def check_moe_gate(scale: str, timing: bool) -> list[Check]:
-    from flashpd.kernels.moe import ref as mref
-    from flashpd.kernels.moe import triton as mt
 
     shapes = [(20, 128, 8, 2)] if scale == "tiny" else [
         (64, 5120, 64, 6), (4096, 5120, 64, 6), (64, 5120, 384, 6), (4096, 5120, 384, 6)]
-    out = []
-    for t, d, e, k in shapes:
-        x = randn(t, d, seed=10)
-        w = randn(e, d, seed=11, scale=d ** -0.5)
-        bias = randn(e, seed=12, scale=0.1, dtype=torch.float32)
-        ids, gam = mt.route(x, w, bias, k, 1.5)
-        rids, rgam = mref.route(x, w, bias, k, 1.5)
-        biased = torch.sqrt(mref.softplus(mref.linear_fp32(x, w))) + bias[None]
-        sel = selection_check("moe_gate", f"route ids T={t} E={e} k={k}", ids, rids, biased,
-                              1e-5)
-        same = torch.equal(ids, rids)  # else compare the weight multisets (near-tie swaps)
-        wts = close_check("moe_gate", f"route weights T={t} E={e}",
-                          gam if same else gam.sort(1).values,
-                          rgam if same else rgam.sort(1).values, 1e-5)
-        sel.flops = 2.0 * t * e * d
-        sel.bytes_moved = t * d * 2 + e * d * 2
-        out.append(_timed(sel, timing, lambda: mt.route(x, w, bias, k, 1.5),
-                          lambda: mref.route(x, w, bias, k, 1.5)))
-        if sel.kernel_ms and sel.ref_ms:
-            sel.note += f"; fused {sel.ref_ms / sel.kernel_ms:.2f}x vs unfused torch"
-        out.append(wts)
-    return out
+    return [c for t, d, e, k in shapes for c in _route_case(t, d, e, k, timing)]
+
+
+def _route_case(t: int, d: int, e: int, k: int, timing: bool) -> list[Check]:
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.moe import triton as mt
+
+    x = randn(t, d, seed=10)
+    w = randn(e, d, seed=11, scale=d ** -0.5)
+    bias = randn(e, seed=12, scale=0.1, dtype=torch.float32)
+    ids, gam = mt.route(x, w, bias, k, 1.5)
+    rids, rgam = mref.route(x, w, bias, k, 1.5)
+    biased = torch.sqrt(mref.softplus(mref.linear_fp32(x, w))) + bias[None]
+    sel = selection_check("moe_gate", f"route ids T={t} E={e} k={k}", ids, rids, biased, 1e-5)
+    same = torch.equal(ids, rids)  # else compare the weight multisets (near-tie swaps)
+    wts = close_check("moe_gate", f"route weights T={t} E={e}",
+                      gam if same else gam.sort(1).values,
+                      rgam if same else rgam.sort(1).values, 1e-5)
+    sel.flops = 2.0 * t * e * d
+    sel.bytes_moved = t * d * 2 + e * d * 2
+    _timed(sel, timing, lambda: mt.route(x, w, bias, k, 1.5),
+           lambda: mref.route(x, w, bias, k, 1.5))
+    if sel.kernel_ms and sel.ref_ms:
+        sel.note += f"; fused {sel.ref_ms / sel.kernel_ms:.2f}x vs unfused torch"
+    return [sel, wts]
 
 
 # ============================================================================ 3. mHC
 @register_check("mhc")
 def check_mhc(scale: str, timing: bool) -> list[Check]:
+
+    shapes = [(19, 96)] if scale == "tiny" else [(64, 5120), (4096, 5120)]
+    return [c for t, d in shapes for c in _mhc_case(t, d, timing)]
+
+
+def _mhc_case(t: int, d: int, timing: bool) -> list[Check]:
     from flashpd.kernels.dense import ref as dref
     from flashpd.kernels.mhc import ref as href
     from flashpd.kernels.mhc import triton as ht
 
-    shapes = [(19, 96)] if scale == "tiny" else [(64, 5120), (4096, 5120)]
     out = []
-    for t, d in shapes:
-        s = 4
-        x = randn(t, s, d, seed=20)
-        y = randn(t, d, seed=21)
-        fn = randn(24, s * d, seed=22, scale=(s * d) ** -0.5, dtype=torch.float32)
-        base = randn(24, seed=23, scale=0.5, dtype=torch.float32)
-        hsc = torch.tensor([1.0, 0.5, 2.0], device=device())
-        nw = randn(d, seed=24)
-        pre_in, post, comb = href.hc_mixes(x, fn, base, hsc, 20, 1e-6, 1e-20)
+    s = 4
+    x = randn(t, s, d, seed=20)
+    y = randn(t, d, seed=21)
+    fn = randn(24, s * d, seed=22, scale=(s * d) ** -0.5, dtype=torch.float32)
+    base = randn(24, seed=23, scale=0.5, dtype=torch.float32)
+    hsc = torch.tensor([1.0, 0.5, 2.0], device=device())
+    nw = randn(d, seed=24)
+    pre_in, post, comb = href.hc_mixes(x, fn, base, hsc, 20, 1e-6, 1e-20)
 
-        def unfused():
-            xn = href.expand(y, x, post, comb)
-            mixes = href.hc_mixes(xn, fn, base, hsc, 20, 1e-6, 1e-20)
-            return xn, mixes, dref.rms_norm(href.collapse(xn, pre_in), nw, 1e-20)
+    def unfused():
+        xn = href.expand(y, x, post, comb)
+        mixes = href.hc_mixes(xn, fn, base, hsc, 20, 1e-6, 1e-20)
+        return xn, mixes, dref.rms_norm(href.collapse(xn, pre_in), nw, 1e-20)
 
-        def fused():
-            return ht.expand_mix_collapse(y, x, post, comb, fn, base, hsc, 20, 1e-6, 1e-20,
-                                          pre_in, nw)
+    def fused():
+        return ht.expand_mix_collapse(y, x, post, comb, fn, base, hsc, 20, 1e-6, 1e-20,
+                                      pre_in, nw)
 
-        xn, (rpre, rpost, rcomb), rxc = unfused()
-        fxn, fpre, fpost, fcomb, fxc = fused()
-        main = close_check("mhc", f"fused write-back+mixes+norm T={t}", fxn, xn, 8e-3)
-        main.bytes_moved = t * s * d * 2 * 2 + t * d * 2 * 3 + 24 * s * d * 4
-        main.flops = 2.0 * t * 24 * s * d
-        out.append(_timed(main, timing, fused, unfused))
-        if main.kernel_ms and main.ref_ms:
-            main.note = f"fused {main.ref_ms / main.kernel_ms:.2f}x vs unfused torch"
-        out.append(close_check("mhc", f"pre/post T={t}", torch.cat((fpre, fpost), 1),
-                               torch.cat((rpre, rpost), 1), 1e-4))
-        out.append(close_check("mhc", f"comb (Sinkhorn) T={t}", fcomb, rcomb, 1e-4))
-        out.append(close_check("mhc", f"collapsed+RMSNorm T={t}", fxc, rxc, 2e-2))
+    xn, (rpre, rpost, rcomb), rxc = unfused()
+    fxn, fpre, fpost, fcomb, fxc = fused()
+    main = close_check("mhc", f"fused write-back+mixes+norm T={t}", fxn, xn, 8e-3)
+    main.bytes_moved = t * s * d * 2 * 2 + t * d * 2 * 3 + 24 * s * d * 4
+    main.flops = 2.0 * t * 24 * s * d
+    out.append(_timed(main, timing, fused, unfused))
+    if main.kernel_ms and main.ref_ms:
+        main.note = f"fused {main.ref_ms / main.kernel_ms:.2f}x vs unfused torch"
+    out.append(close_check("mhc", f"pre/post T={t}", torch.cat((fpre, fpost), 1),
+                           torch.cat((rpre, rpost), 1), 1e-4))
+    out.append(close_check("mhc", f"comb (Sinkhorn) T={t}", fcomb, rcomb, 1e-4))
+    out.append(close_check("mhc", f"collapsed+RMSNorm T={t}", fxc, rxc, 2e-2))
     return out
 
 
@@ -160,52 +167,56 @@ def _index_inputs(t: int, n: int, h: int, di: int, seed: int):
 
 @register_check("indexer")
 def check_indexer(scale: str, timing: bool) -> list[Check]:
+
+    dm = _dims(scale, dict(t=5, h=4, di=32, k=16, bs=4, nb=8, ns=[300]),
+               dict(t=16, h=32, di=128, k=512, bs=8, nb=2048, ns=[8192, 524288]))
+    return [c for n in dm["ns"] for c in _indexer_case(n, dm, timing)]
+
+
+def _indexer_case(n: int, dm: dict, timing: bool) -> list[Check]:
     from flashpd.kernels.indexer import ref as iref
     from flashpd.kernels.indexer import triton as it
     from flashpd.kernels.quant import ref as qref
 
-    dm = _dims(scale, dict(t=5, h=4, di=32, k=16, bs=4, nb=8, ns=[300]),
-               dict(t=16, h=32, di=128, k=512, bs=8, nb=2048, ns=[8192, 524288]))
     out = []
-    for n in dm["ns"]:
-        q, w, rec, n_vis = _index_inputs(dm["t"], n, dm["h"], dm["di"], seed=30)
-        keys = qref.unpack_mxfp4(rec, torch.bfloat16)
-        ref_scores = iref.index_scores(q, w, keys, n_vis)
-        scores = it.index_scores_packed(q, w, rec, n_vis)
-        sc = close_check("indexer", f"scores packed MXFP4 N={n}", scores, ref_scores, 1e-5)
-        sc.bytes_moved = dm["t"] * n * (rec.shape[1] + 4)
-        sc.flops = 2.0 * dm["t"] * n * dm["h"] * dm["di"]
-        out.append(_timed(sc, timing, lambda: it.index_scores_packed(q, w, rec, n_vis),
-                          lambda: iref.index_scores(q, w, keys, n_vis)))
-        out.append(close_check("indexer", f"scores values N={n}",
-                               it.index_scores(q, w, keys, n_vis), ref_scores, 1e-5))
-        topk = selection_check("indexer", f"top-{dm['k']} ascending N={n}",
-                               it.select_topk(ref_scores, dm["k"]),
-                               iref.select_topk(ref_scores, dm["k"]), ref_scores, 0.0)
-        out.append(_timed(topk, timing, lambda: it.select_topk(ref_scores, dm["k"]),
-                          lambda: iref.select_topk(ref_scores, dm["k"])))
-        ref_mask = iref.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"])
-        out.append(exact_check("indexer", f"layer-20 candidate mask N={n}",
-                               it.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"]),
-                               ref_mask))
-        blocks = it.candidate_blocks(ref_scores, n_vis, dm["bs"], dm["nb"])
-        ref_sel = iref.select_topk(ref_scores, dm["k"], allowed=ref_mask)
-        sparse = selection_check(
-            "indexer", f"sparse reindex top-k N={n}",
-            it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"]), ref_sel,
-            ref_scores, 1e-5)
+    q, w, rec, n_vis = _index_inputs(dm["t"], n, dm["h"], dm["di"], seed=30)
+    keys = qref.unpack_mxfp4(rec, torch.bfloat16)
+    ref_scores = iref.index_scores(q, w, keys, n_vis)
+    scores = it.index_scores_packed(q, w, rec, n_vis)
+    sc = close_check("indexer", f"scores packed MXFP4 N={n}", scores, ref_scores, 1e-5)
+    sc.bytes_moved = dm["t"] * n * (rec.shape[1] + 4)
+    sc.flops = 2.0 * dm["t"] * n * dm["h"] * dm["di"]
+    out.append(_timed(sc, timing, lambda: it.index_scores_packed(q, w, rec, n_vis),
+                      lambda: iref.index_scores(q, w, keys, n_vis)))
+    out.append(close_check("indexer", f"scores values N={n}",
+                           it.index_scores(q, w, keys, n_vis), ref_scores, 1e-5))
+    topk = selection_check("indexer", f"top-{dm['k']} ascending N={n}",
+                           it.select_topk(ref_scores, dm["k"]),
+                           iref.select_topk(ref_scores, dm["k"]), ref_scores, 0.0)
+    out.append(_timed(topk, timing, lambda: it.select_topk(ref_scores, dm["k"]),
+                      lambda: iref.select_topk(ref_scores, dm["k"])))
+    ref_mask = iref.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"])
+    out.append(exact_check("indexer", f"layer-20 candidate mask N={n}",
+                           it.candidate_mask(ref_scores, n_vis, dm["bs"], dm["nb"]),
+                           ref_mask))
+    blocks = it.candidate_blocks(ref_scores, n_vis, dm["bs"], dm["nb"])
+    ref_sel = iref.select_topk(ref_scores, dm["k"], allowed=ref_mask)
+    sparse = selection_check(
+        "indexer", f"sparse reindex top-k N={n}",
+        it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"]), ref_sel,
+        ref_scores, 1e-5)
 
-        def dense_path():
-            s = it.index_scores_packed(q, w, rec, n_vis)
-            return it.select_topk(s, dm["k"], allowed=ref_mask)
+    def dense_path():
+        s = it.index_scores_packed(q, w, rec, n_vis)
+        return it.select_topk(s, dm["k"], allowed=ref_mask)
 
-        def sparse_path():
-            return it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"])
+    def sparse_path():
+        return it.index_topk_sparse(q, w, rec, n_vis, blocks, dm["bs"], dm["k"])
 
-        out.append(_timed(sparse, timing, sparse_path, dense_path))
-        if sparse.kernel_ms and sparse.ref_ms:
-            sparse.note += f"; sparse {sparse.ref_ms / sparse.kernel_ms:.2f}x vs dense scoring"
-            sparse.extra["dense_ms"] = sparse.ref_ms
+    out.append(_timed(sparse, timing, sparse_path, dense_path))
+    if sparse.kernel_ms and sparse.ref_ms:
+        sparse.note += f"; sparse {sparse.ref_ms / sparse.kernel_ms:.2f}x vs dense scoring"
+        sparse.extra["dense_ms"] = sparse.ref_ms
     return out
 
 
@@ -214,52 +225,10 @@ def check_indexer(scale: str, timing: bool) -> list[Check]:
 def check_attention(scale: str, timing: bool) -> list[Check]:
     from flashpd.kernels.attention import ref as aref
     from flashpd.kernels.attention import triton as at
-    from flashpd.kernels.quant import ref as qref
-    from flashpd.kernels.rope import ref as rope
 
     dm = _dims(scale, dict(ts=[3], h=4, d=64, w=8, k=6, rp=8, entries=40),
                dict(ts=[64, 1024], h=64, d=512, w=128, k=512, rp=32, entries=65536))
-    out = []
-    for t in dm["ts"]:
-        h, d, w, k = dm["h"], dm["d"], dm["w"], dm["k"]
-        q = randn(t, h, d, seed=40)
-        sink = randn(h, seed=41, dtype=torch.float32)
-        pos, freqs, tables = _rope(t, dm["rp"], seed=42)
-        win_pool = qref.pack_window_fp8(randn(t * w, d, seed=43, dtype=torch.float32))
-        g = torch.Generator().manual_seed(44)
-        win_rows = torch.randperm(t * w, generator=g).reshape(t, w)
-        win_rows[:, : w // 4] = -1  # a window not yet full
-        comp_rows = torch.randint(0, dm["entries"], (t, k), generator=g)
-        comp_rows[:, -k // 8:] = -1
-        win_rows, comp_rows = win_rows.to(device()), comp_rows.to(device())
-        comp_vals = randn(dm["entries"], d, seed=45, dtype=torch.float32)
-        scale_ = d ** -0.5
-        for fmt, pack, unpack, label in ((at.FMT_NVFP4, qref.pack_nvfp4, qref.unpack_nvfp4,
-                                          "NVFP4"),
-                                         (at.FMT_FP8, qref.pack_window_fp8,
-                                          qref.unpack_window_fp8, "FP8")):
-            comp_pool = pack(comp_vals)
-
-            def kernel():
-                return at.sparse_attention_packed(q, tables, win_pool, win_rows, comp_pool,
-                                                  comp_rows, sink, scale_, comp_format=fmt)
-
-            def reference():
-                keys = torch.cat((qref.unpack_window_fp8(win_pool, torch.bfloat16)[
-                    win_rows.clamp_min(0)], unpack(comp_pool, torch.bfloat16)[
-                    comp_rows.clamp_min(0)]), dim=1)
-                valid = torch.cat((win_rows >= 0, comp_rows >= 0), dim=1)
-                o = aref.sparse_attention(rope.apply_rope(q, pos, freqs), keys, valid, sink,
-                                          scale_)
-                return rope.apply_rope(o, pos, freqs, inverse=True)
-
-            chk = close_check("attention", f"packed {label} comp T={t}", kernel(),
-                              reference(), 2e-2)
-            chk.bytes_moved = t * (w * 528 / 512 * d + k * comp_pool.shape[1] + 4 * h * d)
-            chk.flops = 4.0 * t * h * (w + k) * d
-            out.append(_timed(chk, timing, kernel, reference))
-        if timing and out[-2].kernel_ms and out[-1].kernel_ms:
-            out[-2].note = f"NVFP4 {out[-1].kernel_ms / out[-2].kernel_ms:.2f}x vs FP8 comp KV"
+    out = [c for t in dm["ts"] for c in _attention_case(t, dm, timing)]
     t = dm["ts"][0]
     q = randn(t, dm["h"], dm["d"], seed=46)
     keys = randn(t, dm["w"] + dm["k"], dm["d"], seed=47)
@@ -269,6 +238,55 @@ def check_attention(scale: str, timing: bool) -> list[Check]:
     out.append(close_check("attention", f"sparse_attention (ref signature) T={t}",
                            at.sparse_attention(q, keys, valid, sink, dm["d"] ** -0.5),
                            aref.sparse_attention(q, keys, valid, sink, dm["d"] ** -0.5), 2e-2))
+    return out
+
+
+def _attention_case(t: int, dm: dict, timing: bool) -> list[Check]:
+    from flashpd.kernels.attention import ref as aref
+    from flashpd.kernels.attention import triton as at
+    from flashpd.kernels.quant import ref as qref
+    from flashpd.kernels.rope import ref as rope
+
+    out = []
+    h, d, w, k = dm["h"], dm["d"], dm["w"], dm["k"]
+    q = randn(t, h, d, seed=40)
+    sink = randn(h, seed=41, dtype=torch.float32)
+    pos, freqs, tables = _rope(t, dm["rp"], seed=42)
+    win_pool = qref.pack_window_fp8(randn(t * w, d, seed=43, dtype=torch.float32))
+    g = torch.Generator().manual_seed(44)
+    win_rows = torch.randperm(t * w, generator=g).reshape(t, w)
+    win_rows[:, : w // 4] = -1  # a window not yet full
+    comp_rows = torch.randint(0, dm["entries"], (t, k), generator=g)
+    comp_rows[:, -k // 8:] = -1
+    win_rows, comp_rows = win_rows.to(device()), comp_rows.to(device())
+    comp_vals = randn(dm["entries"], d, seed=45, dtype=torch.float32)
+    scale_ = d ** -0.5
+    for fmt, pack, unpack, label in ((at.FMT_NVFP4, qref.pack_nvfp4, qref.unpack_nvfp4,
+                                      "NVFP4"),
+                                     (at.FMT_FP8, qref.pack_window_fp8,
+                                      qref.unpack_window_fp8, "FP8")):
+        comp_pool = pack(comp_vals)
+
+        def kernel(comp_pool=comp_pool, fmt=fmt):
+            return at.sparse_attention_packed(q, tables, win_pool, win_rows, comp_pool,
+                                              comp_rows, sink, scale_, comp_format=fmt)
+
+        def reference(comp_pool=comp_pool, unpack=unpack):
+            keys = torch.cat((qref.unpack_window_fp8(win_pool, torch.bfloat16)[
+                win_rows.clamp_min(0)], unpack(comp_pool, torch.bfloat16)[
+                comp_rows.clamp_min(0)]), dim=1)
+            valid = torch.cat((win_rows >= 0, comp_rows >= 0), dim=1)
+            o = aref.sparse_attention(rope.apply_rope(q, pos, freqs), keys, valid, sink,
+                                      scale_)
+            return rope.apply_rope(o, pos, freqs, inverse=True)
+
+        chk = close_check("attention", f"packed {label} comp T={t}", kernel(),
+                          reference(), 2e-2)
+        chk.bytes_moved = t * (w * 528 / 512 * d + k * comp_pool.shape[1] + 4 * h * d)
+        chk.flops = 4.0 * t * h * (w + k) * d
+        out.append(_timed(chk, timing, kernel, reference))
+    if timing and out[-2].kernel_ms and out[-1].kernel_ms:
+        out[-2].note = f"NVFP4 {out[-1].kernel_ms / out[-2].kernel_ms:.2f}x vs FP8 comp KV"
     return out
 
 
@@ -288,8 +306,8 @@ def check_gemm(scale: str, timing: bool) -> list[Check]:
         chk = close_check("gemm", f"FP8 32x32 linear T={t} N={n} K={k}",
                           dt.linear_fp8(x, w_f8, s8), dref.linear(x, w_deq), 8e-3)
         chk.flops, chk.bytes_moved = 2.0 * t * n * k, n * k + t * (k + n) * 2
-        out.append(_timed(chk, timing, lambda: dt.linear_fp8(x, w_f8, s8),
-                          lambda: torch.matmul(x, w_deq.T)))
+        out.append(_timed(chk, timing, lambda x=x, w=w_f8, s=s8: dt.linear_fp8(x, w, s),
+                          lambda x=x, w=w_deq: torch.matmul(x, w.T)))
         if chk.ref_ms:
             chk.note = "ref_ms = cuBLAS bf16 on dequantised W"
     t, d, i, e, k = (12, 64, 64, 4, 2) if scale == "tiny" else (4096, 5120, 2304, 64, 6)

@@ -76,6 +76,7 @@ class AppArgs(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
     cache_salt: str = ""
+    max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     router_num_cpus: float = Field(0.0, ge=0)
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()

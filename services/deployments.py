@@ -43,37 +43,30 @@ class _Publisher:
 
     def __init__(self, redis_url: str, model_id: str, stats, drain_events, interval_s: float):
         self._loop = asyncio.new_event_loop()
-        self._stats, self._drain = stats, drain_events
-        self._interval_s = interval_s
-        self._redis_url, self._model_id = redis_url, model_id
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="flashpd-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flashpd-publisher",
+                                        daemon=True)
         self._thread.start()
-        if not self._ready.wait(30):
-            raise Unavailable(f"could not register with Redis at {redis_url}")
+        started = asyncio.run_coroutine_threadsafe(
+            self._start(redis_url, model_id, stats, drain_events, interval_s), self._loop)
+        try:
+            started.result(30)
+        except Exception as exc:
+            raise Unavailable(f"could not register with Redis at {redis_url}: {exc}") from exc
 
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._run())
-
-    async def _run(self) -> None:
+    async def _start(self, redis_url, model_id, stats, drain_events, interval_s) -> None:
         import redis.asyncio as aioredis
 
         from flashpd.services.router.index import IndexPublisher
 
-        self.redis = aioredis.from_url(self._redis_url)
-        self.publisher = IndexPublisher(self.redis, self._model_id)
-        self._task = asyncio.create_task(self.publisher.run(self._stats, self._drain,
-                                                            self._interval_s))
-        self._ready.set()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        self.redis = aioredis.from_url(redis_url)
+        self.publisher = IndexPublisher(self.redis, model_id)
+        await self.publisher.register(stats())
+        self._task = asyncio.create_task(self.publisher.run(stats, drain_events, interval_s))
 
     def stop(self, ref: WorkerRef) -> None:
         async def _stop():
             self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
             await self.publisher.deregister(ref)
             await self.redis.aclose()
 
@@ -82,6 +75,8 @@ class _Publisher:
             fut.result(10)
         except Exception as exc:  # shutdown must not hang on Redis
             log.warning("deregistering %s failed: %s", ref.key, exc)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 class _WorkerDeployment:

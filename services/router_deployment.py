@@ -113,7 +113,9 @@ class Router:
         self.redis = aioredis.from_url(a["redis_url"])
         placement = Placement(PrefixIndex(self.redis, model), make_policy(a["routing"]),
                               model=model, cache_salt=a["cache_salt"])
-        models = ModelTable([ServedModel(model, cfg.max_position_embeddings, cfg.vocab_size)])
+        context = min(a.get("max_model_len") or cfg.max_position_embeddings,
+                      cfg.max_position_embeddings)
+        models = ModelTable([ServedModel(model, context, cfg.vocab_size)])
         self.metrics = RouterMetrics(model)
         self.orchestrator = Orchestrator({model: placement},
                                          PinnedDirectory(self._prefill, self._decode),

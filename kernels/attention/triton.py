@@ -22,19 +22,19 @@ interpreter every product runs in FP32.
 from __future__ import annotations
 
 import torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
-_HEADS_PER_PROGRAM = 16
-_BLOCK_N = 16
+# Launch configuration (heads per program, keys per tile, warps, pipeline stages); tuned on an
+# H200 by bench/gpu_kernels.py. Heads per program >= 16 (tl.dot's minimum M).
+CONFIG = {"heads": 16, "block_n": 16, "warps": 8, "stages": 1}
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -162,7 +162,8 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         cos = sin = torch.ones(1, 1, dtype=torch.float32, device=q.device)
         rope_pairs = 0
     dummy = q
-    grid = (num_q, triton.cdiv(num_heads, _HEADS_PER_PROGRAM))
+    cfg = CONFIG
+    grid = (num_q, triton.cdiv(num_heads, cfg["heads"]))
     _attn_kernel[grid](
         q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
         kv if kv is not None else dummy, valid if valid is not None else dummy,
@@ -172,9 +173,9 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         comp if comp is not None else dummy, comp.stride(0) if comp is not None else 0,
         comp_rows if comp_rows is not None else dummy,
         comp_rows.shape[1] if comp is not None else 0, num_heads, float(softmax_scale),
-        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=_HEADS_PER_PROGRAM,
-        BLOCK_N=_BLOCK_N, OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=8, num_stages=1,
+        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg["heads"],
+        BLOCK_N=cfg["block_n"], OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **triton_runtime.launch_options())
     return out
 

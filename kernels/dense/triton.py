@@ -28,19 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime
 from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
 W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 _BLOCK_K = 64  # fixed: part of the per-row arithmetic (batch invariance)
-_BLOCK_N = 64
+# Launch configuration of the grouped GEMM (block N, warps, stages); tuned on an H200 by
+# bench/gpu_kernels.py. Block M follows the rows per expert (_block_m); block K is fixed above.
+CONFIG = {"block_n": 64, "warps": 4, "stages": 3}
 
 
 # ============================================================================ activations
@@ -288,7 +289,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
-    grid = (n_tiles, triton.cdiv(n_dim, _BLOCK_N))
+    cfg = CONFIG
+    grid = (n_tiles, triton.cdiv(n_dim, cfg["block_n"]))
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
@@ -298,8 +300,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
-        DOT_SCALED=dot_scaled, BLOCK_M=schedule.block_m, BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3, **triton_runtime.launch_options())
+        DOT_SCALED=dot_scaled, BLOCK_M=schedule.block_m, BLOCK_N=cfg["block_n"],
+        BLOCK_K=_BLOCK_K, num_warps=cfg["warps"], num_stages=cfg["stages"], **triton_runtime.launch_options())
     return out
 
 

@@ -14,8 +14,8 @@ tile is dequantised in registers (E2M1 nibbles * 2^(UE8M0 - 127), exact in BF16)
 on the tensor cores with FP32 accumulation.
 
 Top-k (`_topk_kernel`, one program per query row) is a radix select on a monotone integer image
-of the FP32 score, 4 bits per pass (8 passes, each a histogram of the 16 next digits among keys
-matching the prefix found so far), which yields the k-th largest score T. One more pass in
+of the FP32 score, 8 bits per pass (4 passes, each a 256-bin histogram of the next byte among
+keys matching the prefix found so far), which yields the k-th largest score T. One more pass in
 position order emits every entry > T and the first (k - #greater) entries == T, so the output is
 ascending by position and ties go to the lower index (the ref's stable sort), with no sort at
 all. Entries that are -inf are never emitted; the tail is padded with -1.
@@ -24,14 +24,13 @@ all. Entries that are -inf are never emitted; the tail is padded with -1.
 from __future__ import annotations
 
 import torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e8m0_decode
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 NEG_INF = float("-inf")
 _BLOCK_N = 64  # entries per scoring program
@@ -177,32 +176,29 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
     row = tl.program_id(0).to(tl.int64)
     neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32),
                              tl.full((1,), True, tl.int1))
-    digits = tl.arange(0, 16)
-    # number of selectable entries -> kk = min(K, that)
-    n_valid = 0
-    for c0 in range(0, N, CHUNK):
-        key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,
-                                   HAS_ALLOWED)
-        n_valid += tl.sum((in_range & (key > neg_inf_key)).to(tl.int32), axis=0)
-    kk = tl.minimum(n_valid, K)
+    digits = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.int64)
     above = tl.zeros((), dtype=tl.int32)
-    for p in tl.static_range(8):  # most significant digit first
-        shift = 28 - 4 * p
-        hist = tl.zeros((16,), dtype=tl.int32)
+    kk = tl.zeros((), dtype=tl.int32)
+    for p in tl.static_range(4):  # most significant byte first
+        shift = 24 - 8 * p
+        hist = tl.zeros((256,), dtype=tl.int32)
+        n_valid = tl.zeros((), dtype=tl.int32)
         for c0 in range(0, N, CHUNK):
             key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,
                                        HAS_ALLOWED)
             match = in_range
-            if p > 0:
-                match = match & ((key >> (shift + 4)) == prefix)
-            dig = (key >> shift) & 15
-            hit = match[None, :] & (dig[None, :] == digits[:, None])
-            hist += tl.sum(hit.to(tl.int32), axis=1)
+            if p == 0:  # also count the selectable entries: kk = min(K, that)
+                n_valid += tl.sum((in_range & (key > neg_inf_key)).to(tl.int32), axis=0)
+            else:
+                match = match & ((key >> (shift + 8)) == prefix)
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        if p == 0:
+            kk = tl.minimum(n_valid, K)
         at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys with digit >= d
         chosen = tl.max(tl.where(at_least >= kk - above, digits, 0), axis=0)
         above += tl.sum(tl.where(digits > chosen, hist, 0), axis=0)
-        prefix = prefix * 16 + chosen
+        prefix = prefix * 256 + chosen
     take_equal = kk - above
     emitted = tl.zeros((), dtype=tl.int32)
     equal_seen = tl.zeros((), dtype=tl.int32)

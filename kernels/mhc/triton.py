@@ -17,12 +17,11 @@ a second, L2-resident pass of the same program. S = 4 streams (hc_mult of every 
 from __future__ import annotations
 
 import torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma, round_bf16, sigmoid_f32
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 _BLOCK_T = 16
 _BLOCK_D = 64

@@ -24,14 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, softplus_f32, sigmoid_f32
-from flashpd.kernels.moe.ref import ROUTER_NORM_EPS, ExpertWeights
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
+from flashpd.kernels.moe.ref import ExpertWeights
 
 ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
 _ROUTER_BLOCK_T = 16

@@ -27,12 +27,11 @@ is one pass. A negative destination row skips that token (padded slots, §11.4).
 from __future__ import annotations
 
 import torch
+import triton  # noqa: E402  (after triton_runtime)
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels import triton_runtime  # noqa: F401  (selects the interpreter on CPU hosts)
 from flashpd.kernels.quant import ref
-
-import triton  # noqa: E402  (after triton_runtime)
-import triton.language as tl  # noqa: E402
 
 FMT_WINDOW_FP8 = 0
 FMT_NVFP4 = 1

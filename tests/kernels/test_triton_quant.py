@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton  # noqa: E402  (after flashpd.kernels.quant.triton selected the backend)
+import triton.language as tl  # noqa: E402
 
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as qt
@@ -45,14 +47,28 @@ def test_write_with_fused_rope_lands_in_destination_rows(name, write, pack, dim)
     assert bool((pool[untouched] == 0x5A).all())
 
 
-def test_e4m3_encoder_matches_torch_on_every_bf16_value():
+@triton.jit
+def _codec_kernel(x_ptr, e4m3_ptr, back_ptr, e2m1_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    code = qt.e4m3_encode(x)
+    tl.store(e4m3_ptr + i, code)
+    tl.store(back_ptr + i, qt.e4m3_decode(code))
+    tl.store(e2m1_ptr + i, qt.e2m1_encode(x).to(tl.uint8))
+
+
+def test_e4m3_and_e2m1_codecs_match_torch_on_every_bf16_value():
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).float()
-    x = x[torch.isfinite(x)].clamp(-448, 448).reshape(-1, 32)[:, :32]
-    rows = torch.arange(x.shape[0])
-    # window-FP8 records of values pre-scaled so every scale byte is 127 (scale 1) where possible
-    got = qt.pack_window_fp8(x)
-    assert torch.equal(got, qref.pack_window_fp8(x))
+    x = x[torch.isfinite(x)]
+    x = torch.cat((x, torch.zeros(65536 - x.numel())))  # power-of-two length
+    e4m3 = torch.empty(65536, dtype=torch.uint8)
+    back = torch.empty(65536)
+    e2m1 = torch.empty(65536, dtype=torch.uint8)
+    _codec_kernel[(1,)](x, e4m3, back, e2m1, N=65536)
+    assert torch.equal(e4m3, qref.e4m3_encode(x))
+    assert torch.equal(back, qref.e4m3_decode(e4m3))
+    assert torch.equal(e2m1, qref.e2m1_encode(x))
 
 
 def test_pool_width_must_match_the_format():

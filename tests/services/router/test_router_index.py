@@ -185,3 +185,23 @@ def test_keys_are_scoped_by_model_and_reject_braces():
     with pytest.raises(ValueError):
         IndexKeys("a}b")
     assert WorkerRef.from_key("decode|d0|i0").worker_id == "d0"
+
+
+def test_cancelling_a_caller_mid_redis_call_is_never_swallowed(redis_url):
+    """redis-py can swallow a cancellation that lands mid-command; the index must not."""
+    async def scenario(r, pub, index):
+        d0 = stats("decode", "d0")
+        await pub.register(d0)
+        await pub.publish(d0.ref, [BlockStored(tuple(H))])
+
+        async def busy():
+            while True:
+                await index.live_view()
+                await index.lookup(H, [d0.ref], "s")
+        for i in range(100):
+            task = asyncio.create_task(busy())
+            await asyncio.sleep((i % 10) * 0.0002)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            assert done, f"cancellation swallowed on try {i}"
+    run(redis_url, scenario)

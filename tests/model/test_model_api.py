@@ -1,0 +1,67 @@
+"""Forward-call validation, the generation loop and `flashpd logits`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashpd.model.generate import generate_ids
+from flashpd.model.model import LogitsRequest, SeqInput, SeqPlan
+from flashpd.model.state import StateError
+
+
+def test_segment_must_start_where_the_state_ends(tiny_model):
+    state = tiny_model.new_state()
+    tiny_model.run(state, [1, 2, 3])
+    with pytest.raises(StateError, match="starts at 2"):
+        tiny_model.run(state, [4], start_pos=2)
+
+
+def test_batch_validation(tiny_model):
+    state = tiny_model.new_state()
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="twice"):
+        tiny_model.forward(ids, [SeqInput(state, 0, 1), SeqInput(state, 1, 2)])
+    with pytest.raises(ValueError, match="cover 2 tokens"):
+        tiny_model.forward(ids, [SeqInput(state, 0, 2)])
+    with pytest.raises(ValueError, match="token id"):
+        tiny_model.forward(torch.tensor([512]), [SeqInput(state, 0, 1)])
+
+
+def test_logits_requests(tiny_model):
+    ids = [5, 6, 7, 8]
+    all_rows = tiny_model.run(tiny_model.new_state(), ids, SeqPlan(logits=LogitsRequest.ALL))
+    last = tiny_model.run(tiny_model.new_state(), ids)
+    none = tiny_model.run(tiny_model.new_state(), ids, SeqPlan(logits=LogitsRequest.NONE))
+    assert all_rows.shape == (4, 512) and all_rows.dtype == torch.float32
+    assert torch.equal(last, all_rows[-1:]) and none is None
+
+
+def test_greedy_generation_follows_the_argmax(tiny_model):
+    prompt = [10, 20, 30, 40, 50]
+    out = generate_ids(tiny_model, prompt, max_tokens=6)
+    assert len(out) == 6
+    for i, token in enumerate(out):  # each token is the argmax given everything before it
+        logits = tiny_model.run(tiny_model.new_state(), prompt + out[:i])
+        assert token == int(logits[-1].argmax())
+    assert generate_ids(tiny_model, prompt, 6, eos_id=out[2]) == out[:3]
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_model):
+    a = generate_ids(tiny_model, [1, 2, 3], 5, temperature=1.0, seed=3)
+    b = generate_ids(tiny_model, [1, 2, 3], 5, temperature=1.0, seed=3)
+    assert a == b and all(0 <= t < 512 for t in a)
+
+
+def test_logits_cli_writes_fp32_logits(tiny_model, tiny_ckpt_dir, tmp_path):
+    from flashpd.cli import main
+
+    out = tmp_path / "logits.npz"
+    rc = main(["logits", "--checkpoint", tiny_ckpt_dir, "--prompt-ids", "1,2,3",
+               "--out", str(out), "--dtype", "float32"])
+    assert rc == 0
+    saved = np.load(out)["logits"]
+    assert saved.dtype == np.float32 and saved.shape == (3, 512)
+    want = tiny_model.run(tiny_model.new_state(), [1, 2, 3], SeqPlan(logits=LogitsRequest.ALL))
+    np.testing.assert_array_equal(saved, want.numpy())

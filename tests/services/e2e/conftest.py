@@ -1,0 +1,48 @@
+"""One local Ray instance per test session (bound to 127.0.0.1) and helpers to deploy flashpd.
+
+These tests start real Ray, Redis, NIXL and gRPC; run them inside a loopback-only namespace
+(scripts/test.sh does)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashpd.services.redis_local import free_port
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    http_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    yield http_port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(name: str, ckpt_dir: str, redis_url: str, **overrides) -> dict:
+    """Deploy one flashpd application; returns its args (with the gRPC port)."""
+    from ray import serve
+
+    from flashpd.services.app import build_app
+
+    args = {"checkpoint": ckpt_dir, "model_id": "flashpd-tiny", "redis_url": redis_url,
+            "grpc_port": free_port(), "max_model_len": 2048,
+            "prefill": {"num_blocks": 64, "num_slots": 16},
+            "decode": {"num_blocks": 64, "num_slots": 16}}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(args.get(key), dict):
+            args[key] = {**args[key], **value}
+        else:
+            args[key] = value
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return args

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP frontend over real HTTP (uvicorn + httpx) with fake workers."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from router_fakes import FakeDecode, FakePrefill, ByteTokenizer, http_stack
+
+from flashpd.services.api import Unavailable
+
+pytestmark = pytest.mark.net
+PROMPT = "x" * 300
+
+
+def run_async(coro):
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def sse_payloads(body: str) -> list:
+    """Parse an SSE body strictly: `data: ...` lines, each followed by a blank line."""
+    blocks = body.split("\n\n")
+    assert blocks[-1] == "", "the stream must end with a blank line"
+    out = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    assert out[-1] == "[DONE]"
+    return out[:-1]
+
+
+def test_completion_returns_text_and_usage_with_cached_tokens(redis_url):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0", cached_tokens=128)],
+                              [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={
+                    "model": "flash-tiny", "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        assert body["choices"][0]["text"] == "abcd"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": 300, "completion_tokens": 4,
+                                 "total_tokens": 304, "prompt_tokens_details": {"cached_tokens": 128}}
+        assert body["flashpd"]["prefill_worker"] == "p0"
+        assert body["flashpd"]["timeline"]["prefill_ms"] == 2.0
+    run_async(main())
+
+
+def test_completion_stream_is_well_formed_sse_with_a_usage_chunk(redis_url):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 3, "stream": True,
+                    "stream_options": {"include_usage": True}})
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_payloads(r.text)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "abc"
+        assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, "length"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all(c["object"] == "text_completion" for c in chunks)
+    run_async(main())
+
+
+def test_chat_stream_uses_the_template_and_delta_format(redis_url):
+    d = FakeDecode("d0")
+
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [d]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/chat/completions", json={
+                    "model": "flash-tiny", "max_tokens": 3, "stream": True,
+                    "messages": [{"role": "user", "content": "Hi"}]})
+        chunks = sse_payloads(r.text)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+        assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["b", "c"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert ByteTokenizer().decode(d.seen[0].prompt_ids) == (
+            "<|begin_of_sentence|><|User|>Hi<|Assistant|>")
+    run_async(main())
+
+
+def test_chat_non_stream_with_logprobs(redis_url):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/chat/completions", json={
+                    "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
+                    "messages": [{"role": "user", "content": "Hi"}]})
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+        content = body["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == ["a", "b"] and content[0]["logprob"] == -0.5
+        assert len(content[0]["top_logprobs"]) == 1
+    run_async(main())
+
+
+def test_session_header_binds_the_session(redis_url):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (stack, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                                    headers={"x-session-id": "chat-9"})
+            assert r.status_code == 200
+            binding = (await stack.index.lookup([], [], "chat-9")).session
+            assert binding.decode.worker_id == "d0"
+    run_async(main())
+
+
+@pytest.mark.parametrize("path,payload,param", [
+    ("/v1/completions", b"{not json", "body"),
+    ("/v1/completions", b"[1, 2]", "body"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * 3000}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": -2}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+     "messages[0].role"),
+])
+def test_bad_requests_are_400_naming_the_param(redis_url, path, payload, param):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                if isinstance(payload, bytes):
+                    r = await http.post(path, content=payload,
+                                        headers={"content-type": "application/json"})
+                else:
+                    r = await http.post(path, json=payload)
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+        assert param in error["message"]
+    run_async(main())
+
+
+def test_error_before_the_first_token_keeps_its_status_when_streaming(redis_url):
+    d = FakeDecode("d0", reserve_error=Unavailable("draining"))
+
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [d]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+    run_async(main())
+
+
+def test_client_disconnect_mid_stream_aborts_both_legs(redis_url):
+    p, d = FakePrefill("p0"), FakeDecode("d0", token_delay_s=0.05)
+
+    async def main():
+        async with http_stack(redis_url, [p], [d]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                async with http.stream("POST", "/v1/completions", json={
+                        "prompt": PROMPT, "max_tokens": 20, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            break  # first chunk received: hang up
+            for _ in range(100):
+                if d.aborted:
+                    break
+                await asyncio.sleep(0.02)
+        assert len(d.aborted) == 1 and p.aborted == d.aborted
+        assert d.closed_streams == 1
+    run_async(main())
+
+
+def test_models_health_and_metrics(redis_url):
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                models = (await http.get("/v1/models")).json()
+                health = await http.get("/health")
+                await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+                metrics = (await http.get("/metrics")).text
+        assert [m["id"] for m in models["data"]] == ["flash-tiny"]
+        assert health.status_code == 200
+        for name in ("flashpd:time_to_first_token_seconds", "flashpd:inter_token_latency_seconds",
+                     "flashpd:e2e_request_latency_seconds", "flashpd:prefix_cache_hits_total",
+                     "flashpd:kv_transfer_latency_seconds", "flashpd:kv_transfer_bytes_total",
+                     "flashpd:router_decision_latency_seconds"):
+            assert name in metrics, name
+        assert 'flashpd:prefix_cache_hits_total{model_name="flash-tiny",tier="none"} 1.0' in metrics
+    run_async(main())
+
+
+def test_health_is_503_without_workers(redis_url):
+    async def main():
+        async with http_stack(redis_url, [], [FakeDecode("d0")]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "no_workers"
+    run_async(main())
