@@ -135,10 +135,8 @@ def sweeps() -> dict:
         return at.sparse_attention_packed(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0.044)
 
     attn_cfgs = [{"heads": 16, "block_n": 16, "warps": 8, "stages": 1},
-                 {"heads": 16, "block_n": 32, "warps": 8, "stages": 2},
-                 {"heads": 32, "block_n": 16, "warps": 8, "stages": 1},
-                 {"heads": 16, "block_n": 32, "warps": 4, "stages": 1},
-                 {"heads": 64, "block_n": 16, "warps": 8, "stages": 1}]
+                 {"heads": 16, "block_n": 32, "warps": 8, "stages": 1},
+                 {"heads": 32, "block_n": 16, "warps": 8, "stages": 1}]
 
     def moe_inputs(t=4096, d=5120, i=2304, e=64, k=6):
         g = torch.Generator().manual_seed(91)
@@ -155,9 +153,7 @@ def sweeps() -> dict:
 
     gemm_cfgs = [{"block_n": 64, "warps": 4, "stages": 3},
                  {"block_n": 128, "warps": 8, "stages": 3},
-                 {"block_n": 128, "warps": 4, "stages": 4},
-                 {"block_n": 64, "warps": 8, "stages": 2},
-                 {"block_n": 256, "warps": 8, "stages": 3}]
+                 {"block_n": 128, "warps": 4, "stages": 3}]
     return {"attention_decode_T64": _sweep(at, attn_cfgs, attn_inputs, attn_run),
             "moe_mxfp4_T4096": _sweep(dt, gemm_cfgs, moe_inputs, moe_run)}
 

@@ -45,6 +45,7 @@ class EngineConfig:
     model_id: str = "flashpd-tiny"
     cache_salt: str = ""
     seed: int = 0
+    num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -22,6 +22,8 @@ def load_tokenizer(checkpoint_dir: str):
 def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     from flashpd.model.model import load_model
 
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
     model = load_model(checkpoint_dir, DTYPES[config.dtype])
     if config.device != "cpu":
         raise ValueError(f"device {config.device!r}: the reference runner runs on cpu only")

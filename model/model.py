@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,8 +36,19 @@ from flashpd.kernels import dispatch
 from flashpd.kernels.rope.ref import Yarn
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
-from flashpd.model.weights import (AttentionWeights, CompressorWeights, IndexQueryWeights,
-                                   LayerWeights, ModelWeights, load_weights)
+from flashpd.model.weights import (
+    AttentionWeights,
+    CompressorWeights,
+    IndexQueryWeights,
+    LayerWeights,
+    MixWeights,
+    ModelWeights,
+    load_weights,
+)
+
+if TYPE_CHECKING:
+    from flashpd.model.checkpoint import Checkpoint
+    from flashpd.model.engram import EngramHasher
 
 
 # ============================================================================ plans
@@ -178,8 +190,12 @@ class _Part:
 class _LayerRows:
     """Seam and compute rows of one layer over the batch, as index tensors into [T]."""
 
-    def __init__(self, spec: LayerSpec, segs: Sequence[_Seg], cand: int):
+    def __init__(self, spec: LayerSpec, segs: Sequence[_Seg], cand: int, device: torch.device):
         self.parts: list[_Part] = []
+
+        def arange(lo: int, hi: int) -> torch.Tensor:
+            return torch.arange(lo, hi, device=device)
+
         c = s = 0
         seam_idx, compute_idx, compute_in_seam = [], [], []
         for seg in segs:
@@ -190,31 +206,30 @@ class _LayerRows:
             if n_seam == 0:
                 continue
             self.parts.append(_Part(seg, first, seam_first, c, c + n_comp, s, s + n_seam))
-            seam_idx.append(torch.arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
-            compute_idx.append(torch.arange(seg.offset + first, seg.offset + seg.num_tokens))
-            compute_in_seam.append(torch.arange(s + first - seam_first, s + n_seam))
+            seam_idx.append(arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
+            compute_idx.append(arange(seg.offset + first, seg.offset + seg.num_tokens))
+            compute_in_seam.append(arange(s + first - seam_first, s + n_seam))
             c, s = c + n_comp, s + n_seam
         self.num_compute, self.num_seam = c, s
         self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
-        self.seam_idx = _cat_long(seam_idx)  # [Ts]
-        self.compute_idx = _cat_long(compute_idx)  # [Tc]
-        self.compute_in_seam = _cat_long(compute_in_seam)  # [Tc]
-        self.positions = _cat_long([p.first_pos + torch.arange(p.c1 - p.c0) for p in self.parts])
-        self.seam_positions = _cat_long(
-            [p.seg.start_pos + p.seam_first + torch.arange(p.s1 - p.s0) for p in self.parts])
-
+        self.seam_idx = _cat_long(seam_idx, device)  # [Ts]
+        self.compute_idx = _cat_long(compute_idx, device)  # [Tc]
+        self.compute_in_seam = _cat_long(compute_in_seam, device)  # [Tc]
+        self.positions = _cat_long(  # [Tc] absolute positions of the compute rows
+            [arange(p.first_pos, p.first_pos + p.c1 - p.c0) for p in self.parts], device)
 
     @classmethod
-    def cached(cls, cache: dict, spec: LayerSpec, segs: Sequence[_Seg], cand: int) -> _LayerRows:
+    def cached(cls, cache: dict, spec: LayerSpec, segs: Sequence[_Seg], cand: int,
+               device: torch.device) -> _LayerRows:
         """Rows depend only on (decoder layer?, owns a compressor?): build each kind once."""
         key = (spec.layer_id >= cand, spec.owns_compressor)
         if key not in cache:
-            cache[key] = cls(spec, segs, cand)
+            cache[key] = cls(spec, segs, cand, device)
         return cache[key]
 
 
-def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+def _cat_long(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
 
 class _Published:
@@ -242,12 +257,13 @@ class Model:
     """The forward over dequantised weights; kernels come from the dispatcher by name."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
-                 hasher=None, kernels: Mapping[str, str] | None = None):
+                 hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
-        if cfg.hc_mult < 1 or len(weights.layers) != cfg.num_layers:
-            raise ValueError("weights do not match the config")
+        if len(weights.layers) != cfg.num_layers:
+            raise ValueError(f"{len(weights.layers)} layer weights for {cfg.num_layers} layers")
         self.cfg, self.w, self.dtype, self.hasher = cfg, weights, dtype, hasher
+        self.device = weights.embed.device
         impls = dict(kernels or {})
         unknown = set(impls) - set(dispatch.OPS)
         if unknown:
@@ -259,13 +275,14 @@ class Model:
         rope = cfg.rope
         yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow,
                     rope.yarn_original_max_position)
-        self.freqs_main = self.rope.rope_frequencies(cfg.rope_head_dim, rope.theta, None)
-        self.freqs_compress = self.rope.rope_frequencies(cfg.rope_head_dim, rope.compress_theta,
-                                                         yarn)
+        self.freqs_main = self.rope.rope_frequencies(
+            cfg.rope_head_dim, rope.theta, None).to(self.device)
+        self.freqs_compress = self.rope.rope_frequencies(
+            cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
         self.eps = cfg.rms_norm_eps
 
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.bfloat16,
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
                         kernels: Mapping[str, str] | None = None) -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
@@ -277,7 +294,7 @@ class Model:
         return cls(ckpt.cfg, weights, dtype, hasher, kernels)
 
     def new_state(self) -> DenseSeqState:
-        return DenseSeqState(self.cfg, self.dtype)
+        return DenseSeqState(self.cfg, self.dtype, self.device)
 
     # ------------------------------------------------------------------ entry points
     def run(self, state: SeqState, token_ids: Sequence[int], plan: SeqPlan | None = None,
@@ -285,13 +302,13 @@ class Model:
         """One sequence: `forward` with a batch of one (start defaults to state.num_tokens)."""
         plan = plan or SeqPlan()
         start = state.num_tokens if start_pos is None else start_pos
-        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         return self.forward(ids, [SeqInput(state, start, len(ids), plan)])[0]
 
     def run_replay(self, state: SeqState, segment: ReplaySegment) -> torch.Tensor | None:
         return self.run(state, segment.token_ids, segment.plan, segment.start_pos)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, token_ids: torch.Tensor,
                 seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None."""
@@ -301,12 +318,14 @@ class Model:
         num_rows = token_ids.shape[0]
         embed = self.w.embed[token_ids]  # [T, D]
         streams = embed[:, None, :].expand(num_rows, cfg.hc_mult, cfg.hidden_size).clone()
-        carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32)  # [T, S]
+        carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32,
+                                  device=self.device)  # [T, S]
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
         published = _Published()
         row_sets: dict[tuple[bool, bool], _LayerRows] = {}
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
-            rows = _LayerRows.cached(row_sets, spec, segs, cfg.candidate_source_layer_id)
+            rows = _LayerRows.cached(row_sets, spec, segs, cfg.candidate_source_layer_id,
+                                     self.device)
             if rows.num_seam:
                 self._layer(spec, lw, rows, streams, carried_pre, hash_ids, published)
         logits = self._logits(streams, carried_pre, segs)
@@ -404,7 +423,7 @@ class Model:
         streams[rows.compute_idx] = self.mhc.expand(y, xc, post_f, comb_f)  # 7.
         carried_pre[rows.compute_idx] = pre_f  # 8.
 
-    def _mixes(self, streams: torch.Tensor, mw) -> tuple[torch.Tensor, ...]:
+    def _mixes(self, streams: torch.Tensor, mw: MixWeights) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
         return self.mhc.hc_mixes(streams, mw.fn, mw.base, mw.scale, cfg.hc_sinkhorn_iters,
                                  cfg.hc_eps, self.eps)
@@ -456,7 +475,8 @@ class Model:
                  ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE latents [G, d] -> (main KV [G, d] NVFP4, index keys [G, dI] MXFP4)."""
         d = self.dense
-        entry_pos = (first_entry + torch.arange(latents.shape[0])) * ratio  # first token of group
+        # entries are rotated at the position of their group's first token (§3.3, §12.7)
+        entry_pos = (first_entry + torch.arange(latents.shape[0], device=self.device)) * ratio
         cos, sin = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
         keys = d.rms_norm(d.linear(latents, cw.index_wk), cw.index_k_norm, self.eps)  # [G, dI]
         keys = self.quant.fake_quant_mxfp4(self.rope.rotate(keys, cos, sin))
@@ -551,9 +571,9 @@ class Model:
             if request is LogitsRequest.NONE:
                 picks.append(None)
             elif request is LogitsRequest.LAST:
-                picks.append(torch.tensor([end - 1]))
+                picks.append(torch.tensor([end - 1], device=self.device))
             else:
-                picks.append(torch.arange(seg.offset, end))
+                picks.append(torch.arange(seg.offset, end, device=self.device))
         wanted = [p for p in picks if p is not None]
         if not wanted:
             return [None] * len(segs)

@@ -134,9 +134,11 @@ class SeqState(abc.ABC):
 class DenseSeqState(SeqState):
     """Reference state: plain tensors in the compute dtype (FP32 open-group rows)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.dtype = dtype
+        self.device = torch.device(device)
         self._keep_positions = cfg.sliding_window - 1
         self._ratios = {s: cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids}
         self._num_tokens = 0
@@ -176,7 +178,7 @@ class DenseSeqState(SeqState):
         if start_pos != win.end_pos:
             raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
                              f"{win.end_pos}")
-        joined = torch.cat((win.kv, kv.to(self.dtype)), dim=0)
+        joined = torch.cat((win.kv, kv.to(self.device, self.dtype)), dim=0)
         drop = max(0, joined.shape[0] - self._keep_positions)
         self._windows[layer] = Window(win.start_pos + drop, joined[drop:])
 
@@ -205,8 +207,8 @@ class DenseSeqState(SeqState):
         if first_entry != old.num_entries:
             raise StateError(f"source {src}: entries appended at {first_entry}, "
                              f"{old.num_entries} stored")
-        self._entries[src] = Entries(torch.cat((old.kv, kv.to(self.dtype))),
-                                     torch.cat((old.keys, keys.to(self.dtype))))
+        self._entries[src] = Entries(torch.cat((old.kv, kv.to(self.device, self.dtype))),
+                                     torch.cat((old.keys, keys.to(self.device, self.dtype))))
 
     def global_state(self) -> GlobalKV:
         return GlobalKV(
@@ -222,7 +224,8 @@ class DenseSeqState(SeqState):
             if ent.num_entries != want:
                 raise StateError(f"source {src}: {ent.num_entries} entries for "
                                  f"{state.num_tokens} tokens, expected {want}")
-        self._entries = {s: Entries(e.kv.to(self.dtype).clone(), e.keys.to(self.dtype).clone())
+        self._entries = {s: Entries(e.kv.to(self.device, self.dtype).clone(),
+                                    e.keys.to(self.device, self.dtype).clone())
                          for s, e in state.entries.items()}
         self._windows = {layer: None for layer in self._windows}
         self._open = {s: None for s in self._open}
@@ -231,7 +234,7 @@ class DenseSeqState(SeqState):
 
     # ------------------------------------------------------------------ helpers
     def _empty(self, width: int) -> torch.Tensor:
-        return torch.zeros(0, width, dtype=self.dtype)
+        return torch.zeros(0, width, dtype=self.dtype, device=self.device)
 
     def _no_entries(self) -> Entries:
         return Entries(self._empty(self.cfg.head_dim), self._empty(self.cfg.index_head_dim))

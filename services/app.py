@@ -48,6 +48,7 @@ class RoleArgs(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
+    num_threads: int = Field(1, ge=0, description="torch CPU threads per replica (0 = default)")
 
     def deployment_options(self) -> dict:
         opts = {
@@ -88,7 +89,7 @@ class AppArgs(_Strict):
                               max_num_seqs=r.max_num_seqs,
                               swa_bounded_replay=self.swa_bounded_replay, dtype=self.dtype,
                               device=self.device, model_id=self.model_id,
-                              cache_salt=self.cache_salt)
+                              cache_salt=self.cache_salt, num_threads=r.num_threads)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             self.redis_url)
 

@@ -104,6 +104,15 @@ def run_serve(args) -> int:
     return 0
 
 
+DEMO_SYSTEM = (
+    "You are flashpd's demo assistant. flashpd serves DeepSeek-V4.1-Flash with prefill and "
+    "decode disaggregated: a router picks a prefill and a decode worker from a Redis index of "
+    "cached 128-token chunks and session bindings; prefill workers run the encoder path and push "
+    "890 bytes per token of compact global KV over NIXL; decode workers rebuild their sliding "
+    "windows by replaying the last 128 tokens and stream tokens with continuous batching. "
+    "Weights here are random, so the replies are noise: watch the cached tokens and TTFT. "
+) * 2
+
 DEMO_TURNS = (
     "Hello! Can you tell me about prefill and decode?",
     "Why does the decode worker replay the last 128 tokens?",
@@ -117,11 +126,11 @@ def run_demo(args) -> int:
     with local_stack(args):
         client = Client(f"127.0.0.1:{args.grpc_port}")
         wait_healthy(client)
-        history = ""
+        history = DEMO_SYSTEM
         for i, user in enumerate(DEMO_TURNS, 1):
             history += f"<|User|>{user}<|Assistant|>"
             print(f"\n[turn {i}] user: {user}\n[turn {i}] assistant: ", end="", flush=True)
-            stream = client.generate(prompt=history, max_tokens=24, session_id="demo-session",
+            stream = client.generate(prompt=history, max_tokens=32, session_id="demo-session",
                                      timeout_s=120)
             for chunk in stream:
                 print(chunk.text, end="", flush=True)

@@ -83,9 +83,6 @@ class _WorkerDeployment:
     role = ""
 
     def __init__(self, config: WorkerConfig):
-        import torch
-
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         engine = load_engine(config.checkpoint, config.engine)
         ref = new_worker_ref(self.role, _replica_worker_id(self.role))
         self.worker = self._make_worker(engine, config, ref)

@@ -6,6 +6,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _single_torch_thread():
+    """The tiny model's small ops run far faster on one thread on the shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory) -> str:
     from flashpd.model.checkpoint import write_random_checkpoint

@@ -22,10 +22,13 @@ interpreter every product runs in FP32.
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16

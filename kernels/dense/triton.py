@@ -28,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
@@ -80,6 +83,15 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def mma_tf32x3(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a . b for FP32 operands as three TF32 products (FP32-level accuracy, tensor cores)."""
+    if UPCAST:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
 
 
 # ============================================================================ weight tiles
@@ -392,6 +404,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
             OUT_BF16=x.dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
             **triton_runtime.launch_options())
     return y.reshape(x.shape)
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """x as FP32 (no copy when it already is)."""
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

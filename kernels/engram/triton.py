@@ -25,10 +25,13 @@ import mmap
 from dataclasses import dataclass
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import sigmoid_f32
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16

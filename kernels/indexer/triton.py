@@ -24,16 +24,20 @@ all. Entries that are -inf are never emitted; the tail is padded with -1.
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e8m0_decode
 
 NEG_INF = float("-inf")
-_BLOCK_N = 64  # entries per scoring program
+_BLOCK_N = 64  # entries per scoring tile
+_TILES = 8  # tiles per scoring program (the query is loaded once per program)
 _CHUNK = 1024  # entries per top-k step
 
 
@@ -59,28 +63,31 @@ def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constex
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_ptr, N_COLS,
                   H, NB_LIST, BLOCK_SIZE, DI: tl.constexpr, H_PAD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_N: tl.constexpr, TILES: tl.constexpr, PACKED: tl.constexpr,
+                  SPARSE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One query x TILES * BLOCK_N entries; the query (h x dI) is loaded once per program."""
     t = tl.program_id(0).to(tl.int64)
-    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = col < N_COLS
-    if SPARSE:  # column c -> entry blocks[t, c // bs] * bs + c % bs
-        blk = tl.load(blocks_ptr + t * NB_LIST + col // BLOCK_SIZE, mask=cmask, other=-1)
-        j = blk * BLOCK_SIZE + col % BLOCK_SIZE
-        jmask = cmask & (blk >= 0)
-    else:
-        j = col
-        jmask = cmask
-    jmask = jmask & (j < tl.load(nvis_ptr + t))
     h = tl.arange(0, H_PAD)
     hmask = h < H
     q = tl.load(q_ptr + (t * H + h[:, None]) * DI + tl.arange(0, DI)[None, :],
                 mask=hmask[:, None], other=0.0)  # [H_PAD, DI]
-    keys = _key_tile(keys_ptr, stride_k, j, jmask, DI, PACKED, q_ptr.dtype.element_ty)
-    dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
     w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
-    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
-    tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
+    n_vis = tl.load(nvis_ptr + t)
+    for tile in range(TILES):
+        col = (tl.program_id(1) * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = col < N_COLS
+        if SPARSE:  # column c -> entry blocks[t, c // bs] * bs + c % bs
+            blk = tl.load(blocks_ptr + t * NB_LIST + col // BLOCK_SIZE, mask=cmask, other=-1)
+            j = blk * BLOCK_SIZE + col % BLOCK_SIZE
+            jmask = cmask & (blk >= 0)
+        else:
+            j = col
+            jmask = cmask
+        jmask = jmask & (j < n_vis)
+        keys = _key_tile(keys_ptr, stride_k, j, jmask, DI, PACKED, q_ptr.dtype.element_ty)
+        dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
+        score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
+        tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
 
 
 def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
@@ -101,12 +108,14 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
         dot_q = q.contiguous() if q.dtype == keys.dtype else q.to(torch.float32).contiguous()
         key_arg = keys.to(dot_q.dtype).contiguous()
     blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else n_visible
-    grid = (num_q, triton.cdiv(n_cols, _BLOCK_N))
+    tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
+    grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
         dot_q, head_weights.to(torch.float32).contiguous(), key_arg, key_arg.stride(0),
         n_visible.to(torch.int32).contiguous(), blocks_arg, out, n_cols, num_heads,
         blocks.shape[1] if blocks is not None else 0, block_size, DI=head_dim,
-        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, PACKED=packed,
+        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, TILES=tiles,
+        PACKED=packed,
         SPARSE=blocks is not None, IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST,
         num_warps=4)
     return out

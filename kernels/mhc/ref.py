@@ -31,10 +31,11 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     logits = fp32(logits)
     e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     c = e / e.sum(dim=-1, keepdim=True) + eps
-    c.div_(c.sum(dim=-2, keepdim=True).add_(eps))
+    eps_t = torch.tensor(eps, dtype=torch.float32, device=c.device)  # in-place ops: no rewrap
+    c.div_(c.sum(dim=-2, keepdim=True).add_(eps_t))
     for _ in range(iters - 1):
-        c.div_(c.sum(dim=-1, keepdim=True).add_(eps))  # rows
-        c.div_(c.sum(dim=-2, keepdim=True).add_(eps))  # columns
+        c.div_(c.sum(dim=-1, keepdim=True).add_(eps_t))  # rows
+        c.div_(c.sum(dim=-2, keepdim=True).add_(eps_t))  # columns
     return c
 
 

@@ -7,9 +7,11 @@ the fused step of the shifted schedule (§2.4), `expand_mix_collapse`:
     pre', post', comb' = hc_mixes(X'; fn, base, scale)   coefficient GEMM + Sinkhorn
     x      = RMSNorm_w(collapse(X', pre_in))             (optional)
 
-One program owns 16 tokens and walks D in chunks of 64 channels; per chunk and stream it forms
-X'_k (FP32, j ascending, rounded to the stream dtype and stored), accumulates sum(X'^2) and the
-coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T (FP32, IEEE), and the collapsed row. The
+One program owns 16 (32 for long prefills) tokens and walks D in chunks of 64 channels; per
+chunk it loads the four streams once, forms X'_k (FP32, j ascending, rounded to the stream dtype
+and stored), accumulates sum(X'^2), the coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T (FP32
+operands as three TF32 products on the GPU, FP32-level accuracy; IEEE FP32 in the interpreter),
+and the collapsed row. The
 RMSNorm needs the whole row's statistic, so the collapsed row is written raw and normalised in
 a second, L2-resident pass of the same program. S = 4 streams (hc_mult of every preset).
 """
@@ -17,14 +19,21 @@ a second, L2-resident pass of the same program. S = 4 streams (hc_mult of every 
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
-from flashpd.kernels.dense.triton import DOT_UPCAST, mma, round_bf16, sigmoid_f32
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
 
-_BLOCK_T = 16
-_BLOCK_D = 64
+from flashpd.kernels.dense.triton import DOT_UPCAST, mma_tf32x3, round_bf16, sigmoid_f32
+
+_BLOCK_D = 32
+
+
+def _block_t(num_tokens: int) -> int:
+    """Tokens per program: 32 amortises the coefficient matrix once the grid fills the GPU."""
+    return 16 if num_tokens < 4096 else 32
 _S = 4
 
 
@@ -56,6 +65,37 @@ def _pick(x3, group, g: tl.constexpr):
 
 # ============================================================================ fused kernel
 @triton.jit
+def _load_cols(ptr, r64, rmask, S: tl.constexpr, k: tl.constexpr):
+    """Column k of a per-token [T, S] FP32 table, as [BT]."""
+    return tl.load(ptr + r64 * S + k, mask=rmask, other=0.0)
+
+
+@triton.jit
+def _expand_stream(y, pk, c0, c1, c2, c3, x0, x1, x2, x3, BF16: tl.constexpr):
+    """X'_k = post_k y + (sum_j comb[j][k] X_j, j ascending), rounded to the stream dtype."""
+    mixed = c0[:, None] * x0
+    mixed = mixed + c1[:, None] * x1
+    mixed = mixed + c2[:, None] * x2
+    mixed = mixed + c3[:, None] * x3
+    return _round(pk[:, None] * y + mixed, BF16)
+
+
+@triton.jit
+def _mix_dot(xk, fn_ptr, k: tl.constexpr, cols, D, m_comb, m_pp, S: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """m += X'_k . fn[:, k*D + cols]^T for the comb rows (16) and the pre/post rows (2S, padded)."""
+    n16 = tl.arange(0, 16)
+    fcol = (k * D + cols)[None, :]
+    fmask = cols[None, :] < D
+    f_comb = tl.load(fn_ptr + (2 * S + n16[:, None]).to(tl.int64) * (S * D) + fcol, mask=fmask,
+                     other=0.0)  # [16, BD]
+    f_pp = tl.load(fn_ptr + n16[:, None].to(tl.int64) * (S * D) + fcol,
+                   mask=fmask & (n16[:, None] < 2 * S), other=0.0)
+    return (mma_tf32x3(xk, tl.trans(f_comb), m_comb, UPCAST),
+            mma_tf32x3(xk, tl.trans(f_pp), m_pp, UPCAST))
+
+
+@triton.jit
 def _mhc_kernel(
     x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
     pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, T, D, norm_eps, hc_eps,
@@ -67,7 +107,33 @@ def _mhc_kernel(
     rmask = rows < T
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
-    n16 = tl.arange(0, 16)  # GEMM columns: comb (16) | pre, post, zero pad (16)
+    n16 = tl.arange(0, 16)
+    if HAS_Y:  # per-token coefficients, loaded once (S = 4 unrolled by hand)
+        p0 = _load_cols(post_ptr, r64, rmask, S, 0)
+        p1 = _load_cols(post_ptr, r64, rmask, S, 1)
+        p2 = _load_cols(post_ptr, r64, rmask, S, 2)
+        p3 = _load_cols(post_ptr, r64, rmask, S, 3)
+        c00 = _load_cols(comb_ptr, r64, rmask, SS, 0)
+        c01 = _load_cols(comb_ptr, r64, rmask, SS, 1)
+        c02 = _load_cols(comb_ptr, r64, rmask, SS, 2)
+        c03 = _load_cols(comb_ptr, r64, rmask, SS, 3)
+        c10 = _load_cols(comb_ptr, r64, rmask, SS, 4)
+        c11 = _load_cols(comb_ptr, r64, rmask, SS, 5)
+        c12 = _load_cols(comb_ptr, r64, rmask, SS, 6)
+        c13 = _load_cols(comb_ptr, r64, rmask, SS, 7)
+        c20 = _load_cols(comb_ptr, r64, rmask, SS, 8)
+        c21 = _load_cols(comb_ptr, r64, rmask, SS, 9)
+        c22 = _load_cols(comb_ptr, r64, rmask, SS, 10)
+        c23 = _load_cols(comb_ptr, r64, rmask, SS, 11)
+        c30 = _load_cols(comb_ptr, r64, rmask, SS, 12)
+        c31 = _load_cols(comb_ptr, r64, rmask, SS, 13)
+        c32 = _load_cols(comb_ptr, r64, rmask, SS, 14)
+        c33 = _load_cols(comb_ptr, r64, rmask, SS, 15)
+    if COLLAPSE:
+        q0 = _load_cols(pre_in_ptr, r64, rmask, S, 0)
+        q1 = _load_cols(pre_in_ptr, r64, rmask, S, 1)
+        q2 = _load_cols(pre_in_ptr, r64, rmask, S, 2)
+        q3 = _load_cols(pre_in_ptr, r64, rmask, S, 3)
     sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     m_comb = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
@@ -75,41 +141,35 @@ def _mhc_kernel(
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = rmask[:, None] & (cols[None, :] < D)
-        if HAS_Y:
+        xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
+        x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(xrow + D, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xrow + 2 * D, mask=mask, other=0.0).to(tl.float32)
+        x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
+        if HAS_Y:  # write-back of the finished sublayer
             y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0)
             y = y.to(tl.float32)
-        xc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for k in tl.static_range(S):
-            if HAS_Y:  # X'_k = post_k y + sum_j comb[j][k] X_j (j ascending)
-                acc = tl.load(post_ptr + r64 * S + k, mask=rmask, other=0.0)[:, None] * y
-                for j in tl.static_range(S):
-                    cjk = tl.load(comb_ptr + r64 * SS + j * S + k, mask=rmask, other=0.0)
-                    xj = tl.load(x_ptr + (r64[:, None] * S + j) * D + cols[None, :], mask=mask,
-                                 other=0.0).to(tl.float32)
-                    acc = acc + cjk[:, None] * xj
-                xk = _round(acc, BF16)
-                tl.store(xo_ptr + (r64[:, None] * S + k) * D + cols[None, :],
-                         xk.to(xo_ptr.dtype.element_ty), mask=mask)
-            else:
-                xk = tl.load(x_ptr + (r64[:, None] * S + k) * D + cols[None, :], mask=mask,
-                             other=0.0).to(tl.float32)
-            sumsq += tl.sum(xk * xk, axis=1)
-            fcol = k * D + cols  # column of fn for stream k
-            fmask = cols[None, :] < D
-            f_comb = tl.load(fn_ptr + (2 * S + n16[:, None]).to(tl.int64) * (S * D) + fcol[None, :],
-                             mask=fmask, other=0.0)  # [16, BD]
-            f_pp = tl.load(fn_ptr + n16[:, None].to(tl.int64) * (S * D) + fcol[None, :],
-                           mask=fmask & (n16[:, None] < 2 * S), other=0.0)
-            m_comb = mma(xk, tl.trans(f_comb), m_comb, True, UPCAST)
-            m_pp = mma(xk, tl.trans(f_pp), m_pp, True, UPCAST)
-            if COLLAPSE:  # x = sum_k pre_k X'_k, k ascending
-                pk = tl.load(pre_in_ptr + r64 * S + k, mask=rmask, other=0.0)[:, None]
-                if k == 0:
-                    xc = pk * xk
-                else:
-                    xc = xc + pk * xk
-        if COLLAPSE:
-            xc = _round(xc, BF16)
+            n0 = _expand_stream(y, p0, c00, c10, c20, c30, x0, x1, x2, x3, BF16)
+            n1 = _expand_stream(y, p1, c01, c11, c21, c31, x0, x1, x2, x3, BF16)
+            n2 = _expand_stream(y, p2, c02, c12, c22, c32, x0, x1, x2, x3, BF16)
+            n3 = _expand_stream(y, p3, c03, c13, c23, c33, x0, x1, x2, x3, BF16)
+            orow = xo_ptr + (r64[:, None] * S) * D + cols[None, :]
+            tl.store(orow, n0.to(xo_ptr.dtype.element_ty), mask=mask)
+            tl.store(orow + D, n1.to(xo_ptr.dtype.element_ty), mask=mask)
+            tl.store(orow + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=mask)
+            tl.store(orow + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=mask)
+        else:
+            n0, n1, n2, n3 = x0, x1, x2, x3
+        sumsq += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
+        m_comb, m_pp = _mix_dot(n0, fn_ptr, 0, cols, D, m_comb, m_pp, S, UPCAST)
+        m_comb, m_pp = _mix_dot(n1, fn_ptr, 1, cols, D, m_comb, m_pp, S, UPCAST)
+        m_comb, m_pp = _mix_dot(n2, fn_ptr, 2, cols, D, m_comb, m_pp, S, UPCAST)
+        m_comb, m_pp = _mix_dot(n3, fn_ptr, 3, cols, D, m_comb, m_pp, S, UPCAST)
+        if COLLAPSE:  # x = sum_k pre_k X'_k, k ascending
+            xc = q0[:, None] * n0
+            xc = xc + q1[:, None] * n1
+            xc = xc + q2[:, None] * n2
+            xc = _round(xc + q3[:, None] * n3, BF16)
             xsq += tl.sum(xc * xc, axis=1)
             tl.store(xc_ptr + r64[:, None] * D + cols[None, :], xc.to(xc_ptr.dtype.element_ty),
                      mask=mask)
@@ -169,7 +229,8 @@ def expand_mix_collapse(
         return new_streams, pre_o, post_o, comb_o, xc
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     dummy = pre_o
-    _mhc_kernel[(triton.cdiv(num_tokens, _BLOCK_T),)](
+    block_t = _block_t(num_tokens)
+    _mhc_kernel[(triton.cdiv(num_tokens, block_t),)](
         x, new_streams, y.contiguous() if y is not None else x,
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
@@ -177,7 +238,8 @@ def expand_mix_collapse(
         xc if xc is not None else dummy, num_tokens, dim, float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
-        BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D, num_warps=4, **triton_runtime.launch_options())
+        BLOCK_T=block_t, BLOCK_D=_BLOCK_D, num_warps=8,
+        **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 
 
@@ -231,8 +293,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     lg = logits.to(torch.float32).contiguous()
     comb = torch.empty_like(lg)
     if lg.shape[0]:
-        _sinkhorn_kernel[(triton.cdiv(lg.shape[0], _BLOCK_T),)](
-            lg, comb, lg.shape[0], float(eps), S=_S, ITERS=iters, BLOCK_T=_BLOCK_T)
+        _sinkhorn_kernel[(triton.cdiv(lg.shape[0], 16),)](
+            lg, comb, lg.shape[0], float(eps), S=_S, ITERS=iters, BLOCK_T=16)
     return comb
 
 
@@ -274,10 +336,15 @@ def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, S: tl.constexpr
     mask = cols < D
     y = tl.load(y_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(S):
-        acc = tl.load(post_ptr + t * S + k) * y
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for j in tl.static_range(S):
             xj = tl.load(x_ptr + (t * S + j) * D + cols, mask=mask, other=0.0).to(tl.float32)
-            acc = acc + tl.load(comb_ptr + t * S * S + j * S + k) * xj
+            cjk = tl.load(comb_ptr + t * S * S + j * S + k)
+            if j == 0:
+                acc = cjk * xj
+            else:
+                acc = acc + cjk * xj
+        acc = tl.load(post_ptr + t * S + k) * y + acc
         tl.store(out_ptr + (t * S + k) * D + cols, _round(acc, BF16).to(out_ptr.dtype.element_ty),
                  mask=mask)
 

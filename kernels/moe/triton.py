@@ -24,10 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
 from flashpd.kernels.moe.ref import ExpertWeights

@@ -27,10 +27,13 @@ is one pass. A negative destination row skips that token (padded slots, §11.4).
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402  (after triton_runtime)
-import triton.language as tl  # noqa: E402
 
-from flashpd.kernels import triton_runtime  # noqa: F401  (selects the interpreter on CPU hosts)
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
 from flashpd.kernels.quant import ref
 
 FMT_WINDOW_FP8 = 0

@@ -65,12 +65,12 @@ class GenerateStream:
         if self._cancelled.is_set():
             return
         self._cancelled.set()
+        try:  # abort first: the server then frees both legs at once, resumable or not
+            self._stub.Abort(pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S)
+        except grpc.RpcError as exc:  # best effort: cancelling the call below ends it anyway
+            log.info("abort of %s failed: %s", self.request_id, exc)
         if self._call is not None:
             self._call.cancel()
-        try:
-            self._stub.Abort(pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S)
-        except grpc.RpcError as exc:  # best effort: the cancelled call already ended the stream
-            log.info("abort of %s after cancel failed: %s", self.request_id, exc)
 
     def _run(self) -> Iterator[TokenChunk]:
         state = self._state

@@ -8,9 +8,10 @@ methods of `api.PrefillServerApi` / `api.DecodeServerApi` on it. Two kinds of en
 - Ray Serve DeploymentHandles, through `ServeHandleWorker`: unary methods are
   `await handle.method.remote(...)`, `generate` goes through `handle.options(stream=True)` and is
   consumed with `async for`; cancelling the awaiting task cancels the request on the replica.
-  A handle must reach the one worker the policy picked: `HandleDirectory(handle_for)` asks the
-  deployment layer for it (e.g. one deployment per worker id, or a custom Serve request router
-  that routes on the worker id).
+  A call must reach the one worker the policy picked: `HandleDirectory(handle_for,
+  call_kwargs_for)` gets the handle from the deployment layer and can tag every call with the
+  worker id for a custom Serve request router that routes on it (or use one deployment per
+  worker).
 
 Errors are left as raised; the orchestrator maps them with `api.as_service_error`.
 """
@@ -60,20 +61,22 @@ def _lookup(endpoints: Mapping[str, Any], worker: WorkerRef) -> Any:
 
 
 class ServeHandleWorker:
-    """A Ray Serve DeploymentHandle (reaching one worker) as a prefill and decode endpoint."""
+    """A Ray Serve DeploymentHandle as a prefill and decode endpoint. `call_kwargs` are added
+    to every call (e.g. the worker id a pinning Serve request router routes on)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, *, call_kwargs: Mapping[str, Any] | None = None) -> None:
         self._handle = handle
         self._streaming = handle.options(stream=True)
+        self._kw = dict(call_kwargs or {})
 
     async def reserve(self, req: InternalRequest) -> Ticket:
-        return await self._handle.reserve.remote(req)
+        return await self._handle.reserve.remote(req, **self._kw)
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
-        return await self._handle.run.remote(req, ticket)
+        return await self._handle.run.remote(req, ticket, **self._kw)
 
     async def generate(self, req: InternalRequest) -> AsyncIterator[Event]:
-        stream = self._streaming.generate.remote(req)
+        stream = self._streaming.generate.remote(req, **self._kw)
         finished = False
         try:
             async for event in stream:
@@ -84,17 +87,20 @@ class ServeHandleWorker:
                 stream.cancel()
 
     async def abort(self, request_id: str) -> bool:
-        return await self._handle.abort.remote(request_id)
+        return await self._handle.abort.remote(request_id, **self._kw)
 
     async def stats(self) -> WorkerStats:
-        return await self._handle.stats.remote()
+        return await self._handle.stats.remote(**self._kw)
 
 
 class HandleDirectory:
-    """Endpoints from `handle_for(worker) -> DeploymentHandle`, adapted once per incarnation."""
+    """Endpoints from `handle_for(worker) -> DeploymentHandle`, adapted once per incarnation;
+    `call_kwargs_for(worker)` adds per-worker call kwargs (default: none)."""
 
-    def __init__(self, handle_for: Callable[[WorkerRef], Any]) -> None:
+    def __init__(self, handle_for: Callable[[WorkerRef], Any],
+                 call_kwargs_for: Callable[[WorkerRef], Mapping[str, Any]] | None = None) -> None:
         self._handle_for = handle_for
+        self._call_kwargs_for = call_kwargs_for or (lambda worker: {})
         self._workers: dict[WorkerRef, ServeHandleWorker] = {}
 
     def prefill(self, worker: WorkerRef) -> PrefillServerApi:
@@ -105,5 +111,6 @@ class HandleDirectory:
 
     def _get(self, worker: WorkerRef) -> ServeHandleWorker:
         if worker not in self._workers:
-            self._workers[worker] = ServeHandleWorker(self._handle_for(worker))
+            self._workers[worker] = ServeHandleWorker(
+                self._handle_for(worker), call_kwargs=self._call_kwargs_for(worker))
         return self._workers[worker]

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FIELD_METADATA_KEY = "flashpd-field"
 SERVER_OPTIONS = (
-    ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
     ("grpc.keepalive_time_ms", 30_000),  # ping idle clients, so dead streams end
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -12,7 +12,7 @@ model's keys share a slot and pipelines stay on one node). A worker key (`wkey`)
     fpd:{model}:session:<sid>    HASH   {prefill: wkey, decode: wkey}         EX session_ttl (idle)
     fpd:{model}:wsessions:<wkey> SET    session ids bound to this worker      EX session_ttl
 
-Invariants: nothing on the request path uses SCAN or KEYS; `deregister` finds a worker's chunks
+Invariants: nothing on the request path uses SCAN or KEYS (a lookup is one round trip); `deregister` finds a worker's chunks
 and sessions through its reverse sets. A registered worker whose heartbeat key expired is dead:
 lookups ignore it at once and the router deregisters it in the background. TTLs on chunk keys are
 a safety net for garbage, not an eviction policy: engines report evictions (BlockRemoved).
@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from redis.exceptions import NoScriptError
 
 from flashpd.engine.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
 from flashpd.services.api import WorkerRef, WorkerStats
@@ -34,7 +37,26 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_TTL_S = 5.0
 DEFAULT_CHUNK_TTL_S = 24 * 3600.0
 DEFAULT_SESSION_TTL_S = 3600.0
-FIRST_LOOKUP_BATCH = 64  # chunks; later batches grow 4x, and stop once no worker's run continues
+# KEYS: chunk keys in prompt order; ARGV: worker keys. Returns, per worker, how many leading
+# chunks it holds. Stops at the first chunk that no still-running worker holds, so a miss costs
+# one SMISMEMBER, and nothing but the counts crosses the network. All keys share the {model}
+# hash tag, so the script is also valid on Redis Cluster.
+LONGEST_PREFIX_LUA = """
+local counts, running, n_running = {}, {}, #ARGV
+for i = 1, #ARGV do counts[i] = 0; running[i] = true end
+for c = 1, #KEYS do
+  if n_running == 0 then break end
+  local held = redis.call('SMISMEMBER', KEYS[c], unpack(ARGV))
+  for i = 1, #ARGV do
+    if running[i] then
+      if held[i] == 1 then counts[i] = counts[i] + 1
+      else running[i] = false; n_running = n_running - 1 end
+    end
+  end
+end
+return counts
+"""
+LONGEST_PREFIX_SHA = hashlib.sha1(LONGEST_PREFIX_LUA.encode()).hexdigest()
 DELETE_BATCH = 1000  # members per SREM pipeline when deregistering
 
 
@@ -261,36 +283,31 @@ class PrefixIndex:
                      session_id: str | None = None,
                      parent_session_id: str | None = None) -> Lookup:
         """Per live worker, the number of leading prompt chunks it holds, plus the session's and
-        the parent session's bindings. Pipelined in growing batches; stops early once no worker
-        holds the whole batch so far."""
-        live_keys = {w.key for w in live}
-        run = dict.fromkeys(live_keys, 0)  # wkey -> leading chunks held so far
-        open_keys = set(live_keys)  # workers whose run has not broken yet
+        the parent session's bindings: one pipelined round trip, in which a server-side script
+        walks the chunks and stops at the first chunk no remaining worker holds."""
+        workers = sorted(live, key=lambda w: w.key)
+        sids = [sid for sid in (session_id, parent_session_id) if sid]
+        chunk_keys = [self.keys.chunk(h) for h in chunk_hashes] if workers else []
+        try:
+            replies = await self._lookup_pipeline(sids, chunk_keys, workers)
+        except NoScriptError:  # Redis restarted or flushed its script cache
+            await self._redis.script_load(LONGEST_PREFIX_LUA)
+            replies = await self._lookup_pipeline(sids, chunk_keys, workers)
+        bindings = dict(zip(sids, (_binding(r) for r in replies), strict=False))
+        counts = replies[len(sids)] if chunk_keys else [0] * len(workers)
+        hits = {w: int(n) for w, n in zip(workers, counts, strict=True) if int(n) > 0}
+        return Lookup(hits, bindings.get(session_id or ""),
+                      bindings.get(parent_session_id or ""))
+
+    async def _lookup_pipeline(self, sids: list[str], chunk_keys: list[str],
+                               workers: list[WorkerRef]) -> list:
         pipe = self._redis.pipeline(transaction=False)
-        for sid in (session_id, parent_session_id):
-            if sid:
-                pipe.hgetall(self.keys.session(sid))
-        begin, size = 0, FIRST_LOOKUP_BATCH
-        sessions: list[dict] | None = None
-        while sessions is None or (open_keys and begin < len(chunk_hashes)):
-            batch = chunk_hashes[begin : begin + size] if open_keys else []
-            for chunk_hash in batch:
-                pipe.smembers(self.keys.chunk(chunk_hash))
-            replies = await pipe.execute()
-            if sessions is None:
-                n_sessions = len(replies) - len(batch)
-                sessions, replies = replies[:n_sessions], replies[n_sessions:]
-            for holders in replies:
-                open_keys &= {_text(h) for h in holders}
-                for wkey in open_keys:
-                    run[wkey] += 1
-            begin, size = begin + len(batch), size * 4
-            pipe = self._redis.pipeline(transaction=False)
-        bindings = iter(sessions)
-        session = _binding(next(bindings)) if session_id else None
-        parent = _binding(next(bindings)) if parent_session_id else None
-        hits = {WorkerRef.from_key(k): n for k, n in run.items() if n > 0}
-        return Lookup(hits, session, parent)
+        for sid in sids:
+            pipe.hgetall(self.keys.session(sid))
+        if chunk_keys:
+            pipe.evalsha(LONGEST_PREFIX_SHA, len(chunk_keys), *chunk_keys,
+                         *(w.key for w in workers))
+        return await pipe.execute()
 
     @_cancel_safe
     async def bind_session(self, session_id: str, prefill: WorkerRef | None, decode: WorkerRef,

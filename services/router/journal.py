@@ -2,7 +2,8 @@
 
 A `Run` holds one request's released events. Its producer (the orchestrator) appends; any number
 of consumers follow it from a token offset: the original stream, and after a disconnect a resumed
-stream with `resume_from_token`. Offsets must fall on event boundaries (the client counts tokens
+stream with `resume_from_token`. A consumer that lags gets the events that piled up merged into
+one (fewer, larger messages under load; chunk boundaries stay boundaries of the log). Offsets must fall on event boundaries (the client counts tokens
 of whole chunks it received):
 
     events:   [ids 0..0] [ids 1..3] [ids 4..4] ... Final
@@ -74,9 +75,10 @@ class Run:
         """Events from token offset `from_token`, then the final event (or the error raised)."""
         i = self._event_at(from_token)
         while True:
-            while i < len(self.events):
-                yield self.events[i]
-                i += 1
+            if i < len(self.events):  # a lagging consumer gets what piled up as one event
+                yield _merge(self.events[i:])
+                i = len(self.events)
+                continue
             if self.done:
                 break
             async with self._changed:
@@ -107,6 +109,15 @@ class Run:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+def _merge(events: list[TokenEvent]) -> TokenEvent:
+    if len(events) == 1:
+        return events[0]
+    return TokenEvent(
+        token_ids=tuple(t for e in events for t in e.token_ids), index=events[0].index,
+        logprobs=tuple(lp for e in events for lp in e.logprobs),
+        text="".join(e.text for e in events))
 
 
 class RunJournal:

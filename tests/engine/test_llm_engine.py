@@ -109,3 +109,37 @@ def test_no_block_leaks_after_abort(model_f32):
     usage = engine.usage()
     assert usage["blocks_free"] + usage["blocks_cached"] == usage["blocks_total"]
     assert usage["slots_free"] == 16 or usage["slots_free"] == engine.config.num_slots
+
+
+def test_exact_replay_credit_is_bit_identical_to_cold_run(model_f32):
+    # A hit of 11 chunks (1408 tokens) leaves credit after the exact replay of
+    # W + (L-1)(W-1) = 1271 rows: usable = 1408 - 1271 = 137 tokens.
+    base = _prompt(1408, 40)
+    follow = base + _prompt(30, 41)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    cfg = EngineConfig(swa_bounded_replay=False, num_blocks=64, max_num_batched_tokens=4096)
+    cold = _run(LLMEngine(model_f32, cfg), {"f": follow}, params)
+    warm = _run(LLMEngine(model_f32, cfg), {"b": base, "f": follow}, params, sequential=True)
+    assert warm["f"]["cached"] == 137
+    assert warm["f"]["ids"] == cold["f"]["ids"]
+
+
+def test_stop_string_cuts_text_and_finishes(ckpt_dir):
+    from flashpd.engine.loading import load_engine
+
+    engine = load_engine(ckpt_dir, EngineConfig(num_blocks=16))
+    prompt = _prompt(20, 50)
+    engine.add_request("free", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    free_text = "".join(o.text for o in _steps(engine))
+    stop = free_text[3:6]
+    assert stop and free_text.index(stop) >= 0
+    engine.add_request("cut", prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
+    outs = list(_steps(engine))
+    text = "".join(o.text for o in outs)
+    assert text == free_text[: free_text.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+
+
+def _steps(engine):
+    while engine.has_unfinished():
+        yield from engine.step()

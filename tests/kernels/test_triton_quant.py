@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton  # noqa: E402  (after flashpd.kernels.quant.triton selected the backend)
-import triton.language as tl  # noqa: E402
+
+# isort: off
+from flashpd.kernels import triton_runtime  # noqa: F401  (before `import triton`)
+import triton
+import triton.language as tl
+# isort: on
 
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as qt

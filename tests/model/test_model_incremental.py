@@ -30,15 +30,15 @@ def test_tiny_prompt_exercises_window_topk_and_candidates(tiny_model):
 
 def test_token_by_token_decode_matches_full_forward(tiny_model, make_prompt,
                                                     assert_global_equal):
-    """Decode steps over the first 40 positions and over 190..319, where the window, the
+    """Decode steps over the first 24 positions and over 200..319, where the window, the
     ratio-2 groups, top-k and the candidate pool all bite (one chunk in between, for time)."""
     ids = make_prompt(NUM_TOKENS, seed=1)
     full_state = tiny_model.new_state()
     full = tiny_model.run(full_state, ids, ALL)  # [T, V]
     step_state = tiny_model.new_state()
-    head = [tiny_model.run(step_state, [t]) for t in ids[:40]]
-    middle = tiny_model.run(step_state, ids[40:190], ALL)
-    tail = [tiny_model.run(step_state, [t]) for t in ids[190:]]
+    head = [tiny_model.run(step_state, [t]) for t in ids[:24]]
+    middle = tiny_model.run(step_state, ids[24:200], ALL)
+    tail = [tiny_model.run(step_state, [t]) for t in ids[200:]]
     steps = torch.cat([*head, middle, *tail])  # [T, V]
     assert _rel_err(steps, full) <= 1e-4
     assert torch.equal(steps, full)  # same arithmetic per token: bitwise equal in FP32

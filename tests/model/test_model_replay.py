@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from flashpd.model.model import (LogitsRequest, Model, SeqPlan, exact_replay_rows,
-                                 replay_segment)
+from flashpd.model.model import LogitsRequest, Model, SeqPlan, exact_replay_rows, replay_segment
 from flashpd.model.state import StateError
 
 SHORT_WINDOW = 16  # exact replay needs W + (L-1)(W-1) rows: 151 here instead of 1271

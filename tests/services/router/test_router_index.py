@@ -43,27 +43,37 @@ def test_lookup_counts_leading_chunks_per_worker(redis_url):
     run(redis_url, scenario)
 
 
-def test_lookup_stops_early_without_reading_every_chunk(redis_url, monkeypatch):
-    from flashpd.services.router import index as index_module
-
+def test_lookup_is_one_round_trip_and_stops_at_the_first_miss(redis_url):
     async def scenario(r, pub, index):
-        d0 = stats("decode", "d0")
-        await pub.register(d0)
+        d0, d1 = stats("decode", "d0"), stats("decode", "d1")
+        for s in (d0, d1):
+            await pub.register(s)
         many = [f"{i:032x}" for i in range(1000)]
         await pub.publish(d0.ref, [BlockStored(tuple(many[:3]))])
-        read = []
-        original = r.pipeline
-
-        def counting_pipeline(*a, **kw):
-            pipe = original(*a, **kw)
-            smembers = pipe.smembers
-            pipe.smembers = lambda key: (read.append(key), smembers(key))[1]
-            return pipe
-        monkeypatch.setattr(r, "pipeline", counting_pipeline)
-        found = await index.lookup(many, [d0.ref])
-        assert found.hit_chunks == {d0.ref: 3}
-        assert len(read) == index_module.FIRST_LOOKUP_BATCH
+        await pub.publish(d1.ref, [BlockStored(tuple(many[:5]))])
+        await index.lookup(many[:1], [d0.ref])  # first use loads the script (NOSCRIPT, load, retry)
+        commands = await _monitored(r, index.lookup(many, [d0.ref, d1.ref], "s"))
+        assert commands.count("SMISMEMBER") == 6  # chunks 0-5; chunk 5 is the first miss for both
+        client_side = [c for c in commands if c != "SMISMEMBER"]
+        assert client_side == ["HGETALL", "EVALSHA", "PING"]  # one round trip, then our PING
+        found = await index.lookup(many, [d0.ref, d1.ref])
+        assert found.hit_chunks == {d0.ref: 3, d1.ref: 5}
     run(redis_url, scenario)
+
+
+async def _monitored(r, awaitable) -> list[str]:
+    """Command names Redis executed while `awaitable` ran (scripts' inner calls included)."""
+    conn = redis.Redis.from_url(_url(r))
+    commands = []
+    with conn.monitor() as monitor:
+        await awaitable
+        await r.ping()
+        for event in monitor.listen():
+            commands.append(event["command"].split()[0].upper())
+            if commands[-1] == "PING":
+                break
+    conn.close()
+    return commands
 
 
 def test_removed_chunks_and_all_cleared(redis_url):
@@ -101,16 +111,7 @@ def test_deregister_removes_chunks_and_bindings_without_scanning(redis_url):
         await pub.publish(d1.ref, [BlockStored(tuple(H[:3]))])
         await index.bind_session("s-a", p0.ref, d0.ref, None)
         await index.bind_session("s-b", p0.ref, d1.ref, None)
-        commands = []
-        monitor_conn = redis.Redis.from_url(_url(r))
-        with monitor_conn.monitor() as monitor:
-            await pub.deregister(d0.ref)
-            await r.ping()
-            for event in monitor.listen():
-                commands.append(event["command"].split()[0].upper())
-                if commands[-1] == "PING":
-                    break
-        monitor_conn.close()
+        commands = await _monitored(r, pub.deregister(d0.ref))
         assert not {"SCAN", "KEYS"} & set(commands)
         assert (await index.lookup(H[:3], [d0.ref, d1.ref])).hit_chunks == {d1.ref: 3}
         found = await index.lookup([], [], "s-a")
@@ -204,4 +205,15 @@ def test_cancelling_a_caller_mid_redis_call_is_never_swallowed(redis_url):
             task.cancel()
             done, _ = await asyncio.wait({task}, timeout=1.0)
             assert done, f"cancellation swallowed on try {i}"
+    run(redis_url, scenario)
+
+
+def test_lookup_recovers_when_redis_forgot_the_script(redis_url):
+    async def scenario(r, pub, index):
+        d0 = stats("decode", "d0")
+        await pub.register(d0)
+        await pub.publish(d0.ref, [BlockStored(tuple(H[:2]))])
+        assert (await index.lookup(H, [d0.ref])).hit_chunks == {d0.ref: 2}
+        await r.script_flush()
+        assert (await index.lookup(H, [d0.ref])).hit_chunks == {d0.ref: 2}
     run(redis_url, scenario)

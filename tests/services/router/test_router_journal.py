@@ -64,3 +64,15 @@ def test_journal_keeps_resumable_runs_for_the_ttl_only():
         journal.prune(now=kept.finished_at + 11)
         assert journal.get("a") is None
     asyncio.run(main())
+
+
+def test_a_lagging_follower_gets_pending_events_merged():
+    async def main():
+        run = make_run()
+        await run.push(TokenEvent((1,), 0, text="a"))
+        await run.push(TokenEvent((2, 3), 1, text="bc"))
+        await run.finish(FinalEvent("length", Usage(2, 3)))
+        seen = [e async for e in run.follow()]
+        assert seen[0] == TokenEvent((1, 2, 3), 0, (), "abc") and len(seen) == 2
+        assert [e.index for e in [x async for x in run.follow(1)][:-1]] == [1]
+    asyncio.run(main())

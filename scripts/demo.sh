@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job: serve the tiny model locally (Ray Serve + Redis + NIXL) and chat through the SDK.
+# Runs inside a loopback-only network namespace when possible, so nothing leaves this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN RAY_USAGE_STATS_ENABLED=0
+if unshare -n true 2>/dev/null; then
+  exec unshare -n sh -c 'ip link set lo up && flashpd demo "$@"' sh "$@"
+fi
+exec flashpd demo "$@"

@@ -1,0 +1,67 @@
+"""Fused sparse attention over packed window / compressed records (kernels/attention/triton.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.attention import ref as aref
+from flashpd.kernels.attention import triton as at
+from flashpd.kernels.quant import ref as qref
+from flashpd.kernels.rope import ref as rope
+
+H, D, W, K = 4, 64, 8, 6
+
+
+def _setup(t: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, H, D, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    win = qref.pack_window_fp8(torch.randn(16, D, generator=g))
+    comp = qref.pack_nvfp4(torch.randn(20, D, generator=g))
+    win_rows = torch.randint(-1, 16, (t, W), generator=g)
+    comp_rows = torch.randint(-1, 20, (t, K), generator=g)
+    pos = torch.randint(0, 1 << 20, (t,), generator=g)
+    return q, sink, win, comp, win_rows, comp_rows, pos
+
+
+def _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs):
+    keys = torch.cat((qref.unpack_window_fp8(win, torch.bfloat16)[win_rows.clamp_min(0)],
+                      qref.unpack_nvfp4(comp, torch.bfloat16)[comp_rows.clamp_min(0)]), dim=1)
+    valid = torch.cat((win_rows >= 0, comp_rows >= 0), dim=1)
+    o = aref.sparse_attention(rope.apply_rope(q, pos, freqs), keys, valid, sink, D ** -0.5)
+    return rope.apply_rope(o, pos, freqs, inverse=True)
+
+
+def test_packed_attention_with_fused_rope_matches_reference():
+    q, sink, win, comp, win_rows, comp_rows, pos = _setup()
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    got = at.sparse_attention_packed(q, rope.rope_cos_sin(pos, freqs), win, win_rows, comp,
+                                     comp_rows, sink, D ** -0.5)
+    want = _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_query_with_no_valid_key_outputs_zero():
+    q, sink, win, comp, win_rows, comp_rows, _ = _setup(t=2, seed=1)
+    win_rows[1] = -1
+    comp_rows[1] = -1
+    got = at.sparse_attention_packed(q, None, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    assert bool((got[1] == 0).all()) and bool((got[0] != 0).any())
+
+
+def test_ref_signature_matches_reference():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, H, D, generator=g).bfloat16()
+    keys = torch.randn(3, 12, D, generator=g).bfloat16()
+    valid = torch.rand(3, 12, generator=g) > 0.3
+    sink = torch.randn(H, generator=g)
+    torch.testing.assert_close(at.sparse_attention(q, keys, valid, sink, 0.125).float(),
+                               aref.sparse_attention(q, keys, valid, sink, 0.125).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_pool_record_width_is_checked():
+    q, sink, win, comp, win_rows, comp_rows, _ = _setup()
+    with pytest.raises(ValueError, match="record"):
+        at.sparse_attention_packed(q, None, win, win_rows, win, comp_rows, sink, 0.1)

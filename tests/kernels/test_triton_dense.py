@@ -1,0 +1,68 @@
+"""GEMMs on checkpoint formats and dense ops (kernels/dense/triton.py) against dense/ref.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.dense import ref as dref
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.quant import ref as qref
+
+
+def _x(t: int = 5, k: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.randn(t, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_fp8_tile_scaled_gemm_equals_gemm_on_dequantised_weights():
+    w, s = qref.quantize_fp8_blockwise(torch.randn(70, 96, generator=torch.Generator()
+                                                   .manual_seed(1)))
+    got = dt.linear_fp8(_x(), w, s)
+    assert torch.equal(got, dref.linear(_x(), qref.dequantize_fp8_blockwise(w, s)))
+
+
+def test_mxfp4_gemm_equals_gemm_on_dequantised_weights():
+    p, s = qref.quantize_mxfp4_weight(torch.randn(40, 96, generator=torch.Generator()
+                                                  .manual_seed(2)))
+    got = dt.linear_mxfp4(_x(), p, s)
+    assert torch.equal(got, dref.linear(_x(), qref.dequantize_mxfp4_weight(p, s)))
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    x = _x(t=40, seed=3)
+    w = _x(t=24, seed=4)
+    full = dt.linear(x, w)
+    assert torch.equal(dt.linear(x[7:8], w), full[7:8])
+
+
+def test_fp32_gemm_is_not_tf32():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 96, generator=g), torch.randn(24, 96, generator=g)
+    torch.testing.assert_close(dt.linear_fp32(x, w), x.double().mm(w.double().T).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_schedule_covers_each_expert_rows_once():
+    counts = torch.tensor([3, 0, 5, 1])
+    sched = dt.grouped_schedule(counts, 9, 4)
+    covered = [(int(e), r) for e, a, b in zip(sched.expert, sched.start, sched.end, strict=True)
+               for r in range(int(a), int(b))]
+    assert covered == [(0, 0), (0, 1), (0, 2), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (3, 8)]
+
+
+def test_rms_norm_and_activations_match_reference():
+    x = _x(seed=6)
+    w = _x(t=1, seed=7)[0]
+    assert torch.equal(dt.rms_norm(x, w, 1e-20), dref.rms_norm(x, w, 1e-20))
+    z = torch.linspace(-30, 30, 101)
+    for name in ("sigmoid", "silu", "softplus"):
+        torch.testing.assert_close(getattr(dt, name)(z), getattr(dref, name)(z),
+                                   rtol=2e-6, atol=1e-7)
+
+
+def test_dot_scaled_switch_is_refused_under_the_interpreter():
+    p, s = qref.quantize_mxfp4_weight(torch.randn(32, 64))
+    sched = dt.single_schedule(2, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dot_scaled"):
+        dt.grouped_gemm(_x(t=2, k=64), dt.Weights.mxfp4(p, s), sched, torch.empty(2, 32),
+                        dot_scaled=True)

@@ -1,0 +1,65 @@
+"""Fused mHC step (kernels/mhc/triton.py) against the ref sequence expand -> mixes -> collapse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.dense import ref as dref
+from flashpd.kernels.mhc import ref as href
+from flashpd.kernels.mhc import triton as ht
+
+
+def _site(t: int = 7, d: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, 4, d, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * d, generator=g) * (4 * d) ** -0.5
+    base = torch.randn(24, generator=g) * 0.5
+    scale = torch.tensor([1.0, 0.5, 2.0])
+    return x, fn, base, scale
+
+
+def test_mixes_match_reference():
+    x, fn, base, scale = _site()
+    for got, want in zip(ht.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20),
+                         href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_matches_expand_mixes_collapse_norm():
+    x, fn, base, scale = _site(seed=1)
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(7, 64, generator=g).bfloat16()
+    norm_w = torch.randn(64, generator=g).bfloat16()
+    pre_in, post, comb = href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
+    new, pre, post2, comb2, xc = ht.expand_mix_collapse(y, x, post, comb, fn, base, scale, 20,
+                                                        1e-6, 1e-20, pre_in, norm_w)
+    want = href.expand(y, x, post, comb)
+    torch.testing.assert_close(new.float(), want.float(), rtol=8e-3, atol=1e-5)
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(want, fn, base, scale, 20, 1e-6,
+                                                           1e-20), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
+    torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
+
+
+def test_sinkhorn_columns_sum_to_one():
+    logits = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(3)) * 3
+    comb = ht.sinkhorn(logits, 20, 1e-6)
+    torch.testing.assert_close(comb, href.sinkhorn(logits, 20, 1e-6), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb.sum(dim=1), torch.ones(5, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_collapse_and_expand_match_reference():
+    x, fn, base, scale = _site(seed=4)
+    pre, post, comb = href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
+    y = torch.randn(7, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(ht.collapse(x, pre), href.collapse(x, pre))
+    torch.testing.assert_close(ht.expand(y, x, post, comb).float(),
+                               href.expand(y, x, post, comb).float(), rtol=8e-3, atol=1e-5)
+
+
+def test_only_four_streams_are_supported():
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(ValueError, match="streams"):
+        ht.hc_mixes(x, torch.randn(15, 96), torch.randn(15), torch.ones(3), 20, 1e-6, 1e-20)

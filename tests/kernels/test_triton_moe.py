@@ -1,0 +1,75 @@
+"""Fused MoE router and grouped expert GEMMs (kernels/moe/triton.py) against moe/ref.py."""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.moe import ref as mref
+from flashpd.kernels.moe import triton as mt
+from flashpd.kernels.quant import ref as qref
+
+
+def _router(t: int = 20, d: int = 128, e: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).bfloat16()
+    bias = torch.randn(e, generator=g) * 0.1
+    return x, w, bias
+
+
+def test_route_selects_the_reference_experts_and_weights():
+    x, w, bias = _router()
+    ids, gam = mt.route(x, w, bias, 3, 1.5)
+    rids, rgam = mref.route(x, w, bias, 3, 1.5)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(gam, rgam, rtol=1e-6, atol=1e-7)
+
+
+def test_route_ties_go_to_the_lower_expert_id():
+    x, w, _ = _router(t=4, e=8)
+    w[4:] = w[:4]  # experts 4..7 duplicate 0..3: every score appears twice
+    bias = torch.zeros(8)
+    ids, _ = mt.route(x, w, bias, 4, 1.0)
+    assert torch.equal(ids, mref.route(x, w, bias, 4, 1.0)[0])
+
+
+def test_route_without_normalisation_scales_raw_scores():
+    x, w, bias = _router(seed=1)
+    ids, gam = mt.route(x, w, bias, 2, 1.5, normalize=False)
+    rids, rgam = mref.route(x, w, bias, 2, 1.5, normalize=False)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(gam, rgam, rtol=1e-6, atol=1e-7)
+
+
+def test_moe_with_dequantised_weights_matches_reference():
+    x, gw, bias = _router(t=12, d=64, e=4, seed=2)
+    g = torch.Generator().manual_seed(3)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.1).bfloat16()  # noqa: E731
+    experts = mref.ExpertWeights(mk(4, 32, 64), mk(4, 32, 64), mk(4, 64, 32))
+    shared = mref.ExpertWeights(mk(1, 32, 64), mk(1, 32, 64), mk(1, 64, 32))
+    got = mt.moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
+    assert torch.equal(got, mref.moe(x, gw, bias, experts, shared, 2, 1.5, 10.0))
+
+
+def test_moe_reads_mxfp4_routed_and_fp8_shared_experts_as_stored():
+    x, gw, bias = _router(t=10, d=64, e=4, seed=4)
+    g = torch.Generator().manual_seed(5)
+    packed = [qref.quantize_mxfp4_weight(torch.randn(32 if i < 2 else 64, 64 if i < 2 else 32,
+                                                     generator=g) * 0.1) for i in range(3)]
+    routed = mt.ExpertSet(*(dt.Weights.mxfp4(torch.stack([p] * 4), torch.stack([s] * 4))
+                            for p, s in packed))
+    fp8 = [qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1)
+           for shape in ((32, 64), (32, 64), (64, 32))]
+    shared = mt.ExpertSet(*(dt.Weights.fp8(w, s) for w, s in fp8))
+    got = mt.moe_quantized(x, gw, bias, routed, shared, 2, 1.5, 10.0)
+    deq = [qref.dequantize_mxfp4_weight(p, s) for p, s in packed]
+    ref_routed = mref.ExpertWeights(*(torch.stack([w] * 4) for w in deq))
+    ref_shared = mref.ExpertWeights(*(qref.dequantize_fp8_blockwise(w, s)[None] for w, s in fp8))
+    assert torch.equal(got, mref.moe(x, gw, bias, ref_routed, ref_shared, 2, 1.5, 10.0))
+
+
+def test_swiglu_clamps_gate_from_above_and_up_on_both_sides():
+    gate = torch.tensor([-30.0, 0.5, 30.0])
+    up = torch.tensor([-30.0, 2.0, 30.0])
+    torch.testing.assert_close(mt.swiglu(gate, up, 10.0), mref.swiglu(gate, up, 10.0))

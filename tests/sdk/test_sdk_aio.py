@@ -1,0 +1,96 @@
+"""The asyncio client against the scripted server."""
+
+import asyncio
+
+import grpc
+import pytest
+from sdk_fakes import COMPLETE, OUTPUT, Step
+
+from flashpd_sdk import AsyncClient, Cancelled, ResourceExhausted, RetryPolicy, Unavailable
+
+pytestmark = pytest.mark.net
+FAST = RetryPolicy(backoff_s=0.01)
+
+
+def run_async(coro):
+    asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_async_generate_streams_and_returns_the_result(server):
+    async def main():
+        async with AsyncClient(server.target) as client:
+            stream = client.generate(prompt_ids=[5], max_tokens=11, ignore_eos=True)
+            chunks = [c async for c in stream]
+            result = stream.result
+        assert "".join(c.text for c in chunks) == result.text == "hello world"
+        assert result.output_ids == tuple(OUTPUT) and server.requests[0].ignore_eos
+    run_async(main())
+
+
+def test_async_result_before_the_end_is_an_error(server):
+    async def main():
+        async with AsyncClient(server.target) as client:
+            stream = client.generate(prompt="x")
+            with pytest.raises(RuntimeError, match="not finished"):
+                stream.result
+            assert (await stream.final()).finish_reason == "length"
+    run_async(main())
+
+
+def test_async_retry_before_first_token_and_resume_after(server):
+    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=0),
+                Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3), COMPLETE)
+
+    async def main():
+        async with AsyncClient(server.target, retry=FAST) as client:
+            result = await client.generate(prompt="x").final()
+        assert result.text == "hello world" and (result.retries, result.resumes) == (1, 1)
+        assert [r.resume_from_token for r in server.requests] == [0, 0, 3]
+    run_async(main())
+
+
+def test_async_typed_errors_are_not_retried(server):
+    server.play(Step(fail=grpc.StatusCode.RESOURCE_EXHAUSTED, tokens=0), COMPLETE)
+
+    async def main():
+        async with AsyncClient(server.target, retry=FAST) as client:
+            with pytest.raises(ResourceExhausted):
+                await client.generate(prompt="x").final()
+        assert len(server.requests) == 1
+    run_async(main())
+
+
+def test_async_retries_give_up_with_unavailable(server):
+    server.play(*[Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=0)] * 5)
+
+    async def main():
+        async with AsyncClient(server.target, retry=RetryPolicy(max_retries=2,
+                                                                  backoff_s=0.01)) as client:
+            with pytest.raises(Unavailable):
+                await client.generate(prompt="x").final()
+        assert len(server.requests) == 3
+    run_async(main())
+
+
+def test_async_cancel_aborts_on_the_server(server):
+    server.play(Step(delay_s=0.05))
+
+    async def main():
+        async with AsyncClient(server.target) as client:
+            stream = client.generate(prompt="x", request_id="mine")
+            await anext(stream)
+            stream.cancel()
+            with pytest.raises(Cancelled):
+                await anext(stream)
+            await stream.aclose()
+        assert server.servicer.aborts == ["mine"]
+    run_async(main())
+
+
+def test_async_abort_health_models(server):
+    async def main():
+        async with AsyncClient(server.target) as client:
+            assert await client.abort("x") is True
+            assert await client.health() == "SERVING"
+            assert [m.vocab_size for m in await client.models()] == [256]
+    run_async(main())
