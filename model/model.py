@@ -434,42 +434,50 @@ class Model:
     # ------------------------------------------------------------------ compressor (§4, §5.2)
     def _write_global_kv(self, spec: LayerSpec, cw: CompressorWeights, x_seam: torch.Tensor,
                          rows: _LayerRows) -> None:
-        src, ratio = spec.layer_id, spec.ratio
-        if ratio == 2:
-            kv32, gate32 = self.compressor.gated_projection(x_seam, cw.wkv, cw.wgate)  # FP32
+        """Compress the seam rows of every segment and append entries + index keys (§4, §5.2)."""
+        if spec.ratio == 2:
+            projected = self.compressor.gated_projection(x_seam, cw.wkv, cw.wgate)  # FP32 [Ts, d]
         else:
             latents_all = self.compressor.project(x_seam, cw.wkv, cw.norm, self.eps)  # [Ts, d]
         for part in rows.parts:
-            seg, state = part.seg, part.seg.state
-            first_pos = seg.start_pos + part.seam_first
-            end_pos = seg.start_pos + seg.num_tokens
-            if seg.replay is not None:  # entries exist; rebuild only the open-group row
-                if state.num_entries(src) < end_pos // ratio:
-                    raise StateError(f"replay: source {src} holds {state.num_entries(src)} "
-                                     f"entries, positions up to {end_pos} need {end_pos // ratio}")
-                if ratio == 2:
-                    last = part.s1 - 1
-                    state.set_open_group(src, self._open_row(kv32[last], gate32[last], end_pos))
+            if part.seg.replay is not None:
+                self._replay_open_group(spec, part, projected if spec.ratio == 2 else None)
                 continue
-            if ratio == 2:
-                open_in = state.open_group(src)
-                if (open_in is not None) != (first_pos % 2 == 1):
-                    raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'} "
-                                     f"at position {first_pos}")
-                pooled, open_out = self.compressor.pool_pairs(
-                    kv32[part.s0:part.s1], gate32[part.s0:part.s1], open_in)
-                latents = self.compressor.latent(pooled, cw.norm, self.eps, self.dtype)  # [G, d]
-                state.set_open_group(src, open_out)
+            if spec.ratio == 2:
+                latents = self._close_groups(spec.layer_id, cw, part, projected)  # [G, d]
             else:
                 latents = latents_all[part.s0:part.s1]  # [G, d]
             if latents.shape[0]:
-                first_entry = first_pos // ratio
-                kv, keys = self._entries(cw, latents, first_entry, ratio)
-                state.append_entries(src, first_entry, kv, keys)
+                first_entry = (part.seg.start_pos + part.seam_first) // spec.ratio
+                kv, keys = self._entries(cw, latents, first_entry, spec.ratio)
+                part.seg.state.append_entries(spec.layer_id, first_entry, kv, keys)
 
-    @staticmethod
-    def _open_row(kv: torch.Tensor, gate: torch.Tensor, end_pos: int) -> OpenGroup | None:
-        return OpenGroup(kv.clone(), gate.clone()) if end_pos % 2 else None
+    def _close_groups(self, src: int, cw: CompressorWeights, part: _Part,
+                      projected: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Ratio 2: pool the part's rows after the carried open-group row -> latents [G, d]."""
+        state, first_pos = part.seg.state, part.seg.start_pos + part.seam_first
+        open_in = state.open_group(src)
+        if (open_in is not None) != (first_pos % 2 == 1):
+            raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'}"
+                             f" at position {first_pos}")
+        kv32, gate32 = (t[part.s0:part.s1] for t in projected)
+        pooled, open_out = self.compressor.pool_pairs(kv32, gate32, open_in)
+        state.set_open_group(src, open_out)
+        return self.compressor.latent(pooled, cw.norm, self.eps, self.dtype)
+
+    def _replay_open_group(self, spec: LayerSpec, part: _Part,
+                           projected: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Replay writes no entries (they exist); a ratio-2 source rebuilds its open row."""
+        state, end_pos = part.seg.state, part.seg.start_pos + part.seg.num_tokens
+        needed = end_pos // spec.ratio
+        if state.num_entries(spec.layer_id) < needed:
+            raise StateError(f"replay: source {spec.layer_id} holds "
+                             f"{state.num_entries(spec.layer_id)} entries, needs {needed}")
+        if projected is not None:
+            last = part.s1 - 1  # the lone token of a group left open at end_pos - 1
+            kv32, gate32 = projected
+            state.set_open_group(spec.layer_id, OpenGroup(kv32[last].clone(), gate32[last].clone())
+                                 if end_pos % 2 else None)
 
     def _entries(self, cw: CompressorWeights, latents: torch.Tensor, first_entry: int,
                  ratio: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,13 +31,13 @@ import triton.language as tl
 
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
-from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
+from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode, round_bf16
 
 FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Launch configuration (heads per program, keys per tile, warps, pipeline stages); tuned on an
 # H200 by bench/gpu_kernels.py. Heads per program >= 16 (tl.dot's minimum M).
-CONFIG = {"heads": 16, "block_n": 16, "warps": 8, "stages": 1}
+CONFIG = {"heads": 32, "block_n": 16, "warps": 8, "stages": 1}
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -60,23 +60,34 @@ def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, p
 
 
 @triton.jit
+def _fp8_values(b, HW: tl.constexpr):
+    """E4M3FN bytes -> FP32: the conversion hardware on the GPU, bit arithmetic otherwise."""
+    if HW:
+        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_decode(b.to(tl.uint8))
+
+
+@triton.jit
 def _record_tile(pool_ptr, stride_p, rows, valid, D: tl.constexpr, FMT: tl.constexpr,
                  HW: tl.constexpr):
-    """Records at pool rows [BN] -> values [BN, D] in BF16 (exact)."""
+    """Records at pool rows [BN] -> values [BN, D] in BF16 (exact).
+
+    NVFP4 nibbles are selected per channel from the byte loaded for each channel (c // 2),
+    not with tl.interleave: Triton 3.6 mis-lowers a join on the N axis of a dot operand with a
+    small K (triton-lang/triton PR #10645), which the P.V product here would be.
+    """
     base = pool_ptr + rows[:, None].to(tl.int64) * stride_p
     c = tl.arange(0, D)[None, :]
     m = valid[:, None]
     if FMT == 0:
-        q = tl.load(base + c, mask=m, other=0)
-        if HW:
-            val = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            val = e4m3_decode(q)
+        val = _fp8_values(tl.load(base + c, mask=m, other=0), HW)
         scale = e8m0_decode(tl.load(base + D + c // 32, mask=m, other=127))
     else:
-        packed = tl.load(base + tl.arange(0, D // 2)[None, :], mask=m, other=0).to(tl.int32)
-        val = tl.interleave(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
-        scale = e4m3_decode(tl.load(base + D // 2 + c // 16, mask=m, other=0x38))
+        byte = tl.load(base + c // 2, mask=m, other=0).to(tl.int32)
+        code = (byte >> ((c & 1) * 4)) & 0xF
+        val = _fp8_values(e2m1_to_e4m3(code), HW)
+        scale = _fp8_values(tl.load(base + D // 2 + c // 16, mask=m, other=0x38), HW)
     return (val * scale).to(tl.bfloat16)
 
 

@@ -9,6 +9,7 @@ to BF16/FP8 truncate, kernels/triton_runtime.py):
     e4m3_decode(b)       E4M3FN byte -> FP32
     e2m1_encode(x)       FP32 -> E2M1 code, RNE with ties to the even code (ref.e2m1_encode)
     e2m1_decode(c)       E2M1 code -> FP32
+    e2m1_to_e4m3(c)      E2M1 code -> E4M3 byte of the same value (FP4 through FP8 hardware)
     e8m0_decode(b)       UE8M0 byte -> 2^(b-127) (byte 0 -> 2^-127, an FP32 subnormal)
     pow2ceil_biased(x)   UE8M0 byte of pow2ceil(x), from the FP32 bits
 
@@ -116,6 +117,20 @@ def e2m1_decode(c):
     m = (c & 1).to(tl.float32)
     mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * exp2i(e - 1))
     return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_to_e4m3(code):
+    """E2M1 code (int32, 0..15) -> the E4M3FN byte (int32) of the same value (exact).
+
+    0.5 is E4M3 0x30; magnitude codes 2..7 (exponent e >= 1) keep their mantissa bit as the
+    top E4M3 mantissa bit under exponent e + 6. Lets FP4 data use the FP8 conversion hardware.
+    """
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    byte = tl.where(e == 0, m * 0x30, ((e + 6) << 3) | (m << 2))
+    return byte | ((code & 8) << 4)
 
 
 @triton.jit

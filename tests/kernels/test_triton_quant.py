@@ -75,6 +75,19 @@ def test_e4m3_and_e2m1_codecs_match_torch_on_every_bf16_value():
     assert torch.equal(e2m1, qref.e2m1_encode(x))
 
 
+@triton.jit
+def _fp4_to_fp8_kernel(out_ptr):
+    code = tl.arange(0, 16)
+    tl.store(out_ptr + code, qt.e2m1_to_e4m3(code).to(tl.uint8))
+
+
+def test_every_e2m1_code_maps_to_the_e4m3_byte_of_its_value():
+    out = torch.empty(16, dtype=torch.uint8)
+    _fp4_to_fp8_kernel[(1,)](out)
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(qref.e4m3_decode(out), qref.e2m1_decode(codes))
+
+
 def test_pool_width_must_match_the_format():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="record"):

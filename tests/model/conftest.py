@@ -1,19 +1,17 @@
-"""Shared fixtures for the model tests: one random tiny checkpoint per session, FP32 models."""
+"""Shared fixtures for the model tests: the session's random tiny checkpoint, an FP32 model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
-from flashpd.model.presets import preset_config
+from flashpd.model.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_ckpt")
-    write_random_checkpoint(preset_config("tiny"), str(out), seed=1234)
-    return str(out)
+def tiny_ckpt_dir(ckpt_dir):
+    """The session's random tiny checkpoint (tests/conftest.py writes it once)."""
+    return ckpt_dir
 
 
 @pytest.fixture(scope="session")

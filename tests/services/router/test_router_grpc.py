@@ -37,7 +37,8 @@ def test_generate_streams_chunks_and_a_final_result(redis_url):
                 stream = client.generate(prompt_ids=PROMPT, max_tokens=5, session_id="s1")
                 chunks = [c async for c in stream]
                 result = stream.result
-        assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
+        offsets = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+        assert [c.index for c in chunks] == offsets  # chunks may merge tokens under load
         assert result.text == "abcde" and result.output_ids == tuple(b"abcde")
         assert result.finish_reason == "length"
         assert (result.prefill_worker, result.decode_worker) == ("p0", "d0")

@@ -60,7 +60,8 @@ def test_completion_stream_is_well_formed_sse_with_a_usage_chunk(redis_url):
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = sse_payloads(r.text)
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "abc"
-        assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, "length"]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]
+        assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
         assert all(c["object"] == "text_completion" for c in chunks)
     run_async(main())
@@ -76,8 +77,10 @@ def test_chat_stream_uses_the_template_and_delta_format(redis_url):
                     "model": "flash-tiny", "max_tokens": 3, "stream": True,
                     "messages": [{"role": "user", "content": "Hi"}]})
         chunks = sse_payloads(r.text)
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-        assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["b", "c"]
+        first = chunks[0]["choices"][0]["delta"]
+        assert first["role"] == "assistant" and first["content"].startswith("a")
+        assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abc"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert ByteTokenizer().decode(d.seen[0].prompt_ids) == (
