@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +66,36 @@ def _pin(tensor: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
 
 
+def _unpin(address: int) -> None:
+    """Undo _pin before the mapping goes away: a later mapping may reuse the address range, and
+    registering it again would fail with cudaErrorHostMemoryAlreadyRegistered (712)."""
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 def _host_buffer(num_bytes: int, pinned: bool,
                  huge_pages: bool) -> tuple[torch.Tensor, object | None, bool]:
-    """(uint8 tensor, owner to keep alive, huge pages used?) in host memory."""
+    """(uint8 tensor, owner to keep alive, huge pages used?) in host memory.
+
+    A huge-page buffer is registered with CUDA here and unregistered when the owner (the
+    mapping) is collected, which happens only after every tensor over it is gone.
+    """
     if not pinned:
         return torch.empty(num_bytes, dtype=torch.uint8), None, False
     huge = _huge_page_buffer(num_bytes) if huge_pages else None
     if huge is not None:
         buf, tensor = huge
         _pin(tensor)
-        return tensor, buf, True
+        owner = _PinnedMapping(buf, tensor.data_ptr())
+        return tensor, owner, True
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True), None, False
+
+
+class _PinnedMapping:
+    """Keeps an mmap alive while registered with CUDA; unregisters it when collected."""
+
+    def __init__(self, buf: mmap.mmap, address: int):
+        self.buf = buf
+        self._finalizer = weakref.finalize(self, _unpin, address)
 
 
 def transparent_huge_pages_mode() -> str:

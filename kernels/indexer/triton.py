@@ -39,6 +39,7 @@ NEG_INF = float("-inf")
 _BLOCK_N = 64  # entries per scoring tile
 _TILES = 8  # tiles per scoring program (the query is loaded once per program)
 _CHUNK = 1024  # entries per top-k step
+_SPLIT_COLS = 16384  # rows of >= 4 x this many entries take the two-stage top-k
 
 
 # ============================================================================ scoring
@@ -236,6 +237,8 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
 def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
           blocks: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
     num_q, n_cols = scores.shape
+    if blocks is None and n_cols >= 4 * _SPLIT_COLS and k <= _SPLIT_COLS // 4:
+        return _topk_two_stage(scores, k, allowed)
     out = torch.empty(num_q, k, dtype=torch.int64, device=scores.device)
     if num_q == 0 or k == 0:
         return out
@@ -248,6 +251,29 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
         HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
         CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(n_cols))), num_warps=8)
     return out
+
+
+def _topk_two_stage(scores: torch.Tensor, k: int, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Long rows: top-k of each slice of _SPLIT_COLS entries (one program per slice), then the
+    top-k of the concatenated survivors, mapped back to entry ids.
+
+    Exact, ties included: an entry dropped inside its slice is preceded there by k entries that
+    also precede it globally (higher score, or equal score and lower id). Survivors are listed
+    slice by slice in ascending id, so the second stage emits ascending ids as well.
+    """
+    num_q, n_cols = scores.shape
+    n_slices = -(-n_cols // _SPLIT_COLS)
+    pad = n_slices * _SPLIT_COLS - n_cols
+    s = scores.to(torch.float32)
+    if pad:
+        s = torch.nn.functional.pad(s, (0, pad), value=NEG_INF)
+        allowed = None if allowed is None else torch.nn.functional.pad(allowed, (0, pad))
+    local = _topk(s.reshape(num_q * n_slices, _SPLIT_COLS), k,
+                  None if allowed is None else allowed.reshape(num_q * n_slices, _SPLIT_COLS))
+    offset = (torch.arange(n_slices, device=scores.device) * _SPLIT_COLS).repeat(num_q)
+    ids = torch.where(local >= 0, local + offset[:, None], -1).reshape(num_q, n_slices * k)
+    survivor_scores = torch.where(ids >= 0, torch.gather(s, 1, ids.clamp_min(0)), NEG_INF)
+    return _topk(survivor_scores, k, blocks=ids, block_size=1)
 
 
 def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,6 +344,11 @@ def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: 
     _check_records(key_records, q.shape[2])
     if blocks.ndim != 2 or blocks.shape[0] != q.shape[0]:
         raise ValueError(f"blocks must be [T, nb], got {tuple(blocks.shape)}")
+    num_keys = key_records.shape[0]
+    if blocks.shape[1] * block_size >= num_keys:
+        # every block is kept (<= num_blocks reachable): the mask cannot bite (§5.4), and
+        # contiguous scoring of all entries selects the same ids without the indirection
+        return _topk(_scores(q, head_weights, key_records, n_visible, packed=True), k)
     scores = _scores(q, head_weights, key_records, n_visible, packed=True, blocks=blocks,
                      block_size=block_size)  # [T, nb * bs]
     return _topk(scores, k, blocks=blocks, block_size=block_size)

@@ -32,7 +32,7 @@ def test_async_result_before_the_end_is_an_error(server):
         async with AsyncClient(server.target) as client:
             stream = client.generate(prompt="x")
             with pytest.raises(RuntimeError, match="not finished"):
-                stream.result
+                _ = stream.result
             assert (await stream.final()).finish_reason == "length"
     run_async(main())
 

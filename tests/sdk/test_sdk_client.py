@@ -55,7 +55,7 @@ def test_result_drains_an_unread_stream(server):
 def test_status_codes_map_to_typed_errors(server, code, error):
     server.play(Step(fail=code, tokens=0))
     with Client(server.target) as client, pytest.raises(error) as info:
-        client.generate(prompt="x").result
+        _ = client.generate(prompt="x").result
     assert info.value.code == code
     assert len(server.requests) == 1  # none of these is retried
 
@@ -63,7 +63,7 @@ def test_status_codes_map_to_typed_errors(server, code, error):
 def test_invalid_argument_carries_the_field(server):
     server.play(Step(fail=grpc.StatusCode.INVALID_ARGUMENT, tokens=0, field="max_tokens"))
     with Client(server.target) as client, pytest.raises(InvalidArgument) as info:
-        client.generate(prompt="x").result
+        _ = client.generate(prompt="x").result
     assert info.value.field == "max_tokens"
 
 
@@ -80,7 +80,7 @@ def test_retries_are_bounded(server):
     server.play(UNAVAILABLE, UNAVAILABLE, COMPLETE)
     with Client(server.target, retry=RetryPolicy(max_retries=1, backoff_s=0.01)) as client:
         with pytest.raises(Unavailable):
-            client.generate(prompt="x").result
+            _ = client.generate(prompt="x").result
     assert len(server.requests) == 2
 
 
@@ -109,7 +109,7 @@ def test_unresumable_stream_reports_the_break(server):
 def test_deadline_is_sent_and_enforced(server):
     server.play(Step(delay_s=0.2))
     with Client(server.target) as client, pytest.raises(DeadlineExceeded):
-        client.generate(prompt="x", timeout_s=0.3).result
+        _ = client.generate(prompt="x", timeout_s=0.3).result
 
 
 def test_cancel_stops_the_stream_and_aborts_on_the_server(server):

@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router_fakes import FakeDecode, FakePrefill, grpc_stack
 
+from flashpd.services.api import ResourceExhausted as ServerResourceExhausted
 from flashpd_sdk import (
     AsyncClient,
     Cancelled,
@@ -18,7 +19,6 @@ from flashpd_sdk import (
 )
 from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
-from flashpd.services.api import ResourceExhausted as ServerResourceExhausted
 
 pytestmark = pytest.mark.net
 PROMPT = list(range(1, 200)) * 2
@@ -181,12 +181,13 @@ def test_broken_stream_resumes_from_a_token_offset(redis_url):
                                          request_id="res-1")
                 call = stub.Generate(req)
                 first = [await call.read(), await call.read(), await call.read()]
-                call.cancel()  # the connection "breaks" after 3 tokens
-                req.resume_from_token = 3
+                call.cancel()  # the connection "breaks" after 3 chunks
+                received = sum(len(r.chunk.token_ids) for r in first)
+                req.resume_from_token = received
                 rest = [r async for r in stub.Generate(req)]
             ids = [t for r in first + rest if r.HasField("chunk") for t in r.chunk.token_ids]
             assert bytes(ids) == b"abcdefgh" and rest[-1].HasField("final")
-            assert rest[0].chunk.index == 3
+            assert rest[0].chunk.index == received
             assert d.aborted == [] and d.calls.count(("generate", "res-1")) == 1
     run_async(main())
 

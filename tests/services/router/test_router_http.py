@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from router_fakes import FakeDecode, FakePrefill, ByteTokenizer, http_stack
+from router_fakes import ByteTokenizer, FakeDecode, FakePrefill, http_stack
 
 from flashpd.services.api import Unavailable
 

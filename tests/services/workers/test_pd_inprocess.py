@@ -115,3 +115,25 @@ def test_unknown_model_is_invalid_argument(model_f32):
             await d.close()
 
     asyncio.run(main())
+
+
+def test_transfer_contract_mismatch_fails_at_handshake(model_f32):
+    import dataclasses
+
+    from flashpd.services.api import Internal
+
+    async def main():
+        p, d = _workers(model_f32, replay=True)
+        # a decode worker built for another model id advertises another contract
+        d.receiver.contract = dataclasses.replace(d.receiver.contract, model_id="other-model")
+        try:
+            req = InternalRequest("z", MODEL_ID, tuple(_prompt(150, 9)), SamplingParams(max_tokens=2))
+            ticket = await d.reserve(req)
+            with pytest.raises(Internal, match="model_id"):
+                await p.run(req, ticket)
+            assert (await p.stats()).kv_blocks_used == 0  # nothing computed or held
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
