@@ -31,9 +31,21 @@ from flashpd.kernels.dense.triton import DOT_UPCAST, mma_tf32x3, round_bf16, sig
 _BLOCK_D = 32
 
 
-def _block_t(num_tokens: int) -> int:
-    """Tokens per program: 32 amortises the coefficient matrix once the grid fills the GPU."""
-    return 16 if num_tokens < 4096 else 32
+_BLOCK_T = 16
+# Slices of D per token block. A constant, so a token's sums do not depend on the batch; it
+# spreads a decode batch (a few token blocks) over SPLIT x more programs.
+MHC_SPLIT = 8
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters; every launch leaves them zeroed again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 _S = 4
 
 
@@ -98,12 +110,17 @@ def _mix_dot(xk, fn_ptr, k: tl.constexpr, cols, D, m_comb, m_pp, S: tl.constexpr
 @triton.jit
 def _mhc_kernel(
     x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
-    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, T, D, norm_eps, hc_eps,
+    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D, chunk,
+    norm_eps, hc_eps,
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Program (token block, slice) walks its slice of D; the last slice to finish reduces the
+    partial sums in slice order and runs the mixes, Sinkhorn and the RMSNorm pass."""
+    tb = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
@@ -138,9 +155,10 @@ def _mhc_kernel(
     xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     m_comb = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
     m_pp = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    d_end = tl.minimum(sp * chunk + chunk, D)
+    for d0 in range(sp * chunk, d_end, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        mask = rmask[:, None] & (cols[None, :] < D)
+        mask = rmask[:, None] & (cols[None, :] < d_end)
         xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
         x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
         x1 = tl.load(xrow + D, mask=mask, other=0.0).to(tl.float32)
@@ -173,6 +191,48 @@ def _mhc_kernel(
             xsq += tl.sum(xc * xc, axis=1)
             tl.store(xc_ptr + r64[:, None] * D + cols[None, :], xc.to(xc_ptr.dtype.element_ty),
                      mask=mask)
+    if SPLIT == 1:
+        _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
+                    post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
+                    COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, BLOCK_D, False)
+    else:
+        # partials [SPLIT, T, 64]: m_comb (16) | m_pp (16) | sumsq | xsq
+        part = partial_ptr + (sp * T + r64) * 64  # [BT]
+        tl.store(part[:, None] + n16[None, :], m_comb, mask=rmask[:, None])
+        tl.store(part[:, None] + 16 + n16[None, :], m_pp, mask=rmask[:, None])
+        tl.store(part + 32, sumsq, mask=rmask)
+        tl.store(part + 33, xsq, mask=rmask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # last slice of this token block: reduce in slice order
+            m_comb = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+            m_pp = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+            sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                pi = partial_ptr + (i * T + r64) * 64  # [BT]
+                m_comb += tl.load(pi[:, None] + n16[None, :], mask=rmask[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                m_pp += tl.load(pi[:, None] + 16 + n16[None, :], mask=rmask[:, None], other=0.0,
+                                cache_modifier=".cg")
+                sumsq += tl.load(pi + 32, mask=rmask, other=0.0, cache_modifier=".cg")
+                xsq += tl.load(pi + 33, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(counter_ptr + tb, 0)  # ready for the next launch
+            _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr,
+                        pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S,
+                        ITERS, COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, BLOCK_D, True)
+
+
+@triton.jit
+def _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
+                post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S: tl.constexpr,
+                ITERS: tl.constexpr, COLLAPSE: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                FROM_L2: tl.constexpr):
+    """Mixes from the full-D sums, then RMSNorm of the collapsed rows (written raw before)."""
+    r64 = rows.to(tl.int64)
+    SS: tl.constexpr = S * S
+    n16 = tl.arange(0, 16)
     # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb)
     rho = 1.0 / tl.sqrt_rn(sumsq / (S * D) + norm_eps)
     base_pp = tl.load(base_ptr + n16, mask=n16 < 2 * S, other=0.0)
@@ -198,7 +258,10 @@ def _mhc_kernel(
             cols = d0 + tl.arange(0, BLOCK_D)
             mask = rmask[:, None] & (cols[None, :] < D)
             ptr = xc_ptr + r64[:, None] * D + cols[None, :]
-            xc = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            if FROM_L2:  # written by other programs of this launch
+                xc = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            else:
+                xc = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             tl.store(ptr, _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty),
                      mask=mask)
@@ -229,16 +292,20 @@ def expand_mix_collapse(
         return new_streams, pre_o, post_o, comb_o, xc
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     dummy = pre_o
-    block_t = _block_t(num_tokens)
-    _mhc_kernel[(triton.cdiv(num_tokens, block_t),)](
+    n_blocks = triton.cdiv(num_tokens, _BLOCK_T)
+    split = MHC_SPLIT if dim >= MHC_SPLIT * _BLOCK_D else 1
+    chunk = triton.cdiv(triton.cdiv(dim, split), _BLOCK_D) * _BLOCK_D
+    partial = torch.empty(split, num_tokens, 64, dtype=torch.float32, device=dev)
+    _mhc_kernel[(n_blocks, split)](
         x, new_streams, y.contiguous() if y is not None else x,
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
         norm_weight if norm_weight is not None else dummy, pre_o, post_o, comb_o,
-        xc if xc is not None else dummy, num_tokens, dim, float(norm_eps), float(hc_eps),
+        xc if xc is not None else dummy, partial, _counters(dev, n_blocks), num_tokens, dim,
+        chunk, float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
-        BLOCK_T=block_t, BLOCK_D=_BLOCK_D, num_warps=8,
+        BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D, SPLIT=split, num_warps=8,
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 

@@ -3,7 +3,8 @@
 
 Requests are validated field by field; each error names the field (the OpenAI `param`).
 Parameters flashpd does not implement are rejected when set to a non-default value rather than
-silently ignored. Extensions follow vLLM's names (`top_k`, `min_p`, `stop_token_ids`,
+silently ignored. Defaults follow OpenAI here (temperature 1.0; chat max_tokens = the rest of the
+context), unlike the gRPC API (greedy, 16 tokens). Extensions follow vLLM's names (`top_k`, `min_p`, `stop_token_ids`,
 `ignore_eos`); the final response/chunk carries a `flashpd` object with the timeline, workers and
 per-tier cached tokens.
 """

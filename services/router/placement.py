@@ -117,7 +117,10 @@ class Placement:
         else:
             await self.index.bind_session(req.session_id, a.prefill, a.decode, a.previous_binding)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Let background reaping finish (bounded), so no Redis work outlives the client."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
