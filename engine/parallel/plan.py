@@ -67,9 +67,10 @@ class ParallelPlan:
                             "e.g. 'tp4', 'dp2ep2'")
         sizes: dict[str, int] = {}
         for kind, value in tokens:
-            if kind in sizes:
+            field_name = f"{kind}_size"
+            if field_name in sizes:
                 raise PlanError(f"plan name {name!r} gives {kind} twice")
-            sizes[f"{kind}_size"] = int(value)
+            sizes[field_name] = int(value)
         return cls(**sizes)
 
     @property

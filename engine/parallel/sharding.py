@@ -27,6 +27,7 @@ dequantise(shard) == shard(dequantise) exactly:
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import os
 import re
@@ -113,12 +114,19 @@ def _leaf(name: str) -> str:
 
 def tensor_rule(name: str) -> TensorRule:
     """The TP split and expert ownership of a checkpoint tensor; unknown names raise."""
-    leaf = _leaf(name)
+    rule = _leaf_rule(_leaf(name))
+    if rule is None:
+        raise ShardError(f"no sharding rule for checkpoint tensor {name!r}")
+    return rule
+
+
+@functools.lru_cache(maxsize=4096)  # leaves repeat across layers; the released model has 93K names
+def _leaf_rule(leaf: str) -> TensorRule | None:
     for pattern, split in _COMPILED:
         if pattern.fullmatch(leaf):
             expert = _EXPERT.match(leaf)
             return TensorRule(split, int(expert.group(1)) if expert else None)
-    raise ShardError(f"no sharding rule for checkpoint tensor {name!r}")
+    return None
 
 
 def holds(name: str, cfg: ModelConfig, plan: ParallelPlan, rank: int) -> bool:

@@ -97,7 +97,8 @@ def mma_tf32x3(a, b, acc, UPCAST: tl.constexpr):
 # ============================================================================ weight tiles
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                 W_FMT: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                 W_FMT: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 HW_FP8: tl.constexpr):
     """Dequantised W[e, n_idx, k0:k0+BLOCK_K] as [BLOCK_N, BLOCK_K] in OUT_DTYPE (exact)."""
     k_idx = k0 + tl.arange(0, BLOCK_K)
     mask = (n_idx[:, None] < N) & (k_idx[None, :] < K)
@@ -114,9 +115,13 @@ def _weight_tile(w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_
         w = (vals * e8m0_decode(sb)).to(OUT_DTYPE)
     else:
         q = tl.load(base + k_idx[None, :], mask=mask, other=0)
+        if HW_FP8:  # the conversion hardware (GPU); same values as the bit arithmetic
+            val = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            val = e4m3_decode(q)
         sbase = s_ptr + e.to(tl.int64) * stride_se + (n_idx[:, None] // 32).to(tl.int64) * stride_sn
         sb = tl.load(sbase + k_idx[None, :] // 32, mask=mask, other=127)
-        w = (e4m3_decode(q) * e8m0_decode(sb)).to(OUT_DTYPE)
+        w = (val * e8m0_decode(sb)).to(OUT_DTYPE)
     return w
 
 
@@ -148,7 +153,8 @@ def _grouped_gemm_kernel(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit,
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     start = tl.load(tile_start_ptr + tile)
@@ -177,11 +183,11 @@ def _grouped_gemm_kernel(
                                              stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
             else:
                 w1 = _weight_tile(w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
-                                  stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype)
+                                  stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype, HW_FP8)
                 acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
                 if EPILOGUE == 1:
                     w3 = _weight_tile(w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
-                                      stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype)
+                                      stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype, HW_FP8)
                     acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
         if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
             g = tl.minimum(_round_out(acc1, ROUND_ACT_BF16), limit)
@@ -312,7 +318,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
-        DOT_SCALED=dot_scaled, BLOCK_M=schedule.block_m, BLOCK_N=cfg["block_n"],
+        DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m, BLOCK_N=cfg["block_n"],
         BLOCK_K=_BLOCK_K, num_warps=cfg["warps"], num_stages=cfg["stages"], **triton_runtime.launch_options())
     return out
 

@@ -52,3 +52,13 @@ def test_sparse_reindex_equals_candidate_masked_dense_selection():
     blocks = it.candidate_blocks(scores, n_vis, 4, 6)
     want = iref.select_topk(scores, 8, allowed=iref.candidate_mask(scores, n_vis, 4, 6))
     assert torch.equal(it.index_topk_sparse(q, w, rec, n_vis, blocks, 4, 8), want)
+
+
+def test_two_stage_topk_of_long_rows_keeps_ties_and_order(monkeypatch):
+    monkeypatch.setattr(it, "_SPLIT_COLS", 32)  # rows of >= 128 entries take two stages
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randint(0, 6, (2, 150), generator=g).float()  # many exact ties
+    scores[1, 100:] = float("-inf")
+    allowed = torch.rand(2, 150, generator=g) > 0.3
+    assert torch.equal(it.select_topk(scores, 8), iref.select_topk(scores, 8))
+    assert torch.equal(it.select_topk(scores, 8, allowed), iref.select_topk(scores, 8, allowed))

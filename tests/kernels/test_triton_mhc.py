@@ -63,3 +63,13 @@ def test_only_four_streams_are_supported():
     x = torch.randn(2, 3, 32)
     with pytest.raises(ValueError, match="streams"):
         ht.hc_mixes(x, torch.randn(15, 96), torch.randn(15), torch.ones(3), 20, 1e-6, 1e-20)
+
+
+def test_split_over_d_matches_reference_and_leaves_counters_reset():
+    # D = 256 spreads each token block over MHC_SPLIT programs (last arriver finishes)
+    x, fn, base, scale = _site(t=5, d=256, seed=6)
+    for _ in range(2):  # a second launch needs the arrival counters back at zero
+        got = ht.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
+        for g, w in zip(got, href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert int(ht._COUNTERS[torch.device("cpu")].abs().sum()) == 0
