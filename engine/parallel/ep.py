@@ -115,7 +115,7 @@ def ep_moe(x: torch.Tensor, moe: LocalMoE, cfg: ModelConfig, comm: Comm) -> torc
     ids, weights = route(x, moe.gate, moe.bias, cfg.num_experts_per_tok,
                          cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob)
     d = plan_dispatch(ids, weights, moe.experts.num_experts, comm.size)
-    recv_counts = comm.exchange_counts(d.send_counts)
+    recv_counts = comm.exchange_counts(d.send_counts, x.device)
     x_in = comm.all_to_all(x[d.token_idx], d.send_counts, recv_counts)  # [R, D]
     ids_in = comm.all_to_all(d.expert_ids, d.send_counts, recv_counts)  # [R]
     w_in = comm.all_to_all(d.weights, d.send_counts, recv_counts)  # [R]

@@ -75,11 +75,13 @@ class Comm:
         dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=self.group)
         return out
 
-    def exchange_counts(self, send_counts: list[int]) -> list[int]:
-        """Counts rank r sends to me, for each r (the transpose of everyone's send_counts)."""
+    def exchange_counts(self, send_counts: list[int], device: torch.device) -> list[int]:
+        """Counts rank r sends to me, for each r (the transpose of everyone's send_counts).
+
+        `device`: where the collective runs (NCCL needs CUDA tensors, gloo takes CPU ones)."""
         if self.size == 1:
             return list(send_counts)
-        send = torch.tensor(send_counts, dtype=torch.int64)
+        send = torch.tensor(send_counts, dtype=torch.int64, device=device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return recv.tolist()
@@ -183,8 +185,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "g
     ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     listener = free_loopback_socket()
     port = listener.getsockname()[1]
-    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
-                          master_listen_fd=listener.fileno(), wait_for_workers=False,
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,  # owns the socket now
+                          master_listen_fd=listener.detach(), wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     results = ctx.Queue()
     procs = [ctx.Process(target=_run_rank, daemon=True,
@@ -200,7 +202,6 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "g
                 p.terminate()
             p.join(timeout=10)
         del store
-        listener.close()
 
 
 def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:

@@ -145,10 +145,9 @@ def _split_dim(split: Split, plan: ParallelPlan) -> int | None:
     return 0 if split is Split.COLUMN else 1
 
 
-def _unit(name: str, dtype: str, dim: int, block: tuple[int, int]) -> int:
+def _unit(dtype: str, dim: int, block: tuple[int, int]) -> int:
     """Granularity (in stored elements) a split of `dim` must respect."""
-    is_scale = name.endswith(".scale")
-    if dtype == "F8_E4M3" and not is_scale:  # FP8 weight: whole 32x32 tiles
+    if dtype == "F8_E4M3":  # FP8 weight: whole 32x32 tiles (its E8M0 scale splits by tile)
         return block[dim]
     if dtype == "I8" and dim == 1:  # MXFP4 packed along K: 32 elements = 16 bytes
         return MXFP4_K_BLOCK // 2
@@ -167,7 +166,7 @@ def tensor_slice(name: str, spec: TensorSpec, plan: ParallelPlan, rank: int,
     size, tp = spec.shape[dim], plan.tp_size
     if size % tp:
         raise ShardError(f"{name}: dim {dim} of size {size} is not divisible by tp_size={tp}")
-    part, unit = size // tp, _unit(name, spec.dtype, dim, block)
+    part, unit = size // tp, _unit(spec.dtype, dim, block)
     if part % unit:
         raise ShardError(f"{name}: a split of dim {dim} into {tp} parts of {part} falls inside "
                          f"a {unit}-element quantisation block")

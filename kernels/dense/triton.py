@@ -318,8 +318,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
-        DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m, BLOCK_N=cfg["block_n"],
-        BLOCK_K=_BLOCK_K, num_warps=cfg["warps"], num_stages=cfg["stages"], **triton_runtime.launch_options())
+        DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m,
+        BLOCK_N=cfg["block_n"], BLOCK_K=_BLOCK_K, num_warps=cfg["warps"],
+        num_stages=cfg["stages"], **triton_runtime.launch_options())
     return out
 
 
