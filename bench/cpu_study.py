@@ -42,7 +42,6 @@ def _bench_args(ns: argparse.Namespace, target: str) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     import ray
-    from flashpd_sdk import Client
     from ray import serve
 
     from flashpd.bench.cli import Target, _run_targets, parse_concurrency
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashpd.services.app import build_app
     from flashpd.services.cli import tiny_checkpoint, wait_healthy
     from flashpd.services.redis_local import LocalRedis, free_port
+    from flashpd_sdk import Client
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/cpu_tiny")

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.sampling import SamplingParams
 
 
@@ -45,15 +45,14 @@ def local_engine(checkpoint: str, prompts, max_tokens: int) -> dict[str, list[fl
 
 
 def served(args, prompts, max_tokens: int) -> dict[str, list[float]]:
-    from flashpd_sdk import Client
-
     from flashpd.services.cli import local_stack, wait_healthy
+    from flashpd_sdk import Client
 
     out: dict[str, list[float]] = {"ttft": [], "e2e": [], "route": []}
     with local_stack(args):
         client = Client(f"127.0.0.1:{args.grpc_port}")
         wait_healthy(client)
-        for i, p in enumerate(prompts):
+        for p in prompts:
             t0 = time.perf_counter()
             stream = client.generate(prompt_ids=p, max_tokens=max_tokens, ignore_eos=True,
                                      timeout_s=120)

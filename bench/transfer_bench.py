@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from flashpd.engine.transfer import GroupSpec, TransferContract
 from flashpd.engine.transfer.contract import CHUNK_TOKENS
 

@@ -8,7 +8,6 @@ before adding the next, so later requests that share a prefix hit the earlier on
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 

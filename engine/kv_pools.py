@@ -30,12 +30,12 @@ import torch
 from flashpd.kernels.quant import ref as q
 from flashpd.model.config import ModelConfig
 from flashpd.model.state import (
-    LOOKBACK_TOKENS,
     Entries,
     GlobalKV,
     OpenGroup,
     SeqState,
     StateError,
+    TokenCounter,
     Window,
 )
 
@@ -115,7 +115,7 @@ class KVPools:
         return self.window.numel() + self.open.numel() * 4
 
 
-class PagedSeqState(SeqState):
+class PagedSeqState(TokenCounter, SeqState):
     """`SeqState` over `KVPools`: global entries in the sequence's blocks, private rows in its slot.
 
     `block_table` is the live list the KV cache manager grows; the runner passes the same list
@@ -134,22 +134,6 @@ class PagedSeqState(SeqState):
         self._open_set: dict[int, bool] = dict.fromkeys(pools.open_row_of, False)
         self._n_entries: dict[int, int] = dict.fromkeys(cfg.kv_source_layer_ids, 0)
 
-    # ------------------------------------------------------------------ tokens
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    def lookback_ids(self) -> tuple[int, ...]:
-        return self._lookback
-
-    def record_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
-        if num_tokens < self._num_tokens:
-            raise StateError(f"token count would go back from {self._num_tokens} to {num_tokens}")
-        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
-        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
-            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
-        self._num_tokens, self._lookback = num_tokens, ids
-
     def adopt_prefix(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
         """The first `num_tokens` tokens' global entries already sit in this sequence's blocks
         (a prefix-cache hit or a completed transfer): count them, leave windows unset until a
@@ -167,10 +151,7 @@ class PagedSeqState(SeqState):
         """Point the token counter at the end of the next replay piece. A replay split across
         steps runs [a, b) while the blocks already hold global KV up to the replay end; entries
         stay as they are (queries only see entries their position allows)."""
-        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
-        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
-            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
-        self._num_tokens, self._lookback = num_tokens, ids
+        self._set_tokens(num_tokens, lookback_ids)
 
     # ------------------------------------------------------------------ windows
     def window(self, layer: int) -> Window:

@@ -25,7 +25,13 @@ from flashpd.engine.policies import ColocatedRole, DecodeRole, PrefillRole
 from flashpd.engine.request import Request
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import Sampler, SamplingParams
-from flashpd.engine.scheduler import FinishSignal, Reservation, Scheduler, SchedulerConfig, StepResult
+from flashpd.engine.scheduler import (
+    FinishSignal,
+    Reservation,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
 from flashpd.model.model import Model, exact_replay_rows
 
 ROLES = {"colocated": ColocatedRole, "prefill": PrefillRole, "decode": DecodeRole}

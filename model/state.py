@@ -45,7 +45,7 @@ from flashpd.model.config import ModelConfig
 
 LOOKBACK_TOKENS = 3  # Engram looks back engram_max_ngram_size - 1 = 3 tokens
 
-__all__ = ["DenseSeqState", "Entries", "GlobalKV", "OpenGroup", "SeqState", "StateError",
+__all__ = ["DenseSeqState", "TokenCounter", "Entries", "GlobalKV", "OpenGroup", "SeqState", "StateError",
            "Window"]
 
 
@@ -131,7 +131,32 @@ class SeqState(abc.ABC):
     def load_global_state(self, state: GlobalKV) -> None: ...
 
 
-class DenseSeqState(SeqState):
+class TokenCounter:
+    """The token count and Engram lookback ids every `SeqState` keeps (shared implementation)."""
+
+    _num_tokens: int = 0
+    _lookback: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def lookback_ids(self) -> tuple[int, ...]:
+        return self._lookback
+
+    def record_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        if num_tokens < self._num_tokens:
+            raise StateError(f"token count would go back from {self._num_tokens} to {num_tokens}")
+        self._set_tokens(num_tokens, lookback_ids)
+
+    def _set_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
+        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
+            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
+        self._num_tokens, self._lookback = num_tokens, ids
+
+
+class DenseSeqState(TokenCounter, SeqState):
     """Reference state: plain tensors in the compute dtype (FP32 open-group rows)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -148,22 +173,6 @@ class DenseSeqState(SeqState):
         self._open: dict[int, OpenGroup | None] = {
             s: None for s, r in self._ratios.items() if r > 1}
         self._entries: dict[int, Entries] = {s: self._no_entries() for s in self._ratios}
-
-    # ------------------------------------------------------------------ tokens
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    def lookback_ids(self) -> tuple[int, ...]:
-        return self._lookback
-
-    def record_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
-        if num_tokens < self._num_tokens:
-            raise StateError(f"token count would go back from {self._num_tokens} to {num_tokens}")
-        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
-        if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
-            raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
-        self._num_tokens, self._lookback = num_tokens, ids
 
     # ------------------------------------------------------------------ windows
     def window(self, layer: int) -> Window:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from flashpd.engine.kv_pools import KVPools, PoolGeometry
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.transfer.contract import GroupSpec, TransferContract
-from flashpd.services.api import WorkerRef
+from flashpd.services.api import WorkerRef, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +76,14 @@ def make_sender(backend: str, contract: TransferContract, pools: KVPools):
 
 def ms_since(t0: float) -> float:
     return 1e3 * (time.monotonic() - t0)
+
+
+def worker_stats(ref: WorkerRef, usage: dict, *, queued_prefill_tokens: int = 0,
+                 draining: bool = False) -> WorkerStats:
+    """A worker's load record from its engine's `usage()` counters."""
+    total = usage["blocks_total"]
+    return WorkerStats(ref.worker_id, ref.incarnation, ref.role,
+                       queued_prefill_tokens=queued_prefill_tokens,
+                       kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
+                       kv_blocks_total=total, running=usage["running"],
+                       waiting=usage["waiting"], draining=draining)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+
 from flashpd.engine.transfer.contract import TransferContract, check_compatible
 from flashpd.engine.transfer.ledger import ReceiverLedger
 from flashpd.engine.transfer.wire import PeerDescriptor, PoolRegion, TransferNotice

@@ -16,6 +16,7 @@ import weakref
 
 import numpy as np
 import torch
+
 from flashpd.engine.transfer.base import KVPools, KVReceiver, KVSender, TransferError
 from flashpd.engine.transfer.contract import TransferContract
 from flashpd.engine.transfer.wire import PeerDescriptor

@@ -21,6 +21,7 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+
 from flashpd.engine.transfer.base import (
     KVPools,
     KVReceiver,

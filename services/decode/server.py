@@ -43,6 +43,7 @@ from flashpd.services.worker_common import (
     make_receiver,
     ms_since,
     transfer_contract,
+    worker_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -148,12 +149,7 @@ class DecodeWorker:
         return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
 
     def _stats_from(self, usage: dict) -> WorkerStats:
-        total = usage["blocks_total"]
-        return WorkerStats(self.ref.worker_id, self.ref.incarnation, "decode",
-                           queued_prefill_tokens=0,
-                           kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
-                           kv_blocks_total=total, running=usage["running"],
-                           waiting=usage["waiting"], draining=self.draining)
+        return worker_stats(self.ref, usage, draining=self.draining)
 
     # ------------------------------------------------------------------ engine thread
     def _poll_transfers(self, e: LLMEngine) -> None:

@@ -33,7 +33,13 @@ from flashpd.services.api import (
     WorkerRef,
     WorkerStats,
 )
-from flashpd.services.worker_common import WorkerConfig, make_sender, ms_since, transfer_contract
+from flashpd.services.worker_common import (
+    WorkerConfig,
+    make_sender,
+    ms_since,
+    transfer_contract,
+    worker_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +130,7 @@ class PrefillWorker:
         return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
 
     def _stats_from(self, usage: dict) -> WorkerStats:
-        total = usage["blocks_total"]
-        return WorkerStats(self.ref.worker_id, self.ref.incarnation, "prefill",
-                           queued_prefill_tokens=sum(self._queued_tokens.values()),
-                           kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
-                           kv_blocks_total=total, running=usage["running"],
-                           waiting=usage["waiting"], draining=self.draining)
+        return worker_stats(self.ref, usage, queued_prefill_tokens=sum(self._queued_tokens.values()), draining=self.draining)
 
     async def close(self) -> None:
         self.draining = True

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from flashpd.engine.transfer import (
     GroupSpec,
     KVSender,

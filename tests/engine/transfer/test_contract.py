@@ -3,6 +3,7 @@ import time
 
 import pytest
 import torch
+
 from flashpd.engine.transfer import (
     ContractMismatch,
     GroupSpec,

@@ -2,6 +2,7 @@ import time
 
 import pytest
 import torch
+
 from flashpd.engine.transfer import (
     GroupSpec,
     LocalReceiver,

@@ -1,4 +1,5 @@
 import pytest
+
 from flashpd.engine.transfer.wire import TransferNotice, block_runs
 
 

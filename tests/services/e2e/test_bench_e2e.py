@@ -15,12 +15,12 @@ APP = "benchapp"
 
 def test_short_closed_loop_run_writes_metrics_and_plots(ray_serve, ckpt_dir, redis_server,
                                                        tmp_path):
-    from flashpd_sdk import Client
     from ray import serve
 
-    from flashpd.bench.cpu_study import _bench_args
     from flashpd.bench.cli import Target, _run_targets
+    from flashpd.bench.cpu_study import _bench_args
     from flashpd.bench.report import load_study, write_report
+    from flashpd_sdk import Client
 
     args = deploy(APP, ckpt_dir, redis_server.url)
     target = f"127.0.0.1:{args['grpc_port']}"

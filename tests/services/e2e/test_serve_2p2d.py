@@ -19,8 +19,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def test_two_by_two_sessions_stay_bound(ray_serve, ckpt_dir, redis_server):
-    from flashpd_sdk import Client
     from ray import serve
+
+    from flashpd_sdk import Client
 
     args = deploy(APP, ckpt_dir, redis_server.url, prefill={"replicas": 2},
                   decode={"replicas": 2})
