@@ -85,6 +85,11 @@ class AsyncLLMEngine:
         async for out in self._drain(request_id, stream[1]):
             yield out
 
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the step loop, if it died."""
+        return self._error
+
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 

@@ -110,8 +110,8 @@ class _WorkerDeployment:
         return await self.worker.stats()
 
     def check_health(self) -> None:
-        if self.worker.engine._error is not None:
-            raise RuntimeError(f"engine loop died: {self.worker.engine._error!r}")
+        if self.worker.engine.error is not None:
+            raise RuntimeError(f"engine loop died: {self.worker.engine.error!r}")
 
     async def __del__(self) -> None:
         """Graceful shutdown: leave the Redis index first, then stop the engine."""
