@@ -74,16 +74,24 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for out in self._drain(request_id, stream):
-            yield out
+        inner = self._drain(request_id, stream)
+        try:
+            async for out in inner:
+                yield out
+        finally:  # close (and so abort) as soon as the consumer leaves, not at GC time
+            await inner.aclose()
 
     async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
         """Stream outputs of a request already admitted (decode role after reserve)."""
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"request {request_id!r} has no open stream")
-        async for out in self._drain(request_id, stream[1]):
-            yield out
+        inner = self._drain(request_id, stream[1])
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()
 
     @property
     def error(self) -> BaseException | None:

@@ -152,8 +152,12 @@ class DecodeServer(_WorkerDeployment):
     async def generate(self, req: InternalRequest,
                        target_worker: str | None = None) -> AsyncIterator[Event]:
         self._check_target(target_worker)
-        async for event in self.worker.generate(req):
-            yield event
+        events = self.worker.generate(req)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
 
 
 def engine_config_for(role: str, base: EngineConfig) -> EngineConfig:

@@ -111,6 +111,13 @@ class DecodeWorker:
         if not self.engine.has_stream(rid):
             raise NotFound(f"request {rid!r} was not reserved on {self.ref.worker_id}")
         stream = self.engine.stream(rid)
+        try:
+            async for event in self._events(rid, stream, t0):
+                yield event
+        finally:  # close the engine stream now (aborting an unfinished request), not at GC
+            await stream.aclose()
+
+    async def _events(self, rid: str, stream, t0: float) -> AsyncIterator[Event]:
         first_s = None
         index = 0
         async for out in stream:

@@ -1,0 +1,76 @@
+"""AsyncLLMEngine: streaming, abort, consumer cancellation, and a dead loop never hangs callers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flashpd.engine.async_engine import AsyncLLMEngine, EngineDead
+from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.sampling import SamplingParams
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(model) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(model, EngineConfig(num_blocks=16, num_slots=4)))
+
+
+def test_two_streams_run_concurrently_to_completion(model_f32):
+    async def main():
+        eng = _engine(model_f32)
+        try:
+            async def collect(rid, seed):
+                outs = [o async for o in eng.generate(rid, _prompt(40, seed),
+                                                      SamplingParams(max_tokens=5, ignore_eos=True))]
+                return outs
+            a, b = await asyncio.gather(collect("a", 1), collect("b", 2))
+            for outs in (a, b):
+                assert sum(len(o.new_token_ids) for o in outs) == 5
+                assert outs[-1].finished and outs[-1].finish_reason == "length"
+        finally:
+            eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_consumer_leaving_early_aborts_and_frees(model_f32):
+    async def main():
+        eng = _engine(model_f32)
+        try:
+            stream = eng.generate("x", _prompt(40, 3), SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            usage = await eng.call(lambda e: e.usage())
+            assert usage["blocks_free"] + usage["blocks_cached"] == usage["blocks_total"]
+            assert not await eng.call(lambda e: e.has_unfinished())
+        finally:
+            eng.shutdown()
+
+    asyncio.run(main())
+
+
+def test_loop_death_reaches_waiting_streams_and_new_calls(model_f32):
+    async def main():
+        eng = _engine(model_f32)
+
+        def boom(_engine):
+            raise RuntimeError("injected step failure")
+
+        stream = eng.generate("y", _prompt(20, 4), SamplingParams(max_tokens=50, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.new_token_ids
+        eng.hooks.append(boom)
+        with pytest.raises(EngineDead):
+            async for _ in stream:
+                pass
+        assert isinstance(eng.error, RuntimeError)
+        with pytest.raises(EngineDead):
+            await eng.call(lambda e: e.usage())
+
+    asyncio.run(main())
