@@ -20,6 +20,7 @@ CONFIGS = {
     "all_on": {},
     "no_swa_bounded_replay": {"swa_bounded_replay": False},
     "no_affinity": {"routing": "random"},
+    "fp8_compressed_kv": {"kv_format": "fp8"},
 }
 
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in dict(checkpoint=None, redis=None, prefill_replicas=1, decode_replicas=1,
                            grpc_port=9000, http_port=8000, routing="affinity",
                            no_swa_bounded_replay=False, transfer_backend="nixl",
-                           num_blocks=512).items():
+                           num_blocks=512, kv_format="nvfp4").items():
         setattr(args, key, value)
     ckpt = tiny_checkpoint()
     prompts = [_prompt(args.prompt_tokens, 1000 + i) for i in range(args.requests)]

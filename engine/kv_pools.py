@@ -29,6 +29,7 @@ import torch
 
 from flashpd.kernels.quant import ref as q
 from flashpd.model.config import ModelConfig
+from flashpd.model.kv_format import kv_format
 from flashpd.model.state import (
     Entries,
     GlobalKV,
@@ -48,6 +49,11 @@ class PoolGeometry:
 
     cfg: ModelConfig
     chunk_tokens: int = CHUNK_TOKENS
+    compressed_format: str = "nvfp4"
+
+    @property
+    def compressed_entry_bytes(self) -> int:
+        return kv_format(self.compressed_format).entry_bytes(self.cfg.head_dim)
 
     def entries_per_block(self, src: int) -> int:
         return self.chunk_tokens // self.cfg.compress_ratios[src]
@@ -56,7 +62,7 @@ class PoolGeometry:
         """Transfer groups and the bytes one block holds in each."""
         out = {}
         for s in self.cfg.kv_source_layer_ids:
-            out[f"main.L{s}"] = self.entries_per_block(s) * self.cfg.compressed_entry_bytes
+            out[f"main.L{s}"] = self.entries_per_block(s) * self.compressed_entry_bytes
             out[f"index.L{s}"] = self.entries_per_block(s) * self.cfg.index_entry_bytes
         return out
 
@@ -80,12 +86,13 @@ class KVPools:
     """All packed KV memory of one worker (CPU or CUDA)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
-                 device: str | torch.device = "cpu"):
-        self.geometry = PoolGeometry(cfg)
+                 device: str | torch.device = "cpu", compressed_format: str = "nvfp4"):
+        self.geometry = PoolGeometry(cfg, compressed_format=compressed_format)
+        self.format = kv_format(compressed_format)
         self.cfg, self.num_blocks, self.num_slots = cfg, num_blocks, num_slots
         u8 = dict(dtype=torch.uint8, device=device)
         self.main = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
-                                    cfg.compressed_entry_bytes, **u8)
+                                    self.geometry.compressed_entry_bytes, **u8)
                      for s in cfg.kv_source_layer_ids}
         self.index = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
                                      cfg.index_entry_bytes, **u8)
@@ -212,7 +219,8 @@ class PagedSeqState(TokenCounter, SeqState):
                            torch.zeros(0, cfg.index_head_dim, dtype=self.dtype))
         main = self._gather(self.pools.main[src], src, n)
         keys = self._gather(self.pools.index[src], src, n)
-        return Entries(q.unpack_nvfp4(main, self.dtype), q.unpack_mxfp4(keys, self.dtype))
+        unpack = getattr(q, self.pools.format.unpack)
+        return Entries(unpack(main, self.dtype), q.unpack_mxfp4(keys, self.dtype))
 
     def append_entries(self, src: int, first_entry: int, kv: torch.Tensor,
                        keys: torch.Tensor) -> None:
@@ -223,7 +231,8 @@ class PagedSeqState(TokenCounter, SeqState):
         if count == 0:
             return
         blocks, rows = self._locate(src, n, n + count)
-        self.pools.main[src][blocks, rows] = _pack_nvfp4_exact(kv.float()).to(blocks.device)
+        pack = _pack_nvfp4_exact if self.pools.format.name == "nvfp4" else q.pack_window_fp8
+        self.pools.main[src][blocks, rows] = pack(kv.float()).to(blocks.device)
         self.pools.index[src][blocks, rows] = q.pack_mxfp4(keys.float()).to(blocks.device)
         self._n_entries[src] = n + count
 

@@ -51,6 +51,7 @@ class EngineConfig:
     model_id: str = "flashpd-tiny"
     cache_salt: str = ""
     seed: int = 0
+    kv_format: str = "nvfp4"  # compressed main KV: "nvfp4" (trained format) or "fp8"
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
 
     def __post_init__(self) -> None:
@@ -100,7 +101,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
             self.kv, ROLES[config.role]())
-        self.pools = KVPools(cfg, config.num_blocks, config.num_slots, config.device)
+        if model.kv_format.name != config.kv_format:
+            raise ValueError(f"kv_format {config.kv_format!r} but the model fake-quantises "
+                             f"compressed KV as {model.kv_format.name!r}")
+        self.pools = KVPools(cfg, config.num_blocks, config.num_slots, config.device,
+                             compressed_format=config.kv_format)
         narrowing = cfg.sliding_window if (config.swa_bounded_replay and config.role == "colocated") else None
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)

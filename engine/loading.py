@@ -24,7 +24,8 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
 
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    model = load_model(checkpoint_dir, DTYPES[config.dtype])
+    model = load_model(checkpoint_dir, DTYPES[config.dtype],
+                       compressed_kv_format=config.kv_format)
     if config.device != "cpu":
         raise ValueError(f"device {config.device!r}: the reference runner runs on cpu only")
     tokenizer = load_tokenizer(checkpoint_dir)

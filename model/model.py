@@ -35,6 +35,7 @@ import torch
 from flashpd.kernels import dispatch
 from flashpd.kernels.rope.ref import Yarn
 from flashpd.model.config import LayerSpec, ModelConfig
+from flashpd.model.kv_format import kv_format
 from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
 from flashpd.model.weights import (
     AttentionWeights,
@@ -257,7 +258,8 @@ class Model:
     """The forward over dequantised weights; kernels come from the dispatcher by name."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
-                 hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None):
+                 hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None,
+                 compressed_kv_format: str = "nvfp4"):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
         if len(weights.layers) != cfg.num_layers:
@@ -280,10 +282,13 @@ class Model:
         self.freqs_compress = self.rope.rope_frequencies(
             cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
         self.eps = cfg.rms_norm_eps
+        self.kv_format = kv_format(compressed_kv_format)
+        self._compress_fake_quant = getattr(self.quant, self.kv_format.fake_quant)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
-                        kernels: Mapping[str, str] | None = None) -> Model:
+                        kernels: Mapping[str, str] | None = None,
+                        compressed_kv_format: str = "nvfp4") -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
         if ckpt.cfg.engram_layer_ids:
@@ -291,7 +296,7 @@ class Model:
 
             hasher = EngramHasher.from_tokenizer(ckpt.cfg, ckpt.tokenizer_path)
         weights = load_weights(ckpt.cfg, ckpt.tensors, dtype)
-        return cls(ckpt.cfg, weights, dtype, hasher, kernels)
+        return cls(ckpt.cfg, weights, dtype, hasher, kernels, compressed_kv_format)
 
     def new_state(self) -> DenseSeqState:
         return DenseSeqState(self.cfg, self.dtype, self.device)
@@ -488,7 +493,7 @@ class Model:
         cos, sin = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
         keys = d.rms_norm(d.linear(latents, cw.index_wk), cw.index_k_norm, self.eps)  # [G, dI]
         keys = self.quant.fake_quant_mxfp4(self.rope.rotate(keys, cos, sin))
-        kv = self.quant.fake_quant_nvfp4(self.rope.rotate(latents, cos, sin))
+        kv = self._compress_fake_quant(self.rope.rotate(latents, cos, sin))  # NVFP4 by default
         return kv, keys
 
     # ------------------------------------------------------------------ attention (§3)
@@ -600,8 +605,9 @@ class Model:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
-               kernels: Mapping[str, str] | None = None) -> Model:
+               kernels: Mapping[str, str] | None = None,
+               compressed_kv_format: str = "nvfp4") -> Model:
     """Load a checkpoint directory and build the model in `dtype`."""
     from flashpd.model.checkpoint import load_checkpoint
 
-    return Model.from_checkpoint(load_checkpoint(path), dtype, kernels)
+    return Model.from_checkpoint(load_checkpoint(path), dtype, kernels, compressed_kv_format)

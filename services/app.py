@@ -76,6 +76,7 @@ class AppArgs(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
+    kv_format: Literal["nvfp4", "fp8"] = "nvfp4"
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     router_num_cpus: float = Field(0.0, ge=0)
@@ -89,7 +90,8 @@ class AppArgs(_Strict):
                               max_num_seqs=r.max_num_seqs,
                               swa_bounded_replay=self.swa_bounded_replay, dtype=self.dtype,
                               device=self.device, model_id=self.model_id,
-                              cache_salt=self.cache_salt, num_threads=r.num_threads)
+                              cache_salt=self.cache_salt, num_threads=r.num_threads,
+                              kv_format=self.kv_format)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             self.redis_url)
 

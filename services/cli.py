@@ -33,6 +33,8 @@ def register(sub) -> None:
         p.add_argument("--no-swa-bounded-replay", action="store_true")
         p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
         p.add_argument("--num-blocks", type=int, default=512)
+        p.add_argument("--kv-format", default="nvfp4", choices=["nvfp4", "fp8"],
+                       help="compressed main KV format (nvfp4 = trained format)")
         p.set_defaults(func=func)
 
 
@@ -56,7 +58,7 @@ def app_args(args, checkpoint: str, redis_url: str) -> dict:
         os.path.basename(os.path.normpath(checkpoint)),
         "redis_url": redis_url, "grpc_port": args.grpc_port, "routing": args.routing,
         "swa_bounded_replay": not args.no_swa_bounded_replay,
-        "transfer_backend": args.transfer_backend,
+        "transfer_backend": args.transfer_backend, "kv_format": args.kv_format,
         "prefill": dict(role, replicas=args.prefill_replicas),
         "decode": dict(role, replicas=args.decode_replicas),
     }

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from flashpd.engine.kv_pools import KVPools, PoolGeometry
+from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.transfer.contract import GroupSpec, TransferContract
 from flashpd.services.api import WorkerRef, WorkerStats
@@ -19,7 +19,8 @@ from flashpd.services.api import WorkerRef, WorkerStats
 log = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("nixl", "local")
-RECORD_FORMATS = {"main": "nvfp4_e2m1_e4m3x16", "index": "mxfp4_e2m1_ue8m0x32"}
+RECORD_FORMATS = {"nvfp4": "nvfp4_e2m1_e4m3x16", "fp8": "fp8_e4m3_ue8m0x32",
+                  "index": "mxfp4_e2m1_ue8m0x32"}
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ class WorkerConfig:
 def transfer_contract(pools: KVPools, model_id: str) -> TransferContract:
     """The byte contract both sides check at handshake: groups, block sizes, record formats."""
     groups = []
-    for name, block_bytes in PoolGeometry(pools.cfg).group_block_bytes().items():
-        groups.append(GroupSpec(name, block_bytes, RECORD_FORMATS[name.split(".")[0]]))
+    for name, block_bytes in pools.geometry.group_block_bytes().items():
+        kind = name.split(".")[0]
+        fmt = RECORD_FORMATS[pools.format.name if kind == "main" else kind]
+        groups.append(GroupSpec(name, block_bytes, fmt))
     return TransferContract(model_id=model_id, groups=tuple(groups))
 
 

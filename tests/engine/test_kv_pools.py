@@ -104,3 +104,15 @@ def test_open_group_round_trip(cfg):
     assert torch.equal(back.kv, grp.kv) and torch.equal(back.gate, grp.gate)
     with pytest.raises(StateError):
         paged.open_group(6)  # ratio-1 source has no open group
+
+
+def test_fp8_compressed_format_geometry_and_round_trip(cfg):
+    released = ModelConfig.from_hf(released_hf(), name="released")
+    geo = PoolGeometry(released, compressed_format="fp8")
+    assert geo.block_bytes == 128 * (3 * (528 + 68) // 2 + (528 + 68))  # 1,490 B/token
+    pools = KVPools(cfg, num_blocks=4, num_slots=1, compressed_format="fp8")
+    paged = PagedSeqState(pools, slot=0, block_table=[2, 0])
+    kv = q.fake_quant_fp8_ue8m0(torch.randn(70, cfg.head_dim))
+    keys = q.fake_quant_mxfp4(torch.randn(70, cfg.index_head_dim))
+    paged.append_entries(6, 0, kv, keys)
+    assert torch.equal(paged.entries(6).kv, kv)

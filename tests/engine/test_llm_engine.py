@@ -143,3 +143,15 @@ def test_stop_string_cuts_text_and_finishes(ckpt_dir):
 def _steps(engine):
     while engine.has_unfinished():
         yield from engine.step()
+
+
+def test_fp8_compressed_kv_engine_matches_its_reference(ckpt_dir):
+    from flashpd.model.model import load_model
+
+    model = load_model(ckpt_dir, torch.float32, compressed_kv_format="fp8")
+    prompt = _prompt(140, 70)
+    eng = LLMEngine(model, EngineConfig(num_blocks=16, kv_format="fp8", swa_bounded_replay=False))
+    out = _run(eng, {"f": prompt}, SamplingParams(max_tokens=4))
+    assert out["f"]["ids"] == _reference_greedy(model, prompt, 4)
+    with pytest.raises(ValueError, match="kv_format"):
+        LLMEngine(model, EngineConfig(num_blocks=16))  # nvfp4 pools for an fp8 model
