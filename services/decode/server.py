@@ -8,7 +8,10 @@
 
 Fencing: every reservation gets its own incarnation token `<worker incarnation>.<n>`; the
 receiver only accepts a completion notice carrying the token of the live reservation, so a
-write from a superseded or cancelled prefill never admits a request.
+write from a superseded or cancelled prefill never admits a request. NIXL writes are one-sided:
+the bytes of a late write still land. So a request aborted (or whose lease expired) while its KV
+was in flight keeps its blocks in quarantine for `transfer_timeout_s` (after which the prefill
+side has given up on the write) before they return to the pool: no reused block is overwritten.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from flashpd.engine.async_engine import AsyncLLMEngine
 from flashpd.engine.llm_engine import LLMEngine
+from flashpd.engine.request import RequestStatus
 from flashpd.engine.sampling import SamplingParams
 from flashpd.services.api import (
     Event,
@@ -62,6 +66,7 @@ class DecodeWorker:
         self._tokens = itertools.count()
         self._reserved_at: dict[str, float] = {}
         self._arrived_at: dict[str, float] = {}
+        self._quarantine: dict[str, float] = {}  # request id -> monotonic release time
         self.draining = False
 
     # ------------------------------------------------------------------ api
@@ -140,7 +145,7 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> bool:
         def abort_on_loop(e: LLMEngine) -> bool:
             self.receiver.cancel(request_id)
-            return e.abort(request_id)
+            return self._abort_or_quarantine(e, request_id)
 
         found = await self.engine.call(abort_on_loop)
         self.engine.close_stream(request_id, abort=True)
@@ -164,9 +169,22 @@ class DecodeWorker:
             self._arrived_at[rid] = time.monotonic()
             e.kv_arrived(rid)
         for rid in self.receiver.expire(time.time()):
-            log.warning("%s: KV lease of %s expired; freeing its blocks", self.ref.worker_id, rid)
-            e.abort(rid)
+            log.warning("%s: KV lease of %s expired; quarantining its blocks", self.ref.worker_id,
+                        rid)
+            self._abort_or_quarantine(e, rid)
             self.engine.close_stream(rid, abort=True)
+        now = time.monotonic()
+        for rid in [r for r, until in self._quarantine.items() if until <= now]:
+            del self._quarantine[rid]
+            e.abort(rid)
+
+    def _abort_or_quarantine(self, e: LLMEngine, request_id: str) -> bool:
+        """Abort now, unless the request's KV may still be in flight: then hold its blocks."""
+        if e.scheduler.status(request_id) is RequestStatus.WAITING_FOR_KV:
+            self._quarantine.setdefault(request_id,
+                                        time.monotonic() + self.config.transfer_timeout_s)
+            return True
+        return e.abort(request_id)
 
     def _check_request(self, req: InternalRequest) -> None:
         if req.model != self.config.model_id:

@@ -26,7 +26,8 @@ def _workers(model, replay: bool):
     def cfg(role):
         ec = EngineConfig(role=role, num_blocks=32, num_slots=8, swa_bounded_replay=replay,
                           model_id=MODEL_ID)
-        return LLMEngine(model, ec), WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local")
+        return LLMEngine(model, ec), WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local",
+                                                  transfer_timeout_s=0.3)
 
     pe, pc = cfg("prefill")
     de, dc = cfg("decode")
@@ -82,7 +83,7 @@ def test_disaggregated_equals_colocated_and_moves_only_the_tail(model_f32):
     asyncio.run(main())
 
 
-def test_abort_after_reserve_frees_decode_blocks(model_f32):
+def test_abort_before_kv_arrives_quarantines_then_frees_decode_blocks(model_f32):
     async def main():
         p, d = _workers(model_f32, replay=True)
         try:
@@ -91,7 +92,13 @@ def test_abort_after_reserve_frees_decode_blocks(model_f32):
             ticket = await d.reserve(req)
             assert (await d.stats()).kv_blocks_used == len(ticket.dst_block_ids)
             assert await d.abort("x")
+            # the KV may still be in flight: blocks stay held until the transfer timeout
+            assert (await d.stats()).kv_blocks_used == len(ticket.dst_block_ids)
+            late = await p.run(req, ticket)  # a late push lands in the quarantined blocks
+            assert late.pushed_bytes > 0
+            await asyncio.sleep(0.4)  # transfer_timeout_s = 0.3 in these workers
             assert (await d.stats()).kv_blocks_used == idle.kv_blocks_used
+            assert d.receiver.rejection_counts().get("cancelled", 0) == 1
             assert not await d.abort("x")
         finally:
             await p.close()
