@@ -79,11 +79,27 @@ class RunPlan:
     replay_rows: int  # bounded replay rows (model_spec §11.4)
     replay_prefixes: tuple[int, ...]  # prefix-hit lengths H at which replay is measured
     reps: int
+    warmup: int
     graphs: bool  # CUDA graphs (GPU only)
+    measure_step: bool = True  # also time the whole decode step (smoke: replay covers it)
 
 
-BENCH_PLAN = RunPlan("bench", (1, 8, 64), 8192, 8192, 128, (8192, 32768, 131072), 10, True)
-SMOKE_PLAN = RunPlan("tiny", (1, 2), 48, 48, 16, (48,), 1, False)
+BENCH_PLAN = RunPlan("bench", (1, 8, 64), 8192, 8192, 128, (8192, 32768, 131072), 5, 1, True)
+SMOKE_PLAN = RunPlan("smoke", (1,), 16, 16, 4, (16,), 1, 0, False, measure_step=False)
+
+
+def plan_config(plan: RunPlan) -> ModelConfig:
+    """The preset's config; `smoke` is `tiny` cut to one layer per role (6 layers), an 8-token
+    window and 1 Sinkhorn iteration, so the interpreter runs every section in seconds."""
+    if plan.preset != "smoke":
+        return preset_config(plan.preset)
+    tiny = preset_config("tiny")
+    return tiny.replace(
+        name="smoke", num_layers=6, compress_ratios=(0, 0, 2, 2, 1, 1),
+        kv_source_layer_ids=(2, 4), index_source_layer_ids=(2, 4, 5),
+        candidate_source_layer_id=4, candidate_topk_blocks=2, index_topk=8,
+        sliding_window=8, hc_sinkhorn_iters=1, moe_intermediate_size=32, engram_layer_ids=(1,),
+        engram_num_embeddings=tiny.engram_num_embeddings[:1])
 
 
 # ============================================================================ device weights
@@ -249,13 +265,13 @@ class Pools:
     entries_per_seq: dict[int, int]
 
 
-def _fill(pool: torch.Tensor, dim: int, writer) -> None:
-    """Random valid records through the kernels' own packing (RoPE-free)."""
+def _fill(pool: torch.Tensor, dim: int, pack) -> None:
+    """Random valid records through the reference packers (bit-identical to the write kernels,
+    and fast under the interpreter)."""
     chunk = 1 << 16
     for r0 in range(0, pool.shape[0], chunk):
         n = min(chunk, pool.shape[0] - r0)
-        rows = torch.arange(r0, r0 + n, dtype=torch.int32, device=pool.device)
-        writer(rand_bf16(n, dim), rows, pool, None)
+        pool[r0:r0 + n] = pack(rand_bf16(n, dim))
 
 
 def make_pools(cfg: ModelConfig, plan: RunPlan) -> Pools:
@@ -265,7 +281,7 @@ def make_pools(cfg: ModelConfig, plan: RunPlan) -> Pools:
     for _ in cfg.layers:
         pool = torch.empty(window_rows, qref.window_fp8_record_bytes(d), dtype=torch.uint8,
                            device=dev)
-        _fill(pool, d, quant_t.write_window_fp8)
+        _fill(pool, d, qref.pack_window_fp8)
         window.append(pool)
     comp, index, per_seq = {}, {}, {}
     for src in cfg.kv_source_layer_ids:
@@ -275,8 +291,8 @@ def make_pools(cfg: ModelConfig, plan: RunPlan) -> Pools:
                   plan.prefill_tokens // ratio + 1)
         comp[src] = torch.empty(num, qref.nvfp4_record_bytes(d), dtype=torch.uint8, device=dev)
         index[src] = torch.empty(num, qref.mxfp4_record_bytes(di), dtype=torch.uint8, device=dev)
-        _fill(comp[src], d, quant_t.write_nvfp4)
-        _fill(index[src], di, quant_t.write_mxfp4)
+        _fill(comp[src], d, qref.pack_nvfp4)
+        _fill(index[src], di, qref.pack_mxfp4)
     return Pools(window, comp, index, per_seq)
 
 
@@ -571,8 +587,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gamma: torch.Tensor,
 
 
 def moe(lw: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    ids, gamma = moe_t.route(x, lw.gate, lw.gate_bias, cfg.num_experts_per_tok,
+    # moe.triton.route fails to compile for exactly one token on the GPU (Triton specialises
+    # the scalar T == 1 to a constant, and the kernel calls T.to()); the router is batch
+    # invariant, so a lone token is routed as row 0 of two copies
+    rows = x if x.shape[0] != 1 else x.expand(2, -1).contiguous()
+    ids, gamma = moe_t.route(rows, lw.gate, lw.gate_bias, cfg.num_experts_per_tok,
                              cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob)
+    ids, gamma = ids[:x.shape[0]], gamma[:x.shape[0]]
     out = routed_experts(x, ids, gamma, lw.experts, cfg.swiglu_limit)  # [T, D] FP32
     shared = moe_t._dense_experts(x, lw.shared, cfg.swiglu_limit, None)
     return (out + shared.to(torch.float32)).to(x.dtype)
@@ -667,9 +688,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn, reps: int) -> float:
-    """Median milliseconds of `fn` (after one warm-up call): CUDA events or wall clock."""
-    fn()
+def time_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn` after `warmup` calls: CUDA events or wall clock."""
+    for _ in range(warmup):
+        fn()
     _sync()
     samples = []
     for _ in range(reps):
@@ -813,13 +835,13 @@ def encoder_prefill_flops(cfg: ModelConfig, num_tokens: int) -> dict[str, float]
 
 
 # ============================================================================ sections
-ROLE_LAYERS = {  # representative layer per role, and how each of the 40 layers maps onto them
+ROLE_LAYERS = {  # representative layer per role, in an order where publishers come first
     "swa_only": lambda s: s.role is LayerRole.SWA_ONLY and not s.has_engram,
+    "engram_swa": lambda s: s.role is LayerRole.SWA_ONLY and s.has_engram,
     "full_ratio2": lambda s: s.role is LayerRole.FULL and s.ratio == 2 and not s.has_engram,
     "reuse": lambda s: s.role is LayerRole.REUSE,
     "full_ratio1_candidate": lambda s: s.is_candidate_source,
     "reindex": lambda s: s.role is LayerRole.REINDEX,
-    "engram_swa": lambda s: s.role is LayerRole.SWA_ONLY and s.has_engram,
 }
 
 
@@ -846,35 +868,63 @@ def compose_layers(cfg: ModelConfig, role_ms: dict[str, float]) -> float:
     return total
 
 
-def _decode_one(model, pools, rope, plan, batch, log) -> dict:
+class Attempts:
+    """Runs measurements; with keep_going, a failure is recorded (label -> error) and the run
+    continues with the next measurement instead of losing the rest of a device lease."""
+
+    def __init__(self, keep_going: bool, log):
+        self.keep_going = keep_going
+        self.log = log
+        self.errors: dict[str, str] = {}
+
+    def __call__(self, label: str, fn):
+        if not self.keep_going:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - recorded in the results, see class doc
+            self.errors[label] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            self.log(f"FAILED {label}: {self.errors[label]}")
+            return None
+
+
+def _decode_one(model, pools, rope, plan, batch, log, attempt: Attempts) -> dict:
     cfg = model.cfg
     ctx = decode_ctx(cfg, pools, rope, batch, plan.context_tokens)
-    full_step(model, ctx, pools, initial_carry(cfg, batch))  # publishes top-k / blocks
     row = {"batch": batch, "context_tokens": plan.context_tokens, "roles": {}}
     for role, layer_id in role_layer_ids(cfg).items():
         lw, carry = model.layers[layer_id], mid_carry(cfg, batch)
         fn = lambda lw=lw, carry=carry: layer_forward(model, lw, ctx, pools, carry)  # noqa: E731
-        entry = {"layer": layer_id, "eager_ms": time_ms(fn, plan.reps)}
+        entry = {"layer": layer_id,
+                 "eager_ms": attempt(f"B{batch} {role} eager",
+                                     lambda fn=fn: time_ms(fn, plan.reps, plan.warmup))}
         if plan.graphs:
-            entry["graph_ms"] = graph_time_ms(fn, ctx, plan.reps)
+            entry["graph_ms"] = attempt(f"B{batch} {role} graph",
+                                        lambda fn=fn: graph_time_ms(fn, ctx, plan.reps))
         part = decode_layer_bytes(cfg, cfg.layers[layer_id], batch, plan.context_tokens)
         entry["floor_bytes"] = part["weights"] + part["kv"]
         row["roles"][role] = entry
         log(f"decode B={batch} {role} (layer {layer_id}): {entry}")
     head_carry = mid_carry(cfg, batch)
-    row["head_eager_ms"] = time_ms(lambda: head(model, head_carry), plan.reps)
+    row["head_eager_ms"] = attempt(f"B{batch} head", lambda: time_ms(
+        lambda: head(model, head_carry), plan.reps, plan.warmup))
     modes = ["eager_ms"] + (["graph_ms"] if plan.graphs else [])
     for mode in modes:
         role_ms = {r: e[mode] for r, e in row["roles"].items()}
-        row[f"composed_{mode}"] = compose_layers(cfg, role_ms) + row["head_eager_ms"]
+        if None not in role_ms.values() and row["head_eager_ms"] is not None:
+            row[f"composed_{mode}"] = compose_layers(cfg, role_ms) + row["head_eager_ms"]
+    row["floor_bytes"] = decode_step_bytes(cfg, batch, plan.context_tokens)
+    if not plan.measure_step:
+        return row
     carry = initial_carry(cfg, batch)
     step = lambda: full_step(model, ctx, pools, carry)  # noqa: E731
-    row["step_eager_ms"] = time_ms(step, max(1, plan.reps // 2))
+    row["step_eager_ms"] = attempt(f"B{batch} step eager", lambda: time_ms(
+        step, max(1, plan.reps // 2), plan.warmup))
     if plan.graphs:
-        row["step_graph_ms"] = graph_time_ms(step, ctx, plan.reps)
-    row["floor_bytes"] = decode_step_bytes(cfg, batch, plan.context_tokens)
-    log(f"decode B={batch}: step eager {row['step_eager_ms']:.3f} ms, "
-        f"graph {row.get('step_graph_ms', float('nan')):.3f} ms")
+        row["step_graph_ms"] = attempt(f"B{batch} step graph",
+                                       lambda: graph_time_ms(step, ctx, plan.reps))
+    log(f"decode B={batch}: step eager {row['step_eager_ms']} ms, "
+        f"graph {row.get('step_graph_ms')} ms")
     return row
 
 
@@ -882,7 +932,8 @@ def run_prefill(model, pools, rope, plan, log) -> dict:
     cfg = model.cfg
     ctx = prefill_ctx(cfg, rope, plan.prefill_tokens)
     carry = initial_carry(cfg, plan.prefill_tokens)
-    ms = time_ms(lambda: encoder_prefill(model, ctx, pools, carry), max(1, plan.reps // 4))
+    prefill = lambda: encoder_prefill(model, ctx, pools, carry)  # noqa: E731
+    ms = time_ms(prefill, max(1, plan.reps // 4), plan.warmup)
     flops = encoder_prefill_flops(cfg, plan.prefill_tokens)
     total = flops["dense"] + flops["attention"] + flops["index"]
     out = {"tokens": plan.prefill_tokens, "ms": ms, "tokens_per_s": plan.prefill_tokens / ms * 1e3,
@@ -899,7 +950,8 @@ def run_replay(model, pools, rope, plan, log) -> list[dict]:
     for prefix in plan.replay_prefixes:
         ctx = replay_ctx(cfg, rope, prefix, plan.replay_rows)
         carry = initial_carry(cfg, plan.replay_rows)
-        ms = time_ms(lambda: full_step(model, ctx, pools, carry), max(1, plan.reps // 2))
+        step = lambda ctx=ctx, carry=carry: full_step(model, ctx, pools, carry)  # noqa: E731
+        ms = time_ms(step, max(1, plan.reps // 2), plan.warmup)
         rows.append({"prefix_tokens": prefix, "rows": plan.replay_rows, "ms": ms})
         log(f"replay {plan.replay_rows} rows after a {prefix}-token hit: {ms:.2f} ms")
     return rows
@@ -945,18 +997,20 @@ def render_markdown(payload: dict) -> str:
         fb = row["floor_bytes"]
         floor = (fb["weights"] + fb["kv"]) / (gbps * 1e9) * 1e3
         g = row.get("step_graph_ms")
-        tok = row["batch"] / (g or row["step_eager_ms"]) * 1e3
-        lines.append(f"| {row['batch']} | {_fmt(row['composed_eager_ms'])} | "
-                     f"{_fmt(row.get('composed_graph_ms'))} | {_fmt(row['step_eager_ms'])} | "
+        best = g or row.get("step_eager_ms")
+        tok = row["batch"] / best * 1e3 if best else None
+        lines.append(f"| {row['batch']} | {_fmt(row.get('composed_eager_ms'))} | "
+                     f"{_fmt(row.get('composed_graph_ms'))} | {_fmt(row.get('step_eager_ms'))} | "
                      f"{_fmt(g)} | {_fmt(floor)} | {fb['weights'] / 1e9:.2f} | "
-                     f"{fb['kv'] / 1e9:.3f} | {tok:.0f} |")
+                     f"{fb['kv'] / 1e9:.3f} | {_fmt(tok, 0)} |")
     lines += ["", "composed (derived) = sum over layers of the role's per-layer time "
               "(Engram layers add engram_swa - swa_only) + head (eager).", ""]
     pre = payload.get("prefill")
     if pre:
         f = pre["flops"]
         lines += ["## Encoder-path prefill", "",
-                  "| tokens | ms | tokens/s | TFLOP | TFLOP/s | MFU vs 790 |", "|---|---|---|---|---|---|",
+                  "| tokens | ms | tokens/s | TFLOP | TFLOP/s | MFU vs 790 |",
+                  "|---|---|---|---|---|---|",
                   f"| {pre['tokens']} | {pre['ms']:.1f} | {pre['tokens_per_s']:.0f} | "
                   f"{(f['dense'] + f['attention'] + f['index']) / 1e12:.1f} | {pre['tflops']:.1f} | "
                   f"{pre['mfu']:.1%} |", "",
@@ -965,11 +1019,15 @@ def render_markdown(payload: dict) -> str:
                   f"scoring {f['index'] / 1e12:.2f} TFLOP.", ""]
     if payload.get("ttft"):
         lines += ["## TTFT proxy after a prefix hit", "",
-                  "| prefix H | replay 128 rows, all layers ms (measured) | recompute H through "
-                  "encoder ms (derived = H / tok/s) | ratio |", "|---|---|---|---|"]
+                  f"| prefix H | replay {payload['replay'][0]['rows']} rows, all layers ms "
+                  "(measured) | recompute H through encoder ms (derived = H / tok/s) | ratio |",
+                  "|---|---|---|---|"]
         for r in payload["ttft"]:
             lines.append(f"| {r['prefix_tokens']} | {r['replay_ms']:.2f} | "
                          f"{r['recompute_ms_derived']:.1f} | {r['speedup']:.1f}x |")
+    if payload.get("errors"):
+        lines += ["", "## Failed measurements", ""]
+        lines += [f"- {label}: {err}" for label, err in payload["errors"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -983,8 +1041,8 @@ def _save(out_dir: str | None, payload: dict) -> None:
         f.write(render_markdown(payload))
 
 
-def run(plan: RunPlan, out_dir: str | None, log=print) -> dict:
-    cfg = preset_config(plan.preset)
+def run(plan: RunPlan, out_dir: str | None, log=print, keep_going: bool = False) -> dict:
+    cfg = plan_config(plan)
     t0 = time.time()
     torch.manual_seed(0)
     model = make_model(cfg)
@@ -996,14 +1054,23 @@ def run(plan: RunPlan, out_dir: str | None, log=print) -> dict:
                "platform": platform.platform(), "setup_s": time.time() - t0,
                "copy_gbps": measure_copy_gbps(), "decode": []}
     log(f"setup {payload['setup_s']:.1f} s, copy {payload['copy_gbps']:.0f} GB/s")
-    for batch in plan.batches:
-        payload["decode"].append(_decode_one(model, pools, rope, plan, batch, log))
+    # smallest batch first, then prefill and replay, then the larger batches: a run cut short
+    # by its time limit still leaves one row of every section (the JSON is saved after each)
+    attempt = Attempts(keep_going, log)
+    payload["errors"] = attempt.errors
+    batches = sorted(plan.batches)
+    decode = lambda b: _decode_one(model, pools, rope, plan, b, log, attempt)  # noqa: E731
+    payload["decode"].append(decode(batches[0]))
+    _save(out_dir, payload)
+    payload["prefill"] = attempt("prefill", lambda: run_prefill(model, pools, rope, plan, log))
+    _save(out_dir, payload)
+    payload["replay"] = attempt("replay", lambda: run_replay(model, pools, rope, plan, log))
+    if payload["prefill"] and payload["replay"]:
+        payload["ttft"] = ttft_rows(payload["prefill"], payload["replay"])
+    _save(out_dir, payload)
+    for batch in batches[1:]:
+        payload["decode"].append(decode(batch))
         _save(out_dir, payload)
-    payload["prefill"] = run_prefill(model, pools, rope, plan, log)
-    _save(out_dir, payload)
-    payload["replay"] = run_replay(model, pools, rope, plan, log)
-    payload["ttft"] = ttft_rows(payload["prefill"], payload["replay"])
-    _save(out_dir, payload)
     return payload
 
 
@@ -1012,13 +1079,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="folder for step.md / step.json")
     parser.add_argument("--smoke", action="store_true", help="tiny preset, tiny sizes (CPU)")
     parser.add_argument("--batches", default=None, help="comma list overriding the plan's")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="record a failed measurement in the results and carry on")
     args = parser.parse_args(argv)
     plan = SMOKE_PLAN if args.smoke else BENCH_PLAN
     if args.batches:
-        plan = RunPlan(**{**plan.__dict__, "batches": tuple(int(b) for b in args.batches.split(","))})
+        batches = tuple(int(b) for b in args.batches.split(","))
+        plan = RunPlan(**{**plan.__dict__, "batches": batches})
     if not args.smoke and triton_runtime.interpreting():
         raise SystemExit("the bench preset needs a GPU; use --smoke under the interpreter")
-    payload = run(plan, args.out, log=lambda m: print(m, flush=True))
+    payload = run(plan, args.out, log=lambda m: print(m, flush=True), keep_going=args.keep_going)
     print(render_markdown(payload))
     return 0
 
