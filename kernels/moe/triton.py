@@ -71,7 +71,7 @@ def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weig
     tl.store(weights_ptr + out, gamma, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T == 1 (one decode token) must stay a tensor scalar
 def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, counter_ptr,
                   ids_ptr, weights_ptr, T, E, D, chunk, inv_temp, routed_scale,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
