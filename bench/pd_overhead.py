@@ -29,7 +29,7 @@ def _pct(values: list[float], q: float) -> float:
 def local_engine(checkpoint: str, prompts, max_tokens: int) -> dict[str, list[float]]:
     from flashpd.engine.loading import load_engine
 
-    engine = load_engine(checkpoint, EngineConfig(num_blocks=256))
+    engine = load_engine(checkpoint, EngineConfig(num_blocks=256, num_threads=1))  # as workers
     ttft, e2e = [], []
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
@@ -48,7 +48,8 @@ def served(args, prompts, max_tokens: int) -> dict[str, list[float]]:
     from flashpd.services.cli import local_stack, wait_healthy
     from flashpd_sdk import Client
 
-    out: dict[str, list[float]] = {"ttft": [], "e2e": [], "route": []}
+    parts = ("route_ms", "reserve_ms", "prefill_ms", "transfer_ms", "replay_ms")
+    out: dict[str, list[float]] = {"ttft": [], "e2e": [], **{k: [] for k in parts}}
     with local_stack(args):
         client = Client(f"127.0.0.1:{args.grpc_port}")
         wait_healthy(client)
@@ -61,7 +62,8 @@ def served(args, prompts, max_tokens: int) -> dict[str, list[float]]:
                 first = first or time.perf_counter()
             out["ttft"].append(1e3 * (first - t0))
             out["e2e"].append(1e3 * (time.perf_counter() - t0))
-            out["route"].append(stream.result.timeline["route_ms"])
+            for k in parts:
+                out[k].append(stream.result.timeline.get(k, 0.0))
         client.close()
     return out
 
@@ -98,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     over_e2e = statistics.median(pd["e2e"]) - statistics.median(local["e2e"])
     rows += ["", f"Per-request overhead (p50): TTFT +{over_ttft:.1f} ms, e2e +{over_e2e:.1f} ms.",
              "", "| router decision latency | p50 ms | p99 ms |", "|---|---|---|",
-             f"| placement (Redis lookup + policy) | {statistics.median(pd['route']):.2f} | "
-             f"{_pct(pd['route'], .99):.2f} |", "",
+             f"| placement (Redis lookup + policy) | {statistics.median(pd['route_ms']):.2f} | "
+             f"{_pct(pd['route_ms'], .99):.2f} |", "",
+             "Disaggregated timeline, p50 ms: " + ", ".join(
+                 f"{k[:-3]} {statistics.median(pd[k]):.1f}" for k in
+                 ("reserve_ms", "prefill_ms", "transfer_ms", "replay_ms")), "",
              "Command: `unshare -n sh -c 'ip link set lo up && python -m flashpd.bench.pd_overhead'`"]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
