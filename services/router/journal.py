@@ -76,8 +76,11 @@ class Run:
         i = self._event_at(from_token)
         while True:
             if i < len(self.events):  # a lagging consumer gets what piled up as one event
-                yield _merge(self.events[i:])
-                i = len(self.events)
+                # Fix the end before yielding: events pushed while the consumer holds this one
+                # must be sent next, not skipped.
+                end = len(self.events)
+                yield _merge(self.events[i:end])
+                i = end
                 continue
             if self.done:
                 break

@@ -76,3 +76,18 @@ def test_a_lagging_follower_gets_pending_events_merged():
         assert seen[0] == TokenEvent((1, 2, 3), 0, (), "abc") and len(seen) == 2
         assert [e.index for e in [x async for x in run.follow(1)][:-1]] == [1]
     asyncio.run(main())
+
+
+def test_events_pushed_while_a_follower_holds_one_are_not_skipped():
+    async def main():
+        run = make_run()
+        await run.push(TokenEvent((1,), 0))
+        follower = run.follow(0)
+        first = await follower.__anext__()  # the follower is suspended holding this event
+        await run.push(TokenEvent((2,), 1))  # pushed meanwhile
+        await run.push(TokenEvent((3,), 2))
+        await run.finish(FinalEvent("length", Usage(2, 3)))
+        rest = [e async for e in follower]
+        tokens = list(first.token_ids) + [t for e in rest[:-1] for t in e.token_ids]
+        assert tokens == [1, 2, 3] and rest[0].index == 1
+    asyncio.run(main())
