@@ -25,9 +25,7 @@ One layer forward (model_spec §2.4, §3.7), for T query rows:
 
 Index scoring and the candidate-masked top-k run once per sequence: their kernels take one key
 pool for all queries of a call (no per-query key base), so a decode batch of B sequences makes B
-scoring launches per index layer. The routed-expert sum is re-composed here from the moe kernels
-with a graph-safe expert count (moe.triton.routed_experts uses torch.bincount, which reads the
-maximum id back to the host), and KV writes inside a CUDA-graph capture go through the write
+scoring launches per index layer. KV writes inside a CUDA-graph capture go through the write
 kernel without `_check_write_args` (it reads max(rows) back to the host); rows are checked once
 outside the capture. Numerics of every kernel are the business of tests/kernels; this file times.
 """
@@ -559,33 +557,6 @@ def attention(lw: LayerWeights, cfg: ModelConfig, ctx: StepCtx, pools: Pools,
     return _lin(z, lw.wo_b)  # [T, D]
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, gamma: torch.Tensor,
-                   experts: ExpertSet, limit: float) -> torch.Tensor:
-    """moe.triton.routed_experts with a graph-safe expert count (scatter_add, no bincount)."""
-    num_tokens, top_k = ids.shape
-    num_pairs = num_tokens * top_k
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-    token_of_pair = (order // top_k).to(torch.int32)
-    gamma_sorted = gamma.reshape(-1)[order].contiguous()
-    counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    block_m = dense._block_m(max(1, num_pairs // experts.num_experts))
-    schedule = dense.grouped_schedule(counts, num_pairs, block_m)
-    h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(x, experts.w1, schedule, h, a_rows=token_of_pair, w3=experts.w3,
-                       gamma=gamma_sorted, limit=limit)
-    y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(h, experts.w2, schedule, y)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(num_pairs, device=x.device)
-    position = position.view(num_tokens, top_k).sort(dim=-1).values  # ascending expert id
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    for slot in range(top_k):
-        out = out + y[position[:, slot]].to(torch.float32)
-    return out
-
-
 def moe(lw: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     # moe.triton.route fails to compile for exactly one token on the GPU (Triton specialises
     # the scalar T == 1 to a constant, and the kernel calls T.to()); the router is batch
@@ -594,7 +565,7 @@ def moe(lw: LayerWeights, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     ids, gamma = moe_t.route(rows, lw.gate, lw.gate_bias, cfg.num_experts_per_tok,
                              cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob)
     ids, gamma = ids[:x.shape[0]], gamma[:x.shape[0]]
-    out = routed_experts(x, ids, gamma, lw.experts, cfg.swiglu_limit)  # [T, D] FP32
+    out = moe_t.routed_experts(x, ids, gamma, lw.experts, cfg.swiglu_limit)  # [T, D] FP32
     shared = moe_t._dense_experts(x, lw.shared, cfg.swiglu_limit, None)
     return (out + shared.to(torch.float32)).to(x.dtype)
 

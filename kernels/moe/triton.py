@@ -240,7 +240,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     order = torch.argsort(flat, stable=True)  # pairs sorted by expert
     token_of_pair = (order // top_k).to(torch.int32)
     gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
-    counts = torch.bincount(flat, minlength=experts.num_experts)
+    # scatter_add, not bincount: no host read-back, so the step can be captured in a CUDA graph
+    counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     block_m = dense._block_m(max(1, num_pairs // max(1, experts.num_experts)))
     schedule = dense.grouped_schedule(counts, num_pairs, block_m)
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
