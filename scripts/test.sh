@@ -3,7 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN RAY_USAGE_STATS_ENABLED=0 TRITON_INTERPRET=1
-# unbuffered: a native library (UCX/NIXL teardown) ends the process before stdio is flushed,
-# which would swallow pytest's closing summary line
 export PYTHONUNBUFFERED=1
-exec unshare -n sh -c 'ip link set lo up && python -m pytest -q "$@"' sh "$@"
+report=$(mktemp -t flashpd-junit-XXXXXX.xml)
+rm -f "$report"
+set +e
+unshare -n sh -c 'ip link set lo up && python -m pytest -q --junitxml="$0" "$@"' "$report" "$@"
+rc=$?
+set -e
+# Ray's driver teardown can end pytest before its closing line: print it from the report.
+python scripts/junit_summary.py "$report" || rc=1
+rm -f "$report"
+exit $rc
