@@ -81,6 +81,38 @@ def ms_since(t0: float) -> float:
     return 1e3 * (time.monotonic() - t0)
 
 
+class EngineWorker:
+    """What the prefill and decode workers share: role check, transfer contract, the async
+    engine, draining, and the load record (`stats`)."""
+
+    role = ""
+
+    def __init__(self, engine, config: WorkerConfig, ref: WorkerRef):
+        from flashpd.engine.async_engine import AsyncLLMEngine
+
+        if engine.config.role != self.role:
+            raise ValueError(f"{type(self).__name__} needs an engine in {self.role} role, "
+                             f"got {engine.config.role}")
+        self.config, self.ref = config, ref
+        self.contract = transfer_contract(engine.pools, config.model_id)
+        self.pools = engine.pools
+        self.engine = AsyncLLMEngine(engine)
+        self.draining = False
+
+    def queued_prefill_tokens(self) -> int:
+        return 0
+
+    async def stats(self) -> WorkerStats:
+        return self._stats_from(await self.engine.call(lambda e: e.usage()))
+
+    def stats_now(self) -> WorkerStats:
+        return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
+
+    def _stats_from(self, usage: dict) -> WorkerStats:
+        return worker_stats(self.ref, usage, queued_prefill_tokens=self.queued_prefill_tokens(),
+                            draining=self.draining)
+
+
 def worker_stats(ref: WorkerRef, usage: dict, *, queued_prefill_tokens: int = 0,
                  draining: bool = False) -> WorkerStats:
     """A worker's load record from its engine's `usage()` counters."""

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from flashpd_sdk import _health
 from flashpd_sdk._gen import flashpd_pb2 as pb
+from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
 from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, Unavailable
 from flashpd_sdk.types import GenerateResult, TokenChunk, TokenLogprobs, Usage
 
@@ -169,3 +171,19 @@ CHANNEL_OPTIONS_BASE = (
 
 def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
     return [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), *CHANNEL_OPTIONS_BASE]
+
+
+class ClientCore:
+    """What the sync and async clients share: stubs on a channel, defaults, stream state."""
+
+    def _attach(self, channel, default_timeout_s: float | None, retry: RetryPolicy) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.GenerationStub(channel)
+        self._health = channel.unary_unary(
+            _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,
+            response_deserializer=_health.HealthCheckResponse.FromString)
+        self.default_timeout_s, self.retry = default_timeout_s, retry
+
+    def _stream_state(self, timeout_s: float | None, **request_fields) -> StreamState:
+        timeout = timeout_s if timeout_s is not None else self.default_timeout_s
+        return StreamState(build_request(**request_fields), self.retry, timeout)

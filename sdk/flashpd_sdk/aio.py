@@ -20,9 +20,9 @@ from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
 from flashpd_sdk._wire import (
     DEFAULT_RETRY,
+    ClientCore,
     RetryPolicy,
     StreamState,
-    build_request,
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
@@ -116,18 +116,14 @@ class AsyncGenerateStream:
                 await asyncio.sleep(state.pause_s())
 
 
-class AsyncClient:
+class AsyncClient(ClientCore):
     def __init__(self, target: str, *, keepalive_s: float = 30.0,
                  default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         options = channel_options(keepalive_s)
-        self._channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
-                         else grpc.aio.insecure_channel(target, options))
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = self._channel.unary_unary(
-            _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,
-            response_deserializer=_health.HealthCheckResponse.FromString)
-        self.default_timeout_s, self.retry = default_timeout_s, retry
+        channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
+                   else grpc.aio.insecure_channel(target, options))
+        self._attach(channel, default_timeout_s, retry)
 
     def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
                  max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
@@ -137,13 +133,11 @@ class AsyncClient:
                  top_k: int | None = None, min_p: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
                  request_id: str | None = None, model: str = "") -> AsyncGenerateStream:
-        request = build_request(
-            model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        return AsyncGenerateStream(self._stub, self._stream_state(
+            timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id)
-        timeout = timeout_s if timeout_s is not None else self.default_timeout_s
-        return AsyncGenerateStream(self._stub, StreamState(request, self.retry, timeout))
+            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id))
 
     async def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),

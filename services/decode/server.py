@@ -22,7 +22,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from flashpd.engine.async_engine import AsyncLLMEngine
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import RequestStatus
 from flashpd.engine.sampling import SamplingParams
@@ -40,34 +39,29 @@ from flashpd.services.api import (
     Unavailable,
     Usage,
     WorkerRef,
-    WorkerStats,
 )
 from flashpd.services.worker_common import (
+    EngineWorker,
     WorkerConfig,
     make_receiver,
     ms_since,
-    transfer_contract,
-    worker_stats,
 )
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig, ref: WorkerRef):
-        if engine.config.role != "decode":
-            raise ValueError(f"DecodeWorker needs an engine in decode role, got {engine.config.role}")
-        self.config, self.ref = config, ref
-        self.contract = transfer_contract(engine.pools, config.model_id)
-        self.receiver = make_receiver(config.transfer_backend, self.contract, engine.pools,
+        super().__init__(engine, config, ref)
+        self.receiver = make_receiver(config.transfer_backend, self.contract, self.pools,
                                       ref.incarnation)
-        self.engine = AsyncLLMEngine(engine)
         self.engine.hooks.append(self._poll_transfers)
         self._tokens = itertools.count()
         self._reserved_at: dict[str, float] = {}
         self._arrived_at: dict[str, float] = {}
         self._quarantine: dict[str, float] = {}  # request id -> monotonic release time
-        self.draining = False
 
     # ------------------------------------------------------------------ api
     async def reserve(self, req: InternalRequest) -> Ticket:
@@ -153,17 +147,6 @@ class DecodeWorker:
         self._arrived_at.pop(request_id, None)
         return found
 
-    async def stats(self) -> WorkerStats:
-        usage = await self.engine.call(lambda e: e.usage())
-        return self._stats_from(usage)
-
-    def stats_now(self) -> WorkerStats:
-        return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
-
-    def _stats_from(self, usage: dict) -> WorkerStats:
-        return worker_stats(self.ref, usage, draining=self.draining)
-
-    # ------------------------------------------------------------------ engine thread
     def _poll_transfers(self, e: LLMEngine) -> None:
         for rid in self.receiver.poll_completed():
             self._arrived_at[rid] = time.monotonic()

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 
-from flashpd.engine.async_engine import AsyncLLMEngine
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.transfer.base import TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
@@ -31,30 +30,25 @@ from flashpd.services.api import (
     TransferFailed,
     Unavailable,
     WorkerRef,
-    WorkerStats,
 )
 from flashpd.services.worker_common import (
+    EngineWorker,
     WorkerConfig,
     make_sender,
     ms_since,
-    transfer_contract,
-    worker_stats,
 )
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig, ref: WorkerRef):
-        if engine.config.role != "prefill":
-            raise ValueError(f"PrefillWorker needs an engine in prefill role, got {engine.config.role}")
-        self.config, self.ref = config, ref
-        self.contract = transfer_contract(engine.pools, config.model_id)
-        self.sender = make_sender(config.transfer_backend, self.contract, engine.pools)
-        self.engine = AsyncLLMEngine(engine)
+        super().__init__(engine, config, ref)
+        self.sender = make_sender(config.transfer_backend, self.contract, self.pools)
         self._peers: dict[bytes, str] = {}
         self._queued_tokens: dict[str, int] = {}
-        self.draining = False
         self.transfer_failures = 0
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
@@ -122,15 +116,8 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)
 
-    async def stats(self) -> WorkerStats:
-        usage = await self.engine.call(lambda e: e.usage())
-        return self._stats_from(usage)
-
-    def stats_now(self) -> WorkerStats:
-        return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
-
-    def _stats_from(self, usage: dict) -> WorkerStats:
-        return worker_stats(self.ref, usage, queued_prefill_tokens=sum(self._queued_tokens.values()), draining=self.draining)
+    def queued_prefill_tokens(self) -> int:
+        return sum(self._queued_tokens.values())
 
     async def close(self) -> None:
         self.draining = True
