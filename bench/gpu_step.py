@@ -3,13 +3,13 @@
     python -m flashpd.bench.gpu_step --out bench/results/h200        (GPU, `bench` preset)
     TRITON_INTERPRET=1 python -m flashpd.bench.gpu_step --smoke      (CPU, `tiny` preset)
 
-Weights are generated on the device directly in checkpoint formats (model_spec §10): dense
-projections FP8 E4M3 + UE8M0 32x32 tiles, routed experts MXFP4 (packed E2M1 + UE8M0 per 32),
-BF16 router / compressor / small indexer weights, FP32 mHC parameters, a BF16 head computed with
-FP32 accumulation (BF16 x BF16 products are exact in FP32, so this is the FP32 head's math), and
-Engram tables in pinned host memory. KV pools are packed uint8 records filled with random valid
-values through the kernels' own write paths (window FP8 528 B, compressed NVFP4 288 B, index
-MXFP4 68 B).
+Weights (engine/gpu/weights.py `make_model`) are generated on the device directly in checkpoint
+formats (model_spec §10): dense projections FP8 E4M3 + UE8M0 32x32 tiles, routed experts MXFP4
+(packed E2M1 + UE8M0 per 32), BF16 router / compressor / small indexer weights, FP32 mHC
+parameters, a BF16 head computed with FP32 accumulation (BF16 x BF16 products are exact in FP32,
+so this is the FP32 head's math), and Engram tables in pinned host memory. KV pools are packed
+uint8 records filled with random valid values through the kernels' own write paths (window FP8
+528 B, compressed NVFP4 288 B, index MXFP4 68 B).
 
 One layer forward (model_spec §2.4, §3.7), for T query rows:
 
@@ -47,6 +47,13 @@ import torch
 from flashpd.kernels import triton_runtime  # before any kernel import: GPU or interpreter
 # isort: on
 
+from flashpd.engine.gpu.weights import (
+    EngramWeights,
+    GpuWeights,
+    LayerWeights,
+    make_model,
+    rand_bf16,
+)
 from flashpd.kernels.attention import triton as attn_t
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import Weights
@@ -54,7 +61,6 @@ from flashpd.kernels.engram import triton as engram_t
 from flashpd.kernels.indexer import triton as index_t
 from flashpd.kernels.mhc import triton as mhc_t
 from flashpd.kernels.moe import triton as moe_t
-from flashpd.kernels.moe.triton import ExpertSet
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as quant_t
 from flashpd.kernels.rope.ref import Yarn, rope_cos_sin, rope_frequencies
@@ -103,150 +109,6 @@ def plan_config(plan: RunPlan) -> ModelConfig:
 # ============================================================================ device weights
 def _device() -> torch.device:
     return triton_runtime.kernel_device()
-
-
-def _scale_byte(fan_in: int, fp4: bool) -> int:
-    """UE8M0 byte giving outputs of unit order: 2^-(log2(sqrt(fan_in))) (FP4 codes ~2x larger)."""
-    return 127 - round(0.5 * math.log2(fan_in)) - (1 if fp4 else 0)
-
-
-def rand_fp8(num_out: int, num_in: int, experts: int | None = None) -> Weights:
-    """FP8 E4M3 [E?, out, in] + UE8M0 [E?, ceil(out/32), ceil(in/32)], generated on the device."""
-    lead = () if experts is None else (experts,)
-    dev = _device()
-    data = torch.randn(*lead, num_out, num_in, dtype=torch.bfloat16, device=dev)
-    data = data.to(torch.float8_e4m3fn)
-    scale = torch.full((*lead, -(-num_out // 32), -(-num_in // 32)),
-                       _scale_byte(num_in, False), dtype=torch.uint8, device=dev)
-    return Weights.fp8(data, scale)
-
-
-def rand_mxfp4(num_out: int, num_in: int, experts: int) -> Weights:
-    """MXFP4 packed E2M1 [E, out, in/2] + UE8M0 [E, out, in/32], random codes."""
-    dev = _device()
-    packed = torch.randint(0, 256, (experts, num_out, num_in // 2), dtype=torch.uint8, device=dev)
-    scale = torch.full((experts, num_out, num_in // 32), _scale_byte(num_in, True),
-                       dtype=torch.uint8, device=dev)
-    return Weights.mxfp4(packed, scale)
-
-
-def rand_bf16(*shape: int, std: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=_device()) * std).to(torch.bfloat16)
-
-
-def ones_bf16(n: int) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.bfloat16, device=_device())
-
-
-@dataclass
-class EngramWeights:
-    table: engram_t.HostTable  # host memory, zero-copy gathered
-    wkv: Weights  # FP8 [(S+1)*D, C*row_dim]
-    qk: torch.Tensor  # FP32 [S, D] = q_weight * k_weight
-
-
-@dataclass
-class LayerWeights:
-    spec: LayerSpec
-    wq_a: Weights
-    q_norm: torch.Tensor
-    wq_b: Weights
-    wkv: Weights
-    kv_norm: torch.Tensor
-    wo_a: Weights  # FP8 [G, o_lora, H/G * d] (block-diagonal wo_a as G experts)
-    wo_b: Weights
-    sink: torch.Tensor
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, base, scale (FP32)
-    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    gate: torch.Tensor  # BF16 [E, D]
-    gate_bias: torch.Tensor  # FP32 [E]
-    experts: ExpertSet  # MXFP4
-    shared: ExpertSet  # FP8
-    comp_wkv: torch.Tensor | None = None  # BF16 [d, D]
-    comp_wgate: torch.Tensor | None = None  # BF16 [d, D] (ratio 2 only)
-    comp_norm: torch.Tensor | None = None
-    idx_wq_b: Weights | None = None  # FP8 [nh*dI, q_lora]
-    idx_proj: torch.Tensor | None = None  # BF16 [nh, D]
-    idx_wk: torch.Tensor | None = None  # BF16 [dI, d]
-    idx_k_norm: torch.Tensor | None = None
-    engram: EngramWeights | None = None
-
-
-def _hc_params(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    s, dim = cfg.hc_mult, cfg.hidden_size
-    mix = (2 + s) * s
-    dev = _device()
-    fn = torch.randn(mix, s * dim, device=dev) * (1.0 / math.sqrt(s * dim))
-    return fn, torch.zeros(mix, device=dev), torch.ones(3, device=dev)
-
-
-def _engram_weights(cfg: ModelConfig, engram_index: int) -> EngramWeights:
-    row_dim = cfg.engram_head_dim
-    num_rows = cfg.engram_num_embeddings[engram_index]
-    table = engram_t.HostTable.allocate(num_rows, row_dim)
-    chunk = 1 << 20
-    for r0 in range(0, num_rows, chunk):  # random E4M3 bytes (no NaN codes), scales near 2^-4
-        rows = min(chunk, num_rows - r0)
-        codes = torch.randint(0, 0x7F, (rows, row_dim), dtype=torch.uint8, device=_device())
-        signs = torch.randint(0, 2, (rows, row_dim), dtype=torch.uint8, device=_device()) << 7
-        table.weight[r0:r0 + rows].copy_((codes | signs).to(table.weight.device))
-    table.scale.fill_(123)
-    cols = cfg.engram_hash_columns
-    dim = cfg.hidden_size
-    qk = torch.randn(cfg.hc_mult, dim, device=_device())
-    return EngramWeights(table, rand_fp8((cfg.hc_mult + 1) * dim, cols * row_dim), qk)
-
-
-def make_layer(cfg: ModelConfig, spec: LayerSpec) -> LayerWeights:
-    dim, heads, head_dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    groups = cfg.o_groups
-    inter = cfg.moe_intermediate_size
-    lw = LayerWeights(
-        spec=spec,
-        wq_a=rand_fp8(cfg.q_lora_rank, dim), q_norm=ones_bf16(cfg.q_lora_rank),
-        wq_b=rand_fp8(heads * head_dim, cfg.q_lora_rank),
-        wkv=rand_fp8(head_dim, dim), kv_norm=ones_bf16(head_dim),
-        wo_a=rand_fp8(cfg.o_lora_rank, heads // groups * head_dim, experts=groups),
-        wo_b=rand_fp8(dim, groups * cfg.o_lora_rank),
-        sink=torch.zeros(heads, device=_device()),
-        attn_norm=ones_bf16(dim), ffn_norm=ones_bf16(dim),
-        hc_attn=_hc_params(cfg), hc_ffn=_hc_params(cfg),
-        gate=rand_bf16(cfg.n_routed_experts, dim, std=dim ** -0.5),
-        gate_bias=torch.zeros(cfg.n_routed_experts, device=_device()),
-        experts=ExpertSet(rand_mxfp4(inter, dim, cfg.n_routed_experts),
-                          rand_mxfp4(inter, dim, cfg.n_routed_experts),
-                          rand_mxfp4(dim, inter, cfg.n_routed_experts)),
-        shared=ExpertSet(rand_fp8(inter, dim, 1), rand_fp8(inter, dim, 1),
-                         rand_fp8(dim, inter, 1)),
-    )
-    if spec.owns_compressor:
-        lw.comp_wkv = rand_bf16(head_dim, dim, std=dim ** -0.5)
-        lw.comp_wgate = rand_bf16(head_dim, dim, std=dim ** -0.5) if spec.ratio == 2 else None
-        lw.comp_norm = ones_bf16(head_dim)
-        lw.idx_wk = rand_bf16(cfg.index_head_dim, head_dim, std=head_dim ** -0.5)
-        lw.idx_k_norm = ones_bf16(cfg.index_head_dim)
-    if spec.owns_index_query:
-        lw.idx_wq_b = rand_fp8(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-        lw.idx_proj = rand_bf16(cfg.index_n_heads, dim, std=dim ** -0.5)
-    if spec.has_engram:
-        lw.engram = _engram_weights(cfg, spec.engram_index)
-    return lw
-
-
-@dataclass
-class Model:
-    cfg: ModelConfig
-    layers: list[LayerWeights]
-    norm: torch.Tensor
-    head: torch.Tensor  # BF16 [vocab, D], FP32 accumulation
-
-
-def make_model(cfg: ModelConfig) -> Model:
-    layers = [make_layer(cfg, spec) for spec in cfg.layers]
-    head = rand_bf16(cfg.vocab_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
-    return Model(cfg, layers, ones_bf16(cfg.hidden_size), head)
 
 
 # ============================================================================ KV pools
@@ -614,7 +476,7 @@ def _mhc(cfg: ModelConfig, carry: Carry, params, norm_w: torch.Tensor):
                                      pre_in=carry.pre, norm_weight=norm_w)
 
 
-def layer_forward(model: Model, lw: LayerWeights, ctx: StepCtx, pools: Pools,
+def layer_forward(model: GpuWeights, lw: LayerWeights, ctx: StepCtx, pools: Pools,
                   carry: Carry) -> Carry:
     cfg = model.cfg
     if lw.engram is not None:  # write back the previous FFN output, then inject (§2.4 step 1)
@@ -629,20 +491,20 @@ def layer_forward(model: Model, lw: LayerWeights, ctx: StepCtx, pools: Pools,
     return Carry(streams, moe(lw, cfg, x), post_f, comb_f, pre_f)
 
 
-def head(model: Model, carry: Carry) -> torch.Tensor:
+def head(model: GpuWeights, carry: Carry) -> torch.Tensor:
     """Final write-back, collapse with layer 39's FFN pre, norm, logits FP32 [T, vocab]."""
     streams = mhc_t.expand(carry.y, carry.streams, carry.post, carry.comb)
     h = _norm(mhc_t.collapse(streams, carry.pre), model.norm, model.cfg)
     return dense.linear_fp32(h, model.head)
 
 
-def full_step(model: Model, ctx: StepCtx, pools: Pools, carry: Carry) -> torch.Tensor:
+def full_step(model: GpuWeights, ctx: StepCtx, pools: Pools, carry: Carry) -> torch.Tensor:
     for lw in model.layers:
         carry = layer_forward(model, lw, ctx, pools, carry)
     return head(model, carry)
 
 
-def encoder_prefill(model: Model, ctx: StepCtx, pools: Pools, carry: Carry) -> None:
+def encoder_prefill(model: GpuWeights, ctx: StepCtx, pools: Pools, carry: Carry) -> None:
     """Layers before the candidate source on every token, then that layer's KV-source work
     (seam mixes + collapse + norm, compressor, NVFP4 entries, index keys) (§11.2)."""
     seam = model.cfg.candidate_source_layer_id

@@ -10,8 +10,11 @@ A block is one 128-token chunk of every global group; entry e of source s lives 
 
 Private groups (never cached or transferred), one slot per running sequence:
 
-    window   uint8 [num_slots, num_layers, W - 1, window_record_bytes]   FP8 + UE8M0, a ring:
-             position p sits at row p % (W - 1)
+    window   uint8 [num_layers, num_slots * (W - 1) + scratch, window_record_bytes]
+             FP8 + UE8M0; slot s's ring is rows [s * (W - 1), (s + 1) * (W - 1)) of each layer,
+             position p at ring row p % (W - 1). The GPU forward writes a step's new window
+             rows into the `scratch` rows after the rings (attention reads ring ∪ scratch
+             through one row list), then keeps the last W - 1 of them in the ring.
     open     float32 [num_slots, num_ratio2_sources, 2, head_dim]       (a, g) of a lone token
 
 The forward hands the state values that are already fake-quantised, so packing them is lossless:
@@ -86,7 +89,10 @@ class KVPools:
     """All packed KV memory of one worker (CPU or CUDA)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
-                 device: str | torch.device = "cpu", compressed_format: str = "nvfp4"):
+                 device: str | torch.device = "cpu", compressed_format: str = "nvfp4",
+                 window_scratch_rows: int = 0):
+        if window_scratch_rows < 0:
+            raise ValueError(f"window_scratch_rows must be >= 0, got {window_scratch_rows}")
         self.geometry = PoolGeometry(cfg, compressed_format=compressed_format)
         self.format = kv_format(compressed_format)
         self.cfg, self.num_blocks, self.num_slots = cfg, num_blocks, num_slots
@@ -97,7 +103,9 @@ class KVPools:
         self.index = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
                                      cfg.index_entry_bytes, **u8)
                       for s in cfg.kv_source_layer_ids}
-        self.window = torch.zeros(num_slots, cfg.num_layers, cfg.sliding_window - 1,
+        self.ring_rows = cfg.sliding_window - 1
+        self.scratch_base = num_slots * self.ring_rows  # first scratch row of every layer
+        self.window = torch.zeros(cfg.num_layers, self.scratch_base + window_scratch_rows,
                                   cfg.window_record_bytes, **u8)
         r2 = self.geometry.ratio2_sources
         self.open_row_of = {s: i for i, s in enumerate(r2)}
@@ -119,7 +127,16 @@ class KVPools:
 
     @property
     def private_bytes(self) -> int:
-        return self.window.numel() + self.open.numel() * 4
+        """Window rings and open-group rows of every slot (scratch rows excluded)."""
+        return self.ring_bytes + self.open.numel() * 4
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.window.shape[0] * self.scratch_base * self.window.shape[2]
+
+    def ring_row(self, slot: int, position: int) -> int:
+        """Row of `position`'s window record in slot `slot`'s ring (any layer)."""
+        return slot * self.ring_rows + position % self.ring_rows
 
 
 class PagedSeqState(TokenCounter, SeqState):
@@ -168,24 +185,38 @@ class PagedSeqState(TokenCounter, SeqState):
         n = self._win_len[layer]
         if n == 0:
             return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype))
-        rows = torch.arange(start, start + n) % self._keep
-        rec = self.pools.window[self.slot, layer, rows.to(self.pools.window.device)]
+        rows = self.slot * self._keep + torch.arange(start, start + n) % self._keep
+        rec = self.pools.window[layer, rows.to(self.pools.window.device)]
         return Window(start, q.unpack_window_fp8(rec, self.dtype))
 
     def append_window(self, layer: int, start_pos: int, kv: torch.Tensor) -> None:
-        start = self._win_start[layer]
-        if start is None:
-            raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
-        end = start + self._win_len[layer]
-        if start_pos != end:
-            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at {end}")
+        start, held = self.window_span(layer)
+        if start_pos != start + held:
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
+                             f"{start + held}")
         total = kv.shape[0]
         kv = kv[-self._keep:]  # only the last W-1 positions can ever be read again
         first = start_pos + total - kv.shape[0]  # position of the first kept row
-        rows = torch.arange(first, first + kv.shape[0]) % self._keep
-        self.pools.window[self.slot, layer, rows.to(self.pools.window.device)] = \
+        rows = self.slot * self._keep + torch.arange(first, first + kv.shape[0]) % self._keep
+        self.pools.window[layer, rows.to(self.pools.window.device)] = \
             q.pack_window_fp8(kv.float()).to(self.pools.window.device)
-        new_end = start_pos + total
+        self.note_window_append(layer, start_pos, total)
+
+    def window_span(self, layer: int) -> tuple[int, int]:
+        """(first position, count) of the window records the ring holds for `layer`."""
+        start = self._win_start[layer]
+        if start is None:
+            raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
+        return start, self._win_len[layer]
+
+    def note_window_append(self, layer: int, start_pos: int, count: int) -> None:
+        """Book `count` new positions from `start_pos` whose records the caller has put in the
+        ring (the last W - 1 of them). Checks continuity as `append_window` does."""
+        start, held = self.window_span(layer)
+        if start_pos != start + held:
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
+                             f"{start + held}")
+        new_end = start_pos + count
         new_start = max(start, new_end - self._keep)
         self._win_start[layer], self._win_len[layer] = new_start, new_end - new_start
 
@@ -234,6 +265,20 @@ class PagedSeqState(TokenCounter, SeqState):
         pack = _pack_nvfp4_exact if self.pools.format.name == "nvfp4" else q.pack_window_fp8
         self.pools.main[src][blocks, rows] = pack(kv.float()).to(blocks.device)
         self.pools.index[src][blocks, rows] = q.pack_mxfp4(keys.float()).to(blocks.device)
+        self._n_entries[src] = n + count
+
+    def entry_rows(self, src: int, first: int, end: int) -> torch.Tensor:
+        """Rows of entries [first, end) of `src` in the 2-D view `pool.view(-1, record)`
+        (int64, on the pools' device)."""
+        blocks, rows = self._locate(self._src(src), first, end)
+        return blocks * self.pools.geometry.entries_per_block(src) + rows
+
+    def note_entries(self, src: int, first_entry: int, count: int) -> None:
+        """Book `count` entries from `first_entry` that the caller has written into the pools."""
+        n = self._n_entries[self._src(src)]
+        if first_entry != n:
+            raise StateError(f"source {src}: entries appended at {first_entry}, {n} stored")
+        self._check_blocks(n + count, src)
         self._n_entries[src] = n + count
 
     def global_state(self) -> GlobalKV:

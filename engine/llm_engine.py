@@ -104,8 +104,10 @@ class LLMEngine:
         if model.kv_format.name != config.kv_format:
             raise ValueError(f"kv_format {config.kv_format!r} but the model fake-quantises "
                              f"compressed KV as {model.kv_format.name!r}")
+        scratch = config.max_num_batched_tokens if getattr(model, "needs_window_scratch", False) \
+            else 0  # the GPU forward stages a step's new window records in scratch rows
         self.pools = KVPools(cfg, config.num_blocks, config.num_slots, config.device,
-                             compressed_format=config.kv_format)
+                             compressed_format=config.kv_format, window_scratch_rows=scratch)
         narrowing = cfg.sliding_window if (config.swa_bounded_replay and config.role == "colocated") else None
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)

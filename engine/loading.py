@@ -1,4 +1,9 @@
-"""Build an LLMEngine from a checkpoint directory (weights, tokenizer, EOS id)."""
+"""Build an LLMEngine from a checkpoint directory (weights, tokenizer, EOS id).
+
+device "cpu": the reference `Model` (weights dequantised once, torch ops or the dispatcher's
+kernels). device "cuda": `engine.gpu.GpuModel` (weights kept in checkpoint formats on the GPU,
+Triton kernels, BF16 compute).
+"""
 
 from __future__ import annotations
 
@@ -20,14 +25,21 @@ def load_tokenizer(checkpoint_dir: str):
 
 
 def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
-    from flashpd.model.model import load_model
-
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    model = load_model(checkpoint_dir, DTYPES[config.dtype],
-                       compressed_kv_format=config.kv_format)
-    if config.device != "cpu":
-        raise ValueError(f"device {config.device!r}: the reference runner runs on cpu only")
+    if config.device == "cpu":
+        from flashpd.model.model import load_model
+
+        model = load_model(checkpoint_dir, DTYPES[config.dtype],
+                           compressed_kv_format=config.kv_format)
+    elif config.device.startswith("cuda"):
+        from flashpd.engine.gpu.loading import load_gpu_model
+
+        if config.dtype != "bfloat16":
+            raise ValueError(f"dtype {config.dtype!r}: the GPU path computes in bfloat16")
+        model = load_gpu_model(checkpoint_dir, config.device, config.kv_format)
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)

@@ -102,10 +102,13 @@ class ModelRunner:
             ids.extend(known[start:end])
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
-        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs)
-        for (rid, last), logits in zip(owners, results, strict=True):
-            if last:
-                out[rid] = logits[-1].float()
+        results = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=self.model.device), seqs)
+        wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
+                  if last]
+        if wanted:  # one device-to-host copy for the whole batch (the sampler runs on the CPU)
+            rows = torch.stack([row for _, row in wanted]).float().cpu()
+            out.update((rid, row) for (rid, _), row in zip(wanted, rows, strict=True))
         return len(ids)
 
     def _normal_plan(self, path: ForwardPath, logits: LogitsRequest, num_tokens: int) -> SeqPlan:

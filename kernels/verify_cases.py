@@ -170,7 +170,9 @@ def check_indexer(scale: str, timing: bool) -> list[Check]:
 
     dm = _dims(scale, dict(t=5, h=4, di=32, k=16, bs=4, nb=8, ns=[300]),
                dict(t=16, h=32, di=128, k=512, bs=8, nb=2048, ns=[8192, 524288]))
-    return [c for n in dm["ns"] for c in _indexer_case(n, dm, timing)]
+    paged = _dims(scale, dict(t=5, b=3, n=40, epb=4), dict(t=64, b=64, n=4096, epb=64))
+    return [c for n in dm["ns"] for c in _indexer_case(n, dm, timing)] + \
+        _indexer_paged_case(dict(dm, **paged), timing)
 
 
 def _indexer_case(n: int, dm: dict, timing: bool) -> list[Check]:
@@ -217,6 +219,71 @@ def _indexer_case(n: int, dm: dict, timing: bool) -> list[Check]:
     if sparse.kernel_ms and sparse.ref_ms:
         sparse.note += f"; sparse {sparse.ref_ms / sparse.kernel_ms:.2f}x vs dense scoring"
         sparse.extra["dense_ms"] = sparse.ref_ms
+    return out
+
+
+def _paged_index_inputs(dm: dict, seed: int):
+    """B sequences of random lengths (<= N, the last full) in shuffled pool blocks, T queries."""
+    from flashpd.kernels.indexer import ref as iref
+    from flashpd.kernels.quant import ref as qref
+
+    t, b, n, epb = dm["t"], dm["b"], dm["n"], dm["epb"]
+    g = torch.Generator().manual_seed(seed)
+    num_entries = torch.randint(0, n + 1, (b,), generator=g).tolist()
+    num_entries[-1] = n
+    need = [-(-e // epb) for e in num_entries]
+    perm = torch.randperm(sum(need) + 2, generator=g).tolist()  # 2 spare blocks
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(b)]
+    pool = qref.pack_mxfp4(randn(len(perm) * epb, dm["di"], seed=seed + 1,
+                                 dtype=torch.float32))
+    key_rows = iref.paged_key_rows(tables, epb, num_entries, n, device())
+    seq_of = torch.arange(t) % b
+    n_vis = (torch.rand(t, generator=g) * (torch.tensor(num_entries)[seq_of] + 1)).long()
+    n_vis[seq_of == b - 1] = n  # the full sequence's queries see all N entries
+    q = qref.fake_quant_mxfp4(randn(t, dm["h"], dm["di"], seed=seed + 2,
+                                    dtype=torch.float32)).bfloat16()
+    w = randn(t, dm["h"], seed=seed + 3, scale=1 / 64, dtype=torch.float32)
+    return (q, w, pool, key_rows, seq_of.to(torch.int32).to(device()),
+            n_vis.to(torch.int32).to(device()), num_entries)
+
+
+def _indexer_paged_case(dm: dict, timing: bool) -> list[Check]:
+    """One launch over a paged pool vs the per-sequence path (gather, one launch per sequence)."""
+    from flashpd.kernels.indexer import ref as iref
+    from flashpd.kernels.indexer import triton as it
+
+    q, w, pool, key_rows, seq_of, n_vis, num_entries = _paged_index_inputs(dm, seed=34)
+    label = f"B={dm['b']} N={dm['n']}"
+    per_query = [(seq_of == b).nonzero().flatten() for b in range(dm["b"])]
+
+    def per_sequence():
+        out = torch.full((dm["t"], dm["n"]), float("-inf"), device=device())
+        for b, queries in enumerate(per_query):
+            records = pool[key_rows[b, :num_entries[b]].long()]  # the gather copy
+            out[queries, :num_entries[b]] = it.index_scores_packed(
+                q[queries], w[queries], records, n_vis[queries])
+        return out
+
+    def paged():
+        return it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+
+    scores = paged()
+    exact = close_check("indexer", f"paged scores T={dm['t']} {label}", scores,
+                        per_sequence(), 0.0, note="vs per-sequence index_scores_packed")
+    exact.bytes_moved = dm["t"] * dm["n"] * (pool.shape[1] + 4 + 4)
+    exact.flops = 2.0 * dm["t"] * dm["n"] * dm["h"] * dm["di"]
+    out = [_timed(exact, timing, paged, per_sequence)]
+    if exact.kernel_ms and exact.ref_ms:
+        exact.note += f"; batched {exact.ref_ms / exact.kernel_ms:.2f}x"
+    ref_scores = iref.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    out.append(close_check("indexer", f"paged scores vs ref {label}", scores, ref_scores, 1e-5))
+    nb = max(1, dm["n"] // (4 * dm["bs"]))  # a quarter of the entries: the mask bites
+    blocks = it.candidate_blocks(ref_scores, n_vis, dm["bs"], nb)
+    args = (q, w, pool, key_rows, seq_of, n_vis, blocks, dm["bs"], dm["k"])
+    sparse = selection_check("indexer", f"paged sparse top-{dm['k']} N={dm['n']} nb={nb}",
+                             it.index_topk_sparse_paged(*args),
+                             iref.index_topk_sparse_paged(*args), ref_scores, 1e-5)
+    out.append(_timed(sparse, timing, lambda: it.index_topk_sparse_paged(*args)))
     return out
 
 

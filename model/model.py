@@ -403,16 +403,15 @@ class Model:
     def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: _LayerRows, streams: torch.Tensor,
                carried_pre: torch.Tensor, hash_ids: dict[int, torch.Tensor],
                published: _Published) -> None:
-        cfg, d = self.cfg, self.dense
+        d = self.dense
         xs = streams[rows.seam_idx]  # [Ts, S, D]
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
-            table_rows = lw.engram.table.rows(hash_ids[spec.layer_id][rows.seam_idx], self.dtype)
-            xs = self.engram.engram_inject(xs, table_rows, lw.engram.wkv, lw.engram.qk, self.eps)
+            xs = self._engram_inject(lw, xs, hash_ids[spec.layer_id][rows.seam_idx])
         # 3. (seam) attention input = attn_norm(collapse(X, carried pre))
         x_seam = d.rms_norm(self.mhc.collapse(xs, carried_pre[rows.seam_idx]), lw.attn_norm,
                             self.eps)  # [Ts, D]
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
-            self._write_global_kv(spec, lw.compressor, x_seam, rows)
+            self._write_global_kv(spec, lw, x_seam, rows)
         if rows.num_compute == 0:
             return
         xc = xs[rows.compute_in_seam]  # [Tc, S, D]
@@ -421,12 +420,19 @@ class Model:
         xc = self.mhc.expand(y, xc, post_a, comb_a)  # 4.
         pre_f, post_f, comb_f = self._mixes(xc, lw.hc_ffn)  # 5.
         h = d.rms_norm(self.mhc.collapse(xc, pre_a), lw.ffn_norm, self.eps)  # 6.
-        m = lw.moe
-        y = self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
-                           cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                           cfg.norm_topk_prob)
-        streams[rows.compute_idx] = self.mhc.expand(y, xc, post_f, comb_f)  # 7.
+        streams[rows.compute_idx] = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
         carried_pre[rows.compute_idx] = pre_f  # 8.
+
+    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
+                       row_ids: torch.Tensor) -> torch.Tensor:
+        table_rows = lw.engram.table.rows(row_ids, self.dtype)
+        return self.engram.engram_inject(xs, table_rows, lw.engram.wkv, lw.engram.qk, self.eps)
+
+    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        cfg, m = self.cfg, lw.moe
+        return self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
+                              cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
+                              cfg.norm_topk_prob)
 
     def _mixes(self, streams: torch.Tensor, mw: MixWeights) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
@@ -437,9 +443,10 @@ class Model:
         return self.freqs_compress if spec.ratio > 0 else self.freqs_main
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
-    def _write_global_kv(self, spec: LayerSpec, cw: CompressorWeights, x_seam: torch.Tensor,
+    def _write_global_kv(self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor,
                          rows: _LayerRows) -> None:
         """Compress the seam rows of every segment and append entries + index keys (§4, §5.2)."""
+        cw = lw.compressor
         if spec.ratio == 2:
             projected = self.compressor.gated_projection(x_seam, cw.wkv, cw.wgate)  # FP32 [Ts, d]
         else:
@@ -449,7 +456,7 @@ class Model:
                 self._replay_open_group(spec, part, projected if spec.ratio == 2 else None)
                 continue
             if spec.ratio == 2:
-                latents = self._close_groups(spec.layer_id, cw, part, projected)  # [G, d]
+                latents = self._close_groups(spec.layer_id, cw.norm, part, projected)  # [G, d]
             else:
                 latents = latents_all[part.s0:part.s1]  # [G, d]
             if latents.shape[0]:
@@ -457,7 +464,7 @@ class Model:
                 kv, keys = self._entries(cw, latents, first_entry, spec.ratio)
                 part.seg.state.append_entries(spec.layer_id, first_entry, kv, keys)
 
-    def _close_groups(self, src: int, cw: CompressorWeights, part: _Part,
+    def _close_groups(self, src: int, norm: torch.Tensor, part: _Part,
                       projected: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Ratio 2: pool the part's rows after the carried open-group row -> latents [G, d]."""
         state, first_pos = part.seg.state, part.seg.start_pos + part.seam_first
@@ -468,7 +475,7 @@ class Model:
         kv32, gate32 = (t[part.s0:part.s1] for t in projected)
         pooled, open_out = self.compressor.pool_pairs(kv32, gate32, open_in)
         state.set_open_group(src, open_out)
-        return self.compressor.latent(pooled, cw.norm, self.eps, self.dtype)
+        return self.compressor.latent(pooled, norm, self.eps, self.dtype)
 
     def _replay_open_group(self, spec: LayerSpec, part: _Part,
                            projected: tuple[torch.Tensor, torch.Tensor] | None) -> None:

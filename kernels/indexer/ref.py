@@ -7,6 +7,21 @@ Score of query t against compressed entry j (FP32, §13 "FP32 for quality"):
 Tie-break (the spec leaves it open, §5.5): a stable descending sort, so among equal scores the
 lower (older) index wins. This makes the selection a function of the score row alone, identical
 between prefill, chunked prefill and decode.
+
+Paged keys (the serving layout): index keys live as packed MXFP4 records in one pool
+uint8 [R, dI/2 + dI/32]; a batch of B sequences names its keys by pool row:
+
+    key_rows [B, N]   key_rows[b, j] = pool row of entry j of sequence b (-1 = none)
+    seq_of   [T]      query t belongs to sequence seq_of[t]
+
+    entry j of b:   0    1    ...   num_entries[b]-1 | num_entries[b] ... N-1
+    key_rows[b]:    r0   r1   ...   r_last           | -1             ... -1
+    with r_j = block_tables[b][j // entries_per_block] * entries_per_block
+               + j % entries_per_block                                (paged_key_rows)
+
+index_scores_paged scores query t against the entries of its own sequence (-inf where j >=
+n_visible[t], where the row is outside [0, R), or where seq_of[t] is outside [0, B)), so one
+call covers a whole decode batch; N is key_rows.shape[1], never read from tensor values.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from flashpd.kernels.dense.ref import fp32, matmul_nt
+from flashpd.kernels.quant import ref as qref
 
 NEG_INF = float("-inf")
 
@@ -74,3 +90,105 @@ def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = Non
     # ascending by position, -1 last: sort with -1 mapped past every real index
     key = torch.where(picked < 0, torch.full_like(picked, scores.shape[1]), picked)
     return torch.gather(picked, 1, torch.sort(key, dim=-1).indices)
+
+
+# ============================================================================ paged keys
+def paged_key_rows(block_tables: list[list[int]], entries_per_block: int,
+                   num_entries: list[int], width: int, device: torch.device | str) -> torch.Tensor:
+    """Host-side key_rows int32 [B, width]: entry e of sequence b sits at pool row
+    block_tables[b][e // entries_per_block] * entries_per_block + e % entries_per_block;
+    -1 from num_entries[b] on."""
+    if entries_per_block < 1:
+        raise ValueError(f"entries_per_block must be >= 1, got {entries_per_block}")
+    if len(num_entries) != len(block_tables):
+        raise ValueError(f"num_entries has {len(num_entries)} sequences, block_tables "
+                         f"{len(block_tables)}")
+    rows = torch.full((len(block_tables), width), -1, dtype=torch.int32)
+    for b, (table, count) in enumerate(zip(block_tables, num_entries, strict=True)):
+        if not 0 <= count <= width:
+            raise ValueError(f"num_entries[{b}] = {count} is outside [0, width={width}]")
+        if count > len(table) * entries_per_block:
+            raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for "
+                             f"{count} entries of {entries_per_block} per block")
+        e = torch.arange(count)
+        blocks = torch.tensor(table, dtype=torch.int64)[e // entries_per_block]
+        rows[b, :count] = (blocks * entries_per_block + e % entries_per_block).to(torch.int32)
+    return rows.to(device)
+
+
+def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+                       key_rows: torch.Tensor, seq_of: torch.Tensor,
+                       n_visible: torch.Tensor) -> torch.Tensor:
+    """q [T, h, dI], head_weights [T, h], key_pool uint8 [R, rec], key_rows [B, N], seq_of [T],
+    n_visible [T] -> scores [T, N] FP32 over each query's own sequence (module docstring)."""
+    _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    num_pool_rows = key_pool.shape[0]
+    scores = torch.full((q.shape[0], key_rows.shape[1]), NEG_INF, dtype=torch.float32,
+                        device=q.device)
+    for b in range(key_rows.shape[0]):  # every query against sequence b; keep its own rows
+        rows = key_rows[b].long()  # [N]
+        usable = (rows >= 0) & (rows < num_pool_rows)
+        keys = qref.unpack_mxfp4(key_pool[torch.where(usable, rows, 0)], torch.bfloat16)
+        seq_scores = index_scores(q, head_weights, keys, n_visible)  # [T, N]
+        seq_scores = seq_scores.masked_fill(~usable[None, :], NEG_INF)
+        scores = torch.where((seq_of == b)[:, None], seq_scores, scores)
+    return scores
+
+
+def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+                            key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
+                            blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """Reindex layers over paged keys: top-k [T, k] sequence-local entry ids (ascending, -1
+    padded) among the entries of each query's candidate blocks [T, nb] (-1 padded)."""
+    _check_blocks(blocks, q.shape[0], block_size, k)
+    scores = index_scores_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    return select_topk(scores, k, allowed=_blocks_mask(blocks, block_size, scores.shape[1]))
+
+
+def _blocks_mask(blocks: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:
+    """Candidate block ids [T, nb] (-1 padded) -> bool [T, num_keys], entries of those blocks."""
+    n_blocks = -(-num_keys // block_size)
+    ids = blocks.long()
+    ids = torch.where((ids < 0) | (ids >= n_blocks), n_blocks, ids)  # spare column
+    kept = torch.zeros(blocks.shape[0], n_blocks + 1, dtype=torch.bool, device=blocks.device)
+    kept.scatter_(1, ids, True)
+    return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
+
+
+def _check_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+                 key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor) -> None:
+    """Shapes and dtypes only (never values: the paged ops must stay CUDA-graph safe)."""
+    if q.ndim != 3 or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be BF16/FP32 [T, h, dI], got {q.dtype} {tuple(q.shape)}")
+    head_dim = q.shape[2]
+    if head_dim % 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"q: index head dim {head_dim} must be a power of two >= 32")
+    if head_weights.shape != q.shape[:2] or not head_weights.is_floating_point():
+        raise ValueError(f"head_weights must be float {tuple(q.shape[:2])}, got "
+                         f"{head_weights.dtype} {tuple(head_weights.shape)}")
+    rec_bytes = qref.mxfp4_record_bytes(head_dim)
+    if (key_pool.dtype != torch.uint8 or key_pool.ndim != 2 or key_pool.shape[1] != rec_bytes
+            or key_pool.stride(1) != 1):
+        raise ValueError(f"key_pool must be row-major uint8 [R, {rec_bytes}] (MXFP4, dI="
+                         f"{head_dim}), got {key_pool.dtype} {tuple(key_pool.shape)}")
+    _check_index("key_rows", key_rows, 2)
+    for name, t in (("seq_of", seq_of), ("n_visible", n_visible)):
+        _check_index(name, t, 1)
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must be [T={q.shape[0]}], got {tuple(t.shape)}")
+
+
+def _check_blocks(blocks: torch.Tensor, num_q: int, block_size: int, k: int) -> None:
+    _check_index("blocks", blocks, 2)
+    if blocks.shape[0] != num_q:
+        raise ValueError(f"blocks must be [T={num_q}, nb], got {tuple(blocks.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+
+
+def _check_index(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.ndim != ndim or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a {ndim}-D int32/int64 tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")

@@ -1,13 +1,21 @@
 """Lightning indexer in Triton (model_spec §5): scores over MXFP4 keys read packed, radix top-k.
 
 Same function names and signatures as `indexer/ref.py` (index_scores, candidate_mask,
-select_topk), plus the serving paths:
+select_topk, and the paged index_scores_paged, index_topk_sparse_paged, paged_key_rows), plus
+the serving paths over one sequence's contiguous records:
 
     index_scores_packed(q, w, key_records, n_visible)        keys as 68 B MXFP4 records [N, R]
     candidate_blocks(scores, n_visible, block_size, n)       layer 20: kept block ids, ascending
     index_topk_sparse(q, w, key_records, n_visible, blocks, block_size, k)
                                                              reindex layers: score only the
                                                              candidate entries, then top-k
+
+The paged variants run the same scoring kernel (PAGED=True): entry j of query t is read from pool
+row key_rows[seq_of[t], j], so a decode batch of B sequences is one launch with no gather copy,
+and the scores equal index_scores_packed on the gathered records bit for bit (same tiles, same
+lane of each entry, same accumulation; tested under the interpreter, checked on the GPU by
+kernels/verify.py). Nothing reads tensor values on the host (N is key_rows.shape[1]), so both
+are CUDA-graph safe.
 
 Scores (FP32): I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]) for visible j, else -inf. The key
 tile is dequantised in registers (E2M1 nibbles * 2^(UE8M0 - 127), exact in BF16) and multiplied
@@ -32,6 +40,8 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
+from flashpd.kernels.indexer.ref import _check_blocks, _check_paged
+from flashpd.kernels.indexer.ref import paged_key_rows as paged_key_rows  # host-side, re-exported
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e8m0_decode
 
@@ -62,11 +72,16 @@ def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constex
 
 
 @triton.jit
-def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_ptr, N_COLS,
-                  H, NB_LIST, BLOCK_SIZE, DI: tl.constexpr, H_PAD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, TILES: tl.constexpr, PACKED: tl.constexpr,
-                  SPARSE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """One query x TILES * BLOCK_N entries; the query (h x dI) is loaded once per program."""
+def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_ptr, seq_ptr,
+                  out_ptr, N_COLS, H, NB_LIST, BLOCK_SIZE, N_KEYS, NUM_SEQS, NUM_ROWS,
+                  DI: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TILES: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
+                  PAGED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One query x TILES * BLOCK_N entries; the query (h x dI) is loaded once per program.
+
+    PAGED: entry j is record rows[seq_of[t], j] of the pool (rows [NUM_SEQS, N_KEYS]; a row
+    outside [0, NUM_ROWS) or a seq_of outside [0, NUM_SEQS) scores -inf).
+    """
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     hmask = h < H
@@ -74,6 +89,10 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_pt
                 mask=hmask[:, None], other=0.0)  # [H_PAD, DI]
     w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
     n_vis = tl.load(nvis_ptr + t)
+    seq = tl.zeros((), dtype=tl.int64)
+    if PAGED:
+        seq = tl.load(seq_ptr + t).to(tl.int64)
+        n_vis = tl.where((seq >= 0) & (seq < NUM_SEQS), tl.minimum(n_vis, N_KEYS), 0)
     for tile in range(TILES):
         col = (tl.program_id(1) * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = col < N_COLS
@@ -85,7 +104,12 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_pt
             j = col
             jmask = cmask
         jmask = jmask & (j < n_vis)
-        keys = _key_tile(keys_ptr, stride_k, j, jmask, DI, PACKED, q_ptr.dtype.element_ty)
+        if PAGED:  # sequence-local entry j -> pool row
+            row = tl.load(rows_ptr + seq * N_KEYS + j, mask=jmask, other=-1)
+            jmask = jmask & (row >= 0) & (row < NUM_ROWS)
+        else:
+            row = j
+        keys = _key_tile(keys_ptr, stride_k, row, jmask, DI, PACKED, q_ptr.dtype.element_ty)
         dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
         score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
         tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
@@ -93,10 +117,13 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, out_pt
 
 def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
             n_visible: torch.Tensor, packed: bool, blocks: torch.Tensor | None = None,
-            block_size: int = 1) -> torch.Tensor:
+            block_size: int = 1,
+            paged: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Launch _score_kernel; `paged` = (key_rows [B, N], seq_of [T]) makes `keys` a pool."""
     num_q, num_heads, head_dim = q.shape
+    num_keys = keys.shape[0] if paged is None else paged[0].shape[1]
     if blocks is None:
-        n_cols = keys.shape[0]
+        n_cols = num_keys
     else:
         n_cols = blocks.shape[1] * block_size
     out = torch.empty(num_q, n_cols, dtype=torch.float32, device=q.device)
@@ -109,16 +136,22 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
         dot_q = q.contiguous() if q.dtype == keys.dtype else q.to(torch.float32).contiguous()
         key_arg = keys.to(dot_q.dtype).contiguous()
     blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else n_visible
+    if paged is None:
+        rows_arg = seq_arg = n_visible
+        num_seqs = 0
+    else:
+        rows_arg, seq_arg = (x.to(torch.int32).contiguous() for x in paged)
+        num_seqs = rows_arg.shape[0]
     tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
     grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
         dot_q, head_weights.to(torch.float32).contiguous(), key_arg, key_arg.stride(0),
-        n_visible.to(torch.int32).contiguous(), blocks_arg, out, n_cols, num_heads,
-        blocks.shape[1] if blocks is not None else 0, block_size, DI=head_dim,
+        n_visible.to(torch.int32).contiguous(), blocks_arg, rows_arg, seq_arg, out, n_cols,
+        num_heads, blocks.shape[1] if blocks is not None else 0, block_size, num_keys,
+        num_seqs, keys.shape[0], DI=head_dim,
         H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, TILES=tiles,
-        PACKED=packed,
-        SPARSE=blocks is not None, IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST,
-        num_warps=4)
+        PACKED=packed, SPARSE=blocks is not None, PAGED=paged is not None,
+        IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST, num_warps=4)
     return out
 
 
@@ -351,4 +384,32 @@ def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: 
         return _topk(_scores(q, head_weights, key_records, n_visible, packed=True), k)
     scores = _scores(q, head_weights, key_records, n_visible, packed=True, blocks=blocks,
                      block_size=block_size)  # [T, nb * bs]
+    return _topk(scores, k, blocks=blocks, block_size=block_size)
+
+
+# ============================================================================ paged keys
+def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+                       key_rows: torch.Tensor, seq_of: torch.Tensor,
+                       n_visible: torch.Tensor) -> torch.Tensor:
+    """As index_scores_packed over each query's own sequence: key_pool uint8 [R, rec], key_rows
+    [B, N] pool rows (-1 = none), seq_of [T] -> scores [T, N] FP32 (one launch, graph safe)."""
+    _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    return _scores(q, head_weights, key_pool, n_visible, packed=True, paged=(key_rows, seq_of))
+
+
+def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+                            key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
+                            blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """index_topk_sparse over paged keys: ids [T, k] sequence-local, ascending, -1 padded."""
+    _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    _check_blocks(blocks, q.shape[0], block_size, k)
+    triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible, blocks)
+    paged = (key_rows, seq_of)
+    if blocks.shape[1] * block_size >= key_rows.shape[1]:
+        # as index_topk_sparse: blocks from candidate_blocks over these N columns hold every
+        # block with a visible entry, so scoring all N selects the same ids
+        return _topk(_scores(q, head_weights, key_pool, n_visible, packed=True, paged=paged), k)
+    scores = _scores(q, head_weights, key_pool, n_visible, packed=True, blocks=blocks,
+                     block_size=block_size, paged=paged)  # [T, nb * bs]
     return _topk(scores, k, blocks=blocks, block_size=block_size)

@@ -1,0 +1,44 @@
+"""GpuModel from a checkpoint directory, or with random weights in the released formats.
+
+    load_gpu_model(dir, "cuda")          tensors read on the host, moved to the device in their
+                                         checkpoint formats (Engram tables stay in host memory)
+    random_gpu_model(cfg, "cuda", seed)  every tensor generated on the device (the `bench`
+                                         preset's 59 GB in seconds; nothing written to disk)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpd.engine.gpu.forward import GpuModel
+from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
+from flashpd.model.config import ModelConfig
+
+
+def _hasher(cfg: ModelConfig, tokenizer_path: str | None):
+    if not cfg.engram_layer_ids:
+        return None
+    from flashpd.model.engram import EngramHasher
+
+    return EngramHasher.from_tokenizer(cfg, tokenizer_path)
+
+
+def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
+                   compressed_kv_format: str = "nvfp4") -> GpuModel:
+    from flashpd.model.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(checkpoint_dir)
+    weights = from_checkpoint_tensors(ckpt.cfg, ckpt.tensors, torch.device(device))
+    return GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path),
+                    compressed_kv_format)
+
+
+def random_gpu_model(cfg: ModelConfig, device: str = "cuda", seed: int = 0,
+                     compressed_kv_format: str = "nvfp4") -> GpuModel:
+    tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
+    weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))
+    del tensors
+    from flashpd.model.presets import PRESET_NAMES, tokenizer_path
+
+    tokenizer = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
+    return GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format)

@@ -1,0 +1,181 @@
+"""Indexer over a paged key pool: key_rows, batched scores and sparse top-k (kernels/indexer).
+
+Every batched result is compared with the per-sequence path it replaces: gather the sequence's
+records, then index_scores_packed / select_topk / index_topk_sparse on them alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.indexer import ref as iref
+from flashpd.kernels.indexer import triton as it
+from flashpd.kernels.quant import ref as qref
+
+NEG = float("-inf")
+EPB = 4  # entries per pool block
+NUM_ENTRIES = [13, 0, 22]  # B = 3 sequences, one empty
+WIDTH = 24  # N: key_rows columns (>= every sequence's entries)
+
+
+def _batch(seed: int = 0, heads: int = 4, head_dim: int = 32):
+    """A pool with shuffled block tables and spare garbage blocks; 7 queries over 3 sequences."""
+    g = torch.Generator().manual_seed(seed)
+    num_pool_blocks = 12
+    pool = qref.pack_mxfp4(torch.randn(num_pool_blocks * EPB, head_dim, generator=g))
+    perm = torch.randperm(num_pool_blocks, generator=g).tolist()
+    tables = [perm[0:4], [], perm[4:10]]  # 4 + 0 + 6 blocks: 2 stay unused
+    key_rows = iref.paged_key_rows(tables, EPB, NUM_ENTRIES, WIDTH, "cpu")
+    seq_of = torch.tensor([2, 0, 1, 2, 0, 2, 2], dtype=torch.int32)
+    n_visible = torch.tensor([22, 13, 0, 9, 1, 17, 0], dtype=torch.int32)
+    num_q = seq_of.shape[0]
+    q = qref.fake_quant_mxfp4(torch.randn(num_q, heads, head_dim, generator=g)).bfloat16()
+    w = torch.randn(num_q, heads, generator=g)
+    return q, w, pool, key_rows, seq_of, n_visible
+
+
+def _per_sequence(seq_of: torch.Tensor, key_rows: torch.Tensor, pool: torch.Tensor):
+    """(sequence b, its query ids, its gathered records [num_entries[b], rec]) per sequence."""
+    for b, count in enumerate(NUM_ENTRIES):
+        queries = (seq_of == b).nonzero().flatten()
+        yield b, queries, pool[key_rows[b, :count].long()]
+
+
+def test_paged_key_rows_follow_the_block_tables():
+    rows = iref.paged_key_rows([[5, 2], [], [0]], 3, [5, 0, 2], 6, "cpu")
+    assert rows.dtype == torch.int32
+    assert rows.tolist() == [[15, 16, 17, 6, 7, -1], [-1] * 6, [0, 1, -1, -1, -1, -1]]
+    assert it.paged_key_rows is iref.paged_key_rows
+
+
+@pytest.mark.parametrize("tables, num_entries, width, field", [
+    ([[0]], [5], 8, "block_tables[0]"),  # 1 block of 3 cannot hold 5 entries
+    ([[0, 1]], [5], 4, "num_entries[0]"),  # wider than width
+    ([[0]], [1, 1], 4, "num_entries"),
+])
+def test_paged_key_rows_refuse_inconsistent_tables(tables, num_entries, width, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+        iref.paged_key_rows(tables, 3, num_entries, width, "cpu")
+
+
+def test_paged_scores_equal_per_sequence_packed_scores_bit_for_bit():
+    q, w, pool, key_rows, seq_of, n_vis = _batch()
+    scores = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    assert scores.shape == (q.shape[0], WIDTH) and scores.dtype == torch.float32
+    for b, queries, records in _per_sequence(seq_of, key_rows, pool):
+        want = it.index_scores_packed(q[queries], w[queries], records, n_vis[queries])
+        count = NUM_ENTRIES[b]
+        assert torch.equal(scores[queries, :count], want)
+        assert (scores[queries, count:] == NEG).all()  # rows of -1 never score
+
+
+def test_reference_paged_scores_match_the_kernel():
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=1)
+    want = iref.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    got = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    assert torch.isfinite(want).sum() == sum(min(int(n), NUM_ENTRIES[int(b)])
+                                             for b, n in zip(seq_of, n_vis, strict=True))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_outside_the_pool_and_unknown_sequences_score_minus_inf():
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=2)
+    key_rows = key_rows.clone()
+    key_rows[2, 3] = pool.shape[0]  # one past the pool
+    seq_of = seq_of.clone()
+    seq_of[1] = 3  # no such sequence (B = 3)
+    for impl in (iref, it):
+        scores = impl.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+        assert (scores[seq_of == 2, 3] == NEG).all() and (scores[1] == NEG).all()
+        assert torch.isfinite(scores[0, :3]).all()
+
+
+def test_topk_over_paged_scores_equals_per_sequence_selection():
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=3)
+    scores = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    k = 8
+    picked = it.select_topk(scores, k)
+    assert torch.equal(picked, iref.select_topk(scores, k))
+    for _, queries, records in _per_sequence(seq_of, key_rows, pool):
+        alone = it.index_scores_packed(q[queries], w[queries], records, n_vis[queries])
+        assert torch.equal(picked[queries], it.select_topk(alone, k))
+
+
+@pytest.mark.parametrize("num_blocks", [2, 6])  # 2 x 4 < N: sparse path; 6 x 4 >= N: all blocks
+def test_sparse_paged_topk_equals_per_sequence_sparse_topk(num_blocks):
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=4)
+    bs, k = 4, 5
+    scores = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    blocks = it.candidate_blocks(scores, n_vis, bs, num_blocks)  # [T, <= num_blocks]
+    got = it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k)
+    assert got.shape == (q.shape[0], k)
+    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
+                                                         blocks, bs, k))
+    for _, queries, records in _per_sequence(seq_of, key_rows, pool):
+        alone = it.index_scores_packed(q[queries], w[queries], records, n_vis[queries])
+        seq_blocks = it.candidate_blocks(alone, n_vis[queries], bs, num_blocks)
+        want = it.index_topk_sparse(q[queries], w[queries], records, n_vis[queries],
+                                    seq_blocks, bs, k)
+        assert torch.equal(got[queries], want)
+
+
+def test_sparse_paged_topk_keeps_to_the_candidate_blocks():
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=5)
+    blocks = torch.full((q.shape[0], 2), -1, dtype=torch.int64)
+    blocks[:, 0] = 1  # entries 4..7 only
+    got = it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 6)
+    live = got[got >= 0]
+    assert live.numel() and ((live >= 4) & (live < 8)).all()
+    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
+                                                         blocks, 4, 6))
+
+
+def test_paged_ops_never_read_tensor_values_on_the_host(monkeypatch):
+    """CUDA-graph safety: no .item()/.tolist()/bool()/nonzero while scoring and selecting."""
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=6)
+    blocks = it.candidate_blocks(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis),
+                                 n_vis, 4, 2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read of a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "nonzero", refuse)
+    it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5)
+    it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 8, 5)  # all blocks
+
+
+def _bad(name: str):
+    q, w, pool, key_rows, seq_of, n_vis = _batch()
+    args = dict(q=q, head_weights=w, key_pool=pool, key_rows=key_rows, seq_of=seq_of,
+                n_visible=n_vis)
+    args[name] = {
+        "q": q.to(torch.float16),
+        "head_weights": w[:, :2],
+        "key_pool": pool[:, :-1],
+        "key_rows": key_rows.float(),
+        "seq_of": seq_of[:-1],
+        "n_visible": n_vis[:, None],
+    }[name]
+    return args
+
+
+@pytest.mark.parametrize("impl", [iref, it], ids=["ref", "triton"])
+@pytest.mark.parametrize("name", ["q", "head_weights", "key_pool", "key_rows", "seq_of",
+                                  "n_visible"])
+def test_bad_shapes_and_dtypes_raise_naming_the_argument(impl, name):
+    with pytest.raises(ValueError, match=f"^{name} "):
+        impl.index_scores_paged(**_bad(name))
+
+
+@pytest.mark.parametrize("impl", [iref, it], ids=["ref", "triton"])
+def test_bad_candidate_blocks_raise_naming_the_argument(impl):
+    q, w, pool, key_rows, seq_of, n_vis = _batch()
+    with pytest.raises(ValueError, match="^blocks "):
+        impl.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
+                                     torch.zeros(2, 3, dtype=torch.int64), 4, 5)
+    with pytest.raises(ValueError, match="^block_size "):
+        impl.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
+                                     torch.zeros(q.shape[0], 3, dtype=torch.int64), 0, 5)
