@@ -209,6 +209,10 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
         return start, self._win_len[layer]
 
+    def window_span_or_none(self, layer: int) -> tuple[int | None, int]:
+        """As `window_span`, with (None, 0) for a window a replay has yet to rebuild."""
+        return self._win_start[layer], self._win_len[layer]
+
     def note_window_append(self, layer: int, start_pos: int, count: int) -> None:
         """Book `count` new positions from `start_pos` whose records the caller has put in the
         ring (the last W - 1 of them). Checks continuity as `append_window` does."""
@@ -237,6 +241,15 @@ class PagedSeqState(TokenCounter, SeqState):
         if group is not None:
             self.pools.open[self.slot, row, 0] = group.kv.float().reshape(-1)
             self.pools.open[self.slot, row, 1] = group.gate.float().reshape(-1)
+
+    def has_open_group(self, src: int) -> bool:
+        self._open_row(src)
+        return self._open_set[src]
+
+    def mark_open_group(self, src: int, present: bool) -> None:
+        """Book whether `src`'s open row (written into the pool by the caller) is live."""
+        self._open_row(src)
+        self._open_set[src] = present
 
     # ------------------------------------------------------------------ global entries
     def num_entries(self, src: int) -> int:

@@ -59,7 +59,9 @@ class GpuModel(Model):
     needs_window_scratch = True  # LLMEngine gives the pools scratch rows for new window KV
 
     def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
-                 compressed_kv_format: str = "nvfp4"):
+                 compressed_kv_format: str = "nvfp4", decode_graphs: bool | None = None):
+        """decode_graphs: plain decode steps through `DecodeGraphs` (None: when CUDA is
+        present, captured as CUDA graphs; True without CUDA: the same static path, eager)."""
         # not Model.__init__: the weights stay in checkpoint formats, the kernels are fixed
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
@@ -82,6 +84,10 @@ class GpuModel(Model):
         self._write_fmt = _WRITE_FMT[self.kv_format.name]
         self._attn_fmt = _ATTN_FMT[self.kv_format.name]
         self._step_cache: dict = {}
+        from flashpd.engine.gpu.decode_graph import DecodeGraphs
+
+        use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
+        self.graphs = DecodeGraphs(self) if use else None
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
@@ -96,6 +102,9 @@ class GpuModel(Model):
             raise ValueError(f"{token_ids.shape[0]} rows in one forward, the pools have "
                              f"{scratch} window scratch rows")
         self._step_cache = {}
+        if self.graphs is not None and self.graphs.eligible(seqs):
+            self._segments(token_ids, seqs)  # the reference's batch checks
+            return self.graphs.run(token_ids.cpu(), seqs)
         return super().forward(token_ids.to(self.device), seqs)
 
     def _engram_ids(self, token_ids: torch.Tensor, segs) -> dict[int, torch.Tensor]:
@@ -324,6 +333,6 @@ class GpuModel(Model):
                           device=q.device)
         rows = torch.arange(q.shape[0], device=q.device)
         head_rope = tuple(t.repeat_interleave(nh, dim=0).contiguous() for t in rope)
-        quant_t._write(quant_t.FMT_MXFP4, q, rows, rec, head_rope)
+        quant_t.write_unchecked(quant_t.FMT_MXFP4, q, rows, rec, head_rope)  # rows < T*hI
         return qref.unpack_mxfp4(rec, torch.bfloat16).view(-1, nh, di)
 

@@ -262,6 +262,13 @@ def _pack(fmt: int, x: torch.Tensor) -> torch.Tensor:
 def _write(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
            rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     _check_write_args(fmt, values, rows, pool)
+    write_unchecked(fmt, values, rows, pool, rope)
+
+
+def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The KV write without the host-side argument checks (they read max(rows) back): for CUDA
+    graph capture, where the caller has checked rows < pool rows when filling them."""
     num_tokens, dim = values.shape
     if num_tokens == 0:
         return

@@ -89,6 +89,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(5, 200, (n,), generator=g).tolist()
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="interpreted kernels: ~3 min; runs on the GPU")
 def test_chunked_prefill_then_decode_matches_reference(models):
     ref, gpu = models
     pair = Pair(ref, gpu)
@@ -154,3 +155,48 @@ def test_pools_without_scratch_are_refused(models):
     state = PagedSeqState(pools, 0, [0], torch.bfloat16)
     with pytest.raises(ValueError, match="scratch"):
         gpu.forward(torch.tensor([5, 6]), [SeqInput(state, 0, 2)])
+
+
+def test_decode_graph_path_matches_the_eager_path(models):
+    """Plain decode steps through DecodeGraphs (static buffers; captured on a GPU) give the
+    eager GpuModel path's logits and leave the same pools and books, for a batch mixing
+    sequences that open and close ratio-2 groups."""
+    from flashpd.engine.gpu.decode_graph import DecodeGraphs
+
+    _, gpu = models
+    cfg = gpu.cfg
+    runs = []
+    for use_graphs in (False, True):
+        gpu.graphs = DecodeGraphs(gpu) if use_graphs else None
+        pools = KVPools(cfg, 8, 4, DEVICE, window_scratch_rows=64)
+        states = [PagedSeqState(pools, slot, [2 * slot, 2 * slot + 1], torch.bfloat16)
+                  for slot in range(2)]
+        prompts = [_prompt(n, 10 + n) for n in (12, 9)]  # even / odd: close / open a group
+        gpu.forward(torch.tensor([t for p in prompts for t in p]),
+                    [SeqInput(s, 0, len(p)) for s, p in zip(states, prompts, strict=True)])
+        logits = []
+        for step in range(2):
+            tokens = [(17 * step + 5 * b) % 100 + 5 for b in range(2)]
+            out = gpu.forward(torch.tensor(tokens),
+                              [SeqInput(s, s.num_tokens, 1) for s in states])
+            logits.append(torch.cat(out).float().cpu())
+        runs.append((logits, pools, states))
+    gpu.graphs = None
+    (eager, pools_e, states_e), (graph, pools_g, states_g) = runs
+    for a, b in zip(eager, graph, strict=True):
+        assert (a - b).abs().max() <= 1e-3 * a.abs().max()
+    assert torch.equal(pools_e.window[:, :pools_e.scratch_base].cpu(),
+                       pools_g.window[:, :pools_g.scratch_base].cpu())
+    for src in cfg.kv_source_layer_ids:
+        assert torch.equal(pools_e.main[src].cpu(), pools_g.main[src].cpu())
+        assert torch.equal(pools_e.index[src].cpu(), pools_g.index[src].cpu())
+    for se, sg in zip(states_e, states_g, strict=True):
+        assert se.num_tokens == sg.num_tokens and se.lookback_ids() == sg.lookback_ids()
+        for layer in range(cfg.num_layers):
+            assert se.window_span(layer) == sg.window_span(layer)
+        for src in cfg.kv_source_layer_ids:
+            assert se.num_entries(src) == sg.num_entries(src)
+        for src in pools_e.open_row_of:
+            assert se.has_open_group(src) == sg.has_open_group(src)
+            if se.has_open_group(src):
+                assert torch.equal(se.open_group(src).kv.cpu(), sg.open_group(src).kv.cpu())
