@@ -391,7 +391,7 @@ class Model:
                 self.hasher.hash_ids(spec.engram_index,
                                      token_ids[s.offset:s.offset + s.num_tokens],
                                      list(self._lookback(s)))
-                for s in segs])  # [T, C]
+                for s in segs]).to(self.device)  # [T, C]
         return out
 
     def _record_tokens(self, seg: _Seg, ids: torch.Tensor) -> None:

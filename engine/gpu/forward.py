@@ -84,6 +84,7 @@ class GpuModel(Model):
         self._write_fmt = _WRITE_FMT[self.kv_format.name]
         self._attn_fmt = _ATTN_FMT[self.kv_format.name]
         self._step_cache: dict = {}
+        self._e2m1 = qref.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(self.device)
         from flashpd.engine.gpu.decode_graph import DecodeGraphs
 
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
@@ -106,9 +107,6 @@ class GpuModel(Model):
             self._segments(token_ids, seqs)  # the reference's batch checks
             return self.graphs.run(token_ids.cpu(), seqs)
         return super().forward(token_ids.to(self.device), seqs)
-
-    def _engram_ids(self, token_ids: torch.Tensor, segs) -> dict[int, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in super()._engram_ids(token_ids, segs).items()}
 
     # ------------------------------------------------------------------ layer hooks
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
@@ -334,5 +332,9 @@ class GpuModel(Model):
         rows = torch.arange(q.shape[0], device=q.device)
         head_rope = tuple(t.repeat_interleave(nh, dim=0).contiguous() for t in rope)
         quant_t.write_unchecked(quant_t.FMT_MXFP4, q, rows, rec, head_rope)  # rows < T*hI
-        return qref.unpack_mxfp4(rec, torch.bfloat16).view(-1, nh, di)
+        # unpack with device-resident tables (graph capture allows no host-to-device copies)
+        codes = torch.stack((rec[:, :di // 2] & 0xF, rec[:, :di // 2] >> 4), dim=-1).long()
+        scale = torch.exp2(rec[:, di // 2:].float() - 127.0)  # [N, dI/32] UE8M0
+        values = self._e2m1[codes.view(-1, di // 32, 32)] * scale[:, :, None]
+        return values.view(-1, nh, di).to(torch.bfloat16)
 

@@ -34,13 +34,11 @@ def models(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("smoke_ckpt"))
     write_random_checkpoint(plan_config(SMOKE_PLAN), path, seed=11)
     shutil.copyfile(tokenizer_path("tiny"), os.path.join(path, "tokenizer.json"))  # Engram vocab
-    # On a CPU, the reference forward with the dispatcher's (interpreted) Triton kernels where an
-    # op has them: the same arithmetic on dequantised weights and unpacked KV, so the paths
-    # differ by ulps, not by kernel choice (the kernels are checked against ref.py in
-    # tests/kernels). On a GPU the reference runs on the CPU with the torch kernels.
-    kernels = {op: "triton" for op in dispatch.OPS if "triton" in dispatch.available(op)} \
-        if DEVICE == "cpu" else {}
-    ref = Model.from_checkpoint(load_checkpoint(path), torch.bfloat16, kernels)
+    # the reference forward with the dispatcher's Triton kernels where an op has them: the same
+    # arithmetic on dequantised weights and unpacked KV, so the paths differ by ulps, not by
+    # kernel choice (the kernels are checked against ref.py in tests/kernels)
+    kernels = {op: "triton" for op in dispatch.OPS if "triton" in dispatch.available(op)}
+    ref = Model.from_checkpoint(load_checkpoint(path, DEVICE), torch.bfloat16, kernels)
     return ref, load_gpu_model(path, DEVICE)
 
 
@@ -50,7 +48,7 @@ class Pair:
     def __init__(self, ref, gpu, num_blocks: int = 8, num_slots: int = 4, scratch: int = 512):
         cfg = ref.cfg
         self.ref, self.gpu = ref, gpu
-        self.ref_pools = KVPools(cfg, num_blocks, num_slots)
+        self.ref_pools = KVPools(cfg, num_blocks, num_slots, DEVICE)
         self.gpu_pools = KVPools(cfg, num_blocks, num_slots, DEVICE, window_scratch_rows=scratch)
 
     def states(self, slot: int, table: list[int]) -> tuple[PagedSeqState, PagedSeqState]:
@@ -58,7 +56,7 @@ class Pair:
                 PagedSeqState(self.gpu_pools, slot, table, torch.bfloat16))
 
     def run(self, ids: list[list[int]], pairs, starts: list[int], plans: list[SeqPlan]):
-        flat = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
+        flat = torch.tensor([t for seq in ids for t in seq], dtype=torch.long, device=DEVICE)
         outs = []
         for k, model in enumerate((self.ref, self.gpu)):
             seqs = [SeqInput(p[k], s, len(i), plan)
