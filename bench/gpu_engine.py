@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
     payload = {"preset": args.preset, "device": torch.cuda.get_device_name()
                if torch.cuda.is_available() else platform.processor() or "cpu",
-               "command": "python -m flashpd.bench.gpu_engine " + " ".join(argv or []),
+               "command": "python -m flashpd.bench.gpu_engine " + " ".join(
+                   sys.argv[1:] if argv is None else argv),
                "build_s": build_s, "decode_context": plan["decode_context"]}
     payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
@@ -244,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         "Hit TTFT: the L-token prefix comes from the prefix cache (chunk-aligned), the last 128 "
         "cached rows are replayed through all layers, then the 64-token turn runs.",
         "Decode ms/step is the wall time of one engine.step() with every sequence decoding: "
-        "eager PyTorch + Triton launches, per-sequence indexer launches, logits copied to the "
-        "host for sampling.",
+        "scheduler + host-side buffer fill + one CUDA-graph replay of the 40-layer step "
+        "(engine/gpu/decode_graph.py; batch padded to the next power of two) + the "
+        "bookkeeping after it + logits copied to the host for sampling.",
+        "Cold and hit prefills run eagerly (one Triton launch per kernel, no graph); the index "
+        "scoring is one paged launch per index layer for the whole batch.",
     ]
     text = render(payload)
     print(text)

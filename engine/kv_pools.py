@@ -184,7 +184,8 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
         n = self._win_len[layer]
         if n == 0:
-            return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype))
+            return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype,
+                                             device=self.pools.window.device))
         rows = self.slot * self._keep + torch.arange(start, start + n) % self._keep
         rec = self.pools.window[layer, rows.to(self.pools.window.device)]
         return Window(start, q.unpack_window_fp8(rec, self.dtype))
@@ -259,8 +260,9 @@ class PagedSeqState(TokenCounter, SeqState):
         n = self._n_entries[self._src(src)]
         if n == 0:
             cfg = self.pools.cfg
-            return Entries(torch.zeros(0, cfg.head_dim, dtype=self.dtype),
-                           torch.zeros(0, cfg.index_head_dim, dtype=self.dtype))
+            dev = self.pools.window.device
+            return Entries(torch.zeros(0, cfg.head_dim, dtype=self.dtype, device=dev),
+                           torch.zeros(0, cfg.index_head_dim, dtype=self.dtype, device=dev))
         main = self._gather(self.pools.main[src], src, n)
         keys = self._gather(self.pools.index[src], src, n)
         unpack = getattr(q, self.pools.format.unpack)
