@@ -30,7 +30,10 @@ def register(sub) -> None:
     p.add_argument("--sequential", action="store_true")
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="exact replay after prefix hits (outputs equal a cold run)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (reference forward) or cuda[:N] (Triton kernels, CUDA graphs)")
     p.add_argument("--num-blocks", type=int, default=512)
     p.set_defaults(func=run)
 
@@ -97,7 +100,9 @@ def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool) -> list
 
 
 def run(args) -> int:
-    config = EngineConfig(swa_bounded_replay=not args.no_swa_bounded_replay, dtype=args.dtype,
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    config = EngineConfig(swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
+                          device=args.device,
                           num_blocks=args.num_blocks)
     engine = load_engine(args.checkpoint, config)
     tokenizer = engine.detok._tok if engine.detok is not None else None

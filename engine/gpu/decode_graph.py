@@ -60,7 +60,8 @@ class _Buffers:
     scratch: torch.Tensor  # [B] int64 window scratch rows
     open_slots: torch.Tensor  # [B] int64 slot whose open row each sequence reads
     open_new: dict[int, torch.Tensor]  # src -> [B, 2, d] FP32: this token's (a, g)
-    logits: torch.Tensor | None = None  # [B, V] FP32
+    replay: bool = False  # a bounded replay of one sequence: rows = W positions, no writes
+    logits: torch.Tensor | None = None  # [B, V] FP32 (decode only)
 
 
 class DecodeGraphs:
@@ -89,6 +90,46 @@ class DecodeGraphs:
                     return False
         return True
 
+    def replay_eligible(self, seqs: Sequence[SeqInput]) -> bool:
+        """One sequence replaying exactly W rows through all layers, no logits (a prefix hit's
+        or a pushed prompt's bounded replay)."""
+        if len(seqs) != 1:
+            return False
+        inp = seqs[0]
+        plan = inp.plan
+        return (plan.replay is not None and inp.num_tokens == self.cfg.sliding_window
+                and plan.decoder_rows is None and plan.logits is LogitsRequest.NONE
+                and isinstance(inp.state, PagedSeqState)
+                and inp.start_pos + inp.num_tokens == inp.state.num_tokens)
+
+    @torch.no_grad()
+    def run_replay(self, token_ids: torch.Tensor, inp: SeqInput) -> list[None]:
+        state, cfg = inp.state, self.cfg
+        pools, start = state.pools, inp.start_pos
+        rows, end = inp.num_tokens, inp.start_pos + inp.num_tokens
+        if rows > pools.window.shape[1] - pools.scratch_base:
+            raise ValueError(f"replay of {rows} rows exceeds the pools' window scratch rows")
+        for src in cfg.kv_source_layer_ids:
+            needed = end // cfg.compress_ratios[src]
+            if state.num_entries(src) < needed:
+                raise StateError(f"replay: source {src} holds {state.num_entries(src)} entries, "
+                                 f"needs {needed}")
+        widths = {s: max(1, -(-(end // cfg.compress_ratios[s]) // KEY_WIDTH_STEP))
+                  * KEY_WIDTH_STEP for s in cfg.kv_source_layer_ids}
+        ids = token_ids.tolist()
+        host = self._replay_inputs(ids, inp, widths, pools)
+        key = ("replay", tuple(sorted(widths.items())))
+        if key not in self._graphs:
+            self._graphs[key] = self._build(rows, widths, pools, host, replay=True)
+        graph, bufs = self._graphs[key]
+        self._fill(bufs, host)
+        if graph is None:
+            self._compute(bufs, pools)
+        else:
+            graph.replay()
+        self._after_replay(bufs, inp, ids, pools)
+        return [None]
+
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def run(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
@@ -113,8 +154,12 @@ class DecodeGraphs:
         self._after(bufs, states, positions, token_ids.tolist(), pools)
         return [bufs.logits[b:b + 1] for b in range(len(seqs))]
 
-    def _build(self, batch: int, widths: dict[int, int], pools: KVPools, host: dict):
+    def _build(self, batch: int, widths: dict[int, int], pools: KVPools, host: dict,
+               replay: bool = False):
+        """Buffers for `batch` rows (decode: one per sequence; replay: W rows of one sequence)
+        and, on a GPU, the captured graph (two warm-up runs compile and allocate first)."""
         cfg, dev = self.cfg, self.model.device
+        tables = 1 if replay else batch
         long = dict(dtype=torch.int64, device=dev)
         bufs = _Buffers(
             ids=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
@@ -123,13 +168,14 @@ class DecodeGraphs:
             window_rows=torch.full((cfg.num_layers, batch, cfg.sliding_window), -1,
                                    dtype=torch.int32, device=dev),
             entry_rows={s: torch.full((batch,), -1, **long) for s in cfg.kv_source_layer_ids},
-            key_rows={s: torch.full((batch, w), -1, dtype=torch.int32, device=dev)
+            key_rows={s: torch.full((tables, w), -1, dtype=torch.int32, device=dev)
                       for s, w in widths.items()},
-            seq_of=torch.arange(batch, dtype=torch.int32, device=dev),
+            seq_of=(torch.zeros(batch, dtype=torch.int32, device=dev) if replay else
+                    torch.arange(batch, dtype=torch.int32, device=dev)),
             scratch=pools.scratch_base + torch.arange(batch, **long),
             open_slots=torch.zeros(batch, **long),
             open_new={s: torch.zeros(batch, 2, cfg.head_dim, dtype=torch.float32, device=dev)
-                      for s in pools.open_row_of})
+                      for s in pools.open_row_of}, replay=replay)
         self._fill(bufs, host)
         if not self.capture:
             return None, bufs
@@ -196,6 +242,55 @@ class DecodeGraphs:
             "entry_rows": entry_rows, "key_rows": key_rows, "engram": engram,
             "open_slots": torch.cat((slots, torch.zeros(pad, dtype=torch.int64)))}
 
+    def _replay_inputs(self, ids: list[int], inp: SeqInput, widths: dict[int, int],
+                       pools: KVPools) -> dict:
+        cfg, model, state = self.cfg, self.model, inp.state
+        rows, start = inp.num_tokens, inp.start_pos
+        w = cfg.sliding_window
+        pos = torch.arange(start, start + rows)
+        key_pos = pos[:, None] + torch.arange(w)[None, :] - (w - 1)
+        # windows clipped at the replay start: every key is one of the replay's own rows
+        window = torch.where(key_pos >= start, pools.scratch_base + key_pos - start, -1)
+        key_rows = {}
+        for src in cfg.kv_source_layer_ids:
+            table = torch.full((1, widths[src]), -1, dtype=torch.int32)
+            n = (start + rows) // cfg.compress_ratios[src]
+            if n:
+                table[0, :n] = state.entry_rows(src, 0, n).to(torch.int32)
+            key_rows[src] = table
+        engram = {}
+        if model.hasher is not None:
+            lookback = list(inp.plan.replay.lookback_ids)
+            engram = {spec.layer_id: model.hasher.hash_ids(spec.engram_index,
+                                                             torch.tensor(ids), lookback)
+                      for spec in cfg.layers if spec.has_engram}
+        return {"ids": torch.tensor(ids), "positions": pos,
+                "window": window.to(torch.int32)[None].expand(cfg.num_layers, -1, -1),
+                "entry_rows": {}, "key_rows": key_rows, "engram": engram,
+                "open_slots": torch.full((rows,), state.slot, dtype=torch.int64)}
+
+    def _after_replay(self, bufs: _Buffers, inp: SeqInput, ids: list[int],
+                      pools: KVPools) -> None:
+        """Keep the last W-1 window rows in the ring, the rebuilt open rows, the books."""
+        cfg, state = self.cfg, inp.state
+        rows, start = inp.num_tokens, inp.start_pos
+        end = start + rows
+        keep = min(rows, pools.ring_rows)
+        kept = torch.arange(rows - keep, rows)
+        dst = torch.tensor([pools.ring_row(state.slot, start + int(r)) for r in kept],
+                           device=pools.window.device)
+        pools.window[:, dst] = pools.window[:, bufs.scratch[rows - keep:]]
+        for layer in range(cfg.num_layers):
+            state.clip_window(layer, start)
+            state.note_window_append(layer, start, rows)
+        for src, row in pools.open_row_of.items():
+            odd = end % 2 == 1  # the lone token of a group left open at end - 1
+            if odd:
+                pools.open[state.slot, row] = bufs.open_new[src][rows - 1]
+            state.mark_open_group(src, odd)
+        history = tuple(inp.plan.replay.lookback_ids) + tuple(ids)
+        state.record_tokens(max(end, state.num_tokens), history[-3:])
+
     @staticmethod
     def _fill(bufs: _Buffers, host: dict) -> None:
         bufs.ids.copy_(host["ids"])
@@ -204,7 +299,8 @@ class DecodeGraphs:
         bufs.open_slots.copy_(host["open_slots"])
         for src, rows in host["entry_rows"].items():
             bufs.entry_rows[src].copy_(rows)
-            bufs.key_rows[src].copy_(host["key_rows"][src])
+        for src, table in host["key_rows"].items():
+            bufs.key_rows[src].copy_(table)
         for layer, ids in host["engram"].items():
             bufs.engram[layer].copy_(ids)
 
@@ -256,6 +352,8 @@ class DecodeGraphs:
             h = d.rms_norm(mhc.collapse(streams, pre_a), lw.ffn_norm, model.eps)
             streams = mhc.expand(model._moe(lw, h), streams, post_f, comb_f)
             pre = pre_f
+        if bufs.replay:  # no logits: the replay only rebuilds windows and open rows
+            return None
         h = d.rms_norm(mhc.collapse(streams, pre), model.w.norm, model.eps)
         return d.linear_fp32(h, model.w.head)
 
@@ -263,6 +361,11 @@ class DecodeGraphs:
         """One token per sequence: ratio 1 makes an entry; ratio 2 pools the stored open row
         with this token's and writes it where the token closes its group (rows -1 elsewhere)."""
         model, d, src = self.model, self.model.dense, spec.layer_id
+        if bufs.replay:  # entries exist; a ratio-2 source rebuilds its open row (a, g)
+            if spec.ratio == 2:
+                a, g = d.linear_fp32(x, lw.comp_wkv), d.linear_fp32(x, lw.comp_wgate)
+                bufs.open_new[src].copy_(torch.stack((a, g), dim=1))
+            return
         if spec.ratio == 2:
             a, g = d.linear_fp32(x, lw.comp_wkv), d.linear_fp32(x, lw.comp_wgate)  # [B, c]
             stored = pools.open[bufs.open_slots, pools.open_row_of[src]]  # [B, 2, c]

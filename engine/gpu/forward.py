@@ -106,6 +106,9 @@ class GpuModel(Model):
         if self.graphs is not None and self.graphs.eligible(seqs):
             self._segments(token_ids, seqs)  # the reference's batch checks
             return self.graphs.run(token_ids.cpu(), seqs)
+        if self.graphs is not None and self.graphs.replay_eligible(seqs):
+            self._segments(token_ids, seqs)
+            return self.graphs.run_replay(token_ids.cpu(), seqs[0])
         return super().forward(token_ids.to(self.device), seqs)
 
     # ------------------------------------------------------------------ layer hooks
