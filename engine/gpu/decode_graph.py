@@ -105,7 +105,7 @@ class DecodeGraphs:
     @torch.no_grad()
     def run_replay(self, token_ids: torch.Tensor, inp: SeqInput) -> list[None]:
         state, cfg = inp.state, self.cfg
-        pools, start = state.pools, inp.start_pos
+        pools = state.pools
         rows, end = inp.num_tokens, inp.start_pos + inp.num_tokens
         if rows > pools.window.shape[1] - pools.scratch_base:
             raise ValueError(f"replay of {rows} rows exceeds the pools' window scratch rows")

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 # isort: off
-from flashpd.kernels import triton_runtime  # before any kernel import: GPU or interpreter
+from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
