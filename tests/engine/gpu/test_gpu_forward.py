@@ -21,9 +21,9 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  (before triton: GPU or interpreter)
 # isort: on
 from flashpd.bench.gpu_step import SMOKE_PLAN, plan_config
-from flashpd.kernels import dispatch
 from flashpd.engine.gpu.loading import load_gpu_model
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
+from flashpd.kernels import dispatch
 from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
 from flashpd.model.model import LogitsRequest, Model, Replay, SeqInput, SeqPlan
 from flashpd.model.presets import tokenizer_path
