@@ -131,7 +131,10 @@ def test_batch_of_two_and_encoder_only_match_reference(models):
         for k in (0, 1):
             assert b[k].num_entries(src) == 13 // cfg.compress_ratios[src]
         want, got = b[0].entries(src), b[1].entries(src)
-        assert (want.kv.cpu() - got.kv.cpu()).abs().max() <= 0.05 * want.kv.abs().max().cpu()
+        want_kv, got_kv = want.kv.float().cpu(), got.kv.float().cpu()
+        # NVFP4 values: an ulp of difference upstream can move one code by one step
+        assert (want_kv == got_kv).float().mean() >= 0.9
+        assert (want_kv - got_kv).abs().mean() <= 0.01 * want_kv.abs().max()
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="interpreted kernels: ~3 min; runs on the GPU")
