@@ -83,6 +83,13 @@ class AppArgs(_Strict):
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
 
+    @model_validator(mode="after")
+    def _gpu_dtype(self) -> AppArgs:
+        if self.device == "cuda" and self.dtype != "bfloat16":
+            raise ValueError("dtype must be 'bfloat16' with device 'cuda' (the GPU path "
+                             "computes in bfloat16)")
+        return self
+
     def worker_config(self, role: str) -> WorkerConfig:
         r: RoleArgs = getattr(self, role)
         engine = EngineConfig(role=role, num_blocks=r.num_blocks, num_slots=r.num_slots,

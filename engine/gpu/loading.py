@@ -34,11 +34,12 @@ def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
 
 
 def random_gpu_model(cfg: ModelConfig, device: str = "cuda", seed: int = 0,
-                     compressed_kv_format: str = "nvfp4") -> GpuModel:
+                     compressed_kv_format: str = "nvfp4",
+                     decode_graphs: bool | None = None) -> GpuModel:
     tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
     weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))
     del tensors
     from flashpd.model.presets import PRESET_NAMES, tokenizer_path
 
     tokenizer = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
-    return GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format)
+    return GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format, decode_graphs)

@@ -39,6 +39,13 @@ def test_autoscaling_bounds_are_checked():
                                 "decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}})
 
 
+def test_gpu_device_needs_bfloat16():
+    base = {"checkpoint": "x", "redis_url": "redis://h:1", "device": "cuda"}
+    with pytest.raises(Exception, match="dtype"):
+        AppArgs.model_validate(base)
+    assert AppArgs.model_validate(dict(base, dtype="bfloat16")).device == "cuda"
+
+
 def test_cluster_config_has_autoscaling_node_types():
     with open(os.path.join(INFRA, "cluster.yaml")) as f:
         cluster = yaml.safe_load(f)
