@@ -274,6 +274,12 @@ class Model:
         self.dense, self.quant, self.rope = k["dense"], k["quant"], k["rope"]
         self.mhc, self.engram, self.attention = k["mhc"], k["engram"], k["attention"]
         self.compressor, self.indexer, self.moe_k = k["compressor"], k["indexer"], k["moe"]
+        self._init_rope(cfg)
+        self.kv_format = kv_format(compressed_kv_format)
+        self._compress_fake_quant = getattr(self.quant, self.kv_format.fake_quant)
+
+    def _init_rope(self, cfg: ModelConfig) -> None:
+        """RoPE tables on the model's device: main (ratio-0 layers) and compressed (§3.3)."""
         rope = cfg.rope
         yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow,
                     rope.yarn_original_max_position)
@@ -282,8 +288,6 @@ class Model:
         self.freqs_compress = self.rope.rope_frequencies(
             cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
         self.eps = cfg.rms_norm_eps
-        self.kv_format = kv_format(compressed_kv_format)
-        self._compress_fake_quant = getattr(self.quant, self.kv_format.fake_quant)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,

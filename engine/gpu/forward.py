@@ -43,7 +43,6 @@ from flashpd.kernels.indexer import triton as index_t
 from flashpd.kernels.moe import triton as moe_t
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as quant_t
-from flashpd.kernels.rope.ref import Yarn
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.kv_format import kv_format
 from flashpd.model.model import Model, _LayerRows, _Published
@@ -72,14 +71,7 @@ class GpuModel(Model):
         self.device = weights.embed.device
         self.dense, self.mhc = dense_t, dispatch.get("mhc", "triton")
         self.rope, self.compressor = dispatch.get("rope"), dispatch.get("compressor")
-        rope = cfg.rope
-        yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow,
-                    rope.yarn_original_max_position)
-        self.freqs_main = self.rope.rope_frequencies(
-            cfg.rope_head_dim, rope.theta, None).to(self.device)
-        self.freqs_compress = self.rope.rope_frequencies(
-            cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
-        self.eps = cfg.rms_norm_eps
+        self._init_rope(cfg)
         self.kv_format = kv_format(compressed_kv_format)
         self._write_fmt = _WRITE_FMT[self.kv_format.name]
         self._attn_fmt = _ATTN_FMT[self.kv_format.name]

@@ -186,7 +186,7 @@ def test_decode_graph_path_matches_the_eager_path(models):
         gpu.forward(torch.tensor([t for p in prompts for t in p]),
                     [SeqInput(s, 0, len(p)) for s, p in zip(states, prompts, strict=True)])
         logits = []
-        for step in range(2):
+        for step in range(2 if DEVICE != "cpu" else 1):  # one step each way covers both
             tokens = [(17 * step + 5 * b) % 100 + 5 for b in range(2)]
             out = gpu.forward(torch.tensor(tokens),
                               [SeqInput(s, s.num_tokens, 1) for s in states])
