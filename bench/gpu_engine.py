@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
     cfg = preset_config(args.preset)
@@ -233,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                "command": "python -m flashpd.bench.gpu_engine " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "build_s": build_s, "decode_context": plan["decode_context"]}
+    if args.decode_only:
+        payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "engine_decode.json"), "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0
     payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
     flops = sum(gpu_step.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())

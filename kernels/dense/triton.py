@@ -25,6 +25,7 @@ constexpr DOT_SCALED: it does not run under the Triton 3.6 interpreter.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,13 @@ EPI_STORE, EPI_SWIGLU = 0, 1
 _BLOCK_K = 64  # fixed: part of the per-row arithmetic (batch invariance)
 # Launch configuration of the grouped GEMM (block N, warps, stages); tuned on an H200 by
 # bench/gpu_kernels.py. Block M follows the rows per expert (_block_m); block K is fixed above.
-CONFIG = {"block_n": 64, "warps": 4, "stages": 3}
+# GEMMs of at most SMALL_ROWS rows in all (decode at small batch) get narrower N tiles: a
+# [1, 4096] x [4096, 1024] GEMM then runs on 64 CTAs instead of 16, so more SMs stream weights
+# (H200, bench preset, B=1 decode: 94.5 -> 72.1 ms/step). With more rows the grid is already
+# wide and narrow tiles re-read A (B=64: 367 -> 406 ms when applied to every block-M-16 tile).
+# The K order, hence each row's arithmetic, is unchanged.
+CONFIG = {"block_n": 64, "block_n_small": int(os.environ.get("FLASHPD_GEMM_BLOCK_N_SMALL", 16)),
+          "small_rows": 16, "warps": 4, "stages": 3}
 
 
 # ============================================================================ activations
@@ -308,7 +315,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
     cfg = CONFIG
-    grid = (n_tiles, triton.cdiv(n_dim, cfg["block_n"]))
+    small = out.shape[0] <= cfg.get("small_rows", 0)
+    block_n = cfg.get("block_n_small", cfg["block_n"]) if small else cfg["block_n"]
+    grid = (n_tiles, triton.cdiv(n_dim, block_n))
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
@@ -319,7 +328,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
         DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m,
-        BLOCK_N=cfg["block_n"], BLOCK_K=_BLOCK_K, num_warps=cfg["warps"],
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=cfg["warps"],
         num_stages=cfg["stages"], **triton_runtime.launch_options())
     return out
 
