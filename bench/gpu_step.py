@@ -64,6 +64,7 @@ from flashpd.kernels.moe import triton as moe_t
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as quant_t
 from flashpd.kernels.rope.ref import Yarn, rope_cos_sin, rope_frequencies
+from flashpd.kernels.verify import event_ms
 from flashpd.model.config import LayerRole, LayerSpec, ModelConfig
 from flashpd.model.presets import preset_config
 
@@ -533,12 +534,7 @@ def time_ms(fn, reps: int, warmup: int = 1) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
             continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(event_ms(fn))
     return statistics.median(samples)
 
 

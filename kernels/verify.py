@@ -119,6 +119,16 @@ def _flush_l2() -> None:
     _L2_FLUSH[0].zero_()
 
 
+def event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of `fn` between two CUDA events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     """Median milliseconds: CUDA events on the GPU (L2 flushed before each call, outside the
     timed region), wall clock under the interpreter."""
@@ -128,12 +138,7 @@ def time_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
     if device().type == "cuda":
         for _ in range(reps):
             _flush_l2()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(event_ms(fn))
     else:
         for _ in range(max(1, reps // 10)):
             t0 = time.perf_counter()
