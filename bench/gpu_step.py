@@ -390,7 +390,7 @@ def _wo_a(o: torch.Tensor, w: Weights) -> torch.Tensor:
     p = torch.arange(num_tokens * groups, device=o.device)
     a_rows = ((p % num_tokens) * groups + p // num_tokens).to(torch.int32)
     counts = torch.full((groups,), num_tokens, dtype=torch.int64, device=o.device)
-    block_m = dense._block_m(num_tokens)
+    block_m = dense.block_m_for(num_tokens)
     schedule = dense.grouped_schedule(counts, num_tokens * groups, block_m)
     z = torch.empty(num_tokens * groups, w.out_dim, dtype=o.dtype, device=o.device)
     dense.grouped_gemm(a, w, schedule, z, a_rows=a_rows)

@@ -198,7 +198,7 @@ class GpuModel(Model):
         a_rows = ((p % num_tokens) * groups + p // num_tokens).to(torch.int32)
         counts = torch.full((groups,), num_tokens, dtype=torch.int64, device=o.device)
         schedule = dense_t.grouped_schedule(counts, num_tokens * groups,
-                                            dense_t._block_m(num_tokens))
+                                            dense_t.block_m_for(num_tokens))
         z = torch.empty(num_tokens * groups, w.out_dim, dtype=o.dtype, device=o.device)
         dense_t.grouped_gemm(a, w, schedule, z, a_rows=a_rows)
         return z.view(groups, num_tokens, -1).transpose(0, 1).reshape(num_tokens, -1)

@@ -44,7 +44,7 @@ W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 _BLOCK_K = 64  # fixed: part of the per-row arithmetic (batch invariance)
 # Launch configuration of the grouped GEMM (block N, warps, stages); tuned on an H200 by
-# bench/gpu_kernels.py. Block M follows the rows per expert (_block_m); block K is fixed above.
+# bench/gpu_kernels.py. Block M follows the rows per expert (block_m_for); block K is fixed above.
 # GEMMs of at most SMALL_ROWS rows in all (decode at small batch) get narrower N tiles: a
 # [1, 4096] x [4096, 1024] GEMM then runs on 64 CTAs instead of 16, so more SMs stream weights
 # (H200, bench preset, B=1 decode: 94.5 -> 72.1 ms/step). With more rows the grid is already
@@ -352,7 +352,7 @@ def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | No
     triton_runtime.check_device(a, out, w.data)
 
 
-def _block_m(num_rows: int) -> int:
+def block_m_for(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 64 else 64
 
 
@@ -361,7 +361,7 @@ def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch
     if w.num_experts != 1:
         raise ValueError("linear_weights takes one weight matrix")
     out = torch.empty(x.shape[0], w.out_dim, dtype=out_dtype, device=x.device)
-    schedule = single_schedule(x.shape[0], _block_m(x.shape[0]), x.device)
+    schedule = single_schedule(x.shape[0], block_m_for(x.shape[0]), x.device)
     return grouped_gemm(x.contiguous(), w, schedule, out)
 
 

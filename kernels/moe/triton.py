@@ -223,7 +223,7 @@ def _dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
                    gamma: torch.Tensor | None) -> torch.Tensor:
     """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
     num_rows = x.shape[0]
-    block_m = dense._block_m(num_rows)
+    block_m = dense.block_m_for(num_rows)
     schedule = dense.single_schedule(num_rows, block_m, x.device)
     h = torch.empty(num_rows, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(x, experts.w1, schedule, h, w3=experts.w3, gamma=gamma, limit=limit)
@@ -243,7 +243,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     # scatter_add, not bincount: no host read-back, so the step can be captured in a CUDA graph
     counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    block_m = dense._block_m(max(1, num_pairs // max(1, experts.num_experts)))
+    block_m = dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
     schedule = dense.grouped_schedule(counts, num_pairs, block_m)
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(x, experts.w1, schedule, h, a_rows=token_of_pair, w3=experts.w3,
