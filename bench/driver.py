@@ -93,7 +93,10 @@ class LaneFailure(RuntimeError):
 
 
 class _Run:
-    """Shared state of one run: clock, window, stop flags, records."""
+    """Shared state of one run: clock, window, stop flags, records.
+
+    The clock is the running loop's `time()`: real in runs, virtual in tests (bench/clock.py).
+    """
 
     def __init__(
         self, config: DriverConfig, on_record: Callable[[RequestRecord], None] | None

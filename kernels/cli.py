@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from flashpd.kernels import triton_runtime
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify-kernels", help="check Triton kernels against ref.py")
@@ -24,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flashpd.kernels import verify
+    # Triton is imported only here: `flashpd --help` and the other commands never need it.
+    from flashpd.kernels import triton_runtime, verify
 
     scale = args.scale or ("tiny" if triton_runtime.interpreting() else "bench")
     if scale == "bench" and triton_runtime.interpreting():

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The test command: the whole default suite inside a loopback-only network namespace.
+# The test command: every CPU test (slow ones included) inside a loopback-only network namespace.
+# The quick developer loop is plain `pytest` (pyproject's addopts skip `slow` and `gpu`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/venv.sh
 export UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN RAY_USAGE_STATS_ENABLED=0 TRITON_INTERPRET=1
 export PYTHONUNBUFFERED=1
 report=$(mktemp -t flashpd-junit-XXXXXX.xml)
 rm -f "$report"
 set +e
-unshare -n sh -c 'ip link set lo up && python -m pytest -q --junitxml="$0" "$@"' "$report" "$@"
+unshare -n sh -c 'ip link set lo up && python -m pytest -q -m "not gpu" --junitxml="$0" "$@"' "$report" "$@"
 rc=$?
 set -e
 # Ray's driver teardown can end pytest before its closing line: print it from the report.

@@ -1,4 +1,7 @@
-"""Idle caps: think times are capped per tree; the whole system is never idle past its cap."""
+"""Idle caps: think times are capped per tree; the whole system is never idle past its cap.
+
+On virtual time (flashpd.bench.clock), so every duration is exact.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import asyncio
 
 import pytest
 
+from flashpd.bench import clock
 from flashpd.bench.pacing import IdlePacer
 
 
@@ -15,7 +19,7 @@ def test_think_is_capped_at_the_tree_idle_cap():
         pacer.request_started()  # something in flight: the system cap does not apply
         return await pacer.think(0, 5.0)
 
-    assert asyncio.run(scenario()) == pytest.approx(0.05, abs=0.03)
+    assert clock.run(scenario(), clock="virtual") == pytest.approx(0.05, abs=1e-9)
 
 
 def test_system_idle_cap_wakes_the_earliest_sleeper_only():
@@ -30,10 +34,10 @@ def test_system_idle_cap_wakes_the_earliest_sleeper_only():
         late_s = await asyncio.wait_for(late, 1.0)
         return early_s, late_s, still_sleeping
 
-    early_s, late_s, still_sleeping = asyncio.run(scenario())
-    assert early_s == pytest.approx(0.05, abs=0.03)
+    early_s, late_s, still_sleeping = clock.run(scenario(), clock="virtual")
+    assert early_s == pytest.approx(0.05, abs=1e-9)
     assert still_sleeping
-    assert late_s == pytest.approx(0.12, abs=0.05)
+    assert late_s == pytest.approx(0.12, abs=1e-9)  # 0.05 + 0.02 + the next 0.05 cap
 
 
 def test_in_flight_requests_keep_sleepers_asleep_past_the_system_cap():
@@ -42,7 +46,7 @@ def test_in_flight_requests_keep_sleepers_asleep_past_the_system_cap():
         pacer.request_started()
         return await pacer.think(0, 0.15)
 
-    assert asyncio.run(scenario()) == pytest.approx(0.15, abs=0.04)
+    assert clock.run(scenario(), clock="virtual") == pytest.approx(0.15, abs=1e-9)
 
 
 def test_close_wakes_sleepers_and_skips_later_thinks():
@@ -53,5 +57,5 @@ def test_close_wakes_sleepers_and_skips_later_thinks():
         pacer.close()
         return await asyncio.wait_for(sleeping, 1.0), await pacer.think(1, 50.0)
 
-    woken_s, later_s = asyncio.run(scenario())
-    assert woken_s < 0.5 and later_s == 0.0
+    woken_s, later_s = clock.run(scenario(), clock="virtual")
+    assert woken_s == pytest.approx(0.01, abs=1e-9) and later_s == 0.0

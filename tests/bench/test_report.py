@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
+from flashpd.bench import clock
 from flashpd.bench.driver import DriverConfig, run_closed_loop
 from flashpd.bench.records import read_run, write_run
 from flashpd.bench.report import load_study, write_report
@@ -34,7 +33,7 @@ def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
                 target=f"inproc-{name}",
                 num_gpus=2,
             )
-            result = asyncio.run(coro)
+            result = clock.run(coro, clock="virtual")
             write_run(root / name / f"c{concurrency}", result.meta, result.records)
     return root
 
