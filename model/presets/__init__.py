@@ -15,6 +15,9 @@ top-k (16 of a 32-entry candidate pool) bite on prompts of a few hundred tokens:
     8      1     Reindex              candidate-masked
     9      1     Reuse
 
+`small` (model/presets/small.py) has the same layer roles at widths that train on ShareGPT in
+minutes on one H200; its trained checkpoint ships in model/presets/small_checkpoint/.
+
 `bench` is the released per-layer geometry (hidden 5120, 64 heads x 512, 40 layers) with 64
 routed experts and Engram tables seeded from a 100K prime start, so weights (~55 GB) plus KV fit
 one 141 GB H200.
@@ -29,7 +32,7 @@ import os
 from flashpd.model.config import ModelConfig
 
 _HERE = os.path.dirname(__file__)
-PRESET_NAMES = ("tiny", "bench", "released")
+PRESET_NAMES = ("tiny", "small", "bench", "released")
 
 
 def released_hf() -> dict:
@@ -96,6 +99,10 @@ def preset_hf(name: str) -> dict:
         return _tiny_hf()
     if name == "bench":
         return _bench_hf()
+    if name == "small":
+        from flashpd.model.presets.small import small_hf  # local import: small imports this module
+
+        return small_hf()
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
 
 
