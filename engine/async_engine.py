@@ -10,6 +10,12 @@ asyncio queues on the caller's event loop.
 
 `hooks` run on the loop thread once per iteration (after commands, before a step): the decode
 server polls KV-transfer completions there; workers drain prefix-cache events there.
+
+Containment: a request that fails inside a step (its sampling, or the forward of its batch)
+ends alone: its stream raises `RequestFailed`, and the loop goes on. A hook that raises is
+logged and retried next iteration; after `MAX_HOOK_FAILURES` consecutive failures the loop
+reports itself unhealthy (`health_error`), so the replica's health check fails and it is
+replaced. Only an exception outside those (a bug in the scheduler's bookkeeping) stops the loop.
 """
 
 from __future__ import annotations
@@ -27,10 +33,19 @@ from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.005
+MAX_HOOK_FAILURES = 50  # consecutive failures of one hook before the loop reports unhealthy
 
 
 class EngineDead(RuntimeError):
     """The step loop stopped (an exception in a step, or shutdown)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside a step; the engine and every other request go on."""
+
+    def __init__(self, request_id: str, reason: str):
+        self.request_id, self.reason = request_id, reason
+        super().__init__(f"request {request_id!r} failed in the engine: {reason}")
 
 
 class AsyncLLMEngine:
@@ -43,6 +58,8 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._error: BaseException | None = None
+        self._hook_failures: dict[int, int] = {}  # hook index -> consecutive failures
+        self._hook_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="flashpd-engine", daemon=True)
         self._thread.start()
 
@@ -97,6 +114,17 @@ class AsyncLLMEngine:
     def error(self) -> BaseException | None:
         """The exception that stopped the step loop, if it died."""
         return self._error
+
+    def health_error(self) -> str | None:
+        """Why this engine cannot serve (loop dead or stopped, a hook failing on every
+        iteration), or None when healthy."""
+        if self._error is not None:
+            return f"engine loop died: {self._error!r}"
+        if not self._thread.is_alive():
+            return "engine loop is not running"
+        if self._hook_error is not None:
+            return f"engine hook keeps failing: {self._hook_error!r}"
+        return None
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -158,8 +186,7 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._run_commands()
-                for hook in self.hooks:
-                    hook(self.engine)
+                self._run_hooks()
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out)
@@ -171,6 +198,22 @@ class AsyncLLMEngine:
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(exc)))
             self._fail_pending(exc)
+
+    def _run_hooks(self) -> None:
+        for index, hook in enumerate(list(self.hooks)):
+            try:
+                hook(self.engine)
+            except Exception as exc:  # noqa: BLE001 - retried next iteration; health reports it
+                failures = self._hook_failures.get(index, 0) + 1
+                self._hook_failures[index] = failures
+                if failures == 1 or failures % MAX_HOOK_FAILURES == 0:
+                    log.exception("engine hook %r failed (%d in a row)", hook, failures)
+                if failures >= MAX_HOOK_FAILURES:
+                    self._hook_error = exc
+            else:
+                if self._hook_failures.pop(index, None) is not None and not any(
+                        self._hook_failures.values()):
+                    self._hook_error = None
 
     def _run_commands(self) -> None:
         while True:
@@ -201,7 +244,8 @@ class AsyncLLMEngine:
         entry = self._streams.get(out.request_id)
         if entry is not None:
             loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            item = out if out.error is None else RequestFailed(out.request_id, out.error)
+            loop.call_soon_threadsafe(q.put_nowait, item)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

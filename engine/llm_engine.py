@@ -13,6 +13,7 @@ With it on, colocated prefill chunks also run the decoder layers only on their l
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from flashpd.model.model import Model, exact_replay_rows
 
 ROLES = {"colocated": ColocatedRole, "prefill": PrefillRole, "decode": DecodeRole}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class EngineOutput:
     cached_tokens: int
     logprobs: tuple = ()  # SampleOutput per new token when requested
     kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready
+    error: str | None = None  # finish_reason "error": why this request (alone) failed
 
 
 class LLMEngine:
@@ -172,24 +175,69 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineOutput]:
+        """One batched forward. A failure is contained: a request whose sampling fails ends
+        alone with finish_reason "error"; a forward that raises ends the requests of its plan
+        (the forward is batched, so the culprit cannot be told apart), and the engine goes on."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
             return []
-        known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
-        out = self.runner.execute(plan, known)
+        try:
+            known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+            out = self.runner.execute(plan, known)
+        except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail, not the loop
+            log.exception("forward of step %d failed; failing its %d request(s)",
+                          plan.step_id, len(plan.chunks))
+            errors = {c.request_id: f"forward failed: {type(exc).__name__}: {exc}"
+                      for c in plan.chunks}
+            return self._fail(plan, errors)
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
-        samples = {}
-        if rids:
-            logits = torch.stack([out.logits[r] for r in rids])
-            params = [self._params[r] for r in rids]
-            samples = dict(zip(rids, self.sampler.sample(logits, rids, params), strict=True))
+        samples, errors = self._sample(rids, out.logits)
+        failed = self._fail_requests(errors)
         result = StepResult(
             sampled_token_ids={r: [s.token_id for s in [samples[r]]] for r in samples},
             finish_signals=self._signals(samples))
         outputs = self.scheduler.update(plan, result)
         self.num_steps += 1
-        return [self._to_output(o, samples.get(o.request_id)) for o in outputs]
+        return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
+
+    def _sample(self, rids: list[str], logits_by_rid) -> tuple[dict, dict[str, str]]:
+        """Samples per request id, and an error message per request whose sampling raised."""
+        if not rids:
+            return {}, {}
+        try:
+            logits = torch.stack([logits_by_rid[r] for r in rids])
+            params = [self._params[r] for r in rids]
+            return dict(zip(rids, self.sampler.sample(logits, rids, params), strict=True)), {}
+        except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
+            pass
+        samples, errors = {}, {}
+        for rid in rids:
+            try:
+                row = logits_by_rid[rid][None]
+                samples[rid] = self.sampler.sample(row, [rid], [self._params[rid]])[0]
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                log.exception("sampling for %s failed", rid)
+                errors[rid] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return samples, errors
+
+    def _fail(self, plan, errors: dict[str, str]) -> list[EngineOutput]:
+        failed = self._fail_requests(errors)
+        self.scheduler.update(plan, StepResult())  # closes the step; failed requests are gone
+        self.num_steps += 1
+        return failed
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[EngineOutput]:
+        outputs = []
+        for rid, message in errors.items():
+            request = self._requests.get(rid)
+            prompt = 0 if request is None else request.num_prompt_tokens
+            produced = 0 if request is None else request.num_output_tokens
+            self.scheduler.abort(rid)
+            self._drop(rid)
+            outputs.append(EngineOutput(rid, (), "", True, "error", prompt, produced, 0,
+                                        error=message))
+        return outputs
 
     def _signals(self, samples) -> dict[str, FinishSignal]:
         signals = {}

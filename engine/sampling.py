@@ -6,13 +6,22 @@
 Determinism: a request with `seed` draws from its own `torch.Generator`, advanced once per
 sampled token, so its output does not depend on batch neighbours or step order. Requests without
 a seed share the engine's generator.
+
+Numerical robustness: hostile but valid parameters never produce inf/nan probabilities.
+Temperatures below `GREEDY_TEMPERATURE` sample greedily; logits are shifted by their max before
+dividing by the temperature (so no overflow); top-p always keeps the best token (a top_p that
+rounds to 0 in FP32 means top-1); seeds are reduced modulo 2^64 for the generator.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax in all but name
+SEED_MODULUS = 2**64  # torch.Generator seeds are 64-bit
 
 
 class SamplingError(ValueError):
@@ -35,11 +44,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1"),
-            (self.temperature >= 0.0, "temperature", ">= 0"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", ">= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", ">= 1"),
+            (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf, "temperature",
+             "finite and >= 0"),
+            (_is_int(self.top_k) and self.top_k >= 0, "top_k", ">= 0"),
+            (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
+            (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
+            (self.seed is None or _is_int(self.seed), "seed", "an integer or null"),
+            (all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "integers"),
             (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", "in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
         ]
@@ -49,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -74,6 +86,14 @@ class SamplingParams:
         }
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
 @dataclass(frozen=True)
 class SampleOutput:
     token_id: int
@@ -82,8 +102,11 @@ class SampleOutput:
 
 
 def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks on one row of FP32 logits [V]."""
-    x = logits / p.temperature
+    """Temperature, then top-k, top-p and min-p masks on one row of FP32 logits [V].
+
+    The row is shifted so its max is 0 before dividing: every value stays in [-inf, 0], so a
+    tiny temperature cannot overflow, and the best token always keeps probability > 0."""
+    x = (logits - logits.max()) / p.temperature
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -94,6 +117,7 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_x, order = torch.sort(x, descending=True)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
         drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= p.top_p  # keep the token crossing p
+        drop_sorted[0] = False  # the best token always stays (top_p may round to 0 in FP32)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
@@ -112,7 +136,7 @@ class Sampler:
             return self._shared
         gen = self._per_request.get(request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(int(p.seed))
+            gen = torch.Generator().manual_seed(int(p.seed) % SEED_MODULUS)
             self._per_request[request_id] = gen
         return gen
 
@@ -124,14 +148,21 @@ class Sampler:
         logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
         outs = []
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            if p.greedy:
-                token = int(torch.argmax(logits[row]))
-            else:
-                probs = torch.softmax(_filter_logits(logits[row], p), dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(rid, p)))
+            token = self._sample_row(logits[row], rid, p)
             top: tuple[tuple[int, float], ...] = ()
             if p.logprobs:
                 vals, ids = torch.topk(logprobs_all[row], p.logprobs)
                 top = tuple((int(i), float(v)) for i, v in zip(ids, vals, strict=True))
             outs.append(SampleOutput(token, float(logprobs_all[row, token]), top))
         return outs
+
+    def _sample_row(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
+        """One token from one row [V]; argmax when greedy or when the filtered distribution is
+        degenerate (non-finite logits from the model), never an inf/nan error."""
+        row = torch.nan_to_num(row, nan=-math.inf)
+        if p.greedy or not bool(torch.isfinite(row).any()):
+            return int(torch.argmax(row))
+        probs = torch.softmax(_filter_logits(row, p), dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(torch.argmax(row))
+        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))

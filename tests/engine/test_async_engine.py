@@ -59,13 +59,13 @@ def test_loop_death_reaches_waiting_streams_and_new_calls(model_f32):
     async def main():
         eng = _engine(model_f32)
 
-        def boom(_engine):
-            raise RuntimeError("injected step failure")
+        def boom():
+            raise RuntimeError("injected scheduler bookkeeping failure")
 
         stream = eng.generate("y", _prompt(20, 4), SamplingParams(max_tokens=50, ignore_eos=True))
         first = await stream.__anext__()
         assert first.new_token_ids
-        eng.hooks.append(boom)
+        eng.engine.step = boom  # a fault outside any one request's work: the loop stops
         with pytest.raises(EngineDead):
             async for _ in stream:
                 pass
