@@ -7,11 +7,19 @@ values raise, naming the field) and turned into frozen dataclasses for the worke
     Router (ingress: OpenAI HTTP via Serve's proxy, gRPC on `grpc_port` from each replica)
       |-- PrefillServer  (engine in prefill role; autoscaled; PinnedWorkerRouter)
       '-- DecodeServer   (engine in decode role; autoscaled; PinnedWorkerRouter)
+
+With `joint_autoscaling: true` the three deployments are scaled together by the application-level
+policy `flashpd.services.autoscaling_serve:JointPolicy` (set as the Serve application's
+`autoscaling_policy`, its `policy_kwargs` checked by its `JointPolicyArgs`); each role's
+`autoscaling` then only gives its replica bounds.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,6 +37,8 @@ class AutoscalingArgs(_Strict):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(120.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0, description="replica load report period")
+    look_back_period_s: float = Field(10.0, gt=0, description="load averaging window")
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -37,11 +47,62 @@ class AutoscalingArgs(_Strict):
         return self
 
 
-class RoleArgs(_Strict):
-    replicas: int | None = Field(1, ge=1, description="fixed replica count (or autoscaling)")
-    autoscaling: AutoscalingArgs | None = None
+Bundle = dict[str, float]
+
+
+class _Placement(_Strict):
+    """Where a replica runs: Ray resources, custom node resources, placement-group bundles."""
+
     num_gpus: float = Field(0.0, ge=0)
     num_cpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources, e.g. {flashpd_decode: 1} to land "
+        "on decode nodes")
+    placement_group_bundles: list[Bundle] | None = Field(
+        None, description="one replica spanning several bundles (e.g. GPUs); the replica actor "
+        "itself takes the first bundle")
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+
+    @model_validator(mode="after")
+    def _bundles(self):
+        bundles = self.placement_group_bundles
+        if bundles is None:
+            if self.placement_group_strategy is not None:
+                raise ValueError("placement_group_strategy needs placement_group_bundles")
+            return self
+        if not bundles or any(not b or any(v < 0 for v in b.values()) for b in bundles):
+            raise ValueError("placement_group_bundles must be non-empty bundles of "
+                             "non-negative resources")
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        short = {k: v for k, v in need.items() if v > bundles[0].get(k, 0.0)}
+        if short:
+            raise ValueError(f"placement_group_bundles[0] must hold the replica's own resources; "
+                             f"missing {short}")
+        return self
+
+    def placement_options(self) -> dict:
+        opts: dict = {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+        if self.resources:
+            opts["ray_actor_options"]["resources"] = dict(self.resources)
+        if self.placement_group_bundles is not None:
+            opts["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
+            opts["placement_group_strategy"] = self.placement_group_strategy or "STRICT_PACK"
+        return opts
+
+
+def _scaling_options(replicas: int | None, autoscaling: AutoscalingArgs | None,
+                     joint: bool) -> dict:
+    if autoscaling is None:
+        return {"num_replicas": replicas}
+    config = autoscaling.model_dump()
+    if joint:  # the joint policy applies its own delays; Serve must pass its decisions through
+        config.update(upscale_delay_s=0.0, downscale_delay_s=0.0)
+    return {"autoscaling_config": config}
+
+
+class RoleArgs(_Placement):
+    replicas: int | None = Field(1, ge=1, description="fixed replica count (or autoscaling)")
+    autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=1)
     num_slots: int = Field(64, ge=1)
@@ -50,25 +111,43 @@ class RoleArgs(_Strict):
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
     num_threads: int = Field(1, ge=0, description="torch CPU threads per replica (0 = default)")
 
-    def deployment_options(self) -> dict:
-        opts = {
+    def deployment_options(self, joint: bool = False) -> dict:
+        return {
             "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": min(1.0, self.graceful_shutdown_timeout_s or 1.0),
             "health_check_period_s": 2.0,
+            **self.placement_options(),
+            **_scaling_options(self.replicas, self.autoscaling, joint),
         }
-        if self.autoscaling is not None:
-            opts["autoscaling_config"] = self.autoscaling.model_dump()
-        else:
-            opts["num_replicas"] = self.replicas
-        return opts
+
+
+class RouterArgs(_Placement):
+    replicas: int | None = Field(1, ge=1)
+    autoscaling: AutoscalingArgs | None = None
+    max_ongoing_requests: int = Field(1024, ge=1)
+    graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
+
+    def deployment_options(self, joint: bool = False) -> dict:
+        return {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": 1.0,
+            **self.placement_options(),
+            **_scaling_options(self.replicas, self.autoscaling, joint),
+        }
 
 
 class AppArgs(_Strict):
     checkpoint: str = Field(..., description="checkpoint directory (released format)")
     model_id: str = "flashpd-tiny"
-    redis_url: str = Field(..., pattern=r"^rediss?://")
+    redis_url: str | None = Field(None, pattern=r"^rediss?://",
+                                  description="redis:// or rediss:// (TLS); no password in it "
+                                  "when a redis_password_* source is set")
+    redis_url_env: str | None = Field(None, description="environment variable holding the URL")
+    redis_password_env: str | None = Field(None, description="environment variable holding "
+                                           "the Redis password")
+    redis_password_file: str | None = Field(None, description="file holding the Redis password")
     grpc_port: int = Field(9000, ge=0, le=65535)
     grpc_host: str = "127.0.0.1"
     routing: Literal["affinity", "random", "round_robin"] = "affinity"
@@ -79,7 +158,9 @@ class AppArgs(_Strict):
     kv_format: Literal["nvfp4", "fp8"] = "nvfp4"
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
-    router_num_cpus: float = Field(0.0, ge=0)
+    joint_autoscaling: bool = Field(False, description="scaled by the application-level "
+                                    "JointPolicy: every role needs `autoscaling` bounds")
+    router: RouterArgs = RouterArgs()
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
 
@@ -90,7 +171,44 @@ class AppArgs(_Strict):
                              "computes in bfloat16)")
         return self
 
-    def worker_config(self, role: str) -> WorkerConfig:
+    @model_validator(mode="after")
+    def _redis_source(self) -> AppArgs:
+        if (self.redis_url is None) == (self.redis_url_env is None):
+            raise ValueError("give exactly one of redis_url and redis_url_env")
+        if self.redis_password_env is not None and self.redis_password_file is not None:
+            raise ValueError("give at most one of redis_password_env and redis_password_file")
+        return self
+
+    @model_validator(mode="after")
+    def _joint(self) -> AppArgs:
+        if self.joint_autoscaling:
+            missing = [r for r in ("router", "prefill", "decode")
+                       if getattr(self, r).autoscaling is None]
+            if missing:
+                raise ValueError(f"joint_autoscaling needs `autoscaling` bounds for {missing}")
+        return self
+
+    def resolved_redis_url(self, environ: Mapping[str, str] = os.environ,
+                           read_file: Callable[[str], str] | None = None) -> str:
+        """The URL the router and workers connect with, password filled in from its source."""
+        url = self.redis_url
+        if url is None:
+            url = environ.get(self.redis_url_env or "", "")
+            if not url.startswith(("redis://", "rediss://")):
+                raise ValueError(f"redis_url_env: ${self.redis_url_env} must hold a redis:// "
+                                 f"or rediss:// URL")
+        password = None
+        if self.redis_password_env is not None:
+            password = environ.get(self.redis_password_env)
+            if not password:
+                raise ValueError(f"redis_password_env: ${self.redis_password_env} is unset")
+        elif self.redis_password_file is not None:
+            password = (read_file or _read_text)(self.redis_password_file).strip()
+            if not password:
+                raise ValueError(f"redis_password_file: {self.redis_password_file} is empty")
+        return url if password is None else _with_password(url, password)
+
+    def worker_config(self, role: str, redis_url: str | None = None) -> WorkerConfig:
         r: RoleArgs = getattr(self, role)
         engine = EngineConfig(role=role, num_blocks=r.num_blocks, num_slots=r.num_slots,
                               max_num_batched_tokens=r.max_num_batched_tokens,
@@ -100,7 +218,20 @@ class AppArgs(_Strict):
                               cache_salt=self.cache_salt, num_threads=r.num_threads,
                               kv_format=self.kv_format)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
-                            self.redis_url)
+                            redis_url or self.resolved_redis_url())
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _with_password(url: str, password: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}"
+                                            f"@{host}"))
 
 
 def build_app(args: dict):
@@ -108,23 +239,27 @@ def build_app(args: dict):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from flashpd.services.deployments import DecodeServer, PrefillServer
-    from flashpd.services.router_deployment import Router
+    from flashpd.services.autoscaling_replicas import (
+        ReportingDecodeServer,
+        ReportingPrefillServer,
+        ReportingRouter,
+    )
 
     parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    joint = parsed.joint_autoscaling
+    redis_url = parsed.resolved_redis_url()
     pinned = RequestRouterConfig(
         request_router_class="flashpd.services.pinned_router:PinnedWorkerRouter")
-    prefill = serve.deployment(PrefillServer, name="PrefillServer",
+    prefill = serve.deployment(ReportingPrefillServer, name="PrefillServer",
                                request_router_config=pinned,
-                               **parsed.prefill.deployment_options())
-    decode = serve.deployment(DecodeServer, name="DecodeServer", request_router_config=pinned,
-                              **parsed.decode.deployment_options())
-    router = serve.deployment(Router, name="Router", num_replicas=1,
-                              ray_actor_options={"num_cpus": parsed.router_num_cpus},
-                              graceful_shutdown_timeout_s=5.0, graceful_shutdown_wait_loop_s=1.0,
-                              max_ongoing_requests=1024)
+                               **parsed.prefill.deployment_options(joint))
+    decode = serve.deployment(ReportingDecodeServer, name="DecodeServer",
+                              request_router_config=pinned,
+                              **parsed.decode.deployment_options(joint))
+    router = serve.deployment(ReportingRouter, name="Router",
+                              **parsed.router.deployment_options(joint))
     return router.bind(
-        parsed.model_dump(),
-        prefill.bind(parsed.worker_config("prefill")),
-        decode.bind(parsed.worker_config("decode")),
+        {**parsed.model_dump(), "redis_url": redis_url},
+        prefill.bind(parsed.worker_config("prefill", redis_url)),
+        decode.bind(parsed.worker_config("decode", redis_url)),
     )

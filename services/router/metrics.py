@@ -4,13 +4,28 @@ Prefix-cache hits are counted per request and per tier without double counting: 
 once under `prefill` if the prefill worker reused a prefix, once under `decode` if the decode
 worker already held some chunks (both may apply), or once under `none`. Hit tokens follow the
 same tiers.
+
+Worker load (per worker and role, from the heartbeats the router reads from Redis; refreshed by
+`observe_workers`): `kv_cache_blocks_used`, `kv_cache_blocks_total`, `kv_cache_usage_perc`,
+`worker_num_requests_running`, `worker_num_requests_waiting`, `worker_batch_size` (sequences in
+the worker's running batch), `num_queued_prefill_tokens`, `worker_draining`; labels `model_name`,
+`role`, `worker_id`. A worker gone from the view disappears from the exposition.
+
+`autoscaling_stats()` is what a router replica reports to Serve's autoscaler: requests in flight
+and the p90 TTFT/ITL over the last `window_s` (0 when no request finished in the window).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 
-from flashpd.services.api import FinalEvent, PrefillResult
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from flashpd.services.api import FinalEvent, PrefillResult, WorkerStats
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -20,11 +35,74 @@ DECISION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 
 
+class RecentWindow:
+    """Samples of the last `window_s` seconds (clock injected), for recent quantiles."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float) -> None:
+        self._samples.append((self._clock(), value))
+        self._trim()
+
+    def quantile(self, q: float) -> float | None:
+        """Nearest-rank quantile of the window; None when it is empty."""
+        self._trim()
+        if not self._samples:
+            return None
+        values = sorted(v for _, v in self._samples)
+        return values[max(0, math.ceil(q * len(values)) - 1)]
+
+    def _trim(self) -> None:
+        horizon = self._clock() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+
+
+class WorkerLoadCollector:
+    """Per-worker gauges from the latest view of worker stats (a custom Prometheus collector)."""
+
+    GAUGES = (
+        ("kv_cache_blocks_used", "KV blocks held by running or reserved sequences.",
+         lambda w: w.kv_blocks_used),
+        ("kv_cache_blocks_total", "KV blocks in the worker's pool.", lambda w: w.kv_blocks_total),
+        ("kv_cache_usage_perc", "Fraction of KV blocks used (1 = full).",
+         lambda w: w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0),
+        ("worker_num_requests_running", "Sequences running on the worker.", lambda w: w.running),
+        ("worker_num_requests_waiting", "Sequences waiting to be scheduled on the worker.",
+         lambda w: w.waiting),
+        ("worker_batch_size", "Sequences in the worker's running batch.", lambda w: w.running),
+        ("num_queued_prefill_tokens", "Prompt tokens queued or running in prefill.",
+         lambda w: w.queued_prefill_tokens),
+        ("worker_draining", "1 while the worker takes no new requests.",
+         lambda w: float(w.draining)),
+    )
+
+    def __init__(self, namespace: str, model: str) -> None:
+        self._ns, self._model = namespace, model
+        self.workers: tuple[WorkerStats, ...] = ()
+
+    def collect(self):
+        for name, doc, value in self.GAUGES:
+            family = GaugeMetricFamily(f"{self._ns}:{name}", doc,
+                                       labels=["model_name", "role", "worker_id"])
+            for w in self.workers:
+                family.add_metric([self._model, w.role, w.worker_id], float(value(w)))
+            yield family
+
+
 class RouterMetrics:
     def __init__(self, model: str, *, registry: CollectorRegistry | None = None,
-                 namespace: str = "flashpd") -> None:
+                 namespace: str = "flashpd", window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._model = model
+        self.in_flight = 0
+        self.recent_ttft = RecentWindow(window_s, clock)
+        self.recent_itl = RecentWindow(window_s, clock)
+        self.worker_load = WorkerLoadCollector(namespace, model)
+        self.registry.register(self.worker_load)
         ns, reg, labels = namespace, self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
@@ -64,6 +142,7 @@ class RouterMetrics:
         return {"model_name": self._model, **extra}
 
     def on_start(self) -> None:
+        self.in_flight += 1
         self.running.labels(**self._l()).inc()
 
     def on_route(self, seconds: float) -> None:
@@ -73,10 +152,13 @@ class RouterMetrics:
         """`since_last_s` None for the first token event (that one is TTFT)."""
         self.generation_tokens.labels(**self._l()).inc(num_tokens)
         if since_last_s is not None:
-            self.itl.labels(**self._l()).observe(since_last_s / max(num_tokens, 1))
+            itl_s = since_last_s / max(num_tokens, 1)
+            self.itl.labels(**self._l()).observe(itl_s)
+            self.recent_itl.add(itl_s)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.labels(**self._l()).observe(seconds)
+        self.recent_ttft.add(seconds)
 
     def on_prefill(self, result: PrefillResult) -> None:
         self.transfer_latency.labels(**self._l()).observe(result.transfer_ms / 1e3)
@@ -103,9 +185,19 @@ class RouterMetrics:
             self.cache_hits.labels(**self._l(tier="none")).inc()
 
     def on_end(self, error_code: str | None) -> None:
+        self.in_flight -= 1
         self.running.labels(**self._l()).dec()
         if error_code is not None:
             self.errors.labels(**self._l(code=error_code)).inc()
+
+    def observe_workers(self, workers: Iterable[WorkerStats]) -> None:
+        """Replace the per-worker load gauges with this view (live workers only)."""
+        self.worker_load.workers = tuple(workers)
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        return {"requests_running": float(self.in_flight),
+                "ttft_p90_s": self.recent_ttft.quantile(0.9) or 0.0,
+                "itl_p90_s": self.recent_itl.quantile(0.9) or 0.0}
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
