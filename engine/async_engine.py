@@ -55,6 +55,10 @@ class AsyncLLMEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.hooks: list[Callable[[LLMEngine], None]] = []
+        # What closing an unfinished stream does, on the loop thread (default: abort). The decode
+        # worker replaces it to keep blocks that a KV write may still reach.
+        self.on_unfinished_close: Callable[[LLMEngine, str], Any] = \
+            lambda e, request_id: e.abort(request_id)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._error: BaseException | None = None
@@ -170,7 +174,7 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 try:
-                    await self.call(lambda e: e.abort(request_id))
+                    await self.call(lambda e: self.on_unfinished_close(e, request_id))
                 except EngineDead:
                     pass
 

@@ -360,6 +360,8 @@ class WorkerStats:
     running: int = 0
     waiting: int = 0
     draining: bool = False  # a draining worker takes no new requests
+    queued: int = 0  # requests waiting in the worker's bounded admission queue
+    queue_limit: int = 0  # that queue's bound (0: no queue); full = refusals
 
     @property
     def ref(self) -> WorkerRef:

@@ -33,12 +33,19 @@ class WorkerConfig:
     lease_s: float = 30.0  # decode frees reserved blocks if the KV has not arrived by then
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
+    max_queued_requests: int = 1024  # decode: reserves waiting for capacity before refusing
+    retry_after_s: float = 1.0  # the hint sent with a refusal when that queue is full
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, "
                              f"got {self.transfer_backend!r}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("lease_s", "transfer_timeout_s", "heartbeat_interval_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def transfer_contract(pools: KVPools, model_id: str) -> TransferContract:
@@ -102,23 +109,38 @@ class EngineWorker:
     def queued_prefill_tokens(self) -> int:
         return 0
 
+    def admission_queue(self) -> tuple[int, int]:
+        """(requests waiting for admission, the queue's bound); (0, 0) without a queue."""
+        return 0, 0
+
+    def health_error(self) -> str | None:
+        """Why this worker cannot serve (its engine loop or a background task died), or None."""
+        return self.engine.health_error()
+
     async def stats(self) -> WorkerStats:
         return self._stats_from(await self.engine.call(lambda e: e.usage()))
 
-    def stats_now(self) -> WorkerStats:
-        return self._stats_from(self.engine.call_sync(lambda e: e.usage()))
+    def stats_now(self, timeout_s: float | None = 60.0) -> WorkerStats:
+        return self._stats_from(self.engine.call_sync(lambda e: e.usage(), timeout_s))
 
     def _stats_from(self, usage: dict) -> WorkerStats:
+        queued, limit = self.admission_queue()
         return worker_stats(self.ref, usage, queued_prefill_tokens=self.queued_prefill_tokens(),
-                            draining=self.draining)
+                            draining=self.draining, queued=queued, queue_limit=limit)
 
 
 def worker_stats(ref: WorkerRef, usage: dict, *, queued_prefill_tokens: int = 0,
-                 draining: bool = False) -> WorkerStats:
-    """A worker's load record from its engine's `usage()` counters."""
+                 draining: bool = False, queued: int = 0, queue_limit: int = 0) -> WorkerStats:
+    """A worker's load record from its engine's `usage()` counters.
+
+    running = the engine's batch (requests with a slot, stepping); waiting = admitted requests
+    waiting for a batch slot (decode: their KV arrived); queued = requests waiting for admission
+    in the worker's bounded queue (decode reserves beyond capacity), queue_limit its bound;
+    kv_blocks_used counts every block not free or merely cached (draining ones included)."""
     total = usage["blocks_total"]
     return WorkerStats(ref.worker_id, ref.incarnation, ref.role,
                        queued_prefill_tokens=queued_prefill_tokens,
                        kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
                        kv_blocks_total=total, running=usage["running"],
-                       waiting=usage["waiting"], draining=draining)
+                       waiting=usage["waiting"], draining=draining, queued=queued,
+                       queue_limit=queue_limit)

@@ -10,14 +10,21 @@ receiver's, then delivers a notice (request id, sender incarnation, dst block id
     expect(request, dst blocks, lease, inc)
                                                  send(request, src, dst, inc) -> handle
                  <-- WRITE block bytes + notice --
-    poll_completed() -> [request]                wait(handle, timeout_s) -> TransferStats
-    expire(now_s) -> [request]  (owner frees blocks)
+    poll_completed() -> [request]                wait(handle, timeout_s, cancel) -> TransferStats
+    drain(request, fallback_s) -> token | None   abandon(request, inc, peer)  (nothing in flight)
+                 <------- abandon notice ---------
+    take_quiet(now_s) -> [token]  (owner frees the blocks of a drained request)
+    expire(now_s, grace_s) -> [request]  (drained like an abort)
+
+Thread safety: a sender may be used from several threads (each transfer waited on by its own
+thread); backends serialize their transport calls. A receiver is used from one thread.
 
 Backends implement a handful of `_`-prefixed hooks; accounting lives here and in ledger.py.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -43,6 +50,10 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A transfer did not complete within its wait; it has been aborted."""
+
+
+class TransferCancelled(TransferError):
+    """The waiter cancelled an unfinished transfer; it has been aborted."""
 
 
 @dataclass(frozen=True)
@@ -146,10 +157,34 @@ class KVReceiver(ABC):
         """Stop waiting; True if the request was live. Later notices for it are rejected."""
         return self._ledger.cancel(request_id)
 
-    def expire(self, now_s: float) -> list[str]:
-        """Request ids whose lease passed at `now_s` without completion; the owner frees them."""
+    def drain(self, request_id: str, fallback_deadline_s: float) -> str | None:
+        """Give a live request up, keeping its blocks until no write can land (see
+        ledger.ReceiverLedger.drain): the token to wait for in `take_quiet`, or None to free
+        the blocks now."""
+        self._drain_notices()
+        return self._ledger.drain(request_id, fallback_deadline_s)
+
+    def take_quiet(self, now_s: float) -> list[str]:
+        """Tokens of drained requests whose blocks no write can reach any more."""
+        self._drain_notices()
+        return self._ledger.take_quiet(now_s)
+
+    @property
+    def num_draining(self) -> int:
+        return self._ledger.num_draining
+
+    def is_draining(self, token: str) -> bool:
+        return self._ledger.is_draining(token)
+
+    def live_token(self, request_id: str) -> str | None:
+        """The fencing token a live request is expected with, or None."""
+        return self._ledger.live_token(request_id)
+
+    def expire(self, now_s: float, grace_s: float = 0.0) -> list[str]:
+        """Request ids whose lease passed at `now_s` without completion; they drain until
+        `lease + grace_s` (or their sender's notice), then come out of `take_quiet`."""
         self._drain_notices()  # a transfer that did finish is not expired
-        return self._ledger.expire(now_s)
+        return self._ledger.expire(now_s, grace_s)
 
     def rejection_counts(self) -> dict[str, int]:
         """Rejected notices by reason (see ledger.Rejection)."""
@@ -167,7 +202,8 @@ class KVReceiver(ABC):
             except ValueError:
                 self._ledger.on_malformed()
                 continue
-            self._ledger.on_notice(notice.request_id, notice.incarnation, notice.dst_block_ids)
+            self._ledger.on_notice(notice.request_id, notice.incarnation, notice.dst_block_ids,
+                                   notice.kind)
 
     @abstractmethod
     def _agent_metadata(self) -> bytes:
@@ -239,8 +275,18 @@ class KVSender(ABC):
         xfer = self._post(target, src, dst, notice)
         return TransferHandle(request_id, target.agent_name, num_bytes, posted_at_s, xfer)
 
-    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferStats:
-        """Block until the transfer completes; on failure or timeout abort it and raise."""
+    def abandon(self, request_id: str, incarnation: str, *, peer: str | None = None) -> None:
+        """Tell the receiver that `request_id` (token `incarnation`) will get no write from this
+        sender and none is in flight, so its blocks may be reused. Call it only once every
+        transfer posted for the request is complete or aborted."""
+        target = self._only_peer() if peer is None else self._peer(peer)
+        notice = TransferNotice(request_id, incarnation, (), kind="abandon").to_bytes()
+        self._notify(target, notice)
+
+    def wait(self, handle: TransferHandle, timeout_s: float,
+             cancel: threading.Event | None = None) -> TransferStats:
+        """Block until the transfer completes; on failure, timeout or `cancel` being set, abort
+        it and raise (once this returns or raises, no byte of the transfer is still moving)."""
         if handle.stats is not None:
             return handle.stats
         if handle.aborted:
@@ -259,6 +305,9 @@ class KVSender(ABC):
             if now_s >= deadline_s:
                 self.abort(handle)
                 raise TransferTimeout(f"{handle.request_id}: not done after {timeout_s} s")
+            if cancel is not None and cancel.is_set():
+                self.abort(handle)
+                raise TransferCancelled(f"{handle.request_id}: transfer cancelled")
             time.sleep(sleep_s)
             sleep_s = min(max(2 * sleep_s, 1e-5), _MAX_POLL_SLEEP_S)
 
@@ -315,6 +364,10 @@ class KVSender(ABC):
     @abstractmethod
     def _abort(self, xfer: Any) -> None:
         """Cancel an unfinished xfer and free it."""
+
+    @abstractmethod
+    def _notify(self, peer: PeerDescriptor, notice: bytes) -> None:
+        """Deliver a notice that carries no data (an abandon notice)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -12,6 +12,14 @@ against that record:
 A request completes when every expected block id has been covered by accepted notices (a
 sender may push one request in several sends). Cancelled, expired and completed requests are
 remembered (bounded) so that their late notices are classified rather than called unknown.
+
+Draining: NIXL writes are one-sided, so a request given up while a write may be in flight must
+not have its blocks reused until no write can still land. `drain` (and lease expiry) move the
+request from live to draining, keyed by its fencing token; it becomes quiet (its token comes
+out of `take_quiet`, and the owner frees the blocks) as soon as the sender's completion notice
+covers every block, or the sender's abandon notice says nothing is or will be in flight, or,
+for a dead sender, its fallback deadline passes. A live request whose sender already abandoned
+it needs no draining.
 """
 
 from __future__ import annotations
@@ -39,6 +47,14 @@ class _Expected:
     lease_deadline_s: float
     incarnation: str
     received_block_ids: set[int] = field(default_factory=set)
+    abandoned: bool = False  # the sender gave it up: no write in flight or to come
+
+
+@dataclass
+class _Draining:
+    request_id: str
+    expected: _Expected
+    fallback_deadline_s: float
 
 
 class ReceiverLedger:
@@ -49,6 +65,8 @@ class ReceiverLedger:
         self._closed: OrderedDict[str, Rejection] = OrderedDict()  # request_id -> late reason
         self._completed: list[str] = []
         self._rejected: Counter[str] = Counter()
+        self._draining: dict[str, _Draining] = {}  # fencing token -> draining request
+        self._quiet: list[str] = []  # tokens whose draining ended since the last take_quiet
 
     # ------------------------------------------------------------------ owner side
     def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
@@ -74,12 +92,42 @@ class ReceiverLedger:
         self._remember(request_id, Rejection.CANCELLED)
         return True
 
-    def expire(self, now_s: float) -> list[str]:
-        """Request ids whose lease passed at `now_s` without completion; they stop being live."""
+    def drain(self, request_id: str, fallback_deadline_s: float) -> str | None:
+        """Stop waiting for a live request but keep its blocks until no write can land: returns
+        the token to wait for in `take_quiet`, or None when the blocks may be freed now (not
+        live, or abandoned by its sender)."""
+        expected = self._live.pop(request_id, None)
+        if expected is None:
+            return None
+        self._remember(request_id, Rejection.CANCELLED)
+        if expected.abandoned:
+            return None
+        self._draining[expected.incarnation] = _Draining(request_id, expected,
+                                                         float(fallback_deadline_s))
+        return expected.incarnation
+
+    def take_quiet(self, now_s: float) -> list[str]:
+        """Tokens of draining requests that no write can reach any more (a notice said so, or
+        the fallback deadline passed at `now_s`); the owner frees their blocks."""
+        for token, d in list(self._draining.items()):
+            if d.fallback_deadline_s <= now_s:
+                del self._draining[token]
+                self._quiet.append(token)
+        quiet, self._quiet = self._quiet, []
+        return quiet
+
+    def expire(self, now_s: float, grace_s: float = 0.0) -> list[str]:
+        """Request ids whose lease passed at `now_s` without completion; they stop being live.
+        Each drains until `lease + grace_s` (the sender posts no write after the lease and
+        gives up on one after its transfer timeout), unless its sender abandoned it."""
         expired = [rid for rid, exp in self._live.items() if exp.lease_deadline_s <= now_s]
         for rid in expired:
-            del self._live[rid]
+            expected = self._live.pop(rid)
             self._remember(rid, Rejection.EXPIRED)
+            if expected.abandoned:
+                continue
+            self._draining[expected.incarnation] = _Draining(
+                rid, expected, expected.lease_deadline_s + grace_s)
         return expired
 
     def take_completed(self) -> list[str]:
@@ -87,13 +135,19 @@ class ReceiverLedger:
         return done
 
     # ------------------------------------------------------------------ notice side
-    def on_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int]) -> bool:
-        """Apply one sender notice; returns whether it was accepted."""
+    def on_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int],
+                  kind: str = "write") -> bool:
+        """Apply one sender notice; returns whether it was accepted (a notice that only ends a
+        draining request is not accepted: its bytes are not used)."""
+        self._on_draining_notice(request_id, incarnation, dst_block_ids, kind)
         expected = self._live.get(request_id)
         if expected is None:
             return self._reject(self._closed.get(request_id, Rejection.UNKNOWN))
         if incarnation != expected.incarnation:
             return self._reject(Rejection.STALE_INCARNATION)
+        if kind == "abandon":
+            expected.abandoned = True
+            return True
         if not expected.dst_block_ids.issuperset(dst_block_ids):
             return self._reject(Rejection.FOREIGN_BLOCKS)
         expected.received_block_ids.update(dst_block_ids)
@@ -103,6 +157,17 @@ class ReceiverLedger:
             self._completed.append(request_id)
         return True
 
+    def _on_draining_notice(self, request_id: str, incarnation: str,
+                            dst_block_ids: Sequence[int], kind: str) -> None:
+        d = self._draining.get(incarnation)
+        if d is None or d.request_id != request_id:
+            return
+        if kind == "write":
+            d.expected.received_block_ids.update(dst_block_ids)
+        if kind == "abandon" or d.expected.received_block_ids >= d.expected.dst_block_ids:
+            del self._draining[incarnation]
+            self._quiet.append(incarnation)
+
     def on_malformed(self) -> None:
         self._reject(Rejection.MALFORMED)
 
@@ -110,6 +175,17 @@ class ReceiverLedger:
     @property
     def live_request_ids(self) -> tuple[str, ...]:
         return tuple(self._live)
+
+    @property
+    def num_draining(self) -> int:
+        return len(self._draining)
+
+    def is_draining(self, token: str) -> bool:
+        return token in self._draining
+
+    def live_token(self, request_id: str) -> str | None:
+        expected = self._live.get(request_id)
+        return None if expected is None else expected.incarnation
 
     def rejection_counts(self) -> dict[str, int]:
         return dict(self._rejected)

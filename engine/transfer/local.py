@@ -97,6 +97,12 @@ class LocalSender(KVSender):
         # is complete when _post returns.
         raise TransferError(f"local transfer in state {xfer} cannot be aborted")
 
+    def _notify(self, peer: PeerDescriptor, notice: bytes) -> None:
+        receiver = self._receivers[peer.agent_name]
+        if _RECEIVERS.get(peer.agent_name) is not receiver:
+            raise TransferError(f"local receiver {peer.agent_name} was closed")
+        receiver.deliver(notice)
+
     def close(self) -> None:
         self._receivers.clear()
         self._peers.clear()

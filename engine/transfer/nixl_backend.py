@@ -14,10 +14,17 @@ Progress: by default no NIXL progress thread (it busy-spins a core); transfers p
 sender polls (`wait`) and the receiver polls (`poll_completed`). With UCX's shared-memory and
 RDMA transports writes need no receiver progress; over TCP the receiver must keep polling.
 Environment (not set here): UCX_NET_DEVICES, UCX_TLS select the UCX transports.
+
+Threads: one NIXL agent (one UCX worker) must never be entered by two threads at once (a prefill
+worker waits on each push from its own thread; concurrent posts and polls crashed in
+`uct_cma_ep_tx`). Every agent call goes through the side's lock, and a transfer handle is
+released exactly once, under that lock, after it finished or was cancelled; `close` aborts the
+transfers still in flight before it releases descriptor lists and registrations.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import numpy as np
@@ -74,21 +81,27 @@ class NixlReceiver(KVReceiver):
                  agent_name: str | None = None, progress_thread: bool = False):
         super().__init__(contract, pools, incarnation,
                          agent_name or f"flashpd-recv-{uuid.uuid4().hex[:12]}")
+        self._lock = threading.Lock()
         self._agent = _make_agent(self.agent_name, progress_thread)
         tensors = [self.pools[name] for name in contract.group_names]
         self._registration = self._agent.register_memory(tensors, backends=[_BACKEND])
+        self._metadata = self._agent.get_agent_metadata()  # fixed once memory is registered
 
     def _agent_metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        return self._metadata
 
     def _fetch_notices(self) -> list[bytes]:
-        by_sender = self._agent.get_new_notifs()  # sender agent name -> [message]
+        with self._lock:
+            if self._registration is None:
+                return []
+            by_sender = self._agent.get_new_notifs()  # sender agent name -> [message]
         return [msg for messages in by_sender.values() for msg in messages]
 
     def close(self) -> None:
-        if self._registration is not None:
-            self._agent.deregister_memory(self._registration, backends=[_BACKEND])
-            self._registration = None
+        with self._lock:
+            if self._registration is not None:
+                self._agent.deregister_memory(self._registration, backends=[_BACKEND])
+                self._registration = None
 
 
 class NixlSender(KVSender):
@@ -98,6 +111,8 @@ class NixlSender(KVSender):
                  agent_name: str | None = None, progress_thread: bool = False):
         super().__init__(contract, pools)
         self.agent_name = agent_name or f"flashpd-send-{uuid.uuid4().hex[:12]}"
+        self._lock = threading.RLock()
+        self._in_flight: set = set()  # posted xfers not yet released
         self._agent = _make_agent(self.agent_name, progress_thread)
         tensors = [self.pools[name] for name in contract.group_names]
         self._registration = self._agent.register_memory(tensors, backends=[_BACKEND])
@@ -107,6 +122,10 @@ class NixlSender(KVSender):
         self._remote_rows: dict[str, object] = {}  # peer -> prepared remote dlist
 
     def _attach(self, peer: PeerDescriptor) -> None:
+        with self._lock:
+            self._attach_locked(peer)
+
+    def _attach_locked(self, peer: PeerDescriptor) -> None:
         try:
             loaded = self._agent.add_remote_agent(peer.agent_metadata)
         except Exception as e:  # nixlBind raises its own exception types
@@ -121,41 +140,68 @@ class NixlSender(KVSender):
             peer.agent_name, _block_rows(regions), regions[0].mem_type, backends=[_BACKEND])
 
     def _detach(self, peer: PeerDescriptor) -> None:
-        self._remote_rows.pop(peer.agent_name).release()
-        self._agent.remove_remote_agent(peer.agent_name)
+        with self._lock:
+            self._remote_rows.pop(peer.agent_name).release()
+            self._agent.remove_remote_agent(peer.agent_name)
 
     def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes):
         num_groups = len(self.contract.groups)
         local = _row_indices(num_groups, self.num_blocks, src)
         remote = _row_indices(num_groups, peer.num_blocks, dst)
-        try:
-            xfer = self._agent.make_prepped_xfer(
-                "WRITE", self._local_rows, local, self._remote_rows[peer.agent_name], remote,
-                notif_msg=notice, backends=[_BACKEND])
-            state = self._agent.transfer(xfer)
-        except Exception as e:  # nixlBind raises its own exception types
-            raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
-        if state == "ERR":
-            xfer.release()
-            raise TransferError(f"NIXL post to {peer.agent_name} returned ERR")
-        return xfer
+        with self._lock:
+            if self._registration is None:
+                raise TransferError("NIXL sender is closed")
+            try:
+                xfer = self._agent.make_prepped_xfer(
+                    "WRITE", self._local_rows, local, self._remote_rows[peer.agent_name], remote,
+                    notif_msg=notice, backends=[_BACKEND])
+            except Exception as e:  # nixlBind raises its own exception types
+                raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as e:  # nixlBind raises its own exception types
+                xfer.release()
+                raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
+            if state == "ERR":
+                xfer.release()
+                raise TransferError(f"NIXL post to {peer.agent_name} returned ERR")
+            self._in_flight.add(xfer)
+            return xfer
 
     def _poll(self, xfer) -> str:
-        state = self._agent.check_xfer_state(xfer)
-        if state != "PROC":
-            xfer.release()
-        return state
+        with self._lock:
+            if xfer not in self._in_flight:
+                return "ERR"  # released by close()
+            state = self._agent.check_xfer_state(xfer)
+            if state != "PROC":
+                self._in_flight.discard(xfer)
+                xfer.release()
+            return state
 
     def _abort(self, xfer) -> None:
-        try:
-            xfer.release()  # NIXL cancels an active transfer on release
-        except Exception as e:  # nixlBind raises its own exception types
-            raise TransferError(f"NIXL could not cancel the transfer: {e}") from e
+        with self._lock:
+            if xfer not in self._in_flight:
+                return
+            self._in_flight.discard(xfer)
+            try:
+                xfer.release()  # NIXL cancels an active transfer on release
+            except Exception as e:  # nixlBind raises its own exception types
+                raise TransferError(f"NIXL could not cancel the transfer: {e}") from e
+
+    def _notify(self, peer: PeerDescriptor, notice: bytes) -> None:
+        with self._lock:
+            try:
+                self._agent.send_notif(peer.agent_name, notice)
+            except Exception as e:  # nixlBind raises its own exception types
+                raise TransferError(f"NIXL notice to {peer.agent_name} failed: {e}") from e
 
     def close(self) -> None:
-        for peer in list(self._peers):
-            self.disconnect(peer)
-        if self._registration is not None:
-            self._local_rows.release()
-            self._agent.deregister_memory(self._registration, backends=[_BACKEND])
-            self._registration = None
+        with self._lock:
+            for xfer in list(self._in_flight):
+                self._abort(xfer)
+            for peer in list(self._peers):
+                self.disconnect(peer)
+            if self._registration is not None:
+                self._local_rows.release()
+                self._agent.deregister_memory(self._registration, backends=[_BACKEND])
+                self._registration = None

@@ -85,17 +85,29 @@ class PeerDescriptor:
                    regions=regions, agent_metadata=bytes(data[prefix + head_len:]))
 
 
+NOTICE_KINDS = ("write", "abandon")
+
+
 @dataclass(frozen=True)
 class TransferNotice:
-    """Sent with (after) a write: which request, from which sender incarnation, which blocks."""
+    """Sent with (after) a write: which request, from which sender incarnation, which blocks.
+
+    kind "write": the blocks' bytes have landed. kind "abandon" (no blocks): the sender gives the
+    request up and no write of it is in flight or will be posted, so the receiver may reuse the
+    blocks at once."""
 
     request_id: str
-    incarnation: str  # the sending worker's incarnation id
+    incarnation: str  # the fencing token the sender was given
     dst_block_ids: tuple[int, ...]
+    kind: str = "write"  # "write" | "abandon"
+
+    def __post_init__(self) -> None:
+        if self.kind not in NOTICE_KINDS:
+            raise ValueError(f"notice kind must be one of {NOTICE_KINDS}, got {self.kind!r}")
 
     def to_bytes(self) -> bytes:
         body = {"v": NOTICE_VERSION, "rid": self.request_id, "inc": self.incarnation,
-                "runs": block_runs(self.dst_block_ids)}
+                "runs": block_runs(self.dst_block_ids), "kind": self.kind}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -107,7 +119,7 @@ class TransferNotice:
             block_ids = tuple(b for start, length in body["runs"]
                               for b in range(int(start), int(start) + int(length)))
             return cls(request_id=str(body["rid"]), incarnation=str(body["inc"]),
-                       dst_block_ids=block_ids)
+                       dst_block_ids=block_ids, kind=str(body.get("kind", "write")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed notice {bytes(data[:64])!r}: {e!r}") from e
 

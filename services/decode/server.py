@@ -1,17 +1,26 @@
 """DecodeWorker: the engine in decode role behind the `api.DecodeServerApi` contract.
 
     reserve(req)   blocks for the chunks this worker lacks (its own prefix hit reused), a
-                   receiver lease for them, and a ticket for the prefill worker
+                   receiver lease for them, and a ticket for the prefill worker; beyond
+                   capacity the call waits in a bounded FIFO queue (its deadline applies) and
+                   only a full queue refuses (`WorkerFull`, RESOURCE_EXHAUSTED + retry-after)
     generate(req)  waits for the KV (completion notices polled on the engine thread), replays
                    the last 128 prompt tokens, streams tokens with continuous batching
     abort(rid)     frees the blocks and the lease; idempotent
 
-Fencing: every reservation gets its own incarnation token `<worker incarnation>.<n>`; the
-receiver only accepts a completion notice carrying the token of the live reservation, so a
-write from a superseded or cancelled prefill never admits a request. NIXL writes are one-sided:
-the bytes of a late write still land. So a request aborted (or whose lease expired) while its KV
-was in flight keeps its blocks in quarantine for `transfer_timeout_s` (after which the prefill
-side has given up on the write) before they return to the pool: no reused block is overwritten.
+Fencing: every reservation gets its own incarnation token `<worker incarnation>.<n>`, and runs in
+the engine as `<request id>@<token>`; the receiver only accepts a completion notice carrying the
+token of the live reservation, so a write from a superseded or cancelled prefill never admits a
+request. A reserve of a request id this worker still holds (a retry after a lost prefill)
+supersedes the old attempt: it is given up as below and the retry proceeds.
+
+Giving up a reservation whose KV may be in flight (abort, lease expiry, supersede): NIXL writes
+are one-sided, so its blocks return only once no write can land in them: when the prefill
+side's completion notice covers them, or its abandon notice says nothing is or will be in
+flight (the prefill worker sends one on every path that does not end in a completed write,
+aborts included). For a dead prefill there is the bounded fallback `lease + transfer_timeout_s
++ DRAIN_MARGIN_S`: a prefill posts no write after the lease and none outlives its transfer
+timeout. A reservation whose ticket never left this worker is freed at once.
 """
 
 from __future__ import annotations
@@ -21,17 +30,22 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+from flashpd.engine.async_engine import RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import RequestStatus
-from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.sampling import SamplingError, SamplingParams
+from flashpd.engine.scheduler import Reservation
+from flashpd.services.admission import AdmissionQueue
 from flashpd.services.api import (
+    DeadlineExceeded,
     Event,
     FinalEvent,
+    Internal,
     InternalRequest,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Ticket,
     Timeline,
     TokenEvent,
@@ -48,6 +62,20 @@ from flashpd.services.worker_common import (
 )
 
 log = logging.getLogger(__name__)
+DRAIN_MARGIN_S = 1.0  # clock skew and notice delivery between the two workers
+
+
+@dataclass
+class _Attempt:
+    """One reservation of a request id on this worker."""
+
+    request_id: str
+    token: str
+    engine_id: str
+    lease_unix_s: float
+    ticket_issued: bool = False  # the ticket left this worker: a prefill may write
+    expired: bool = False
+    reservation: Reservation | None = None
 
 
 class DecodeWorker(EngineWorker):
@@ -58,116 +86,216 @@ class DecodeWorker(EngineWorker):
         self.receiver = make_receiver(config.transfer_backend, self.contract, self.pools,
                                       ref.incarnation)
         self.engine.hooks.append(self._poll_transfers)
+        self.engine.on_unfinished_close = self._stream_closed
         self._tokens = itertools.count()
-        self._reserved_at: dict[str, float] = {}
+        self._attempts: dict[str, _Attempt] = {}  # request id -> live attempt (loop thread)
+        self._draining: dict[str, str] = {}  # token -> engine id whose blocks wait to be quiet
         self._arrived_at: dict[str, float] = {}
-        self._quarantine: dict[str, float] = {}  # request id -> monotonic release time
+        self._free_blocks = -1
+        self.admission = AdmissionQueue(config.max_queued_requests,
+                                        retry_after_s=config.retry_after_s)
 
     # ------------------------------------------------------------------ api
     async def reserve(self, req: InternalRequest) -> Ticket:
         if self.draining:
             raise Unavailable(f"{self.ref.worker_id} is draining")
         self._check_request(req)
-        params = SamplingParams.from_dict(req.sampling.to_dict())
-        token = f"{self.ref.incarnation}.{next(self._tokens)}"
-        lease = time.time() + self.config.lease_s
-        self.engine.open_stream(req.request_id)
+        try:
+            params = SamplingParams.from_dict(req.sampling.to_dict())
+        except SamplingError as exc:
+            raise InvalidArgument(str(exc), field="sampling") from None
+        attempt = await self.admission.admit(lambda: self._try_reserve(req, params),
+                                             req.deadline_unix_s, req.request_id)
+        attempt.ticket_issued = True
+        return self._ticket(req, attempt)
+
+    async def _try_reserve(self, req: InternalRequest, params: SamplingParams):
+        """One reservation attempt on the loop thread: the attempt (with its reservation), or
+        None when the pool is short."""
+        n = next(self._tokens)
+        token = f"{self.ref.incarnation}.{n}"
+        attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}",
+                           time.time() + self.config.lease_s)
+        self.engine.open_stream(attempt.engine_id)
+        superseded: list[str] = []
 
         def reserve_on_loop(e: LLMEngine):
-            r = e.reserve(req.request_id, req.prompt_ids, params, req.session_id)
+            old = self._attempts.pop(req.request_id, None)
+            if old is not None:  # a retry: fence and give up the old attempt first
+                log.info("%s: %s supersedes %s", self.ref.worker_id, token, old.token)
+                self._give_up(e, old)
+                superseded.append(old.engine_id)
+            try:
+                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), field="prompt") from None
             if r is None:
                 return None
+            self._attempts[req.request_id] = attempt
             if r.missing_block_ids:
-                self.receiver.expect(req.request_id, list(r.missing_block_ids), lease, token)
+                self.receiver.expect(req.request_id, list(r.missing_block_ids),
+                                     attempt.lease_unix_s, token)
             else:
-                e.kv_arrived(req.request_id)  # every chunk already resident: replay at once
+                e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
             return r
 
         try:
             reservation = await self.engine.call(reserve_on_loop)
         except BaseException:
-            await self.engine.call(lambda e: e.abort(req.request_id))
-            self.engine.close_stream(req.request_id, abort=False)
+            await asyncio.shield(self.engine.call(lambda e: self._abandon_unissued(e, attempt)))
+            self.engine.close_stream(attempt.engine_id, abort=False)
             raise
+        finally:
+            for engine_id in superseded:
+                self.engine.close_stream(engine_id, abort=True)
         if reservation is None:
-            self.engine.close_stream(req.request_id, abort=False)
-            raise ResourceExhausted(f"{self.ref.worker_id}: no room for {req.prompt_tokens} tokens")
-        self._reserved_at[req.request_id] = time.monotonic()
+            self.engine.close_stream(attempt.engine_id, abort=False)
+            return None
+        attempt.reservation = reservation
+        return attempt
+
+    def _ticket(self, req: InternalRequest, attempt: _Attempt) -> Ticket:
+        r = attempt.reservation
         return Ticket(
             request_id=req.request_id,
             decode_worker_id=self.ref.worker_id,
-            incarnation=token,
-            decode_cached_tokens=min(reservation.first_missing_token, req.prompt_tokens),
+            incarnation=attempt.token,
+            decode_cached_tokens=min(r.first_missing_token, req.prompt_tokens),
             transfer_descriptor=self.receiver.descriptor(),
-            dst_block_ids=tuple(reservation.missing_block_ids),
-            first_block_index=reservation.num_cached_blocks,
-            lease_deadline_unix_s=lease,
+            dst_block_ids=tuple(r.missing_block_ids),
+            first_block_index=r.num_cached_blocks,
+            lease_deadline_unix_s=attempt.lease_unix_s,
         )
 
     async def generate(self, req: InternalRequest) -> AsyncIterator[Event]:
         rid = req.request_id
         t0 = time.monotonic()
-        if not self.engine.has_stream(rid):
+        attempt = self._attempts.get(rid)
+        if attempt is None or not self.engine.has_stream(attempt.engine_id):
             raise NotFound(f"request {rid!r} was not reserved on {self.ref.worker_id}")
-        stream = self.engine.stream(rid)
+        stream = self.engine.stream(attempt.engine_id)
         try:
-            async for event in self._events(rid, stream, t0):
+            async for event in self._events(attempt, stream, t0):
                 yield event
         finally:  # close the engine stream now (aborting an unfinished request), not at GC
             await stream.aclose()
 
-    async def _events(self, rid: str, stream, t0: float) -> AsyncIterator[Event]:
-        first_s = None
-        index = 0
-        async for out in stream:
-            if out.new_token_ids:
-                first_s = first_s or time.monotonic()
-                lps = tuple(TokenLogprobs(s.logprob, s.top_logprobs) for s in out.logprobs)
-                yield TokenEvent(out.new_token_ids, index, lps)
-                index += len(out.new_token_ids)
-            if out.finished:
-                arrived = self._arrived_at.pop(rid, t0)
-                self._reserved_at.pop(rid, None)
-                replay_ms = 1e3 * ((first_s or time.monotonic()) - max(arrived, t0))
-                yield FinalEvent(
-                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                    usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.output_tokens,
-                                cached_tokens_decode=out.cached_tokens),
-                    timeline=Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0)),
-                    decode_worker=self.ref.worker_id, request_id=rid)
+    async def _events(self, attempt: _Attempt, stream, t0: float) -> AsyncIterator[Event]:
+        rid, first_s, index = attempt.request_id, None, 0
+        try:
+            async for out in stream:
+                if out.new_token_ids:
+                    first_s = first_s or time.monotonic()
+                    lps = tuple(TokenLogprobs(s.logprob, s.top_logprobs) for s in out.logprobs)
+                    yield TokenEvent(out.new_token_ids, index, lps)
+                    index += len(out.new_token_ids)
+                if out.finished:
+                    arrived = self._arrived_at.pop(attempt.engine_id, t0)
+                    await self.engine.call(lambda e: self._forget(attempt))
+                    replay_ms = 1e3 * ((first_s or time.monotonic()) - max(arrived, t0))
+                    yield FinalEvent(
+                        finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                        usage=Usage(prompt_tokens=out.prompt_tokens,
+                                    completion_tokens=out.output_tokens,
+                                    cached_tokens_decode=out.cached_tokens),
+                        timeline=Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0)),
+                        decode_worker=self.ref.worker_id, request_id=rid)
+        except RequestFailed as exc:
+            raise Internal(f"decode of {rid} failed: {exc.reason}") from None
+        except asyncio.CancelledError:
+            if attempt.expired:
+                raise DeadlineExceeded(f"the KV of {rid} did not arrive within its lease") \
+                    from None
+            raise
 
     async def abort(self, request_id: str) -> bool:
-        def abort_on_loop(e: LLMEngine) -> bool:
-            self.receiver.cancel(request_id)
-            return self._abort_or_quarantine(e, request_id)
+        def abort_on_loop(e: LLMEngine) -> _Attempt | None:
+            attempt = self._attempts.pop(request_id, None)
+            if attempt is not None:
+                self._give_up(e, attempt)
+            return attempt
 
-        found = await self.engine.call(abort_on_loop)
-        self.engine.close_stream(request_id, abort=True)
-        self._reserved_at.pop(request_id, None)
-        self._arrived_at.pop(request_id, None)
-        return found
+        attempt = await self.engine.call(abort_on_loop)
+        if attempt is None:
+            return False
+        self.engine.close_stream(attempt.engine_id, abort=True)
+        self._arrived_at.pop(attempt.engine_id, None)
+        return True
 
+    # ------------------------------------------------------------------ loop thread
     def _poll_transfers(self, e: LLMEngine) -> None:
         for rid in self.receiver.poll_completed():
-            self._arrived_at[rid] = time.monotonic()
-            e.kv_arrived(rid)
-        for rid in self.receiver.expire(time.time()):
-            log.warning("%s: KV lease of %s expired; quarantining its blocks", self.ref.worker_id,
-                        rid)
-            self._abort_or_quarantine(e, rid)
-            self.engine.close_stream(rid, abort=True)
-        now = time.monotonic()
-        for rid in [r for r, until in self._quarantine.items() if until <= now]:
-            del self._quarantine[rid]
-            e.abort(rid)
+            attempt = self._attempts.get(rid)
+            if attempt is None or e.scheduler.status(attempt.engine_id) is not \
+                    RequestStatus.WAITING_FOR_KV:
+                continue
+            self._arrived_at[attempt.engine_id] = time.monotonic()
+            e.kv_arrived(attempt.engine_id)
+        grace_s = self.config.transfer_timeout_s + DRAIN_MARGIN_S
+        for rid in self.receiver.expire(time.time(), grace_s):
+            attempt = self._attempts.pop(rid, None)
+            if attempt is None:
+                continue
+            log.warning("%s: KV lease of %s expired", self.ref.worker_id, rid)
+            attempt.expired = True
+            if self.receiver.is_draining(attempt.token):
+                self._draining[attempt.token] = attempt.engine_id
+            else:
+                e.abort(attempt.engine_id)
+            self.engine.close_stream(attempt.engine_id, abort=True)
+        for token in self.receiver.take_quiet(time.time()):
+            engine_id = self._draining.pop(token, None)
+            if engine_id is not None:
+                e.abort(engine_id)
+        self._signal_room(e)
 
-    def _abort_or_quarantine(self, e: LLMEngine, request_id: str) -> bool:
-        """Abort now, unless the request's KV may still be in flight: then hold its blocks."""
-        if e.scheduler.status(request_id) is RequestStatus.WAITING_FOR_KV:
-            self._quarantine.setdefault(request_id,
-                                        time.monotonic() + self.config.transfer_timeout_s)
-            return True
-        return e.abort(request_id)
+    def _signal_room(self, e: LLMEngine) -> None:
+        usage = e.kv.usage()
+        free = usage["blocks_free"] + usage["blocks_cached"] + usage["slots_free"]
+        if free > self._free_blocks:
+            self.admission.room_freed()
+        self._free_blocks = free
+
+    def _give_up(self, e: LLMEngine, attempt: _Attempt) -> None:
+        """Abort an attempt now, or, while a write may still land in its blocks, keep them
+        until the receiver says the request is quiet (see the module docstring)."""
+        status = e.scheduler.status(attempt.engine_id)
+        if status is RequestStatus.WAITING_FOR_KV:
+            if not attempt.ticket_issued:
+                self._abandon_unissued(e, attempt)
+                return
+            fallback = attempt.lease_unix_s + self.config.transfer_timeout_s + DRAIN_MARGIN_S
+            token = self.receiver.drain(attempt.request_id, fallback)
+            if token is not None:
+                self._draining[token] = attempt.engine_id
+                return
+        e.abort(attempt.engine_id)
+
+    def _abandon_unissued(self, e: LLMEngine, attempt: _Attempt) -> None:
+        """A reservation whose ticket never left this worker: nothing can write; free now."""
+        if self._attempts.get(attempt.request_id) is attempt:
+            del self._attempts[attempt.request_id]
+        if self.receiver.live_token(attempt.request_id) == attempt.token:
+            self.receiver.cancel(attempt.request_id)
+        e.abort(attempt.engine_id)
+
+    def _stream_closed(self, e: LLMEngine, engine_id: str) -> None:
+        """A consumer left an unfinished request: give its attempt up (draining if needed)."""
+        rid = engine_id.rsplit("@", 1)[0]
+        attempt = self._attempts.get(rid)
+        if attempt is not None and attempt.engine_id == engine_id:
+            del self._attempts[rid]
+            self._give_up(e, attempt)
+        elif engine_id not in self._draining.values():
+            e.abort(engine_id)
+
+    def _forget(self, attempt: _Attempt) -> None:
+        if self._attempts.get(attempt.request_id) is attempt:
+            del self._attempts[attempt.request_id]
+
+    # ------------------------------------------------------------------ views
+    def admission_queue(self) -> tuple[int, int]:
+        return self.admission.num_waiting, self.admission.max_waiting
 
     def _check_request(self, req: InternalRequest) -> None:
         if req.model != self.config.model_id:

@@ -4,20 +4,34 @@
                       hit), then push the chunks the decode worker lacks, chunk
                       `ticket.first_block_index` onwards, into `ticket.dst_block_ids`; returns
                       once the write completed. The blocks are released right after the push.
-    abort(rid)        stops the compute (and frees its blocks); idempotent
+    abort(rid)        stops the compute (and frees its blocks), or cancels the push; idempotent
 
 The transfer contract is checked when a decode worker is first connected (fail fast, no bytes
 moved); connections are kept per decode incarnation.
+
+No stranded capacity: on every path that does not end in a completed write (error, deadline,
+cancel, abort, transfer timeout or failure), once no write of the request is in flight the
+decode worker gets an abandon notice, so it reuses its reserved blocks at once, and this
+worker's blocks are freed. An abort that arrives before its run leaves a tombstone: the late
+run is refused (and abandoned) instead of computing for nobody. No write is posted after the
+ticket's lease, and none outlives `transfer_timeout_s`: the decode side's fallback for a dead
+prefill rests on that bound. Each attempt runs in the engine under `<request id>@<token>`, so a
+retry of a request id never collides with an attempt still winding down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
+from flashpd.engine.async_engine import RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
-from flashpd.engine.transfer.base import TransferError
+from flashpd.engine.transfer.base import TransferCancelled, TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.api import (
     Cancelled,
@@ -41,6 +55,19 @@ from flashpd.services.worker_common import (
 log = logging.getLogger(__name__)
 
 
+MAX_TOMBSTONES = 4096  # request ids aborted before their run arrived, remembered (bounded)
+PUSH_THREADS = 4  # threads that wait on KV pushes (the NIXL agent itself is serialized)
+
+
+@dataclass
+class _Run:
+    """One prefill attempt: its engine id, the cancel flag its push polls, and what it did."""
+
+    engine_id: str
+    phase: str = "compute"  # "compute" | "push" | "done"
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
@@ -49,6 +76,10 @@ class PrefillWorker(EngineWorker):
         self.sender = make_sender(config.transfer_backend, self.contract, self.pools)
         self._peers: dict[bytes, str] = {}
         self._queued_tokens: dict[str, int] = {}
+        self._runs: dict[str, dict[str, _Run]] = {}  # request id -> token -> attempt
+        self._tombstones: OrderedDict[str, float] = OrderedDict()  # request id -> unix time
+        self._pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="flashpd-push")
+        self._cleanups: set[asyncio.Task] = set()
         self.transfer_failures = 0
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
@@ -58,9 +89,17 @@ class PrefillWorker(EngineWorker):
             raise InvalidArgument(f"unknown model {req.model!r}", field="model")
         t0 = time.monotonic()
         peer = self._connect(ticket.transfer_descriptor)
-        self._queued_tokens[req.request_id] = req.prompt_tokens
+        rid, token = req.request_id, ticket.incarnation
+        run = _Run(f"{rid}@{token}")
+        self._runs.setdefault(rid, {})[token] = run
+        self._queued_tokens[run.engine_id] = req.prompt_tokens
+        push = None
         try:
-            ready = await self._compute(req)
+            if self._aborted_before(rid, ticket):
+                raise Cancelled(f"prefill of {rid} was aborted before it started")
+            if time.time() >= ticket.lease_deadline_unix_s:
+                raise Unavailable(f"the ticket's lease for {rid} passed before prefill started")
+            ready = await self._compute(req, run)
             compute_ms = ms_since(t0)
             t1 = time.monotonic()
             src = list(ready.kv_block_ids[ticket.first_block_index:])
@@ -68,7 +107,15 @@ class PrefillWorker(EngineWorker):
                 raise Internal(f"prefill holds {len(ready.kv_block_ids)} blocks; the ticket "
                                f"asks for chunks {ticket.first_block_index}.. into "
                                f"{len(ticket.dst_block_ids)} blocks")
-            stats = await asyncio.to_thread(self._push, req, ticket, peer, src)
+            if run.cancel.is_set():
+                raise Cancelled(f"prefill of {rid} aborted")
+            if time.time() >= ticket.lease_deadline_unix_s:
+                raise DeadlineExceeded(f"the ticket's lease for {rid} passed before the KV push")
+            run.phase = "push"
+            push = asyncio.get_running_loop().run_in_executor(
+                self._pushes, self._push, req, ticket, peer, src, run.cancel)
+            stats = await asyncio.shield(push)
+            run.phase = "done"
             return PrefillResult(
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
@@ -76,20 +123,45 @@ class PrefillWorker(EngineWorker):
                 pushed_bytes=stats.num_bytes, queue_ms=0.0, compute_ms=compute_ms,
                 transfer_ms=ms_since(t1))
         finally:
-            self._queued_tokens.pop(req.request_id, None)
-            await self.engine.call(lambda e: _release(e, req.request_id))
+            if run.phase != "done":
+                run.cancel.set()  # a push still running aborts its transfer
+            task = asyncio.ensure_future(self._finish(req, ticket, peer, run, push))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(task)  # a second cancel leaves the cleanup running
 
-    async def _compute(self, req: InternalRequest):
+    async def _finish(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run,
+                      push) -> None:
+        """After every run: once no write is in flight, abandon an unfinished handoff (the
+        decode worker frees its blocks now) and free this worker's blocks."""
+        if push is not None:
+            await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
+        if run.phase != "done":
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pushes, self.sender.abandon, req.request_id, ticket.incarnation, peer)
+            except TransferError as exc:  # the decode side falls back on its lease bound
+                log.warning("abandon notice for %s failed: %s", req.request_id, exc)
+        runs = self._runs.get(req.request_id, {})
+        runs.pop(ticket.incarnation, None)
+        if not runs:
+            self._runs.pop(req.request_id, None)
+        self._queued_tokens.pop(run.engine_id, None)
+        await self.engine.call(lambda e: _release(e, run.engine_id))
+
+    async def _compute(self, req: InternalRequest, run: _Run):
         remaining = req.remaining_s()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded("deadline passed before prefill started")
         try:
             return await asyncio.wait_for(
-                self.engine.prefill(req.request_id, req.prompt_ids), timeout=remaining)
+                self.engine.prefill(run.engine_id, req.prompt_ids), timeout=remaining)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:
             raise Cancelled(f"prefill of {req.request_id} cancelled") from None
+        except RequestFailed as exc:
+            raise Internal(f"prefill of {req.request_id} failed: {exc.reason}") from None
 
     def _connect(self, descriptor: bytes) -> str:
         peer = self._peers.get(descriptor)
@@ -104,24 +176,55 @@ class PrefillWorker(EngineWorker):
             self._peers[descriptor] = peer
         return peer
 
-    def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int]):
+    def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int],
+              cancel: threading.Event):
+        """On a push thread; returns or raises only once no byte of the write is moving."""
         try:
             handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids),
                                       ticket.incarnation, peer=peer)
-            return self.sender.wait(handle, self.config.transfer_timeout_s)
+            return self.sender.wait(handle, self.config.transfer_timeout_s, cancel)
+        except TransferCancelled:
+            raise Cancelled(f"KV push of {req.request_id} cancelled") from None
         except TransferError as exc:
             self.transfer_failures += 1
             raise TransferFailed(f"KV push to {ticket.decode_worker_id} failed: {exc}") from exc
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.abort(request_id)
+        runs = list(self._runs.get(request_id, {}).values())
+        if not runs:  # not started (or already over): refuse a run that arrives later
+            self._tombstones[request_id] = time.time()
+            while len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)
+            return False
+        for run in runs:
+            run.cancel.set()
+            if run.phase == "compute":
+                await self.engine.abort(run.engine_id)
+        return True
+
+    def _aborted_before(self, request_id: str, ticket: Ticket) -> bool:
+        """Whether an abort of `request_id` came after this ticket was issued (a retry reserved
+        after the abort is a new attempt and runs). The issue time is the lease deadline minus
+        the lease both sides are configured with."""
+        aborted_at = self._tombstones.get(request_id)
+        if aborted_at is None:
+            return False
+        if ticket.lease_deadline_unix_s - self.config.lease_s > aborted_at:
+            return False
+        del self._tombstones[request_id]
+        return True
 
     def queued_prefill_tokens(self) -> int:
         return sum(self._queued_tokens.values())
 
     async def close(self) -> None:
         self.draining = True
+        for run in [r for runs in self._runs.values() for r in runs.values()]:
+            run.cancel.set()
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=self.config.transfer_timeout_s)
         await asyncio.to_thread(self.engine.shutdown)
+        self._pushes.shutdown(wait=True)
         self.sender.close()
 
 

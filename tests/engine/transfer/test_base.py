@@ -11,6 +11,7 @@ from flashpd.engine.transfer import (
     TransferError,
     TransferTimeout,
 )
+from flashpd.engine.transfer.base import TransferCancelled
 
 CONTRACT = TransferContract("tiny", (GroupSpec("main.L2", 16, "nvfp4_e4m3x16"),))
 
@@ -39,6 +40,9 @@ class ScriptedSender(KVSender):
 
     def _abort(self, xfer):
         self.aborted.append(xfer)
+
+    def _notify(self, peer, notice):
+        self.notified = notice
 
     def close(self):
         self._peers.clear()
@@ -77,3 +81,16 @@ def test_wait_reports_bytes_and_abort_after_completion_is_a_no_op(receiver):
     assert stats.num_bytes == 32 and stats.seconds > 0
     sender.abort(handle)
     assert sender.aborted == [] and sender.wait(handle, timeout_s=5) is stats
+
+
+def test_wait_aborts_when_cancelled(receiver):
+    import threading
+
+    sender = ScriptedSender(["PROC"])
+    sender.connect(receiver.descriptor())
+    handle = sender.send("r", [0], [1], "decode-1")
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(TransferCancelled):
+        sender.wait(handle, timeout_s=60.0, cancel=cancel)
+    assert sender.aborted == [handle.xfer] and handle.aborted
