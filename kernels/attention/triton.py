@@ -37,7 +37,12 @@ FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Launch configuration (heads per program, keys per tile, warps, pipeline stages); tuned on an
 # H200 by bench/gpu_kernels.py. Heads per program >= 16 (tl.dot's minimum M).
-CONFIG = {"heads": 32, "block_n": 16, "warps": 8, "stages": 1}
+# Split-KV (decode): split_* as above for the split kernel; up to split_target programs for
+# batches of at most split_max_q queries, each range at least split_min_tiles key tiles;
+# split_target 0 turns splitting off (the single-pass kernel, as before).
+CONFIG = {"heads": 32, "block_n": 16, "warps": 8, "stages": 1,
+          "split_target": 264, "split_max_q": 64, "split_min_tiles": 2, "split_heads": 16,
+          "split_block_n": 16, "split_warps": 4, "split_stages": 2, "combine_heads": 4}
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -161,6 +166,115 @@ def _attn_kernel(
                  mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
 
 
+# ============================================================================ split-KV decode
+# Decode batches are a few queries: one program per (query, head block) leaves most SMs idle.
+# The key tiles of a query (window tiles, then compressed tiles) are cut into SPLITS ranges;
+#
+#   _attn_split_kernel   grid (T, H/HB, SPLITS): online softmax over its range, started at the
+#                        sink logit with weight 0 -> (m, l, acc) partials [T, SPLITS, H(, D)]
+#   _attn_combine_kernel grid (T, H/HB): m = max_s m_s; l = exp(sink - m) + sum_s l_s e^(m_s-m);
+#                        o = sum_s acc_s e^(m_s - m) / l -> round, inverse RoPE, store
+#
+# Starting every range at the sink (finite) keeps empty ranges NaN-free (their l and acc stay 0).
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
+    win_ptr, stride_win, win_rows_ptr, W, comp_ptr, stride_comp, comp_rows_ptr, KC,
+    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HW: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    sp = tl.program_id(2)
+    hmask = heads < H
+    c = tl.arange(0, D)
+    q_rows = q_ptr + (t * H + heads[:, None]) * D
+    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    if ROPE_PAIRS > 0:
+        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), False)
+    q = q.to(q_ptr.dtype.element_ty)
+    m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    l_i = tl.zeros((HB,), tl.float32)
+    acc = tl.zeros((HB, D), dtype=tl.float32)
+    win_tiles = tl.cdiv(W, BLOCK_N)
+    comp_tiles = tl.cdiv(KC, BLOCK_N)
+    lo = sp * tiles_per_split
+    hi = lo + tiles_per_split
+    for i in range(lo, tl.minimum(hi, win_tiles)):
+        n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(win_rows_ptr + t * W + n, mask=n < W, other=-1)
+        keys = _record_tile(win_ptr, stride_win, rows, rows >= 0, D, 0, HW)
+        m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
+    for i in range(tl.maximum(lo, win_tiles) - win_tiles,
+                   tl.minimum(hi, win_tiles + comp_tiles) - win_tiles):
+        n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(comp_rows_ptr + t * KC + n, mask=n < KC, other=-1)
+        keys = _record_tile(comp_ptr, stride_comp, rows, rows >= 0, D, COMP_FMT, HW)
+        m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
+    cell = (t * SPLITS + sp) * H + heads  # [HB]
+    tl.store(m_ptr + cell, m_i, mask=hmask)
+    tl.store(l_ptr + cell, l_i, mask=hmask)
+    tl.store(acc_ptr + cell[:, None] * D + c[None, :], acc, mask=hmask[:, None])
+
+
+@triton.jit
+def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
+                         H, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, HB: tl.constexpr,
+                         SPLITS: tl.constexpr, OUT_BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    hmask = heads < H
+    c = tl.arange(0, D)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    m = sink
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(m_ptr + (t * SPLITS + s) * H + heads, mask=hmask, other=0.0))
+    l_sum = tl.exp(sink - m)
+    acc = tl.zeros((HB, D), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        cell = (t * SPLITS + s) * H + heads
+        w = tl.exp(tl.load(m_ptr + cell, mask=hmask, other=0.0) - m)
+        l_sum += w * tl.load(l_ptr + cell, mask=hmask, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + cell[:, None] * D + c[None, :], mask=hmask[:, None],
+                                    other=0.0)
+    o = acc / l_sum[:, None]
+    if OUT_BF16:
+        o = round_bf16(o)
+    o_rows = out_ptr + (t * H + heads[:, None]) * D
+    tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output: partner channels from memory
+        tl.debug_barrier()
+        partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), True)
+        tl.debug_barrier()
+        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+
+
+def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int]:
+    """(splits, tiles per split) for num_q queries over (window, compressed) key slots.
+
+    Splits only while (queries x head blocks) leave SMs idle: up to CONFIG["split_target"]
+    programs, with at least split_min_tiles key tiles each; 1 = the single-pass kernel.
+    """
+    cfg = CONFIG
+    if cfg["split_target"] <= 0 or num_q > cfg["split_max_q"]:
+        return 1, 0
+    bn = cfg["split_block_n"]
+    tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
+    base = num_q * -(-num_heads // cfg["split_heads"])
+    splits = min(-(-cfg["split_target"] // base), max(1, tiles // cfg["split_min_tiles"]))
+    if splits <= 1:
+        return 1, 0
+    per = -(-tiles // splits)
+    return -(-tiles // per), per
+
+
 def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src: int,
             kv=None, valid=None, win=None, win_rows=None, comp=None, comp_rows=None,
             comp_fmt: int = FMT_NVFP4) -> torch.Tensor:
@@ -177,6 +291,11 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         rope_pairs = 0
     dummy = q
     cfg = CONFIG
+    if src == 1:
+        splits, per = split_plan(num_q, num_heads, (win_rows.shape[1], comp_rows.shape[1]))
+        if splits > 1:
+            return _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
+                                 win_rows, comp, comp_rows, comp_fmt, splits, per)
     grid = (num_q, triton.cdiv(num_heads, cfg["heads"]))
     _attn_kernel[grid](
         q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
@@ -191,6 +310,30 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         BLOCK_N=cfg["block_n"], OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **triton_runtime.launch_options())
+    return out
+
+
+def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
+                  comp_rows, comp_fmt, splits, per):
+    num_q, num_heads, dim = q.shape
+    cfg = CONFIG
+    hb = cfg["split_heads"]
+    sink32 = sink.to(torch.float32).contiguous()
+    m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(num_q, triton.cdiv(num_heads, hb), splits)](
+        q, sink32, cos, sin, cos.stride(0), win, win.stride(0), win_rows, win_rows.shape[1],
+        comp, comp.stride(0), comp_rows, comp_rows.shape[1], m, l_, acc, num_heads,
+        float(softmax_scale), per, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
+        BLOCK_N=cfg["split_block_n"], SPLITS=splits, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["split_warps"],
+        num_stages=cfg["split_stages"], **triton_runtime.launch_options())
+    hc = cfg["combine_heads"]
+    _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
+        out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
+        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
+        num_warps=4, **triton_runtime.launch_options())
     return out
 
 

@@ -25,7 +25,6 @@ constexpr DOT_SCALED: it does not run under the Triton 3.6 interpreter.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +41,28 @@ GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
 W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
-_BLOCK_K = 64  # fixed: part of the per-row arithmetic (batch invariance)
-# Launch configuration of the grouped GEMM (block N, warps, stages); tuned on an H200 by
-# bench/gpu_kernels.py. Block M follows the rows per expert (block_m_for); block K is fixed above.
-# GEMMs of at most SMALL_ROWS rows in all (decode at small batch) get narrower N tiles: a
-# [1, 4096] x [4096, 1024] GEMM then runs on 64 CTAs instead of 16, so more SMs stream weights
-# (H200, bench preset, B=1 decode: 94.5 -> 72.1 ms/step). With more rows the grid is already
-# wide and narrow tiles re-read A (B=64: 367 -> 406 ms when applied to every block-M-16 tile).
-# The K order, hence each row's arithmetic, is unchanged.
-CONFIG = {"block_n": 64, "block_n_small": int(os.environ.get("FLASHPD_GEMM_BLOCK_N_SMALL", 16)),
-          "small_rows": 16, "warps": 4, "stages": 3}
+_BLOCK_K = 64  # the legacy kernel's K step
+# Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py).
+#   path         "splitk": `_gemm_kernel` (split-K below small_rows rows, K segments above);
+#                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
+#   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
+#                GEMMs whose row tiles are at most split_tile_rows (MoE experts at decode)
+#   skinny_*     split-K tiles: N block, K step (a multiple of 32), warps, pipeline stages
+#   target_ctas  programs a split-K launch aims for (about 2 per SM of an H200)
+#   min_k_chunk  the smallest K chunk one program walks
+#   block_*      large-M tiles; block_m_large is block_m_for's answer above 32 rows
+#   prefill      "cublas": FP8 single-weight GEMMs of >= cublas_min_rows rows dequantise the
+#                weight to BF16 once per call and run cuBLAS; "triton": `_gemm_kernel`
+#   legacy_*     the legacy path's tiles (block_n_small below legacy_small_rows rows)
+# Block sizes along K never change a row's arithmetic: K is summed in 16-wide tensor-core
+# steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
+# shape only (_plan), never on the number of rows.
+CONFIG = {"path": "splitk", "small_rows": 64, "split_tile_rows": 16,
+          "skinny_block_n": 64, "skinny_block_k": 128, "skinny_warps": 4, "skinny_stages": 3,
+          "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
+          "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,
+          "prefill": "cublas", "cublas_min_rows": 256,
+          "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
 
 
 # ============================================================================ activations
@@ -209,6 +220,212 @@ def _grouped_gemm_kernel(
                  mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
+# ============================================================================ split-K GEMM
+# The serving GEMM (legacy `_grouped_gemm_kernel` above stays for comparison, CONFIG["path"]).
+#
+#   grid (N blocks, row tiles, SPLIT)          K split into SPLIT chunks of k_chunk (a multiple
+#                                              of BLOCK_K), a function of the weight's shape only
+#   program (nb, tile, s): rows of `tile` x columns of `nb` over K chunk s, weight dequantised in
+#   registers per 32-wide K sub-step (one scale per row and sub-step, no per-element scale loads)
+#   SPLIT > 1: FP32 partials -> workspace; the last program of (tile, nb) to arrive (atomic
+#   counter) sums them in chunk order 0..SPLIT-1 and runs the epilogue
+#
+# Small M (decode) runs SPLIT programs side by side so every SM streams weights; large M runs
+# one program per tile that walks the same chunks in order (SEGMENTS), adding each chunk's sum
+# into the total exactly as the split reduction does, so a row's arithmetic does not depend on
+# which path ran it (up to the tensor-core instruction the compiler picks for the tile size).
+# MXFP4 sub-steps take the even and the odd K of 32 as two K=16 products (low and high nibbles,
+# A read with stride 2): no interleave of the decoded nibbles.
+@triton.jit
+def _fp32_e2m1(nib, s_f32):
+    """E2M1 code (low 4 bits, int32) * scale -> FP32: the code's bits are placed in an FP32's
+    sign/exponent/mantissa fields (value * 2^-126, subnormal for 0.5), then rescaled exactly."""
+    bits = ((nib & 7) << 22) | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_f32  # 2^126
+
+
+@triton.jit
+def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e,
+              n_idx, kk, N, K, stride_we, stride_wn, stride_se, stride_sn,
+              W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+              UPCAST: tl.constexpr, HW_FP8: tl.constexpr):
+    """acc += A[:, kk:kk+32] . W[e, n_idx, kk:kk+32]^T (both weights for SwiGLU); K here is
+    the end of the chunk (columns past it are masked)."""
+    dot_dtype = a_ptr.dtype.element_ty
+    nmask = n_idx < N
+    e64 = e.to(tl.int64)
+    n64 = n_idx.to(tl.int64)
+    if W_FMT == 1:  # MXFP4: bytes [BN, 16] -> even k (low nibbles), odd k (high nibbles)
+        j = tl.arange(0, 16)
+        kmask = (kk + 2 * j) < K
+        a_base = a_ptr + a_row[:, None] * stride_am + kk + 2 * j[None, :]
+        amask = p_mask[:, None] & kmask[None, :]
+        a_even = tl.load(a_base, mask=amask, other=0.0)
+        a_odd = tl.load(a_base + 1, mask=amask, other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        off = e64 * stride_we + n64[:, None] * stride_wn + kk // 2 + j[None, :]
+        soff = e64 * stride_se + n64 * stride_sn + kk // 32
+        s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+        b1 = tl.load(w1_ptr + off, mask=wmask, other=0).to(tl.int32)
+        acc1 = mma(a_even, tl.trans(_fp32_e2m1(b1, s1).to(dot_dtype)), acc1, IEEE, UPCAST)
+        acc1 = mma(a_odd, tl.trans(_fp32_e2m1(b1 >> 4, s1).to(dot_dtype)), acc1, IEEE, UPCAST)
+        if EPILOGUE == 1:
+            s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+            b3 = tl.load(w3_ptr + off, mask=wmask, other=0).to(tl.int32)
+            acc3 = mma(a_even, tl.trans(_fp32_e2m1(b3, s3).to(dot_dtype)), acc3, IEEE, UPCAST)
+            acc3 = mma(a_odd, tl.trans(_fp32_e2m1(b3 >> 4, s3).to(dot_dtype)), acc3, IEEE,
+                       UPCAST)
+    else:
+        k_idx = kk + tl.arange(0, 32)
+        kmask = k_idx < K
+        a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
+                    mask=p_mask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        off = e64 * stride_we + n64[:, None] * stride_wn + k_idx[None, :]
+        if W_FMT == 0:
+            w1 = tl.load(w1_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
+        else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
+            soff = e64 * stride_se + (n64 // 32) * stride_sn + kk // 32
+            s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+            q1 = tl.load(w1_ptr + off, mask=wmask, other=0)
+            if HW_FP8:
+                v1 = q1.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v1 = e4m3_decode(q1)
+            w1 = (v1 * s1).to(dot_dtype)
+        acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+        if EPILOGUE == 1:
+            if W_FMT == 0:
+                w3 = tl.load(w3_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
+            else:
+                s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+                q3 = tl.load(w3_ptr + off, mask=wmask, other=0)
+                if HW_FP8:
+                    v3 = q3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    v3 = e4m3_decode(q3)
+                w3 = (v3 * s3).to(dot_dtype)
+            acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+    return acc1, acc3
+
+
+@triton.jit
+def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n_idx, k_lo,
+           k_hi, N, K, stride_we, stride_wn, stride_se, stride_sn,
+           W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+           UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32."""
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
+            k_idx = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
+                        mask=p_mask[:, None] & (k_idx[None, :] < K), other=0.0)
+            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we,
+                                     stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
+            if EPILOGUE == 1:
+                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we,
+                                         stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
+        else:
+            for j in tl.static_range(BLOCK_K // 32):
+                acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
+                                       s1_ptr, w3_ptr, s3_ptr, e, n_idx, k0 + 32 * j, N, k_hi,
+                                       stride_we, stride_wn, stride_se, stride_sn, W_FMT,
+                                       EPILOGUE, IEEE, UPCAST, HW_FP8)
+    return acc1, acc3
+
+
+@triton.jit
+def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
+              EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr, ROUND_ACT_BF16: tl.constexpr,
+              OUT_BF16: tl.constexpr):
+    if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
+        g = tl.minimum(_round_out(acc1, ROUND_ACT_BF16), limit)
+        u = tl.minimum(tl.maximum(_round_out(acc3, ROUND_ACT_BF16), -limit), limit)
+        out = g * sigmoid_f32(g) * u
+        if HAS_GAMMA:
+            out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
+    else:
+        out = acc1
+    c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
+    tl.store(c, _round_out(out, OUT_BF16).to(c_ptr.dtype.element_ty),
+             mask=p_mask[:, None] & (n_idx[None, :] < N))
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
+    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, part_ptr, count_ptr,
+    N, K, k_chunk, num_rows, limit,
+    W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
+    GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    tile = tl.program_id(1)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    if start < end:
+        e = tl.load(tile_expert_ptr + tile)
+        p = start + tl.arange(0, BLOCK_M)  # rows of C
+        p_mask = p < end
+        if GATHER_A:
+            a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
+        else:
+            a_row = p.to(tl.int64)
+        n_idx = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_GRID:  # one K chunk per program, partials reduced by the last to arrive
+            sp = tl.program_id(2)
+            k_lo = sp * k_chunk
+            acc1, acc3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr,
+                                s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
+                                stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
+                                IEEE, UPCAST, DOT_SCALED, HW_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+            if SPLIT > 1:
+                cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
+                cmask = p_mask[:, None] & (n_idx[None, :] < N)
+                plane = num_rows.to(tl.int64) * N
+                tl.store(part_ptr + sp * plane + cell, acc1, mask=cmask)
+                if EPILOGUE == 1:
+                    tl.store(part_ptr + (SPLIT + sp) * plane + cell, acc3, mask=cmask)
+                tl.debug_barrier()
+                counter = count_ptr + tile * tl.num_programs(0) + nb
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+                if arrived == SPLIT - 1:  # last chunk in: sum the chunks in order
+                    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT):
+                        acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
+                                        cache_modifier=".cg")
+                        if EPILOGUE == 1:
+                            acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell, mask=cmask,
+                                            other=0.0, cache_modifier=".cg")
+                    tl.store(counter, 0)  # ready for the next launch
+                    _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr,
+                              limit, EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+            else:
+                _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
+                          EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+        else:  # SEGMENTS: the same chunks walked in order by one program
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(0, SPLIT):
+                k_lo = sp * k_chunk
+                c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                                e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
+                                stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
+                                DOT_SCALED, HW_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc1 += c1
+                acc3 += c3
+            _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
+                      EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+
+
 # ============================================================================ weights
 @dataclass(frozen=True)
 class Weights:
@@ -306,17 +523,128 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
     _check_gemm(a, w, out, w3)
     if dot_scaled and (w.fmt != W_MXFP4 or triton_runtime.interpreting()):
         raise ValueError("dot_scaled needs MXFP4 weights and a GPU (not the interpreter)")
-    n_dim, k_dim = w.out_dim, w.in_dim
     n_tiles = schedule.start.shape[0]
     if n_tiles == 0 or out.shape[0] == 0:
         return out
+    if CONFIG["path"] == "legacy":
+        return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
+    if _cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
+        torch.matmul(a, dequantize_fp8(w).T, out=out)
+        return out
+    n_dim, k_dim = w.out_dim, w.in_dim
+    cfg = CONFIG
+    rows = out.shape[0]
+    split, chunk = _plan(w)
+    small = rows <= cfg["small_rows"] or schedule.block_m <= cfg["split_tile_rows"]
+    block_n = cfg["skinny_block_n"] if small else cfg["block_n"]
+    block_k = cfg["skinny_block_k"] if small else cfg["block_k"]
+    if dot_scaled:
+        block_k = 64
+    grid = (triton.cdiv(n_dim, block_n), n_tiles, split if small else 1)
+    if grid[0] * n_tiles > _COUNTER_SLOTS and small and split > 1:
+        raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {_COUNTER_SLOTS}")
+    swiglu = w3 is not None
+    part = (torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32,
+                        device=a.device) if small and split > 1 else out)
+    scale1 = w.scale if w.scale is not None else w.data
+    w3_ = w3 if w3 is not None else w
+    scale3 = w3_.scale if w3_.scale is not None else w3_.data
+    sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
+    _gemm_kernel[grid](
+        a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
+        gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
+        w.data.stride(0), w.data.stride(1), sse, ssn,
+        schedule.expert, schedule.start, schedule.end, part, _counters(a.device),
+        n_dim, k_dim, chunk, rows, float(limit),
+        W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
+        HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
+        ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
+        IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
+        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small, BLOCK_M=schedule.block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg["skinny_warps"] if small else cfg["warps"],
+        num_stages=cfg["skinny_stages"] if small else cfg["stages"],
+        **triton_runtime.launch_options())
+    return out
+
+
+def _plan(w: Weights) -> tuple[int, int]:
+    """(SPLIT, k_chunk) of weight w: from its shape alone, never from the number of rows.
+
+    Enough split-K programs that a decode GEMM of one row tile per expert reaches target_ctas
+    (a grouped weight assumes expert_tiles active experts), with chunks of >= min_k_chunk.
+    """
+    cfg = CONFIG
+    k_dim = w.in_dim
+    step = cfg["skinny_block_k"]
+    blocks = triton.cdiv(w.out_dim, cfg["skinny_block_n"])
+    tiles = 1 if w.num_experts == 1 else min(w.num_experts, cfg["expert_tiles"])
+    want = triton.cdiv(cfg["target_ctas"], blocks * tiles)
+    split = max(1, min(want, k_dim // cfg["min_k_chunk"]))
+    chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
+    return triton.cdiv(k_dim, chunk), chunk
+
+
+_COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the split-K reduction; every launch leaves them zeroed."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _cublas_eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3,
+                     dot_scaled: bool) -> bool:
+    return (CONFIG["prefill"] == "cublas" and not triton_runtime.interpreting()
+            and w.fmt == W_FP8 and w.num_experts == 1 and a_rows is None and w3 is None
+            and not dot_scaled and a.dtype == out.dtype == torch.bfloat16
+            and out.shape[0] >= CONFIG["cublas_min_rows"] and out.shape[0] == a.shape[0])
+
+
+@triton.jit
+def _dequant_fp8_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_sn, HW_FP8: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    off = n[:, None].to(tl.int64) * K + k[None, :]
+    q = tl.load(w_ptr + off, mask=mask, other=0)
+    if HW_FP8:
+        v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = e4m3_decode(q)
+    s = tl.load(s_ptr + (n[:, None] // 32) * stride_sn + k[None, :] // 32, mask=mask, other=127)
+    tl.store(y_ptr + off, (v * e8m0_decode(s)).to(tl.bfloat16), mask=mask)
+
+
+def dequantize_fp8(w: Weights) -> torch.Tensor:
+    """One FP8 32x32-tile weight [N, K] -> BF16 (exact), one launch."""
+    if w.fmt != W_FP8 or w.num_experts != 1:
+        raise ValueError("dequantize_fp8 takes one FP8 weight matrix")
+    n_dim, k_dim = w.out_dim, w.in_dim
+    y = torch.empty(n_dim, k_dim, dtype=torch.bfloat16, device=w.data.device)
+    _dequant_fp8_kernel[(triton.cdiv(n_dim, 32), triton.cdiv(k_dim, 128))](
+        w.data[0], w.scale[0], y, n_dim, k_dim, w.scale.stride(1), HW_FP8=not DOT_UPCAST,
+        BLOCK_N=32, BLOCK_K=128)
+    return y
+
+
+def _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled):
+    """The previous grouped GEMM (one program per row tile and N block, K walked whole)."""
+    n_dim, k_dim = w.out_dim, w.in_dim
+    n_tiles = schedule.start.shape[0]
     scale1 = w.scale if w.scale is not None else w.data
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
     cfg = CONFIG
-    small = out.shape[0] <= cfg.get("small_rows", 0)
-    block_n = cfg.get("block_n_small", cfg["block_n"]) if small else cfg["block_n"]
+    small = out.shape[0] <= cfg["legacy_small_rows"]
+    block_n = cfg["legacy_block_n_small"] if small else cfg["legacy_block_n"]
     grid = (n_tiles, triton.cdiv(n_dim, block_n))
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
@@ -328,8 +656,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
         DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m,
-        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **triton_runtime.launch_options())
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3,
+        **triton_runtime.launch_options())
     return out
 
 
@@ -353,7 +681,10 @@ def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | No
 
 
 def block_m_for(num_rows: int) -> int:
-    return 16 if num_rows <= 16 else 32 if num_rows <= 64 else 64
+    """Row tile for GEMMs of num_rows rows (per expert): 16, 32, then CONFIG["block_m_large"]."""
+    if CONFIG["path"] == "legacy":
+        return 16 if num_rows <= 16 else 32 if num_rows <= 64 else 64
+    return 16 if num_rows <= 16 else 32 if num_rows <= 32 else CONFIG["block_m_large"]
 
 
 def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch.Tensor:

@@ -65,3 +65,51 @@ def test_pool_record_width_is_checked():
     q, sink, win, comp, win_rows, comp_rows, _ = _setup()
     with pytest.raises(ValueError, match="record"):
         at.sparse_attention_packed(q, None, win, win_rows, win, comp_rows, sink, 0.1)
+
+
+def _split_setup(t: int, w: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, H, D, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    win = qref.pack_window_fp8(torch.randn(3 * w, D, generator=g))
+    comp = qref.pack_nvfp4(torch.randn(64, D, generator=g))
+    win_rows = torch.randint(-1, 3 * w, (t, w), generator=g)
+    comp_rows = torch.randint(-1, 64, (t, k), generator=g)
+    comp_rows[0] = -1  # a query whose compressed ranges are all empty
+    win_rows[1, :] = -1  # and one whose window ranges are
+    pos = torch.randint(0, 1 << 20, (t,), generator=g)
+    return q, sink, win, comp, win_rows, comp_rows, pos
+
+
+@pytest.mark.parametrize("min_tiles", [1, 2, 3])
+def test_split_kv_matches_single_pass_and_reference(monkeypatch, min_tiles):
+    q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=3)
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    tables = rope.rope_cos_sin(pos, freqs)
+    monkeypatch.setitem(at.CONFIG, "split_target", 0)
+    single = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink,
+                                        D ** -0.5)
+    monkeypatch.setitem(at.CONFIG, "split_target", 10_000)
+    monkeypatch.setitem(at.CONFIG, "split_min_tiles", min_tiles)
+    splits, per = at.split_plan(3, H, (40, 50))
+    assert splits > 1 and (splits - 1) * per < 7 <= splits * per  # 3 window + 4 comp. tiles
+    got = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    want = _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), single.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_split_kv_query_with_no_valid_key_outputs_zero(monkeypatch):
+    q, sink, win, comp, win_rows, comp_rows, _ = _split_setup(2, 40, 50, seed=4)
+    win_rows[1] = -1
+    comp_rows[1] = -1
+    monkeypatch.setitem(at.CONFIG, "split_min_tiles", 1)
+    assert at.split_plan(2, H, (40, 50))[0] > 1
+    got = at.sparse_attention_packed(q, None, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    assert bool((got[1] == 0).all()) and bool((got[0] != 0).any())
+
+
+def test_split_plan_leaves_full_grids_alone():
+    assert at.split_plan(at.CONFIG["split_max_q"] + 1, 64, (128, 512)) == (1, 0)
+    splits, per = at.split_plan(1, 64, (128, 512))
+    assert splits > 1 and splits * per >= 128 // 16 + 512 // 16

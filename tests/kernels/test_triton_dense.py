@@ -66,3 +66,56 @@ def test_dot_scaled_switch_is_refused_under_the_interpreter():
     with pytest.raises(ValueError, match="dot_scaled"):
         dt.grouped_gemm(_x(t=2, k=64), dt.Weights.mxfp4(p, s), sched, torch.empty(2, 32),
                         dot_scaled=True)
+
+
+def _force_split(monkeypatch) -> None:
+    """Chunks of 32 over K = 96: three split-K programs per output block."""
+    monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 32)
+    monkeypatch.setitem(dt.CONFIG, "skinny_block_k", 32)
+    monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_split_k_gemm_matches_reference(monkeypatch, fmt):
+    _force_split(monkeypatch)
+    g = torch.Generator().manual_seed(8)
+    if fmt == "fp8":
+        q, s = qref.quantize_fp8_blockwise(torch.randn(70, 96, generator=g))
+        w, deq = dt.Weights.fp8(q, s), qref.dequantize_fp8_blockwise(q, s)
+    else:
+        q, s = qref.quantize_mxfp4_weight(torch.randn(70, 96, generator=g))
+        w, deq = dt.Weights.mxfp4(q, s), qref.dequantize_mxfp4_weight(q, s)
+    assert dt._plan(w) == (3, 32)
+    x = _x(t=5, seed=9)
+    got = dt.linear_weights(x, w, torch.bfloat16)
+    torch.testing.assert_close(got, dref.linear(x, deq), rtol=8e-3, atol=1e-2)
+    assert torch.equal(dt.linear_weights(x, w, torch.bfloat16), got)  # counters were reset
+    assert not bool(dt._counters(x.device).any())
+
+
+def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch):
+    """Decode (split-K programs) and prefill (one program walking the chunks) agree bit for bit."""
+    _force_split(monkeypatch)
+    q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
+                                                   .manual_seed(10)))
+    w = dt.Weights.fp8(q, s)
+    x = _x(t=80, seed=11)  # > small_rows: the K-segment path
+    full = dt.linear_weights(x, w, torch.float32)
+    for r in (0, 37, 79):
+        assert torch.equal(dt.linear_weights(x[r:r + 1], w, torch.float32), full[r:r + 1])
+
+
+def test_legacy_path_is_still_reachable(monkeypatch):
+    q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
+                                                   .manual_seed(12)))
+    x = _x(seed=13)
+    new = dt.linear_fp8(x, q, s)
+    monkeypatch.setitem(dt.CONFIG, "path", "legacy")
+    torch.testing.assert_close(dt.linear_fp8(x, q, s), new, rtol=8e-3, atol=1e-2)
+
+
+def test_fp8_dequantize_matches_reference():
+    q, s = qref.quantize_fp8_blockwise(torch.randn(70, 200, generator=torch.Generator()
+                                                   .manual_seed(14)))
+    assert torch.equal(dt.dequantize_fp8(dt.Weights.fp8(q, s)),
+                       qref.dequantize_fp8_blockwise(q, s))
