@@ -150,6 +150,13 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    def drain_snapshot(self) -> list[KVCacheEvent]:
+        """The whole cache state as events (AllCleared, then BlockStored of every cached hash),
+        replacing the pending events: for a subscriber that lost what it was told."""
+        self._events = []
+        hashes = tuple(self._block_of_hash)
+        return [AllCleared()] + ([BlockStored(hashes)] if hashes else [])
+
     # ---- checks ---------------------------------------------------------------------------
 
     def check_consistency(self) -> None:

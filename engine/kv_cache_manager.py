@@ -206,6 +206,10 @@ class KVCacheManager:
     def drain_events(self) -> list[KVCacheEvent]:
         return self._pool.drain_events()
 
+    def drain_snapshot(self) -> list[KVCacheEvent]:
+        """Every cached chunk as events (AllCleared + BlockStored), in place of pending events."""
+        return self._pool.drain_snapshot()
+
     # ---- views ----------------------------------------------------------------------------
 
     def holds(self, request_id: str) -> bool:

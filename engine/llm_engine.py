@@ -284,3 +284,7 @@ class LLMEngine:
 
     def drain_cache_events(self):
         return self.kv.drain_events()
+
+    def drain_cache_snapshot(self):
+        """Every cached chunk as events, replacing pending ones (re-publish after index loss)."""
+        return self.kv.drain_snapshot()

@@ -3,7 +3,8 @@
 Each replica is one worker: its worker id is its Serve replica id (so `PinnedWorkerRouter`
 can send the router's chosen worker exactly its calls), its incarnation is new per process.
 A replica registers itself in Redis, publishes its cache events and heartbeat from a small
-background thread (off the engine's step loop), and deregisters on graceful shutdown.
+background thread (off the engine's step loop), survives Redis pauses and restarts (retrying,
+then re-registering and re-publishing its cached chunks), and deregisters on graceful shutdown.
 """
 
 from __future__ import annotations
@@ -38,43 +39,98 @@ def _replica_worker_id(role: str) -> str:
         return new_worker_ref(role).worker_id
 
 
-class _Publisher:
-    """Redis registration, heartbeat and cache-event publishing on a private asyncio loop."""
+class RedisPublisher:
+    """Redis registration, heartbeat and cache-event publishing on a private asyncio loop.
 
-    def __init__(self, redis_url: str, model_id: str, stats, drain_events, interval_s: float):
+    It never gives up: a failed round (Redis paused, killed, unreachable; a call that exceeds
+    `op_timeout_s`) is retried with exponential backoff up to `max_backoff_s`. After a failure,
+    and whenever a heartbeat finds this worker missing from the registry (a fresh, empty Redis),
+    it registers again and re-publishes every chunk the engine holds (`snapshot`: AllCleared +
+    BlockStored of all cached hashes), so prefix hits come back without a restart.
+    """
+
+    def __init__(self, redis_url: str, model_id: str, ref: WorkerRef, stats, drain_events,
+                 snapshot, interval_s: float, *, op_timeout_s: float = 2.0,
+                 max_backoff_s: float = 2.0):
+        self._url, self._model_id, self._ref = redis_url, model_id, ref
+        self._stats, self._drain_events, self._snapshot = stats, drain_events, snapshot
+        self._interval_s, self._op_timeout_s = interval_s, op_timeout_s
+        self._max_backoff_s = max(max_backoff_s, interval_s)
+        self.registered = False  # the last round succeeded
+        self.republished = 0  # full snapshots published (first registration included)
+        self.failures = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashpd-publisher",
                                         daemon=True)
         self._thread.start()
-        started = asyncio.run_coroutine_threadsafe(
-            self._start(redis_url, model_id, stats, drain_events, interval_s), self._loop)
-        try:
-            started.result(30)
-        except Exception as exc:
-            raise Unavailable(f"could not register with Redis at {redis_url}: {exc}") from exc
+        self._task = asyncio.run_coroutine_threadsafe(self._main(), self._loop)
 
-    async def _start(self, redis_url, model_id, stats, drain_events, interval_s) -> None:
+    async def _main(self) -> None:
         import redis.asyncio as aioredis
 
         from flashpd.services.router.index import IndexPublisher
 
-        self.redis = aioredis.from_url(redis_url)
-        self.publisher = IndexPublisher(self.redis, model_id)
-        await self.publisher.register(stats())
-        self._task = asyncio.create_task(self.publisher.run(stats, drain_events, interval_s))
+        self.redis = aioredis.from_url(self._url, socket_timeout=self._op_timeout_s,
+                                       socket_connect_timeout=self._op_timeout_s)
+        self.publisher = IndexPublisher(self.redis, self._model_id)
+        fresh, backoff_s = True, self._interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self._round(fresh), 4 * self._op_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried forever; the worker keeps serving
+                self.failures += 1
+                if self.registered or self.failures == 1:
+                    log.warning("%s: Redis publishing failed (%r); retrying, and re-publishing "
+                                "every cached chunk once Redis answers", self._ref.key, exc)
+                self.registered, fresh = False, True
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, self._max_backoff_s)
+                continue
+            if fresh:
+                log.info("%s: registered in Redis, cached chunks published", self._ref.key)
+            self.registered, fresh, backoff_s = True, False, self._interval_s
+            await asyncio.sleep(self._interval_s)
+
+    async def _round(self, fresh: bool) -> None:
+        if fresh:
+            await self.publisher.register(self._stats())
+            await self._republish()
+            return
+        events = self._drain_events()
+        if events:
+            await self.publisher.publish(self._ref, events)
+        if await self.publisher.heartbeat(self._stats()):  # we were missing: a fresh Redis
+            log.warning("%s: missing from the Redis registry; re-publishing every cached chunk",
+                        self._ref.key)
+            await self._republish()
+
+    async def _republish(self) -> None:
+        await self.publisher.publish(self._ref, self._snapshot())
+        self.republished += 1
+
+    def health_error(self) -> str | None:
+        if not self._thread.is_alive():
+            return "the Redis publisher thread stopped"
+        if self._task.done():
+            error = None if self._task.cancelled() else self._task.exception()
+            return f"the Redis publisher task ended: {error!r}"
+        return None
 
     def stop(self, ref: WorkerRef) -> None:
         async def _stop():
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            await self.publisher.deregister(ref)
-            await self.redis.aclose()
+            publisher = getattr(self, "publisher", None)
+            if publisher is not None:
+                await asyncio.wait_for(publisher.deregister(ref), self._op_timeout_s)
+                await self.redis.aclose()
 
         fut = asyncio.run_coroutine_threadsafe(_stop(), self._loop)
         try:
             fut.result(10)
-        except Exception as exc:  # shutdown must not hang on Redis
-            log.warning("deregistering %s failed: %s", ref.key, exc)
+        except Exception as exc:  # noqa: BLE001 - shutdown must not hang on Redis
+            log.warning("deregistering %s failed: %r", ref.key, exc)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -89,10 +145,12 @@ class _WorkerDeployment:
         self.ref = ref
         self._publisher = None
         if config.redis_url:
-            self._publisher = _Publisher(config.redis_url, config.model_id, self.worker.stats_now,
-                                         lambda: self.worker.engine.call_sync(
-                                             lambda e: e.drain_cache_events()),
-                                         config.heartbeat_interval_s)
+            engine = self.worker.engine
+            self._publisher = RedisPublisher(
+                config.redis_url, config.model_id, ref, lambda: self.worker.stats_now(5.0),
+                lambda: engine.call_sync(lambda e: e.drain_cache_events(), 5.0),
+                lambda: engine.call_sync(lambda e: e.drain_cache_snapshot(), 5.0),
+                config.heartbeat_interval_s)
 
     def _make_worker(self, engine, config, ref):
         raise TypeError("subclasses build their worker")
@@ -110,8 +168,14 @@ class _WorkerDeployment:
         return await self.worker.stats()
 
     def check_health(self) -> None:
-        if self.worker.engine.error is not None:
-            raise RuntimeError(f"engine loop died: {self.worker.engine.error!r}")
+        """Serve replaces a replica whose check fails: its engine loop died, a loop hook (KV
+        transfer progress, cache events) keeps failing, or the Redis publisher stopped. Redis
+        itself being down is not the replica's fault and does not fail it."""
+        error = self.worker.health_error()
+        if error is None and self._publisher is not None:
+            error = self._publisher.health_error()
+        if error is not None:
+            raise RuntimeError(f"{self.ref.key} unhealthy: {error}")
 
     async def __del__(self) -> None:
         """Graceful shutdown: leave the Redis index first, then stop the engine."""

@@ -139,3 +139,16 @@ def test_consistency_check_catches_corruption():
     pool._free.append(0)  # corrupt on purpose: block 0 is referenced
     with pytest.raises(RuntimeError):
         pool.check_consistency()
+
+
+def test_snapshot_lists_every_cached_hash_and_replaces_pending_events():
+    from flashpd.engine.events import AllCleared, BlockStored
+
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    pool.store([(blocks[0], "h0"), (blocks[1], "h1")])
+    pool.release(blocks)  # cached blocks stay listed once unreferenced
+    assert pool.drain_snapshot() == [AllCleared(), BlockStored(("h0", "h1"))]
+    assert pool.drain_events() == []
+    pool.clear_cache()
+    assert pool.drain_snapshot() == [AllCleared()]
