@@ -337,6 +337,38 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     return out
 
 
+def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
+           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
+    """Compile (and run once) the packed-attention variants of `rows`-query decode calls.
+
+    topk: the compressed-row counts the model's layers pass (0 for window-only layers, else
+    index_topk). Returns the number of calls made.
+    """
+    device = triton_runtime.kernel_device()
+    pool_rows = max(rows) * window + 1
+    win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8,
+                      device=device)
+    comp_bytes = (qref.nvfp4_record_bytes(head_dim) if comp_format == FMT_NVFP4
+                  else qref.window_fp8_record_bytes(head_dim))
+    comp = torch.zeros(pool_rows, comp_bytes, dtype=torch.uint8, device=device)
+    sink = torch.zeros(num_heads, device=device)
+    calls = 0
+    for r in rows:
+        q = torch.randn(r, num_heads, head_dim, device=device).to(torch.bfloat16)
+        rope = None
+        if rope_pairs:
+            rope = (torch.ones(r, rope_pairs, device=device),
+                    torch.zeros(r, rope_pairs, device=device))
+        win_rows = torch.arange(r * window, dtype=torch.int32, device=device).view(r, window)
+        for k in sorted(set(topk)):
+            comp_rows = torch.zeros(r, k, dtype=torch.int32, device=device)
+            sparse_attention_packed(q, rope, win, win_rows, comp if k else None,
+                                    comp_rows if k else None, sink, head_dim ** -0.5,
+                                    comp_format=comp_format)
+            calls += 1
+    return calls
+
+
 # ============================================================================ ref surface
 def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
                 window: int) -> tuple[torch.Tensor, torch.Tensor]:

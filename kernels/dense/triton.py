@@ -46,7 +46,7 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #   path         "splitk": `_gemm_kernel` (split-K below small_rows rows, K segments above);
 #                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
-#                GEMMs whose row tiles are at most split_tile_rows (MoE experts at decode)
+#                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
 #   skinny_*     split-K tiles: N block, K step (a multiple of 32), warps, pipeline stages
 #   target_ctas  programs a split-K launch aims for (about 2 per SM of an H200)
 #   min_k_chunk  the smallest K chunk one program walks
@@ -57,7 +57,7 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # Block sizes along K never change a row's arithmetic: K is summed in 16-wide tensor-core
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
-CONFIG = {"path": "splitk", "small_rows": 64, "split_tile_rows": 16,
+CONFIG = {"path": "splitk", "small_rows": 64,
           "skinny_block_n": 64, "skinny_block_k": 128, "skinny_warps": 4, "skinny_stages": 3,
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
           "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,
@@ -354,7 +354,7 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every decode batch
 def _gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
@@ -535,7 +535,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
     cfg = CONFIG
     rows = out.shape[0]
     split, chunk = _plan(w)
-    small = rows <= cfg["small_rows"] or schedule.block_m <= cfg["split_tile_rows"]
+    small = (rows <= cfg["small_rows"]
+             or triton.cdiv(n_dim, cfg["skinny_block_n"]) * n_tiles < cfg["target_ctas"])
     block_n = cfg["skinny_block_n"] if small else cfg["block_n"]
     block_k = cfg["skinny_block_k"] if small else cfg["block_k"]
     if dot_scaled:
@@ -694,6 +695,45 @@ def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch
     out = torch.empty(x.shape[0], w.out_dim, dtype=out_dtype, device=x.device)
     schedule = single_schedule(x.shape[0], block_m_for(x.shape[0]), x.device)
     return grouped_gemm(x.contiguous(), w, schedule, out)
+
+
+def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int:
+    """Compile (and run once) the GEMM variants that `rows`-row calls of each weight take.
+
+    weights: `Weights` of the model's layers (repeats are skipped: variants depend on format,
+    shape and expert count only). One-expert weights run as `linear_weights`; grouped ones as
+    the GPU forward's block-diagonal wo_a (`rows` rows per expert, A rows gathered). Returns
+    the number of calls made.
+    """
+    seen, calls = set(), 0
+    device = kernel_device_of(weights)
+    for w in weights:
+        key = (w.fmt, w.num_experts, w.out_dim, w.in_dim, w.data.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        act = dtype if w.fmt != W_PLAIN else w.data.dtype
+        for r in rows:
+            if w.num_experts == 1:
+                linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act)
+            else:
+                e = w.num_experts
+                a = torch.randn(r * e, w.in_dim, device=device).to(act)
+                p = torch.arange(r * e, device=device)
+                a_rows = ((p % r) * e + p // r).to(torch.int32)
+                counts = torch.full((e,), r, dtype=torch.int64, device=device)
+                sched = grouped_schedule(counts, r * e, block_m_for(r))
+                grouped_gemm(a, w, sched, torch.empty(r * e, w.out_dim, dtype=act,
+                                                      device=device), a_rows=a_rows)
+            calls += 1
+    return calls
+
+
+def kernel_device_of(weights) -> torch.device:
+    """The device of the first weight in `weights` (the kernel device when there is none)."""
+    for w in weights:
+        return w.data.device
+    return triton_runtime.kernel_device()
 
 
 # ============================================================================ ref surface

@@ -285,3 +285,21 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
                               for w in (shared.w1, shared.w3, shared.w2)))
             out = out + _dense_experts(x, one, limit, None).to(torch.float32)
     return out.to(x.dtype)
+
+
+def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,
+           rows=(1, 8, 64), limit: float = 10.0) -> int:
+    """Compile (and run once) the router and expert GEMM variants of `rows`-token MoE calls.
+
+    experts / shared: one layer's routed (MXFP4) and shared (FP8) experts; num_gate_experts:
+    the router's expert count. Every MoE layer of a model shares these variants. Returns the
+    number of MoE calls made.
+    """
+    device = experts.w1.data.device
+    dim = experts.w1.in_dim
+    gate = torch.randn(num_gate_experts, dim, device=device).to(torch.bfloat16) * dim ** -0.5
+    bias = torch.zeros(num_gate_experts, device=device)
+    for r in rows:
+        x = torch.randn(r, dim, device=device).to(torch.bfloat16)
+        moe_quantized(x, gate, bias, experts, shared, top_k, 1.0, limit)
+    return len(rows)

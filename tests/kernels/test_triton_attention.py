@@ -113,3 +113,7 @@ def test_split_plan_leaves_full_grids_alone():
     assert at.split_plan(at.CONFIG["split_max_q"] + 1, 64, (128, 512)) == (1, 0)
     splits, per = at.split_plan(1, 64, (128, 512))
     assert splits > 1 and splits * per >= 128 // 16 + 512 // 16
+
+
+def test_warmup_runs_every_row_count_and_topk():
+    assert at.warmup(H, D, 8, W, (0, K, K), rows=(1, 2)) == 4

@@ -96,12 +96,15 @@ def test_split_k_gemm_matches_reference(monkeypatch, fmt):
 def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch):
     """Decode (split-K programs) and prefill (one program walking the chunks) agree bit for bit."""
     _force_split(monkeypatch)
+    monkeypatch.setitem(dt.CONFIG, "skinny_block_n", 16)
+    monkeypatch.setitem(dt.CONFIG, "target_ctas", 9)  # 3 N blocks x 3 chunks
     q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
                                                    .manual_seed(10)))
     w = dt.Weights.fp8(q, s)
-    x = _x(t=80, seed=11)  # > small_rows: the K-segment path
+    assert dt._plan(w) == (3, 32)
+    x = _x(t=200, seed=11)  # 4 row tiles x 3 N blocks >= target_ctas: the K-segment path
     full = dt.linear_weights(x, w, torch.float32)
-    for r in (0, 37, 79):
+    for r in (0, 137, 199):
         assert torch.equal(dt.linear_weights(x[r:r + 1], w, torch.float32), full[r:r + 1])
 
 
@@ -119,3 +122,11 @@ def test_fp8_dequantize_matches_reference():
                                                    .manual_seed(14)))
     assert torch.equal(dt.dequantize_fp8(dt.Weights.fp8(q, s)),
                        qref.dequantize_fp8_blockwise(q, s))
+
+
+def test_warmup_runs_each_distinct_weight_shape_once_per_row_count():
+    q, s = qref.quantize_fp8_blockwise(torch.randn(64, 96, generator=torch.Generator()
+                                                   .manual_seed(15)))
+    w = dt.Weights.fp8(q, s)
+    grouped = dt.Weights.fp8(torch.stack([q, q]), torch.stack([s, s]))
+    assert dt.warmup([w, w, grouped], rows=(1, 3)) == 4
