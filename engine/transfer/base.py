@@ -137,16 +137,17 @@ class KVReceiver(ABC):
                               agent_metadata=self._agent_metadata()).to_bytes()
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
-               incarnation: str) -> None:
+               incarnation: str, issued_s: float | None = None) -> None:
         """Wait for `request_id`'s KV in `dst_block_ids`, from writes carrying `incarnation`.
 
         `incarnation` is the fencing token the writer must echo in `send`: the sender worker's
         incarnation id, or a token handed out with the ticket. Expecting again with another
         token supersedes the first; writes carrying the old one are then rejected.
         `lease_deadline_s` is absolute, on whatever clock the owner later passes to `expire`
-        (e.g. a ticket's unix deadline with time.time()).
+        (e.g. a ticket's unix deadline with time.time()). `issued_s` (unix) lets an
+        `abandon_all` notice cover this ticket.
         """
-        self._ledger.expect(request_id, dst_block_ids, lease_deadline_s, incarnation)
+        self._ledger.expect(request_id, dst_block_ids, lease_deadline_s, incarnation, issued_s)
 
     def poll_completed(self) -> list[str]:
         """Request ids whose every expected block has arrived since the last poll."""
@@ -203,7 +204,7 @@ class KVReceiver(ABC):
                 self._ledger.on_malformed()
                 continue
             self._ledger.on_notice(notice.request_id, notice.incarnation, notice.dst_block_ids,
-                                   notice.kind)
+                                   notice.kind, notice.before_unix_s)
 
     @abstractmethod
     def _agent_metadata(self) -> bytes:
@@ -282,6 +283,16 @@ class KVSender(ABC):
         target = self._only_peer() if peer is None else self._peer(peer)
         notice = TransferNotice(request_id, incarnation, (), kind="abandon").to_bytes()
         self._notify(target, notice)
+
+    def abandon_all(self, request_id: str, before_unix_s: float, *,
+                    peer: str | None = None) -> None:
+        """Tell every connected receiver (or `peer`) that this sender has no run of
+        `request_id` and refuses its tickets issued at or before `before_unix_s`."""
+        notice = TransferNotice(request_id, "", (), kind="abandon_all",
+                                before_unix_s=before_unix_s).to_bytes()
+        targets = list(self._peers.values()) if peer is None else [self._peer(peer)]
+        for target in targets:
+            self._notify(target, notice)
 
     def wait(self, handle: TransferHandle, timeout_s: float,
              cancel: threading.Event | None = None) -> TransferStats:

@@ -19,7 +19,8 @@ request from live to draining, keyed by its fencing token; it becomes quiet (its
 out of `take_quiet`, and the owner frees the blocks) as soon as the sender's completion notice
 covers every block, or the sender's abandon notice says nothing is or will be in flight, or,
 for a dead sender, its fallback deadline passes. A live request whose sender already abandoned
-it needs no draining.
+it needs no draining, nor does one whose ticket was issued before an `abandon_all` of its
+request id (the sender had no run of it and refuses such tickets).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _Expected:
     incarnation: str
     received_block_ids: set[int] = field(default_factory=set)
     abandoned: bool = False  # the sender gave it up: no write in flight or to come
+    issued_s: float | None = None  # when its ticket was issued (unix), for abandon_all
 
 
 @dataclass
@@ -67,10 +69,11 @@ class ReceiverLedger:
         self._rejected: Counter[str] = Counter()
         self._draining: dict[str, _Draining] = {}  # fencing token -> draining request
         self._quiet: list[str] = []  # tokens whose draining ended since the last take_quiet
+        self._abandoned_all: OrderedDict[str, float] = OrderedDict()  # request id -> before_s
 
     # ------------------------------------------------------------------ owner side
     def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
-               incarnation: str) -> None:
+               incarnation: str, issued_s: float | None = None) -> None:
         """Start (or supersede, with a new sender incarnation) the wait for one request's KV."""
         block_ids = self._checked_block_ids(request_id, dst_block_ids)
         if not math.isfinite(lease_deadline_s):
@@ -82,7 +85,8 @@ class ReceiverLedger:
             raise ValueError(f"{request_id}: already expected from incarnation {incarnation!r}")
         # A newer incarnation restarts the request: the old sender's notices become stale.
         self._closed.pop(request_id, None)
-        self._live[request_id] = _Expected(block_ids, float(lease_deadline_s), incarnation)
+        self._live[request_id] = _Expected(block_ids, float(lease_deadline_s), incarnation,
+                                           issued_s=issued_s)
 
     def cancel(self, request_id: str) -> bool:
         """Stop waiting for a request; True if it was live. Its late notices are rejected."""
@@ -100,7 +104,7 @@ class ReceiverLedger:
         if expected is None:
             return None
         self._remember(request_id, Rejection.CANCELLED)
-        if expected.abandoned:
+        if expected.abandoned or self._covered_by_abandon_all(request_id, expected):
             return None
         self._draining[expected.incarnation] = _Draining(request_id, expected,
                                                          float(fallback_deadline_s))
@@ -124,7 +128,7 @@ class ReceiverLedger:
         for rid in expired:
             expected = self._live.pop(rid)
             self._remember(rid, Rejection.EXPIRED)
-            if expected.abandoned:
+            if expected.abandoned or self._covered_by_abandon_all(rid, expected):
                 continue
             self._draining[expected.incarnation] = _Draining(
                 rid, expected, expected.lease_deadline_s + grace_s)
@@ -136,9 +140,12 @@ class ReceiverLedger:
 
     # ------------------------------------------------------------------ notice side
     def on_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int],
-                  kind: str = "write") -> bool:
+                  kind: str = "write", before_unix_s: float = 0.0) -> bool:
         """Apply one sender notice; returns whether it was accepted (a notice that only ends a
         draining request is not accepted: its bytes are not used)."""
+        if kind == "abandon_all":
+            self._on_abandon_all(request_id, before_unix_s)
+            return True
         self._on_draining_notice(request_id, incarnation, dst_block_ids, kind)
         expected = self._live.get(request_id)
         if expected is None:
@@ -156,6 +163,22 @@ class ReceiverLedger:
             self._remember(request_id, Rejection.DUPLICATE)
             self._completed.append(request_id)
         return True
+
+    def _on_abandon_all(self, request_id: str, before_unix_s: float) -> None:
+        self._abandoned_all[request_id] = max(before_unix_s,
+                                              self._abandoned_all.get(request_id, before_unix_s))
+        self._abandoned_all.move_to_end(request_id)
+        while len(self._abandoned_all) > self._max_remembered:
+            self._abandoned_all.popitem(last=False)
+        for token, d in list(self._draining.items()):
+            if d.request_id == request_id and self._covered_by_abandon_all(request_id, d.expected):
+                del self._draining[token]
+                self._quiet.append(token)
+
+    def _covered_by_abandon_all(self, request_id: str, expected: _Expected) -> bool:
+        before_s = self._abandoned_all.get(request_id)
+        return before_s is not None and expected.issued_s is not None and \
+            expected.issued_s <= before_s
 
     def _on_draining_notice(self, request_id: str, incarnation: str,
                             dst_block_ids: Sequence[int], kind: str) -> None:

@@ -85,7 +85,7 @@ class PeerDescriptor:
                    regions=regions, agent_metadata=bytes(data[prefix + head_len:]))
 
 
-NOTICE_KINDS = ("write", "abandon")
+NOTICE_KINDS = ("write", "abandon", "abandon_all")
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,15 @@ class TransferNotice:
 
     kind "write": the blocks' bytes have landed. kind "abandon" (no blocks): the sender gives the
     request up and no write of it is in flight or will be posted, so the receiver may reuse the
-    blocks at once."""
+    blocks at once. kind "abandon_all" (no token, no blocks): the sender has no run of the
+    request and refuses every ticket for it issued at or before `before_unix_s`, so none of
+    those tickets' blocks can be written by it."""
 
     request_id: str
-    incarnation: str  # the fencing token the sender was given
+    incarnation: str  # the fencing token the sender was given ("" for abandon_all)
     dst_block_ids: tuple[int, ...]
-    kind: str = "write"  # "write" | "abandon"
+    kind: str = "write"  # "write" | "abandon" | "abandon_all"
+    before_unix_s: float = 0.0  # abandon_all: tickets issued at or before this time
 
     def __post_init__(self) -> None:
         if self.kind not in NOTICE_KINDS:
@@ -107,7 +110,8 @@ class TransferNotice:
 
     def to_bytes(self) -> bytes:
         body = {"v": NOTICE_VERSION, "rid": self.request_id, "inc": self.incarnation,
-                "runs": block_runs(self.dst_block_ids), "kind": self.kind}
+                "runs": block_runs(self.dst_block_ids), "kind": self.kind,
+                "before": self.before_unix_s}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -119,7 +123,8 @@ class TransferNotice:
             block_ids = tuple(b for start, length in body["runs"]
                               for b in range(int(start), int(start) + int(length)))
             return cls(request_id=str(body["rid"]), incarnation=str(body["inc"]),
-                       dst_block_ids=block_ids, kind=str(body.get("kind", "write")))
+                       dst_block_ids=block_ids, kind=str(body.get("kind", "write")),
+                       before_unix_s=float(body.get("before", 0.0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed notice {bytes(data[:64])!r}: {e!r}") from e
 

@@ -18,7 +18,8 @@ Giving up a reservation whose KV may be in flight (abort, lease expiry, supersed
 are one-sided, so its blocks return only once no write can land in them: when the prefill
 side's completion notice covers them, or its abandon notice says nothing is or will be in
 flight (the prefill worker sends one on every path that does not end in a completed write,
-aborts included). For a dead prefill there is the bounded fallback `lease + transfer_timeout_s
+aborts included; an abort that finds no run there sends `abandon_all`, covering the tickets
+the prefill will now refuse). For a dead prefill there is the bounded fallback `lease + transfer_timeout_s
 + DRAIN_MARGIN_S`: a prefill posts no write after the lease and none outlives its transfer
 timeout. A reservation whose ticket never left this worker is freed at once.
 """
@@ -72,6 +73,7 @@ class _Attempt:
     request_id: str
     token: str
     engine_id: str
+    issued_unix_s: float
     lease_unix_s: float
     ticket_issued: bool = False  # the ticket left this worker: a prefill may write
     expired: bool = False
@@ -114,8 +116,9 @@ class DecodeWorker(EngineWorker):
         None when the pool is short."""
         n = next(self._tokens)
         token = f"{self.ref.incarnation}.{n}"
-        attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}",
-                           time.time() + self.config.lease_s)
+        now = time.time()
+        attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}", now,
+                           now + self.config.lease_s)
         self.engine.open_stream(attempt.engine_id)
         superseded: list[str] = []
 
@@ -134,7 +137,7 @@ class DecodeWorker(EngineWorker):
             self._attempts[req.request_id] = attempt
             if r.missing_block_ids:
                 self.receiver.expect(req.request_id, list(r.missing_block_ids),
-                                     attempt.lease_unix_s, token)
+                                     attempt.lease_unix_s, token, attempt.issued_unix_s)
             else:
                 e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
             return r

@@ -13,7 +13,8 @@ No stranded capacity: on every path that does not end in a completed write (erro
 cancel, abort, transfer timeout or failure), once no write of the request is in flight the
 decode worker gets an abandon notice, so it reuses its reserved blocks at once, and this
 worker's blocks are freed. An abort that arrives before its run leaves a tombstone: the late
-run is refused (and abandoned) instead of computing for nobody. No write is posted after the
+run is refused (and abandoned) instead of computing for nobody, and every connected decode worker
+gets an `abandon_all` notice: it may reuse the blocks of the tickets this worker now refuses. No write is posted after the
 ticket's lease, and none outlives `transfer_timeout_s`: the decode side's fallback for a dead
 prefill rests on that bound. Each attempt runs in the engine under `<request id>@<token>`, so a
 retry of a request id never collides with an attempt still winding down.
@@ -22,6 +23,7 @@ retry of a request id never collides with an attempt still winding down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -137,11 +139,12 @@ class PrefillWorker(EngineWorker):
         if push is not None:
             await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
         if run.phase != "done":
+            abandon = functools.partial(self.sender.abandon, req.request_id, ticket.incarnation,
+                                        peer=peer)
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._pushes, self.sender.abandon, req.request_id, ticket.incarnation, peer)
-            except TransferError as exc:  # the decode side falls back on its lease bound
-                log.warning("abandon notice for %s failed: %s", req.request_id, exc)
+                await asyncio.get_running_loop().run_in_executor(self._pushes, abandon)
+            except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
+                log.warning("abandon notice for %s failed: %r", req.request_id, exc)
         runs = self._runs.get(req.request_id, {})
         runs.pop(ticket.incarnation, None)
         if not runs:
@@ -174,7 +177,22 @@ class PrefillWorker(EngineWorker):
                 self.transfer_failures += 1
                 raise TransferFailed(f"cannot reach decode worker: {exc}") from exc
             self._peers[descriptor] = peer
+            self._announce_tombstones(peer)
         return peer
+
+    def _announce_tombstones(self, peer: str) -> None:
+        """A newly connected decode worker learns of the recent aborts that found no run here
+        (it may be draining blocks for them; older ones are past its fallback anyway)."""
+        horizon = time.time() - self.config.lease_s - self.config.transfer_timeout_s
+        for request_id, aborted_at in list(self._tombstones.items()):
+            if aborted_at < horizon:
+                continue
+            notice = functools.partial(self.sender.abandon_all, request_id, aborted_at,
+                                       peer=peer)
+            try:
+                notice()
+            except TransferError as exc:
+                log.warning("abandon_all notice for %s failed: %s", request_id, exc)
 
     def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int],
               cancel: threading.Event):
@@ -192,9 +210,15 @@ class PrefillWorker(EngineWorker):
     async def abort(self, request_id: str) -> bool:
         runs = list(self._runs.get(request_id, {}).values())
         if not runs:  # not started (or already over): refuse a run that arrives later
-            self._tombstones[request_id] = time.time()
+            now = time.time()
+            self._tombstones[request_id] = now
             while len(self._tombstones) > MAX_TOMBSTONES:
                 self._tombstones.popitem(last=False)
+            try:  # decode workers may reuse blocks reserved for this request before now
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pushes, self.sender.abandon_all, request_id, now)
+            except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
+                log.warning("abandon_all notice for %s failed: %r", request_id, exc)
             return False
         for run in runs:
             run.cancel.set()
