@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import os
 import secrets
@@ -267,6 +268,25 @@ async def _ramp(ns, workload, samples: list) -> list:
     return state["records"]
 
 
+def _wait_serving(timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reps = _replicas()
+        if len(reps) == 3 and all(running >= 1 for running, _, _ in reps.values()):
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"deployments not running after {timeout_s} s: {_replicas()}")
+
+
+def _policy_log(ray_tmp: str) -> list[str]:
+    """The JointPolicy's decision lines from the Serve controller's log."""
+    lines = []
+    for path in sorted(glob.glob(f"{ray_tmp}/ray/session_*/logs/serve/controller_*.log")):
+        with open(path, errors="replace") as f:
+            lines += [line.strip() for line in f if "JointPolicy:" in line]
+    return lines
+
+
 def _deploy(config: dict, workdir: Path) -> None:
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -310,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ns.target = f"127.0.0.1:{grpc_port}"
     cluster = _make_cluster(idle_timeout_minutes=0.25)
     samples: list[Sample] = []
-    with tempfile.TemporaryDirectory() as tmp, \
+    with tempfile.TemporaryDirectory(prefix="fpd") as tmp, \
             RedisWithPassword(free_port(), os.environ[PASSWORD_ENV]) as redis_server:
+        os.environ["RAY_TMPDIR"] = tmp  # this run's Ray session (and logs) under tmp
         cluster.start()
         try:
             ray.init(address="auto", log_to_driver=False, configure_logging=False)
@@ -320,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             client = Client(ns.target)
             wait_healthy(client, timeout_s=600.0)
             client.close()
+            _wait_serving()  # a worker is in Redis before Serve routes to it: wait for both
             print(f"deployed in {time.monotonic() - t0:.0f} s", flush=True)
+            load_started = time.strftime("%H:%M:%S")
             records = asyncio.run(_ramp(ns, workload, samples))
+            policy_lines = _policy_log(tmp)
         finally:
             ray.shutdown()
             cluster.shutdown()
@@ -330,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "timeline.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
     (out / "records.jsonl").write_text("".join(
         json.dumps({"t_end_s": t, **r.to_json()}) + "\n" for t, r in records))
-    path = write_report(out, samples, records, vars(ns), POLICY_KWARGS)
+    (out / "policy.log").write_text("".join(line + "\n" for line in policy_lines))
+    path = write_report(out, samples, records, vars(ns), POLICY_KWARGS, policy_lines,
+                        load_started)
     print(f"report: {path}")
     return 0
 

@@ -58,7 +58,8 @@ def _plot(samples, path: Path) -> Path:
     return path
 
 
-def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dict) -> Path:
+def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dict,
+                 policy_lines: list[str], load_started: str) -> Path:
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
     _plot(samples, plots / "timeline.png")
@@ -112,6 +113,18 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
                      f"{s.prefill_target} | {s.decode}/{s.decode_target} | "
                      f"{s.decode_stopping} | {s.prefill_nodes}/{s.decode_nodes} | {ttft} | "
                      f"{s.finished} | {s.failed} |")
+    changes = [line for line in policy_lines if "->" in line
+               and line.split("->")[0].split("JointPolicy:")[1].split("(demand")[0].strip()
+               != line.split("->")[1].split("(demand")[0].strip()]
+    held = [line for line in policy_lines if "scale-down held" in line]
+    lines += ["", f"## Policy decisions (Serve controller log; load started {load_started})", "",
+              f"{len(policy_lines)} logged ticks, {len(changes)} with a new target, {len(held)} "
+              "with a scale-down held (all in `policy.log`). Target changes:", "", "```"]
+    lines += [line.split(" -- ", 1)[-1] if " -- " in line else line for line in changes[:40]]
+    lines += ["```"]
+    if held:
+        lines += ["", "First held scale-downs:", "", "```"]
+        lines += [line.split(" -- ", 1)[-1] for line in held[:5]] + ["```"]
     if failed:
         lines += ["", "## Failed requests", ""]
         lines += [f"- t={t:.0f} s {r.error_type}: {r.error}" for t, r in failed[:20]]

@@ -34,7 +34,7 @@ from flashpd.services.autoscaling import (
     decide,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve's logger: lands in the controller's log file
 
 WORKER_METRICS = ("queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "running",
                   "waiting", "draining")
