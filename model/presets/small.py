@@ -17,7 +17,7 @@ widths a real tokenizer and real text need:
     9      1     Reuse
 
 hidden 384, 8 query heads x 64 (MQA, one 64-wide latent KV), 8 routed SwiGLU experts (top 2)
-plus a shared expert, mHC with 4 streams, Engram 2/3-grams x 2 heads, a 6144-token byte-level
+plus a shared expert, mHC with 4 streams, Engram 2/3/4-grams x 2 heads, a 6144-token byte-level
 BPE trained on the training split (small_tokenizer.json, built by small_tokenizer.py). Window 128
 (the engine's chunk) and index top-k 32 of a 64-entry candidate pool bite on ShareGPT turns.
 """
@@ -62,7 +62,7 @@ def small_hf() -> dict:
         candidate_block_size=4,
         hc_sinkhorn_iters=8,
         engram_layer_ids=[1, 4],
-        engram_max_ngram_size=3,
+        engram_max_ngram_size=4,
         engram_n_heads=2,
         engram_head_dim=64,
         engram_vocab_size=3000,
