@@ -20,7 +20,7 @@ from flashpd.services.router_deployment import Router
 log = logging.getLogger(__name__)
 
 VIEW_REFRESH_S = 1.0
-GRPC_DRAIN_S = 60.0  # inside the router's graceful_shutdown_timeout_s in the infra configs
+GRPC_DRAIN_MARGIN_S = 5.0  # the base shutdown's own time, inside graceful_shutdown_timeout_s
 
 
 def worker_load_metrics(stats: WorkerStats) -> dict[str, float]:
@@ -62,12 +62,14 @@ class ReportingRouter(Router):
 
     async def __del__(self) -> None:
         """Scale-down: stop taking gRPC calls (new connections go to the other replicas sharing
-        the port) and let the streams in flight finish, then the base shutdown."""
+        the port) and let the streams in flight finish within the router's
+        graceful_shutdown_timeout_s (less a margin), then the base shutdown."""
         task = getattr(self, "_view_task", None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         grpc = getattr(self, "grpc", None)
         if grpc is not None:
-            await grpc.stop(GRPC_DRAIN_S)
+            budget = self.args["router"]["graceful_shutdown_timeout_s"]
+            await grpc.stop(max(1.0, budget - GRPC_DRAIN_MARGIN_S))
         await super().__del__()

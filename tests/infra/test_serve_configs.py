@@ -42,7 +42,7 @@ def test_decode_drain_window_covers_the_policy_delays(serve_config):
     _, config = serve_config
     args = AppArgs.model_validate(_app(config)["args"])
     assert args.decode.graceful_shutdown_timeout_s >= args.prefill.graceful_shutdown_timeout_s
-    assert args.router.graceful_shutdown_timeout_s > 60  # router drains gRPC streams for 60 s
+    assert args.router.graceful_shutdown_timeout_s >= 60  # router drains its gRPC streams
 
 
 def test_gpu_replicas_ask_for_their_role_resource(serve_config):
