@@ -2,7 +2,8 @@
 
 The child must import its entry point by module path (spawn start method), so it lives here
 rather than in a test file. Commands: ("expect", request_id, block_ids, lease_s, incarnation),
-("cancel", request_id), ("completed",), ("rejections",), ("rows", group, block_ids), ("stop",).
+("cancel", request_id), ("drain", request_id, fallback_s) -> token | None, ("quiet",) -> tokens
+quiet since the last call, ("completed",), ("rejections",), ("rows", group, block_ids), ("stop",).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def receiver_main(conn, contract_json: str, num_blocks: int, incarnation: str) -
     receiver = NixlReceiver(contract, pools, incarnation)
     conn.send(receiver.descriptor())
     completed: list[str] = []
+    quiet: list[str] = []
     while True:
         completed += receiver.poll_completed()
+        quiet += receiver.take_quiet(time.monotonic())
         if not conn.poll(0.001):
             continue
         command, *args = conn.recv()
@@ -36,6 +39,12 @@ def receiver_main(conn, contract_json: str, num_blocks: int, incarnation: str) -
             conn.send(None)
         elif command == "cancel":
             conn.send(receiver.cancel(args[0]))
+        elif command == "drain":
+            request_id, fallback_s = args
+            conn.send(receiver.drain(request_id, time.monotonic() + fallback_s))
+        elif command == "quiet":
+            conn.send(quiet)
+            quiet = []
         elif command == "completed":
             conn.send(completed)
             completed = []

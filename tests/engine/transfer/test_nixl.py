@@ -16,6 +16,7 @@ from flashpd.engine.transfer import (  # noqa: E402
     ContractMismatch,
     GroupSpec,
     TransferContract,
+    TransferError,
 )
 from flashpd.engine.transfer.nixl_backend import NixlSender  # noqa: E402
 from flashpd.engine.transfer.remote_receiver import receiver_main  # noqa: E402
@@ -115,3 +116,53 @@ def test_contract_mismatch_fails_at_connect(peer):
         mismatched.connect(peer.descriptor)
     assert mismatched.peers == ()
     mismatched.close()
+
+
+def test_abandon_notice_quiets_a_drained_request(peer, sender):
+    peer.call("expect", "r3", [9, 10], 60.0, "prefill-3")
+    assert peer.call("drain", "r3", 600.0) == "prefill-3"  # a write could still come
+    sender.abandon("r3", "prefill-3")  # the sender gave it up: nothing in flight
+    assert peer.wait_for("quiet", lambda q: q) == ["prefill-3"]
+
+
+def test_completion_notice_quiets_a_request_drained_while_its_write_was_in_flight(peer, sender):
+    peer.call("expect", "r4", [11], 60.0, "prefill-4")
+    assert peer.call("drain", "r4", 600.0) == "prefill-4"
+    sender.wait(sender.send("r4", [1], [11], "prefill-4"), timeout_s=30)
+    assert peer.wait_for("quiet", lambda q: q) == ["prefill-4"]
+
+
+def test_concurrent_pushes_from_many_threads_all_complete(peer, sender):
+    """Posts, polls and notices from 8 threads at once on one NIXL agent (a cancel storm or 48
+    concurrent streams did this and crashed in uct_cma_ep_tx before agent calls were
+    serialized), some of them cancelled mid-wait; then a plain push still completes."""
+    import threading
+
+    rounds, threads = 25, 8
+    errors: list[BaseException] = []
+
+    def pusher(t: int):
+        try:
+            for i in range(rounds):
+                cancel = threading.Event()
+                if (t + i) % 3 == 0:
+                    cancel.set()
+                handle = sender.send(f"t{t}.{i}", [t % 8], [t], f"p{t}")
+                try:
+                    sender.wait(handle, timeout_s=30, cancel=cancel)
+                except TransferError:
+                    assert cancel.is_set()
+                if cancel.is_set():
+                    sender.abandon(f"t{t}.{i}", f"p{t}")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=pusher, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not errors and not any(w.is_alive() for w in workers)
+    peer.call("expect", "after", [12, 13], 60.0, "prefill-after")
+    sender.wait(sender.send("after", [2, 3], [12, 13], "prefill-after"), timeout_s=30)
+    assert "after" in peer.wait_for("completed", lambda done: "after" in done)
