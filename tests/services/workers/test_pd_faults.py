@@ -306,3 +306,46 @@ def test_worker_full_survives_pickling_with_its_hint():
 
     err = pickle.loads(pickle.dumps(WorkerFull("full", retry_after_s=2.5)))
     assert isinstance(err, WorkerFull) and err.retry_after_s == 2.5 and err.message == "full"
+
+
+async def _concurrent_streams(model, n: int) -> tuple[list[float], object, object]:
+    """n concurrent turns (200-token prompts, 16 tokens out) on one prefill and one decode
+    worker whose pools hold far fewer: every one completes (queued, not refused)."""
+    p, d = _workers(model, decode_blocks=48, max_seqs=16)
+    ttfts: list[float] = []
+
+    async def one(i: int) -> int:
+        req = _req(f"l{i}", 200, 1000 + i, max_tokens=16)
+        t0 = time.monotonic()
+        ticket = await d.reserve(req)
+        await p.run(req, ticket)
+        count = 0
+        async for ev in d.generate(req):
+            if isinstance(ev, TokenEvent):
+                if not count:
+                    ttfts.append(time.monotonic() - t0)
+                count += len(ev.token_ids)
+        return count
+
+    try:
+        counts = await asyncio.gather(*(one(i) for i in range(n)))
+        assert counts == [16] * n
+        assert await _idle(p, d)
+        return sorted(ttfts), await p.stats(), await d.stats()
+    finally:
+        await p.close()
+        await d.close()
+
+
+@pytest.mark.slow
+def test_100_concurrent_streams_all_complete(model_f32):
+    ttfts, p_stats, d_stats = _run(_concurrent_streams(model_f32, 100))
+    assert len(ttfts) == 100 and p_stats.kv_blocks_used == d_stats.kv_blocks_used == 0
+    print(f"100 streams: TTFT p50 {ttfts[49]:.2f} s, p99 {ttfts[98]:.2f} s")
+
+
+@pytest.mark.slow
+def test_500_concurrent_streams_all_complete(model_f32):
+    ttfts, p_stats, d_stats = _run(_concurrent_streams(model_f32, 500))
+    assert len(ttfts) == 500 and p_stats.kv_blocks_used == d_stats.kv_blocks_used == 0
+    print(f"500 streams: TTFT p50 {ttfts[249]:.2f} s, p99 {ttfts[494]:.2f} s")
