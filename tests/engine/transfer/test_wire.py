@@ -14,3 +14,16 @@ def test_notice_round_trip_keeps_block_order_and_compresses_runs():
 def test_malformed_notice_raises_value_error(raw):
     with pytest.raises(ValueError):
         TransferNotice.from_bytes(raw)
+
+
+def test_abandon_notices_round_trip_and_old_notices_read_as_writes():
+    import json
+
+    from flashpd.engine.transfer.wire import TransferNotice
+
+    n = TransferNotice("r", "", (), kind="abandon_all", before_unix_s=12.5)
+    assert TransferNotice.from_bytes(n.to_bytes()) == n
+    old = json.dumps({"v": 1, "rid": "r", "inc": "t", "runs": [[3, 2]]}).encode()
+    assert TransferNotice.from_bytes(old).kind == "write"
+    with pytest.raises(ValueError, match="kind"):
+        TransferNotice("r", "t", (), kind="bogus")
