@@ -38,6 +38,7 @@ from flashpd.model.model import Model, exact_replay_rows
 ROLES = {"colocated": ColocatedRole, "prefill": PrefillRole, "decode": DecodeRole}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
+MAX_REQUEST_STATS = 10_000  # per-request timing records kept (oldest dropped first)
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,10 @@ class LLMEngine:
         if model.kv_format.name != config.kv_format:
             raise ValueError(f"kv_format {config.kv_format!r} but the model fake-quantises "
                              f"compressed KV as {model.kv_format.name!r}")
-        scratch = config.max_num_batched_tokens if getattr(model, "needs_window_scratch", False) \
-            else 0  # the GPU forward stages a step's new window records in scratch rows
-        self.pools = KVPools(cfg, config.num_blocks, config.num_slots, config.device,
-                             compressed_format=config.kv_format, window_scratch_rows=scratch)
+        # issue 12 (helper F): the pools take the KV format object and window scratch rows
+        # from the model's declared capability (Model.stages_window_kv)
+        self.pools = KVPools.for_model(model, config.num_blocks, config.num_slots, config.device,
+                                       max_rows=config.max_num_batched_tokens)
         narrowing = cfg.sliding_window if (config.swa_bounded_replay and config.role == "colocated") else None
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)
@@ -165,6 +166,8 @@ class LLMEngine:
         self._params[request_id] = params
         self._stops[request_id] = StopState(stop=params.stop)
         self.stats[request_id] = RequestStats(time.monotonic(), len(ids))
+        while len(self.stats) > MAX_REQUEST_STATS:  # a long-running worker keeps the newest
+            del self.stats[next(iter(self.stats))]
         return request
 
     def _drop(self, request_id: str) -> None:

@@ -142,8 +142,6 @@ def test_consistency_check_catches_corruption():
 
 
 def test_snapshot_lists_every_cached_hash_and_replaces_pending_events():
-    from flashpd.engine.events import AllCleared, BlockStored
-
     pool = BlockPool(4)
     blocks = pool.allocate(3)
     pool.store([(blocks[0], "h0"), (blocks[1], "h1")])

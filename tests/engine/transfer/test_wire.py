@@ -19,8 +19,6 @@ def test_malformed_notice_raises_value_error(raw):
 def test_abandon_notices_round_trip_and_old_notices_read_as_writes():
     import json
 
-    from flashpd.engine.transfer.wire import TransferNotice
-
     n = TransferNotice("r", "", (), kind="abandon_all", before_unix_s=12.5)
     assert TransferNotice.from_bytes(n.to_bytes()) == n
     old = json.dumps({"v": 1, "rid": "r", "inc": "t", "runs": [[3, 2]]}).encode()
