@@ -12,7 +12,7 @@ driver (bench/driver.py) replays session trees at a ramp of concurrency levels. 
 it records load, replica counts, nodes, TTFT p90 and failed requests, then writes
 `report.md`, `timeline.jsonl`, `records.jsonl` and PNG plots.
 
-The cluster's start and stop run `ray stop --force`, which ends every Ray process it can see:
+`--report-only` re-writes the report from those files. The cluster's start and stop run `ray stop --force`, which ends every Ray process it can see:
 so the driver re-executes itself in fresh PID + network namespaces (loopback only), where it can
 see only its own processes.
 """
@@ -281,7 +281,7 @@ def _wait_serving(timeout_s: float = 600.0) -> None:
 def _policy_log(ray_tmp: str) -> list[str]:
     """The JointPolicy's decision lines from the Serve controller's log."""
     lines = []
-    for path in sorted(glob.glob(f"{ray_tmp}/ray/session_*/logs/serve/controller_*.log")):
+    for path in sorted(glob.glob(f"{ray_tmp}/ray/session_2*/logs/serve/controller_*.log")):
         with open(path, errors="replace") as f:
             lines += [line.strip() for line in f if "JointPolicy:" in line]
     return lines
@@ -306,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=50)
     ap.add_argument("--output-scale", type=float, default=40)
     ap.add_argument("--max-turns", type=int, default=12)
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-write report.md and the plot from the files of a previous run in --out")
     ns = ap.parse_args(argv)
+    if ns.report_only:
+        return _report_from_files(Path(ns.out))
     if os.environ.get(NS_FLAG) != "1":
         return _reexec_in_private_namespaces()
     import ray
@@ -349,14 +353,29 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
             cluster.shutdown()
-    from flashpd.bench.autoscale_report import write_report
-
     (out / "timeline.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
     (out / "records.jsonl").write_text("".join(
         json.dumps({"t_end_s": t, **r.to_json()}) + "\n" for t, r in records))
     (out / "policy.log").write_text("".join(line + "\n" for line in policy_lines))
-    path = write_report(out, samples, records, vars(ns), POLICY_KWARGS, policy_lines,
-                        load_started)
+    run = {k: v for k, v in vars(ns).items() if k not in ("out", "report_only")}
+    (out / "run.json").write_text(json.dumps({"args": run, "policy_kwargs": POLICY_KWARGS,
+                                              "load_started": load_started}, indent=1) + "\n")
+    return _report_from_files(out)
+
+
+def _report_from_files(out: Path) -> int:
+    from flashpd.bench.autoscale_report import write_report
+    from flashpd.bench.records import RequestRecord
+
+    run = json.loads((out / "run.json").read_text())
+    samples = [Sample(**json.loads(line)) for line in (out / "timeline.jsonl").open()]
+    records = []
+    for line in (out / "records.jsonl").open():
+        row = json.loads(line)
+        records.append((row.pop("t_end_s"), RequestRecord.from_json(row)))
+    policy_lines = (out / "policy.log").read_text().splitlines()
+    path = write_report(out, samples, records, run["args"], run["policy_kwargs"], policy_lines,
+                        run["load_started"])
     print(f"report: {path}")
     return 0
 

@@ -45,6 +45,7 @@ def _plot(samples, path: Path) -> Path:
     ax2 = axes[3].twinx()
     ax2.step(t, [s.failed for s in samples], where="post", color="red", label="failed (cum.)")
     ax2.set_ylabel("failed requests")
+    ax2.set_ylim(0, max(1, max(s.failed for s in samples)) * 1.1)
     axes[3].set_ylabel("seconds")
     axes[3].set_xlabel("time since load start (s)")
     for ax in axes:
@@ -68,7 +69,6 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
     in_down = [r for t, r in records
                if any(a <= t <= b or a <= t - r.e2e_s <= b for a, b in windows)]
     failed_down = [r for r in in_down if not r.ok]
-    peak = max(samples, key=lambda s: (s.decode, s.prefill))
     ttfts = sorted(r.ttft_s for _, r in records if r.ok and r.ttft_s is not None)
     p90 = ttfts[max(0, -(-9 * len(ttfts) // 10) - 1)] if ttfts else None
     args = ", ".join(f"{k} {v}" for k, v in run_args.items() if k not in ("out",))
@@ -91,8 +91,10 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         f"| requests finished / failed | {len(records)} / {len(failed)} |",
         f"| requests overlapping a scale-down (grey bands) / failed among them | "
         f"{len(in_down)} / {len(failed_down)} |",
-        f"| peak replicas prefill / decode (at t={peak.t_s:.0f} s) | {peak.prefill} / "
-        f"{peak.decode} |",
+        f"| peak running replicas prefill / decode | {max(s.prefill for s in samples)} / "
+        f"{max(s.decode for s in samples)} |",
+        f"| decode replicas seen draining (samples with one stopping) | "
+        f"{sum(1 for s in samples if s.decode_stopping)} |",
         f"| peak nodes prefill / decode | {max(s.prefill_nodes for s in samples)} / "
         f"{max(s.decode_nodes for s in samples)} |",
         f"| final replicas prefill / decode, nodes prefill / decode | {samples[-1].prefill} / "
@@ -100,6 +102,21 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         f"| TTFT p90 over the run (s) | {p90:.2f} |" if p90 is not None else "| TTFT p90 | - |",
         "",
         "![timeline](plots/timeline.png)",
+        "",
+        "Reading it: the policy scales decode on sequences per replica and prefill on queued "
+        "prefill tokens, keeps prefill within 0.5-2x decode, and removes one decode replica per "
+        "20 s of slack, only while decode load is under the drain-hold threshold; grey bands "
+        "mark scale-downs, the dotted line a decode replica Serve is draining (its streams "
+        "finish before it stops). Nodes follow replicas with the autoscaler's 15 s idle "
+        "timeout. All \"nodes\" share this machine's 2 cores, so added replicas add "
+        "scheduling capacity, not compute: TTFT here shows load, not the speed-up a real "
+        "cluster would get. The router stays at one replica in this run (its bounds are "
+        "1..1): the SDK's single gRPC channel would be cut by a router scale-down (see "
+        "infra/README.md).",
+        "",
+        "Command: `python -m flashpd.bench.autoscale_cpu --out bench/results/autoscale_cpu` "
+        "(re-executes itself under `unshare -n -p -f --mount-proc`; `--report-only` re-writes "
+        "this file from `timeline.jsonl`, `records.jsonl`, `policy.log`, `run.json`).",
         "",
         "## Timeline (every 5th sample; all of them in `timeline.jsonl`)",
         "",
