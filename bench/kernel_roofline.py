@@ -45,16 +45,24 @@ VARIANTS = {
     "before": ({"path": "legacy"}, {"split_target": 0}),
     "after": ({}, {}),
 }
+_FP8 = {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4}
+_MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4}
+# decode sweeps run the M = 1 and 64 cases of wq_a, wo_b, the experts and attention;
+# pf_* sweeps run the prefill cases
 SWEEP = {
-    "n32_k256_s4": ({"skinny_block_n": 32, "skinny_block_k": 256, "skinny_stages": 4}, {}),
-    "n128_w8": ({"skinny_block_n": 128, "skinny_warps": 8}, {}),
-    "k64_s4": ({"skinny_block_k": 64, "skinny_stages": 4}, {}),
+    "mx_bits": ({"mxfp4_decode": "bits"}, {}),
+    "mx_dot_scaled": ({"mxfp4_decode": "dot_scaled"}, {}),
+    "mx_n64_k128": ({"mx": {**_MX, "block_n": 64, "block_k": 128}}, {}),
+    "mx_n16_k256": ({"mx": {**_MX, "block_n": 16}}, {}),
+    "mx_k512_w8": ({"mx": {**_MX, "block_k": 512, "warps": 8}}, {}),
+    "fp8_k128_s3": ({"skinny": {**_FP8, "block_k": 128, "stages": 3}}, {}),
+    "fp8_n32_k128": ({"skinny": {**_FP8, "block_n": 32, "block_k": 128}}, {}),
     "ctas528": ({"target_ctas": 528}, {"split_target": 528}),
-    "attn_hb32_w8": ({}, {"split_heads": 32, "split_warps": 8}),
-    "attn_min1_s1": ({}, {"split_min_tiles": 1, "split_stages": 1}),
-    "prefill_triton_128": ({"prefill": "triton", "block_n": 128, "block_m_large": 128,
-                            "warps": 8}, {}),
-    "prefill_triton_64": ({"prefill": "triton"}, {}),
+    "attn_bn32": ({}, {"split_block_n": 32}),
+    "attn_old_hb16": ({}, {"heads": 16, "warps": 4, "stages": 2}),
+    "pf_mx_legacy": ({"mxfp4_large": "legacy"}, {}),
+    "pf_mx_splitk": ({"mxfp4_large": "splitk"}, {}),
+    "pf_ds_128": ({"block_n": 128, "block_m_large": 128, "warps": 8}, {}),
 }
 
 
@@ -491,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     quick = [c for c in cases if c.m in (1, 64) and (c.kernel != "fp8_dense" or c.shape.split()[0]
                                                       in ("wq_a", "wo_b"))]
     plan = [(v, cases) for v in args.variants]
-    plan += [(v, quick if v.startswith(("n", "k", "ctas", "attn")) else
-              [c for c in cases if c.phase == "prefill"]) for v in (sweep if args.sweep else [])]
+    plan += [(v, [c for c in cases if c.phase == "prefill"] if v.startswith("pf_") else quick)
+             for v in (sweep if args.sweep else [])]
     rows: list[dict] = []
     t_start = time.perf_counter()
     for v, subset in plan:

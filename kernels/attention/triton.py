@@ -38,11 +38,13 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Launch configuration (heads per program, keys per tile, warps, pipeline stages); tuned on an
 # H200 by bench/gpu_kernels.py. Heads per program >= 16 (tl.dot's minimum M).
 # Split-KV (decode): split_* as above for the split kernel; up to split_target programs for
-# batches of at most split_max_q queries, each range at least split_min_tiles key tiles;
-# split_target 0 turns splitting off (the single-pass kernel, as before).
+# batches of at most split_max_q queries, each range at least split_min_tiles key tiles, and
+# only when that makes >= split_min_splits ranges (fewer: the partials cost more than the
+# wider grid gains); split_target 0 turns splitting off (the single-pass kernel, as before).
 CONFIG = {"heads": 32, "block_n": 16, "warps": 8, "stages": 1,
-          "split_target": 264, "split_max_q": 64, "split_min_tiles": 2, "split_heads": 16,
-          "split_block_n": 16, "split_warps": 4, "split_stages": 2, "combine_heads": 4}
+          "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
+          "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
+          "combine_heads": 4}
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -269,7 +271,7 @@ def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, 
     tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
     base = num_q * -(-num_heads // cfg["split_heads"])
     splits = min(-(-cfg["split_target"] // base), max(1, tiles // cfg["split_min_tiles"]))
-    if splits <= 1:
+    if splits <= 1 or splits < cfg["split_min_splits"]:
         return 1, 0
     per = -(-tiles // splits)
     return -(-tiles // per), per

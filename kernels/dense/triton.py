@@ -43,13 +43,18 @@ W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 _BLOCK_K = 64  # the legacy kernel's K step
 # Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py).
-#   path         "splitk": `_gemm_kernel` (split-K below small_rows rows, K segments above);
+#   path         "splitk": `_gemm_kernel` (split-K grid for small GEMMs, K segments above);
 #                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
 #                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
-#   skinny_*     split-K tiles: N block, K step (a multiple of 32), warps, pipeline stages
-#   target_ctas  programs a split-K launch aims for (about 2 per SM of an H200)
-#   min_k_chunk  the smallest K chunk one program walks
+#   skinny / mx  split-K tiles for FP8 and plain weights / for MXFP4: N block, K step (a
+#                multiple of 32), warps, pipeline stages
+#   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
+#   expert_tiles active experts a grouped weight's split plans for (decode: top-k)
+#   mxfp4_decode "asm": PTX bit moves + one bf16x2 multiply per 2 values (GPU); "bits": the
+#                same in Triton integer ops (always under the interpreter); "dot_scaled":
+#                tl.dot_scaled at every size
+#   mxfp4_large  MXFP4 GEMMs off the split-K grid: "dot_scaled", "legacy" or "splitk"
 #   block_*      large-M tiles; block_m_large is block_m_for's answer above 32 rows
 #   prefill      "cublas": FP8 single-weight GEMMs of >= cublas_min_rows rows dequantise the
 #                weight to BF16 once per call and run cuBLAS; "triton": `_gemm_kernel`
@@ -58,8 +63,10 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
-          "skinny_block_n": 64, "skinny_block_k": 128, "skinny_warps": 4, "skinny_stages": 3,
+          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
+          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4},
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
+          "mxfp4_decode": "asm", "mxfp4_large": "dot_scaled",
           "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
@@ -245,10 +252,51 @@ def _fp32_e2m1(nib, s_f32):
 
 
 @triton.jit
+def _e2m1_bf16_asm(b, s_bf16, HI: tl.constexpr):
+    """GPU only: E2M1 codes (low or high nibbles of bytes b) * s_bf16 -> BF16, 4 bytes per PTX
+    block. Each code's bits go to a BF16's sign/exponent/mantissa fields (value * 2^-126,
+    subnormal for 0.5), then one bf16x2 multiply by s_bf16 = 2^126 * scale rescales exactly."""
+    if HI:
+        asm = """{
+        .reg .b32 t<2>, u<4>;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;
+        shl.b32 u0, t0, 2;
+        shl.b32 u1, t0, 8;
+        shl.b32 u2, t1, 2;
+        shl.b32 u3, t1, 8;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
+        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
+        mul.rn.bf16x2 $0, t0, $3;
+        mul.rn.bf16x2 $1, t1, $4;
+        }"""
+    else:
+        asm = """{
+        .reg .b32 t<2>, u<4>;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;
+        shl.b32 u0, t0, 6;
+        shl.b32 u1, t0, 12;
+        shl.b32 u2, t1, 6;
+        shl.b32 u3, t1, 12;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
+        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
+        mul.rn.bf16x2 $0, t0, $3;
+        mul.rn.bf16x2 $1, t1, $4;
+        }"""
+    return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
 def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e,
               n_idx, kk, N, K, stride_we, stride_wn, stride_se, stride_sn,
               W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-              UPCAST: tl.constexpr, HW_FP8: tl.constexpr):
+              UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr):
     """acc += A[:, kk:kk+32] . W[e, n_idx, kk:kk+32]^T (both weights for SwiGLU); K here is
     the end of the chunk (columns past it are masked)."""
     dot_dtype = a_ptr.dtype.element_ty
@@ -266,15 +314,26 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
         off = e64 * stride_we + n64[:, None] * stride_wn + kk // 2 + j[None, :]
         soff = e64 * stride_se + n64 * stride_sn + kk // 32
         s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
-        b1 = tl.load(w1_ptr + off, mask=wmask, other=0).to(tl.int32)
-        acc1 = mma(a_even, tl.trans(_fp32_e2m1(b1, s1).to(dot_dtype)), acc1, IEEE, UPCAST)
-        acc1 = mma(a_odd, tl.trans(_fp32_e2m1(b1 >> 4, s1).to(dot_dtype)), acc1, IEEE, UPCAST)
+        b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
+        if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
+            s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
+            lo1, hi1 = _e2m1_bf16_asm(b1, s1, False), _e2m1_bf16_asm(b1, s1, True)
+        else:
+            lo1 = _fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
+            hi1 = _fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
+        acc1 = mma(a_even, tl.trans(lo1), acc1, IEEE, UPCAST)
+        acc1 = mma(a_odd, tl.trans(hi1), acc1, IEEE, UPCAST)
         if EPILOGUE == 1:
             s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
-            b3 = tl.load(w3_ptr + off, mask=wmask, other=0).to(tl.int32)
-            acc3 = mma(a_even, tl.trans(_fp32_e2m1(b3, s3).to(dot_dtype)), acc3, IEEE, UPCAST)
-            acc3 = mma(a_odd, tl.trans(_fp32_e2m1(b3 >> 4, s3).to(dot_dtype)), acc3, IEEE,
-                       UPCAST)
+            b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
+            if MX_ASM:
+                s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
+                lo3, hi3 = _e2m1_bf16_asm(b3, s3, False), _e2m1_bf16_asm(b3, s3, True)
+            else:
+                lo3 = _fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
+                hi3 = _fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
+            acc3 = mma(a_even, tl.trans(lo3), acc3, IEEE, UPCAST)
+            acc3 = mma(a_odd, tl.trans(hi3), acc3, IEEE, UPCAST)
     else:
         k_idx = kk + tl.arange(0, 32)
         kmask = k_idx < K
@@ -314,7 +373,8 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
            k_hi, N, K, stride_we, stride_wn, stride_se, stride_sn,
            W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
            UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           MX_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr):
     """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32."""
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -322,18 +382,18 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
         if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
             k_idx = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
-                        mask=p_mask[:, None] & (k_idx[None, :] < K), other=0.0)
-            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we,
+                        mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
+            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, k_hi, stride_we,
                                      stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
             if EPILOGUE == 1:
-                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we,
+                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we,
                                          stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
         else:
             for j in tl.static_range(BLOCK_K // 32):
                 acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
                                        s1_ptr, w3_ptr, s3_ptr, e, n_idx, k0 + 32 * j, N, k_hi,
                                        stride_we, stride_wn, stride_se, stride_sn, W_FMT,
-                                       EPILOGUE, IEEE, UPCAST, HW_FP8)
+                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM)
     return acc1, acc3
 
 
@@ -363,15 +423,22 @@ def _gemm_kernel(
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, SINGLE: tl.constexpr, MX_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     nb = tl.program_id(0)
     tile = tl.program_id(1)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+    if SINGLE:  # all rows against weight 0, tiles of BLOCK_M rows (no schedule tensors)
+        start = tile * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, num_rows)
+    else:
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
     if start < end:
-        e = tl.load(tile_expert_ptr + tile)
+        if SINGLE:
+            e = tile * 0
+        else:
+            e = tl.load(tile_expert_ptr + tile)
         p = start + tl.arange(0, BLOCK_M)  # rows of C
         p_mask = p < end
         if GATHER_A:
@@ -385,7 +452,8 @@ def _gemm_kernel(
             acc1, acc3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr,
                                 s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
-                                IEEE, UPCAST, DOT_SCALED, HW_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
             if SPLIT > 1:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
@@ -419,7 +487,7 @@ def _gemm_kernel(
                 c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
                                 stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
-                                DOT_SCALED, HW_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                                DOT_SCALED, HW_FP8, MX_ASM, BLOCK_M, BLOCK_N, BLOCK_K)
                 acc1 += c1
                 acc3 += c3
             _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
@@ -511,38 +579,53 @@ def grouped_schedule(counts: torch.Tensor, total_rows: int, block_m: int) -> Til
                         block_m)
 
 
-def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch.Tensor,
+def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out: torch.Tensor,
                  a_rows: torch.Tensor | None = None, w3: Weights | None = None,
                  gamma: torch.Tensor | None = None, limit: float = 0.0,
                  dot_scaled: bool = False) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given.
 
-    dot_scaled=True (MXFP4 weights, GPU only) feeds the packed tile to tl.dot_scaled instead of
-    dequantising it in registers; it is rejected under the interpreter, which cannot run it.
+    schedule None: every row against weight 0 (no schedule tensors, nothing launched besides
+    the GEMM). dot_scaled=True (MXFP4 weights, GPU only) feeds the packed tile to tl.dot_scaled
+    instead of dequantising it in registers; it is rejected under the interpreter, which cannot
+    run it.
     """
     _check_gemm(a, w, out, w3)
     if dot_scaled and (w.fmt != W_MXFP4 or triton_runtime.interpreting()):
         raise ValueError("dot_scaled needs MXFP4 weights and a GPU (not the interpreter)")
-    n_tiles = schedule.start.shape[0]
-    if n_tiles == 0 or out.shape[0] == 0:
+    rows = out.shape[0]
+    cfg = CONFIG
+    if rows == 0 or (schedule is not None and schedule.start.shape[0] == 0):
         return out
-    if CONFIG["path"] == "legacy":
+    if cfg["path"] == "legacy":
+        if schedule is None:
+            schedule = single_schedule(rows, block_m_for(rows), a.device)
         return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
     if _cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
         torch.matmul(a, dequantize_fp8(w).T, out=out)
         return out
     n_dim, k_dim = w.out_dim, w.in_dim
-    cfg = CONFIG
-    rows = out.shape[0]
+    single = schedule is None
+    block_m = block_m_for(rows) if single else schedule.block_m
+    n_tiles = triton.cdiv(rows, block_m) if single else schedule.start.shape[0]
     split, chunk = _plan(w)
-    small = (rows <= cfg["small_rows"]
-             or triton.cdiv(n_dim, cfg["skinny_block_n"]) * n_tiles < cfg["target_ctas"])
-    block_n = cfg["skinny_block_n"] if small else cfg["block_n"]
-    block_k = cfg["skinny_block_k"] if small else cfg["block_k"]
-    if dot_scaled:
-        block_k = 64
-    grid = (triton.cdiv(n_dim, block_n), n_tiles, split if small else 1)
-    if grid[0] * n_tiles > _COUNTER_SLOTS and small and split > 1:
+    tiles = _tiles(w)
+    small = rows <= cfg["small_rows"] or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < \
+        cfg["target_ctas"]
+    mx_asm = w.fmt == W_MXFP4 and cfg["mxfp4_decode"] == "asm" and not DOT_UPCAST
+    if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
+        dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
+                                    else cfg["mxfp4_large"] == "dot_scaled")
+        if not small and cfg["mxfp4_large"] == "legacy" and not dot_scaled:
+            if single:
+                schedule = single_schedule(rows, block_m, a.device)
+            return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
+    if not small:
+        tiles = {"block_n": cfg["block_n"], "block_k": cfg["block_k"], "warps": cfg["warps"],
+                 "stages": cfg["stages"]}
+    block_k = 64 if dot_scaled else tiles["block_k"]
+    grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
+    if small and split > 1 and grid[0] * n_tiles > _COUNTER_SLOTS:
         raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {_COUNTER_SLOTS}")
     swiglu = w3 is not None
     part = (torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32,
@@ -551,36 +634,51 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule, out: torch
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
+    sched = schedule if schedule is not None else _NO_SCHEDULE.get(a.device) or \
+        _no_schedule(a.device)
     _gemm_kernel[grid](
-        a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
+        a, a.stride(0), a_rows if a_rows is not None else sched.start, out, out.stride(0),
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
         w.data.stride(0), w.data.stride(1), sse, ssn,
-        schedule.expert, schedule.start, schedule.end, part, _counters(a.device),
+        sched.expert, sched.start, sched.end, part, _counters(a.device),
         n_dim, k_dim, chunk, rows, float(limit),
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
-        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small, BLOCK_M=schedule.block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=cfg["skinny_warps"] if small else cfg["warps"],
-        num_stages=cfg["skinny_stages"] if small else cfg["stages"],
-        **triton_runtime.launch_options())
+        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small, SINGLE=single, MX_ASM=mx_asm,
+        BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
+        num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out
 
 
+_NO_SCHEDULE: dict[torch.device, TileSchedule] = {}
+
+
+def _no_schedule(device: torch.device) -> TileSchedule:
+    """Placeholder schedule tensors for SINGLE launches (never read)."""
+    z = torch.zeros(1, dtype=torch.int32, device=device)
+    _NO_SCHEDULE[device] = TileSchedule(z, z, z, 16)
+    return _NO_SCHEDULE[device]
+
+
+def _tiles(w: Weights) -> dict:
+    return CONFIG["mx"] if w.fmt == W_MXFP4 else CONFIG["skinny"]
+
+
 def _plan(w: Weights) -> tuple[int, int]:
-    """(SPLIT, k_chunk) of weight w: from its shape alone, never from the number of rows.
+    """(SPLIT, k_chunk) of weight w: from its format and shape alone, never from the rows.
 
     Enough split-K programs that a decode GEMM of one row tile per expert reaches target_ctas
     (a grouped weight assumes expert_tiles active experts), with chunks of >= min_k_chunk.
     """
     cfg = CONFIG
     k_dim = w.in_dim
-    step = cfg["skinny_block_k"]
-    blocks = triton.cdiv(w.out_dim, cfg["skinny_block_n"])
-    tiles = 1 if w.num_experts == 1 else min(w.num_experts, cfg["expert_tiles"])
-    want = triton.cdiv(cfg["target_ctas"], blocks * tiles)
+    tiles = _tiles(w)
+    step = tiles["block_k"]
+    blocks = triton.cdiv(w.out_dim, tiles["block_n"])
+    experts = 1 if w.num_experts == 1 else min(w.num_experts, cfg["expert_tiles"])
+    want = triton.cdiv(cfg["target_ctas"], blocks * experts)
     split = max(1, min(want, k_dim // cfg["min_k_chunk"]))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
     return triton.cdiv(k_dim, chunk), chunk
@@ -693,8 +791,7 @@ def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch
     if w.num_experts != 1:
         raise ValueError("linear_weights takes one weight matrix")
     out = torch.empty(x.shape[0], w.out_dim, dtype=out_dtype, device=x.device)
-    schedule = single_schedule(x.shape[0], block_m_for(x.shape[0]), x.device)
-    return grouped_gemm(x.contiguous(), w, schedule, out)
+    return grouped_gemm(x.contiguous(), w, None, out)
 
 
 def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int:

@@ -223,12 +223,10 @@ def _dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
                    gamma: torch.Tensor | None) -> torch.Tensor:
     """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
     num_rows = x.shape[0]
-    block_m = dense.block_m_for(num_rows)
-    schedule = dense.single_schedule(num_rows, block_m, x.device)
     h = torch.empty(num_rows, experts.w1.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(x, experts.w1, schedule, h, w3=experts.w3, gamma=gamma, limit=limit)
+    dense.grouped_gemm(x, experts.w1, None, h, w3=experts.w3, gamma=gamma, limit=limit)
     y = torch.empty(num_rows, experts.w2.out_dim, dtype=x.dtype, device=x.device)
-    return dense.grouped_gemm(h, experts.w2, schedule, y)
+    return dense.grouped_gemm(h, experts.w2, None, y)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

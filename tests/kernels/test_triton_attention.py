@@ -91,6 +91,7 @@ def test_split_kv_matches_single_pass_and_reference(monkeypatch, min_tiles):
                                         D ** -0.5)
     monkeypatch.setitem(at.CONFIG, "split_target", 10_000)
     monkeypatch.setitem(at.CONFIG, "split_min_tiles", min_tiles)
+    monkeypatch.setitem(at.CONFIG, "split_min_splits", 2)
     splits, per = at.split_plan(3, H, (40, 50))
     assert splits > 1 and (splits - 1) * per < 7 <= splits * per  # 3 window + 4 comp. tiles
     got = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink, D ** -0.5)

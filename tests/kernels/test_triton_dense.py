@@ -71,7 +71,8 @@ def test_dot_scaled_switch_is_refused_under_the_interpreter():
 def _force_split(monkeypatch) -> None:
     """Chunks of 32 over K = 96: three split-K programs per output block."""
     monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 32)
-    monkeypatch.setitem(dt.CONFIG, "skinny_block_k", 32)
+    for fmt in ("skinny", "mx"):
+        monkeypatch.setitem(dt.CONFIG, fmt, {**dt.CONFIG[fmt], "block_k": 32})
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
 
 
@@ -96,7 +97,7 @@ def test_split_k_gemm_matches_reference(monkeypatch, fmt):
 def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch):
     """Decode (split-K programs) and prefill (one program walking the chunks) agree bit for bit."""
     _force_split(monkeypatch)
-    monkeypatch.setitem(dt.CONFIG, "skinny_block_n", 16)
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "block_n": 16})
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 9)  # 3 N blocks x 3 chunks
     q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
                                                    .manual_seed(10)))

@@ -78,7 +78,8 @@ def test_swiglu_clamps_gate_from_above_and_up_on_both_sides():
 def test_split_k_experts_with_swiglu_and_gamma_match_reference(monkeypatch):
     """MXFP4 routed + FP8 shared experts through three split-K programs per output block."""
     monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 32)
-    monkeypatch.setitem(dt.CONFIG, "skinny_block_k", 32)
+    for fmt in ("skinny", "mx"):
+        monkeypatch.setitem(dt.CONFIG, fmt, {**dt.CONFIG[fmt], "block_k": 32})
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
     x, gw, bias = _router(t=6, d=96, e=4, seed=6)
     g = torch.Generator().manual_seed(7)
