@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, fields
@@ -54,6 +55,7 @@ from typing import ClassVar, Literal, Protocol
 
 CHUNK_TOKENS = 128  # prefix-cache and transfer unit
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
 
 FinishReason = Literal["stop", "length", "abort"]
 Role = Literal["prefill", "decode"]
@@ -114,6 +116,12 @@ class Cancelled(ServiceError):
     code, http_status = "CANCELLED", 499
 
 
+class Unauthenticated(ServiceError):
+    """Missing or wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+    code, http_status = "UNAUTHENTICATED", 401
+
+
 class Internal(ServiceError):
     code, http_status = "INTERNAL", 500
 
@@ -121,7 +129,7 @@ class Internal(ServiceError):
 ERRORS_BY_CODE: dict[str, type[ServiceError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, ResourceExhausted, DeadlineExceeded, Unavailable,
-                Cancelled, Internal)
+                Cancelled, Unauthenticated, Internal)
 }
 
 # Ray failures by class name (matched by name so this module never imports Ray).
@@ -176,11 +184,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf, "temperature",
+             "must be a finite number >= 0"),
             (_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", "must be >= 0"),
+            (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+             f"must be in [0, {MAX_SEED}]"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be token ids >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
@@ -199,6 +209,10 @@ class SamplingParams:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=False)
+        """User-visible text: special tokens (chat markers, EOS) never show."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         return self.encode(deepseek_chat_prompt(messages))
@@ -94,6 +95,7 @@ class Router:
 
         from flashpd.engine.loading import load_tokenizer
         from flashpd.model.config import ModelConfig
+        from flashpd.services.router.auth import ApiKeys, TlsFiles
         from flashpd.services.router.convert import ModelTable, ServedModel
         from flashpd.services.router.grpc_server import start_grpc_server
         from flashpd.services.router.http_app import build_http_app
@@ -120,10 +122,16 @@ class Router:
         self.orchestrator = Orchestrator({model: placement},
                                          PinnedDirectory(self._prefill, self._decode),
                                          self.tokenizer, metrics=self.metrics)
+        keys = ApiKeys.load(env_var=a.get("api_keys_env", "FLASHPD_API_KEYS"),
+                            file=a.get("api_keys_file"))
+        tls = TlsFiles.from_paths(a.get("tls_cert_file"), a.get("tls_key_file"))
         self.grpc = await start_grpc_server(self.orchestrator, models, self.tokenizer,
-                                            host=a["grpc_host"], port=a["grpc_port"])
-        log.info("flashpd router: gRPC on %s:%d", a["grpc_host"], self.grpc.port)
-        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics)
+                                            host=a["grpc_host"], port=a["grpc_port"],
+                                            metrics=self.metrics, api_keys=keys, tls=tls)
+        log.info("flashpd router: gRPC on %s:%d (%s, %s)", a["grpc_host"], self.grpc.port,
+                 "TLS" if tls else "plaintext", f"{len(keys)} API keys" if len(keys) else "no auth")
+        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics,
+                              api_keys=keys)
 
     async def grpc_port(self) -> int:
         return self.grpc.port if self.grpc is not None else -1

@@ -1,5 +1,6 @@
 """Edge conversion: the one place where wire types (proto/flashpd.proto) meet the internal API,
-plus the request validation shared by the gRPC and HTTP frontends and the chat template.
+plus the chat template and the checks on prompts and context shared by the gRPC and HTTP
+frontends (field limits live in `validation.py`).
 
 Validation errors are `InvalidArgument` with `field` set to the request field at fault.
 """
@@ -7,6 +8,7 @@ Validation errors are `InvalidArgument` with `field` set to the request field at
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,18 +24,19 @@ from flashpd.services.api import (
     TokenLogprobs,
     Usage,
 )
+from flashpd.services.router import validation as v
 from flashpd.services.router.text import Tokenizer
 from flashpd_sdk._gen import flashpd_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
-MAX_ID_CHARS = 128  # request and session ids
+MAX_ID_CHARS = v.MAX_ID_CHARS  # request and session ids
 
 # DeepSeek-style chat markers, as plain strings (the tokenizer maps them to special tokens).
 BOS = "<|begin_of_sentence|>"
 EOS = "<|end_of_sentence|>"
 USER = "<|User|>"
 ASSISTANT = "<|Assistant|>"
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer = OpenAI's new system
 
 FINISH_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -68,8 +71,8 @@ class ModelTable:
         if not name:
             return self.default
         if name not in self._by_name:
-            raise InvalidArgument(f"unknown model {name!r}; served: {sorted(self._by_name)}",
-                                  field="model")
+            raise v.ModelNotFound(f"the model {v.show(name)} does not exist; served: "
+                                  f"{sorted(self._by_name)}", field="model")
         return self._by_name[name]
 
 
@@ -84,7 +87,7 @@ def deepseek_chat_prompt(messages: Sequence[dict]) -> str:
     system, turns = [], []
     for i, message in enumerate(messages):
         role, content = _message_parts(message, i)
-        if role == "system":
+        if role in ("system", "developer"):
             system.append(content)
         elif role == "user":
             turns.append(USER + content)
@@ -97,9 +100,15 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
     if not isinstance(message, dict):
         raise InvalidArgument("must be an object with role and content", field=f"messages[{i}]")
     role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {role!r}",
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {v.show(role)}",
                               field=f"messages[{i}].role")
+    for unsupported in ("tool_calls", "function_call", "audio"):
+        if message.get(unsupported) is not None:
+            raise InvalidArgument("is not supported by this server",
+                                  field=f"messages[{i}].{unsupported}")
+    if message.get("name") is not None:
+        v.as_text(message["name"], f"messages[{i}].name", max_chars=256)
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts: only text parts are supported
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -110,6 +119,7 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise InvalidArgument("must be a string or a list of text parts",
                               field=f"messages[{i}].content")
+    v.check_unicode(content, f"messages[{i}].content")
     return role, content
 
 
@@ -117,34 +127,23 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
 
 
 def check_prompt_ids(ids: Sequence[int], model: ServedModel, field: str) -> tuple[int, ...]:
-    if not ids:
-        raise InvalidArgument("must not be empty", field=field)
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-           or not 0 <= t < model.vocab_size]
-    if bad:
-        raise InvalidArgument(f"token ids must be in [0, {model.vocab_size}), got {bad[0]!r}",
-                              field=field)
-    return tuple(ids)
+    return v.token_ids(list(ids), field, model.vocab_size)
 
 
-def check_context(model: ServedModel, prompt_tokens: int, max_tokens: int, prompt_field: str) -> None:
+def check_context(model: ServedModel, prompt_tokens: int, max_tokens: int, prompt_field: str, *,
+                  max_tokens_field: str = "max_tokens") -> None:
     if prompt_tokens > model.context_tokens:
         raise InvalidArgument(f"{prompt_tokens} tokens exceed the context limit of "
                               f"{model.context_tokens} tokens", field=prompt_field)
     if prompt_tokens + max_tokens > model.context_tokens:
         raise InvalidArgument(
-            f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the context limit of "
-            f"{model.context_tokens} tokens", field="max_tokens")
+            f"prompt ({prompt_tokens}) + {max_tokens_field} ({max_tokens}) exceeds the context "
+            f"limit of {model.context_tokens} tokens", field=max_tokens_field)
 
 
 def check_id(value: str, field: str) -> str | None:
     """Request/session ids: printable ASCII without spaces, at most MAX_ID_CHARS."""
-    if not value:
-        return None
-    if len(value) > MAX_ID_CHARS or not all(33 <= ord(c) < 127 for c in value):
-        raise InvalidArgument(f"must be at most {MAX_ID_CHARS} printable ASCII characters "
-                              "without spaces", field=field)
-    return value
+    return v.as_id(value, field)
 
 
 def new_request_id() -> str:
@@ -173,11 +172,17 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("one of prompt or prompt_ids is required", field="prompt")
-    if kind == "prompt" and not msg.prompt:
-        raise InvalidArgument("must not be empty", field="prompt")
-    raw_ids = tokenizer.encode(msg.prompt) if kind == "prompt" else list(msg.prompt_ids.ids)
+    if kind == "prompt":
+        v.as_text(msg.prompt, "prompt", empty_ok=False)
+        v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
+        raw_ids = tokenizer.encode(msg.prompt)
+    else:
+        raw_ids = list(msg.prompt_ids.ids)
+        if len(raw_ids) > model.context_tokens:
+            raise InvalidArgument(f"{len(raw_ids)} tokens exceed the context limit of "
+                                  f"{model.context_tokens} tokens", field=kind)
     prompt_ids = check_prompt_ids(raw_ids, model, kind)
-    sampling = sampling_from_proto(msg)
+    sampling = sampling_from_proto(msg, model.vocab_size)
     check_context(model, len(prompt_ids), sampling.max_tokens, kind)
     client_id = check_id(msg.request_id, "request_id")
     request = InternalRequest(
@@ -188,16 +193,23 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg))
 
 
-def sampling_from_proto(msg: pb.GenerateRequest) -> SamplingParams:
-    def opt(name: str, default):
-        return getattr(msg, name) if msg.HasField(name) else default
+def sampling_from_proto(msg: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
+    """Through the same validation model as the OpenAI API (`validation.sampling_params`)."""
+    floats = ("temperature", "top_p", "min_p")
 
-    return SamplingParams(
-        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS),
-        temperature=_f32(opt("temperature", 0.0)), top_k=opt("top_k", 0),
-        top_p=_f32(opt("top_p", 1.0)), min_p=_f32(opt("min_p", 0.0)), seed=opt("seed", None),
-        stop_token_ids=tuple(msg.stop_token_ids), stop=tuple(msg.stop),
-        ignore_eos=msg.ignore_eos, logprobs=msg.logprobs)
+    def get(name: str):
+        if name in ("stop", "stop_token_ids"):
+            return list(getattr(msg, name))
+        if not msg.HasField(name):
+            return None
+        value = getattr(msg, name)
+        return _f32(value) if name in floats else value
+
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    max_tokens = v.as_int(max_tokens, "max_tokens", 1, v.MAX_TOKENS)
+    return v.sampling_params(get, max_tokens=max_tokens, logprobs=v.as_logprobs(
+        msg.logprobs, "logprobs"), vocab_size=vocab_size, defaults=v.GRPC_DEFAULTS,
+        ignore_eos=msg.ignore_eos)
 
 
 def sampling_to_proto(p: SamplingParams, msg: pb.GenerateRequest) -> None:
@@ -212,8 +224,9 @@ def sampling_to_proto(p: SamplingParams, msg: pb.GenerateRequest) -> None:
 
 
 def _f32(x: float) -> float:
-    """float32 wire values back to the decimal the client most likely wrote (0.7, not 0.699..)."""
-    return float(f"{x:.7g}")
+    """float32 wire values back to the decimal the client most likely wrote (0.7, not 0.699..);
+    NaN and infinities stay what they are (and are refused)."""
+    return float(f"{x:.7g}") if math.isfinite(x) else x
 
 
 def fingerprint(msg: pb.GenerateRequest) -> str:

@@ -1,8 +1,15 @@
 """OpenAI-compatible HTTP frontend over the orchestrator (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream: true`), GET /v1/models,
-GET /health (200 when a prefill and a decode worker are live, else 503), GET /metrics.
-Headers: `x-session-id`, `x-parent-session-id`, `x-request-id` (optional client id).
+GET /v1/models/{id}, GET /health (200 when a prefill and a decode worker are live, else 503),
+GET /metrics. Headers: `x-session-id`, `x-parent-session-id`, `x-request-id` (optional client
+id), `authorization: Bearer <key>` when API keys are configured (`auth.py`).
+
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: request-field refusals
+name the field in `param` (400; 413 for a body over the limit, 404 `model_not_found` for an
+unknown model), unknown routes 404 and wrong methods 405, a bad key 401. Unexpected failures
+answer 500 with a generic message and the request id; the details go to the log, never to the
+client. Refusals are counted in `flashpd:request_errors` by code.
 
 A streaming response starts once the first event is known, so errors before the first token
 (bad request, no worker, deadline) still get a proper HTTP status. A client that disconnects
@@ -14,14 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashpd.services.api import Cancelled, FinalEvent, ServiceError, TokenEvent
-from flashpd.services.router.convert import ModelTable
+from flashpd.services.api import Cancelled, FinalEvent, Internal, ServiceError, TokenEvent
+from flashpd.services.router import validation as v
+from flashpd.services.router.auth import ApiKeys
+from flashpd.services.router.convert import ModelTable, ServedModel, new_request_id
 from flashpd.services.router.metrics import RouterMetrics
 from flashpd.services.router.openai_compat import (
     OpenAIRequest,
@@ -30,45 +41,83 @@ from flashpd.services.router.openai_compat import (
     completion_request,
     error_body,
     parse_json,
+    request_id_from,
+    route_error_body,
 )
 from flashpd.services.router.orchestrator import Orchestrator
 from flashpd.services.router.text import Tokenizer
 
+log = logging.getLogger(__name__)
 Events = AsyncIterator[TokenEvent | FinalEvent]
 
 
 def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: Tokenizer,
-                   metrics: RouterMetrics) -> FastAPI:
-    app = FastAPI(title="flashpd", description="OpenAI-compatible API of flashpd")
+                   metrics: RouterMetrics, *, api_keys: ApiKeys | None = None,
+                   max_body_bytes: int = v.MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="flashpd", description="OpenAI-compatible API of flashpd",
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    keys = api_keys or ApiKeys(())
+
+    def refused(exc: ServiceError) -> None:
+        metrics.errors.labels(model_name=models.default.name, code=exc.code).inc()
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.http_status)
+        return JSONResponse(error_body(exc, _request_id(request)), status_code=exc.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(route_error_body(exc.status_code, request.method, request.url.path),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = _request_id(request)
+        log.error("request %s failed", rid, exc_info=exc)
+        return JSONResponse(error_body(Internal("unexpected"), rid), status_code=500)
+
+    async def edge(request: Request, parse) -> OpenAIRequest:
+        """Authorize, read and validate; a refusal here is counted (it never reaches the
+        orchestrator, which counts the rest)."""
+        try:
+            keys.require(request.headers.get("authorization"))
+            rid = request.state.flashpd_request_id = request_id_from(request.headers)
+            body = parse_json(await _read_body(request, max_body_bytes), max_body_bytes)
+            return parse(body, request.headers, models, tokenizer, rid)
+        except ServiceError as exc:
+            refused(exc)
+            raise
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_json(await request.body())
-        oreq = completion_request(body, request.headers, models, tokenizer)
-        return await _serve(orchestrator, oreq, tokenizer, request)
+        oreq = await edge(request, completion_request)
+        return await _serve(orchestrator, oreq, tokenizer, request, refused)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_json(await request.body())
-        oreq = chat_request(body, request.headers, models, tokenizer)
-        return await _serve(orchestrator, oreq, tokenizer, request)
+        oreq = await edge(request, chat_request)
+        return await _serve(orchestrator, oreq, tokenizer, request, refused)
 
     @app.get("/v1/models")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "flashpd",
-             "max_model_len": m.context_tokens} for m in models.models]}
+    async def list_models(request: Request) -> dict:
+        keys.require(request.headers.get("authorization"))
+        return {"object": "list", "data": [_model_card(m) for m in models.models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> dict:
+        keys.require(request.headers.get("authorization"))
+        v.check_unicode(model_id, "model")
+        if not model_id:
+            raise v.ModelNotFound("must not be empty", field="model")
+        return _model_card(models.resolve(model_id))
 
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
             ready = await orchestrator.ready()
-        except Exception as exc:  # Redis unreachable: not ready, and say why
-            return JSONResponse({"status": "unavailable", "reason": repr(exc)}, status_code=503)
+        except Exception as exc:  # Redis unreachable: not ready (details in the log only)
+            log.warning("health check failed: %r", exc)
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok" if ready else "no_workers"},
                             status_code=200 if ready else 503)
 
@@ -79,9 +128,40 @@ def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: To
     return app
 
 
+def _model_card(m: ServedModel) -> dict:
+    return {"id": m.name, "object": "model", "created": 0, "owned_by": "flashpd",
+            "max_model_len": m.context_tokens}
+
+
+def _request_id(request: Request) -> str:
+    rid = getattr(request.state, "flashpd_request_id", None)
+    if rid is None:
+        rid = request.state.flashpd_request_id = new_request_id()
+    return rid
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused as soon as it exceeds `max_bytes` (declared or received)."""
+    declared = v.content_length(request.headers)
+    if declared is not None and declared > max_bytes:
+        raise v.PayloadTooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes",
+                                field="body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise v.PayloadTooLarge(f"request body exceeds {max_bytes} bytes", field="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
-                 request: Request) -> Response:
-    run = orchestrator.open(oreq.request)
+                 request: Request, refused) -> Response:
+    try:
+        run = orchestrator.open(oreq.request)
+    except ServiceError as exc:
+        refused(exc)
+        raise
     events = orchestrator.stream(run)
     shaper = ResponseShaper(oreq, tokenizer)
     if not oreq.stream:
@@ -92,14 +172,14 @@ async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tok
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_sse(first, events, shaper), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache"})
+    return StreamingResponse(_sse(first, events, shaper, oreq.request.request_id),
+                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
-async def _sse(first: TokenEvent | FinalEvent, events: Events,
-               shaper: ResponseShaper) -> AsyncIterator[str]:
+async def _sse(first: TokenEvent | FinalEvent, events: Events, shaper: ResponseShaper,
+               request_id: str) -> AsyncIterator[str]:
     """`data: {chunk}` lines, then `data: [DONE]`; an error after the first event is sent as a
-    `data: {"error": ...}` line before [DONE]."""
+    `data: {"error": ...}` line before [DONE] (unexpected ones as a generic internal error)."""
     async with contextlib.aclosing(events):
         event, is_first = first, True
         try:
@@ -110,7 +190,10 @@ async def _sse(first: TokenEvent | FinalEvent, events: Events,
                     break
                 event, is_first = await anext(events), False
         except ServiceError as exc:
-            yield _data(error_body(exc))
+            yield _data(error_body(exc, request_id))
+        except Exception as exc:
+            log.error("request %s failed while streaming", request_id, exc_info=exc)
+            yield _data(error_body(Internal("unexpected"), request_id))
     yield "data: [DONE]\n\n"
 
 

@@ -1,19 +1,23 @@
 """OpenAI-compatible request parsing and response shapes for `/v1/completions` and
 `/v1/chat/completions` (streaming as SSE chunks, usage with `prompt_tokens_details.cached_tokens`).
 
-Requests are validated field by field; each error names the field (the OpenAI `param`).
-Parameters flashpd does not implement are rejected when set to a non-default value rather than
-silently ignored. Defaults follow OpenAI here (temperature 1.0; chat max_tokens = the rest of the
-context), unlike the gRPC API (greedy, 16 tokens). Extensions follow vLLM's names (`top_k`, `min_p`, `stop_token_ids`,
-`ignore_eos`); the final response/chunk carries a `flashpd` object with the timeline, workers and
-per-tier cached tokens.
+Requests are validated field by field through the edge validation model (`validation.py`, shared
+with gRPC); each error names the field (the OpenAI `param`). Parameters flashpd does not
+implement are refused when set to anything but their neutral value (`response_format` `{"type":
+"text"}`, `n` 1, ...) rather than silently ignored; other unknown fields are ignored, as vLLM
+does. Defaults follow OpenAI here (temperature 1.0; chat max_tokens = the rest of the context),
+unlike the gRPC API (greedy, 16 tokens). Roles: system, developer (OpenAI's successor of system,
+treated as system), user, assistant. Extensions follow vLLM's names (`top_k`, `min_p`,
+`stop_token_ids`, `ignore_eos`); the final response/chunk carries a `flashpd` object with the
+timeline, workers and per-tier cached tokens.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,20 +25,21 @@ from flashpd.services.api import (
     FinalEvent,
     InternalRequest,
     InvalidArgument,
-    SamplingParams,
     ServiceError,
     TokenEvent,
 )
+from flashpd.services.router import validation as v
 from flashpd.services.router.convert import (
     DEFAULT_MAX_TOKENS,
     ModelTable,
     ServedModel,
     check_context,
-    check_id,
     check_prompt_ids,
     new_request_id,
 )
 from flashpd.services.router.text import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["completion", "chat"]
 SESSION_HEADER = "x-session-id"
@@ -44,12 +49,37 @@ OPENAI_ERROR_TYPES = {
     "INVALID_ARGUMENT": "invalid_request_error", "NOT_FOUND": "not_found_error",
     "RESOURCE_EXHAUSTED": "rate_limit_error", "DEADLINE_EXCEEDED": "timeout_error",
     "UNAVAILABLE": "service_unavailable_error", "CANCELLED": "cancelled_error",
-    "INTERNAL": "internal_error",
+    "UNAUTHENTICATED": "authentication_error", "INTERNAL": "internal_error",
 }
-# parameter -> the only accepted value (None = absent)
-UNSUPPORTED_UNLESS = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": "", "presence_penalty": 0,
-    "frequency_penalty": 0, "logit_bias": {}, "tools": [], "functions": [],
+
+
+def _zero(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == 0
+
+
+# parameter -> is the value neutral (i.e. flashpd does what OpenAI would do with it)
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "n": lambda x: x == 1 and type(x) is int,
+    "best_of": lambda x: x == 1 and type(x) is int,
+    "echo": lambda x: x is False,
+    "suffix": lambda x: x == "",
+    "presence_penalty": _zero,
+    "frequency_penalty": _zero,
+    "logit_bias": lambda x: x == {},
+    "tools": lambda x: x == [],
+    "functions": lambda x: x == [],
+    "function_call": lambda x: x == "none",
+    "tool_choice": lambda x: x in ("none", "auto"),
+    "response_format": lambda x: x == {"type": "text"},
+    "modalities": lambda x: x == ["text"],
+    "audio": lambda x: False,
+    "prediction": lambda x: False,
+}
+# Fields accepted and ignored, with their type checked.
+IGNORED: dict[str, Callable[[Any], bool]] = {
+    "user": lambda x: isinstance(x, str), "metadata": lambda x: isinstance(x, dict),
+    "store": lambda x: isinstance(x, bool), "parallel_tool_calls": lambda x: isinstance(x, bool),
+    "service_tier": lambda x: isinstance(x, str),
 }
 
 
@@ -64,139 +94,135 @@ class OpenAIRequest:
     want_logprobs: bool
 
 
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"malformed JSON ({exc})", field="body") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("must be a JSON object", field="body")
-    return body
+def parse_json(raw: bytes, max_bytes: int = v.MAX_BODY_BYTES) -> dict:
+    return v.parse_json_body(raw, max_bytes=max_bytes)
+
+
+def request_id_from(headers: Mapping[str, str]) -> str:
+    """The client's `x-request-id` (checked) or a new id."""
+    return v.as_id(headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER) or new_request_id()
 
 
 def completion_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
-                       tokenizer: Tokenizer) -> OpenAIRequest:
-    model = models.resolve(_str(body, "model", ""))
+                       tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
+    model = _model(body, models)
+    _check_unsupported(body)
     prompt_ids = _completion_prompt(body.get("prompt"), model, tokenizer)
-    logprobs = _int(body, "logprobs", 0)
-    sampling = _sampling(body, _int(body, "max_tokens", DEFAULT_MAX_TOKENS), logprobs)
+    logprobs = _opt(body, "logprobs", 0, v.as_logprobs)
+    max_tokens = _opt(body, "max_tokens", DEFAULT_MAX_TOKENS, _max_tokens)
+    check_context(model, len(prompt_ids), max_tokens, "prompt")
+    sampling = _sampling(body, model, max_tokens, logprobs)
     return _request("completion", body, headers, model, prompt_ids, sampling, logprobs,
-                    logprobs > 0)
+                    logprobs > 0, request_id)
 
 
 def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
-                 tokenizer: Tokenizer) -> OpenAIRequest:
-    model = models.resolve(_str(body, "model", ""))
+                 tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
+    model = _model(body, models)
+    _check_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
+    if len(messages) > v.MAX_MESSAGES:
+        raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got "
+                              f"{len(messages)}", field="messages")
+    v.check_text_budget(_content_chars(messages), model.context_tokens, "messages")
     prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
-    default_max = max(1, model.context_tokens - len(prompt_ids))
-    max_tokens = _int(body, "max_completion_tokens", None)
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _opt(body, field, None, _max_tokens)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", default_max)
-    want = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0)
+        max_tokens = max(1, model.context_tokens - len(prompt_ids))
+    check_context(model, len(prompt_ids), max_tokens, "messages", max_tokens_field=field)
+    want = _opt(body, "logprobs", False, v.as_bool)
+    top = _opt(body, "top_logprobs", 0, v.as_logprobs)
     if top and not want:
         raise InvalidArgument("requires logprobs=true", field="top_logprobs")
-    sampling = _sampling(body, max_tokens, max(top, 1) if want else 0)
-    return _request("chat", body, headers, model, prompt_ids, sampling, top, want)
+    sampling = _sampling(body, model, max_tokens, max(top, 1) if want else 0)
+    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id)
 
 
 def _request(kind: Kind, body: Mapping, headers: Mapping[str, str], model: ServedModel,
-             prompt_ids: tuple[int, ...], sampling: SamplingParams, top_logprobs: int,
-             want_logprobs: bool) -> OpenAIRequest:
-    for name, accepted in UNSUPPORTED_UNLESS.items():
-        if body.get(name) not in (None, accepted):
-            raise InvalidArgument(f"only {accepted!r} is supported", field=name)
-    check_context(model, len(prompt_ids), sampling.max_tokens,
-                  "prompt" if kind == "completion" else "messages")
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
+             prompt_ids: tuple[int, ...], sampling, top_logprobs: int, want_logprobs: bool,
+             request_id: str | None) -> OpenAIRequest:
+    stream = _opt(body, "stream", False, v.as_bool)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
         raise InvalidArgument("must be an object", field="stream_options")
-    now = time.time()
+    include_usage = _opt(options or {}, "include_usage", False,
+                         lambda x, _: v.as_bool(x, "stream_options.include_usage"))
     request = InternalRequest(
-        request_id=check_id(headers.get(REQUEST_ID_HEADER, ""), REQUEST_ID_HEADER)
-        or new_request_id(),
+        request_id=request_id or request_id_from(headers),
         model=model.name, prompt_ids=prompt_ids, sampling=sampling,
-        session_id=check_id(headers.get(SESSION_HEADER, ""), SESSION_HEADER),
-        parent_session_id=check_id(headers.get(PARENT_SESSION_HEADER, ""), PARENT_SESSION_HEADER),
-        arrival_unix_s=now)
-    return OpenAIRequest(kind, request, model.name, stream,
-                         bool(options.get("include_usage", False)), top_logprobs, want_logprobs)
+        session_id=v.as_id(headers.get(SESSION_HEADER), SESSION_HEADER),
+        parent_session_id=v.as_id(headers.get(PARENT_SESSION_HEADER), PARENT_SESSION_HEADER),
+        arrival_unix_s=time.time())
+    return OpenAIRequest(kind, request, model.name, stream, include_usage, top_logprobs,
+                         want_logprobs)
+
+
+def _model(body: Mapping, models: ModelTable) -> ServedModel:
+    name = _opt(body, "model", "", lambda x, f: v.as_text(x, f, max_chars=256))
+    return models.resolve(name)
+
+
+def _check_unsupported(body: Mapping) -> None:
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not neutral(value):
+            raise InvalidArgument(f"is not supported by this server (got {v.show(value)})",
+                                  field=name)
+    for name, ok in IGNORED.items():
+        value = body.get(name)
+        if value is not None and not ok(value):
+            raise InvalidArgument(f"has the wrong type (got {v.show(value)})", field=name)
+
+
+def _content_chars(messages: list) -> int:
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text", "")) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
 
 
 def _completion_prompt(prompt: Any, model: ServedModel, tokenizer: Tokenizer) -> tuple[int, ...]:
+    field = "prompt"
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+        prompt, field = prompt[0], "prompt[0]"  # a batch of one
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidArgument("must not be empty", field="prompt")
+        v.as_text(prompt, field, empty_ok=False)
+        v.check_text_budget(len(prompt), model.context_tokens, "prompt")
         return check_prompt_ids(tokenizer.encode(prompt), model, "prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return check_prompt_ids(prompt, model, "prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        if len(prompt) > model.context_tokens:
+            raise InvalidArgument(f"{len(prompt)} tokens exceed the context limit of "
+                                  f"{model.context_tokens} tokens", field="prompt")
+        return v.token_ids(prompt, "prompt", model.vocab_size)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise InvalidArgument("batched prompts are not supported; send one per request",
                               field="prompt")
     raise InvalidArgument("must be a string or a list of token ids", field="prompt")
 
 
-def _sampling(body: Mapping, max_tokens: int, logprobs: int) -> SamplingParams:
-    stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else stop
-    if stop is not None and not (isinstance(stop, list | tuple)
-                                 and all(isinstance(s, str) for s in stop)):
-        raise InvalidArgument("must be a string or a list of strings", field="stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise InvalidArgument("must be a list of token ids", field="stop_token_ids")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0),
-        top_k=_top_k(body), top_p=_float(body, "top_p", 1.0), min_p=_float(body, "min_p", 0.0),
-        seed=_int(body, "seed", None), stop_token_ids=tuple(stop_ids), stop=tuple(stop or ()),
-        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
+def _sampling(body: Mapping, model: ServedModel, max_tokens: int, logprobs: int):
+    return v.sampling_params(body.get, max_tokens=max_tokens, logprobs=logprobs,
+                             vocab_size=model.vocab_size, defaults=v.OPENAI_DEFAULTS,
+                             ignore_eos=_opt(body, "ignore_eos", False, v.as_bool))
 
 
-def _top_k(body: Mapping) -> int:
-    top_k = _int(body, "top_k", 0)
-    return 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
+def _max_tokens(value: Any, field: str) -> int:
+    return v.as_int(value, field, 1, v.MAX_TOKENS)
 
 
-def _int(body: Mapping, name: str, default: int | None) -> int | None:
+def _opt(body: Mapping, name: str, default: Any, check: Callable[[Any, str], Any]) -> Any:
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"must be an integer, got {value!r}", field=name)
-    return value
-
-
-def _float(body: Mapping, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise InvalidArgument(f"must be a number, got {value!r}", field=name)
-    return float(value)
-
-
-def _bool(body: Mapping, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidArgument(f"must be true or false, got {value!r}", field=name)
-    return value
-
-
-def _str(body: Mapping, name: str, default: str) -> str:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise InvalidArgument(f"must be a string, got {value!r}", field=name)
-    return value
+    return default if value is None else check(value, name)
 
 
 # ------------------------------------------------------------------------------- responses
@@ -293,6 +319,32 @@ def flashpd_extension(final: FinalEvent) -> dict:
             "timeline": final.timeline.as_dict()}
 
 
-def error_body(exc: ServiceError) -> dict:
-    return {"error": {"message": str(exc), "type": OPENAI_ERROR_TYPES[exc.code],
-                      "param": exc.field, "code": exc.code.lower()}}
+def error_body(exc: ServiceError, request_id: str | None = None) -> dict:
+    """OpenAI's error shape; the message is safe to show (see `validation.public_message`)."""
+    code = exc.code.lower()
+    if isinstance(exc, v.ModelNotFound):
+        code = "model_not_found"
+    elif exc.code == "UNAUTHENTICATED":
+        code = "invalid_api_key"
+    error_type = OPENAI_ERROR_TYPES.get(exc.code, "internal_error")
+    if exc.http_status in (404, 413):
+        error_type = "invalid_request_error"
+    return {"error": {"message": v.public_message(exc, request_id), "type": error_type,
+                      "param": exc.field, "code": code}}
+
+
+def route_error_body(status: int, method: str, path: str) -> dict:
+    """Unknown routes (404) and wrong methods (405), in OpenAI's error shape."""
+    if status == 405:
+        message, code = f"method {method} is not allowed on {_clip(path)}", "method_not_allowed"
+    elif status == 404:
+        message, code = f"no route {method} {_clip(path)}", "not_found"
+    else:
+        message, code = f"HTTP {status}", f"http_{status}"
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": code}}
+
+
+def _clip(path: str) -> str:
+    safe = re.sub(r"[^\x21-\x7e]", "?", path)
+    return safe if len(safe) <= 80 else safe[:77] + "..."

@@ -31,6 +31,7 @@ Neither clamp changes a request that samples meaningfully.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashpd.services.api import MAX_LOGPROBS, InvalidArgument, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 32
@@ -50,6 +53,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_ID_CHARS = 128
+MAX_TOKENS = 2**31 - 1  # the wire's int32; the context bounds it further
 MAX_MESSAGES = 4096
 
 
@@ -68,15 +72,15 @@ class ModelNotFound(InvalidArgument):
 
 def as_int(value: Any, field: str, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"must be an integer, got {_show(value)}", field=field)
+        raise InvalidArgument(f"must be an integer, got {show(value)}", field=field)
     if not lo <= value <= hi:
-        raise InvalidArgument(f"must be in [{lo}, {hi}], got {_show(value)}", field=field)
+        raise InvalidArgument(f"must be in [{lo}, {hi}], got {show(value)}", field=field)
     return value
 
 
 def as_number(value: Any, field: str, lo: float, hi: float) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise InvalidArgument(f"must be a number, got {_show(value)}", field=field)
+        raise InvalidArgument(f"must be a number, got {show(value)}", field=field)
     try:
         x = float(value)
     except OverflowError:  # an int beyond float range
@@ -90,7 +94,7 @@ def as_number(value: Any, field: str, lo: float, hi: float) -> float:
 
 def as_bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgument(f"must be true or false, got {_show(value)}", field=field)
+        raise InvalidArgument(f"must be true or false, got {show(value)}", field=field)
     return value
 
 
@@ -139,7 +143,7 @@ def token_ids(value: Any, field: str, vocab_size: int, *, max_count: int | None 
     for t in value:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise InvalidArgument(f"token ids must be integers in [0, {vocab_size}), got "
-                                  f"{_show(t)}", field=field)
+                                  f"{show(t)}", field=field)
     return tuple(value)
 
 
@@ -263,7 +267,7 @@ def content_length(headers: Mapping[str, str]) -> int | None:
 # ---------------------------------------------------------------------------------- helpers
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -275,3 +279,31 @@ def _type_name(value: Any) -> str:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:120] if str(exc) else "invalid"
+
+
+# ------------------------------------------------------------------------------ public errors
+
+# Text that must not reach a client: exception class names, tracebacks, Ray task traces, paths.
+_INTERNALS = re.compile(r"Traceback|File \"|\b[A-Z][A-Za-z0-9]*(Error|Exception|Exit)\b|ray::|"
+                        r"\bRay[A-Z]|\.py\b|<class |object at 0x|\n")
+_GENERIC = {
+    "INVALID_ARGUMENT": "invalid request", "NOT_FOUND": "not found",
+    "RESOURCE_EXHAUSTED": "the server is at capacity; retry later",
+    "DEADLINE_EXCEEDED": "the deadline passed before the request finished",
+    "UNAVAILABLE": "no worker could serve the request right now; retry",
+    "CANCELLED": "the request was cancelled", "UNAUTHENTICATED": "missing or invalid API key",
+}
+MAX_MESSAGE_CHARS = 500
+
+
+def public_message(exc: Exception, request_id: str | None = None) -> str:
+    """The message a client may see for `exc`. Internal errors and messages that carry
+    internals become a generic message with the request id (the details go to the log)."""
+    code = getattr(exc, "code", "INTERNAL")
+    message = str(exc)
+    if code in _GENERIC and len(message) <= MAX_MESSAGE_CHARS and not _INTERNALS.search(message):
+        return message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogate
+    where = f" (request id {request_id})" if request_id else ""
+    log.warning("request %s: %s answered with a generic message: %r", request_id or "-", code,
+                message)
+    return _GENERIC.get(code, "internal server error") + where

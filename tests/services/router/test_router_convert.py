@@ -14,6 +14,7 @@ from flashpd.services.api import (
 )
 from flashpd.services.router import convert
 from flashpd.services.router.convert import ModelTable, ServedModel, request_from_proto
+from flashpd.services.router.validation import ModelNotFound
 from flashpd_sdk._gen import flashpd_pb2 as pb
 
 MODELS = ModelTable([SERVED])
@@ -38,7 +39,7 @@ def test_sampling_round_trip():
                        stop_token_ids=(1,), stop=("x",), ignore_eos=True, logprobs=2)
     msg = pb.GenerateRequest()
     convert.sampling_to_proto(p, msg)
-    assert convert.sampling_from_proto(msg) == p
+    assert convert.sampling_from_proto(msg, SERVED.vocab_size) == p
 
 
 def test_defaults_when_fields_are_unset():
@@ -73,6 +74,22 @@ def test_client_id_makes_a_request_resumable_and_deadline_is_absolute():
     (pb.GenerateRequest(prompt="x", logprobs=50), "logprobs"),
     (pb.GenerateRequest(prompt="x", request_id="has space"), "request_id"),
     (pb.GenerateRequest(prompt="x", session_id="s" * 200), "session_id"),
+    (pb.GenerateRequest(prompt="x", session_id="caf\u00e9"), "session_id"),
+    (pb.GenerateRequest(prompt="x", temperature=float("nan")), "temperature"),
+    (pb.GenerateRequest(prompt="x", temperature=float("inf")), "temperature"),
+    (pb.GenerateRequest(prompt="x", top_p=float("nan")), "top_p"),
+    (pb.GenerateRequest(prompt="x", min_p=float("-inf")), "min_p"),
+    (pb.GenerateRequest(prompt="x", seed=2**63), "seed"),
+    (pb.GenerateRequest(prompt="x", seed=2**64 - 1), "seed"),
+    (pb.GenerateRequest(prompt="x", top_k=257), "top_k"),
+    (pb.GenerateRequest(prompt="x", top_k=-2), "top_k"),
+    (pb.GenerateRequest(prompt="x", stop_token_ids=[256]), "stop_token_ids"),
+    (pb.GenerateRequest(prompt="x", stop_token_ids=[2**32 - 1]), "stop_token_ids"),
+    (pb.GenerateRequest(prompt="x", stop=[""]), "stop"),
+    (pb.GenerateRequest(prompt="x", stop=["s"] * 17), "stop"),
+    (pb.GenerateRequest(prompt="x", logprobs=21), "logprobs"),
+    (pb.GenerateRequest(prompt="x" * 200_000), "prompt"),  # refused before tokenizing
+    (pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1] * 3000)), "prompt_ids"),
 ])
 def test_bad_requests_name_the_field(msg, field):
     with pytest.raises(InvalidArgument) as info:
@@ -83,8 +100,18 @@ def test_bad_requests_name_the_field(msg, field):
 def test_model_table_resolves_default_and_rejects_unknown():
     table = ModelTable([ServedModel("a", 10, 10), ServedModel("b", 10, 10)])
     assert table.resolve("").name == "a" and table.resolve("b").name == "b"
-    with pytest.raises(InvalidArgument, match="unknown model"):
+    with pytest.raises(ModelNotFound, match="does not exist") as info:
         table.resolve("c")
+    assert info.value.field == "model" and info.value.http_status == 404
+    assert info.value.code == "INVALID_ARGUMENT"  # gRPC keeps INVALID_ARGUMENT for a bad field
+
+
+def test_developer_role_is_a_system_message():
+    as_developer = convert.deepseek_chat_prompt([{"role": "developer", "content": "Be brief."},
+                                                 {"role": "user", "content": "Hi"}])
+    as_system = convert.deepseek_chat_prompt([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi"}])
+    assert as_developer == as_system
 
 
 def test_deepseek_chat_template():
@@ -104,8 +131,25 @@ def test_deepseek_chat_template():
     ([{"role": "user", "content": 3}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
     (["hi"], "messages[0]"),
+    ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
+    ([{"role": ["user"], "content": "x"}], "messages[0].role"),
+    ([{"role": "assistant", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+    ([{"role": "user", "content": "x", "name": 3}], "messages[0].name"),
 ])
 def test_chat_template_errors_name_the_message(messages, field):
     with pytest.raises(InvalidArgument) as info:
         convert.deepseek_chat_prompt(messages)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("temperature", [1.4e-45, 1e-38, 9e-6])
+def test_grpc_tiny_temperature_is_greedy(temperature):
+    msg = pb.GenerateRequest(prompt="x", temperature=temperature, top_p=0.5)
+    sampling = request_from_proto(msg, MODELS, TOK, timeout_s=None).request.sampling
+    assert sampling.temperature == 0.0 and sampling.top_p == 1.0
+
+
+def test_grpc_largest_seed_is_accepted():
+    msg = pb.GenerateRequest(prompt="x", seed=2**63 - 1, temperature=0.5, top_k=-1)
+    sampling = request_from_proto(msg, MODELS, TOK, timeout_s=None).request.sampling
+    assert sampling.seed == 2**63 - 1 and sampling.top_k == 0 and sampling.temperature == 0.5
