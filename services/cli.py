@@ -1,7 +1,8 @@
 """`flashpd serve` and `flashpd demo`: the whole stack on this machine with embedded defaults.
 
 With no addresses given: a local Ray instance bound to 127.0.0.1, a local Redis on a free
-loopback port, the tiny preset (a random checkpoint made once under ~/.cache/flashpd), gRPC on
+loopback port, the small preset's trained checkpoint (`--preset tiny`: a random checkpoint made
+once under ~/.cache/flashpd), gRPC on
 9000 and OpenAI HTTP on 8000. `demo` also runs a short multi-turn conversation through the SDK.
 """
 
@@ -22,7 +23,8 @@ def register(sub) -> None:
                               ("demo", run_demo, "serve locally and chat through the SDK")):
         p = sub.add_parser(name, help=help_)
         src = p.add_mutually_exclusive_group()
-        src.add_argument("--preset", default="tiny", choices=["tiny"])
+        src.add_argument("--preset", default="small", choices=["small", "tiny"],
+                         help="small: the trained checkpoint shipped in the repo; tiny: random")
         src.add_argument("--checkpoint")
         p.add_argument("--redis", help="redis://host:port (default: start a local one)")
         p.add_argument("--prefill-replicas", type=int, default=1)
@@ -36,6 +38,15 @@ def register(sub) -> None:
         p.add_argument("--kv-format", default="nvfp4", choices=["nvfp4", "fp8"],
                        help="compressed main KV format (nvfp4 = trained format)")
         p.set_defaults(func=func)
+
+
+def default_checkpoint(preset: str) -> str:
+    """`small`: the trained checkpoint in model/presets/small_checkpoint; `tiny`: random."""
+    if preset == "small":
+        from flashpd.model.presets.small import checkpoint_path
+
+        return checkpoint_path()
+    return tiny_checkpoint()
 
 
 def tiny_checkpoint(seed: int = 0) -> str:
@@ -54,7 +65,7 @@ def tiny_checkpoint(seed: int = 0) -> str:
 def app_args(args, checkpoint: str, redis_url: str) -> dict:
     role = {"num_blocks": args.num_blocks}
     return {
-        "checkpoint": checkpoint, "model_id": "flashpd-tiny" if not args.checkpoint else
+        "checkpoint": checkpoint, "model_id": f"flashpd-{args.preset}" if not args.checkpoint else
         os.path.basename(os.path.normpath(checkpoint)),
         "redis_url": redis_url, "grpc_port": args.grpc_port, "routing": args.routing,
         "swa_bounded_replay": not args.no_swa_bounded_replay,
@@ -76,7 +87,7 @@ def local_stack(args):
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    checkpoint = args.checkpoint or tiny_checkpoint()
+    checkpoint = args.checkpoint or default_checkpoint(args.preset)
     redis = None if args.redis else LocalRedis().start()
     try:
         redis_url = args.redis or redis.url
@@ -112,7 +123,7 @@ DEMO_SYSTEM = (
     "cached 128-token chunks and session bindings; prefill workers run the encoder path and push "
     "890 bytes per token of compact global KV over NIXL; decode workers rebuild their sliding "
     "windows by replaying the last 128 tokens and stream tokens with continuous batching. "
-    "Weights here are random, so the replies are noise: watch the cached tokens and TTFT. "
+    "The default model is the small preset trained for minutes on ShareGPT conversations. "
 ) * 2
 
 DEMO_TURNS = (

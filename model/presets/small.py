@@ -24,6 +24,8 @@ BPE trained on the training split (small_tokenizer.json, built by small_tokenize
 
 from __future__ import annotations
 
+import os
+
 from flashpd.model.presets import released_hf
 
 VOCAB_SIZE = 6144
@@ -74,3 +76,18 @@ def small_hf() -> dict:
     t["engram_compressed_vocab_size"] = 0
     hf["image_token_id"] = None
     return hf
+
+
+CHECKPOINT_DIR = os.path.join(os.path.dirname(__file__), "small_checkpoint")
+
+
+def checkpoint_path() -> str:
+    """The trained `small` checkpoint shipped in the repo (`flashpd serve` / `demo` default).
+
+    Rebuild it on a GPU with `flashpd train --preset small --out DIR --minutes 4.6` (H200: ~5 min;
+    its train_log.json records the run).
+    """
+    if not os.path.exists(os.path.join(CHECKPOINT_DIR, "config.json")):
+        raise FileNotFoundError(f"the small checkpoint is missing from {CHECKPOINT_DIR}; rebuild it "
+                                "with `flashpd train --preset small --out DIR`")
+    return CHECKPOINT_DIR
