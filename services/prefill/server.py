@@ -31,7 +31,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from flashpd.engine.async_engine import RequestFailed
+from flashpd.engine.async_engine import EngineDead, RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.transfer.base import TransferCancelled, TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
@@ -150,7 +150,10 @@ class PrefillWorker(EngineWorker):
         if not runs:
             self._runs.pop(req.request_id, None)
         self._queued_tokens.pop(run.engine_id, None)
-        await self.engine.call(lambda e: _release(e, run.engine_id))
+        try:
+            await self.engine.call(lambda e: _release(e, run.engine_id))
+        except EngineDead:  # shutting down (or dead): its blocks go with the engine
+            pass
 
     async def _compute(self, req: InternalRequest, run: _Run):
         remaining = req.remaining_s()
