@@ -100,7 +100,11 @@ class JointPolicy:
         limits = Limits(
             min=Replicas(**{r: by_role[r][1].capacity_adjusted_min_replicas for r in by_role}),
             max=Replicas(**{r: by_role[r][1].capacity_adjusted_max_replicas for r in by_role}))
-        check_limits(limits, self.config)
+        try:
+            check_limits(limits, self.config)
+        except ValueError as exc:  # e.g. bounds lowered by target_capacity: hold, say why
+            log.error("JointPolicy: holding every target: %s", exc)
+            return {d: c.target_num_replicas for d, c in contexts.items()}, {}
         signals = signals_from_contexts({r: c for r, (_, c) in by_role.items()})
         decode_id, decode_ctx = by_role["decode"]
         state = decode_ctx.policy_state.get(STATE_KEY)

@@ -87,6 +87,13 @@ def test_unknown_app_shape_keeps_targets():
     assert policy(ctxs) == ({"P": 2, "D": 3, "R": 1}, {})
 
 
+def test_bounds_outside_the_ratio_hold_every_target():
+    policy = JointPolicy(**{**KWARGS, "pd_ratio_min": 2.0, "pd_ratio_max": 2.0})
+    ctxs = _contexts({"p0": {"queued_prefill_tokens": 900}}, {"d0": {}}, targets=(1, 1, 1))
+    ctxs["P"].capacity_adjusted_max_replicas = 1  # 1 prefill can never be 2x decode
+    assert policy(ctxs) == ({"P": 1, "D": 1, "R": 1}, {})
+
+
 def test_policy_kwargs_are_checked_naming_the_field():
     with pytest.raises(Exception, match="decode_kv_usage"):
         JointPolicy(decode_kv_usage=2.0)
