@@ -3,7 +3,7 @@
     python -m flashpd.bench.gpu_engine --out bench/results/h200           (GPU, `bench` preset)
     python -m flashpd.bench.gpu_engine --preset tiny --smoke              (CPU, interpreter)
 
-Unlike bench/gpu_step.py, which times kernel compositions outside the engine, every figure here
+Unlike bench/gpu_floor.py, which times kernel compositions outside the engine, every figure here
 goes through the engine's scheduler, KV cache manager (prefix hits, block tables), runner and
 sampler, with the weights in the released formats (random values, generated on the device) and
 the KV pools packed on the device:
@@ -16,7 +16,7 @@ the KV pools packed on the device:
            then the wall time of engine.step() with all B decoding (sampling and the
            logits' device-to-host copy included); B = 1, 8, 64
     floor  decode: bytes of active weights + KV read per step / measured copy bandwidth
-           (bench/gpu_step.py's byte law); prefill: FLOPs / 790 TFLOP/s bf16
+           (bench/gpu_floor.py's byte law); prefill: FLOPs / 790 TFLOP/s bf16
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
-from flashpd.bench import gpu_step
+from flashpd.bench import gpu_floor
 from flashpd.engine.gpu.loading import random_gpu_model
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
@@ -150,7 +150,7 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
     engine.add_request("prefix", prefix, params)
     _until_first_token(engine, "prefix")
     _finish(engine, [])
-    copy_gbps = gpu_step.measure_copy_gbps()
+    copy_gbps = gpu_floor.measure_copy_gbps()
     rows = []
     for batch in plan["batches"]:
         long = SamplingParams(max_tokens=10_000, ignore_eos=True)
@@ -170,7 +170,7 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
             assert sum(1 for o in outs if o.new_token_ids) == batch, "not all sequences decoded"
         _finish(engine, rids)
         ms = statistics.median(times[1:])
-        floor = gpu_step.decode_step_bytes(cfg, batch, plan["decode_context"])
+        floor = gpu_floor.decode_step_bytes(cfg, batch, plan["decode_context"])
         floor_ms = (floor["weights"] + floor["kv"]) / (copy_gbps * 1e9) * 1e3
         row = {"batch": batch, "step_ms": ms, "tok_s": batch / (ms * 1e-3),
                "floor_ms": floor_ms, "x_floor": ms / floor_ms, "admit_s": admit_s,
@@ -243,25 +243,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
-    flops = sum(gpu_step.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())
+    flops = sum(gpu_floor.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())
     payload["prefill"]["mfu"] = flops / payload["prefill"]["seconds"] / (
-        gpu_step.PEAK_BF16_TFLOPS * 1e12)
+        gpu_floor.PEAK_BF16_TFLOPS * 1e12)
     payload["ttft"] = ttft(engine, plan, cfg.vocab_size, log)
     for r in payload["ttft"]:
-        flops = sum(gpu_step.encoder_prefill_flops(cfg, r["context"]).values())
-        r["mfu"] = flops / (r["cold_ttft_ms"] * 1e-3) / (gpu_step.PEAK_BF16_TFLOPS * 1e12)
+        flops = sum(gpu_floor.encoder_prefill_flops(cfg, r["context"]).values())
+        r["mfu"] = flops / (r["cold_ttft_ms"] * 1e-3) / (gpu_floor.PEAK_BF16_TFLOPS * 1e12)
     payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
     payload["notes"] = [
         "Cold TTFT runs the encoder path on every prompt row and the decoder layers on the last "
         "128 rows (decoder narrowing, bounded replay's colocated form); MFU counts the "
-        "encoder-path FLOPs (bench/gpu_step.py's law) against 790 TFLOP/s bf16.",
+        "encoder-path FLOPs (bench/gpu_floor.py's law) against 790 TFLOP/s bf16.",
         "Hit TTFT: the L-token prefix comes from the prefix cache (chunk-aligned), the last 128 "
         "cached rows are replayed through all layers (a captured graph, one per key-table "
         "width: the second of two hits is reported, the first includes the capture), then the "
         "64-token turn runs eagerly.",
         "Decode ms/step is the wall time of one engine.step() with every sequence decoding: "
-        "scheduler + host-side buffer fill + one CUDA-graph replay of the 40-layer step "
-        "(engine/gpu/decode_graph.py; batch padded to the next power of two) + the "
+        "scheduler + host-side tables + one CUDA-graph replay of the engine's forward "
+        "(GpuModel.compute captured by engine/gpu/decode_graph.py; batch padded to the next "
+        "power of two) + the "
         "bookkeeping after it + logits copied to the host for sampling.",
         "Cold and hit prefills run eagerly (one Triton launch per kernel, no graph); the index "
         "scoring is one paged launch per index layer for the whole batch.",

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.kernels.quant import ref as q
 from flashpd.model.config import ModelConfig
-from flashpd.model.kv_format import kv_format
+from flashpd.model.kv_format import CompressedKVFormat, kv_format
 from flashpd.model.state import (
     Entries,
     GlobalKV,
@@ -43,8 +44,6 @@ from flashpd.model.state import (
     Window,
 )
 
-CHUNK_TOKENS = 128
-
 
 @dataclass(frozen=True)
 class PoolGeometry:
@@ -52,11 +51,14 @@ class PoolGeometry:
 
     cfg: ModelConfig
     chunk_tokens: int = CHUNK_TOKENS
-    compressed_format: str = "nvfp4"
+    compressed_format: CompressedKVFormat | str = "nvfp4"  # resolved to the format object
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compressed_format", kv_format(self.compressed_format))
 
     @property
     def compressed_entry_bytes(self) -> int:
-        return kv_format(self.compressed_format).entry_bytes(self.cfg.head_dim)
+        return self.compressed_format.entry_bytes(self.cfg.head_dim)
 
     def entries_per_block(self, src: int) -> int:
         return self.chunk_tokens // self.cfg.compress_ratios[src]
@@ -89,12 +91,13 @@ class KVPools:
     """All packed KV memory of one worker (CPU or CUDA)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
-                 device: str | torch.device = "cpu", compressed_format: str = "nvfp4",
+                 device: str | torch.device = "cpu",
+                 compressed_format: CompressedKVFormat | str = "nvfp4",
                  window_scratch_rows: int = 0):
         if window_scratch_rows < 0:
             raise ValueError(f"window_scratch_rows must be >= 0, got {window_scratch_rows}")
         self.geometry = PoolGeometry(cfg, compressed_format=compressed_format)
-        self.format = kv_format(compressed_format)
+        self.format = self.geometry.compressed_format
         self.cfg, self.num_blocks, self.num_slots = cfg, num_blocks, num_slots
         u8 = dict(dtype=torch.uint8, device=device)
         self.main = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
@@ -111,6 +114,14 @@ class KVPools:
         self.open_row_of = {s: i for i, s in enumerate(r2)}
         self.open = torch.zeros(num_slots, max(len(r2), 1), 2, cfg.head_dim,
                                 dtype=torch.float32, device=device)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, num_slots: int, device: str | torch.device,
+                  max_rows: int) -> KVPools:
+        """Pools in the model's KV format, with window scratch rows for `max_rows` rows per
+        forward when the model stages new window records there (`Model.stages_window_kv`)."""
+        return cls(model.cfg, num_blocks, num_slots, device, model.kv_format,
+                   max_rows if model.stages_window_kv else 0)
 
     def transfer_groups(self) -> dict[str, torch.Tensor]:
         """Each global group as a [num_blocks, block_bytes] uint8 view (what NIXL registers)."""
@@ -210,10 +221,6 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
         return start, self._win_len[layer]
 
-    def window_span_or_none(self, layer: int) -> tuple[int | None, int]:
-        """As `window_span`, with (None, 0) for a window a replay has yet to rebuild."""
-        return self._win_start[layer], self._win_len[layer]
-
     def note_window_append(self, layer: int, start_pos: int, count: int) -> None:
         """Book `count` new positions from `start_pos` whose records the caller has put in the
         ring (the last W - 1 of them). Checks continuity as `append_window` does."""
@@ -282,11 +289,13 @@ class PagedSeqState(TokenCounter, SeqState):
         self.pools.index[src][blocks, rows] = q.pack_mxfp4(keys.float()).to(blocks.device)
         self._n_entries[src] = n + count
 
-    def entry_rows(self, src: int, first: int, end: int) -> torch.Tensor:
-        """Rows of entries [first, end) of `src` in the 2-D view `pool.view(-1, record)`
-        (int64, on the pools' device)."""
-        blocks, rows = self._locate(self._src(src), first, end)
-        return blocks * self.pools.geometry.entries_per_block(src) + rows
+    def entry_rows(self, src: int, count: int) -> torch.Tensor:
+        """Rows of entries [0, count) of `src` in the 2-D view `pool.view(-1, record)` (int64,
+        on the host: the GPU forward builds its tables there and moves them once)."""
+        self._check_blocks(count, self._src(src))
+        epb = self.pools.geometry.entries_per_block(src)
+        table = torch.tensor(self.block_table, dtype=torch.long)[:, None] * epb + torch.arange(epb)
+        return table.flatten()[:count]
 
     def note_entries(self, src: int, first_entry: int, count: int) -> None:
         """Book `count` entries from `first_entry` that the caller has written into the pools."""

@@ -9,6 +9,7 @@ package first) and must expose the same function names and signatures as the ref
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from types import ModuleType
 
 # Op families the model forward calls, in paper order.
@@ -42,6 +43,20 @@ def get(op: str, impl: str = "ref") -> ModuleType:
         target = importlib.import_module(target)
         _REGISTRY[key] = target
     return target
+
+
+def select(impls: Mapping[str, str] | None = None) -> dict[str, ModuleType]:
+    """One module per op: `impls` names the implementation of some ops (the rest: "ref")."""
+    impls = dict(impls or {})
+    unknown = set(impls) - set(OPS)
+    if unknown:
+        raise KeyError(f"unknown kernel ops {sorted(unknown)}")
+    return {op: get(op, impls.get(op, "ref")) for op in OPS}
+
+
+def fastest(impl: str = "triton") -> dict[str, str]:
+    """`impl` for every op that registers it (the GPU's choice), "ref" for the others."""
+    return {op: impl if impl in available(op) else "ref" for op in OPS}
 
 
 def available(op: str) -> tuple[str, ...]:

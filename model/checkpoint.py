@@ -200,7 +200,7 @@ def logical_shape(spec: TensorSpec) -> tuple[int, ...]:
 
 
 # ============================================================================ random weights
-def _init_rule(name: str, spec: TensorSpec) -> tuple[str, float]:
+def init_rule(name: str, spec: TensorSpec) -> tuple[str, float]:
     """(kind, std) of the random initialisation; scales keep the tiny model's activations O(1)."""
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
     if leaf.endswith("norm.weight") or leaf in ("engram.q_weight", "engram.k_weight"):
@@ -229,7 +229,7 @@ def _float_rows(
     """The tensor's float values, FP32, in row chunks (multiples of `row_align` rows)."""
     shape = logical_shape(spec)
     rows, cols = (shape[0], 1) if len(shape) == 1 else (shape[0], shape[-1])
-    kind, std = _init_rule(name, spec)
+    kind, std = init_rule(name, spec)
     step = max(row_align, (_CHUNK_ELEMENTS // cols) // row_align * row_align)
     for chunk, r0 in enumerate(range(0, rows, step)):
         n = min(step, rows - r0)

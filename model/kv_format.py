@@ -33,7 +33,10 @@ KV_FORMATS = {
 }
 
 
-def kv_format(name: str) -> CompressedKVFormat:
+def kv_format(name: CompressedKVFormat | str) -> CompressedKVFormat:
+    """The format object (the one carrier of the choice); a name is resolved at the boundary."""
+    if isinstance(name, CompressedKVFormat):
+        return name
     if name not in KV_FORMATS:
         raise ValueError(f"compressed KV format must be one of {sorted(KV_FORMATS)}, got {name!r}")
     return KV_FORMATS[name]

@@ -21,10 +21,16 @@ Rows a layer computes, per segment of T tokens (the forward modes of the plan):
 
 A layer that computes rows [f, T) of a segment with f > 0, or any layer of a replay, clips its
 window there: query t sees window positions [max(t - W + 1, start + f), t].
+
+A forward is three calls: `prepare` (the step's static description: segments, rows per layer
+kind, Engram ids, head rows, and whatever tables a backend adds), `compute` (the layers, reading
+only the step) and `commit` (the states' books). The GPU path (engine/gpu) is this class with
+other weights and layer hooks over packed pools; its CUDA graphs capture `compute` itself.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +41,7 @@ import torch
 from flashpd.kernels import dispatch
 from flashpd.kernels.rope.ref import Yarn
 from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import kv_format
+from flashpd.model.kv_format import CompressedKVFormat, kv_format
 from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
 from flashpd.model.weights import (
     AttentionWeights,
@@ -135,9 +141,9 @@ def exact_replay_rows(cfg: ModelConfig) -> int:
     return w + (cfg.num_layers - 1) * (w - 1)
 
 
-# ============================================================================ row bookkeeping
+# ============================================================================ the step
 @dataclass(frozen=True)
-class _Seg:
+class Segment:
     """One sequence of the batch: its rows [offset, offset + num_tokens) of the batch."""
 
     index: int
@@ -158,12 +164,16 @@ class _Seg:
         return self.inp.start_pos
 
     @property
+    def end_pos(self) -> int:
+        return self.inp.start_pos + self.inp.num_tokens
+
+    @property
     def replay(self) -> Replay | None:
         return self.inp.plan.replay
 
 
 @dataclass(frozen=True)
-class _Part:
+class Part:
     """The rows one layer touches in one segment.
 
     seam rows [seam_first, T): the layer input is formed (and global KV written);
@@ -171,7 +181,7 @@ class _Part:
     c0:c1 / s0:s1 locate them in the layer's compute / seam tensors.
     """
 
-    seg: _Seg
+    seg: Segment
     first: int
     seam_first: int
     c0: int
@@ -188,61 +198,76 @@ class _Part:
         return self.first > 0 or self.seg.replay is not None
 
 
-class _LayerRows:
-    """Seam and compute rows of one layer over the batch, as index tensors into [T]."""
+class LayerRows:
+    """Seam and compute rows of one kind of layer over the batch, as index tensors into [T].
 
-    def __init__(self, spec: LayerSpec, segs: Sequence[_Seg], cand: int, device: torch.device):
-        self.parts: list[_Part] = []
+    Layers of one kind (decoder layer?, owns a compressor?) touch the same rows. `everything`:
+    seam = compute = all T rows (a decode step or a replay), so the forward skips the gathers.
+    """
 
-        def arange(lo: int, hi: int) -> torch.Tensor:
-            return torch.arange(lo, hi, device=device)
-
+    def __init__(self, key: tuple[bool, bool], segs: Sequence[Segment], device: torch.device,
+                 num_rows: int):
+        self.key, self.parts = key, []
+        decoder, owns_compressor = key
         c = s = 0
-        seam_idx, compute_idx, compute_in_seam = [], [], []
+        seam_idx, compute_idx, compute_in_seam, positions, seam_positions = [], [], [], [], []
         for seg in segs:
-            first = 0 if spec.layer_id < cand else seg.decoder_first
-            writes_global = spec.owns_compressor and seg.replay is None
-            seam_first = 0 if writes_global else first
+            first = seg.decoder_first if decoder else 0
+            seam_first = 0 if owns_compressor and seg.replay is None else first
             n_seam, n_comp = seg.num_tokens - seam_first, seg.num_tokens - first
             if n_seam == 0:
                 continue
-            self.parts.append(_Part(seg, first, seam_first, c, c + n_comp, s, s + n_seam))
-            seam_idx.append(arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
-            compute_idx.append(arange(seg.offset + first, seg.offset + seg.num_tokens))
-            compute_in_seam.append(arange(s + first - seam_first, s + n_seam))
+            part = Part(seg, first, seam_first, c, c + n_comp, s, s + n_seam)
+            self.parts.append(part)
+            seam_idx.append(torch.arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
+            compute_idx.append(torch.arange(seg.offset + first, seg.offset + seg.num_tokens))
+            compute_in_seam.append(torch.arange(s + first - seam_first, s + n_seam))
+            positions.append(torch.arange(part.first_pos, part.first_pos + n_comp))
+            seam_positions.append(torch.arange(seg.start_pos + seam_first, seg.end_pos))
             c, s = c + n_comp, s + n_seam
         self.num_compute, self.num_seam = c, s
         self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
-        self.seam_idx = _cat_long(seam_idx, device)  # [Ts]
-        self.compute_idx = _cat_long(compute_idx, device)  # [Tc]
-        self.compute_in_seam = _cat_long(compute_in_seam, device)  # [Tc]
-        self.positions = _cat_long(  # [Tc] absolute positions of the compute rows
-            [arange(p.first_pos, p.first_pos + p.c1 - p.c0) for p in self.parts], device)
+        self.everything = c == s == num_rows
+        self.seam_idx = _on(seam_idx, device)  # [Ts]
+        self.compute_idx = _on(compute_idx, device)  # [Tc]
+        self.compute_in_seam = _on(compute_in_seam, device)  # [Tc]
+        self.positions = _on(positions, device)  # [Tc] absolute positions of the compute rows
+        self.seam_positions = _on(seam_positions, device)  # [Ts]
 
-    @classmethod
-    def cached(cls, cache: dict, spec: LayerSpec, segs: Sequence[_Seg], cand: int,
-               device: torch.device) -> _LayerRows:
-        """Rows depend only on (decoder layer?, owns a compressor?): build each kind once."""
-        key = (spec.layer_id >= cand, spec.owns_compressor)
-        if key not in cache:
-            cache[key] = cls(spec, segs, cand, device)
-        return cache[key]
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.seam_idx, self.compute_idx, self.compute_in_seam, self.positions,
+                self.seam_positions]
+
+    def padded(self, num_rows: int) -> LayerRows:
+        """All rows, extended to `num_rows` with padding rows at position 0 (graph buckets)."""
+        if not self.everything:
+            raise ValueError("only rows covering the whole batch can be padded")
+        out = copy.copy(self)
+        pad = num_rows - self.num_seam
+        every = torch.arange(num_rows, device=self.positions.device)
+        out.seam_idx = out.compute_idx = out.compute_in_seam = every
+        out.positions = torch.cat((self.positions, self.positions.new_zeros(pad)))
+        out.seam_positions = out.positions
+        out.num_compute = out.num_seam = num_rows
+        return out
 
 
-def _cat_long(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+def _on(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenated on the host, moved once."""
+    out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return out.to(device)
 
 
-class _Published:
+class Published:
     """Per-forward results later layers reuse: top-k per index source, layer-cand candidates."""
 
     def __init__(self) -> None:
         self._rows: dict[tuple[int, str, int], tuple[int, torch.Tensor]] = {}
 
-    def put(self, part: _Part, kind: str, layer: int, value: torch.Tensor) -> None:
+    def put(self, part: Part, kind: str, layer: int, value: torch.Tensor) -> None:
         self._rows[(part.seg.index, kind, layer)] = (part.first, value)
 
-    def get(self, part: _Part, kind: str, layer: int) -> torch.Tensor:
+    def get(self, part: Part, kind: str, layer: int) -> torch.Tensor:
         """The published rows for this part's compute rows (a suffix of the publisher's)."""
         key = (part.seg.index, kind, layer)
         if key not in self._rows:
@@ -253,30 +278,70 @@ class _Published:
         return value[part.first - first:]
 
 
+@dataclass
+class Step:
+    """Everything one forward needs, built once before it (`Model.prepare`): the forward itself
+    (`Model.compute`) reads only this, and the states' books move after it (`Model.commit`).
+
+    `tables` holds what a backend adds (the GPU path: pool row tables); `outputs` what it leaves
+    for the commit. A CUDA graph captures `compute` over a Step whose tensors are static buffers.
+    """
+
+    token_ids: torch.Tensor  # [T]
+    segs: list[Segment]
+    rows: dict[tuple[bool, bool], LayerRows]
+    hash_ids: dict[int, torch.Tensor]  # Engram layer -> [T, C]
+    logit_rows: torch.Tensor  # [n] rows of the batch the head runs on
+    logit_counts: list[int | None]  # per segment: rows of logits, None = not requested
+    tables: object = None
+    outputs: dict = field(default_factory=dict)
+    published: Published = field(default_factory=Published)
+
+    def rows_of(self, spec: LayerSpec, cand: int) -> LayerRows:
+        return self.rows[(spec.layer_id >= cand, spec.owns_compressor)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device inputs, in a fixed order (what a graph replay refills)."""
+        out = [self.token_ids, self.logit_rows]
+        for key in sorted(self.rows):
+            out += self.rows[key].tensors()
+        out += [self.hash_ids[k] for k in sorted(self.hash_ids)]
+        if self.tables is not None:
+            out += self.tables.tensors()
+        return out
+
+    def split_logits(self, logits: torch.Tensor | None) -> list[torch.Tensor | None]:
+        out, at = [], 0
+        for n in self.logit_counts:
+            if n is None:
+                out.append(None)
+            else:
+                out.append(logits[at:at + n])
+                at += n
+        return out
+
+
 # ============================================================================ the model
 class Model:
     """The forward over dequantised weights; kernels come from the dispatcher by name."""
 
+    stages_window_kv = False  # the paged GPU forward stages new window records in scratch rows
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
                  hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None,
-                 compressed_kv_format: str = "nvfp4"):
+                 compressed_kv_format: CompressedKVFormat | str = "nvfp4"):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
         if len(weights.layers) != cfg.num_layers:
             raise ValueError(f"{len(weights.layers)} layer weights for {cfg.num_layers} layers")
         self.cfg, self.w, self.dtype, self.hasher = cfg, weights, dtype, hasher
         self.device = weights.embed.device
-        impls = dict(kernels or {})
-        unknown = set(impls) - set(dispatch.OPS)
-        if unknown:
-            raise KeyError(f"unknown kernel ops {sorted(unknown)}")
-        k = {op: dispatch.get(op, impls.get(op, "ref")) for op in dispatch.OPS}
+        k = dispatch.select(kernels)
         self.dense, self.quant, self.rope = k["dense"], k["quant"], k["rope"]
         self.mhc, self.engram, self.attention = k["mhc"], k["engram"], k["attention"]
         self.compressor, self.indexer, self.moe_k = k["compressor"], k["indexer"], k["moe"]
         self._init_rope(cfg)
         self.kv_format = kv_format(compressed_kv_format)
-        self._compress_fake_quant = getattr(self.quant, self.kv_format.fake_quant)
 
     def _init_rope(self, cfg: ModelConfig) -> None:
         """RoPE tables on the model's device: main (ratio-0 layers) and compressed (§3.3)."""
@@ -292,7 +357,7 @@ class Model:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
                         kernels: Mapping[str, str] | None = None,
-                        compressed_kv_format: str = "nvfp4") -> Model:
+                        compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
         if ckpt.cfg.engram_layer_ids:
@@ -321,29 +386,60 @@ class Model:
     def forward(self, token_ids: torch.Tensor,
                 seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None."""
+        step = self.prepare(token_ids, seqs)
+        logits = self.compute(step)
+        self.commit(step)
+        return step.split_logits(logits)
+
+    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> Step:
+        """The step's static description: segments, rows per layer kind, Engram ids, head rows."""
+        token_ids = token_ids.to(self.device)
         segs = self._segments(token_ids, seqs)
+        cfg, num_rows = self.cfg, token_ids.shape[0]
+        rows = {}
+        for spec in cfg.layers:
+            key = (spec.layer_id >= cfg.candidate_source_layer_id, spec.owns_compressor)
+            if key not in rows:
+                rows[key] = LayerRows(key, segs, self.device, num_rows)
+        picks, counts = [], []
+        for seg in segs:
+            request = seg.inp.plan.logits
+            end = seg.offset + seg.num_tokens
+            first = {LogitsRequest.NONE: end, LogitsRequest.LAST: end - 1,
+                     LogitsRequest.ALL: seg.offset}[request]
+            picks.append(torch.arange(first, end))
+            counts.append(None if request is LogitsRequest.NONE else end - first)
+        return Step(token_ids, segs, rows, self._engram_ids(token_ids, segs),
+                    torch.cat(picks).to(self.device), counts)
+
+    def compute(self, step: Step) -> torch.Tensor | None:
+        """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""
         cfg = self.cfg
-        hash_ids = self._engram_ids(token_ids, segs)  # {layer: [T, C]}, issued before the forward
-        num_rows = token_ids.shape[0]
-        embed = self.w.embed[token_ids]  # [T, D]
+        num_rows = step.token_ids.shape[0]
+        embed = self.w.embed[step.token_ids]  # [T, D]
         streams = embed[:, None, :].expand(num_rows, cfg.hc_mult, cfg.hidden_size).clone()
         carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32,
                                   device=self.device)  # [T, S]
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
-        published = _Published()
-        row_sets: dict[tuple[bool, bool], _LayerRows] = {}
+        step.published, step.outputs = Published(), {}
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
-            rows = _LayerRows.cached(row_sets, spec, segs, cfg.candidate_source_layer_id,
-                                     self.device)
+            rows = step.rows_of(spec, cfg.candidate_source_layer_id)
             if rows.num_seam:
-                self._layer(spec, lw, rows, streams, carried_pre, hash_ids, published)
-        logits = self._logits(streams, carried_pre, segs)
-        for seg in segs:
-            self._record_tokens(seg, token_ids[seg.offset:seg.offset + seg.num_tokens])
-        return logits
+                streams = self._layer(spec, lw, rows, streams, carried_pre, step)
+        if step.logit_rows.numel() == 0:
+            return None
+        idx = step.logit_rows
+        h = self.mhc.collapse(streams[idx], carried_pre[idx])  # layer L-1's FFN pre
+        h = self.dense.rms_norm(h, self.w.norm, self.eps)
+        return self.dense.linear_fp32(h, self.w.head)  # [n, V] FP32
+
+    def commit(self, step: Step) -> None:
+        """After the step: the states' token counters and lookback ids."""
+        for seg in step.segs:
+            self._record_tokens(seg, step.token_ids[seg.offset:seg.offset + seg.num_tokens])
 
     # ------------------------------------------------------------------ batch setup
-    def _segments(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[_Seg]:
+    def _segments(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[Segment]:
         if token_ids.ndim != 1 or token_ids.dtype != torch.long:
             raise ValueError("token_ids must be a 1-D int64 tensor")
         if sum(s.num_tokens for s in seqs) != token_ids.shape[0]:
@@ -360,7 +456,7 @@ class Model:
             first = 0 if rows is None else inp.num_tokens - min(rows, inp.num_tokens)
             if inp.plan.logits is LogitsRequest.ALL and first:
                 raise ValueError("logits for all rows need the decoder on all rows")
-            segs.append(_Seg(i, inp, offset, first))
+            segs.append(Segment(i, inp, offset, first))
             offset += inp.num_tokens
         return segs
 
@@ -380,13 +476,13 @@ class Model:
         if end > self.cfg.max_position_embeddings:
             raise ValueError(f"position {end - 1} beyond max_position_embeddings")
 
-    def _lookback(self, seg: _Seg) -> tuple[int, ...]:
+    def _lookback(self, seg: Segment) -> tuple[int, ...]:
         ids = seg.replay.lookback_ids if seg.replay else seg.state.lookback_ids()
         if len(ids) != min(3, seg.start_pos):
             raise StateError(f"{len(ids)} lookback ids for a segment starting at {seg.start_pos}")
         return tuple(ids)
 
-    def _engram_ids(self, token_ids: torch.Tensor, segs: list[_Seg]) -> dict[int, torch.Tensor]:
+    def _engram_ids(self, token_ids: torch.Tensor, segs: list[Segment]) -> dict[int, torch.Tensor]:
         out = {}
         for spec in self.cfg.layers:
             if not spec.has_engram:
@@ -398,34 +494,41 @@ class Model:
                 for s in segs]).to(self.device)  # [T, C]
         return out
 
-    def _record_tokens(self, seg: _Seg, ids: torch.Tensor) -> None:
+    def _record_tokens(self, seg: Segment, ids: torch.Tensor) -> None:
         history = self._lookback(seg) + tuple(int(t) for t in ids)
         end = seg.start_pos + seg.num_tokens
         seg.state.record_tokens(max(end, seg.state.num_tokens), history[-3:])
 
     # ------------------------------------------------------------------ one layer (§2.4)
-    def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: _LayerRows, streams: torch.Tensor,
-               carried_pre: torch.Tensor, hash_ids: dict[int, torch.Tensor],
-               published: _Published) -> None:
-        d = self.dense
-        xs = streams[rows.seam_idx]  # [Ts, S, D]
+    def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: LayerRows, streams: torch.Tensor,
+               carried_pre: torch.Tensor, step: Step) -> torch.Tensor:
+        """One layer over its seam / compute rows -> the new streams [T, S, D]."""
+        d, every = self.dense, rows.everything
+        xs = streams if every else streams[rows.seam_idx]  # [Ts, S, D]
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
-            xs = self._engram_inject(lw, xs, hash_ids[spec.layer_id][rows.seam_idx])
+            ids = step.hash_ids[spec.layer_id]
+            xs = self._engram_inject(lw, xs, ids if every else ids[rows.seam_idx])
         # 3. (seam) attention input = attn_norm(collapse(X, carried pre))
-        x_seam = d.rms_norm(self.mhc.collapse(xs, carried_pre[rows.seam_idx]), lw.attn_norm,
-                            self.eps)  # [Ts, D]
+        pre_in = carried_pre if every else carried_pre[rows.seam_idx]
+        x_seam = d.rms_norm(self.mhc.collapse(xs, pre_in), lw.attn_norm, self.eps)  # [Ts, D]
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
-            self._write_global_kv(spec, lw, x_seam, rows)
+            self._write_global_kv(spec, lw, x_seam, rows, step)
         if rows.num_compute == 0:
-            return
-        xc = xs[rows.compute_in_seam]  # [Tc, S, D]
+            return streams
+        xc = xs if every else xs[rows.compute_in_seam]  # [Tc, S, D]
         pre_a, post_a, comb_a = self._mixes(xc, lw.hc_attn)  # 2.
-        y = self._attention(spec, lw, x_seam[rows.compute_in_seam], rows, published)
+        x = x_seam if every else x_seam[rows.compute_in_seam]
+        y = self._attention(spec, lw, x, rows, step)
         xc = self.mhc.expand(y, xc, post_a, comb_a)  # 4.
         pre_f, post_f, comb_f = self._mixes(xc, lw.hc_ffn)  # 5.
         h = d.rms_norm(self.mhc.collapse(xc, pre_a), lw.ffn_norm, self.eps)  # 6.
-        streams[rows.compute_idx] = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
+        out = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
+        if every:
+            carried_pre.copy_(pre_f)  # 8.
+            return out
+        streams[rows.compute_idx] = out
         carried_pre[rows.compute_idx] = pre_f  # 8.
+        return streams
 
     def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
                        row_ids: torch.Tensor) -> torch.Tensor:
@@ -448,7 +551,7 @@ class Model:
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
     def _write_global_kv(self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor,
-                         rows: _LayerRows) -> None:
+                         rows: LayerRows, step: Step) -> None:
         """Compress the seam rows of every segment and append entries + index keys (§4, §5.2)."""
         cw = lw.compressor
         if spec.ratio == 2:
@@ -468,7 +571,7 @@ class Model:
                 kv, keys = self._entries(cw, latents, first_entry, spec.ratio)
                 part.seg.state.append_entries(spec.layer_id, first_entry, kv, keys)
 
-    def _close_groups(self, src: int, norm: torch.Tensor, part: _Part,
+    def _close_groups(self, src: int, norm: torch.Tensor, part: Part,
                       projected: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Ratio 2: pool the part's rows after the carried open-group row -> latents [G, d]."""
         state, first_pos = part.seg.state, part.seg.start_pos + part.seam_first
@@ -481,7 +584,7 @@ class Model:
         state.set_open_group(src, open_out)
         return self.compressor.latent(pooled, norm, self.eps, self.dtype)
 
-    def _replay_open_group(self, spec: LayerSpec, part: _Part,
+    def _replay_open_group(self, spec: LayerSpec, part: Part,
                            projected: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Replay writes no entries (they exist); a ratio-2 source rebuilds its open row."""
         state, end_pos = part.seg.state, part.seg.start_pos + part.seg.num_tokens
@@ -504,12 +607,13 @@ class Model:
         cos, sin = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
         keys = d.rms_norm(d.linear(latents, cw.index_wk), cw.index_k_norm, self.eps)  # [G, dI]
         keys = self.quant.fake_quant_mxfp4(self.rope.rotate(keys, cos, sin))
-        kv = self._compress_fake_quant(self.rope.rotate(latents, cos, sin))  # NVFP4 by default
+        fake_quant = getattr(self.quant, self.kv_format.fake_quant)  # NVFP4 by default
+        kv = fake_quant(self.rope.rotate(latents, cos, sin))
         return kv, keys
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: _LayerRows,
-                   published: _Published) -> torch.Tensor:
+    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows,
+                   step: Step) -> torch.Tensor:
         """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
         cfg, d, aw = self.cfg, self.dense, lw.attn
         pos, num_q = rows.positions, x.shape[0]
@@ -520,14 +624,14 @@ class Model:
         kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, self.eps)  # [Tc, d]
         kv = self.quant.fake_quant_fp8_ue8m0(self.rope.rotate(kv, cos, sin))
         if lw.index_query is not None:  # index sources have ratio > 0: same (compress) table
-            self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, published)
+            self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, step.published)
         outs = []
         for part in rows.compute_parts:
             keys, valid = self._window(spec.layer_id, part, kv[part.c0:part.c1],
                                        pos[part.c0:part.c1])  # [t, W, d]
             if spec.ratio > 0:
                 entries = part.seg.state.entries(spec.kv_src).kv  # [N, d]
-                topk = published.get(part, "topk", spec.idx_src)  # [t, K]
+                topk = step.published.get(part, "topk", spec.idx_src)  # [t, K]
                 ck, cvalid = self.attention.compressed_keys(entries, topk)  # [t, K, d]
                 keys, valid = torch.cat((keys, ck), 1), torch.cat((valid, cvalid), 1)
             outs.append(self.attention.sparse_attention(
@@ -536,7 +640,7 @@ class Model:
         o = self.rope.rotate(o, cos, sin, inverse=True)
         return self._output_projection(aw, o)
 
-    def _window(self, layer: int, part: _Part, kv_new: torch.Tensor,
+    def _window(self, layer: int, part: Part, kv_new: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys of the part's queries; appends the new window KV to the state."""
         state = part.seg.state
@@ -562,8 +666,8 @@ class Model:
 
     # ------------------------------------------------------------------ indexer (§5)
     def _select(self, spec: LayerSpec, iw: IndexQueryWeights, x: torch.Tensor, c_q: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: _LayerRows,
-                published: _Published) -> None:
+                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: LayerRows,
+                published: Published) -> None:
         """Score the kv source's index keys, publish top-k (and candidates at the source)."""
         cfg, d = self.cfg, self.dense
         pos, num_q = rows.positions, x.shape[0]
@@ -585,39 +689,10 @@ class Model:
             published.put(part, "topk", spec.layer_id,
                           self.indexer.select_topk(scores, cfg.index_topk, allowed))
 
-    # ------------------------------------------------------------------ head (§9)
-    def _logits(self, streams: torch.Tensor, carried_pre: torch.Tensor,
-                segs: list[_Seg]) -> list[torch.Tensor | None]:
-        picks: list[torch.Tensor | None] = []
-        for seg in segs:
-            request = seg.inp.plan.logits
-            end = seg.offset + seg.num_tokens
-            if request is LogitsRequest.NONE:
-                picks.append(None)
-            elif request is LogitsRequest.LAST:
-                picks.append(torch.tensor([end - 1], device=self.device))
-            else:
-                picks.append(torch.arange(seg.offset, end, device=self.device))
-        wanted = [p for p in picks if p is not None]
-        if not wanted:
-            return [None] * len(segs)
-        idx = torch.cat(wanted)
-        h = self.mhc.collapse(streams[idx], carried_pre[idx])  # layer L-1's FFN pre
-        h = self.dense.rms_norm(h, self.w.norm, self.eps)
-        logits = self.dense.linear_fp32(h, self.w.head)  # [n, V] FP32
-        out, at = [], 0
-        for p in picks:
-            if p is None:
-                out.append(None)
-            else:
-                out.append(logits[at:at + p.numel()])
-                at += p.numel()
-        return out
-
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
                kernels: Mapping[str, str] | None = None,
-               compressed_kv_format: str = "nvfp4") -> Model:
+               compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
     """Load a checkpoint directory and build the model in `dtype`."""
     from flashpd.model.checkpoint import load_checkpoint
 

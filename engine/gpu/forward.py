@@ -1,30 +1,36 @@
-"""The model forward on the GPU: Triton kernels over checkpoint-format weights and packed pools.
+"""The model forward on the GPU: `Model`'s own forward over kernel-format weights and packed pools.
 
-`GpuModel` is the reference `Model` (model/model.py) with the per-layer work swapped for the
-serving kernels; the batching, row bookkeeping (seam / compute rows, decoder narrowing,
-encoder-only prefill, bounded replay), Engram hashing and the head are the reference's own code,
-so both paths run the same plans over the same `SeqInput`s. Differences, all in where numbers
-live rather than in the math:
+`GpuModel` is the reference `Model` (model/model.py, the one forward in paper order) with
 
-    weights      FP8 E4M3 + UE8M0 32x32 tiles (dense), MXFP4 (routed experts), BF16 small
-                 tensors, dequantised in registers by the GEMM kernels (never in memory)
-    window KV    written by the KV-write kernel (RoPE + FP8 UE8M0 record) into the layer's
-                 scratch rows; attention reads ring ∪ scratch rows of the packed pool through
-                 one row list per query; the last W-1 records then move into the slot's ring
-    global KV    NVFP4 entries and MXFP4 index keys written in place into the sequence's blocks
-                 (rows from its block table); attention and the indexer read the packed records
-    indexer      one scoring launch per index layer for the whole batch over the paged key
-                 pool (each query reads its sequence's rows through a [B, N] row table), then
-                 top-k / candidate blocks / candidate-restricted top-k kernels
+    weights    the checkpoint formats (engine/gpu/weights.py): FP8 E4M3 + UE8M0 32x32 tiles,
+               MXFP4 experts, BF16 small tensors, dequantised in registers by the GEMM kernels
+    kernels    the dispatcher's Triton implementation of every op that has one
+               (`dispatch.fastest()`), BF16 compute
+    KV         a paged backend: `prepare` adds `PagedTables` to the step (pool rows of every
+               window key, entry write rows, key-row tables, open-group partners), the layer
+               hooks below read and write packed records through them only, and `commit` moves
+               the window records into the rings and the states' books after the step
+
+so `compute` touches no host state: CUDA graphs capture it as it is (decode_graph.py).
+
+    window KV    RoPE + FP8 record written into the layer's scratch rows; attention reads
+                 ring ∪ scratch rows through one row list per query; the commit keeps the last
+                 W-1 records of every sequence in its ring
+    global KV    NVFP4 (or FP8) entries and MXFP4 index keys written in place into the blocks
+                 (a ratio-2 source pools every row with its partner: the row before it or the
+                 slot's stored open row; rows that close no group write nowhere)
+    indexer      one paged scoring launch per index layer for the whole batch, then top-k /
+                 candidate blocks / candidate-restricted top-k kernels
     attention    `sparse_attention_packed`: RoPE(q), window ∪ top-k records, sink, inverse RoPE
 
-States must be `PagedSeqState`s over `KVPools` built with `window_scratch_rows` >= the largest
-number of rows one forward computes (LLMEngine sizes it to max_num_batched_tokens).
+States must be `PagedSeqState`s over `KVPools` with window scratch rows >= the rows of one
+forward (`KVPools.for_model` sizes them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,49 +39,56 @@ from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel imp
 # isort: on
 
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
-from flashpd.engine.kv_pools import PagedSeqState
+from flashpd.engine.kv_pools import KVPools, PagedSeqState
 from flashpd.kernels import dispatch
-from flashpd.kernels.attention import triton as attn_t
-from flashpd.kernels.dense import triton as dense_t
 from flashpd.kernels.dense.triton import Weights
-from flashpd.kernels.engram import triton as engram_t
-from flashpd.kernels.indexer import triton as index_t
-from flashpd.kernels.moe import triton as moe_t
 from flashpd.kernels.quant import ref as qref
-from flashpd.kernels.quant import triton as quant_t
 from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import kv_format
-from flashpd.model.model import Model, _LayerRows, _Published
+from flashpd.model.kv_format import CompressedKVFormat
+from flashpd.model.model import LayerRows, Model, SeqInput, Step
 from flashpd.model.state import StateError
 
-_WRITE_FMT = {"nvfp4": quant_t.FMT_NVFP4, "fp8": quant_t.FMT_WINDOW_FP8}
-_ATTN_FMT = {"nvfp4": attn_t.FMT_NVFP4, "fp8": attn_t.FMT_FP8}
+
+@dataclass
+class PagedTables:
+    """Pool rows of one step (device tensors the forward reads) and what the commit needs."""
+
+    pools: KVPools
+    scratch: torch.Tensor  # [T] int64 window scratch rows
+    window_rows: torch.Tensor  # [U, T, W] int32: pool rows of each compute row's window keys
+    window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
+    seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
+    key_rows: dict[int, torch.Tensor]  # src -> [B, N] int32 pool rows of visible entries
+    entry_rows: dict[int, torch.Tensor]  # src -> [Ts] int64 entry write row (-1: none)
+    from_stored: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] bool: partner is the open row
+    open_slots: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] int64 slot of the row
+    keep: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # commit
+    open_keep: dict[int, tuple[torch.Tensor, torch.Tensor]]  # commit: (slots, seam rows)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.scratch, self.window_rows]
+        for group in (self.seq_of, self.key_rows, self.entry_rows, self.from_stored,
+                      self.open_slots):
+            out += [group[k] for k in sorted(group)]
+        return out
 
 
 class GpuModel(Model):
-    """`Model.forward` over `GpuWeights` and `PagedSeqState`s, computed by the Triton kernels."""
+    """`Model` over `GpuWeights` and `PagedSeqState`s, computed by the Triton kernels."""
 
-    needs_window_scratch = True  # LLMEngine gives the pools scratch rows for new window KV
+    stages_window_kv = True  # new window records go to scratch rows first (KVPools.for_model)
 
     def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
-                 compressed_kv_format: str = "nvfp4", decode_graphs: bool | None = None):
-        """decode_graphs: plain decode steps through `DecodeGraphs` (None: when CUDA is
-        present, captured as CUDA graphs; True without CUDA: the same static path, eager)."""
-        # not Model.__init__: the weights stay in checkpoint formats, the kernels are fixed
-        if cfg.engram_layer_ids and hasher is None:
-            raise ValueError("config has Engram layers: an EngramHasher is required")
-        if len(weights.layers) != cfg.num_layers:
-            raise ValueError(f"{len(weights.layers)} layer weights for {cfg.num_layers} layers")
-        self.cfg, self.w, self.hasher = cfg, weights, hasher
-        self.dtype = torch.bfloat16
-        self.device = weights.embed.device
-        self.dense, self.mhc = dense_t, dispatch.get("mhc", "triton")
-        self.rope, self.compressor = dispatch.get("rope"), dispatch.get("compressor")
-        self._init_rope(cfg)
-        self.kv_format = kv_format(compressed_kv_format)
-        self._write_fmt = _WRITE_FMT[self.kv_format.name]
-        self._attn_fmt = _ATTN_FMT[self.kv_format.name]
-        self._step_cache: dict = {}
+                 compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                 decode_graphs: bool | None = None):
+        """decode_graphs: decode steps and W-row replays through `DecodeGraphs` (None: when
+        CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
+        super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
+                         compressed_kv_format)
+        self._write_fmt = {"nvfp4": self.quant.FMT_NVFP4,
+                           "fp8": self.quant.FMT_WINDOW_FP8}[self.kv_format.name]
+        self._attn_fmt = {"nvfp4": self.attention.FMT_NVFP4,
+                          "fp8": self.attention.FMT_FP8}[self.kv_format.name]
         self._e2m1 = qref.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(self.device)
         from flashpd.engine.gpu.decode_graph import DecodeGraphs
 
@@ -85,191 +98,161 @@ class GpuModel(Model):
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor,
-                seqs: Sequence) -> list[torch.Tensor | None]:
+                seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+        if self.graphs is not None and self.graphs.eligible(seqs):
+            return self.graphs.run(token_ids, seqs)
+        return super().forward(token_ids, seqs)
+
+    # ------------------------------------------------------------------ the step's tables
+    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,
+                key_width_step: int = 0) -> Step:
+        """`Model.prepare` + pool row tables. pad_to: extend a step whose layers all run on
+        every row to that many rows (padding rows read nothing and write only scratch rows);
+        key_width_step: round key-table widths up to a multiple of it (fewer graph shapes)."""
         for inp in seqs:
             if not isinstance(inp.state, PagedSeqState):
                 raise TypeError("the GPU forward runs on PagedSeqState (engine KV pools)")
-        scratch = seqs[0].state.pools.window.shape[1] - seqs[0].state.pools.scratch_base \
-            if seqs else 0
-        if token_ids.shape[0] > scratch:
-            raise ValueError(f"{token_ids.shape[0]} rows in one forward, the pools have "
-                             f"{scratch} window scratch rows")
-        self._step_cache = {}
-        if self.graphs is not None and self.graphs.eligible(seqs):
-            self._segments(token_ids, seqs)  # the reference's batch checks
-            return self.graphs.run(token_ids.cpu(), seqs)
-        if self.graphs is not None and self.graphs.replay_eligible(seqs):
-            self._segments(token_ids, seqs)
-            return self.graphs.run_replay(token_ids.cpu(), seqs[0])
-        return super().forward(token_ids.to(self.device), seqs)
+        pools = seqs[0].state.pools
+        rows = max(token_ids.shape[0], pad_to)
+        if rows > pools.window.shape[1] - pools.scratch_base:
+            raise ValueError(f"{rows} rows in one forward, the pools have "
+                             f"{pools.window.shape[1] - pools.scratch_base} window scratch rows")
+        step = super().prepare(token_ids, seqs)
+        if pad_to > token_ids.shape[0]:
+            self._pad(step, pad_to)
+        step.tables = _TableBuilder(self.cfg, pools, step, key_width_step).build(self.device)
+        return step
+
+    def _pad(self, step: Step, num_rows: int) -> None:
+        pad = num_rows - step.token_ids.shape[0]
+        step.token_ids = torch.cat((step.token_ids, step.token_ids.new_zeros(pad)))
+        step.rows = {key: r.padded(num_rows) for key, r in step.rows.items()}
+        step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1])))
+                         for k, v in step.hash_ids.items()}
+        step.logit_rows = torch.arange(num_rows, device=self.device)
+
+    def commit(self, step: Step) -> None:
+        """Window records scratch -> rings, the open rows, then every state's books."""
+        t, cfg = step.tables, self.cfg
+        pools = t.pools
+        for layers, src, dst in t.keep.values():
+            if dst.numel():
+                pools.window[layers[:, None], dst[None, :]] = pools.window[layers[:, None],
+                                                                           src[None, :]]
+        for src, (slots, seam_rows) in t.open_keep.items():
+            if slots.numel():
+                pools.open[slots, pools.open_row_of[src]] = step.outputs[("open", src)][seam_rows]
+        cand = cfg.candidate_source_layer_id
+        for spec in cfg.layers:
+            for part in step.rows_of(spec, cand).compute_parts:
+                state = part.seg.state
+                if part.clip_window:
+                    state.clip_window(spec.layer_id, part.first_pos)
+                state.note_window_append(spec.layer_id, part.first_pos, part.c1 - part.c0)
+        for src in cfg.kv_source_layer_ids:
+            ratio = cfg.compress_ratios[src]
+            for part in step.rows_of(cfg.layers[src], cand).parts:
+                seg = part.seg
+                if seg.replay is None:
+                    first = seg.start_pos // ratio
+                    seg.state.note_entries(src, first, seg.end_pos // ratio - first)
+                if src in pools.open_row_of:
+                    seg.state.mark_open_group(src, seg.end_pos % 2 == 1)
+        super().commit(step)
 
     # ------------------------------------------------------------------ layer hooks
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
-        return dense_t.linear_weights(x.contiguous(), w, self.dtype)
+        return self.dense.linear_weights(x.contiguous(), w, self.dtype)
 
     def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
                        row_ids: torch.Tensor) -> torch.Tensor:
-        rows = engram_t.gather_rows(lw.engram.table, row_ids)  # BF16 [Ts, C*row_dim], exact
+        rows = self.engram.gather_rows(lw.engram.table, row_ids)  # BF16 [Ts, C*row_dim], exact
         kv = self._lin(rows, lw.engram.wkv)  # [Ts, (S+1)*D]
-        return engram_t._run_engram(xs, kv, lw.engram.qk, self.eps, inject=True)[0]
+        return self.engram.run_engram(xs, kv, lw.engram.qk, self.eps, inject=True)[0]
 
     def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        return moe_t.moe_quantized(h, lw.gate, lw.gate_bias, lw.experts, lw.shared,
-                                   cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                                   cfg.swiglu_limit, cfg.gate_temp, cfg.norm_topk_prob)
-
-    def _mixes(self, streams: torch.Tensor, mw) -> tuple[torch.Tensor, ...]:
-        fn, base, scale = mw
-        cfg = self.cfg
-        return self.mhc.hc_mixes(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                                 self.eps)
+        return self.moe_k.moe_quantized(h, lw.gate, lw.gate_bias, lw.experts, lw.shared,
+                                        cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                                        cfg.swiglu_limit, cfg.gate_temp, cfg.norm_topk_prob)
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
     def _write_global_kv(self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor,
-                         rows: _LayerRows) -> None:
-        d = self.dense
+                         rows: LayerRows, step: Step) -> None:
+        """Latents of every seam row -> entries + index keys at the rows that close a group."""
+        d, t, src = self.dense, step.tables, spec.layer_id
+        pools = t.pools
         if spec.ratio == 2:
-            projected = (d.linear_fp32(x_seam, lw.comp_wkv), d.linear_fp32(x_seam, lw.comp_wgate))
+            ag = torch.stack((d.linear_fp32(x_seam, lw.comp_wkv),
+                              d.linear_fp32(x_seam, lw.comp_wgate)), dim=1)  # [Ts, 2, c] FP32
+            stored = pools.open[t.open_slots[src], pools.open_row_of[src]]  # [Ts, 2, c]
+            prev = torch.where(t.from_stored[src][:, None, None], stored, ag.roll(1, 0))
+            pooled = self.compressor.pool_two(prev[:, 0], prev[:, 1], ag[:, 0], ag[:, 1])
+            latent = d.rms_norm(pooled.to(self.dtype), lw.comp_norm, self.eps)
+            step.outputs[("open", src)] = ag
         else:
-            latents_all = d.rms_norm(d.linear(x_seam, lw.comp_wkv), lw.comp_norm, self.eps)
-        for part in rows.parts:
-            if part.seg.replay is not None:
-                self._replay_open_group(spec, part, projected if spec.ratio == 2 else None)
-                continue
-            if spec.ratio == 2:
-                latents = self._close_groups(spec.layer_id, lw.comp_norm, part, projected)
-            else:
-                latents = latents_all[part.s0:part.s1]
-            if latents.shape[0]:
-                first = (part.seg.start_pos + part.seam_first) // spec.ratio
-                self._write_entries(spec, lw, part.seg.state, latents, first)
-
-    def _write_entries(self, spec: LayerSpec, lw: LayerWeights, state: PagedSeqState,
-                       latents: torch.Tensor, first: int) -> None:
-        """Pre-RoPE latents [G, d] -> NVFP4 (or FP8) entries + MXFP4 index keys, in place."""
-        d, src, count = self.dense, spec.layer_id, latents.shape[0]
-        positions = (first + torch.arange(count, device=self.device)) * spec.ratio
-        rope = self.rope.rope_cos_sin(positions, self.freqs_compress)
-        keys = d.rms_norm(d.linear(latents, lw.idx_wk), lw.idx_k_norm, self.eps)  # [G, dI]
-        rows = state.entry_rows(src, first, first + count)
-        pools = state.pools
-        quant_t._write(self._write_fmt, latents.contiguous(), rows,
-                       pools.main[src].view(-1, pools.main[src].shape[-1]), rope)
-        quant_t._write(quant_t.FMT_MXFP4, keys.contiguous(), rows,
-                       pools.index[src].view(-1, pools.index[src].shape[-1]), rope)
-        state.note_entries(src, first, count)
+            latent = d.rms_norm(d.linear(x_seam, lw.comp_wkv), lw.comp_norm, self.eps)
+        # entries are rotated at the position of their group's first token (§3.3, §12.7)
+        entry_pos = rows.seam_positions // spec.ratio * spec.ratio
+        rope = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
+        keys = d.rms_norm(d.linear(latent, lw.idx_wk), lw.idx_k_norm, self.eps)  # [Ts, dI]
+        write_rows = t.entry_rows[src]
+        main, index = pools.main[src], pools.index[src]
+        self.quant.write_unchecked(self._write_fmt, latent.contiguous(), write_rows,
+                                   main.view(-1, main.shape[-1]), rope)
+        self.quant.write_unchecked(self.quant.FMT_MXFP4, keys.contiguous(), write_rows,
+                                   index.view(-1, index.shape[-1]), rope)
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: _LayerRows,
-                   published: _Published) -> torch.Tensor:
-        cfg, d = self.cfg, self.dense
+    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows,
+                   step: Step) -> torch.Tensor:
+        cfg, d, t = self.cfg, self.dense, step.tables
         num_q = x.shape[0]
-        pools = rows.parts[0].seg.state.pools
         rope = self.rope.rope_cos_sin(rows.positions, self._freqs(spec))  # [Tc, r/2] each
         c_q = d.rms_norm(self._lin(x, lw.wq_a), lw.q_norm, self.eps)  # [Tc, q_lora]
         q = self._lin(c_q, lw.wq_b).view(num_q, cfg.num_heads, cfg.head_dim)  # pre-RoPE
         kv = d.rms_norm(self._lin(x, lw.wkv), lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
-        window_pool = pools.window[spec.layer_id]  # [rings + scratch, 528]
-        scratch = torch.arange(pools.scratch_base, pools.scratch_base + num_q,
-                               device=self.device)
-        quant_t._write(quant_t.FMT_WINDOW_FP8, kv, scratch, window_pool, rope)
+        window_pool = t.pools.window[spec.layer_id]  # [rings + scratch, 528]
+        self.quant.write_unchecked(self.quant.FMT_WINDOW_FP8, kv, t.scratch[:num_q],
+                                   window_pool, rope)
         if lw.idx_wq_b is not None:
-            self._select(spec, lw, x, c_q, rope, rows, published)
-        window_rows = self._window_rows(spec.layer_id, rows, pools)
+            self._select(spec, lw, x, c_q, rope, rows, step)
         comp_pool = comp_rows = None
         if spec.ratio > 0:
-            main = pools.main[spec.kv_src]
+            main = t.pools.main[spec.kv_src]
             comp_pool = main.view(-1, main.shape[-1])
-            comp_rows = torch.cat([published.get(p, "topk", spec.idx_src)
-                                   for p in rows.compute_parts])
-        o = attn_t.sparse_attention_packed(q, rope, window_pool, window_rows, comp_pool,
-                                           comp_rows, lw.sink, cfg.head_dim ** -0.5,
-                                           comp_format=self._attn_fmt)  # [Tc, H, d]
-        self._keep_window(spec.layer_id, rows, pools)
+            comp_rows = _take(step, rows, "topk", spec.idx_src)
+        o = self.attention.sparse_attention_packed(
+            q, rope, window_pool, t.window_rows[t.window_of[spec.layer_id], :num_q], comp_pool, comp_rows,
+            lw.sink, cfg.head_dim ** -0.5, comp_format=self._attn_fmt)  # [Tc, H, d]
         return self._lin(self._wo_a(o.view(num_q, cfg.o_groups, -1), lw.wo_a), lw.wo_b)
 
     def _wo_a(self, o: torch.Tensor, w: Weights) -> torch.Tensor:
         """Block-diagonal wo_a: o [T, G, H/G*d] -> z [T, G*o_lora] (group g through W_a[g])."""
+        d = self.dense
         num_tokens, groups, width = o.shape
         a = o.reshape(num_tokens * groups, width)
         # C row p = g*T + t (group-major, one expert per group) reads A row t*G + g
         p = torch.arange(num_tokens * groups, device=o.device)
         a_rows = ((p % num_tokens) * groups + p // num_tokens).to(torch.int32)
         counts = torch.full((groups,), num_tokens, dtype=torch.int64, device=o.device)
-        schedule = dense_t.grouped_schedule(counts, num_tokens * groups,
-                                            dense_t.block_m_for(num_tokens))
+        schedule = d.grouped_schedule(counts, num_tokens * groups, d.block_m_for(num_tokens))
         z = torch.empty(num_tokens * groups, w.out_dim, dtype=o.dtype, device=o.device)
-        dense_t.grouped_gemm(a, w, schedule, z, a_rows=a_rows)
+        d.grouped_gemm(a, w, schedule, z, a_rows=a_rows)
         return z.view(groups, num_tokens, -1).transpose(0, 1).reshape(num_tokens, -1)
-
-    # ------------------------------------------------------------------ windows
-    def _window_rows(self, layer: int, rows: _LayerRows, pools) -> torch.Tensor:
-        """[Tc, W] int32 pool rows of each compute row's window (-1 empty): positions before
-        the part's first row from the slot's ring (as far as the state holds them), the part's
-        own rows from this forward's scratch rows. Clips windows first where the part asks."""
-        spans = []
-        for part in rows.compute_parts:
-            state = part.seg.state
-            if part.clip_window:
-                state.clip_window(layer, part.first_pos)
-            start, held = state.window_span(layer)
-            if start + held != part.first_pos:
-                raise StateError(f"layer {layer}: window ends at {start + held}, segment rows "
-                                 f"start at {part.first_pos} (replay needed?)")
-            spans.append(start)
-        key = (id(rows), tuple(spans))
-        if key not in self._step_cache:
-            self._step_cache[key] = self._build_window_rows(rows, pools, spans)
-        return self._step_cache[key]
-
-    def _build_window_rows(self, rows: _LayerRows, pools, starts: list[int]) -> torch.Tensor:
-        w = self.cfg.sliding_window
-        out = []
-        offsets = torch.arange(w) - (w - 1)  # [W]
-        for part, start in zip(rows.compute_parts, starts, strict=True):
-            first = part.first_pos
-            pos = first + torch.arange(part.c1 - part.c0)  # [t]
-            key_pos = pos[:, None] + offsets[None, :]  # [t, W]
-            own = pools.scratch_base + part.c0 + (key_pos - first)
-            ring = part.seg.state.slot * pools.ring_rows + key_pos.remainder(pools.ring_rows)
-            out.append(torch.where(key_pos >= first, own,
-                                   torch.where(key_pos >= start, ring, -1)))
-        return torch.cat(out).to(torch.int32).to(self.device)
-
-    def _keep_window(self, layer: int, rows: _LayerRows, pools) -> None:
-        """Move the last W-1 new records of every part from scratch into its ring; book them."""
-        key = ("keep", id(rows))
-        if key not in self._step_cache:
-            src, dst = [], []
-            keep = pools.ring_rows
-            for part in rows.compute_parts:
-                n = part.c1 - part.c0
-                kept = torch.arange(max(0, n - keep), n)
-                src.append(pools.scratch_base + part.c0 + kept)
-                dst.append(part.seg.state.slot * keep + (part.first_pos + kept) % keep)
-            self._step_cache[key] = (torch.cat(src).to(self.device),
-                                       torch.cat(dst).to(self.device))
-        src, dst = self._step_cache[key]
-        pool = pools.window[layer]
-        pool[dst] = pool[src]
-        for part in rows.compute_parts:
-            part.seg.state.note_window_append(layer, part.first_pos, part.c1 - part.c0)
 
     # ------------------------------------------------------------------ indexer (§5)
     def _select(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, c_q: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], rows: _LayerRows,
-                published: _Published) -> None:
+                rope: tuple[torch.Tensor, torch.Tensor], rows: LayerRows, step: Step) -> None:
         """Score the packed index keys of every sequence in one launch (paged: each query reads
         its own sequence's rows), publish top-k as pool rows (and candidate blocks)."""
-        cfg, d = self.cfg, self.dense
+        cfg, d, t, ix = self.cfg, self.dense, step.tables, self.indexer
         q = self._index_query(lw, c_q, rope)  # [Tc, hI, dI] BF16 (MXFP4 values)
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
         head_w = (d.linear(x, lw.idx_proj).to(torch.float32) * scale).contiguous()  # [Tc, hI]
-        parts = rows.compute_parts
-        key_rows, seq_of = self._key_rows(spec.kv_src, rows)  # [B, N], [Tc]
+        key_rows, seq_of = t.key_rows[spec.kv_src], t.seq_of[rows.key]  # [B, N], [Tc]
         n_visible = ((rows.positions + 1) // spec.ratio).to(torch.int32)
-        pool = parts[0].seg.state.pools.index[spec.kv_src]
+        pool = t.pools.index[spec.kv_src]
         pool = pool.view(-1, pool.shape[-1])
         num_q, width = q.shape[0], key_rows.shape[1]
         blocks = None
@@ -278,58 +261,217 @@ class GpuModel(Model):
             if spec.is_candidate_source:
                 blocks = torch.full((num_q, 0), -1, dtype=torch.int64, device=self.device)
         elif spec.uses_candidates:
-            cand = torch.cat([published.get(p, "candidates", cfg.candidate_source_layer_id)
-                              for p in parts])
-            ids = index_t.index_topk_sparse_paged(q, head_w, pool, key_rows, seq_of, n_visible,
-                                                  cand, cfg.candidate_block_size, cfg.index_topk)
+            cand = _take(step, rows, "candidates", cfg.candidate_source_layer_id)
+            ids = ix.index_topk_sparse_paged(q, head_w, pool, key_rows, seq_of, n_visible,
+                                             cand, cfg.candidate_block_size, cfg.index_topk)
         else:
-            scores = index_t.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible)
+            scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible)
             if spec.is_candidate_source:
-                blocks = index_t.candidate_blocks(scores, n_visible, cfg.candidate_block_size,
-                                                  cfg.candidate_topk_blocks)
-            ids = index_t.select_topk(scores, cfg.index_topk)
+                blocks = ix.candidate_blocks(scores, n_visible, cfg.candidate_block_size,
+                                             cfg.candidate_topk_blocks)
+            ids = ix.select_topk(scores, cfg.index_topk)
         if width:
             picked = key_rows[seq_of.long()[:, None], ids.clamp_min(0).long()]
-            pool_rows = torch.where(ids >= 0, picked, -1).to(torch.int32)
-        else:
-            pool_rows = ids.to(torch.int32)
-        for part in parts:
-            if blocks is not None:
-                published.put(part, "candidates", spec.layer_id, blocks[part.c0:part.c1])
-            published.put(part, "topk", spec.layer_id, pool_rows[part.c0:part.c1])
-
-    def _key_rows(self, src: int, rows: _LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_rows [B, N] int32: pool rows of each compute part's entries of `src` (-1 past
-        its count, N = the largest count), and seq_of [Tc] int32: the part of each row."""
-        key = ("keys", src, id(rows))
-        if key not in self._step_cache:
-            parts = rows.compute_parts
-            counts = [p.seg.state.num_entries(src) for p in parts]
-            width = max(counts, default=0)
-            table = torch.full((len(parts), width), -1, dtype=torch.int32, device=self.device)
-            for b, (part, n) in enumerate(zip(parts, counts, strict=True)):
-                if n:
-                    table[b, :n] = part.seg.state.entry_rows(src, 0, n).to(torch.int32)
-            seq_of = torch.cat([torch.full((p.c1 - p.c0,), b, dtype=torch.int32)
-                                for b, p in enumerate(parts)]).to(self.device)
-            self._step_cache[key] = (table, seq_of)
-        return self._step_cache[key]
+            ids = torch.where(ids >= 0, picked, -1)
+        if blocks is not None:
+            step.outputs[("candidates", spec.layer_id)] = (rows, blocks)
+        step.outputs[("topk", spec.layer_id)] = (rows, ids.to(torch.int32))
 
     def _index_query(self, lw: LayerWeights, c_q: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q^I = MXFP4(RoPE(c_q . wq_b)) [T, hI, dI] as BF16 values (§5.1): the KV-write kernel
-        rotates and packs each head row, the reference unpacker reads the values back."""
+        rotates and packs each head row, the values are read back with device-resident tables
+        (graph capture allows no host-to-device copies)."""
         cfg = self.cfg
         nh, di = cfg.index_n_heads, cfg.index_head_dim
         q = self._lin(c_q, lw.idx_wq_b).view(-1, di)  # [T*hI, dI]
         rec = torch.empty(q.shape[0], qref.mxfp4_record_bytes(di), dtype=torch.uint8,
                           device=q.device)
         rows = torch.arange(q.shape[0], device=q.device)
-        head_rope = tuple(t.repeat_interleave(nh, dim=0).contiguous() for t in rope)
-        quant_t.write_unchecked(quant_t.FMT_MXFP4, q, rows, rec, head_rope)  # rows < T*hI
-        # unpack with device-resident tables (graph capture allows no host-to-device copies)
+        head_rope = tuple(r.repeat_interleave(nh, dim=0).contiguous() for r in rope)
+        self.quant.write_unchecked(self.quant.FMT_MXFP4, q, rows, rec, head_rope)
         codes = torch.stack((rec[:, :di // 2] & 0xF, rec[:, :di // 2] >> 4), dim=-1).long()
         scale = torch.exp2(rec[:, di // 2:].float() - 127.0)  # [N, dI/32] UE8M0
         values = self._e2m1[codes.view(-1, di // 32, 32)] * scale[:, :, None]
         return values.view(-1, nh, di).to(torch.bfloat16)
 
+
+def _take(step: Step, rows: LayerRows, kind: str, layer: int) -> torch.Tensor:
+    """What `layer` published (over its own rows), for `rows`' compute rows."""
+    key = (kind, layer)
+    if key not in step.outputs:
+        raise RuntimeError(f"layer {layer} published no {kind}")
+    src_rows, value = step.outputs[key]
+    if src_rows is rows:
+        return value
+    full = value.new_full((step.token_ids.shape[0], value.shape[1]), -1)
+    full[src_rows.compute_idx] = value
+    return full[rows.compute_idx]
+
+
+# ============================================================================ table builder
+class _TableBuilder:
+    """Host-side construction of `PagedTables` (vectorised over rows; one copy per tensor)."""
+
+    def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int):
+        self.cfg, self.pools, self.step = cfg, pools, step
+        self.num_rows = step.token_ids.shape[0]
+        self.num_tables = len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs)
+        self.width_step = key_width_step
+
+    def build(self, device: torch.device) -> PagedTables:
+        cfg, pools, step = self.cfg, self.pools, self.step
+        cand = cfg.candidate_source_layer_id
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for spec in cfg.layers:
+            kinds.setdefault(step.rows_of(spec, cand).key, []).append(spec.layer_id)
+        windows, window_of, seq_of, keep = [], {}, {}, {}
+        for key, layers in kinds.items():
+            per_row = self._compute_rows(step.rows[key])
+            tables, index = self._window(step.rows[key], layers, per_row)
+            window_of.update((layer, len(windows) + i) for layer, i in index.items())
+            windows += tables
+            seq_of[key] = per_row["table"].to(torch.int32)
+            keep[key] = self._keep(layers, per_row)
+        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
+                            dtype=torch.int32)
+        for i, table in enumerate(windows):
+            window[i, :table.shape[0]] = table
+        key_rows, entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}, {}
+        for src in cfg.kv_source_layer_ids:
+            spec = cfg.layers[src]
+            rows = step.rows_of(spec, cand)
+            key_rows[src] = self._key_table(src)
+            entry_rows[src], stored, slots = self._entry_rows(src, rows, key_rows[src])
+            if src in pools.open_row_of:
+                from_stored[src], open_slots[src] = stored, slots
+                open_keep[src] = self._open_keep(rows)
+        dev = lambda group: {k: v.to(device) for k, v in group.items()}  # noqa: E731
+        return PagedTables(
+            pools, (pools.scratch_base + torch.arange(self.num_rows)).to(device),
+            window.to(device), window_of, dev(seq_of), dev(key_rows), dev(entry_rows), dev(from_stored),
+            dev(open_slots),
+            {k: tuple(x.to(device) for x in v) for k, v in keep.items()},
+            {k: tuple(x.to(device) for x in v) for k, v in open_keep.items()})
+
+    def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
+        """Per compute row: position, first position of its part, slot, key-table row, part."""
+        pos, first, slot, table, end = [], [], [], [], []
+        for part in rows.compute_parts:
+            n = part.c1 - part.c0
+            pos.append(torch.arange(part.first_pos, part.first_pos + n))
+            for out, v in ((first, part.first_pos), (slot, part.seg.state.slot),
+                           (table, part.seg.index), (end, part.seg.end_pos)):
+                out.append(torch.full((n,), v))
+        pad = rows.num_compute - sum(p.c1 - p.c0 for p in rows.compute_parts)
+        if pad:  # padding rows: position 0, an empty window, their own key-table rows
+            pos.append(torch.zeros(pad, dtype=torch.long))
+            first.append(torch.zeros(pad, dtype=torch.long))
+            slot.append(torch.full((pad,), -1))
+            table.append(torch.arange(len(self.step.segs), len(self.step.segs) + pad))
+            end.append(torch.zeros(pad, dtype=torch.long))
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)  # noqa: E731
+        return {"pos": cat(pos), "first": cat(first), "slot": cat(slot), "table": cat(table),
+                "end": cat(end)}
+
+    def _window(self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
+                ) -> tuple[list[torch.Tensor], dict[int, int]]:
+        """[Tc, W] pool rows per distinct window span of `layers` (and each layer's table):
+        keys at or after the part's first position from this step's scratch rows, earlier ones
+        from the slot's ring as far as the window holds them."""
+        parts, w, ring = rows.compute_parts, self.cfg.sliding_window, self.pools.ring_rows
+        distinct: dict[tuple[int, ...], int] = {}
+        index = {}
+        for layer in layers:
+            row = []
+            for part in parts:
+                if part.clip_window:
+                    row.append(part.first_pos)
+                    continue
+                start, held = part.seg.state.window_span(layer)
+                if start + held != part.first_pos:
+                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
+                                     f"rows start at {part.first_pos} (replay needed?)")
+                row.append(start)
+            index[layer] = distinct.setdefault(tuple(row), len(distinct))
+        counts = torch.tensor([p.c1 - p.c0 for p in parts], dtype=torch.long)
+        pos, first = per_row["pos"], per_row["first"]
+        key_pos = pos[:, None] + torch.arange(w)[None, :] - (w - 1)  # [Tc, W]
+        own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
+        ring_rows = per_row["slot"][:, None] * ring + key_pos.remainder(ring)
+        mine = key_pos >= first[:, None]
+        tables = []
+        for starts in distinct:  # padding rows: start at their own position (nothing earlier)
+            start = torch.cat((torch.tensor(starts, dtype=torch.long).repeat_interleave(counts),
+                               pos[counts.sum():]))  # [Tc]
+            from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
+            tables.append(torch.where(mine, own, from_ring).to(torch.int32))
+        return tables, index
+
+    def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
+        """(layers, scratch rows, ring rows): the last W-1 new records of every sequence."""
+        ring = self.pools.ring_rows
+        pos, slot = per_row["pos"], per_row["slot"]
+        kept = (pos >= per_row["end"] - ring) & (slot >= 0)
+        idx = torch.nonzero(kept).flatten()
+        return (torch.tensor(layers, dtype=torch.long), self.pools.scratch_base + idx,
+                slot[idx] * ring + pos[idx] % ring)
+
+    def _key_table(self, src: int) -> torch.Tensor:
+        """[B, N] pool rows of each sequence's entries visible by the step's end (-1 past)."""
+        ratio = self.cfg.compress_ratios[src]
+        counts = []
+        for seg in self.step.segs:
+            held, visible = seg.state.num_entries(src), seg.end_pos // ratio
+            if seg.replay is not None and held < visible:
+                raise StateError(f"replay: source {src} holds {held} entries, needs {visible}")
+            if seg.replay is None and held != seg.start_pos // ratio:
+                raise StateError(f"source {src}: {held} entries at position {seg.start_pos}")
+            counts.append(visible)
+        width = max(counts, default=0)
+        if self.width_step:
+            width = -(-max(width, 1) // self.width_step) * self.width_step
+        table = torch.full((self.num_tables, width), -1, dtype=torch.int32)
+        for b, (seg, n) in enumerate(zip(self.step.segs, counts, strict=True)):
+            if n:
+                table[b, :n] = seg.state.entry_rows(src, n).to(torch.int32)
+        return table
+
+    def _entry_rows(self, src: int, rows: LayerRows, table: torch.Tensor):
+        """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
+        its ratio-2 partner is the slot's stored open row, and its slot."""
+        ratio = self.cfg.compress_ratios[src]
+        out, stored, slots, tables = [], [], [], []
+        for part in rows.parts:
+            seg = part.seg
+            pos = torch.arange(seg.start_pos + part.seam_first, seg.end_pos)
+            closes = (pos + 1) % ratio == 0
+            if seg.replay is not None:
+                closes = torch.zeros_like(closes)
+            elif ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
+                present = seg.state.has_open_group(src)
+                raise StateError(f"source {src}: open-group row "
+                                 f"{'present' if present else 'missing'} at position "
+                                 f"{seg.start_pos}")
+            out.append(torch.where(closes, pos // ratio, -1))
+            stored.append(pos == seg.start_pos)
+            slots.append(torch.full((len(pos),), seg.state.slot))
+            tables.append(torch.full((len(pos),), seg.index))
+        pad = rows.num_seam - sum(len(x) for x in out)
+        out.append(torch.full((pad,), -1))
+        stored.append(torch.zeros(pad, dtype=torch.bool))
+        slots.append(torch.zeros(pad, dtype=torch.long))
+        tables.append(torch.zeros(pad, dtype=torch.long))
+        entry, b = torch.cat(out), torch.cat(tables)
+        width = table.shape[1]
+        picked = table[b, entry.clamp(0, max(width - 1, 0))].long() if width else entry
+        return torch.where(entry >= 0, picked, -1), torch.cat(stored), torch.cat(slots)
+
+    def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
+        slots, seam_rows = [], []
+        for part in rows.parts:
+            if part.seg.end_pos % 2 == 1:
+                slots.append(part.seg.state.slot)
+                seam_rows.append(part.s1 - 1)
+        return torch.tensor(slots, dtype=torch.long), torch.tensor(seam_rows, dtype=torch.long)

@@ -22,10 +22,9 @@ listing a few. Tensors already on `device` and contiguous are used in place (vie
 per-expert tensors that are consecutive slices of one buffer (as `random_checkpoint_tensors`
 makes them) are stacked as a view, others with one `torch.stack`.
 
-Two random sources share these structures: `make_model` draws kernel-format weights directly
-(bench/gpu_step.py), and `random_checkpoint_tensors` draws a whole checkpoint dict on a device in
-seconds, which both `model.weights.load_weights` and `from_checkpoint_tensors` accept. Scales put
-every random projection's outputs at unit order (`_scale_byte`).
+`random_checkpoint_tensors` draws a whole checkpoint dict on a device in seconds, which both
+`model.weights.load_weights` and `from_checkpoint_tensors` accept. Scales put every random
+projection's outputs at unit order (`_scale_byte`).
 """
 
 from __future__ import annotations
@@ -36,15 +35,15 @@ from dataclasses import dataclass
 import torch
 
 # isort: off
-from flashpd.kernels import triton_runtime  # before any kernel import: GPU or interpreter
+from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
 from flashpd.kernels.dense.triton import Weights
 from flashpd.kernels.engram.triton import HostTable
 from flashpd.kernels.moe.triton import ExpertSet
-from flashpd.model.checkpoint import LOADED_TORCH_DTYPES, TensorSpec, _init_rule, manifest
+from flashpd.model.checkpoint import LOADED_TORCH_DTYPES, TensorSpec, init_rule, manifest
 from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.weights import WeightError
+from flashpd.model.weights import MixWeights, WeightError
 
 _TILE = 32  # the kernels' FP8 scale tile is 32 x 32 (kernels/dense/triton.py)
 _ENGRAM_SCALE_BYTE = 127  # random Engram rows are N(0, 1) E4M3 codes times 2^0
@@ -72,8 +71,8 @@ class LayerWeights:
     sink: torch.Tensor
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, base, scale (FP32)
-    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    hc_attn: MixWeights  # fn, base, scale (FP32)
+    hc_ffn: MixWeights
     gate: torch.Tensor  # BF16 [E, D]
     gate_bias: torch.Tensor  # FP32 [E]
     experts: ExpertSet  # MXFP4
@@ -97,110 +96,10 @@ class GpuWeights:
     embed: torch.Tensor  # BF16 [vocab, D]
 
 
-# ============================================================================ random, kernel form
-def _device() -> torch.device:
-    return triton_runtime.kernel_device()
-
-
+# ============================================================================ random scales
 def _scale_byte(fan_in: int, fp4: bool) -> int:
     """UE8M0 byte giving outputs of unit order: 2^-(log2(sqrt(fan_in))) (FP4 codes ~2x larger)."""
     return 127 - round(0.5 * math.log2(fan_in)) - (1 if fp4 else 0)
-
-
-def rand_fp8(num_out: int, num_in: int, experts: int | None = None) -> Weights:
-    """FP8 E4M3 [E?, out, in] + UE8M0 [E?, ceil(out/32), ceil(in/32)], generated on the device."""
-    lead = () if experts is None else (experts,)
-    dev = _device()
-    data = torch.randn(*lead, num_out, num_in, dtype=torch.bfloat16, device=dev)
-    data = data.to(torch.float8_e4m3fn)
-    scale = torch.full((*lead, -(-num_out // _TILE), -(-num_in // _TILE)),
-                       _scale_byte(num_in, False), dtype=torch.uint8, device=dev)
-    return Weights.fp8(data, scale)
-
-
-def rand_mxfp4(num_out: int, num_in: int, experts: int) -> Weights:
-    """MXFP4 packed E2M1 [E, out, in/2] + UE8M0 [E, out, in/32], random codes."""
-    dev = _device()
-    packed = torch.randint(0, 256, (experts, num_out, num_in // 2), dtype=torch.uint8, device=dev)
-    scale = torch.full((experts, num_out, num_in // 32), _scale_byte(num_in, True),
-                       dtype=torch.uint8, device=dev)
-    return Weights.mxfp4(packed, scale)
-
-
-def rand_bf16(*shape: int, std: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=_device()) * std).to(torch.bfloat16)
-
-
-def ones_bf16(n: int) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.bfloat16, device=_device())
-
-
-def _hc_params(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    s, dim = cfg.hc_mult, cfg.hidden_size
-    mix = (2 + s) * s
-    dev = _device()
-    fn = torch.randn(mix, s * dim, device=dev) * (1.0 / math.sqrt(s * dim))
-    return fn, torch.zeros(mix, device=dev), torch.ones(3, device=dev)
-
-
-def _engram_weights(cfg: ModelConfig, engram_index: int) -> EngramWeights:
-    row_dim = cfg.engram_head_dim
-    num_rows = cfg.engram_num_embeddings[engram_index]
-    table = HostTable.allocate(num_rows, row_dim)
-    for r0 in range(0, num_rows, _ENGRAM_CHUNK_ROWS):  # random E4M3 bytes (no NaN codes)
-        rows = min(_ENGRAM_CHUNK_ROWS, num_rows - r0)
-        codes = torch.randint(0, 0x7F, (rows, row_dim), dtype=torch.uint8, device=_device())
-        signs = torch.randint(0, 2, (rows, row_dim), dtype=torch.uint8, device=_device()) << 7
-        table.weight[r0:r0 + rows].copy_((codes | signs).to(table.weight.device))
-    table.scale.fill_(123)  # scales near 2^-4
-    cols = cfg.engram_hash_columns
-    dim = cfg.hidden_size
-    qk = torch.randn(cfg.hc_mult, dim, device=_device())
-    return EngramWeights(table, rand_fp8((cfg.hc_mult + 1) * dim, cols * row_dim), qk)
-
-
-def make_layer(cfg: ModelConfig, spec: LayerSpec) -> LayerWeights:
-    dim, heads, head_dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    groups = cfg.o_groups
-    inter = cfg.moe_intermediate_size
-    lw = LayerWeights(
-        spec=spec,
-        wq_a=rand_fp8(cfg.q_lora_rank, dim), q_norm=ones_bf16(cfg.q_lora_rank),
-        wq_b=rand_fp8(heads * head_dim, cfg.q_lora_rank),
-        wkv=rand_fp8(head_dim, dim), kv_norm=ones_bf16(head_dim),
-        wo_a=rand_fp8(cfg.o_lora_rank, heads // groups * head_dim, experts=groups),
-        wo_b=rand_fp8(dim, groups * cfg.o_lora_rank),
-        sink=torch.zeros(heads, device=_device()),
-        attn_norm=ones_bf16(dim), ffn_norm=ones_bf16(dim),
-        hc_attn=_hc_params(cfg), hc_ffn=_hc_params(cfg),
-        gate=rand_bf16(cfg.n_routed_experts, dim, std=dim ** -0.5),
-        gate_bias=torch.zeros(cfg.n_routed_experts, device=_device()),
-        experts=ExpertSet(rand_mxfp4(inter, dim, cfg.n_routed_experts),
-                          rand_mxfp4(inter, dim, cfg.n_routed_experts),
-                          rand_mxfp4(dim, inter, cfg.n_routed_experts)),
-        shared=ExpertSet(rand_fp8(inter, dim, 1), rand_fp8(inter, dim, 1),
-                         rand_fp8(dim, inter, 1)),
-    )
-    if spec.owns_compressor:
-        lw.comp_wkv = rand_bf16(head_dim, dim, std=dim ** -0.5)
-        lw.comp_wgate = rand_bf16(head_dim, dim, std=dim ** -0.5) if spec.ratio == 2 else None
-        lw.comp_norm = ones_bf16(head_dim)
-        lw.idx_wk = rand_bf16(cfg.index_head_dim, head_dim, std=head_dim ** -0.5)
-        lw.idx_k_norm = ones_bf16(cfg.index_head_dim)
-    if spec.owns_index_query:
-        lw.idx_wq_b = rand_fp8(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-        lw.idx_proj = rand_bf16(cfg.index_n_heads, dim, std=dim ** -0.5)
-    if spec.has_engram:
-        lw.engram = _engram_weights(cfg, spec.engram_index)
-    return lw
-
-
-def make_model(cfg: ModelConfig) -> GpuWeights:
-    """Random kernel-format weights of `cfg` on the kernel device (Engram tables in host memory)."""
-    layers = [make_layer(cfg, spec) for spec in cfg.layers]
-    head = rand_bf16(cfg.vocab_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
-    embed = rand_bf16(cfg.vocab_size, cfg.hidden_size)
-    return GpuWeights(cfg, layers, ones_bf16(cfg.hidden_size), head, embed)
 
 
 # ============================================================================ from a checkpoint
@@ -233,9 +132,9 @@ class _Taker:
     def fp8(self, prefix: str) -> Weights:
         return Weights.fp8(self.take(prefix + ".weight"), self.take(prefix + ".scale"))
 
-    def mix(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (self.take(prefix + "_fn"), self.take(prefix + "_base"),
-                self.take(prefix + "_scale"))
+    def mix(self, prefix: str) -> MixWeights:
+        return MixWeights(self.take(prefix + "_fn"), self.take(prefix + "_base"),
+                          self.take(prefix + "_scale"))
 
     def finish(self) -> None:
         if self._left:
@@ -348,7 +247,7 @@ def random_checkpoint_tensors(cfg: ModelConfig, seed: int,
     N(0, 1) E4M3 codes (never NaN) with `_scale_byte` tiles; routed experts are uniform E2M1
     bytes drawn as one [E, out, in/2] buffer per layer and weight, handed out as per-expert
     views (so `from_checkpoint_tensors` stacks them without a copy); plain BF16 / F32 tensors
-    follow the rules of `model.checkpoint` (`_init_rule`). Engram tables are drawn on `device`
+    follow the rules of `model.checkpoint` (`init_rule`). Engram tables are drawn on `device`
     in chunks and returned in host memory (the serving path keeps them there).
     """
     device = torch.device(device)
@@ -382,7 +281,7 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
 def _random_plain(name: str, spec: TensorSpec, gen: torch.Generator,
                   device: torch.device) -> torch.Tensor:
     dtype = LOADED_TORCH_DTYPES[spec.dtype]
-    kind, std = _init_rule(name, spec)
+    kind, std = init_rule(name, spec)
     if kind == "ones":
         return torch.ones(spec.shape, dtype=dtype, device=device)
     if kind == "zeros":

@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flashpd.engine.hashing import CHUNK_TOKENS
+
 PROTOCOL_VERSION = 1
-CHUNK_TOKENS = 128
 
 
 class ContractMismatch(ValueError):

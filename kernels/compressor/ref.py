@@ -54,11 +54,16 @@ def pool_pairs(kv: torch.Tensor, gate: torch.Tensor,
     width = kv.shape[-1]
     a = kv[: 2 * num_groups].reshape(num_groups, 2, width)  # [G, 2, c]
     g = gate[: 2 * num_groups].reshape(num_groups, 2, width)
-    g_max = torch.maximum(g[:, 0], g[:, 1])  # [G, c]
-    e0, e1 = torch.exp(g[:, 0] - g_max), torch.exp(g[:, 1] - g_max)
+    return pool_two(a[:, 0], g[:, 0], a[:, 1], g[:, 1]), left
+
+
+def pool_two(a0: torch.Tensor, g0: torch.Tensor, a1: torch.Tensor,
+             g1: torch.Tensor) -> torch.Tensor:
+    """Softmax-gated pooling of two rows, FP32 [N, c] each -> [N, c] (§4.1)."""
+    g_max = torch.maximum(g0, g1)
+    e0, e1 = torch.exp(g0 - g_max), torch.exp(g1 - g_max)
     total = e0 + e1
-    pooled = (e0 / total) * a[:, 0] + (e1 / total) * a[:, 1]  # [G, c] FP32
-    return pooled, left
+    return (e0 / total) * a0 + (e1 / total) * a1
 
 
 def latent(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -264,8 +264,10 @@ def _engram_kernel(x_ptr, kv_ptr, qk_ptr, out_ptr, gates_ptr, D, norm_eps, inv_s
                          mask=m)
 
 
-def _run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float,
-                inject: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float,
+               inject: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """streams [T, S, D], kv [T, (S+1)*D] (the projected rows: S keys, one value) -> (new streams
+    if `inject` else streams, gates FP32 [T, S]): the fused gate (+ injection) launch."""
     num_tokens, num_streams, d_model = streams.shape
     x = streams.contiguous()
     out = torch.empty_like(x) if inject else x
@@ -289,7 +291,7 @@ def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor,
     num_tokens, num_streams, d_model = streams.shape
     kv = torch.cat((keys.reshape(num_tokens, -1),
                     keys.new_zeros(num_tokens, d_model)), dim=1)  # value slot unused
-    return _run_engram(streams, kv, qk, norm_eps, inject=False)[1]
+    return run_engram(streams, kv, qk, norm_eps, inject=False)[1]
 
 
 def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, qk: torch.Tensor,
@@ -302,4 +304,4 @@ def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, 
                          f"streams {tuple(streams.shape)}")
     triton_runtime.check_device(streams, rows, wkv, qk)
     kv = dense.linear(rows.to(streams.dtype).contiguous(), wkv)  # [T, (S+1)*D]
-    return _run_engram(streams, kv, qk, norm_eps, inject=True)[0]
+    return run_engram(streams, kv, qk, norm_eps, inject=True)[0]

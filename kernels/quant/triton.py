@@ -318,3 +318,10 @@ def _rope_tables(rope: tuple[torch.Tensor, torch.Tensor] | None, values: torch.T
     if 2 * cos.shape[1] > values.shape[1]:
         raise ValueError(f"rope dim {2 * cos.shape[1]} > D={values.shape[1]}")
     return cos.contiguous(), sin.contiguous(), cos.shape[1]
+
+
+# The reference forward's fake quantisation (values, not records) has no kernel of its own: the
+# dispatcher's "triton" quant is the record writer above plus these, the reference's.
+fake_quant_fp8_ue8m0 = ref.fake_quant_fp8_ue8m0
+fake_quant_nvfp4 = ref.fake_quant_nvfp4
+fake_quant_mxfp4 = ref.fake_quant_mxfp4

@@ -124,7 +124,8 @@ def test_plain_tensors_keep_their_values(gpu, reference):
         _equal(lw.gate_bias, ref.moe.bias)
         _equal(lw.sink, ref.attn.sink)
         for got, want in ((lw.hc_attn, ref.hc_attn), (lw.hc_ffn, ref.hc_ffn)):
-            for g, w in zip(got, (want.fn, want.base, want.scale), strict=True):
+            for g, w in zip((got.fn, got.base, got.scale), (want.fn, want.base, want.scale),
+                            strict=True):
                 _equal(g, w)
         if ref.compressor is not None:
             _equal(lw.comp_wkv.float(), ref.compressor.wkv)
