@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+# Folders whose every test is `slow`: they start the whole stack (Ray Serve + Redis + NIXL) or
+# inject faults into it. The README's test command runs them; plain `pytest` (the quick loop)
+# skips them.
+SLOW_FOLDERS = ("services/e2e", "faults")
+_TESTS_ROOT = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(_TESTS_ROOT.resolve()).as_posix()
+        if rel.startswith(tuple(f + "/" for f in SLOW_FOLDERS)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
