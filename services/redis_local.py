@@ -4,11 +4,16 @@ Used by `flashpd serve` when no `--redis` address is given, and by the tests:
 
     with LocalRedis() as redis_server:
         client = redis.asyncio.Redis.from_url(redis_server.url)
+
+Fault injection (the fault suite, tests): `pause()` / `resume()` (SIGSTOP / SIGCONT), `kill()`
+(SIGKILL, data gone) and `restart()` (a fresh empty server on the same port).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -42,24 +47,64 @@ class LocalRedis:
             raise RuntimeError("redis-server is not running")
         return f"redis://{LOOPBACK}:{self.port}/0"
 
-    def start(self) -> LocalRedis:
-        """Start on a free port; retried on a new port if another process grabbed it first."""
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, port: int | None = None) -> LocalRedis:
+        """Start on `port`, or on a free port (retried on a new one if another process grabbed
+        it first)."""
         last_error = ""
         for _ in range(self._attempts):
-            port = free_port()
+            chosen = port or free_port()
             log_file = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall redis
             proc = subprocess.Popen(
-                [self._executable, "--port", str(port), "--bind", LOOPBACK, "--save", "",
+                [self._executable, "--port", str(chosen), "--bind", LOOPBACK, "--save", "",
                  "--appendonly", "no", "--protected-mode", "yes"],
                 stdout=log_file, stderr=subprocess.STDOUT)
-            if self._wait_ready(proc, port):
-                self._proc, self._log_file, self.port = proc, log_file, port
+            if self._wait_ready(proc, chosen):
+                self._proc, self._log_file, self.port = proc, log_file, chosen
                 return self
             last_error = _stop_process(proc, log_file)
+            if port is not None:
+                time.sleep(0.2)  # the old server's socket may still be closing
         raise RuntimeError(f"redis-server did not start after {self._attempts} tries: {last_error}")
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open, nothing answers."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: the server and its data are gone; `restart()` brings an empty one back."""
+        self._signal(signal.SIGKILL)
+        assert self._proc is not None
+        self._proc.wait()
+
+    def restart(self) -> LocalRedis:
+        """A fresh, empty server on the same port (after `kill()`, or in place of this one)."""
+        port = self.port
+        if port is None:
+            raise RuntimeError("redis-server was never started")
+        if self._proc is not None and self._proc.poll() is None:
+            self._signal(signal.SIGCONT)
+            _stop_process(self._proc, self._log_file)
+        elif self._log_file is not None:
+            self._log_file.close()
+        self._proc, self._log_file = None, None
+        return self.start(port)
+
+    def _signal(self, sig: int) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError("redis-server is not running")
+        os.kill(self._proc.pid, sig)
 
     def stop(self) -> None:
         if self._proc is not None:
+            if self._proc.poll() is None:
+                os.kill(self._proc.pid, signal.SIGCONT)  # a paused server cannot terminate
             _stop_process(self._proc, self._log_file)
         self._proc, self._log_file, self.port = None, None, None
 

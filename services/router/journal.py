@@ -44,6 +44,8 @@ class Run:
         self.consumers = 0
         self.task: asyncio.Task | None = None
         self.cancel_reason: ServiceError | None = None
+        self.attempts = 0  # placements so far (each gets its own worker-side request id)
+        self.progress: object | None = None  # the producer's state kept across attempts
         self._changed = asyncio.Condition()
 
     @property
@@ -70,6 +72,12 @@ class Run:
     async def fail(self, error: ServiceError) -> None:
         self.error = error
         await self._end()
+
+    def reopen(self) -> None:
+        """Un-finish a run that failed, so its producer can continue it (same log)."""
+        if not self.done or self.error is None:
+            raise RuntimeError(f"run {self.request_id} is not a failed run")
+        self.error, self.finished_at, self.cancel_reason = None, None, None
 
     async def follow(self, from_token: int = 0) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Events from token offset `from_token`, then the final event (or the error raised)."""
@@ -145,6 +153,12 @@ class RunJournal:
         if run.resumable and not failed_early:
             self._finished[run.request_id] = run
         self.prune()
+
+    def revive(self, run: Run) -> None:
+        """A failed run continues: back to the live set."""
+        self._finished.pop(run.request_id, None)
+        run.reopen()
+        self._live[run.request_id] = run
 
     def live_runs(self) -> list[Run]:
         return list(self._live.values())

@@ -11,10 +11,22 @@
   the producer, which aborts both legs (freeing both sides' blocks) before it ends. A resumable
   run (client-chosen request id) keeps going for `resume_grace_s` waiting for the client to
   resume, then is aborted the same way.
-- Retry: UNAVAILABLE (any leg) or RESOURCE_EXHAUSTED (reserve, prefill queue) before the first
-  token aborts both legs of the attempt and places the request again without the failed worker,
-  up to `max_attempts` placements. After the first token errors end the run (the client may
-  resume or retry).
+- Attempts: each placement of a run is one attempt with its own worker-side request id
+  (`rid`, then `rid@1`, `rid@2`, ...), so a worker still holding a failed attempt (a reservation
+  fenced or quarantined after a dead prefill) never collides with the next one. The failed
+  attempt's legs are aborted first (the dead worker's in the background, bounded).
+- Retry: UNAVAILABLE (any leg: a dead replica, Ray's ActorDiedError) or RESOURCE_EXHAUSTED
+  (reserve, prefill queue) aborts the attempt, marks the failed worker suspect and places the
+  request again without it, up to `max_attempts` placements. When no worker of a role is left
+  (the only prefill replica died), the run waits for a replacement to register, within its
+  deadline and at most `wait_for_workers_s`. Before the first token the client sees a slower
+  first token; after it, the run *continues*: the next attempt re-prefills prompt + the tokens
+  released so far on another decode worker with `max_tokens` reduced by as many, and its tokens
+  are appended at the right offsets (greedy output is identical to an unbroken run). Both
+  frontends get this transparently: the gRPC stream and the HTTP SSE stream simply go on.
+- Resume: a client that comes back for a resumable run (`resume_from_token`) re-attaches to it;
+  if the run had failed UNAVAILABLE after its first token (every attempt used up), it is
+  revived and continues the same way.
 - Text: workers stream token ids; the router detokenizes, applies stop strings (aborting D on
   a match) and fills usage and the timeline.
 """
@@ -22,6 +34,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
@@ -64,10 +77,13 @@ RETRY_DECODE = (Unavailable,)
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    max_attempts: int = 3  # placements per request
+    max_attempts: int = 4  # placements per request (a failed worker is skipped on the next)
     resume_grace_s: float = 10.0  # a detached resumable run waits this long for its client
     journal_ttl_s: float = 60.0  # finished resumable runs stay replayable this long
     abort_timeout_s: float = 5.0  # bound on the abort calls to workers
+    wait_for_workers_s: float = 60.0  # a run whose workers all failed waits this long for more
+    wait_poll_s: float = 0.25  # ... checking this often
+    reprobe_excluded_s: float = 6.0  # while waiting, retry failed workers this often
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -75,22 +91,41 @@ class OrchestratorConfig:
 
 
 class _RetryElsewhere(Exception):
-    def __init__(self, worker: WorkerRef, error: ServiceError) -> None:
+    def __init__(self, worker: WorkerRef, error: ServiceError, *, died: bool = False) -> None:
         super().__init__(f"{worker.key}: {error}")
         self.worker, self.error = worker, error
+        self.died = died  # the worker is gone (Serve replaces it), not merely refusing
+
+
+def _worker_died(exc: BaseException, error: ServiceError) -> bool:
+    """An UNAVAILABLE that means the replica is gone: Ray's own failure (ActorDiedError,
+    RayActorError, ...), or another replica answering for a target that no longer exists
+    (`deployments._check_target`: "worker ... is gone"). A worker raising UNAVAILABLE itself
+    (draining) is alive."""
+    cause = getattr(exc, "cause", None)
+    raised_by_worker = isinstance(exc, ServiceError) or isinstance(cause, ServiceError)
+    return isinstance(error, Unavailable) and (not raised_by_worker or "is gone" in str(error))
+
+
+@dataclass
+class _Progress:
+    """What a run has released so far, across its attempts."""
+
+    text: TextStream
+    first_token_unix_s: float | None = None
+    last_token_unix_s: float | None = None
 
 
 @dataclass
 class _Attempt:
     assignment: Assignment
+    request: InternalRequest  # as the workers see it (own id; continuation prompt)
+    base_tokens: int  # completion tokens released before this attempt
     prefill: object  # PrefillServerApi endpoint
     decode: object  # DecodeServerApi endpoint
-    text: TextStream
     ticket: Ticket | None = None
     result: PrefillResult | None = None
     reserve_ms: float = 0.0
-    first_token_unix_s: float | None = None
-    last_token_unix_s: float | None = None
 
 
 class Orchestrator:
@@ -116,14 +151,26 @@ class Orchestrator:
         if existing is not None:
             if not (resumable and existing.resumable and existing.fingerprint == fingerprint):
                 raise InvalidArgument("already in use by another request", field="request_id")
+            if resume_from_token > 0 and _revivable(existing):
+                self._revive(existing)
             return existing
         if resume_from_token > 0:
             raise NotFound(f"no resumable stream {req.request_id!r} on this router",
                            field="request_id")
         run = Run(req, resumable=resumable, fingerprint=fingerprint)
         self.journal.add(run)
-        run.task = asyncio.create_task(self._produce(run), name=f"run-{req.request_id}")
+        self._start(run)
         return run
+
+    def _start(self, run: Run) -> None:
+        run.task = asyncio.create_task(self._produce(run), name=f"run-{run.request_id}")
+
+    def _revive(self, run: Run) -> None:
+        """Continue a run that broke UNAVAILABLE after tokens: a client came back for it."""
+        log.warning("request %s: resumed by its client after %r; continuing from token %d",
+                    run.request_id, run.error, run.num_tokens)
+        self.journal.revive(run)
+        self._start(run)
 
     async def stream(self, run: Run, from_token: int = 0) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Follow a run; use under `contextlib.aclosing` so a gone client is noticed at once."""
@@ -145,13 +192,27 @@ class Orchestrator:
         await asyncio.wait({run.task}, timeout=self.config.abort_timeout_s + 1.0)
         return True
 
+    async def serving_status(self) -> tuple[bool, str]:
+        """(serving, why). Serving when every served model has a known, non-draining prefill
+        and decode worker: live in Redis, or remembered by the router while Redis is away
+        (a Redis outage alone does not stop serving). Never raises."""
+        for model, placement in self.placements.items():
+            try:
+                view = await placement.live_view()
+            except Exception as exc:  # never let a health probe fail on a bug here
+                log.exception("serving status of %s failed", model)
+                return False, f"{model}: {type(exc).__name__}"
+            roles = {w.role for w in view.workers if not w.draining}
+            missing = [r for r in ("prefill", "decode") if r not in roles]
+            if missing:
+                return False, f"{model}: no healthy {' or '.join(missing)} worker"
+        redis = "ok" if all(p.redis_ok for p in self.placements.values()) else "degraded"
+        return True, f"workers known; redis {redis}"
+
     async def ready(self) -> bool:
-        """True when every served model has a live, non-draining prefill and decode worker."""
-        for placement in self.placements.values():
-            view = await placement.live_view()
-            if not {w.role for w in view.workers if not w.draining} >= {"prefill", "decode"}:
-                return False
-        return True
+        """True when every served model has a known, non-draining prefill and decode worker
+        (what `/health` and the gRPC health service report)."""
+        return (await self.serving_status())[0]
 
     async def close(self) -> None:
         for run in self.journal.live_runs():
@@ -174,9 +235,12 @@ class Orchestrator:
         if not run.resumable:
             self._cancel(run, Cancelled("client went away"))
             return
-        timer = asyncio.create_task(self._expire_detached(run))
-        self._timers.add(timer)
-        timer.add_done_callback(self._timers.discard)
+        self._background(self._expire_detached(run))
+
+    def _background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._timers.add(task)
+        task.add_done_callback(self._timers.discard)
 
     async def _expire_detached(self, run: Run) -> None:
         await asyncio.sleep(self.config.resume_grace_s)
@@ -211,62 +275,98 @@ class Orchestrator:
 
     async def _serve(self, run: Run) -> None:
         placement = self.placements[run.request.model]
+        if run.progress is None:  # kept across attempts and a revival
+            run.progress = _Progress(TextStream(self.tokenizer, run.request.sampling.stop))
+        progress = run.progress
         excluded: set[WorkerRef] = set()
         last_error: ServiceError | None = None
-        for _ in range(self.config.max_attempts):
+        died = False  # the last failure was a worker's death: a replacement is coming
+        failures = 0
+        waited_s = cleared_at_s = 0.0
+        while failures < self.config.max_attempts:
+            if run.num_tokens >= run.request.sampling.max_tokens:  # broke right before Final
+                await self._finish_without_decode(run, progress)
+                return
+            attempt_req = self._attempt_request(run)
             try:
-                assignment = await placement.place(run.request, frozenset(excluded))
+                assignment = await placement.place(attempt_req, frozenset(excluded))
             except Unavailable:
-                if last_error is not None:
+                if last_error is None:
+                    raise
+                if not died or waited_s >= self.config.wait_for_workers_s:
                     raise last_error from None
-                raise
+                # every usable worker of a role failed: wait for a replacement to register
+                # (a new incarnation is never excluded); after `reprobe_excluded_s` the
+                # excluded ones get another chance (a transient failure, not a death)
+                await asyncio.sleep(self.config.wait_poll_s)
+                waited_s += self.config.wait_poll_s
+                if waited_s - cleared_at_s >= self.config.reprobe_excluded_s:
+                    excluded.clear()
+                    cleared_at_s = waited_s
+                continue
             self.metrics.on_route(assignment.route_ms / 1e3)
             try:
-                await self._attempt(run, assignment)
+                await self._attempt(run, assignment, attempt_req, progress)
                 return
             except _RetryElsewhere as retry:
-                log.warning("request %s: %s; placing it again", run.request_id, retry)
+                log.warning("request %s (%d tokens out): %s; placing it again",
+                            run.request_id, run.num_tokens, retry)
                 excluded.add(retry.worker)
-                last_error = retry.error
+                if isinstance(retry.error, Unavailable):
+                    placement.suspect(retry.worker)
+                last_error, died = retry.error, retry.died
+                failures += 1
                 self.metrics.on_retry(retry.error.code)
             finally:
                 placement.release(assignment)
         assert last_error is not None
         raise last_error
 
-    async def _attempt(self, run: Run, a: Assignment) -> None:
+    def _attempt_request(self, run: Run) -> InternalRequest:
+        """The request as the next attempt's workers see it: a fresh worker-side id, and after
+        tokens were released, prompt + those tokens with the remaining token budget."""
         req = run.request
+        number = run.attempts
+        run.attempts += 1
+        if number == 0:
+            return req
+        done = tuple(t for e in run.events for t in e.token_ids)
+        return dataclasses.replace(
+            req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
+            sampling=dataclasses.replace(req.sampling,
+                                         max_tokens=req.sampling.max_tokens - len(done)))
+
+    async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
+                       progress: _Progress) -> None:
         placement = self.placements[req.model]
-        attempt = _Attempt(a, prefill=self._endpoint(run, a.prefill),
-                           decode=self._endpoint(run, a.decode),
-                           text=TextStream(self.tokenizer, req.sampling.stop))
+        attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill),
+                           decode=self._endpoint(a.decode))
         try:
             started = time.perf_counter()
-            attempt.ticket = await self._call(attempt.decode.reserve(req), run, a.decode,
+            attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode,
                                               RETRY_RESERVE)
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
-                attempt.result = await self._prefill(run, attempt)
+                attempt.result = await self._prefill(attempt)
             placement.prefill_done(a)
-            await self._decode(run, attempt)
-        except BaseException:
-            await asyncio.shield(self._abort_legs(req.request_id, attempt))
+            await self._decode(run, attempt, progress)
+        except BaseException as exc:
+            failed = exc.worker if isinstance(exc, _RetryElsewhere) else None
+            await asyncio.shield(self._abort_legs(attempt, failed))
             raise
 
-    def _endpoint(self, run: Run, worker: WorkerRef):
+    def _endpoint(self, worker: WorkerRef):
         try:
             if worker.role == "prefill":
                 return self.directory.prefill(worker)
             return self.directory.decode(worker)
-        except ServiceError as exc:
-            if isinstance(exc, Unavailable) and run.num_tokens == 0:
-                raise _RetryElsewhere(worker, exc) from exc
-            raise
+        except Unavailable as exc:
+            raise _RetryElsewhere(worker, exc, died=True) from exc
 
-    async def _prefill(self, run: Run, attempt: _Attempt) -> PrefillResult:
+    async def _prefill(self, attempt: _Attempt) -> PrefillResult:
         a = attempt.assignment
         try:
-            result = await self._call(attempt.prefill.run(run.request, attempt.ticket), run,
+            result = await self._call(attempt.prefill.run(attempt.request, attempt.ticket),
                                       a.prefill, RETRY_PREFILL)
         except (_RetryElsewhere, ServiceError) as exc:
             if isinstance(getattr(exc, "error", exc), TransferFailed):
@@ -275,70 +375,74 @@ class Orchestrator:
         self.metrics.on_prefill(result)
         return result
 
-    async def _decode(self, run: Run, attempt: _Attempt) -> None:
+    async def _decode(self, run: Run, attempt: _Attempt, progress: _Progress) -> None:
         worker = attempt.assignment.decode
-        stream = attempt.decode.generate(run.request)
+        stream = attempt.decode.generate(attempt.request)
         events = stream.__aiter__()
         try:
             while True:
                 try:
-                    event = await self._call(events.__anext__(), run, worker, RETRY_DECODE)
-                except StopAsyncIteration:
-                    raise Internal("decode stream ended without a final event") from None
+                    event = await self._call(events.__anext__(), worker, RETRY_DECODE)
+                except StopAsyncIteration:  # the worker went away mid-stream
+                    raise _RetryElsewhere(worker, Unavailable(
+                        "decode stream ended without a final event"), died=True) from None
                 if isinstance(event, FinalEvent):
-                    await self._finish(run, attempt, event.finish_reason, event)
+                    await self._finish(run, attempt, progress, event.finish_reason, event)
                     return
                 if not isinstance(event, TokenEvent):
                     raise Internal(f"decode stream yielded {type(event).__name__}")
-                if await self._release_tokens(run, attempt, event):
+                if await self._release_tokens(run, attempt, progress, event):
                     await _aclose(stream)
-                    await self._abort_legs(run.request_id, attempt)  # stop string: D stops now
-                    await self._finish(run, attempt, "stop", None)
+                    await self._abort_legs(attempt)  # stop string: D stops now
+                    await self._finish(run, attempt, progress, "stop", None)
                     return
         finally:
             await _aclose(stream)
 
-    async def _call(self, awaitable: Awaitable, run: Run, worker: WorkerRef,
+    async def _call(self, awaitable: Awaitable, worker: WorkerRef,
                     retryable: tuple[type[ServiceError], ...]):
+        """Await a worker call; a retryable failure becomes _RetryElsewhere (before or after
+        the first token: a later attempt continues from the tokens released)."""
         try:
             return await awaitable
         except StopAsyncIteration:
             raise
         except Exception as exc:
             error = as_service_error(exc)
-            if isinstance(error, retryable) and run.num_tokens == 0:
-                raise _RetryElsewhere(worker, error) from exc
+            if isinstance(error, retryable):
+                raise _RetryElsewhere(worker, error, died=_worker_died(exc, error)) from exc
             if error is exc:
                 raise
             raise error from exc
 
-    async def _release_tokens(self, run: Run, attempt: _Attempt, event: TokenEvent) -> bool:
+    async def _release_tokens(self, run: Run, attempt: _Attempt, progress: _Progress,
+                              event: TokenEvent) -> bool:
         """Detokenize D's tokens into the run; True when a stop string ended generation."""
-        if event.index != run.num_tokens:
-            raise Internal(f"decode sent token index {event.index}, "
-                                f"expected {run.num_tokens}")
+        if attempt.base_tokens + event.index != run.num_tokens:
+            raise Internal(f"decode sent token index {event.index} (+{attempt.base_tokens}), "
+                           f"expected {run.num_tokens}")
         ids: list[int] = []
         pieces: list[str] = []
         for token_id in event.token_ids:
             ids.append(token_id)
-            pieces.append(attempt.text.push(token_id))
-            if attempt.text.stopped:
+            pieces.append(progress.text.push(token_id))
+            if progress.text.stopped:
                 break
         now = time.time()
-        if attempt.first_token_unix_s is None:
-            attempt.first_token_unix_s = now
+        if progress.first_token_unix_s is None:
+            progress.first_token_unix_s = now
             self.metrics.on_first_token(now - run.request.arrival_unix_s)
             self.metrics.on_tokens(len(ids), None)
         else:
-            self.metrics.on_tokens(len(ids), now - (attempt.last_token_unix_s or now))
-        attempt.last_token_unix_s = now
+            self.metrics.on_tokens(len(ids), now - (progress.last_token_unix_s or now))
+        progress.last_token_unix_s = now
         await run.push(TokenEvent(tuple(ids), run.num_tokens, event.logprobs[: len(ids)],
                                   "".join(pieces)))
-        return attempt.text.stopped
+        return progress.text.stopped
 
-    async def _finish(self, run: Run, attempt: _Attempt, reason: FinishReason,
-                      decode_final: FinalEvent | None) -> None:
-        final = self._final_event(run, attempt, reason, decode_final)
+    async def _finish(self, run: Run, attempt: _Attempt, progress: _Progress,
+                      reason: FinishReason, decode_final: FinalEvent | None) -> None:
+        final = self._final_event(run, attempt, progress, reason, decode_final)
         try:
             await self.placements[run.request.model].commit(run.request, attempt.assignment)
         except Exception:
@@ -346,18 +450,33 @@ class Orchestrator:
         self.metrics.on_final(final)
         await run.finish(final)
 
-    def _final_event(self, run: Run, attempt: _Attempt, reason: FinishReason,
-                     decode_final: FinalEvent | None) -> FinalEvent:
+    async def _finish_without_decode(self, run: Run, progress: _Progress) -> None:
+        """Every token was released but the decode worker died before its final event."""
+        first = progress.first_token_unix_s
+        req = run.request
+        final = FinalEvent(
+            finish_reason="length",
+            usage=Usage(prompt_tokens=req.prompt_tokens, completion_tokens=run.num_tokens),
+            timeline=Timeline(first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
+                              e2e_ms=(time.time() - req.arrival_unix_s) * 1e3),
+            request_id=req.request_id, text=progress.text.flush())
+        self.metrics.on_final(final)
+        await run.finish(final)
+
+    def _final_event(self, run: Run, attempt: _Attempt, progress: _Progress,
+                     reason: FinishReason, decode_final: FinalEvent | None) -> FinalEvent:
         req, result, ticket = run.request, attempt.result, attempt.ticket
         assert ticket is not None
         # without a prefill, D replays the last chunk itself: that much is computed afresh
-        computed = result.computed_tokens if result else min(req.prompt_tokens, CHUNK_TOKENS)
+        computed = (result.computed_tokens if result
+                    else min(attempt.request.prompt_tokens, CHUNK_TOKENS))
         usage = Usage(
             prompt_tokens=req.prompt_tokens, completion_tokens=run.num_tokens,
             cached_tokens=max(0, req.prompt_tokens - computed),
-            cached_tokens_prefill=result.prefill_cached_tokens if result else 0,
-            cached_tokens_decode=ticket.decode_cached_tokens)
-        first = attempt.first_token_unix_s
+            cached_tokens_prefill=min(req.prompt_tokens,
+                                      result.prefill_cached_tokens if result else 0),
+            cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens))
+        first = progress.first_token_unix_s
         timeline = Timeline(
             route_ms=attempt.assignment.route_ms, reserve_ms=attempt.reserve_ms,
             prefill_queue_ms=result.queue_ms if result else 0.0,
@@ -370,22 +489,35 @@ class Orchestrator:
             finish_reason=reason, usage=usage, timeline=timeline,
             prefill_worker=attempt.assignment.prefill.worker_id if result else "",
             decode_worker=attempt.assignment.decode.worker_id, request_id=req.request_id,
-            text=attempt.text.flush() if reason != "stop" else "")
+            text=progress.text.flush() if reason != "stop" else "")
 
-    async def _abort_legs(self, request_id: str, attempt: _Attempt) -> None:
-        calls = {"prefill": attempt.prefill.abort(request_id),
-                 "decode": attempt.decode.abort(request_id)}
+    async def _abort_legs(self, attempt: _Attempt, failed: WorkerRef | None = None) -> None:
+        """Abort both legs of an attempt (bounded). The leg of a worker that just failed is
+        aborted in the background: a dead replica may not answer before the timeout, and the
+        next attempt must not wait for it."""
+        request_id = attempt.request.request_id
+        a = attempt.assignment
+        legs = {a.prefill: attempt.prefill, a.decode: attempt.decode}
+        for worker, endpoint in legs.items():
+            if worker == failed:
+                self._background(self._abort_one(request_id, worker, endpoint))
+        awaited = [self._abort_one(request_id, w, e) for w, e in legs.items() if w != failed]
+        await asyncio.gather(*awaited)
+
+    async def _abort_one(self, request_id: str, worker: WorkerRef, endpoint) -> None:
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*calls.values(), return_exceptions=True),
-                self.config.abort_timeout_s)
+            await asyncio.wait_for(endpoint.abort(request_id), self.config.abort_timeout_s)
         except TimeoutError:
-            log.warning("request %s: abort did not answer within %.1f s", request_id,
-                        self.config.abort_timeout_s)
-            return
-        for role, result in zip(calls, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("request %s: abort on %s failed: %r", request_id, role, result)
+            log.warning("request %s: abort on %s did not answer within %.1f s", request_id,
+                        worker.key, self.config.abort_timeout_s)
+        except Exception as exc:
+            log.warning("request %s: abort on %s failed: %r", request_id, worker.key, exc)
+
+
+def _revivable(run: Run) -> bool:
+    """A finished run that broke UNAVAILABLE after its first token can continue."""
+    return (run.done and isinstance(run.error, Unavailable) and run.num_tokens > 0
+            and run.num_tokens < run.request.sampling.max_tokens)
 
 
 async def _aclose(stream: object) -> None:

@@ -3,6 +3,19 @@
 Keeps what the policy must not: the cached live view of workers (refreshed every
 `view_refresh_s`), background reaping of workers whose heartbeat expired, the router's own
 in-flight load (work assigned since the last heartbeat), and the session bindings.
+
+Redis loss never fails a request. Every Redis call here runs through one circuit breaker
+(`breaker.py`: a short per-call timeout, then fail-fast while open, one probe per `open_s`), and
+each has a fallback the router keeps locally:
+
+    Redis call          fallback while Redis is paused, dead or restarting empty
+    live_view           the last view; workers seen within `known_ttl_s` fill an empty role
+    lookup              no prefix credit; session bindings from the local LRU of bindings
+    bind/touch_session  the local LRU only (Redis gets the binding on the session's next turn)
+    reap                retried on a later refresh
+
+Workers that failed a call (`suspect`) are kept out of placement for `suspect_s` (their heartbeat
+may outlive them by the heartbeat TTL) unless no other worker of the role is left.
 """
 
 from __future__ import annotations
@@ -10,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 from flashpd.engine.hashing import CHUNK_TOKENS, chunk_hashes, namespace_for
-from flashpd.services.api import InternalRequest, WorkerRef
-from flashpd.services.router.index import LiveView, PrefixIndex, SessionBinding
+from flashpd.services.api import InternalRequest, WorkerRef, WorkerStats
+from flashpd.services.router.breaker import CircuitBreaker
+from flashpd.services.router.index import LiveView, Lookup, PrefixIndex, SessionBinding
 from flashpd.services.router.policy import Candidate, RouteQuery, RoutingDecision, RoutingPolicy
 
 log = logging.getLogger(__name__)
@@ -49,40 +66,108 @@ class _InFlight:
     decode_requests: Counter = field(default_factory=Counter)  # WorkerRef -> requests
 
 
+@dataclass(frozen=True)
+class PlacementConfig:
+    view_refresh_s: float = 0.25  # live view cache
+    redis_timeout_s: float = 0.2  # per Redis call on the request path
+    breaker_failures: int = 2  # failures in a row that open the circuit
+    breaker_open_s: float = 1.0  # fail fast this long, then probe
+    known_ttl_s: float = 60.0  # a worker seen this recently may stand in for an empty role
+    suspect_s: float = 10.0  # a worker whose call failed is avoided this long
+    max_local_sessions: int = 100_000  # LRU of session bindings kept by the router
+    reap_timeout_s: float = 5.0
+
+
 class Placement:
     def __init__(self, index: PrefixIndex, policy: RoutingPolicy, *, model: str,
-                 cache_salt: str = "", view_refresh_s: float = 0.25) -> None:
+                 cache_salt: str = "", view_refresh_s: float | None = None,
+                 config: PlacementConfig = PlacementConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.index, self.policy = index, policy
+        self.config = config
         self._namespace = namespace_for(model, cache_salt)
-        self._view_refresh_s = view_refresh_s
+        self._view_refresh_s = config.view_refresh_s if view_refresh_s is None else view_refresh_s
+        self._clock = clock
+        self.breaker = CircuitBreaker(f"redis index ({model})", timeout_s=config.redis_timeout_s,
+                                      failure_threshold=config.breaker_failures,
+                                      open_s=config.breaker_open_s, failures=(RedisError,),
+                                      clock=clock)
         self._view: LiveView | None = None
         self._view_at = float("-inf")
         self._view_lock = asyncio.Lock()
+        self._known: dict[WorkerRef, tuple[WorkerStats, float]] = {}  # ref -> (stats, seen at)
+        self._suspects: dict[WorkerRef, float] = {}  # ref -> avoided until
+        self._sessions: OrderedDict[str, SessionBinding] = OrderedDict()
         self._in_flight = _InFlight()
         self._reaping: set[WorkerRef] = set()
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def redis_ok(self) -> bool:
+        return self.breaker.state == "closed"
+
     async def live_view(self) -> LiveView:
+        """Workers to place on: Redis's view, or the router's own memory when Redis fails or
+        forgot them (restarted empty). Never raises for a Redis failure."""
         async with self._view_lock:
-            if time.monotonic() - self._view_at >= self._view_refresh_s:
-                self._view = await self.index.live_view()
-                self._view_at = time.monotonic()
-                self._reap(self._view.dead)
-        assert self._view is not None
-        return self._view
+            if self._clock() - self._view_at >= self._view_refresh_s:
+                await self._refresh_view()
+        return self._with_known(self._view or LiveView((), ()))
+
+    async def _refresh_view(self) -> None:
+        try:
+            view = await self.breaker.call(self.index.live_view)
+        except (TimeoutError, OSError, RedisError) as exc:
+            log.debug("live view from Redis failed (%r); using the last one", exc)
+            self._view_at = self._clock()
+            return
+        now = self._view_at = self._clock()
+        self._view = view
+        for stats in view.workers:
+            self._known[stats.ref] = (stats, now)
+        for ref in view.dead:
+            self._known.pop(ref, None)
+        self._reap(view.dead)
+
+    def _with_known(self, view: LiveView) -> LiveView:
+        """Fill a role the view lacks with recently seen workers (Redis restarted empty, or
+        the view is stale)."""
+        now = self._clock()
+        for ref, (_, seen) in list(self._known.items()):
+            if now - seen > self.config.known_ttl_s:
+                del self._known[ref]
+        roles = {w.role for w in view.workers if not w.draining}
+        extra = tuple(stats for stats, _ in self._known.values()
+                      if stats.role not in roles and stats.ref not in view.dead)
+        return LiveView(view.workers + extra, view.dead) if extra else view
+
+    def suspect(self, worker: WorkerRef) -> None:
+        """A call to `worker` failed as if it were gone: avoid it for a while."""
+        self._suspects[worker] = self._clock() + self.config.suspect_s
+
+    def _usable(self, view: LiveView, exclude: frozenset[WorkerRef]) -> list[WorkerStats]:
+        now = self._clock()
+        for ref, until in list(self._suspects.items()):
+            if until <= now:
+                del self._suspects[ref]
+        usable = [w for w in view.workers if not w.draining and w.ref not in exclude]
+        healthy = [w for w in usable if w.ref not in self._suspects]
+        # a suspect stays a candidate only where it is the last one of its role
+        roles = {w.role for w in healthy}
+        return healthy + [w for w in usable if w.ref in self._suspects and w.role not in roles]
 
     async def place(self, req: InternalRequest, exclude: frozenset[WorkerRef]) -> Assignment:
         started = time.perf_counter()
         view = await self.live_view()
-        usable = [w for w in view.workers if not w.draining and w.ref not in exclude]
+        usable = self._usable(view, exclude)
         blind = self.policy.name in BLIND_POLICIES
         hit_chunks: dict[WorkerRef, int] = {}
         binding = parent = None
         if not blind:
-            lookup = await self.index.lookup(
-                chunk_hashes(req.prompt_ids, self._namespace, CHUNK_TOKENS),
-                [w.ref for w in usable], req.session_id, req.parent_session_id)
-            hit_chunks, binding, parent = lookup.hit_chunks, lookup.session, lookup.parent_session
+            lookup = await self._lookup(req, [w.ref for w in usable])
+            hit_chunks = lookup.hit_chunks
+            binding = lookup.session or self._local_binding(req.session_id)
+            parent = lookup.parent_session or self._local_binding(req.parent_session_id)
         candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
                              for w in usable if w.role == role] for role in ("prefill", "decode")}
         query = RouteQuery(
@@ -107,15 +192,39 @@ class Placement:
             a.decode_open = False
             _decrement(self._in_flight.decode_requests, a.decode, 1)
 
+    async def _lookup(self, req: InternalRequest, live: list[WorkerRef]) -> Lookup:
+        try:
+            return await self.breaker.call(lambda: self.index.lookup(
+                chunk_hashes(req.prompt_ids, self._namespace, CHUNK_TOKENS), live,
+                req.session_id, req.parent_session_id))
+        except (TimeoutError, OSError, RedisError) as exc:
+            log.debug("index lookup failed (%r); placing on session affinity and load", exc)
+            return Lookup({}, None, None)
+
+    def _local_binding(self, session_id: str | None) -> SessionBinding | None:
+        if not session_id or session_id not in self._sessions:
+            return None
+        self._sessions.move_to_end(session_id)
+        return self._sessions[session_id]
+
     async def commit(self, req: InternalRequest, a: Assignment) -> None:
-        """Record the session's binding after a successful turn (idle TTL restarts)."""
+        """Record the session's binding after a successful turn (idle TTL restarts): always in
+        the router's LRU, in Redis when it answers in time."""
         if not req.session_id or self.policy.name in BLIND_POLICIES:
             return
         new = SessionBinding(a.prefill, a.decode)
-        if new == a.previous_binding:
-            await self.index.touch_session(req.session_id)
-        else:
-            await self.index.bind_session(req.session_id, a.prefill, a.decode, a.previous_binding)
+        self._sessions[req.session_id] = new
+        self._sessions.move_to_end(req.session_id)
+        while len(self._sessions) > self.config.max_local_sessions:
+            self._sessions.popitem(last=False)
+        try:
+            if new == a.previous_binding:
+                await self.breaker.call(lambda: self.index.touch_session(req.session_id))
+            else:
+                await self.breaker.call(lambda: self.index.bind_session(
+                    req.session_id, a.prefill, a.decode, a.previous_binding))
+        except (TimeoutError, OSError, RedisError) as exc:
+            log.debug("session %s: binding kept locally only (%r)", req.session_id, exc)
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Let background reaping finish (bounded), so no Redis work outlives the client."""
@@ -144,7 +253,7 @@ class Placement:
 
     async def _reap_now(self, dead: list[WorkerRef]) -> None:
         try:
-            await self.index.reap(dead)
+            await asyncio.wait_for(self.index.reap(dead), self.config.reap_timeout_s)
         except Exception:
             log.exception("reaping %s failed; retried on the next view refresh", dead)
         finally:

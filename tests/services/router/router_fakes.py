@@ -20,16 +20,15 @@ from flashpd.services.api import (
     FinalEvent,
     InternalRequest,
     PrefillResult,
-    ServiceError,
     Ticket,
     Timeline,
     TokenEvent,
     TokenLogprobs,
+    Unavailable,
     Usage,
     WorkerStats,
 )
 from flashpd.services.router.convert import ModelTable, ServedModel, deepseek_chat_prompt
-from flashpd.services.router.endpoints import StaticDirectory
 from flashpd.services.router.index import IndexPublisher, PrefixIndex
 from flashpd.services.router.metrics import RouterMetrics
 from flashpd.services.router.orchestrator import Orchestrator, OrchestratorConfig
@@ -64,9 +63,10 @@ class FakeDecode:
     output: tuple[int, ...] = text_ids("abcdefghijklmnopqrstuvwxyz")
     cached_chunks: int = 0  # leading prompt chunks this worker reports as resident
     token_delay_s: float = 0.0
-    reserve_error: ServiceError | None = None
-    generate_error: ServiceError | None = None  # raised before the first token
-    fail_after_tokens: tuple[int, ServiceError] | None = None
+    reserve_error: Exception | None = None
+    generate_error: Exception | None = None  # raised before the first token
+    fail_after_tokens: tuple[int, Exception] | None = None
+    follow_prompt: bool = False  # a "model": each token = next_token(the previous one)
     replay_ms: float = 1.5
     calls: list[tuple[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -92,7 +92,9 @@ class FakeDecode:
             raise self.generate_error
         try:
             reason, count = "length", 0
-            for token in self.output[: req.sampling.max_tokens]:
+            output = (greedy_chain(req.prompt_ids[-1], req.sampling.max_tokens) if self.follow_prompt
+                      else self.output)
+            for token in output[: req.sampling.max_tokens]:
                 if self.fail_after_tokens and count == self.fail_after_tokens[0]:
                     raise self.fail_after_tokens[1]
                 if self.token_delay_s:
@@ -116,12 +118,29 @@ class FakeDecode:
         return True
 
 
+class ActorDiedError(Exception):
+    """Stands for Ray's error of that name (matched by name, as `api.as_service_error` does)."""
+
+
+def next_token(token: int) -> int:
+    return token % 250 + 1  # never EOS_ID
+
+
+def greedy_chain(last: int, n: int) -> tuple[int, ...]:
+    """What a `follow_prompt` decode generates after a prompt ending in `last`."""
+    out = []
+    for _ in range(n):
+        last = next_token(last)
+        out.append(last)
+    return tuple(out)
+
+
 @dataclass
 class FakePrefill:
     worker_id: str
     cached_tokens: int = 0
     delay_s: float = 0.0
-    error: ServiceError | None = None
+    error: Exception | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     tickets: list[Ticket] = field(default_factory=list)
@@ -148,6 +167,26 @@ class FakePrefill:
 
 
 @dataclass
+class FakeDirectory:
+    """Workers by id, editable while the router runs (replicas come and go)."""
+
+    prefills: dict[str, FakePrefill]
+    decodes: dict[str, FakeDecode]
+
+    def prefill(self, worker):
+        return self._get(self.prefills, worker)
+
+    def decode(self, worker):
+        return self._get(self.decodes, worker)
+
+    @staticmethod
+    def _get(workers, worker):
+        if worker.worker_id not in workers:
+            raise Unavailable(f"no endpoint for worker {worker.key}")
+        return workers[worker.worker_id]
+
+
+@dataclass
 class Stack:
     orchestrator: Orchestrator
     publisher: IndexPublisher
@@ -156,6 +195,11 @@ class Stack:
     metrics: RouterMetrics
     models: ModelTable
     tokenizer: ByteTokenizer
+    directory: FakeDirectory
+
+    def directory_add_prefill(self, worker: FakePrefill) -> None:
+        """A new prefill replica comes up (it still has to register in Redis)."""
+        self.directory.prefills[worker.worker_id] = worker
 
     async def cache(self, worker, prompt_ids) -> None:
         """Announce that `worker` holds every full chunk of `prompt_ids`."""
@@ -174,13 +218,13 @@ async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[
     placement = Placement(index, make_policy(routing), model=MODEL, view_refresh_s=0.0)
     metrics = RouterMetrics(MODEL)
     tokenizer = ByteTokenizer()
-    directory = StaticDirectory({p.worker_id: p for p in prefill},
-                                {d.worker_id: d for d in decode})
+    directory = FakeDirectory({p.worker_id: p for p in prefill},
+                              {d.worker_id: d for d in decode})
     orchestrator = Orchestrator({MODEL: placement}, directory, tokenizer, metrics=metrics,
                                 config=config or OrchestratorConfig(resume_grace_s=0.2))
     try:
         yield Stack(orchestrator, publisher, index, redis, metrics, ModelTable([SERVED]),
-                    tokenizer)
+                    tokenizer, directory)
     finally:
         await orchestrator.close()
         await redis.aclose()

@@ -4,9 +4,11 @@ import asyncio
 
 import pytest
 from router_fakes import (
+    ActorDiedError,
     FakeDecode,
     FakePrefill,
     collect,
+    greedy_chain,
     request,
     router_stack,
     text_ids,
@@ -141,20 +143,88 @@ def test_decode_dying_before_the_first_token_is_retried(redis_url):
     run_async(main())
 
 
-def test_failure_after_the_first_token_is_not_retried(redis_url):
+def test_decode_death_after_tokens_continues_on_another_decode_with_identical_output(
+        redis_url):
     p = FakePrefill("p0")
-    d0 = FakeDecode("d0", fail_after_tokens=(2, Unavailable("actor died")))
-    d1 = FakeDecode("d1")
+    d0 = FakeDecode("d0", follow_prompt=True,
+                    fail_after_tokens=(2, ActorDiedError("the actor died")))
+    d1 = FakeDecode("d1", follow_prompt=True)
+    expected = list(greedy_chain(PROMPT[-1], 6))  # what an unbroken greedy run gives
 
     async def main():
         async with router_stack(redis_url, [p], [d0, d1], routing="round_robin") as s:
-            run = s.orchestrator.open(request(PROMPT))
-            received = []
+            events = await collect(s.orchestrator, s.orchestrator.open(
+                request(PROMPT, max_tokens=6)))
+            final = events[-1]
+            assert tokens_of(events) == expected
+            offsets = [e.index for e in events[:-1]]
+            assert offsets == [sum(len(e.token_ids) for e in events[:i]) for i in
+                               range(len(offsets))]
+            assert final.decode_worker == "d1" and final.usage.completion_tokens == 6
+            assert final.finish_reason == "length"
+            # the continuation: its own id, prompt + the 2 tokens released, 4 tokens to go
+            cont = d1.seen[0]
+            assert cont.request_id == "r1@1"
+            assert cont.prompt_ids == PROMPT + tuple(expected[:2])
+            assert cont.sampling.max_tokens == 4
+            assert d0.aborted == ["r1"] and p.aborted[0] == "r1"
+    run_async(main())
+
+
+def test_prefill_death_is_re_prefilled_elsewhere_under_a_fresh_attempt_id(redis_url):
+    dead = FakePrefill("p0", error=ActorDiedError("the actor died"))
+    good, d = FakePrefill("p1"), FakeDecode("d0")
+
+    async def main():
+        async with router_stack(redis_url, [dead, good], [d], routing="round_robin") as s:
+            events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT)))
+            assert events[-1].prefill_worker == "p1" and tokens_of(events) == list(b"abcde")
+            # D dropped the first attempt before the second reserved under its own id
+            assert d.calls[:3] == [("reserve", "r1"), ("abort", "r1"), ("reserve", "r1@1")]
+            assert good.calls == [("run", "r1@1")]
+            assert events[-1].request_id == "r1"
+    run_async(main())
+
+
+def test_run_waits_for_a_replacement_when_its_only_prefill_died(redis_url):
+    dead = FakePrefill("p0", error=ActorDiedError("the actor died"))
+    replacement, d = FakePrefill("p9"), FakeDecode("d0")
+
+    async def main():
+        config = OrchestratorConfig(wait_poll_s=0.02, resume_grace_s=0.2)
+        async with router_stack(redis_url, [dead], [d], config=config) as s:
+            run = s.orchestrator.open(request(PROMPT, deadline_s=20))
+            while not dead.calls:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert not run.done  # waiting, not failed
+            s.directory_add_prefill(replacement)
+            await s.publisher.register(replacement.stats())
+            events = await collect(s.orchestrator, run)
+            assert events[-1].prefill_worker == "p9" and tokens_of(events) == list(b"abcde")
+    run_async(main())
+
+
+def test_resume_of_a_run_that_broke_after_tokens_continues_it(redis_url):
+    p = FakePrefill("p0")
+    d0 = FakeDecode("d0", follow_prompt=True, fail_after_tokens=(3, Unavailable("died")))
+
+    async def main():
+        config = OrchestratorConfig(max_attempts=1, resume_grace_s=5.0)
+        async with router_stack(redis_url, [p], [d0], config=config) as s:
+            req = request(PROMPT, max_tokens=8)
+            run = s.orchestrator.open(req, resumable=True, fingerprint="f")
+            first = []
             with pytest.raises(Unavailable):
                 async for e in s.orchestrator.stream(run):
-                    received.append(e)
-            assert tokens_of(received) == list(b"ab") and d1.calls == []
-            assert d0.aborted == ["r1"] and p.aborted == ["r1"]
+                    first.append(e)
+            assert len(tokens_of(first)) == 3
+            d0.fail_after_tokens = None  # the next attempt's worker is healthy
+            again = s.orchestrator.open(req, resumable=True, fingerprint="f",
+                                        resume_from_token=3)
+            rest = await collect(s.orchestrator, again, from_token=3)
+            assert tokens_of(first) + tokens_of(rest) == list(greedy_chain(PROMPT[-1], 8))
+            assert d0.seen[-1].request_id == "r1@1" and d0.seen[-1].sampling.max_tokens == 5
     run_async(main())
 
 
