@@ -1,14 +1,17 @@
 """The gRPC frontend end to end: real grpc.aio server, the SDK's AsyncClient, fake workers."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
+from edge_servers import grpc_server, raw_call, self_signed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from router_fakes import FakeDecode, FakePrefill, grpc_stack
+from router_fakes import FakeDecode, FakePrefill, grpc_stack, router_stack
 
 from flashpd.services.api import ResourceExhausted as ServerResourceExhausted
+from flashpd.services.router.auth import ApiKeys, TlsFiles
 from flashpd_sdk import (
     AsyncClient,
     Cancelled,
@@ -203,3 +206,89 @@ def test_resume_of_an_unknown_stream_is_not_found(redis_url):
                         continue
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
     run_async(main())
+
+
+# ----------------------------------------------------------------------------- the edge
+
+
+@contextlib.asynccontextmanager
+async def edge_grpc(redis_url, decode=None, **server_kwargs):
+    workers = [FakePrefill("p0"), decode or FakeDecode("d0")]
+    async with router_stack(redis_url, workers[:1], workers[1:]) as stack:
+        async with grpc_server(stack, **server_kwargs) as target:
+            yield stack, target
+
+
+GENERATE = "/flashpd.v1.Generation/Generate"
+VALID = pb.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString()
+
+
+@pytest.mark.parametrize("method,payload", [
+    (GENERATE, b"\x12\x02\xc3\x28"),  # invalid UTF-8 in the prompt string
+    (GENERATE, b"\x20\xff\xff"),  # truncated varint
+    (GENERATE, b"\x12\x7fabc"),  # length beyond the end
+    ("/flashpd.v1.Generation/Abort", b"\x0a\x02\xff\xfe"),
+    ("/flashpd.v1.Generation/ListModels", b"\xff\xff"),
+])
+def test_unparsable_messages_are_invalid_argument(redis_url, method, payload):
+    async def main():
+        async with edge_grpc(redis_url) as (_, target):
+            async with grpc.aio.insecure_channel(target) as channel:
+                return await raw_call(channel, method, payload)
+    code, details, field = asyncio.run(asyncio.wait_for(main(), 30))
+    assert (code, field) == ("INVALID_ARGUMENT", "request") and "request" in details
+
+
+def test_refusals_are_counted_and_unexpected_failures_are_generic(redis_url):
+    decode = FakeDecode("d0", generate_error=RuntimeError("secret detail"))
+
+    async def main():
+        async with edge_grpc(redis_url, decode=decode) as (stack, target):
+            async with grpc.aio.insecure_channel(target) as channel:
+                refused = await raw_call(channel, GENERATE, pb.GenerateRequest(
+                    prompt="x", seed=2**63).SerializeToString())
+                failed = await raw_call(channel, GENERATE, VALID)
+            return refused, failed, stack.metrics.exposition().decode()
+    refused, failed, metrics = asyncio.run(asyncio.wait_for(main(), 60))
+    assert refused[0] == "INVALID_ARGUMENT" and refused[2] == "seed"
+    assert failed[0] == "INTERNAL"
+    assert "RuntimeError" not in failed[1] and "secret" not in failed[1]
+    assert ('flashpd:request_errors_total{code="INVALID_ARGUMENT",model_name="flash-tiny"} 1.0'
+            in metrics)
+
+
+def test_api_key_is_required_except_for_health(redis_url):
+    async def main():
+        async with edge_grpc(redis_url, api_keys=ApiKeys(["k-123"])) as (_, target):
+            async with grpc.aio.insecure_channel(target) as channel:
+                none = await raw_call(channel, GENERATE, VALID)
+                wrong = await raw_call(channel, GENERATE, VALID,
+                                       metadata=(("authorization", "Bearer nope"),))
+                listed = await raw_call(channel, "/flashpd.v1.Generation/ListModels", b"")
+                good = await raw_call(channel, GENERATE, VALID,
+                                      metadata=(("authorization", "Bearer k-123"),))
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest())
+        return none, wrong, listed, good, health
+    none, wrong, listed, good, health = asyncio.run(asyncio.wait_for(main(), 30))
+    for answer in (none, wrong, listed):
+        assert answer[0] == "UNAUTHENTICATED" and "k-123" not in answer[1]
+    assert good[0] == "OK"
+    assert health.status in (health_pb2.HealthCheckResponse.SERVING,
+                             health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def test_tls_serves_only_tls_clients(redis_url, tmp_path):
+    cert_file, key_file = self_signed(tmp_path)
+    root = open(cert_file, "rb").read()
+
+    async def main():
+        async with edge_grpc(redis_url, tls=TlsFiles(cert_file, key_file)) as (_, target):
+            creds = grpc.ssl_channel_credentials(root_certificates=root)
+            async with grpc.aio.secure_channel(target, creds) as channel:
+                secure = await raw_call(channel, GENERATE, VALID)
+            async with grpc.aio.insecure_channel(target) as channel:
+                plain = await raw_call(channel, GENERATE, VALID, timeout_s=3)
+        return secure, plain
+    secure, plain = asyncio.run(asyncio.wait_for(main(), 30))
+    assert secure[0] == "OK" and plain[0] == "UNAVAILABLE"

@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP frontend over real HTTP (uvicorn + httpx) with fake workers."""
 
 import asyncio
+import contextlib
 import json
 
 import httpx
 import pytest
-from router_fakes import ByteTokenizer, FakeDecode, FakePrefill, http_stack
+from edge_servers import http_server
+from router_fakes import ByteTokenizer, FakeDecode, FakePrefill, http_stack, router_stack
 
 from flashpd.services.api import Unavailable
+from flashpd.services.router.auth import ApiKeys
 
 pytestmark = pytest.mark.net
 PROMPT = "x" * 300
@@ -204,3 +207,118 @@ def test_health_is_503_without_workers(redis_url):
                 r = await http.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "no_workers"
     run_async(main())
+
+
+# ----------------------------------------------------------------------------- the edge
+
+
+@contextlib.asynccontextmanager
+async def edge_http(redis_url, decode=None, **app_kwargs):
+    workers = [FakePrefill("p0"), decode or FakeDecode("d0")]
+    async with router_stack(redis_url, workers[:1], workers[1:]) as stack:
+        async with http_server(stack, **app_kwargs) as url:
+            async with httpx.AsyncClient(base_url=url) as http:
+                yield stack, http
+
+
+def test_models_retrieve_and_unknown_model_is_404_model_not_found(redis_url):
+    async def main():
+        async with edge_http(redis_url) as (_, http):
+            card = await http.get("/v1/models/flash-tiny")
+            missing = await http.get("/v1/models/gpt-4")
+            chat = await http.post("/v1/chat/completions", json={
+                "model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+        assert card.status_code == 200
+        assert card.json() == {"id": "flash-tiny", "object": "model", "created": 0,
+                               "owned_by": "flashpd", "max_model_len": 2048}
+        for r in (missing, chat):
+            assert r.status_code == 404
+            assert r.json()["error"]["code"] == "model_not_found"
+            assert r.json()["error"]["param"] == "model"
+    run_async(main())
+
+
+@pytest.mark.parametrize("method,path,status,code", [
+    ("GET", "/v1/nope", 404, "not_found"), ("POST", "/v2/chat/completions", 404, "not_found"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ("DELETE", "/v1/models", 405, "method_not_allowed"),
+])
+def test_unknown_routes_and_methods_use_the_openai_error_shape(redis_url, method, path, status,
+                                                              code):
+    async def main():
+        async with edge_http(redis_url) as (_, http):
+            return await http.request(method, path)
+    r = asyncio.run(asyncio.wait_for(main(), 30))
+    assert r.status_code == status
+    assert set(r.json()) == {"error"} and r.json()["error"]["code"] == code
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_response_format_other_than_text_is_refused(redis_url):
+    async def main():
+        async with edge_http(redis_url) as (_, http):
+            body = {"messages": [{"role": "developer", "content": "x"},
+                                 {"role": "user", "content": "y"}], "max_tokens": 2}
+            bad = await http.post("/v1/chat/completions", json={
+                **body, "response_format": {"type": "json_object"}})
+            text = await http.post("/v1/chat/completions", json={
+                **body, "response_format": {"type": "text"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        assert text.status_code == 200  # and the developer role is accepted
+    run_async(main())
+
+
+def test_refusals_are_counted_by_code(redis_url):
+    async def main():
+        async with edge_http(redis_url) as (_, http):
+            await http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"})
+            await http.post("/v1/completions", json={"prompt": "x", "model": "nope"})
+            await http.post("/v1/completions", content=b"{")
+            return (await http.get("/metrics")).text
+    text = asyncio.run(asyncio.wait_for(main(), 30))
+    assert ('flashpd:request_errors_total{code="INVALID_ARGUMENT",model_name="flash-tiny"} 3.0'
+            in text)
+
+
+def test_body_over_the_limit_is_413_naming_the_body(redis_url):
+    async def main():
+        async with edge_http(redis_url, max_body_bytes=1000) as (_, http):
+            return await http.post("/v1/completions", json={"prompt": "x" * 2000})
+    r = asyncio.run(asyncio.wait_for(main(), 30))
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def test_unexpected_failure_is_a_generic_500_with_the_request_id(redis_url):
+    decode = FakeDecode("d0", generate_error=RuntimeError("secret detail at /srv/x.py"))
+
+    async def main():
+        async with edge_http(redis_url, decode=decode) as (_, http):
+            return await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                   headers={"x-request-id": "req-42"})
+    r = asyncio.run(asyncio.wait_for(main(), 60))
+    assert r.status_code == 500
+    message = r.json()["error"]["message"]
+    assert "req-42" in message and "RuntimeError" not in message and "secret" not in message
+
+
+def test_api_key_is_required_except_for_health(redis_url):
+    keys = ApiKeys(["k-123"])
+    body = {"prompt": "x", "max_tokens": 2}
+
+    async def main():
+        async with edge_http(redis_url, api_keys=keys) as (_, http):
+            none = await http.post("/v1/completions", json=body)
+            wrong = await http.post("/v1/completions", json=body,
+                                    headers={"authorization": "Bearer k-124"})
+            latin = await http.post("/v1/completions", json=body,
+                                    headers={"authorization": b"Bearer k\xe9"})
+            models = await http.get("/v1/models")
+            good = await http.post("/v1/completions", json=body,
+                                   headers={"authorization": "Bearer k-123"})
+            health = await http.get("/health")
+        return none, wrong, latin, models, good, health
+    none, wrong, latin, models, good, health = asyncio.run(asyncio.wait_for(main(), 30))
+    for r in (none, wrong, latin, models):
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "k-12" not in r.text
+    assert good.status_code == 200 and health.status_code == 200

@@ -35,3 +35,16 @@ def test_flush_releases_the_held_tail():
 def test_earliest_of_several_stop_strings_wins():
     stream = TextStream(ByteTokenizer(), stop=("cd", "bcd"))
     assert "".join(feed(stream, "abcd")) == "a" and stream.stopped
+
+
+def test_served_tokenizer_never_shows_special_tokens():
+    from tokenizers import Tokenizer as HFTokenizerFile
+
+    from flashpd.model.presets import tokenizer_path
+    from flashpd.services.router_deployment import HFTokenizer
+
+    tok = HFTokenizer(HFTokenizerFile.from_file(tokenizer_path("tiny")))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}]) + tok.encode("yo")
+    stream = TextStream(tok)
+    text = "".join(stream.push(t) for t in ids) + stream.flush()
+    assert "<|" not in text and tok.decode(ids) == text == "hiyo"
