@@ -1,11 +1,19 @@
 """Shared by the sync and async clients: request building, stream state, retry/resume rules.
 
-Retry rules (the server's contract, proto/flashpd.proto):
+Security: `api_key` is sent as gRPC metadata `authorization: Bearer <key>` on every call;
+`tls=True` (system roots) or `tls="ca.pem"` opens a TLS channel.
+
+Retry rules (the server's contract, proto/flashpd.proto); nothing but UNAVAILABLE is retried:
 - UNAVAILABLE before any token arrived: send the same request again (same request id), up to
   `max_retries` times with exponential backoff;
 - UNAVAILABLE after tokens arrived: resume with `resume_from_token` = tokens received, up to
-  `max_resumes` times; if the server cannot resume that request (NOT_FOUND, INVALID_ARGUMENT
-  on the resume), the error that broke the stream is raised;
+  `max_resumes` times (the router continues the request on a healthy decode worker, re-prefilling
+  prompt + the tokens so far);
+- NOT_FOUND on such a resume (the router that ran the stream is gone, or another router replica
+  answered): a request given as `prompt_ids` continues as a fresh request for prompt_ids + the
+  tokens received with the remaining `max_tokens` (greedy output is the same as unbroken); a text
+  prompt cannot (the client does not know its token ids), and the error that broke the stream is
+  raised, as it is for any other refusal of the resume;
 - anything else is raised as its typed error.
 The overall `timeout_s` covers every attempt.
 """
@@ -18,10 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import grpc
+
 from flashpd_sdk import _health
 from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
-from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, Unavailable
+from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, NotFound, Unavailable
 from flashpd_sdk.types import GenerateResult, TokenChunk, TokenLogprobs, Usage
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -85,6 +95,8 @@ class StreamState:
         self.result: GenerateResult | None = None
         self.retries = self.resumes = 0
         self.broken_by: FlashpdError | None = None  # the error a pending resume recovers from
+        self.base = 0  # tokens received before the current server-side request began
+        self.continuations = 0  # fresh requests for prompt + tokens (the router forgot us)
 
     @property
     def request_id(self) -> str:
@@ -93,7 +105,14 @@ class StreamState:
     def next_request(self) -> pb.GenerateRequest:
         msg = pb.GenerateRequest()
         msg.CopyFrom(self.request)
-        msg.resume_from_token = len(self.output_ids)
+        if self.base == 0:
+            msg.resume_from_token = len(self.output_ids)
+            return msg
+        # a continuation: prompt + the tokens received so far, the rest of the budget
+        msg.prompt_ids.ids.extend(self.output_ids)
+        msg.max_tokens = self.request.max_tokens - self.base
+        msg.request_id = f"{self.request.request_id}@c{self.continuations}"
+        msg.resume_from_token = len(self.output_ids) - self.base
         return msg
 
     def remaining_s(self) -> float | None:
@@ -103,7 +122,7 @@ class StreamState:
         """A chunk to hand out, or None when the final message arrived."""
         self.broken_by = None
         if resp.WhichOneof("kind") == "chunk":
-            chunk = chunk_from_proto(resp.chunk)
+            chunk = chunk_from_proto(resp.chunk, self.base)
             if chunk.index != len(self.output_ids):
                 raise InternalError(f"chunk index {chunk.index} != {len(self.output_ids)} "
                                     "tokens received")
@@ -133,6 +152,20 @@ class StreamState:
             return "resume"
         return "raise"
 
+    def decide_refusal(self, error: FlashpdError) -> Action:
+        """A resume was refused (`error`): continue as a fresh request when possible."""
+        can_continue = (
+            isinstance(error, NotFound) and self.broken_by is not None
+            and self.request.WhichOneof("input") == "prompt_ids"
+            and self.request.HasField("max_tokens")
+            and len(self.output_ids) < self.request.max_tokens
+            and self.continuations < self.policy.max_resumes and self.remaining_s() != 0.0)
+        if not can_continue:
+            return "raise"
+        self.continuations += 1
+        self.base = len(self.output_ids)
+        return "resume"
+
     def reported(self, error: FlashpdError) -> FlashpdError:
         """The error to raise: when a resume attempt failed because the server cannot resume
         this request, the error that broke the stream is the one that matters."""
@@ -140,8 +173,15 @@ class StreamState:
             return self.broken_by
         return error
 
+    def next_action(self, error: FlashpdError) -> Action:
+        """Retry, resume or raise after a failed call."""
+        action = self.decide(error)
+        if action == "raise" and self.broken_by is not None:
+            action = self.decide_refusal(error)
+        return action
+
     def pause_s(self) -> float:
-        return self.policy.pause_s(self.retries + self.resumes - 1)
+        return self.policy.pause_s(max(0, self.retries + self.resumes - 1))
 
     def _result(self, final: pb.Final) -> GenerateResult:
         return GenerateResult(
@@ -154,9 +194,9 @@ class StreamState:
             retries=self.retries, resumes=self.resumes)
 
 
-def chunk_from_proto(msg: pb.TokenChunk) -> TokenChunk:
+def chunk_from_proto(msg: pb.TokenChunk, base: int = 0) -> TokenChunk:
     return TokenChunk(
-        token_ids=tuple(msg.token_ids), text=msg.text, index=msg.index,
+        token_ids=tuple(msg.token_ids), text=msg.text, index=base + msg.index,
         logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
                                                            strict=True)))
                        for lp in msg.logprobs))
@@ -169,15 +209,54 @@ CHANNEL_OPTIONS_BASE = (
 )
 
 
-def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
-    return [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), *CHANNEL_OPTIONS_BASE]
+def channel_options(keepalive_s: float, tls_server_name: str | None = None) -> list[tuple]:
+    options: list[tuple] = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                            *CHANNEL_OPTIONS_BASE]
+    if tls_server_name:  # the name the server's certificate carries, when it is not the target's
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return options
+
+
+def channel_credentials(tls: bool | str, credentials: grpc.ChannelCredentials | None
+                        ) -> grpc.ChannelCredentials | None:
+    """TLS credentials: `tls=True` trusts the system roots, `tls="ca.pem"` that root certificate
+    (PEM file); `credentials` (any grpc.ChannelCredentials) wins over both."""
+    if credentials is not None:
+        return credentials
+    if tls is False or tls is None:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if not isinstance(tls, str) or not tls:
+        raise InvalidArgument("must be True, False or the path of a PEM root certificate",
+                              field="tls")
+    try:
+        with open(tls, "rb") as f:
+            root = f.read()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read the root certificate {tls!r}: {exc.strerror}",
+                              field="tls") from None
+    return grpc.ssl_channel_credentials(root_certificates=root)
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """Sent with every call: `authorization: Bearer <key>` when an API key is given."""
+    if api_key is None:
+        return ()
+    if not isinstance(api_key, str) or not api_key or any(
+            not 33 <= ord(c) < 127 for c in api_key):
+        raise InvalidArgument("must be a non-empty printable ASCII string without spaces",
+                              field="api_key")
+    return (("authorization", f"Bearer {api_key}"),)
 
 
 class ClientCore:
     """What the sync and async clients share: stubs on a channel, defaults, stream state."""
 
-    def _attach(self, channel, default_timeout_s: float | None, retry: RetryPolicy) -> None:
+    def _attach(self, channel, default_timeout_s: float | None, retry: RetryPolicy,
+                metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._channel = channel
+        self._metadata = metadata
         self._stub = pb_grpc.GenerationStub(channel)
         self._health = channel.unary_unary(
             _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,

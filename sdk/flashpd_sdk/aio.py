@@ -23,6 +23,8 @@ from flashpd_sdk._wire import (
     ClientCore,
     RetryPolicy,
     StreamState,
+    call_metadata,
+    channel_credentials,
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
@@ -36,8 +38,8 @@ ABORT_TIMEOUT_S = 5.0
 class AsyncGenerateStream:
     """`async for` for TokenChunks; `result` once iteration ended (or `await final()`)."""
 
-    def __init__(self, stub: pb_grpc.GenerationStub, state: StreamState) -> None:
-        self._stub, self._state = stub, state
+    def __init__(self, stub: pb_grpc.GenerationStub, metadata: tuple, state: StreamState) -> None:
+        self._stub, self._state, self._metadata = stub, state, metadata
         self._call = None
         self._cancelled = False
         self._abort_task: asyncio.Task | None = None
@@ -85,7 +87,7 @@ class AsyncGenerateStream:
     async def _abort(self) -> None:
         try:
             await self._stub.Abort(pb.AbortRequest(request_id=self.request_id),
-                                   timeout=ABORT_TIMEOUT_S)
+                                   timeout=ABORT_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:  # best effort: the cancelled call already ended the stream
             log.info("abort of %s after cancel failed: %s", self.request_id, exc)
 
@@ -94,7 +96,8 @@ class AsyncGenerateStream:
         while True:
             if self._cancelled:
                 raise Cancelled("cancelled by the client")
-            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s())
+            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s(),
+                                             metadata=self._metadata)
             try:
                 async for resp in self._call:
                     chunk = state.on_response(resp)
@@ -111,7 +114,7 @@ class AsyncGenerateStream:
                 if self._cancelled:
                     raise Cancelled("cancelled by the client") from None
                 error = from_rpc_error(exc)
-                if state.decide(error) == "raise":
+                if state.next_action(error) == "raise":
                     raise state.reported(error) from None
                 await asyncio.sleep(state.pause_s())
 
@@ -119,11 +122,17 @@ class AsyncGenerateStream:
 class AsyncClient(ClientCore):
     def __init__(self, target: str, *, keepalive_s: float = 30.0,
                  default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
+                 api_key: str | None = None, tls: bool | str = False,
+                 tls_server_name: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        options = channel_options(keepalive_s)
-        channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
+        """`api_key`: sent as `authorization: Bearer <key>`; `tls`: True (system roots) or a
+        PEM root certificate path; `tls_server_name`: the name in the server's certificate when
+        it differs from the target host; `credentials`: any channel credentials instead."""
+        options = channel_options(keepalive_s, tls_server_name)
+        creds = channel_credentials(tls, credentials)
+        channel = (grpc.aio.secure_channel(target, creds, options) if creds
                    else grpc.aio.insecure_channel(target, options))
-        self._attach(channel, default_timeout_s, retry)
+        self._attach(channel, default_timeout_s, retry, call_metadata(api_key))
 
     def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
                  max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
@@ -133,7 +142,7 @@ class AsyncClient(ClientCore):
                  top_k: int | None = None, min_p: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
                  request_id: str | None = None, model: str = "") -> AsyncGenerateStream:
-        return AsyncGenerateStream(self._stub, self._stream_state(
+        return AsyncGenerateStream(self._stub, self._metadata, self._stream_state(
             timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
@@ -162,9 +171,8 @@ class AsyncClient(ClientCore):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @staticmethod
-    async def _unary(method, request, timeout_s: float):
+    async def _unary(self, method, request, timeout_s: float):
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

@@ -37,12 +37,18 @@ class Servicer(pb_grpc.GenerationServicer):
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    metadata: list[dict[str, str]] = field(default_factory=list)  # per call, any method
 
     def Generate(self, request, context):  # noqa: N802
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         step = self.script.pop(0) if self.script else COMPLETE
         context.add_callback(self.cancelled.set)
-        start = request.resume_from_token
+        # a continuation (prompt_ids + tokens received) generates what follows those tokens
+        offset = 0
+        if request.WhichOneof("input") == "prompt_ids":
+            offset = len(request.prompt_ids.ids) - len(self.requests[0].prompt_ids.ids)
+        start = offset + request.resume_from_token
         end = len(OUTPUT) if step.tokens is None else min(len(OUTPUT), start + step.tokens)
         for i in range(start, end):
             if step.delay_s:
@@ -50,7 +56,7 @@ class Servicer(pb_grpc.GenerationServicer):
             if not context.is_active():
                 return
             yield pb.GenerateResponse(chunk=pb.TokenChunk(
-                token_ids=[OUTPUT[i]], text=chr(OUTPUT[i]), index=i))
+                token_ids=[OUTPUT[i]], text=chr(OUTPUT[i]), index=i - offset))
         if step.fail is not None:
             metadata = (("flashpd-field", step.field),) if step.field else None
             context.abort_with_status(_status(step.fail, f"scripted {step.fail.name}", metadata))
@@ -62,6 +68,7 @@ class Servicer(pb_grpc.GenerationServicer):
             prefill_worker="p0", decode_worker="d0"))
 
     def Abort(self, request, context):  # noqa: N802
+        self.metadata.append(dict(context.invocation_metadata()))
         self.aborts.append(request.request_id)
         return pb.AbortResponse(found=True)
 
@@ -80,15 +87,24 @@ def _status(code: grpc.StatusCode, details: str, metadata) -> grpc.Status:
 
 
 class ScriptedServer:
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[bytes, bytes] | None = None) -> None:
+        """`tls`: (certificate chain PEM, private key PEM) to serve TLS instead of plaintext."""
         self.servicer = Servicer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self._server)
         self.health = health.HealthServicer()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            self.port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            self.port = self._server.add_secure_port("127.0.0.1:0", creds)
         self.target = f"127.0.0.1:{self.port}"
+
+    @property
+    def metadata(self) -> list[dict[str, str]]:
+        return self.servicer.metadata
 
     def play(self, *steps: Step) -> None:
         self.servicer.script = list(steps)
@@ -103,3 +119,29 @@ class ScriptedServer:
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop(None)
+
+
+def self_signed_cert(host: str = "127.0.0.1") -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) for `host` (an IP SAN), valid for a day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem

@@ -4,7 +4,7 @@ import asyncio
 
 import grpc
 import pytest
-from sdk_fakes import COMPLETE, OUTPUT, Step
+from sdk_fakes import COMPLETE, OUTPUT, ScriptedServer, Step, self_signed_cert
 
 from flashpd_sdk import AsyncClient, Cancelled, ResourceExhausted, RetryPolicy, Unavailable
 
@@ -93,4 +93,40 @@ def test_async_abort_health_models(server):
             assert await client.abort("x") is True
             assert await client.health() == "SERVING"
             assert [m.vocab_size for m in await client.models()] == [256]
+    run_async(main())
+
+
+def test_async_resume_refused_continues_from_prompt_ids(server):
+    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=5),
+                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+
+    async def main():
+        async with AsyncClient(server.target, retry=FAST) as client:
+            stream = client.generate(prompt_ids=[7, 8], max_tokens=11)
+            chunks = [c async for c in stream]
+        assert [c.index for c in chunks] == list(range(len(OUTPUT)))
+        assert stream.result.output_ids == tuple(OUTPUT)
+        assert list(server.requests[2].prompt_ids.ids) == [7, 8, *OUTPUT[:5]]
+        assert server.requests[2].max_tokens == 6
+    run_async(main())
+
+
+def test_async_api_key_is_sent_as_bearer_metadata(server):
+    async def main():
+        async with AsyncClient(server.target, api_key="secret") as client:
+            await client.generate(prompt="x").final()
+            await client.abort("some-id")
+        assert len(server.metadata) == 2
+        assert all(m.get("authorization") == "Bearer secret" for m in server.metadata)
+    run_async(main())
+
+
+def test_async_tls_with_a_root_certificate_file(tmp_path):
+    cert, key = self_signed_cert()
+    (tmp_path / "ca.pem").write_bytes(cert)
+
+    async def main():
+        with ScriptedServer(tls=(cert, key)) as tls_server:
+            async with AsyncClient(tls_server.target, tls=str(tmp_path / "ca.pem")) as client:
+                assert (await client.generate(prompt="x").final()).text == "hello world"
     run_async(main())

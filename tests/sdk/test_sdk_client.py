@@ -4,7 +4,7 @@ import threading
 
 import grpc
 import pytest
-from sdk_fakes import COMPLETE, OUTPUT, Step
+from sdk_fakes import COMPLETE, OUTPUT, ScriptedServer, Step, self_signed_cert
 
 from flashpd_sdk import (
     Cancelled,
@@ -104,6 +104,45 @@ def test_unresumable_stream_reports_the_break(server):
             for chunk in stream:
                 got.append(chunk)
     assert len(got) == 4 and [r.resume_from_token for r in server.requests] == [0, 4]
+
+
+def test_resume_refused_by_a_router_that_forgot_the_stream_continues_from_prompt_ids(server):
+    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
+                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+    with Client(server.target, retry=FAST) as client:
+        stream = client.generate(prompt_ids=[1, 2, 3], max_tokens=11, request_id="q")
+        chunks = list(stream)
+    assert [c.index for c in chunks] == list(range(len(OUTPUT)))
+    assert stream.result.output_ids == tuple(OUTPUT)
+    cont = server.requests[2]
+    assert list(cont.prompt_ids.ids) == [1, 2, 3, *OUTPUT[:4]]
+    assert cont.max_tokens == 7 and cont.request_id == "q@c1" and cont.resume_from_token == 0
+
+
+def test_api_key_is_sent_as_bearer_metadata_on_every_call(server):
+    with Client(server.target, api_key="k-123") as client:
+        stream = client.generate(prompt="x")
+        next(iter(stream))
+        stream.cancel()
+    assert server.metadata and all(m.get("authorization") == "Bearer k-123"
+                                   for m in server.metadata)
+    with pytest.raises(InvalidArgument) as info:
+        Client(server.target, api_key="has space")
+    assert info.value.field == "api_key"
+
+
+def test_tls_with_a_root_certificate_file(tmp_path):
+    cert, key = self_signed_cert()
+    (tmp_path / "ca.pem").write_bytes(cert)
+    with ScriptedServer(tls=(cert, key)) as tls_server:
+        with Client(tls_server.target, tls=str(tmp_path / "ca.pem")) as client:
+            assert client.generate(prompt="x").result.text == "hello world"
+        with Client(tls_server.target, retry=RetryPolicy(max_retries=0)) as plain:
+            with pytest.raises(Unavailable):
+                _ = plain.generate(prompt="x").result  # plaintext to a TLS port fails
+    with pytest.raises(InvalidArgument) as info:
+        Client("127.0.0.1:1", tls=str(tmp_path / "missing.pem"))
+    assert info.value.field == "tls"
 
 
 def test_deadline_is_sent_and_enforced(server):
