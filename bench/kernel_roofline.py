@@ -45,24 +45,18 @@ VARIANTS = {
     "before": ({"path": "legacy"}, {"split_target": 0}),
     "after": ({}, {}),
 }
-_FP8 = {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4}
-_MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4}
-# decode sweeps run the M = 1 and 64 cases of wq_a, wo_b, the experts and attention;
-# pf_* sweeps run the prefill cases
+_MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024}
+# mx_* sweeps run the MXFP4 expert cases at decode sizes; pf_* the prefill cases; others the
+# M = 1 and 64 cases of wq_a, wo_b, the experts and attention
 SWEEP = {
+    "mx_ds_t264": ({"mx": {**_MX, "target_ctas": 264}}, {}),
+    "mx_ds_k128": ({"mx": {**_MX, "block_k": 128}}, {}),
+    "mx_ds_k64_t264": ({"mx": {**_MX, "block_k": 64, "target_ctas": 264, "stages": 4}}, {}),
+    "mx_asm": ({"mxfp4_decode": "asm"}, {}),
+    "mx_asm_k128_t264": ({"mxfp4_decode": "asm", "mx": {**_MX, "block_k": 128,
+                                                         "target_ctas": 264}}, {}),
     "mx_bits": ({"mxfp4_decode": "bits"}, {}),
-    "mx_dot_scaled": ({"mxfp4_decode": "dot_scaled"}, {}),
-    "mx_n64_k128": ({"mx": {**_MX, "block_n": 64, "block_k": 128}}, {}),
-    "mx_n16_k256": ({"mx": {**_MX, "block_n": 16}}, {}),
-    "mx_k512_w8": ({"mx": {**_MX, "block_k": 512, "warps": 8}}, {}),
-    "fp8_k128_s3": ({"skinny": {**_FP8, "block_k": 128, "stages": 3}}, {}),
-    "fp8_n32_k128": ({"skinny": {**_FP8, "block_n": 32, "block_k": 128}}, {}),
-    "ctas528": ({"target_ctas": 528}, {"split_target": 528}),
-    "attn_bn32": ({}, {"split_block_n": 32}),
-    "attn_old_hb16": ({}, {"heads": 16, "warps": 4, "stages": 2}),
     "pf_mx_legacy": ({"mxfp4_large": "legacy"}, {}),
-    "pf_mx_splitk": ({"mxfp4_large": "splitk"}, {}),
-    "pf_ds_128": ({"block_n": 128, "block_m_large": 128, "warps": 8}, {}),
 }
 
 
@@ -380,7 +374,7 @@ def run_variant(variant: str, cases: list[Case], ceilings: dict) -> list[dict]:
             row["rel_err"] = c.check()
             row["ms"] = graph_ms(c.calls)
         except Exception as exc:  # report, keep going: one bad config must not lose the rest
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["error"] = f"{type(exc).__name__}: {exc}"[-1500:]
             rows.append(row)
             print(f"{variant:>18} {c.kernel:<18} M={c.m:<5} FAILED {row['error']}", flush=True)
             continue
@@ -499,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     quick = [c for c in cases if c.m in (1, 64) and (c.kernel != "fp8_dense" or c.shape.split()[0]
                                                       in ("wq_a", "wo_b"))]
     plan = [(v, cases) for v in args.variants]
-    plan += [(v, [c for c in cases if c.phase == "prefill"] if v.startswith("pf_") else quick)
-             for v in (sweep if args.sweep else [])]
+    mx = [c for c in cases if c.kernel == "mxfp4_experts" and c.phase == "decode"]
+    plan += [(v, [c for c in cases if c.phase == "prefill"] if v.startswith("pf_") else
+              mx if v.startswith("mx_") else quick) for v in (sweep if args.sweep else [])]
     rows: list[dict] = []
     t_start = time.perf_counter()
     for v, subset in plan:

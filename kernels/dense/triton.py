@@ -48,12 +48,13 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
 #                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
 #   skinny / mx  split-K tiles for FP8 and plain weights / for MXFP4: N block, K step (a
-#                multiple of 32), warps, pipeline stages
+#                multiple of 32; a multiple of 64 for dot_scaled), warps, pipeline stages,
+#                optionally their own target_ctas
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
 #   expert_tiles active experts a grouped weight's split plans for (decode: top-k)
-#   mxfp4_decode "asm": PTX bit moves + one bf16x2 multiply per 2 values (GPU); "bits": the
-#                same in Triton integer ops (always under the interpreter); "dot_scaled":
-#                tl.dot_scaled at every size
+#   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU; fastest measured on the H200); "asm": PTX
+#                bit moves + one bf16x2 multiply per 2 values (GPU); "bits": the same in
+#                Triton integer ops (always under the interpreter)
 #   mxfp4_large  MXFP4 GEMMs off the split-K grid: "dot_scaled", "legacy" or "splitk"
 #   block_*      large-M tiles; block_m_large is block_m_for's answer above 32 rows
 #   prefill      "cublas": FP8 single-weight GEMMs of >= cublas_min_rows rows dequantise the
@@ -64,9 +65,9 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
           "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
-          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 4},
+          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024},
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
-          "mxfp4_decode": "asm", "mxfp4_large": "dot_scaled",
+          "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
           "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
@@ -251,32 +252,17 @@ def _fp32_e2m1(nib, s_f32):
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_f32  # 2^126
 
 
+# GPU only: E2M1 codes (the low or the high nibbles of bytes b) * s_bf16 -> BF16, 4 bytes per
+# PTX block: bytes spread to 16-bit lanes (prmt), each code's bits moved into a BF16's sign /
+# exponent / mantissa fields (value * 2^-126, subnormal for 0.5), then one bf16x2 multiply by
+# s_bf16 = 2^126 * scale rescales exactly. Two functions: the string must be a literal.
 @triton.jit
-def _e2m1_bf16_asm(b, s_bf16, HI: tl.constexpr):
-    """GPU only: E2M1 codes (low or high nibbles of bytes b) * s_bf16 -> BF16, 4 bytes per PTX
-    block. Each code's bits go to a BF16's sign/exponent/mantissa fields (value * 2^-126,
-    subnormal for 0.5), then one bf16x2 multiply by s_bf16 = 2^126 * scale rescales exactly."""
-    if HI:
-        asm = """{
-        .reg .b32 t<2>, u<4>;
-        prmt.b32 t0, $2, 0, 0x4140;
-        prmt.b32 t1, $2, 0, 0x4342;
-        shl.b32 u0, t0, 2;
-        shl.b32 u1, t0, 8;
-        shl.b32 u2, t1, 2;
-        shl.b32 u3, t1, 8;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, t0, $3;
-        mul.rn.bf16x2 $1, t1, $4;
-        }"""
-    else:
-        asm = """{
-        .reg .b32 t<2>, u<4>;
-        prmt.b32 t0, $2, 0, 0x4140;
-        prmt.b32 t1, $2, 0, 0x4342;
+def _e2m1_lo_asm(b, s_bf16):
+    return tl.inline_asm_elementwise("""{
+        .reg .b32 t<2>, u<4>, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $2, z, 0x4140;
+        prmt.b32 t1, $2, z, 0x4342;
         shl.b32 u0, t0, 6;
         shl.b32 u1, t0, 12;
         shl.b32 u2, t1, 6;
@@ -287,9 +273,27 @@ def _e2m1_bf16_asm(b, s_bf16, HI: tl.constexpr):
         lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $4;
-        }"""
-    return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_hi_asm(b, s_bf16):
+    return tl.inline_asm_elementwise("""{
+        .reg .b32 t<2>, u<4>, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $2, z, 0x4140;
+        prmt.b32 t1, $2, z, 0x4342;
+        shl.b32 u0, t0, 2;
+        shl.b32 u1, t0, 8;
+        shl.b32 u2, t1, 2;
+        shl.b32 u3, t1, 8;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
+        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
+        mul.rn.bf16x2 $0, t0, $3;
+        mul.rn.bf16x2 $1, t1, $4;
+        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -317,7 +321,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
         b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
         if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
             s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
-            lo1, hi1 = _e2m1_bf16_asm(b1, s1, False), _e2m1_bf16_asm(b1, s1, True)
+            lo1, hi1 = _e2m1_lo_asm(b1, s1), _e2m1_hi_asm(b1, s1)
         else:
             lo1 = _fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
             hi1 = _fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
@@ -328,7 +332,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
             if MX_ASM:
                 s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
-                lo3, hi3 = _e2m1_bf16_asm(b3, s3, False), _e2m1_bf16_asm(b3, s3, True)
+                lo3, hi3 = _e2m1_lo_asm(b3, s3), _e2m1_hi_asm(b3, s3)
             else:
                 lo3 = _fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
                 hi3 = _fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
@@ -611,7 +615,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     split, chunk = _plan(w)
     tiles = _tiles(w)
     small = rows <= cfg["small_rows"] or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < \
-        cfg["target_ctas"]
+        tiles.get("target_ctas", cfg["target_ctas"])
     mx_asm = w.fmt == W_MXFP4 and cfg["mxfp4_decode"] == "asm" and not DOT_UPCAST
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
         dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
@@ -623,7 +627,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if not small:
         tiles = {"block_n": cfg["block_n"], "block_k": cfg["block_k"], "warps": cfg["warps"],
                  "stages": cfg["stages"]}
-    block_k = 64 if dot_scaled else tiles["block_k"]
+    block_k = 64 if dot_scaled and not small else tiles["block_k"]
     grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
     if small and split > 1 and grid[0] * n_tiles > _COUNTER_SLOTS:
         raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {_COUNTER_SLOTS}")
@@ -678,7 +682,7 @@ def _plan(w: Weights) -> tuple[int, int]:
     step = tiles["block_k"]
     blocks = triton.cdiv(w.out_dim, tiles["block_n"])
     experts = 1 if w.num_experts == 1 else min(w.num_experts, cfg["expert_tiles"])
-    want = triton.cdiv(cfg["target_ctas"], blocks * experts)
+    want = triton.cdiv(tiles.get("target_ctas", cfg["target_ctas"]), blocks * experts)
     split = max(1, min(want, k_dim // cfg["min_k_chunk"]))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
     return triton.cdiv(k_dim, chunk), chunk
