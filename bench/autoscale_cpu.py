@@ -59,7 +59,7 @@ NODE_TYPES = {
 }
 POLICY_KWARGS = {
     "prefill_tokens_per_replica": 256, "decode_seqs_per_replica": 2, "decode_kv_usage": 0.75,
-    "router_requests_per_replica": 64, "ttft_target_s": 10.0, "pd_ratio_min": 0.5,
+    "router_requests_per_replica": 3, "ttft_target_s": 10.0, "pd_ratio_min": 0.5,
     "pd_ratio_max": 2.0, "upscale_delay_s": 0.0, "downscale_delay_s": 20.0,
     "drain_hold_seqs_per_replica": 1.5, "drain_hold_kv_usage": 0.6,
 }
@@ -83,7 +83,7 @@ def serve_config(checkpoint: str, grpc_port: int, http_port: int, redis_port: in
                 "redis_password_env": PASSWORD_ENV, "grpc_host": "127.0.0.1",
                 "grpc_port": grpc_port, "max_model_len": 2048, "joint_autoscaling": True,
                 "router": {"num_cpus": 0, "graceful_shutdown_timeout_s": 60,
-                           "autoscaling": {"min_replicas": 1, "max_replicas": 1, **scaling}},
+                           "autoscaling": {"min_replicas": 1, "max_replicas": 2, **scaling}},
                 "prefill": {**role, "resources": {"flashpd_prefill": 1},
                             "graceful_shutdown_timeout_s": 60,
                             "autoscaling": {"min_replicas": 1, "max_replicas": 3, **scaling}},

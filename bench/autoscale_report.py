@@ -37,6 +37,8 @@ def _plot(samples, path: Path) -> Path:
     axes[1].step(t, [s.decode for s in samples], where="post", label="decode replicas")
     axes[1].step(t, [s.decode_stopping for s in samples], where="post",
                  label="decode replicas draining", linestyle=":")
+    axes[1].step(t, [s.router for s in samples], where="post", label="router replicas",
+                 alpha=0.6)
     axes[1].set_ylabel("replicas (running)")
     axes[2].step(t, [s.prefill_nodes for s in samples], where="post", label="prefill nodes")
     axes[2].step(t, [s.decode_nodes for s in samples], where="post", label="decode nodes")
@@ -91,8 +93,9 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         f"| requests finished / failed | {len(records)} / {len(failed)} |",
         f"| requests overlapping a scale-down (grey bands) / failed among them | "
         f"{len(in_down)} / {len(failed_down)} |",
-        f"| peak running replicas prefill / decode | {max(s.prefill for s in samples)} / "
-        f"{max(s.decode for s in samples)} |",
+        f"| peak running replicas prefill / decode / router | "
+        f"{max(s.prefill for s in samples)} / {max(s.decode for s in samples)} / "
+        f"{max(s.router for s in samples)} |",
         f"| decode replicas seen draining (samples with one stopping) | "
         f"{sum(1 for s in samples if s.decode_stopping)} |",
         f"| peak nodes prefill / decode | {max(s.prefill_nodes for s in samples)} / "
@@ -110,9 +113,9 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         "finish before it stops). Nodes follow replicas with the autoscaler's 15 s idle "
         "timeout. All \"nodes\" share this machine's 2 cores, so added replicas add "
         "scheduling capacity, not compute: TTFT here shows load, not the speed-up a real "
-        "cluster would get. The router stays at one replica in this run (its bounds are "
-        "1..1): the SDK's single gRPC channel would be cut by a router scale-down (see "
-        "infra/README.md).",
+        "cluster would get. Routers (1..2, on the head) scale on requests in flight; a "
+        "stopping router drains its gRPC streams and the SDK retries UNAVAILABLE on a new "
+        "connection (infra/README.md).",
         "",
         "Command: `python -m flashpd.bench.autoscale_cpu --out bench/results/autoscale_cpu` "
         "(re-executes itself under `unshare -n -p -f --mount-proc`; `--report-only` re-writes "
@@ -120,15 +123,16 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         "",
         "## Timeline (every 5th sample; all of them in `timeline.jsonl`)",
         "",
-        "| t (s) | lanes | in flight | P run/want | D run/want | D draining | nodes P/D | "
-        "TTFT p90 (s) | done | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| t (s) | lanes | in flight | P run/want | D run/want | D draining | routers | "
+        "nodes P/D | TTFT p90 (s) | done | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in samples[::5]:
         ttft = f"{s.ttft_p90_s:.2f}" if s.ttft_p90_s is not None else "-"
         lines.append(f"| {s.t_s:.0f} | {s.level} | {s.in_flight} | {s.prefill}/"
                      f"{s.prefill_target} | {s.decode}/{s.decode_target} | "
-                     f"{s.decode_stopping} | {s.prefill_nodes}/{s.decode_nodes} | {ttft} | "
+                     f"{s.decode_stopping} | {s.router} | {s.prefill_nodes}/{s.decode_nodes} | "
+                     f"{ttft} | "
                      f"{s.finished} | {s.failed} |")
     changes = [line for line in policy_lines if "->" in line
                and line.split("->")[0].split("JointPolicy:")[1].split("(demand")[0].strip()
