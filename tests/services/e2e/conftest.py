@@ -10,6 +10,7 @@ import os
 import pytest
 
 from flashpd.services.redis_local import free_port
+from flashpd.services.router import http_guard
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +21,7 @@ def ray_serve():
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)  # as flashpd serve
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     http_port = free_port()

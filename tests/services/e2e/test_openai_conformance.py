@@ -1,0 +1,234 @@
+"""OpenAI API conformance: the official `openai` client against the real server (Ray Serve,
+Redis, NIXL, 1 prefill + 1 decode replica of the tiny model): models list and retrieve, chat and
+completions (stream and not), stream_options.include_usage, stop, seed, logprobs,
+max_completion_tokens, the four roles, and the error codes and `{"error": {...}}` shape for bad
+requests, unknown models, routes and methods; hostile bytes through Serve's proxy too."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import deploy
+
+pytestmark = [pytest.mark.net, pytest.mark.slow]
+APP = "oai"
+MODEL = "flashpd-tiny"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+ROLES = [{"role": "system", "content": "You are terse."},
+         {"role": "developer", "content": "Answer in one word."},
+         {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."},
+         {"role": "user", "content": "Another?"}]
+
+
+@pytest.fixture(scope="module")
+def server(ray_serve, ckpt_dir, redis_server):
+    deploy(APP, ckpt_dir, redis_server.url)
+    base = f"http://127.0.0.1:{ray_serve}/{APP}"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the app never became healthy"
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield {"client": client, "base": base}
+    client.close()
+    from ray import serve
+
+    serve.delete(APP)
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return server["client"]
+
+
+# -------------------------------------------------------------------------------------- models
+
+
+def test_models_list_and_retrieve(client):
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL]
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "flashpd"
+
+
+def test_retrieve_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------------------------------- chat
+
+
+def test_chat_with_every_role(client):
+    out = client.chat.completions.create(model=MODEL, messages=ROLES, max_tokens=4, **GREEDY)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 4
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 4
+    assert "<|" not in choice.message.content  # special tokens never reach the reply text
+
+
+def test_chat_stream_with_usage_matches_the_non_stream_reply(client):
+    full = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=6,
+                                          **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ROLES[2:3], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_max_completion_tokens(client):
+    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3],
+                                         max_completion_tokens=3, **GREEDY)
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def sample():
+        return client.chat.completions.create(
+            model=MODEL, messages=ROLES[2:3], max_tokens=8, temperature=1.0, seed=1234,
+            extra_body={"ignore_eos": True}).choices[0].message.content
+    assert sample() == sample()
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=3,
+                                         logprobs=True, top_logprobs=2, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the best
+
+
+def test_stop_string_cuts_the_reply(client):
+    base = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12,
+                                          **GREEDY).choices[0].message.content
+    stop = next((base[i:i + 2] for i in range(1, len(base) - 1)
+                 if base[i:i + 2].strip() and base.index(base[i:i + 2]) == i), None)
+    if stop is None:
+        pytest.fail(f"no usable stop string in the greedy reply {base!r}")
+    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12,
+                                         stop=[stop], **GREEDY)
+    assert out.choices[0].message.content == base[:base.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------------- completions
+
+
+def test_completion_and_its_stream_agree(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
+                                     **GREEDY)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 5
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_completion_logprobs_and_token_prompt(client):
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2, logprobs=3,
+                                    **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 2
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    assert out.usage.prompt_tokens == 4
+
+
+# -------------------------------------------------------------------------------------- errors
+
+
+def _error_shape(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": 2**64}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ({"n": 2}, "n"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+    ({"extra_body": {"top_k": 10**20}}, "top_k"),
+])
+def test_bad_chat_requests_are_400_naming_the_param(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ROLES[2:3], **kwargs)
+    assert info.value.param == param and info.value.type == "invalid_request_error"
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=ROLES[2:3], max_tokens=2)
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+
+
+def test_tiny_temperature_is_greedy(client):
+    greedy = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=4,
+                                            **GREEDY).choices[0].message.content
+    tiny = client.chat.completions.create(
+        model=MODEL, messages=ROLES[2:3], max_tokens=4, temperature=5e-324, top_p=1e-300,
+        extra_body={"ignore_eos": True}).choices[0].message.content
+    assert tiny == greedy
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/v1/nope", 404), ("POST", "/v1/embeddings", 404),
+    ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405),
+])
+def test_unknown_routes_and_methods(server, method, path, status):
+    resp = httpx.request(method, server["base"] + path, timeout=30)
+    assert resp.status_code == status
+    assert _error_shape(resp)["type"] == "invalid_request_error"
+
+
+def test_the_client_raises_not_found_for_an_unknown_route(client):
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nope", cast_to=object)
+
+
+@pytest.mark.parametrize("header", [b"x-session-id", b"x-request-id"])
+def test_non_ascii_header_bytes_are_400_through_the_proxy(server, header):
+    resp = httpx.post(f"{server['base']}/v1/completions", timeout=30,
+                      headers=[(b"content-type", b"application/json"), (header, b"caf\xe9")],
+                      content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+    assert resp.status_code == 400
+    assert _error_shape(resp)["param"] == header.decode()
+
+
+@pytest.mark.parametrize("raw,status,param", [
+    (json.dumps({"prompt": "x" * 10_000_000}).encode(), 413, "body"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "body"),
+    (b'{"prompt": "\\ud800"}', 400, "prompt"),
+    (b'{"prompt": "caf\xe9"}', 400, "body"),
+])
+def test_hostile_bodies_are_client_errors(server, raw, status, param):
+    resp = httpx.post(f"{server['base']}/v1/completions", content=raw, timeout=60,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == status
+    assert _error_shape(resp)["param"] == param
