@@ -91,15 +91,13 @@ class Router:
         self.grpc = None
 
     async def __serve_build_asgi_app__(self):
-        import redis.asyncio as aioredis
-
         from flashpd.engine.loading import load_tokenizer
         from flashpd.model.config import ModelConfig
         from flashpd.services.router.auth import ApiKeys, TlsFiles
         from flashpd.services.router.convert import ModelTable, ServedModel
         from flashpd.services.router.grpc_server import start_grpc_server
         from flashpd.services.router.http_app import build_http_app
-        from flashpd.services.router.index import PrefixIndex
+        from flashpd.services.router.index import PrefixIndex, router_redis
         from flashpd.services.router.metrics import RouterMetrics
         from flashpd.services.router.orchestrator import Orchestrator
         from flashpd.services.router.placement import Placement
@@ -112,7 +110,7 @@ class Router:
             raise ValueError(f"checkpoint {a['checkpoint']} ships no tokenizer.json")
         self.tokenizer = HFTokenizer(tok)
         model = a["model_id"]
-        self.redis = aioredis.from_url(a["redis_url"])
+        self.redis = router_redis(a["redis_url"])  # retried reconnects, socket timeouts
         placement = Placement(PrefixIndex(self.redis, model), make_policy(a["routing"]),
                               model=model, cache_salt=a["cache_salt"])
         context = min(a.get("max_model_len") or cfg.max_position_embeddings,

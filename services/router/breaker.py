@@ -45,6 +45,7 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._probing = False
         self.trips = 0  # times it opened
+        self.last_failure: BaseException | None = None
 
     @property
     def state(self) -> str:
@@ -62,7 +63,8 @@ class CircuitBreaker:
         self._probing = self._probing or probe
         try:
             result = await asyncio.wait_for(make(), timeout_s or self.timeout_s)
-        except self._failures:
+        except self._failures as exc:
+            self.last_failure = exc
             self._failed()
             raise
         finally:

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from flashpd.engine.events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -58,6 +59,21 @@ return counts
 """
 LONGEST_PREFIX_SHA = hashlib.sha1(LONGEST_PREFIX_LUA.encode()).hexdigest()
 DELETE_BATCH = 1000  # members per SREM pipeline when deregistering
+
+
+def router_redis(url: str, *, socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5):
+    """The router's asyncio Redis client. After Redis restarts, every pooled connection is
+    stale and its next command fails: it is retried once on a fresh connection, so one call
+    does not fail (and trip the breaker) per stale connection. Socket timeouts bound how long a
+    paused Redis can hold a connection that the breaker's timeout left behind."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.from_url(url, retry=Retry(NoBackoff(), 1),
+                             retry_on_error=[RedisConnectionError],
+                             socket_timeout=socket_timeout_s,
+                             socket_connect_timeout=connect_timeout_s)
 
 
 def _cancel_safe(method):

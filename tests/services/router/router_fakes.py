@@ -29,7 +29,7 @@ from flashpd.services.api import (
     WorkerStats,
 )
 from flashpd.services.router.convert import ModelTable, ServedModel, deepseek_chat_prompt
-from flashpd.services.router.index import IndexPublisher, PrefixIndex
+from flashpd.services.router.index import IndexPublisher, PrefixIndex, router_redis
 from flashpd.services.router.metrics import RouterMetrics
 from flashpd.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from flashpd.services.router.placement import Placement
@@ -210,7 +210,7 @@ class Stack:
 @contextlib.asynccontextmanager
 async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], *,
                        routing: str = "affinity", config: OrchestratorConfig | None = None):
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = router_redis(redis_url)
     publisher = IndexPublisher(redis, MODEL)
     for worker in [*prefill, *decode]:
         await publisher.register(worker.stats())
