@@ -78,6 +78,7 @@ class TransferHandle:
         self.xfer = xfer  # backend transfer object
         self.stats: TransferStats | None = None  # set once complete
         self.aborted = False
+        self.abort_failed = False  # the transport could not cancel it: bytes may still land
 
 
 def check_pools(contract: TransferContract, pools: KVPools) -> int:
@@ -328,7 +329,11 @@ class KVSender(ABC):
             return
         handle.aborted = True
         if self._poll(handle.xfer) == "PROC":
-            self._abort(handle.xfer)
+            try:
+                self._abort(handle.xfer)
+            except BaseException:
+                handle.abort_failed = True
+                raise
 
     # ------------------------------------------------------------------ helpers
     def _peer(self, peer: str) -> PeerDescriptor:

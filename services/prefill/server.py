@@ -68,6 +68,7 @@ class _Run:
     engine_id: str
     phase: str = "compute"  # "compute" | "push" | "done"
     cancel: threading.Event = field(default_factory=threading.Event)
+    write_may_land: bool = False  # a transfer could not be cancelled: never send abandon
 
 
 class PrefillWorker(EngineWorker):
@@ -115,7 +116,7 @@ class PrefillWorker(EngineWorker):
                 raise DeadlineExceeded(f"the ticket's lease for {rid} passed before the KV push")
             run.phase = "push"
             push = asyncio.get_running_loop().run_in_executor(
-                self._pushes, self._push, req, ticket, peer, src, run.cancel)
+                self._pushes, self._push, req, ticket, peer, src, run)
             stats = await asyncio.shield(push)
             run.phase = "done"
             return PrefillResult(
@@ -138,7 +139,7 @@ class PrefillWorker(EngineWorker):
         decode worker frees its blocks now) and free this worker's blocks."""
         if push is not None:
             await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
-        if run.phase != "done":
+        if run.phase != "done" and not run.write_may_land:
             abandon = functools.partial(self.sender.abandon, req.request_id, ticket.incarnation,
                                         peer=peer)
             try:
@@ -197,18 +198,23 @@ class PrefillWorker(EngineWorker):
             except TransferError as exc:
                 log.warning("abandon_all notice for %s failed: %s", request_id, exc)
 
-    def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int],
-              cancel: threading.Event):
-        """On a push thread; returns or raises only once no byte of the write is moving."""
+    def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int], run: _Run):
+        """On a push thread; returns or raises once the write completed or was cancelled (or,
+        when the transport could not cancel it, marks the run so no abandon notice is sent:
+        the decode worker then keeps the blocks until its lease bound)."""
+        handle = None
         try:
             handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids),
                                       ticket.incarnation, peer=peer)
-            return self.sender.wait(handle, self.config.transfer_timeout_s, cancel)
+            return self.sender.wait(handle, self.config.transfer_timeout_s, run.cancel)
         except TransferCancelled:
             raise Cancelled(f"KV push of {req.request_id} cancelled") from None
         except TransferError as exc:
             self.transfer_failures += 1
             raise TransferFailed(f"KV push to {ticket.decode_worker_id} failed: {exc}") from exc
+        finally:
+            if handle is not None and handle.abort_failed:
+                run.write_may_land = True
 
     async def abort(self, request_id: str) -> bool:
         runs = list(self._runs.get(request_id, {}).values())

@@ -94,3 +94,20 @@ def test_wait_aborts_when_cancelled(receiver):
     with pytest.raises(TransferCancelled):
         sender.wait(handle, timeout_s=60.0, cancel=cancel)
     assert sender.aborted == [handle.xfer] and handle.aborted
+
+
+def test_a_failed_abort_is_recorded_so_no_abandon_follows(receiver):
+    import threading
+
+    class Uncancellable(ScriptedSender):
+        def _abort(self, xfer):
+            raise TransferError("cannot cancel an RDMA write in flight")
+
+    sender = Uncancellable(["PROC"])
+    sender.connect(receiver.descriptor())
+    handle = sender.send("r", [0], [1], "decode-1")
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(TransferError, match="cannot cancel"):
+        sender.wait(handle, timeout_s=60.0, cancel=cancel)
+    assert handle.abort_failed
