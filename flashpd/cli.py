@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = {
     "serve": "flashpd.services.cli",
     "demo": "flashpd.services.cli",
     "bench": "flashpd.bench.cli",
+    "faults": "flashpd.services.faults.cli",
     "verify-kernels": "flashpd.kernels.cli",
     "train": "flashpd.model.train",
 }

@@ -97,6 +97,16 @@ class _RetryElsewhere(Exception):
         self.died = died  # the worker is gone (Serve replaces it), not merely refusing
 
 
+def _ray_root(exc: BaseException) -> BaseException:
+    """The failure a Ray wrapper carries (RayTaskError(ActorDiedError) -> the ActorDiedError);
+    a ServiceError a worker raised is what `as_service_error` reads from `cause` itself."""
+    seen = 0
+    while seen < 8 and isinstance(getattr(exc, "cause", None), BaseException) \
+            and not isinstance(exc.cause, ServiceError):
+        exc, seen = exc.cause, seen + 1
+    return exc
+
+
 def _worker_died(exc: BaseException, error: ServiceError) -> bool:
     """An UNAVAILABLE that means the replica is gone: Ray's own failure (ActorDiedError,
     RayActorError, ...), or another replica answering for a target that no longer exists
@@ -408,9 +418,10 @@ class Orchestrator:
         except StopAsyncIteration:
             raise
         except Exception as exc:
-            error = as_service_error(exc)
+            root = _ray_root(exc)
+            error = as_service_error(root)
             if isinstance(error, retryable):
-                raise _RetryElsewhere(worker, error, died=_worker_died(exc, error)) from exc
+                raise _RetryElsewhere(worker, error, died=_worker_died(root, error)) from exc
             if error is exc:
                 raise
             raise error from exc

@@ -1,0 +1,125 @@
+"""`flashpd faults`: the fault suite with the issue's counts against a real local stack
+(Redis + Ray Serve + the tiny model, 2 prefill + 2 decode replicas; 1 + 1 for the load runs),
+results printed and written to bench/results/faults.md.
+
+Run it inside a loopback-only namespace:
+
+    unshare -n sh -c 'ip link set lo up && flashpd faults'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import sys
+import time
+
+from flashpd.services.faults import scenarios
+from flashpd.services.faults.stack import FaultStack, StackConfig, start_ray, stop_ray
+
+FULL = {  # the issue's counts
+    "fuzz": {}, "cancel_storm": {"n": 200, "concurrency": 8},
+    "prefill_kill": {"n": 20, "concurrency": 4}, "decode_kill": {"streams": 3},
+    "redis_pause": {"pause_s": 20.0}, "redis_restart": {"down_s": 8.0},
+    "load_100": {"n": 100}, "load_500": {"n": 500},
+}
+QUICK = {  # what the pytest suite runs (tests/faults)
+    "fuzz": {"limit": 120}, "cancel_storm": {"n": 30, "concurrency": 6},
+    "prefill_kill": {"n": 6, "concurrency": 3}, "decode_kill": {"streams": 3, "max_tokens": 40},
+    "redis_pause": {"pause_s": 5.0}, "redis_restart": {"down_s": 3.0},
+    "load_100": {"n": 40}, "load_500": {"n": 100},
+}
+TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause",
+              "redis_restart")
+ONE_BY_ONE = ("load_100", "load_500")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("faults", help="run the fault suite against a local stack")
+    p.add_argument("--quick", action="store_true", help="the pytest suite's smaller counts")
+    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *ONE_BY_ONE],
+                   help="run only these scenarios")
+    p.add_argument("--out", default="bench/results/faults.md",
+                   help="markdown results ('' to skip)")
+    p.add_argument("--checkpoint", help="default: the tiny preset's random checkpoint")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from flashpd.services.cli import tiny_checkpoint
+    from flashpd.services.redis_local import LocalRedis
+
+    counts = QUICK if args.quick else FULL
+    chosen = args.only or [*TWO_BY_TWO, *ONE_BY_ONE]
+    checkpoint = args.checkpoint or tiny_checkpoint()
+    results: list[scenarios.ScenarioResult] = []
+    started = time.monotonic()
+    with LocalRedis() as redis_server:
+        http_port = start_ray()
+        try:
+            for config, names in ((StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
+                                  (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE)):
+                names = [n for n in names if n in chosen]
+                if names:
+                    results += run_on_stack(checkpoint, redis_server, http_port, config,
+                                            names, counts)
+        finally:
+            stop_ray()
+    elapsed_s = time.monotonic() - started
+    for r in results:
+        print(f"{'PASS' if r.passed else 'FAIL'} {r.name}: {json.dumps(r.counts, default=str)}")
+        for f in r.failures:
+            print(f"     - {f}")
+    if args.out:
+        write_markdown(args.out, results, command=" ".join(["flashpd", *sys.argv[1:]]),
+                       elapsed_s=elapsed_s)
+        print(f"results written to {args.out}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackConfig,
+                 names: list[str], counts: dict) -> list[scenarios.ScenarioResult]:
+    stack = FaultStack(checkpoint, redis_server, http_port, config).deploy()
+    results = []
+    try:
+        for name in names:
+            func = getattr(scenarios, "load" if name.startswith("load") else name)
+            print(f"--- {name} {counts[name]}", flush=True)
+            try:
+                result = asyncio.run(func(stack, **counts[name]))
+            except Exception as exc:  # a harness failure is a result too, not a crash
+                result = scenarios.ScenarioResult(name, failures=[f"harness: {exc!r}"])
+            if result.name != name:
+                result.name = name
+            results.append(result)
+            print(f"    {'PASS' if result.passed else 'FAIL'} {result.counts}", flush=True)
+            stack.wait_ready(300.0)  # replacements registered before the next fault
+    finally:
+        stack.undeploy()
+    return results
+
+
+def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str,
+                   elapsed_s: float) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Fault suite (issue 15)", "",
+        f"Run {now}, {elapsed_s / 60:.1f} min, tiny preset on CPU, loopback only:", "",
+        "```bash", f"unshare -n sh -c 'ip link set lo up && {command}'", "```", "",
+        "Stacks: 2 prefill + 2 decode replicas for fuzz, cancel storm, kills and Redis; "
+        "1 prefill + 1 decode for the load runs. Each scenario lists its counts and what missed "
+        "the issue's bar (nothing listed = met).", "",
+        "| scenario | result | misses |", "|---|---|---|",
+    ]
+    for r in results:
+        misses = "; ".join(r.failures) or "-"
+        lines.append(f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {misses} |")
+    lines.append("")
+    for r in results:
+        lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str),
+                  "```", ""]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))

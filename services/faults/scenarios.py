@@ -1,0 +1,541 @@
+"""The fault scenarios of issue 15, each against a deployed `FaultStack`, each returning counts.
+
+A scenario never asserts: it measures and returns a `ScenarioResult` whose `failures` list says
+what missed the issue's bar (empty = passed). The pytest suite asserts on that list; the CLI
+prints and records it. Clients are the real ones: the SDK (gRPC), httpx (OpenAI HTTP), raw gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from flashpd.services.faults.stack import FaultStack
+
+TIMEOUT_S = 300.0  # per request, generous: a 2-core machine under a storm is slow
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    counts: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # what missed the bar
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.failures.append(what)
+
+
+def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"p50": round(pick(0.50), 3), "p90": round(pick(0.90), 3),
+            "p99": round(pick(0.99), 3), "max": round(s[-1], 3)}
+
+
+def _code(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    return getattr(code, "name", None) or type(exc).__name__
+
+
+async def _generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
+    """One SDK request: its outcome, TTFT and result (or error code)."""
+    started = time.monotonic()
+    ttft = None
+    try:
+        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                 timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+        async for _ in stream:
+            if ttft is None:
+                ttft = time.monotonic() - started
+        return {"ok": True, "ttft_s": ttft, "e2e_s": time.monotonic() - started,
+                "result": stream.result}
+    except Exception as exc:  # counted, not raised: the scenario reports it
+        return {"ok": False, "code": _code(exc), "error": str(exc)[:200]}
+
+
+def _worker_ids(stack: FaultStack) -> set[str]:
+    return {w.worker_id for w in stack.worker_stats()}
+
+
+# ------------------------------------------------------------------------------------ fuzz
+
+
+async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) -> ScenarioResult:
+    """Hostile requests (helper B's generator) over HTTP and gRPC: 0 server errors, 0 internals
+    in bodies, 0 engine deaths, still serving afterwards."""
+    import grpc
+    import httpx
+
+    from flashpd.services.router.fuzz_cases import grpc_verdict, hostile_requests, http_verdict
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("fuzz")
+    async with AsyncClient(stack.grpc_target) as client:
+        vocab = (await client.models())[0].vocab_size
+    cases = hostile_requests(seed, vocab_size=vocab)[:limit]
+    before = _worker_ids(stack)
+    problems: list[str] = []
+    outcomes: Counter = Counter()
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http, \
+            grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        for case in cases:
+            if case.protocol == "http":
+                r = await http.request(case.method, case.path, headers=list(case.headers),
+                                       content=case.body)
+                outcomes[f"http {r.status_code // 100}xx"] += 1
+                problem = http_verdict(case, r.status_code, r.content)
+            else:
+                code, details, fld = await raw_grpc(channel, case.grpc_method, case.grpc_payload)
+                outcomes[f"grpc {code}"] += 1
+                problem = grpc_verdict(case, code, details, fld)
+            if problem is not None:
+                problems.append(problem)
+    after = _worker_ids(stack)
+    res.counts = {"requests": len(cases), "problems": len(problems),
+                  "engine_deaths": len(before - after), **dict(sorted(outcomes.items()))}
+    res.counts["examples"] = problems[:5]
+    res.check(not problems, f"{len(problems)} answers were server errors or leaked internals")
+    res.check(before == after, f"workers died: {sorted(before - after)}")
+    alive = await _serving(stack)
+    res.check(alive, "not serving after the fuzz run")
+    return res
+
+
+async def raw_grpc(channel, method: str, payload: bytes) -> tuple[str, str, str | None]:
+    """(status code name, details, flashpd-field) of one call with raw request bytes."""
+    import grpc
+
+    try:
+        if method.endswith("/Generate"):
+            call = channel.unary_stream(method)(payload, timeout=60)
+            async for _ in call:
+                pass
+        else:
+            await channel.unary_unary(method)(payload, timeout=60)
+        return "OK", "", None
+    except grpc.aio.AioRpcError as exc:
+        fld = dict(exc.trailing_metadata() or ()).get("flashpd-field")
+        return exc.code().name, exc.details() or "", fld
+
+
+async def _serving(stack: FaultStack) -> bool:
+    from flashpd_sdk import AsyncClient
+
+    async with AsyncClient(stack.grpc_target) as client:
+        out = await _generate(client, [5, 6, 7, 8], max_tokens=2, timeout_s=60)
+    return out["ok"]
+
+
+# ----------------------------------------------------------------------------- cancel storm
+
+
+async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
+                       seed: int = 0, idle_within_s: float = 5.0) -> ScenarioResult:
+    """`n` streams cancelled at random points (SDK cancel, HTTP disconnect, raw gRPC cancel),
+    while a prober keeps sending small requests: requests served throughout, back to idle
+    within `idle_within_s`, 0 blocks leaked."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("cancel_storm")
+    rng = random.Random(seed)
+    vocab = await _vocab(stack)
+    outcomes: Counter = Counter()
+    probe = {"ok": 0, "failed": 0}
+    stop = asyncio.Event()
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(stack.grpc_target) as client:
+        prober = asyncio.create_task(_probe(client, probe, stop))
+
+        async def one(i: int) -> None:
+            ids = prompt_ids(random.Random(seed * 1000 + i), rng.randrange(100, 600), vocab)
+            after_tokens = rng.randrange(0, 24)
+            mode = ("sdk", "http", "grpc")[i % 3]
+            async with sem:
+                outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
+        await asyncio.gather(*(one(i) for i in range(n)))
+        stop.set()
+        await prober
+    idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
+    leaked = 0 if idle_s is not None else stack.blocks_held()
+    if idle_s is None:  # how long it takes at all (reported, still a miss)
+        late = await asyncio.to_thread(stack.wait_idle, 60.0)
+        res.counts["idle_after_s"] = None if late is None else round(idle_within_s + late, 2)
+    res.counts.update({"streams": n, **dict(sorted(outcomes.items())),
+                       "probe_ok": probe["ok"], "probe_failed": probe["failed"],
+                       "idle_within_s": None if idle_s is None else round(idle_s, 2),
+                       "blocks_held_after": leaked})
+    res.check(probe["failed"] == 0 and probe["ok"] > 0,
+              f"prober: {probe['failed']} of {probe['ok'] + probe['failed']} failed")
+    res.check(idle_s is not None, f"not idle within {idle_within_s} s ({leaked} blocks held)")
+    bad = {k: v for k, v in outcomes.items() if k.startswith("error")}
+    res.check(not bad, f"storm requests failed other than by cancel: {bad}")
+    return res
+
+
+async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
+    rng = random.Random(7)
+    while not stop.is_set():
+        out = await _generate(client, prompt_ids(rng, 32, 200), max_tokens=2, timeout_s=60)
+        probe["ok" if out["ok"] else "failed"] += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def _cancelled_stream(stack: FaultStack, client, mode: str, ids: list[int],
+                            after_tokens: int) -> str:
+    """Open a stream, read `after_tokens` tokens (0: cancel before the first), cancel it;
+    the outcome: "cancelled <mode>", "finished <mode>" or "error <mode> <code>"."""
+    try:
+        if mode == "sdk":
+            done = await _sdk_cancel(client, ids, after_tokens)
+        elif mode == "http":
+            done = await _http_disconnect(stack, ids, after_tokens)
+        else:
+            done = await _grpc_cancel(stack, ids, after_tokens)
+    except Exception as exc:
+        return f"error {mode} {_code(exc)}"
+    return f"{'finished' if done else 'cancelled'} {mode}"
+
+
+async def _sdk_cancel(client, ids: list[int], after_tokens: int) -> bool:
+    from flashpd_sdk import Cancelled
+
+    stream = client.generate(prompt_ids=ids, max_tokens=64, ignore_eos=True, timeout_s=TIMEOUT_S)
+
+    async def read() -> bool:
+        got = 0
+        try:
+            async for chunk in stream:
+                got += len(chunk.token_ids)
+                if after_tokens and got >= after_tokens:
+                    stream.cancel()
+        except Cancelled:
+            return False
+        return True
+    reader = asyncio.create_task(read())
+    if after_tokens == 0:  # cancel before the first token (while routing or prefilling)
+        await asyncio.sleep(0.2)
+        stream.cancel()
+    finished = await reader
+    await stream.aclose()
+    return finished
+
+
+async def _http_disconnect(stack: FaultStack, ids: list[int], after_tokens: int) -> bool:
+    import httpx
+
+    body = {"prompt": ids, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    got = 0
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=TIMEOUT_S) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return True
+                if line.startswith("data: ") and "error" not in json.loads(line[6:]):
+                    got += 1
+                    if got >= after_tokens:
+                        return False  # leaving the block hangs up mid-stream
+    return True
+
+
+async def _grpc_cancel(stack: FaultStack, ids: list[int], after_tokens: int) -> bool:
+    import grpc
+
+    from flashpd_sdk._gen import flashpd_pb2 as pb
+    from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        req = pb.GenerateRequest(max_tokens=64, ignore_eos=True)
+        req.prompt_ids.ids.extend(ids)
+        call = pb_grpc.GenerationStub(channel).Generate(req, timeout=TIMEOUT_S)
+        got = 0
+        try:
+            async for msg in call:
+                if msg.WhichOneof("kind") == "final":
+                    return True
+                got += len(msg.chunk.token_ids)
+                if got >= after_tokens:
+                    call.cancel()  # no Abort RPC: the server must notice the cancel itself
+        except asyncio.CancelledError:
+            return False
+        return call.cancelled() is False
+
+
+async def _vocab(stack: FaultStack) -> int:
+    from flashpd_sdk import AsyncClient
+
+    async with AsyncClient(stack.grpc_target) as client:
+        return (await client.models())[0].vocab_size
+
+
+# ---------------------------------------------------------------------------- prefill kill
+
+
+async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
+                       prompt_tokens: int = 1500, seed: int = 1) -> ScenarioResult:
+    """Kill a prefill replica while it prefills (`n` requests, `concurrency` in flight): every
+    request completes (re-prefilled elsewhere or after the replacement registers)."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("prefill_kill")
+    vocab = await _vocab(stack)
+    sem = asyncio.Semaphore(concurrency)
+    outs: list[dict] = []
+    async with AsyncClient(stack.grpc_target) as client:
+        async def one(i: int) -> None:
+            ids = prompt_ids(random.Random(seed * 1000 + i), prompt_tokens, vocab)
+            async with sem:
+                outs.append(await _generate(client, ids, max_tokens=8))
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        victim = await _busy_worker(stack, "prefill", lambda w: w.queued_prefill_tokens > 0)
+        if victim is not None:
+            stack.kill_replica("prefill", victim)
+        await asyncio.gather(*tasks)
+    ok = [o for o in outs if o["ok"]]
+    codes = Counter(o["code"] for o in outs if not o["ok"])
+    res.counts = {"requests": n, "completed": len(ok), "failed": dict(codes),
+                  "killed": victim, "killed_mid_prefill": victim is not None,
+                  "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None])}
+    res.check(victim is not None, "no prefill worker was seen prefilling (nothing killed)")
+    res.check(len(ok) == n, f"{n - len(ok)} of {n} failed: {dict(codes)}")
+    return res
+
+
+async def _busy_worker(stack: FaultStack, role: str, busy, timeout_s: float = 120.0):
+    """The id of a `role` worker whose heartbeat shows work (`busy(stats)`), polled."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for w in await asyncio.to_thread(stack.worker_stats):
+            if w.role == role and busy(w):
+                return w.worker_id
+        await asyncio.sleep(0.05)
+    return None
+
+
+# ----------------------------------------------------------------------------- decode kill
+
+
+async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 64,
+                      kill_after_tokens: int = 5, seed: int = 2) -> ScenarioResult:
+    """Greedy streams of one session, all on its decode worker; that worker is killed after
+    each stream got `kill_after_tokens`: every stream completes with output identical to an
+    unbroken run, and the session's next turn works on another decode worker."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("decode_kill")
+    vocab = await _vocab(stack)
+    rng = random.Random(seed)
+    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams)]
+    session = f"dk-{seed}-{time.time_ns()}"
+    async with AsyncClient(stack.grpc_target) as client:
+        reference = [await _generate(client, p, max_tokens=max_tokens) for p in prompts]
+        warm = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+                               session_id=session)
+        if not (warm["ok"] and all(r["ok"] for r in reference)):
+            res.check(False, "reference runs failed on the healthy stack")
+            return res
+        bound = warm["result"].decode_worker
+        progress = [0] * streams
+        outs = await asyncio.gather(
+            *(_tracked(client, p, max_tokens, session, progress, i)
+              for i, p in enumerate(prompts)),
+            _kill_when(stack, bound, progress, kill_after_tokens))
+        finals = outs[:streams]
+        after = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+                                session_id=session)
+    identical = [f["ok"] and f["result"].output_ids == r["result"].output_ids
+                 for f, r in zip(finals, reference, strict=True)]
+    moved = [f["ok"] and f["result"].decode_worker != bound for f in finals]
+    res.counts = {"streams": streams, "killed": bound if outs[-1] else None,
+                  "tokens_before_kill": progress if outs[-1] else None,
+                  "completed": sum(f["ok"] for f in finals), "identical": sum(identical),
+                  "resumed_elsewhere": sum(moved),
+                  "failed": [f.get("code") for f in finals if not f["ok"]],
+                  "next_turn_ok": after["ok"],
+                  "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
+    res.check(bool(outs[-1]), "the decode worker was not killed mid-stream")
+    res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
+    res.check(all(moved), "not every stream was resumed on another decode worker")
+    res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
+    return res
+
+
+async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
+    try:
+        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                 session_id=session, timeout_s=TIMEOUT_S)
+        async for chunk in stream:
+            progress[i] += len(chunk.token_ids)
+        return {"ok": True, "result": stream.result}
+    except Exception as exc:
+        return {"ok": False, "code": _code(exc)}
+
+
+async def _kill_when(stack: FaultStack, worker_id: str, progress: list[int], after: int) -> bool:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if all(p >= after for p in progress):
+            stack.kill_replica("decode", worker_id)
+            return True
+        await asyncio.sleep(0.005)
+    return False
+
+
+# ------------------------------------------------------------------------------- Redis loss
+
+
+async def redis_pause(stack: FaultStack, *, pause_s: float = 20.0, clients: int = 2,
+                      seed: int = 3) -> ScenarioResult:
+    """Traffic while Redis is stopped (SIGSTOP) for `pause_s`: 0 failed requests."""
+    res = ScenarioResult("redis_pause")
+    stats = await _with_traffic(stack, clients, seed, _pause_fault(stack, pause_s))
+    res.counts = stats
+    res.check(stats["failed"] == 0 and stats["ok"] > 0,
+              f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed")
+    return res
+
+
+async def _pause_fault(stack: FaultStack, pause_s: float) -> None:
+    await asyncio.sleep(1.0)
+    stack.redis_server.pause()
+    try:
+        await asyncio.sleep(pause_s)
+    finally:
+        stack.redis_server.resume()
+    await asyncio.sleep(2.0)
+
+
+async def redis_restart(stack: FaultStack, *, down_s: float = 8.0, clients: int = 2,
+                        hits_within_s: float = 10.0, seed: int = 4) -> ScenarioResult:
+    """Redis killed (SIGKILL) for `down_s` under traffic, then restarted empty on its port:
+    0 failed requests, workers re-registered and prefix hits back within `hits_within_s`."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("redis_restart")
+    vocab = await _vocab(stack)
+    prefix = prompt_ids(random.Random(seed), 512, vocab)
+    async with AsyncClient(stack.grpc_target) as client:
+        await _generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
+
+        async def fault() -> None:
+            await asyncio.sleep(1.0)
+            stack.redis_server.kill()
+            await asyncio.sleep(down_s)
+            stack.redis_server.restart()
+            res.counts["hits_back_s"] = await _hits_back(client, prefix, hits_within_s * 3)
+        stats = await _with_traffic(stack, clients, seed, fault())
+    registered = len(stack.worker_stats())
+    res.counts.update(stats)
+    res.counts["workers_registered_after"] = registered
+    back = res.counts.get("hits_back_s")
+    res.check(stats["failed"] == 0 and stats["ok"] > 0,
+              f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed")
+    res.check(back is not None and back <= hits_within_s,
+              f"prefix hits not back within {hits_within_s} s (took {back})")
+    want = stack.config.prefill_replicas + stack.config.decode_replicas
+    res.check(registered == want, f"{registered} of {want} workers re-registered")
+    return res
+
+
+async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 4):
+    """Seconds until `streak` requests in a row (new ids, prompt = prefix + a new tail) get
+    prefix credit; None if not within `timeout_s`."""
+    started = time.monotonic()
+    rng = random.Random(11)
+    run = 0
+    while time.monotonic() - started < timeout_s:
+        out = await _generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
+                              timeout_s=60)
+        run = run + 1 if out["ok"] and out["result"].usage.cached_tokens > 0 else 0
+        if run >= streak:
+            return round(time.monotonic() - started, 2)
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> dict:
+    """Back-to-back multi-turn session requests from `clients` loops while `fault` runs."""
+    from flashpd_sdk import AsyncClient
+
+    vocab = await _vocab(stack)
+    stats = {"ok": 0, "failed": 0, "codes": Counter(), "latencies": []}
+    done = asyncio.Event()
+    async with AsyncClient(stack.grpc_target) as client:
+        async def loop(c: int) -> None:
+            rng = random.Random(seed * 100 + c)
+            context = prompt_ids(rng, 150, vocab)
+            while not done.is_set():
+                out = await _generate(client, context, max_tokens=4, timeout_s=60,
+                                      session_id=f"traffic-{seed}-{c}")
+                if out["ok"]:
+                    stats["ok"] += 1
+                    stats["latencies"].append(out["e2e_s"])
+                    context = context + list(out["result"].output_ids) + prompt_ids(rng, 20, vocab)
+                    context = context[-1500:]
+                else:
+                    stats["failed"] += 1
+                    stats["codes"][out["code"]] += 1
+        loops = [asyncio.create_task(loop(c)) for c in range(clients)]
+        try:
+            await fault
+        finally:
+            done.set()
+            await asyncio.gather(*loops)
+    return {"ok": stats["ok"], "failed": stats["failed"], "codes": dict(stats["codes"]),
+            "latency_s": percentiles(stats["latencies"])}
+
+
+# ------------------------------------------------------------------------------------- load
+
+
+async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_tokens: int = 16,
+               channels: int = 8, seed: int = 5, idle_within_s: float = 30.0) -> ScenarioResult:
+    """`n` streams at once (1 prefill + 1 decode): all complete (queued, not refused or hung),
+    0 blocks held afterwards; TTFT percentiles."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult(f"load_{n}")
+    vocab = await _vocab(stack)
+    clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
+    try:
+        started = time.monotonic()
+        outs = await asyncio.gather(*(
+            _generate(clients[i % channels],
+                      prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
+                      max_tokens=max_tokens, timeout_s=600)
+            for i in range(n)))
+        wall_s = time.monotonic() - started
+    finally:
+        for c in clients:
+            await c.close()
+    ok = [o for o in outs if o["ok"]]
+    codes = Counter(o["code"] for o in outs if not o["ok"])
+    idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
+    held = stack.blocks_held()
+    res.counts = {"streams": n, "completed": len(ok), "failed": dict(codes),
+                  "wall_s": round(wall_s, 1),
+                  "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None]),
+                  "e2e_s": percentiles([o["e2e_s"] for o in ok]),
+                  "blocks_held_after": held,
+                  "idle_after_s": None if idle_s is None else round(idle_s, 2)}
+    res.check(len(ok) == n, f"{n - len(ok)} of {n} did not complete: {dict(codes)}")
+    res.check(idle_s is not None and held == 0, f"{held} blocks held afterwards")
+    return res

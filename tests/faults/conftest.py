@@ -1,0 +1,38 @@
+"""One local Redis, Ray instance and flashpd stack per module (tests/faults); run inside a
+loopback-only namespace (scripts/test.sh does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashpd.services.faults.stack import FaultStack, StackConfig, start_ray, stop_ray
+from flashpd.services.redis_local import LocalRedis
+
+
+@pytest.fixture(scope="module")  # Ray is shut down before other modules start their own
+def fault_env(ckpt_dir):
+    with LocalRedis() as redis_server:
+        http_port = start_ray()
+        try:
+            yield ckpt_dir, redis_server, http_port
+        finally:
+            stop_ray()
+
+
+def _stack(fault_env, config: StackConfig):
+    ckpt, redis_server, http_port = fault_env
+    stack = FaultStack(ckpt, redis_server, http_port, config).deploy()
+    try:
+        yield stack
+    finally:
+        stack.undeploy()
+
+
+@pytest.fixture(scope="module")
+def stack_2x2(fault_env):
+    yield from _stack(fault_env, StackConfig(2, 2, app_name="faults2x2"))
+
+
+@pytest.fixture(scope="module")
+def stack_1x1(fault_env):
+    yield from _stack(fault_env, StackConfig(1, 1, app_name="faults1x1"))
