@@ -27,7 +27,9 @@ Generated (the engine's public API, greedy, `--gen-tokens` tokens, FP32, CPU):
 Statistics: per conversation a value (mean NLL over its scored tokens, or an agreement); the
 delta is the paired per-conversation difference; SE(metric) is the spread of the reference's
 per-conversation values / sqrt(n) (the seed's bar: a benchmark score's standard error) and
-SE(delta) the paired standard error. Verdict "within 1.5 SE": |mean delta| <= 1.5 SE(metric).
+SE(delta) the paired standard error. Verdict "within 1.5 SE": |mean delta| <= 1.5 SE(metric) (the
+seed's bar), and the stricter |mean delta| <= 1.5 SE(delta); agreement rows (reference 1 by
+definition) use SE(delta) only.
 """
 
 from __future__ import annotations
@@ -285,15 +287,28 @@ def _fmt(x, digits=4) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _verdict(s: dict, se_key: str) -> str:
+    d, se = s["delta"], s[se_key]
+    if s["n"] < 2 or d is None or se is None or math.isnan(se):
+        return "-"
+    return "yes" if abs(d) <= 1.5 * se else "no"
+
+
 def _rows(summaries: list[dict], unit: str) -> list[str]:
+    """NLL rows: the seed's bar uses SE(metric), the paired SE is the stricter test. Agreement
+    rows (reference 1 by definition, SE(metric) 0): only the paired SE applies."""
+    agree = unit == "agreement"
     out = []
     for s in summaries:
-        verdict = {True: "yes", False: "no", None: "-"}[s["within"]]
+        verdict = (f"{_verdict(s, 'se_delta')}" if agree else
+                   f"{_verdict(s, 'se_metric')} / {_verdict(s, 'se_delta')}")
         out.append(f"| {s['name']} | {s['n']} | {_fmt(s['ref'])} | {_fmt(s['var'])} | "
                    f"{_fmt(s['delta'])} | {_fmt(s['se_metric'])} | {_fmt(s['se_delta'])} | "
                    f"{verdict} |")
+    bar = ("within 1.5 SE(delta)" if agree else
+           "within 1.5 SE(metric) / 1.5 SE(delta)")
     head = [f"| variant | n | reference {unit} | variant {unit} | delta | SE(metric) | "
-            "SE(delta, paired) | within 1.5 SE |", "|---|---|---|---|---|---|---|---|"]
+            f"SE(delta, paired) | {bar} |", "|---|---|---|---|---|---|---|---|"]
     return head + out
 
 
@@ -353,8 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/quality.md")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--render-json", default=None,
+                    help="only re-render --out from a results JSON written by --json")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.render_json:
+        with open(args.render_json) as f:
+            result = json.load(f)
+        with open(args.out, "w") as f:
+            f.write(render(result))
+        print(f"wrote {args.out}")
+        return 0
     torch.set_num_threads(args.threads)
     if args.checkpoint is None:
         from flashpd.model.presets.small import checkpoint_path
