@@ -287,9 +287,9 @@ def expert_cases(ms) -> list[Case]:
             s = Case("fp8_shared_expert", f"shared I={INTER}", m, "decode")
             s.bytes = sum(wbytes(w) for w in (shared.w1, shared.w3, shared.w2)) + m * HIDDEN * 4
             s.flops = 6.0 * m * HIDDEN * INTER
-            s.calls = [lambda x=x: mt._dense_experts(x, shared, 10.0, None)]
+            s.calls = [lambda x=x: mt.dense_experts(x, shared, 10.0, None)]
             d = [deq(w)[0].to(torch.bfloat16) for w in (shared.w1, shared.w3, shared.w2)]
-            s.check = lambda x=x, d=d: rel_err(mt._dense_experts(x, shared, 10.0, None),
+            s.check = lambda x=x, d=d: rel_err(mt.dense_experts(x, shared, 10.0, None),
                                                mref.expert_ffn(x, *d, 10.0))
             out.append(s)
     return out

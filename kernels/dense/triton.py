@@ -16,11 +16,17 @@ Epilogues: STORE (round once to the output dtype) or SWIGLU (two weights W1/W3 s
 tile; h = gamma * silu(min(g, L)) * clamp(u, -L, L) with g, u rounded to the activation dtype
 first, as moe.ref.expert_ffn does, then rounded to the output dtype).
 
-Batch invariance (dense/ref.py): block sizes along K never depend on the number of rows, so a
-row's result does not depend on how many rows share the call. BF16 x BF16 products are exact in
-FP32, so `tl.dot` with FP32 accumulation is the ref's FP32 GEMM up to summation order; FP32
-operands use `input_precision="ieee"` (no TF32). `tl.dot_scaled` (hardware MXFP4) is behind the
-constexpr DOT_SCALED: it does not run under the Triton 3.6 interpreter.
+Batch invariance (dense/ref.py): block sizes along K never depend on the number of rows, and
+the split of K into chunks (`_plan`: split-K for decode, the same chunks walked in order for
+larger GEMMs) depends on the weight's shape only, so a row's result does not depend on how many
+rows share the call (up to the tensor-core instruction the compiler picks per tile size). The
+exception is opt-in by size: FP8 single-weight GEMMs of >= CONFIG["cublas_min_rows"] rows
+(prefill) run cuBLAS on the weight dequantised to BF16, which sums in its own order.
+BF16 x BF16 products are exact in FP32, so `tl.dot` with FP32 accumulation is the ref's FP32
+GEMM up to summation order; FP32 operands use `input_precision="ieee"` (no TF32).
+`tl.dot_scaled` (MXFP4 as stored) is behind the constexpr DOT_SCALED, chosen on the GPU by
+CONFIG["mxfp4_decode"] / ["mxfp4_large"] (or the dot_scaled argument); it does not run under the
+Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 _BLOCK_K = 64  # the legacy kernel's K step
-# Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py).
+# Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py; the
+# figures are in bench/results/h200/roofline.md).
 #   path         "splitk": `_gemm_kernel` (split-K grid for small GEMMs, K segments above);
 #                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
@@ -65,7 +72,7 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
           "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
-          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024},
+          "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024},
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
           "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
           "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,

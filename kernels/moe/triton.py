@@ -216,10 +216,10 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     experts = ExpertSet(Weights.plain(w1.to(x.dtype)), Weights.plain(w3.to(x.dtype)),
                         Weights.plain(w2.to(x.dtype)))
     gamma = None if weight is None else weight.reshape(-1).to(torch.float32).contiguous()
-    return _dense_experts(x, experts, limit, gamma)
+    return dense_experts(x, experts, limit, gamma)
 
 
-def _dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
+def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
                    gamma: torch.Tensor | None) -> torch.Tensor:
     """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
     num_rows = x.shape[0]
@@ -281,7 +281,7 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
             one = ExpertSet(*(Weights(w.fmt, w.data[e:e + 1],
                                       None if w.scale is None else w.scale[e:e + 1])
                               for w in (shared.w1, shared.w3, shared.w2)))
-            out = out + _dense_experts(x, one, limit, None).to(torch.float32)
+            out = out + dense_experts(x, one, limit, None).to(torch.float32)
     return out.to(x.dtype)
 
 
