@@ -26,6 +26,7 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK_PATH = "flashpd.services.router.http_guard:proxy_middlewares"
 ID_HEADERS = (b"x-request-id", b"x-session-id", b"x-parent-session-id")
 UTF8_HEADERS = (b"serve_multiplexed_model_id", b"serve-multiplexed-model-id")
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # a refused body is read (and dropped) up to this much
 
 
 def proxy_middlewares() -> list[Middleware]:
@@ -43,6 +44,7 @@ class HeaderGuard:
         if scope["type"] == "http":
             refusal = self.refusal(scope.get("headers") or ())
             if refusal is not None:
+                await _drain(receive, DRAIN_LIMIT_BYTES)  # so the client gets to read the answer
                 await _send_error(send, *refusal)
                 return
         await self.app(scope, receive, send)
@@ -76,6 +78,17 @@ def _utf8(value: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+async def _drain(receive, limit_bytes: int) -> None:
+    """Read and drop the request body: a client still uploading when the connection closed
+    would see a reset instead of the refusal."""
+    received = 0
+    while received <= limit_bytes:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        received += len(message.get("body", b""))
 
 
 async def _send_error(send, status: int, field: str, message: str) -> None:
