@@ -149,7 +149,13 @@ class AppArgs(_Strict):
                                            "the Redis password")
     redis_password_file: str | None = Field(None, description="file holding the Redis password")
     grpc_port: int = Field(9000, ge=0, le=65535)
-    grpc_host: str = "127.0.0.1"
+    grpc_host: str = Field("127.0.0.1", description="the one interface gRPC listens on")
+    api_keys_env: str | None = Field("FLASHPD_API_KEYS", description="environment variable "
+                                     "with comma-separated API keys (none set: no auth)")
+    api_keys_file: str | None = Field(None, description="file with one API key per line")
+    tls_cert_file: str | None = Field(None, description="PEM chain: gRPC serves TLS only (HTTPS: "
+                                      "Serve's http_options.ssl_certfile/ssl_keyfile)")
+    tls_key_file: str | None = Field(None, description="PEM key for tls_cert_file")
     routing: Literal["affinity", "random", "round_robin"] = "affinity"
     swa_bounded_replay: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -163,6 +169,12 @@ class AppArgs(_Strict):
     router: RouterArgs = RouterArgs()
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> AppArgs:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
 
     @model_validator(mode="after")
     def _gpu_dtype(self) -> AppArgs:

@@ -37,6 +37,12 @@ def register(sub) -> None:
         p.add_argument("--num-blocks", type=int, default=512)
         p.add_argument("--kv-format", default="nvfp4", choices=["nvfp4", "fp8"],
                        help="compressed main KV format (nvfp4 = trained format)")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="the one interface HTTP and gRPC listen on (default: loopback only)")
+        p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
+        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+        p.add_argument("--api-keys-file", help="API keys, one per line (also: FLASHPD_API_KEYS, "
+                       "comma-separated); clients send Authorization: Bearer <key>")
         p.set_defaults(func=func)
 
 
@@ -72,6 +78,8 @@ def app_args(args, checkpoint: str, redis_url: str) -> dict:
         "transfer_backend": args.transfer_backend, "kv_format": args.kv_format,
         "prefill": dict(role, replicas=args.prefill_replicas),
         "decode": dict(role, replicas=args.decode_replicas),
+        "grpc_host": args.host, "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key,
+        "api_keys_file": args.api_keys_file,
     }
 
 
@@ -83,17 +91,21 @@ def local_stack(args):
 
     from flashpd.services.app import build_app
     from flashpd.services.redis_local import LocalRedis
+    from flashpd.services.router import http_guard
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)  # Serve's proxy
     checkpoint = args.checkpoint or default_checkpoint(args.preset)
     redis = None if args.redis else LocalRedis().start()
     try:
         redis_url = args.redis or redis.url
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": args.http_port})
+        tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if args.tls_cert
+               else {})
+        serve.start(http_options={"host": args.host, "port": args.http_port, **tls})
         a = app_args(args, checkpoint, redis_url)
         serve.run(build_app(a), name="flashpd", route_prefix="/")
         yield a
