@@ -19,7 +19,9 @@ from flashpd.services.api import (
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("top_p", 0.0),
     ("top_k", -1), ("min_p", 1.5), ("seed", -1), ("logprobs", 21), ("stop", ("",)),
-    ("stop_token_ids", (-1,)),
+    ("stop_token_ids", (-1,)), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", float("nan")), ("min_p", float("nan")), ("seed", 2**63), ("seed", 2**64),
+    ("temperature", "1"), ("top_p", True),
 ])
 def test_sampling_errors_name_the_field(field, value):
     with pytest.raises(InvalidArgument) as info:
