@@ -52,6 +52,8 @@ def test_driver_runs_every_comparison_on_tiny(ckpt_dir):
     for s in tf["formats_agreement"] + tf["replay_agreement"]:
         assert 0.0 <= s["var"] <= 1.0
     gen = q.generated(ckpt_dir, seqs[:1], (256,), 4, lambda _m: None)
+    for s in tf["colocated"] + tf["pd_vs_colocated"]:
+        assert s["n"] == 2 and math.isfinite(s["delta"])
     for key in ("colocated_hit", "decode_side", "pd_vs_colocated"):
         assert gen[key][0]["n"] == 1 and 0.0 <= gen[key][0]["var"] <= 1.0
     text = q.render({"teacher_forced": tf, "generated": gen,
