@@ -22,24 +22,35 @@ from flashpd.services.faults.stack import FaultStack, StackConfig, start_ray, st
 FULL = {  # the issue's counts
     "fuzz": {}, "cancel_storm": {"n": 200, "concurrency": 8},
     "prefill_kill": {"n": 20, "concurrency": 4}, "decode_kill": {"streams": 3},
+    "decode_kill_exact": {"streams": 3},
     "redis_pause": {"pause_s": 20.0}, "redis_restart": {"down_s": 8.0},
     "load_100": {"n": 100}, "load_500": {"n": 500},
 }
 QUICK = {  # what the pytest suite runs (tests/faults)
     "fuzz": {"limit": 120}, "cancel_storm": {"n": 30, "concurrency": 6},
     "prefill_kill": {"n": 6, "concurrency": 3}, "decode_kill": {"streams": 3, "max_tokens": 40},
+    "decode_kill_exact": {"streams": 3, "max_tokens": 40},
     "redis_pause": {"pause_s": 5.0}, "redis_restart": {"down_s": 3.0},
     "load_100": {"n": 40}, "load_500": {"n": 100},
 }
 TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause",
               "redis_restart")
 ONE_BY_ONE = ("load_100", "load_500")
+EXACT = ("decode_kill_exact",)  # on a stack with exact replay (swa_bounded_replay: false)
+STACKS = (
+    (StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
+    (StackConfig(2, 2, app_name="faultsexact", extra_args={"swa_bounded_replay": False}), EXACT),
+    (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE),
+)
+
+
+SCENARIO_FUNCS = {"load_100": "load", "load_500": "load", "decode_kill_exact": "decode_kill"}
 
 
 def register(sub) -> None:
     p = sub.add_parser("faults", help="run the fault suite against a local stack")
     p.add_argument("--quick", action="store_true", help="the pytest suite's smaller counts")
-    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *ONE_BY_ONE],
+    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_ONE],
                    help="run only these scenarios")
     p.add_argument("--out", default="bench/results/faults.md",
                    help="markdown results ('' to skip)")
@@ -52,15 +63,14 @@ def run(args) -> int:
     from flashpd.services.redis_local import LocalRedis
 
     counts = QUICK if args.quick else FULL
-    chosen = args.only or [*TWO_BY_TWO, *ONE_BY_ONE]
+    chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_ONE]
     checkpoint = args.checkpoint or tiny_checkpoint()
     results: list[scenarios.ScenarioResult] = []
     started = time.monotonic()
     with LocalRedis() as redis_server:
         http_port = start_ray()
         try:
-            for config, names in ((StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
-                                  (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE)):
+            for config, names in STACKS:
                 names = [n for n in names if n in chosen]
                 if names:
                     results += run_on_stack(checkpoint, redis_server, http_port, config,
@@ -85,7 +95,7 @@ def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackCon
     results = []
     try:
         for name in names:
-            func = getattr(scenarios, "load" if name.startswith("load") else name)
+            func = getattr(scenarios, SCENARIO_FUNCS.get(name, name))
             print(f"--- {name} {counts[name]}", flush=True)
             try:
                 result = asyncio.run(func(stack, **counts[name]))
@@ -108,9 +118,10 @@ def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, comman
         "# Fault suite (issue 15)", "",
         f"Run {now}, {elapsed_s / 60:.1f} min, tiny preset on CPU, loopback only:", "",
         "```bash", f"unshare -n sh -c 'ip link set lo up && {command}'", "```", "",
-        "Stacks: 2 prefill + 2 decode replicas for fuzz, cancel storm, kills and Redis; "
-        "1 prefill + 1 decode for the load runs. Each scenario lists its counts and what missed "
-        "the issue's bar (nothing listed = met).", "",
+        "Stacks: 2 prefill + 2 decode replicas (defaults: 128-token bounded replay) for fuzz, "
+        "cancel storm, kills and Redis; the same with exact replay (`swa_bounded_replay: false`) "
+        "for `decode_kill_exact`; 1 prefill + 1 decode for the load runs. Each scenario lists its "
+        "counts and what missed the issue's bar (nothing listed = met).", "",
         "| scenario | result | misses |", "|---|---|---|",
     ]
     for r in results:

@@ -30,7 +30,11 @@ def _stack(fault_env, config: StackConfig):
 
 @pytest.fixture(scope="module")
 def stack_2x2(fault_env):
-    yield from _stack(fault_env, StackConfig(2, 2, app_name="faults2x2"))
+    """Exact replay after a prefix (`swa_bounded_replay: false`): a stream continued on another
+    decode worker then matches the unbroken run token for token (with the default 128-token
+    bounded replay it approximates it; `flashpd faults` measures both)."""
+    yield from _stack(fault_env, StackConfig(2, 2, app_name="faults2x2",
+                                             extra_args={"swa_bounded_replay": False}))
 
 
 @pytest.fixture(scope="module")
