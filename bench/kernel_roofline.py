@@ -213,6 +213,14 @@ def dense_cases(ms, names) -> list[Case]:
                     return rel_err(call(w), want)
 
                 c.check = check
+                bd = Case("fp8_dense", f"{name} N={n} K={k} G={e} block_diagonal", m, c.phase)
+                bd.bytes, bd.flops = c.bytes, c.flops
+                x3 = x.view(m, e, k)
+                bd.calls = [lambda w=w, x3=x3: dt.block_diagonal(x3, w) for w in copies]
+                bd.check = lambda w=base, r=ref_w, x3=x3: rel_err(
+                    dt.block_diagonal(x3, w),
+                    torch.bmm(x3.float().transpose(0, 1), r.transpose(1, 2)).transpose(0, 1))
+                out.append(bd)
             out.append(c)
     return out
 

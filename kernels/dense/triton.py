@@ -430,28 +430,40 @@ def _gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, part_ptr, count_ptr,
-    N, K, k_chunk, num_rows, limit,
+    N, K, k_chunk, num_rows, groups, limit,
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, SINGLE: tl.constexpr, MX_ASM: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
+    # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
     nb = tl.program_id(0)
     tile = tl.program_id(1)
-    if SINGLE:  # all rows against weight 0, tiles of BLOCK_M rows (no schedule tensors)
+    if ROWS == 0:
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+    elif ROWS == 1:
         start = tile * BLOCK_M
         end = tl.minimum(start + BLOCK_M, num_rows)
     else:
-        start = tl.load(tile_start_ptr + tile)
-        end = tl.load(tile_end_ptr + tile)
+        per_group = num_rows // groups
+        tiles_per_group = tl.cdiv(per_group, BLOCK_M)
+        group = tile // tiles_per_group
+        start = (tile - group * tiles_per_group) * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, per_group)
     if start < end:
-        if SINGLE:
+        if ROWS == 0:
+            e = tl.load(tile_expert_ptr + tile)
+        elif ROWS == 1:
             e = tile * 0
         else:
-            e = tl.load(tile_expert_ptr + tile)
+            e = group
         p = start + tl.arange(0, BLOCK_M)  # rows of C
         p_mask = p < end
+        if ROWS == 2:
+            p = p * groups + e
         if GATHER_A:
             a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
         else:
@@ -596,8 +608,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
                  dot_scaled: bool = False) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given.
 
-    schedule None: every row against weight 0 (no schedule tensors, nothing launched besides
-    the GEMM). dot_scaled=True (MXFP4 weights, GPU only) feeds the packed tile to tl.dot_scaled
+    schedule None: no schedule tensors, nothing launched besides the GEMM; with one weight,
+    every row against it; with G weights (and no a_rows), row t * G + g against weight g
+    (block-diagonal, see `block_diagonal`). dot_scaled=True (MXFP4 weights, GPU only) feeds the packed tile to tl.dot_scaled
     instead of dequantising it in registers; it is rejected under the interpreter, which cannot
     run it.
     """
@@ -610,15 +623,28 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         return out
     if cfg["path"] == "legacy":
         if schedule is None:
-            schedule = single_schedule(rows, block_m_for(rows), a.device)
+            groups = w.num_experts
+            schedule, a_rows = _explicit_schedule(rows, groups, block_m_for(rows // groups),
+                                                  a.device)
+            if groups > 1:  # the legacy kernel writes C in schedule order: permute back
+                tmp = torch.empty_like(out)
+                _legacy_gemm(a, w, schedule, tmp, a_rows, w3, gamma, limit, dot_scaled)
+                out.view(rows // groups, groups, -1).copy_(
+                    tmp.view(groups, rows // groups, -1).transpose(0, 1))
+                return out
         return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
     if _cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
         torch.matmul(a, dequantize_fp8(w).T, out=out)
         return out
     n_dim, k_dim = w.out_dim, w.in_dim
     single = schedule is None
-    block_m = block_m_for(rows) if single else schedule.block_m
-    n_tiles = triton.cdiv(rows, block_m) if single else schedule.start.shape[0]
+    groups = w.num_experts if single else 1
+    if single and groups > 1 and (a_rows is not None or rows % groups):
+        raise ValueError(f"block-diagonal GEMM: {rows} rows do not split into {groups} groups "
+                         "(or a_rows was given)")
+    block_m = block_m_for(rows // groups) if single else schedule.block_m
+    n_tiles = groups * triton.cdiv(rows // groups, block_m) if single else \
+        schedule.start.shape[0]
     split, chunk = _plan(w)
     tiles = _tiles(w)
     small = rows <= cfg["small_rows"] or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < \
@@ -627,9 +653,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
         dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
                                     else cfg["mxfp4_large"] == "dot_scaled")
-        if not small and cfg["mxfp4_large"] == "legacy" and not dot_scaled:
+        if not small and cfg["mxfp4_large"] == "legacy" and not dot_scaled and groups == 1:
             if single:
-                schedule = single_schedule(rows, block_m, a.device)
+                schedule, a_rows = _explicit_schedule(rows, groups, block_m, a.device)
             return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
     if not small:
         tiles = {"block_n": cfg["block_n"], "block_k": cfg["block_k"], "warps": cfg["warps"],
@@ -652,22 +678,51 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
         w.data.stride(0), w.data.stride(1), sse, ssn,
         sched.expert, sched.start, sched.end, part, _counters(a.device),
-        n_dim, k_dim, chunk, rows, float(limit),
+        n_dim, k_dim, chunk, rows, groups, float(limit),
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
-        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small, SINGLE=single, MX_ASM=mx_asm,
+        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small,
+        ROWS=0 if not single else 1 if groups == 1 else 2, MX_ASM=mx_asm,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
         num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out
+
+
+def _explicit_schedule(rows: int, groups: int, block_m: int, device: torch.device):
+    """(schedule, a_rows) equal to a schedule-free call, for the legacy kernel: groups > 1
+    orders C group-major (row g * rows/G + t reads A row t * G + g)."""
+    if groups == 1:
+        return single_schedule(rows, block_m, device), None
+    per = rows // groups
+    p = torch.arange(rows, device=device)
+    a_rows = ((p % per) * groups + p // per).to(torch.int32)
+    counts = torch.full((groups,), per, dtype=torch.int64, device=device)
+    return grouped_schedule(counts, rows, block_m), a_rows
+
+
+def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """x [T, G, K] -> [T, G, N]: out[t, g] = x[t, g] . W[g]^T, one launch, no schedule.
+
+    The GPU forward's wo_a (group g of a token's heads through its own low-rank weight): A and C
+    stay in [T, G, .] order, so nothing is gathered or transposed around the GEMM.
+    """
+    if x.ndim != 3 or x.shape[1] != w.num_experts:
+        raise ValueError(f"block_diagonal: x {tuple(x.shape)} for {w.num_experts} weights")
+    num_tokens, groups, _ = x.shape
+    out = torch.empty(num_tokens * groups, w.out_dim, dtype=out_dtype or x.dtype,
+                      device=x.device)
+    grouped_gemm(x.reshape(num_tokens * groups, -1).contiguous(), w, None, out)
+    return out.view(num_tokens, groups, -1)
 
 
 _NO_SCHEDULE: dict[torch.device, TileSchedule] = {}
 
 
 def _no_schedule(device: torch.device) -> TileSchedule:
-    """Placeholder schedule tensors for SINGLE launches (never read)."""
+    """Placeholder schedule tensors for schedule-free launches (never read)."""
     z = torch.zeros(1, dtype=torch.int32, device=device)
     _NO_SCHEDULE[device] = TileSchedule(z, z, z, 16)
     return _NO_SCHEDULE[device]
@@ -810,8 +865,7 @@ def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int
 
     weights: `Weights` of the model's layers (repeats are skipped: variants depend on format,
     shape and expert count only). One-expert weights run as `linear_weights`; grouped ones as
-    the GPU forward's block-diagonal wo_a (`rows` rows per expert, A rows gathered). Returns
-    the number of calls made.
+    `block_diagonal` (wo_a, `rows` tokens). Returns the number of calls made.
     """
     seen, calls = set(), 0
     device = kernel_device_of(weights)
@@ -825,14 +879,8 @@ def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int
             if w.num_experts == 1:
                 linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act)
             else:
-                e = w.num_experts
-                a = torch.randn(r * e, w.in_dim, device=device).to(act)
-                p = torch.arange(r * e, device=device)
-                a_rows = ((p % r) * e + p // r).to(torch.int32)
-                counts = torch.full((e,), r, dtype=torch.int64, device=device)
-                sched = grouped_schedule(counts, r * e, block_m_for(r))
-                grouped_gemm(a, w, sched, torch.empty(r * e, w.out_dim, dtype=act,
-                                                      device=device), a_rows=a_rows)
+                block_diagonal(torch.randn(r, w.num_experts, w.in_dim, device=device).to(act),
+                               w, act)
             calls += 1
     return calls
 

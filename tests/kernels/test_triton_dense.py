@@ -131,3 +131,19 @@ def test_warmup_runs_each_distinct_weight_shape_once_per_row_count():
     w = dt.Weights.fp8(q, s)
     grouped = dt.Weights.fp8(torch.stack([q, q]), torch.stack([s, s]))
     assert dt.warmup([w, w, grouped], rows=(1, 3)) == 4
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_block_diagonal_runs_each_group_through_its_own_weight(monkeypatch, split):
+    if split:
+        _force_split(monkeypatch)
+    g = torch.Generator().manual_seed(16)
+    q, s = qref.quantize_fp8_blockwise(torch.randn(3 * 64, 96, generator=g))
+    w = dt.Weights.fp8(q.view(3, 64, 96), s.view(3, 2, 3))
+    x = torch.randn(5, 3, 96, generator=g).bfloat16()
+    got = dt.block_diagonal(x, w)
+    deq = qref.dequantize_fp8_blockwise(q, s).view(3, 64, 96)
+    want = torch.stack([dref.linear(x[:, j], deq[j]) for j in range(3)], dim=1)
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)
+    monkeypatch.setitem(dt.CONFIG, "path", "legacy")
+    torch.testing.assert_close(dt.block_diagonal(x, w), got, rtol=8e-3, atol=1e-2)
