@@ -345,6 +345,7 @@ def test_100_concurrent_streams_all_complete(model_f32):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~10 min of CPU on the 2-core machine
 def test_500_concurrent_streams_all_complete(model_f32):
     ttfts, p_stats, d_stats = _run(_concurrent_streams(model_f32, 500))
     assert len(ttfts) == 500 and p_stats.kv_blocks_used == d_stats.kv_blocks_used == 0
