@@ -83,6 +83,11 @@ def app_args(args, checkpoint: str, redis_url: str) -> dict:
     }
 
 
+# How long `flashpd serve` waits for in-flight requests at SIGTERM/Ctrl-C before it stops Ray:
+# the whole stop stays under 10 s (replicas get their own graceful_shutdown_timeout_s of 5 s).
+DRAIN_TIMEOUT_S = 6.0
+
+
 @contextlib.contextmanager
 def local_stack(args):
     """Start Redis (unless given), Ray and the Serve app; yield the app args; tear down."""
@@ -110,22 +115,45 @@ def local_stack(args):
         serve.run(build_app(a), name="flashpd", route_prefix="/")
         yield a
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        if redis is not None:
-            redis.stop()
+        stop_stack(redis)
+
+
+def stop_stack(redis, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Drain Serve for at most `drain_timeout_s`, then stop Ray and Redis, whatever is left.
+
+    Serve's own shutdown drains replicas (in-flight requests finish, or fail with UNAVAILABLE /
+    a closed stream once their replica's graceful timeout passes) but can wait 30 s on its
+    controller; it runs on a side thread so that Ray is stopped on time regardless. Stopping the
+    local Ray instance ends every process it started (controller, proxies, replicas).
+    """
+    import ray
+    from ray import serve
+
+    drained = threading.Thread(target=_quietly, args=(serve.shutdown,), daemon=True)
+    drained.start()
+    drained.join(drain_timeout_s)
+    _quietly(ray.shutdown)
+    if redis is not None:
+        redis.stop()
+
+
+def _quietly(fn) -> None:
+    with contextlib.suppress(Exception):
+        fn()
 
 
 def run_serve(args) -> int:
+    stop = threading.Event()
     with local_stack(args) as a:
+        # after ray.init: Ray's driver installs its own SIGTERM handler, which aborts
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"flashpd serving {a['model_id']}: gRPC 127.0.0.1:{args.grpc_port}, "
               f"HTTP http://127.0.0.1:{args.http_port}/v1 (Ctrl-C to stop)", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         stop.wait()
+        print(f"flashpd: stopping (draining in-flight requests for up to {DRAIN_TIMEOUT_S:.0f} s)",
+              flush=True)
+    print("flashpd: stopped", flush=True)
     return 0
 
 
