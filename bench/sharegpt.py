@@ -259,7 +259,9 @@ def render_report(meta: RunMeta, m: RunMetrics, records: Sequence[RequestRecord]
         f"requests from ShareGPT conversations (seed {w.get('seed')}; prompt = first user turn, "
         f"output = first reply's length, capped at {w.get('max_output_tokens')}), Poisson "
         f"arrivals at {w.get('rate')}/s, at most {meta.concurrency} in flight, greedy, "
-        "ignore_eos, streamed over /v1/chat/completions.", "",
+        "ignore_eos, streamed over /v1/chat/completions." + (
+            f" Host: {w['host']['cpus']} CPUs, 1-min load {w['host']['loadavg_1m_at_start']} "
+            "at start." if w.get("host") else ""), "",
         "| metric | value |", "|---|---|",
         f"| requests ok / errors | {len(ok)} / {m.errors} {m.errors_by_type or ''} |",
         f"| duration (s) | {m.window_s:.1f} |",
@@ -287,6 +289,8 @@ def render_report(meta: RunMeta, m: RunMetrics, records: Sequence[RequestRecord]
 async def _main_async(args, requests, command: str) -> tuple[RunMeta, list[RequestRecord]]:
     chat_backend = HttpChat(args.target, args.model, args.request_timeout_s)
     loop = asyncio.get_running_loop()
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    host = {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(os.getloadavg()[0], 1)}
     try:
         records, t0, t1 = await run_benchmark(
             requests, lambda r: chat_backend.chat(r, loop.time),
@@ -296,8 +300,8 @@ async def _main_async(args, requests, command: str) -> tuple[RunMeta, list[Reque
     meta = RunMeta(
         name="sharegpt", target=args.target, concurrency=args.max_concurrency, num_gpus=1,
         window_s=t1 - t0, window_start_s=t0, window_end_s=t1,
-        started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        workload={"kind": "sharegpt", "model": args.model, "seed": args.seed,
+        started_at=started,
+        workload={"kind": "sharegpt", "model": args.model, "seed": args.seed, "host": host,
                   "requests": len(requests), "rate": args.rate,
                   "max_prompt_tokens": args.max_prompt_tokens,
                   "max_output_tokens": args.max_output_tokens,
