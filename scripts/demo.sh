@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: serve the tiny model locally (Ray Serve + Redis + NIXL) and chat through the SDK.
+# The main job: serve the small model (trained on ShareGPT, shipped in model/presets/small_checkpoint)
+# locally (Ray Serve + Redis + NIXL) and chat through the SDK; `--preset tiny` for random weights.
 # Runs inside a loopback-only network namespace when possible, so nothing leaves this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
