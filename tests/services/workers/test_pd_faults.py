@@ -212,7 +212,9 @@ def test_cancel_storm_of_200_leaks_nothing_and_serves_afterwards(model_f32):
         try:
             await asyncio.gather(*(one(i) for i in range(200)))
             assert outcomes["done"] + outcomes["cancelled"] == 200 and outcomes["cancelled"] > 100
+            settle_t0 = time.monotonic()
             assert await _idle(p, d)
+            print(f"cancel storm: {outcomes}; idle {time.monotonic() - settle_t0:.3f} s after")
             assert (await d.stats()).queued == 0
             assert len(await _turn(p, d, _req("after", 200, 999))) == 3
         finally:
