@@ -336,6 +336,32 @@ def _rows(summaries: list[dict], unit: str) -> list[str]:
     return head + out
 
 
+def _summary(tf: dict, gen: dict | None) -> list[str]:
+    """One line per optimization: its NLL delta against the seed's bar and the paired SE."""
+    named = [("NVFP4 compressed KV + MXFP4 index keys (890 B/token) vs BF16 KV",
+              tf["formats"][0]),
+             ("FP8 compressed KV vs BF16 KV", tf["formats"][1])]
+    named += [(f"bounded replay after a prefix hit / P->D handoff at {s['name'].split('@')[1]}"
+               " tokens vs replay off", s) for s in tf["replay"]]
+    named += [(f"disaggregated vs colocated, prompt {s['name'].split('@')[1]}", s)
+              for s in tf.get("pd_vs_colocated", [])]
+    out = ["## Summary (held-out NLL per token; the seed's bar is |delta| <= 1.5 SE)", ""]
+    for label, s in named:
+        out.append(f"- {label}: delta {s['delta']:+.4f} nats (SE {s['se_metric']:.4f}; paired SE "
+                   f"{s['se_delta']:.4f}) -> {'within' if _verdict(s, 'se_metric') == 'yes' else 'outside'}"
+                   f" 1.5 SE; {'also' if _verdict(s, 'se_delta') == 'yes' else 'not'} within 1.5 "
+                   "paired SE.")
+    agree = [s["var"] for k in ("formats_agreement", "replay_agreement",
+                                "pd_vs_colocated_agreement") for s in tf.get(k, [])]
+    out += ["", f"Teacher-forced top-1 agreement per position: {100 * min(agree):.1f}-"
+            f"{100 * max(agree):.1f}% (tables below); a lossy step flips the argmax where the "
+            "top logits nearly tie."]
+    if gen:
+        out += ["Free-running greedy text (last section) compounds each flip, so its "
+                "position-wise agreement is lower than the teacher-forced one."]
+    return out + [""]
+
+
 def render(result: dict) -> str:
     tf, gen, meta = result.get("teacher_forced"), result.get("generated"), result["meta"]
     lines = ["# Quality of the lossy optimizations on held-out ShareGPT (small checkpoint)", "",
@@ -345,6 +371,8 @@ def render(result: dict) -> str:
              "Deltas are variant minus reference, averaged over conversations; SE(metric) is the "
              "standard error of the reference metric over conversations (the seed's bar: within "
              "about 1.5 of it), SE(delta) the paired standard error of the difference.", ""]
+    if tf:
+        lines += _summary(tf, gen)
     if tf:
         ppl = tf["ppl"]
         lines += ["## Compressed-KV formats (teacher-forced, every next token)", "",
