@@ -339,14 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                                args.max_output_tokens)
     command = "python -m flashpd.bench.sharegpt " + " ".join(argv)
     if args.serve:
-        from flashpd.services.cli import local_stack, wait_healthy
+        from flashpd.services import cli as serve_cli
         from flashpd_sdk import Client
 
-        stack = argparse.Namespace(
-            preset="small", checkpoint=args.checkpoint, redis=None, prefill_replicas=1,
-            decode_replicas=1, grpc_port=9000, http_port=int(args.target.rsplit(":", 1)[1]),
-            routing="affinity", no_swa_bounded_replay=False, transfer_backend="nixl",
-            num_blocks=512, kv_format="nvfp4")
+        parser = argparse.ArgumentParser(prog="flashpd")
+        serve_cli.register(parser.add_subparsers(dest="command"))
+        serve_argv = ["serve", "--http-port", args.target.rsplit(":", 1)[1]]
+        stack = parser.parse_args(serve_argv + (["--checkpoint", args.checkpoint]
+                                                if args.checkpoint else []))  # serve's defaults
+        local_stack, wait_healthy = serve_cli.local_stack, serve_cli.wait_healthy
         with local_stack(stack) as a:
             client = Client(f"127.0.0.1:{stack.grpc_port}")
             wait_healthy(client)
