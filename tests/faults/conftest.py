@@ -14,14 +14,19 @@ def fault_env(ckpt_dir):
     with LocalRedis() as redis_server:
         http_port = start_ray()
         try:
-            yield ckpt_dir, redis_server, http_port
+            yield ckpt_dir, redis_server, http_port, []  # [] holds the deployed stack
         finally:
             stop_ray()
 
 
 def _stack(fault_env, config: StackConfig):
-    ckpt, redis_server, http_port = fault_env
+    """Deploy `config`'s application after removing the previous one (one stack at a time:
+    they share Serve's route prefix and the 2 cores)."""
+    ckpt, redis_server, http_port, current = fault_env
+    if current:
+        current.pop().undeploy()
     stack = FaultStack(ckpt, redis_server, http_port, config).deploy()
+    current.append(stack)
     try:
         yield stack
     finally:
