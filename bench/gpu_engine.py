@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the encoder-path prefill (no warm-up, TTFT or decode)")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
     cfg = preset_config(args.preset)
@@ -241,11 +243,19 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.out, "engine_decode.json"), "w") as f:
                 json.dump(payload, f, indent=1)
         return 0
-    payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
+    if not args.prefill_only:
+        payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
     flops = sum(gpu_floor.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())
     payload["prefill"]["mfu"] = flops / payload["prefill"]["seconds"] / (
         gpu_floor.PEAK_BF16_TFLOPS * 1e12)
+    if args.prefill_only:
+        log(f"prefill MFU {100 * payload['prefill']['mfu']:.1f}%")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "engine_prefill.json"), "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0
     payload["ttft"] = ttft(engine, plan, cfg.vocab_size, log)
     for r in payload["ttft"]:
         flops = sum(gpu_floor.encoder_prefill_flops(cfg, r["context"]).values())

@@ -289,13 +289,9 @@ class PagedSeqState(TokenCounter, SeqState):
         self.pools.index[src][blocks, rows] = q.pack_mxfp4(keys.float()).to(blocks.device)
         self._n_entries[src] = n + count
 
-    def entry_rows(self, src: int, count: int) -> torch.Tensor:
-        """Rows of entries [0, count) of `src` in the 2-D view `pool.view(-1, record)` (int64,
-        on the host: the GPU forward builds its tables there and moves them once)."""
-        self._check_blocks(count, self._src(src))
-        epb = self.pools.geometry.entries_per_block(src)
-        table = torch.tensor(self.block_table, dtype=torch.long)[:, None] * epb + torch.arange(epb)
-        return table.flatten()[:count]
+    def check_blocks(self, src: int, num_entries: int) -> None:
+        """Raise unless the block table holds room for `num_entries` entries of `src`."""
+        self._check_blocks(num_entries, self._src(src))
 
     def note_entries(self, src: int, first_entry: int, count: int) -> None:
         """Book `count` entries from `first_entry` that the caller has written into the pools."""

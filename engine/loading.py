@@ -12,6 +12,7 @@ import os
 import torch
 
 from flashpd.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from flashpd.model.kv_format import kv_format
 
 EOS_TOKEN = "<|end_of_sentence|>"
 
@@ -27,17 +28,17 @@ def load_tokenizer(checkpoint_dir: str):
 def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
+    fmt = kv_format(config.kv_format)  # the name, resolved once into the format object
     if config.device == "cpu":
         from flashpd.model.model import load_model
 
-        model = load_model(checkpoint_dir, DTYPES[config.dtype],
-                           compressed_kv_format=config.kv_format)
+        model = load_model(checkpoint_dir, DTYPES[config.dtype], compressed_kv_format=fmt)
     elif config.device.startswith("cuda"):
         from flashpd.engine.gpu.loading import load_gpu_model
 
         if config.dtype != "bfloat16":
             raise ValueError(f"dtype {config.dtype!r}: the GPU path computes in bfloat16")
-        model = load_gpu_model(checkpoint_dir, config.device, config.kv_format)
+        model = load_gpu_model(checkpoint_dir, config.device, fmt)
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     tokenizer = load_tokenizer(checkpoint_dir)

@@ -219,11 +219,11 @@ class LayerRows:
                 continue
             part = Part(seg, first, seam_first, c, c + n_comp, s, s + n_seam)
             self.parts.append(part)
-            seam_idx.append(torch.arange(seg.offset + seam_first, seg.offset + seg.num_tokens))
-            compute_idx.append(torch.arange(seg.offset + first, seg.offset + seg.num_tokens))
-            compute_in_seam.append(torch.arange(s + first - seam_first, s + n_seam))
-            positions.append(torch.arange(part.first_pos, part.first_pos + n_comp))
-            seam_positions.append(torch.arange(seg.start_pos + seam_first, seg.end_pos))
+            seam_idx += range(seg.offset + seam_first, seg.offset + seg.num_tokens)
+            compute_idx += range(seg.offset + first, seg.offset + seg.num_tokens)
+            compute_in_seam += range(s + first - seam_first, s + n_seam)
+            positions += range(part.first_pos, part.first_pos + n_comp)
+            seam_positions += range(seg.start_pos + seam_first, seg.end_pos)
             c, s = c + n_comp, s + n_seam
         self.num_compute, self.num_seam = c, s
         self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
@@ -252,10 +252,9 @@ class LayerRows:
         return out
 
 
-def _on(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Concatenated on the host, moved once."""
-    out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    return out.to(device)
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """Built on the host, moved once."""
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
 class Published:
@@ -407,10 +406,10 @@ class Model:
             end = seg.offset + seg.num_tokens
             first = {LogitsRequest.NONE: end, LogitsRequest.LAST: end - 1,
                      LogitsRequest.ALL: seg.offset}[request]
-            picks.append(torch.arange(first, end))
+            picks += range(first, end)
             counts.append(None if request is LogitsRequest.NONE else end - first)
         return Step(token_ids, segs, rows, self._engram_ids(token_ids, segs),
-                    torch.cat(picks).to(self.device), counts)
+                    _on(picks, self.device), counts)
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""

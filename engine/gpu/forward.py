@@ -355,24 +355,24 @@ class _TableBuilder:
             {k: tuple(x.to(device) for x in v) for k, v in open_keep.items()})
 
     def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
-        """Per compute row: position, first position of its part, slot, key-table row, part."""
+        """Per compute row: position, first position of its part, slot, key-table row, end."""
         pos, first, slot, table, end = [], [], [], [], []
         for part in rows.compute_parts:
-            n = part.c1 - part.c0
-            pos.append(torch.arange(part.first_pos, part.first_pos + n))
-            for out, v in ((first, part.first_pos), (slot, part.seg.state.slot),
-                           (table, part.seg.index), (end, part.seg.end_pos)):
-                out.append(torch.full((n,), v))
-        pad = rows.num_compute - sum(p.c1 - p.c0 for p in rows.compute_parts)
-        if pad:  # padding rows: position 0, an empty window, their own key-table rows
-            pos.append(torch.zeros(pad, dtype=torch.long))
-            first.append(torch.zeros(pad, dtype=torch.long))
-            slot.append(torch.full((pad,), -1))
-            table.append(torch.arange(len(self.step.segs), len(self.step.segs) + pad))
-            end.append(torch.zeros(pad, dtype=torch.long))
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)  # noqa: E731
-        return {"pos": cat(pos), "first": cat(first), "slot": cat(slot), "table": cat(table),
-                "end": cat(end)}
+            n, seg = part.c1 - part.c0, part.seg
+            pos += range(part.first_pos, part.first_pos + n)
+            first += [part.first_pos] * n
+            slot += [seg.state.slot] * n
+            table += [seg.index] * n
+            end += [seg.end_pos] * n
+        pad = rows.num_compute - len(pos)  # padding rows: position 0, an empty window, their
+        num_segs = len(self.step.segs)  # own key-table rows
+        pos += [0] * pad
+        first += [0] * pad
+        slot += [-1] * pad
+        table += range(num_segs, num_segs + pad)
+        end += [0] * pad
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in
+                (("pos", pos), ("first", first), ("slot", slot), ("table", table), ("end", end))}
 
     def _window(self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
                 ) -> tuple[list[torch.Tensor], dict[int, int]]:
@@ -394,7 +394,7 @@ class _TableBuilder:
                                      f"rows start at {part.first_pos} (replay needed?)")
                 row.append(start)
             index[layer] = distinct.setdefault(tuple(row), len(distinct))
-        counts = torch.tensor([p.c1 - p.c0 for p in parts], dtype=torch.long)
+        counts = [p.c1 - p.c0 for p in parts]
         pos, first = per_row["pos"], per_row["first"]
         key_pos = pos[:, None] + torch.arange(w)[None, :] - (w - 1)  # [Tc, W]
         own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
@@ -402,8 +402,8 @@ class _TableBuilder:
         mine = key_pos >= first[:, None]
         tables = []
         for starts in distinct:  # padding rows: start at their own position (nothing earlier)
-            start = torch.cat((torch.tensor(starts, dtype=torch.long).repeat_interleave(counts),
-                               pos[counts.sum():]))  # [Tc]
+            start = [v for v, n in zip(starts, counts, strict=True) for _ in range(n)]
+            start = torch.cat((torch.tensor(start, dtype=torch.long), pos[len(start):]))  # [Tc]
             from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
             tables.append(torch.where(mine, own, from_ring).to(torch.int32))
         return tables, index
@@ -432,40 +432,51 @@ class _TableBuilder:
         if self.width_step:
             width = -(-max(width, 1) // self.width_step) * self.width_step
         table = torch.full((self.num_tables, width), -1, dtype=torch.int32)
-        for b, (seg, n) in enumerate(zip(self.step.segs, counts, strict=True)):
-            if n:
-                table[b, :n] = seg.state.entry_rows(src, n).to(torch.int32)
+        if width and self.step.segs:
+            epb = self.pools.geometry.entries_per_block(src)
+            for seg, n in zip(self.step.segs, counts, strict=True):
+                seg.state.check_blocks(src, n)
+            blocks = max(len(seg.state.block_table) for seg in self.step.segs)
+            bt = torch.tensor([seg.state.block_table + [0] * (blocks - len(seg.state.block_table))
+                               for seg in self.step.segs], dtype=torch.long)  # [B, blocks]
+            e = torch.arange(width)
+            rows = bt[:, (e // epb).clamp(max=blocks - 1)] * epb + e % epb  # [B, width]
+            valid = e[None, :] < torch.tensor(counts)[:, None]
+            table[:len(counts)] = torch.where(valid, rows, -1).to(torch.int32)
         return table
 
     def _entry_rows(self, src: int, rows: LayerRows, table: torch.Tensor):
         """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
         its ratio-2 partner is the slot's stored open row, and its slot."""
         ratio = self.cfg.compress_ratios[src]
-        out, stored, slots, tables = [], [], [], []
+        entry, stored, slots, tables = [], [], [], []
         for part in rows.parts:
             seg = part.seg
-            pos = torch.arange(seg.start_pos + part.seam_first, seg.end_pos)
-            closes = (pos + 1) % ratio == 0
-            if seg.replay is not None:
-                closes = torch.zeros_like(closes)
-            elif ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
-                present = seg.state.has_open_group(src)
-                raise StateError(f"source {src}: open-group row "
-                                 f"{'present' if present else 'missing'} at position "
-                                 f"{seg.start_pos}")
-            out.append(torch.where(closes, pos // ratio, -1))
-            stored.append(pos == seg.start_pos)
-            slots.append(torch.full((len(pos),), seg.state.slot))
-            tables.append(torch.full((len(pos),), seg.index))
-        pad = rows.num_seam - sum(len(x) for x in out)
-        out.append(torch.full((pad,), -1))
-        stored.append(torch.zeros(pad, dtype=torch.bool))
-        slots.append(torch.zeros(pad, dtype=torch.long))
-        tables.append(torch.zeros(pad, dtype=torch.long))
-        entry, b = torch.cat(out), torch.cat(tables)
+            first = seg.start_pos + part.seam_first
+            n = seg.end_pos - first
+            if seg.replay is not None:  # the entries exist: nothing is written
+                entry += [-1] * n
+            else:
+                if ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
+                    present = seg.state.has_open_group(src)
+                    raise StateError(f"source {src}: open-group row "
+                                     f"{'present' if present else 'missing'} at position "
+                                     f"{seg.start_pos}")
+                entry += [p // ratio if (p + 1) % ratio == 0 else -1
+                          for p in range(first, seg.end_pos)]
+            stored += [True] + [False] * (n - 1)
+            slots += [seg.state.slot] * n
+            tables += [seg.index] * n
+        pad = rows.num_seam - len(entry)
+        entry += [-1] * pad
+        stored += [False] * pad
+        slots += [0] * pad
+        tables += [0] * pad
+        entry_t, b = torch.tensor(entry, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
         width = table.shape[1]
-        picked = table[b, entry.clamp(0, max(width - 1, 0))].long() if width else entry
-        return torch.where(entry >= 0, picked, -1), torch.cat(stored), torch.cat(slots)
+        picked = table[b, entry_t.clamp(0, max(width - 1, 0))].long() if width else entry_t
+        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored),
+                torch.tensor(slots, dtype=torch.long))
 
     def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
