@@ -352,3 +352,27 @@ def test_500_concurrent_streams_all_complete(model_f32):
     ttfts, p_stats, d_stats = _run(_concurrent_streams(model_f32, 500))
     assert len(ttfts) == 500 and p_stats.kv_blocks_used == d_stats.kv_blocks_used == 0
     print(f"500 streams: TTFT p50 {ttfts[249]:.2f} s, p99 {ttfts[494]:.2f} s")
+
+
+def test_prefill_frees_its_blocks_on_transfer_failure_and_deadline(model_f32):
+    from flashpd.services.api import TransferFailed
+
+    async def main():
+        p, d = _workers(model_f32)
+        try:
+            req = _req("tf", 300, 7)
+            ticket = await d.reserve(req)
+            p._connect(ticket.transfer_descriptor)  # connected, then the receiver goes away
+            d.receiver.close()
+            with pytest.raises(TransferFailed):
+                await p.run(req, ticket)
+            assert (await p.stats()).kv_blocks_used == 0 and p.transfer_failures == 1
+            late = _req("dl", 600, 8, deadline_s=-1.0)  # already passed
+            with pytest.raises(DeadlineExceeded):
+                await p.run(late, ticket)
+            assert (await p.stats()).kv_blocks_used == 0
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
