@@ -34,10 +34,14 @@ class StackConfig:
 
 
 def start_ray() -> int:
-    """Ray on 127.0.0.1 and Serve's HTTP proxy on a free loopback port; returns that port."""
+    """Ray on 127.0.0.1 and Serve's HTTP proxy on a free loopback port (with the router's
+    header guard, as `flashpd serve` sets it up); returns that port."""
     import ray
     from ray import serve
 
+    from flashpd.services.router import http_guard
+
+    os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)  # as flashpd serve
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
