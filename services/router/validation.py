@@ -19,7 +19,10 @@ Limits (the sampler's real limits; the engine never sees a value outside them):
     stop               <= MAX_STOP strings of 1 .. MAX_STOP_CHARS characters
     stop_token_ids     <= MAX_STOP_TOKEN_IDS ids in [0, vocab_size)
     logprobs           completions: int 0 .. 20; chat: bool, with top_logprobs int 0 .. 20
+    messages           1 .. MAX_MESSAGES; roles system, developer, user, assistant; text only
+    model              a served model's name (<= 256 characters); unknown: HTTP 404
     ids and headers    request/session ids: 1 .. 128 printable ASCII characters, no spaces
+                       (also checked in front of Serve's proxy: `http_guard.py`)
 
 Tiny temperatures are clamped rather than refused: below GREEDY_TEMPERATURE = 1e-5 the
 distribution is a point mass on the argmax for any logits the model produces (a logit gap of
