@@ -428,18 +428,34 @@ async def redis_pause(stack: FaultStack, *, pause_s: float = 20.0, clients: int 
                       seed: int = 3) -> ScenarioResult:
     """Traffic while Redis is stopped (SIGSTOP) for `pause_s`: 0 failed requests."""
     res = ScenarioResult("redis_pause")
-    stats = await _with_traffic(stack, clients, seed, _pause_fault(stack, pause_s))
-    res.counts = stats
+    health: Counter = Counter()
+    stats = await _with_traffic(stack, clients, seed, _pause_fault(stack, pause_s, health))
+    res.counts = {**stats, "health_during_pause": dict(health)}
     res.check(stats["failed"] == 0 and stats["ok"] > 0,
               f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed")
+    res.check(set(health) == {"grpc SERVING", "http 200"},
+              f"health during the pause: {dict(health)} (workers were known: SERVING expected)")
     return res
 
 
-async def _pause_fault(stack: FaultStack, pause_s: float) -> None:
+async def _pause_fault(stack: FaultStack, pause_s: float, health: Counter) -> None:
+    """Pause Redis for `pause_s`, asking both health endpoints once a second meanwhile."""
+    import httpx
+
+    from flashpd_sdk import AsyncClient
+
     await asyncio.sleep(1.0)
     stack.redis_server.pause()
     try:
-        await asyncio.sleep(pause_s)
+        async with AsyncClient(stack.grpc_target) as client, \
+                httpx.AsyncClient(base_url=stack.http_url, timeout=10) as http:
+            until = time.monotonic() + pause_s
+            while time.monotonic() < until:
+                with contextlib.suppress(Exception):
+                    health[f"grpc {await client.health(timeout_s=5.0)}"] += 1
+                with contextlib.suppress(Exception):
+                    health[f"http {(await http.get('/health')).status_code}"] += 1
+                await asyncio.sleep(max(0.0, min(1.0, until - time.monotonic())))
     finally:
         stack.redis_server.resume()
     await asyncio.sleep(2.0)
