@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -103,7 +103,13 @@ def _scaling_options(replicas: int | None, autoscaling: AutoscalingArgs | None,
 class RoleArgs(_Placement):
     replicas: int | None = Field(1, ge=1, description="fixed replica count (or autoscaling)")
     autoscaling: AutoscalingArgs | None = None
-    max_ongoing_requests: int = Field(64, ge=1)
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Serve calls a replica takes at once (default: max_num_seqs + "
+        "max_queued_requests + a margin, so queued reserves never starve running streams)")
+    max_queued_requests: int = Field(
+        256, ge=0, description="decode reserves waiting for KV capacity before a refusal "
+        "(RESOURCE_EXHAUSTED / 429 with retry-after)")
+    retry_after_s: float = Field(1.0, gt=0, description="retry-after hint sent with a refusal")
     num_blocks: int = Field(512, ge=1)
     num_slots: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -111,9 +117,24 @@ class RoleArgs(_Placement):
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
     num_threads: int = Field(1, ge=0, description="torch CPU threads per replica (0 = default)")
 
+    # Serve slots kept free of queued reserves, beyond one per running stream (aborts, stats,
+    # health calls).
+    SPARE_CALLS: ClassVar[int] = 8
+
+    def ongoing_limit(self) -> int:
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.max_num_seqs + self.max_queued_requests + self.SPARE_CALLS
+
+    def queue_limit(self) -> int:
+        """Reserves that may wait inside a replica: each holds a Serve slot while it waits, so
+        the queue never takes the slots that admitted streams need for their generate calls."""
+        room = self.ongoing_limit() - self.max_num_seqs - self.SPARE_CALLS
+        return max(0, min(self.max_queued_requests, room))
+
     def deployment_options(self, joint: bool = False) -> dict:
         return {
-            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_ongoing_requests": self.ongoing_limit(),
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": min(1.0, self.graceful_shutdown_timeout_s or 1.0),
             "health_check_period_s": 2.0,
@@ -230,7 +251,8 @@ class AppArgs(_Strict):
                               cache_salt=self.cache_salt, num_threads=r.num_threads,
                               kv_format=self.kv_format)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
-                            redis_url or self.resolved_redis_url())
+                            redis_url or self.resolved_redis_url(),
+                            max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s)
 
 
 def _read_text(path: str) -> str:
