@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: every CPU test (slow ones included) inside a loopback-only network namespace.
+# The test command: every CPU test (slow ones included; `soak` load runs: add `-m soak`) inside a
+# loopback-only network namespace.
 # The quick developer loop is plain `pytest` (pyproject's addopts skip `slow` and `gpu`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ export PYTHONUNBUFFERED=1
 report=$(mktemp -t flashpd-junit-XXXXXX.xml)
 rm -f "$report"
 set +e
-unshare -n sh -c 'ip link set lo up && python -m pytest -q -m "not gpu" --junitxml="$0" "$@"' "$report" "$@"
+unshare -n sh -c 'ip link set lo up && python -m pytest -q -m "not gpu and not soak" --junitxml="$0" "$@"' "$report" "$@"
 rc=$?
 set -e
 # Ray's driver teardown can end pytest before its closing line: print it from the report.

@@ -346,8 +346,8 @@ def test_100_concurrent_streams_all_complete(model_f32):
     print(f"100 streams: TTFT p50 {ttfts[49]:.2f} s, p99 {ttfts[98]:.2f} s")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3600)  # ~10 min of CPU on the 2-core machine
+@pytest.mark.soak  # ~10 min on the 2-core machine: the second test command (README)
+@pytest.mark.timeout(3600)
 def test_500_concurrent_streams_all_complete(model_f32):
     ttfts, p_stats, d_stats = _run(_concurrent_streams(model_f32, 500))
     assert len(ttfts) == 500 and p_stats.kv_blocks_used == d_stats.kv_blocks_used == 0
