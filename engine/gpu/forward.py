@@ -302,7 +302,7 @@ def _take(step: Step, rows: LayerRows, kind: str, layer: int) -> torch.Tensor:
     if key not in step.outputs:
         raise RuntimeError(f"layer {layer} published no {kind}")
     src_rows, value = step.outputs[key]
-    if src_rows is rows:
+    if src_rows.key[0] == rows.key[0]:  # compute rows depend only on "decoder layer?"
         return value
     full = value.new_full((step.token_ids.shape[0], value.shape[1]), -1)
     full[src_rows.compute_idx] = value
