@@ -95,6 +95,7 @@ class NotFound(ServiceError):
 
 class ResourceExhausted(ServiceError):
     code, http_status = "RESOURCE_EXHAUSTED", 429
+    retry_after_s = 1.0  # sent as HTTP Retry-After; a full worker queue sets its own hint
 
 
 class DeadlineExceeded(ServiceError):

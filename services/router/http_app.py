@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -29,7 +30,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashpd.services.api import Cancelled, FinalEvent, Internal, ServiceError, TokenEvent
+from flashpd.services.api import (
+    Cancelled,
+    FinalEvent,
+    Internal,
+    ResourceExhausted,
+    ServiceError,
+    TokenEvent,
+)
 from flashpd.services.router import validation as v
 from flashpd.services.router.auth import ApiKeys
 from flashpd.services.router.convert import ModelTable, ServedModel, new_request_id
@@ -63,7 +71,11 @@ def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: To
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse(error_body(exc, _request_id(request)), status_code=exc.http_status)
+        headers = {}
+        if isinstance(exc, ResourceExhausted):
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        return JSONResponse(error_body(exc, _request_id(request)), status_code=exc.http_status,
+                            headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

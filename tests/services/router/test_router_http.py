@@ -9,6 +9,7 @@ import pytest
 from edge_servers import http_server
 from router_fakes import ByteTokenizer, FakeDecode, FakePrefill, http_stack, router_stack
 
+from flashpd.services.admission import WorkerFull
 from flashpd.services.api import Unavailable
 from flashpd.services.router.auth import ApiKeys
 
@@ -158,6 +159,18 @@ def test_error_before_the_first_token_keeps_its_status_when_streaming(redis_url)
             async with httpx.AsyncClient(base_url=url) as http:
                 r = await http.post("/v1/completions", json={"prompt": "x", "stream": True})
         assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+    run_async(main())
+
+
+def test_a_full_worker_queue_answers_429_with_its_retry_after(redis_url):
+    d = FakeDecode("d0", reserve_error=WorkerFull("decode queue full", retry_after_s=2.5))
+
+    async def main():
+        async with http_stack(redis_url, [FakePrefill("p0")], [d]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["type"] == "rate_limit_error"
     run_async(main())
 
 
