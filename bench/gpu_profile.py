@@ -54,28 +54,35 @@ def group_of(name: str) -> str:
     return "torch ops (index/copy/elementwise/sort)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="bench")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    cfg = preset_config(args.preset)
-    model = random_gpu_model(cfg, "cuda", seed=0, decode_graphs=False)
-    engine = LLMEngine(model, EngineConfig(
-        dtype="bfloat16", device="cuda", num_blocks=args.context // 64 + 16, num_slots=4,
-        max_num_batched_tokens=8192, max_num_seqs=4, model_id="flashpd-profile"))
+def _engine(cfg, model, context: int, batch: int) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(
+        dtype="bfloat16", device="cuda", num_blocks=context // 64 + 16 + 2 * batch,
+        num_slots=batch + 4, max_num_batched_tokens=8192, max_num_seqs=batch,
+        model_id="flashpd-profile"))
+
+
+def _start(engine: LLMEngine, cfg, context: int, batch: int, tag: str) -> list[str]:
+    """`batch` sequences decoding over one shared `context`-token prefix (prefix hits)."""
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(10, cfg.vocab_size - 10, (args.context,), generator=g).tolist()
-    engine.add_request("p", prompt, SamplingParams(max_tokens=1000, ignore_eos=True))
-    while engine.stats["p"].first_token_s is None:
+    prompt = torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist()
+    engine.add_request(f"{tag}p", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    rids = [f"{tag}{b}" for b in range(batch)]
+    for rid in rids:
+        tail = torch.randint(10, cfg.vocab_size - 10, (16,), generator=g).tolist()
+        engine.add_request(rid, prompt + tail, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while any(engine.stats[r].first_token_s is None for r in rids):
         engine.step()
     for _ in range(2):  # compile the decode shapes
         engine.step()
     torch.cuda.synchronize()
+    return rids
+
+
+def kernel_table(engine: LLMEngine, steps: int) -> tuple[float, dict, dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = defaultdict(float)
@@ -83,23 +90,89 @@ def main(argv: list[str] | None = None) -> int:
         if str(ev.device_type).endswith("CUDA"):  # kernels only (CPU ops would count twice)
             us = getattr(ev, "self_device_time_total", None)
             us = ev.self_cuda_time_total if us is None else us
-            per_kernel[ev.key] += us / args.steps / 1e3  # ms per step
-    total = sum(per_kernel.values())
+            per_kernel[ev.key] += us / steps / 1e3  # ms per step
     groups: dict[str, float] = defaultdict(float)
     for name, ms in per_kernel.items():
         groups[group_of(name)] += ms
-    lines = [f"# Decode step GPU time by kernel: `{args.preset}` preset, B=1, "
+    return sum(per_kernel.values()), groups, per_kernel
+
+
+def host_split(engine: LLMEngine, steps: int) -> dict:
+    """Graphed steps: wall ms, GPU ms of the step's device work (CUDA events around it) and the
+    host ms spent outside the device wait (cProfile's top functions printed)."""
+    import cProfile
+    import pstats
+    import time
+
+    walls, gpus = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        engine.step()
+        b.record()
+        torch.cuda.synchronize()
+        walls.append(1e3 * (time.perf_counter() - t0))
+        gpus.append(a.elapsed_time(b))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(25)
+    st.sort_stats("cumulative").print_stats(40)
+    return {"wall_ms": sorted(walls)[len(walls) // 2], "events_ms": sorted(gpus)[len(gpus) // 2]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--host", action="store_true", help="also graphed steps under cProfile")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = preset_config(args.preset)
+    model = random_gpu_model(cfg, "cuda", seed=0)
+    graphs = model.graphs
+    lines = [f"# Decode step GPU time by kernel: `{args.preset}` preset, "
              f"{args.context:,}-token context (eager, torch.profiler)", "",
              "Command: `python -m flashpd.bench.gpu_profile --out bench/results/h200`", "",
-             f"Device time per step: {total:.1f} ms over {args.steps} steps.", "",
-             "| group | ms/step | share |", "|---|---|---|"]
-    for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {group} | {ms:.2f} | {100 * ms / total:.0f}% |")
-    lines += ["", "Top kernels:", "", "| kernel | ms/step |", "|---|---|"]
-    for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]:
-        lines.append(f"| `{name[:80]}` | {ms:.2f} |")
+             "Eager steps (graphs off, so that every kernel shows under its own name); the "
+             "captured graph replays the same kernels.", ""]
+    for batch in args.batch:
+        engine = _engine(cfg, model, args.context, batch)
+        rids = _start(engine, cfg, args.context, batch, f"b{batch}_")
+        host = None
+        if args.host and graphs is not None:
+            host = host_split(engine, args.steps)
+            print(f"B={batch} graphed: {host}", flush=True)
+        model.graphs = None
+        total, groups, per_kernel = kernel_table(engine, args.steps)
+        model.graphs = graphs
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        del engine
+        lines += [f"## B={batch}", "", f"Device time per step: {total:.1f} ms over "
+                  f"{args.steps} steps (eager).", ""]
+        if host:
+            lines += [f"Graphed step: wall {host['wall_ms']:.1f} ms, device span (CUDA "
+                      f"events) {host['events_ms']:.1f} ms.", ""]
+        lines += ["| group | ms/step | share |", "|---|---|---|"]
+        for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {group} | {ms:.2f} | {100 * ms / total:.0f}% |")
+        lines += ["", "Top kernels:", "", "| kernel | ms/step |", "|---|---|"]
+        for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]:
+            lines.append(f"| `{name[:80]}` | {ms:.2f} |")
+        lines.append("")
+        print("\n".join(lines), flush=True)
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_profile.md"), "w") as f:
