@@ -22,7 +22,7 @@ import torch
 from flashpd.engine.detokenizer import Detokenizer, StopState
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
-from flashpd.engine.policies import ColocatedRole, DecodeRole, PrefillRole
+from flashpd.engine.policies import ROLES, role_from_name
 from flashpd.engine.request import Request
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import Sampler, SamplingParams
@@ -35,7 +35,6 @@ from flashpd.engine.scheduler import (
 )
 from flashpd.model.model import Model, exact_replay_rows
 
-ROLES = {"colocated": ColocatedRole, "prefill": PrefillRole, "decode": DecodeRole}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
 MAX_REQUEST_STATS = 10_000  # per-request timing records kept (oldest dropped first)
@@ -104,7 +103,7 @@ class LLMEngine:
                                  replay_tokens=self.replay_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
-            self.kv, ROLES[config.role]())
+            self.kv, role_from_name(config.role))
         if model.kv_format.name != config.kv_format:
             raise ValueError(f"kv_format {config.kv_format!r} but the model fake-quantises "
                              f"compressed KV as {model.kv_format.name!r}")

@@ -53,7 +53,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar, Literal, Protocol
 
-CHUNK_TOKENS = 128  # prefix-cache and transfer unit
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
 

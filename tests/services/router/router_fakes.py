@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from flashpd.engine.events import BlockStored
-from flashpd.engine.hashing import chunk_hashes, namespace_for
+from flashpd.engine.hashing import CHUNK_TOKENS, chunk_hashes, namespace_for
 from flashpd.services.api import (
-    CHUNK_TOKENS,
     FinalEvent,
     InternalRequest,
     PrefillResult,
