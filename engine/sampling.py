@@ -1,6 +1,6 @@
-"""Sampling parameters and the batched sampler.
+"""The batched sampler.
 
-`SamplingParams` is validated once where a request enters the engine (field names in errors);
+`SamplingParams` (engine/sampling_params.py, re-exported here) is validated where it is built;
 `sample()` turns a batch of FP32 logits rows into token ids (+ optional top-n logprobs).
 
 Determinism: a request with `seed` draws from its own `torch.Generator`, advanced once per
@@ -16,82 +16,15 @@ rounds to 0 in FP32 means top-1); seeds are reduced modulo 2^64 for the generato
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax in all but name
+from flashpd.engine.sampling_params import GREEDY_TEMPERATURE as GREEDY_TEMPERATURE
+from flashpd.engine.sampling_params import SamplingError as SamplingError
+from flashpd.engine.sampling_params import SamplingParams
+
 SEED_MODULUS = 2**64  # torch.Generator seeds are 64-bit
-
-
-class SamplingError(ValueError):
-    """A sampling parameter is invalid; the message names the field."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings, cut from the returned text
-    ignore_eos: bool = False
-    logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", ">= 1"),
-            (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf, "temperature",
-             "finite and >= 0"),
-            (_is_int(self.top_k) and self.top_k >= 0, "top_k", ">= 0"),
-            (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
-            (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
-            (self.seed is None or _is_int(self.seed), "seed", "an integer or null"),
-            (all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "integers"),
-            (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs", "in [0, 20]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingParams:
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SamplingError(f"unknown sampling field(s): {', '.join(unknown)}")
-        d = dict(d)
-        for key in ("stop_token_ids", "stop"):
-            if key in d and d[key] is not None:
-                d[key] = tuple(d[key])
-            elif key in d:
-                d[key] = ()
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-            "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids), "stop": list(self.stop),
-            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
-        }
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass(frozen=True)
