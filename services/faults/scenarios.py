@@ -335,9 +335,10 @@ async def _busy_worker(stack: FaultStack, role: str, busy, timeout_s: float = 12
 
 async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 64,
                       kill_after_tokens: int = 5, seed: int = 2) -> ScenarioResult:
-    """Greedy streams of one session, all on its decode worker; that worker is killed after
-    each stream got `kill_after_tokens`: every stream completes with output identical to an
-    unbroken run, and the session's next turn works on another decode worker.
+    """Greedy streams of one session, all on its decode worker (`streams` through the SDK, one
+    more as OpenAI HTTP SSE); that worker is killed after each stream got `kill_after_tokens`:
+    every stream completes with output identical to an unbroken run, and the session's next
+    turn works on another decode worker.
 
     The continuation re-prefills prompt + the tokens streamed, so its output equals the unbroken
     run's exactly when replay after a prefix is exact (`swa_bounded_replay: false`); with the
@@ -348,7 +349,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
     res = ScenarioResult("decode_kill")
     vocab = await _vocab(stack)
     rng = random.Random(seed)
-    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams)]
+    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 1)]  # the last: HTTP
     session = f"dk-{seed}-{time.time_ns()}"
     async with AsyncClient(stack.grpc_target) as client:
         reference = [await _generate(client, p, max_tokens=max_tokens) for p in prompts]
@@ -358,34 +359,64 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
             res.check(False, "reference runs failed on the healthy stack")
             return res
         bound = warm["result"].decode_worker
-        progress = [0] * streams
+        progress = [0] * (streams + 1)
         outs = await asyncio.gather(
             *(_tracked(client, p, max_tokens, session, progress, i)
-              for i, p in enumerate(prompts)),
+              for i, p in enumerate(prompts[:streams])),
+            _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
             _kill_when(stack, bound, progress, kill_after_tokens))
-        finals = outs[:streams]
+        sdk_outs, http_out, snapshot = outs[:streams], outs[streams], outs[-1]
         after = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                 session_id=session)
-    identical = [f["ok"] and f["result"].output_ids == r["result"].output_ids
-                 for f, r in zip(finals, reference, strict=True)]
-    moved = [f["ok"] and f["result"].decode_worker != bound for f in finals]
-    snapshot = outs[-1]
-    res.counts = {"streams": streams, "killed": bound if snapshot else None,
-                  "tokens_before_kill": snapshot,
-                  "completed": sum(f["ok"] for f in finals), "identical": sum(identical),
-                  "matching_tokens": [_common_prefix(f["result"].output_ids,
-                                                     r["result"].output_ids) if f["ok"] else 0
-                                      for f, r in zip(finals, reference, strict=True)],
-                  "resumed_elsewhere": sum(moved),
-                  "failed": [f.get("code") for f in finals if not f["ok"]],
-                  "next_turn_ok": after["ok"],
-                  "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
+    refs = [r["result"] for r in reference]
+    identical = [f["ok"] and f["result"].output_ids == r.output_ids
+                 for f, r in zip(sdk_outs, refs, strict=False)]
+    moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
+    http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
+    res.counts = {
+        "streams": streams, "killed": bound if snapshot else None,
+        "tokens_before_kill": snapshot, "completed": sum(f["ok"] for f in sdk_outs),
+        "identical": sum(identical),
+        "matching_tokens": [_common_prefix(f["result"].output_ids, r.output_ids)
+                            if f["ok"] else 0 for f, r in zip(sdk_outs, refs, strict=False)],
+        "resumed_elsewhere": sum(moved), "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
+        "http_sse_completed": http_out["ok"], "http_sse_identical_text": http_identical,
+        "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
+        "next_turn_ok": after["ok"],
+        "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
     res.check(snapshot is not None and max(snapshot) < max_tokens,
               "the decode worker was not killed mid-stream")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
     res.check(all(moved), "not every stream was resumed on another decode worker")
+    res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
     res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
     return res
+
+
+async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i) -> dict:
+    """An OpenAI completions SSE stream: its text and the decode worker of its last chunk."""
+    import httpx
+
+    body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    text, worker = [], None
+    try:
+        async with httpx.AsyncClient(base_url=stack.http_url, timeout=TIMEOUT_S) as http:
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"x-session-id": session}) as r:
+                if r.status_code != 200:
+                    return {"ok": False, "error": f"HTTP {r.status_code}"}
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return {"ok": False, "error": chunk["error"].get("message")}
+                    text.append(chunk["choices"][0].get("text", ""))
+                    progress[i] += 1
+                    worker = chunk.get("flashpd", {}).get("decode_worker", worker)
+    except Exception as exc:
+        return {"ok": False, "error": _code(exc)}
+    return {"ok": True, "text": "".join(text), "decode_worker": worker}
 
 
 async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
