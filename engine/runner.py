@@ -30,7 +30,7 @@ from flashpd.model.model import LogitsRequest, Model, Replay, SeqInput, SeqPlan
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: dict[str, torch.Tensor]  # request id -> FP32 [V], for chunks with needs_logits
+    logits: dict[str, torch.Tensor]  # request id -> FP32 [V] (model's device), needs_logits
     num_tokens: int  # rows computed (replay rows included)
 
 
@@ -106,8 +106,8 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.model.device), seqs)
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
                   if last]
-        if wanted:  # one device-to-host copy for the whole batch (the sampler runs on the CPU)
-            rows = torch.stack([row for _, row in wanted]).float().cpu()
+        if wanted:  # rows stay on the device: the sampler decides there, one copy per step
+            rows = torch.stack([row for _, row in wanted]).float()
             out.update((rid, row) for (rid, _), row in zip(wanted, rows, strict=True))
         return len(ids)
 

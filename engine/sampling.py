@@ -76,21 +76,44 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[SampleOutput]:
-        """logits: [B, V] (any float dtype, upcast to FP32); one row per request."""
+        """logits: [B, V] (any float dtype, upcast to FP32; on any device); one row per request.
+
+        Greedy rows are decided where the logits are, in one batched argmax, and reach the host
+        in ONE copy (token ids, their logprobs, the top-n logprobs asked for); rows that draw
+        from a distribution are copied to the host one by one (their generators live there)."""
         logits = logits.float()
+        num_rows = logits.shape[0]
+        if num_rows != len(request_ids) or num_rows != len(params):
+            raise ValueError(f"{num_rows} logits rows for {len(request_ids)} requests")
         logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
+        drawn = [row for row, p in enumerate(params) if not p.greedy]
+        tokens = torch.argmax(torch.nan_to_num(logits, nan=-math.inf), dim=-1)  # [B]
+        if drawn:
+            host = logits[drawn].cpu()
+            picked = [self._sample_row(host[i], request_ids[row], params[row])
+                      for i, row in enumerate(drawn)]
+            tokens = tokens.index_put((torch.tensor(drawn, device=logits.device),),
+                                      torch.tensor(picked, device=logits.device))
+        chosen = logprobs_all.gather(1, tokens[:, None])  # [B, 1]
+        top_n = max((p.logprobs for p in params), default=0)
+        packed = [tokens[:, None].double(), chosen.double()]
+        if top_n:
+            vals, ids = torch.topk(logprobs_all, top_n, dim=-1)
+            packed += [ids.double(), vals.double()]
+        host = torch.cat(packed, dim=1).cpu()  # the one device-to-host copy of the step
         outs = []
-        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            token = self._sample_row(logits[row], rid, p)
+        for row, p in enumerate(params):
+            token = int(host[row, 0])
             top: tuple[tuple[int, float], ...] = ()
             if p.logprobs:
-                vals, ids = torch.topk(logprobs_all[row], p.logprobs)
-                top = tuple((int(i), float(v)) for i, v in zip(ids, vals, strict=True))
-            outs.append(SampleOutput(token, float(logprobs_all[row, token]), top))
+                ids_row = host[row, 2:2 + p.logprobs]
+                vals_row = host[row, 2 + top_n:2 + top_n + p.logprobs]
+                top = tuple((int(i), float(v)) for i, v in zip(ids_row, vals_row, strict=True))
+            outs.append(SampleOutput(token, float(host[row, 1]), top))
         return outs
 
     def _sample_row(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
-        """One token from one row [V]; argmax when greedy or when the filtered distribution is
+        """One token from one row [V] (host); argmax when the filtered distribution is
         degenerate (non-finite logits from the model), never an inf/nan error."""
         row = torch.nan_to_num(row, nan=-math.inf)
         if p.greedy or not bool(torch.isfinite(row).any()):
