@@ -159,7 +159,7 @@ class LLMEngine:
             raise ValueError(f"prompt_ids: token id {bad[0]} outside [0, {self.model.cfg.vocab_size})")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        request = Request(request_id, ids, params.to_dict(), session_id=session_id,
+        request = Request(request_id, ids, params, session_id=session_id,
                           arrival_time=time.monotonic())
         self._requests[request_id] = request
         self._params[request_id] = params

@@ -4,16 +4,17 @@ There are no phases: a request knows `token_ids` (prompt + outputs so far) and h
 have their KV computed; every step moves `num_computed_tokens` towards `num_tokens`. The newest
 sampled token is always known-but-not-computed, so a decoding request computes exactly one token.
 
-The sampling parameters are an opaque mapping that travels to the runner; the core reads only
-`max_tokens`, `ignore_eos` and `stop_token_ids`.
+The core reads only `max_tokens`, `ignore_eos` and `stop_token_ids` of the sampling parameters
+(validated when they were built); a prefill-role request may come without any.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from flashpd.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -69,7 +70,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
+        sampling_params: SamplingParams | None = None,
         *,
         session_id: str | None = None,
         arrival_time: float = 0.0,
@@ -81,10 +82,11 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs (known tokens)
-        self.sampling_params: Mapping[str, Any] = {} if sampling_params is None else sampling_params
-        self.max_tokens, self.ignore_eos, self.stop_token_ids = _read_sampling(
-            request_id, self.sampling_params
-        )
+        self.sampling_params = sampling_params
+        p = sampling_params
+        self.max_tokens: int | None = None if p is None else p.max_tokens
+        self.ignore_eos = False if p is None else p.ignore_eos
+        self.stop_token_ids = frozenset(() if p is None else p.stop_token_ids)
         self.session_id = session_id
         self.arrival_time = arrival_time
         self.arrival_order = -1  # FCFS priority, assigned by the scheduler on admission
@@ -134,23 +136,3 @@ class RequestOutput:
     num_cached_tokens: int
     kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready: blocks held until release_kv
 
-
-def _read_sampling(
-    request_id: str, params: Mapping[str, Any]
-) -> tuple[int | None, bool, frozenset[int]]:
-    max_tokens = params.get("max_tokens")
-    if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-    ):
-        raise ValueError(
-            f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
-        )
-    ignore_eos = params.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ValueError(f"request {request_id!r}: ignore_eos must be a bool, got {ignore_eos!r}")
-    stop_token_ids = params.get("stop_token_ids") or ()
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise ValueError(
-            f"request {request_id!r}: stop_token_ids must be ints, got {stop_token_ids!r}"
-        )
-    return max_tokens, ignore_eos, frozenset(stop_token_ids)

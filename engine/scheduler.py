@@ -23,11 +23,11 @@ import bisect
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.policies import Admission, ColocatedRole, ForwardPath, RolePolicy
 from flashpd.engine.request import FinishReason, Replay, Request, RequestOutput, RequestStatus
+from flashpd.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class ScheduledChunk:
     fresh_slot: bool  # reset the slot's private state before computing (new or reused slot)
     needs_logits: bool  # the chunk reaches the end of the known tokens: sample from the last row
     replay: Replay | None  # the request's replay range, when this chunk overlaps it
-    sampling_params: Mapping[str, Any]
+    sampling_params: SamplingParams | None
 
     @property
     def num_tokens(self) -> int:

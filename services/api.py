@@ -1,7 +1,9 @@
 """The internal API between the router and the prefill/decode workers.
 
 Plain frozen dataclasses (picklable, no Ray/gRPC imports), so the same types travel through Ray
-Serve handles in production and through in-process fakes in tests. The wire contract for clients
+Serve handles in production and through in-process fakes in tests. The sampling parameters are the
+engine's own `SamplingParams` (engine/sampling_params.py); a `SamplingError` maps to
+`InvalidArgument` naming the field. The wire contract for clients
 is `proto/flashpd.proto`; `services/router/convert.py` is the only place that maps between them.
 
 Life of a request (all calls made by the router's orchestrator):
@@ -47,14 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar, Literal, Protocol
 
-MAX_LOGPROBS = 20
-MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
+from flashpd.engine.sampling_params import SamplingError, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 Role = Literal["prefill", "decode"]
@@ -148,10 +148,12 @@ def as_service_error(exc: BaseException) -> ServiceError:
     that original is returned when it is a ServiceError.
     """
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, ServiceError):
-        return cause
+    if isinstance(cause, ServiceError | SamplingError):
+        exc = cause
     if isinstance(exc, ServiceError):
         return exc
+    if isinstance(exc, SamplingError):
+        return InvalidArgument(exc.message, field=exc.field)
     name = type(exc).__name__
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return DeadlineExceeded("deadline passed during a worker call")
@@ -163,56 +165,6 @@ def as_service_error(exc: BaseException) -> ServiceError:
 
 
 # -------------------------------------------------------------------------------- request types
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Field for field the engine's `SamplingParams` (`engine.sampling.SamplingParams.from_dict(
-    p.to_dict())` converts); validated here too so bad values fail at the edge with the field."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings, applied by the router
-    ignore_eos: bool = False
-    logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf, "temperature",
-             "must be a finite number >= 0"),
-            (_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be >= 0"),
-            (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
-             f"must be in [0, {MAX_SEED}]"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be token ids >= 0"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be in [0, {MAX_LOGPROBS}]"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise InvalidArgument(f"{rule}, got {getattr(self, name)!r}", field=name)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["stop_token_ids"], out["stop"] = list(self.stop_token_ids), list(self.stop)
-        return out
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from flashpd.engine.async_engine import RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import RequestStatus
-from flashpd.engine.sampling import SamplingError, SamplingParams
+from flashpd.engine.sampling_params import SamplingError, SamplingParams
 from flashpd.engine.scheduler import Reservation
 from flashpd.services.admission import AdmissionQueue
 from flashpd.services.api import (
@@ -102,10 +102,7 @@ class DecodeWorker(EngineWorker):
         if self.draining:
             raise Unavailable(f"{self.ref.worker_id} is draining")
         self._check_request(req)
-        try:
-            params = SamplingParams.from_dict(req.sampling.to_dict())
-        except SamplingError as exc:
-            raise InvalidArgument(str(exc), field="sampling") from None
+        params = req.sampling
         attempt = await self.admission.admit(lambda: self._try_reserve(req, params),
                                              req.deadline_unix_s, req.request_id)
         attempt.ticket_issued = True
@@ -303,6 +300,10 @@ class DecodeWorker(EngineWorker):
     def _check_request(self, req: InternalRequest) -> None:
         if req.model != self.config.model_id:
             raise InvalidArgument(f"unknown model {req.model!r}", field="model")
+        try:  # an unpickled request skipped __post_init__: nothing unchecked reaches the engine
+            req.sampling.check()
+        except SamplingError as exc:
+            raise InvalidArgument(exc.message, field=exc.field) from None
         limit = self.engine.engine.model.cfg.max_position_embeddings
         if req.prompt_tokens + req.sampling.max_tokens > limit:
             raise InvalidArgument(f"prompt + max_tokens exceeds the context limit {limit}",

@@ -41,7 +41,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flashpd.services.api import MAX_LOGPROBS, InvalidArgument, SamplingParams
+from flashpd.engine.sampling_params import (
+    GREEDY_TEMPERATURE,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    SamplingParams,
+)
+from flashpd.services.api import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +55,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer token decodes to more; bounds the text before tokenizing
 MAX_TEMPERATURE = 2.0  # OpenAI's range
-GREEDY_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
-MAX_SEED = 2**63 - 1
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256

@@ -3,6 +3,7 @@ import pytest
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.policies import DecodeRole, ForwardPath, PrefillRole, role_from_name
 from flashpd.engine.request import FinishReason, Replay, Request, RequestStatus
+from flashpd.engine.sampling_params import SamplingParams
 from flashpd.engine.scheduler import (
     FinishSignal,
     Scheduler,
@@ -20,7 +21,7 @@ def make(budget=16, max_seqs=8, num_blocks=16, num_slots=8, role=None) -> Schedu
 
 
 def req(request_id: str, prompt, max_tokens=4, **params) -> Request:
-    return Request(request_id, list(prompt), {"max_tokens": max_tokens, **params})
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, **params))
 
 
 def step(s: Scheduler, signals=None) -> tuple[StepPlan, dict]:
@@ -230,7 +231,7 @@ def test_max_tokens_finishes_with_length():
 
 def test_stop_token_ids_finish_with_stop():
     s = make()
-    s.add(req("a", range(3), max_tokens=9, stop_token_ids=[1004]))
+    s.add(req("a", range(3), max_tokens=9, stop_token_ids=(1004,)))
     step(s)
     _, outputs = step(s)
     assert outputs["a"].finish_reason is FinishReason.STOP

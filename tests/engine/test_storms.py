@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.policies import ColocatedRole, DecodeRole, PrefillRole
 from flashpd.engine.request import Request, RequestStatus
+from flashpd.engine.sampling_params import SamplingParams
 from flashpd.engine.scheduler import FinishSignal, Scheduler, SchedulerConfig, StepResult
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27]]
@@ -91,7 +92,7 @@ def make_storm(data, role, sizes: Sizes = ANY_SIZES) -> Storm:
 
 def do_add(storm: Storm, prefix: int, length: int, max_tokens: int, serial: int) -> None:
     prompt = (PREFIXES[prefix] + [100 + serial] * 14)[:length]
-    request = Request(f"r{serial}", prompt, {"max_tokens": max_tokens})
+    request = Request(f"r{serial}", prompt, SamplingParams(max_tokens=max_tokens))
     scheduler = storm.scheduler
     try:
         if isinstance(scheduler.role, DecodeRole):

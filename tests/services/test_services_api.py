@@ -7,6 +7,7 @@ from flashpd.services.api import (
     ERRORS_BY_CODE,
     InternalRequest,
     InvalidArgument,
+    SamplingError,
     SamplingParams,
     TransferFailed,
     Unavailable,
@@ -24,19 +25,22 @@ from flashpd.services.api import (
     ("temperature", "1"), ("top_p", True),
 ])
 def test_sampling_errors_name_the_field(field, value):
-    with pytest.raises(InvalidArgument) as info:
+    with pytest.raises(SamplingError) as info:
         SamplingParams(**{field: value})
     assert info.value.field == field
-    assert str(info.value).startswith(f"{field}: ")
+    mapped = as_service_error(info.value)
+    assert isinstance(mapped, InvalidArgument) and mapped.field == field
+    assert str(mapped).startswith(f"{field}: ")
 
 
-def test_sampling_to_dict_matches_engine_sampling_params():
+def test_wire_sampling_is_the_engine_class_and_round_trips():
     from flashpd.engine.sampling import SamplingParams as EngineSampling
 
+    assert SamplingParams is EngineSampling
     p = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("x",),
                        stop_token_ids=(2,), logprobs=2)
-    engine = EngineSampling.from_dict(p.to_dict())
-    assert engine.to_dict() == p.to_dict()
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert pickle.loads(pickle.dumps(p)) == p
 
 
 def test_errors_map_one_to_one_to_codes_and_statuses():
