@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
+from flashpd.engine.detokenizer import TextStream
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
-from flashpd.engine.loading import load_engine
+from flashpd.engine.loading import load_engine, load_tokenizer
 from flashpd.engine.sampling import SamplingParams
 
 
@@ -72,14 +73,21 @@ def _params(line: dict) -> SamplingParams:
     return SamplingParams.from_dict({k: line[k] for k in keys if line.get(k) is not None})
 
 
-def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool) -> list[dict]:
+def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool,
+                 tokenizer=None) -> list[dict]:
+    """Text and stop strings as the router applies them: each request's tokens go through a
+    TextStream, and a matched stop string aborts the request (finish_reason "stop")."""
     results: dict[str, dict] = {}
+    streams: dict[str, TextStream] = {}
     pending = list(lines)
 
     def admit(line):
         rid = str(line["id"])
-        engine.add_request(rid, line["prompt_ids"], _params(line), line.get("session_id"))
+        params = _params(line)
+        engine.add_request(rid, line["prompt_ids"], params, line.get("session_id"))
         results[rid] = {"id": rid, "output_ids": [], "text": "", "prompt_ids": line["prompt_ids"]}
+        if tokenizer is not None:
+            streams[rid] = TextStream(tokenizer, params.stop)
 
     if not sequential:
         for line in pending:
@@ -91,11 +99,20 @@ def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool) -> list
         for out in engine.step():
             r = results[out.request_id]
             r["output_ids"].extend(out.new_token_ids)
-            r["text"] += out.text
-            if out.finished:
+            finish_reason = out.finish_reason if out.finished else None
+            stream = streams.get(out.request_id)
+            for t in out.new_token_ids if stream is not None else ():
+                r["text"] += stream.push(t)
+                if stream.stopped:
+                    engine.abort(out.request_id)
+                    finish_reason = "stop"
+                    break
+            if stream is not None and out.finished and not stream.stopped:
+                r["text"] += stream.flush()
+            if finish_reason is not None:
                 st = engine.stats[out.request_id]
                 r.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                         ttft_ms=st.ttft_ms, finish_reason=out.finish_reason)
+                         ttft_ms=st.ttft_ms, finish_reason=finish_reason)
     return [results[str(line["id"])] for line in lines]
 
 
@@ -105,9 +122,9 @@ def run(args) -> int:
                           device=args.device,
                           num_blocks=args.num_blocks)
     engine = load_engine(args.checkpoint, config)
-    tokenizer = engine.detok._tok if engine.detok is not None else None
+    tokenizer = load_tokenizer(args.checkpoint)
     lines = _requests_from_args(args, tokenizer)
-    for r in run_requests(engine, lines, args.sequential):
+    for r in run_requests(engine, lines, args.sequential, tokenizer):
         if args.json or args.requests:
             print(json.dumps(r if args.requests else
                              {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"],

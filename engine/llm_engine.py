@@ -1,4 +1,4 @@
-"""LLMEngine: scheduler + KV cache manager + runner + sampler + detokenizer, one step at a time.
+"""LLMEngine: scheduler + KV cache manager + runner + sampler, one step at a time.
 
     engine.add_request(rid, prompt_ids, SamplingParams(...))     colocated / prefill roles
     engine.reserve(rid, prompt_ids, params) -> Reservation       decode role, then kv_arrived(rid)
@@ -9,6 +9,10 @@
 or a P->D handoff: the 128-token bounded replay, or, when off, the exact replay of the full
 receptive field (`exact_replay_rows`: W + (L-1)(W-1) rows), whose outputs equal a cold run.
 With it on, colocated prefill chunks also run the decoder layers only on their last 128 rows.
+
+The engine streams token ids and stops on EOS (unless `ignore_eos`) and `stop_token_ids`; text
+and stop strings belong to whoever detokenizes (`engine.detokenizer.TextStream`: the router, the
+CLI), which aborts the request when a stop string matches.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashpd.engine.detokenizer import Detokenizer, StopState
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
@@ -82,7 +85,6 @@ class RequestStats:
 class EngineOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
-    text: str  # newly released text (stop strings cut)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "kv_ready"
     prompt_tokens: int
@@ -94,7 +96,7 @@ class EngineOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Model, config: EngineConfig, tokenizer=None, eos_token_id=None):
+    def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None):
         self.model, self.config = model, config
         cfg = model.cfg
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
@@ -114,11 +116,9 @@ class LLMEngine:
         narrowing = cfg.sliding_window if (config.swa_bounded_replay and config.role == "colocated") else None
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)
-        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_id = eos_token_id
         self._requests: dict[str, Request] = {}
         self._params: dict[str, SamplingParams] = {}
-        self._stops: dict[str, StopState] = {}
         self.stats: dict[str, RequestStats] = {}
         self.num_steps = 0
 
@@ -163,14 +163,13 @@ class LLMEngine:
                           arrival_time=time.monotonic())
         self._requests[request_id] = request
         self._params[request_id] = params
-        self._stops[request_id] = StopState(stop=params.stop)
         self.stats[request_id] = RequestStats(time.monotonic(), len(ids))
         while len(self.stats) > MAX_REQUEST_STATS:  # a long-running worker keeps the newest
             del self.stats[next(iter(self.stats))]
         return request
 
     def _drop(self, request_id: str) -> None:
-        for table in (self._requests, self._params, self._stops):
+        for table in (self._requests, self._params):
             table.pop(request_id, None)
         self.sampler.forget(request_id)
         self.runner.forget([request_id])
@@ -237,22 +236,15 @@ class LLMEngine:
             produced = 0 if request is None else request.num_output_tokens
             self.scheduler.abort(rid)
             self._drop(rid)
-            outputs.append(EngineOutput(rid, (), "", True, "error", prompt, produced, 0,
+            outputs.append(EngineOutput(rid, (), True, "error", prompt, produced, 0,
                                         error=message))
         return outputs
 
     def _signals(self, samples) -> dict[str, FinishSignal]:
-        signals = {}
-        for rid, s in samples.items():
-            if self.eos_token_id is not None and s.token_id == self.eos_token_id:
-                signals[rid] = FinishSignal.EOS
-            elif self.detok is not None and self._stops[rid].stop:
-                ids = self._requests[rid].output_token_ids + [s.token_id]
-                probe = StopState(stop=self._stops[rid].stop)
-                self.detok.step(probe, ids)
-                if probe.stopped:
-                    signals[rid] = FinishSignal.STOP
-        return signals
+        if self.eos_token_id is None:
+            return {}
+        return {rid: FinishSignal.EOS for rid, s in samples.items()
+                if s.token_id == self.eos_token_id}
 
     def _to_output(self, o, sample) -> EngineOutput:
         now = time.monotonic()
@@ -260,18 +252,11 @@ class LLMEngine:
         if st is not None and o.new_token_ids:
             st.first_token_s = st.first_token_s or now
             st.token_times_s.append(now)
-        text = ""
-        request = self._requests.get(o.request_id)
-        if self.detok is not None and request is not None and o.new_token_ids:
-            stop = self._stops[o.request_id]
-            text = self.detok.step(stop, request.output_token_ids)
-            if o.finished and not stop.stopped:
-                text += self.detok.flush(stop, request.output_token_ids)
         reason = o.finish_reason.value if o.finish_reason is not None else None
         logprobs = (sample,) if sample is not None and self._wants_logprobs(o.request_id) else ()
         if o.finished and reason != "kv_ready":
             self._drop(o.request_id)
-        return EngineOutput(o.request_id, tuple(o.new_token_ids), text, o.finished, reason,
+        return EngineOutput(o.request_id, tuple(o.new_token_ids), o.finished, reason,
                             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens,
                             logprobs, tuple(o.kv_block_ids))
 

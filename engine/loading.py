@@ -44,4 +44,4 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
-    return LLMEngine(model, config, tokenizer=tokenizer, eos_token_id=eos)
+    return LLMEngine(model, config, eos_token_id=eos)

@@ -40,6 +40,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 
+from flashpd.engine.detokenizer import TextStream
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.services.api import (
     Cancelled,
@@ -66,7 +67,7 @@ from flashpd.services.router.endpoints import WorkerDirectory
 from flashpd.services.router.journal import Run, RunJournal
 from flashpd.services.router.metrics import RouterMetrics
 from flashpd.services.router.placement import Assignment, Placement
-from flashpd.services.router.text import TextStream, Tokenizer
+from flashpd.services.router.text import Tokenizer
 
 log = logging.getLogger(__name__)
 

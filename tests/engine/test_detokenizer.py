@@ -1,4 +1,4 @@
-from flashpd.engine.detokenizer import Detokenizer, StopState
+from flashpd.engine.detokenizer import TextStream
 
 
 class _CharTokenizer:
@@ -6,31 +6,31 @@ class _CharTokenizer:
 
     VOCAB = ["Hel", "lo", " wor", "ld", "!", " S", "TOP", " tail"]
 
-    def decode(self, ids, skip_special_tokens=False):
+    def decode(self, ids):
         return "".join(self.VOCAB[i] for i in ids)
 
 
 def _stream(ids, stop):
-    d, st, pieces = Detokenizer(_CharTokenizer()), StopState(stop=stop), []
-    for n in range(1, len(ids) + 1):
-        pieces.append(d.step(st, ids[:n]))
-        if st.stopped:
+    stream, pieces = TextStream(_CharTokenizer(), stop), []
+    for t in ids:
+        pieces.append(stream.push(t))
+        if stream.stopped:
             break
     else:
-        pieces.append(d.flush(st, ids))
-    return "".join(pieces), st
+        pieces.append(stream.flush())
+    return "".join(pieces), stream
 
 
 def test_stop_string_cut_exactly_and_never_streamed():
-    text, st = _stream([0, 1, 2, 3, 5, 6, 7], stop=(" STOP",))
-    assert st.stopped and text == "Hello world"
+    text, stream = _stream([0, 1, 2, 3, 5, 6, 7], stop=(" STOP",))
+    assert stream.stopped and text == "Hello world"
 
 
 def test_stop_string_spanning_tokens():
-    text, st = _stream([0, 1, 2, 3], stop=("lo wo",))
-    assert st.stopped and text == "Hel"
+    text, stream = _stream([0, 1, 2, 3], stop=("lo wo",))
+    assert stream.stopped and text == "Hel"
 
 
 def test_no_stop_releases_everything_at_flush():
-    text, st = _stream([0, 1, 2, 3, 4], stop=("world!!",))
-    assert not st.stopped and text == "Hello world!"
+    text, stream = _stream([0, 1, 2, 3, 4], stop=("world!!",))
+    assert not stream.stopped and text == "Hello world!"

@@ -34,3 +34,20 @@ def test_single_prompt_json(ckpt_dir, capsys):
                  "--max-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_ids"] == [5, 6, 7] and len(out["output_ids"]) <= 3
+
+
+def test_stop_string_cuts_text_and_finishes(ckpt_dir, tmp_path, capsys):
+    def generate(extra: dict) -> dict:
+        line = {"id": "r", "prompt_ids": _ids(20, 50), "max_tokens": 12, "ignore_eos": True}
+        path = tmp_path / "reqs.jsonl"
+        path.write_text(json.dumps({**line, **extra}))
+        assert main(["generate", "--checkpoint", ckpt_dir, "--requests", str(path)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    free = generate({})
+    stop = free["text"][3:6]
+    assert stop and free["finish_reason"] == "length"
+    cut = generate({"stop": [stop]})
+    assert cut["text"] == free["text"][: free["text"].index(stop)]
+    assert cut["finish_reason"] == "stop"
+    assert cut["output_ids"] == free["output_ids"][: len(cut["output_ids"])]

@@ -124,25 +124,14 @@ def test_exact_replay_credit_is_bit_identical_to_cold_run(model_f32):
     assert warm["f"]["ids"] == cold["f"]["ids"]
 
 
-def test_stop_string_cuts_text_and_finishes(ckpt_dir):
-    from flashpd.engine.loading import load_engine
-
-    engine = load_engine(ckpt_dir, EngineConfig(num_blocks=16))
+def test_stops_at_the_first_stop_token_id(model_f32):
     prompt = _prompt(20, 50)
-    engine.add_request("free", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
-    free_text = "".join(o.text for o in _steps(engine))
-    stop = free_text[3:6]
-    assert stop and free_text.index(stop) >= 0
-    engine.add_request("cut", prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
-    outs = list(_steps(engine))
-    text = "".join(o.text for o in outs)
-    assert text == free_text[: free_text.index(stop)]
-    assert outs[-1].finish_reason == "stop"
-
-
-def _steps(engine):
-    while engine.has_unfinished():
-        yield from engine.step()
+    free = _run(LLMEngine(model_f32, EngineConfig(num_blocks=16)), {"f": prompt},
+                SamplingParams(max_tokens=6, ignore_eos=True))["f"]["ids"]
+    stop_id = free[2]
+    out = _run(LLMEngine(model_f32, EngineConfig(num_blocks=16)), {"s": prompt},
+               SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(stop_id,)))["s"]
+    assert out["ids"] == free[: free.index(stop_id) + 1] and out["reason"] == "stop"
 
 
 def test_fp8_compressed_kv_engine_matches_its_reference(ckpt_dir):

@@ -1,6 +1,6 @@
 from router_fakes import ByteTokenizer
 
-from flashpd.services.router.text import TextStream
+from flashpd.engine.detokenizer import TextStream
 
 
 def feed(stream, text):
