@@ -2,6 +2,7 @@
 
     python -m flashpd.bench.gpu_engine --out bench/results/h200           (GPU, `bench` preset)
     python -m flashpd.bench.gpu_engine --preset tiny --smoke              (CPU, interpreter)
+    python -m flashpd.bench.gpu_engine --summary --out bench/results/h200 (+ summary.json)
 
 Unlike bench/gpu_floor.py, which times kernel compositions outside the engine, every figure here
 goes through the engine's scheduler, KV cache manager (prefix hits, block tables), runner and
@@ -15,6 +16,8 @@ the KV pools packed on the device:
     decode B sequences sharing one 8K prefix (each admitted through a prefix hit + replay),
            then the wall time of engine.step() with all B decoding (sampling and the
            logits' device-to-host copy included); B = 1, 8, 64
+    first  (--summary) a fresh process's first request: load done -> its first token
+    host   decode ms/step outside the captured forward's GPU time (CUDA events around the replay)
     floor  decode: bytes of active weights + KV read per step / measured copy bandwidth
            (bench/gpu_floor.py's byte law); prefill: FLOPs / 790 TFLOP/s bf16
 """
@@ -161,24 +164,77 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
         while any(engine.stats[r].first_token_s is None for r in rids):
             engine.step()
         admit_s = time.perf_counter() - t0
-        times = []
+        times, hosts = [], []
+        graphs = getattr(engine.model, "graphs", None)
+        if graphs is not None:
+            graphs.time_replays = True
         for _ in range(plan["decode_steps"] + 1):
             t = time.perf_counter()
             outs = engine.step()
             _sync()
             times.append(1e3 * (time.perf_counter() - t))
+            gpu_ms = graphs.last_replay_ms() if graphs is not None else None
+            if gpu_ms is not None:  # the step's wall time outside the forward's GPU time
+                hosts.append(times[-1] - gpu_ms)
             assert sum(1 for o in outs if o.new_token_ids) == batch, "not all sequences decoded"
+        if graphs is not None:
+            graphs.time_replays = False
         _finish(engine, rids)
         ms = statistics.median(times[1:])
+        host_ms = statistics.median(hosts[1:]) if len(hosts) > 1 else None
         floor = gpu_floor.decode_step_bytes(cfg, batch, plan["decode_context"])
         floor_ms = (floor["weights"] + floor["kv"]) / (copy_gbps * 1e9) * 1e3
         row = {"batch": batch, "step_ms": ms, "tok_s": batch / (ms * 1e-3),
                "floor_ms": floor_ms, "x_floor": ms / floor_ms, "admit_s": admit_s,
-               "copy_GBps": copy_gbps}
+               "copy_GBps": copy_gbps, "host_ms": host_ms}
         log(f"decode B={batch}: {ms:.1f} ms/step ({row['tok_s']:.0f} tok/s), floor "
-            f"{floor_ms:.2f} ms ({row['x_floor']:.0f}x), admission {admit_s:.1f} s")
+            f"{floor_ms:.2f} ms ({row['x_floor']:.0f}x), host {host_ms} ms/step, admission "
+            f"{admit_s:.1f} s")
         rows.append(row)
     return rows
+
+
+def first_request(engine: LLMEngine, plan: dict, vocab: int, log) -> float:
+    """ms from the end of load (model built and warmed, engine made) to the first token of the
+    first request: a `decode_context`-token prompt, then one decode step of it."""
+    t0 = time.perf_counter()
+    engine.add_request("first", _prompt(plan["decode_context"], 900, vocab),
+                       SamplingParams(max_tokens=2, ignore_eos=True))
+    _until_first_token(engine, "first")
+    ms = 1e3 * (time.perf_counter() - t0)
+    _finish(engine, ["first"])
+    log(f"first request after load: first token in {ms:.0f} ms")
+    return ms
+
+
+def summary(payload: dict, commit: str) -> dict:
+    """bench/results/h200/summary.json (issue 13's keys; ms, MFU as a fraction)."""
+    dec = {str(r["batch"]): r for r in payload["decode"]}
+    ttft_rows = {str(r["context"]): r for r in payload["ttft"]}
+    return {
+        "preset": payload["preset"], "context": payload["decode_context"],
+        "decode_ms_per_step": {b: round(r["step_ms"], 2) for b, r in dec.items()},
+        "decode_floor_ms": {b: round(r["floor_ms"], 2) for b, r in dec.items()},
+        "host_ms_per_step": {b: None if r["host_ms"] is None else round(r["host_ms"], 2)
+                             for b, r in dec.items()},
+        "prefill_tok_s_8k": round(payload["prefill"]["tok_s"], 1),
+        "prefill_mfu_8k": round(payload["prefill"]["mfu"], 4),
+        "ttft_cold_ms": {c: round(r["cold_ttft_ms"], 1) for c, r in ttft_rows.items()},
+        "ttft_hit_ms": {c: round(r["hit_ttft_ms"], 1) for c, r in ttft_rows.items()
+                        if c == str(payload["decode_context"])},
+        "first_request_ms": round(payload["first_request_ms"], 1),
+        "command": payload["command"], "commit": commit,
+    }
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def render(payload: dict) -> str:
@@ -199,10 +255,16 @@ def render(payload: dict) -> str:
               f"| {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:.0f} | "
               f"{100 * p['mfu']:.1f}% |"]
     lines += ["", f"## Decode, {payload['decode_context']:,}-token context per sequence", "",
-              "| batch | ms/step | tok/s | HBM floor ms | x floor |", "|---|---|---|---|---|"]
+              "| batch | ms/step | host ms/step | tok/s | HBM floor ms | x floor |",
+              "|---|---|---|---|---|---|"]
     for r in payload["decode"]:
-        lines.append(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tok_s']:.0f} | "
+        host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.1f}"
+        lines.append(f"| {r['batch']} | {r['step_ms']:.1f} | {host} | {r['tok_s']:.0f} | "
                      f"{r['floor_ms']:.2f} | {r['x_floor']:.0f}x |")
+    if payload.get("first_request_ms") is not None:
+        lines += ["", f"First request after load (model built in {payload['build_s']:.1f} s, "
+                  f"kernels warmed): first token {payload['first_request_ms']:.0f} ms "
+                  f"({payload['decode_context']:,}-token prompt)."]
     lines += ["", "Notes:"] + [f"- {n}" for n in payload["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -215,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the encoder-path prefill (no warm-up, TTFT or decode)")
+    ap.add_argument("--summary", action="store_true",
+                    help="everything, first request after load included; writes summary.json")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
     cfg = preset_config(args.preset)
@@ -231,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=plan["chunk"], max_num_seqs=max(plan["batches"]),
         model_id=f"flashpd-{args.preset}"))
     log = lambda m: print(m, flush=True)  # noqa: E731
+    first_ms = first_request(engine, plan, cfg.vocab_size, log) if args.summary else None
     payload = {"preset": args.preset, "device": torch.cuda.get_device_name()
                if torch.cuda.is_available() else platform.processor() or "cpu",
                "command": "python -m flashpd.bench.gpu_engine " + " ".join(
                    sys.argv[1:] if argv is None else argv),
-               "build_s": build_s, "decode_context": plan["decode_context"]}
+               "build_s": build_s, "decode_context": plan["decode_context"],
+               "first_request_ms": first_ms}
     if args.decode_only:
         payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
         if args.out:
@@ -273,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler + host-side tables + one CUDA-graph replay of the engine's forward "
         "(GpuModel.compute captured by engine/gpu/decode_graph.py; batch padded to the next "
         "power of two) + the "
-        "bookkeeping after it + logits copied to the host for sampling.",
+        "bookkeeping after it + greedy sampling on the device (one host copy). Host ms/step: "
+        "that wall time minus the replay's GPU time (CUDA events around the replay).",
         "Cold and hit prefills run eagerly (one Triton launch per kernel, no graph); the index "
         "scoring is one paged launch per index layer for the whole batch.",
     ]
@@ -286,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(payload, f, indent=1)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text)
+        if args.summary:
+            with open(os.path.join(args.out, "summary.json"), "w") as f:
+                json.dump(summary(payload, args.commit or _commit()), f, indent=1)
     return 0
 
 

@@ -102,8 +102,7 @@ class ModelRunner:
             ids.extend(known[start:end])
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
-        results = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.model.device), seqs)
+        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs)  # host ids
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
                   if last]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step

@@ -295,6 +295,7 @@ class Step:
     tables: object = None
     outputs: dict = field(default_factory=dict)
     published: Published = field(default_factory=Published)
+    host_ids: torch.Tensor | None = None  # [T] token_ids on the host (hashes, the commit)
 
     def rows_of(self, spec: LayerSpec, cand: int) -> LayerRows:
         return self.rows[(spec.layer_id >= cand, spec.owns_compressor)]
@@ -392,8 +393,9 @@ class Model:
 
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> Step:
         """The step's static description: segments, rows per layer kind, Engram ids, head rows."""
+        host_ids = token_ids.cpu()  # one copy: validation, Engram hashes and the commit read it
         token_ids = token_ids.to(self.device)
-        segs = self._segments(token_ids, seqs)
+        segs = self._segments(host_ids, seqs)
         cfg, num_rows = self.cfg, token_ids.shape[0]
         rows = {}
         for spec in cfg.layers:
@@ -408,8 +410,8 @@ class Model:
                      LogitsRequest.ALL: seg.offset}[request]
             picks += range(first, end)
             counts.append(None if request is LogitsRequest.NONE else end - first)
-        return Step(token_ids, segs, rows, self._engram_ids(token_ids, segs),
-                    _on(picks, self.device), counts)
+        return Step(token_ids, segs, rows, self._engram_ids(host_ids, segs),
+                    _on(picks, self.device), counts, host_ids=host_ids)
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""
@@ -434,8 +436,9 @@ class Model:
 
     def commit(self, step: Step) -> None:
         """After the step: the states' token counters and lookback ids."""
+        ids = step.token_ids if step.host_ids is None else step.host_ids
         for seg in step.segs:
-            self._record_tokens(seg, step.token_ids[seg.offset:seg.offset + seg.num_tokens])
+            self._record_tokens(seg, ids[seg.offset:seg.offset + seg.num_tokens])
 
     # ------------------------------------------------------------------ batch setup
     def _segments(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[Segment]:
@@ -482,19 +485,42 @@ class Model:
         return tuple(ids)
 
     def _engram_ids(self, token_ids: torch.Tensor, segs: list[Segment]) -> dict[int, torch.Tensor]:
+        """Per Engram layer: row ids [T, C] of every row (token_ids on the host).
+
+        A row's hash reads only the `max_shift` ids before it, so the segments with a full
+        lookback are hashed in one call over [lookback_0, tokens_0, lookback_1, tokens_1, ...]
+        (the lookback rows are dropped); a segment near its sequence's start (shorter lookback,
+        padded) is hashed on its own."""
+        layers = [spec for spec in self.cfg.layers if spec.has_engram]
+        if not layers:
+            return {}
+        shift = self.hasher.max_shift
+        lookbacks = [list(self._lookback(s)) for s in segs]
+        full = [i for i, lb in enumerate(lookbacks) if len(lb) == shift]
+        short = [i for i, lb in enumerate(lookbacks) if len(lb) != shift]
+        joined, keep = [], []
+        for i in full:
+            s = segs[i]
+            joined += [torch.tensor(lookbacks[i], dtype=torch.long),
+                       token_ids[s.offset:s.offset + s.num_tokens]]
+            keep += [torch.zeros(shift, dtype=torch.bool), torch.ones(s.num_tokens, dtype=torch.bool)]
         out = {}
-        for spec in self.cfg.layers:
-            if not spec.has_engram:
-                continue
-            out[spec.layer_id] = torch.cat([
-                self.hasher.hash_ids(spec.engram_index,
-                                     token_ids[s.offset:s.offset + s.num_tokens],
-                                     list(self._lookback(s)))
-                for s in segs]).to(self.device)  # [T, C]
+        for spec in layers:
+            rows = torch.empty(token_ids.shape[0], self.hasher.num_columns, dtype=torch.long)
+            if full:
+                hashed = self.hasher.hash_ids(spec.engram_index, torch.cat(joined), [])
+                dst = torch.cat([torch.arange(segs[i].offset, segs[i].offset + segs[i].num_tokens)
+                                 for i in full])
+                rows[dst] = hashed[torch.cat(keep)]
+            for i in short:
+                s = segs[i]
+                rows[s.offset:s.offset + s.num_tokens] = self.hasher.hash_ids(
+                    spec.engram_index, token_ids[s.offset:s.offset + s.num_tokens], lookbacks[i])
+            out[spec.layer_id] = rows.to(self.device)  # [T, C]
         return out
 
     def _record_tokens(self, seg: Segment, ids: torch.Tensor) -> None:
-        history = self._lookback(seg) + tuple(int(t) for t in ids)
+        history = self._lookback(seg) + tuple(ids[-3:].tolist())
         end = seg.start_pos + seg.num_tokens
         seg.state.record_tokens(max(end, seg.state.num_tokens), history[-3:])
 

@@ -29,6 +29,7 @@ forward (`KVPools.for_model` sizes them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,39 @@ class GpuModel(Model):
 
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self) if use else None
+
+    # ------------------------------------------------------------------ load-time warm-up
+    def warmup(self, rows: Sequence[int] | None = None) -> int:
+        """Compile (and run once) the GEMM, MoE and attention kernel variants that `rows`-row
+        calls take (default: the decode graph buckets and the W-row replay), so that the first
+        request is not a compile. Returns the number of kernel calls made (0: no Triton)."""
+        from flashpd.engine.gpu.decode_graph import BUCKETS
+
+        cfg = self.cfg
+        rows = tuple(sorted(set(BUCKETS) | {cfg.sliding_window})) if rows is None else rows
+        calls = 0
+        if hasattr(self.dense, "warmup"):
+            weights = [self.w.head] if isinstance(self.w.head, Weights) else []
+            for lw in self.w.layers:
+                weights += [getattr(lw, f.name) for f in dataclasses.fields(lw)
+                            if isinstance(getattr(lw, f.name), Weights)]
+                if lw.engram is not None and isinstance(lw.engram.wkv, Weights):
+                    weights.append(lw.engram.wkv)
+            calls += self.dense.warmup(weights, rows=rows)
+        if hasattr(self.moe_k, "warmup"):
+            lw = next((lw for lw in self.w.layers if lw.experts is not None), None)
+            if lw is not None:
+                calls += self.moe_k.warmup(lw.experts, lw.shared, cfg.n_routed_experts,
+                                           cfg.num_experts_per_tok, rows=rows,
+                                           limit=cfg.swiglu_limit)
+        if hasattr(self.attention, "warmup"):
+            topk = tuple(sorted({0} | ({cfg.index_topk} if any(
+                s.ratio > 0 for s in cfg.layers) else set())))
+            calls += self.attention.warmup(cfg.num_heads, cfg.head_dim, cfg.rope_head_dim // 2,
+                                           cfg.sliding_window, topk, self._attn_fmt, rows=rows)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return calls
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
@@ -228,18 +262,9 @@ class GpuModel(Model):
         return self._lin(self._wo_a(o.view(num_q, cfg.o_groups, -1), lw.wo_a), lw.wo_b)
 
     def _wo_a(self, o: torch.Tensor, w: Weights) -> torch.Tensor:
-        """Block-diagonal wo_a: o [T, G, H/G*d] -> z [T, G*o_lora] (group g through W_a[g])."""
-        d = self.dense
-        num_tokens, groups, width = o.shape
-        a = o.reshape(num_tokens * groups, width)
-        # C row p = g*T + t (group-major, one expert per group) reads A row t*G + g
-        p = torch.arange(num_tokens * groups, device=o.device)
-        a_rows = ((p % num_tokens) * groups + p // num_tokens).to(torch.int32)
-        counts = torch.full((groups,), num_tokens, dtype=torch.int64, device=o.device)
-        schedule = d.grouped_schedule(counts, num_tokens * groups, d.block_m_for(num_tokens))
-        z = torch.empty(num_tokens * groups, w.out_dim, dtype=o.dtype, device=o.device)
-        d.grouped_gemm(a, w, schedule, z, a_rows=a_rows)
-        return z.view(groups, num_tokens, -1).transpose(0, 1).reshape(num_tokens, -1)
+        """Block-diagonal wo_a: o [T, G, H/G*d] -> z [T, G*o_lora] (group g through W_a[g]),
+        one launch in [T, G, .] order (nothing gathered or transposed around the GEMM)."""
+        return self.dense.block_diagonal(o, w).reshape(o.shape[0], -1)
 
     # ------------------------------------------------------------------ indexer (§5)
     def _select(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, c_q: torch.Tensor,

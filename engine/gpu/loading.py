@@ -4,6 +4,8 @@
                                          checkpoint formats (Engram tables stay in host memory)
     random_gpu_model(cfg, "cuda", seed)  every tensor generated on the device (the `bench`
                                          preset's 59 GB in seconds; nothing written to disk)
+
+Both compile the kernels' decode-size variants before returning (`GpuModel.warmup`, on CUDA).
 """
 
 from __future__ import annotations
@@ -25,22 +27,32 @@ def _hasher(cfg: ModelConfig, tokenizer_path: str | None):
 
 
 def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
-                   compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> GpuModel:
+                   compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                   warm: bool | None = None) -> GpuModel:
     from flashpd.model.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint_dir)
     weights = from_checkpoint_tensors(ckpt.cfg, ckpt.tensors, torch.device(device))
-    return GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path),
-                    compressed_kv_format)
+    return _warmed(GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path),
+                            compressed_kv_format), warm)
 
 
 def random_gpu_model(cfg: ModelConfig, device: str = "cuda", seed: int = 0,
                      compressed_kv_format: CompressedKVFormat | str = "nvfp4",
-                     decode_graphs: bool | None = None) -> GpuModel:
+                     decode_graphs: bool | None = None, warm: bool | None = None) -> GpuModel:
     tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
     weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))
     del tensors
     from flashpd.model.presets import PRESET_NAMES, tokenizer_path
 
     tokenizer = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
-    return GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format, decode_graphs)
+    return _warmed(GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format,
+                            decode_graphs), warm)
+
+
+def _warmed(model: GpuModel, warm: bool | None) -> GpuModel:
+    """Kernels compiled at load (`GpuModel.warmup`); warm=None: on a CUDA device only (the
+    interpreter would take minutes)."""
+    if model.device.type == "cuda" if warm is None else warm:
+        model.warmup()
+    return model
