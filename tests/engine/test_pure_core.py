@@ -1,4 +1,5 @@
-"""The pure core (scheduler, cache manager, block pool, hashing) imports only the standard library."""
+"""The pure core (scheduler, cache manager, block pool, hashing, and the request and sampling
+parameter types they read) imports only the standard library."""
 
 import json
 import subprocess
@@ -10,6 +11,7 @@ PURE_CORE = [
     "flashpd.engine.block_pool",
     "flashpd.engine.kv_cache_manager",
     "flashpd.engine.request",
+    "flashpd.engine.sampling_params",
     "flashpd.engine.policies",
     "flashpd.engine.scheduler",
 ]
