@@ -397,7 +397,8 @@ async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i
     """An OpenAI completions SSE stream: its text and the decode worker of its last chunk."""
     import httpx
 
-    body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}  # OpenAI's default is 1: greedy must be asked for
     text, worker = [], None
     try:
         async with httpx.AsyncClient(base_url=stack.http_url, timeout=TIMEOUT_S) as http:
