@@ -18,7 +18,7 @@ PROMPT = "x" * 300
 
 
 def run_async(coro):
-    asyncio.run(asyncio.wait_for(coro, 30))
+    asyncio.run(asyncio.wait_for(coro, 180))  # a hang guard, not a tolerance
 
 
 def sse_payloads(body: str) -> list:
