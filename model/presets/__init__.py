@@ -40,7 +40,7 @@ def released_hf() -> dict:
         return json.load(f)
 
 
-def _tiny_hf() -> dict:
+def tiny_hf() -> dict:
     hf = released_hf()
     t = hf["text_config"]
     t.update(
@@ -96,7 +96,7 @@ def preset_hf(name: str) -> dict:
     if name == "released":
         return released_hf()
     if name == "tiny":
-        return _tiny_hf()
+        return tiny_hf()
     if name == "bench":
         return _bench_hf()
     if name == "small":

@@ -26,55 +26,32 @@ from __future__ import annotations
 
 import os
 
-from flashpd.model.presets import released_hf
+from flashpd.model.presets import tiny_hf
 
 VOCAB_SIZE = 6144
 
 
 def small_hf() -> dict:
-    hf = released_hf()
-    t = hf["text_config"]
-    t.update(
+    """`tiny`'s layer roles (compress ratios, KV/index/candidate sources, Engram layers) at
+    trainable widths."""
+    hf = tiny_hf()
+    hf["text_config"].update(
         vocab_size=VOCAB_SIZE,
         hidden_size=384,
-        num_hidden_layers=10,
         num_attention_heads=8,
-        head_dim=64,
         qk_rope_head_dim=32,
         q_lora_rank=192,
         o_lora_rank=128,
-        o_groups=2,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
         n_shared_experts=1,
         moe_intermediate_size=256,
         rms_norm_eps=1e-6,
-        max_position_embeddings=65536,
-        rope_scaling={"type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                      "original_max_position_embeddings": 4096},
-        sliding_window=128,
-        compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0],
-        kv_source_layer_ids=[2, 4, 6],
-        index_source_layer_ids=[2, 4, 6, 8],
-        index_n_heads=4,
         index_head_dim=64,
         index_topk=32,
-        candidate_source_layer_id=6,
         candidate_topk_blocks=16,
-        candidate_block_size=4,
         hc_sinkhorn_iters=8,
-        engram_layer_ids=[1, 4],
-        engram_max_ngram_size=4,
-        engram_n_heads=2,
         engram_head_dim=64,
         engram_vocab_size=3000,
-        num_nextn_predict_layers=0,
     )
-    # Engram table sizes and the compressed vocabulary come from the shipped tokenizer and the
-    # prime schedule (model/engram.py fills them in through preset_config("small")).
-    t["engram_num_embeddings"] = [0, 0]
-    t["engram_compressed_vocab_size"] = 0
-    hf["image_token_id"] = None
     return hf
 
 
