@@ -14,7 +14,9 @@ from flashpd_sdk.errors import (
     InternalError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk, TokenLogprobs, Usage
@@ -22,6 +24,6 @@ from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk, TokenLogpro
 __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "FlashpdError", "GenerateResult", "GenerateStream", "InternalError", "InvalidArgument",
-    "ModelInfo", "NotFound", "ResourceExhausted", "RetryPolicy", "TokenChunk", "TokenLogprobs",
-    "Unavailable", "Usage",
+    "ModelInfo", "NotFound", "PermissionDenied", "ResourceExhausted", "RetryPolicy", "TokenChunk",
+    "TokenLogprobs", "Unauthenticated", "Unavailable", "Usage",
 ]

@@ -46,6 +46,16 @@ class Cancelled(FlashpdError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Unauthenticated(FlashpdError):
+    """No API key, or not one the server knows (see `Client(api_key=...)`)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(FlashpdError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InternalError(FlashpdError):
     """INTERNAL, UNKNOWN and any other status the server does not document."""
 
@@ -54,7 +64,7 @@ class InternalError(FlashpdError):
 
 _BY_CODE: dict[grpc.StatusCode, type[FlashpdError]] = {
     cls.code: cls for cls in (InvalidArgument, NotFound, ResourceExhausted, DeadlineExceeded,
-                              Unavailable, Cancelled)
+                              Unavailable, Cancelled, Unauthenticated, PermissionDenied)
 }
 
 

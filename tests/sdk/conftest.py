@@ -15,3 +15,12 @@ from sdk_fakes import ScriptedServer  # noqa: E402
 def server():
     with ScriptedServer() as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real redis-server for the tests that run the router behind the SDK."""
+    from flashpd.services.redis_local import LocalRedis
+
+    with LocalRedis() as server:
+        yield server.url
