@@ -609,12 +609,28 @@ async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_token
     codes = Counter(o["code"] for o in outs if not o["ok"])
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
     held = stack.blocks_held()
-    res.counts = {"streams": n, "completed": len(ok), "failed": dict(codes),
+    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
+    res.counts.update({"streams": n, "completed": len(ok), "failed": dict(codes),
                   "wall_s": round(wall_s, 1),
                   "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None]),
                   "e2e_s": percentiles([o["e2e_s"] for o in ok]),
                   "blocks_held_after": held,
-                  "idle_after_s": None if idle_s is None else round(idle_s, 2)}
+                  "idle_after_s": None if idle_s is None else round(idle_s, 2)})
     res.check(len(ok) == n, f"{n - len(ok)} of {n} did not complete: {dict(codes)}")
     res.check(idle_s is not None and held == 0, f"{held} blocks held afterwards")
     return res
+
+
+async def router_counter(stack: FaultStack, name: str) -> dict[str, float]:
+    """The router's Prometheus counter `name` by label set (cumulative since it started)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    with contextlib.suppress(Exception):
+        async with httpx.AsyncClient(base_url=stack.http_url, timeout=10) as http:
+            text = (await http.get("/metrics")).text
+        for line in text.splitlines():
+            if line.startswith(name):
+                labels, _, value = line[len(name):].rpartition(" ")
+                out[labels or "{}"] = float(value)
+    return out
