@@ -314,6 +314,7 @@ async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
     res.counts = {"requests": n, "completed": len(ok), "failed": dict(codes),
                   "killed": victim, "killed_mid_prefill": victim is not None,
                   "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None])}
+    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
     res.check(victim is not None, "no prefill worker was seen prefilling (nothing killed)")
     res.check(len(ok) == n, f"{n - len(ok)} of {n} failed: {dict(codes)}")
     return res
@@ -384,6 +385,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
         "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
         "next_turn_ok": after["ok"],
         "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
+    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
     res.check(snapshot is not None and max(snapshot) < max_tokens,
               "the decode worker was not killed mid-stream")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
