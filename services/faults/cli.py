@@ -67,14 +67,22 @@ def run(args) -> int:
     checkpoint = args.checkpoint or tiny_checkpoint()
     results: list[scenarios.ScenarioResult] = []
     started = time.monotonic()
+    command = " ".join(["flashpd", *sys.argv[1:]])
+
+    def record(result: scenarios.ScenarioResult) -> None:  # written as it goes: a cut run
+        results.append(result)                               # still leaves its results
+        if args.out:
+            write_markdown(args.out, results, command=command,
+                           elapsed_s=time.monotonic() - started)
+
     with LocalRedis() as redis_server:
         http_port = start_ray()
         try:
             for config, names in STACKS:
                 names = [n for n in names if n in chosen]
                 if names:
-                    results += run_on_stack(checkpoint, redis_server, http_port, config,
-                                            names, counts)
+                    run_on_stack(checkpoint, redis_server, http_port, config, names, counts,
+                                 record)
         finally:
             stop_ray()
     elapsed_s = time.monotonic() - started
@@ -83,16 +91,14 @@ def run(args) -> int:
         for f in r.failures:
             print(f"     - {f}")
     if args.out:
-        write_markdown(args.out, results, command=" ".join(["flashpd", *sys.argv[1:]]),
-                       elapsed_s=elapsed_s)
+        write_markdown(args.out, results, command=command, elapsed_s=elapsed_s)
         print(f"results written to {args.out}")
     return 0 if all(r.passed for r in results) else 1
 
 
 def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackConfig,
-                 names: list[str], counts: dict) -> list[scenarios.ScenarioResult]:
+                 names: list[str], counts: dict, record) -> None:
     stack = FaultStack(checkpoint, redis_server, http_port, config).deploy()
-    results = []
     try:
         for name in names:
             func = getattr(scenarios, SCENARIO_FUNCS.get(name, name))
@@ -103,12 +109,11 @@ def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackCon
                 result = scenarios.ScenarioResult(name, failures=[f"harness: {exc!r}"])
             if result.name != name:
                 result.name = name
-            results.append(result)
+            record(result)
             print(f"    {'PASS' if result.passed else 'FAIL'} {result.counts}", flush=True)
             stack.wait_ready(300.0)  # replacements registered before the next fault
     finally:
         stack.undeploy()
-    return results
 
 
 def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str,
