@@ -116,6 +116,31 @@ def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackCon
         stack.undeploy()
 
 
+NOTES = (
+    "How each fault is made (services/faults/scenarios.py):",
+    "",
+    "- fuzz: `fuzz_cases.hostile_requests(0)` over HTTP (httpx) and gRPC (raw bytes); a problem "
+    "is a 5xx / INTERNAL / UNKNOWN, an error body with internals, or a refusal naming another "
+    "field; engine deaths = workers gone from Redis afterwards.",
+    "- cancel_storm: streams cancelled after 0-23 tokens, a third each by SDK `cancel()`, HTTP "
+    "disconnect and raw gRPC cancel, while a prober sends a 2-token request every 0.5 s; idle = "
+    "every worker's heartbeat shows 0 blocks used (not free, not merely cached), 0 running.",
+    "- prefill_kill: the prefill replica whose heartbeat shows queued prompt tokens is killed "
+    "(`ray.kill` of its Serve replica actor) while requests of 1,500 tokens are in flight.",
+    "- decode_kill: one session's streams (SDK, greedy, plus one OpenAI SSE stream) all on its "
+    "decode worker, killed once each stream has 5 tokens; the router continues each stream on "
+    "the other decode worker from the tokens it released (prompt + tokens re-prefilled). With "
+    "the default 128-token bounded replay the continuation's rebuilt windows approximate the "
+    "unbroken run's, so greedy output drifts after the break (`matching_tokens`); with exact "
+    "replay (`decode_kill_exact`) it is identical.",
+    "- redis_pause / redis_restart: 2 clients send multi-turn session requests back to back "
+    "while Redis is SIGSTOPped, or SIGKILLed and restarted empty on its port; prefix hits back "
+    "= 6 requests in a row (new ids, a 1,800-token shared prefix) land on the decode worker "
+    "holding it, timed from the restart to the first of them.",
+    "- load: all streams sent at once through 8 channels (200-token prompts, 16 tokens out).",
+)
+
+
 def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str,
                    elapsed_s: float) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -132,7 +157,7 @@ def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, comman
     for r in results:
         misses = "; ".join(r.failures) or "-"
         lines.append(f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {misses} |")
-    lines.append("")
+    lines += ["", *NOTES, ""]
     for r in results:
         lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str),
                   "```", ""]
