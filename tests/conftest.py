@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# Folders whose every test is `slow`: they start the whole stack (Ray Serve + Redis + NIXL) or
-# inject faults into it. The README's test command runs them; plain `pytest` (the quick loop)
-# skips them.
-SLOW_FOLDERS = ("services/e2e", "faults")
+# Folders whose every test is `slow`: they start the whole stack (Ray Serve + Redis + NIXL),
+# inject faults into it, or run the GPU path's kernels through Triton's CPU interpreter (minutes).
+# The README's test command runs them; plain `pytest` (the quick loop) skips them.
+SLOW_FOLDERS = ("services/e2e", "faults", "engine/gpu")
 _TESTS_ROOT = Path(__file__).parent
 
 

@@ -175,8 +175,12 @@ class GrpcFrontend:
     port: int
     health: health.aio.HealthServicer
     _health_task: asyncio.Task
+    _health_stop: asyncio.Event
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
+        # The event ends the loop even when the cancel is lost: on Python < 3.12, a task
+        # cancelled just as its `wait_for` completes swallows the cancellation.
+        self._health_stop.set()
         self._health_task.cancel()
         await asyncio.gather(self._health_task, return_exceptions=True)
         await self.server.stop(grace_s)
@@ -206,16 +210,17 @@ async def start_grpc_server(orchestrator: Orchestrator, models: ModelTable, toke
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
-    task = asyncio.create_task(_health_loop(orchestrator, health_servicer, health_poll_s))
-    return GrpcFrontend(server, bound, health_servicer, task)
+    stop = asyncio.Event()
+    task = asyncio.create_task(_health_loop(orchestrator, health_servicer, health_poll_s, stop))
+    return GrpcFrontend(server, bound, health_servicer, task, stop)
 
 
 async def _health_loop(orchestrator: Orchestrator, servicer: health.aio.HealthServicer,
-                       poll_s: float) -> None:
+                       poll_s: float, stop: asyncio.Event) -> None:
     """SERVING while at least one prefill and one decode worker are live."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    while True:
+    while not stop.is_set():
         try:
             status = serving if await orchestrator.ready() else not_serving
         except Exception:
@@ -223,4 +228,5 @@ async def _health_loop(orchestrator: Orchestrator, servicer: health.aio.HealthSe
             status = not_serving
         for name in ("", SERVICE_NAME):
             await servicer.set(name, status)
-        await asyncio.sleep(poll_s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)
