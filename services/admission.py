@@ -102,7 +102,9 @@ class AdmissionQueue:
                     await asyncio.wait_for(room.wait(), wait_s)
                 except TimeoutError:
                     pass
-                if room.is_set():
+                if room.is_set() and self._room is room:
+                    # a fresh event for the next wake-up; only once per event, or a waiter
+                    # already parked on the fresh one would be orphaned until its recheck
                     self._room = asyncio.Event()
         finally:
             self._waiting.remove(me)

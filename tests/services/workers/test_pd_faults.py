@@ -190,6 +190,7 @@ def test_retry_after_abort_of_the_first_attempt_proceeds(model_f32):
     _run(main())
 
 
+@pytest.mark.slow
 def test_cancel_storm_of_200_leaks_nothing_and_serves_afterwards(model_f32):
     async def main():
         p, d = _workers(model_f32)
