@@ -107,7 +107,7 @@ class RoleArgs(_Placement):
         None, ge=1, description="Serve calls a replica takes at once (default: max_num_seqs + "
         "max_queued_requests + a margin, so queued reserves never starve running streams)")
     max_queued_requests: int = Field(
-        256, ge=0, description="decode reserves waiting for KV capacity before a refusal "
+        1024, ge=0, description="decode reserves waiting for KV capacity before a refusal "
         "(RESOURCE_EXHAUSTED / 429 with retry-after)")
     retry_after_s: float = Field(1.0, gt=0, description="retry-after hint sent with a refusal")
     num_blocks: int = Field(512, ge=1)

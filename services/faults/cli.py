@@ -40,10 +40,9 @@ EXACT = ("decode_kill_exact",)  # on a stack with exact replay (swa_bounded_repl
 STACKS = (
     (StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
     (StackConfig(2, 2, app_name="faultsexact", extra_args={"swa_bounded_replay": False}), EXACT),
-    # a decode queue that holds the 500-stream burst: at the default (256) the 180 reserves
-    # beyond 64 running + 256 queued are refused (429) by design
-    (StackConfig(1, 1, app_name="faults1x1",
-                 extra_args={"decode": {"max_queued_requests": 1024}}), ONE_BY_ONE),
+    # the default decode queue (1,024) holds the 500-stream burst; with a queue of 256 the 180
+    # reserves beyond 64 running + 256 queued were refused (429), as a full queue is meant to
+    (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE),
 )
 
 
@@ -141,10 +140,10 @@ NOTES = (
     "= 6 requests in a row (new ids, a 1,800-token shared prefix) land on the decode worker "
     "holding it, timed from the restart to the first of them.",
     "- load: all streams sent at once through 8 channels (200-token prompts, 16 tokens out), "
-    "on 1 prefill + 1 decode replica whose decode admission queue is 1,024 deep "
-    "(`decode.max_queued_requests`); at the default depth of 256, 64 running + 256 queued "
-    "streams are served and the other 180 of 500 refused with RESOURCE_EXHAUSTED / 429 and "
-    "Retry-After (measured 16:19 UTC), as the queue is meant to.",
+    "on 1 prefill + 1 decode replica with the default decode admission queue (1,024 deep, "
+    "`decode.max_queued_requests`); with a queue of 256, 64 running + 256 queued streams were "
+    "served and the other 180 of 500 refused with RESOURCE_EXHAUSTED / 429 and Retry-After "
+    "(measured 16:19 UTC), as a full queue is meant to.",
 )
 
 
