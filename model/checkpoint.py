@@ -284,7 +284,9 @@ class _RandomWeights:
 
 
 # ============================================================================ writer
-def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard file, in manifest order, each shard at most `max_shard_bytes`
+    (a larger tensor gets a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, spec in specs.items():
@@ -343,7 +345,7 @@ def write_random_checkpoint(
 
     os.makedirs(out_dir, exist_ok=True)
     specs = manifest(cfg)
-    shards = _plan_shards(specs, max_shard_bytes)
+    shards = plan_shards(specs, max_shard_bytes)
     weights = _RandomWeights(cfg, specs, seed, torch.device(device))
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards, strict=True):

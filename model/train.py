@@ -47,7 +47,14 @@ from flashpd.kernels.indexer import ref as indexer_ref
 from flashpd.kernels.mhc import ref as mhc
 from flashpd.kernels.quant import ref as quant
 from flashpd.kernels.rope import ref as rope
-from flashpd.model.checkpoint import INDEX_FILE, TensorSpec, is_scale, logical_shape, manifest
+from flashpd.model.checkpoint import (
+    INDEX_FILE,
+    TensorSpec,
+    is_scale,
+    logical_shape,
+    manifest,
+    plan_shards,
+)
 from flashpd.model.config import LayerSpec, ModelConfig
 
 INDEXER_LOSS_WEIGHT = 0.1
@@ -448,14 +455,7 @@ def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | Non
         if tuple(got.shape) != spec.shape:
             raise RuntimeError(f"{name}: exported shape {tuple(got.shape)} != {spec.shape}")
     os.makedirs(out_dir, exist_ok=True)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, spec in specs.items():
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += spec.nbytes
+    shards = plan_shards(specs, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards, strict=True):
         save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
