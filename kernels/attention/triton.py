@@ -112,6 +112,25 @@ def _attend(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr, UPCAST: tl
 
 
 @triton.jit
+def _store_rows(o, out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask,
+                D: tl.constexpr, ROPE_PAIRS: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Store one query's normalised output rows [HB, D], then undo RoPE on the rope channels
+    (partner channels read back from memory, so the inverse rotation uses the rounded values)."""
+    if OUT_BF16:
+        o = round_bf16(o)
+    o_rows = out_ptr + (t * H + heads[:, None]) * D
+    tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    if ROPE_PAIRS > 0:
+        tl.debug_barrier()
+        partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), True)
+        tl.debug_barrier()
+        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
     kv_ptr, valid_ptr, N,  # SRC 0: gathered keys [T, N, D] + valid [T, N]
@@ -153,19 +172,8 @@ def _attn_kernel(
             rows = tl.load(comp_rows_ptr + t * KC + n, mask=n < KC, other=-1)
             keys = _record_tile(comp_ptr, stride_comp, rows, rows >= 0, D, COMP_FMT, HW)
             m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
-    o = acc / l_i[:, None]
-    if OUT_BF16:
-        o = round_bf16(o)
-    o_rows = out_ptr + (t * H + heads[:, None]) * D
-    tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output: partner channels from memory
-        tl.debug_barrier()
-        partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), True)
-        tl.debug_barrier()
-        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+    _store_rows(acc / l_i[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
+                hmask, D, ROPE_PAIRS, OUT_BF16)
 
 
 # ============================================================================ split-KV decode
@@ -243,19 +251,8 @@ def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, 
         l_sum += w * tl.load(l_ptr + cell, mask=hmask, other=0.0)
         acc += w[:, None] * tl.load(acc_ptr + cell[:, None] * D + c[None, :], mask=hmask[:, None],
                                     other=0.0)
-    o = acc / l_sum[:, None]
-    if OUT_BF16:
-        o = round_bf16(o)
-    o_rows = out_ptr + (t * H + heads[:, None]) * D
-    tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output: partner channels from memory
-        tl.debug_barrier()
-        partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), True)
-        tl.debug_barrier()
-        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+    _store_rows(acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
+                hmask, D, ROPE_PAIRS, OUT_BF16)
 
 
 def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int]:
