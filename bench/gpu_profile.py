@@ -81,20 +81,7 @@ def _start(engine: LLMEngine, cfg, context: int, batch: int, tag: str) -> list[s
 
 
 def kernel_table(engine: LLMEngine, steps: int) -> tuple[float, dict, dict]:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.key_averages():
-        if str(ev.device_type).endswith("CUDA"):  # kernels only (CPU ops would count twice)
-            us = getattr(ev, "self_device_time_total", None)
-            us = ev.self_cuda_time_total if us is None else us
-            per_kernel[ev.key] += us / steps / 1e3  # ms per step
-    groups: dict[str, float] = defaultdict(float)
-    for name, ms in per_kernel.items():
-        groups[group_of(name)] += ms
-    return sum(per_kernel.values()), groups, per_kernel
+    return kernel_table_of(engine.step, steps)
 
 
 def host_split(engine: LLMEngine, steps: int) -> dict:
@@ -127,6 +114,75 @@ def host_split(engine: LLMEngine, steps: int) -> dict:
     return {"wall_ms": sorted(walls)[len(walls) // 2], "events_ms": sorted(gpus)[len(gpus) // 2]}
 
 
+def op_table(run, steps: int, top: int = 30) -> list[str]:
+    """Device time of the torch ops (not the Triton kernels) by op and the Python line that
+    called it: where the small glue kernels of a step come from."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages(group_by_stack_n=4):
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us and ev.key.startswith("aten::"):
+            stack = " < ".join(f.split("/flashpd/")[-1] for f in (ev.stack or [])[:4])
+            rows.append((us / steps / 1e3, ev.count // steps, ev.key, stack))
+    rows.sort(reverse=True)
+    lines = ["| torch op | ms/step | calls/step | called from |", "|---|---|---|---|"]
+    for ms, n, key, stack in rows[:top]:
+        lines.append(f"| `{key}` | {ms:.3f} | {n} | {stack[:160]} |")
+    return lines
+
+
+def prefill_profile(cfg, model, length: int, steps: int) -> list[str]:
+    """The prefill role's job (encoder path + layer 20's KV write) on one `length`-token
+    prompt: kernel table and torch-op table after a warm-up run."""
+    engine = LLMEngine(model, EngineConfig(
+        role="prefill", dtype="bfloat16", device="cuda", num_blocks=length // 64 + 8,
+        num_slots=2, max_num_batched_tokens=8192, max_num_seqs=2, model_id="flashpd-profile"))
+    g = torch.Generator().manual_seed(1)
+    counter = iter(range(1_000_000))
+
+    def one() -> None:
+        rid = f"pf{next(counter)}"
+        prompt = torch.randint(10, cfg.vocab_size - 10, (length,), generator=g).tolist()
+        engine.add_request(rid, prompt, SamplingParams())
+        done = False
+        while not done:
+            done = any(o.finished for o in engine.step())
+        engine.release_kv(rid)
+
+    one()
+    torch.cuda.synchronize()
+    total, groups, per_kernel = kernel_table_of(one, 1)
+    lines = [f"## Prefill role, {length:,}-token prompt", "",
+             f"Device time: {total:.1f} ms (eager).", "", "| group | ms | share |", "|---|---|---|"]
+    for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {group} | {ms:.2f} | {100 * ms / total:.0f}% |")
+    lines += ["", "Top kernels:", "", "| kernel | ms |", "|---|---|"]
+    for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"| `{name[:80]}` | {ms:.2f} |")
+    lines += ["", "Torch ops:", ""] + op_table(one, 1) + [""]
+    return lines
+
+
+def kernel_table_of(run, steps: int) -> tuple[float, dict, dict]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        if str(ev.device_type).endswith("CUDA"):
+            us = getattr(ev, "self_device_time_total", None)
+            us = ev.self_cuda_time_total if us is None else us
+            per_kernel[ev.key] += us / steps / 1e3
+    groups: dict[str, float] = defaultdict(float)
+    for name, ms in per_kernel.items():
+        groups[group_of(name)] += ms
+    return sum(per_kernel.values()), groups, per_kernel
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="bench")
@@ -134,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--host", action="store_true", help="also graphed steps under cProfile")
+    ap.add_argument("--ops", action="store_true", help="also torch ops by calling line")
+    ap.add_argument("--prefill", type=int, default=0, help="also profile an N-token prefill")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = preset_config(args.preset)
-    model = random_gpu_model(cfg, "cuda", seed=0)
+    import time
+
+    t0 = time.perf_counter()
+    model = random_gpu_model(cfg, "cuda", seed=0, warm=False)
+    t1 = time.perf_counter()
+    model.warmup()
+    print(f"model built in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s", flush=True)
     graphs = model.graphs
     lines = [f"# Decode step GPU time by kernel: `{args.preset}` preset, "
              f"{args.context:,}-token context (eager, torch.profiler)", "",
@@ -153,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B={batch} graphed: {host}", flush=True)
         model.graphs = None
         total, groups, per_kernel = kernel_table(engine, args.steps)
+        ops = op_table(engine.step, args.steps) if args.ops else []
         model.graphs = graphs
         for rid in rids:
             engine.abort(rid)
@@ -171,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]:
             lines.append(f"| `{name[:80]}` | {ms:.2f} |")
         lines.append("")
+        if ops:
+            lines += ["Torch ops (eager):", ""] + ops + [""]
         print("\n".join(lines), flush=True)
+    if args.prefill:
+        lines += prefill_profile(cfg, model, args.prefill, args.steps)
+        print("\n".join(lines[-60:]), flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
