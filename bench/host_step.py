@@ -1,0 +1,143 @@
+"""Host time of one graphed decode step, on the CPU, with no model compute.
+
+    python -m flashpd.bench.host_step --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
+
+The engine runs the `bench` preset's layer layout (40 layers, its compress ratios, kv / index /
+candidate sources, Engram layers, W=128, top-k 512) at the `tiny` preset's widths, through the
+GPU path's decode step (`GpuModel.prepare` + table build, the copies into the graph's static
+buffers, `GpuModel.commit`, the scheduler, the runner and the sampler). The one thing replaced
+is the layers: `compute` returns zero logits (and the ratio-2 open rows the commit keeps), so
+what is timed is the host work of a step. `batch` sequences share a `context`-token prompt
+(prefix hits, as `gpu_profile`), then every step decodes one token per sequence.
+
+Caveat: on a CPU the "device" tensors live in host memory, so work that the GPU runs
+asynchronously (the commit's ring copies, the sampler's argmax over [B, V], copies into the
+static buffers) is executed here, synchronously: the figure is an upper bound of the host time
+a GPU step spends (launch cost there is a few microseconds per op, the op itself runs on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from flashpd.engine.gpu.forward import GpuModel
+from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
+from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.sampling import SamplingParams
+from flashpd.model.engram import EngramHasher
+from flashpd.model.presets import preset_config, tokenizer_path
+
+
+def host_config():
+    """The bench preset's layer layout at the tiny preset's widths."""
+    bench, tiny = preset_config("bench"), preset_config("tiny")
+    return tiny.replace(
+        name="host-bench", num_layers=bench.num_layers, compress_ratios=bench.compress_ratios,
+        kv_source_layer_ids=bench.kv_source_layer_ids,
+        index_source_layer_ids=bench.index_source_layer_ids,
+        candidate_source_layer_id=bench.candidate_source_layer_id,
+        candidate_block_size=bench.candidate_block_size,
+        candidate_topk_blocks=bench.candidate_topk_blocks, index_topk=bench.index_topk,
+        sliding_window=bench.sliding_window, engram_layer_ids=bench.engram_layer_ids,
+        engram_num_embeddings=tiny.engram_num_embeddings[:len(bench.engram_layer_ids)],
+        max_position_embeddings=bench.max_position_embeddings)
+
+
+class HostOnlyModel(GpuModel):
+    """`GpuModel` whose layers are not run: zero logits, zero ratio-2 open rows (benchmark)."""
+
+    def compute(self, step):
+        cfg = self.cfg
+        step.outputs = {}
+        for src in cfg.kv_source_layer_ids:
+            if cfg.compress_ratios[src] == 2:
+                rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
+                step.outputs[("open", src)] = torch.zeros(rows.num_seam, 2, cfg.head_dim,
+                                                          device=self.device)
+        n = step.logit_rows.shape[0]
+        return torch.zeros(n, cfg.vocab_size, device=self.device) if n else None
+
+
+def build_model(cfg) -> HostOnlyModel:
+    device = torch.device("cpu")
+    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, device), device)
+    hasher = EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny"))  # the tiny widths' vocab
+    return HostOnlyModel(cfg, weights, hasher, decode_graphs=True)
+
+
+def start(model, batch: int, context: int) -> LLMEngine:
+    cfg = model.cfg
+    engine = LLMEngine(model, EngineConfig(
+        dtype="bfloat16", device="cpu", num_blocks=context // 64 + 16 + 2 * batch,
+        num_slots=batch + 4, max_num_batched_tokens=8192, max_num_seqs=batch,
+        model_id="flashpd-host-bench"))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist()
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    rids = [f"r{b}" for b in range(batch)]
+    for rid in rids:
+        tail = torch.randint(10, cfg.vocab_size - 10, (16,), generator=g).tolist()
+        engine.add_request(rid, prompt + tail, SamplingParams(max_tokens=1_000,
+                                                               ignore_eos=True))
+    while any(engine.stats[r].first_token_s is None for r in rids):
+        engine.step()
+    for _ in range(3):  # the decode graph buckets (eager here) and every cache filled
+        engine.step()
+    return engine
+
+
+def time_steps(engine: LLMEngine, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        out.append(1e3 * (time.perf_counter() - t0))
+        assert all(len(o.new_token_ids) == 1 for o in outs), "not a decode step"
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: one core)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    ap.add_argument("--out", default=None, help="append a markdown table to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = build_model(host_config())
+    rows = []
+    for batch in args.batch:
+        engine = start(model, batch, args.context)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            time_steps(engine, args.steps)
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        ms = time_steps(engine, args.steps)
+        med, p10 = statistics.median(ms), sorted(ms)[len(ms) // 10]
+        rows.append((batch, med, p10, max(ms)))
+        print(f"B={batch}: host ms/step median {med:.2f} (p10 {p10:.2f}, max {max(ms):.2f}) "
+              f"over {args.steps} steps", flush=True)
+    if args.out:
+        lines = ["| B | host ms/step (median) | p10 | max |", "|---|---|---|---|"]
+        lines += [f"| {b} | {m:.2f} | {p:.2f} | {x:.2f} |" for b, m, p, x in rows]
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
