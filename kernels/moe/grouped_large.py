@@ -1,0 +1,333 @@
+"""Routed MXFP4 experts at prefill sizes (many rows per expert): large-tile grouped GEMMs.
+
+Same math as `moe/ref.py` (expert_ffn on the pairs sorted by expert) and as the grouped GEMM of
+`dense/triton.py`, for the case that GEMM's small tiles serve badly: thousands of token-expert
+pairs, hundreds of rows per expert. Two ways, chosen by CONFIG["mode"]:
+
+"triton": one grouped GEMM per weight, tiles of BLOCK_M pairs x BLOCK_N weight rows x BLOCK_K,
+8 warps, the K loop software-pipelined (num_stages). Program (nb, tile) computes
+
+    acc[p, n] = sum_k A[a_rows[p], k] * W[expert(tile), n, k]            FP32, K walked in order
+
+with the MXFP4 tile (E2M1 nibbles, low nibble = even k; UE8M0 scale per 32 k) handed either to
+`tl.dot_scaled` (DOT_SCALED; on Hopper Triton upcasts it in registers; GPU only) or decoded here
+to BF16 (exact) and fed to `tl.dot` (runs under the interpreter too). SWAP computes the
+transposed tile acc^T = W . A^T so the decoded weight is the MMA's left operand, which Hopper's
+wgmma can read from registers (the right operand must come from shared memory).
+The SwiGLU epilogue is `dense/triton.py`'s: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
+with g, u rounded to BF16 first, as moe.ref.expert_ffn does.
+
+"dequant": each weight's experts are decoded to a BF16 scratch buffer once per call
+(`dequantize_mxfp4`, exact), then torch's grouped BF16 GEMM (torch._grouped_mm, CUTLASS on
+Hopper) runs on the sorted pairs and a small kernel applies SwiGLU and gamma.
+
+Batch invariance: a row's arithmetic depends on its own values and the weight only (tile sizes
+are constants), but this path is opt-in by size (moe/triton.py dispatches here from
+CONFIG["min_pairs"] pairs on the GPU), so a token may differ in the last bits between a
+prefill-sized call and a decode-sized one, like dense/triton.py's cuBLAS prefill path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
+from flashpd.kernels.dense import triton as dense
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, Weights, sigmoid_f32
+from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
+
+# Tuned on an H200 (bench/results/h200/gemm_prefill.md).
+#   mode       "triton" (grouped GEMM below) or "dequant" (BF16 scratch + torch._grouped_mm)
+#   min_pairs  moe/triton.py routes MXFP4 experts here from this many token-expert pairs (GPU)
+#   gemm1/2    tiles of the SwiGLU GEMM (W1|W3) and the down GEMM (W2): block_m/n/k, warps,
+#              stages, dot_scaled (tl.dot_scaled instead of the in-kernel decode), swap
+CONFIG = {
+    "mode": "triton", "min_pairs": 2048,
+    "gemm1": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
+              "dot_scaled": False, "swap": True},
+    "gemm2": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
+              "dot_scaled": False, "swap": True},
+}
+
+
+# ============================================================================ MXFP4 decode
+@triton.jit
+def _e2m1_bits(nib):
+    """E2M1 codes (low 4 bits, int32) -> FP32 of value * 2^-126 (code bits placed in the
+    sign/exponent/mantissa fields; 0.5 becomes the subnormal 2^-127)."""
+    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """packed uint8 [BN, BK/2] + UE8M0 uint8 [BN, BK/32] -> BF16 [BN, BK] in K order (exact)."""
+    b = packed.to(tl.int32)
+    f = e8m0_decode(scale)  # [BN, BK/32] 2^(s - 127)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
+                   (BLOCK_N, BLOCK_K // 2))
+    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.bfloat16)  # * 2^126: the E2M1 value
+    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.bfloat16)
+    return tl.interleave(lo, hi)
+
+
+@triton.jit
+def _mm(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:  # interpreter: BF16 operands upcast (exact), see dense/triton.py DOT_UPCAST
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
+          DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + (tile product) for K in [k0, k0 + BLOCK_K) of one weight."""
+    if EVEN:
+        packed = tl.load(w_ptr + w_off + k0 // 2)
+        scale = tl.load(s_ptr + s_off + k0 // 32)
+    else:
+        packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
+        scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+    if DOT_SCALED:
+        if SWAP:
+            acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
+                                fast_math=True)
+        else:
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
+                                fast_math=True)
+    else:
+        w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
+        if SWAP:
+            acc = _mm(w, tl.trans(a), acc, UPCAST)
+        else:
+            acc = _mm(a, tl.trans(w), acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def _large_gemm_kernel(
+    a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
+    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit,
+    SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, GATHER_A: tl.constexpr,
+    EVEN: tl.constexpr, DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    tile = tl.program_id(1)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    if start < end:
+        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        p = start + tl.arange(0, BLOCK_M)
+        p_mask = p < end
+        if GATHER_A:
+            a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
+        else:
+            a_row = tl.where(p_mask, p, start).to(tl.int64)  # padding rows re-read a real row
+        n_idx = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = (n_idx < N)[:, None]
+        n64 = n_idx.to(tl.int64)
+        kh = tl.arange(0, BLOCK_K // 2)
+        ks = tl.arange(0, BLOCK_K // 32)
+        w_off = e * stride_we + n64[:, None] * stride_wn + kh[None, :]
+        s_off = e * stride_se + n64[:, None] * stride_sn + ks[None, :]
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
+        if SWAP:
+            acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0)  # rows past `end` read a real row; never stored
+            acc1 = _step(acc1, a, w1_ptr, s1_ptr, w_off, s_off, k0, n_mask, EVEN, DOT_SCALED,
+                         SWAP, UPCAST, BLOCK_N, BLOCK_K)
+            if SWIGLU:
+                acc3 = _step(acc3, a, w3_ptr, s3_ptr, w_off, s_off, k0, n_mask, EVEN,
+                             DOT_SCALED, SWAP, UPCAST, BLOCK_N, BLOCK_K)
+        if SWAP:
+            acc1 = tl.trans(acc1)
+            acc3 = tl.trans(acc3)
+        if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to BF16, FP32 SwiGLU, gamma, one rounding
+            g = tl.minimum(round_bf16(acc1), limit)
+            u = tl.minimum(tl.maximum(round_bf16(acc3), -limit), limit)
+            out = g * sigmoid_f32(g) * u
+            if HAS_GAMMA:
+                out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
+        else:
+            out = acc1
+        c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
+        tl.store(c, round_bf16(out).to(c_ptr.dtype.element_ty),
+                 mask=p_mask[:, None] & (n_idx[None, :] < N))
+
+
+def _check(a: torch.Tensor, w: Weights, out: torch.Tensor) -> None:
+    if w.fmt != W_MXFP4:
+        raise ValueError("grouped_large runs MXFP4 weights only")
+    if a.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_large needs bf16 activations and output, got {a.dtype}, "
+                        f"{out.dtype}")
+    if a.ndim != 2 or a.stride(1) != 1 or out.ndim != 2 or out.stride(1) != 1:
+        raise ValueError("grouped_large needs row-major 2-D a and out")
+    if a.shape[1] != w.in_dim or out.shape[1] != w.out_dim:
+        raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], "
+                         f"out {tuple(out.shape)} do not chain")
+    if w.data.stride(2) != 1 or w.scale.stride(2) != 1:
+        raise ValueError("MXFP4 weight and scale rows must be contiguous")
+    triton_runtime.check_device(a, out, w.data)
+
+
+def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out: torch.Tensor,
+                 a_rows: torch.Tensor | None = None, w3: Weights | None = None,
+                 gamma: torch.Tensor | None = None, limit: float = 0.0,
+                 tiles: dict | None = None) -> torch.Tensor:
+    """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T) for MXFP4 W (SwiGLU when w3 is given).
+
+    schedule: row tiles of `out` with schedule.block_m == tiles["block_m"] (dense.grouped_schedule).
+    tiles: launch configuration (CONFIG["gemm1"] / ["gemm2"] when None).
+    """
+    _check(a, w, out)
+    if w3 is not None and (w3.fmt, w3.data.shape, w3.data.stride(), w3.scale.stride()) != (
+            w.fmt, w.data.shape, w.data.stride(), w.scale.stride()):
+        raise ValueError("SwiGLU W1 and W3 must share format, shape and strides")
+    t = tiles or CONFIG["gemm1" if w3 is not None else "gemm2"]
+    if schedule.block_m != t["block_m"]:
+        raise ValueError(f"schedule.block_m {schedule.block_m} != tiles block_m {t['block_m']}")
+    dot_scaled = t["dot_scaled"]
+    if dot_scaled and triton_runtime.interpreting():
+        raise ValueError("dot_scaled does not run under the interpreter")
+    n_dim, k_dim = w.out_dim, w.in_dim
+    if k_dim % t["block_k"] or t["block_k"] % 32:
+        raise ValueError(f"K={k_dim} must be a multiple of block_k={t['block_k']} (itself of 32)")
+    n_tiles = schedule.start.shape[0]
+    if out.shape[0] == 0 or n_tiles == 0:
+        return out
+    w3_ = w3 if w3 is not None else w
+    grid = (triton.cdiv(n_dim, t["block_n"]), n_tiles)
+    _large_gemm_kernel[grid](
+        a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
+        gamma if gamma is not None else out, w.data, w.scale, w3_.data, w3_.scale,
+        w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1),
+        schedule.expert, schedule.start, schedule.end, n_dim, k_dim, float(limit),
+        SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
+        EVEN=n_dim % t["block_n"] == 0, DOT_SCALED=dot_scaled, SWAP=t["swap"],
+        UPCAST=DOT_UPCAST, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+        num_warps=t["warps"], num_stages=t["stages"], **triton_runtime.launch_options())
+    return out
+
+
+# ============================================================================ dequant mode
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    rmask = (r < rows)[:, None]
+    r64 = r.to(tl.int64)[:, None]
+    packed = tl.load(w_ptr + r64 * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
+                     mask=rmask, other=0)
+    scale = tl.load(s_ptr + r64 * (K // 32) + k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :],
+                    mask=rmask, other=127)
+    w = _decode_tile(packed, scale, BLOCK_R, BLOCK_K)
+    tl.store(y_ptr + r64 * K + k0 + tl.arange(0, BLOCK_K)[None, :], w, mask=rmask)
+
+
+def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
+    """MXFP4 weights [E, N, K] -> BF16 [E, N, K] (exact), one launch; `out` may be a scratch
+    buffer (any contiguous BF16 tensor of that shape)."""
+    if w.fmt != W_MXFP4 or not w.data.is_contiguous() or not w.scale.is_contiguous():
+        raise ValueError("dequantize_mxfp4 takes contiguous MXFP4 weights")
+    e, n, k = w.num_experts, w.out_dim, w.in_dim
+    if k % 64:
+        raise ValueError(f"dequantize_mxfp4 needs K % 64 == 0, got {k}")
+    y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16,
+                                                device=w.data.device)
+    rows = e * n
+    _dequant_kernel[(triton.cdiv(rows, 32), k // 64)](w.data, w.scale, y, rows, k, BLOCK_R=32,
+                                                       BLOCK_K=64)
+    return y
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (r < rows)[:, None] & (i < inter)[None, :]
+    base = r.to(tl.int64)[:, None] * (2 * inter) + i[None, :]
+    g = tl.minimum(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32)
+    out = g * sigmoid_f32(g) * tl.minimum(tl.maximum(u, -limit), limit)
+    if HAS_GAMMA:
+        out = tl.load(gamma_ptr + r, mask=r < rows, other=0.0)[:, None] * out
+    tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :],
+             round_bf16(out).to(tl.bfloat16), mask=mask)
+
+
+def _grouped_mm(a: torch.Tensor, w_bf16: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """a [P, K] (rows sorted by expert) . W[e]^T per expert -> [P, N] BF16 (torch's grouped
+    GEMM; ends [E] int32 cumulative row counts)."""
+    return torch._grouped_mm(a, w_bf16.transpose(1, 2), offs=ends)
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(shape: tuple, device: torch.device) -> torch.Tensor:
+    key = (shape, device)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        _SCRATCH[key] = buf
+    return buf
+
+
+def dequant_expert_gemms(x_sorted: torch.Tensor, gamma: torch.Tensor | None, counts: torch.Tensor,
+                         w1: Weights, w3: Weights, w2: Weights, limit: float) -> torch.Tensor:
+    """"dequant" mode: x_sorted [P, D] pairs sorted by expert -> y [P, D] BF16 (GPU only)."""
+    e, inter, dim = w1.num_experts, w1.out_dim, w1.in_dim
+    device = x_sorted.device
+    w13 = _scratch((e, 2 * inter, dim), device)
+    dequantize_mxfp4(w1, w13[:, :inter])
+    dequantize_mxfp4(w3, w13[:, inter:])
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    gu = _grouped_mm(x_sorted, w13, ends)  # [P, 2I] bf16: g | u
+    rows = x_sorted.shape[0]
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
+    _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
+        gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
+        HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
+    w2b = dequantize_mxfp4(w2, _scratch((e, dim, inter), device))
+    return _grouped_mm(h, w2b, ends)
+
+
+# ============================================================================ experts
+def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
+                 counts: torch.Tensor, w1: Weights, w3: Weights, w2: Weights,
+                 limit: float) -> torch.Tensor:
+    """Both expert GEMMs on pairs sorted by expert: x [T, D], token_of_pair [P] int32 (the token
+    of each sorted pair), gamma [P] FP32, counts [E] pairs per expert -> y [P, D] BF16,
+    y[p] = expert_ffn(x[token_of_pair[p]]) of pair p's expert with weight gamma[p]."""
+    num_pairs = token_of_pair.shape[0]
+    if CONFIG["mode"] == "dequant" and not triton_runtime.interpreting():
+        return dequant_expert_gemms(x[token_of_pair.long()], gamma, counts, w1, w3, w2, limit)
+    t1, t2 = CONFIG["gemm1"], CONFIG["gemm2"]
+    s1 = dense.grouped_schedule(counts, num_pairs, t1["block_m"])
+    s2 = s1 if t2["block_m"] == t1["block_m"] else dense.grouped_schedule(counts, num_pairs,
+                                                                          t2["block_m"])
+    h = torch.empty(num_pairs, w1.out_dim, dtype=x.dtype, device=x.device)
+    grouped_gemm(x, w1, s1, h, a_rows=token_of_pair, w3=w3, gamma=gamma, limit=limit, tiles=t1)
+    y = torch.empty(num_pairs, w2.out_dim, dtype=x.dtype, device=x.device)
+    return grouped_gemm(h, w2, s2, y, tiles=t2)
+
+
+def eligible(w: Weights, num_pairs: int, dtype: torch.dtype) -> bool:
+    """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here."""
+    return (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= CONFIG["min_pairs"]
+            and not triton_runtime.interpreting())

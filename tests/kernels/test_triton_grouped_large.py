@@ -1,0 +1,81 @@
+"""Large-tile grouped MXFP4 expert GEMMs (kernels/moe/grouped_large.py) against moe/ref.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.moe import grouped_large as gl
+from flashpd.kernels.moe import ref as mref
+from flashpd.kernels.quant import ref as qref
+
+LIMIT = 10.0
+SMALL = {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2,
+         "dot_scaled": False}
+
+
+def _mxfp4(experts: int, n: int, k: int, g: torch.Generator) -> tuple[dt.Weights, torch.Tensor]:
+    """Random MXFP4 weights [E, N, K] with a spread of scales, and their BF16 values."""
+    quant = [qref.quantize_mxfp4_weight(
+        torch.randn(n, k, generator=g) * 0.1 * 2.0 ** torch.randint(-3, 3, (n, 1), generator=g))
+        for _ in range(experts)]
+    w = dt.Weights.mxfp4(torch.stack([p for p, _ in quant]), torch.stack([s for _, s in quant]))
+    deq = torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in quant])
+    return w, deq
+
+
+def _pairs(tokens: int, experts: int, top_k: int, g: torch.Generator):
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    token_of_pair = (order // top_k).to(torch.int32)
+    gamma = (torch.rand(tokens * top_k, generator=g) * 0.5)[order].contiguous()
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    return ids.reshape(-1)[order], token_of_pair, gamma, counts
+
+
+def _want(x, sorted_ids, token_of_pair, gamma, w1, w3, w2):
+    want = torch.empty(token_of_pair.shape[0], w2.shape[1], dtype=torch.bfloat16)
+    for e in torch.unique(sorted_ids).tolist():
+        sel = (sorted_ids == e).nonzero().flatten()
+        want[sel] = mref.expert_ffn(x[token_of_pair[sel].long()], w1[e], w3[e], w2[e], LIMIT,
+                                    gamma[sel][:, None])
+    return want
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_expert_gemms_match_reference_ffn(monkeypatch, swap):
+    """Both GEMMs (gathered SwiGLU with gamma, then down) on pairs sorted by expert; the SwiGLU
+    GEMM's N (96) is not a multiple of its block_n (64): masked weight rows."""
+    g = torch.Generator().manual_seed(0)
+    experts, dim, inter, tokens, top_k = 4, 128, 96, 11, 2
+    w1, d1 = _mxfp4(experts, inter, dim, g)
+    w3, d3 = _mxfp4(experts, inter, dim, g)
+    w2, d2 = _mxfp4(experts, dim, inter, g)
+    x = torch.randn(tokens, dim, generator=g).bfloat16()
+    sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
+    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "swap": swap, "block_n": 64})
+    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "swap": swap, "block_m": 32, "block_k": 32})
+    got = gl.expert_gemms(x, token_of_pair, gamma, counts, w1, w3, w2, LIMIT)
+    want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_dequantize_mxfp4_is_exact():
+    g = torch.Generator().manual_seed(1)
+    w, deq = _mxfp4(2, 8, 128, g)
+    assert torch.equal(gl.dequantize_mxfp4(w), deq)
+
+
+def test_rejects_mismatched_schedule_and_formats():
+    g = torch.Generator().manual_seed(2)
+    w, _ = _mxfp4(2, 32, 64, g)
+    a = torch.randn(4, 64).bfloat16()
+    out = torch.empty(4, 32, dtype=torch.bfloat16)
+    sched = dt.grouped_schedule(torch.tensor([2, 2]), 4, 32)
+    with pytest.raises(ValueError, match="block_m"):
+        gl.grouped_gemm(a, w, sched, out, tiles=SMALL | {"swap": False})
+    with pytest.raises(ValueError, match="MXFP4"):
+        gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64).bfloat16()), sched, out)
+    with pytest.raises(TypeError, match="bf16"):
+        gl.grouped_gemm(a.float(), w, sched, out)
