@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpd.kernels.dense.ref import fp32, linear_fp32, sigmoid
+from flashpd.kernels.dense.ref import fp32, linear_fp32, rms_norm, sigmoid
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -70,3 +70,23 @@ def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     mixed = torch.bmm(fp32(comb).transpose(1, 2), fp32(streams))
     out = fp32(post)[..., None] * fp32(y)[:, None, :] + mixed
     return out.to(streams.dtype)  # [T, S, D]
+
+
+def expand_mix_collapse(
+    y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor | None,
+    comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One mHC step of the shifted schedule (§2.4), as the sequence of the ops above:
+
+    X' = expand(y; post, comb, X) (X' = X when y is None), the mixes of X', and, with pre_in,
+    x = rms_norm(collapse(X', pre_in), norm_weight, norm_eps) (dense/ref.py).
+    -> (X' [T, S, D], pre [T, S], post' [T, S], comb' [T, S, S], x [T, D] | None).
+    """
+    new = streams if y is None else expand(y, streams, post, comb)
+    pre, post_o, comb_o = hc_mixes(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    x = None
+    if pre_in is not None:
+        x = rms_norm(collapse(new, pre_in), norm_weight, norm_eps)
+    return new, pre, post_o, comb_o, x

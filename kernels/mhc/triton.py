@@ -7,13 +7,25 @@ the fused step of the shifted schedule (§2.4), `expand_mix_collapse`:
     pre', post', comb' = hc_mixes(X'; fn, base, scale)   coefficient GEMM + Sinkhorn
     x      = RMSNorm_w(collapse(X', pre_in))             (optional)
 
-One program owns 16 (32 for long prefills) tokens and walks D in chunks of 64 channels; per
-chunk it loads the four streams once, forms X'_k (FP32, j ascending, rounded to the stream dtype
-and stored), accumulates sum(X'^2), the coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T (FP32
-operands as three TF32 products on the GPU, FP32-level accuracy; IEEE FP32 in the interpreter),
-and the collapsed row. The
-RMSNorm needs the whole row's statistic, so the collapsed row is written raw and normalised in
-a second, L2-resident pass of the same program. S = 4 streams (hc_mult of every preset).
+D is cut into at most MHC_SPLIT slices of CH channels (a function of D only; CH = 128 at
+D = 5120), walked in chunks of 64 channels. Per chunk a program loads the four streams once,
+forms X'_k (FP32, j ascending, rounded to the stream dtype and stored), accumulates sum(X'^2),
+the coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T and the collapsed row. The GEMM runs on
+the tensor cores at FP32-level accuracy: BF16 streams are exact in BF16, and fn is split into
+three BF16 pieces (hi + mid + lo = 24 bits), three exact-product BF16 MMAs; FP32 streams take
+three TF32 products; the interpreter computes IEEE FP32. Each slice's sums form one vector
+[24 mixes | sum(X'^2) | sum(x^2)] started from zero, and a token's totals are the slice vectors
+added in slice order, 0, 1, ..., whoever adds them: a program that owns every slice of its token
+block adds them in registers; when the slices of a block are spread over several programs
+(decode: one program per slice, so a batch of one still fills 40 programs), each stores its
+slice vectors and the last program of the block to arrive adds them in the same order, then runs
+the mixes, Sinkhorn and the RMSNorm pass. So a token's sums do not depend on the batch, on how
+many programs share its block or in what order they finish. The tile shape is the same for every
+call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
+blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
+per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
+so the collapsed row is written raw and normalised in a second, L2-resident pass.
+S = 4 streams (hc_mult of every preset).
 """
 
 from __future__ import annotations
@@ -26,15 +38,24 @@ import triton
 import triton.language as tl
 # isort: on
 
-from flashpd.kernels.dense.triton import DOT_UPCAST, mma_tf32x3, round_bf16, sigmoid_f32
+from flashpd.kernels.dense.triton import DOT_UPCAST, round_bf16, sigmoid_f32
 
-_BLOCK_D = 32
-
-
-_BLOCK_T = 16
-# Slices of D per token block. A constant, so a token's sums do not depend on the batch; it
-# spreads a decode batch (a few token blocks) over SPLIT x more programs.
-MHC_SPLIT = 8
+_BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
+# Slices of D (at most): a function of D only, so a token's sums do not depend on the batch.
+MHC_SPLIT = 40
+_N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros
+# Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
+#   decode_rows      calls of at most this many tokens take the decode tiles
+#   decode_block_t   tokens per program at decode (one program per slice and token block)
+#   prefill_block_t  tokens per program for longer calls
+#   prefill_grid     programs per token block for longer calls (a divisor of the slice
+#                    count); None: the fewest reaching target_programs in all
+#   norm_elems       elements per step of the RMSNorm pass
+CONFIG: dict = {
+    "decode_rows": 64, "decode_block_t": 16, "decode_warps": 4,
+    "prefill_block_t": 64, "prefill_warps": 8, "prefill_grid": None, "target_programs": 528,
+    "norm_elems": 8192,
+}
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -46,6 +67,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
 _S = 4
 
 
@@ -71,7 +94,7 @@ def _sinkhorn(logits, ITERS: tl.constexpr, eps, S: tl.constexpr):
 
 @triton.jit
 def _pick(x3, group, g: tl.constexpr):
-    """x3 [BT, G, S] -> [BT, S], the row `g` of the middle axis."""
+    """x3 [BT, G, W] -> [BT, W], the row `g` of the middle axis (a sum of zeros and one value)."""
     return tl.sum(tl.where(group == g, x3, 0.0), axis=1)
 
 
@@ -93,38 +116,52 @@ def _expand_stream(y, pk, c0, c1, c2, c3, x0, x1, x2, x3, BF16: tl.constexpr):
 
 
 @triton.jit
-def _mix_dot(xk, fn_ptr, k: tl.constexpr, cols, D, m_comb, m_pp, S: tl.constexpr,
-             UPCAST: tl.constexpr):
-    """m += X'_k . fn[:, k*D + cols]^T for the comb rows (16) and the pre/post rows (2S, padded)."""
-    n16 = tl.arange(0, 16)
-    fcol = (k * D + cols)[None, :]
-    fmask = cols[None, :] < D
-    f_comb = tl.load(fn_ptr + (2 * S + n16[:, None]).to(tl.int64) * (S * D) + fcol, mask=fmask,
-                     other=0.0)  # [16, BD]
-    f_pp = tl.load(fn_ptr + n16[:, None].to(tl.int64) * (S * D) + fcol,
-                   mask=fmask & (n16[:, None] < 2 * S), other=0.0)
-    return (mma_tf32x3(xk, tl.trans(f_comb), m_comb, UPCAST),
-            mma_tf32x3(xk, tl.trans(f_pp), m_pp, UPCAST))
+def _fn_tile(fn_ptr, k: tl.constexpr, cols, cmask, D, S: tl.constexpr):
+    """fn[row(n), k*D + cols] as [32, BD]: rows n < 16 the comb rows, then pre and post."""
+    n = tl.arange(0, 32)
+    frow = tl.where(n < 16, n + 2 * S, n - 16)
+    fmask = (n < (2 + S) * S)[:, None] & cmask[None, :]
+    return tl.load(fn_ptr + frow[:, None].to(tl.int64) * (S * D) + k * D + cols[None, :],
+                   mask=fmask, other=0.0)
+
+
+@triton.jit
+def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + X'_k [BT, BD] . f[32, BD]^T at FP32-level accuracy (see the module doc)."""
+    if UPCAST:
+        return tl.dot(xk, tl.trans(f), acc, input_precision="ieee")
+    elif BF16:  # xk holds BF16 values: exact; fn = hi + mid + lo, three exact-product MMAs
+        xb = xk.to(tl.bfloat16)
+        hi = f.to(tl.bfloat16)
+        r = f - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(xb, tl.trans(lo), acc)
+        acc = tl.dot(xb, tl.trans(mid), acc)
+        return tl.dot(xb, tl.trans(hi), acc)
+    else:
+        return tl.dot(xk, tl.trans(f), acc, input_precision="tf32x3")
 
 
 @triton.jit
 def _mhc_kernel(
     x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
-    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D, chunk,
+    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D,
     norm_eps, hc_eps,
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
+    GRID: tl.constexpr, NORM_D: tl.constexpr,
 ):
-    """Program (token block, slice) walks its slice of D; the last slice to finish reduces the
-    partial sums in slice order and runs the mixes, Sinkhorn and the RMSNorm pass."""
+    """Program (token block, g) walks slices g*NSL/GRID ...; see the module doc for the order."""
     tb = tl.program_id(0)
-    sp = tl.program_id(1)
+    g = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
-    n16 = tl.arange(0, 16)
+    SPP: tl.constexpr = NSL // GRID  # slices per program
+    col = tl.arange(0, 32)
     if HAS_Y:  # per-token coefficients, loaded once (S = 4 unrolled by hand)
         p0 = _load_cols(post_ptr, r64, rmask, S, 0)
         p1 = _load_cols(post_ptr, r64, rmask, S, 1)
@@ -151,111 +188,120 @@ def _mhc_kernel(
         q1 = _load_cols(pre_in_ptr, r64, rmask, S, 1)
         q2 = _load_cols(pre_in_ptr, r64, rmask, S, 2)
         q3 = _load_cols(pre_in_ptr, r64, rmask, S, 3)
-    sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    m_comb = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    m_pp = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    d_end = tl.minimum(sp * chunk + chunk, D)
-    for d0 in range(sp * chunk, d_end, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        mask = rmask[:, None] & (cols[None, :] < d_end)
-        xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
-        x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(xrow + D, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(xrow + 2 * D, mask=mask, other=0.0).to(tl.float32)
-        x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
-        if HAS_Y:  # write-back of the finished sublayer
-            y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0)
-            y = y.to(tl.float32)
-            n0 = _expand_stream(y, p0, c00, c10, c20, c30, x0, x1, x2, x3, BF16)
-            n1 = _expand_stream(y, p1, c01, c11, c21, c31, x0, x1, x2, x3, BF16)
-            n2 = _expand_stream(y, p2, c02, c12, c22, c32, x0, x1, x2, x3, BF16)
-            n3 = _expand_stream(y, p3, c03, c13, c23, c33, x0, x1, x2, x3, BF16)
-            orow = xo_ptr + (r64[:, None] * S) * D + cols[None, :]
-            tl.store(orow, n0.to(xo_ptr.dtype.element_ty), mask=mask)
-            tl.store(orow + D, n1.to(xo_ptr.dtype.element_ty), mask=mask)
-            tl.store(orow + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=mask)
-            tl.store(orow + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=mask)
+    total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+    for i in range(0, SPP):
+        sl = g * SPP + i
+        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for c in tl.static_range(CH // BLOCK_D):
+            cols = sl * CH + c * BLOCK_D + tl.arange(0, BLOCK_D)
+            cmask = cols < D
+            mask = rmask[:, None] & cmask[None, :]
+            xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
+            x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(xrow + D, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(xrow + 2 * D, mask=mask, other=0.0).to(tl.float32)
+            x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
+            f0 = _fn_tile(fn_ptr, 0, cols, cmask, D, S)
+            f1 = _fn_tile(fn_ptr, 1, cols, cmask, D, S)
+            f2 = _fn_tile(fn_ptr, 2, cols, cmask, D, S)
+            f3 = _fn_tile(fn_ptr, 3, cols, cmask, D, S)
+            if HAS_Y:  # write-back of the finished sublayer
+                y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0)
+                y = y.to(tl.float32)
+                n0 = _expand_stream(y, p0, c00, c10, c20, c30, x0, x1, x2, x3, BF16)
+                n1 = _expand_stream(y, p1, c01, c11, c21, c31, x0, x1, x2, x3, BF16)
+                n2 = _expand_stream(y, p2, c02, c12, c22, c32, x0, x1, x2, x3, BF16)
+                n3 = _expand_stream(y, p3, c03, c13, c23, c33, x0, x1, x2, x3, BF16)
+                orow = xo_ptr + (r64[:, None] * S) * D + cols[None, :]
+                tl.store(orow, n0.to(xo_ptr.dtype.element_ty), mask=mask)
+                tl.store(orow + D, n1.to(xo_ptr.dtype.element_ty), mask=mask)
+                tl.store(orow + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=mask)
+                tl.store(orow + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=mask)
+            else:
+                n0, n1, n2, n3 = x0, x1, x2, x3
+            sumsq += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
+            acc = _mix_mma(n0, f0, acc, BF16, UPCAST)
+            acc = _mix_mma(n1, f1, acc, BF16, UPCAST)
+            acc = _mix_mma(n2, f2, acc, BF16, UPCAST)
+            acc = _mix_mma(n3, f3, acc, BF16, UPCAST)
+            if COLLAPSE:  # x = sum_k pre_k X'_k, k ascending
+                xc = q0[:, None] * n0
+                xc = xc + q1[:, None] * n1
+                xc = xc + q2[:, None] * n2
+                xc = _round(xc + q3[:, None] * n3, BF16)
+                xsq += tl.sum(xc * xc, axis=1)
+                tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
+                         xc.to(xc_ptr.dtype.element_ty), mask=mask)
+        # slice vector: the mixes' columns of acc, then the two statistics (acc is 0 there)
+        vec = acc + tl.where(col[None, :] == 24, sumsq[:, None], 0.0)
+        vec = vec + tl.where(col[None, :] == 25, xsq[:, None], 0.0)
+        if GRID == 1:
+            total += vec
         else:
-            n0, n1, n2, n3 = x0, x1, x2, x3
-        sumsq += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
-        m_comb, m_pp = _mix_dot(n0, fn_ptr, 0, cols, D, m_comb, m_pp, S, UPCAST)
-        m_comb, m_pp = _mix_dot(n1, fn_ptr, 1, cols, D, m_comb, m_pp, S, UPCAST)
-        m_comb, m_pp = _mix_dot(n2, fn_ptr, 2, cols, D, m_comb, m_pp, S, UPCAST)
-        m_comb, m_pp = _mix_dot(n3, fn_ptr, 3, cols, D, m_comb, m_pp, S, UPCAST)
-        if COLLAPSE:  # x = sum_k pre_k X'_k, k ascending
-            xc = q0[:, None] * n0
-            xc = xc + q1[:, None] * n1
-            xc = xc + q2[:, None] * n2
-            xc = _round(xc + q3[:, None] * n3, BF16)
-            xsq += tl.sum(xc * xc, axis=1)
-            tl.store(xc_ptr + r64[:, None] * D + cols[None, :], xc.to(xc_ptr.dtype.element_ty),
-                     mask=mask)
-    if SPLIT == 1:
-        _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
-                    post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
-                    COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, BLOCK_D, False)
+            tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec,
+                     mask=rmask[:, None])
+    if GRID == 1:
+        _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
+                    comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE, HAS_NORM_W,
+                    BF16, BLOCK_T, NORM_D, False)
     else:
-        # partials [SPLIT, T, 64]: m_comb (16) | m_pp (16) | sumsq | xsq
-        part = partial_ptr + (sp * T + r64) * 64  # [BT]
-        tl.store(part[:, None] + n16[None, :], m_comb, mask=rmask[:, None])
-        tl.store(part[:, None] + 16 + n16[None, :], m_pp, mask=rmask[:, None])
-        tl.store(part + 32, sumsq, mask=rmask)
-        tl.store(part + 33, xsq, mask=rmask)
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # last slice of this token block: reduce in slice order
-            m_comb = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-            m_pp = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-            sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-            xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT):
-                pi = partial_ptr + (i * T + r64) * 64  # [BT]
-                m_comb += tl.load(pi[:, None] + n16[None, :], mask=rmask[:, None], other=0.0,
-                                  cache_modifier=".cg")
-                m_pp += tl.load(pi[:, None] + 16 + n16[None, :], mask=rmask[:, None], other=0.0,
-                                cache_modifier=".cg")
-                sumsq += tl.load(pi + 32, mask=rmask, other=0.0, cache_modifier=".cg")
-                xsq += tl.load(pi + 33, mask=rmask, other=0.0, cache_modifier=".cg")
+        if arrived == GRID - 1:  # last program of this token block: add the slices in order
+            total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+            for i in tl.static_range(NSL):
+                total += tl.load(partial_ptr + (i * T + r64)[:, None] * 32 + col[None, :],
+                                 mask=rmask[:, None], other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
-            _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr,
-                        pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S,
-                        ITERS, COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, BLOCK_D, True)
+            _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
+                        comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE,
+                        HAS_NORM_W, BF16, BLOCK_T, NORM_D, True)
 
 
 @triton.jit
-def _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
-                post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S: tl.constexpr,
+def _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
+                comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S: tl.constexpr,
                 ITERS: tl.constexpr, COLLAPSE: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                BF16: tl.constexpr, BLOCK_T: tl.constexpr, NORM_D: tl.constexpr,
                 FROM_L2: tl.constexpr):
     """Mixes from the full-D sums, then RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
-    n16 = tl.arange(0, 16)
+    halves = tl.reshape(total, (BLOCK_T, 2, 16))
+    g2 = tl.arange(0, 2)[None, :, None]
+    m_comb = _pick(halves, g2, 0)  # [BT, 16]
+    rest = tl.reshape(_pick(halves, g2, 1), (BLOCK_T, 4, S))  # pre | post | stats | zeros
+    g4 = tl.arange(0, 4)[None, :, None]
+    m_pre = _pick(rest, g4, 0)  # [BT, S]
+    m_post = _pick(rest, g4, 1)
+    stats = _pick(rest, g4, 2)
+    sidx = tl.arange(0, S)[None, :]
+    sumsq = tl.sum(tl.where(sidx == 0, stats, 0.0), axis=1)
+    xsq = tl.sum(tl.where(sidx == 1, stats, 0.0), axis=1)
     # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb)
     rho = 1.0 / tl.sqrt_rn(sumsq / (S * D) + norm_eps)
-    base_pp = tl.load(base_ptr + n16, mask=n16 < 2 * S, other=0.0)
+    s_idx = tl.arange(0, S)
+    n16 = tl.arange(0, 16)
+    base_pre = tl.load(base_ptr + s_idx)
+    base_post = tl.load(base_ptr + S + s_idx)
     base_c = tl.load(base_ptr + 2 * S + n16)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    pp = tl.reshape(m_pp * rho[:, None], (BLOCK_T, 4, S))  # rows: pre, post, pad, pad
-    group = tl.arange(0, 4)[None, :, None]
-    bpp = tl.reshape(base_pp, (4, S))[None, :, :]
-    pre = sigmoid_f32(s0 * _pick(pp, group, 0) + _pick(bpp, group, 0)) + hc_eps  # [BT, S]
-    post = 2.0 * sigmoid_f32(s1 * _pick(pp, group, 1) + _pick(bpp, group, 1))
+    pre = sigmoid_f32(s0 * (m_pre * rho[:, None]) + base_pre[None, :]) + hc_eps  # [BT, S]
+    post = 2.0 * sigmoid_f32(s1 * (m_post * rho[:, None]) + base_post[None, :])
     logits = s2 * (m_comb * rho[:, None]) + base_c[None, :]
     comb = tl.reshape(_sinkhorn(tl.reshape(logits, (BLOCK_T, S, S)), ITERS, hc_eps, S),
                       (BLOCK_T, SS))
-    sidx = tl.arange(0, S)[None, :]
     tl.store(pre_ptr + r64[:, None] * S + sidx, pre, mask=rmask[:, None])
     tl.store(post_out_ptr + r64[:, None] * S + sidx, post, mask=rmask[:, None])
     tl.store(comb_out_ptr + r64[:, None] * SS + n16[None, :], comb, mask=rmask[:, None])
     if COLLAPSE and HAS_NORM_W:  # second pass: RMSNorm of the collapsed row (L2-resident)
         inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, NORM_D):
+            cols = d0 + tl.arange(0, NORM_D)
             mask = rmask[:, None] & (cols[None, :] < D)
             ptr = xc_ptr + r64[:, None] * D + cols[None, :]
             if FROM_L2:  # written by other programs of this launch
@@ -265,6 +311,32 @@ def _mhc_finish(sumsq, xsq, m_comb, m_pp, rows, rmask, base_ptr, scale_ptr, nw_p
             w = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             tl.store(ptr, _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty),
                      mask=mask)
+
+
+def _slices(dim: int) -> tuple[int, int]:
+    """(slice count, channels per slice) of D: a function of D alone (batch invariance)."""
+    n = min(MHC_SPLIT, triton.cdiv(dim, _BLOCK_D))
+    ch = triton.cdiv(triton.cdiv(dim, n), _BLOCK_D) * _BLOCK_D
+    return triton.cdiv(dim, ch), ch
+
+
+def launch_plan(num_tokens: int, dim: int) -> dict:
+    """Tiles of one call: tokens per program, warps, programs per token block, slices."""
+    nsl, ch = _slices(dim)
+    cfg = CONFIG
+    if num_tokens <= cfg["decode_rows"]:
+        block_t, warps, grid = cfg["decode_block_t"], cfg["decode_warps"], nsl
+    else:
+        block_t, warps, grid = cfg["prefill_block_t"], cfg["prefill_warps"], cfg["prefill_grid"]
+        if grid is None:
+            blocks = triton.cdiv(num_tokens, block_t)
+            grid = next((g for g in range(1, nsl + 1)
+                         if nsl % g == 0 and blocks * g >= cfg["target_programs"]), nsl)
+    if nsl % grid:
+        raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
+    norm_d = max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t))
+    return {"block_t": block_t, "warps": warps, "grid": grid, "nsl": nsl, "ch": ch,
+            "norm_d": min(norm_d, triton.next_power_of_2(dim))}
 
 
 def expand_mix_collapse(
@@ -292,20 +364,22 @@ def expand_mix_collapse(
         return new_streams, pre_o, post_o, comb_o, xc
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     dummy = pre_o
-    n_blocks = triton.cdiv(num_tokens, _BLOCK_T)
-    split = MHC_SPLIT if dim >= MHC_SPLIT * _BLOCK_D else 1
-    chunk = triton.cdiv(triton.cdiv(dim, split), _BLOCK_D) * _BLOCK_D
-    partial = torch.empty(split, num_tokens, 64, dtype=torch.float32, device=dev)
-    _mhc_kernel[(n_blocks, split)](
+    plan = launch_plan(num_tokens, dim)
+    n_blocks = triton.cdiv(num_tokens, plan["block_t"])
+    partial = dummy
+    if plan["grid"] > 1:
+        partial = torch.empty(plan["nsl"], num_tokens, _N, dtype=torch.float32, device=dev)
+    _mhc_kernel[(n_blocks, plan["grid"])](
         x, new_streams, y.contiguous() if y is not None else x,
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
-        norm_weight if norm_weight is not None else dummy, pre_o, post_o, comb_o,
+        norm_weight.contiguous() if norm_weight is not None else dummy, pre_o, post_o, comb_o,
         xc if xc is not None else dummy, partial, _counters(dev, n_blocks), num_tokens, dim,
-        chunk, float(norm_eps), float(hc_eps),
+        float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
-        BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D, SPLIT=split, num_warps=8,
+        BLOCK_T=plan["block_t"], BLOCK_D=_BLOCK_D, CH=plan["ch"], NSL=plan["nsl"],
+        GRID=plan["grid"], NORM_D=plan["norm_d"], num_warps=plan["warps"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 
@@ -396,24 +470,30 @@ def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, S: tl.constexpr,
-                   BF16: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, S: tl.constexpr,
+                   BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_T tokens, BLOCK_D channels] per program; each stream loaded once."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    r64 = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    y = tl.load(y_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = rmask[:, None] & (cols < D)[None, :]
+    SS: tl.constexpr = S * S
+    y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
+    x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(xrow + D, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + 2 * D, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
+    orow = out_ptr + (r64[:, None] * S) * D + cols[None, :]
     for k in tl.static_range(S):
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for j in tl.static_range(S):
-            xj = tl.load(x_ptr + (t * S + j) * D + cols, mask=mask, other=0.0).to(tl.float32)
-            cjk = tl.load(comb_ptr + t * S * S + j * S + k)
-            if j == 0:
-                acc = cjk * xj
-            else:
-                acc = acc + cjk * xj
-        acc = tl.load(post_ptr + t * S + k) * y + acc
-        tl.store(out_ptr + (t * S + k) * D + cols, _round(acc, BF16).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        out = _expand_stream(y, _load_cols(post_ptr, r64, rmask, S, k),
+                             _load_cols(comb_ptr, r64, rmask, SS, k),
+                             _load_cols(comb_ptr, r64, rmask, SS, S + k),
+                             _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
+                             _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
+                             x0, x1, x2, x3, BF16)
+        tl.store(orow + k * D, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -424,8 +504,9 @@ def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     x = streams.contiguous()
     out = torch.empty_like(x)
     if num_tokens:
-        _expand_kernel[(num_tokens, triton.cdiv(dim, 256))](
+        _expand_kernel[(triton.cdiv(num_tokens, 4), triton.cdiv(dim, 256))](
             y.contiguous(), x, post.to(torch.float32).contiguous(),
-            comb.to(torch.float32).contiguous(), out, dim, S=s,
-            BF16=streams.dtype == torch.bfloat16, BLOCK_D=256, **triton_runtime.launch_options())
+            comb.to(torch.float32).contiguous(), out, num_tokens, dim, S=s,
+            BF16=streams.dtype == torch.bfloat16, BLOCK_T=4, BLOCK_D=256,
+            **triton_runtime.launch_options())
     return out

@@ -73,3 +73,64 @@ def test_split_over_d_matches_reference_and_leaves_counters_reset():
         for g, w in zip(got, href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     assert int(ht._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+
+
+def _fused(t: int, d: int, seed: int):
+    x, fn, base, scale = _site(t=t, d=d, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    y = torch.randn(t, d, generator=g).bfloat16()
+    norm_w = torch.randn(d, generator=g).bfloat16()
+    pre_in, post, comb = href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
+    return (y, x, post, comb, fn, base, scale, 20, 1e-6, 1e-20, pre_in, norm_w)
+
+
+def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(monkeypatch):
+    # 70 tokens > decode_rows: prefill tiles; D = 256 is 4 slices, spread over 1, 2 or 4
+    # programs per token block, always added in slice order -> identical results
+    monkeypatch.setitem(ht.CONFIG, "decode_rows", 16)
+    args = _fused(70, 256, 7)
+    runs = []
+    for grid in (1, 2, 4):
+        monkeypatch.setitem(ht.CONFIG, "prefill_grid", grid)
+        assert ht.launch_plan(70, 256)["grid"] == grid
+        runs.append(ht.expand_mix_collapse(*args))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b)
+    y, x, post, comb, fn, base, scale, _, _, _, pre_in, norm_w = args
+    want = href.expand(y, x, post, comb)
+    new, pre, post2, comb2, xc = runs[0]
+    torch.testing.assert_close(new.float(), want.float(), rtol=8e-3, atol=1e-5)
+    # mixes of the kernel's own X' (a few X' elements may differ by one BF16 ulp from the
+    # ref's bmm, whose summation order is MKL's)
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(new, fn, base, scale, 20, 1e-6,
+                                                           1e-20), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
+    torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
+    assert int(ht._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+
+
+def test_decode_rows_do_not_depend_on_the_batch():
+    # a token's outputs are the same bits alone and in a batch of 19 (decode tiles)
+    args = _fused(19, 256, 8)
+    batch = ht.expand_mix_collapse(*args)
+    i = 17
+    one = ht.expand_mix_collapse(*(a[i:i + 1] if j in (0, 1, 2, 3, 10) else a
+                                   for j, a in enumerate(args)))
+    for a, b in zip(batch, one, strict=True):
+        assert torch.equal(a[i:i + 1], b)
+
+
+def test_ref_fused_step_is_the_unfused_sequence():
+    y, x, post, comb, fn, base, scale, it, he, ne, pre_in, norm_w = _fused(5, 64, 9)
+    new, pre, post2, comb2, xc = href.expand_mix_collapse(y, x, post, comb, fn, base, scale, it,
+                                                          he, ne, pre_in, norm_w)
+    want = href.expand(y, x, post, comb)
+    assert torch.equal(new, want)
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(want, fn, base, scale, it, he, ne),
+                        strict=True):
+        assert torch.equal(got, ref)
+    assert torch.equal(xc, dref.rms_norm(href.collapse(want, pre_in), norm_w, ne))
+    same, *_, none = href.expand_mix_collapse(None, x, None, None, fn, base, scale, it, he, ne)
+    assert same is x and none is None
