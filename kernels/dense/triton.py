@@ -54,14 +54,17 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
 #                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
-#   skinny / mx  split-K tiles for FP8 and plain weights / for MXFP4: N block, K step (a
-#                multiple of 32; a multiple of 64 for dot_scaled), warps, pipeline stages,
-#                optionally their own target_ctas
+#   skinny / mx / plain  split-K tiles for FP8 / MXFP4 / plain weights: N block, K step (a
+#                multiple of 32; of 64 for dot_scaled; the K step of the large-M path too, so
+#                a row's sums never depend on the path), warps, pipeline stages, prefetch (the
+#                next K step's tiles loaded into registers before this step's dot), optionally
+#                their own target_ctas and max_rows (rows that still take the split-K grid:
+#                the routed experts' 64 decode tokens x top-6 pairs)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
-#   expert_tiles active experts a grouped weight's split plans for (decode: top-k)
-#   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU; fastest measured on the H200); "asm": PTX
-#                bit moves + one bf16x2 multiply per 2 values (GPU); "bits": the same in
-#                Triton integer ops (always under the interpreter)
+#   expert_tiles active experts a grouped MXFP4 weight's split plans for (decode: top-k)
+#   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU); "asm": PTX bit moves + one bf16x2
+#                multiply per 2 values (GPU); "bits": the same in Triton integer ops (always
+#                under the interpreter)
 #   mxfp4_large  MXFP4 GEMMs off the split-K grid: "dot_scaled", "legacy" or "splitk"
 #   block_*      large-M tiles; block_m_large is block_m_for's answer above 32 rows
 #   prefill      "cublas": FP8 single-weight GEMMs of >= cublas_min_rows rows dequantise the
@@ -71,11 +74,13 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
-          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
-          "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024},
+          "skinny": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 1, "prefetch": True},
+          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 1, "prefetch": True,
+                 "target_ctas": 1024, "max_rows": 384},
+          "plain": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
-          "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
-          "block_n": 64, "block_k": 64, "block_m_large": 64, "warps": 4, "stages": 3,
+          "mxfp4_decode": "asm", "mxfp4_large": "dot_scaled",
+          "block_n": 64, "block_m_large": 64, "warps": 4, "stages": 3,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
 
@@ -240,8 +245,10 @@ def _grouped_gemm_kernel(
 #
 #   grid (N blocks, row tiles, SPLIT)          K split into SPLIT chunks of k_chunk (a multiple
 #                                              of BLOCK_K), a function of the weight's shape only
-#   program (nb, tile, s): rows of `tile` x columns of `nb` over K chunk s, weight dequantised in
-#   registers per 32-wide K sub-step (one scale per row and sub-step, no per-element scale loads)
+#   program (nb, tile, s): rows of `tile` x columns of `nb` over K chunk s in K steps of BLOCK_K:
+#   each step one wide load per weight row ([BN, BK/32, 16 or 32] bytes, K grouped by 32 so the
+#   scale is one byte per row and group), dequantised in registers, one tl.dot; with PREFETCH the
+#   next step's tiles are in flight during this step's dequant and dot
 #   SPLIT > 1: FP32 partials -> workspace; the last program of (tile, nb) to arrive (atomic
 #   counter) sums them in chunk order 0..SPLIT-1 and runs the epilogue
 #
@@ -249,8 +256,8 @@ def _grouped_gemm_kernel(
 # one program per tile that walks the same chunks in order (SEGMENTS), adding each chunk's sum
 # into the total exactly as the split reduction does, so a row's arithmetic does not depend on
 # which path ran it (up to the tensor-core instruction the compiler picks for the tile size).
-# MXFP4 sub-steps take the even and the odd K of 32 as two K=16 products (low and high nibbles,
-# A read with stride 2): no interleave of the decoded nibbles.
+# MXFP4 nibbles (low = even k) are decoded by bit moves and interleaved back into K order, so
+# the bit-trick, asm and tl.dot_scaled paths all sum K in the same order.
 @triton.jit
 def _fp32_e2m1(nib, s_f32):
     """E2M1 code (low 4 bits, int32) * scale -> FP32: the code's bits are placed in an FP32's
@@ -304,79 +311,64 @@ def _e2m1_hi_asm(b, s_bf16):
 
 
 @triton.jit
-def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e,
-              n_idx, kk, N, K, stride_we, stride_wn, stride_se, stride_sn,
-              W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-              UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr):
-    """acc += A[:, kk:kk+32] . W[e, n_idx, kk:kk+32]^T (both weights for SwiGLU); K here is
-    the end of the chunk (columns past it are masked)."""
-    dot_dtype = a_ptr.dtype.element_ty
-    nmask = n_idx < N
-    e64 = e.to(tl.int64)
-    n64 = n_idx.to(tl.int64)
-    if W_FMT == 1:  # MXFP4: bytes [BN, 16] -> even k (low nibbles), odd k (high nibbles)
+def _load_step(w_ptr, s_ptr, e64, n64, nmask, k0, k_hi, stride_we, stride_wn, stride_se,
+               stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[e, n, k0:k0+BLOCK_K] as stored, K grouped by 32 (one scale per group and row):
+    (raw [BN, BK/32, 16] MXFP4 bytes or [BN, BK/32, 32] FP8 bytes / plain values,
+     scale bytes [BN, BK/32]). Columns at or past k_hi are masked (no memory access), so a
+    prefetch past the chunk's end costs nothing. The 16 or 32 contiguous bytes a row holds per
+    group become wide vector loads."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    if W_FMT == 1:
         j = tl.arange(0, 16)
-        kmask = (kk + 2 * j) < K
-        a_base = a_ptr + a_row[:, None] * stride_am + kk + 2 * j[None, :]
-        amask = p_mask[:, None] & kmask[None, :]
-        a_even = tl.load(a_base, mask=amask, other=0.0)
-        a_odd = tl.load(a_base + 1, mask=amask, other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        off = e64 * stride_we + n64[:, None] * stride_wn + kk // 2 + j[None, :]
-        soff = e64 * stride_se + n64 * stride_sn + kk // 32
-        s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
-        b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
-        if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
-            s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
-            lo1, hi1 = _e2m1_lo_asm(b1, s1), _e2m1_hi_asm(b1, s1)
-        else:
-            lo1 = _fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
-            hi1 = _fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
-        acc1 = mma(a_even, tl.trans(lo1), acc1, IEEE, UPCAST)
-        acc1 = mma(a_odd, tl.trans(hi1), acc1, IEEE, UPCAST)
-        if EPILOGUE == 1:
-            s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
-            b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
-            if MX_ASM:
-                s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
-                lo3, hi3 = _e2m1_lo_asm(b3, s3), _e2m1_hi_asm(b3, s3)
-            else:
-                lo3 = _fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
-                hi3 = _fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
-            acc3 = mma(a_even, tl.trans(lo3), acc3, IEEE, UPCAST)
-            acc3 = mma(a_odd, tl.trans(hi3), acc3, IEEE, UPCAST)
+        col = k0 // 2 + g[:, None] * 16 + j[None, :]
+        kmask = (k0 + 32 * g[:, None] + 2 * j[None, :]) < k_hi
     else:
-        k_idx = kk + tl.arange(0, 32)
-        kmask = k_idx < K
-        a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
-                    mask=p_mask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        off = e64 * stride_we + n64[:, None] * stride_wn + k_idx[None, :]
-        if W_FMT == 0:
-            w1 = tl.load(w1_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
-        else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
-            soff = e64 * stride_se + (n64 // 32) * stride_sn + kk // 32
-            s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
-            q1 = tl.load(w1_ptr + off, mask=wmask, other=0)
-            if HW_FP8:
-                v1 = q1.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                v1 = e4m3_decode(q1)
-            w1 = (v1 * s1).to(dot_dtype)
-        acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
-        if EPILOGUE == 1:
-            if W_FMT == 0:
-                w3 = tl.load(w3_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
-            else:
-                s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
-                q3 = tl.load(w3_ptr + off, mask=wmask, other=0)
-                if HW_FP8:
-                    v3 = q3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                else:
-                    v3 = e4m3_decode(q3)
-                w3 = (v3 * s3).to(dot_dtype)
-            acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
-    return acc1, acc3
+        j = tl.arange(0, 32)
+        col = k0 + g[:, None] * 32 + j[None, :]
+        kmask = col < k_hi
+    ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
+    m3 = nmask[:, None, None] & kmask[None, :, :]
+    if W_FMT == 0:
+        raw = tl.load(ptrs, mask=m3, other=0.0)
+    else:
+        raw = tl.load(ptrs, mask=m3, other=0)
+    gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
+    if W_FMT == 1:
+        s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + k0 // 32 + g[None, :],
+                    mask=gmask, other=127)
+    elif W_FMT == 2:
+        s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + k0 // 32
+                    + g[None, :], mask=gmask, other=127)
+    else:
+        s = gmask.to(tl.uint8)  # plain weights: no scales (never read)
+    return raw, s
+
+
+@triton.jit
+def _dequant(raw, s, OUT_DTYPE: tl.constexpr, W_FMT: tl.constexpr, HW_FP8: tl.constexpr,
+             MX_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_load_step's tile -> [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in natural order (exact)."""
+    if W_FMT == 0:
+        w = raw.to(OUT_DTYPE)
+    elif W_FMT == 1:  # low nibble = even k, high nibble = odd k: interleave back to k order
+        sf = e8m0_decode(s)[:, :, None]
+        if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
+            sb = tl.broadcast_to((sf * 8.507059173023462e37).to(tl.bfloat16), raw.shape)
+            lo, hi = _e2m1_lo_asm(raw, sb), _e2m1_hi_asm(raw, sb)
+        else:
+            bi = raw.to(tl.int32)
+            lo = _fp32_e2m1(bi, sf).to(OUT_DTYPE)
+            hi = _fp32_e2m1(bi >> 4, sf).to(OUT_DTYPE)
+        w = tl.interleave(lo, hi)
+    else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
+        if HW_FP8:
+            v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = e4m3_decode(raw)
+        w = (v * e8m0_decode(s)[:, :, None]).to(OUT_DTYPE)
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -384,13 +376,19 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
            k_hi, N, K, stride_we, stride_wn, stride_se, stride_sn,
            W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
            UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-           MX_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr):
-    """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32."""
+           MX_ASM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32.
+
+    One K step = one wide load of BLOCK_K columns per weight row, dequantised in registers,
+    one tl.dot (tensor-core K steps of 16 in order, so the sum order is that of K alone).
+    PREFETCH: the next step's A and weight tiles are loaded before this step's dequant and dot
+    (register double buffer), so every program keeps a step of loads in flight."""
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
+    dot_dtype = a_ptr.dtype.element_ty
+    if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k_idx = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
                         mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
@@ -399,12 +397,52 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
             if EPILOGUE == 1:
                 acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we,
                                          stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
+    else:
+        e64 = e.to(tl.int64)
+        n64 = n_idx.to(tl.int64)
+        nmask = n_idx < N
+        kk = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + a_row[:, None] * stride_am
+        if PREFETCH:
+            a = tl.load(a_base + k_lo + kk[None, :],
+                        mask=p_mask[:, None] & ((k_lo + kk) < k_hi)[None, :], other=0.0)
+            r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, k_lo, k_hi, stride_we,
+                                stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+            if EPILOGUE == 1:
+                r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, k_lo, k_hi, stride_we,
+                                    stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+            else:
+                r3, q3 = r1, q1
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kn = k0 + BLOCK_K
+                na = tl.load(a_base + kn + kk[None, :],
+                             mask=p_mask[:, None] & ((kn + kk) < k_hi)[None, :], other=0.0)
+                nr1, nq1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, kn, k_hi, stride_we,
+                                      stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+                if EPILOGUE == 1:
+                    nr3, nq3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, kn, k_hi, stride_we,
+                                          stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+                else:
+                    nr3, nq3 = nr1, nq1
+                w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+                if EPILOGUE == 1:
+                    w3 = _dequant(r3, q3, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+                a, r1, q1, r3, q3 = na, nr1, nq1, nr3, nq3
         else:
-            for j in tl.static_range(BLOCK_K // 32):
-                acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
-                                       s1_ptr, w3_ptr, s3_ptr, e, n_idx, k0 + 32 * j, N, k_hi,
-                                       stride_we, stride_wn, stride_se, stride_sn, W_FMT,
-                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                a = tl.load(a_base + k0 + kk[None, :],
+                            mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+                r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, k0, k_hi, stride_we,
+                                    stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+                w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+                if EPILOGUE == 1:
+                    r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, k0, k_hi, stride_we,
+                                        stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+                    w3 = _dequant(r3, q3, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
     return acc1, acc3
 
 
@@ -425,20 +463,22 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every decode batch
+@triton.jit(do_not_specialize=["num_rows", "split"])  # one variant for every decode batch
 def _gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, part_ptr, count_ptr,
-    N, K, k_chunk, num_rows, groups, limit,
+    N, K, k_chunk, split, num_rows, groups, limit,
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MULTI: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
+    # MULTI: split > 1 (the split grid then writes partials and reduces them)
     nb = tl.program_id(0)
     tile = tl.program_id(1)
     if ROWS == 0:
@@ -475,26 +515,26 @@ def _gemm_kernel(
             acc1, acc3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr,
                                 s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
-                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, BLOCK_M, BLOCK_N,
-                                BLOCK_K)
-            if SPLIT > 1:
+                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, PREFETCH, BLOCK_M,
+                                BLOCK_N, BLOCK_K)
+            if MULTI:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
                 plane = num_rows.to(tl.int64) * N
                 tl.store(part_ptr + sp * plane + cell, acc1, mask=cmask)
                 if EPILOGUE == 1:
-                    tl.store(part_ptr + (SPLIT + sp) * plane + cell, acc3, mask=cmask)
+                    tl.store(part_ptr + (split + sp) * plane + cell, acc3, mask=cmask)
                 tl.debug_barrier()
                 counter = count_ptr + tile * tl.num_programs(0) + nb
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-                if arrived == SPLIT - 1:  # last chunk in: sum the chunks in order
+                if arrived == split - 1:  # last chunk in: sum the chunks in order
                     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT):
+                    for s in range(0, split):
                         acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
                                         cache_modifier=".cg")
                         if EPILOGUE == 1:
-                            acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell, mask=cmask,
+                            acc3 += tl.load(part_ptr + (split + s) * plane + cell, mask=cmask,
                                             other=0.0, cache_modifier=".cg")
                     tl.store(counter, 0)  # ready for the next launch
                     _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr,
@@ -505,12 +545,12 @@ def _gemm_kernel(
         else:  # SEGMENTS: the same chunks walked in order by one program
             acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, SPLIT):
+            for sp in range(0, split):
                 k_lo = sp * k_chunk
                 c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
                                 stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
-                                DOT_SCALED, HW_FP8, MX_ASM, BLOCK_M, BLOCK_N, BLOCK_K)
+                                DOT_SCALED, HW_FP8, MX_ASM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K)
                 acc1 += c1
                 acc3 += c3
             _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
@@ -591,7 +631,8 @@ def grouped_schedule(counts: torch.Tensor, total_rows: int, block_m: int) -> Til
     row_off = torch.cumsum(counts, 0) - counts  # [E] first row of each expert
     tiles = (counts + block_m - 1) // block_m  # [E]
     tile_off = torch.cumsum(tiles, 0)  # [E] one past the last tile of each expert
-    max_tiles = -(-total_rows // block_m) + num_experts
+    # every non-empty tile holds >= 1 row: at most total_rows tiles (one decode token: top-k)
+    max_tiles = max(1, min(total_rows, -(-total_rows // block_m) + num_experts))
     t = torch.arange(max_tiles, device=device)
     expert = torch.searchsorted(tile_off, t, right=True).clamp(max=num_experts - 1)  # [tiles]
     first_tile = tile_off[expert] - tiles[expert]
@@ -647,8 +688,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         schedule.start.shape[0]
     split, chunk = _plan(w)
     tiles = _tiles(w)
-    small = rows <= cfg["small_rows"] or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < \
-        tiles.get("target_ctas", cfg["target_ctas"])
+    small = rows <= tiles.get("max_rows", cfg["small_rows"]) or \
+        triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < tiles.get("target_ctas",
+                                                                   cfg["target_ctas"])
     mx_asm = w.fmt == W_MXFP4 and cfg["mxfp4_decode"] == "asm" and not DOT_UPCAST
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
         dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
@@ -657,10 +699,10 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
             if single:
                 schedule, a_rows = _explicit_schedule(rows, groups, block_m, a.device)
             return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
+    step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
     if not small:
-        tiles = {"block_n": cfg["block_n"], "block_k": cfg["block_k"], "warps": cfg["warps"],
-                 "stages": cfg["stages"]}
-    block_k = 64 if dot_scaled and not small else tiles["block_k"]
+        tiles = {"block_n": cfg["block_n"], "warps": cfg["warps"], "stages": cfg["stages"]}
+    block_k = 64 if dot_scaled and not small else step
     grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
     if small and split > 1 and grid[0] * n_tiles > _COUNTER_SLOTS:
         raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {_COUNTER_SLOTS}")
@@ -678,13 +720,14 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
         w.data.stride(0), w.data.stride(1), sse, ssn,
         sched.expert, sched.start, sched.end, part, _counters(a.device),
-        n_dim, k_dim, chunk, rows, groups, float(limit),
+        n_dim, k_dim, chunk, split, rows, groups, float(limit),
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
-        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small,
+        HW_FP8=not DOT_UPCAST, MULTI=small and split > 1, SPLIT_GRID=small,
         ROWS=0 if not single else 1 if groups == 1 else 2, MX_ASM=mx_asm,
+        PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
         num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out
@@ -729,21 +772,23 @@ def _no_schedule(device: torch.device) -> TileSchedule:
 
 
 def _tiles(w: Weights) -> dict:
-    return CONFIG["mx"] if w.fmt == W_MXFP4 else CONFIG["skinny"]
+    """The split-K tiles of w's format (MXFP4 "mx", FP8 "skinny", plain "plain")."""
+    return CONFIG["mx" if w.fmt == W_MXFP4 else "skinny" if w.fmt == W_FP8 else "plain"]
 
 
 def _plan(w: Weights) -> tuple[int, int]:
     """(SPLIT, k_chunk) of weight w: from its format and shape alone, never from the rows.
 
     Enough split-K programs that a decode GEMM of one row tile per expert reaches target_ctas
-    (a grouped weight assumes expert_tiles active experts), with chunks of >= min_k_chunk.
+    (a grouped MXFP4 weight, the routed experts, assumes expert_tiles active experts; other
+    grouped weights run block-diagonal, every group active), with chunks of >= min_k_chunk.
     """
     cfg = CONFIG
     k_dim = w.in_dim
     tiles = _tiles(w)
     step = tiles["block_k"]
     blocks = triton.cdiv(w.out_dim, tiles["block_n"])
-    experts = 1 if w.num_experts == 1 else min(w.num_experts, cfg["expert_tiles"])
+    experts = min(w.num_experts, cfg["expert_tiles"]) if w.fmt == W_MXFP4 else w.num_experts
     want = triton.cdiv(tiles.get("target_ctas", cfg["target_ctas"]), blocks * experts)
     split = max(1, min(want, k_dim // cfg["min_k_chunk"]))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
