@@ -533,20 +533,26 @@ class Model:
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
             ids = step.hash_ids[spec.layer_id]
             xs = self._engram_inject(lw, xs, ids if every else ids[rows.seam_idx])
-        # 3. (seam) attention input = attn_norm(collapse(X, carried pre))
+        # 3. (seam) attention input = attn_norm(collapse(X, carried pre)); when every row
+        # computes, one fused mHC step also gives 2. (the attention site's mixes)
         pre_in = carried_pre if every else carried_pre[rows.seam_idx]
-        x_seam = d.rms_norm(self.mhc.collapse(xs, pre_in), lw.attn_norm, self.eps)  # [Ts, D]
+        mixes_a = None
+        if every:
+            _, *mixes_a, x_seam = self._mhc_step(None, xs, None, None, lw.hc_attn, pre_in,
+                                                 lw.attn_norm)
+        else:
+            x_seam = d.rms_norm(self.mhc.collapse(xs, pre_in), lw.attn_norm, self.eps)  # [Ts, D]
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
             self._write_global_kv(spec, lw, x_seam, rows, step)
         if rows.num_compute == 0:
             return streams
         xc = xs if every else xs[rows.compute_in_seam]  # [Tc, S, D]
-        pre_a, post_a, comb_a = self._mixes(xc, lw.hc_attn)  # 2.
+        pre_a, post_a, comb_a = mixes_a or self._mixes(xc, lw.hc_attn)  # 2.
         x = x_seam if every else x_seam[rows.compute_in_seam]
         y = self._attention(spec, lw, x, rows, step)
-        xc = self.mhc.expand(y, xc, post_a, comb_a)  # 4.
-        pre_f, post_f, comb_f = self._mixes(xc, lw.hc_ffn)  # 5.
-        h = d.rms_norm(self.mhc.collapse(xc, pre_a), lw.ffn_norm, self.eps)  # 6.
+        # 4. write-back, 5. the FFN site's mixes, 6. ffn_norm(collapse): one fused mHC step
+        xc, pre_f, post_f, comb_f, h = self._mhc_step(y, xc, post_a, comb_a, lw.hc_ffn, pre_a,
+                                                      lw.ffn_norm)
         out = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
         if every:
             carried_pre.copy_(pre_f)  # 8.
@@ -565,6 +571,13 @@ class Model:
         return self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
                               cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
                               cfg.norm_topk_prob)
+
+    def _mhc_step(self, y, streams, post, comb, mw: MixWeights, pre_in, norm_weight):
+        """mhc.expand_mix_collapse: (X', pre, post, comb, rms_norm(collapse(X', pre_in)))."""
+        cfg = self.cfg
+        return self.mhc.expand_mix_collapse(y, streams, post, comb, mw.fn, mw.base, mw.scale,
+                                            cfg.hc_sinkhorn_iters, cfg.hc_eps, self.eps, pre_in,
+                                            norm_weight)
 
     def _mixes(self, streams: torch.Tensor, mw: MixWeights) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
