@@ -74,11 +74,15 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
     return kept.repeat_interleave(block_size, dim=1)[:, :num_keys]
 
 
-def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
-    `allowed` [T, N] (the candidate mask) sets every other entry to -inf first.
+    `allowed` [T, N] (the candidate mask) sets every other entry to -inf first. pool_rows =
+    (key_rows [B, N], seq_of [T]) (paged scores): the entries' pool rows instead, int32.
     """
+    if pool_rows is not None:
+        return to_pool_rows(select_topk(scores, k, allowed), *pool_rows)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     num_q, num_keys = scores.shape
@@ -93,6 +97,17 @@ def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = Non
 
 
 # ============================================================================ paged keys
+def to_pool_rows(ids: torch.Tensor, key_rows: torch.Tensor, seq_of: torch.Tensor) -> torch.Tensor:
+    """Sequence-local entry ids [T, k] (-1 padded) -> pool rows key_rows[seq_of[t], id], int32
+    (-1 where the id is -1, seq_of[t] is outside [0, B) or the id is outside [0, N))."""
+    num_seqs, width = key_rows.shape
+    seq = seq_of.long()[:, None].expand_as(ids)
+    ok = (ids >= 0) & (ids < width) & (seq >= 0) & (seq < num_seqs)
+    rows = key_rows[seq.clamp(0, max(num_seqs - 1, 0)), ids.clamp(0, max(width - 1, 0))] \
+        if ids.numel() and key_rows.numel() else ids
+    return torch.where(ok, rows.long(), -1).to(torch.int32)
+
+
 def paged_key_rows(block_tables: list[list[int]], entries_per_block: int,
                    num_entries: list[int], width: int, device: torch.device | str) -> torch.Tensor:
     """Host-side key_rows int32 [B, width]: entry e of sequence b sits at pool row
@@ -117,11 +132,14 @@ def paged_key_rows(block_tables: list[list[int]], entries_per_block: int,
 
 
 def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                       key_rows: torch.Tensor, seq_of: torch.Tensor,
-                       n_visible: torch.Tensor) -> torch.Tensor:
+                       key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
+                       weight_scale: float = 1.0) -> torch.Tensor:
     """q [T, h, dI], head_weights [T, h], key_pool uint8 [R, rec], key_rows [B, N], seq_of [T],
-    n_visible [T] -> scores [T, N] FP32 over each query's own sequence (module docstring)."""
+    n_visible [T] -> scores [T, N] FP32 over each query's own sequence (module docstring).
+    The head weights used are FP32(head_weights) * weight_scale."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
+    if weight_scale != 1.0:
+        head_weights = fp32(head_weights) * weight_scale
     num_pool_rows = key_pool.shape[0]
     scores = torch.full((q.shape[0], key_rows.shape[1]), NEG_INF, dtype=torch.float32,
                         device=q.device)
@@ -137,12 +155,16 @@ def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: to
 
 def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
                             key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                            blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+                            blocks: torch.Tensor, block_size: int, k: int,
+                            weight_scale: float = 1.0, as_pool_rows: bool = False) -> torch.Tensor:
     """Reindex layers over paged keys: top-k [T, k] sequence-local entry ids (ascending, -1
-    padded) among the entries of each query's candidate blocks [T, nb] (-1 padded)."""
+    padded) among the entries of each query's candidate blocks [T, nb] (-1 padded); with
+    as_pool_rows, their pool rows (int32, `to_pool_rows`)."""
     _check_blocks(blocks, q.shape[0], block_size, k)
-    scores = index_scores_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
-    return select_topk(scores, k, allowed=_blocks_mask(blocks, block_size, scores.shape[1]))
+    scores = index_scores_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible,
+                                weight_scale)
+    ids = select_topk(scores, k, allowed=_blocks_mask(blocks, block_size, scores.shape[1]))
+    return to_pool_rows(ids, key_rows, seq_of) if as_pool_rows else ids
 
 
 def _blocks_mask(blocks: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:

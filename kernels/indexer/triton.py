@@ -42,6 +42,7 @@ import triton.language as tl
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.indexer.ref import _check_blocks, _check_paged
 from flashpd.kernels.indexer.ref import paged_key_rows as paged_key_rows  # host-side, re-exported
+from flashpd.kernels.indexer.ref import to_pool_rows as to_pool_rows  # host-side, re-exported
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_decode, e8m0_decode
 
@@ -73,7 +74,7 @@ def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constex
 
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_ptr, seq_ptr,
-                  out_ptr, N_COLS, H, NB_LIST, BLOCK_SIZE, N_KEYS, NUM_SEQS, NUM_ROWS,
+                  out_ptr, N_COLS, H, NB_LIST, BLOCK_SIZE, N_KEYS, NUM_SEQS, NUM_ROWS, w_scale,
                   DI: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   TILES: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
                   PAGED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
@@ -87,7 +88,7 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_p
     hmask = h < H
     q = tl.load(q_ptr + (t * H + h[:, None]) * DI + tl.arange(0, DI)[None, :],
                 mask=hmask[:, None], other=0.0)  # [H_PAD, DI]
-    w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     n_vis = tl.load(nvis_ptr + t)
     seq = tl.zeros((), dtype=tl.int64)
     if PAGED:
@@ -118,8 +119,10 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_p
 def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
             n_visible: torch.Tensor, packed: bool, blocks: torch.Tensor | None = None,
             block_size: int = 1,
-            paged: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Launch _score_kernel; `paged` = (key_rows [B, N], seq_of [T]) makes `keys` a pool."""
+            paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+            weight_scale: float = 1.0) -> torch.Tensor:
+    """Launch _score_kernel; `paged` = (key_rows [B, N], seq_of [T]) makes `keys` a pool;
+    the head weights are read in their own dtype and scaled by `weight_scale` in FP32."""
     num_q, num_heads, head_dim = q.shape
     num_keys = keys.shape[0] if paged is None else paged[0].shape[1]
     if blocks is None:
@@ -135,20 +138,20 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
     else:
         dot_q = q.contiguous() if q.dtype == keys.dtype else q.to(torch.float32).contiguous()
         key_arg = keys.to(dot_q.dtype).contiguous()
-    blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else n_visible
+    blocks_arg = blocks.contiguous() if blocks is not None else n_visible
     if paged is None:
         rows_arg = seq_arg = n_visible
         num_seqs = 0
     else:
-        rows_arg, seq_arg = (x.to(torch.int32).contiguous() for x in paged)
+        rows_arg, seq_arg = (x.contiguous() for x in paged)
         num_seqs = rows_arg.shape[0]
     tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
     grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
-        dot_q, head_weights.to(torch.float32).contiguous(), key_arg, key_arg.stride(0),
-        n_visible.to(torch.int32).contiguous(), blocks_arg, rows_arg, seq_arg, out, n_cols,
-        num_heads, blocks.shape[1] if blocks is not None else 0, block_size, num_keys,
-        num_seqs, keys.shape[0], DI=head_dim,
+        dot_q, head_weights.contiguous(), key_arg, key_arg.stride(0), n_visible.contiguous(),
+        blocks_arg, rows_arg, seq_arg, out, n_cols, num_heads,
+        blocks.shape[1] if blocks is not None else 0, block_size, num_keys, num_seqs,
+        keys.shape[0], float(weight_scale), DI=head_dim,
         H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, TILES=tiles,
         PACKED=packed, SPARSE=blocks is not None, PAGED=paged is not None,
         IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST, num_warps=4)
@@ -215,7 +218,11 @@ def _load_keys(s_ptr, allowed_ptr, row, idx, N, HAS_ALLOWED: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_SIZE,
-                 HAS_ALLOWED: tl.constexpr, MAP_BLOCKS: tl.constexpr, CHUNK: tl.constexpr):
+                 rows_ptr, seq_ptr, N_KEYS, NUM_SEQS,
+                 HAS_ALLOWED: tl.constexpr, MAP_BLOCKS: tl.constexpr, MAP_ROWS: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """MAP_ROWS: emit rows[seq_of[row], entry] (the pool row of the entry, -1 if none) in the
+    output's dtype instead of the entry id."""
     row = tl.program_id(0).to(tl.int64)
     neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32),
                              tl.full((1,), True, tl.int1))
@@ -254,39 +261,53 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
         eq_rank = equal_seen + tl.cumsum(eq, axis=0) - eq
         sel = (gt | ((eq != 0) & (eq_rank < take_equal))).to(tl.int32)
         pos = emitted + tl.cumsum(sel, axis=0) - sel
-        entry = idx
+        entry = idx.to(tl.int64)
         if MAP_BLOCKS:
             blk = tl.load(blocks_ptr + row * NB_LIST + idx // BLOCK_SIZE, mask=sel != 0, other=0)
-            entry = blk * BLOCK_SIZE + idx % BLOCK_SIZE
-        tl.store(out_ptr + row * K + pos, entry.to(tl.int64), mask=sel != 0)
+            entry = blk.to(tl.int64) * BLOCK_SIZE + idx % BLOCK_SIZE
+        if MAP_ROWS:
+            seq = tl.load(seq_ptr + row).to(tl.int64)
+            ok = (sel != 0) & (seq >= 0) & (seq < NUM_SEQS) & (entry >= 0) & (entry < N_KEYS)
+            entry = tl.load(rows_ptr + seq * N_KEYS + entry, mask=ok, other=-1).to(tl.int64)
+        tl.store(out_ptr + row * K + pos, entry.to(out_ptr.dtype.element_ty), mask=sel != 0)
         emitted += tl.sum(sel, axis=0)
         equal_seen += tl.sum(eq, axis=0)
     for c0 in range(0, K, CHUNK):  # pad with -1
         slot = c0 + tl.arange(0, CHUNK)
-        tl.store(out_ptr + row * K + slot, tl.full((CHUNK,), -1, tl.int64),
+        tl.store(out_ptr + row * K + slot,
+                 tl.full((CHUNK,), -1, tl.int64).to(out_ptr.dtype.element_ty),
                  mask=(slot < K) & (slot >= kk))
 
 
 def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
-          blocks: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
+          blocks: torch.Tensor | None = None, block_size: int = 1,
+          pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
+    int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel."""
     num_q, n_cols = scores.shape
     if blocks is None and n_cols >= 4 * _SPLIT_COLS and k <= _SPLIT_COLS // 4:
-        return _topk_two_stage(scores, k, allowed)
-    out = torch.empty(num_q, k, dtype=torch.int64, device=scores.device)
+        return _topk_two_stage(scores, k, allowed, pool_rows)
+    out = torch.empty(num_q, k, dtype=torch.int64 if pool_rows is None else torch.int32,
+                      device=scores.device)
     if num_q == 0 or k == 0:
         return out
     s = scores.to(torch.float32).contiguous()
     allowed_arg = allowed.contiguous().view(torch.uint8) if allowed is not None else s
-    blocks_arg = blocks.to(torch.int32).contiguous() if blocks is not None else s
+    blocks_arg = blocks.contiguous() if blocks is not None else s
+    rows_arg, seq_arg = (x.contiguous() for x in pool_rows) if pool_rows is not None else (s, s)
     _topk_kernel[(num_q,)](
         s, allowed_arg, blocks_arg, out, n_cols, k,
-        blocks.shape[1] if blocks is not None else 0, block_size,
+        blocks.shape[1] if blocks is not None else 0, block_size, rows_arg, seq_arg,
+        rows_arg.shape[1] if pool_rows is not None else 0,
+        rows_arg.shape[0] if pool_rows is not None else 0,
         HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
+        MAP_ROWS=pool_rows is not None,
         CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(n_cols))), num_warps=8)
     return out
 
 
-def _topk_two_stage(scores: torch.Tensor, k: int, allowed: torch.Tensor | None) -> torch.Tensor:
+def _topk_two_stage(scores: torch.Tensor, k: int, allowed: torch.Tensor | None,
+                    pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Long rows: top-k of each slice of _SPLIT_COLS entries (one program per slice), then the
     top-k of the concatenated survivors, mapped back to entry ids.
 
@@ -306,17 +327,22 @@ def _topk_two_stage(scores: torch.Tensor, k: int, allowed: torch.Tensor | None) 
     offset = (torch.arange(n_slices, device=scores.device) * _SPLIT_COLS).repeat(num_q)
     ids = torch.where(local >= 0, local + offset[:, None], -1).reshape(num_q, n_slices * k)
     survivor_scores = torch.where(ids >= 0, torch.gather(s, 1, ids.clamp_min(0)), NEG_INF)
-    return _topk(survivor_scores, k, blocks=ids, block_size=1)
+    return _topk(survivor_scores, k, blocks=ids, block_size=1, pool_rows=pool_rows)
 
 
-def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5)."""
+def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
+
+    pool_rows = (key_rows [B, N], seq_of [T]) (paged scores): the selected entries' pool rows
+    key_rows[seq_of[t], id] instead, int32, -1 padded (one launch, no gather after it)."""
     if scores.ndim != 2:
         raise ValueError(f"scores must be [T, N], got {tuple(scores.shape)}")
     if allowed is not None and (allowed.shape != scores.shape or allowed.dtype != torch.bool):
         raise ValueError("allowed must be a bool mask shaped like scores")
     triton_runtime.check_device(scores)
-    return _topk(scores, k, allowed)
+    _check_pool_rows(pool_rows, scores.shape)
+    return _topk(scores, k, allowed, pool_rows=pool_rows)
 
 
 # ============================================================================ candidates
@@ -389,27 +415,49 @@ def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: 
 
 # ============================================================================ paged keys
 def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                       key_rows: torch.Tensor, seq_of: torch.Tensor,
-                       n_visible: torch.Tensor) -> torch.Tensor:
+                       key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
+                       weight_scale: float = 1.0) -> torch.Tensor:
     """As index_scores_packed over each query's own sequence: key_pool uint8 [R, rec], key_rows
-    [B, N] pool rows (-1 = none), seq_of [T] -> scores [T, N] FP32 (one launch, graph safe)."""
+    [B, N] pool rows (-1 = none), seq_of [T] -> scores [T, N] FP32 (one launch, graph safe).
+    The head weights are FP32(head_weights) * weight_scale (in the kernel)."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
     triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible)
-    return _scores(q, head_weights, key_pool, n_visible, packed=True, paged=(key_rows, seq_of))
+    return _scores(q, head_weights, key_pool, n_visible, packed=True, paged=(key_rows, seq_of),
+                   weight_scale=weight_scale)
 
 
 def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
                             key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                            blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
-    """index_topk_sparse over paged keys: ids [T, k] sequence-local, ascending, -1 padded."""
+                            blocks: torch.Tensor, block_size: int, k: int,
+                            weight_scale: float = 1.0, as_pool_rows: bool = False) -> torch.Tensor:
+    """index_topk_sparse over paged keys: ids [T, k] sequence-local, ascending, -1 padded
+    (as_pool_rows: their pool rows key_rows[seq_of[t], id], int32; weight_scale: as
+    index_scores_paged)."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
     _check_blocks(blocks, q.shape[0], block_size, k)
     triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible, blocks)
     paged = (key_rows, seq_of)
+    rows = paged if as_pool_rows else None
     if blocks.shape[1] * block_size >= key_rows.shape[1]:
         # as index_topk_sparse: blocks from candidate_blocks over these N columns hold every
         # block with a visible entry, so scoring all N selects the same ids
-        return _topk(_scores(q, head_weights, key_pool, n_visible, packed=True, paged=paged), k)
+        return _topk(_scores(q, head_weights, key_pool, n_visible, packed=True, paged=paged,
+                             weight_scale=weight_scale), k, pool_rows=rows)
     scores = _scores(q, head_weights, key_pool, n_visible, packed=True, blocks=blocks,
-                     block_size=block_size, paged=paged)  # [T, nb * bs]
-    return _topk(scores, k, blocks=blocks, block_size=block_size)
+                     block_size=block_size, paged=paged, weight_scale=weight_scale)
+    return _topk(scores, k, blocks=blocks, block_size=block_size, pool_rows=rows)
+
+
+def _check_pool_rows(pool_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                     scores_shape: torch.Size) -> None:
+    if pool_rows is None:
+        return
+    key_rows, seq_of = pool_rows
+    if key_rows.ndim != 2 or key_rows.shape[1] != scores_shape[1] or key_rows.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"pool_rows: key_rows must be int [B, {scores_shape[1]}], got "
+                         f"{key_rows.dtype} {tuple(key_rows.shape)}")
+    if seq_of.shape != scores_shape[:1] or seq_of.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pool_rows: seq_of must be int [{scores_shape[0]}], got "
+                         f"{seq_of.dtype} {tuple(seq_of.shape)}")
+    triton_runtime.check_device(key_rows, seq_of)

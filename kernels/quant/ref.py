@@ -205,6 +205,17 @@ def fake_quant_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
     return _merge_blocks(e2m1_decode(q) * e8m0_to_float(s)).to(x.dtype)
 
 
+def rope_fake_quant_mxfp4(values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                          heads: int = 1) -> torch.Tensor:
+    """values [T * heads, D], RoPE tables [T, R/2] (one row per token, shared by its heads) ->
+    fake_quant_mxfp4(rope(values)) in values.dtype: the index query of §5.1."""
+    from flashpd.kernels.rope.ref import rotate
+
+    cos, sin = rope
+    x = values.reshape(cos.shape[0], heads, values.shape[-1])
+    return fake_quant_mxfp4(rotate(x, cos, sin)).reshape(values.shape)
+
+
 # ----------------------------------------------------------------------------- packed records
 def window_fp8_record_bytes(d: int) -> int:
     return d + d // WINDOW_FP8_BLOCK

@@ -172,13 +172,20 @@ def _rope_pairs(a, b, cos_ptr, sin_ptr, pair, ROPE_PAIRS: tl.constexpr, NUM_PAIR
 
 @triton.jit
 def _kv_write_kernel(
-    values_ptr, stride_v, rows_ptr, pool_ptr, stride_p, cos_ptr, sin_ptr, stride_cs,
+    values_ptr, stride_v, rows_ptr, pool_ptr, stride_p, cos_ptr, sin_ptr, stride_cs, rope_div,
     D: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    ROPE_PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_VALUES: tl.constexpr,
 ):
-    """One program per token: RoPE (optional) -> block scales -> codes -> one packed record."""
+    """One program per token: RoPE (optional) -> block scales -> codes -> one packed record.
+
+    Token n reads RoPE row n // rope_div (rope_div = heads: one table row per head group).
+    OUT_VALUES (MXFP4 only): store the dequantised values (exact in BF16) in row n of the
+    values-shaped `pool` instead of a record (the fake quant, no record round trip)."""
     token = tl.program_id(0)
-    dst = tl.load(rows_ptr + token).to(tl.int64)
+    if OUT_VALUES:
+        dst = token.to(tl.int64)
+    else:
+        dst = tl.load(rows_ptr + token).to(tl.int64)
     live = dst >= 0
     NB: tl.constexpr = D // BLOCK
     HALF: tl.constexpr = BLOCK // 2
@@ -189,7 +196,7 @@ def _kv_write_kernel(
     a = tl.load(src).to(tl.float32)
     b = tl.load(src + 1).to(tl.float32)
     if ROPE_PAIRS > 0:
-        cs = token.to(tl.int64) * stride_cs
+        cs = (token // rope_div).to(tl.int64) * stride_cs
         a, b = _rope_pairs(a, b, cos_ptr + cs, sin_ptr + cs, pair, ROPE_PAIRS, D // 2, ROUND_BF16)
     amax = tl.maximum(tl.max(tl.maximum(tl.abs(a), tl.abs(b)), axis=1), AMAX_FLOOR)  # [NB]
     rec = pool_ptr + dst * stride_p
@@ -211,8 +218,14 @@ def _kv_write_kernel(
         inv = exp2i(127 - sbyte)[:, None]
         lo = e2m1_encode(a * inv)
         hi = e2m1_encode(b * inv)
-        tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
-        tl.store(rec + D // 2 + tl.arange(0, NB), sbyte.to(tl.uint8), mask=live)
+        if OUT_VALUES:  # code * 2^(sbyte - 127): exact in FP32 and in BF16
+            scale = e8m0_decode(sbyte)[:, None]
+            tl.store(rec + 2 * pair, (e2m1_decode(lo) * scale).to(pool_ptr.dtype.element_ty))
+            tl.store(rec + 2 * pair + 1,
+                     (e2m1_decode(hi) * scale).to(pool_ptr.dtype.element_ty))
+        else:
+            tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
+            tl.store(rec + D // 2 + tl.arange(0, NB), sbyte.to(tl.uint8), mask=live)
 
 
 # ============================================================================ public API
@@ -274,10 +287,38 @@ def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: to
         return
     cos, sin, rope_pairs = _rope_tables(rope, values)
     _kv_write_kernel[(num_tokens,)](
-        values, values.stride(0), rows, pool, pool.stride(0), cos, sin, cos.stride(0),
+        values, values.stride(0), rows, pool, pool.stride(0), cos, sin, cos.stride(0), 1,
         D=dim, BLOCK=_BLOCK[fmt], FMT=fmt, AMAX_FLOOR=_AMAX_FLOOR[fmt], ROPE_PAIRS=rope_pairs,
-        ROUND_BF16=values.dtype == torch.bfloat16, num_warps=1 if dim <= 128 else 4,
-        **triton_runtime.launch_options())
+        ROUND_BF16=values.dtype == torch.bfloat16, OUT_VALUES=False,
+        num_warps=1 if dim <= 128 else 4, **triton_runtime.launch_options())
+
+
+def rope_fake_quant_mxfp4(values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                          heads: int = 1) -> torch.Tensor:
+    """values [T * heads, D] (rows of token t: t * heads .. t * heads + heads - 1), RoPE tables
+    [T, R/2] -> fake_quant_mxfp4(rope(values)) in values.dtype, one launch: the index query
+    (§5.1) without a record round trip or per-head copies of the tables. Graph safe."""
+    num_rows, dim = values.shape
+    if values.stride(1) != 1:
+        raise ValueError("values must have unit channel stride")
+    if heads < 1 or num_rows % heads:
+        raise ValueError(f"{num_rows} value rows are not whole groups of heads={heads}")
+    out = torch.empty(num_rows, dim, dtype=values.dtype, device=values.device)
+    if num_rows == 0:
+        return out
+    cos, sin = rope
+    if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] * heads != num_rows:
+        raise ValueError(f"rope tables must be [{num_rows // heads}, R/2] each, got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or 2 * cos.shape[1] > dim:
+        raise ValueError("rope tables must be FP32 and cover at most D channels")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _kv_write_kernel[(num_rows,)](
+        values, values.stride(0), out, out, out.stride(0), cos, sin, cos.stride(0), heads,
+        D=dim, BLOCK=ref.MXFP4_BLOCK, FMT=FMT_MXFP4, AMAX_FLOOR=_AMAX_FLOOR[FMT_MXFP4],
+        ROPE_PAIRS=cos.shape[1], ROUND_BF16=values.dtype == torch.bfloat16, OUT_VALUES=True,
+        num_warps=1 if dim <= 128 else 4, **triton_runtime.launch_options())
+    return out
 
 
 def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor,

@@ -131,6 +131,39 @@ def test_sparse_paged_topk_keeps_to_the_candidate_blocks():
                                                          blocks, 4, 6))
 
 
+@pytest.mark.parametrize("num_blocks", [2, 6])
+def test_topk_as_pool_rows_equals_the_gather_of_the_ids(num_blocks):
+    """The forward's top-k: pool rows straight from the top-k kernel (int32, -1 padded) equal
+    key_rows[seq_of[t], id] of the ids; the head-weight scale folded into the scoring kernel
+    equals scaling the weights first, bit for bit."""
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=7)
+    wb = w.bfloat16()
+    bs, k, scale = 4, 5, 1.0 / 64
+    scores = it.index_scores_paged(q, wb, pool, key_rows, seq_of, n_vis, weight_scale=scale)
+    assert torch.equal(scores, it.index_scores_paged(q, wb.float() * scale, pool, key_rows,
+                                                     seq_of, n_vis))
+    torch.testing.assert_close(iref.index_scores_paged(q, wb, pool, key_rows, seq_of, n_vis,
+                                                       weight_scale=scale), scores,
+                               rtol=1e-6, atol=1e-6)
+    ids = it.select_topk(scores, k)
+    want = torch.full_like(ids, -1, dtype=torch.int32)
+    for t in range(ids.shape[0]):
+        for j in range(k):
+            if ids[t, j] >= 0:
+                want[t, j] = key_rows[seq_of[t], ids[t, j]]
+    for impl in (it, iref):
+        rows = impl.select_topk(scores, k, pool_rows=(key_rows, seq_of))
+        assert rows.dtype == torch.int32 and torch.equal(rows, want)
+    blocks = it.candidate_blocks(scores, n_vis, bs, num_blocks)
+    for impl in (it, iref):
+        ids = impl.index_topk_sparse_paged(q, wb, pool, key_rows, seq_of, n_vis, blocks, bs, k,
+                                           weight_scale=scale)
+        rows = impl.index_topk_sparse_paged(q, wb, pool, key_rows, seq_of, n_vis, blocks, bs,
+                                            k, weight_scale=scale, as_pool_rows=True)
+        assert rows.dtype == torch.int32
+        assert torch.equal(rows, iref.to_pool_rows(ids, key_rows, seq_of))
+
+
 def test_paged_ops_never_read_tensor_values_on_the_host(monkeypatch):
     """CUDA-graph safety: no .item()/.tolist()/bool()/nonzero while scoring and selecting."""
     q, w, pool, key_rows, seq_of, n_vis = _batch(seed=6)
@@ -145,6 +178,10 @@ def test_paged_ops_never_read_tensor_values_on_the_host(monkeypatch):
     monkeypatch.setattr(torch, "nonzero", refuse)
     it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5)
     it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 8, 5)  # all blocks
+    it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5,
+                               weight_scale=0.5, as_pool_rows=True)
+    it.select_topk(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis), 5,
+                   pool_rows=(key_rows, seq_of))
 
 
 def _bad(name: str):

@@ -51,6 +51,25 @@ def test_write_with_fused_rope_lands_in_destination_rows(name, write, pack, dim)
     assert bool((pool[untouched] == 0x5A).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_fake_quant_mxfp4_equals_rotate_then_fake_quant(dtype):
+    """The index query's one-launch path: every head of a token rotated by the token's table
+    row, then MXFP4 values, bit for bit the reference (and what a record round trip gives)."""
+    heads, dim = 3, 64
+    x = _values(5 * heads, dim, dtype)
+    pos = torch.tensor([0, 9, 1000, 65537, 1 << 20])
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    cos, sin = rope.rope_cos_sin(pos, freqs)
+    got = qt.rope_fake_quant_mxfp4(x, (cos, sin), heads)
+    want = qref.fake_quant_mxfp4(rope.rotate(x.view(5, heads, dim), cos, sin)).view(-1, dim)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(qref.rope_fake_quant_mxfp4(x, (cos, sin), heads), want)
+    records = qt.pack_mxfp4(rope.rotate(x.view(5, heads, dim), cos, sin).view(-1, dim))
+    assert torch.equal(qref.unpack_mxfp4(records, dtype), got)
+    with pytest.raises(ValueError, match="heads"):
+        qt.rope_fake_quant_mxfp4(x[:-1], (cos, sin), heads)
+
+
 @triton.jit
 def _codec_kernel(x_ptr, e4m3_ptr, back_ptr, e2m1_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
