@@ -34,6 +34,7 @@ import triton.language as tl
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
 from flashpd.kernels.moe.ref import ExpertWeights
+from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
 _ROUTER_BLOCK_T = 16
@@ -229,33 +230,182 @@ def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
     return dense.grouped_gemm(h, experts.w2, None, y)
 
 
+# ============================================================================ pair sorting
+# Decode batches (<= SORT_KERNEL_MAX_TOKENS tokens) sort their token-expert pairs in one
+# single-program launch instead of torch's argsort / scatter / cumsum / searchsorted / index
+# chain; larger batches (prefill) keep the torch chain, which gives the same order.
+#
+#   pass 1  counts[e] = pairs routed to expert e;  row_off = exclusive cumsum (sorted layout)
+#   pass 2  per token block: pair (t, s) of expert e goes to row
+#           row_off[e] + (pairs of e in earlier tokens) + (earlier slots of t with expert e)
+#           (a stable sort by expert id); rank(t, s) = the pair's place among t's pairs in
+#           ascending expert id (ties by slot) -> pos[t, rank] = its sorted row
+#   tiles   tile q of the grouped GEMM: expert = #experts whose tiles end at or before q, rows
+#           [start, end) of that expert's rows in block_m steps; surplus tiles are empty
+SORT_KERNEL_MAX_TOKENS = 256
+_SORT_BLOCK_T = 16
+_SORT_BLOCK_Q = 64
+_COMBINE_BLOCK_D = 1024
+
+
+@triton.jit(do_not_specialize=["T", "max_tiles"])
+def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr,
+                       t_end_ptr, T, E, max_tiles, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                       E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_Q: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    slot = tl.arange(0, K_PAD)
+    smask = slot < TOP_K
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):  # pass 1: pairs per expert
+        tok = t0 + tl.arange(0, BLOCK_T)
+        m = (tok[:, None] < T) & smask[None, :]
+        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1)
+        hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
+        counts += tl.sum(tl.sum(hit, axis=1), axis=0)
+    row_off = tl.cumsum(counts, 0) - counts
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):  # pass 2: sorted rows, per-token ranks
+        tok = t0 + tl.arange(0, BLOCK_T)
+        m = (tok[:, None] < T) & smask[None, :]
+        flat = tok[:, None] * TOP_K + slot[None, :]
+        ids = tl.load(ids_ptr + flat, mask=m, other=-1).to(tl.int32)  # [BT, KP]
+        gam = tl.load(w_ptr + flat, mask=m, other=0.0)
+        hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
+        per_tok = tl.sum(hit, axis=1)  # [BT, E]
+        base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
+        dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
+        other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
+        valid = smask[None, None, :]
+        earlier = slot[None, None, :] < slot[None, :, None]
+        same = (other == ids[:, :, None]) & valid & earlier
+        dest += tl.sum(same.to(tl.int32), axis=2)
+        rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + \
+            tl.sum(same.to(tl.int32), axis=2)
+        tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
+        tl.store(gamma_ptr + dest, gam, mask=m)
+        tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
+        seen += tl.sum(per_tok, axis=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
+    total = tl.sum(tiles, axis=0)
+    for q0 in range(0, max_tiles, BLOCK_Q):
+        q = q0 + tl.arange(0, BLOCK_Q)
+        ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
+        ex = tl.minimum(ex, E - 1)
+        sel = experts[None, :] == ex[:, None]  # [BQ, E]
+        first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
+        roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
+        cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+        start = roff + (q - first) * BLOCK_M
+        end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+        qm = q < max_tiles
+        tl.store(t_exp_ptr + q, ex, mask=qm)
+        tl.store(t_start_ptr + q, start, mask=qm)
+        tl.store(t_end_ptr + q, end, mask=qm)
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    """Token-expert pairs sorted by expert (stable): rows [P] int32 token of each sorted pair,
+    gamma [P] FP32 its routing weight, schedule the grouped GEMM's tiles, pos [T, k] int32 the
+    sorted row of each token's pairs in ascending expert id (the combine's sum order)."""
+
+    rows: torch.Tensor
+    gamma: torch.Tensor
+    schedule: dense.TileSchedule
+    pos: torch.Tensor
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+               block_m: int) -> SortedPairs:
+    """Sort the (token, slot) pairs of ids [T, k] (distinct experts per token, as `route`
+    gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens."""
+    num_tokens, top_k = ids.shape
+    num_pairs = num_tokens * top_k
+    device = ids.device
+    max_tiles = max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
+    if num_tokens > SORT_KERNEL_MAX_TOKENS:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+        rows = (order // top_k).to(torch.int32)
+        gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read-back (CUDA graphs)
+        schedule = dense.grouped_schedule(counts, num_pairs, block_m)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(num_pairs, device=device)
+        pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
+        return SortedPairs(rows, gamma, schedule, pos.contiguous())
+    rows = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    gamma = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    pos = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    tile = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
+    _sort_pairs_kernel[(1,)](
+        ids.contiguous(), weights.to(torch.float32).contiguous(), rows, gamma, pos, tile[0],
+        tile[1], tile[2], num_tokens, num_experts, max_tiles, TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_T=_SORT_BLOCK_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q, num_warps=4)
+    return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, stride_y, pos_ptr, shared_ptr, stride_s, out_ptr, stride_o, D,
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_BF16: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """out[t] = sum of y[pos[t, 0..k-1]] in that order (ascending expert id) + shared[t], FP32,
+    rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r in tl.static_range(TOP_K):
+        p = tl.load(pos_ptr + t * TOP_K + r).to(tl.int64)
+        acc += tl.load(y_ptr + p * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_s + cols, mask=cmask, other=0.0).to(tl.float32)
+    if OUT_BF16:
+        acc = round_bf16(acc)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, D] in out_dtype: each token's expert rows y[pos[t]] summed in FP32 in pos order,
+    plus shared[t] (the shared expert's output) when given, one rounding. One launch."""
+    num_tokens, top_k = pos.shape
+    dim = y.shape[1]
+    out = torch.empty(num_tokens, dim, dtype=out_dtype, device=y.device)
+    if num_tokens:
+        _combine_kernel[(num_tokens, triton.cdiv(dim, _COMBINE_BLOCK_D))](
+            y, y.stride(0), pos, shared if shared is not None else y,
+            shared.stride(0) if shared is not None else 0, out, out.stride(0), dim,
+            TOP_K=top_k, HAS_SHARED=shared is not None, OUT_BF16=out_dtype == torch.bfloat16,
+            BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
+    return out
+
+
+# ============================================================================ routed experts
+def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 experts: ExpertSet, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs."""
+    num_tokens, top_k = ids.shape
+    num_pairs = num_tokens * top_k
+    block_m = dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
+    pairs = sort_pairs(ids, weights, experts.num_experts, block_m)
+    h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
+    dense.grouped_gemm(x, experts.w1, pairs.schedule, h, a_rows=pairs.rows, w3=experts.w3,
+                       gamma=pairs.gamma, limit=limit)
+    y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
+    dense.grouped_gemm(h, experts.w2, pairs.schedule, y)
+    return y, pairs.pos
+
+
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    experts: ExpertSet, limit: float) -> torch.Tensor:
     """Sum over each token's k experts, ascending expert id, FP32 [T, D] (no shared expert)."""
-    num_tokens, top_k = ids.shape
-    num_pairs = num_tokens * top_k
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-    token_of_pair = (order // top_k).to(torch.int32)
-    gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
-    # scatter_add, not bincount: no host read-back, so the step can be captured in a CUDA graph
-    counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    block_m = dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
-    schedule = dense.grouped_schedule(counts, num_pairs, block_m)
-    h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(x, experts.w1, schedule, h, a_rows=token_of_pair, w3=experts.w3,
-                       gamma=gamma, limit=limit)
-    y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(h, experts.w2, schedule, y)
-    # position of each (token, slot) in the sorted order; ascending position = ascending id
-    position = torch.empty_like(order)
-    position[order] = torch.arange(num_pairs, device=x.device)
-    position = position.reshape(num_tokens, top_k).sort(dim=-1).values  # [T, k]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    for slot in range(top_k):
-        out = out + y[position[:, slot]].to(torch.float32)
-    return out
+    y, pos = _expert_rows(x, ids, weights, experts, limit)
+    return combine(y, pos, None, torch.float32)
 
 
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
@@ -275,14 +425,20 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
     if x.shape[0] == 0:
         return torch.empty_like(x)
     ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
-    out = routed_experts(x, ids, weights, experts, limit)
-    if shared is not None:
-        for e in range(shared.num_experts):
-            one = ExpertSet(*(Weights(w.fmt, w.data[e:e + 1],
-                                      None if w.scale is None else w.scale[e:e + 1])
-                              for w in (shared.w1, shared.w3, shared.w2)))
-            out = out + dense_experts(x, one, limit, None).to(torch.float32)
+    y, pos = _expert_rows(x, ids, weights, experts, limit)
+    shared_y = [dense_experts(x, _one_expert(shared, e), limit, None)
+                for e in range(shared.num_experts if shared is not None else 0)]
+    if len(shared_y) <= 1:  # routed sum + shared expert + rounding in one launch
+        return combine(y, pos, shared_y[0] if shared_y else None, x.dtype)
+    out = combine(y, pos, None, torch.float32)
+    for s_y in shared_y:
+        out = out + s_y.to(torch.float32)
     return out.to(x.dtype)
+
+
+def _one_expert(experts: ExpertSet, e: int) -> ExpertSet:
+    return ExpertSet(*(Weights(w.fmt, w.data[e:e + 1], None if w.scale is None else
+                               w.scale[e:e + 1]) for w in (experts.w1, experts.w3, experts.w2)))
 
 
 def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,

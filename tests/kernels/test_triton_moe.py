@@ -98,3 +98,51 @@ def test_split_k_experts_with_swiglu_and_gamma_match_reference(monkeypatch):
     ref_shared = mref.ExpertWeights(*(qref.dequantize_fp8_blockwise(w, s)[None] for w, s in fp8))
     want = mref.moe(x, gw, bias, ref_routed, ref_shared, 2, 1.5, 10.0)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-2)
+
+
+def _routing(t: int, e: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return ids, torch.rand(t, k, generator=g)
+
+
+def _tiles(sched):
+    return [(int(x), int(a), int(b)) for x, a, b in zip(sched.expert, sched.start, sched.end,
+                                                        strict=True) if a < b]
+
+
+def test_sort_kernel_orders_pairs_as_the_stable_torch_sort(monkeypatch):
+    """One-launch pair sorting (decode) == the argsort chain (prefill): rows, gamma, tiles, pos."""
+    for t, e, k, block_m in ((1, 64, 6, 16), (19, 8, 3, 4), (40, 16, 4, 16)):
+        ids, w = _routing(t, e, k, seed=t)
+        got = mt.sort_pairs(ids, w, e, block_m)
+        monkeypatch.setattr(mt, "SORT_KERNEL_MAX_TOKENS", 0)
+        want = mt.sort_pairs(ids, w, e, block_m)
+        monkeypatch.undo()
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
+        assert torch.equal(got.pos, want.pos)
+        assert _tiles(got.schedule) == _tiles(want.schedule)
+        assert got.schedule.start.shape == want.schedule.start.shape
+        assert got.schedule.start.shape[0] <= t * k  # one token: top-k tiles, no empty grid
+
+
+def test_sort_kernel_pos_lists_each_token_pairs_in_ascending_expert_id():
+    ids, w = _routing(7, 12, 4, seed=3)
+    got = mt.sort_pairs(ids, w, 12, 16)
+    sorted_expert = ids.reshape(-1)[torch.argsort(ids.reshape(-1), stable=True)]
+    assert torch.equal(sorted_expert[got.pos.long()], ids.sort(dim=-1).values)
+    assert torch.equal(got.rows[got.pos.long()],
+                       torch.arange(7, dtype=torch.int32)[:, None].expand(7, 4))
+
+
+def test_combine_sums_in_pos_order_adds_shared_and_rounds_once():
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(12, 40, generator=g).bfloat16()
+    pos = torch.randperm(12, generator=g).view(4, 3).int()
+    shared = torch.randn(4, 40, generator=g).bfloat16()
+    want = torch.zeros(4, 40)
+    for r in range(3):
+        want = want + y[pos[:, r].long()].float()
+    assert torch.equal(mt.combine(y, pos, None, torch.float32), want)
+    assert torch.equal(mt.combine(y, pos, shared, torch.bfloat16),
+                       (want + shared.float()).bfloat16())
