@@ -164,8 +164,12 @@ class PagedSeqState(TokenCounter, SeqState):
         self._keep = cfg.sliding_window - 1
         self._num_tokens = 0
         self._lookback: tuple[int, ...] = ()
-        self._win_start: dict[int, int | None] = dict.fromkeys(range(cfg.num_layers), 0)
-        self._win_len: dict[int, int] = dict.fromkeys(range(cfg.num_layers), 0)
+        # window books: one (first position, count) shared by every layer (`_common`, None:
+        # unset) until a layer's span differs, then one per layer (`_per_layer`); the bulk
+        # updates of a decode step touch the shared span once instead of once per layer
+        self._num_layers = cfg.num_layers
+        self._common: tuple[int, int] | None = (0, 0)
+        self._per_layer: list[tuple[int, int] | None] | None = None
         self._open_set: dict[int, bool] = dict.fromkeys(pools.open_row_of, False)
         self._n_entries: dict[int, int] = dict.fromkeys(cfg.kv_source_layer_ids, 0)
 
@@ -176,8 +180,7 @@ class PagedSeqState(TokenCounter, SeqState):
         for s in self._n_entries:
             self._n_entries[s] = num_tokens // self.pools.cfg.compress_ratios[s]
             self._check_blocks(self._n_entries[s], s)
-        self._win_start = dict.fromkeys(self._win_start)
-        self._win_len = dict.fromkeys(self._win_len, 0)
+        self._common, self._per_layer = None, None
         self._open_set = dict.fromkeys(self._open_set, False)
         self._num_tokens = 0
         self.record_tokens(num_tokens, lookback_ids)
@@ -190,10 +193,7 @@ class PagedSeqState(TokenCounter, SeqState):
 
     # ------------------------------------------------------------------ windows
     def window(self, layer: int) -> Window:
-        start = self._win_start[layer]
-        if start is None:
-            raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
-        n = self._win_len[layer]
+        start, n = self.window_span(layer)
         if n == 0:
             return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype,
                                              device=self.pools.window.device))
@@ -216,24 +216,60 @@ class PagedSeqState(TokenCounter, SeqState):
 
     def window_span(self, layer: int) -> tuple[int, int]:
         """(first position, count) of the window records the ring holds for `layer`."""
-        start = self._win_start[layer]
-        if start is None:
+        if not 0 <= layer < self._num_layers:
+            raise StateError(f"no layer {layer}")
+        span = self._common if self._per_layer is None else self._per_layer[layer]
+        if span is None:
             raise StateError(f"window of layer {layer} is unset; run a bounded replay first")
-        return start, self._win_len[layer]
+        return span
+
+    def common_window_span(self) -> tuple[int, int] | None:
+        """The span every layer's window shares, or None (layers differ, or windows unset)."""
+        return self._common if self._per_layer is None else None
 
     def note_window_append(self, layer: int, start_pos: int, count: int) -> None:
         """Book `count` new positions from `start_pos` whose records the caller has put in the
         ring (the last W - 1 of them). Checks continuity as `append_window` does."""
-        start, held = self.window_span(layer)
+        self._set_span(layer, self._appended(layer, self.window_span(layer), start_pos, count))
+
+    def clip_window(self, layer: int, start_pos: int) -> None:
+        if not 0 <= layer < self._num_layers:
+            raise StateError(f"no layer {layer}")
+        self._set_span(layer, (start_pos, 0))
+
+    def note_windows(self, layers: Sequence[int], start_pos: int, count: int,
+                     clip: bool = False) -> None:
+        """`clip_window` (when `clip`) then `note_window_append` for each of `layers` (distinct):
+        one update of the shared span when `layers` are all the layers and share it."""
+        if self._per_layer is None and len(layers) == self._num_layers:
+            span = (start_pos, 0) if clip else self._common
+            if span is None:
+                raise StateError("windows are unset; run a bounded replay first")
+            self._common = self._appended(layers[0], span, start_pos, count)
+            return
+        for layer in layers:
+            span = (start_pos, 0) if clip else self.window_span(layer)
+            self._set_span(layer, self._appended(layer, span, start_pos, count))
+        spans = self._per_layer
+        if spans is not None and spans.count(spans[0]) == len(spans):
+            self._common, self._per_layer = spans[0], None
+
+    def _appended(self, layer: int, span: tuple[int, int], start_pos: int,
+                  count: int) -> tuple[int, int]:
+        start, held = span
         if start_pos != start + held:
             raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
                              f"{start + held}")
         new_end = start_pos + count
         new_start = max(start, new_end - self._keep)
-        self._win_start[layer], self._win_len[layer] = new_start, new_end - new_start
+        return new_start, new_end - new_start
 
-    def clip_window(self, layer: int, start_pos: int) -> None:
-        self._win_start[layer], self._win_len[layer] = start_pos, 0
+    def _set_span(self, layer: int, span: tuple[int, int]) -> None:
+        if self._per_layer is None:
+            if span == self._common:
+                return
+            self._per_layer = [self._common] * self._num_layers
+        self._per_layer[layer] = span
 
     # ------------------------------------------------------------------ open groups
     def open_group(self, src: int) -> OpenGroup | None:

@@ -319,7 +319,12 @@ class ModelConfig:
     # ------------------------------------------------------------------ roles
     @property
     def layers(self) -> tuple[LayerSpec, ...]:
-        return _resolve_layers(self)
+        """Resolved once per config object (it is frozen); hot paths read it every step."""
+        layers = self.__dict__.get("_layers")
+        if layers is None:
+            layers = _resolve_layers(self)
+            object.__setattr__(self, "_layers", layers)
+        return layers
 
     @property
     def encoder_layer_ids(self) -> tuple[int, ...]:

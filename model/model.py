@@ -296,6 +296,7 @@ class Step:
     outputs: dict = field(default_factory=dict)
     published: Published = field(default_factory=Published)
     host_ids: torch.Tensor | None = None  # [T] token_ids on the host (hashes, the commit)
+    buffer: torch.Tensor | None = None  # the one device buffer the tensors view (a backend's)
 
     def rows_of(self, spec: LayerSpec, cand: int) -> LayerRows:
         return self.rows[(spec.layer_id >= cand, spec.owns_compressor)]
@@ -309,6 +310,24 @@ class Step:
         if self.tables is not None:
             out += self.tables.tensors()
         return out
+
+    def set_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Point the step at other tensors of the same shapes, in `tensors()` order."""
+        tensors = list(tensors)
+        self.token_ids, self.logit_rows = tensors[0], tensors[1]
+        at = 2
+        for key in sorted(self.rows):
+            rows = self.rows[key]
+            (rows.seam_idx, rows.compute_idx, rows.compute_in_seam, rows.positions,
+             rows.seam_positions) = tensors[at:at + 5]
+            at += 5
+        for k in sorted(self.hash_ids):
+            self.hash_ids[k] = tensors[at]
+            at += 1
+        if self.tables is not None:
+            self.tables.set_tensors(tensors[at:])
+        elif at != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors for a step of {at}")
 
     def split_logits(self, logits: torch.Tensor | None) -> list[torch.Tensor | None]:
         out, at = [], 0
@@ -391,17 +410,21 @@ class Model:
         self.commit(step)
         return step.split_logits(logits)
 
-    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> Step:
-        """The step's static description: segments, rows per layer kind, Engram ids, head rows."""
+    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                device: torch.device | None = None) -> Step:
+        """The step's static description: segments, rows per layer kind, Engram ids, head rows.
+        device: where its tensors go (default: the model's; a backend that moves them in one
+        copy builds them on the host)."""
+        device = self.device if device is None else device
         host_ids = token_ids.cpu()  # one copy: validation, Engram hashes and the commit read it
-        token_ids = token_ids.to(self.device)
+        token_ids = token_ids.to(device)
         segs = self._segments(host_ids, seqs)
         cfg, num_rows = self.cfg, token_ids.shape[0]
         rows = {}
         for spec in cfg.layers:
             key = (spec.layer_id >= cfg.candidate_source_layer_id, spec.owns_compressor)
             if key not in rows:
-                rows[key] = LayerRows(key, segs, self.device, num_rows)
+                rows[key] = LayerRows(key, segs, device, num_rows)
         picks, counts = [], []
         for seg in segs:
             request = seg.inp.plan.logits
@@ -410,8 +433,8 @@ class Model:
                      LogitsRequest.ALL: seg.offset}[request]
             picks += range(first, end)
             counts.append(None if request is LogitsRequest.NONE else end - first)
-        return Step(token_ids, segs, rows, self._engram_ids(host_ids, segs),
-                    _on(picks, self.device), counts, host_ids=host_ids)
+        return Step(token_ids, segs, rows, self._engram_ids(host_ids, segs, device),
+                    _on(picks, device), counts, host_ids=host_ids)
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""
@@ -436,7 +459,7 @@ class Model:
 
     def commit(self, step: Step) -> None:
         """After the step: the states' token counters and lookback ids."""
-        ids = step.token_ids if step.host_ids is None else step.host_ids
+        ids = (step.token_ids if step.host_ids is None else step.host_ids).tolist()
         for seg in step.segs:
             self._record_tokens(seg, ids[seg.offset:seg.offset + seg.num_tokens])
 
@@ -484,7 +507,8 @@ class Model:
             raise StateError(f"{len(ids)} lookback ids for a segment starting at {seg.start_pos}")
         return tuple(ids)
 
-    def _engram_ids(self, token_ids: torch.Tensor, segs: list[Segment]) -> dict[int, torch.Tensor]:
+    def _engram_ids(self, token_ids: torch.Tensor, segs: list[Segment],
+                    device: torch.device | None = None) -> dict[int, torch.Tensor]:
         """Per Engram layer: row ids [T, C] of every row (token_ids on the host).
 
         A row's hash reads only the `max_shift` ids before it, so the segments with a full
@@ -516,11 +540,11 @@ class Model:
                 s = segs[i]
                 rows[s.offset:s.offset + s.num_tokens] = self.hasher.hash_ids(
                     spec.engram_index, token_ids[s.offset:s.offset + s.num_tokens], lookbacks[i])
-            out[spec.layer_id] = rows.to(self.device)  # [T, C]
+            out[spec.layer_id] = rows.to(self.device if device is None else device)  # [T, C]
         return out
 
-    def _record_tokens(self, seg: Segment, ids: torch.Tensor) -> None:
-        history = self._lookback(seg) + tuple(ids[-3:].tolist())
+    def _record_tokens(self, seg: Segment, ids: list[int]) -> None:
+        history = self._lookback(seg) + tuple(ids[-3:])
         end = seg.start_pos + seg.num_tokens
         seg.state.record_tokens(max(end, seg.state.num_tokens), history[-3:])
 

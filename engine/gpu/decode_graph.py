@@ -20,6 +20,7 @@ in the commit. Padding rows read nothing and write only scratch rows.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -77,13 +78,17 @@ class DecodeGraphs:
         step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP)
         tables = step.tables
         key = (decode, rows, tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
-               tables.window_rows.shape[0],
-               tuple((s, t.shape[1]) for s, t in sorted(tables.key_rows.items())))
+               tables.window_rows.shape[0], tuple(sorted(tables.key_width.items())))
         if key not in self._graphs:
             self._graphs[key] = self._build(step)
-        graph, static = self._graphs[key]
-        for dst, src in zip(static.tensors(), step.tensors(), strict=True):
-            dst.copy_(src)
+        graph, static, nbytes = self._graphs[key]
+        inputs = step.tensors()
+        if step.buffer is not None and _offset(inputs[-1]) + _nbytes(inputs[-1]) == nbytes \
+                and _offset(inputs[0]) == 0:
+            static.buffer[:nbytes].copy_(step.buffer[:nbytes])  # every input in one copy
+        else:
+            for dst, src in zip(static.tensors(), inputs, strict=True):
+                dst.copy_(src)
         if graph is None:
             logits = model.compute(static)
         else:
@@ -108,15 +113,28 @@ class DecodeGraphs:
         return start.elapsed_time(end)
 
     def _build(self, step: Step):
-        """A step of static buffers shaped like `step` and, on a GPU, the graph of the forward
-        over them (two warm-up runs compile and allocate first)."""
-        static = Step(step.token_ids.clone(), step.segs, step.rows, step.hash_ids,
-                      step.logit_rows.clone(), step.logit_counts, tables=step.tables)
-        static.rows = {k: _clone_rows(r) for k, r in step.rows.items()}
-        static.hash_ids = {k: v.clone() for k, v in step.hash_ids.items()}
-        static.tables = _clone_tables(step.tables)
+        """A step of static buffers shaped like `step` (views of one device buffer laid out as
+        the step's, so a call refills every input with one copy) and, on a GPU, the graph of the
+        forward over them (two warm-up runs compile and allocate first)."""
+        inputs = step.tensors()
+        nbytes = _offset(inputs[-1]) + _nbytes(inputs[-1]) if step.buffer is not None else 0
+        static = copy.copy(step)
+        static.rows = {k: copy.copy(r) for k, r in step.rows.items()}
+        static.hash_ids = dict(step.hash_ids)
+        static.tables = copy.copy(step.tables)
+        for name in ("seq_of", "key_counts", "entry_rows", "from_stored", "open_slots"):
+            setattr(static.tables, name, dict(getattr(step.tables, name)))
+        static.tables.key_rows = {}
+        static.outputs = {}
+        if nbytes:
+            static.buffer = step.buffer[:nbytes].clone()
+            static.set_tensors([static.buffer[_offset(t):_offset(t) + _nbytes(t)]
+                                .view(t.dtype).view(t.shape) for t in inputs])
+        else:
+            static.buffer = None
+            static.set_tensors([t.clone() for t in inputs])
         if not self.capture:
-            return None, static
+            return None, static, nbytes
         model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -129,23 +147,13 @@ class DecodeGraphs:
             static.outputs = {}
             static.outputs["logits"] = model.compute(static)
         self.num_captures += 1
-        return graph, static
+        return graph, static, nbytes
 
 
-def _clone_rows(rows):
-    import copy
-
-    out = copy.copy(rows)
-    for name in ("seam_idx", "compute_idx", "compute_in_seam", "positions", "seam_positions"):
-        setattr(out, name, getattr(rows, name).clone())
-    return out
+def _offset(t: torch.Tensor) -> int:
+    """Byte offset of a view into its (uint8) buffer."""
+    return t.storage_offset() * t.element_size()
 
 
-def _clone_tables(tables):
-    import copy
-
-    out = copy.copy(tables)
-    out.scratch, out.window_rows = tables.scratch.clone(), tables.window_rows.clone()
-    for name in ("seq_of", "key_rows", "entry_rows", "from_stored", "open_slots"):
-        setattr(out, name, {k: v.clone() for k, v in getattr(tables, name).items()})
-    return out
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

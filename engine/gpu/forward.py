@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -39,39 +38,14 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
+from flashpd.engine.gpu.tables import HostPack, PagedTables, TableBuilder  # noqa: F401
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
-from flashpd.engine.kv_pools import KVPools, PagedSeqState
+from flashpd.engine.kv_pools import PagedSeqState
 from flashpd.kernels import dispatch
 from flashpd.kernels.dense.triton import Weights
-from flashpd.kernels.quant import ref as qref
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.kv_format import CompressedKVFormat
 from flashpd.model.model import LayerRows, Model, SeqInput, Step
-from flashpd.model.state import StateError
-
-
-@dataclass
-class PagedTables:
-    """Pool rows of one step (device tensors the forward reads) and what the commit needs."""
-
-    pools: KVPools
-    scratch: torch.Tensor  # [T] int64 window scratch rows
-    window_rows: torch.Tensor  # [U, T, W] int32: pool rows of each compute row's window keys
-    window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
-    seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
-    key_rows: dict[int, torch.Tensor]  # src -> [B, N] int32 pool rows of visible entries
-    entry_rows: dict[int, torch.Tensor]  # src -> [Ts] int64 entry write row (-1: none)
-    from_stored: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] bool: partner is the open row
-    open_slots: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] int64 slot of the row
-    keep: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # commit
-    open_keep: dict[int, tuple[torch.Tensor, torch.Tensor]]  # commit: (slots, seam rows)
-
-    def tensors(self) -> list[torch.Tensor]:
-        out = [self.scratch, self.window_rows]
-        for group in (self.seq_of, self.key_rows, self.entry_rows, self.from_stored,
-                      self.open_slots):
-            out += [group[k] for k in sorted(group)]
-        return out
 
 
 class GpuModel(Model):
@@ -90,11 +64,16 @@ class GpuModel(Model):
                            "fp8": self.quant.FMT_WINDOW_FP8}[self.kv_format.name]
         self._attn_fmt = {"nvfp4": self.attention.FMT_NVFP4,
                           "fp8": self.attention.FMT_FP8}[self.kv_format.name]
-        self._e2m1 = qref.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(self.device)
         from flashpd.engine.gpu.decode_graph import DecodeGraphs
 
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self) if use else None
+        self.pack = HostPack(self.device)
+        cand = cfg.candidate_source_layer_id
+        self.layer_kinds: dict[tuple[bool, bool], tuple[int, ...]] = {}
+        for spec in cfg.layers:  # rows kind -> its layers (Step.rows_of)
+            key = (spec.layer_id >= cand, spec.owns_compressor)
+            self.layer_kinds[key] = self.layer_kinds.get(key, ()) + (spec.layer_id,)
 
     # ------------------------------------------------------------------ load-time warm-up
     def warmup(self, rows: Sequence[int] | None = None) -> int:
@@ -140,9 +119,11 @@ class GpuModel(Model):
     # ------------------------------------------------------------------ the step's tables
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,
                 key_width_step: int = 0) -> Step:
-        """`Model.prepare` + pool row tables. pad_to: extend a step whose layers all run on
-        every row to that many rows (padding rows read nothing and write only scratch rows);
-        key_width_step: round key-table widths up to a multiple of it (fewer graph shapes)."""
+        """`Model.prepare` + pool row tables, all built on the host and moved to the device in
+        one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
+        run on every row to that many rows (padding rows read nothing and write only scratch
+        rows); key_width_step: round key-table widths up to a multiple of it (fewer graph
+        shapes)."""
         for inp in seqs:
             if not isinstance(inp.state, PagedSeqState):
                 raise TypeError("the GPU forward runs on PagedSeqState (engine KV pools)")
@@ -151,10 +132,15 @@ class GpuModel(Model):
         if rows > pools.window.shape[1] - pools.scratch_base:
             raise ValueError(f"{rows} rows in one forward, the pools have "
                              f"{pools.window.shape[1] - pools.scratch_base} window scratch rows")
-        step = super().prepare(token_ids, seqs)
+        step = super().prepare(token_ids, seqs, device=torch.device("cpu"))
         if pad_to > token_ids.shape[0]:
             self._pad(step, pad_to)
-        step.tables = _TableBuilder(self.cfg, pools, step, key_width_step).build(self.device)
+        step.tables = TableBuilder(self.cfg, pools, step, key_width_step,
+                                   self.layer_kinds).build()
+        inputs, commit = step.tensors(), step.tables.commit_tensors()
+        step.buffer, moved, _ = self.pack.upload(inputs + commit)
+        step.set_tensors(moved[:len(inputs)])
+        step.tables.set_commit_tensors(moved[len(inputs):])
         return step
 
     def _pad(self, step: Step, num_rows: int) -> None:
@@ -163,35 +149,46 @@ class GpuModel(Model):
         step.rows = {key: r.padded(num_rows) for key, r in step.rows.items()}
         step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1])))
                          for k, v in step.hash_ids.items()}
-        step.logit_rows = torch.arange(num_rows, device=self.device)
+        step.logit_rows = torch.arange(num_rows, device=step.token_ids.device)
+
+    def compute(self, step: Step) -> torch.Tensor | None:
+        """The key-row tables expanded on the device (inside a captured graph), the layers."""
+        step.tables.materialise()
+        return super().compute(step)
 
     def commit(self, step: Step) -> None:
-        """Window records scratch -> rings, the open rows, then every state's books."""
+        """Window records scratch -> rings, the open rows, then every state's books (once per
+        sequence and distinct span, not per layer)."""
         t, cfg = step.tables, self.cfg
         pools = t.pools
-        for layers, src, dst in t.keep.values():
-            if dst.numel():
-                pools.window[layers[:, None], dst[None, :]] = pools.window[layers[:, None],
-                                                                           src[None, :]]
+        if t.num_keep:
+            flat = pools.window.view(-1, pools.window.shape[-1])
+            flat.index_copy_(0, t.keep_dst, flat.index_select(0, t.keep_src))
         for src, (slots, seam_rows) in t.open_keep.items():
-            if slots.numel():
+            if t.num_open_keep[src]:
                 pools.open[slots, pools.open_row_of[src]] = step.outputs[("open", src)][seam_rows]
+        books: dict[int, dict[tuple[int, int, bool], list[int]]] = {}
+        for key, layers in self.layer_kinds.items():
+            for part in step.rows[key].compute_parts:
+                seg = part.seg
+                op = (seg.inp.start_pos + part.first, part.c1 - part.c0, part.clip_window)
+                books.setdefault(seg.index, {}).setdefault(op, []).extend(layers)
+        for index, ops in books.items():
+            state = step.segs[index].inp.state
+            for (first_pos, count, clip), layers in ops.items():
+                state.note_windows(layers, first_pos, count, clip)
         cand = cfg.candidate_source_layer_id
-        for spec in cfg.layers:
-            for part in step.rows_of(spec, cand).compute_parts:
-                state = part.seg.state
-                if part.clip_window:
-                    state.clip_window(spec.layer_id, part.first_pos)
-                state.note_window_append(spec.layer_id, part.first_pos, part.c1 - part.c0)
+        layers = cfg.layers
         for src in cfg.kv_source_layer_ids:
             ratio = cfg.compress_ratios[src]
-            for part in step.rows_of(cfg.layers[src], cand).parts:
+            has_open = src in pools.open_row_of
+            for part in step.rows_of(layers[src], cand).parts:
                 seg = part.seg
                 if seg.replay is None:
-                    first = seg.start_pos // ratio
-                    seg.state.note_entries(src, first, seg.end_pos // ratio - first)
-                if src in pools.open_row_of:
-                    seg.state.mark_open_group(src, seg.end_pos % 2 == 1)
+                    first = seg.inp.start_pos // ratio
+                    seg.inp.state.note_entries(src, first, seg.end_pos // ratio - first)
+                if has_open:
+                    seg.inp.state.mark_open_group(src, seg.end_pos % 2 == 1)
         super().commit(step)
 
     # ------------------------------------------------------------------ layer hooks
@@ -227,8 +224,7 @@ class GpuModel(Model):
         else:
             latent = d.rms_norm(d.linear(x_seam, lw.comp_wkv), lw.comp_norm, self.eps)
         # entries are rotated at the position of their group's first token (§3.3, §12.7)
-        entry_pos = rows.seam_positions // spec.ratio * spec.ratio
-        rope = self.rope.rope_cos_sin(entry_pos, self.freqs_compress)
+        rope = self._step_rope(step, rows.seam_positions, self.freqs_compress, spec.ratio)
         keys = d.rms_norm(d.linear(latent, lw.idx_wk), lw.idx_k_norm, self.eps)  # [Ts, dI]
         write_rows = t.entry_rows[src]
         main, index = pools.main[src], pools.index[src]
@@ -242,7 +238,7 @@ class GpuModel(Model):
                    step: Step) -> torch.Tensor:
         cfg, d, t = self.cfg, self.dense, step.tables
         num_q = x.shape[0]
-        rope = self.rope.rope_cos_sin(rows.positions, self._freqs(spec))  # [Tc, r/2] each
+        rope = self._step_rope(step, rows.positions, self._freqs(spec))  # [Tc, r/2] each
         c_q = d.rms_norm(self._lin(x, lw.wq_a), lw.q_norm, self.eps)  # [Tc, q_lora]
         q = self._lin(c_q, lw.wq_b).view(num_q, cfg.num_heads, cfg.head_dim)  # pre-RoPE
         kv = d.rms_norm(self._lin(x, lw.wkv), lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
@@ -273,52 +269,66 @@ class GpuModel(Model):
         its own sequence's rows), publish top-k as pool rows (and candidate blocks)."""
         cfg, d, t, ix = self.cfg, self.dense, step.tables, self.indexer
         q = self._index_query(lw, c_q, rope)  # [Tc, hI, dI] BF16 (MXFP4 values)
+        # head weights: FP32(BF16 projection) * scale, the scale applied in the scoring kernel
         scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-        head_w = (d.linear(x, lw.idx_proj).to(torch.float32) * scale).contiguous()  # [Tc, hI]
+        head_w = d.linear(x, lw.idx_proj)  # [Tc, hI] BF16
         key_rows, seq_of = t.key_rows[spec.kv_src], t.seq_of[rows.key]  # [B, N], [Tc]
-        n_visible = ((rows.positions + 1) // spec.ratio).to(torch.int32)
+        n_visible = self._step_value(step, ("n_visible", id(rows.positions), spec.ratio),
+                                     lambda: ((rows.positions + 1) // spec.ratio).to(torch.int32))
         pool = t.pools.index[spec.kv_src]
         pool = pool.view(-1, pool.shape[-1])
         num_q, width = q.shape[0], key_rows.shape[1]
         blocks = None
+        # top-k straight as pool rows (int32, -1 padded): key_rows[seq_of[t], entry id]
         if width == 0:  # no entries anywhere yet (the first tokens of every sequence)
-            ids = torch.full((num_q, cfg.index_topk), -1, dtype=torch.int64, device=self.device)
+            rows_out = torch.full((num_q, cfg.index_topk), -1, dtype=torch.int32,
+                                  device=self.device)
             if spec.is_candidate_source:
                 blocks = torch.full((num_q, 0), -1, dtype=torch.int64, device=self.device)
         elif spec.uses_candidates:
             cand = _take(step, rows, "candidates", cfg.candidate_source_layer_id)
-            ids = ix.index_topk_sparse_paged(q, head_w, pool, key_rows, seq_of, n_visible,
-                                             cand, cfg.candidate_block_size, cfg.index_topk)
+            rows_out = ix.index_topk_sparse_paged(
+                q, head_w, pool, key_rows, seq_of, n_visible, cand, cfg.candidate_block_size,
+                cfg.index_topk, weight_scale=scale, as_pool_rows=True)
         else:
-            scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible)
+            scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible,
+                                           weight_scale=scale)
             if spec.is_candidate_source:
                 blocks = ix.candidate_blocks(scores, n_visible, cfg.candidate_block_size,
                                              cfg.candidate_topk_blocks)
-            ids = ix.select_topk(scores, cfg.index_topk)
-        if width:
-            picked = key_rows[seq_of.long()[:, None], ids.clamp_min(0).long()]
-            ids = torch.where(ids >= 0, picked, -1)
+            rows_out = ix.select_topk(scores, cfg.index_topk, pool_rows=(key_rows, seq_of))
         if blocks is not None:
             step.outputs[("candidates", spec.layer_id)] = (rows, blocks)
-        step.outputs[("topk", spec.layer_id)] = (rows, ids.to(torch.int32))
+        step.outputs[("topk", spec.layer_id)] = (rows, rows_out)
 
     def _index_query(self, lw: LayerWeights, c_q: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q^I = MXFP4(RoPE(c_q . wq_b)) [T, hI, dI] as BF16 values (§5.1): the KV-write kernel
-        rotates and packs each head row, the values are read back with device-resident tables
-        (graph capture allows no host-to-device copies)."""
+        """q^I = MXFP4(RoPE(c_q . wq_b)) [T, hI, dI] as BF16 values (§5.1): one launch rotates
+        each head row by its token's RoPE row and writes the MXFP4 values (the KV-write kernel's
+        encoder, values out instead of a record)."""
         cfg = self.cfg
         nh, di = cfg.index_n_heads, cfg.index_head_dim
         q = self._lin(c_q, lw.idx_wq_b).view(-1, di)  # [T*hI, dI]
-        rec = torch.empty(q.shape[0], qref.mxfp4_record_bytes(di), dtype=torch.uint8,
-                          device=q.device)
-        rows = torch.arange(q.shape[0], device=q.device)
-        head_rope = tuple(r.repeat_interleave(nh, dim=0).contiguous() for r in rope)
-        self.quant.write_unchecked(self.quant.FMT_MXFP4, q, rows, rec, head_rope)
-        codes = torch.stack((rec[:, :di // 2] & 0xF, rec[:, :di // 2] >> 4), dim=-1).long()
-        scale = torch.exp2(rec[:, di // 2:].float() - 127.0)  # [N, dI/32] UE8M0
-        values = self._e2m1[codes.view(-1, di // 32, 32)] * scale[:, :, None]
-        return values.view(-1, nh, di).to(torch.bfloat16)
+        return self.quant.rope_fake_quant_mxfp4(q, rope, nh).view(-1, nh, di)
+
+    # ------------------------------------------------------------------ per-step values
+    def _step_value(self, step: Step, key: tuple, make):
+        """A value computed once per forward (cached in step.outputs, which `compute` resets):
+        RoPE tables and visible-entry counts are shared by every layer of one row kind."""
+        full = ("step", *key)
+        if full not in step.outputs:
+            step.outputs[full] = make()
+        return step.outputs[full]
+
+    def _step_rope(self, step: Step, positions: torch.Tensor, freqs: torch.Tensor,
+                   ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of `positions` (rounded down to a multiple of `ratio`: the compressed
+        entries' group starts), once per forward per (positions, table, ratio)."""
+        def make():
+            pos = positions if ratio == 1 else positions // ratio * ratio
+            return self.rope.rope_cos_sin(pos, freqs)
+
+        return self._step_value(step, ("rope", id(positions), id(freqs), ratio), make)
 
 
 def _take(step: Step, rows: LayerRows, kind: str, layer: int) -> torch.Tensor:
@@ -332,182 +342,3 @@ def _take(step: Step, rows: LayerRows, kind: str, layer: int) -> torch.Tensor:
     full = value.new_full((step.token_ids.shape[0], value.shape[1]), -1)
     full[src_rows.compute_idx] = value
     return full[rows.compute_idx]
-
-
-# ============================================================================ table builder
-class _TableBuilder:
-    """Host-side construction of `PagedTables` (vectorised over rows; one copy per tensor)."""
-
-    def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int):
-        self.cfg, self.pools, self.step = cfg, pools, step
-        self.num_rows = step.token_ids.shape[0]
-        self.num_tables = len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs)
-        self.width_step = key_width_step
-
-    def build(self, device: torch.device) -> PagedTables:
-        cfg, pools, step = self.cfg, self.pools, self.step
-        cand = cfg.candidate_source_layer_id
-        kinds: dict[tuple[bool, bool], list[int]] = {}
-        for spec in cfg.layers:
-            kinds.setdefault(step.rows_of(spec, cand).key, []).append(spec.layer_id)
-        windows, window_of, seq_of, keep = [], {}, {}, {}
-        for key, layers in kinds.items():
-            per_row = self._compute_rows(step.rows[key])
-            tables, index = self._window(step.rows[key], layers, per_row)
-            window_of.update((layer, len(windows) + i) for layer, i in index.items())
-            windows += tables
-            seq_of[key] = per_row["table"].to(torch.int32)
-            keep[key] = self._keep(layers, per_row)
-        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
-                            dtype=torch.int32)
-        for i, table in enumerate(windows):
-            window[i, :table.shape[0]] = table
-        key_rows, entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}, {}
-        for src in cfg.kv_source_layer_ids:
-            spec = cfg.layers[src]
-            rows = step.rows_of(spec, cand)
-            key_rows[src] = self._key_table(src)
-            entry_rows[src], stored, slots = self._entry_rows(src, rows, key_rows[src])
-            if src in pools.open_row_of:
-                from_stored[src], open_slots[src] = stored, slots
-                open_keep[src] = self._open_keep(rows)
-        dev = lambda group: {k: v.to(device) for k, v in group.items()}  # noqa: E731
-        return PagedTables(
-            pools, (pools.scratch_base + torch.arange(self.num_rows)).to(device),
-            window.to(device), window_of, dev(seq_of), dev(key_rows), dev(entry_rows), dev(from_stored),
-            dev(open_slots),
-            {k: tuple(x.to(device) for x in v) for k, v in keep.items()},
-            {k: tuple(x.to(device) for x in v) for k, v in open_keep.items()})
-
-    def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
-        """Per compute row: position, first position of its part, slot, key-table row, end."""
-        pos, first, slot, table, end = [], [], [], [], []
-        for part in rows.compute_parts:
-            n, seg = part.c1 - part.c0, part.seg
-            pos += range(part.first_pos, part.first_pos + n)
-            first += [part.first_pos] * n
-            slot += [seg.state.slot] * n
-            table += [seg.index] * n
-            end += [seg.end_pos] * n
-        pad = rows.num_compute - len(pos)  # padding rows: position 0, an empty window, their
-        num_segs = len(self.step.segs)  # own key-table rows
-        pos += [0] * pad
-        first += [0] * pad
-        slot += [-1] * pad
-        table += range(num_segs, num_segs + pad)
-        end += [0] * pad
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in
-                (("pos", pos), ("first", first), ("slot", slot), ("table", table), ("end", end))}
-
-    def _window(self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
-                ) -> tuple[list[torch.Tensor], dict[int, int]]:
-        """[Tc, W] pool rows per distinct window span of `layers` (and each layer's table):
-        keys at or after the part's first position from this step's scratch rows, earlier ones
-        from the slot's ring as far as the window holds them."""
-        parts, w, ring = rows.compute_parts, self.cfg.sliding_window, self.pools.ring_rows
-        distinct: dict[tuple[int, ...], int] = {}
-        index = {}
-        for layer in layers:
-            row = []
-            for part in parts:
-                if part.clip_window:
-                    row.append(part.first_pos)
-                    continue
-                start, held = part.seg.state.window_span(layer)
-                if start + held != part.first_pos:
-                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
-                                     f"rows start at {part.first_pos} (replay needed?)")
-                row.append(start)
-            index[layer] = distinct.setdefault(tuple(row), len(distinct))
-        counts = [p.c1 - p.c0 for p in parts]
-        pos, first = per_row["pos"], per_row["first"]
-        key_pos = pos[:, None] + torch.arange(w)[None, :] - (w - 1)  # [Tc, W]
-        own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
-        ring_rows = per_row["slot"][:, None] * ring + key_pos.remainder(ring)
-        mine = key_pos >= first[:, None]
-        tables = []
-        for starts in distinct:  # padding rows: start at their own position (nothing earlier)
-            start = [v for v, n in zip(starts, counts, strict=True) for _ in range(n)]
-            start = torch.cat((torch.tensor(start, dtype=torch.long), pos[len(start):]))  # [Tc]
-            from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
-            tables.append(torch.where(mine, own, from_ring).to(torch.int32))
-        return tables, index
-
-    def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
-        """(layers, scratch rows, ring rows): the last W-1 new records of every sequence."""
-        ring = self.pools.ring_rows
-        pos, slot = per_row["pos"], per_row["slot"]
-        kept = (pos >= per_row["end"] - ring) & (slot >= 0)
-        idx = torch.nonzero(kept).flatten()
-        return (torch.tensor(layers, dtype=torch.long), self.pools.scratch_base + idx,
-                slot[idx] * ring + pos[idx] % ring)
-
-    def _key_table(self, src: int) -> torch.Tensor:
-        """[B, N] pool rows of each sequence's entries visible by the step's end (-1 past)."""
-        ratio = self.cfg.compress_ratios[src]
-        counts = []
-        for seg in self.step.segs:
-            held, visible = seg.state.num_entries(src), seg.end_pos // ratio
-            if seg.replay is not None and held < visible:
-                raise StateError(f"replay: source {src} holds {held} entries, needs {visible}")
-            if seg.replay is None and held != seg.start_pos // ratio:
-                raise StateError(f"source {src}: {held} entries at position {seg.start_pos}")
-            counts.append(visible)
-        width = max(counts, default=0)
-        if self.width_step:
-            width = -(-max(width, 1) // self.width_step) * self.width_step
-        table = torch.full((self.num_tables, width), -1, dtype=torch.int32)
-        if width and self.step.segs:
-            epb = self.pools.geometry.entries_per_block(src)
-            for seg, n in zip(self.step.segs, counts, strict=True):
-                seg.state.check_blocks(src, n)
-            blocks = max(len(seg.state.block_table) for seg in self.step.segs)
-            bt = torch.tensor([seg.state.block_table + [0] * (blocks - len(seg.state.block_table))
-                               for seg in self.step.segs], dtype=torch.long)  # [B, blocks]
-            e = torch.arange(width)
-            rows = bt[:, (e // epb).clamp(max=blocks - 1)] * epb + e % epb  # [B, width]
-            valid = e[None, :] < torch.tensor(counts)[:, None]
-            table[:len(counts)] = torch.where(valid, rows, -1).to(torch.int32)
-        return table
-
-    def _entry_rows(self, src: int, rows: LayerRows, table: torch.Tensor):
-        """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
-        its ratio-2 partner is the slot's stored open row, and its slot."""
-        ratio = self.cfg.compress_ratios[src]
-        entry, stored, slots, tables = [], [], [], []
-        for part in rows.parts:
-            seg = part.seg
-            first = seg.start_pos + part.seam_first
-            n = seg.end_pos - first
-            if seg.replay is not None:  # the entries exist: nothing is written
-                entry += [-1] * n
-            else:
-                if ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
-                    present = seg.state.has_open_group(src)
-                    raise StateError(f"source {src}: open-group row "
-                                     f"{'present' if present else 'missing'} at position "
-                                     f"{seg.start_pos}")
-                entry += [p // ratio if (p + 1) % ratio == 0 else -1
-                          for p in range(first, seg.end_pos)]
-            stored += [True] + [False] * (n - 1)
-            slots += [seg.state.slot] * n
-            tables += [seg.index] * n
-        pad = rows.num_seam - len(entry)
-        entry += [-1] * pad
-        stored += [False] * pad
-        slots += [0] * pad
-        tables += [0] * pad
-        entry_t, b = torch.tensor(entry, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
-        width = table.shape[1]
-        picked = table[b, entry_t.clamp(0, max(width - 1, 0))].long() if width else entry_t
-        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored),
-                torch.tensor(slots, dtype=torch.long))
-
-    def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
-        slots, seam_rows = [], []
-        for part in rows.parts:
-            if part.seg.end_pos % 2 == 1:
-                slots.append(part.seg.state.slot)
-                seam_rows.append(part.s1 - 1)
-        return torch.tensor(slots, dtype=torch.long), torch.tensor(seam_rows, dtype=torch.long)

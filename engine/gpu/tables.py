@@ -1,0 +1,401 @@
+"""Pool-row tables of one GPU forward step: built on the host, moved to the device in one copy.
+
+`TableBuilder` turns a `Step` (host tensors, model/model.py) into `PagedTables`, per distinct
+row layout rather than per layer (a decode step's four layer kinds touch the same rows), with
+the window books read once per sequence when all its layers share one span (`PagedSeqState`).
+The key-row tables [B, N] (N up to a sequence's entry count: the big ones) are not built on the
+host: the step carries the block table and the visible counts, and `PagedTables.materialise`
+expands them on the device at the start of `compute` (inside the decode graph).
+
+`HostPack` lays every host tensor of a step out in one byte buffer (pinned on CUDA) and moves it
+with one host-to-device copy; the step's tensors become views of that device buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpd.engine.kv_pools import KVPools
+from flashpd.model.config import ModelConfig
+from flashpd.model.model import LayerRows, Step
+from flashpd.model.state import StateError
+
+ALIGN = 16  # byte alignment of every tensor in a pack (any dtype's view stays aligned)
+
+
+@dataclass
+class PagedTables:
+    """Pool rows of one step (device tensors the forward reads) and what the commit needs."""
+
+    pools: KVPools
+    scratch: torch.Tensor  # [T] int64 window scratch rows
+    window_rows: torch.Tensor  # [U, T, W] int32: pool rows of each compute row's window keys
+    window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
+    seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
+    block_table: torch.Tensor  # [B', nb] int64 block ids of each key-table row (0-padded)
+    key_counts: dict[int, torch.Tensor]  # src -> [B'] int64 entries visible by the step's end
+    key_width: dict[int, int]  # src -> N, the width of its key-row table
+    entry_rows: dict[int, torch.Tensor]  # src -> [Ts] int64 entry write row (-1: none)
+    from_stored: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] bool: partner is the open row
+    open_slots: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] int64 slot of the row
+    # commit: window records kept (flat rows of pools.window viewed [layers * rows, bytes])
+    keep_src: torch.Tensor
+    keep_dst: torch.Tensor
+    open_keep: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio-2 src: (slots, seam rows)
+    num_keep: int = 0
+    num_open_keep: dict[int, int] = field(default_factory=dict)
+    # src -> [B', N] int32 pool rows of visible entries (-1 past): `materialise` fills it
+    key_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The forward's inputs in a fixed order (what a graph replay refills)."""
+        out = [self.scratch, self.window_rows, self.block_table]
+        for group in (self.seq_of, self.key_counts, self.entry_rows, self.from_stored,
+                      self.open_slots):
+            out += [group[k] for k in sorted(group)]
+        return out
+
+    def set_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        it = iter(tensors)
+        self.scratch, self.window_rows, self.block_table = next(it), next(it), next(it)
+        for group in (self.seq_of, self.key_counts, self.entry_rows, self.from_stored,
+                      self.open_slots):
+            for k in sorted(group):
+                group[k] = next(it)
+        if next(it, None) is not None:
+            raise ValueError("more tensors than the tables hold")
+
+    def commit_tensors(self) -> list[torch.Tensor]:
+        out = [self.keep_src, self.keep_dst]
+        for k in sorted(self.open_keep):
+            out += list(self.open_keep[k])
+        return out
+
+    def set_commit_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.keep_src, self.keep_dst = tensors[0], tensors[1]
+        for i, k in enumerate(sorted(self.open_keep)):
+            self.open_keep[k] = (tensors[2 + 2 * i], tensors[3 + 2 * i])
+
+    def materialise(self) -> None:
+        """key_rows[src] [B', N] = pool row of entry j of each sequence (-1 from its count on),
+        from the block table: a few device ops per source, graph-capturable (no host values)."""
+        epb_of = self.pools.geometry.entries_per_block
+        bt = self.block_table
+        for src, width in self.key_width.items():
+            epb = epb_of(src)
+            e = torch.arange(width, device=bt.device)
+            blk = (e // epb).clamp_(max=max(bt.shape[1] - 1, 0))
+            rows = bt[:, blk] * epb + e % epb  # [B', N]
+            valid = e[None, :] < self.key_counts[src][:, None]
+            self.key_rows[src] = torch.where(valid, rows, -1).to(torch.int32)
+
+
+class TableBuilder:
+    """Host-side construction of `PagedTables` (vectorised over rows, once per row layout)."""
+
+    def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int,
+                 kinds: dict[tuple[bool, bool], tuple[int, ...]]):
+        """kinds: rows kind -> its layers (`GpuModel.layer_kinds`)."""
+        self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
+        self.num_rows = step.token_ids.shape[0]
+        self.num_tables = len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs)
+        self.width_step = key_width_step
+
+    def build(self) -> PagedTables:
+        cfg, pools, step = self.cfg, self.pools, self.step
+        # one row layout per distinct set of compute parts (a decode step: one for all kinds)
+        layouts: dict[tuple, list] = {}
+        for key, layers in self.kinds.items():
+            rows = step.rows[key]
+            sig = (rows.num_compute,) + tuple((p.seg.index, p.first) for p in rows.compute_parts)
+            entry = layouts.get(sig)
+            if entry is None:
+                layouts[sig] = [rows, list(layers), [key]]
+            else:
+                entry[1] += layers
+                entry[2].append(key)
+        windows, window_of, seq_of = [], {}, {}
+        distinct: dict[tuple, int] = {}
+        keep_src, keep_dst = [], []
+        for rows, layers, keys in layouts.values():
+            per_row = self._compute_rows(rows)
+            table = per_row["table"].to(torch.int32)
+            for key in keys:
+                seq_of[key] = table
+            for starts, group in self._starts(rows, layers).items():
+                i = distinct.get((id(rows), starts))
+                if i is None:
+                    i = distinct[(id(rows), starts)] = len(windows)
+                    windows.append(self._window(rows, starts, per_row))
+                window_of.update(dict.fromkeys(group, i))
+            src, dst = self._keep(layers, per_row)
+            keep_src.append(src)
+            keep_dst.append(dst)
+        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
+                            dtype=torch.int32)
+        for i, t in enumerate(windows):
+            window[i, :t.shape[0]] = t
+        counts, widths = self._key_counts()
+        bt = self._block_table(widths)
+        entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}
+        shared: dict[tuple, tuple] = {}
+        for src in cfg.kv_source_layer_ids:
+            rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
+            ratio = cfg.compress_ratios[src]
+            self._check_open(src, rows)
+            k = (rows.key, ratio)
+            if k not in shared:
+                shared[k] = self._entry_rows(src, rows, bt) + (self._open_keep(rows),)
+            entry_rows[src], stored, slots, okeep = shared[k]
+            if src in pools.open_row_of:
+                from_stored[src], open_slots[src], open_keep[src] = stored, slots, okeep
+        keep_src, keep_dst = torch.cat(keep_src), torch.cat(keep_dst)
+        return PagedTables(
+            pools, pools.scratch_base + torch.arange(self.num_rows), window, window_of, seq_of,
+            bt, {s: torch.tensor(c, dtype=torch.long) for s, c in counts.items()}, widths,
+            entry_rows, from_stored, open_slots, keep_src, keep_dst, open_keep,
+            num_keep=keep_src.shape[0],
+            num_open_keep={s: v[0].shape[0] for s, v in open_keep.items()})
+
+    # ------------------------------------------------------------------ per compute row
+    def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
+        """Per compute row: position, first position of its part, slot, key-table row, end."""
+        pos, first, slot, table, end = [], [], [], [], []
+        for part in rows.compute_parts:
+            n, seg = part.c1 - part.c0, part.seg
+            fp = seg.inp.start_pos + part.first
+            if n == 1:
+                pos.append(fp)
+                first.append(fp)
+                slot.append(seg.inp.state.slot)
+                table.append(seg.index)
+                end.append(fp + 1)
+                continue
+            pos += range(fp, fp + n)
+            first += [fp] * n
+            slot += [seg.inp.state.slot] * n
+            table += [seg.index] * n
+            end += [seg.end_pos] * n
+        pad = rows.num_compute - len(pos)  # padding rows: position 0, an empty window, their
+        num_segs = len(self.step.segs)  # own key-table rows
+        pos += [0] * pad
+        first += [0] * pad
+        slot += [-1] * pad
+        table += range(num_segs, num_segs + pad)
+        end += [0] * pad
+        t = torch.tensor([pos, first, slot, table, end], dtype=torch.long)
+        return dict(zip(("pos", "first", "slot", "table", "end"), t, strict=True))
+
+    def _starts(self, rows: LayerRows, layers: list[int]) -> dict[tuple[int, ...], list[int]]:
+        """Distinct per-part window starts -> the layers that have them. A part whose state's
+        layers share one span is read once; keys at or after the part's first position come
+        from this step's rows, earlier ones from the ring as far as the window holds them."""
+        common, per_layer = [], {}
+        for j, part in enumerate(rows.compute_parts):
+            fp = part.seg.inp.start_pos + part.first
+            if part.clip_window:
+                common.append(fp)
+                continue
+            state = part.seg.inp.state
+            span = state.common_window_span()
+            if span is not None:
+                if span[0] + span[1] != fp:
+                    raise StateError(f"window ends at {span[0] + span[1]}, segment rows start "
+                                     f"at {fp} (replay needed?)")
+                common.append(span[0])
+                continue
+            common.append(None)
+            for layer in layers:
+                start, held = state.window_span(layer)
+                if start + held != fp:
+                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
+                                     f"rows start at {fp} (replay needed?)")
+                per_layer.setdefault(layer, {})[j] = start
+        if not per_layer:
+            return {tuple(common): layers}
+        out: dict[tuple[int, ...], list[int]] = {}
+        for layer in layers:
+            own = per_layer[layer]
+            starts = tuple(own[j] if s is None else s for j, s in enumerate(common))
+            out.setdefault(starts, []).append(layer)
+        return out
+
+    def _window(self, rows: LayerRows, starts: tuple[int, ...],
+                per_row: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[Tc, W] pool rows of each compute row's window keys for one set of part starts."""
+        w, ring = self.cfg.sliding_window, self.pools.ring_rows
+        pos, first = per_row["pos"], per_row["first"]
+        key_pos = pos[:, None] + torch.arange(1 - w, 1)[None, :]  # [Tc, W]
+        own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
+        ring_rows = per_row["slot"][:, None] * ring + key_pos.remainder(ring)
+        counts = [p.c1 - p.c0 for p in rows.compute_parts]
+        if all(n == 1 for n in counts):
+            start = torch.tensor(starts, dtype=torch.long)
+        else:
+            start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long),
+                                            torch.tensor(counts, dtype=torch.long))
+        start = torch.cat((start, pos[len(start):]))  # padding rows: nothing earlier
+        from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
+        return torch.where(key_pos >= first[:, None], own, from_ring).to(torch.int32)
+
+    def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
+        """Flat (scratch, ring) rows of pools.window [L * R]: the last W-1 new records of every
+        sequence, for each of `layers`."""
+        ring, num_rows = self.pools.ring_rows, self.pools.window.shape[1]
+        pos, slot = per_row["pos"], per_row["slot"]
+        kept = (pos >= per_row["end"] - ring) & (slot >= 0)
+        idx = torch.nonzero(kept).flatten()
+        base = torch.tensor(layers, dtype=torch.long)[:, None] * num_rows
+        src = self.pools.scratch_base + idx
+        dst = slot[idx] * ring + pos[idx] % ring
+        return (base + src[None, :]).flatten(), (base + dst[None, :]).flatten()
+
+    # ------------------------------------------------------------------ global entries
+    def _key_counts(self) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """Per source: entries visible to each key-table row by the step's end, and the
+        table width (rounded up to the width step)."""
+        cfg, pad = self.cfg, self.num_tables - len(self.step.segs)
+        counts, widths = {}, {}
+        for src in cfg.kv_source_layer_ids:
+            ratio = cfg.compress_ratios[src]
+            c = []
+            for seg in self.step.segs:
+                state, start, end = seg.inp.state, seg.inp.start_pos, seg.end_pos
+                held, visible = state.num_entries(src), end // ratio
+                if seg.replay is not None:
+                    if held < visible:
+                        raise StateError(f"replay: source {src} holds {held} entries, needs "
+                                         f"{visible}")
+                elif held != start // ratio:
+                    raise StateError(f"source {src}: {held} entries at position {start}")
+                state.check_blocks(src, visible)
+                c.append(visible)
+            width = max(c, default=0)
+            if self.width_step:
+                width = -(-max(width, 1) // self.width_step) * self.width_step
+            counts[src], widths[src] = c + [0] * pad, width
+        return counts, widths
+
+    def _block_table(self, widths: dict[int, int]) -> torch.Tensor:
+        """[B', nb] block ids of each key-table row, nb = the blocks the widest table spans."""
+        geo = self.pools.geometry
+        nb = max([-(-w // geo.entries_per_block(s)) for s, w in widths.items()] + [1])
+        bt = torch.zeros(self.num_tables, nb, dtype=torch.long)
+        for seg in self.step.segs:
+            blocks = seg.inp.state.block_table[:nb]
+            if blocks:
+                bt[seg.index, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return bt
+
+    def _check_open(self, src: int, rows: LayerRows) -> None:
+        if self.cfg.compress_ratios[src] != 2:
+            return
+        for part in rows.parts:
+            seg = part.seg
+            if seg.replay is None and seg.inp.state.has_open_group(src) != (seg.start_pos % 2 == 1):
+                present = seg.inp.state.has_open_group(src)
+                raise StateError(f"source {src}: open-group row "
+                                 f"{'present' if present else 'missing'} at position "
+                                 f"{seg.start_pos}")
+
+    def _entry_rows(self, src: int, rows: LayerRows, bt: torch.Tensor):
+        """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
+        its ratio-2 partner is the slot's stored open row, and its slot."""
+        ratio = self.cfg.compress_ratios[src]
+        epb = self.pools.geometry.entries_per_block(src)
+        entry, stored, slots, tables = [], [], [], []
+        for part in rows.parts:
+            seg = part.seg
+            first = seg.inp.start_pos + part.seam_first
+            end = seg.end_pos
+            n = end - first
+            if seg.replay is not None:  # the entries exist: nothing is written
+                entry += [-1] * n
+            elif ratio == 1:
+                entry += range(first, end)
+            else:
+                entry += [p // ratio if (p + 1) % ratio == 0 else -1 for p in range(first, end)]
+            stored += [True] + [False] * (n - 1)
+            slots += [seg.inp.state.slot] * n
+            tables += [seg.index] * n
+        pad = rows.num_seam - len(entry)
+        entry += [-1] * pad
+        stored += [False] * pad
+        slots += [0] * pad
+        tables += [0] * pad
+        t = torch.tensor([entry, slots, tables], dtype=torch.long)
+        entry_t, slots_t, b = t[0], t[1], t[2]
+        safe = entry_t.clamp(min=0)
+        picked = bt[b, (safe // epb).clamp(max=bt.shape[1] - 1)] * epb + safe % epb
+        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored), slots_t)
+
+    def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
+        slots, seam_rows = [], []
+        for part in rows.parts:
+            if part.seg.end_pos % 2 == 1:
+                slots.append(part.seg.inp.state.slot)
+                seam_rows.append(part.s1 - 1)
+        return torch.tensor(slots, dtype=torch.long), torch.tensor(seam_rows, dtype=torch.long)
+
+
+# ============================================================================ one H2D copy
+class HostPack:
+    """Host tensors -> one byte buffer -> one host-to-device copy -> views on the device.
+
+    On CUDA the buffer is pinned (the copy is asynchronous) and two are used in turn; before
+    one is refilled, the copy that last read it has finished (an event). On a CPU device the
+    pack itself is the step's buffer (a fresh one per step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._events: list[object] = [None, None]
+        self._turn = 0
+        self._pads = [torch.zeros(n, dtype=torch.uint8) for n in range(ALIGN)]
+
+    def upload(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                 list[int]]:
+        """-> (device buffer, the tensors as views of it, the byte offset of each)."""
+        pieces, offsets, off = [], [], 0
+        for t in tensors:
+            b = t.contiguous().view(-1).view(torch.uint8)
+            offsets.append(off)
+            pieces.append(b)
+            n = b.shape[0]
+            pad = -n % ALIGN
+            if pad:
+                pieces.append(self._pads[pad])
+            off += n + pad
+        if self.device.type == "cuda":
+            k = self._turn
+            self._turn ^= 1
+            if self._events[k] is not None:
+                self._events[k].synchronize()
+            if self._pinned[k] is None or self._pinned[k].shape[0] < off:
+                self._pinned[k] = torch.empty(max(off, 1 << 20) * 2, dtype=torch.uint8,
+                                              pin_memory=True)
+            host = self._pinned[k][:off]
+            torch.cat(pieces, out=host)
+            buf = torch.empty(off, dtype=torch.uint8, device=self.device)
+            buf.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events[k] = event
+        else:
+            buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8)
+            buf = buf.to(self.device)
+        return buf, views(buf, tensors, offsets), offsets
+
+
+def views(buf: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]
+          ) -> list[torch.Tensor]:
+    """Tensors shaped and typed as `like`, viewing `buf` at `offsets`."""
+    out = []
+    for t, off in zip(like, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        out.append(buf[off:off + n].view(t.dtype).view(t.shape))
+    return out

@@ -1,0 +1,341 @@
+"""`TableBuilder` (per row layout, shared window spans, key rows expanded on the device) against
+the table builder it replaced (per layer and per part, every table on the host), and the window
+books of `PagedSeqState.note_windows` against per-layer books, over prefill chunks, decoder
+narrowing, encoder-only prefill, a bounded replay over shared blocks and padded decode batches
+through `DecodeGraphs` (eager). The layers are not run: the pool-row tables and the books depend
+only on the step's plan, which a zero-logits compute keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+# isort: on
+from flashpd.engine.gpu.decode_graph import DecodeGraphs
+from flashpd.engine.gpu.forward import GpuModel
+from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
+from flashpd.engine.kv_pools import KVPools, PagedSeqState
+from flashpd.model.config import ModelConfig
+from flashpd.model.engram import EngramHasher
+from flashpd.model.model import LayerRows, LogitsRequest, Replay, SeqInput, SeqPlan, Step
+from flashpd.model.presets import preset_config, tokenizer_path
+from flashpd.model.state import StateError
+
+
+class OldTables:
+    """The table builder before issue 13 (per layer, per part), kept as the reference."""
+
+    def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int):
+        self.cfg, self.pools, self.step = cfg, pools, step
+        self.num_rows = step.token_ids.shape[0]
+        self.num_tables = len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs)
+        self.width_step = key_width_step
+
+    def build(self) -> dict:
+        cfg, pools, step = self.cfg, self.pools, self.step
+        cand = cfg.candidate_source_layer_id
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for spec in cfg.layers:
+            kinds.setdefault(step.rows_of(spec, cand).key, []).append(spec.layer_id)
+        windows, window_of, seq_of, keep = [], {}, {}, {}
+        for key, layers in kinds.items():
+            per_row = self._compute_rows(step.rows[key])
+            tables, index = self._window(step.rows[key], layers, per_row)
+            window_of.update((layer, len(windows) + i) for layer, i in index.items())
+            windows += tables
+            seq_of[key] = per_row["table"].to(torch.int32)
+            keep[key] = self._keep(layers, per_row)
+        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
+                            dtype=torch.int32)
+        for i, table in enumerate(windows):
+            window[i, :table.shape[0]] = table
+        key_rows, entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}, {}
+        for src in cfg.kv_source_layer_ids:
+            spec = cfg.layers[src]
+            rows = step.rows_of(spec, cand)
+            key_rows[src] = self._key_table(src)
+            entry_rows[src], stored, slots = self._entry_rows(src, rows, key_rows[src])
+            if src in pools.open_row_of:
+                from_stored[src], open_slots[src] = stored, slots
+                open_keep[src] = self._open_keep(rows)
+        return dict(window=window, window_of=window_of, seq_of=seq_of, keep=keep,
+                    key_rows=key_rows, entry_rows=entry_rows, from_stored=from_stored,
+                    open_slots=open_slots, open_keep=open_keep)
+
+    def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
+        """Per compute row: position, first position of its part, slot, key-table row, end."""
+        pos, first, slot, table, end = [], [], [], [], []
+        for part in rows.compute_parts:
+            n, seg = part.c1 - part.c0, part.seg
+            pos += range(part.first_pos, part.first_pos + n)
+            first += [part.first_pos] * n
+            slot += [seg.state.slot] * n
+            table += [seg.index] * n
+            end += [seg.end_pos] * n
+        pad = rows.num_compute - len(pos)  # padding rows: position 0, an empty window, their
+        num_segs = len(self.step.segs)  # own key-table rows
+        pos += [0] * pad
+        first += [0] * pad
+        slot += [-1] * pad
+        table += range(num_segs, num_segs + pad)
+        end += [0] * pad
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in
+                (("pos", pos), ("first", first), ("slot", slot), ("table", table), ("end", end))}
+
+    def _window(self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
+                ) -> tuple[list[torch.Tensor], dict[int, int]]:
+        """[Tc, W] pool rows per distinct window span of `layers` (and each layer's table):
+        keys at or after the part's first position from this step's scratch rows, earlier ones
+        from the slot's ring as far as the window holds them."""
+        parts, w, ring = rows.compute_parts, self.cfg.sliding_window, self.pools.ring_rows
+        distinct: dict[tuple[int, ...], int] = {}
+        index = {}
+        for layer in layers:
+            row = []
+            for part in parts:
+                if part.clip_window:
+                    row.append(part.first_pos)
+                    continue
+                start, held = part.seg.state.window_span(layer)
+                if start + held != part.first_pos:
+                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
+                                     f"rows start at {part.first_pos} (replay needed?)")
+                row.append(start)
+            index[layer] = distinct.setdefault(tuple(row), len(distinct))
+        counts = [p.c1 - p.c0 for p in parts]
+        pos, first = per_row["pos"], per_row["first"]
+        key_pos = pos[:, None] + torch.arange(w)[None, :] - (w - 1)  # [Tc, W]
+        own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
+        ring_rows = per_row["slot"][:, None] * ring + key_pos.remainder(ring)
+        mine = key_pos >= first[:, None]
+        tables = []
+        for starts in distinct:  # padding rows: start at their own position (nothing earlier)
+            start = [v for v, n in zip(starts, counts, strict=True) for _ in range(n)]
+            start = torch.cat((torch.tensor(start, dtype=torch.long), pos[len(start):]))  # [Tc]
+            from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
+            tables.append(torch.where(mine, own, from_ring).to(torch.int32))
+        return tables, index
+
+    def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
+        """(layers, scratch rows, ring rows): the last W-1 new records of every sequence."""
+        ring = self.pools.ring_rows
+        pos, slot = per_row["pos"], per_row["slot"]
+        kept = (pos >= per_row["end"] - ring) & (slot >= 0)
+        idx = torch.nonzero(kept).flatten()
+        return (torch.tensor(layers, dtype=torch.long), self.pools.scratch_base + idx,
+                slot[idx] * ring + pos[idx] % ring)
+
+    def _key_table(self, src: int) -> torch.Tensor:
+        """[B, N] pool rows of each sequence's entries visible by the step's end (-1 past)."""
+        ratio = self.cfg.compress_ratios[src]
+        counts = []
+        for seg in self.step.segs:
+            held, visible = seg.state.num_entries(src), seg.end_pos // ratio
+            if seg.replay is not None and held < visible:
+                raise StateError(f"replay: source {src} holds {held} entries, needs {visible}")
+            if seg.replay is None and held != seg.start_pos // ratio:
+                raise StateError(f"source {src}: {held} entries at position {seg.start_pos}")
+            counts.append(visible)
+        width = max(counts, default=0)
+        if self.width_step:
+            width = -(-max(width, 1) // self.width_step) * self.width_step
+        table = torch.full((self.num_tables, width), -1, dtype=torch.int32)
+        if width and self.step.segs:
+            epb = self.pools.geometry.entries_per_block(src)
+            for seg, n in zip(self.step.segs, counts, strict=True):
+                seg.state.check_blocks(src, n)
+            blocks = max(len(seg.state.block_table) for seg in self.step.segs)
+            bt = torch.tensor([seg.state.block_table + [0] * (blocks - len(seg.state.block_table))
+                               for seg in self.step.segs], dtype=torch.long)  # [B, blocks]
+            e = torch.arange(width)
+            rows = bt[:, (e // epb).clamp(max=blocks - 1)] * epb + e % epb  # [B, width]
+            valid = e[None, :] < torch.tensor(counts)[:, None]
+            table[:len(counts)] = torch.where(valid, rows, -1).to(torch.int32)
+        return table
+
+    def _entry_rows(self, src: int, rows: LayerRows, table: torch.Tensor):
+        """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
+        its ratio-2 partner is the slot's stored open row, and its slot."""
+        ratio = self.cfg.compress_ratios[src]
+        entry, stored, slots, tables = [], [], [], []
+        for part in rows.parts:
+            seg = part.seg
+            first = seg.start_pos + part.seam_first
+            n = seg.end_pos - first
+            if seg.replay is not None:  # the entries exist: nothing is written
+                entry += [-1] * n
+            else:
+                if ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
+                    present = seg.state.has_open_group(src)
+                    raise StateError(f"source {src}: open-group row "
+                                     f"{'present' if present else 'missing'} at position "
+                                     f"{seg.start_pos}")
+                entry += [p // ratio if (p + 1) % ratio == 0 else -1
+                          for p in range(first, seg.end_pos)]
+            stored += [True] + [False] * (n - 1)
+            slots += [seg.state.slot] * n
+            tables += [seg.index] * n
+        pad = rows.num_seam - len(entry)
+        entry += [-1] * pad
+        stored += [False] * pad
+        slots += [0] * pad
+        tables += [0] * pad
+        entry_t, b = torch.tensor(entry, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
+        width = table.shape[1]
+        picked = table[b, entry_t.clamp(0, max(width - 1, 0))].long() if width else entry_t
+        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored),
+                torch.tensor(slots, dtype=torch.long))
+
+    def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
+        slots, seam_rows = [], []
+        for part in rows.parts:
+            if part.seg.end_pos % 2 == 1:
+                slots.append(part.seg.state.slot)
+                seam_rows.append(part.s1 - 1)
+        return torch.tensor(slots, dtype=torch.long), torch.tensor(seam_rows, dtype=torch.long)
+
+
+class CheckedModel(GpuModel):
+    """Compares the step's tables with `OldTables` and keeps per-layer shadow window books;
+    the layers are replaced by zero logits (and zero ratio-2 open rows)."""
+
+    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0):
+        step = super().prepare(token_ids, seqs, pad_to, key_width_step)
+        # the old builder on the same (host) step, before any commit
+        host = step.__class__(step.token_ids.cpu(), step.segs, step.rows, step.hash_ids,
+                              step.logit_rows, step.logit_counts)
+        self.expected = OldTables(self.cfg, step.tables.pools, host, key_width_step).build()
+        self.shadow_commit(step)
+        self.check_commit_tables(step.tables)  # (a graph's static step holds the first ones)
+        return step
+
+    def check_commit_tables(self, t):
+        pairs = set()
+        rows = t.pools.window.shape[1]
+        for layers, src, dst in self.expected["keep"].values():
+            for layer in layers.tolist():
+                pairs |= {(layer * rows + s, layer * rows + d)
+                          for s, d in zip(src.tolist(), dst.tolist(), strict=True)}
+        got = set(zip(t.keep_src.tolist(), t.keep_dst.tolist(), strict=True))
+        assert got == pairs and len(pairs) == t.num_keep, "kept window rows"
+        for src, (slots, seam) in self.expected["open_keep"].items():
+            assert torch.equal(t.open_keep[src][0], slots) and torch.equal(t.open_keep[src][1], seam)
+
+    def compute(self, step):
+        t = step.tables
+        t.materialise()
+        want = self.expected
+        for layer in range(self.cfg.num_layers):
+            assert torch.equal(t.window_rows[t.window_of[layer]],
+                               want["window"][want["window_of"][layer]]), f"window rows {layer}"
+        for key, v in want["seq_of"].items():
+            assert torch.equal(t.seq_of[key], v), f"seq_of {key}"
+        for group in ("key_rows", "entry_rows", "from_stored", "open_slots"):
+            got = getattr(t, group)
+            assert sorted(got) == sorted(want[group]), group
+            for src, v in want[group].items():
+                assert torch.equal(got[src].to(v.dtype), v), f"{group}[{src}]"
+        self.checked += 1
+        cfg = self.cfg
+        step.outputs = {}
+        for src in cfg.kv_source_layer_ids:
+            if cfg.compress_ratios[src] == 2:
+                n = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id).num_seam
+                step.outputs[("open", src)] = torch.rand(n, 2, cfg.head_dim)
+        n = step.logit_rows.shape[0]
+        return torch.zeros(n, cfg.vocab_size) if n else None
+
+    def shadow_commit(self, step):
+        """The old commit's per-layer window books on `self.shadow` (state -> layer -> span)."""
+        keep = self.cfg.sliding_window - 1
+        for spec in self.cfg.layers:
+            for part in step.rows_of(spec, self.cfg.candidate_source_layer_id).compute_parts:
+                books = self.shadow.setdefault(id(part.seg.state), {})
+                if part.clip_window:
+                    books[spec.layer_id] = (part.first_pos, 0)
+                start, held = books.get(spec.layer_id, (0, 0))
+                assert part.first_pos == start + held
+                end = part.first_pos + part.c1 - part.c0
+                new_start = max(start, end - keep)
+                books[spec.layer_id] = (new_start, end - new_start)
+
+    def check_books(self, states):
+        for state in states:
+            for layer, span in self.shadow.get(id(state), {}).items():
+                assert state.window_span(layer) == span, (layer, span)
+
+
+def small_model() -> CheckedModel:
+    tiny = preset_config("tiny")
+    cfg = tiny.replace(name="tables", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
+    device = torch.device("cpu")
+    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, device), device)
+    model = CheckedModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
+                         decode_graphs=False)
+    model.checked, model.shadow = 0, {}
+    return model
+
+
+def _ids(n, seed):
+    return torch.randint(5, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_tables_and_books_match_the_per_layer_builder():
+    model = small_model()
+    cfg = model.cfg
+    pools = KVPools(cfg, 16, 6, "cpu", window_scratch_rows=256)
+    a = PagedSeqState(pools, 0, [0, 1, 2], torch.bfloat16)
+    b = PagedSeqState(pools, 1, [3, 4], torch.bfloat16)
+    pa, pb = _ids(150, 1), _ids(40, 2)
+    # prefill: a whole (every row's logits), b encoder-only
+    model.forward(torch.tensor(pa[:19] + pb[:13]),
+                  [SeqInput(a, 0, 19, SeqPlan(logits=LogitsRequest.ALL)),
+                   SeqInput(b, 0, 13, SeqPlan.encoder_only())])
+    # a: a chunk with decoder narrowing (decoder layers clip at the chunk's last 4 rows)
+    model.forward(torch.tensor(pa[19:30]), [SeqInput(a, 19, 11, SeqPlan(decoder_rows=4))])
+    model.check_books([a])
+    # c hits a's first 24 tokens (blocks shared): adopt, bounded replay of W rows, a turn
+    hit, w = 24, cfg.sliding_window
+    c = PagedSeqState(pools, 2, [0, 1, 5], torch.bfloat16)
+    c.adopt_prefix(hit, tuple(pa[hit - 3:hit]))
+    replay = SeqPlan(logits=LogitsRequest.NONE, replay=Replay(tuple(pa[hit - w - 3:hit - w])))
+    model.forward(torch.tensor(pa[hit - w:hit]), [SeqInput(c, hit - w, w, replay)])
+    model.forward(torch.tensor(pa[hit:27]), [SeqInput(c, hit, 3)])
+    model.check_books([a, c])
+    # decode through the graph path (eager): three sequences in a bucket of four, and two
+    model.graphs = DecodeGraphs(model, capture=False)
+    d = PagedSeqState(pools, 3, [6, 7], torch.bfloat16)
+    model.forward(torch.tensor(pb[:5]), [SeqInput(d, 0, 5)])
+    for i in range(20):
+        group = [a, c, d] if i % 5 else [a, d]
+        seqs = [SeqInput(s, s.num_tokens, 1) for s in group]
+        assert model.graphs.eligible(seqs)
+        model.forward(torch.tensor([7 + i] * len(group)), seqs)
+        model.check_books(group)
+    assert model.checked == 25 and len(model.graphs._graphs) >= 2
+    for s in (a, c, d):
+        assert s.common_window_span() == (s.num_tokens - (w - 1), w - 1)
+
+
+def test_window_books_split_and_rejoin():
+    cfg = preset_config("tiny").replace(sliding_window=8)
+    pools = KVPools(cfg, 2, 1, "cpu")
+    s = PagedSeqState(pools, 0, [0])
+    every = list(range(cfg.num_layers))
+    s.note_windows(every, 0, 5)
+    assert s.common_window_span() == (0, 5)
+    s.note_windows(every[:4], 5, 3)  # only some layers: books per layer
+    assert s.common_window_span() is None
+    assert s.window_span(0) == (1, 7) and s.window_span(9) == (0, 5)
+    with pytest.raises(StateError, match="window append at 5"):
+        s.note_windows(every, 5, 1)
+    s.note_windows(every, 8, 1, clip=True)  # a clip of every layer joins them again
+    assert s.common_window_span() == (8, 1)
+    s.adopt_prefix(0, ())
+    with pytest.raises(StateError, match="unset"):
+        s.window_span(3)
+    with pytest.raises(StateError, match="unset"):
+        s.note_windows(every, 0, 1)
