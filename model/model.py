@@ -449,7 +449,7 @@ class Model:
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
             rows = step.rows_of(spec, cfg.candidate_source_layer_id)
             if rows.num_seam:
-                streams = self._layer(spec, lw, rows, streams, carried_pre, step)
+                streams, carried_pre = self._layer(spec, lw, rows, streams, carried_pre, step)
         if step.logit_rows.numel() == 0:
             return None
         idx = step.logit_rows
@@ -550,8 +550,11 @@ class Model:
 
     # ------------------------------------------------------------------ one layer (§2.4)
     def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: LayerRows, streams: torch.Tensor,
-               carried_pre: torch.Tensor, step: Step) -> torch.Tensor:
-        """One layer over its seam / compute rows -> the new streams [T, S, D]."""
+               carried_pre: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over its seam / compute rows -> (new streams [T, S, D], carried pre [T, S]).
+
+        A layer over every row returns its own FFN pre as the carried pre (no copy); one over
+        some rows writes them into `carried_pre` (and `streams`) in place."""
         d, every = self.dense, rows.everything
         xs = streams if every else streams[rows.seam_idx]  # [Ts, S, D]
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
@@ -569,7 +572,7 @@ class Model:
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
             self._write_global_kv(spec, lw, x_seam, rows, step)
         if rows.num_compute == 0:
-            return streams
+            return streams, carried_pre
         xc = xs if every else xs[rows.compute_in_seam]  # [Tc, S, D]
         pre_a, post_a, comb_a = mixes_a or self._mixes(xc, lw.hc_attn)  # 2.
         x = x_seam if every else x_seam[rows.compute_in_seam]
@@ -579,11 +582,10 @@ class Model:
                                                       lw.ffn_norm)
         out = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
         if every:
-            carried_pre.copy_(pre_f)  # 8.
-            return out
+            return out, pre_f  # 8.
         streams[rows.compute_idx] = out
         carried_pre[rows.compute_idx] = pre_f  # 8.
-        return streams
+        return streams, carried_pre
 
     def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
                        row_ids: torch.Tensor) -> torch.Tensor:

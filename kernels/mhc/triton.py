@@ -143,24 +143,25 @@ def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(xk, tl.trans(f), acc, input_precision="tf32x3")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "GRID"])
 def _mhc_kernel(
     x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
-    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D,
+    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D, GRID,
     norm_eps, hc_eps,
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    GRID: tl.constexpr, NORM_D: tl.constexpr,
+    NORM_D: tl.constexpr,
 ):
-    """Program (token block, g) walks slices g*NSL/GRID ...; see the module doc for the order."""
+    """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
+    variant for every GRID); see the module doc for the order."""
     tb = tl.program_id(0)
     g = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
-    SPP: tl.constexpr = NSL // GRID  # slices per program
+    SPP = NSL // GRID  # slices per program
     col = tl.arange(0, 32)
     if HAS_Y:  # per-token coefficients, loaded once (S = 4 unrolled by hand)
         p0 = _load_cols(post_ptr, r64, rmask, S, 0)
@@ -375,11 +376,11 @@ def expand_mix_collapse(
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
         norm_weight.contiguous() if norm_weight is not None else dummy, pre_o, post_o, comb_o,
         xc if xc is not None else dummy, partial, _counters(dev, n_blocks), num_tokens, dim,
-        float(norm_eps), float(hc_eps),
+        plan["grid"], float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=_BLOCK_D, CH=plan["ch"], NSL=plan["nsl"],
-        GRID=plan["grid"], NORM_D=plan["norm_d"], num_warps=plan["warps"],
+        NORM_D=plan["norm_d"], num_warps=plan["warps"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 
@@ -469,7 +470,7 @@ def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, S: tl.constexpr,
                    BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BLOCK_T tokens, BLOCK_D channels] per program; each stream loaded once."""

@@ -1,0 +1,299 @@
+"""mHC kernel microbenchmark at the bench preset's shapes (bench/results/h200/mhc.md).
+
+Checks `kernels/mhc/triton.py` against `kernels/mhc/ref.py` (norm-relative errors, the
+tolerances of kernels/verify_cases.py), checks that a token's results are the same bits alone
+and in a decode batch and for every prefill grid, then times, in us per call, with every call
+of a site captured in one CUDA graph (replays timed with events, median):
+
+    mixes   hc_mixes (the launch the model made per site before the fused steps)
+    fused   expand_mix_collapse(y, ...) with collapse + RMSNorm (steps 4-6 of a layer)
+    layer   a layer's mHC work: before, collapse + rms_norm, mixes, expand, mixes,
+            collapse + rms_norm, expand; after, two fused steps and one expand
+
+for T tokens per call; below 4096 tokens a graph cycles over 40 sites with their own fn and
+streams (fn is 2 MB: the 80 of a forward do not stay in L2). `--before FILE` times a saved
+copy of the previous kernels beside the current ones.
+
+    python -m flashpd.bench.mhc_bench --before .mhc_before/mhc_before.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+# isort: on
+
+from flashpd.kernels.dense import ref as dref
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.mhc import ref as href
+from flashpd.kernels.mhc import triton as ht
+from flashpd.kernels.verify import errors
+from flashpd.model.presets import preset_config
+
+TOKENS = (1, 8, 64, 4096, 8192)
+DEVICE = triton_runtime.kernel_device()  # CPU under the interpreter (a dry run of the script)
+ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
+# prefill launch variants timed at 8192 tokens (fused step): name -> CONFIG overrides
+VARIANTS = {
+    "bt64 w8 auto": {},
+    "bt64 w8 grid1": {"prefill_grid": 1},
+    "bt64 w8 grid2": {"prefill_grid": 2},
+    "bt64 w8 grid10": {"prefill_grid": 10},
+    "bt32 w4 auto": {"prefill_block_t": 32, "prefill_warps": 4},
+    "bt64 w4 auto": {"prefill_warps": 4},
+    "bt128 w8 auto": {"prefill_block_t": 128},
+}
+
+
+def load_before(path: str):
+    spec = importlib.util.spec_from_file_location("mhc_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Site:
+    """One mHC site's tensors: streams, y, fn/base/scale, incoming coefficients, norm weight."""
+
+    def __init__(self, t: int, d: int, s: int, seed: int):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        rnd = lambda *shape: torch.randn(*shape, generator=g, device=DEVICE)  # noqa: E731
+        self.x = rnd(t, s, d).bfloat16()
+        self.y = rnd(t, d).bfloat16()
+        self.fn = rnd((2 + s) * s, s * d) * (s * d) ** -0.5
+        self.base = rnd((2 + s) * s) * 0.5
+        self.scale = torch.tensor([1.0, 0.5, 2.0], device=DEVICE)
+        self.nw = rnd(d).bfloat16()
+        self.pre, self.post, self.comb = href.hc_mixes(self.x, self.fn, self.base, self.scale,
+                                                       ITERS, HC_EPS, NORM_EPS)
+
+    def args(self, y: bool, collapse: bool) -> tuple:
+        return (self.y if y else None, self.x, self.post if y else None,
+                self.comb if y else None, self.fn, self.base, self.scale, ITERS, HC_EPS,
+                NORM_EPS, self.pre if collapse else None, self.nw if collapse else None)
+
+
+def calls(mod, mode: str, site: Site) -> list:
+    """Zero-argument launches of one site's `mode` through the module `mod` (new or before)."""
+    if mode == "mixes":
+        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS,
+                                     NORM_EPS)]
+    if mode == "fused":
+        return [lambda: mod.expand_mix_collapse(*site.args(True, True))]
+    if mode == "seam":
+        return [lambda: mod.expand_mix_collapse(*site.args(False, True))]
+    if mode == "layer_before":
+        a = site.args(True, True)
+        return [lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
+                lambda: mod.hc_mixes(site.x, *a[4:10]),
+                lambda: mod.expand(site.y, site.x, site.post, site.comb),
+                lambda: mod.hc_mixes(site.x, *a[4:10]),
+                lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
+                lambda: mod.expand(site.y, site.x, site.post, site.comb)]
+    if mode == "layer_after":
+        return [lambda: mod.expand_mix_collapse(*site.args(False, True)),
+                lambda: mod.expand_mix_collapse(*site.args(True, True)),
+                lambda: mod.expand(site.y, site.x, site.post, site.comb)]
+    raise ValueError(mode)
+
+
+def time_us(fns: list, reps: int = 20) -> float:
+    """us per entry of `fns` (launch sequences), all captured in one CUDA graph."""
+    for f in fns:
+        f()
+    if DEVICE.type != "cuda":  # interpreter dry run: the script's logic, no timing
+        return float("nan")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(e0.elapsed_time(e1))
+    out.sort()
+    del graph
+    return out[len(out) // 2] * 1e3 / len(fns)
+
+
+def check(site: Site, t: int) -> list[dict]:
+    """The fused step and the plain mixes against the ref sequence (verify_cases tolerances)."""
+    rows = []
+    xn_ref = href.expand(site.y, site.x, site.post, site.comb)
+    ref = href.hc_mixes(xn_ref, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
+    xc_ref = dref.rms_norm(href.collapse(xn_ref, site.pre), site.nw, NORM_EPS)
+    xn, pre, post, comb, xc = ht.expand_mix_collapse(*site.args(True, True))
+    for name, got, want, tol in (("fused X'", xn, xn_ref, 8e-3),
+                                 ("fused pre/post", torch.cat((pre, post), 1),
+                                  torch.cat(ref[:2], 1), 1e-4),
+                                 ("fused comb", comb, ref[2], 1e-4),
+                                 ("fused collapse+norm", xc, xc_ref, 2e-2)):
+        rows.append({"T": t, "check": name, "rel_err": errors(got, want)[1], "tol": tol})
+    mref = href.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
+    mix = ht.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
+    rows.append({"T": t, "check": "mixes pre/post/comb",
+                 "rel_err": max(errors(a, b)[1] for a, b in zip(mix, mref, strict=True)),
+                 "tol": 1e-4})
+    seam = ht.expand_mix_collapse(*site.args(False, True))
+    sref = dref.rms_norm(href.collapse(site.x, site.pre), site.nw, NORM_EPS)
+    rows.append({"T": t, "check": "seam collapse+norm", "rel_err": errors(seam[4], sref)[1],
+                 "tol": 2e-2})
+    rows.append({"T": t, "check": "expand", "rel_err": errors(
+        ht.expand(site.y, site.x, site.post, site.comb), xn_ref)[1], "tol": 8e-3})
+    for r in rows:
+        r["ok"] = r["rel_err"] <= r["tol"]
+    return rows
+
+
+def invariance(d: int, s: int, big_t: int) -> list[dict]:
+    """Bits of a token alone vs in a batch of 64 (decode), and over prefill grids (8192)."""
+    out = []
+    site = Site(64, d, s, 7)
+    batch = ht.expand_mix_collapse(*site.args(True, True))
+    same = True
+    for i in (0, 37, 63):
+        one = [a[i:i + 1] if j in (0, 1, 2, 3, 10) and a is not None else a
+               for j, a in enumerate(site.args(True, True))]
+        got = ht.expand_mix_collapse(*one)
+        same &= all(torch.equal(a[i:i + 1], b) for a, b in zip(batch, got, strict=True))
+    out.append({"check": "decode: row alone == row in a batch of 64", "ok": bool(same)})
+    big = Site(big_t, d, s, 8)
+    runs = []
+    for grid in (1, 2, None):
+        ht.CONFIG["prefill_grid"] = grid
+        runs.append(ht.expand_mix_collapse(*big.args(True, True)))
+    ht.CONFIG["prefill_grid"] = None
+    same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+    out.append({"check": f"prefill {big_t}: grid 1 == grid 2 == auto (bits)", "ok": bool(same)})
+    return out
+
+
+def warm(job: str, before: str | None, d: int, s: int) -> None:
+    """Compile one variant (a subprocess each, in parallel; Triton's cache keeps them)."""
+    kind, mode, variant = job.split(":")
+    site = Site(80 if variant != "decode" else 2, d, s, 1)
+    if kind == "before":
+        mod = load_before(before)
+    else:
+        mod = ht
+        if variant == "decode":
+            ht.CONFIG["decode_rows"] = 1 << 30
+        else:
+            ht.CONFIG.update(VARIANTS[variant])
+            ht.CONFIG["decode_rows"] = 0
+    for f in calls(mod, mode, site):
+        f()
+    torch.cuda.synchronize()
+
+
+def warm_all(before: str | None, d: int, s: int) -> float:
+    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", "bt64 w8 auto")]
+    jobs += [f"new:fused:{v}" for v in VARIANTS if v.startswith(("bt32", "bt128", "bt64 w4"))]
+    jobs += ["new:layer_after:decode"]
+    if before:
+        jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_before")]
+    if DEVICE.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "flashpd.bench.mhc_bench", "--warm", j,
+                               *(["--before", before] if before else [])]) for j in jobs]
+    bad = [j for j, p in zip(jobs, procs, strict=True) if p.wait() != 0]
+    if bad:
+        print("warm-up failed:", bad, flush=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", help="a saved copy of the previous kernels/mhc/triton.py")
+    ap.add_argument("--out", default=".", help="folder for mhc.json / mhc_table.md")
+    ap.add_argument("--warm", help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
+    ap.add_argument("--big", type=int, default=8192, help="tokens of the prefill variants")
+    args = ap.parse_args()
+    cfg = preset_config("bench")
+    d, s = args.dim or cfg.hidden_size, cfg.hc_mult
+    if args.warm:
+        warm(args.warm, args.before, d, s)
+        return
+    warm_s = warm_all(args.before, d, s)
+    print(f"parallel compile {warm_s:.1f} s", flush=True)
+    before = load_before(args.before) if args.before else None
+    result = {"preset": "bench", "D": d, "S": s, "config": dict(ht.CONFIG), "checks": [],
+              "times": [], "variants": [], "warm_s": warm_s}
+    for t in args.tokens:
+        n_sites = 40 if t < 4096 and DEVICE.type == "cuda" else 2
+        sites = [Site(t, d, s, 100 + i) for i in range(n_sites)]
+        result["checks"] += check(sites[0], t)
+        row = {"T": t, "plan": ht.launch_plan(t, d)}
+        for mode in ("mixes", "fused"):
+            row[f"{mode}_after"] = time_us([f for st in sites for f in calls(ht, mode, st)])
+            if before:
+                row[f"{mode}_before"] = time_us(
+                    [f for st in sites for f in calls(before, mode, st)])
+        row["layer_after"] = time_us([f for st in sites for f in calls(ht, "layer_after", st)
+                                      ]) * 3
+        if before:
+            row["layer_before"] = time_us(
+                [f for st in sites for f in calls(before, "layer_before", st)]) * 6
+        result["times"].append(row)
+        print(json.dumps(row), flush=True)
+        del sites
+        torch.cuda.empty_cache()
+    big = [Site(args.big, d, s, 200 + i) for i in range(2)]
+    for name, over in VARIANTS.items():
+        if ht._slices(d)[0] % (over.get("prefill_grid") or 1):
+            continue
+        saved = dict(ht.CONFIG)
+        ht.CONFIG.update(over)
+        us = time_us([f for st in big for f in calls(ht, "fused", st)])
+        result["variants"].append({"variant": name, "fused_us_8192": us,
+                                   "plan": ht.launch_plan(args.big, d)})
+        ht.CONFIG.clear()
+        ht.CONFIG.update(saved)
+        print(name, f"{us:.1f} us", flush=True)
+    del big
+    result["checks"] += invariance(d, s, args.big)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mhc.json").write_text(json.dumps(result, indent=1))
+    lines = ["| T | mixes before | mixes after | fused before | fused after | layer before | "
+             "layer after |", "|---|---|---|---|---|---|---|"]
+    for r in result["times"]:
+        lines.append(f"| {r['T']} | " + " | ".join(
+            f"{r.get(k, float('nan')):.1f}" for k in ("mixes_before", "mixes_after",
+                                                      "fused_before", "fused_after",
+                                                      "layer_before", "layer_after")) + " |")
+    lines += ["", "| check | T | rel err | tol | ok |", "|---|---|---|---|---|"]
+    for c in result["checks"]:
+        lines.append(f"| {c['check']} | {c.get('T', '')} | {c.get('rel_err', 0):.2e} | "
+                     f"{c.get('tol', '')} | {c['ok']} |")
+    lines += ["", "| prefill variant (8192, fused) | us |", "|---|---|"]
+    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} |" for v in result["variants"]]
+    (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
