@@ -1,0 +1,320 @@
+"""Decode (M <= 64) GEMMs at memory speed: FP8 dense layers, the FP8 shared expert and the
+MXFP4 routed experts at the bench preset's shapes, per launch configuration.
+
+    python -m flashpd.bench.gemm_decode --out DIR [--variants new mx_ds ...] [--budget-s S]
+
+Cases (M = 1, 8, 64 tokens), built with bench/kernel_roofline.py's helpers:
+    fp8_dense          wq_a, wq_b, wkv, wo_a (block-diagonal, as the GPU forward), wo_b,
+                       idx_wq_b through `linear_weights` / `block_diagonal`
+    fp8_shared_expert  SwiGLU GEMM + down GEMM (`dense_experts`)
+    mxfp4_experts      the two routed grouped GEMMs alone, pairs sorted by torch outside the
+                       timed region (kernel_roofline's case: comparable to roofline.md)
+    routed_full        `moe.triton.routed_experts` as served: pair sorting, both GEMMs, combine
+    routed_torch_glue  the same GEMMs with the previous torch glue (argsort chain + per-slot
+                       gathers), to price the glue
+Times: median per call over CUDA-graph replays (kernel_roofline.graph_ms; weight copies or
+alternating routings so weights stream from HBM). Bytes: weights + scales of the experts the
+routing touches, activations in and out. Each variant is a dict of dense CONFIG overrides
+("mx" / "skinny" merged into the defaults); each case's error is against a torch reference on
+the dequantised weights. Writes gemm_decode.json and gemm_decode.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from flashpd.bench import kernel_roofline as kr
+
+# name -> (dense CONFIG overrides, case kinds it runs, its M values), in priority order (a
+# --budget-s run stops starting variants once the budget is spent): "mx" routed experts,
+# "fp8" dense layers + shared expert; "new" (the defaults) also runs the comparison cases
+_MS = (1, 64)
+VARIANTS = {
+    "new": ({}, ("mx", "fp8"), None),
+    "mx_ds": ({"mxfp4_decode": "dot_scaled", "mx": {"block_k": 128, "stages": 3,
+                                                    "prefetch": False}}, ("mx",), None),
+    "mx_bn64": ({"mx": {"block_n": 64}}, ("mx",), _MS),
+    "mx_k128": ({"mx": {"block_k": 128}}, ("mx",), _MS),
+    "f8_nopf_s3": ({"skinny": {"prefetch": False, "stages": 3}}, ("fp8",), _MS),
+    "mx_nopf_s3": ({"mx": {"prefetch": False, "stages": 3}}, ("mx",), _MS),
+    "f8_k256": ({"skinny": {"block_k": 256}}, ("fp8",), _MS),
+    "mx_seg64": ({"mx": {"max_rows": 64}}, ("mx",), (64,)),
+    "mx_t2048": ({"mx": {"target_ctas": 2048}}, ("mx",), _MS),
+    "mx_t512": ({"mx": {"target_ctas": 512}}, ("mx",), _MS),
+    "f8_t528": ({"skinny": {"target_ctas": 528}}, ("fp8",), _MS),
+    "mx_bits": ({"mxfp4_decode": "bits"}, ("mx",), _MS),
+    "mx_w8_bn64": ({"mx": {"block_n": 64, "warps": 8}}, ("mx",), _MS),
+}
+_NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
+
+
+def apply(overrides: dict, default: dict) -> None:
+    from flashpd.kernels.dense import triton as dt
+
+    dt.CONFIG.clear()
+    dt.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in default.items()})
+    for k, v in overrides.items():
+        if isinstance(v, dict):
+            dt.CONFIG[k] = {**default[k], **v}
+        else:
+            dt.CONFIG[k] = v
+
+
+def routed_cases(ms) -> list:
+    """routed_full and routed_torch_glue at each M (two routings alternate)."""
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.moe import triton as mt
+
+    e_, k_, d_, i_ = kr.EXPERTS, kr.TOP_K, kr.HIDDEN, kr.INTER
+    routed = mt.ExpertSet(kr.rand_mxfp4(i_, d_, e_, 11), kr.rand_mxfp4(i_, d_, e_, 12),
+                          kr.rand_mxfp4(d_, i_, e_, 13))
+    per_expert = sum(kr.wbytes(w) for w in (routed.w1, routed.w3, routed.w2)) / e_
+    deq = [None] * 3
+    g = torch.Generator().manual_seed(17)
+    out = []
+    for m in ms:
+        sets = []
+        for _ in range(2):
+            ids = torch.stack([torch.randperm(e_, generator=g)[:k_] for _ in range(m)]).to(kr.DEV)
+            sets.append((ids, (torch.rand(m, k_, generator=g) * 0.3).to(kr.DEV)))
+        x = torch.randn(m, d_, device=kr.DEV).to(torch.bfloat16)
+        distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in sets)
+        nbytes = distinct * per_expert + m * d_ * (2 + 4) + m * k_ * (i_ * 2 * 2 + d_ * 2)
+
+        def glue(ids, gam, x=x, m=m):  # the previous routed_experts (torch glue), same GEMMs
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            rows = (order // k_).to(torch.int32)
+            gamma = gam.reshape(-1)[order].to(torch.float32).contiguous()
+            counts = torch.zeros(e_, dtype=torch.int64, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))
+            sched = dt.grouped_schedule(counts, m * k_, dt.block_m_for(max(1, m * k_ // e_)))
+            h = torch.empty(m * k_, i_, dtype=x.dtype, device=x.device)
+            dt.grouped_gemm(x, routed.w1, sched, h, a_rows=rows, w3=routed.w3, gamma=gamma,
+                            limit=10.0)
+            y = torch.empty(m * k_, d_, dtype=x.dtype, device=x.device)
+            dt.grouped_gemm(h, routed.w2, sched, y)
+            position = torch.empty_like(order)
+            position[order] = torch.arange(m * k_, device=x.device)
+            position = position.reshape(m, k_).sort(dim=-1).values
+            acc = torch.zeros(m, d_, dtype=torch.float32, device=x.device)
+            for slot in range(k_):
+                acc = acc + y[position[:, slot]].to(torch.float32)
+            return acc
+
+        def check(fn, ids=sets[0][0], gam=sets[0][1], x=x):
+            if deq[0] is None:
+                deq[:] = [torch.stack([kr.deq_one(w, j) for j in range(e_)])
+                          for w in (routed.w1, routed.w3, routed.w2)]
+            want = torch.zeros(x.shape[0], d_, dtype=torch.float32, device=kr.DEV)
+            for j in torch.unique(ids).tolist():
+                tok, slot = torch.nonzero(ids == j, as_tuple=True)
+                y = mref.expert_ffn(x[tok], deq[0][j], deq[1][j], deq[2][j], 10.0,
+                                    gam[tok, slot][:, None])
+                want.index_add_(0, tok, y.float())
+            return kr.rel_err(fn(ids, gam), want)
+
+        for name, fn in (("routed_full", lambda i, w, x=x: mt.routed_experts(x, i, w, routed,
+                                                                              10.0)),
+                         ("routed_torch_glue", glue)):
+            c = kr.Case(name, f"routed E={e_} k={k_} I={i_}", m, "decode")
+            c.bytes, c.flops = nbytes, 6.0 * m * k_ * d_ * i_
+            c.calls = [lambda s=s, fn=fn: fn(*s) for s in sets]
+            c.check = lambda fn=fn, check=check: check(fn)
+            out.append(c)
+        out.append(_moe_full(x, routed, per_expert))
+    return out
+
+
+def _moe_full(x: torch.Tensor, routed, per_expert: float):
+    """The whole decode MoE layer as served: router, pair sort, routed GEMMs, shared expert,
+    combine (checked against routed_experts + dense_experts on the router's own choice)."""
+    from flashpd.kernels.moe import triton as mt
+
+    e_, k_, d_, i_ = kr.EXPERTS, kr.TOP_K, kr.HIDDEN, kr.INTER
+    gate = (torch.randn(e_, d_, device=kr.DEV) * d_ ** -0.5).to(torch.bfloat16)
+    bias = torch.zeros(e_, device=kr.DEV)
+    shared = mt.ExpertSet(kr.rand_fp8(i_, d_, seed=21), kr.rand_fp8(i_, d_, seed=22),
+                          kr.rand_fp8(d_, i_, seed=23))
+    ids, _ = mt.route(x, gate, bias, k_, 1.0)
+    c = kr.Case("moe_full", f"router+routed+shared E={e_} k={k_}", x.shape[0], "decode")
+    c.bytes = (len(torch.unique(ids)) * per_expert + gate.numel() * 2 + x.numel() * 4
+               + sum(kr.wbytes(w) for w in (shared.w1, shared.w3, shared.w2)))
+    c.flops = 6.0 * x.shape[0] * (k_ + 1) * d_ * i_
+    c.calls = [lambda: mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0)]
+
+    def check():
+        i, w = mt.route(x, gate, bias, k_, 1.0)
+        want = (mt.routed_experts(x, i, w, routed, 10.0)
+                + mt.dense_experts(x, shared, 10.0, None).float()).to(x.dtype)
+        return kr.rel_err(mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0), want)
+
+    c.check = check
+    return c
+
+
+def build_cases(ms) -> dict[str, list]:
+    dense = [c for c in kr.dense_cases(ms, ["wq_a", "wq_b", "wkv", "wo_a", "wo_b", "idx_wq_b"])
+             if " G=" not in c.shape or "block_diagonal" in c.shape]
+    experts = kr.expert_cases(ms)
+    fp8 = dense + [c for c in experts if c.kernel == "fp8_shared_expert"]
+    mx = [c for c in experts if c.kernel == "mxfp4_experts"] + routed_cases(ms)
+    return {"fp8": fp8, "mx": mx}
+
+
+def run(variant: str, cases: list, ceilings: dict) -> list[dict]:
+    rows = []
+    for c in cases:
+        row = {"variant": variant, "kernel": c.kernel, "shape": c.shape, "M": c.m,
+               "bytes": c.bytes, "flops": c.flops}
+        try:
+            row["rel_err"] = c.check()
+            row["ms"] = kr.graph_ms(c.calls)
+        except Exception as exc:  # one bad configuration must not lose the rest
+            row["error"] = f"{type(exc).__name__}: {exc}"[-800:]
+            print(f"{variant:>12} {c.kernel:<18} {c.shape:<34} M={c.m:<3} FAILED {row['error']}",
+                  flush=True)
+            rows.append(row)
+            continue
+        row["GBps"] = c.bytes / (row["ms"] * 1e-3) / 1e9
+        row["pct_copy"] = 100 * row["GBps"] / ceilings["copy_GBps"]
+        rows.append(row)
+        print(f"{variant:>12} {c.kernel:<18} {c.shape:<34} M={c.m:<3} {row['ms'] * 1e3:8.1f} us "
+              f"{row['GBps']:6.0f} GB/s {row['pct_copy']:5.1f}% err {row['rel_err']:.1e}",
+              flush=True)
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    ok = [r for r in rows if "ms" in r]
+    variants = list(dict.fromkeys(r["variant"] for r in ok))
+    keys = list(dict.fromkeys((r["kernel"], r["shape"], r["M"]) for r in ok))
+    by = {(r["variant"], r["kernel"], r["shape"], r["M"]): r for r in ok}
+    lines = [f"Generated by `{meta['command']}` on {meta['device']} (torch {meta['torch']}, "
+             f"triton {meta['triton']}); copy ceiling {meta['copy_GBps']:.0f} GB/s.", "",
+             "| kernel | shape | M | MB | " + " | ".join(f"{v} us (% copy)" for v in variants)
+             + " | err |", "|---|---|---|---|" + "---|" * (len(variants) + 1)]
+    for k in keys:
+        cells = []
+        for v in variants:
+            r = by.get((v,) + k)
+            cells.append(f"{r['ms'] * 1e3:.1f} ({r['pct_copy']:.0f}%)" if r else "-")
+        present = [by[(v,) + k] for v in variants if (v,) + k in by]
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {present[0]['bytes'] / 1e6:.1f} | "
+                     + " | ".join(cells) + f" | {max(r['rel_err'] for r in present):.1e} |")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        lines += ["", "Failed:"] + [f"- {r['variant']} {r['kernel']} {r['shape']} M={r['M']}: "
+                                    f"{r['error'][:300]}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/h200")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--kinds", nargs="*", default=["mx", "fp8"])
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="start no variant after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter")
+    ap.add_argument("--pick", action="store_true",
+                    help="then time the fastest variants' merged overrides on every case")
+    ap.add_argument("--verify", action="store_true",
+                    help="with --pick: then verify-kernels gemm + moe_gate under that config")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        kr._tiny()
+    elif not torch.cuda.is_available():
+        raise SystemExit("gemm_decode needs a CUDA GPU (or --smoke)")
+    import triton
+
+    from flashpd.kernels.dense import triton as dt
+
+    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in dt.CONFIG.items()}
+    ceilings = kr.measure_ceilings() if kr.DEV == "cuda" else {"copy_GBps": 1.0}
+    meta = {"command": "python -m flashpd.bench.gemm_decode " + " ".join(argv or []),
+            "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "copy_GBps": ceilings["copy_GBps"], "dense_config": default}
+    print(f"copy ceiling {ceilings['copy_GBps']:.0f} GB/s", flush=True)
+    cases = build_cases(kr.DECODE_M)
+    os.makedirs(args.out, exist_ok=True)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for v in args.variants:
+        if time.perf_counter() - t0 > args.budget_s:
+            print(f"budget spent: {v} and later variants not run", flush=True)
+            break
+        overrides, kinds, ms = VARIANTS[v]
+        apply(overrides, default)
+        for kind in kinds:
+            if kind in args.kinds:
+                rows += run(v, [c for c in cases[kind] if (ms is None or c.m in ms) and (
+                    v == "new" or c.kernel not in _NEW_ONLY)], ceilings)
+        apply({}, default)
+        with open(os.path.join(args.out, "gemm_decode.json"), "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+        with open(os.path.join(args.out, "gemm_decode.md"), "w") as f:
+            f.write(markdown(meta, rows))
+        print(f"-- {v} done at {time.perf_counter() - t0:.0f}s", flush=True)
+    print(markdown(meta, rows))
+    if args.pick:
+        best = pick(rows)
+        print("best overrides:", json.dumps(best), flush=True)
+        with open(os.path.join(args.out, "gemm_decode_best.json"), "w") as f:
+            json.dump(best, f)
+        if best:
+            apply(best, default)
+            rows += run("best", [c for kind in args.kinds for c in cases[kind]
+                                 if c.kernel not in _NEW_ONLY], ceilings)
+            with open(os.path.join(args.out, "gemm_decode.md"), "w") as f:
+                f.write(markdown(meta, rows))
+            with open(os.path.join(args.out, "gemm_decode.json"), "w") as f:
+                json.dump({"meta": meta, "results": rows, "best": best}, f, indent=1)
+            print(markdown(meta, rows))
+        if args.verify:
+            from flashpd.kernels import verify
+
+            results = verify.run_checks("bench", ["gemm", "moe_gate"], timing=False)
+            print(verify.format_table(results))
+            failed = [r for r in results if not r.passed]
+            print(f"verify-kernels (config {json.dumps(best)}): {len(results) - len(failed)} "
+                  f"passed, {len(failed)} failed", flush=True)
+    return 0
+
+
+def pick(rows: list[dict]) -> dict:
+    """Merged overrides of the fastest MXFP4 and the fastest FP8 variant: score = mean over
+    their timed cases of ms / the defaults' ms (errors, or err >= 1e-2, disqualify)."""
+    ok = {(r["variant"], r["kernel"], r["shape"], r["M"]): r for r in rows if "ms" in r}
+    best: dict = {}
+    for kind in ("mx", "fp8"):
+        scores = {}
+        for v, (_over, kinds, _ms) in VARIANTS.items():
+            mine = [r for r in rows if r["variant"] == v and kind in kinds and
+                    (r["kernel"].startswith(("routed", "mxfp4")) == (kind == "mx"))]
+            if v == "new" or not mine:
+                continue
+            if any("error" in r or r["rel_err"] >= 1e-2 for r in mine):
+                continue
+            ratios = [r["ms"] / ok[("new", r["kernel"], r["shape"], r["M"])]["ms"]
+                      for r in mine if ("new", r["kernel"], r["shape"], r["M"]) in ok]
+            if ratios:
+                scores[v] = statistics.mean(ratios)
+        if scores and min(scores.values()) < 0.97:
+            v = min(scores, key=scores.get)
+            print(f"{kind}: best {v} ({scores[v]:.3f} of the defaults' time); scores {scores}")
+            for k, val in VARIANTS[v][0].items():
+                best[k] = {**best.get(k, {}), **val} if isinstance(val, dict) else val
+    return best
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
