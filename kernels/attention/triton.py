@@ -35,13 +35,23 @@ from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode,
 
 FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
-# Launch configuration (heads per program, keys per tile, warps, pipeline stages); tuned on an
-# H200 by bench/gpu_kernels.py. Heads per program >= 16 (tl.dot's minimum M).
-# Split-KV (decode): split_* as above for the split kernel; up to split_target programs for
-# batches of at most split_max_q queries, each range at least split_min_tiles key tiles, and
-# only when that makes >= split_min_splits ranges (fewer: the partials cost more than the
-# wider grid gains); split_target 0 turns splitting off (the single-pass kernel, as before).
-CONFIG = {"heads": 32, "block_n": 16, "warps": 8, "stages": 1,
+# Launch configuration; tuned on an H200 (bench/attention_bench.py, bench/results/h200/attention.md).
+# Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
+# heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
+# of heads_block_n, heads_warps warps, heads_stages pipeline stages, heads_prefetch (next tile's
+# bytes loaded before the current one is used), heads_asm (PTX decode on the GPU). Batches that
+# leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
+# ranges (split-KV, heads_split_block_n per tile) combined by _attn_combine_kernel;
+# heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
+# previous per-head-block kernels instead (the "legacy" keys below; 0: never).
+# Legacy: heads per program, keys per tile, warps, pipeline stages of _attn_kernel (also the
+# gathered-keys `sparse_attention`); split-KV: up to split_target programs for batches of at
+# most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
+# makes >= split_min_splits ranges; split_target 0 turns splitting off.
+CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
+          "heads_prefetch": False, "heads_asm": True, "heads_split_target": 132,
+          "heads_split_block_n": 64, "legacy_max_q": 0,
+          "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
           "combine_heads": 4}
@@ -176,6 +186,275 @@ def _attn_kernel(
                 hmask, D, ROPE_PAIRS, OUT_BF16)
 
 
+# ============================================================================ heads-as-M kernel
+# All heads of one query in the MMA M dimension (HB = 64 at the bench shape): each key tile is
+# loaded and dequantised once per query, not once per head block, and the tiles are wgmma-sized
+# (M = 64 heads, N = BLOCK_N keys, K = D/2 channels per product). The channels are split into
+# their even and odd halves (channel 2i / 2i+1 of a record are the low / high nibble of one NVFP4
+# byte, or the two bytes of one 16-bit word of an FP8 record): the products run on the two halves
+# (S = Q_e.K_e^T + Q_o.K_o^T; O_e += P.K_e, O_o += P.K_o), so no interleave is needed and the
+# RoPE pairs (2i, 2i+1) are element i of the two halves.
+#
+#   grid (T, H/HB, SPLITS): SPLITS = 1 normalises and stores (single pass, the sink as the
+#   initial max with weight 1); SPLITS > 1 writes (m, l, acc) partials for _attn_combine_kernel
+#   (split-KV decode, each range started at the sink with weight 0).
+#
+# The rotated queries are staged through the output rows (rewritten at the end) so that the
+# Q operands come from a load: Triton then feeds wgmma from shared memory instead of holding
+# Q in registers beside the [HB, D] FP32 accumulators. The raw bytes of the next key tile are
+# loaded before the current one is used (a register prefetch: one program per SM leaves no
+# other warps to hide the gather latency behind).
+#
+# ASM (GPU): the records are decoded by PTX blocks that place each code's bits in a BF16's
+# fields and rescale with one bf16x2 multiply; those keys are K * 2^-63 exactly,
+# which the score scale and the final normalisation undo (powers of two: exact). Otherwise
+# (interpreter) the keys are decoded with the FP32 helpers, unscaled.
+@triton.jit
+def _fp8_pairs_asm(w, s_bf16):
+    """16-bit words (E4M3 channel 2i low byte, 2i+1 high byte) * s_bf16 -> (even, odd) BF16.
+
+    Each byte's 7 magnitude bits go to BF16 bits 10..4 and its sign to bit 15 (value * 2^-120,
+    subnormals included); s_bf16 = 2^57 * scale makes it value * scale * 2^-63."""
+    return tl.inline_asm_elementwise("""{
+        .reg .b32 t<2>, u<4>, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $2, z, 0x4240;
+        prmt.b32 t1, $2, z, 0x4341;
+        shl.b32 u0, t0, 4;
+        shl.b32 u1, t0, 8;
+        shl.b32 u2, t1, 4;
+        shl.b32 u3, t1, 8;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 t0, u0, 0x07F007F0, u1, 0xEA;
+        lop3.b32 t1, u2, 0x07F007F0, u3, 0xEA;
+        mul.rn.bf16x2 $0, t0, $3;
+        mul.rn.bf16x2 $1, t1, $3;
+        }""", "=r,=r,r,r", [w, s_bf16], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+        pack=2)
+
+
+@triton.jit
+def _e2m1_pairs_asm(b, s_bf16):
+    """Bytes (E2M1 channel 2i low nibble, 2i+1 high nibble) * s_bf16 -> (even, odd) BF16.
+
+    Each code's 3 magnitude bits go to BF16 bits 8..6 and its sign to bit 15 (value * 2^-126,
+    0.5 subnormal); s_bf16 = 2^63 * scale makes it value * scale * 2^-63."""
+    return tl.inline_asm_elementwise("""{
+        .reg .b32 t<2>, u<4>, v<4>, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        shl.b32 u0, t0, 6;
+        shl.b32 u1, t0, 12;
+        shl.b32 u2, t1, 6;
+        shl.b32 u3, t1, 12;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 v0, u0, 0x01C001C0, u1, 0xEA;
+        lop3.b32 v1, u2, 0x01C001C0, u3, 0xEA;
+        mul.rn.bf16x2 $0, v0, $5;
+        mul.rn.bf16x2 $1, v1, $6;
+        shl.b32 u0, t0, 2;
+        shl.b32 u1, t0, 8;
+        shl.b32 u2, t1, 2;
+        shl.b32 u3, t1, 8;
+        and.b32 u1, u1, 0x80008000;
+        and.b32 u3, u3, 0x80008000;
+        lop3.b32 v2, u0, 0x01C001C0, u1, 0xEA;
+        lop3.b32 v3, u2, 0x01C001C0, u3, 0xEA;
+        mul.rn.bf16x2 $2, v2, $5;
+        mul.rn.bf16x2 $3, v3, $6;
+        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
+def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF: tl.constexpr, FMT: tl.constexpr):
+    """Raw bytes of the records at pool rows [BN] (-1: none) as [BN, scale blocks, pairs per
+    block] codes and [BN, scale blocks, 1] scale bytes (each scale byte loaded once)."""
+    G: tl.constexpr = 16 if FMT == 0 else 8  # channel pairs per scale (32 or 16 channels)
+    NB: tl.constexpr = HALF // G
+    r = rows[:, None, None].to(tl.int64) * stride_p
+    j = tl.arange(0, NB)[None, :, None]
+    i = j * G + tl.arange(0, G)[None, None, :]
+    m = rows[:, None, None] >= 0
+    if FMT == 0:  # FP8: channel pair i is the 16-bit word i; UE8M0 scale per 32 channels
+        code = tl.load(pool16_ptr + r // 2 + i, mask=m, other=0)
+        sc = tl.load(pool_ptr + r + 2 * HALF + j, mask=m, other=127)
+    else:  # NVFP4: channel pair i is byte i (low nibble first); E4M3 scale per 16 channels
+        code = tl.load(pool_ptr + r + i, mask=m, other=0)
+        sc = tl.load(pool_ptr + r + HALF + j, mask=m, other=0x38)
+    return code, sc
+
+
+@triton.jit
+def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexpr):
+    """Raw tile -> (even, odd channels) [BN, D/2] each in BF16: exact K, or K * 2^-63 (ASM)."""
+    BN: tl.constexpr = code.shape[0]
+    HALF: tl.constexpr = code.shape[1] * code.shape[2]
+    if ASM:
+        if FMT == 0:  # 2^(byte - 70) = 2^57 * UE8M0 scale (exact, normal for bytes <= 197)
+            s = tl.broadcast_to(((sc.to(tl.int32) + 57) << 23).to(tl.float32, bitcast=True)
+                                .to(tl.bfloat16), code.shape)
+            lo, hi = _fp8_pairs_asm(code, s)
+        else:
+            s = tl.broadcast_to((_fp8_values(sc, HW) * 9.223372036854775808e18)
+                                .to(tl.bfloat16), code.shape)  # 2^63 * E4M3 scale
+            lo, hi = _e2m1_pairs_asm(code, s)
+    else:
+        if FMT == 0:
+            word = code.to(tl.int32)
+            s = e8m0_decode(sc)
+            lo = (_fp8_values(word & 0xFF, HW) * s).to(tl.bfloat16)
+            hi = (_fp8_values((word >> 8) & 0xFF, HW) * s).to(tl.bfloat16)
+        else:
+            byte = code.to(tl.int32)
+            s = _fp8_values(sc, HW)
+            lo = (_fp8_values(e2m1_to_e4m3(byte & 0xF), HW) * s).to(tl.bfloat16)
+            hi = (_fp8_values(e2m1_to_e4m3((byte >> 4) & 0xF), HW) * s).to(tl.bfloat16)
+    return tl.reshape(lo, (BN, HALF)), tl.reshape(hi, (BN, HALF))
+
+
+@triton.jit
+def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale,
+                  UPCAST: tl.constexpr):
+    """One key tile of the online softmax over the channel halves; keys are K and V."""
+    s = mma(q_e, tl.trans(k_e), tl.zeros((q_e.shape[0], k_e.shape[0]), tl.float32), False,
+            UPCAST)
+    s = mma(q_o, tl.trans(k_o), s, False, UPCAST)
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(k_e.dtype)
+    acc_e = mma(p, k_e, acc_e * alpha[:, None], False, UPCAST)
+    acc_o = mma(p, k_o, acc_o * alpha[:, None], False, UPCAST)
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit
+def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_p, rows_ptr,
+                 NK, lo, hi, scale, HALF: tl.constexpr, FMT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+                 HW: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tiles lo..hi-1 of one row list (rows_ptr [NK]); PREFETCH: the next tile's bytes are
+    loaded before the current tile is used."""
+    if PREFETCH:
+        n = lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(rows_ptr + n, mask=(n < NK) & (lo < hi), other=-1)
+        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+        for it in range(lo, hi):
+            k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
+            valid = rows >= 0
+            n = (it + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = tl.load(rows_ptr + n, mask=(n < NK) & (it + 1 < hi), other=-1)
+            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+            m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e,
+                                                   acc_o, scale, UPCAST)
+    else:
+        for it in range(lo, hi):
+            n = it * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = tl.load(rows_ptr + n, mask=n < NK, other=-1)
+            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+            k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
+            m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i,
+                                                   acc_e, acc_o, scale, UPCAST)
+    return m_i, l_i, acc_e, acc_o
+
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, HALF: tl.constexpr, ROPE_PAIRS: tl.constexpr):
+    """cos, sin [1, D/2] of one query (1, 0 outside the rope pairs) and the rope-pair mask."""
+    i = tl.arange(0, HALF)
+    is_rope = i >= HALF - ROPE_PAIRS
+    pair = tl.where(is_rope, i - (HALF - ROPE_PAIRS), 0)
+    cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)[None, :]
+    return cos, sin, is_rope[None, :]
+
+
+@triton.jit
+def _heads_kernel(
+    q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
+    win_ptr, win16_ptr, stride_win, win_rows_ptr, W,
+    comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC,
+    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+    UPCAST: tl.constexpr, HW: tl.constexpr,
+):
+    # The prologue and the epilogue compute their addresses and RoPE tables separately (and
+    # spelled differently, so the compiler does not merge them): kept alive across the key
+    # loop, the [HB, D/2] pointer and table tensors would spill the accumulators.
+    HALF: tl.constexpr = D // 2
+    UNSHIFT: tl.constexpr = 2.0 ** 63 if ASM else 1.0  # keys as decoded = K / UNSHIFT
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * HB
+    sp = tl.program_id(2)
+    hh = tl.arange(0, HB)
+    i = tl.arange(0, HALF)
+    rows_in = t * H + h0  # first (query, head) row of this program
+    off = (hh * D)[:, None] + (2 * i)[None, :]
+    hmask = (hh + h0)[:, None] < H
+    if ROPE_PAIRS > 0:  # RoPE at the query position, rounded as rope.ref, staged through out
+        cos, sin, is_rope = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs,
+                                         HALF, ROPE_PAIRS)
+        a = tl.load(q_ptr + rows_in * D + off, mask=hmask, other=0.0).to(tl.float32)
+        b = tl.load(q_ptr + rows_in * D + off + 1, mask=hmask, other=0.0).to(tl.float32)
+        a2 = tl.where(is_rope, round_bf16(a * cos + b * -sin), a)
+        b2 = tl.where(is_rope, round_bf16(b * cos + a * sin), b)
+        tl.store(out_ptr + rows_in * D + off, a2.to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + rows_in * D + off + 1, b2.to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.debug_barrier()
+        q_e = tl.load(out_ptr + rows_in * D + off, mask=hmask, other=0.0)
+        q_o = tl.load(out_ptr + rows_in * D + off + 1, mask=hmask, other=0.0)
+    else:
+        q_e = tl.load(q_ptr + rows_in * D + off, mask=hmask, other=0.0)
+        q_o = tl.load(q_ptr + rows_in * D + off + 1, mask=hmask, other=0.0)
+    m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0)  # the sink: running max
+    l_i = tl.full((HB,), 1.0 if SPLITS == 1 else 0.0, tl.float32)  # ... weight exp(0) or 0
+    acc_e = tl.zeros((HB, HALF), dtype=tl.float32)
+    acc_o = tl.zeros((HB, HALF), dtype=tl.float32)
+    win_tiles = tl.cdiv(W, BLOCK_N)
+    comp_tiles = tl.cdiv(KC, BLOCK_N)
+    lo = sp * tiles_per_split
+    hi = lo + tiles_per_split
+    k_scale = scale * UNSHIFT
+    m_i, l_i, acc_e, acc_o = _heads_range(
+        q_e, q_o, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win, win_rows_ptr + t * W,
+        W, tl.minimum(lo, win_tiles), tl.minimum(hi, win_tiles), k_scale, HALF, 0, BLOCK_N,
+        PREFETCH, ASM, HW, UPCAST)
+    m_i, l_i, acc_e, acc_o = _heads_range(
+        q_e, q_o, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
+        comp_rows_ptr + t * KC, KC, tl.maximum(lo, win_tiles) - win_tiles,
+        tl.minimum(hi, win_tiles + comp_tiles) - win_tiles, k_scale, HALF, COMP_FMT, BLOCK_N,
+        PREFETCH, ASM, HW, UPCAST)
+    # epilogue: addresses again (see above)
+    off2 = hh[:, None] * D + i[None, :] * 2
+    hmask2 = hh[:, None] < H - h0
+    if SPLITS == 1:
+        a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
+        b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
+        if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output
+            cos2, sin2, rope2 = _rope_tables(cos_ptr + stride_cs * t, sin_ptr + stride_cs * t,
+                                             HALF, ROPE_PAIRS)
+            a2 = tl.where(rope2, round_bf16(a * cos2 + b * sin2), a)
+            b = tl.where(rope2, round_bf16(b * cos2 + a * -sin2), b)
+            a = a2
+        o_ptr = out_ptr + D * rows_in + off2
+        tl.store(o_ptr, a.to(out_ptr.dtype.element_ty), mask=hmask2)
+        tl.store(o_ptr + 1, b.to(out_ptr.dtype.element_ty), mask=hmask2)
+    else:
+        cell = (t * SPLITS + sp) * H + h0  # first partial row of this program
+        tl.store(m_ptr + cell + hh, m_i, mask=hh < H - h0)
+        tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
+        a_ptr = acc_ptr + D * cell + off2
+        tl.store(a_ptr, acc_e * UNSHIFT, mask=hmask2)
+        tl.store(a_ptr + 1, acc_o * UNSHIFT, mask=hmask2)
+
+
 # ============================================================================ split-KV decode
 # Decode batches are a few queries: one program per (query, head block) leaves most SMs idle.
 # The key tiles of a query (window tiles, then compressed tiles) are cut into SPLITS ranges;
@@ -291,7 +570,12 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
     dummy = q
     cfg = CONFIG
     if src == 1:
-        splits, per = split_plan(num_q, num_heads, (win_rows.shape[1], comp_rows.shape[1]))
+        keys = (win_rows.shape[1], comp_rows.shape[1])
+        if num_q > cfg["legacy_max_q"]:
+            return _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
+                                 win_rows, comp, comp_rows, comp_fmt,
+                                 *heads_plan(num_q, num_heads, keys))
+        splits, per = split_plan(num_q, num_heads, keys)
         if splits > 1:
             return _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
                                  win_rows, comp, comp_rows, comp_fmt, splits, per)
@@ -309,6 +593,57 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         BLOCK_N=cfg["block_n"], OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **triton_runtime.launch_options())
+    return out
+
+
+def heads_block(num_heads: int) -> int:
+    """Heads per program of the heads-as-M kernel: all of them up to heads_max (>= 16)."""
+    return max(16, min(CONFIG["heads_max"], triton.next_power_of_2(num_heads)))
+
+
+def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int, int]:
+    """(block_n, splits, tiles per split) of the heads-as-M kernel for num_q queries over
+    (window, compressed) key slots: split-KV only while the programs leave SMs idle."""
+    cfg = CONFIG
+    target = cfg["heads_split_target"]
+    base = num_q * -(-num_heads // heads_block(num_heads))
+    if target <= 0 or base >= target:
+        return cfg["heads_block_n"], 1, 1 << 20
+    bn = cfg["heads_split_block_n"]
+    tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
+    splits = min(-(-target // base), max(tiles, 1))
+    if splits <= 1:
+        return cfg["heads_block_n"], 1, 1 << 20
+    per = -(-tiles // splits)
+    return bn, -(-tiles // per), per
+
+
+def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
+                  comp_rows, comp_fmt, block_n, splits, per):
+    num_q, num_heads, dim = q.shape
+    cfg = CONFIG
+    hb = heads_block(num_heads)
+    sink32 = sink.to(torch.float32).contiguous()
+    if splits > 1:
+        m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
+    else:
+        m = l_ = acc = sink32
+    _heads_kernel[(num_q, triton.cdiv(num_heads, hb), splits)](
+        q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
+        win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
+        comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, D=dim,
+        ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, SPLITS=splits,
+        PREFETCH=bool(cfg["heads_prefetch"]), ASM=HW_FP8 and bool(cfg["heads_asm"]),
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
+        num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
+    if splits > 1:
+        hc = cfg["combine_heads"]
+        _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
+            out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
+            ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
+            num_warps=4, **triton_runtime.launch_options())
     return out
 
 
@@ -336,14 +671,25 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     return out
 
 
+def single_pass_rows(num_heads: int) -> int:
+    """The fewest queries that the heads-as-M kernel runs in one pass (no split-KV): the
+    variant a prefill chunk compiles."""
+    target = CONFIG["heads_split_target"]
+    blocks = -(-num_heads // heads_block(num_heads))
+    return max(1, -(-target // blocks), CONFIG["legacy_max_q"] + 1)
+
+
 def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
            topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
-    """Compile (and run once) the packed-attention variants of `rows`-query decode calls.
+    """Compile (and run once) the packed-attention variants of `rows`-query decode calls and
+    of a prefill chunk (single_pass_rows queries, the one-pass variant every longer chunk
+    takes), so that the first request compiles nothing.
 
     topk: the compressed-row counts the model's layers pass (0 for window-only layers, else
     index_topk). Returns the number of calls made.
     """
     device = triton_runtime.kernel_device()
+    rows = sorted(set(rows) | {single_pass_rows(num_heads)})
     pool_rows = max(rows) * window + 1
     win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8,
                       device=device)

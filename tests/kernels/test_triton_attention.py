@@ -25,9 +25,9 @@ def _setup(t: int = 3, seed: int = 0):
     return q, sink, win, comp, win_rows, comp_rows, pos
 
 
-def _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs):
+def _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs, unpack=qref.unpack_nvfp4):
     keys = torch.cat((qref.unpack_window_fp8(win, torch.bfloat16)[win_rows.clamp_min(0)],
-                      qref.unpack_nvfp4(comp, torch.bfloat16)[comp_rows.clamp_min(0)]), dim=1)
+                      unpack(comp, torch.bfloat16)[comp_rows.clamp_min(0)]), dim=1)
     valid = torch.cat((win_rows >= 0, comp_rows >= 0), dim=1)
     o = aref.sparse_attention(rope.apply_rope(q, pos, freqs), keys, valid, sink, D ** -0.5)
     return rope.apply_rope(o, pos, freqs, inverse=True)
@@ -86,6 +86,7 @@ def test_split_kv_matches_single_pass_and_reference(monkeypatch, min_tiles):
     q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=3)
     freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
     tables = rope.rope_cos_sin(pos, freqs)
+    monkeypatch.setitem(at.CONFIG, "legacy_max_q", 1 << 20)  # the per-head-block kernels
     monkeypatch.setitem(at.CONFIG, "split_target", 0)
     single = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink,
                                         D ** -0.5)
@@ -104,6 +105,7 @@ def test_split_kv_query_with_no_valid_key_outputs_zero(monkeypatch):
     q, sink, win, comp, win_rows, comp_rows, _ = _split_setup(2, 40, 50, seed=4)
     win_rows[1] = -1
     comp_rows[1] = -1
+    monkeypatch.setitem(at.CONFIG, "legacy_max_q", 1 << 20)
     monkeypatch.setitem(at.CONFIG, "split_min_tiles", 1)
     assert at.split_plan(2, H, (40, 50))[0] > 1
     got = at.sparse_attention_packed(q, None, win, win_rows, comp, comp_rows, sink, D ** -0.5)
@@ -116,5 +118,69 @@ def test_split_plan_leaves_full_grids_alone():
     assert splits > 1 and splits * per >= 128 // 16 + 512 // 16
 
 
-def test_warmup_runs_every_row_count_and_topk():
-    assert at.warmup(H, D, 8, W, (0, K, K), rows=(1, 2)) == 4
+def test_warmup_runs_every_row_count_topk_and_a_single_pass_chunk(monkeypatch):
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", 4)
+    single = at.single_pass_rows(H)
+    assert single == 4 and at.heads_plan(single, H, (W, K))[1] == 1  # the prefill variant
+    assert at.heads_plan(2, H, (W, K))[1] > 1  # the decode rows split
+    assert at.warmup(H, D, 8, W, (0, K, K), rows=(1, 2)) == 6
+
+
+# ---------------------------------------------------------------- heads-as-M kernel
+@pytest.mark.parametrize("block_n,prefetch,comp_fp8", [(16, False, False), (16, True, False),
+                                                       (64, True, True)])
+def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefetch, comp_fp8):
+    """All heads in one program, several key tiles (the last ones partial), empty slots, a
+    query with no compressed key and one with no window key; NVFP4 or FP8 compressed records."""
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", 0)
+    monkeypatch.setitem(at.CONFIG, "heads_block_n", block_n)
+    monkeypatch.setitem(at.CONFIG, "heads_prefetch", prefetch)
+    q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=5)
+    fmt, unpack = at.FMT_NVFP4, qref.unpack_nvfp4
+    if comp_fp8:
+        comp = qref.pack_window_fp8(qref.unpack_nvfp4(comp, torch.float32))
+        fmt, unpack = at.FMT_FP8, qref.unpack_window_fp8
+    assert at.heads_plan(3, H, (40, 50)) == (block_n, 1, 1 << 20)
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    got = at.sparse_attention_packed(q, rope.rope_cos_sin(pos, freqs), win, win_rows, comp,
+                                     comp_rows, sink, D ** -0.5, comp_format=fmt)
+    want = _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs, unpack)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("target", [9, 10_000])
+def test_heads_split_kv_matches_single_pass(monkeypatch, target):
+    q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=6)
+    freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
+    tables = rope.rope_cos_sin(pos, freqs)
+    monkeypatch.setitem(at.CONFIG, "heads_block_n", 16)
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", 0)
+    single = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink,
+                                        D ** -0.5)
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", target)
+    monkeypatch.setitem(at.CONFIG, "heads_split_block_n", 16)
+    bn, splits, per = at.heads_plan(3, H, (40, 50))
+    assert bn == 16 and splits > 1 and (splits - 1) * per < 7 <= splits * per
+    got = at.sparse_attention_packed(q, tables, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    torch.testing.assert_close(got.float(), single.float(), rtol=1e-2, atol=1e-2)
+    want = _reference(q, sink, win, comp, win_rows, comp_rows, pos, freqs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("target", [0, 10_000])
+def test_heads_query_with_no_valid_key_outputs_zero(monkeypatch, target):
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", target)
+    monkeypatch.setitem(at.CONFIG, "heads_block_n", 16)
+    monkeypatch.setitem(at.CONFIG, "heads_split_block_n", 16)
+    q, sink, win, comp, win_rows, comp_rows, _ = _split_setup(2, 40, 50, seed=7)
+    win_rows[1] = -1
+    comp_rows[1] = -1
+    got = at.sparse_attention_packed(q, None, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    assert bool((got[1] == 0).all()) and bool((got[0] != 0).any())
+
+
+def test_heads_plan_runs_prefill_chunks_in_one_pass():
+    target = at.CONFIG["heads_split_target"]
+    assert at.heads_plan(4096, 64, (128, 512))[1:] == (1, 1 << 20)
+    bn, splits, per = at.heads_plan(64, 64, (128, 512))
+    assert splits * 64 >= min(target, 64 * (128 // bn + 512 // bn)) and splits * per >= 640 // bn
