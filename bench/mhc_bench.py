@@ -39,21 +39,37 @@ from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.mhc import ref as href
 from flashpd.kernels.mhc import triton as ht
 from flashpd.kernels.verify import errors
-from flashpd.model.presets import preset_config
 
 TOKENS = (1, 8, 64, 4096, 8192)
 DEVICE = triton_runtime.kernel_device()  # CPU under the interpreter (a dry run of the script)
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
-# prefill launch variants timed at 8192 tokens (fused step): name -> CONFIG overrides
+# prefill launch variants timed at `--big` tokens (fused step): name -> CONFIG overrides
 VARIANTS = {
     "bt64 w8 auto": {},
     "bt64 w8 grid1": {"prefill_grid": 1},
     "bt64 w8 grid2": {"prefill_grid": 2},
     "bt64 w8 grid10": {"prefill_grid": 10},
+    "bt64 w8 bd32": {"prefill_block_d": 32},
     "bt32 w4 auto": {"prefill_block_t": 32, "prefill_warps": 4},
-    "bt64 w4 auto": {"prefill_warps": 4},
-    "bt128 w8 auto": {"prefill_block_t": 128},
+    "bt128 w8 bd32": {"prefill_block_t": 128, "prefill_block_d": 32},
 }
+# decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), warps
+DECODE_VARIANTS = {"split40 w4": {}, "split80 w4": {"split": 80}, "split20 w4": {"split": 20}}
+
+
+def apply(over: dict) -> dict:
+    """Apply a variant's overrides; returns what restores the defaults."""
+    saved = {"config": dict(ht.CONFIG), "split": ht.MHC_SPLIT}
+    over = dict(over)
+    ht.MHC_SPLIT = over.pop("split", ht.MHC_SPLIT)
+    ht.CONFIG.update(over)
+    return saved
+
+
+def restore(saved: dict) -> None:
+    ht.CONFIG.clear()
+    ht.CONFIG.update(saved["config"])
+    ht.MHC_SPLIT = saved["split"]
 
 
 def load_before(path: str):
@@ -194,10 +210,11 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
         mod = load_before(before)
     else:
         mod = ht
-        if variant == "decode":
+        if variant in DECODE_VARIANTS or variant == "decode":
+            apply(DECODE_VARIANTS.get(variant, {}))
             ht.CONFIG["decode_rows"] = 1 << 30
         else:
-            ht.CONFIG.update(VARIANTS[variant])
+            apply(VARIANTS[variant])
             ht.CONFIG["decode_rows"] = 0
     for f in calls(mod, mode, site):
         f()
@@ -206,7 +223,9 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
 
 def warm_all(before: str | None, d: int, s: int) -> float:
     jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", "bt64 w8 auto")]
-    jobs += [f"new:fused:{v}" for v in VARIANTS if v.startswith(("bt32", "bt128", "bt64 w4"))]
+    jobs += [f"new:fused:{v}" for v in VARIANTS if "grid" not in v and v != "bt64 w8 auto"]
+    jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
+             if v != "split40 w4"]
     jobs += ["new:layer_after:decode"]
     if before:
         jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_before")]
@@ -230,8 +249,15 @@ def main() -> None:
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--big", type=int, default=8192, help="tokens of the prefill variants")
     args = ap.parse_args()
-    cfg = preset_config("bench")
-    d, s = args.dim or cfg.hidden_size, cfg.hc_mult
+    try:
+        from flashpd.model.presets import preset_config
+
+        cfg = preset_config("bench")
+        dim, s = cfg.hidden_size, cfg.hc_mult
+    except Exception as exc:  # noqa: BLE001  (a tree mid-edit elsewhere: the preset's numbers)
+        print(f"preset_config failed ({exc!r}): D=5120, S=4", flush=True)
+        dim, s = 5120, 4
+    d = args.dim or dim
     if args.warm:
         warm(args.warm, args.before, d, s)
         return
@@ -263,15 +289,23 @@ def main() -> None:
     for name, over in VARIANTS.items():
         if ht._slices(d)[0] % (over.get("prefill_grid") or 1):
             continue
-        saved = dict(ht.CONFIG)
-        ht.CONFIG.update(over)
+        saved = apply(over)
         us = time_us([f for st in big for f in calls(ht, "fused", st)])
         result["variants"].append({"variant": name, "fused_us_8192": us,
                                    "plan": ht.launch_plan(args.big, d)})
-        ht.CONFIG.clear()
-        ht.CONFIG.update(saved)
+        restore(saved)
         print(name, f"{us:.1f} us", flush=True)
     del big
+    for t in (1, 64):
+        sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
+        for name, over in DECODE_VARIANTS.items():
+            saved = apply(over)
+            row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d)}
+            for mode in ("mixes", "fused"):
+                row[f"{mode}_us"] = time_us([f for st in sites for f in calls(ht, mode, st)])
+            restore(saved)
+            result["variants"].append(row)
+            print(json.dumps(row), flush=True)
     result["checks"] += invariance(d, s, args.big)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +322,11 @@ def main() -> None:
         lines.append(f"| {c['check']} | {c.get('T', '')} | {c.get('rel_err', 0):.2e} | "
                      f"{c.get('tol', '')} | {c['ok']} |")
     lines += ["", "| prefill variant (8192, fused) | us |", "|---|---|"]
-    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} |" for v in result["variants"]]
+    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} |" for v in result["variants"]
+              if "fused_us_8192" in v]
+    lines += ["", "| decode variant | T | mixes us | fused us |", "|---|---|---|---|"]
+    lines += [f"| {v['variant']} | {v['T']} | {v['mixes_us']:.1f} | {v['fused_us']:.1f} |"
+              for v in result["variants"] if "mixes_us" in v]
     (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")

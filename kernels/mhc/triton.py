@@ -47,13 +47,14 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 # Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
-#   prefill_block_t  tokens per program for longer calls
+#   prefill_block_t  tokens per program for longer calls; prefill_block_d: channels per chunk
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
 #                    count); None: the fewest reaching target_programs in all
 #   norm_elems       elements per step of the RMSNorm pass
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_warps": 4,
-    "prefill_block_t": 64, "prefill_warps": 8, "prefill_grid": None, "target_programs": 528,
+    "prefill_block_t": 64, "prefill_block_d": 64, "prefill_warps": 8, "prefill_grid": None,
+    "target_programs": 528,
     "norm_elems": 8192,
 }
 
@@ -155,8 +156,8 @@ def _mhc_kernel(
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
-    tb = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(0)  # a token block's programs are adjacent in launch order
+    tb = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     r64 = rows.to(tl.int64)
@@ -325,10 +326,14 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
     nsl, ch = _slices(dim)
     cfg = CONFIG
+    block_d = _BLOCK_D
     if num_tokens <= cfg["decode_rows"]:
         block_t, warps, grid = cfg["decode_block_t"], cfg["decode_warps"], nsl
     else:
         block_t, warps, grid = cfg["prefill_block_t"], cfg["prefill_warps"], cfg["prefill_grid"]
+        block_d = cfg["prefill_block_d"]
+        if _BLOCK_D % block_d:
+            raise ValueError(f"prefill_block_d {block_d} must divide {_BLOCK_D}")
         if grid is None:
             blocks = triton.cdiv(num_tokens, block_t)
             grid = next((g for g in range(1, nsl + 1)
@@ -336,7 +341,8 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     if nsl % grid:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     norm_d = max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t))
-    return {"block_t": block_t, "warps": warps, "grid": grid, "nsl": nsl, "ch": ch,
+    return {"block_t": block_t, "block_d": block_d, "warps": warps, "grid": grid, "nsl": nsl,
+            "ch": ch,
             "norm_d": min(norm_d, triton.next_power_of_2(dim))}
 
 
@@ -370,7 +376,7 @@ def expand_mix_collapse(
     partial = dummy
     if plan["grid"] > 1:
         partial = torch.empty(plan["nsl"], num_tokens, _N, dtype=torch.float32, device=dev)
-    _mhc_kernel[(n_blocks, plan["grid"])](
+    _mhc_kernel[(plan["grid"], n_blocks)](
         x, new_streams, y.contiguous() if y is not None else x,
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
@@ -379,7 +385,7 @@ def expand_mix_collapse(
         plan["grid"], float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
-        BLOCK_T=plan["block_t"], BLOCK_D=_BLOCK_D, CH=plan["ch"], NSL=plan["nsl"],
+        BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
         NORM_D=plan["norm_d"], num_warps=plan["warps"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc

@@ -84,10 +84,12 @@ def _fused(t: int, d: int, seed: int):
     return (y, x, post, comb, fn, base, scale, 20, 1e-6, 1e-20, pre_in, norm_w)
 
 
-def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("block_d", [64, 32])
+def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(monkeypatch, block_d):
     # 70 tokens > decode_rows: prefill tiles; D = 256 is 4 slices, spread over 1, 2 or 4
     # programs per token block, always added in slice order -> identical results
     monkeypatch.setitem(ht.CONFIG, "decode_rows", 16)
+    monkeypatch.setitem(ht.CONFIG, "prefill_block_d", block_d)
     args = _fused(70, 256, 7)
     runs = []
     for grid in (1, 2, 4):
