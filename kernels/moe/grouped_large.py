@@ -225,8 +225,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out:
 
 # ============================================================================ dequant mode
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, K, stride_ye, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row of [E * N, K]
     k0 = tl.program_id(1) * BLOCK_K
     rmask = (r < rows)[:, None]
     r64 = r.to(tl.int64)[:, None]
@@ -235,12 +236,13 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K
     scale = tl.load(s_ptr + r64 * (K // 32) + k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :],
                     mask=rmask, other=127)
     w = _decode_tile(packed, scale, BLOCK_R, BLOCK_K)
-    tl.store(y_ptr + r64 * K + k0 + tl.arange(0, BLOCK_K)[None, :], w, mask=rmask)
+    y_row = (r64 // N) * stride_ye + (r64 % N) * K
+    tl.store(y_ptr + y_row + k0 + tl.arange(0, BLOCK_K)[None, :], w, mask=rmask)
 
 
 def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
-    """MXFP4 weights [E, N, K] -> BF16 [E, N, K] (exact), one launch; `out` may be a scratch
-    buffer (any contiguous BF16 tensor of that shape)."""
+    """MXFP4 weights [E, N, K] -> BF16 [E, N, K] (exact), one launch. `out`: where to write, a
+    BF16 [E, N, K] view whose rows are contiguous (a slice of a larger scratch buffer works)."""
     if w.fmt != W_MXFP4 or not w.data.is_contiguous() or not w.scale.is_contiguous():
         raise ValueError("dequantize_mxfp4 takes contiguous MXFP4 weights")
     e, n, k = w.num_experts, w.out_dim, w.in_dim
@@ -248,9 +250,11 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"dequantize_mxfp4 needs K % 64 == 0, got {k}")
     y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16,
                                                 device=w.data.device)
+    if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1):
+        raise ValueError(f"out must be a BF16 [{e}, {n}, {k}] view with contiguous rows")
     rows = e * n
-    _dequant_kernel[(triton.cdiv(rows, 32), k // 64)](w.data, w.scale, y, rows, k, BLOCK_R=32,
-                                                       BLOCK_K=64)
+    _dequant_kernel[(triton.cdiv(rows, 32), k // 64)](w.data, w.scale, y, rows, n, k,
+                                                       y.stride(0), BLOCK_R=32, BLOCK_K=64)
     return y
 
 

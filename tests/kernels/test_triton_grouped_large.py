@@ -79,3 +79,17 @@ def test_rejects_mismatched_schedule_and_formats():
         gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64).bfloat16()), sched, out)
     with pytest.raises(TypeError, match="bf16"):
         gl.grouped_gemm(a.float(), w, sched, out)
+
+
+def test_dequant_mode_matches_reference_ffn():
+    """BF16 scratch (W1 | W3 side by side per expert) + torch's grouped GEMM + SwiGLU kernel."""
+    g = torch.Generator().manual_seed(3)
+    experts, dim, inter, tokens, top_k = 3, 64, 64, 9, 2
+    w1, d1 = _mxfp4(experts, inter, dim, g)
+    w3, d3 = _mxfp4(experts, inter, dim, g)
+    w2, d2 = _mxfp4(experts, dim, inter, g)
+    x = torch.randn(tokens, dim, generator=g).bfloat16()
+    sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
+    got = gl.dequant_expert_gemms(x[token_of_pair.long()], gamma, counts, w1, w3, w2, LIMIT)
+    want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,259 @@
+"""Prefill-size GEMMs on one GPU: the routed MXFP4 experts (kernels/moe/grouped_large.py
+variants against the current grouped GEMM), the FP8 shared expert and FP8 dense layers.
+
+    python -m flashpd.bench.gemm_prefill --out $OUT [--tokens 4096 8192]
+
+Routed experts at the bench preset's shapes (64 experts, top-6, hidden 5120, I=2304): tokens T,
+pairs P = 6T sorted by expert, random routing and gamma, MXFP4 weights of random codes and
+scales (bench/kernel_roofline.py's inputs). Each GEMM configuration is timed alone (median of
+CUDA-event timings, L2 flushed before each call), checked against a torch FP32 reference on the
+dequantised weights (max|out-ref| / max|ref|); the best of each GEMM is then run end to end.
+Writes gemm_prefill.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+HIDDEN, INTER, EXPERTS, TOP_K, Q_LORA, O_IN = 5120, 2304, 64, 6, 1280, 8192
+LIMIT = 10.0
+DEV = "cuda"
+PEAK_NOTE = "bf16 8192^3 torch.matmul"
+
+_T1 = {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
+       "dot_scaled": True, "swap": False}
+# name -> tiles, for the SwiGLU GEMM (gemm1) and the down GEMM (gemm2)
+GEMM1 = {
+    "ds_128x128_s3": _T1,
+    "ds_128x128_s4": {**_T1, "stages": 4},
+    "ds_64x128_s4": {**_T1, "block_m": 64, "stages": 4},
+    "ds_256x64_s3": {**_T1, "block_m": 256, "block_n": 64},
+    "dq_swap_128x128_s3": {**_T1, "dot_scaled": False, "swap": True},
+    "dq_128x128_s3": {**_T1, "dot_scaled": False, "swap": False},
+}
+GEMM2 = {
+    "ds_128x128_s3": _T1,
+    "ds_128x128_s4": {**_T1, "stages": 4},
+    "ds_256x128_s3": {**_T1, "block_m": 256},
+    "ds_128x256_s3": {**_T1, "block_n": 256},
+    "ds_64x128_s4": {**_T1, "block_m": 64, "stages": 4},
+    "dq_swap_128x128_s3": {**_T1, "dot_scaled": False, "swap": True},
+    "dq_swap_256x128_s3": {**_T1, "dot_scaled": False, "swap": True, "block_m": 256},
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def routed(tokens: int, weights, results: list, log) -> None:
+    from flashpd.bench.kernel_roofline import deq_one
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.moe import grouped_large as gl
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.verify import time_ms
+
+    w1, w3, w2 = weights
+    dev = DEV
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
+    gam = torch.rand(tokens, TOP_K, generator=g) * 0.3
+    ids, gam = ids.to(dev), gam.to(dev)
+    x = torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16)
+    pairs = tokens * TOP_K
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = (order // TOP_K).to(torch.int32)
+    gamma = gam.reshape(-1)[order].float().contiguous()
+    counts = torch.bincount(flat, minlength=EXPERTS)
+    sorted_ids = flat[order]
+    # reference: per expert, FP32 GEMMs on the dequantised weights (moe.ref.expert_ffn)
+    t0 = time.perf_counter()
+    h_ref = torch.empty(pairs, INTER, dtype=torch.bfloat16, device=dev)
+    y_ref = torch.empty(pairs, HIDDEN, dtype=torch.bfloat16, device=dev)
+    ends = torch.cumsum(counts, 0).tolist()
+    for e in range(EXPERTS):
+        lo, hi = (ends[e - 1] if e else 0), ends[e]
+        if lo == hi:
+            continue
+        a = x[rows[lo:hi].long()]
+        d1, d3, d2 = (deq_one(w, e) for w in (w1, w3, w2))
+        h = mref.swiglu(mref.linear(a, d1), mref.linear(a, d3), LIMIT)
+        h_ref[lo:hi] = (gamma[lo:hi, None] * h).to(torch.bfloat16)
+        y_ref[lo:hi] = mref.linear(h_ref[lo:hi], d2)
+    assert torch.equal(sorted_ids, torch.repeat_interleave(torch.arange(EXPERTS, device=dev),
+                                                           counts))
+    log(f"T={tokens}: reference {time.perf_counter() - t0:.1f}s")
+    flops1 = 2.0 * pairs * HIDDEN * 2 * INTER
+    flops2 = 2.0 * pairs * INTER * HIDDEN
+
+    def rec(name, ms, err, flops, **kw):
+        r = {"case": "routed", "tokens": tokens, "variant": name, "ms": ms, "err": err,
+             "TFLOPs": flops / (ms * 1e-3) / 1e12 if ms else None, **kw}
+        results.append(r)
+        log(f"  {name}: {ms:.3f} ms  {r['TFLOPs'] or 0:.0f} TFLOP/s  err {err:.2e}")
+
+    # before: the current grouped GEMM of dense/triton.py (as moe/triton.py calls it)
+    sched = dt.grouped_schedule(counts, pairs, dt.block_m_for(max(1, pairs // EXPERTS)))
+    h0 = torch.empty(pairs, INTER, dtype=torch.bfloat16, device=dev)
+    y0 = torch.empty(pairs, HIDDEN, dtype=torch.bfloat16, device=dev)
+
+    def before1():
+        return dt.grouped_gemm(x, w1, sched, h0, a_rows=rows, w3=w3, gamma=gamma, limit=LIMIT)
+
+    def before2():
+        return dt.grouped_gemm(h_ref, w2, sched, y0)
+
+    ms1, ms2 = time_ms(before1, reps=5, warmup=1), time_ms(before2, reps=5, warmup=1)
+    rec("before gemm1", ms1, rel_err(before1(), h_ref), flops1)
+    rec("before gemm2", ms2, rel_err(before2(), y_ref), flops2)
+    rec("before total", ms1 + ms2, 0.0, flops1 + flops2)
+    best = {}
+    for gemm, table, flops in (("gemm1", GEMM1, flops1), ("gemm2", GEMM2, flops2)):
+        for name, t in table.items():
+            try:
+                s = dt.grouped_schedule(counts, pairs, t["block_m"])
+                out = torch.empty(pairs, INTER if gemm == "gemm1" else HIDDEN,
+                                  dtype=torch.bfloat16, device=dev)
+
+                def fn(s=s, t=t, out=out, gemm=gemm):
+                    if gemm == "gemm1":
+                        return gl.grouped_gemm(x, w1, s, out, a_rows=rows, w3=w3, gamma=gamma,
+                                               limit=LIMIT, tiles=t)
+                    return gl.grouped_gemm(h_ref, w2, s, out, tiles=t)
+
+                ref = h_ref if gemm == "gemm1" else y_ref
+                out.fill_(float("nan"))
+                err = rel_err(fn(), ref)
+                ms = time_ms(fn, reps=7, warmup=1)
+                rec(f"{gemm} {name}", ms, err, flops, tiles=t)
+                if err < 5e-3 and (gemm not in best or ms < best[gemm][1]):
+                    best[gemm] = (name, ms, t)
+            except Exception as exc:  # a configuration that does not compile or run
+                log(f"  {gemm} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+    # end to end: the best triton pair, then the dequant + torch._grouped_mm mode
+    saved = dict(gl.CONFIG)
+    try:
+        if "gemm1" in best and "gemm2" in best:
+            gl.CONFIG.update(mode="triton", gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
+            fn = lambda: gl.expert_gemms(x, rows, gamma, counts, w1, w3, w2, LIMIT)  # noqa: E731
+            rec(f"after triton ({best['gemm1'][0]} + {best['gemm2'][0]})",
+                time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref), flops1 + flops2,
+                gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
+        gl.CONFIG.update(mode="dequant")
+        fn = lambda: gl.expert_gemms(x, rows, gamma, counts, w1, w3, w2, LIMIT)  # noqa: E731
+        rec("after dequant+_grouped_mm", time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref),
+            flops1 + flops2)
+        deq = lambda: (gl.dequantize_mxfp4(w1), gl.dequantize_mxfp4(w2))  # noqa: E731
+        rec("  of which dequantize w1+w2", time_ms(deq, reps=5, warmup=1), 0.0, 0.0)
+    except Exception as exc:
+        log(f"  end to end FAILED {type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        gl.CONFIG.clear()
+        gl.CONFIG.update(saved)
+
+
+def fp8_cases(tokens: int, results: list, log) -> None:
+    from flashpd.bench.kernel_roofline import deq, rand_fp8
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.moe import grouped_large as gl
+    from flashpd.kernels.moe import ref as mref
+    from flashpd.kernels.moe import triton as mt
+    from flashpd.kernels.verify import time_ms
+
+    x = torch.randn(tokens, HIDDEN, device=DEV).to(torch.bfloat16)
+    shared = mt.ExpertSet(rand_fp8(INTER, HIDDEN, seed=4), rand_fp8(INTER, HIDDEN, seed=5),
+                          rand_fp8(HIDDEN, INTER, seed=6))
+    d = [deq(w)[0].to(torch.bfloat16) for w in (shared.w1, shared.w3, shared.w2)]
+    want = mref.expert_ffn(x, *d, LIMIT)
+    flops = 6.0 * tokens * HIDDEN * INTER
+
+    def cublas_shared():  # W1|W3 dequantised to BF16, cuBLAS, SwiGLU kernel, cuBLAS
+        w13 = torch.cat([dt.dequantize_fp8(shared.w1), dt.dequantize_fp8(shared.w3)])
+        gu = x @ w13.T
+        h = torch.empty(tokens, INTER, dtype=torch.bfloat16, device=DEV)
+        gl._swiglu_kernel[(triton_cdiv(tokens, 32), triton_cdiv(INTER, 128))](
+            gu, gu, h, tokens, INTER, LIMIT, HAS_GAMMA=False, BLOCK_R=32, BLOCK_I=128)
+        return h @ dt.dequantize_fp8(shared.w2).T
+
+    for name, fn in (("shared expert (current)", lambda: mt.dense_experts(x, shared, LIMIT,
+                                                                            None)),
+                     ("shared expert cuBLAS w13", cublas_shared)):
+        ms = time_ms(fn, reps=7, warmup=1)
+        results.append({"case": "fp8", "tokens": tokens, "variant": name, "ms": ms,
+                        "err": rel_err(fn(), want), "TFLOPs": flops / (ms * 1e-3) / 1e12})
+        log(f"  {name}: {ms:.3f} ms {results[-1]['TFLOPs']:.0f} TFLOP/s "
+            f"err {results[-1]['err']:.2e}")
+    for name, n, k in (("wq_a", Q_LORA, HIDDEN), ("wo_b", HIDDEN, O_IN)):
+        w = rand_fp8(n, k, seed=hash(name) % 1000)
+        xa = torch.randn(tokens, k, device=DEV).to(torch.bfloat16)
+        fn = lambda w=w, xa=xa: dt.linear_weights(xa, w, torch.bfloat16)  # noqa: E731
+        ms = time_ms(fn, reps=7, warmup=1)
+        results.append({"case": "fp8", "tokens": tokens, "variant": f"{name} N={n} K={k}",
+                        "ms": ms, "err": rel_err(fn(), xa.float() @ deq(w)[0].T),
+                        "TFLOPs": 2.0 * tokens * n * k / (ms * 1e-3) / 1e12})
+        log(f"  {name}: {ms:.3f} ms {results[-1]['TFLOPs']:.0f} TFLOP/s")
+
+
+def _smoke() -> None:
+    from flashpd.bench import kernel_roofline
+
+    global DEV, HIDDEN, INTER, EXPERTS, Q_LORA, O_IN
+    DEV = kernel_roofline.DEV = "cpu"
+    HIDDEN, INTER, EXPERTS, Q_LORA, O_IN = 128, 128, 8, 64, 128
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[4096, 8192])
+    ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under the interpreter (checks the script runs)")
+    args = ap.parse_args()
+    if args.smoke:
+        _smoke()
+    from flashpd.bench.kernel_roofline import rand_mxfp4
+    from flashpd.kernels.verify import time_ms
+
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    results: list = []
+    sq = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    mm = time_ms(lambda: sq @ sq, reps=5)
+    results.append({"case": "ceiling", "variant": PEAK_NOTE, "ms": mm,
+                    "TFLOPs": 2 * 8192 ** 3 / (mm * 1e-3) / 1e12})
+    log(f"bf16 GEMM ceiling {results[-1]['TFLOPs']:.0f} TFLOP/s ({DEV})")
+    weights = (rand_mxfp4(INTER, HIDDEN, EXPERTS, 1), rand_mxfp4(INTER, HIDDEN, EXPERTS, 2),
+               rand_mxfp4(HIDDEN, INTER, EXPERTS, 3))
+    for tokens in args.tokens:
+        routed(tokens, weights, results, log)
+        with open(os.path.join(args.out, "gemm_prefill.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    if not args.skip_fp8:
+        fp8_cases(4096, results, log)
+    with open(os.path.join(args.out, "gemm_prefill.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print("\n| case | T | variant | ms | TFLOP/s | err |\n|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['case']} | {r.get('tokens', '')} | {r['variant']} | {r['ms']:.3f} | "
+              f"{r['TFLOPs'] or 0:.0f} | {r.get('err', 0):.1e} |")
+
+
+if __name__ == "__main__":
+    main()
