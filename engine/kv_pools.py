@@ -172,6 +172,10 @@ class PagedSeqState(TokenCounter, SeqState):
         self._per_layer: list[tuple[int, int] | None] | None = None
         self._open_set: dict[int, bool] = dict.fromkeys(pools.open_row_of, False)
         self._n_entries: dict[int, int] = dict.fromkeys(cfg.kv_source_layer_ids, 0)
+        geo = pools.geometry
+        self._sources = tuple((s, cfg.compress_ratios[s], geo.entries_per_block(s))
+                              for s in cfg.kv_source_layer_ids)
+        self._ratio_epb = {s: (r, epb) for s, r, epb in self._sources}
 
     def adopt_prefix(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
         """The first `num_tokens` tokens' global entries already sit in this sequence's blocks
@@ -336,6 +340,48 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"source {src}: entries appended at {first_entry}, {n} stored")
         self._check_blocks(n + count, src)
         self._n_entries[src] = n + count
+
+    def visible_entries(self, start_pos: int, end_pos: int, replay: bool) -> list[int]:
+        """Entries of each kv source (config order) a step over [start_pos, end_pos) sees by its
+        end (end_pos // ratio), checked: a normal step finds start_pos // ratio of them held and
+        each ratio-2 source's open row live exactly when start_pos is odd, a replay at least all
+        of them; the block table holds room for them."""
+        out, blocks = [], len(self.block_table)
+        for src, ratio, epb in self._sources:
+            held, visible = self._n_entries[src], end_pos // ratio
+            if replay:
+                if held < visible:
+                    raise StateError(f"replay: source {src} holds {held} entries, needs {visible}")
+            else:
+                if held != start_pos // ratio:
+                    raise StateError(f"source {src}: {held} entries at position {start_pos}")
+                if ratio == 2 and self._open_set[src] != (start_pos % 2 == 1):
+                    raise StateError(f"source {src}: open-group row "
+                                     f"{'present' if self._open_set[src] else 'missing'} at "
+                                     f"position {start_pos}")
+            if -(-visible // epb) > blocks:
+                self._check_blocks(visible, src)
+            out.append(visible)
+        return out
+
+    def note_step_entries(self, start_pos: int, end_pos: int, sources: Sequence[int],
+                          open_sources: Sequence[int]) -> None:
+        """After a step over [start_pos, end_pos) that wrote the entries of `sources` (and, for
+        `open_sources`, the open row when end_pos is odd): `note_entries` + `mark_open_group`
+        for each, in one call."""
+        blocks = len(self.block_table)
+        for src in sources:
+            ratio, epb = self._ratio_epb[self._src(src)]
+            n, end = self._n_entries[src], end_pos // ratio
+            if n != start_pos // ratio:
+                raise StateError(f"source {src}: entries appended at {start_pos // ratio}, "
+                                 f"{n} stored")
+            if -(-end // epb) > blocks:
+                self._check_blocks(end, src)
+            self._n_entries[src] = end
+        for src in open_sources:
+            self._open_row(src)
+            self._open_set[src] = end_pos % 2 == 1
 
     def global_state(self) -> GlobalKV:
         return GlobalKV(self._num_tokens, self._lookback,

@@ -228,11 +228,22 @@ class LayerRows:
         self.num_compute, self.num_seam = c, s
         self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
         self.everything = c == s == num_rows
+        if self.everything:  # every index is the identity, seam positions = compute positions
+            self.seam_idx = self.compute_idx = self.compute_in_seam = torch.arange(
+                num_rows, device=device)
+            self.positions = self.seam_positions = _on(positions, device)
+            return
         self.seam_idx = _on(seam_idx, device)  # [Ts]
         self.compute_idx = _on(compute_idx, device)  # [Tc]
         self.compute_in_seam = _on(compute_in_seam, device)  # [Tc]
         self.positions = _on(positions, device)  # [Tc] absolute positions of the compute rows
         self.seam_positions = _on(seam_positions, device)  # [Ts]
+
+    def relabel(self, key: tuple[bool, bool]) -> LayerRows:
+        """The same rows for another kind of layer (a step where both kinds touch the same)."""
+        out = copy.copy(self)
+        out.key = key
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.seam_idx, self.compute_idx, self.compute_in_seam, self.positions,
@@ -297,6 +308,7 @@ class Step:
     published: Published = field(default_factory=Published)
     host_ids: torch.Tensor | None = None  # [T] token_ids on the host (hashes, the commit)
     buffer: torch.Tensor | None = None  # the one device buffer the tensors view (a backend's)
+    input_bytes: int = 0  # buffer[:input_bytes] holds every tensor of `tensors()`
 
     def rows_of(self, spec: LayerSpec, cand: int) -> LayerRows:
         return self.rows[(spec.layer_id >= cand, spec.owns_compressor)]
@@ -421,10 +433,12 @@ class Model:
         segs = self._segments(host_ids, seqs)
         cfg, num_rows = self.cfg, token_ids.shape[0]
         rows = {}
+        same = all(seg.decoder_first == 0 for seg in segs)  # every kind: every row (decode)
         for spec in cfg.layers:
             key = (spec.layer_id >= cfg.candidate_source_layer_id, spec.owns_compressor)
             if key not in rows:
-                rows[key] = LayerRows(key, segs, device, num_rows)
+                rows[key] = (next(iter(rows.values())).relabel(key) if same and rows
+                             else LayerRows(key, segs, device, num_rows))
         picks, counts = [], []
         for seg in segs:
             request = seg.inp.plan.logits
@@ -522,20 +536,23 @@ class Model:
         lookbacks = [list(self._lookback(s)) for s in segs]
         full = [i for i, lb in enumerate(lookbacks) if len(lb) == shift]
         short = [i for i, lb in enumerate(lookbacks) if len(lb) != shift]
-        joined, keep = [], []
+        ids = token_ids.tolist()
+        joined, keep, dst = [], [], []  # host lists: one tensor each, not two per segment
         for i in full:
             s = segs[i]
-            joined += [torch.tensor(lookbacks[i], dtype=torch.long),
-                       token_ids[s.offset:s.offset + s.num_tokens]]
-            keep += [torch.zeros(shift, dtype=torch.bool), torch.ones(s.num_tokens, dtype=torch.bool)]
+            joined += lookbacks[i]
+            joined += ids[s.offset:s.offset + s.num_tokens]
+            keep += [False] * shift + [True] * s.num_tokens
+            dst += range(s.offset, s.offset + s.num_tokens)
+        if full:
+            joined_t = torch.tensor(joined, dtype=torch.long)
+            keep_t, dst_t = torch.tensor(keep), torch.tensor(dst, dtype=torch.long)
         out = {}
         for spec in layers:
             rows = torch.empty(token_ids.shape[0], self.hasher.num_columns, dtype=torch.long)
             if full:
-                hashed = self.hasher.hash_ids(spec.engram_index, torch.cat(joined), [])
-                dst = torch.cat([torch.arange(segs[i].offset, segs[i].offset + segs[i].num_tokens)
-                                 for i in full])
-                rows[dst] = hashed[torch.cat(keep)]
+                hashed = self.hasher.hash_ids(spec.engram_index, joined_t, [])
+                rows[dst_t] = hashed[keep_t]
             for i in short:
                 s = segs[i]
                 rows[s.offset:s.offset + s.num_tokens] = self.hasher.hash_ids(

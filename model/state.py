@@ -150,7 +150,7 @@ class TokenCounter:
         self._set_tokens(num_tokens, lookback_ids)
 
     def _set_tokens(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
-        ids = tuple(int(t) for t in lookback_ids)[-LOOKBACK_TOKENS:]
+        ids = tuple(map(int, lookback_ids[-LOOKBACK_TOKENS:]))
         if len(ids) != min(LOOKBACK_TOKENS, num_tokens):
             raise StateError(f"{len(ids)} lookback ids for {num_tokens} tokens")
         self._num_tokens, self._lookback = num_tokens, ids

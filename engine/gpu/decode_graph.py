@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashpd.engine.gpu.tables import views
 from flashpd.engine.kv_pools import PagedSeqState
 from flashpd.model.model import LogitsRequest, SeqInput, Step
 
@@ -82,12 +83,10 @@ class DecodeGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._build(step)
         graph, static, nbytes = self._graphs[key]
-        inputs = step.tensors()
-        if step.buffer is not None and _offset(inputs[-1]) + _nbytes(inputs[-1]) == nbytes \
-                and _offset(inputs[0]) == 0:
-            static.buffer[:nbytes].copy_(step.buffer[:nbytes])  # every input in one copy
+        if step.buffer is not None and step.input_bytes == nbytes:
+            static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy
         else:
-            for dst, src in zip(static.tensors(), inputs, strict=True):
+            for dst, src in zip(static.tensors(), step.tensors(), strict=True):
                 dst.copy_(src)
         if graph is None:
             logits = model.compute(static)
@@ -117,19 +116,18 @@ class DecodeGraphs:
         the step's, so a call refills every input with one copy) and, on a GPU, the graph of the
         forward over them (two warm-up runs compile and allocate first)."""
         inputs = step.tensors()
-        nbytes = _offset(inputs[-1]) + _nbytes(inputs[-1]) if step.buffer is not None else 0
+        nbytes = step.input_bytes if step.buffer is not None else 0
         static = copy.copy(step)
         static.rows = {k: copy.copy(r) for k, r in step.rows.items()}
         static.hash_ids = dict(step.hash_ids)
         static.tables = copy.copy(step.tables)
-        for name in ("seq_of", "key_counts", "entry_rows", "from_stored", "open_slots"):
+        for name in ("seq_of", "entry_rows", "from_stored", "open_slots"):
             setattr(static.tables, name, dict(getattr(step.tables, name)))
         static.tables.key_rows = {}
         static.outputs = {}
         if nbytes:
             static.buffer = step.buffer[:nbytes].clone()
-            static.set_tensors([static.buffer[_offset(t):_offset(t) + _nbytes(t)]
-                                .view(t.dtype).view(t.shape) for t in inputs])
+            static.set_tensors(views(static.buffer, inputs, [_offset(t) for t in inputs]))
         else:
             static.buffer = None
             static.set_tensors([t.clone() for t in inputs])
@@ -154,6 +152,3 @@ def _offset(t: torch.Tensor) -> int:
     """Byte offset of a view into its (uint8) buffer."""
     return t.storage_offset() * t.element_size()
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -74,6 +74,14 @@ class GpuModel(Model):
         for spec in cfg.layers:  # rows kind -> its layers (Step.rows_of)
             key = (spec.layer_id >= cand, spec.owns_compressor)
             self.layer_kinds[key] = self.layer_kinds.get(key, ()) + (spec.layer_id,)
+        kinds: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+        for src in cfg.kv_source_layer_ids:  # rows kind -> (kv sources, their ratio-2 ones)
+            spec = cfg.layers[src]
+            srcs, opens = kinds.setdefault((src >= cand, spec.owns_compressor), ([], []))
+            srcs.append(src)
+            if cfg.compress_ratios[src] == 2:
+                opens.append(src)
+        self._source_kinds = [(k, tuple(v[0]), tuple(v[1])) for k, v in kinds.items()]
 
     # ------------------------------------------------------------------ load-time warm-up
     def warmup(self, rows: Sequence[int] | None = None) -> int:
@@ -138,7 +146,8 @@ class GpuModel(Model):
         step.tables = TableBuilder(self.cfg, pools, step, key_width_step,
                                    self.layer_kinds).build()
         inputs, commit = step.tensors(), step.tables.commit_tensors()
-        step.buffer, moved, _ = self.pack.upload(inputs + commit)
+        step.buffer, moved, offsets = self.pack.upload(inputs + commit)
+        step.input_bytes = offsets[len(inputs)]  # the commit's tensors come after the inputs
         step.set_tensors(moved[:len(inputs)])
         step.tables.set_commit_tensors(moved[len(inputs):])
         return step
@@ -146,7 +155,12 @@ class GpuModel(Model):
     def _pad(self, step: Step, num_rows: int) -> None:
         pad = num_rows - step.token_ids.shape[0]
         step.token_ids = torch.cat((step.token_ids, step.token_ids.new_zeros(pad)))
-        step.rows = {key: r.padded(num_rows) for key, r in step.rows.items()}
+        done: dict[int, LayerRows] = {}  # kinds sharing rows share the padded ones
+        for key, r in step.rows.items():
+            p = done.get(id(r.positions))
+            if p is None:
+                p = done[id(r.positions)] = r.padded(num_rows)
+            step.rows[key] = p if p.key == key else p.relabel(key)
         step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1])))
                          for k, v in step.hash_ids.items()}
         step.logit_rows = torch.arange(num_rows, device=step.token_ids.device)
@@ -159,7 +173,7 @@ class GpuModel(Model):
     def commit(self, step: Step) -> None:
         """Window records scratch -> rings, the open rows, then every state's books (once per
         sequence and distinct span, not per layer)."""
-        t, cfg = step.tables, self.cfg
+        t = step.tables
         pools = t.pools
         if t.num_keep:
             flat = pools.window.view(-1, pools.window.shape[-1])
@@ -177,18 +191,16 @@ class GpuModel(Model):
             state = step.segs[index].inp.state
             for (first_pos, count, clip), layers in ops.items():
                 state.note_windows(layers, first_pos, count, clip)
-        cand = cfg.candidate_source_layer_id
-        layers = cfg.layers
-        for src in cfg.kv_source_layer_ids:
-            ratio = cfg.compress_ratios[src]
-            has_open = src in pools.open_row_of
-            for part in step.rows_of(layers[src], cand).parts:
-                seg = part.seg
-                if seg.replay is None:
-                    first = seg.inp.start_pos // ratio
-                    seg.inp.state.note_entries(src, first, seg.end_pos // ratio - first)
-                if has_open:
-                    seg.inp.state.mark_open_group(src, seg.end_pos % 2 == 1)
+        entries: dict[int, tuple[list[int], list[int]]] = {}
+        for key, srcs, open_srcs in self._source_kinds:
+            for part in step.rows[key].parts:
+                noted, opened = entries.setdefault(part.seg.index, ([], []))
+                if part.seg.replay is None:
+                    noted += srcs
+                opened += open_srcs
+        for index, (noted, opened) in entries.items():
+            seg = step.segs[index]
+            seg.inp.state.note_step_entries(seg.inp.start_pos, seg.end_pos, noted, opened)
         super().commit(step)
 
     # ------------------------------------------------------------------ layer hooks

@@ -36,7 +36,7 @@ class PagedTables:
     window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
     seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
     block_table: torch.Tensor  # [B', nb] int64 block ids of each key-table row (0-padded)
-    key_counts: dict[int, torch.Tensor]  # src -> [B'] int64 entries visible by the step's end
+    key_counts: torch.Tensor  # [S, B'] int64 entries of source i visible by the step's end
     key_width: dict[int, int]  # src -> N, the width of its key-row table
     entry_rows: dict[int, torch.Tensor]  # src -> [Ts] int64 entry write row (-1: none)
     from_stored: dict[int, torch.Tensor]  # ratio-2 src -> [Ts] bool: partner is the open row
@@ -52,17 +52,16 @@ class PagedTables:
 
     def tensors(self) -> list[torch.Tensor]:
         """The forward's inputs in a fixed order (what a graph replay refills)."""
-        out = [self.scratch, self.window_rows, self.block_table]
-        for group in (self.seq_of, self.key_counts, self.entry_rows, self.from_stored,
-                      self.open_slots):
+        out = [self.scratch, self.window_rows, self.block_table, self.key_counts]
+        for group in (self.seq_of, self.entry_rows, self.from_stored, self.open_slots):
             out += [group[k] for k in sorted(group)]
         return out
 
     def set_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         it = iter(tensors)
         self.scratch, self.window_rows, self.block_table = next(it), next(it), next(it)
-        for group in (self.seq_of, self.key_counts, self.entry_rows, self.from_stored,
-                      self.open_slots):
+        self.key_counts = next(it)
+        for group in (self.seq_of, self.entry_rows, self.from_stored, self.open_slots):
             for k in sorted(group):
                 group[k] = next(it)
         if next(it, None) is not None:
@@ -84,12 +83,12 @@ class PagedTables:
         from the block table: a few device ops per source, graph-capturable (no host values)."""
         epb_of = self.pools.geometry.entries_per_block
         bt = self.block_table
-        for src, width in self.key_width.items():
+        for i, (src, width) in enumerate(self.key_width.items()):
             epb = epb_of(src)
             e = torch.arange(width, device=bt.device)
             blk = (e // epb).clamp_(max=max(bt.shape[1] - 1, 0))
             rows = bt[:, blk] * epb + e % epb  # [B', N]
-            valid = e[None, :] < self.key_counts[src][:, None]
+            valid = e[None, :] < self.key_counts[i][:, None]
             self.key_rows[src] = torch.where(valid, rows, -1).to(torch.int32)
 
 
@@ -145,7 +144,6 @@ class TableBuilder:
         for src in cfg.kv_source_layer_ids:
             rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
             ratio = cfg.compress_ratios[src]
-            self._check_open(src, rows)
             k = (rows.key, ratio)
             if k not in shared:
                 shared[k] = self._entry_rows(src, rows, bt) + (self._open_keep(rows),)
@@ -155,7 +153,7 @@ class TableBuilder:
         keep_src, keep_dst = torch.cat(keep_src), torch.cat(keep_dst)
         return PagedTables(
             pools, pools.scratch_base + torch.arange(self.num_rows), window, window_of, seq_of,
-            bt, {s: torch.tensor(c, dtype=torch.long) for s, c in counts.items()}, widths,
+            bt, torch.tensor(list(counts.values()), dtype=torch.long), widths,
             entry_rows, from_stored, open_slots, keep_src, keep_dst, open_keep,
             num_keep=keep_src.shape[0],
             num_open_keep={s: v[0].shape[0] for s, v in open_keep.items()})
@@ -258,21 +256,12 @@ class TableBuilder:
         """Per source: entries visible to each key-table row by the step's end, and the
         table width (rounded up to the width step)."""
         cfg, pad = self.cfg, self.num_tables - len(self.step.segs)
+        per_seg = [seg.inp.state.visible_entries(seg.inp.start_pos, seg.end_pos,
+                                                 seg.inp.plan.replay is not None)
+                   for seg in self.step.segs]
         counts, widths = {}, {}
-        for src in cfg.kv_source_layer_ids:
-            ratio = cfg.compress_ratios[src]
-            c = []
-            for seg in self.step.segs:
-                state, start, end = seg.inp.state, seg.inp.start_pos, seg.end_pos
-                held, visible = state.num_entries(src), end // ratio
-                if seg.replay is not None:
-                    if held < visible:
-                        raise StateError(f"replay: source {src} holds {held} entries, needs "
-                                         f"{visible}")
-                elif held != start // ratio:
-                    raise StateError(f"source {src}: {held} entries at position {start}")
-                state.check_blocks(src, visible)
-                c.append(visible)
+        for i, src in enumerate(cfg.kv_source_layer_ids):
+            c = [v[i] for v in per_seg]
             width = max(c, default=0)
             if self.width_step:
                 width = -(-max(width, 1) // self.width_step) * self.width_step
@@ -283,23 +272,12 @@ class TableBuilder:
         """[B', nb] block ids of each key-table row, nb = the blocks the widest table spans."""
         geo = self.pools.geometry
         nb = max([-(-w // geo.entries_per_block(s)) for s, w in widths.items()] + [1])
-        bt = torch.zeros(self.num_tables, nb, dtype=torch.long)
+        rows = []
         for seg in self.step.segs:
             blocks = seg.inp.state.block_table[:nb]
-            if blocks:
-                bt[seg.index, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return bt
-
-    def _check_open(self, src: int, rows: LayerRows) -> None:
-        if self.cfg.compress_ratios[src] != 2:
-            return
-        for part in rows.parts:
-            seg = part.seg
-            if seg.replay is None and seg.inp.state.has_open_group(src) != (seg.start_pos % 2 == 1):
-                present = seg.inp.state.has_open_group(src)
-                raise StateError(f"source {src}: open-group row "
-                                 f"{'present' if present else 'missing'} at position "
-                                 f"{seg.start_pos}")
+            rows.append(blocks + [0] * (nb - len(blocks)) if len(blocks) < nb else blocks)
+        rows += [[0] * nb] * (self.num_tables - len(rows))
+        return torch.tensor(rows, dtype=torch.long).view(self.num_tables, nb)
 
     def _entry_rows(self, src: int, rows: LayerRows, bt: torch.Tensor):
         """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
@@ -359,10 +337,17 @@ class HostPack:
 
     def upload(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor],
                                                                  list[int]]:
-        """-> (device buffer, the tensors as views of it, the byte offset of each)."""
-        pieces, offsets, off = [], [], 0
+        """-> (device buffer, the tensors as views of it, the byte offset of each). A tensor
+        listed twice (the same object) is moved once and its views are shared."""
+        pieces, offsets, off, seen = [], [], 0, {}
         for t in tensors:
-            b = t.contiguous().view(-1).view(torch.uint8)
+            at = seen.get(id(t))
+            if at is not None:
+                offsets.append(at)
+                continue
+            b = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else \
+                t.contiguous().reshape(-1).view(torch.uint8)
+            seen[id(t)] = off
             offsets.append(off)
             pieces.append(b)
             n = b.shape[0]
@@ -394,8 +379,11 @@ class HostPack:
 def views(buf: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]
           ) -> list[torch.Tensor]:
     """Tensors shaped and typed as `like`, viewing `buf` at `offsets`."""
-    out = []
+    out, made = [], {}
     for t, off in zip(like, offsets, strict=True):
-        n = t.numel() * t.element_size()
-        out.append(buf[off:off + n].view(t.dtype).view(t.shape))
+        v = made.get(off)
+        if v is None or v.dtype != t.dtype or v.shape != t.shape:
+            n = t.numel() * t.element_size()
+            v = made[off] = buf[off:off + n].view(t.dtype).view(t.shape)
+        out.append(v)
     return out
