@@ -181,23 +181,34 @@ class GpuModel(Model):
         for src, (slots, seam_rows) in t.open_keep.items():
             if t.num_open_keep[src]:
                 pools.open[slots, pools.open_row_of[src]] = step.outputs[("open", src)][seam_rows]
-        books: dict[int, dict[tuple[int, int, bool], list[int]]] = {}
+        # kinds whose rows are the same objects (a decode step: all of them) are walked once
+        merged: dict[int, tuple[LayerRows, list[int], list[int], list[int]]] = {}
         for key, layers in self.layer_kinds.items():
-            for part in step.rows[key].compute_parts:
+            rows = step.rows[key]
+            entry = merged.setdefault(id(rows.parts), (rows, [], [], []))
+            entry[1].extend(layers)
+        for key, srcs, open_srcs in self._source_kinds:
+            rows = step.rows[key]
+            entry = merged.setdefault(id(rows.parts), (rows, [], [], []))
+            entry[2].extend(srcs)
+            entry[3].extend(open_srcs)
+        books: dict[int, dict[tuple[int, int, bool], list[int]]] = {}
+        entries: dict[int, tuple[list[int], list[int]]] = {}
+        for rows, layers, srcs, open_srcs in merged.values():
+            for part in rows.parts:
                 seg = part.seg
-                op = (seg.inp.start_pos + part.first, part.c1 - part.c0, part.clip_window)
-                books.setdefault(seg.index, {}).setdefault(op, []).extend(layers)
+                if layers and part.c1 > part.c0:
+                    op = (seg.inp.start_pos + part.first, part.c1 - part.c0, part.clip_window)
+                    books.setdefault(seg.index, {}).setdefault(op, []).extend(layers)
+                if srcs:
+                    noted, opened = entries.setdefault(seg.index, ([], []))
+                    if seg.inp.plan.replay is None:
+                        noted += srcs
+                    opened += open_srcs
         for index, ops in books.items():
             state = step.segs[index].inp.state
             for (first_pos, count, clip), layers in ops.items():
                 state.note_windows(layers, first_pos, count, clip)
-        entries: dict[int, tuple[list[int], list[int]]] = {}
-        for key, srcs, open_srcs in self._source_kinds:
-            for part in step.rows[key].parts:
-                noted, opened = entries.setdefault(part.seg.index, ([], []))
-                if part.seg.replay is None:
-                    noted += srcs
-                opened += open_srcs
         for index, (noted, opened) in entries.items():
             seg = step.segs[index]
             seg.inp.state.note_step_entries(seg.inp.start_pos, seg.end_pos, noted, opened)
