@@ -30,16 +30,15 @@ DEV = "cuda"
 
 PREFILL_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # the per-head-block kernel before this change
+    "heads_bn64_tau0": {"heads_rescale_tau": 0.0},
     "heads_bn64": {},
     "heads_bn64_prefetch": {"heads_prefetch": True},
     "heads_bn32_prefetch": {"heads_block_n": 32, "heads_prefetch": True},
-    "heads_bn64_stages2": {"heads_stages": 2},
 }
 DECODE_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # per-head-block kernel + its split-KV path
     "heads_t132_bn64": {},
     "heads_t132_bn32": {"heads_split_block_n": 32},
-    "heads_t264_bn32": {"heads_split_target": 264, "heads_split_block_n": 32},
     "heads_nosplit": {"heads_split_target": 0},
 }
 

@@ -42,7 +42,7 @@ DEV = "cuda"
 
 # name -> (dense CONFIG overrides, attention CONFIG overrides)
 VARIANTS = {
-    "before": ({"path": "legacy"}, {"split_target": 0}),
+    "before": ({"path": "legacy"}, {"split_target": 0, "legacy_max_q": 1 << 30}),
     "after": ({}, {}),
 }
 _MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024}

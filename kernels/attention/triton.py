@@ -39,8 +39,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
 # of heads_block_n, heads_warps warps, heads_stages pipeline stages, heads_prefetch (next tile's
-# bytes loaded before the current one is used), heads_asm (PTX decode on the GPU). Batches that
-# leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
+# bytes loaded before the current one is used), heads_rescale_tau (accumulators rescaled only
+# when a row max grows by more than this, log2 units), heads_asm (PTX decode on the GPU).
+# Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
 # ranges (split-KV, heads_split_block_n per tile) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
 # previous per-head-block kernels instead (the "legacy" keys below; 0: never).
@@ -49,7 +50,8 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
-          "heads_prefetch": False, "heads_asm": True, "heads_split_target": 132,
+          "heads_prefetch": False, "heads_rescale_tau": 8.0, "heads_asm": True,
+          "heads_split_target": 132,
           "heads_split_block_n": 64, "legacy_max_q": 0,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
@@ -317,28 +319,39 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
 
 
 @triton.jit
-def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale,
+def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU: tl.constexpr,
                   UPCAST: tl.constexpr):
-    """One key tile of the online softmax over the channel halves; keys are K and V."""
+    """One key tile of the online softmax over the channel halves; keys are K and V.
+
+    Scores and the running max m are in log2 units (scale includes log2 e). The accumulators
+    are rescaled only when some row's max grows by more than TAU (FlashAttention-4's lazy
+    rescaling; TAU = 0: whenever one grows): until then P = 2^(s - m) with a stale m <= the
+    true max is at most 2^TAU, and l, acc stay consistent with that m, so o = acc / l is the
+    same softmax."""
     s = mma(q_e, tl.trans(k_e), tl.zeros((q_e.shape[0], k_e.shape[0]), tl.float32), False,
             UPCAST)
     s = mma(q_o, tl.trans(k_o), s, False, UPCAST)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if tl.max(m_new - m_i, axis=0) > TAU:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc_e = acc_e * alpha[:, None]
+        acc_o = acc_o * alpha[:, None]
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i = l_i + tl.sum(p, axis=1)
     p = p.to(k_e.dtype)
-    acc_e = mma(p, k_e, acc_e * alpha[:, None], False, UPCAST)
-    acc_o = mma(p, k_o, acc_o * alpha[:, None], False, UPCAST)
-    return m_new, l_i, acc_e, acc_o
+    acc_e = mma(p, k_e, acc_e, False, UPCAST)
+    acc_o = mma(p, k_o, acc_o, False, UPCAST)
+    return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
 def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_p, rows_ptr,
                  NK, lo, hi, scale, HALF: tl.constexpr, FMT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                 HW: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
+                 ASM: tl.constexpr, HW: tl.constexpr, UPCAST: tl.constexpr):
     """Key tiles lo..hi-1 of one row list (rows_ptr [NK]); PREFETCH: the next tile's bytes are
     loaded before the current tile is used."""
     if PREFETCH:
@@ -352,7 +365,7 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
             rows = tl.load(rows_ptr + n, mask=(n < NK) & (it + 1 < hi), other=-1)
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e,
-                                                   acc_o, scale, UPCAST)
+                                                   acc_o, scale, TAU, UPCAST)
     else:
         for it in range(lo, hi):
             n = it * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -360,7 +373,7 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
             k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i,
-                                                   acc_e, acc_o, scale, UPCAST)
+                                                   acc_e, acc_o, scale, TAU, UPCAST)
     return m_i, l_i, acc_e, acc_o
 
 
@@ -382,8 +395,8 @@ def _heads_kernel(
     comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC,
     m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-    UPCAST: tl.constexpr, HW: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
+    ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr,
 ):
     # The prologue and the epilogue compute their addresses and RoPE tables separately (and
     # spelled differently, so the compiler does not merge them): kept alive across the key
@@ -413,24 +426,26 @@ def _heads_kernel(
     else:
         q_e = tl.load(q_ptr + rows_in * D + off, mask=hmask, other=0.0)
         q_o = tl.load(q_ptr + rows_in * D + off + 1, mask=hmask, other=0.0)
-    m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0)  # the sink: running max
-    l_i = tl.full((HB,), 1.0 if SPLITS == 1 else 0.0, tl.float32)  # ... weight exp(0) or 0
+    LOG2E: tl.constexpr = 1.4426950408889634
+    # the sink (log2 units): running max with weight 2^0 = 1, or 0 in a split range
+    m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0) * LOG2E
+    l_i = tl.full((HB,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
     acc_e = tl.zeros((HB, HALF), dtype=tl.float32)
     acc_o = tl.zeros((HB, HALF), dtype=tl.float32)
     win_tiles = tl.cdiv(W, BLOCK_N)
     comp_tiles = tl.cdiv(KC, BLOCK_N)
     lo = sp * tiles_per_split
     hi = lo + tiles_per_split
-    k_scale = scale * UNSHIFT
+    k_scale = scale * UNSHIFT * LOG2E
     m_i, l_i, acc_e, acc_o = _heads_range(
         q_e, q_o, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win, win_rows_ptr + t * W,
         W, tl.minimum(lo, win_tiles), tl.minimum(hi, win_tiles), k_scale, HALF, 0, BLOCK_N,
-        PREFETCH, ASM, HW, UPCAST)
+        PREFETCH, TAU, ASM, HW, UPCAST)
     m_i, l_i, acc_e, acc_o = _heads_range(
         q_e, q_o, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
         comp_rows_ptr + t * KC, KC, tl.maximum(lo, win_tiles) - win_tiles,
         tl.minimum(hi, win_tiles + comp_tiles) - win_tiles, k_scale, HALF, COMP_FMT, BLOCK_N,
-        PREFETCH, ASM, HW, UPCAST)
+        PREFETCH, TAU, ASM, HW, UPCAST)
     # epilogue: addresses again (see above)
     off2 = hh[:, None] * D + i[None, :] * 2
     hmask2 = hh[:, None] < H - h0
@@ -448,7 +463,7 @@ def _heads_kernel(
         tl.store(o_ptr + 1, b.to(out_ptr.dtype.element_ty), mask=hmask2)
     else:
         cell = (t * SPLITS + sp) * H + h0  # first partial row of this program
-        tl.store(m_ptr + cell + hh, m_i, mask=hh < H - h0)
+        tl.store(m_ptr + cell + hh, m_i / LOG2E, mask=hh < H - h0)  # natural units
         tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
         a_ptr = acc_ptr + D * cell + off2
         tl.store(a_ptr, acc_e * UNSHIFT, mask=hmask2)
@@ -635,7 +650,8 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
         comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, D=dim,
         ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, SPLITS=splits,
-        PREFETCH=bool(cfg["heads_prefetch"]), ASM=HW_FP8 and bool(cfg["heads_asm"]),
+        PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
+        ASM=HW_FP8 and bool(cfg["heads_asm"]),
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
         num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
     if splits > 1:

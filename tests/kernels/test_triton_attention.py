@@ -127,15 +127,20 @@ def test_warmup_runs_every_row_count_topk_and_a_single_pass_chunk(monkeypatch):
 
 
 # ---------------------------------------------------------------- heads-as-M kernel
-@pytest.mark.parametrize("block_n,prefetch,comp_fp8", [(16, False, False), (16, True, False),
-                                                       (64, True, True)])
-def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefetch, comp_fp8):
+@pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8", [(16, False, 0.0, False),
+                                                           (16, True, 8.0, False),
+                                                           (64, True, 0.0, True)])
+def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefetch, tau,
+                                                    comp_fp8):
     """All heads in one program, several key tiles (the last ones partial), empty slots, a
-    query with no compressed key and one with no window key; NVFP4 or FP8 compressed records."""
+    query with no compressed key and one with no window key; NVFP4 or FP8 compressed records;
+    lazy rescaling (tau > 0) gives the same softmax."""
     monkeypatch.setitem(at.CONFIG, "heads_split_target", 0)
+    monkeypatch.setitem(at.CONFIG, "heads_rescale_tau", tau)
     monkeypatch.setitem(at.CONFIG, "heads_block_n", block_n)
     monkeypatch.setitem(at.CONFIG, "heads_prefetch", prefetch)
     q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=5)
+    q = q * 4  # scores spread over several units: the running max moves between tiles
     fmt, unpack = at.FMT_NVFP4, qref.unpack_nvfp4
     if comp_fp8:
         comp = qref.pack_window_fp8(qref.unpack_nvfp4(comp, torch.float32))
