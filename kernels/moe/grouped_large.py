@@ -45,9 +45,10 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 #   mode       "triton" (grouped GEMM below) or "dequant" (BF16 scratch + torch._grouped_mm)
 #   min_pairs  moe/triton.py routes MXFP4 experts here from this many token-expert pairs (GPU)
 #   gemm1/2    tiles of the SwiGLU GEMM (W1|W3) and the down GEMM (W2): block_m/n/k, warps,
-#              stages, dot_scaled (tl.dot_scaled instead of the in-kernel decode), swap
+#              stages, dot_scaled (tl.dot_scaled instead of the in-kernel decode), swap,
+#              fused13 (SwiGLU GEMM: one accumulator, half W1 rows and half W3 rows)
 CONFIG = {
-    "mode": "triton", "min_pairs": 2048,
+    "mode": "triton", "min_pairs": 6144,
     "gemm1": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
               "dot_scaled": False, "swap": True},
     "gemm2": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
@@ -114,11 +115,15 @@ def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
 def _large_gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit, w3_delta, s3_delta,
     SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, GATHER_A: tl.constexpr,
     EVEN: tl.constexpr, DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSED13: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    # FUSED13 (SwiGLU): one accumulator over BLOCK_N weight rows, the first half W1 rows
+    # nb*BN/2 + j, the second half the same rows of W3 (w3_delta / s3_delta: element offsets
+    # of W3's data and scales from W1's); the epilogue pairs column j with column BN/2 + j.
     nb = tl.program_id(0)
     tile = tl.program_id(1)
     start = tl.load(tile_start_ptr + tile)
@@ -131,13 +136,23 @@ def _large_gemm_kernel(
             a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
         else:
             a_row = tl.where(p_mask, p, start).to(tl.int64)  # padding rows re-read a real row
-        n_idx = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = (n_idx < N)[:, None]
-        n64 = n_idx.to(tl.int64)
         kh = tl.arange(0, BLOCK_K // 2)
         ks = tl.arange(0, BLOCK_K // 32)
-        w_off = e * stride_we + n64[:, None] * stride_wn + kh[None, :]
-        s_off = e * stride_se + n64[:, None] * stride_sn + ks[None, :]
+        if FUSED13:
+            j = tl.arange(0, BLOCK_N)
+            half = j >= BLOCK_N // 2
+            n_idx = nb * (BLOCK_N // 2) + tl.where(half, j - BLOCK_N // 2, j)
+            n64 = n_idx.to(tl.int64)
+            w_off = e * stride_we + n64[:, None] * stride_wn + kh[None, :] + tl.where(
+                half, w3_delta, 0).to(tl.int64)[:, None]
+            s_off = e * stride_se + n64[:, None] * stride_sn + ks[None, :] + tl.where(
+                half, s3_delta, 0).to(tl.int64)[:, None]
+        else:
+            n_idx = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            n64 = n_idx.to(tl.int64)
+            w_off = e * stride_we + n64[:, None] * stride_wn + kh[None, :]
+            s_off = e * stride_se + n64[:, None] * stride_sn + ks[None, :]
+        n_mask = (n_idx < N)[:, None]
         a_ptrs = a_ptr + a_row[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :]
         if SWAP:
             acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -149,12 +164,16 @@ def _large_gemm_kernel(
             a = tl.load(a_ptrs + k0)  # rows past `end` read a real row; never stored
             acc1 = _step(acc1, a, w1_ptr, s1_ptr, w_off, s_off, k0, n_mask, EVEN, DOT_SCALED,
                          SWAP, UPCAST, BLOCK_N, BLOCK_K)
-            if SWIGLU:
+            if SWIGLU and not FUSED13:
                 acc3 = _step(acc3, a, w3_ptr, s3_ptr, w_off, s_off, k0, n_mask, EVEN,
                              DOT_SCALED, SWAP, UPCAST, BLOCK_N, BLOCK_K)
         if SWAP:
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
+        if FUSED13:  # columns [0, BN/2) are g, [BN/2, BN) u of the same outputs
+            acc1, acc3 = tl.split(tl.permute(tl.reshape(acc1, (BLOCK_M, 2, BLOCK_N // 2)),
+                                             (0, 2, 1)))
+            n_idx = nb * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to BF16, FP32 SwiGLU, gamma, one rounding
             g = tl.minimum(round_bf16(acc1), limit)
             u = tl.minimum(tl.maximum(round_bf16(acc3), -limit), limit)
@@ -210,15 +229,21 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out:
     if out.shape[0] == 0 or n_tiles == 0:
         return out
     w3_ = w3 if w3 is not None else w
-    grid = (triton.cdiv(n_dim, t["block_n"]), n_tiles)
+    fused = w3 is not None and t.get("fused13", False)
+    w3_delta = s3_delta = 0
+    if fused:  # W3 addressed from W1's pointer: offsets in elements (bytes: uint8)
+        w3_delta = w3.data.data_ptr() - w.data.data_ptr()
+        s3_delta = w3.scale.data_ptr() - w.scale.data_ptr()
+    grid = (triton.cdiv(n_dim, t["block_n"] // (2 if fused else 1)), n_tiles)
     _large_gemm_kernel[grid](
         a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
         gamma if gamma is not None else out, w.data, w.scale, w3_.data, w3_.scale,
         w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1),
         schedule.expert, schedule.start, schedule.end, n_dim, k_dim, float(limit),
-        SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
-        EVEN=n_dim % t["block_n"] == 0, DOT_SCALED=dot_scaled, SWAP=t["swap"],
-        UPCAST=DOT_UPCAST, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+        w3_delta, s3_delta, SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
+        EVEN=n_dim % (t["block_n"] // (2 if fused else 1)) == 0, DOT_SCALED=dot_scaled,
+        SWAP=t["swap"], UPCAST=DOT_UPCAST, FUSED13=fused, BLOCK_M=t["block_m"],
+        BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
         num_warps=t["warps"], num_stages=t["stages"], **triton_runtime.launch_options())
     return out
 
@@ -274,6 +299,19 @@ def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.c
              round_bf16(out).to(tl.bfloat16), mask=mask)
 
 
+def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float) -> torch.Tensor:
+    """gu [P, 2I] BF16 (g | u) -> h [P, I] BF16 = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))."""
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    if not gu.is_contiguous() or gu.dtype != torch.bfloat16:
+        raise ValueError("swiglu_halves takes a contiguous BF16 [P, 2I] tensor")
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=gu.device)
+    if rows:
+        _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
+            gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
+            HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
+    return h
+
+
 def _grouped_mm(a: torch.Tensor, w_bf16: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """a [P, K] (rows sorted by expert) . W[e]^T per expert -> [P, N] BF16 (torch's grouped
     GEMM; ends [E] int32 cumulative row counts)."""
@@ -294,7 +332,8 @@ def _scratch(shape: tuple, device: torch.device) -> torch.Tensor:
 
 def dequant_expert_gemms(x_sorted: torch.Tensor, gamma: torch.Tensor | None, counts: torch.Tensor,
                          w1: Weights, w3: Weights, w2: Weights, limit: float) -> torch.Tensor:
-    """"dequant" mode: x_sorted [P, D] pairs sorted by expert -> y [P, D] BF16 (GPU only)."""
+    """"dequant" mode: x_sorted [P, D] pairs sorted by expert, counts [E] pairs per expert ->
+    y [P, D] BF16."""
     e, inter, dim = w1.num_experts, w1.out_dim, w1.in_dim
     device = x_sorted.device
     w13 = _scratch((e, 2 * inter, dim), device)
@@ -302,36 +341,49 @@ def dequant_expert_gemms(x_sorted: torch.Tensor, gamma: torch.Tensor | None, cou
     dequantize_mxfp4(w3, w13[:, inter:])
     ends = torch.cumsum(counts, 0).to(torch.int32)
     gu = _grouped_mm(x_sorted, w13, ends)  # [P, 2I] bf16: g | u
-    rows = x_sorted.shape[0]
-    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
-    _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
-        gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
-        HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
+    h = swiglu_halves(gu, gamma, limit)
     w2b = dequantize_mxfp4(w2, _scratch((e, dim, inter), device))
     return _grouped_mm(h, w2b, ends)
 
 
 # ============================================================================ experts
+def counts_of(schedule: dense.TileSchedule, num_experts: int) -> torch.Tensor:
+    """Rows per expert [E] int64 of a tile schedule (empty tiles count nothing); no host sync."""
+    rows = (schedule.end - schedule.start).clamp_min(0).to(torch.int64)
+    idx = schedule.expert.to(torch.int64).clamp(0, num_experts - 1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=rows.device).scatter_add_(
+        0, idx, rows)
+
+
+def block_m() -> int:
+    """The row tile the caller's schedule must use (CONFIG["gemm1"]["block_m"])."""
+    return CONFIG["gemm1"]["block_m"]
+
+
 def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
-                 counts: torch.Tensor, w1: Weights, w3: Weights, w2: Weights,
+                 schedule: dense.TileSchedule, w1: Weights, w3: Weights, w2: Weights,
                  limit: float) -> torch.Tensor:
-    """Both expert GEMMs on pairs sorted by expert: x [T, D], token_of_pair [P] int32 (the token
-    of each sorted pair), gamma [P] FP32, counts [E] pairs per expert -> y [P, D] BF16,
-    y[p] = expert_ffn(x[token_of_pair[p]]) of pair p's expert with weight gamma[p]."""
+    """Both expert GEMMs on pairs sorted by expert -> y [P, D] BF16.
+
+    x [T, D]; token_of_pair [P] int32, the token of each sorted pair; gamma [P] FP32;
+    schedule: the pairs' row tiles with block_m == block_m(). y[p] = expert_ffn(x[token]) of
+    pair p's expert, with weight gamma[p] (moe.ref.expert_ffn).
+    """
     num_pairs = token_of_pair.shape[0]
     if CONFIG["mode"] == "dequant" and not triton_runtime.interpreting():
+        counts = counts_of(schedule, w1.num_experts)
         return dequant_expert_gemms(x[token_of_pair.long()], gamma, counts, w1, w3, w2, limit)
     t1, t2 = CONFIG["gemm1"], CONFIG["gemm2"]
-    s1 = dense.grouped_schedule(counts, num_pairs, t1["block_m"])
-    s2 = s1 if t2["block_m"] == t1["block_m"] else dense.grouped_schedule(counts, num_pairs,
-                                                                          t2["block_m"])
+    s2 = schedule if t2["block_m"] == schedule.block_m else dense.grouped_schedule(
+        counts_of(schedule, w1.num_experts), num_pairs, t2["block_m"])
     h = torch.empty(num_pairs, w1.out_dim, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w1, s1, h, a_rows=token_of_pair, w3=w3, gamma=gamma, limit=limit, tiles=t1)
+    grouped_gemm(x, w1, schedule, h, a_rows=token_of_pair, w3=w3, gamma=gamma, limit=limit,
+                 tiles=t1)
     y = torch.empty(num_pairs, w2.out_dim, dtype=x.dtype, device=x.device)
     return grouped_gemm(h, w2, s2, y, tiles=t2)
 
 
 def eligible(w: Weights, num_pairs: int, dtype: torch.dtype) -> bool:
-    """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here."""
+    """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here (GPU only)."""
     return (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= CONFIG["min_pairs"]
             and not triton_runtime.interpreting())

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
+from flashpd.kernels.moe import grouped_large
 from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
 
@@ -391,8 +392,13 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
-    block_m = dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
+    large = grouped_large.eligible(experts.w1, num_pairs, x.dtype)  # prefill sizes (GPU)
+    block_m = grouped_large.block_m() if large else dense.block_m_for(
+        max(1, num_pairs // max(1, experts.num_experts)))
     pairs = sort_pairs(ids, weights, experts.num_experts, block_m)
+    if large:
+        return grouped_large.expert_gemms(x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1,
+                                          experts.w3, experts.w2, limit), pairs.pos
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(x, experts.w1, pairs.schedule, h, a_rows=pairs.rows, w3=experts.w3,
                        gamma=pairs.gamma, limit=limit)

@@ -43,10 +43,11 @@ def _want(x, sorted_ids, token_of_pair, gamma, w1, w3, w2):
     return want
 
 
-@pytest.mark.parametrize("swap", [False, True])
-def test_expert_gemms_match_reference_ffn(monkeypatch, swap):
+@pytest.mark.parametrize(("swap", "fused13"), [(False, False), (True, False), (True, True)])
+def test_expert_gemms_match_reference_ffn(monkeypatch, swap, fused13):
     """Both GEMMs (gathered SwiGLU with gamma, then down) on pairs sorted by expert; the SwiGLU
-    GEMM's N (96) is not a multiple of its block_n (64): masked weight rows."""
+    GEMM's N (96) is not a multiple of its block_n (64; 32 W1 + 32 W3 rows when fused13):
+    masked weight rows."""
     g = torch.Generator().manual_seed(0)
     experts, dim, inter, tokens, top_k = 4, 128, 96, 11, 2
     w1, d1 = _mxfp4(experts, inter, dim, g)
@@ -54,9 +55,12 @@ def test_expert_gemms_match_reference_ffn(monkeypatch, swap):
     w2, d2 = _mxfp4(experts, dim, inter, g)
     x = torch.randn(tokens, dim, generator=g).bfloat16()
     sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "swap": swap, "block_n": 64})
+    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "swap": swap, "block_n": 64,
+                                             "fused13": fused13})
     monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "swap": swap, "block_m": 32, "block_k": 32})
-    got = gl.expert_gemms(x, token_of_pair, gamma, counts, w1, w3, w2, LIMIT)
+    schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
+    assert torch.equal(gl.counts_of(schedule, experts), counts)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT)
     want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
