@@ -35,21 +35,22 @@ from flashpd.bench import kernel_roofline as kr
 # --budget-s run stops starting variants once the budget is spent): "mx" routed experts,
 # "fp8" dense layers + shared expert; "new" (the defaults) also runs the comparison cases
 _MS = (1, 64)
+_WIDE_PF = {"wide": True, "stages": 1, "prefetch": True}
 VARIANTS = {
     "new": ({}, ("mx", "fp8"), None),
-    "mx_ds": ({"mxfp4_decode": "dot_scaled", "mx": {"block_k": 128, "stages": 3,
-                                                    "prefetch": False}}, ("mx",), None),
-    "mx_bn64": ({"mx": {"block_n": 64}}, ("mx",), _MS),
-    "mx_k128": ({"mx": {"block_k": 128}}, ("mx",), _MS),
-    "f8_nopf_s3": ({"skinny": {"prefetch": False, "stages": 3}}, ("fp8",), _MS),
-    "mx_nopf_s3": ({"mx": {"prefetch": False, "stages": 3}}, ("mx",), _MS),
-    "f8_k256": ({"skinny": {"block_k": 256}}, ("fp8",), _MS),
-    "mx_seg64": ({"mx": {"max_rows": 64}}, ("mx",), (64,)),
-    "mx_t2048": ({"mx": {"target_ctas": 2048}}, ("mx",), _MS),
-    "mx_t512": ({"mx": {"target_ctas": 512}}, ("mx",), _MS),
+    "mx_asm_wide": ({"mxfp4_decode": "asm", "mx": {**_WIDE_PF, "block_k": 256}}, ("mx",), _MS),
+    "f8_wide": ({"skinny": {**_WIDE_PF, "block_k": 128}}, ("fp8",), _MS),
+    "mx_rows384": ({"mx": {"max_rows": 384}}, ("mx",), (64,)),
+    "mx_asm_sub": ({"mxfp4_decode": "asm"}, ("mx",), _MS),
+    "mx_ds_k256": ({"mx": {"block_k": 256}}, ("mx",), _MS),
+    "f8_k128": ({"skinny": {"block_k": 128}}, ("fp8",), _MS),
+    "f8_wide_s3": ({"skinny": {"wide": True, "block_k": 128, "stages": 3}}, ("fp8",), _MS),
+    "mx_asm_wide_s3": ({"mxfp4_decode": "asm", "mx": {"wide": True, "stages": 3}}, ("mx",),
+                       _MS),
+    "mx_ds_bn64": ({"mx": {"block_n": 64}}, ("mx",), _MS),
     "f8_t528": ({"skinny": {"target_ctas": 528}}, ("fp8",), _MS),
-    "mx_bits": ({"mxfp4_decode": "bits"}, ("mx",), _MS),
-    "mx_w8_bn64": ({"mx": {"block_n": 64, "warps": 8}}, ("mx",), _MS),
+    "mx_bits_wide": ({"mxfp4_decode": "bits", "mx": {**_WIDE_PF, "block_k": 256}}, ("mx",),
+                     _MS),
 }
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 

@@ -56,10 +56,11 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
 #   skinny / mx / plain  split-K tiles for FP8 / MXFP4 / plain weights: N block, K step (a
 #                multiple of 32; of 64 for dot_scaled; the K step of the large-M path too, so
-#                a row's sums never depend on the path), warps, pipeline stages, prefetch (the
-#                next K step's tiles loaded into registers before this step's dot), optionally
-#                their own target_ctas and max_rows (rows that still take the split-K grid:
-#                the routed experts' 64 decode tokens x top-6 pairs)
+#                a row's sums never depend on the path), warps, pipeline stages, wide (one
+#                load and one dot per K step instead of 32-wide sub-steps), prefetch (wide:
+#                the next K step's tiles loaded into registers before this step's dot),
+#                optionally their own target_ctas and max_rows (rows that still take the
+#                split-K grid; the routed experts' pairs above it walk K segments)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
 #   expert_tiles active experts a grouped MXFP4 weight's split plans for (decode: top-k)
 #   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU); "asm": PTX bit moves + one bf16x2
@@ -74,12 +75,12 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
-          "skinny": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 1, "prefetch": True},
-          "mx": {"block_n": 32, "block_k": 256, "warps": 4, "stages": 1, "prefetch": True,
-                 "target_ctas": 1024, "max_rows": 384},
+          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
+          "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024,
+                 "max_rows": 64},
           "plain": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
-          "mxfp4_decode": "asm", "mxfp4_large": "dot_scaled",
+          "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
           "block_n": 64, "block_m_large": 64, "warps": 4, "stages": 3,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
@@ -311,23 +312,134 @@ def _e2m1_hi_asm(b, s_bf16):
 
 
 @triton.jit
-def _load_step(w_ptr, s_ptr, e64, n64, nmask, k0, k_hi, stride_we, stride_wn, stride_se,
-               stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[e, n, k0:k0+BLOCK_K] as stored, K grouped by 32 (one scale per group and row):
+def _dot_scaled_step(a, w_ptr, s_ptr, e64, n64, nmask, k0, k_hi, stride_we, stride_wn,
+                     stride_se, stride_sn, acc, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a . W[e, n, k0:k0+BLOCK_K]^T, the MXFP4 tile handed to tl.dot_scaled as stored.
+    k0 is a multiple of 32 the compiler can see (16-byte aligned rows of bytes): with EVEN_K
+    the K mask is dropped and each row's bytes load as 16-byte vectors."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    base = w_ptr + e64 * stride_we + n64[:, None] * stride_wn
+    sbase = s_ptr + e64 * stride_se + n64[:, None] * stride_sn
+    if EVEN_K:
+        packed = tl.load(base + half[None, :], mask=nmask[:, None], other=0)
+        scale = tl.load(sbase + groups[None, :], mask=nmask[:, None], other=127)
+    else:
+        packed = tl.load(base + half[None, :], mask=nmask[:, None] & (half[None, :] < k_hi // 2),
+                         other=0)
+        scale = tl.load(sbase + groups[None, :], mask=nmask[:, None] & (groups[None, :] <
+                                                                         k_hi // 32), other=127)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
+
+
+@triton.jit
+def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64,
+              n64, nmask, gg, k_hi, stride_we, stride_wn, stride_se, stride_sn,
+              W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
+              UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """acc += A[:, kk:kk+32] . W[e, n, kk:kk+32]^T, kk = 32 * gg (both weights for SwiGLU);
+    columns at or past k_hi are masked unless EVEN_K."""
+    dot_dtype = a_ptr.dtype.element_ty
+    kk = gg * 32
+    if W_FMT == 1:  # MXFP4: bytes [BN, 16] -> even k (low nibbles), odd k (high nibbles)
+        j = tl.arange(0, 16)
+        if EVEN_K:
+            amask = p_mask[:, None]
+            wmask = nmask[:, None]
+        else:
+            kmask = (kk + 2 * j) < k_hi
+            amask = p_mask[:, None] & kmask[None, :]
+            wmask = nmask[:, None] & kmask[None, :]
+        a_base = a_ptr + a_row[:, None] * stride_am + kk + 2 * j[None, :]
+        a_even = tl.load(a_base, mask=amask, other=0.0)
+        a_odd = tl.load(a_base + 1, mask=amask, other=0.0)
+        off = e64 * stride_we + n64[:, None] * stride_wn + gg * 16 + j[None, :]
+        soff = e64 * stride_se + n64 * stride_sn + gg
+        s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+        b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
+        if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
+            s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
+            lo1, hi1 = _e2m1_lo_asm(b1, s1), _e2m1_hi_asm(b1, s1)
+        else:
+            lo1 = _fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
+            hi1 = _fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
+        acc1 = mma(a_even, tl.trans(lo1), acc1, IEEE, UPCAST)
+        acc1 = mma(a_odd, tl.trans(hi1), acc1, IEEE, UPCAST)
+        if EPILOGUE == 1:
+            s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+            b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
+            if MX_ASM:
+                s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
+                lo3, hi3 = _e2m1_lo_asm(b3, s3), _e2m1_hi_asm(b3, s3)
+            else:
+                lo3 = _fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
+                hi3 = _fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
+            acc3 = mma(a_even, tl.trans(lo3), acc3, IEEE, UPCAST)
+            acc3 = mma(a_odd, tl.trans(hi3), acc3, IEEE, UPCAST)
+    else:
+        k_idx = kk + tl.arange(0, 32)
+        if EVEN_K:
+            amask = p_mask[:, None]
+            wmask = nmask[:, None]
+        else:
+            kmask = k_idx < k_hi
+            amask = p_mask[:, None] & kmask[None, :]
+            wmask = nmask[:, None] & kmask[None, :]
+        a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :], mask=amask, other=0.0)
+        off = e64 * stride_we + n64[:, None] * stride_wn + k_idx[None, :]
+        if W_FMT == 0:
+            w1 = tl.load(w1_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
+        else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
+            soff = e64 * stride_se + (n64 // 32) * stride_sn + gg
+            s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+            q1 = tl.load(w1_ptr + off, mask=wmask, other=0)
+            if HW_FP8:
+                v1 = q1.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v1 = e4m3_decode(q1)
+            w1 = (v1 * s1).to(dot_dtype)
+        acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+        if EPILOGUE == 1:
+            if W_FMT == 0:
+                w3 = tl.load(w3_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
+            else:
+                s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+                q3 = tl.load(w3_ptr + off, mask=wmask, other=0)
+                if HW_FP8:
+                    v3 = q3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    v3 = e4m3_decode(q3)
+                w3 = (v3 * s3).to(dot_dtype)
+            acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+    return acc1, acc3
+
+
+@triton.jit
+def _load_step(w_ptr, s_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn, stride_se,
+               stride_sn, W_FMT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[e, n, 32*g0 : 32*g0+BLOCK_K] as stored, K grouped by 32 (one scale per group and row):
     (raw [BN, BK/32, 16] MXFP4 bytes or [BN, BK/32, 32] FP8 bytes / plain values,
-     scale bytes [BN, BK/32]). Columns at or past k_hi are masked (no memory access), so a
-    prefetch past the chunk's end costs nothing. The 16 or 32 contiguous bytes a row holds per
-    group become wide vector loads."""
+     scale bytes [BN, BK/32]). Steps at or past k_hi load nothing (a prefetch past the chunk's
+    end is free). Offsets are multiples of 32 columns the compiler can see, and with EVEN_K
+    the mask is constant along K, so each row's 16 or 32 bytes load as 16-byte vectors."""
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
+    k0 = g0 * 32
     if W_FMT == 1:
         j = tl.arange(0, 16)
-        col = k0 // 2 + g[:, None] * 16 + j[None, :]
-        kmask = (k0 + 32 * g[:, None] + 2 * j[None, :]) < k_hi
+        col = g0 * 16 + g[:, None] * 16 + j[None, :]
+        if EVEN_K:
+            kmask = (k0 < k_hi) & (j[None, :] >= 0)
+        else:  # K % 32 == 0 for MXFP4: whole groups in or out
+            kmask = ((k0 + 32 * g) < k_hi)[:, None] & (j[None, :] >= 0)
     else:
         j = tl.arange(0, 32)
         col = k0 + g[:, None] * 32 + j[None, :]
-        kmask = col < k_hi
+        if EVEN_K:
+            kmask = (k0 < k_hi) & (j[None, :] >= 0)
+        else:
+            kmask = col < k_hi
     ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
     m3 = nmask[:, None, None] & kmask[None, :, :]
     if W_FMT == 0:
@@ -336,10 +448,10 @@ def _load_step(w_ptr, s_ptr, e64, n64, nmask, k0, k_hi, stride_we, stride_wn, st
         raw = tl.load(ptrs, mask=m3, other=0)
     gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
     if W_FMT == 1:
-        s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + k0 // 32 + g[None, :],
+        s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + g0 + g[None, :],
                     mask=gmask, other=127)
     elif W_FMT == 2:
-        s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + k0 // 32
+        s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + g0
                     + g[None, :], mask=gmask, other=127)
     else:
         s = gmask.to(tl.uint8)  # plain weights: no scales (never read)
@@ -376,73 +488,94 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
            k_hi, N, K, stride_we, stride_wn, stride_se, stride_sn,
            W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
            UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-           MX_ASM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           MX_ASM: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr,
+           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr):
     """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32.
 
-    One K step = one wide load of BLOCK_K columns per weight row, dequantised in registers,
-    one tl.dot (tensor-core K steps of 16 in order, so the sum order is that of K alone).
-    PREFETCH: the next step's A and weight tiles are loaded before this step's dequant and dot
-    (register double buffer), so every program keeps a step of loads in flight."""
+    K is walked in steps of BLOCK_K from group index k_lo // 32 (offsets are multiples of 32
+    columns the compiler can see: 16-byte aligned weight rows). EVEN_K (K % BLOCK_K == 0): no K
+    masks, so weight rows load as 16-byte vectors. Three step bodies:
+      DOT_SCALED  the MXFP4 tile handed to tl.dot_scaled as stored (GPU)
+      WIDE        one [BN, BK/32, 16 | 32] load per weight per step, dequantised in registers,
+                  one tl.dot; PREFETCH loads the next step before this step's dequant and dot
+      otherwise   32-wide sub-steps, one [BN, 16 | 32] load and one or two K=16 dots each
+                  (MXFP4: even k = low nibbles, then odd k)
+    """
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dot_dtype = a_ptr.dtype.element_ty
+    e64 = e.to(tl.int64)
+    n64 = n_idx.to(tl.int64)
+    nmask = n_idx < N
+    kk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_row[:, None] * stride_am
+    G: tl.constexpr = BLOCK_K // 32
+    g_lo = k_lo // 32
+    g_hi = (k_hi + 31) // 32
     if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k_idx = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
-                        mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
-            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, k_hi, stride_we,
-                                     stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
-            if EPILOGUE == 1:
-                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we,
-                                         stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
-    else:
-        e64 = e.to(tl.int64)
-        n64 = n_idx.to(tl.int64)
-        nmask = n_idx < N
-        kk = tl.arange(0, BLOCK_K)
-        a_base = a_ptr + a_row[:, None] * stride_am
-        if PREFETCH:
-            a = tl.load(a_base + k_lo + kk[None, :],
-                        mask=p_mask[:, None] & ((k_lo + kk) < k_hi)[None, :], other=0.0)
-            r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, k_lo, k_hi, stride_we,
-                                stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
-            if EPILOGUE == 1:
-                r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, k_lo, k_hi, stride_we,
-                                    stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
+        for g0 in range(g_lo, g_hi, G):
+            k0 = g0 * 32
+            if EVEN_K:
+                a = tl.load(a_base + k0 + kk[None, :], mask=p_mask[:, None], other=0.0)
             else:
-                r3, q3 = r1, q1
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                kn = k0 + BLOCK_K
-                na = tl.load(a_base + kn + kk[None, :],
-                             mask=p_mask[:, None] & ((kn + kk) < k_hi)[None, :], other=0.0)
-                nr1, nq1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, kn, k_hi, stride_we,
-                                      stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
-                if EPILOGUE == 1:
-                    nr3, nq3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, kn, k_hi, stride_we,
-                                          stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
-                else:
-                    nr3, nq3 = nr1, nq1
-                w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
-                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
-                if EPILOGUE == 1:
-                    w3 = _dequant(r3, q3, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
-                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
-                a, r1, q1, r3, q3 = na, nr1, nq1, nr3, nq3
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
                 a = tl.load(a_base + k0 + kk[None, :],
                             mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-                r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, k0, k_hi, stride_we,
-                                    stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
-                w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
-                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+            acc1 = _dot_scaled_step(a, w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we,
+                                    stride_wn, stride_se, stride_sn, acc1, EVEN_K, BLOCK_K)
+            if EPILOGUE == 1:
+                acc3 = _dot_scaled_step(a, w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi,
+                                        stride_we, stride_wn, stride_se, stride_sn, acc3,
+                                        EVEN_K, BLOCK_K)
+    elif WIDE:
+        if PREFETCH:
+            k0 = g_lo * 32
+            a = tl.load(a_base + k0 + kk[None, :],
+                        mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+            r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g_lo, k_hi, stride_we,
+                                stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+            if EPILOGUE == 1:
+                r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g_lo, k_hi, stride_we,
+                                    stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+            else:
+                r3, q3 = r1, q1
+        for g0 in range(g_lo, g_hi, G):
+            if PREFETCH:  # next step in flight during this step's dequant and dot
+                gn = g0 + G
+                kn = gn * 32
+                na = tl.load(a_base + kn + kk[None, :],
+                             mask=p_mask[:, None] & ((kn + kk) < k_hi)[None, :], other=0.0)
+                nr1, nq1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, gn, k_hi, stride_we,
+                                      stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
                 if EPILOGUE == 1:
-                    r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, k0, k_hi, stride_we,
-                                        stride_wn, stride_se, stride_sn, W_FMT, BLOCK_K)
-                    w3 = _dequant(r3, q3, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
-                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+                    nr3, nq3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, gn, k_hi, stride_we,
+                                          stride_wn, stride_se, stride_sn, W_FMT, EVEN_K,
+                                          BLOCK_K)
+                else:
+                    nr3, nq3 = nr1, nq1
+            else:
+                k0 = g0 * 32
+                a = tl.load(a_base + k0 + kk[None, :],
+                            mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+                r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we,
+                                    stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+                if EPILOGUE == 1:
+                    r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi, stride_we,
+                                        stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+            w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+            acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+            if EPILOGUE == 1:
+                w3 = _dequant(r3, q3, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
+                acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+            if PREFETCH:
+                a, r1, q1, r3, q3 = na, nr1, nq1, nr3, nq3
+    else:
+        for g0 in range(g_lo, g_hi, G):
+            for j in tl.static_range(G):
+                acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
+                                       s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi,
+                                       stride_we, stride_wn, stride_se, stride_sn, W_FMT,
+                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM, EVEN_K)
     return acc1, acc3
 
 
@@ -473,8 +606,8 @@ def _gemm_kernel(
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
     MULTI: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
@@ -515,8 +648,8 @@ def _gemm_kernel(
             acc1, acc3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr,
                                 s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
-                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, PREFETCH, BLOCK_M,
-                                BLOCK_N, BLOCK_K)
+                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH,
+                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
             if MULTI:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
@@ -550,7 +683,8 @@ def _gemm_kernel(
                 c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
                                 stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
-                                DOT_SCALED, HW_FP8, MX_ASM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K)
+                                DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH, EVEN_K, BLOCK_M,
+                                BLOCK_N, BLOCK_K)
                 acc1 += c1
                 acc3 += c3
             _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
@@ -727,7 +861,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
         HW_FP8=not DOT_UPCAST, MULTI=small and split > 1, SPLIT_GRID=small,
         ROWS=0 if not single else 1 if groups == 1 else 2, MX_ASM=mx_asm,
+        WIDE=bool(tiles.get("wide", False)) and not dot_scaled,
         PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
+        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
         num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out

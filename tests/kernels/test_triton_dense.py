@@ -147,3 +147,26 @@ def test_block_diagonal_runs_each_group_through_its_own_weight(monkeypatch, spli
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)
     monkeypatch.setitem(dt.CONFIG, "path", "legacy")
     torch.testing.assert_close(dt.block_diagonal(x, w), got, rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("body", [{}, {"wide": True}, {"wide": True, "prefetch": True}])
+@pytest.mark.parametrize("k", [96, 256])
+def test_k_step_bodies_match_reference(monkeypatch, fmt, body, k):
+    """Sub-steps, wide steps and prefetched wide steps; K steps whole (K=256: no K masks, split
+    into chunks of 128) or ragged (K=96 with 64-wide steps)."""
+    key = "skinny" if fmt == "fp8" else "mx"
+    monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 128)
+    monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
+    monkeypatch.setitem(dt.CONFIG, key, {**dt.CONFIG[key], "block_k": 64, **body})
+    g = torch.Generator().manual_seed(20 + k)
+    if fmt == "fp8":
+        q, s = qref.quantize_fp8_blockwise(torch.randn(40, k, generator=g))
+        w, deq = dt.Weights.fp8(q, s), qref.dequantize_fp8_blockwise(q, s)
+    else:
+        q, s = qref.quantize_mxfp4_weight(torch.randn(40, k, generator=g))
+        w, deq = dt.Weights.mxfp4(q, s), qref.dequantize_mxfp4_weight(q, s)
+    x = _x(t=3, k=k, seed=21)
+    got = dt.linear_weights(x, w, torch.float32)
+    torch.testing.assert_close(got, dref.linear_fp32(x, deq), rtol=1e-5, atol=1e-5)
+    assert torch.equal(dt.linear_weights(x[1:2], w, torch.float32), got[1:2])
