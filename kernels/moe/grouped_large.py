@@ -2,24 +2,28 @@
 
 Same math as `moe/ref.py` (expert_ffn on the pairs sorted by expert) and as the grouped GEMM of
 `dense/triton.py`, for the case that GEMM's small tiles serve badly: thousands of token-expert
-pairs, hundreds of rows per expert. Two ways, chosen by CONFIG["mode"]:
+pairs, hundreds of rows per expert. Each of the two GEMMs (SwiGLU GEMM on W1 | W3, down GEMM on
+W2) takes one of three paths, CONFIG["gemm1"|"gemm2"]["path"]:
 
-"triton": one grouped GEMM per weight, tiles of BLOCK_M pairs x BLOCK_N weight rows x BLOCK_K,
-8 warps, the K loop software-pipelined (num_stages). Program (nb, tile) computes
+"mx": one grouped GEMM launch on the weights as stored, tiles of BLOCK_M pairs x BLOCK_N weight
+rows x BLOCK_K, the K loop software-pipelined (num_stages). Program (nb, tile) computes
 
     acc[p, n] = sum_k A[a_rows[p], k] * W[expert(tile), n, k]            FP32, K walked in order
 
 with the MXFP4 tile (E2M1 nibbles, low nibble = even k; UE8M0 scale per 32 k) handed either to
-`tl.dot_scaled` (DOT_SCALED; on Hopper Triton upcasts it in registers; GPU only) or decoded here
-to BF16 (exact) and fed to `tl.dot` (runs under the interpreter too). SWAP computes the
+`tl.dot_scaled` (dot_scaled; on Hopper Triton decodes it in registers; GPU only) or decoded here
+to BF16 (exact) and fed to `tl.dot` (runs under the interpreter too). swap computes the
 transposed tile acc^T = W . A^T so the decoded weight is the MMA's left operand, which Hopper's
-wgmma can read from registers (the right operand must come from shared memory).
+wgmma reads from registers. fused13 (SwiGLU GEMM) runs one accumulator whose first BLOCK_N/2
+weight rows are W1's and the next BLOCK_N/2 the same rows of W3.
+"bf16": every expert of the weight is decoded once per call into a BF16 scratch buffer
+(`dequantize_mxfp4`, exact), then the same grouped GEMM runs on BF16 weights (row gather of A
+and the SwiGLU epilogue fused, both operands through shared memory).
+"cublas": the same scratch, then torch's grouped BF16 GEMM (torch._grouped_mm, CUTLASS on
+Hopper) on the gathered rows, and `swiglu_halves` for the epilogue.
+
 The SwiGLU epilogue is `dense/triton.py`'s: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
 with g, u rounded to BF16 first, as moe.ref.expert_ffn does.
-
-"dequant": each weight's experts are decoded to a BF16 scratch buffer once per call
-(`dequantize_mxfp4`, exact), then torch's grouped BF16 GEMM (torch._grouped_mm, CUTLASS on
-Hopper) runs on the sorted pairs and a small kernel applies SwiGLU and gamma.
 
 Batch invariance: a row's arithmetic depends on its own values and the weight only (tile sizes
 are constants), but this path is opt-in by size (moe/triton.py dispatches here from
@@ -38,21 +42,21 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, Weights, sigmoid_f32
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, sigmoid_f32
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
-#   mode       "triton" (grouped GEMM below) or "dequant" (BF16 scratch + torch._grouped_mm)
 #   min_pairs  moe/triton.py routes MXFP4 experts here from this many token-expert pairs (GPU)
-#   gemm1/2    tiles of the SwiGLU GEMM (W1|W3) and the down GEMM (W2): block_m/n/k, warps,
-#              stages, dot_scaled (tl.dot_scaled instead of the in-kernel decode), swap,
-#              fused13 (SwiGLU GEMM: one accumulator, half W1 rows and half W3 rows)
+#   gemm1/2    the SwiGLU GEMM (W1|W3) and the down GEMM (W2): path ("mx", "bf16", "cublas"),
+#              tiles block_m/n/k, warps, stages; dot_scaled, swap, fused13 (see above)
+#   dequant    the BF16 decode kernel's rows x K block and warps
 CONFIG = {
-    "mode": "triton", "min_pairs": 6144,
-    "gemm1": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
-              "dot_scaled": False, "swap": True},
-    "gemm2": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
-              "dot_scaled": False, "swap": True},
+    "min_pairs": 6144,
+    "gemm1": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
+              "stages": 4, "dot_scaled": True, "swap": False},
+    "gemm2": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
+              "stages": 4, "dot_scaled": True, "swap": False},
+    "dequant": {"block_r": 32, "block_k": 256, "warps": 4},
 }
 
 
@@ -87,8 +91,17 @@ def _mm(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
           DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + (tile product) for K in [k0, k0 + BLOCK_K) of one weight."""
+    if W_BF16:  # plain BF16 weights (a decoded scratch copy): w_off spans BLOCK_K columns
+        if EVEN:
+            w = tl.load(w_ptr + w_off + k0)
+        else:
+            w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
+        if SWAP:
+            return _mm(w, tl.trans(a), acc, UPCAST)
+        else:
+            return _mm(a, tl.trans(w), acc, UPCAST)
     if EVEN:
         packed = tl.load(w_ptr + w_off + k0 // 2)
         scale = tl.load(s_ptr + s_off + k0 // 32)
@@ -118,9 +131,10 @@ def _large_gemm_kernel(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit, w3_delta, s3_delta,
     SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, GATHER_A: tl.constexpr,
     EVEN: tl.constexpr, DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED13: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    FUSED13: tl.constexpr, W_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # W_BF16: W is BF16 [E, N, K] (scales unused), else MXFP4 [E, N, K/2] + UE8M0 [E, N, K/32]
     # FUSED13 (SwiGLU): one accumulator over BLOCK_N weight rows, the first half W1 rows
     # nb*BN/2 + j, the second half the same rows of W3 (w3_delta / s3_delta: element offsets
     # of W3's data and scales from W1's); the epilogue pairs column j with column BN/2 + j.
@@ -136,7 +150,7 @@ def _large_gemm_kernel(
             a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
         else:
             a_row = tl.where(p_mask, p, start).to(tl.int64)  # padding rows re-read a real row
-        kh = tl.arange(0, BLOCK_K // 2)
+        kh = tl.arange(0, BLOCK_K if W_BF16 else BLOCK_K // 2)
         ks = tl.arange(0, BLOCK_K // 32)
         if FUSED13:
             j = tl.arange(0, BLOCK_N)
@@ -163,10 +177,10 @@ def _large_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             a = tl.load(a_ptrs + k0)  # rows past `end` read a real row; never stored
             acc1 = _step(acc1, a, w1_ptr, s1_ptr, w_off, s_off, k0, n_mask, EVEN, DOT_SCALED,
-                         SWAP, UPCAST, BLOCK_N, BLOCK_K)
+                         SWAP, UPCAST, W_BF16, BLOCK_N, BLOCK_K)
             if SWIGLU and not FUSED13:
                 acc3 = _step(acc3, a, w3_ptr, s3_ptr, w_off, s_off, k0, n_mask, EVEN,
-                             DOT_SCALED, SWAP, UPCAST, BLOCK_N, BLOCK_K)
+                             DOT_SCALED, SWAP, UPCAST, W_BF16, BLOCK_N, BLOCK_K)
         if SWAP:
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
@@ -188,8 +202,8 @@ def _large_gemm_kernel(
 
 
 def _check(a: torch.Tensor, w: Weights, out: torch.Tensor) -> None:
-    if w.fmt != W_MXFP4:
-        raise ValueError("grouped_large runs MXFP4 weights only")
+    if not (w.fmt == W_MXFP4 or (w.fmt == W_PLAIN and w.data.dtype == torch.bfloat16)):
+        raise ValueError("grouped_large runs MXFP4 or BF16 weights only")
     if a.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise TypeError(f"grouped_large needs bf16 activations and output, got {a.dtype}, "
                         f"{out.dtype}")
@@ -198,28 +212,34 @@ def _check(a: torch.Tensor, w: Weights, out: torch.Tensor) -> None:
     if a.shape[1] != w.in_dim or out.shape[1] != w.out_dim:
         raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], "
                          f"out {tuple(out.shape)} do not chain")
-    if w.data.stride(2) != 1 or w.scale.stride(2) != 1:
-        raise ValueError("MXFP4 weight and scale rows must be contiguous")
+    if w.data.stride(2) != 1 or (w.scale is not None and w.scale.stride(2) != 1):
+        raise ValueError("weight and scale rows must be contiguous")
     triton_runtime.check_device(a, out, w.data)
+
+
+def _layout(w: Weights) -> tuple:
+    return (w.fmt, w.data.dtype, w.data.shape, w.data.stride(),
+            None if w.scale is None else w.scale.stride())
 
 
 def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out: torch.Tensor,
                  a_rows: torch.Tensor | None = None, w3: Weights | None = None,
                  gamma: torch.Tensor | None = None, limit: float = 0.0,
                  tiles: dict | None = None) -> torch.Tensor:
-    """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T) for MXFP4 W (SwiGLU when w3 is given).
+    """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T), W MXFP4 or BF16 (SwiGLU when w3 is
+    given; W1 and W3 share one layout).
 
     schedule: row tiles of `out` with schedule.block_m == tiles["block_m"] (dense.grouped_schedule).
     tiles: launch configuration (CONFIG["gemm1"] / ["gemm2"] when None).
     """
     _check(a, w, out)
-    if w3 is not None and (w3.fmt, w3.data.shape, w3.data.stride(), w3.scale.stride()) != (
-            w.fmt, w.data.shape, w.data.stride(), w.scale.stride()):
+    if w3 is not None and _layout(w3) != _layout(w):
         raise ValueError("SwiGLU W1 and W3 must share format, shape and strides")
     t = tiles or CONFIG["gemm1" if w3 is not None else "gemm2"]
     if schedule.block_m != t["block_m"]:
         raise ValueError(f"schedule.block_m {schedule.block_m} != tiles block_m {t['block_m']}")
-    dot_scaled = t["dot_scaled"]
+    bf16 = w.fmt == W_PLAIN
+    dot_scaled = t["dot_scaled"] and not bf16
     if dot_scaled and triton_runtime.interpreting():
         raise ValueError("dot_scaled does not run under the interpreter")
     n_dim, k_dim = w.out_dim, w.in_dim
@@ -229,20 +249,22 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out:
     if out.shape[0] == 0 or n_tiles == 0:
         return out
     w3_ = w3 if w3 is not None else w
+    scale1 = w.scale if w.scale is not None else w.data
+    scale3 = w3_.scale if w3_.scale is not None else w3_.data
     fused = w3 is not None and t.get("fused13", False)
     w3_delta = s3_delta = 0
-    if fused:  # W3 addressed from W1's pointer: offsets in elements (bytes: uint8)
-        w3_delta = w3.data.data_ptr() - w.data.data_ptr()
-        s3_delta = w3.scale.data_ptr() - w.scale.data_ptr()
-    grid = (triton.cdiv(n_dim, t["block_n"] // (2 if fused else 1)), n_tiles)
-    _large_gemm_kernel[grid](
+    if fused:  # W3 addressed from W1's pointer: offsets in elements
+        w3_delta = (w3.data.data_ptr() - w.data.data_ptr()) // w.data.element_size()
+        s3_delta = scale3.data_ptr() - scale1.data_ptr()
+    per_block = t["block_n"] // (2 if fused else 1)  # output columns per program
+    _large_gemm_kernel[(triton.cdiv(n_dim, per_block), n_tiles)](
         a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
-        gamma if gamma is not None else out, w.data, w.scale, w3_.data, w3_.scale,
-        w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1),
+        gamma if gamma is not None else out, w.data, scale1, w3_.data, scale3,
+        w.data.stride(0), w.data.stride(1), scale1.stride(0), scale1.stride(1),
         schedule.expert, schedule.start, schedule.end, n_dim, k_dim, float(limit),
-        w3_delta, s3_delta, SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
-        EVEN=n_dim % (t["block_n"] // (2 if fused else 1)) == 0, DOT_SCALED=dot_scaled,
-        SWAP=t["swap"], UPCAST=DOT_UPCAST, FUSED13=fused, BLOCK_M=t["block_m"],
+        w3_delta, s3_delta, SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None,
+        GATHER_A=a_rows is not None, EVEN=n_dim % per_block == 0, DOT_SCALED=dot_scaled,
+        SWAP=t["swap"], UPCAST=DOT_UPCAST, FUSED13=fused, W_BF16=bf16, BLOCK_M=t["block_m"],
         BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
         num_warps=t["warps"], num_stages=t["stages"], **triton_runtime.launch_options())
     return out
@@ -271,15 +293,18 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tenso
     if w.fmt != W_MXFP4 or not w.data.is_contiguous() or not w.scale.is_contiguous():
         raise ValueError("dequantize_mxfp4 takes contiguous MXFP4 weights")
     e, n, k = w.num_experts, w.out_dim, w.in_dim
-    if k % 64:
-        raise ValueError(f"dequantize_mxfp4 needs K % 64 == 0, got {k}")
+    if k % 32:
+        raise ValueError(f"dequantize_mxfp4 needs K % 32 == 0, got {k}")
     y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16,
                                                 device=w.data.device)
     if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1):
         raise ValueError(f"out must be a BF16 [{e}, {n}, {k}] view with contiguous rows")
     rows = e * n
-    _dequant_kernel[(triton.cdiv(rows, 32), k // 64)](w.data, w.scale, y, rows, n, k,
-                                                       y.stride(0), BLOCK_R=32, BLOCK_K=64)
+    cfg = CONFIG["dequant"]
+    block_k = next(b for b in (cfg["block_k"], 64, 32) if k % b == 0)
+    _dequant_kernel[(triton.cdiv(rows, cfg["block_r"]), k // block_k)](
+        w.data, w.scale, y, rows, n, k, y.stride(0), BLOCK_R=cfg["block_r"], BLOCK_K=block_k,
+        num_warps=cfg["warps"])
     return y
 
 
@@ -318,32 +343,20 @@ def _grouped_mm(a: torch.Tensor, w_bf16: torch.Tensor, ends: torch.Tensor) -> to
     return torch._grouped_mm(a, w_bf16.transpose(1, 2), offs=ends)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 
 def _scratch(shape: tuple, device: torch.device) -> torch.Tensor:
-    key = (shape, device)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        _SCRATCH[key] = buf
-    return buf
-
-
-def dequant_expert_gemms(x_sorted: torch.Tensor, gamma: torch.Tensor | None, counts: torch.Tensor,
-                         w1: Weights, w3: Weights, w2: Weights, limit: float) -> torch.Tensor:
-    """"dequant" mode: x_sorted [P, D] pairs sorted by expert, counts [E] pairs per expert ->
-    y [P, D] BF16."""
-    e, inter, dim = w1.num_experts, w1.out_dim, w1.in_dim
-    device = x_sorted.device
-    w13 = _scratch((e, 2 * inter, dim), device)
-    dequantize_mxfp4(w1, w13[:, :inter])
-    dequantize_mxfp4(w3, w13[:, inter:])
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    gu = _grouped_mm(x_sorted, w13, ends)  # [P, 2I] bf16: g | u
-    h = swiglu_halves(gu, gamma, limit)
-    w2b = dequantize_mxfp4(w2, _scratch((e, dim, inter), device))
-    return _grouped_mm(h, w2b, ends)
+    """A BF16 view of `shape` on one reused buffer per device (grown on demand): the decoded
+    weights of one GEMM live only until the next GEMM's decode."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        _SCRATCH[device] = buf
+    return buf[:numel].view(shape)
 
 
 # ============================================================================ experts
@@ -360,27 +373,82 @@ def block_m() -> int:
     return CONFIG["gemm1"]["block_m"]
 
 
+class _Pairs:
+    """Sorted pairs of one MoE call, with the per-expert counts and schedules made on demand."""
+
+    def __init__(self, token_of_pair, gamma, schedule, num_experts):
+        self.rows, self.gamma, self.schedule = token_of_pair, gamma, schedule
+        self.num_experts = num_experts
+        self._counts = None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = counts_of(self.schedule, self.num_experts)
+        return self._counts
+
+    def schedule_for(self, bm: int) -> dense.TileSchedule:
+        if bm == self.schedule.block_m:
+            return self.schedule
+        return dense.grouped_schedule(self.counts, self.rows.shape[0], bm)
+
+
+def _bf16_weights(w1: Weights, w3: Weights | None = None) -> torch.Tensor:
+    """Decoded BF16 [E, N, K] of w1, or [E, 2N, K] of w1 | w3 side by side per expert, in the
+    reused scratch buffer."""
+    e, n, k = w1.num_experts, w1.out_dim, w1.in_dim
+    buf = _scratch((e, n * (1 if w3 is None else 2), k), w1.data.device)
+    dequantize_mxfp4(w1, buf[:, :n])
+    if w3 is not None:
+        dequantize_mxfp4(w3, buf[:, n:])
+    return buf
+
+
+def swiglu_gemm(x: torch.Tensor, pairs: _Pairs, w1: Weights, w3: Weights, limit: float,
+                tiles: dict) -> torch.Tensor:
+    """h [P, I] BF16 = gamma * SwiGLU(x[rows] . W1^T, x[rows] . W3^T) per pair's expert."""
+    path = tiles.get("path", "mx")
+    if path == "cublas":
+        ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
+        gu = _grouped_mm(x[pairs.rows.long()], _bf16_weights(w1, w3), ends)  # g | u
+        return swiglu_halves(gu, pairs.gamma, limit)
+    if path == "bf16":
+        buf, n = _bf16_weights(w1, w3), w1.out_dim
+        w1, w3 = Weights.plain(buf[:, :n]), Weights.plain(buf[:, n:])
+    h = torch.empty(pairs.rows.shape[0], w1.out_dim, dtype=x.dtype, device=x.device)
+    return grouped_gemm(x, w1, pairs.schedule_for(tiles["block_m"]), h, a_rows=pairs.rows,
+                        w3=w3, gamma=pairs.gamma, limit=limit, tiles=tiles)
+
+
+def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: dict) -> torch.Tensor:
+    """y [P, D] BF16 = h . W2^T per pair's expert."""
+    path = tiles.get("path", "mx")
+    if path == "cublas":
+        ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
+        return _grouped_mm(h, _bf16_weights(w2), ends)
+    if path == "bf16":
+        w2 = Weights.plain(_bf16_weights(w2))
+    y = torch.empty(h.shape[0], w2.out_dim, dtype=h.dtype, device=h.device)
+    return grouped_gemm(h, w2, pairs.schedule_for(tiles["block_m"]), y, tiles=tiles)
+
+
+def pairs_of(token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
+             schedule: dense.TileSchedule, num_experts: int) -> _Pairs:
+    return _Pairs(token_of_pair, gamma, schedule, num_experts)
+
+
 def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
                  schedule: dense.TileSchedule, w1: Weights, w3: Weights, w2: Weights,
                  limit: float) -> torch.Tensor:
     """Both expert GEMMs on pairs sorted by expert -> y [P, D] BF16.
 
     x [T, D]; token_of_pair [P] int32, the token of each sorted pair; gamma [P] FP32;
-    schedule: the pairs' row tiles with block_m == block_m(). y[p] = expert_ffn(x[token]) of
-    pair p's expert, with weight gamma[p] (moe.ref.expert_ffn).
+    schedule: the pairs' row tiles (any block_m; block_m() saves a second schedule).
+    y[p] = expert_ffn(x[token]) of pair p's expert, with weight gamma[p] (moe.ref.expert_ffn).
     """
-    num_pairs = token_of_pair.shape[0]
-    if CONFIG["mode"] == "dequant" and not triton_runtime.interpreting():
-        counts = counts_of(schedule, w1.num_experts)
-        return dequant_expert_gemms(x[token_of_pair.long()], gamma, counts, w1, w3, w2, limit)
-    t1, t2 = CONFIG["gemm1"], CONFIG["gemm2"]
-    s2 = schedule if t2["block_m"] == schedule.block_m else dense.grouped_schedule(
-        counts_of(schedule, w1.num_experts), num_pairs, t2["block_m"])
-    h = torch.empty(num_pairs, w1.out_dim, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w1, schedule, h, a_rows=token_of_pair, w3=w3, gamma=gamma, limit=limit,
-                 tiles=t1)
-    y = torch.empty(num_pairs, w2.out_dim, dtype=x.dtype, device=x.device)
-    return grouped_gemm(h, w2, s2, y, tiles=t2)
+    pairs = _Pairs(token_of_pair, gamma, schedule, w1.num_experts)
+    h = swiglu_gemm(x, pairs, w1, w3, limit, CONFIG["gemm1"])
+    return down_gemm(h, pairs, w2, CONFIG["gemm2"])
 
 
 def eligible(w: Weights, num_pairs: int, dtype: torch.dtype) -> bool:

@@ -43,11 +43,13 @@ def _want(x, sorted_ids, token_of_pair, gamma, w1, w3, w2):
     return want
 
 
-@pytest.mark.parametrize(("swap", "fused13"), [(False, False), (True, False), (True, True)])
-def test_expert_gemms_match_reference_ffn(monkeypatch, swap, fused13):
+@pytest.mark.parametrize(("path", "swap", "fused13"), [
+    ("mx", False, False), ("mx", True, False), ("mx", True, True), ("bf16", False, True),
+    ("bf16", True, False), ("cublas", False, False)])
+def test_expert_gemms_match_reference_ffn(monkeypatch, path, swap, fused13):
     """Both GEMMs (gathered SwiGLU with gamma, then down) on pairs sorted by expert; the SwiGLU
     GEMM's N (96) is not a multiple of its block_n (64; 32 W1 + 32 W3 rows when fused13):
-    masked weight rows."""
+    masked weight rows. The caller's schedule has block_m 16; the down GEMM makes its own."""
     g = torch.Generator().manual_seed(0)
     experts, dim, inter, tokens, top_k = 4, 128, 96, 11, 2
     w1, d1 = _mxfp4(experts, inter, dim, g)
@@ -55,9 +57,11 @@ def test_expert_gemms_match_reference_ffn(monkeypatch, swap, fused13):
     w2, d2 = _mxfp4(experts, dim, inter, g)
     x = torch.randn(tokens, dim, generator=g).bfloat16()
     sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "swap": swap, "block_n": 64,
-                                             "fused13": fused13})
-    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "swap": swap, "block_m": 32, "block_k": 32})
+    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "path": path, "swap": swap,
+                                             "block_n": 64, "fused13": fused13})
+    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "path": path, "swap": swap,
+                                             "block_m": 32, "block_k": 32})
+    monkeypatch.setitem(gl.CONFIG, "dequant", {"block_r": 16, "block_k": 64, "warps": 4})
     schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
     assert torch.equal(gl.counts_of(schedule, experts), counts)
     got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT)
@@ -80,20 +84,6 @@ def test_rejects_mismatched_schedule_and_formats():
     with pytest.raises(ValueError, match="block_m"):
         gl.grouped_gemm(a, w, sched, out, tiles=SMALL | {"swap": False})
     with pytest.raises(ValueError, match="MXFP4"):
-        gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64).bfloat16()), sched, out)
+        gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64)), sched, out)
     with pytest.raises(TypeError, match="bf16"):
         gl.grouped_gemm(a.float(), w, sched, out)
-
-
-def test_dequant_mode_matches_reference_ffn():
-    """BF16 scratch (W1 | W3 side by side per expert) + torch's grouped GEMM + SwiGLU kernel."""
-    g = torch.Generator().manual_seed(3)
-    experts, dim, inter, tokens, top_k = 3, 64, 64, 9, 2
-    w1, d1 = _mxfp4(experts, inter, dim, g)
-    w3, d3 = _mxfp4(experts, inter, dim, g)
-    w2, d2 = _mxfp4(experts, dim, inter, g)
-    x = torch.randn(tokens, dim, generator=g).bfloat16()
-    sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    got = gl.dequant_expert_gemms(x[token_of_pair.long()], gamma, counts, w1, w3, w2, LIMIT)
-    want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
