@@ -138,7 +138,7 @@ def _time_graph(fn, calls: int = 20) -> float:
     return statistics.median(samples)
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, only: list[str] | None = None) -> list[dict]:
     from flashpd.kernels.attention import triton as at
 
     default = dict(at.CONFIG)
@@ -154,6 +154,8 @@ def run(quick: bool) -> list[dict]:
         flops = 4.0 * num_q * H * (W + K) * D
         nbytes = num_q * (W * x["win"].shape[1] + K * x["comp"].shape[1] + 2 * H * D * 2)
         for name, over in variants.items():
+            if only and name not in only:
+                continue
             at.CONFIG.clear()
             at.CONFIG.update(default, **over)
             row = {"phase": phase, "rows": num_q, "variant": name}
@@ -199,6 +201,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="prefill T = 4096 only")
+    ap.add_argument("--variants", nargs="*", help="run only these variants")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, checks only (runs under the CPU interpreter)")
     args = ap.parse_args(argv)
@@ -209,7 +212,7 @@ def main(argv=None) -> None:
         if not args.smoke:
             raise SystemExit("attention_bench needs a CUDA GPU (or --smoke)")
         DEV = "cpu"
-    rows = run(args.quick)
+    rows = run(args.quick, args.variants)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -51,8 +51,8 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 8.0, "heads_asm": True,
-          "heads_split_target": 132,
-          "heads_split_block_n": 64, "legacy_max_q": 0,
+          "heads_split_target": 0,
+          "heads_split_block_n": 64, "legacy_max_q": 8,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
@@ -379,13 +379,14 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
 
 @triton.jit
 def _rope_tables(cos_ptr, sin_ptr, HALF: tl.constexpr, ROPE_PAIRS: tl.constexpr):
-    """cos, sin [1, D/2] of one query (1, 0 outside the rope pairs) and the rope-pair mask."""
+    """cos, sin [1, D/2] of one query: 1 and 0 outside the rope pairs, where the rotation
+    a * 1 + b * 0 then returns the (already BF16) a unchanged, so no mask is needed."""
     i = tl.arange(0, HALF)
     is_rope = i >= HALF - ROPE_PAIRS
     pair = tl.where(is_rope, i - (HALF - ROPE_PAIRS), 0)
     cos = tl.load(cos_ptr + pair, mask=is_rope, other=1.0)[None, :]
     sin = tl.load(sin_ptr + pair, mask=is_rope, other=0.0)[None, :]
-    return cos, sin, is_rope[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -409,23 +410,22 @@ def _heads_kernel(
     hh = tl.arange(0, HB)
     i = tl.arange(0, HALF)
     rows_in = t * H + h0  # first (query, head) row of this program
-    off = (hh * D)[:, None] + (2 * i)[None, :]
     hmask = (hh + h0)[:, None] < H
-    if ROPE_PAIRS > 0:  # RoPE at the query position, rounded as rope.ref, staged through out
-        cos, sin, is_rope = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs,
-                                         HALF, ROPE_PAIRS)
-        a = tl.load(q_ptr + rows_in * D + off, mask=hmask, other=0.0).to(tl.float32)
-        b = tl.load(q_ptr + rows_in * D + off + 1, mask=hmask, other=0.0).to(tl.float32)
-        a2 = tl.where(is_rope, round_bf16(a * cos + b * -sin), a)
-        b2 = tl.where(is_rope, round_bf16(b * cos + a * sin), b)
-        tl.store(out_ptr + rows_in * D + off, a2.to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.store(out_ptr + rows_in * D + off + 1, b2.to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.debug_barrier()
-        q_e = tl.load(out_ptr + rows_in * D + off, mask=hmask, other=0.0)
-        q_o = tl.load(out_ptr + rows_in * D + off + 1, mask=hmask, other=0.0)
-    else:
-        q_e = tl.load(q_ptr + rows_in * D + off, mask=hmask, other=0.0)
-        q_o = tl.load(q_ptr + rows_in * D + off + 1, mask=hmask, other=0.0)
+    # q rows loaded whole (coalesced), split into the channel halves, RoPE at the query position
+    # (rounded as rope.ref), staged through the output rows as [even half | odd half] so that
+    # the two Q operands are plain contiguous loads (shared-memory wgmma operands)
+    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
+                mask=hmask, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
+    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
+                            ROPE_PAIRS)
+    stage = out_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
+    tl.store(stage, round_bf16(a * cos + b * -sin).to(out_ptr.dtype.element_ty), mask=hmask)
+    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(out_ptr.dtype.element_ty),
+             mask=hmask)
+    tl.debug_barrier()
+    q_e = tl.load(stage, mask=hmask, other=0.0)
+    q_o = tl.load(stage + HALF, mask=hmask, other=0.0)
     LOG2E: tl.constexpr = 1.4426950408889634
     # the sink (log2 units): running max with weight 2^0 = 1, or 0 in a split range
     m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0) * LOG2E
@@ -446,28 +446,23 @@ def _heads_kernel(
         comp_rows_ptr + t * KC, KC, tl.maximum(lo, win_tiles) - win_tiles,
         tl.minimum(hi, win_tiles + comp_tiles) - win_tiles, k_scale, HALF, COMP_FMT, BLOCK_N,
         PREFETCH, TAU, ASM, HW, UPCAST)
-    # epilogue: addresses again (see above)
-    off2 = hh[:, None] * D + i[None, :] * 2
+    # epilogue: addresses again (see above); rows stored whole, channels interleaved again
+    off2 = hh[:, None] * D + tl.arange(0, D)[None, :]
     hmask2 = hh[:, None] < H - h0
     if SPLITS == 1:
         a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
         b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
-        if ROPE_PAIRS > 0:  # inverse RoPE on the rounded output
-            cos2, sin2, rope2 = _rope_tables(cos_ptr + stride_cs * t, sin_ptr + stride_cs * t,
-                                             HALF, ROPE_PAIRS)
-            a2 = tl.where(rope2, round_bf16(a * cos2 + b * sin2), a)
-            b = tl.where(rope2, round_bf16(b * cos2 + a * -sin2), b)
-            a = a2
-        o_ptr = out_ptr + D * rows_in + off2
-        tl.store(o_ptr, a.to(out_ptr.dtype.element_ty), mask=hmask2)
-        tl.store(o_ptr + 1, b.to(out_ptr.dtype.element_ty), mask=hmask2)
+        cos2, sin2 = _rope_tables(cos_ptr + stride_cs * t, sin_ptr + stride_cs * t, HALF,
+                                  ROPE_PAIRS)  # inverse RoPE on the rounded output
+        o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)),
+                       (HB, D))
+        tl.store(out_ptr + D * rows_in + off2, o.to(out_ptr.dtype.element_ty), mask=hmask2)
     else:
         cell = (t * SPLITS + sp) * H + h0  # first partial row of this program
         tl.store(m_ptr + cell + hh, m_i / LOG2E, mask=hh < H - h0)  # natural units
         tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
-        a_ptr = acc_ptr + D * cell + off2
-        tl.store(a_ptr, acc_e * UNSHIFT, mask=hmask2)
-        tl.store(a_ptr + 1, acc_o * UNSHIFT, mask=hmask2)
+        o = tl.reshape(tl.join(acc_e * UNSHIFT, acc_o * UNSHIFT), (HB, D))
+        tl.store(acc_ptr + D * cell + off2, o, mask=hmask2)
 
 
 # ============================================================================ split-KV decode

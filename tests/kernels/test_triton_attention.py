@@ -119,6 +119,7 @@ def test_split_plan_leaves_full_grids_alone():
 
 
 def test_warmup_runs_every_row_count_topk_and_a_single_pass_chunk(monkeypatch):
+    monkeypatch.setitem(at.CONFIG, "legacy_max_q", 0)
     monkeypatch.setitem(at.CONFIG, "heads_split_target", 4)
     single = at.single_pass_rows(H)
     assert single == 4 and at.heads_plan(single, H, (W, K))[1] == 1  # the prefill variant
@@ -127,6 +128,14 @@ def test_warmup_runs_every_row_count_topk_and_a_single_pass_chunk(monkeypatch):
 
 
 # ---------------------------------------------------------------- heads-as-M kernel
+@pytest.fixture(autouse=True)
+def _heads_for_small_batches(monkeypatch, request):
+    """The heads-as-M tests run it at any batch size (by default tiny batches take the
+    per-head-block kernels)."""
+    if "heads" in request.node.name:
+        monkeypatch.setitem(at.CONFIG, "legacy_max_q", 0)
+
+
 @pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8", [(16, False, 0.0, False),
                                                            (16, True, 8.0, False),
                                                            (64, True, 0.0, True)])
@@ -184,8 +193,9 @@ def test_heads_query_with_no_valid_key_outputs_zero(monkeypatch, target):
     assert bool((got[1] == 0).all()) and bool((got[0] != 0).any())
 
 
-def test_heads_plan_runs_prefill_chunks_in_one_pass():
-    target = at.CONFIG["heads_split_target"]
+def test_heads_plan_runs_prefill_chunks_in_one_pass(monkeypatch):
+    monkeypatch.setitem(at.CONFIG, "heads_split_target", 132)
+    target = 132
     assert at.heads_plan(4096, 64, (128, 512))[1:] == (1, 1 << 20)
     bn, splits, per = at.heads_plan(64, 64, (128, 512))
     assert splits * 64 >= min(target, 64 * (128 // bn + 512 // bn)) and splits * per >= 640 // bn
