@@ -37,9 +37,11 @@ PREFILL_VARIANTS = {
 }
 DECODE_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # per-head-block kernel + its split-KV path
-    "heads_t132_bn64": {},
-    "heads_t132_bn32": {"heads_split_block_n": 32},
-    "heads_nosplit": {"heads_split_target": 0},
+    "heads_t132_bn64": {"legacy_max_q": 0, "heads_split_target": 132},
+    "heads_t132_bn32": {"legacy_max_q": 0, "heads_split_target": 132,
+                        "heads_split_block_n": 32},
+    "heads_nosplit": {"legacy_max_q": 0, "heads_split_target": 0},
+    "default": {},
 }
 
 
