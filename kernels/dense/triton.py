@@ -312,27 +312,6 @@ def _e2m1_hi_asm(b, s_bf16):
 
 
 @triton.jit
-def _dot_scaled_step(a, w_ptr, s_ptr, e64, n64, nmask, k0, k_hi, stride_we, stride_wn,
-                     stride_se, stride_sn, acc, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a . W[e, n, k0:k0+BLOCK_K]^T, the MXFP4 tile handed to tl.dot_scaled as stored.
-    k0 is a multiple of 32 the compiler can see (16-byte aligned rows of bytes): with EVEN_K
-    the K mask is dropped and each row's bytes load as 16-byte vectors."""
-    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    base = w_ptr + e64 * stride_we + n64[:, None] * stride_wn
-    sbase = s_ptr + e64 * stride_se + n64[:, None] * stride_sn
-    if EVEN_K:
-        packed = tl.load(base + half[None, :], mask=nmask[:, None], other=0)
-        scale = tl.load(sbase + groups[None, :], mask=nmask[:, None], other=127)
-    else:
-        packed = tl.load(base + half[None, :], mask=nmask[:, None] & (half[None, :] < k_hi // 2),
-                         other=0)
-        scale = tl.load(sbase + groups[None, :], mask=nmask[:, None] & (groups[None, :] <
-                                                                         k_hi // 32), other=127)
-    return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
-
-
-@triton.jit
 def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64,
               n64, nmask, gg, k_hi, stride_we, stride_wn, stride_se, stride_sn,
               W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
@@ -496,7 +475,7 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
     K is walked in steps of BLOCK_K from group index k_lo // 32 (offsets are multiples of 32
     columns the compiler can see: 16-byte aligned weight rows). EVEN_K (K % BLOCK_K == 0): no K
     masks, so weight rows load as 16-byte vectors. Three step bodies:
-      DOT_SCALED  the MXFP4 tile handed to tl.dot_scaled as stored (GPU)
+      DOT_SCALED  the MXFP4 tile handed to tl.dot_scaled as stored (GPU; element masks)
       WIDE        one [BN, BK/32, 16 | 32] load per weight per step, dequantised in registers,
                   one tl.dot; PREFETCH loads the next step before this step's dequant and dot
       otherwise   32-wide sub-steps, one [BN, 16 | 32] load and one or two K=16 dots each
@@ -514,19 +493,18 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
     g_lo = k_lo // 32
     g_hi = (k_hi + 31) // 32
     if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
-        for g0 in range(g_lo, g_hi, G):
-            k0 = g0 * 32
-            if EVEN_K:
-                a = tl.load(a_base + k0 + kk[None, :], mask=p_mask[:, None], other=0.0)
-            else:
-                a = tl.load(a_base + k0 + kk[None, :],
-                            mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-            acc1 = _dot_scaled_step(a, w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we,
-                                    stride_wn, stride_se, stride_sn, acc1, EVEN_K, BLOCK_K)
+        # Element-masked loads, as measured correct on the H200: the same step with the K mask
+        # dropped and 16-byte-aligned offsets (vector loads) gave wrong sums at BLOCK_M = 16
+        # (Triton 3.6, tl.dot_scaled on Hopper), bench/results/h200/gemm_decode.md.
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_idx = k0 + kk
+            a = tl.load(a_base + k_idx[None, :],
+                        mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
+            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, k_hi, stride_we,
+                                     stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
             if EPILOGUE == 1:
-                acc3 = _dot_scaled_step(a, w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi,
-                                        stride_we, stride_wn, stride_se, stride_sn, acc3,
-                                        EVEN_K, BLOCK_K)
+                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we,
+                                         stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
     elif WIDE:
         if PREFETCH:
             k0 = g_lo * 32
@@ -596,22 +574,21 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["num_rows", "split"])  # one variant for every decode batch
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every decode batch
 def _gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, part_ptr, count_ptr,
-    N, K, k_chunk, split, num_rows, groups, limit,
+    N, K, k_chunk, num_rows, groups, limit,
     W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    MULTI: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
-    # MULTI: split > 1 (the split grid then writes partials and reduces them)
     nb = tl.program_id(0)
     tile = tl.program_id(1)
     if ROWS == 0:
@@ -650,24 +627,24 @@ def _gemm_kernel(
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
                                 IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH,
                                 EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-            if MULTI:
+            if SPLIT > 1:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
                 plane = num_rows.to(tl.int64) * N
                 tl.store(part_ptr + sp * plane + cell, acc1, mask=cmask)
                 if EPILOGUE == 1:
-                    tl.store(part_ptr + (split + sp) * plane + cell, acc3, mask=cmask)
+                    tl.store(part_ptr + (SPLIT + sp) * plane + cell, acc3, mask=cmask)
                 tl.debug_barrier()
                 counter = count_ptr + tile * tl.num_programs(0) + nb
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-                if arrived == split - 1:  # last chunk in: sum the chunks in order
+                if arrived == SPLIT - 1:  # last chunk in: sum the chunks in order
                     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(0, split):
+                    for s in tl.static_range(SPLIT):
                         acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
                                         cache_modifier=".cg")
                         if EPILOGUE == 1:
-                            acc3 += tl.load(part_ptr + (split + s) * plane + cell, mask=cmask,
+                            acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell, mask=cmask,
                                             other=0.0, cache_modifier=".cg")
                     tl.store(counter, 0)  # ready for the next launch
                     _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr,
@@ -678,7 +655,7 @@ def _gemm_kernel(
         else:  # SEGMENTS: the same chunks walked in order by one program
             acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, split):
+            for sp in range(0, SPLIT):
                 k_lo = sp * k_chunk
                 c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
@@ -854,12 +831,12 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
         w.data.stride(0), w.data.stride(1), sse, ssn,
         sched.expert, sched.start, sched.end, part, _counters(a.device),
-        n_dim, k_dim, chunk, split, rows, groups, float(limit),
+        n_dim, k_dim, chunk, rows, groups, float(limit),
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
-        HW_FP8=not DOT_UPCAST, MULTI=small and split > 1, SPLIT_GRID=small,
+        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small,
         ROWS=0 if not single else 1 if groups == 1 else 2, MX_ASM=mx_asm,
         WIDE=bool(tiles.get("wide", False)) and not dot_scaled,
         PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
