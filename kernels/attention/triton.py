@@ -10,10 +10,14 @@ sparse_attention), plus the serving kernel `sparse_attention_packed`, one launch
     o = softmax-with-sink(q' . k * scale) . k      (K = V, scores FP32, online softmax)
     --round to q.dtype, inverse RoPE at the query position, round--> out [T, H, d]
 
-Keys are dequantised in registers (exact in BF16) and shared by a block of 16 heads (MQA).
-One program per (query, head block): decode batches and prefill chunks use the same kernel,
-each query with its own row lists (a prefill chunk passes one row list per query). The sink
-enters the running softmax as its initial max with weight exp(0) = 1 in the denominator.
+Keys are dequantised in registers (exact in BF16) and shared by all the heads of a query
+(MQA): the heads-as-M kernel (_heads_kernel) puts every head of a query in the MMA M dimension,
+one program per query (plus split-KV ranges for small decode batches); single queries take the
+per-head-block kernel (_attn_kernel, one program per (query, block of 32 heads), and its
+split-KV path), which is also the gathered-keys `sparse_attention`. Decode batches and prefill
+chunks use the same kernels, each query with its own row lists (a prefill chunk passes one row
+list per query). The sink enters the running softmax as its initial max with weight
+exp(0) = 1 in the denominator.
 
 GPU numerics: P is rounded to BF16 before the P.V product (as FlashAttention does); under the
 interpreter every product runs in FP32.
@@ -51,8 +55,8 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 8.0, "heads_asm": True,
-          "heads_split_target": 0,
-          "heads_split_block_n": 64, "legacy_max_q": 8,
+          "heads_split_target": 132,
+          "heads_split_block_n": 64, "legacy_max_q": 1,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
