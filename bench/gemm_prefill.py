@@ -25,31 +25,32 @@ LIMIT = 10.0
 DEV = "cuda"
 PEAK_NOTE = "bf16 8192^3 torch.matmul"
 
-_T1 = {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3,
+_T1 = {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 4,
        "dot_scaled": True, "swap": False}
-# name -> tiles, for the SwiGLU GEMM (gemm1) and the down GEMM (gemm2)
+_B = {**_T1, "path": "bf16", "dot_scaled": False}
+# name -> tiles, for the SwiGLU GEMM (gemm1) and the down GEMM (gemm2); bf16 / cublas times
+# include the decode of that GEMM's weights into the scratch buffer
 GEMM1 = {
-    "ds_128x128_s3": _T1,
-    "ds_128x128_s4": {**_T1, "stages": 4},
-    "ds_64x128_s4": {**_T1, "block_m": 64, "stages": 4},
-    "dq_swap_128x128_s3": {**_T1, "dot_scaled": False, "swap": True},
-    "ds_f13_256x128_s3": {**_T1, "block_m": 256, "fused13": True},
-    "ds_f13_256x128_s4": {**_T1, "block_m": 256, "fused13": True, "stages": 4},
-    "ds_f13_128x128_s4": {**_T1, "fused13": True, "stages": 4},
-    "ds_f13_128x256_s3": {**_T1, "block_n": 256, "fused13": True},
-    "dq_swap_f13_256x128_s3": {**_T1, "block_m": 256, "fused13": True, "dot_scaled": False,
-                               "swap": True},
+    "mx_ds_128x128_s4": _T1,
+    "mx_ds_f13_256x128_s3": {**_T1, "block_m": 256, "fused13": True, "stages": 3},
+    "mx_ds_f13_128x256_s3": {**_T1, "block_n": 256, "fused13": True, "stages": 3},
+    "mx_ds_f13_128x128_s4": {**_T1, "fused13": True},
+    "bf16_f13_128x256_s3": {**_B, "block_n": 256, "fused13": True, "stages": 3},
+    "bf16_f13_256x128_s3": {**_B, "block_m": 256, "fused13": True, "stages": 3},
+    "bf16_f13_128x128_s4": {**_B, "fused13": True},
+    "bf16_128x128_s3": {**_B, "stages": 3},
+    "cublas": {**_T1, "path": "cublas"},
 }
 GEMM2 = {
-    "ds_128x128_s3": _T1,
-    "ds_128x128_s4": {**_T1, "stages": 4},
-    "ds_256x128_s3": {**_T1, "block_m": 256},
-    "ds_256x128_s4": {**_T1, "block_m": 256, "stages": 4},
-    "ds_128x256_s3": {**_T1, "block_n": 256},
-    "ds_64x128_s4": {**_T1, "block_m": 64, "stages": 4},
-    "dq_swap_128x128_s3": {**_T1, "dot_scaled": False, "swap": True},
-    "dq_swap_256x128_s3": {**_T1, "dot_scaled": False, "swap": True, "block_m": 256},
+    "mx_ds_128x128_s4": _T1,
+    "bf16_128x256_s3": {**_B, "block_n": 256, "stages": 3},
+    "bf16_256x128_s3": {**_B, "block_m": 256, "stages": 3},
+    "bf16_128x128_s4": _B,
+    "cublas": {**_T1, "path": "cublas"},
 }
+DEQUANT = {"32x256_w4": {"block_r": 32, "block_k": 256, "warps": 4},
+           "64x256_w8": {"block_r": 64, "block_k": 256, "warps": 8},
+           "16x512_w4": {"block_r": 16, "block_k": 512, "warps": 4}}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -122,45 +123,51 @@ def routed(tokens: int, weights, results: list, log) -> None:
     rec("before gemm2", ms2, rel_err(before2(), y_ref), flops2)
     rec("before total", ms1 + ms2, 0.0, flops1 + flops2)
     best = {}
+    s128 = dt.grouped_schedule(counts, pairs, 128)
+    prs = gl.pairs_of(rows, gamma, s128, EXPERTS)
     for gemm, table, flops in (("gemm1", GEMM1, flops1), ("gemm2", GEMM2, flops2)):
         for name, t in table.items():
             try:
-                s = dt.grouped_schedule(counts, pairs, t["block_m"])
-                out = torch.empty(pairs, INTER if gemm == "gemm1" else HIDDEN,
-                                  dtype=torch.bfloat16, device=dev)
-
-                def fn(s=s, t=t, out=out, gemm=gemm):
+                def fn(t=t, gemm=gemm):
                     if gemm == "gemm1":
-                        return gl.grouped_gemm(x, w1, s, out, a_rows=rows, w3=w3, gamma=gamma,
-                                               limit=LIMIT, tiles=t)
-                    return gl.grouped_gemm(h_ref, w2, s, out, tiles=t)
+                        return gl.swiglu_gemm(x, prs, w1, w3, LIMIT, t)
+                    return gl.down_gemm(h_ref, prs, w2, t)
 
-                ref = h_ref if gemm == "gemm1" else y_ref
-                out.fill_(float("nan"))
-                err = rel_err(fn(), ref)
+                err = rel_err(fn(), h_ref if gemm == "gemm1" else y_ref)
                 ms = time_ms(fn, reps=7, warmup=1)
                 rec(f"{gemm} {name}", ms, err, flops, tiles=t)
                 if err < 5e-3 and (gemm not in best or ms < best[gemm][1]):
                     best[gemm] = (name, ms, t)
             except Exception as exc:  # a configuration that does not compile or run
                 log(f"  {gemm} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-    # end to end: the best triton pair, then the dequant + torch._grouped_mm mode
-    saved = dict(gl.CONFIG)
+    saved = {k: v for k, v in gl.CONFIG.items()}
     try:
-        if "gemm1" in best and "gemm2" in best:
-            gl.CONFIG.update(mode="triton", gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
-            s1 = dt.grouped_schedule(counts, pairs, gl.block_m())
-            fn = lambda: gl.expert_gemms(x, rows, gamma, s1, w1, w3, w2, LIMIT)  # noqa: E731
-            rec(f"after triton ({best['gemm1'][0]} + {best['gemm2'][0]})",
+        for name, cfg in DEQUANT.items():  # decode of W1 | W3 into the scratch (3 GB BF16)
+            gl.CONFIG["dequant"] = cfg
+            fn = lambda: gl.decoded_scratch(w1, w3)  # noqa: E731
+            ms = time_ms(fn, reps=5, warmup=1)
+            nbytes = 2 * (w1.data.numel() + w1.scale.numel()) + 2 * 2 * w1.data.numel() * 2
+            rec(f"dequant W1|W3 {name}", ms, 0.0, 0.0, GBps=nbytes / (ms * 1e-3) / 1e9)
+        gl.CONFIG["dequant"] = saved["dequant"]
+        if "gemm1" in best and "gemm2" in best:  # end to end: the best of each GEMM
+            gl.CONFIG.update(gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
+            fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT)  # noqa: E731
+            rec(f"after ({best['gemm1'][0]} + {best['gemm2'][0]})",
                 time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref), flops1 + flops2,
                 gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
-        gl.CONFIG.update(mode="dequant")
-        s1 = dt.grouped_schedule(counts, pairs, gl.block_m())
-        fn = lambda: gl.expert_gemms(x, rows, gamma, s1, w1, w3, w2, LIMIT)  # noqa: E731
-        rec("after dequant+_grouped_mm", time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref),
-            flops1 + flops2)
-        deq = lambda: (gl.dequantize_mxfp4(w1), gl.dequantize_mxfp4(w2))  # noqa: E731
-        rec("  of which dequantize w1+w2", time_ms(deq, reps=5, warmup=1), 0.0, 0.0)
+            # the MoE entry point: dispatch here vs the previous grouped GEMM (min_pairs)
+            from flashpd.kernels.moe import triton as mt
+            experts = mt.ExpertSet(w1, w3, w2)
+            new = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+            y_new = new()
+            ms_new = time_ms(new, reps=5, warmup=1)
+            gl.CONFIG["min_pairs"] = 1 << 40
+            old = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+            y_old = old()
+            ms_old = time_ms(old, reps=5, warmup=1)
+            rec("moe.routed_experts previous path", ms_old, 0.0, flops1 + flops2)
+            rec("moe.routed_experts dispatched (err vs previous)", ms_new,
+                rel_err(y_new, y_old), flops1 + flops2)
     except Exception as exc:
         log(f"  end to end FAILED {type(exc).__name__}: {str(exc)[:300]}")
     finally:

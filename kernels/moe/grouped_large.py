@@ -99,28 +99,29 @@ def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
         else:
             w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
         if SWAP:
-            return _mm(w, tl.trans(a), acc, UPCAST)
-        else:
-            return _mm(a, tl.trans(w), acc, UPCAST)
-    if EVEN:
-        packed = tl.load(w_ptr + w_off + k0 // 2)
-        scale = tl.load(s_ptr + s_off + k0 // 32)
-    else:
-        packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
-        scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
-    if DOT_SCALED:
-        if SWAP:
-            acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
-                                fast_math=True)
-        else:
-            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
-                                fast_math=True)
-    else:
-        w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
-        if SWAP:
             acc = _mm(w, tl.trans(a), acc, UPCAST)
         else:
             acc = _mm(a, tl.trans(w), acc, UPCAST)
+    else:
+        if EVEN:
+            packed = tl.load(w_ptr + w_off + k0 // 2)
+            scale = tl.load(s_ptr + s_off + k0 // 32)
+        else:
+            packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
+            scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+        if DOT_SCALED:
+            if SWAP:
+                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
+                                    fast_math=True)
+            else:
+                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
+                                    fast_math=True)
+        else:
+            w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
+            if SWAP:
+                acc = _mm(w, tl.trans(a), acc, UPCAST)
+            else:
+                acc = _mm(a, tl.trans(w), acc, UPCAST)
     return acc
 
 
@@ -393,7 +394,7 @@ class _Pairs:
         return dense.grouped_schedule(self.counts, self.rows.shape[0], bm)
 
 
-def _bf16_weights(w1: Weights, w3: Weights | None = None) -> torch.Tensor:
+def decoded_scratch(w1: Weights, w3: Weights | None = None) -> torch.Tensor:
     """Decoded BF16 [E, N, K] of w1, or [E, 2N, K] of w1 | w3 side by side per expert, in the
     reused scratch buffer."""
     e, n, k = w1.num_experts, w1.out_dim, w1.in_dim
@@ -410,10 +411,10 @@ def swiglu_gemm(x: torch.Tensor, pairs: _Pairs, w1: Weights, w3: Weights, limit:
     path = tiles.get("path", "mx")
     if path == "cublas":
         ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
-        gu = _grouped_mm(x[pairs.rows.long()], _bf16_weights(w1, w3), ends)  # g | u
+        gu = _grouped_mm(x[pairs.rows.long()], decoded_scratch(w1, w3), ends)  # g | u
         return swiglu_halves(gu, pairs.gamma, limit)
     if path == "bf16":
-        buf, n = _bf16_weights(w1, w3), w1.out_dim
+        buf, n = decoded_scratch(w1, w3), w1.out_dim
         w1, w3 = Weights.plain(buf[:, :n]), Weights.plain(buf[:, n:])
     h = torch.empty(pairs.rows.shape[0], w1.out_dim, dtype=x.dtype, device=x.device)
     return grouped_gemm(x, w1, pairs.schedule_for(tiles["block_m"]), h, a_rows=pairs.rows,
@@ -425,9 +426,9 @@ def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: dict) -> torch
     path = tiles.get("path", "mx")
     if path == "cublas":
         ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
-        return _grouped_mm(h, _bf16_weights(w2), ends)
+        return _grouped_mm(h, decoded_scratch(w2), ends)
     if path == "bf16":
-        w2 = Weights.plain(_bf16_weights(w2))
+        w2 = Weights.plain(decoded_scratch(w2))
     y = torch.empty(h.shape[0], w2.out_dim, dtype=h.dtype, device=h.device)
     return grouped_gemm(h, w2, pairs.schedule_for(tiles["block_m"]), y, tiles=tiles)
 
