@@ -201,9 +201,10 @@ def _attn_kernel(
 # (S = Q_e.K_e^T + Q_o.K_o^T; O_e += P.K_e, O_o += P.K_o), so no interleave is needed and the
 # RoPE pairs (2i, 2i+1) are element i of the two halves.
 #
-#   grid (T, H/HB, SPLITS): SPLITS = 1 normalises and stores (single pass, the sink as the
-#   initial max with weight 1); SPLITS > 1 writes (m, l, acc) partials for _attn_combine_kernel
-#   (split-KV decode, each range started at the sink with weight 0).
+#   grid (T, H/HB, splits): one split normalises and stores (single pass, the sink as the
+#   initial max with weight 1); PARTIAL (splits > 1) writes (m, l, acc) partials for
+#   _attn_combine_kernel (split-KV decode, each range started at the sink with weight 0). The
+#   split count is a run-time value: decode batch sizes share one compiled variant.
 #
 # The rotated queries are staged through the output rows (rewritten at the end) so that the
 # Q operands come from a load: Triton then feeds wgmma from shared memory instead of holding
@@ -400,7 +401,7 @@ def _heads_kernel(
     comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC,
     m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
     ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr,
 ):
     # The prologue and the epilogue compute their addresses and RoPE tables separately (and
@@ -433,7 +434,7 @@ def _heads_kernel(
     LOG2E: tl.constexpr = 1.4426950408889634
     # the sink (log2 units): running max with weight 2^0 = 1, or 0 in a split range
     m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0) * LOG2E
-    l_i = tl.full((HB,), 1.0 if SPLITS == 1 else 0.0, tl.float32)
+    l_i = tl.full((HB,), 0.0 if PARTIAL else 1.0, tl.float32)
     acc_e = tl.zeros((HB, HALF), dtype=tl.float32)
     acc_o = tl.zeros((HB, HALF), dtype=tl.float32)
     win_tiles = tl.cdiv(W, BLOCK_N)
@@ -453,7 +454,7 @@ def _heads_kernel(
     # epilogue: addresses again (see above); rows stored whole, channels interleaved again
     off2 = hh[:, None] * D + tl.arange(0, D)[None, :]
     hmask2 = hh[:, None] < H - h0
-    if SPLITS == 1:
+    if not PARTIAL:
         a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
         b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
         cos2, sin2 = _rope_tables(cos_ptr + stride_cs * t, sin_ptr + stride_cs * t, HALF,
@@ -462,7 +463,7 @@ def _heads_kernel(
                        (HB, D))
         tl.store(out_ptr + D * rows_in + off2, o.to(out_ptr.dtype.element_ty), mask=hmask2)
     else:
-        cell = (t * SPLITS + sp) * H + h0  # first partial row of this program
+        cell = (t * tl.num_programs(2) + sp) * H + h0  # first partial row here
         tl.store(m_ptr + cell + hh, m_i / LOG2E, mask=hh < H - h0)  # natural units
         tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
         o = tl.reshape(tl.join(acc_e * UNSHIFT, acc_o * UNSHIFT), (HB, D))
@@ -648,7 +649,7 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
         win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
         comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, D=dim,
-        ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, SPLITS=splits,
+        ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
         PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
         ASM=HW_FP8 and bool(cfg["heads_asm"]),
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
