@@ -208,9 +208,9 @@ def _attn_kernel(
 #
 # The rotated queries are staged through the output rows (rewritten at the end) so that the
 # Q operands come from a load: Triton then feeds wgmma from shared memory instead of holding
-# Q in registers beside the [HB, D] FP32 accumulators. The raw bytes of the next key tile are
-# loaded before the current one is used (a register prefetch: one program per SM leaves no
-# other warps to hide the gather latency behind).
+# Q in registers beside the [HB, D] FP32 accumulators. PREFETCH loads the raw bytes of the next
+# key tile before the current one is used (a register prefetch); on the H200 it measured
+# slower (more spills), so it is off by default.
 #
 # ASM (GPU): the records are decoded by PTX blocks that place each code's bits in a BF16's
 # fields and rescale with one bf16x2 multiply; those keys are K * 2^-63 exactly,
