@@ -150,24 +150,33 @@ def routed(tokens: int, weights, results: list, log) -> None:
             rec(f"dequant W1|W3 {name}", ms, 0.0, 0.0, GBps=nbytes / (ms * 1e-3) / 1e9)
         gl.CONFIG["dequant"] = saved["dequant"]
         if "gemm1" in best and "gemm2" in best:  # end to end: the best of each GEMM
-            gl.CONFIG.update(gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
+            gl.CONFIG.update(gemm1=best["gemm1"][2], gemm2=best["gemm2"][2],
+                             scratch_min_pairs=1 << 40)
             fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT)  # noqa: E731
-            rec(f"after ({best['gemm1'][0]} + {best['gemm2'][0]})",
+            rec(f"after best ({best['gemm1'][0]} + {best['gemm2'][0]})",
                 time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref), flops1 + flops2,
                 gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
-            # the MoE entry point: dispatch here vs the previous grouped GEMM (min_pairs)
-            from flashpd.kernels.moe import triton as mt
-            experts = mt.ExpertSet(w1, w3, w2)
-            new = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
-            y_new = new()
-            ms_new = time_ms(new, reps=5, warmup=1)
-            gl.CONFIG["min_pairs"] = 1 << 40
-            old = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
-            y_old = old()
-            ms_old = time_ms(old, reps=5, warmup=1)
-            rec("moe.routed_experts previous path", ms_old, 0.0, flops1 + flops2)
-            rec("moe.routed_experts dispatched (err vs previous)", ms_new,
-                rel_err(y_new, y_old), flops1 + flops2)
+            gl.CONFIG.clear()
+            gl.CONFIG.update(saved)
+        # the defaults (grouped_large.CONFIG), then the MoE entry point: dispatched here vs the
+        # previous grouped GEMM (min_pairs out of reach); both include sorting and the sum
+        fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT)  # noqa: E731
+        out = torch.full_like(y_ref, float("nan"))
+        out.copy_(fn())
+        rec("after (defaults)", time_ms(fn, reps=7, warmup=1), rel_err(out, y_ref),
+            flops1 + flops2)
+        from flashpd.kernels.moe import triton as mt
+        experts = mt.ExpertSet(w1, w3, w2)
+        new = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+        y_new = new()
+        ms_new = time_ms(new, reps=5, warmup=1)
+        gl.CONFIG["min_pairs"] = 1 << 40
+        old = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+        y_old = old()
+        ms_old = time_ms(old, reps=5, warmup=1)
+        rec("moe.routed_experts previous path", ms_old, 0.0, flops1 + flops2)
+        rec("moe.routed_experts dispatched (err vs previous)", ms_new,
+            rel_err(y_new, y_old), flops1 + flops2)
     except Exception as exc:
         log(f"  end to end FAILED {type(exc).__name__}: {str(exc)[:300]}")
     finally:
@@ -227,11 +236,18 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tokens", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="no per-GEMM sweep: before, the defaults, the MoE entry point")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under the interpreter (checks the script runs)")
     args = ap.parse_args()
     if args.smoke:
         _smoke()
+    if args.quick:
+        GEMM1.clear()
+        GEMM2.clear()
+        for name in list(DEQUANT)[1:]:
+            del DEQUANT[name]
     from flashpd.bench.kernel_roofline import rand_mxfp4
     from flashpd.kernels.verify import time_ms
 

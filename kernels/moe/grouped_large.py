@@ -46,16 +46,23 @@ from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, 
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
-#   min_pairs  moe/triton.py routes MXFP4 experts here from this many token-expert pairs (GPU)
-#   gemm1/2    the SwiGLU GEMM (W1|W3) and the down GEMM (W2): path ("mx", "bf16", "cublas"),
-#              tiles block_m/n/k, warps, stages; dot_scaled, swap, fused13 (see above)
-#   dequant    the BF16 decode kernel's rows x K block and warps
+#   min_pairs      moe/triton.py routes MXFP4 experts here from this many token-expert pairs
+#                  (GPU; 6144 = 1024 tokens x top-6)
+#   gemm1/2        the SwiGLU GEMM (W1|W3) and the down GEMM (W2) below scratch_min_pairs: path
+#                  ("mx", "bf16", "cublas"), tiles block_m/n/k, warps, stages; dot_scaled, swap,
+#                  fused13 (see above)
+#   scratch_min_pairs, gemm1_large/gemm2_large: from this many pairs the weights' decode into
+#                  the scratch buffer pays off; the paths used then
+#   dequant        the BF16 decode kernel's rows x K block and warps
 CONFIG = {
     "min_pairs": 6144,
     "gemm1": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
-              "stages": 4, "dot_scaled": True, "swap": False},
+              "stages": 4, "dot_scaled": True, "swap": False, "fused13": True},
     "gemm2": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
               "stages": 4, "dot_scaled": True, "swap": False},
+    "scratch_min_pairs": 24576,
+    "gemm1_large": {"path": "cublas"},
+    "gemm2_large": {"path": "cublas"},
     "dequant": {"block_r": 32, "block_k": 256, "warps": 4},
 }
 
@@ -273,19 +280,24 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out:
 
 # ============================================================================ dequant mode
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, K, stride_ye, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_ye,
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """MXFP4 rows -> BF16 rows, one 32-bit word per packed byte: the word is the BF16 pair
+    (k = 2j, 2j + 1) of byte j, so no interleave. Each value is E2M1 * 2^(s - 127) in FP32, whose
+    bits below 16 are zero (at most 2 significant bits): the BF16 is its top half (exact)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row of [E * N, K]
-    k0 = tl.program_id(1) * BLOCK_K
-    rmask = (r < rows)[:, None]
-    r64 = r.to(tl.int64)[:, None]
-    packed = tl.load(w_ptr + r64 * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :],
-                     mask=rmask, other=0)
-    scale = tl.load(s_ptr + r64 * (K // 32) + k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :],
-                    mask=rmask, other=127)
-    w = _decode_tile(packed, scale, BLOCK_R, BLOCK_K)
-    y_row = (r64 // N) * stride_ye + (r64 % N) * K
-    tl.store(y_ptr + y_row + k0 + tl.arange(0, BLOCK_K)[None, :], w, mask=rmask)
+    grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # 32-value groups of the row
+    rmask = (r < rows)[:, None, None] & (grp < row_groups)[None, :, None]
+    r64 = r.to(tl.int64)[:, None, None]
+    byte = grp[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]  # [1, G, 16]
+    b = tl.load(w_ptr + r64 * row_bytes + byte, mask=rmask, other=0).to(tl.int32)
+    f = e8m0_decode(tl.load(s_ptr + r64 * row_groups + grp[None, :, None], mask=rmask,
+                            other=127))  # [R, G, 1]
+    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
+    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
+    word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+    y_row = (r64 // N) * stride_ye + (r64 % N) * row_bytes  # in 32-bit words
+    tl.store(y_ptr + y_row + byte, word, mask=rmask)
 
 
 def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -298,14 +310,15 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"dequantize_mxfp4 needs K % 32 == 0, got {k}")
     y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16,
                                                 device=w.data.device)
-    if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1):
+    if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1) or \
+            y.stride(0) % 2:
         raise ValueError(f"out must be a BF16 [{e}, {n}, {k}] view with contiguous rows")
-    rows = e * n
-    cfg = CONFIG["dequant"]
-    block_k = next(b for b in (cfg["block_k"], 64, 32) if k % b == 0)
-    _dequant_kernel[(triton.cdiv(rows, cfg["block_r"]), k // block_k)](
-        w.data, w.scale, y, rows, n, k, y.stride(0), BLOCK_R=cfg["block_r"], BLOCK_K=block_k,
-        num_warps=cfg["warps"])
+    rows, cfg = e * n, CONFIG["dequant"]
+    groups = k // 32
+    block_g = min(cfg["block_k"] // 32, triton.next_power_of_2(groups))
+    _dequant_kernel[(triton.cdiv(rows, cfg["block_r"]), triton.cdiv(groups, block_g))](
+        w.data, w.scale, y.view(torch.int32), rows, n, k // 2, groups, y.stride(0) // 2,
+        BLOCK_R=cfg["block_r"], BLOCK_G=block_g, num_warps=cfg["warps"])
     return y
 
 
@@ -448,8 +461,9 @@ def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tens
     y[p] = expert_ffn(x[token]) of pair p's expert, with weight gamma[p] (moe.ref.expert_ffn).
     """
     pairs = _Pairs(token_of_pair, gamma, schedule, w1.num_experts)
-    h = swiglu_gemm(x, pairs, w1, w3, limit, CONFIG["gemm1"])
-    return down_gemm(h, pairs, w2, CONFIG["gemm2"])
+    large = token_of_pair.shape[0] >= CONFIG["scratch_min_pairs"]
+    h = swiglu_gemm(x, pairs, w1, w3, limit, CONFIG["gemm1_large" if large else "gemm1"])
+    return down_gemm(h, pairs, w2, CONFIG["gemm2_large" if large else "gemm2"])
 
 
 def eligible(w: Weights, num_pairs: int, dtype: torch.dtype) -> bool:

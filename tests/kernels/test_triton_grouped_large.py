@@ -69,10 +69,38 @@ def test_expert_gemms_match_reference_ffn(monkeypatch, path, swap, fused13):
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_large_calls_take_the_scratch_paths(monkeypatch):
+    """From scratch_min_pairs pairs the *_large configurations run (here: cublas), whatever
+    gemm1/gemm2 say (dot_scaled, which the interpreter refuses)."""
+    g = torch.Generator().manual_seed(4)
+    experts, dim, inter, tokens, top_k = 3, 64, 64, 7, 2
+    w1, d1 = _mxfp4(experts, inter, dim, g)
+    w3, d3 = _mxfp4(experts, inter, dim, g)
+    w2, d2 = _mxfp4(experts, dim, inter, g)
+    x = torch.randn(tokens, dim, generator=g).bfloat16()
+    sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
+    monkeypatch.setitem(gl.CONFIG, "scratch_min_pairs", tokens * top_k)
+    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "dot_scaled": True, "swap": False})
+    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "dot_scaled": True, "swap": False})
+    schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT)
+    want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_dequantize_mxfp4_is_exact():
+    """Every code and scale byte 0..254 (subnormal 2^-127 to overflow), into a strided view."""
     g = torch.Generator().manual_seed(1)
-    w, deq = _mxfp4(2, 8, 128, g)
-    assert torch.equal(gl.dequantize_mxfp4(w), deq)
+    packed = torch.randint(0, 256, (2, 8, 96), generator=g, dtype=torch.uint8)
+    scale = torch.randint(0, 255, (2, 8, 6), generator=g, dtype=torch.uint8)
+    scale[0, 0] = torch.tensor([0, 1, 126, 127, 128, 254], dtype=torch.uint8)
+    w = dt.Weights.mxfp4(packed, scale)
+    want = torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in zip(packed, scale,
+                                                                             strict=True)])
+    buf = torch.full((2, 16, 192), float("nan"), dtype=torch.bfloat16)
+    got = gl.dequantize_mxfp4(w, buf[:, 8:])
+    assert torch.equal(got, want)
+    assert torch.isnan(buf[:, :8]).all()  # nothing outside the view written
 
 
 def test_rejects_mismatched_schedule_and_formats():
