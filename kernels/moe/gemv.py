@@ -1,0 +1,317 @@
+"""Routed MXFP4 experts for decode batches on CUDA cores (FMA, no tl.dot): moe/ref.py's math.
+
+At one or two rows per expert the tensor-core GEMM (dense/triton.py) spends its time moving
+dequantised values into the MMA layout; here each weight value is decoded to FP32 by bit moves
+and multiplied into the few rows that use it. Same result as `moe.triton`'s grouped GEMMs:
+
+    h[p] = bf16(gamma[p] * silu(min(bf16(x[t] . W1[e]^T), L)) * clamp(bf16(x[t] . W3[e]^T), L))
+    y[p] = bf16(h[p] . W2[e]^T)          p: a sorted (token t, expert e) pair
+
+Launches (no host sync; CUDA-graph capturable):
+
+    sort_pairs  (moe.triton) pairs sorted by expert; tiles of <= ROWS pairs of one expert
+    prep        xp = x with each 32-column group permuted into nibble order (FP32, x XSCALE)
+    up          grid (tile, N block of I): both W1 and W3 tiles, SwiGLU epilogue, h -> hp
+                (FP32 values of bf16(h), nibble order, x XSCALE: the down launch's input)
+    down        grid (tile, N block of D): y = bf16(hp . W2^T) per pair
+    combine     (moe.triton) each token's pairs summed in ascending expert id, FP32
+
+Empty tiles (grid slots past the active ones) exit at once. Tile is grid axis 0, so the N blocks
+of two tiles of one expert run side by side and the second reads the weights from L2.
+
+Weight words: the uint8 [E, N, K/2] nibbles are read as int32 words, 4 words (16 bytes, one
+vector load) per 32-value scale group; nibble i of word j is column 8j + i (low nibble = even
+column). Nibble i of every word is decoded at once:
+
+    t = w << (28 - 4i)                  sign at bit 31, magnitude bits (e1 e0 m) at 28..30
+    f = (t >> 6) & 0x81C00000           (arithmetic shift) sign | magnitude at bits 22..24
+    float(f) = E2M1 value * 2^-126      (exact; 0.5 is the subnormal 2^-127)
+
+and multiplied by x' = x * 2^64 (XSCALE) so products are normal FP32 numbers: v * x * 2^-62.
+Within a scale group the 32 products are summed in FP32 (per word lane: nibbles 0..7, then
+the 4 lanes), then scaled once by 2^(s-127) (exact), the groups summed in K order, and the
+total multiplied by 2^62 (exact). DECODE "select" builds normal floats instead (no subnormal
+operand; a few more integer ops): the fallback if a compiler ever flushed subnormals.
+
+Batch invariance: a pair's sums depend on block sizes along K only (constants), not on how many
+rows share the call or its tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
+from flashpd.kernels.dense.triton import W_MXFP4, Weights, sigmoid_f32
+from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
+
+# rows: pairs per tile by token count (the smallest entry >= the batch); up / down: N block
+# (weight rows per program), K step in 32-value groups, warps; decode: "bits" or "select".
+CONFIG = {"rows": ((1, 1), (8, 2), (1 << 30, 4)),
+          "up": {"block_n": 16, "groups": 8, "warps": 4},
+          "down": {"block_n": 16, "groups": 8, "warps": 4},
+          "decode": "bits"}
+_XSCALE_BITS, _POST_BITS = 2.0 ** 64, 2.0 ** 62  # x' = x * 2^64; sums * 2^62 (see above)
+_PREP_BLOCK = 1024
+_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # as int32
+
+
+def tile_rows(num_tokens: int) -> int:
+    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
+    for max_tokens, rows in CONFIG["rows"]:
+        if num_tokens <= max_tokens:
+            return rows
+    raise ValueError(f"CONFIG['rows'] has no entry for {num_tokens} tokens")
+
+
+def eligible(experts) -> bool:
+    """True when the routed experts' three weights are MXFP4 (what these kernels read)."""
+    return all(w.fmt == W_MXFP4 for w in (experts.w1, experts.w3, experts.w2))
+
+
+# ============================================================================ kernels
+@triton.jit
+def _decode(words, i: tl.constexpr, SELECT: tl.constexpr):
+    """FP32 of nibble i of each int32 word: E2M1 value * 2^-126 (bits) or the value (select)."""
+    if SELECT:
+        code = (words >> (4 * i)) & 15
+        mag = code & 7
+        normal = (mag << 22) + (126 << 23)  # exponent e >= 1: 2^(e-1) * (1 + m/2)
+        bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))
+        bits = bits | ((code & 8) << 28)
+    else:
+        if i == 7:
+            t = words
+        else:
+            t = words << (28 - 4 * i)
+        bits = (t >> 6) & _SIGN_MAG
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_nibble(xp_ptr, row_off, col0, i: tl.constexpr, gmask, G: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """xp[row, col0 + 32 g + 4 i + j] as [G, 4]: the x values of nibble i of each word."""
+    g = tl.arange(0, G)
+    j = tl.arange(0, 4)
+    offs = row_off + col0 + g[:, None] * 32 + 4 * i + j[None, :]
+    if EVEN_K:
+        return tl.load(xp_ptr + offs)
+    else:
+        return tl.load(xp_ptr + offs, mask=gmask[:, None], other=0.0)
+
+
+@triton.jit
+def _prep_kernel(x_ptr, stride_x, xp_ptr, K, xscale, BLOCK: tl.constexpr):
+    """xp[t, 32g + 4i + j] = x[t, 32g + 8j + i] * xscale in FP32 (nibble order)."""
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    r = o % 32
+    src = o - r + 8 * (r % 4) + r // 4
+    mask = o < K
+    v = tl.load(x_ptr + t * stride_x + src, mask=mask, other=0.0).to(tl.float32)
+    tl.store(xp_ptr + t * K + o, v * xscale, mask=mask)
+
+
+@triton.jit
+def _row(tile_rows_ptr, start, end, r: tl.constexpr, GATHER: tl.constexpr):
+    """(row of the activations, valid) of the tile's r-th pair; past the tile's end: its first
+    row (read, never stored), so no activation load needs a row mask."""
+    p = start + r
+    valid = p < end
+    if GATHER:
+        src = tl.load(tile_rows_ptr + tl.where(valid, p, start))
+    else:
+        src = tl.where(valid, p, start)
+    return src.to(tl.int64), valid
+
+
+@triton.jit
+def _gemv_kernel(
+    xp_ptr, K, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
+    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
+    out_ptr, N, limit, post, out_scale,
+    SWIGLU: tl.constexpr, ROWS: tl.constexpr, SELECT: tl.constexpr, ROUND_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+):
+    """One tile (<= ROWS pairs of one expert) x one N block. SWIGLU (up): rows of xp gathered by
+    token, W1 and W3, epilogue -> FP32 nibble-order h * out_scale. Else (down): row p of xp,
+    W1 only -> out[p, n] in out's dtype."""
+    q = tl.program_id(0)
+    start = tl.load(t_start_ptr + q)
+    end = tl.load(t_end_ptr + q)
+    if start < end:
+        e = tl.load(t_exp_ptr + q).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        g = tl.arange(0, G)
+        j = tl.arange(0, 4)
+        src0, ok0 = _row(rows_ptr, start, end, 0, SWIGLU)
+        src1, ok1 = _row(rows_ptr, start, end, 1, SWIGLU)
+        src2, ok2 = _row(rows_ptr, start, end, 2, SWIGLU)
+        src3, ok3 = _row(rows_ptr, start, end, 3, SWIGLU)
+        w_row = e * stride_we + n.to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1] words
+        s_row = e * stride_se + n.to(tl.int64)[:, None] * stride_sn  # [BN, 1]
+        zero = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        a10, a11, a12, a13 = zero, zero, zero, zero  # W1 sums per (n, group lane), rows 0..3
+        a30, a31, a32, a33 = zero, zero, zero, zero  # W3 (SwiGLU)
+        n_groups = K // 32
+        for gk in range(0, n_groups, G):
+            gg = gk + g
+            gmask = gg < n_groups
+            if EVEN_K:  # no K mask: 16-byte vector loads
+                wmask = nmask[:, None, None]
+                smask = nmask[:, None]
+            else:
+                wmask = nmask[:, None, None] & gmask[None, :, None]
+                smask = nmask[:, None] & gmask[None, :]
+            woff = w_row + gg[None, :, None] * 4 + j[None, None, :]  # [BN, G, 4]
+            w1 = tl.load(w1_ptr + woff, mask=wmask, other=0)
+            sc1 = e8m0_decode(tl.load(s1_ptr + s_row + gg[None, :], mask=smask, other=127))
+            p10 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+            p11, p12, p13 = p10, p10, p10
+            if SWIGLU:
+                w3 = tl.load(w3_ptr + woff, mask=wmask, other=0)
+                sc3 = e8m0_decode(tl.load(s3_ptr + s_row + gg[None, :], mask=smask, other=127))
+                p30, p31, p32, p33 = p10, p10, p10, p10
+            col0 = gk * 32
+            for i in tl.static_range(8):
+                f1 = _decode(w1, i, SELECT)
+                if SWIGLU:
+                    f3 = _decode(w3, i, SELECT)
+                x0 = _x_nibble(xp_ptr, src0 * K, col0, i, gmask, G, EVEN_K)[None, :, :]
+                p10 += f1 * x0
+                if SWIGLU:
+                    p30 += f3 * x0
+                if ROWS > 1:
+                    x1 = _x_nibble(xp_ptr, src1 * K, col0, i, gmask, G, EVEN_K)[None, :, :]
+                    p11 += f1 * x1
+                    if SWIGLU:
+                        p31 += f3 * x1
+                if ROWS > 2:
+                    x2 = _x_nibble(xp_ptr, src2 * K, col0, i, gmask, G, EVEN_K)[None, :, :]
+                    x3 = _x_nibble(xp_ptr, src3 * K, col0, i, gmask, G, EVEN_K)[None, :, :]
+                    p12 += f1 * x2
+                    p13 += f1 * x3
+                    if SWIGLU:
+                        p32 += f3 * x2
+                        p33 += f3 * x3
+            a10 += tl.sum(p10, axis=2) * sc1
+            if SWIGLU:
+                a30 += tl.sum(p30, axis=2) * sc3
+            if ROWS > 1:
+                a11 += tl.sum(p11, axis=2) * sc1
+                if SWIGLU:
+                    a31 += tl.sum(p31, axis=2) * sc3
+            if ROWS > 2:
+                a12 += tl.sum(p12, axis=2) * sc1
+                a13 += tl.sum(p13, axis=2) * sc1
+                if SWIGLU:
+                    a32 += tl.sum(p32, axis=2) * sc3
+                    a33 += tl.sum(p33, axis=2) * sc3
+        _epilogue(a10, a30, start, ok0, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
+                  SWIGLU, ROUND_BF16)
+        if ROWS > 1:
+            _epilogue(a11, a31, start + 1, ok1, n, nmask, gamma_ptr, out_ptr, N, limit, post,
+                      out_scale, SWIGLU, ROUND_BF16)
+        if ROWS > 2:
+            _epilogue(a12, a32, start + 2, ok2, n, nmask, gamma_ptr, out_ptr, N, limit, post,
+                      out_scale, SWIGLU, ROUND_BF16)
+            _epilogue(a13, a33, start + 3, ok3, n, nmask, gamma_ptr, out_ptr, N, limit, post,
+                      out_scale, SWIGLU, ROUND_BF16)
+
+
+@triton.jit
+def _round(x, ROUND_BF16: tl.constexpr):
+    if ROUND_BF16:
+        x = round_bf16(x)
+    return x
+
+
+@triton.jit
+def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
+              SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Pair p's outputs for columns n from its per-group sums [BN, G] (group order)."""
+    g = _round(tl.sum(a1, axis=1) * post, ROUND_BF16)  # the GEMM output in the activation dtype
+    mask = nmask & ok
+    if SWIGLU:  # moe.ref.expert_ffn: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
+        g = tl.minimum(g, limit)
+        u = _round(tl.sum(a3, axis=1) * post, ROUND_BF16)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        gamma = tl.load(gamma_ptr + p, mask=ok, other=0.0)
+        h = _round(gamma * (g * sigmoid_f32(g) * u), ROUND_BF16)
+        r = n % 32
+        col = n - r + 4 * (r % 8) + r // 8  # nibble order for the down launch
+        tl.store(out_ptr + p.to(tl.int64) * N + col, h * out_scale, mask=mask)
+    else:
+        tl.store(out_ptr + p.to(tl.int64) * N + n, g.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ============================================================================ host side
+def _words(w: Weights) -> torch.Tensor:
+    """uint8 [E, N, K/2] nibbles as int32 [E, N, K/8] words (same bytes)."""
+    data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
+    return data.view(torch.int32)
+
+
+def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, limit: float,
+            rows_per_tile: int, swiglu: bool, round_bf16: bool, out_scale: float) -> None:
+    cfg = CONFIG["up" if swiglu else "down"]
+    select = CONFIG["decode"] == "select"
+    if CONFIG["decode"] not in ("bits", "select"):
+        raise ValueError(f"gemv CONFIG['decode'] must be 'bits' or 'select', got "
+                         f"{CONFIG['decode']!r}")
+    post = 1.0 if select else _POST_BITS
+    words1 = _words(w1)
+    words3 = _words(w3) if w3 is not None else words1
+    scale3 = w3.scale if w3 is not None else w1.scale
+    n_dim, k_dim = w1.out_dim, w1.in_dim
+    groups = cfg["groups"]
+    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
+    _gemv_kernel[grid](
+        xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
+        words1, w1.scale, words3, scale3, words1.stride(0), words1.stride(1),
+        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit), post, out_scale,
+        SWIGLU=swiglu, ROWS=rows_per_tile, SELECT=select, ROUND_BF16=round_bf16,
+        EVEN_K=(k_dim // 32) % groups == 0, BLOCK_N=cfg["block_n"], G=groups,
+        num_warps=cfg["warps"])
+
+
+def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int
+                ) -> torch.Tensor:
+    """y [P, D] in x.dtype, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose
+    schedule has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
+
+    x: [T, D] bf16 or fp32 tokens; experts: moe.triton.ExpertSet with MXFP4 w1, w3 [E, I, D]
+    and w2 [E, D, I]."""
+    if not eligible(experts):
+        raise ValueError("gemv expert_rows reads MXFP4 experts only")
+    if rows_per_tile not in (1, 2, 4) or pairs.schedule.block_m != rows_per_tile:
+        raise ValueError(f"rows_per_tile {rows_per_tile} must be 1, 2 or 4 and match the "
+                         f"schedule's block_m {pairs.schedule.block_m}")
+    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be row-major [T, {experts.w1.in_dim}]")
+    triton_runtime.check_device(x, experts.w1.data)
+    num_tokens, dim = x.shape
+    num_pairs = pairs.rows.shape[0]
+    inter = experts.w1.out_dim
+    select = CONFIG["decode"] == "select"
+    xscale = 1.0 if select else _XSCALE_BITS
+    round_bf16 = x.dtype == torch.bfloat16
+    xp = torch.empty(num_tokens, dim, dtype=torch.float32, device=x.device)
+    hp = torch.empty(num_pairs, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(num_pairs, dim, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return y
+    _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
+        x, x.stride(0), xp, dim, xscale, BLOCK=_PREP_BLOCK, num_warps=4)
+    _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, hp, limit,
+            rows_per_tile, True, round_bf16, xscale)
+    _launch(hp, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
+            rows_per_tile, False, round_bf16, 1.0)
+    return y
