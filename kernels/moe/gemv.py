@@ -294,8 +294,9 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     if rows_per_tile not in (1, 2, 4) or pairs.schedule.block_m != rows_per_tile:
         raise ValueError(f"rows_per_tile {rows_per_tile} must be 1, 2 or 4 and match the "
                          f"schedule's block_m {pairs.schedule.block_m}")
-    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim or x.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} must be row-major [T, {experts.w1.in_dim}]")
+    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
+    x = x if x.stride(1) == 1 else x.contiguous()
     triton_runtime.check_device(x, experts.w1.data)
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]

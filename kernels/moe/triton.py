@@ -33,11 +33,14 @@ import triton.language as tl
 
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
-from flashpd.kernels.moe import grouped_large
+from flashpd.kernels.moe import gemv, grouped_large
 from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
+# Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py)
+GEMV = True
+GEMV_MAX_ROWS = 16
 _ROUTER_BLOCK_T = 16
 _ROUTER_BLOCK_K = 32
 
@@ -392,6 +395,10 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
+    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts):
+        rows = gemv.tile_rows(num_tokens)
+        pairs = sort_pairs(ids, weights, experts.num_experts, rows)
+        return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos
     large = grouped_large.eligible(experts.w1, num_pairs, x.dtype)  # prefill sizes (GPU)
     block_m = grouped_large.block_m() if large else dense.block_m_for(
         max(1, num_pairs // max(1, experts.num_experts)))
