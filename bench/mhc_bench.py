@@ -45,16 +45,18 @@ DEVICE = triton_runtime.kernel_device()  # CPU under the interpreter (a dry run 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
 # prefill launch variants timed at `--big` tokens (fused step): name -> CONFIG overrides
 VARIANTS = {
-    "bt64 w8 auto": {},
-    "bt64 w8 grid1": {"prefill_grid": 1},
-    "bt64 w8 grid2": {"prefill_grid": 2},
-    "bt64 w8 grid10": {"prefill_grid": 10},
-    "bt64 w8 bd32": {"prefill_block_d": 32},
-    "bt32 w4 auto": {"prefill_block_t": 32, "prefill_warps": 4},
-    "bt128 w8 bd32": {"prefill_block_t": 128, "prefill_block_d": 32},
+    "bt64 bd32 w8 s3 auto": {},
+    "bt64 bd32 w8 s3 grid1": {"prefill_grid": 1},
+    "bt64 bd32 w8 s3 grid2": {"prefill_grid": 2},
+    "bt64 bd32 w8 s3 grid10": {"prefill_grid": 10},
+    "bt64 bd32 w8 s1": {"prefill_stages": 1},
+    "bt64 bd64 w8 s3": {"prefill_block_d": 64},
+    "bt32 bd32 w8 s3": {"prefill_block_t": 32},
+    "bt16 bd32 w4 s3": {"prefill_block_t": 16, "prefill_warps": 4},
 }
-# decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), warps
-DECODE_VARIANTS = {"split40 w4": {}, "split80 w4": {"split": 80}, "split20 w4": {"split": 20}}
+# decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), chunk, stages
+DECODE_VARIANTS = {"split40 bd32 s3": {}, "split40 bd32 s1": {"decode_stages": 1},
+                   "split40 bd64 s3": {"decode_block_d": 64}, "split80 bd32 s3": {"split": 80}}
 
 
 def apply(over: dict) -> dict:
@@ -221,11 +223,13 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
     torch.cuda.synchronize()
 
 
-def warm_all(before: str | None, d: int, s: int) -> float:
-    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", "bt64 w8 auto")]
-    jobs += [f"new:fused:{v}" for v in VARIANTS if "grid" not in v and v != "bt64 w8 auto"]
-    jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
-             if v != "split40 w4"]
+def warm_all(before: str | None, d: int, s: int, variants: bool = True) -> float:
+    first = next(iter(VARIANTS))
+    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", first)]
+    if variants:
+        jobs += [f"new:fused:{v}" for v in VARIANTS if "grid" not in v and "auto" not in v]
+        jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
+                 if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode"]
     if before:
         jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_before")]
@@ -248,6 +252,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--big", type=int, default=8192, help="tokens of the prefill variants")
+    ap.add_argument("--no-variants", action="store_true", help="the before/after table only")
     args = ap.parse_args()
     try:
         from flashpd.model.presets import preset_config
@@ -261,7 +266,7 @@ def main() -> None:
     if args.warm:
         warm(args.warm, args.before, d, s)
         return
-    warm_s = warm_all(args.before, d, s)
+    warm_s = warm_all(args.before, d, s, not args.no_variants)
     print(f"parallel compile {warm_s:.1f} s", flush=True)
     before = load_before(args.before) if args.before else None
     result = {"preset": "bench", "D": d, "S": s, "config": dict(ht.CONFIG), "checks": [],
@@ -286,7 +291,7 @@ def main() -> None:
         del sites
         torch.cuda.empty_cache()
     big = [Site(args.big, d, s, 200 + i) for i in range(2)]
-    for name, over in VARIANTS.items():
+    for name, over in ({} if args.no_variants else VARIANTS).items():
         if ht._slices(d)[0] % (over.get("prefill_grid") or 1):
             continue
         saved = apply(over)
@@ -298,7 +303,7 @@ def main() -> None:
     del big
     for t in (1, 64):
         sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
-        for name, over in DECODE_VARIANTS.items():
+        for name, over in ({} if args.no_variants else DECODE_VARIANTS).items():
             saved = apply(over)
             row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d)}
             for mode in ("mixes", "fused"):

@@ -8,7 +8,7 @@ the fused step of the shifted schedule (§2.4), `expand_mix_collapse`:
     x      = RMSNorm_w(collapse(X', pre_in))             (optional)
 
 D is cut into at most MHC_SPLIT slices of CH channels (a function of D only; CH = 128 at
-D = 5120), walked in chunks of 64 channels. Per chunk a program loads the four streams once,
+D = 5120), walked in chunks of 32 channels. Per chunk a program loads the four streams once,
 forms X'_k (FP32, j ascending, rounded to the stream dtype and stored), accumulates sum(X'^2),
 the coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T and the collapsed row. The GEMM runs on
 the tensor cores at FP32-level accuracy: BF16 streams are exact in BF16, and fn is split into
@@ -47,15 +47,17 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 # Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
-#   prefill_block_t  tokens per program for longer calls; prefill_block_d: channels per chunk
+#   prefill_block_t  tokens per program for longer calls
+#   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
 #                    count); None: the fewest reaching target_programs in all
 #   norm_elems       elements per step of the RMSNorm pass
 CONFIG: dict = {
-    "decode_rows": 64, "decode_block_t": 16, "decode_warps": 4,
-    "prefill_block_t": 64, "prefill_block_d": 64, "prefill_warps": 8, "prefill_grid": None,
-    "target_programs": 528,
-    "norm_elems": 8192,
+    "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
+    "decode_stages": 3,
+    "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
+    "prefill_grid": None, "target_programs": 528,
+    "norm_elems": 4096,
 }
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -122,7 +124,7 @@ def _fn_tile(fn_ptr, k: tl.constexpr, cols, cmask, D, S: tl.constexpr):
     n = tl.arange(0, 32)
     frow = tl.where(n < 16, n + 2 * S, n - 16)
     fmask = (n < (2 + S) * S)[:, None] & cmask[None, :]
-    return tl.load(fn_ptr + frow[:, None].to(tl.int64) * (S * D) + k * D + cols[None, :],
+    return tl.load(fn_ptr + (frow[:, None] * (S * D) + k * D + cols[None, :]),  # int32: < 2^31
                    mask=fmask, other=0.0)
 
 
@@ -152,7 +154,7 @@ def _mhc_kernel(
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_D: tl.constexpr,
+    NORM_D: tl.constexpr, RED: tl.constexpr = 8,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -196,7 +198,7 @@ def _mhc_kernel(
         acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
         sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
         xsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for c in tl.static_range(CH // BLOCK_D):
+        for c in range(0, CH // BLOCK_D):
             cols = sl * CH + c * BLOCK_D + tl.arange(0, BLOCK_D)
             cmask = cols < D
             mask = rmask[:, None] & cmask[None, :]
@@ -253,9 +255,11 @@ def _mhc_kernel(
         arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
         if arrived == GRID - 1:  # last program of this token block: add the slices in order
             total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-            for i in tl.static_range(NSL):
-                total += tl.load(partial_ptr + (i * T + r64)[:, None] * 32 + col[None, :],
-                                 mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+            for j0 in range(0, NSL, RED):  # RED loads in flight, added in slice order
+                for j in tl.static_range(RED):
+                    total += tl.load(
+                        partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
+                        mask=rmask[:, None] & (j0 + j < NSL), other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
             _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
                         comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE,
@@ -326,14 +330,13 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
     nsl, ch = _slices(dim)
     cfg = CONFIG
-    block_d = _BLOCK_D
-    if num_tokens <= cfg["decode_rows"]:
-        block_t, warps, grid = cfg["decode_block_t"], cfg["decode_warps"], nsl
-    else:
-        block_t, warps, grid = cfg["prefill_block_t"], cfg["prefill_warps"], cfg["prefill_grid"]
-        block_d = cfg["prefill_block_d"]
-        if _BLOCK_D % block_d:
-            raise ValueError(f"prefill_block_d {block_d} must divide {_BLOCK_D}")
+    kind = "decode" if num_tokens <= cfg["decode_rows"] else "prefill"
+    block_t, block_d = cfg[f"{kind}_block_t"], cfg[f"{kind}_block_d"]
+    warps, stages = cfg[f"{kind}_warps"], cfg[f"{kind}_stages"]
+    grid = nsl if kind == "decode" else cfg["prefill_grid"]
+    if _BLOCK_D % block_d:
+        raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
+    if kind == "prefill":
         if grid is None:
             blocks = triton.cdiv(num_tokens, block_t)
             grid = next((g for g in range(1, nsl + 1)
@@ -341,8 +344,8 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     if nsl % grid:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     norm_d = max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t))
-    return {"block_t": block_t, "block_d": block_d, "warps": warps, "grid": grid, "nsl": nsl,
-            "ch": ch,
+    return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
+            "grid": grid, "nsl": nsl, "ch": ch,
             "norm_d": min(norm_d, triton.next_power_of_2(dim))}
 
 
@@ -386,7 +389,7 @@ def expand_mix_collapse(
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_D=plan["norm_d"], num_warps=plan["warps"],
+        NORM_D=plan["norm_d"], num_warps=plan["warps"], num_stages=plan["stages"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 
