@@ -51,10 +51,11 @@ from flashpd.kernels.dense.triton import W_MXFP4, Weights, sigmoid_f32
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # rows: pairs per tile by token count (the smallest entry >= the batch); up / down: N block
-# (weight rows per program), K step in 32-value groups, warps; decode: "bits" or "select".
+# (weight rows per program), K step in 32-value groups, warps, prefetch (the next K step's
+# weights loaded before this step's math); decode: "bits" or "select".
 CONFIG = {"rows": ((1, 1), (8, 2), (1 << 30, 4)),
-          "up": {"block_n": 16, "groups": 8, "warps": 4},
-          "down": {"block_n": 16, "groups": 8, "warps": 4},
+          "up": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
+          "down": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
           "decode": "bits"}
 _XSCALE_BITS, _POST_BITS = 2.0 ** 64, 2.0 ** 62  # x' = x * 2^64; sums * 2^62 (see above)
 _PREP_BLOCK = 1024
@@ -119,6 +120,29 @@ def _prep_kernel(x_ptr, stride_x, xp_ptr, K, xscale, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptr, s_ptr, w_row, s_row, gk, g, j, nmask, n_groups, EVEN_K: tl.constexpr):
+    """Words [BN, G, 4] int32 and scale bytes [BN, G, 1] (int32) of groups gk .. gk+G-1.
+
+    No K mask when EVEN_K (16-byte vector loads). The scales are read as each group's aligned
+    quad of bytes, 4 lanes like the words (so both share one register layout), and the group's
+    own byte is picked in registers."""
+    gg = gk + g
+    woff = w_row + gg[None, :, None] * 4 + j[None, None, :]
+    quad = (gg // 4 * 4)[None, :, None] + j[None, None, :]  # [1, G, 4]
+    if EVEN_K:
+        words = tl.load(w_ptr + woff, mask=nmask[:, None, None], other=0)
+        sb4 = tl.load(s_ptr + s_row + quad, mask=nmask[:, None, None], other=127)
+    else:
+        gmask = (gg < n_groups)[None, :, None]
+        words = tl.load(w_ptr + woff, mask=nmask[:, None, None] & gmask, other=0)
+        sb4 = tl.load(s_ptr + s_row + quad, mask=nmask[:, None, None] & (quad < n_groups),
+                      other=127)
+    own = j[None, None, :] == (gg % 4)[None, :, None]
+    sb = tl.sum(tl.where(own, sb4.to(tl.int32), 0), axis=2)[:, :, None]
+    return words, sb
+
+
+@triton.jit
 def _row(tile_rows_ptr, start, end, r: tl.constexpr, GATHER: tl.constexpr):
     """(row of the activations, valid) of the tile's r-th pair; past the tile's end: its first
     row (read, never stored), so no activation load needs a row mask."""
@@ -137,7 +161,7 @@ def _gemv_kernel(
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
     out_ptr, N, limit, post, out_scale,
     SWIGLU: tl.constexpr, ROWS: tl.constexpr, SELECT: tl.constexpr, ROUND_BF16: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
 ):
     """One tile (<= ROWS pairs of one expert) x one N block. SWIGLU (up): rows of xp gathered by
     token, W1 and W3, epilogue -> FP32 nibble-order h * out_scale. Else (down): row p of xp,
@@ -156,29 +180,39 @@ def _gemv_kernel(
         src2, ok2 = _row(rows_ptr, start, end, 2, SWIGLU)
         src3, ok3 = _row(rows_ptr, start, end, 3, SWIGLU)
         w_row = e * stride_we + n.to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1] words
-        s_row = e * stride_se + n.to(tl.int64)[:, None] * stride_sn  # [BN, 1]
-        zero = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-        a10, a11, a12, a13 = zero, zero, zero, zero  # W1 sums per (n, group lane), rows 0..3
+        s_row = e * stride_se + n.to(tl.int64)[:, None, None] * stride_sn  # [BN, 1, 1]
+        zero = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+        a10, a11, a12, a13 = zero, zero, zero, zero  # W1 sums per (n, group, word lane), rows 0..3
         a30, a31, a32, a33 = zero, zero, zero, zero  # W3 (SwiGLU)
         n_groups = K // 32
+        last = (n_groups - 1) // G * G  # the last K step's first group
+        if PREFETCH:
+            w1n, s1n = _load_w(w1_ptr, s1_ptr, w_row, s_row, 0, g, j, nmask, n_groups, EVEN_K)
+            w3n, s3n = w1n, s1n
+            if SWIGLU:
+                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, 0, g, j, nmask, n_groups,
+                                   EVEN_K)
         for gk in range(0, n_groups, G):
-            gg = gk + g
-            gmask = gg < n_groups
-            if EVEN_K:  # no K mask: 16-byte vector loads
-                wmask = nmask[:, None, None]
-                smask = nmask[:, None]
+            gmask = gk + g < n_groups
+            if PREFETCH:  # next step's weights in flight while this step computes
+                w1, sb1, w3, sb3 = w1n, s1n, w3n, s3n
+                nxt = tl.minimum(gk + G, last)  # the last step reloads itself (cache hit)
             else:
-                wmask = nmask[:, None, None] & gmask[None, :, None]
-                smask = nmask[:, None] & gmask[None, :]
-            woff = w_row + gg[None, :, None] * 4 + j[None, None, :]  # [BN, G, 4]
-            w1 = tl.load(w1_ptr + woff, mask=wmask, other=0)
-            sc1 = e8m0_decode(tl.load(s1_ptr + s_row + gg[None, :], mask=smask, other=127))
+                nxt = gk
+            w1n, s1n = _load_w(w1_ptr, s1_ptr, w_row, s_row, nxt, g, j, nmask, n_groups,
+                               EVEN_K)
+            if SWIGLU:
+                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, nxt, g, j, nmask, n_groups,
+                                   EVEN_K)
+            else:
+                w3n, s3n = w1n, s1n
+            if not PREFETCH:
+                w1, sb1, w3, sb3 = w1n, s1n, w3n, s3n
+            sc1 = e8m0_decode(sb1)
+            sc3 = e8m0_decode(sb3)
             p10 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
             p11, p12, p13 = p10, p10, p10
-            if SWIGLU:
-                w3 = tl.load(w3_ptr + woff, mask=wmask, other=0)
-                sc3 = e8m0_decode(tl.load(s3_ptr + s_row + gg[None, :], mask=smask, other=127))
-                p30, p31, p32, p33 = p10, p10, p10, p10
+            p30, p31, p32, p33 = p10, p10, p10, p10
             col0 = gk * 32
             for i in tl.static_range(8):
                 f1 = _decode(w1, i, SELECT)
@@ -201,19 +235,19 @@ def _gemv_kernel(
                     if SWIGLU:
                         p32 += f3 * x2
                         p33 += f3 * x3
-            a10 += tl.sum(p10, axis=2) * sc1
+            a10 += p10 * sc1
             if SWIGLU:
-                a30 += tl.sum(p30, axis=2) * sc3
+                a30 += p30 * sc3
             if ROWS > 1:
-                a11 += tl.sum(p11, axis=2) * sc1
+                a11 += p11 * sc1
                 if SWIGLU:
-                    a31 += tl.sum(p31, axis=2) * sc3
+                    a31 += p31 * sc3
             if ROWS > 2:
-                a12 += tl.sum(p12, axis=2) * sc1
-                a13 += tl.sum(p13, axis=2) * sc1
+                a12 += p12 * sc1
+                a13 += p13 * sc1
                 if SWIGLU:
-                    a32 += tl.sum(p32, axis=2) * sc3
-                    a33 += tl.sum(p33, axis=2) * sc3
+                    a32 += p32 * sc3
+                    a33 += p33 * sc3
         _epilogue(a10, a30, start, ok0, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
                   SWIGLU, ROUND_BF16)
         if ROWS > 1:
@@ -236,12 +270,12 @@ def _round(x, ROUND_BF16: tl.constexpr):
 @triton.jit
 def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
               SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Pair p's outputs for columns n from its per-group sums [BN, G] (group order)."""
-    g = _round(tl.sum(a1, axis=1) * post, ROUND_BF16)  # the GEMM output in the activation dtype
+    """Pair p's outputs for columns n from its sums per (n, group, word lane) [BN, G, 4]."""
+    g = _round(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
     mask = nmask & ok
     if SWIGLU:  # moe.ref.expert_ffn: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
         g = tl.minimum(g, limit)
-        u = _round(tl.sum(a3, axis=1) * post, ROUND_BF16)
+        u = _round(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         gamma = tl.load(gamma_ptr + p, mask=ok, other=0.0)
         h = _round(gamma * (g * sigmoid_f32(g) * u), ROUND_BF16)
@@ -272,13 +306,16 @@ def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, lim
     scale3 = w3.scale if w3 is not None else w1.scale
     n_dim, k_dim = w1.out_dim, w1.in_dim
     groups = cfg["groups"]
+    if groups not in (4, 8, 16):
+        raise ValueError(f"gemv CONFIG groups must be 4, 8 or 16, got {groups}")
     grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
     _gemv_kernel[grid](
         xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
         words1, w1.scale, words3, scale3, words1.stride(0), words1.stride(1),
         w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit), post, out_scale,
         SWIGLU=swiglu, ROWS=rows_per_tile, SELECT=select, ROUND_BF16=round_bf16,
-        EVEN_K=(k_dim // 32) % groups == 0, BLOCK_N=cfg["block_n"], G=groups,
+        EVEN_K=(k_dim // 32) % groups == 0, PREFETCH=cfg["prefetch"], BLOCK_N=cfg["block_n"],
+        G=groups,
         num_warps=cfg["warps"])
 
 
