@@ -227,7 +227,11 @@ def _smoke() -> None:
     from flashpd.bench import kernel_roofline
 
     global DEV, HIDDEN, INTER, EXPERTS, Q_LORA, O_IN
+    from flashpd.kernels.moe import grouped_large as gl
+
     DEV = kernel_roofline.DEV = "cpu"
+    for gemm in ("gemm1", "gemm2"):  # the interpreter cannot run tl.dot_scaled
+        gl.CONFIG[gemm] = {**gl.CONFIG[gemm], "dot_scaled": False}
     HIDDEN, INTER, EXPERTS, Q_LORA, O_IN = 128, 128, 8, 64, 128
 
 
