@@ -48,15 +48,11 @@ VARIANTS = {
     "bt64 bd32 w8 s3 auto": {},
     "bt64 bd32 w8 s3 grid1": {"prefill_grid": 1},
     "bt64 bd32 w8 s3 grid2": {"prefill_grid": 2},
-    "bt64 bd32 w8 s3 grid10": {"prefill_grid": 10},
-    "bt64 bd32 w8 s1": {"prefill_stages": 1},
-    "bt64 bd64 w8 s3": {"prefill_block_d": 64},
+    "bt16 bd32 w4 s3 (decode tiles)": {"prefill_block_t": 16, "prefill_warps": 4},
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
-    "bt16 bd32 w4 s3": {"prefill_block_t": 16, "prefill_warps": 4},
 }
 # decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), chunk, stages
-DECODE_VARIANTS = {"split40 bd32 s3": {}, "split40 bd32 s1": {"decode_stages": 1},
-                   "split40 bd64 s3": {"decode_block_d": 64}, "split80 bd32 s3": {"split": 80}}
+DECODE_VARIANTS = {"split40 bd32 s3": {}}
 
 
 def apply(over: dict) -> dict:
@@ -227,7 +223,8 @@ def warm_all(before: str | None, d: int, s: int, variants: bool = True) -> float
     first = next(iter(VARIANTS))
     jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", first)]
     if variants:
-        jobs += [f"new:fused:{v}" for v in VARIANTS if "grid" not in v and "auto" not in v]
+        jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in VARIANTS
+                 if "grid" not in v and "auto" not in v and "decode tiles" not in v]
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
                  if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode"]
@@ -296,12 +293,13 @@ def main() -> None:
             continue
         saved = apply(over)
         us = time_us([f for st in big for f in calls(ht, "fused", st)])
-        result["variants"].append({"variant": name, "fused_us_8192": us,
+        mix_us = time_us([f for st in big for f in calls(ht, "mixes", st)])
+        result["variants"].append({"variant": name, "fused_us_8192": us, "mixes_us_big": mix_us,
                                    "plan": ht.launch_plan(args.big, d)})
         restore(saved)
-        print(name, f"{us:.1f} us", flush=True)
+        print(name, f"fused {us:.1f} us, mixes {mix_us:.1f} us", flush=True)
     del big
-    for t in (1, 64):
+    for t in (1, 64) if len(DECODE_VARIANTS) > 1 else ():
         sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
         for name, over in ({} if args.no_variants else DECODE_VARIANTS).items():
             saved = apply(over)
@@ -326,9 +324,10 @@ def main() -> None:
     for c in result["checks"]:
         lines.append(f"| {c['check']} | {c.get('T', '')} | {c.get('rel_err', 0):.2e} | "
                      f"{c.get('tol', '')} | {c['ok']} |")
-    lines += ["", "| prefill variant (8192, fused) | us |", "|---|---|"]
-    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} |" for v in result["variants"]
-              if "fused_us_8192" in v]
+    lines += ["", f"| prefill variant ({args.big} tokens) | fused us | mixes us |",
+              "|---|---|---|"]
+    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} | {v['mixes_us_big']:.1f} |"
+              for v in result["variants"] if "fused_us_8192" in v]
     lines += ["", "| decode variant | T | mixes us | fused us |", "|---|---|---|---|"]
     lines += [f"| {v['variant']} | {v['T']} | {v['mixes_us']:.1f} | {v['fused_us']:.1f} |"
               for v in result["variants"] if "mixes_us" in v]

@@ -51,13 +51,14 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
 #                    count); None: the fewest reaching target_programs in all
-#   norm_elems       elements per step of the RMSNorm pass
+#   norm_elems       elements per load of the RMSNorm pass (four in flight)
+#   red              slice vectors loaded at once by a token block's last program
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096,
+    "norm_elems": 4096, "red": 40,
 }
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -154,7 +155,7 @@ def _mhc_kernel(
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_D: tl.constexpr, RED: tl.constexpr = 8,
+    NORM_D: tl.constexpr, RED: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -246,32 +247,50 @@ def _mhc_kernel(
         else:
             tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec,
                      mask=rmask[:, None])
+    if GRID == 1:  # the sums go through memory here too: the mixes then see them in the
+        # reducer's register layout, so Sinkhorn's sums of four add in the same order
+        tl.store(partial_ptr + r64[:, None] * 32 + col[None, :], total, mask=rmask[:, None])
+    tl.debug_barrier()
     if GRID == 1:
-        _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
-                    comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE, HAS_NORM_W,
-                    BF16, BLOCK_T, NORM_D, False)
+        arrived = GRID - 1
     else:
-        tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
-        if arrived == GRID - 1:  # last program of this token block: add the slices in order
-            total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-            for j0 in range(0, NSL, RED):  # RED loads in flight, added in slice order
-                for j in tl.static_range(RED):
-                    total += tl.load(
-                        partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
-                        mask=rmask[:, None] & (j0 + j < NSL), other=0.0, cache_modifier=".cg")
+    if arrived == GRID - 1:  # last program of this token block: add the slices in order
+        parts = tl.where(GRID == 1, 1, NSL)
+        total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        for j0 in range(0, parts, RED):  # RED loads in flight
+            for j in tl.static_range(RED):
+                total += tl.load(
+                    partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
+                    mask=rmask[:, None] & (j0 + j < parts), other=0.0, cache_modifier=".cg")
+        if GRID > 1:
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
-            _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
-                        comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE,
-                        HAS_NORM_W, BF16, BLOCK_T, NORM_D, True)
+        _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
+                    comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE,
+                    HAS_NORM_W, BF16, BLOCK_T, NORM_D)
+
+
+@triton.jit
+def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D):
+    """Raw collapsed rows (written by this launch: from L2) and the weight, FP32."""
+    mask = rmask[:, None] & (cols[None, :] < D)
+    xc = tl.load(xc_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0,
+                 cache_modifier=".cg").to(tl.float32)
+    return xc, tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_store(xc_ptr, r64, rmask, cols, D, xc, inv, w, BF16: tl.constexpr):
+    mask = rmask[:, None] & (cols[None, :] < D)
+    tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
+             _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
                 comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S: tl.constexpr,
                 ITERS: tl.constexpr, COLLAPSE: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                BF16: tl.constexpr, BLOCK_T: tl.constexpr, NORM_D: tl.constexpr,
-                FROM_L2: tl.constexpr):
+                BF16: tl.constexpr, BLOCK_T: tl.constexpr, NORM_D: tl.constexpr):
     """Mixes from the full-D sums, then RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
     SS: tl.constexpr = S * S
@@ -306,17 +325,16 @@ def _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_o
     tl.store(comb_out_ptr + r64[:, None] * SS + n16[None, :], comb, mask=rmask[:, None])
     if COLLAPSE and HAS_NORM_W:  # second pass: RMSNorm of the collapsed row (L2-resident)
         inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
-        for d0 in range(0, D, NORM_D):
-            cols = d0 + tl.arange(0, NORM_D)
-            mask = rmask[:, None] & (cols[None, :] < D)
-            ptr = xc_ptr + r64[:, None] * D + cols[None, :]
-            if FROM_L2:  # written by other programs of this launch
-                xc = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            else:
-                xc = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-            tl.store(ptr, _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty),
-                     mask=mask)
+        for d0 in range(0, D, 4 * NORM_D):  # four loads in flight
+            c0 = d0 + tl.arange(0, NORM_D)
+            a0, w0 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0, D)
+            a1, w1 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + NORM_D, D)
+            a2, w2 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 2 * NORM_D, D)
+            a3, w3 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 3 * NORM_D, D)
+            _norm_store(xc_ptr, r64, rmask, c0, D, a0, inv, w0, BF16)
+            _norm_store(xc_ptr, r64, rmask, c0 + NORM_D, D, a1, inv, w1, BF16)
+            _norm_store(xc_ptr, r64, rmask, c0 + 2 * NORM_D, D, a2, inv, w2, BF16)
+            _norm_store(xc_ptr, r64, rmask, c0 + 3 * NORM_D, D, a3, inv, w3, BF16)
 
 
 def _slices(dim: int) -> tuple[int, int]:
@@ -345,7 +363,7 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     norm_d = max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t))
     return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
-            "grid": grid, "nsl": nsl, "ch": ch,
+            "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg["red"]),
             "norm_d": min(norm_d, triton.next_power_of_2(dim))}
 
 
@@ -376,9 +394,8 @@ def expand_mix_collapse(
     dummy = pre_o
     plan = launch_plan(num_tokens, dim)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
-    partial = dummy
-    if plan["grid"] > 1:
-        partial = torch.empty(plan["nsl"], num_tokens, _N, dtype=torch.float32, device=dev)
+    partial = torch.empty(plan["nsl"] if plan["grid"] > 1 else 1, num_tokens, _N,
+                          dtype=torch.float32, device=dev)
     _mhc_kernel[(plan["grid"], n_blocks)](
         x, new_streams, y.contiguous() if y is not None else x,
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
@@ -389,7 +406,8 @@ def expand_mix_collapse(
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_D=plan["norm_d"], num_warps=plan["warps"], num_stages=plan["stages"],
+        NORM_D=plan["norm_d"], RED=plan["red"], num_warps=plan["warps"],
+        num_stages=plan["stages"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
 
