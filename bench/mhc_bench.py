@@ -289,7 +289,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     big = [Site(args.big, d, s, 200 + i) for i in range(2)]
     for name, over in ({} if args.no_variants else VARIANTS).items():
-        if ht._slices(d)[0] % (over.get("prefill_grid") or 1):
+        if ht.launch_plan(1, d)["nsl"] % (over.get("prefill_grid") or 1):
             continue
         saved = apply(over)
         us = time_us([f for st in big for f in calls(ht, "fused", st)])
