@@ -16,11 +16,12 @@ three BF16 pieces (hi + mid + lo = 24 bits), three exact-product BF16 MMAs; FP32
 three TF32 products; the interpreter computes IEEE FP32. Each slice's sums form one vector
 [24 mixes | sum(X'^2) | sum(x^2)] started from zero, and a token's totals are the slice vectors
 added in slice order, 0, 1, ..., whoever adds them: a program that owns every slice of its token
-block adds them in registers; when the slices of a block are spread over several programs
-(decode: one program per slice, so a batch of one still fills 40 programs), each stores its
-slice vectors and the last program of the block to arrive adds them in the same order, then runs
-the mixes, Sinkhorn and the RMSNorm pass. So a token's sums do not depend on the batch, on how
-many programs share its block or in what order they finish. The tile shape is the same for every
+block adds them in registers and stores the total; when the slices of a block are spread over
+several programs (decode: one program per slice, so a batch of one still fills 40 programs), each
+stores its slice vectors and the last program of the block to arrive adds them in the same order.
+Either way the mixes, Sinkhorn and the RMSNorm pass then read the sums back through the same code
+(same register layout, so Sinkhorn's sums of four add in the same order). So a token's results do
+not depend on the batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
 call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
 blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
 per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
