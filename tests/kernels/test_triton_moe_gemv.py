@@ -139,3 +139,19 @@ def test_tile_rows_and_eligibility():
         gemv.expert_rows(x, pairs, plain, LIMIT, 1)
     with pytest.raises(ValueError, match="block_m"):
         gemv.expert_rows(x, pairs, experts, LIMIT, 2)
+
+
+def test_bench_check_smoke_runs_and_reports_old_and_new(tmp_path):
+    """bench/moe_gemv_check.py --smoke: tiny shapes under the interpreter, one variant."""
+    import json
+
+    from flashpd.bench import moe_gemv_check
+
+    before = dict(gemv.CONFIG)
+    assert moe_gemv_check.main(["--smoke", "--out", str(tmp_path), "--variants", "rows1"]) == 0
+    rows = json.loads((tmp_path / "moe_gemv_check.json").read_text())["results"]
+    assert {(r["path"], r["m"]) for r in rows} == {("gemv (new)", 1), ("gemv (new)", 3),
+                                                   ("grouped GEMM (old)", 3), ("gemv rows1", 3)}
+    assert all(r["err"] < 2e-3 for r in rows)
+    assert "| gemv rows1 | 3 |" in (tmp_path / "moe_gemv_check.md").read_text()
+    assert gemv.CONFIG == before and mt.GEMV

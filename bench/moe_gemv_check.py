@@ -1,0 +1,222 @@
+"""Routed MXFP4 experts at decode sizes: the CUDA-core GEMV path (kernels/moe/gemv.py) against
+the tensor-core grouped GEMMs it replaces, at the bench preset's shapes (64 experts, top-6,
+hidden 5120, I = 2304).
+
+    python -m flashpd.bench.moe_gemv_check --out DIR [--variants ...] [--budget-s S] [--smoke]
+
+1. check: `moe.triton.routed_experts` (GEMV on) at M = 1, 4, 8, 16 tokens against the torch
+   reference (moe.ref.expert_ffn on the dequantised experts, summed in ascending expert id);
+   err = max|out - ref| / max|ref|.
+2. time: the full routed path as served (pair sort, expert GEMMs, combine), old (GEMV off) vs
+   new, at M = 1, 8, 16: median per call over CUDA-graph replays (kernel_roofline.graph_ms),
+   two random routings alternating so weights stream from HBM. Then gemv CONFIG variants
+   (each checked too) until --budget-s is spent.
+Bytes per call: weights + scales of the experts the routings touch (mean distinct count) plus
+activations in and out; % is of 4.2 TB/s. Writes moe_gemv_check.md / .json under --out.
+--smoke: tiny shapes on the CPU under the Triton interpreter (checks this driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from flashpd.bench import kernel_roofline as kr
+
+COPY_GBPS = 4200.0
+LIMIT = 10.0
+SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
+                   "check_m": (1, 4, 8, 16), "time_m": (1, 8, 16)},
+          "smoke": {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2,
+                    "check_m": (1, 3), "time_m": (3,)}}
+_SMOKE_TILES = {"up": {"block_n": 64}, "down": {"block_n": 64}}  # few interpreted programs
+_ALL_ROWS = 1 << 30
+# name -> gemv CONFIG overrides ("up" / "down" merged into the defaults), the Ms it times
+VARIANTS = {
+    "bn32": ({"up": {"block_n": 32}, "down": {"block_n": 32}}, (1, 8, 16)),
+    "rows1": ({"rows": ((_ALL_ROWS, 1),)}, (8, 16)),
+    "rows4": ({"rows": ((1, 1), (_ALL_ROWS, 4))}, (8,)),
+    "no_prefetch": ({"up": {"prefetch": False}, "down": {"prefetch": False}}, (1, 16)),
+    "g16": ({"up": {"groups": 16}, "down": {"groups": 16}}, (1, 16)),
+    "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}},
+                (1, 16)),
+    "select": ({"decode": "select"}, (1,)),
+}
+
+
+def apply(overrides: dict, default: dict) -> None:
+    """gemv.CONFIG = default with `overrides` (dict entries merged)."""
+    from flashpd.kernels.moe import gemv
+
+    gemv.CONFIG.clear()
+    gemv.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in default.items()})
+    for k, v in overrides.items():
+        gemv.CONFIG[k] = {**default[k], **v} if isinstance(v, dict) else v
+
+
+class Bench:
+    """Random MXFP4 experts (kernel_roofline.rand_mxfp4) and routings at each M."""
+
+    def __init__(self, shape: dict):
+        from flashpd.kernels.moe import triton as mt
+
+        self.e, self.k = shape["experts"], shape["top_k"]
+        self.d, self.i = shape["hidden"], shape["inter"]
+        self.routed = mt.ExpertSet(kr.rand_mxfp4(self.i, self.d, self.e, 11),
+                                   kr.rand_mxfp4(self.i, self.d, self.e, 12),
+                                   kr.rand_mxfp4(self.d, self.i, self.e, 13))
+        ws = (self.routed.w1, self.routed.w3, self.routed.w2)
+        self.per_expert = sum(kr.wbytes(w) for w in ws) / self.e
+        self.gen = torch.Generator().manual_seed(17)
+        self.sets: dict[int, list] = {}
+        self.refs: dict[int, torch.Tensor] = {}
+
+    def routings(self, m: int) -> tuple[torch.Tensor, list]:
+        if m not in self.sets:
+            x = torch.randn(m, self.d, generator=self.gen).to(torch.bfloat16).to(kr.DEV)
+            sets = []
+            for _ in range(2):
+                ids = torch.stack([torch.randperm(self.e, generator=self.gen)[:self.k]
+                                   for _ in range(m)])
+                gam = torch.rand(m, self.k, generator=self.gen) * 0.3
+                sets.append((ids.to(kr.DEV), gam.to(kr.DEV)))
+            self.sets[m] = [x, sets]
+        return self.sets[m][0], self.sets[m][1]
+
+    def nbytes(self, m: int) -> float:
+        _, sets = self.routings(m)
+        distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in sets)
+        return (distinct * self.per_expert + m * self.d * (2 + 4)
+                + m * self.k * (self.i * 2 * 2 + self.d * 2))
+
+    def reference(self, m: int) -> torch.Tensor:
+        """moe.ref's routed sum for routing 0, FP32 [m, D] (dequantises used experts only)."""
+        from flashpd.kernels.moe import ref as mref
+
+        if m not in self.refs:
+            x, sets = self.routings(m)
+            ids, gam = sets[0]
+            want = torch.zeros(m, self.d, dtype=torch.float32, device=kr.DEV)
+            for j in torch.unique(ids).tolist():
+                tok, slot = torch.nonzero(ids == j, as_tuple=True)
+                w1, w3, w2 = (kr.deq_one(w, j) for w in (self.routed.w1, self.routed.w3,
+                                                          self.routed.w2))
+                y = mref.expert_ffn(x[tok], w1, w3, w2, LIMIT, gam[tok, slot][:, None])
+                want.index_add_(0, tok, y.float())
+            self.refs[m] = want
+        return self.refs[m]
+
+    def call(self, m: int, r: int) -> torch.Tensor:
+        from flashpd.kernels.moe import triton as mt
+
+        x, sets = self.routings(m)
+        return mt.routed_experts(x, sets[r][0], sets[r][1], self.routed, LIMIT)
+
+    def row(self, path: str, m: int, timed: bool) -> dict:
+        t0 = time.perf_counter()
+        err = kr.rel_err(self.call(m, 0), self.reference(m))
+        ms = (time.perf_counter() - t0) * 1e3  # --smoke: the checked call's wall clock
+        out = {"path": path, "m": m, "err": err, "us": None, "GBps": None, "pct": None}
+        if timed:
+            if kr.DEV == "cuda":
+                ms = kr.graph_ms([lambda r=r: self.call(m, r) for r in range(2)])
+            gbps = self.nbytes(m) / (ms * 1e-3) / 1e9
+            out.update(us=ms * 1e3, GBps=gbps, pct=100.0 * gbps / COPY_GBPS)
+        print(json.dumps(out), flush=True)
+        return out
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
+             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
+             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations.", "",
+             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
+             else "- | - | -")
+        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--budget-s", type=float, default=45.0,
+                    help="start no variant after this many seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        raise SystemExit("moe_gemv_check needs a CUDA GPU (or --smoke)")
+    saved_dev = kr.DEV
+    kr.DEV = "cpu" if args.smoke else "cuda"
+    try:
+        return _run(args, argv, SHAPES["smoke" if args.smoke else "full"])
+    finally:
+        kr.DEV = saved_dev
+
+
+def _run(args, argv, shape: dict) -> int:
+    from flashpd.kernels.moe import gemv
+    from flashpd.kernels.moe import triton as mt
+
+    t0 = time.perf_counter()
+    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gemv.CONFIG.items()}
+    if args.smoke:
+        apply(_SMOKE_TILES, saved)
+    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gemv.CONFIG.items()}
+    meta = {"command": "python -m flashpd.bench.moe_gemv_check " + " ".join(argv or []),
+            "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
+            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape,
+            "gemv_config": {k: v for k, v in default.items()}}
+    bench = Bench(shape)
+    rows: list[dict] = []
+    gemv_default, max_rows = mt.GEMV, mt.GEMV_MAX_ROWS
+    try:
+        mt.GEMV_MAX_ROWS = max(max_rows, max(shape["check_m"]))
+        for m in shape["check_m"]:  # new path, checked (and timed at time_m)
+            mt.GEMV = True
+            rows.append(bench.row("gemv (new)", m, m in shape["time_m"]))
+            if m in shape["time_m"]:
+                mt.GEMV = False
+                rows.append(bench.row("grouped GEMM (old)", m, True))
+        mt.GEMV = True
+        smoke_variants = args.variants[:1] if args.smoke else args.variants
+        for name in smoke_variants:
+            if time.perf_counter() - t0 > args.budget_s and not args.smoke:
+                print(f"budget spent: {name} and later variants not run", flush=True)
+                break
+            overrides, ms = VARIANTS[name]
+            apply(overrides, default)
+            for m in (ms if not args.smoke else shape["time_m"][-1:]):
+                rows.append(bench.row(f"gemv {name}", m, True))
+            apply({}, default)
+    finally:
+        mt.GEMV, mt.GEMV_MAX_ROWS = gemv_default, max_rows
+        apply({}, saved)
+    for r in rows:
+        r["MB"] = bench.nbytes(r["m"]) / 1e6
+    meta["seconds"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    text = markdown(meta, rows)
+    with open(os.path.join(args.out, "moe_gemv_check.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "moe_gemv_check.json"), "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1, default=str)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
