@@ -38,14 +38,14 @@ _SMOKE_TILES = {"up": {"block_n": 64}, "down": {"block_n": 64}}  # few interpret
 _ALL_ROWS = 1 << 30
 # name -> gemv CONFIG overrides ("up" / "down" merged into the defaults), the Ms it times
 VARIANTS = {
-    "bn32": ({"up": {"block_n": 32}, "down": {"block_n": 32}}, (1, 8, 16)),
+    "rows4": ({"rows": ((1, 1), (_ALL_ROWS, 4))}, (16,)),
     "rows1": ({"rows": ((_ALL_ROWS, 1),)}, (8, 16)),
-    "rows4": ({"rows": ((1, 1), (_ALL_ROWS, 4))}, (8,)),
-    "no_prefetch": ({"up": {"prefetch": False}, "down": {"prefetch": False}}, (1, 16)),
-    "g16": ({"up": {"groups": 16}, "down": {"groups": 16}}, (1, 16)),
-    "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}},
-                (1, 16)),
+    "bn32": ({"up": {"block_n": 32}, "down": {"block_n": 32}}, (1, 16)),
+    "no_prefetch": ({"up": {"prefetch": False}, "down": {"prefetch": False}}, (1,)),
+    "g16": ({"up": {"groups": 16}, "down": {"groups": 16}}, (1,)),
     "select": ({"decode": "select"}, (1,)),
+    "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}},
+                (1,)),
 }
 
 

@@ -50,10 +50,11 @@ import triton.language as tl
 from flashpd.kernels.dense.triton import W_MXFP4, Weights, sigmoid_f32
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
-# rows: pairs per tile by token count (the smallest entry >= the batch); up / down: N block
+# rows: pairs per tile by token count (the smallest entry >= the batch; 2 rows keep ~100
+# registers per thread, 4 rows ~175: fewer programs resident); up / down: N block
 # (weight rows per program), K step in 32-value groups, warps, prefetch (the next K step's
 # weights loaded before this step's math); decode: "bits" or "select".
-CONFIG = {"rows": ((1, 1), (8, 2), (1 << 30, 4)),
+CONFIG = {"rows": ((1, 1), (1 << 30, 2)),
           "up": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
           "down": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
           "decode": "bits"}

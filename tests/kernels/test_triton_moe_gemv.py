@@ -126,8 +126,14 @@ def test_small_batches_of_moe_quantized_take_the_gemv_path(monkeypatch):
     assert len(calls) == 1
 
 
-def test_tile_rows_and_eligibility():
+def test_tile_rows_takes_the_first_entry_covering_the_batch(monkeypatch):
+    monkeypatch.setitem(gemv.CONFIG, "rows", ((1, 1), (8, 2), (16, 4)))
     assert [gemv.tile_rows(t) for t in (1, 2, 8, 9, 16)] == [1, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match="17 tokens"):
+        gemv.tile_rows(17)
+
+
+def test_only_mxfp4_experts_are_eligible():
     experts = _experts(2, 64, 32, seed=15)
     assert gemv.eligible(experts)
     plain = mt.ExpertSet.plain(mref.ExpertWeights(torch.zeros(2, 32, 64), torch.zeros(2, 32, 64),
