@@ -33,8 +33,11 @@ the 4 lanes), then scaled once by 2^(s-127) (exact), the groups summed in K orde
 total multiplied by 2^62 (exact). DECODE "select" builds normal floats instead (no subnormal
 operand; a few more integer ops): the fallback if a compiler ever flushed subnormals.
 
-Batch invariance: a pair's sums depend on block sizes along K only (constants), not on how many
-rows share the call or its tile.
+Batch invariance: a pair's sums depend on the K step (a constant) only, not on how many rows
+share the call or its tile (tests/kernels/test_triton_moe_gemv.py). The path is chosen by size
+(moe/triton.py: batches of <= GEMV_MAX_ROWS tokens), and its sums run in another order than the
+tensor-core GEMMs', so a token may differ in the last bits between a batch of <= 16 tokens and a
+larger one, as between dense/triton.py's decode and cuBLAS prefill paths (grouped_large.py too).
 """
 
 from __future__ import annotations
