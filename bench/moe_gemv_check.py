@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -111,6 +112,25 @@ class Bench:
             self.refs[m] = want
         return self.refs[m]
 
+    def kernels_row(self, m: int) -> dict:
+        """gemv.expert_rows alone (prep + up + down; pairs sorted outside), timed only."""
+        from flashpd.kernels.moe import gemv
+        from flashpd.kernels.moe import triton as mt
+
+        x, sets = self.routings(m)
+        rows = gemv.tile_rows(m)
+        pairs = [mt.sort_pairs(ids, gam, self.e, rows) for ids, gam in sets]
+        calls = [lambda p=p: gemv.expert_rows(x, p, self.routed, LIMIT, rows) for p in pairs]
+        t0 = time.perf_counter()
+        for fn in calls[:1]:
+            fn()
+        ms = (time.perf_counter() - t0) * 1e3 if kr.DEV != "cuda" else kr.graph_ms(calls)
+        gbps = self.nbytes(m) / (ms * 1e-3) / 1e9
+        out = {"path": "gemv kernels only (prep+up+down)", "m": m, "err": float("nan"),
+               "us": ms * 1e3, "GBps": gbps, "pct": 100.0 * gbps / COPY_GBPS}
+        print(json.dumps(out), flush=True)
+        return out
+
     def call(self, m: int, r: int) -> torch.Tensor:
         from flashpd.kernels.moe import triton as mt
 
@@ -134,7 +154,9 @@ class Bench:
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
              "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
-             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations.", "",
+             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
+             f" gemv CONFIG {meta['gemv_config']}; variants (overrides): "
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
              "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
@@ -176,7 +198,8 @@ def _run(args, argv, shape: dict) -> int:
     if args.smoke:
         apply(_SMOKE_TILES, saved)
     default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gemv.CONFIG.items()}
-    meta = {"command": "python -m flashpd.bench.moe_gemv_check " + " ".join(argv or []),
+    argv = sys.argv[1:] if argv is None else argv
+    meta = {"command": "python -m flashpd.bench.moe_gemv_check " + " ".join(argv),
             "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
             "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape,
             "gemv_config": {k: v for k, v in default.items()}}
@@ -189,9 +212,16 @@ def _run(args, argv, shape: dict) -> int:
             mt.GEMV = True
             rows.append(bench.row("gemv (new)", m, m in shape["time_m"]))
             if m in shape["time_m"]:
+                rows.append(bench.kernels_row(m))
                 mt.GEMV = False
                 rows.append(bench.row("grouped GEMM (old)", m, True))
         mt.GEMV = True
+        worst = max(r["err"] for r in rows if r["path"] == "gemv (new)")
+        if worst > 5e-3:  # e.g. subnormal weights flushed: try the decode without subnormals
+            print(f"WARNING: gemv err {worst:.1e}; checking decode 'select'", flush=True)
+            apply({"decode": "select"}, default)
+            rows += [bench.row("gemv select (err check)", m, False) for m in shape["check_m"]]
+            apply({}, default)
         smoke_variants = args.variants[:1] if args.smoke else args.variants
         for name in smoke_variants:
             if time.perf_counter() - t0 > args.budget_s and not args.smoke:
