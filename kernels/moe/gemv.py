@@ -74,9 +74,11 @@ def tile_rows(num_tokens: int) -> int:
     raise ValueError(f"CONFIG['rows'] has no entry for {num_tokens} tokens")
 
 
-def eligible(experts) -> bool:
-    """True when the routed experts' three weights are MXFP4 (what these kernels read)."""
-    return all(w.fmt == W_MXFP4 for w in (experts.w1, experts.w3, experts.w2))
+def eligible(experts, dtype: torch.dtype) -> bool:
+    """True when these kernels take the call: MXFP4 routed experts (all three weights), bf16 or
+    fp32 activations."""
+    return (dtype in (torch.bfloat16, torch.float32)
+            and all(w.fmt == W_MXFP4 for w in (experts.w1, experts.w3, experts.w2)))
 
 
 # ============================================================================ kernels
@@ -292,9 +294,10 @@ def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_s
 
 # ============================================================================ host side
 def _words(w: Weights) -> torch.Tensor:
-    """uint8 [E, N, K/2] nibbles as int32 [E, N, K/8] words (same bytes)."""
-    data = w.data if w.data.stride(-1) == 1 else w.data.contiguous()
-    return data.view(torch.int32)
+    """uint8 [E, N, K/2] nibbles as int32 [E, N, K/8] words (same bytes, no copy)."""
+    if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
+        raise ValueError("gemv reads MXFP4 weights and scales with contiguous rows")
+    return w.data.view(torch.int32)
 
 
 def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, limit: float,
@@ -330,8 +333,9 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
 
     x: [T, D] bf16 or fp32 tokens; experts: moe.triton.ExpertSet with MXFP4 w1, w3 [E, I, D]
     and w2 [E, D, I]."""
-    if not eligible(experts):
-        raise ValueError("gemv expert_rows reads MXFP4 experts only")
+    if not eligible(experts, x.dtype):
+        raise ValueError(f"gemv expert_rows reads MXFP4 experts and bf16/fp32 activations "
+                         f"(got {x.dtype})")
     if rows_per_tile not in (1, 2, 4) or pairs.schedule.block_m != rows_per_tile:
         raise ValueError(f"rows_per_tile {rows_per_tile} must be 1, 2 or 4 and match the "
                          f"schedule's block_m {pairs.schedule.block_m}")

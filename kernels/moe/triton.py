@@ -395,7 +395,7 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
-    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts):
+    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts, x.dtype):
         rows = gemv.tile_rows(num_tokens)
         pairs = sort_pairs(ids, weights, experts.num_experts, rows)
         return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos

@@ -135,10 +135,11 @@ def test_tile_rows_takes_the_first_entry_covering_the_batch(monkeypatch):
 
 def test_only_mxfp4_experts_are_eligible():
     experts = _experts(2, 64, 32, seed=15)
-    assert gemv.eligible(experts)
+    assert gemv.eligible(experts, torch.bfloat16) and gemv.eligible(experts, torch.float32)
+    assert not gemv.eligible(experts, torch.float16)
     plain = mt.ExpertSet.plain(mref.ExpertWeights(torch.zeros(2, 32, 64), torch.zeros(2, 32, 64),
                                                   torch.zeros(2, 64, 32)))
-    assert not gemv.eligible(plain)
+    assert not gemv.eligible(plain, torch.bfloat16)
     x, ids, w = _batch(1, 64, 2, 1, seed=0)
     pairs = mt.sort_pairs(ids, w, 2, 1)
     with pytest.raises(ValueError, match="MXFP4"):
