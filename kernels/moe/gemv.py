@@ -143,7 +143,7 @@ def _load_w(w_ptr, s_ptr, w_row, s_row, gk, g, j, nmask, n_groups, EVEN_K: tl.co
         words = tl.load(w_ptr + woff, mask=nmask[:, None, None] & gmask, other=0)
         sb4 = tl.load(s_ptr + s_row + quad, mask=nmask[:, None, None] & (quad < n_groups),
                       other=127)
-    own = j[None, None, :] == (gg % 4)[None, :, None]
+    own = j[None, None, :] == (g % 4)[None, :, None]  # gk is a multiple of 4: loop-invariant
     sb = tl.sum(tl.where(own, sb4.to(tl.int32), 0), axis=2)[:, :, None]
     return words, sb
 
