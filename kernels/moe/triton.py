@@ -21,6 +21,7 @@ y = bf16(h . W2^T); each token then sums its pairs in ascending expert id, in FP
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,10 @@ from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
-# Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py)
+# Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
+# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs)
 GEMV = True
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "16"))
 _ROUTER_BLOCK_T = 16
 _ROUTER_BLOCK_K = 32
 
