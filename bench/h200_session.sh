@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
+#   bash bench/h200_session.sh OUT [SECONDS]
+# 1. install this tree into a fresh target (a warm machine keeps old installs under /tmp)
+# 2. routed-expert GEMV check at decode sizes -> FLASHPD_MOE_GEMV_MAX_ROWS: the largest checked
+#    batch where the GEMV path is correct (err < 5e-3) and faster than the tensor-core GEMMs
+# 3. verify-kernels (every op, bench shapes, against the torch references)
+# 4. gpu_engine --summary (summary.json), 5. the GPU-path tests, 6. the decode/prefill profile
+# Each step gets what is left of the box; everything lands in OUT (log.txt holds the output).
+set -u
+OUT=${1:?OUT}; BOX=${2:-560}
+START=$(date +%s)
+left() { echo $(( BOX - ($(date +%s) - START) )); }
+mkdir -p "$OUT"; exec > >(tee -a "$OUT/log.txt") 2>&1
+REPO=$(pwd)
+D=/tmp/fp$RANDOM$RANDOM
+pip install -q --no-deps --no-index --no-build-isolation --target "$D" . || exit 1
+export PYTHONPATH=$D PYTHONUNBUFFERED=1 FLASHPD_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -f .tcache/tcache.tgz ]; then mkdir -p ~/.triton && tar xzf .tcache/tcache.tgz -C ~/.triton; fi
+cd /tmp
+echo "== gemv check ($(left) s left)"
+timeout 70 python -m flashpd.bench.moe_gemv_check --out "$OUT" --budget-s 5
+ROWS=$(python - "$OUT/moe_gemv_check.json" <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["results"]
+except Exception:
+    print(0); raise SystemExit
+new = {r["m"]: r for r in rows if r["path"] == "gemv (new)"}
+old = {r["m"]: r for r in rows if r["path"] == "grouped GEMM (old)"}
+ok = new and all(r["err"] < 5e-3 for r in new.values())
+best = 0
+for m in sorted(old):
+    if ok and new[m].get("us") and old[m].get("us") and new[m]["us"] < old[m]["us"]:
+        best = m
+print(best)
+PY
+)
+export FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS
+echo "== FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS"
+echo "== verify-kernels ($(left) s left)"
+timeout 90 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -40
+echo "== summary ($(left) s left)"
+timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" --out "$OUT"
+echo "== GPU-path tests ($(left) s left)"
+timeout $(( $(left) / 2 )) python -m pytest -q -x -m "not soak" --rootdir "$REPO" \
+    "$REPO/tests/engine/gpu" 2>&1 | tail -15
+echo "== profile ($(left) s left)"
+timeout $(( $(left) - 5 )) python -m flashpd.bench.gpu_profile --batch 1 64 --steps 2 \
+    --prefill 8192 --out "$OUT" > "$OUT/profile_log.txt" 2>&1
+tail -5 "$OUT/profile_log.txt"
+echo "== done ($(left) s left)"
