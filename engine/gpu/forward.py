@@ -40,12 +40,17 @@ from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel imp
 
 from flashpd.engine.gpu.tables import HostPack, PagedTables, TableBuilder  # noqa: F401
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
-from flashpd.engine.kv_pools import PagedSeqState
+from flashpd.engine.hashing import CHUNK_TOKENS
+from flashpd.engine.kv_pools import KVPools, PagedSeqState
 from flashpd.kernels import dispatch
 from flashpd.kernels.dense.triton import Weights
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.kv_format import CompressedKVFormat
 from flashpd.model.model import LayerRows, Model, SeqInput, Step
+
+# Prompt rows the load-time warm-up runs through the forward (the bench's prefill chunk; a
+# chunk of that size then compiles nothing new).
+PREFILL_WARMUP_ROWS = 8192
 
 
 class GpuModel(Model):
@@ -84,11 +89,18 @@ class GpuModel(Model):
         self._source_kinds = [(k, tuple(v[0]), tuple(v[1])) for k, v in kinds.items()]
 
     # ------------------------------------------------------------------ load-time warm-up
-    def warmup(self, rows: Sequence[int] | None = None) -> int:
+    def warmup(self, rows: Sequence[int] | None = None,
+               prefill_rows: int | None = None) -> int:
         """Compile (and run once) the GEMM, MoE and attention kernel variants that `rows`-row
-        calls take (default: the decode graph buckets and the W-row replay), so that the first
-        request is not a compile. Returns the number of kernel calls made (0: no Triton)."""
+        calls take (default: the decode graph buckets and the W-row replay), then every kernel
+        variant of a prefill (`warm_prefill`, prefill_rows tokens; None: PREFILL_WARMUP_ROWS,
+        0: none), so that the first request is not a compile. Returns the number of kernel
+        calls made (0: no Triton); `warmup_s` holds the seconds of each part."""
+        import time
+
         from flashpd.engine.gpu.decode_graph import BUCKETS
+
+        t0 = time.perf_counter()
 
         cfg = self.cfg
         rows = tuple(sorted(set(BUCKETS) | {cfg.sliding_window})) if rows is None else rows
@@ -114,7 +126,38 @@ class GpuModel(Model):
                                            cfg.sliding_window, topk, self._attn_fmt, rows=rows)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        prefill_rows = PREFILL_WARMUP_ROWS if prefill_rows is None else prefill_rows
+        if prefill_rows:
+            calls += self.warm_prefill(min(prefill_rows, cfg.max_position_embeddings // 2))
+        self.warmup_s = {"kernels": t1 - t0, "prefill": time.perf_counter() - t1}
         return calls
+
+    @torch.no_grad()
+    def warm_prefill(self, num_rows: int) -> int:
+        """Run the real forward on a synthetic prompt in scratch pools (nothing else touched):
+        `num_rows` rows from position 0, then a continuation chunk with an odd row count past
+        the window (ring rows, earlier entries, row counts that are not a multiple of 16: the
+        other integer specialisations of the kernels). Compiles what a first prompt of that
+        chunk size would. Returns the number of forwards run."""
+        cfg = self.cfg
+        more = min(num_rows // 2, cfg.sliding_window) + 1 | 1
+        total = num_rows + more
+        pools = KVPools.for_model(self, -(-total // CHUNK_TOKENS) + 1, 1, self.device, num_rows)
+        state = PagedSeqState(pools, 0, list(range(pools.num_blocks)), self.dtype)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, cfg.vocab_size - 10, (total,), generator=g)
+        graphs, self.graphs = self.graphs, None  # plain chunks, never graphed
+        try:
+            self.forward(ids[:num_rows].to(self.device), [SeqInput(state, 0, num_rows)])
+            self.forward(ids[num_rows:].to(self.device), [SeqInput(state, num_rows, more)])
+        finally:
+            self.graphs = graphs
+        del state, pools
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return 2
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()

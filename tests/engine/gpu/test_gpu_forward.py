@@ -173,6 +173,29 @@ def test_bounded_replay_over_shared_blocks_matches_reference(models):
     assert_close(ref_out[0], gpu_out[0])
 
 
+def test_prefill_warmup_runs_the_forward_on_scratch_pools_only(models):
+    """Load-time warm-up of the prefill variants: two real forwards (a chunk from position 0,
+    then an odd-sized continuation) on pools of its own; the model's graphs are kept and a
+    sequence run after it gives the same logits, bit for bit, as one run before it."""
+    _, gpu = models
+    cfg = gpu.cfg
+    prompt = _prompt(9, 6)
+
+    def fresh_run():
+        pools = KVPools(cfg, 2, 1, DEVICE, window_scratch_rows=16)
+        state = PagedSeqState(pools, 0, [0, 1], torch.bfloat16)
+        ids = torch.tensor(prompt, device=DEVICE)
+        return gpu.forward(ids, [SeqInput(state, 0, len(prompt),
+                                          SeqPlan(logits=LogitsRequest.ALL))])[0]
+
+    graphs = gpu.graphs
+    before = fresh_run()
+    without = gpu.warmup(rows=(), prefill_rows=0)
+    assert gpu.warmup(rows=(), prefill_rows=12) == without + 2
+    assert gpu.graphs is graphs and set(gpu.warmup_s) == {"kernels", "prefill"}
+    assert torch.equal(fresh_run(), before)
+
+
 def test_pools_without_scratch_are_refused(models):
     ref, gpu = models
     pools = KVPools(ref.cfg, 2, 1, DEVICE)
