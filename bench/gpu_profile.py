@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import time
 from collections import defaultdict
 
 import torch
@@ -61,13 +63,19 @@ def _engine(cfg, model, context: int, batch: int) -> LLMEngine:
         model_id="flashpd-profile"))
 
 
+FIRST_PROMPT_MS: list[float] = []  # per _start call: ms to the prefix prompt's first token
+
+
 def _start(engine: LLMEngine, cfg, context: int, batch: int, tag: str) -> list[str]:
     """`batch` sequences decoding over one shared `context`-token prefix (prefix hits)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist()
+    t0 = time.perf_counter()
     engine.add_request(f"{tag}p", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    torch.cuda.synchronize()
+    FIRST_PROMPT_MS.append(1e3 * (time.perf_counter() - t0))
     rids = [f"{tag}{b}" for b in range(batch)]
     for rid in rids:
         tail = torch.randint(10, cfg.vocab_size - 10, (16,), generator=g).tolist()
@@ -114,23 +122,74 @@ def host_split(engine: LLMEngine, steps: int) -> dict:
     return {"wall_ms": sorted(walls)[len(walls) // 2], "events_ms": sorted(gpus)[len(gpus) // 2]}
 
 
-def op_table(run, steps: int, top: int = 30) -> list[str]:
-    """Device time of the torch ops (not the Triton kernels) by op and the Python line that
-    called it: where the small glue kernels of a step come from."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
+
+
+def _profile_kwargs() -> dict:
+    """with_stack alone leaves FunctionEvent.stack empty (torch 2.x): the Python stacks are
+    attached only with the verbose experimental config."""
+    kwargs = {"activities": [ProfilerActivity.CPU, ProfilerActivity.CUDA], "with_stack": True}
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        kwargs["experimental_config"] = _ExperimentalConfig(verbose=True)
+    except (ImportError, TypeError):
+        pass
+    return kwargs
+
+
+def _caller(ev, depth: int = 2) -> str:
+    """The innermost `depth` flashpd frames of an op event, "file:function" innermost first:
+    from its recorded stack, else from the Python-function events above it in the tree."""
+    frames = list(ev.stack or [])
+    if not frames:
+        parent = ev.cpu_parent
+        while parent is not None:
+            if _FRAME.match(parent.name):
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+    out = []
+    for frame in frames:
+        m = _FRAME.match(frame)
+        path = m.group("file") if m else frame
+        if "flashpd/" not in path and "/work/" not in path:
+            continue
+        rel = path.split("flashpd/")[-1] if "flashpd/" in path else path.split("/work/main/")[-1]
+        if rel.startswith("bench/gpu_profile"):
+            break  # the driver, not a source of ops
+        out.append(f"{rel}:{m.group('func') if m else ''}")
+        if len(out) == depth:
+            break
+    return " < ".join(out)
+
+
+def op_table(run, steps: int, top: int = 30, sites: int = 40) -> list[str]:
+    """Device time of the torch ops (not the Triton kernels): per op, then per op and the
+    flashpd functions that called it (where the small glue kernels of a step come from)."""
+    with profile(**_profile_kwargs()) as prof:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages(group_by_stack_n=4):
-        us = getattr(ev, "self_device_time_total", 0) or 0
-        if us and ev.key.startswith("aten::"):
-            stack = " < ".join(f.split("/flashpd/")[-1] for f in (ev.stack or [])[:4])
-            rows.append((us / steps / 1e3, ev.count // steps, ev.key, stack))
-    rows.sort(reverse=True)
-    lines = ["| torch op | ms/step | calls/step | called from |", "|---|---|---|---|"]
-    for ms, n, key, stack in rows[:top]:
-        lines.append(f"| `{key}` | {ms:.3f} | {n} | {stack[:160]} |")
+    per_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    per_site: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if not ev.name.startswith("aten::"):
+            continue
+        us = getattr(ev, "self_device_time_total", None)
+        us = getattr(ev, "self_cuda_time_total", 0) if us is None else us
+        if not us:
+            continue
+        for table, key in ((per_op, ev.name), (per_site, (ev.name, _caller(ev)))):
+            table[key][0] += us
+            table[key][1] += 1
+    total = sum(v[0] for v in per_op.values()) / steps / 1e3
+    lines = [f"Torch ops: {total:.2f} ms per step ({sum(v[1] for v in per_op.values()) / steps:.0f}"
+             " launches).", "", "| torch op | ms/step | calls/step |", "|---|---|---|"]
+    for key, (us, n) in sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| `{key}` | {us / steps / 1e3:.3f} | {n / steps:.0f} |")
+    lines += ["", "| torch op | called from | ms/step | calls/step |", "|---|---|---|---|"]
+    for (key, site), (us, n) in sorted(per_site.items(), key=lambda kv: -kv[1][0])[:sites]:
+        lines.append(f"| `{key}` | {site or '?'} | {us / steps / 1e3:.3f} | {n / steps:.0f} |")
     return lines
 
 
@@ -162,7 +221,7 @@ def prefill_profile(cfg, model, length: int, steps: int) -> list[str]:
     lines += ["", "Top kernels:", "", "| kernel | ms |", "|---|---|"]
     for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
         lines.append(f"| `{name[:80]}` | {ms:.2f} |")
-    lines += ["", "Torch ops:", ""] + op_table(one, 1) + [""]
+    lines += [""] + op_table(one, 1) + [""]
     return lines
 
 
@@ -192,22 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", action="store_true", help="also graphed steps under cProfile")
     ap.add_argument("--ops", action="store_true", help="also torch ops by calling line")
     ap.add_argument("--prefill", type=int, default=0, help="also profile an N-token prefill")
+    ap.add_argument("--warm-prefill", type=int, default=None,
+                    help="rows of the load-time prefill warm-up (default: the model's; 0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = preset_config(args.preset)
-    import time
-
     t0 = time.perf_counter()
     model = random_gpu_model(cfg, "cuda", seed=0, warm=False)
     t1 = time.perf_counter()
-    model.warmup()
-    print(f"model built in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s", flush=True)
+    model.warmup(prefill_rows=args.warm_prefill)
+    split = getattr(model, "warmup_s", {})
+    warm = (f"model built in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()) + ")")
+    print(warm, flush=True)
     graphs = model.graphs
     lines = [f"# Decode step GPU time by kernel: `{args.preset}` preset, "
              f"{args.context:,}-token context (eager, torch.profiler)", "",
              "Command: `python -m flashpd.bench.gpu_profile --out bench/results/h200`", "",
              "Eager steps (graphs off, so that every kernel shows under its own name); the "
-             "captured graph replays the same kernels.", ""]
+             "captured graph replays the same kernels.", "", warm + ".", ""]
     for batch in args.batch:
         engine = _engine(cfg, model, args.context, batch)
         rids = _start(engine, cfg, args.context, batch, f"b{batch}_")
@@ -225,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         del engine
         lines += [f"## B={batch}", "", f"Device time per step: {total:.1f} ms over "
-                  f"{args.steps} steps (eager).", ""]
+                  f"{args.steps} steps (eager).", "",
+                  f"The {args.context:,}-token prefix prompt (the engine's first request "
+                  f"{'after load' if batch == args.batch[0] else ''}): first token in "
+                  f"{FIRST_PROMPT_MS[-1]:.0f} ms.", ""]
         if host:
             lines += [f"Graphed step: wall {host['wall_ms']:.1f} ms, device span (CUDA "
                       f"events) {host['events_ms']:.1f} ms.", ""]
@@ -237,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| `{name[:80]}` | {ms:.2f} |")
         lines.append("")
         if ops:
-            lines += ["Torch ops (eager):", ""] + ops + [""]
+            lines += ops + [""]
         print("\n".join(lines), flush=True)
     if args.prefill:
         lines += prefill_profile(cfg, model, args.prefill, args.steps)
