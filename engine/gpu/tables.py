@@ -13,6 +13,7 @@ with one host-to-device copy; the step's tensors become views of that device buf
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -272,12 +273,14 @@ class TableBuilder:
         """[B', nb] block ids of each key-table row, nb = the blocks the widest table spans."""
         geo = self.pools.geometry
         nb = max([-(-w // geo.entries_per_block(s)) for s, w in widths.items()] + [1])
-        rows = []
+        flat, zeros = array.array("q"), [0] * nb  # C-level int conversion, not per element
         for seg in self.step.segs:
             blocks = seg.inp.state.block_table[:nb]
-            rows.append(blocks + [0] * (nb - len(blocks)) if len(blocks) < nb else blocks)
-        rows += [[0] * nb] * (self.num_tables - len(rows))
-        return torch.tensor(rows, dtype=torch.long).view(self.num_tables, nb)
+            flat.extend(blocks)
+            if len(blocks) < nb:
+                flat.extend(zeros[len(blocks):])
+        flat.extend([0] * (nb * (self.num_tables - len(self.step.segs))))
+        return torch.frombuffer(flat, dtype=torch.int64).view(self.num_tables, nb).clone()
 
     def _entry_rows(self, src: int, rows: LayerRows, bt: torch.Tensor):
         """Per seam row of the source: the pool row of the entry it closes (-1: none), whether
@@ -290,6 +293,12 @@ class TableBuilder:
             first = seg.inp.start_pos + part.seam_first
             end = seg.end_pos
             n = end - first
+            if n == 1 and seg.inp.plan.replay is None:  # a decode row
+                entry.append(first // ratio if end % ratio == 0 else -1)
+                stored.append(True)
+                slots.append(seg.inp.state.slot)
+                tables.append(seg.index)
+                continue
             if seg.replay is not None:  # the entries exist: nothing is written
                 entry += [-1] * n
             elif ratio == 1:
