@@ -3,10 +3,11 @@
 A graph captures `GpuModel.compute` itself (the one forward, model/model.py) over a `Step`
 whose tensors are static buffers. Per call:
 
-    host    `GpuModel.prepare` builds the step (padded to the batch bucket, key-table widths
-            rounded up to a multiple of KEY_WIDTH_STEP), its tensors are copied into the
-            buffers of the graph captured for that shape (captured on first use)
-    graph   the forward on the buffers -> logits [bucket, V]
+    host    `GpuModel.prepare` builds the step on the host (padded to the batch bucket,
+            key-table widths rounded up to a multiple of KEY_WIDTH_STEP) and moves it in one
+            host-to-device copy; the graph captured for that shape (on first use) has its
+            static buffers laid out the same way in one device buffer, refilled by one copy
+    graph   the key-row tables expanded from the block table, the forward -> logits [bucket, V]
     after   `GpuModel.commit`: window records scratch -> ring, new open rows, the books
 
 Eligible: plain decode (every sequence adds one token, last-row logits, no replay) and a bounded
