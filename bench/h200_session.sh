@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
-#   bash bench/h200_session.sh OUT [SECONDS]
+#   bash bench/h200_session.sh OUT [SECONDS] [PHASES]     PHASES: "check measure" (default both)
+# check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
+# (FLASHPD_MOE_GEMV_MAX_ROWS from the environment when the check is not run)
 # 1. install this tree into a fresh target (a warm machine keeps old installs under /tmp)
 # 2. routed-expert GEMV check at decode sizes -> FLASHPD_MOE_GEMV_MAX_ROWS: the largest checked
 #    batch where the GEMV path is correct (err < 5e-3) and faster than the tensor-core GEMMs
@@ -8,7 +10,8 @@
 # 4. gpu_engine --summary (summary.json), 5. the GPU-path tests, 6. the decode/prefill profile
 # Each step gets what is left of the box; everything lands in OUT (log.txt holds the output).
 set -u
-OUT=${1:?OUT}; BOX=${2:-560}
+OUT=${1:?OUT}; BOX=${2:-560}; PHASES=${3:-check measure}
+has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 START=$(date +%s)
 left() { echo $(( BOX - ($(date +%s) - START) )); }
 mkdir -p "$OUT"; exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -18,6 +21,9 @@ pip install -q --no-deps --no-index --no-build-isolation --target "$D" . || exit
 export PYTHONPATH=$D PYTHONUNBUFFERED=1 FLASHPD_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 if [ -f .tcache/tcache.tgz ]; then mkdir -p ~/.triton && tar xzf .tcache/tcache.tgz -C ~/.triton; fi
 cd /tmp
+if has check; then
+echo "== host step on the device ($(left) s left)"
+timeout 60 python -m flashpd.bench.host_step --device cuda --batch 1 8 64 --context 8192 --steps 20
 echo "== gemv check ($(left) s left)"
 timeout 70 python -m flashpd.bench.moe_gemv_check --out "$OUT" --budget-s 5
 ROWS=$(python - "$OUT/moe_gemv_check.json" <<'PY'
@@ -40,11 +46,13 @@ export FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS
 echo "== FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS"
 echo "== verify-kernels ($(left) s left)"
 timeout 90 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -40
-echo "== summary ($(left) s left)"
-timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" --out "$OUT"
 echo "== GPU-path tests ($(left) s left)"
-timeout $(( $(left) / 2 )) python -m pytest -q -x -m "not soak" --rootdir "$REPO" \
+timeout $(( $(left) - 10 )) python -m pytest -q -m "not soak" --rootdir "$REPO" \
     "$REPO/tests/engine/gpu" 2>&1 | tail -15
+fi
+has measure || { echo "== done ($(left) s left)"; exit 0; }
+echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
+timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" --out "$OUT"
 echo "== profile ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.gpu_profile --batch 1 64 --steps 2 \
     --prefill 8192 --out "$OUT" > "$OUT/profile_log.txt" 2>&1
