@@ -573,13 +573,16 @@ class Model:
         A layer over every row returns its own FFN pre as the carried pre (no copy); one over
         some rows writes them into `carried_pre` (and `streams`) in place."""
         d, every = self.dense, rows.everything
-        xs = streams if every else streams[rows.seam_idx]  # [Ts, S, D]
+        # seam rows are ascending batch rows: as many as the batch means all of them, in order
+        # (the candidate source of an encoder-only prefill), so nothing is gathered
+        seam_all = every or rows.num_seam == streams.shape[0]
+        xs = streams if seam_all else streams[rows.seam_idx]  # [Ts, S, D]
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
             ids = step.hash_ids[spec.layer_id]
-            xs = self._engram_inject(lw, xs, ids if every else ids[rows.seam_idx])
+            xs = self._engram_inject(lw, xs, ids if seam_all else ids[rows.seam_idx])
         # 3. (seam) attention input = attn_norm(collapse(X, carried pre)); when every row
         # computes, one fused mHC step also gives 2. (the attention site's mixes)
-        pre_in = carried_pre if every else carried_pre[rows.seam_idx]
+        pre_in = carried_pre if seam_all else carried_pre[rows.seam_idx]
         mixes_a = None
         if every:
             _, *mixes_a, x_seam = self._mhc_step(None, xs, None, None, lw.hc_attn, pre_in,

@@ -282,10 +282,11 @@ class GpuModel(Model):
         if spec.ratio == 2:
             ag = torch.stack((d.linear_fp32(x_seam, lw.comp_wkv),
                               d.linear_fp32(x_seam, lw.comp_wgate)), dim=1)  # [Ts, 2, c] FP32
-            stored = pools.open[t.open_slots[src], pools.open_row_of[src]]  # [Ts, 2, c]
-            prev = torch.where(t.from_stored[src][:, None, None], stored, ag.roll(1, 0))
-            pooled = self.compressor.pool_two(prev[:, 0], prev[:, 1], ag[:, 0], ag[:, 1])
-            latent = d.rms_norm(pooled.to(self.dtype), lw.comp_norm, self.eps)
+            # partner: the slot's stored open row (first seam row of a part) or the row before
+            pooled = self.compressor.pool_open_pairs(
+                ag, pools.open[:, pools.open_row_of[src]], t.from_stored[src],
+                t.open_slots[src], self.dtype)  # [Ts, c], one launch
+            latent = d.rms_norm(pooled, lw.comp_norm, self.eps)
             step.outputs[("open", src)] = ag
         else:
             latent = d.rms_norm(d.linear(x_seam, lw.comp_wkv), lw.comp_norm, self.eps)

@@ -76,3 +76,14 @@ def project(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,
             eps: float) -> torch.Tensor:
     """Ratio 1 (§4.2): latent_t = RMSNorm(x_t . wkv^T) [T, c] in x.dtype."""
     return rms_norm(linear(x, wkv), norm_weight, eps)
+
+
+def pool_open_pairs(ag: torch.Tensor, open_rows: torch.Tensor, from_stored: torch.Tensor,
+                    slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The paged forward's pooling of T consecutive seam rows: ag FP32 [T, 2, c] ((a, g) per
+    row), open_rows FP32 [S, 2, c] (each slot's stored open row), from_stored bool [T], slots
+    [T] -> pool_two(partner(t), row t) in `dtype` [T, c], where partner(t) is
+    open_rows[slots[t]] if from_stored[t] else row t - 1 (row T - 1 for t = 0)."""
+    stored = open_rows[slots.long()]  # [T, 2, c]
+    prev = torch.where(from_stored[:, None, None], stored, ag.roll(1, 0))
+    return pool_two(prev[:, 0], prev[:, 1], ag[:, 0], ag[:, 1]).to(dtype)
