@@ -503,3 +503,50 @@ def check_engram(scale: str, timing: bool) -> list[Check]:
     out.append(close_check("engram", f"gates T={t}", et.engram_gates(x, keys, qk, 1e-20),
                            eref.engram_gates(x, keys, qk, 1e-20), 1e-4))
     return out
+
+
+# ============================================================================ forward glue
+@register_check("glue")
+def check_glue(scale: str, timing: bool) -> list[Check]:
+    """The GPU forward's fused glue: the index query (RoPE + MXFP4 values per head, one launch),
+    the ratio-2 compressor pooling, and top-k emitted as pool rows."""
+    from flashpd.kernels.compressor import ref as cref
+    from flashpd.kernels.compressor import triton as ct
+    from flashpd.kernels.indexer import ref as iref
+    from flashpd.kernels.indexer import triton as it
+    from flashpd.kernels.quant import ref as qref
+    from flashpd.kernels.quant import triton as qt
+
+    dm = _dims(scale, dict(t=12, h=4, di=32, rp=8, c=64, n=40, k=8),
+               dict(t=8192, h=32, di=128, rp=32, c=512, n=4096, k=512))
+    t, h, di = dm["t"], dm["h"], dm["di"]
+    q = randn(t * h, di, seed=81, scale=3.0)
+    _, _, tables = _rope(t, dm["rp"], seed=82)
+    chk = exact_check("glue", f"index query T={t} h={h} dI={di}",
+                      qt.rope_fake_quant_mxfp4(q, tables, h),
+                      qref.rope_fake_quant_mxfp4(q, tables, h))
+    chk.bytes_moved = 2 * q.numel() * 2
+    out = [_timed(chk, timing, lambda: qt.rope_fake_quant_mxfp4(q, tables, h),
+                  lambda: qref.rope_fake_quant_mxfp4(q, tables, h))]
+    c = dm["c"]
+    ag = randn(t, 2, c, seed=83, scale=4.0, dtype=torch.float32)
+    open_rows = randn(3, 2, c, seed=84, scale=4.0, dtype=torch.float32)
+    stored = torch.zeros(t, dtype=torch.bool, device=device())
+    stored[::5] = True
+    slots = (torch.arange(t, device=device()) % 3)
+    chk = exact_check("glue", f"compressor pool T={t} c={c}",
+                      ct.pool_open_pairs(ag, open_rows, stored, slots),
+                      cref.pool_open_pairs(ag, open_rows, stored, slots))
+    chk.bytes_moved = ag.numel() * 4 + t * c * 2
+    out.append(_timed(chk, timing, lambda: ct.pool_open_pairs(ag, open_rows, stored, slots),
+                      lambda: cref.pool_open_pairs(ag, open_rows, stored, slots)))
+    rows_t = min(t, 64)
+    scores = randn(rows_t, dm["n"], seed=85, dtype=torch.float32)
+    key_rows = torch.randperm(4 * dm["n"], generator=torch.Generator().manual_seed(86))[
+        :2 * dm["n"]].view(2, dm["n"]).to(torch.int32).to(device())
+    seq_of = (torch.arange(rows_t, device=device()) % 2).to(torch.int32)
+    ids = it.select_topk(scores, dm["k"])
+    out.append(exact_check("glue", f"top-k as pool rows T={rows_t} N={dm['n']}",
+                           it.select_topk(scores, dm["k"], pool_rows=(key_rows, seq_of)),
+                           iref.to_pool_rows(ids, key_rows, seq_of)))
+    return out

@@ -10,7 +10,7 @@ import torch
 from flashpd.cli import main
 from flashpd.kernels import dispatch, verify
 
-TRITON_OPS = ("dense", "mhc", "engram", "attention", "indexer", "moe")
+TRITON_OPS = ("dense", "mhc", "engram", "attention", "indexer", "moe", "compressor")
 
 
 @pytest.mark.parametrize("op", TRITON_OPS)
