@@ -466,7 +466,16 @@ def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tens
     return down_gemm(h, pairs, w2, CONFIG["gemm2_large" if large else "gemm2"])
 
 
-def eligible(w: Weights, num_pairs: int, dtype: torch.dtype) -> bool:
-    """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here (GPU only)."""
-    return (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= CONFIG["min_pairs"]
-            and not triton_runtime.interpreting())
+def eligible(w: Weights, num_pairs: int, dtype: torch.dtype, w2: Weights | None = None) -> bool:
+    """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here (GPU only):
+    both GEMMs' K (W1's and, when given, W2's) whole multiples of the K tiles they would take
+    (small models, e.g. the test presets, keep the generic kernels)."""
+    if not (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= CONFIG["min_pairs"]
+            and not triton_runtime.interpreting()):
+        return False
+    large = num_pairs >= CONFIG["scratch_min_pairs"]
+    checks = [(w, CONFIG["gemm1_large" if large else "gemm1"])]
+    if w2 is not None:
+        checks.append((w2, CONFIG["gemm2_large" if large else "gemm2"]))
+    return all(weights.in_dim % tiles.get("block_k", 64) == 0 and weights.in_dim >= 128
+               for weights, tiles in checks)

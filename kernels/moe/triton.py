@@ -401,7 +401,7 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         rows = gemv.tile_rows(num_tokens)
         pairs = sort_pairs(ids, weights, experts.num_experts, rows)
         return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos
-    large = grouped_large.eligible(experts.w1, num_pairs, x.dtype)  # prefill sizes (GPU)
+    large = grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2)  # prefill sizes (GPU)
     block_m = grouped_large.block_m() if large else dense.block_m_for(
         max(1, num_pairs // max(1, experts.num_experts)))
     pairs = sort_pairs(ids, weights, experts.num_experts, block_m)

@@ -116,3 +116,20 @@ def test_rejects_mismatched_schedule_and_formats():
         gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64)), sched, out)
     with pytest.raises(TypeError, match="bf16"):
         gl.grouped_gemm(a.float(), w, sched, out)
+
+
+def test_eligible_only_where_both_gemms_tile_their_k(monkeypatch):
+    """Prefill-size pairs of a small model (the test presets: K = 32) stay on the generic
+    kernels instead of failing inside the large-tile GEMMs; the bench shapes qualify."""
+    monkeypatch.setattr(gl.triton_runtime, "interpreting", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    many = gl.CONFIG["min_pairs"]
+    w1_small, _ = _mxfp4(2, 64, 128, g)
+    w2_small, _ = _mxfp4(2, 128, 32, g)
+    assert not gl.eligible(w1_small, many, torch.bfloat16, w2_small)
+    w1, _ = _mxfp4(2, 64, 256, g)
+    w2, _ = _mxfp4(2, 256, 128, g)
+    assert gl.eligible(w1, many, torch.bfloat16, w2)
+    assert not gl.eligible(w1, many - 1, torch.bfloat16, w2)  # decode sizes
+    assert not gl.eligible(w1, many, torch.float32, w2)
+    assert gl.eligible(w1, gl.CONFIG["scratch_min_pairs"], torch.bfloat16, w2)
