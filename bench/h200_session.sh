@@ -7,10 +7,17 @@
 # 2. routed-expert GEMV check at decode sizes -> FLASHPD_MOE_GEMV_MAX_ROWS: the largest checked
 #    batch where the GEMV path is correct (err < 5e-3) and faster than the tensor-core GEMMs
 # 3. verify-kernels (every op, bench shapes, against the torch references)
-# 4. gpu_engine --summary (summary.json), 5. the GPU-path tests, 6. the decode/prefill profile
+# 4. gpu_engine --summary (summary.json), 5. the GPU-path tests (gpu_tests.txt; after the
+#    summary in a measure-only call), 6. the decode/prefill profile
 # Each step gets what is left of the box; everything lands in OUT (log.txt holds the output).
 set -u
 OUT=${1:?OUT}; BOX=${2:-560}; PHASES=${3:-check measure}
+gpu_tests() {  # $1: seconds to leave for what follows
+    echo "== GPU-path tests ($(left) s left)"
+    timeout $(( $(left) - $1 )) python -m pytest -q -m "not soak" --tb=short --rootdir "$REPO" \
+        "$REPO/tests/engine/gpu" > "$OUT/gpu_tests.txt" 2>&1
+    grep -E "passed|failed|Error|error" "$OUT/gpu_tests.txt" | tail -12
+}
 has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 START=$(date +%s)
 left() { echo $(( BOX - ($(date +%s) - START) )); }
@@ -46,13 +53,12 @@ export FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS
 echo "== FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS"
 echo "== verify-kernels ($(left) s left)"
 timeout 90 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -40
-echo "== GPU-path tests ($(left) s left)"
-timeout $(( $(left) - 10 )) python -m pytest -q -m "not soak" --rootdir "$REPO" \
-    "$REPO/tests/engine/gpu" 2>&1 | tail -15
+gpu_tests 10
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
-timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" --out "$OUT"
+timeout $(( $(left) - 150 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" --out "$OUT"
+gpu_tests 90
 echo "== profile ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.gpu_profile --batch 1 64 --steps 2 \
     --prefill 8192 --out "$OUT" > "$OUT/profile_log.txt" 2>&1
