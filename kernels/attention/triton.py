@@ -44,7 +44,10 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
 # of heads_block_n, heads_warps warps, heads_stages pipeline stages, heads_prefetch (next tile's
 # bytes loaded before the current one is used), heads_rescale_tau (accumulators rescaled only
-# when a row max grows by more than this, log2 units), heads_asm (PTX decode on the GPU).
+# when a row max grows by more than this, log2 units; 0: whenever one grows. The lazy form
+# (8, FlashAttention-4 style) was 1.3% faster per prefill layer on the H200 but moved the
+# GPU-path forward 4x further from the reference on the smoke model: median row error 0.205
+# vs 0.052 after a chunked prefill, bench/gpu_path_diag.py), heads_asm (PTX decode on the GPU).
 # Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
 # ranges (split-KV, heads_split_block_n per tile) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
@@ -54,7 +57,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
-          "heads_prefetch": False, "heads_rescale_tau": 8.0, "heads_asm": True,
+          "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
           "heads_split_target": 132,
           "heads_split_block_n": 64, "legacy_max_q": 1,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
