@@ -30,6 +30,9 @@ from flashpd.model.presets import preset_config
 
 GROUPS = (  # kernel-name fragment -> what it is (first match wins)
     ("grouped_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("gemv", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("_prep_kernel", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("sort_pairs", "MoE gate"),
     ("_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("attn", "sparse attention"),
     ("score", "indexer scoring"),

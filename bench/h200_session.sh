@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
-#   bash bench/h200_session.sh OUT [SECONDS] [PHASES]     PHASES: "check measure" (default both)
+#   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]   PHASES: "check measure"
+#   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
 # (FLASHPD_MOE_GEMV_MAX_ROWS from the environment when the check is not run)
 # 1. install this tree into a fresh target (a warm machine keeps old installs under /tmp)
@@ -25,7 +26,7 @@ mkdir -p "$OUT"; exec > >(tee -a "$OUT/log.txt") 2>&1
 REPO=$(pwd)
 D=/tmp/fp$RANDOM$RANDOM
 pip install -q --no-deps --no-index --no-build-isolation --target "$D" . || exit 1
-export PYTHONPATH=$D PYTHONUNBUFFERED=1 FLASHPD_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export PYTHONPATH=$D PYTHONUNBUFFERED=1 FLASHPD_COMMIT=${FLASHPD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if [ -f .tcache/tcache.tgz ]; then mkdir -p ~/.triton && tar xzf .tcache/tcache.tgz -C ~/.triton; fi
 cd /tmp
 if has check; then
