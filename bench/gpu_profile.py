@@ -31,6 +31,11 @@ from flashpd.model.presets import preset_config
 GROUPS = (  # kernel-name fragment -> what it is (first match wins)
     ("grouped_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("gemv", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("cutlass", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
+    ("nvjet", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
+    ("_dequant", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
+    ("_swiglu", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
+    ("heads_kernel", "sparse attention"),
     ("_prep_kernel", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("sort_pairs", "MoE gate"),
     ("_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
