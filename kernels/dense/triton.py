@@ -114,6 +114,14 @@ DOT_UPCAST = triton_runtime.interpreting()
 
 
 @triton.jit
+def swiglu_limited(g, u, limit):
+    """moe.ref.expert_ffn's SwiGLU on FP32 inputs (already rounded as the caller's path rounds):
+    silu(min(g, limit)) * clamp(u, -limit, limit)."""
+    g = tl.minimum(g, limit)
+    return g * sigmoid_f32(g) * tl.minimum(tl.maximum(u, -limit), limit)
+
+
+@triton.jit
 def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a . b with FP32 accumulation; IEEE for FP32 operands (no TF32)."""
     if UPCAST:
@@ -229,9 +237,8 @@ def _grouped_gemm_kernel(
                                       stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype, HW_FP8)
                     acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
         if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-            g = tl.minimum(_round_out(acc1, ROUND_ACT_BF16), limit)
-            u = tl.minimum(tl.maximum(_round_out(acc3, ROUND_ACT_BF16), -limit), limit)
-            out = g * sigmoid_f32(g) * u
+            out = swiglu_limited(_round_out(acc1, ROUND_ACT_BF16),
+                                 _round_out(acc3, ROUND_ACT_BF16), limit)
             if HAS_GAMMA:
                 out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
         else:
@@ -438,6 +445,25 @@ def _load_step(w_ptr, s_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn, st
 
 
 @triton.jit
+def _wide_loads(a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi,
+                stride_we, stride_wn, stride_se, stride_sn, W_FMT: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr):
+    """One wide K step's operands from group g0: the A tile and the raw W1 (and W3 for the
+    SwiGLU epilogue; W1's again otherwise) tiles with their scales."""
+    k0 = g0 * 32
+    a = tl.load(a_base + k0 + kk[None, :], mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :],
+                other=0.0)
+    r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn,
+                        stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+    if EPILOGUE == 1:
+        r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn,
+                            stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+    else:
+        r3, q3 = r1, q1
+    return a, r1, q1, r3, q3
+
+
+@triton.jit
 def _dequant(raw, s, OUT_DTYPE: tl.constexpr, W_FMT: tl.constexpr, HW_FP8: tl.constexpr,
              MX_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """_load_step's tile -> [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in natural order (exact)."""
@@ -507,39 +533,21 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
                                          stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
     elif WIDE:
         if PREFETCH:
-            k0 = g_lo * 32
-            a = tl.load(a_base + k0 + kk[None, :],
-                        mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-            r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g_lo, k_hi, stride_we,
-                                stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
-            if EPILOGUE == 1:
-                r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g_lo, k_hi, stride_we,
-                                    stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
-            else:
-                r3, q3 = r1, q1
+            a, r1, q1, r3, q3 = _wide_loads(a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                                            e64, n64, nmask, g_lo, k_hi, stride_we, stride_wn,
+                                            stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
+                                            EPILOGUE)
         for g0 in range(g_lo, g_hi, G):
             if PREFETCH:  # next step in flight during this step's dequant and dot
-                gn = g0 + G
-                kn = gn * 32
-                na = tl.load(a_base + kn + kk[None, :],
-                             mask=p_mask[:, None] & ((kn + kk) < k_hi)[None, :], other=0.0)
-                nr1, nq1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, gn, k_hi, stride_we,
-                                      stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
-                if EPILOGUE == 1:
-                    nr3, nq3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, gn, k_hi, stride_we,
-                                          stride_wn, stride_se, stride_sn, W_FMT, EVEN_K,
-                                          BLOCK_K)
-                else:
-                    nr3, nq3 = nr1, nq1
+                na, nr1, nq1, nr3, nq3 = _wide_loads(
+                    a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0 + G,
+                    k_hi, stride_we, stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
+                    EPILOGUE)
             else:
-                k0 = g0 * 32
-                a = tl.load(a_base + k0 + kk[None, :],
-                            mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-                r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we,
-                                    stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
-                if EPILOGUE == 1:
-                    r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi, stride_we,
-                                        stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+                a, r1, q1, r3, q3 = _wide_loads(
+                    a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0,
+                    k_hi, stride_we, stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
+                    EPILOGUE)
             w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
             acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
             if EPILOGUE == 1:
@@ -562,9 +570,8 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
               EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr, ROUND_ACT_BF16: tl.constexpr,
               OUT_BF16: tl.constexpr):
     if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-        g = tl.minimum(_round_out(acc1, ROUND_ACT_BF16), limit)
-        u = tl.minimum(tl.maximum(_round_out(acc3, ROUND_ACT_BF16), -limit), limit)
-        out = g * sigmoid_f32(g) * u
+        out = swiglu_limited(_round_out(acc1, ROUND_ACT_BF16), _round_out(acc3, ROUND_ACT_BF16),
+                             limit)
         if HAS_GAMMA:
             out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
     else:

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from flashpd.kernels.dense.triton import W_MXFP4, Weights, sigmoid_f32
+from flashpd.kernels.dense.triton import W_MXFP4, Weights, swiglu_limited
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # rows: pairs per tile by token count (the smallest entry >= the batch; 2 rows keep ~100
@@ -280,11 +280,9 @@ def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_s
     g = _round(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
     mask = nmask & ok
     if SWIGLU:  # moe.ref.expert_ffn: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
-        g = tl.minimum(g, limit)
         u = _round(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
         gamma = tl.load(gamma_ptr + p, mask=ok, other=0.0)
-        h = _round(gamma * (g * sigmoid_f32(g) * u), ROUND_BF16)
+        h = _round(gamma * swiglu_limited(g, u, limit), ROUND_BF16)
         r = n % 32
         col = n - r + 4 * (r % 8) + r // 8  # nibble order for the down launch
         tl.store(out_ptr + p.to(tl.int64) * N + col, h * out_scale, mask=mask)

@@ -42,7 +42,7 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, sigmoid_f32
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, swiglu_limited
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
@@ -197,9 +197,7 @@ def _large_gemm_kernel(
                                              (0, 2, 1)))
             n_idx = nb * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to BF16, FP32 SwiGLU, gamma, one rounding
-            g = tl.minimum(round_bf16(acc1), limit)
-            u = tl.minimum(tl.maximum(round_bf16(acc3), -limit), limit)
-            out = g * sigmoid_f32(g) * u
+            out = swiglu_limited(round_bf16(acc1), round_bf16(acc3), limit)
             if HAS_GAMMA:
                 out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
         else:
@@ -329,9 +327,9 @@ def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.c
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (r < rows)[:, None] & (i < inter)[None, :]
     base = r.to(tl.int64)[:, None] * (2 * inter) + i[None, :]
-    g = tl.minimum(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32), limit)
-    u = tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32)
-    out = g * sigmoid_f32(g) * tl.minimum(tl.maximum(u, -limit), limit)
+    out = swiglu_limited(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32),
+                         tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32),
+                         limit)
     if HAS_GAMMA:
         out = tl.load(gamma_ptr + r, mask=r < rows, other=0.0)[:, None] * out
     tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :],

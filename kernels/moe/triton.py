@@ -33,7 +33,13 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, sigmoid_f32, softplus_f32
+from flashpd.kernels.dense.triton import (
+    DOT_UPCAST,
+    Weights,
+    mma,
+    softplus_f32,
+    swiglu_limited,
+)
 from flashpd.kernels.moe import gemv, grouped_large
 from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
@@ -179,10 +185,9 @@ def _check_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
 def _swiglu_kernel(g_ptr, u_ptr, h_ptr, n, limit, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.minimum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(h_ptr + offs, g * sigmoid_f32(g) * u, mask=mask)
+    tl.store(h_ptr + offs, swiglu_limited(g, u, limit), mask=mask)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
