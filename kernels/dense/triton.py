@@ -267,7 +267,7 @@ def _grouped_gemm_kernel(
 # MXFP4 nibbles (low = even k) are decoded by bit moves and interleaved back into K order, so
 # the bit-trick, asm and tl.dot_scaled paths all sum K in the same order.
 @triton.jit
-def _fp32_e2m1(nib, s_f32):
+def fp32_e2m1(nib, s_f32):
     """E2M1 code (low 4 bits, int32) * scale -> FP32: the code's bits are placed in an FP32's
     sign/exponent/mantissa fields (value * 2^-126, subnormal for 0.5), then rescaled exactly."""
     bits = ((nib & 7) << 22) | ((nib & 8) << 28)
@@ -279,7 +279,7 @@ def _fp32_e2m1(nib, s_f32):
 # exponent / mantissa fields (value * 2^-126, subnormal for 0.5), then one bf16x2 multiply by
 # s_bf16 = 2^126 * scale rescales exactly. Two functions: the string must be a literal.
 @triton.jit
-def _e2m1_lo_asm(b, s_bf16):
+def e2m1_lo_asm(b, s_bf16):
     return tl.inline_asm_elementwise("""{
         .reg .b32 t<2>, u<4>, z;
         mov.b32 z, 0;
@@ -299,7 +299,7 @@ def _e2m1_lo_asm(b, s_bf16):
 
 
 @triton.jit
-def _e2m1_hi_asm(b, s_bf16):
+def e2m1_hi_asm(b, s_bf16):
     return tl.inline_asm_elementwise("""{
         .reg .b32 t<2>, u<4>, z;
         mov.b32 z, 0;
@@ -346,10 +346,10 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
         b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
         if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
             s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
-            lo1, hi1 = _e2m1_lo_asm(b1, s1), _e2m1_hi_asm(b1, s1)
+            lo1, hi1 = e2m1_lo_asm(b1, s1), e2m1_hi_asm(b1, s1)
         else:
-            lo1 = _fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
-            hi1 = _fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
+            lo1 = fp32_e2m1(b1.to(tl.int32), s1).to(dot_dtype)
+            hi1 = fp32_e2m1(b1.to(tl.int32) >> 4, s1).to(dot_dtype)
         acc1 = mma(a_even, tl.trans(lo1), acc1, IEEE, UPCAST)
         acc1 = mma(a_odd, tl.trans(hi1), acc1, IEEE, UPCAST)
         if EPILOGUE == 1:
@@ -357,10 +357,10 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
             if MX_ASM:
                 s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
-                lo3, hi3 = _e2m1_lo_asm(b3, s3), _e2m1_hi_asm(b3, s3)
+                lo3, hi3 = e2m1_lo_asm(b3, s3), e2m1_hi_asm(b3, s3)
             else:
-                lo3 = _fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
-                hi3 = _fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
+                lo3 = fp32_e2m1(b3.to(tl.int32), s3).to(dot_dtype)
+                hi3 = fp32_e2m1(b3.to(tl.int32) >> 4, s3).to(dot_dtype)
             acc3 = mma(a_even, tl.trans(lo3), acc3, IEEE, UPCAST)
             acc3 = mma(a_odd, tl.trans(hi3), acc3, IEEE, UPCAST)
     else:
@@ -473,11 +473,11 @@ def _dequant(raw, s, OUT_DTYPE: tl.constexpr, W_FMT: tl.constexpr, HW_FP8: tl.co
         sf = e8m0_decode(s)[:, :, None]
         if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
             sb = tl.broadcast_to((sf * 8.507059173023462e37).to(tl.bfloat16), raw.shape)
-            lo, hi = _e2m1_lo_asm(raw, sb), _e2m1_hi_asm(raw, sb)
+            lo, hi = e2m1_lo_asm(raw, sb), e2m1_hi_asm(raw, sb)
         else:
             bi = raw.to(tl.int32)
-            lo = _fp32_e2m1(bi, sf).to(OUT_DTYPE)
-            hi = _fp32_e2m1(bi >> 4, sf).to(OUT_DTYPE)
+            lo = fp32_e2m1(bi, sf).to(OUT_DTYPE)
+            hi = fp32_e2m1(bi >> 4, sf).to(OUT_DTYPE)
         w = tl.interleave(lo, hi)
     else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
         if HW_FP8:
