@@ -377,6 +377,7 @@ def check_gemm(scale: str, timing: bool) -> list[Check]:
                           lambda x=x, w=w_deq: torch.matmul(x, w.T)))
         if chk.ref_ms:
             chk.note = "ref_ms = cuBLAS bf16 on dequantised W"
+    out.extend(_check_fp8_prefill(scale))
     t, d, i, e, k = (12, 64, 64, 4, 2) if scale == "tiny" else (4096, 5120, 2304, 64, 6)
     out.extend(_check_grouped(t, d, i, e, k, timing))
     if scale == "tiny":
@@ -387,6 +388,40 @@ def check_gemm(scale: str, timing: bool) -> list[Check]:
         wf = randn(24, 96, seed=55, dtype=torch.float32)
         out.append(close_check("gemm", "linear_fp32 (IEEE)", dt.linear_fp32(xf, wf),
                                dref.linear_fp32(xf, wf), 1e-5))
+    return out
+
+
+def _check_fp8_prefill(scale: str) -> list[Check]:
+    """The FP8 GEMMs a prefill runs besides single weights: the shared expert's SwiGLU pair
+    and wo_a's block-diagonal groups (cuBLAS on the GPU from cublas_min_rows rows per weight,
+    the Triton kernel below that and under the interpreter)."""
+    from flashpd.kernels.dense import ref as dref
+    from flashpd.kernels.dense import triton as dt
+    from flashpd.kernels.quant import ref as qref
+
+    t, d, i, g, n, k = (6, 64, 32, 2, 32, 64) if scale == "tiny" else (4096, 5120, 2304, 8,
+                                                                       1024, 4096)
+    limit = 7.0
+    x = randn(t, d, seed=56)
+    (w1, s1), (w3, s3) = (qref.quantize_fp8_blockwise(randn(i, d, seed=s, dtype=torch.float32))
+                          for s in (57, 58))
+    gam = torch.rand(t, generator=torch.Generator().manual_seed(59)).to(x.device) + 0.5
+    h = torch.empty(t, i, dtype=x.dtype, device=x.device)
+    dt.grouped_gemm(x, dt.Weights.fp8(w1, s1), None, h, w3=dt.Weights.fp8(w3, s3), gamma=gam,
+                    limit=limit)
+    gr = dref.linear(x, qref.dequantize_fp8_blockwise(w1, s1)).float().clamp_max(limit)
+    ur = dref.linear(x, qref.dequantize_fp8_blockwise(w3, s3)).float().clamp(-limit, limit)
+    ref = (gam[:, None] * torch.nn.functional.silu(gr) * ur).to(x.dtype)
+    out = [close_check("gemm", f"FP8 SwiGLU pair (shared expert) T={t} I={i} K={d}", h, ref,
+                       8e-3)]
+    xs = randn(t, g, k, seed=60)
+    ws = [qref.quantize_fp8_blockwise(randn(n, k, seed=61 + j, dtype=torch.float32))
+          for j in range(g)]
+    wb = dt.Weights.fp8(torch.stack([w for w, _ in ws]), torch.stack([s for _, s in ws]))
+    ref = torch.stack([dref.linear(xs[:, j], qref.dequantize_fp8_blockwise(*ws[j]))
+                       for j in range(g)], dim=1)
+    out.append(close_check("gemm", f"FP8 block-diagonal (wo_a) T={t} G={g} N={n} K={k}",
+                           dt.block_diagonal(xs, wb), ref, 8e-3))
     return out
 
 

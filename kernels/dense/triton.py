@@ -20,8 +20,9 @@ Batch invariance (dense/ref.py): block sizes along K never depend on the number 
 the split of K into chunks (`_plan`: split-K for decode, the same chunks walked in order for
 larger GEMMs) depends on the weight's shape only, so a row's result does not depend on how many
 rows share the call (up to the tensor-core instruction the compiler picks per tile size). The
-exception is opt-in by size: FP8 single-weight GEMMs of >= CONFIG["cublas_min_rows"] rows
-(prefill) run cuBLAS on the weight dequantised to BF16, which sums in its own order.
+exception is opt-in by size: FP8 GEMMs without a row gather (one weight, a SwiGLU pair, or
+block-diagonal groups) of >= CONFIG["cublas_min_rows"] rows per weight (prefill) run cuBLAS on
+the weights dequantised to BF16, which sums in its own order.
 BF16 x BF16 products are exact in FP32, so `tl.dot` with FP32 accumulation is the ref's FP32
 GEMM up to summation order; FP32 operands use `input_precision="ieee"` (no TF32).
 `tl.dot_scaled` (MXFP4 as stored) is behind the constexpr DOT_SCALED, chosen on the GPU by
@@ -792,9 +793,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
                     tmp.view(groups, rows // groups, -1).transpose(0, 1))
                 return out
         return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
-    if _cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
-        torch.matmul(a, dequantize_fp8(w).T, out=out)
-        return out
+    if cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
+        return _cublas_gemm(a, w, out, w3, gamma, limit)
     n_dim, k_dim = w.out_dim, w.in_dim
     single = schedule is None
     groups = w.num_experts if single else 1
@@ -928,12 +928,78 @@ def _counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _cublas_eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3,
+@triton.jit
+def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (r < rows)[:, None] & (i < inter)[None, :]
+    base = r.to(tl.int64)[:, None] * (2 * inter) + i[None, :]
+    out = swiglu_limited(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32),
+                         tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32),
+                         limit)
+    if HAS_GAMMA:
+        out = tl.load(gamma_ptr + r, mask=r < rows, other=0.0)[:, None] * out
+    tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :],
+             round_bf16(out).to(tl.bfloat16), mask=mask)
+
+
+def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """gu [P, 2I] BF16 (g | u) -> h [P, I] BF16 = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
+    (into `out` when given: contiguous BF16 [P, I]). One launch."""
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    if not gu.is_contiguous() or gu.dtype != torch.bfloat16:
+        raise ValueError("swiglu_halves takes a contiguous BF16 [P, 2I] tensor")
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=gu.device) if out is None else out
+    if h.shape != (rows, inter) or h.dtype != torch.bfloat16 or not h.is_contiguous():
+        raise ValueError(f"swiglu_halves: out must be contiguous BF16 {(rows, inter)}")
+    if rows:
+        _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
+            gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
+            HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
+    return h
+
+
+def cublas_eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3,
                      dot_scaled: bool) -> bool:
+    """Prefill-sized FP8 GEMMs without a row gather: one weight (optionally with w3, SwiGLU),
+    or G weights block-diagonal (row t * G + g against weight g), >= cublas_min_rows rows per
+    weight."""
+    groups = w.num_experts
     return (CONFIG["prefill"] == "cublas" and not triton_runtime.interpreting()
-            and w.fmt == W_FP8 and w.num_experts == 1 and a_rows is None and w3 is None
-            and not dot_scaled and a.dtype == out.dtype == torch.bfloat16
-            and out.shape[0] >= CONFIG["cublas_min_rows"] and out.shape[0] == a.shape[0])
+            and w.fmt == W_FP8 and a_rows is None and not dot_scaled
+            and (w3 is None or (groups == 1 and w3.fmt == W_FP8 and w3.num_experts == 1))
+            and a.dtype == out.dtype == torch.bfloat16 and out.shape[0] == a.shape[0]
+            and out.shape[0] % groups == 0
+            and out.shape[0] // groups >= CONFIG["cublas_min_rows"])
+
+
+def _cublas_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None,
+                 gamma: torch.Tensor | None, limit: float) -> torch.Tensor:
+    """`grouped_gemm` of a `cublas_eligible` call: the FP8 weights dequantised to BF16 (exact)
+    once per call, cuBLAS BF16 GEMMs (FP32 accumulation, their own summation order).
+
+    SwiGLU: g | u from one GEMM against [W1; W3], each rounded to BF16 (as ROUND_ACT_BF16), then
+    gamma * silu(min(g, L)) * clamp(u, -L, L) in FP32, rounded once to out's dtype.
+    Block-diagonal (G weights): one batched GEMM over the G strided row groups.
+    """
+    groups, n_dim = w.num_experts, w.out_dim
+    if w3 is not None:
+        wt = torch.cat((dequantize_fp8(w), dequantize_fp8(w3)))  # [2N, K]
+        return swiglu_halves(torch.matmul(a, wt.T), gamma, limit, out)
+    if groups == 1:
+        torch.matmul(a, dequantize_fp8(w).T, out=out)
+        return out
+    rows = out.shape[0] // groups
+    wt = torch.stack([dequantize_fp8(_one_weight(w, g)) for g in range(groups)])  # [G, N, K]
+    y = torch.bmm(a.view(rows, groups, -1).transpose(0, 1), wt.transpose(1, 2))  # [G, T, N]
+    out.view(rows, groups, n_dim).copy_(y.transpose(0, 1))
+    return out
+
+
+def _one_weight(w: Weights, g: int) -> Weights:
+    return Weights(w.fmt, w.data[g:g + 1], None if w.scale is None else w.scale[g:g + 1])
 
 
 @triton.jit

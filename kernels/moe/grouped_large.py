@@ -42,7 +42,14 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, swiglu_limited
+from flashpd.kernels.dense.triton import (
+    DOT_UPCAST,
+    W_MXFP4,
+    W_PLAIN,
+    Weights,
+    swiglu_halves,
+    swiglu_limited,
+)
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
@@ -318,35 +325,6 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tenso
         w.data, w.scale, y.view(torch.int32), rows, n, k // 2, groups, y.stride(0) // 2,
         BLOCK_R=cfg["block_r"], BLOCK_G=block_g, num_warps=cfg["warps"])
     return y
-
-
-@triton.jit
-def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (r < rows)[:, None] & (i < inter)[None, :]
-    base = r.to(tl.int64)[:, None] * (2 * inter) + i[None, :]
-    out = swiglu_limited(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32),
-                         tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32),
-                         limit)
-    if HAS_GAMMA:
-        out = tl.load(gamma_ptr + r, mask=r < rows, other=0.0)[:, None] * out
-    tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :],
-             round_bf16(out).to(tl.bfloat16), mask=mask)
-
-
-def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float) -> torch.Tensor:
-    """gu [P, 2I] BF16 (g | u) -> h [P, I] BF16 = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))."""
-    rows, inter = gu.shape[0], gu.shape[1] // 2
-    if not gu.is_contiguous() or gu.dtype != torch.bfloat16:
-        raise ValueError("swiglu_halves takes a contiguous BF16 [P, 2I] tensor")
-    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=gu.device)
-    if rows:
-        _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
-            gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
-            HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
-    return h
 
 
 def _grouped_mm(a: torch.Tensor, w_bf16: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
