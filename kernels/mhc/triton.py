@@ -19,13 +19,15 @@ added in slice order, 0, 1, ..., whoever adds them: a program that owns every sl
 block adds them in registers and stores the total; when the slices of a block are spread over
 several programs (decode: one program per slice, so a batch of one still fills 40 programs), each
 stores its slice vectors and the last program of the block to arrive adds them in the same order.
-Either way the mixes, Sinkhorn and the RMSNorm pass then read the sums back through the same code
-(same register layout, so Sinkhorn's sums of four add in the same order). So a token's results do
-not depend on the batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
+Either way the totals are stored and read back one column per per-token vector: the mixes,
+Sinkhorn (16 per-token values, every sum of four added left to right) and the RMSNorm scale are
+elementwise per token, in no register layout's order. So a token's results do not depend on the
+batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
 call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
 blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
 per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
-so the collapsed row is written raw and normalised in a second, L2-resident pass.
+so the collapsed row is written raw and normalised in a second, L2-resident pass, flat over the
+block's valid rows (contiguous in x): one round of loads for a decode token.
 S = 4 streams (hc_mult of every preset).
 """
 
@@ -44,7 +46,8 @@ from flashpd.kernels.dense.triton import DOT_UPCAST, round_bf16, sigmoid_f32
 _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 # Slices of D (at most): a function of D only, so a token's sums do not depend on the batch.
 MHC_SPLIT = 40
-_N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros
+_N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros;
+# in the totals row, column 26 then holds the row's 1/rms for the RMSNorm pass
 # Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
@@ -52,14 +55,14 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
 #                    count); None: the fewest reaching target_programs in all
-#   norm_elems       elements per load of the RMSNorm pass (four in flight)
+#   *_norm_elems     elements per load of the RMSNorm pass (four in flight)
 #   red              slice vectors loaded at once by a token block's last program
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096, "red": 40,
+    "decode_norm_elems": 2048, "prefill_norm_elems": 4096, "red": 40,
 }
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -95,12 +98,6 @@ def _sinkhorn(logits, ITERS: tl.constexpr, eps, S: tl.constexpr):
         c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
     return c
-
-
-@triton.jit
-def _pick(x3, group, g: tl.constexpr):
-    """x3 [BT, G, W] -> [BT, W], the row `g` of the middle axis (a sum of zeros and one value)."""
-    return tl.sum(tl.where(group == g, x3, 0.0), axis=1)
 
 
 # ============================================================================ fused kernel
@@ -151,12 +148,13 @@ def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "GRID"])
 def _mhc_kernel(
     x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
-    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D, GRID,
+    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D: tl.constexpr,
+    GRID,
     norm_eps, hc_eps,
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_D: tl.constexpr, RED: tl.constexpr,
+    NORM_E: tl.constexpr, RED: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -248,94 +246,162 @@ def _mhc_kernel(
         else:
             tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec,
                      mask=rmask[:, None])
-    if GRID == 1:  # the sums go through memory here too: the mixes then see them in the
-        # reducer's register layout, so Sinkhorn's sums of four add in the same order
-        tl.store(partial_ptr + r64[:, None] * 32 + col[None, :], total, mask=rmask[:, None])
     tl.debug_barrier()
     if GRID == 1:
         arrived = GRID - 1
     else:
         arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
     if arrived == GRID - 1:  # last program of this token block: add the slices in order
-        parts = tl.where(GRID == 1, 1, NSL)
-        total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        for j0 in range(0, parts, RED):  # RED loads in flight
-            for j in tl.static_range(RED):
-                total += tl.load(
-                    partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
-                    mask=rmask[:, None] & (j0 + j < parts), other=0.0, cache_modifier=".cg")
         if GRID > 1:
+            total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+            for j0 in range(0, NSL, RED):  # RED loads in flight
+                for j in tl.static_range(RED):
+                    total += tl.load(
+                        partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
+                        mask=rmask[:, None] & (j0 + j < NSL), other=0.0, cache_modifier=".cg")
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
-        _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
-                    comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS, COLLAPSE,
-                    HAS_NORM_W, BF16, BLOCK_T, NORM_D)
+        # the totals go through memory and come back one column per token vector: the
+        # finish is then elementwise per token (no cross-thread sums, any layout)
+        sums_ptr = partial_ptr + tl.where(GRID == 1, 0, NSL).to(tl.int64) * T * 32
+        tl.store(sums_ptr + r64[:, None] * 32 + col[None, :], total, mask=rmask[:, None])
+        tl.debug_barrier()
+        _mhc_finish(sums_ptr, tb * BLOCK_T, T, rows, rmask, base_ptr, scale_ptr, nw_ptr,
+                    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
+                    COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, NORM_E)
 
 
 @triton.jit
-def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D):
-    """Raw collapsed rows (written by this launch: from L2) and the weight, FP32."""
-    mask = rmask[:, None] & (cols[None, :] < D)
-    xc = tl.load(xc_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0,
+def _softmax4(a, b, c, d, eps):
+    """Softmax of four per-token values (+eps), summed left to right."""
+    m = tl.maximum(tl.maximum(tl.maximum(a, b), c), d)
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """Four per-token values over (their sum, left to right, + eps)."""
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _logit(sp, rmask, rho, s2, base_ptr, n: tl.constexpr, S: tl.constexpr):
+    m = tl.load(sp + n, mask=rmask, other=0.0)
+    return s2 * (m * rho) + tl.load(base_ptr + 2 * S + n)
+
+
+@triton.jit
+def _store_comb(ptr, r64, rmask, n: tl.constexpr, v):
+    tl.store(ptr + r64 * 16 + n, v, mask=rmask)
+
+
+@triton.jit
+def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl.constexpr):
+    """Elements idx (flat over the block's rows, which are contiguous) of the raw collapsed
+    rows (written by this launch: from L2), their weight and their row's 1/rms -> x."""
+    m = idx < n
+    r = idx // D
+    w = tl.load(nw_ptr + (idx - r * D), mask=m, other=0.0).to(tl.float32)
+    inv = tl.load(sums_ptr + (row0 + r).to(tl.int64) * 32 + 26, mask=m, other=0.0,
+                  cache_modifier=".cg")
+    xc = tl.load(xc_ptr + row0.to(tl.int64) * D + idx, mask=m, other=0.0,
                  cache_modifier=".cg").to(tl.float32)
-    return xc, tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return _round(xc * inv * w, BF16)
 
 
 @triton.jit
-def _norm_store(xc_ptr, r64, rmask, cols, D, xc, inv, w, BF16: tl.constexpr):
-    mask = rmask[:, None] & (cols[None, :] < D)
-    tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
-             _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mhc_finish(total, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr, post_out_ptr,
-                comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S: tl.constexpr,
-                ITERS: tl.constexpr, COLLAPSE: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                BF16: tl.constexpr, BLOCK_T: tl.constexpr, NORM_D: tl.constexpr):
-    """Mixes from the full-D sums, then RMSNorm of the collapsed rows (written raw before)."""
+def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
+                post_out_ptr, comb_out_ptr, xc_ptr, D: tl.constexpr, norm_eps, hc_eps,
+                S: tl.constexpr, ITERS: tl.constexpr, COLLAPSE: tl.constexpr,
+                HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr,
+                NORM_E: tl.constexpr):
+    """Mixes from the full-D sums (sums_ptr: [T, 32] totals, one column per per-token vector),
+    then RMSNorm of the collapsed rows (written raw before). Elementwise per token."""
     r64 = rows.to(tl.int64)
-    SS: tl.constexpr = S * S
-    halves = tl.reshape(total, (BLOCK_T, 2, 16))
-    g2 = tl.arange(0, 2)[None, :, None]
-    m_comb = _pick(halves, g2, 0)  # [BT, 16]
-    rest = tl.reshape(_pick(halves, g2, 1), (BLOCK_T, 4, S))  # pre | post | stats | zeros
-    g4 = tl.arange(0, 4)[None, :, None]
-    m_pre = _pick(rest, g4, 0)  # [BT, S]
-    m_post = _pick(rest, g4, 1)
-    stats = _pick(rest, g4, 2)
-    sidx = tl.arange(0, S)[None, :]
-    sumsq = tl.sum(tl.where(sidx == 0, stats, 0.0), axis=1)
-    xsq = tl.sum(tl.where(sidx == 1, stats, 0.0), axis=1)
+    sp = sums_ptr + r64 * 32
+    sumsq = tl.load(sp + 24, mask=rmask, other=0.0)
     # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb)
     rho = 1.0 / tl.sqrt_rn(sumsq / (S * D) + norm_eps)
-    s_idx = tl.arange(0, S)
-    n16 = tl.arange(0, 16)
-    base_pre = tl.load(base_ptr + s_idx)
-    base_post = tl.load(base_ptr + S + s_idx)
-    base_c = tl.load(base_ptr + 2 * S + n16)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    pre = sigmoid_f32(s0 * (m_pre * rho[:, None]) + base_pre[None, :]) + hc_eps  # [BT, S]
-    post = 2.0 * sigmoid_f32(s1 * (m_post * rho[:, None]) + base_post[None, :])
-    logits = s2 * (m_comb * rho[:, None]) + base_c[None, :]
-    comb = tl.reshape(_sinkhorn(tl.reshape(logits, (BLOCK_T, S, S)), ITERS, hc_eps, S),
-                      (BLOCK_T, SS))
-    tl.store(pre_ptr + r64[:, None] * S + sidx, pre, mask=rmask[:, None])
-    tl.store(post_out_ptr + r64[:, None] * S + sidx, post, mask=rmask[:, None])
-    tl.store(comb_out_ptr + r64[:, None] * SS + n16[None, :], comb, mask=rmask[:, None])
-    if COLLAPSE and HAS_NORM_W:  # second pass: RMSNorm of the collapsed row (L2-resident)
-        inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
-        for d0 in range(0, D, 4 * NORM_D):  # four loads in flight
-            c0 = d0 + tl.arange(0, NORM_D)
-            a0, w0 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0, D)
-            a1, w1 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + NORM_D, D)
-            a2, w2 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 2 * NORM_D, D)
-            a3, w3 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 3 * NORM_D, D)
-            _norm_store(xc_ptr, r64, rmask, c0, D, a0, inv, w0, BF16)
-            _norm_store(xc_ptr, r64, rmask, c0 + NORM_D, D, a1, inv, w1, BF16)
-            _norm_store(xc_ptr, r64, rmask, c0 + 2 * NORM_D, D, a2, inv, w2, BF16)
-            _norm_store(xc_ptr, r64, rmask, c0 + 3 * NORM_D, D, a3, inv, w3, BF16)
+    for k in tl.static_range(S):  # columns 16 + k: pre, 16 + S + k: post
+        m_pre = tl.load(sp + 16 + k, mask=rmask, other=0.0)
+        m_post = tl.load(sp + 16 + S + k, mask=rmask, other=0.0)
+        pre = sigmoid_f32(s0 * (m_pre * rho) + tl.load(base_ptr + k)) + hc_eps
+        post = 2.0 * sigmoid_f32(s1 * (m_post * rho) + tl.load(base_ptr + S + k))
+        tl.store(pre_ptr + r64 * S + k, pre, mask=rmask)
+        tl.store(post_out_ptr + r64 * S + k, post, mask=rmask)
+    # Sinkhorn on 16 per-token vectors c{j}{k} (row j: source, column k: destination)
+    c00, c01, c02, c03 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 0, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 1, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 2, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 3, S), hc_eps)
+    c10, c11, c12, c13 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 4, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 5, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 6, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 7, S), hc_eps)
+    c20, c21, c22, c23 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 8, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 9, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 10, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 11, S), hc_eps)
+    c30, c31, c32, c33 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 12, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 13, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 14, S),
+                                   _logit(sp, rmask, rho, s2, base_ptr, 15, S), hc_eps)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)  # columns
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)  # rows
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)  # columns
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    _store_comb(comb_out_ptr, r64, rmask, 0, c00)
+    _store_comb(comb_out_ptr, r64, rmask, 1, c01)
+    _store_comb(comb_out_ptr, r64, rmask, 2, c02)
+    _store_comb(comb_out_ptr, r64, rmask, 3, c03)
+    _store_comb(comb_out_ptr, r64, rmask, 4, c10)
+    _store_comb(comb_out_ptr, r64, rmask, 5, c11)
+    _store_comb(comb_out_ptr, r64, rmask, 6, c12)
+    _store_comb(comb_out_ptr, r64, rmask, 7, c13)
+    _store_comb(comb_out_ptr, r64, rmask, 8, c20)
+    _store_comb(comb_out_ptr, r64, rmask, 9, c21)
+    _store_comb(comb_out_ptr, r64, rmask, 10, c22)
+    _store_comb(comb_out_ptr, r64, rmask, 11, c23)
+    _store_comb(comb_out_ptr, r64, rmask, 12, c30)
+    _store_comb(comb_out_ptr, r64, rmask, 13, c31)
+    _store_comb(comb_out_ptr, r64, rmask, 14, c32)
+    _store_comb(comb_out_ptr, r64, rmask, 15, c33)
+    if COLLAPSE and HAS_NORM_W:  # second pass: RMSNorm of the collapsed rows (L2-resident)
+        xsq = tl.load(sp + 25, mask=rmask, other=0.0)
+        tl.store(sp + 26, 1.0 / tl.sqrt_rn(xsq / D + norm_eps), mask=rmask)  # 1/rms per row
+        tl.debug_barrier()
+        # the block's rows are contiguous in x: one flat pass over its valid elements, four
+        # loads in flight (one round for a decode token, whatever BLOCK_T)
+        n = tl.minimum(T - row0, BLOCK_T) * D
+        base = xc_ptr + row0.to(tl.int64) * D
+        for e0 in range(0, n, 4 * NORM_E):
+            i0 = e0 + tl.arange(0, NORM_E)
+            a0 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0, n, D, BF16)
+            a1 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + NORM_E, n, D, BF16)
+            a2 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 2 * NORM_E, n, D, BF16)
+            a3 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 3 * NORM_E, n, D, BF16)
+            ty = xc_ptr.dtype.element_ty
+            tl.store(base + i0, a0.to(ty), mask=i0 < n)
+            tl.store(base + i0 + NORM_E, a1.to(ty), mask=i0 + NORM_E < n)
+            tl.store(base + i0 + 2 * NORM_E, a2.to(ty), mask=i0 + 2 * NORM_E < n)
+            tl.store(base + i0 + 3 * NORM_E, a3.to(ty), mask=i0 + 3 * NORM_E < n)
 
 
 def _slices(dim: int) -> tuple[int, int]:
@@ -362,10 +428,9 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
                          if nsl % g == 0 and blocks * g >= cfg["target_programs"]), nsl)
     if nsl % grid:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
-    norm_d = max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t))
     return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
             "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg["red"]),
-            "norm_d": min(norm_d, triton.next_power_of_2(dim))}
+            "norm_e": triton.next_power_of_2(cfg[f"{kind}_norm_elems"])}
 
 
 def expand_mix_collapse(
@@ -395,7 +460,8 @@ def expand_mix_collapse(
     dummy = pre_o
     plan = launch_plan(num_tokens, dim)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
-    partial = torch.empty(plan["nsl"] if plan["grid"] > 1 else 1, num_tokens, _N,
+    # the slice vectors (grid > 1) and, after them, the totals
+    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N,
                           dtype=torch.float32, device=dev)
     _mhc_kernel[(plan["grid"], n_blocks)](
         x, new_streams, y.contiguous() if y is not None else x,
@@ -407,7 +473,7 @@ def expand_mix_collapse(
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_D=plan["norm_d"], RED=plan["red"], num_warps=plan["warps"],
+        NORM_E=plan["norm_e"], RED=plan["red"], num_warps=plan["warps"],
         num_stages=plan["stages"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
