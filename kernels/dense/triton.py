@@ -61,7 +61,11 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                load and one dot per K step instead of 32-wide sub-steps), prefetch (wide:
 #                the next K step's tiles loaded into registers before this step's dot),
 #                optionally their own target_ctas and max_rows (rows that still take the
-#                split-K grid; the routed experts' pairs above it walk K segments)
+#                split-K grid; the routed experts' pairs above it walk K segments); swap
+#                (FP8 / plain: acc^T += W . A^T, the dequantised W the MMA's register operand:
+#                wgmma m64nBMk16 on Hopper instead of mma.sync m16n8k16 at BLOCK_M = 16);
+#                over16: overrides (block_n, warps, stages, swap) for split-K launches with
+#                row tiles above 16 (the K step and the split plan stay the format's)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
 #   expert_tiles active experts a grouped MXFP4 weight's split plans for (decode: top-k)
 #   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU); "asm": PTX bit moves + one bf16x2
@@ -320,13 +324,26 @@ def e2m1_hi_asm(b, s_bf16):
 
 
 @triton.jit
+def _mma_t(a, w, acc_t, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc_t + w . a^T ([BN, BM], the transpose of mma(a, w^T)). Under the interpreter (UPCAST)
+    it is computed as the transpose of mma(a, w^T) so its sums are those of the unswapped path
+    bit for bit (NumPy's matmul rounds differently per operand shape)."""
+    if UPCAST:
+        return tl.trans(mma(a, tl.trans(w), tl.trans(acc_t), IEEE, UPCAST))
+    else:
+        return mma(w, tl.trans(a), acc_t, IEEE, UPCAST)
+
+
+@triton.jit
 def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64,
               n64, nmask, gg, k_hi, stride_we, stride_wn, stride_se, stride_sn,
               W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
               UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr,
-              EVEN_K: tl.constexpr):
+              EVEN_K: tl.constexpr, SWAP: tl.constexpr = False):
     """acc += A[:, kk:kk+32] . W[e, n, kk:kk+32]^T, kk = 32 * gg (both weights for SwiGLU);
-    columns at or past k_hi are masked unless EVEN_K."""
+    columns at or past k_hi are masked unless EVEN_K. SWAP (FP8 / plain): the accumulators are
+    transposed, acc^T += W . A^T, so the dequantised W tile is the MMA's first operand (on
+    Hopper, wgmma reads it from registers; a second operand goes through shared memory)."""
     dot_dtype = a_ptr.dtype.element_ty
     kk = gg * 32
     if W_FMT == 1:  # MXFP4: bytes [BN, 16] -> even k (low nibbles), odd k (high nibbles)
@@ -386,7 +403,10 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             else:
                 v1 = e4m3_decode(q1)
             w1 = (v1 * s1).to(dot_dtype)
-        acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
+        if SWAP:
+            acc1 = _mma_t(a, w1, acc1, IEEE, UPCAST)
+        else:
+            acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
         if EPILOGUE == 1:
             if W_FMT == 0:
                 w3 = tl.load(w3_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
@@ -398,7 +418,10 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
                 else:
                     v3 = e4m3_decode(q3)
                 w3 = (v3 * s3).to(dot_dtype)
-            acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
+            if SWAP:
+                acc3 = _mma_t(a, w3, acc3, IEEE, UPCAST)
+            else:
+                acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
     return acc1, acc3
 
 
@@ -496,7 +519,7 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
            UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
            MX_ASM: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr,
            EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr):
+           BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
     """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32.
 
     K is walked in steps of BLOCK_K from group index k_lo // 32 (offsets are multiples of 32
@@ -506,7 +529,8 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
       WIDE        one [BN, BK/32, 16 | 32] load per weight per step, dequantised in registers,
                   one tl.dot; PREFETCH loads the next step before this step's dequant and dot
       otherwise   32-wide sub-steps, one [BN, 16 | 32] load and one or two K=16 dots each
-                  (MXFP4: even k = low nibbles, then odd k)
+                  (MXFP4: even k = low nibbles, then odd k); SWAP (FP8 / plain) accumulates
+                  the transpose, W . A^T, and transposes once at the end
     """
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -556,6 +580,17 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
                 acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
             if PREFETCH:
                 a, r1, q1, r3, q3 = na, nr1, nq1, nr3, nq3
+    elif SWAP:
+        t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for g0 in range(g_lo, g_hi, G):
+            for j in tl.static_range(G):
+                t1, t3 = _sub_step(t1, t3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr,
+                                   w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi, stride_we,
+                                   stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE,
+                                   UPCAST, HW_FP8, MX_ASM, EVEN_K, True)
+        acc1 = tl.trans(t1)
+        acc3 = tl.trans(t3)
     else:
         for g0 in range(g_lo, g_hi, G):
             for j in tl.static_range(G):
@@ -593,7 +628,7 @@ def _gemm_kernel(
     IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
@@ -634,7 +669,7 @@ def _gemm_kernel(
                                 s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
                                 IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH,
-                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
             if SPLIT > 1:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
@@ -669,7 +704,7 @@ def _gemm_kernel(
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
                                 stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
                                 DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH, EVEN_K, BLOCK_M,
-                                BLOCK_N, BLOCK_K)
+                                BLOCK_N, BLOCK_K, SWAP)
                 acc1 += c1
                 acc3 += c3
             _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
@@ -818,6 +853,10 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
                 schedule, a_rows = _explicit_schedule(rows, groups, block_m, a.device)
             return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
     step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
+    if small and block_m > 16 and "over16" in tiles:  # larger decode row tiles: own launch shape
+        tiles = {**tiles, **tiles["over16"]}
+    # swap (FP8 / plain): on the K-segment path too, so a row's sums match the split-K grid's
+    swap = bool(tiles.get("swap", False)) and w.fmt != W_MXFP4 and not tiles.get("wide", False)
     if not small:
         tiles = {"block_n": cfg["block_n"], "warps": cfg["warps"], "stages": cfg["stages"]}
     block_k = 64 if dot_scaled and not small else step
@@ -849,7 +888,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
         EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
-        num_stages=tiles["stages"], **triton_runtime.launch_options())
+        SWAP=swap, num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out
 
 

@@ -94,10 +94,12 @@ def test_split_k_gemm_matches_reference(monkeypatch, fmt):
     assert not bool(dt._counters(x.device).any())
 
 
-def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch, swap):
     """Decode (split-K programs) and prefill (one program walking the chunks) agree bit for bit."""
     _force_split(monkeypatch)
-    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "block_n": 16})
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "block_n": 16,
+                                              "swap": swap})
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 9)  # 3 N blocks x 3 chunks
     q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
                                                    .manual_seed(10)))
@@ -150,11 +152,14 @@ def test_block_diagonal_runs_each_group_through_its_own_weight(monkeypatch, spli
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-@pytest.mark.parametrize("body", [{}, {"wide": True}, {"wide": True, "prefetch": True}])
+@pytest.mark.parametrize("body", [{}, {"wide": True}, {"wide": True, "prefetch": True},
+                                  {"swap": True}])
 @pytest.mark.parametrize("k", [96, 256])
 def test_k_step_bodies_match_reference(monkeypatch, fmt, body, k):
-    """Sub-steps, wide steps and prefetched wide steps; K steps whole (K=256: no K masks, split
-    into chunks of 128) or ragged (K=96 with 64-wide steps)."""
+    """Sub-steps, wide steps, prefetched wide steps and swapped sub-steps (FP8); K steps whole
+    (K=256: no K masks, split into chunks of 128) or ragged (K=96 with 64-wide steps)."""
+    if fmt == "mxfp4" and "swap" in body:
+        pytest.skip("swap is an FP8 / plain-weight body")
     key = "skinny" if fmt == "fp8" else "mx"
     monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 128)
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
@@ -170,3 +175,24 @@ def test_k_step_bodies_match_reference(monkeypatch, fmt, body, k):
     got = dt.linear_weights(x, w, torch.float32)
     torch.testing.assert_close(got, dref.linear_fp32(x, deq), rtol=1e-5, atol=1e-5)
     assert torch.equal(dt.linear_weights(x[1:2], w, torch.float32), got[1:2])
+
+
+def test_swapped_operands_and_row_tile_overrides_keep_each_row_sum(monkeypatch):
+    """swap (acc^T += W . A^T) computes the unswapped tile's sums (under the interpreter bit for
+    bit, by construction); over16 launch overrides (N block, warps, stages, swap for row tiles
+    above 16) apply to 40 rows only and keep the split plan."""
+    _force_split(monkeypatch)
+    g = torch.Generator().manual_seed(30)
+    q, s = qref.quantize_fp8_blockwise(torch.randn(96, 96, generator=g))
+    w, deq = dt.Weights.fp8(q, s), qref.dequantize_fp8_blockwise(q, s)
+    x = _x(t=40, seed=31)
+    plain = [dt.linear_weights(x[r], w, torch.float32) for r in (slice(3, 4), slice(0, 40))]
+    torch.testing.assert_close(plain[1], dref.linear_fp32(x, deq), rtol=1e-5, atol=1e-5)
+    plan = dt._plan(w)
+    monkeypatch.setitem(dt.CONFIG, "skinny", {
+        **dt.CONFIG["skinny"], "swap": True,
+        "over16": {"block_n": 32, "warps": 8, "stages": 2, "swap": False}})
+    assert dt._plan(w) == plan
+    assert torch.equal(dt.linear_weights(x[3:4], w, torch.float32), plain[0])  # swapped
+    torch.testing.assert_close(dt.linear_weights(x, w, torch.float32), plain[1], rtol=1e-6,
+                               atol=1e-6)
