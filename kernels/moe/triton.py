@@ -40,7 +40,7 @@ from flashpd.kernels.dense.triton import (
     softplus_f32,
     swiglu_limited,
 )
-from flashpd.kernels.moe import gemv, grouped_large
+from flashpd.kernels.moe import gemv, grouped_large, swapab
 from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
 
@@ -242,48 +242,67 @@ def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
 
 
 # ============================================================================ pair sorting
-# Decode batches (<= SORT_KERNEL_MAX_TOKENS tokens) sort their token-expert pairs in one
-# single-program launch instead of torch's argsort / scatter / cumsum / searchsorted / index
-# chain; larger batches (prefill) keep the torch chain, which gives the same order.
+# Decode batches (<= SORT_KERNEL_MAX_TOKENS tokens) sort their token-expert pairs in one launch
+# instead of torch's argsort / scatter / cumsum / searchsorted / index chain; larger batches
+# (prefill) keep the torch chain, which gives the same order.
 #
-#   pass 1  counts[e] = pairs routed to expert e;  row_off = exclusive cumsum (sorted layout)
-#   pass 2  per token block: pair (t, s) of expert e goes to row
+#   counts  counts[e] = pairs routed to expert e;  row_off = exclusive cumsum (sorted layout)
+#   rows    program b < token blocks: pair (t, s) of its block, expert e, goes to row
 #           row_off[e] + (pairs of e in earlier tokens) + (earlier slots of t with expert e)
 #           (a stable sort by expert id); rank(t, s) = the pair's place among t's pairs in
 #           ascending expert id (ties by slot) -> pos[t, rank] = its sorted row
-#   tiles   tile q of the grouped GEMM: expert = #experts whose tiles end at or before q, rows
-#           [start, end) of that expert's rows in block_m steps; surplus tiles are empty
+#   tiles   the other programs, BLOCK_Q tiles each: tile q of the grouped GEMM: expert =
+#           #experts whose tiles end at or before q, rows [start, end) of that expert's rows in
+#           block_m steps; surplus tiles are empty
+# Every program counts the pairs of every token itself (the ids are a few KB, in L2), so the
+# token blocks and tile blocks run side by side instead of one after another.
 SORT_KERNEL_MAX_TOKENS = 256
 _SORT_BLOCK_T = 16
 _SORT_BLOCK_Q = 64
 _COMBINE_BLOCK_D = 1024
 
 
-@triton.jit(do_not_specialize=["T", "max_tiles"])
+@triton.jit
+def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
+                 BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
+    """(pairs per expert in every token block but the one at t_own, of those before t_own)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T)
+        m = (tok[:, None] < T) & smask[None, :] & (t0 != t_own)
+        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1)
+        hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
+        c = tl.sum(tl.sum(hit, axis=1), axis=0)
+        counts += c
+        before += tl.where(t0 < t_own, c, 0)
+    return counts, before
+
+
+@triton.jit(do_not_specialize=["T", "max_tiles", "n_blocks"])
 def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr,
-                       t_end_ptr, T, E, max_tiles, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                       E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_Q: tl.constexpr):
+                       t_end_ptr, T, E, max_tiles, n_blocks, TOP_K: tl.constexpr,
+                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     slot = tl.arange(0, K_PAD)
     smask = slot < TOP_K
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):  # pass 1: pairs per expert
-        tok = t0 + tl.arange(0, BLOCK_T)
-        m = (tok[:, None] < T) & smask[None, :]
-        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1)
-        hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
-        counts += tl.sum(tl.sum(hit, axis=1), axis=0)
-    row_off = tl.cumsum(counts, 0) - counts
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):  # pass 2: sorted rows, per-token ranks
-        tok = t0 + tl.arange(0, BLOCK_T)
+    if pid < n_blocks:  # token block pid: sorted rows and per-token ranks of its pairs
+        tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         m = (tok[:, None] < T) & smask[None, :]
         flat = tok[:, None] * TOP_K + slot[None, :]
         ids = tl.load(ids_ptr + flat, mask=m, other=-1).to(tl.int32)  # [BT, KP]
         gam = tl.load(w_ptr + flat, mask=m, other=0.0)
         hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
         per_tok = tl.sum(hit, axis=1)  # [BT, E]
+        counts = tl.sum(per_tok, axis=0)
+        seen = tl.zeros((E_PAD,), dtype=tl.int32)
+        if n_blocks > 1:
+            c, seen = _sort_counts(ids_ptr, T, pid * BLOCK_T, experts, slot, smask, TOP_K,
+                                   BLOCK_T, E_PAD)
+            counts += c
+        row_off = tl.cumsum(counts, 0) - counts
         base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
         dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
         other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
@@ -296,12 +315,14 @@ def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, 
         tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
         tl.store(gamma_ptr + dest, gam, mask=m)
         tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
-        seen += tl.sum(per_tok, axis=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
-    total = tl.sum(tiles, axis=0)
-    for q0 in range(0, max_tiles, BLOCK_Q):
-        q = q0 + tl.arange(0, BLOCK_Q)
+    else:  # tiles q0 .. q0 + BLOCK_Q - 1 of the grouped GEMM's schedule
+        counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T,
+                                 E_PAD)
+        row_off = tl.cumsum(counts, 0) - counts
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
+        total = tl.sum(tiles, axis=0)
+        q = (pid - n_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
         ex = tl.minimum(ex, E - 1)
         sel = experts[None, :] == ex[:, None]  # [BQ, E]
@@ -331,7 +352,8 @@ class SortedPairs:
 def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                block_m: int) -> SortedPairs:
     """Sort the (token, slot) pairs of ids [T, k] (distinct experts per token, as `route`
-    gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens."""
+    gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens (a program
+    per 16-token block and per 64 tiles)."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
@@ -352,9 +374,10 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
     gamma = torch.empty(num_pairs, dtype=torch.float32, device=device)
     pos = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     tile = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
-    _sort_pairs_kernel[(1,)](
+    n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
+    _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
         ids.contiguous(), weights.to(torch.float32).contiguous(), rows, gamma, pos, tile[0],
-        tile[1], tile[2], num_tokens, num_experts, max_tiles, TOP_K=top_k,
+        tile[1], tile[2], num_tokens, num_experts, max_tiles, n_blocks, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         BLOCK_T=_SORT_BLOCK_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q, num_warps=4)
     return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
@@ -406,6 +429,10 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         rows = gemv.tile_rows(num_tokens)
         pairs = sort_pairs(ids, weights, experts.num_experts, rows)
         return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos
+    if num_tokens <= swapab.MAX_TOKENS and swapab.eligible(experts, x.dtype):  # moe/swapab.py
+        rows = swapab.tile_rows(num_tokens)
+        pairs = sort_pairs(ids, weights, experts.num_experts, rows)
+        return swapab.expert_rows(x, pairs, experts, limit, rows), pairs.pos
     large = grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2)  # prefill sizes (GPU)
     block_m = grouped_large.block_m() if large else dense.block_m_for(
         max(1, num_pairs // max(1, experts.num_experts)))

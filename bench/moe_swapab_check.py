@@ -1,0 +1,201 @@
+"""Routed MXFP4 experts at 2-32 pairs per expert: the swap-AB tensor-core path
+(kernels/moe/swapab.py) against the grouped GEMMs (dense.grouped_gemm) and the CUDA-core GEMV,
+at the bench preset's shapes (64 experts, top-6, hidden 5120, I = 2304).
+
+    python -m flashpd.bench.moe_swapab_check --out DIR [--variants ...] [--budget-s S] [--smoke]
+
+1. each M of `ms`: `moe.triton.routed_experts` as served (pair sort, both expert GEMMs,
+   combine) with the swap-AB path forced (new), the grouped GEMMs (old: swap-AB bound 0, GEMV
+   bound 0) and, at M <= 16, the GEMV (the default there today); err = max|out - ref| / max|ref|
+   against moe.ref.expert_ffn on the dequantised experts (routing 0), median per call over
+   CUDA-graph replays of two random routings alternating (kernel_roofline.graph_ms).
+2. swapab CONFIG variants (each checked too) at their Ms until --budget-s is spent.
+3. the compiled swap-AB kernels: MMA instructions in the PTX (wgmma / mma.sync), registers,
+   spills, shared memory.
+Bytes per call: weights + scales of the experts the routings touch (mean distinct count) plus
+activations in and out; % is of 4.2 TB/s. Writes moe_swapab.md / .json under --out.
+--smoke: tiny shapes on the CPU under the Triton interpreter (checks this driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+from flashpd.bench import kernel_roofline as kr
+from flashpd.bench.moe_gemv_check import COPY_GBPS, Bench
+
+SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
+                   "ms": (8, 16, 32, 64, 128, 192)},
+          "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)}}
+_SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
+_ALL = 1 << 30
+# name -> (swapab CONFIG overrides, the Ms it times)
+VARIANTS = {
+    "rows8": ({"rows": ((_ALL, 8),)}, (8, 64)),
+    "rows32": ({"rows": ((_ALL, 32),)}, (64, 128)),
+    "bk128": ({"up": {"block_k": 128}, "down": {"block_k": 128}}, (8, 64, 128)),
+    "st2": ({"up": {"stages": 2}, "down": {"stages": 2}}, (64,)),
+    "st4_bk128": ({"up": {"block_k": 128, "stages": 4}, "down": {"block_k": 128, "stages": 4}},
+                  (64,)),
+    "bn128_w8": ({"up": {"block_n": 128, "warps": 8}, "down": {"block_n": 128, "warps": 8}},
+                 (8, 64)),
+    "w8": ({"up": {"warps": 8}, "down": {"warps": 8}}, (64,)),
+}
+
+
+def apply(overrides: dict, default: dict) -> None:
+    """swapab.CONFIG = default with `overrides` (dict entries merged)."""
+    from flashpd.kernels.moe import swapab
+
+    swapab.CONFIG.clear()
+    swapab.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v)
+                          for k, v in default.items()})
+    for k, v in overrides.items():
+        swapab.CONFIG[k] = {**default[k], **v} if isinstance(v, dict) else v
+
+
+def compiled_kernels() -> list[dict]:
+    """MMA form, registers, spills and shared memory of every compiled swap-AB kernel."""
+    from flashpd.kernels.moe import swapab
+
+    out = []
+    for cache, *_ in getattr(swapab._swapab_kernel, "device_caches", {}).values():
+        for key, k in cache.items():
+            ptx = k.asm.get("ptx", "")
+            ttgir = k.asm.get("ttgir", "")
+            dot = next((ln.strip()[:240] for ln in ttgir.splitlines()
+                        if "warp_group_dot " in ln or "tt.dot " in ln), "")
+            out.append({"key": str(key)[-160:], "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                        "mma_sync": len(re.findall(r"mma\.sync", ptx)),
+                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                        "shared": getattr(k.metadata, "shared", None), "dot": dot})
+    return out
+
+
+class Paths:
+    """Which routed-expert path `moe.triton.routed_experts` takes, set per row."""
+
+    def __init__(self):
+        from flashpd.kernels.moe import swapab
+        from flashpd.kernels.moe import triton as mt
+
+        self.mt, self.sw = mt, swapab
+        self.saved = (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS)
+
+    def set(self, path: str) -> None:
+        mt, sw = self.mt, self.sw
+        mt.GEMV, mt.GEMV_MAX_ROWS, sw.MAX_TOKENS = {
+            "swapab": (False, 0, _ALL), "grouped": (False, 0, 0), "gemv": (True, 16, 0)}[path]
+
+    def restore(self) -> None:
+        self.mt.GEMV, self.mt.GEMV_MAX_ROWS, self.sw.MAX_TOKENS = self.saved
+
+
+def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
+    lines = [f"# Routed MXFP4 experts, 8-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
+             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
+             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
+             f" full path = pair sort + both expert GEMMs + combine; swapab CONFIG "
+             f"{meta['swapab_config']}; variants (overrides): "
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
+             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
+             else "- | - | -")
+        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
+    lines += ["", "Compiled swap-AB kernels (MMA instructions in the PTX):", "",
+              "| wgmma | mma.sync | regs | spills | shared B | dot |", "|---|---|---|---|---|---|"]
+    lines += [f"| {k['wgmma']} | {k['mma_sync']} | {k['regs']} | {k['spills']} | {k['shared']} | "
+              f"`{k['dot'][:120]}` |" for k in kernels]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--ms", nargs="*", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=60.0,
+                    help="start no variant after this many seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        raise SystemExit("moe_swapab_check needs a CUDA GPU (or --smoke)")
+    saved_dev = kr.DEV
+    kr.DEV = "cpu" if args.smoke else "cuda"
+    try:
+        shape = dict(SHAPES["smoke" if args.smoke else "full"])
+        if args.ms:
+            shape["ms"] = tuple(args.ms)
+        return _run(args, argv, shape)
+    finally:
+        kr.DEV = saved_dev
+
+
+def _run(args, argv, shape: dict) -> int:
+    from flashpd.kernels.moe import swapab
+
+    t0 = time.perf_counter()
+    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
+    if args.smoke:
+        apply(_SMOKE_TILES, saved)
+    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
+    argv = sys.argv[1:] if argv is None else argv
+    meta = {"command": "python -m flashpd.bench.moe_swapab_check " + " ".join(argv),
+            "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
+            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape,
+            "swapab_config": default}
+    bench = Bench(shape)
+    paths = Paths()
+    rows: list[dict] = []
+    try:
+        for m in shape["ms"]:
+            paths.set("swapab")
+            rows.append(bench.row("swapab (new)", m, True))
+            paths.set("grouped")
+            rows.append(bench.row("grouped GEMM (old)", m, True))
+            if m <= 16:
+                paths.set("gemv")
+                rows.append(bench.row("gemv (default <= 16)", m, True))
+        paths.set("swapab")
+        for name in (args.variants[:1] if args.smoke else args.variants):
+            if time.perf_counter() - t0 > args.budget_s and not args.smoke:
+                print(f"budget spent: {name} and later variants not run", flush=True)
+                break
+            overrides, ms = VARIANTS[name]
+            apply(overrides, default)
+            for m in (ms if not args.smoke else shape["ms"][-1:]):
+                rows.append(bench.row(f"swapab {name}", m, True))
+            apply({}, default)
+        kernels = compiled_kernels()
+    finally:
+        paths.restore()
+        apply({}, saved)
+    for r in rows:
+        r["MB"] = bench.nbytes(r["m"]) / 1e6
+    meta["seconds"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    text = markdown(meta, rows, kernels)
+    with open(os.path.join(args.out, "moe_swapab.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "moe_swapab.json"), "w") as f:
+        json.dump({"meta": meta, "results": rows, "kernels": kernels}, f, indent=1, default=str)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

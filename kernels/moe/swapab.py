@@ -1,0 +1,256 @@
+"""Routed MXFP4 experts at a few pairs per expert on tensor cores, operands swapped ("swap AB").
+
+At 1-32 pairs per expert the grouped GEMM of dense/triton.py computes A[BM, K] . W^T with
+BM = 16 rows of which a handful are valid, the dequantised weight as the MMA's B operand. Here
+the weight tile is the MMA's A operand (M = weight rows, 64 or 128: a Hopper wgmma tile) and
+the few activation rows of one expert tile are its N (ROWS = 8, 16 or 32):
+
+    acc[BN, ROWS] += W[e, n0:n0+BN, k-step] . X[rows of the tile, k-step]^T     FP32
+
+moe/ref.py's math, as `moe.triton`'s grouped GEMMs:
+
+    h[p] = bf16(gamma[p] * silu(min(bf16(x[t] . W1[e]^T), L)) * clamp(bf16(x[t] . W3[e]^T), L))
+    y[p] = bf16(h[p] . W2[e]^T)          p: a sorted (token t, expert e) pair
+
+Launches (no host sync; CUDA-graph capturable: every grid is a function of the token count):
+
+    sort_pairs  (moe.triton) pairs sorted by expert; tiles of <= ROWS pairs of one expert
+    prep        xp = x with each 32-column group split: its 16 even columns, then its 16 odd
+    up          grid (tile, N block of I): W1 and W3 share the X tile, SwiGLU epilogue -> h
+                (bf16, stored with the same even/odd split: the down launch's input as is)
+    down        grid (tile, N block of D): y = bf16(h . W2^T) per pair
+    combine     (moe.triton) each token's pairs summed in ascending expert id, FP32
+
+Empty tiles (grid slots past the active ones) exit at once; tile is grid axis 0, so the N
+blocks of one expert's tiles run side by side and a second tile reads the weights from L2.
+
+MXFP4 nibbles: byte j of a 32-value group holds k = 2j (low nibble) and 2j + 1 (high). A K step
+of G groups loads the bytes as [BN, G, 16], decodes the low nibbles into [BN, 16 G] (the even
+k of the step) and the high ones into [BN, 16 G] (the odd k), each times its group's scale
+(exact), and makes two dots against the matching halves of xp: no interleave in registers.
+On the GPU the decode is dense/triton.py's PTX (`e2m1_lo_asm` / `e2m1_hi_asm`); under the
+interpreter `fp32_e2m1` (same values: both exact).
+
+Batch invariance: K is summed in steps of BLOCK_K (a constant), even half then odd half, so a
+pair's sums do not depend on how many pairs share its tile or the call (up to the tensor-core
+instruction the compiler picks for the ROWS of the batch's size class). The path is chosen by
+size (moe/triton.py: (GEMV_MAX_ROWS, MAX_TOKENS] tokens) and sums in another order than the
+GEMV and the grouped GEMMs, so a token may differ in the last bits across those bounds, as
+between the GEMV and the grouped GEMM paths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
+import triton
+import triton.language as tl
+# isort: on
+
+from flashpd.kernels.dense.triton import (
+    DOT_UPCAST,
+    W_MXFP4,
+    e2m1_hi_asm,
+    e2m1_lo_asm,
+    fp32_e2m1,
+    mma,
+    swiglu_limited,
+)
+from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
+
+# Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
+# GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at import (0: off).
+MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "0"))
+# rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
+# batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
+CONFIG = {"rows": ((128, 16), (1 << 30, 32)),
+          "up": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3},
+          "down": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3}}
+_PREP_BLOCK = 1024
+_BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
+
+
+def tile_rows(num_tokens: int) -> int:
+    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
+    for max_tokens, rows in CONFIG["rows"]:
+        if num_tokens <= max_tokens:
+            return rows
+    raise ValueError(f"swapab CONFIG['rows'] has no entry for {num_tokens} tokens")
+
+
+def eligible(experts, dtype: torch.dtype) -> bool:
+    """True when these kernels take the call: MXFP4 routed experts (all three weights) with
+    K % 32 == 0, bf16 activations."""
+    ws = (experts.w1, experts.w3, experts.w2)
+    return dtype == torch.bfloat16 and all(w.fmt == W_MXFP4 and w.in_dim % 32 == 0 for w in ws)
+
+
+# ============================================================================ kernels
+@triton.jit
+def _split_col(n):
+    """Column n's place in a 32-group split into its 16 even then its 16 odd columns."""
+    r = n % 32
+    return n - r + (r % 2) * 16 + r // 2
+
+
+@triton.jit
+def _prep_kernel(x_ptr, stride_x, xp_ptr, K, BLOCK: tl.constexpr):
+    """xp[t, _split_col(k)] = x[t, k] (bf16, row-major [T, K])."""
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = k < K
+    v = tl.load(x_ptr + t * stride_x + k, mask=mask, other=0.0)
+    tl.store(xp_ptr + t * K + _split_col(k), v, mask=mask)
+
+
+@triton.jit
+def _decode_step(w_ptr, s_ptr, w_row, s_row, g0, K, nmask, G: tl.constexpr,
+                 MX_ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Groups g0 .. g0+G-1 of W rows w_row: (even k, odd k) each [BN, 16 G] bf16, exact.
+
+    The bytes load as a 2-D [BN, 16 G] tile (byte c: group c // 16) so that only elementwise
+    ops lie between the load and the dot (the tile can go to the MMA from registers); each
+    group's scale is broadcast over its 16 bytes."""
+    c = tl.arange(0, G * 16)
+    if EVEN_K:  # no K mask: 16-byte vector loads
+        raw = tl.load(w_ptr + w_row + g0 * 16 + c[None, :], mask=nmask[:, None], other=0)
+    else:  # whole groups in or out (K % 32 == 0)
+        cmask = (g0 + c // 16) * 32 < K
+        raw = tl.load(w_ptr + w_row + g0 * 16 + c[None, :],
+                      mask=nmask[:, None] & cmask[None, :], other=0)  # [BN, 16 G] bytes
+    kmask = (g0 + tl.arange(0, G)) * 32 < K
+    sb = tl.load(s_ptr + s_row + g0 + tl.arange(0, G)[None, :],
+                 mask=nmask[:, None] & kmask[None, :], other=127)  # [BN, G]
+    sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 16)),
+                    (BLOCK_N, G * 16))
+    if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
+        s16 = (sf * _BF16_2P126).to(tl.bfloat16)
+        lo, hi = e2m1_lo_asm(raw, s16), e2m1_hi_asm(raw, s16)
+    else:
+        bi = raw.to(tl.int32)
+        lo = fp32_e2m1(bi, sf).to(tl.bfloat16)
+        hi = fp32_e2m1(bi >> 4, sf).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _swapab_kernel(
+    xp_ptr, K, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
+    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
+    out_ptr, N, limit,
+    SWIGLU: tl.constexpr, MX_ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One tile (<= ROWS pairs of one expert) x one N block of BLOCK_N weight rows.
+
+    SWIGLU (up): xp rows gathered by token, W1 and W3, epilogue -> h[p] (split columns).
+    Else (down): row p of xp (= h), W1 only -> out[p, n]."""
+    q = tl.program_id(0)
+    start = tl.load(t_start_ptr + q)
+    end = tl.load(t_end_ptr + q)
+    if start < end:
+        e = tl.load(t_exp_ptr + q).to(tl.int64)
+        p = start + tl.arange(0, ROWS)
+        pmask = p < end
+        if SWIGLU:  # past the tile's end: its first pair's row (read, never stored)
+            src = tl.load(rows_ptr + tl.where(pmask, p, start)).to(tl.int64)
+        else:
+            src = tl.where(pmask, p, start).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        w_row = e * stride_we + n.to(tl.int64)[:, None] * stride_wn  # [BN, 1] bytes
+        s_row = e * stride_se + n.to(tl.int64)[:, None] * stride_sn  # [BN, 1]
+        G: tl.constexpr = BLOCK_K // 32
+        c = tl.arange(0, G * 16)  # column of a step's even (or odd) half
+        x_col = (c // 16) * 32 + c % 16  # its place in xp (split 32-groups)
+        x_row = src[None, :] * K  # [1, ROWS]
+        acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g0 = k0 // 32
+            if EVEN_K:
+                xe = tl.load(xp_ptr + x_row + (k0 + x_col)[:, None])
+                xo = tl.load(xp_ptr + x_row + (k0 + 16 + x_col)[:, None])
+            else:
+                xm = (k0 + x_col < K)[:, None]
+                xe = tl.load(xp_ptr + x_row + (k0 + x_col)[:, None], mask=xm, other=0.0)
+                xo = tl.load(xp_ptr + x_row + (k0 + 16 + x_col)[:, None], mask=xm, other=0.0)
+            lo1, hi1 = _decode_step(w1_ptr, s1_ptr, w_row, s_row, g0, K, nmask, G, MX_ASM,
+                                    EVEN_K, BLOCK_N)
+            acc1 = mma(lo1, xe, acc1, False, UPCAST)
+            acc1 = mma(hi1, xo, acc1, False, UPCAST)
+            if SWIGLU:
+                lo3, hi3 = _decode_step(w3_ptr, s3_ptr, w_row, s_row, g0, K, nmask, G,
+                                        MX_ASM, EVEN_K, BLOCK_N)
+                acc3 = mma(lo3, xe, acc3, False, UPCAST)
+                acc3 = mma(hi3, xo, acc3, False, UPCAST)
+        mask = nmask[:, None] & pmask[None, :]
+        if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to bf16, h = bf16(gamma * swiglu(g, u))
+            gamma = tl.load(gamma_ptr + p, mask=pmask, other=0.0)
+            h = gamma[None, :] * swiglu_limited(round_bf16(acc1), round_bf16(acc3), limit)
+            out = out_ptr + p[None, :].to(tl.int64) * N + _split_col(n)[:, None]
+            tl.store(out, round_bf16(h).to(tl.bfloat16), mask=mask)
+        else:
+            out = out_ptr + p[None, :].to(tl.int64) * N + n[:, None]
+            tl.store(out, round_bf16(acc1).to(tl.bfloat16), mask=mask)
+
+
+# ============================================================================ host side
+def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
+            swiglu: bool) -> None:
+    cfg = CONFIG["up" if swiglu else "down"]
+    n_dim, k_dim = w1.out_dim, w1.in_dim
+    block_k = cfg["block_k"]
+    if block_k not in (32, 64, 128, 256, 512):
+        raise ValueError(f"swapab CONFIG block_k must be a power of two in [32, 512], "
+                         f"got {block_k}")
+    w3 = w3 if w3 is not None else w1
+    for w in (w1, w3):
+        if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
+            raise ValueError("swapab reads MXFP4 weights and scales with contiguous rows")
+    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
+    _swapab_kernel[grid](
+        xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
+        w1.data, w1.scale, w3.data, w3.scale, w1.data.stride(0), w1.data.stride(1),
+        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit),
+        SWIGLU=swiglu, MX_ASM=not triton_runtime.interpreting(), UPCAST=DOT_UPCAST,
+        EVEN_K=k_dim % block_k == 0, ROWS=rows_per_tile, BLOCK_N=cfg["block_n"],
+        BLOCK_K=block_k, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **triton_runtime.launch_options())
+
+
+def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int
+                ) -> torch.Tensor:
+    """y [P, D] bf16, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose schedule
+    has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
+
+    x: [T, D] bf16 tokens; experts: moe.triton.ExpertSet with MXFP4 w1, w3 [E, I, D] and
+    w2 [E, D, I]."""
+    if not eligible(experts, x.dtype):
+        raise ValueError(f"swapab expert_rows reads MXFP4 experts (K % 32 == 0) and bf16 "
+                         f"activations (got {x.dtype})")
+    if rows_per_tile not in (8, 16, 32) or pairs.schedule.block_m != rows_per_tile:
+        raise ValueError(f"rows_per_tile {rows_per_tile} must be 8, 16 or 32 and match the "
+                         f"schedule's block_m {pairs.schedule.block_m}")
+    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    triton_runtime.check_device(x, experts.w1.data)
+    num_tokens, dim = x.shape
+    num_pairs = pairs.rows.shape[0]
+    xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
+    if num_pairs == 0:
+        return y
+    _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
+        x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
+    _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
+            rows_per_tile, True)
+    _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
+            rows_per_tile, False)
+    return y
