@@ -40,7 +40,7 @@ from flashpd.kernels.mhc import ref as href
 from flashpd.kernels.mhc import triton as ht
 from flashpd.kernels.verify import errors
 
-TOKENS = (1, 8, 64, 4096, 8192)
+TOKENS = (1, 8, 64, 4096)
 DEVICE = triton_runtime.kernel_device()  # CPU under the interpreter (a dry run of the script)
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
 # prefill launch variants timed at `--big` tokens (fused step): name -> CONFIG overrides
@@ -52,7 +52,7 @@ VARIANTS = {
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
 # decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), chunk, stages
-DECODE_VARIANTS = {"split40 bd32 s3": {}}
+DECODE_VARIANTS = {"split40 bd32 s3": {}, "split80 bd32 s3": {"split": 80}}
 
 
 def apply(over: dict) -> dict:
@@ -219,12 +219,14 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
     torch.cuda.synchronize()
 
 
-def warm_all(before: str | None, d: int, s: int, variants: bool = True) -> float:
+def warm_all(before: str | None, d: int, s: int, variants: bool = True,
+             prefill_variants: bool = True) -> float:
     first = next(iter(VARIANTS))
     jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", first)]
-    if variants:
+    if variants and prefill_variants:
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in VARIANTS
                  if "grid" not in v and "auto" not in v and "decode tiles" not in v]
+    if variants:
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
                  if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode"]
@@ -250,6 +252,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--big", type=int, default=8192, help="tokens of the prefill variants")
     ap.add_argument("--no-variants", action="store_true", help="the before/after table only")
+    ap.add_argument("--no-prefill-variants", action="store_true",
+                    help="decode variants only (the prefill ones at --big tokens are skipped)")
     args = ap.parse_args()
     try:
         from flashpd.model.presets import preset_config
@@ -263,7 +267,7 @@ def main() -> None:
     if args.warm:
         warm(args.warm, args.before, d, s)
         return
-    warm_s = warm_all(args.before, d, s, not args.no_variants)
+    warm_s = warm_all(args.before, d, s, not args.no_variants, not args.no_prefill_variants)
     print(f"parallel compile {warm_s:.1f} s", flush=True)
     before = load_before(args.before) if args.before else None
     result = {"preset": "bench", "D": d, "S": s, "config": dict(ht.CONFIG), "checks": [],
@@ -288,7 +292,8 @@ def main() -> None:
         del sites
         torch.cuda.empty_cache()
     big = [Site(args.big, d, s, 200 + i) for i in range(2)]
-    for name, over in ({} if args.no_variants else VARIANTS).items():
+    skip = args.no_variants or args.no_prefill_variants
+    for name, over in ({} if skip else VARIANTS).items():
         if ht.launch_plan(1, d)["nsl"] % (over.get("prefill_grid") or 1):
             continue
         saved = apply(over)

@@ -44,13 +44,13 @@ from flashpd.kernels.moe import gemv, grouped_large, swapab
 from flashpd.kernels.moe.ref import ExpertWeights
 from flashpd.kernels.quant.triton import round_bf16
 
-ROUTER_SPLIT = 4  # slices of D per token block (constant: batch invariance)
+ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 # Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
 # FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs)
 GEMV = True
 GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "16"))
 _ROUTER_BLOCK_T = 16
-_ROUTER_BLOCK_K = 32
+_ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120
 
 
 # ============================================================================ fused router

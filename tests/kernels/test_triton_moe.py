@@ -113,7 +113,8 @@ def _tiles(sched):
 
 def test_sort_kernel_orders_pairs_as_the_stable_torch_sort(monkeypatch):
     """One-launch pair sorting (decode) == the argsort chain (prefill): rows, gamma, tiles, pos."""
-    for t, e, k, block_m in ((1, 64, 6, 16), (19, 8, 3, 4), (40, 16, 4, 16)):
+    # (64, 64, 6, 2): four token-block programs and four tile programs (256 tiles)
+    for t, e, k, block_m in ((1, 64, 6, 16), (19, 8, 3, 4), (40, 16, 4, 16), (64, 64, 6, 2)):
         ids, w = _routing(t, e, k, seed=t)
         got = mt.sort_pairs(ids, w, e, block_m)
         monkeypatch.setattr(mt, "SORT_KERNEL_MAX_TOKENS", 0)

@@ -1,0 +1,176 @@
+"""MoE router and pair-sort microbenchmark at the bench preset's shapes (results/h200/latency.md).
+
+Checks `kernels/moe/triton.py`'s `route` against `moe/ref.py` (expert ids equal, weights within
+1e-5) and the one-launch `sort_pairs` against its torch chain (prefill path: the same rows,
+gamma, pos and tiles), then times, in us per call, every call of a size captured in one CUDA
+graph (median of 20 replays): a graph cycles over `--sites` gate weights (more than L2 holds,
+as in a decode step, where each layer's gate comes from memory).
+
+    route    x [T, D] -> ids, weights   (router variants: ROUTER_SPLIT x BLOCK_K)
+    sort     ids [T, 6] -> SortedPairs  (block_m of the expert path that T takes)
+
+`--before FILE` times a saved copy of the previous kernels/moe/triton.py beside the current one.
+
+    python -m flashpd.bench.moe_route_bench --before .mhc_before/moe_head.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# isort: off
+from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+# isort: on
+
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.moe import gemv
+from flashpd.kernels.moe import ref as mref
+from flashpd.kernels.moe import triton as mt
+
+DEVICE = triton_runtime.kernel_device()
+TOKENS = (1, 8, 64)
+# router variants: name -> (ROUTER_SPLIT, BLOCK_K); the first is the module's default
+ROUTER_VARIANTS = {f"split{s} bk{k}": (s, k) for s, k in
+                   ((mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))}
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location("moe_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def time_us(fns: list, reps: int = 20) -> float:
+    """us per entry of `fns`, all captured in one CUDA graph (NaN under the interpreter)."""
+    for f in fns:
+        f()
+    if DEVICE.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        out.append(e0.elapsed_time(e1))
+    out.sort()
+    del graph
+    return out[len(out) // 2] * 1e3 / len(fns)
+
+
+def block_m(t: int, experts: int, top_k: int) -> int:
+    """The sort's tile rows on the expert path T tokens take (moe/triton.py _expert_rows)."""
+    if mt.GEMV and t <= mt.GEMV_MAX_ROWS:
+        return gemv.tile_rows(t)
+    return dt.block_m_for(max(1, t * top_k // experts))
+
+
+def set_router(split: int, bk: int) -> tuple[int, int]:
+    saved = (mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K)
+    mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K = split, bk
+    return saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", help="a saved copy of the previous kernels/moe/triton.py")
+    ap.add_argument("--out", default=".", help="folder for moe_route.json")
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
+    ap.add_argument("--sites", type=int, default=128, help="gate weights a graph cycles over")
+    args = ap.parse_args()
+    try:
+        from flashpd.model.presets import preset_config
+
+        cfg = preset_config("bench")
+        dim, experts, top_k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    except Exception as exc:  # noqa: BLE001  (a tree mid-edit elsewhere: the preset's numbers)
+        print(f"preset_config failed ({exc!r}): D=5120, E=64, k=6", flush=True)
+        dim, experts, top_k = 5120, 64, 6
+    d = args.dim or dim
+    sites = args.sites if DEVICE.type == "cuda" else 2
+    before = load(args.before) if args.before else None
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    gates = [(torch.randn(experts, d, generator=g, device=DEVICE) * d ** -0.5).bfloat16()
+             for _ in range(sites)]
+    bias = torch.randn(experts, generator=g, device=DEVICE) * 0.1
+    result = {"D": d, "E": experts, "top_k": top_k, "sites": sites, "checks": [], "times": []}
+    t_start = time.perf_counter()
+    for t in args.tokens:
+        x = torch.randn(t, d, generator=g, device=DEVICE).bfloat16()
+        row = {"T": t}
+        for name, (split, bk) in ROUTER_VARIANTS.items():
+            saved = set_router(split, bk)
+            ok = True
+            for w in gates[:4]:
+                ids, gam = mt.route(x, w, bias, top_k, 1.5)
+                rids, rgam = mref.route(x, w, bias, top_k, 1.5)
+                ok &= bool(torch.equal(ids, rids)) and bool(
+                    torch.allclose(gam, rgam, rtol=1e-5, atol=1e-6))
+            result["checks"].append({"T": t, "check": f"route {name} == ref", "ok": ok})
+            row[f"route {name}"] = time_us(
+                [lambda w=w, x=x: mt.route(x, w, bias, top_k, 1.5) for w in gates])
+            set_router(*saved)
+        if before is not None:
+            row["route before"] = time_us(
+                [lambda w=w, x=x: before.route(x, w, bias, top_k, 1.5) for w in gates])
+        # sort: ids of 40 layers' gates
+        bm = block_m(t, experts, top_k)
+        routed = [mt.route(x, w, bias, top_k, 1.5) for w in gates[:40]]
+        ok = True
+        for ids, gam in routed[:4]:
+            got = mt.sort_pairs(ids, gam, experts, bm)
+            limit, mt.SORT_KERNEL_MAX_TOKENS = mt.SORT_KERNEL_MAX_TOKENS, 0
+            want = mt.sort_pairs(ids, gam, experts, bm)
+            mt.SORT_KERNEL_MAX_TOKENS = limit
+            tiles = lambda s: [(int(a), int(b), int(c)) for a, b, c in  # noqa: E731
+                               zip(s.expert, s.start, s.end, strict=True) if b < c]
+            ok &= (torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
+                   and torch.equal(got.pos, want.pos)
+                   and tiles(got.schedule) == tiles(want.schedule))
+        result["checks"].append({"T": t, "check": f"sort (block_m {bm}) == torch chain",
+                                 "ok": bool(ok)})
+        row["sort after"] = time_us(
+            [lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+        if before is not None:
+            row["sort before"] = time_us(
+                [lambda r=r, bm=bm: before.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+        result["times"].append(row)
+        print(json.dumps(row), flush=True)
+    result["wall_s"] = time.perf_counter() - t_start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_route.json").write_text(json.dumps(result, indent=1))
+    keys = [k for k in result["times"][0] if k != "T"]
+    lines = ["| us per call | " + " | ".join(f"T={r['T']}" for r in result["times"]) + " |",
+             "|---|" + "---|" * len(result["times"])]
+    lines += [f"| {k} | " + " | ".join(f"{r[k]:.1f}" for r in result["times"]) + " |"
+              for k in keys]
+    lines += ["", "| check | T | ok |", "|---|---|---|"]
+    lines += [f"| {c['check']} | {c['T']} | {c['ok']} |" for c in result["checks"]]
+    (out / "moe_route_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
