@@ -38,15 +38,19 @@ _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
 # name -> (swapab CONFIG overrides, the Ms it times)
 VARIANTS = {
-    "rows8": ({"rows": ((_ALL, 8),)}, (8, 64)),
-    "rows32": ({"rows": ((_ALL, 32),)}, (64, 128)),
-    "bk128": ({"up": {"block_k": 128}, "down": {"block_k": 128}}, (8, 64, 128)),
-    "st2": ({"up": {"stages": 2}, "down": {"stages": 2}}, (64,)),
-    "st4_bk128": ({"up": {"block_k": 128, "stages": 4}, "down": {"block_k": 128, "stages": 4}},
-                  (64,)),
+    "bk128": ({"up": {"block_k": 128}, "down": {"block_k": 128}}, (8, 16, 32, 64, 128, 192)),
+    "bk128_st4": ({"up": {"block_k": 128, "stages": 4}, "down": {"block_k": 128, "stages": 4}},
+                  (8, 64, 128)),
+    "st4": ({"up": {"stages": 4}, "down": {"stages": 4}}, (8, 64)),
+    "rows16_bn32": ({"rows": ((_ALL, 16),), "up": {"block_n": 32}, "down": {"block_n": 32}},
+                    (64, 128, 192)),
+    "rows16_bn32_bk128": ({"rows": ((_ALL, 16),), "up": {"block_n": 32, "block_k": 128},
+                           "down": {"block_n": 32, "block_k": 128}}, (64, 128, 192)),
+    "bn32": ({"up": {"block_n": 32}, "down": {"block_n": 32}}, (8, 64)),
     "bn128_w8": ({"up": {"block_n": 128, "warps": 8}, "down": {"block_n": 128, "warps": 8}},
-                 (8, 64)),
-    "w8": ({"up": {"warps": 8}, "down": {"warps": 8}}, (64,)),
+                 (64,)),
+    "wgmma16_bk128": ({"rows": ((_ALL, 16),), "up": {"block_k": 128}, "down": {"block_k": 128}},
+                      (64, 128)),
 }
 
 

@@ -67,7 +67,7 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "0"))
 # rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
 # batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
-CONFIG = {"rows": ((128, 16), (1 << 30, 32)),
+CONFIG = {"rows": ((1 << 30, 8),),
           "up": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3},
           "down": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3}}
 _PREP_BLOCK = 1024
