@@ -1,6 +1,7 @@
 """Packed sparse attention at the bench shapes: correctness and time of launch variants (GPU).
 
-    python -m flashpd.bench.attention_bench [--out FILE.json] [--quick]
+    python -m flashpd.bench.attention_bench [--out FILE.json] [--quick] [--variants V ...]
+        [--prefill-t T ...] [--jobs N] [--verify V ...] [--budget-s S] [--check-only]
 
 Shapes (preset "bench"): H = 64 heads x d = 512, window W = 128 FP8 records, top-k K = 512 NVFP4
 compressed records, RoPE on the last 64 channels. Prefill: T = 4096 and 8192 queries, query t's
@@ -30,16 +31,28 @@ DEV = "cuda"
 
 PREFILL_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # the per-head-block kernel before this change
-    "heads_bn64_tau0": {"heads_rescale_tau": 0.0},
-    "heads_bn64": {},
-    "heads_bn64_prefetch": {"heads_prefetch": True},
+    "heads_bn64_tau8": {"heads_rescale_tau": 8.0},
+    "heads_bn64": {"heads_block_n": 64, "heads_stages": 1},
+    "heads_bn64_prefetch": {"heads_block_n": 64, "heads_prefetch": True},
     "heads_bn32_prefetch": {"heads_block_n": 32, "heads_prefetch": True},
+    # launch configs (num_stages > 1: Triton's pipeliner copies the gathered record bytes of
+    # later tiles into shared memory with cp.async while the current tile computes)
+    "heads_bn64_s2": {"heads_block_n": 64, "heads_stages": 2},
+    "heads_bn64_s3": {"heads_block_n": 64, "heads_stages": 3},
+    "heads_bn32": {"heads_block_n": 32, "heads_stages": 1},
+    "heads_bn32_s2": {"heads_block_n": 32, "heads_stages": 2},
+    "heads_bn32_s3": {"heads_block_n": 32, "heads_stages": 3},
+    "heads_bn128": {"heads_block_n": 128, "heads_stages": 1},
+    "heads_bn128_trans": {"heads_block_n": 128, "heads_stages": 1, "heads_trans_s": True},
+    "default": {},
 }
 DECODE_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # per-head-block kernel + its split-KV path
     "heads_t132_bn64": {"legacy_max_q": 0, "heads_split_target": 132},
     "heads_t132_bn32": {"legacy_max_q": 0, "heads_split_target": 132,
                         "heads_split_block_n": 32},
+    "heads_t132_bn64_s2": {"legacy_max_q": 0, "heads_split_target": 132,
+                           "heads_split_stages": 2},
     "heads_nosplit": {"legacy_max_q": 0, "heads_split_target": 0},
     "default": {},
 }
@@ -140,7 +153,29 @@ def _time_graph(fn, calls: int = 20) -> float:
     return statistics.median(samples)
 
 
-def run(quick: bool, only: list[str] | None = None) -> list[dict]:
+def _compiled(at) -> dict:
+    """The heads-as-M kernel's compiled variants in this process (id -> CompiledKernel)."""
+    caches = getattr(at._heads_kernel, "device_caches", {})
+    return {id(k): k for c in caches.values() for k in c[0].values()}
+
+
+def _resources(kernels, arg_names) -> list[dict]:
+    """Registers, spilled bytes and shared memory of compiled kernels (GPU only)."""
+    keep = ("BLOCK_N", "PARTIAL", "COMP_FMT", "TRANS", "HB")
+    out = []
+    for k in kernels:
+        k = k.result() if hasattr(k, "result") else k
+        k._init_handles()
+        c = getattr(k.src, "constants", {})
+        out.append({"n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared,
+                    "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
+                    "const": {arg_names[i[0]]: v for i, v in c.items()
+                              if isinstance(i, tuple) and arg_names[i[0]] in keep}})
+    return out
+
+
+def run(quick: bool, only: list[str] | None = None, timing: bool = True,
+        deadline: float | None = None) -> list[dict]:
     from flashpd.kernels.attention import triton as at
 
     default = dict(at.CONFIG)
@@ -149,6 +184,8 @@ def run(quick: bool, only: list[str] | None = None) -> list[dict]:
     plans = [("prefill", t, PREFILL_VARIANTS) for t in (PREFILL_T[:1] if quick else PREFILL_T)]
     plans += [("decode", b, DECODE_VARIANTS) for b in DECODE_B]
     for phase, num_q, variants in plans:
+        if only and not set(only) & set(variants):
+            continue
         x = _inputs(num_q, phase == "decode", g)
         idx = (torch.randperm(num_q, generator=g)[:256].sort().values.to(DEV)
                if num_q > 256 else torch.arange(num_q, device=DEV))
@@ -161,13 +198,23 @@ def run(quick: bool, only: list[str] | None = None) -> list[dict]:
             at.CONFIG.clear()
             at.CONFIG.update(default, **over)
             row = {"phase": phase, "rows": num_q, "variant": name}
+            if deadline is not None and time.perf_counter() > deadline:
+                row["error"] = "skipped: over the time budget"
+                rows.append(row)
+                continue
             t0 = time.perf_counter()
             try:
                 torch.empty(num_q * H * D, dtype=torch.bfloat16, device=DEV).fill_(
                     float("nan"))
+                before = _compiled(at) if DEV == "cuda" else {}
                 row["rel_err"] = _check(x, idx, ref)
-                if DEV != "cuda":
+                if DEV == "cuda":
+                    new = [k for i, k in _compiled(at).items() if i not in before]
+                    row["kernels"] = _resources(new, at._heads_kernel.arg_names)
+                if DEV != "cuda" or not timing:
+                    row["wall_s"] = time.perf_counter() - t0
                     rows.append(row)
+                    print(json.dumps(row), flush=True)
                     continue
                 row["ms"] = (_time_graph(lambda x=x: _call(x)) if phase == "decode"
                              else _time_events(lambda x=x: _call(x)))
@@ -186,16 +233,90 @@ def run(quick: bool, only: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def verify_variants(names: list[str]) -> list[dict]:
+    """`verify-kernels --ops attention` (bench scale, no timing; tiny on the CPU) under each
+    prefill variant's CONFIG overrides: the packed NVFP4 / FP8 cases at T = 64 (split-KV) and
+    1024 (one pass)."""
+    from flashpd.kernels import verify
+    from flashpd.kernels.attention import triton as at
+
+    default = dict(at.CONFIG)
+    rows = []
+    for name in names:
+        at.CONFIG.clear()
+        at.CONFIG.update(default, **PREFILL_VARIANTS[name])
+        try:
+            checks = verify.run_checks("bench" if DEV == "cuda" else "tiny", ["attention"],
+                                       timing=False)
+            rows.append({"variant": name, "checks": [
+                {"case": c.case, "max_rel": c.max_rel, "tol": c.tol, "passed": c.passed}
+                for c in checks]})
+        except Exception as exc:
+            rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    at.CONFIG.clear()
+    at.CONFIG.update(default)
+    return rows
+
+
+def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
+    """Compile (and check) each variant in its own process, `jobs` at a time, so the timed run
+    finds every kernel in Triton's cache; then `--verify` variants likewise. A job still
+    running at `deadline` is stopped. Returns one record per job (rc, wall s, last line)."""
+    import subprocess
+    import sys
+
+    cmds = []
+    for v in variants:
+        cmd = [sys.executable, "-m", "flashpd.bench.attention_bench", "--check-only",
+               "--variants", v]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--smoke"] if args.smoke else []
+        cmds.append(cmd + (["--prefill-t", *map(str, args.prefill_t)] if args.prefill_t else []))
+    for v in args.verify or []:
+        cmds.append([sys.executable, "-m", "flashpd.bench.attention_bench", "--verify", v,
+                     "--variants", *(["--smoke"] if args.smoke else [])])
+    pending, running, done = list(cmds), [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd = pending.pop(0)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            running.append((cmd, proc, time.perf_counter()))
+        time.sleep(0.2)
+        for item in list(running):
+            cmd, proc, t0 = item
+            if proc.poll() is None and time.perf_counter() < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            out = proc.communicate()[0]
+            running.remove(item)
+            done.append({"cmd": " ".join(cmd[3:]), "rc": proc.returncode,
+                         "wall_s": round(time.perf_counter() - t0, 1), "out": out[-3000:]})
+            print(f"warm: {done[-1]['cmd']}: rc {proc.returncode}, {done[-1]['wall_s']} s",
+                  flush=True)
+        if time.perf_counter() > deadline:
+            pending.clear()
+    return done
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill B/smem |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        res = ",".join(f"{k['n_regs']}/{k['n_spills']}/{k['shared'] // 1024}K"
+                       for k in r.get("kernels", []))
         if "error" in r:
             lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | error: "
-                         f"{r['error'][:80]} | | | |")
+                         f"{r['error'][:80]} | | | | |")
+            continue
+        if "ms" not in r:
+            lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | | | | "
+                         f"{r['rel_err']:.2e} | {res} |")
             continue
         lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | {r['ms']:.4f} | "
-                     f"{r['tflops']:.1f} | {r['gbps']:.0f} | {r['rel_err']:.2e} |")
+                     f"{r['tflops']:.1f} | {r['gbps']:.0f} | {r['rel_err']:.2e} | {res} |")
     return "\n".join(lines)
 
 
@@ -206,18 +327,44 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="*", help="run only these variants")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, checks only (runs under the CPU interpreter)")
+    ap.add_argument("--prefill-t", type=int, nargs="*", help="prefill row counts (default "
+                    "4096 8192)")
+    ap.add_argument("--check-only", action="store_true", help="check, do not time")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="first compile and check every selected variant in this many "
+                    "processes at once (fills Triton's cache for the timed run)")
+    ap.add_argument("--verify", nargs="*", metavar="VARIANT",
+                    help="run verify-kernels' attention checks (bench scale) under these "
+                    "prefill variants' CONFIG")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall budget: warm-up jobs stop at 60%% of it, timing skips rows past it")
     args = ap.parse_args(argv)
     global H, D, W, K, PAIRS, ENTRIES, PREFILL_T, DECODE_B, DEV
+    start = time.perf_counter()
     if args.smoke:
         H, D, W, K, PAIRS, ENTRIES, PREFILL_T, DECODE_B = 4, 64, 16, 24, 8, 64, (40,), (1, 3)
+    if args.prefill_t:
+        PREFILL_T = tuple(args.prefill_t)
     if not torch.cuda.is_available():
         if not args.smoke:
             raise SystemExit("attention_bench needs a CUDA GPU (or --smoke)")
         DEV = "cpu"
-    rows = run(args.quick, args.variants)
+    budget = args.budget_s
+    warm_rows = []
+    if args.jobs:
+        names = args.variants or sorted(set(PREFILL_VARIANTS) | set(DECODE_VARIANTS))
+        warm_rows = warm(names, args.jobs, args,
+                         start + 0.6 * budget if budget else float("inf"))
+    elif args.verify:
+        warm_rows = verify_variants(args.verify)
+        if not args.variants:
+            return
+    rows = run(args.quick, args.variants, timing=not args.check_only,
+               deadline=start + budget if budget else None)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+                       "rows": rows, "warm": warm_rows}, f, indent=1)
     print(table(rows) if DEV == "cuda" else json.dumps(rows))
 
 

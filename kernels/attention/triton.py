@@ -48,8 +48,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # (8, FlashAttention-4 style) was 1.3% faster per prefill layer on the H200 but moved the
 # GPU-path forward 4x further from the reference on the smoke model: median row error 0.205
 # vs 0.052 after a chunked prefill, bench/gpu_path_diag.py), heads_asm (PTX decode on the GPU).
+# heads_trans_s (scores computed transposed, keys in the MMA M dimension: _attend_pairs_t).
 # Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
-# ranges (split-KV, heads_split_block_n per tile) combined by _attn_combine_kernel;
+# ranges (split-KV, heads_split_block_n per tile, heads_split_stages) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
 # previous per-head-block kernels instead (the "legacy" keys below; 0: never).
 # Legacy: heads per program, keys per tile, warps, pipeline stages of _attn_kernel (also the
@@ -58,8 +59,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
+          "heads_trans_s": False,
           "heads_split_target": 132,
-          "heads_split_block_n": 64, "legacy_max_q": 1,
+          "heads_split_block_n": 64, "heads_split_stages": 1, "legacy_max_q": 1,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
@@ -327,15 +329,38 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
 
 
 @triton.jit
+def _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale,
+                    UPCAST: tl.constexpr):
+    """_attend_pairs (exact rescale, TAU = 0) with the scores transposed: S^T = K.Q^T puts
+    the keys in the MMA M dimension (BLOCK_N = 128 fills both warpgroups of 8 warps, so
+    neither computes the other's scores); the softmax reduces over axis 0 and P = (P^T)^T
+    feeds the P.V product from shared memory."""
+    st = mma(k_e, tl.trans(q_e), tl.zeros((k_e.shape[0], q_e.shape[0]), tl.float32), False,
+             UPCAST)
+    st = mma(k_o, tl.trans(q_o), st, False, UPCAST)
+    st = tl.where(valid[:, None], st * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    pt = tl.exp2(st - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pt, axis=0)
+    p = tl.trans(pt.to(k_e.dtype))
+    acc_e = mma(p, k_e, acc_e * alpha[:, None], False, UPCAST)
+    acc_o = mma(p, k_o, acc_o * alpha[:, None], False, UPCAST)
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit
 def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, TRANS: tl.constexpr):
     """One key tile of the online softmax over the channel halves; keys are K and V.
 
     Scores and the running max m are in log2 units (scale includes log2 e). The accumulators
     are rescaled only when some row's max grows by more than TAU (FlashAttention-4's lazy
     rescaling; TAU = 0: whenever one grows): until then P = 2^(s - m) with a stale m <= the
     true max is at most 2^TAU, and l, acc stay consistent with that m, so o = acc / l is the
-    same softmax."""
+    same softmax. TRANS: _attend_pairs_t (exact rescale)."""
+    if TRANS:
+        return _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, UPCAST)
     s = mma(q_e, tl.trans(k_e), tl.zeros((q_e.shape[0], k_e.shape[0]), tl.float32), False,
             UPCAST)
     s = mma(q_o, tl.trans(k_o), s, False, UPCAST)
@@ -359,7 +384,8 @@ def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU:
 def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_p, rows_ptr,
                  NK, lo, hi, scale, HALF: tl.constexpr, FMT: tl.constexpr,
                  BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
-                 ASM: tl.constexpr, HW: tl.constexpr, UPCAST: tl.constexpr):
+                 ASM: tl.constexpr, HW: tl.constexpr, UPCAST: tl.constexpr,
+                 TRANS: tl.constexpr):
     """Key tiles lo..hi-1 of one row list (rows_ptr [NK]); PREFETCH: the next tile's bytes are
     loaded before the current tile is used."""
     if PREFETCH:
@@ -373,7 +399,7 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
             rows = tl.load(rows_ptr + n, mask=(n < NK) & (it + 1 < hi), other=-1)
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e,
-                                                   acc_o, scale, TAU, UPCAST)
+                                                   acc_o, scale, TAU, UPCAST, TRANS)
     else:
         for it in range(lo, hi):
             n = it * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -381,7 +407,7 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
             k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i,
-                                                   acc_e, acc_o, scale, TAU, UPCAST)
+                                                   acc_e, acc_o, scale, TAU, UPCAST, TRANS)
     return m_i, l_i, acc_e, acc_o
 
 
@@ -405,7 +431,7 @@ def _heads_kernel(
     m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
     BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
-    ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr,
+    ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr, TRANS: tl.constexpr,
 ):
     # The prologue and the epilogue compute their addresses and RoPE tables separately (and
     # spelled differently, so the compiler does not merge them): kept alive across the key
@@ -448,12 +474,12 @@ def _heads_kernel(
     m_i, l_i, acc_e, acc_o = _heads_range(
         q_e, q_o, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win, win_rows_ptr + t * W,
         W, tl.minimum(lo, win_tiles), tl.minimum(hi, win_tiles), k_scale, HALF, 0, BLOCK_N,
-        PREFETCH, TAU, ASM, HW, UPCAST)
+        PREFETCH, TAU, ASM, HW, UPCAST, TRANS)
     m_i, l_i, acc_e, acc_o = _heads_range(
         q_e, q_o, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
         comp_rows_ptr + t * KC, KC, tl.maximum(lo, win_tiles) - win_tiles,
         tl.minimum(hi, win_tiles + comp_tiles) - win_tiles, k_scale, HALF, COMP_FMT, BLOCK_N,
-        PREFETCH, TAU, ASM, HW, UPCAST)
+        PREFETCH, TAU, ASM, HW, UPCAST, TRANS)
     # epilogue: addresses again (see above); rows stored whole, channels interleaved again
     off2 = hh[:, None] * D + tl.arange(0, D)[None, :]
     hmask2 = hh[:, None] < H - h0
@@ -654,9 +680,11 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, D=dim,
         ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
         PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
+        TRANS=bool(cfg["heads_trans_s"]),
         ASM=HW_FP8 and bool(cfg["heads_asm"]),
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
-        num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
+        num_stages=cfg["heads_split_stages"] if splits > 1 else cfg["heads_stages"],
+        **triton_runtime.launch_options())
     if splits > 1:
         hc = cfg["combine_heads"]
         _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](

@@ -136,14 +136,16 @@ def _heads_for_small_batches(monkeypatch, request):
         monkeypatch.setitem(at.CONFIG, "legacy_max_q", 0)
 
 
-@pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8", [(16, False, 0.0, False),
-                                                           (16, True, 8.0, False),
-                                                           (64, True, 0.0, True)])
+@pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8,trans", [(16, False, 0.0, False, False),
+                                                                 (16, True, 8.0, False, False),
+                                                                 (64, True, 0.0, True, False),
+                                                                 (32, False, 0.0, True, True)])
 def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefetch, tau,
-                                                    comp_fp8):
+                                                    comp_fp8, trans):
     """All heads in one program, several key tiles (the last ones partial), empty slots, a
     query with no compressed key and one with no window key; NVFP4 or FP8 compressed records;
-    lazy rescaling (tau > 0) gives the same softmax."""
+    lazy rescaling (tau > 0) gives the same softmax, and so do transposed scores (trans)."""
+    monkeypatch.setitem(at.CONFIG, "heads_trans_s", trans)
     monkeypatch.setitem(at.CONFIG, "heads_split_target", 0)
     monkeypatch.setitem(at.CONFIG, "heads_rescale_tau", tau)
     monkeypatch.setitem(at.CONFIG, "heads_block_n", block_n)
@@ -162,8 +164,9 @@ def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefet
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("target", [9, 10_000])
-def test_heads_split_kv_matches_single_pass(monkeypatch, target):
+@pytest.mark.parametrize("target,trans", [(9, False), (10_000, False), (9, True)])
+def test_heads_split_kv_matches_single_pass(monkeypatch, target, trans):
+    monkeypatch.setitem(at.CONFIG, "heads_trans_s", trans)
     q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(3, 40, 50, seed=6)
     freqs = rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536))
     tables = rope.rope_cos_sin(pos, freqs)
