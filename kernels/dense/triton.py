@@ -64,6 +64,10 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                split-K grid; the routed experts' pairs above it walk K segments); swap
 #                (FP8 / plain: acc^T += W . A^T, the dequantised W the MMA's register operand:
 #                wgmma m64nBMk16 on Hopper instead of mma.sync m16n8k16 at BLOCK_M = 16);
+#                red_unroll: the split-K reduction loads this many partials at a time (0:
+#                all SPLIT at once, unrolled: up to 255 registers and spills at 64-row tiles);
+#                deq (FP8 sub-steps): "f32" (FP32 multiply + pack) or "bf16" (one BF16x2
+#                multiply per two values, fewer instructions per weight byte);
 #                over16: overrides (block_n, warps, stages, swap) for split-K launches with
 #                row tiles above 16 (the K step and the split plan stay the format's)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
@@ -324,6 +328,24 @@ def e2m1_hi_asm(b, s_bf16):
 
 
 @triton.jit
+def _fp8_scaled(q, s, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, DEQ_BF16: tl.constexpr):
+    """E4M3 bytes q times FP32 power-of-two scales s (broadcast) -> OUT_DTYPE, exact.
+    DEQ_BF16: E4M3 -> F16 pairs (hardware) -> BF16, then one BF16x2 multiply per two values."""
+    if DEQ_BF16:
+        if HW_FP8:
+            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.bfloat16)
+        else:
+            v = e4m3_decode(q).to(tl.bfloat16)
+        return (v * s.to(tl.bfloat16)).to(OUT_DTYPE)
+    else:
+        if HW_FP8:
+            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = e4m3_decode(q)
+        return (v * s).to(OUT_DTYPE)
+
+
+@triton.jit
 def _mma_t(a, w, acc_t, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc_t + w . a^T ([BN, BM], the transpose of mma(a, w^T)). Under the interpreter (UPCAST)
     it is computed as the transpose of mma(a, w^T) so its sums are those of the unswapped path
@@ -339,11 +361,14 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
               n64, nmask, gg, k_hi, stride_we, stride_wn, stride_se, stride_sn,
               W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
               UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr,
-              EVEN_K: tl.constexpr, SWAP: tl.constexpr = False):
+              EVEN_K: tl.constexpr, SWAP: tl.constexpr = False,
+              DEQ_BF16: tl.constexpr = False):
     """acc += A[:, kk:kk+32] . W[e, n, kk:kk+32]^T, kk = 32 * gg (both weights for SwiGLU);
     columns at or past k_hi are masked unless EVEN_K. SWAP (FP8 / plain): the accumulators are
     transposed, acc^T += W . A^T, so the dequantised W tile is the MMA's first operand (on
-    Hopper, wgmma reads it from registers; a second operand goes through shared memory)."""
+    Hopper, wgmma reads it from registers; a second operand goes through shared memory).
+    DEQ_BF16 (FP8): the scale multiply in BF16 pairs (exact: a value of <= 4 significant bits
+    times a power of two) instead of FP32 multiplies and a pack."""
     dot_dtype = a_ptr.dtype.element_ty
     kk = gg * 32
     if W_FMT == 1:  # MXFP4: bytes [BN, 16] -> even k (low nibbles), odd k (high nibbles)
@@ -398,11 +423,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             soff = e64 * stride_se + (n64 // 32) * stride_sn + gg
             s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
             q1 = tl.load(w1_ptr + off, mask=wmask, other=0)
-            if HW_FP8:
-                v1 = q1.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                v1 = e4m3_decode(q1)
-            w1 = (v1 * s1).to(dot_dtype)
+            w1 = _fp8_scaled(q1, s1, dot_dtype, HW_FP8, DEQ_BF16)
         if SWAP:
             acc1 = _mma_t(a, w1, acc1, IEEE, UPCAST)
         else:
@@ -413,11 +434,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             else:
                 s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
                 q3 = tl.load(w3_ptr + off, mask=wmask, other=0)
-                if HW_FP8:
-                    v3 = q3.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                else:
-                    v3 = e4m3_decode(q3)
-                w3 = (v3 * s3).to(dot_dtype)
+                w3 = _fp8_scaled(q3, s3, dot_dtype, HW_FP8, DEQ_BF16)
             if SWAP:
                 acc3 = _mma_t(a, w3, acc3, IEEE, UPCAST)
             else:
@@ -519,7 +536,7 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
            UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
            MX_ASM: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr,
            EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
+           BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DEQ_BF16: tl.constexpr):
     """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32.
 
     K is walked in steps of BLOCK_K from group index k_lo // 32 (offsets are multiples of 32
@@ -588,7 +605,7 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
                 t1, t3 = _sub_step(t1, t3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr,
                                    w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi, stride_we,
                                    stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE,
-                                   UPCAST, HW_FP8, MX_ASM, EVEN_K, True)
+                                   UPCAST, HW_FP8, MX_ASM, EVEN_K, True, DEQ_BF16)
         acc1 = tl.trans(t1)
         acc3 = tl.trans(t3)
     else:
@@ -597,7 +614,8 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
                 acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
                                        s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi,
                                        stride_we, stride_wn, stride_se, stride_sn, W_FMT,
-                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM, EVEN_K)
+                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM, EVEN_K,
+                                       False, DEQ_BF16)
     return acc1, acc3
 
 
@@ -629,6 +647,7 @@ def _gemm_kernel(
     SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False, RED_UNROLL: tl.constexpr = 0,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
@@ -669,7 +688,8 @@ def _gemm_kernel(
                                 s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
                                 stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
                                 IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH,
-                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP,
+                                DEQ_BF16)
             if SPLIT > 1:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
@@ -683,12 +703,22 @@ def _gemm_kernel(
                 if arrived == SPLIT - 1:  # last chunk in: sum the chunks in order
                     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT):
-                        acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
-                                        cache_modifier=".cg")
-                        if EPILOGUE == 1:
-                            acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell, mask=cmask,
-                                            other=0.0, cache_modifier=".cg")
+                    if RED_UNROLL == 0:  # every partial's load in flight at once
+                        for s in tl.static_range(SPLIT):
+                            acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
+                                            cache_modifier=".cg")
+                            if EPILOGUE == 1:
+                                acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell,
+                                                mask=cmask, other=0.0, cache_modifier=".cg")
+                    else:  # RED_UNROLL at a time (fewer registers), still summed in order
+                        for s0 in range(0, SPLIT, RED_UNROLL):
+                            for j in tl.static_range(RED_UNROLL):
+                                rm = cmask & (s0 + j < SPLIT)  # -0.0 + x == x for every x
+                                acc1 += tl.load(part_ptr + (s0 + j) * plane + cell, mask=rm,
+                                                other=-0.0, cache_modifier=".cg")
+                                if EPILOGUE == 1:
+                                    acc3 += tl.load(part_ptr + (SPLIT + s0 + j) * plane + cell,
+                                                    mask=rm, other=-0.0, cache_modifier=".cg")
                     tl.store(counter, 0)  # ready for the next launch
                     _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr,
                               limit, EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
@@ -704,7 +734,7 @@ def _gemm_kernel(
                                 e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
                                 stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
                                 DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH, EVEN_K, BLOCK_M,
-                                BLOCK_N, BLOCK_K, SWAP)
+                                BLOCK_N, BLOCK_K, SWAP, DEQ_BF16)
                 acc1 += c1
                 acc3 += c3
             _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
@@ -888,7 +918,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
         EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
-        SWAP=swap, num_stages=tiles["stages"], **triton_runtime.launch_options())
+        SWAP=swap, DEQ_BF16=w.fmt == W_FP8 and tiles.get("deq", "f32") == "bf16",
+        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0,
+        num_stages=tiles["stages"], **triton_runtime.launch_options())
     return out
 
 

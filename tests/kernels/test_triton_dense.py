@@ -153,13 +153,13 @@ def test_block_diagonal_runs_each_group_through_its_own_weight(monkeypatch, spli
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("body", [{}, {"wide": True}, {"wide": True, "prefetch": True},
-                                  {"swap": True}])
+                                  {"swap": True}, {"deq": "bf16"}, {"swap": True, "deq": "bf16"}])
 @pytest.mark.parametrize("k", [96, 256])
 def test_k_step_bodies_match_reference(monkeypatch, fmt, body, k):
     """Sub-steps, wide steps, prefetched wide steps and swapped sub-steps (FP8); K steps whole
     (K=256: no K masks, split into chunks of 128) or ragged (K=96 with 64-wide steps)."""
-    if fmt == "mxfp4" and "swap" in body:
-        pytest.skip("swap is an FP8 / plain-weight body")
+    if fmt == "mxfp4" and ("swap" in body or "deq" in body):
+        pytest.skip("swap and deq are FP8 (swap: and plain-weight) sub-step switches")
     key = "skinny" if fmt == "fp8" else "mx"
     monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 128)
     monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
@@ -196,3 +196,25 @@ def test_swapped_operands_and_row_tile_overrides_keep_each_row_sum(monkeypatch):
     assert torch.equal(dt.linear_weights(x[3:4], w, torch.float32), plain[0])  # swapped
     torch.testing.assert_close(dt.linear_weights(x, w, torch.float32), plain[1], rtol=1e-6,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_split_k_reduction_in_groups_sums_the_same_partials_in_order(monkeypatch, swiglu):
+    """red_unroll=2 over 3 chunks (a group of 2, then 1 of 2 masked) gives the unrolled sums."""
+    _force_split(monkeypatch)
+    g = torch.Generator().manual_seed(40)
+    ws = [dt.Weights.fp8(*qref.quantize_fp8_blockwise(torch.randn(64, 96, generator=g)))
+          for _ in range(2)]
+    x = _x(t=5, seed=41)
+
+    def run():
+        if swiglu:
+            h = torch.empty(5, 64, dtype=torch.bfloat16)
+            return dt.grouped_gemm(x, ws[0], None, h, w3=ws[1], limit=10.0)
+        return dt.linear_weights(x, ws[0], torch.float32)
+
+    assert dt._plan(ws[0]) == (3, 32)
+    want = run()
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "red_unroll": 2})
+    assert torch.equal(run(), want)
+    assert not bool(dt._counters(x.device).any())
