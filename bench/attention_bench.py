@@ -53,6 +53,8 @@ DECODE_VARIANTS = {
                         "heads_split_block_n": 32},
     "heads_t132_bn64_s2": {"legacy_max_q": 0, "heads_split_target": 132,
                            "heads_split_stages": 2},
+    "heads_t132_bn128": {"legacy_max_q": 0, "heads_split_target": 132,
+                         "heads_split_block_n": 128},
     "heads_nosplit": {"legacy_max_q": 0, "heads_split_target": 0},
     "default": {},
 }
