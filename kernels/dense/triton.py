@@ -330,12 +330,11 @@ def e2m1_hi_asm(b, s_bf16):
 @triton.jit
 def _fp8_scaled(q, s, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, DEQ_BF16: tl.constexpr):
     """E4M3 bytes q times FP32 power-of-two scales s (broadcast) -> OUT_DTYPE, exact.
-    DEQ_BF16: E4M3 -> F16 pairs (hardware) -> BF16, then one BF16x2 multiply per two values."""
-    if DEQ_BF16:
-        if HW_FP8:
-            v = q.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.bfloat16)
-        else:
-            v = e4m3_decode(q).to(tl.bfloat16)
+    DEQ_BF16 (GPU): E4M3 -> F16 pairs (hardware) -> BF16, then one BF16x2 multiply per two
+    values; the interpreter (no HW_FP8) mis-handles BF16 arithmetic and takes the FP32 body,
+    which gives the same exact values."""
+    if DEQ_BF16 and HW_FP8:
+        v = q.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.bfloat16)
         return (v * s.to(tl.bfloat16)).to(OUT_DTYPE)
     else:
         if HW_FP8:
