@@ -2,8 +2,8 @@
 
 At 1-32 pairs per expert the grouped GEMM of dense/triton.py computes A[BM, K] . W^T with
 BM = 16 rows of which a handful are valid, the dequantised weight as the MMA's B operand. Here
-the weight tile is the MMA's A operand (M = weight rows, 64 or 128: a Hopper wgmma tile) and
-the few activation rows of one expert tile are its N (ROWS = 8, 16 or 32):
+the weight tile is the MMA's A operand (M = 64 weight rows) and the few activation rows of one
+expert tile are its N (ROWS = 8, 16 or 32; CONFIG says which MMA instruction each becomes):
 
     acc[BN, ROWS] += W[e, n0:n0+BN, k-step] . X[rows of the tile, k-step]^T     FP32
 
@@ -64,12 +64,17 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
 # GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at import (0: off).
-MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "0"))
+# Measured on the H200 (bench/results/h200/moe_swapab.md): faster than the grouped GEMMs from 8
+# to 128 tokens (and than the GEMV at 8 and 16); a tie at 192.
+MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "128"))
 # rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
 # batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
-CONFIG = {"rows": ((1 << 30, 8),),
-          "up": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3},
-          "down": {"block_n": 64, "block_k": 256, "warps": 4, "stages": 3}}
+# Triton 3.6 on sm_90 compiles ROWS = 8 to mma.sync m16n8k16 (the weight bytes reach registers
+# 4 per thread: fast) and ROWS >= 16 with 4 warps to wgmma with the weight tile in registers
+# (A) and X^T in shared memory (B), whose register layout reads the bytes 2 per thread.
+CONFIG = {"rows": ((64, 8), (1 << 30, 16)),
+          "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3},
+          "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3}}
 _PREP_BLOCK = 1024
 _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
 

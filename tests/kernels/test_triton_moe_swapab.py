@@ -1,0 +1,162 @@
+"""Swap-AB tensor-core routed MXFP4 experts (kernels/moe/swapab.py) against moe/ref.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.kernels.dense import triton as dt
+from flashpd.kernels.moe import gemv, swapab
+from flashpd.kernels.moe import ref as mref
+from flashpd.kernels.moe import triton as mt
+from flashpd.kernels.quant import ref as qref
+
+LIMIT = 10.0
+
+
+@pytest.fixture(autouse=True)
+def _small_steps(monkeypatch):
+    """Interpreter speed: K steps of 64 (several steps on the tiny shapes below)."""
+    for part in ("up", "down"):
+        monkeypatch.setitem(swapab.CONFIG, part, {**swapab.CONFIG[part], "block_k": 64})
+
+
+def _experts(e: int, d: int, i: int, seed: int) -> mt.ExpertSet:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, k in ((i, d), (i, d), (d, i)):
+        ps = [qref.quantize_mxfp4_weight(torch.randn(n, k, generator=g) * 0.1) for _ in range(e)]
+        out.append(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]),
+                                    torch.stack([s for _, s in ps])))
+    return mt.ExpertSet(*out)
+
+
+def _batch(t: int, d: int, e: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return x, ids, torch.rand(t, k, generator=g) * 1.5
+
+
+def _reference(x, ids, weights, experts: mt.ExpertSet) -> torch.Tensor:
+    """moe.ref's routed sum on the dequantised experts, FP32 [T, D]."""
+    deq = [torch.stack([qref.dequantize_mxfp4_weight(w.data[j], w.scale[j]).to(x.dtype)
+                        for j in range(w.num_experts)])
+           for w in (experts.w1, experts.w3, experts.w2)]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for j in torch.unique(ids).tolist():  # ascending expert id, as moe.ref.moe
+        tok, slot = torch.nonzero(ids == j, as_tuple=True)
+        y = mref.expert_ffn(x[tok], deq[0][j], deq[1][j], deq[2][j], LIMIT,
+                            weights[tok, slot][:, None])
+        out.index_add_(0, tok, y.float())
+    return out
+
+
+def _swapab(x, ids, weights, experts: mt.ExpertSet, rows: int) -> torch.Tensor:
+    pairs = mt.sort_pairs(ids, weights, experts.num_experts, rows)
+    y = swapab.expert_rows(x, pairs, experts, LIMIT, rows)
+    return mt.combine(y, pairs.pos, None, torch.float32)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("t, rows, d, i", [
+    (1, 8, 64, 64),     # a single pair per tile, every other grid slot empty
+    (9, 8, 128, 64),    # full and partial tiles of 8 pairs, two K steps
+    (20, 16, 64, 128),  # tiles of 16 (the wgmma form on the GPU)
+    (5, 32, 96, 96),    # K = 96: a K step past the last scale group (masked)
+])
+def test_routed_sum_matches_reference(t, rows, d, i):
+    experts = _experts(4, d, i, seed=t)
+    x, ids, w = _batch(t, d, 4, 2, seed=10 + t)
+    assert _rel_err(_swapab(x, ids, w, experts, rows), _reference(x, ids, w, experts)) < 2e-3
+
+
+def test_experts_with_more_pairs_than_a_tile_take_several_tiles():
+    """Every token picks experts 0 and 1: 11 pairs each, tiles of 8 -> 8 + 3 per expert."""
+    experts = _experts(4, 64, 64, seed=3)
+    x, _, w = _batch(11, 64, 4, 2, seed=4)
+    ids = torch.tensor([[0, 1]] * 11)
+    assert _rel_err(_swapab(x, ids, w, experts, 8), _reference(x, ids, w, experts)) < 2e-3
+
+
+def test_a_tokens_result_does_not_depend_on_its_batch():
+    """Batch invariance within the path: token 0 alone == token 0 in a batch of 7."""
+    experts = _experts(4, 64, 64, seed=11)
+    x, ids, w = _batch(7, 64, 4, 3, seed=12)
+    ids[:, 0] = 1  # every token shares expert 1: its tile holds 7 pairs
+    alone = _swapab(x[:1], ids[:1], w[:1], experts, 8)
+    assert torch.equal(_swapab(x, ids, w, experts, 8)[:1], alone)
+
+
+def test_k_step_does_not_change_more_than_rounding(monkeypatch):
+    experts = _experts(4, 128, 64, seed=5)
+    x, ids, w = _batch(4, 128, 4, 2, seed=6)
+    want = _reference(x, ids, w, experts)
+    for part in ("up", "down"):
+        monkeypatch.setitem(swapab.CONFIG, part, {**swapab.CONFIG[part], "block_k": 128})
+    assert _rel_err(_swapab(x, ids, w, experts, 8), want) < 2e-3
+
+
+def test_moe_triton_takes_the_path_between_the_gemv_and_swapab_bounds(monkeypatch):
+    """routed_experts: <= GEMV_MAX_ROWS tokens GEMV, up to MAX_TOKENS here, above: the
+    grouped GEMMs (0 turns the path off)."""
+    experts = _experts(4, 64, 64, seed=13)
+    x, ids, w = _batch(6, 64, 4, 2, seed=14)
+    calls = []
+    real = swapab.expert_rows
+    monkeypatch.setattr(swapab, "expert_rows", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(mt, "GEMV_MAX_ROWS", 2)
+    monkeypatch.setattr(swapab, "MAX_TOKENS", 6)
+    got = mt.routed_experts(x, ids, w, experts, LIMIT)
+    assert calls == [swapab.tile_rows(6)]
+    assert _rel_err(got, _reference(x, ids, w, experts)) < 2e-3
+    mt.routed_experts(x[:2], ids[:2], w[:2], experts, LIMIT)  # GEMV
+    mt.routed_experts(torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]),
+                      torch.cat([w, w[:1]]), experts, LIMIT)  # 7 tokens: grouped GEMMs
+    monkeypatch.setattr(swapab, "MAX_TOKENS", 0)
+    mt.routed_experts(x, ids, w, experts, LIMIT)
+    assert len(calls) == 1
+    assert gemv.eligible(experts, torch.bfloat16)
+
+
+def test_tile_rows_takes_the_first_entry_covering_the_batch(monkeypatch):
+    monkeypatch.setitem(swapab.CONFIG, "rows", ((64, 8), (128, 16)))
+    assert [swapab.tile_rows(t) for t in (1, 64, 65, 128)] == [8, 8, 16, 16]
+    with pytest.raises(ValueError, match="129 tokens"):
+        swapab.tile_rows(129)
+
+
+def test_only_mxfp4_experts_and_bf16_activations_are_eligible():
+    experts = _experts(2, 64, 64, seed=15)
+    assert swapab.eligible(experts, torch.bfloat16)
+    assert not swapab.eligible(experts, torch.float32)
+    plain = mt.ExpertSet.plain(mref.ExpertWeights(torch.zeros(2, 64, 64), torch.zeros(2, 64, 64),
+                                                  torch.zeros(2, 64, 64)))
+    assert not swapab.eligible(plain, torch.bfloat16)
+    x, ids, w = _batch(1, 64, 2, 1, seed=0)
+    pairs = mt.sort_pairs(ids, w, 2, 8)
+    with pytest.raises(ValueError, match="MXFP4"):
+        swapab.expert_rows(x, pairs, plain, LIMIT, 8)
+    with pytest.raises(ValueError, match="block_m"):
+        swapab.expert_rows(x, pairs, experts, LIMIT, 16)
+
+
+def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path):
+    """bench/moe_swapab_check.py --smoke: tiny shapes under the interpreter, one variant."""
+    import json
+
+    from flashpd.bench import moe_swapab_check
+
+    before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
+    bounds = (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS)
+    assert moe_swapab_check.main(["--smoke", "--out", str(tmp_path), "--ms", "3",
+                                  "--variants", "bk128"]) == 0
+    rows = json.loads((tmp_path / "moe_swapab.json").read_text())["results"]
+    assert {(r["path"], r["m"]) for r in rows} == {
+        ("swapab (new)", 3), ("grouped GEMM (old)", 3), ("gemv (default <= 16)", 3),
+        ("swapab bk128", 3)}
+    assert all(r["err"] < 2e-3 for r in rows)
+    assert swapab.CONFIG == before and (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS) == bounds
