@@ -70,16 +70,15 @@ def compiled_kernels() -> list[dict]:
     from flashpd.kernels.moe import swapab
 
     out = []
-    for cache, *_ in getattr(swapab._swapab_kernel, "device_caches", {}).values():
-        for key, k in cache.items():
-            ptx = k.asm.get("ptx", "")
-            ttgir = k.asm.get("ttgir", "")
-            dot = next((ln.strip()[:240] for ln in ttgir.splitlines()
-                        if "warp_group_dot " in ln or "tt.dot " in ln), "")
-            out.append({"key": str(key)[-160:], "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-                        "mma_sync": len(re.findall(r"mma\.sync", ptx)),
-                        "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
-                        "shared": getattr(k.metadata, "shared", None), "dot": dot})
+    for k in swapab.compiled_variants():
+        ptx = k.asm.get("ptx", "")
+        ttgir = k.asm.get("ttgir", "")
+        dot = next((ln.strip()[:240] for ln in ttgir.splitlines()
+                    if "warp_group_dot " in ln or "tt.dot " in ln), "")
+        out.append({"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                    "mma_sync": len(re.findall(r"mma\.sync", ptx)),
+                    "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                    "shared": getattr(k.metadata, "shared", None), "dot": dot})
     return out
 
 

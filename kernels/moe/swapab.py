@@ -205,6 +205,12 @@ def _swapab_kernel(
 
 
 # ============================================================================ host side
+def compiled_variants() -> list:
+    """The GEMM kernel's variants compiled so far (Triton CompiledKernel: asm, n_regs, ...)."""
+    caches = getattr(_swapab_kernel, "device_caches", {})  # empty under the interpreter
+    return [k for cache, *_ in caches.values() for k in cache.values()]
+
+
 def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
             swiglu: bool) -> None:
     cfg = CONFIG["up" if swiglu else "down"]
