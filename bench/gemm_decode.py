@@ -52,6 +52,29 @@ VARIANTS = {
     "mx_bits_wide": ({"mxfp4_decode": "bits", "mx": {**_WIDE_PF, "block_k": 256}}, ("mx",),
                      _MS),
 }
+# FP8 dense layers + shared expert (kernels/dense/triton.py CONFIG["skinny"]; every M): r4 =
+# red_unroll 4 (split-K reduction 4 partials at a time), deq = BF16x2 scale multiply, swap =
+# acc^T += W . A^T (wgmma with W in registers), bn / s / k / t / w = block_n / stages /
+# block_k / target_ctas / warps, o16w8 = 8 warps for row tiles above 16
+_R4 = {"red_unroll": 4}
+_RD = {"red_unroll": 4, "deq": "bf16"}
+_ALL = (1, 8, 64)
+VARIANTS.update({
+    "f8_r4": ({"skinny": _R4}, ("fp8",), _ALL),
+    "f8_r4_deq": ({"skinny": _RD}, ("fp8",), _ALL),
+    "f8_r4_deq_swap": ({"skinny": {**_RD, "swap": True}}, ("fp8",), _ALL),
+    "f8_r4_deq_bn128": ({"skinny": {**_RD, "block_n": 128}}, ("fp8",), _ALL),
+    "f8_r4_deq_swap_bn128": ({"skinny": {**_RD, "swap": True, "block_n": 128}}, ("fp8",), _ALL),
+    "f8_r4_deq_o16w8": ({"skinny": {**_RD, "over16": {"warps": 8}}}, ("fp8",), _ALL),
+    "f8_r4_deq_s6": ({"skinny": {**_RD, "stages": 6}}, ("fp8",), _ALL),
+    "f8_r4_deq_k128": ({"skinny": {**_RD, "block_k": 128}}, ("fp8",), _ALL),
+    "f8_r4_deq_bn128_w8": ({"skinny": {**_RD, "block_n": 128, "warps": 8}}, ("fp8",), _ALL),
+    "f8_r4_deq_swap_s6": ({"skinny": {**_RD, "swap": True, "stages": 6}}, ("fp8",), _ALL),
+    "f8_r4_deq_t528": ({"skinny": {**_RD, "target_ctas": 528}}, ("fp8",), _ALL),
+    "f8_r4_deq_t132": ({"skinny": {**_RD, "target_ctas": 132}}, ("fp8",), _ALL),
+    "f8_r4_deq_swap_o16w8": ({"skinny": {**_RD, "swap": True, "over16": {"warps": 8}}},
+                             ("fp8",), _ALL),
+})
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
@@ -161,13 +184,59 @@ def _moe_full(x: torch.Tensor, routed, per_expert: float):
     return c
 
 
-def build_cases(ms) -> dict[str, list]:
-    dense = [c for c in kr.dense_cases(ms, ["wq_a", "wq_b", "wkv", "wo_a", "wo_b", "idx_wq_b"])
-             if " G=" not in c.shape or "block_diagonal" in c.shape]
+def build_cases(ms, kinds=("mx", "fp8")) -> dict[str, list]:
     experts = kr.expert_cases(ms)
-    fp8 = dense + [c for c in experts if c.kernel == "fp8_shared_expert"]
-    mx = [c for c in experts if c.kernel == "mxfp4_experts"] + routed_cases(ms)
-    return {"fp8": fp8, "mx": mx}
+    out = {"fp8": [], "mx": []}
+    if "fp8" in kinds:
+        dense = [c for c in kr.dense_cases(ms, ["wq_a", "wq_b", "wkv", "wo_a", "wo_b",
+                                                 "idx_wq_b"])
+                 if " G=" not in c.shape or "block_diagonal" in c.shape]
+        out["fp8"] = dense + [c for c in experts if c.kernel == "fp8_shared_expert"]
+    if "mx" in kinds:
+        out["mx"] = [c for c in experts if c.kernel == "mxfp4_experts"] + routed_cases(ms)
+    return out
+
+
+def _selected(v: str, cases: dict, kinds) -> list:
+    """The cases variant v runs: its kinds (of those asked for) at its M values."""
+    _over, vkinds, ms = VARIANTS[v]
+    return [c for kind in vkinds if kind in kinds for c in cases[kind]
+            if (ms is None or c.m in ms) and (v == "new" or c.kernel not in _NEW_ONLY)]
+
+
+def warm(variants, kinds, default: dict) -> None:
+    """Compile (one call of each case) every variant's kernels: fills Triton's disk cache."""
+    cases = build_cases(kr.DECODE_M, kinds)
+    for v in variants:
+        apply(VARIANTS[v][0], default)
+        for c in _selected(v, cases, kinds):
+            try:
+                c.calls[0]()
+            except Exception as exc:  # the timing run reports it
+                print(f"warm {v} {c.shape} M={c.m}: {type(exc).__name__}", flush=True)
+        if kr.DEV == "cuda":
+            torch.cuda.synchronize()
+        print(f"warm {v} done", flush=True)
+
+
+def warm_parallel(variants, kinds, procs: int, timeout_s: float, smoke: bool) -> None:
+    """warm() in `procs` subprocesses (variants dealt round-robin), so the compiles of many
+    variants overlap; the timing run then loads every kernel from the disk cache."""
+    import subprocess
+    import sys
+
+    groups = [variants[i::procs] for i in range(procs) if variants[i::procs]]
+    extra = ["--smoke"] if smoke else []
+    jobs = [subprocess.Popen([sys.executable, "-m", "flashpd.bench.gemm_decode", "--warm-only",
+                              *extra, "--kinds", *kinds, "--variants", *g]) for g in groups]
+    deadline = time.perf_counter() + timeout_s
+    for j in jobs:
+        try:
+            j.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            j.kill()
+            print("warm: a worker ran past its time; its variants compile in the timing run",
+                  flush=True)
 
 
 def run(variant: str, cases: list, ceilings: dict) -> list[dict]:
@@ -210,11 +279,31 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         present = [by[(v,) + k] for v in variants if (v,) + k in by]
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {present[0]['bytes'] / 1e6:.1f} | "
                      + " | ".join(cells) + f" | {max(r['rel_err'] for r in present):.1e} |")
+    sums = _fp8_layer_sums(ok)
+    if sums:
+        ms = sorted({m for _v, m in sums})
+        lines += ["", "Per-layer FP8 sum (6 dense layers + shared expert; us, and M / M=1):", "",
+                  "| variant | " + " | ".join(f"M={m}" for m in ms) + " |",
+                  "|---|" + "---|" * len(ms)]
+        for v in dict.fromkeys(v for v, _m in sums):
+            base = sums.get((v, 1))
+            lines.append(f"| {v} | " + " | ".join(
+                (f"{sums[(v, m)]:.1f}" + (f" ({sums[(v, m)] / base:.2f}x)" if base else ""))
+                if (v, m) in sums else "-" for m in ms) + " |")
     failed = [r for r in rows if "error" in r]
     if failed:
         lines += ["", "Failed:"] + [f"- {r['variant']} {r['kernel']} {r['shape']} M={r['M']}: "
                                     f"{r['error'][:300]}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _fp8_layer_sums(ok: list[dict]) -> dict:
+    """(variant, M) -> us of one layer's FP8 GEMMs, where all seven were timed."""
+    per: dict = {}
+    for r in ok:
+        if r["kernel"] in ("fp8_dense", "fp8_shared_expert"):
+            per.setdefault((r["variant"], r["M"]), []).append(r["ms"] * 1e3)
+    return {k: sum(v) for k, v in per.items() if len(v) == 7}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="then time the fastest variants' merged overrides on every case")
     ap.add_argument("--verify", action="store_true",
                     help="with --pick: then verify-kernels gemm + moe_gate under that config")
+    ap.add_argument("--warm-procs", type=int, default=0,
+                    help="compile the variants first in this many parallel processes")
+    ap.add_argument("--warm-timeout-s", type=float, default=150.0)
+    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         kr._tiny()
@@ -239,26 +332,30 @@ def main(argv: list[str] | None = None) -> int:
     from flashpd.kernels.dense import triton as dt
 
     default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in dt.CONFIG.items()}
+    if args.warm_only:
+        warm(args.variants, args.kinds, default)
+        return 0
+    t_start = time.perf_counter()
+    if args.warm_procs > 0:
+        warm_parallel(args.variants, args.kinds, args.warm_procs, args.warm_timeout_s,
+                      args.smoke)
+        print(f"warm: {time.perf_counter() - t_start:.0f}s", flush=True)
     ceilings = kr.measure_ceilings() if kr.DEV == "cuda" else {"copy_GBps": 1.0}
     meta = {"command": "python -m flashpd.bench.gemm_decode " + " ".join(argv or []),
             "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__,
             "copy_GBps": ceilings["copy_GBps"], "dense_config": default}
     print(f"copy ceiling {ceilings['copy_GBps']:.0f} GB/s", flush=True)
-    cases = build_cases(kr.DECODE_M)
+    cases = build_cases(kr.DECODE_M, args.kinds)
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
-    t0 = time.perf_counter()
+    t0 = t_start
     for v in args.variants:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: {v} and later variants not run", flush=True)
             break
-        overrides, kinds, ms = VARIANTS[v]
-        apply(overrides, default)
-        for kind in kinds:
-            if kind in args.kinds:
-                rows += run(v, [c for c in cases[kind] if (ms is None or c.m in ms) and (
-                    v == "new" or c.kernel not in _NEW_ONLY)], ceilings)
+        apply(VARIANTS[v][0], default)
+        rows += run(v, _selected(v, cases, args.kinds), ceilings)
         apply({}, default)
         with open(os.path.join(args.out, "gemm_decode.json"), "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
