@@ -103,6 +103,9 @@ def calls(mod, mode: str, site: Site) -> list:
     if mode == "mixes":
         return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS,
                                      NORM_EPS)]
+    if mode == "mixes_it1":  # one Sinkhorn iteration: mixes - mixes_it1 = the other 19
+        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, 1, HC_EPS,
+                                     NORM_EPS)]
     if mode == "fused":
         return [lambda: mod.expand_mix_collapse(*site.args(True, True))]
     if mode == "seam":
@@ -229,7 +232,7 @@ def warm_all(before: str | None, d: int, s: int, variants: bool = True,
     if variants:
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
                  if v != next(iter(DECODE_VARIANTS))]
-    jobs += ["new:layer_after:decode"]
+    jobs += ["new:layer_after:decode", "new:mixes_it1:decode"]
     if before:
         jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_before")]
     if DEVICE.type != "cuda":
@@ -282,6 +285,9 @@ def main() -> None:
             if before:
                 row[f"{mode}_before"] = time_us(
                     [f for st in sites for f in calls(before, mode, st)])
+        if t <= 64:  # where a decode call's time goes: Sinkhorn, collapse + norm, expand
+            for mode in ("seam", "mixes_it1"):
+                row[f"{mode}_after"] = time_us([f for st in sites for f in calls(ht, mode, st)])
         row["layer_after"] = time_us([f for st in sites for f in calls(ht, "layer_after", st)
                                       ]) * 3
         if before:
