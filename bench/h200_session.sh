@@ -3,10 +3,10 @@
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]   PHASES: "check measure"
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
-# (FLASHPD_MOE_GEMV_MAX_ROWS from the environment when the check is not run)
+# (the routed-expert bounds, FLASHPD_MOE_GEMV_MAX_ROWS / FLASHPD_MOE_SWAPAB_MAX_TOKENS, come from
+# the environment or the module defaults)
 # 1. install this tree into a fresh target (a warm machine keeps old installs under /tmp)
-# 2. routed-expert GEMV check at decode sizes -> FLASHPD_MOE_GEMV_MAX_ROWS: the largest checked
-#    batch where the GEMV path is correct (err < 5e-3) and faster than the tensor-core GEMMs
+# 2. routed-expert GEMV check at decode sizes (moe_gemv_check.md) and the sampler's cost
 # 3. verify-kernels (every op, bench shapes, against the torch references)
 # 4. gpu_engine --summary (summary.json), 5. the GPU-path tests (gpu_tests.txt; after the
 #    summary in a measure-only call), 6. the decode/prefill profile
@@ -34,24 +34,8 @@ echo "== host step on the device ($(left) s left)"
 timeout 60 python -m flashpd.bench.host_step --device cuda --batch 1 8 64 --context 8192 --steps 20
 echo "== gemv check ($(left) s left)"
 timeout 70 python -m flashpd.bench.moe_gemv_check --out "$OUT" --budget-s 5
-ROWS=$(python - "$OUT/moe_gemv_check.json" <<'PY'
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["results"]
-except Exception:
-    print(0); raise SystemExit
-new = {r["m"]: r for r in rows if r["path"] == "gemv (new)"}
-old = {r["m"]: r for r in rows if r["path"] == "grouped GEMM (old)"}
-ok = new and all(r["err"] < 5e-3 for r in new.values())
-best = 0
-for m in sorted(old):
-    if ok and new[m].get("us") and old[m].get("us") and new[m]["us"] < old[m]["us"]:
-        best = m
-print(best)
-PY
-)
-export FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS
-echo "== FLASHPD_MOE_GEMV_MAX_ROWS=$ROWS"
+echo "== sampler ($(left) s left)"
+timeout 60 python -m flashpd.bench.sampler_bench --batch 1 64
 echo "== verify-kernels ($(left) s left)"
 timeout 90 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -40
 gpu_tests 10

@@ -46,9 +46,11 @@ from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 # Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
-# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs)
+# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs).
+# 4: from 8 tokens the swap-AB kernels are faster (H200: 301 vs 521 us at 8, 428 vs 898 at 16,
+# bench/results/h200/moe_swapab.md); the GEMV keeps the batches of 1-4 it was measured best at.
 GEMV = True
-GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "16"))
+GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "4"))
 _ROUTER_BLOCK_T = 16
 _ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120
 
