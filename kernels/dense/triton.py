@@ -40,6 +40,7 @@ import torch
 from flashpd.kernels import triton_runtime  # before `import triton`: picks GPU or interpreter
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # isort: on
 
 from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
@@ -64,6 +65,9 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                split-K grid; the routed experts' pairs above it walk K segments); swap
 #                (FP8 / plain: acc^T += W . A^T, the dequantised W the MMA's register operand:
 #                wgmma m64nBMk16 on Hopper instead of mma.sync m16n8k16 at BLOCK_M = 16);
+#                pdl (GPU): programmatic dependent launch, the first pdl_lines 128-byte lines
+#                of each program's weight rows prefetched into L2 before waiting for the
+#                previous kernel (schedule-free launches);
 #                red_unroll: the split-K reduction loads this many partials at a time (0:
 #                all SPLIT at once, unrolled: up to 255 registers and spills at 64-row tiles);
 #                deq (FP8 sub-steps): "f32" (FP32 multiply + pack) or "bf16" (one BF16x2
@@ -634,6 +638,40 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each pointer (no value; kept: not pure)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows, groups, nb,
+                  tile, EPILOGUE: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr,
+                  PF_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Let the next (PDL-launched) kernel start; prefetch into L2 the first PF_LINES 128-byte
+    lines of this program's weight rows in its K chunk (weights: never written by an earlier
+    kernel; schedule-free launches only, whose weight index needs no load); then wait for the
+    previous grid to finish (its writes visible) before anything else is read or written."""
+    gdc_launch_dependents()
+    if PF_LINES > 0 and ROWS != 0:
+        if ROWS == 1:
+            e = 0
+        else:
+            e = tile // tl.cdiv(num_rows // groups, BLOCK_M)
+        k_lo = tl.program_id(2) * k_chunk if SPLIT_GRID else 0
+        k_hi = tl.minimum(k_lo + k_chunk, K) if SPLIT_GRID else K
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = k_lo + tl.arange(0, PF_LINES) * 128
+        ok = (rows[:, None] < N) & (col[None, :] < k_hi)
+        off = tl.where(ok, e.to(tl.int64) * stride_we + rows[:, None].to(tl.int64) * stride_wn
+                       + col[None, :], 0)
+        _prefetch_l2(w1_ptr + off)
+        if EPILOGUE == 1:
+            _prefetch_l2(w3_ptr + off)
+    gdc_wait()
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every decode batch
 def _gemm_kernel(
     a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
@@ -646,12 +684,16 @@ def _gemm_kernel(
     SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
     WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False,
-    DEQ_BF16: tl.constexpr = False, RED_UNROLL: tl.constexpr = 0,
+    DEQ_BF16: tl.constexpr = False, RED_UNROLL: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 0,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
     # 2: interleaved groups, row t * groups + g of A and C against weight g (block-diagonal)
     nb = tl.program_id(0)
     tile = tl.program_id(1)
+    if PDL:  # programmatic dependent launch (GPU; see grouped_gemm)
+        _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows, groups, nb,
+                      tile, EPILOGUE, SPLIT_GRID, ROWS, PF_LINES, BLOCK_M, BLOCK_N)
     if ROWS == 0:
         start = tl.load(tile_start_ptr + tile)
         end = tl.load(tile_end_ptr + tile)
@@ -901,6 +943,16 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
     sched = schedule if schedule is not None else _NO_SCHEDULE.get(a.device) or \
         _no_schedule(a.device)
+    # pdl (GPU, FP8 / plain): launched as a programmatic dependent launch; the kernel lets the
+    # next one start, prefetches its first weight lines, then waits for the previous grid
+    launch = triton_runtime.launch_options()
+    pdl = bool(tiles.get("pdl", False)) and w.fmt != W_MXFP4 and not DOT_UPCAST
+    pf_lines = 0
+    if pdl:
+        launch = {**launch, "launch_pdl": True}
+        span = chunk if small else k_dim
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(span * w.data.element_size(), 128)),
+                       int(tiles.get("pdl_lines", 4)))
     _gemm_kernel[grid](
         a, a.stride(0), a_rows if a_rows is not None else sched.start, out, out.stride(0),
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
@@ -918,8 +970,9 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
         SWAP=swap, DEQ_BF16=w.fmt == W_FP8 and tiles.get("deq", "f32") == "bf16",
-        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0,
-        num_stages=tiles["stages"], **triton_runtime.launch_options())
+        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0, PDL=pdl,
+        PF_LINES=pf_lines,
+        num_stages=tiles["stages"], **launch)
     return out
 
 
