@@ -72,7 +72,9 @@ def build_model(cfg, device: str = "cpu") -> HostOnlyModel:
     return HostOnlyModel(cfg, weights, hasher, decode_graphs=True)
 
 
-def start(model, batch: int, context: int) -> LLMEngine:
+def start(model, batch: int, context: int, sampling: dict | None = None) -> LLMEngine:
+    """An engine with `batch` sequences decoding; sampling: extra SamplingParams fields of the
+    decoding requests (temperature, top_p, ...; default greedy)."""
     cfg = model.cfg
     engine = LLMEngine(model, EngineConfig(
         dtype="bfloat16", device=str(model.device), num_blocks=context // 64 + 16 + 2 * batch,
@@ -86,8 +88,8 @@ def start(model, batch: int, context: int) -> LLMEngine:
     rids = [f"r{b}" for b in range(batch)]
     for rid in rids:
         tail = torch.randint(10, cfg.vocab_size - 10, (16,), generator=g).tolist()
-        engine.add_request(rid, prompt + tail, SamplingParams(max_tokens=1_000,
-                                                               ignore_eos=True))
+        engine.add_request(rid, prompt + tail, SamplingParams(
+            max_tokens=1_000, ignore_eos=True, **(sampling or {})))
     while any(engine.stats[r].first_token_s is None for r in rids):
         engine.step()
     for _ in range(3):  # the decode graph buckets (eager here) and every cache filled
@@ -117,13 +119,17 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     ap.add_argument("--device", default="cpu", help="cuda: the same steps with CUDA graphs "
                     "(zero-logit graphs: wall time = host time + a near-empty replay)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: requests draw (with "
+                    "--top-p) instead of greedy decoding")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown table to this file")
     args = ap.parse_args(argv)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     torch.set_num_threads(args.threads)
     model = build_model(host_config(), args.device)
     rows = []
     for batch in args.batch:
-        engine = start(model, batch, args.context)
+        engine = start(model, batch, args.context, sampling)
         if args.profile:
             import cProfile
             import pstats

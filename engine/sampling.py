@@ -3,14 +3,18 @@
 `SamplingParams` (engine/sampling_params.py, re-exported here) is validated where it is built;
 `sample()` turns a batch of FP32 logits rows into token ids (+ optional top-n logprobs).
 
-Determinism: a request with `seed` draws from its own `torch.Generator`, advanced once per
-sampled token, so its output does not depend on batch neighbours or step order. Requests without
-a seed share the engine's generator.
+Batched on the logits' device: greedy rows are one argmax; rows that draw are filtered together
+(temperature, top-k, min-p, top-p) and drawn by Gumbel-max with per-row random numbers from a
+counter-based hash, so a step makes one device-to-host copy whatever its mix of parameters.
+
+Determinism: a request with `seed` draws from its own stream, keyed by its seed and the number
+of tokens it has drawn, so its output does not depend on batch neighbours, step order or the
+device. Requests without a seed take fresh keys from the engine's generator.
 
 Numerical robustness: hostile but valid parameters never produce inf/nan probabilities.
 Temperatures below `GREEDY_TEMPERATURE` sample greedily; logits are shifted by their max before
 dividing by the temperature (so no overflow); top-p always keeps the best token (a top_p that
-rounds to 0 in FP32 means top-1); seeds are reduced modulo 2^64 for the generator.
+rounds to 0 in FP32 means top-1); seeds are reduced modulo 2^64.
 """
 
 from __future__ import annotations
@@ -34,66 +38,132 @@ class SampleOutput:
     top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
-def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks on one row of FP32 logits [V].
+# Per-row random numbers for sampling, on the logits' device: a counter-based hash of (row key,
+# vocab index) -> uniform (0, 1), so every row draws from its own stream in one batched op, the
+# same on CPU and GPU (integer arithmetic; int64 products wrap modulo 2^64 on both).
+_M64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
-    The row is shifted so its max is 0 before dividing: every value stays in [-inf, 0], so a
-    tiny temperature cannot overflow, and the best token always keeps probability > 0."""
-    x = (logits - logits.max()) / p.temperature
-    if p.top_k > 0 and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.min_p > 0.0:
+
+def _int64(z: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on a Python int (64-bit unsigned arithmetic)."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    return z ^ (z >> 31)
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] FP32 in (0, 1): the splitmix64 finaliser of key + (v + 1) * golden, top 24 bits."""
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + v[None, :] * _int64(_GOLDEN)
+    z = (z ^ _lsr(z, 30)) * _int64(_MIX1)
+    z = (z ^ _lsr(z, 27)) * _int64(_MIX2)
+    z = z ^ _lsr(z, 31)
+    return (_lsr(z, 40).to(torch.float32) + 0.5) * 2.0 ** -24
+
+
+def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p masks on FP32 logits rows [R, V], batched.
+
+    Each row is shifted so its max is 0 before dividing: every value stays in [-inf, 0], so a
+    tiny temperature cannot overflow, and the best token always keeps probability > 0. top-k
+    and min-p keep the values at or above a per-row threshold, so one descending sort (only when
+    some row asks for top-k or top-p) gives the order top-p walks; top-p keeps the token that
+    crosses p and always the best one (a top_p that rounds to 0 in FP32 means top-1)."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temp[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    order = None
+    if any(top_k) or any(tp < 1.0 for tp in top_p):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if any(top_k):
+            k = torch.tensor([max(k, 1) - 1 for k in top_k], dtype=torch.long, device=dev)
+            kth = sorted_x.gather(1, k[:, None])
+            on = torch.tensor([k > 0 for k in top_k], device=dev)[:, None]
+            x = x.masked_fill(on & (x < kth), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= p.top_p  # keep the token crossing p
-        drop_sorted[0] = False  # the best token always stays (top_p may round to 0 in FP32)
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values,
+                          float("-inf"))
+    if order is not None and any(tp < 1.0 for tp in top_p):
+        sorted_x = x.gather(1, order)  # the masks keep a prefix of the sorted order
+        probs = torch.softmax(sorted_x, dim=-1)
+        p_row = torch.tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+        drop_sorted = (probs.cumsum(-1) - probs) >= p_row  # keep the token crossing p
+        drop_sorted[:, 0] = False  # the best token always stays
+        drop_sorted &= p_row < 1.0
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
+                          float("-inf"))
     return x
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._shared = torch.Generator().manual_seed(seed)
-        self._per_request: dict[str, torch.Generator] = {}
+        self._drawn: dict[str, int] = {}  # seeded request -> tokens drawn so far
 
     def forget(self, request_id: str) -> None:
-        self._per_request.pop(request_id, None)
+        self._drawn.pop(request_id, None)
 
-    def _generator(self, request_id: str, p: SamplingParams) -> torch.Generator:
-        if p.seed is None:
-            return self._shared
-        gen = self._per_request.get(request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(int(p.seed) % SEED_MODULUS)
-            self._per_request[request_id] = gen
-        return gen
+    def _keys(self, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """One 64-bit stream key per row: a seeded request's key is a function of its seed and
+        how many tokens it has drawn (so its draws do not depend on batch neighbours or step
+        order); rows without a seed take fresh keys from the engine's generator."""
+        unseeded = sum(p.seed is None for p in params)
+        fresh = (torch.randint(-2 ** 62, 2 ** 62, (unseeded,), generator=self._shared).tolist()
+                 if unseeded else [])
+        keys = []
+        for rid, p in zip(request_ids, params, strict=True):
+            if p.seed is None:
+                keys.append(_mix64(fresh.pop() & _M64))
+            else:
+                n = self._drawn.get(rid, 0)
+                keys.append(_mix64((int(p.seed) % SEED_MODULUS * _GOLDEN + n) & _M64))
+        return [_int64(k) for k in keys]
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[SampleOutput]:
         """logits: [B, V] (any float dtype, upcast to FP32; on any device); one row per request.
 
-        Greedy rows are decided where the logits are, in one batched argmax, and reach the host
-        in ONE copy (token ids, their logprobs, the top-n logprobs asked for); rows that draw
-        from a distribution are copied to the host one by one (their generators live there)."""
+        Every row is decided where the logits are: greedy rows by one batched argmax, the rest
+        by one batched filter (temperature, top-k, min-p, top-p) and a Gumbel-max draw
+        (argmax of the filtered logits plus -log(-log(u)), u from the row's own counter-based
+        stream: a draw from softmax of the filtered logits). Token ids, their logprobs and the
+        top-n logprobs asked for reach the host in ONE copy. A row whose logits are all
+        non-finite (or contain +inf) takes the argmax of its NaN-cleaned logits."""
         logits = logits.float()
         num_rows = logits.shape[0]
         if num_rows != len(request_ids) or num_rows != len(params):
             raise ValueError(f"{num_rows} logits rows for {len(request_ids)} requests")
         logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
+        clean = torch.nan_to_num(logits, nan=-math.inf)
+        tokens = torch.argmax(clean, dim=-1)  # [B]
         drawn = [row for row, p in enumerate(params) if not p.greedy]
-        tokens = torch.argmax(torch.nan_to_num(logits, nan=-math.inf), dim=-1)  # [B]
         if drawn:
-            host = logits[drawn].cpu()
-            picked = [self._sample_row(host[i], request_ids[row], params[row])
-                      for i, row in enumerate(drawn)]
-            tokens = tokens.index_put((torch.tensor(drawn, device=logits.device),),
-                                      torch.tensor(picked, device=logits.device))
+            dp = [params[row] for row in drawn]
+            rows = torch.tensor(drawn, device=logits.device)
+            x = _filter_rows(clean[rows], dp)
+            keys = torch.tensor(self._keys([request_ids[r] for r in drawn], dp),
+                                dtype=torch.int64, device=logits.device)
+            gumbel = -torch.log(-torch.log(_uniform(keys, logits.shape[1])))
+            picked = torch.argmax(torch.nan_to_num(x + gumbel, nan=-math.inf), dim=-1)
+            ok = torch.isfinite(clean[rows].max(dim=-1).values)  # else: argmax of the row
+            tokens = tokens.index_put((rows,), torch.where(ok, picked, tokens[rows]))
         chosen = logprobs_all.gather(1, tokens[:, None])  # [B, 1]
         top_n = max((p.logprobs for p in params), default=0)
         packed = [tokens[:, None].double(), chosen.double()]
@@ -101,6 +171,10 @@ class Sampler:
             vals, ids = torch.topk(logprobs_all, top_n, dim=-1)
             packed += [ids.double(), vals.double()]
         host = torch.cat(packed, dim=1).cpu()  # the one device-to-host copy of the step
+        for row in drawn:  # a seeded request's stream moves on once per sampled token
+            if params[row].seed is not None:
+                rid = request_ids[row]
+                self._drawn[rid] = self._drawn.get(rid, 0) + 1
         outs = []
         for row, p in enumerate(params):
             token = int(host[row, 0])
@@ -111,14 +185,3 @@ class Sampler:
                 top = tuple((int(i), float(v)) for i, v in zip(ids_row, vals_row, strict=True))
             outs.append(SampleOutput(token, float(host[row, 1]), top))
         return outs
-
-    def _sample_row(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
-        """One token from one row [V] (host); argmax when the filtered distribution is
-        degenerate (non-finite logits from the model), never an inf/nan error."""
-        row = torch.nan_to_num(row, nan=-math.inf)
-        if p.greedy or not bool(torch.isfinite(row).any()):
-            return int(torch.argmax(row))
-        probs = torch.softmax(_filter_logits(row, p), dim=-1)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            return int(torch.argmax(row))
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)))
