@@ -52,29 +52,30 @@ VARIANTS = {
     "mx_bits_wide": ({"mxfp4_decode": "bits", "mx": {**_WIDE_PF, "block_k": 256}}, ("mx",),
                      _MS),
 }
-# FP8 dense layers + shared expert (kernels/dense/triton.py CONFIG["skinny"]; every M): r4 =
-# red_unroll 4 (split-K reduction 4 partials at a time), deq = BF16x2 scale multiply, swap =
-# acc^T += W . A^T (wgmma with W in registers), bn / s / k / t / w = block_n / stages /
-# block_k / target_ctas / warps, o16w8 = 8 warps for row tiles above 16
-_R4 = {"red_unroll": 4}
-_RD = {"red_unroll": 4, "deq": "bf16"}
+# FP8 dense layers + shared expert (kernels/dense/triton.py CONFIG["skinny"]; every M): deq =
+# BF16x2 scale multiply; o16: overrides for row tiles above 16 (r4 = red_unroll 4, the split-K
+# reduction 4 partials at a time; w8 = 8 warps; bn = block_n); swap = acc^T += W . A^T (wgmma,
+# W in registers); bn / s / t = block_n / stages / target_ctas; pdl = programmatic dependent
+# launch with an L2 prefetch of each program's first weight lines. Risky (pdl) last.
+_D = {"deq": "bf16"}
+_O = {"over16": {"red_unroll": 4}}
 _ALL = (1, 8, 64)
-VARIANTS.update({
-    "f8_r4": ({"skinny": _R4}, ("fp8",), _ALL),
-    "f8_r4_deq": ({"skinny": _RD}, ("fp8",), _ALL),
-    "f8_r4_deq_swap": ({"skinny": {**_RD, "swap": True}}, ("fp8",), _ALL),
-    "f8_r4_deq_bn128": ({"skinny": {**_RD, "block_n": 128}}, ("fp8",), _ALL),
-    "f8_r4_deq_swap_bn128": ({"skinny": {**_RD, "swap": True, "block_n": 128}}, ("fp8",), _ALL),
-    "f8_r4_deq_o16w8": ({"skinny": {**_RD, "over16": {"warps": 8}}}, ("fp8",), _ALL),
-    "f8_r4_deq_s6": ({"skinny": {**_RD, "stages": 6}}, ("fp8",), _ALL),
-    "f8_r4_deq_k128": ({"skinny": {**_RD, "block_k": 128}}, ("fp8",), _ALL),
-    "f8_r4_deq_bn128_w8": ({"skinny": {**_RD, "block_n": 128, "warps": 8}}, ("fp8",), _ALL),
-    "f8_r4_deq_swap_s6": ({"skinny": {**_RD, "swap": True, "stages": 6}}, ("fp8",), _ALL),
-    "f8_r4_deq_t528": ({"skinny": {**_RD, "target_ctas": 528}}, ("fp8",), _ALL),
-    "f8_r4_deq_t132": ({"skinny": {**_RD, "target_ctas": 132}}, ("fp8",), _ALL),
-    "f8_r4_deq_swap_o16w8": ({"skinny": {**_RD, "swap": True, "over16": {"warps": 8}}},
-                             ("fp8",), _ALL),
-})
+for _name, _tiles in (
+        ("f8_deq", _D),
+        ("f8_deq_o16r4", {**_D, **_O}),
+        ("f8_deq_o16r4w8", {**_D, "over16": {"red_unroll": 4, "warps": 8}}),
+        ("f8_deq_swap_o16r4", {**_D, **_O, "swap": True}),
+        ("f8_deq_bn128_o16r4", {**_D, **_O, "block_n": 128}),
+        ("f8_deq_swap_bn128_o16r4", {**_D, **_O, "swap": True, "block_n": 128}),
+        ("f8_deq_swap_bn256_r4_o16bn64w8", {**_D, "swap": True, "block_n": 256, "red_unroll": 4,
+                                           "over16": {"block_n": 64, "warps": 8}}),
+        ("f8_deq_s6_o16r4", {**_D, **_O, "stages": 6}),
+        ("f8_deq_t528_o16r4", {**_D, **_O, "target_ctas": 528}),
+        ("f8_deq_t132_o16r4", {**_D, **_O, "target_ctas": 132}),
+        ("f8_deq_pdl_o16r4", {**_D, **_O, "pdl": True}),
+        ("f8_deq_swap_bn128_pdl_o16r4", {**_D, **_O, "swap": True, "block_n": 128, "pdl": True}),
+):
+    VARIANTS[_name] = ({"skinny": _tiles}, ("fp8",), _ALL)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
@@ -219,16 +220,21 @@ def warm(variants, kinds, default: dict) -> None:
         print(f"warm {v} done", flush=True)
 
 
-def warm_parallel(variants, kinds, procs: int, timeout_s: float, smoke: bool) -> None:
-    """warm() in `procs` subprocesses (variants dealt round-robin), so the compiles of many
-    variants overlap; the timing run then loads every kernel from the disk cache."""
+def warm_parallel(variants, kinds, procs: int, smoke: bool) -> list:
+    """Start warm() in `procs` subprocesses (variants dealt round-robin), so the compiles of
+    many variants overlap; the timing run then loads every kernel from the disk cache."""
     import subprocess
     import sys
 
     groups = [variants[i::procs] for i in range(procs) if variants[i::procs]]
     extra = ["--smoke"] if smoke else []
-    jobs = [subprocess.Popen([sys.executable, "-m", "flashpd.bench.gemm_decode", "--warm-only",
+    return [subprocess.Popen([sys.executable, "-m", "flashpd.bench.gemm_decode", "--warm-only",
                               *extra, "--kinds", *kinds, "--variants", *g]) for g in groups]
+
+
+def wait_all(jobs: list, timeout_s: float) -> None:
+    import subprocess
+
     deadline = time.perf_counter() + timeout_s
     for j in jobs:
         try:
@@ -237,6 +243,27 @@ def warm_parallel(variants, kinds, procs: int, timeout_s: float, smoke: bool) ->
             j.kill()
             print("warm: a worker ran past its time; its variants compile in the timing run",
                   flush=True)
+
+
+def kernel_facts(seen: set) -> dict:
+    """Registers, spills, shared memory and MMA form of the _gemm_kernel binaries loaded since
+    the last call (keys in `seen` are skipped and then added)."""
+    from flashpd.kernels.dense import triton as dt
+
+    facts = []
+    for dev_cache in dt._gemm_kernel.device_caches.values():
+        for key, k in dev_cache[0].items():
+            if key in seen:
+                continue
+            seen.add(key)
+            ptx = k.asm.get("ptx", "")
+            mma = sorted({m for m in ("wgmma.mma_async", "mma.sync") if m in ptx})
+            facts.append({"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                          "smem": k.metadata.shared, "warps": k.metadata.num_warps,
+                          "mma": mma})
+    return {"kernels": len(facts), "max_regs": max((f["regs"] or 0 for f in facts), default=0),
+            "max_spills": max((f["spills"] or 0 for f in facts), default=0),
+            "mma": sorted({m for f in facts for m in f["mma"]}), "each": facts}
 
 
 def run(variant: str, cases: list, ceilings: dict) -> list[dict]:
@@ -336,10 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         warm(args.variants, args.kinds, default)
         return 0
     t_start = time.perf_counter()
-    if args.warm_procs > 0:
-        warm_parallel(args.variants, args.kinds, args.warm_procs, args.warm_timeout_s,
-                      args.smoke)
-        print(f"warm: {time.perf_counter() - t_start:.0f}s", flush=True)
+    jobs = warm_parallel(args.variants, args.kinds, args.warm_procs, args.smoke) \
+        if args.warm_procs > 0 else []
     ceilings = kr.measure_ceilings() if kr.DEV == "cuda" else {"copy_GBps": 1.0}
     meta = {"command": "python -m flashpd.bench.gemm_decode " + " ".join(argv or []),
             "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
@@ -348,8 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy ceiling {ceilings['copy_GBps']:.0f} GB/s", flush=True)
     cases = build_cases(kr.DECODE_M, args.kinds)
     os.makedirs(args.out, exist_ok=True)
+    if jobs:
+        wait_all(jobs, args.warm_timeout_s - (time.perf_counter() - t_start))
+        print(f"warm: {time.perf_counter() - t_start:.0f}s", flush=True)
     rows: list[dict] = []
     t0 = t_start
+    seen: set = set()
+    meta["kernels"] = {}
     for v in args.variants:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: {v} and later variants not run", flush=True)
@@ -357,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         apply(VARIANTS[v][0], default)
         rows += run(v, _selected(v, cases, args.kinds), ceilings)
         apply({}, default)
+        if kr.DEV == "cuda":
+            try:
+                facts = meta["kernels"][v] = kernel_facts(seen)
+                print(f"-- {v}: {facts['kernels']} new binaries, max regs {facts['max_regs']}, "
+                      f"max spills {facts['max_spills']}, {facts['mma']}", flush=True)
+            except Exception as exc:  # facts are a by-product: never lose the timings
+                print(f"-- {v}: kernel facts unavailable ({type(exc).__name__}: {exc})")
         with open(os.path.join(args.out, "gemm_decode.json"), "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
         with open(os.path.join(args.out, "gemm_decode.md"), "w") as f:
