@@ -7,8 +7,9 @@ of a site captured in one CUDA graph (replays timed with events, median):
 
     mixes   hc_mixes (the launch the model made per site before the fused steps)
     fused   expand_mix_collapse(y, ...) with collapse + RMSNorm (steps 4-6 of a layer)
-    layer   a layer's mHC work: before, collapse + rms_norm, mixes, expand, mixes,
-            collapse + rms_norm, expand; after, two fused steps and one expand
+    seam    expand_mix_collapse(None, ...) with collapse + RMSNorm (the attention site)
+    layer   a layer's mHC work as model/model.py runs it: seam step, fused step, expand
+            (before and after: the same launches through the previous / current kernels)
 
 for T tokens per call; below 4096 tokens a graph cycles over 40 sites with their own fn and
 streams (fn is 2 MB: the 80 of a forward do not stay in L2). `--before FILE` times a saved
@@ -51,8 +52,10 @@ VARIANTS = {
     "bt16 bd32 w4 s3 (decode tiles)": {"prefill_block_t": 16, "prefill_warps": 4},
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
-# decode variants timed at 1 and 64 tokens: slice count (MHC_SPLIT), chunk, stages
-DECODE_VARIANTS = {"split40 bd32 s3": {}, "split80 bd32 s3": {"split": 80}}
+# decode variants timed at 1, 8 and 64 tokens: slice count, who normalises (CONFIG overrides)
+DECODE_VARIANTS = {"default (split80 spin)": {},
+                   "split80 last-program norm": {"decode_split": 80, "decode_spin": False},
+                   "split40 spin": {"decode_split": 40, "decode_spin": True}}
 
 
 def apply(over: dict) -> dict:
@@ -230,11 +233,11 @@ def warm_all(before: str | None, d: int, s: int, variants: bool = True,
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in VARIANTS
                  if "grid" not in v and "auto" not in v and "decode tiles" not in v]
     if variants:
-        jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in DECODE_VARIANTS
+        jobs += [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in DECODE_VARIANTS
                  if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode", "new:mixes_it1:decode"]
     if before:
-        jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_before")]
+        jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_after")]
     if DEVICE.type != "cuda":
         return 0.0
     t0 = time.perf_counter()
@@ -290,9 +293,9 @@ def main() -> None:
                 row[f"{mode}_after"] = time_us([f for st in sites for f in calls(ht, mode, st)])
         row["layer_after"] = time_us([f for st in sites for f in calls(ht, "layer_after", st)
                                       ]) * 3
-        if before:
+        if before:  # the same three launches through the previous kernels
             row["layer_before"] = time_us(
-                [f for st in sites for f in calls(before, "layer_before", st)]) * 6
+                [f for st in sites for f in calls(before, "layer_after", st)]) * 3
         result["times"].append(row)
         print(json.dumps(row), flush=True)
         del sites
@@ -310,12 +313,12 @@ def main() -> None:
         restore(saved)
         print(name, f"fused {us:.1f} us, mixes {mix_us:.1f} us", flush=True)
     del big
-    for t in (1, 64) if len(DECODE_VARIANTS) > 1 else ():
+    for t in (1, 8, 64) if len(DECODE_VARIANTS) > 1 else ():
         sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
         for name, over in ({} if args.no_variants else DECODE_VARIANTS).items():
             saved = apply(over)
             row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d)}
-            for mode in ("mixes", "fused"):
+            for mode in ("mixes", "seam", "fused"):
                 row[f"{mode}_us"] = time_us([f for st in sites for f in calls(ht, mode, st)])
             restore(saved)
             result["variants"].append(row)
@@ -339,8 +342,10 @@ def main() -> None:
               "|---|---|---|"]
     lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} | {v['mixes_us_big']:.1f} |"
               for v in result["variants"] if "fused_us_8192" in v]
-    lines += ["", "| decode variant | T | mixes us | fused us |", "|---|---|---|---|"]
-    lines += [f"| {v['variant']} | {v['T']} | {v['mixes_us']:.1f} | {v['fused_us']:.1f} |"
+    lines += ["", "| decode variant | T | mixes us | seam us | fused us |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {v['variant']} | {v['T']} | {v['mixes_us']:.1f} | {v['seam_us']:.1f} | "
+              f"{v['fused_us']:.1f} |"
               for v in result["variants"] if "mixes_us" in v]
     (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

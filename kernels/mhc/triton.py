@@ -33,6 +33,8 @@ S = 4 streams (hc_mult of every preset).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # isort: off
@@ -51,6 +53,11 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 # Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
+#   decode_split     slices of D at decode (prefill: MHC_SPLIT)
+#   decode_spin      at decode on the GPU, every program of a token block waits for the last
+#                    one's 1/rms and normalises its own slices (a block's programs are resident
+#                    together); else the last program normalises the whole rows
+#                    (FLASHPD_MHC_SPIN=0 at import: off)
 #   prefill_block_t  tokens per program for longer calls
 #   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
@@ -59,7 +66,8 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #   red              slice vectors loaded at once by a token block's last program
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
-    "decode_stages": 3,
+    "decode_stages": 3, "decode_split": 80,
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") != "0",
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
     "decode_norm_elems": 2048, "prefill_norm_elems": 4096, "red": 40,
@@ -154,7 +162,7 @@ def _mhc_kernel(
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_E: tl.constexpr, RED: tl.constexpr,
+    NORM_E: tl.constexpr, RED: tl.constexpr, FLAT: tl.constexpr, SPIN: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -247,10 +255,13 @@ def _mhc_kernel(
             tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec,
                      mask=rmask[:, None])
     tl.debug_barrier()
+    # counters per token block: [arrivals, 1/rms published, departures, unused]
+    cnt = counter_ptr + tb * 4
     if GRID == 1:
         arrived = GRID - 1
     else:
-        arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+    sums_ptr = partial_ptr + tl.where(GRID == 1, 0, NSL).to(tl.int64) * T * 32
     if arrived == GRID - 1:  # last program of this token block: add the slices in order
         if GRID > 1:
             total = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
@@ -259,45 +270,34 @@ def _mhc_kernel(
                     total += tl.load(
                         partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
                         mask=rmask[:, None] & (j0 + j < NSL), other=0.0, cache_modifier=".cg")
-            tl.store(counter_ptr + tb, 0)  # ready for the next launch
-        # the totals go through memory and come back one column per token vector: the
-        # finish is then elementwise per token (no cross-thread sums, any layout)
-        sums_ptr = partial_ptr + tl.where(GRID == 1, 0, NSL).to(tl.int64) * T * 32
+            tl.store(cnt, 0)  # ready for the next launch
+        # the totals go through memory and are read back by the same code on every path
         tl.store(sums_ptr + r64[:, None] * 32 + col[None, :], total, mask=rmask[:, None])
         tl.debug_barrier()
+        if SPIN:  # publish each row's 1/rms: every program then normalises its own slices
+            xsq = tl.load(sums_ptr + r64 * 32 + 25, mask=rmask, other=0.0)
+            tl.store(sums_ptr + r64 * 32 + 26, 1.0 / tl.sqrt_rn(xsq / D + norm_eps), mask=rmask)
+            tl.debug_barrier()
+            tl.atomic_xchg(cnt + 1, 1, sem="release")
         _mhc_finish(sums_ptr, tb * BLOCK_T, T, rows, rmask, base_ptr, scale_ptr, nw_ptr,
                     pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
-                    COLLAPSE, HAS_NORM_W, BF16, BLOCK_T, NORM_E)
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    """Softmax of four per-token values (+eps), summed left to right."""
-    m = tl.maximum(tl.maximum(tl.maximum(a, b), c), d)
-    a = tl.exp(a - m)
-    b = tl.exp(b - m)
-    c = tl.exp(c - m)
-    d = tl.exp(d - m)
-    s = a + b + c + d
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-
-@triton.jit
-def _norm4(a, b, c, d, eps):
-    """Four per-token values over (their sum, left to right, + eps)."""
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _logit(sp, rmask, rho, s2, base_ptr, n: tl.constexpr, S: tl.constexpr):
-    m = tl.load(sp + n, mask=rmask, other=0.0)
-    return s2 * (m * rho) + tl.load(base_ptr + 2 * S + n)
-
-
-@triton.jit
-def _store_comb(ptr, r64, rmask, n: tl.constexpr, v):
-    tl.store(ptr + r64 * 16 + n, v, mask=rmask)
+                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, FLAT)
+    if SPIN:  # (decode on the GPU: a block's programs are resident together) wait for 1/rms
+        ready = tl.atomic_add(cnt + 1, 0, sem="acquire")
+        while ready == 0:
+            ready = tl.atomic_add(cnt + 1, 0, sem="acquire")
+        tl.debug_barrier()
+        inv = tl.load(sums_ptr + r64 * 32 + 26, mask=rmask, other=0.0, cache_modifier=".cg")
+        CH_P2: tl.constexpr = triton.next_power_of_2(CH)
+        within = tl.arange(0, CH_P2) < CH
+        for i in range(0, SPP):  # one [BLOCK_T, CH] tile per slice
+            cols = tl.where(within, (g * SPP + i) * CH + tl.arange(0, CH_P2), D)
+            a, w = _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D)
+            _norm_store(xc_ptr, r64, rmask, cols, D, a, inv, w, BF16)
+        left = tl.atomic_add(cnt + 2, 1, sem="acq_rel")
+        if left == GRID - 1:  # every program has read the flag: ready for the next launch
+            tl.store(cnt + 1, 0)
+            tl.store(cnt + 2, 0)
 
 
 @triton.jit
@@ -315,107 +315,98 @@ def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl
 
 
 @triton.jit
+def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D: tl.constexpr):
+    """Raw collapsed rows r64 x cols (written by this launch: from L2) and the weight, FP32."""
+    mask = rmask[:, None] & (cols[None, :] < D)
+    xc = tl.load(xc_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0,
+                 cache_modifier=".cg").to(tl.float32)
+    return xc, tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_store(xc_ptr, r64, rmask, cols, D: tl.constexpr, xc, inv, w, BF16: tl.constexpr):
+    mask = rmask[:, None] & (cols[None, :] < D)
+    tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
+             _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
                 post_out_ptr, comb_out_ptr, xc_ptr, D: tl.constexpr, norm_eps, hc_eps,
-                S: tl.constexpr, ITERS: tl.constexpr, COLLAPSE: tl.constexpr,
-                HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, BLOCK_T: tl.constexpr,
-                NORM_E: tl.constexpr):
-    """Mixes from the full-D sums (sums_ptr: [T, 32] totals, one column per per-token vector),
-    then RMSNorm of the collapsed rows (written raw before). Elementwise per token."""
+                S: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+                BLOCK_T: tl.constexpr, NORM_E: tl.constexpr, FLAT: tl.constexpr):
+    """Mixes from the full-D totals (sums_ptr: [T, 32], read back from memory), then, with
+    NORM, the RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
     sp = sums_ptr + r64 * 32
+    SS: tl.constexpr = S * S
+    sidx = tl.arange(0, S)
     sumsq = tl.load(sp + 24, mask=rmask, other=0.0)
-    # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb)
     rho = 1.0 / tl.sqrt_rn(sumsq / (S * D) + norm_eps)
+    # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb); columns: comb | pre | post
+    m_pre = tl.load(sp[:, None] + SS + sidx[None, :], mask=rmask[:, None], other=0.0)
+    m_post = tl.load(sp[:, None] + SS + S + sidx[None, :], mask=rmask[:, None], other=0.0)
+    k3 = tl.arange(0, S)[None, None, :]
+    j3 = tl.arange(0, S)[None, :, None]
+    m_comb = tl.load(sp[:, None, None] + j3 * S + k3, mask=rmask[:, None, None], other=0.0)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    for k in tl.static_range(S):  # columns 16 + k: pre, 16 + S + k: post
-        m_pre = tl.load(sp + 16 + k, mask=rmask, other=0.0)
-        m_post = tl.load(sp + 16 + S + k, mask=rmask, other=0.0)
-        pre = sigmoid_f32(s0 * (m_pre * rho) + tl.load(base_ptr + k)) + hc_eps
-        post = 2.0 * sigmoid_f32(s1 * (m_post * rho) + tl.load(base_ptr + S + k))
-        tl.store(pre_ptr + r64 * S + k, pre, mask=rmask)
-        tl.store(post_out_ptr + r64 * S + k, post, mask=rmask)
-    # Sinkhorn on 16 per-token vectors c{j}{k} (row j: source, column k: destination)
-    c00, c01, c02, c03 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 0, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 1, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 2, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 3, S), hc_eps)
-    c10, c11, c12, c13 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 4, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 5, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 6, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 7, S), hc_eps)
-    c20, c21, c22, c23 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 8, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 9, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 10, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 11, S), hc_eps)
-    c30, c31, c32, c33 = _softmax4(_logit(sp, rmask, rho, s2, base_ptr, 12, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 13, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 14, S),
-                                   _logit(sp, rmask, rho, s2, base_ptr, 15, S), hc_eps)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)  # columns
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
-    for _ in range(ITERS - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)  # rows
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)  # columns
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
-    _store_comb(comb_out_ptr, r64, rmask, 0, c00)
-    _store_comb(comb_out_ptr, r64, rmask, 1, c01)
-    _store_comb(comb_out_ptr, r64, rmask, 2, c02)
-    _store_comb(comb_out_ptr, r64, rmask, 3, c03)
-    _store_comb(comb_out_ptr, r64, rmask, 4, c10)
-    _store_comb(comb_out_ptr, r64, rmask, 5, c11)
-    _store_comb(comb_out_ptr, r64, rmask, 6, c12)
-    _store_comb(comb_out_ptr, r64, rmask, 7, c13)
-    _store_comb(comb_out_ptr, r64, rmask, 8, c20)
-    _store_comb(comb_out_ptr, r64, rmask, 9, c21)
-    _store_comb(comb_out_ptr, r64, rmask, 10, c22)
-    _store_comb(comb_out_ptr, r64, rmask, 11, c23)
-    _store_comb(comb_out_ptr, r64, rmask, 12, c30)
-    _store_comb(comb_out_ptr, r64, rmask, 13, c31)
-    _store_comb(comb_out_ptr, r64, rmask, 14, c32)
-    _store_comb(comb_out_ptr, r64, rmask, 15, c33)
-    if COLLAPSE and HAS_NORM_W:  # second pass: RMSNorm of the collapsed rows (L2-resident)
+    pre = sigmoid_f32(s0 * (m_pre * rho[:, None]) + tl.load(base_ptr + sidx)[None, :]) + hc_eps
+    post = 2.0 * sigmoid_f32(s1 * (m_post * rho[:, None]) + tl.load(base_ptr + S + sidx)[None, :])
+    base_c = tl.load(base_ptr + 2 * S + j3 * S + k3)
+    comb = _sinkhorn(s2 * (m_comb * rho[:, None, None]) + base_c, ITERS, hc_eps, S)
+    tl.store(pre_ptr + r64[:, None] * S + sidx[None, :], pre, mask=rmask[:, None])
+    tl.store(post_out_ptr + r64[:, None] * S + sidx[None, :], post, mask=rmask[:, None])
+    tl.store(comb_out_ptr + r64[:, None, None] * SS + j3 * S + k3, comb,
+             mask=rmask[:, None, None])
+    if NORM:  # second pass: RMSNorm of the collapsed rows (L2-resident)
         xsq = tl.load(sp + 25, mask=rmask, other=0.0)
-        tl.store(sp + 26, 1.0 / tl.sqrt_rn(xsq / D + norm_eps), mask=rmask)  # 1/rms per row
-        tl.debug_barrier()
-        # the block's rows are contiguous in x: one flat pass over its valid elements, four
-        # loads in flight (one round for a decode token, whatever BLOCK_T)
-        n = tl.minimum(T - row0, BLOCK_T) * D
-        base = xc_ptr + row0.to(tl.int64) * D
-        for e0 in range(0, n, 4 * NORM_E):
-            i0 = e0 + tl.arange(0, NORM_E)
-            a0 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0, n, D, BF16)
-            a1 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + NORM_E, n, D, BF16)
-            a2 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 2 * NORM_E, n, D, BF16)
-            a3 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 3 * NORM_E, n, D, BF16)
-            ty = xc_ptr.dtype.element_ty
-            tl.store(base + i0, a0.to(ty), mask=i0 < n)
-            tl.store(base + i0 + NORM_E, a1.to(ty), mask=i0 + NORM_E < n)
-            tl.store(base + i0 + 2 * NORM_E, a2.to(ty), mask=i0 + 2 * NORM_E < n)
-            tl.store(base + i0 + 3 * NORM_E, a3.to(ty), mask=i0 + 3 * NORM_E < n)
+        inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
+        if FLAT:  # the block's rows are contiguous in x: one flat pass over its valid
+            # elements, four loads in flight (one round for a decode token, whatever BLOCK_T)
+            tl.store(sp + 26, inv, mask=rmask)  # 1/rms per row, gathered below
+            tl.debug_barrier()
+            n = tl.minimum(T - row0, BLOCK_T) * D
+            base = xc_ptr + row0.to(tl.int64) * D
+            for e0 in range(0, n, 4 * NORM_E):
+                i0 = e0 + tl.arange(0, NORM_E)
+                a0 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0, n, D, BF16)
+                a1 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + NORM_E, n, D, BF16)
+                a2 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 2 * NORM_E, n, D, BF16)
+                a3 = _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, i0 + 3 * NORM_E, n, D, BF16)
+                ty = xc_ptr.dtype.element_ty
+                tl.store(base + i0, a0.to(ty), mask=i0 < n)
+                tl.store(base + i0 + NORM_E, a1.to(ty), mask=i0 + NORM_E < n)
+                tl.store(base + i0 + 2 * NORM_E, a2.to(ty), mask=i0 + 2 * NORM_E < n)
+                tl.store(base + i0 + 3 * NORM_E, a3.to(ty), mask=i0 + 3 * NORM_E < n)
+        else:  # [BLOCK_T, NORM_E // BLOCK_T] tiles, four in flight (tall prefill blocks)
+            ND: tl.constexpr = NORM_E // BLOCK_T
+            for d0 in range(0, D, 4 * ND):
+                c0 = d0 + tl.arange(0, ND)
+                a0, w0 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0, D)
+                a1, w1 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + ND, D)
+                a2, w2 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 2 * ND, D)
+                a3, w3 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0 + 3 * ND, D)
+                _norm_store(xc_ptr, r64, rmask, c0, D, a0, inv, w0, BF16)
+                _norm_store(xc_ptr, r64, rmask, c0 + ND, D, a1, inv, w1, BF16)
+                _norm_store(xc_ptr, r64, rmask, c0 + 2 * ND, D, a2, inv, w2, BF16)
+                _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
-def _slices(dim: int) -> tuple[int, int]:
-    """(slice count, channels per slice) of D: a function of D alone (batch invariance)."""
-    n = min(MHC_SPLIT, triton.cdiv(dim, _BLOCK_D))
+def _slices(dim: int, split: int) -> tuple[int, int]:
+    """(slice count, channels per slice) of D: a function of D and the split alone (batch
+    invariance)."""
+    n = min(split, triton.cdiv(dim, _BLOCK_D))
     ch = triton.cdiv(triton.cdiv(dim, n), _BLOCK_D) * _BLOCK_D
     return triton.cdiv(dim, ch), ch
 
 
 def launch_plan(num_tokens: int, dim: int) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
-    nsl, ch = _slices(dim)
     cfg = CONFIG
     kind = "decode" if num_tokens <= cfg["decode_rows"] else "prefill"
+    nsl, ch = _slices(dim, cfg["decode_split"] if kind == "decode" else MHC_SPLIT)
     block_t, block_d = cfg[f"{kind}_block_t"], cfg[f"{kind}_block_d"]
     warps, stages = cfg[f"{kind}_warps"], cfg[f"{kind}_stages"]
     grid = nsl if kind == "decode" else cfg["prefill_grid"]
@@ -430,7 +421,10 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
             "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg["red"]),
-            "norm_e": triton.next_power_of_2(cfg[f"{kind}_norm_elems"])}
+            "norm_e": triton.next_power_of_2(cfg[f"{kind}_norm_elems"]),
+            "flat": kind == "decode",
+            "spin": kind == "decode" and bool(cfg["decode_spin"])
+            and not triton_runtime.interpreting()}
 
 
 def expand_mix_collapse(
@@ -468,12 +462,14 @@ def expand_mix_collapse(
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
         norm_weight.contiguous() if norm_weight is not None else dummy, pre_o, post_o, comb_o,
-        xc if xc is not None else dummy, partial, _counters(dev, n_blocks), num_tokens, dim,
+        xc if xc is not None else dummy, partial, _counters(dev, 4 * n_blocks), num_tokens, dim,
         plan["grid"], float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_E=plan["norm_e"], RED=plan["red"], num_warps=plan["warps"],
+        NORM_E=plan["norm_e"], RED=plan["red"], FLAT=plan["flat"],
+        SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
+        num_warps=plan["warps"],
         num_stages=plan["stages"],
         **triton_runtime.launch_options())
     return new_streams, pre_o, post_o, comb_o, xc
