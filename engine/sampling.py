@@ -176,12 +176,11 @@ class Sampler:
                 rid = request_ids[row]
                 self._drawn[rid] = self._drawn.get(rid, 0) + 1
         outs = []
-        for row, p in enumerate(params):
-            token = int(host[row, 0])
-            top: tuple[tuple[int, float], ...] = ()
+        for vals, p in zip(host.tolist(), params, strict=True):  # Python floats: no per-element
+            top: tuple[tuple[int, float], ...] = ()               # tensor indexing
             if p.logprobs:
-                ids_row = host[row, 2:2 + p.logprobs]
-                vals_row = host[row, 2 + top_n:2 + top_n + p.logprobs]
-                top = tuple((int(i), float(v)) for i, v in zip(ids_row, vals_row, strict=True))
-            outs.append(SampleOutput(token, float(host[row, 1]), top))
+                top = tuple((int(i), v) for i, v in zip(vals[2:2 + p.logprobs],
+                                                        vals[2 + top_n:2 + top_n + p.logprobs],
+                                                        strict=True))
+            outs.append(SampleOutput(int(vals[0]), vals[1], top))
         return outs
