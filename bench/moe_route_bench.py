@@ -40,6 +40,9 @@ TOKENS = (1, 8, 64)
 # router variants: name -> (ROUTER_SPLIT, BLOCK_K); the first is the module's default
 ROUTER_VARIANTS = {f"split{s} bk{k}": (s, k) for s, k in
                    ((mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))}
+# sort variants: name -> (tokens per counting step, warps); the first is the module's default
+SORT_VARIANTS = {f"count{c} w{w}": (c, w) for c, w in
+                 ((mt._SORT_COUNT_T, mt._SORT_WARPS), (16, 4), (32, 4), (64, 4), (64, 8))}
 
 
 def load(path: str):
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--sites", type=int, default=128, help="gate weights a graph cycles over")
+    ap.add_argument("--sort-only", action="store_true", help="time the default router only")
     args = ap.parse_args()
     try:
         from flashpd.model.presets import preset_config
@@ -117,7 +121,7 @@ def main() -> None:
     for t in args.tokens:
         x = torch.randn(t, d, generator=g, device=DEVICE).bfloat16()
         row = {"T": t}
-        for name, (split, bk) in ROUTER_VARIANTS.items():
+        for name, (split, bk) in list(ROUTER_VARIANTS.items())[:1 if args.sort_only else None]:
             saved = set_router(split, bk)
             ok = True
             for w in gates[:4]:
@@ -135,21 +139,25 @@ def main() -> None:
         # sort: ids of 40 layers' gates
         bm = block_m(t, experts, top_k)
         routed = [mt.route(x, w, bias, top_k, 1.5) for w in gates[:40]]
-        ok = True
-        for ids, gam in routed[:4]:
-            got = mt.sort_pairs(ids, gam, experts, bm)
-            limit, mt.SORT_KERNEL_MAX_TOKENS = mt.SORT_KERNEL_MAX_TOKENS, 0
-            want = mt.sort_pairs(ids, gam, experts, bm)
-            mt.SORT_KERNEL_MAX_TOKENS = limit
-            tiles = lambda s: [(int(a), int(b), int(c)) for a, b, c in  # noqa: E731
-                               zip(s.expert, s.start, s.end, strict=True) if b < c]
-            ok &= (torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
-                   and torch.equal(got.pos, want.pos)
-                   and tiles(got.schedule) == tiles(want.schedule))
-        result["checks"].append({"T": t, "check": f"sort (block_m {bm}) == torch chain",
-                                 "ok": bool(ok)})
-        row["sort after"] = time_us(
-            [lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+        for name, (count_t, warps) in SORT_VARIANTS.items():
+            saved = (mt._SORT_COUNT_T, mt._SORT_WARPS)
+            mt._SORT_COUNT_T, mt._SORT_WARPS = count_t, warps
+            ok = True
+            for ids, gam in routed[:4]:
+                got = mt.sort_pairs(ids, gam, experts, bm)
+                limit, mt.SORT_KERNEL_MAX_TOKENS = mt.SORT_KERNEL_MAX_TOKENS, 0
+                want = mt.sort_pairs(ids, gam, experts, bm)
+                mt.SORT_KERNEL_MAX_TOKENS = limit
+                tiles = lambda s: [(int(a), int(b), int(c)) for a, b, c in  # noqa: E731
+                                   zip(s.expert, s.start, s.end, strict=True) if b < c]
+                ok &= (torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
+                       and torch.equal(got.pos, want.pos)
+                       and tiles(got.schedule) == tiles(want.schedule))
+            result["checks"].append({"T": t, "check": f"sort {name} (block_m {bm}) == torch "
+                                     "chain", "ok": bool(ok)})
+            row[f"sort {name}"] = time_us(
+                [lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+            mt._SORT_COUNT_T, mt._SORT_WARPS = saved
         if before is not None:
             row["sort before"] = time_us(
                 [lambda r=r, bm=bm: before.sort_pairs(r[0], r[1], experts, bm) for r in routed])

@@ -260,24 +260,28 @@ def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
 # token blocks and tile blocks run side by side instead of one after another.
 SORT_KERNEL_MAX_TOKENS = 256
 _SORT_BLOCK_T = 16
+_SORT_COUNT_T = 16  # tokens per step of a program's count of every token's pairs
+_SORT_WARPS = 4
 _SORT_BLOCK_Q = 64
 _COMBINE_BLOCK_D = 1024
 
 
 @triton.jit
 def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
-                 BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
-    """(pairs per expert in every token block but the one at t_own, of those before t_own)."""
+                 BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, E_PAD: tl.constexpr):
+    """(pairs per expert in every token but the BLOCK_T from t_own, of those before t_own),
+    COUNT_T tokens a step."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     before = tl.zeros((E_PAD,), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        tok = t0 + tl.arange(0, BLOCK_T)
-        m = (tok[:, None] < T) & smask[None, :] & (t0 != t_own)
+    for t0 in range(0, T, COUNT_T):
+        tok = t0 + tl.arange(0, COUNT_T)
+        own = (tok >= t_own) & (tok < t_own + BLOCK_T)
+        m = ((tok < T) & ~own)[:, None] & smask[None, :]
         ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1)
         hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
-        c = tl.sum(tl.sum(hit, axis=1), axis=0)
-        counts += c
-        before += tl.where(t0 < t_own, c, 0)
+        per_tok = tl.sum(hit, axis=1)  # [COUNT_T, E]
+        counts += tl.sum(per_tok, axis=0)
+        before += tl.sum(tl.where((tok < t_own)[:, None], per_tok, 0), axis=0)
     return counts, before
 
 
@@ -285,7 +289,7 @@ def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
 def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr,
                        t_end_ptr, T, E, max_tiles, n_blocks, TOP_K: tl.constexpr,
                        K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+                       COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     slot = tl.arange(0, K_PAD)
@@ -302,7 +306,7 @@ def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, 
         seen = tl.zeros((E_PAD,), dtype=tl.int32)
         if n_blocks > 1:
             c, seen = _sort_counts(ids_ptr, T, pid * BLOCK_T, experts, slot, smask, TOP_K,
-                                   BLOCK_T, E_PAD)
+                                   BLOCK_T, COUNT_T, E_PAD)
             counts += c
         row_off = tl.cumsum(counts, 0) - counts
         base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
@@ -319,7 +323,7 @@ def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, 
         tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
     else:  # tiles q0 .. q0 + BLOCK_Q - 1 of the grouped GEMM's schedule
         counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T,
-                                 E_PAD)
+                                 COUNT_T, E_PAD)
         row_off = tl.cumsum(counts, 0) - counts
         tiles = (counts + BLOCK_M - 1) // BLOCK_M
         tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
@@ -381,7 +385,8 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
         ids.contiguous(), weights.to(torch.float32).contiguous(), rows, gamma, pos, tile[0],
         tile[1], tile[2], num_tokens, num_experts, max_tiles, n_blocks, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_T=_SORT_BLOCK_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q, num_warps=4)
+        BLOCK_T=_SORT_BLOCK_T, COUNT_T=_SORT_COUNT_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q,
+        num_warps=_SORT_WARPS)
     return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
 
 
