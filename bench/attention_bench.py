@@ -44,6 +44,15 @@ PREFILL_VARIANTS = {
     "heads_bn32_s3": {"heads_block_n": 32, "heads_stages": 3},
     "heads_bn128": {"heads_block_n": 128, "heads_stages": 1},
     "heads_bn128_trans": {"heads_block_n": 128, "heads_stages": 1, "heads_trans_s": True},
+    # two programs per query, each owning half of the output channels (_heads_vsplit_kernel)
+    "vsplit_bn32_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 32,
+                       "heads_vsplit_warps": 4},
+    "vsplit_bn16_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 16,
+                       "heads_vsplit_warps": 4},
+    "vsplit_bn64_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 64,
+                       "heads_vsplit_warps": 4},
+    "vsplit_bn32_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 32,
+                       "heads_vsplit_warps": 8},
     "default": {},
 }
 DECODE_VARIANTS = {

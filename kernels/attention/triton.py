@@ -49,6 +49,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # GPU-path forward 4x further from the reference on the smoke model: median row error 0.205
 # vs 0.052 after a chunked prefill, bench/gpu_path_diag.py), heads_asm (PTX decode on the GPU).
 # heads_trans_s (scores computed transposed, keys in the MMA M dimension: _attend_pairs_t).
+# heads_vsplit: one-pass launches (prefill chunks) as two programs per query, each owning half
+# of the output channels (_heads_vsplit_kernel; heads_vsplit_block_n keys per tile,
+# heads_vsplit_warps warps).
 # Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
 # ranges (split-KV, heads_split_block_n per tile, heads_split_stages) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
@@ -59,7 +62,8 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
 CONFIG = {"heads_max": 64, "heads_block_n": 64, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
-          "heads_trans_s": False,
+          "heads_trans_s": False, "heads_vsplit": False, "heads_vsplit_block_n": 32,
+          "heads_vsplit_warps": 4,
           "heads_split_target": 132,
           "heads_split_block_n": 64, "heads_split_stages": 1, "legacy_max_q": 1,
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
@@ -282,13 +286,15 @@ def _e2m1_pairs_asm(b, s_bf16):
 
 
 @triton.jit
-def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF: tl.constexpr, FMT: tl.constexpr):
-    """Raw bytes of the records at pool rows [BN] (-1: none) as [BN, scale blocks, pairs per
-    block] codes and [BN, scale blocks, 1] scale bytes (each scale byte loaded once)."""
+def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, first, NPAIRS: tl.constexpr,
+              HALF: tl.constexpr, FMT: tl.constexpr):
+    """Raw bytes of channel pairs first..first+NPAIRS-1 (first: a multiple of 16) of the records
+    at pool rows [BN] (-1: none) as [BN, scale blocks, pairs per block] codes and
+    [BN, scale blocks, 1] scale bytes (each scale byte loaded once); HALF = D / 2."""
     G: tl.constexpr = 16 if FMT == 0 else 8  # channel pairs per scale (32 or 16 channels)
-    NB: tl.constexpr = HALF // G
+    NB: tl.constexpr = NPAIRS // G
     r = rows[:, None, None].to(tl.int64) * stride_p
-    j = tl.arange(0, NB)[None, :, None]
+    j = first // G + tl.arange(0, NB)[None, :, None]
     i = j * G + tl.arange(0, G)[None, None, :]
     m = rows[:, None, None] >= 0
     if FMT == 0:  # FP8: channel pair i is the 16-bit word i; UE8M0 scale per 32 channels
@@ -391,20 +397,20 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
     if PREFETCH:
         n = lo * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(rows_ptr + n, mask=(n < NK) & (lo < hi), other=-1)
-        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, 0, HALF, HALF, FMT)
         for it in range(lo, hi):
             k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
             valid = rows >= 0
             n = (it + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows = tl.load(rows_ptr + n, mask=(n < NK) & (it + 1 < hi), other=-1)
-            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, 0, HALF, HALF, FMT)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e,
                                                    acc_o, scale, TAU, UPCAST, TRANS)
     else:
         for it in range(lo, hi):
             n = it * BLOCK_N + tl.arange(0, BLOCK_N)
             rows = tl.load(rows_ptr + n, mask=n < NK, other=-1)
-            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, HALF, FMT)
+            code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, 0, HALF, HALF, FMT)
             k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
             m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i,
                                                    acc_e, acc_o, scale, TAU, UPCAST, TRANS)
@@ -497,6 +503,112 @@ def _heads_kernel(
         tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
         o = tl.reshape(tl.join(acc_e * UNSHIFT, acc_o * UNSHIFT), (HB, D))
         tl.store(acc_ptr + D * cell + off2, o, mask=hmask2)
+
+
+# ---------------------------------------------------------------------------- V split
+# VSPLIT (prefill, one pass): two programs per (query, head block), each owning half of the
+# output channels, as channel-pair ranges (pairs own*D/4 .. own*D/4 + D/4 - 1, even and odd
+# channels of each: the RoPE pairs of an output row stay in one program). Each program still
+# scores all channels (S = the sum over both ranges' even / odd halves), so the key tile is
+# decoded by both, but the accumulators are [HB, D/4] x 2: with 4 warps and 32-key tiles, two
+# programs fit on an SM beside each other (registers and ~96 KB of shared memory each) and
+# overlap their loads, decode and MMAs, where the one-program form (8 warps, [HB, D/2] x 2
+# accumulators, 128 KB) runs alone. The rotated queries are staged in a scratch copy (stage_ptr,
+# [T, H, D]) instead of the output rows, which the other program of the query may already be
+# writing.
+@triton.jit
+def _vsplit_range(q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr,
+                  stride_p, rows_ptr, NK, own, scale, HALF: tl.constexpr, FMT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ASM: tl.constexpr, HW: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """All key tiles of one row list (rows_ptr [NK]) for the program owning pair range `own`
+    (a: its range, b: the other); exact online softmax (rescaled whenever a row max grows)."""
+    QP: tl.constexpr = HALF // 2
+    for it in range(0, tl.cdiv(NK, BLOCK_N)):
+        n = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(rows_ptr + n, mask=n < NK, other=-1)
+        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, own * QP, QP, HALF, FMT)
+        k_ea, k_oa = _decode_tile(code, sc, FMT, ASM, HW)
+        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, (1 - own) * QP, QP, HALF,
+                             FMT)
+        k_eb, k_ob = _decode_tile(code, sc, FMT, ASM, HW)
+        s = mma(q_ea, tl.trans(k_ea), tl.zeros((q_ea.shape[0], BLOCK_N), tl.float32), False,
+                UPCAST)
+        s = mma(q_oa, tl.trans(k_oa), s, False, UPCAST)
+        s = mma(q_eb, tl.trans(k_eb), s, False, UPCAST)
+        s = mma(q_ob, tl.trans(k_ob), s, False, UPCAST)
+        s = tl.where((rows >= 0)[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(k_ea.dtype)
+        acc_e = mma(p, k_ea, acc_e * alpha[:, None], False, UPCAST)
+        acc_o = mma(p, k_oa, acc_o * alpha[:, None], False, UPCAST)
+        m_i = m_new
+    return m_i, l_i, acc_e, acc_o
+
+
+@triton.jit
+def _heads_vsplit_kernel(
+    q_ptr, out_ptr, stage_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
+    win_ptr, win16_ptr, stride_win, win_rows_ptr, W,
+    comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC, H, scale,
+    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    QP: tl.constexpr = D // 4  # channel pairs per program
+    UNSHIFT: tl.constexpr = 2.0 ** 63 if ASM else 1.0
+    LOG2E: tl.constexpr = 1.4426950408889634
+    t = (tl.program_id(0) // 2).to(tl.int64)
+    own = tl.program_id(0) % 2
+    h0 = tl.program_id(1) * HB
+    hh = tl.arange(0, HB)
+    i = tl.arange(0, HALF)
+    rows_in = t * H + h0
+    hmask = (hh + h0)[:, None] < H
+    # prologue as in _heads_kernel (both programs of a query stage the same values)
+    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
+                mask=hmask, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
+    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
+                            ROPE_PAIRS)
+    stage = stage_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
+    tl.store(stage, round_bf16(a * cos + b * -sin).to(stage_ptr.dtype.element_ty), mask=hmask)
+    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(stage_ptr.dtype.element_ty),
+             mask=hmask)
+    tl.debug_barrier()
+    j = tl.arange(0, QP)[None, :]
+    qrow = stage_ptr + rows_in * D + (hh * D)[:, None]
+    q_ea = tl.load(qrow + own * QP + j, mask=hmask, other=0.0)
+    q_oa = tl.load(qrow + HALF + own * QP + j, mask=hmask, other=0.0)
+    q_eb = tl.load(qrow + (1 - own) * QP + j, mask=hmask, other=0.0)
+    q_ob = tl.load(qrow + HALF + (1 - own) * QP + j, mask=hmask, other=0.0)
+    m_i = tl.load(sink_ptr + h0 + hh, mask=h0 + hh < H, other=0.0) * LOG2E
+    l_i = tl.full((HB,), 1.0, tl.float32)
+    acc_e = tl.zeros((HB, QP), dtype=tl.float32)
+    acc_o = tl.zeros((HB, QP), dtype=tl.float32)
+    k_scale = scale * UNSHIFT * LOG2E
+    m_i, l_i, acc_e, acc_o = _vsplit_range(
+        q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win,
+        win_rows_ptr + t * W, W, own, k_scale, HALF, 0, BLOCK_N, ASM, HW, UPCAST)
+    m_i, l_i, acc_e, acc_o = _vsplit_range(
+        q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
+        comp_rows_ptr + t * KC, KC, own, k_scale, HALF, COMP_FMT, BLOCK_N, ASM, HW, UPCAST)
+    # epilogue: this program's pairs, normalised, rounded, inverse RoPE, stored interleaved
+    a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
+    b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
+    pair = own * QP + tl.arange(0, QP)
+    is_rope = pair >= HALF - ROPE_PAIRS
+    rp = tl.where(is_rope, pair - (HALF - ROPE_PAIRS), 0)
+    cos2 = tl.load(cos_ptr + stride_cs * t + rp, mask=is_rope, other=1.0)[None, :]
+    sin2 = tl.load(sin_ptr + stride_cs * t + rp, mask=is_rope, other=0.0)[None, :]
+    o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)),
+                   (HB, HALF))
+    off = hh[:, None] * D + own * HALF + tl.arange(0, HALF)[None, :]
+    tl.store(out_ptr + D * rows_in + off, o.to(out_ptr.dtype.element_ty),
+             mask=hh[:, None] < H - h0)
 
 
 # ============================================================================ split-KV decode
@@ -668,6 +780,16 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     cfg = CONFIG
     hb = heads_block(num_heads)
     sink32 = sink.to(torch.float32).contiguous()
+    if cfg["heads_vsplit"] and splits == 1 and dim >= 64:
+        _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
+            q, out, torch.empty_like(q), sink32, cos, sin, cos.stride(0), win,
+            win.view(torch.int16), win.stride(0), win_rows, win_rows.shape[1], comp,
+            comp.view(torch.int16), comp.stride(0), comp_rows, comp_rows.shape[1], num_heads,
+            float(softmax_scale), D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
+            BLOCK_N=cfg["heads_vsplit_block_n"], ASM=HW_FP8 and bool(cfg["heads_asm"]),
+            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_vsplit_warps"],
+            num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
+        return out
     if splits > 1:
         m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)

@@ -136,16 +136,19 @@ def _heads_for_small_batches(monkeypatch, request):
         monkeypatch.setitem(at.CONFIG, "legacy_max_q", 0)
 
 
-@pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8,trans", [(16, False, 0.0, False, False),
-                                                                 (16, True, 8.0, False, False),
-                                                                 (64, True, 0.0, True, False),
-                                                                 (32, False, 0.0, True, True)])
+@pytest.mark.parametrize("block_n,prefetch,tau,comp_fp8,trans,vsplit", [
+    (16, False, 0.0, False, False, False), (16, True, 8.0, False, False, False),
+    (64, True, 0.0, True, False, False), (32, False, 0.0, True, True, False),
+    (16, False, 0.0, False, False, True), (32, False, 0.0, True, False, True)])
 def test_heads_kernel_single_pass_matches_reference(monkeypatch, block_n, prefetch, tau,
-                                                    comp_fp8, trans):
+                                                    comp_fp8, trans, vsplit):
     """All heads in one program, several key tiles (the last ones partial), empty slots, a
     query with no compressed key and one with no window key; NVFP4 or FP8 compressed records;
-    lazy rescaling (tau > 0) gives the same softmax, and so do transposed scores (trans)."""
+    lazy rescaling (tau > 0) gives the same softmax, and so do transposed scores (trans) and
+    two programs per query each owning half of the output channels (vsplit)."""
     monkeypatch.setitem(at.CONFIG, "heads_trans_s", trans)
+    monkeypatch.setitem(at.CONFIG, "heads_vsplit", vsplit)
+    monkeypatch.setitem(at.CONFIG, "heads_vsplit_block_n", block_n)
     monkeypatch.setitem(at.CONFIG, "heads_split_target", 0)
     monkeypatch.setitem(at.CONFIG, "heads_rescale_tau", tau)
     monkeypatch.setitem(at.CONFIG, "heads_block_n", block_n)
