@@ -78,7 +78,7 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     Each row is shifted so its max is 0 before dividing: every value stays in [-inf, 0], so a
     tiny temperature cannot overflow, and the best token always keeps probability > 0. top-k
     and min-p keep the values at or above a per-row threshold, so one descending sort (only when
-    some row asks for top-k or top-p) gives the order top-p walks; top-p keeps the token that
+    some row asks for top-p; top-k alone takes the k largest) gives the order top-p walks; top-p keeps the token that
     crosses p and always the best one (a top_p that rounds to 0 in FP32 means top-1)."""
     rows, vocab = logits.shape
     dev = logits.device
@@ -87,13 +87,15 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
     order = None
-    if any(top_k) or any(tp < 1.0 for tp in top_p):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        if any(top_k):
-            k = torch.tensor([max(k, 1) - 1 for k in top_k], dtype=torch.long, device=dev)
-            kth = sorted_x.gather(1, k[:, None])
-            on = torch.tensor([k > 0 for k in top_k], device=dev)[:, None]
-            x = x.masked_fill(on & (x < kth), float("-inf"))
+    if any(tp < 1.0 for tp in top_p):
+        head, order = torch.sort(x, dim=-1, descending=True)
+    elif any(top_k):  # the k largest of each row suffice
+        head = torch.topk(x, max(top_k), dim=-1).values
+    if any(top_k):
+        k = torch.tensor([max(k, 1) - 1 for k in top_k], dtype=torch.long, device=dev)
+        kth = head.gather(1, k[:, None])
+        on = torch.tensor([k > 0 for k in top_k], device=dev)[:, None]
+        x = x.masked_fill(on & (x < kth), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         probs = torch.softmax(x, dim=-1)
