@@ -539,13 +539,17 @@ def _vsplit_range(q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, pool_ptr, pool
         s = mma(q_ob, tl.trans(k_ob), s, False, UPCAST)
         s = tl.where((rows >= 0)[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if tl.max(m_new - m_i, axis=0) > 0:  # as _attend_pairs with TAU = 0
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc_e = acc_e * alpha[:, None]
+            acc_o = acc_o * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
         p = p.to(k_ea.dtype)
-        acc_e = mma(p, k_ea, acc_e * alpha[:, None], False, UPCAST)
-        acc_o = mma(p, k_oa, acc_o * alpha[:, None], False, UPCAST)
-        m_i = m_new
+        acc_e = mma(p, k_ea, acc_e, False, UPCAST)
+        acc_o = mma(p, k_oa, acc_o, False, UPCAST)
     return m_i, l_i, acc_e, acc_o
 
 
