@@ -53,9 +53,12 @@ VARIANTS = {
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
 # decode variants timed at 1, 8 and 64 tokens: slice count, who normalises (CONFIG overrides)
-DECODE_VARIANTS = {"default (split80 spin)": {},
+DECODE_VARIANTS = {"default": {},
                    "split80 last-program norm": {"decode_split": 80, "decode_spin": False},
-                   "split40 spin": {"decode_split": 40, "decode_spin": True}}
+                   "split80 spin": {"decode_split": 80, "decode_spin": True},
+                   "split40 last-program norm": {"decode_split": 40, "decode_spin": False},
+                   "split80 flat norm <= 16 rows": {"decode_split": 80, "decode_spin": False,
+                                                    "decode_flat_rows": 16}}
 
 
 def apply(over: dict) -> dict:

@@ -26,8 +26,10 @@ batch, on how many programs share its block or in what order they finish. The ti
 call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
 blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
 per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
-so the collapsed row is written raw and normalised in a second, L2-resident pass, flat over the
-block's valid rows (contiguous in x): one round of loads for a decode token.
+so the collapsed row is written raw and normalised in a second, L2-resident pass: over
+[BLOCK_T, ND] tiles, or, for a decode block of few tokens, flat over its valid rows (contiguous
+in x: one round of loads for one token). Optionally (decode_spin) every program of a decode
+block normalises its own slices once the last one has published the rows' 1/rms.
 S = 4 streams (hc_mult of every preset).
 """
 
@@ -57,20 +59,23 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #   decode_spin      at decode on the GPU, every program of a token block waits for the last
 #                    one's 1/rms and normalises its own slices (a block's programs are resident
 #                    together); else the last program normalises the whole rows
-#                    (FLASHPD_MHC_SPIN=0 at import: off)
+#                    (FLASHPD_MHC_SPIN=1 at import: on; off until measured on the H200)
 #   prefill_block_t  tokens per program for longer calls
 #   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
 #                    count); None: the fewest reaching target_programs in all
-#   *_norm_elems     elements per load of the RMSNorm pass (four in flight)
+#   norm_elems       elements per [token block, channels] tile of the RMSNorm pass (four in
+#                    flight)
+#   decode_flat_rows decode blocks of at most this many tokens take the flat RMSNorm pass
+#                    instead, flat_elems elements per load (four in flight)
 #   red              slice vectors loaded at once by a token block's last program
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") != "0",
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1",
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "decode_norm_elems": 2048, "prefill_norm_elems": 4096, "red": 40,
+    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
 }
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -162,7 +167,8 @@ def _mhc_kernel(
     S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_E: tl.constexpr, RED: tl.constexpr, FLAT: tl.constexpr, SPIN: tl.constexpr,
+    NORM_E: tl.constexpr, ND: tl.constexpr, FLAT_ROWS: tl.constexpr, RED: tl.constexpr,
+    SPIN: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -281,7 +287,7 @@ def _mhc_kernel(
             tl.atomic_xchg(cnt + 1, 1, sem="release")
         _mhc_finish(sums_ptr, tb * BLOCK_T, T, rows, rmask, base_ptr, scale_ptr, nw_ptr,
                     pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
-                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, FLAT)
+                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, ND, FLAT_ROWS)
     if SPIN:  # (decode on the GPU: a block's programs are resident together) wait for 1/rms
         ready = tl.atomic_add(cnt + 1, 0, sem="acquire")
         while ready == 0:
@@ -334,7 +340,8 @@ def _norm_store(xc_ptr, r64, rmask, cols, D: tl.constexpr, xc, inv, w, BF16: tl.
 def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
                 post_out_ptr, comb_out_ptr, xc_ptr, D: tl.constexpr, norm_eps, hc_eps,
                 S: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
-                BLOCK_T: tl.constexpr, NORM_E: tl.constexpr, FLAT: tl.constexpr):
+                BLOCK_T: tl.constexpr, NORM_E: tl.constexpr, ND: tl.constexpr,
+                FLAT_ROWS: tl.constexpr):
     """Mixes from the full-D totals (sums_ptr: [T, 32], read back from memory), then, with
     NORM, the RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
@@ -363,11 +370,13 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
     if NORM:  # second pass: RMSNorm of the collapsed rows (L2-resident)
         xsq = tl.load(sp + 25, mask=rmask, other=0.0)
         inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
-        if FLAT:  # the block's rows are contiguous in x: one flat pass over its valid
-            # elements, four loads in flight (one round for a decode token, whatever BLOCK_T)
+        nvalid = tl.minimum(T - row0, BLOCK_T)
+        if nvalid <= FLAT_ROWS:  # few rows (decode): the block's rows are contiguous in x,
+            # one flat pass over its valid elements, four loads in flight (a decode token:
+            # one round, where [BLOCK_T, ND] tiles take D / (4 ND) mostly masked rounds)
             tl.store(sp + 26, inv, mask=rmask)  # 1/rms per row, gathered below
             tl.debug_barrier()
-            n = tl.minimum(T - row0, BLOCK_T) * D
+            n = nvalid * D
             base = xc_ptr + row0.to(tl.int64) * D
             for e0 in range(0, n, 4 * NORM_E):
                 i0 = e0 + tl.arange(0, NORM_E)
@@ -380,8 +389,7 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 tl.store(base + i0 + NORM_E, a1.to(ty), mask=i0 + NORM_E < n)
                 tl.store(base + i0 + 2 * NORM_E, a2.to(ty), mask=i0 + 2 * NORM_E < n)
                 tl.store(base + i0 + 3 * NORM_E, a3.to(ty), mask=i0 + 3 * NORM_E < n)
-        else:  # [BLOCK_T, NORM_E // BLOCK_T] tiles, four in flight (tall prefill blocks)
-            ND: tl.constexpr = NORM_E // BLOCK_T
+        else:  # [BLOCK_T, ND] tiles, four in flight
             for d0 in range(0, D, 4 * ND):
                 c0 = d0 + tl.arange(0, ND)
                 a0, w0 = _norm_load(xc_ptr, nw_ptr, r64, rmask, c0, D)
@@ -421,8 +429,10 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
             "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg["red"]),
-            "norm_e": triton.next_power_of_2(cfg[f"{kind}_norm_elems"]),
-            "flat": kind == "decode",
+            "norm_e": triton.next_power_of_2(cfg["flat_elems"]),
+            "norm_d": min(max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t)),
+                          triton.next_power_of_2(dim)),
+            "flat_rows": cfg["decode_flat_rows"] if kind == "decode" else 0,
             "spin": kind == "decode" and bool(cfg["decode_spin"])
             and not triton_runtime.interpreting()}
 
@@ -467,7 +477,7 @@ def expand_mix_collapse(
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
         BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_E=plan["norm_e"], RED=plan["red"], FLAT=plan["flat"],
+        NORM_E=plan["norm_e"], ND=plan["norm_d"], FLAT_ROWS=plan["flat_rows"], RED=plan["red"],
         SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
         num_warps=plan["warps"],
         num_stages=plan["stages"],
