@@ -39,10 +39,10 @@ DEVICE = triton_runtime.kernel_device()
 TOKENS = (1, 8, 64)
 # router variants: name -> (ROUTER_SPLIT, BLOCK_K); the first is the module's default
 ROUTER_VARIANTS = {f"split{s} bk{k}": (s, k) for s, k in
-                   ((mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))}
+                   ((mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))}
 # sort variants: name -> (tokens per counting step, warps); the first is the module's default
 SORT_VARIANTS = {f"count{c} w{w}": (c, w) for c, w in
-                 ((mt._SORT_COUNT_T, mt._SORT_WARPS), (16, 4), (32, 4), (64, 4), (64, 8))}
+                 ((mt.SORT_COUNT_T, mt.SORT_WARPS), (16, 4), (32, 4), (64, 4), (64, 8))}
 
 
 def load(path: str):
@@ -87,8 +87,8 @@ def block_m(t: int, experts: int, top_k: int) -> int:
 
 
 def set_router(split: int, bk: int) -> tuple[int, int]:
-    saved = (mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K)
-    mt.ROUTER_SPLIT, mt._ROUTER_BLOCK_K = split, bk
+    saved = (mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K)
+    mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K = split, bk
     return saved
 
 
@@ -140,8 +140,8 @@ def main() -> None:
         bm = block_m(t, experts, top_k)
         routed = [mt.route(x, w, bias, top_k, 1.5) for w in gates[:40]]
         for name, (count_t, warps) in SORT_VARIANTS.items():
-            saved = (mt._SORT_COUNT_T, mt._SORT_WARPS)
-            mt._SORT_COUNT_T, mt._SORT_WARPS = count_t, warps
+            saved = (mt.SORT_COUNT_T, mt.SORT_WARPS)
+            mt.SORT_COUNT_T, mt.SORT_WARPS = count_t, warps
             ok = True
             for ids, gam in routed[:4]:
                 got = mt.sort_pairs(ids, gam, experts, bm)
@@ -157,7 +157,7 @@ def main() -> None:
                                      "chain", "ok": bool(ok)})
             row[f"sort {name}"] = time_us(
                 [lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
-            mt._SORT_COUNT_T, mt._SORT_WARPS = saved
+            mt.SORT_COUNT_T, mt.SORT_WARPS = saved
         if before is not None:
             row["sort before"] = time_us(
                 [lambda r=r, bm=bm: before.sort_pairs(r[0], r[1], experts, bm) for r in routed])

@@ -52,7 +52,7 @@ ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 GEMV = True
 GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "4"))
 _ROUTER_BLOCK_T = 16
-_ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120
+ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120
 
 
 # ============================================================================ fused router
@@ -154,7 +154,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
         return ids, weights
     e_pad = triton.next_power_of_2(num_experts)
     n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
-    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), _ROUTER_BLOCK_K) * _ROUTER_BLOCK_K
+    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
     partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
     w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
@@ -162,7 +162,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
         _counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
         1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
-        E_PAD=e_pad, BLOCK_K=_ROUTER_BLOCK_K, SPLIT=ROUTER_SPLIT,
+        E_PAD=e_pad, BLOCK_K=ROUTER_BLOCK_K, SPLIT=ROUTER_SPLIT,
         IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST, NORMALIZE=normalize,
         num_warps=8, num_stages=3, **triton_runtime.launch_options())
     return ids, weights
@@ -260,8 +260,8 @@ def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
 # token blocks and tile blocks run side by side instead of one after another.
 SORT_KERNEL_MAX_TOKENS = 256
 _SORT_BLOCK_T = 16
-_SORT_COUNT_T = 16  # tokens per step of a program's count of every token's pairs
-_SORT_WARPS = 4
+SORT_COUNT_T = 16  # tokens per step of a program's count of every token's pairs
+SORT_WARPS = 4
 _SORT_BLOCK_Q = 64
 _COMBINE_BLOCK_D = 1024
 
@@ -385,8 +385,8 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
         ids.contiguous(), weights.to(torch.float32).contiguous(), rows, gamma, pos, tile[0],
         tile[1], tile[2], num_tokens, num_experts, max_tiles, n_blocks, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_T=_SORT_BLOCK_T, COUNT_T=_SORT_COUNT_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q,
-        num_warps=_SORT_WARPS)
+        BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q,
+        num_warps=SORT_WARPS)
     return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
 
 

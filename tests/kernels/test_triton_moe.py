@@ -118,7 +118,7 @@ def test_sort_kernel_orders_pairs_as_the_stable_torch_sort(monkeypatch, count_t)
     # (64, 64, 6, 2): four token-block programs and four tile programs (256 tiles)
     for t, e, k, block_m in ((1, 64, 6, 16), (19, 8, 3, 4), (40, 16, 4, 16), (64, 64, 6, 2)):
         ids, w = _routing(t, e, k, seed=t)
-        monkeypatch.setattr(mt, "_SORT_COUNT_T", count_t)  # tokens per counting step
+        monkeypatch.setattr(mt, "SORT_COUNT_T", count_t)  # tokens per counting step
         got = mt.sort_pairs(ids, w, e, block_m)
         monkeypatch.setattr(mt, "SORT_KERNEL_MAX_TOKENS", 0)
         want = mt.sort_pairs(ids, w, e, block_m)
