@@ -165,20 +165,23 @@ def _time_graph(fn, calls: int = 20) -> float:
 
 
 def _compiled(at) -> dict:
-    """The heads-as-M kernel's compiled variants in this process (id -> CompiledKernel)."""
-    caches = getattr(at._heads_kernel, "device_caches", {})
-    return {id(k): k for c in caches.values() for k in c[0].values()}
+    """The heads kernels' compiled variants in this process: id -> (CompiledKernel, arg names)."""
+    out = {}
+    for fn in (at.HEADS_KERNEL, at.HEADS_VSPLIT_KERNEL):
+        for c in getattr(fn, "device_caches", {}).values():
+            out.update({id(k): (k, fn.arg_names) for k in c[0].values()})
+    return out
 
 
-def _resources(kernels, arg_names) -> list[dict]:
-    """Registers, spilled bytes and shared memory of compiled kernels (GPU only)."""
+def _resources(kernels) -> list[dict]:
+    """Registers, spilled 32-bit words and shared memory of (kernel, arg names) pairs."""
     keep = ("BLOCK_N", "PARTIAL", "COMP_FMT", "TRANS", "HB")
     out = []
-    for k in kernels:
-        k = k.result() if hasattr(k, "result") else k
-        k._init_handles()
+    for k, arg_names in kernels:
+        k = k.result() if hasattr(k, "result") else k  # launched: registers / spills known
         c = getattr(k.src, "constants", {})
-        out.append({"n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared,
+        out.append({"kernel": k.name, "n_regs": getattr(k, "n_regs", None),
+                    "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
                     "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
                     "const": {arg_names[i[0]]: v for i, v in c.items()
                               if isinstance(i, tuple) and arg_names[i[0]] in keep}})
@@ -221,7 +224,7 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                 row["rel_err"] = _check(x, idx, ref)
                 if DEV == "cuda":
                     new = [k for i, k in _compiled(at).items() if i not in before]
-                    row["kernels"] = _resources(new, at._heads_kernel.arg_names)
+                    row["kernels"] = _resources(new)
                 if DEV != "cuda" or not timing:
                     row["wall_s"] = time.perf_counter() - t0
                     rows.append(row)
@@ -313,10 +316,10 @@ def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill B/smem |",
+    lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill/smem |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        res = ",".join(f"{k['n_regs']}/{k['n_spills']}/{k['shared'] // 1024}K"
+        res = ",".join(f"{k['n_regs']}/{4 * (k['n_spills'] or 0)}B/{k['shared'] // 1024}K"
                        for k in r.get("kernels", []))
         if "error" in r:
             lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | error: "

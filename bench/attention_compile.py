@@ -43,7 +43,7 @@ def compile_variant(over: dict, fmt: int = 1, partial: bool = False):
 
     cfg = dict(at.CONFIG, **over)
     vsplit = cfg["heads_vsplit"] and not partial
-    kernel = at._heads_vsplit_kernel if vsplit else at._heads_kernel
+    kernel = at.HEADS_VSPLIT_KERNEL if vsplit else at.HEADS_KERNEL
     const = dict(D=512, ROPE_PAIRS=32, COMP_FMT=fmt, HB=64, ASM=True, UPCAST=False, HW=True,
                  BLOCK_N=cfg["heads_vsplit_block_n"] if vsplit else
                  cfg["heads_split_block_n"] if partial else cfg["heads_block_n"],

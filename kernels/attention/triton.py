@@ -617,6 +617,12 @@ def _heads_vsplit_kernel(
              mask=hh[:, None] < H - h0)
 
 
+# The heads kernels' JIT functions, for tools that compile or inspect them
+# (bench/attention_compile.py, bench/attention_bench.py).
+HEADS_KERNEL = _heads_kernel
+HEADS_VSPLIT_KERNEL = _heads_vsplit_kernel
+
+
 # ============================================================================ split-KV decode
 # Decode batches are a few queries: one program per (query, head block) leaves most SMs idle.
 # The key tiles of a query (window tiles, then compressed tiles) are cut into SPLITS ranges;
