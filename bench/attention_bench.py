@@ -53,6 +53,10 @@ PREFILL_VARIANTS = {
                        "heads_vsplit_warps": 4},
     "vsplit_bn32_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 32,
                        "heads_vsplit_warps": 8},
+    "vsplit_bn16_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 16,
+                       "heads_vsplit_warps": 8},
+    "vsplit_bn64_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 64,
+                       "heads_vsplit_warps": 8},
     "default": {},
 }
 DECODE_VARIANTS = {
