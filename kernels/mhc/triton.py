@@ -7,8 +7,10 @@ the fused step of the shifted schedule (§2.4), `expand_mix_collapse`:
     pre', post', comb' = hc_mixes(X'; fn, base, scale)   coefficient GEMM + Sinkhorn
     x      = RMSNorm_w(collapse(X', pre_in))             (optional)
 
-D is cut into at most MHC_SPLIT slices of CH channels (a function of D only; CH = 128 at
-D = 5120), walked in chunks of 32 channels. Per chunk a program loads the four streams once,
+D is cut into at most MHC_SPLIT slices of CH channels at prefill sizes, CONFIG["decode_split"]
+at decode sizes (a function of D and the size class only; CH = 128 / 64 at D = 5120), walked
+in chunks of 32 channels; a token's bits can therefore differ in the last place between a decode
+call and a prefill call, never between two calls of one size class. Per chunk a program loads the four streams once,
 forms X'_k (FP32, j ascending, rounded to the stream dtype and stored), accumulates sum(X'^2),
 the coefficient GEMM m += X'_k . fn[:, k*D + chunk]^T and the collapsed row. The GEMM runs on
 the tensor cores at FP32-level accuracy: BF16 streams are exact in BF16, and fn is split into
