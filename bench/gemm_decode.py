@@ -56,24 +56,28 @@ VARIANTS = {
 # BF16x2 scale multiply; o16: overrides for row tiles above 16 (r4 = red_unroll 4, the split-K
 # reduction 4 partials at a time; w8 = 8 warps; bn = block_n); swap = acc^T += W . A^T (wgmma,
 # W in registers); bn / s / t = block_n / stages / target_ctas; pdl = programmatic dependent
-# launch with an L2 prefetch of each program's first weight lines. Risky (pdl) last.
+# launch with an L2 prefetch of each program's first weight lines. Risky (pdl) and the
+# offline-worst (o16r4w8: twice the K-loop instructions per byte, bench/dense_fp8_sass.py) last.
 _D = {"deq": "bf16"}
 _O = {"over16": {"red_unroll": 4}}
 _ALL = (1, 8, 64)
 for _name, _tiles in (
         ("f8_deq", _D),
         ("f8_deq_o16r4", {**_D, **_O}),
-        ("f8_deq_o16r4w8", {**_D, "over16": {"red_unroll": 4, "warps": 8}}),
         ("f8_deq_swap_o16r4", {**_D, **_O, "swap": True}),
         ("f8_deq_bn128_o16r4", {**_D, **_O, "block_n": 128}),
         ("f8_deq_swap_bn128_o16r4", {**_D, **_O, "swap": True, "block_n": 128}),
-        ("f8_deq_swap_bn256_r4_o16bn64w8", {**_D, "swap": True, "block_n": 256, "red_unroll": 4,
-                                           "over16": {"block_n": 64, "warps": 8}}),
+        ("f8_deq_swap_bn256_r4_o16bn128", {**_D, "swap": True, "block_n": 256, "red_unroll": 4,
+                                           "fit_block_n": True,
+                                           "over16": {"block_n": 128, "swap": False}}),
+        ("f8_deq_bn256_r4_o16bn128", {**_D, "block_n": 256, "red_unroll": 4,
+                                      "fit_block_n": True, "over16": {"block_n": 128}}),
         ("f8_deq_s6_o16r4", {**_D, **_O, "stages": 6}),
         ("f8_deq_t528_o16r4", {**_D, **_O, "target_ctas": 528}),
         ("f8_deq_t132_o16r4", {**_D, **_O, "target_ctas": 132}),
         ("f8_deq_pdl_o16r4", {**_D, **_O, "pdl": True}),
         ("f8_deq_swap_bn128_pdl_o16r4", {**_D, **_O, "swap": True, "block_n": 128, "pdl": True}),
+        ("f8_deq_o16r4w8", {**_D, "over16": {"red_unroll": 4, "warps": 8}}),
 ):
     VARIANTS[_name] = ({"skinny": _tiles}, ("fp8",), _ALL)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")

@@ -218,3 +218,21 @@ def test_split_k_reduction_in_groups_sums_the_same_partials_in_order(monkeypatch
     monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "red_unroll": 2})
     assert torch.equal(run(), want)
     assert not bool(dt._counters(x.device).any())
+
+
+def test_fit_block_n_halves_the_n_block_of_small_weights_only(monkeypatch):
+    """fit_block_n: the N block shrinks (never below 32) only while the finest split cannot
+    reach target_ctas; the plan and the result follow, from the weight's shape alone."""
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "block_n": 256,
+                                              "fit_block_n": True, "target_ctas": 12})
+    monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 32)
+    g = torch.Generator().manual_seed(50)
+    small = dt.Weights.fp8(*qref.quantize_fp8_blockwise(torch.randn(64, 96, generator=g)))
+    big = dt.Weights.fp8(*qref.quantize_fp8_blockwise(torch.randn(1024, 96, generator=g)))
+    assert dt._tiles(small)["block_n"] == 32  # 1 or 2 blocks x 3 chunks < 12: down to the floor
+    assert dt._tiles(big)["block_n"] == 256  # 4 blocks x 3 chunks = 12
+    x = _x(t=3, seed=51)
+    want = dref.linear_fp32(x, qref.dequantize_fp8_blockwise(small.data[0].view(
+        torch.float8_e4m3fn), small.scale[0]))
+    torch.testing.assert_close(dt.linear_weights(x, small, torch.float32), want, rtol=1e-5,
+                               atol=1e-5)
