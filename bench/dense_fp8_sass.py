@@ -46,7 +46,7 @@ _TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
 
 
 class _Recorder:
-    """Stands in for `_gemm_kernel` at its launch site: keeps the grid, arguments, keywords."""
+    """Stands in for `SPLITK_KERNEL` at its launch site: keeps the grid, arguments, keywords."""
 
     def __init__(self):
         self.calls: list = []
@@ -63,10 +63,10 @@ def record(layer: str, rows: int, overrides: dict) -> tuple:
 
     n, k, groups, swiglu = LAYERS[layer]
     default = {key: (dict(v) if isinstance(v, dict) else v) for key, v in dt.CONFIG.items()}
-    rec, kernel, check = _Recorder(), dt._gemm_kernel, triton_runtime.check_device
+    rec, kernel, check = _Recorder(), dt.SPLITK_KERNEL, triton_runtime.check_device
     try:
         gemm_decode.apply(overrides, default)
-        dt._gemm_kernel, triton_runtime.check_device = rec, (lambda *t: None)
+        dt.SPLITK_KERNEL, triton_runtime.check_device = rec, (lambda *t: None)
 
         def weights():
             return dt.Weights.fp8(torch.empty(groups, n, k, dtype=torch.float8_e4m3fn),
@@ -78,7 +78,7 @@ def record(layer: str, rows: int, overrides: dict) -> tuple:
         dt.grouped_gemm(a, weights(), None, out, w3=weights() if swiglu else None,
                         limit=10.0 if swiglu else 0.0)
     finally:
-        dt._gemm_kernel, triton_runtime.check_device = kernel, check
+        dt.SPLITK_KERNEL, triton_runtime.check_device = kernel, check
         gemm_decode.apply({}, default)
     if len(rec.calls) != 1:
         raise RuntimeError(f"{layer} M={rows}: {len(rec.calls)} launches recorded, expected 1")
@@ -94,7 +94,7 @@ def compile_launch(args: tuple, kwargs: dict):
 
     from flashpd.kernels.dense import triton as dt
 
-    fn = dt._gemm_kernel
+    fn = dt.SPLITK_KERNEL
     names = fn.arg_names
     consts = {name: v for name, v in kwargs.items() if name not in _OPTIONS}
     sig, attrs = {}, {}

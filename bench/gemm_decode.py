@@ -250,12 +250,12 @@ def wait_all(jobs: list, timeout_s: float) -> None:
 
 
 def kernel_facts(seen: set) -> dict:
-    """Registers, spills, shared memory and MMA form of the _gemm_kernel binaries loaded since
+    """Registers, spills, shared memory and MMA form of the split-K kernel's binaries loaded since
     the last call (keys in `seen` are skipped and then added)."""
     from flashpd.kernels.dense import triton as dt
 
     facts = []
-    for dev_cache in dt._gemm_kernel.device_caches.values():
+    for dev_cache in dt.SPLITK_KERNEL.device_caches.values():
         for key, k in dev_cache[0].items():
             if key in seen:
                 continue
