@@ -189,6 +189,35 @@ def _moe_full(x: torch.Tensor, routed, per_expert: float):
     return c
 
 
+def stacked_cases(ms) -> list:
+    """The layers that share an input as one GEMM each (`Weights.stack_out`): wq_a + wkv (both
+    on the hidden state) and wq_b + idx_wq_b (both on c_q); weight copies rotate as in
+    kernel_roofline.dense_cases."""
+    from flashpd.kernels.dense import triton as dt
+
+    hid, q_lora = kr.HIDDEN, kr.Q_LORA
+    pairs = {"wq_a+wkv": ((kr.Q_LORA, hid), (kr.HEAD_DIM, hid)),
+             "wq_b+idx_wq_b": ((kr.HEADS * kr.HEAD_DIM, q_lora),
+                               (kr.INDEX_HEADS * kr.INDEX_DIM, q_lora))}
+    out = []
+    for i, (name, shapes) in enumerate(pairs.items()):
+        base = dt.Weights.stack_out([kr.rand_fp8(n, k, seed=31 + 2 * i + j)
+                                     for j, (n, k) in enumerate(shapes)])
+        copies = [base] + [dt.Weights(base.fmt, base.data.clone(), base.scale.clone())
+                           for _ in range(kr.copies_for(kr.wbytes(base)) - 1)]
+        ref_w = kr.deq(base)[0]
+        n, k = base.out_dim, base.in_dim
+        for m in ms:
+            c = kr.Case("fp8_stacked", f"{name} N={n} K={k}", m, "decode")
+            x = torch.randn(m, k, device=kr.DEV).to(torch.bfloat16)
+            c.bytes, c.flops = kr.wbytes(base) + m * (k + n) * 2, 2.0 * m * n * k
+            c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16) for w in copies]
+            c.check = lambda x=x, w=base, r=ref_w: kr.rel_err(
+                dt.linear_weights(x, w, torch.bfloat16), x.float() @ r.T)
+            out.append(c)
+    return out
+
+
 def build_cases(ms, kinds=("mx", "fp8")) -> dict[str, list]:
     experts = kr.expert_cases(ms)
     out = {"fp8": [], "mx": []}
@@ -196,7 +225,8 @@ def build_cases(ms, kinds=("mx", "fp8")) -> dict[str, list]:
         dense = [c for c in kr.dense_cases(ms, ["wq_a", "wq_b", "wkv", "wo_a", "wo_b",
                                                  "idx_wq_b"])
                  if " G=" not in c.shape or "block_diagonal" in c.shape]
-        out["fp8"] = dense + [c for c in experts if c.kernel == "fp8_shared_expert"]
+        out["fp8"] = dense + [c for c in experts if c.kernel == "fp8_shared_expert"] + \
+            stacked_cases(ms)
     if "mx" in kinds:
         out["mx"] = [c for c in experts if c.kernel == "mxfp4_experts"] + routed_cases(ms)
     return out
@@ -310,10 +340,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         present = [by[(v,) + k] for v in variants if (v,) + k in by]
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {present[0]['bytes'] / 1e6:.1f} | "
                      + " | ".join(cells) + f" | {max(r['rel_err'] for r in present):.1e} |")
-    sums = _fp8_layer_sums(ok)
-    if sums:
+    for stacked in (False, True):
+        sums = _fp8_layer_sums(ok, stacked)
+        if not sums:
+            continue
         ms = sorted({m for _v, m in sums})
-        lines += ["", "Per-layer FP8 sum (6 dense layers + shared expert; us, and M / M=1):", "",
+        what = ("wq_a+wkv and wq_b+idx_wq_b stacked (Weights.stack_out), wo_a, wo_b, shared"
+                if stacked else "6 dense layers + shared expert")
+        lines += ["", f"Per-layer FP8 sum ({what}; us, and M / M=1):", "",
                   "| variant | " + " | ".join(f"M={m}" for m in ms) + " |",
                   "|---|" + "---|" * len(ms)]
         for v in dict.fromkeys(v for v, _m in sums):
@@ -328,13 +362,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fp8_layer_sums(ok: list[dict]) -> dict:
-    """(variant, M) -> us of one layer's FP8 GEMMs, where all seven were timed."""
+def _fp8_layer_sums(ok: list[dict], stacked: bool = False) -> dict:
+    """(variant, M) -> us of one layer's FP8 GEMMs, where all seven were timed; stacked: with
+    wq_a + wkv and wq_b + idx_wq_b as their two stacked GEMMs instead (where timed)."""
     per: dict = {}
     for r in ok:
-        if r["kernel"] in ("fp8_dense", "fp8_shared_expert"):
-            per.setdefault((r["variant"], r["M"]), []).append(r["ms"] * 1e3)
-    return {k: sum(v) for k, v in per.items() if len(v) == 7}
+        if r["kernel"] in ("fp8_dense", "fp8_shared_expert", "fp8_stacked"):
+            per.setdefault((r["variant"], r["M"]), {})[r["shape"].split(" ")[0]] = r["ms"] * 1e3
+    out = {}
+    for key, t in per.items():
+        layers = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b", "idx_wq_b", "shared"]
+        if stacked:
+            layers = ["wq_a+wkv", "wq_b+idx_wq_b", "wo_a", "wo_b", "shared"]
+        if all(name in t for name in layers):
+            out[key] = sum(t[name] for name in layers)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -832,6 +832,28 @@ class Weights:
         return Weights(W_FP8, (w_f8 if w_f8.ndim == 3 else w_f8[None]).view(torch.uint8),
                        scale if scale.ndim == 3 else scale[None])
 
+    @staticmethod
+    def stack_out(parts: list[Weights]) -> Weights:
+        """One weight whose output rows are `parts`' rows in order (same input, one GEMM instead
+        of several: x . W^T = [x . W_0^T, x . W_1^T, ...] along N). Single FP8 or plain matrices
+        of one K; FP8 parts need N % 32 == 0 so their 32x32 scale tiles stay whole."""
+        if not parts:
+            raise ValueError("stack_out: no weights")
+        first = parts[0]
+        for i, w in enumerate(parts):
+            if w.num_experts != 1 or w.fmt != first.fmt or w.in_dim != first.in_dim or \
+                    w.data.dtype != first.data.dtype:
+                raise ValueError(f"stack_out: part {i} is not a single matrix of the first "
+                                 f"part's format and K ({first.in_dim})")
+            if w.fmt == W_MXFP4:
+                raise ValueError("stack_out: FP8 or plain weights only")
+            if w.fmt == W_FP8 and w.out_dim % 32:
+                raise ValueError(f"stack_out: FP8 part {i} has N={w.out_dim}, not a multiple "
+                                 "of the 32-row scale tile")
+        data = torch.cat([w.data for w in parts], dim=1)
+        scale = torch.cat([w.scale for w in parts], dim=1) if first.fmt == W_FP8 else None
+        return Weights(first.fmt, data, scale)
+
 
 @dataclass(frozen=True)
 class TileSchedule:

@@ -236,3 +236,23 @@ def test_fit_block_n_halves_the_n_block_of_small_weights_only(monkeypatch):
         torch.float8_e4m3fn), small.scale[0]))
     torch.testing.assert_close(dt.linear_weights(x, small, torch.float32), want, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_stacked_weights_give_each_part_its_rows():
+    """Weights.stack_out: one GEMM over [W_0; W_1] returns x . W_0^T and x . W_1^T side by side;
+    a part of N % 32 != 0 (FP8) or of another K is refused."""
+    g = torch.Generator().manual_seed(60)
+    raw = [torch.randn(64, 96, generator=g), torch.randn(32, 96, generator=g)]
+    q = [qref.quantize_fp8_blockwise(r) for r in raw]
+    both = dt.Weights.stack_out([dt.Weights.fp8(*qs) for qs in q])
+    assert (both.out_dim, both.in_dim, tuple(both.scale.shape)) == (96, 96, (1, 3, 3))
+    x = _x(t=3, seed=61)
+    want = torch.cat([dref.linear_fp32(x, qref.dequantize_fp8_blockwise(*qs)) for qs in q], 1)
+    torch.testing.assert_close(dt.linear_weights(x, both, torch.float32), want, rtol=1e-5,
+                               atol=1e-5)
+    odd = dt.Weights.fp8(*qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=g)))
+    with pytest.raises(ValueError, match="N=40"):
+        dt.Weights.stack_out([odd, odd])
+    with pytest.raises(ValueError, match="part 1"):
+        dt.Weights.stack_out([dt.Weights.fp8(*q[0]), dt.Weights.fp8(
+            *qref.quantize_fp8_blockwise(torch.randn(32, 64, generator=g)))])
