@@ -1,6 +1,7 @@
 """Offline (no GPU) compile report of the FP8 decode GEMM launches for Hopper (sm_90).
 
-    python -m flashpd.bench.dense_fp8_sass [--variants new f8_deq ...] [--m 1 64] [--out F]
+    python -m flashpd.bench.dense_fp8_sass [--variants new f8_deq ...] [--try JSON ...]
+                                           [--layers wq_b ...] [--m 1 64] [--out F]
 
 For each gemm_decode variant (its dense CONFIG overrides) and each bench-preset FP8 layer (wq_a,
 wq_b, wkv, wo_a block-diagonal G=8, wo_b, idx_wq_b, the shared expert's SwiGLU and down GEMMs)
@@ -24,6 +25,7 @@ No timing: these are the cheap facts that decide which variants earn H200 time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -171,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                              if "fp8" in kinds and (v == "new" or v.startswith("f8_deq"))])
     ap.add_argument("--layers", nargs="*", default=list(LAYERS))
     ap.add_argument("--m", nargs="*", type=int, default=[1, 64])
+    ap.add_argument("--try", dest="tries", nargs="*", default=[], metavar="JSON",
+                    help='ad-hoc CONFIG["skinny"] overrides, e.g. \'{"block_n": 256}\'')
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
+    variants = {v: gemm_decode.VARIANTS[v][0] for v in args.variants}
+    variants.update({t: {"skinny": json.loads(t)} for t in args.tries})
     lines = ["| variant | layer | M | programs | warps/stages | regs | stack B | smem KiB | mma "
              "| loop i/B |", "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    for v in args.variants:
-        overrides = gemm_decode.VARIANTS[v][0]
+    for v, overrides in variants.items():
         for layer in args.layers:
             for m in args.m:
                 try:

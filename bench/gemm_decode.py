@@ -72,6 +72,8 @@ for _name, _tiles in (
                                            "over16": {"block_n": 128, "swap": False}}),
         ("f8_deq_bn256_r4_o16bn128", {**_D, "block_n": 256, "red_unroll": 4,
                                       "fit_block_n": True, "over16": {"block_n": 128}}),
+        ("f8_deq_swap_bn128_r4_o16noswap", {**_D, "swap": True, "block_n": 128, "red_unroll": 4,
+                                            "fit_block_n": True, "over16": {"swap": False}}),
         ("f8_deq_s6_o16r4", {**_D, **_O, "stages": 6}),
         ("f8_deq_t528_o16r4", {**_D, **_O, "target_ctas": 528}),
         ("f8_deq_t132_o16r4", {**_D, **_O, "target_ctas": 132}),

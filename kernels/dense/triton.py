@@ -72,8 +72,8 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                all SPLIT at once, unrolled: up to 255 registers and spills at 64-row tiles);
 #                deq (FP8 sub-steps): "f32" (FP32 multiply + pack) or "bf16" (one BF16x2
 #                multiply per two values, fewer instructions per weight byte);
-#                fit_block_n: halve block_n (to >= 32) for weights whose finest split still
-#                leaves the grid under target_ctas (small N: wkv, wq_a);
+#                fit_block_n: halve block_n (to >= 32; 64 with swap) for weights whose finest
+#                split still leaves the grid under target_ctas (small N: wkv, wq_a);
 #                over16: overrides (block_n, warps, stages, swap) for split-K launches with
 #                row tiles above 16 (the K step and the split plan stay the format's)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
@@ -1045,8 +1045,8 @@ def _no_schedule(device: torch.device) -> TileSchedule:
 
 def _tiles(w: Weights) -> dict:
     """The split-K tiles of w's format (MXFP4 "mx", FP8 "skinny", plain "plain"). With
-    fit_block_n, the N block halves (down to 32) while even the finest split (chunks of
-    min_k_chunk) leaves the grid under the target: a function of w's shape only."""
+    fit_block_n, the N block halves (down to 32; 64 with swap) while even the finest split
+    (chunks of min_k_chunk) leaves the grid under the target: a function of w's shape only."""
     tiles = CONFIG["mx" if w.fmt == W_MXFP4 else "skinny" if w.fmt == W_FP8 else "plain"]
     if tiles.get("fit_block_n", False):
         target = tiles.get("target_ctas", CONFIG["target_ctas"])
@@ -1054,7 +1054,8 @@ def _tiles(w: Weights) -> dict:
             w.num_experts
         finest = max(1, w.in_dim // CONFIG["min_k_chunk"])
         bn = tiles["block_n"]
-        while bn > 32 and triton.cdiv(w.out_dim, bn) * experts * finest < target:
+        floor = 64 if tiles.get("swap", False) else 32  # swap: wgmma's 64-row operand
+        while bn > floor and triton.cdiv(w.out_dim, bn) * experts * finest < target:
             bn //= 2
         if bn != tiles["block_n"]:
             tiles = {**tiles, "block_n": bn}

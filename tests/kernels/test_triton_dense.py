@@ -231,6 +231,9 @@ def test_fit_block_n_halves_the_n_block_of_small_weights_only(monkeypatch):
     big = dt.Weights.fp8(*qref.quantize_fp8_blockwise(torch.randn(1024, 96, generator=g)))
     assert dt._tiles(small)["block_n"] == 32  # 1 or 2 blocks x 3 chunks < 12: down to the floor
     assert dt._tiles(big)["block_n"] == 256  # 4 blocks x 3 chunks = 12
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "swap": True})
+    assert dt._tiles(small)["block_n"] == 64  # swap: wgmma's 64-row operand is the floor
+    monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "swap": False})
     x = _x(t=3, seed=51)
     want = dref.linear_fp32(x, qref.dequantize_fp8_blockwise(small.data[0].view(
         torch.float8_e4m3fn), small.scale[0]))
