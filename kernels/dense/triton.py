@@ -65,7 +65,7 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                split-K grid; the routed experts' pairs above it walk K segments); swap
 #                (FP8 / plain: acc^T += W . A^T, the dequantised W the MMA's register operand:
 #                wgmma m64nBMk16 on Hopper instead of mma.sync m16n8k16 at BLOCK_M = 16);
-#                pdl (GPU): programmatic dependent launch, the first pdl_lines 128-byte lines
+#                pdl (GPU, FP8): programmatic dependent launch, the first pdl_lines 128-byte lines
 #                of each program's weight rows prefetched into L2 before waiting for the
 #                previous kernel (schedule-free launches);
 #                red_unroll: the split-K reduction loads this many partials at a time (0:
@@ -972,15 +972,16 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
     sched = schedule if schedule is not None else _NO_SCHEDULE.get(a.device) or \
         _no_schedule(a.device)
-    # pdl (GPU, FP8 / plain): launched as a programmatic dependent launch; the kernel lets the
-    # next one start, prefetches its first weight lines, then waits for the previous grid
+    # pdl (GPU, FP8): launched as a programmatic dependent launch; the kernel lets the next one
+    # start, prefetches its first weight lines (one byte per K column), then waits for the
+    # previous grid
     launch = triton_runtime.launch_options()
-    pdl = bool(tiles.get("pdl", False)) and w.fmt != W_MXFP4 and not DOT_UPCAST
+    pdl = bool(tiles.get("pdl", False)) and w.fmt == W_FP8 and not DOT_UPCAST
     pf_lines = 0
     if pdl:
         launch = {**launch, "launch_pdl": True}
         span = chunk if small else k_dim
-        pf_lines = min(triton.next_power_of_2(triton.cdiv(span * w.data.element_size(), 128)),
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(span, 128)),
                        int(tiles.get("pdl_lines", 4)))
     SPLITK_KERNEL[grid](
         a, a.stride(0), a_rows if a_rows is not None else sched.start, out, out.stride(0),
