@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
-#   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]   PHASES: "check measure"
+#   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
+#   PHASES: any of "check moe dense measure" (default "check measure"); moe and dense time the
+#   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
 # (the routed-expert bounds, FLASHPD_MOE_GEMV_MAX_ROWS / FLASHPD_MOE_SWAPAB_MAX_TOKENS, come from
@@ -39,6 +41,28 @@ timeout 60 python -m flashpd.bench.sampler_bench --batch 1 64
 echo "== verify-kernels ($(left) s left)"
 timeout 90 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -40
 gpu_tests 10
+fi
+if has moe; then  # variants built without a GPU run: MoE sizes, mHC, router / sort
+echo "== swap-AB experts at 1-16 tokens ($(left) s left)"
+timeout 130 python -m flashpd.bench.moe_swapab_check --out "$OUT" --ms 1 2 4 8 16 --budget-s 100
+echo "== mHC variants ($(left) s left)"
+timeout 140 python -m flashpd.bench.mhc_bench --no-prefill-variants --big 4096 --out "$OUT"
+echo "== pair sort ($(left) s left)"
+timeout 60 python -m flashpd.bench.moe_route_bench --sort-only --out "$OUT"
+fi
+if has dense; then  # FP8 decode GEMM variants (dense_fp8.md), prefill attention V split
+echo "== FP8 decode GEMM variants ($(left) s left)"
+timeout 200 python -m flashpd.bench.gemm_decode --out "$OUT" --kinds fp8 --warm-procs 15 \
+    --warm-timeout-s 80 --budget-s 150 --variants new f8_deq_swap_bn256_r4_o16bn128 \
+    f8_deq_swap_bn128_r4_o16noswap f8_deq_bn256_r4_o16bn128 f8_deq_o16r4 \
+    f8_deq_swap_bn128_o16r4 f8_deq_bn128_o16r4 f8_deq_swap_o16r4 f8_deq f8_deq_pdl_o16r4 \
+    f8_deq_t528_o16r4 f8_deq_t132_o16r4 f8_deq_s6_o16r4 f8_deq_swap_bn128_pdl_o16r4 \
+    f8_deq_o16r4w8
+echo "== attention V split ($(left) s left)"
+timeout 150 python -m flashpd.bench.attention_bench --prefill-t 8192 --jobs 8 --budget-s 95 \
+    --variants default heads_bn64 vsplit_bn32_w4 vsplit_bn16_w4 vsplit_bn64_w4 vsplit_bn32_w8 \
+    vsplit_bn16_w8 vsplit_bn64_w8 --verify vsplit_bn32_w4 vsplit_bn32_w8 \
+    --out "$OUT/attn_vsplit.json"
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
