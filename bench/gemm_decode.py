@@ -80,8 +80,16 @@ for _name, _tiles in (
         ("f8_deq_pdl_o16r4", {**_D, **_O, "pdl": True}),
         ("f8_deq_swap_bn128_pdl_o16r4", {**_D, **_O, "swap": True, "block_n": 128, "pdl": True}),
         ("f8_deq_o16r4w8", {**_D, "over16": {"red_unroll": 4, "warps": 8}}),
+        # confirmation run: the first run's best split (M <= 16 as f8_deq, M = 64 as
+        # f8_deq_swap_o16r4) and its neighbours, with new and the candidate timed twice
+        ("f8_deq_o16r4swap", {**_D, "over16": {"red_unroll": 4, "swap": True}}),
+        ("f8_deq_o16r8swap", {**_D, "over16": {"red_unroll": 8, "swap": True}}),
+        ("f8_deq_o16swap", {**_D, "over16": {"swap": True}}),
+        ("f8_o16r4swap", {"over16": {"red_unroll": 4, "swap": True}}),
+        ("f8_deq_o16r4swap_again", {**_D, "over16": {"red_unroll": 4, "swap": True}}),
 ):
     VARIANTS[_name] = ({"skinny": _tiles}, ("fp8",), _ALL)
+VARIANTS["new_again"] = ({}, ("fp8",), None)  # the defaults again (run-to-run spread)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
