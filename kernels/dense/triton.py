@@ -19,8 +19,9 @@ first, as moe.ref.expert_ffn does, then rounded to the output dtype).
 Batch invariance (dense/ref.py): block sizes along K never depend on the number of rows, and
 the split of K into chunks (`_plan`: split-K for decode, the same chunks walked in order for
 larger GEMMs) depends on the weight's shape only, so a row's result does not depend on how many
-rows share the call (up to the tensor-core instruction the compiler picks per tile size). The
-exception is opt-in by size: FP8 GEMMs without a row gather (one weight, a SwiGLU pair, or
+rows share the call (up to the tensor-core instruction the compiler picks per tile size; FP8
+64-row split-K tiles, 33-64 rows per weight, run the swapped wgmma of CONFIG["skinny"]["m64"]).
+The exception is opt-in by size: FP8 GEMMs without a row gather (one weight, a SwiGLU pair, or
 block-diagonal groups) of >= CONFIG["cublas_min_rows"] rows per weight (prefill) run cuBLAS on
 the weights dequantised to BF16, which sums in its own order.
 BF16 x BF16 products are exact in FP32, so `tl.dot` with FP32 accumulation is the ref's FP32
@@ -74,8 +75,10 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #                multiply per two values, fewer instructions per weight byte);
 #                fit_block_n: halve block_n (to >= 32; 64 with swap) for weights whose finest
 #                split still leaves the grid under target_ctas (small N: wkv, wq_a);
-#                over16: overrides (block_n, warps, stages, swap) for split-K launches with
-#                row tiles above 16 (the K step and the split plan stay the format's)
+#                m64: overrides (block_n, warps, stages, swap, red_unroll) for split-K
+#                launches with 64-row tiles, 33-64 rows per weight (the K step and the split
+#                plan stay the format's); FP8 default: swap + red_unroll 4 (H200, per-layer FP8
+#                sum at M = 64: 242.5-243.5 -> 225.6-227.6 us, bench/results/h200/dense_fp8.md)
 #   target_ctas  programs a split-K launch aims for; min_k_chunk: the smallest K chunk
 #   expert_tiles active experts a grouped MXFP4 weight's split plans for (decode: top-k)
 #   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU); "asm": PTX bit moves + one bf16x2
@@ -90,7 +93,8 @@ _BLOCK_K = 64  # the legacy kernel's K step
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
 CONFIG = {"path": "splitk", "small_rows": 64,
-          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
+          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4,
+                     "m64": {"swap": True, "red_unroll": 4}},
           "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024,
                  "max_rows": 64},
           "plain": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
@@ -953,8 +957,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
                 schedule, a_rows = _explicit_schedule(rows, groups, block_m, a.device)
             return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
     step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
-    if small and block_m > 16 and "over16" in tiles:  # larger decode row tiles: own launch shape
-        tiles = {**tiles, **tiles["over16"]}
+    if small and block_m >= 64 and "m64" in tiles:  # 64-row decode tiles: their own launch
+        tiles = {**tiles, **tiles["m64"]}
     # swap (FP8 / plain): on the K-segment path too, so a row's sums match the split-K grid's
     swap = bool(tiles.get("swap", False)) and w.fmt != W_MXFP4 and not tiles.get("wide", False)
     if not small:

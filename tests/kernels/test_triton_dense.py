@@ -179,8 +179,8 @@ def test_k_step_bodies_match_reference(monkeypatch, fmt, body, k):
 
 def test_swapped_operands_and_row_tile_overrides_keep_each_row_sum(monkeypatch):
     """swap (acc^T += W . A^T) computes the unswapped tile's sums (under the interpreter bit for
-    bit, by construction); over16 launch overrides (N block, warps, stages, swap for row tiles
-    above 16) apply to 40 rows only and keep the split plan."""
+    bit, by construction); m64 launch overrides (N block, warps, stages, swap for 64-row tiles)
+    apply to 40 rows only and keep the split plan."""
     _force_split(monkeypatch)
     g = torch.Generator().manual_seed(30)
     q, s = qref.quantize_fp8_blockwise(torch.randn(96, 96, generator=g))
@@ -191,11 +191,11 @@ def test_swapped_operands_and_row_tile_overrides_keep_each_row_sum(monkeypatch):
     plan = dt._plan(w)
     monkeypatch.setitem(dt.CONFIG, "skinny", {
         **dt.CONFIG["skinny"], "swap": True,
-        "over16": {"block_n": 32, "warps": 8, "stages": 2, "swap": False}})
+        "m64": {"block_n": 32, "warps": 8, "stages": 2, "swap": False}})
     assert dt._plan(w) == plan
     assert torch.equal(dt.linear_weights(x[3:4], w, torch.float32), plain[0])  # swapped
     torch.testing.assert_close(dt.linear_weights(x, w, torch.float32), plain[1], rtol=1e-6,
-                               atol=1e-6)
+                               atol=1e-6)  # 40 rows: 64-row tile, m64 overrides
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
