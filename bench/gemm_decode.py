@@ -2,6 +2,7 @@
 MXFP4 routed experts at the bench preset's shapes, per launch configuration.
 
     python -m flashpd.bench.gemm_decode --out DIR [--variants new mx_ds ...] [--budget-s S]
+                                        [--kinds fp8] [--warm-procs N] [--pick [--verify]]
 
 Cases (M = 1, 8, 64 tokens), built with bench/kernel_roofline.py's helpers:
     fp8_dense          wq_a, wq_b, wkv, wo_a (block-diagonal, as the GPU forward), wo_b,
