@@ -46,9 +46,9 @@ from flashpd.model.presets import preset_config
 
 PLANS = {
     "bench": dict(contexts=(8192, 32768, 131072), decode_context=8192, batches=(1, 8, 64),
-                  turn=64, decode_steps=8, chunk=8192),
+                  turn=64, decode_steps=8, chunk=8192, sampled_batches=(64,)),
     "smoke": dict(contexts=(256,), decode_context=256, batches=(1, 2), turn=8, decode_steps=2,
-                  chunk=256),
+                  chunk=256, sampled_batches=(2,)),
 }
 
 
@@ -146,18 +146,24 @@ def ttft(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
     return rows
 
 
-def decode(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the drawing decode rows' parameters
+
+
+def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None = None,
+           batches=None) -> list[dict]:
+    """Decode ms/step per batch (greedy, or `sampling`'s SamplingParams fields)."""
     cfg = engine.model.cfg
+    tag = "s" if sampling else "d"
     prefix = _prompt(plan["decode_context"], 300, vocab)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.add_request("prefix", prefix, params)
-    _until_first_token(engine, "prefix")
+    engine.add_request(f"prefix_{tag}", prefix, params)
+    _until_first_token(engine, f"prefix_{tag}")
     _finish(engine, [])
     copy_gbps = gpu_floor.measure_copy_gbps()
     rows = []
-    for batch in plan["batches"]:
-        long = SamplingParams(max_tokens=10_000, ignore_eos=True)
-        rids = [f"d{batch}_{b}" for b in range(batch)]
+    for batch in plan["batches"] if batches is None else batches:
+        long = SamplingParams(max_tokens=10_000, ignore_eos=True, **(sampling or {}))
+        rids = [f"{tag}{batch}_{b}" for b in range(batch)]
         for b, rid in enumerate(rids):
             engine.add_request(rid, prefix + _prompt(16, 1000 + b, vocab), long)
         t0 = time.perf_counter()
@@ -186,8 +192,9 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
         floor_ms = (floor["weights"] + floor["kv"]) / (copy_gbps * 1e9) * 1e3
         row = {"batch": batch, "step_ms": ms, "tok_s": batch / (ms * 1e-3),
                "floor_ms": floor_ms, "x_floor": ms / floor_ms, "admit_s": admit_s,
-               "copy_GBps": copy_gbps, "host_ms": host_ms}
-        log(f"decode B={batch}: {ms:.1f} ms/step ({row['tok_s']:.0f} tok/s), floor "
+               "copy_GBps": copy_gbps, "host_ms": host_ms, "sampling": sampling or "greedy"}
+        log(f"decode B={batch} ({row['sampling']}): {ms:.1f} ms/step ({row['tok_s']:.0f} tok/s), "
+            f"floor "
             f"{floor_ms:.2f} ms ({row['x_floor']:.0f}x), host {host_ms} ms/step, admission "
             f"{admit_s:.1f} s")
         rows.append(row)
@@ -261,6 +268,10 @@ def render(payload: dict) -> str:
         host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.1f}"
         lines.append(f"| {r['batch']} | {r['step_ms']:.1f} | {host} | {r['tok_s']:.0f} | "
                      f"{r['floor_ms']:.2f} | {r['x_floor']:.0f}x |")
+    for r in payload.get("decode_sampled", []):
+        host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.1f}"
+        lines.append(f"| {r['batch']}, drawing ({r['sampling']}) | {r['step_ms']:.1f} | {host} | "
+                     f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['x_floor']:.0f}x |")
     if payload.get("first_request_ms") is not None:
         lines += ["", f"First request after load (model built in {payload['build_s']:.1f} s, "
                   f"kernels warmed): first token {payload['first_request_ms']:.0f} ms "
@@ -328,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = sum(gpu_floor.encoder_prefill_flops(cfg, r["context"]).values())
         r["mfu"] = flops / (r["cold_ttft_ms"] * 1e-3) / (gpu_floor.PEAK_BF16_TFLOPS * 1e12)
     payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
+    payload["decode_sampled"] = decode(engine, plan, cfg.vocab_size, log, SAMPLED,
+                                       plan["sampled_batches"])
     payload["notes"] = [
         "Cold TTFT runs the encoder path on every prompt row and the decoder layers on the last "
         "128 rows (decoder narrowing, bounded replay's colocated form); MFU counts the "
@@ -340,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler + host-side tables + one CUDA-graph replay of the engine's forward "
         "(GpuModel.compute captured by engine/gpu/decode_graph.py; batch padded to the next "
         "power of two) + the "
-        "bookkeeping after it + greedy sampling on the device (one host copy). Host ms/step: "
+        "bookkeeping after it + sampling on the device (one host copy; greedy, and the "
+        "'drawing' rows: temperature 0.8, top-p 0.95). Host ms/step: "
         "that wall time minus the replay's GPU time (CUDA events around the replay).",
         "Cold and hit prefills run eagerly (one Triton launch per kernel, no graph); the index "
         "scoring is one paged launch per index layer for the whole batch.",
