@@ -72,4 +72,5 @@ echo "== profile ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.gpu_profile --batch 1 64 --steps 2 \
     --prefill 8192 --out "$OUT" > "$OUT/profile_log.txt" 2>&1
 tail -5 "$OUT/profile_log.txt"
+if [ -n "${TCACHE_OUT:-}" ]; then tar czf "$OUT/tcache.tgz" -C ~/.triton cache; fi  # next call's
 echo "== done ($(left) s left)"
