@@ -52,7 +52,8 @@ ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 GEMV = True
 GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "4"))
 _ROUTER_BLOCK_T = 16
-ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120
+ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120 (at most: router_block_k)
+_ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
 
 
 # ============================================================================ fused router
@@ -154,6 +155,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
         return ids, weights
     e_pad = triton.next_power_of_2(num_experts)
     n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
+    block_k = router_block_k(num_experts)
     chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
     partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
     w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
@@ -162,10 +164,20 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
         _counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
         1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
-        E_PAD=e_pad, BLOCK_K=ROUTER_BLOCK_K, SPLIT=ROUTER_SPLIT,
+        E_PAD=e_pad, BLOCK_K=block_k, SPLIT=ROUTER_SPLIT,
         IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST, NORMALIZE=normalize,
         num_warps=8, num_stages=3, **triton_runtime.launch_options())
     return ids, weights
+
+
+def router_block_k(num_experts: int) -> int:
+    """The router's K step: ROUTER_BLOCK_K, smaller for many experts so that a pipeline stage's
+    gate tile [E_PAD, BLOCK_K] BF16 stays within _ROUTER_TILE_BYTES (the released 384 experts
+    pad to 512: K step 32; at 128 it asked 264 KB of shared memory, over the H200's 227 KB).
+    A function of the gate's shape only (batch invariance); it divides ROUTER_BLOCK_K, so the
+    K chunks of the slices stay the same."""
+    e_pad = triton.next_power_of_2(num_experts)
+    return max(16, min(ROUTER_BLOCK_K, _ROUTER_TILE_BYTES // (2 * e_pad)))
 
 
 def _check_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.moe import ref as mref
@@ -150,3 +151,22 @@ def test_combine_sums_in_pos_order_adds_shared_and_rounds_once():
     assert torch.equal(mt.combine(y, pos, None, torch.float32), want)
     assert torch.equal(mt.combine(y, pos, shared, torch.bfloat16),
                        (want + shared.float()).bfloat16())
+
+
+def test_router_k_step_keeps_the_gate_tile_in_shared_memory():
+    """Many experts take a smaller K step (the released 384 pad to 512: a [512, 128] BF16 tile
+    per pipeline stage asked 264 KB of shared memory on the H200); the step divides the
+    default, so every slice's K chunk is unchanged."""
+    steps = {e: mt.router_block_k(e) for e in (8, 64, 128, 256, 384, 1024)}
+    assert steps[64] == steps[128] == mt.ROUTER_BLOCK_K
+    for e, k in steps.items():
+        assert mt.ROUTER_BLOCK_K % k == 0 and k >= 16
+        assert triton.next_power_of_2(e) * k * 2 <= 32 * 1024 or k == 16
+
+
+def test_route_with_the_released_expert_count_matches_the_reference():
+    x, w, bias = _router(t=5, d=64, e=384, seed=3)
+    ids, gam = mt.route(x, w, bias, 6, 2.5)
+    rids, rgam = mref.route(x, w, bias, 6, 2.5)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(gam, rgam, rtol=1e-5, atol=1e-6)
