@@ -31,6 +31,7 @@ from flashpd.model.presets import preset_config
 GROUPS = (  # kernel-name fragment -> what it is (first match wins)
     ("grouped_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("gemv", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("swapab", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("cutlass", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
     ("nvjet", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
     ("_dequant", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
