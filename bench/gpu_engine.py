@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the encoder-path prefill (no warm-up, TTFT or decode)")
+    ap.add_argument("--ttft-only", action="store_true",
+                    help="only the cold and hit TTFT at the decode context (after the warm-up)")
     ap.add_argument("--summary", action="store_true",
                     help="everything, first request after load included; writes summary.json")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
@@ -323,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.prefill_only:
         payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
+    if args.ttft_only:
+        payload["ttft"] = ttft(engine, dict(plan, contexts=(plan["decode_context"],)),
+                               cfg.vocab_size, log)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "engine_ttft.json"), "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
     flops = sum(gpu_floor.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())
     payload["prefill"]["mfu"] = flops / payload["prefill"]["seconds"] / (

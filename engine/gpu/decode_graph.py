@@ -10,8 +10,10 @@ whose tensors are static buffers. Per call:
     graph   the key-row tables expanded from the block table, the forward -> logits [bucket, V]
     after   `GpuModel.commit`: window records scratch -> ring, new open rows, the books
 
-Eligible: plain decode (every sequence adds one token, last-row logits, no replay) and a bounded
-replay of one sequence over exactly W rows without logits. Everything the graph writes into the
+Eligible: plain decode (every sequence adds one token, last-row logits, no replay), a bounded
+replay of one sequence over exactly W rows without logits, and a turn: one sequence adding 2..W
+rows through all layers with last-row logits (a new turn after a prefix hit, a short prompt),
+padded to the next bucket (GRAPH_TURNS; the rows are otherwise thousands of eager launches). Everything the graph writes into the
 pools is a function of the buffers alone (scratch rows, entry rows), so the warm-up runs before a
 capture may repeat it; the writes that would not be idempotent (ring copies, open rows) happen
 in the commit. Padding rows read nothing and write only scratch rows.
@@ -22,6 +24,8 @@ in the commit. Padding rows read nothing and write only scratch rows.
 from __future__ import annotations
 
 import copy
+import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KEY_WIDTH_STEP = 1024  # key-row tables are padded to a multiple of this (fewer captures)
+GRAPH_TURNS = os.environ.get("FLASHPD_GRAPH_TURNS", "1") != "0"  # turns of <= W rows as graphs
+log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
@@ -45,12 +51,13 @@ class DecodeGraphs:
         self._graphs: dict[tuple, tuple[object, Step]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_captures = 0
+        self._failed_turns = False
         self.time_replays = False  # CUDA events around each replay (benchmarks: host vs GPU)
         self._events: tuple | None = None
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
-        return self._decode(seqs) or self._replay(seqs)
+        return self._decode(seqs) or self._replay(seqs) or self._turn(seqs)
 
     def _decode(self, seqs: Sequence[SeqInput]) -> bool:
         """Plain decode: one token per sequence, last-row logits, no replay."""
@@ -70,19 +77,43 @@ class DecodeGraphs:
                 and plan.decoder_rows is None and plan.logits is LogitsRequest.NONE
                 and isinstance(inp.state, PagedSeqState))
 
+    def _turn(self, seqs: Sequence[SeqInput]) -> bool:
+        """One sequence adding 2..W rows through all layers, last-row logits, no replay."""
+        if not GRAPH_TURNS or len(seqs) != 1 or self._failed_turns:
+            return False
+        inp = seqs[0]
+        plan = inp.plan
+        return (plan.replay is None and 1 < inp.num_tokens <= self.cfg.sliding_window
+                and plan.decoder_rows is None and plan.logits is LogitsRequest.LAST
+                and isinstance(inp.state, PagedSeqState)
+                and inp.start_pos == inp.state.num_tokens)
+
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def run(self, token_ids: torch.Tensor,
             seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
         model = self.model
         decode = self._decode(seqs)
-        rows = next(b for b in BUCKETS if b >= len(seqs)) if decode else seqs[0].num_tokens
-        step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP)
+        turn = not decode and self._turn(seqs)
+        if decode or turn:
+            rows = next(b for b in BUCKETS if b >= (len(seqs) if decode else seqs[0].num_tokens))
+        else:
+            rows = seqs[0].num_tokens
+        step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP,
+                             pad_logits=decode)
         tables = step.tables
-        key = (decode, rows, tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
+        key = (decode, turn, rows,
+               tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
                tables.window_rows.shape[0], tuple(sorted(tables.key_width.items())))
         if key not in self._graphs:
-            self._graphs[key] = self._build(step)
+            try:
+                self._graphs[key] = self._build(step)
+            except Exception:  # noqa: BLE001 - a turn that cannot be captured runs eagerly
+                if not turn:
+                    raise
+                log.exception("turn graph capture failed; turns run eagerly from now on")
+                self._failed_turns = True
+                return model.forward_eager(token_ids, seqs)
         graph, static, nbytes = self._graphs[key]
         if step.buffer is not None and step.input_bytes == nbytes:
             static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy

@@ -167,14 +167,21 @@ class GpuModel(Model):
             return self.graphs.run(token_ids, seqs)
         return super().forward(token_ids, seqs)
 
+    def forward_eager(self, token_ids: torch.Tensor,
+                      seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+        """The forward without graphs (a call the graphs could not take)."""
+        return super().forward(token_ids, seqs)
+
     # ------------------------------------------------------------------ the step's tables
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,
-                key_width_step: int = 0) -> Step:
+                key_width_step: int = 0, pad_logits: bool = True) -> Step:
         """`Model.prepare` + pool row tables, all built on the host and moved to the device in
         one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
         run on every row to that many rows (padding rows read nothing and write only scratch
         rows); key_width_step: round key-table widths up to a multiple of it (fewer graph
-        shapes)."""
+        shapes); pad_logits: padding rows get logits too (a decode bucket), else only the
+        step's own logit rows and `pad_to` key-table rows whatever the padding (a padded
+        turn: one graph per bucket, not per row count)."""
         for inp in seqs:
             if not isinstance(inp.state, PagedSeqState):
                 raise TypeError("the GPU forward runs on PagedSeqState (engine KV pools)")
@@ -185,9 +192,9 @@ class GpuModel(Model):
                              f"{pools.window.shape[1] - pools.scratch_base} window scratch rows")
         step = super().prepare(token_ids, seqs, device=torch.device("cpu"))
         if pad_to > token_ids.shape[0]:
-            self._pad(step, pad_to)
-        step.tables = TableBuilder(self.cfg, pools, step, key_width_step,
-                                   self.layer_kinds).build()
+            self._pad(step, pad_to, pad_logits)
+        step.tables = TableBuilder(self.cfg, pools, step, key_width_step, self.layer_kinds,
+                                   min_tables=0 if pad_logits else pad_to).build()
         inputs, commit = step.tensors(), step.tables.commit_tensors()
         step.buffer, moved, offsets = self.pack.upload(inputs + commit)
         step.input_bytes = offsets[len(inputs)]  # the commit's tensors come after the inputs
@@ -195,7 +202,9 @@ class GpuModel(Model):
         step.tables.set_commit_tensors(moved[len(inputs):])
         return step
 
-    def _pad(self, step: Step, num_rows: int) -> None:
+    def _pad(self, step: Step, num_rows: int, logits: bool = True) -> None:
+        """Padding rows after the step's rows; logits: every row's (a decode bucket), else the
+        step's logit rows stay as they are (a padded turn: its last real row)."""
         pad = num_rows - step.token_ids.shape[0]
         step.token_ids = torch.cat((step.token_ids, step.token_ids.new_zeros(pad)))
         done: dict[int, LayerRows] = {}  # kinds sharing rows share the padded ones
@@ -206,7 +215,8 @@ class GpuModel(Model):
             step.rows[key] = p if p.key == key else p.relabel(key)
         step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1])))
                          for k, v in step.hash_ids.items()}
-        step.logit_rows = torch.arange(num_rows, device=step.token_ids.device)
+        if logits:
+            step.logit_rows = torch.arange(num_rows, device=step.token_ids.device)
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The key-row tables expanded on the device (inside a captured graph), the layers."""

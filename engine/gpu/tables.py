@@ -97,11 +97,13 @@ class TableBuilder:
     """Host-side construction of `PagedTables` (vectorised over rows, once per row layout)."""
 
     def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int,
-                 kinds: dict[tuple[bool, bool], tuple[int, ...]]):
-        """kinds: rows kind -> its layers (`GpuModel.layer_kinds`)."""
+                 kinds: dict[tuple[bool, bool], tuple[int, ...]], min_tables: int = 0):
+        """kinds: rows kind -> its layers (`GpuModel.layer_kinds`); min_tables: at least this
+        many key-table rows (the ones past the segments' and padding rows' are empty)."""
         self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
         self.num_rows = step.token_ids.shape[0]
-        self.num_tables = len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs)
+        self.num_tables = max(min_tables, len(step.segs) + self.num_rows
+                              - sum(s.num_tokens for s in step.segs))
         self.width_step = key_width_step
 
     def build(self) -> PagedTables:

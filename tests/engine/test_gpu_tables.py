@@ -339,3 +339,47 @@ def test_window_books_split_and_rejoin():
         s.window_span(3)
     with pytest.raises(StateError, match="unset"):
         s.note_windows(every, 0, 1)
+
+
+def test_turns_through_the_graph_path_equal_the_eager_forward():
+    """A turn (one sequence, 2..W rows, last-row logits) takes the graph path padded to its
+    bucket, one graph for every row count of the bucket: same logits, pools and books as the
+    eager forward (capture off: the same static buffers and padding run eagerly)."""
+    import copy
+
+    tiny = preset_config("tiny")
+    cfg = tiny.replace(name="turns", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
+    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, torch.device("cpu")),
+                                      torch.device("cpu"))
+    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
+                     decode_graphs=False)
+    prompt = _ids(30, 3)
+    base = KVPools(cfg, 8, 2, "cpu", window_scratch_rows=64)
+    a = PagedSeqState(base, 0, [0, 1], torch.bfloat16)
+    model.forward(torch.tensor(prompt[:13]), [SeqInput(a, 0, 13)])
+    runs = []
+    for graphs in (False, True):
+        model.graphs = DecodeGraphs(model, capture=False) if graphs else None
+        pools, (s,) = copy.deepcopy((base, [a]))
+        out = []
+        for start, n in ((13, 3), (16, 4)):  # both pad to the bucket of 4 rows
+            seqs = [SeqInput(s, start, n)]
+            if graphs:
+                assert model.graphs.eligible(seqs)
+            out += model.forward(torch.tensor(prompt[start:start + n]), seqs)
+        runs.append((out, pools, s, model.graphs))
+    model.graphs = None
+    (out_e, pools_e, se, _), (out_g, pools_g, sg, graphs) = runs
+    assert len(graphs._graphs) == 1  # one graph served both row counts
+    assert len(out_g) == 2 and all(lg.shape[0] == 1 for lg in out_g)
+    for le, lg in zip(out_e, out_g, strict=True):
+        assert torch.equal(le, lg)
+    assert torch.equal(pools_e.window[:, :pools_e.scratch_base],
+                       pools_g.window[:, :pools_g.scratch_base])
+    assert torch.equal(pools_e.open, pools_g.open)
+    for src in cfg.kv_source_layer_ids:
+        assert torch.equal(pools_e.main[src], pools_g.main[src])
+        assert torch.equal(pools_e.index[src], pools_g.index[src])
+    assert se.num_tokens == sg.num_tokens == 20 and se.lookback_ids() == sg.lookback_ids()
+    for layer in range(cfg.num_layers):
+        assert se.window_span(layer) == sg.window_span(layer)
