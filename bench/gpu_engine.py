@@ -357,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         "encoder-path FLOPs (bench/gpu_floor.py's law) against 790 TFLOP/s bf16.",
         "Hit TTFT: the L-token prefix comes from the prefix cache (chunk-aligned), the last 128 "
         "cached rows are replayed through all layers (a captured graph, one per key-table "
-        "width: the second of two hits is reported, the first includes the capture), then the "
-        "64-token turn runs eagerly.",
+        "width: the second of two hits is reported, the first includes the captures), then the "
+        "64-token turn (a captured graph per bucket and width since bb82f3a; eager before).",
         "Decode ms/step is the wall time of one engine.step() with every sequence decoding: "
         "scheduler + host-side tables + one CUDA-graph replay of the engine's forward "
         "(GpuModel.compute captured by engine/gpu/decode_graph.py; batch padded to the next "
