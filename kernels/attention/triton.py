@@ -373,6 +373,14 @@ def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU:
             UPCAST)
     s = mma(q_o, tl.trans(k_o), s, False, UPCAST)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
+    return _softmax_step(s, m_i, l_i, acc_e, acc_o, k_e, k_o, TAU, UPCAST)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, acc_e, acc_o, v_e, v_o, TAU: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one tile's scores s [BM, BN] (log2 units, masked to -inf) into the running max m,
+    sum l and the accumulators over the value halves (v_e | v_o); rescaled when some row's max
+    grows by more than TAU (see _attend_pairs)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if tl.max(m_new - m_i, axis=0) > TAU:
         alpha = tl.exp2(m_i - m_new)
@@ -382,9 +390,9 @@ def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU:
         m_i = m_new
     p = tl.exp2(s - m_i[:, None])
     l_i = l_i + tl.sum(p, axis=1)
-    p = p.to(k_e.dtype)
-    acc_e = mma(p, k_e, acc_e, False, UPCAST)
-    acc_o = mma(p, k_o, acc_o, False, UPCAST)
+    p = p.to(v_e.dtype)
+    acc_e = mma(p, v_e, acc_e, False, UPCAST)
+    acc_o = mma(p, v_o, acc_o, False, UPCAST)
     return m_i, l_i, acc_e, acc_o
 
 
@@ -540,18 +548,8 @@ def _vsplit_range(q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, pool_ptr, pool
         s = mma(q_eb, tl.trans(k_eb), s, False, UPCAST)
         s = mma(q_ob, tl.trans(k_ob), s, False, UPCAST)
         s = tl.where((rows >= 0)[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if tl.max(m_new - m_i, axis=0) > 0:  # as _attend_pairs with TAU = 0
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc_e = acc_e * alpha[:, None]
-            acc_o = acc_o * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        p = p.to(k_ea.dtype)
-        acc_e = mma(p, k_ea, acc_e, False, UPCAST)
-        acc_o = mma(p, k_oa, acc_o, False, UPCAST)
+        m_i, l_i, acc_e, acc_o = _softmax_step(s, m_i, l_i, acc_e, acc_o, k_ea, k_oa, 0.0,
+                                               UPCAST)  # exact rescale (TAU = 0)
     return m_i, l_i, acc_e, acc_o
 
 

@@ -324,6 +324,20 @@ def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, lim
         num_warps=cfg["warps"])
 
 
+def check_rows_call(x: torch.Tensor, pairs, experts, rows_per_tile: int,
+                    allowed: tuple[int, ...]) -> torch.Tensor:
+    """The checks every routed-expert `expert_rows` makes (tile rows one of `allowed` and the
+    schedule's, x [T, D] on the kernels' device); returns x with unit column stride."""
+    if rows_per_tile not in allowed or pairs.schedule.block_m != rows_per_tile:
+        raise ValueError(f"rows_per_tile {rows_per_tile} must be one of {allowed} and match "
+                         f"the schedule's block_m {pairs.schedule.block_m}")
+    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    triton_runtime.check_device(x, experts.w1.data)
+    return x
+
+
 def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int
                 ) -> torch.Tensor:
     """y [P, D] in x.dtype, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose
@@ -334,13 +348,7 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     if not eligible(experts, x.dtype):
         raise ValueError(f"gemv expert_rows reads MXFP4 experts and bf16/fp32 activations "
                          f"(got {x.dtype})")
-    if rows_per_tile not in (1, 2, 4) or pairs.schedule.block_m != rows_per_tile:
-        raise ValueError(f"rows_per_tile {rows_per_tile} must be 1, 2 or 4 and match the "
-                         f"schedule's block_m {pairs.schedule.block_m}")
-    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
-        raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    triton_runtime.check_device(x, experts.w1.data)
+    x = check_rows_call(x, pairs, experts, rows_per_tile, (1, 2, 4))
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
     inter = experts.w1.out_dim

@@ -60,6 +60,7 @@ from flashpd.kernels.dense.triton import (
     mma,
     swiglu_limited,
 )
+from flashpd.kernels.moe.gemv import check_rows_call
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
@@ -244,13 +245,7 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     if not eligible(experts, x.dtype):
         raise ValueError(f"swapab expert_rows reads MXFP4 experts (K % 32 == 0) and bf16 "
                          f"activations (got {x.dtype})")
-    if rows_per_tile not in (8, 16, 32) or pairs.schedule.block_m != rows_per_tile:
-        raise ValueError(f"rows_per_tile {rows_per_tile} must be 8, 16 or 32 and match the "
-                         f"schedule's block_m {pairs.schedule.block_m}")
-    if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
-        raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    triton_runtime.check_device(x, experts.w1.data)
+    x = check_rows_call(x, pairs, experts, rows_per_tile, (8, 16, 32))
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
     xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
