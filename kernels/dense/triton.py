@@ -394,7 +394,8 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
         a_odd = tl.load(a_base + 1, mask=amask, other=0.0)
         off = e64 * stride_we + n64[:, None] * stride_wn + gg * 16 + j[None, :]
         soff = e64 * stride_se + n64 * stride_sn + gg
-        s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+        smask = nmask & (kk < k_hi)  # a group past K: never read (past the scale tensor)
+        s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=smask, other=127))[:, None]
         b1 = tl.load(w1_ptr + off, mask=wmask, other=0)
         if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
             s1 = (s1 * 8.507059173023462e37).to(tl.bfloat16)
@@ -405,7 +406,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
         acc1 = mma(a_even, tl.trans(lo1), acc1, IEEE, UPCAST)
         acc1 = mma(a_odd, tl.trans(hi1), acc1, IEEE, UPCAST)
         if EPILOGUE == 1:
-            s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+            s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=smask, other=127))[:, None]
             b3 = tl.load(w3_ptr + off, mask=wmask, other=0)
             if MX_ASM:
                 s3 = (s3 * 8.507059173023462e37).to(tl.bfloat16)
@@ -430,7 +431,8 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             w1 = tl.load(w1_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
         else:  # FP8: one UE8M0 scale per (32 rows, 32 columns) tile
             soff = e64 * stride_se + (n64 // 32) * stride_sn + gg
-            s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=nmask, other=127))[:, None]
+            smask = nmask & (kk < k_hi)  # a tile past K: never read
+            s1 = e8m0_decode(tl.load(s1_ptr + soff, mask=smask, other=127))[:, None]
             q1 = tl.load(w1_ptr + off, mask=wmask, other=0)
             w1 = _fp8_scaled(q1, s1, dot_dtype, HW_FP8, DEQ_BF16)
         if SWAP:
@@ -441,7 +443,7 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
             if W_FMT == 0:
                 w3 = tl.load(w3_ptr + off, mask=wmask, other=0.0).to(dot_dtype)
             else:
-                s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=nmask, other=127))[:, None]
+                s3 = e8m0_decode(tl.load(s3_ptr + soff, mask=smask, other=127))[:, None]
                 q3 = tl.load(w3_ptr + off, mask=wmask, other=0)
                 w3 = _fp8_scaled(q3, s3, dot_dtype, HW_FP8, DEQ_BF16)
             if SWAP:

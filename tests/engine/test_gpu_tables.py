@@ -202,8 +202,8 @@ class CheckedModel(GpuModel):
     """Compares the step's tables with `OldTables` and keeps per-layer shadow window books;
     the layers are replaced by zero logits (and zero ratio-2 open rows)."""
 
-    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0):
-        step = super().prepare(token_ids, seqs, pad_to, key_width_step)
+    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0, pad_logits=True):
+        step = super().prepare(token_ids, seqs, pad_to, key_width_step, pad_logits)
         # the old builder on the same (host) step, before any commit
         host = step.__class__(step.token_ids.cpu(), step.segs, step.rows, step.hash_ids,
                               step.logit_rows, step.logit_counts)
