@@ -61,7 +61,7 @@ class GpuModel(Model):
     def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
                  compressed_kv_format: CompressedKVFormat | str = "nvfp4",
                  decode_graphs: bool | None = None):
-        """decode_graphs: decode steps and W-row replays through `DecodeGraphs` (None: when
+        """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
         super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
                          compressed_kv_format)
