@@ -142,8 +142,8 @@ def _profile_kwargs() -> dict:
         from torch._C._profiler import _ExperimentalConfig
 
         kwargs["experimental_config"] = _ExperimentalConfig(verbose=True)
-    except (ImportError, TypeError):
-        pass
+    except (ImportError, TypeError):  # no verbose config in this torch: the profiler's
+        kwargs["experimental_config"] = None  # default; op rows then lose their call sites
     return kwargs
 
 

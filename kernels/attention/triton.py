@@ -397,6 +397,26 @@ def _softmax_step(s, m_i, l_i, acc_e, acc_o, v_e, v_o, TAU: tl.constexpr, UPCAST
 
 
 @triton.jit
+def _stage_rope_q(q_ptr, stage_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask,
+                  D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
+                  ROPE_PAIRS: tl.constexpr):
+    """q rows loaded whole (coalesced), split into the channel halves, RoPE at the query
+    position (rounded as rope.ref), stored to the stage rows as [even half | odd half];
+    returns the stage pointers [HB, HALF] of the even half (the odd half is + HALF)."""
+    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
+                mask=hmask, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
+    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
+                            ROPE_PAIRS)
+    stage = stage_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
+    tl.store(stage, round_bf16(a * cos + b * -sin).to(stage_ptr.dtype.element_ty), mask=hmask)
+    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(stage_ptr.dtype.element_ty),
+             mask=hmask)
+    tl.debug_barrier()
+    return stage
+
+
+@triton.jit
 def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_p, rows_ptr,
                  NK, lo, hi, scale, HALF: tl.constexpr, FMT: tl.constexpr,
                  BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
@@ -461,19 +481,10 @@ def _heads_kernel(
     i = tl.arange(0, HALF)
     rows_in = t * H + h0  # first (query, head) row of this program
     hmask = (hh + h0)[:, None] < H
-    # q rows loaded whole (coalesced), split into the channel halves, RoPE at the query position
-    # (rounded as rope.ref), staged through the output rows as [even half | odd half] so that
-    # the two Q operands are plain contiguous loads (shared-memory wgmma operands)
-    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
-                mask=hmask, other=0.0).to(tl.float32)
-    a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
-    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
-                            ROPE_PAIRS)
-    stage = out_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
-    tl.store(stage, round_bf16(a * cos + b * -sin).to(out_ptr.dtype.element_ty), mask=hmask)
-    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(out_ptr.dtype.element_ty),
-             mask=hmask)
-    tl.debug_barrier()
+    # Q staged through the output rows as [even half | odd half] (RoPE applied), so that the two
+    # Q operands are plain contiguous loads (shared-memory wgmma operands)
+    stage = _stage_rope_q(q_ptr, out_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i,
+                          hmask, D, HALF, HB, ROPE_PAIRS)
     q_e = tl.load(stage, mask=hmask, other=0.0)
     q_o = tl.load(stage + HALF, mask=hmask, other=0.0)
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -573,16 +584,8 @@ def _heads_vsplit_kernel(
     rows_in = t * H + h0
     hmask = (hh + h0)[:, None] < H
     # prologue as in _heads_kernel (both programs of a query stage the same values)
-    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
-                mask=hmask, other=0.0).to(tl.float32)
-    a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
-    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
-                            ROPE_PAIRS)
-    stage = stage_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
-    tl.store(stage, round_bf16(a * cos + b * -sin).to(stage_ptr.dtype.element_ty), mask=hmask)
-    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(stage_ptr.dtype.element_ty),
-             mask=hmask)
-    tl.debug_barrier()
+    _stage_rope_q(q_ptr, stage_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask, D,
+                  HALF, HB, ROPE_PAIRS)
     j = tl.arange(0, QP)[None, :]
     qrow = stage_ptr + rows_in * D + (hh * D)[:, None]
     q_ea = tl.load(qrow + own * QP + j, mask=hmask, other=0.0)

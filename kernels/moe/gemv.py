@@ -66,12 +66,18 @@ _PREP_BLOCK = 1024
 _SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # as int32
 
 
-def tile_rows(num_tokens: int) -> int:
-    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
-    for max_tokens, rows in CONFIG["rows"]:
+def rows_for(table, num_tokens: int, name: str) -> int:
+    """Pairs per tile from a ((max tokens, rows), ...) table: the first entry covering the
+    batch (name: whose table, for the error)."""
+    for max_tokens, rows in table:
         if num_tokens <= max_tokens:
             return rows
-    raise ValueError(f"CONFIG['rows'] has no entry for {num_tokens} tokens")
+    raise ValueError(f"{name} CONFIG['rows'] has no entry for {num_tokens} tokens")
+
+
+def tile_rows(num_tokens: int) -> int:
+    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
+    return rows_for(CONFIG["rows"], num_tokens, "gemv")
 
 
 def eligible(experts, dtype: torch.dtype) -> bool:

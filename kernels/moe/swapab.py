@@ -60,7 +60,7 @@ from flashpd.kernels.dense.triton import (
     mma,
     swiglu_limited,
 )
-from flashpd.kernels.moe.gemv import check_rows_call
+from flashpd.kernels.moe.gemv import check_rows_call, rows_for
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
@@ -82,10 +82,7 @@ _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scal
 
 def tile_rows(num_tokens: int) -> int:
     """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
-    for max_tokens, rows in CONFIG["rows"]:
-        if num_tokens <= max_tokens:
-            return rows
-    raise ValueError(f"swapab CONFIG['rows'] has no entry for {num_tokens} tokens")
+    return rows_for(CONFIG["rows"], num_tokens, "swapab")
 
 
 def eligible(experts, dtype: torch.dtype) -> bool:
