@@ -1159,13 +1159,17 @@ def _cublas_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | N
     """
     groups, n_dim = w.num_experts, w.out_dim
     if w3 is not None:
-        wt = torch.cat((dequantize_fp8(w), dequantize_fp8(w3)))  # [2N, K]
+        wt = torch.empty(2 * n_dim, w.in_dim, dtype=torch.bfloat16, device=a.device)
+        dequantize_fp8(w, wt[:n_dim])  # [W1; W3], each decoded in place
+        dequantize_fp8(w3, wt[n_dim:])
         return swiglu_halves(torch.matmul(a, wt.T), gamma, limit, out)
     if groups == 1:
         torch.matmul(a, dequantize_fp8(w).T, out=out)
         return out
     rows = out.shape[0] // groups
-    wt = torch.stack([dequantize_fp8(_one_weight(w, g)) for g in range(groups)])  # [G, N, K]
+    wt = torch.empty(groups, n_dim, w.in_dim, dtype=torch.bfloat16, device=a.device)
+    for g in range(groups):  # [G, N, K], each group decoded in place
+        dequantize_fp8(_one_weight(w, g), wt[g])
     y = torch.bmm(a.view(rows, groups, -1).transpose(0, 1), wt.transpose(1, 2))  # [G, T, N]
     out.view(rows, groups, n_dim).copy_(y.transpose(0, 1))
     return out
@@ -1191,12 +1195,16 @@ def _dequant_fp8_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_sn, HW_FP8: tl.constex
     tl.store(y_ptr + off, (v * e8m0_decode(s)).to(tl.bfloat16), mask=mask)
 
 
-def dequantize_fp8(w: Weights) -> torch.Tensor:
-    """One FP8 32x32-tile weight [N, K] -> BF16 (exact), one launch."""
+def dequantize_fp8(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One FP8 32x32-tile weight [N, K] -> BF16 (exact), one launch (into `out` when given: a
+    contiguous BF16 [N, K], e.g. a slice of a stacked buffer)."""
     if w.fmt != W_FP8 or w.num_experts != 1:
         raise ValueError("dequantize_fp8 takes one FP8 weight matrix")
     n_dim, k_dim = w.out_dim, w.in_dim
-    y = torch.empty(n_dim, k_dim, dtype=torch.bfloat16, device=w.data.device)
+    y = torch.empty(n_dim, k_dim, dtype=torch.bfloat16, device=w.data.device) if out is None \
+        else out
+    if y.shape != (n_dim, k_dim) or y.dtype != torch.bfloat16 or not y.is_contiguous():
+        raise ValueError(f"dequantize_fp8: out must be contiguous BF16 {(n_dim, k_dim)}")
     _dequant_fp8_kernel[(triton.cdiv(n_dim, 32), triton.cdiv(k_dim, 128))](
         w.data[0], w.scale[0], y, n_dim, k_dim, w.scale.stride(1), HW_FP8=not DOT_UPCAST,
         BLOCK_N=32, BLOCK_K=128)
