@@ -33,6 +33,7 @@ Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,10 @@ CONFIG = {"path": "splitk", "small_rows": 64,
           "block_n": 64, "block_m_large": 64, "warps": 4, "stages": 3,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
+# FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
+# no schedule or row gather) run dense/fp8_swap.py's swapped mma.sync kernel (<= 8; 0: off);
+# FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import. fp8_swap.CONFIG["layers"] says which layers.
+FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "0"))
 
 
 # ============================================================================ activations
@@ -936,6 +941,11 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
     if cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
         return _cublas_gemm(a, w, out, w3, gamma, limit)
+    if w.fmt == W_FP8 and schedule is None and a_rows is None and not dot_scaled and \
+            rows <= FP8_SWAP_MAX_ROWS * w.num_experts:
+        from flashpd.kernels.dense import fp8_swap  # imports this module: not at the top
+        if fp8_swap.eligible(a, w, out, w3):
+            return fp8_swap.gemm(a, w, out, w3, gamma, limit)
     n_dim, k_dim = w.out_dim, w.in_dim
     single = schedule is None
     groups = w.num_experts if single else 1
