@@ -36,8 +36,20 @@ SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
           "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)}}
 _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
-# name -> (swapab CONFIG overrides, the Ms it times)
+# name -> (swapab CONFIG overrides, the Ms it times); "pair": e2m1_pair_asm and integer scale
+# bits (fewer instructions per weight byte), the others on top of it
+_PAIR = {"decode": "pair"}
+_PF = {"scale_prefetch": True}
 VARIANTS = {
+    "pair": (_PAIR, (1, 2, 4, 8, 16, 64, 128)),
+    "pair_fold": ({**_PAIR, "fold_prep": True}, (1, 8, 64)),
+    "pair_spf": ({**_PAIR, "up": _PF, "down": _PF}, (8, 64)),
+    "pair_st4": ({**_PAIR, "up": {"stages": 4}, "down": {"stages": 4}}, (64,)),
+    "pair_bn128_w8": ({**_PAIR, "up": {"block_n": 128, "warps": 8},
+                       "down": {"block_n": 128, "warps": 8}}, (64,)),
+    "pair_bk256": ({**_PAIR, "up": {"block_k": 256}, "down": {"block_k": 256}}, (64,)),
+    "pair_up_bn32": ({**_PAIR, "up": {"block_n": 32}}, (1, 8)),
+    "pair_wpf": ({**_PAIR, "up": {"w_prefetch": True}, "down": {"w_prefetch": True}}, (64,)),
     "bk128": ({"up": {"block_k": 128}, "down": {"block_k": 128}}, (8, 16, 32, 64, 128, 192)),
     "bk128_st4": ({"up": {"block_k": 128, "stages": 4}, "down": {"block_k": 128, "stages": 4}},
                   (8, 64, 128)),
@@ -125,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--ms", nargs="*", type=int, default=None)
+    ap.add_argument("--paths", nargs="*", default=["swapab", "grouped", "gemv"],
+                    help="which paths the per-M rows time (gemv at M <= 16 only)")
     ap.add_argument("--budget-s", type=float, default=60.0,
                     help="start no variant after this many seconds")
     ap.add_argument("--smoke", action="store_true",
@@ -166,11 +180,13 @@ def _run(args, argv, shape: dict) -> int:
     rows: list[dict] = []
     try:
         for m in shape["ms"]:
-            paths.set("swapab")
-            rows.append(bench.row("swapab (new)", m, True))
-            paths.set("grouped")
-            rows.append(bench.row("grouped GEMM (old)", m, True))
-            if m <= 16:
+            if "swapab" in args.paths:
+                paths.set("swapab")
+                rows.append(bench.row("swapab (new)", m, True))
+            if "grouped" in args.paths:
+                paths.set("grouped")
+                rows.append(bench.row("grouped GEMM (old)", m, True))
+            if m <= 16 and "gemv" in args.paths:
                 paths.set("gemv")
                 rows.append(bench.row("gemv (default <= 16)", m, True))
         paths.set("swapab")
@@ -181,6 +197,8 @@ def _run(args, argv, shape: dict) -> int:
             overrides, ms = VARIANTS[name]
             apply(overrides, default)
             for m in (ms if not args.smoke else shape["ms"][-1:]):
+                if args.ms and not args.smoke and m not in args.ms:
+                    continue
                 rows.append(bench.row(f"swapab {name}", m, True))
             apply({}, default)
         kernels = compiled_kernels()

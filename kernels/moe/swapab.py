@@ -73,9 +73,16 @@ MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "128"))
 # Triton 3.6 on sm_90 compiles ROWS = 8 to mma.sync m16n8k16 (the weight bytes reach registers
 # 4 per thread: fast) and ROWS >= 16 with 4 warps to wgmma with the weight tile in registers
 # (A) and X^T in shared memory (B), whose register layout reads the bytes 2 per thread.
+# decode: "pair" (one PTX block per byte word for both nibbles, e2m1_pair_asm) or "split"
+# (dense/triton.py's two); fold_prep: the up launch reads x as given (no prep launch);
+# scale_prefetch / w_prefetch: next K step's scale / weight bytes loaded a step ahead into
+# registers (w_prefetch: with stages 1, no shared-memory stage for the weights).
 CONFIG = {"rows": ((64, 8), (1 << 30, 16)),
-          "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3},
-          "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3}}
+          "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
+                 "scale_prefetch": False, "w_prefetch": False},
+          "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
+                   "scale_prefetch": False, "w_prefetch": False},
+          "decode": "split", "fold_prep": False}
 _PREP_BLOCK = 1024
 _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
 
@@ -111,23 +118,70 @@ def _prep_kernel(x_ptr, stride_x, xp_ptr, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _decode_step(w_ptr, s_ptr, w_row, s_row, g0, K, nmask, G: tl.constexpr,
-                 MX_ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Groups g0 .. g0+G-1 of W rows w_row: (even k, odd k) each [BN, 16 G] bf16, exact.
+def e2m1_pair_asm(b, s_bf16):
+    """(low-nibble codes, high-nibble codes) of bytes b, each * s_bf16, BF16: one PTX block for
+    both halves (dense/triton.py's e2m1_lo_asm / e2m1_hi_asm make two): 2 prmt + 3 bit ops +
+    1 bf16x2 multiply per output register, 18 instructions per 4 bytes instead of 22-24. Low
+    codes: t << 6 puts the magnitude at bits 6..8 of each 16-bit lane and t << 12 the sign at
+    bit 15; each is zero where the other is kept, so one lop3 (a | b) & mask merges them. High
+    codes: (t & 0x00F000F0) * 260 = (.. << 2) + (.. << 8), the two shifted copies disjoint, so
+    the product holds the magnitude at 6..8 and the sign at 15. Same values as the pair of
+    functions (exact)."""
+    return tl.inline_asm_elementwise("""{
+        .reg .b32 t<2>, a, c, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        shl.b32 a, t0, 6;
+        shl.b32 c, t0, 12;
+        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
+        mul.rn.bf16x2 $0, a, $5;
+        shl.b32 a, t1, 6;
+        shl.b32 c, t1, 12;
+        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
+        mul.rn.bf16x2 $1, a, $6;
+        and.b32 c, t0, 0x00F000F0;
+        mul.lo.u32 c, c, 260;
+        and.b32 a, c, 0x81C081C0;
+        mul.rn.bf16x2 $2, a, $5;
+        and.b32 c, t1, 0x00F000F0;
+        mul.lo.u32 c, c, 260;
+        and.b32 a, c, 0x81C081C0;
+        mul.rn.bf16x2 $3, a, $6;
+        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
 
-    The bytes load as a 2-D [BN, 16 G] tile (byte c: group c // 16) so that only elementwise
-    ops lie between the load and the dot (the tile can go to the MMA from registers); each
-    group's scale is broadcast over its 16 bytes."""
+
+@triton.jit
+def _load_bytes(w_ptr, w_row, g0, K, nmask, G: tl.constexpr, EVEN_K: tl.constexpr):
+    """Packed bytes of groups g0 .. g0+G-1 of W rows w_row: [BN, 16 G] (byte c: group c // 16)."""
     c = tl.arange(0, G * 16)
     if EVEN_K:  # no K mask: 16-byte vector loads
-        raw = tl.load(w_ptr + w_row + g0 * 16 + c[None, :], mask=nmask[:, None], other=0)
+        return tl.load(w_ptr + w_row + g0 * 16 + c[None, :], mask=nmask[:, None], other=0)
     else:  # whole groups in or out (K % 32 == 0)
         cmask = (g0 + c // 16) * 32 < K
-        raw = tl.load(w_ptr + w_row + g0 * 16 + c[None, :],
-                      mask=nmask[:, None] & cmask[None, :], other=0)  # [BN, 16 G] bytes
+        return tl.load(w_ptr + w_row + g0 * 16 + c[None, :],
+                       mask=nmask[:, None] & cmask[None, :], other=0)
+
+
+@triton.jit
+def _load_scales(s_ptr, s_row, g0, K, nmask, G: tl.constexpr):
+    """UE8M0 bytes of groups g0 .. g0+G-1 of W rows s_row: [BN, G] (127 past K)."""
     kmask = (g0 + tl.arange(0, G)) * 32 < K
-    sb = tl.load(s_ptr + s_row + g0 + tl.arange(0, G)[None, :],
-                 mask=nmask[:, None] & kmask[None, :], other=127)  # [BN, G]
+    return tl.load(s_ptr + s_row + g0 + tl.arange(0, G)[None, :],
+                   mask=nmask[:, None] & kmask[None, :], other=127)
+
+
+@triton.jit
+def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """(even k, odd k) each [BN, 16 G] bf16 of bytes raw [BN, 16 G] and scales sb [BN, G]:
+    exact. Only elementwise ops lie between the bytes and the dot (the tile can go to the MMA
+    from registers); each group's scale is broadcast over its 16 bytes."""
+    if MX_ASM and PAIR:  # BF16 bits of 2^126 * 2^(b - 127) = 2^(b - 1): exponent b + 126
+        s16 = ((sb.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, G * 16))
+        return e2m1_pair_asm(raw, s16)
     sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 16)),
                     (BLOCK_N, G * 16))
     if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
@@ -142,16 +196,21 @@ def _decode_step(w_ptr, s_ptr, w_row, s_row, g0, K, nmask, G: tl.constexpr,
 
 @triton.jit
 def _swapab_kernel(
-    xp_ptr, K, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
+    xp_ptr, K, stride_x, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
     out_ptr, N, limit,
     SWIGLU: tl.constexpr, MX_ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
+    SCALE_PF: tl.constexpr, W_PF: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
     """One tile (<= ROWS pairs of one expert) x one N block of BLOCK_N weight rows.
 
-    SWIGLU (up): xp rows gathered by token, W1 and W3, epilogue -> h[p] (split columns).
-    Else (down): row p of xp (= h), W1 only -> out[p, n]."""
+    SWIGLU (up): x rows gathered by token, W1 and W3, epilogue -> h[p] (split columns).
+    Else (down): row p of xp (= h), W1 only -> out[p, n]. X_SPLIT: the rows hold split
+    32-groups (xp, h; row stride K); else natural columns (x as given, row stride stride_x:
+    the even / odd halves are gathered with stride 2, no prep launch). SCALE_PF / W_PF: the
+    next K step's scale bytes / weight bytes are loaded one step ahead into registers (the
+    last step reloads itself); else the compiler's pipeline (num_stages) stages them."""
     q = tl.program_id(0)
     start = tl.load(t_start_ptr + q)
     end = tl.load(t_end_ptr + q)
@@ -169,26 +228,63 @@ def _swapab_kernel(
         s_row = e * stride_se + n.to(tl.int64)[:, None] * stride_sn  # [BN, 1]
         G: tl.constexpr = BLOCK_K // 32
         c = tl.arange(0, G * 16)  # column of a step's even (or odd) half
-        x_col = (c // 16) * 32 + c % 16  # its place in xp (split 32-groups)
-        x_row = src[None, :] * K  # [1, ROWS]
+        if X_SPLIT:
+            x_col = (c // 16) * 32 + c % 16  # its place in xp (split 32-groups)
+            x_odd = 16
+            x_row = src[None, :] * K  # [1, ROWS]
+        else:
+            x_col = (c // 16) * 32 + 2 * (c % 16)  # its even column in x
+            x_odd = 1
+            x_row = src[None, :] * stride_x
         acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        last = (K // 32 - 1) // G * G  # the last K step's first group
+        if W_PF:
+            raw1n = _load_bytes(w1_ptr, w_row, 0, K, nmask, G, EVEN_K)
+            raw3n = raw1n
+            if SWIGLU:
+                raw3n = _load_bytes(w3_ptr, w_row, 0, K, nmask, G, EVEN_K)
+        if W_PF or SCALE_PF:
+            sb1n = _load_scales(s1_ptr, s_row, 0, K, nmask, G)
+            sb3n = sb1n
+            if SWIGLU:
+                sb3n = _load_scales(s3_ptr, s_row, 0, K, nmask, G)
         for k0 in range(0, K, BLOCK_K):
             g0 = k0 // 32
+            nxt = tl.minimum(g0 + G, last)
             if EVEN_K:
                 xe = tl.load(xp_ptr + x_row + (k0 + x_col)[:, None])
-                xo = tl.load(xp_ptr + x_row + (k0 + 16 + x_col)[:, None])
+                xo = tl.load(xp_ptr + x_row + (k0 + x_odd + x_col)[:, None])
             else:
                 xm = (k0 + x_col < K)[:, None]
                 xe = tl.load(xp_ptr + x_row + (k0 + x_col)[:, None], mask=xm, other=0.0)
-                xo = tl.load(xp_ptr + x_row + (k0 + 16 + x_col)[:, None], mask=xm, other=0.0)
-            lo1, hi1 = _decode_step(w1_ptr, s1_ptr, w_row, s_row, g0, K, nmask, G, MX_ASM,
-                                    EVEN_K, BLOCK_N)
+                xo = tl.load(xp_ptr + x_row + (k0 + x_odd + x_col)[:, None], mask=xm,
+                             other=0.0)
+            if W_PF:
+                raw1, raw3 = raw1n, raw3n
+                raw1n = _load_bytes(w1_ptr, w_row, nxt, K, nmask, G, EVEN_K)
+                if SWIGLU:
+                    raw3n = _load_bytes(w3_ptr, w_row, nxt, K, nmask, G, EVEN_K)
+            else:
+                raw1 = _load_bytes(w1_ptr, w_row, g0, K, nmask, G, EVEN_K)
+                raw3 = raw1
+                if SWIGLU:
+                    raw3 = _load_bytes(w3_ptr, w_row, g0, K, nmask, G, EVEN_K)
+            if W_PF or SCALE_PF:
+                sb1, sb3 = sb1n, sb3n
+                sb1n = _load_scales(s1_ptr, s_row, nxt, K, nmask, G)
+                if SWIGLU:
+                    sb3n = _load_scales(s3_ptr, s_row, nxt, K, nmask, G)
+            else:
+                sb1 = _load_scales(s1_ptr, s_row, g0, K, nmask, G)
+                sb3 = sb1
+                if SWIGLU:
+                    sb3 = _load_scales(s3_ptr, s_row, g0, K, nmask, G)
+            lo1, hi1 = _decode(raw1, sb1, G, MX_ASM, PAIR, BLOCK_N)
             acc1 = mma(lo1, xe, acc1, False, UPCAST)
             acc1 = mma(hi1, xo, acc1, False, UPCAST)
             if SWIGLU:
-                lo3, hi3 = _decode_step(w3_ptr, s3_ptr, w_row, s_row, g0, K, nmask, G,
-                                        MX_ASM, EVEN_K, BLOCK_N)
+                lo3, hi3 = _decode(raw3, sb3, G, MX_ASM, PAIR, BLOCK_N)
                 acc3 = mma(lo3, xe, acc3, False, UPCAST)
                 acc3 = mma(hi3, xo, acc3, False, UPCAST)
         mask = nmask[:, None] & pmask[None, :]
@@ -210,25 +306,30 @@ def compiled_variants() -> list:
 
 
 def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
-            swiglu: bool) -> None:
+            swiglu: bool, x_split: bool = True) -> None:
     cfg = CONFIG["up" if swiglu else "down"]
     n_dim, k_dim = w1.out_dim, w1.in_dim
     block_k = cfg["block_k"]
     if block_k not in (32, 64, 128, 256, 512):
         raise ValueError(f"swapab CONFIG block_k must be a power of two in [32, 512], "
                          f"got {block_k}")
+    if CONFIG["decode"] not in ("pair", "split"):
+        raise ValueError(f"swapab CONFIG['decode'] must be 'pair' or 'split', got "
+                         f"{CONFIG['decode']!r}")
     w3 = w3 if w3 is not None else w1
     for w in (w1, w3):
         if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
             raise ValueError("swapab reads MXFP4 weights and scales with contiguous rows")
     grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
     _swapab_kernel[grid](
-        xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
+        xp, k_dim, xp.stride(0), rows, gamma, schedule.expert, schedule.start, schedule.end,
         w1.data, w1.scale, w3.data, w3.scale, w1.data.stride(0), w1.data.stride(1),
         w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit),
         SWIGLU=swiglu, MX_ASM=not triton_runtime.interpreting(), UPCAST=DOT_UPCAST,
         EVEN_K=k_dim % block_k == 0, ROWS=rows_per_tile, BLOCK_N=cfg["block_n"],
-        BLOCK_K=block_k, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        BLOCK_K=block_k, PAIR=CONFIG["decode"] == "pair",
+        SCALE_PF=cfg.get("scale_prefetch", False), W_PF=cfg.get("w_prefetch", False),
+        X_SPLIT=x_split, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **triton_runtime.launch_options())
 
 
@@ -245,15 +346,18 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     x = check_rows_call(x, pairs, experts, rows_per_tile, (8, 16, 32))
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
-    xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return y
-    _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
-        x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
+    if CONFIG["fold_prep"]:  # the up launch gathers the even / odd halves from x itself
+        xp = x
+    else:
+        xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+        _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
+            x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
     _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
-            rows_per_tile, True)
+            rows_per_tile, True, x_split=not CONFIG["fold_prep"])
     _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
             rows_per_tile, False)
     return y
