@@ -44,7 +44,8 @@ VARIANTS = {
     "pair": (_PAIR, (1, 2, 4, 8, 16, 64, 128)),
     "pair_fold": ({**_PAIR, "fold_prep": True}, (1, 8, 64)),
     "pair_spf": ({**_PAIR, "up": _PF, "down": _PF}, (8, 64)),
-    "pair_st4": ({**_PAIR, "up": {"stages": 4}, "down": {"stages": 4}}, (64,)),
+    "pair_st4": ({**_PAIR, "up": {"stages": 4}, "down": {"stages": 4}}, (1, 8, 64)),
+    "pair_st5": ({**_PAIR, "up": {"stages": 5}, "down": {"stages": 5}}, (1, 8)),
     "pair_bn128_w8": ({**_PAIR, "up": {"block_n": 128, "warps": 8},
                        "down": {"block_n": 128, "warps": 8}}, (64,)),
     "pair_bk256": ({**_PAIR, "up": {"block_k": 256}, "down": {"block_k": 256}}, (64,)),
@@ -199,7 +200,15 @@ def _run(args, argv, shape: dict) -> int:
             for m in (ms if not args.smoke else shape["ms"][-1:]):
                 if args.ms and not args.smoke and m not in args.ms:
                     continue
-                rows.append(bench.row(f"swapab {name}", m, True))
+                try:
+                    rows.append(bench.row(f"swapab {name}", m, True))
+                except Exception as exc:  # one variant's failure must not hide the others
+                    if args.smoke:
+                        raise
+                    print(f"variant {name} M={m} FAILED: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", flush=True)
+                    rows.append({"path": f"swapab {name} FAILED", "m": m, "err": float("nan"),
+                                 "us": None, "GBps": None, "pct": None})
             apply({}, default)
         kernels = compiled_kernels()
     finally:
