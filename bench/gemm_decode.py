@@ -93,17 +93,69 @@ for _name, _tiles in (
 ):
     VARIANTS[_name] = ({"skinny": {"m64": {}, **_tiles}}, ("fp8",), _ALL)
 VARIANTS["head"] = ({"skinny": {"m64": {}}}, ("fp8",), None)  # before the m64 default
+# FP8 swapped-operand kernel at M <= 8 (kernels/dense/fp8_swap.py, bench/results/h200/
+# dense_fp8_swap.md): "fp8_swap" = its CONFIG overrides, the path on for every FP8 layer
+# (FP8_SWAP_MAX_ROWS = 8); "f8_base" = the split-K tiles alone (the path off). sw = BN 64, K
+# step 128, 4 warps, 3 stages, target 264 programs, "asm" decode; then one knob each.
+_SW = {"layers": None, "shapes": {}}
+VARIANTS["f8_base"] = ({"fp8_swap_max_rows": 0}, ("fp8",), (1, 8))
+for _name, _sw in (
+        ("sw", {}),
+        ("sw_f32", {"deq": "f32"}),
+        ("sw_asm1", {"deq": "asm1"}),
+        ("sw_bn128", {"block_n": 128}),
+        ("sw_k256", {"block_k": 256}),
+        ("sw_s4", {"stages": 4}),
+        ("sw_k256_s4", {"block_k": 256, "stages": 4}),
+        ("sw_bn128_w8", {"block_n": 128, "warps": 8}),
+        ("sw_split1", {"max_split": 1}),
+        ("sw_split2", {"max_split": 2}),
+        ("sw_split4", {"max_split": 4}),
+        ("sw_t528", {"target_ctas": 528}),
+        ("sw_t132", {"target_ctas": 132}),
+        ("sw_bn32_w2", {"block_n": 32, "warps": 2}),
+        ("sw_again", {}),
+        # second run: next to the committed default (sw_default: fp8_swap.CONFIG as is, its
+        # per-shape overrides included)
+        ("sw_bn128_w8_t528", {"block_n": 128, "warps": 8, "target_ctas": 528}),
+        ("sw_t528_k256", {"target_ctas": 528, "block_k": 256}),
+        ("sw_s2", {"stages": 2}),
+        ("sw_bn128_w8_s4", {"block_n": 128, "warps": 8, "stages": 4}),
+        ("sw_bn128_w8_k256", {"block_n": 128, "warps": 8, "block_k": 256}),
+        ("sw_t396", {"target_ctas": 396}),
+):
+    VARIANTS[_name] = ({"fp8_swap": {**_SW, **_sw}}, ("fp8",), (1, 8))
+for _name, _sw in (("sw_default", {}), ("sw_default_asm1", {"deq": "asm1"}),
+                   ("sw_default_again", {})):
+    VARIANTS[_name] = ({"fp8_swap": _sw}, ("fp8",), (1, 8))
+VARIANTS["f8_base_again"] = ({"fp8_swap_max_rows": 0}, ("fp8",), (1, 8))
 VARIANTS["new_again"] = ({}, ("fp8",), None)  # the defaults again (run-to-run spread)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
+_SWAP_DEFAULT: list = []  # fp8_swap.CONFIG and dense FP8_SWAP_MAX_ROWS as imported
+
+
 def apply(overrides: dict, default: dict) -> None:
+    """Dense CONFIG = default + overrides ("mx" / "skinny" merged); "fp8_swap": fp8_swap.CONFIG
+    overrides with the path on at <= 8 rows; "fp8_swap_max_rows": the dense bound alone."""
+    from flashpd.kernels.dense import fp8_swap as fs
     from flashpd.kernels.dense import triton as dt
 
+    if not _SWAP_DEFAULT:
+        _SWAP_DEFAULT[:] = [dict(fs.CONFIG), dt.FP8_SWAP_MAX_ROWS]
+    fs.CONFIG.clear()
+    fs.CONFIG.update(_SWAP_DEFAULT[0])
+    dt.FP8_SWAP_MAX_ROWS = _SWAP_DEFAULT[1]
     dt.CONFIG.clear()
     dt.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in default.items()})
     for k, v in overrides.items():
-        if isinstance(v, dict):
+        if k == "fp8_swap":
+            fs.CONFIG.update(v)
+            dt.FP8_SWAP_MAX_ROWS = fs.ROWS
+        elif k == "fp8_swap_max_rows":
+            dt.FP8_SWAP_MAX_ROWS = v
+        elif isinstance(v, dict):
             dt.CONFIG[k] = {**default[k], **v}
         else:
             dt.CONFIG[k] = v
@@ -294,24 +346,53 @@ def wait_all(jobs: list, timeout_s: float) -> None:
 
 
 def kernel_facts(seen: set) -> dict:
-    """Registers, spills, shared memory and MMA form of the split-K kernel's binaries loaded since
-    the last call (keys in `seen` are skipped and then added)."""
+    """Registers, spills, shared memory and MMA form of the split-K kernel's and the FP8 swap
+    kernel's binaries loaded since the last call (keys in `seen` are skipped and then added)."""
+    import re
+
+    from flashpd.kernels.dense import fp8_swap as fs
     from flashpd.kernels.dense import triton as dt
 
     facts = []
-    for dev_cache in dt.SPLITK_KERNEL.device_caches.values():
-        for key, k in dev_cache[0].items():
-            if key in seen:
-                continue
-            seen.add(key)
-            ptx = k.asm.get("ptx", "")
-            mma = sorted({m for m in ("wgmma.mma_async", "mma.sync") if m in ptx})
-            facts.append({"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
-                          "smem": k.metadata.shared, "warps": k.metadata.num_warps,
-                          "mma": mma})
+    binaries = [(("splitk", key), k) for dev_cache in dt.SPLITK_KERNEL.device_caches.values()
+                for key, k in dev_cache[0].items()]
+    binaries += [(("fp8_swap", id(k)), k) for k in fs.compiled_variants()]
+    for key, k in binaries:
+        if key in seen:
+            continue
+        seen.add(key)
+        ptx = k.asm.get("ptx", "")
+        mma = sorted(set(re.findall(r"(wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+|"
+                                    r"mma\.sync\.aligned\.m\d+n\d+k\d+)", ptx)))
+        facts.append({"kernel": key[0], "regs": getattr(k, "n_regs", None),
+                      "spills": getattr(k, "n_spills", None), "smem": k.metadata.shared,
+                      "warps": k.metadata.num_warps, "mma": mma})
     return {"kernels": len(facts), "max_regs": max((f["regs"] or 0 for f in facts), default=0),
             "max_spills": max((f["spills"] or 0 for f in facts), default=0),
             "mma": sorted({m for f in facts for m in f["mma"]}), "each": facts}
+
+
+def swap_table(rows: list[dict]) -> str:
+    """Per layer and M: f8_base us vs every fp8_swap variant's, the fastest named (markdown)."""
+    ok = [r for r in rows if "ms" in r and r["M"] <= 8 and
+          r["kernel"] in ("fp8_dense", "fp8_shared_expert", "fp8_stacked")]
+    sw = list(dict.fromkeys(r["variant"] for r in ok if r["variant"].startswith("sw")))
+    by = {(r["variant"], r["shape"].split(" ")[0], r["M"]): r for r in ok}
+    keys = list(dict.fromkeys((r["shape"].split(" ")[0], r["M"]) for r in ok))
+    lines = ["| layer | M | MB | f8_base us | " + " | ".join(sw) + " | best | best GB/s (% copy) "
+             "| err |", "|---|---|---|---|" + "---|" * (len(sw) + 3)]
+    for layer, m in keys:
+        base = by.get(("f8_base", layer, m))
+        cells = [by.get((v, layer, m)) for v in sw]
+        timed = [(c["ms"], v) for c, v in zip(cells, sw, strict=True) if c]
+        best = min(timed) if timed else None
+        br = by.get((best[1], layer, m)) if best else None
+        lines.append(f"| {layer} | {m} | {(base or br or {}).get('bytes', 0) / 1e6:.1f} | "
+                     + (f"{base['ms'] * 1e3:.1f}" if base else "-") + " | "
+                     + " | ".join(f"{c['ms'] * 1e3:.1f}" if c else "-" for c in cells)
+                     + (f" | {best[1]} {best[0] * 1e3:.1f} | {br['GBps']:.0f} "
+                        f"({br['pct_copy']:.0f}%) | {br['rel_err']:.1e} |" if br else " | - | - | - |"))
+    return "\n".join(lines) + "\n"
 
 
 def run(variant: str, cases: list, ceilings: dict) -> list[dict]:
@@ -460,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
             f.write(markdown(meta, rows))
         print(f"-- {v} done at {time.perf_counter() - t0:.0f}s", flush=True)
     print(markdown(meta, rows))
+    if any(r["variant"].startswith("sw") for r in rows):
+        table = swap_table(rows)
+        print(table)
+        with open(os.path.join(args.out, "gemm_decode_swap.md"), "w") as f:
+            f.write(table)
     if args.pick:
         best = pick(rows)
         print("best overrides:", json.dumps(best), flush=True)

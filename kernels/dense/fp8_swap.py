@@ -62,16 +62,20 @@ from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
 ROWS = 8  # the MMA's N: rows per weight are padded to 8
 _ROWS = tl.constexpr(ROWS)
-# Launch configuration (H200: bench/results/h200/dense_fp8_swap.md). block_n: weight rows per
-# program; block_k: K step (a multiple of 32); target_ctas: programs a launch aims for (split-K
-# until N blocks x groups x SPLIT reaches it, chunks of >= min_k_chunk columns); red_unroll: the
-# reduction loads this many partials at a time (same order); deq: "f32", "asm" or "asm1"
-# (above); max_split: at most this many K chunks;
-# layers: None (every FP8 weight) or a set of (N, K, groups, swiglu) the path takes (the rest
-# stay on dense/triton.py's split-K tiles); shapes: per-(N, K, groups, swiglu) overrides of
-# the launch keys above.
+# Launch configuration (H200, two runs: bench/results/h200/dense_fp8_swap.md). block_n: weight
+# rows per program; block_k: K step (a multiple of 32); warps; stages; target_ctas: programs a
+# launch aims for (split-K until N blocks x groups x SPLIT reaches it, chunks of >= min_k_chunk
+# columns); max_split: at most this many K chunks; red_unroll: the reduction loads this many
+# partials at a time (same order); deq: "f32", "asm" or "asm1" (above; "asm1" measured ~3 us
+# per layer faster than "asm" but is exact for scales <= 2^7 only: opt-in); layers: None (every
+# FP8 weight) or a set of (N, K, groups, swiglu) the path takes (the rest stay on
+# dense/triton.py's split-K tiles); shapes: per-(N, K, groups, swiglu) overrides of the launch
+# keys (measured 1.4-1.5 us faster for wo_b, 0.6-1.3 us for the shared expert than uniform).
 CONFIG = {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 264,
-          "min_k_chunk": 256, "red_unroll": 4, "deq": "asm", "layers": None, "shapes": {}}
+          "min_k_chunk": 256, "red_unroll": 4, "deq": "asm", "layers": None,
+          "shapes": {(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
+                     (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
+                     (5120, 2304, 1, False): {"target_ctas": 528}}}  # shared expert down
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
 _COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -107,7 +107,11 @@ CONFIG = {"path": "splitk", "small_rows": 64,
 # FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
 # no schedule or row gather) run dense/fp8_swap.py's swapped mma.sync kernel (<= 8; 0: off);
 # FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import. fp8_swap.CONFIG["layers"] says which layers.
-FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "0"))
+# H200: faster for every bench-preset FP8 layer at M = 1 and 8 (per-layer sum at M = 1
+# 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md). A row's last bits may
+# differ across the bound (another K order), as across the MoE GEMV bound; 8 is a decode-graph
+# bucket, so a padded graph batch and its eager batch stay on one side of it.
+FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "8"))
 
 
 # ============================================================================ activations
