@@ -31,9 +31,14 @@ k of the step) and the high ones into [BN, 16 G] (the odd k), each times its gro
 On the GPU the decode is dense/triton.py's PTX (`e2m1_lo_asm` / `e2m1_hi_asm`); under the
 interpreter `fp32_e2m1` (same values: both exact).
 
+Split-K (CONFIG "split", e.g. only for small batches through CONFIG "small"): grid axis 2
+splits the K steps; FP32 partials go to a workspace and the last program of a (tile, N block)
+to arrive sums them in split order, then runs the epilogue (deterministic, no extra launch).
+
 Batch invariance: K is summed in steps of BLOCK_K (a constant), even half then odd half, so a
 pair's sums do not depend on how many pairs share its tile or the call (up to the tensor-core
-instruction the compiler picks for the ROWS of the batch's size class). The path is chosen by
+instruction the compiler picks for the ROWS of the batch's size class, and the split-K ways of
+its size class: across CONFIG "small"'s bound the last bits may differ). The path is chosen by
 size (moe/triton.py: (GEMV_MAX_ROWS, MAX_TOKENS] tokens) and sums in another order than the
 GEMV and the grouped GEMMs, so a token may differ in the last bits across those bounds, as
 between the GEMV and the grouped GEMM paths.
@@ -65,24 +70,28 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
 # GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at import (0: off).
-# Measured on the H200 (bench/results/h200/moe_swapab.md): faster than the grouped GEMMs from 8
-# to 128 tokens (and than the GEMV at 8 and 16); a tie at 192.
+# Measured on the H200 (bench/results/h200/moe_swapab.md, moe_decode.md): faster than the
+# grouped GEMMs from 8 to 128 tokens, than the GEMV from 1 token; a tie at 192.
 MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "128"))
 # rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
 # batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
 # Triton 3.6 on sm_90 compiles ROWS = 8 to mma.sync m16n8k16 (the weight bytes reach registers
 # 4 per thread: fast) and ROWS >= 16 with 4 warps to wgmma with the weight tile in registers
 # (A) and X^T in shared memory (B), whose register layout reads the bytes 2 per thread.
-# decode: "pair" (one PTX block per byte word for both nibbles, e2m1_pair_asm) or "split"
+# decode: "pair" (one PTX block per byte word for both nibbles, e2m1_pair_asm; H200: 4-10%
+# faster than "split" at 1-128 tokens, bench/results/h200/moe_decode.md) or "split"
 # (dense/triton.py's two); fold_prep: the up launch reads x as given (no prep launch);
 # scale_prefetch / w_prefetch: next K step's scale / weight bytes loaded a step ahead into
-# registers (w_prefetch: with stages 1, no shared-memory stage for the weights).
+# registers (w_prefetch: with stages 1, no shared-memory stage for the weights); up / down may
+# also name split (split-K ways, deterministic: see the kernel) and maxnreg (register cap).
+# small: (max tokens, {"up": {...}, "down": {...}}) overrides for batches of <= max tokens;
+# "up16" / "down16" (optional): overrides for tiles of 16 rows (launch_config).
 CONFIG = {"rows": ((64, 8), (1 << 30, 16)),
           "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
                  "scale_prefetch": False, "w_prefetch": False},
           "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
                    "scale_prefetch": False, "w_prefetch": False},
-          "decode": "split", "fold_prep": False}
+          "decode": "pair", "fold_prep": False, "small": (0, {})}
 _PREP_BLOCK = 1024
 _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
 
@@ -198,10 +207,10 @@ def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr,
 def _swapab_kernel(
     xp_ptr, K, stride_x, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    out_ptr, N, limit,
+    out_ptr, N, limit, ws_ptr, count_ptr, steps_per_split,
     SWIGLU: tl.constexpr, MX_ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
-    SCALE_PF: tl.constexpr, W_PF: tl.constexpr, X_SPLIT: tl.constexpr,
+    SCALE_PF: tl.constexpr, W_PF: tl.constexpr, X_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One tile (<= ROWS pairs of one expert) x one N block of BLOCK_N weight rows.
 
@@ -210,7 +219,12 @@ def _swapab_kernel(
     32-groups (xp, h; row stride K); else natural columns (x as given, row stride stride_x:
     the even / odd halves are gathered with stride 2, no prep launch). SCALE_PF / W_PF: the
     next K step's scale bytes / weight bytes are loaded one step ahead into registers (the
-    last step reloads itself); else the compiler's pipeline (num_stages) stages them."""
+    last step reloads itself); else the compiler's pipeline (num_stages) stages them.
+
+    SPLIT > 1 (split-K, grid axis 2 = s): program s sums K steps [s, s + 1) * steps_per_split
+    into FP32 partials ws[tile, N block, s]; the last of the SPLIT programs of a (tile, N block)
+    to arrive (atomic counter, reset by it) sums the partials in s order and runs the
+    epilogue: the same order whichever program arrives last (deterministic)."""
     q = tl.program_id(0)
     start = tl.load(t_start_ptr + q)
     end = tl.load(t_end_ptr + q)
@@ -238,18 +252,23 @@ def _swapab_kernel(
             x_row = src[None, :] * stride_x
         acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        last = (K // 32 - 1) // G * G  # the last K step's first group
+        k_begin = 0
+        k_end = K
+        if SPLIT > 1:
+            k_begin = tl.program_id(2) * steps_per_split * BLOCK_K
+            k_end = tl.minimum(K, k_begin + steps_per_split * BLOCK_K)
+        last = (k_end // 32 - 1) // G * G  # the last K step's first group
         if W_PF:
-            raw1n = _load_bytes(w1_ptr, w_row, 0, K, nmask, G, EVEN_K)
+            raw1n = _load_bytes(w1_ptr, w_row, k_begin // 32, K, nmask, G, EVEN_K)
             raw3n = raw1n
             if SWIGLU:
-                raw3n = _load_bytes(w3_ptr, w_row, 0, K, nmask, G, EVEN_K)
+                raw3n = _load_bytes(w3_ptr, w_row, k_begin // 32, K, nmask, G, EVEN_K)
         if W_PF or SCALE_PF:
-            sb1n = _load_scales(s1_ptr, s_row, 0, K, nmask, G)
+            sb1n = _load_scales(s1_ptr, s_row, k_begin // 32, K, nmask, G)
             sb3n = sb1n
             if SWIGLU:
-                sb3n = _load_scales(s3_ptr, s_row, 0, K, nmask, G)
-        for k0 in range(0, K, BLOCK_K):
+                sb3n = _load_scales(s3_ptr, s_row, k_begin // 32, K, nmask, G)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             g0 = k0 // 32
             nxt = tl.minimum(g0 + G, last)
             if EVEN_K:
@@ -287,7 +306,28 @@ def _swapab_kernel(
                 lo3, hi3 = _decode(raw3, sb3, G, MX_ASM, PAIR, BLOCK_N)
                 acc3 = mma(lo3, xe, acc3, False, UPCAST)
                 acc3 = mma(hi3, xo, acc3, False, UPCAST)
-        mask = nmask[:, None] & pmask[None, :]
+        done = True
+        if SPLIT > 1:  # partials out; the last program of the SPLIT sums them in s order
+            pid_nb = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tile = (tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :])
+            base = pid_nb.to(tl.int64) * SPLIT * 2 * BLOCK_N * ROWS
+            part = base + tl.program_id(2) * 2 * BLOCK_N * ROWS + tile
+            tl.store(ws_ptr + part, acc1)
+            if SWIGLU:
+                tl.store(ws_ptr + part + BLOCK_N * ROWS, acc3)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_nb, 1, sem="acq_rel")
+            done = arrived == SPLIT - 1
+            if done:
+                acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                for si in tl.static_range(SPLIT):
+                    off = base + si * 2 * BLOCK_N * ROWS + tile
+                    acc1 += tl.load(ws_ptr + off, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc3 += tl.load(ws_ptr + off + BLOCK_N * ROWS, cache_modifier=".cg")
+                tl.store(count_ptr + pid_nb, 0)  # ready for the next launch
+        mask = nmask[:, None] & pmask[None, :] & done
         if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to bf16, h = bf16(gamma * swiglu(g, u))
             gamma = tl.load(gamma_ptr + p, mask=pmask, other=0.0)
             h = gamma[None, :] * swiglu_limited(round_bf16(acc1), round_bf16(acc3), limit)
@@ -305,31 +345,66 @@ def compiled_variants() -> list:
     return [k for cache, *_ in caches.values() for k in cache.values()]
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K arrival counters; every launch leaves them zeroed again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def launch_config(part: str, num_tokens: int, rows_per_tile: int) -> dict:
+    """CONFIG[part] ("up" / "down") with the overrides for this batch: CONFIG["small"]'s for
+    batches of <= its max tokens, then CONFIG[part + str(rows_per_tile)]'s (e.g. "up16")."""
+    cfg = dict(CONFIG[part])
+    max_small, small = CONFIG.get("small", (0, {}))
+    if num_tokens <= max_small:
+        cfg.update(small.get(part, {}))
+    cfg.update(CONFIG.get(f"{part}{rows_per_tile}", {}))
+    return cfg
+
+
 def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
-            swiglu: bool, x_split: bool = True) -> None:
-    cfg = CONFIG["up" if swiglu else "down"]
+            swiglu: bool, cfg: dict, x_split: bool = True) -> None:
     n_dim, k_dim = w1.out_dim, w1.in_dim
-    block_k = cfg["block_k"]
+    block_k, split = cfg["block_k"], cfg.get("split", 1)
     if block_k not in (32, 64, 128, 256, 512):
         raise ValueError(f"swapab CONFIG block_k must be a power of two in [32, 512], "
                          f"got {block_k}")
     if CONFIG["decode"] not in ("pair", "split"):
         raise ValueError(f"swapab CONFIG['decode'] must be 'pair' or 'split', got "
                          f"{CONFIG['decode']!r}")
+    if not 1 <= split <= 16:
+        raise ValueError(f"swapab CONFIG split must be in [1, 16], got {split}")
     w3 = w3 if w3 is not None else w1
     for w in (w1, w3):
         if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
             raise ValueError("swapab reads MXFP4 weights and scales with contiguous rows")
-    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
+    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]), split)
+    steps = triton.cdiv(k_dim, block_k)
+    if split > 1:
+        n_tiles = grid[0] * grid[1]
+        ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile,
+                         dtype=torch.float32, device=xp.device)
+        count = _counters(xp.device, n_tiles)
+    else:
+        ws = count = out  # unused
     _swapab_kernel[grid](
         xp, k_dim, xp.stride(0), rows, gamma, schedule.expert, schedule.start, schedule.end,
         w1.data, w1.scale, w3.data, w3.scale, w1.data.stride(0), w1.data.stride(1),
-        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit),
+        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit), ws, count,
+        triton.cdiv(steps, split),
         SWIGLU=swiglu, MX_ASM=not triton_runtime.interpreting(), UPCAST=DOT_UPCAST,
         EVEN_K=k_dim % block_k == 0, ROWS=rows_per_tile, BLOCK_N=cfg["block_n"],
         BLOCK_K=block_k, PAIR=CONFIG["decode"] == "pair",
         SCALE_PF=cfg.get("scale_prefetch", False), W_PF=cfg.get("w_prefetch", False),
-        X_SPLIT=x_split, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        X_SPLIT=x_split, SPLIT=split, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not
+           triton_runtime.interpreting() else {}),
         **triton_runtime.launch_options())
 
 
@@ -357,7 +432,8 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
         _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
             x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
     _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
-            rows_per_tile, True, x_split=not CONFIG["fold_prep"])
+            rows_per_tile, True, launch_config("up", num_tokens, rows_per_tile),
+            x_split=not CONFIG["fold_prep"])
     _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False)
+            rows_per_tile, False, launch_config("down", num_tokens, rows_per_tile))
     return y

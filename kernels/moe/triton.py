@@ -47,10 +47,11 @@ from flashpd.kernels.quant.triton import round_bf16
 ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 # Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
 # FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs).
-# 4: from 8 tokens the swap-AB kernels are faster (H200: 301 vs 521 us at 8, 428 vs 898 at 16,
-# bench/results/h200/moe_swapab.md); the GEMV keeps the batches of 1-4 it was measured best at.
+# 0: the swap-AB kernels are faster from 1 token (H200, full routed path: 76.5 vs 93.6 us at 1,
+# 128 vs 194 at 2, 196 vs 312 at 4; bench/results/h200/moe_decode.md); the GEMV stays for
+# FLASHPD_MOE_GEMV_MAX_ROWS > 0 (it also takes fp32 activations, which swap-AB does not).
 GEMV = True
-GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "4"))
+GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "0"))
 _ROUTER_BLOCK_T = 16
 ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120 (at most: router_block_k)
 _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most

@@ -112,12 +112,14 @@ def test_a_tokens_result_does_not_depend_on_its_batch_or_tile_rows():
 
 
 def test_small_batches_of_moe_quantized_take_the_gemv_path(monkeypatch):
-    """moe.triton routes <= GEMV_MAX_ROWS tokens here (and only then), same answer."""
+    """moe.triton routes <= GEMV_MAX_ROWS tokens here (and only then), same answer (the
+    default bound is 0: swap-AB from 1 token)."""
     experts = _experts(4, 64, 32, seed=13)
     x, ids, w = _batch(3, 64, 4, 2, seed=14)
     calls = []
     real = gemv.expert_rows
     monkeypatch.setattr(gemv, "expert_rows", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(mt, "GEMV_MAX_ROWS", 4)
     got = mt.routed_experts(x, ids, w, experts, LIMIT)
     assert calls == [gemv.tile_rows(3)]
     assert _rel_err(got, _reference(x, ids, w, experts)) < 2e-3

@@ -160,3 +160,57 @@ def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path):
         ("swapab bk128", 3)}
     assert all(r["err"] < 2e-3 for r in rows)
     assert swapab.CONFIG == before and (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS) == bounds
+
+
+@pytest.mark.parametrize("overrides", [
+    {"up": {"split": 2}, "down": {"split": 3}},  # K = 96, steps of 64: the third split is empty
+    {"up": {"split": 4, "block_n": 32, "warps": 2}, "down": {"split": 2}},
+    {"up": {"split": 2, "scale_prefetch": True}, "down": {"split": 2, "w_prefetch": True}},
+    {"up": {"scale_prefetch": True}, "down": {"w_prefetch": True}},
+    {"fold_prep": True},
+])
+def test_variants_match_reference_and_leave_counters_zeroed(monkeypatch, overrides):
+    """Split-K (partials summed by the last program), register prefetch, no prep launch."""
+    for key, value in overrides.items():
+        monkeypatch.setitem(swapab.CONFIG, key, {**swapab.CONFIG[key], **value}
+                            if isinstance(value, dict) else value)
+    for t, rows, d, i in ((9, 8, 128, 96), (1, 8, 96, 64), (5, 16, 64, 128)):
+        experts = _experts(4, d, i, seed=20 + t)
+        x, ids, w = _batch(t, d, 4, 2, seed=30 + t)
+        assert _rel_err(_swapab(x, ids, w, experts, rows), _reference(x, ids, w, experts)) < 2e-3
+    counters = swapab._COUNTERS.get(torch.device("cpu"))
+    assert counters is None or not counters.any()
+
+
+def test_split_k_result_does_not_depend_on_the_batch(monkeypatch):
+    """Within a split setting a token's sums are fixed: token 0 alone == token 0 among 7 (its
+    expert's tile then holds 7 pairs, and other tiles' programs arrive in another order)."""
+    for part, split in (("up", 3), ("down", 2)):
+        monkeypatch.setitem(swapab.CONFIG, part, {**swapab.CONFIG[part], "split": split})
+    experts = _experts(4, 192, 64, seed=21)
+    x, ids, w = _batch(7, 192, 4, 3, seed=22)
+    ids[:, 0] = 1
+    alone = _swapab(x[:1], ids[:1], w[:1], experts, 8)
+    assert torch.equal(_swapab(x, ids, w, experts, 8)[:1], alone)
+
+
+def test_launch_config_applies_small_then_tile_row_overrides(monkeypatch):
+    monkeypatch.setitem(swapab.CONFIG, "small", (4, {"up": {"split": 2, "block_n": 32}}))
+    monkeypatch.setitem(swapab.CONFIG, "up16", {"block_n": 128})
+    base = swapab.CONFIG["up"]
+    assert swapab.launch_config("up", 4, 8) == {**base, "split": 2, "block_n": 32}
+    assert swapab.launch_config("up", 5, 8) == base
+    assert swapab.launch_config("up", 100, 16) == {**base, "block_n": 128}
+    assert swapab.launch_config("down", 1, 8) == swapab.CONFIG["down"]
+
+
+def test_bad_split_and_decode_settings_are_named(monkeypatch):
+    experts = _experts(2, 64, 64, seed=23)
+    x, ids, w = _batch(2, 64, 2, 1, seed=24)
+    monkeypatch.setitem(swapab.CONFIG, "up", {**swapab.CONFIG["up"], "split": 0})
+    with pytest.raises(ValueError, match="split"):
+        _swapab(x, ids, w, experts, 8)
+    monkeypatch.setitem(swapab.CONFIG, "up", {**swapab.CONFIG["up"], "split": 1})
+    monkeypatch.setitem(swapab.CONFIG, "decode", "lut")
+    with pytest.raises(ValueError, match="decode"):
+        _swapab(x, ids, w, experts, 8)
