@@ -36,34 +36,28 @@ SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
           "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)}}
 _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
-# name -> (swapab CONFIG overrides, the Ms it times); "pair": e2m1_pair_asm and integer scale
-# bits (fewer instructions per weight byte), the others on top of it
-_PAIR = {"decode": "pair"}
-_PF = {"scale_prefetch": True}
+# name -> (swapab CONFIG overrides, the Ms it times), on top of swapab.CONFIG (run 1 at
+# 280db55 compared the "pair" decode, now the default, and others: moe_decode.md)
+_W2 = {"block_n": 32, "warps": 2}
 VARIANTS = {
-    "pair": (_PAIR, (1, 2, 4, 8, 16, 64, 128)),
-    "pair_fold": ({**_PAIR, "fold_prep": True}, (1, 8, 64)),
-    "pair_spf": ({**_PAIR, "up": _PF, "down": _PF}, (8, 64)),
-    "pair_st4": ({**_PAIR, "up": {"stages": 4}, "down": {"stages": 4}}, (1, 8, 64)),
-    "pair_st5": ({**_PAIR, "up": {"stages": 5}, "down": {"stages": 5}}, (1, 8)),
-    "pair_bn128_w8": ({**_PAIR, "up": {"block_n": 128, "warps": 8},
-                       "down": {"block_n": 128, "warps": 8}}, (64,)),
-    "pair_bk256": ({**_PAIR, "up": {"block_k": 256}, "down": {"block_k": 256}}, (64,)),
-    "pair_up_bn32": ({**_PAIR, "up": {"block_n": 32}}, (1, 8)),
-    "pair_wpf": ({**_PAIR, "up": {"w_prefetch": True}, "down": {"w_prefetch": True}}, (64,)),
-    "bk128": ({"up": {"block_k": 128}, "down": {"block_k": 128}}, (8, 16, 32, 64, 128, 192)),
-    "bk128_st4": ({"up": {"block_k": 128, "stages": 4}, "down": {"block_k": 128, "stages": 4}},
-                  (8, 64, 128)),
-    "st4": ({"up": {"stages": 4}, "down": {"stages": 4}}, (8, 64)),
-    "rows16_bn32": ({"rows": ((_ALL, 16),), "up": {"block_n": 32}, "down": {"block_n": 32}},
-                    (64, 128, 192)),
-    "rows16_bn32_bk128": ({"rows": ((_ALL, 16),), "up": {"block_n": 32, "block_k": 128},
-                           "down": {"block_n": 32, "block_k": 128}}, (64, 128, 192)),
-    "bn32": ({"up": {"block_n": 32}, "down": {"block_n": 32}}, (8, 64)),
-    "bn128_w8": ({"up": {"block_n": 128, "warps": 8}, "down": {"block_n": 128, "warps": 8}},
-                 (64,)),
-    "wgmma16_bk128": ({"rows": ((_ALL, 16),), "up": {"block_k": 128}, "down": {"block_k": 128}},
-                      (64, 128)),
+    "split_decode": ({"decode": "split"}, (1, 64)),
+    "bn32w2": ({"up": _W2, "down": _W2}, (1, 2, 4, 8, 16, 64, 128)),
+    "bn16w1": ({"up": {"block_n": 16, "warps": 1}, "down": {"block_n": 16, "warps": 1}},
+               (1, 8, 64)),
+    "up_s2": ({"up": {"split": 2}}, (1, 2, 4, 8)),
+    "up_s4": ({"up": {"split": 4}}, (1, 4)),
+    "up_s2_dn2": ({"up": {"split": 2}, "down": {"split": 2}}, (1, 8)),
+    "bn32w2_s2": ({"up": {**_W2, "split": 2}, "down": _W2}, (1, 4, 8)),
+    "bn32w2_s4d2": ({"up": {**_W2, "split": 4}, "down": {**_W2, "split": 2}}, (1, 4)),
+    "nr96": ({"up": {"maxnreg": 96}}, (8, 64)),
+    "nr96_d64": ({"up": {"maxnreg": 96}, "down": {"maxnreg": 64}}, (64,)),
+    "bk256": ({"up": {"block_k": 256}, "down": {"block_k": 256}}, (16, 64)),
+    "st4": ({"up": {"stages": 4}, "down": {"stages": 4}}, (64,)),
+    "bn32w2_bk256": ({"up": {**_W2, "block_k": 256}, "down": {**_W2, "block_k": 256}}, (64,)),
+    "bn32w2_st4": ({"up": {**_W2, "stages": 4}, "down": {**_W2, "stages": 4}}, (64,)),
+    "pair_fold": ({"fold_prep": True}, (1,)),
+    "pair_spf": ({"up": {"scale_prefetch": True}, "down": {"scale_prefetch": True}}, (64,)),
+    "pair_wpf": ({"up": {"w_prefetch": True}, "down": {"w_prefetch": True}}, (64,)),
 }
 
 
@@ -95,6 +89,23 @@ def compiled_kernels() -> list[dict]:
     return out
 
 
+def kernels_row(bench: Bench, m: int) -> dict:
+    """swapab.expert_rows alone (prep + up + down; pairs sorted outside, no combine), timed."""
+    from flashpd.kernels.moe import swapab
+    from flashpd.kernels.moe import triton as mt
+
+    x, sets = bench.routings(m)
+    rows = swapab.tile_rows(m)
+    pairs = [mt.sort_pairs(ids, gam, bench.e, rows) for ids, gam in sets]
+    calls = [lambda p=p: swapab.expert_rows(x, p, bench.routed, 10.0, rows) for p in pairs]
+    ms = kr.graph_ms(calls)
+    gbps = bench.nbytes(m) / (ms * 1e-3) / 1e9
+    out = {"path": "swapab kernels only (prep+up+down)", "m": m, "err": float("nan"),
+           "us": ms * 1e3, "GBps": gbps, "pct": 100.0 * gbps / COPY_GBPS}
+    print(json.dumps(out), flush=True)
+    return out
+
+
 class Paths:
     """Which routed-expert path `moe.triton.routed_experts` takes, set per row."""
 
@@ -115,7 +126,7 @@ class Paths:
 
 
 def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
-    lines = [f"# Routed MXFP4 experts, 8-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
+    lines = [f"# Routed MXFP4 experts, 1-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
              "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
              f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
              f" full path = pair sort + both expert GEMMs + combine; swapab CONFIG "
@@ -190,6 +201,8 @@ def _run(args, argv, shape: dict) -> int:
             if m <= 16 and "gemv" in args.paths:
                 paths.set("gemv")
                 rows.append(bench.row("gemv (default <= 16)", m, True))
+            if "kernels" in args.paths and not args.smoke:
+                rows.append(kernels_row(bench, m))
         paths.set("swapab")
         for name in (args.variants[:1] if args.smoke else args.variants):
             if time.perf_counter() - t0 > args.budget_s and not args.smoke:

@@ -153,11 +153,11 @@ def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path):
     before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
     bounds = (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS)
     assert moe_swapab_check.main(["--smoke", "--out", str(tmp_path), "--ms", "3",
-                                  "--variants", "bk128"]) == 0
+                                  "--variants", "bn32w2"]) == 0
     rows = json.loads((tmp_path / "moe_swapab.json").read_text())["results"]
     assert {(r["path"], r["m"]) for r in rows} == {
         ("swapab (new)", 3), ("grouped GEMM (old)", 3), ("gemv (default <= 16)", 3),
-        ("swapab bk128", 3)}
+        ("swapab bn32w2", 3)}
     assert all(r["err"] < 2e-3 for r in rows)
     assert swapab.CONFIG == before and (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS) == bounds
 
