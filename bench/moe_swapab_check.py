@@ -37,7 +37,9 @@ SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
 _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
 # name -> (swapab CONFIG overrides, the Ms it times), on top of swapab.CONFIG (run 1 at
-# 280db55 compared the "pair" decode, now the default, and others: moe_decode.md)
+# 280db55 compared the "pair" decode, now the default, and others; run 2 at ae9dc55 these,
+# before CONFIG "sizes" existed: moe_decode.md). Variants setting up / down run without
+# CONFIG "sizes" (apply).
 _W2 = {"block_n": 32, "warps": 2}
 VARIANTS = {
     "split_decode": ({"decode": "split"}, (1, 64)),
@@ -62,7 +64,9 @@ VARIANTS = {
 
 
 def apply(overrides: dict, default: dict) -> None:
-    """swapab.CONFIG = default with `overrides` (dict entries merged)."""
+    """swapab.CONFIG = default with `overrides` (dict entries merged). A variant that sets
+    "up" or "down" (and no "sizes") runs without the per-size entries, so that it is measured
+    as given, not shadowed by them."""
     from flashpd.kernels.moe import swapab
 
     swapab.CONFIG.clear()
@@ -70,6 +74,8 @@ def apply(overrides: dict, default: dict) -> None:
                           for k, v in default.items()})
     for k, v in overrides.items():
         swapab.CONFIG[k] = {**default[k], **v} if isinstance(v, dict) else v
+    if ("up" in overrides or "down" in overrides) and "sizes" not in overrides:
+        swapab.CONFIG["sizes"] = ()
 
 
 def compiled_kernels() -> list[dict]:

@@ -28,20 +28,22 @@ MXFP4 nibbles: byte j of a 32-value group holds k = 2j (low nibble) and 2j + 1 (
 of G groups loads the bytes as [BN, G, 16], decodes the low nibbles into [BN, 16 G] (the even
 k of the step) and the high ones into [BN, 16 G] (the odd k), each times its group's scale
 (exact), and makes two dots against the matching halves of xp: no interleave in registers.
-On the GPU the decode is dense/triton.py's PTX (`e2m1_lo_asm` / `e2m1_hi_asm`); under the
-interpreter `fp32_e2m1` (same values: both exact).
+On the GPU the decode is PTX (`e2m1_pair_asm`, CONFIG decode "pair"; or dense/triton.py's
+`e2m1_lo_asm` / `e2m1_hi_asm`, "split"); under the interpreter `fp32_e2m1` (same values: all
+exact).
 
-Split-K (CONFIG "split", e.g. only for small batches through CONFIG "small"): grid axis 2
-splits the K steps; FP32 partials go to a workspace and the last program of a (tile, N block)
-to arrive sums them in split order, then runs the epilogue (deterministic, no extra launch).
+Split-K (CONFIG "split", per batch size through CONFIG "sizes"): grid axis 2 splits the K
+steps; FP32 partials go to a workspace and the last program of a (tile, N block) to arrive
+sums them in split order, then runs the epilogue (deterministic, no extra launch).
 
-Batch invariance: K is summed in steps of BLOCK_K (a constant), even half then odd half, so a
-pair's sums do not depend on how many pairs share its tile or the call (up to the tensor-core
-instruction the compiler picks for the ROWS of the batch's size class, and the split-K ways of
-its size class: across CONFIG "small"'s bound the last bits may differ). The path is chosen by
-size (moe/triton.py: (GEMV_MAX_ROWS, MAX_TOKENS] tokens) and sums in another order than the
-GEMV and the grouped GEMMs, so a token may differ in the last bits across those bounds, as
-between the GEMV and the grouped GEMM paths.
+Batch invariance: K is summed in steps of BLOCK_K, even half then odd half, so a pair's sums
+do not depend on how many pairs share its tile or the call within a batch-size class (the
+tensor-core instruction the compiler picks for the class's ROWS, and the K step and split-K
+ways of its CONFIG "sizes" entry, are constants of the class): across those bounds (2/3, 4/5,
+8/9, 16/17, 32/33, 64/65 tokens) the last bits may differ. The path is chosen by size
+(moe/triton.py: (GEMV_MAX_ROWS, MAX_TOKENS] tokens) and sums in another order than the GEMV and
+the grouped GEMMs, so a token may differ in the last bits across those bounds too, as between
+the GEMV and the grouped GEMM paths.
 """
 
 from __future__ import annotations
@@ -84,14 +86,25 @@ MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "128"))
 # scale_prefetch / w_prefetch: next K step's scale / weight bytes loaded a step ahead into
 # registers (w_prefetch: with stages 1, no shared-memory stage for the weights); up / down may
 # also name split (split-K ways, deterministic: see the kernel) and maxnreg (register cap).
-# small: (max tokens, {"up": {...}, "down": {...}}) overrides for batches of <= max tokens;
-# "up16" / "down16" (optional): overrides for tiles of 16 rows (launch_config).
+# sizes: ((max tokens, {"up": {...}, "down": {...}}), ...) overrides of up / down by batch
+# size, the first entry covering the batch (launch_config); none: up / down as they are.
+# Each entry measured on the H200 against up / down alone (moe_decode.md, run 2, full routed
+# path): 3-4 tokens up split-K 2 (185.8 vs 201.2 us at 4); 9-16 K step 256 (428.4 vs 454.7);
+# 33-64 N block 32 with 2 warps and K step 256 (511.6 vs 574.5 at 64); 65-128 (tiles of 16)
+# N block 32 with 2 warps (mma.sync instead of wgmma: 717.5 vs 750.9 at 128). 1-2, 5-8 and
+# 17-32 tokens: no variant measured faster (17-32 not measured).
+_K256 = {"block_k": 256}
+_W2 = {"block_n": 32, "warps": 2}
 CONFIG = {"rows": ((64, 8), (1 << 30, 16)),
           "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
                  "scale_prefetch": False, "w_prefetch": False},
           "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
                    "scale_prefetch": False, "w_prefetch": False},
-          "decode": "pair", "fold_prep": False, "small": (0, {})}
+          "decode": "pair", "fold_prep": False,
+          "sizes": ((2, {}), (4, {"up": {"split": 2}}), (8, {}),
+                    (16, {"up": _K256, "down": _K256}), (32, {}),
+                    (64, {"up": {**_W2, **_K256}, "down": {**_W2, **_K256}}),
+                    (128, {"up": _W2, "down": _W2}))}
 _PREP_BLOCK = 1024
 _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
 
@@ -357,14 +370,14 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def launch_config(part: str, num_tokens: int, rows_per_tile: int) -> dict:
-    """CONFIG[part] ("up" / "down") with the overrides for this batch: CONFIG["small"]'s for
-    batches of <= its max tokens, then CONFIG[part + str(rows_per_tile)]'s (e.g. "up16")."""
+def launch_config(part: str, num_tokens: int) -> dict:
+    """CONFIG[part] ("up" / "down") with the overrides of the first CONFIG["sizes"] entry
+    whose max tokens covers the batch (none past the last entry)."""
     cfg = dict(CONFIG[part])
-    max_small, small = CONFIG.get("small", (0, {}))
-    if num_tokens <= max_small:
-        cfg.update(small.get(part, {}))
-    cfg.update(CONFIG.get(f"{part}{rows_per_tile}", {}))
+    for max_tokens, over in CONFIG.get("sizes", ()):
+        if num_tokens <= max_tokens:
+            cfg.update(over.get(part, {}))
+            break
     return cfg
 
 
@@ -432,8 +445,8 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
         _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
             x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
     _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
-            rows_per_tile, True, launch_config("up", num_tokens, rows_per_tile),
+            rows_per_tile, True, launch_config("up", num_tokens),
             x_split=not CONFIG["fold_prep"])
     _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False, launch_config("down", num_tokens, rows_per_tile))
+            rows_per_tile, False, launch_config("down", num_tokens))
     return y

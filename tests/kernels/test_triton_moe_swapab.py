@@ -194,14 +194,27 @@ def test_split_k_result_does_not_depend_on_the_batch(monkeypatch):
     assert torch.equal(_swapab(x, ids, w, experts, 8)[:1], alone)
 
 
-def test_launch_config_applies_small_then_tile_row_overrides(monkeypatch):
-    monkeypatch.setitem(swapab.CONFIG, "small", (4, {"up": {"split": 2, "block_n": 32}}))
-    monkeypatch.setitem(swapab.CONFIG, "up16", {"block_n": 128})
-    base = swapab.CONFIG["up"]
-    assert swapab.launch_config("up", 4, 8) == {**base, "split": 2, "block_n": 32}
-    assert swapab.launch_config("up", 5, 8) == base
-    assert swapab.launch_config("up", 100, 16) == {**base, "block_n": 128}
-    assert swapab.launch_config("down", 1, 8) == swapab.CONFIG["down"]
+def test_launch_config_takes_the_first_size_entry_covering_the_batch(monkeypatch):
+    monkeypatch.setitem(swapab.CONFIG, "sizes", ((2, {}), (4, {"up": {"split": 2}}),
+                                                 (64, {"down": {"block_n": 32}})))
+    up, down = swapab.CONFIG["up"], swapab.CONFIG["down"]
+    assert swapab.launch_config("up", 2) == up
+    assert swapab.launch_config("up", 3) == {**up, "split": 2}
+    assert swapab.launch_config("down", 3) == down
+    assert swapab.launch_config("down", 64) == {**down, "block_n": 32}
+    assert swapab.launch_config("down", 65) == down
+
+
+def test_default_size_classes_match_reference(monkeypatch):
+    """Each CONFIG "sizes" class of the defaults (K steps shrunk to the tiny shapes)."""
+    small = tuple((m, {p: {**o, "block_k": 64} for p, o in over.items()})
+                  for m, over in swapab.CONFIG["sizes"])
+    monkeypatch.setitem(swapab.CONFIG, "sizes", small)
+    experts = _experts(8, 128, 64, seed=25)
+    for t in (1, 4, 16, 64, 65):
+        x, ids, w = _batch(t, 128, 8, 2, seed=26 + t)
+        rows = swapab.tile_rows(t)
+        assert _rel_err(_swapab(x, ids, w, experts, rows), _reference(x, ids, w, experts)) < 2e-3
 
 
 def test_bad_split_and_decode_settings_are_named(monkeypatch):
