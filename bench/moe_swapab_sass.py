@@ -2,7 +2,7 @@
 
     python -m flashpd.bench.moe_swapab_sass [--try JSON ...]
 
-Compiles `moe.swapab._swapab_kernel` for sm_90 with Triton's bundled ptxas at the bench
+Compiles `moe.swapab.GEMM_KERNEL` for sm_90 with Triton's bundled ptxas at the bench
 preset's shapes (up: K = 5120 with W1 and W3; down: K = 2304) for each variant below (or the
 ad-hoc --try constexpr/option sets) and reads the binary back (dense_fp8_sass.analyse):
 registers, stack (spills), shared memory, MMA form, and the K loop's warp-instructions per
@@ -43,7 +43,7 @@ def compile_variant(part: str, consts: dict, options: dict):
 
     from flashpd.kernels.moe import swapab
 
-    fn = swapab._swapab_kernel
+    fn = swapab.GEMM_KERNEL
     up = part == "up"
     const = {"SWIGLU": up, "MX_ASM": True, "UPCAST": False, "EVEN_K": True, "ROWS": 8,
              "BLOCK_N": 64, "BLOCK_K": 128, "PAIR": True, "SCALE_PF": False, "W_PF": False,

@@ -351,6 +351,9 @@ def _swapab_kernel(
             tl.store(out, round_bf16(acc1).to(tl.bfloat16), mask=mask)
 
 
+GEMM_KERNEL = _swapab_kernel  # the up / down kernel (offline compile report: bench/moe_swapab_sass.py)
+
+
 # ============================================================================ host side
 def compiled_variants() -> list:
     """The GEMM kernel's variants compiled so far (Triton CompiledKernel: asm, n_regs, ...)."""
