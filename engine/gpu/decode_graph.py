@@ -104,7 +104,7 @@ class DecodeGraphs:
         tables = step.tables
         key = (decode, turn, rows,
                tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
-               tables.window_rows.shape[0], tuple(sorted(tables.key_width.items())))
+               tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())))
         if key not in self._graphs:
             try:
                 self._graphs[key] = self._build(step)

@@ -33,7 +33,9 @@ class PagedTables:
 
     pools: KVPools
     scratch: torch.Tensor  # [T] int64 window scratch rows
-    window_rows: torch.Tensor  # [U, T, W] int32: pool rows of each compute row's window keys
+    # [U, 4, T] int64 per window table: each row's position, first own position, first ring
+    # position and slot; `materialise` expands it into window_rows on the device
+    window_spec: torch.Tensor
     window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
     seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
     block_table: torch.Tensor  # [B', nb] int64 block ids of each key-table row (0-padded)
@@ -48,19 +50,22 @@ class PagedTables:
     open_keep: dict[int, tuple[torch.Tensor, torch.Tensor]]  # ratio-2 src: (slots, seam rows)
     num_keep: int = 0
     num_open_keep: dict[int, int] = field(default_factory=dict)
+    window_size: int = 0  # W
     # src -> [B', N] int32 pool rows of visible entries (-1 past): `materialise` fills it
     key_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # [U, T, W] int32 pool rows of each compute row's window keys (-1 empty): `materialise`
+    window_rows: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The forward's inputs in a fixed order (what a graph replay refills)."""
-        out = [self.scratch, self.window_rows, self.block_table, self.key_counts]
+        out = [self.scratch, self.window_spec, self.block_table, self.key_counts]
         for group in (self.seq_of, self.entry_rows, self.from_stored, self.open_slots):
             out += [group[k] for k in sorted(group)]
         return out
 
     def set_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         it = iter(tensors)
-        self.scratch, self.window_rows, self.block_table = next(it), next(it), next(it)
+        self.scratch, self.window_spec, self.block_table = next(it), next(it), next(it)
         self.key_counts = next(it)
         for group in (self.seq_of, self.entry_rows, self.from_stored, self.open_slots):
             for k in sorted(group):
@@ -81,7 +86,10 @@ class PagedTables:
 
     def materialise(self) -> None:
         """key_rows[src] [B', N] = pool row of entry j of each sequence (-1 from its count on),
-        from the block table: a few device ops per source, graph-capturable (no host values)."""
+        from the block table; window_rows [U, T, W] from the window spec: a few device ops,
+        graph-capturable (no host values)."""
+        self.window_rows = expand_windows(self.window_spec, self.window_size,
+                                          self.pools.ring_rows, self.pools.scratch_base)
         epb_of = self.pools.geometry.entries_per_block
         bt = self.block_table
         for i, (src, width) in enumerate(self.key_width.items()):
@@ -91,6 +99,62 @@ class PagedTables:
             rows = bt[:, blk] * epb + e % epb  # [B', N]
             valid = e[None, :] < self.key_counts[i][:, None]
             self.key_rows[src] = torch.where(valid, rows, -1).to(torch.int32)
+
+
+class Columns:
+    """Columns of int64 row values, gathered from single rows (Python ints, one list each)
+    and from spans (a tensor for the first column, constants for the rest), in order: the
+    host tables of a decode batch (one row per sequence) and of an 8K prefill chunk (one span)
+    both cost little."""
+
+    def __init__(self, num_cols: int):
+        self.num_cols, self.num_rows = num_cols, 0
+        self._pieces: list[torch.Tensor] = []
+        self._rows: list[tuple[int, ...]] = []
+
+    def row(self, *values: int) -> None:
+        self._rows.append(values)
+        self.num_rows += 1
+
+    def span(self, first: torch.Tensor, *rest: int) -> None:
+        self._flush()
+        block = torch.empty((self.num_cols, first.shape[0]), dtype=torch.long)
+        block[0] = first
+        block[1:] = torch.tensor(rest, dtype=torch.long)[:, None]
+        self._pieces.append(block)
+        self.num_rows += first.shape[0]
+
+    def last(self) -> torch.Tensor:
+        """The last span's [num_cols, n] block (writable)."""
+        return self._pieces[-1]
+
+    def tensor(self) -> torch.Tensor:
+        self._flush()
+        if not self._pieces:
+            return torch.zeros((self.num_cols, 0), dtype=torch.long)
+        return self._pieces[0] if len(self._pieces) == 1 else torch.cat(self._pieces, dim=1)
+
+    def _flush(self) -> None:
+        if self._rows:
+            self._pieces.append(torch.tensor(list(zip(*self._rows)), dtype=torch.long))
+            self._rows = []
+
+
+NO_KEYS = 1 << 40  # a window spec's first / start for rows with no window keys
+
+
+def expand_windows(spec: torch.Tensor, window: int, ring: int, scratch_base: int) -> torch.Tensor:
+    """spec [U, 4, T] (position, first own position, first ring position, slot per row) ->
+    [U, T, W] int32 pool rows of each row's window keys: key positions pos-W+1..pos; from
+    `first` on the step's own scratch rows (row t's key at offset j - (W-1) is scratch row
+    t + j - (W-1)), from `start` on the slot's ring, earlier -1."""
+    pos, first, start, slot = spec.unbind(1)  # [U, T] each
+    offs = torch.arange(1 - window, 1, device=spec.device)  # [W]
+    key_pos = pos[..., None] + offs  # [U, T, W]
+    own = scratch_base + torch.arange(spec.shape[2], device=spec.device)[:, None] + offs
+    ring_rows = slot[..., None] * ring + key_pos.remainder(ring)
+    from_ring = torch.where(key_pos >= start[..., None], ring_rows, -1)
+    return torch.where(key_pos >= first[..., None], own, from_ring).to(torch.int32)
 
 
 class TableBuilder:
@@ -136,10 +200,10 @@ class TableBuilder:
             src, dst = self._keep(layers, per_row)
             keep_src.append(src)
             keep_dst.append(dst)
-        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
-                            dtype=torch.int32)
+        window = torch.zeros((len(windows), 4, self.num_rows), dtype=torch.long)
+        window[:, 1:3] = NO_KEYS  # rows past a layout's compute rows: an empty window
         for i, t in enumerate(windows):
-            window[i, :t.shape[0]] = t
+            window[i, :, :t.shape[1]] = t
         counts, widths = self._key_counts()
         bt = self._block_table(widths)
         entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}
@@ -159,36 +223,27 @@ class TableBuilder:
             bt, torch.tensor(list(counts.values()), dtype=torch.long), widths,
             entry_rows, from_stored, open_slots, keep_src, keep_dst, open_keep,
             num_keep=keep_src.shape[0],
-            num_open_keep={s: v[0].shape[0] for s, v in open_keep.items()})
+            num_open_keep={s: v[0].shape[0] for s, v in open_keep.items()},
+            window_size=cfg.sliding_window)
 
     # ------------------------------------------------------------------ per compute row
     def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
         """Per compute row: position, first position of its part, slot, key-table row, end."""
-        pos, first, slot, table, end = [], [], [], [], []
+        cols = Columns(5)  # pos, first, slot, table, end
         for part in rows.compute_parts:
             n, seg = part.c1 - part.c0, part.seg
             fp = seg.inp.start_pos + part.first
             if n == 1:
-                pos.append(fp)
-                first.append(fp)
-                slot.append(seg.inp.state.slot)
-                table.append(seg.index)
-                end.append(fp + 1)
-                continue
-            pos += range(fp, fp + n)
-            first += [fp] * n
-            slot += [seg.inp.state.slot] * n
-            table += [seg.index] * n
-            end += [seg.end_pos] * n
-        pad = rows.num_compute - len(pos)  # padding rows: position 0, an empty window, their
-        num_segs = len(self.step.segs)  # own key-table rows
-        pos += [0] * pad
-        first += [0] * pad
-        slot += [-1] * pad
-        table += range(num_segs, num_segs + pad)
-        end += [0] * pad
-        t = torch.tensor([pos, first, slot, table, end], dtype=torch.long)
-        return dict(zip(("pos", "first", "slot", "table", "end"), t, strict=True))
+                cols.row(fp, fp, seg.inp.state.slot, seg.index, fp + 1)
+            else:
+                cols.span(torch.arange(fp, fp + n), fp, seg.inp.state.slot, seg.index,
+                          seg.end_pos)
+        pad = rows.num_compute - cols.num_rows  # padding rows: position 0, an empty window,
+        num_segs = len(self.step.segs)  # their own key-table rows
+        if pad:
+            cols.span(torch.zeros(pad, dtype=torch.long), 0, -1, 0, 0)
+            cols.last()[3] = torch.arange(num_segs, num_segs + pad)
+        return dict(zip(("pos", "first", "slot", "table", "end"), cols.tensor(), strict=True))
 
     def _starts(self, rows: LayerRows, layers: list[int]) -> dict[tuple[int, ...], list[int]]:
         """Distinct per-part window starts -> the layers that have them. A part whose state's
@@ -226,12 +281,10 @@ class TableBuilder:
 
     def _window(self, rows: LayerRows, starts: tuple[int, ...],
                 per_row: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[Tc, W] pool rows of each compute row's window keys for one set of part starts."""
-        w, ring = self.cfg.sliding_window, self.pools.ring_rows
-        pos, first = per_row["pos"], per_row["first"]
-        key_pos = pos[:, None] + torch.arange(1 - w, 1)[None, :]  # [Tc, W]
-        own = self.pools.scratch_base + torch.arange(len(pos))[:, None] + (key_pos - pos[:, None])
-        ring_rows = per_row["slot"][:, None] * ring + key_pos.remainder(ring)
+        """[4, Tc] window spec of each compute row for one set of part starts: position, first
+        position of its part (keys from there on are this step's rows), first position the
+        ring holds (earlier keys: none), slot. `window_rows` expands it on the device."""
+        pos = per_row["pos"]
         counts = [p.c1 - p.c0 for p in rows.compute_parts]
         if all(n == 1 for n in counts):
             start = torch.tensor(starts, dtype=torch.long)
@@ -239,8 +292,7 @@ class TableBuilder:
             start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long),
                                             torch.tensor(counts, dtype=torch.long))
         start = torch.cat((start, pos[len(start):]))  # padding rows: nothing earlier
-        from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
-        return torch.where(key_pos >= first[:, None], own, from_ring).to(torch.int32)
+        return torch.stack((pos, per_row["first"], start, per_row["slot"]))
 
     def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
         """Flat (scratch, ring) rows of pools.window [L * R]: the last W-1 new records of every
@@ -289,37 +341,30 @@ class TableBuilder:
         its ratio-2 partner is the slot's stored open row, and its slot."""
         ratio = self.cfg.compress_ratios[src]
         epb = self.pools.geometry.entries_per_block(src)
-        entry, stored, slots, tables = [], [], [], []
+        cols = Columns(4)  # entry row, stored, slot, key-table row
         for part in rows.parts:
             seg = part.seg
             first = seg.inp.start_pos + part.seam_first
             end = seg.end_pos
             n = end - first
             if n == 1 and seg.inp.plan.replay is None:  # a decode row
-                entry.append(first // ratio if end % ratio == 0 else -1)
-                stored.append(True)
-                slots.append(seg.inp.state.slot)
-                tables.append(seg.index)
+                cols.row(first // ratio if end % ratio == 0 else -1, 1, seg.inp.state.slot,
+                         seg.index)
                 continue
             if seg.replay is not None:  # the entries exist: nothing is written
-                entry += [-1] * n
-            elif ratio == 1:
-                entry += range(first, end)
+                entry = torch.full((n,), -1, dtype=torch.long)
             else:
-                entry += [p // ratio if (p + 1) % ratio == 0 else -1 for p in range(first, end)]
-            stored += [True] + [False] * (n - 1)
-            slots += [seg.inp.state.slot] * n
-            tables += [seg.index] * n
-        pad = rows.num_seam - len(entry)
-        entry += [-1] * pad
-        stored += [False] * pad
-        slots += [0] * pad
-        tables += [0] * pad
-        t = torch.tensor([entry, slots, tables], dtype=torch.long)
-        entry_t, slots_t, b = t[0], t[1], t[2]
+                p = torch.arange(first, end)
+                entry = p if ratio == 1 else torch.where((p + 1) % ratio == 0, p // ratio, -1)
+            cols.span(entry, 0, seg.inp.state.slot, seg.index)
+            cols.last()[1, 0] = 1
+        pad = rows.num_seam - cols.num_rows
+        if pad:
+            cols.span(torch.full((pad,), -1, dtype=torch.long), 0, 0, 0)
+        entry_t, stored_t, slots_t, b = cols.tensor()
         safe = entry_t.clamp(min=0)
         picked = bt[b, (safe // epb).clamp(max=bt.shape[1] - 1)] * epb + safe % epb
-        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored), slots_t)
+        return (torch.where(entry_t >= 0, picked, -1), stored_t.bool(), slots_t)
 
     def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
