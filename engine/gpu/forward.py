@@ -316,9 +316,10 @@ class GpuModel(Model):
         cfg, d, t = self.cfg, self.dense, step.tables
         num_q = x.shape[0]
         rope = self._step_rope(step, rows.positions, self._freqs(spec))  # [Tc, r/2] each
-        c_q = d.rms_norm(self._lin(x, lw.wq_a), lw.q_norm, self.eps)  # [Tc, q_lora]
+        qkv = self._lin(x, lw.wq_a_kv)  # [Tc, q_lora + d]: wq_a and wkv in one GEMM
+        c_q = d.rms_norm(qkv[:, :lw.q_lora], lw.q_norm, self.eps)  # [Tc, q_lora]
         q = self._lin(c_q, lw.wq_b).view(num_q, cfg.num_heads, cfg.head_dim)  # pre-RoPE
-        kv = d.rms_norm(self._lin(x, lw.wkv), lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
+        kv = d.rms_norm(qkv[:, lw.q_lora:], lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
         window_pool = t.pools.window[spec.layer_id]  # [rings + scratch, 528]
         self.quant.write_unchecked(self.quant.FMT_WINDOW_FP8, kv, t.scratch[:num_q],
                                    window_pool, rope)

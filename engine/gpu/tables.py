@@ -136,7 +136,7 @@ class Columns:
 
     def _flush(self) -> None:
         if self._rows:
-            self._pieces.append(torch.tensor(list(zip(*self._rows)), dtype=torch.long))
+            self._pieces.append(torch.tensor(list(zip(*self._rows, strict=True)), dtype=torch.long))
             self._rows = []
 
 

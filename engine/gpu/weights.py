@@ -61,10 +61,10 @@ class EngramWeights:
 @dataclass
 class LayerWeights:
     spec: LayerSpec
-    wq_a: Weights
+    wq_a_kv: Weights  # FP8 [wq_a; wkv] stacked along N: one GEMM over the layer's input
+    q_lora: int  # wq_a's rows in wq_a_kv (the rest are wkv's)
     q_norm: torch.Tensor
     wq_b: Weights
-    wkv: Weights
     kv_norm: torch.Tensor
     wo_a: Weights  # FP8 [G, o_lora, H/G * d] (block-diagonal wo_a as G experts)
     wo_b: Weights
@@ -85,6 +85,24 @@ class LayerWeights:
     idx_wk: torch.Tensor | None = None  # BF16 [dI, d]
     idx_k_norm: torch.Tensor | None = None
     engram: EngramWeights | None = None
+
+    @property
+    def wq_a(self) -> Weights:
+        return out_rows(self.wq_a_kv, 0, self.q_lora)
+
+    @property
+    def wkv(self) -> Weights:
+        return out_rows(self.wq_a_kv, self.q_lora, self.wq_a_kv.out_dim)
+
+
+def out_rows(w: Weights, start: int, end: int) -> Weights:
+    """Output rows [start, end) of a single FP8 or plain weight, as views (no copy); FP8 bounds
+    must be multiples of the 32-row scale tile."""
+    if w.scale is None:
+        return Weights(w.fmt, w.data[:, start:end])
+    if start % _TILE or (end % _TILE and end != w.out_dim):
+        raise ValueError(f"rows [{start}, {end}) split a {_TILE}-row scale tile")
+    return Weights(w.fmt, w.data[:, start:end], w.scale[:, start // _TILE:-(-end // _TILE)])
 
 
 @dataclass
@@ -165,9 +183,9 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, t: _Taker) -> LayerWeights:
     t.raw(p + "ffn.gate.bias_vl")  # image-token routing bias: text only, dropped
     lw = LayerWeights(
         spec=spec,
-        wq_a=t.fp8(p + "attn.wq_a"), q_norm=t.take(p + "attn.q_norm.weight"),
-        wq_b=t.fp8(p + "attn.wq_b"),
-        wkv=t.fp8(p + "attn.wkv"), kv_norm=t.take(p + "attn.kv_norm.weight"),
+        wq_a_kv=Weights.stack_out([t.fp8(p + "attn.wq_a"), t.fp8(p + "attn.wkv")]),
+        q_lora=cfg.q_lora_rank, q_norm=t.take(p + "attn.q_norm.weight"),
+        wq_b=t.fp8(p + "attn.wq_b"), kv_norm=t.take(p + "attn.kv_norm.weight"),
         wo_a=_grouped_wo_a(cfg, t, p + "attn.wo_a"), wo_b=t.fp8(p + "attn.wo_b"),
         sink=t.take(p + "attn.attn_sink"),
         attn_norm=t.take(p + "attn_norm.weight"), ffn_norm=t.take(p + "ffn_norm.weight"),

@@ -1362,10 +1362,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """[..., D] -> [..., D] in x.dtype: FP32 statistic and weight multiply, one rounding."""
+    """[..., D] -> [..., D] in x.dtype: FP32 statistic and weight multiply, one rounding.
+    Rows may be strided (a column slice of a wider output is read in place)."""
     triton_runtime.check_device(x)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty_like(x2)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight if weight is not None else x2, y, x2.stride(0), y.stride(0),

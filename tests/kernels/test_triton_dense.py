@@ -60,6 +60,17 @@ def test_rms_norm_and_activations_match_reference():
                                    rtol=2e-6, atol=1e-7)
 
 
+def test_rms_norm_reads_a_column_slice_in_place():
+    """A column slice of a wider output (the stacked [wq_a; wkv] GEMM's two halves) normalises
+    as its contiguous copy does, and the result is contiguous."""
+    both = _x(t=5, k=160, seed=8)
+    w = _x(t=1, k=96, seed=9)[0]
+    for part in (both[:, :96], both[:, 64:]):
+        got = dt.rms_norm(part, w[:part.shape[1]], 1e-6)
+        assert got.is_contiguous()
+        assert torch.equal(got, dref.rms_norm(part.contiguous(), w[:part.shape[1]], 1e-6))
+
+
 def test_dot_scaled_switch_is_refused_under_the_interpreter():
     p, s = qref.quantize_mxfp4_weight(torch.randn(32, 64))
     sched = dt.single_schedule(2, 16, torch.device("cpu"))

@@ -73,7 +73,9 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_dense_fp8_weights_dequantise_to_the_reference(gpu, reference):
     for lw, ref in zip(gpu.layers, reference.layers, strict=True):
         assert lw.wq_a.num_experts == 1
-        _equal(_fp8(lw.wq_a), ref.attn.wq_a)
+        _equal(_fp8(lw.wq_a), ref.attn.wq_a)  # views of the stacked [wq_a; wkv]
+        _equal(_fp8(lw.wkv), ref.attn.wkv)
+        assert lw.wq_a_kv.out_dim == lw.wq_a.out_dim + lw.wkv.out_dim
         _equal(_fp8(lw.wq_b), ref.attn.wq_b)
         _equal(_fp8(lw.wo_b), ref.attn.wo_b)
 
