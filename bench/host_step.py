@@ -138,7 +138,7 @@ def main(argv=None) -> None:
             pr.enable()
             time_steps(engine, args.steps)
             pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+            pstats.Stats(pr).sort_stats(os.environ.get("HOST_STEP_SORT", "tottime")).print_stats(25)
         cpu, wall = time_steps(engine, args.steps)
         med, p10, wmed = statistics.median(cpu), sorted(cpu)[len(cpu) // 10], statistics.median(wall)
         rows.append((batch, med, p10, wmed))
