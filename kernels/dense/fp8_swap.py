@@ -60,8 +60,6 @@ from flashpd.kernels.dense.triton import (
 )
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
-ROWS = 8  # the MMA's N: rows per weight are padded to 8
-_ROWS = tl.constexpr(ROWS)
 # Launch configuration (H200, two runs: bench/results/h200/dense_fp8_swap.md). block_n: weight
 # rows per program; block_k: K step (a multiple of 32); warps; stages; target_ctas: programs a
 # launch aims for (split-K until N blocks x groups x SPLIT reaches it, chunks of >= min_k_chunk
@@ -71,11 +69,21 @@ _ROWS = tl.constexpr(ROWS)
 # FP8 weight) or a set of (N, K, groups, swiglu) the path takes (the rest stay on
 # dense/triton.py's split-K tiles); shapes: per-(N, K, groups, swiglu) overrides of the launch
 # keys (measured 1.4-1.5 us faster for wo_b, 0.6-1.3 us for the shared expert than uniform).
+# classes: row classes, keyed by the most rows per weight each takes (a call of T rows per
+# weight runs the smallest class >= T): "rows" = the X^T tile's width (a program's rows, the
+# MMA's N; a class wider than its rows runs several row blocks), and overrides of every key
+# above (a class's "shapes" replace the top-level ones). The launch (split-K plan included) is
+# a function of the weight's shape and the class only: a row's sums do not depend on how many
+# rows of its class share the call.
 CONFIG = {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 264,
           "min_k_chunk": 256, "red_unroll": 4, "deq": "asm", "layers": None,
           "shapes": {(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
                      (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
-                     (5120, 2304, 1, False): {"target_ctas": 528}}}  # shared expert down
+                     (5120, 2304, 1, False): {"target_ctas": 528}},  # shared expert down
+          "classes": {8: {"rows": 8},
+                      16: {"rows": 16, "shapes": {}},
+                      32: {"rows": 32, "shapes": {}},
+                      64: {"rows": 64, "shapes": {}}}}
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
 _COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -163,10 +171,10 @@ def _weight_step(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, DEQ: tl.constexpr,
 def _chunk_t(x_ptr, stride_x, p, tmask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, nmask,
              k_lo, k_hi, SWIGLU: tl.constexpr, DEQ: tl.constexpr, HW_FP8: tl.constexpr,
              UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """(acc1, acc3) [BLOCK_N, ROWS] FP32: W . X^T over K in [k_lo, k_hi), from zero."""
-    acc1 = tl.zeros((BLOCK_N, _ROWS), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, _ROWS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     x_row = x_ptr + p.to(tl.int64)[None, :] * stride_x  # [1, ROWS]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -201,21 +209,24 @@ def _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, 
              val.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & tmask[None, :])
 
 
-@triton.jit(do_not_specialize=["rows"])  # one compiled variant for every T <= 8
+# one compiled variant for every row count of a row class and every split (`split` runtime)
+@triton.jit(do_not_specialize=["rows", "split"])
 def _fp8_swap_kernel(
     x_ptr, stride_x, out_ptr, stride_out, gamma_ptr,
     w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    part_ptr, count_ptr, N, K, k_chunk, rows, groups, limit,
+    part_ptr, count_ptr, N, K, k_chunk, rows, groups, limit, split,
     SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, OUT_BF16: tl.constexpr,
     DEQ: tl.constexpr, HW_FP8: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, RED_UNROLL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, RED_UNROLL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Program (N block nb, group g, K chunk sp); rows t * groups + g of x and out, t < rows."""
+    """Program (N block nb, row block rb * groups + g, K chunk sp); rows t * groups + g of x
+    and out for t in [rb * ROWS, rb * ROWS + ROWS), t < rows. SPLIT_K: split > 1 chunks."""
     nb = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1) % groups
+    rb = tl.program_id(1) // groups
     sp = tl.program_id(2)
-    t = tl.arange(0, _ROWS)
+    t = rb * ROWS + tl.arange(0, ROWS)
     tmask = t < rows
     p = t * groups + g  # rows of x and out
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,27 +239,27 @@ def _fp8_swap_kernel(
     k_hi = tl.minimum(k_lo + k_chunk, K)
     acc1, acc3 = _chunk_t(x_ptr, stride_x, p, tmask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row,
                           s_row, nmask, k_lo, k_hi, SWIGLU, DEQ, HW_FP8, UPCAST, EVEN_K,
-                          BLOCK_N, BLOCK_K)
-    if SPLIT > 1:
+                          BLOCK_N, BLOCK_K, ROWS)
+    if SPLIT_K:
         cell = p.to(tl.int64)[None, :] * N + n64[:, None]  # [BN, ROWS]
         cmask = nmask[:, None] & tmask[None, :]
         plane = (rows * groups).to(tl.int64) * N
         tl.store(part_ptr + sp * plane + cell, acc1, mask=cmask)
         if SWIGLU:
-            tl.store(part_ptr + (SPLIT + sp) * plane + cell, acc3, mask=cmask)
+            tl.store(part_ptr + (split + sp) * plane + cell, acc3, mask=cmask)
         tl.debug_barrier()
-        counter = count_ptr + g * tl.num_programs(0) + nb
+        counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + nb
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # last chunk in: sum the chunks in order 0..SPLIT-1
-            acc1 = tl.zeros((BLOCK_N, _ROWS), dtype=tl.float32)
-            acc3 = tl.zeros((BLOCK_N, _ROWS), dtype=tl.float32)
-            for s0 in range(0, SPLIT, RED_UNROLL):
+        if arrived == split - 1:  # last chunk in: sum the chunks in order 0..split-1
+            acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+            for s0 in range(0, split, RED_UNROLL):
                 for j in tl.static_range(RED_UNROLL):
-                    rm = cmask & (s0 + j < SPLIT)  # -0.0 + x == x for every x
+                    rm = cmask & (s0 + j < split)  # -0.0 + x == x for every x
                     acc1 += tl.load(part_ptr + (s0 + j) * plane + cell, mask=rm, other=-0.0,
                                     cache_modifier=".cg")
                     if SWIGLU:
-                        acc3 += tl.load(part_ptr + (SPLIT + s0 + j) * plane + cell, mask=rm,
+                        acc3 += tl.load(part_ptr + (split + s0 + j) * plane + cell, mask=rm,
                                         other=-0.0, cache_modifier=".cg")
             tl.store(counter, 0)  # ready for the next launch
             _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit,
@@ -270,18 +281,36 @@ def layer_key(w: Weights, swiglu: bool) -> tuple[int, int, int, bool]:
     return (w.out_dim, w.in_dim, w.num_experts, bool(swiglu))
 
 
-def tiles(w: Weights, swiglu: bool) -> dict:
-    """The launch keys for weight w: CONFIG with its per-shape overrides."""
-    return {**CONFIG, **CONFIG["shapes"].get(layer_key(w, swiglu), {})}
+def max_rows() -> int:
+    """The most rows per weight a call may have here (the widest row class)."""
+    return max(CONFIG["classes"], default=0)
 
 
-def plan(w: Weights, swiglu: bool) -> tuple[int, int]:
-    """(SPLIT, k_chunk) of weight w: from its shape and CONFIG alone, never from the rows.
-    Enough K chunks that N blocks x groups x SPLIT reaches target_ctas, chunks of at least
-    min_k_chunk columns, each a whole number of K steps."""
-    cfg = tiles(w, swiglu)
+def row_class(rows: int) -> int:
+    """The class (CONFIG["classes"] key) that runs rows per weight: the smallest >= rows."""
+    fits = [c for c in CONFIG["classes"] if c >= rows]
+    if not fits:
+        raise ValueError(f"fp8_swap: {rows} rows per weight, at most {max_rows()}")
+    return min(fits)
+
+
+def tiles(w: Weights, swiglu: bool, cls: int = 8) -> dict:
+    """The launch keys for weight w in row class cls: CONFIG, the class's overrides, then the
+    per-shape overrides (the class's "shapes" if it has them)."""
+    cfg = {**CONFIG, **CONFIG["classes"].get(cls, {})}
+    cfg.setdefault("rows", cls)
+    return {**cfg, **cfg["shapes"].get(layer_key(w, swiglu), {})}
+
+
+def plan(w: Weights, swiglu: bool, cls: int = 8) -> tuple[int, int]:
+    """(split, k_chunk) of weight w in row class cls: from its shape and CONFIG alone, never
+    from the rows. Enough K chunks that N blocks x groups x row blocks (of the class's widest
+    call) x split reaches target_ctas, chunks of at least min_k_chunk columns, each a whole
+    number of K steps."""
+    cfg = tiles(w, swiglu, cls)
     k_dim, step = w.in_dim, cfg["block_k"]
-    blocks = triton.cdiv(w.out_dim, cfg["block_n"]) * w.num_experts
+    blocks = triton.cdiv(w.out_dim, cfg["block_n"]) * w.num_experts * \
+        triton.cdiv(cls, cfg["rows"])
     want = triton.cdiv(cfg["target_ctas"], blocks)
     split = max(1, min(want, k_dim // cfg["min_k_chunk"], int(cfg.get("max_split", 1 << 20))))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
@@ -289,13 +318,13 @@ def plan(w: Weights, swiglu: bool) -> tuple[int, int]:
 
 
 def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None) -> bool:
-    """True when `gemm` takes this call: FP8 weight(s), bf16 activations of <= ROWS rows per
-    weight (one weight, a SwiGLU pair of single weights, or G block-diagonal weights), and the
-    layer is in CONFIG["layers"] (None: every layer)."""
+    """True when `gemm` takes this call: FP8 weight(s), bf16 activations of <= max_rows() rows
+    per weight (one weight, a SwiGLU pair of single weights, or G block-diagonal weights), and
+    the layer is in CONFIG["layers"] (None: every layer)."""
     groups = w.num_experts
     if w.fmt != W_FP8 or a.dtype != torch.bfloat16 or a.shape[0] % groups:
         return False
-    if a.shape[0] // groups > ROWS or a.shape[0] == 0:
+    if a.shape[0] // groups > max_rows() or a.shape[0] == 0:
         return False
     if w3 is not None and (groups != 1 or w3.fmt != W_FP8 or w3.data.shape != w.data.shape):
         return False
@@ -335,7 +364,7 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     a [T * G, K] bf16 row-major (row t * G + g against weight g); out [T * G, N] bf16 or fp32
     row-major; w3: the SwiGLU pair's second weight; gamma [T] fp32 (SwiGLU only)."""
     if not eligible(a, w, out, w3):
-        raise ValueError(f"fp8_swap.gemm: not an FP8 call of <= {ROWS} bf16 rows per weight "
+        raise ValueError(f"fp8_swap.gemm: not an FP8 call of <= {max_rows()} bf16 rows per weight "
                          f"(a {tuple(a.shape)} {a.dtype}, W [{w.num_experts}, {w.out_dim}, "
                          f"{w.in_dim}], or the layer is off in CONFIG['layers'])")
     if a.stride(1) != 1 or out.stride(1) != 1 or a.shape[1] != w.in_dim or \
@@ -346,30 +375,35 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
         if ww.data.stride(-1) != 1 or ww.scale.stride(-1) != 1:
             raise ValueError("fp8_swap.gemm reads weights and scales with contiguous rows")
     swiglu = w3 is not None
-    cfg = tiles(w, swiglu)
     groups, n_dim, k_dim = w.num_experts, w.out_dim, w.in_dim
     rows = a.shape[0] // groups
-    split, chunk = plan(w, swiglu)
-    block_k = cfg["block_k"]
+    cls = row_class(rows)
+    cfg = tiles(w, swiglu, cls)
+    split, chunk = plan(w, swiglu, cls)
+    block_k, width = cfg["block_k"], cfg["rows"]
     if block_k % 32 or block_k < 32:
         raise ValueError(f"fp8_swap CONFIG block_k must be a multiple of 32, got {block_k}")
-    nblocks = triton.cdiv(n_dim, cfg["block_n"])
-    if split > 1 and nblocks * groups > _COUNTER_SLOTS:
-        raise ValueError(f"{nblocks * groups} split-K output blocks, at most {_COUNTER_SLOTS}")
+    if width < 8 or width & (width - 1):
+        raise ValueError(f"fp8_swap CONFIG rows must be a power of two >= 8, got {width}")
+    nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
+    if split > 1 and nblocks * groups * rblocks > _COUNTER_SLOTS:
+        raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most "
+                         f"{_COUNTER_SLOTS}")
     w3_ = w3 if w3 is not None else w
     deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
     if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
         deq = 2
     part = (torch.empty((2 if swiglu else 1) * split * a.shape[0] * n_dim, dtype=torch.float32,
                         device=a.device) if split > 1 else out)
-    _fp8_swap_kernel[(nblocks, groups, split)](
+    _fp8_swap_kernel[(nblocks, groups * rblocks, split)](
         a, a.stride(0), out, out.stride(0), gamma if gamma is not None else a,
         w.data, w.scale, w3_.data, w3_.scale, w.data.stride(0), w.data.stride(1),
         w.scale.stride(0), w.scale.stride(1), part, _counters(a.device),
-        n_dim, k_dim, chunk, rows, groups, float(limit),
+        n_dim, k_dim, chunk, rows, groups, float(limit), split,
         SWIGLU=swiglu, HAS_GAMMA=gamma is not None, OUT_BF16=out.dtype == torch.bfloat16,
         DEQ=deq, HW_FP8=not DOT_UPCAST, UPCAST=DOT_UPCAST,
-        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0, SPLIT=split,
+        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0, SPLIT_K=split > 1,
         RED_UNROLL=max(1, int(cfg["red_unroll"])), BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], **triton_runtime.launch_options())
+        ROWS=width, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **triton_runtime.launch_options())
     return out

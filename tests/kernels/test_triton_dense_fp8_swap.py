@@ -17,7 +17,7 @@ LIMIT = 7.0
 def _small_steps(monkeypatch):
     """Interpreter speed: K steps of 64, no per-shape overrides, every layer on."""
     monkeypatch.setattr(fs, "CONFIG", {**fs.CONFIG, "block_k": 64, "layers": None,
-                                       "shapes": {}})
+                                       "shapes": {}, "classes": dict(fs.CONFIG["classes"])})
 
 
 def _fp8(n: int, k: int, seed: int, groups: int = 1):
@@ -113,16 +113,95 @@ def test_counters_are_left_zeroed(monkeypatch):
 
 def test_eligibility_and_bad_calls():
     w, _ = _fp8(64, 128, seed=13)
-    x9 = _x(9, 128, seed=14)
-    assert not fs.eligible(x9, w, torch.empty(9, 64), None)  # 9 rows: more than the MMA's 8
-    assert fs.eligible(x9[:8], w, torch.empty(8, 64), None)
-    assert not fs.eligible(x9[:8].float(), w, torch.empty(8, 64), None)
+    x = _x(65, 128, seed=14)
+    assert not fs.eligible(x, w, torch.empty(65, 64), None)  # 65 rows: past the widest class
+    assert fs.eligible(x[:64], w, torch.empty(64, 64), None)
+    assert fs.eligible(x[:9], w, torch.empty(9, 64), None)
+    assert not fs.eligible(x[:8].float(), w, torch.empty(8, 64), None)
     plain = dt.Weights.plain(torch.randn(64, 128).bfloat16())
-    assert not fs.eligible(x9[:8], plain, torch.empty(8, 64), None)
+    assert not fs.eligible(x[:8], plain, torch.empty(8, 64), None)
     with pytest.raises(ValueError, match="rows per weight"):
-        fs.gemm(x9, w, torch.empty(9, 64))
+        fs.gemm(x, w, torch.empty(65, 64))
     with pytest.raises(ValueError, match="do not chain"):
-        fs.gemm(x9[:2], w, torch.empty(2, 63))
+        fs.gemm(x[:2], w, torch.empty(2, 63))
+
+
+def test_row_classes_and_their_plans(monkeypatch):
+    """A call runs the smallest class >= its rows; the split-K plan counts the class's row
+    blocks (of its widest call), never the call's rows."""
+    monkeypatch.setitem(fs.CONFIG, "classes", {8: {"rows": 8}, 16: {"rows": 16},
+                                               64: {"rows": 32}})
+    assert [fs.row_class(r) for r in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 64, 64]
+    with pytest.raises(ValueError, match="at most 64"):
+        fs.row_class(65)
+    _split(monkeypatch, 12)
+    w, _ = _fp8(96, 320, seed=1)
+    assert fs.plan(w, False, 8) == (5, 64)  # 2 N blocks x 5 chunks >= 12 programs
+    assert fs.plan(w, False, 64) == (3, 128)  # 2 N blocks x 2 row blocks x 3 chunks >= 12
+    monkeypatch.setitem(fs.CONFIG, "classes", {8: {"rows": 8}, 16: {"rows": 16,
+                                                                    "block_n": 32}})
+    assert fs.tiles(w, False, 16)["block_n"] == 32 and fs.tiles(w, False, 8)["block_n"] == 64
+
+
+_CLASSES = {8: {"rows": 8}, 16: {"rows": 16, "block_n": 32, "warps": 2},
+            32: {"rows": 32}, 64: {"rows": 32, "block_n": 32, "warps": 2}}
+
+
+@pytest.mark.parametrize("t", [9, 16, 27, 40, 64])
+@pytest.mark.parametrize("target", [1, 12])
+def test_wide_rows_match_reference(monkeypatch, t, target):
+    """9..64 rows: the 16 / 32 / 64 classes (64 as two row blocks of 32), split-K on and off,
+    a K tail and an N block past N."""
+    monkeypatch.setitem(fs.CONFIG, "classes", _CLASSES)
+    _split(monkeypatch, target)
+    w, deq = _fp8(70, 200, seed=t)
+    x = _x(t, 200, seed=t + 1)
+    out = fs.gemm(x, w, torch.empty(t, 70, dtype=torch.float32))
+    assert _rel(out, dref.linear_fp32(x, deq[0])) < 1e-5
+    out16 = fs.gemm(x, w, torch.empty(t, 70, dtype=torch.bfloat16))
+    torch.testing.assert_close(out16, dref.linear(x, deq[0]), rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("t, target", [(13, 1), (24, 6), (50, 1), (64, 6)])
+def test_wide_rows_swiglu_pair(monkeypatch, t, target):
+    monkeypatch.setitem(fs.CONFIG, "classes", _CLASSES)
+    _split(monkeypatch, target)
+    w1, d1 = _fp8(64, 192, seed=21)
+    w3, d3 = _fp8(64, 192, seed=22)
+    x = _x(t, 192, seed=23)
+    gamma = torch.rand(t, generator=torch.Generator().manual_seed(24)) + 0.5
+    got = fs.gemm(x, w1, torch.empty(t, 64, dtype=torch.bfloat16), w3, gamma, LIMIT)
+    g = dref.linear(x, d1[0]).float().clamp(max=LIMIT)
+    u = dref.linear(x, d3[0]).float().clamp(-LIMIT, LIMIT)
+    want = (gamma[:, None] * dref.silu(g) * u).bfloat16()
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("t, target", [(12, 1), (33, 9), (64, 9)])
+def test_wide_rows_block_diagonal(monkeypatch, t, target):
+    monkeypatch.setitem(fs.CONFIG, "classes", _CLASSES)
+    _split(monkeypatch, target)
+    w, deq = _fp8(64, 160, seed=25, groups=3)
+    x = _x(t * 3, 160, seed=26)
+    out = fs.gemm(x, w, torch.empty(t * 3, 64, dtype=torch.float32))
+    want = torch.bmm(x.float().view(t, 3, 160).transpose(0, 1), deq.transpose(1, 2))
+    assert _rel(out, want.transpose(0, 1).reshape(t * 3, 64)) < 1e-5
+
+
+@pytest.mark.parametrize("cls, target", [(16, 1), (32, 8), (64, 8)])
+def test_a_row_does_not_depend_on_the_batch_within_a_class(monkeypatch, cls, target):
+    """Within a row class a row's sums are the same in a call of any size of that class (the
+    64 class: two row blocks of 32, the row in either). Same positions: the interpreter's
+    numpy dot may sum a tile's columns differently by position (the MMA does not)."""
+    monkeypatch.setitem(fs.CONFIG, "classes", _CLASSES)
+    _split(monkeypatch, target)
+    w, _ = _fp8(64, 256, seed=27)
+    x = _x(cls, 256, seed=28)
+    full = fs.gemm(x, w, torch.empty(cls, 64, dtype=torch.float32))
+    lo = cls // 2 + 1  # the smallest call of the class
+    for r in (0, lo - 1):
+        part = fs.gemm(x[:lo], w, torch.empty(lo, 64, dtype=torch.float32))
+        assert torch.equal(part[r], full[r])
 
 
 def test_layers_switch_and_dense_dispatch(monkeypatch):
