@@ -130,6 +130,41 @@ for _name, _sw in (("sw_default", {}), ("sw_default_asm1", {"deq": "asm1"}),
     VARIANTS[_name] = ({"fp8_swap": _sw}, ("fp8",), (1, 8))
 VARIANTS["f8_base_again"] = ({"fp8_swap_max_rows": 0}, ("fp8",), (1, 8))
 VARIANTS["new_again"] = ({}, ("fp8",), None)  # the defaults again (run-to-run spread)
+# fp8_swap row classes 16 / 32 / 64 at M = 16, 32, 64 (bench/results/h200/dense_fp8_rows.md):
+# "rows_base" = the defaults as committed (the path at <= FP8_SWAP_MAX_ROWS rows, split-K tiles
+# above); r_* = the path on to 64 rows with fp8_swap.CONFIG["classes"] 16 / 32 / 64 as named:
+# wN = warps, bnN = block_n (w2: 32, w4: 64, w8: 128 unless named), half = each class as two
+# row blocks of half its width (rows 8 / 16 / 32), tN = target_ctas, kN = block_k, sN = stages.
+_ROWS_M = (16, 32, 64)
+
+
+def _classes(bn: int, warps: int, half: bool = False, **extra) -> dict:
+    return {8: {"rows": 8}, **{c: {"rows": c // 2 if half else c, "block_n": bn, "warps": warps,
+                                   "shapes": {}, **extra} for c in _ROWS_M}}
+
+
+for _name, _cl in (
+        ("r_w4", _classes(64, 4)),
+        ("r_w2", _classes(32, 2)),
+        ("r_half_w2", _classes(32, 2, half=True)),
+        ("r_w8", _classes(128, 8)),
+        ("r_half_w4", _classes(64, 4, half=True)),
+        ("r_bn64w2", {**_classes(64, 2), 64: {"rows": 32, "block_n": 64, "warps": 2,
+                                              "shapes": {}}}),
+        ("r_w2_t528", _classes(32, 2, target_ctas=528)),
+        ("r_w4_t528", _classes(64, 4, target_ctas=528)),
+        ("r_w2_t132", _classes(32, 2, target_ctas=132)),
+        ("r_w4_t132", _classes(64, 4, target_ctas=132)),
+        ("r_w2_k64", _classes(32, 2, block_k=64)),
+        ("r_w4_k64", _classes(64, 4, block_k=64)),
+        ("r_w2_s4", _classes(32, 2, stages=4)),
+        ("r_half_w2_t528", _classes(32, 2, half=True, target_ctas=528)),
+        ("r_w2_again", _classes(32, 2)),
+        ("r_w4_again", _classes(64, 4)),
+):
+    VARIANTS[_name] = ({"fp8_swap": {"classes": _cl}}, ("fp8",), _ROWS_M)
+VARIANTS["rows_base"] = ({}, ("fp8",), _ROWS_M)
+VARIANTS["rows_base_again"] = ({}, ("fp8",), _ROWS_M)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
@@ -138,7 +173,8 @@ _SWAP_DEFAULT: list = []  # fp8_swap.CONFIG and dense FP8_SWAP_MAX_ROWS as impor
 
 def apply(overrides: dict, default: dict) -> None:
     """Dense CONFIG = default + overrides ("mx" / "skinny" merged); "fp8_swap": fp8_swap.CONFIG
-    overrides with the path on at <= 8 rows; "fp8_swap_max_rows": the dense bound alone."""
+    overrides with the path on to its widest row class; "fp8_swap_max_rows": the dense bound
+    alone."""
     from flashpd.kernels.dense import fp8_swap as fs
     from flashpd.kernels.dense import triton as dt
 
@@ -152,7 +188,7 @@ def apply(overrides: dict, default: dict) -> None:
     for k, v in overrides.items():
         if k == "fp8_swap":
             fs.CONFIG.update(v)
-            dt.FP8_SWAP_MAX_ROWS = fs.ROWS
+            dt.FP8_SWAP_MAX_ROWS = fs.max_rows()
         elif k == "fp8_swap_max_rows":
             dt.FP8_SWAP_MAX_ROWS = v
         elif isinstance(v, dict):
@@ -284,7 +320,9 @@ def stacked_cases(ms) -> list:
     return out
 
 
-def build_cases(ms, kinds=("mx", "fp8")) -> dict[str, list]:
+def build_cases(ms, kinds=("mx", "fp8"), layers=None) -> dict[str, list]:
+    """Cases by kind at each M; layers: only the FP8 cases of these names (shape's first word:
+    wq_a, wq_b+idx_wq_b, shared, ...), None: all."""
     experts = kr.expert_cases(ms)
     out = {"fp8": [], "mx": []}
     if "fp8" in kinds:
@@ -293,6 +331,8 @@ def build_cases(ms, kinds=("mx", "fp8")) -> dict[str, list]:
                  if " G=" not in c.shape or "block_diagonal" in c.shape]
         out["fp8"] = dense + [c for c in experts if c.kernel == "fp8_shared_expert"] + \
             stacked_cases(ms)
+        if layers:
+            out["fp8"] = [c for c in out["fp8"] if c.shape.split(" ")[0] in layers]
     if "mx" in kinds:
         out["mx"] = [c for c in experts if c.kernel == "mxfp4_experts"] + routed_cases(ms)
     return out
@@ -305,9 +345,9 @@ def _selected(v: str, cases: dict, kinds) -> list:
             if (ms is None or c.m in ms) and (v == "new" or c.kernel not in _NEW_ONLY)]
 
 
-def warm(variants, kinds, default: dict) -> None:
+def warm(variants, kinds, default: dict, layers=None) -> None:
     """Compile (one call of each case) every variant's kernels: fills Triton's disk cache."""
-    cases = build_cases(kr.DECODE_M, kinds)
+    cases = build_cases(kr.DECODE_M, kinds, layers)
     for v in variants:
         apply(VARIANTS[v][0], default)
         for c in _selected(v, cases, kinds):
@@ -320,7 +360,7 @@ def warm(variants, kinds, default: dict) -> None:
         print(f"warm {v} done", flush=True)
 
 
-def warm_parallel(variants, kinds, procs: int, smoke: bool) -> list:
+def warm_parallel(variants, kinds, procs: int, smoke: bool, ms=None, layers=None) -> list:
     """Start warm() in `procs` subprocesses (variants dealt round-robin), so the compiles of
     many variants overlap; the timing run then loads every kernel from the disk cache."""
     import subprocess
@@ -328,6 +368,8 @@ def warm_parallel(variants, kinds, procs: int, smoke: bool) -> list:
 
     groups = [variants[i::procs] for i in range(procs) if variants[i::procs]]
     extra = ["--smoke"] if smoke else []
+    extra += ["--ms", *map(str, ms)] if ms else []
+    extra += ["--layers", *layers] if layers else []
     return [subprocess.Popen([sys.executable, "-m", "flashpd.bench.gemm_decode", "--warm-only",
                               *extra, "--kinds", *kinds, "--variants", *g]) for g in groups]
 
@@ -435,13 +477,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         present = [by[(v,) + k] for v in variants if (v,) + k in by]
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {present[0]['bytes'] / 1e6:.1f} | "
                      + " | ".join(cells) + f" | {max(r['rel_err'] for r in present):.1e} |")
-    for stacked in (False, True):
+    for stacked in (False, True, "engine"):
         sums = _fp8_layer_sums(ok, stacked)
         if not sums:
             continue
         ms = sorted({m for _v, m in sums})
-        what = ("wq_a+wkv and wq_b+idx_wq_b stacked (Weights.stack_out), wo_a, wo_b, shared"
-                if stacked else "6 dense layers + shared expert")
+        what = {False: "6 dense layers + shared expert",
+                True: "wq_a+wkv and wq_b+idx_wq_b stacked (Weights.stack_out), wo_a, wo_b, shared",
+                "engine": "as the engine runs them: wq_a+wkv stacked, wq_b, wo_a, wo_b, idx_wq_b, "
+                          "shared"}[stacked]
         lines += ["", f"Per-layer FP8 sum ({what}; us, and M / M=1):", "",
                   "| variant | " + " | ".join(f"M={m}" for m in ms) + " |",
                   "|---|" + "---|" * len(ms)]
@@ -457,9 +501,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fp8_layer_sums(ok: list[dict], stacked: bool = False) -> dict:
+def _fp8_layer_sums(ok: list[dict], stacked: bool | str = False) -> dict:
     """(variant, M) -> us of one layer's FP8 GEMMs, where all seven were timed; stacked: with
-    wq_a + wkv and wq_b + idx_wq_b as their two stacked GEMMs instead (where timed)."""
+    wq_a + wkv and wq_b + idx_wq_b as their two stacked GEMMs instead (where timed); "engine":
+    wq_a + wkv stacked, the rest as single GEMMs (the GPU forward since commit 7882d34)."""
     per: dict = {}
     for r in ok:
         if r["kernel"] in ("fp8_dense", "fp8_shared_expert", "fp8_stacked"):
@@ -467,7 +512,9 @@ def _fp8_layer_sums(ok: list[dict], stacked: bool = False) -> dict:
     out = {}
     for key, t in per.items():
         layers = ["wq_a", "wq_b", "wkv", "wo_a", "wo_b", "idx_wq_b", "shared"]
-        if stacked:
+        if stacked == "engine":
+            layers = ["wq_a+wkv", "wq_b", "wo_a", "wo_b", "idx_wq_b", "shared"]
+        elif stacked:
             layers = ["wq_a+wkv", "wq_b+idx_wq_b", "wo_a", "wo_b", "shared"]
         if all(name in t for name in layers):
             out[key] = sum(t[name] for name in layers)
@@ -490,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="compile the variants first in this many parallel processes")
     ap.add_argument("--warm-timeout-s", type=float, default=150.0)
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ms", nargs="*", type=int, default=None,
+                    help="the M values of the cases (default kernel_roofline.DECODE_M)")
+    ap.add_argument("--layers", nargs="*", default=None,
+                    help="only these FP8 cases (wq_a+wkv, wq_b, wo_a, wo_b, idx_wq_b, shared ...)")
     args = ap.parse_args(argv)
     if args.smoke:
         kr._tiny()
@@ -500,19 +551,21 @@ def main(argv: list[str] | None = None) -> int:
     from flashpd.kernels.dense import triton as dt
 
     default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in dt.CONFIG.items()}
+    if args.ms:
+        kr.DECODE_M = tuple(args.ms)
     if args.warm_only:
-        warm(args.variants, args.kinds, default)
+        warm(args.variants, args.kinds, default, args.layers)
         return 0
     t_start = time.perf_counter()
-    jobs = warm_parallel(args.variants, args.kinds, args.warm_procs, args.smoke) \
-        if args.warm_procs > 0 else []
+    jobs = warm_parallel(args.variants, args.kinds, args.warm_procs, args.smoke, args.ms,
+                         args.layers) if args.warm_procs > 0 else []
     ceilings = kr.measure_ceilings() if kr.DEV == "cuda" else {"copy_GBps": 1.0}
     meta = {"command": "python -m flashpd.bench.gemm_decode " + " ".join(argv or []),
             "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__,
             "copy_GBps": ceilings["copy_GBps"], "dense_config": default}
     print(f"copy ceiling {ceilings['copy_GBps']:.0f} GB/s", flush=True)
-    cases = build_cases(kr.DECODE_M, args.kinds)
+    cases = build_cases(kr.DECODE_M, args.kinds, args.layers)
     os.makedirs(args.out, exist_ok=True)
     if jobs:
         wait_all(jobs, args.warm_timeout_s - (time.perf_counter() - t_start))
