@@ -1,13 +1,17 @@
-"""FP8 32x32 block-scaled dense GEMMs at decode sizes (<= 8 rows per weight), operands swapped.
+"""FP8 32x32 block-scaled dense GEMMs at decode sizes (<= 64 rows per weight), operands swapped.
 
 The split-K GEMM of dense/triton.py computes A[16, K] . W^T with BLOCK_M = 16 rows of which one
 to eight are valid, the dequantised weight the MMA's B operand. Here the weight tile is the
-MMA's A operand (BLOCK_N weight rows) and the (at most 8) activation rows are its N:
+MMA's A operand (BLOCK_N weight rows) and the activation rows are its N, ROWS (8, 16, 32 or
+64; a constexpr) per program, the missing ones zero:
 
-    acc^T[BN, 8] += W[n0:n0+BN, k-step] (E4M3 x UE8M0 -> BF16 in registers) . X[rows, k-step]^T
+    acc^T[BN, ROWS] += W[n0:n0+BN, k-step] (E4M3 x UE8M0 -> BF16 in registers) . X[rows, k-step]^T
 
-which Triton 3.6 compiles on sm_90 to mma.sync m16n8k16 with both operands in registers (the
-form that beat wgmma for the routed MXFP4 experts, moe/swapab.py). dense/ref.py's math:
+which Triton 3.6 compiles on sm_90 (bench/dense_fp8_swap_sass.py) to mma.sync m16n8k16 with
+both operands in registers at ROWS = 8 and at 2 warps, and to wgmma m64nROWSk16 with W from
+registers at ROWS >= 16 with 4 or 8 warps (BLOCK_N >= 64). Calls of T rows per weight run the
+smallest row class >= T (CONFIG["classes"]); a class may run its rows as several row blocks
+of ROWS. dense/ref.py's math:
 
     out[t] = round(x[t] . deq(W)^T)                                    plain
     out[t] = round(gamma[t] * silu(min(bf16(g), L)) * clamp(bf16(u), -L, L)),
@@ -16,11 +20,12 @@ form that beat wgmma for the routed MXFP4 experts, moe/swapab.py). dense/ref.py'
 
 with deq(W)[n, k] = E4M3(W[n, k]) * 2^(S[n // 32, k // 32] - 127) and FP32 accumulation.
 
-Grid (N blocks, groups, SPLIT): program (nb, g, s) sums K chunk s (k_chunk columns, walked in
-steps of BLOCK_K from its start) for rows t * groups + g, t < T (T <= 8 rows per weight; the
-MMA's 8 columns, the missing ones zero). SPLIT > 1: FP32 partials go to a workspace and the
-last program of (g, nb) to arrive (atomic counter) sums them in chunk order 0..SPLIT-1, then
-runs the epilogue. SPLIT and k_chunk are functions of the weight's shape and CONFIG only.
+Grid (N blocks, row blocks x groups, SPLIT): program (nb, rb * groups + g, s) sums K chunk s
+(k_chunk columns, walked in steps of BLOCK_K from its start) for rows t * groups + g,
+rb * ROWS <= t < rb * ROWS + ROWS, t < T. SPLIT > 1: FP32 partials go to a workspace and the
+last program of (rb, g, nb) to arrive (atomic counter) sums them in chunk order 0..SPLIT-1,
+then runs the epilogue. SPLIT and k_chunk are functions of the weight's shape, CONFIG and the
+row class only.
 
 Decode of the weight bytes (CONFIG["deq"]):
     "f32"   E4M3 -> FP32 (hardware cvt; bit arithmetic under the interpreter), FP32 multiply by
@@ -34,11 +39,14 @@ Decode of the weight bytes (CONFIG["deq"]):
             weight's scales once, outside graph capture, and takes "asm" for a weight it has
             not checked or whose scales are larger (opt-in; not the default)
 
-Batch invariance: a row's sums depend on the weight's shape and CONFIG only (the K chunks, the
-K step and the MMA instruction are fixed for every T <= 8), not on how many rows share the
-call. dense/triton.py sends FP8 calls of <= FP8_SWAP_MAX_ROWS rows per weight here and larger
-ones to its split-K tiles, which sum in another order: a row may differ in the last bits
-across that bound (as the MoE GEMV / grouped GEMM bound).
+Batch invariance: a row's sums depend on the weight's shape, CONFIG and the row class only (the
+K chunks, the K step and the MMA instruction are fixed for every T of a class), not on how
+many rows of its class share the call. Across classes (8 -> 9, 16 -> 17, 32 -> 33 rows) the
+tiles, the split and the MMA may change: a row may differ in the last bits across a class
+bound. The decode graphs pad batches to 1/2/4/8/16/32/64 rows, the class bounds, so a padded
+graph batch and its eager batch stay in one class. dense/triton.py sends FP8 calls of <=
+FP8_SWAP_MAX_ROWS rows per weight here and larger ones to its split-K tiles, which sum in
+another order: the same holds across that bound (as the MoE GEMV / grouped GEMM bound).
 """
 
 from __future__ import annotations
