@@ -88,10 +88,18 @@ CONFIG = {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3, "target_ctas":
           "shapes": {(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
                      (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
                      (5120, 2304, 1, False): {"target_ctas": 528}},  # shared expert down
+          # H200 (bench/results/h200/dense_fp8_rows.md, per-layer FP8 sums vs the split-K tiles):
+          # 16: mma.sync, 2 warps, 528 programs (91.7 vs 116.7-121.9 us); 32: mma.sync, BN 64,
+          # 2 warps (128.9 vs 154.0-157.3); 64: wgmma m64n64k16, BN 64, 4 warps (191.1-194.3 vs
+          # 215.2-224.4), wq_b and idx_wq_b (bench shapes) on mma.sync BN 32 / 2 warps (-1.4 us
+          # each, both timings)
           "classes": {8: {"rows": 8},
-                      16: {"rows": 16, "shapes": {}},
-                      32: {"rows": 32, "shapes": {}},
-                      64: {"rows": 64, "shapes": {}}}}
+                      16: {"rows": 16, "block_n": 32, "warps": 2, "target_ctas": 528,
+                           "shapes": {}},
+                      32: {"rows": 32, "block_n": 64, "warps": 2, "shapes": {}},
+                      64: {"rows": 64, "block_n": 64, "warps": 4,
+                           "shapes": {(32768, 1280, 1, False): {"block_n": 32, "warps": 2},
+                                      (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}}}
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
 _COUNTER_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

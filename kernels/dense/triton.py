@@ -105,13 +105,15 @@ CONFIG = {"path": "splitk", "small_rows": 64,
           "prefill": "cublas", "cublas_min_rows": 256,
           "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
 # FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
-# no schedule or row gather) run dense/fp8_swap.py's swapped mma.sync kernel (<= 8; 0: off);
-# FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import. fp8_swap.CONFIG["layers"] says which layers.
-# H200: faster for every bench-preset FP8 layer at M = 1 and 8 (per-layer sum at M = 1
-# 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md). A row's last bits may
-# differ across the bound (another K order), as across the MoE GEMV bound; 8 is a decode-graph
-# bucket, so a padded graph batch and its eager batch stay on one side of it.
-FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "8"))
+# no schedule or row gather) run dense/fp8_swap.py's swapped kernel (<= 64, its row classes
+# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import.
+# fp8_swap.CONFIG["layers"] says which layers. H200: faster than the split-K tiles at M = 1, 8
+# (per-layer sum 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md) and 16,
+# 32, 64 (116.7-121.9 -> 91.7, 154.0-157.3 -> 128.9, 215.2-224.4 -> 188-192 us,
+# dense_fp8_rows.md). A row's last bits may differ across the bound and across the row
+# classes (another K order or MMA); these are decode-graph buckets, so a padded graph batch
+# and its eager batch stay on one side. More than 64 rows: the split-K tiles (not measured).
+FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "64"))
 
 
 # ============================================================================ activations
