@@ -32,6 +32,7 @@ GROUPS = (  # kernel-name fragment -> what it is (first match wins)
     ("grouped_gemm", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("gemv", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("swapab", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
+    ("fp8_swap", "GEMM (FP8 dense / MXFP4 experts, dequantised in registers)"),
     ("cutlass", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
     ("nvjet", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
     ("_dequant", "GEMM (cuBLAS / CUTLASS on dequantised BF16 weights)"),
