@@ -30,7 +30,7 @@ def compile_variant(consts: dict):
 
     from flashpd.kernels.dense import fp8_swap
 
-    fn = fp8_swap._fp8_swap_kernel
+    fn = fp8_swap.FP8_SWAP_KERNEL
     opts = {"num_warps": 4, "num_stages": 3, **{k: v for k, v in consts.items() if k in _OPTS}}
     const = {"SWIGLU": False, "HAS_GAMMA": False, "OUT_BF16": True, "DEQ": 1, "HW_FP8": True,
              "UPCAST": False, "EVEN_K": True, "SPLIT_K": True, "RED_UNROLL": 4,

@@ -60,10 +60,12 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense.triton import (
+    COUNTER_SLOTS,
     DOT_UPCAST,
     W_FP8,
     Weights,
     mma,
+    split_counters,
     swiglu_limited,
 )
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
@@ -101,8 +103,6 @@ CONFIG = {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3, "target_ctas":
                            "shapes": {(32768, 1280, 1, False): {"block_n": 32, "warps": 2},
                                       (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}}}
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
-_COUNTER_SLOTS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SCALES_OK: dict[tuple, bool] = {}  # (data_ptr, shape) of a scale tensor -> all <= 134
 
 
@@ -348,15 +348,6 @@ def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None)
     return layers is None or layer_key(w, w3 is not None) in layers
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters; every launch leaves them zeroed."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def scales_fit_asm(*ws: Weights) -> bool:
     """True when every scale byte of ws is <= ASM_MAX_SCALE ("asm1"). Checked once per scale
     tensor (a device sync), never during CUDA-graph capture: there an unchecked weight answers
@@ -402,9 +393,9 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     if width < 8 or width & (width - 1):
         raise ValueError(f"fp8_swap CONFIG rows must be a power of two >= 8, got {width}")
     nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
-    if split > 1 and nblocks * groups * rblocks > _COUNTER_SLOTS:
+    if split > 1 and nblocks * groups * rblocks > COUNTER_SLOTS:
         raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most "
-                         f"{_COUNTER_SLOTS}")
+                         f"{COUNTER_SLOTS}")
     w3_ = w3 if w3 is not None else w
     deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
     if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
@@ -414,7 +405,7 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     _fp8_swap_kernel[(nblocks, groups * rblocks, split)](
         a, a.stride(0), out, out.stride(0), gamma if gamma is not None else a,
         w.data, w.scale, w3_.data, w3_.scale, w.data.stride(0), w.data.stride(1),
-        w.scale.stride(0), w.scale.stride(1), part, _counters(a.device),
+        w.scale.stride(0), w.scale.stride(1), part, split_counters(a.device),
         n_dim, k_dim, chunk, rows, groups, float(limit), split,
         SWIGLU=swiglu, HAS_GAMMA=gamma is not None, OUT_BF16=out.dtype == torch.bfloat16,
         DEQ=deq, HW_FP8=not DOT_UPCAST, UPCAST=DOT_UPCAST,
@@ -423,3 +414,6 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
         ROWS=width, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **triton_runtime.launch_options())
     return out
+
+
+FP8_SWAP_KERNEL = _fp8_swap_kernel  # public name for offline compile reports

@@ -108,7 +108,7 @@ def test_counters_are_left_zeroed(monkeypatch):
     w, _ = _fp8(64, 256, seed=11)
     fs.gemm(_x(2, 256, seed=12), w, torch.empty(2, 64, dtype=torch.float32))
     assert fs.plan(w, False)[0] > 1
-    assert int(fs._counters(torch.device("cpu")).abs().sum()) == 0
+    assert int(fs.split_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def test_eligibility_and_bad_calls():
