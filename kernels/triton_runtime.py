@@ -72,3 +72,20 @@ def launch_options() -> dict:
 
 if interpreting():
     _patch_interpreter_scalar_index()
+
+
+COUNTER_SLOTS = 1 << 16  # arrival counters held per device before the buffer would grow
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int = 0) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the kernels' cross-program reductions (split-K, the mHC
+    and router partials): one buffer per device, shared, since every launch leaves the counters
+    it used zeroed and launches on one stream take turns. A new (larger) buffer only past
+    COUNTER_SLOTS, which no launch at the served shapes needs (a captured graph keeps the one
+    it saw)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf

@@ -60,12 +60,10 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.dense.triton import (
-    COUNTER_SLOTS,
     DOT_UPCAST,
     W_FP8,
     Weights,
     mma,
-    split_counters,
     swiglu_limited,
 )
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
@@ -393,9 +391,9 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     if width < 8 or width & (width - 1):
         raise ValueError(f"fp8_swap CONFIG rows must be a power of two >= 8, got {width}")
     nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
-    if split > 1 and nblocks * groups * rblocks > COUNTER_SLOTS:
+    if split > 1 and nblocks * groups * rblocks > triton_runtime.COUNTER_SLOTS:
         raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most "
-                         f"{COUNTER_SLOTS}")
+                         f"{triton_runtime.COUNTER_SLOTS}")
     w3_ = w3 if w3 is not None else w
     deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
     if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
@@ -405,7 +403,7 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     _fp8_swap_kernel[(nblocks, groups * rblocks, split)](
         a, a.stride(0), out, out.stride(0), gamma if gamma is not None else a,
         w.data, w.scale, w3_.data, w3_.scale, w.data.stride(0), w.data.stride(1),
-        w.scale.stride(0), w.scale.stride(1), part, split_counters(a.device),
+        w.scale.stride(0), w.scale.stride(1), part, triton_runtime.arrival_counters(a.device),
         n_dim, k_dim, chunk, rows, groups, float(limit), split,
         SWIGLU=swiglu, HAS_GAMMA=gamma is not None, OUT_BF16=out.dtype == torch.bfloat16,
         DEQ=deq, HW_FP8=not DOT_UPCAST, UPCAST=DOT_UPCAST,

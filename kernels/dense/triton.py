@@ -983,8 +983,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         tiles = {"block_n": cfg["block_n"], "warps": cfg["warps"], "stages": cfg["stages"]}
     block_k = 64 if dot_scaled and not small else step
     grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
-    if small and split > 1 and grid[0] * n_tiles > COUNTER_SLOTS:
-        raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {COUNTER_SLOTS}")
+    if small and split > 1 and grid[0] * n_tiles > triton_runtime.COUNTER_SLOTS:
+        raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {triton_runtime.COUNTER_SLOTS}")
     swiglu = w3 is not None
     part = (torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32,
                         device=a.device) if small and split > 1 else out)
@@ -1009,7 +1009,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         a, a.stride(0), a_rows if a_rows is not None else sched.start, out, out.stride(0),
         gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
         w.data.stride(0), w.data.stride(1), sse, ssn,
-        sched.expert, sched.start, sched.end, part, split_counters(a.device),
+        sched.expert, sched.start, sched.end, part, triton_runtime.arrival_counters(a.device),
         n_dim, k_dim, chunk, rows, groups, float(limit),
         W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
         HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
@@ -1103,18 +1103,6 @@ def _plan(w: Weights) -> tuple[int, int]:
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
     return triton.cdiv(k_dim, chunk), chunk
 
-
-COUNTER_SLOTS = 1 << 16
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the split-K reduction; every launch leaves them zeroed."""
-    buf = _SPLIT_COUNTERS.get(device)
-    if buf is None:
-        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[device] = buf
-    return buf
 
 
 @triton.jit

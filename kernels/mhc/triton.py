@@ -80,17 +80,6 @@ CONFIG: dict = {
     "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
 }
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters; every launch leaves them zeroed again."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
 
 _S = 4
 
@@ -474,7 +463,7 @@ def expand_mix_collapse(
         f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
         f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
         norm_weight.contiguous() if norm_weight is not None else dummy, pre_o, post_o, comb_o,
-        xc if xc is not None else dummy, partial, _counters(dev, 4 * n_blocks), num_tokens, dim,
+        xc if xc is not None else dummy, partial, triton_runtime.arrival_counters(dev, 4 * n_blocks), num_tokens, dim,
         plan["grid"], float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,

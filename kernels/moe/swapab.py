@@ -361,17 +361,6 @@ def compiled_variants() -> list:
     return [k for cache, *_ in caches.values() for k in cache.values()]
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 split-K arrival counters; every launch leaves them zeroed again."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
 
 def launch_config(part: str, num_tokens: int) -> dict:
     """CONFIG[part] ("up" / "down") with the overrides of the first CONFIG["sizes"] entry
@@ -406,7 +395,7 @@ def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile:
         n_tiles = grid[0] * grid[1]
         ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile,
                          dtype=torch.float32, device=xp.device)
-        count = _counters(xp.device, n_tiles)
+        count = triton_runtime.arrival_counters(xp.device, n_tiles)
     else:
         ws = count = out  # unused
     _swapab_kernel[grid](

@@ -128,17 +128,6 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                             weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters; every launch leaves them zeroed again."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
           routed_scale: float, gate_temp: float = 1.0,
@@ -162,7 +151,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
         x, x.stride(0), w, w.stride(0), bias.to(torch.float32).contiguous(), partial,
-        _counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
+        triton_runtime.arrival_counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
         1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
         E_PAD=e_pad, BLOCK_K=block_k, SPLIT=ROUTER_SPLIT,

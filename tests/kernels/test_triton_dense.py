@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense import ref as dref
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.quant import ref as qref
@@ -102,7 +103,7 @@ def test_split_k_gemm_matches_reference(monkeypatch, fmt):
     got = dt.linear_weights(x, w, torch.bfloat16)
     torch.testing.assert_close(got, dref.linear(x, deq), rtol=8e-3, atol=1e-2)
     assert torch.equal(dt.linear_weights(x, w, torch.bfloat16), got)  # counters were reset
-    assert not bool(dt.split_counters(x.device).any())
+    assert not bool(triton_runtime.arrival_counters(x.device).any())
 
 
 @pytest.mark.parametrize("swap", [False, True])
@@ -229,7 +230,7 @@ def test_split_k_reduction_in_groups_sums_the_same_partials_in_order(monkeypatch
     want = run()
     monkeypatch.setitem(dt.CONFIG, "skinny", {**dt.CONFIG["skinny"], "red_unroll": 2})
     assert torch.equal(run(), want)
-    assert not bool(dt.split_counters(x.device).any())
+    assert not bool(triton_runtime.arrival_counters(x.device).any())
 
 
 def test_fit_block_n_halves_the_n_block_of_small_weights_only(monkeypatch):

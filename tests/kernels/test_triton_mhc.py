@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpd.kernels import triton_runtime
 from flashpd.kernels.dense import ref as dref
 from flashpd.kernels.mhc import ref as href
 from flashpd.kernels.mhc import triton as ht
@@ -72,7 +73,7 @@ def test_split_over_d_matches_reference_and_leaves_counters_reset():
         got = ht.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
         for g, w in zip(got, href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    assert int(ht._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def _fused(t: int, d: int, seed: int):
@@ -110,7 +111,7 @@ def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(monkey
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
     torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
-    assert int(ht._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
 def test_decode_rows_do_not_depend_on_the_batch():
