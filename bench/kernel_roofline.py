@@ -103,6 +103,55 @@ def graph_ms(calls: list, reps: int = 7) -> float:
     return statistics.median(samples) / len(calls)
 
 
+def graph_us(calls: list, device: torch.device, reps: int = 20) -> float:
+    """`graph_ms` in us for kernels on `device`; off a GPU (an interpreter dry run of a bench
+    script) every call runs once and the time is NaN."""
+    if torch.device(device).type != "cuda":
+        for fn in calls:
+            fn()
+        return float("nan")
+    return graph_ms(calls, reps) * 1e3
+
+
+def snapshot(config: dict) -> dict:
+    """A copy of a kernel module's CONFIG (its dict entries copied too)."""
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+
+
+def set_config(config: dict, default: dict, overrides: dict) -> None:
+    """config (a kernel module's CONFIG, in place) = default with `overrides`, dict entries
+    merged key by key."""
+    config.clear()
+    config.update(snapshot(default))
+    for k, v in overrides.items():
+        config[k] = {**default[k], **v} if isinstance(v, dict) else v
+
+
+def device_main(name: str, smoke: bool, run) -> int:
+    """run() with kernel tensors on the GPU, or with --smoke on the CPU under the interpreter
+    (a check of the script's logic); DEV restored after."""
+    global DEV
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        raise SystemExit(f"{name} needs a CUDA GPU (or --smoke)")
+    saved, DEV = DEV, "cpu" if smoke else "cuda"
+    try:
+        return run()
+    finally:
+        DEV = saved
+
+
+def run_meta(name: str, argv: list[str] | None, shape: dict, **extra) -> dict:
+    """The results' header: command line, device, commit (FLASHPD_COMMIT), shapes."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    return {"command": f"python -m flashpd.bench.{name} " + " ".join(argv),
+            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
+            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape, **extra}
+
+
 def copies_for(nbytes: float) -> int:
     return max(2, min(16, -(-L2_BYTES // max(1, int(nbytes)))))
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -54,10 +53,7 @@ def apply(overrides: dict, default: dict) -> None:
     """gemv.CONFIG = default with `overrides` (dict entries merged)."""
     from flashpd.kernels.moe import gemv
 
-    gemv.CONFIG.clear()
-    gemv.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in default.items()})
-    for k, v in overrides.items():
-        gemv.CONFIG[k] = {**default[k], **v} if isinstance(v, dict) else v
+    kr.set_config(gemv.CONFIG, default, overrides)
 
 
 class Bench:
@@ -177,16 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("moe_gemv_check needs a CUDA GPU (or --smoke)")
-    saved_dev = kr.DEV
-    kr.DEV = "cpu" if args.smoke else "cuda"
-    try:
-        return _run(args, argv, SHAPES["smoke" if args.smoke else "full"])
-    finally:
-        kr.DEV = saved_dev
+    return kr.device_main("moe_gemv_check", args.smoke,
+                          lambda: _run(args, argv, SHAPES["smoke" if args.smoke else "full"]))
 
 
 def _run(args, argv, shape: dict) -> int:
@@ -194,15 +182,11 @@ def _run(args, argv, shape: dict) -> int:
     from flashpd.kernels.moe import triton as mt
 
     t0 = time.perf_counter()
-    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gemv.CONFIG.items()}
+    saved = kr.snapshot(gemv.CONFIG)
     if args.smoke:
         apply(_SMOKE_TILES, saved)
-    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gemv.CONFIG.items()}
-    argv = sys.argv[1:] if argv is None else argv
-    meta = {"command": "python -m flashpd.bench.moe_gemv_check " + " ".join(argv),
-            "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
-            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape,
-            "gemv_config": {k: v for k, v in default.items()}}
+    default = kr.snapshot(gemv.CONFIG)
+    meta = kr.run_meta("moe_gemv_check", argv, shape, gemv_config=default)
     bench = Bench(shape)
     rows: list[dict] = []
     gemv_default, max_rows = mt.GEMV, mt.GEMV_MAX_ROWS

@@ -30,6 +30,7 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
+from flashpd.bench import kernel_roofline as kr
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.moe import gemv
 from flashpd.kernels.moe import ref as mref
@@ -55,28 +56,7 @@ def load(path: str):
 
 def time_us(fns: list, reps: int = 20) -> float:
     """us per entry of `fns`, all captured in one CUDA graph (NaN under the interpreter)."""
-    for f in fns:
-        f()
-    if DEVICE.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        out.append(e0.elapsed_time(e1))
-    out.sort()
-    del graph
-    return out[len(out) // 2] * 1e3 / len(fns)
+    return kr.graph_us(fns, DEVICE, reps)
 
 
 def block_m(t: int, experts: int, top_k: int) -> int:

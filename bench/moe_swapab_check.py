@@ -23,10 +23,7 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
-
-import torch
 
 from flashpd.bench import kernel_roofline as kr
 from flashpd.bench.moe_gemv_check import COPY_GBPS, Bench
@@ -69,11 +66,7 @@ def apply(overrides: dict, default: dict) -> None:
     as given, not shadowed by them."""
     from flashpd.kernels.moe import swapab
 
-    swapab.CONFIG.clear()
-    swapab.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v)
-                          for k, v in default.items()})
-    for k, v in overrides.items():
-        swapab.CONFIG[k] = {**default[k], **v} if isinstance(v, dict) else v
+    kr.set_config(swapab.CONFIG, default, overrides)
     if ("up" in overrides or "down" in overrides) and "sizes" not in overrides:
         swapab.CONFIG["sizes"] = ()
 
@@ -165,34 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("moe_swapab_check needs a CUDA GPU (or --smoke)")
-    saved_dev = kr.DEV
-    kr.DEV = "cpu" if args.smoke else "cuda"
-    try:
-        shape = dict(SHAPES["smoke" if args.smoke else "full"])
-        if args.ms:
-            shape["ms"] = tuple(args.ms)
-        return _run(args, argv, shape)
-    finally:
-        kr.DEV = saved_dev
+    shape = dict(SHAPES["smoke" if args.smoke else "full"])
+    if args.ms:
+        shape["ms"] = tuple(args.ms)
+    return kr.device_main("moe_swapab_check", args.smoke, lambda: _run(args, argv, shape))
 
 
 def _run(args, argv, shape: dict) -> int:
     from flashpd.kernels.moe import swapab
 
     t0 = time.perf_counter()
-    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
+    saved = kr.snapshot(swapab.CONFIG)
     if args.smoke:
         apply(_SMOKE_TILES, saved)
-    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
-    argv = sys.argv[1:] if argv is None else argv
-    meta = {"command": "python -m flashpd.bench.moe_swapab_check " + " ".join(argv),
-            "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
-            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape,
-            "swapab_config": default}
+    default = kr.snapshot(swapab.CONFIG)
+    meta = kr.run_meta("moe_swapab_check", argv, shape, swapab_config=default)
     bench = Bench(shape)
     paths = Paths()
     rows: list[dict] = []
