@@ -53,13 +53,25 @@ VARIANTS = {
     "bt16 bd32 w4 s3 (decode tiles)": {"prefill_block_t": 16, "prefill_warps": 4},
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
-# decode variants timed at 1, 8 and 64 tokens: slice count, who normalises (CONFIG overrides)
+# decode variants timed at 1, 8 and 64 tokens, each checked against the ref and for batch
+# invariance (CONFIG overrides; bench/results/h200/mhc_decode.md): pin = the MMA operand X'
+# converted once instead of recomputed in every warp, red = slice vectors loaded at once by the
+# last program, spin = every program normalises its own slice, split = slices of D
+_PIN = {"decode_pin": True}
 DECODE_VARIANTS = {"default": {},
-                   "split80 last-program norm": {"decode_split": 80, "decode_spin": False},
-                   "split80 spin": {"decode_split": 80, "decode_spin": True},
-                   "split40 last-program norm": {"decode_split": 40, "decode_spin": False},
-                   "split80 flat norm <= 16 rows": {"decode_split": 80, "decode_spin": False,
-                                                    "decode_flat_rows": 16}}
+                   "pin": _PIN,
+                   "pin red80": {**_PIN, "red": 80},
+                   "pin red80 spin": {**_PIN, "red": 80, "decode_spin": True},
+                   "pin red80 w8": {**_PIN, "red": 80, "decode_warps": 8},
+                   "pin red80 spin w8": {**_PIN, "red": 80, "decode_spin": True,
+                                         "decode_warps": 8},
+                   "pin red80 bd64 s1": {**_PIN, "red": 80, "decode_block_d": 64,
+                                         "decode_stages": 1},
+                   "pin split160 red80": {**_PIN, "red": 80, "decode_split": 160},
+                   "pin split160 red80 spin": {**_PIN, "red": 80, "decode_split": 160,
+                                               "decode_spin": True},
+                   "pin split40 red80": {**_PIN, "red": 80, "decode_split": 40}}
+DECODE_MODES = ("seam", "fused")
 
 
 def apply(over: dict) -> dict:
@@ -166,18 +178,30 @@ def check(site: Site, t: int) -> list[dict]:
     return rows
 
 
-def invariance(d: int, s: int, big_t: int) -> list[dict]:
-    """Bits of a token alone vs in a batch of 64 (decode), and over prefill grids (8192)."""
-    out = []
+def decode_invariance(d: int, s: int) -> bool:
+    """A token's results (fused step, and the seam step) are the same bits alone, in a batch of
+    8 and in a batch of 64 (decode tiles)."""
     site = Site(64, d, s, 7)
-    batch = ht.expand_mix_collapse(*site.args(True, True))
     same = True
-    for i in (0, 37, 63):
-        one = [a[i:i + 1] if j in (0, 1, 2, 3, 10) and a is not None else a
-               for j, a in enumerate(site.args(True, True))]
-        got = ht.expand_mix_collapse(*one)
-        same &= all(torch.equal(a[i:i + 1], b) for a, b in zip(batch, got, strict=True))
-    out.append({"check": "decode: row alone == row in a batch of 64", "ok": bool(same)})
+    for y in (True, False):
+        args = site.args(y, True)
+        batch = ht.expand_mix_collapse(*args)
+        for i in (0, 5, 37, 63):
+            for lo, hi in ((i, i + 1), (i - i % 8, i - i % 8 + 8)):
+                part = [a[lo:hi] if j in (0, 1, 2, 3, 10) and a is not None else a
+                        for j, a in enumerate(args)]
+                got = ht.expand_mix_collapse(*part)
+                same &= all(torch.equal(a[i:i + 1], b[i - lo:i - lo + 1])
+                            for a, b in zip(batch, got, strict=True))
+    return bool(same)
+
+
+def invariance(d: int, s: int, big_t: int, prefill: bool = True) -> list[dict]:
+    """Bits of a token alone vs in a batch (decode), and over prefill grids (--big tokens)."""
+    out = [{"check": "decode: row alone == in a batch of 8 == in a batch of 64",
+            "ok": decode_invariance(d, s)}]
+    if not prefill:
+        return out
     big = Site(big_t, d, s, 8)
     runs = []
     for grid in (1, 2, None):
@@ -189,10 +213,50 @@ def invariance(d: int, s: int, big_t: int) -> list[dict]:
     return out
 
 
+def decode_variants(d: int, s: int, checks: list, rounds: int) -> list[dict]:
+    """Each decode variant at 1, 8 and 64 tokens: seam and fused us per call (timed `rounds`
+    times, the variants interleaved; median), checked against the ref at every T and for batch
+    invariance (its rows appended to `checks`, tagged with the variant)."""
+    rows = []
+    for t in (1, 8, 64):
+        sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
+        got: dict = {name: {m: [] for m in DECODE_MODES} for name in DECODE_VARIANTS}
+        ok = dict.fromkeys(DECODE_VARIANTS, True)
+        for r in range(rounds):
+            for name, over in DECODE_VARIANTS.items():
+                saved = apply(over)
+                for mode in DECODE_MODES:
+                    got[name][mode].append(
+                        time_us([f for st in sites for f in calls(ht, mode, st)]))
+                if r == 0:
+                    new = [dict(c, variant=name) for c in check(sites[0], t)]
+                    if t == 64:
+                        new.append({"variant": name, "check": "decode invariance (bits)",
+                                    "ok": decode_invariance(d, s)})
+                    checks += new
+                    ok[name] = all(c["ok"] for c in new)
+                restore(saved)
+        for name, over in DECODE_VARIANTS.items():
+            saved = apply(over)
+            row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d),
+                   "ok": ok[name]}
+            restore(saved)
+            for mode in DECODE_MODES:
+                vals = sorted(got[name][mode])
+                row[f"{mode}_us"] = vals[(len(vals) - 1) // 2]  # median (the lower of 2)
+                row[f"{mode}_all"] = got[name][mode]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
+        del sites
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def warm(job: str, before: str | None, d: int, s: int) -> None:
     """Compile one variant (a subprocess each, in parallel; Triton's cache keeps them)."""
     kind, mode, variant = job.split(":")
-    site = Site(80 if variant != "decode" else 2, d, s, 1)
+    site = Site(80 if variant in VARIANTS else 2, d, s, 1)
     if kind == "before":
         mod = load_before(before)
     else:
@@ -209,14 +273,15 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
 
 
 def warm_all(before: str | None, d: int, s: int, variants: bool = True,
-             prefill_variants: bool = True) -> float:
+             prefill_variants: bool = True, decode_only: bool = False) -> float:
     first = next(iter(VARIANTS))
-    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode", first)]
-    if variants and prefill_variants:
+    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused")
+            for v in ("decode",) + (() if decode_only else (first,))]
+    if variants and prefill_variants and not decode_only:
         jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in VARIANTS
                  if "grid" not in v and "auto" not in v and "decode tiles" not in v]
     if variants:
-        jobs += [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in DECODE_VARIANTS
+        jobs += [f"new:{m}:{v}" for m in DECODE_MODES for v in DECODE_VARIANTS
                  if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode", "new:mixes_it1:decode"]
     if before:
@@ -243,7 +308,13 @@ def main() -> None:
     ap.add_argument("--no-variants", action="store_true", help="the before/after table only")
     ap.add_argument("--no-prefill-variants", action="store_true",
                     help="decode variants only (the prefill ones at --big tokens are skipped)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="no prefill-size compiles, rows, variants or grid checks")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="times each decode variant is timed (interleaved; the median is kept)")
     args = ap.parse_args()
+    if args.decode_only:
+        args.tokens = [t for t in args.tokens if t <= 64]
     try:
         from flashpd.model.presets import preset_config
 
@@ -256,7 +327,8 @@ def main() -> None:
     if args.warm:
         warm(args.warm, args.before, d, s)
         return
-    warm_s = warm_all(args.before, d, s, not args.no_variants, not args.no_prefill_variants)
+    warm_s = warm_all(args.before, d, s, not args.no_variants, not args.no_prefill_variants,
+                      args.decode_only)
     print(f"parallel compile {warm_s:.1f} s", flush=True)
     before = load_before(args.before) if args.before else None
     result = {"preset": "bench", "D": d, "S": s, "config": dict(ht.CONFIG), "checks": [],
@@ -283,8 +355,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del sites
         torch.cuda.empty_cache()
-    big = [Site(args.big, d, s, 200 + i) for i in range(2)]
-    skip = args.no_variants or args.no_prefill_variants
+    skip = args.no_variants or args.no_prefill_variants or args.decode_only
+    big = [] if skip else [Site(args.big, d, s, 200 + i) for i in range(2)]
     for name, over in ({} if skip else VARIANTS).items():
         if ht.launch_plan(1, d)["nsl"] % (over.get("prefill_grid") or 1):
             continue
@@ -296,17 +368,9 @@ def main() -> None:
         restore(saved)
         print(name, f"fused {us:.1f} us, mixes {mix_us:.1f} us", flush=True)
     del big
-    for t in (1, 8, 64) if len(DECODE_VARIANTS) > 1 else ():
-        sites = [Site(t, d, s, 300 + i) for i in range(40 if DEVICE.type == "cuda" else 1)]
-        for name, over in ({} if args.no_variants else DECODE_VARIANTS).items():
-            saved = apply(over)
-            row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d)}
-            for mode in ("mixes", "seam", "fused"):
-                row[f"{mode}_us"] = time_us([f for st in sites for f in calls(ht, mode, st)])
-            restore(saved)
-            result["variants"].append(row)
-            print(json.dumps(row), flush=True)
-    result["checks"] += invariance(d, s, args.big)
+    if not args.no_variants:
+        result["variants"] += decode_variants(d, s, result["checks"], args.rounds)
+    result["checks"] += invariance(d, s, args.big, prefill=not args.decode_only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mhc.json").write_text(json.dumps(result, indent=1))
@@ -317,19 +381,20 @@ def main() -> None:
             f"{r.get(k, float('nan')):.1f}" for k in ("mixes_before", "mixes_after",
                                                       "fused_before", "fused_after",
                                                       "layer_before", "layer_after")) + " |")
-    lines += ["", "| check | T | rel err | tol | ok |", "|---|---|---|---|---|"]
+    lines += ["", "| check | variant | T | rel err | tol | ok |", "|---|---|---|---|---|---|"]
     for c in result["checks"]:
-        lines.append(f"| {c['check']} | {c.get('T', '')} | {c.get('rel_err', 0):.2e} | "
-                     f"{c.get('tol', '')} | {c['ok']} |")
+        lines.append(f"| {c['check']} | {c.get('variant', '')} | {c.get('T', '')} | "
+                     f"{c.get('rel_err', 0):.2e} | {c.get('tol', '')} | {c['ok']} |")
     lines += ["", f"| prefill variant ({args.big} tokens) | fused us | mixes us |",
               "|---|---|---|"]
     lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} | {v['mixes_us_big']:.1f} |"
               for v in result["variants"] if "fused_us_8192" in v]
-    lines += ["", "| decode variant | T | mixes us | seam us | fused us |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {v['variant']} | {v['T']} | {v['mixes_us']:.1f} | {v['seam_us']:.1f} | "
-              f"{v['fused_us']:.1f} |"
-              for v in result["variants"] if "mixes_us" in v]
+    lines += ["", "| decode variant | T | seam us | fused us | all rounds (seam; fused) | "
+              "checks ok |", "|---|---|---|---|---|---|"]
+    lines += [f"| {v['variant']} | {v['T']} | {v['seam_us']:.1f} | {v['fused_us']:.1f} | "
+              f"{' '.join(f'{x:.1f}' for x in v['seam_all'])}; "
+              f"{' '.join(f'{x:.1f}' for x in v['fused_all'])} | {v['ok']} |"
+              for v in result["variants"] if "seam_us" in v]
     (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")

@@ -74,7 +74,7 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1",
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1", "decode_pin": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
     "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
@@ -132,12 +132,23 @@ def _fn_tile(fn_ptr, k: tl.constexpr, cols, cmask, D, S: tl.constexpr):
 
 
 @triton.jit
-def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr):
+def _pin_bf16(x):
+    """x (BF16) unchanged, through an opaque register move: the compiler cannot recompute what
+    produced x in the MMA operand's layout (which repeats it in every warp of the program) and
+    converts the finished tile once instead. GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
+def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr, PIN: tl.constexpr):
     """acc + X'_k [BT, BD] . f[32, BD]^T at FP32-level accuracy (see the module doc)."""
     if UPCAST:
         return tl.dot(xk, tl.trans(f), acc, input_precision="ieee")
     elif BF16:  # xk holds BF16 values: exact; fn = hi + mid + lo, three exact-product MMAs
         xb = xk.to(tl.bfloat16)
+        if PIN:
+            xb = _pin_bf16(xb)
         hi = f.to(tl.bfloat16)
         r = f - hi.to(tl.float32)
         mid = r.to(tl.bfloat16)
@@ -159,7 +170,7 @@ def _mhc_kernel(
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
     NORM_E: tl.constexpr, ND: tl.constexpr, FLAT_ROWS: tl.constexpr, RED: tl.constexpr,
-    SPIN: tl.constexpr,
+    SPIN: tl.constexpr, PIN: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -231,10 +242,10 @@ def _mhc_kernel(
             else:
                 n0, n1, n2, n3 = x0, x1, x2, x3
             sumsq += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
-            acc = _mix_mma(n0, f0, acc, BF16, UPCAST)
-            acc = _mix_mma(n1, f1, acc, BF16, UPCAST)
-            acc = _mix_mma(n2, f2, acc, BF16, UPCAST)
-            acc = _mix_mma(n3, f3, acc, BF16, UPCAST)
+            acc = _mix_mma(n0, f0, acc, BF16, UPCAST, PIN)
+            acc = _mix_mma(n1, f1, acc, BF16, UPCAST, PIN)
+            acc = _mix_mma(n2, f2, acc, BF16, UPCAST, PIN)
+            acc = _mix_mma(n3, f3, acc, BF16, UPCAST, PIN)
             if COLLAPSE:  # x = sum_k pre_k X'_k, k ascending
                 xc = q0[:, None] * n0
                 xc = xc + q1[:, None] * n1
@@ -393,11 +404,11 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
-def _slices(dim: int, split: int) -> tuple[int, int]:
-    """(slice count, channels per slice) of D: a function of D and the split alone (batch
-    invariance)."""
-    n = min(split, triton.cdiv(dim, _BLOCK_D))
-    ch = triton.cdiv(triton.cdiv(dim, n), _BLOCK_D) * _BLOCK_D
+def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
+    """(slice count, channels per slice, a multiple of gran) of D: a function of D, the split
+    and gran alone (batch invariance)."""
+    n = min(split, triton.cdiv(dim, gran))
+    ch = triton.cdiv(triton.cdiv(dim, n), gran) * gran
     return triton.cdiv(dim, ch), ch
 
 
@@ -405,12 +416,14 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
     cfg = CONFIG
     kind = "decode" if num_tokens <= cfg["decode_rows"] else "prefill"
-    nsl, ch = _slices(dim, cfg["decode_split"] if kind == "decode" else MHC_SPLIT)
     block_t, block_d = cfg[f"{kind}_block_t"], cfg[f"{kind}_block_d"]
+    if block_d <= 0 or _BLOCK_D % block_d:
+        raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
+    # decode slices may be as narrow as one chunk (decode_split 160 at D = 5120: 32 channels)
+    nsl, ch = (_slices(dim, cfg["decode_split"], block_d) if kind == "decode"
+               else _slices(dim, MHC_SPLIT))
     warps, stages = cfg[f"{kind}_warps"], cfg[f"{kind}_stages"]
     grid = nsl if kind == "decode" else cfg["prefill_grid"]
-    if _BLOCK_D % block_d:
-        raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
     if kind == "prefill":
         if grid is None:
             blocks = triton.cdiv(num_tokens, block_t)
@@ -425,7 +438,15 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
                           triton.next_power_of_2(dim)),
             "flat_rows": cfg["decode_flat_rows"] if kind == "decode" else 0,
             "spin": kind == "decode" and bool(cfg["decode_spin"])
-            and not triton_runtime.interpreting()}
+            and not triton_runtime.interpreting(),
+            "pin": kind == "decode" and bool(cfg["decode_pin"]) and not DOT_UPCAST}
+
+
+def kernel_constants(plan: dict) -> dict:
+    """The fused kernel's tile constexprs of a launch plan (SPIN aside: it also needs the norm)."""
+    return {"BLOCK_T": plan["block_t"], "BLOCK_D": plan["block_d"], "CH": plan["ch"],
+            "NSL": plan["nsl"], "NORM_E": plan["norm_e"], "ND": plan["norm_d"],
+            "FLAT_ROWS": plan["flat_rows"], "RED": plan["red"], "PIN": plan["pin"]}
 
 
 def expand_mix_collapse(
@@ -467,9 +488,8 @@ def expand_mix_collapse(
         plan["grid"], float(norm_eps), float(hc_eps),
         S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
         HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
-        BLOCK_T=plan["block_t"], BLOCK_D=plan["block_d"], CH=plan["ch"], NSL=plan["nsl"],
-        NORM_E=plan["norm_e"], ND=plan["norm_d"], FLAT_ROWS=plan["flat_rows"], RED=plan["red"],
         SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
+        **kernel_constants(plan),
         num_warps=plan["warps"],
         num_stages=plan["stages"],
         **triton_runtime.launch_options())
