@@ -33,6 +33,8 @@ import torch
 
 # isort: off
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+import triton
+import triton.language as tl
 # isort: on
 
 from flashpd.bench import kernel_roofline as kr
@@ -54,23 +56,19 @@ VARIANTS = {
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
 # decode variants timed at 1, 8 and 64 tokens, each checked against the ref and for batch
-# invariance (CONFIG overrides; bench/results/h200/mhc_decode.md): pin = the MMA operand X'
-# converted once instead of recomputed in every warp, red = slice vectors loaded at once by the
-# last program, spin = every program normalises its own slice, split = slices of D
-_PIN = {"decode_pin": True}
+# invariance (CONFIG overrides of the defaults; bench/results/h200/mhc_decode.md): pin = the MMA
+# operand X' converted once instead of recomputed in every warp, red = slice vectors loaded at
+# once by the last program, spin = every program normalises its own slice, sk_tok = Sinkhorn on
+# per-token vectors, split = slices of D, warps = per program
 DECODE_VARIANTS = {"default": {},
-                   "pin": _PIN,
-                   "pin red80": {**_PIN, "red": 80},
-                   "pin red80 spin": {**_PIN, "red": 80, "decode_spin": True},
-                   "pin red80 w8": {**_PIN, "red": 80, "decode_warps": 8},
-                   "pin red80 spin w8": {**_PIN, "red": 80, "decode_spin": True,
-                                         "decode_warps": 8},
-                   "pin red80 bd64 s1": {**_PIN, "red": 80, "decode_block_d": 64,
-                                         "decode_stages": 1},
-                   "pin split160 red80": {**_PIN, "red": 80, "decode_split": 160},
-                   "pin split160 red80 spin": {**_PIN, "red": 80, "decode_split": 160,
-                                               "decode_spin": True},
-                   "pin split40 red80": {**_PIN, "red": 80, "decode_split": 40}}
+                   "before (no pin, red 40, no spin, tile Sinkhorn)": {
+                       "decode_pin": False, "red": 40, "decode_spin": False,
+                       "decode_sk_tok": False},
+                   "tile Sinkhorn": {"decode_sk_tok": False},
+                   "no pin": {"decode_pin": False},
+                   "no spin": {"decode_spin": False},
+                   "no spin, 8 warps": {"decode_spin": False, "decode_warps": 8},
+                   "split 40": {"decode_split": 40}}
 DECODE_MODES = ("seam", "fused")
 
 
@@ -142,6 +140,18 @@ def calls(mod, mode: str, site: Site) -> list:
                 lambda: mod.expand_mix_collapse(*site.args(True, True)),
                 lambda: mod.expand(site.y, site.x, site.post, site.comb)]
     raise ValueError(mode)
+
+
+@triton.jit
+def _touch_kernel(ptr):
+    tl.store(ptr + tl.program_id(0), tl.program_id(0))
+
+
+def launch_floor_us(programs: int = 80, n: int = 40) -> float:
+    """us per launch of a kernel that only stores its program id, `programs` programs, n
+    launches captured in one graph: the launch and drain part of every decode call."""
+    buf = torch.zeros(programs, dtype=torch.int32, device=DEVICE)
+    return time_us([lambda: _touch_kernel[(programs,)](buf) for _ in range(n)])
 
 
 def time_us(fns: list, reps: int = 20) -> float:
@@ -370,6 +380,8 @@ def main() -> None:
     del big
     if not args.no_variants:
         result["variants"] += decode_variants(d, s, result["checks"], args.rounds)
+    result["launch_floor_us"] = {str(p): launch_floor_us(p) for p in (80, 320)}
+    print("launch floor (us per launch, graph):", result["launch_floor_us"], flush=True)
     result["checks"] += invariance(d, s, args.big, prefill=not args.decode_only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -395,6 +407,9 @@ def main() -> None:
               f"{' '.join(f'{x:.1f}' for x in v['seam_all'])}; "
               f"{' '.join(f'{x:.1f}' for x in v['fused_all'])} | {v['ok']} |"
               for v in result["variants"] if "seam_us" in v]
+    lines += ["", "launch floor, us per launch of an 80 / 320-program kernel that stores one "
+              "word per program (graph): " + " / ".join(
+                  f"{v:.1f}" for v in result["launch_floor_us"].values())]
     (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")

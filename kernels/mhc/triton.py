@@ -19,19 +19,21 @@ three TF32 products; the interpreter computes IEEE FP32. Each slice's sums form 
 [24 mixes | sum(X'^2) | sum(x^2)] started from zero, and a token's totals are the slice vectors
 added in slice order, 0, 1, ..., whoever adds them: a program that owns every slice of its token
 block adds them in registers and stores the total; when the slices of a block are spread over
-several programs (decode: one program per slice, so a batch of one still fills 40 programs), each
+several programs (decode: one program per slice, so a batch of one still fills 80 programs), each
 stores its slice vectors and the last program of the block to arrive adds them in the same order.
-Either way the totals are stored and read back one column per per-token vector: the mixes,
-Sinkhorn (16 per-token values, every sum of four added left to right) and the RMSNorm scale are
-elementwise per token, in no register layout's order. So a token's results do not depend on the
-batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
+Either way the totals are stored and read back one column per per-token vector: the mixes and
+the RMSNorm scale are elementwise per token, and so is the Sinkhorn at decode (decode_sk_tok: 16
+per-token values, every sum of four added left to right); at prefill it runs on the [BT, S, S]
+tile of the totals, the same tile shape for every call of the size class. So a token's results
+do not depend on the batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
 call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
 blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
 per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
 so the collapsed row is written raw and normalised in a second, L2-resident pass: over
 [BLOCK_T, ND] tiles, or, for a decode block of few tokens, flat over its valid rows (contiguous
-in x: one round of loads for one token). Optionally (decode_spin) every program of a decode
-block normalises its own slices once the last one has published the rows' 1/rms.
+in x: one round of loads for one token). At decode on the GPU (decode_spin) every program of a
+block instead normalises its own slices once the last one has published the rows' 1/rms, while
+the last one runs the Sinkhorn.
 S = 4 streams (hc_mult of every preset).
 """
 
@@ -54,14 +56,21 @@ _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 MHC_SPLIT = 40
 _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros;
 # in the totals row, column 26 then holds the row's 1/rms for the RMSNorm pass
-# Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md):
+# Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md and
+# mhc_decode.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
-#   decode_split     slices of D at decode (prefill: MHC_SPLIT)
+#   decode_split     slices of D at decode (prefill: MHC_SPLIT); at most D / decode_block_d
 #   decode_spin      at decode on the GPU, every program of a token block waits for the last
 #                    one's 1/rms and normalises its own slices (a block's programs are resident
-#                    together); else the last program normalises the whole rows
-#                    (FLASHPD_MHC_SPIN=1 at import: on; off until measured on the H200)
+#                    together: <= 4 blocks x 80 programs at 3 per SM); else the last program
+#                    normalises the whole rows (FLASHPD_MHC_SPIN=0 at import: off)
+#   decode_pin       at decode on the GPU, the MMA operand X' goes through an opaque move, so
+#                    the compiler converts the finished tile to the operand layout once instead
+#                    of recomputing the write-back in each warp (4 warps: 4 times)
+#   decode_sk_tok    at decode, the Sinkhorn runs on 16 per-token vectors (a token's chain in
+#                    one thread, one reciprocal per row or column) instead of the [BT, S, S]
+#                    tile, whose column sums cross warps
 #   prefill_block_t  tokens per program for longer calls
 #   *_block_d        channels per chunk (divides 64); *_stages: software pipelining depth
 #   prefill_grid     programs per token block for longer calls (a divisor of the slice
@@ -70,14 +79,16 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #                    flight)
 #   decode_flat_rows decode blocks of at most this many tokens take the flat RMSNorm pass
 #                    instead, flat_elems elements per load (four in flight)
-#   red              slice vectors loaded at once by a token block's last program
+#   red              slice vectors loaded at once by a token block's last program (all 80 of
+#                    a decode block: one round)
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1", "decode_pin": False,
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") == "1", "decode_pin": True,
+    "decode_sk_tok": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
+    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 80,
 }
 
 
@@ -102,6 +113,85 @@ def _sinkhorn(logits, ITERS: tl.constexpr, eps, S: tl.constexpr):
         c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
     return c
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """(a, b, c, d) / (a + b + c + d + eps), the sum left to right; one reciprocal shared by
+    the four (per-token [BT] vectors: each thread holds whole tokens, no cross-thread sums)."""
+    r = 1.0 / ((((a + b) + c) + d) + eps)
+    return a * r, b * r, c * r, d * r
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """Softmax of one comb row (per-token vectors) + eps."""
+    m = tl.maximum(tl.maximum(tl.maximum(a, b), c), d)
+    ea = tl.exp(a - m)
+    eb = tl.exp(b - m)
+    ec = tl.exp(c - m)
+    ed = tl.exp(d - m)
+    r = 1.0 / (((ea + eb) + ec) + ed)
+    return ea * r + eps, eb * r + eps, ec * r + eps, ed * r + eps
+
+
+@triton.jit
+def _comb_logit(sp, rmask, rho, s2, base_ptr, i: tl.constexpr, S: tl.constexpr):
+    """Comb logit i = j*S + k of each token: s2 * (m_i * rho) + base[2S + i], as [BT]."""
+    return s2 * (tl.load(sp + i, mask=rmask, other=0.0) * rho) + tl.load(base_ptr + 2 * S + i)
+
+
+@triton.jit
+def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constexpr, eps,
+                  S: tl.constexpr):
+    """The comb Sinkhorn on 16 per-token vectors c{j}{k} (j source, k destination), stored to
+    comb_ptr [T, S*S]: the same steps as `_sinkhorn`, each token's chain in one thread."""
+    c00, c01, c02, c03 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 0, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 1, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 2, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 3, S), eps)
+    c10, c11, c12, c13 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 4, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 5, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 6, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 7, S), eps)
+    c20, c21, c22, c23 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 8, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 9, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 10, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 11, S), eps)
+    c30, c31, c32, c33 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 12, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 13, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 14, S),
+                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 15, S), eps)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)  # columns
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    for _ in tl.static_range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)  # rows
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)  # columns
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    out = comb_ptr + r64 * (S * S)
+    tl.store(out, c00, mask=rmask)
+    tl.store(out + 1, c01, mask=rmask)
+    tl.store(out + 2, c02, mask=rmask)
+    tl.store(out + 3, c03, mask=rmask)
+    tl.store(out + 4, c10, mask=rmask)
+    tl.store(out + 5, c11, mask=rmask)
+    tl.store(out + 6, c12, mask=rmask)
+    tl.store(out + 7, c13, mask=rmask)
+    tl.store(out + 8, c20, mask=rmask)
+    tl.store(out + 9, c21, mask=rmask)
+    tl.store(out + 10, c22, mask=rmask)
+    tl.store(out + 11, c23, mask=rmask)
+    tl.store(out + 12, c30, mask=rmask)
+    tl.store(out + 13, c31, mask=rmask)
+    tl.store(out + 14, c32, mask=rmask)
+    tl.store(out + 15, c33, mask=rmask)
 
 
 # ============================================================================ fused kernel
@@ -170,7 +260,7 @@ def _mhc_kernel(
     HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
     NORM_E: tl.constexpr, ND: tl.constexpr, FLAT_ROWS: tl.constexpr, RED: tl.constexpr,
-    SPIN: tl.constexpr, PIN: tl.constexpr,
+    SPIN: tl.constexpr, PIN: tl.constexpr, SK_TOK: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -289,7 +379,8 @@ def _mhc_kernel(
             tl.atomic_xchg(cnt + 1, 1, sem="release")
         _mhc_finish(sums_ptr, tb * BLOCK_T, T, rows, rmask, base_ptr, scale_ptr, nw_ptr,
                     pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
-                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, ND, FLAT_ROWS)
+                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, ND, FLAT_ROWS,
+                    SK_TOK)
     if SPIN:  # (decode on the GPU: a block's programs are resident together) wait for 1/rms
         ready = tl.atomic_add(cnt + 1, 0, sem="acquire")
         while ready == 0:
@@ -343,7 +434,7 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 post_out_ptr, comb_out_ptr, xc_ptr, D: tl.constexpr, norm_eps, hc_eps,
                 S: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
                 BLOCK_T: tl.constexpr, NORM_E: tl.constexpr, ND: tl.constexpr,
-                FLAT_ROWS: tl.constexpr):
+                FLAT_ROWS: tl.constexpr, SK_TOK: tl.constexpr):
     """Mixes from the full-D totals (sums_ptr: [T, 32], read back from memory), then, with
     NORM, the RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
@@ -355,20 +446,23 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
     # mixes: m = rho * (fn . z), then pre / post / Sinkhorn(comb); columns: comb | pre | post
     m_pre = tl.load(sp[:, None] + SS + sidx[None, :], mask=rmask[:, None], other=0.0)
     m_post = tl.load(sp[:, None] + SS + S + sidx[None, :], mask=rmask[:, None], other=0.0)
-    k3 = tl.arange(0, S)[None, None, :]
-    j3 = tl.arange(0, S)[None, :, None]
-    m_comb = tl.load(sp[:, None, None] + j3 * S + k3, mask=rmask[:, None, None], other=0.0)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     pre = sigmoid_f32(s0 * (m_pre * rho[:, None]) + tl.load(base_ptr + sidx)[None, :]) + hc_eps
     post = 2.0 * sigmoid_f32(s1 * (m_post * rho[:, None]) + tl.load(base_ptr + S + sidx)[None, :])
-    base_c = tl.load(base_ptr + 2 * S + j3 * S + k3)
-    comb = _sinkhorn(s2 * (m_comb * rho[:, None, None]) + base_c, ITERS, hc_eps, S)
     tl.store(pre_ptr + r64[:, None] * S + sidx[None, :], pre, mask=rmask[:, None])
     tl.store(post_out_ptr + r64[:, None] * S + sidx[None, :], post, mask=rmask[:, None])
-    tl.store(comb_out_ptr + r64[:, None, None] * SS + j3 * S + k3, comb,
-             mask=rmask[:, None, None])
+    if SK_TOK:  # each token's Sinkhorn in one thread (decode)
+        _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_out_ptr, r64, ITERS, hc_eps, S)
+    else:  # on the [BT, S, S] tile
+        k3 = tl.arange(0, S)[None, None, :]
+        j3 = tl.arange(0, S)[None, :, None]
+        m_comb = tl.load(sp[:, None, None] + j3 * S + k3, mask=rmask[:, None, None], other=0.0)
+        base_c = tl.load(base_ptr + 2 * S + j3 * S + k3)
+        comb = _sinkhorn(s2 * (m_comb * rho[:, None, None]) + base_c, ITERS, hc_eps, S)
+        tl.store(comb_out_ptr + r64[:, None, None] * SS + j3 * S + k3, comb,
+                 mask=rmask[:, None, None])
     if NORM:  # second pass: RMSNorm of the collapsed rows (L2-resident)
         xsq = tl.load(sp + 25, mask=rmask, other=0.0)
         inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
@@ -439,14 +533,16 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
             "flat_rows": cfg["decode_flat_rows"] if kind == "decode" else 0,
             "spin": kind == "decode" and bool(cfg["decode_spin"])
             and not triton_runtime.interpreting(),
-            "pin": kind == "decode" and bool(cfg["decode_pin"]) and not DOT_UPCAST}
+            "pin": kind == "decode" and bool(cfg["decode_pin"]) and not DOT_UPCAST,
+            "sk_tok": kind == "decode" and bool(cfg["decode_sk_tok"])}
 
 
 def kernel_constants(plan: dict) -> dict:
     """The fused kernel's tile constexprs of a launch plan (SPIN aside: it also needs the norm)."""
     return {"BLOCK_T": plan["block_t"], "BLOCK_D": plan["block_d"], "CH": plan["ch"],
             "NSL": plan["nsl"], "NORM_E": plan["norm_e"], "ND": plan["norm_d"],
-            "FLAT_ROWS": plan["flat_rows"], "RED": plan["red"], "PIN": plan["pin"]}
+            "FLAT_ROWS": plan["flat_rows"], "RED": plan["red"], "PIN": plan["pin"],
+            "SK_TOK": plan["sk_tok"]}
 
 
 def expand_mix_collapse(
