@@ -17,7 +17,8 @@ the KV pools packed on the device:
            then the wall time of engine.step() with all B decoding (sampling and the
            logits' device-to-host copy included); B = 1, 8, 64
     first  (--summary) a fresh process's first request: load done -> its first token
-    host   decode ms/step outside the captured forward's GPU time (CUDA events around the replay)
+    host   decode ms/step the host is busy (the step's wall time minus the time it waits for
+           the device's sampled ids): with async scheduling it overlaps the device's forward
     floor  decode: bytes of active weights + KV read per step / measured copy bandwidth
            (bench/gpu_floor.py's byte law); prefill: FLOPs / 790 TFLOP/s bf16
 """
@@ -175,23 +176,18 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None
             engine.step()
         admit_s = time.perf_counter() - t0
         times, hosts = [], []
-        graphs = getattr(engine.model, "graphs", None)
-        if graphs is not None:
-            graphs.time_replays = True
-        for _ in range(plan["decode_steps"] + 1):
+        engine.step()  # fills the pipeline (async scheduling: the next step is in flight)
+        _sync()
+        for _ in range(plan["decode_steps"] + 1):  # back to back, as a serving loop runs
             t = time.perf_counter()
             outs = engine.step()
-            _sync()
             times.append(1e3 * (time.perf_counter() - t))
-            gpu_ms = graphs.last_replay_ms() if graphs is not None else None
-            if gpu_ms is not None:  # the step's wall time outside the forward's GPU time
-                hosts.append(times[-1] - gpu_ms)
+            hosts.append(times[-1] - 1e3 * engine.last_wait_s)  # busy, not waiting for ids
             assert sum(1 for o in outs if o.new_token_ids) == batch, "not all sequences decoded"
-        if graphs is not None:
-            graphs.time_replays = False
+        _sync()
         _finish(engine, rids)
         ms = statistics.median(times[1:])
-        host_ms = statistics.median(hosts[1:]) if len(hosts) > 1 else None
+        host_ms = statistics.median(hosts[1:])
         floor = gpu_floor.decode_step_bytes(cfg, batch, plan["decode_context"])
         floor_ms = (floor["weights"] + floor["kv"]) / (copy_gbps * 1e9) * 1e3
         row = {"batch": batch, "step_ms": ms, "tok_s": batch / (ms * 1e-3),
@@ -363,13 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         "cached rows are replayed through all layers (a captured graph, one per key-table "
         "width: the second of two hits is reported, the first includes the captures), then the "
         "64-token turn (a captured graph per bucket and width since bb82f3a; eager before).",
-        "Decode ms/step is the wall time of one engine.step() with every sequence decoding: "
-        "scheduler + host-side tables + one CUDA-graph replay of the engine's forward "
-        "(GpuModel.compute captured by engine/gpu/decode_graph.py; batch padded to the next "
-        "power of two) + the "
-        "bookkeeping after it + sampling on the device (one host copy; greedy, and the "
-        "'drawing' rows: temperature 0.8, top-p 0.95). Host ms/step: "
-        "that wall time minus the replay's GPU time (CUDA events around the replay).",
+        "Decode ms/step is the median wall time of one engine.step() with every sequence "
+        "decoding, steps back to back: scheduler + host-side tables + one CUDA-graph replay of "
+        "the engine's forward (GpuModel.compute captured by engine/gpu/decode_graph.py; batch "
+        "padded to the next power of two) + the bookkeeping after it + sampling on the device "
+        "(one host copy; greedy, and the 'drawing' rows: temperature 0.8, top-p 0.95). With "
+        "async scheduling (EngineConfig.async_scheduling, on) a step's host work runs while "
+        "the previous step's forward is on the device. Host ms/step: that wall time minus "
+        "the time the step waited for the device's sampled ids (the host's own work).",
         "Cold and hit prefills run eagerly (one Triton launch per kernel, no graph); the index "
         "scoring is one paged launch per index layer for the whole batch.",
     ]

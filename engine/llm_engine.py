@@ -27,13 +27,15 @@ from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
 from flashpd.engine.request import Request
-from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import Sampler, SamplingParams
+from flashpd.engine.runner import FedTokens, ModelRunner
+from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
 from flashpd.engine.scheduler import (
+    PENDING_TOKEN,
     FinishSignal,
     Reservation,
     Scheduler,
     SchedulerConfig,
+    StepPlan,
     StepResult,
 )
 from flashpd.model.model import Model, exact_replay_rows
@@ -58,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     kv_format: str = "nvfp4"  # compressed main KV: "nvfp4" (trained format) or "fp8"
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
+    async_scheduling: bool = True  # plan + launch decode step N+1 before step N's ids reach the host
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -79,6 +82,18 @@ class RequestStats:
     @property
     def ttft_ms(self) -> float | None:
         return None if self.first_token_s is None else 1e3 * (self.first_token_s - self.arrival_s)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are launched, not yet applied."""
+
+    plan: StepPlan
+    rids: list[str]  # the sampled rows, in order
+    pending: PendingSamples | None = None  # the batched samples (ids on the device)
+    samples: dict = field(default_factory=dict)  # sampled row by row (the batch raised)
+    errors: dict[str, str] = field(default_factory=dict)  # per-request sampling failures
+    fed_rids: tuple[str, ...] = ()  # requests whose ids this step read from the step before
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,9 @@ class LLMEngine:
         self._params: dict[str, SamplingParams] = {}
         self.stats: dict[str, RequestStats] = {}
         self.num_steps = 0
+        self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
+        self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
+        self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
@@ -150,7 +168,7 @@ class LLMEngine:
         return found
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def _new_request(self, request_id, prompt_ids, params, session_id) -> Request:
         ids = [int(t) for t in prompt_ids]
@@ -176,47 +194,97 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineOutput]:
-        """One batched forward. A failure is contained: a request whose sampling fails ends
-        alone with finish_reason "error"; a forward that raises ends the requests of its plan
-        (the forward is batched, so the culprit cannot be told apart), and the engine goes on."""
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
-            return []
-        try:
-            known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
-            out = self.runner.execute(plan, known)
-        except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail, not the loop
-            log.exception("forward of step %d failed; failing its %d request(s)",
-                          plan.step_id, len(plan.chunks))
-            errors = {c.request_id: f"forward failed: {type(exc).__name__}: {exc}"
-                      for c in plan.chunks}
-            return self._fail(plan, errors)
+        """One batched forward's outputs. A failure is contained: a request whose sampling
+        fails ends alone with finish_reason "error"; a forward that raises ends the requests of
+        its plan (the forward is batched, so the culprit cannot be told apart), and the engine
+        goes on.
+
+        Async scheduling (`EngineConfig.async_scheduling`): when every running request decodes,
+        the next step is planned (`Scheduler.schedule_ahead`) and launched before this one's
+        ids reach the host; its rows read those ids on the device. The host's planning, tables
+        and launch then overlap the device's forward, and a call returns the outputs of the
+        step launched one call before. A request that stops on a token (EOS, a stop id, an
+        abort between calls) has one more row computed and dropped."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if not plan.chunks:
+                self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
+                return []
+            try:
+                launched = self._launch(plan)
+            except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
+                return self._forward_failed(plan, exc)
+        ahead_failed: tuple | None = None
+        if self.config.async_scheduling and launched.pending is not None:
+            ahead = self.scheduler.schedule_ahead(launched.plan)
+            if ahead is not None:
+                try:
+                    self._inflight = self._launch(ahead, launched)
+                    self.num_ahead_steps += 1
+                except Exception as exc:  # noqa: BLE001 - fails after this step's update
+                    ahead_failed = (ahead, exc)
+        outputs = self._complete(launched)
+        if ahead_failed is not None:
+            outputs += self._forward_failed(*ahead_failed)
+        return outputs
+
+    def _launch(self, plan: StepPlan, before: _Launched | None = None) -> _Launched:
+        """Run the plan's forward and launch its sampling (no wait for the device). before:
+        the step whose samples are this plan's pending ids (a plan made ahead)."""
+        fed = None
+        if before is not None:
+            fed = FedTokens(before.pending.tokens, {r: i for i, r in enumerate(before.rids)})
+        known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+        out = self.runner.execute(plan, known) if fed is None else self.runner.execute(plan, known, fed)
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
-        samples, errors = self._sample(rids, out.logits)
-        failed = self._fail_requests(errors)
+        fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
+        launched = _Launched(plan, rids, fed_rids=fed_rids)
+        if not rids:
+            return launched
+        params = [self._params[r] for r in rids]
+        try:
+            logits = torch.stack([out.logits[r] for r in rids])
+            launched.pending = self.sampler.launch(logits, rids, params)
+        except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
+            launched.samples, launched.errors = self._sample_rows(rids, out.logits, params)
+        return launched
+
+    def _complete(self, launched: _Launched) -> list[EngineOutput]:
+        """Wait for the step's ids, correct what a step launched after it recorded for them,
+        and apply the step to the scheduler -> its outputs."""
+        samples = launched.samples
+        if launched.pending is not None:
+            t0 = time.perf_counter()
+            samples = dict(zip(launched.rids, launched.pending.result(), strict=True))
+            self.last_wait_s = time.perf_counter() - t0
+        if self._inflight is not None:
+            for rid in self._inflight.fed_rids:
+                if rid in samples:
+                    self.runner.patch_last_token(rid, samples[rid].token_id)
+        failed = self._fail_requests(launched.errors)
         result = StepResult(
-            sampled_token_ids={r: [s.token_id for s in [samples[r]]] for r in samples},
+            sampled_token_ids={r: [s.token_id] for r, s in samples.items()},
             finish_signals=self._signals(samples))
-        outputs = self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(launched.plan, result)
         self.num_steps += 1
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
-    def _sample(self, rids: list[str], logits_by_rid) -> tuple[dict, dict[str, str]]:
-        """Samples per request id, and an error message per request whose sampling raised."""
-        if not rids:
-            return {}, {}
-        try:
-            logits = torch.stack([logits_by_rid[r] for r in rids])
-            params = [self._params[r] for r in rids]
-            return dict(zip(rids, self.sampler.sample(logits, rids, params), strict=True)), {}
-        except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
-            pass
+    def _forward_failed(self, plan: StepPlan, exc: Exception) -> list[EngineOutput]:
+        log.error("forward of step %d failed; failing its %d request(s)", plan.step_id,
+                  len(plan.chunks), exc_info=exc)
+        errors = {c.request_id: f"forward failed: {type(exc).__name__}: {exc}"
+                  for c in plan.chunks if c.request_id in self._requests}
+        return self._fail(plan, errors)
+
+    def _sample_rows(self, rids: list[str], logits_by_rid, params) -> tuple[dict, dict[str, str]]:
+        """Samples of the rows one by one, and an error message per request whose sampling
+        raised (after the batched launch raised)."""
         samples, errors = {}, {}
-        for rid in rids:
+        for rid, p in zip(rids, params, strict=True):
             try:
                 row = logits_by_rid[rid][None]
-                samples[rid] = self.sampler.sample(row, [rid], [self._params[rid]])[0]
+                samples[rid] = self.sampler.sample(row, [rid], [p])[0]
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 log.exception("sampling for %s failed", rid)
                 errors[rid] = f"sampling failed: {type(exc).__name__}: {exc}"

@@ -24,8 +24,16 @@ import torch
 
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
 from flashpd.engine.policies import ForwardPath
-from flashpd.engine.scheduler import ScheduledChunk, StepPlan
-from flashpd.model.model import LogitsRequest, Model, Replay, SeqInput, SeqPlan
+from flashpd.engine.scheduler import PENDING_TOKEN, ScheduledChunk, StepPlan
+from flashpd.model.model import LogitsRequest, Model, Replay, SeqInput, SeqPlan, TokenFeed
+
+
+@dataclass(frozen=True)
+class FedTokens:
+    """The previous step's sampled ids on the device and each request's row in them."""
+
+    tokens: torch.Tensor  # [n] int64
+    row_of: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,20 @@ class ModelRunner:
         return self._states[request_id]
 
     # ------------------------------------------------------------------ one step
+    def patch_last_token(self, request_id: str, token_id: int) -> None:
+        """The id of the state's last token, once the host has it: a step planned ahead read
+        it on the device and its books recorded a placeholder (async scheduling)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            ids = state.lookback_ids()
+            state.record_tokens(state.num_tokens, ids[:-1] + (int(token_id),))
+
     @torch.no_grad()
-    def execute(self, plan: StepPlan, token_ids_of: dict[str, Sequence[int]]) -> StepOutput:
-        """token_ids_of: request id -> all known token ids (prompt + outputs), for replays."""
+    def execute(self, plan: StepPlan, token_ids_of: dict[str, Sequence[int]],
+                fed: FedTokens | None = None) -> StepOutput:
+        """token_ids_of: request id -> all known token ids (prompt + outputs), for replays.
+        fed: where the ids of chunks holding `PENDING_TOKEN` are (the previous step's samples
+        on the device; a plan from `Scheduler.schedule_ahead`)."""
         self.forget(plan.freed_request_ids + plan.preempted_request_ids)
         replays, normals = [], []
         for chunk in plan.chunks:
@@ -70,7 +89,7 @@ class ModelRunner:
         if replays:
             rows += self._run(plan.path, replays, token_ids_of, out, replay=True)
         if normals:
-            rows += self._run(plan.path, normals, token_ids_of, out, replay=False)
+            rows += self._run(plan.path, normals, token_ids_of, out, replay=False, fed=fed)
         return StepOutput(out, rows)
 
     def _prepare(self, chunk: ScheduledChunk, known: Sequence[int]) -> PagedSeqState:
@@ -86,8 +105,10 @@ class ModelRunner:
                 state.adopt_prefix(held, tuple(known[max(0, held - 3):held]))
         return self._states[rid]
 
-    def _run(self, path: ForwardPath, parts, token_ids_of, out, replay: bool) -> int:
+    def _run(self, path: ForwardPath, parts, token_ids_of, out, replay: bool,
+             fed: FedTokens | None = None) -> int:
         ids, seqs, owners = [], [], []
+        fed_seqs, fed_src = [], []
         for chunk, state, start, end in parts:
             known = token_ids_of[chunk.request_id]
             last = end == chunk.end and chunk.needs_logits
@@ -99,10 +120,22 @@ class ModelRunner:
                                decoder_rows=0 if path is ForwardPath.ENCODER else None)
             else:
                 plan = self._normal_plan(path, logits, end - start)
-            ids.extend(known[start:end])
+            if chunk.token_ids == (PENDING_TOKEN,):  # sampled by the step before: on the device
+                if replay or fed is None or chunk.request_id not in fed.row_of:
+                    raise ValueError(f"no sampled id to read for {chunk.request_id!r}")
+                fed_seqs.append(len(seqs))
+                fed_src.append(fed.row_of[chunk.request_id])
+                ids.append(0)  # a placeholder id: the forward reads the real one on the device
+            else:
+                ids.extend(known[start:end])
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
-        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs)  # host ids
+        host_ids = torch.tensor(ids, dtype=torch.long)
+        if fed_seqs:
+            feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src))
+            results = self.model.forward(host_ids, seqs, feed)
+        else:
+            results = self.model.forward(host_ids, seqs)
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
                   if last]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step

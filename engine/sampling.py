@@ -141,13 +141,22 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[SampleOutput]:
         """logits: [B, V] (any float dtype, upcast to FP32; on any device); one row per request.
+        `launch` + `PendingSamples.result`: decided on the device, one copy to the host."""
+        return self.launch(logits, request_ids, params).result()
 
-        Every row is decided where the logits are: greedy rows by one batched argmax, the rest
-        by one batched filter (temperature, top-k, min-p, top-p) and a Gumbel-max draw
-        (argmax of the filtered logits plus -log(-log(u)), u from the row's own counter-based
-        stream: a draw from softmax of the filtered logits). Token ids, their logprobs and the
-        top-n logprobs asked for reach the host in ONE copy. A row whose logits are all
-        non-finite (or contain +inf) takes the argmax of its NaN-cleaned logits."""
+    def launch(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> PendingSamples:
+        """Decide every row where the logits are, without waiting for the device.
+
+        Greedy rows by one batched argmax, the rest by one batched filter (temperature, top-k,
+        min-p, top-p) and a Gumbel-max draw (argmax of the filtered logits plus -log(-log(u)),
+        u from the row's own counter-based stream: a draw from softmax of the filtered logits).
+        Token ids, their logprobs and the top-n logprobs asked for go to the host in ONE
+        asynchronous copy; `PendingSamples.tokens` keeps the ids on the device (a next step
+        can read them before the host has). A row whose logits are all non-finite (or contain
+        +inf) takes the argmax of its NaN-cleaned logits. A seeded request's stream moves on
+        here, once per launched row."""
         logits = logits.float()
         num_rows = logits.shape[0]
         if num_rows != len(request_ids) or num_rows != len(params):
@@ -172,17 +181,42 @@ class Sampler:
         if top_n:
             vals, ids = torch.topk(logprobs_all, top_n, dim=-1)
             packed += [ids.double(), vals.double()]
-        host = torch.cat(packed, dim=1).cpu()  # the one device-to-host copy of the step
+        pending = PendingSamples(tokens, torch.cat(packed, dim=1), list(params), top_n)
         for row in drawn:  # a seeded request's stream moves on once per sampled token
             if params[row].seed is not None:
                 rid = request_ids[row]
                 self._drawn[rid] = self._drawn.get(rid, 0) + 1
-        outs = []
-        for vals, p in zip(host.tolist(), params, strict=True):  # Python floats: no per-element
-            top: tuple[tuple[int, float], ...] = ()               # tensor indexing
-            if p.logprobs:
-                top = tuple((int(i), v) for i, v in zip(vals[2:2 + p.logprobs],
-                                                        vals[2 + top_n:2 + top_n + p.logprobs],
-                                                        strict=True))
-            outs.append(SampleOutput(int(vals[0]), vals[1], top))
-        return outs
+        return pending
+
+
+class PendingSamples:
+    """A launched batch of samples: `tokens` [B] on the device now, `result()` on the host
+    (waits for the one device-to-host copy of the step)."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list[SamplingParams],
+                 top_n: int) -> None:
+        self.tokens, self._params, self._top_n = tokens, params, top_n
+        self._event = None
+        if packed.is_cuda:  # pinned host buffer + event: the copy runs behind the queued work
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed.cpu()
+        self._outs: list[SampleOutput] | None = None
+
+    def result(self) -> list[SampleOutput]:
+        if self._outs is None:
+            if self._event is not None:
+                self._event.synchronize()
+            top_n, outs = self._top_n, []
+            for vals, p in zip(self._host.tolist(), self._params, strict=True):  # Python floats
+                top: tuple[tuple[int, float], ...] = ()
+                if p.logprobs:
+                    top = tuple((int(i), v) for i, v in zip(vals[2:2 + p.logprobs],
+                                                            vals[2 + top_n:2 + top_n + p.logprobs],
+                                                            strict=True))
+                outs.append(SampleOutput(int(vals[0]), vals[1], top))
+            self._outs = outs
+        return self._outs

@@ -29,6 +29,8 @@ from flashpd.engine.policies import Admission, ColocatedRole, ForwardPath, RoleP
 from flashpd.engine.request import FinishReason, Replay, Request, RequestOutput, RequestStatus
 from flashpd.engine.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # a scheduled token whose id is sampled by the step before (schedule_ahead)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -130,7 +132,7 @@ class Scheduler:
         self._freed_since_plan: list[str] = []
         self._next_arrival_order = 0
         self._next_step_id = 0
-        self._outstanding_step: int | None = None
+        self._outstanding: list[int] = []  # scheduled, not yet updated (oldest first; <= 2)
         self.num_preemptions = 0
 
     # ---- admission ------------------------------------------------------------------------
@@ -209,8 +211,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        if self._outstanding_step is not None:
-            raise RuntimeError(f"step {self._outstanding_step} was scheduled but not updated")
+        if self._outstanding:
+            raise RuntimeError(f"step {self._outstanding[0]} was scheduled but not updated")
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
         preempted: list[str] = []
@@ -228,10 +230,13 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Apply one step's results; every non-empty plan must be updated exactly once."""
-        if plan.chunks and plan.step_id != self._outstanding_step:
-            raise RuntimeError(f"update for step {plan.step_id}, expected {self._outstanding_step}")
+        if plan.chunks:
+            expected = self._outstanding[0] if self._outstanding else None
+            if plan.step_id != expected:
+                raise RuntimeError(f"update for step {plan.step_id}, expected {expected}")
         self._check_result(plan, result)
-        self._outstanding_step = None
+        if plan.chunks:
+            self._outstanding.pop(0)
         outputs = []
         for chunk in plan.chunks:
             request = self._requests.get(chunk.request_id)
@@ -241,6 +246,60 @@ class Scheduler:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The plan after `plan` while `plan` is still computing (async scheduling): every
+        request of `plan` decodes, so each is assumed to go on with one more token whose id
+        the runner takes from `plan`'s samples on the device. None when that cannot be known
+        ahead, and the caller updates `plan` and schedules normally: `plan` is not the only
+        outstanding step or is not all decodes, a running request is not in it, requests wait
+        for admission (while seats are free), a request is within `history_tokens` of its
+        start, or memory would need a preemption. Requests that reach `max_tokens` with
+        `plan`'s token are left out; one that stops on `plan`'s token (EOS, a stop id, an
+        abort) has its row computed and dropped: `update` skips finished requests."""
+        if self._outstanding != [plan.step_id] or not plan.chunks:
+            return None
+        if self._waiting and len(self._running) < self.config.max_num_seqs:
+            return None
+        chunks = {c.request_id: c for c in plan.chunks}
+        running = {r.request_id for r in self._running}
+        if running != set(chunks) or len(chunks) != len(plan.chunks):
+            return None
+        for chunk in plan.chunks:
+            request = self._requests[chunk.request_id]
+            if (chunk.num_tokens != 1 or not chunk.needs_logits or chunk.replay is not None
+                    or chunk.fresh_slot or chunk.end != request.num_tokens
+                    or request.replay is not None or chunk.end < self.config.history_tokens):
+                return None
+        ahead: dict[str, ScheduledChunk] = {}
+        for chunk in plan.chunks:
+            request = self._requests[chunk.request_id]
+            assert request.max_tokens is not None  # decodes belong to sampling roles
+            if request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # plan's token is its last
+            if self.kv.grow(request.request_id, chunk.end + 1) is None:
+                return None  # blocks grown so far stay with their requests (needed next step)
+            ahead[request.request_id] = self._chunk_ahead(request, chunk)
+        if not ahead:
+            return None
+        return self._emit_plan(ahead, [])
+
+    def _chunk_ahead(self, request: Request, chunk: ScheduledChunk) -> ScheduledChunk:
+        """The decode chunk after `chunk`: token `chunk.end`, not yet sampled (id unknown)."""
+        start = chunk.end
+        return ScheduledChunk(
+            request_id=request.request_id,
+            slot=chunk.slot,
+            block_ids=tuple(self.kv.block_table(request.request_id)),
+            start=start,
+            end=start + 1,
+            token_ids=(PENDING_TOKEN,),
+            history_token_ids=tuple(request.token_ids[start - self.config.history_tokens:start]),
+            fresh_slot=False,
+            needs_logits=self.role.needs_logits(request, start),  # the end, once chunk's id is in
+            replay=None,
+            sampling_params=request.sampling_params,
+        )
 
     # ---- views ----------------------------------------------------------------------------
 
@@ -376,7 +435,7 @@ class Scheduler:
         )
         self._freed_since_plan = []
         if plan.chunks:
-            self._outstanding_step = plan.step_id
+            self._outstanding.append(plan.step_id)
         self._next_step_id += 1
         return plan
 

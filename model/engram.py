@@ -196,6 +196,8 @@ class EngramHasher:
         self.offsets = [
             torch.tensor(column_offsets(p), dtype=torch.int64).reshape(n_grams, -1) for p in primes
         ]
+        self._on_device: dict[str, tuple] = {"cpu": (self.compressed_map, self.multipliers,
+                                                     self.primes, self.offsets)}
 
     @classmethod
     def from_tokenizer(cls, cfg: ModelConfig, tokenizer_path: str | None) -> EngramHasher:
@@ -214,17 +216,48 @@ class EngramHasher:
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_token_ids):
             raise ValueError(f"token id outside [0, {self.num_token_ids})")
         shifted = self._shifted_compressed(ids, len(history))  # [T, max_shift+1]
-        mu = self.multipliers[engram_index]
-        products = shifted * mu  # [T, K], < 2^63 by the multiplier bound
+        consts = self._constants(shifted.device)
+        return self._rows(consts, engram_index, shifted).to(token_ids.device)
+
+    def hash_windows(self, engram_index: int, windows: torch.Tensor) -> torch.Tensor:
+        """windows [T, max_shift+1] int64: each row a token id and the max_shift ids before
+        it, oldest first (a full lookback) -> row ids [T, C], computed on windows' device with
+        no host copy (a decode row whose id is still on the device). Ids are not checked
+        here (they come from the model's own samples): an id outside the compressed map (a
+        padded vocabulary row) hashes as the pad id, where `hash_ids` raises."""
+        if windows.ndim != 2 or windows.shape[1] != self.max_shift + 1:
+            raise ValueError(f"windows must be [T, {self.max_shift + 1}], got "
+                             f"{tuple(windows.shape)}")
+        consts = self._constants(windows.device)
+        ids = windows.flip(1)  # column k: token[p-k]
+        inside = (ids >= 0) & (ids < self.num_token_ids)
+        shifted = torch.where(inside, consts[0][ids.clamp(0, self.num_token_ids - 1)],
+                              self.pad_id)
+        return self._rows(consts, engram_index, shifted)
+
+    def _constants(self, device: torch.device) -> tuple:
+        """(compressed map, multipliers, primes, offsets) on `device` (cached per device)."""
+        key = str(device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            cached = (self.compressed_map.to(device), [m.to(device) for m in self.multipliers],
+                      [p.to(device) for p in self.primes], [o.to(device) for o in self.offsets])
+            self._on_device[key] = cached
+        return cached
+
+    def _rows(self, consts: tuple, engram_index: int, shifted: torch.Tensor) -> torch.Tensor:
+        """shifted [T, max_shift+1] compressed ids (column k: k tokens back) -> row ids [T, C]."""
+        _, multipliers, primes, offsets = consts
+        products = shifted * multipliers[engram_index]  # [T, K], < 2^63 by the multiplier bound
         rolling = products[:, :1]
         hashes = []
         for k in range(1, self.max_shift + 1):
             rolling = torch.bitwise_xor(rolling, products[:, k : k + 1])
             hashes.append(rolling)
         r = torch.cat(hashes, dim=1)  # [T, n_grams]: R_{n-1} for n = 2..max_ngram
-        primes, offsets = self.primes[engram_index], self.offsets[engram_index]  # [n_grams, H]
-        row_ids = torch.remainder(r.unsqueeze(-1), primes) + offsets  # [T, n_grams, H]
-        return row_ids.reshape(len(token_ids), self.num_columns).to(token_ids.device)
+        # [T, n_grams, H] with the layer's primes and column offsets [n_grams, H]
+        row_ids = torch.remainder(r.unsqueeze(-1), primes[engram_index]) + offsets[engram_index]
+        return row_ids.reshape(shifted.shape[0], self.num_columns)
 
     def _shifted_compressed(self, ids: torch.Tensor, n_history: int) -> torch.Tensor:
         """[T, max_shift+1]: column k holds c(token[p-k]), or the pad id before the sequence."""

@@ -106,6 +106,23 @@ class SeqInput:
 
 
 @dataclass(frozen=True)
+class TokenFeed:
+    """Token ids a forward reads on the device instead of from `token_ids` (async scheduling:
+    the previous step's samples, before the host has them). Sequence `seqs[i]` of the forward
+    is one decode row whose id is `tokens[src[i]]`; its `token_ids` entry is a placeholder
+    (any valid id), and so is the id its state's books record (the caller corrects it once the
+    host has the sample: `SeqState.record_tokens`). Each fed sequence needs a full lookback."""
+
+    tokens: torch.Tensor  # [n] int64, on the model's device
+    seqs: tuple[int, ...]
+    src: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.seqs) != len(self.src):
+            raise ValueError(f"{len(self.seqs)} fed sequences, {len(self.src)} source rows")
+
+
+@dataclass(frozen=True)
 class ReplaySegment:
     token_ids: tuple[int, ...]
     start_pos: int
@@ -414,10 +431,13 @@ class Model:
         return self.run(state, segment.token_ids, segment.plan, segment.start_pos)
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor,
-                seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
-        """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None."""
+    def forward(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
+        """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None.
+        feed: rows whose ids are read on the device (`TokenFeed`)."""
         step = self.prepare(token_ids, seqs)
+        if feed is not None:
+            self.apply_feed(step, feed)
         logits = self.compute(step)
         self.commit(step)
         return step.split_logits(logits)
@@ -449,6 +469,33 @@ class Model:
             counts.append(None if request is LogitsRequest.NONE else end - first)
         return Step(token_ids, segs, rows, self._engram_ids(host_ids, segs, device),
                     _on(picks, device), counts, host_ids=host_ids)
+
+    def apply_feed(self, step: Step, feed: TokenFeed, into: Step | None = None) -> None:
+        """Write the fed rows' ids and Engram row ids into `into`'s tensors (default: `step`;
+        a graph's static step, laid out as `step`), on the device, after `prepare`: the ids
+        are gathered from `feed.tokens` and hashed there with each row's lookback ids."""
+        into = step if into is None else into
+        if not feed.seqs:
+            return
+        dev = into.token_ids.device
+        segs = [step.segs[i] for i in feed.seqs]
+        if any(seg.num_tokens != 1 or seg.replay is not None for seg in segs):
+            raise ValueError("a fed sequence must be one decode row")
+        src = torch.tensor(feed.src, dtype=torch.long).to(feed.tokens.device, non_blocking=True)
+        dst = torch.tensor([seg.offset for seg in segs], dtype=torch.long).to(dev, non_blocking=True)
+        tokens = feed.tokens.index_select(0, src).to(dev)
+        into.token_ids.index_copy_(0, dst, tokens)
+        layers = [spec for spec in self.cfg.layers if spec.has_engram]
+        if not layers:
+            return
+        lookbacks = [self._lookback(seg) for seg in segs]
+        if any(len(lb) != self.hasher.max_shift for lb in lookbacks):
+            raise ValueError("a fed sequence needs a full Engram lookback")
+        windows = torch.cat((torch.tensor(lookbacks, dtype=torch.long).to(dev, non_blocking=True),
+                             tokens[:, None]), dim=1)
+        for spec in layers:
+            into.hash_ids[spec.layer_id].index_copy_(
+                0, dst, self.hasher.hash_windows(spec.engram_index, windows))
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""

@@ -33,7 +33,7 @@ import torch
 
 from flashpd.engine.gpu.tables import views
 from flashpd.engine.kv_pools import PagedSeqState
-from flashpd.model.model import LogitsRequest, SeqInput, Step
+from flashpd.model.model import LogitsRequest, SeqInput, Step, TokenFeed
 
 if TYPE_CHECKING:
     from flashpd.engine.gpu.forward import GpuModel
@@ -90,8 +90,8 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def run(self, token_ids: torch.Tensor,
-            seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+    def run(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+            feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
         model = self.model
         decode = self._decode(seqs)
         turn = not decode and self._turn(seqs)
@@ -113,13 +113,15 @@ class DecodeGraphs:
                     raise
                 log.exception("turn graph capture failed; turns run eagerly from now on")
                 self._failed_turns = True
-                return model.forward_eager(token_ids, seqs)
+                return model.forward_eager(token_ids, seqs, feed)
         graph, static, nbytes = self._graphs[key]
         if step.buffer is not None and step.input_bytes == nbytes:
             static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy
         else:
             for dst, src in zip(static.tensors(), step.tensors(), strict=True):
                 dst.copy_(src)
+        if feed is not None:  # ids sampled by the step before, still on the device
+            model.apply_feed(step, feed, into=static)
         if graph is None:
             logits = model.compute(static)
         else:

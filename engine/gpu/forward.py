@@ -46,7 +46,7 @@ from flashpd.kernels import dispatch
 from flashpd.kernels.dense.triton import Weights
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.kv_format import CompressedKVFormat
-from flashpd.model.model import LayerRows, Model, SeqInput, Step
+from flashpd.model.model import LayerRows, Model, SeqInput, Step, TokenFeed
 
 # Prompt rows the load-time warm-up runs through the forward (the bench's prefill chunk; a
 # chunk of that size then compiles nothing new).
@@ -161,16 +161,16 @@ class GpuModel(Model):
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor,
-                seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+    def forward(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
         if self.graphs is not None and self.graphs.eligible(seqs):
-            return self.graphs.run(token_ids, seqs)
-        return super().forward(token_ids, seqs)
+            return self.graphs.run(token_ids, seqs, feed)
+        return super().forward(token_ids, seqs, feed)
 
-    def forward_eager(self, token_ids: torch.Tensor,
-                      seqs: Sequence[SeqInput]) -> list[torch.Tensor | None]:
+    def forward_eager(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                      feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
         """The forward without graphs (a call the graphs could not take)."""
-        return super().forward(token_ids, seqs)
+        return super().forward(token_ids, seqs, feed)
 
     # ------------------------------------------------------------------ the step's tables
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,

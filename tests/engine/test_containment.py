@@ -79,10 +79,10 @@ class _FailingSampler(Sampler):
         super().__init__(0)
         self.bad = bad
 
-    def sample(self, logits, request_ids, params):
+    def launch(self, logits, request_ids, params):  # `sample` goes through it too
         if self.bad in request_ids:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return super().sample(logits, request_ids, params)
+        return super().launch(logits, request_ids, params)
 
 
 def test_sampling_failure_fails_only_that_request(model_f32):
@@ -106,11 +106,11 @@ def test_forward_failure_fails_its_batch_and_the_engine_goes_on(model_f32):
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def execute_failing_once(plan, known):
+    def execute_failing_once(plan, known, *fed):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected forward fault")
-        return real(plan, known)
+        return real(plan, known, *fed)
 
     engine.runner.execute = execute_failing_once
     outs = _run(engine, "first", _prompt(20, 5), SamplingParams(max_tokens=3, ignore_eos=True))

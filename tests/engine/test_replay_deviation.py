@@ -20,20 +20,20 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _last_logits(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
     captured = {}
-    sample = engine.sampler.sample
+    sample = engine.sampler.launch
 
     def capture(logits, rids, params):  # seam: keep the logits the engine samples from
         for row, r in enumerate(rids):
             captured[r] = logits[row].clone()
         return sample(logits, rids, params)
 
-    engine.sampler.sample = capture
+    engine.sampler.launch = capture
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
     cached = 0
     while engine.has_unfinished():
         for o in engine.step():
             cached = o.cached_tokens
-    engine.sampler.sample = sample
+    engine.sampler.launch = sample
     return captured[rid], cached
 
 

@@ -257,3 +257,31 @@ def test_graph_paths_match_the_eager_path(models):
             assert se.num_entries(src) == sg.num_entries(src)
         for src in pools_e.open_row_of:
             assert se.has_open_group(src) == sg.has_open_group(src)
+
+
+def test_async_scheduling_on_the_gpu_path_matches_sync(models):
+    """The engine on GpuModel with decode graphs: steps planned ahead read their ids on the
+    device (`TokenFeed` into the graph's static buffers, Engram hashed there) and give the
+    same tokens as the synchronous engine, greedy and seeded."""
+    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.sampling import SamplingParams
+
+    _, gpu = models
+    params = {"g": SamplingParams(max_tokens=5, ignore_eos=True),
+              "s": SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=3)}
+    runs = []
+    for on in (False, True):
+        gpu.graphs = DecodeGraphs(gpu)  # its static steps point at one engine's pools
+        engine = LLMEngine(gpu, EngineConfig(num_blocks=8, num_slots=4, dtype="bfloat16",
+                                             device=DEVICE, async_scheduling=on))
+        for k, (rid, p) in enumerate(params.items()):
+            engine.add_request(rid, _prompt(9 + k, 40 + k), p)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs.append((out, engine.num_ahead_steps))
+    gpu.graphs = None
+    (sync, _), (ahead, num_ahead) = runs
+    assert ahead == sync and num_ahead >= 2
+    assert all(len(v) == 5 for v in ahead.values())
