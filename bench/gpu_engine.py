@@ -26,6 +26,7 @@ the KV pools packed on the device:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
+    ap.add_argument("--compare-sync", action="store_true",
+                    help="with --decode-only: decode again with async scheduling off")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the encoder-path prefill (no warm-up, TTFT or decode)")
     ap.add_argument("--ttft-only", action="store_true",
@@ -318,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                "first_request_ms": first_ms}
     if args.decode_only:
         payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
+        if args.compare_sync:  # the same engine with async scheduling off
+            engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+            log("async scheduling off:")
+            payload["decode_sync"] = decode(engine, plan, cfg.vocab_size, log)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "engine_decode.json"), "w") as f:

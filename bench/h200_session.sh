@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense measure" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode measure" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -63,6 +63,12 @@ timeout 150 python -m flashpd.bench.attention_bench --prefill-t 8192 --jobs 8 --
     --variants default heads_bn64 vsplit_bn32_w4 vsplit_bn16_w4 vsplit_bn64_w4 vsplit_bn32_w8 \
     vsplit_bn16_w8 vsplit_bn64_w8 --verify vsplit_bn32_w4 vsplit_bn32_w8 \
     --out "$OUT/attn_vsplit.json"
+fi
+if has decode; then  # decode steps only, async scheduling on then off, and the GPU-path tests
+echo "== decode, async vs sync ($(left) s left)"
+timeout $(( $(left) - 200 )) python -m flashpd.bench.gpu_engine --decode-only --compare-sync \
+    --commit "$FLASHPD_COMMIT" --out "$OUT"
+gpu_tests 5
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
