@@ -64,7 +64,7 @@ DECODE_VARIANTS = {"default": {},
                    "before (no pin, red 40, no spin, tile Sinkhorn)": {
                        "decode_pin": False, "red": 40, "decode_spin": False,
                        "decode_sk_tok": False},
-                   "tile Sinkhorn": {"decode_sk_tok": False},
+                   "Sinkhorn per token": {"decode_sk_tok": True},
                    "no pin": {"decode_pin": False},
                    "no spin": {"decode_spin": False},
                    "no spin, 8 warps": {"decode_spin": False, "decode_warps": 8},

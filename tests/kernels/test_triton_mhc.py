@@ -138,3 +138,40 @@ def test_ref_fused_step_is_the_unfused_sequence():
     assert torch.equal(xc, dref.rms_norm(href.collapse(want, pre_in), norm_w, ne))
     same, *_, none = href.expand_mix_collapse(None, x, None, None, fn, base, scale, it, he, ne)
     assert same is x and none is None
+
+
+@pytest.mark.parametrize("over", [{"decode_sk_tok": True},
+                                  {"decode_split": 160, "red": 7},
+                                  {"decode_sk_tok": True, "decode_split": 160, "red": 160}])
+def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(monkeypatch, over):
+    # per-token Sinkhorn, one-chunk slices (D = 256: 8 slices of 32 channels), slice vectors
+    # loaded 7 at a time or all at once: same tolerances as the defaults, a row's bits alone ==
+    # in the batch, the counters back at zero
+    for k, v in over.items():
+        monkeypatch.setitem(ht.CONFIG, k, v)
+    plan = ht.launch_plan(19, 256)
+    if "decode_split" in over:
+        assert (plan["nsl"], plan["ch"]) == (8, 32)
+    args = _fused(19, 256, 10)
+    batch = ht.expand_mix_collapse(*args)
+    y, x, post, comb, fn, base, scale, _, _, _, pre_in, norm_w = args
+    want = href.expand(y, x, post, comb)
+    new, pre, post2, comb2, xc = batch
+    torch.testing.assert_close(new.float(), want.float(), rtol=8e-3, atol=1e-5)
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(new, fn, base, scale, 20, 1e-6,
+                                                           1e-20), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
+    torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
+    for i in (5, 17):
+        one = ht.expand_mix_collapse(*(a[i:i + 1] if j in (0, 1, 2, 3, 10) else a
+                                       for j, a in enumerate(args)))
+        for a, b in zip(batch, one, strict=True):
+            assert torch.equal(a[i:i + 1], b)
+    assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
+
+
+def test_decode_block_d_must_divide_the_chunk(monkeypatch):
+    monkeypatch.setitem(ht.CONFIG, "decode_block_d", 48)
+    with pytest.raises(ValueError, match="decode_block_d"):
+        ht.launch_plan(1, 256)
