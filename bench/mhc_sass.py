@@ -2,7 +2,7 @@
 
     python -m flashpd.bench.mhc_sass [--variants NAME ...] [--modes seam fused]
 
-Compiles `mhc.triton._mhc_kernel` with Triton's bundled ptxas at the bench preset's D = 5120 for
+Compiles `mhc.triton.FUSED_KERNEL` with Triton's bundled ptxas at the bench preset's D = 5120 for
 each decode variant of bench/mhc_bench.py (CONFIG overrides, through `launch_plan`) and reads the
 binary back (dense_fp8_sass.analyse): registers, stack (spills), shared memory, MMA form. No
 timing: a variant that spills here is not worth device time.
@@ -34,7 +34,7 @@ def compile_variant(overrides: dict, mode: str, tokens: int = 1, dim: int = 5120
     finally:
         ht.CONFIG.clear()
         ht.CONFIG.update(saved)
-    fn = ht._mhc_kernel
+    fn = ht.FUSED_KERNEL
     const = {"D": dim, "S": 4, "ITERS": 20, "HAS_Y": mode == "fused", "COLLAPSE": True,
              "HAS_NORM_W": True, "BF16": True, "UPCAST": False, "SPIN": plan["spin"],
              **ht.kernel_constants(plan)}

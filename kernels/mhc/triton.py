@@ -498,6 +498,9 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
+FUSED_KERNEL = _mhc_kernel  # public name for the offline compile report (bench/mhc_sass.py)
+
+
 def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
     """(slice count, channels per slice, a multiple of gran) of D: a function of D, the split
     and gran alone (batch invariance)."""
