@@ -59,6 +59,36 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def sync_points(engine: LLMEngine, steps: int) -> dict[str, int]:
+    """Where the host waits for the device inside `steps` engine steps, other than for the
+    sampled ids: torch's sync debug mode warns at each synchronizing op; counted by the
+    innermost flashpd frame ("file:line")."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "flashpd" in f.filename]
+        where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames \
+            else f"{filename}:{lineno}"
+        found[where] = found.get(where, 0) + 1
+
+    show = warnings.showwarning
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = show
+    _sync()
+    return found
+
+
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
@@ -186,6 +216,8 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None
             hosts.append(times[-1] - 1e3 * engine.last_wait_s)  # busy, not waiting for ids
             assert sum(1 for o in outs if o.new_token_ids) == batch, "not all sequences decoded"
         _sync()
+        if os.environ.get("FLASHPD_SYNC_DEBUG") == "1" and torch.cuda.is_available():
+            log(f"B={batch}: host-device syncs in 3 more steps: {sync_points(engine, 3)}")
         _finish(engine, rids)
         ms = statistics.median(times[1:])
         host_ms = statistics.median(hosts[1:])
