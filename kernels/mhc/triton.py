@@ -60,11 +60,17 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 # mhc_decode.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
-#   decode_split     slices of D at decode (prefill: MHC_SPLIT); at most D / decode_block_d
+#   decode_split     slices of D at decode (prefill: MHC_SPLIT); at most D / 64, or with
+#                    decode_narrow D / decode_block_d (one chunk per slice)
 #   decode_spin      at decode on the GPU, every program of a token block waits for the last
 #                    one's 1/rms and normalises its own slices (a block's programs are resident
 #                    together: <= 4 blocks x 80 programs at 3 per SM); else the last program
-#                    normalises the whole rows (FLASHPD_MHC_SPIN=0 at import: off)
+#                    normalises the whole rows (FLASHPD_MHC_SPIN=1 at import: on)
+# Defaults: decode_pin, red 80 and decode_spin measured faster on the H200 (mhc_decode.md:
+# T=1 -0.6/-2.8 us, T=64 -10/-11 us per call) are OFF: with them (and 32-channel slices at
+# small D) the GPU-path tests failed on the H200 at the smoke shapes (D = 128: decode logits
+# off by a median 0.23 against the reference; passed with this file as of 21380e6), cause not
+# yet found. Turn them on again once that is explained.
 #   decode_pin       at decode on the GPU, the MMA operand X' goes through an opaque move, so
 #                    the compiler converts the finished tile to the operand layout once instead
 #                    of recomputing the write-back in each warp (4 warps: 4 times)
@@ -84,11 +90,11 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") == "1", "decode_pin": True,
-    "decode_sk_tok": False,
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1", "decode_pin": False,
+    "decode_sk_tok": False, "decode_narrow": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 80,
+    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
 }
 
 
@@ -517,8 +523,8 @@ def launch_plan(num_tokens: int, dim: int) -> dict:
     if block_d <= 0 or _BLOCK_D % block_d:
         raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
     # decode slices may be as narrow as one chunk (decode_split 160 at D = 5120: 32 channels)
-    nsl, ch = (_slices(dim, cfg["decode_split"], block_d) if kind == "decode"
-               else _slices(dim, MHC_SPLIT))
+    nsl, ch = (_slices(dim, cfg["decode_split"], block_d if cfg["decode_narrow"] else _BLOCK_D)
+               if kind == "decode" else _slices(dim, MHC_SPLIT))
     warps, stages = cfg[f"{kind}_warps"], cfg[f"{kind}_stages"]
     grid = nsl if kind == "decode" else cfg["prefill_grid"]
     if kind == "prefill":

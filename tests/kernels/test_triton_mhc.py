@@ -141,8 +141,9 @@ def test_ref_fused_step_is_the_unfused_sequence():
 
 
 @pytest.mark.parametrize("over", [{"decode_sk_tok": True},
-                                  {"decode_split": 160, "red": 7},
-                                  {"decode_sk_tok": True, "decode_split": 160, "red": 160}])
+                                  {"decode_split": 160, "red": 7, "decode_narrow": True},
+                                  {"decode_sk_tok": True, "decode_split": 160, "red": 160,
+                                   "decode_narrow": True}])
 def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(monkeypatch, over):
     # per-token Sinkhorn, one-chunk slices (D = 256: 8 slices of 32 channels), slice vectors
     # loaded 7 at a time or all at once: same tolerances as the defaults, a row's bits alone ==
