@@ -72,6 +72,13 @@ def _uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (_lsr(z, 40).to(torch.float32) + 0.5) * 2.0 ** -24
 
 
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device's queue (a
+    plain `torch.tensor(..., device=cuda)` copies synchronously: the host would wait for the
+    step in flight, async scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, min-p and top-p masks on FP32 logits rows [R, V], batched.
 
@@ -82,7 +89,7 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     crosses p and always the best one (a top_p that rounds to 0 in FP32 means top-1)."""
     rows, vocab = logits.shape
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temp = _on([p.temperature for p in params], torch.float32, dev)
     x = (logits - logits.max(dim=-1, keepdim=True).values) / temp[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
@@ -92,19 +99,19 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     elif any(top_k):  # the k largest of each row suffice
         head = torch.topk(x, max(top_k), dim=-1).values
     if any(top_k):
-        k = torch.tensor([max(k, 1) - 1 for k in top_k], dtype=torch.long, device=dev)
+        k = _on([max(k, 1) - 1 for k in top_k], torch.long, dev)
         kth = head.gather(1, k[:, None])
-        on = torch.tensor([k > 0 for k in top_k], device=dev)[:, None]
+        on = _on([k > 0 for k in top_k], torch.bool, dev)[:, None]
         x = x.masked_fill(on & (x < kth), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        min_p = _on([p.min_p for p in params], torch.float32, dev)
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values,
                           float("-inf"))
     if order is not None and any(tp < 1.0 for tp in top_p):
         sorted_x = x.gather(1, order)  # the masks keep a prefix of the sorted order
         probs = torch.softmax(sorted_x, dim=-1)
-        p_row = torch.tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+        p_row = _on(top_p, torch.float32, dev)[:, None]
         drop_sorted = (probs.cumsum(-1) - probs) >= p_row  # keep the token crossing p
         drop_sorted[:, 0] = False  # the best token always stays
         drop_sorted &= p_row < 1.0
@@ -167,10 +174,10 @@ class Sampler:
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if drawn:
             dp = [params[row] for row in drawn]
-            rows = torch.tensor(drawn, device=logits.device)
+            rows = _on(drawn, torch.long, logits.device)
             x = _filter_rows(clean[rows], dp)
-            keys = torch.tensor(self._keys([request_ids[r] for r in drawn], dp),
-                                dtype=torch.int64, device=logits.device)
+            keys = _on(self._keys([request_ids[r] for r in drawn], dp), torch.int64,
+                       logits.device)
             gumbel = -torch.log(-torch.log(_uniform(keys, logits.shape[1])))
             picked = torch.argmax(torch.nan_to_num(x + gumbel, nan=-math.inf), dim=-1)
             ok = torch.isfinite(clean[rows].max(dim=-1).values)  # else: argmax of the row

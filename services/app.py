@@ -179,6 +179,9 @@ class AppArgs(_Strict):
     tls_key_file: str | None = Field(None, description="PEM key for tls_cert_file")
     routing: Literal["affinity", "random", "round_robin"] = "affinity"
     swa_bounded_replay: bool = True
+    async_scheduling: bool = Field(True, description="decode workers plan and launch step N+1 "
+                                   "before step N's ids reach the host (host work overlaps "
+                                   "the device); one dropped row per stop")
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
@@ -249,7 +252,8 @@ class AppArgs(_Strict):
                               swa_bounded_replay=self.swa_bounded_replay, dtype=self.dtype,
                               device=self.device, model_id=self.model_id,
                               cache_salt=self.cache_salt, num_threads=r.num_threads,
-                              kv_format=self.kv_format)
+                              kv_format=self.kv_format,
+                              async_scheduling=self.async_scheduling)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             redis_url or self.resolved_redis_url(),
                             max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s)
