@@ -417,3 +417,59 @@ def test_roles_by_name_are_strict():
     assert role_from_name("prefill").path is ForwardPath.ENCODER
     with pytest.raises(ValueError):
         role_from_name("both")
+
+
+# ---- schedule_ahead (async scheduling) --------------------------------------------------------
+
+
+def _decoding(s: Scheduler, *rids: str, max_tokens=8) -> StepPlan:
+    """Requests admitted and prefilled; the returned plan is their first decode step (not
+    updated)."""
+    for rid in rids:
+        s.add(req(rid, range(10, 16), max_tokens=max_tokens))
+    step(s)  # prefill
+    return s.schedule()
+
+
+def test_ahead_plans_the_next_decode_with_a_pending_token():
+    from flashpd.engine.scheduler import PENDING_TOKEN
+
+    s = make()
+    plan = _decoding(s, "a", "b")
+    ahead = s.schedule_ahead(plan)
+    assert ahead is not None and ranges(ahead) == [("a", 7, 8), ("b", 7, 8)]
+    chunk = ahead.chunks[0]
+    assert chunk.token_ids == (PENDING_TOKEN,) and chunk.needs_logits
+    assert chunk.history_token_ids == (14, 15, 1006)  # known ids before the pending one
+    with pytest.raises(RuntimeError):
+        s.schedule()  # two steps outstanding
+    with pytest.raises(RuntimeError):
+        s.update(ahead, StepResult({"a": [1], "b": [2]}))  # out of order
+    s.update(plan, StepResult({"a": [1008], "b": [1008]}))
+    outputs = {o.request_id: o for o in s.update(ahead, StepResult({"a": [9], "b": [9]}))}
+    assert outputs["a"].new_token_ids == (9,) and s.schedule_ahead(ahead) is None
+
+
+def test_ahead_leaves_out_the_last_token_and_stops_for_arrivals_and_aborts():
+    s = make()
+    plan = _decoding(s, "a", "b", max_tokens=2)  # the plan's token is their 2nd and last
+    assert s.schedule_ahead(plan) is None
+    s.update(plan, StepResult({"a": [1], "b": [2]}))
+    plan = _decoding(s, "c", "d")
+    s.add(req("late", range(5)))
+    assert s.schedule_ahead(plan) is None  # someone waits for a seat: schedule normally
+    s.update(plan, StepResult({"c": [1], "d": [2]}))
+    step(s)  # "late" admitted
+    plan = s.schedule()
+    s.abort("d")
+    assert s.schedule_ahead(plan) is None  # a request of the plan is gone
+
+
+def test_ahead_drops_the_row_of_a_request_that_stopped_on_the_token_before():
+    s = make()
+    plan = _decoding(s, "a", "b")
+    ahead = s.schedule_ahead(plan)
+    s.update(plan, StepResult({"a": [1], "b": [2]}, {"a": FinishSignal.STOP}))
+    outputs = s.update(ahead, StepResult({"a": [3], "b": [4]}))
+    assert [o.request_id for o in outputs] == ["b"]
+    assert s.status("a") is None and s.kv.usage()["blocks_used"] <= 2
