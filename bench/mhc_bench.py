@@ -61,12 +61,13 @@ VARIANTS = {
 # once by the last program, spin = every program normalises its own slice, sk_tok = Sinkhorn on
 # per-token vectors, split = slices of D, warps = per program
 DECODE_VARIANTS = {"default": {},
-                   "pin, red 80, spin (run 1's pick)": {
-                       "decode_pin": True, "red": 80, "decode_spin": True},
+                   "before (no pin, red 40, no spin, tile Sinkhorn)": {
+                       "decode_pin": False, "red": 40, "decode_spin": False,
+                       "decode_sk_tok": False},
                    "Sinkhorn per token": {"decode_sk_tok": True},
-                   "pin": {"decode_pin": True},
-                   "spin": {"decode_spin": True},
-                   "8 warps": {"decode_warps": 8},
+                   "no pin": {"decode_pin": False},
+                   "no spin": {"decode_spin": False},
+                   "no spin, 8 warps": {"decode_spin": False, "decode_warps": 8},
                    "split 40": {"decode_split": 40}}
 DECODE_MODES = ("seam", "fused")
 

@@ -65,12 +65,7 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #   decode_spin      at decode on the GPU, every program of a token block waits for the last
 #                    one's 1/rms and normalises its own slices (a block's programs are resident
 #                    together: <= 4 blocks x 80 programs at 3 per SM); else the last program
-#                    normalises the whole rows (FLASHPD_MHC_SPIN=1 at import: on)
-# Defaults: decode_pin, red 80 and decode_spin measured faster on the H200 (mhc_decode.md:
-# T=1 -0.6/-2.8 us, T=64 -10/-11 us per call) are OFF: with them (and 32-channel slices at
-# small D) the GPU-path tests failed on the H200 at the smoke shapes (D = 128: decode logits
-# off by a median 0.23 against the reference; passed with this file as of 21380e6), cause not
-# yet found. Turn them on again once that is explained.
+#                    normalises the whole rows (FLASHPD_MHC_SPIN=0 at import: off)
 #   decode_pin       at decode on the GPU, the MMA operand X' goes through an opaque move, so
 #                    the compiler converts the finished tile to the operand layout once instead
 #                    of recomputing the write-back in each warp (4 warps: 4 times)
@@ -87,14 +82,19 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 #                    instead, flat_elems elements per load (four in flight)
 #   red              slice vectors loaded at once by a token block's last program (all 80 of
 #                    a decode block: one round)
+# decode_narrow (slices of one 32-channel chunk when decode_split asks for more than D / 64) is
+# off: with it the GPU-path tests failed on the H200 at the smoke shapes (D = 128: 4 slices of
+# 32; decode logits off by a median 0.23 against the reference), cause not found; with 64-channel
+# slices and decode_pin / red 80 / decode_spin on they pass (22 of 22, H200, after 71db72c). At
+# D = 5120 the default split (80) gives 64-channel slices either way.
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "0") == "1", "decode_pin": False,
+    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") == "1", "decode_pin": True,
     "decode_sk_tok": False, "decode_narrow": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 40,
+    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 80,
 }
 
 
