@@ -62,6 +62,10 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # gathered-keys `sparse_attention`); split-KV: up to split_target programs for batches of at
 # most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
 # makes >= split_min_splits ranges; split_target 0 turns splitting off.
+# fused_combine: the split-KV paths (both kernels) skip _attn_combine_kernel: the last program of
+# each (query, head block) to finish its range (arrival counter) combines the partials itself,
+# combine_heads heads at a time, in the combine kernel's order (bit-identical), so a decode call
+# is one launch (built and checked under the interpreter; not yet timed on a GPU).
 CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
           "heads_trans_s": False, "heads_vsplit": False, "heads_vsplit_block_n": 32,
@@ -71,7 +75,7 @@ CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages"
           "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
-          "combine_heads": 4}
+          "combine_heads": 4, "fused_combine": False}
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -638,10 +642,10 @@ HEADS_VSPLIT_KERNEL = _heads_vsplit_kernel
 def _attn_split_kernel(
     q_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
     win_ptr, stride_win, win_rows_ptr, W, comp_ptr, stride_comp, comp_rows_ptr, KC,
-    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
+    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split, out_ptr, count_ptr,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    HW: tl.constexpr,
+    HW: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -677,6 +681,63 @@ def _attn_split_kernel(
     tl.store(m_ptr + cell, m_i, mask=hmask)
     tl.store(l_ptr + cell, l_i, mask=hmask)
     tl.store(acc_ptr + cell[:, None] * D + c[None, :], acc, mask=hmask[:, None])
+    if FUSED:  # the last range of (t, head block) in combines (fused_combine)
+        _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
+                         count_ptr, t, H, tl.program_id(1) * HB, SPLITS, D, ROPE_PAIRS, HB, CH,
+                         OUT_BF16)
+
+
+@triton.jit
+def _load_partial(ptr, mask, CG: tl.constexpr):
+    """A partial written by another program of this launch (CG: through L2, bypassing L1)."""
+    if CG:
+        return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _combine_rows(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr, t, H,
+                  heads, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SPLITS, CG: tl.constexpr,
+                  OUT_BF16: tl.constexpr):
+    """Merge the SPLITS partials of query t's heads [CH] with the sink (in split order), then
+    normalise, round, inverse RoPE and store: _attn_combine_kernel's operations in its order
+    (bit-identical), with SPLITS a run-time value (the heads kernel's split count)."""
+    hmask = heads < H
+    c = tl.arange(0, D)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    m = sink
+    for s in range(SPLITS):
+        m = tl.maximum(m, _load_partial(m_ptr + (t * SPLITS + s) * H + heads, hmask, CG))
+    l_sum = tl.exp(sink - m)
+    acc = tl.zeros((heads.shape[0], D), dtype=tl.float32)
+    for s in range(SPLITS):
+        cell = (t * SPLITS + s) * H + heads
+        w = tl.exp(_load_partial(m_ptr + cell, hmask, CG) - m)
+        l_sum += w * _load_partial(l_ptr + cell, hmask, CG)
+        acc += w[:, None] * _load_partial(acc_ptr + cell[:, None] * D + c[None, :],
+                                          hmask[:, None], CG)
+    _store_rows(acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
+                hmask, D, ROPE_PAIRS, OUT_BF16)
+
+
+@triton.jit
+def _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
+                     count_ptr, t, H, h0, SPLITS, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+                     HB: tl.constexpr, CH: tl.constexpr, OUT_BF16: tl.constexpr):
+    """fused_combine: called after this program stored its partials; the last of the SPLITS
+    programs of (query t, head block) to arrive combines heads h0..h0+HB-1, CH at a time, and
+    zeroes the counter for the next launch. The barrier makes every thread's partial stores
+    precede the arrival (release); acq_rel makes the others' stores visible to the last one."""
+    tl.debug_barrier()
+    counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        for c0 in tl.static_range(0, HB, CH):
+            _combine_rows(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
+                          t, H, h0 + c0 + tl.arange(0, CH), D, ROPE_PAIRS, SPLITS, True,
+                          OUT_BF16)
+        tl.store(counter, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -838,19 +899,32 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(num_q, triton.cdiv(num_heads, hb), splits)](
+    blocks = triton.cdiv(num_heads, hb)
+    fused = bool(cfg["fused_combine"])
+    count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else m
+    out_bf16 = q.dtype == torch.bfloat16
+    _attn_split_kernel[(num_q, blocks, splits)](
         q, sink32, cos, sin, cos.stride(0), win, win.stride(0), win_rows, win_rows.shape[1],
         comp, comp.stride(0), comp_rows, comp_rows.shape[1], m, l_, acc, num_heads,
-        float(softmax_scale), per, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
-        BLOCK_N=cfg["split_block_n"], SPLITS=splits, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["split_warps"],
-        num_stages=cfg["split_stages"], **triton_runtime.launch_options())
+        float(softmax_scale), per, out, count, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt,
+        HB=hb, BLOCK_N=cfg["split_block_n"], SPLITS=splits, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb), OUT_BF16=out_bf16,
+        num_warps=cfg["split_warps"], num_stages=cfg["split_stages"],
+        **triton_runtime.launch_options())
+    if fused:
+        return out
     hc = cfg["combine_heads"]
     _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
         out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
         ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
         num_warps=4, **triton_runtime.launch_options())
     return out
+
+
+def combine_chunk(heads_per_program: int) -> int:
+    """Heads combined at a time by a fused split program (fused_combine): combine_heads, at
+    most the program's heads (both powers of two)."""
+    return max(1, min(CONFIG["combine_heads"], heads_per_program))
 
 
 def single_pass_rows(num_heads: int) -> int:
