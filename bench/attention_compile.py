@@ -30,7 +30,8 @@ from triton.compiler import ASTSource  # noqa: E402
 PTRS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "stage_ptr": "*bf16", "sink_ptr": "*fp32",
         "cos_ptr": "*fp32", "sin_ptr": "*fp32", "win_ptr": "*u8", "win16_ptr": "*i16",
         "win_rows_ptr": "*i32", "comp_ptr": "*u8", "comp16_ptr": "*i16",
-        "comp_rows_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+        "comp_rows_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+        "count_ptr": "*i32"}
 INTS = {"stride_cs": "i32", "stride_win": "i32", "W": "i32", "stride_comp": "i32",
         "KC": "i32", "H": "i32", "tiles_per_split": "i32", "scale": "fp32"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -48,7 +49,9 @@ def compile_variant(over: dict, fmt: int = 1, partial: bool = False):
                  BLOCK_N=cfg["heads_vsplit_block_n"] if vsplit else
                  cfg["heads_split_block_n"] if partial else cfg["heads_block_n"],
                  PARTIAL=partial, PREFETCH=bool(cfg["heads_prefetch"]),
-                 TAU=float(cfg["heads_rescale_tau"]), TRANS=bool(cfg["heads_trans_s"]))
+                 TAU=float(cfg["heads_rescale_tau"]), TRANS=bool(cfg["heads_trans_s"]),
+                 FUSED=partial and bool(cfg["fused_combine"]),
+                 CH=min(cfg["combine_heads"], 64), OUT_BF16=True)
     sig, attrs, constexprs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in PTRS or name in INTS:

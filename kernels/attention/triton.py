@@ -468,10 +468,11 @@ def _heads_kernel(
     q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
     win_ptr, win16_ptr, stride_win, win_rows_ptr, W,
     comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC,
-    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split,
+    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split, count_ptr,
     D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
     BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
     ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr, TRANS: tl.constexpr,
+    FUSED: tl.constexpr = False, CH: tl.constexpr = 16, OUT_BF16: tl.constexpr = True,
 ):
     # The prologue and the epilogue compute their addresses and RoPE tables separately (and
     # spelled differently, so the compiler does not merge them): kept alive across the key
@@ -528,6 +529,11 @@ def _heads_kernel(
         tl.store(l_ptr + cell + hh, l_i, mask=hh < H - h0)
         o = tl.reshape(tl.join(acc_e * UNSHIFT, acc_o * UNSHIFT), (HB, D))
         tl.store(acc_ptr + D * cell + off2, o, mask=hmask2)
+        if FUSED:  # the last range of (t, head block) in combines (fused_combine); the other
+            # programs staged and loaded their Q from the output rows before they arrived
+            _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr,
+                             acc_ptr, count_ptr, t, H, h0, tl.num_programs(2), D, ROPE_PAIRS,
+                             HB, CH, OUT_BF16)
 
 
 # ---------------------------------------------------------------------------- V split
@@ -870,18 +876,22 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
     else:
         m = l_ = acc = sink32
-    _heads_kernel[(num_q, triton.cdiv(num_heads, hb), splits)](
+    blocks = triton.cdiv(num_heads, hb)
+    fused = splits > 1 and bool(cfg["fused_combine"])
+    count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else sink32
+    _heads_kernel[(num_q, blocks, splits)](
         q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
         win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
-        comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, D=dim,
+        comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, count, D=dim,
         ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
         PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
-        TRANS=bool(cfg["heads_trans_s"]),
+        TRANS=bool(cfg["heads_trans_s"]), FUSED=fused, CH=combine_chunk(hb),
+        OUT_BF16=q.dtype == torch.bfloat16,
         ASM=HW_FP8 and bool(cfg["heads_asm"]),
         UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
         num_stages=cfg["heads_split_stages"] if splits > 1 else cfg["heads_stages"],
         **triton_runtime.launch_options())
-    if splits > 1:
+    if splits > 1 and not fused:
         hc = cfg["combine_heads"]
         _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
             out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,

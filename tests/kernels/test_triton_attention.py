@@ -205,3 +205,59 @@ def test_heads_plan_runs_prefill_chunks_in_one_pass(monkeypatch):
     assert at.heads_plan(4096, 64, (128, 512))[1:] == (1, 1 << 20)
     bn, splits, per = at.heads_plan(64, 64, (128, 512))
     assert splits * 64 >= min(target, 64 * (128 // bn + 512 // bn)) and splits * per >= 640 // bn
+
+
+# ---------------------------------------------------------------- fused split-KV combine
+class _NoCombine:
+    """Stands in for _attn_combine_kernel where the fused path must not launch it."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("fused_combine launched _attn_combine_kernel")
+
+
+def _counters_zero() -> bool:
+    from flashpd.kernels import triton_runtime
+
+    return not bool(triton_runtime.arrival_counters(torch.device("cpu")).any())
+
+
+@pytest.mark.parametrize("t,kernel,min_tiles", [(1, "legacy", 1), (3, "legacy", 2),
+                                                (1, "heads", 1), (3, "heads", 1)])
+def test_fused_combine_is_bit_identical_to_the_combine_kernel(monkeypatch, t, kernel,
+                                                              min_tiles):
+    """fused_combine: the last split program of each (query, head block) combines, in one
+    launch: the same bits as the split + combine launches, within the reference's tolerance,
+    and every arrival counter back at zero (the next launch starts from them)."""
+    q, sink, win, comp, win_rows, comp_rows, pos = _split_setup(max(t, 2), 40, 50, seed=8)
+    q, win_rows, comp_rows, pos = q[:t], win_rows[:t], comp_rows[:t], pos[:t]
+    q = q * 4  # the partials' maxima differ between ranges
+    tables = rope.rope_cos_sin(pos, rope.rope_frequencies(16, 160000.0,
+                                                          rope.Yarn(16, 32, 1, 65536)))
+    if kernel == "legacy":
+        monkeypatch.setitem(at.CONFIG, "legacy_max_q", 1 << 20)
+        monkeypatch.setitem(at.CONFIG, "split_target", 10_000)
+        monkeypatch.setitem(at.CONFIG, "split_min_tiles", min_tiles)
+        monkeypatch.setitem(at.CONFIG, "split_min_splits", 2)
+        monkeypatch.setitem(at.CONFIG, "split_heads", 4)
+        monkeypatch.setitem(at.CONFIG, "combine_heads", 2)  # two combine chunks per program
+        assert at.split_plan(t, H, (40, 50))[0] > 2
+    else:
+        monkeypatch.setitem(at.CONFIG, "legacy_max_q", 0)
+        monkeypatch.setitem(at.CONFIG, "heads_split_target", 10_000)
+        monkeypatch.setitem(at.CONFIG, "heads_split_block_n", 16)
+        monkeypatch.setitem(at.CONFIG, "combine_heads", 4)
+        assert at.heads_plan(t, H, (40, 50))[1] > 2
+    assert _counters_zero()
+    args = (q, tables, win, win_rows, comp, comp_rows, sink, D ** -0.5)
+    monkeypatch.setitem(at.CONFIG, "fused_combine", False)
+    unfused = at.sparse_attention_packed(*args)
+    monkeypatch.setitem(at.CONFIG, "fused_combine", True)
+    monkeypatch.setattr(at, "_attn_combine_kernel", _NoCombine())
+    fused = at.sparse_attention_packed(*args)
+    assert _counters_zero()
+    assert torch.equal(fused, unfused)
+    want = _reference(q, sink, win, comp, win_rows, comp_rows, pos,
+                      rope.rope_frequencies(16, 160000.0, rope.Yarn(16, 32, 1, 65536)))
+    torch.testing.assert_close(fused.float(), want.float(), rtol=2e-2, atol=2e-2)
+    again = at.sparse_attention_packed(*args)  # the counters serve the next launch too
+    assert torch.equal(again, fused) and _counters_zero()
