@@ -88,12 +88,45 @@ def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weig
     tl.store(weights_ptr + out, gamma, mask=omask)
 
 
-@triton.jit(do_not_specialize=["T"])  # T == 1 (one decode token) must stay a tensor scalar
+@triton.jit
+def _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr,
+                t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks, TOP_K: tl.constexpr,
+                K_PAD: tl.constexpr, E_PAD: tl.constexpr, SORT_BLOCK_T: tl.constexpr,
+                COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """After a router token block's epilogue: the last token block to finish (a second arrival
+    counter, counter_ptr[token blocks]) runs every program of `_sort_pairs_kernel` in turn, so
+    the gate launch also gives sort_pairs' outputs. Reads the ids / weights through L2 (.cg)."""
+    arrivals = tl.num_programs(0)  # the router's token blocks
+    tl.debug_barrier()  # this program's ids / weights stores, before its arrival (and its reads)
+    arrived = arrivals - 1
+    if arrivals > 1:
+        arrived = tl.atomic_add(counter_ptr + arrivals, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        if arrivals > 1:
+            tl.store(counter_ptr + arrivals, 0)  # ready for the next launch
+        experts = tl.arange(0, E_PAD)
+        slot = tl.arange(0, K_PAD)
+        smask = slot < TOP_K
+        for blk in range(0, sort_blocks):
+            _sort_token_block(ids_ptr, weights_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk,
+                              sort_blocks, experts, slot, smask, TOP_K, E_PAD, SORT_BLOCK_T,
+                              COUNT_T, ".cg")
+        for qb in range(0, (max_tiles + BLOCK_Q - 1) // BLOCK_Q):
+            _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, qb,
+                             experts, slot, smask, TOP_K, E_PAD, SORT_BLOCK_T, COUNT_T,
+                             BLOCK_M, BLOCK_Q, ".cg")
+
+
+@triton.jit(do_not_specialize=["T", "max_tiles", "sort_blocks"])  # T == 1 stays a tensor scalar
 def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, counter_ptr,
                   ids_ptr, weights_ptr, T, E, D, chunk, inv_temp, routed_scale,
+                  rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, max_tiles,
+                  sort_blocks,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr, NORMALIZE: tl.constexpr):
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, NORMALIZE: tl.constexpr,
+                  SORT: tl.constexpr, SORT_BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -113,6 +146,10 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
     if SPLIT == 1:
         _route_epilogue(acc, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
                         inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
+        if SORT:
+            _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr,
+                        t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks,
+                        TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
     else:
         tile = (rows[:, None].to(tl.int64) * E_PAD + experts[None, :])
         tl.store(partial_ptr + sp * T.to(tl.int64) * E_PAD + tile, acc, mask=rmask[:, None])
@@ -126,7 +163,10 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
             _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr,
                             weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
-
+            if SORT:  # sort_pairs' outputs from the last token block to finish
+                _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr,
+                            t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks,
+                            TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -136,28 +176,70 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
     Ties in s + bias go to the lower expert id. `normalize` is norm_topk_prob.
     """
+    ids, weights, _ = _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp,
+                                    normalize, None)
+    return ids, weights
+
+
+# The gate in one launch at decode sizes (route_sorted): with FUSED_GATE on, calls of at most
+# FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
+# sort_pairs' outputs (the same tensors and values), instead of a second launch. Off by default
+# until timed on a GPU (bench/moe_route_bench.py --fused; results/h200/latency.md);
+# FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time.
+FUSED_GATE = os.environ.get("FLASHPD_MOE_FUSED_GATE", "0") == "1"
+FUSED_GATE_MAX_TOKENS = 64
+
+
+def route_sorted(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                 routed_scale: float, gate_temp: float, normalize: bool,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
+    """(ids, weights) as `route` and their SortedPairs as `sort_pairs(ids, weights, E, block_m)`:
+    one launch when FUSED_GATE is on and T <= FUSED_GATE_MAX_TOKENS, else route + sort_pairs."""
+    num_experts = gate_weight.shape[0]
+    if not (FUSED_GATE and 0 < x.shape[0] <= min(FUSED_GATE_MAX_TOKENS,
+                                                  SORT_KERNEL_MAX_TOKENS)):
+        ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+        return ids, weights, sort_pairs(ids, weights, num_experts, block_m)
+    return _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize,
+                         block_m)
+
+
+def _route_launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                  routed_scale: float, gate_temp: float, normalize: bool,
+                  block_m: int | None) -> tuple[torch.Tensor, torch.Tensor, SortedPairs | None]:
+    """The router launch; with `block_m`, its last token block also sorts the pairs."""
     _check_route(x, gate_weight, bias, top_k)
     num_tokens, dim = x.shape
     num_experts = gate_weight.shape[0]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
-        return ids, weights
+        return ids, weights, None
     e_pad = triton.next_power_of_2(num_experts)
     n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
     block_k = router_block_k(num_experts)
     chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
     partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
     w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
+    pairs = None
+    sorted_out: tuple = (ids,) * 6 + (1,)  # unused pointers without the sort
+    if block_m is not None:
+        pairs = _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
+        sched = pairs.schedule
+        sorted_out = (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end,
+                      sched.start.shape[0])
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
         x, x.stride(0), w, w.stride(0), bias.to(torch.float32).contiguous(), partial,
-        triton_runtime.arrival_counters(x.device, n_blocks), ids, weights, num_tokens, num_experts, dim, chunk,
-        1.0 / gate_temp, float(routed_scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_T=_ROUTER_BLOCK_T,
+        triton_runtime.arrival_counters(x.device, n_blocks + 1), ids, weights, num_tokens,
+        num_experts, dim, chunk, 1.0 / gate_temp, float(routed_scale), *sorted_out,
+        triton.cdiv(num_tokens, _SORT_BLOCK_T),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=_ROUTER_BLOCK_T,
         E_PAD=e_pad, BLOCK_K=block_k, SPLIT=ROUTER_SPLIT,
         IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST, NORMALIZE=normalize,
+        SORT=block_m is not None, SORT_BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T,
+        BLOCK_M=block_m or 16, BLOCK_Q=_SORT_BLOCK_Q,
         num_warps=8, num_stages=3, **triton_runtime.launch_options())
-    return ids, weights
+    return ids, weights, pairs
 
 
 def router_block_k(num_experts: int) -> int:
@@ -270,7 +352,8 @@ _COMBINE_BLOCK_D = 1024
 
 @triton.jit
 def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
-                 BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, E_PAD: tl.constexpr):
+                 BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, E_PAD: tl.constexpr,
+                 CACHE: tl.constexpr):
     """(pairs per expert in every token but the BLOCK_T from t_own, of those before t_own),
     COUNT_T tokens a step."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -279,12 +362,73 @@ def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
         tok = t0 + tl.arange(0, COUNT_T)
         own = (tok >= t_own) & (tok < t_own + BLOCK_T)
         m = ((tok < T) & ~own)[:, None] & smask[None, :]
-        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1)
+        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1,
+                      cache_modifier=CACHE)
         hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
         per_tok = tl.sum(hit, axis=1)  # [COUNT_T, E]
         counts += tl.sum(per_tok, axis=0)
         before += tl.sum(tl.where((tok < t_own)[:, None], per_tok, 0), axis=0)
     return counts, before
+
+
+@triton.jit
+def _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk, n_blocks, experts,
+                      slot, smask, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                      BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, CACHE: tl.constexpr):
+    """Token block `blk`: the sorted rows (rows, gamma) and per-token ranks (pos) of its pairs."""
+    tok = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = (tok[:, None] < T) & smask[None, :]
+    flat = tok[:, None] * TOP_K + slot[None, :]
+    ids = tl.load(ids_ptr + flat, mask=m, other=-1, cache_modifier=CACHE).to(tl.int32)
+    gam = tl.load(w_ptr + flat, mask=m, other=0.0, cache_modifier=CACHE)
+    hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
+    per_tok = tl.sum(hit, axis=1)  # [BT, E]
+    counts = tl.sum(per_tok, axis=0)
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    if n_blocks > 1:
+        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K,
+                               BLOCK_T, COUNT_T, E_PAD, CACHE)
+        counts += c
+    row_off = tl.cumsum(counts, 0) - counts
+    base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
+    dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
+    other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
+    valid = smask[None, None, :]
+    earlier = slot[None, None, :] < slot[None, :, None]
+    same = (other == ids[:, :, None]) & valid & earlier
+    dest += tl.sum(same.to(tl.int32), axis=2)
+    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + \
+        tl.sum(same.to(tl.int32), axis=2)
+    tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
+    tl.store(gamma_ptr + dest, gam, mask=m)
+    tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
+
+
+@triton.jit
+def _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, qb, experts,
+                     slot, smask, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                     BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, CACHE: tl.constexpr):
+    """Tiles qb * BLOCK_Q .. + BLOCK_Q - 1 of the grouped GEMM's schedule."""
+    counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T,
+                             COUNT_T, E_PAD, CACHE)
+    row_off = tl.cumsum(counts, 0) - counts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
+    total = tl.sum(tiles, axis=0)
+    q = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
+    ex = tl.minimum(ex, E - 1)
+    sel = experts[None, :] == ex[:, None]  # [BQ, E]
+    first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
+    roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
+    cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+    start = roff + (q - first) * BLOCK_M
+    end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+    qm = q < max_tiles
+    tl.store(t_exp_ptr + q, ex, mask=qm)
+    tl.store(t_start_ptr + q, start, mask=qm)
+    tl.store(t_end_ptr + q, end, mask=qm)
 
 
 @triton.jit(do_not_specialize=["T", "max_tiles", "n_blocks"])
@@ -297,52 +441,12 @@ def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, 
     slot = tl.arange(0, K_PAD)
     smask = slot < TOP_K
     if pid < n_blocks:  # token block pid: sorted rows and per-token ranks of its pairs
-        tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        m = (tok[:, None] < T) & smask[None, :]
-        flat = tok[:, None] * TOP_K + slot[None, :]
-        ids = tl.load(ids_ptr + flat, mask=m, other=-1).to(tl.int32)  # [BT, KP]
-        gam = tl.load(w_ptr + flat, mask=m, other=0.0)
-        hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
-        per_tok = tl.sum(hit, axis=1)  # [BT, E]
-        counts = tl.sum(per_tok, axis=0)
-        seen = tl.zeros((E_PAD,), dtype=tl.int32)
-        if n_blocks > 1:
-            c, seen = _sort_counts(ids_ptr, T, pid * BLOCK_T, experts, slot, smask, TOP_K,
-                                   BLOCK_T, COUNT_T, E_PAD)
-            counts += c
-        row_off = tl.cumsum(counts, 0) - counts
-        base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
-        dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
-        other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
-        valid = smask[None, None, :]
-        earlier = slot[None, None, :] < slot[None, :, None]
-        same = (other == ids[:, :, None]) & valid & earlier
-        dest += tl.sum(same.to(tl.int32), axis=2)
-        rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + \
-            tl.sum(same.to(tl.int32), axis=2)
-        tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
-        tl.store(gamma_ptr + dest, gam, mask=m)
-        tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
-    else:  # tiles q0 .. q0 + BLOCK_Q - 1 of the grouped GEMM's schedule
-        counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T,
-                                 COUNT_T, E_PAD)
-        row_off = tl.cumsum(counts, 0) - counts
-        tiles = (counts + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
-        total = tl.sum(tiles, axis=0)
-        q = (pid - n_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
-        ex = tl.minimum(ex, E - 1)
-        sel = experts[None, :] == ex[:, None]  # [BQ, E]
-        first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
-        roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
-        cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-        start = roff + (q - first) * BLOCK_M
-        end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
-        qm = q < max_tiles
-        tl.store(t_exp_ptr + q, ex, mask=qm)
-        tl.store(t_start_ptr + q, start, mask=qm)
-        tl.store(t_end_ptr + q, end, mask=qm)
+        _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, pid, n_blocks,
+                          experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T, "")
+    else:  # tiles of the grouped GEMM's schedule
+        _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles,
+                         pid - n_blocks, experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T,
+                         BLOCK_M, BLOCK_Q, "")
 
 
 @dataclass(frozen=True)
@@ -365,7 +469,7 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
-    max_tiles = max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
+    max_tiles = _max_tiles(num_pairs, num_experts, block_m)
     if num_tokens > SORT_KERNEL_MAX_TOKENS:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert
@@ -378,17 +482,32 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
         position[order] = torch.arange(num_pairs, device=device)
         pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
         return SortedPairs(rows, gamma, schedule, pos.contiguous())
+    out = _empty_pairs(num_tokens, top_k, num_experts, block_m, device)
+    sched = out.schedule
+    n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
+    _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
+        ids.contiguous(), weights.to(torch.float32).contiguous(), out.rows, out.gamma, out.pos,
+        sched.expert, sched.start, sched.end, num_tokens, num_experts, max_tiles, n_blocks,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T,
+        BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q, num_warps=SORT_WARPS)
+    return out
+
+
+def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles of the grouped GEMM's schedule: enough for any routing, at least one."""
+    return max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
+
+
+def _empty_pairs(num_tokens: int, top_k: int, num_experts: int, block_m: int,
+                 device: torch.device) -> SortedPairs:
+    """SortedPairs' buffers for the sort kernels to fill (sort_pairs, route_sorted)."""
+    num_pairs = num_tokens * top_k
     rows = torch.empty(num_pairs, dtype=torch.int32, device=device)
     gamma = torch.empty(num_pairs, dtype=torch.float32, device=device)
     pos = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    tile = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
-    n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
-    _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
-        ids.contiguous(), weights.to(torch.float32).contiguous(), rows, gamma, pos, tile[0],
-        tile[1], tile[2], num_tokens, num_experts, max_tiles, n_blocks, TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T, BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q,
-        num_warps=SORT_WARPS)
+    tile = torch.empty(3, _max_tiles(num_pairs, num_experts, block_m), dtype=torch.int32,
+                       device=device)
     return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
 
 
@@ -430,22 +549,30 @@ def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None,
 
 # ============================================================================ routed experts
 def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: ExpertSet, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs."""
+                 experts: ExpertSet, limit: float,
+                 presorted: SortedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs.
+    `presorted`: the pairs already sorted (route_sorted), used when its tiles fit the path."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
+
+    def pairs_for(block_m: int) -> SortedPairs:
+        if presorted is not None and presorted.schedule.block_m == block_m:
+            return presorted
+        return sort_pairs(ids, weights, experts.num_experts, block_m)
+
     if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts, x.dtype):
         rows = gemv.tile_rows(num_tokens)
-        pairs = sort_pairs(ids, weights, experts.num_experts, rows)
+        pairs = pairs_for(rows)
         return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos
     if num_tokens <= swapab.MAX_TOKENS and swapab.eligible(experts, x.dtype):  # moe/swapab.py
         rows = swapab.tile_rows(num_tokens)
-        pairs = sort_pairs(ids, weights, experts.num_experts, rows)
+        pairs = pairs_for(rows)
         return swapab.expert_rows(x, pairs, experts, limit, rows), pairs.pos
     large = grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2)  # prefill sizes (GPU)
     block_m = grouped_large.block_m() if large else dense.block_m_for(
         max(1, num_pairs // max(1, experts.num_experts)))
-    pairs = sort_pairs(ids, weights, experts.num_experts, block_m)
+    pairs = pairs_for(block_m)
     if large:
         return grouped_large.expert_gemms(x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1,
                                           experts.w3, experts.w2, limit), pairs.pos
@@ -455,6 +582,18 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(h, experts.w2, pairs.schedule, y)
     return y, pairs.pos
+
+
+def _expert_block_m(x: torch.Tensor, num_pairs: int, experts: ExpertSet) -> int:
+    """The sort's tile rows on the expert path `_expert_rows` takes for num_pairs pairs of x."""
+    num_tokens = x.shape[0]
+    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts, x.dtype):
+        return gemv.tile_rows(num_tokens)
+    if num_tokens <= swapab.MAX_TOKENS and swapab.eligible(experts, x.dtype):
+        return swapab.tile_rows(num_tokens)
+    if grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2):
+        return grouped_large.block_m()
+    return dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -480,8 +619,14 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
-    y, pos = _expert_rows(x, ids, weights, experts, limit)
+    presorted = None
+    if FUSED_GATE and x.shape[0] <= FUSED_GATE_MAX_TOKENS:  # the gate in one launch
+        ids, weights, presorted = route_sorted(
+            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize,
+            _expert_block_m(x, x.shape[0] * top_k, experts))
+    else:
+        ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted)
     shared_y = [dense_experts(x, _one_expert(shared, e), limit, None)
                 for e in range(shared.num_experts if shared is not None else 0)]
     if len(shared_y) <= 1:  # routed sum + shared expert + rounding in one launch
