@@ -2,6 +2,7 @@
 
     python -m flashpd.bench.attention_bench [--out FILE.json] [--quick] [--variants V ...]
         [--prefill-t T ...] [--jobs N] [--verify V ...] [--budget-s S] [--check-only]
+        [--fused-combine] [--decode-only]
 
 Shapes (preset "bench"): H = 64 heads x d = 512, window W = 128 FP8 records, top-k K = 512 NVFP4
 compressed records, RoPE on the last 64 channels. Prefill: T = 4096 and 8192 queries, query t's
@@ -70,7 +71,16 @@ DECODE_VARIANTS = {
                          "heads_split_block_n": 128},
     "heads_nosplit": {"legacy_max_q": 0, "heads_split_target": 0},
     "default": {},
+    # fused_combine: the split programs' last arrival combines (one launch per call), against
+    # the same kernels with _attn_combine_kernel (default / legacy / heads_t132_bn64)
+    "fused_combine": {"fused_combine": True},
+    "legacy_fused": {"legacy_max_q": 1 << 30, "fused_combine": True},
+    "heads_t132_bn64_fused": {"legacy_max_q": 0, "heads_split_target": 132,
+                              "fused_combine": True},
 }
+# --fused-combine: these decode variants only (B = 1, 8, 64)
+FUSED_COMPARE = ("default", "fused_combine", "legacy", "legacy_fused", "heads_t132_bn64",
+                 "heads_t132_bn64_fused")
 
 
 def _inputs(num_q: int, decode: bool, g: torch.Generator):
@@ -127,6 +137,16 @@ def _check(x, idx, ref) -> float:
 
     out = _call(x)
     return errors(out[idx].float(), ref.float())[1] if not out.isnan().any() else 1e9
+
+
+def _fused_diff(at, x) -> float:
+    """Max |fused - unfused| of one call (fused_combine on, then off; 0.0: bit-identical)."""
+    fused = _call(x)
+    at.CONFIG["fused_combine"] = False
+    try:
+        return float((fused.float() - _call(x).float()).abs().max())
+    finally:
+        at.CONFIG["fused_combine"] = True
 
 
 def _time_events(fn, reps: int = 5) -> float:
@@ -226,6 +246,8 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                     float("nan"))
                 before = _compiled(at) if DEV == "cuda" else {}
                 row["rel_err"] = _check(x, idx, ref)
+                if over.get("fused_combine"):
+                    row["max_diff_unfused"] = _fused_diff(at, x)
                 if DEV == "cuda":
                     new = [k for i, k in _compiled(at).items() if i not in before]
                     row["kernels"] = _resources(new)
@@ -290,6 +312,7 @@ def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
                "--variants", v]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--smoke"] if args.smoke else []
+        cmd += ["--decode-only"] if not PREFILL_T else []
         cmds.append(cmd + (["--prefill-t", *map(str, args.prefill_t)] if args.prefill_t else []))
     for v in args.verify or []:
         cmds.append([sys.executable, "-m", "flashpd.bench.attention_bench", "--verify", v,
@@ -323,6 +346,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill/smem |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "max_diff_unfused" in r:  # fused_combine: max |fused - unfused| beside the name
+            r = dict(r, variant=f"{r['variant']} (diff {r['max_diff_unfused']:.1e})")
         res = ",".join(f"{k['n_regs']}/{4 * (k['n_spills'] or 0)}B/{k['shared'] // 1024}K"
                        for k in r.get("kernels", []))
         if "error" in r:
@@ -348,6 +373,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-t", type=int, nargs="*", help="prefill row counts (default "
                     "4096 8192)")
     ap.add_argument("--check-only", action="store_true", help="check, do not time")
+    ap.add_argument("--fused-combine", action="store_true",
+                    help="decode only: the fused split-KV combine against the two-launch "
+                    "form (variants " + " ".join(FUSED_COMPARE) + ")")
+    ap.add_argument("--decode-only", action="store_true", help="no prefill rows")
     ap.add_argument("--jobs", type=int, default=0,
                     help="first compile and check every selected variant in this many "
                     "processes at once (fills Triton's cache for the timed run)")
@@ -363,6 +392,10 @@ def main(argv=None) -> None:
         H, D, W, K, PAIRS, ENTRIES, PREFILL_T, DECODE_B = 4, 64, 16, 24, 8, 64, (40,), (1, 3)
     if args.prefill_t:
         PREFILL_T = tuple(args.prefill_t)
+    if args.fused_combine or args.decode_only:
+        PREFILL_T = ()
+    if args.fused_combine:
+        args.variants = list(FUSED_COMPARE)
     if not torch.cuda.is_available():
         if not args.smoke:
             raise SystemExit("attention_bench needs a CUDA GPU (or --smoke)")
