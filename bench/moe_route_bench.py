@@ -10,8 +10,12 @@ as in a decode step, where each layer's gate comes from memory).
     sort     ids [T, 6] -> SortedPairs  (block_m of the expert path that T takes)
 
 `--before FILE` times a saved copy of the previous kernels/moe/triton.py beside the current one.
+`--fused` times only the gate as the decode MoE runs it, route + sort_pairs (two launches) against
+route_sorted with FUSED_GATE on (one launch: the router's last token block sorts the pairs), at
+the swap-AB path's block_m, after checking the fused outputs identical and the counters zero.
 
     python -m flashpd.bench.moe_route_bench --before .mhc_before/moe_head.py --out $OUT
+    python -m flashpd.bench.moe_route_bench --fused --tokens 1 8 64 --out $OUT
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel imp
 
 from flashpd.bench import kernel_roofline as kr
 from flashpd.kernels.dense import triton as dt
-from flashpd.kernels.moe import gemv
+from flashpd.kernels.moe import gemv, swapab
 from flashpd.kernels.moe import ref as mref
 from flashpd.kernels.moe import triton as mt
 
@@ -66,6 +70,49 @@ def block_m(t: int, experts: int, top_k: int) -> int:
     return dt.block_m_for(max(1, t * top_k // experts))
 
 
+def gate_block_m(t: int, experts: int, top_k: int) -> int:
+    """The sort's tile rows of the bench preset's decode path (MXFP4 experts: swap-AB up to
+    swapab.MAX_TOKENS tokens; moe/triton.py _expert_block_m)."""
+    return swapab.tile_rows(t) if t <= swapab.MAX_TOKENS else block_m(t, experts, top_k)
+
+
+def same_pairs(a: mt.SortedPairs, b: mt.SortedPairs) -> bool:
+    sa, sb = a.schedule, b.schedule
+    return (torch.equal(a.rows, b.rows) and torch.equal(a.gamma, b.gamma)
+            and torch.equal(a.pos, b.pos) and sa.block_m == sb.block_m
+            and torch.equal(sa.expert, sb.expert) and torch.equal(sa.start, sb.start)
+            and torch.equal(sa.end, sb.end))
+
+
+def gate_rows(x, gates, bias, experts: int, top_k: int, t: int, result: dict) -> dict:
+    """us per gate call, route + sort_pairs against the fused route_sorted (checked first)."""
+    bm = gate_block_m(t, experts, top_k)
+    saved = mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS
+    mt.FUSED_GATE_MAX_TOKENS = max(t, mt.FUSED_GATE_MAX_TOKENS)  # every T fused (the bound's data)
+    ok = True
+    for w in gates[:4]:
+        mt.FUSED_GATE = True
+        ids, gam, pairs = mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm)
+        zero = not bool(triton_runtime.arrival_counters(x.device).any())
+        mt.FUSED_GATE = False
+        rids, rgam = mt.route(x, w, bias, top_k, 1.5)
+        ok &= zero and bool(torch.equal(ids, rids)) and bool(torch.equal(gam, rgam)) and \
+            same_pairs(pairs, mt.sort_pairs(rids, rgam, experts, bm))
+    result["checks"].append({"T": t, "check": f"fused gate (block_m {bm}) == route + sort_pairs"
+                             ", counters zero", "ok": bool(ok)})
+
+    def two(w):
+        ids, gam = mt.route(x, w, bias, top_k, 1.5)
+        return mt.sort_pairs(ids, gam, experts, bm)
+
+    row = {"T": t, "gate route+sort": time_us([lambda w=w: two(w) for w in gates])}
+    mt.FUSED_GATE = True
+    row["gate fused"] = time_us(
+        [lambda w=w: mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm) for w in gates])
+    mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS = saved
+    return row
+
+
 def set_router(split: int, bk: int) -> tuple[int, int]:
     saved = (mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K)
     mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K = split, bk
@@ -80,6 +127,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--sites", type=int, default=128, help="gate weights a graph cycles over")
     ap.add_argument("--sort-only", action="store_true", help="time the default router only")
+    ap.add_argument("--fused", action="store_true",
+                    help="time only the gate: route + sort_pairs against the fused route_sorted")
     args = ap.parse_args()
     try:
         from flashpd.model.presets import preset_config
@@ -100,6 +149,10 @@ def main() -> None:
     t_start = time.perf_counter()
     for t in args.tokens:
         x = torch.randn(t, d, generator=g, device=DEVICE).bfloat16()
+        if args.fused:
+            result["times"].append(gate_rows(x, gates, bias, experts, top_k, t, result))
+            print(json.dumps(result["times"][-1]), flush=True)
+            continue
         row = {"T": t}
         for name, (split, bk) in list(ROUTER_VARIANTS.items())[:1 if args.sort_only else None]:
             saved = set_router(split, bk)

@@ -185,9 +185,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 # FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
 # sort_pairs' outputs (the same tensors and values), instead of a second launch. Off by default
 # until timed on a GPU (bench/moe_route_bench.py --fused; results/h200/latency.md);
-# FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time.
+# FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time. The bound: 16 tokens are one
+# sort token block; past it the one program sorts block after block (4 at 64 tokens, plus the
+# tile blocks), serial work the separate sort spreads over programs (one-program sort: 34.8 us
+# at 64 tokens against 17.3 spread, latency.md) - to be set from the bench's figures.
 FUSED_GATE = os.environ.get("FLASHPD_MOE_FUSED_GATE", "0") == "1"
-FUSED_GATE_MAX_TOKENS = 64
+FUSED_GATE_MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_FUSED_GATE_MAX_TOKENS", "16"))
 
 
 def route_sorted(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,

@@ -3,6 +3,8 @@ token block also sorts the pairs; outputs identical to route + sort_pairs, count
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -42,12 +44,15 @@ def test_fused_gate_gives_route_and_sort_pairs_outputs(monkeypatch, t, block_m):
     (block_m 2 at T = 64: 4 token blocks, 4 blocks of 64 tiles in the one program)."""
     x, w, bias = _gate(t, 256, BENCH_EXPERTS, seed=t)
     monkeypatch.setattr(mt, "FUSED_GATE", True)
+    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 64)
+    real = mt.sort_pairs
+    monkeypatch.setattr(mt, "sort_pairs", lambda *a: pytest.fail("fell back to sort_pairs"))
     ids, gam, pairs = mt.route_sorted(x, w, bias, BENCH_TOP_K, 2.5, 1.0, True, block_m)
     assert _counters_zero(x.device)
     want_ids, want_gam = mt.route(x, w, bias, BENCH_TOP_K, 2.5)
     assert torch.equal(ids, want_ids) and torch.equal(gam, want_gam)
     assert torch.equal(ids, mref.route(x, w, bias, BENCH_TOP_K, 2.5)[0])
-    _assert_same_pairs(pairs, mt.sort_pairs(want_ids, want_gam, BENCH_EXPERTS, block_m))
+    _assert_same_pairs(pairs, real(want_ids, want_gam, BENCH_EXPERTS, block_m))
 
 
 def test_fused_gate_one_program_per_token_block(monkeypatch):
@@ -56,6 +61,7 @@ def test_fused_gate_one_program_per_token_block(monkeypatch):
     x, w, bias = _gate(20, 64, 12, seed=5)
     monkeypatch.setattr(mt, "ROUTER_SPLIT", 1)
     monkeypatch.setattr(mt, "FUSED_GATE", True)
+    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 64)
     ids, gam, pairs = mt.route_sorted(x, w, bias, 4, 1.5, 0.7, False, 4)
     assert _counters_zero(x.device)
     want_ids, want_gam = mt.route(x, w, bias, 4, 1.5, 0.7, normalize=False)
@@ -65,6 +71,7 @@ def test_fused_gate_one_program_per_token_block(monkeypatch):
 
 def test_fused_gate_off_or_past_its_bound_is_route_then_sort(monkeypatch):
     """Switch off (the default), or T > FUSED_GATE_MAX_TOKENS: the two launches, same results."""
+    assert not mt.FUSED_GATE or os.environ.get("FLASHPD_MOE_FUSED_GATE") == "1"  # off by default
     x, w, bias = _gate(5, 128, 16, seed=2)
     monkeypatch.setattr(mt, "FUSED_GATE", True)
     want = mt.route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
