@@ -168,7 +168,9 @@ class LLMEngine:
         return found
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished()
+        """Requests waiting or running. A step launched ahead whose requests have all finished
+        or been aborted since is not work: the next `step()` completes it (its rows dropped)."""
+        return self.scheduler.has_unfinished()
 
     def _new_request(self, request_id, prompt_ids, params, session_id) -> Request:
         ids = [int(t) for t in prompt_ids]

@@ -248,18 +248,19 @@ class Scheduler:
         return outputs
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
-        """The plan after `plan` while `plan` is still computing (async scheduling): every
-        request of `plan` decodes, so each is assumed to go on with one more token whose id
-        the runner takes from `plan`'s samples on the device. None when that cannot be known
-        ahead, and the caller updates `plan` and schedules normally: `plan` is not the only
-        outstanding step or is not all decodes, a running request is not in it, requests wait
-        for admission (while seats are free), a request is within `history_tokens` of its
-        start, or memory would need a preemption. Requests that reach `max_tokens` with
-        `plan`'s token are left out; one that stops on `plan`'s token (EOS, a stop id, an
-        abort) has its row computed and dropped: `update` skips finished requests."""
+        """The plan after `plan` while `plan` is still computing (async scheduling). Every
+        chunk of `plan` reaches the end of its request's known tokens and samples (a decode,
+        a prompt's last chunk, a replay's end), so each request goes on with one decode token
+        whose id the runner takes from `plan`'s samples on the device; waiting requests are
+        admitted as `schedule` would (no preemption). None when that cannot be known ahead,
+        and the caller updates `plan` and schedules normally: `plan` is not the only
+        outstanding step, a chunk of it stops short of the known tokens, a running request is
+        not in it, a request is within `history_tokens` of its start, or memory would need a
+        preemption. Requests that reach `max_tokens` with `plan`'s token are left out; one
+        that stops on `plan`'s token (EOS, a stop id, an abort) has its row computed and
+        dropped: `update` skips finished requests. Prefix-cache lookups for admissions see the
+        cache before `plan`'s blocks are committed (a hit may be shorter than after it)."""
         if self._outstanding != [plan.step_id] or not plan.chunks:
-            return None
-        if self._waiting and len(self._running) < self.config.max_num_seqs:
             return None
         chunks = {c.request_id: c for c in plan.chunks}
         running = {r.request_id for r in self._running}
@@ -267,19 +268,21 @@ class Scheduler:
             return None
         for chunk in plan.chunks:
             request = self._requests[chunk.request_id]
-            if (chunk.num_tokens != 1 or not chunk.needs_logits or chunk.replay is not None
-                    or chunk.fresh_slot or chunk.end != request.num_tokens
-                    or request.replay is not None or chunk.end < self.config.history_tokens):
+            replay = request.replay
+            if (not chunk.needs_logits or chunk.end != request.num_tokens
+                    or (replay is not None and chunk.end < replay.to_token)
+                    or chunk.end < self.config.history_tokens):
                 return None
         ahead: dict[str, ScheduledChunk] = {}
         for chunk in plan.chunks:
             request = self._requests[chunk.request_id]
-            assert request.max_tokens is not None  # decodes belong to sampling roles
+            assert request.max_tokens is not None  # sampled chunks belong to sampling roles
             if request.num_output_tokens + 1 >= request.max_tokens:
                 continue  # plan's token is its last
             if self.kv.grow(request.request_id, chunk.end + 1) is None:
                 return None  # blocks grown so far stay with their requests (needed next step)
             ahead[request.request_id] = self._chunk_ahead(request, chunk)
+        self._admit_waiting(self.config.max_num_batched_tokens - len(ahead), ahead)
         if not ahead:
             return None
         return self._emit_plan(ahead, [])

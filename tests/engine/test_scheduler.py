@@ -450,19 +450,32 @@ def test_ahead_plans_the_next_decode_with_a_pending_token():
     assert outputs["a"].new_token_ids == (9,) and s.schedule_ahead(ahead) is None
 
 
-def test_ahead_leaves_out_the_last_token_and_stops_for_arrivals_and_aborts():
+def test_ahead_leaves_out_the_last_token_admits_arrivals_and_stops_for_aborts():
     s = make()
     plan = _decoding(s, "a", "b", max_tokens=2)  # the plan's token is their 2nd and last
     assert s.schedule_ahead(plan) is None
     s.update(plan, StepResult({"a": [1], "b": [2]}))
     plan = _decoding(s, "c", "d")
     s.add(req("late", range(5)))
-    assert s.schedule_ahead(plan) is None  # someone waits for a seat: schedule normally
+    ahead = s.schedule_ahead(plan)  # the arrival is admitted with the pending decodes
+    assert ranges(ahead) == [("c", 7, 8), ("d", 7, 8), ("late", 0, 5)]
     s.update(plan, StepResult({"c": [1], "d": [2]}))
-    step(s)  # "late" admitted
+    s.update(ahead, StepResult({"c": [3], "d": [4], "late": [5]}))
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan)  # late's prompt ended with a sample: it decodes ahead too
+    assert ranges(ahead) == [("c", 9, 10), ("d", 9, 10), ("late", 6, 7)]
+    s.update(plan, StepResult({"c": [1], "d": [2], "late": [3]}))
+    s.update(ahead, StepResult({"c": [1], "d": [2], "late": [3]}))
     plan = s.schedule()
     s.abort("d")
     assert s.schedule_ahead(plan) is None  # a request of the plan is gone
+
+
+def test_ahead_stops_for_a_prompt_chunk_that_does_not_sample():
+    s = make(budget=4)
+    s.add(req("long", range(10, 20)))
+    plan = s.schedule()  # tokens 0-3 of 10
+    assert not plan.chunks[0].needs_logits and s.schedule_ahead(plan) is None
 
 
 def test_ahead_drops_the_row_of_a_request_that_stopped_on_the_token_before():
