@@ -1,5 +1,5 @@
 """Offline (no GPU) sm_90 compile report of the MoE router kernel, with and without the fused
-pair sort (kernels/moe/triton.py `_route_kernel`, SORT), at the bench preset's router (64
+pair sort (kernels/moe/triton.py `ROUTE_KERNEL`, SORT), at the bench preset's router (64
 experts, top-6, BF16): registers, stack (spills), shared memory, the arrival atomics' PTX and
 the number of L2 (.cg) loads. No timing.
 
@@ -27,7 +27,7 @@ def compile_route(sort: bool, split: int, block_m: int = 8):
     from flashpd.kernels.dense.triton import DOT_UPCAST
     from flashpd.kernels.moe import triton as mt
 
-    fn = mt._route_kernel
+    fn = mt.ROUTE_KERNEL
     const = {"TOP_K": 6, "K_PAD": 8, "BLOCK_T": 16, "E_PAD": 64, "BLOCK_K": mt.ROUTER_BLOCK_K,
              "SPLIT": split, "IEEE": False, "UPCAST": DOT_UPCAST, "NORMALIZE": True,
              "SORT": sort, "SORT_BLOCK_T": 16, "COUNT_T": mt.SORT_COUNT_T, "BLOCK_M": block_m,

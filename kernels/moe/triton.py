@@ -169,6 +169,9 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                             TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
 
 
+ROUTE_KERNEL = _route_kernel  # for offline compile reports (bench/moe_route_sass.py)
+
+
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
           routed_scale: float, gate_temp: float = 1.0,
           normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
