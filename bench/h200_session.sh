@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode measure" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused measure" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -69,6 +69,17 @@ echo "== decode, async vs sync ($(left) s left)"
 timeout $(( $(left) - 200 )) python -m flashpd.bench.gpu_engine --decode-only --compare-sync \
     --commit "$FLASHPD_COMMIT" --out "$OUT"
 gpu_tests 5
+fi
+if has fused; then  # the launch fusions built without a GPU (off by default): kernels, then the engine
+echo "== attention fused combine ($(left) s left)"
+timeout 150 python -m flashpd.bench.attention_bench --fused-combine --jobs 6 --budget-s 120 \
+    --out "$OUT/attn_fused_combine.json"
+echo "== MoE fused gate ($(left) s left)"
+timeout 90 python -m flashpd.bench.moe_route_bench --fused --tokens 1 2 4 8 16 32 64 --out "$OUT"
+echo "== decode with both fusions on ($(left) s left)"
+FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 timeout $(( $(left) - 100 )) \
+    python -m flashpd.bench.gpu_engine --decode-only --commit "$FLASHPD_COMMIT" --out "$OUT/fused"
+FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 gpu_tests 5
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
