@@ -60,7 +60,7 @@ class EngineConfig:
     seed: int = 0
     kv_format: str = "nvfp4"  # compressed main KV: "nvfp4" (trained format) or "fp8"
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
-    async_scheduling: bool = True  # plan + launch decode step N+1 before step N's ids reach the host
+    async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -201,9 +201,10 @@ class LLMEngine:
         its plan (the forward is batched, so the culprit cannot be told apart), and the engine
         goes on.
 
-        Async scheduling (`EngineConfig.async_scheduling`): when every running request decodes,
-        the next step is planned (`Scheduler.schedule_ahead`) and launched before this one's
-        ids reach the host; its rows read those ids on the device. The host's planning, tables
+        Async scheduling (`EngineConfig.async_scheduling`): when every chunk of a step ends
+        with a sample, the next step is planned (`Scheduler.schedule_ahead`, admissions
+        included) and launched before this one's ids reach the host; its rows read those ids
+        on the device. The host's planning, tables
         and launch then overlap the device's forward, and a call returns the outputs of the
         step launched one call before. A request that stops on a token (EOS, a stop id, an
         abort between calls) has one more row computed and dropped."""
@@ -238,7 +239,7 @@ class LLMEngine:
         if before is not None:
             fed = FedTokens(before.pending.tokens, {r: i for i, r in enumerate(before.rids)})
         known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
-        out = self.runner.execute(plan, known) if fed is None else self.runner.execute(plan, known, fed)
+        out = self.runner.execute(plan, known, fed)
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
         fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
         launched = _Launched(plan, rids, fed_rids=fed_rids)

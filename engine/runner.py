@@ -130,12 +130,8 @@ class ModelRunner:
                 ids.extend(known[start:end])
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
-        host_ids = torch.tensor(ids, dtype=torch.long)
-        if fed_seqs:
-            feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src))
-            results = self.model.forward(host_ids, seqs, feed)
-        else:
-            results = self.model.forward(host_ids, seqs)
+        feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src)) if fed_seqs else None
+        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs, feed)  # host ids
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
                   if last]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step

@@ -18,6 +18,7 @@ Text-only: no token is DEAD (image tokens / padding), so blocking happens only a
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -219,12 +220,14 @@ class EngramHasher:
         consts = self._constants(shifted.device)
         return self._rows(consts, engram_index, shifted).to(token_ids.device)
 
-    def hash_windows(self, engram_index: int, windows: torch.Tensor) -> torch.Tensor:
+    def hash_windows(self, engram_indices: Sequence[int],
+                     windows: torch.Tensor) -> list[torch.Tensor]:
         """windows [T, max_shift+1] int64: each row a token id and the max_shift ids before
-        it, oldest first (a full lookback) -> row ids [T, C], computed on windows' device with
-        no host copy (a decode row whose id is still on the device). Ids are not checked
-        here (they come from the model's own samples): an id outside the compressed map (a
-        padded vocabulary row) hashes as the pad id, where `hash_ids` raises."""
+        it, oldest first (a full lookback) -> row ids [T, C] per Engram layer index, computed
+        on windows' device with no host copy (a decode row whose id is still on the device);
+        the compressed ids are looked up once for every layer. Ids are not checked here (they
+        come from the model's own samples): an id outside the compressed map (a padded
+        vocabulary row) hashes as the pad id, where `hash_ids` raises."""
         if windows.ndim != 2 or windows.shape[1] != self.max_shift + 1:
             raise ValueError(f"windows must be [T, {self.max_shift + 1}], got "
                              f"{tuple(windows.shape)}")
@@ -233,7 +236,7 @@ class EngramHasher:
         inside = (ids >= 0) & (ids < self.num_token_ids)
         shifted = torch.where(inside, consts[0][ids.clamp(0, self.num_token_ids - 1)],
                               self.pad_id)
-        return self._rows(consts, engram_index, shifted)
+        return [self._rows(consts, index, shifted) for index in engram_indices]
 
     def _constants(self, device: torch.device) -> tuple:
         """(compressed map, multipliers, primes, offsets) on `device` (cached per device)."""

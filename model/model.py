@@ -493,9 +493,9 @@ class Model:
             raise ValueError("a fed sequence needs a full Engram lookback")
         windows = torch.cat((torch.tensor(lookbacks, dtype=torch.long).to(dev, non_blocking=True),
                              tokens[:, None]), dim=1)
-        for spec in layers:
-            into.hash_ids[spec.layer_id].index_copy_(
-                0, dst, self.hasher.hash_windows(spec.engram_index, windows))
+        hashed = self.hasher.hash_windows([spec.engram_index for spec in layers], windows)
+        for spec, rows in zip(layers, hashed, strict=True):
+            into.hash_ids[spec.layer_id].index_copy_(0, dst, rows)
 
     def compute(self, step: Step) -> torch.Tensor | None:
         """The layers in paper order over the step's rows -> FP32 logits [n, V] (None if n = 0)."""

@@ -148,26 +148,23 @@ def _comb_logit(sp, rmask, rho, s2, base_ptr, i: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _comb_row(sp, rmask, rho, s2, base_ptr, j: tl.constexpr, eps, S: tl.constexpr):
+    """Softmax (+ eps) of comb row j (logits j*S .. j*S+3) of each token, as four [BT]."""
+    return _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, j * S, S),
+                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 1, S),
+                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 2, S),
+                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 3, S), eps)
+
+
+@triton.jit
 def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constexpr, eps,
                   S: tl.constexpr):
     """The comb Sinkhorn on 16 per-token vectors c{j}{k} (j source, k destination), stored to
     comb_ptr [T, S*S]: the same steps as `_sinkhorn`, each token's chain in one thread."""
-    c00, c01, c02, c03 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 0, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 1, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 2, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 3, S), eps)
-    c10, c11, c12, c13 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 4, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 5, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 6, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 7, S), eps)
-    c20, c21, c22, c23 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 8, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 9, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 10, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 11, S), eps)
-    c30, c31, c32, c33 = _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, 12, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 13, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 14, S),
-                                   _comb_logit(sp, rmask, rho, s2, base_ptr, 15, S), eps)
+    c00, c01, c02, c03 = _comb_row(sp, rmask, rho, s2, base_ptr, 0, eps, S)
+    c10, c11, c12, c13 = _comb_row(sp, rmask, rho, s2, base_ptr, 1, eps, S)
+    c20, c21, c22, c23 = _comb_row(sp, rmask, rho, s2, base_ptr, 2, eps, S)
+    c30, c31, c32, c33 = _comb_row(sp, rmask, rho, s2, base_ptr, 3, eps, S)
     c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)  # columns
     c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
     c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
