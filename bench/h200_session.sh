@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused measure" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer measure" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -80,6 +80,18 @@ echo "== decode with both fusions on ($(left) s left)"
 FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 timeout $(( $(left) - 100 )) \
     python -m flashpd.bench.gpu_engine --decode-only --commit "$FLASHPD_COMMIT" --out "$OUT/fused"
 FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 gpu_tests 5
+fi
+if has indexer; then  # small-batch indexer launches: kernels on/off, checks, decode off/on, tests
+echo "== indexer score + top-k, small-batch forms off/on ($(left) s left)"
+timeout 100 python -m flashpd.bench.indexer_bench --out "$OUT"
+timeout 90 python -m flashpd.cli verify-kernels --ops indexer --no-timing 2>&1 | tail -12
+echo "== decode, small-batch indexer off ($(left) s left)"
+FLASHPD_INDEXER_SMALL_BATCH=0 timeout 170 python -m flashpd.bench.gpu_engine --decode-only \
+    --commit "$FLASHPD_COMMIT" --out "$OUT/indexer_off"
+echo "== decode, small-batch indexer on ($(left) s left)"
+timeout $(( $(left) - 95 )) python -m flashpd.bench.gpu_engine --decode-only \
+    --commit "$FLASHPD_COMMIT" --out "$OUT/indexer_on"
+gpu_tests 5
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"

@@ -21,6 +21,11 @@ Scores (FP32): I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]) for visible j, els
 tile is dequantised in registers (E2M1 nibbles * 2^(UE8M0 - 127), exact in BF16) and multiplied
 on the tensor cores with FP32 accumulation.
 
+Small decode batches: a scoring launch takes fewer tiles per program until it has
+CONFIG["score_target"] programs (a batch-1 row of 8,192 entries was 16 programs), and a row of
+at least two slices is selected in two stages (`_topk`: top-k of each slice, one program per
+(row, slice), then top-k of the survivors), both bit-identical to the one-program forms.
+
 Top-k (`_topk_kernel`, one program per query row) is a radix select on a monotone integer image
 of the FP32 score, 8 bits per pass (4 passes, each a 256-bin histogram of the next byte among
 keys matching the prefix found so far), which yields the k-th largest score T. One more pass in
@@ -30,6 +35,8 @@ all. Entries that are -inf are never emitted; the tail is padded with -1.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -51,6 +58,12 @@ _BLOCK_N = 64  # entries per scoring tile
 _TILES = 8  # tiles per scoring program (the query is loaded once per program)
 _CHUNK = 1024  # entries per top-k step
 _SPLIT_COLS = 16384  # rows of >= 4 x this many entries take the two-stage top-k
+# Small batches (FLASHPD_INDEXER_SMALL_BATCH=0 turns both off): scoring launches aim for
+# score_target programs (fewer tiles per program); batches of at most topk_split_q queries
+# select rows of >= 2 slices of max(topk_min_slice, 2k) entries in two stages.
+_SMALL = os.environ.get("FLASHPD_INDEXER_SMALL_BATCH", "1") != "0"
+CONFIG = {"score_target": 264 if _SMALL else 0, "topk_split_q": 16 if _SMALL else 0,
+          "topk_min_slice": 2048}
 
 
 # ============================================================================ scoring
@@ -145,7 +158,7 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
     else:
         rows_arg, seq_arg = (x.contiguous() for x in paged)
         num_seqs = rows_arg.shape[0]
-    tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
+    tiles = score_tiles(num_q, n_cols)
     grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
         dot_q, head_weights.contiguous(), key_arg, key_arg.stride(0), n_visible.contiguous(),
@@ -156,6 +169,16 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
         PACKED=packed, SPARSE=blocks is not None, PAGED=paged is not None,
         IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST, num_warps=4)
     return out
+
+
+def score_tiles(num_q: int, n_cols: int) -> int:
+    """Tiles per scoring program: _TILES, halved while the launch has fewer than
+    CONFIG["score_target"] programs (each entry's score is the same either way)."""
+    tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
+    target = CONFIG["score_target"]
+    while tiles > 1 and num_q * triton.cdiv(n_cols, _BLOCK_N * tiles) < target:
+        tiles //= 2
+    return tiles
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
@@ -207,23 +230,32 @@ def _order_key(s, valid):
 
 
 @triton.jit
-def _load_keys(s_ptr, allowed_ptr, row, idx, N, HAS_ALLOWED: tl.constexpr):
+def _load_keys(s_row, allowed_row, idx, N, HAS_ALLOWED: tl.constexpr):
     in_range = idx < N
-    s = tl.load(s_ptr + row * N + idx, mask=in_range, other=float("-inf"))
+    s = tl.load(s_row + idx, mask=in_range, other=float("-inf"))
     ok = in_range
     if HAS_ALLOWED:
-        ok = ok & (tl.load(allowed_ptr + row * N + idx, mask=in_range, other=0) != 0)
+        ok = ok & (tl.load(allowed_row + idx, mask=in_range, other=0) != 0)
     return _order_key(s, ok), in_range
 
 
 @triton.jit
-def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_SIZE,
-                 rows_ptr, seq_ptr, N_KEYS, NUM_SEQS,
+def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLICE, K, NB_LIST,
+                 BLOCK_SIZE, rows_ptr, seq_ptr, N_KEYS, NUM_SEQS,
                  HAS_ALLOWED: tl.constexpr, MAP_BLOCKS: tl.constexpr, MAP_ROWS: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """MAP_ROWS: emit rows[seq_of[row], entry] (the pool row of the entry, -1 if none) in the
-    output's dtype instead of the entry id."""
+                 SCORES_OUT: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (row, slice): the top K of columns [slice * SLICE, (slice + 1) * SLICE) of the
+    row (one slice: the whole row), written to out[row * slices + slice]. MAP_BLOCKS: emit
+    blocks[row, col // BLOCK_SIZE] * BLOCK_SIZE + col % BLOCK_SIZE instead of the column;
+    MAP_ROWS: emit rows[seq_of[row], entry] (the pool row of the entry, -1 if none) in the
+    output's dtype instead of the entry id; SCORES_OUT: also store the emitted scores (-inf
+    in the padding), the survivors a second stage selects from."""
     row = tl.program_id(0).to(tl.int64)
+    base = tl.program_id(1).to(tl.int64) * SLICE
+    n_here = tl.minimum(N - base, SLICE)
+    s_row = s_ptr + row * N + base
+    allowed_row = allowed_ptr + row * N + base
+    out_row = (row * tl.num_programs(1) + tl.program_id(1)) * K
     neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32),
                              tl.full((1,), True, tl.int1))
     digits = tl.arange(0, 256)
@@ -234,8 +266,8 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
         shift = 24 - 8 * p
         hist = tl.zeros((256,), dtype=tl.int32)
         n_valid = tl.zeros((), dtype=tl.int32)
-        for c0 in range(0, N, CHUNK):
-            key, in_range = _load_keys(s_ptr, allowed_ptr, row, c0 + tl.arange(0, CHUNK), N,
+        for c0 in range(0, n_here, CHUNK):
+            key, in_range = _load_keys(s_row, allowed_row, c0 + tl.arange(0, CHUNK), n_here,
                                        HAS_ALLOWED)
             match = in_range
             if p == 0:  # also count the selectable entries: kk = min(K, that)
@@ -252,31 +284,54 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, N, K, NB_LIST, BLOCK_S
     take_equal = kk - above
     emitted = tl.zeros((), dtype=tl.int32)
     equal_seen = tl.zeros((), dtype=tl.int32)
-    for c0 in range(0, N, CHUNK):
+    for c0 in range(0, n_here, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
-        key, in_range = _load_keys(s_ptr, allowed_ptr, row, idx, N, HAS_ALLOWED)
+        key, in_range = _load_keys(s_row, allowed_row, idx, n_here, HAS_ALLOWED)
         live = in_range & (kk > 0)
         gt = live & (key > prefix)
         eq = (live & (key == prefix)).to(tl.int32)
         eq_rank = equal_seen + tl.cumsum(eq, axis=0) - eq
         sel = (gt | ((eq != 0) & (eq_rank < take_equal))).to(tl.int32)
         pos = emitted + tl.cumsum(sel, axis=0) - sel
-        entry = idx.to(tl.int64)
+        col = base + idx.to(tl.int64)
+        entry = col
         if MAP_BLOCKS:
-            blk = tl.load(blocks_ptr + row * NB_LIST + idx // BLOCK_SIZE, mask=sel != 0, other=0)
-            entry = blk.to(tl.int64) * BLOCK_SIZE + idx % BLOCK_SIZE
+            blk = tl.load(blocks_ptr + row * NB_LIST + col // BLOCK_SIZE, mask=sel != 0, other=0)
+            entry = blk.to(tl.int64) * BLOCK_SIZE + col % BLOCK_SIZE
         if MAP_ROWS:
             seq = tl.load(seq_ptr + row).to(tl.int64)
             ok = (sel != 0) & (seq >= 0) & (seq < NUM_SEQS) & (entry >= 0) & (entry < N_KEYS)
             entry = tl.load(rows_ptr + seq * N_KEYS + entry, mask=ok, other=-1).to(tl.int64)
-        tl.store(out_ptr + row * K + pos, entry.to(out_ptr.dtype.element_ty), mask=sel != 0)
+        tl.store(out_ptr + out_row + pos, entry.to(out_ptr.dtype.element_ty), mask=sel != 0)
+        if SCORES_OUT:
+            tl.store(score_out_ptr + out_row + pos, tl.load(s_row + idx, mask=sel != 0),
+                     mask=sel != 0)
         emitted += tl.sum(sel, axis=0)
         equal_seen += tl.sum(eq, axis=0)
-    for c0 in range(0, K, CHUNK):  # pad with -1
+    for c0 in range(0, K, CHUNK):  # pad with -1 (and -inf scores)
         slot = c0 + tl.arange(0, CHUNK)
-        tl.store(out_ptr + row * K + slot,
-                 tl.full((CHUNK,), -1, tl.int64).to(out_ptr.dtype.element_ty),
-                 mask=(slot < K) & (slot >= kk))
+        pad = (slot < K) & (slot >= kk)
+        tl.store(out_ptr + out_row + slot,
+                 tl.full((CHUNK,), -1, tl.int64).to(out_ptr.dtype.element_ty), mask=pad)
+        if SCORES_OUT:
+            tl.store(score_out_ptr + out_row + slot,
+                     tl.full((CHUNK,), float("-inf"), tl.float32), mask=pad)
+
+
+def topk_slice(num_q: int, n_cols: int, k: int) -> int:
+    """Columns per first-stage slice of a two-stage top-k, 0 for one pass: _SPLIT_COLS for
+    long rows (>= 4 slices, k <= a quarter slice); for batches of at most
+    CONFIG["topk_split_q"] queries, max(topk_min_slice, 2k rounded up to a power of two) when
+    the row holds at least two of those."""
+    if k <= 0:
+        return 0
+    if n_cols >= 4 * _SPLIT_COLS and k <= _SPLIT_COLS // 4:
+        return _SPLIT_COLS
+    if num_q <= CONFIG["topk_split_q"]:
+        piece = max(CONFIG["topk_min_slice"], triton.next_power_of_2(2 * k))
+        if n_cols >= 2 * piece:
+            return piece
+    return 0
 
 
 def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
@@ -285,49 +340,39 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
     """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
     int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel."""
     num_q, n_cols = scores.shape
-    if blocks is None and n_cols >= 4 * _SPLIT_COLS and k <= _SPLIT_COLS // 4:
-        return _topk_two_stage(scores, k, allowed, pool_rows)
     out = torch.empty(num_q, k, dtype=torch.int64 if pool_rows is None else torch.int32,
                       device=scores.device)
     if num_q == 0 or k == 0:
         return out
     s = scores.to(torch.float32).contiguous()
-    allowed_arg = allowed.contiguous().view(torch.uint8) if allowed is not None else s
-    blocks_arg = blocks.contiguous() if blocks is not None else s
+    allowed = allowed.contiguous().view(torch.uint8) if allowed is not None else None
+    blocks = blocks.contiguous() if blocks is not None else None
+    piece = topk_slice(num_q, n_cols, k)
+    if piece:  # stage 1: top-k of each slice (entry ids + scores), then top-k of those
+        slices = -(-n_cols // piece)
+        ids = torch.empty(num_q, slices * k, dtype=torch.int64, device=scores.device)
+        kept = torch.empty(num_q, slices * k, dtype=torch.float32, device=scores.device)
+        _launch_topk(s, allowed, blocks, block_size, None, ids, kept, k, piece, slices)
+        s, allowed, blocks, block_size = kept, None, ids, 1
+    _launch_topk(s, allowed, blocks, block_size, pool_rows, out, None, k, s.shape[1], 1)
+    return out
+
+
+def _launch_topk(s: torch.Tensor, allowed: torch.Tensor | None, blocks: torch.Tensor | None,
+                 block_size: int, pool_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                 out: torch.Tensor, kept: torch.Tensor | None, k: int, piece: int,
+                 slices: int) -> None:
+    num_q, n_cols = s.shape
     rows_arg, seq_arg = (x.contiguous() for x in pool_rows) if pool_rows is not None else (s, s)
-    _topk_kernel[(num_q,)](
-        s, allowed_arg, blocks_arg, out, n_cols, k,
+    _topk_kernel[(num_q, slices)](
+        s, allowed if allowed is not None else s, blocks if blocks is not None else s, out,
+        kept if kept is not None else s, n_cols, piece, k,
         blocks.shape[1] if blocks is not None else 0, block_size, rows_arg, seq_arg,
         rows_arg.shape[1] if pool_rows is not None else 0,
         rows_arg.shape[0] if pool_rows is not None else 0,
         HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
-        MAP_ROWS=pool_rows is not None,
-        CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(n_cols))), num_warps=8)
-    return out
-
-
-def _topk_two_stage(scores: torch.Tensor, k: int, allowed: torch.Tensor | None,
-                    pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Long rows: top-k of each slice of _SPLIT_COLS entries (one program per slice), then the
-    top-k of the concatenated survivors, mapped back to entry ids.
-
-    Exact, ties included: an entry dropped inside its slice is preceded there by k entries that
-    also precede it globally (higher score, or equal score and lower id). Survivors are listed
-    slice by slice in ascending id, so the second stage emits ascending ids as well.
-    """
-    num_q, n_cols = scores.shape
-    n_slices = -(-n_cols // _SPLIT_COLS)
-    pad = n_slices * _SPLIT_COLS - n_cols
-    s = scores.to(torch.float32)
-    if pad:
-        s = torch.nn.functional.pad(s, (0, pad), value=NEG_INF)
-        allowed = None if allowed is None else torch.nn.functional.pad(allowed, (0, pad))
-    local = _topk(s.reshape(num_q * n_slices, _SPLIT_COLS), k,
-                  None if allowed is None else allowed.reshape(num_q * n_slices, _SPLIT_COLS))
-    offset = (torch.arange(n_slices, device=scores.device) * _SPLIT_COLS).repeat(num_q)
-    ids = torch.where(local >= 0, local + offset[:, None], -1).reshape(num_q, n_slices * k)
-    survivor_scores = torch.where(ids >= 0, torch.gather(s, 1, ids.clamp_min(0)), NEG_INF)
-    return _topk(survivor_scores, k, blocks=ids, block_size=1, pool_rows=pool_rows)
+        MAP_ROWS=pool_rows is not None, SCORES_OUT=kept is not None,
+        CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(piece))), num_warps=8)
 
 
 def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
