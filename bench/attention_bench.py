@@ -77,6 +77,20 @@ DECODE_VARIANTS = {
     "legacy_fused": {"legacy_max_q": 1 << 30, "fused_combine": True},
     "heads_t132_bn64_fused": {"legacy_max_q": 0, "heads_split_target": 132,
                               "fused_combine": True},
+    # the split-KV combine's width and the split count at small batches
+    "c1": {"combine_heads": 1},
+    "c2": {"combine_heads": 2},
+    "c8": {"combine_heads": 8},
+    "mt2": {"split_min_tiles": 2},
+    "mt4": {"split_min_tiles": 4},
+    "mt2_c1": {"split_min_tiles": 2, "combine_heads": 1},
+    "mt2_c2": {"split_min_tiles": 2, "combine_heads": 2},
+    "sh8": {"split_heads": 8},
+    "sh8_mt2_c1": {"split_heads": 8, "split_min_tiles": 2, "combine_heads": 1},
+    "bn32": {"split_block_n": 32},
+    "bn32_c1": {"split_block_n": 32, "combine_heads": 1},
+    "t132": {"split_target": 132},
+    "t132_c1": {"split_target": 132, "combine_heads": 1},
 }
 # --fused-combine: these decode variants only (B = 1, 8, 64)
 FUSED_COMPARE = ("default", "fused_combine", "legacy", "legacy_fused", "heads_t132_bn64",
@@ -383,6 +397,10 @@ def main(argv=None) -> None:
     ap.add_argument("--verify", nargs="*", metavar="VARIANT",
                     help="run verify-kernels' attention checks (bench scale) under these "
                     "prefill variants' CONFIG")
+    ap.add_argument("--pick-out", help="write the decode variant to adopt here (its CONFIG "
+                    "overrides as JSON, {} = keep the defaults): the fastest at B = 1 among "
+                    "variants that check out and are at most 2%% slower than 'default' at "
+                    "every other batch")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall budget: warm-up jobs stop at 60%% of it, timing skips rows past it")
     args = ap.parse_args(argv)
@@ -417,6 +435,28 @@ def main(argv=None) -> None:
             json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
                        "rows": rows, "warm": warm_rows}, f, indent=1)
     print(table(rows) if DEV == "cuda" else json.dumps(rows))
+    if args.pick_out:
+        name = pick_decode(rows)
+        print(f"picked decode variant: {name} {DECODE_VARIANTS[name]}")
+        with open(args.pick_out, "w") as f:
+            json.dump(DECODE_VARIANTS[name], f)
+
+
+def pick_decode(rows: list[dict], slack: float = 1.02, tol: float = 0.02) -> str:
+    """The decode variant with the lowest B = 1 time whose error is within tol and whose time
+    at every other batch is within `slack` of 'default' ('default' when none beats it)."""
+    ms = {}
+    for r in rows:
+        if r["phase"] == "decode" and "ms" in r and r.get("rel_err", 1e9) <= tol:
+            ms.setdefault(r["variant"], {})[r["rows"]] = r["ms"]
+    base = ms.get("default", {})
+    best, best_ms = "default", base.get(1, float("inf"))
+    for name, times in ms.items():
+        if set(times) != set(base) or 1 not in times:
+            continue
+        if all(times[b] <= slack * base[b] for b in base if b != 1) and times[1] < best_ms:
+            best, best_ms = name, times[1]
+    return best
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ interpreter every product runs in FP32.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -80,6 +81,24 @@ CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages"
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
           "combine_heads": 4,
           "fused_combine": os.environ.get("FLASHPD_ATTN_FUSED_COMBINE", "0") == "1"}
+
+
+def env_overrides(text: str | None) -> dict:
+    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at import (launch tuning
+    without a code change); an unknown key or a value of another type is an error."""
+    if not text:
+        return {}
+    over = json.loads(text)
+    if not isinstance(over, dict):
+        raise ValueError(f"FLASHPD_ATTN_CONFIG must be a JSON object, got {text!r}")
+    for key, value in over.items():
+        if key not in CONFIG or type(value) is not type(CONFIG[key]):
+            raise ValueError(f"FLASHPD_ATTN_CONFIG: {key}={value!r} is not a CONFIG key of "
+                             f"that type")
+    return over
+
+
+CONFIG.update(env_overrides(os.environ.get("FLASHPD_ATTN_CONFIG")))
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 

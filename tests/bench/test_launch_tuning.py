@@ -1,0 +1,38 @@
+"""Launch-tuning helpers of the GPU benches: the attention CONFIG override from the environment
+and the rule that picks a decode variant from timed rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashpd.bench.attention_bench import pick_decode
+from flashpd.kernels.attention import triton as at
+
+
+def test_attention_config_override_checks_keys_and_types():
+    assert at.env_overrides(None) == {} and at.env_overrides("") == {}
+    assert at.env_overrides('{"combine_heads": 1, "split_min_tiles": 2}') == {
+        "combine_heads": 1, "split_min_tiles": 2}
+    with pytest.raises(ValueError, match="combine_head"):
+        at.env_overrides('{"combine_head": 1}')  # not a key
+    with pytest.raises(ValueError, match="combine_heads"):
+        at.env_overrides('{"combine_heads": "1"}')  # not an int
+    with pytest.raises(ValueError, match="JSON object"):
+        at.env_overrides("[1]")
+
+
+def _rows(name: str, ms: dict, err: float = 0.005) -> list[dict]:
+    return [{"phase": "decode", "rows": b, "variant": name, "ms": t, "rel_err": err}
+            for b, t in ms.items()]
+
+
+def test_pick_decode_takes_the_fastest_batch_1_variant_that_does_not_slow_the_others():
+    rows = (_rows("default", {1: 0.023, 8: 0.030, 64: 0.094})
+            + _rows("c1", {1: 0.015, 8: 0.031, 64: 0.094})  # 1.03x at B=8: out
+            + _rows("mt2", {1: 0.018, 8: 0.0305, 64: 0.090})  # within 2%: in
+            + _rows("bad", {1: 0.010, 8: 0.030, 64: 0.094}, err=0.5)  # wrong: out
+            + [{"phase": "decode", "rows": 1, "variant": "broken", "error": "x"}])
+    assert pick_decode(rows) == "mt2"
+    assert pick_decode(_rows("default", {1: 0.02, 8: 0.03})) == "default"
+    assert pick_decode(_rows("default", {1: 0.02, 8: 0.03})
+                       + _rows("slow", {1: 0.03, 8: 0.03})) == "default"
