@@ -93,18 +93,16 @@ timeout $(( $(left) - 95 )) python -m flashpd.bench.gpu_engine --decode-only \
     --commit "$FLASHPD_COMMIT" --out "$OUT/indexer_on"
 gpu_tests 5
 fi
-if has attn; then  # decode attention's split-KV combine width / split count: sweep, pick, engine
+if has attn; then  # decode attention's split-KV combine width / split count: sweep, pick, summary
 echo "== decode attention variants ($(left) s left)"
 timeout 170 python -m flashpd.bench.attention_bench --decode-only --jobs 7 --budget-s 140 \
     --variants default c1 c2 c8 mt2 mt4 mt2_c1 mt2_c2 sh8 sh8_mt2_c1 bn32 bn32_c1 t132 t132_c1 \
     --out "$OUT/attn_decode.json" --pick-out "$OUT/attn_pick.json" | tail -50
 PICK=$(cat "$OUT/attn_pick.json" 2>/dev/null || echo '{}')
 echo "== decode with FLASHPD_ATTN_CONFIG=$PICK ($(left) s left)"
-if [ "$PICK" != "{}" ]; then
-    FLASHPD_ATTN_CONFIG="$PICK" timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine \
-        --decode-only --commit "$FLASHPD_COMMIT" --out "$OUT/attn_pick"
-    FLASHPD_ATTN_CONFIG="$PICK" gpu_tests 5
-fi
+FLASHPD_ATTN_CONFIG="$PICK" timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine \
+    --summary --commit "$FLASHPD_COMMIT" --out "$OUT/attn_pick"
+FLASHPD_ATTN_CONFIG="$PICK" gpu_tests 5
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
