@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused indexer attn measure" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer attn measure final" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -103,6 +103,12 @@ echo "== decode with FLASHPD_ATTN_CONFIG=$PICK ($(left) s left)"
 FLASHPD_ATTN_CONFIG="$PICK" timeout $(( $(left) - 100 )) python -m flashpd.bench.gpu_engine \
     --summary --commit "$FLASHPD_COMMIT" --out "$OUT/attn_pick"
 FLASHPD_ATTN_CONFIG="$PICK" gpu_tests 5
+fi
+if has final; then  # a short box: the summary, then the GPU-path tests with what is left (no profile)
+echo "== summary ($(left) s left)"
+timeout $(( $(left) - 60 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" \
+    --out "$OUT"
+gpu_tests 3
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"

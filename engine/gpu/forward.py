@@ -51,6 +51,9 @@ from flashpd.model.model import LayerRows, Model, SeqInput, Step, TokenFeed
 # Prompt rows the load-time warm-up runs through the forward (the bench's prefill chunk; a
 # chunk of that size then compiles nothing new).
 PREFILL_WARMUP_ROWS = 8192
+# Context of the two sequences whose decode steps the warm-up runs (>= 2 top-k slices of the
+# bench preset's ratio-1 rows, so the small-batch indexer path compiles too).
+DECODE_WARMUP_CONTEXT = 4096
 
 
 class GpuModel(Model):
@@ -94,7 +97,8 @@ class GpuModel(Model):
         """Compile (and run once) the GEMM, MoE and attention kernel variants that `rows`-row
         calls take (default: the decode graph buckets and the W-row replay), then every kernel
         variant of a prefill (`warm_prefill`, prefill_rows tokens; None: PREFILL_WARMUP_ROWS,
-        0: none), so that the first request is not a compile. Returns the number of kernel
+        0: none) and of decode steps at one and two sequences (`warm_decode`, with the
+        prefill), so that the first request is not a compile. Returns the number of kernel
         calls made (0: no Triton); `warmup_s` holds the seconds of each part."""
         import time
 
@@ -128,9 +132,13 @@ class GpuModel(Model):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         prefill_rows = PREFILL_WARMUP_ROWS if prefill_rows is None else prefill_rows
+        t2 = t1
         if prefill_rows:
             calls += self.warm_prefill(min(prefill_rows, cfg.max_position_embeddings // 2))
-        self.warmup_s = {"kernels": t1 - t0, "prefill": time.perf_counter() - t1}
+            t2 = time.perf_counter()
+            calls += self.warm_decode(min(DECODE_WARMUP_CONTEXT, prefill_rows))
+        self.warmup_s = {"kernels": t1 - t0, "prefill": t2 - t1,
+                         "decode": time.perf_counter() - t2}
         return calls
 
     @torch.no_grad()
@@ -158,6 +166,35 @@ class GpuModel(Model):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         return 2
+
+    @torch.no_grad()
+    def warm_decode(self, context: int) -> int:
+        """Run decode steps on two synthetic sequences of `context` tokens in scratch pools
+        (one prompt forward for both, then a decode step of one of them and one of both), eagerly
+        as the graphs replay them: compiles the decode-size variants the kernel warm-ups do not
+        cover (indexer scoring and top-k, mHC, norms, KV writes), so that neither the first
+        request's decode step nor the graph captured for it is a compile. Returns the number of
+        forwards run."""
+        cfg = self.cfg
+        per = -(-(context + 2) // CHUNK_TOKENS) + 1
+        pools = KVPools.for_model(self, 2 * per, 2, self.device, 2 * context)
+        states = [PagedSeqState(pools, i, list(range(i * per, (i + 1) * per)), self.dtype)
+                  for i in range(2)]
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(10, cfg.vocab_size - 10, (2 * context,), generator=g)
+        graphs, self.graphs = self.graphs, None
+        try:
+            self.forward(ids.to(self.device), [SeqInput(st, 0, context) for st in states])
+            self.forward(ids[:1].to(self.device), [SeqInput(states[0], context, 1)])
+            self.forward(ids[:2].to(self.device), [SeqInput(states[0], context + 1, 1),
+                                                   SeqInput(states[1], context, 1)])
+        finally:
+            self.graphs = graphs
+        del states, pools
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return 3
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()

@@ -85,13 +85,14 @@ def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constex
     return keys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TILES"])
 def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_ptr, seq_ptr,
                   out_ptr, N_COLS, H, NB_LIST, BLOCK_SIZE, N_KEYS, NUM_SEQS, NUM_ROWS, w_scale,
-                  DI: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TILES: tl.constexpr, PACKED: tl.constexpr, SPARSE: tl.constexpr,
+                  TILES, DI: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PACKED: tl.constexpr, SPARSE: tl.constexpr,
                   PAGED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One query x TILES * BLOCK_N entries; the query (h x dI) is loaded once per program.
+    TILES is a run-time value (not specialised): any batch size or key width is one compile.
 
     PAGED: entry j is record rows[seq_of[t], j] of the pool (rows [NUM_SEQS, N_KEYS]; a row
     outside [0, NUM_ROWS) or a seq_of outside [0, NUM_SEQS) scores -inf).
@@ -164,8 +165,8 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
         dot_q, head_weights.contiguous(), key_arg, key_arg.stride(0), n_visible.contiguous(),
         blocks_arg, rows_arg, seq_arg, out, n_cols, num_heads,
         blocks.shape[1] if blocks is not None else 0, block_size, num_keys, num_seqs,
-        keys.shape[0], float(weight_scale), DI=head_dim,
-        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N, TILES=tiles,
+        keys.shape[0], float(weight_scale), tiles, DI=head_dim,
+        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N,
         PACKED=packed, SPARSE=blocks is not None, PAGED=paged is not None,
         IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST, num_warps=4)
     return out
@@ -372,7 +373,16 @@ def _launch_topk(s: torch.Tensor, allowed: torch.Tensor | None, blocks: torch.Te
         rows_arg.shape[0] if pool_rows is not None else 0,
         HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
         MAP_ROWS=pool_rows is not None, SCORES_OUT=kept is not None,
-        CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(piece))), num_warps=8)
+        CHUNK=topk_chunk(piece), num_warps=8)
+
+
+def topk_chunk(n_cols: int) -> int:
+    """Entries per top-k loop step: _CHUNK on a GPU whatever the row length (one compile for
+    every key width), the row rounded up to a power of two under the interpreter (tiny test
+    rows)."""
+    if triton_runtime.interpreting():
+        return min(_CHUNK, max(16, triton.next_power_of_2(n_cols)))
+    return _CHUNK
 
 
 def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,

@@ -186,12 +186,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 # The gate in one launch at decode sizes (route_sorted): with FUSED_GATE on, calls of at most
 # FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
-# sort_pairs' outputs (the same tensors and values), instead of a second launch. Off by default
-# until timed on a GPU (bench/moe_route_bench.py --fused; results/h200/latency.md);
-# FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time. The bound: 16 tokens are one
-# sort token block; past it the one program sorts block after block (4 at 64 tokens, plus the
-# tile blocks), serial work the separate sort spreads over programs (one-program sort: 34.8 us
-# at 64 tokens against 17.3 spread, latency.md) - to be set from the bench's figures.
+# sort_pairs' outputs (the same tensors and values), instead of a second launch. Off: slower on
+# the H200 (bench/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
+# 28.2 / 13.0 at 16; results/h200/moe_fused_gate.md): the last block's serial sort costs more
+# than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time.
+# The bound: 16 tokens are one sort token block; past it the one program sorts block after
+# block (4 at 64 tokens, plus the tile blocks).
 FUSED_GATE = os.environ.get("FLASHPD_MOE_FUSED_GATE", "0") == "1"
 FUSED_GATE_MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_FUSED_GATE_MAX_TOKENS", "16"))
 
