@@ -151,21 +151,17 @@ class GpuModel(Model):
         cfg = self.cfg
         more = min(num_rows // 2, cfg.sliding_window) + 1 | 1
         total = num_rows + more
-        pools = KVPools.for_model(self, -(-total // CHUNK_TOKENS) + 1, 1, self.device, num_rows)
-        state = PagedSeqState(pools, 0, list(range(pools.num_blocks)), self.dtype)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(10, cfg.vocab_size - 10, (total,), generator=g)
-        graphs, self.graphs = self.graphs, None  # plain chunks, never graphed
-        try:
-            self.forward(ids[:num_rows].to(self.device), [SeqInput(state, 0, num_rows)])
-            self.forward(ids[num_rows:].to(self.device), [SeqInput(state, num_rows, more)])
-        finally:
-            self.graphs = graphs
-        del state, pools
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return 2
+
+        def calls():
+            pools = KVPools.for_model(self, -(-total // CHUNK_TOKENS) + 1, 1, self.device,
+                                      num_rows)
+            state = PagedSeqState(pools, 0, list(range(pools.num_blocks)), self.dtype)
+            ids = torch.randint(10, cfg.vocab_size - 10, (total,),
+                                generator=torch.Generator().manual_seed(0))
+            return [(ids[:num_rows], [SeqInput(state, 0, num_rows)]),
+                    (ids[num_rows:], [SeqInput(state, num_rows, more)])]
+
+        return self._run_scratch(calls)
 
     @torch.no_grad()
     def warm_decode(self, context: int) -> int:
@@ -177,24 +173,35 @@ class GpuModel(Model):
         forwards run."""
         cfg = self.cfg
         per = -(-(context + 2) // CHUNK_TOKENS) + 1
-        pools = KVPools.for_model(self, 2 * per, 2, self.device, 2 * context)
-        states = [PagedSeqState(pools, i, list(range(i * per, (i + 1) * per)), self.dtype)
-                  for i in range(2)]
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(10, cfg.vocab_size - 10, (2 * context,), generator=g)
+
+        def calls():
+            pools = KVPools.for_model(self, 2 * per, 2, self.device, 2 * context)
+            a, b = (PagedSeqState(pools, i, list(range(i * per, (i + 1) * per)), self.dtype)
+                    for i in range(2))
+            ids = torch.randint(10, cfg.vocab_size - 10, (2 * context,),
+                                generator=torch.Generator().manual_seed(1))
+            return [(ids, [SeqInput(a, 0, context), SeqInput(b, 0, context)]),
+                    (ids[:1], [SeqInput(a, context, 1)]),
+                    (ids[:2], [SeqInput(a, context + 1, 1), SeqInput(b, context, 1)])]
+
+        return self._run_scratch(calls)
+
+    def _run_scratch(self, make_calls) -> int:
+        """Run the (token ids, seqs) forwards `make_calls()` builds over scratch pools, eagerly
+        (never graphed), then free the pools. Returns the number of forwards."""
+        calls = make_calls()
         graphs, self.graphs = self.graphs, None
         try:
-            self.forward(ids.to(self.device), [SeqInput(st, 0, context) for st in states])
-            self.forward(ids[:1].to(self.device), [SeqInput(states[0], context, 1)])
-            self.forward(ids[:2].to(self.device), [SeqInput(states[0], context + 1, 1),
-                                                   SeqInput(states[1], context, 1)])
+            for ids, seqs in calls:
+                self.forward(ids.to(self.device), seqs)
         finally:
             self.graphs = graphs
-        del states, pools
+        count = len(calls)
+        del calls
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        return 3
+        return count
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
