@@ -339,7 +339,12 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
           blocks: torch.Tensor | None = None, block_size: int = 1,
           pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
-    int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel."""
+    int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel.
+
+    Two stages (`topk_slice`) are exact, ties included: an entry dropped inside its slice is
+    preceded there by k entries that also precede it in the row (higher score, or equal score
+    and lower column), and the survivors are listed slice by slice in ascending column, so the
+    second stage emits ascending ids with the same tie order as one pass."""
     num_q, n_cols = scores.shape
     out = torch.empty(num_q, k, dtype=torch.int64 if pool_rows is None else torch.int32,
                       device=scores.device)
