@@ -41,6 +41,7 @@ from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel imp
 # isort: on
 
 from flashpd.bench import gpu_floor
+from flashpd.bench.compile_watch import CompileWatch
 from flashpd.engine.gpu.loading import random_gpu_model
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
@@ -234,17 +235,35 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None
     return rows
 
 
-def first_request(engine: LLMEngine, plan: dict, vocab: int, log) -> float:
+def first_request(engine: LLMEngine, plan: dict, vocab: int, log) -> tuple[float, dict]:
     """ms from the end of load (model built and warmed, engine made) to the first token of the
-    first request: a `decode_context`-token prompt, then one decode step of it."""
+    first request: a `decode_context`-token prompt, then one decode step of it; and where that
+    time went: the Triton variants compiled on the way (none, when the load-time warm-up covers
+    the request) and the CUDA graphs captured."""
+    graphs = getattr(engine.model, "graphs", None)
+    captures, capture_s = (graphs.num_captures, graphs.capture_s) if graphs else (0, 0.0)
     t0 = time.perf_counter()
-    engine.add_request("first", _prompt(plan["decode_context"], 900, vocab),
-                       SamplingParams(max_tokens=2, ignore_eos=True))
-    _until_first_token(engine, "first")
-    ms = 1e3 * (time.perf_counter() - t0)
-    _finish(engine, ["first"])
-    log(f"first request after load: first token in {ms:.0f} ms")
-    return ms
+    with CompileWatch() as watch:
+        engine.add_request("first", _prompt(plan["decode_context"], 900, vocab),
+                           SamplingParams(max_tokens=2, ignore_eos=True))
+        _until_first_token(engine, "first")
+        ms = 1e3 * (time.perf_counter() - t0)
+        _finish(engine, ["first"])
+    detail = {"compiles": watch.summary(),
+              "graph_captures": graphs.num_captures - captures if graphs else 0,
+              "graph_capture_s": round(graphs.capture_s - capture_s, 3) if graphs else 0.0}
+    log(f"first request after load: first token in {ms:.0f} ms; {watch.report()}; "
+        f"{detail['graph_captures']} graph captures, {detail['graph_capture_s']:.2f} s")
+    return ms, detail
+
+
+def watched(name: str, payload: dict, log, fn, *args, **kwargs):
+    """fn(*args, **kwargs), with the Triton compiles it made under payload["compiles"][name]."""
+    with CompileWatch() as watch:
+        out = fn(*args, **kwargs)
+    payload.setdefault("compiles", {})[name] = watch.summary()
+    log(f"{name}: {watch.report()}")
+    return out
 
 
 def summary(payload: dict, commit: str) -> dict:
@@ -344,13 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=plan["chunk"], max_num_seqs=max(plan["batches"]),
         model_id=f"flashpd-{args.preset}"))
     log = lambda m: print(m, flush=True)  # noqa: E731
-    first_ms = first_request(engine, plan, cfg.vocab_size, log) if args.summary else None
+    first_ms, first_detail = (first_request(engine, plan, cfg.vocab_size, log) if args.summary
+                              else (None, None))
     payload = {"preset": args.preset, "device": torch.cuda.get_device_name()
                if torch.cuda.is_available() else platform.processor() or "cpu",
                "command": "python -m flashpd.bench.gpu_engine " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "build_s": build_s, "decode_context": plan["decode_context"],
-               "first_request_ms": first_ms}
+               "first_request_ms": first_ms, "first_request_detail": first_detail}
     if args.decode_only:
         payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
         if args.compare_sync:  # the same engine with async scheduling off
@@ -363,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(payload, f, indent=1)
         return 0
     if not args.prefill_only:
-        payload["warmup_s"] = warm_up(engine, plan, cfg.vocab_size, log)
+        payload["warmup_s"] = watched("warm_up", payload, log, warm_up, engine, plan,
+                                      cfg.vocab_size, log)
     if args.ttft_only:
         payload["ttft"] = ttft(engine, dict(plan, contexts=(plan["decode_context"],)),
                                cfg.vocab_size, log)
@@ -383,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.out, "engine_prefill.json"), "w") as f:
                 json.dump(payload, f, indent=1)
         return 0
-    payload["ttft"] = ttft(engine, plan, cfg.vocab_size, log)
+    payload["ttft"] = watched("ttft", payload, log, ttft, engine, plan, cfg.vocab_size, log)
     for r in payload["ttft"]:
         flops = sum(gpu_floor.encoder_prefill_flops(cfg, r["context"]).values())
         r["mfu"] = flops / (r["cold_ttft_ms"] * 1e-3) / (gpu_floor.PEAK_BF16_TFLOPS * 1e12)
-    payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
+    payload["decode"] = watched("decode", payload, log, decode, engine, plan, cfg.vocab_size, log)
     payload["decode_sampled"] = decode(engine, plan, cfg.vocab_size, log, SAMPLED,
                                        plan["sampled_batches"])
     payload["notes"] = [

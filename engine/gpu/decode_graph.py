@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple, tuple[object, Step]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.num_captures = 0
+        self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
         self._failed_turns = False
         self.time_replays = False  # CUDA events around each replay (benchmarks: host vs GPU)
         self._events: tuple | None = None
@@ -106,6 +108,7 @@ class DecodeGraphs:
                tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
                tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())))
         if key not in self._graphs:
+            t0 = time.perf_counter()
             try:
                 self._graphs[key] = self._build(step)
             except Exception:  # noqa: BLE001 - a turn that cannot be captured runs eagerly
@@ -114,6 +117,8 @@ class DecodeGraphs:
                 log.exception("turn graph capture failed; turns run eagerly from now on")
                 self._failed_turns = True
                 return model.forward_eager(token_ids, seqs, feed)
+            finally:
+                self.capture_s += time.perf_counter() - t0
         graph, static, nbytes = self._graphs[key]
         if step.buffer is not None and step.input_bytes == nbytes:
             static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy
