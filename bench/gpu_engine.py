@@ -45,6 +45,7 @@ from flashpd.bench.compile_watch import CompileWatch
 from flashpd.engine.gpu.loading import random_gpu_model
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.warmup import warm_up as warm_engine
 from flashpd.model.presets import preset_config
 
 PLANS = {
@@ -346,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the cold and hit TTFT at the decode context (after the warm-up)")
     ap.add_argument("--summary", action="store_true",
                     help="everything, first request after load included; writes summary.json")
+    ap.add_argument("--engine-warmup", action="store_true",
+                    help="warm the engine as load_engine does (always with --summary)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
@@ -363,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=plan["chunk"], max_num_seqs=max(plan["batches"]),
         model_id=f"flashpd-{args.preset}"))
     log = lambda m: print(m, flush=True)  # noqa: E731
+    engine_warmup, early = None, {}
+    if args.summary or args.engine_warmup:  # as engine.loading.load_engine does on a GPU
+        engine_warmup = watched("engine_warmup", early, log, warm_engine, engine)
+        log(f"engine warm-up: {engine_warmup['requests']} requests, {engine_warmup['steps']} "
+            f"steps, {engine_warmup['seconds']:.1f} s")
     first_ms, first_detail = (first_request(engine, plan, cfg.vocab_size, log) if args.summary
                               else (None, None))
     payload = {"preset": args.preset, "device": torch.cuda.get_device_name()
@@ -370,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                "command": "python -m flashpd.bench.gpu_engine " + " ".join(
                    sys.argv[1:] if argv is None else argv),
                "build_s": build_s, "decode_context": plan["decode_context"],
-               "first_request_ms": first_ms, "first_request_detail": first_detail}
+               "first_request_ms": first_ms, "first_request_detail": first_detail,
+               "engine_warmup": engine_warmup, **early}
     if args.decode_only:
         payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
         if args.compare_sync:  # the same engine with async scheduling off

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused indexer attn measure final" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer attn measure final roofline" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -109,6 +109,11 @@ echo "== summary ($(left) s left)"
 timeout $(( $(left) - 60 )) python -m flashpd.bench.gpu_engine --summary --commit "$FLASHPD_COMMIT" \
     --out "$OUT"
 gpu_tests 3
+fi
+if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
+echo "== kernel roofline ($(left) s left)"
+timeout $(( $(left) - 5 )) python -m flashpd.bench.kernel_roofline --out "$OUT" \
+    --variants after before --budget-s $(( $(left) - 40 )) 2>&1 | tail -60
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"

@@ -2,11 +2,13 @@
 
 device "cpu": the reference `Model` (weights dequantised once, torch ops or the dispatcher's
 kernels). device "cuda": `engine.gpu.GpuModel` (weights kept in checkpoint formats on the GPU,
-Triton kernels, BF16 compute).
+Triton kernels, BF16 compute), compiled at load (`GpuModel.warmup`) and then warmed through the
+engine in its role (`engine.warmup.warm_up`; FLASHPD_ENGINE_WARMUP=0 skips that part).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,6 +17,7 @@ from flashpd.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from flashpd.model.kv_format import kv_format
 
 EOS_TOKEN = "<|end_of_sentence|>"
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(checkpoint_dir: str):
@@ -44,4 +47,11 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
-    return LLMEngine(model, config, eos_token_id=eos)
+    engine = LLMEngine(model, config, eos_token_id=eos)
+    if config.device.startswith("cuda") and os.environ.get("FLASHPD_ENGINE_WARMUP", "1") != "0":
+        from flashpd.engine.warmup import warm_up
+
+        done = warm_up(engine)  # the engine's own step shapes, so no request is a compile
+        log.info("engine warm-up: %d requests, %d steps, %.1f s", done["requests"], done["steps"],
+                 done["seconds"])
+    return engine

@@ -285,3 +285,34 @@ def test_async_scheduling_on_the_gpu_path_matches_sync(models):
     (sync, _), (ahead, num_ahead) = runs
     assert ahead == sync and num_ahead >= 2
     assert all(len(v) == 5 for v in ahead.values())
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="interpreted kernels: minutes; runs on the GPU")
+def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
+    """engine.warmup.warm_up on GpuModel with decode graphs (decode batches 1 and 2 at a long
+    and a short context, prefix hits, replays): it captures the decode graphs, leaves the
+    engine empty, and the requests after it get the tokens a fresh engine gives."""
+    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.warmup import WarmupPlan, warm_up
+
+    _, gpu = models
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    runs = []
+    for warm in (False, True):
+        gpu.graphs = DecodeGraphs(gpu)
+        engine = LLMEngine(gpu, EngineConfig(num_blocks=16, num_slots=4, dtype="bfloat16",
+                                             device=DEVICE))
+        if warm:
+            done = warm_up(engine, WarmupPlan(long_tokens=40, short_tokens=12, batches=(1, 2)))
+            assert done["requests"] == 5 and gpu.graphs.num_captures >= 2
+            assert engine.kv.usage()["blocks_cached"] == 0 and not engine.has_unfinished()
+        for k in range(2):
+            engine.add_request(f"r{k}", _prompt(11 + k, 60 + k), params)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs.append(out)
+    gpu.graphs = None
+    assert runs[1] == runs[0] and all(len(v) == 4 for v in runs[0].values())

@@ -1,0 +1,171 @@
+"""Serving-shaped warm-up: synthetic requests through the engine before it takes traffic.
+
+`GpuModel.warmup` compiles the kernels of fixed shapes (the GEMM buckets, a prefill, two decode
+sequences) in scratch pools. What it cannot know is the shape of the engine's own steps: the
+chunk size, decoder narrowing on a prompt's last rows, prefix hits with their bounded replay and
+turn, decode batches padded to each graph bucket, and the kernel variants that switch on with
+the context's length (two-stage top-k, sparse candidate scoring) or on a batch of one (Triton
+specialises an integer argument equal to 1). Measured on the H200 before this (bench preset,
+`gpu_engine --summary`): the first request after load compiled 3 variants (6.1 s of its 6.9 s
+first token), the next 32K prompts 7, the first decode batches of 8 and 64 another 13.
+
+`warm_up(engine)` runs what the engine will run, in its role, on synthetic token ids:
+
+    colocated / prefill   a long prompt (several chunks, the last one partial), then prefix
+                          hits on it (replay + a short turn) and a short prompt
+    colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
+                          `decode_steps` steps, at the long context and at a short one
+    decode role           the same, admitted as the router does (reserve, KV arrived, replay)
+
+then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
+and forgets their records. Returns what it ran (counts and seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from flashpd.engine.sampling import SamplingParams
+
+PREFIX = "__warmup-"
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batches (the graph buckets)
+LONG_PROMPT = 16_384  # tokens: long enough for the long-context kernel variants (two-stage top-k)
+SHORT_PROMPT = 300  # tokens: fewer compressed entries than the indexer's top-k
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    long_tokens: int
+    short_tokens: int
+    batches: tuple[int, ...]
+    decode_steps: int = 2
+    max_steps: int = 10_000  # a bound on engine steps (a warm-up that cannot finish raises)
+
+
+def default_plan(engine) -> WarmupPlan:
+    """The engine's shapes: a long prompt of LONG_PROMPT tokens or two chunks and a partial
+    one, whichever is longer, within a quarter of the KV pool and half the positions; decode
+    batches of every bucket up to max_num_seqs (and the slots)."""
+    cfg, mcfg = engine.config, engine.model.cfg
+    block = engine.kv.chunk_tokens
+    chunk = cfg.max_num_batched_tokens
+    long_tokens = min(max(LONG_PROMPT, 2 * chunk + 129), cfg.num_blocks * block // 4,
+                      mcfg.max_position_embeddings // 2)
+    short = min(SHORT_PROMPT, long_tokens)
+    top = min(cfg.max_num_seqs, cfg.num_slots - 1, (cfg.num_blocks // 4) // 2)
+    return WarmupPlan(long_tokens, short, tuple(b for b in BUCKETS if b <= max(top, 1)))
+
+
+def warm_up(engine, plan: WarmupPlan | None = None) -> dict:
+    """Run `plan` (default: `default_plan`) through `engine`; leaves it as it was (no request,
+    no cached prefix, no pending cache events). Returns {"requests", "steps", "seconds",
+    "long_tokens", "batches"}."""
+    plan = default_plan(engine) if plan is None else plan
+    run = _Run(engine, plan)
+    t0 = time.perf_counter()
+    try:
+        run.go()
+    finally:
+        run.clean()
+    return {"requests": run.count, "steps": run.steps, "seconds": time.perf_counter() - t0,
+            "long_tokens": plan.long_tokens, "batches": list(plan.batches)}
+
+
+class _Run:
+    def __init__(self, engine, plan: WarmupPlan):
+        self.engine, self.plan = engine, plan
+        self.role = engine.config.role
+        vocab = engine.model.cfg.vocab_size
+        self.ids = [10 + (i * 7919) % (vocab - 20) for i in range(plan.long_tokens + 64)]
+        self.count = self.steps = 0
+        # tokens per decoding sequence: enough to stay in the batch through every bucket's
+        # admissions and steps (one that ends early only leaves its bucket a row short)
+        self.budget = (plan.decode_steps + 16) * len(plan.batches)
+        self.live: list[str] = []
+        self.all: list[str] = []
+        self.done: set[str] = set()  # warm-up requests the engine finished
+
+    # ------------------------------------------------------------------ the plan
+    def go(self) -> None:
+        p = self.plan
+        self.prompt(self.ids[:p.long_tokens], max_tokens=1)
+        if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
+            self.prompt(self.ids[:p.long_tokens] + [11, 12, 13], max_tokens=1)
+            self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens], max_tokens=1)
+            return
+        for context in (p.long_tokens, p.short_tokens):
+            self.decode_batches(context)
+
+    def decode_batches(self, context: int) -> None:
+        """Sequences sharing `context` tokens of prompt (prefix hits after the first), added up
+        to each bucket; each bucket decodes `decode_steps` steps with every sequence in it."""
+        base = self.ids[:context] if context == self.plan.long_tokens else \
+            self.ids[-context:]
+        for b in self.plan.batches:
+            while len(self.live) < b:
+                i = len(self.live)
+                self.add(base + [11 + i % 5, 12 + i % 7], max_tokens=self.budget)
+            self.step_until(lambda: all(self.first_token(r) for r in self.live))
+            for _ in range(self.plan.decode_steps):
+                self.step()
+        self.end(self.live)
+
+    # ------------------------------------------------------------------ engine calls
+    def add(self, ids: list[int], max_tokens: int) -> str:
+        rid = f"{PREFIX}{self.count}"
+        self.count += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if self.role == "decode":
+            if self.engine.reserve(rid, ids, params) is None:
+                raise RuntimeError(f"warm-up: no room to reserve {len(ids)} tokens")
+            self.engine.kv_arrived(rid)  # the pools' contents stand in for a pushed prompt
+        else:
+            self.engine.add_request(rid, ids, params)
+        self.live.append(rid)
+        self.all.append(rid)
+        return rid
+
+    def prompt(self, ids: list[int], max_tokens: int) -> None:
+        rid = self.add(ids, max_tokens)
+        self.step_until(lambda: self.first_token(rid) or rid in self.done)
+        self.end([rid])
+
+    def first_token(self, rid: str) -> bool:
+        stats = self.engine.stats.get(rid)
+        return stats is not None and stats.first_token_s is not None
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > self.plan.max_steps:
+            raise RuntimeError(f"warm-up did not finish in {self.plan.max_steps} steps")
+        for out in self.engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"warm-up request failed: {out.error}")
+            if out.finished:
+                self.done.add(out.request_id)
+
+    def step_until(self, pred) -> None:
+        while not pred():
+            self.step()
+
+    def end(self, rids: list[str]) -> None:
+        for rid in list(rids):
+            self.engine.abort(rid)
+            if rid in self.live:
+                self.live.remove(rid)
+
+    def clean(self) -> None:
+        """Abort what is left, finish a step launched ahead, drop the prefix cache the warm-up
+        made and its cache events, and forget its request records."""
+        engine = self.engine
+        self.end(self.live)
+        while engine.has_unfinished():
+            engine.step()
+            self.steps += 1
+        engine.step()  # completes a step launched ahead whose requests are gone
+        self.steps += 1
+        engine.kv.reset()
+        engine.drain_cache_events()
+        for rid in self.all:
+            engine.stats.pop(rid, None)

@@ -1,0 +1,112 @@
+"""warm_up: synthetic serving-shaped requests through the engine, in each role, leaving nothing
+behind (tiny preset, FP32, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.warmup import PREFIX, WarmupPlan, default_plan, warm_up
+
+PLAN = WarmupPlan(long_tokens=300, short_tokens=40, batches=(1, 2, 4), decode_steps=2)
+
+
+def _engine(model, role="colocated", **kw) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(role=role, num_blocks=64, num_slots=8,
+                                         max_num_batched_tokens=128, **kw))
+
+
+def _generate(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    engine.add_request("real", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    ids: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            ids.extend(o.new_token_ids)
+    return ids
+
+
+def _assert_clean(engine: LLMEngine, before: dict) -> None:
+    assert not engine.has_unfinished()
+    assert engine.kv.usage() == dict(before, blocks_free=before["blocks_total"],
+                                     blocks_cached=0)
+    assert engine.drain_cache_events() == []  # nothing of the warm-up reaches the cache index
+    assert not [r for r in engine.stats if r.startswith(PREFIX)]
+    engine.kv.check_consistency()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_colocated_warm_up_runs_every_bucket_and_changes_no_output(model_f32, async_scheduling):
+    prompt = torch.randint(3, 500, (170,), generator=torch.Generator().manual_seed(7)).tolist()
+    fresh = _generate(_engine(model_f32, async_scheduling=async_scheduling), prompt, 6)
+    engine = _engine(model_f32, async_scheduling=async_scheduling)
+    before = engine.kv.usage()
+    steps_before = engine.num_steps
+    done = warm_up(engine, PLAN)
+    # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), twice
+    assert done["requests"] == 1 + 2 * 4 and done["batches"] == [1, 2, 4]
+    assert done["steps"] >= engine.num_steps - steps_before > 2 * 3 * PLAN.decode_steps
+    _assert_clean(engine, before)
+    assert engine.kv.lookup(list(range(10, 400))).hit_tokens == 0
+    assert _generate(engine, prompt, 6) == fresh  # greedy: same tokens as a fresh engine
+
+
+def test_every_bucket_decodes_with_a_full_batch_at_both_contexts(model_f32):
+    engine = _engine(model_f32)
+    seen: list[tuple[int, int]] = []  # (sequences, longest context) of each all-decode forward
+    forward = engine.model.forward
+
+    def spy(token_ids, seqs, *args, **kwargs):
+        if all(inp.num_tokens == 1 for inp in seqs):
+            seen.append((len(seqs), max(inp.start_pos for inp in seqs)))
+        return forward(token_ids, seqs, *args, **kwargs)
+
+    engine.model.forward = spy
+    try:
+        warm_up(engine, PLAN)
+    finally:
+        del engine.model.forward
+    for b in PLAN.batches:
+        assert any(n == b and ctx > PLAN.long_tokens for n, ctx in seen)
+        assert any(n == b and PLAN.short_tokens < ctx < PLAN.long_tokens for n, ctx in seen)
+
+
+def test_decode_role_warm_up_admits_as_the_router_does(model_f32):
+    engine = _engine(model_f32, role="decode")
+    before = engine.kv.usage()
+    done = warm_up(engine, PLAN)
+    assert done["requests"] == 9
+    _assert_clean(engine, before)
+
+
+def test_prefill_role_warm_up_runs_prompts_only(model_f32):
+    engine = _engine(model_f32, role="prefill")
+    before = engine.kv.usage()
+    done = warm_up(engine, PLAN)
+    assert done["requests"] == 3 and done["batches"] == [1, 2, 4]
+    _assert_clean(engine, before)
+
+
+def test_default_plan_fits_the_pool_positions_and_batch_limits(model_f32):
+    engine = _engine(model_f32, max_num_seqs=6)
+    plan = default_plan(engine)
+    assert plan.long_tokens <= 64 * 128 // 4
+    assert plan.long_tokens <= model_f32.cfg.max_position_embeddings // 2
+    assert plan.batches == (1, 2, 4) and plan.short_tokens <= plan.long_tokens
+    big = LLMEngine(model_f32, dataclasses.replace(engine.config, num_blocks=4096,
+                                                   num_slots=300, max_num_seqs=256,
+                                                   max_num_batched_tokens=8192))
+    plan = default_plan(big)
+    assert plan.long_tokens == min(2 * 8192 + 129, model_f32.cfg.max_position_embeddings // 2)
+    assert plan.batches[-1] == 256
+
+
+def test_a_warm_up_that_cannot_finish_raises_and_still_cleans_up(model_f32):
+    engine = _engine(model_f32)
+    before = engine.kv.usage()
+    with pytest.raises(RuntimeError, match="did not finish"):
+        warm_up(engine, dataclasses.replace(PLAN, max_steps=3))
+    _assert_clean(engine, before)
