@@ -11,8 +11,8 @@ first token), the next 32K prompts 7, the first decode batches of 8 and 64 anoth
 
 `warm_up(engine)` runs what the engine will run, in its role, on synthetic token ids:
 
-    colocated / prefill   a long prompt (several chunks, the last one partial), then prefix
-                          hits on it (replay + a short turn) and a short prompt
+    colocated / prefill   a long prompt (several chunks, the last one partial) and one of
+                          whole 512s, then prefix hits (replay + a short turn), a short prompt
     colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
                           `decode_steps` steps, at the long context and at a short one
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
@@ -30,8 +30,12 @@ from flashpd.engine.sampling import SamplingParams
 
 PREFIX = "__warmup-"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batches (the graph buckets)
-LONG_PROMPT = 16_384  # tokens: long enough for the long-context kernel variants (two-stage top-k)
-SHORT_PROMPT = 300  # tokens: fewer compressed entries than the indexer's top-k
+# Prompt lengths: the long one is long enough for the long-context variants (two-stage top-k)
+# and, with 129 more tokens, ends off every alignment; the short one has fewer compressed
+# entries than the indexer's top-k and is a multiple of 512 (Triton specialises integer
+# arguments on divisibility by 16: both forms occur in traffic).
+LONG_PROMPT = 16_384
+SHORT_PROMPT = 512
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,13 @@ class WarmupPlan:
 
 
 def default_plan(engine) -> WarmupPlan:
-    """The engine's shapes: a long prompt of LONG_PROMPT tokens or two chunks and a partial
-    one, whichever is longer, within a quarter of the KV pool and half the positions; decode
+    """The engine's shapes: a long prompt of LONG_PROMPT tokens or two chunks, whichever is
+    longer, and 129 more, within a quarter of the KV pool and half the positions; decode
     batches of every bucket up to max_num_seqs (and the slots)."""
     cfg, mcfg = engine.config, engine.model.cfg
     block = engine.kv.chunk_tokens
     chunk = cfg.max_num_batched_tokens
-    long_tokens = min(max(LONG_PROMPT, 2 * chunk + 129), cfg.num_blocks * block // 4,
+    long_tokens = min(max(LONG_PROMPT, 2 * chunk) + 129, cfg.num_blocks * block // 4,
                       mcfg.max_position_embeddings // 2)
     short = min(SHORT_PROMPT, long_tokens)
     top = min(cfg.max_num_seqs, cfg.num_slots - 1, (cfg.num_blocks // 4) // 2)
@@ -90,6 +94,9 @@ class _Run:
     def go(self) -> None:
         p = self.plan
         self.prompt(self.ids[:p.long_tokens], max_tokens=1)
+        aligned = p.long_tokens // 512 * 512
+        if aligned and self.role != "decode":  # an aligned prompt of other tokens (no hit)
+            self.prompt(self.ids[64:64 + aligned], max_tokens=1)
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
             self.prompt(self.ids[:p.long_tokens] + [11, 12, 13], max_tokens=1)
             self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens], max_tokens=1)

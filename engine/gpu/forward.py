@@ -54,6 +54,10 @@ PREFILL_WARMUP_ROWS = 8192
 # Context of the two sequences whose decode steps the warm-up runs (>= 2 top-k slices of the
 # bench preset's ratio-1 rows, so the small-batch indexer path compiles too).
 DECODE_WARMUP_CONTEXT = 4096
+# Row counts past the graph buckets whose GEMM and MoE variants the warm-up compiles too: a step
+# of several sequences' turns or prompt chunks lands there (the decode phase of the H200 engine
+# bench compiled 3 such variants after load before these were warmed).
+WARMUP_EXTRA_ROWS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
 
 
 class GpuModel(Model):
@@ -95,9 +99,10 @@ class GpuModel(Model):
     def warmup(self, rows: Sequence[int] | None = None,
                prefill_rows: int | None = None) -> int:
         """Compile (and run once) the GEMM, MoE and attention kernel variants that `rows`-row
-        calls take (default: the decode graph buckets and the W-row replay), then every kernel
-        variant of a prefill (`warm_prefill`, prefill_rows tokens; None: PREFILL_WARMUP_ROWS,
-        0: none) and of decode steps at one and two sequences (`warm_decode`, with the
+        calls take (default: the decode graph buckets and the W-row replay; the layers' GEMMs
+        and MoE also WARMUP_EXTRA_ROWS), then every kernel variant of a prefill
+        (`warm_prefill`, prefill_rows tokens; None: PREFILL_WARMUP_ROWS, 0: none) and of decode
+        steps at one and two sequences (`warm_decode`, with the
         prefill), so that the first request is not a compile. Returns the number of kernel
         calls made (0: no Triton); `warmup_s` holds the seconds of each part."""
         import time
@@ -107,21 +112,26 @@ class GpuModel(Model):
         t0 = time.perf_counter()
 
         cfg = self.cfg
-        rows = tuple(sorted(set(BUCKETS) | {cfg.sliding_window})) if rows is None else rows
+        gemm_rows = rows
+        if rows is None:
+            rows = tuple(sorted(set(BUCKETS) | {cfg.sliding_window}))
+            gemm_rows = tuple(sorted(set(rows) | set(WARMUP_EXTRA_ROWS)))
         calls = 0
         if hasattr(self.dense, "warmup"):
-            weights = [self.w.head] if isinstance(self.w.head, Weights) else []
+            weights = []
             for lw in self.w.layers:
                 weights += [getattr(lw, f.name) for f in dataclasses.fields(lw)
                             if isinstance(getattr(lw, f.name), Weights)]
                 if lw.engram is not None and isinstance(lw.engram.wkv, Weights):
                     weights.append(lw.engram.wkv)
-            calls += self.dense.warmup(weights, rows=rows)
+            calls += self.dense.warmup(weights, rows=gemm_rows)
+            if isinstance(self.w.head, Weights):  # logits: the sampled rows only
+                calls += self.dense.warmup([self.w.head], rows=rows)
         if hasattr(self.moe_k, "warmup"):
             lw = next((lw for lw in self.w.layers if lw.experts is not None), None)
             if lw is not None:
                 calls += self.moe_k.warmup(lw.experts, lw.shared, cfg.n_routed_experts,
-                                           cfg.num_experts_per_tok, rows=rows,
+                                           cfg.num_experts_per_tok, rows=gemm_rows,
                                            limit=cfg.swiglu_limit)
         if hasattr(self.attention, "warmup"):
             topk = tuple(sorted({0} | ({cfg.index_topk} if any(

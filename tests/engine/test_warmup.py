@@ -100,7 +100,7 @@ def test_default_plan_fits_the_pool_positions_and_batch_limits(model_f32):
                                                    num_slots=300, max_num_seqs=256,
                                                    max_num_batched_tokens=8192))
     plan = default_plan(big)
-    assert plan.long_tokens == min(2 * 8192 + 129, model_f32.cfg.max_position_embeddings // 2)
+    assert plan.long_tokens == min(16384 + 129, model_f32.cfg.max_position_embeddings // 2)
     assert plan.batches[-1] == 256
 
 
@@ -109,4 +109,12 @@ def test_a_warm_up_that_cannot_finish_raises_and_still_cleans_up(model_f32):
     before = engine.kv.usage()
     with pytest.raises(RuntimeError, match="did not finish"):
         warm_up(engine, dataclasses.replace(PLAN, max_steps=3))
+    _assert_clean(engine, before)
+
+
+def test_a_long_prompt_past_512_adds_an_aligned_prompt_of_other_tokens(model_f32):
+    engine = _engine(model_f32, role="prefill")
+    before = engine.kv.usage()
+    done = warm_up(engine, dataclasses.replace(PLAN, long_tokens=600))
+    assert done["requests"] == 4  # long, aligned (512 tokens), hit + turn, short
     _assert_clean(engine, before)
