@@ -14,7 +14,8 @@ first token), the next 32K prompts 7, the first decode batches of 8 and 64 anoth
     colocated / prefill   a long prompt (several chunks, the last one partial) and one of
                           whole 512s, then prefix hits (replay + a short turn), a short prompt
     colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
-                          `decode_steps` steps, at the long context and at a short one
+                          `decode_steps` steps, at the long context and at a short one; then
+                          the largest bucket admitted at once (16-token turns after prefix hits)
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
 
 then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
@@ -103,6 +104,7 @@ class _Run:
             return
         for context in (p.long_tokens, p.short_tokens):
             self.decode_batches(context)
+        self.burst(p.long_tokens)
 
     def decode_batches(self, context: int) -> None:
         """Sequences sharing `context` tokens of prompt (prefix hits after the first), added up
@@ -116,6 +118,17 @@ class _Run:
             self.step_until(lambda: all(self.first_token(r) for r in self.live))
             for _ in range(self.plan.decode_steps):
                 self.step()
+        self.end(self.live)
+
+    def burst(self, context: int) -> None:
+        """The largest bucket admitted at once, each with a 16-token turn after a prefix hit
+        (a traffic spike: one eager step of many replays and turns, then full-batch decode)."""
+        base = self.ids[:context]
+        for i in range(self.plan.batches[-1]):
+            self.add(base + [11 + (i * 13 + j) % 97 for j in range(16)], max_tokens=self.budget)
+        self.step_until(lambda: all(self.first_token(r) for r in self.live))
+        for _ in range(self.plan.decode_steps):
+            self.step()
         self.end(self.live)
 
     # ------------------------------------------------------------------ engine calls

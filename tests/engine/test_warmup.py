@@ -46,8 +46,8 @@ def test_colocated_warm_up_runs_every_bucket_and_changes_no_output(model_f32, as
     before = engine.kv.usage()
     steps_before = engine.num_steps
     done = warm_up(engine, PLAN)
-    # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), twice
-    assert done["requests"] == 1 + 2 * 4 and done["batches"] == [1, 2, 4]
+    # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), then 4 at once
+    assert done["requests"] == 1 + 2 * 4 + 4 and done["batches"] == [1, 2, 4]
     assert done["steps"] >= engine.num_steps - steps_before > 2 * 3 * PLAN.decode_steps
     _assert_clean(engine, before)
     assert engine.kv.lookup(list(range(10, 400))).hit_tokens == 0
@@ -78,7 +78,7 @@ def test_decode_role_warm_up_admits_as_the_router_does(model_f32):
     engine = _engine(model_f32, role="decode")
     before = engine.kv.usage()
     done = warm_up(engine, PLAN)
-    assert done["requests"] == 9
+    assert done["requests"] == 13
     _assert_clean(engine, before)
 
 
