@@ -96,15 +96,17 @@ class _Run:
         p = self.plan
         self.prompt(self.ids[:p.long_tokens], max_tokens=1)
         aligned = p.long_tokens // 512 * 512
+        burst_base = self.ids[:p.long_tokens]
         if aligned and self.role != "decode":  # an aligned prompt of other tokens (no hit)
-            self.prompt(self.ids[64:64 + aligned], max_tokens=1)
+            burst_base = self.ids[64:64 + aligned]
+            self.prompt(burst_base, max_tokens=1)
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
             self.prompt(self.ids[:p.long_tokens] + [11, 12, 13], max_tokens=1)
             self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens], max_tokens=1)
             return
         for context in (p.long_tokens, p.short_tokens):
             self.decode_batches(context)
-        self.burst(p.long_tokens)
+        self.burst(burst_base)
 
     def decode_batches(self, context: int) -> None:
         """Sequences sharing `context` tokens of prompt (prefix hits after the first), added up
@@ -120,10 +122,12 @@ class _Run:
                 self.step()
         self.end(self.live)
 
-    def burst(self, context: int) -> None:
+    def burst(self, base: list[int]) -> None:
         """The largest bucket admitted at once, each with a 16-token turn after a prefix hit
-        (a traffic spike: one eager step of many replays and turns, then full-batch decode)."""
-        base = self.ids[:context]
+        on `base` (a traffic spike: an eager step of many replays and turns, then full-batch
+        decode). With the aligned prompt as base each sequence adds 128 + 16 rows, a multiple
+        of 16 like most chat turns after a chunk-aligned hit, where the other batches add odd
+        row counts."""
         for i in range(self.plan.batches[-1]):
             self.add(base + [11 + (i * 13 + j) % 97 for j in range(16)], max_tokens=self.budget)
         self.step_until(lambda: all(self.first_token(r) for r in self.live))
