@@ -8,7 +8,6 @@ engine in its role (`engine.warmup.warm_up`; FLASHPD_ENGINE_WARMUP=0 skips that 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -17,7 +16,6 @@ from flashpd.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from flashpd.model.kv_format import kv_format
 
 EOS_TOKEN = "<|end_of_sentence|>"
-log = logging.getLogger(__name__)
 
 
 def load_tokenizer(checkpoint_dir: str):
@@ -48,10 +46,8 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
     engine = LLMEngine(model, config, eos_token_id=eos)
-    if config.device.startswith("cuda") and os.environ.get("FLASHPD_ENGINE_WARMUP", "1") != "0":
-        from flashpd.engine.warmup import warm_up
+    if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
+        from flashpd.engine.warmup import warm_up_at_load
 
-        done = warm_up(engine)  # the engine's own step shapes, so no request is a compile
-        log.info("engine warm-up: %d requests, %d steps, %.1f s", done["requests"], done["steps"],
-                 done["seconds"])
+        warm_up_at_load(engine)
     return engine

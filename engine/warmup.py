@@ -24,10 +24,14 @@ and forgets their records. Returns what it ran (counts and seconds).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 
 from flashpd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 PREFIX = "__warmup-"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batches (the graph buckets)
@@ -60,6 +64,22 @@ def default_plan(engine) -> WarmupPlan:
     short = min(SHORT_PROMPT, long_tokens)
     top = min(cfg.max_num_seqs, cfg.num_slots - 1, (cfg.num_blocks // 4) // 2)
     return WarmupPlan(long_tokens, short, tuple(b for b in BUCKETS if b <= max(top, 1)))
+
+
+def warm_up_at_load(engine, plan: WarmupPlan | None = None) -> dict | None:
+    """`warm_up` as a server runs it at load: skipped when FLASHPD_ENGINE_WARMUP=0, and a
+    failure is logged, not raised (the engine then serves cold: its first requests compile).
+    Returns warm_up's record, or None when it did not run to the end."""
+    if os.environ.get("FLASHPD_ENGINE_WARMUP", "1") == "0":
+        return None
+    try:
+        done = warm_up(engine, plan)
+    except Exception:  # noqa: BLE001 - an optimisation: serve cold rather than not at all
+        log.exception("engine warm-up failed; serving without it (first requests compile)")
+        return None
+    log.info("engine warm-up: %d requests, %d steps, %.1f s", done["requests"], done["steps"],
+             done["seconds"])
+    return done
 
 
 def warm_up(engine, plan: WarmupPlan | None = None) -> dict:

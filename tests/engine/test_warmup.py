@@ -118,3 +118,25 @@ def test_a_long_prompt_past_512_adds_an_aligned_prompt_of_other_tokens(model_f32
     done = warm_up(engine, dataclasses.replace(PLAN, long_tokens=600))
     assert done["requests"] == 4  # long, aligned (512 tokens), hit + turn, short
     _assert_clean(engine, before)
+
+
+def test_at_load_a_failing_warm_up_is_logged_and_the_engine_serves(model_f32, caplog):
+    from flashpd.engine.warmup import warm_up_at_load
+
+    engine = _engine(model_f32)
+    before = engine.kv.usage()
+    with caplog.at_level("ERROR"):
+        assert warm_up_at_load(engine, dataclasses.replace(PLAN, max_steps=3)) is None
+    assert "engine warm-up failed" in caplog.text
+    _assert_clean(engine, before)
+    assert len(_generate(engine, list(range(20, 60)), 3)) == 3
+
+
+def test_at_load_the_switch_skips_it(model_f32, monkeypatch):
+    from flashpd.engine.warmup import warm_up_at_load
+
+    engine = _engine(model_f32)
+    monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "0")
+    assert warm_up_at_load(engine, PLAN) is None and engine.num_steps == 0
+    monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "1")
+    assert warm_up_at_load(engine, PLAN)["requests"] == 13 and engine.num_steps > 0
