@@ -5,17 +5,19 @@ sequences) in scratch pools. What it cannot know is the shape of the engine's ow
 chunk size, decoder narrowing on a prompt's last rows, prefix hits with their bounded replay and
 turn, decode batches padded to each graph bucket, and the kernel variants that switch on with
 the context's length (two-stage top-k, sparse candidate scoring) or on a batch of one (Triton
-specialises an integer argument equal to 1). Measured on the H200 before this (bench preset,
+specialises an integer argument equal to 1, or divisible by 16). Measured on the H200 before this (bench preset,
 `gpu_engine --summary`): the first request after load compiled 3 variants (6.1 s of its 6.9 s
-first token), the next 32K prompts 7, the first decode batches of 8 and 64 another 13.
+first token), the next 32K prompts 7, the first decode batches of 8 and 64 another 13; after
+it, none on the first request (bench/results/h200/first_request.md).
 
 `warm_up(engine)` runs what the engine will run, in its role, on synthetic token ids:
 
     colocated / prefill   a long prompt (several chunks, the last one partial) and one of
                           whole 512s, then prefix hits (replay + a short turn), a short prompt
     colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
-                          `decode_steps` steps, at the long context and at a short one; then
-                          the largest bucket admitted at once (16-token turns after prefix hits)
+                          `decode_steps` steps, at the long (aligned) context and at a short
+                          one, joined by turns of 2 and 16 tokens after prefix hits; then the
+                          largest bucket admitted at once (16-token turns)
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
 
 then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
@@ -124,19 +126,19 @@ class _Run:
             self.prompt(self.ids[:p.long_tokens] + [11, 12, 13], max_tokens=1)
             self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens], max_tokens=1)
             return
-        for context in (p.long_tokens, p.short_tokens):
-            self.decode_batches(context)
+        for base in (burst_base, self.ids[-p.short_tokens:]):  # long and short contexts
+            self.decode_batches(base)
         self.burst(burst_base)
 
-    def decode_batches(self, context: int) -> None:
-        """Sequences sharing `context` tokens of prompt (prefix hits after the first), added up
-        to each bucket; each bucket decodes `decode_steps` steps with every sequence in it."""
-        base = self.ids[:context] if context == self.plan.long_tokens else \
-            self.ids[-context:]
+    def decode_batches(self, base: list[int]) -> None:
+        """Sequences sharing the prompt `base` (prefix hits after the first), added up to each
+        bucket; each bucket decodes `decode_steps` steps with every sequence in it. Turns of 2
+        and 16 tokens alternate: after a chunk-aligned hit a sequence adds 128 + 2 or 128 + 16
+        rows, a count off and on Triton's divisibility by 16 (a sequence admitted alone)."""
         for b in self.plan.batches:
             while len(self.live) < b:
                 i = len(self.live)
-                self.add(base + [11 + i % 5, 12 + i % 7], max_tokens=self.budget)
+                self.add(base + _turn(i, 2 if i % 2 == 0 else 16), max_tokens=self.budget)
             self.step_until(lambda: all(self.first_token(r) for r in self.live))
             for _ in range(self.plan.decode_steps):
                 self.step()
@@ -149,7 +151,7 @@ class _Run:
         of 16 like most chat turns after a chunk-aligned hit, where the other batches add odd
         row counts."""
         for i in range(self.plan.batches[-1]):
-            self.add(base + [11 + (i * 13 + j) % 97 for j in range(16)], max_tokens=self.budget)
+            self.add(base + _turn(i, 16), max_tokens=self.budget)
         self.step_until(lambda: all(self.first_token(r) for r in self.live))
         for _ in range(self.plan.decode_steps):
             self.step()
@@ -213,3 +215,8 @@ class _Run:
         engine.drain_cache_events()
         for rid in self.all:
             engine.stats.pop(rid, None)
+
+
+def _turn(i: int, n: int) -> list[int]:
+    """n synthetic token ids for the i-th warm-up sequence's turn (distinct across i)."""
+    return [11 + (i * 13 + j) % 97 for j in range(n)]
