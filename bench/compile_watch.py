@@ -6,7 +6,9 @@
 
 Triton calls `knobs.runtime.jit_cache_hook` before it compiles a specialisation that is not in
 the process's kernel cache and `jit_post_compile_hook` after, so each pair is one variant made
-during the block: its kernel, its constexprs and the seconds between the two hooks. A warm-up
+during the block: its kernel, its constexprs, the integer arguments it specialised as divisible
+by 16 (two calls whose only difference is that compile twice) and the seconds between the two
+hooks. A warm-up
 that covers the serving shapes leaves nothing to record on the first request.
 """
 
@@ -21,6 +23,7 @@ class Compile:
     kernel: str
     constants: dict
     seconds: float
+    div16: tuple[str, ...] = ()  # integer arguments specialised as divisible by 16
 
 
 @dataclass
@@ -42,7 +45,7 @@ class CompileWatch:
         seconds = 0.0 if start is None else self.clock() - start
         names = getattr(getattr(fn, "jit_function", None), "arg_names", ())
         constants = {_name(k, names): v for k, v in (compile.get("constants") or {}).items()}
-        self.compiles.append(Compile(fn.name, constants, seconds))
+        self.compiles.append(Compile(fn.name, constants, seconds, _div16(compile, names)))
         return None
 
     # ------------------------------------------------------------------ install
@@ -72,13 +75,15 @@ class CompileWatch:
         return {"count": len(self.compiles), "seconds": round(self.seconds, 3),
                 "kernels": [{"kernel": c.kernel, "seconds": round(c.seconds, 3),
                              "constants": {k: v for k, v in c.constants.items()
-                                           if isinstance(v, (int, float, bool, str))}}
+                                           if isinstance(v, (int, float, bool, str))},
+                             "div16": list(c.div16)}
                             for c in rows]}
 
     def report(self, top: int = 12) -> str:
         s = self.summary(top)
         lines = [f"{s['count']} Triton compiles, {s['seconds']:.2f} s"]
-        lines += [f"  {k['seconds']:7.3f} s  {k['kernel']}  {k['constants']}" for k in s["kernels"]]
+        lines += [f"  {k['seconds']:7.3f} s  {k['kernel']}  {k['constants']}  div16={k['div16']}"
+                  for k in s["kernels"]]
         return "\n".join(lines)
 
 
@@ -87,6 +92,21 @@ def _name(key, names) -> str:
     if isinstance(key, tuple) and key and isinstance(key[0], int) and key[0] < len(names):
         return ".".join([names[key[0]], *map(str, key[1:])])
     return ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def _div16(compile: dict, names) -> tuple[str, ...]:
+    """The integer arguments Triton specialised as divisible by 16 (its `attrs`: an argument
+    path -> [["tt.divisibility", 16]]; pointers, nearly always aligned, left out)."""
+    attrs = (compile.get("configs") or [{}])[0] or {}
+    signature = compile.get("signature") or {}
+    out = []
+    for path, values in attrs.items():
+        if not any(v and v[0] == "tt.divisibility" for v in values):
+            continue
+        name = _name(path, names)
+        if not str(signature.get(name, "")).startswith("*"):
+            out.append(name)
+    return tuple(sorted(out))
 
 
 def _chain(mine, theirs):
