@@ -173,6 +173,42 @@ def test_bounded_replay_over_shared_blocks_matches_reference(models):
     assert_close(ref_out[0], gpu_out[0])
 
 
+def test_warm_up_forwards_run_eagerly_on_scratch_pools_of_their_own(models):
+    """The warm-up's forwards, seen at the forward (not computed: the real ones run in the GPU
+    test below): warm_prefill's chunk from position 0 and its odd continuation past the window,
+    warm_decode's prompt of two sequences then decode steps of one and two, each on pools made
+    for the warm-up, with the model's graphs off during it and back after it."""
+    from flashpd.engine.gpu.forward import GpuModel
+
+    _, gpu = models
+    graphs = gpu.graphs = object()  # a stand-in: must be off during the warm-up, kept after it
+    seen = []
+
+    def spy(self, ids, seqs, feed=None):
+        seen.append((self.graphs, len(ids), [(s.start_pos, s.num_tokens) for s in seqs],
+                     {id(s.state.pools) for s in seqs}))
+        return [None] * len(seqs)
+
+    original = GpuModel.forward
+    GpuModel.forward = spy
+    try:
+        assert gpu.warm_prefill(12) == 2 and gpu.warm_decode(12) == 3
+    finally:
+        GpuModel.forward = original
+        gpu.graphs = None
+    w = gpu.cfg.sliding_window
+    more = min(6, w) + 1 | 1
+    assert [(n, spans) for _, n, spans, _ in seen] == [
+        (12, [(0, 12)]), (more, [(12, more)]),
+        (24, [(0, 12), (0, 12)]), (1, [(12, 1)]), (2, [(13, 1), (12, 1)])]
+    assert all(g is None for g, *_ in seen) and graphs is not None
+    assert seen[0][3] == seen[1][3] and seen[2][3] == seen[3][3] == seen[4][3]
+    assert seen[0][3] != seen[2][3]  # each warm-up part has pools of its own
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason=(
+    "seven interpreted forwards (~165 s of CPU CI); the forwards' plan is checked above, and "
+    "this runs on the GPU"))
 def test_prefill_warmup_runs_the_forward_on_scratch_pools_only(models):
     """Load-time warm-up of the prefill variants: two real forwards (a chunk from position 0,
     then an odd-sized continuation) on pools of its own; the model's graphs are kept and a
