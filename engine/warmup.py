@@ -116,15 +116,15 @@ class _Run:
     # ------------------------------------------------------------------ the plan
     def go(self) -> None:
         p = self.plan
-        self.prompt(self.ids[:p.long_tokens], max_tokens=1)
+        self.prompt(self.ids[:p.long_tokens])
         aligned = p.long_tokens // 512 * 512
         burst_base = self.ids[:p.long_tokens]
         if aligned and self.role != "decode":  # an aligned prompt of other tokens (no hit)
             burst_base = self.ids[64:64 + aligned]
-            self.prompt(burst_base, max_tokens=1)
+            self.prompt(burst_base)
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
-            self.prompt(self.ids[:p.long_tokens] + [11, 12, 13], max_tokens=1)
-            self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens], max_tokens=1)
+            self.prompt(self.ids[:p.long_tokens] + [11, 12, 13])
+            self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens])
             return
         for base in (burst_base, self.ids[-p.short_tokens:]):  # long and short contexts
             self.decode_batches(base)
@@ -139,23 +139,24 @@ class _Run:
             while len(self.live) < b:
                 i = len(self.live)
                 self.add(base + _turn(i, 2 if i % 2 == 0 else 16), max_tokens=self.budget)
-            self.step_until(lambda: all(self.first_token(r) for r in self.live))
-            for _ in range(self.plan.decode_steps):
-                self.step()
+            self.decode_all()
         self.end(self.live)
 
     def burst(self, base: list[int]) -> None:
         """The largest bucket admitted at once, each with a 16-token turn after a prefix hit
         on `base` (a traffic spike: an eager step of many replays and turns, then full-batch
-        decode). With the aligned prompt as base each sequence adds 128 + 16 rows, a multiple
-        of 16 like most chat turns after a chunk-aligned hit, where the other batches add odd
-        row counts."""
+        decode). With the aligned prompt as base each sequence adds 128 + 16 rows."""
         for i in range(self.plan.batches[-1]):
             self.add(base + _turn(i, 16), max_tokens=self.budget)
+        self.decode_all()
+        self.end(self.live)
+
+    def decode_all(self) -> None:
+        """Step until every live sequence has its first token, then `decode_steps` steps with
+        all of them decoding."""
         self.step_until(lambda: all(self.first_token(r) for r in self.live))
         for _ in range(self.plan.decode_steps):
             self.step()
-        self.end(self.live)
 
     # ------------------------------------------------------------------ engine calls
     def add(self, ids: list[int], max_tokens: int) -> str:
@@ -172,8 +173,9 @@ class _Run:
         self.all.append(rid)
         return rid
 
-    def prompt(self, ids: list[int], max_tokens: int) -> None:
-        rid = self.add(ids, max_tokens)
+    def prompt(self, ids: list[int]) -> None:
+        """One prompt alone, to its first token (prefill role: its KV ready), then ended."""
+        rid = self.add(ids, max_tokens=1)
         self.step_until(lambda: self.first_token(rid) or rid in self.done)
         self.end([rid])
 
