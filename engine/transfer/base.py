@@ -310,6 +310,7 @@ class KVSender(ABC):
             now_s = time.perf_counter()
             if state == "DONE":
                 handle.stats = TransferStats(handle.num_bytes, now_s - handle.posted_at_s)
+                self._check_done(handle)
                 return handle.stats
             if state != "PROC":
                 handle.aborted = True
@@ -359,6 +360,11 @@ class KVSender(ABC):
         if len(np.unique(dst)) != len(dst):
             raise ValueError("duplicate dst_block_ids")
         return src, dst
+
+    def _check_done(self, handle: TransferHandle) -> None:
+        """After a transfer completed: raise TransferError if it went a way it must not
+        (e.g. NIXL over a transport the policy forbids); the default checks nothing."""
+        return None
 
     @abstractmethod
     def _attach(self, peer: PeerDescriptor) -> None:
