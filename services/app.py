@@ -160,7 +160,8 @@ class RouterArgs(_Placement):
 
 
 class AppArgs(_Strict):
-    checkpoint: str = Field(..., description="checkpoint directory (released format)")
+    checkpoint: str = Field(..., description="checkpoint directory (released format), or "
+                            "random:<preset>[:<seed>] (weights generated on the GPU)")
     model_id: str = "flashpd-tiny"
     redis_url: str | None = Field(None, pattern=r"^rediss?://",
                                   description="redis:// or rediss:// (TLS); no password in it "
@@ -198,6 +199,15 @@ class AppArgs(_Strict):
     def _tls_pair(self) -> AppArgs:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
+
+    @model_validator(mode="after")
+    def _random_weights(self) -> AppArgs:
+        from flashpd.engine.loading import random_source
+
+        if random_source(self.checkpoint) is not None and self.device != "cuda":
+            raise ValueError("checkpoint random:<preset> needs device 'cuda' (the weights are "
+                             "generated on the GPU)")
         return self
 
     @model_validator(mode="after")

@@ -140,6 +140,7 @@ class _WorkerDeployment:
 
     def __init__(self, config: WorkerConfig):
         engine = load_engine(config.checkpoint, config.engine)
+        _return_cached_gpu_memory(config)
         ref = new_worker_ref(self.role, _replica_worker_id(self.role))
         self.worker = self._make_worker(engine, config, ref)
         self.ref = ref
@@ -222,6 +223,19 @@ class DecodeServer(_WorkerDeployment):
                 yield event
         finally:
             await events.aclose()
+
+
+def _return_cached_gpu_memory(config: WorkerConfig) -> None:
+    """After load and warm-up, give the caching allocator's unused reserve back to the driver:
+    replicas sharing one GPU would otherwise each keep their warm-up peak."""
+    if not config.engine.device.startswith("cuda"):
+        return
+    import torch
+
+    torch.cuda.empty_cache()
+    log.warning("%s engine ready: %.1f GiB allocated, %.1f GiB reserved on %s", config.engine.role,
+                torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30,
+                config.engine.device)
 
 
 def engine_config_for(role: str, base: EngineConfig) -> EngineConfig:

@@ -106,7 +106,8 @@ class DecodeGraphs:
         tables = step.tables
         key = (decode, turn, rows,
                tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
-               tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())))
+               tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())),
+               pools_key(tables.pools))
         if key not in self._graphs:
             t0 = time.perf_counter()
             try:
@@ -185,6 +186,15 @@ class DecodeGraphs:
             static.outputs["logits"] = model.compute(static)
         self.num_captures += 1
         return graph, static, nbytes
+
+
+def pools_key(pools) -> tuple:
+    """The memory a graph recorded against `pools` reads and writes: every pool tensor's
+    (address, shape). A graph replays only over the pools it was captured with; two engines
+    over one model (colocated engines, a drafter) get graphs of their own, and pools freed and
+    re-allocated at the same addresses with the same shapes may reuse them."""
+    tensors = [*pools.main.values(), *pools.index.values(), pools.window, pools.open]
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
 
 
 def _offset(t: torch.Tensor) -> int:

@@ -389,3 +389,28 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
     assert se.num_tokens == sg.num_tokens == 20 and se.lookback_ids() == sg.lookback_ids()
     for layer in range(cfg.num_layers):
         assert se.window_span(layer) == sg.window_span(layer)
+
+
+def test_graphs_are_keyed_by_the_pools_they_were_recorded_against():
+    """Two engines' pools of one shape over one model: a decode step in the second pools gets
+    its own graph, whose static step reads and writes those pools (before the key held the
+    pools, it replayed the first engine's graph, wired to the first engine's pools)."""
+    from flashpd.engine.gpu.decode_graph import pools_key
+
+    model = small_model()
+    states = {}
+    for name, prompt_seed in (("a", 1), ("b", 2)):
+        pools = KVPools(model.cfg, 8, 2, "cpu", window_scratch_rows=256)
+        s = PagedSeqState(pools, 0, [0, 1], torch.bfloat16)
+        model.forward(torch.tensor(_ids(20, prompt_seed)), [SeqInput(s, 0, 20)])
+        states[name] = s
+    model.graphs = DecodeGraphs(model, capture=False)
+    for _ in range(2):
+        for s in states.values():
+            model.forward(torch.tensor([9]), [SeqInput(s, s.num_tokens, 1)])
+            model.check_books([s])
+    graphs = model.graphs._graphs
+    assert len(graphs) == 2
+    for s in states.values():
+        (key,) = [k for k in graphs if k[-1] == pools_key(s.pools)]
+        assert graphs[key][1].tables.pools is s.pools

@@ -27,6 +27,9 @@ def test_app_args_and_policy_kwargs_validate(serve_config):
     _, config = serve_config
     app = _app(config)
     args = AppArgs.model_validate(app["args"])
+    if "autoscaling_policy" not in app:
+        assert not args.joint_autoscaling
+        pytest.skip("fixed replicas (one-machine config: services/gpu_stack.py checks it)")
     policy = app["autoscaling_policy"]
     assert policy["policy_function"] == "flashpd.services.autoscaling_serve:JointPolicy"
     kwargs = JointPolicyArgs.model_validate(policy["policy_kwargs"])
@@ -50,6 +53,8 @@ def test_gpu_replicas_ask_for_their_role_resource(serve_config):
     args = AppArgs.model_validate(_app(config)["args"])
     if args.device != "cuda":
         pytest.skip("CPU config: no per-role nodes")
+    if not args.joint_autoscaling:
+        pytest.skip("one-machine config: the replicas share its GPU (fractional num_gpus)")
     for role in ("prefill", "decode", "router"):
         assert getattr(args, role).resources == {f"flashpd_{role}": 1}
     for role in ("prefill", "decode"):

@@ -1,0 +1,52 @@
+"""The one-GPU stack launcher's config check (services/gpu_stack.py): the shipped config passes,
+and what the launcher cannot run is refused before anything starts."""
+
+import pytest
+import yaml
+
+from flashpd.services.gpu_stack import check_config
+
+CONFIG = "infra/serve.h200.yaml"
+
+
+def _variant(tmp_path, edit) -> str:
+    with open(CONFIG) as f:
+        raw = yaml.safe_load(f)
+    edit(raw["applications"][0])
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_shipped_config_shares_one_gpu_between_prefill_and_decode():
+    c = check_config(CONFIG, num_gpus=1)
+    assert c.replicas == {"router": 1, "prefill": 1, "decode": 1}
+    assert c.gpus == 1.0
+    assert c.env["FLASHPD_KV_TRANSPORTS"] == "cuda_ipc"
+    assert c.args["checkpoint"] == "random:bench:0"
+
+
+def test_gpu_fractions_beyond_the_machine_are_refused(tmp_path):
+    path = _variant(tmp_path, lambda app: app["args"]["decode"].update(num_gpus=0.75))
+    with pytest.raises(ValueError, match="1.25 GPUs"):
+        check_config(path, num_gpus=1)
+
+
+def test_autoscaled_roles_are_refused(tmp_path):
+    def edit(app):
+        app["args"]["prefill"]["autoscaling"] = {"min_replicas": 1, "max_replicas": 2}
+        app["args"]["prefill"]["replicas"] = None
+    with pytest.raises(ValueError, match="prefill needs a fixed"):
+        check_config(_variant(tmp_path, edit), num_gpus=1)
+
+
+def test_unknown_args_are_refused_by_the_app_model(tmp_path):
+    path = _variant(tmp_path, lambda app: app["args"]["decode"].update(num_gpu=0.5))
+    with pytest.raises(ValueError, match="num_gpu"):
+        check_config(path, num_gpus=1)
+
+
+def test_random_weights_on_the_cpu_are_refused(tmp_path):
+    path = _variant(tmp_path, lambda app: app["args"].update(device="cpu", dtype="float32"))
+    with pytest.raises(ValueError, match="needs device 'cuda'"):
+        check_config(path, num_gpus=1)
