@@ -201,6 +201,13 @@ class PrefillServer(_WorkerDeployment):
         self._check_target(target_worker)
         return await self.worker.run(req, ticket)
 
+    async def kv_transports(self, target_worker: str | None = None) -> dict[str, str]:
+        """Decode peer -> the transport UCX moved this worker's KV over, read back after the
+        first push to it (NIXL backend; empty before the first push or with `local`)."""
+        self._check_target(target_worker)
+        reports = getattr(self.worker.sender, "transports", {})
+        return {peer: report.transport for peer, report in reports.items()}
+
 
 class DecodeServer(_WorkerDeployment):
     role = "decode"

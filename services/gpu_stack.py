@@ -130,6 +130,13 @@ class GpuStack:
                 time.sleep(0.5)
         raise TimeoutError(f"stack not ready within {timeout_s} s (workers {self.counts()})")
 
+    def kv_transports(self) -> dict[str, str]:
+        """Decode peer -> the UCX transport the prefill replica's pushes used (read back)."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle(DEPLOYMENTS["prefill"], self.config.app_name)
+        return handle.kv_transports.remote().result(timeout_s=30)
+
     def replica_actors(self, role: str) -> dict[str, str]:
         """worker id -> Serve replica actor name, for the live replicas of `role`."""
         import ray

@@ -1,0 +1,484 @@
+"""The product on one GPU, measured through real clients (issue 25).
+
+    bash scripts/gpu_stack.sh bench OUT                   (on the GPU machine; both phases)
+    python -m flashpd.bench.h200_stack --out OUT --phase reference   (colocated engine alone)
+    python -m flashpd.bench.h200_stack --out OUT --phase stack       (the stack + clients)
+
+reference  the colocated GPU engine alone, same weights (`random:bench:0`): greedy ids of the
+           check prompts, one request at a time, and the decode step time at batch 1 and 8
+           over 8K-token prompts (engine.step() wall time, sampling included). Runs in its
+           own process before the stack, whose two replicas need the GPU's memory.
+stack      scripts' one command (services/gpu_stack.py) brings up Redis, Ray and the app from
+           infra/serve.h200.yaml; then, each phase time-boxed:
+             greedy     the check prompts over gRPC (SDK, ids) and HTTP (openai client, text)
+                        against the reference
+             transfer   cold 8K / 32K / 128K prompts: the router's timeline transfer_ms (post to
+                        completion on the prefill worker) -> GB/s of the 890 B/token KV
+             sessions   a two-turn session: the second turn's cached tokens and TTFT (the first
+                        prefix hit at that width), then a second hit at the same width
+             clients    openai client and SDK at concurrency 1, 8, 32 (8K prompts, 64 tokens):
+                        TTFT, ITL, tok/s per user, total tok/s, errors
+             faults     cancels around the KV push of 32K prompts, a decode replica killed
+                        mid-stream: blocks held after, and a request served after
+Writes OUT/results.json, OUT/summary.json (the issue's keys), OUT/reference.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHECKPOINT = "random:bench:0"
+CHECK_PROMPTS = {"short": 300, "2k": 2048, "8k": 8192}
+CHECK_TOKENS = 32
+CLIENT_PROMPT, CLIENT_TOKENS = 8192, 64
+CONCURRENCY = {1: 3, 8: 8, 32: 32}  # concurrency -> requests
+TRANSFER_PROMPTS = (8192, 32768, 131072)
+SESSION_PROMPT = 9000
+CANCEL_PROMPT, CANCEL_AFTER_S = 32768, (1.9, 2.0, 2.1, 2.2, 2.3, 2.5)
+VOCAB_IDS = 6000
+
+
+def smoke_plan(checkpoint: str) -> None:
+    """CPU smoke of every phase's client path against a tiny-preset stack (no reference)."""
+    global CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS, CONCURRENCY
+    global TRANSFER_PROMPTS, SESSION_PROMPT, CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS
+    CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS = checkpoint, {"s": 40}, 200, 8
+    CONCURRENCY, TRANSFER_PROMPTS, SESSION_PROMPT = {1: 1, 2: 2}, (256, 512), 300
+    CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS = 1024, (0.3, 0.6), 400
+BYTES_PER_BLOCK = 113_920  # 890 B/token x 128 (bench = released KV geometry)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """Distinct prompts of `n` ids (inside the small tokenizer's range: any id decodes)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, VOCAB_IDS) for _ in range(n)]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
+
+
+# ------------------------------------------------------------------------------ reference
+def run_reference(out: str) -> dict:
+    from flashpd.engine.llm_engine import EngineConfig
+    from flashpd.engine.loading import load_engine
+    from flashpd.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = load_engine(CHECKPOINT, EngineConfig(
+        role="colocated", num_blocks=2048, num_slots=16, max_num_seqs=16,
+        max_num_batched_tokens=8192, dtype="bfloat16", device="cuda"))
+    load_s = time.perf_counter() - t0
+    greedy = {}
+    for i, (name, n) in enumerate(CHECK_PROMPTS.items()):
+        rid = f"g-{name}"
+        engine.add_request(rid, prompt_ids(n, 100 + i), SamplingParams(
+            max_tokens=CHECK_TOKENS, ignore_eos=True))
+        ids: list[int] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                ids.extend(o.new_token_ids)
+        greedy[name] = ids
+    steps = {b: engine_step_ms(engine, b) for b in (1, 8)}
+    ref = {"load_s": round(load_s, 1), "greedy": greedy, "engine_step_ms": steps}
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump(ref, f, indent=1)
+    print(f"reference: load {load_s:.1f} s, engine step ms {steps}", flush=True)
+    return ref
+
+
+def engine_step_ms(engine, batch: int, steps: int = 24) -> float:
+    """Median engine.step() wall time with `batch` sequences decoding at 8K context."""
+    from flashpd.engine.sampling import SamplingParams
+
+    rids = [f"s{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(rids):
+        engine.add_request(rid, prompt_ids(CLIENT_PROMPT, 500 + 37 * batch + i),
+                           SamplingParams(max_tokens=steps + 40, ignore_eos=True))
+    while any(engine.stats[r].first_token_s is None for r in rids):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return round(statistics.median(times), 2)
+
+
+# ---------------------------------------------------------------------------------- stack
+class Rec:
+    """One request's client-side record."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.arrivals: list[float] = []
+        self.tokens = 0
+        self.error = None
+        self.result = None
+        self.text = ""
+
+    def add(self, n_tokens: int) -> None:
+        self.arrivals.append(time.perf_counter())
+        self.tokens += n_tokens
+
+    def row(self) -> dict:
+        a = self.arrivals
+        ttft = (a[0] - self.t0) * 1e3 if a else None
+        gaps = [(y - x) * 1e3 for x, y in zip(a, a[1:], strict=False)]
+        decode_s = a[-1] - a[0] if len(a) > 1 else 0
+        return {"ttft_ms": ttft, "gaps_ms": gaps, "tokens": self.tokens, "error": self.error,
+                "tok_s_user": (self.tokens - 1) / decode_s if decode_s > 0 else None,
+                "e2e_s": (a[-1] - self.t0) if a else None}
+
+
+async def sdk_request(client, ids, max_tokens, rec: Rec | None = None, **kw):
+    rec = rec or Rec()
+    try:
+        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                 temperature=0.0, timeout_s=600, **kw)
+        async for chunk in stream:
+            if chunk.token_ids:
+                rec.add(len(chunk.token_ids))
+        rec.result = stream.result
+    except Exception as e:  # noqa: BLE001 - recorded as the client's error
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
+async def openai_request(client, model, ids, max_tokens, rec: Rec | None = None):
+    rec = rec or Rec()
+    text = []
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                rec.add(1)
+                text.append(chunk.choices[0].text)
+            if getattr(chunk, "usage", None):
+                rec.result = chunk.usage
+    except Exception as e:  # noqa: BLE001
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    rec.text = "".join(text)
+    return rec
+
+
+async def phase_greedy(stack, ref: dict, tok) -> dict:
+    from openai import AsyncOpenAI
+
+    from flashpd_sdk import AsyncClient
+
+    out = {}
+    client = AsyncClient(stack.grpc_target)
+    oai = AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
+    for i, name in enumerate(CHECK_PROMPTS):
+        ids = prompt_ids(CHECK_PROMPTS[name], 100 + i)
+        want = ref["greedy"][name]
+        g = await sdk_request(client, ids, CHECK_TOKENS)
+        got = list(g.result.output_ids) if g.result else []
+        h = await openai_request(oai, stack.model_id, ids, CHECK_TOKENS)
+        want_text = tok.decode(want, skip_special_tokens=True)
+        out[name] = {"grpc_identical": got == want, "http_identical": h.text == want_text,
+                     "grpc_error": g.error, "http_error": h.error,
+                     "first_diff": next((k for k, (x, y) in enumerate(zip(got, want, strict=False))
+                                         if x != y), None)}
+    await client.close()
+    await oai.close()
+    return out
+
+
+async def phase_transfer(stack) -> dict:
+    from flashpd_sdk import AsyncClient
+
+    client = AsyncClient(stack.grpc_target)
+    out = {}
+    for n in TRANSFER_PROMPTS:
+        rec = await sdk_request(client, prompt_ids(n, 9000 + n), 2)
+        r = rec.result
+        if r is None:
+            out[str(n)] = {"error": rec.error}
+            continue
+        blocks = -(-n // 128)
+        ms = r.timeline.get("transfer_ms", 0.0)
+        out[str(n)] = {"transfer_ms": round(ms, 3), "bytes": blocks * BYTES_PER_BLOCK,
+                       "gb_s": round(blocks * BYTES_PER_BLOCK / ms / 1e6, 1) if ms else None,
+                       "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
+                       "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
+                       "replay_ms": round(r.timeline.get("replay_ms", 0), 1),
+                       "route_ms": round(r.timeline.get("route_ms", 0), 2),
+                       "reserve_ms": round(r.timeline.get("reserve_ms", 0), 2)}
+        print(f"transfer {n}: {out[str(n)]}", flush=True)
+    await client.close()
+    return out
+
+
+async def phase_sessions(stack) -> dict:
+    """Turn 1 cold (9,000 tokens), turn 2 = turn 1 + its answer + 64 new tokens (a prefix hit
+    at a width no earlier request had), turn 3 the same again (a second hit, one width up)."""
+    from flashpd_sdk import AsyncClient
+
+    client = AsyncClient(stack.grpc_target)
+    history = prompt_ids(SESSION_PROMPT, 77)
+    turns = []
+    for turn in range(3):
+        rec = await sdk_request(client, history, 16, session_id="s-width")
+        r = rec.result
+        if r is None:
+            turns.append({"error": rec.error})
+            break
+        turns.append({"prompt_tokens": r.usage.prompt_tokens,
+                      "cached_tokens": r.usage.cached_tokens,
+                      "cached_tokens_decode": r.usage.cached_tokens_decode,
+                      "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
+                      "prefill_worker": r.prefill_worker})
+        history = history + list(r.output_ids) + prompt_ids(64, 900 + turn)
+    await client.close()
+    return {"turns": turns}
+
+
+async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: int) -> dict:
+    from openai import AsyncOpenAI
+
+    from flashpd_sdk import AsyncClient
+
+    if kind == "sdk":
+        client = AsyncClient(stack.grpc_target)
+    else:
+        client = AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
+    queue = list(range(requests))
+    recs: list[Rec] = []
+
+    async def lane():
+        while queue:
+            i = queue.pop()
+            ids = prompt_ids(CLIENT_PROMPT, seed + i)
+            if kind == "sdk":
+                rec = await sdk_request(client, ids, CLIENT_TOKENS)
+            else:
+                rec = await openai_request(client, stack.model_id, ids, CLIENT_TOKENS)
+            recs.append(rec)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    rows = [r.row() for r in recs]
+    ok = [r for r in rows if r["error"] is None and r["ttft_ms"] is not None]
+    gaps = [g for r in ok for g in r["gaps_ms"]]
+    return {"client": kind, "concurrency": concurrency, "requests": len(rows),
+            "errors": len(rows) - len(ok),
+            "error_samples": [r["error"] for r in rows if r["error"]][:3],
+            "ttft_ms_p50": pct([r["ttft_ms"] for r in ok], 0.5),
+            "ttft_ms_p90": pct([r["ttft_ms"] for r in ok], 0.9),
+            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p90": pct(gaps, 0.9),
+            "itl_ms_mean": round(statistics.mean(gaps), 2) if gaps else None,
+            "tok_s_per_user_p50": pct([r["tok_s_user"] for r in ok if r["tok_s_user"]], 0.5),
+            "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 1)}
+
+
+async def phase_faults(stack, deadline: float) -> dict:
+    from flashpd_sdk import AsyncClient
+
+    client = AsyncClient(stack.grpc_target)
+    out: dict = {}
+    # cancels at staggered times around the end of a 32K prefill (~2.1 s), i.e. its KV push
+    cancels = []
+    for k, after_s in enumerate(CANCEL_AFTER_S):
+        task = asyncio.ensure_future(sdk_request(client, prompt_ids(CANCEL_PROMPT, 7000 + k), 8))
+        await asyncio.sleep(after_s)
+        task.cancel()
+        try:
+            await task
+            cancels.append("finished")
+        except asyncio.CancelledError:
+            cancels.append("cancelled")
+    idle = await asyncio.to_thread(stack.wait_idle_blocks, 30.0)
+    held = stack.blocks_held()
+    after = await sdk_request(client, prompt_ids(256, 1), 4)
+    out["cancel"] = {"outcomes": cancels, "idle_after_s": idle, "blocks_held_after": held,
+                     "served_after": after.error is None}
+    print(f"faults cancel: {out['cancel']}", flush=True)
+    if time.monotonic() > deadline - 150:
+        out["decode_kill"] = {"skipped": "no time left in the box"}
+        return out
+    # a decode replica killed mid-stream
+    rec = Rec()
+    task = asyncio.ensure_future(sdk_request(client, prompt_ids(CLIENT_PROMPT, 5), 400,
+                                             rec=rec))
+    while rec.tokens < 20 and not task.done():
+        await asyncio.sleep(0.01)
+    (victim,) = list(stack.replica_actors("decode"))
+    stack.kill_replica("decode", victim)
+    t_kill = time.monotonic()
+    await task
+    ready = None
+    while time.monotonic() < deadline - 20:
+        stats = stack.worker_stats()
+        if any(w.role == "decode" and w.worker_id != victim for w in stats):
+            ready = time.monotonic() - t_kill
+            break
+        await asyncio.sleep(1.0)
+    after = await sdk_request(client, prompt_ids(256, 2), 4) if ready else None
+    idle = await asyncio.to_thread(stack.wait_idle_blocks, 15.0) if ready else None
+    out["decode_kill"] = {"stream_tokens": rec.tokens, "stream_error": rec.error,
+                          "replacement_ready_s": ready, "idle_after_s": idle,
+                          "blocks_held_after": stack.blocks_held() if ready else None,
+                          "served_after": bool(after and after.error is None),
+                          "after_error": after.error if after else None}
+    print(f"faults decode kill: {out['decode_kill']}", flush=True)
+    await client.close()
+    return out
+
+
+def transports(stack) -> dict:
+    try:
+        peers = stack.kv_transports()
+    except Exception as e:  # noqa: BLE001
+        return {"transport": "unknown", "error": repr(e)[:300]}
+    return {"transport": "+".join(sorted(set(peers.values()))) or "unknown", "peers": peers}
+
+
+def gpu_memory() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv"], capture_output=True, text=True,
+                              timeout=20).stdout
+    except Exception as e:  # noqa: BLE001
+        return repr(e)
+
+
+def run_stack(out: str, config: str, budget_s: float) -> dict:
+    from flashpd.engine.loading import load_tokenizer
+    from flashpd.services.gpu_stack import gpu_stack
+
+    deadline = time.monotonic() + budget_s
+    ref_path = os.path.join(out, "reference.json")
+    ref = json.load(open(ref_path)) if os.path.exists(ref_path) else None
+    tok = load_tokenizer(CHECKPOINT)
+    res: dict = {"config": config}
+    t0 = time.monotonic()
+    with gpu_stack(config, ready_timeout_s=max(60.0, budget_s - 60)) as stack:
+        res["ready_s"] = round(time.monotonic() - t0, 1)
+        res["gpu_memory"] = gpu_memory()
+        print(res["gpu_memory"], flush=True)
+        stack.wait_idle_blocks = lambda timeout_s: _wait_idle(stack, timeout_s)
+        phases = [("greedy", lambda: phase_greedy(stack, ref, tok) if ref else None),
+                  ("transfer", lambda: phase_transfer(stack)),
+                  ("sessions", lambda: phase_sessions(stack))]
+        for kind in ("openai", "sdk"):
+            for c, n in CONCURRENCY.items():
+                phases.append((f"{kind}_c{c}", lambda k=kind, c=c, n=n: run_clients(
+                    stack, k, c, n, 20000 + 1000 * c + (0 if k == "sdk" else 500))))
+        phases.append(("faults", lambda: phase_faults(stack, deadline)))
+        for name, make in phases:
+            if time.monotonic() > deadline - 30:
+                res[name] = {"skipped": "time box"}
+                continue
+            t1 = time.monotonic()
+            try:
+                coro = make()
+                res[name] = asyncio.run(coro) if coro is not None else {"skipped": "no ref"}
+            except Exception as e:  # noqa: BLE001 - one phase failing keeps the others
+                res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"== {name} ({time.monotonic() - t1:.1f} s): {json.dumps(res[name])[:600]}",
+                  flush=True)
+            _dump(out, res)
+            if name == "transfer":
+                res["transport"] = transports(stack)
+                print(f"transport: {res['transport']}", flush=True)
+    _dump(out, res)
+    return res
+
+
+def _wait_idle(stack, timeout_s: float):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        stats = stack.worker_stats()
+        if stats and all(w.kv_blocks_used == 0 and w.running == 0 for w in stats):
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.25)
+    return None
+
+
+def _dump(out: str, res: dict) -> None:
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+def summary(out: str, commit: str) -> dict:
+    res = json.load(open(os.path.join(out, "results.json")))
+    ref_path = os.path.join(out, "reference.json")
+    ref = json.load(open(ref_path)) if os.path.exists(ref_path) else {}
+    greedy = res.get("greedy") or {}
+    clients = {c: res.get(f"openai_c{c}", {}) for c in CONCURRENCY}
+    all_runs = [res.get(f"{k}_c{c}", {}) for k in ("openai", "sdk") for c in CONCURRENCY]
+    turns = (res.get("sessions") or {}).get("turns") or []
+    s = {
+        "commit": commit, "preset": "bench",
+        "transport": (res.get("transport") or {}).get("transport", "unknown"),
+        "transfer_gb_s": {k: (res.get("transfer") or {}).get(k, {}).get("gb_s")
+                          for k in ("8192", "32768", "131072")},
+        "greedy_identical_to_colocated": bool(greedy) and all(
+            isinstance(g, dict) and g.get("grpc_identical") and g.get("http_identical")
+            for g in greedy.values()),
+        "ttft_ms_p50": {str(c): clients[c].get("ttft_ms_p50") for c in CONCURRENCY},
+        "itl_ms_p50": {str(c): clients[c].get("itl_ms_p50") for c in CONCURRENCY},
+        "engine_step_ms": {str(b): (ref.get("engine_step_ms") or {}).get(str(b))
+                           for b in (1, 8)},
+        "requests": sum(r.get("requests", 0) for r in all_runs),
+        "errors": sum(r.get("errors", 0) for r in all_runs),
+        "first_hit_new_width_ms": turns[1].get("ttft_ms") if len(turns) > 1 else None,
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(s, f, indent=1)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashpd.bench.h200_stack")
+    p.add_argument("--out", required=True)
+    p.add_argument("--phase", choices=["reference", "stack", "both"], default="both")
+    p.add_argument("--config", default=os.path.abspath("infra/serve.h200.yaml"))
+    p.add_argument("--budget-s", type=float, default=420.0)
+    p.add_argument("--end-unix", type=float, default=None,
+                   help="finish the stack phase by this unix time (overrides --budget-s)")
+    p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
+    p.add_argument("--smoke-checkpoint", help="CPU smoke: tiny sizes, this checkpoint")
+    a = p.parse_args(argv)
+    if a.smoke_checkpoint:
+        smoke_plan(a.smoke_checkpoint)
+    os.makedirs(a.out, exist_ok=True)
+    if a.phase == "both":  # the reference in its own process: its GPU memory goes back
+        cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out,
+               "--phase", "reference"]
+        subprocess.run(cmd, check=False)
+    if a.phase == "reference":
+        run_reference(a.out)
+        return 0
+    budget_s = a.budget_s if a.end_unix is None else a.end_unix - time.time() - 25
+    run_stack(a.out, a.config, budget_s)
+    print(json.dumps(summary(a.out, a.commit), indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The flashpd product on one GPU machine, in one command (README: "On a GPU"):
+#   bash scripts/gpu_stack.sh                      Redis + Ray + infra/serve.h200.yaml; prints
+#                                                  "ready" after load and warm-up; Ctrl-C stops
+#   bash scripts/gpu_stack.sh --check              validate the config only (also on a CPU)
+#   bash scripts/gpu_stack.sh --config FILE ...    another Serve config (services/gpu_stack.py)
+#   bash scripts/gpu_stack.sh bench OUT [ARGS]     the same stack measured through real clients
+#                                                  (bench/h200_stack.py: results in OUT)
+# On a machine without Ray/Redis/NIXL it sources .gpu_stack/install.sh (the bundle built by
+# ../shared/tools/gpu_stack/build.sh); without flashpd importable it installs this checkout
+# (and the SDK) into $FLASHPD_SITE (default /tmp/flashpd-site) with no index.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if ! python3 -c "import ray, redis, nixl" 2>/dev/null && [ -f "$REPO/.gpu_stack/install.sh" ]; then
+    . "$REPO/.gpu_stack/install.sh"
+fi
+if ! (cd /tmp && python3 -c "import flashpd.services.gpu_stack, flashpd_sdk") 2>/dev/null; then
+    SITE=${FLASHPD_SITE:-/tmp/flashpd-site}
+    pip install -q --no-deps --no-index --no-build-isolation --target "$SITE" "$REPO" "$REPO/sdk"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+cd /tmp  # the checkout's folders must not shadow the installed package
+if [ "${1:-}" = bench ]; then
+    shift
+    OUT=${1:?usage: gpu_stack.sh bench OUT [ARGS]}
+    shift
+    exec python3 -m flashpd.bench.h200_stack --out "$OUT" --config "$REPO/infra/serve.h200.yaml" "$@"
+fi
+ARGS=("$@")
+case " $* " in *" --config "*) ;; *) ARGS=(--config "$REPO/infra/serve.h200.yaml" "$@") ;; esac
+exec python3 -m flashpd.services.gpu_stack "${ARGS[@]}"
