@@ -50,6 +50,18 @@ def random_source(checkpoint: str) -> RandomWeights | None:
     return RandomWeights(m["preset"], int(m["seed"] or 0))
 
 
+def model_config(checkpoint: str):
+    """The ModelConfig a checkpoint directory or a `random:` spec serves."""
+    source = random_source(checkpoint)
+    if source is not None:
+        from flashpd.model.presets import preset_config
+
+        return preset_config(source.preset)
+    from flashpd.model.config import ModelConfig
+
+    return ModelConfig.from_file(checkpoint)
+
+
 def load_tokenizer(checkpoint_dir: str):
     """The checkpoint's HF `tokenizers` tokenizer, or None when it ships none."""
     from tokenizers import Tokenizer

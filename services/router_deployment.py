@@ -91,8 +91,7 @@ class Router:
         self.grpc = None
 
     async def __serve_build_asgi_app__(self):
-        from flashpd.engine.loading import load_tokenizer
-        from flashpd.model.config import ModelConfig
+        from flashpd.engine.loading import load_tokenizer, model_config
         from flashpd.services.router.auth import ApiKeys, TlsFiles
         from flashpd.services.router.convert import ModelTable, ServedModel
         from flashpd.services.router.grpc_server import start_grpc_server
@@ -104,7 +103,7 @@ class Router:
         from flashpd.services.router.policy import make_policy
 
         a = self.args
-        cfg = ModelConfig.from_file(a["checkpoint"])
+        cfg = model_config(a["checkpoint"])
         tok = load_tokenizer(a["checkpoint"])
         if tok is None:
             raise ValueError(f"checkpoint {a['checkpoint']} ships no tokenizer.json")
