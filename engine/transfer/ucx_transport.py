@@ -63,7 +63,9 @@ class PutTable:
 
     @property
     def on_gpu(self) -> bool:
-        return "cuda" in self.source or "cuda" in self.destination
+        """A put from GPU memory: what a VRAM pool's WRITE is (UCX also lists puts from host
+        memory to the peer's GPU, which no KV descriptor makes)."""
+        return "cuda" in self.source
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,14 @@ def test_real_nixl_over_tcp_fails_when_another_transport_is_required(tmp_path):
                 "FLASHPD_KV_TRANSPORTS": "cma"})
     assert out["0"][0] == "fallback" and "tcp" in out["0"][1]
     assert out["1"][0] == "fallback"  # the peer stays barred: no silent second try
+
+
+def test_puts_from_host_memory_do_not_count_for_vram_pools():
+    """What the H200 stack's log held: a host->GPU put table over TCP emulation beside the
+    GPU->GPU one over cuda_ipc; the KV's descriptors are GPU memory on both sides."""
+    host_to_gpu = _table("remote memory write by ucp_put* from host memory to cuda/dev[1]",
+                         [("0..inf", "software emulation", "tcp/lo")])
+    gpu_to_gpu = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/dev[1]",
+                        [("0..inf", "zero-copy", "cuda_ipc/cuda")])
+    tables = parse_put_tables(host_to_gpu + "\n" + gpu_to_gpu)
+    assert judge(tables, "VRAM", 4352, ("cuda_ipc",)).transport == "cuda_ipc"
