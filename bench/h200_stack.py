@@ -43,12 +43,14 @@ TRANSFER_PROMPTS = (8192, 32768, 131072)
 SESSION_PROMPT = 9000
 CANCEL_PROMPT, CANCEL_AFTER_S = 32768, (1.9, 2.0, 2.1, 2.2, 2.3, 2.5)
 VOCAB_IDS = 6000
+REF_ENGINE = {"dtype": "bfloat16", "device": "cuda"}
 
 
 def smoke_plan(checkpoint: str) -> None:
     """CPU smoke of every phase's client path against a tiny-preset stack (no reference)."""
     global CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS, CONCURRENCY
     global TRANSFER_PROMPTS, SESSION_PROMPT, CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS
+    REF_ENGINE.update(dtype="float32", device="cpu")
     CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS = checkpoint, {"s": 40}, 200, 8
     CONCURRENCY, TRANSFER_PROMPTS, SESSION_PROMPT = {1: 1, 2: 2}, (256, 512), 300
     CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS = 1024, (0.3, 0.6), 400
@@ -79,7 +81,7 @@ def run_reference(out: str) -> dict:
     t0 = time.perf_counter()
     engine = load_engine(CHECKPOINT, EngineConfig(
         role="colocated", num_blocks=2048, num_slots=16, max_num_seqs=16,
-        max_num_batched_tokens=8192, dtype="bfloat16", device="cuda"))
+        max_num_batched_tokens=8192, **REF_ENGINE))
     load_s = time.perf_counter() - t0
     greedy = {}
     for i, (name, n) in enumerate(CHECK_PROMPTS.items()):
@@ -470,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.phase == "both":  # the reference in its own process: its GPU memory goes back
         cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out,
                "--phase", "reference"]
+        if a.smoke_checkpoint:
+            cmd += ["--smoke-checkpoint", a.smoke_checkpoint]
         subprocess.run(cmd, check=False)
     if a.phase == "reference":
         run_reference(a.out)

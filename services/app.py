@@ -189,6 +189,9 @@ class AppArgs(_Strict):
     kv_format: Literal["nvfp4", "fp8"] = "nvfp4"
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
+    kv_lease_s: float = Field(30.0, gt=0, le=3600, description="how long a decode reservation "
+                              "waits for its KV (prefill queueing included) before its blocks "
+                              "are freed; both roles use it")
     joint_autoscaling: bool = Field(False, description="scaled by the application-level "
                                     "JointPolicy: every role needs `autoscaling` bounds")
     router: RouterArgs = RouterArgs()
@@ -265,7 +268,7 @@ class AppArgs(_Strict):
                               kv_format=self.kv_format,
                               async_scheduling=self.async_scheduling)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
-                            redis_url or self.resolved_redis_url(),
+                            redis_url or self.resolved_redis_url(), lease_s=self.kv_lease_s,
                             max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s)
 
 

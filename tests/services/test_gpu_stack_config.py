@@ -50,3 +50,12 @@ def test_random_weights_on_the_cpu_are_refused(tmp_path):
     path = _variant(tmp_path, lambda app: app["args"].update(device="cpu", dtype="float32"))
     with pytest.raises(ValueError, match="needs device 'cuda'"):
         check_config(path, num_gpus=1)
+
+
+def test_kv_lease_reaches_both_roles():
+    from flashpd.services.app import AppArgs
+
+    c = check_config(CONFIG, num_gpus=1)
+    args = AppArgs.model_validate({**c.args, "redis_url": "redis://127.0.0.1:1",
+                                   "redis_url_env": None})
+    assert args.worker_config("prefill").lease_s == args.worker_config("decode").lease_s == 120
