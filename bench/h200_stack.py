@@ -407,6 +407,11 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
             if name == "transfer":
                 res["transport"] = transports(stack)
                 print(f"transport: {res['transport']}", flush=True)
+                try:
+                    res["push_records"] = stack.push_records()[-len(TRANSFER_PROMPTS):]
+                except Exception as e:  # noqa: BLE001
+                    res["push_records"] = repr(e)[:300]
+                print(f"pushes: {res['push_records']}", flush=True)
     _dump(out, res)
     return res
 

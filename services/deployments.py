@@ -208,6 +208,11 @@ class PrefillServer(_WorkerDeployment):
         reports = getattr(self.worker.sender, "transports", {})
         return {peer: report.transport for peer, report in reports.items()}
 
+    async def push_records(self, target_worker: str | None = None) -> list[dict]:
+        """The last KV pushes' timings (services/prefill/server.py `_record_push`)."""
+        self._check_target(target_worker)
+        return list(self.worker.push_records)
+
 
 class DecodeServer(_WorkerDeployment):
     role = "decode"

@@ -137,6 +137,13 @@ class GpuStack:
         handle = serve.get_deployment_handle(DEPLOYMENTS["prefill"], self.config.app_name)
         return handle.kv_transports.remote().result(timeout_s=30)
 
+    def push_records(self) -> list[dict]:
+        """The prefill replica's last KV pushes: hop, post, wire and total ms, bytes."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle(DEPLOYMENTS["prefill"], self.config.app_name)
+        return handle.push_records.remote().result(timeout_s=30)
+
     def replica_actors(self, role: str) -> dict[str, str]:
         """worker id -> Serve replica actor name, for the live replicas of `role`."""
         import ray

@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_TOMBSTONES = 4096  # request ids aborted before their run arrived, remembered (bounded)
+PUSH_RECORDS = 64  # the last pushes' timings, kept for `push_records` (diagnostics)
 PUSH_THREADS = 4  # threads that wait on KV pushes (the NIXL agent itself is serialized)
 
 
@@ -69,6 +70,8 @@ class _Run:
     phase: str = "compute"  # "compute" | "push" | "done"
     cancel: threading.Event = field(default_factory=threading.Event)
     write_may_land: bool = False  # a transfer could not be cancelled: never send abandon
+    push_started_s: float = 0.0  # time.monotonic() when the push thread took the push
+    posted_s: float = 0.0  # ... when the write was posted (descriptors built, NIXL called)
 
 
 class PrefillWorker(EngineWorker):
@@ -84,6 +87,7 @@ class PrefillWorker(EngineWorker):
         self._pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="flashpd-push")
         self._cleanups: set[asyncio.Task] = set()
         self.transfer_failures = 0
+        self.push_records: deque[dict] = deque(maxlen=PUSH_RECORDS)
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
         if self.draining:
@@ -119,6 +123,7 @@ class PrefillWorker(EngineWorker):
                 self._pushes, self._push, req, ticket, peer, src, run)
             stats = await asyncio.shield(push)
             run.phase = "done"
+            self._record_push(req.request_id, stats, t1, run)
             return PrefillResult(
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
@@ -184,6 +189,19 @@ class PrefillWorker(EngineWorker):
             self._announce_tombstones(peer)
         return peer
 
+    def _record_push(self, request_id: str, stats, t1: float, run: _Run) -> None:
+        """Where a push's time went (ms after the compute ended): the hop onto a push thread,
+        posting (descriptors + NIXL post), post -> completion seen by the poll, the return to
+        the event loop. The transport's own figure is stats.seconds (post -> completion)."""
+        started, posted, now = run.push_started_s, run.posted_s, time.monotonic()
+        self.push_records.append({
+            "request_id": request_id, "bytes": stats.num_bytes,
+            "descriptors": getattr(self.sender, "last_num_descriptors", 0),
+            "hop_ms": 1e3 * (started - t1) if started else None,
+            "post_ms": 1e3 * (posted - started) if posted and started else None,
+            "wire_ms": 1e3 * stats.seconds, "total_ms": 1e3 * (now - t1),
+            "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None})
+
     def _announce_tombstones(self, peer: str) -> None:
         """A newly connected decode worker learns of the recent aborts that found no run here
         (it may be draining blocks for them; older ones are past its fallback anyway)."""
@@ -203,9 +221,11 @@ class PrefillWorker(EngineWorker):
         when the transport could not cancel it, marks the run so no abandon notice is sent:
         the decode worker then keeps the blocks until its lease bound)."""
         handle = None
+        run.push_started_s = time.monotonic()
         try:
             handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids),
                                       ticket.incarnation, peer=peer)
+            run.posted_s = time.monotonic()
             return self.sender.wait(handle, self.config.transfer_timeout_s, run.cancel)
         except TransferCancelled:
             raise Cancelled(f"KV push of {req.request_id} cancelled") from None

@@ -147,3 +147,21 @@ def test_transfer_contract_mismatch_fails_at_handshake(model_f32):
             await d.close()
 
     asyncio.run(main())
+
+
+def test_each_push_records_where_its_time_went(model_f32):
+    async def main():
+        p, d = _workers(model_f32, replay=True)
+        try:
+            _, _, _, pushed = await _turn(p, d, "r", _prompt(200, 5), 2)
+            (record,) = p.push_records
+            assert record["request_id"] == "r" and record["bytes"] == pushed
+            assert min(record["hop_ms"], record["post_ms"], record["wire_ms"]) >= 0
+            # wire_ms runs from inside the post (send's clock) to completion: it overlaps post_ms
+            assert record["hop_ms"] + record["post_ms"] <= record["total_ms"]
+            assert record["hop_ms"] + record["wire_ms"] <= record["total_ms"]
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
