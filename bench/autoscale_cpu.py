@@ -75,7 +75,7 @@ def serve_config(checkpoint: str, grpc_port: int, http_port: int, redis_port: in
             "name": APP, "route_prefix": "/", "import_path": "flashpd.services.app:build_app",
             "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}},
             "autoscaling_policy": {
-                "policy_function": "flashpd.services.autoscaling_serve:JointPolicy",
+                "policy_function": "flashpd.services.autoscaling.serve:JointPolicy",
                 "policy_kwargs": POLICY_KWARGS},
             "args": {
                 "checkpoint": checkpoint, "model_id": "flashpd-tiny",

@@ -230,7 +230,7 @@ async def _disaggregated(model, prompt: Sequence[int], n: int, replay: bool) -> 
     from flashpd.services.api import InternalRequest, SamplingParams, TokenEvent
     from flashpd.services.decode.server import DecodeWorker
     from flashpd.services.prefill.server import PrefillWorker
-    from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+    from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
     def role(name):
         ec = EngineConfig(role=name, num_blocks=64, num_slots=8, swa_bounded_replay=replay,

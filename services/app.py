@@ -9,7 +9,7 @@ values raise, naming the field) and turned into frozen dataclasses for the worke
       '-- DecodeServer   (engine in decode role; autoscaled; PinnedWorkerRouter)
 
 With `joint_autoscaling: true` the three deployments are scaled together by the application-level
-policy `flashpd.services.autoscaling_serve:JointPolicy` (set as the Serve application's
+policy `flashpd.services.autoscaling.serve:JointPolicy` (set as the Serve application's
 `autoscaling_policy`, its `policy_kwargs` checked by its `JointPolicyArgs`); each role's
 `autoscaling` then only gives its replica bounds.
 """
@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
-from flashpd.services.worker_common import WorkerConfig
+from flashpd.services.worker.common import WorkerConfig
 
 
 class _Strict(BaseModel):
@@ -277,7 +277,7 @@ def build_app(args: dict):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from flashpd.services.autoscaling_replicas import (
+    from flashpd.services.autoscaling.replicas import (
         ReportingDecodeServer,
         ReportingPrefillServer,
         ReportingRouter,
@@ -287,7 +287,7 @@ def build_app(args: dict):
     joint = parsed.joint_autoscaling
     redis_url = parsed.resolved_redis_url()
     pinned = RequestRouterConfig(
-        request_router_class="flashpd.services.pinned_router:PinnedWorkerRouter")
+        request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
     prefill = serve.deployment(ReportingPrefillServer, name="PrefillServer",
                                request_router_config=pinned,
                                **parsed.prefill.deployment_options(joint))

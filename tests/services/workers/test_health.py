@@ -11,8 +11,8 @@ import pytest
 
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.services.decode.server import DecodeWorker
-from flashpd.services.deployments import DecodeServer, RedisPublisher
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.deployment import DecodeServer, RedisPublisher
 
 MODEL_ID = "flashpd-tiny"
 

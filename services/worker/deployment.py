@@ -25,7 +25,7 @@ from flashpd.services.api import (
     WorkerRef,
     WorkerStats,
 )
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 log = logging.getLogger(__name__)
 
