@@ -55,7 +55,8 @@ from flashpd.model.kv_format import CompressedKVFormat
 
 HITS = (256, 384, 512)
 TAIL = 64  # prompt tokens after the hit in the generated comparisons
-BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16")
+BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16", value_bits=16,
+                             scale_group=0)
 BF16_QUANT_IMPL = "bf16-kv"
 
 

@@ -41,7 +41,7 @@ import torch
 from flashpd.kernels import dispatch
 from flashpd.kernels.rope.ref import Yarn
 from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat, kv_format
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat, kv_format
 from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
 from flashpd.model.weights import (
     AttentionWeights,
@@ -377,7 +377,7 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
                  hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None,
-                 compressed_kv_format: CompressedKVFormat | str = "nvfp4"):
+                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
         if len(weights.layers) != cfg.num_layers:
@@ -405,7 +405,7 @@ class Model:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
                         kernels: Mapping[str, str] | None = None,
-                        compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
+                        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
         if ckpt.cfg.engram_layer_ids:
@@ -823,7 +823,7 @@ class Model:
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
                kernels: Mapping[str, str] | None = None,
-               compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
+               compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
     """Load a checkpoint directory and build the model in `dtype`."""
     from flashpd.model.checkpoint import load_checkpoint
 

@@ -24,6 +24,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
+from flashpd.services.api import DEPLOYMENT_ROLES
 from flashpd.services.worker.common import WorkerConfig
 
 
@@ -185,7 +187,7 @@ class AppArgs(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
-    kv_format: Literal["nvfp4", "fp8"] = "nvfp4"
+    kv_format: KVFormatName = DEFAULT_KV_FORMAT.name
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     joint_autoscaling: bool = Field(False, description="scaled by the application-level "
@@ -218,7 +220,7 @@ class AppArgs(_Strict):
     @model_validator(mode="after")
     def _joint(self) -> AppArgs:
         if self.joint_autoscaling:
-            missing = [r for r in ("router", "prefill", "decode")
+            missing = [r for r in DEPLOYMENT_ROLES
                        if getattr(self, r).autoscaling is None]
             if missing:
                 raise ValueError(f"joint_autoscaling needs `autoscaling` bounds for {missing}")

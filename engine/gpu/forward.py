@@ -45,7 +45,7 @@ from flashpd.engine.kv_pools import KVPools, PagedSeqState
 from flashpd.kernels import dispatch
 from flashpd.kernels.dense.triton import Weights
 from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat
 from flashpd.model.model import LayerRows, Model, SeqInput, Step, TokenFeed
 
 # Prompt rows the load-time warm-up runs through the forward (the bench's prefill chunk; a
@@ -66,16 +66,16 @@ class GpuModel(Model):
     stages_window_kv = True  # new window records go to scratch rows first (KVPools.for_model)
 
     def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
-                 compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
                  decode_graphs: bool | None = None):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
         super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
                          compressed_kv_format)
-        self._write_fmt = {"nvfp4": self.quant.FMT_NVFP4,
-                           "fp8": self.quant.FMT_WINDOW_FP8}[self.kv_format.name]
-        self._attn_fmt = {"nvfp4": self.attention.FMT_NVFP4,
-                          "fp8": self.attention.FMT_FP8}[self.kv_format.name]
+        if self.kv_format.kernel_code is None:
+            raise ValueError(f"the Triton kernels cannot store {self.kv_format.name!r} KV")
+        # One record code for the quant writer and the attention reader (FMT_* of both kernels).
+        self._write_fmt = self._attn_fmt = self.kv_format.kernel_code
         from flashpd.engine.gpu.decode_graph import DecodeGraphs
 
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs

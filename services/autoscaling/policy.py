@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "router")
+from flashpd.services.api import DEPLOYMENT_ROLES as ROLES
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import logging
 
 from flashpd.services.api import WorkerStats
 from flashpd.services.autoscaling.serve import WORKER_METRICS
+from flashpd.services.decode.deployment import DecodeServer
+from flashpd.services.prefill.deployment import PrefillServer
 from flashpd.services.router.deployment import Router
-from flashpd.services.worker.deployment import DecodeServer, PrefillServer
 
 log = logging.getLogger(__name__)
 
