@@ -42,7 +42,7 @@ from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode,
 
 FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
-# Launch configuration; tuned on an H200 (bench/attention_bench.py, bench/results/h200/attention.md).
+# Launch configuration; tuned on an H200 (benchmarks/attention_bench.py, bench/results/h200/attention.md).
 # Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
 # of heads_block_n (32: 7.87 ms per layer at 8,192 rows vs 8.11 / 8.29 ms at 64 and 8.13 at
@@ -52,7 +52,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # when a row max grows by more than this, log2 units; 0: whenever one grows. The lazy form
 # (8, FlashAttention-4 style) was 1.3% faster per prefill layer on the H200 but moved the
 # GPU-path forward 4x further from the reference on the smoke model: median row error 0.205
-# vs 0.052 after a chunked prefill, bench/gpu_path_diag.py), heads_asm (PTX decode on the GPU).
+# vs 0.052 after a chunked prefill, bench/results/h200/investigations.md), heads_asm (PTX decode on the GPU).
 # heads_trans_s (scores computed transposed, keys in the MMA M dimension: _attend_pairs_t).
 # heads_vsplit: one-pass launches (prefill chunks) as two programs per query, each owning half
 # of the output channels (_heads_vsplit_kernel; heads_vsplit_block_n keys per tile,
@@ -652,7 +652,7 @@ def _heads_vsplit_kernel(
 
 
 # The heads kernels' JIT functions, for tools that compile or inspect them
-# (bench/attention_compile.py, bench/attention_bench.py).
+# (bench/results/h200/attention.md, benchmarks/attention_bench.py).
 HEADS_KERNEL = _heads_kernel
 HEADS_VSPLIT_KERNEL = _heads_vsplit_kernel
 

@@ -56,7 +56,7 @@ _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 MHC_SPLIT = 40
 _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros;
 # in the totals row, column 26 then holds the row's 1/rms for the RMSNorm pass
-# Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md and
+# Launch configuration (H200-tuned; benchmarks/mhc_bench.py, bench/results/h200/mhc.md and
 # mhc_decode.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
@@ -501,7 +501,6 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
-FUSED_KERNEL = _mhc_kernel  # public name for the offline compile report (bench/mhc_sass.py)
 
 
 def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:

@@ -351,7 +351,6 @@ def _swapab_kernel(
             tl.store(out, round_bf16(acc1).to(tl.bfloat16), mask=mask)
 
 
-GEMM_KERNEL = _swapab_kernel  # the up / down kernel (offline compile report: bench/moe_swapab_sass.py)
 
 
 # ============================================================================ host side

@@ -169,7 +169,6 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                             TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
 
 
-ROUTE_KERNEL = _route_kernel  # for offline compile reports (bench/moe_route_sass.py)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -187,7 +186,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 # The gate in one launch at decode sizes (route_sorted): with FUSED_GATE on, calls of at most
 # FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
 # sort_pairs' outputs (the same tensors and values), instead of a second launch. Off: slower on
-# the H200 (bench/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
+# the H200 (benchmarks/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
 # 28.2 / 13.0 at 16; results/h200/moe_fused_gate.md): the last block's serial sort costs more
 # than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time.
 # The bound: 16 tokens are one sort token block; past it the one program sorts block after

@@ -1,6 +1,6 @@
 """Host time of one graphed decode step, on the CPU, with no model compute.
 
-    python -m flashpd.bench.host_step --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
+    python benchmarks/host_step.py --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
 
 The engine runs the `bench` preset's layer layout (40 layers, its compress ratios, kv / index /
 candidate sources, Engram layers, W=128, top-k 512) at the `tiny` preset's widths, through the
