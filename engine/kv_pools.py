@@ -145,10 +145,6 @@ class KVPools:
     def ring_bytes(self) -> int:
         return self.window.shape[0] * self.scratch_base * self.window.shape[2]
 
-    def ring_row(self, slot: int, position: int) -> int:
-        """Row of `position`'s window record in slot `slot`'s ring (any layer)."""
-        return slot * self.ring_rows + position % self.ring_rows
-
 
 class PagedSeqState(TokenCounter, SeqState):
     """`SeqState` over `KVPools`: global entries in the sequence's blocks, private rows in its slot.

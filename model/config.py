@@ -331,10 +331,6 @@ class ModelConfig:
         """Layers run on every prompt token by the prefill worker (0..19 released)."""
         return tuple(range(self.candidate_source_layer_id))
 
-    @property
-    def global_kv_sources(self) -> tuple[int, ...]:
-        return self.kv_source_layer_ids
-
     # ------------------------------------------------------------------ bytes
     @property
     def compressed_entry_bytes(self) -> int:

@@ -162,15 +162,6 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
-def mma_tf32x3(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a . b for FP32 operands as three TF32 products (FP32-level accuracy, tensor cores)."""
-    if UPCAST:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-
-
 # ============================================================================ weight tiles
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
