@@ -113,7 +113,7 @@ fi
 if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
 echo "== kernel roofline ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.kernel_roofline --out "$OUT" \
-    --variants after before --budget-s $(( $(left) - 40 )) 2>&1 | tail -60
+    --variants after --budget-s $(( $(left) - 40 )) 2>&1 | tail -60
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"
