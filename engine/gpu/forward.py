@@ -42,7 +42,7 @@ from flashpd.engine.gpu.tables import HostPack, PagedTables, TableBuilder  # noq
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
-from flashpd.kernels import dispatch
+from flashpd.kernels import dispatch, tuning
 from flashpd.kernels.dense.triton import Weights
 from flashpd.model.config import LayerSpec, ModelConfig
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat
@@ -70,6 +70,7 @@ class GpuModel(Model):
                  decode_graphs: bool | None = None):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
+        tuning.apply_env_overrides()  # the one read of FLASHPD_* kernel overrides, validated
         super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
                          compressed_kv_format)
         if self.kv_format.kernel_code is None:

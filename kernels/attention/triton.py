@@ -26,7 +26,6 @@ interpreter every product runs in FP32.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
@@ -68,7 +67,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # fused_combine: the split-KV paths (both kernels) skip _attn_combine_kernel: the last program of
 # each (query, head block) to finish its range (arrival counter) combines the partials itself,
 # combine_heads heads at a time, in the combine kernel's order (bit-identical), so a decode call
-# is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at import: on). Off: slower on the H200 (B = 1 / 8 /
+# is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at engine load: on). Off: slower on the H200 (B = 1 / 8 /
 # 64 calls 0.093 / 0.122 / 0.139 ms against 0.023 / 0.030 / 0.094, attn_fused_combine.json).
 CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
@@ -80,12 +79,13 @@ CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages"
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
           "combine_heads": 1,  # H200: 1 head per combine program (B = 1 call 22.6 -> 17.2 us)
-          "fused_combine": os.environ.get("FLASHPD_ATTN_FUSED_COMBINE", "0") == "1"}
+          "fused_combine": False}  # FLASHPD_ATTN_FUSED_COMBINE=1 (kernels/tuning.py): on
 
 
 def env_overrides(text: str | None) -> dict:
-    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at import (launch tuning
-    without a code change); an unknown key or a value of another type is an error."""
+    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at engine load
+    (kernels/tuning.py; launch tuning without a code change); an unknown key or a value of
+    another type is an error."""
     if not text:
         return {}
     over = json.loads(text)
@@ -98,7 +98,6 @@ def env_overrides(text: str | None) -> dict:
     return over
 
 
-CONFIG.update(env_overrides(os.environ.get("FLASHPD_ATTN_CONFIG")))
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 

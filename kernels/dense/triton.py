@@ -33,7 +33,6 @@ Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -101,14 +100,14 @@ CONFIG = {"small_rows": 64,
           "prefill": "cublas", "cublas_min_rows": 256}
 # FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
 # no schedule or row gather) run dense/fp8_swap.py's swapped kernel (<= 64, its row classes
-# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import.
+# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at engine load.
 # fp8_swap.CONFIG["layers"] says which layers. H200: faster than the split-K tiles at M = 1, 8
 # (per-layer sum 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md) and 16,
 # 32, 64 (116.7-121.9 -> 91.7, 154.0-157.3 -> 128.9, 215.2-224.4 -> 188-192 us,
 # dense_fp8_rows.md). A row's last bits may differ across the bound and across the row
 # classes (another K order or MMA); these are decode-graph buckets, so a padded graph batch
 # and its eager batch stay on one side. More than 64 rows: the split-K tiles (not measured).
-FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "64"))
+FP8_SWAP_MAX_ROWS = 64
 
 
 # ============================================================================ activations

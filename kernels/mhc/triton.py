@@ -39,8 +39,6 @@ S = 4 streams (hc_mult of every preset).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # isort: off
@@ -90,7 +88,7 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") == "1", "decode_pin": True,
+    "decode_spin": True, "decode_pin": True,  # FLASHPD_MHC_SPIN=0: spin off (kernels/tuning.py)
     "decode_sk_tok": False, "decode_narrow": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
