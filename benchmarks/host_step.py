@@ -58,7 +58,7 @@ class HostOnlyModel(GpuModel):
         step.outputs = {}
         for src in cfg.kv_source_layer_ids:
             if cfg.compress_ratios[src] == 2:
-                rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
+                rows = step.rows_of(cfg.layers[src])
                 step.outputs[("open", src)] = torch.zeros(rows.num_seam, 2, cfg.head_dim,
                                                           device=self.device)
         n = step.logit_rows.shape[0]

@@ -44,7 +44,7 @@ from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
 from flashpd.kernels import dispatch, tuning
 from flashpd.kernels.dense.triton import Weights
-from flashpd.model.config import LayerSpec, ModelConfig
+from flashpd.model.config import LayerGroup, LayerSpec, ModelConfig
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat
 from flashpd.model.model import LayerRows, Model, SeqInput, Step, TokenFeed
 
@@ -82,15 +82,13 @@ class GpuModel(Model):
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self) if use else None
         self.pack = HostPack(self.device)
-        cand = cfg.candidate_source_layer_id
-        self.layer_kinds: dict[tuple[bool, bool], tuple[int, ...]] = {}
+        self.layer_kinds: dict[LayerGroup, tuple[int, ...]] = {}
         for spec in cfg.layers:  # rows kind -> its layers (Step.rows_of)
-            key = (spec.layer_id >= cand, spec.owns_compressor)
-            self.layer_kinds[key] = self.layer_kinds.get(key, ()) + (spec.layer_id,)
-        kinds: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+            self.layer_kinds[spec.group] = self.layer_kinds.get(spec.group, ()) + (spec.layer_id,)
+        kinds: dict[LayerGroup, tuple[list[int], list[int]]] = {}
         for src in cfg.kv_source_layer_ids:  # rows kind -> (kv sources, their ratio-2 ones)
             spec = cfg.layers[src]
-            srcs, opens = kinds.setdefault((src >= cand, spec.owns_compressor), ([], []))
+            srcs, opens = kinds.setdefault(spec.group, ([], []))
             srcs.append(src)
             if cfg.compress_ratios[src] == 2:
                 opens.append(src)
