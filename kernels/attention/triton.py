@@ -59,7 +59,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
 # ranges (split-KV, heads_split_block_n per tile, heads_split_stages) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
-# previous per-head-block kernels instead (the "legacy" keys below; 0: never).
+# previous per-head-block kernels instead (the "legacy" keys below; 0: never). With the default
+# legacy_max_q = 1 they serve every one-query call (the B = 1 decode step): a production path
+# despite the name, so it stays (issue 27 deleted only paths no default selects).
 # Legacy: heads per program, keys per tile, warps, pipeline stages of _attn_kernel (also the
 # gathered-keys `sparse_attention`); split-KV: up to split_target programs for batches of at
 # most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
