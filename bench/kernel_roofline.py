@@ -496,7 +496,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tiny() -> None:
+def use_tiny_shapes() -> None:
     """Shrink every shape (and move to the CPU) so the driver runs under the interpreter."""
     global HIDDEN, HEADS, HEAD_DIM, Q_LORA, O_LORA, O_GROUPS, INTER, EXPERTS, TOP_K
     global INDEX_HEADS, INDEX_DIM, WINDOW, TOPK_KEYS, DECODE_M, PREFILL_M, L2_BYTES, DEV
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no variant after this many seconds (results so far are kept)")
     args = ap.parse_args(argv)
     if args.smoke:
-        _tiny()
+        use_tiny_shapes()
     elif not torch.cuda.is_available():
         raise SystemExit("kernel_roofline needs a CUDA GPU")
     import triton

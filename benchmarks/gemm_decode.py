@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these FP8 cases (wq_a+wkv, wq_b, wo_a, wo_b, idx_wq_b, shared ...)")
     args = ap.parse_args(argv)
     if args.smoke:
-        kr._tiny()
+        kr.use_tiny_shapes()
     elif not torch.cuda.is_available():
         raise SystemExit("gemm_decode needs a CUDA GPU (or --smoke)")
     import triton
