@@ -75,7 +75,7 @@ def serve_config(checkpoint: str, grpc_port: int, http_port: int, redis_port: in
             "name": APP, "route_prefix": "/", "import_path": "flashpd.services.app:build_app",
             "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}},
             "autoscaling_policy": {
-                "policy_function": "flashpd.services.autoscaling_serve:JointPolicy",
+                "policy_function": "flashpd.services.autoscaling.serve:JointPolicy",
                 "policy_kwargs": POLICY_KWARGS},
             "args": {
                 "checkpoint": checkpoint, "model_id": "flashpd-tiny",
@@ -295,17 +295,15 @@ def _deploy(config: dict, workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flashpd.bench.workload import add_tree_args
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/autoscale_cpu")
     ap.add_argument("--levels", default="1,3,6,3,1", help="closed-loop lanes per stage")
     ap.add_argument("--stage-s", type=float, default=60.0)
     ap.add_argument("--tail-s", type=float, default=90.0)
     ap.add_argument("--sample-s", type=float, default=2.0)
-    ap.add_argument("--trees", type=int, default=16)
-    ap.add_argument("--scale", type=float, default=500)
-    ap.add_argument("--time-scale", type=float, default=50)
-    ap.add_argument("--output-scale", type=float, default=40)
-    ap.add_argument("--max-turns", type=int, default=12)
+    add_tree_args(ap)
     ap.add_argument("--report-only", action="store_true",
                     help="re-write report.md and the plot from the files of a previous run in --out")
     ns = ap.parse_args(argv)

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flashpd.bench.cli import Target, _run_targets, parse_concurrency
     from flashpd.bench.report import load_study, write_report
+    from flashpd.bench.workload import add_tree_args
     from flashpd.services.app import build_app
     from flashpd.services.cli import tiny_checkpoint, wait_healthy
     from flashpd.services.redis_local import LocalRedis, free_port
@@ -54,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/cpu_tiny")
-    ap.add_argument("--trees", type=int, default=16)
-    ap.add_argument("--scale", type=float, default=500)
-    ap.add_argument("--time-scale", type=float, default=50)
-    ap.add_argument("--output-scale", type=float, default=40)
-    ap.add_argument("--max-turns", type=int, default=12)
+    add_tree_args(ap)
     ap.add_argument("--window-s", type=float, default=60)
     ap.add_argument("--warmup-requests", type=int, default=2)
     ap.add_argument("--concurrency", default="1,2,4")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from flashpd.bench.records import write_markdown
 from flashpd.engine.kv_pools import PoolGeometry
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
@@ -108,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| private (window rings + open-group rows) | {mem['private_bytes']:,} | "
               f"{mem['predicted_private']:,} |", "",
               "Command: `python -m flashpd.bench.engine_cpu`"]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(args.out, lines)
     return 0
 
 

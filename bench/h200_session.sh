@@ -33,9 +33,9 @@ if [ -f .tcache/tcache.tgz ]; then mkdir -p ~/.triton && tar xzf .tcache/tcache.
 cd /tmp
 if has check; then
 echo "== host step on the device ($(left) s left)"
-timeout 60 python -m flashpd.bench.host_step --device cuda --batch 1 8 64 --context 8192 --steps 20
+timeout 60 python "$REPO/benchmarks/host_step.py" --device cuda --batch 1 8 64 --context 8192 --steps 20
 echo "== gemv check ($(left) s left)"
-timeout 70 python -m flashpd.bench.moe_gemv_check --out "$OUT" --budget-s 5
+timeout 70 python "$REPO/benchmarks/moe_gemv_check.py" --out "$OUT" --budget-s 5
 echo "== sampler ($(left) s left)"
 timeout 60 python -m flashpd.bench.sampler_bench --batch 1 64
 echo "== verify-kernels ($(left) s left)"
@@ -44,22 +44,22 @@ gpu_tests 10
 fi
 if has moe; then  # variants built without a GPU run: MoE sizes, mHC, router / sort
 echo "== swap-AB experts at 1-16 tokens ($(left) s left)"
-timeout 130 python -m flashpd.bench.moe_swapab_check --out "$OUT" --ms 1 2 4 8 16 --budget-s 100
+timeout 130 python "$REPO/benchmarks/moe_swapab_check.py" --out "$OUT" --ms 1 2 4 8 16 --budget-s 100
 echo "== mHC variants ($(left) s left)"
-timeout 140 python -m flashpd.bench.mhc_bench --no-prefill-variants --big 4096 --out "$OUT"
+timeout 140 python "$REPO/benchmarks/mhc_bench.py" --no-prefill-variants --big 4096 --out "$OUT"
 echo "== pair sort ($(left) s left)"
-timeout 60 python -m flashpd.bench.moe_route_bench --sort-only --out "$OUT"
+timeout 60 python "$REPO/benchmarks/moe_route_bench.py" --sort-only --out "$OUT"
 fi
 if has dense; then  # FP8 decode GEMM variants (dense_fp8.md), prefill attention V split
 echo "== FP8 decode GEMM variants ($(left) s left)"
-timeout 200 python -m flashpd.bench.gemm_decode --out "$OUT" --kinds fp8 --warm-procs 15 \
+timeout 200 python "$REPO/benchmarks/gemm_decode.py" --out "$OUT" --kinds fp8 --warm-procs 15 \
     --warm-timeout-s 80 --budget-s 150 --variants new f8_deq_swap_bn256_r4_o16bn128 \
     f8_deq_swap_bn128_r4_o16noswap f8_deq_bn256_r4_o16bn128 f8_deq_o16r4 \
     f8_deq_swap_bn128_o16r4 f8_deq_bn128_o16r4 f8_deq_swap_o16r4 f8_deq f8_deq_pdl_o16r4 \
     f8_deq_t528_o16r4 f8_deq_t132_o16r4 f8_deq_s6_o16r4 f8_deq_swap_bn128_pdl_o16r4 \
     f8_deq_o16r4w8
 echo "== attention V split ($(left) s left)"
-timeout 150 python -m flashpd.bench.attention_bench --prefill-t 8192 --jobs 8 --budget-s 95 \
+timeout 150 python "$REPO/benchmarks/attention_bench.py" --prefill-t 8192 --jobs 8 --budget-s 95 \
     --variants default heads_bn64 vsplit_bn32_w4 vsplit_bn16_w4 vsplit_bn64_w4 vsplit_bn32_w8 \
     vsplit_bn16_w8 vsplit_bn64_w8 --verify vsplit_bn32_w4 vsplit_bn32_w8 \
     --out "$OUT/attn_vsplit.json"
@@ -72,10 +72,10 @@ gpu_tests 5
 fi
 if has fused; then  # the launch fusions built without a GPU (off by default): kernels, then the engine
 echo "== attention fused combine ($(left) s left)"
-timeout 150 python -m flashpd.bench.attention_bench --fused-combine --jobs 6 --budget-s 120 \
+timeout 150 python "$REPO/benchmarks/attention_bench.py" --fused-combine --jobs 6 --budget-s 120 \
     --out "$OUT/attn_fused_combine.json"
 echo "== MoE fused gate ($(left) s left)"
-timeout 90 python -m flashpd.bench.moe_route_bench --fused --tokens 1 2 4 8 16 32 64 --out "$OUT"
+timeout 90 python "$REPO/benchmarks/moe_route_bench.py" --fused --tokens 1 2 4 8 16 32 64 --out "$OUT"
 echo "== decode with both fusions on ($(left) s left)"
 FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 timeout $(( $(left) - 100 )) \
     python -m flashpd.bench.gpu_engine --decode-only --commit "$FLASHPD_COMMIT" --out "$OUT/fused"
@@ -83,7 +83,7 @@ FLASHPD_ATTN_FUSED_COMBINE=1 FLASHPD_MOE_FUSED_GATE=1 gpu_tests 5
 fi
 if has indexer; then  # small-batch indexer launches: kernels on/off, checks, decode off/on, tests
 echo "== indexer score + top-k, small-batch forms off/on ($(left) s left)"
-timeout 100 python -m flashpd.bench.indexer_bench --out "$OUT"
+timeout 100 python "$REPO/benchmarks/indexer_bench.py" --out "$OUT"
 timeout 90 python -m flashpd.cli verify-kernels --ops indexer --no-timing 2>&1 | tail -12
 echo "== decode, small-batch indexer off ($(left) s left)"
 FLASHPD_INDEXER_SMALL_BATCH=0 timeout 170 python -m flashpd.bench.gpu_engine --decode-only \
@@ -95,7 +95,7 @@ gpu_tests 5
 fi
 if has attn; then  # decode attention's split-KV combine width / split count: sweep, pick, summary
 echo "== decode attention variants ($(left) s left)"
-timeout 170 python -m flashpd.bench.attention_bench --decode-only --jobs 7 --budget-s 140 \
+timeout 170 python "$REPO/benchmarks/attention_bench.py" --decode-only --jobs 7 --budget-s 140 \
     --variants default c1 c2 c8 mt2 mt4 mt2_c1 mt2_c2 sh8 sh8_mt2_c1 bn32 bn32_c1 t132 t132_c1 \
     --out "$OUT/attn_decode.json" --pick-out "$OUT/attn_pick.json" | tail -50
 PICK=$(cat "$OUT/attn_pick.json" 2>/dev/null || echo '{}')
@@ -113,7 +113,7 @@ fi
 if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
 echo "== kernel roofline ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.kernel_roofline --out "$OUT" \
-    --variants after before --budget-s $(( $(left) - 40 )) 2>&1 | tail -60
+    --variants after --budget-s $(( $(left) - 40 )) 2>&1 | tail -60
 fi
 has measure || { echo "== done ($(left) s left)"; exit 0; }
 echo "== summary ($(left) s left; FLASHPD_MOE_GEMV_MAX_ROWS=${FLASHPD_MOE_GEMV_MAX_ROWS:-default})"

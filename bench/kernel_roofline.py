@@ -3,9 +3,9 @@
     python -m flashpd.bench.kernel_roofline --out bench/results/h200 [--sweep]
 
 Measures the card's ceilings first (a 1 GiB device-to-device copy, counting bytes read plus
-written; an 8192^3 bf16 GEMM), then for each kernel variant ("before": the previous kernels,
-reached through their CONFIG switches; "after": the current defaults; with --sweep a few
-launch configurations) and each case:
+written; an 8192^3 bf16 GEMM), then for each kernel variant ("after": the current defaults;
+with --sweep a few launch configurations; the previous kernels' "before" rows are in
+bench/results/h200/roofline_b428135.md, their code in git history) and each case:
 
     decode  M = 1, 8, 64 tokens: FP8 32x32 dense layers (wq_a, wq_b, wkv, wo_a grouped, wo_b,
             indexer wq_b), the FP8 shared expert (SwiGLU GEMM + down GEMM), the MXFP4 routed
@@ -42,7 +42,6 @@ DEV = "cuda"
 
 # name -> (dense CONFIG overrides, attention CONFIG overrides)
 VARIANTS = {
-    "before": ({"path": "legacy"}, {"split_target": 0, "legacy_max_q": 1 << 30}),
     "after": ({}, {}),
 }
 _MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024}
@@ -56,7 +55,6 @@ SWEEP = {
     "mx_asm_k128_t264": ({"mxfp4_decode": "asm", "mx": {**_MX, "block_k": 128,
                                                          "target_ctas": 264}}, {}),
     "mx_bits": ({"mxfp4_decode": "bits"}, {}),
-    "pf_mx_legacy": ({"mxfp4_large": "legacy"}, {}),
 }
 
 
@@ -459,8 +457,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['bf16_TFLOPs']:.0f} TFLOP/s.",
         "Times: median per call over CUDA-graph replays (calls back to back over enough weight "
         "copies to stream from HBM). Bytes: weights + scales once, activations in and out. "
-        "`before` = the previous kernels (dense CONFIG path=legacy, attention split_target=0); "
-        "`after` = the current defaults. err = max |out - ref| / max |ref| against a torch "
+        "`before` = the previous kernels (rows kept in roofline_b428135.md; '-' in a run of "
+        "today's code); `after` = the current defaults. err = max |out - ref| / max |ref| against a torch "
         "reference on the dequantised weights.", "",
         "| kernel | shape | M | MB moved | GFLOP | before ms | after ms | speed-up | after GB/s "
         "| % copy | after TFLOP/s | % bf16 | err |",
@@ -498,7 +496,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tiny() -> None:
+def use_tiny_shapes() -> None:
     """Shrink every shape (and move to the CPU) so the driver runs under the interpreter."""
     global HIDDEN, HEADS, HEAD_DIM, Q_LORA, O_LORA, O_GROUPS, INTER, EXPERTS, TOP_K
     global INDEX_HEADS, INDEX_DIM, WINDOW, TOPK_KEYS, DECODE_M, PREFILL_M, L2_BYTES, DEV
@@ -515,7 +513,7 @@ ATTN_DEFAULT: dict = {}
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/h200")
-    ap.add_argument("--variants", nargs="*", default=["before", "after"])
+    ap.add_argument("--variants", nargs="*", default=["after"])
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP configurations")
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--sweep-only", nargs="*", default=None,
@@ -526,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no variant after this many seconds (results so far are kept)")
     args = ap.parse_args(argv)
     if args.smoke:
-        _tiny()
+        use_tiny_shapes()
     elif not torch.cuda.is_available():
         raise SystemExit("kernel_roofline needs a CUDA GPU")
     import triton

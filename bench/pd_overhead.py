@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from flashpd.bench.records import write_markdown
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.sampling import SamplingParams
 
@@ -106,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{k[:-3]} {statistics.median(pd[k]):.1f}" for k in
                  ("reserve_ms", "prefill_ms", "transfer_ms", "replay_ms")), "",
              "Command: `unshare -n sh -c 'ip link set lo up && python -m flashpd.bench.pd_overhead'`"]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(rows) + "\n")
-    print("\n".join(rows))
+    write_markdown(args.out, rows)
     return 0
 
 

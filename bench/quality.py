@@ -55,7 +55,8 @@ from flashpd.model.kv_format import CompressedKVFormat
 
 HITS = (256, 384, 512)
 TAIL = 64  # prompt tokens after the hit in the generated comparisons
-BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16")
+BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16", value_bits=16,
+                             scale_group=0)
 BF16_QUANT_IMPL = "bf16-kv"
 
 
@@ -230,7 +231,7 @@ async def _disaggregated(model, prompt: Sequence[int], n: int, replay: bool) -> 
     from flashpd.services.api import InternalRequest, SamplingParams, TokenEvent
     from flashpd.services.decode.server import DecodeWorker
     from flashpd.services.prefill.server import PrefillWorker
-    from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+    from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
     def role(name):
         ec = EngineConfig(role=name, num_blocks=64, num_slots=8, swa_bounded_replay=replay,

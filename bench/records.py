@@ -151,3 +151,10 @@ def read_run(run_dir: str | Path) -> tuple[RunMeta, list[RequestRecord]]:
     with open(path / RECORDS_FILE) as src:
         records = [RequestRecord.from_json(json.loads(line)) for line in src if line.strip()]
     return meta, records
+
+
+def write_markdown(path: str | Path, lines: list[str]) -> None:
+    """Writes a report's lines to `path` (its folder created) and prints them."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

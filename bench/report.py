@@ -240,10 +240,7 @@ def _plot_throughput(study: Study, path: Path, cap: float) -> Path:
             ax.set_ylabel(f"{'(in+out)' if thru == 'total' else 'output'} tok/s/GPU")
             ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _ttfts(records: list[RequestRecord]) -> list[float]:
@@ -276,10 +273,7 @@ def _plot_cdf(
         ax.set_ylabel("fraction of requests" if "TTFT" in xlabel else "fraction of tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_hit_rate(study: Study, path: Path) -> Path:
@@ -297,6 +291,10 @@ def _plot_hit_rate(study: Study, path: Path) -> Path:
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

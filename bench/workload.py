@@ -421,3 +421,12 @@ def _group_sizes(workload: Workload) -> list[int]:
         if r.is_subagent:
             sizes[(r.tree_id, r.agent)] = sizes.get((r.tree_id, r.agent), 0) + 1
     return list(sizes.values())
+
+
+def add_tree_args(ap) -> None:
+    """The session-tree arguments the CPU studies share (argparse; defaults of the CPU runs)."""
+    ap.add_argument("--trees", type=int, default=16)
+    ap.add_argument("--scale", type=float, default=500)
+    ap.add_argument("--time-scale", type=float, default=50)
+    ap.add_argument("--output-scale", type=float, default=40)
+    ap.add_argument("--max-turns", type=int, default=12)

@@ -33,7 +33,7 @@ import torch
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.kernels.quant import ref as q
 from flashpd.model.config import ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat, kv_format
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat, kv_format
 from flashpd.model.state import (
     Entries,
     GlobalKV,
@@ -51,7 +51,7 @@ class PoolGeometry:
 
     cfg: ModelConfig
     chunk_tokens: int = CHUNK_TOKENS
-    compressed_format: CompressedKVFormat | str = "nvfp4"  # resolved to the format object
+    compressed_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT  # resolved to the format object
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compressed_format", kv_format(self.compressed_format))
@@ -92,7 +92,7 @@ class KVPools:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
                  device: str | torch.device = "cpu",
-                 compressed_format: CompressedKVFormat | str = "nvfp4",
+                 compressed_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
                  window_scratch_rows: int = 0):
         if window_scratch_rows < 0:
             raise ValueError(f"window_scratch_rows must be >= 0, got {window_scratch_rows}")
@@ -144,10 +144,6 @@ class KVPools:
     @property
     def ring_bytes(self) -> int:
         return self.window.shape[0] * self.scratch_base * self.window.shape[2]
-
-    def ring_row(self, slot: int, position: int) -> int:
-        """Row of `position`'s window record in slot `slot`'s ring (any layer)."""
-        return slot * self.ring_rows + position % self.ring_rows
 
 
 class PagedSeqState(TokenCounter, SeqState):

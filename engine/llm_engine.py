@@ -38,6 +38,7 @@ from flashpd.engine.scheduler import (
     StepPlan,
     StepResult,
 )
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.model.model import Model, exact_replay_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,7 +59,7 @@ class EngineConfig:
     model_id: str = "flashpd-tiny"
     cache_salt: str = ""
     seed: int = 0
-    kv_format: str = "nvfp4"  # compressed main KV: "nvfp4" (trained format) or "fp8"
+    kv_format: KVFormatName = DEFAULT_KV_FORMAT.name  # compressed main KV (model/kv_format.py)
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
 

@@ -314,14 +314,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    @property
-    def num_waiting_for_kv(self) -> int:
-        return len(self._awaiting_kv)
-
-    @property
-    def num_kv_held(self) -> int:
-        return len(self._kv_held)
-
     def has_unfinished(self) -> bool:
         """Whether a step can make progress: requests waiting to run or running. Requests
         waiting for KV or holding finished KV only move on kv_arrived / release_kv / abort."""

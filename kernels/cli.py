@@ -23,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # Triton is imported only here: `flashpd --help` and the other commands never need it.
-    from flashpd.kernels import triton_runtime, verify
+    from flashpd.kernels import triton_runtime, tuning, verify
 
+    tuning.apply_env_overrides()  # FLASHPD_* launch overrides, validated (kernels/tuning.py)
     scale = args.scale or ("tiny" if triton_runtime.interpreting() else "bench")
     if scale == "bench" and triton_runtime.interpreting():
         raise SystemExit("--scale bench needs a GPU; the interpreter runs tiny shapes only")

@@ -16,7 +16,7 @@ import enum
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class LayerRole(str, enum.Enum):
@@ -24,6 +24,15 @@ class LayerRole(str, enum.Enum):
     FULL = "full"
     REINDEX = "reindex"
     REUSE = "reuse"
+
+
+class LayerGroup(NamedTuple):
+    """Layers that touch the same rows of a step (`Step.rows`), keyed by the two facts that
+    decide them: a decoder layer (from the candidate source on) skips a prefill's encoder-only
+    rows; a layer that owns a compressor also keeps the seam rows its compressor reads."""
+
+    decoder: bool
+    owns_compressor: bool
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class LayerSpec:
     @property
     def owns_index_query(self) -> bool:
         return self.role in (LayerRole.FULL, LayerRole.REINDEX)
+
+    @property
+    def group(self) -> LayerGroup:
+        return LayerGroup(decoder=not self.is_encoder, owns_compressor=self.owns_compressor)
 
 
 
@@ -330,10 +343,6 @@ class ModelConfig:
     def encoder_layer_ids(self) -> tuple[int, ...]:
         """Layers run on every prompt token by the prefill worker (0..19 released)."""
         return tuple(range(self.candidate_source_layer_id))
-
-    @property
-    def global_kv_sources(self) -> tuple[int, ...]:
-        return self.kv_source_layer_ids
 
     # ------------------------------------------------------------------ bytes
     @property

@@ -40,8 +40,8 @@ import torch
 
 from flashpd.kernels import dispatch
 from flashpd.kernels.rope.ref import Yarn
-from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat, kv_format
+from flashpd.model.config import LayerGroup, LayerSpec, ModelConfig
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat, kv_format
 from flashpd.model.state import DenseSeqState, OpenGroup, SeqState, StateError
 from flashpd.model.weights import (
     AttentionWeights,
@@ -222,7 +222,7 @@ class LayerRows:
     seam = compute = all T rows (a decode step or a replay), so the forward skips the gathers.
     """
 
-    def __init__(self, key: tuple[bool, bool], segs: Sequence[Segment], device: torch.device,
+    def __init__(self, key: LayerGroup, segs: Sequence[Segment], device: torch.device,
                  num_rows: int):
         self.key, self.parts = key, []
         decoder, owns_compressor = key
@@ -256,7 +256,7 @@ class LayerRows:
         self.positions = _on(positions, device)  # [Tc] absolute positions of the compute rows
         self.seam_positions = _on(seam_positions, device)  # [Ts]
 
-    def relabel(self, key: tuple[bool, bool]) -> LayerRows:
+    def relabel(self, key: LayerGroup) -> LayerRows:
         """The same rows for another kind of layer (a step where both kinds touch the same)."""
         out = copy.copy(self)
         out.key = key
@@ -316,7 +316,7 @@ class Step:
 
     token_ids: torch.Tensor  # [T]
     segs: list[Segment]
-    rows: dict[tuple[bool, bool], LayerRows]
+    rows: dict[LayerGroup, LayerRows]
     hash_ids: dict[int, torch.Tensor]  # Engram layer -> [T, C]
     logit_rows: torch.Tensor  # [n] rows of the batch the head runs on
     logit_counts: list[int | None]  # per segment: rows of logits, None = not requested
@@ -327,8 +327,8 @@ class Step:
     buffer: torch.Tensor | None = None  # the one device buffer the tensors view (a backend's)
     input_bytes: int = 0  # buffer[:input_bytes] holds every tensor of `tensors()`
 
-    def rows_of(self, spec: LayerSpec, cand: int) -> LayerRows:
-        return self.rows[(spec.layer_id >= cand, spec.owns_compressor)]
+    def rows_of(self, spec: LayerSpec) -> LayerRows:
+        return self.rows[spec.group]
 
     def tensors(self) -> list[torch.Tensor]:
         """The device inputs, in a fixed order (what a graph replay refills)."""
@@ -377,7 +377,7 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
                  hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None,
-                 compressed_kv_format: CompressedKVFormat | str = "nvfp4"):
+                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
         if len(weights.layers) != cfg.num_layers:
@@ -405,7 +405,7 @@ class Model:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
                         kernels: Mapping[str, str] | None = None,
-                        compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
+                        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
         if ckpt.cfg.engram_layer_ids:
@@ -455,7 +455,7 @@ class Model:
         rows = {}
         same = all(seg.decoder_first == 0 for seg in segs)  # every kind: every row (decode)
         for spec in cfg.layers:
-            key = (spec.layer_id >= cfg.candidate_source_layer_id, spec.owns_compressor)
+            key = spec.group
             if key not in rows:
                 rows[key] = (next(iter(rows.values())).relabel(key) if same and rows
                              else LayerRows(key, segs, device, num_rows))
@@ -508,7 +508,7 @@ class Model:
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
         step.published, step.outputs = Published(), {}
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
-            rows = step.rows_of(spec, cfg.candidate_source_layer_id)
+            rows = step.rows_of(spec)
             if rows.num_seam:
                 streams, carried_pre = self._layer(spec, lw, rows, streams, carried_pre, step)
         if step.logit_rows.numel() == 0:
@@ -823,7 +823,7 @@ class Model:
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
                kernels: Mapping[str, str] | None = None,
-               compressed_kv_format: CompressedKVFormat | str = "nvfp4") -> Model:
+               compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
     """Load a checkpoint directory and build the model in `dtype`."""
     from flashpd.model.checkpoint import load_checkpoint
 

@@ -58,7 +58,10 @@ from flashpd.engine.sampling_params import SamplingError, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = ("prefill", "decode")  # the worker roles (engine roles without colocated)
+DeploymentRole = Literal["prefill", "decode", "router"]
+# Every Serve deployment of the application: the workers and the router (scaled together).
+DEPLOYMENT_ROLES: tuple[DeploymentRole, ...] = (*ROLES, "router")
 
 
 # ---------------------------------------------------------------------------------------- errors

@@ -9,7 +9,7 @@ values raise, naming the field) and turned into frozen dataclasses for the worke
       '-- DecodeServer   (engine in decode role; autoscaled; PinnedWorkerRouter)
 
 With `joint_autoscaling: true` the three deployments are scaled together by the application-level
-policy `flashpd.services.autoscaling_serve:JointPolicy` (set as the Serve application's
+policy `flashpd.services.autoscaling.serve:JointPolicy` (set as the Serve application's
 `autoscaling_policy`, its `policy_kwargs` checked by its `JointPolicyArgs`); each role's
 `autoscaling` then only gives its replica bounds.
 """
@@ -24,7 +24,9 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
-from flashpd.services.worker_common import WorkerConfig
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
+from flashpd.services.api import DEPLOYMENT_ROLES
+from flashpd.services.worker.common import WorkerConfig
 
 
 class _Strict(BaseModel):
@@ -186,7 +188,7 @@ class AppArgs(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
-    kv_format: Literal["nvfp4", "fp8"] = "nvfp4"
+    kv_format: KVFormatName = DEFAULT_KV_FORMAT.name
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     kv_lease_s: float = Field(30.0, gt=0, le=3600, description="how long a decode reservation "
@@ -231,7 +233,7 @@ class AppArgs(_Strict):
     @model_validator(mode="after")
     def _joint(self) -> AppArgs:
         if self.joint_autoscaling:
-            missing = [r for r in ("router", "prefill", "decode")
+            missing = [r for r in DEPLOYMENT_ROLES
                        if getattr(self, r).autoscaling is None]
             if missing:
                 raise ValueError(f"joint_autoscaling needs `autoscaling` bounds for {missing}")
@@ -290,7 +292,7 @@ def build_app(args: dict):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from flashpd.services.autoscaling_replicas import (
+    from flashpd.services.autoscaling.replicas import (
         ReportingDecodeServer,
         ReportingPrefillServer,
         ReportingRouter,
@@ -300,7 +302,7 @@ def build_app(args: dict):
     joint = parsed.joint_autoscaling
     redis_url = parsed.resolved_redis_url()
     pinned = RequestRouterConfig(
-        request_router_class="flashpd.services.pinned_router:PinnedWorkerRouter")
+        request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
     prefill = serve.deployment(ReportingPrefillServer, name="PrefillServer",
                                request_router_config=pinned,
                                **parsed.prefill.deployment_options(joint))

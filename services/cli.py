@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KV_FORMATS
+
 DEFAULT_CACHE = os.path.expanduser("~/.cache/flashpd")
 
 
@@ -35,7 +37,7 @@ def register(sub) -> None:
         p.add_argument("--no-swa-bounded-replay", action="store_true")
         p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
         p.add_argument("--num-blocks", type=int, default=512)
-        p.add_argument("--kv-format", default="nvfp4", choices=["nvfp4", "fp8"],
+        p.add_argument("--kv-format", default=DEFAULT_KV_FORMAT.name, choices=sorted(KV_FORMATS),
                        help="compressed main KV format (nvfp4 = trained format)")
         p.add_argument("--host", default="127.0.0.1",
                        help="the one interface HTTP and gRPC listen on (default: loopback only)")

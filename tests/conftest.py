@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 # The README's test command runs them; plain `pytest` (the quick loop) skips them.
 SLOW_FOLDERS = ("services/e2e", "faults", "engine/gpu")
 _TESTS_ROOT = Path(__file__).parent
+_BENCHMARKS = _TESTS_ROOT.parent / "benchmarks"  # unpackaged kernel microbenchmarks (scripts)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,3 +47,11 @@ def model_f32(ckpt_dir):
     from flashpd.model.model import load_model
 
     return load_model(ckpt_dir, torch.float32)
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch):
+    """Loads a script of the unpackaged `benchmarks/` folder by module name, with that folder on
+    sys.path as when it runs as `python benchmarks/NAME.py` (its sibling imports resolve)."""
+    monkeypatch.syspath_prepend(str(_BENCHMARKS))
+    return importlib.import_module

@@ -54,8 +54,6 @@ class DecodeGraphs:
         self.num_captures = 0
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
         self._failed_turns = False
-        self.time_replays = False  # CUDA events around each replay (benchmarks: host vs GPU)
-        self._events: tuple | None = None
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
@@ -131,25 +129,11 @@ class DecodeGraphs:
         if graph is None:
             logits = model.compute(static)
         else:
-            if self.time_replays:
-                self._events = (torch.cuda.Event(enable_timing=True),
-                                torch.cuda.Event(enable_timing=True))
-                self._events[0].record()
             graph.replay()
-            if self.time_replays:
-                self._events[1].record()
             logits = static.outputs["logits"]
         step.outputs = static.outputs
         model.commit(step)
         return step.split_logits(logits)
-
-    def last_replay_ms(self) -> float | None:
-        """GPU time of the last timed replay (`time_replays`), after the device synchronised."""
-        if self._events is None:
-            return None
-        start, end = self._events
-        self._events = None
-        return start.elapsed_time(end)
 
     def _build(self, step: Step):
         """A step of static buffers shaped like `step` (views of one device buffer laid out as

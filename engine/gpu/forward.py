@@ -42,10 +42,10 @@ from flashpd.engine.gpu.tables import HostPack, PagedTables, TableBuilder  # noq
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
-from flashpd.kernels import dispatch
+from flashpd.kernels import dispatch, tuning
 from flashpd.kernels.dense.triton import Weights
-from flashpd.model.config import LayerSpec, ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat
+from flashpd.model.config import LayerGroup, LayerSpec, ModelConfig
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat
 from flashpd.model.model import LayerRows, Model, SeqInput, Step, TokenFeed
 
 # Prompt rows the load-time warm-up runs through the forward (the bench's prefill chunk; a
@@ -66,30 +66,29 @@ class GpuModel(Model):
     stages_window_kv = True  # new window records go to scratch rows first (KVPools.for_model)
 
     def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
-                 compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
                  decode_graphs: bool | None = None):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
+        tuning.apply_env_overrides()  # the one read of FLASHPD_* kernel overrides, validated
         super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
                          compressed_kv_format)
-        self._write_fmt = {"nvfp4": self.quant.FMT_NVFP4,
-                           "fp8": self.quant.FMT_WINDOW_FP8}[self.kv_format.name]
-        self._attn_fmt = {"nvfp4": self.attention.FMT_NVFP4,
-                          "fp8": self.attention.FMT_FP8}[self.kv_format.name]
+        if self.kv_format.kernel_code is None:
+            raise ValueError(f"the Triton kernels cannot store {self.kv_format.name!r} KV")
+        # One record code for the quant writer and the attention reader (FMT_* of both kernels).
+        self._write_fmt = self._attn_fmt = self.kv_format.kernel_code
         from flashpd.engine.gpu.decode_graph import DecodeGraphs
 
         use = torch.cuda.is_available() if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self) if use else None
         self.pack = HostPack(self.device)
-        cand = cfg.candidate_source_layer_id
-        self.layer_kinds: dict[tuple[bool, bool], tuple[int, ...]] = {}
+        self.layer_kinds: dict[LayerGroup, tuple[int, ...]] = {}
         for spec in cfg.layers:  # rows kind -> its layers (Step.rows_of)
-            key = (spec.layer_id >= cand, spec.owns_compressor)
-            self.layer_kinds[key] = self.layer_kinds.get(key, ()) + (spec.layer_id,)
-        kinds: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+            self.layer_kinds[spec.group] = self.layer_kinds.get(spec.group, ()) + (spec.layer_id,)
+        kinds: dict[LayerGroup, tuple[list[int], list[int]]] = {}
         for src in cfg.kv_source_layer_ids:  # rows kind -> (kv sources, their ratio-2 ones)
             spec = cfg.layers[src]
-            srcs, opens = kinds.setdefault((src >= cand, spec.owns_compressor), ([], []))
+            srcs, opens = kinds.setdefault(spec.group, ([], []))
             srcs.append(src)
             if cfg.compress_ratios[src] == 2:
                 opens.append(src)

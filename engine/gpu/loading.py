@@ -15,7 +15,7 @@ import torch
 from flashpd.engine.gpu.forward import GpuModel
 from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
 from flashpd.model.config import ModelConfig
-from flashpd.model.kv_format import CompressedKVFormat
+from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat
 
 
 def _hasher(cfg: ModelConfig, tokenizer_path: str | None):
@@ -27,7 +27,7 @@ def _hasher(cfg: ModelConfig, tokenizer_path: str | None):
 
 
 def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
-                   compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                   compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
                    warm: bool | None = None) -> GpuModel:
     from flashpd.model.checkpoint import load_checkpoint
 
@@ -38,7 +38,7 @@ def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
 
 
 def random_gpu_model(cfg: ModelConfig, device: str = "cuda", seed: int = 0,
-                     compressed_kv_format: CompressedKVFormat | str = "nvfp4",
+                     compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
                      decode_graphs: bool | None = None, warm: bool | None = None) -> GpuModel:
     tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
     weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashpd.engine.kv_pools import KVPools
-from flashpd.model.config import ModelConfig
+from flashpd.model.config import LayerGroup, ModelConfig
 from flashpd.model.model import LayerRows, Step
 from flashpd.model.state import StateError
 
@@ -38,7 +38,7 @@ class PagedTables:
     # position and slot; `materialise` expands it into window_rows on the device
     window_spec: torch.Tensor
     window_of: dict[int, int]  # layer -> its table in window_rows (layers with equal spans share)
-    seq_of: dict[tuple[bool, bool], torch.Tensor]  # rows kind -> [Tc] int32 key-table row
+    seq_of: dict[LayerGroup, torch.Tensor]  # rows kind -> [Tc] int32 key-table row
     block_table: torch.Tensor  # [B', nb] int64 block ids of each key-table row (0-padded)
     key_counts: torch.Tensor  # [S, B'] int64 entries of source i visible by the step's end
     key_width: dict[int, int]  # src -> N, the width of its key-row table
@@ -162,7 +162,7 @@ class TableBuilder:
     """Host-side construction of `PagedTables` (vectorised over rows, once per row layout)."""
 
     def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int,
-                 kinds: dict[tuple[bool, bool], tuple[int, ...]], min_tables: int = 0):
+                 kinds: dict[LayerGroup, tuple[int, ...]], min_tables: int = 0):
         """kinds: rows kind -> its layers (`GpuModel.layer_kinds`); min_tables: at least this
         many key-table rows (the ones past the segments' and padding rows' are empty)."""
         self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
@@ -210,7 +210,7 @@ class TableBuilder:
         entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}
         shared: dict[tuple, tuple] = {}
         for src in cfg.kv_source_layer_ids:
-            rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
+            rows = step.rows_of(cfg.layers[src])
             ratio = cfg.compress_ratios[src]
             k = (rows.key, ratio)
             if k not in shared:

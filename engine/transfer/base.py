@@ -61,10 +61,6 @@ class TransferStats:
     num_bytes: int
     seconds: float  # from posting to observed completion
 
-    @property
-    def mb_per_s(self) -> float:
-        return self.num_bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
-
 
 class TransferHandle:
     """One posted send; opaque to callers except for the fields below."""

@@ -26,7 +26,6 @@ interpreter every product runs in FP32.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
@@ -42,7 +41,7 @@ from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode,
 
 FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
 FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
-# Launch configuration; tuned on an H200 (bench/attention_bench.py, bench/results/h200/attention.md).
+# Launch configuration; tuned on an H200 (benchmarks/attention_bench.py, bench/results/h200/attention.md).
 # Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
 # of heads_block_n (32: 7.87 ms per layer at 8,192 rows vs 8.11 / 8.29 ms at 64 and 8.13 at
@@ -52,7 +51,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # when a row max grows by more than this, log2 units; 0: whenever one grows. The lazy form
 # (8, FlashAttention-4 style) was 1.3% faster per prefill layer on the H200 but moved the
 # GPU-path forward 4x further from the reference on the smoke model: median row error 0.205
-# vs 0.052 after a chunked prefill, bench/gpu_path_diag.py), heads_asm (PTX decode on the GPU).
+# vs 0.052 after a chunked prefill, bench/results/h200/investigations.md), heads_asm (PTX decode on the GPU).
 # heads_trans_s (scores computed transposed, keys in the MMA M dimension: _attend_pairs_t).
 # heads_vsplit: one-pass launches (prefill chunks) as two programs per query, each owning half
 # of the output channels (_heads_vsplit_kernel; heads_vsplit_block_n keys per tile,
@@ -60,7 +59,9 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # Batches that leave SMs idle (fewer than heads_split_target programs) cut each query's key tiles into
 # ranges (split-KV, heads_split_block_n per tile, heads_split_stages) combined by _attn_combine_kernel;
 # heads_split_target 0 turns that off. Batches of at most legacy_max_q queries take the
-# previous per-head-block kernels instead (the "legacy" keys below; 0: never).
+# previous per-head-block kernels instead (the "legacy" keys below; 0: never). With the default
+# legacy_max_q = 1 they serve every one-query call (the B = 1 decode step): a production path
+# despite the name, so it stays (issue 27 deleted only paths no default selects).
 # Legacy: heads per program, keys per tile, warps, pipeline stages of _attn_kernel (also the
 # gathered-keys `sparse_attention`); split-KV: up to split_target programs for batches of at
 # most split_max_q queries, each range at least split_min_tiles key tiles, and only when that
@@ -68,7 +69,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # fused_combine: the split-KV paths (both kernels) skip _attn_combine_kernel: the last program of
 # each (query, head block) to finish its range (arrival counter) combines the partials itself,
 # combine_heads heads at a time, in the combine kernel's order (bit-identical), so a decode call
-# is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at import: on). Off: slower on the H200 (B = 1 / 8 /
+# is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at engine load: on). Off: slower on the H200 (B = 1 / 8 /
 # 64 calls 0.093 / 0.122 / 0.139 ms against 0.023 / 0.030 / 0.094, attn_fused_combine.json).
 CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages": 1,
           "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
@@ -80,12 +81,13 @@ CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages"
           "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
           "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
           "combine_heads": 1,  # H200: 1 head per combine program (B = 1 call 22.6 -> 17.2 us)
-          "fused_combine": os.environ.get("FLASHPD_ATTN_FUSED_COMBINE", "0") == "1"}
+          "fused_combine": False}  # FLASHPD_ATTN_FUSED_COMBINE=1 (kernels/tuning.py): on
 
 
 def env_overrides(text: str | None) -> dict:
-    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at import (launch tuning
-    without a code change); an unknown key or a value of another type is an error."""
+    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at engine load
+    (kernels/tuning.py; launch tuning without a code change); an unknown key or a value of
+    another type is an error."""
     if not text:
         return {}
     over = json.loads(text)
@@ -98,7 +100,6 @@ def env_overrides(text: str | None) -> dict:
     return over
 
 
-CONFIG.update(env_overrides(os.environ.get("FLASHPD_ATTN_CONFIG")))
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
 
 
@@ -652,7 +653,7 @@ def _heads_vsplit_kernel(
 
 
 # The heads kernels' JIT functions, for tools that compile or inspect them
-# (bench/attention_compile.py, bench/attention_bench.py).
+# (bench/results/h200/attention.md, benchmarks/attention_bench.py).
 HEADS_KERNEL = _heads_kernel
 HEADS_VSPLIT_KERNEL = _heads_vsplit_kernel
 

@@ -7,7 +7,7 @@ MMA's A operand (BLOCK_N weight rows) and the activation rows are its N, ROWS (8
 
     acc^T[BN, ROWS] += W[n0:n0+BN, k-step] (E4M3 x UE8M0 -> BF16 in registers) . X[rows, k-step]^T
 
-which Triton 3.6 compiles on sm_90 (bench/dense_fp8_swap_sass.py) to mma.sync m16n8k16 with
+which Triton 3.6 compiles on sm_90 (bench/results/h200/investigations.md) to mma.sync m16n8k16 with
 both operands in registers at ROWS = 8 and at 2 warps, and to wgmma m64nROWSk16 with W from
 registers at ROWS >= 16 with 4 or 8 warps (BLOCK_N >= 64). Calls of T rows per weight run the
 smallest row class >= T (CONFIG["classes"]); a class may run its rows as several row blocks

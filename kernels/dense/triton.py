@@ -33,7 +33,6 @@ Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,17 +44,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # isort: on
 
-from flashpd.kernels.quant.triton import e2m1_decode, e4m3_decode, e8m0_decode, round_bf16
+from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
 W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
-_BLOCK_K = 64  # the legacy kernel's K step
 # Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py; the
 # figures are in bench/results/h200/roofline.md).
-#   path         "splitk": `_gemm_kernel` (split-K grid for small GEMMs, K segments above);
-#                "legacy": the previous kernel (`_grouped_gemm_kernel`), kept for comparison
 #   small_rows   GEMMs of at most this many rows (decode) take the split-K grid, and so do
 #                GEMMs whose (N blocks x row tiles) grid is under target_ctas programs
 #   skinny / mx / plain  split-K tiles for FP8 / MXFP4 / plain weights: N block, K step (a
@@ -85,15 +81,14 @@ _BLOCK_K = 64  # the legacy kernel's K step
 #   mxfp4_decode "dot_scaled": tl.dot_scaled (GPU); "asm": PTX bit moves + one bf16x2
 #                multiply per 2 values (GPU); "bits": the same in Triton integer ops (always
 #                under the interpreter)
-#   mxfp4_large  MXFP4 GEMMs off the split-K grid: "dot_scaled", "legacy" or "splitk"
+#   mxfp4_large  MXFP4 GEMMs off the split-K grid: "dot_scaled" or "splitk"
 #   block_*      large-M tiles; block_m_large is block_m_for's answer above 32 rows
 #   prefill      "cublas": FP8 single-weight GEMMs of >= cublas_min_rows rows dequantise the
 #                weight to BF16 once per call and run cuBLAS; "triton": `_gemm_kernel`
-#   legacy_*     the legacy path's tiles (block_n_small below legacy_small_rows rows)
 # Block sizes along K never change a row's arithmetic: K is summed in 16-wide tensor-core
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
-CONFIG = {"path": "splitk", "small_rows": 64,
+CONFIG = {"small_rows": 64,
           "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4,
                      "m64": {"swap": True, "red_unroll": 4}},
           "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024,
@@ -102,18 +97,17 @@ CONFIG = {"path": "splitk", "small_rows": 64,
           "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
           "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
           "block_n": 64, "block_m_large": 64, "warps": 4, "stages": 3,
-          "prefill": "cublas", "cublas_min_rows": 256,
-          "legacy_block_n": 64, "legacy_block_n_small": 16, "legacy_small_rows": 16}
+          "prefill": "cublas", "cublas_min_rows": 256}
 # FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
 # no schedule or row gather) run dense/fp8_swap.py's swapped kernel (<= 64, its row classes
-# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at import.
+# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at engine load.
 # fp8_swap.CONFIG["layers"] says which layers. H200: faster than the split-K tiles at M = 1, 8
 # (per-layer sum 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md) and 16,
 # 32, 64 (116.7-121.9 -> 91.7, 154.0-157.3 -> 128.9, 215.2-224.4 -> 188-192 us,
 # dense_fp8_rows.md). A row's last bits may differ across the bound and across the row
 # classes (another K order or MMA); these are decode-graph buckets, so a padded graph batch
 # and its eager batch stay on one side. More than 64 rows: the split-K tiles (not measured).
-FP8_SWAP_MAX_ROWS = int(os.environ.get("FLASHPD_FP8_SWAP_MAX_ROWS", "64"))
+FP8_SWAP_MAX_ROWS = 64
 
 
 # ============================================================================ activations
@@ -162,46 +156,7 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
-def mma_tf32x3(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a . b for FP32 operands as three TF32 products (FP32-level accuracy, tensor cores)."""
-    if UPCAST:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-
-
 # ============================================================================ weight tiles
-@triton.jit
-def _weight_tile(w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                 W_FMT: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 HW_FP8: tl.constexpr):
-    """Dequantised W[e, n_idx, k0:k0+BLOCK_K] as [BLOCK_N, BLOCK_K] in OUT_DTYPE (exact)."""
-    k_idx = k0 + tl.arange(0, BLOCK_K)
-    mask = (n_idx[:, None] < N) & (k_idx[None, :] < K)
-    base = w_ptr + e.to(tl.int64) * stride_we + n_idx[:, None].to(tl.int64) * stride_wn
-    if W_FMT == 0:
-        w = tl.load(base + k_idx[None, :], mask=mask, other=0.0).to(OUT_DTYPE)
-    elif W_FMT == 1:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        hmask = (n_idx[:, None] < N) & (half[None, :] < K // 2)
-        packed = tl.load(base + half[None, :], mask=hmask, other=0).to(tl.int32)
-        vals = tl.interleave(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))
-        sbase = s_ptr + e.to(tl.int64) * stride_se + n_idx[:, None].to(tl.int64) * stride_sn
-        sb = tl.load(sbase + k_idx[None, :] // 32, mask=mask, other=127)
-        w = (vals * e8m0_decode(sb)).to(OUT_DTYPE)
-    else:
-        q = tl.load(base + k_idx[None, :], mask=mask, other=0)
-        if HW_FP8:  # the conversion hardware (GPU); same values as the bit arithmetic
-            val = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            val = e4m3_decode(q)
-        sbase = s_ptr + e.to(tl.int64) * stride_se + (n_idx[:, None] // 32).to(tl.int64) * stride_sn
-        sb = tl.load(sbase + k_idx[None, :] // 32, mask=mask, other=127)
-        w = (val * e8m0_decode(sb)).to(OUT_DTYPE)
-    return w
-
-
 @triton.jit
 def _dot_scaled_mxfp4(a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se,
                       stride_sn, acc, BLOCK_K: tl.constexpr):
@@ -223,63 +178,8 @@ def _round_out(x, OUT_BF16: tl.constexpr):
     return x
 
 
-@triton.jit
-def _grouped_gemm_kernel(
-    a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit,
-    W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
-    GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    if start < end:
-        e = tl.load(tile_expert_ptr + tile)
-        p = start + tl.arange(0, BLOCK_M)  # rows of C
-        p_mask = p < end
-        if GATHER_A:
-            a_row = tl.load(a_rows_ptr + p, mask=p_mask, other=0).to(tl.int64)
-        else:
-            a_row = p.to(tl.int64)
-        n_idx = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dot_dtype = a_ptr.dtype.element_ty
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_idx = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + a_row[:, None] * stride_am + k_idx[None, :],
-                        mask=p_mask[:, None] & (k_idx[None, :] < K), other=0.0)
-            if DOT_SCALED:  # hardware / Triton MXFP4 path (GPU only, see module doc)
-                acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we,
-                                         stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
-                if EPILOGUE == 1:
-                    acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we,
-                                             stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
-            else:
-                w1 = _weight_tile(w1_ptr, s1_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
-                                  stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype, HW_FP8)
-                acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
-                if EPILOGUE == 1:
-                    w3 = _weight_tile(w3_ptr, s3_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
-                                      stride_se, stride_sn, W_FMT, BLOCK_K, dot_dtype, HW_FP8)
-                    acc3 = mma(a, tl.trans(w3), acc3, IEEE, UPCAST)
-        if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-            out = swiglu_limited(_round_out(acc1, ROUND_ACT_BF16),
-                                 _round_out(acc3, ROUND_ACT_BF16), limit)
-            if HAS_GAMMA:
-                out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
-        else:
-            out = acc1
-        c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
-        tl.store(c, _round_out(out, OUT_BF16).to(c_ptr.dtype.element_ty),
-                 mask=p_mask[:, None] & (n_idx[None, :] < N))
-
-
 # ============================================================================ split-K GEMM
-# The serving GEMM (legacy `_grouped_gemm_kernel` above stays for comparison, CONFIG["path"]).
+# The serving GEMM (the previous one-program-per-tile kernel is in git history, 7f5b989).
 #
 #   grid (N blocks, row tiles, SPLIT)          K split into SPLIT chunks of k_chunk (a multiple
 #                                              of BLOCK_K), a function of the weight's shape only
@@ -933,18 +833,6 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     cfg = CONFIG
     if rows == 0 or (schedule is not None and schedule.start.shape[0] == 0):
         return out
-    if cfg["path"] == "legacy":
-        if schedule is None:
-            groups = w.num_experts
-            schedule, a_rows = _explicit_schedule(rows, groups, block_m_for(rows // groups),
-                                                  a.device)
-            if groups > 1:  # the legacy kernel writes C in schedule order: permute back
-                tmp = torch.empty_like(out)
-                _legacy_gemm(a, w, schedule, tmp, a_rows, w3, gamma, limit, dot_scaled)
-                out.view(rows // groups, groups, -1).copy_(
-                    tmp.view(groups, rows // groups, -1).transpose(0, 1))
-                return out
-        return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled)
     if cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
         return _cublas_gemm(a, w, out, w3, gamma, limit)
     if w.fmt == W_FP8 and schedule is None and a_rows is None and not dot_scaled and \
@@ -970,10 +858,6 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
         dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
                                     else cfg["mxfp4_large"] == "dot_scaled")
-        if not small and cfg["mxfp4_large"] == "legacy" and not dot_scaled and groups == 1:
-            if single:
-                schedule, a_rows = _explicit_schedule(rows, groups, block_m, a.device)
-            return _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, False)
     step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
     if small and block_m >= 64 and "m64" in tiles:  # 64-row decode tiles: their own launch
         tiles = {**tiles, **tiles["m64"]}
@@ -1026,18 +910,6 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         PF_LINES=pf_lines,
         num_stages=tiles["stages"], **launch)
     return out
-
-
-def _explicit_schedule(rows: int, groups: int, block_m: int, device: torch.device):
-    """(schedule, a_rows) equal to a schedule-free call, for the legacy kernel: groups > 1
-    orders C group-major (row g * rows/G + t reads A row t * G + g)."""
-    if groups == 1:
-        return single_schedule(rows, block_m, device), None
-    per = rows // groups
-    p = torch.arange(rows, device=device)
-    a_rows = ((p % per) * groups + p // per).to(torch.int32)
-    counts = torch.full((groups,), per, dtype=torch.int64, device=device)
-    return grouped_schedule(counts, rows, block_m), a_rows
 
 
 def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None
@@ -1215,33 +1087,6 @@ def dequantize_fp8(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
     return y
 
 
-def _legacy_gemm(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled):
-    """The previous grouped GEMM (one program per row tile and N block, K walked whole)."""
-    n_dim, k_dim = w.out_dim, w.in_dim
-    n_tiles = schedule.start.shape[0]
-    scale1 = w.scale if w.scale is not None else w.data
-    w3_ = w3 if w3 is not None else w
-    scale3 = w3_.scale if w3_.scale is not None else w3_.data
-    sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
-    cfg = CONFIG
-    small = out.shape[0] <= cfg["legacy_small_rows"]
-    block_n = cfg["legacy_block_n_small"] if small else cfg["legacy_block_n"]
-    grid = (n_tiles, triton.cdiv(n_dim, block_n))
-    _grouped_gemm_kernel[grid](
-        a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
-        gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
-        w.data.stride(0), w.data.stride(1), sse, ssn,
-        schedule.expert, schedule.start, schedule.end, n_dim, k_dim, float(limit),
-        W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if w3 is not None else EPI_STORE,
-        HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
-        ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST,
-        DOT_SCALED=dot_scaled, HW_FP8=not DOT_UPCAST, BLOCK_M=schedule.block_m,
-        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3,
-        **triton_runtime.launch_options())
-    return out
-
-
 def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None) -> None:
     if a.ndim != 2 or a.stride(1) != 1 or out.ndim != 2 or out.stride(1) != 1:
         raise ValueError("grouped_gemm needs row-major 2-D a and out")
@@ -1263,8 +1108,6 @@ def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | No
 
 def block_m_for(num_rows: int) -> int:
     """Row tile for GEMMs of num_rows rows (per expert): 16, 32, then CONFIG["block_m_large"]."""
-    if CONFIG["path"] == "legacy":
-        return 16 if num_rows <= 16 else 32 if num_rows <= 64 else 64
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else CONFIG["block_m_large"]
 
 

@@ -36,8 +36,6 @@ all. Entries that are -inf are never emitted; the tail is padded with -1.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # isort: off
@@ -58,12 +56,17 @@ _BLOCK_N = 64  # entries per scoring tile
 _TILES = 8  # tiles per scoring program (the query is loaded once per program)
 _CHUNK = 1024  # entries per top-k step
 _SPLIT_COLS = 16384  # rows of >= 4 x this many entries take the two-stage top-k
-# Small batches (FLASHPD_INDEXER_SMALL_BATCH=0 turns both off): scoring launches aim for
-# score_target programs (fewer tiles per program); batches of at most topk_split_q queries
-# select rows of >= 2 slices of max(topk_min_slice, 2k) entries in two stages.
-_SMALL = os.environ.get("FLASHPD_INDEXER_SMALL_BATCH", "1") != "0"
-CONFIG = {"score_target": 264 if _SMALL else 0, "topk_split_q": 16 if _SMALL else 0,
-          "topk_min_slice": 2048}
+# Small batches (FLASHPD_INDEXER_SMALL_BATCH=0 turns both off, kernels/tuning.py): scoring
+# launches aim for score_target programs (fewer tiles per program); batches of at most
+# topk_split_q queries select rows of >= 2 slices of max(topk_min_slice, 2k) entries in two stages.
+
+
+def small_batch_config(on: bool) -> dict:
+    """The small-batch launch settings, on (the default) or off (0: the plain launches)."""
+    return {"score_target": 264 if on else 0, "topk_split_q": 16 if on else 0}
+
+
+CONFIG = {**small_batch_config(True), "topk_min_slice": 2048}
 
 
 # ============================================================================ scoring

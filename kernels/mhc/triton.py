@@ -39,8 +39,6 @@ S = 4 streams (hc_mult of every preset).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # isort: off
@@ -56,7 +54,7 @@ _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 MHC_SPLIT = 40
 _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) | zeros;
 # in the totals row, column 26 then holds the row's 1/rms for the RMSNorm pass
-# Launch configuration (H200-tuned; bench/mhc_bench.py, bench/results/h200/mhc.md and
+# Launch configuration (H200-tuned; benchmarks/mhc_bench.py, bench/results/h200/mhc.md and
 # mhc_decode.md):
 #   decode_rows      calls of at most this many tokens take the decode tiles
 #   decode_block_t   tokens per program at decode (one program per slice and token block)
@@ -90,7 +88,7 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 CONFIG: dict = {
     "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
     "decode_stages": 3, "decode_split": 80,
-    "decode_spin": os.environ.get("FLASHPD_MHC_SPIN", "1") == "1", "decode_pin": True,
+    "decode_spin": True, "decode_pin": True,  # FLASHPD_MHC_SPIN=0: spin off (kernels/tuning.py)
     "decode_sk_tok": False, "decode_narrow": False,
     "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
     "prefill_grid": None, "target_programs": 528,
@@ -501,7 +499,6 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
-FUSED_KERNEL = _mhc_kernel  # public name for the offline compile report (bench/mhc_sass.py)
 
 
 def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:

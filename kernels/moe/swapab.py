@@ -48,8 +48,6 @@ the GEMV and the grouped GEMM paths.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # isort: off
@@ -71,10 +69,10 @@ from flashpd.kernels.moe.gemv import check_rows_call, rows_for
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
-# GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at import (0: off).
+# GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at engine load (0: off).
 # Measured on the H200 (bench/results/h200/moe_swapab.md, moe_decode.md): faster than the
 # grouped GEMMs from 8 to 128 tokens, than the GEMV from 1 token; a tie at 192.
-MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_SWAPAB_MAX_TOKENS", "128"))
+MAX_TOKENS = 128
 # rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
 # batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
 # Triton 3.6 on sm_90 compiles ROWS = 8 to mma.sync m16n8k16 (the weight bytes reach registers
@@ -351,7 +349,6 @@ def _swapab_kernel(
             tl.store(out, round_bf16(acc1).to(tl.bfloat16), mask=mask)
 
 
-GEMM_KERNEL = _swapab_kernel  # the up / down kernel (offline compile report: bench/moe_swapab_sass.py)
 
 
 # ============================================================================ host side

@@ -21,7 +21,6 @@ y = bf16(h . W2^T); each token then sums its pairs in ascending expert id, in FP
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +45,12 @@ from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
 # Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
-# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at import (0: always the tensor-core GEMMs).
+# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at engine load (0: always the tensor-core GEMMs).
 # 0: the swap-AB kernels are faster from 1 token (H200, full routed path: 76.5 vs 93.6 us at 1,
 # 128 vs 194 at 2, 196 vs 312 at 4; bench/results/h200/moe_decode.md); the GEMV stays for
 # FLASHPD_MOE_GEMV_MAX_ROWS > 0 (it also takes fp32 activations, which swap-AB does not).
 GEMV = True
-GEMV_MAX_ROWS = int(os.environ.get("FLASHPD_MOE_GEMV_MAX_ROWS", "0"))
+GEMV_MAX_ROWS = 0
 _ROUTER_BLOCK_T = 16
 ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120 (at most: router_block_k)
 _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
@@ -169,7 +168,6 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
                             TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
 
 
-ROUTE_KERNEL = _route_kernel  # for offline compile reports (bench/moe_route_sass.py)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -187,13 +185,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 # The gate in one launch at decode sizes (route_sorted): with FUSED_GATE on, calls of at most
 # FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
 # sort_pairs' outputs (the same tensors and values), instead of a second launch. Off: slower on
-# the H200 (bench/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
+# the H200 (benchmarks/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
 # 28.2 / 13.0 at 16; results/h200/moe_fused_gate.md): the last block's serial sort costs more
-# than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at import. Read at call time.
+# than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at engine load (kernels/tuning.py). Read at call time.
 # The bound: 16 tokens are one sort token block; past it the one program sorts block after
 # block (4 at 64 tokens, plus the tile blocks).
-FUSED_GATE = os.environ.get("FLASHPD_MOE_FUSED_GATE", "0") == "1"
-FUSED_GATE_MAX_TOKENS = int(os.environ.get("FLASHPD_MOE_FUSED_GATE_MAX_TOKENS", "16"))
+FUSED_GATE = False
+FUSED_GATE_MAX_TOKENS = 16
 
 
 def route_sorted(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,

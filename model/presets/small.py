@@ -1,21 +1,8 @@
 """The `small` preset: every V4.1 layer role at widths that train on ShareGPT in minutes.
 
-Same ten-layer role layout as `tiny` (two SWA-only layers, a ratio-2 block with two KV sources,
-a ratio-1 block whose first layer is the candidate source and whose third re-indexes), with
-widths a real tokenizer and real text need:
-
-    layer  ratio role                 extra
-    0      0     SWA-only
-    1      0     SWA-only             Engram
-    2      2     Full (kv source)
-    3      2     Reuse
-    4      2     Full (kv source)     Engram
-    5      2     Reuse
-    6      1     Full, candidate src  (encoder = layers 0..5)
-    7      1     Reuse
-    8      1     Reindex              candidate-masked
-    9      1     Reuse
-
+Same ten-layer role layout as `tiny` (the table in model/presets/__init__.py: two SWA-only
+layers, a ratio-2 block with two KV sources, a ratio-1 block whose first layer is the candidate
+source and whose third re-indexes), with widths a real tokenizer and real text need:
 hidden 384, 8 query heads x 64 (MQA, one 64-wide latent KV), 8 routed SwiGLU experts (top 2)
 plus a shared expert, mHC with 4 streams, Engram 2/3/4-grams x 2 heads, a 6144-token byte-level
 BPE trained on the training split (small_tokenizer.json, built by small_tokenizer.py). Window 128

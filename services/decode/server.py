@@ -38,7 +38,6 @@ from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import RequestStatus
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
 from flashpd.engine.scheduler import Reservation
-from flashpd.services.admission import AdmissionQueue
 from flashpd.services.api import (
     DeadlineExceeded,
     Event,
@@ -55,7 +54,8 @@ from flashpd.services.api import (
     Usage,
     WorkerRef,
 )
-from flashpd.services.worker_common import (
+from flashpd.services.worker.admission import AdmissionQueue
+from flashpd.services.worker.common import (
     EngineWorker,
     WorkerConfig,
     make_receiver,

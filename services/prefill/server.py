@@ -47,7 +47,7 @@ from flashpd.services.api import (
     Unavailable,
     WorkerRef,
 )
-from flashpd.services.worker_common import (
+from flashpd.services.worker.common import (
     EngineWorker,
     WorkerConfig,
     make_sender,

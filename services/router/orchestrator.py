@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from flashpd.engine.detokenizer import TextStream
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.services.api import (
+    ROLES,
     Cancelled,
     DeadlineExceeded,
     FinalEvent,
@@ -214,7 +215,7 @@ class Orchestrator:
                 log.exception("serving status of %s failed", model)
                 return False, f"{model}: {type(exc).__name__}"
             roles = {w.role for w in view.workers if not w.draining}
-            missing = [r for r in ("prefill", "decode") if r not in roles]
+            missing = [r for r in ROLES if r not in roles]
             if missing:
                 return False, f"{model}: no healthy {' or '.join(missing)} worker"
         redis = "ok" if all(p.redis_ok for p in self.placements.values()) else "degraded"

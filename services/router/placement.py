@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from flashpd.engine.hashing import CHUNK_TOKENS, chunk_hashes, namespace_for
-from flashpd.services.api import InternalRequest, WorkerRef, WorkerStats
+from flashpd.services.api import ROLES, InternalRequest, WorkerRef, WorkerStats
 from flashpd.services.router.breaker import CircuitBreaker
 from flashpd.services.router.index import LiveView, Lookup, PrefixIndex, SessionBinding
 from flashpd.services.router.policy import Candidate, RouteQuery, RoutingDecision, RoutingPolicy
@@ -169,7 +169,7 @@ class Placement:
             binding = lookup.session or self._local_binding(req.session_id)
             parent = lookup.parent_session or self._local_binding(req.parent_session_id)
         candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
-                             for w in usable if w.role == role] for role in ("prefill", "decode")}
+                             for w in usable if w.role == role] for role in ROLES}
         query = RouteQuery(
             prompt_tokens=req.prompt_tokens,
             affinity_key=req.session_id or req.request_id,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from flashpd.bench.attention_bench import pick_decode
 from flashpd.kernels.attention import triton as at
 
 
@@ -26,7 +25,9 @@ def _rows(name: str, ms: dict, err: float = 0.005) -> list[dict]:
             for b, t in ms.items()]
 
 
-def test_pick_decode_takes_the_fastest_batch_1_variant_that_does_not_slow_the_others():
+def test_pick_decode_takes_the_fastest_batch_1_variant_that_does_not_slow_the_others(
+        benchmark_script):
+    pick_decode = benchmark_script("attention_bench").pick_decode
     rows = (_rows("default", {1: 0.023, 8: 0.030, 64: 0.094})
             + _rows("c1", {1: 0.015, 8: 0.031, 64: 0.094})  # 1.03x at B=8: out
             + _rows("mt2", {1: 0.018, 8: 0.0305, 64: 0.090})  # within 2%: in

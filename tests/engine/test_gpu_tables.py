@@ -17,7 +17,7 @@ from flashpd.engine.gpu.decode_graph import DecodeGraphs
 from flashpd.engine.gpu.forward import GpuModel
 from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
 from flashpd.engine.kv_pools import KVPools, PagedSeqState
-from flashpd.model.config import ModelConfig
+from flashpd.model.config import LayerGroup, ModelConfig
 from flashpd.model.engram import EngramHasher
 from flashpd.model.model import LayerRows, LogitsRequest, Replay, SeqInput, SeqPlan, Step
 from flashpd.model.presets import preset_config, tokenizer_path
@@ -35,10 +35,9 @@ class OldTables:
 
     def build(self) -> dict:
         cfg, pools, step = self.cfg, self.pools, self.step
-        cand = cfg.candidate_source_layer_id
-        kinds: dict[tuple[bool, bool], list[int]] = {}
+        kinds: dict[LayerGroup, list[int]] = {}
         for spec in cfg.layers:
-            kinds.setdefault(step.rows_of(spec, cand).key, []).append(spec.layer_id)
+            kinds.setdefault(step.rows_of(spec).key, []).append(spec.layer_id)
         windows, window_of, seq_of, keep = [], {}, {}, {}
         for key, layers in kinds.items():
             per_row = self._compute_rows(step.rows[key])
@@ -54,7 +53,7 @@ class OldTables:
         key_rows, entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}, {}
         for src in cfg.kv_source_layer_ids:
             spec = cfg.layers[src]
-            rows = step.rows_of(spec, cand)
+            rows = step.rows_of(spec)
             key_rows[src] = self._key_table(src)
             entry_rows[src], stored, slots = self._entry_rows(src, rows, key_rows[src])
             if src in pools.open_row_of:
@@ -249,7 +248,7 @@ class CheckedModel(GpuModel):
         step.outputs = {}
         for src in cfg.kv_source_layer_ids:
             if cfg.compress_ratios[src] == 2:
-                n = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id).num_seam
+                n = step.rows_of(cfg.layers[src]).num_seam
                 step.outputs[("open", src)] = torch.rand(n, 2, cfg.head_dim)
         n = step.logit_rows.shape[0]
         return torch.zeros(n, cfg.vocab_size) if n else None
@@ -258,7 +257,7 @@ class CheckedModel(GpuModel):
         """The old commit's per-layer window books on `self.shadow` (state -> layer -> span)."""
         keep = self.cfg.sliding_window - 1
         for spec in self.cfg.layers:
-            for part in step.rows_of(spec, self.cfg.candidate_source_layer_id).compute_parts:
+            for part in step.rows_of(spec).compute_parts:
                 books = self.shadow.setdefault(id(part.seg.state), {})
                 if part.clip_window:
                     books[spec.layer_id] = (part.first_pos, 0)

@@ -1,5 +1,5 @@
 """With bounded replay on, a prefix hit credits the usable prefix and the last-token logits stay
-within the deviation the model measured for bounded replay (bench/model_cpu.py)."""
+within the deviation the model measured for bounded replay (benchmarks/model_cpu.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
 
-# bench/model_cpu.py, tiny preset FP32: decode-side replay of a 400-token prompt, the larger of
+# benchmarks/model_cpu.py, tiny preset FP32: decode-side replay of a 400-token prompt, the larger of
 # the two bounded-replay approximations it measured.
 MODEL_MAX_ABS_DLOGIT = 1.964
 MODEL_KL = 0.120

@@ -9,8 +9,8 @@ import pytest
 from ray.serve.schema import ServeDeploySchema
 
 from flashpd.services.app import AppArgs
-from flashpd.services.autoscaling import Limits, Replicas, check_limits
-from flashpd.services.autoscaling_serve import JointPolicy, JointPolicyArgs
+from flashpd.services.autoscaling.policy import Limits, Replicas, check_limits
+from flashpd.services.autoscaling.serve import JointPolicy, JointPolicyArgs
 
 
 def _app(config: dict) -> dict:
@@ -31,7 +31,7 @@ def test_app_args_and_policy_kwargs_validate(serve_config):
         assert not args.joint_autoscaling
         pytest.skip("fixed replicas (one-machine config: services/gpu_stack.py checks it)")
     policy = app["autoscaling_policy"]
-    assert policy["policy_function"] == "flashpd.services.autoscaling_serve:JointPolicy"
+    assert policy["policy_function"] == "flashpd.services.autoscaling.serve:JointPolicy"
     kwargs = JointPolicyArgs.model_validate(policy["policy_kwargs"])
     assert args.joint_autoscaling
     limits = Limits(*(Replicas(**{r: getattr(getattr(args, r).autoscaling, bound)

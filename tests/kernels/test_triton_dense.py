@@ -124,15 +124,6 @@ def test_split_k_and_k_segments_give_a_row_the_same_result(monkeypatch, swap):
         assert torch.equal(dt.linear_weights(x[r:r + 1], w, torch.float32), full[r:r + 1])
 
 
-def test_legacy_path_is_still_reachable(monkeypatch):
-    q, s = qref.quantize_fp8_blockwise(torch.randn(40, 96, generator=torch.Generator()
-                                                   .manual_seed(12)))
-    x = _x(seed=13)
-    new = dt.linear_fp8(x, q, s)
-    monkeypatch.setitem(dt.CONFIG, "path", "legacy")
-    torch.testing.assert_close(dt.linear_fp8(x, q, s), new, rtol=8e-3, atol=1e-2)
-
-
 def test_fp8_dequantize_matches_reference():
     q, s = qref.quantize_fp8_blockwise(torch.randn(70, 200, generator=torch.Generator()
                                                    .manual_seed(14)))
@@ -160,8 +151,6 @@ def test_block_diagonal_runs_each_group_through_its_own_weight(monkeypatch, spli
     deq = qref.dequantize_fp8_blockwise(q, s).view(3, 64, 96)
     want = torch.stack([dref.linear(x[:, j], deq[j]) for j in range(3)], dim=1)
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)
-    monkeypatch.setitem(dt.CONFIG, "path", "legacy")
-    torch.testing.assert_close(dt.block_diagonal(x, w), got, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])

@@ -113,11 +113,11 @@ def test_only_mxfp4_experts_are_eligible():
         gemv.expert_rows(x, pairs, experts, MOE_LIMIT, 2)
 
 
-def test_bench_check_smoke_runs_and_reports_old_and_new(tmp_path):
-    """bench/moe_gemv_check.py --smoke: tiny shapes under the interpreter, one variant."""
+def test_bench_check_smoke_runs_and_reports_old_and_new(tmp_path, benchmark_script):
+    """benchmarks/moe_gemv_check.py --smoke: tiny shapes under the interpreter, one variant."""
     import json
 
-    from flashpd.bench import moe_gemv_check
+    moe_gemv_check = benchmark_script("moe_gemv_check")
 
     before = dict(gemv.CONFIG)
     assert moe_gemv_check.main(["--smoke", "--out", str(tmp_path), "--variants", "rows1"]) == 0

@@ -108,11 +108,11 @@ def test_only_mxfp4_experts_and_bf16_activations_are_eligible():
         swapab.expert_rows(x, pairs, experts, MOE_LIMIT, 16)
 
 
-def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path):
-    """bench/moe_swapab_check.py --smoke: tiny shapes under the interpreter, one variant."""
+def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path, benchmark_script):
+    """benchmarks/moe_swapab_check.py --smoke: tiny shapes under the interpreter, one variant."""
     import json
 
-    from flashpd.bench import moe_swapab_check
+    moe_swapab_check = benchmark_script("moe_swapab_check")
 
     before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in swapab.CONFIG.items()}
     bounds = (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS)

@@ -117,3 +117,14 @@ def test_destination_row_past_the_pool_raises():
     x = torch.randn(1, 64)
     with pytest.raises(IndexError):
         qt.write_window_fp8(x, torch.tensor([5]), torch.zeros(2, 66, dtype=torch.uint8))
+
+
+def test_kv_format_kernel_codes_match_both_kernels():
+    """The format object carries one record code for the quant writer and the attention reader."""
+    from flashpd.kernels.attention import triton as at
+    from flashpd.model.kv_format import FP8, NVFP4
+
+    assert NVFP4.kernel_code == qt.FMT_NVFP4 == at.FMT_NVFP4
+    assert FP8.kernel_code == qt.FMT_WINDOW_FP8 == at.FMT_FP8
+    assert NVFP4.entry_bytes(512) == qref.nvfp4_record_bytes(512) == 288
+    assert FP8.entry_bytes(512) == 528

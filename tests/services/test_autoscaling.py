@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashpd.services.autoscaling import (
+from flashpd.services.autoscaling.policy import (
     Limits,
     PolicyConfig,
     Replicas,

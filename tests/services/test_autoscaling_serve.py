@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flashpd.services.autoscaling_serve import STATE_KEY, JointPolicy, JointPolicyArgs
+from flashpd.services.autoscaling.serve import STATE_KEY, JointPolicy, JointPolicyArgs
 
 KWARGS = {"prefill_tokens_per_replica": 100, "decode_seqs_per_replica": 4,
           "downscale_delay_s": 10, "drain_hold_seqs_per_replica": 1, "pd_ratio_min": 0.5,

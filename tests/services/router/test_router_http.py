@@ -9,9 +9,9 @@ import pytest
 from edge_servers import http_server
 from router_fakes import ByteTokenizer, FakeDecode, FakePrefill, http_stack, router_stack
 
-from flashpd.services.admission import WorkerFull
 from flashpd.services.api import Unavailable
 from flashpd.services.router.auth import ApiKeys
+from flashpd.services.worker.admission import WorkerFull
 
 pytestmark = pytest.mark.net
 PROMPT = "x" * 300

@@ -41,7 +41,7 @@ def test_served_tokenizer_never_shows_special_tokens():
     from tokenizers import Tokenizer as HFTokenizerFile
 
     from flashpd.model.presets import tokenizer_path
-    from flashpd.services.router_deployment import HFTokenizer
+    from flashpd.services.router.deployment import HFTokenizer
 
     tok = HFTokenizer(HFTokenizerFile.from_file(tokenizer_path("tiny")))
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}]) + tok.encode("yo")

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from flashpd.services.admission import AdmissionQueue, WorkerFull
 from flashpd.services.api import DeadlineExceeded
+from flashpd.services.worker.admission import AdmissionQueue, WorkerFull
 
 
 class Capacity:

@@ -10,9 +10,10 @@ import time
 import pytest
 
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.services.decode.deployment import DecodeServer
 from flashpd.services.decode.server import DecodeWorker
-from flashpd.services.deployments import DecodeServer, RedisPublisher
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.deployment import RedisPublisher
 
 MODEL_ID = "flashpd-tiny"
 

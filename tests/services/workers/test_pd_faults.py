@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
-from flashpd.services.admission import WorkerFull
 from flashpd.services.api import (
     Cancelled,
     DeadlineExceeded,
@@ -26,7 +25,8 @@ from flashpd.services.api import (
 )
 from flashpd.services.decode.server import DecodeWorker
 from flashpd.services.prefill.server import PrefillWorker
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.admission import WorkerFull
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 MODEL_ID = "flashpd-tiny"
 LONG_S = 60.0

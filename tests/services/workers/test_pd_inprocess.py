@@ -13,7 +13,7 @@ from flashpd.engine.sampling import SamplingParams as EngineSampling
 from flashpd.services.api import InternalRequest, SamplingParams, TokenEvent
 from flashpd.services.decode.server import DecodeWorker
 from flashpd.services.prefill.server import PrefillWorker
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 MODEL_ID = "flashpd-tiny"
 

@@ -11,9 +11,9 @@ import redis
 
 from flashpd.engine.events import AllCleared, BlockStored
 from flashpd.services.api import WorkerRef, WorkerStats
-from flashpd.services.deployments import RedisPublisher
 from flashpd.services.redis_local import LocalRedis
 from flashpd.services.router.index import IndexKeys
+from flashpd.services.worker.deployment import RedisPublisher
 
 MODEL = "flashpd-tiny"
 RECOVERY_S = 10.0  # the bound for prefix hits to come back after a Redis restart

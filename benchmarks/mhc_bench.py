@@ -15,7 +15,7 @@ for T tokens per call; below 4096 tokens a graph cycles over 40 sites with their
 streams (fn is 2 MB: the 80 of a forward do not stay in L2). `--before FILE` times a saved
 copy of the previous kernels beside the current ones.
 
-    python -m flashpd.bench.mhc_bench --before .mhc_before/mhc_before.py --out $OUT
+    python benchmarks/mhc_bench.py --before .mhc_before/mhc_before.py --out $OUT
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def warm_all(before: str | None, d: int, s: int, variants: bool = True,
     if DEVICE.type != "cuda":
         return 0.0
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-m", "flashpd.bench.mhc_bench", "--warm", j,
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm", j,
                                *(["--before", before] if before else [])]) for j in jobs]
     bad = [j for j, p in zip(jobs, procs, strict=True) if p.wait() != 0]
     if bad:

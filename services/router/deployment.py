@@ -21,8 +21,8 @@ from flashpd.services.api import (
     WorkerRef,
     WorkerStats,
 )
-from flashpd.services.pinned_router import TARGET_KWARG
 from flashpd.services.router.convert import deepseek_chat_prompt
+from flashpd.services.worker.pinned_router import TARGET_KWARG
 
 log = logging.getLogger(__name__)
 

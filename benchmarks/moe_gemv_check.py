@@ -2,7 +2,7 @@
 the tensor-core grouped GEMMs it replaces, at the bench preset's shapes (64 experts, top-6,
 hidden 5120, I = 2304).
 
-    python -m flashpd.bench.moe_gemv_check --out DIR [--variants ...] [--budget-s S] [--smoke]
+    python benchmarks/moe_gemv_check.py --out DIR [--variants ...] [--budget-s S] [--smoke]
 
 1. check: `moe.triton.routed_experts` (GEMV on) at M = 1, 4, 8, 16 tokens against the torch
    reference (moe.ref.expert_ffn on the dequantised experts, summed in ascending expert id);

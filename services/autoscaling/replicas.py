@@ -2,7 +2,7 @@
 
 Each replica reports its load every `metrics_interval_s` of its autoscaling config; Serve averages
 the reports over `look_back_period_s` and hands them to the application-level `JointPolicy`
-(services/autoscaling_serve.py). Workers report their `WorkerStats` fields; routers report
+(services/autoscaling/serve.py). Workers report their `WorkerStats` fields; routers report
 requests in flight and recent p90 TTFT/ITL, and refresh their per-worker `/metrics` gauges from
 the live view of workers they read from Redis.
 """
@@ -13,9 +13,10 @@ import asyncio
 import logging
 
 from flashpd.services.api import WorkerStats
-from flashpd.services.autoscaling_serve import WORKER_METRICS
-from flashpd.services.deployments import DecodeServer, PrefillServer
-from flashpd.services.router_deployment import Router
+from flashpd.services.autoscaling.serve import WORKER_METRICS
+from flashpd.services.decode.deployment import DecodeServer
+from flashpd.services.prefill.deployment import PrefillServer
+from flashpd.services.router.deployment import Router
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
     decide(signals, config, state, now) -> (Decision, new_state)
 
-No Ray, Redis or clock inside: the Serve adapter (`services/autoscaling_serve.py`) builds
+No Ray, Redis or clock inside: the Serve adapter (`services/autoscaling/serve.py`) builds
 `Signals` from the replicas' reported load and passes Serve's tick time as `now`; `state` is a
 small JSON-able dict the adapter keeps in Serve's policy state between ticks.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "router")
+from flashpd.services.api import DEPLOYMENT_ROLES as ROLES
 
 
 @dataclass(frozen=True)

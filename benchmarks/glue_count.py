@@ -1,6 +1,6 @@
 """Torch ops (kernel launches besides the Triton kernels) inside `Model.compute`, on the CPU.
 
-    python -m flashpd.bench.glue_count [--prompt 40] [--out counts.json]
+    python benchmarks/glue_count.py [--prompt 40] [--out counts.json]
 
 The GPU path (`GpuModel`, Triton kernels under the interpreter) over a checkpoint with the
 `bench` preset's layer structure (40 layers, the same compress ratios, KV / index / candidate

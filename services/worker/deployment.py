@@ -1,4 +1,4 @@
-"""Ray Serve deployment classes for the prefill and decode workers.
+"""The Ray Serve deployment base for the prefill and decode workers.
 
 Each replica is one worker: its worker id is its Serve replica id (so `PinnedWorkerRouter`
 can send the router's chosen worker exactly its calls), its incarnation is new per process.
@@ -12,20 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
 
-from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.loading import load_engine
-from flashpd.services.api import (
-    Event,
-    InternalRequest,
-    PrefillResult,
-    Ticket,
-    Unavailable,
-    WorkerRef,
-    WorkerStats,
-)
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.api import Unavailable, WorkerRef, WorkerStats
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +125,10 @@ class RedisPublisher:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-class _WorkerDeployment:
+class WorkerDeployment:
+    """One engine worker as a Serve replica; the role folders subclass it (`prefill/deployment.py`,
+    `decode/deployment.py`) with their calls and `_make_worker`."""
+
     role = ""
 
     def __init__(self, config: WorkerConfig):
@@ -188,55 +181,6 @@ class _WorkerDeployment:
             await worker.close()
 
 
-class PrefillServer(_WorkerDeployment):
-    role = "prefill"
-
-    def _make_worker(self, engine, config, ref):
-        from flashpd.services.prefill.server import PrefillWorker
-
-        return PrefillWorker(engine, config, ref)
-
-    async def run(self, req: InternalRequest, ticket: Ticket,
-                  target_worker: str | None = None) -> PrefillResult:
-        self._check_target(target_worker)
-        return await self.worker.run(req, ticket)
-
-    async def kv_transports(self, target_worker: str | None = None) -> dict[str, str]:
-        """Decode peer -> the transport UCX moved this worker's KV over, read back after the
-        first push to it (NIXL backend; empty before the first push or with `local`)."""
-        self._check_target(target_worker)
-        reports = getattr(self.worker.sender, "transports", {})
-        return {peer: report.transport for peer, report in reports.items()}
-
-    async def push_records(self, target_worker: str | None = None) -> list[dict]:
-        """The last KV pushes' timings (services/prefill/server.py `_record_push`)."""
-        self._check_target(target_worker)
-        return list(self.worker.push_records)
-
-
-class DecodeServer(_WorkerDeployment):
-    role = "decode"
-
-    def _make_worker(self, engine, config, ref):
-        from flashpd.services.decode.server import DecodeWorker
-
-        return DecodeWorker(engine, config, ref)
-
-    async def reserve(self, req: InternalRequest, target_worker: str | None = None) -> Ticket:
-        self._check_target(target_worker)
-        return await self.worker.reserve(req)
-
-    async def generate(self, req: InternalRequest,
-                       target_worker: str | None = None) -> AsyncIterator[Event]:
-        self._check_target(target_worker)
-        events = self.worker.generate(req)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await events.aclose()
-
-
 def _return_cached_gpu_memory(config: WorkerConfig) -> None:
     """After load and warm-up, give the caching allocator's unused reserve back to the driver:
     replicas sharing one GPU would otherwise each keep their warm-up peak."""
@@ -248,9 +192,3 @@ def _return_cached_gpu_memory(config: WorkerConfig) -> None:
     log.warning("%s engine ready: %.1f GiB allocated, %.1f GiB reserved on %s", config.engine.role,
                 torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30,
                 config.engine.device)
-
-
-def engine_config_for(role: str, base: EngineConfig) -> EngineConfig:
-    import dataclasses
-
-    return dataclasses.replace(base, role=role)

@@ -1,6 +1,6 @@
 """CPU measurements of the reference model on `tiny`: prefill / decode time and replay deviation.
 
-    python -m flashpd.bench.model_cpu [--checkpoint DIR] [--threads N] [--repeats R]
+    python benchmarks/model_cpu.py [--checkpoint DIR] [--threads N] [--repeats R]
 
 Without --checkpoint a random tiny checkpoint is written to a temporary directory. Prints:
 

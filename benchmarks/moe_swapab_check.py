@@ -2,7 +2,7 @@
 (kernels/moe/swapab.py) against the grouped GEMMs (dense.grouped_gemm) and the CUDA-core GEMV,
 at the bench preset's shapes (64 experts, top-6, hidden 5120, I = 2304).
 
-    python -m flashpd.bench.moe_swapab_check --out DIR [--variants ...] [--budget-s S] [--smoke]
+    python benchmarks/moe_swapab_check.py --out DIR [--variants ...] [--budget-s S] [--smoke]
 
 1. each M of `ms`: `moe.triton.routed_experts` as served (pair sort, both expert GEMMs,
    combine) with the swap-AB path forced (new), the grouped GEMMs (old: swap-AB bound 0, GEMV
@@ -25,8 +25,9 @@ import os
 import re
 import time
 
+from moe_gemv_check import COPY_GBPS, Bench
+
 from flashpd.bench import kernel_roofline as kr
-from flashpd.bench.moe_gemv_check import COPY_GBPS, Bench
 
 SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
                    "ms": (8, 16, 32, 64, 128, 192)},

@@ -14,8 +14,8 @@ as in a decode step, where each layer's gate comes from memory).
 route_sorted with FUSED_GATE on (one launch: the router's last token block sorts the pairs), at
 the swap-AB path's block_m, after checking the fused outputs identical and the counters zero.
 
-    python -m flashpd.bench.moe_route_bench --before .mhc_before/moe_head.py --out $OUT
-    python -m flashpd.bench.moe_route_bench --fused --tokens 1 8 64 --out $OUT
+    python benchmarks/moe_route_bench.py --before .mhc_before/moe_head.py --out $OUT
+    python benchmarks/moe_route_bench.py --fused --tokens 1 8 64 --out $OUT
 """
 
 from __future__ import annotations

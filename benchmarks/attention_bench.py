@@ -1,6 +1,6 @@
 """Packed sparse attention at the bench shapes: correctness and time of launch variants (GPU).
 
-    python -m flashpd.bench.attention_bench [--out FILE.json] [--quick] [--variants V ...]
+    python benchmarks/attention_bench.py [--out FILE.json] [--quick] [--variants V ...]
         [--prefill-t T ...] [--jobs N] [--verify V ...] [--budget-s S] [--check-only]
         [--fused-combine] [--decode-only]
 
@@ -322,14 +322,14 @@ def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
 
     cmds = []
     for v in variants:
-        cmd = [sys.executable, "-m", "flashpd.bench.attention_bench", "--check-only",
+        cmd = [sys.executable, __file__, "--check-only",
                "--variants", v]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--smoke"] if args.smoke else []
         cmd += ["--decode-only"] if not PREFILL_T else []
         cmds.append(cmd + (["--prefill-t", *map(str, args.prefill_t)] if args.prefill_t else []))
     for v in args.verify or []:
-        cmds.append([sys.executable, "-m", "flashpd.bench.attention_bench", "--verify", v,
+        cmds.append([sys.executable, __file__, "--verify", v,
                      "--variants", *(["--smoke"] if args.smoke else [])])
     pending, running, done = list(cmds), [], []
     while pending or running:

@@ -1,6 +1,6 @@
 """Decode indexer at bench-preset shapes: paged scoring + top-k, small-batch forms on vs off.
 
-    python -m flashpd.bench.indexer_bench --out DIR [--batch 1 8 64] [--context 8192] [--smoke]
+    python benchmarks/indexer_bench.py --out DIR [--batch 1 8 64] [--context 8192] [--smoke]
 
 For each batch B (one query per sequence, every sequence at `--context` tokens) and each kind of
 index layer of the preset at that context:

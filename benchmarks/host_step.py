@@ -1,6 +1,6 @@
 """Host time of one graphed decode step, on the CPU, with no model compute.
 
-    python -m flashpd.bench.host_step --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
+    python benchmarks/host_step.py --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
 
 The engine runs the `bench` preset's layer layout (40 layers, its compress ratios, kv / index /
 candidate sources, Engram layers, W=128, top-k 512) at the `tiny` preset's widths, through the
@@ -58,7 +58,7 @@ class HostOnlyModel(GpuModel):
         step.outputs = {}
         for src in cfg.kv_source_layer_ids:
             if cfg.compress_ratios[src] == 2:
-                rows = step.rows_of(cfg.layers[src], cfg.candidate_source_layer_id)
+                rows = step.rows_of(cfg.layers[src])
                 step.outputs[("open", src)] = torch.zeros(rows.num_seam, 2, cfg.head_dim,
                                                           device=self.device)
         n = step.logit_rows.shape[0]

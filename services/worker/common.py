@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.transfer.contract import GroupSpec, TransferContract
+from flashpd.model.kv_format import INDEX_RECORD_FORMAT
 from flashpd.services.api import WorkerRef, WorkerStats
 
 log = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("nixl", "local")
-RECORD_FORMATS = {"nvfp4": "nvfp4_e2m1_e4m3x16", "fp8": "fp8_e4m3_ue8m0x32",
-                  "index": "mxfp4_e2m1_ue8m0x32"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ def transfer_contract(pools: KVPools, model_id: str) -> TransferContract:
     groups = []
     for name, block_bytes in pools.geometry.group_block_bytes().items():
         kind = name.split(".")[0]
-        fmt = RECORD_FORMATS[pools.format.name if kind == "main" else kind]
+        fmt = pools.format.record_format if kind == "main" else INDEX_RECORD_FORMAT
         groups.append(GroupSpec(name, block_bytes, fmt))
     return TransferContract(model_id=model_id, groups=tuple(groups))
 

@@ -1,7 +1,7 @@
 """Prefill-size GEMMs on one GPU: the routed MXFP4 experts (kernels/moe/grouped_large.py
 variants against the current grouped GEMM), the FP8 shared expert and FP8 dense layers.
 
-    python -m flashpd.bench.gemm_prefill --out $OUT [--tokens 4096 8192]
+    python benchmarks/gemm_prefill.py --out $OUT [--tokens 4096 8192]
 
 Routed experts at the bench preset's shapes (64 experts, top-6, hidden 5120, I=2304): tokens T,
 pairs P = 6T sorted by expert, random routing and gamma, MXFP4 weights of random codes and

@@ -1,5 +1,5 @@
 """Ray Serve's application-level autoscaling policy for flashpd (the decision itself is the pure
-`services/autoscaling.py`; the replicas' load reports are in `services/autoscaling_replicas.py`).
+`services/autoscaling/policy.py`; the replicas' load reports are in `services/autoscaling/replicas.py`).
 
 Set in the Serve config (Ray Serve calls it once per control-loop tick with every deployment's
 `AutoscalingContext`):
@@ -7,7 +7,7 @@ Set in the Serve config (Ray Serve calls it once per control-loop tick with ever
     applications:
       - name: flashpd
         autoscaling_policy:
-          policy_function: flashpd.services.autoscaling_serve:JointPolicy
+          policy_function: flashpd.services.autoscaling.serve:JointPolicy
           policy_kwargs: {decode_seqs_per_replica: 32, pd_ratio_min: 0.5, ...}
         args: {joint_autoscaling: true, ...}
 
@@ -24,7 +24,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flashpd.services.autoscaling import (
+from flashpd.services.autoscaling.policy import (
     Limits,
     PolicyConfig,
     Replicas,
@@ -43,7 +43,7 @@ STATE_KEY = "flashpd_joint"
 
 
 class JointPolicyArgs(BaseModel):
-    """`policy_kwargs` of `JointPolicy` (services/autoscaling.py says what each does)."""
+    """`policy_kwargs` of `JointPolicy` (services/autoscaling/policy.py says what each does)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

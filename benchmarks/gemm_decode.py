@@ -1,7 +1,7 @@
 """Decode (M <= 64) GEMMs at memory speed: FP8 dense layers, the FP8 shared expert and the
 MXFP4 routed experts at the bench preset's shapes, per launch configuration.
 
-    python -m flashpd.bench.gemm_decode --out DIR [--variants new mx_ds ...] [--budget-s S]
+    python benchmarks/gemm_decode.py --out DIR [--variants new mx_ds ...] [--budget-s S]
                                         [--kinds fp8] [--warm-procs N] [--pick [--verify]]
 
 Cases (M = 1, 8, 64 tokens), built with bench/kernel_roofline.py's helpers:
@@ -370,7 +370,7 @@ def warm_parallel(variants, kinds, procs: int, smoke: bool, ms=None, layers=None
     extra = ["--smoke"] if smoke else []
     extra += ["--ms", *map(str, ms)] if ms else []
     extra += ["--layers", *layers] if layers else []
-    return [subprocess.Popen([sys.executable, "-m", "flashpd.bench.gemm_decode", "--warm-only",
+    return [subprocess.Popen([sys.executable, __file__, "--warm-only",
                               *extra, "--kinds", *kinds, "--variants", *g]) for g in groups]
 
 
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these FP8 cases (wq_a+wkv, wq_b, wo_a, wo_b, idx_wq_b, shared ...)")
     args = ap.parse_args(argv)
     if args.smoke:
-        kr._tiny()
+        kr.use_tiny_shapes()
     elif not torch.cuda.is_available():
         raise SystemExit("gemm_decode needs a CUDA GPU (or --smoke)")
     import triton
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = warm_parallel(args.variants, args.kinds, args.warm_procs, args.smoke, args.ms,
                          args.layers) if args.warm_procs > 0 else []
     ceilings = kr.measure_ceilings() if kr.DEV == "cuda" else {"copy_GBps": 1.0}
-    meta = {"command": "python -m flashpd.bench.gemm_decode " + " ".join(argv or []),
+    meta = {"command": "python benchmarks/gemm_decode.py " + " ".join(argv or []),
             "device": torch.cuda.get_device_name() if kr.DEV == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__,
             "copy_GBps": ceilings["copy_GBps"], "dense_config": default}
