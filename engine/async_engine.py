@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from flashpd.engine.llm_engine import EngineOutput, LLMEngine
+from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_ids, params: SamplingParams,
-                       session_id: str | None = None) -> AsyncIterator[EngineOutput]:
+                       session_id: str | None = None,
+                       prefix: PrefixPolicy | None = None) -> AsyncIterator[EngineOutput]:
         """Colocated role: add and stream. Cancelling the consumer aborts the request."""
         stream = self._open(request_id)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id))
+            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id,
+                                                    prefix))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -137,11 +140,12 @@ class AsyncLLMEngine:
         """Create the output queue before the request is admitted (so no output is missed)."""
         self._open(request_id)
 
-    async def prefill(self, request_id: str, prompt_ids) -> EngineOutput:
+    async def prefill(self, request_id: str, prompt_ids,
+                      prefix: PrefixPolicy | None = None) -> EngineOutput:
         """Prefill role: run the encoder path; returns the kv_ready output (blocks held)."""
         params = SamplingParams(max_tokens=1)
         last = None
-        async for out in self.generate(request_id, prompt_ids, params):
+        async for out in self.generate(request_id, prompt_ids, params, prefix=prefix):
             last = out
         if last is None or last.finish_reason != "kv_ready":
             raise RuntimeError(f"prefill of {request_id!r} ended with {last and last.finish_reason}")

@@ -101,10 +101,13 @@ class Reservation:
     block_ids: tuple[int, ...]  # the whole block table, one block per prompt chunk
     num_cached_blocks: int  # block_ids[:num_cached_blocks] hold this worker's own prefix hit
     chunk_tokens: int
+    num_kv_blocks: int | None = None  # blocks the KV arrives into (None: all; see PrefixPolicy)
 
     @property
     def missing_block_ids(self) -> tuple[int, ...]:
-        return self.block_ids[self.num_cached_blocks :]
+        """The blocks the sender writes: chunks of [0, kv_tokens) this worker lacks."""
+        end = len(self.block_ids) if self.num_kv_blocks is None else self.num_kv_blocks
+        return self.block_ids[self.num_cached_blocks : max(end, self.num_cached_blocks)]
 
     @property
     def first_missing_token(self) -> int:
@@ -151,7 +154,8 @@ class Scheduler:
             raise ValueError(f"the {self.role.name} role has no reserve(); use add()")
         self._check_new(request)
         prompt = request.token_ids
-        hit = self.kv.lookup(prompt)
+        kv_tokens = request.kv_tokens
+        hit = self.kv.lookup(prompt[:kv_tokens])  # outputs past kv_tokens are recomputed here
         allocation = self.kv.allocate(
             request.request_id, prompt, len(prompt) - hit.usable_tokens, hit
         )
@@ -166,6 +170,7 @@ class Scheduler:
             allocation.block_ids,
             allocation.num_hit_blocks,
             self.kv.chunk_tokens,
+            num_kv_blocks=self.kv.blocks_for_tokens(kv_tokens),
         )
 
     def kv_arrived(self, request_id: str) -> None:
@@ -174,11 +179,11 @@ class Scheduler:
         request = self._awaiting_kv.pop(request_id, None)
         if request is None:
             raise KeyError(f"request {request_id!r} is not waiting for KV")
-        num_prompt = request.num_prompt_tokens
-        self.kv.commit(request_id, request.token_ids, num_prompt)
-        replay_from = num_prompt - min(self.kv.replay_tokens, num_prompt)
+        kv_tokens = request.kv_tokens  # the prompt, or a continuation's original prompt
+        self.kv.commit(request_id, request.token_ids, kv_tokens)
+        replay_from = kv_tokens - min(self.kv.replay_tokens, kv_tokens)
         request.num_computed_tokens = replay_from
-        request.replay = Replay(replay_from, num_prompt)
+        request.replay = Replay(replay_from, kv_tokens)
         request.fresh_slot = True
         request.status = RequestStatus.WAITING
         bisect.insort(self._waiting, request, key=_by_arrival)
@@ -395,7 +400,7 @@ class Scheduler:
             num_tokens = min(request.num_uncomputed_tokens, budget)
             grown = self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens)
             return None if grown is None else num_tokens
-        hit = self.kv.lookup(request.token_ids)
+        hit = self.kv.lookup(self._lookup_ids(request))
         num_tokens = min(request.num_tokens - hit.usable_tokens, budget)
         allocation = self.kv.allocate(request.request_id, request.token_ids, num_tokens, hit)
         if allocation is None:
@@ -407,6 +412,14 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.usable_tokens
         return num_tokens
+
+    def _lookup_ids(self, request: Request) -> Sequence[int]:
+        """The ids a prefix lookup may match: capped so the usable credit stays within the
+        request's `max_credit_tokens` (a hit of credit + replay tokens earns that credit)."""
+        cap = request.prefix.max_credit_tokens
+        if cap is None:
+            return request.token_ids
+        return request.token_ids[: cap + self.kv.replay_tokens]
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
