@@ -177,12 +177,28 @@ class InternalRequest:
     parent_session_id: str | None = None
     deadline_unix_s: float | None = None  # absolute; None = no deadline
     arrival_unix_s: float = field(default_factory=time.time)
+    # A continuation of a stream (router-internal, never on the wire): prompt_ids is the
+    # original prompt + the outputs already streamed; the KV of the first `kv_prompt_tokens`
+    # (the original prompt) comes from a prefill or the previous decode worker, the outputs are
+    # recomputed by the new decode worker (engine.request.PrefixPolicy). None: a fresh request.
+    kv_prompt_tokens: int | None = None
+    # the prefill of a continuation uses at most this prefix credit: the original prefill's
+    max_prefill_credit_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise InvalidArgument("must be non-empty", field="request_id")
         if not self.prompt_ids:
             raise InvalidArgument("must not be empty", field="prompt")
+        if self.kv_prompt_tokens is not None and \
+                not 0 < self.kv_prompt_tokens <= len(self.prompt_ids):
+            raise InvalidArgument("kv_prompt_tokens outside the prompt", field="prompt")
+
+    @property
+    def kv_prompt_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV a prefill computes: the original prompt of a continuation."""
+        return self.prompt_ids if self.kv_prompt_tokens is None \
+            else self.prompt_ids[: self.kv_prompt_tokens]
 
     @property
     def prompt_tokens(self) -> int:

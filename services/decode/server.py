@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from flashpd.engine.async_engine import RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
-from flashpd.engine.request import RequestStatus
+from flashpd.engine.request import PrefixPolicy, RequestStatus
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
 from flashpd.engine.scheduler import Reservation
 from flashpd.services.admission import AdmissionQueue
@@ -126,7 +126,8 @@ class DecodeWorker(EngineWorker):
                 self._give_up(e, old)
                 superseded.append(old.engine_id)
             try:
-                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id)
+                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id,
+                              PrefixPolicy(kv_tokens=req.kv_prompt_tokens))
             except ValueError as exc:
                 raise InvalidArgument(str(exc), field="prompt") from None
             if r is None:

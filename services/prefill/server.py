@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from flashpd.engine.async_engine import EngineDead, RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
+from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.transfer.base import TransferCancelled, TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.api import (
@@ -95,7 +96,7 @@ class PrefillWorker(EngineWorker):
         rid, token = req.request_id, ticket.incarnation
         run = _Run(f"{rid}@{token}")
         self._runs.setdefault(rid, {})[token] = run
-        self._queued_tokens[run.engine_id] = req.prompt_tokens
+        self._queued_tokens[run.engine_id] = len(req.kv_prompt_ids)
         push = None
         try:
             if self._aborted_before(rid, ticket):
@@ -122,7 +123,7 @@ class PrefillWorker(EngineWorker):
             return PrefillResult(
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
-                computed_tokens=req.prompt_tokens - ready.cached_tokens,
+                computed_tokens=len(req.kv_prompt_ids) - ready.cached_tokens,
                 pushed_bytes=stats.num_bytes, queue_ms=0.0, compute_ms=compute_ms,
                 transfer_ms=ms_since(t1))
         finally:
@@ -161,8 +162,9 @@ class PrefillWorker(EngineWorker):
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded("deadline passed before prefill started")
         try:
+            prefix = PrefixPolicy(max_credit_tokens=req.max_prefill_credit_tokens)
             return await asyncio.wait_for(
-                self.engine.prefill(run.engine_id, req.prompt_ids), timeout=remaining)
+                self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:

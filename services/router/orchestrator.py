@@ -20,9 +20,13 @@
   request again without it, up to `max_attempts` placements. When no worker of a role is left
   (the only prefill replica died), the run waits for a replacement to register, within its
   deadline and at most `wait_for_workers_s`. Before the first token the client sees a slower
-  first token; after it, the run *continues*: the next attempt re-prefills prompt + the tokens
-  released so far on another decode worker with `max_tokens` reduced by as many, and its tokens
-  are appended at the right offsets (greedy output is identical to an unbroken run). Both
+  first token; after it, the run *continues*: the next attempt sends prompt + the tokens
+  released so far to another decode worker with `max_tokens` reduced by as many
+  (`kv_prompt_tokens` = the original prompt): a prefill worker recomputes only the original
+  prompt's KV, capped at the original prefill's prefix credit (the same KV), and the new decode
+  worker replays from the original prompt boundary and recomputes the released tokens
+  teacher-forced, so its windows are the first worker's and greedy output is identical to an
+  unbroken run, with bounded replay too. Its tokens are appended at the right offsets. Both
   frontends get this transparently: the gRPC stream and the HTTP SSE stream simply go on.
 - Resume: a client that comes back for a resumable run (`resume_from_token`) re-attaches to it;
   if the run had failed UNAVAILABLE after its first token (every attempt used up), it is
@@ -125,6 +129,9 @@ class _Progress:
     text: TextStream
     first_token_unix_s: float | None = None
     last_token_unix_s: float | None = None
+    # prefix credit of the prefill whose KV the released tokens rest on (None: no prefill):
+    # a continuation's prefill is capped at it, so it recomputes the same KV
+    prefill_credit_tokens: int | None = None
 
 
 @dataclass
@@ -342,10 +349,15 @@ class Orchestrator:
         if number == 0:
             return req
         done = tuple(t for e in run.events for t in e.token_ids)
+        if not done:
+            return dataclasses.replace(req, request_id=f"{req.request_id}@{number}")
+        progress = run.progress
         return dataclasses.replace(
             req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
             sampling=dataclasses.replace(req.sampling,
-                                         max_tokens=req.sampling.max_tokens - len(done)))
+                                         max_tokens=req.sampling.max_tokens - len(done)),
+            kv_prompt_tokens=req.prompt_tokens,
+            max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None)
 
     async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
                        progress: _Progress) -> None:
@@ -359,6 +371,9 @@ class Orchestrator:
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
+            if attempt.base_tokens == 0:  # the KV the first tokens will rest on
+                progress.prefill_credit_tokens = (attempt.result.prefill_cached_tokens
+                                                  if attempt.result else None)
             placement.prefill_done(a)
             await self._decode(run, attempt, progress)
         except BaseException as exc:
