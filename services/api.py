@@ -257,6 +257,9 @@ class TokenEvent:
     index: int  # offset of token_ids[0] in the completion
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when requested
     text: str = ""  # released text; filled by the router's detokenizer
+    # first event of a run (router): the prefix credit of the prefill its KV rests on, for a
+    # client that continues the stream itself (proto TokenChunk.prefill_credit_tokens)
+    prefill_credit_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -356,7 +356,7 @@ class Orchestrator:
             req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
             sampling=dataclasses.replace(req.sampling,
                                          max_tokens=req.sampling.max_tokens - len(done)),
-            kv_prompt_tokens=req.prompt_tokens,
+            kv_prompt_tokens=req.kv_prompt_tokens or req.prompt_tokens,
             max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None)
 
     async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
@@ -463,8 +463,9 @@ class Orchestrator:
         else:
             self.metrics.on_tokens(len(ids), now - (progress.last_token_unix_s or now))
         progress.last_token_unix_s = now
+        credit = progress.prefill_credit_tokens if run.num_tokens == 0 else None
         await run.push(TokenEvent(tuple(ids), run.num_tokens, event.logprobs[: len(ids)],
-                                  "".join(pieces)))
+                                  "".join(pieces), credit))
         return progress.text.stopped
 
     async def _finish(self, run: Run, attempt: _Attempt, progress: _Progress,
