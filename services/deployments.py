@@ -147,9 +147,10 @@ class _WorkerDeployment:
         if config.redis_url:
             engine = self.worker.engine
             self._publisher = RedisPublisher(
-                config.redis_url, config.model_id, ref, lambda: self.worker.stats_now(5.0),
-                lambda: engine.call_sync(lambda e: e.drain_cache_events(), 5.0),
-                lambda: engine.call_sync(lambda e: e.drain_cache_snapshot(), 5.0),
+                # stats and events never wait for a step: a long forward must not make this
+                # live worker's heartbeat lapse (the router would reap it)
+                config.redis_url, config.model_id, ref, self.worker.stats_now,
+                engine.take_cache_events, lambda: engine.cache_snapshot(5.0),
                 config.heartbeat_interval_s)
 
     def _make_worker(self, engine, config, ref):
