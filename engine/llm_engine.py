@@ -32,6 +32,7 @@ from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
 from flashpd.engine.scheduler import (
     PENDING_TOKEN,
     FinishSignal,
+    PausedKV,
     Reservation,
     Scheduler,
     SchedulerConfig,
@@ -159,6 +160,14 @@ class LLMEngine:
 
     def kv_arrived(self, request_id: str) -> None:
         self.scheduler.kv_arrived(request_id)
+
+    def pause(self, request_id: str) -> PausedKV | None:
+        """Decode role: take a request out of the batch, holding its KV (`Scheduler.pause`);
+        `kv_arrived` resumes it, `abort` frees it."""
+        paused = self.scheduler.pause(request_id)
+        if paused is not None:
+            self.runner.forget([request_id])
+        return paused
 
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release_kv(request_id)

@@ -114,6 +114,17 @@ class Reservation:
         return self.num_cached_blocks * self.chunk_tokens
 
 
+@dataclass(frozen=True)
+class PausedKV:
+    """A paused decode request: the blocks holding the global KV of its first `kv_tokens`
+    tokens (what a continuation elsewhere needs) and every token it knows."""
+
+    request_id: str
+    kv_block_ids: tuple[int, ...]
+    kv_tokens: int
+    token_ids: tuple[int, ...]
+
+
 def _by_arrival(request: Request) -> int:
     return request.arrival_order
 
@@ -187,6 +198,30 @@ class Scheduler:
         request.fresh_slot = True
         request.status = RequestStatus.WAITING
         bisect.insort(self._waiting, request, key=_by_arrival)
+
+    def pause(self, request_id: str) -> PausedKV | None:
+        """Decode role: take a running (or admitted) request out of the batch, keeping its
+        blocks and slot, back to waiting for KV (a live migration's source). The blocks of
+        [0, kv_tokens) hold the KV another worker needs to continue it. `kv_arrived` resumes
+        it in place: it then replays from the prompt boundary and recomputes its outputs, as
+        the other worker would. A step already launched for it is dropped at its update (its
+        token is sampled again). None when it is not running or waiting with KV."""
+        request = self._requests.get(request_id)
+        if request is None or request.status not in (RequestStatus.RUNNING,
+                                                      RequestStatus.WAITING):
+            return None
+        if not self.kv.holds(request_id) or self.role.admission is not Admission.RESERVE:
+            return None
+        for queue in (self._waiting, self._running):
+            if request in queue:
+                queue.remove(request)
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.replay = None
+        self._awaiting_kv[request_id] = request
+        self._freed_since_plan.append(request_id)  # the runner drops its state
+        kv_blocks = self.kv.blocks_for_tokens(request.kv_tokens)
+        return PausedKV(request_id, tuple(self.kv.block_table(request_id)[:kv_blocks]),
+                        request.kv_tokens, tuple(request.token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Forget the request and free everything it holds; False when it is unknown/finished."""

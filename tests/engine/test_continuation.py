@@ -104,3 +104,54 @@ def test_replaying_from_the_continuations_own_end_diverges(model_f32):
     ready = _prefill(p2, "b", ids)
     rest = _decode(d2, "b", ids, MAX_TOKENS - 9, p2, ready.kv_block_ids)
     assert unbroken[:9] + rest != unbroken
+
+
+def _run_until(d: LLMEngine, rid: str, n: int) -> list[int]:
+    """Step until `rid` has `n` outputs (async scheduling may have launched one step more)."""
+    out: list[int] = []
+    while len(out) < n:
+        for o in d.step():
+            if o.request_id == rid:
+                out.extend(o.new_token_ids)
+    return out
+
+
+def _admitted(model, prompt: list[int], rid: str) -> tuple[LLMEngine, LLMEngine]:
+    p, d = _engine(model, "prefill"), _engine(model, "decode")
+    ready = _prefill(p, rid, prompt)
+    r = d.reserve(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    _copy(p, ready.kv_block_ids, d, r.missing_block_ids)
+    d.kv_arrived(rid)
+    return p, d
+
+
+def test_paused_request_migrates_to_another_decode_engine_identically(model_f32):
+    prompt = _prompt(PROMPT_TOKENS, 1)
+    unbroken = _unbroken(model_f32, prompt)
+    _, d1 = _admitted(model_f32, prompt, "m")
+    before = _run_until(d1, "m", 5)
+    paused = d1.pause("m")
+    assert paused is not None and paused.kv_tokens == PROMPT_TOKENS
+    assert len(paused.kv_block_ids) == 3 and paused.token_ids == tuple(prompt + before)
+    d1.step()  # a step launched ahead for it completes; its token is dropped
+    d2 = _engine(model_f32, "decode")
+    rest = _decode(d2, "m", list(paused.token_ids), MAX_TOKENS - len(before), d1,
+                   paused.kv_block_ids, PrefixPolicy(kv_tokens=PROMPT_TOKENS))
+    assert before + rest == unbroken
+    assert d1.abort("m") and d1.kv.usage()["blocks_free"] + d1.kv.usage()["blocks_cached"] \
+        == d1.kv.usage()["blocks_total"]
+
+
+def test_paused_request_resumed_in_place_is_identical(model_f32):
+    prompt = _prompt(PROMPT_TOKENS, 1)
+    unbroken = _unbroken(model_f32, prompt)
+    _, d = _admitted(model_f32, prompt, "s")
+    before = _run_until(d, "s", 6)
+    assert d.pause("s") is not None and d.pause("s") is None  # not running any more
+    d.step()
+    d.kv_arrived("s")
+    rest = []
+    while d.has_unfinished():
+        for o in d.step():
+            rest.extend(o.new_token_ids)
+    assert before + rest == unbroken
