@@ -202,7 +202,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                if isinstance(item, EngineOutput) and item.finished:
                     finished = True
                     return
         finally:
@@ -212,6 +212,14 @@ class AsyncLLMEngine:
                     await self.call(lambda e: self.on_unfinished_close(e, request_id))
                 except EngineDead:
                     pass
+
+    def mark(self, request_id: str, marker: object) -> None:
+        """On the loop thread: put `marker` in the request's stream after every output
+        delivered so far (its consumer receives it in order)."""
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, marker)
 
     def close_stream(self, request_id: str, abort: bool) -> None:
         """Drop a request's output queue; with abort, its consumer sees CancelledError."""

@@ -301,7 +301,24 @@ class FinalEvent:
     text: str = ""  # router: text released only at the end (held-back tail)
 
 
-Event = TokenEvent | FinalEvent
+@dataclass(frozen=True)
+class MigrateEvent:
+    """Decode -> router only (never to a client): this worker is draining and has paused the
+    stream after the `tokens_sent` tokens it streamed, holding its KV. The router continues it
+    elsewhere (`DecodeServerApi.migrate_out`) or in place (`resume`)."""
+
+    tokens_sent: int
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What a draining decode worker moved for one stream (`migrate_out`)."""
+
+    moved_bytes: int
+    transfer_ms: float
+
+
+Event = TokenEvent | FinalEvent | MigrateEvent
 
 
 # ------------------------------------------------------------------------------- worker identity
@@ -381,5 +398,11 @@ class DecodeServerApi(Protocol):
     def generate(self, req: InternalRequest) -> AsyncIterator[Event]: ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def drain(self, deadline_s: float) -> int: ...
+
+    async def migrate_out(self, request_id: str, ticket: Ticket) -> MigrationResult: ...
+
+    async def resume(self, request_id: str) -> bool: ...
 
     async def stats(self) -> WorkerStats: ...

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from flashpd.engine.llm_engine import EngineConfig
@@ -19,6 +20,7 @@ from flashpd.engine.loading import load_engine
 from flashpd.services.api import (
     Event,
     InternalRequest,
+    MigrationResult,
     PrefillResult,
     Ticket,
     Unavailable,
@@ -109,6 +111,15 @@ class RedisPublisher:
     async def _republish(self) -> None:
         await self.publisher.publish(self._ref, self._snapshot())
         self.republished += 1
+
+    def mark_draining(self, timeout_s: float = 5.0) -> None:
+        """Mark this worker draining in Redis now (routers place nothing new here); raises
+        when Redis does not answer in time."""
+        while not hasattr(self, "publisher"):  # _main sets it first thing
+            time.sleep(0.01)
+        fut = asyncio.run_coroutine_threadsafe(self.publisher.mark_draining(self._ref),
+                                               self._loop)
+        fut.result(timeout_s)
 
     def health_error(self) -> str | None:
         if not self._thread.is_alive():
@@ -223,6 +234,23 @@ class DecodeServer(_WorkerDeployment):
                 yield event
         finally:
             await events.aclose()
+
+    async def drain(self, deadline_s: float = 30.0, target_worker: str | None = None) -> int:
+        """Live migration of every stream (see DecodeWorker.drain); marks this worker
+        draining in Redis first, so no router places a new request here."""
+        self._check_target(target_worker)
+        if self._publisher is not None:
+            await asyncio.to_thread(self._publisher.mark_draining)
+        return await self.worker.drain(deadline_s)
+
+    async def migrate_out(self, request_id: str, ticket: Ticket,
+                          target_worker: str | None = None) -> MigrationResult:
+        self._check_target(target_worker)
+        return await self.worker.migrate_out(request_id, ticket)
+
+    async def resume(self, request_id: str, target_worker: str | None = None) -> bool:
+        self._check_target(target_worker)
+        return await self.worker.resume(request_id)
 
 
 def engine_config_for(role: str, base: EngineConfig) -> EngineConfig:

@@ -21,6 +21,7 @@ a safety net for garbage, not an eviction policy: engines report evictions (Bloc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -112,6 +113,12 @@ class IndexKeys:
     def workers(self) -> str:
         return self.prefix + "workers"
 
+    @property
+    def draining(self) -> str:
+        """SET of wkeys told to drain: routers place nothing new there from the moment a
+        wkey is added (before the worker itself starts draining)."""
+        return self.prefix + "draining"
+
     def heartbeat(self, wkey: str) -> str:
         return f"{self.prefix}hb:{wkey}"
 
@@ -157,6 +164,7 @@ async def deregister_worker(redis, keys: IndexKeys, worker: WorkerRef) -> None:
     await _drop_worker_sessions(redis, keys, wkey)
     pipe = redis.pipeline(transaction=True)
     pipe.srem(keys.workers, wkey)
+    pipe.srem(keys.draining, wkey)
     pipe.delete(keys.heartbeat(wkey))
     await pipe.execute()
 
@@ -196,6 +204,11 @@ class IndexPublisher:
         self._redis, self.keys = redis, IndexKeys(model)
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._chunk_ttl_s = int(chunk_ttl_s)
+
+    @_cancel_safe
+    async def mark_draining(self, worker: WorkerRef) -> None:
+        """The worker is about to drain: routers stop placing new requests on it now."""
+        await self._redis.sadd(self.keys.draining, worker.key)
 
     @_cancel_safe
     async def register(self, stats: WorkerStats) -> None:
@@ -286,13 +299,24 @@ class PrefixIndex:
     async def live_view(self) -> LiveView:
         wkeys = sorted(_text(k) for k in await self._redis.smembers(self.keys.workers))
         beats = await self._redis.mget([self.keys.heartbeat(k) for k in wkeys]) if wkeys else []
+        marked = await self.draining()
         live, dead = [], []
         for wkey, beat in zip(wkeys, beats, strict=True):
             if beat is None:
                 dead.append(WorkerRef.from_key(wkey))
             else:
-                live.append(WorkerStats.from_json(beat))
+                stats = WorkerStats.from_json(beat)
+                live.append(dataclasses.replace(stats, draining=True) if wkey in marked
+                            else stats)
         return LiveView(tuple(live), tuple(dead))
+
+    async def draining(self) -> frozenset[str]:
+        """The wkeys marked draining (`mark_draining`)."""
+        return frozenset(_text(k) for k in await self._redis.smembers(self.keys.draining))
+
+    async def mark_draining(self, worker: WorkerRef) -> None:
+        """Operator side: no router places a new request on `worker` from now on."""
+        await self._redis.sadd(self.keys.draining, worker.key)
 
     @_cancel_safe
     async def lookup(self, chunk_hashes: Sequence[str], live: Iterable[WorkerRef],

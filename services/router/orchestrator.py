@@ -54,6 +54,7 @@ from flashpd.services.api import (
     Internal,
     InternalRequest,
     InvalidArgument,
+    MigrateEvent,
     NotFound,
     PrefillResult,
     ResourceExhausted,
@@ -144,6 +145,15 @@ class _Attempt:
     ticket: Ticket | None = None
     result: PrefillResult | None = None
     reserve_ms: float = 0.0
+    moved: list[Assignment] = dataclasses.field(default_factory=list)  # earlier decode legs
+    migrate_ms: float = 0.0  # live migrations of this attempt, summed (pause to new stream)
+
+    def moved_to(self, a: Assignment, req: InternalRequest, base_tokens: int,
+                 decode: object, ticket: Ticket) -> None:
+        """The stream continues on another decode worker (a live migration)."""
+        self.moved.append(self.assignment)
+        self.assignment, self.request, self.base_tokens = a, req, base_tokens
+        self.prefill, self.decode, self.ticket, self.result = None, decode, ticket, None
 
 
 class Orchestrator:
@@ -380,6 +390,11 @@ class Orchestrator:
             failed = exc.worker if isinstance(exc, _RetryElsewhere) else None
             await asyncio.shield(self._abort_legs(attempt, failed))
             raise
+        finally:
+            for moved in attempt.moved:  # decode legs a live migration left
+                placement.release(moved)
+            if attempt.moved:
+                placement.release(attempt.assignment)
 
     def _endpoint(self, worker: WorkerRef):
         try:
@@ -412,6 +427,13 @@ class Orchestrator:
                 except StopAsyncIteration:  # the worker went away mid-stream
                     raise _RetryElsewhere(worker, Unavailable(
                         "decode stream ended without a final event"), died=True) from None
+                if isinstance(event, MigrateEvent):
+                    if await self._migrate(run, attempt):  # the stream moved: follow it
+                        await _aclose(stream)
+                        worker = attempt.assignment.decode
+                        stream = attempt.decode.generate(attempt.request)
+                        events = stream.__aiter__()
+                    continue
                 if isinstance(event, FinalEvent):
                     await self._finish(run, attempt, progress, event.finish_reason, event)
                     return
@@ -424,6 +446,51 @@ class Orchestrator:
                     return
         finally:
             await _aclose(stream)
+
+    async def _migrate(self, run: Run, attempt: _Attempt) -> bool:
+        """The attempt's decode worker is draining and paused the stream after every token
+        it sent. Place a continuation (prompt + the tokens released, KV boundary at the
+        original prompt) on another decode worker, have the draining one push the prompt's KV
+        blocks there (D -> D, no prefill), and switch `attempt` to it: True. With no room
+        anywhere (or any failure before the push completed), the stream resumes in place:
+        False. The client's stream sees only a pause."""
+        started = time.perf_counter()
+        source, placement = attempt.assignment.decode, self.placements[run.request.model]
+        req = self._attempt_request(run)
+        try:
+            a = await placement.place(req, frozenset({source}))
+        except Unavailable:
+            return await self._stay(run, attempt, "no other decode worker")
+        placement.prefill_done(a)  # no prefill leg: the KV comes from the source
+        target = None
+        try:
+            target = self._endpoint(a.decode)
+            ticket = await target.reserve(req)
+            moved = await attempt.decode.migrate_out(attempt.request.request_id, ticket) \
+                if ticket.needs_prefill else None
+        except asyncio.CancelledError:
+            placement.release(a)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream stays where it is
+            placement.release(a)
+            if target is not None:
+                self._background(self._abort_one(req.request_id, a.decode, target))
+            return await self._stay(run, attempt, f"{type(exc).__name__}: {exc}")
+        attempt.moved_to(a, req, run.num_tokens, target, ticket)
+        attempt.migrate_ms += (time.perf_counter() - started) * 1e3
+        self.metrics.on_migration("moved", moved.moved_bytes if moved else 0)
+        log.info("request %s: moved from %s to %s after %d tokens (%d KV bytes, %.1f ms)",
+                 run.request_id, source.worker_id, a.decode.worker_id, run.num_tokens,
+                 moved.moved_bytes if moved else 0, attempt.migrate_ms)
+        return True
+
+    async def _stay(self, run: Run, attempt: _Attempt, why: str) -> bool:
+        log.warning("request %s: stays on draining %s (%s)", run.request_id,
+                    attempt.assignment.decode.worker_id, why)
+        self.metrics.on_migration("stayed")
+        await self._call(attempt.decode.resume(attempt.request.request_id),
+                         attempt.assignment.decode, RETRY_DECODE)
+        return False
 
     async def _call(self, awaitable: Awaitable, worker: WorkerRef,
                     retryable: tuple[type[ServiceError], ...]):
@@ -526,6 +593,7 @@ class Orchestrator:
         request_id = attempt.request.request_id
         a = attempt.assignment
         legs = {a.prefill: attempt.prefill, a.decode: attempt.decode}
+        legs = {w: e for w, e in legs.items() if e is not None}  # a migrated run: no prefill
         for worker, endpoint in legs.items():
             if worker == failed:
                 self._background(self._abort_one(request_id, worker, endpoint))

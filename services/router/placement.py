@@ -97,6 +97,7 @@ class Placement:
         self._view_lock = asyncio.Lock()
         self._known: dict[WorkerRef, tuple[WorkerStats, float]] = {}  # ref -> (stats, seen at)
         self._suspects: dict[WorkerRef, float] = {}  # ref -> avoided until
+        self._marked: frozenset[str] = frozenset()  # wkeys marked draining (Redis)
         self._sessions: OrderedDict[str, SessionBinding] = OrderedDict()
         self._in_flight = _InFlight()
         self._reaping: set[WorkerRef] = set()
@@ -141,6 +142,14 @@ class Placement:
                       if stats.role not in roles and stats.ref not in view.dead)
         return LiveView(view.workers + extra, view.dead) if extra else view
 
+    async def _draining_marks(self) -> frozenset[str]:
+        """Workers marked draining in Redis (the last answer while Redis fails)."""
+        try:
+            self._marked = await self.breaker.call(self.index.draining)
+        except (TimeoutError, OSError, RedisError) as exc:
+            log.debug("draining marks from Redis failed (%r); using the last ones", exc)
+        return self._marked
+
     def suspect(self, worker: WorkerRef) -> None:
         """A call to `worker` failed as if it were gone: avoid it for a while."""
         self._suspects[worker] = self._clock() + self.config.suspect_s
@@ -159,7 +168,8 @@ class Placement:
     async def place(self, req: InternalRequest, exclude: frozenset[WorkerRef]) -> Assignment:
         started = time.perf_counter()
         view = await self.live_view()
-        usable = self._usable(view, exclude)
+        marked = await self._draining_marks()  # read per placement: a drain takes effect now
+        usable = [w for w in self._usable(view, exclude) if w.ref.key not in marked]
         blind = self.policy.name in BLIND_POLICIES
         hit_chunks: dict[WorkerRef, int] = {}
         binding = parent = None
