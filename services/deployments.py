@@ -30,6 +30,7 @@ from flashpd.services.api import (
 from flashpd.services.worker_common import WorkerConfig, new_worker_ref
 
 log = logging.getLogger(__name__)
+DRAIN_DEADLINE_S = 30.0  # a drain started by a Redis mark (streams that cannot move finish)
 
 
 def _replica_worker_id(role: str) -> str:
@@ -53,8 +54,12 @@ class RedisPublisher:
 
     def __init__(self, redis_url: str, model_id: str, ref: WorkerRef, stats, drain_events,
                  snapshot, interval_s: float, *, op_timeout_s: float = 2.0,
-                 max_backoff_s: float = 2.0):
+                 max_backoff_s: float = 2.0, on_drain_mark=None):
+        """`on_drain_mark`: an async callable run (once) on this thread's loop when the
+        worker finds itself marked draining in Redis (an operator's `flashpd drain`, the
+        autoscaler's scale-down)."""
         self._url, self._model_id, self._ref = redis_url, model_id, ref
+        self._on_drain_mark, self._drain_task = on_drain_mark, None
         self._stats, self._drain_events, self._snapshot = stats, drain_events, snapshot
         self._interval_s, self._op_timeout_s = interval_s, op_timeout_s
         self._max_backoff_s = max(max_backoff_s, interval_s)
@@ -107,6 +112,10 @@ class RedisPublisher:
             log.warning("%s: missing from the Redis registry; re-publishing every cached chunk",
                         self._ref.key)
             await self._republish()
+        if self._on_drain_mark is not None and self._drain_task is None and \
+                await self.publisher.is_marked_draining(self._ref):
+            log.warning("%s: marked draining in Redis; draining", self._ref.key)
+            self._drain_task = asyncio.ensure_future(self._on_drain_mark())
 
     async def _republish(self) -> None:
         await self.publisher.publish(self._ref, self._snapshot())
@@ -162,10 +171,13 @@ class _WorkerDeployment:
                 # live worker's heartbeat lapse (the router would reap it)
                 config.redis_url, config.model_id, ref, self.worker.stats_now,
                 engine.take_cache_events, lambda: engine.cache_snapshot(5.0),
-                config.heartbeat_interval_s)
+                config.heartbeat_interval_s, on_drain_mark=self._drained_by_mark)
 
     def _make_worker(self, engine, config, ref):
         raise TypeError("subclasses build their worker")
+
+    async def _drained_by_mark(self) -> None:
+        """Marked draining in Redis: what the role does then (decode: live migration)."""
 
     def _check_target(self, target_worker: str | None) -> None:
         if target_worker is not None and target_worker != self.ref.worker_id:
@@ -234,6 +246,9 @@ class DecodeServer(_WorkerDeployment):
                 yield event
         finally:
             await events.aclose()
+
+    async def _drained_by_mark(self) -> None:
+        await self.worker.drain(DRAIN_DEADLINE_S)
 
     async def drain(self, deadline_s: float = 30.0, target_worker: str | None = None) -> int:
         """Live migration of every stream (see DecodeWorker.drain); marks this worker

@@ -37,6 +37,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -49,7 +50,6 @@ from flashpd.engine.transfer.base import TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.admission import AdmissionQueue
 from flashpd.services.api import (
-    DeadlineExceeded,
     Event,
     FinalEvent,
     Internal,
@@ -76,6 +76,7 @@ from flashpd.services.worker_common import (
 
 log = logging.getLogger(__name__)
 DRAIN_MARGIN_S = 1.0  # clock skew and notice delivery between the two workers
+MAX_EXPIRED = 4096  # request ids whose lease expired, remembered so generate says UNAVAILABLE
 
 
 @dataclass
@@ -113,6 +114,7 @@ class DecodeWorker(EngineWorker):
         self._free_blocks = -1
         self.admission = AdmissionQueue(config.max_queued_requests,
                                         retry_after_s=config.retry_after_s)
+        self._expired: OrderedDict[str, None] = OrderedDict()  # leases expired (bounded)
         self._sender = None  # made at the first migration (a NIXL agent of its own)
         self._peers: dict[bytes, str] = {}  # decode descriptor -> sender peer
 
@@ -192,6 +194,9 @@ class DecodeWorker(EngineWorker):
         t0 = time.monotonic()
         attempt = self._attempts.get(rid)
         if attempt is None or not self.engine.has_stream(attempt.engine_id):
+            if rid in self._expired:  # alive but slow (a loaded machine): place it again
+                raise Unavailable(f"the KV of {rid} did not arrive within its lease on "
+                                  f"{self.ref.worker_id}")
             raise NotFound(f"request {rid!r} was not reserved on {self.ref.worker_id}")
         stream = self.engine.stream(attempt.engine_id)
         try:
@@ -226,9 +231,8 @@ class DecodeWorker(EngineWorker):
         except RequestFailed as exc:
             raise Internal(f"decode of {rid} failed: {exc.reason}") from None
         except asyncio.CancelledError:
-            if attempt.expired:
-                raise DeadlineExceeded(f"the KV of {rid} did not arrive within its lease") \
-                    from None
+            if attempt.expired:  # retryable: the request's own deadline has not passed
+                raise Unavailable(f"the KV of {rid} did not arrive within its lease") from None
             raise
 
     async def abort(self, request_id: str) -> bool:
@@ -343,6 +347,9 @@ class DecodeWorker(EngineWorker):
                 continue
             log.warning("%s: KV lease of %s expired", self.ref.worker_id, rid)
             attempt.expired = True
+            self._expired[rid] = None
+            while len(self._expired) > MAX_EXPIRED:
+                self._expired.popitem(last=False)
             if self.receiver.is_draining(attempt.token):
                 self._draining[attempt.token] = attempt.engine_id
             else:

@@ -50,6 +50,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def _code(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
+    if callable(code):  # grpc.aio.AioRpcError: code() is a method
+        return f"{type(exc).__name__} {code().name}"
     return getattr(code, "name", None) or type(exc).__name__
 
 
@@ -337,20 +339,20 @@ async def _busy_worker(stack: FaultStack, role: str, busy, timeout_s: float = 12
 async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 64,
                       kill_after_tokens: int = 5, seed: int = 2) -> ScenarioResult:
     """Greedy streams of one session, all on its decode worker (`streams` through the SDK, one
-    more as OpenAI HTTP SSE); that worker is killed after each stream got `kill_after_tokens`:
-    every stream completes with output identical to an unbroken run, and the session's next
-    turn works on another decode worker.
+    more as OpenAI HTTP SSE, one as raw gRPC); that worker is killed after each stream got
+    `kill_after_tokens`: every stream completes with output identical to an unbroken run, and
+    the session's next turn works on another decode worker.
 
-    The continuation re-prefills prompt + the tokens streamed, so its output equals the unbroken
-    run's exactly when replay after a prefix is exact (`swa_bounded_replay: false`); with the
-    128-token bounded replay (the default) the rebuilt windows approximate the unbroken run's
-    and greedy output may drift: `matching_tokens` reports how far it matched."""
+    The continuation's prefill recomputes only the original prompt's KV (at the original
+    credit) and the new decode worker replays from the prompt boundary and recomputes the
+    streamed tokens, so its output equals the unbroken run's with the default 128-token bounded
+    replay as well as with exact replay (`matching_tokens` says how far each stream matched)."""
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("decode_kill")
     vocab = await _vocab(stack)
     rng = random.Random(seed)
-    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 1)]  # the last: HTTP
+    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 2)]  # HTTP, then gRPC
     session = f"dk-{seed}-{time.time_ns()}"
     async with AsyncClient(stack.grpc_target) as client:
         reference = [await _generate(client, p, max_tokens=max_tokens) for p in prompts]
@@ -360,13 +362,16 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
             res.check(False, "reference runs failed on the healthy stack")
             return res
         bound = warm["result"].decode_worker
-        progress = [0] * (streams + 1)
+        progress = [0] * (streams + 2)
         outs = await asyncio.gather(
             *(_tracked(client, p, max_tokens, session, progress, i)
               for i, p in enumerate(prompts[:streams])),
             _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
+            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress,
+                          streams + 1),
             _kill_when(stack, bound, progress, kill_after_tokens))
-        sdk_outs, http_out, snapshot = outs[:streams], outs[streams], outs[-1]
+        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams],
+                                                  outs[streams + 1], outs[-1])
         after = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                 session_id=session)
     refs = [r["result"] for r in reference]
@@ -374,6 +379,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
                  for f, r in zip(sdk_outs, refs, strict=False)]
     moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
     http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
+    grpc_identical = grpc_out["ok"] and tuple(grpc_out["ids"]) == refs[streams + 1].output_ids
     res.counts = {
         "streams": streams, "killed": bound if snapshot else None,
         "tokens_before_kill": snapshot, "completed": sum(f["ok"] for f in sdk_outs),
@@ -383,6 +389,8 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
         "resumed_elsewhere": sum(moved), "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
         "http_sse_completed": http_out["ok"], "http_sse_identical_text": http_identical,
         "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
+        "grpc_completed": grpc_out["ok"], "grpc_identical": grpc_identical,
+        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, bound),
         "next_turn_ok": after["ok"],
         "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
     res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
@@ -391,6 +399,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
     res.check(all(moved), "not every stream was resumed on another decode worker")
     res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
+    res.check(grpc_identical, f"the raw gRPC stream differs or failed: {grpc_out.get('error')}")
     res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
     return res
 
@@ -420,6 +429,28 @@ async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i
     except Exception as exc:
         return {"ok": False, "error": _code(exc)}
     return {"ok": True, "text": "".join(text), "decode_worker": worker}
+
+
+async def _tracked_grpc(stack: FaultStack, ids, max_tokens, session, progress, i) -> dict:
+    """A raw gRPC stream (no SDK: no client-side retry or resume): its ids and decode worker."""
+    import grpc
+
+    from flashpd_sdk._gen import flashpd_pb2 as pb
+    from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
+
+    out: list[int] = []
+    try:
+        async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+            req = pb.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, session_id=session)
+            req.prompt_ids.ids.extend(ids)
+            async for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=TIMEOUT_S):
+                if msg.WhichOneof("kind") == "final":
+                    return {"ok": True, "ids": out, "decode_worker": msg.final.decode_worker}
+                out.extend(msg.chunk.token_ids)
+                progress[i] += len(msg.chunk.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        return {"ok": False, "error": f"{exc.code().name}: {exc.details()}"}
+    return {"ok": False, "error": "the stream ended without a final message"}
 
 
 async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
@@ -453,6 +484,104 @@ def _common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+# ---------------------------------------------------------------------------- decode drain
+
+
+async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: int = 160,
+                       max_tokens: int = 12, drain_after_tokens: int = 3,
+                       seed: int = 6) -> ScenarioResult:
+    """`streams` greedy SDK streams on 1 prefill + 2 decode replicas; once each got
+    `drain_after_tokens` tokens, the decode replica holding the most sequences is marked
+    draining (`flashpd drain`'s Redis mark): every stream completes with output identical to
+    an undisturbed run (0 errors), those on the drained replica move to the other one (live
+    migration: 0 re-prefills, 0 retries), the drained replica ends with nothing held, and
+    requests sent after the mark never land on it."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("decode_drain")
+    vocab = await _vocab(stack)
+    rng = random.Random(seed)
+    prompts = [prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
+    async with AsyncClient(stack.grpc_target) as client:
+        reference = await asyncio.gather(*(_generate(client, p, max_tokens=max_tokens)
+                                           for p in prompts))
+        if not all(r["ok"] for r in reference):
+            res.check(False, "reference runs failed on the healthy stack")
+            return res
+        before = await _drain_counters(stack)
+        progress = [0] * streams
+        drained: dict = {}
+        outs = await asyncio.gather(
+            *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
+            _drain_when(stack, progress, drain_after_tokens, drained))
+        outs = outs[:streams]
+        victim = drained.get("worker")
+        after = await _drain_counters(stack)
+        late = [await _generate(client, prompt_ids(rng, 32, vocab), max_tokens=2)
+                for _ in range(4)] if victim else []
+    idle_s = await asyncio.to_thread(_victim_idle, stack, victim, 30.0) if victim else None
+    refs = [r["result"].output_ids for r in reference]
+    identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
+    delta = {k: after[k] - before[k] for k in after}
+    res.counts = {
+        "streams": streams, "drained": victim, "tokens_at_drain": drained.get("progress"),
+        "paused_on_victim": drained.get("running"), "completed": sum(o["ok"] for o in outs),
+        "failed": [o.get("code") for o in outs if not o["ok"]], "identical": sum(identical),
+        "on_victim_at_end": sum(o["ok"] and o["result"].decode_worker == victim for o in outs),
+        "migrated": delta["moved"], "stayed": delta["stayed"], "prefills": delta["prefills"],
+        "retries": delta["retries"], "migrated_bytes": delta["bytes"],
+        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim
+                                       for o in late),
+        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2)}
+    res.check(victim is not None, "no decode replica was drained mid-stream")
+    res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
+    res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
+    res.check(res.counts["on_victim_at_end"] == 0, "streams finished on the drained replica")
+    res.check(delta["moved"] >= 1 and delta["stayed"] == 0,
+              f"migrations: {delta['moved']} moved, {delta['stayed']} stayed")
+    res.check(delta["prefills"] == streams and delta["retries"] == 0,
+              f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries")
+    res.check(all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
+              "a request sent after the drain mark failed or landed on the drained replica")
+    res.check(idle_s is not None, "the drained replica still holds sequences or blocks")
+    return res
+
+
+async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: dict) -> None:
+    """Once every stream got `after` tokens, drain the busiest decode replica."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if all(p >= after for p in progress):
+            busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
+                           if w.role == "decode"), key=lambda w: w.running)
+            out.update(worker=busiest.worker_id, running=busiest.running,
+                       progress=sorted(progress))
+            await stack.drain_replica(busiest.worker_id)
+            return
+        await asyncio.sleep(0.005)
+
+
+def _victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float | None:
+    started = time.monotonic()
+    while time.monotonic() - started <= timeout_s:
+        stats = [w for w in stack.worker_stats() if w.worker_id == worker_id]
+        if not stats or (stats[0].running == 0 and stats[0].kv_blocks_used == 0):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
+async def _drain_counters(stack: FaultStack) -> dict[str, float]:
+    moved = await router_counter(stack, "flashpd:stream_migrations_total")
+    return {"moved": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
+            "stayed": sum(v for k, v in moved.items() if 'outcome="stayed"' in k),
+            "bytes": sum((await router_counter(stack,
+                                               "flashpd:stream_migration_bytes_total")).values()),
+            "prefills": sum((await router_counter(stack, "flashpd:prefills_total")).values()),
+            "retries": sum((await router_counter(stack,
+                                                 "flashpd:request_retries_total")).values())}
 
 
 # ------------------------------------------------------------------------------- Redis loss

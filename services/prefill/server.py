@@ -113,8 +113,9 @@ class PrefillWorker(EngineWorker):
                                f"{len(ticket.dst_block_ids)} blocks")
             if run.cancel.is_set():
                 raise Cancelled(f"prefill of {rid} aborted")
-            if time.time() >= ticket.lease_deadline_unix_s:
-                raise DeadlineExceeded(f"the ticket's lease for {rid} passed before the KV push")
+            if time.time() >= ticket.lease_deadline_unix_s:  # decode gave the blocks up: the
+                # attempt is lost, not the request (a slow, loaded machine): place it again
+                raise Unavailable(f"the ticket's lease for {rid} passed before the KV push")
             run.phase = "push"
             push = asyncio.get_running_loop().run_in_executor(
                 self._pushes, self._push, req, ticket, peer, src, run)

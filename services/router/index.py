@@ -211,6 +211,11 @@ class IndexPublisher:
         await self._redis.sadd(self.keys.draining, worker.key)
 
     @_cancel_safe
+    async def is_marked_draining(self, worker: WorkerRef) -> bool:
+        """Whether an operator or the autoscaler marked `worker` draining."""
+        return bool(await self._redis.sismember(self.keys.draining, worker.key))
+
+    @_cancel_safe
     async def register(self, stats: WorkerStats) -> None:
         """Announce a new incarnation; earlier incarnations of the same worker are removed."""
         me = stats.ref
