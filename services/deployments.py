@@ -112,10 +112,16 @@ class RedisPublisher:
             log.warning("%s: missing from the Redis registry; re-publishing every cached chunk",
                         self._ref.key)
             await self._republish()
-        if self._on_drain_mark is not None and self._drain_task is None and \
-                await self.publisher.is_marked_draining(self._ref):
+        if self._on_drain_mark is None:
+            return
+        marked = await self.publisher.is_marked_draining(self._ref)
+        if marked and self._drain_task is None:
             log.warning("%s: marked draining in Redis; draining", self._ref.key)
-            self._drain_task = asyncio.ensure_future(self._on_drain_mark())
+            self._drain_task = asyncio.ensure_future(self._on_drain_mark(True))
+        elif not marked and self._drain_task is not None and self._drain_task.done():
+            log.warning("%s: drain mark removed; serving again", self._ref.key)
+            self._drain_task = None
+            await self._on_drain_mark(False)
 
     async def _republish(self) -> None:
         await self.publisher.publish(self._ref, self._snapshot())
@@ -176,8 +182,9 @@ class _WorkerDeployment:
     def _make_worker(self, engine, config, ref):
         raise TypeError("subclasses build their worker")
 
-    async def _drained_by_mark(self) -> None:
-        """Marked draining in Redis: what the role does then (decode: live migration)."""
+    async def _drained_by_mark(self, marked: bool) -> None:
+        """Marked draining in Redis (or the mark removed): what the role does then (decode:
+        live migration; serving again)."""
 
     def _check_target(self, target_worker: str | None) -> None:
         if target_worker is not None and target_worker != self.ref.worker_id:
@@ -247,8 +254,11 @@ class DecodeServer(_WorkerDeployment):
         finally:
             await events.aclose()
 
-    async def _drained_by_mark(self) -> None:
-        await self.worker.drain(DRAIN_DEADLINE_S)
+    async def _drained_by_mark(self, marked: bool) -> None:
+        if marked:
+            await self.worker.drain(DRAIN_DEADLINE_S)
+        else:
+            self.worker.undrain()
 
     async def drain(self, deadline_s: float = 30.0, target_worker: str | None = None) -> int:
         """Live migration of every stream (see DecodeWorker.drain); marks this worker

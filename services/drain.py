@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 
 from flashpd.services.api import WorkerRef, WorkerStats
 
@@ -88,3 +89,77 @@ async def wait_drained(redis_url: str, model: str, worker: WorkerRef, timeout_s:
 def _drained(stats: WorkerStats) -> bool:
     return stats.draining and stats.running == 0 and stats.waiting == 0 \
         and stats.kv_blocks_used == 0
+
+
+# ------------------------------------------------------------------ before a decode scale-down
+
+
+def drain_before_scale_down(want: int, target: int, replicas: Sequence[str],
+                            loads: Mapping[str, object], state: dict, now: float, *,
+                            mark: Callable[[str], bool], unmark: Callable[[str], bool],
+                            timeout_s: float) -> tuple[int, dict, str | None]:
+    """The joint policy's "starting to stop" for decode: (decode target, new state, note).
+
+    When the policy wants fewer decode replicas than Serve's target, it first marks the replica
+    Serve will stop draining (`mark`) and holds the target until that replica reports drained
+    (`draining`, no running or waiting sequence; its streams moved away) or `timeout_s`
+    passed; then it lowers the target by one. Serve picks the replica to stop: on one node the
+    newest (`_get_replicas_to_stop` order), so the victim is the replica first seen last
+    (`state["seen"]`). If the victim is still running `timeout_s` after the target went down
+    (Serve stopped another one, e.g. on a node with fewer replicas), its mark is removed and
+    it serves again (`unmark`). `loads`: replica id -> WorkerLoad (`running`, `waiting`,
+    `draining`). Pure: the clock and Redis are the caller's."""
+    seen = {r: state.get("seen", {}).get(r, now) for r in replicas}
+    out = {"seen": seen}
+    lowered = state.get("lowered")
+    if lowered and lowered["victim"] in replicas and now - lowered["at"] >= timeout_s:
+        unmark(lowered["victim"])
+        lowered = None
+    if lowered:
+        out["lowered"] = lowered
+    if want >= target or len(replicas) < 2:
+        return want, out, None
+    victim = state.get("victim")
+    if victim not in replicas:
+        victim = max(replicas, key=lambda r: (seen[r], r))
+        if not mark(victim):
+            return target, out, f"decode scale-down held: marking {victim} draining failed"
+        out.update(victim=victim, since=now)
+        return target, out, f"decode scale-down waits for {victim} to drain"
+    out.update(victim=victim, since=state["since"])
+    load = loads.get(victim)
+    drained = load is not None and load.draining and load.running == 0 and load.waiting == 0
+    if drained or now - state["since"] >= timeout_s:
+        out.pop("victim"), out.pop("since")
+        out["lowered"] = {"victim": victim, "at": now}
+        return target - 1, out, f"{victim} drained: decode {target} -> {target - 1}"
+    return target, out, f"decode scale-down waits for {victim} to drain"
+
+
+def redis_marker(redis_url: str, model: str, timeout_s: float = 1.0):
+    """(mark, unmark) by worker id for `drain_before_scale_down`, on a blocking Redis client
+    (the policy runs inside Serve's controller); each returns False when Redis fails."""
+    import redis as redis_sync
+
+    from flashpd.services.router.index import IndexKeys
+
+    keys = IndexKeys(model)
+
+    def wkeys(client, worker_id: str) -> list[str]:
+        names = [k.decode() if isinstance(k, bytes) else k for k in client.smembers(keys.workers)]
+        return [k for k in names if WorkerRef.from_key(k).worker_id == worker_id]
+
+    def apply(worker_id: str, add: bool) -> bool:
+        client = redis_sync.Redis.from_url(redis_url, socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
+        try:
+            found = wkeys(client, worker_id)
+            for k in found:
+                (client.sadd if add else client.srem)(keys.draining, k)
+            return bool(found)
+        except redis_sync.RedisError:
+            return False
+        finally:
+            client.close()
+
+    return (lambda w: apply(w, True)), (lambda w: apply(w, False))

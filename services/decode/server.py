@@ -261,6 +261,11 @@ class DecodeWorker(EngineWorker):
         self.draining = True
         return await self.engine.call(self._pause_all)
 
+    def undrain(self) -> None:
+        """Take requests again (a drain mark was withdrawn: Serve stopped another replica).
+        Streams already moved stay where they are."""
+        self.draining = False
+
     async def migrate_out(self, request_id: str, ticket: Ticket) -> MigrationResult:
         """Push a paused request's prompt KV into another decode worker's reserved blocks
         (the path prefill uses), then free it here. On failure it stays paused (the router
