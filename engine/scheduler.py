@@ -259,7 +259,7 @@ class Scheduler:
         for request in self._running_by_priority():
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(request.num_uncomputed_tokens, budget, self._recompute_cap(request))
             budget += self._grow_or_preempt(request, num_tokens, chunks, preempted)
             if request.status is RequestStatus.RUNNING:
                 chunks[request.request_id] = self._chunk(request, num_tokens)
@@ -432,7 +432,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give `request` blocks and a slot; the number of tokens it computes now, or None."""
         if self.kv.holds(request.request_id):  # decode role: reserved, KV arrived
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(request.num_uncomputed_tokens, budget, self._recompute_cap(request))
             grown = self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens)
             return None if grown is None else num_tokens
         hit = self.kv.lookup(self._lookup_ids(request))
@@ -447,6 +447,17 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.usable_tokens
         return num_tokens
+
+    def _recompute_cap(self, request: Request) -> int:
+        """Decode role: tokens a request may compute in its next chunk. A continuation
+        (`PrefixPolicy.kv_tokens`) or a paused request resumed in place recomputes outputs
+        that were streamed the way the first worker computed them, so the rows round alike:
+        the replay up to the prompt boundary alone, then one token per step."""
+        if self.role.admission is not Admission.RESERVE:
+            return request.num_uncomputed_tokens
+        if request.num_computed_tokens < request.kv_tokens:
+            return request.kv_tokens - request.num_computed_tokens
+        return 1
 
     def _lookup_ids(self, request: Request) -> Sequence[int]:
         """The ids a prefix lookup may match: capped so the usable credit stays within the

@@ -279,7 +279,8 @@ class DecodeWorker(EngineWorker):
                            f"for chunks {ticket.first_block_index}.. into "
                            f"{len(ticket.dst_block_ids)} blocks")
         t0 = time.monotonic()
-        stats = await asyncio.to_thread(self._push, ticket, src)
+        peer = self._connect(ticket)  # on the loop: one sender, one connection per target
+        stats = await asyncio.to_thread(self._push, ticket, src, peer)
 
         def free_on_loop(e: LLMEngine) -> None:  # the write completed: nothing lands later
             if self._attempts.get(request_id) is attempt:
@@ -301,24 +302,31 @@ class DecodeWorker(EngineWorker):
             return True
         return await self.engine.call(resume_on_loop)
 
-    def _push(self, ticket: Ticket, src: list[int]):
-        """On a worker thread: write, wait, or abandon the target's reservation."""
+    def _connect(self, ticket: Ticket) -> str:
+        """The sender's peer for the ticket's decode worker (the sender is made at the first
+        migration; the contract is checked at connect)."""
         from flashpd.services.worker_common import make_sender
 
         if self._sender is None:
             self._sender = make_sender(self.config.transfer_backend, self.contract, self.pools)
         peer = self._peers.get(ticket.transfer_descriptor)
-        try:
-            if peer is None:
+        if peer is None:
+            try:
                 peer = self._sender.connect(ticket.transfer_descriptor)
-                self._peers[ticket.transfer_descriptor] = peer
+            except (TransferError, ContractMismatch) as exc:
+                raise TransferFailed(f"cannot reach {ticket.decode_worker_id}: {exc}") from exc
+            self._peers[ticket.transfer_descriptor] = peer
+        return peer
+
+    def _push(self, ticket: Ticket, src: list[int], peer: str):
+        """On a worker thread: write and wait, or abandon the target's reservation."""
+        try:
             handle = self._sender.send(ticket.request_id, src, list(ticket.dst_block_ids),
                                        ticket.incarnation, peer=peer)
             return self._sender.wait(handle, self.config.transfer_timeout_s, threading.Event())
-        except (TransferError, ContractMismatch) as exc:
-            if peer is not None:
-                with contextlib.suppress(TransferError):
-                    self._sender.abandon(ticket.request_id, ticket.incarnation, peer=peer)
+        except TransferError as exc:
+            with contextlib.suppress(TransferError):
+                self._sender.abandon(ticket.request_id, ticket.incarnation, peer=peer)
             raise TransferFailed(f"KV migration to {ticket.decode_worker_id} failed: {exc}") \
                 from exc
 

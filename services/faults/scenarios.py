@@ -534,7 +534,11 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
         "retries": delta["retries"], "migrated_bytes": delta["bytes"],
         "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim
                                        for o in late),
-        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2)}
+        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
+        "differing": [(i, _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
+                       o["ok"] and o["result"].decode_worker == victim)
+                      for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
+                      if not same]}
     res.check(victim is not None, "no decode replica was drained mid-stream")
     res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
