@@ -71,10 +71,10 @@ def _gap_across(arrivals: list[tuple[float, str]], at: float) -> dict | None:
 
 async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tokens: int,
                     drain_after: int) -> dict:
-    vocab = await scenarios._vocab(stack)
+    vocab = await scenarios.vocab_size(stack)
     rng = random.Random(8)
     prompts = [scenarios.prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
-    before = await scenarios._drain_counters(stack)
+    before = await scenarios.drain_counters(stack)
     progress = [0] * streams
     info: dict = {}
 
@@ -86,12 +86,12 @@ async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tok
         info.update(worker=busiest.worker_id, running=busiest.running)
         info["marked_at"] = time.monotonic()
         await stack.drain_replica(busiest.worker_id)
-        idle = await asyncio.to_thread(scenarios._victim_idle, stack, busiest.worker_id, 300.0)
+        idle = await asyncio.to_thread(scenarios.victim_idle, stack, busiest.worker_id, 300.0)
         info["drain_s"] = None if idle is None else time.monotonic() - info["marked_at"]
 
     outs = await asyncio.gather(*(_sse(stack, p, max_tokens, progress, i)
                                   for i, p in enumerate(prompts)), drain())
-    after = await scenarios._drain_counters(stack)
+    after = await scenarios.drain_counters(stack)
     moved = int(after["moved"] - before["moved"])
     # SSE chunks do not name their decode worker before the final one: the streams that moved
     # are taken as the `moved` longest gaps across the drain mark (the drained replica pauses
@@ -118,16 +118,16 @@ async def kill_run(stack: FaultStack, streams: int, max_tokens: int, kill_after:
     """Greedy SDK streams of one session on one decode worker, killed mid-stream."""
     from flashpd_sdk import AsyncClient
 
-    vocab = await scenarios._vocab(stack)
+    vocab = await scenarios.vocab_size(stack)
     rng = random.Random(9)
     prompts = [scenarios.prompt_ids(rng, 200, vocab) for _ in range(streams)]
     session = f"mig-{time.time_ns()}"
     progress = [0] * streams
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     async with AsyncClient(stack.grpc_target) as client:
-        reference = [await scenarios._generate(client, p, max_tokens=max_tokens)
+        reference = [await scenarios.generate(client, p, max_tokens=max_tokens)
                      for p in prompts]
-        warm = await scenarios._generate(client, scenarios.prompt_ids(rng, 64, vocab),
+        warm = await scenarios.generate(client, scenarios.prompt_ids(rng, 64, vocab),
                                          max_tokens=2, session_id=session)
         bound = warm["result"].decode_worker
 

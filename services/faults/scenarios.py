@@ -55,7 +55,7 @@ def _code(exc: BaseException) -> str:
     return getattr(code, "name", None) or type(exc).__name__
 
 
-async def _generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
+async def generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
     """One SDK request: its outcome, TTFT and result (or error code)."""
     started = time.monotonic()
     ttft = None
@@ -140,7 +140,7 @@ async def _serving(stack: FaultStack) -> bool:
     from flashpd_sdk import AsyncClient
 
     async with AsyncClient(stack.grpc_target) as client:
-        out = await _generate(client, [5, 6, 7, 8], max_tokens=2, timeout_s=60)
+        out = await generate(client, [5, 6, 7, 8], max_tokens=2, timeout_s=60)
     return out["ok"]
 
 
@@ -156,7 +156,7 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
 
     res = ScenarioResult("cancel_storm")
     rng = random.Random(seed)
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     outcomes: Counter = Counter()
     probe = {"ok": 0, "failed": 0}
     stop = asyncio.Event()
@@ -193,7 +193,7 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
 async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
     rng = random.Random(7)
     while not stop.is_set():
-        out = await _generate(client, prompt_ids(rng, 32, 200), max_tokens=2, timeout_s=60)
+        out = await generate(client, prompt_ids(rng, 32, 200), max_tokens=2, timeout_s=60)
         probe["ok" if out["ok"] else "failed"] += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -281,7 +281,7 @@ async def _grpc_cancel(stack: FaultStack, ids: list[int], after_tokens: int) -> 
         return call.cancelled() is False
 
 
-async def _vocab(stack: FaultStack) -> int:
+async def vocab_size(stack: FaultStack) -> int:
     from flashpd_sdk import AsyncClient
 
     async with AsyncClient(stack.grpc_target) as client:
@@ -298,14 +298,14 @@ async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("prefill_kill")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     sem = asyncio.Semaphore(concurrency)
     outs: list[dict] = []
     async with AsyncClient(stack.grpc_target) as client:
         async def one(i: int) -> None:
             ids = prompt_ids(random.Random(seed * 1000 + i), prompt_tokens, vocab)
             async with sem:
-                outs.append(await _generate(client, ids, max_tokens=8))
+                outs.append(await generate(client, ids, max_tokens=8))
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
         victim = await _busy_worker(stack, "prefill", lambda w: w.queued_prefill_tokens > 0)
         if victim is not None:
@@ -350,13 +350,13 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("decode_kill")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     rng = random.Random(seed)
     prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 2)]  # HTTP, then gRPC
     session = f"dk-{seed}-{time.time_ns()}"
     async with AsyncClient(stack.grpc_target) as client:
-        reference = [await _generate(client, p, max_tokens=max_tokens) for p in prompts]
-        warm = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+        reference = [await generate(client, p, max_tokens=max_tokens) for p in prompts]
+        warm = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                session_id=session)
         if not (warm["ok"] and all(r["ok"] for r in reference)):
             res.check(False, "reference runs failed on the healthy stack")
@@ -372,7 +372,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
             _kill_when(stack, bound, progress, kill_after_tokens))
         sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams],
                                                   outs[streams + 1], outs[-1])
-        after = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                 session_id=session)
     refs = [r["result"] for r in reference]
     identical = [f["ok"] and f["result"].output_ids == r.output_ids
@@ -501,16 +501,16 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("decode_drain")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     rng = random.Random(seed)
     prompts = [prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
     async with AsyncClient(stack.grpc_target) as client:
-        reference = await asyncio.gather(*(_generate(client, p, max_tokens=max_tokens)
+        reference = await asyncio.gather(*(generate(client, p, max_tokens=max_tokens)
                                            for p in prompts))
         if not all(r["ok"] for r in reference):
             res.check(False, "reference runs failed on the healthy stack")
             return res
-        before = await _drain_counters(stack)
+        before = await drain_counters(stack)
         progress = [0] * streams
         drained: dict = {}
         outs = await asyncio.gather(
@@ -518,10 +518,10 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
             _drain_when(stack, progress, drain_after_tokens, drained))
         outs = outs[:streams]
         victim = drained.get("worker")
-        after = await _drain_counters(stack)
-        late = [await _generate(client, prompt_ids(rng, 32, vocab), max_tokens=2)
+        after = await drain_counters(stack)
+        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2)
                 for _ in range(4)] if victim else []
-    idle_s = await asyncio.to_thread(_victim_idle, stack, victim, 30.0) if victim else None
+    idle_s = await asyncio.to_thread(victim_idle, stack, victim, 30.0) if victim else None
     refs = [r["result"].output_ids for r in reference]
     identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
     delta = {k: after[k] - before[k] for k in after}
@@ -567,7 +567,7 @@ async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: d
         await asyncio.sleep(0.005)
 
 
-def _victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float | None:
+def victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float | None:
     started = time.monotonic()
     while time.monotonic() - started <= timeout_s:
         stats = [w for w in stack.worker_stats() if w.worker_id == worker_id]
@@ -577,7 +577,7 @@ def _victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float |
     return None
 
 
-async def _drain_counters(stack: FaultStack) -> dict[str, float]:
+async def drain_counters(stack: FaultStack) -> dict[str, float]:
     moved = await router_counter(stack, "flashpd:stream_migrations_total")
     return {"moved": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
             "stayed": sum(v for k, v in moved.items() if 'outcome="stayed"' in k),
@@ -635,12 +635,12 @@ async def redis_restart(stack: FaultStack, *, down_s: float = 8.0, clients: int 
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("redis_restart")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     # longer than exact replay's receptive field (1,271 tokens on tiny), so a hit earns credit
     # in either replay mode
     prefix = prompt_ids(random.Random(seed), 1800, vocab)
     async with AsyncClient(stack.grpc_target) as client:
-        await _generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
+        await generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
         res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0)  # the baseline
 
         async def fault() -> None:
@@ -674,7 +674,7 @@ async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 
     run = 0
     while time.monotonic() - started < timeout_s:
         sent = time.monotonic()
-        out = await _generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
+        out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
                               timeout_s=60)
         hit = out["ok"] and out["result"].usage.cached_tokens_decode >= len(prefix) // 2
         run = run + 1 if hit else 0
@@ -689,7 +689,7 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
     """Back-to-back multi-turn session requests from `clients` loops while `fault` runs."""
     from flashpd_sdk import AsyncClient
 
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     stats = {"ok": 0, "failed": 0, "codes": Counter(), "latencies": []}
     done = asyncio.Event()
     async with AsyncClient(stack.grpc_target) as client:
@@ -697,7 +697,7 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
             rng = random.Random(seed * 100 + c)
             context = prompt_ids(rng, 150, vocab)
             while not done.is_set():
-                out = await _generate(client, context, max_tokens=4, timeout_s=60,
+                out = await generate(client, context, max_tokens=4, timeout_s=60,
                                       session_id=f"traffic-{seed}-{c}")
                 if out["ok"]:
                     stats["ok"] += 1
@@ -727,12 +727,12 @@ async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_token
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult(f"load_{n}")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
     try:
         started = time.monotonic()
         outs = await asyncio.gather(*(
-            _generate(clients[i % channels],
+            generate(clients[i % channels],
                       prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
                       max_tokens=max_tokens, timeout_s=600)
             for i in range(n)))

@@ -155,6 +155,7 @@ class Lookup:
     hit_chunks: dict[WorkerRef, int]  # leading chunks of the prompt each worker holds (> 0 only)
     session: SessionBinding | None
     parent_session: SessionBinding | None
+    draining: frozenset[str] | None = None  # wkeys marked draining (None: not read)
 
 
 async def deregister_worker(redis, keys: IndexKeys, worker: WorkerRef) -> None:
@@ -342,7 +343,8 @@ class PrefixIndex:
         counts = replies[len(sids)] if chunk_keys else [0] * len(workers)
         hits = {w: int(n) for w, n in zip(workers, counts, strict=True) if int(n) > 0}
         return Lookup(hits, bindings.get(session_id or ""),
-                      bindings.get(parent_session_id or ""))
+                      bindings.get(parent_session_id or ""),
+                      frozenset(_text(k) for k in replies[-1]))
 
     async def _lookup_pipeline(self, sids: list[str], chunk_keys: list[str],
                                workers: list[WorkerRef]) -> list:
@@ -352,6 +354,7 @@ class PrefixIndex:
         if chunk_keys:
             pipe.evalsha(LONGEST_PREFIX_SHA, len(chunk_keys), *chunk_keys,
                          *(w.key for w in workers))
+        pipe.smembers(self.keys.draining)  # last: read with every placement, same round trip
         return await pipe.execute()
 
     @_cancel_safe

@@ -168,8 +168,7 @@ class Placement:
     async def place(self, req: InternalRequest, exclude: frozenset[WorkerRef]) -> Assignment:
         started = time.perf_counter()
         view = await self.live_view()
-        marked = await self._draining_marks()  # read per placement: a drain takes effect now
-        usable = [w for w in self._usable(view, exclude) if w.ref.key not in marked]
+        usable = self._usable(view, exclude)
         blind = self.policy.name in BLIND_POLICIES
         hit_chunks: dict[WorkerRef, int] = {}
         binding = parent = None
@@ -178,6 +177,13 @@ class Placement:
             hit_chunks = lookup.hit_chunks
             binding = lookup.session or self._local_binding(req.session_id)
             parent = lookup.parent_session or self._local_binding(req.parent_session_id)
+            if lookup.draining is not None:
+                self._marked = lookup.draining
+            marked = self._marked
+        else:
+            marked = await self._draining_marks()
+        # draining marks are read with every placement: a drain takes effect from its mark on
+        usable = [w for w in usable if w.ref.key not in marked]
         candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
                              for w in usable if w.role == role] for role in ("prefill", "decode")}
         query = RouteQuery(

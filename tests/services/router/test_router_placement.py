@@ -41,7 +41,7 @@ class FakeIndex:
 
     async def lookup(self, hashes, live, session_id=None, parent_session_id=None) -> Lookup:
         self._check()
-        return Lookup({}, self.sessions.get(session_id), None)
+        return Lookup({}, self.sessions.get(session_id), None, frozenset(self.marked))
 
     async def bind_session(self, sid, prefill, decode, previous) -> None:
         self._check()
