@@ -285,6 +285,7 @@ class Timeline:
     replay_ms: float = 0.0
     first_token_ms: float = 0.0
     e2e_ms: float = 0.0
+    migrate_ms: float = 0.0  # live migrations (decode drained), summed; 0: never moved
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

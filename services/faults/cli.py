@@ -33,7 +33,7 @@ QUICK = {  # what the pytest suite runs (tests/faults)
     "decode_kill_exact": {"streams": 3, "max_tokens": 40},
     "redis_pause": {"pause_s": 5.0}, "redis_restart": {"down_s": 3.0},
     "load_100": {"n": 40}, "load_500": {"n": 100},
-    "decode_drain": {"streams": 32, "max_tokens": 12},
+    "decode_drain": {"streams": 32, "max_tokens": 16},
 }
 TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause",
               "redis_restart")

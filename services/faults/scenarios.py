@@ -529,20 +529,27 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
         "streams": streams, "drained": victim, "tokens_at_drain": drained.get("progress"),
         "paused_on_victim": drained.get("running"), "completed": sum(o["ok"] for o in outs),
         "failed": [o.get("code") for o in outs if not o["ok"]], "identical": sum(identical),
-        "on_victim_at_end": sum(o["ok"] and o["result"].decode_worker == victim for o in outs),
+        "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0
+                                for o in outs),
+        # streams with tokens still to come at the drain that nonetheless ended on the victim
+        "left_on_victim": sum(o["ok"] and o["result"].decode_worker == victim and got < max_tokens
+                              for o, got in zip(outs, drained.get("snapshot", []), strict=False)),
         "migrated": delta["moved"], "stayed": delta["stayed"], "prefills": delta["prefills"],
         "retries": delta["retries"], "migrated_bytes": delta["bytes"],
         "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim
                                        for o in late),
         "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
         "differing": [(i, _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
-                       o["ok"] and o["result"].decode_worker == victim)
+                       o["ok"] and o["result"].timeline["migrate_ms"] > 0)
                       for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
-                      if not same]}
+                      if not same]}  # (stream, tokens matching, migrated)
     res.check(victim is not None, "no decode replica was drained mid-stream")
     res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
-    res.check(res.counts["on_victim_at_end"] == 0, "streams finished on the drained replica")
+    res.check(res.counts["left_on_victim"] == 0,
+              "streams unfinished at the drain finished on the drained replica")
+    res.check(res.counts["migrated_streams"] == delta["moved"],
+              "streams reporting a migration != the router's migration count")
     res.check(delta["moved"] >= 1 and delta["stayed"] == 0,
               f"migrations: {delta['moved']} moved, {delta['stayed']} stayed")
     res.check(delta["prefills"] == streams and delta["retries"] == 0,
@@ -561,7 +568,7 @@ async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: d
             busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
                            if w.role == "decode"), key=lambda w: w.running)
             out.update(worker=busiest.worker_id, running=busiest.running,
-                       progress=sorted(progress))
+                       progress=sorted(progress), snapshot=list(progress))
             await stack.drain_replica(busiest.worker_id)
             return
         await asyncio.sleep(0.005)

@@ -579,7 +579,7 @@ class Orchestrator:
             transfer_ms=result.transfer_ms if result else 0.0,
             replay_ms=decode_final.timeline.replay_ms if decode_final else 0.0,
             first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
-            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3)
+            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3, migrate_ms=attempt.migrate_ms)
         return FinalEvent(
             finish_reason=reason, usage=usage, timeline=timeline,
             prefill_worker=attempt.assignment.prefill.worker_id if result else "",

@@ -105,7 +105,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_prefill: _Optional[int] = ..., cached_tokens_decode: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("route_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "replay_ms", "first_token_ms", "e2e_ms", "reserve_ms")
+    __slots__ = ("route_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "replay_ms", "first_token_ms", "e2e_ms", "reserve_ms", "migrate_ms")
     ROUTE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Timeline(_message.Message):
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_MS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_MS_FIELD_NUMBER: _ClassVar[int]
     route_ms: float
     prefill_queue_ms: float
     prefill_ms: float
@@ -122,7 +123,8 @@ class Timeline(_message.Message):
     first_token_ms: float
     e2e_ms: float
     reserve_ms: float
-    def __init__(self, route_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., replay_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ...) -> None: ...
+    migrate_ms: float
+    def __init__(self, route_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., replay_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ..., migrate_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "timeline", "prefill_worker", "decode_worker", "request_id", "text")
