@@ -432,7 +432,11 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give `request` blocks and a slot; the number of tokens it computes now, or None."""
         if self.kv.holds(request.request_id):  # decode role: reserved, KV arrived
-            num_tokens = min(request.num_uncomputed_tokens, budget, self._recompute_cap(request))
+            want = min(request.num_uncomputed_tokens, self._recompute_cap(request))
+            if request.replay is not None and budget < want <= self.config.max_num_batched_tokens:
+                return None  # a replay that fits a step is not split: its rows round the same
+                # on any worker (a continuation elsewhere replays it whole)
+            num_tokens = min(want, budget)
             grown = self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens)
             return None if grown is None else num_tokens
         hit = self.kv.lookup(self._lookup_ids(request))
