@@ -440,7 +440,11 @@ class Scheduler:
             grown = self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens)
             return None if grown is None else num_tokens
         hit = self.kv.lookup(self._lookup_ids(request))
-        num_tokens = min(request.num_tokens - hit.usable_tokens, budget)
+        whole = request.num_tokens - hit.usable_tokens
+        if self.role.name == "prefill" and budget < whole <= self.config.max_num_batched_tokens:
+            return None  # a prompt that fits a step is not split: its KV is the same bytes
+            # whatever else is batched (a continuation's prefill recomputes it exactly)
+        num_tokens = min(whole, budget)
         allocation = self.kv.allocate(request.request_id, request.token_ids, num_tokens, hit)
         if allocation is None:
             return None

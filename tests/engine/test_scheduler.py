@@ -86,6 +86,14 @@ def test_a_replay_that_fits_a_step_waits_for_one_instead_of_splitting():
     assert ranges(step(s)[0]) == [("a", 12, 13), ("b", 8, 12)]
 
 
+def test_a_prefill_prompt_that_fits_a_step_waits_for_one_instead_of_splitting():
+    s = make(budget=10, role=PrefillRole())
+    s.add(req("a", range(6), max_tokens=1))
+    s.add(req("b", range(100, 106), max_tokens=1))
+    assert ranges(step(s)[0]) == [("a", 0, 6)]  # b does not start with the 4 left
+    assert ranges(step(s)[0]) == [("b", 0, 6)]
+
+
 def test_a_continuation_replays_to_its_prompt_boundary_then_recomputes_one_token_per_step():
     s = make(budget=16, role=DecodeRole())
     r = Request("c", list(range(12)) + [50, 51, 52], SamplingParams(max_tokens=4),
