@@ -4,12 +4,11 @@ time to resume after a decode kill with bounded vs exact replay.
 
     unshare -n sh -c 'ip link set lo up && python -m flashpd.bench.migration'
 
-- drain (1 prefill + 2 decode): `--streams` greedy OpenAI SSE streams (each chunk names its
-  decode worker, so the switch is seen); once each has `--drain-after` tokens the busiest
-  decode replica is marked draining (`flashpd drain`'s Redis mark). Per migrated stream: the
-  pause in token arrival at the switch (the gap across it, and that gap minus the stream's
-  median gap), KV bytes moved (router counter / streams moved); the drain time: mark to the
-  replica holding no sequence and no block.
+- drain (1 prefill + 2 decode): `--streams` greedy SDK streams; once each has `--drain-after`
+  tokens the busiest decode replica is marked draining (`flashpd drain`'s Redis mark). Per
+  migrated stream (its Timeline.migrate_ms > 0): the longest gap in token arrival (the pause)
+  against its median gap, the router's migrate_ms, KV bytes moved (router counter / streams
+  moved); the drain time: mark to the replica holding no sequence and no block.
 - resume after a decode kill (2 prefill + 2 decode, once with the default 128-token bounded
   replay, once with exact replay): greedy SDK streams of one session are killed mid-stream;
   time to resume = the gap in token arrival across the kill (the stream goes on through the
@@ -36,41 +35,28 @@ from flashpd.services.faults.stack import FaultStack, StackConfig, start_ray, st
 OUT = "bench/results/migration_cpu"
 
 
-async def _sse(stack: FaultStack, ids: list[int], max_tokens: int, progress: list, i: int):
-    """One greedy completions SSE stream: per chunk (arrival monotonic s, decode worker)."""
-    import httpx
-
-    body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
-    arrivals: list[tuple[float, str]] = []
-    async with httpx.AsyncClient(base_url=stack.http_url, timeout=600) as http:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                worker = chunk.get("flashpd", {}).get("decode_worker", "")
-                if chunk["choices"][0].get("text") is not None:
-                    arrivals.append((time.monotonic(), worker))
-                    progress[i] += 1
-    return arrivals
+async def _stream(client, ids: list[int], max_tokens: int, progress: list, i: int):
+    """One greedy SDK stream: arrival time of each chunk, and the result."""
+    arrivals: list[float] = []
+    stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                             timeout_s=600)
+    async for chunk in stream:
+        arrivals.append(time.monotonic())
+        progress[i] += len(chunk.token_ids)
+    return arrivals, stream.result
 
 
-def _gap_across(arrivals: list[tuple[float, str]], at: float) -> dict | None:
-    """The gap in token arrival spanning `at` and the stream's median gap (None: the stream
-    had no token on one side of `at`)."""
-    times = [t for t, _ in arrivals]
-    before, after = [t for t in times if t <= at], [t for t in times if t > at]
-    if not before or not after:
-        return None
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    return {"gap_s": after[0] - before[-1], "median_gap_s": statistics.median(gaps)}
+def _gaps(arrivals: list[float]) -> list[float]:
+    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
 async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tokens: int,
                     drain_after: int) -> dict:
+    """Per migrated stream (Timeline.migrate_ms > 0): its longest gap in token arrival (the
+    migration pause) against its median gap, and the router's migrate_ms (pause to the new
+    stream); the same longest gap for the streams that stayed on the other replica."""
+    from flashpd_sdk import AsyncClient
+
     vocab = await scenarios.vocab_size(stack)
     rng = random.Random(8)
     prompts = [scenarios.prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
@@ -84,32 +70,29 @@ async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tok
         busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
                        if w.role == "decode"), key=lambda w: w.running)
         info.update(worker=busiest.worker_id, running=busiest.running)
-        info["marked_at"] = time.monotonic()
+        marked_at = time.monotonic()
         await stack.drain_replica(busiest.worker_id)
         idle = await asyncio.to_thread(scenarios.victim_idle, stack, busiest.worker_id, 300.0)
-        info["drain_s"] = None if idle is None else time.monotonic() - info["marked_at"]
+        info["drain_s"] = None if idle is None else time.monotonic() - marked_at
 
-    outs = await asyncio.gather(*(_sse(stack, p, max_tokens, progress, i)
-                                  for i, p in enumerate(prompts)), drain())
+    async with AsyncClient(stack.grpc_target) as client:
+        outs = (await asyncio.gather(*(_stream(client, p, max_tokens, progress, i)
+                                       for i, p in enumerate(prompts)), drain()))[:streams]
     after = await scenarios.drain_counters(stack)
-    moved = int(after["moved"] - before["moved"])
-    # SSE chunks do not name their decode worker before the final one: the streams that moved
-    # are taken as the `moved` longest gaps across the drain mark (the drained replica pauses
-    # its streams within a heartbeat of the mark), the rest stayed on the other replica
-    spans = sorted((g for g in (_gap_across(a, info["marked_at"]) for a in outs[:streams])
-                    if g is not None), key=lambda g: -g["gap_s"])
-    pauses, others = spans[:moved], spans[moved:]
+    moved = [(a, r) for a, r in outs if r.timeline["migrate_ms"] > 0]
+    stayed = [(a, r) for a, r in outs if r.timeline["migrate_ms"] == 0 and len(a) > 2]
+    n = int(after["moved"] - before["moved"])
+    pct = scenarios.percentiles
     return {
         "streams": streams, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "drained_replica_sequences": info.get("running"), "migrated": moved,
+        "drained_replica_sequences": info.get("running"), "migrated": n,
         "stayed": after["stayed"] - before["stayed"],
-        "kv_bytes_per_migrated_stream": (after["bytes"] - before["bytes"]) / moved if moved
-        else None,
-        "itl_pause_s": scenarios.percentiles([p["gap_s"] for p in pauses]),
-        "itl_pause_minus_median_gap_s": scenarios.percentiles(
-            [p["gap_s"] - p["median_gap_s"] for p in pauses]),
-        "median_gap_s": scenarios.percentiles([p["median_gap_s"] for p in pauses]),
-        "other_replica_gap_across_mark_s": scenarios.percentiles([p["gap_s"] for p in others]),
+        "kv_bytes_per_migrated_stream": (after["bytes"] - before["bytes"]) / n if n else None,
+        "migrated_longest_gap_s": pct([max(_gaps(a)) for a, _ in moved]),
+        "migrated_median_gap_s": pct([statistics.median(_gaps(a)) for a, _ in moved]),
+        "migrated_router_migrate_ms": pct([r.timeline["migrate_ms"] for _, r in moved]),
+        "others_longest_gap_s": pct([max(_gaps(a)) for a, _ in stayed]),
+        "others_median_gap_s": pct([statistics.median(_gaps(a)) for a, _ in stayed]),
         "drain_s": None if info.get("drain_s") is None else round(info["drain_s"], 2),
         "prefills": after["prefills"] - before["prefills"]}
 
@@ -160,6 +143,47 @@ async def kill_run(stack: FaultStack, streams: int, max_tokens: int, kill_after:
             "identical": identical, "time_to_resume_s": scenarios.percentiles(resume)}
 
 
+def engine_resume(prompt_tokens: int, streamed: int, reps: int = 3) -> dict:
+    """Time to the first new token of a continuation on a decode engine alone (no Ray, no
+    transfer: the compute a resume adds), FP32 tiny on CPU: KV arrived -> first token.
+    bounded / exact: the continuation (replay from the prompt boundary, then the streamed
+    tokens one per step) with the 128-token and the exact replay; fresh: a new request's replay
+    (what an unbroken stream paid once)."""
+    import torch
+
+    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.request import PrefixPolicy
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.model.model import load_model
+    from flashpd.services.cli import tiny_checkpoint
+
+    torch.set_num_threads(1)
+    model = load_model(tiny_checkpoint(), torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 500, (prompt_tokens,), generator=g).tolist()
+    outputs = torch.randint(3, 500, (streamed,), generator=g).tolist()
+
+    def first_token_s(bounded: bool, ids, prefix) -> float:
+        cfg = dict(num_blocks=64, num_slots=4, swa_bounded_replay=bounded)
+        d = LLMEngine(model, EngineConfig(role="decode", **cfg))
+        d.reserve("r", ids, SamplingParams(max_tokens=2, ignore_eos=True), prefix=prefix)
+        d.kv_arrived("r")  # the KV bytes do not matter for the compute time
+        t0 = time.perf_counter()
+        while not any(o.new_token_ids for o in d.step()):
+            pass
+        return time.perf_counter() - t0
+
+    out = {}
+    for name, bounded, ids, prefix in (
+            ("fresh_bounded", True, prompt, None),
+            ("continuation_bounded", True, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens)),
+            ("continuation_exact", False, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens))):
+        times = [first_token_s(bounded, ids, prefix) for _ in range(reps)]
+        out[name] = round(1e3 * statistics.median(times), 1)
+    return {"prompt_tokens": prompt_tokens, "streamed_tokens": streamed,
+            "first_token_ms": out}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=32)
@@ -167,7 +191,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--drain-after", type=int, default=4)
     p.add_argument("--kill-streams", type=int, default=3)
-    p.add_argument("--skip", nargs="*", default=[], choices=["drain", "kill"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["drain", "kill", "engine"])
     p.add_argument("--out", default=OUT)
     args = p.parse_args()
     from flashpd.services.cli import tiny_checkpoint
@@ -175,6 +199,11 @@ def main() -> int:
 
     results: dict = {"command": "python -m flashpd.bench.migration " + " ".join(
         a for a in os.sys.argv[1:])}
+    if "engine" not in args.skip:
+        results["engine_resume"] = [engine_resume(1500, g) for g in (8, 32)]
+        print("engine_resume", json.dumps(results["engine_resume"]), flush=True)
+    if {"drain", "kill"} <= set(args.skip):
+        return _write(args, results)
     with LocalRedis() as redis_server:
         port = start_ray()
         try:
@@ -195,8 +224,16 @@ def main() -> int:
                     stack.undeploy()
         finally:
             stop_ray()
+    return _write(args, results)
+
+
+def _write(args, results: dict) -> int:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    path = os.path.join(args.out, "results.json")
+    if args.skip and os.path.exists(path):  # a partial run keeps the parts it skipped
+        with open(path) as f:
+            results = {**json.load(f), **results}
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
     return 0
 
