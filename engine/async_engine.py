@@ -9,7 +9,14 @@ asyncio queues on the caller's event loop.
     ready = await engine.prefill(rid, prompt_ids)                  # prefill role -> kv_ready
 
 `hooks` run on the loop thread once per iteration (after commands, before a step): the decode
-server polls KV-transfer completions there; workers drain prefix-cache events there.
+server polls KV-transfer completions there.
+
+Views that never wait for a step: after every iteration the loop thread stores the engine's
+`usage()` counters (`usage_now`) and moves its prefix-cache events into a queue
+(`take_cache_events`). A worker's heartbeat reads them from another thread: a forward that
+runs for seconds (a 2,048-token prefill step is ~6 s on a 2-core CPU) must not make a live
+worker look dead (a heartbeat blocked on the loop times out, its key expires and the router
+reaps the worker; with every worker of a role in such a step, a new request found none).
 
 Containment: a request that fails inside a step (its sampling, or the forward of its batch)
 ends alone: its stream raises `RequestFailed`, and the loop goes on. A hook that raises is
@@ -21,6 +28,7 @@ replaced. Only an exception outside those (a bug in the scheduler's bookkeeping)
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -29,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from flashpd.engine.llm_engine import EngineOutput, LLMEngine
+from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,8 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._hook_failures: dict[int, int] = {}  # hook index -> consecutive failures
         self._hook_error: BaseException | None = None
+        self._usage: dict[str, int] = engine.usage()  # replaced whole by the loop thread
+        self._cache_events: collections.deque = collections.deque()  # loop thread appends
         self._thread = threading.Thread(target=self._loop, name="flashpd-engine", daemon=True)
         self._thread.start()
 
@@ -87,11 +98,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_ids, params: SamplingParams,
-                       session_id: str | None = None) -> AsyncIterator[EngineOutput]:
+                       session_id: str | None = None,
+                       prefix: PrefixPolicy | None = None) -> AsyncIterator[EngineOutput]:
         """Colocated role: add and stream. Cancelling the consumer aborts the request."""
         stream = self._open(request_id)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id))
+            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id,
+                                                    prefix))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -130,6 +143,27 @@ class AsyncLLMEngine:
             return f"engine hook keeps failing: {self._hook_error!r}"
         return None
 
+    def usage_now(self) -> dict[str, int]:
+        """The engine's `usage()` as of its last loop iteration (any thread, never waits)."""
+        return self._usage
+
+    def take_cache_events(self) -> list:
+        """Prefix-cache events since the last call, in order (any thread, never waits)."""
+        events = []
+        while True:
+            try:
+                events.append(self._cache_events.popleft())
+            except IndexError:
+                return events
+
+    def cache_snapshot(self, timeout_s: float | None = 60.0) -> list:
+        """Every cached chunk as events (re-publish after index loss); events queued before it
+        are dropped (the snapshot starts with AllCleared and covers them)."""
+        def snapshot(e: LLMEngine) -> list:
+            self._cache_events.clear()
+            return e.drain_cache_snapshot()
+        return self.call_sync(snapshot, timeout_s)
+
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 
@@ -137,11 +171,12 @@ class AsyncLLMEngine:
         """Create the output queue before the request is admitted (so no output is missed)."""
         self._open(request_id)
 
-    async def prefill(self, request_id: str, prompt_ids) -> EngineOutput:
+    async def prefill(self, request_id: str, prompt_ids,
+                      prefix: PrefixPolicy | None = None) -> EngineOutput:
         """Prefill role: run the encoder path; returns the kv_ready output (blocks held)."""
         params = SamplingParams(max_tokens=1)
         last = None
-        async for out in self.generate(request_id, prompt_ids, params):
+        async for out in self.generate(request_id, prompt_ids, params, prefix=prefix):
             last = out
         if last is None or last.finish_reason != "kv_ready":
             raise RuntimeError(f"prefill of {request_id!r} ended with {last and last.finish_reason}")
@@ -167,7 +202,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                if isinstance(item, EngineOutput) and item.finished:
                     finished = True
                     return
         finally:
@@ -177,6 +212,14 @@ class AsyncLLMEngine:
                     await self.call(lambda e: self.on_unfinished_close(e, request_id))
                 except EngineDead:
                     pass
+
+    def mark(self, request_id: str, marker: object) -> None:
+        """On the loop thread: put `marker` in the request's stream after every output
+        delivered so far (its consumer receives it in order)."""
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, marker)
 
     def close_stream(self, request_id: str, abort: bool) -> None:
         """Drop a request's output queue; with abort, its consumer sees CancelledError."""
@@ -191,9 +234,11 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._run_commands()
                 self._run_hooks()
+                self._publish_views()  # what admissions and aborts changed, before a long step
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
                         self._deliver(out)
+                    self._publish_views()
                 else:
                     self._wait_for_command()
         except BaseException as exc:  # surface to every waiter, never hang them
@@ -202,6 +247,10 @@ class AsyncLLMEngine:
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(exc)))
             self._fail_pending(exc)
+
+    def _publish_views(self) -> None:
+        self._cache_events.extend(self.engine.drain_cache_events())
+        self._usage = self.engine.usage()
 
     def _run_hooks(self) -> None:
         for index, hook in enumerate(list(self.hooks)):

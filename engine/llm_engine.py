@@ -26,12 +26,13 @@ import torch
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
-from flashpd.engine.request import Request
+from flashpd.engine.request import PrefixPolicy, Request
 from flashpd.engine.runner import FedTokens, ModelRunner
 from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
 from flashpd.engine.scheduler import (
     PENDING_TOKEN,
     FinishSignal,
+    PausedKV,
     Reservation,
     Scheduler,
     SchedulerConfig,
@@ -143,14 +144,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
-                    session_id: str | None = None) -> None:
-        request = self._new_request(request_id, prompt_ids, params, session_id)
+                    session_id: str | None = None, prefix: PrefixPolicy | None = None) -> None:
+        request = self._new_request(request_id, prompt_ids, params, session_id, prefix)
         self.scheduler.add(request)
 
     def reserve(self, request_id: str, prompt_ids, params: SamplingParams,
-                session_id: str | None = None) -> Reservation | None:
-        """Decode role: blocks for the whole prompt (own prefix hit reused); None when full."""
-        request = self._new_request(request_id, prompt_ids, params, session_id)
+                session_id: str | None = None,
+                prefix: PrefixPolicy | None = None) -> Reservation | None:
+        """Decode role: blocks for the whole prompt (own prefix hit reused); None when full.
+        `prefix.kv_tokens`: a continuation (see `PrefixPolicy`)."""
+        request = self._new_request(request_id, prompt_ids, params, session_id, prefix)
         reservation = self.scheduler.reserve(request)
         if reservation is None:
             self._drop(request_id)
@@ -158,6 +161,14 @@ class LLMEngine:
 
     def kv_arrived(self, request_id: str) -> None:
         self.scheduler.kv_arrived(request_id)
+
+    def pause(self, request_id: str) -> PausedKV | None:
+        """Decode role: take a request out of the batch, holding its KV (`Scheduler.pause`);
+        `kv_arrived` resumes it, `abort` frees it."""
+        paused = self.scheduler.pause(request_id)
+        if paused is not None:
+            self.runner.forget([request_id])
+        return paused
 
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release_kv(request_id)
@@ -173,7 +184,8 @@ class LLMEngine:
         or been aborted since is not work: the next `step()` completes it (its rows dropped)."""
         return self.scheduler.has_unfinished()
 
-    def _new_request(self, request_id, prompt_ids, params, session_id) -> Request:
+    def _new_request(self, request_id, prompt_ids, params, session_id,
+                     prefix: PrefixPolicy | None = None) -> Request:
         ids = [int(t) for t in prompt_ids]
         bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
         if bad:
@@ -181,7 +193,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         request = Request(request_id, ids, params, session_id=session_id,
-                          arrival_time=time.monotonic())
+                          arrival_time=time.monotonic(), prefix=prefix)
         self._requests[request_id] = request
         self._params[request_id] = params
         self.stats[request_id] = RequestStats(time.monotonic(), len(ids))

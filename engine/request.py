@@ -65,6 +65,34 @@ class Replay:
             raise ValueError(f"empty or negative replay range [{self.from_token}, {self.to_token})")
 
 
+@dataclass(frozen=True)
+class PrefixPolicy:
+    """Where a request's prompt KV comes from, for exact continuations of a stream.
+
+    kv_tokens (decode role): the global KV of prompt tokens [0, kv_tokens) arrives from a
+    prefill or another decode worker (or is cached here); tokens [kv_tokens, N) are outputs a
+    previous decode worker already streamed. This worker replays [kv_tokens - r, kv_tokens) as
+    the first worker did, then recomputes [kv_tokens, N) teacher-forced through all layers, so
+    its windows and the outputs' global KV are the first worker's (greedy output identical
+    to an unbroken run). None: the whole prompt's KV arrives (a fresh request).
+
+        prompt   0 ............... kv_tokens - r ...... kv_tokens ............. N
+        KV       [ transferred / cached ......................]
+        compute                    [ replay (windows) ]  [ teacher-forced outputs ]
+
+    max_credit_tokens (prefill / colocated roles): use at most this much prefix-cache credit
+    (None: any). A continuation's prefill caps it at the credit the original prefill used, so
+    its bounded replay on a hit (or its cold run, at 0) recomputes the original KV.
+    """
+
+    kv_tokens: int | None = None
+    max_credit_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_credit_tokens is not None and self.max_credit_tokens < 0:
+            raise ValueError(f"max_credit_tokens must be >= 0, got {self.max_credit_tokens}")
+
+
 class Request:
     def __init__(
         self,
@@ -74,6 +102,7 @@ class Request:
         *,
         session_id: str | None = None,
         arrival_time: float = 0.0,
+        prefix: PrefixPolicy | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -97,6 +126,17 @@ class Request:
         self.num_preemptions = 0
         self.replay: Replay | None = None  # set while a replay range is still ahead
         self.fresh_slot = False  # the slot's private state must be reset before the next chunk
+        self.prefix = PrefixPolicy() if prefix is None else prefix
+        if self.prefix.kv_tokens is not None and not 0 < self.prefix.kv_tokens <= len(
+                self.prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: kv_tokens {self.prefix.kv_tokens} "
+                             f"outside [1, {len(self.prompt_token_ids)}]")
+
+    @property
+    def kv_tokens(self) -> int:
+        """Prompt tokens whose global KV arrives (or is cached) on a decode worker."""
+        k = self.prefix.kv_tokens
+        return self.num_prompt_tokens if k is None else k
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -101,14 +101,28 @@ class Reservation:
     block_ids: tuple[int, ...]  # the whole block table, one block per prompt chunk
     num_cached_blocks: int  # block_ids[:num_cached_blocks] hold this worker's own prefix hit
     chunk_tokens: int
+    num_kv_blocks: int | None = None  # blocks the KV arrives into (None: all; see PrefixPolicy)
 
     @property
     def missing_block_ids(self) -> tuple[int, ...]:
-        return self.block_ids[self.num_cached_blocks :]
+        """The blocks the sender writes: chunks of [0, kv_tokens) this worker lacks."""
+        end = len(self.block_ids) if self.num_kv_blocks is None else self.num_kv_blocks
+        return self.block_ids[self.num_cached_blocks : max(end, self.num_cached_blocks)]
 
     @property
     def first_missing_token(self) -> int:
         return self.num_cached_blocks * self.chunk_tokens
+
+
+@dataclass(frozen=True)
+class PausedKV:
+    """A paused decode request: the blocks holding the global KV of its first `kv_tokens`
+    tokens (what a continuation elsewhere needs) and every token it knows."""
+
+    request_id: str
+    kv_block_ids: tuple[int, ...]
+    kv_tokens: int
+    token_ids: tuple[int, ...]
 
 
 def _by_arrival(request: Request) -> int:
@@ -151,7 +165,8 @@ class Scheduler:
             raise ValueError(f"the {self.role.name} role has no reserve(); use add()")
         self._check_new(request)
         prompt = request.token_ids
-        hit = self.kv.lookup(prompt)
+        kv_tokens = request.kv_tokens
+        hit = self.kv.lookup(prompt[:kv_tokens])  # outputs past kv_tokens are recomputed here
         allocation = self.kv.allocate(
             request.request_id, prompt, len(prompt) - hit.usable_tokens, hit
         )
@@ -166,6 +181,7 @@ class Scheduler:
             allocation.block_ids,
             allocation.num_hit_blocks,
             self.kv.chunk_tokens,
+            num_kv_blocks=self.kv.blocks_for_tokens(kv_tokens),
         )
 
     def kv_arrived(self, request_id: str) -> None:
@@ -174,14 +190,38 @@ class Scheduler:
         request = self._awaiting_kv.pop(request_id, None)
         if request is None:
             raise KeyError(f"request {request_id!r} is not waiting for KV")
-        num_prompt = request.num_prompt_tokens
-        self.kv.commit(request_id, request.token_ids, num_prompt)
-        replay_from = num_prompt - min(self.kv.replay_tokens, num_prompt)
+        kv_tokens = request.kv_tokens  # the prompt, or a continuation's original prompt
+        self.kv.commit(request_id, request.token_ids, kv_tokens)
+        replay_from = kv_tokens - min(self.kv.replay_tokens, kv_tokens)
         request.num_computed_tokens = replay_from
-        request.replay = Replay(replay_from, num_prompt)
+        request.replay = Replay(replay_from, kv_tokens)
         request.fresh_slot = True
         request.status = RequestStatus.WAITING
         bisect.insort(self._waiting, request, key=_by_arrival)
+
+    def pause(self, request_id: str) -> PausedKV | None:
+        """Decode role: take a running (or admitted) request out of the batch, keeping its
+        blocks and slot, back to waiting for KV (a live migration's source). The blocks of
+        [0, kv_tokens) hold the KV another worker needs to continue it. `kv_arrived` resumes
+        it in place: it then replays from the prompt boundary and recomputes its outputs, as
+        the other worker would. A step already launched for it is dropped at its update (its
+        token is sampled again). None when it is not running or waiting with KV."""
+        request = self._requests.get(request_id)
+        if request is None or request.status not in (RequestStatus.RUNNING,
+                                                      RequestStatus.WAITING):
+            return None
+        if not self.kv.holds(request_id) or self.role.admission is not Admission.RESERVE:
+            return None
+        for queue in (self._waiting, self._running):
+            if request in queue:
+                queue.remove(request)
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.replay = None
+        self._awaiting_kv[request_id] = request
+        self._freed_since_plan.append(request_id)  # the runner drops its state
+        kv_blocks = self.kv.blocks_for_tokens(request.kv_tokens)
+        return PausedKV(request_id, tuple(self.kv.block_table(request_id)[:kv_blocks]),
+                        request.kv_tokens, tuple(request.token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Forget the request and free everything it holds; False when it is unknown/finished."""
@@ -219,7 +259,7 @@ class Scheduler:
         for request in self._running_by_priority():
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(request.num_uncomputed_tokens, budget, self._recompute_cap(request))
             budget += self._grow_or_preempt(request, num_tokens, chunks, preempted)
             if request.status is RequestStatus.RUNNING:
                 chunks[request.request_id] = self._chunk(request, num_tokens)
@@ -384,11 +424,19 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give `request` blocks and a slot; the number of tokens it computes now, or None."""
         if self.kv.holds(request.request_id):  # decode role: reserved, KV arrived
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            want = min(request.num_uncomputed_tokens, self._recompute_cap(request))
+            if request.replay is not None and budget < want <= self.config.max_num_batched_tokens:
+                return None  # a replay that fits a step is not split: its rows round the same
+                # on any worker (a continuation elsewhere replays it whole)
+            num_tokens = min(want, budget)
             grown = self.kv.grow(request.request_id, request.num_computed_tokens + num_tokens)
             return None if grown is None else num_tokens
-        hit = self.kv.lookup(request.token_ids)
-        num_tokens = min(request.num_tokens - hit.usable_tokens, budget)
+        hit = self.kv.lookup(self._lookup_ids(request))
+        whole = request.num_tokens - hit.usable_tokens
+        if self.role.name == "prefill" and budget < whole <= self.config.max_num_batched_tokens:
+            return None  # a prompt that fits a step is not split: its KV is the same bytes
+            # whatever else is batched (a continuation's prefill recomputes it exactly)
+        num_tokens = min(whole, budget)
         allocation = self.kv.allocate(request.request_id, request.token_ids, num_tokens, hit)
         if allocation is None:
             return None
@@ -399,6 +447,25 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.usable_tokens
         return num_tokens
+
+    def _recompute_cap(self, request: Request) -> int:
+        """Decode role: tokens a request may compute in its next chunk. A continuation
+        (`PrefixPolicy.kv_tokens`) or a paused request resumed in place recomputes outputs
+        that were streamed the way the first worker computed them, so the rows round alike:
+        the replay up to the prompt boundary alone, then one token per step."""
+        if self.role.admission is not Admission.RESERVE:
+            return request.num_uncomputed_tokens
+        if request.num_computed_tokens < request.kv_tokens:
+            return request.kv_tokens - request.num_computed_tokens
+        return 1
+
+    def _lookup_ids(self, request: Request) -> Sequence[int]:
+        """The ids a prefix lookup may match: capped so the usable credit stays within the
+        request's `max_credit_tokens` (a hit of credit + replay tokens earns that credit)."""
+        cap = request.prefix.max_credit_tokens
+        if cap is None:
+            return request.token_ids
+        return request.token_ids[: cap + self.kv.replay_tokens]
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens

@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = {
     "demo": "flashpd.services.cli",
     "bench": "flashpd.bench.cli",
     "faults": "flashpd.services.faults.cli",
+    "drain": "flashpd.services.drain",
     "verify-kernels": "flashpd.kernels.cli",
     "train": "flashpd.model.train",
 }

@@ -180,12 +180,28 @@ class InternalRequest:
     parent_session_id: str | None = None
     deadline_unix_s: float | None = None  # absolute; None = no deadline
     arrival_unix_s: float = field(default_factory=time.time)
+    # A continuation of a stream (router-internal, never on the wire): prompt_ids is the
+    # original prompt + the outputs already streamed; the KV of the first `kv_prompt_tokens`
+    # (the original prompt) comes from a prefill or the previous decode worker, the outputs are
+    # recomputed by the new decode worker (engine.request.PrefixPolicy). None: a fresh request.
+    kv_prompt_tokens: int | None = None
+    # the prefill of a continuation uses at most this prefix credit: the original prefill's
+    max_prefill_credit_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise InvalidArgument("must be non-empty", field="request_id")
         if not self.prompt_ids:
             raise InvalidArgument("must not be empty", field="prompt")
+        if self.kv_prompt_tokens is not None and \
+                not 0 < self.kv_prompt_tokens <= len(self.prompt_ids):
+            raise InvalidArgument("kv_prompt_tokens outside the prompt", field="prompt")
+
+    @property
+    def kv_prompt_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV a prefill computes: the original prompt of a continuation."""
+        return self.prompt_ids if self.kv_prompt_tokens is None \
+            else self.prompt_ids[: self.kv_prompt_tokens]
 
     @property
     def prompt_tokens(self) -> int:
@@ -244,6 +260,9 @@ class TokenEvent:
     index: int  # offset of token_ids[0] in the completion
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when requested
     text: str = ""  # released text; filled by the router's detokenizer
+    # first event of a run (router): the prefix credit of the prefill its KV rests on, for a
+    # client that continues the stream itself (proto TokenChunk.prefill_credit_tokens)
+    prefill_credit_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +288,7 @@ class Timeline:
     replay_ms: float = 0.0
     first_token_ms: float = 0.0
     e2e_ms: float = 0.0
+    migrate_ms: float = 0.0  # live migrations (decode drained), summed; 0: never moved
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -285,7 +305,24 @@ class FinalEvent:
     text: str = ""  # router: text released only at the end (held-back tail)
 
 
-Event = TokenEvent | FinalEvent
+@dataclass(frozen=True)
+class MigrateEvent:
+    """Decode -> router only (never to a client): this worker is draining and has paused the
+    stream after the `tokens_sent` tokens it streamed, holding its KV. The router continues it
+    elsewhere (`DecodeServerApi.migrate_out`) or in place (`resume`)."""
+
+    tokens_sent: int
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What a draining decode worker moved for one stream (`migrate_out`)."""
+
+    moved_bytes: int
+    transfer_ms: float
+
+
+Event = TokenEvent | FinalEvent | MigrateEvent
 
 
 # ------------------------------------------------------------------------------- worker identity
@@ -365,5 +402,11 @@ class DecodeServerApi(Protocol):
     def generate(self, req: InternalRequest) -> AsyncIterator[Event]: ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def drain(self, deadline_s: float) -> int: ...
+
+    async def migrate_out(self, request_id: str, ticket: Ticket) -> MigrationResult: ...
+
+    async def resume(self, request_id: str) -> bool: ...
 
     async def stats(self) -> WorkerStats: ...

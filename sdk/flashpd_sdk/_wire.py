@@ -10,10 +10,11 @@ Retry rules (the server's contract, proto/flashpd.proto); nothing but UNAVAILABL
   `max_resumes` times (the router continues the request on a healthy decode worker, re-prefilling
   prompt + the tokens so far);
 - NOT_FOUND on such a resume (the router that ran the stream is gone, or another router replica
-  answered): a request given as `prompt_ids` continues as a fresh request for prompt_ids + the
-  tokens received with the remaining `max_tokens` (greedy output is the same as unbroken); a text
-  prompt cannot (the client does not know its token ids), and the error that broke the stream is
-  raised, as it is for any other refusal of the resume;
+  answered): the request continues as a fresh request for the same prompt (text or ids) with
+  `continue_ids` = the tokens received, the remaining `max_tokens`, and the prefill credit the
+  stream's first chunk reported (the server rebuilds the broken stream's state from the prompt
+  boundary: greedy output is the same as unbroken); any other refusal of the resume raises the
+  error that broke the stream;
 - anything else is raised as its typed error.
 The overall `timeout_s` covers every attempt.
 """
@@ -97,6 +98,8 @@ class StreamState:
         self.broken_by: FlashpdError | None = None  # the error a pending resume recovers from
         self.base = 0  # tokens received before the current server-side request began
         self.continuations = 0  # fresh requests for prompt + tokens (the router forgot us)
+        self.prefill_credit: int | None = None  # the stream's first chunk said (a continuation
+        # sends it back, so the server recomputes the same prompt KV)
 
     @property
     def request_id(self) -> str:
@@ -108,8 +111,10 @@ class StreamState:
         if self.base == 0:
             msg.resume_from_token = len(self.output_ids)
             return msg
-        # a continuation: prompt + the tokens received so far, the rest of the budget
-        msg.prompt_ids.ids.extend(self.output_ids)
+        # a continuation: the prompt, the tokens received before it began, the rest of the budget
+        msg.continue_ids.ids.extend(self.output_ids[: self.base])
+        if self.prefill_credit is not None:
+            msg.continue_prefill_credit_tokens = self.prefill_credit
         msg.max_tokens = self.request.max_tokens - self.base
         msg.request_id = f"{self.request.request_id}@c{self.continuations}"
         msg.resume_from_token = len(self.output_ids) - self.base
@@ -123,6 +128,8 @@ class StreamState:
         self.broken_by = None
         if resp.WhichOneof("kind") == "chunk":
             chunk = chunk_from_proto(resp.chunk, self.base)
+            if not self.output_ids and resp.chunk.HasField("prefill_credit_tokens"):
+                self.prefill_credit = resp.chunk.prefill_credit_tokens
             if chunk.index != len(self.output_ids):
                 raise InternalError(f"chunk index {chunk.index} != {len(self.output_ids)} "
                                     "tokens received")
@@ -156,7 +163,6 @@ class StreamState:
         """A resume was refused (`error`): continue as a fresh request when possible."""
         can_continue = (
             isinstance(error, NotFound) and self.broken_by is not None
-            and self.request.WhichOneof("input") == "prompt_ids"
             and self.request.HasField("max_tokens")
             and len(self.output_ids) < self.request.max_tokens
             and self.continuations < self.policy.max_resumes and self.remaining_s() != 0.0)

@@ -19,6 +19,7 @@ the Serve controller: it imports no torch and no deployment code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -59,6 +60,11 @@ class JointPolicyArgs(BaseModel):
     downscale_delay_s: float = Field(60.0, ge=0)
     drain_hold_seqs_per_replica: float = Field(8.0, ge=0)
     drain_hold_kv_usage: float = Field(0.5, gt=0, le=1)
+    # "starting to stop": with the stack's Redis, a decode scale-down first marks the replica
+    # Serve will stop draining and waits (at most drain_timeout_s) for its streams to move
+    redis_url: str | None = None
+    model_id: str | None = None
+    drain_timeout_s: float = Field(60.0, gt=0)
     prefill_deployment: str = "PrefillServer"
     decode_deployment: str = "DecodeServer"
     router_deployment: str = "Router"
@@ -71,7 +77,8 @@ class JointPolicyArgs(BaseModel):
 
     def policy_config(self):
         data = self.model_dump(exclude={"prefill_deployment", "decode_deployment",
-                                        "router_deployment"})
+                                        "router_deployment", "redis_url", "model_id",
+                                        "drain_timeout_s"})
         data["pd_ratio_max"] = math.inf if self.pd_ratio_max is None else self.pd_ratio_max
         return PolicyConfig(**data)
 
@@ -82,6 +89,7 @@ class JointPolicy:
     def __init__(self, **policy_kwargs) -> None:
         self.args = JointPolicyArgs.model_validate(policy_kwargs)
         self.config = self.args.policy_config()
+        self._marker = None  # (mark, unmark) on the stack's Redis, made at first use
         self._names = {"prefill": self.args.prefill_deployment,
                        "decode": self.args.decode_deployment,
                        "router": self.args.router_deployment}
@@ -109,11 +117,43 @@ class JointPolicy:
         decode_id, decode_ctx = by_role["decode"]
         state = decode_ctx.policy_state.get(STATE_KEY)
         decision, state = decide(signals, self.config, limits, state, now=decode_ctx.current_time)
+        decision = self._drain_first(decision, decode_ctx, state)
         if decision.replicas != signals.target or decision.notes:
             log.info("JointPolicy: %s -> %s (demand %s) %s", signals.target, decision.replicas,
                      decision.demand, "; ".join(decision.notes))
         targets = {by_role[r][0]: decision.replicas.of(r) for r in by_role}
         return targets, {decode_id: {STATE_KEY: state}}
+
+
+    def _drain_first(self, decision, decode_ctx, state: dict):
+        """Hold a decode scale-down until the replica Serve will stop has drained
+        (`services.drain.drain_before_scale_down`); its state rides in `state["drain"]`."""
+        if self.args.redis_url is None or self.args.model_id is None:
+            return decision
+        from flashpd.services.drain import drain_before_scale_down, redis_marker
+
+        if self._marker is None:
+            self._marker = redis_marker(self.args.redis_url, self.args.model_id)
+        mark, unmark = self._marker
+        replicas = [rid.unique_id for rid in decode_ctx.running_replicas]
+        decode, state["drain"], note = drain_before_scale_down(
+            decision.replicas.decode, decode_ctx.target_num_replicas, replicas,
+            decode_loads(decode_ctx), state.get("drain") or {}, decode_ctx.current_time,
+            mark=mark, unmark=unmark, timeout_s=self.args.drain_timeout_s)
+        if note is None:
+            return decision
+        return dataclasses.replace(decision, notes=(*decision.notes, note),
+                                   replicas=dataclasses.replace(decision.replicas,
+                                                                decode=decode))
+
+
+def decode_loads(ctx) -> dict[str, WorkerLoad]:
+    """Replica id -> its reported load, for the decode replicas that reported every metric."""
+    per = ctx.aggregated_metrics or {}
+    return {rid.unique_id: WorkerLoad(running=per["running"][rid], waiting=per["waiting"][rid],
+                                      draining=per["draining"][rid] > 0)
+            for rid in ctx.running_replicas
+            if all(rid in per.get(m, {}) for m in ("running", "waiting", "draining"))}
 
 
 def signals_from_contexts(ctx: dict) -> Signals:

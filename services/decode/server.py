@@ -7,6 +7,11 @@
     generate(req)  waits for the KV (completion notices polled on the engine thread), replays
                    the last 128 prompt tokens, streams tokens with continuous batching
     abort(rid)     frees the blocks and the lease; idempotent
+    drain(s)       live migration: refuse new reserves; pause every stream holding its KV and
+                   tell the router (MigrateEvent), which reserves on another decode worker and
+                   calls migrate_out(rid, ticket) (this worker pushes the original prompt's
+                   KV blocks D -> D, the target recomputes the streamed outputs), or
+                   resume(rid) when nowhere has room (the stream finishes here)
 
 Fencing: every reservation gets its own incarnation token `<worker incarnation>.<n>`, and runs in
 the engine as `<request id>@<token>`; the receiver only accepts a completion notice carrying the
@@ -27,29 +32,36 @@ timeout. A reservation whose ticket never left this worker is freed at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from flashpd.engine.async_engine import RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
-from flashpd.engine.request import RequestStatus
+from flashpd.engine.request import PrefixPolicy, RequestStatus
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
-from flashpd.engine.scheduler import Reservation
+from flashpd.engine.scheduler import PausedKV, Reservation
+from flashpd.engine.transfer.base import TransferError
+from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.api import (
-    DeadlineExceeded,
     Event,
     FinalEvent,
     Internal,
     InternalRequest,
     InvalidArgument,
+    MigrateEvent,
+    MigrationResult,
     NotFound,
     Ticket,
     Timeline,
     TokenEvent,
     TokenLogprobs,
+    TransferFailed,
     Unavailable,
     Usage,
     WorkerRef,
@@ -64,6 +76,7 @@ from flashpd.services.worker.common import (
 
 log = logging.getLogger(__name__)
 DRAIN_MARGIN_S = 1.0  # clock skew and notice delivery between the two workers
+MAX_EXPIRED = 4096  # request ids whose lease expired, remembered so generate says UNAVAILABLE
 
 
 @dataclass
@@ -78,6 +91,11 @@ class _Attempt:
     ticket_issued: bool = False  # the ticket left this worker: a prefill may write
     expired: bool = False
     reservation: Reservation | None = None
+    paused: PausedKV | None = None  # draining: out of the batch, its KV held for a migration
+    stays: bool = False  # draining, but nowhere to move: finishes here
+
+
+_PAUSED = object()  # the marker a paused request's engine stream gets after its last output
 
 
 class DecodeWorker(EngineWorker):
@@ -96,6 +114,9 @@ class DecodeWorker(EngineWorker):
         self._free_blocks = -1
         self.admission = AdmissionQueue(config.max_queued_requests,
                                         retry_after_s=config.retry_after_s)
+        self._expired: OrderedDict[str, None] = OrderedDict()  # leases expired (bounded)
+        self._sender = None  # made at the first migration (a NIXL agent of its own)
+        self._peers: dict[bytes, str] = {}  # decode descriptor -> sender peer
 
     # ------------------------------------------------------------------ api
     async def reserve(self, req: InternalRequest) -> Ticket:
@@ -126,7 +147,8 @@ class DecodeWorker(EngineWorker):
                 self._give_up(e, old)
                 superseded.append(old.engine_id)
             try:
-                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id)
+                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id,
+                              PrefixPolicy(kv_tokens=req.kv_prompt_tokens))
             except ValueError as exc:
                 raise InvalidArgument(str(exc), field="prompt") from None
             if r is None:
@@ -172,6 +194,9 @@ class DecodeWorker(EngineWorker):
         t0 = time.monotonic()
         attempt = self._attempts.get(rid)
         if attempt is None or not self.engine.has_stream(attempt.engine_id):
+            if rid in self._expired:  # alive but slow (a loaded machine): place it again
+                raise Unavailable(f"the KV of {rid} did not arrive within its lease on "
+                                  f"{self.ref.worker_id}")
             raise NotFound(f"request {rid!r} was not reserved on {self.ref.worker_id}")
         stream = self.engine.stream(attempt.engine_id)
         try:
@@ -184,6 +209,9 @@ class DecodeWorker(EngineWorker):
         rid, first_s, index = attempt.request_id, None, 0
         try:
             async for out in stream:
+                if out is _PAUSED:  # draining: every token is out; the router moves us
+                    yield MigrateEvent(index)
+                    continue
                 if out.new_token_ids:
                     first_s = first_s or time.monotonic()
                     lps = tuple(TokenLogprobs(s.logprob, s.top_logprobs) for s in out.logprobs)
@@ -203,9 +231,8 @@ class DecodeWorker(EngineWorker):
         except RequestFailed as exc:
             raise Internal(f"decode of {rid} failed: {exc.reason}") from None
         except asyncio.CancelledError:
-            if attempt.expired:
-                raise DeadlineExceeded(f"the KV of {rid} did not arrive within its lease") \
-                    from None
+            if attempt.expired:  # retryable: the request's own deadline has not passed
+                raise Unavailable(f"the KV of {rid} did not arrive within its lease") from None
             raise
 
     async def abort(self, request_id: str) -> bool:
@@ -222,6 +249,99 @@ class DecodeWorker(EngineWorker):
         self._arrived_at.pop(attempt.engine_id, None)
         return True
 
+    # ------------------------------------------------------------------ draining
+    async def drain(self, deadline_s: float) -> int:
+        """Take no new request and offer every stream for migration: each running (or
+        admitted) request leaves the batch holding its KV and its stream tells the router
+        (`MigrateEvent`); one whose KV is still in flight does so when it arrives. Returns how
+        many were paused now. `deadline_s` bounds nothing here: streams that cannot move
+        finish in place (`resume`), within the replica's graceful-shutdown timeout."""
+        if not deadline_s > 0:
+            raise InvalidArgument(f"must be > 0, got {deadline_s}", field="deadline_s")
+        self.draining = True
+        return await self.engine.call(self._pause_all)
+
+    def undrain(self) -> None:
+        """Take requests again (a drain mark was withdrawn: Serve stopped another replica).
+        Streams already moved stay where they are."""
+        self.draining = False
+
+    async def migrate_out(self, request_id: str, ticket: Ticket) -> MigrationResult:
+        """Push a paused request's prompt KV into another decode worker's reserved blocks
+        (the path prefill uses), then free it here. On failure it stays paused (the router
+        resumes it in place) and the target gets an abandon notice."""
+        attempt = self._attempts.get(request_id)
+        if attempt is None or attempt.paused is None:
+            raise NotFound(f"request {request_id!r} is not paused on {self.ref.worker_id}")
+        src = list(attempt.paused.kv_block_ids[ticket.first_block_index:])
+        if len(src) != len(ticket.dst_block_ids):
+            raise Internal(f"{len(attempt.paused.kv_block_ids)} KV blocks here; the ticket asks "
+                           f"for chunks {ticket.first_block_index}.. into "
+                           f"{len(ticket.dst_block_ids)} blocks")
+        t0 = time.monotonic()
+        peer = self._connect(ticket)  # on the loop: one sender, one connection per target
+        stats = await asyncio.to_thread(self._push, ticket, src, peer)
+
+        def free_on_loop(e: LLMEngine) -> None:  # the write completed: nothing lands later
+            if self._attempts.get(request_id) is attempt:
+                del self._attempts[request_id]
+            e.abort(attempt.engine_id)
+        await self.engine.call(free_on_loop)
+        self.engine.close_stream(attempt.engine_id, abort=False)  # the router left it
+        return MigrationResult(moved_bytes=stats.num_bytes, transfer_ms=ms_since(t0))
+
+    async def resume(self, request_id: str) -> bool:
+        """Continue a paused request here (nowhere to move it): it replays from its prompt
+        boundary and streams on. False when it is not paused here."""
+        def resume_on_loop(e: LLMEngine) -> bool:
+            attempt = self._attempts.get(request_id)
+            if attempt is None or attempt.paused is None:
+                return False
+            attempt.paused, attempt.stays = None, True
+            e.kv_arrived(attempt.engine_id)
+            return True
+        return await self.engine.call(resume_on_loop)
+
+    def _connect(self, ticket: Ticket) -> str:
+        """The sender's peer for the ticket's decode worker (the sender is made at the first
+        migration; the contract is checked at connect)."""
+        from flashpd.services.worker.common import make_sender
+
+        if self._sender is None:
+            self._sender = make_sender(self.config.transfer_backend, self.contract, self.pools)
+        peer = self._peers.get(ticket.transfer_descriptor)
+        if peer is None:
+            try:
+                peer = self._sender.connect(ticket.transfer_descriptor)
+            except (TransferError, ContractMismatch) as exc:
+                raise TransferFailed(f"cannot reach {ticket.decode_worker_id}: {exc}") from exc
+            self._peers[ticket.transfer_descriptor] = peer
+        return peer
+
+    def _push(self, ticket: Ticket, src: list[int], peer: str):
+        """On a worker thread: write and wait, or abandon the target's reservation."""
+        try:
+            handle = self._sender.send(ticket.request_id, src, list(ticket.dst_block_ids),
+                                       ticket.incarnation, peer=peer)
+            return self._sender.wait(handle, self.config.transfer_timeout_s, threading.Event())
+        except TransferError as exc:
+            with contextlib.suppress(TransferError):
+                self._sender.abandon(ticket.request_id, ticket.incarnation, peer=peer)
+            raise TransferFailed(f"KV migration to {ticket.decode_worker_id} failed: {exc}") \
+                from exc
+
+    def _pause_all(self, e: LLMEngine) -> int:
+        return sum(self._pause(e, a) for a in list(self._attempts.values()))
+
+    def _pause(self, e: LLMEngine, attempt: _Attempt) -> bool:
+        if attempt.stays or attempt.paused is not None:
+            return False
+        attempt.paused = e.pause(attempt.engine_id)
+        if attempt.paused is None:
+            return False
+        self.engine.mark(attempt.engine_id, _PAUSED)  # after every output delivered so far
+        return True
+
     # ------------------------------------------------------------------ loop thread
     def _poll_transfers(self, e: LLMEngine) -> None:
         for rid in self.receiver.poll_completed():
@@ -231,6 +351,8 @@ class DecodeWorker(EngineWorker):
                 continue
             self._arrived_at[attempt.engine_id] = time.monotonic()
             e.kv_arrived(attempt.engine_id)
+            if self.draining:  # admitted while draining: offered for migration at once
+                self._pause(e, attempt)
         grace_s = self.config.transfer_timeout_s + DRAIN_MARGIN_S
         for rid in self.receiver.expire(time.time(), grace_s):
             attempt = self._attempts.pop(rid, None)
@@ -238,6 +360,9 @@ class DecodeWorker(EngineWorker):
                 continue
             log.warning("%s: KV lease of %s expired", self.ref.worker_id, rid)
             attempt.expired = True
+            self._expired[rid] = None
+            while len(self._expired) > MAX_EXPIRED:
+                self._expired.popitem(last=False)
             if self.receiver.is_draining(attempt.token):
                 self._draining[attempt.token] = attempt.engine_id
             else:
@@ -313,3 +438,5 @@ class DecodeWorker(EngineWorker):
         self.draining = True
         await asyncio.to_thread(self.engine.shutdown)
         self.receiver.close()
+        if self._sender is not None:
+            self._sender.close()

@@ -25,6 +25,7 @@ FULL = {  # the issue's counts
     "decode_kill_exact": {"streams": 3},
     "redis_pause": {"pause_s": 20.0}, "redis_restart": {"down_s": 8.0},
     "load_100": {"n": 100}, "load_500": {"n": 500},
+    "decode_drain": {"streams": 32, "max_tokens": 32},
 }
 QUICK = {  # what the pytest suite runs (tests/faults)
     "fuzz": {"limit": 120}, "cancel_storm": {"n": 30, "concurrency": 6},
@@ -32,16 +33,19 @@ QUICK = {  # what the pytest suite runs (tests/faults)
     "decode_kill_exact": {"streams": 3, "max_tokens": 40},
     "redis_pause": {"pause_s": 5.0}, "redis_restart": {"down_s": 3.0},
     "load_100": {"n": 40}, "load_500": {"n": 100},
+    "decode_drain": {"streams": 32, "max_tokens": 16},
 }
 TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause",
               "redis_restart")
 ONE_BY_ONE = ("load_100", "load_500")
+ONE_BY_TWO = ("decode_drain",)  # live migration: 1 prefill + 2 decode replicas
 EXACT = ("decode_kill_exact",)  # on a stack with exact replay (swa_bounded_replay: false)
 STACKS = (
     (StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
     (StackConfig(2, 2, app_name="faultsexact", extra_args={"swa_bounded_replay": False}), EXACT),
     # the default decode queue (1,024) holds the 500-stream burst; with a queue of 256 the 180
     # reserves beyond 64 running + 256 queued were refused (429), as a full queue is meant to
+    (StackConfig(1, 2, app_name="faults1x2"), ONE_BY_TWO),
     (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE),
 )
 
@@ -52,7 +56,7 @@ SCENARIO_FUNCS = {"load_100": "load", "load_500": "load", "decode_kill_exact": "
 def register(sub) -> None:
     p = sub.add_parser("faults", help="run the fault suite against a local stack")
     p.add_argument("--quick", action="store_true", help="the pytest suite's smaller counts")
-    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_ONE],
+    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE],
                    help="run only these scenarios")
     p.add_argument("--out", default="bench/results/faults.md",
                    help="markdown results ('' to skip)")
@@ -65,7 +69,7 @@ def run(args) -> int:
     from flashpd.services.redis_local import LocalRedis
 
     counts = QUICK if args.quick else FULL
-    chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_ONE]
+    chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE]
     checkpoint = args.checkpoint or tiny_checkpoint()
     results: list[scenarios.ScenarioResult] = []
     started = time.monotonic()

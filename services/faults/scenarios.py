@@ -50,10 +50,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def _code(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
+    if callable(code):  # grpc.aio.AioRpcError: code() is a method
+        return f"{type(exc).__name__} {code().name}"
     return getattr(code, "name", None) or type(exc).__name__
 
 
-async def _generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
+async def generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
     """One SDK request: its outcome, TTFT and result (or error code)."""
     started = time.monotonic()
     ttft = None
@@ -138,7 +140,7 @@ async def _serving(stack: FaultStack) -> bool:
     from flashpd_sdk import AsyncClient
 
     async with AsyncClient(stack.grpc_target) as client:
-        out = await _generate(client, [5, 6, 7, 8], max_tokens=2, timeout_s=60)
+        out = await generate(client, [5, 6, 7, 8], max_tokens=2, timeout_s=60)
     return out["ok"]
 
 
@@ -154,7 +156,7 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
 
     res = ScenarioResult("cancel_storm")
     rng = random.Random(seed)
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     outcomes: Counter = Counter()
     probe = {"ok": 0, "failed": 0}
     stop = asyncio.Event()
@@ -191,7 +193,7 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
 async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
     rng = random.Random(7)
     while not stop.is_set():
-        out = await _generate(client, prompt_ids(rng, 32, 200), max_tokens=2, timeout_s=60)
+        out = await generate(client, prompt_ids(rng, 32, 200), max_tokens=2, timeout_s=60)
         probe["ok" if out["ok"] else "failed"] += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -279,7 +281,7 @@ async def _grpc_cancel(stack: FaultStack, ids: list[int], after_tokens: int) -> 
         return call.cancelled() is False
 
 
-async def _vocab(stack: FaultStack) -> int:
+async def vocab_size(stack: FaultStack) -> int:
     from flashpd_sdk import AsyncClient
 
     async with AsyncClient(stack.grpc_target) as client:
@@ -296,14 +298,14 @@ async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("prefill_kill")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     sem = asyncio.Semaphore(concurrency)
     outs: list[dict] = []
     async with AsyncClient(stack.grpc_target) as client:
         async def one(i: int) -> None:
             ids = prompt_ids(random.Random(seed * 1000 + i), prompt_tokens, vocab)
             async with sem:
-                outs.append(await _generate(client, ids, max_tokens=8))
+                outs.append(await generate(client, ids, max_tokens=8))
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
         victim = await _busy_worker(stack, "prefill", lambda w: w.queued_prefill_tokens > 0)
         if victim is not None:
@@ -337,43 +339,47 @@ async def _busy_worker(stack: FaultStack, role: str, busy, timeout_s: float = 12
 async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 64,
                       kill_after_tokens: int = 5, seed: int = 2) -> ScenarioResult:
     """Greedy streams of one session, all on its decode worker (`streams` through the SDK, one
-    more as OpenAI HTTP SSE); that worker is killed after each stream got `kill_after_tokens`:
-    every stream completes with output identical to an unbroken run, and the session's next
-    turn works on another decode worker.
+    more as OpenAI HTTP SSE, one as raw gRPC); that worker is killed after each stream got
+    `kill_after_tokens`: every stream completes with output identical to an unbroken run, and
+    the session's next turn works on another decode worker.
 
-    The continuation re-prefills prompt + the tokens streamed, so its output equals the unbroken
-    run's exactly when replay after a prefix is exact (`swa_bounded_replay: false`); with the
-    128-token bounded replay (the default) the rebuilt windows approximate the unbroken run's
-    and greedy output may drift: `matching_tokens` reports how far it matched."""
+    The continuation's prefill recomputes only the original prompt's KV (at the original
+    credit) and the new decode worker replays from the prompt boundary and recomputes the
+    streamed tokens, so its output equals the unbroken run's with the default 128-token bounded
+    replay as well as with exact replay (`matching_tokens` says how far each stream matched)."""
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("decode_kill")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     rng = random.Random(seed)
-    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 1)]  # the last: HTTP
+    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams + 2)]  # HTTP, then gRPC
     session = f"dk-{seed}-{time.time_ns()}"
     async with AsyncClient(stack.grpc_target) as client:
-        reference = [await _generate(client, p, max_tokens=max_tokens) for p in prompts]
-        warm = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+        reference = [await generate(client, p, max_tokens=max_tokens) for p in prompts]
+        warm = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                session_id=session)
         if not (warm["ok"] and all(r["ok"] for r in reference)):
             res.check(False, "reference runs failed on the healthy stack")
             return res
         bound = warm["result"].decode_worker
-        progress = [0] * (streams + 1)
+        progress = [0] * (streams + 2)
         outs = await asyncio.gather(
             *(_tracked(client, p, max_tokens, session, progress, i)
               for i, p in enumerate(prompts[:streams])),
             _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
+            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress,
+                          streams + 1),
             _kill_when(stack, bound, progress, kill_after_tokens))
-        sdk_outs, http_out, snapshot = outs[:streams], outs[streams], outs[-1]
-        after = await _generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
+        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams],
+                                                  outs[streams + 1], outs[-1])
+        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
                                 session_id=session)
     refs = [r["result"] for r in reference]
     identical = [f["ok"] and f["result"].output_ids == r.output_ids
                  for f, r in zip(sdk_outs, refs, strict=False)]
     moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
     http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
+    grpc_identical = grpc_out["ok"] and tuple(grpc_out["ids"]) == refs[streams + 1].output_ids
     res.counts = {
         "streams": streams, "killed": bound if snapshot else None,
         "tokens_before_kill": snapshot, "completed": sum(f["ok"] for f in sdk_outs),
@@ -383,6 +389,8 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
         "resumed_elsewhere": sum(moved), "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
         "http_sse_completed": http_out["ok"], "http_sse_identical_text": http_identical,
         "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
+        "grpc_completed": grpc_out["ok"], "grpc_identical": grpc_identical,
+        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, bound),
         "next_turn_ok": after["ok"],
         "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
     res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
@@ -391,6 +399,7 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
     res.check(all(moved), "not every stream was resumed on another decode worker")
     res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
+    res.check(grpc_identical, f"the raw gRPC stream differs or failed: {grpc_out.get('error')}")
     res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
     return res
 
@@ -420,6 +429,28 @@ async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i
     except Exception as exc:
         return {"ok": False, "error": _code(exc)}
     return {"ok": True, "text": "".join(text), "decode_worker": worker}
+
+
+async def _tracked_grpc(stack: FaultStack, ids, max_tokens, session, progress, i) -> dict:
+    """A raw gRPC stream (no SDK: no client-side retry or resume): its ids and decode worker."""
+    import grpc
+
+    from flashpd_sdk._gen import flashpd_pb2 as pb
+    from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
+
+    out: list[int] = []
+    try:
+        async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+            req = pb.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, session_id=session)
+            req.prompt_ids.ids.extend(ids)
+            async for msg in pb_grpc.GenerationStub(channel).Generate(req, timeout=TIMEOUT_S):
+                if msg.WhichOneof("kind") == "final":
+                    return {"ok": True, "ids": out, "decode_worker": msg.final.decode_worker}
+                out.extend(msg.chunk.token_ids)
+                progress[i] += len(msg.chunk.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        return {"ok": False, "error": f"{exc.code().name}: {exc.details()}"}
+    return {"ok": False, "error": "the stream ended without a final message"}
 
 
 async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
@@ -453,6 +484,115 @@ def _common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+# ---------------------------------------------------------------------------- decode drain
+
+
+async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: int = 160,
+                       max_tokens: int = 12, drain_after_tokens: int = 3,
+                       seed: int = 6) -> ScenarioResult:
+    """`streams` greedy SDK streams on 1 prefill + 2 decode replicas; once each got
+    `drain_after_tokens` tokens, the decode replica holding the most sequences is marked
+    draining (`flashpd drain`'s Redis mark): every stream completes with output identical to
+    an undisturbed run (0 errors), those on the drained replica move to the other one (live
+    migration: 0 re-prefills, 0 retries), the drained replica ends with nothing held, and
+    requests sent after the mark never land on it."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("decode_drain")
+    vocab = await vocab_size(stack)
+    rng = random.Random(seed)
+    prompts = [prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
+    async with AsyncClient(stack.grpc_target) as client:
+        reference = await asyncio.gather(*(generate(client, p, max_tokens=max_tokens)
+                                           for p in prompts))
+        if not all(r["ok"] for r in reference):
+            res.check(False, "reference runs failed on the healthy stack")
+            return res
+        before = await drain_counters(stack)
+        progress = [0] * streams
+        drained: dict = {}
+        outs = await asyncio.gather(
+            *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
+            _drain_when(stack, progress, drain_after_tokens, drained))
+        outs = outs[:streams]
+        victim = drained.get("worker")
+        after = await drain_counters(stack)
+        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2)
+                for _ in range(4)] if victim else []
+    idle_s = await asyncio.to_thread(victim_idle, stack, victim, 30.0) if victim else None
+    refs = [r["result"].output_ids for r in reference]
+    identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
+    delta = {k: after[k] - before[k] for k in after}
+    res.counts = {
+        "streams": streams, "drained": victim, "tokens_at_drain": drained.get("progress"),
+        "paused_on_victim": drained.get("running"), "completed": sum(o["ok"] for o in outs),
+        "failed": [o.get("code") for o in outs if not o["ok"]], "identical": sum(identical),
+        "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0
+                                for o in outs),
+        # streams with tokens still to come at the drain that nonetheless ended on the victim
+        "left_on_victim": sum(o["ok"] and o["result"].decode_worker == victim and got < max_tokens
+                              for o, got in zip(outs, drained.get("snapshot", []), strict=False)),
+        "migrated": delta["moved"], "stayed": delta["stayed"], "prefills": delta["prefills"],
+        "retries": delta["retries"], "migrated_bytes": delta["bytes"],
+        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim
+                                       for o in late),
+        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
+        "differing": [(i, _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
+                       o["ok"] and o["result"].timeline["migrate_ms"] > 0)
+                      for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
+                      if not same]}  # (stream, tokens matching, migrated)
+    res.check(victim is not None, "no decode replica was drained mid-stream")
+    res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
+    res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
+    res.check(res.counts["left_on_victim"] == 0,
+              "streams unfinished at the drain finished on the drained replica")
+    res.check(res.counts["migrated_streams"] == delta["moved"],
+              "streams reporting a migration != the router's migration count")
+    res.check(delta["moved"] >= 1 and delta["stayed"] == 0,
+              f"migrations: {delta['moved']} moved, {delta['stayed']} stayed")
+    res.check(delta["prefills"] == streams and delta["retries"] == 0,
+              f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries")
+    res.check(all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
+              "a request sent after the drain mark failed or landed on the drained replica")
+    res.check(idle_s is not None, "the drained replica still holds sequences or blocks")
+    return res
+
+
+async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: dict) -> None:
+    """Once every stream got `after` tokens, drain the busiest decode replica."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if all(p >= after for p in progress):
+            busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
+                           if w.role == "decode"), key=lambda w: w.running)
+            out.update(worker=busiest.worker_id, running=busiest.running,
+                       progress=sorted(progress), snapshot=list(progress))
+            await stack.drain_replica(busiest.worker_id)
+            return
+        await asyncio.sleep(0.005)
+
+
+def victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float | None:
+    started = time.monotonic()
+    while time.monotonic() - started <= timeout_s:
+        stats = [w for w in stack.worker_stats() if w.worker_id == worker_id]
+        if not stats or (stats[0].running == 0 and stats[0].kv_blocks_used == 0):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
+async def drain_counters(stack: FaultStack) -> dict[str, float]:
+    moved = await router_counter(stack, "flashpd:stream_migrations_total")
+    return {"moved": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
+            "stayed": sum(v for k, v in moved.items() if 'outcome="stayed"' in k),
+            "bytes": sum((await router_counter(stack,
+                                               "flashpd:stream_migration_bytes_total")).values()),
+            "prefills": sum((await router_counter(stack, "flashpd:prefills_total")).values()),
+            "retries": sum((await router_counter(stack,
+                                                 "flashpd:request_retries_total")).values())}
 
 
 # ------------------------------------------------------------------------------- Redis loss
@@ -502,12 +642,12 @@ async def redis_restart(stack: FaultStack, *, down_s: float = 8.0, clients: int 
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("redis_restart")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     # longer than exact replay's receptive field (1,271 tokens on tiny), so a hit earns credit
     # in either replay mode
     prefix = prompt_ids(random.Random(seed), 1800, vocab)
     async with AsyncClient(stack.grpc_target) as client:
-        await _generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
+        await generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
         res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0)  # the baseline
 
         async def fault() -> None:
@@ -541,7 +681,7 @@ async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 
     run = 0
     while time.monotonic() - started < timeout_s:
         sent = time.monotonic()
-        out = await _generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
+        out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
                               timeout_s=60)
         hit = out["ok"] and out["result"].usage.cached_tokens_decode >= len(prefix) // 2
         run = run + 1 if hit else 0
@@ -556,7 +696,7 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
     """Back-to-back multi-turn session requests from `clients` loops while `fault` runs."""
     from flashpd_sdk import AsyncClient
 
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     stats = {"ok": 0, "failed": 0, "codes": Counter(), "latencies": []}
     done = asyncio.Event()
     async with AsyncClient(stack.grpc_target) as client:
@@ -564,7 +704,7 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
             rng = random.Random(seed * 100 + c)
             context = prompt_ids(rng, 150, vocab)
             while not done.is_set():
-                out = await _generate(client, context, max_tokens=4, timeout_s=60,
+                out = await generate(client, context, max_tokens=4, timeout_s=60,
                                       session_id=f"traffic-{seed}-{c}")
                 if out["ok"]:
                     stats["ok"] += 1
@@ -594,12 +734,12 @@ async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_token
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult(f"load_{n}")
-    vocab = await _vocab(stack)
+    vocab = await vocab_size(stack)
     clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
     try:
         started = time.monotonic()
         outs = await asyncio.gather(*(
-            _generate(clients[i % channels],
+            generate(clients[i % channels],
                       prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
                       max_tokens=max_tokens, timeout_s=600)
             for i in range(n)))

@@ -170,6 +170,13 @@ class FaultStack:
                 for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith(prefix)}
 
+    async def drain_replica(self, worker_id: str) -> None:
+        """Mark a decode replica draining (what `flashpd drain` and the autoscaler do): routers
+        stop placing on it at once, and it moves its streams away within a heartbeat."""
+        from flashpd.services.drain import mark_draining
+
+        await mark_draining(self.redis_server.url, MODEL_ID, worker_id)
+
     def kill_replica(self, role: str, worker_id: str) -> str:
         """Kill one replica's process at once (Serve replaces it)."""
         import ray

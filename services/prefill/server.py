@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from flashpd.engine.async_engine import EngineDead, RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
+from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.transfer.base import TransferCancelled, TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.api import (
@@ -99,7 +100,7 @@ class PrefillWorker(EngineWorker):
         rid, token = req.request_id, ticket.incarnation
         run = _Run(f"{rid}@{token}")
         self._runs.setdefault(rid, {})[token] = run
-        self._queued_tokens[run.engine_id] = req.prompt_tokens
+        self._queued_tokens[run.engine_id] = len(req.kv_prompt_ids)
         push = None
         try:
             if self._aborted_before(rid, ticket):
@@ -116,8 +117,9 @@ class PrefillWorker(EngineWorker):
                                f"{len(ticket.dst_block_ids)} blocks")
             if run.cancel.is_set():
                 raise Cancelled(f"prefill of {rid} aborted")
-            if time.time() >= ticket.lease_deadline_unix_s:
-                raise DeadlineExceeded(f"the ticket's lease for {rid} passed before the KV push")
+            if time.time() >= ticket.lease_deadline_unix_s:  # decode gave the blocks up: the
+                # attempt is lost, not the request (a slow, loaded machine): place it again
+                raise Unavailable(f"the ticket's lease for {rid} passed before the KV push")
             run.phase = "push"
             push = asyncio.get_running_loop().run_in_executor(
                 self._pushes, self._push, req, ticket, peer, src, run)
@@ -127,7 +129,7 @@ class PrefillWorker(EngineWorker):
             return PrefillResult(
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
-                computed_tokens=req.prompt_tokens - ready.cached_tokens,
+                computed_tokens=len(req.kv_prompt_ids) - ready.cached_tokens,
                 pushed_bytes=stats.num_bytes, queue_ms=0.0, compute_ms=compute_ms,
                 transfer_ms=ms_since(t1))
         finally:
@@ -166,8 +168,9 @@ class PrefillWorker(EngineWorker):
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded("deadline passed before prefill started")
         try:
+            prefix = PrefixPolicy(max_credit_tokens=req.max_prefill_credit_tokens)
             return await asyncio.wait_for(
-                self.engine.prefill(run.engine_id, req.prompt_ids), timeout=remaining)
+                self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining)
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:

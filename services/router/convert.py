@@ -182,15 +182,33 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
             raise InvalidArgument(f"{len(raw_ids)} tokens exceed the context limit of "
                                   f"{model.context_tokens} tokens", field=kind)
     prompt_ids = check_prompt_ids(raw_ids, model, kind)
+    continued = v.token_ids(list(msg.continue_ids.ids), "continue_ids", model.vocab_size,
+                            empty_ok=True)
     sampling = sampling_from_proto(msg, model.vocab_size)
-    check_context(model, len(prompt_ids), sampling.max_tokens, kind)
+    check_context(model, len(prompt_ids) + len(continued), sampling.max_tokens,
+                  "continue_ids" if continued else kind)
     client_id = check_id(msg.request_id, "request_id")
     request = InternalRequest(
-        request_id=client_id or new_request_id(), model=model.name, prompt_ids=prompt_ids,
+        request_id=client_id or new_request_id(), model=model.name,
+        prompt_ids=prompt_ids + continued,
         sampling=sampling, session_id=check_id(msg.session_id, "session_id"),
         parent_session_id=check_id(msg.parent_session_id, "parent_session_id"),
-        deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now)
+        deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now,
+        **_continuation(msg, len(prompt_ids), bool(continued)))
     return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg))
+
+
+def _continuation(msg: pb.GenerateRequest, prompt_tokens: int, continued: bool) -> dict:
+    """A client's own continuation (continue_ids): the KV boundary is the original prompt,
+    and the prefill's credit is capped at the broken stream's (`InternalRequest`)."""
+    if not continued:
+        if msg.HasField("continue_prefill_credit_tokens"):
+            raise InvalidArgument("is only valid with continue_ids",
+                                  field="continue_prefill_credit_tokens")
+        return {}
+    credit = (msg.continue_prefill_credit_tokens
+              if msg.HasField("continue_prefill_credit_tokens") else None)
+    return {"kv_prompt_tokens": prompt_tokens, "max_prefill_credit_tokens": credit}
 
 
 def sampling_from_proto(msg: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
@@ -246,10 +264,13 @@ def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
 
 
 def token_event_to_proto(ev: TokenEvent) -> pb.TokenChunk:
-    return pb.TokenChunk(
+    msg = pb.TokenChunk(
         token_ids=ev.token_ids, text=ev.text, index=ev.index,
         logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
                                    top_logprobs=[v for _, v in lp.top]) for lp in ev.logprobs])
+    if ev.prefill_credit_tokens is not None:
+        msg.prefill_credit_tokens = ev.prefill_credit_tokens
+    return msg
 
 
 def token_event_from_proto(msg: pb.TokenChunk) -> TokenEvent:
@@ -257,7 +278,9 @@ def token_event_from_proto(msg: pb.TokenChunk) -> TokenEvent:
         token_ids=tuple(msg.token_ids), index=msg.index, text=msg.text,
         logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
                                                            strict=True)))
-                       for lp in msg.logprobs))
+                       for lp in msg.logprobs),
+        prefill_credit_tokens=(msg.prefill_credit_tokens
+                               if msg.HasField("prefill_credit_tokens") else None))
 
 
 def final_to_proto(ev: FinalEvent) -> pb.Final:

@@ -16,6 +16,7 @@ from ray import serve
 from flashpd.services.api import (
     Event,
     InternalRequest,
+    MigrationResult,
     PrefillResult,
     Ticket,
     WorkerRef,
@@ -67,6 +68,15 @@ class PinnedEndpoint:
 
     async def abort(self, request_id: str) -> bool:
         return await self._handle.abort.remote(request_id, **self._kw)
+
+    async def migrate_out(self, request_id: str, ticket: Ticket) -> MigrationResult:
+        return await self._handle.migrate_out.remote(request_id, ticket, **self._kw)
+
+    async def resume(self, request_id: str) -> bool:
+        return await self._handle.resume.remote(request_id, **self._kw)
+
+    async def drain(self, deadline_s: float) -> int:
+        return await self._handle.drain.remote(deadline_s, **self._kw)
 
     async def stats(self) -> WorkerStats:
         return await self._handle.stats.remote(**self._kw)

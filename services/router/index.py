@@ -21,6 +21,7 @@ a safety net for garbage, not an eviction policy: engines report evictions (Bloc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -112,6 +113,12 @@ class IndexKeys:
     def workers(self) -> str:
         return self.prefix + "workers"
 
+    @property
+    def draining(self) -> str:
+        """SET of wkeys told to drain: routers place nothing new there from the moment a
+        wkey is added (before the worker itself starts draining)."""
+        return self.prefix + "draining"
+
     def heartbeat(self, wkey: str) -> str:
         return f"{self.prefix}hb:{wkey}"
 
@@ -148,6 +155,7 @@ class Lookup:
     hit_chunks: dict[WorkerRef, int]  # leading chunks of the prompt each worker holds (> 0 only)
     session: SessionBinding | None
     parent_session: SessionBinding | None
+    draining: frozenset[str] | None = None  # wkeys marked draining (None: not read)
 
 
 async def deregister_worker(redis, keys: IndexKeys, worker: WorkerRef) -> None:
@@ -157,6 +165,7 @@ async def deregister_worker(redis, keys: IndexKeys, worker: WorkerRef) -> None:
     await _drop_worker_sessions(redis, keys, wkey)
     pipe = redis.pipeline(transaction=True)
     pipe.srem(keys.workers, wkey)
+    pipe.srem(keys.draining, wkey)
     pipe.delete(keys.heartbeat(wkey))
     await pipe.execute()
 
@@ -196,6 +205,16 @@ class IndexPublisher:
         self._redis, self.keys = redis, IndexKeys(model)
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._chunk_ttl_s = int(chunk_ttl_s)
+
+    @_cancel_safe
+    async def mark_draining(self, worker: WorkerRef) -> None:
+        """The worker is about to drain: routers stop placing new requests on it now."""
+        await self._redis.sadd(self.keys.draining, worker.key)
+
+    @_cancel_safe
+    async def is_marked_draining(self, worker: WorkerRef) -> bool:
+        """Whether an operator or the autoscaler marked `worker` draining."""
+        return bool(await self._redis.sismember(self.keys.draining, worker.key))
 
     @_cancel_safe
     async def register(self, stats: WorkerStats) -> None:
@@ -286,13 +305,24 @@ class PrefixIndex:
     async def live_view(self) -> LiveView:
         wkeys = sorted(_text(k) for k in await self._redis.smembers(self.keys.workers))
         beats = await self._redis.mget([self.keys.heartbeat(k) for k in wkeys]) if wkeys else []
+        marked = await self.draining()
         live, dead = [], []
         for wkey, beat in zip(wkeys, beats, strict=True):
             if beat is None:
                 dead.append(WorkerRef.from_key(wkey))
             else:
-                live.append(WorkerStats.from_json(beat))
+                stats = WorkerStats.from_json(beat)
+                live.append(dataclasses.replace(stats, draining=True) if wkey in marked
+                            else stats)
         return LiveView(tuple(live), tuple(dead))
+
+    async def draining(self) -> frozenset[str]:
+        """The wkeys marked draining (`mark_draining`)."""
+        return frozenset(_text(k) for k in await self._redis.smembers(self.keys.draining))
+
+    async def mark_draining(self, worker: WorkerRef) -> None:
+        """Operator side: no router places a new request on `worker` from now on."""
+        await self._redis.sadd(self.keys.draining, worker.key)
 
     @_cancel_safe
     async def lookup(self, chunk_hashes: Sequence[str], live: Iterable[WorkerRef],
@@ -313,7 +343,8 @@ class PrefixIndex:
         counts = replies[len(sids)] if chunk_keys else [0] * len(workers)
         hits = {w: int(n) for w, n in zip(workers, counts, strict=True) if int(n) > 0}
         return Lookup(hits, bindings.get(session_id or ""),
-                      bindings.get(parent_session_id or ""))
+                      bindings.get(parent_session_id or ""),
+                      frozenset(_text(k) for k in replies[-1]))
 
     async def _lookup_pipeline(self, sids: list[str], chunk_keys: list[str],
                                workers: list[WorkerRef]) -> list:
@@ -323,6 +354,7 @@ class PrefixIndex:
         if chunk_keys:
             pipe.evalsha(LONGEST_PREFIX_SHA, len(chunk_keys), *chunk_keys,
                          *(w.key for w in workers))
+        pipe.smembers(self.keys.draining)  # last: read with every placement, same round trip
         return await pipe.execute()
 
     @_cancel_safe

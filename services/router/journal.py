@@ -128,7 +128,8 @@ def _merge(events: list[TokenEvent]) -> TokenEvent:
     return TokenEvent(
         token_ids=tuple(t for e in events for t in e.token_ids), index=events[0].index,
         logprobs=tuple(lp for e in events for lp in e.logprobs),
-        text="".join(e.text for e in events))
+        text="".join(e.text for e in events),
+        prefill_credit_tokens=events[0].prefill_credit_tokens)
 
 
 class RunJournal:

@@ -135,6 +135,12 @@ class RouterMetrics:
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.errors = counter("request_errors", "Failed requests by status code.", ("code",))
         self.retries = counter("request_retries", "Attempts moved to another worker.", ("code",))
+        self.migrations = counter("stream_migrations", "Streams of a draining decode worker: "
+                                  "moved to another one, or staying (nowhere to go).",
+                                  ("outcome",))
+        self.migrated_bytes = counter("stream_migration_bytes", "KV bytes moved D -> D.")
+        self.prefills = counter("prefills", "Prefill calls that ran (first attempts and "
+                                "re-prefills after a failure).")
         self.running = Gauge(f"{ns}:num_requests_running", "Requests in flight in this router.",
                              labels, registry=reg)
 
@@ -161,9 +167,15 @@ class RouterMetrics:
         self.recent_ttft.add(seconds)
 
     def on_prefill(self, result: PrefillResult) -> None:
+        self.prefills.labels(**self._l()).inc()
         self.transfer_latency.labels(**self._l()).observe(result.transfer_ms / 1e3)
         self.transfer_bytes.labels(**self._l()).inc(result.pushed_bytes)
         self.transfer_bytes_per_request.labels(**self._l()).observe(result.pushed_bytes)
+
+    def on_migration(self, outcome: str, num_bytes: int = 0) -> None:
+        self.migrations.labels(**self._l(outcome=outcome)).inc()
+        if num_bytes:
+            self.migrated_bytes.labels(**self._l()).inc(num_bytes)
 
     def on_transfer_failure(self) -> None:
         self.transfer_failures.labels(**self._l()).inc()

@@ -20,9 +20,13 @@
   request again without it, up to `max_attempts` placements. When no worker of a role is left
   (the only prefill replica died), the run waits for a replacement to register, within its
   deadline and at most `wait_for_workers_s`. Before the first token the client sees a slower
-  first token; after it, the run *continues*: the next attempt re-prefills prompt + the tokens
-  released so far on another decode worker with `max_tokens` reduced by as many, and its tokens
-  are appended at the right offsets (greedy output is identical to an unbroken run). Both
+  first token; after it, the run *continues*: the next attempt sends prompt + the tokens
+  released so far to another decode worker with `max_tokens` reduced by as many
+  (`kv_prompt_tokens` = the original prompt): a prefill worker recomputes only the original
+  prompt's KV, capped at the original prefill's prefix credit (the same KV), and the new decode
+  worker replays from the original prompt boundary and recomputes the released tokens
+  teacher-forced, so its windows are the first worker's and greedy output is identical to an
+  unbroken run, with bounded replay too. Its tokens are appended at the right offsets. Both
   frontends get this transparently: the gRPC stream and the HTTP SSE stream simply go on.
 - Resume: a client that comes back for a resumable run (`resume_from_token`) re-attaches to it;
   if the run had failed UNAVAILABLE after its first token (every attempt used up), it is
@@ -51,6 +55,7 @@ from flashpd.services.api import (
     Internal,
     InternalRequest,
     InvalidArgument,
+    MigrateEvent,
     NotFound,
     PrefillResult,
     ResourceExhausted,
@@ -126,6 +131,9 @@ class _Progress:
     text: TextStream
     first_token_unix_s: float | None = None
     last_token_unix_s: float | None = None
+    # prefix credit of the prefill whose KV the released tokens rest on (None: no prefill):
+    # a continuation's prefill is capped at it, so it recomputes the same KV
+    prefill_credit_tokens: int | None = None
 
 
 @dataclass
@@ -138,6 +146,15 @@ class _Attempt:
     ticket: Ticket | None = None
     result: PrefillResult | None = None
     reserve_ms: float = 0.0
+    moved: list[Assignment] = dataclasses.field(default_factory=list)  # earlier decode legs
+    migrate_ms: float = 0.0  # live migrations of this attempt, summed (pause to new stream)
+
+    def moved_to(self, a: Assignment, req: InternalRequest, base_tokens: int,
+                 decode: object, ticket: Ticket) -> None:
+        """The stream continues on another decode worker (a live migration)."""
+        self.moved.append(self.assignment)
+        self.assignment, self.request, self.base_tokens = a, req, base_tokens
+        self.prefill, self.decode, self.ticket, self.result = None, decode, ticket, None
 
 
 class Orchestrator:
@@ -343,10 +360,15 @@ class Orchestrator:
         if number == 0:
             return req
         done = tuple(t for e in run.events for t in e.token_ids)
+        if not done:
+            return dataclasses.replace(req, request_id=f"{req.request_id}@{number}")
+        progress = run.progress
         return dataclasses.replace(
             req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
             sampling=dataclasses.replace(req.sampling,
-                                         max_tokens=req.sampling.max_tokens - len(done)))
+                                         max_tokens=req.sampling.max_tokens - len(done)),
+            kv_prompt_tokens=req.kv_prompt_tokens or req.prompt_tokens,
+            max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None)
 
     async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
                        progress: _Progress) -> None:
@@ -360,12 +382,20 @@ class Orchestrator:
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
+            if attempt.base_tokens == 0:  # the KV the first tokens will rest on
+                progress.prefill_credit_tokens = (attempt.result.prefill_cached_tokens
+                                                  if attempt.result else None)
             placement.prefill_done(a)
             await self._decode(run, attempt, progress)
         except BaseException as exc:
             failed = exc.worker if isinstance(exc, _RetryElsewhere) else None
             await asyncio.shield(self._abort_legs(attempt, failed))
             raise
+        finally:
+            for moved in attempt.moved:  # decode legs a live migration left
+                placement.release(moved)
+            if attempt.moved:
+                placement.release(attempt.assignment)
 
     def _endpoint(self, worker: WorkerRef):
         try:
@@ -398,6 +428,13 @@ class Orchestrator:
                 except StopAsyncIteration:  # the worker went away mid-stream
                     raise _RetryElsewhere(worker, Unavailable(
                         "decode stream ended without a final event"), died=True) from None
+                if isinstance(event, MigrateEvent):
+                    if await self._migrate(run, attempt):  # the stream moved: follow it
+                        await _aclose(stream)
+                        worker = attempt.assignment.decode
+                        stream = attempt.decode.generate(attempt.request)
+                        events = stream.__aiter__()
+                    continue
                 if isinstance(event, FinalEvent):
                     await self._finish(run, attempt, progress, event.finish_reason, event)
                     return
@@ -410,6 +447,51 @@ class Orchestrator:
                     return
         finally:
             await _aclose(stream)
+
+    async def _migrate(self, run: Run, attempt: _Attempt) -> bool:
+        """The attempt's decode worker is draining and paused the stream after every token
+        it sent. Place a continuation (prompt + the tokens released, KV boundary at the
+        original prompt) on another decode worker, have the draining one push the prompt's KV
+        blocks there (D -> D, no prefill), and switch `attempt` to it: True. With no room
+        anywhere (or any failure before the push completed), the stream resumes in place:
+        False. The client's stream sees only a pause."""
+        started = time.perf_counter()
+        source, placement = attempt.assignment.decode, self.placements[run.request.model]
+        req = self._attempt_request(run)
+        try:
+            a = await placement.place(req, frozenset({source}))
+        except Unavailable:
+            return await self._stay(run, attempt, "no other decode worker")
+        placement.prefill_done(a)  # no prefill leg: the KV comes from the source
+        target = None
+        try:
+            target = self._endpoint(a.decode)
+            ticket = await target.reserve(req)
+            moved = await attempt.decode.migrate_out(attempt.request.request_id, ticket) \
+                if ticket.needs_prefill else None
+        except asyncio.CancelledError:
+            placement.release(a)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream stays where it is
+            placement.release(a)
+            if target is not None:
+                self._background(self._abort_one(req.request_id, a.decode, target))
+            return await self._stay(run, attempt, f"{type(exc).__name__}: {exc}")
+        attempt.moved_to(a, req, run.num_tokens, target, ticket)
+        attempt.migrate_ms += (time.perf_counter() - started) * 1e3
+        self.metrics.on_migration("moved", moved.moved_bytes if moved else 0)
+        log.info("request %s: moved from %s to %s after %d tokens (%d KV bytes, %.1f ms)",
+                 run.request_id, source.worker_id, a.decode.worker_id, run.num_tokens,
+                 moved.moved_bytes if moved else 0, attempt.migrate_ms)
+        return True
+
+    async def _stay(self, run: Run, attempt: _Attempt, why: str) -> bool:
+        log.warning("request %s: stays on draining %s (%s)", run.request_id,
+                    attempt.assignment.decode.worker_id, why)
+        self.metrics.on_migration("stayed")
+        await self._call(attempt.decode.resume(attempt.request.request_id),
+                         attempt.assignment.decode, RETRY_DECODE)
+        return False
 
     async def _call(self, awaitable: Awaitable, worker: WorkerRef,
                     retryable: tuple[type[ServiceError], ...]):
@@ -449,8 +531,9 @@ class Orchestrator:
         else:
             self.metrics.on_tokens(len(ids), now - (progress.last_token_unix_s or now))
         progress.last_token_unix_s = now
+        credit = progress.prefill_credit_tokens if run.num_tokens == 0 else None
         await run.push(TokenEvent(tuple(ids), run.num_tokens, event.logprobs[: len(ids)],
-                                  "".join(pieces)))
+                                  "".join(pieces), credit))
         return progress.text.stopped
 
     async def _finish(self, run: Run, attempt: _Attempt, progress: _Progress,
@@ -497,7 +580,7 @@ class Orchestrator:
             transfer_ms=result.transfer_ms if result else 0.0,
             replay_ms=decode_final.timeline.replay_ms if decode_final else 0.0,
             first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
-            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3)
+            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3, migrate_ms=attempt.migrate_ms)
         return FinalEvent(
             finish_reason=reason, usage=usage, timeline=timeline,
             prefill_worker=attempt.assignment.prefill.worker_id if result else "",
@@ -511,6 +594,7 @@ class Orchestrator:
         request_id = attempt.request.request_id
         a = attempt.assignment
         legs = {a.prefill: attempt.prefill, a.decode: attempt.decode}
+        legs = {w: e for w, e in legs.items() if e is not None}  # a migrated run: no prefill
         for worker, endpoint in legs.items():
             if worker == failed:
                 self._background(self._abort_one(request_id, worker, endpoint))

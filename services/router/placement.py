@@ -97,6 +97,7 @@ class Placement:
         self._view_lock = asyncio.Lock()
         self._known: dict[WorkerRef, tuple[WorkerStats, float]] = {}  # ref -> (stats, seen at)
         self._suspects: dict[WorkerRef, float] = {}  # ref -> avoided until
+        self._marked: frozenset[str] = frozenset()  # wkeys marked draining (Redis)
         self._sessions: OrderedDict[str, SessionBinding] = OrderedDict()
         self._in_flight = _InFlight()
         self._reaping: set[WorkerRef] = set()
@@ -141,6 +142,14 @@ class Placement:
                       if stats.role not in roles and stats.ref not in view.dead)
         return LiveView(view.workers + extra, view.dead) if extra else view
 
+    async def _draining_marks(self) -> frozenset[str]:
+        """Workers marked draining in Redis (the last answer while Redis fails)."""
+        try:
+            self._marked = await self.breaker.call(self.index.draining)
+        except (TimeoutError, OSError, RedisError) as exc:
+            log.debug("draining marks from Redis failed (%r); using the last ones", exc)
+        return self._marked
+
     def suspect(self, worker: WorkerRef) -> None:
         """A call to `worker` failed as if it were gone: avoid it for a while."""
         self._suspects[worker] = self._clock() + self.config.suspect_s
@@ -168,6 +177,13 @@ class Placement:
             hit_chunks = lookup.hit_chunks
             binding = lookup.session or self._local_binding(req.session_id)
             parent = lookup.parent_session or self._local_binding(req.parent_session_id)
+            if lookup.draining is not None:
+                self._marked = lookup.draining
+            marked = self._marked
+        else:
+            marked = await self._draining_marks()
+        # draining marks are read with every placement: a drain takes effect from its mark on
+        usable = [w for w in usable if w.ref.key not in marked]
         candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
                              for w in usable if w.role == role] for role in ROLES}
         query = RouteQuery(

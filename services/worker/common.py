@@ -119,8 +119,9 @@ class EngineWorker:
     async def stats(self) -> WorkerStats:
         return self._stats_from(await self.engine.call(lambda e: e.usage()))
 
-    def stats_now(self, timeout_s: float | None = 60.0) -> WorkerStats:
-        return self._stats_from(self.engine.call_sync(lambda e: e.usage(), timeout_s))
+    def stats_now(self) -> WorkerStats:
+        """As of the engine loop's last iteration, without waiting for a step (heartbeats)."""
+        return self._stats_from(self.engine.usage_now())
 
     def _stats_from(self, usage: dict) -> WorkerStats:
         queued, limit = self.admission_queue()

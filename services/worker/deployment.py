@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from flashpd.engine.loading import load_engine
 from flashpd.services.api import Unavailable, WorkerRef, WorkerStats
 from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 log = logging.getLogger(__name__)
+DRAIN_DEADLINE_S = 30.0  # a drain started by a Redis mark (streams that cannot move finish)
 
 
 def _replica_worker_id(role: str) -> str:
@@ -41,8 +43,12 @@ class RedisPublisher:
 
     def __init__(self, redis_url: str, model_id: str, ref: WorkerRef, stats, drain_events,
                  snapshot, interval_s: float, *, op_timeout_s: float = 2.0,
-                 max_backoff_s: float = 2.0):
+                 max_backoff_s: float = 2.0, on_drain_mark=None):
+        """`on_drain_mark`: an async callable run (once) on this thread's loop when the
+        worker finds itself marked draining in Redis (an operator's `flashpd drain`, the
+        autoscaler's scale-down)."""
         self._url, self._model_id, self._ref = redis_url, model_id, ref
+        self._on_drain_mark, self._drain_task = on_drain_mark, None
         self._stats, self._drain_events, self._snapshot = stats, drain_events, snapshot
         self._interval_s, self._op_timeout_s = interval_s, op_timeout_s
         self._max_backoff_s = max(max_backoff_s, interval_s)
@@ -95,10 +101,29 @@ class RedisPublisher:
             log.warning("%s: missing from the Redis registry; re-publishing every cached chunk",
                         self._ref.key)
             await self._republish()
+        if self._on_drain_mark is None:
+            return
+        marked = await self.publisher.is_marked_draining(self._ref)
+        if marked and self._drain_task is None:
+            log.warning("%s: marked draining in Redis; draining", self._ref.key)
+            self._drain_task = asyncio.ensure_future(self._on_drain_mark(True))
+        elif not marked and self._drain_task is not None and self._drain_task.done():
+            log.warning("%s: drain mark removed; serving again", self._ref.key)
+            self._drain_task = None
+            await self._on_drain_mark(False)
 
     async def _republish(self) -> None:
         await self.publisher.publish(self._ref, self._snapshot())
         self.republished += 1
+
+    def mark_draining(self, timeout_s: float = 5.0) -> None:
+        """Mark this worker draining in Redis now (routers place nothing new here); raises
+        when Redis does not answer in time."""
+        while not hasattr(self, "publisher"):  # _main sets it first thing
+            time.sleep(0.01)
+        fut = asyncio.run_coroutine_threadsafe(self.publisher.mark_draining(self._ref),
+                                               self._loop)
+        fut.result(timeout_s)
 
     def health_error(self) -> str | None:
         if not self._thread.is_alive():
@@ -141,13 +166,18 @@ class WorkerDeployment:
         if config.redis_url:
             engine = self.worker.engine
             self._publisher = RedisPublisher(
-                config.redis_url, config.model_id, ref, lambda: self.worker.stats_now(5.0),
-                lambda: engine.call_sync(lambda e: e.drain_cache_events(), 5.0),
-                lambda: engine.call_sync(lambda e: e.drain_cache_snapshot(), 5.0),
-                config.heartbeat_interval_s)
+                # stats and events never wait for a step: a long forward must not make this
+                # live worker's heartbeat lapse (the router would reap it)
+                config.redis_url, config.model_id, ref, self.worker.stats_now,
+                engine.take_cache_events, lambda: engine.cache_snapshot(5.0),
+                config.heartbeat_interval_s, on_drain_mark=self._drained_by_mark)
 
     def _make_worker(self, engine, config, ref):
         raise TypeError("subclasses build their worker")
+
+    async def _drained_by_mark(self, marked: bool) -> None:
+        """Marked draining in Redis (or the mark removed): what the role does then (decode:
+        live migration; serving again)."""
 
     def _check_target(self, target_worker: str | None) -> None:
         if target_worker is not None and target_worker != self.ref.worker_id:

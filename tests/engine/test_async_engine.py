@@ -74,3 +74,54 @@ def test_loop_death_reaches_waiting_streams_and_new_calls(model_f32):
             await eng.call(lambda e: e.usage())
 
     asyncio.run(main())
+
+
+class _SlowStepEngine:
+    """An LLMEngine stand-in whose step blocks until released (a multi-second forward)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.in_step, self.release = threading.Event(), threading.Event()
+        self.running, self.events = 0, []
+
+    def usage(self) -> dict[str, int]:
+        return {"running": self.running}
+
+    def drain_cache_events(self) -> list:
+        out, self.events = self.events, []
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.running > 0
+
+    def step(self) -> list:
+        self.in_step.set()
+        self.release.wait(30)
+        self.running = 0
+        self.events.append("stored-after-step")
+        return []
+
+
+def test_usage_and_cache_events_are_read_without_waiting_for_a_step():
+    """A heartbeat reads the worker's load while its engine sits in a long forward (it used to
+    wait for the loop, time out, and the router reaped the live worker)."""
+    slow = _SlowStepEngine()
+    eng = AsyncLLMEngine(slow)  # type: ignore[arg-type]
+    try:
+        def admit(e):
+            e.running = 2
+            e.events.append("stored-at-admission")
+        eng.call_sync(admit, 10)
+        assert slow.in_step.wait(10)  # the loop is inside step() now
+        # a command would wait for the step; the views answer at once
+        assert eng.usage_now() == {"running": 2}
+        assert eng.take_cache_events() == ["stored-at-admission"]
+        slow.release.set()
+        eng.call_sync(lambda e: None, 10)  # one iteration after the step
+        assert eng.usage_now() == {"running": 0}
+        assert eng.take_cache_events() == ["stored-after-step"]
+        assert eng.take_cache_events() == []
+    finally:
+        slow.release.set()
+        eng.shutdown()

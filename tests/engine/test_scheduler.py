@@ -2,7 +2,7 @@ import pytest
 
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.policies import DecodeRole, ForwardPath, PrefillRole, role_from_name
-from flashpd.engine.request import FinishReason, Replay, Request, RequestStatus
+from flashpd.engine.request import FinishReason, PrefixPolicy, Replay, Request, RequestStatus
 from flashpd.engine.sampling_params import SamplingParams
 from flashpd.engine.scheduler import (
     FinishSignal,
@@ -74,6 +74,38 @@ def test_decodes_go_before_an_earlier_request_still_prefilling():
     # early replays its last 4 prompt tokens over two steps; late's decode is planned first.
     assert ranges(step(s)[0]) == [("late", 2, 3), ("early", 8, 10)]
     assert ranges(step(s)[0]) == [("late", 3, 4), ("early", 10, 12)]
+
+
+def test_a_replay_that_fits_a_step_waits_for_one_instead_of_splitting():
+    s = make(budget=6, role=DecodeRole())
+    for name, base in (("a", 0), ("b", 100)):
+        s.reserve(req(name, range(base, base + 12)))
+        s.kv_arrived(name)
+    # each replays its last 4 prompt tokens: b does not start with the 2 rows a leaves
+    assert ranges(step(s)[0]) == [("a", 8, 12)]
+    assert ranges(step(s)[0]) == [("a", 12, 13), ("b", 8, 12)]
+
+
+def test_a_prefill_prompt_that_fits_a_step_waits_for_one_instead_of_splitting():
+    s = make(budget=10, role=PrefillRole())
+    s.add(req("a", range(6), max_tokens=1))
+    s.add(req("b", range(100, 106), max_tokens=1))
+    assert ranges(step(s)[0]) == [("a", 0, 6)]  # b does not start with the 4 left
+    assert ranges(step(s)[0]) == [("b", 0, 6)]
+
+
+def test_a_continuation_replays_to_its_prompt_boundary_then_recomputes_one_token_per_step():
+    s = make(budget=16, role=DecodeRole())
+    r = Request("c", list(range(12)) + [50, 51, 52], SamplingParams(max_tokens=4),
+                prefix=PrefixPolicy(kv_tokens=12))  # 3 outputs streamed elsewhere
+    s.reserve(r)
+    s.kv_arrived("c")
+    assert ranges(step(s)[0]) == [("c", 8, 12)]  # the original replay, alone
+    plan, out = step(s)
+    assert ranges(plan) == [("c", 12, 13)] and not plan.chunks[0].needs_logits
+    assert ranges(step(s)[0]) == [("c", 13, 14)]
+    plan, out = step(s)
+    assert ranges(plan) == [("c", 14, 15)] and out["c"].new_token_ids == (1015,)
 
 
 def test_max_num_seqs_caps_the_running_set():

@@ -35,11 +35,16 @@ def _stack(fault_env, config: StackConfig):
 
 @pytest.fixture(scope="module")
 def stack_2x2(fault_env):
-    """Exact replay after a prefix (`swa_bounded_replay: false`): a stream continued on another
-    decode worker then matches the unbroken run token for token (with the default 128-token
-    bounded replay it approximates it; `flashpd faults` measures both)."""
-    yield from _stack(fault_env, StackConfig(2, 2, app_name="faults2x2",
-                                             extra_args={"swa_bounded_replay": False}))
+    """The default 128-token bounded replay: a stream continued on another decode worker
+    matches the unbroken run token for token (it replays from the original prompt boundary);
+    `flashpd faults` also runs the decode kill with exact replay."""
+    yield from _stack(fault_env, StackConfig(2, 2, app_name="faults2x2"))
+
+
+@pytest.fixture(scope="module")
+def stack_1x2(fault_env):
+    """1 prefill + 2 decode replicas: a drained decode replica moves its streams to the other."""
+    yield from _stack(fault_env, StackConfig(1, 2, app_name="faults1x2"))
 
 
 @pytest.fixture(scope="module")

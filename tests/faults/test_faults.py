@@ -67,6 +67,15 @@ def test_redis_kill_and_restart_fails_no_request_and_prefix_hits_return(stack_2x
     assert r.passed, r.failures
 
 
+def test_drain_during_32_streams_moves_every_stream_with_identical_output(stack_1x2):
+    try:
+        r = _run(scenarios.decode_drain(stack_1x2, **QUICK["decode_drain"]))
+    finally:
+        _after_fault(stack_1x2)
+    assert r.counts["streams"] == 32
+    assert r.passed, r.failures
+
+
 @pytest.mark.parametrize("size", ["load_100", "load_500"])
 def test_concurrent_streams_on_one_prefill_and_one_decode_all_complete(stack_1x1, size):
     r = _run(scenarios.load(stack_1x1, **QUICK[size]))

@@ -15,6 +15,7 @@ from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
 
 OUTPUT = b"hello world"
+PREFILL_CREDIT = 128  # what every stream's first chunk reports
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,8 @@ class Servicer(pb_grpc.GenerationServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         step = self.script.pop(0) if self.script else COMPLETE
         context.add_callback(self.cancelled.set)
-        # a continuation (prompt_ids + tokens received) generates what follows those tokens
-        offset = 0
-        if request.WhichOneof("input") == "prompt_ids":
-            offset = len(request.prompt_ids.ids) - len(self.requests[0].prompt_ids.ids)
+        # a continuation (continue_ids = tokens received) generates what follows those tokens
+        offset = len(request.continue_ids.ids)
         start = offset + request.resume_from_token
         end = len(OUTPUT) if step.tokens is None else min(len(OUTPUT), start + step.tokens)
         for i in range(start, end):
@@ -55,8 +54,10 @@ class Servicer(pb_grpc.GenerationServicer):
                 time.sleep(step.delay_s)
             if not context.is_active():
                 return
-            yield pb.GenerateResponse(chunk=pb.TokenChunk(
-                token_ids=[OUTPUT[i]], text=chr(OUTPUT[i]), index=i - offset))
+            chunk = pb.TokenChunk(token_ids=[OUTPUT[i]], text=chr(OUTPUT[i]), index=i - offset)
+            if i == offset:  # a stream's first chunk reports its prefill credit
+                chunk.prefill_credit_tokens = PREFILL_CREDIT
+            yield pb.GenerateResponse(chunk=chunk)
         if step.fail is not None:
             metadata = (("flashpd-field", step.field),) if step.field else None
             context.abort_with_status(_status(step.fail, f"scripted {step.fail.name}", metadata))

@@ -106,7 +106,8 @@ def test_async_resume_refused_continues_from_prompt_ids(server):
             chunks = [c async for c in stream]
         assert [c.index for c in chunks] == list(range(len(OUTPUT)))
         assert stream.result.output_ids == tuple(OUTPUT)
-        assert list(server.requests[2].prompt_ids.ids) == [7, 8, *OUTPUT[:5]]
+        cont = server.requests[2]
+        assert list(cont.prompt_ids.ids) == [7, 8] and list(cont.continue_ids.ids) == [*OUTPUT[:5]]
         assert server.requests[2].max_tokens == 6
     run_async(main())
 

@@ -4,7 +4,7 @@ import threading
 
 import grpc
 import pytest
-from sdk_fakes import COMPLETE, OUTPUT, ScriptedServer, Step, self_signed_cert
+from sdk_fakes import COMPLETE, OUTPUT, PREFILL_CREDIT, ScriptedServer, Step, self_signed_cert
 
 from flashpd_sdk import (
     Cancelled,
@@ -96,7 +96,7 @@ def test_broken_stream_resumes_from_the_tokens_received(server):
 
 def test_unresumable_stream_reports_the_break(server):
     server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
-                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0))
+                Step(fail=grpc.StatusCode.INVALID_ARGUMENT, tokens=0))
     with Client(server.target, retry=FAST) as client:
         stream = client.generate(prompt="x")
         got = []
@@ -115,8 +115,26 @@ def test_resume_refused_by_a_router_that_forgot_the_stream_continues_from_prompt
     assert [c.index for c in chunks] == list(range(len(OUTPUT)))
     assert stream.result.output_ids == tuple(OUTPUT)
     cont = server.requests[2]
-    assert list(cont.prompt_ids.ids) == [1, 2, 3, *OUTPUT[:4]]
+    assert list(cont.prompt_ids.ids) == [1, 2, 3] and list(cont.continue_ids.ids) == [*OUTPUT[:4]]
     assert cont.max_tokens == 7 and cont.request_id == "q@c1" and cont.resume_from_token == 0
+    assert cont.continue_prefill_credit_tokens == PREFILL_CREDIT
+
+
+def test_text_prompt_stream_the_router_forgot_continues_from_the_same_text(server):
+    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
+                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0),
+                Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3),  # the continuation breaks too
+                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+    with Client(server.target, retry=FAST) as client:
+        stream = client.generate(prompt="tell me", max_tokens=11, request_id="t")
+        chunks = list(stream)
+    assert [c.index for c in chunks] == list(range(len(OUTPUT)))
+    assert stream.result.output_ids == tuple(OUTPUT) and stream.result.text == "hello world"
+    first, second = server.requests[2], server.requests[4]
+    assert first.prompt == "tell me" and list(first.continue_ids.ids) == [*OUTPUT[:4]]
+    assert second.prompt == "tell me" and list(second.continue_ids.ids) == [*OUTPUT[:7]]
+    assert (second.max_tokens, second.request_id) == (4, "t@c2")
+    assert second.continue_prefill_credit_tokens == PREFILL_CREDIT
 
 
 def test_api_key_is_sent_as_bearer_metadata_on_every_call(server):

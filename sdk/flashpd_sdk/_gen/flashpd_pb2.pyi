@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token")
+    __slots__ = ("model", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token", "continue_ids", "continue_prefill_credit_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class GenerateRequest(_message.Message):
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_PREFILL_CREDIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_ids: TokenIds
@@ -60,7 +62,9 @@ class GenerateRequest(_message.Message):
     parent_session_id: str
     request_id: str
     resume_from_token: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ...) -> None: ...
+    continue_ids: TokenIds
+    continue_prefill_credit_tokens: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ..., continue_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., continue_prefill_credit_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -73,16 +77,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "index", "logprobs")
+    __slots__ = ("token_ids", "text", "index", "logprobs", "prefill_credit_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CREDIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prefill_credit_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefill_credit_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_prefill", "cached_tokens_decode")
@@ -99,7 +105,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_prefill: _Optional[int] = ..., cached_tokens_decode: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("route_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "replay_ms", "first_token_ms", "e2e_ms", "reserve_ms")
+    __slots__ = ("route_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "replay_ms", "first_token_ms", "e2e_ms", "reserve_ms", "migrate_ms")
     ROUTE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +114,7 @@ class Timeline(_message.Message):
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_MS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_MS_FIELD_NUMBER: _ClassVar[int]
     route_ms: float
     prefill_queue_ms: float
     prefill_ms: float
@@ -116,7 +123,8 @@ class Timeline(_message.Message):
     first_token_ms: float
     e2e_ms: float
     reserve_ms: float
-    def __init__(self, route_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., replay_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ...) -> None: ...
+    migrate_ms: float
+    def __init__(self, route_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., replay_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ..., migrate_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "timeline", "prefill_worker", "decode_worker", "request_id", "text")

@@ -28,6 +28,23 @@ def test_token_event_round_trip():
     assert back == ev
 
 
+def test_first_token_event_carries_the_prefill_credit():
+    ev = TokenEvent((5,), 0, (), "a", prefill_credit_tokens=256)
+    msg = convert.token_event_to_proto(ev)
+    assert msg.prefill_credit_tokens == 256 and convert.token_event_from_proto(msg) == ev
+    assert not convert.token_event_to_proto(TokenEvent((6,), 1)).HasField("prefill_credit_tokens")
+
+
+def test_continue_ids_make_a_continuation_of_the_original_prompt():
+    msg = pb.GenerateRequest(prompt="hey", continue_ids=pb.TokenIds(ids=[9, 8]),
+                             continue_prefill_credit_tokens=0, max_tokens=5)
+    req = request_from_proto(msg, MODELS, TOK, timeout_s=None).request
+    assert req.prompt_ids == tuple(b"hey") + (9, 8) and req.kv_prompt_ids == tuple(b"hey")
+    assert req.kv_prompt_tokens == 3 and req.max_prefill_credit_tokens == 0
+    plain = request_from_proto(pb.GenerateRequest(prompt="hey"), MODELS, TOK, timeout_s=None)
+    assert plain.request.kv_prompt_tokens is None
+
+
 def test_final_event_round_trip():
     ev = FinalEvent("length", Usage(10, 4, 3, 2, 1), Timeline(1, 2, 3, 4, 5, 6, 7, 8),
                     "p0", "d0", "req", "tail")
@@ -90,6 +107,11 @@ def test_client_id_makes_a_request_resumable_and_deadline_is_absolute():
     (pb.GenerateRequest(prompt="x", logprobs=21), "logprobs"),
     (pb.GenerateRequest(prompt="x" * 200_000), "prompt"),  # refused before tokenizing
     (pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1] * 3000)), "prompt_ids"),
+    (pb.GenerateRequest(prompt="x", continue_ids=pb.TokenIds(ids=[256])), "continue_ids"),
+    (pb.GenerateRequest(prompt="x", continue_ids=pb.TokenIds(ids=[1] * 2050), max_tokens=16),
+     "continue_ids"),
+    (pb.GenerateRequest(prompt="x", continue_prefill_credit_tokens=5),
+     "continue_prefill_credit_tokens"),
 ])
 def test_bad_requests_name_the_field(msg, field):
     with pytest.raises(InvalidArgument) as info:

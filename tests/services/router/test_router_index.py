@@ -55,7 +55,8 @@ def test_lookup_is_one_round_trip_and_stops_at_the_first_miss(redis_url):
         commands = await _monitored(r, index.lookup(many, [d0.ref, d1.ref], "s"))
         assert commands.count("SMISMEMBER") == 6  # chunks 0-5; chunk 5 is the first miss for both
         client_side = [c for c in commands if c != "SMISMEMBER"]
-        assert client_side == ["HGETALL", "EVALSHA", "PING"]  # one round trip, then our PING
+        # one round trip (bindings, prefix walk, draining marks), then our PING
+        assert client_side == ["HGETALL", "EVALSHA", "SMEMBERS", "PING"]
         found = await index.lookup(many, [d0.ref, d1.ref])
         assert found.hit_chunks == {d0.ref: 3, d1.ref: 5}
     run(redis_url, scenario)

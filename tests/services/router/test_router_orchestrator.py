@@ -167,6 +167,12 @@ def test_decode_death_after_tokens_continues_on_another_decode_with_identical_ou
             assert cont.request_id == "r1@1"
             assert cont.prompt_ids == PROMPT + tuple(expected[:2])
             assert cont.sampling.max_tokens == 4
+            # its KV: the original prompt's, at the original prefill's credit (cold: 0)
+            assert cont.kv_prompt_tokens == len(PROMPT)
+            assert cont.kv_prompt_ids == PROMPT and cont.max_prefill_credit_tokens == 0
+            # the first event tells a client that may continue the stream itself
+            assert events[0].prefill_credit_tokens == 0
+            assert all(e.prefill_credit_tokens is None for e in events[1:-1])
             assert d0.aborted == ["r1"] and p.aborted[0] == "r1"
     run_async(main())
 

@@ -29,6 +29,7 @@ class FakeIndex:
         self.workers = list(workers)
         self.down = False
         self.sessions: dict = {}
+        self.marked: set[str] = set()  # wkeys marked draining
 
     def _check(self) -> None:
         if self.down:
@@ -40,7 +41,7 @@ class FakeIndex:
 
     async def lookup(self, hashes, live, session_id=None, parent_session_id=None) -> Lookup:
         self._check()
-        return Lookup({}, self.sessions.get(session_id), None)
+        return Lookup({}, self.sessions.get(session_id), None, frozenset(self.marked))
 
     async def bind_session(self, sid, prefill, decode, previous) -> None:
         self._check()
@@ -50,6 +51,10 @@ class FakeIndex:
 
     async def reap(self, dead) -> None:
         self._check()
+
+    async def draining(self) -> frozenset[str]:
+        self._check()
+        return frozenset(self.marked)
 
 
 def req(rid="r", session=None) -> InternalRequest:
@@ -117,4 +122,24 @@ def test_redis_restarted_empty_is_bridged_by_remembered_workers_until_they_expir
         assert (await pl.live_view()).workers == ()
         with pytest.raises(Unavailable):
             await pl.place(req(), frozenset())
+    run(main())
+
+
+def test_a_worker_marked_draining_gets_no_new_request_from_the_next_placement():
+    """The mark is read per placement: no view refresh (here: an hour) stands between an
+    operator's or the autoscaler's drain and the router avoiding the worker."""
+    clock = Clock()
+    index = FakeIndex([P0, D0, D1])
+    pl = Placement(index, make_policy("affinity"), model="m", view_refresh_s=3600.0,
+                   config=PlacementConfig(breaker_failures=1), clock=clock)
+
+    async def main():
+        first = await pl.place(req("a", session="s"), frozenset())
+        index.marked.add(first.decode.key)
+        for i in range(6):  # the session's binding and the cached view both say "first"
+            a = await pl.place(req(f"b{i}", session="s"), frozenset())
+            assert a.decode != first.decode
+        index.down = True  # Redis gone: the last marks still hold
+        clock.now += 10
+        assert (await pl.place(req("c"), frozenset())).decode != first.decode
     run(main())

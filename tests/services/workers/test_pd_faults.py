@@ -377,3 +377,35 @@ def test_prefill_frees_its_blocks_on_transfer_failure_and_deadline(model_f32):
             await d.close()
 
     _run(main())
+
+
+def test_expired_lease_is_retryable_unavailable_not_a_client_error(model_f32):
+    """Under load a reservation can outlive its lease while every worker is alive (a queued
+    prefill): the attempt is lost, not the request, so generate answers UNAVAILABLE (the
+    router places it again) instead of NOT_FOUND / DEADLINE_EXCEEDED reaching the client."""
+    from flashpd.services.api import Unavailable
+
+    async def main():
+        ec = EngineConfig(role="decode", num_blocks=16, num_slots=4, model_id=MODEL_ID)
+        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=0.05,
+                          transfer_timeout_s=0.05)
+        d = DecodeWorker(LLMEngine(model_f32, ec), wc, new_worker_ref("decode"))
+        try:
+            req = _req("slow", 200, 9)
+            await d.reserve(req)
+            for _ in range(2000):  # polled: the engine loop expires it after lease + grace
+                if "slow" in d._expired:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(Unavailable, match="did not arrive within its lease"):
+                async for _ in d.generate(req):
+                    pass
+            for _ in range(2000):  # no write can land after lease + transfer timeout + margin
+                if (await d.stats()).kv_blocks_used == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await d.stats()).kv_blocks_used == 0
+        finally:
+            await d.close()
+
+    _run(main())
