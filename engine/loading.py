@@ -26,6 +26,15 @@ def load_tokenizer(checkpoint_dir: str):
     return Tokenizer.from_file(path) if os.path.exists(path) else None
 
 
+def _grammar(tokenizer, vocab_size: int, eos: int | None, role: str):
+    """The grammar backend where tokens are sampled (decode, colocated): guided decoding."""
+    if tokenizer is None or role == "prefill":
+        return None
+    from flashpd.engine.grammar import GrammarBackend
+
+    return GrammarBackend.from_tokenizer(tokenizer, vocab_size, eos)
+
+
 def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
@@ -45,7 +54,8 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
-    engine = LLMEngine(model, config, eos_token_id=eos)
+    engine = LLMEngine(model, config, eos_token_id=eos,
+                       grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role))
     if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
         from flashpd.engine.warmup import warm_up_at_load
 
