@@ -177,6 +177,9 @@ class InternalRequest:
     parent_session_id: str | None = None
     deadline_unix_s: float | None = None  # absolute; None = no deadline
     arrival_unix_s: float = field(default_factory=time.time)
+    # placement pin: workers to use when they are usable (the later choices of an n > 1
+    # request follow the first choice's pair, whose decode worker holds the prompt's KV)
+    pin: tuple[WorkerRef, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id:

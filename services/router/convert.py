@@ -8,6 +8,7 @@ Validation errors are `InvalidArgument` with `field` set to the request field at
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 import uuid
@@ -24,6 +25,7 @@ from flashpd.services.api import (
     TokenLogprobs,
     Usage,
 )
+from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
 from flashpd.services.router.text import Tokenizer
 from flashpd_sdk._gen import flashpd_pb2 as pb
@@ -36,7 +38,8 @@ BOS = "<|begin_of_sentence|>"
 EOS = "<|end_of_sentence|>"
 USER = "<|User|>"
 ASSISTANT = "<|Assistant|>"
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer = OpenAI's new system
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's new system
+MAX_TOOL_CALLS = 128  # per assistant message
 
 FINISH_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -79,21 +82,51 @@ class ModelTable:
 # ------------------------------------------------------------------------------- chat template
 
 
-def deepseek_chat_prompt(messages: Sequence[dict]) -> str:
+def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = (),
+                         response_format: dict | None = None) -> str:
     """DeepSeek-style prompt: BOS, system text, then `<|User|>u<|Assistant|>a<|end_of_sentence|>`
-    per turn, ending with `<|Assistant|>` so the model writes the next assistant turn."""
+    per turn, ending with `<|Assistant|>` so the model writes the next assistant turn.
+
+    Agent turns follow DeepSeek V4.1's format (`dsml.py`, docs/agent_api.md): the tools and a
+    response-format schema are described at the end of the system text; an assistant turn with
+    `tool_calls` ends with its DSML calls block; `tool` messages become one user turn of
+    `<tool_result>` blocks in the order of the calls they answer (a user message right after
+    them joins that turn)."""
     if not messages:
         raise InvalidArgument("must contain at least one message", field="messages")
     system, turns = [], []
+    calls_order: dict[str, int] = {}  # tool_call_id -> position in the last assistant's calls
+    results: list[tuple[int, str]] = []  # the pending tool-results turn
     for i, message in enumerate(messages):
         role, content = _message_parts(message, i)
+        if role != "tool" and results:
+            turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)])
+                         + ("\n\n" + content if role == "user" else ""))
+            results = []
+            if role == "user":
+                continue
         if role in ("system", "developer"):
             system.append(content)
         elif role == "user":
             turns.append(USER + content)
+        elif role == "tool":
+            call_id = message["tool_call_id"]
+            results.append((calls_order.get(call_id, len(calls_order) + len(results)), content))
         else:
-            turns.append(ASSISTANT + content + EOS)
-    return BOS + "\n\n".join(system) + "".join(turns) + ASSISTANT
+            calls = _assistant_calls(message, i)
+            calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls)}
+            block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) \
+                if calls else ""
+            turns.append(ASSISTANT + content + block + EOS)
+    if results:
+        turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)]))
+    system_text = "\n\n".join(system)
+    if tools:
+        system_text += ("\n\n" if system_text else "") + dsml.render_tools(tools)
+    if response_format is not None:
+        system_text += ("\n\n" if system_text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
+            schema=json.dumps(response_format, ensure_ascii=False))
+    return BOS + system_text + "".join(turns) + ASSISTANT
 
 
 def _message_parts(message: object, i: int) -> tuple[str, str]:
@@ -103,13 +136,21 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {v.show(role)}",
                               field=f"messages[{i}].role")
-    for unsupported in ("tool_calls", "function_call", "audio"):
+    for unsupported in ("function_call", "audio"):
         if message.get(unsupported) is not None:
             raise InvalidArgument("is not supported by this server",
                                   field=f"messages[{i}].{unsupported}")
+    if message.get("tool_calls") is not None and role != "assistant":
+        raise InvalidArgument("is only allowed on assistant messages",
+                              field=f"messages[{i}].tool_calls")
+    if role == "tool":
+        v.as_text(message.get("tool_call_id"), f"messages[{i}].tool_call_id", max_chars=256,
+                  empty_ok=False)
     if message.get("name") is not None:
         v.as_text(message["name"], f"messages[{i}].name", max_chars=256)
     content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""  # OpenAI: an assistant turn that only calls tools has null content
     if isinstance(content, list):  # OpenAI content parts: only text parts are supported
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
@@ -121,6 +162,37 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
                               field=f"messages[{i}].content")
     v.check_unicode(content, f"messages[{i}].content")
     return role, content
+
+
+def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
+    """(id, name, arguments object) of an assistant message's `tool_calls`."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    field = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
+        raise InvalidArgument(f"must be a list of at most {MAX_TOOL_CALLS} tool calls",
+                              field=field)
+    out = []
+    for j, call in enumerate(calls):
+        f = f"{field}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise InvalidArgument('must be {"id", "type": "function", "function": {"name", '
+                                  '"arguments"}}', field=f)
+        call_id = v.as_text(call.get("id", ""), f"{f}.id", max_chars=256)
+        name = v.as_text(fn.get("name"), f"{f}.function.name", max_chars=64, empty_ok=False)
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise InvalidArgument("must be a JSON object as text",
+                                      field=f"{f}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise InvalidArgument("must be a JSON object", field=f"{f}.function.arguments")
+        out.append((call_id, name, arguments))
+    return out
 
 
 # ---------------------------------------------------------------------------------- validation

@@ -342,9 +342,12 @@ class Orchestrator:
         if number == 0:
             return req
         done = tuple(t for e in run.events for t in e.token_ids)
+        guided = req.sampling.guided
+        if guided is not None:  # the grammar resumes after the tokens already released
+            guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(done))
         return dataclasses.replace(
             req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
-            sampling=dataclasses.replace(req.sampling,
+            sampling=dataclasses.replace(req.sampling, guided=guided,
                                          max_tokens=req.sampling.max_tokens - len(done)))
 
     async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
@@ -356,6 +359,7 @@ class Orchestrator:
             started = time.perf_counter()
             attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode,
                                               RETRY_RESERVE)
+            run.placed = (a.prefill, a.decode)  # n > 1: the other choices follow this pair
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
