@@ -103,8 +103,9 @@ class GrammarBackend:
     def _compile_uncached(self, guided: GuidedDecoding):
         c = self._compiler
         try:
-            if guided.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if guided.kind == "json_object":  # any object, compact like json_schema below
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                             strict_mode=False)
             if guided.kind == "json_schema":
                 # compact output (no free whitespace): a model cannot pad an object forever
                 grammar = self._xgr.Grammar.from_json_schema(

@@ -7,6 +7,7 @@ Validation errors are `InvalidArgument` with `field` set to the request field at
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -27,6 +28,7 @@ from flashpd.services.api import (
 )
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
+from flashpd.services.router.agent_fields import AgentOptions, agent_options
 from flashpd.services.router.text import Tokenizer
 from flashpd_sdk._gen import flashpd_pb2 as pb
 
@@ -46,6 +48,7 @@ FINISH_TO_PROTO = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO[pb.FINISH_REASON_TOOL_CALLS] = "stop"  # the internal API has no tool_calls
 
 
 # ------------------------------------------------------------------------------------- models
@@ -235,6 +238,7 @@ class EdgeRequest:
     resume_from_token: int
     resumable: bool  # the client chose the request id, so it can come back for the stream
     fingerprint: str  # identifies the request's content, resume_from_token excluded
+    agent: AgentOptions | None = None  # a chat input: tools, tool_choice, response_format
 
 
 def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: Tokenizer, *,
@@ -243,8 +247,22 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     model = models.resolve(msg.model)
     kind = msg.WhichOneof("input")
     if kind is None:
-        raise InvalidArgument("one of prompt or prompt_ids is required", field="prompt")
-    if kind == "prompt":
+        raise InvalidArgument("one of prompt, prompt_ids or chat is required", field="prompt")
+    agent = None
+    if kind != "chat" and (msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls")
+                           or msg.HasField("response_format")):
+        raise InvalidArgument("tools, tool_choice and response_format need a chat input",
+                              field="chat")
+    if kind == "chat":
+        body = chat_body_from_proto(msg)
+        agent = agent_options(body, chat=True)
+        if not body["messages"]:
+            raise InvalidArgument("must hold at least one message", field="chat.messages")
+        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages),
+                            model.context_tokens, "chat.messages")
+        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.tools,
+                                                        agent.response_schema))
+    elif kind == "prompt":
         v.as_text(msg.prompt, "prompt", empty_ok=False)
         v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
         raw_ids = tokenizer.encode(msg.prompt)
@@ -255,6 +273,8 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
                                   f"{model.context_tokens} tokens", field=kind)
     prompt_ids = check_prompt_ids(raw_ids, model, kind)
     sampling = sampling_from_proto(msg, model.vocab_size)
+    if agent is not None:
+        sampling = dataclasses.replace(sampling, guided=agent.guided)
     check_context(model, len(prompt_ids), sampling.max_tokens, kind)
     client_id = check_id(msg.request_id, "request_id")
     request = InternalRequest(
@@ -262,7 +282,63 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
         sampling=sampling, session_id=check_id(msg.session_id, "session_id"),
         parent_session_id=check_id(msg.parent_session_id, "parent_session_id"),
         deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now)
-    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg))
+    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg),
+                       agent)
+
+
+def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
+    """The chat fields as the OpenAI body they mirror, for the one validation model
+    (`agent_fields.py`) and the chat template; field names in refusals are the OpenAI ones."""
+    messages = []
+    for m in msg.chat.messages:
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        messages.append(message)
+    body: dict = {"messages": messages}
+    if msg.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "strict": t.strict,
+            **({"parameters": _json_field(t.parameters_json, f"tools[{i}].function.parameters")}
+               if t.parameters_json else {})}} for i, t in enumerate(msg.tools)]
+    if msg.tool_choice:
+        body["tool_choice"] = msg.tool_choice if msg.tool_choice in ("none", "auto", "required") \
+            else {"type": "function", "function": {"name": msg.tool_choice}}
+    if msg.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = msg.parallel_tool_calls
+    if msg.HasField("response_format"):
+        rf = msg.response_format
+        body["response_format"] = {"type": rf.type or "text"}
+        if rf.type == "json_schema":
+            body["response_format"]["json_schema"] = {
+                "name": rf.name, "strict": rf.strict,
+                "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema")}
+    return body
+
+
+def _json_field(text: str, field: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidArgument("must be JSON text", field=field) from None
+
+
+def calls_to_proto(final: pb.Final, text: str, agent: AgentOptions) -> None:
+    """A chat-with-tools Final: the tool calls parsed from the whole completion text."""
+    content, calls = dsml.parse(text)
+    if not calls:
+        return
+    calls = calls if agent.parallel_tool_calls else calls[:1]
+    final.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                            for c in calls)
+    final.content = content
+    if final.finish_reason == pb.FINISH_REASON_STOP:
+        final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
 
 
 def sampling_from_proto(msg: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
