@@ -257,6 +257,15 @@ PERSON = {"type": "object", "properties": {
     "role": {"type": "string", "enum": ["admin", "user"]}},
     "required": ["name", "age", "role"], "additionalProperties": False}
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 300}
+TOOL_SAMPLED = {**SAMPLED, "max_tokens": 600}  # parallel calls: ~200 tokens per call here
+
+
+@pytest.fixture
+def agent(client) -> openai.OpenAI:
+    """The tiny tokenizer spells DSML's fullwidth bars byte by byte: a forced call is ~200
+    tokens, decoded step by step (guided steps run synchronously), minutes on a busy 2-core
+    machine. A hang guard, not a latency assertion."""
+    return client.with_options(timeout=900)
 
 
 def _check_calls(calls, tools):
@@ -269,28 +278,28 @@ def _check_calls(calls, tools):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def test_tool_call_required(client):
-    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP],
-                                         tool_choice="required", **SAMPLED)
+def test_tool_call_required(agent):
+    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP],
+                                         tool_choice="required", **TOOL_SAMPLED)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls, [WEATHER, LOOKUP])
 
 
-def test_tool_call_named_and_not_parallel(client):
-    out = client.chat.completions.create(
+def test_tool_call_named_and_not_parallel(agent):
+    out = agent.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP], parallel_tool_calls=False,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **SAMPLED)
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **TOOL_SAMPLED)
     calls = out.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     _check_calls(calls, [WEATHER])
 
 
-def test_tool_call_streaming_matches_the_non_streaming_call(client):
+def test_tool_call_streaming_matches_the_non_streaming_call(agent):
     kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-              **SAMPLED}
-    full = client.chat.completions.create(**kwargs).choices[0]
-    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+              **TOOL_SAMPLED}
+    full = agent.chat.completions.create(**kwargs).choices[0]
+    chunks = list(agent.chat.completions.create(stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert [tc.index for tc in calls] == list(range(len(calls)))
@@ -299,9 +308,9 @@ def test_tool_call_streaming_matches_the_non_streaming_call(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_parallel_tool_results_next_turn_hit_the_prefix(client):
-    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
-                                           tool_choice="required", **SAMPLED)
+def test_parallel_tool_results_next_turn_hit_the_prefix(agent):
+    first = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                           tool_choice="required", **TOOL_SAMPLED)
     message = first.choices[0].message
     calls = [{"id": "call_a", "type": "function", "function": {
                  "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}},
@@ -310,15 +319,15 @@ def test_parallel_tool_results_next_turn_hit_the_prefix(client):
     turn2 = ASK + [{"role": "assistant", "content": message.content, "tool_calls": calls},
                    {"role": "tool", "tool_call_id": "call_b", "content": "rain, 12 C"},
                    {"role": "tool", "tool_call_id": "call_a", "content": "sun, 21 C"}]
-    out = client.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER],
+    out = agent.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER],
                                          max_tokens=4, **GREEDY)
     assert out.choices[0].finish_reason == "length"  # a text answer (tool_choice auto)
     assert out.usage.prompt_tokens > first.usage.prompt_tokens
     assert out.usage.prompt_tokens_details.cached_tokens >= 128  # the tools + question prefix
 
 
-def test_tool_choice_auto_with_a_random_model_answers_in_text(client):
-    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+def test_tool_choice_auto_with_a_random_model_answers_in_text(agent):
+    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                          max_tokens=8, **GREEDY)
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
