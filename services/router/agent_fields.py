@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flashpd.engine.sampling_params import GuidedDecoding
+from flashpd.engine.sampling_params import GuidedDecoding, SamplingError
 from flashpd.services.api import InvalidArgument
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
@@ -63,6 +63,15 @@ def agent_options(body: Mapping, *, chat: bool) -> AgentOptions:
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else v.as_bool(parallel, "parallel_tool_calls")
     kind, schema, strict = _response_format(body.get("response_format"))
+    try:
+        guided = _guided(tools, choice, named, parallel, kind, schema, strict)
+    except SamplingError as exc:  # e.g. a schema beyond MAX_GUIDED_SPEC_CHARS
+        raise InvalidArgument(exc.message, field=exc.field) from None
+    return AgentOptions(tools, choice, named, parallel, schema, guided, n)
+
+
+def _guided(tools: tuple[dsml.Tool, ...], choice: str, named: str | None, parallel: bool,
+            kind: str, schema: dict | None, strict: bool) -> GuidedDecoding | None:
     guided = None
     if choice in ("required", "named"):
         if kind != "text":
@@ -76,7 +85,7 @@ def agent_options(body: Mapping, *, chat: bool) -> AgentOptions:
     elif kind == "json_schema":
         guided = GuidedDecoding("json_schema", json.dumps(schema), strict=strict,
                                 field="response_format.json_schema.schema")
-    return AgentOptions(tools, choice, named, parallel, schema, guided, n)
+    return guided
 
 
 def _tools(value: Any) -> tuple[dsml.Tool, ...]:

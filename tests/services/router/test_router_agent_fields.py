@@ -144,3 +144,12 @@ def test_bad_agent_turns_name_the_field(message, field):
         chat_request({"messages": MSG + [message], "tools": [WEATHER]}, {},
                      ModelTable([SERVED]), ByteTokenizer())
     assert err.value.field == field
+
+
+def test_a_schema_beyond_the_grammar_size_limit_is_a_400():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                            for i in range(6000)}}
+    with pytest.raises(InvalidArgument) as err:
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                      "schema": big}})
+    assert err.value.field == "response_format.json_schema.schema"
