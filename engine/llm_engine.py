@@ -350,7 +350,12 @@ class LLMEngine:
             if matcher is None:
                 continue
             # the grammar is done (or refused a token: only an all-masked row can): stop here
-            if not matcher.accept_token(s.token_id) or matcher.is_terminated():
+            try:
+                done = not matcher.accept_token(s.token_id) or matcher.is_terminated()
+            except Exception:  # noqa: BLE001 - contained: this request stops, the loop goes on
+                log.exception("grammar of %s refused token %d", rid, s.token_id)
+                done = True
+            if done:
                 signals.setdefault(rid, FinishSignal.STOP)
         return signals
 
