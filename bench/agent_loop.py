@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default=None, help="with --serve (default: small preset)")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
