@@ -42,6 +42,7 @@ TOOL_RESULT_TEMPLATE = "<tool_result>{content}</tool_result>"
 # Enforced calls: whitespace between parameters is bounded (a weak model would pad forever), and
 # a tool declared without a schema takes no arguments.
 MAX_WHITESPACE = 1
+MAX_FORCED_CALLS = 8  # calls in one forced turn (a weak model could chain invokes forever)
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 TOOLS_TEMPLATE = """## Tools
@@ -225,16 +226,18 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def structural_tag(tools: Sequence[Tool], *, parallel: bool) -> str:
-    """xgrammar structural tag (JSON text) that forces a calls block: one or more invokes of
-    `tools` (exactly one when `parallel` is False), each with arguments that follow the tool's
-    parameter schema in V4.1's parameter style. The block ends the turn (EOS follows)."""
+    """xgrammar structural tag (JSON text) that forces a calls block: 1..MAX_FORCED_CALLS
+    invokes of `tools` (exactly one when `parallel` is False), each with arguments that follow
+    the tool's parameter schema in V4.1's parameter style. The block ends the turn (EOS
+    follows)."""
     tags = [{"type": "tag", "begin": f'<{DSML}{INVOKE} name="{t.name}">\n',
              "content": {"type": "json_schema", "style": "deepseek_v4_1_xml",
                          "json_schema": t.parameters if t.parameters is not None else NO_ARGUMENTS,
                          "max_whitespace_cnt": MAX_WHITESPACE},
              "end": f"{INVOKE_CLOSE}\n"} for t in tools]
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": "",
-             "at_least_one": True, "stop_after_first": not parallel}
+    # invokes end in "\n", so they follow each other with no separator (the template's join)
+    calls = {"type": "repeat", "min": 1, "max": MAX_FORCED_CALLS if parallel else 1,
+             "content": {"type": "or", "elements": tags}}
     return _json({"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "const_string", "value": f"{CALLS_PREFIX}{CALLS_OPEN}\n"}, calls,
         {"type": "const_string", "value": CALLS_CLOSE}]}})

@@ -76,13 +76,15 @@ def test_required_and_named_choices_become_a_structural_tag_grammar():
     tag = json.loads(opts.guided.spec)
     assert opts.guided.kind == "structural_tag" and opts.guided.field == "tools"
     calls = tag["format"]["elements"][1]
-    assert calls["stop_after_first"] is True
-    assert calls["tags"][0]["begin"] == '<｜DSML｜ invoke name="get_weather">\n'
+    assert (calls["min"], calls["max"]) == (1, 1)  # parallel_tool_calls false: one call
+    assert calls["content"]["elements"][0]["begin"] == '<｜DSML｜ invoke name="get_weather">\n'
     named = agent_options({"tools": [WEATHER, {**WEATHER, "function": {"name": "other"}}],
                            "tool_choice": {"type": "function", "function": {"name": "other"}}},
                           chat=True)
-    assert [t["begin"] for t in json.loads(named.guided.spec)["format"]["elements"][1]["tags"]] \
+    named_calls = json.loads(named.guided.spec)["format"]["elements"][1]
+    assert [t["begin"] for t in named_calls["content"]["elements"]] \
         == ['<｜DSML｜ invoke name="other">\n']
+    assert named_calls["max"] == dsml.MAX_FORCED_CALLS
     assert agent_options({"tools": [WEATHER]}, chat=True).guided is None  # auto: free
 
 
