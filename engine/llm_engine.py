@@ -13,6 +13,13 @@ With it on, colocated prefill chunks also run the decoder layers only on their l
 The engine streams token ids and stops on EOS (unless `ignore_eos`) and `stop_token_ids`; text
 and stop strings belong to whoever detokenizes (`engine.detokenizer.TextStream`: the router, the
 CLI), which aborts the request when a stop string matches.
+
+Guided decoding (`SamplingParams.guided`: JSON mode, JSON schema, enforced tool calls) needs
+`grammar` (`engine/grammar.py`, built from the tokenizer by `load_engine`): each guided request
+holds a matcher; every step that samples a guided row fills its token bitmask from the matcher
+(the sampler masks the logits) and feeds the sampled id back. A step with guided rows is not
+followed by one planned ahead (async scheduling): the next mask needs this step's id on the
+host, so those steps run synchronously (measured in `bench/grammar_mask.py`).
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashpd.engine.grammar import GrammarBackend, GrammarError
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
 from flashpd.engine.request import PrefixPolicy, Request
 from flashpd.engine.runner import FedTokens, ModelRunner
 from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
+from flashpd.engine.sampling_params import GuidedDecoding
 from flashpd.engine.scheduler import (
     PENDING_TOKEN,
     FinishSignal,
@@ -113,7 +122,8 @@ class EngineOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None):
+    def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None,
+                 grammar: GrammarBackend | None = None):
         self.model, self.config = model, config
         cfg = model.cfg
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
@@ -134,6 +144,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)
         self.eos_token_id = eos_token_id
+        self.grammar = grammar
+        self._matchers: dict[str, object] = {}  # guided request -> its grammar matcher
         self._requests: dict[str, Request] = {}
         self._params: dict[str, SamplingParams] = {}
         self.stats: dict[str, RequestStats] = {}
@@ -194,6 +206,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         request = Request(request_id, ids, params, session_id=session_id,
                           arrival_time=time.monotonic(), prefix=prefix)
+        if params is not None and params.guided is not None:
+            self._matchers[request_id] = self._new_matcher(params.guided, ids)
         self._requests[request_id] = request
         self._params[request_id] = params
         self.stats[request_id] = RequestStats(time.monotonic(), len(ids))
@@ -201,7 +215,19 @@ class LLMEngine:
             del self.stats[next(iter(self.stats))]
         return request
 
+    def _new_matcher(self, guided: GuidedDecoding, prompt_ids: list[int]):
+        """A matcher that has accepted the earlier attempt's output (the prompt's tail)."""
+        if self.grammar is None:
+            raise GrammarError("needs a tokenizer on the worker (guided decoding)",
+                               field=guided.field)
+        if guided.replay_tokens > len(prompt_ids):
+            raise GrammarError(f"replay_tokens {guided.replay_tokens} exceeds the prompt",
+                               field=guided.field)
+        replay = prompt_ids[len(prompt_ids) - guided.replay_tokens:]
+        return self.grammar.matcher(guided, replay)
+
     def _drop(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
         for table in (self._requests, self._params):
             table.pop(request_id, None)
         self.sampler.forget(request_id)
@@ -232,7 +258,8 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
                 return self._forward_failed(plan, exc)
         ahead_failed: tuple | None = None
-        if self.config.async_scheduling and launched.pending is not None:
+        if (self.config.async_scheduling and launched.pending is not None
+                and not any(r in self._matchers for r in launched.rids)):
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 try:
@@ -261,7 +288,9 @@ class LLMEngine:
         params = [self._params[r] for r in rids]
         try:
             logits = torch.stack([out.logits[r] for r in rids])
-            launched.pending = self.sampler.launch(logits, rids, params)
+            bitmask = (self.grammar.fill_bitmask([self._matchers.get(r) for r in rids])
+                       if self._matchers and self.grammar is not None else None)
+            launched.pending = self.sampler.launch(logits, rids, params, bitmask)
         except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
             launched.samples, launched.errors = self._sample_rows(rids, out.logits, params)
         return launched
@@ -300,7 +329,9 @@ class LLMEngine:
         for rid, p in zip(rids, params, strict=True):
             try:
                 row = logits_by_rid[rid][None]
-                samples[rid] = self.sampler.sample(row, [rid], [p])[0]
+                matcher = self._matchers.get(rid)
+                bitmask = None if matcher is None else self.grammar.fill_bitmask([matcher])
+                samples[rid] = self.sampler.sample(row, [rid], [p], bitmask)[0]
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 log.exception("sampling for %s failed", rid)
                 errors[rid] = f"sampling failed: {type(exc).__name__}: {exc}"
@@ -325,10 +356,21 @@ class LLMEngine:
         return outputs
 
     def _signals(self, samples) -> dict[str, FinishSignal]:
-        if self.eos_token_id is None:
-            return {}
-        return {rid: FinishSignal.EOS for rid, s in samples.items()
-                if s.token_id == self.eos_token_id}
+        signals = {} if self.eos_token_id is None else {
+            rid: FinishSignal.EOS for rid, s in samples.items() if s.token_id == self.eos_token_id}
+        for rid, s in samples.items():
+            matcher = self._matchers.get(rid)
+            if matcher is None:
+                continue
+            # the grammar is done (or refused a token: only an all-masked row can): stop here
+            try:
+                done = not matcher.accept_token(s.token_id) or matcher.is_terminated()
+            except Exception:  # noqa: BLE001 - contained: this request stops, the loop goes on
+                log.exception("grammar of %s refused token %d", rid, s.token_id)
+                done = True
+            if done:
+                signals.setdefault(rid, FinishSignal.STOP)
+        return signals
 
     def _to_output(self, o, sample) -> EngineOutput:
         now = time.monotonic()

@@ -99,6 +99,15 @@ def _random_gpu_model(source: RandomWeights, config: EngineConfig, fmt):
     return random_gpu_model(preset_config(source.preset), config.device, source.seed, fmt)
 
 
+def _grammar(tokenizer, vocab_size: int, eos: int | None, role: str):
+    """The grammar backend where tokens are sampled (decode, colocated): guided decoding."""
+    if tokenizer is None or role == "prefill":
+        return None
+    from flashpd.engine.grammar import GrammarBackend
+
+    return GrammarBackend.from_tokenizer(tokenizer, vocab_size, eos)
+
+
 def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
@@ -123,7 +132,8 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
-    engine = LLMEngine(model, config, eos_token_id=eos)
+    engine = LLMEngine(model, config, eos_token_id=eos,
+                       grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role))
     if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
         from flashpd.engine.warmup import warm_up_at_load
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpd.engine.grammar import allowed_from_bitmask
 from flashpd.engine.sampling_params import GREEDY_TEMPERATURE as GREEDY_TEMPERATURE
 from flashpd.engine.sampling_params import SamplingError as SamplingError
 from flashpd.engine.sampling_params import SamplingParams
@@ -145,14 +146,16 @@ class Sampler:
         return [_int64(k) for k in keys]
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        bitmask: torch.Tensor | None = None,
     ) -> list[SampleOutput]:
         """logits: [B, V] (any float dtype, upcast to FP32; on any device); one row per request.
         `launch` + `PendingSamples.result`: decided on the device, one copy to the host."""
-        return self.launch(logits, request_ids, params).result()
+        return self.launch(logits, request_ids, params, bitmask).result()
 
     def launch(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        bitmask: torch.Tensor | None = None,
     ) -> PendingSamples:
         """Decide every row where the logits are, without waiting for the device.
 
@@ -163,13 +166,21 @@ class Sampler:
         asynchronous copy; `PendingSamples.tokens` keeps the ids on the device (a next step
         can read them before the host has). A row whose logits are all non-finite (or contain
         +inf) takes the argmax of its NaN-cleaned logits. A seeded request's stream moves on
-        here, once per launched row."""
+        here, once per launched row.
+
+        bitmask: [B, ceil(V / 32)] int32 from the grammar (`engine/grammar.py`), bit t of a
+        row allowing token t: disallowed tokens get -inf before greedy, filters and draw
+        (structured outputs). Logprobs stay those of the model's own distribution."""
         logits = logits.float()
         num_rows = logits.shape[0]
         if num_rows != len(request_ids) or num_rows != len(params):
             raise ValueError(f"{num_rows} logits rows for {len(request_ids)} requests")
         logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
         clean = torch.nan_to_num(logits, nan=-math.inf)
+        if bitmask is not None:
+            allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True),
+                                           logits.shape[1])
+            clean = clean.masked_fill(~allowed, -math.inf)
         tokens = torch.argmax(clean, dim=-1)  # [B]
         drawn = [row for row, p in enumerate(params) if not p.greedy]
         if drawn:

@@ -7,6 +7,9 @@ Every construction validates (NaN and infinities refused, seeds in [0, 2^63 - 1]
 [0, 20]); a refusal is a `SamplingError` naming the field. Temperatures below
 `GREEDY_TEMPERATURE` sample greedily. `stop` strings are applied by whoever holds the text (the
 router, or the engine CLI), never by the engine: it stops on EOS and `stop_token_ids` only.
+
+`guided` (structured outputs, tool calls) names a grammar the sampler masks tokens with
+(`engine/grammar.py`); it is plain data here, compiled where tokens are sampled.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import asdict, dataclass, fields
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax in all but name
 MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
 MAX_LOGPROBS = 20
+GUIDED_KINDS = ("json_object", "json_schema", "structural_tag")
+MAX_GUIDED_SPEC_CHARS = 1 << 20  # a schema / structural tag as JSON text
 
 
 class SamplingError(ValueError):
@@ -35,6 +40,45 @@ def _rebuild_error(message: str, field: str) -> SamplingError:
 
 
 @dataclass(frozen=True)
+class GuidedDecoding:
+    """A grammar the sampled tokens must follow.
+
+    kind "json_object": any JSON object; "json_schema": `spec` is the schema as JSON text
+    (`strict` refuses keywords the grammar engine cannot enforce instead of ignoring them);
+    "structural_tag": `spec` is an xgrammar structural tag as JSON text (tool calls).
+    `replay_tokens`: the last that many prompt tokens were generated under this grammar by an
+    earlier attempt of the same request (a continued or resumed stream): the matcher accepts
+    them before the first sample, so the grammar state resumes where the stream broke."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+    replay_tokens: int = 0
+    field: str = "response_format"  # the request field an invalid grammar is reported under
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise SamplingError(f"kind must be one of {list(GUIDED_KINDS)}, got {self.kind!r}",
+                                field=self.field)
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDED_SPEC_CHARS:
+            raise SamplingError(f"must be JSON text of at most {MAX_GUIDED_SPEC_CHARS} "
+                                "characters", field=self.field)
+        if (self.kind == "json_object") != (self.spec == ""):
+            raise SamplingError(f"{self.kind} {'takes no' if self.spec else 'needs a'} spec",
+                                field=self.field)
+        if not (_is_int(self.replay_tokens) and self.replay_tokens >= 0):
+            raise SamplingError("replay_tokens must be an integer >= 0", field=self.field)
+
+    @property
+    def cache_key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on (not the replay)."""
+        return self.kind, self.spec, self.strict
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
@@ -46,6 +90,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, applied where the text is (router, CLI)
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
+    guided: GuidedDecoding | None = None  # grammar mask (structured outputs, tool calls)
 
     def __post_init__(self) -> None:
         self.check()
@@ -71,10 +116,14 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean"),
             (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be an integer in [0, {MAX_LOGPROBS}]"),
+            (self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
+             "must be null or a GuidedDecoding"),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise SamplingError(f"{rule}, got {getattr(self, name)!r}", field=name)
+        if self.guided is not None:
+            self.guided.check()
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +140,8 @@ class SamplingParams:
             if key in d:
                 d[key] = () if d[key] is None else (d[key],) if isinstance(d[key], str) \
                     else tuple(d[key])
+        if isinstance(d.get("guided"), dict):
+            d["guided"] = GuidedDecoding(**d["guided"])
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -26,6 +26,6 @@ fi
 python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q --disable-pip-version-check \
   torch==2.13.0 -e ".[serve,bench,dev,gpu]" -e ./sdk
-python -c "import flashpd.cli, torch, triton, ray, nixl, redis, grpc, openai" \
+python -c "import flashpd.cli, torch, triton, ray, nixl, redis, grpc, openai, xgrammar, jsonschema" \
   || { echo "setup: an import failed after install" >&2; exit 1; }
 echo "setup: installed into ${VIRTUAL_ENV}"

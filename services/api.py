@@ -187,6 +187,9 @@ class InternalRequest:
     kv_prompt_tokens: int | None = None
     # the prefill of a continuation uses at most this prefix credit: the original prefill's
     max_prefill_credit_tokens: int | None = None
+    # placement pin: workers to use when they are usable (the later choices of an n > 1
+    # request follow the first choice's pair, whose decode worker holds the prompt's KV)
+    pin: tuple[WorkerRef, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id:

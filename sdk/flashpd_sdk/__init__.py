@@ -19,11 +19,21 @@ from flashpd_sdk.errors import (
     Unauthenticated,
     Unavailable,
 )
-from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk, TokenLogprobs, Usage
+from flashpd_sdk.types import (
+    GenerateResult,
+    ModelInfo,
+    ResponseFormat,
+    TokenChunk,
+    TokenLogprobs,
+    Tool,
+    ToolCall,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient", "AsyncGenerateStream", "Cancelled", "Client", "DeadlineExceeded",
     "FlashpdError", "GenerateResult", "GenerateStream", "InternalError", "InvalidArgument",
-    "ModelInfo", "NotFound", "PermissionDenied", "ResourceExhausted", "RetryPolicy", "TokenChunk",
-    "TokenLogprobs", "Unauthenticated", "Unavailable", "Usage",
+    "ModelInfo", "NotFound", "PermissionDenied", "ResourceExhausted", "ResponseFormat",
+    "RetryPolicy", "TokenChunk", "TokenLogprobs", "Tool", "ToolCall", "Unauthenticated",
+    "Unavailable", "Usage",
 ]

@@ -21,6 +21,7 @@ The overall `timeout_s` covers every attempt.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,10 +34,18 @@ from flashpd_sdk import _health
 from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
 from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, NotFound, Unavailable
-from flashpd_sdk.types import GenerateResult, TokenChunk, TokenLogprobs, Usage
+from flashpd_sdk.types import (
+    GenerateResult,
+    ResponseFormat,
+    TokenChunk,
+    TokenLogprobs,
+    Tool,
+    ToolCall,
+    Usage,
+)
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort"}
+                  pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 TIMELINE_FIELDS = tuple(f.name for f in pb.Timeline.DESCRIPTOR.fields)
 USAGE_FIELDS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields)
 
@@ -60,10 +69,13 @@ def build_request(
     temperature: float, top_p: float | None, top_k: int | None, min_p: float | None,
     seed: int | None, stop: Sequence[str] | None, stop_token_ids: Sequence[int] | None,
     ignore_eos: bool, logprobs: int, session_id: str | None, parent_session_id: str | None,
-    request_id: str | None,
+    request_id: str | None, messages: Sequence[dict] | None = None,
+    tools: Sequence[Tool | dict] | None = None, tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None, response_format: ResponseFormat | None = None,
 ) -> pb.GenerateRequest:
-    if (prompt is None) == (prompt_ids is None):
-        raise InvalidArgument("exactly one of prompt and prompt_ids is required", field="prompt")
+    if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
+        raise InvalidArgument("exactly one of prompt, prompt_ids and messages is required",
+                              field="prompt")
     if isinstance(stop, str):
         stop = [stop]
     msg = pb.GenerateRequest(
@@ -73,12 +85,43 @@ def build_request(
         request_id=request_id or uuid.uuid4().hex)  # a client id makes the stream resumable
     if prompt is not None:
         msg.prompt = prompt
-    else:
+    elif prompt_ids is not None:
         msg.prompt_ids.ids.extend(prompt_ids)
+    else:
+        msg.chat.messages.extend(_chat_message(m) for m in messages)
+    msg.tools.extend(_tool(t) for t in tools or ())
+    msg.tool_choice = tool_choice or ""
+    if parallel_tool_calls is not None:
+        msg.parallel_tool_calls = parallel_tool_calls
+    if response_format is not None:
+        rf = response_format
+        msg.response_format.CopyFrom(pb.ResponseFormat(
+            type=rf.type, name=rf.name, strict=rf.strict,
+            schema_json=json.dumps(rf.schema) if rf.schema is not None else ""))
     for name, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def _chat_message(m: dict) -> pb.ChatMessage:
+    """An OpenAI-shaped message (role, content, tool_call_id, tool_calls)."""
+    calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"],
+                         arguments=c["function"].get("arguments", "{}"))
+             if isinstance(c, dict) else pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+             for c in m.get("tool_calls") or ()]
+    return pb.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                          tool_call_id=m.get("tool_call_id", ""), name=m.get("name", ""),
+                          tool_calls=calls)
+
+
+def _tool(t: Tool | dict) -> pb.Tool:
+    if isinstance(t, dict):  # OpenAI's {"type": "function", "function": {...}}
+        fn = t.get("function", t)
+        t = Tool(fn["name"], fn.get("description", ""), fn.get("parameters"),
+                 bool(fn.get("strict", False)))
+    return pb.Tool(name=t.name, description=t.description, strict=t.strict,
+                   parameters_json=json.dumps(t.parameters) if t.parameters is not None else "")
 
 
 Action = Literal["retry", "resume", "raise"]
@@ -197,7 +240,9 @@ class StreamState:
             usage=Usage(**{f: getattr(final.usage, f) for f in USAGE_FIELDS}),
             timeline={f: getattr(final.timeline, f) for f in TIMELINE_FIELDS},
             prefill_worker=final.prefill_worker, decode_worker=final.decode_worker,
-            retries=self.retries, resumes=self.resumes)
+            retries=self.retries, resumes=self.resumes,
+            tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls),
+            content=final.content if final.tool_calls else None)
 
 
 def chunk_from_proto(msg: pb.TokenChunk, base: int = 0) -> TokenChunk:

@@ -28,7 +28,7 @@ from flashpd_sdk._wire import (
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
-from flashpd_sdk.types import GenerateResult, ModelInfo, TokenChunk
+from flashpd_sdk.types import GenerateResult, ModelInfo, ResponseFormat, TokenChunk, Tool
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +141,17 @@ class AsyncClient(ClientCore):
                  timeout_s: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
-                 request_id: str | None = None, model: str = "") -> AsyncGenerateStream:
+                 request_id: str | None = None, model: str = "",
+                 messages: Sequence[dict] | None = None, tools: Sequence[Tool | dict] | None = None,
+                 tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
+                 response_format: ResponseFormat | None = None) -> AsyncGenerateStream:
         return AsyncGenerateStream(self._stub, self._metadata, self._stream_state(
             timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id))
+            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id,
+            messages=messages, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, response_format=response_format))
 
     async def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,42 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made (chat input with tools)."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object as text
+
+    def parsed_arguments(self) -> dict:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call; `parameters` is the JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: `json_object` (any JSON object) or `json_schema` (`schema`)."""
+
+    type: str = "json_object"
+    schema: dict | None = None
+    name: str = "response"
+    strict: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict, name: str = "response", strict: bool = True):
+        return cls("json_schema", schema, name, strict)
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     request_id: str
     output_ids: tuple[int, ...]
@@ -40,6 +77,12 @@ class GenerateResult:
     decode_worker: str = ""
     retries: int = 0  # attempts repeated before the first token (UNAVAILABLE)
     resumes: int = 0  # times the stream was resumed from a token offset
+    tool_calls: tuple[ToolCall, ...] = ()  # finish_reason "tool_calls": the parsed calls
+    content: str | None = None  # with tool calls: the text before them (else None: see text)
+
+    def json(self):
+        """The text as JSON (a response_format request's output)."""
+        return json.loads(self.text)
 
 
 @dataclass(frozen=True)

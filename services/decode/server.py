@@ -124,6 +124,7 @@ class DecodeWorker(EngineWorker):
             raise Unavailable(f"{self.ref.worker_id} is draining")
         self._check_request(req)
         params = req.sampling
+        await self._compile_grammar(params)
         attempt = await self.admission.admit(lambda: self._try_reserve(req, params),
                                              req.deadline_unix_s, req.request_id)
         attempt.ticket_issued = True
@@ -149,6 +150,8 @@ class DecodeWorker(EngineWorker):
             try:
                 r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id,
                               PrefixPolicy(kv_tokens=req.kv_prompt_tokens))
+            except SamplingError as exc:  # a grammar the replayed tokens break
+                raise InvalidArgument(exc.message, field=exc.field) from None
             except ValueError as exc:
                 raise InvalidArgument(str(exc), field="prompt") from None
             if r is None:
@@ -175,6 +178,18 @@ class DecodeWorker(EngineWorker):
             return None
         attempt.reservation = reservation
         return attempt
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a guided request's grammar in a thread before it reaches the engine loop
+        (which then finds it cached): compiling never stalls the decode steps. A grammar the
+        engine cannot compile is INVALID_ARGUMENT naming the request field."""
+        grammar = self.engine.engine.grammar
+        if params.guided is None or grammar is None or grammar.is_compiled(params.guided):
+            return
+        try:
+            await asyncio.to_thread(grammar.compile, params.guided)
+        except SamplingError as exc:
+            raise InvalidArgument(exc.message, field=exc.field) from None
 
     def _ticket(self, req: InternalRequest, attempt: _Attempt) -> Ticket:
         r = attempt.reservation

@@ -7,7 +7,9 @@ Validation errors are `InvalidArgument` with `field` set to the request field at
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 import time
 import uuid
@@ -24,7 +26,9 @@ from flashpd.services.api import (
     TokenLogprobs,
     Usage,
 )
+from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
+from flashpd.services.router.agent_fields import AgentOptions, agent_options
 from flashpd.services.router.text import Tokenizer
 from flashpd_sdk._gen import flashpd_pb2 as pb
 
@@ -36,13 +40,15 @@ BOS = "<|begin_of_sentence|>"
 EOS = "<|end_of_sentence|>"
 USER = "<|User|>"
 ASSISTANT = "<|Assistant|>"
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer = OpenAI's new system
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's new system
+MAX_TOOL_CALLS = 128  # per assistant message
 
 FINISH_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO[pb.FINISH_REASON_TOOL_CALLS] = "stop"  # the internal API has no tool_calls
 
 
 # ------------------------------------------------------------------------------------- models
@@ -79,21 +85,51 @@ class ModelTable:
 # ------------------------------------------------------------------------------- chat template
 
 
-def deepseek_chat_prompt(messages: Sequence[dict]) -> str:
+def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = (),
+                         response_format: dict | None = None) -> str:
     """DeepSeek-style prompt: BOS, system text, then `<|User|>u<|Assistant|>a<|end_of_sentence|>`
-    per turn, ending with `<|Assistant|>` so the model writes the next assistant turn."""
+    per turn, ending with `<|Assistant|>` so the model writes the next assistant turn.
+
+    Agent turns follow DeepSeek V4.1's format (`dsml.py`, docs/agent_api.md): the tools and a
+    response-format schema are described at the end of the system text; an assistant turn with
+    `tool_calls` ends with its DSML calls block; `tool` messages become one user turn of
+    `<tool_result>` blocks in the order of the calls they answer (a user message right after
+    them joins that turn)."""
     if not messages:
         raise InvalidArgument("must contain at least one message", field="messages")
     system, turns = [], []
+    calls_order: dict[str, int] = {}  # tool_call_id -> position in the last assistant's calls
+    results: list[tuple[int, str]] = []  # the pending tool-results turn
     for i, message in enumerate(messages):
         role, content = _message_parts(message, i)
+        if role != "tool" and results:
+            turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)])
+                         + ("\n\n" + content if role == "user" else ""))
+            results = []
+            if role == "user":
+                continue
         if role in ("system", "developer"):
             system.append(content)
         elif role == "user":
             turns.append(USER + content)
+        elif role == "tool":
+            call_id = message["tool_call_id"]
+            results.append((calls_order.get(call_id, len(calls_order) + len(results)), content))
         else:
-            turns.append(ASSISTANT + content + EOS)
-    return BOS + "\n\n".join(system) + "".join(turns) + ASSISTANT
+            calls = _assistant_calls(message, i)
+            calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls)}
+            block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) \
+                if calls else ""
+            turns.append(ASSISTANT + content + block + EOS)
+    if results:
+        turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)]))
+    system_text = "\n\n".join(system)
+    if tools:
+        system_text += ("\n\n" if system_text else "") + dsml.render_tools(tools)
+    if response_format is not None:
+        system_text += ("\n\n" if system_text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
+            schema=json.dumps(response_format, ensure_ascii=False))
+    return BOS + system_text + "".join(turns) + ASSISTANT
 
 
 def _message_parts(message: object, i: int) -> tuple[str, str]:
@@ -103,13 +139,21 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {v.show(role)}",
                               field=f"messages[{i}].role")
-    for unsupported in ("tool_calls", "function_call", "audio"):
+    for unsupported in ("function_call", "audio"):
         if message.get(unsupported) is not None:
             raise InvalidArgument("is not supported by this server",
                                   field=f"messages[{i}].{unsupported}")
+    if message.get("tool_calls") is not None and role != "assistant":
+        raise InvalidArgument("is only allowed on assistant messages",
+                              field=f"messages[{i}].tool_calls")
+    if role == "tool":
+        v.as_text(message.get("tool_call_id"), f"messages[{i}].tool_call_id", max_chars=256,
+                  empty_ok=False)
     if message.get("name") is not None:
         v.as_text(message["name"], f"messages[{i}].name", max_chars=256)
     content = message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""  # OpenAI: an assistant turn that only calls tools has null content
     if isinstance(content, list):  # OpenAI content parts: only text parts are supported
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
@@ -121,6 +165,37 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
                               field=f"messages[{i}].content")
     v.check_unicode(content, f"messages[{i}].content")
     return role, content
+
+
+def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
+    """(id, name, arguments object) of an assistant message's `tool_calls`."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    field = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
+        raise InvalidArgument(f"must be a list of at most {MAX_TOOL_CALLS} tool calls",
+                              field=field)
+    out = []
+    for j, call in enumerate(calls):
+        f = f"{field}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise InvalidArgument('must be {"id", "type": "function", "function": {"name", '
+                                  '"arguments"}}', field=f)
+        call_id = v.as_text(call.get("id", ""), f"{f}.id", max_chars=256)
+        name = v.as_text(fn.get("name"), f"{f}.function.name", max_chars=64, empty_ok=False)
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise InvalidArgument("must be a JSON object as text",
+                                      field=f"{f}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise InvalidArgument("must be a JSON object", field=f"{f}.function.arguments")
+        out.append((call_id, name, arguments))
+    return out
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -163,6 +238,7 @@ class EdgeRequest:
     resume_from_token: int
     resumable: bool  # the client chose the request id, so it can come back for the stream
     fingerprint: str  # identifies the request's content, resume_from_token excluded
+    agent: AgentOptions | None = None  # a chat input: tools, tool_choice, response_format
 
 
 def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: Tokenizer, *,
@@ -171,8 +247,22 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     model = models.resolve(msg.model)
     kind = msg.WhichOneof("input")
     if kind is None:
-        raise InvalidArgument("one of prompt or prompt_ids is required", field="prompt")
-    if kind == "prompt":
+        raise InvalidArgument("one of prompt, prompt_ids or chat is required", field="prompt")
+    agent = None
+    if kind != "chat" and (msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls")
+                           or msg.HasField("response_format")):
+        raise InvalidArgument("tools, tool_choice and response_format need a chat input",
+                              field="chat")
+    if kind == "chat":
+        body = chat_body_from_proto(msg)
+        agent = agent_options(body, chat=True)
+        if not body["messages"]:
+            raise InvalidArgument("must hold at least one message", field="chat.messages")
+        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages),
+                            model.context_tokens, "chat.messages")
+        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.tools,
+                                                        agent.response_schema))
+    elif kind == "prompt":
         v.as_text(msg.prompt, "prompt", empty_ok=False)
         v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
         raw_ids = tokenizer.encode(msg.prompt)
@@ -185,6 +275,11 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     continued = v.token_ids(list(msg.continue_ids.ids), "continue_ids", model.vocab_size,
                             empty_ok=True)
     sampling = sampling_from_proto(msg, model.vocab_size)
+    if agent is not None:
+        guided = agent.guided
+        if guided is not None and continued:  # the grammar resumes after the tokens received
+            guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(continued))
+        sampling = dataclasses.replace(sampling, guided=guided)
     check_context(model, len(prompt_ids) + len(continued), sampling.max_tokens,
                   "continue_ids" if continued else kind)
     client_id = check_id(msg.request_id, "request_id")
@@ -195,7 +290,63 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
         parent_session_id=check_id(msg.parent_session_id, "parent_session_id"),
         deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now,
         **_continuation(msg, len(prompt_ids), bool(continued)))
-    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg))
+    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg),
+                       agent)
+
+
+def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
+    """The chat fields as the OpenAI body they mirror, for the one validation model
+    (`agent_fields.py`) and the chat template; field names in refusals are the OpenAI ones."""
+    messages = []
+    for m in msg.chat.messages:
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        messages.append(message)
+    body: dict = {"messages": messages}
+    if msg.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "strict": t.strict,
+            **({"parameters": _json_field(t.parameters_json, f"tools[{i}].function.parameters")}
+               if t.parameters_json else {})}} for i, t in enumerate(msg.tools)]
+    if msg.tool_choice:
+        body["tool_choice"] = msg.tool_choice if msg.tool_choice in ("none", "auto", "required") \
+            else {"type": "function", "function": {"name": msg.tool_choice}}
+    if msg.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = msg.parallel_tool_calls
+    if msg.HasField("response_format"):
+        rf = msg.response_format
+        body["response_format"] = {"type": rf.type or "text"}
+        if rf.type == "json_schema":
+            body["response_format"]["json_schema"] = {
+                "name": rf.name, "strict": rf.strict,
+                "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema")}
+    return body
+
+
+def _json_field(text: str, field: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidArgument("must be JSON text", field=field) from None
+
+
+def calls_to_proto(final: pb.Final, text: str, agent: AgentOptions) -> None:
+    """A chat-with-tools Final: the tool calls parsed from the whole completion text."""
+    content, calls = dsml.parse(text)
+    if not calls:
+        return
+    calls = calls if agent.parallel_tool_calls else calls[:1]
+    final.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                            for c in calls)
+    final.content = content
+    if final.finish_reason == pb.FINISH_REASON_STOP:
+        final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
 
 
 def _continuation(msg: pb.GenerateRequest, prompt_tokens: int, continued: bool) -> dict:

@@ -307,7 +307,10 @@ def _http_messages() -> Iterator[HostileRequest]:
         ("message string", {"messages": ["hi"]}, "messages[0]"),
         ("message null", {"messages": [None]}, "messages[0]"),
         ("no role", {"messages": [{"content": "x"}]}, "messages[0].role"),
-        ("role tool", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("role tool without tool_call_id", {"messages": [{"role": "tool", "content": "x"}]},
+         "messages[0].tool_call_id"),
+        ("role function", {"messages": [{"role": "function", "content": "x"}]},
+         "messages[0].role"),
         ("role function", {"messages": [{"role": "function", "content": "x"}]},
          "messages[0].role"),
         ("role int", {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
@@ -322,9 +325,10 @@ def _http_messages() -> Iterator[HostileRequest]:
          "messages[0].content"),
         ("content part int", {"messages": [{"role": "user", "content": [1]}]},
          "messages[0].content"),
-        ("tool_calls", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [
-            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-            {"role": "user", "content": "y"}]}, "messages[0].tool_calls"),
+        ("tool_calls arguments not JSON", {"messages": [{"role": "assistant", "content": "x",
+                                                        "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]},
+            {"role": "user", "content": "y"}]}, "messages[0].tool_calls[0].function.arguments"),
         ("name int", {"messages": [{"role": "user", "content": "x", "name": 5}]},
          "messages[0].name"),
     ]
@@ -337,16 +341,25 @@ def _http_messages() -> Iterator[HostileRequest]:
         {"role": "user", "content": "<|User|><|Assistant|><|end_of_sentence|>"}]}, expect="any")
 
 
-UNSUPPORTED = [
-    ("response_format json_object", {"response_format": {"type": "json_object"}},
-     "response_format"),
-    ("response_format json_schema", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {}}}}, "response_format"),
+_F = {"type": "function", "function": {"name": "f"}}
+UNSUPPORTED = [  # unsupported values, and the agent fields' bad shapes (agent_fields.py)
+    ("response_format type xml", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("response_format json_schema without name", {"response_format": {
+        "type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ("response_format schema not an object", {"response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": [1]}}}, "response_format.json_schema.schema"),
     ("response_format string", {"response_format": "json"}, "response_format"),
-    ("n=2", {"n": 2}, "n"),
     ("n=0", {"n": 0}, "n"),
+    ("n=17", {"n": 17}, "n"),
+    ("n with stream", {"n": 2, "stream": True}, "n"),
+    ("tools not a list", {"tools": {"type": "function"}}, "tools"),
+    ("tool schema not an object", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tool_choice unknown name", {"tools": [_F], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ("tool_choice unknown mode", {"tools": [_F], "tool_choice": "sometimes"}, "tool_choice"),
     ("best_of=3", {"best_of": 3}, "best_of"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("tool_choice required", {"tool_choice": "required"}, "tool_choice"),
     ("functions", {"functions": [{"name": "f"}]}, "functions"),
     ("function_call", {"function_call": "auto"}, "function_call"),
@@ -366,6 +379,9 @@ def _http_unsupported() -> Iterator[HostileRequest]:
         yield _http("unsupported", name, {**CHAT_BASE, **extra}, field=field)
     for name, extra in (("response_format text", {"response_format": {"type": "text"}}),
                         ("n=1", {"n": 1}), ("tool_choice none", {"tool_choice": "none"}),
+                        ("response_format json_object", {"response_format": {
+                            "type": "json_object"}}),
+                        ("tools auto", {"tools": [_F]}), ("n=2", {"n": 2}),
                         ("modalities text", {"modalities": ["text"]}), ("user", {"user": "u"})):
         yield _http("unsupported", name, {**CHAT_BASE, **extra}, expect="any")
 

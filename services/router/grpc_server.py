@@ -27,6 +27,7 @@ from flashpd.services.router import validation as v
 from flashpd.services.router.auth import OPEN_GRPC_PREFIXES, ApiKeys, TlsFiles
 from flashpd.services.router.convert import (
     ModelTable,
+    calls_to_proto,
     event_to_proto,
     new_request_id,
     request_from_proto,
@@ -88,7 +89,12 @@ class GenerationServicer:
             events = self.orchestrator.stream(run, edge.resume_from_token)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    yield event_to_proto(event)
+                    msg = event_to_proto(event)
+                    if msg.HasField("final") and edge.agent is not None \
+                            and edge.agent.parses_calls:  # the whole text, resumed or not
+                        calls_to_proto(msg.final, "".join(e.text for e in run.events)
+                                       + event.text, edge.agent)
+                    yield msg
         except ServiceError as exc:
             error = exc
         except Exception as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ from flashpd.services.router.openai_compat import (
     chat_request,
     completion_request,
     error_body,
+    merge_choices,
     parse_json,
     request_id_from,
     route_error_body,
@@ -169,6 +171,11 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
                  request: Request, refused) -> Response:
+    if oreq.agent.n > 1:
+        results = await _until_done_or_disconnect(_choices(orchestrator, oreq, refused),
+                                                   request)
+        shapers = [ResponseShaper(oreq, tokenizer, i) for i in range(len(results))]
+        return JSONResponse(merge_choices(shapers, results))
     try:
         run = orchestrator.open(oreq.request)
     except ServiceError as exc:
@@ -211,6 +218,51 @@ async def _sse(first: TokenEvent | FinalEvent, events: Events, shaper: ResponseS
 
 def _data(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _choices(orchestrator: Orchestrator, oreq: OpenAIRequest, refused):
+    """n choices sharing the prompt's KV: choice 0 runs first; once its first token is out,
+    its decode worker holds the prompt's chunks in its prefix cache, and choices 1..n-1 are
+    placed on the same prefill/decode pair (`InternalRequest.pin`), so each reuses every full
+    chunk and only its last partial chunk and the bounded replay are recomputed. Any failure
+    ends every choice."""
+    base = oreq.request
+    try:
+        first_run = orchestrator.open(base)
+    except ServiceError as exc:
+        refused(exc)
+        raise
+    events0 = orchestrator.stream(first_run)
+    tasks: list[asyncio.Task] = []
+    try:
+        head = await anext(events0)
+        for i in range(1, oreq.agent.n):
+            run = orchestrator.open(_sibling(base, i, first_run.placed))
+            tasks.append(asyncio.ensure_future(_collect(orchestrator.stream(run))))
+        results = [await _collect(_chain(head, events0))]
+        for task in tasks:
+            results.append(await task)
+        return results
+    finally:
+        await events0.aclose()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sibling(base, i: int, placed) -> object:
+    seed = base.sampling.seed
+    sampling = base.sampling if seed is None else dataclasses.replace(
+        base.sampling, seed=(seed + i) % (v.MAX_SEED + 1))
+    return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling,
+                               pin=tuple(placed or ()))
+
+
+async def _chain(head: TokenEvent | FinalEvent, rest: Events) -> Events:
+    yield head
+    if not isinstance(head, FinalEvent):
+        async for event in rest:
+            yield event
 
 
 async def _collect(events: Events) -> tuple[list[TokenEvent], FinalEvent]:

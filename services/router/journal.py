@@ -28,6 +28,7 @@ from flashpd.services.api import (
     InvalidArgument,
     ServiceError,
     TokenEvent,
+    WorkerRef,
 )
 
 
@@ -46,6 +47,7 @@ class Run:
         self.cancel_reason: ServiceError | None = None
         self.attempts = 0  # placements so far (each gets its own worker-side request id)
         self.progress: object | None = None  # the producer's state kept across attempts
+        self.placed: tuple[WorkerRef, WorkerRef] | None = None  # the last attempt's (P, D)
         self._changed = asyncio.Condition()
 
     @property

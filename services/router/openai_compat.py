@@ -14,6 +14,7 @@ timeline, workers and per-tier cached tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -28,13 +29,16 @@ from flashpd.services.api import (
     ServiceError,
     TokenEvent,
 )
+from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
+from flashpd.services.router.agent_fields import AgentOptions, agent_options
 from flashpd.services.router.convert import (
     DEFAULT_MAX_TOKENS,
     ModelTable,
     ServedModel,
     check_context,
     check_prompt_ids,
+    deepseek_chat_prompt,
     new_request_id,
 )
 from flashpd.services.router.text import Tokenizer
@@ -75,11 +79,13 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "audio": lambda x: False,
     "prediction": lambda x: False,
 }
+# Implemented (agent_fields.py): for chat all of them, for completions only n.
+AGENT_FIELDS = {"chat": frozenset({"n", "tools", "tool_choice", "response_format"}),
+                "completion": frozenset({"n"})}
 # Fields accepted and ignored, with their type checked.
 IGNORED: dict[str, Callable[[Any], bool]] = {
     "user": lambda x: isinstance(x, str), "metadata": lambda x: isinstance(x, dict),
-    "store": lambda x: isinstance(x, bool), "parallel_tool_calls": lambda x: isinstance(x, bool),
-    "service_tier": lambda x: isinstance(x, str),
+    "store": lambda x: isinstance(x, bool), "service_tier": lambda x: isinstance(x, str),
 }
 
 
@@ -92,6 +98,7 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage
     top_logprobs: int  # how many alternatives to show (chat) / logprobs (completions)
     want_logprobs: bool
+    agent: AgentOptions = AgentOptions()  # tools, response_format, n
 
 
 def parse_json(raw: bytes, max_bytes: int = v.MAX_BODY_BYTES) -> dict:
@@ -106,20 +113,24 @@ def request_id_from(headers: Mapping[str, str]) -> str:
 def completion_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
                        tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
     model = _model(body, models)
-    _check_unsupported(body)
+    _check_unsupported(body, AGENT_FIELDS["completion"])
+    if body.get("parallel_tool_calls") is not None:
+        raise InvalidArgument("is only supported on chat completions", field="parallel_tool_calls")
+    agent = agent_options(body, chat=False)
     prompt_ids = _completion_prompt(body.get("prompt"), model, tokenizer)
     logprobs = _opt(body, "logprobs", 0, v.as_logprobs)
     max_tokens = _opt(body, "max_tokens", DEFAULT_MAX_TOKENS, _max_tokens)
     check_context(model, len(prompt_ids), max_tokens, "prompt")
     sampling = _sampling(body, model, max_tokens, logprobs)
     return _request("completion", body, headers, model, prompt_ids, sampling, logprobs,
-                    logprobs > 0, request_id)
+                    logprobs > 0, request_id, agent)
 
 
 def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
                  tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
     model = _model(body, models)
-    _check_unsupported(body)
+    _check_unsupported(body, AGENT_FIELDS["chat"])
+    agent = agent_options(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
@@ -127,7 +138,11 @@ def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
         raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got "
                               f"{len(messages)}", field="messages")
     v.check_text_budget(_content_chars(messages), model.context_tokens, "messages")
-    prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
+    if agent.tools or agent.response_schema is not None or _has_agent_turns(messages):
+        prompt_ids = check_prompt_ids(tokenizer.encode(deepseek_chat_prompt(
+            messages, agent.tools, agent.response_schema)), model, "messages")
+    else:
+        prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _opt(body, field, None, _max_tokens)
@@ -138,13 +153,20 @@ def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
     top = _opt(body, "top_logprobs", 0, v.as_logprobs)
     if top and not want:
         raise InvalidArgument("requires logprobs=true", field="top_logprobs")
-    sampling = _sampling(body, model, max_tokens, max(top, 1) if want else 0)
-    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id)
+    sampling = dataclasses.replace(_sampling(body, model, max_tokens, max(top, 1) if want else 0),
+                                   guided=agent.guided)
+    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id,
+                    agent)
+
+
+def _has_agent_turns(messages: list) -> bool:
+    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+               for m in messages)
 
 
 def _request(kind: Kind, body: Mapping, headers: Mapping[str, str], model: ServedModel,
              prompt_ids: tuple[int, ...], sampling, top_logprobs: int, want_logprobs: bool,
-             request_id: str | None) -> OpenAIRequest:
+             request_id: str | None, agent: AgentOptions) -> OpenAIRequest:
     stream = _opt(body, "stream", False, v.as_bool)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -158,7 +180,7 @@ def _request(kind: Kind, body: Mapping, headers: Mapping[str, str], model: Serve
         parent_session_id=v.as_id(headers.get(PARENT_SESSION_HEADER), PARENT_SESSION_HEADER),
         arrival_unix_s=time.time())
     return OpenAIRequest(kind, request, model.name, stream, include_usage, top_logprobs,
-                         want_logprobs)
+                         want_logprobs, agent)
 
 
 def _model(body: Mapping, models: ModelTable) -> ServedModel:
@@ -166,9 +188,11 @@ def _model(body: Mapping, models: ModelTable) -> ServedModel:
     return models.resolve(name)
 
 
-def _check_unsupported(body: Mapping) -> None:
+def _check_unsupported(body: Mapping, implemented: frozenset[str]) -> None:
     for name, neutral in NEUTRAL.items():
         value = body.get(name)
+        if name in implemented:
+            continue
         if value is not None and not neutral(value):
             raise InvalidArgument(f"is not supported by this server (got {v.show(value)})",
                                   field=name)
@@ -229,37 +253,74 @@ def _opt(body: Mapping, name: str, default: Any, check: Callable[[Any, str], Any
 
 
 class ResponseShaper:
-    """Turns orchestrator events into OpenAI JSON objects for one request."""
+    """Turns orchestrator events into OpenAI JSON objects for one request (one choice; `n`
+    choices are merged by `merge_choices`). Chat with tools parses DSML tool calls out of the
+    text (`dsml.py`): `message.tool_calls` / `delta.tool_calls` and finish_reason "tool_calls";
+    malformed markup stays content."""
 
-    def __init__(self, req: OpenAIRequest, tokenizer: Tokenizer) -> None:
-        self.req, self._tok = req, tokenizer
+    def __init__(self, req: OpenAIRequest, tokenizer: Tokenizer, index: int = 0) -> None:
+        self.req, self._tok, self.index = req, tokenizer, index
         prefix, self._object = (("cmpl-", "text_completion") if req.kind == "completion"
                                 else ("chatcmpl-", "chat.completion"))
         self._id = prefix + req.request.request_id
         self._created = int(req.request.arrival_unix_s)
         self._text_offset = 0
+        self._calls = dsml.StreamParser() if self._parses_calls else None
+        self._num_calls = 0
+
+    @property
+    def _parses_calls(self) -> bool:
+        return self.req.kind == "chat" and self.req.agent.parses_calls
 
     def chunks(self, event: TokenEvent | FinalEvent, *, first: bool) -> list[dict]:
         """SSE payloads for one event (the usage chunk comes last when asked for)."""
         if isinstance(event, TokenEvent):
             return [self._chunk(event.text, self._logprobs(event), None, first)]
-        out = [self._chunk(event.text, None, event.finish_reason, first)]
+        if self._calls is not None:
+            out = self._call_chunks(event)
+        else:
+            out = [self._chunk(event.text, None, event.finish_reason, first)]
         out[-1]["flashpd"] = flashpd_extension(event)
         if self.req.include_usage:
             out.append({**self._envelope(chunk=True), "choices": [], "usage": usage(event)})
         return out
 
     def response(self, tokens: Sequence[TokenEvent], final: FinalEvent) -> dict:
+        return {**self._envelope(chunk=False), "choices": [self.choice(tokens, final)],
+                "usage": usage(final), "flashpd": flashpd_extension(final)}
+
+    def choice(self, tokens: Sequence[TokenEvent], final: FinalEvent) -> dict:
         text = "".join(e.text for e in tokens) + final.text
         logprobs = self._merge_logprobs([self._logprobs(e) for e in tokens])
+        reason: str = final.finish_reason
         if self.req.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": logprobs}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs}
-        choice["finish_reason"] = final.finish_reason
-        return {**self._envelope(chunk=False), "choices": [choice], "usage": usage(final),
-                "flashpd": flashpd_extension(final)}
+            message: dict = {"role": "assistant", "content": text}
+            calls = None
+            if self._parses_calls:
+                content, calls = dsml.parse(text)
+            if calls:
+                calls = calls if self.req.agent.parallel_tool_calls else calls[:1]
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [c.as_openai() for c in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": self.index, "message": message, "logprobs": logprobs}
+        choice["finish_reason"] = reason
+        return choice
+
+    def _call_chunks(self, final: FinalEvent) -> list[dict]:
+        """The end of a streamed chat whose text is parsed for tool calls."""
+        assert self._calls is not None
+        content, calls = self._calls.push(final.text)
+        more, rest = self._calls.finish()
+        out = [self._delta_chunk(content + more, calls + rest)]
+        reason: str = final.finish_reason
+        if self._num_calls and reason == "stop":
+            reason = "tool_calls"
+        out.append({**self._envelope(chunk=True), "choices": [
+            {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]})
+        return out
 
     def _envelope(self, *, chunk: bool) -> dict:
         obj = self._object + (".chunk" if chunk and self.req.kind == "chat" else "")
@@ -267,13 +328,31 @@ class ResponseShaper:
 
     def _chunk(self, text: str, logprobs: dict | None, finish: str | None, first: bool) -> dict:
         if self.req.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": logprobs}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs}
+        elif self._calls is not None and finish is None:
+            content, calls = self._calls.push(text)
+            chunk = self._delta_chunk(content, calls, first=first)
+            chunk["choices"][0]["logprobs"] = logprobs
+            return chunk
         else:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or finish is None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
         choice["finish_reason"] = finish
         return {**self._envelope(chunk=True), "choices": [choice]}
+
+    def _delta_chunk(self, content: str, calls: list[dsml.ToolCall], first: bool = False) -> dict:
+        if not self.req.agent.parallel_tool_calls:
+            calls = calls[: max(0, 1 - self._num_calls)]
+        delta: dict = {"role": "assistant"} if first else {}
+        if content or not calls:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": self._num_calls + k, **c.as_openai()}
+                                   for k, c in enumerate(calls)]
+            self._num_calls += len(calls)
+        return {**self._envelope(chunk=True), "choices": [
+            {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def _logprobs(self, event: TokenEvent) -> dict | None:
         if not self.req.want_logprobs or not event.logprobs:
@@ -298,6 +377,19 @@ class ResponseShaper:
         if not parts:
             return None
         return {key: [x for p in parts for x in p[key]] for key in parts[0]}
+
+
+def merge_choices(shapers: Sequence[ResponseShaper],
+                  results: Sequence[tuple[Sequence[TokenEvent], FinalEvent]]) -> dict:
+    """One response of `n` choices. Usage as OpenAI counts it: the prompt once (choice 0's
+    cached tokens), the completion tokens of every choice."""
+    first = shapers[0].response(*results[0])
+    first["choices"] = [s.choice(*r) for s, r in zip(shapers, results, strict=True)]
+    completion = sum(final.usage.completion_tokens for _, final in results)
+    first["usage"]["completion_tokens"] = completion
+    first["usage"]["total_tokens"] = first["usage"]["prompt_tokens"] + completion
+    first["flashpd"]["choices"] = [flashpd_extension(final) for _, final in results]
+    return first
 
 
 def _token_entry(piece: str, logprob: float) -> dict:

@@ -363,9 +363,12 @@ class Orchestrator:
         if not done:
             return dataclasses.replace(req, request_id=f"{req.request_id}@{number}")
         progress = run.progress
+        guided = req.sampling.guided
+        if guided is not None:  # the grammar resumes after the tokens already released
+            guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(done))
         return dataclasses.replace(
             req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
-            sampling=dataclasses.replace(req.sampling,
+            sampling=dataclasses.replace(req.sampling, guided=guided,
                                          max_tokens=req.sampling.max_tokens - len(done)),
             kv_prompt_tokens=req.kv_prompt_tokens or req.prompt_tokens,
             max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None)
@@ -379,6 +382,7 @@ class Orchestrator:
             started = time.perf_counter()
             attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode,
                                               RETRY_RESERVE)
+            run.placed = (a.prefill, a.decode)  # n > 1: the other choices follow this pair
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)

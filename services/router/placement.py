@@ -186,6 +186,9 @@ class Placement:
         usable = [w for w in usable if w.ref.key not in marked]
         candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
                              for w in usable if w.role == role] for role in ROLES}
+        if req.pin:  # a pinned worker wins its role while it is usable
+            candidates = {role: [c for c in cands if c.ref in req.pin] or cands
+                          for role, cands in candidates.items()}
         query = RouteQuery(
             prompt_tokens=req.prompt_tokens,
             affinity_key=req.session_id or req.request_id,

@@ -79,10 +79,10 @@ class _FailingSampler(Sampler):
         super().__init__(0)
         self.bad = bad
 
-    def launch(self, logits, request_ids, params):  # `sample` goes through it too
+    def launch(self, logits, request_ids, params, bitmask=None):  # `sample` goes through it
         if self.bad in request_ids:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return super().launch(logits, request_ids, params)
+        return super().launch(logits, request_ids, params, bitmask)
 
 
 def test_sampling_failure_fails_only_that_request(model_f32):

@@ -19,7 +19,7 @@ def test_sdk_imports_only_grpc_and_protobuf():
 
     sdk = SCRIPT.parent / "flashpd_sdk"
     allowed = {"grpc", "google", "flashpd_sdk", "__future__"}
-    stdlib_ok = {"asyncio", "collections", "dataclasses", "logging", "threading", "time",
+    stdlib_ok = {"asyncio", "collections", "dataclasses", "json", "logging", "threading", "time",
                  "typing", "uuid"}
     for path in sdk.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

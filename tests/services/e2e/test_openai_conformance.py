@@ -170,8 +170,8 @@ def _error_shape(resp: httpx.Response) -> dict:
     ({"seed": 2**64}, "seed"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 10**9}, "max_completion_tokens"),
-    ({"n": 2}, "n"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 17}, "n"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
     ({"extra_body": {"top_k": 10**20}}, "top_k"),
@@ -232,3 +232,159 @@ def test_hostile_bodies_are_client_errors(server, raw, status, param):
                       headers={"content-type": "application/json"})
     assert resp.status_code == status
     assert _error_shape(resp)["param"] == param
+
+
+# ------------------------------------------------------------ agents: tools, JSON, n (issue 30)
+# The tiny model's weights are random: it never calls a tool or writes JSON on its own, so these
+# go through the grammar mask (tool_choice required/named, response_format). Sampling is seeded:
+# every run draws the same tokens.
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "properties": {
+        "key": {"type": "string", "maxLength": 8}}, "required": ["key"],
+        "additionalProperties": False}}}
+ASK = [{"role": "system", "content": "You are a weather agent."},
+       {"role": "user", "content": "What is the weather in Paris and Rome?"}]
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"type": "string", "enum": ["admin", "user"]}},
+    "required": ["name", "age", "role"], "additionalProperties": False}
+SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 300}
+TOOL_SAMPLED = {**SAMPLED, "max_tokens": 600}  # parallel calls: ~200 tokens per call here
+
+
+@pytest.fixture
+def agent(client) -> openai.OpenAI:
+    """The tiny tokenizer spells DSML's fullwidth bars byte by byte: a forced call is ~200
+    tokens, decoded step by step (guided steps run synchronously), minutes on a busy 2-core
+    machine. A hang guard, not a latency assertion."""
+    return client.with_options(timeout=900)
+
+
+def _check_calls(calls, tools):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_call_required(agent):
+    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP],
+                                         tool_choice="required", **TOOL_SAMPLED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _check_calls(choice.message.tool_calls, [WEATHER, LOOKUP])
+
+
+def test_tool_call_named_and_not_parallel(agent):
+    out = agent.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP], parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **TOOL_SAMPLED)
+    calls = out.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    _check_calls(calls, [WEATHER])
+
+
+def test_tool_call_streaming_matches_the_non_streaming_call(agent):
+    kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+              **TOOL_SAMPLED}
+    full = agent.chat.completions.create(**kwargs).choices[0]
+    chunks = list(agent.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [tc.index for tc in calls] == list(range(len(calls)))
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_results_next_turn_hit_the_prefix(agent):
+    first = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                           tool_choice="required", **TOOL_SAMPLED)
+    message = first.choices[0].message
+    calls = [{"id": "call_a", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}},
+             {"id": "call_b", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}]
+    turn2 = ASK + [{"role": "assistant", "content": message.content, "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "call_b", "content": "rain, 12 C"},
+                   {"role": "tool", "tool_call_id": "call_a", "content": "sun, 21 C"}]
+    out = agent.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER],
+                                         max_tokens=4, **GREEDY)
+    assert out.choices[0].finish_reason == "length"  # a text answer (tool_choice auto)
+    assert out.usage.prompt_tokens > first.usage.prompt_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens >= 128  # the tools + question prefix
+
+
+def test_tool_choice_auto_with_a_random_model_answers_in_text(agent):
+    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                         max_tokens=8, **GREEDY)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert isinstance(choice.message.content, str)
+
+
+def test_json_mode(client):
+    out = client.chat.completions.create(model=MODEL, messages=ASK,
+                                         response_format={"type": "json_object"}, **SAMPLED)
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_json_schema_strict(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True,
+                                                  "schema": PERSON}}
+    for seed in (1, 2, 3):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt,
+                                             **{**SAMPLED, "seed": seed})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+
+
+def test_json_schema_streaming(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    chunks = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt,
+                                            stream=True, **SAMPLED)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_n_choices_share_one_prompt(client):
+    out = client.chat.completions.create(model=MODEL, messages=ROLES, n=3, max_tokens=5,
+                                         temperature=1.0, seed=11,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 15
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 15
+    assert len({c.message.content for c in out.choices}) > 1  # different seeds per choice
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": WEATHER}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {  # valid JSON Schema that the
+        "name": "x", "schema": {"$ref": "#/$defs/missing"}}}},       # grammar cannot compile
+     "response_format.json_schema.schema"),
+    ({"n": 0}, "n"), ({"n": 2, "stream": True}, "n"),
+])
+def test_bad_agent_requests_are_400_naming_the_param(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+    assert info.value.body["param"] == param

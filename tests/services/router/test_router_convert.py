@@ -149,13 +149,15 @@ def test_deepseek_chat_template():
 
 @pytest.mark.parametrize("messages,field", [
     ([], "messages"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "function", "content": "x"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
     ([{"role": "user", "content": 3}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
     (["hi"], "messages[0]"),
     ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
     ([{"role": ["user"], "content": "x"}], "messages[0].role"),
-    ([{"role": "assistant", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": "x", "tool_calls": "x"}], "messages[0].tool_calls"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
     ([{"role": "user", "content": "x", "name": 3}], "messages[0].name"),
 ])
 def test_chat_template_errors_name_the_message(messages, field):

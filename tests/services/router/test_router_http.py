@@ -128,7 +128,7 @@ def test_session_header_binds_the_session(redis_url):
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": "x" * 3000}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "temperature": -2}, "temperature"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -267,16 +267,16 @@ def test_unknown_routes_and_methods_use_the_openai_error_shape(redis_url, method
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_response_format_other_than_text_is_refused(redis_url):
+def test_response_format_of_an_unknown_type_is_refused(redis_url):
     async def main():
         async with edge_http(redis_url) as (_, http):
             body = {"messages": [{"role": "developer", "content": "x"},
                                  {"role": "user", "content": "y"}], "max_tokens": 2}
             bad = await http.post("/v1/chat/completions", json={
-                **body, "response_format": {"type": "json_object"}})
+                **body, "response_format": {"type": "yaml"}})
             text = await http.post("/v1/chat/completions", json={
                 **body, "response_format": {"type": "text"}})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.type"
         assert text.status_code == 200  # and the developer role is accepted
     run_async(main())
 

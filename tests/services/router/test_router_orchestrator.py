@@ -378,3 +378,23 @@ def test_metrics_count_cache_tiers_once(redis_url):
             assert "flashpd:time_to_first_token_seconds_count" in text
             assert 'flashpd:kv_transfer_bytes_total{model_name="flash-tiny"} 341760.0' in text
     run_async(main())
+
+
+def test_a_continued_guided_run_replays_its_tokens_into_the_grammar(redis_url):
+    """Structured output that breaks after 2 tokens continues on another decode worker whose
+    grammar first accepts those 2 tokens (GuidedDecoding.replay_tokens)."""
+    from flashpd.engine.sampling_params import GuidedDecoding
+
+    p = FakePrefill("p0")
+    d0 = FakeDecode("d0", follow_prompt=True,
+                    fail_after_tokens=(2, ActorDiedError("the actor died")))
+    d1 = FakeDecode("d1", follow_prompt=True)
+
+    async def main():
+        async with router_stack(redis_url, [p], [d0, d1], routing="round_robin") as s:
+            await collect(s.orchestrator, s.orchestrator.open(
+                request(PROMPT, max_tokens=6, guided=GuidedDecoding("json_object"))))
+    run_async(main())
+    assert d0.seen[0].sampling.guided.replay_tokens == 0
+    cont = d1.seen[0]
+    assert cont.sampling.guided.replay_tokens == 2 and cont.prompt_ids[:-2] == PROMPT

@@ -49,9 +49,9 @@ HOSTILE = [
     *[("ignore_eos", x) for x in (0, "no")],
     *[("model", x) for x in (1, [], {"id": "x"})],
     *[(name, value) for name, value in (
-        ("response_format", {"type": "json_object"}), ("response_format", "json"),
-        ("n", 2), ("n", True), ("n", 1.0), ("best_of", 2), ("logit_bias", {"1": 5}),
-        ("presence_penalty", 0.5), ("frequency_penalty", NAN), ("tools", [{}]),
+        ("response_format", "json"), ("n", 0), ("n", 17),
+        ("n", True), ("n", 1.0), ("best_of", 2), ("logit_bias", {"1": 5}),
+        ("presence_penalty", 0.5), ("frequency_penalty", NAN), ("tools", {}),
         ("tool_choice", "required"), ("functions", [{}]), ("function_call", "auto"),
         ("audio", {}), ("modalities", ["audio"]), ("prediction", {}), ("user", 5),
         ("metadata", "x"), ("store", "yes"))],
