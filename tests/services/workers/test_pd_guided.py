@@ -17,7 +17,7 @@ from flashpd.engine.sampling_params import GuidedDecoding
 from flashpd.services.api import InternalRequest, InvalidArgument, SamplingParams, TokenEvent
 from flashpd.services.decode.server import DecodeWorker
 from flashpd.services.prefill.server import PrefillWorker
-from flashpd.services.worker_common import WorkerConfig, new_worker_ref
+from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 MODEL_ID = "flashpd-tiny"
 SCHEMA = {"type": "object", "properties": {
