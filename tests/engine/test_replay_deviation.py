@@ -22,10 +22,10 @@ def _last_logits(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[torch.
     captured = {}
     sample = engine.sampler.launch
 
-    def capture(logits, rids, params):  # seam: keep the logits the engine samples from
+    def capture(logits, rids, params, bitmask=None):  # seam: keep the logits sampled from
         for row, r in enumerate(rids):
             captured[r] = logits[row].clone()
-        return sample(logits, rids, params)
+        return sample(logits, rids, params, bitmask)
 
     engine.sampler.launch = capture
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
