@@ -346,6 +346,8 @@ def test_window_books_split_and_rejoin():
         s.note_windows(every, 0, 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="interpreted kernels: ~4 min on the CPU; runs on the GPU")
 def test_turns_through_the_graph_path_equal_the_eager_forward():
     """A turn (one sequence, 2..W rows, last-row logits) takes the graph path padded to its
     bucket, one graph for every row count of the bucket: same logits, pools and books as the
@@ -354,12 +356,12 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
 
     tiny = preset_config("tiny")
     cfg = tiny.replace(name="turns", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
-    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, torch.device("cpu")),
-                                      torch.device("cpu"))
+    dev = torch.device("cuda")
+    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, dev), dev)
     model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
                      decode_graphs=False)
     prompt = _ids(30, 3)
-    base = KVPools(cfg, 8, 2, "cpu", window_scratch_rows=64)
+    base = KVPools(cfg, 8, 2, dev, window_scratch_rows=64)
     a = PagedSeqState(base, 0, [0, 1], torch.bfloat16)
     model.forward(torch.tensor(prompt[:13]), [SeqInput(a, 0, 13)])
     runs = []

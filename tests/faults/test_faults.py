@@ -76,7 +76,7 @@ def test_drain_during_32_streams_moves_every_stream_with_identical_output(stack_
     assert r.passed, r.failures
 
 
-@pytest.mark.parametrize("size", ["load_100", "load_500"])
+@pytest.mark.parametrize("size", ["load_100", pytest.param("load_500", marks=pytest.mark.soak)])
 def test_concurrent_streams_on_one_prefill_and_one_decode_all_complete(stack_1x1, size):
     r = _run(scenarios.load(stack_1x1, **QUICK[size]))
     assert r.passed, r.failures

@@ -9,8 +9,16 @@ import os
 
 import pytest
 
-from flashpd.services.redis_local import free_port
+from flashpd.services.redis_local import LocalRedis, free_port
 from flashpd.services.router import http_guard
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """The e2e stacks' own redis-server: their replicas outlive each test and keep heartbeating,
+    so they must not share a server with the in-process tests (which would see their workers)."""
+    with LocalRedis() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

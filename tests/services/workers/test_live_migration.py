@@ -22,7 +22,7 @@ from flashpd.services.router.placement import Placement
 from flashpd.services.router.policy import make_policy
 from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
-MODEL_ID = "flashpd-tiny"
+MODEL_ID = "flashpd-tiny-migration"  # no other test's workers publish under it
 STREAMS, PROMPT_TOKENS, MAX_TOKENS = 4, 200, 16
 
 
