@@ -4,22 +4,31 @@
     python -m flashpd.bench.h200_stack --out OUT --phase reference   (colocated engine alone)
     python -m flashpd.bench.h200_stack --out OUT --phase stack       (the stack + clients)
 
-reference  the colocated GPU engine alone, same weights (`random:bench:0`): greedy ids of the
-           check prompts, one request at a time, and the decode step time at batch 1 and 8
-           over 8K-token prompts (engine.step() wall time, sampling included). Runs in its
-           own process before the stack, whose two replicas need the GPU's memory.
+reference  the GPU engines alone, same weights (`random:bench:0`), in one process: greedy ids
+           of the check prompts, one request at a time, (a) through a prefill engine and a
+           decode engine over one model, the KV copied between their pools (the stack's
+           scheme: encoder prefill, push, 128-row bounded replay on decode; what the service
+           must reproduce) and (b) through the colocated engine (decoder narrowing: another
+           approximation, so not expected to match under bounded replay); and the decode step
+           time at batch 1 and 8 over 8K-token prompts (engine.step() wall time, sampling
+           included). Runs in its own process before the stack, whose two replicas need the
+           GPU's memory.
 stack      scripts' one command (services/gpu_stack.py) brings up Redis, Ray and the app from
            infra/serve.h200.yaml; then, each phase time-boxed:
              greedy     the check prompts over gRPC (SDK, ids) and HTTP (openai client, text)
-                        against the reference
+                        against the reference's P/D engines (and the colocated engine)
              transfer   cold 8K / 32K / 128K prompts: the router's timeline transfer_ms (post to
                         completion on the prefill worker) -> GB/s of the 890 B/token KV
              sessions   a two-turn session: the second turn's cached tokens and TTFT (the first
                         prefix hit at that width), then a second hit at the same width
              clients    openai client and SDK at concurrency 1, 8, 32 (8K prompts, 64 tokens):
                         TTFT, ITL, tok/s per user, total tok/s, errors
+             itl_b8     8 sessions primed (prompt cached on both sides), then all 8 at once:
+                        decode at batch 8 throughout, ITL against the engine's step at 8
              faults     cancels around the KV push of 32K prompts, a decode replica killed
                         mid-stream: blocks held after, and a request served after
+             agentx     what the box has left: the AgentX-like closed-loop sweep (bench/cli.py
+                        `bench sweep`) through the router at concurrency 1, 4, 16
 Writes OUT/results.json, OUT/summary.json (the issue's keys), OUT/reference.json.
 """
 
@@ -44,13 +53,18 @@ SESSION_PROMPT = 9000
 CANCEL_PROMPT, CANCEL_AFTER_S = 32768, (1.9, 2.0, 2.1, 2.2, 2.3, 2.5)
 VOCAB_IDS = 6000
 REF_ENGINE = {"dtype": "bfloat16", "device": "cuda"}
+STACK_MAX_MODEL_LEN = 139_264  # infra/serve.h200.yaml's max_model_len (the graphs' key widths)
+ITL_B8_PROMPT, ITL_B8_TOKENS = 8192, 96
+AGENTX_CONCURRENCY, AGENTX_WINDOW_S = (1, 4, 16), 40.0
 
 
 def smoke_plan(checkpoint: str) -> None:
     """CPU smoke of every phase's client path against a tiny-preset stack (no reference)."""
     global CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS, CONCURRENCY
     global TRANSFER_PROMPTS, SESSION_PROMPT, CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS
+    global ITL_B8_PROMPT, ITL_B8_TOKENS, AGENTX_CONCURRENCY, AGENTX_WINDOW_S
     REF_ENGINE.update(dtype="float32", device="cpu")
+    ITL_B8_PROMPT, ITL_B8_TOKENS, AGENTX_CONCURRENCY, AGENTX_WINDOW_S = 200, 6, (1,), 5.0
     CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS = checkpoint, {"s": 40}, 200, 8
     CONCURRENCY, TRANSFER_PROMPTS, SESSION_PROMPT = {1: 1, 2: 2}, (256, 512), 300
     CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS = 1024, (0.3, 0.6), 400
@@ -93,12 +107,54 @@ def run_reference(out: str) -> dict:
             for o in engine.step():
                 ids.extend(o.new_token_ids)
         greedy[name] = ids
+    pd = pd_greedy(engine.model, {name: prompt_ids(n, 100 + i)
+                                  for i, (name, n) in enumerate(CHECK_PROMPTS.items())})
     steps = {b: engine_step_ms(engine, b) for b in (1, 8)}
-    ref = {"load_s": round(load_s, 1), "greedy": greedy, "engine_step_ms": steps}
+    ref = {"load_s": round(load_s, 1), "greedy": greedy, "pd_greedy": pd,
+           "engine_step_ms": steps}
     with open(os.path.join(out, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
     print(f"reference: load {load_s:.1f} s, engine step ms {steps}", flush=True)
     return ref
+
+
+def pd_greedy(model, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Greedy ids through a prefill engine and a decode engine over one model (the stack's
+    engine settings), the prompt's KV blocks copied from the prefill pools into the decode
+    reservation's blocks (what NIXL does between the replicas), one prompt at a time."""
+    import torch
+
+    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.sampling import SamplingParams
+
+    common = dict(num_blocks=1536, num_slots=8, max_num_seqs=8, max_num_batched_tokens=8192,
+                  swa_bounded_replay=True, async_scheduling=True,
+                  max_model_len=STACK_MAX_MODEL_LEN, **REF_ENGINE)
+    pre = LLMEngine(model, EngineConfig(role="prefill", **common))
+    dec = LLMEngine(model, EngineConfig(role="decode", **common))
+    out = {}
+    for name, ids in prompts.items():
+        rid = f"pd-{name}"
+        pre.add_request(rid, ids, SamplingParams(max_tokens=1))
+        ready = None
+        while ready is None:
+            ready = next((o for o in pre.step() if o.request_id == rid and o.finished), None)
+        if ready.finish_reason != "kv_ready":
+            raise RuntimeError(f"prefill of {name} ended with {ready.finish_reason}")
+        r = dec.reserve(rid, ids, SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))
+        src = torch.tensor(ready.kv_block_ids[r.num_cached_blocks:], dtype=torch.long)
+        dst = torch.tensor(r.missing_block_ids, dtype=torch.long)
+        theirs, ours = pre.pools.transfer_groups(), dec.pools.transfer_groups()
+        for group, pool in theirs.items():
+            ours[group][dst.to(pool.device)] = pool[src.to(pool.device)]
+        pre.release_kv(rid)
+        dec.kv_arrived(rid)
+        got: list[int] = []
+        while dec.has_unfinished():
+            for o in dec.step():
+                got.extend(o.new_token_ids)
+        out[name] = got
+    return out
 
 
 def engine_step_ms(engine, batch: int, steps: int = 24) -> float:
@@ -194,7 +250,7 @@ async def phase_greedy(stack, ref: dict, tok) -> dict:
     oai = AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
     for i, name in enumerate(CHECK_PROMPTS):
         ids = prompt_ids(CHECK_PROMPTS[name], 100 + i)
-        want = ref["greedy"][name]
+        want = (ref.get("pd_greedy") or ref["greedy"])[name]
         g = await sdk_request(client, ids, CHECK_TOKENS)
         got = list(g.result.output_ids) if g.result else []
         h = await openai_request(oai, stack.model_id, ids, CHECK_TOKENS)
@@ -202,7 +258,8 @@ async def phase_greedy(stack, ref: dict, tok) -> dict:
         out[name] = {"grpc_identical": got == want, "http_identical": h.text == want_text,
                      "grpc_error": g.error, "http_error": h.error,
                      "first_diff": next((k for k, (x, y) in enumerate(zip(got, want, strict=False))
-                                         if x != y), None)}
+                                         if x != y), None),
+                     "colocated_identical": got == ref["greedy"][name]}
     await client.close()
     await oai.close()
     return out
@@ -255,6 +312,53 @@ async def phase_sessions(stack) -> dict:
         history = history + list(r.output_ids) + prompt_ids(64, 900 + turn)
     await client.close()
     return {"turns": turns}
+
+
+async def phase_itl_b8(stack) -> dict:
+    """8 sessions whose prompts are primed on both sides (max_tokens 1, one at a time), then
+    all 8 again at once: after their replays the decode batch is 8 throughout, so the gaps
+    compare with the engine's step at batch 8 (the client runs' batches ramp with prefills)."""
+    from flashpd_sdk import AsyncClient
+
+    client = AsyncClient(stack.grpc_target)
+    prompts = [prompt_ids(ITL_B8_PROMPT, 31000 + i) for i in range(8)]
+    for i, ids in enumerate(prompts):
+        await sdk_request(client, ids, 1, session_id=f"b8-{i}")
+    recs = await asyncio.gather(*(sdk_request(client, ids, ITL_B8_TOKENS, session_id=f"b8-{i}")
+                                  for i, ids in enumerate(prompts)))
+    await client.close()
+    rows = [r.row() for r in recs]
+    gaps = [g for r in rows if r["error"] is None for g in r["gaps_ms"][8:]]  # all 8 decoding
+    return {"requests": len(rows), "errors": sum(r["error"] is not None for r in rows),
+            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p90": pct(gaps, 0.9),
+            "ttft_ms_p50": pct([r["ttft_ms"] for r in rows if r["ttft_ms"]], 0.5)}
+
+
+def phase_agentx(stack, out: str, deadline: float) -> dict:
+    """The AgentX-like sweep through the router (`flashpd bench sweep`, SDK backend), each
+    point time-boxed; the study lands in OUT/agentx with its report."""
+    study = os.path.join(out, "agentx")
+    done = {}
+    for c in AGENTX_CONCURRENCY:
+        left = deadline - time.monotonic() - 20
+        if left < AGENTX_WINDOW_S + 30:
+            done[str(c)] = "skipped: time box"
+            continue
+        cmd = [sys.executable, "-m", "flashpd.cli", "bench", "run", "--target",
+               stack.grpc_target, "--gpus", "1", "-c", str(c), "--window-s",
+               str(AGENTX_WINDOW_S), "--warmup-requests", "1", "--trees", "32",
+               "--drain-timeout-s", "30", "--request-timeout-s", "120", "--no-progress",
+               "--name", "flashpd", "--out", os.path.join(study, "flashpd", f"c{c}")]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            done[str(c)] = {"rc": r.returncode, "tail": (r.stdout + r.stderr)[-600:]}
+        except subprocess.TimeoutExpired:
+            done[str(c)] = "timed out (records so far kept)"
+        print(f"agentx c={c}: {done[str(c)]}", flush=True)
+    rep = subprocess.run([sys.executable, "-m", "flashpd.cli", "bench", "report", study],
+                         capture_output=True, text=True, timeout=120)
+    done["report"] = (rep.stdout + rep.stderr)[-3000:]
+    return done
 
 
 async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: int) -> dict:
@@ -390,6 +494,7 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
             for c, n in CONCURRENCY.items():
                 phases.append((f"{kind}_c{c}", lambda k=kind, c=c, n=n: run_clients(
                     stack, k, c, n, 20000 + 1000 * c + (0 if k == "sdk" else 500))))
+        phases.append(("itl_b8", lambda: phase_itl_b8(stack)))
         phases.append(("faults", lambda: phase_faults(stack, deadline)))
         for name, make in phases:
             if time.monotonic() > deadline - 30:
@@ -412,6 +517,9 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
                 except Exception as e:  # noqa: BLE001
                     res["push_records"] = repr(e)[:300]
                 print(f"pushes: {res['push_records']}", flush=True)
+        if time.monotonic() < deadline - AGENTX_WINDOW_S - 60:
+            res["agentx"] = phase_agentx(stack, out, deadline)
+            _dump(out, res)
     _dump(out, res)
     return res
 
@@ -444,9 +552,13 @@ def summary(out: str, commit: str) -> dict:
         "transport": (res.get("transport") or {}).get("transport", "unknown"),
         "transfer_gb_s": {k: (res.get("transfer") or {}).get(k, {}).get("gb_s")
                           for k in ("8192", "32768", "131072")},
+        # against the engines alone under the stack's scheme (P/D engines in one process)
         "greedy_identical_to_colocated": bool(greedy) and all(
             isinstance(g, dict) and g.get("grpc_identical") and g.get("http_identical")
             for g in greedy.values()),
+        "greedy_identical_to_colocated_narrowing": bool(greedy) and all(
+            isinstance(g, dict) and g.get("colocated_identical") for g in greedy.values()),
+        "itl_ms_p50_batch8_isolated": (res.get("itl_b8") or {}).get("itl_ms_p50"),
         "ttft_ms_p50": {str(c): clients[c].get("ttft_ms_p50") for c in CONCURRENCY},
         "itl_ms_p50": {str(c): clients[c].get("itl_ms_p50") for c in CONCURRENCY},
         "engine_step_ms": {str(b): (ref.get("engine_step_ms") or {}).get(str(b))

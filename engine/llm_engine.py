@@ -72,6 +72,9 @@ class EngineConfig:
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name  # compressed main KV (model/kv_format.py)
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
+    # The longest context served (None: unbounded here, the router enforces its own limit).
+    # With decode graphs, replays and turns take key tables this wide: width-agnostic graphs.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -81,6 +84,8 @@ class EngineConfig:
         for name in ("num_blocks", "num_slots", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass
@@ -126,6 +131,9 @@ class LLMEngine:
                  grammar: GrammarBackend | None = None):
         self.model, self.config = model, config
         cfg = model.cfg
+        graphs = getattr(model, "graphs", None)  # the GPU model's decode graphs
+        if graphs is not None and config.max_model_len is not None:  # engines may share a model
+            graphs.turn_width_tokens = max(graphs.turn_width_tokens, config.max_model_len)
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
         self.kv = KVCacheManager(config.num_blocks, config.num_slots, 128,
                                  namespace=f"{config.model_id}|{config.cache_salt}",

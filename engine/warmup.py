@@ -17,7 +17,8 @@ it, none on the first request (bench/results/h200/first_request.md).
     colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
                           `decode_steps` steps, at the long (aligned) context and at a short
                           one, joined by turns of 2 and 16 tokens after prefix hits; then the
-                          largest bucket admitted at once (16-token turns)
+                          largest bucket admitted at once (16-token turns); then one prefix
+                          hit with a turn of each turn-graph bucket (2 .. W rows)
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
 
 then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
@@ -129,6 +130,7 @@ class _Run:
         for base in (burst_base, self.ids[-p.short_tokens:]):  # long and short contexts
             self.decode_batches(base)
         self.burst(burst_base)
+        self.turns(burst_base)
 
     def decode_batches(self, base: list[int]) -> None:
         """Sequences sharing the prompt `base` (prefix hits after the first), added up to each
@@ -150,6 +152,15 @@ class _Run:
             self.add(base + _turn(i, 16), max_tokens=self.budget)
         self.decode_all()
         self.end(self.live)
+
+    def turns(self, base: list[int]) -> None:
+        """A prefix hit on `base` then a turn of each turn-graph bucket (2, 3, 5, ... rows:
+        every bucket up to W), one sequence at a time. With width-agnostic replay and turn
+        graphs (`EngineConfig.max_model_len`) these are every shape a hit takes at any
+        context, so none is captured on the request path."""
+        w = self.engine.model.cfg.sliding_window
+        for i, n in enumerate([2] + [b // 2 + 1 for b in BUCKETS if 4 <= b <= w]):
+            self.prompt(base + _turn(1000 + i, n))
 
     def decode_all(self) -> None:
         """Step until every live sequence has its first token, then `decode_steps` steps with

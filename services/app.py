@@ -268,7 +268,8 @@ class AppArgs(_Strict):
                               device=self.device, model_id=self.model_id,
                               cache_salt=self.cache_salt, num_threads=r.num_threads,
                               kv_format=self.kv_format,
-                              async_scheduling=self.async_scheduling)
+                              async_scheduling=self.async_scheduling,
+                              max_model_len=self.max_model_len)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             redis_url or self.resolved_redis_url(), lease_s=self.kv_lease_s,
                             max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s)

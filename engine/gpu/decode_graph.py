@@ -54,6 +54,12 @@ class DecodeGraphs:
         self.num_captures = 0
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
         self._failed_turns = False
+        # Replays and turns (one sequence, <= W rows: a prefix hit's or a pushed prompt's first
+        # step) get key tables as wide as this context needs, whatever theirs: one graph per
+        # row bucket for every context up to it, captured at warm-up, so a hit at a new
+        # context width captures nothing on the request path (0: widths step by
+        # KEY_WIDTH_STEP, a capture per new width). Set by the engine (`max_model_len`).
+        self.turn_width_tokens = 0
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
@@ -99,8 +105,9 @@ class DecodeGraphs:
             rows = next(b for b in BUCKETS if b >= (len(seqs) if decode else seqs[0].num_tokens))
         else:
             rows = seqs[0].num_tokens
+        fixed = 0 if decode else self.turn_width_tokens
         step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP,
-                             pad_logits=decode)
+                             pad_logits=decode, key_width_tokens=fixed)
         tables = step.tables
         key = (decode, turn, rows,
                tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),

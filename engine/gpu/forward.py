@@ -227,12 +227,14 @@ class GpuModel(Model):
 
     # ------------------------------------------------------------------ the step's tables
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,
-                key_width_step: int = 0, pad_logits: bool = True) -> Step:
+                key_width_step: int = 0, pad_logits: bool = True,
+                key_width_tokens: int = 0) -> Step:
         """`Model.prepare` + pool row tables, all built on the host and moved to the device in
         one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
         run on every row to that many rows (padding rows read nothing and write only scratch
         rows); key_width_step: round key-table widths up to a multiple of it (fewer graph
-        shapes); pad_logits: padding rows get logits too (a decode bucket), else only the
+        shapes); key_width_tokens: key tables at least as wide as that context needs (one
+        shape for every context up to it); pad_logits: padding rows get logits too (a decode bucket), else only the
         step's own logit rows and `pad_to` key-table rows whatever the padding (a padded
         turn: one graph per bucket, not per row count)."""
         for inp in seqs:
@@ -247,7 +249,8 @@ class GpuModel(Model):
         if pad_to > token_ids.shape[0]:
             self._pad(step, pad_to, pad_logits)
         step.tables = TableBuilder(self.cfg, pools, step, key_width_step, self.layer_kinds,
-                                   min_tables=0 if pad_logits else pad_to).build()
+                                   min_tables=0 if pad_logits else pad_to,
+                                   key_width_tokens=key_width_tokens).build()
         inputs, commit = step.tensors(), step.tables.commit_tensors()
         step.buffer, moved, offsets = self.pack.upload(inputs + commit)
         step.input_bytes = offsets[len(inputs)]  # the commit's tensors come after the inputs

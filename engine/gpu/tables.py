@@ -162,14 +162,18 @@ class TableBuilder:
     """Host-side construction of `PagedTables` (vectorised over rows, once per row layout)."""
 
     def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int,
-                 kinds: dict[LayerGroup, tuple[int, ...]], min_tables: int = 0):
+                 kinds: dict[LayerGroup, tuple[int, ...]], min_tables: int = 0,
+                 key_width_tokens: int = 0):
         """kinds: rows kind -> its layers (`GpuModel.layer_kinds`); min_tables: at least this
-        many key-table rows (the ones past the segments' and padding rows' are empty)."""
+        many key-table rows (the ones past the segments' and padding rows' are empty);
+        key_width_tokens: every key table at least as wide as a context of that many tokens
+        needs (one table shape for every context up to it: a width-agnostic graph)."""
         self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
         self.num_rows = step.token_ids.shape[0]
         self.num_tables = max(min_tables, len(step.segs) + self.num_rows
                               - sum(s.num_tokens for s in step.segs))
         self.width_step = key_width_step
+        self.width_tokens = key_width_tokens
 
     def build(self) -> PagedTables:
         cfg, pools, step = self.cfg, self.pools, self.step
@@ -318,7 +322,7 @@ class TableBuilder:
         counts, widths = {}, {}
         for i, src in enumerate(cfg.kv_source_layer_ids):
             c = [v[i] for v in per_seg]
-            width = max(c, default=0)
+            width = max(max(c, default=0), -(-self.width_tokens // cfg.compress_ratios[src]))
             if self.width_step:
                 width = -(-max(width, 1) // self.width_step) * self.width_step
             counts[src], widths[src] = c + [0] * pad, width

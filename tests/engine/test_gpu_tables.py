@@ -7,6 +7,8 @@ only on the step's plan, which a zero-logits compute keeps."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,7 +203,9 @@ class CheckedModel(GpuModel):
     """Compares the step's tables with `OldTables` and keeps per-layer shadow window books;
     the layers are replaced by zero logits (and zero ratio-2 open rows)."""
 
-    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0, pad_logits=True):
+    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0, pad_logits=True,
+                key_width_tokens=0):
+        assert key_width_tokens == 0  # the old builder knows width steps only
         step = super().prepare(token_ids, seqs, pad_to, key_width_step, pad_logits)
         # the old builder on the same (host) step, before any commit
         host = step.__class__(step.token_ids.cpu(), step.segs, step.rows, step.hash_ids,
@@ -415,3 +419,28 @@ def test_graphs_are_keyed_by_the_pools_they_were_recorded_against():
     for s in states.values():
         (key,) = [k for k in graphs if k[-1] == pools_key(s.pools)]
         assert graphs[key][1].tables.pools is s.pools
+
+
+def test_replay_and_turn_tables_take_one_width_for_every_context_up_to_the_limit():
+    """`key_width_tokens` (the engine's max_model_len, for replays and turns): two sequences of
+    different contexts get key tables of one width, as wide as the limit needs, so their
+    turns share one graph; without it the widths follow each context (a capture per width)."""
+    model = small_model()
+    cfg = model.cfg
+    pools = KVPools(cfg, 16, 4, "cpu", window_scratch_rows=256)
+    states = [PagedSeqState(pools, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16)
+              for i in range(2)]
+    for s, n in zip(states, (20, 44), strict=True):
+        model.forward(torch.tensor(_ids(n, n)), [SeqInput(s, 0, n)])
+
+    def widths(s, tokens):
+        step = GpuModel.prepare(model, torch.tensor([7, 8, 9]), [SeqInput(s, s.num_tokens, 3)],
+                                pad_to=4, key_width_step=4, pad_logits=False,
+                                key_width_tokens=tokens)
+        return step.tables.key_width
+
+    limit = 300
+    want = {src: math.ceil(math.ceil(limit / cfg.compress_ratios[src]) / 4) * 4
+            for src in cfg.kv_source_layer_ids}
+    assert widths(states[0], limit) == widths(states[1], limit) == want
+    assert widths(states[0], 0) != widths(states[1], 0)

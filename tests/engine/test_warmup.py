@@ -10,9 +10,12 @@ import torch
 
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.warmup import PREFIX, WarmupPlan, default_plan, warm_up
+from flashpd.engine.warmup import BUCKETS, PREFIX, WarmupPlan, default_plan, warm_up
+from flashpd.model.presets import preset_config
 
 PLAN = WarmupPlan(long_tokens=300, short_tokens=40, batches=(1, 2, 4), decode_steps=2)
+# one hit + turn per turn-graph bucket: 2, then 4, 8, ... up to the sliding window
+TURNS = 1 + sum(1 for b in BUCKETS if 4 <= b <= preset_config("tiny").sliding_window)
 
 
 def _engine(model, role="colocated", **kw) -> LLMEngine:
@@ -46,8 +49,9 @@ def test_colocated_warm_up_runs_every_bucket_and_changes_no_output(model_f32, as
     before = engine.kv.usage()
     steps_before = engine.num_steps
     done = warm_up(engine, PLAN)
-    # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), then 4 at once
-    assert done["requests"] == 1 + 2 * 4 + 4 and done["batches"] == [1, 2, 4]
+    # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), then 4 at once,
+    # then a hit + turn per turn-graph bucket (2 .. W rows)
+    assert done["requests"] == 1 + 2 * 4 + 4 + TURNS and done["batches"] == [1, 2, 4]
     assert done["steps"] >= engine.num_steps - steps_before > 2 * 3 * PLAN.decode_steps
     _assert_clean(engine, before)
     assert engine.kv.lookup(list(range(10, 400))).hit_tokens == 0
@@ -78,7 +82,7 @@ def test_decode_role_warm_up_admits_as_the_router_does(model_f32):
     engine = _engine(model_f32, role="decode")
     before = engine.kv.usage()
     done = warm_up(engine, PLAN)
-    assert done["requests"] == 13
+    assert done["requests"] == 13 + TURNS
     _assert_clean(engine, before)
 
 
@@ -139,4 +143,4 @@ def test_at_load_the_switch_skips_it(model_f32, monkeypatch):
     monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "0")
     assert warm_up_at_load(engine, PLAN) is None and engine.num_steps == 0
     monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "1")
-    assert warm_up_at_load(engine, PLAN)["requests"] == 13 and engine.num_steps > 0
+    assert warm_up_at_load(engine, PLAN)["requests"] == 13 + TURNS and engine.num_steps > 0
