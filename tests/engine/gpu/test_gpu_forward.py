@@ -332,7 +332,7 @@ def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
     engine empty, and the requests after it get the tokens a fresh engine gives."""
     from flashpd.engine.llm_engine import EngineConfig, LLMEngine
     from flashpd.engine.sampling import SamplingParams
-    from flashpd.engine.warmup import WarmupPlan, warm_up
+    from flashpd.engine.warmup import BUCKETS, WarmupPlan, warm_up
 
     _, gpu = models
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -343,7 +343,8 @@ def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
                                              device=DEVICE))
         if warm:
             done = warm_up(engine, WarmupPlan(long_tokens=40, short_tokens=12, batches=(1, 2)))
-            assert done["requests"] == 7 and gpu.graphs.num_captures >= 2
+            turns = 1 + sum(1 for b in BUCKETS if 4 <= b <= gpu.cfg.sliding_window)
+            assert done["requests"] == 7 + turns and gpu.graphs.num_captures >= 2
             assert engine.kv.usage()["blocks_cached"] == 0 and not engine.has_unfinished()
         for k in range(2):
             engine.add_request(f"r{k}", _prompt(11 + k, 60 + k), params)
@@ -354,3 +355,35 @@ def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
         runs.append(out)
     gpu.graphs = None
     assert runs[1] == runs[0] and all(len(v) == 4 for v in runs[0].values())
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="interpreted kernels: minutes; runs on the GPU")
+def test_hits_at_new_context_widths_capture_no_replay_or_turn_graph_after_warm_up(models):
+    """With max_model_len, replays and turns take key tables as wide as that context needs:
+    the warm-up captures them once, and a session whose later turns cross key-width steps
+    (ratio-2 entries past 1,024, then 2,048) captures no replay or turn graph on its hits."""
+    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.warmup import WarmupPlan, warm_up
+
+    _, gpu = models
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    gpu.graphs = DecodeGraphs(gpu)
+    try:
+        engine = LLMEngine(gpu, EngineConfig(num_blocks=96, num_slots=4, dtype="bfloat16",
+                                             device=DEVICE, max_model_len=6144))
+        warm_up(engine, WarmupPlan(long_tokens=40, short_tokens=12, batches=(1,)))
+        hit_keys = {k for k in gpu.graphs._graphs if not k[0]}  # replays and turns
+        assert hit_keys
+        history = _prompt(1500, 5)
+        for turn in range(3):
+            engine.add_request(f"t{turn}", history, params)
+            ids: list[int] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    ids.extend(o.new_token_ids)
+            assert len(ids) == 3
+            history = history + ids + _prompt(1100, 70 + turn)  # 1,500 -> 2,603 -> 3,706
+        assert {k for k in gpu.graphs._graphs if not k[0]} == hit_keys
+    finally:
+        gpu.graphs = None
