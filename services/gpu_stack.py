@@ -88,22 +88,9 @@ class GpuStack:
         self.model_id = self.args.model_id
 
     def worker_stats(self, timeout_s: float = 1.0) -> list:
-        import redis
+        from flashpd.services.router.index import live_worker_stats
 
-        from flashpd.services.api import WorkerStats
-        from flashpd.services.router.index import IndexKeys
-
-        keys = IndexKeys(self.model_id)
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s)
-        try:
-            wkeys = sorted(k.decode() for k in client.smembers(keys.workers))
-            beats = client.mget([keys.heartbeat(k) for k in wkeys]) if wkeys else []
-        except redis.RedisError:
-            return []
-        finally:
-            client.close()
-        return [WorkerStats.from_json(b) for b in beats if b is not None]
+        return live_worker_stats(self.redis_url, self.model_id, timeout_s)
 
     def counts(self) -> dict[str, int]:
         counts = {"prefill": 0, "decode": 0}

@@ -14,8 +14,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import redis
-
 from flashpd.services.api import WorkerStats
 from flashpd.services.redis_local import LOOPBACK, LocalRedis, free_port
 
@@ -129,19 +127,9 @@ class FaultStack:
 
     def worker_stats(self, timeout_s: float = 1.0) -> list[WorkerStats]:
         """Live workers' heartbeats (empty when Redis does not answer)."""
-        from flashpd.services.router.index import IndexKeys
+        from flashpd.services.router.index import live_worker_stats
 
-        keys = IndexKeys(MODEL_ID)
-        client = redis.Redis.from_url(self.redis_server.url, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s)
-        try:
-            wkeys = sorted(k.decode() for k in client.smembers(keys.workers))
-            beats = client.mget([keys.heartbeat(k) for k in wkeys]) if wkeys else []
-        except redis.RedisError:
-            return []
-        finally:
-            client.close()
-        return [WorkerStats.from_json(b) for b in beats if b is not None]
+        return live_worker_stats(self.redis_server.url, MODEL_ID, timeout_s)
 
     def blocks_held(self) -> int:
         """KV blocks in use by requests (not free, not merely cached) over all live workers."""

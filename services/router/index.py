@@ -389,6 +389,25 @@ class PrefixIndex:
         await asyncio.gather(*(self.deregister(w) for w in dead))
 
 
+def live_worker_stats(redis_url: str, model_id: str, timeout_s: float = 1.0) -> list[WorkerStats]:
+    """The live workers' last heartbeats, read once with a synchronous client (operators'
+    tools and fault harnesses; the router reads them through `PrefixIndex`). Empty when Redis
+    does not answer within `timeout_s`."""
+    import redis
+
+    keys = IndexKeys(model_id)
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
+    try:
+        wkeys = sorted(_text(k) for k in client.smembers(keys.workers))
+        beats = client.mget([keys.heartbeat(k) for k in wkeys]) if wkeys else []
+    except redis.RedisError:
+        return []
+    finally:
+        client.close()
+    return [WorkerStats.from_json(b) for b in beats if b is not None]
+
+
 def _binding(raw: dict) -> SessionBinding | None:
     data = {_text(k): _text(v) for k, v in raw.items()}
     if not data.get("decode"):

@@ -8,7 +8,12 @@ import redis.asyncio as aioredis
 
 from flashpd.engine.events import AllCleared, BlockRemoved, BlockStored
 from flashpd.services.api import WorkerRef, WorkerStats
-from flashpd.services.router.index import IndexKeys, IndexPublisher, PrefixIndex
+from flashpd.services.router.index import (
+    IndexKeys,
+    IndexPublisher,
+    PrefixIndex,
+    live_worker_stats,
+)
 
 pytestmark = pytest.mark.net
 MODEL = "tiny"
@@ -218,3 +223,25 @@ def test_lookup_recovers_when_redis_forgot_the_script(redis_url):
         await r.script_flush()
         assert (await index.lookup(H, [d0.ref])).hit_chunks == {d0.ref: 2}
     run(redis_url, scenario)
+
+
+def test_live_worker_stats_reads_the_heartbeats_and_is_empty_without_redis(redis_url):
+    async def scenario(r, pub, index):
+        for w in (stats("prefill", "p0", running=2), stats("decode", "d0", kv_blocks_used=5)):
+            await pub.register(w)
+        got = await asyncio.to_thread(live_worker_stats, redis_url, MODEL)
+        assert sorted((w.role, w.running, w.kv_blocks_used) for w in got) == [
+            ("decode", 0, 5), ("prefill", 2, 0)]
+        assert await asyncio.to_thread(live_worker_stats, redis_url, "other-model") == []
+    run(redis_url, scenario)
+    dead = f"redis://127.0.0.1:{_closed_port()}/0"
+    assert live_worker_stats(dead, MODEL, timeout_s=0.2) == []
+
+
+def _closed_port() -> int:
+    """A 127.0.0.1 port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
