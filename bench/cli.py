@@ -4,9 +4,11 @@
     flashpd bench run --target 127.0.0.1:9000 --gpus 2 -c 8 --window-s 60 --out runs/c8
     flashpd bench sweep --target 127.0.0.1:9000 --gpus 2 --concurrency 1,2,4,8 --out study/
     flashpd bench ab --target base=127.0.0.1:9000 --target new=127.0.0.1:9100 --gpus 2 --out ab/
-    flashpd bench report study/ --cap 150 --ttft-limit-s 5
+    flashpd bench report study/ --cap 150 --ttft-limit-s 5 --tiers 20,60,150 --baseline base
 
-A study directory holds <configuration>/c<C>/{meta.json,records.jsonl} and the report. Exit codes:
+A study directory holds <configuration>/c<C>/{meta.json,records.jsonl}, the report and
+summary.json (goodput tiers per configuration and, with --baseline, the A/B ratios: tiers.py).
+Exit codes:
 0 done, 1 a run aborted (too many consecutive errors), 130 interrupted (records kept).
 """
 
@@ -22,7 +24,8 @@ from pathlib import Path
 from flashpd.bench.backend import Backend, SdkBackend
 from flashpd.bench.driver import DriverConfig, LaneFailure, RunResult, run_closed_loop
 from flashpd.bench.records import RecordWriter, write_meta
-from flashpd.bench.report import load_study, write_report
+from flashpd.bench.report import Study, load_study, write_report
+from flashpd.bench.tiers import study_summary, write_summary
 from flashpd.bench.workload import Workload, WorkloadConfig, generate_workload, summarize
 
 DEFAULT_SWEEP = "1,2,4,8,16,32,64,128"
@@ -116,6 +119,32 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap", type=float, default=150.0, help="interactivity cap, tok/s/user")
     p.add_argument("--ttft-limit-s", type=float, default=5.0, help="p90 TTFT limit for goodput")
+    p.add_argument("--tiers", default="20,60,150",
+                   help="comma-separated tok/s/user tiers for summary.json")
+    p.add_argument("--baseline", default=None,
+                   help="configuration the A/B ratios in summary.json compare against")
+    p.add_argument("--candidate", default=None,
+                   help="configuration summarised at the top (default: the first)")
+
+
+def parse_tiers(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--tiers needs positive numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"--tiers needs positive numbers, got {text!r}")
+    return sorted(set(values))
+
+
+def _report(args: argparse.Namespace, study_dir: str | Path, study: Study) -> None:
+    """report.md + plots, then summary.json (tiers, and the A/B ratios with --baseline)."""
+    path = write_report(study_dir, study, args.cap, args.ttft_limit_s)
+    print(f"report: {path}")
+    metrics = {name: [p.metrics for p in points] for name, points in study.items()}
+    summary = study_summary(metrics, baseline=args.baseline, candidate=args.candidate,
+                            tiers=parse_tiers(args.tiers), ttft_limit_s=args.ttft_limit_s)
+    print(f"summary: {write_summary(study_dir, summary)}")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -273,17 +302,16 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace, targets: list[Target]) -> int:
+    parse_tiers(args.tiers)  # a bad value fails before the runs, not after them
     study_dir = Path(args.out)
     study_dir.mkdir(parents=True, exist_ok=True)
     code = _run_targets(args, targets, parse_concurrency(args.concurrency), study_dir)
-    path = write_report(study_dir, load_study(study_dir), args.cap, args.ttft_limit_s)
-    print(f"report: {path}")
+    _report(args, study_dir, load_study(study_dir))
     return code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    path = write_report(args.study_dir, load_study(args.study_dir), args.cap, args.ttft_limit_s)
-    print(f"report: {path}")
+    _report(args, args.study_dir, load_study(args.study_dir))
     return 0
 
 

@@ -7,8 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
+from flashpd.bench import clock
 from flashpd.bench.backend import BackendError, Completion, GenerateCall, OnTokens
+from flashpd.bench.driver import DriverConfig, run_closed_loop
 from flashpd.bench.laws import AgentShape, UniformRange
+from flashpd.bench.records import write_run
 from flashpd.bench.workload import Workload, WorkloadConfig, generate_workload
 
 
@@ -110,3 +113,30 @@ def compacting_workload() -> Workload:
     return generate_workload(
         WorkloadConfig(seed=2, num_trees=4, scale=200.0, max_turns=40, shape=shape)
     )
+
+
+@pytest.fixture(scope="session")
+def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
+    """Two configurations (base, fast) at concurrency 1 and 2, on the virtual clock."""
+    root = tmp_path_factory.mktemp("study")
+    for name, ttft_s in (("base", 0.006), ("fast", 0.002)):
+        for concurrency in (1, 2):
+            config = DriverConfig.for_time_scale(
+                small_workload.config.time_scale,
+                concurrency=concurrency,
+                window_s=0.3,
+                warmup_requests=2,
+                show_progress=False,
+                drain_timeout_s=2.0,
+            )
+            coro = run_closed_loop(
+                small_workload,
+                fake_backend_cls(ttft_s=ttft_s),
+                config,
+                name=name,
+                target=f"inproc-{name}",
+                num_gpus=2,
+            )
+            result = clock.run(coro, clock="virtual")
+            write_run(root / name / f"c{concurrency}", result.meta, result.records)
+    return root

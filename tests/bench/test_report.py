@@ -4,38 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from flashpd.bench import clock
-from flashpd.bench.driver import DriverConfig, run_closed_loop
-from flashpd.bench.records import read_run, write_run
+from flashpd.bench.records import read_run
 from flashpd.bench.report import load_study, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
-    root = tmp_path_factory.mktemp("study")
-    for name, ttft_s in (("base", 0.006), ("fast", 0.002)):
-        for concurrency in (1, 2):
-            config = DriverConfig.for_time_scale(
-                small_workload.config.time_scale,
-                concurrency=concurrency,
-                window_s=0.3,
-                warmup_requests=2,
-                show_progress=False,
-                drain_timeout_s=2.0,
-            )
-            coro = run_closed_loop(
-                small_workload,
-                fake_backend_cls(ttft_s=ttft_s),
-                config,
-                name=name,
-                target=f"inproc-{name}",
-                num_gpus=2,
-            )
-            result = clock.run(coro, clock="virtual")
-            write_run(root / name / f"c{concurrency}", result.meta, result.records)
-    return root
 
 
 def test_run_directory_round_trips(study_dir):

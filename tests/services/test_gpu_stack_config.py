@@ -59,3 +59,16 @@ def test_kv_lease_reaches_both_roles():
     args = AppArgs.model_validate({**c.args, "redis_url": "redis://127.0.0.1:1",
                                    "redis_url_env": None})
     assert args.worker_config("prefill").lease_s == args.worker_config("decode").lease_s == 120
+
+
+def test_baseline_config_turns_the_switchable_optimizations_off():
+    """infra/serve.h200.baseline.yaml (issue 28's A/B baseline) validates as the stack's config
+    and differs from the shipped one only in the switches it names."""
+    base, shipped = check_config("infra/serve.h200.baseline.yaml"), check_config(CONFIG)
+    assert base.replicas == shipped.replicas and base.gpus == shipped.gpus
+    diff = {k for k in set(base.args) | set(shipped.args) if base.args.get(k) != shipped.args.get(k)}
+    assert diff == {"swa_bounded_replay", "kv_format", "routing"}
+    assert (base.args["swa_bounded_replay"], base.args["kv_format"], base.args["routing"]) == (
+        False, "fp8", "round_robin")
+    extra = {k: v for k, v in base.env.items() if shipped.env.get(k) != v}
+    assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0"}

@@ -1,0 +1,90 @@
+"""Goodput tiers and the seed's ratios (bench/tiers.py) on hand-made sweep points, and the
+report command writing summary.json over a real (virtual-clock) study."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from flashpd.bench.metrics import Percentiles, RunMetrics
+from flashpd.bench.tiers import ab_ratios, study_summary, tier_points
+
+
+def point(c: int, itl_tok_s: float, e2e_tok_s: float, ttft_p90_s: float, tok_s: float,
+          name: str = "x") -> RunMetrics:
+    pct = Percentiles(0.1, ttft_p90_s, ttft_p90_s)
+    return RunMetrics(
+        name=name, concurrency=c, num_gpus=1, window_s=60.0, requests=10, errors=0,
+        errors_by_type={}, input_tokens=0, output_tokens=0, total_tok_s_per_gpu=tok_s,
+        output_tok_s_per_gpu=tok_s / 10, interactivity_itl_tok_s=itl_tok_s,
+        interactivity_e2e_tok_s=e2e_tok_s, ttft_s=pct, itl_s=pct, e2e_s=pct,
+        hit_rate_actual=0.9, hit_rate_ideal=0.95, prompt_tokens=1, cached_tokens=1,
+        cached_tokens_prefill=0, cached_tokens_decode=1, coverage=1.0)
+
+
+# per-user speed falls and throughput rises with concurrency; TTFT breaks the bound at C=16
+BASE = [point(1, 100, 50, 0.5, 1000), point(2, 80, 40, 0.6, 1800), point(4, 55, 30, 1.0, 3000),
+        point(8, 30, 20, 2.0, 5000), point(16, 21, 15, 9.0, 7000)]
+FAST = [point(1, 190, 95, 0.3, 1900), point(2, 170, 80, 0.4, 3400),
+        point(4, 160, 70, 0.5, 6400), point(8, 70, 45, 1.0, 11000),
+        point(16, 40, 30, 4.0, 16000)]
+
+
+def test_a_tier_is_the_largest_concurrency_meeting_speed_and_ttft():
+    tiers = tier_points(BASE, (20, 60, 150), ttft_limit_s=5.0)
+    assert tiers["20"] == {"max_concurrency": 8, "tok_s": 5000.0, "output_tok_s": 500.0}
+    assert tiers["60"]["max_concurrency"] == 2  # C=4 runs at 55 tok/s/user
+    assert tiers["150"] == {"max_concurrency": None, "tok_s": None, "output_tok_s": None}
+
+
+def test_interrupted_aborted_and_nan_points_meet_no_tier():
+    bad = [replace(BASE[0], interrupted=True), replace(BASE[1], aborted_reason="errors"),
+           replace(BASE[2], interactivity_itl_tok_s=math.nan)]
+    assert all(v["max_concurrency"] is None for v in tier_points(bad, (20,)).values())
+
+
+def test_ab_ratios_are_the_seeds_two_figures():
+    ab = ab_ratios(BASE, FAST, (20, 60, 150), ttft_limit_s=5.0)
+    # e2e speed at C = 1, 2, 4: 95/50, 80/40, 70/30
+    assert ab["speedup_low_concurrency"] == pytest.approx((1.9 + 2.0 + 70 / 30) / 3, abs=1e-3)
+    assert ab["low_concurrency_points"] == 3
+    assert ab["throughput_ratio_at_tier"] == {
+        "20": 3.2, "60": round(11000 / 1800, 3), "150": None}  # base meets no 150 point
+
+
+def test_study_summary_names_its_configurations_and_refuses_unknown_ones():
+    s = study_summary({"base": BASE, "fast": FAST}, baseline="base", candidate="fast",
+                      extra={"commit": "abc"})
+    assert s["commit"] == "abc" and s["configuration"] == "fast"
+    assert s["tiers"]["150"]["max_concurrency"] == 4
+    assert set(s["configurations"]) == {"base", "fast"} and s["ab"]["baseline"] == "base"
+    with pytest.raises(KeyError, match="nope"):
+        study_summary({"base": BASE}, baseline="nope")
+
+
+def test_report_command_writes_summary_json(study_dir, tmp_path):
+    from flashpd.cli import main
+
+    assert main(["bench", "report", str(study_dir), "--tiers", "1,1000000",
+                 "--baseline", "base", "--candidate", "fast"]) == 0
+    s = json.loads((study_dir / "summary.json").read_text())
+    assert s["configuration"] == "fast" and set(s["tiers"]) == {"1", "1e+06"}
+    assert s["tiers"]["1e+06"]["max_concurrency"] is None
+    assert s["ab"]["baseline"] == "base"
+    with pytest.raises(ValueError, match="--tiers"):
+        main(["bench", "report", str(study_dir), "--tiers", "0,x"])
+
+
+def test_agentx_gpu_report_adds_commit_and_preset(study_dir):
+    from flashpd.bench.agentx_gpu import main, sweep_command
+
+    assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast",
+                 "--commit", "abc123"]) == 0
+    s = json.loads((study_dir / "summary.json").read_text())
+    assert s["commit"] == "abc123" and s["preset"] == "bench" and s["ab"]["baseline"] == "base"
+    assert s["pd_vs_colocated"]["measured"] is False
+    cmd = sweep_command("127.0.0.1:9000", "flashpd", "/o", 8, 45.0, 64)
+    assert cmd[cmd.index("-c") + 1] == "8" and cmd[-1].endswith("flashpd/c8")
