@@ -13,7 +13,7 @@ whose tensors are static buffers. Per call:
 Eligible: plain decode (every sequence adds one token, last-row logits, no replay), a bounded
 replay of one sequence over exactly W rows without logits, and a turn: one sequence adding 2..W
 rows through all layers with last-row logits (a new turn after a prefix hit, a short prompt),
-padded to the next bucket (GRAPH_TURNS; the rows are otherwise thousands of eager launches). Everything the graph writes into the
+padded to the next bucket (`graph_turns_from_env`; the rows are otherwise thousands of eager launches). Everything the graph writes into the
 pools is a function of the buffers alone (scratch rows, entry rows), so the warm-up runs before a
 capture may repeat it; the writes that would not be idempotent (ring copies, open rows) happen
 in the commit. Padding rows read nothing and write only scratch rows.
@@ -41,7 +41,16 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KEY_WIDTH_STEP = 1024  # key-row tables are padded to a multiple of this (fewer captures)
-GRAPH_TURNS = os.environ.get("FLASHPD_GRAPH_TURNS", "1") != "0"  # turns of <= W rows as graphs
+TURNS_ENV = "FLASHPD_GRAPH_TURNS"  # 0: turns (<= W rows) run eagerly (the A/B baseline)
+
+
+def graph_turns_from_env(environ=os.environ) -> bool:
+    """Whether turns go through graphs: FLASHPD_GRAPH_TURNS, read when the graphs are built
+    (engine load), validated (0 or 1; unset: on)."""
+    text = environ.get(TURNS_ENV, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{TURNS_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 log = logging.getLogger(__name__)
 
 
@@ -54,6 +63,7 @@ class DecodeGraphs:
         self.num_captures = 0
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
         self._failed_turns = False
+        self.turns = graph_turns_from_env()
         # Replays and turns (one sequence, <= W rows: a prefix hit's or a pushed prompt's first
         # step) get key tables as wide as this context needs, whatever theirs: one graph per
         # row bucket for every context up to it, captured at warm-up, so a hit at a new
@@ -85,7 +95,7 @@ class DecodeGraphs:
 
     def _turn(self, seqs: Sequence[SeqInput]) -> bool:
         """One sequence adding 2..W rows through all layers, last-row logits, no replay."""
-        if not GRAPH_TURNS or len(seqs) != 1 or self._failed_turns:
+        if not self.turns or len(seqs) != 1 or self._failed_turns:
             return False
         inp = seqs[0]
         plan = inp.plan

@@ -444,3 +444,12 @@ def test_replay_and_turn_tables_take_one_width_for_every_context_up_to_the_limit
             for src in cfg.kv_source_layer_ids}
     assert widths(states[0], limit) == widths(states[1], limit) == want
     assert widths(states[0], 0) != widths(states[1], 0)
+
+
+def test_graph_turns_switch_is_read_at_load_and_validated():
+    from flashpd.engine.gpu.decode_graph import graph_turns_from_env
+
+    assert graph_turns_from_env({}) is True
+    assert graph_turns_from_env({"FLASHPD_GRAPH_TURNS": "0"}) is False
+    with pytest.raises(ValueError, match="FLASHPD_GRAPH_TURNS"):
+        graph_turns_from_env({"FLASHPD_GRAPH_TURNS": "off"})
