@@ -711,6 +711,7 @@ class Model:
             raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'}"
                              f" at position {first_pos}")
         kv32, gate32 = (t[part.s0:part.s1] for t in projected)
+        state.note_group_rows(src, first_pos, kv32, gate32)  # a verify's rollback (speculation)
         pooled, open_out = self.compressor.pool_pairs(kv32, gate32, open_in)
         state.set_open_group(src, open_out)
         return self.compressor.latent(pooled, norm, self.eps, self.dtype)
