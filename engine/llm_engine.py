@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,7 +36,7 @@ from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
 from flashpd.engine.request import PrefixPolicy, Request
 from flashpd.engine.runner import FedTokens, ModelRunner
-from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
+from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams, filtered_probs
 from flashpd.engine.sampling_params import GuidedDecoding
 from flashpd.engine.scheduler import (
     PENDING_TOKEN,
@@ -47,6 +47,17 @@ from flashpd.engine.scheduler import (
     SchedulerConfig,
     StepPlan,
     StepResult,
+)
+from flashpd.engine.speculative import (
+    ForcedSchedule,
+    Proposal,
+    SpecStats,
+    SpeculativeConfig,
+    Verdict,
+    accept_greedy,
+    accept_sampled,
+    build_drafter,
+    log_forced,
 )
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.model.model import Model, exact_replay_rows
@@ -72,8 +83,14 @@ class EngineConfig:
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name  # compressed main KV (model/kv_format.py)
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
+    # speculative decoding (engine/speculative.py): None = off; a dict is parsed strictly
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("speculative must be a SpeculativeConfig, a dict or None")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         if self.dtype not in DTYPES:
@@ -108,6 +125,12 @@ class _Launched:
 
 
 @dataclass(frozen=True)
+class _Draft:
+    tokens: tuple[int, ...]
+    probs: object = None  # [k, V] FP32 q rows, or None (point masses)
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -119,6 +142,11 @@ class EngineOutput:
     logprobs: tuple = ()  # SampleOutput per new token when requested
     kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready
     error: str | None = None  # finish_reason "error": why this request (alone) failed
+    # speculative decoding, this request so far: drafts verified and accepted; the forced
+    # acceptance length when a benchmark forced it (outputs are then not the model's)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    forced_acceptance_length: float | None = None
 
 
 class LLMEngine:
@@ -153,6 +181,23 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
         self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
         self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
+        self._init_speculation(config.speculative)
+
+    def _init_speculation(self, spec: SpeculativeConfig | None) -> None:
+        self.spec, self.spec_stats = spec, SpecStats()
+        self._spec_usage: dict[str, list[int]] = {}  # request -> [drafted, accepted]
+        self.drafter = self.forced = None
+        if spec is None:
+            return
+        if self.config.role == "prefill":
+            raise ValueError("speculative: a prefill worker samples no tokens; configure it on "
+                             "the decode workers")
+        self.drafter = build_drafter(spec, self.model)
+        self._drafter_states: dict[str, object] = {}
+        self._draft_gen = torch.Generator().manual_seed(self.config.seed + 1)
+        if spec.bench_forced_acceptance_length is not None:
+            self.forced = ForcedSchedule(spec.bench_forced_acceptance_length)
+        log_forced(spec)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
@@ -232,6 +277,11 @@ class LLMEngine:
             table.pop(request_id, None)
         self.sampler.forget(request_id)
         self.runner.forget([request_id])
+        self._spec_usage.pop(request_id, None)
+        if self.spec is not None:
+            self._drafter_states.pop(request_id, None)
+            if self.forced is not None:
+                self.forced.forget(request_id)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineOutput]:
@@ -253,13 +303,17 @@ class LLMEngine:
             if not plan.chunks:
                 self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
                 return []
+            drafts = self._propose(plan) if self.spec is not None else {}
+            if drafts:
+                return self._speculative_step(plan, drafts)
             try:
                 launched = self._launch(plan)
             except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
                 return self._forward_failed(plan, exc)
         ahead_failed: tuple | None = None
         if (self.config.async_scheduling and launched.pending is not None
-                and not any(r in self._matchers for r in launched.rids)):
+                and not any(r in self._matchers for r in launched.rids)
+                and not self._may_speculate_next()):
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 try:
@@ -283,17 +337,21 @@ class LLMEngine:
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
         fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
         launched = _Launched(plan, rids, fed_rids=fed_rids)
-        if not rids:
-            return launched
+        if rids:
+            self._launch_sampling(launched, out.logits)
+        return launched
+
+    def _launch_sampling(self, launched: _Launched, logits_by_rid) -> None:
+        rids = launched.rids
         params = [self._params[r] for r in rids]
+        out_logits = logits_by_rid
         try:
-            logits = torch.stack([out.logits[r] for r in rids])
+            logits = torch.stack([out_logits[r] for r in rids])
             bitmask = (self.grammar.fill_bitmask([self._matchers.get(r) for r in rids])
                        if self._matchers and self.grammar is not None else None)
             launched.pending = self.sampler.launch(logits, rids, params, bitmask)
         except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
-            launched.samples, launched.errors = self._sample_rows(rids, out.logits, params)
-        return launched
+            launched.samples, launched.errors = self._sample_rows(rids, out_logits, params)
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for the step's ids, correct what a step launched after it recorded for them,
@@ -380,15 +438,169 @@ class LLMEngine:
             st.token_times_s.append(now)
         reason = o.finish_reason.value if o.finish_reason is not None else None
         logprobs = (sample,) if sample is not None and self._wants_logprobs(o.request_id) else ()
+        drafted, accepted = self._spec_usage.get(o.request_id, (0, 0))
+        forced = None if self.spec is None else self.spec.bench_forced_acceptance_length
         if o.finished and reason != "kv_ready":
             self._drop(o.request_id)
         return EngineOutput(o.request_id, tuple(o.new_token_ids), o.finished, reason,
                             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens,
-                            logprobs, tuple(o.kv_block_ids))
+                            logprobs, tuple(o.kv_block_ids), draft_tokens=drafted,
+                            accepted_draft_tokens=accepted, forced_acceptance_length=forced)
 
     def _wants_logprobs(self, request_id: str) -> bool:
         p = self._params.get(request_id)
         return p is not None and p.logprobs > 0
+
+    # ------------------------------------------------------------------ speculation
+    def _may_speculate_next(self) -> bool:
+        """Whether the next step could speculate: then it is not launched ahead (a verify
+        needs the anchor on the host to draft from, and rolls states back after it)."""
+        return self.spec is not None and self.scheduler.num_running <= self.spec.max_batch
+
+    def _propose(self, plan: StepPlan) -> dict[str, _Draft]:
+        """Drafts for the plan's eligible decode rows (the policy: `engine/speculative.py`)."""
+        decodes = [c for c in plan.chunks if c.needs_logits and c.num_tokens == 1]
+        if len(decodes) > self.spec.max_batch:
+            self.spec_stats.skipped_batch += 1
+            return {}
+        room = {c.request_id: self._draft_room(c) for c in decodes}
+        chunks = [c for c in decodes if room[c.request_id] > 0]
+        if not chunks:
+            return {}
+        rids = [c.request_id for c in chunks]
+        states = [self._drafter_state(r) for r in rids]
+        params = [self._params[r] for r in rids]
+        proposal = self.drafter.propose(states, [c.token_ids[0] for c in chunks],
+                                        [c.start for c in chunks],
+                                        lambda logits, slot: self._choose(logits, params))
+        return self._trim_drafts(rids, proposal, room)
+
+    def _draft_room(self, chunk) -> int:
+        """Drafts this decode row may verify: 0 unless it may speculate; at most k and one
+        fewer than the tokens it may still emit."""
+        rid = chunk.request_id
+        request, params = self._requests.get(rid), self._params.get(rid)
+        if (request is None or params is None or params.speculative == "off"
+                or params.logprobs or rid in self._matchers or chunk.replay is not None
+                or chunk.fresh_slot or chunk.token_ids[0] == PENDING_TOKEN
+                or chunk.end != request.num_tokens):
+            return 0
+        left = params.max_tokens - request.num_output_tokens - 1
+        return max(0, min(self.spec.num_tokens, left))
+
+    def _drafter_state(self, rid: str) -> object:
+        if rid not in self._drafter_states:
+            self._drafter_states[rid] = self.drafter.new_state(self._requests[rid].token_ids)
+        return self._drafter_states[rid]
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams]):
+        """The drafter's sampler: each row's request filters applied (q as p will be), a draw
+        from the engine's draft stream (argmax for greedy requests)."""
+        probs = filtered_probs(logits, params)
+        host = probs.cpu()
+        tokens = torch.multinomial(host, 1, generator=self._draft_gen)[:, 0]
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = torch.where(greedy, host.argmax(-1), tokens)
+        return tokens.to(logits.device), probs
+
+    def _trim_drafts(self, rids, proposal: Proposal, room) -> dict[str, _Draft]:
+        out = {}
+        for i, rid in enumerate(rids):
+            tokens = list(proposal.tokens[i])[:room[rid]]
+            if self.forced is not None:
+                pad = tokens[-1] if tokens else self._requests[rid].token_ids[-1]
+                tokens += [pad] * (room[rid] - len(tokens))  # forced: always k (bench)
+            if tokens:
+                probs = None if proposal.probs is None else proposal.probs[i, :len(tokens)]
+                out[rid] = _Draft(tuple(int(t) for t in tokens), probs)
+        return out
+
+    def _speculative_step(self, plan: StepPlan, drafts: dict[str, _Draft]) -> list[EngineOutput]:
+        """Draft rows extend their chunk ([anchor, drafts]); one forward verifies them all;
+        acceptance; states rolled back to the committed rows; the scheduler books it all."""
+        known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+        chunks, verify = [], {}
+        for c in plan.chunks:
+            d = drafts.get(c.request_id)
+            if d is not None and self.kv.grow(c.request_id, c.end + len(d.tokens)) is not None:
+                known[c.request_id] = known[c.request_id] + list(d.tokens)
+                c = replace(c, end=c.end + len(d.tokens), token_ids=c.token_ids + d.tokens,
+                            block_ids=tuple(self.kv.block_table(c.request_id)))
+                verify[c.request_id] = (c, d)
+            chunks.append(c)
+        try:
+            out = self.runner.execute(replace(plan, chunks=tuple(chunks)), known, None,
+                                      frozenset(verify))
+        except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
+            return self._forward_failed(plan, exc)
+        rids = [c.request_id for c in plan.chunks
+                if c.request_id in out.logits and c.request_id not in verify]
+        launched = _Launched(plan, rids)
+        if rids:
+            self._launch_sampling(launched, out.logits)
+        verdicts = self._verify_all(verify, out.logits, known, launched.errors)
+        return self._complete_speculative(launched, verdicts)
+
+    def _verify_all(self, verify, logits_by_rid, known, errors) -> dict[str, Verdict]:
+        verdicts = {}
+        for rid, (chunk, draft) in verify.items():
+            try:
+                verdict = self._verify_row(rid, logits_by_rid[rid], draft)
+                verdict = self._cut_at_eos(rid, verdict)
+                n = chunk.start + 1 + verdict.num_accepted  # the anchor and accepted drafts
+                self.runner.truncate(rid, n, known[rid][n - 3:n])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                log.exception("speculative verify of %s failed", rid)
+                errors[rid] = f"speculative verify failed: {type(exc).__name__}: {exc}"
+                continue
+            verdicts[rid] = verdict
+            usage = self._spec_usage.setdefault(rid, [0, 0])
+            usage[0] += len(draft.tokens)
+            usage[1] += verdict.num_accepted
+            self.spec_stats.record(len(draft.tokens), verdict.num_accepted)
+        self.spec_stats.steps += 1
+        return verdicts
+
+    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft) -> Verdict:
+        """rows [d + 1, V] FP32: the target's logits after the anchor and each draft."""
+        params, drafts = self._params[rid], list(draft.tokens)
+        if self.forced is not None:  # benchmark: the schedule decides, the target's token ends
+            a = self.forced.next(rid, len(drafts))
+            gen = self.sampler.verify_generator(rid, params, 1)
+            p = filtered_probs(rows[a:a + 1], [params]).cpu()
+            token = int(torch.multinomial(p[0], 1, generator=gen))
+            return Verdict(tuple(drafts[:a]) + (token,), a)
+        if params.greedy:
+            return accept_greedy(rows.argmax(-1).tolist(), drafts)
+        p = filtered_probs(rows, [params] * rows.shape[0])
+        gen = self.sampler.verify_generator(rid, params, len(drafts) + 1)
+        return accept_sampled(p, draft.probs, drafts, gen)
+
+    def _cut_at_eos(self, rid: str, verdict: Verdict) -> Verdict:
+        """Nothing after an EOS is emitted (unless the request ignores EOS)."""
+        eos = self.eos_token_id
+        if eos is None or self._params[rid].ignore_eos or eos not in verdict.tokens:
+            return verdict
+        i = verdict.tokens.index(eos)
+        return Verdict(verdict.tokens[:i + 1], min(verdict.num_accepted, i))
+
+    def _complete_speculative(self, launched: _Launched,
+                              verdicts: dict[str, Verdict]) -> list[EngineOutput]:
+        samples = launched.samples
+        if launched.pending is not None:
+            samples = dict(zip(launched.rids, launched.pending.result(), strict=True))
+        failed = self._fail_requests(launched.errors)
+        signals = self._signals(samples)
+        eos = self.eos_token_id
+        signals.update((rid, FinishSignal.EOS) for rid, v in verdicts.items()
+                       if eos is not None and v.tokens[-1] == eos)
+        sampled = {r: [s.token_id] for r, s in samples.items()}
+        sampled.update((rid, list(v.tokens)) for rid, v in verdicts.items())
+        result = StepResult(sampled_token_ids=sampled, finish_signals=signals,
+                            accepted_drafts={rid: v.num_accepted for rid, v in verdicts.items()})
+        outputs = self.scheduler.update(launched.plan, result)
+        self.num_steps += 1
+        return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
     # ------------------------------------------------------------------ views
     def usage(self) -> dict[str, int]:
