@@ -146,6 +146,7 @@ class EngineOutput:
     # acceptance length when a benchmark forced it (outputs are then not the model's)
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # verifies (acceptance length = 1 + accepted / steps)
     forced_acceptance_length: float | None = None
 
 
@@ -185,7 +186,7 @@ class LLMEngine:
 
     def _init_speculation(self, spec: SpeculativeConfig | None) -> None:
         self.spec, self.spec_stats = spec, SpecStats()
-        self._spec_usage: dict[str, list[int]] = {}  # request -> [drafted, accepted]
+        self._spec_usage: dict[str, list[int]] = {}  # request -> [drafted, accepted, steps]
         self.drafter = self.forced = None
         if spec is None:
             return
@@ -438,14 +439,15 @@ class LLMEngine:
             st.token_times_s.append(now)
         reason = o.finish_reason.value if o.finish_reason is not None else None
         logprobs = (sample,) if sample is not None and self._wants_logprobs(o.request_id) else ()
-        drafted, accepted = self._spec_usage.get(o.request_id, (0, 0))
+        drafted, accepted, steps = self._spec_usage.get(o.request_id, (0, 0, 0))
         forced = None if self.spec is None else self.spec.bench_forced_acceptance_length
         if o.finished and reason != "kv_ready":
             self._drop(o.request_id)
         return EngineOutput(o.request_id, tuple(o.new_token_ids), o.finished, reason,
                             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens,
                             logprobs, tuple(o.kv_block_ids), draft_tokens=drafted,
-                            accepted_draft_tokens=accepted, forced_acceptance_length=forced)
+                            accepted_draft_tokens=accepted, draft_steps=steps,
+                            forced_acceptance_length=forced)
 
     def _wants_logprobs(self, request_id: str) -> bool:
         p = self._params.get(request_id)
@@ -554,9 +556,10 @@ class LLMEngine:
                 errors[rid] = f"speculative verify failed: {type(exc).__name__}: {exc}"
                 continue
             verdicts[rid] = verdict
-            usage = self._spec_usage.setdefault(rid, [0, 0])
+            usage = self._spec_usage.setdefault(rid, [0, 0, 0])
             usage[0] += len(draft.tokens)
             usage[1] += verdict.num_accepted
+            usage[2] += 1
             self.spec_stats.record(len(draft.tokens), verdict.num_accepted)
         self.spec_stats.steps += 1
         return verdicts
