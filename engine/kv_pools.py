@@ -386,9 +386,6 @@ class PagedSeqState(TokenCounter, SeqState):
         (positions N .. N+max_rows-1 reuse the ring rows of positions N-W+1 ..)."""
         if not 0 < max_rows <= self._keep:
             raise StateError(f"a verify of {max_rows} rows: need 1 .. {self._keep}")
-        if self.pools.scratch_base != self.pools.window.shape[1]:
-            raise StateError("speculative rollback is not implemented for the staged (GPU) "
-                             "window path")
         n = self._num_tokens
         rows = self._ring_rows(n, n + max_rows)
         saved = (self._common, None if self._per_layer is None else list(self._per_layer),

@@ -126,6 +126,11 @@ class Speculative:
 
     _spec: SpecMark | None = None
 
+    @property
+    def speculating(self) -> bool:
+        """Between `begin_speculation` and `truncate`."""
+        return self._spec is not None
+
     def begin_speculation(self, max_rows: int) -> None:
         raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")
 

@@ -398,13 +398,14 @@ def _token_entry(piece: str, logprob: float) -> dict:
 
 def usage(final: FinalEvent) -> dict:
     u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            # OpenAI's predicted-output counters, filled by speculative decoding's drafts
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": u.accepted_draft_tokens,
-                "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens}}
+    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if u.draft_steps:  # OpenAI's predicted-output counters, filled by speculative decoding
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens}
+    return out
 
 
 def flashpd_extension(final: FinalEvent) -> dict:

@@ -174,3 +174,39 @@ def test_ngram_drafter_lookup_and_engine(model_f32):
                                                speculative={"method": "ngram"}))
     assert _run(engine, prompts, params) == reference
     assert engine.spec_stats.drafted > 0
+
+
+def test_forced_acceptance_is_refused_without_the_bench_env(monkeypatch):
+    from flashpd.engine.speculative import BENCH_ENV
+
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    with pytest.raises(ValueError, match=BENCH_ENV):
+        SpeculativeConfig(bench_forced_acceptance_length=3.5)
+    monkeypatch.setenv(BENCH_ENV, "yes")  # only "1" enables it
+    with pytest.raises(ValueError, match=BENCH_ENV):
+        EngineConfig(speculative={"bench_forced_acceptance_length": 3.5})
+
+
+def test_forced_acceptance_follows_the_schedule_and_is_reported(model_f32, monkeypatch, caplog):
+    from flashpd.engine.speculative import BENCH_ENV
+
+    monkeypatch.setenv(BENCH_ENV, "1")
+    spec = {"method": "ngram", "num_tokens": 5, "bench_forced_acceptance_length": 3.5}
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, speculative=spec))
+    assert "BENCHMARK MODE" in caplog.text
+    prompts = {"a": _prompt(30, 1), "b": _prompt(60, 2)}
+    outs = []
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(max_tokens=33, ignore_eos=True))
+    while engine.has_unfinished():
+        outs += engine.step()
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert set(finals) == {"a", "b"}
+    for o in finals.values():
+        assert o.output_tokens == 33
+        assert o.forced_acceptance_length == 3.5
+        # 1 prefill token, verifies of 3, 4, 3, 4, ... tokens (accepted 2, 3, ...: mean 2.5) up
+        # to 32, then one plain decode (no room left for a draft): 1 + 28 + 3 + 1
+        assert o.draft_steps == 9 and o.accepted_draft_tokens == 4 * (2 + 3) + 2
+    assert all(o.forced_acceptance_length == 3.5 for o in outs)
