@@ -210,3 +210,27 @@ def test_forced_acceptance_follows_the_schedule_and_is_reported(model_f32, monke
         # to 32, then one plain decode (no room left for a draft): 1 + 28 + 3 + 1
         assert o.draft_steps == 9 and o.accepted_draft_tokens == 4 * (2 + 3) + 2
     assert all(o.forced_acceptance_length == 3.5 for o in outs)
+
+
+def test_decode_worker_drafts_after_the_handoff(model_f32):
+    """P/D: a prefill engine computes the prompt's KV, a decode engine receives its blocks,
+    replays the last 128 rows (windows, open rows; the drafter's context, bounded replay) and
+    drafts from its first decode step: greedy output equals the decode engine without drafts."""
+    from tests.engine.test_continuation import _decode, _engine, _prefill
+
+    prompt = _prompt(300, 21)
+    outs = {}
+    for spec in (None, {"method": "ngram", "num_tokens": 4}):
+        p = _engine(model_f32, "prefill")
+        d = _engine(model_f32, "decode", speculative=spec)
+        ready = _prefill(p, "a", prompt)
+        if spec is not None:
+            keyed = {tuple(prompt): (prompt, outs[None])}
+            d.drafter = OracleDrafter(4, keyed, 512)
+        outs[None if spec is None else "spec"] = _decode(d, "a", prompt, 24, p,
+                                                         ready.kv_block_ids)
+        if spec is not None:
+            assert d.spec_stats.verifies > 0 and d.spec_stats.accepted > 0
+    assert outs["spec"] == outs[None]
+    with pytest.raises(ValueError, match="prefill"):
+        _engine(model_f32, "prefill", speculative={"method": "ngram"})
