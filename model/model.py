@@ -307,7 +307,7 @@ class Published:
 
 @dataclass(frozen=True)
 class Taps:
-    """The DSpark tap of one forward (shared/docs/dspark.md §2.1).
+    """The DSpark tap of one forward (shared/docs/dspark.md §2.1), from `Model.taps(step)`.
 
     `values` [Tc, n_taps * D] in the model dtype: per row the decoder layers compute (`rows`,
     those of the last tap layer; every earlier layer computed them too), the plain mean over the
@@ -348,7 +348,6 @@ class Step:
     host_ids: torch.Tensor | None = None  # [T] token_ids on the host (hashes, the commit)
     buffer: torch.Tensor | None = None  # the one device buffer the tensors view (a backend's)
     input_bytes: int = 0  # buffer[:input_bytes] holds every tensor of `tensors()`
-    taps: Taps | None = None  # set by `compute` when the model records the DSpark tap
 
     def rows_of(self, spec: LayerSpec) -> LayerRows:
         return self.rows[spec.group]
@@ -460,12 +459,19 @@ class Model:
                 feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None.
         feed: rows whose ids are read on the device (`TokenFeed`)."""
+        return self.forward_taps(token_ids, seqs, feed)[0]
+
+    @torch.no_grad()
+    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                     feed: TokenFeed | None = None
+                     ) -> tuple[list[torch.Tensor | None], Taps | None]:
+        """`forward`, plus the step's DSpark tap (`taps`; None without a drafter)."""
         step = self.prepare(token_ids, seqs)
         if feed is not None:
             self.apply_feed(step, feed)
         logits = self.compute(step)
         self.commit(step)
-        return step.split_logits(logits)
+        return step.split_logits(logits), self.taps(step)
 
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
                 device: torch.device | None = None) -> Step:
@@ -539,13 +545,20 @@ class Model:
             rows = step.rows_of(spec)
             if rows.num_seam:
                 streams, carried_pre = self._layer(spec, lw, rows, streams, carried_pre, step)
-        step.taps = Taps(torch.cat(taps, dim=-1), self._tap_rows(step)) if taps else None
+        if taps:  # in `outputs`: a graph replay hands the caller's step the static buffer
+            step.outputs["taps"] = torch.cat(taps, dim=-1)  # [Tc, n_taps*D]
         if step.logit_rows.numel() == 0:
             return None
         idx = step.logit_rows
         h = self.mhc.collapse(streams[idx], carried_pre[idx])  # layer L-1's FFN pre
         h = self.dense.rms_norm(h, self.w.norm, self.eps)
         return self.dense.linear_fp32(h, self.w.head)  # [n, V] FP32
+
+    def taps(self, step: Step) -> Taps | None:
+        """The DSpark tap `compute` left in the step (None: the model records none). Its values
+        may be a graph's static buffer: consume them before the next forward."""
+        values = step.outputs.get("taps")
+        return None if values is None else Taps(values, self._tap_rows(step))
 
     def _tap_rows(self, step: Step) -> LayerRows:
         """The rows the tap covers: those the last tap layer computes."""

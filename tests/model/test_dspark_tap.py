@@ -1,4 +1,4 @@
-"""The target tap (Model.compute -> Step.taps): stream means entering the tap layers."""
+"""The target tap (Model.compute -> Model.taps(step) / forward_taps): stream means entering the tap layers."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_tap_is_the_stream_mean_entering_each_target_layer(tiny_model, make_prom
     ids = tiny_model.cfg.dspark.target_layer_ids
     assert ids == (7, 8, 9)
     want = torch.cat([seen[i].mean(dim=1) for i in ids], dim=-1)  # by hand: plain mean over S
-    values, positions = step.taps.of(0)
+    values, positions = tiny_model.taps(step).of(0)
     assert values.shape == (30, 3 * tiny_model.cfg.hidden_size)
     assert positions == range(0, 30)
     assert torch.allclose(values, want, rtol=0, atol=1e-6)
@@ -52,9 +52,9 @@ def test_tap_rows_follow_the_decoder_rows_per_segment(tiny_model, make_prompt, m
     step = _step(tiny_model, [(a, make_prompt(12, 1), narrow),
                               (b, make_prompt(9, 2), SeqPlan.encoder_only()),
                               (c, make_prompt(7, 3), SeqPlan(logits=LogitsRequest.ALL))])
-    va, pa = step.taps.of(0)
-    vb, pb = step.taps.of(1)
-    vc, pc = step.taps.of(2)
+    va, pa = tiny_model.taps(step).of(0)
+    vb, pb = tiny_model.taps(step).of(1)
+    vc, pc = tiny_model.taps(step).of(2)
     assert (pa, pb, pc) == (range(8, 12), range(0), range(0, 7))
     assert va.shape[0] == 4 and vb.shape[0] == 0 and vc.shape[0] == 7
     # batch rows: a = 0..11 (tap rows 8..11), b = 12..20, c = 21..27
@@ -73,7 +73,7 @@ def test_a_model_without_a_drafter_records_no_tap(tiny_ckpt, make_prompt):
     model = Model.from_checkpoint(bare, torch.float32)
     assert model.tap_layer_ids == ()
     step = _step(model, [(model.new_state(), make_prompt(5), SeqPlan())])
-    assert step.taps is None
+    assert model.taps(step) is None and "taps" not in step.outputs
 
 
 def test_tap_feeds_the_drafter_end_to_end(tiny_ckpt, tiny_model, make_prompt):
@@ -82,12 +82,15 @@ def test_tap_feeds_the_drafter_end_to_end(tiny_ckpt, tiny_model, make_prompt):
     st, ds = tiny_model.new_state(), drafter.new_state()
     prompt = make_prompt(20, 4)
     step = _step(tiny_model, [(st, prompt, SeqPlan())])
-    values, positions = step.taps.of(0)
+    values, positions = tiny_model.taps(step).of(0)
+    logits, taps = tiny_model.forward_taps(torch.tensor(prompt), [SeqInput(
+        tiny_model.new_state(), 0, 20)])  # the one-call form gives the same tap
+    assert torch.equal(taps.values, values) and logits[0].shape == (1, tiny_model.cfg.vocab_size)
     drafter.insert_context([ds], [list(positions)], values)
     out = drafter.draft([ds], torch.tensor([prompt[-1]]), [20], greedy_choose)
     assert out.tokens.shape == (1, drafter.k)
     step = _step(tiny_model, [(st, [int(out.tokens[0, 0])], SeqPlan())])
-    values, positions = step.taps.of(0)
+    values, positions = tiny_model.taps(step).of(0)
     assert positions == range(20, 21)
     drafter.insert_context([ds], [list(positions)], values)
     assert ds.positions() == list(range(21)) and ds.end_pos == 21
