@@ -1,4 +1,4 @@
-"""The drafter's `mtp.*` tensors: released names/formats (dspark.md §2.5), random writer, loader."""
+"""The drafter's `mtp.*` tensors: names and formats (dspark.md §2.5), random writer, loader."""
 
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_confidence_is_the_head_on_prenorm_hidden_and_previous_token(drafter):
     w, dim = drafter.w, drafter.cfg.hidden_size
     prevs = [5] + out.tokens[0, :-1].tolist()
     for j, prev in enumerate(prevs):
-        want = torch.sigmoid(x[0, j] @ w.confidence[:dim] + w.markov_embed[prev] @ w.confidence[dim:])
+        score = x[0, j] @ w.confidence[:dim] + w.markov_embed[prev] @ w.confidence[dim:]
+        want = torch.sigmoid(score)
         assert torch.allclose(out.confidences[0, j], want)
 
 

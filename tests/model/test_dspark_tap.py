@@ -1,4 +1,4 @@
-"""The target tap (Model.compute -> Model.taps(step) / forward_taps): stream means entering the tap layers."""
+"""The target tap (Model.taps(step), Model.forward_taps): stream means entering the tap layers."""
 
 from __future__ import annotations
 
