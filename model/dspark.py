@@ -31,7 +31,7 @@ writes, so a rejected draft needs no rollback and rewriting a position overwrite
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -103,7 +103,9 @@ def greedy_choose(logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.
 class DSparkDrafter:
     """The drafter over dequantised `mtp.*` weights, with the target's embed, head and kernels."""
 
-    def __init__(self, cfg: ModelConfig, weights: DrafterWeights, target: Model):
+    def __init__(self, cfg: ModelConfig, weights: DrafterWeights, target: Model,
+                 kernels: Mapping[str, object] | None = None):
+        """kernels: op -> module overrides of the target's choice (training: STE fake quants)."""
         if cfg.dspark is None:
             raise DrafterError(f"config {cfg.name!r} has no drafter (num_nextn_predict_layers=0)")
         if (target.cfg.vocab_size, target.cfg.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
@@ -116,7 +118,7 @@ class DSparkDrafter:
         self.window = cfg.sliding_window  # W = 128 context slots per stage
         self.device, self.dtype = target.device, target.dtype
         self.w = _to_device(weights, self.device)
-        k = self.kernels = target.kernels  # op -> module, the target's choice
+        k = self.kernels = {**target.kernels, **(kernels or {})}  # op -> module
         self.dense, self.mhc, self.rope = k["dense"], k["mhc"], k["rope"]
         self.attention, self.moe_k = k["attention"], k["moe"]
         # RoPE of ratio-0 layers: base rope_theta (10000 released), no YaRN (dspark.md §2.3)
@@ -144,6 +146,13 @@ class DSparkDrafter:
         return d.rms_norm(d.linear(taps.to(self.dtype), self.w.main_proj), self.w.main_norm,
                           self.cfg.rms_norm_eps)
 
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tap rows [N, n_taps*D] at `positions` [N] -> every stage's context K = V [L, N, d]."""
+        main_x = self.project_taps(taps)  # [N, D], shared by the L stages
+        cos_sin = self.rope.rope_cos_sin(positions, self.freqs)
+        return torch.stack([window_kv(self.kernels, self.cfg, lw.attn, main_x, cos_sin)
+                            for lw in self.w.layers])
+
     @torch.no_grad()
     def insert_context(self, states: Sequence[DrafterState], positions: Sequence[Sequence[int]],
                        taps: torch.Tensor) -> None:
@@ -158,10 +167,7 @@ class DSparkDrafter:
         if not flat:
             return
         pos = torch.tensor(flat, dtype=torch.long, device=self.device)  # [N]
-        cos_sin = self.rope.rope_cos_sin(pos, self.freqs)
-        main_x = self.project_taps(taps.to(self.device))  # [N, D]
-        kv = torch.stack([window_kv(self.kernels, self.cfg, lw.attn, main_x, cos_sin)
-                          for lw in self.w.layers])  # [L, N, d]
+        kv = self.context_kv(taps.to(self.device), pos)  # [L, N, d]
         at = 0
         for state, ps in zip(states, positions, strict=True):
             keep = ps[-self.window:]  # older ones would be overwritten in this very call
@@ -217,14 +223,21 @@ class DSparkDrafter:
     def forward_block(self, states: Sequence[DrafterState], anchors: torch.Tensor,
                       anchor_positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The parallel pass -> (pre-norm x [B, k, D], base logits U [B, k, V] FP32)."""
-        cfg, num_seqs, k = self.cfg, len(states), self.k
+        first = torch.tensor([int(p) for p in anchor_positions], device=self.device)  # [B]
+        ctx_kv, ctx_valid = self.context(states, first - 1)  # [L, B, W, d], [B, W]
+        return self.block_pass(ctx_kv, ctx_valid, anchors, first)
+
+    def block_pass(self, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor, anchors: torch.Tensor,
+                   first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block [a, n, .., n] at positions first[b] .. first[b]+k-1 over context keys
+        ctx_kv [L, B, Wc, d] (any slot order) visible where ctx_valid [B, Wc]
+        -> (pre-norm x [B, k, D], U [B, k, V] FP32)."""
+        cfg, num_seqs, k = self.cfg, anchors.shape[0], self.k
         ids = torch.full((num_seqs, k), self.ds.noise_token_id, dtype=torch.long,
                          device=self.device)
         ids[:, 0] = anchors  # [B, k]: [a, n, .., n]
-        first = torch.tensor([int(p) for p in anchor_positions], device=self.device)  # [B]
         pos = (first[:, None] + torch.arange(k, device=self.device)).reshape(-1)  # [B*k]
         cos_sin = self.rope.rope_cos_sin(pos, self.freqs)  # [B*k, r/2] each
-        ctx_kv, ctx_valid = self.context(states, first - 1)  # [L, B, W, d], [B, W]
         embed = self.target.w.embed[ids.reshape(-1)]  # [B*k, D]
         streams = embed[:, None, :].expand(-1, cfg.hc_mult, -1).clone()  # [B*k, S, D]
         carried = torch.zeros(num_seqs * k, cfg.hc_mult, dtype=torch.float32,
