@@ -152,7 +152,9 @@ class EngineOutput:
 
 class LLMEngine:
     def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None,
-                 grammar: GrammarBackend | None = None):
+                 grammar: GrammarBackend | None = None, dspark=None):
+        """dspark: the checkpoint's DSpark drafter (model/dspark.py), for speculative.method
+        "dspark"."""
         self.model, self.config = model, config
         cfg = model.cfg
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
@@ -182,9 +184,9 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
         self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
         self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
-        self._init_speculation(config.speculative)
+        self._init_speculation(config.speculative, dspark)
 
-    def _init_speculation(self, spec: SpeculativeConfig | None) -> None:
+    def _init_speculation(self, spec: SpeculativeConfig | None, dspark) -> None:
         self.spec, self.spec_stats = spec, SpecStats()
         self._spec_usage: dict[str, list[int]] = {}  # request -> [drafted, accepted, steps]
         self.drafter = self.forced = None
@@ -193,7 +195,8 @@ class LLMEngine:
         if self.config.role == "prefill":
             raise ValueError("speculative: a prefill worker samples no tokens; configure it on "
                              "the decode workers")
-        self.drafter = build_drafter(spec, self.model)
+        self.drafter = build_drafter(spec, dspark)
+        self.runner.taps = self.drafter.uses_tap
         self._drafter_states: dict[str, object] = {}
         self._draft_gen = torch.Generator().manual_seed(self.config.seed + 1)
         if spec.bench_forced_acceptance_length is not None:
@@ -226,6 +229,7 @@ class LLMEngine:
         paused = self.scheduler.pause(request_id)
         if paused is not None:
             self.runner.forget([request_id])
+            self._forget_drafts([request_id])
         return paused
 
     def release_kv(self, request_id: str) -> None:
@@ -334,7 +338,9 @@ class LLMEngine:
         if before is not None:
             fed = FedTokens(before.pending.tokens, {r: i for i, r in enumerate(before.rids)})
         known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+        self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
         out = self.runner.execute(plan, known, fed)
+        self._observe(out, {})
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
         fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
         launched = _Launched(plan, rids, fed_rids=fed_rids)
@@ -530,6 +536,7 @@ class LLMEngine:
                             block_ids=tuple(self.kv.block_table(c.request_id)))
                 verify[c.request_id] = (c, d)
             chunks.append(c)
+        self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
         try:
             out = self.runner.execute(replace(plan, chunks=tuple(chunks)), known, None,
                                       frozenset(verify))
@@ -541,7 +548,34 @@ class LLMEngine:
         if rids:
             self._launch_sampling(launched, out.logits)
         verdicts = self._verify_all(verify, out.logits, known, launched.errors)
+        self._observe(out, verdicts, set(verify))
         return self._complete_speculative(launched, verdicts)
+
+    def _forget_drafts(self, request_ids) -> None:
+        """Drop drafter states of requests that lost their slot (preempted, paused, freed): a
+        recompute inserts their positions afresh."""
+        if self.spec is not None:
+            for rid in request_ids:
+                self._drafter_states.pop(rid, None)
+
+    def _observe(self, out, verdicts: dict[str, Verdict], verified: set[str] = frozenset()):
+        """Hand the drafter the committed rows of this step (their taps): every computed row,
+        but of a verify only the anchor and the accepted drafts (nothing of a failed one)."""
+        if self.drafter is None or not self.drafter.uses_tap or not out.taps:
+            return
+        states, positions, rows = [], [], []
+        for rid, pieces in out.taps.items():
+            if rid not in self._requests or (rid in verified and rid not in verdicts):
+                continue
+            for values, pos in pieces:
+                if rid in verdicts:
+                    keep = 1 + verdicts[rid].num_accepted
+                    values, pos = values[:keep], pos[:keep]
+                states.append(self._drafter_state(rid))
+                positions.append(list(pos))
+                rows.append(values)
+        if states:
+            self.drafter.observe(states, positions, torch.cat(rows))
 
     def _verify_all(self, verify, logits_by_rid, known, errors) -> dict[str, Verdict]:
         verdicts = {}

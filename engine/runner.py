@@ -18,7 +18,7 @@ logits rows only for chunks that need them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class FedTokens:
 class StepOutput:
     logits: dict[str, torch.Tensor]  # request id -> FP32 [V] (model's device), needs_logits
     num_tokens: int  # rows computed (replay rows included)
+    # with `ModelRunner.taps` on: request id -> (tap rows [n, n_taps*D], their positions) per
+    # segment of the step (a replay piece and a normal piece are two), rows the decoder computed
+    taps: dict[str, list[tuple[torch.Tensor, range]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -49,6 +52,8 @@ class ModelRunner:
         self.model, self.pools, self.decoder_rows = model, pools, decoder_rows
         self._states: dict[str, PagedSeqState] = {}
         self._verify: frozenset[str] = frozenset()  # this step's speculative verifies
+        self.taps = False  # return the DSpark tap rows of every segment (a drafter needs them)
+        self._taps: dict[str, list[tuple[torch.Tensor, range]]] = {}
         self._tables: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -97,11 +102,12 @@ class ModelRunner:
                 normals.append((chunk, state, split, chunk.end))
         out: dict[str, torch.Tensor] = {}
         rows = 0
+        self._taps = {}
         if replays:
             rows += self._run(plan.path, replays, token_ids_of, out, replay=True)
         if normals:
             rows += self._run(plan.path, normals, token_ids_of, out, replay=False, fed=fed)
-        return StepOutput(out, rows)
+        return StepOutput(out, rows, self._taps)
 
     def _prepare(self, chunk: ScheduledChunk, known: Sequence[int]) -> PagedSeqState:
         rid = chunk.request_id
@@ -145,7 +151,7 @@ class ModelRunner:
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
         feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src)) if fed_seqs else None
-        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs, feed)  # host ids
+        results = self._forward(torch.tensor(ids, dtype=torch.long), seqs, feed, owners)
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
                   if last and rid not in self._verify]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step
@@ -155,6 +161,18 @@ class ModelRunner:
                                                                          strict=True)
                    if last and rid in self._verify)
         return len(ids)
+
+    def _forward(self, ids: torch.Tensor, seqs, feed, owners) -> list:
+        """The model's forward (host ids); with `taps` on, each segment's tap rows are kept."""
+        if not self.taps:
+            return self.model.forward(ids, seqs, feed)
+        results, taps = self.model.forward_taps(ids, seqs, feed)
+        if taps is not None:
+            for i, (rid, _) in enumerate(owners):
+                values, positions = taps.of(i)
+                if len(positions):
+                    self._taps.setdefault(rid, []).append((values, positions))
+        return results
 
     def _normal_plan(self, path: ForwardPath, logits: LogitsRequest, num_tokens: int) -> SeqPlan:
         if path is ForwardPath.ENCODER:

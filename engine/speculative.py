@@ -300,12 +300,12 @@ class SpecStats:
                 "length_counts": dict(self.length_counts), "skipped_batch": self.skipped_batch}
 
 
-def build_drafter(config: SpeculativeConfig, model) -> Drafter:
-    """The configured drafter. DSpark needs the model's drafter (`model.drafter`, built from
-    the checkpoint's mtp.* tensors by model/dspark.py)."""
+def build_drafter(config: SpeculativeConfig, dspark=None) -> Drafter:
+    """The configured drafter. DSpark needs the checkpoint's drafter (`dspark`: a
+    model/dspark.py DSparkDrafter built from its mtp.* tensors; engine/loading.py makes it)."""
     if config.method == "ngram":
         return NgramDrafter(config.num_tokens, config.ngram_min, config.ngram_max)
-    drafter = getattr(model, "drafter", None)
+    drafter = dspark
     if drafter is None:
         raise ValueError("speculative.method 'dspark' needs a checkpoint with the DSpark drafter "
                          "(num_nextn_predict_layers > 0, mtp.* tensors)")
