@@ -16,8 +16,8 @@ tokens of their own, ignore EOS; once all decode, `--steps` engine steps are tim
 speculating engine speculates at every measured batch (max_batch = the largest), so the
 crossover batch (the smallest B where speculation's total falls below plain decoding) is read
 from the same run. `--method ngram` (default) drafts by prompt lookup: its draft costs only host
-time, so the figures bound what a DSpark drafter's forward would add (`--method dspark` needs a
-checkpoint with the drafter). `greedy_identical`: a short greedy run with real (not forced)
+time, so the figures leave out what a DSpark drafter's forward adds; `--method dspark` runs the
+preset's random DSpark drafter (CPU only for now: no random drafter weights on the GPU). `greedy_identical`: a short greedy run with real (not forced)
 ngram speculation gives the same tokens as without.
 """
 
@@ -48,29 +48,38 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def build_model(preset: str, device: str):
+def build_model(preset: str, device: str, method: str):
+    """(model, dtype, DSpark drafter or None) with random weights."""
     from flashpd.model.presets import preset_config
 
     cfg = preset_config(preset)
     if device.startswith("cuda"):
+        if method == "dspark":
+            raise SystemExit("--method dspark on the GPU needs random drafter weights on the "
+                             "device (not built yet); use --method ngram")
         from flashpd.engine.gpu.loading import random_gpu_model
 
-        return random_gpu_model(cfg, device, seed=0), "bfloat16"
-    from flashpd.model.checkpoint import write_random_checkpoint
-    from flashpd.model.model import load_model
+        return random_gpu_model(cfg, device, seed=0), "bfloat16", None
+    from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
+    from flashpd.model.dspark import DSparkDrafter
+    from flashpd.model.model import Model
 
     out = tempfile.mkdtemp(prefix="spec_bench_")
     write_random_checkpoint(cfg, out, seed=0)
-    return load_model(out, torch.float32), "float32"
+    ckpt = load_checkpoint(out)
+    model = Model.from_checkpoint(ckpt, torch.float32)
+    drafter = DSparkDrafter.from_checkpoint(ckpt, model) if method == "dspark" else None
+    return model, "float32", drafter
 
 
 def make_engine(model, dtype: str, device: str, batch: int, context: int,
-                spec: SpeculativeConfig | None, new_tokens: int = 256) -> LLMEngine:
+                spec: SpeculativeConfig | None, new_tokens: int = 256,
+                dspark=None) -> LLMEngine:
     blocks = (batch + 2) * (-(-(context + 16 + new_tokens) // 128)) + 16
     return LLMEngine(model, EngineConfig(
         dtype=dtype, device=device, num_blocks=blocks, num_slots=batch + 2,
         max_num_batched_tokens=max(2048, context + 64), max_num_seqs=batch + 2,
-        speculative=spec))
+        speculative=spec), dspark=dspark if spec is not None else None)
 
 
 def new_tokens(steps: int) -> int:
@@ -137,7 +146,7 @@ def run(args) -> dict:
           "schedule; outputs are not the model's)", flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, dtype = build_model(args.preset, args.device)
+    model, dtype, dspark = build_model(args.preset, args.device, args.method)
     vocab = model.cfg.vocab_size
     spec = SpeculativeConfig(method=args.method, num_tokens=args.num_tokens,
                              max_batch=max(args.batches),
@@ -146,7 +155,7 @@ def run(args) -> dict:
     for batch in args.batches:
         for name, cfg in (("nonspec", None), ("spec", spec)):
             engine = make_engine(model, dtype, args.device, batch, args.context, cfg,
-                                 new_tokens(args.steps))
+                                 new_tokens(args.steps), dspark)
             row = measure(engine, batch, args.context, args.steps, vocab)
             rows[(name, batch)] = row
             print(f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
