@@ -234,3 +234,23 @@ def test_decode_worker_drafts_after_the_handoff(model_f32):
     assert outs["spec"] == outs[None]
     with pytest.raises(ValueError, match="prefill"):
         _engine(model_f32, "prefill", speculative={"method": "ngram"})
+
+
+def test_opted_out_and_logprob_rows_ride_in_the_verify_batch(model_f32):
+    params = {rid: SamplingParams(max_tokens=12) for rid in PROMPTS}
+    params["a"] = SamplingParams(max_tokens=12, speculative="off")
+    params["b"] = SamplingParams(max_tokens=12, logprobs=2)
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), PROMPTS, params)
+    engine = _spec_engine(model_f32, {}, reference)
+    mixed = []
+    execute = engine.runner.execute
+
+    def spy(plan, known, fed=None, verify=frozenset()):
+        if verify:
+            mixed.append((len(plan.chunks), set(verify)))
+        return execute(plan, known, fed, verify)
+
+    engine.runner.execute = spy
+    assert _run(engine, PROMPTS, params) == reference
+    assert mixed and all(not {"a", "b"} & v for _, v in mixed)
+    assert any(n > len(v) for n, v in mixed)  # 1-row segments in a verify step
