@@ -254,3 +254,22 @@ def test_opted_out_and_logprob_rows_ride_in_the_verify_batch(model_f32):
     assert _run(engine, PROMPTS, params) == reference
     assert mixed and all(not {"a", "b"} & v for _, v in mixed)
     assert any(n > len(v) for n, v in mixed)  # 1-row segments in a verify step
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_inside_accepted_drafts(model_f32, ignore_eos):
+    prompts = {"a": PROMPTS["a"], "d": PROMPTS["d"]}
+    params = SamplingParams(max_tokens=16, ignore_eos=ignore_eos)
+    free = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts,
+                SamplingParams(max_tokens=16))
+    eos = free["a"][6]
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64), eos_token_id=eos),
+                     prompts, params)
+    spec = SpeculativeConfig(num_tokens=5)
+    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, speculative=spec),
+                       eos_token_id=eos)
+    keyed = {tuple(p): (p, free[r]) for r, p in prompts.items()}
+    engine.drafter = OracleDrafter(5, keyed, 512)
+    got = _run(engine, prompts, params)
+    assert got == reference
+    assert (got["a"][-1] == eos and len(got["a"]) == 7) != ignore_eos
