@@ -579,9 +579,10 @@ class LLMEngine:
 
     def _verify_all(self, verify, logits_by_rid, known, errors) -> dict[str, Verdict]:
         verdicts = {}
+        argmax = self._greedy_targets(verify, logits_by_rid)
         for rid, (chunk, draft) in verify.items():
             try:
-                verdict = self._verify_row(rid, logits_by_rid[rid], draft)
+                verdict = self._verify_row(rid, logits_by_rid[rid], draft, argmax.get(rid))
                 verdict = self._cut_at_eos(rid, verdict)
                 n = chunk.start + 1 + verdict.num_accepted  # the anchor and accepted drafts
                 self.runner.truncate(rid, n, known[rid][n - 3:n])
@@ -598,17 +599,33 @@ class LLMEngine:
         self.spec_stats.steps += 1
         return verdicts
 
-    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft) -> Verdict:
-        """rows [d + 1, V] FP32: the target's logits after the anchor and each draft."""
+    def _greedy_targets(self, verify, logits_by_rid) -> dict[str, list[int]]:
+        """Every greedy verify's row argmaxes, with one device-to-host copy for the step."""
+        rids = [rid for rid in verify if self._params[rid].greedy]
+        if not rids:
+            return {}
+        flat = torch.cat([logits_by_rid[rid].argmax(-1) for rid in rids]).tolist()
+        out, at = {}, 0
+        for rid in rids:
+            n = logits_by_rid[rid].shape[0]
+            out[rid], at = flat[at:at + n], at + n
+        return out
+
+    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft,
+                    argmax: list[int] | None) -> Verdict:
+        """rows [d + 1, V] FP32: the target's logits after the anchor and each draft;
+        argmax: their argmaxes (greedy requests)."""
         params, drafts = self._params[rid], list(draft.tokens)
         if self.forced is not None:  # benchmark: the schedule decides, the target's token ends
             a = self.forced.next(rid, len(drafts))
+            if argmax is not None:
+                return Verdict(tuple(drafts[:a]) + (argmax[a],), a)
             gen = self.sampler.verify_generator(rid, params, 1)
             p = filtered_probs(rows[a:a + 1], [params]).cpu()
             token = int(torch.multinomial(p[0], 1, generator=gen))
             return Verdict(tuple(drafts[:a]) + (token,), a)
-        if params.greedy:
-            return accept_greedy(rows.argmax(-1).tolist(), drafts)
+        if argmax is not None:
+            return accept_greedy(argmax, drafts)
         p = filtered_probs(rows, [params] * rows.shape[0])
         gen = self.sampler.verify_generator(rid, params, len(drafts) + 1)
         return accept_sampled(p, draft.probs, drafts, gen)
