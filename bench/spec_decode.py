@@ -141,6 +141,7 @@ def _commit() -> str:
 
 
 def run(args) -> dict:
+    commit = args.commit or _commit()  # the code loaded now (HEAD may move during a run)
     os.environ[BENCH_ENV] = "1"  # this script is the benchmark flag
     print(f"BENCHMARK MODE: forced acceptance length {args.forced} (accepted drafts follow a "
           "schedule; outputs are not the model's)", flush=True)
@@ -167,7 +168,7 @@ def run(args) -> dict:
     identical = greedy_identical(model, dtype, args.device, vocab) if args.greedy_check else None
     keyed = lambda name, key: {str(b): rows[(name, b)][key] for b in args.batches}  # noqa: E731
     return {
-        "commit": args.commit or _commit(), "preset": args.preset, "context": args.context,
+        "commit": commit, "preset": args.preset, "context": args.context,
         "forced_acceptance": args.forced, "device": args.device, "method": args.method,
         "num_tokens": args.num_tokens,
         "tok_s_per_user": keyed("spec", "tok_s_per_user"),
