@@ -20,6 +20,12 @@ holds a matcher; every step that samples a guided row fills its token bitmask fr
 (the sampler masks the logits) and feeds the sampled id back. A step with guided rows is not
 followed by one planned ahead (async scheduling): the next mask needs this step's id on the
 host, so those steps run synchronously (measured in `bench/grammar_mask.py`).
+
+Speculative decoding (`EngineConfig.speculative`, engine/speculative.py): a step whose decode
+rows are at most `max_batch` drafts for its eligible rows, extends their chunks to
+[anchor, drafts], verifies them all in the one forward, accepts, rolls every state back to the
+committed rows (`SeqState.truncate`) and books the accepted drafts with the scheduler
+(`StepResult.accepted_drafts`). Such steps are not followed by one planned ahead.
 """
 
 from __future__ import annotations
