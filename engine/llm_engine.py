@@ -314,7 +314,7 @@ class LLMEngine:
             if not plan.chunks:
                 self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
                 return []
-            drafts = self._propose(plan) if self.spec is not None else {}
+            drafts = self._drafts(plan) if self.spec is not None else {}
             if drafts:
                 return self._speculative_step(plan, drafts)
             try:
@@ -471,6 +471,16 @@ class LLMEngine:
         needs the anchor on the host to draft from, and rolls states back after it)."""
         return self.spec is not None and self.scheduler.num_running <= self.spec.max_batch
 
+    def _drafts(self, plan: StepPlan) -> dict[str, _Draft]:
+        """`_propose`, contained: drafting is an optimisation, so a drafter that raises costs
+        this step its drafts (logged), never a request or the loop."""
+        try:
+            return self._propose(plan)
+        except Exception:  # noqa: BLE001 - contained: the step runs without drafts
+            log.exception("drafting failed; step %d runs without speculation", plan.step_id)
+            self._forget_drafts([c.request_id for c in plan.chunks])
+            return {}
+
     def _propose(self, plan: StepPlan) -> dict[str, _Draft]:
         """Drafts for the plan's eligible decode rows (the policy: `engine/speculative.py`)."""
         decodes = [c for c in plan.chunks if c.needs_logits and c.num_tokens == 1]
@@ -580,8 +590,13 @@ class LLMEngine:
                 states.append(self._drafter_state(rid))
                 positions.append(list(pos))
                 rows.append(values)
-        if states:
+        if not states:
+            return
+        try:
             self.drafter.observe(states, positions, torch.cat(rows))
+        except Exception:  # noqa: BLE001 - contained: those requests' drafter state restarts
+            log.exception("the drafter refused this step's context rows; its states restart")
+            self._forget_drafts(list(out.taps))
 
     def _verify_all(self, verify, logits_by_rid, known, errors) -> dict[str, Verdict]:
         verdicts = {}

@@ -273,3 +273,21 @@ def test_eos_inside_accepted_drafts(model_f32, ignore_eos):
     got = _run(engine, prompts, params)
     assert got == reference
     assert (got["a"][-1] == eos and len(got["a"]) == 7) != ignore_eos
+
+
+def test_a_failing_drafter_costs_drafts_not_requests(model_f32):
+    prompts = {"a": PROMPTS["a"], "d": PROMPTS["d"]}
+    params = SamplingParams(max_tokens=10)
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, params)
+    engine = _spec_engine(model_f32, {}, {r: reference[r] for r in prompts})
+    propose, calls = engine.drafter.propose, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError("drafter broke")
+        return propose(*args)
+
+    engine.drafter.propose = flaky
+    assert _run(engine, prompts, params) == reference
+    assert len(calls) > 2 and engine.spec_stats.verifies > 0
