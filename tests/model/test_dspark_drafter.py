@@ -220,3 +220,21 @@ def test_random_drafter_is_made_from_the_seed(tiny_model):
     st = _state(a, range(12), _taps(a, 12))
     out = _draft(a, [st], [3], [12])
     assert out.tokens.shape == (1, a.k)
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_set_drafts_as_the_reference(tiny_ckpt, tiny_model):
+    """The GPU path's kernels (`dispatch.fastest()`, interpreted on CPU: ~20 s) accept the
+    drafter's inputs and draft the same tokens."""
+    from flashpd.kernels import dispatch
+    from flashpd.model.model import Model
+
+    fast = Model.from_checkpoint(tiny_ckpt, torch.float32, kernels=dispatch.fastest())
+    outs = []
+    for target in (tiny_model, fast):
+        d = DSparkDrafter.from_checkpoint(tiny_ckpt, target)
+        st = _state(d, range(20), _taps(d, 20, seed=11))
+        outs.append(_draft(d, [st], [5], [20]))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.allclose(outs[0].probs, outs[1].probs, atol=1e-5)
+    assert torch.allclose(outs[0].confidences, outs[1].confidences, atol=1e-5)
