@@ -289,6 +289,14 @@ def _float_rows(
         yield block if len(shape) > 1 else block.reshape(n)
 
 
+def random_values(seed: int, name: str, spec: TensorSpec, device: str | torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The values `write_random_checkpoint` draws for `name` (logical shape, `dtype`), before
+    any rounding to the checkpoint format: random weights made straight on a device."""
+    chunks = [c.to(dtype) for c in _float_rows(seed, name, spec, torch.device(device), 32)]
+    return torch.cat(chunks).reshape(logical_shape(spec))
+
+
 def _as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 

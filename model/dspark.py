@@ -33,16 +33,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
+from flashpd.model.checkpoint import Checkpoint, drafter_manifest, random_values
 from flashpd.model.config import ModelConfig
 from flashpd.model.model import Model, attention_query, output_projection, window_kv
-from flashpd.model.weights import DrafterLayerWeights, DrafterWeights, load_drafter_weights
-
-if TYPE_CHECKING:
-    from flashpd.model.checkpoint import Checkpoint
+from flashpd.model.weights import (
+    DrafterLayerWeights,
+    DrafterWeights,
+    drafter_weights_from,
+    load_drafter_weights,
+)
 
 # choose(L_j [B, V] FP32 logits, slot j) -> (tokens [B] int64, probs [B, V] FP32: the
 # distribution the tokens were drawn from, after the request's processors)
@@ -132,6 +135,13 @@ class DSparkDrafter:
             return None
         return cls(ckpt.cfg, load_drafter_weights(ckpt.cfg, ckpt.drafter_tensors, target.dtype),
                    target)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, target: Model, seed: int = 0) -> DSparkDrafter:
+        """Random drafter weights made on the target's device in its dtype (benchmarks with
+        forced acceptance): drawn as `write_random_checkpoint` draws them, not rounded to the
+        FP8 / MXFP4 grids."""
+        return cls(cfg, drafter_weights_from(cfg, _RandomReader(cfg, seed, target)), target)
 
     def new_state(self) -> DrafterState:
         d = self.cfg.head_dim
@@ -329,6 +339,27 @@ class DSparkDrafter:
             probs.append(prob.to(torch.float32))
             prev = tokens[-1]
         return DraftOut(torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(conf, 1))
+
+
+class _RandomReader:
+    """`weights._Reader`'s interface over random values (`DSparkDrafter.random`)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, target: Model):
+        self.specs, self.seed, self.target = drafter_manifest(cfg), seed, target
+
+    def _values(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return random_values(self.seed, name, self.specs[name], self.target.device, dtype)
+
+    def plain(self, name: str) -> torch.Tensor:
+        return self._values(name, self.target.dtype)
+
+    def fp32(self, name: str) -> torch.Tensor:
+        return self._values(name, torch.float32)
+
+    def fp8(self, prefix: str) -> torch.Tensor:
+        return self._values(prefix + ".weight", self.target.dtype)
+
+    mxfp4 = fp8
 
 
 def _check_choice(token: torch.Tensor, prob: torch.Tensor, logits: torch.Tensor) -> None:

@@ -412,7 +412,7 @@ class Model:
         self.compressor, self.indexer, self.moe_k = k["compressor"], k["indexer"], k["moe"]
         self._init_rope(cfg)
         self.kv_format = kv_format(compressed_kv_format)
-        # the DSpark tap (Step.taps): recorded when the config has a drafter; may be switched off
+        # the DSpark tap (`taps`): recorded when the config has a drafter; () switches it off
         self.tap_layer_ids: tuple[int, ...] = cfg.dspark.target_layer_ids if cfg.dspark else ()
 
     def _init_rope(self, cfg: ModelConfig) -> None:

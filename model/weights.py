@@ -263,23 +263,29 @@ class DrafterWeights:
 def load_drafter_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                          dtype: torch.dtype) -> DrafterWeights:
     """`mtp.*` checkpoint tensors (raw form) -> dequantised drafter weights; every one consumed."""
+    r = _Reader(tensors, dtype)
+    weights = drafter_weights_from(cfg, r)
+    r.finish()
+    return weights
+
+
+def drafter_weights_from(cfg: ModelConfig, r) -> DrafterWeights:
+    """The drafter's weights from a reader of `mtp.*` names (`plain`, `fp32`, `fp8`, `mxfp4` as
+    `_Reader`'s; training passes one over fake-quantised master weights, model/train_drafter.py)."""
     ds = cfg.dspark
     if ds is None:
         raise ValueError(f"config {cfg.name!r} has no drafter (num_nextn_predict_layers = 0)")
-    r = _Reader(tensors, dtype)
     layers = tuple(_drafter_layer(cfg, r, f"mtp.{s}.") for s in range(ds.num_layers))
     last = f"mtp.{ds.num_layers - 1}."
-    weights = DrafterWeights(
+    return DrafterWeights(
         main_proj=r.fp8("mtp.0.main_proj"), main_norm=r.plain("mtp.0.main_norm.weight"),
         layers=layers, norm=r.plain(last + "norm.weight"),
         markov_embed=r.plain(last + "markov_head.embed.weight").float(),
         markov_head=r.plain(last + "markov_head.head.weight").float(),
         confidence=r.plain(last + "confidence_head.proj.weight").float()[0])
-    r.finish()
-    return weights
 
 
-def _drafter_layer(cfg: ModelConfig, r: _Reader, p: str) -> DrafterLayerWeights:
+def _drafter_layer(cfg: ModelConfig, r, p: str) -> DrafterLayerWeights:
     return DrafterLayerWeights(
         attn_norm=r.plain(p + "attn_norm.weight"), ffn_norm=r.plain(p + "ffn_norm.weight"),
         hc_attn=_mix(r, p + "hc_attn"), hc_ffn=_mix(r, p + "hc_ffn"), attn=_attention(r, p),

@@ -206,3 +206,35 @@ def test_draft_rejects_bad_input(drafter):
         drafter.draft([st], torch.tensor([1]), [5, 6])
     with pytest.raises(DrafterError, match="choose returned"):
         drafter.draft([st], torch.tensor([1]), [5], lambda lg, j: (lg.argmax(-1), lg[:, :3]))
+
+
+def test_random_drafter_is_made_from_the_seed(tiny_model):
+    """DSparkDrafter.random: weights drawn on the target's device (benchmarks), deterministic."""
+    cfg = tiny_model.cfg
+    a, b = DSparkDrafter.random(cfg, tiny_model, seed=4), DSparkDrafter.random(cfg, tiny_model, 4)
+    c = DSparkDrafter.random(cfg, tiny_model, seed=5)
+    assert torch.equal(a.w.main_proj, b.w.main_proj) and not torch.equal(a.w.main_proj,
+                                                                          c.w.main_proj)
+    assert a.w.layers[2].moe.experts.w2.shape == (cfg.dspark.n_routed_experts, cfg.hidden_size,
+                                                  cfg.moe_intermediate_size)
+    st = _state(a, range(12), _taps(a, 12))
+    out = _draft(a, [st], [3], [12])
+    assert out.tokens.shape == (1, a.k)
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_set_drafts_as_the_reference(tiny_ckpt, tiny_model):
+    """The GPU path's kernels (`dispatch.fastest()`, interpreted on CPU: ~20 s) accept the
+    drafter's inputs and draft the same tokens."""
+    from flashpd.kernels import dispatch
+    from flashpd.model.model import Model
+
+    fast = Model.from_checkpoint(tiny_ckpt, torch.float32, kernels=dispatch.fastest())
+    outs = []
+    for target in (tiny_model, fast):
+        d = DSparkDrafter.from_checkpoint(tiny_ckpt, target)
+        st = _state(d, range(20), _taps(d, 20, seed=11))
+        outs.append(_draft(d, [st], [5], [20]))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.allclose(outs[0].probs, outs[1].probs, atol=1e-5)
+    assert torch.allclose(outs[0].confidences, outs[1].confidences, atol=1e-5)

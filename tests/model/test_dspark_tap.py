@@ -94,3 +94,28 @@ def test_tap_feeds_the_drafter_end_to_end(tiny_ckpt, tiny_model, make_prompt):
     assert positions == range(20, 21)
     drafter.insert_context([ds], [list(positions)], values)
     assert ds.positions() == list(range(21)) and ds.end_pos == 21
+
+
+def test_decode_side_replay_rebuilds_the_tap_of_the_last_window(tiny_ckpt, make_prompt):
+    """P/D: the decode side's replay of the prompt's tail yields the tap rows its drafter windows
+    need; with exact replay rows they equal the cold prefill's tap (short window: fewer rows)."""
+    import dataclasses
+
+    from flashpd.model.model import exact_replay_rows, replay_segment
+
+    w = 16
+    cfg = tiny_ckpt.cfg.replace(sliding_window=w)
+    model = Model.from_checkpoint(dataclasses.replace(tiny_ckpt, cfg=cfg), torch.float32)
+    ids = make_prompt(200, seed=31)
+    _, cold = model.forward_taps(torch.tensor(ids), [SeqInput(model.new_state(), 0, 200)])
+    encoder = model.new_state()
+    model.run(encoder, ids, SeqPlan.encoder_only())
+    state = model.new_state()
+    state.load_global_state(encoder.global_state())
+    seg = replay_segment(ids, 200, exact_replay_rows(cfg))
+    _, taps = model.forward_taps(torch.tensor(seg.token_ids),
+                                 [SeqInput(state, seg.start_pos, len(seg.token_ids), seg.plan)])
+    values, positions = taps.of(0)
+    assert positions == range(seg.start_pos, 200)
+    cold_values, _ = cold.of(0)
+    assert torch.equal(values[-(w - 1):], cold_values[-(w - 1):])
