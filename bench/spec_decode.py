@@ -17,7 +17,8 @@ speculating engine speculates at every measured batch (max_batch = the largest),
 crossover batch (the smallest B where speculation's total falls below plain decoding) is read
 from the same run. `--method ngram` (default) drafts by prompt lookup: its draft costs only host
 time, so the figures leave out what a DSpark drafter's forward adds; `--method dspark` runs the
-preset's random DSpark drafter (CPU only for now: no random drafter weights on the GPU). `greedy_identical`: a short greedy run with real (not forced)
+preset's random DSpark drafter (`DSparkDrafter.random` on the GPU; its reference forward, and
+every step of that engine is eager: the tap is read outside the CUDA graphs). `greedy_identical`: a short greedy run with real (not forced)
 ngram speculation gives the same tokens as without.
 """
 
@@ -52,16 +53,16 @@ def build_model(preset: str, device: str, method: str):
     """(model, dtype, DSpark drafter or None) with random weights."""
     from flashpd.model.presets import preset_config
 
+    from flashpd.model.dspark import DSparkDrafter
+
     cfg = preset_config(preset)
     if device.startswith("cuda"):
-        if method == "dspark":
-            raise SystemExit("--method dspark on the GPU needs random drafter weights on the "
-                             "device (not built yet); use --method ngram")
         from flashpd.engine.gpu.loading import random_gpu_model
 
-        return random_gpu_model(cfg, device, seed=0), "bfloat16", None
+        model = random_gpu_model(cfg, device, seed=0)
+        drafter = DSparkDrafter.random(cfg, model) if method == "dspark" else None
+        return model, "bfloat16", drafter
     from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
-    from flashpd.model.dspark import DSparkDrafter
     from flashpd.model.model import Model
 
     out = tempfile.mkdtemp(prefix="spec_bench_")
