@@ -51,9 +51,8 @@ def _sync() -> None:
 
 def build_model(preset: str, device: str, method: str):
     """(model, dtype, DSpark drafter or None) with random weights."""
-    from flashpd.model.presets import preset_config
-
     from flashpd.model.dspark import DSparkDrafter
+    from flashpd.model.presets import preset_config
 
     cfg = preset_config(preset)
     if device.startswith("cuda"):
