@@ -60,6 +60,8 @@ def build_model(preset: str, device: str, method: str):
 
         model = random_gpu_model(cfg, device, seed=0)
         drafter = DSparkDrafter.random(cfg, model) if method == "dspark" else None
+        if drafter is None:
+            model.tap_layer_ids = ()  # nothing reads the tap (before any graph is captured)
         return model, "bfloat16", drafter
     from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
     from flashpd.model.model import Model
@@ -69,6 +71,8 @@ def build_model(preset: str, device: str, method: str):
     ckpt = load_checkpoint(out)
     model = Model.from_checkpoint(ckpt, torch.float32)
     drafter = DSparkDrafter.from_checkpoint(ckpt, model) if method == "dspark" else None
+    if drafter is None:
+        model.tap_layer_ids = ()
     return model, "float32", drafter
 
 

@@ -202,6 +202,9 @@ class LLMEngine:
             raise ValueError("speculative: a prefill worker samples no tokens; configure it on "
                              "the decode workers")
         self.drafter = build_drafter(spec, dspark)
+        if self.drafter.uses_tap and not getattr(self.model, "tap_layer_ids", ()):
+            raise ValueError("the drafter reads the target's tap, but the model records none "
+                             "(Model.tap_layer_ids is empty)")
         self.runner.taps = self.drafter.uses_tap
         self._drafter_states: dict[str, object] = {}
         self._draft_gen = torch.Generator().manual_seed(self.config.seed + 1)

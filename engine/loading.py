@@ -152,9 +152,12 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
+    dspark = _dspark(checkpoint_dir, config, model)
+    if dspark is None:  # this engine's model is its own: no drafter reads the tap, skip it
+        model.tap_layer_ids = ()
     engine = LLMEngine(model, config, eos_token_id=eos,
                        grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role),
-                       dspark=_dspark(checkpoint_dir, config, model))
+                       dspark=dspark)
     if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
         from flashpd.engine.warmup import warm_up_at_load
 
