@@ -341,7 +341,7 @@ def train_drafter(args) -> dict:
     pick = torch.randperm(tr_rows.shape[0], generator=gen)[: args.teacher_rows]
     rows = teacher_rows(target, tr_rows[pick], pad, log=log)
     model = TrainDrafter(cfg, target, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = _optimizer(model, args.lr)
     budget = args.minutes * 60.0 if args.minutes else None
     t0, step, history = time.time(), 0, []
     while True:
@@ -352,7 +352,7 @@ def train_drafter(args) -> dict:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (
             1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["lr_scale"]
         idx = torch.randint(0, len(rows), (args.batch,), generator=gen).tolist()
         batch = block_batch([rows[i] for i in idx], args.blocks_per_row, model.drafter.k, gen)
         opt.zero_grad(set_to_none=True)
@@ -377,6 +377,20 @@ def train_drafter(args) -> dict:
     with open(os.path.join(args.out, "drafter_train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
     return result
+
+
+# The confidence head reads the pre-norm hidden (|x| grows with sqrt(D)): at the drafter's
+# learning rate its logits saturate within a few hundred steps (held BCE above ln 2 on `small`);
+# a smaller rate keeps it a calibrated probability.
+CONFIDENCE_LR_SCALE = 0.02
+
+
+def _optimizer(model: TrainDrafter, lr: float) -> torch.optim.Optimizer:
+    conf = [p for k, p in model.params.items() if "confidence_head" in k]
+    rest = [p for k, p in model.params.items() if "confidence_head" not in k]
+    return torch.optim.AdamW([{"params": rest, "lr_scale": 1.0},
+                              {"params": conf, "lr_scale": CONFIDENCE_LR_SCALE}],
+                             lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def _heldout_prompts(rows: torch.Tensor, pad: int, count: int, length: int) -> list[list[int]]:

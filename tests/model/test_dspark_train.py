@@ -113,3 +113,15 @@ def test_speculative_walk_counts_accepted_plus_bonus(hits, al):
     steps, emitted = speculative_walk(oracle, 10, chain, torch.zeros(70, 1))
     assert emitted / steps == al
     assert oracle.inserted == list(range(10 + emitted))  # committed positions, each once
+
+
+def test_confidence_head_trains_at_a_smaller_rate(backbone):
+    from flashpd.model.train_drafter import CONFIDENCE_LR_SCALE, _optimizer
+
+    target, cfg = backbone
+    model = TrainDrafter(cfg, target)
+    groups = _optimizer(model, 1e-3).param_groups
+    conf = model.raw("mtp.2.confidence_head.proj.weight")
+    assert [g["lr_scale"] for g in groups] == [1.0, CONFIDENCE_LR_SCALE]
+    assert any(p is conf for p in groups[1]["params"])
+    assert not any(p is conf for p in groups[0]["params"])
