@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu (reference forward) or cuda[:N] (Triton kernels, CUDA graphs)")
     p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--speculative", choices=["dspark", "ngram"], default=None,
+                   help="speculative decoding with this drafter (engine/speculative.py)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.set_defaults(func=run)
 
 
@@ -118,9 +121,11 @@ def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool,
 
 def run(args) -> int:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    spec = None if args.speculative is None else {
+        "method": args.speculative, "num_tokens": args.num_speculative_tokens}
     config = EngineConfig(swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
                           device=args.device,
-                          num_blocks=args.num_blocks)
+                          num_blocks=args.num_blocks, speculative=spec)
     engine = load_engine(args.checkpoint, config)
     tokenizer = load_tokenizer(args.checkpoint)
     lines = _requests_from_args(args, tokenizer)

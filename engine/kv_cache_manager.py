@@ -162,6 +162,17 @@ class KVCacheManager:
         held.block_ids.extend(new_block_ids)
         return new_block_ids
 
+    def shrink(self, request_id: str, total_tokens: int) -> list[int]:
+        """Release trailing blocks beyond those `total_tokens` need (a rejected speculative
+        draft's); never a block that holds a committed (hashed) chunk. Returns the ids."""
+        held = self._get(request_id)
+        keep = max(self.blocks_for_tokens(total_tokens), len(held.chunk_hashes))
+        extra = held.block_ids[keep:]
+        if extra:
+            del held.block_ids[keep:]
+            self._pool.release(extra[::-1])
+        return extra
+
     def commit(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
     ) -> list[str]:

@@ -39,6 +39,7 @@ from flashpd.model.state import (
     GlobalKV,
     OpenGroup,
     SeqState,
+    SpecMark,
     StateError,
     TokenCounter,
     Window,
@@ -378,6 +379,47 @@ class PagedSeqState(TokenCounter, SeqState):
         for src in open_sources:
             self._open_row(src)
             self._open_set[src] = end_pos % 2 == 1
+
+    # ------------------------------------------------------------------ speculation
+    def begin_speculation(self, max_rows: int) -> None:
+        """Mark the books and save the ring rows the verify's `max_rows` rows will overwrite
+        (positions N .. N+max_rows-1 reuse the ring rows of positions N-W+1 ..)."""
+        if not 0 < max_rows <= self._keep:
+            raise StateError(f"a verify of {max_rows} rows: need 1 .. {self._keep}")
+        n = self._num_tokens
+        rows = self._ring_rows(n, n + max_rows)
+        saved = (self._common, None if self._per_layer is None else list(self._per_layer),
+                 rows, self.pools.window[:, rows].clone(), self.pools.open[self.slot].clone(),
+                 dict(self._open_set))
+        self._spec = SpecMark(n, max_rows, saved)
+
+    def truncate(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        mark = self._spec
+        if mark is None:
+            raise StateError("truncate without begin_speculation")
+        mark.check_truncate(num_tokens, self._num_tokens)
+        common, per_layer, rows, records, open_rows, open_set = mark.saved
+        start = mark.num_tokens
+        lost = rows[num_tokens - start:]  # rows of rejected positions: put the older ones back
+        self.pools.window[:, lost] = records[:, num_tokens - start:]
+        self._common, self._per_layer = common, per_layer
+        if common is None and per_layer is None:
+            raise StateError("windows were unset at the mark")
+        self.note_windows(range(self._num_layers), start, num_tokens - start)
+        self.pools.open[self.slot] = open_rows
+        for src in self._open_set:
+            row = mark.open_row_at(src, num_tokens)
+            self._open_set[src] = open_set[src] if num_tokens == start else num_tokens % 2 == 1
+            if row is not None:
+                self.set_open_group(src, row)
+        for src, ratio, _ in self._sources:
+            self._n_entries[src] = num_tokens // ratio
+        self._spec = None
+        self._set_tokens(num_tokens, lookback_ids)
+
+    def _ring_rows(self, first: int, end: int) -> torch.Tensor:
+        rows = self.slot * self._keep + torch.arange(first, end) % self._keep
+        return rows.to(self.pools.window.device)
 
     def global_state(self) -> GlobalKV:
         return GlobalKV(self._num_tokens, self._lookback,

@@ -20,13 +20,19 @@ holds a matcher; every step that samples a guided row fills its token bitmask fr
 (the sampler masks the logits) and feeds the sampled id back. A step with guided rows is not
 followed by one planned ahead (async scheduling): the next mask needs this step's id on the
 host, so those steps run synchronously (measured in `bench/grammar_mask.py`).
+
+Speculative decoding (`EngineConfig.speculative`, engine/speculative.py): a step whose decode
+rows are at most `max_batch` drafts for its eligible rows, extends their chunks to
+[anchor, drafts], verifies them all in the one forward, accepts, rolls every state back to the
+committed rows (`SeqState.truncate`) and books the accepted drafts with the scheduler
+(`StepResult.accepted_drafts`). Such steps are not followed by one planned ahead.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,7 +42,7 @@ from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
 from flashpd.engine.request import PrefixPolicy, Request
 from flashpd.engine.runner import FedTokens, ModelRunner
-from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams
+from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams, filtered_probs
 from flashpd.engine.sampling_params import GuidedDecoding
 from flashpd.engine.scheduler import (
     PENDING_TOKEN,
@@ -47,6 +53,17 @@ from flashpd.engine.scheduler import (
     SchedulerConfig,
     StepPlan,
     StepResult,
+)
+from flashpd.engine.speculative import (
+    ForcedSchedule,
+    Proposal,
+    SpecStats,
+    SpeculativeConfig,
+    Verdict,
+    accept_greedy,
+    accept_sampled,
+    build_drafter,
+    log_forced,
 )
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.model.model import Model, exact_replay_rows
@@ -75,8 +92,14 @@ class EngineConfig:
     # The longest context served (None: unbounded here, the router enforces its own limit).
     # With decode graphs, replays and turns take key tables this wide: width-agnostic graphs.
     max_model_len: int | None = None
+    # speculative decoding (engine/speculative.py): None = off; a dict is parsed strictly
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("speculative must be a SpeculativeConfig, a dict or None")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         if self.dtype not in DTYPES:
@@ -113,6 +136,12 @@ class _Launched:
 
 
 @dataclass(frozen=True)
+class _Draft:
+    tokens: tuple[int, ...]
+    probs: object = None  # [k, V] FP32 q rows, or None (point masses)
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -124,11 +153,19 @@ class EngineOutput:
     logprobs: tuple = ()  # SampleOutput per new token when requested
     kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready
     error: str | None = None  # finish_reason "error": why this request (alone) failed
+    # speculative decoding, this request so far: drafts verified and accepted; the forced
+    # acceptance length when a benchmark forced it (outputs are then not the model's)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_steps: int = 0  # verifies (acceptance length = 1 + accepted / steps)
+    forced_acceptance_length: float | None = None
 
 
 class LLMEngine:
     def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None,
-                 grammar: GrammarBackend | None = None):
+                 grammar: GrammarBackend | None = None, dspark=None):
+        """dspark: the checkpoint's DSpark drafter (model/dspark.py), for speculative.method
+        "dspark"."""
         self.model, self.config = model, config
         cfg = model.cfg
         graphs = getattr(model, "graphs", None)  # the GPU model's decode graphs
@@ -161,6 +198,27 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
         self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
         self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
+        self._init_speculation(config.speculative, dspark)
+
+    def _init_speculation(self, spec: SpeculativeConfig | None, dspark) -> None:
+        self.spec, self.spec_stats = spec, SpecStats()
+        self._spec_usage: dict[str, list[int]] = {}  # request -> [drafted, accepted, steps]
+        self.drafter = self.forced = None
+        if spec is None:
+            return
+        if self.config.role == "prefill":
+            raise ValueError("speculative: a prefill worker samples no tokens; configure it on "
+                             "the decode workers")
+        self.drafter = build_drafter(spec, dspark)
+        if self.drafter.uses_tap and not getattr(self.model, "tap_layer_ids", ()):
+            raise ValueError("the drafter reads the target's tap, but the model records none "
+                             "(Model.tap_layer_ids is empty)")
+        self.runner.taps = self.drafter.uses_tap
+        self._drafter_states: dict[str, object] = {}
+        self._draft_gen = torch.Generator().manual_seed(self.config.seed + 1)
+        if spec.bench_forced_acceptance_length is not None:
+            self.forced = ForcedSchedule(spec.bench_forced_acceptance_length)
+        log_forced(spec)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
@@ -188,6 +246,7 @@ class LLMEngine:
         paused = self.scheduler.pause(request_id)
         if paused is not None:
             self.runner.forget([request_id])
+            self._forget_drafts([request_id])
         return paused
 
     def release_kv(self, request_id: str) -> None:
@@ -240,6 +299,11 @@ class LLMEngine:
             table.pop(request_id, None)
         self.sampler.forget(request_id)
         self.runner.forget([request_id])
+        self._spec_usage.pop(request_id, None)
+        if self.spec is not None:
+            self._drafter_states.pop(request_id, None)
+            if self.forced is not None:
+                self.forced.forget(request_id)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[EngineOutput]:
@@ -261,13 +325,17 @@ class LLMEngine:
             if not plan.chunks:
                 self.runner.forget(plan.freed_request_ids + plan.preempted_request_ids)
                 return []
+            drafts = self._drafts(plan) if self.spec is not None else {}
+            if drafts:
+                return self._speculative_step(plan, drafts)
             try:
                 launched = self._launch(plan)
             except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
                 return self._forward_failed(plan, exc)
         ahead_failed: tuple | None = None
         if (self.config.async_scheduling and launched.pending is not None
-                and not any(r in self._matchers for r in launched.rids)):
+                and not any(r in self._matchers for r in launched.rids)
+                and not self._may_speculate_next()):
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 try:
@@ -287,21 +355,27 @@ class LLMEngine:
         if before is not None:
             fed = FedTokens(before.pending.tokens, {r: i for i, r in enumerate(before.rids)})
         known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+        self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
         out = self.runner.execute(plan, known, fed)
+        self._observe(out, {})
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
         fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
         launched = _Launched(plan, rids, fed_rids=fed_rids)
-        if not rids:
-            return launched
+        if rids:
+            self._launch_sampling(launched, out.logits)
+        return launched
+
+    def _launch_sampling(self, launched: _Launched, logits_by_rid) -> None:
+        rids = launched.rids
         params = [self._params[r] for r in rids]
+        out_logits = logits_by_rid
         try:
-            logits = torch.stack([out.logits[r] for r in rids])
+            logits = torch.stack([out_logits[r] for r in rids])
             bitmask = (self.grammar.fill_bitmask([self._matchers.get(r) for r in rids])
                        if self._matchers and self.grammar is not None else None)
             launched.pending = self.sampler.launch(logits, rids, params, bitmask)
         except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
-            launched.samples, launched.errors = self._sample_rows(rids, out.logits, params)
-        return launched
+            launched.samples, launched.errors = self._sample_rows(rids, out_logits, params)
 
     def _complete(self, launched: _Launched) -> list[EngineOutput]:
         """Wait for the step's ids, correct what a step launched after it recorded for them,
@@ -388,15 +462,231 @@ class LLMEngine:
             st.token_times_s.append(now)
         reason = o.finish_reason.value if o.finish_reason is not None else None
         logprobs = (sample,) if sample is not None and self._wants_logprobs(o.request_id) else ()
+        drafted, accepted, steps = self._spec_usage.get(o.request_id, (0, 0, 0))
+        forced = None if self.spec is None else self.spec.bench_forced_acceptance_length
         if o.finished and reason != "kv_ready":
             self._drop(o.request_id)
         return EngineOutput(o.request_id, tuple(o.new_token_ids), o.finished, reason,
                             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens,
-                            logprobs, tuple(o.kv_block_ids))
+                            logprobs, tuple(o.kv_block_ids), draft_tokens=drafted,
+                            accepted_draft_tokens=accepted, draft_steps=steps,
+                            forced_acceptance_length=forced)
 
     def _wants_logprobs(self, request_id: str) -> bool:
         p = self._params.get(request_id)
         return p is not None and p.logprobs > 0
+
+    # ------------------------------------------------------------------ speculation
+    def _may_speculate_next(self) -> bool:
+        """Whether the next step could speculate: then it is not launched ahead (a verify
+        needs the anchor on the host to draft from, and rolls states back after it)."""
+        return self.spec is not None and self.scheduler.num_running <= self.spec.max_batch
+
+    def _drafts(self, plan: StepPlan) -> dict[str, _Draft]:
+        """`_propose`, contained: drafting is an optimisation, so a drafter that raises costs
+        this step its drafts (logged), never a request or the loop."""
+        try:
+            return self._propose(plan)
+        except Exception:  # noqa: BLE001 - contained: the step runs without drafts
+            log.exception("drafting failed; step %d runs without speculation", plan.step_id)
+            self._forget_drafts([c.request_id for c in plan.chunks])
+            return {}
+
+    def _propose(self, plan: StepPlan) -> dict[str, _Draft]:
+        """Drafts for the plan's eligible decode rows (the policy: `engine/speculative.py`)."""
+        decodes = [c for c in plan.chunks if c.needs_logits and c.num_tokens == 1]
+        if len(decodes) > self.spec.max_batch:
+            self.spec_stats.skipped_batch += 1
+            return {}
+        room = {c.request_id: self._draft_room(c) for c in decodes}
+        chunks = [c for c in decodes if room[c.request_id] > 0]
+        if not chunks:
+            return {}
+        rids = [c.request_id for c in chunks]
+        states = [self._drafter_state(r) for r in rids]
+        params = [self._params[r] for r in rids]
+        proposal = self.drafter.propose(states, [c.token_ids[0] for c in chunks],
+                                        [c.start for c in chunks],
+                                        lambda logits, slot: self._choose(logits, params))
+        return self._trim_drafts(rids, proposal, room)
+
+    def _draft_room(self, chunk) -> int:
+        """Drafts this decode row may verify: 0 unless it may speculate; at most k and one
+        fewer than the tokens it may still emit."""
+        rid = chunk.request_id
+        request, params = self._requests.get(rid), self._params.get(rid)
+        if (request is None or params is None or params.speculative == "off"
+                or params.logprobs or rid in self._matchers or chunk.replay is not None
+                or chunk.fresh_slot or chunk.token_ids[0] == PENDING_TOKEN
+                or chunk.end != request.num_tokens):
+            return 0
+        left = params.max_tokens - request.num_output_tokens - 1
+        return max(0, min(self.spec.num_tokens, left))
+
+    def _drafter_state(self, rid: str) -> object:
+        if rid not in self._drafter_states:
+            self._drafter_states[rid] = self.drafter.new_state(self._requests[rid].token_ids)
+        return self._drafter_states[rid]
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams]):
+        """The drafter's sampler: each row's request filters applied (q as p will be), a draw
+        from the engine's draft stream (argmax for greedy requests)."""
+        probs = filtered_probs(logits, params)
+        host = probs.cpu()
+        tokens = torch.multinomial(host, 1, generator=self._draft_gen)[:, 0]
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = torch.where(greedy, host.argmax(-1), tokens)
+        return tokens.to(logits.device), probs
+
+    def _trim_drafts(self, rids, proposal: Proposal, room) -> dict[str, _Draft]:
+        out = {}
+        for i, rid in enumerate(rids):
+            tokens = list(proposal.tokens[i])[:room[rid]]
+            if self.forced is not None:
+                pad = tokens[-1] if tokens else self._requests[rid].token_ids[-1]
+                tokens += [pad] * (room[rid] - len(tokens))  # forced: always k (bench)
+            if tokens:
+                probs = None if proposal.probs is None else proposal.probs[i, :len(tokens)]
+                out[rid] = _Draft(tuple(int(t) for t in tokens), probs)
+        return out
+
+    def _speculative_step(self, plan: StepPlan, drafts: dict[str, _Draft]) -> list[EngineOutput]:
+        """Draft rows extend their chunk ([anchor, drafts]); one forward verifies them all;
+        acceptance; states rolled back to the committed rows; the scheduler books it all."""
+        known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
+        chunks, verify = [], {}
+        for c in plan.chunks:
+            d = drafts.get(c.request_id)
+            if d is not None and self.kv.grow(c.request_id, c.end + len(d.tokens)) is not None:
+                known[c.request_id] = known[c.request_id] + list(d.tokens)
+                c = replace(c, end=c.end + len(d.tokens), token_ids=c.token_ids + d.tokens,
+                            block_ids=tuple(self.kv.block_table(c.request_id)))
+                verify[c.request_id] = (c, d)
+            chunks.append(c)
+        self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
+        try:
+            out = self.runner.execute(replace(plan, chunks=tuple(chunks)), known, None,
+                                      frozenset(verify))
+        except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
+            return self._forward_failed(plan, exc)
+        rids = [c.request_id for c in plan.chunks
+                if c.request_id in out.logits and c.request_id not in verify]
+        launched = _Launched(plan, rids)
+        if rids:
+            self._launch_sampling(launched, out.logits)
+        verdicts = self._verify_all(verify, out.logits, known, launched.errors)
+        self._observe(out, verdicts, set(verify))
+        return self._complete_speculative(launched, verdicts)
+
+    def _forget_drafts(self, request_ids) -> None:
+        """Drop drafter states of requests that lost their slot (preempted, paused, freed): a
+        recompute inserts their positions afresh."""
+        if self.spec is not None:
+            for rid in request_ids:
+                self._drafter_states.pop(rid, None)
+
+    def _observe(self, out, verdicts: dict[str, Verdict], verified: set[str] = frozenset()):
+        """Hand the drafter the committed rows of this step (their taps): every computed row,
+        but of a verify only the anchor and the accepted drafts (nothing of a failed one)."""
+        if self.drafter is None or not self.drafter.uses_tap or not out.taps:
+            return
+        states, positions, rows = [], [], []
+        for rid, pieces in out.taps.items():
+            if rid not in self._requests or (rid in verified and rid not in verdicts):
+                continue
+            for values, pos in pieces:
+                if rid in verdicts:
+                    keep = 1 + verdicts[rid].num_accepted
+                    values, pos = values[:keep], pos[:keep]
+                states.append(self._drafter_state(rid))
+                positions.append(list(pos))
+                rows.append(values)
+        if not states:
+            return
+        try:
+            self.drafter.observe(states, positions, torch.cat(rows))
+        except Exception:  # noqa: BLE001 - contained: those requests' drafter state restarts
+            log.exception("the drafter refused this step's context rows; its states restart")
+            self._forget_drafts(list(out.taps))
+
+    def _verify_all(self, verify, logits_by_rid, known, errors) -> dict[str, Verdict]:
+        verdicts = {}
+        argmax = self._greedy_targets(verify, logits_by_rid)
+        for rid, (chunk, draft) in verify.items():
+            try:
+                verdict = self._verify_row(rid, logits_by_rid[rid], draft, argmax.get(rid))
+                verdict = self._cut_at_eos(rid, verdict)
+                n = chunk.start + 1 + verdict.num_accepted  # the anchor and accepted drafts
+                self.runner.truncate(rid, n, known[rid][n - 3:n])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                log.exception("speculative verify of %s failed", rid)
+                errors[rid] = f"speculative verify failed: {type(exc).__name__}: {exc}"
+                continue
+            verdicts[rid] = verdict
+            usage = self._spec_usage.setdefault(rid, [0, 0, 0])
+            usage[0] += len(draft.tokens)
+            usage[1] += verdict.num_accepted
+            usage[2] += 1
+            self.spec_stats.record(len(draft.tokens), verdict.num_accepted)
+        self.spec_stats.steps += 1
+        return verdicts
+
+    def _greedy_targets(self, verify, logits_by_rid) -> dict[str, list[int]]:
+        """Every greedy verify's row argmaxes, with one device-to-host copy for the step."""
+        rids = [rid for rid in verify if self._params[rid].greedy]
+        if not rids:
+            return {}
+        flat = torch.cat([logits_by_rid[rid].argmax(-1) for rid in rids]).tolist()
+        out, at = {}, 0
+        for rid in rids:
+            n = logits_by_rid[rid].shape[0]
+            out[rid], at = flat[at:at + n], at + n
+        return out
+
+    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft,
+                    argmax: list[int] | None) -> Verdict:
+        """rows [d + 1, V] FP32: the target's logits after the anchor and each draft;
+        argmax: their argmaxes (greedy requests)."""
+        params, drafts = self._params[rid], list(draft.tokens)
+        if self.forced is not None:  # benchmark: the schedule decides, the target's token ends
+            a = self.forced.next(rid, len(drafts))
+            if argmax is not None:
+                return Verdict(tuple(drafts[:a]) + (argmax[a],), a)
+            gen = self.sampler.verify_generator(rid, params, 1)
+            p = filtered_probs(rows[a:a + 1], [params]).cpu()
+            token = int(torch.multinomial(p[0], 1, generator=gen))
+            return Verdict(tuple(drafts[:a]) + (token,), a)
+        if argmax is not None:
+            return accept_greedy(argmax, drafts)
+        p = filtered_probs(rows, [params] * rows.shape[0])
+        gen = self.sampler.verify_generator(rid, params, len(drafts) + 1)
+        return accept_sampled(p, draft.probs, drafts, gen)
+
+    def _cut_at_eos(self, rid: str, verdict: Verdict) -> Verdict:
+        """Nothing after an EOS is emitted (unless the request ignores EOS)."""
+        eos = self.eos_token_id
+        if eos is None or self._params[rid].ignore_eos or eos not in verdict.tokens:
+            return verdict
+        i = verdict.tokens.index(eos)
+        return Verdict(verdict.tokens[:i + 1], min(verdict.num_accepted, i))
+
+    def _complete_speculative(self, launched: _Launched,
+                              verdicts: dict[str, Verdict]) -> list[EngineOutput]:
+        samples = launched.samples
+        if launched.pending is not None:
+            samples = dict(zip(launched.rids, launched.pending.result(), strict=True))
+        failed = self._fail_requests(launched.errors)
+        signals = self._signals(samples)
+        eos = self.eos_token_id
+        signals.update((rid, FinishSignal.EOS) for rid, v in verdicts.items()
+                       if eos is not None and v.tokens[-1] == eos)
+        sampled = {r: [s.token_id] for r, s in samples.items()}
+        sampled.update((rid, list(v.tokens)) for rid, v in verdicts.items())
+        result = StepResult(sampled_token_ids=sampled, finish_signals=signals,
+                            accepted_drafts={rid: v.num_accepted for rid, v in verdicts.items()})
+        outputs = self.scheduler.update(launched.plan, result)
+        self.num_steps += 1
+        return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
     # ------------------------------------------------------------------ views
     def usage(self) -> dict[str, int]:

@@ -99,6 +99,26 @@ def _random_gpu_model(source: RandomWeights, config: EngineConfig, fmt):
     return random_gpu_model(preset_config(source.preset), config.device, source.seed, fmt)
 
 
+def _dspark(checkpoint_dir: str, config: EngineConfig, model):
+    """The checkpoint's DSpark drafter when the engine speculates with it (its mtp.* tensors,
+    read apart from the backbone's), else None."""
+    spec = config.speculative
+    if spec is None or spec.method != "dspark":
+        return None
+    if random_source(checkpoint_dir) is not None:
+        raise ValueError("speculative.method 'dspark' needs a checkpoint directory with the "
+                         "drafter's mtp.* tensors (random:<preset> weights have none); use "
+                         "method 'ngram' for forced-acceptance benchmarks")
+    from flashpd.model.checkpoint import load_checkpoint
+    from flashpd.model.dspark import DSparkDrafter
+
+    drafter = DSparkDrafter.from_checkpoint(load_checkpoint(checkpoint_dir), model)
+    if drafter is None:
+        raise ValueError(f"speculative.method 'dspark': {checkpoint_dir} has no drafter "
+                         "(num_nextn_predict_layers = 0 or no mtp.* tensors)")
+    return drafter
+
+
 def _grammar(tokenizer, vocab_size: int, eos: int | None, role: str):
     """The grammar backend where tokens are sampled (decode, colocated): guided decoding."""
     if tokenizer is None or role == "prefill":
@@ -132,8 +152,12 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(checkpoint_dir)
     eos = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None
     torch.manual_seed(config.seed)
+    dspark = _dspark(checkpoint_dir, config, model)
+    if dspark is None:  # this engine's model is its own: no drafter reads the tap, skip it
+        model.tap_layer_ids = ()
     engine = LLMEngine(model, config, eos_token_id=eos,
-                       grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role))
+                       grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role),
+                       dspark=dspark)
     if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
         from flashpd.engine.warmup import warm_up_at_load
 

@@ -18,7 +18,7 @@ logits rows only for chunks that need them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class FedTokens:
 class StepOutput:
     logits: dict[str, torch.Tensor]  # request id -> FP32 [V] (model's device), needs_logits
     num_tokens: int  # rows computed (replay rows included)
+    # with `ModelRunner.taps` on: request id -> (tap rows [n, n_taps*D], their positions) per
+    # segment of the step (a replay piece and a normal piece are two), rows the decoder computed
+    taps: dict[str, list[tuple[torch.Tensor, range]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -48,6 +51,9 @@ class ModelRunner:
         chunk's last `decoder_rows` rows (the decoder-side bounded replay, §11.3); None = all."""
         self.model, self.pools, self.decoder_rows = model, pools, decoder_rows
         self._states: dict[str, PagedSeqState] = {}
+        self._verify: frozenset[str] = frozenset()  # this step's speculative verifies
+        self.taps = False  # return the DSpark tap rows of every segment (a drafter needs them)
+        self._taps: dict[str, list[tuple[torch.Tensor, range]]] = {}
         self._tables: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -68,16 +74,26 @@ class ModelRunner:
             ids = state.lookback_ids()
             state.record_tokens(state.num_tokens, ids[:-1] + (int(token_id),))
 
+    def truncate(self, request_id: str, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        """Keep the first `num_tokens` tokens of a verified request's state (the rest were
+        rejected drafts): `SeqState.truncate`."""
+        self._states[request_id].truncate(num_tokens, lookback_ids)
+
     @torch.no_grad()
     def execute(self, plan: StepPlan, token_ids_of: dict[str, Sequence[int]],
-                fed: FedTokens | None = None) -> StepOutput:
+                fed: FedTokens | None = None, verify: frozenset[str] = frozenset()) -> StepOutput:
         """token_ids_of: request id -> all known token ids (prompt + outputs), for replays.
         fed: where the ids of chunks holding `PENDING_TOKEN` are (the previous step's samples
-        on the device; a plan from `Scheduler.schedule_ahead`)."""
+        on the device; a plan from `Scheduler.schedule_ahead`).
+        verify: requests whose chunk is a speculative verify ([anchor, drafts]): their state is
+        marked for rollback (`truncate`) and their logits are every row's, [rows, V]."""
         self.forget(plan.freed_request_ids + plan.preempted_request_ids)
         replays, normals = [], []
+        self._verify = verify
         for chunk in plan.chunks:
             state = self._prepare(chunk, token_ids_of[chunk.request_id])
+            if chunk.request_id in verify:
+                state.begin_speculation(chunk.num_tokens)
             split = chunk.start
             if chunk.replay is not None:
                 split = min(chunk.end, chunk.replay.to_token)
@@ -86,11 +102,12 @@ class ModelRunner:
                 normals.append((chunk, state, split, chunk.end))
         out: dict[str, torch.Tensor] = {}
         rows = 0
+        self._taps = {}
         if replays:
             rows += self._run(plan.path, replays, token_ids_of, out, replay=True)
         if normals:
             rows += self._run(plan.path, normals, token_ids_of, out, replay=False, fed=fed)
-        return StepOutput(out, rows)
+        return StepOutput(out, rows, self._taps)
 
     def _prepare(self, chunk: ScheduledChunk, known: Sequence[int]) -> PagedSeqState:
         rid = chunk.request_id
@@ -113,6 +130,9 @@ class ModelRunner:
             known = token_ids_of[chunk.request_id]
             last = end == chunk.end and chunk.needs_logits
             logits = LogitsRequest.LAST if last else LogitsRequest.NONE
+            every = not replay and chunk.request_id in self._verify
+            if every:
+                logits = LogitsRequest.ALL
             if replay:
                 lookback = tuple(known[max(0, start - 3):start])
                 state.move_cursor(end, tuple(known[max(0, end - 3):end]))
@@ -131,13 +151,28 @@ class ModelRunner:
             seqs.append(SeqInput(state, start, end - start, plan))
             owners.append((chunk.request_id, last))
         feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src)) if fed_seqs else None
-        results = self.model.forward(torch.tensor(ids, dtype=torch.long), seqs, feed)  # host ids
+        results = self._forward(torch.tensor(ids, dtype=torch.long), seqs, feed, owners)
         wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
-                  if last]
+                  if last and rid not in self._verify]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step
             rows = torch.stack([row for _, row in wanted]).float()
             out.update((rid, row) for (rid, _), row in zip(wanted, rows, strict=True))
+        out.update((rid, logits.float()) for (rid, last), logits in zip(owners, results,
+                                                                         strict=True)
+                   if last and rid in self._verify)
         return len(ids)
+
+    def _forward(self, ids: torch.Tensor, seqs, feed, owners) -> list:
+        """The model's forward (host ids); with `taps` on, each segment's tap rows are kept."""
+        if not self.taps:
+            return self.model.forward(ids, seqs, feed)
+        results, taps = self.model.forward_taps(ids, seqs, feed)
+        if taps is not None:
+            for i, (rid, _) in enumerate(owners):
+                values, positions = taps.of(i)
+                if len(positions):
+                    self._taps.setdefault(rid, []).append((values, positions))
+        return results
 
     def _normal_plan(self, path: ForwardPath, logits: LogitsRequest, num_tokens: int) -> SeqPlan:
         if path is ForwardPath.ENCODER:

@@ -129,6 +129,16 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._drawn.pop(request_id, None)
 
+    def verify_generator(self, request_id: str, params: SamplingParams,
+                         num_tokens: int) -> torch.Generator:
+        """A CPU generator for one speculative verify of `request_id`: seeded from the
+        request's stream (its seed and tokens drawn so far, or a fresh engine key), which then
+        moves on by `num_tokens` (the most tokens the verify can emit)."""
+        key = self._keys([request_id], [params])[0] & ((1 << 63) - 1)
+        if params.seed is not None:
+            self._drawn[request_id] = self._drawn.get(request_id, 0) + num_tokens
+        return torch.Generator().manual_seed(key)
+
     def _keys(self, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """One 64-bit stream key per row: a seeded request's key is a function of its seed and
         how many tokens it has drawn (so its draws do not depend on batch neighbours or step
@@ -238,3 +248,22 @@ class PendingSamples:
                 outs.append(SampleOutput(int(vals[0]), vals[1], top))
             self._outs = outs
         return self._outs
+
+
+# ---------------------------------------------------------------- speculative decoding
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per row, the distribution the sampler draws from: softmax of the row's temperature /
+    top-k / min-p / top-p filtered logits (FP32 [R, V]); a greedy row is a point mass on its
+    argmax. Speculative acceptance filters the target's p and the drafter's q with this."""
+    clean = torch.nan_to_num(logits.float(), nan=-math.inf)
+    out = torch.zeros_like(clean)
+    greedy = [row for row, p in enumerate(params) if p.greedy]
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if greedy:
+        rows = torch.tensor(greedy, dtype=torch.long, device=clean.device)
+        out[rows, clean[rows].argmax(-1)] = 1.0
+    if drawn:
+        rows = torch.tensor(drawn, dtype=torch.long, device=clean.device)
+        out[rows] = torch.softmax(_filter_rows(clean[rows], [params[r] for r in drawn]), dim=-1)
+    return out
+

@@ -21,7 +21,8 @@ GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax in all b
 MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
 MAX_LOGPROBS = 20
 GUIDED_KINDS = ("json_object", "json_schema", "structural_tag")
-MAX_GUIDED_SPEC_CHARS = 1 << 20  # a schema / structural tag as JSON text
+MAX_GUIDED_SPEC_CHARS = 1 << 20
+SPECULATIVE_MODES = ("auto", "off")  # per request: the engine's policy decides, or never  # a schema / structural tag as JSON text
 
 
 class SamplingError(ValueError):
@@ -91,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per sampled token (0 = off)
     guided: GuidedDecoding | None = None  # grammar mask (structured outputs, tool calls)
+    speculative: str = "auto"  # "off": never draft for this request (engine/speculative.py)
 
     def __post_init__(self) -> None:
         self.check()
@@ -118,6 +120,8 @@ class SamplingParams:
              f"must be an integer in [0, {MAX_LOGPROBS}]"),
             (self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
              "must be null or a GuidedDecoding"),
+            (self.speculative in SPECULATIVE_MODES, "speculative",
+             f"must be one of {list(SPECULATIVE_MODES)}"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -91,6 +91,10 @@ class StepResult:
     sampled_token_ids: Mapping[str, Sequence[int]] = field(default_factory=dict)
     # request id -> signal about the last sampled token
     finish_signals: Mapping[str, FinishSignal] = field(default_factory=dict)
+    # speculative verify: request id -> drafts accepted. The chunk's one row plus these many
+    # draft rows are computed (the state kept them); the sampled ids are those drafts followed
+    # by the target's token. Blocks past the request's known tokens are released.
+    accepted_drafts: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -524,7 +528,19 @@ class Scheduler:
         new_token_ids, reason = self._append_sampled(request, result)
         if reason is not None:
             return self._finish(request, reason, new_token_ids)
+        if request.request_id in result.accepted_drafts:
+            self._book_verify(request, result.accepted_drafts[request.request_id])
         return self._output(request, new_token_ids)
+
+    def _book_verify(self, request: Request, accepted: int) -> None:
+        """A verify computed `accepted` draft rows past the chunk, now known tokens: count
+        them (their full chunks become cacheable) and give back blocks the rejected drafts
+        were given beyond the known tokens."""
+        if not 0 <= accepted <= request.num_tokens - 1 - request.num_computed_tokens:
+            raise ValueError(f"{accepted} accepted drafts for {request.request_id!r}")
+        request.num_computed_tokens += accepted
+        self.kv.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+        self.kv.shrink(request.request_id, request.num_tokens)
 
     def _append_sampled(
         self, request: Request, result: StepResult
@@ -581,7 +597,8 @@ class Scheduler:
     def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         """Reject a result that does not answer the plan, before anything is applied."""
         sampling = {chunk.request_id for chunk in plan.chunks if chunk.needs_logits}
-        unexpected = (set(result.sampled_token_ids) | set(result.finish_signals)) - sampling
+        unexpected = (set(result.sampled_token_ids) | set(result.finish_signals)
+                      | set(result.accepted_drafts)) - sampling
         if unexpected:
             raise ValueError(f"results for requests not sampled this step: {sorted(unexpected)}")
         missing = [

@@ -10,8 +10,16 @@ Names carry no `model.` prefix. Formats per tensor:
 
 Loaded tensors keep their raw checkpoint form: float8_e4m3fn weights, scales as uint8 (bytes
 reinterpreted with `.view(torch.uint8)`, never numerically cast, §12.18), routed-expert weights as
-uint8. `mtp.*`, `vision.*`, `aligner.*` and `image_*` tensors belong to the DSpark head and the
-vision tower and are ignored.
+uint8. `vision.*`, `aligner.*` and `image_*` tensors belong to the vision tower and are ignored.
+
+`mtp.*` tensors are the DSpark drafter (shared/docs/dspark.md §2.5, `drafter_manifest`): three
+SWA-only V4.1 blocks in the backbone's formats (FP8 projections, MXFP4 routed experts, BF16 norms,
+F32 mHC / sink / gate bias), `main_proj`/`main_norm` on stage 0 and `norm`, `markov_head`,
+`confidence_head` (BF16) on the last stage. They load into `Checkpoint.drafter_tensors`, apart
+from the backbone's `tensors`, so backbone loaders never see them. A checkpoint with no `mtp.*`
+tensor has no drafter: its config's `dspark` becomes None whatever config.json says (a backbone
+trained or shipped alone, e.g. model/presets/small_checkpoint); a partial or mis-shaped drafter
+raises like the backbone.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -46,7 +54,9 @@ LOADED_TORCH_DTYPES = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
 }
-IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")  # what the backbone ignores
+DRAFTER_PREFIX = "mtp."
+_UNLOADED_PREFIXES = ("vision.", "aligner.", "image_")  # never loaded
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 _CHUNK_ELEMENTS = 1 << 24  # rows generated per step are capped at ~16M float32 values
@@ -86,6 +96,35 @@ def manifest(cfg: ModelConfig) -> dict[str, TensorSpec]:
     return out
 
 
+def drafter_manifest(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every `mtp.*` tensor of the DSpark drafter (dspark.md §2.5), in file order; {} without one.
+
+    Stage s is a V4.1 block without compressor, indexer or Engram (ratio 0) whose MoE has the
+    drafter's own expert count; stage 0 adds the tap projection, the last stage the heads.
+    """
+    ds = cfg.dspark
+    if ds is None:
+        return {}
+    d_model, last = cfg.hidden_size, ds.num_layers - 1
+    out = _fp8(cfg, "mtp.0.main_proj", d_model, len(ds.target_layer_ids) * d_model)
+    out["mtp.0.main_norm.weight"] = TensorSpec("BF16", (d_model,))
+    for s in range(ds.num_layers):
+        stage = {**_mhc_and_norm_tensors(cfg), **_attention_core_tensors(cfg),
+                 **_moe_tensors(cfg, ds.n_routed_experts)}
+        out.update({f"mtp.{s}.{name}": spec for name, spec in stage.items()})
+    p = f"mtp.{last}."
+    out[p + "norm.weight"] = TensorSpec("BF16", (d_model,))
+    out[p + "markov_head.embed.weight"] = TensorSpec("BF16", (cfg.vocab_size, ds.markov_rank))
+    out[p + "markov_head.head.weight"] = TensorSpec("BF16", (cfg.vocab_size, ds.markov_rank))
+    out[p + "confidence_head.proj.weight"] = TensorSpec("BF16", (1, d_model + ds.markov_rank))
+    return out
+
+
+def checkpoint_manifest(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """What a full checkpoint of `cfg` stores: the backbone, then the drafter (if any)."""
+    return {**manifest(cfg), **drafter_manifest(cfg)}
+
+
 def _fp8(cfg: ModelConfig, name: str, out_dim: int, in_dim: int) -> dict[str, TensorSpec]:
     bo, bi = cfg.weight_block_size
     return {
@@ -107,7 +146,7 @@ def _layer_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpec]:
         out.update(_engram_tensors(cfg, spec))
     out.update(_mhc_and_norm_tensors(cfg))
     out.update(_attention_tensors(cfg, spec))
-    out.update(_moe_tensors(cfg))
+    out.update(_moe_tensors(cfg, cfg.n_routed_experts))
     return out
 
 
@@ -125,7 +164,8 @@ def _mhc_and_norm_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     return out
 
 
-def _attention_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpec]:
+def _attention_core_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """The attention every layer has (a ratio-0 layer has nothing else)."""
     d_model, d_head, n_heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
     group_in = (n_heads // cfg.o_groups) * d_head
     out = _fp8(cfg, "attn.wq_a", cfg.q_lora_rank, d_model)
@@ -136,6 +176,12 @@ def _attention_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpe
     out.update(_fp8(cfg, "attn.wo_a", cfg.o_groups * cfg.o_lora_rank, group_in))
     out.update(_fp8(cfg, "attn.wo_b", d_model, cfg.o_groups * cfg.o_lora_rank))
     out["attn.attn_sink"] = TensorSpec("F32", (n_heads,))
+    return out
+
+
+def _attention_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpec]:
+    d_model, d_head = cfg.hidden_size, cfg.head_dim
+    out = _attention_core_tensors(cfg)
     if spec.owns_compressor:
         out["attn.compressor.wkv.weight"] = TensorSpec("BF16", (d_head, d_model))
         if spec.ratio > 1:  # gated pooling (§4.1); ratio 1 has no gate (§4.2)
@@ -150,8 +196,8 @@ def _attention_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpe
     return out
 
 
-def _moe_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    d_model, d_ff, n_experts = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+def _moe_tensors(cfg: ModelConfig, n_experts: int) -> dict[str, TensorSpec]:
+    d_model, d_ff = cfg.hidden_size, cfg.moe_intermediate_size
     out = {
         "ffn.gate.weight": TensorSpec("BF16", (n_experts, d_model)),
         "ffn.gate.bias": TensorSpec("F32", (n_experts,)),
@@ -202,7 +248,7 @@ def logical_shape(spec: TensorSpec) -> tuple[int, ...]:
 # ============================================================================ random weights
 def init_rule(name: str, spec: TensorSpec) -> tuple[str, float]:
     """(kind, std) of the random initialisation; scales keep the tiny model's activations O(1)."""
-    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    leaf = name.split(".", 2)[-1] if name.startswith(("layers.", DRAFTER_PREFIX)) else name
     if leaf.endswith("norm.weight") or leaf in ("engram.q_weight", "engram.k_weight"):
         return "ones", 0.0
     if leaf in ("attn.attn_sink", "ffn.gate.bias", "ffn.gate.bias_vl"):
@@ -241,6 +287,14 @@ def _float_rows(
             g = _generator(seed, name, chunk, device)
             block = torch.randn(n, cols, generator=g, device=device) * std
         yield block if len(shape) > 1 else block.reshape(n)
+
+
+def random_values(seed: int, name: str, spec: TensorSpec, device: str | torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The values `write_random_checkpoint` draws for `name` (logical shape, `dtype`), before
+    any rounding to the checkpoint format: random weights made straight on a device."""
+    chunks = [c.to(dtype) for c in _float_rows(seed, name, spec, torch.device(device), 32)]
+    return torch.cat(chunks).reshape(logical_shape(spec))
 
 
 def _as_bytes(t: torch.Tensor) -> bytes:
@@ -336,6 +390,7 @@ def write_random_checkpoint(
     device: str | torch.device = "cpu",
 ) -> list[str]:
     """Write a random checkpoint of `cfg` in the released format; returns the shard paths.
+    A config with a drafter (`cfg.dspark`) gets random `mtp.*` tensors too.
 
     Streams tensor by tensor (and large tensors in row chunks), so RAM stays bounded by one chunk
     plus the pending scales of one weight. Deterministic in (seed, device): every tensor chunk
@@ -344,7 +399,7 @@ def write_random_checkpoint(
     from flashpd.model.presets import PRESET_NAMES, tokenizer_path
 
     os.makedirs(out_dir, exist_ok=True)
-    specs = manifest(cfg)
+    specs = checkpoint_manifest(cfg)  # with the drafter's mtp.* tensors when cfg has one
     shards = plan_shards(specs, max_shard_bytes)
     weights = _RandomWeights(cfg, specs, seed, torch.device(device))
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -371,10 +426,11 @@ def _write_json(path: str, obj: object) -> None:
 # ============================================================================ loader
 @dataclass
 class Checkpoint:
-    cfg: ModelConfig
-    tensors: dict[str, torch.Tensor]  # raw checkpoint form, see module docstring
+    cfg: ModelConfig  # cfg.dspark is None when the checkpoint stores no drafter
+    tensors: dict[str, torch.Tensor]  # backbone, raw checkpoint form, see module docstring
     tokenizer_path: str | None
     path: str
+    drafter_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # mtp.*, raw form
 
 
 def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
@@ -384,7 +440,14 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
     """
     cfg = ModelConfig.from_file(path)
     found = _scan_shards(path)  # name -> (file, TensorSpec)
-    errors = _validate(manifest(cfg), {n: s for n, (_, s) in found.items()})
+    specs = {n: s for n, (_, s) in found.items()}
+    has_drafter = any(n.startswith(DRAFTER_PREFIX) for n in specs)
+    if cfg.dspark is not None and not has_drafter:
+        cfg = cfg.replace(dspark=None)  # no mtp.* tensors: no drafter
+    if cfg.dspark is None:  # a config without a drafter ignores mtp.* tensors, as it always did
+        found = {n: v for n, v in found.items() if not n.startswith(DRAFTER_PREFIX)}
+        specs = {n: s for n, (_, s) in found.items()}
+    errors = _validate(checkpoint_manifest(cfg), specs)
     if errors:
         raise CheckpointError(
             f"checkpoint {path} does not match config {cfg.name!r}:\n  " + "\n  ".join(errors)
@@ -397,9 +460,11 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
         with safe_open(file, framework="pt", device=device) as f:
             for name in names:
                 tensors[name] = _to_loaded_form(f.get_tensor(name), found[name][1].dtype)
+    drafter = {n: tensors.pop(n) for n in list(tensors) if n.startswith(DRAFTER_PREFIX)}
     tok = os.path.join(path, "tokenizer.json")
     return Checkpoint(
-        cfg=cfg, tensors=tensors, tokenizer_path=tok if os.path.exists(tok) else None, path=path
+        cfg=cfg, tensors=tensors, tokenizer_path=tok if os.path.exists(tok) else None, path=path,
+        drafter_tensors=drafter,
     )
 
 
@@ -428,14 +493,14 @@ def _shard_files(path: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def _scan_shards(path: str) -> dict[str, tuple[str, TensorSpec]]:
-    """Read every shard header: name -> (file, TensorSpec), ignored prefixes dropped."""
+    """Read every shard header: name -> (file, TensorSpec), vision tensors dropped."""
     files, weight_map = _shard_files(path)
     found: dict[str, tuple[str, TensorSpec]] = {}
     errors: list[str] = []
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.startswith(IGNORED_PREFIXES):
+                if name.startswith(_UNLOADED_PREFIXES):
                     continue
                 sl = f.get_slice(name)
                 if name in found:
@@ -450,7 +515,7 @@ def _scan_shards(path: str) -> dict[str, tuple[str, TensorSpec]]:
         errors += [
             f"{n}: listed in {INDEX_FILE} ({f}) but not stored there"
             for n, f in weight_map.items()
-            if not n.startswith(IGNORED_PREFIXES) and n not in found
+            if not n.startswith(_UNLOADED_PREFIXES) and n not in found
         ]
     if errors:
         raise CheckpointError(f"checkpoint {path} is inconsistent:\n  " + "\n  ".join(errors))

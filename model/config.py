@@ -75,6 +75,111 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark drafter's released keys (docs/dspark.md; shared/docs/dspark.md §2).
+
+    Three SWA-only layers (`mtp.0..2`) run in series on a block [anchor, noise x (k-1)]; their
+    context K/V comes from a tap of the target's residual entering `target_layer_ids`.
+    """
+
+    num_layers: int  # num_nextn_predict_layers: stacked drafter layers (3), not MTP stages
+    block_size: int  # dspark_block_size: k slots = k drafts per step (5)
+    noise_token_id: int  # dspark_noise_token_id: embedding row of the k-1 noise slots
+    target_layer_ids: tuple[int, ...]  # dspark_target_layer_ids: tap layers, ascending
+    markov_rank: int  # dspark_markov_rank: r of the Markov head (E, H are [V, r])
+    n_routed_experts: int  # dspark_n_routed_experts
+    num_experts_per_tok: int  # dspark_num_experts_per_tok
+    compress_ratios: tuple[int, ...]  # the trailing compress_ratios entries: all 0 (SWA-only)
+
+    @property
+    def tap_dim_factor(self) -> int:
+        """main_hidden is [T, len(target_layer_ids) * hidden_size]."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, t: dict[str, Any], num_layers: int) -> DSparkConfig | None:
+        """None when num_nextn_predict_layers is 0 or absent (a config without a drafter)."""
+        n = _int_key(t, "num_nextn_predict_layers", default=0)
+        if n < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {n}")
+        if n == 0:
+            return None
+        ratios = t["compress_ratios"]
+        if len(ratios) != num_layers + n:
+            raise ValueError(f"compress_ratios has {len(ratios)} entries; with "
+                             f"num_nextn_predict_layers={n} it needs num_hidden_layers + {n} = "
+                             f"{num_layers + n}")
+        ids = t.get("dspark_target_layer_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"dspark_target_layer_ids must be a list of layer ids, got {ids!r}")
+        return cls(
+            num_layers=n,
+            block_size=_int_key(t, "dspark_block_size"),
+            noise_token_id=_int_key(t, "dspark_noise_token_id"),
+            target_layer_ids=tuple(ids),
+            markov_rank=_int_key(t, "dspark_markov_rank"),
+            n_routed_experts=_int_key(t, "dspark_n_routed_experts"),
+            num_experts_per_tok=_int_key(t, "dspark_num_experts_per_tok"),
+            compress_ratios=tuple(int(r) for r in ratios[num_layers:]),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The released keys (compress_ratios' tail is appended by ModelConfig.to_hf)."""
+        return {
+            "num_nextn_predict_layers": self.num_layers,
+            "dspark_block_size": self.block_size,
+            "dspark_noise_token_id": self.noise_token_id,
+            "dspark_target_layer_ids": list(self.target_layer_ids),
+            "dspark_markov_rank": self.markov_rank,
+            "dspark_n_routed_experts": self.n_routed_experts,
+            "dspark_num_experts_per_tok": self.num_experts_per_tok,
+        }
+
+    def problems(self, num_layers: int, vocab_size: int) -> list[str]:
+        """What is wrong against the backbone, each message naming its key."""
+        out = []
+        if self.num_layers < 1:
+            out.append(f"num_nextn_predict_layers must be >= 1 with a drafter, "
+                       f"got {self.num_layers}")
+        if len(self.compress_ratios) != self.num_layers or any(self.compress_ratios):
+            out.append(f"compress_ratios: the {self.num_layers} trailing (drafter) entries must "
+                       f"be 0 (SWA-only), got {list(self.compress_ratios)}")
+        if self.block_size < 1:
+            out.append(f"dspark_block_size must be >= 1, got {self.block_size}")
+        if not 0 <= self.noise_token_id < vocab_size:
+            out.append(f"dspark_noise_token_id {self.noise_token_id} outside the vocabulary "
+                       f"[0, {vocab_size})")
+        ids = self.target_layer_ids
+        if not ids:
+            out.append("dspark_target_layer_ids is empty")
+        if any(not 0 <= i < num_layers for i in ids):
+            out.append(f"dspark_target_layer_ids {list(ids)}: every id must be a backbone layer "
+                       f"in [0, {num_layers})")
+        if list(ids) != sorted(set(ids)):
+            out.append(f"dspark_target_layer_ids {list(ids)} must be strictly ascending")
+        if self.markov_rank < 1:
+            out.append(f"dspark_markov_rank must be >= 1, got {self.markov_rank}")
+        if self.n_routed_experts < 1:
+            out.append(f"dspark_n_routed_experts must be >= 1, got {self.n_routed_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            out.append(f"dspark_num_experts_per_tok {self.num_experts_per_tok} outside "
+                       f"[1, dspark_n_routed_experts={self.n_routed_experts}]")
+        return out
+
+
+def _int_key(t: dict[str, Any], key: str, default: int | None = None) -> int:
+    """An integer config key; a missing key (without default) or a non-integer raises."""
+    if key not in t:
+        if default is None:
+            raise ValueError(f"config lacks {key} (required when num_nextn_predict_layers > 0)")
+        return default
+    value = t[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     vocab_size: int
@@ -87,7 +192,7 @@ class ModelConfig:
     o_groups: int
     o_lora_rank: int
     sliding_window: int
-    compress_ratios: tuple[int, ...]  # backbone layers only (DSpark tail dropped)
+    compress_ratios: tuple[int, ...]  # backbone layers only (DSpark tail: dspark.compress_ratios)
     kv_source_layer_ids: tuple[int, ...]
     index_source_layer_ids: tuple[int, ...]
     candidate_source_layer_id: int
@@ -121,6 +226,7 @@ class ModelConfig:
     image_token_id: int | None
     weight_block_size: tuple[int, int] = (32, 32)
     tie_word_embeddings: bool = False
+    dspark: DSparkConfig | None = None  # the drafter; None: num_nextn_predict_layers = 0
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -202,6 +308,7 @@ class ModelConfig:
             image_token_id=hf.get("image_token_id"),
             weight_block_size=tuple(q.get("weight_block_size", (32, 32))),
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            dspark=DSparkConfig.from_hf(t, n_layers),
         )
         cfg.validate()
         return cfg
@@ -274,7 +381,11 @@ class ModelConfig:
             "engram_vocab_size": self.engram_vocab_size,
             "engram_compressed_vocab_size": self.engram_compressed_vocab_size,
             "engram_pad_token_id": self.engram_pad_token_id,
+            "num_nextn_predict_layers": 0,
         }
+        if self.dspark is not None:
+            t.update(self.dspark.to_hf())
+            t["compress_ratios"] += list(self.dspark.compress_ratios)
         out: dict[str, Any] = {
             "architectures": ["DeepseekV41ForCausalLM"],
             "model_type": "deepseek_v41",
@@ -328,6 +439,9 @@ class ModelConfig:
         need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult / hc_sinkhorn_iters")
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
         need(self.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1")
+        if self.dspark is not None:
+            for problem in self.dspark.problems(self.num_layers, self.vocab_size):
+                need(False, problem)
 
     # ------------------------------------------------------------------ roles
     @property

@@ -305,6 +305,28 @@ class Published:
         return value[part.first - first:]
 
 
+@dataclass(frozen=True)
+class Taps:
+    """The DSpark tap of one forward (shared/docs/dspark.md §2.1), from `Model.taps(step)`.
+
+    `values` [Tc, n_taps * D] in the model dtype: per row the decoder layers compute (`rows`,
+    those of the last tap layer; every earlier layer computed them too), the plain mean over the
+    hc streams of the residual entering each layer of `dspark_target_layer_ids`, concatenated in
+    that order. Rows are grouped by segment in batch order.
+    """
+
+    values: torch.Tensor
+    rows: LayerRows
+
+    def of(self, seg_index: int) -> tuple[torch.Tensor, range]:
+        """Segment `seg_index`'s tap rows [n, n_taps * D] and their absolute positions."""
+        for part in self.rows.parts:
+            if part.seg.index == seg_index:
+                return self.values[part.c0:part.c1], range(part.first_pos,
+                                                            part.first_pos + part.c1 - part.c0)
+        return self.values[:0], range(0)
+
+
 @dataclass
 class Step:
     """Everything one forward needs, built once before it (`Model.prepare`): the forward itself
@@ -384,12 +406,14 @@ class Model:
             raise ValueError(f"{len(weights.layers)} layer weights for {cfg.num_layers} layers")
         self.cfg, self.w, self.dtype, self.hasher = cfg, weights, dtype, hasher
         self.device = weights.embed.device
-        k = dispatch.select(kernels)
+        k = self.kernels = dispatch.select(kernels)  # op -> module (shared with the drafter)
         self.dense, self.quant, self.rope = k["dense"], k["quant"], k["rope"]
         self.mhc, self.engram, self.attention = k["mhc"], k["engram"], k["attention"]
         self.compressor, self.indexer, self.moe_k = k["compressor"], k["indexer"], k["moe"]
         self._init_rope(cfg)
         self.kv_format = kv_format(compressed_kv_format)
+        # the DSpark tap (`taps`): recorded when the config has a drafter; () switches it off
+        self.tap_layer_ids: tuple[int, ...] = cfg.dspark.target_layer_ids if cfg.dspark else ()
 
     def _init_rope(self, cfg: ModelConfig) -> None:
         """RoPE tables on the model's device: main (ratio-0 layers) and compressed (§3.3)."""
@@ -435,12 +459,19 @@ class Model:
                 feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None.
         feed: rows whose ids are read on the device (`TokenFeed`)."""
+        return self.forward_taps(token_ids, seqs, feed)[0]
+
+    @torch.no_grad()
+    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                     feed: TokenFeed | None = None
+                     ) -> tuple[list[torch.Tensor | None], Taps | None]:
+        """`forward`, plus the step's DSpark tap (`taps`; None without a drafter)."""
         step = self.prepare(token_ids, seqs)
         if feed is not None:
             self.apply_feed(step, feed)
         logits = self.compute(step)
         self.commit(step)
-        return step.split_logits(logits)
+        return step.split_logits(logits), self.taps(step)
 
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
                 device: torch.device | None = None) -> Step:
@@ -507,16 +538,37 @@ class Model:
                                   device=self.device)  # [T, S]
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
         step.published, step.outputs = Published(), {}
+        taps: list[torch.Tensor] = []
         for spec, lw in zip(cfg.layers, self.w.layers, strict=True):
+            if spec.layer_id in self.tap_layer_ids:  # () without a drafter: no cost
+                taps.append(self._tap(streams, step))
             rows = step.rows_of(spec)
             if rows.num_seam:
                 streams, carried_pre = self._layer(spec, lw, rows, streams, carried_pre, step)
+        if taps:  # in `outputs`: a graph replay hands the caller's step the static buffer
+            step.outputs["taps"] = torch.cat(taps, dim=-1)  # [Tc, n_taps*D]
         if step.logit_rows.numel() == 0:
             return None
         idx = step.logit_rows
         h = self.mhc.collapse(streams[idx], carried_pre[idx])  # layer L-1's FFN pre
         h = self.dense.rms_norm(h, self.w.norm, self.eps)
         return self.dense.linear_fp32(h, self.w.head)  # [n, V] FP32
+
+    def taps(self, step: Step) -> Taps | None:
+        """The DSpark tap `compute` left in the step (None: the model records none). Its values
+        may be a graph's static buffer: consume them before the next forward."""
+        values = step.outputs.get("taps")
+        return None if values is None else Taps(values, self._tap_rows(step))
+
+    def _tap_rows(self, step: Step) -> LayerRows:
+        """The rows the tap covers: those the last tap layer computes."""
+        return step.rows_of(self.cfg.layers[self.tap_layer_ids[-1]])
+
+    def _tap(self, streams: torch.Tensor, step: Step) -> torch.Tensor:
+        """streams [T, S, D] entering a tap layer -> plain stream mean of the tap rows [Tc, D]."""
+        rows = self._tap_rows(step)
+        x = streams if rows.everything else streams[rows.compute_idx]  # [Tc, S, D]
+        return x.to(torch.float32).mean(dim=1).to(streams.dtype)  # FP32 sum, one rounding
 
     def commit(self, step: Step) -> None:
         """After the step: the states' token counters and lookback ids."""
@@ -711,6 +763,7 @@ class Model:
             raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'}"
                              f" at position {first_pos}")
         kv32, gate32 = (t[part.s0:part.s1] for t in projected)
+        state.note_group_rows(src, first_pos, kv32, gate32)  # a verify's rollback (speculation)
         pooled, open_out = self.compressor.pool_pairs(kv32, gate32, open_in)
         state.set_open_group(src, open_out)
         return self.compressor.latent(pooled, norm, self.eps, self.dtype)
@@ -746,14 +799,11 @@ class Model:
     def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows,
                    step: Step) -> torch.Tensor:
         """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
-        cfg, d, aw = self.cfg, self.dense, lw.attn
-        pos, num_q = rows.positions, x.shape[0]
+        cfg, aw = self.cfg, lw.attn
+        pos = rows.positions
         cos, sin = self.rope.rope_cos_sin(pos, self._freqs(spec))  # [Tc, r/2] FP32
-        c_q = d.rms_norm(d.linear(x, aw.wq_a), aw.q_norm, self.eps)  # [Tc, q_lora]
-        q = d.linear(c_q, aw.wq_b).reshape(num_q, cfg.num_heads, cfg.head_dim)  # [Tc, H, d]
-        q = self.rope.rotate(q, cos, sin)  # no per-head q norm in V4.1 (§12.4)
-        kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, self.eps)  # [Tc, d]
-        kv = self.quant.fake_quant_fp8_ue8m0(self.rope.rotate(kv, cos, sin))
+        c_q, q = attention_query(self.kernels, cfg, aw, x, (cos, sin))  # [Tc, q_lora], [Tc, H, d]
+        kv = window_kv(self.kernels, cfg, aw, x, (cos, sin))  # [Tc, d]
         if lw.index_query is not None:  # index sources have ratio > 0: same (compress) table
             self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, step.published)
         outs = []
@@ -789,11 +839,7 @@ class Model:
 
     def _output_projection(self, aw: AttentionWeights, o: torch.Tensor) -> torch.Tensor:
         """o [Tc, H, d] -> grouped wo_a (block-diagonal, §3.6) -> wo_b -> [Tc, D]."""
-        cfg, d = self.cfg, self.dense
-        groups = o.reshape(o.shape[0], cfg.o_groups, -1)  # [Tc, G, (H/G)*d]
-        wo_a = aw.wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*d]
-        z = torch.cat([d.linear(groups[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
-        return d.linear(z, aw.wo_b)  # [Tc, D]
+        return output_projection(self.dense, self.cfg, aw, o)
 
     # ------------------------------------------------------------------ indexer (§5)
     def _select(self, spec: LayerSpec, iw: IndexQueryWeights, x: torch.Tensor, c_q: torch.Tensor,
@@ -819,6 +865,36 @@ class Model:
                 allowed = published.get(part, "candidates", cfg.candidate_source_layer_id)
             published.put(part, "topk", spec.layer_id,
                           self.indexer.select_topk(scores, cfg.index_topk, allowed))
+
+
+# ============================================================================ shared pieces
+# Attention arithmetic the backbone (ratio-0 and compressed layers alike) and the DSpark drafter
+# (model/dspark.py) share; `kernels` maps op family -> module (`dispatch.select`).
+def attention_query(kernels: Mapping, cfg: ModelConfig, aw: AttentionWeights, x: torch.Tensor,
+                    cos_sin: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] (normed) -> (c_q [T, q_lora], RoPE'd q [T, H, d]); no per-head q norm (§12.4)."""
+    d = kernels["dense"]
+    c_q = d.rms_norm(d.linear(x, aw.wq_a), aw.q_norm, cfg.rms_norm_eps)  # [T, q_lora]
+    q = d.linear(c_q, aw.wq_b).reshape(x.shape[0], cfg.num_heads, cfg.head_dim)  # [T, H, d]
+    return c_q, kernels["rope"].rotate(q, *cos_sin)
+
+
+def window_kv(kernels: Mapping, cfg: ModelConfig, aw: AttentionWeights, x: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, D] -> window K = V [T, d]: kv_norm(wkv(x)), RoPE, FP8 UE8M0 fake-quant (§6.1)."""
+    d = kernels["dense"]
+    kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, cfg.rms_norm_eps)  # [T, d]
+    return kernels["quant"].fake_quant_fp8_ue8m0(kernels["rope"].rotate(kv, *cos_sin))
+
+
+def output_projection(dense, cfg: ModelConfig, aw: AttentionWeights,
+                      o: torch.Tensor) -> torch.Tensor:
+    """o [T, H, d] (inverse-RoPE'd) -> grouped wo_a (block-diagonal, §3.6) -> wo_b -> [T, D]."""
+    groups = o.reshape(o.shape[0], cfg.o_groups, -1)  # [T, G, (H/G)*d]
+    wo_a = aw.wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*d]
+    z = torch.cat([dense.linear(groups[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=-1)
+    return dense.linear(z, aw.wo_b)  # [T, D]
 
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16,

@@ -29,6 +29,13 @@ Interface:
     load_global_state(GlobalKV)         replaces everything; windows become unset and the open
                                         rows empty until a bounded replay rebuilds them
 
+Speculative verify (engine/speculative.py): a verify forward writes rows for drafts that may
+be rejected. `begin_speculation(rows)` marks the state before such a forward (it will append
+at most `rows` rows); `note_group_rows` (called by the forward's ratio-2 compressor) keeps the
+FP32 (a, g) of every row appended after the mark; `truncate(n, lookback)` then keeps exactly
+the first n tokens: windows, entries and index keys, open-group rows and the token books equal
+those of a state that only ever saw those n tokens. States that cannot roll back raise.
+
 All methods are strict: out-of-order appends and reads of unset windows raise `StateError`.
 """
 
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +52,7 @@ from flashpd.model.config import ModelConfig
 
 LOOKBACK_TOKENS = 3  # Engram looks back engram_max_ngram_size - 1 = 3 tokens
 
-__all__ = ["DenseSeqState", "TokenCounter", "Entries", "GlobalKV", "OpenGroup", "SeqState", "StateError",
+__all__ = ["DenseSeqState", "SpecMark", "Speculative", "TokenCounter", "Entries", "GlobalKV", "OpenGroup", "SeqState", "StateError",
            "Window"]
 
 
@@ -86,7 +93,62 @@ class GlobalKV:
     entries: Mapping[int, Entries]  # kv source layer -> its entries
 
 
-class SeqState(abc.ABC):
+@dataclass
+class SpecMark:
+    """What `begin_speculation` keeps: the books at the mark and the rows the verify appends."""
+
+    num_tokens: int
+    max_rows: int
+    saved: object  # the implementation's own snapshot (windows, open rows, entry counts)
+    group_rows: dict[tuple[int, int], OpenGroup] = field(default_factory=dict)  # (src, pos)
+
+    def check_truncate(self, num_tokens: int, held: int) -> None:
+        if not self.num_tokens <= num_tokens <= held:
+            raise StateError(f"truncate to {num_tokens} tokens outside [{self.num_tokens}, "
+                             f"{held}] (speculation began at {self.num_tokens})")
+        if held - self.num_tokens > self.max_rows:
+            raise StateError(f"{held - self.num_tokens} rows appended since the mark, at most "
+                             f"{self.max_rows} announced")
+
+    def open_row_at(self, src: int, num_tokens: int) -> OpenGroup | None:
+        """The open row of a ratio-2 source for a state of `num_tokens` tokens, when its last
+        token is a row appended after the mark (else None: the caller restores its own)."""
+        if num_tokens % 2 == 0 or num_tokens - 1 < self.num_tokens:
+            return None
+        row = self.group_rows.get((src, num_tokens - 1))
+        if row is None:
+            raise StateError(f"source {src}: no (a, g) noted for position {num_tokens - 1}")
+        return row
+
+
+class Speculative:
+    """The default speculation hooks of a `SeqState`: none (a verify cannot roll back)."""
+
+    _spec: SpecMark | None = None
+
+    @property
+    def speculating(self) -> bool:
+        """Between `begin_speculation` and `truncate`."""
+        return self._spec is not None
+
+    def begin_speculation(self, max_rows: int) -> None:
+        raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")
+
+    def note_group_rows(self, src: int, first_pos: int, kv32: torch.Tensor,
+                        gate32: torch.Tensor) -> None:
+        """The ratio-2 compressor's FP32 (a, g) rows [n, c] of positions first_pos ...; kept
+        only while speculating (rows at or after the mark)."""
+        mark = self._spec
+        if mark is None:
+            return
+        for i in range(max(0, mark.num_tokens - first_pos), kv32.shape[0]):
+            mark.group_rows[(src, first_pos + i)] = OpenGroup(kv32[i].clone(), gate32[i].clone())
+
+    def truncate(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")
+
+
+class SeqState(Speculative, abc.ABC):
     """See the module docstring for the contract of each method."""
 
     @property
@@ -240,6 +302,40 @@ class DenseSeqState(TokenCounter, SeqState):
         self._open = {s: None for s in self._open}
         self._num_tokens = 0
         self.record_tokens(state.num_tokens, state.lookback_ids)
+
+    # ------------------------------------------------------------------ speculation
+    def begin_speculation(self, max_rows: int) -> None:
+        if max_rows > self._keep_positions:
+            raise StateError(f"a verify of {max_rows} rows exceeds the window ({self._keep_positions})")
+        # the tensors are never modified in place (appends build new ones): references suffice
+        saved = (dict(self._windows), dict(self._open), None)
+        self._spec = SpecMark(self._num_tokens, max_rows, saved)
+
+    def truncate(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
+        mark = self._spec
+        if mark is None:
+            raise StateError("truncate without begin_speculation")
+        mark.check_truncate(num_tokens, self._num_tokens)
+        windows, opens, _ = mark.saved
+        for layer, saved in windows.items():
+            if saved is None:
+                raise StateError(f"window of layer {layer} was unset at the mark")
+            cur = self.window(layer)
+            if cur.start_pos > mark.num_tokens:
+                raise StateError(f"layer {layer}: window lost rows since the mark")
+            kept = cur.kv[mark.num_tokens - cur.start_pos:num_tokens - cur.start_pos]
+            self._windows[layer] = saved
+            self.append_window(layer, mark.num_tokens, kept)
+        for src, ratio in self._ratios.items():
+            keep = num_tokens // ratio
+            ent = self._entries[src]
+            self._entries[src] = Entries(ent.kv[:keep], ent.keys[:keep])
+        for src in self._open:
+            row = mark.open_row_at(src, num_tokens)  # None: even count, or the mark's own row
+            self._open[src] = None if num_tokens % 2 == 0 else row if row is not None \
+                else opens[src]
+        self._spec = None
+        self._set_tokens(num_tokens, lookback_ids)
 
     # ------------------------------------------------------------------ helpers
     def _empty(self, width: int) -> torch.Tensor:

@@ -429,13 +429,33 @@ def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | Non
 
     cfg = model.cfg
     specs = manifest(cfg)
+    tensors = export_tensors(cfg, specs, model.raw, model.formats)
+    os.makedirs(out_dir, exist_ok=True)
+    shards = plan_shards(specs, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, names in zip(files, shards, strict=True):
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
+                  metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())},
+             "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
+    _write_json(os.path.join(out_dir, INDEX_FILE), index)
+    _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
+    if tokenizer_path:
+        shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.json"))
+    return [os.path.join(out_dir, f) for f in files]
+
+
+def export_tensors(cfg: ModelConfig, specs: dict[str, TensorSpec], raw, formats: dict[str, str]
+                   ) -> dict[str, torch.Tensor]:
+    """Master weights (`raw(name)`, FP32) -> checkpoint tensors in their formats (+ scales),
+    checked against `specs`."""
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, spec in specs.items():
             if is_scale(spec):
                 continue
-            w = model.raw(name).detach().float().cpu()
-            fmt = model.formats[name]
+            w = raw(name).detach().float().cpu()
+            fmt = formats[name]
             if fmt in ("fp8_block", "fp8_rows", "mxfp4"):
                 if fmt == "fp8_block":
                     q, s = quant.quantize_fp8_blockwise(w, cfg.weight_block_size)
@@ -454,19 +474,7 @@ def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | Non
         got = tensors[name]
         if tuple(got.shape) != spec.shape:
             raise RuntimeError(f"{name}: exported shape {tuple(got.shape)} != {spec.shape}")
-    os.makedirs(out_dir, exist_ok=True)
-    shards = plan_shards(specs, max_shard_bytes)
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, names in zip(files, shards, strict=True):
-        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
-                  metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())},
-             "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
-    _write_json(os.path.join(out_dir, INDEX_FILE), index)
-    _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
-    if tokenizer_path:
-        shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.json"))
-    return [os.path.join(out_dir, f) for f in files]
+    return tensors
 
 
 def _write_json(path: str, obj: object) -> None:
@@ -673,6 +681,19 @@ def register(sub) -> None:
     p.add_argument("--eval-rows", type=int, default=256)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--quiet", action="store_true")
+    d = p.add_argument_group("drafter", "--drafter: train the DSpark drafter of a trained "
+                             "checkpoint, its backbone frozen (model/train_drafter.py)")
+    d.add_argument("--drafter", action="store_true")
+    d.add_argument("--base", default=None,
+                   help="trained checkpoint (default: the preset's shipped one)")
+    d.add_argument("--teacher-rows", type=int, default=512,
+                   help="training rows the frozen backbone labels (taps + greedy tokens)")
+    d.add_argument("--blocks-per-row", type=int, default=8)
+    d.add_argument("--eval-prompts", type=int, default=16)
+    d.add_argument("--eval-prompt-len", type=int, default=64)
+    d.add_argument("--eval-tokens", type=int, default=128,
+                   help="greedy tokens per held-out prompt the acceptance length walks")
+    d.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
     p.set_defaults(func=_run)
 
 
@@ -681,6 +702,17 @@ def _run(args) -> int:
         raise SystemExit("flashpd train: give --steps or --minutes")
     if args.dtype is None:
         args.dtype = "bf16" if str(args.device).startswith("cuda") else "fp32"
+    if args.drafter:
+        from flashpd.model.train_drafter import train_drafter
+
+        if args.base is None:
+            if args.preset != "small":
+                raise SystemExit("flashpd train --drafter: give --base CHECKPOINT")
+            from flashpd.model.presets.small import checkpoint_path
+
+            args.base = checkpoint_path()
+        train_drafter(args)
+        return 0
     train(args)
     return 0
 

@@ -178,19 +178,23 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, r: _Reader) -> LayerWeights:
         ffn_norm=r.plain(p + "ffn_norm.weight"),
         hc_attn=_mix(r, p + "hc_attn"),
         hc_ffn=_mix(r, p + "hc_ffn"),
-        attn=AttentionWeights(
-            wq_a=r.fp8(p + "attn.wq_a"), q_norm=r.plain(p + "attn.q_norm.weight"),
-            wq_b=r.fp8(p + "attn.wq_b"), wkv=r.fp8(p + "attn.wkv"),
-            kv_norm=r.plain(p + "attn.kv_norm.weight"), wo_a=r.fp8(p + "attn.wo_a"),
-            wo_b=r.fp8(p + "attn.wo_b"), sink=r.fp32(p + "attn.attn_sink")),
+        attn=_attention(r, p),
         compressor=_compressor(spec, r, p) if spec.owns_compressor else None,
         index_query=IndexQueryWeights(
             wq_b=r.fp8(p + "attn.indexer.wq_b"),
             weights_proj=r.plain(p + "attn.indexer.weights_proj.weight"),
         ) if spec.owns_index_query else None,
-        moe=_moe(cfg, r, p),
+        moe=_moe(cfg, r, p, cfg.n_routed_experts),
         engram=_engram(r, p) if spec.has_engram else None,
     )
+
+
+def _attention(r: _Reader, p: str) -> AttentionWeights:
+    return AttentionWeights(
+        wq_a=r.fp8(p + "attn.wq_a"), q_norm=r.plain(p + "attn.q_norm.weight"),
+        wq_b=r.fp8(p + "attn.wq_b"), wkv=r.fp8(p + "attn.wkv"),
+        kv_norm=r.plain(p + "attn.kv_norm.weight"), wo_a=r.fp8(p + "attn.wo_a"),
+        wo_b=r.fp8(p + "attn.wo_b"), sink=r.fp32(p + "attn.attn_sink"))
 
 
 def _mix(r: _Reader, prefix: str) -> MixWeights:
@@ -207,11 +211,11 @@ def _compressor(spec: LayerSpec, r: _Reader, p: str) -> CompressorWeights:
         index_k_norm=r.plain(p + "attn.indexer.k_norm.weight"))
 
 
-def _moe(cfg: ModelConfig, r: _Reader, p: str) -> MoEWeights:
+def _moe(cfg: ModelConfig, r: _Reader, p: str, n_experts: int) -> MoEWeights:
     gate = r.plain(p + "ffn.gate.weight")
     bias, bias_vl = r.fp32(p + "ffn.gate.bias"), r.fp32(p + "ffn.gate.bias_vl")
     w1, w2, w3 = [], [], []
-    for e in range(cfg.n_routed_experts):
+    for e in range(n_experts):
         w1.append(r.mxfp4(f"{p}ffn.experts.{e}.w1"))
         w2.append(r.mxfp4(f"{p}ffn.experts.{e}.w2"))
         w3.append(r.mxfp4(f"{p}ffn.experts.{e}.w3"))
@@ -228,3 +232,61 @@ def _engram(r: _Reader, p: str) -> EngramWeights:
     q = r.take(p + "engram.q_weight").to(torch.float32)
     k = r.take(p + "engram.k_weight").to(torch.float32)
     return EngramWeights(table=table, wkv=r.fp8(p + "engram.wkv"), qk=q * k)
+
+
+# ============================================================================ DSpark drafter
+@dataclass(frozen=True)
+class DrafterLayerWeights:
+    """One drafter stage `mtp.s`: a V4.1 block without compressor, indexer or Engram."""
+
+    attn_norm: torch.Tensor  # [D]
+    ffn_norm: torch.Tensor  # [D]
+    hc_attn: MixWeights
+    hc_ffn: MixWeights
+    attn: AttentionWeights
+    moe: MoEWeights  # dspark_n_routed_experts routed + the shared expert
+
+
+@dataclass(frozen=True)
+class DrafterWeights:
+    """The DSpark drafter (shared/docs/dspark.md §2.5); embed and head are the target's."""
+
+    main_proj: torch.Tensor  # [D, n_taps*D]
+    main_norm: torch.Tensor  # [D]
+    layers: tuple[DrafterLayerWeights, ...]
+    norm: torch.Tensor  # [D], mtp.{last}.norm before the target's head
+    markov_embed: torch.Tensor  # [V, r] FP32 (stored BF16, run in FP32)
+    markov_head: torch.Tensor  # [V, r] FP32
+    confidence: torch.Tensor  # [D + r] FP32: weights of [x_k ; E[prev]]
+
+
+def load_drafter_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                         dtype: torch.dtype) -> DrafterWeights:
+    """`mtp.*` checkpoint tensors (raw form) -> dequantised drafter weights; every one consumed."""
+    r = _Reader(tensors, dtype)
+    weights = drafter_weights_from(cfg, r)
+    r.finish()
+    return weights
+
+
+def drafter_weights_from(cfg: ModelConfig, r) -> DrafterWeights:
+    """The drafter's weights from a reader of `mtp.*` names (`plain`, `fp32`, `fp8`, `mxfp4` as
+    `_Reader`'s; training passes one over fake-quantised master weights, model/train_drafter.py)."""
+    ds = cfg.dspark
+    if ds is None:
+        raise ValueError(f"config {cfg.name!r} has no drafter (num_nextn_predict_layers = 0)")
+    layers = tuple(_drafter_layer(cfg, r, f"mtp.{s}.") for s in range(ds.num_layers))
+    last = f"mtp.{ds.num_layers - 1}."
+    return DrafterWeights(
+        main_proj=r.fp8("mtp.0.main_proj"), main_norm=r.plain("mtp.0.main_norm.weight"),
+        layers=layers, norm=r.plain(last + "norm.weight"),
+        markov_embed=r.plain(last + "markov_head.embed.weight").float(),
+        markov_head=r.plain(last + "markov_head.head.weight").float(),
+        confidence=r.plain(last + "confidence_head.proj.weight").float()[0])
+
+
+def _drafter_layer(cfg: ModelConfig, r, p: str) -> DrafterLayerWeights:
+    return DrafterLayerWeights(
+        attn_norm=r.plain(p + "attn_norm.weight"), ffn_norm=r.plain(p + "ffn_norm.weight"),
+        hc_attn=_mix(r, p + "hc_attn"), hc_ffn=_mix(r, p + "hc_ffn"), attn=_attention(r, p),
+        moe=_moe(cfg, r, p, cfg.dspark.n_routed_experts))

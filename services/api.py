@@ -277,6 +277,13 @@ class Usage:
     cached_tokens: int = 0
     cached_tokens_prefill: int = 0
     cached_tokens_decode: int = 0
+    # speculative decoding (decode worker): drafts verified, drafts accepted, verify steps;
+    # forced_acceptance_length > 0 only in a benchmark run that forced acceptance (outputs are
+    # then not the model's)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_steps: int = 0
+    forced_acceptance_length: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
+from flashpd.engine.speculative import BENCH_ENV, DEFAULT_MAX_BATCH, SpeculativeConfig
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.services.api import DEPLOYMENT_ROLES
 from flashpd.services.worker.common import WorkerConfig
@@ -31,6 +32,28 @@ from flashpd.services.worker.common import WorkerConfig
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculativeArgs(_Strict):
+    """Speculative decoding on the decode workers (engine/speculative.py)."""
+
+    method: Literal["dspark", "ngram"] = "dspark"
+    num_tokens: int = Field(5, ge=1, le=16, description="drafts per step (DSpark: 5)")
+    max_batch: int = Field(DEFAULT_MAX_BATCH, ge=0, description="no speculation in a step "
+                           "with more decode rows (provisional default; see the README)")
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    bench_forced_acceptance_length: float | None = Field(
+        None, description="BENCHMARK ONLY: accept drafts on a fixed schedule of this mean "
+        f"acceptance length; refused unless {BENCH_ENV}=1")
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> SpeculativeArgs:
+        self.engine_config()  # the engine's rules (forced acceptance needs the bench env)
+        return self
+
+    def engine_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**self.model_dump())
 
 
 class AutoscalingArgs(_Strict):
@@ -196,6 +219,8 @@ class AppArgs(_Strict):
                               "are freed; both roles use it")
     joint_autoscaling: bool = Field(False, description="scaled by the application-level "
                                     "JointPolicy: every role needs `autoscaling` bounds")
+    speculative: SpeculativeArgs | None = Field(None, description="speculative decoding on the "
+                                                "decode workers (null: off)")
     router: RouterArgs = RouterArgs()
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
@@ -261,6 +286,7 @@ class AppArgs(_Strict):
 
     def worker_config(self, role: str, redis_url: str | None = None) -> WorkerConfig:
         r: RoleArgs = getattr(self, role)
+        spec = None if self.speculative is None else self.speculative.engine_config()
         engine = EngineConfig(role=role, num_blocks=r.num_blocks, num_slots=r.num_slots,
                               max_num_batched_tokens=r.max_num_batched_tokens,
                               max_num_seqs=r.max_num_seqs,
@@ -269,10 +295,12 @@ class AppArgs(_Strict):
                               cache_salt=self.cache_salt, num_threads=r.num_threads,
                               kv_format=self.kv_format,
                               async_scheduling=self.async_scheduling,
-                              max_model_len=self.max_model_len)
+                              max_model_len=self.max_model_len,
+                              speculative=spec if role == "decode" else None)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             redis_url or self.resolved_redis_url(), lease_s=self.kv_lease_s,
-                            max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s)
+                            max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s,
+                            speculative=None if spec is None else spec.handoff())
 
 
 def _read_text(path: str) -> str:

@@ -321,7 +321,20 @@ class GpuModel(Model):
         for index, (noted, opened) in entries.items():
             seg = step.segs[index]
             seg.inp.state.note_step_entries(seg.inp.start_pos, seg.end_pos, noted, opened)
+        self._note_verify_rows(step)
         super().commit(step)
+
+    def _note_verify_rows(self, step: Step) -> None:
+        """A speculative verify's ratio-2 (a, g) rows, for its rollback (`SeqState.truncate`)."""
+        for key, _, open_srcs in self._source_kinds:
+            for part in step.rows[key].parts:
+                state = part.seg.inp.state
+                if not open_srcs or not state.speculating or part.seg.replay is not None:
+                    continue
+                first = part.seg.start_pos + part.seam_first
+                for src in open_srcs:
+                    ag = step.outputs[("open", src)][part.s0:part.s1]
+                    state.note_group_rows(src, first, ag[:, 0], ag[:, 1])
 
     # ------------------------------------------------------------------ layer hooks
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:

@@ -49,6 +49,10 @@ class TransferContract:
     groups: tuple[GroupSpec, ...]
     chunk_tokens: int = CHUNK_TOKENS
     protocol_version: int = PROTOCOL_VERSION
+    # the decode side's speculative decoding (engine/speculative.py `SpeculativeConfig.handoff`)
+    # as canonical JSON, "" = off: both roles are configured from one application config, so a
+    # difference means a mixed deployment (e.g. a drafter only one side's checkpoint carries)
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -81,6 +85,7 @@ class TransferContract:
             "model_id": self.model_id,
             "chunk_tokens": self.chunk_tokens,
             "protocol_version": self.protocol_version,
+            "speculative": self.speculative,
             "groups": [
                 {"name": g.name, "block_bytes": g.block_bytes, "record_format": g.record_format}
                 for g in self.groups
@@ -89,7 +94,7 @@ class TransferContract:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransferContract:
-        expected = {"model_id", "chunk_tokens", "protocol_version", "groups"}
+        expected = {"model_id", "chunk_tokens", "protocol_version", "groups", "speculative"}
         if set(data) != expected:
             raise ValueError(f"contract fields {sorted(data)} != {sorted(expected)}")
         groups = tuple(
@@ -99,7 +104,8 @@ class TransferContract:
         )
         return cls(model_id=str(data["model_id"]), groups=groups,
                    chunk_tokens=int(data["chunk_tokens"]),
-                   protocol_version=int(data["protocol_version"]))
+                   protocol_version=int(data["protocol_version"]),
+                   speculative=str(data["speculative"]))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -125,6 +131,7 @@ def check_compatible(local: TransferContract, remote: TransferContract) -> None:
     differ("protocol_version", local.protocol_version, remote.protocol_version)
     differ("model_id", local.model_id, remote.model_id)
     differ("chunk_tokens", local.chunk_tokens, remote.chunk_tokens)
+    differ("speculative", local.speculative, remote.speculative)
     mine = {g.name: g for g in local.groups}
     theirs = {g.name: g for g in remote.groups}
     if set(mine) != set(theirs):

@@ -74,7 +74,17 @@ def tiny_hf() -> dict:
         engram_n_heads=2,
         engram_head_dim=32,
         engram_vocab_size=1000,
-        num_nextn_predict_layers=0,
+        # DSpark drafter scaled to the preset (docs/dspark.md): 3 SWA-only layers tapping the
+        # last 3 backbone layers, 4 routed experts (top 2) + the shared one, Markov rank 16; the
+        # noise slots embed id 2 (<pad>, never a drafted token; the released model uses
+        # </think>)
+        num_nextn_predict_layers=3,
+        dspark_block_size=5,
+        dspark_noise_token_id=2,
+        dspark_target_layer_ids=[7, 8, 9],
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
     )
     # Engram table sizes and the compressed vocabulary are derived from the shipped tokenizer
     # and the prime schedule; model/engram.py fills them in (see tiny_config()).

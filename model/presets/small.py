@@ -38,6 +38,7 @@ def small_hf() -> dict:
         hc_sinkhorn_iters=8,
         engram_head_dim=64,
         engram_vocab_size=3000,
+        dspark_markov_rank=64,  # drafter: tiny's layout (taps 7-9, 4 experts top 2), rank 64
     )
     return hf
 

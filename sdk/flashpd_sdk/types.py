@@ -27,6 +27,10 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens whose prefill compute was skipped
     cached_tokens_prefill: int = 0  # ... of which reused by the prefill worker
     cached_tokens_decode: int = 0  # prompt tokens already resident on the decode worker
+    draft_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_draft_tokens: int = 0  # ... of which accepted
+    draft_steps: int = 0  # verify steps (acceptance length = 1 + accepted / steps)
+    forced_acceptance_length: float = 0.0  # > 0: a benchmark forced acceptance (not the model's)
 
 
 @dataclass(frozen=True)

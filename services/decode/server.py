@@ -240,7 +240,12 @@ class DecodeWorker(EngineWorker):
                         finish_reason=out.finish_reason,  # type: ignore[arg-type]
                         usage=Usage(prompt_tokens=out.prompt_tokens,
                                     completion_tokens=out.output_tokens,
-                                    cached_tokens_decode=out.cached_tokens),
+                                    cached_tokens_decode=out.cached_tokens,
+                                    draft_tokens=out.draft_tokens,
+                                    accepted_draft_tokens=out.accepted_draft_tokens,
+                                    draft_steps=out.draft_steps,
+                                    forced_acceptance_length=out.forced_acceptance_length
+                                    or 0.0),
                         timeline=Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0)),
                         decode_worker=self.ref.worker_id, request_id=rid)
         except RequestFailed as exc:

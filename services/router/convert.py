@@ -369,6 +369,8 @@ def sampling_from_proto(msg: pb.GenerateRequest, vocab_size: int) -> SamplingPar
     def get(name: str):
         if name in ("stop", "stop_token_ids"):
             return list(getattr(msg, name))
+        if name == "speculative":  # proto3 string: "" = unset
+            return msg.speculative or None
         if not msg.HasField(name):
             return None
         value = getattr(msg, name)
@@ -390,6 +392,7 @@ def sampling_to_proto(p: SamplingParams, msg: pb.GenerateRequest) -> None:
     msg.stop_token_ids[:] = p.stop_token_ids
     msg.stop[:] = p.stop
     msg.ignore_eos, msg.logprobs = p.ignore_eos, p.logprobs
+    msg.speculative = p.speculative
 
 
 def _f32(x: float) -> float:

@@ -33,6 +33,7 @@ ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.0
                  0.25, 0.5, 1.0, 2.5)
 DECISION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
+AL_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 9.0)  # tokens/verify
 
 
 class RecentWindow:
@@ -141,6 +142,14 @@ class RouterMetrics:
         self.migrated_bytes = counter("stream_migration_bytes", "KV bytes moved D -> D.")
         self.prefills = counter("prefills", "Prefill calls that ran (first attempts and "
                                 "re-prefills after a failure).")
+        # speculative decoding (decode workers' verify books, per finished request)
+        self.spec_drafted = counter("spec_decode_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_accepted_tokens", "Draft tokens accepted.")
+        self.spec_steps = counter("spec_decode_verify_steps", "Sequence verify steps.")
+        self.spec_length = hist("spec_decode_acceptance_length", "Per request: mean tokens "
+                                "emitted per verify (1 + accepted / steps).", AL_BUCKETS)
+        self.spec_forced = counter("spec_decode_forced_requests", "Requests decoded under a "
+                                   "benchmark's forced acceptance (outputs not the model's).")
         self.running = Gauge(f"{ns}:num_requests_running", "Requests in flight in this router.",
                              labels, registry=reg)
 
@@ -195,6 +204,18 @@ class RouterMetrics:
                 self.cache_hit_tokens.labels(**self._l(tier=tier)).inc(tokens)
         if not any(tiers.values()):
             self.cache_hits.labels(**self._l(tier="none")).inc()
+        self._on_speculative(usage)
+
+    def _on_speculative(self, usage) -> None:
+        if usage.forced_acceptance_length:
+            self.spec_forced.labels(**self._l()).inc()
+        if not usage.draft_steps:
+            return
+        self.spec_drafted.labels(**self._l()).inc(usage.draft_tokens)
+        self.spec_accepted.labels(**self._l()).inc(usage.accepted_draft_tokens)
+        self.spec_steps.labels(**self._l()).inc(usage.draft_steps)
+        self.spec_length.labels(**self._l()).observe(
+            1 + usage.accepted_draft_tokens / usage.draft_steps)
 
     def on_end(self, error_code: str | None) -> None:
         self.in_flight -= 1

@@ -398,9 +398,14 @@ def _token_entry(piece: str, logprob: float) -> dict:
 
 def usage(final: FinalEvent) -> dict:
     u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if u.draft_steps:  # OpenAI's predicted-output counters, filled by speculative decoding
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens}
+    return out
 
 
 def flashpd_extension(final: FinalEvent) -> dict:
@@ -408,7 +413,22 @@ def flashpd_extension(final: FinalEvent) -> dict:
             "decode_worker": final.decode_worker,
             "cached_tokens_prefill": final.usage.cached_tokens_prefill,
             "cached_tokens_decode": final.usage.cached_tokens_decode,
+            "speculative": speculative_usage(final),
             "timeline": final.timeline.as_dict()}
+
+
+def speculative_usage(final: FinalEvent) -> dict:
+    """flashpd's speculative-decoding usage: drafts verified and accepted, verify steps, the
+    mean acceptance length (tokens per verify, 1 + accepted / steps; 0 without a verify) and,
+    only in a benchmark run, the forced acceptance length (its outputs are not the model's)."""
+    u = final.usage
+    out = {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens,
+           "draft_steps": u.draft_steps,
+           "acceptance_length": 1 + u.accepted_draft_tokens / u.draft_steps
+           if u.draft_steps else 0.0}
+    if u.forced_acceptance_length:
+        out["forced_acceptance_length"] = u.forced_acceptance_length
+    return out
 
 
 def error_body(exc: ServiceError, request_id: str | None = None) -> dict:

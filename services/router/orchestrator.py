@@ -575,7 +575,8 @@ class Orchestrator:
             cached_tokens=max(0, req.prompt_tokens - computed),
             cached_tokens_prefill=min(req.prompt_tokens,
                                       result.prefill_cached_tokens if result else 0),
-            cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens))
+            cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens),
+            **_speculative_usage(decode_final))
         first = progress.first_token_unix_s
         timeline = Timeline(
             route_ms=attempt.assignment.route_ms, reserve_ms=attempt.reserve_ms,
@@ -625,3 +626,12 @@ async def _aclose(stream: object) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+def _speculative_usage(decode_final: FinalEvent | None) -> dict:
+    """The decode worker's speculative-decoding counts (zeros without a decode final)."""
+    if decode_final is None:
+        return {}
+    u = decode_final.usage
+    return {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens,
+            "draft_steps": u.draft_steps, "forced_acceptance_length": u.forced_acceptance_length}

@@ -45,6 +45,7 @@ from flashpd.engine.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_LOGPROBS,
     MAX_SEED,
+    SPECULATIVE_MODES,
     SamplingParams,
 )
 from flashpd.services.api import InvalidArgument
@@ -190,12 +191,23 @@ def sampling_params(get: Callable[[str], Any], *, max_tokens: int, logprobs: int
     stop_ids = _opt(get, "stop_token_ids", (), lambda v, f: token_ids(
         list(v) if isinstance(v, tuple) else v, f, vocab_size, max_count=MAX_STOP_TOKEN_IDS,
         empty_ok=True))
+    speculative = _opt(get, "speculative", "auto", as_speculative)
     if temperature < GREEDY_TEMPERATURE or top_p < MIN_TOP_P:
         temperature, top_p = 0.0, 1.0  # greedy (see the module docstring)
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
         min_p=min_p, seed=seed, stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos,
-        logprobs=logprobs)
+        logprobs=logprobs, speculative=speculative)
+
+
+def as_speculative(value: Any, field: str) -> str:
+    """The per-request speculative mode: "auto" (the server's policy) or "off"; "" = auto."""
+    if value == "":
+        return "auto"
+    if not isinstance(value, str) or value not in SPECULATIVE_MODES:
+        raise InvalidArgument(f"must be one of {list(SPECULATIVE_MODES)}, got {value!r}",
+                              field=field)
+    return value
 
 
 def as_logprobs(value: Any, field: str) -> int:

@@ -6,6 +6,7 @@ Validated config lives at the edge (services/app.py, pydantic); workers receive 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -35,6 +36,9 @@ class WorkerConfig:
     max_queued_requests: int = 1024  # decode: reserves waiting for capacity before refusing
     retry_after_s: float = 1.0  # the hint sent with a refusal when that queue is full
     extra: dict = field(default_factory=dict, compare=False)
+    # the application's speculative decoding (SpeculativeConfig.handoff()), for the transfer
+    # contract: only decode workers draft, both sides must agree (None = off)
+    speculative: dict | None = None
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -47,14 +51,17 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-def transfer_contract(pools: KVPools, model_id: str) -> TransferContract:
-    """The byte contract both sides check at handshake: groups, block sizes, record formats."""
+def transfer_contract(pools: KVPools, model_id: str,
+                      speculative: dict | None = None) -> TransferContract:
+    """The contract both sides check at handshake: groups, block sizes, record formats, and the
+    decode side's speculative configuration."""
     groups = []
     for name, block_bytes in pools.geometry.group_block_bytes().items():
         kind = name.split(".")[0]
         fmt = pools.format.record_format if kind == "main" else INDEX_RECORD_FORMAT
         groups.append(GroupSpec(name, block_bytes, fmt))
-    return TransferContract(model_id=model_id, groups=tuple(groups))
+    spec = "" if not speculative else json.dumps(speculative, sort_keys=True)
+    return TransferContract(model_id=model_id, groups=tuple(groups), speculative=spec)
 
 
 def new_worker_ref(role: str, worker_id: str | None = None) -> WorkerRef:
@@ -100,7 +107,7 @@ class EngineWorker:
             raise ValueError(f"{type(self).__name__} needs an engine in {self.role} role, "
                              f"got {engine.config.role}")
         self.config, self.ref = config, ref
-        self.contract = transfer_contract(engine.pools, config.model_id)
+        self.contract = transfer_contract(engine.pools, config.model_id, config.speculative)
         self.pools = engine.pools
         self.engine = AsyncLLMEngine(engine)
         self.draining = False

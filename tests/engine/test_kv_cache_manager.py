@@ -206,3 +206,17 @@ def test_real_sizes_credit_whole_chunks_minus_the_128_token_replay():
     assert (hit.hit_tokens, hit.usable_tokens, hit.block_ids) == (256, 128, (0, 1))
     assert kv.lookup(prompt[:255]).hit_tokens == 128
     assert kv.lookup(prompt[:255]).usable_tokens == 0
+
+
+def test_shrink_releases_blocks_a_rejected_draft_was_given():
+    kv = manager(num_blocks=8)
+    tokens = list(range(10))
+    kv.allocate("a", tokens, 10)
+    kv.commit("a", tokens, 10)  # chunks 0, 1 hashed (8 tokens)
+    assert kv.grow("a", 10 + 5) == [3]  # a verify of 5 drafts past 12 tokens: one more block
+    free = kv.usage()["blocks_free"]
+    assert kv.shrink("a", 11) == [3]  # one draft accepted + the target's token: 11 known
+    assert kv.block_table("a") == [0, 1, 2] and kv.usage()["blocks_free"] == free + 1
+    assert kv.shrink("a", 1) == [2]  # never a block of a hashed chunk
+    assert kv.block_table("a") == [0, 1]
+    kv.check_consistency()

@@ -81,7 +81,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., schema_json: _Optional[str] = ..., name: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_ids", "chat", "tools", "tool_choice", "parallel_tool_calls", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token", "continue_ids", "continue_prefill_credit_tokens")
+    __slots__ = ("model", "prompt", "prompt_ids", "chat", "tools", "tool_choice", "parallel_tool_calls", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token", "continue_ids", "continue_prefill_credit_tokens", "speculative")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GenerateRequest(_message.Message):
     RESUME_FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_PREFILL_CREDIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_ids: TokenIds
@@ -130,7 +131,8 @@ class GenerateRequest(_message.Message):
     resume_from_token: int
     continue_ids: TokenIds
     continue_prefill_credit_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ..., continue_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., continue_prefill_credit_tokens: _Optional[int] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ..., continue_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., continue_prefill_credit_tokens: _Optional[int] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -157,18 +159,26 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefill_credit_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_prefill", "cached_tokens_decode")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_prefill", "cached_tokens_decode", "draft_tokens", "accepted_draft_tokens", "draft_steps", "forced_acceptance_length")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_DECODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     cached_tokens_prefill: int
     cached_tokens_decode: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_prefill: _Optional[int] = ..., cached_tokens_decode: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    draft_steps: int
+    forced_acceptance_length: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_prefill: _Optional[int] = ..., cached_tokens_decode: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., forced_acceptance_length: _Optional[float] = ...) -> None: ...
 
 class Timeline(_message.Message):
     __slots__ = ("route_ms", "prefill_queue_ms", "prefill_ms", "transfer_ms", "replay_ms", "first_token_ms", "e2e_ms", "reserve_ms", "migrate_ms")

@@ -41,7 +41,7 @@ def smoke_config():
         kv_source_layer_ids=(2, 4), index_source_layer_ids=(2, 4, 5),
         candidate_source_layer_id=4, candidate_topk_blocks=2, index_topk=8,
         sliding_window=8, hc_sinkhorn_iters=1, moe_intermediate_size=32, engram_layer_ids=(1,),
-        engram_num_embeddings=tiny.engram_num_embeddings[:1])
+        engram_num_embeddings=tiny.engram_num_embeddings[:1], dspark=None)
 
 
 @pytest.fixture(scope="module")

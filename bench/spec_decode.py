@@ -1,0 +1,215 @@
+"""Speculative decoding speed with forced acceptance: tok/s per user and in total at batch
+1 / 8 / 64, with and without speculation, through the engine (scheduler, runner, sampler).
+
+    python -m flashpd.bench.spec_decode                                   (CPU, tiny preset)
+    python -m flashpd.bench.spec_decode --device cuda --preset bench \\
+        --context 8192 --out bench/results/h200/spec_summary.json         (GPU, random weights)
+
+Random weights accept nothing, so the accepted drafts follow the engine's benchmark schedule
+(`speculative.bench_forced_acceptance_length`, default 3.51 = InferenceX's golden AL for
+V4.1-Flash with 5 drafts): every figure printed and written says so. This script is the
+explicit benchmark flag: it sets FLASHPD_BENCH_FORCED_ACCEPTANCE=1 for its own engines.
+
+Each batch B: B requests share a `context`-token prefix (admitted through a prefix hit) plus 16
+tokens of their own, ignore EOS; once all decode, `--steps` engine steps are timed back to back
+(nothing else runs): tok/s total = tokens emitted / wall time, per user = total / B. The
+speculating engine speculates at every measured batch (max_batch = the largest), so the
+crossover batch (the smallest B where speculation's total falls below plain decoding) is read
+from the same run. `--method ngram` (default) drafts by prompt lookup: its draft costs only host
+time, so the figures leave out what a DSpark drafter's forward adds; `--method dspark` runs the
+preset's random DSpark drafter (`DSparkDrafter.random` on the GPU; its reference forward, and
+every step of that engine is eager: the tap is read outside the CUDA graphs). `greedy_identical`: a short greedy run with real (not forced)
+ngram speculation gives the same tokens as without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.speculative import BENCH_ENV, SpeculativeConfig
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab - 1, (n,), generator=g).tolist()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(preset: str, device: str, method: str):
+    """(model, dtype, DSpark drafter or None) with random weights."""
+    from flashpd.model.dspark import DSparkDrafter
+    from flashpd.model.presets import preset_config
+
+    cfg = preset_config(preset)
+    if device.startswith("cuda"):
+        from flashpd.engine.gpu.loading import random_gpu_model
+
+        model = random_gpu_model(cfg, device, seed=0)
+        drafter = DSparkDrafter.random(cfg, model) if method == "dspark" else None
+        if drafter is None:
+            model.tap_layer_ids = ()  # nothing reads the tap (before any graph is captured)
+        return model, "bfloat16", drafter
+    from flashpd.model.checkpoint import load_checkpoint, write_random_checkpoint
+    from flashpd.model.model import Model
+
+    out = tempfile.mkdtemp(prefix="spec_bench_")
+    write_random_checkpoint(cfg, out, seed=0)
+    ckpt = load_checkpoint(out)
+    model = Model.from_checkpoint(ckpt, torch.float32)
+    drafter = DSparkDrafter.from_checkpoint(ckpt, model) if method == "dspark" else None
+    if drafter is None:
+        model.tap_layer_ids = ()
+    return model, "float32", drafter
+
+
+def make_engine(model, dtype: str, device: str, batch: int, context: int,
+                spec: SpeculativeConfig | None, new_tokens: int = 256,
+                dspark=None) -> LLMEngine:
+    blocks = (batch + 2) * (-(-(context + 16 + new_tokens) // 128)) + 16
+    return LLMEngine(model, EngineConfig(
+        dtype=dtype, device=device, num_blocks=blocks, num_slots=batch + 2,
+        max_num_batched_tokens=max(2048, context + 64), max_num_seqs=batch + 2,
+        speculative=spec), dspark=dspark if spec is not None else None)
+
+
+def new_tokens(steps: int) -> int:
+    """max_tokens of a measured request: room for every timed step at 17 tokens (k <= 16)."""
+    return 17 * (steps + 4)
+
+
+def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """Admit B requests on a shared prefix, then time `steps` steps with all of them decoding."""
+    prefix = _prompt(context, 7, vocab)
+    engine.add_request("prefix", prefix, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    params = SamplingParams(max_tokens=new_tokens(steps), ignore_eos=True)
+    rids = [f"r{b}" for b in range(batch)]
+    for b, rid in enumerate(rids):
+        engine.add_request(rid, prefix + _prompt(16, 100 + b, vocab), params)
+    while any(engine.stats[r].first_token_s is None for r in rids):
+        engine.step()
+    engine.step()  # one more: async scheduling's pipeline is full, speculation has started
+    _sync()
+    t0, tokens = time.perf_counter(), 0
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    _sync()
+    seconds = time.perf_counter() - t0
+    for rid in rids:
+        engine.abort(rid)
+    total = tokens / seconds
+    return {"batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
+            "tok_s_total": total, "tok_s_per_user": total / batch,
+            "tokens_per_step_per_user": tokens / steps / batch,
+            "spec": engine.spec_stats.snapshot() if engine.spec is not None else None}
+
+
+def greedy_identical(model, dtype: str, device: str, vocab: int) -> bool:
+    """4 requests x 24 greedy tokens: real ngram speculation (prompts with repeats, so drafts
+    get accepted and rejected) gives the same tokens as plain decoding."""
+    prompts = {f"g{i}": _prompt(20, 50 + i, vocab) * 3 for i in range(4)}
+    outs = []
+    for spec in (None, SpeculativeConfig(method="ngram", num_tokens=5, max_batch=64)):
+        engine = make_engine(model, dtype, device, 4, 64, spec)
+        got: dict[str, list[int]] = {}
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, SamplingParams(max_tokens=24, ignore_eos=True))
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+    return outs[0] == outs[1]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args) -> dict:
+    commit = args.commit or _commit()  # the code loaded now (HEAD may move during a run)
+    os.environ[BENCH_ENV] = "1"  # this script is the benchmark flag
+    print(f"BENCHMARK MODE: forced acceptance length {args.forced} (accepted drafts follow a "
+          "schedule; outputs are not the model's)", flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, dtype, dspark = build_model(args.preset, args.device, args.method)
+    vocab = model.cfg.vocab_size
+    spec = SpeculativeConfig(method=args.method, num_tokens=args.num_tokens,
+                             max_batch=max(args.batches),
+                             bench_forced_acceptance_length=args.forced)
+    rows = {}
+    for batch in args.batches:
+        for name, cfg in (("nonspec", None), ("spec", spec)):
+            engine = make_engine(model, dtype, args.device, batch, args.context, cfg,
+                                 new_tokens(args.steps), dspark)
+            row = measure(engine, batch, args.context, args.steps, vocab)
+            rows[(name, batch)] = row
+            print(f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
+                  f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
+                  f" tok/step/user)", flush=True)
+    crossover = next((b for b in args.batches
+                      if rows[("spec", b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]),
+                     None)
+    identical = greedy_identical(model, dtype, args.device, vocab) if args.greedy_check else None
+    keyed = lambda name, key: {str(b): rows[(name, b)][key] for b in args.batches}  # noqa: E731
+    return {
+        "commit": commit, "preset": args.preset, "context": args.context,
+        "forced_acceptance": args.forced, "device": args.device, "method": args.method,
+        "num_tokens": args.num_tokens,
+        "tok_s_per_user": keyed("spec", "tok_s_per_user"),
+        "tok_s_total": keyed("spec", "tok_s_total"),
+        "nonspec_tok_s_per_user": keyed("nonspec", "tok_s_per_user"),
+        "nonspec_tok_s_total": keyed("nonspec", "tok_s_total"),
+        "crossover_batch": crossover,
+        "small_acceptance_length": None,  # measured by the drafter's quality bench (issue 26)
+        "greedy_identical": identical,
+        "command": "python -m flashpd.bench.spec_decode " + " ".join(sys.argv[1:]),
+        "rows": [dict(r, mode=name) for (name, _), r in rows.items()],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--context", type=int, default=256, help="shared prompt tokens")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per run")
+    ap.add_argument("--num-tokens", type=int, default=5, help="drafts per step")
+    ap.add_argument("--forced", type=float, default=3.51, help="forced acceptance length")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "dspark"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--no-greedy-check", dest="greedy_check", action="store_false")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=None, help="JSON path (spec_summary keys)")
+    args = ap.parse_args(argv)
+    summary = run(args)
+    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=1), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,405 @@
+"""`flashpd train --drafter`: train the DSpark drafter of a trained checkpoint (frozen backbone).
+
+    flashpd train --drafter --preset small --base model/presets/small_checkpoint \\
+        --out checkpoints/small_dspark --minutes 10 --device cuda
+
+1. Teacher data. The frozen backbone (the serving `Model`, its config given the preset's drafter
+   keys) runs each training row once: the tap rows [n, n_taps*D] and its greedy next-token
+   predictions g [n] (g_i predicts token i+1).
+2. Training. FP32 master weights named as `drafter_manifest`, fake-quantised to their checkpoint
+   formats with straight-through gradients each step, run by the serving drafter's own forward
+   (`DSparkDrafter.context_kv` / `block_pass` / `markov_bias` / `confidence`). A block is
+   anchored at a position a of a row (1 <= a <= n-k):
+
+       context   the W positions a-W .. a-1 (K/V from the tap rows; < 0 invisible)
+       block     [t_a, noise x (k-1)] at a .. a+k-1
+       labels    y_j = g_{a+j}, j < k (the backbone's next token at each slot)
+       Markov    prev_0 = t_a, prev_j = y_{j-1} (teacher forcing)
+       loss      CE(U_j + B(prev_j), y_j) + BCE(c_j, [argmax(U_j + B(prev_j)) == y_j]),
+                 the confidence head on detached hiddens (it calibrates, it does not steer)
+
+   The routing biases stay 0 (no load balancing for the drafter's few experts).
+3. Export. The backbone's files are copied, the `mtp.*` tensors are written in their released
+   formats to extra shards, the index merged, and config.json gains the drafter keys.
+4. Acceptance length at k drafts on held-out prompts (`acceptance_length`): the backbone's
+   greedy continuation of each prompt (taps recorded), then the greedy speculative walk over
+   it: draft from the anchor, accept the prefix equal to the continuation, commit the anchor
+   and the accepted drafts (their tap rows), move by accepted + 1. With a batch-invariant
+   forward this is exactly what greedy speculative decoding emits per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashpd.kernels.quant import ref as quant
+from flashpd.model.checkpoint import (
+    INDEX_FILE,
+    checkpoint_manifest,
+    drafter_manifest,
+    is_scale,
+    load_checkpoint,
+    logical_shape,
+    plan_shards,
+)
+from flashpd.model.config import ModelConfig
+from flashpd.model.dspark import DSparkDrafter, greedy_choose
+from flashpd.model.model import LogitsRequest, Model, SeqInput, SeqPlan
+from flashpd.model.train import (
+    _act_ste,
+    _format_of,
+    _fq_fp8_block,
+    _fq_mxfp4,
+    _init,
+    _key,
+    _ste,
+    export_tensors,
+)
+from flashpd.model.weights import drafter_weights_from
+
+
+# ============================================================================ the trainable drafter
+class _SteQuant:
+    """The activation fake quant the drafter calls, with a straight-through gradient."""
+
+    @staticmethod
+    def fake_quant_fp8_ue8m0(x: torch.Tensor) -> torch.Tensor:
+        return _act_ste(x, quant.fake_quant_fp8_ue8m0)
+
+
+class _MasterReader:
+    """`weights._Reader`'s interface over fake-quantised FP32 master weights (`drafter_weights_from`)."""
+
+    def __init__(self, model: TrainDrafter):
+        self.m = model
+
+    def plain(self, name: str) -> torch.Tensor:
+        return self.m.w(name)
+
+    def fp32(self, name: str) -> torch.Tensor:
+        return self.m.w(name)
+
+    def fp8(self, prefix: str) -> torch.Tensor:
+        return self.m.w(prefix + ".weight")
+
+    def mxfp4(self, prefix: str) -> torch.Tensor:
+        return self.m.w(prefix + ".weight")
+
+
+class TrainDrafter(torch.nn.Module):
+    """FP32 master weights of the drafter, named as `drafter_manifest`; the forward is the
+    serving drafter's over their fake-quantised values (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, target: Model, seed: int = 0):
+        super().__init__()
+        if target.dtype != torch.float32:
+            raise ValueError("train the drafter over an FP32 backbone")
+        self.cfg = cfg
+        specs = {n: s for n, s in drafter_manifest(cfg).items() if not is_scale(s)}
+        self.formats = {n: _format_of(n, s) for n, s in specs.items()}
+        g = torch.Generator().manual_seed(seed)
+        # mtp.s.X initialises as layers.s.X would (norms 1, sink 0, mHC near the identity, ...)
+        self.params = torch.nn.ParameterDict({
+            _key(n): torch.nn.Parameter(_init("layers." + n.split(".", 1)[1],
+                                              logical_shape(s), cfg, g))
+            for n, s in specs.items()})
+        self.to(target.device)
+        self.drafter = DSparkDrafter(cfg, drafter_weights_from(cfg, _MasterReader(self)), target,
+                                     kernels={"quant": _SteQuant})
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self.params[_key(name)]
+
+    def w(self, name: str) -> torch.Tensor:
+        """The weight as the checkpoint will hold it (straight-through gradient)."""
+        p, fmt = self.raw(name), self.formats[name]
+        if fmt == "fp8_block":
+            return _ste(p, lambda t: _fq_fp8_block(t, self.cfg.weight_block_size))
+        if fmt == "mxfp4":
+            return _ste(p, _fq_mxfp4)
+        if fmt == "bf16":
+            return _ste(p, lambda t: t.to(torch.bfloat16).float())
+        return p
+
+    def refresh(self) -> DSparkDrafter:
+        """The drafter over the current master weights (call once per step)."""
+        self.drafter.w = drafter_weights_from(self.cfg, _MasterReader(self))
+        return self.drafter
+
+
+# ============================================================================ teacher data
+@dataclass(frozen=True)
+class TeacherRow:
+    ids: torch.Tensor  # [n] int64: the row's tokens (pad tail dropped)
+    taps: torch.Tensor  # [n, n_taps*D]: the backbone's tap at every position
+    greedy: torch.Tensor  # [n] int64: the backbone's argmax next token at every position
+
+
+@torch.no_grad()
+def teacher_rows(target: Model, rows: torch.Tensor, pad: int, per_forward: int = 4,
+                 log=print) -> list[TeacherRow]:
+    """Run the frozen backbone over every row (a few rows per forward)."""
+    out, t0 = [], time.time()
+    for i in range(0, rows.shape[0], per_forward):
+        chunk = [r[: int((r != pad).sum())] for r in rows[i:i + per_forward]]
+        chunk = [r for r in chunk if r.numel() > 1]
+        if not chunk:
+            continue
+        seqs = [SeqInput(target.new_state(), 0, r.numel(), SeqPlan(logits=LogitsRequest.ALL))
+                for r in chunk]
+        logits, taps = target.forward_taps(torch.cat(chunk).to(target.device), seqs)
+        for j, (r, lg) in enumerate(zip(chunk, logits, strict=True)):
+            values, _ = taps.of(j)
+            out.append(TeacherRow(r, values.float().cpu(), lg.argmax(-1).cpu()))
+    log(f"teacher: {len(out)} rows, {sum(r.ids.numel() for r in out)} tokens "
+        f"({time.time() - t0:.0f} s)")
+    return out
+
+
+# ============================================================================ the loss
+def block_batch(rows: Sequence[TeacherRow], blocks_per_row: int, k: int,
+                gen: torch.Generator) -> list[tuple[TeacherRow, torch.Tensor]]:
+    """(row, anchor positions a [m]) per row long enough for a block (1 <= a <= n-k)."""
+    out = []
+    for row in rows:
+        n = row.ids.numel()
+        if n - k >= 1:
+            out.append((row, torch.randint(1, n - k + 1, (blocks_per_row,), generator=gen)))
+    return out
+
+
+def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, dict]:
+    """Mean CE of the Markov-corrected logits + the confidence BCE over the batch's blocks."""
+    drafter = model.refresh()
+    dev, k, win = drafter.device, drafter.k, drafter.window
+    kv_parts, valid_parts, anchors, first, labels = [], [], [], [], []
+    for row, a in batch:
+        n = row.ids.numel()
+        kv = drafter.context_kv(row.taps.to(dev), torch.arange(n, device=dev))  # [L, n, d]
+        ctx = a[:, None] - win + torch.arange(win)  # [m, W] positions a-W .. a-1
+        kv_parts.append(kv[:, ctx.clamp_min(0).to(dev)])  # [L, m, W, d]
+        valid_parts.append((ctx >= 0).to(dev))
+        anchors.append(row.ids[a])
+        first.append(a)
+        labels.append(row.greedy[a[:, None] + torch.arange(k)])  # [m, k]
+    anchors_t, labels_t = torch.cat(anchors).to(dev), torch.cat(labels).to(dev)
+    x, base = drafter.block_pass(torch.cat(kv_parts, 1), torch.cat(valid_parts), anchors_t,
+                                 torch.cat(first).to(dev))  # [B, k, D], [B, k, V]
+    prev = torch.cat((anchors_t[:, None], labels_t[:, :-1]), 1)  # [B, k] teacher-forced
+    logits = base + drafter.markov_bias(prev.reshape(-1)).reshape(base.shape)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_t.reshape(-1))
+    hit = (logits.argmax(-1) == labels_t).float()  # [B, k]
+    conf = drafter.confidence(x.detach(), prev).clamp(1e-6, 1 - 1e-6)
+    bce = F.binary_cross_entropy(conf, hit)
+    return ce + bce, {"ce": ce.item(), "bce": bce.item(), "top1": hit.mean().item()}
+
+
+# ============================================================================ export
+def export_drafter(model: TrainDrafter, base_dir: str, out_dir: str,
+                   max_shard_bytes: int) -> list[str]:
+    """The base checkpoint plus the drafter's `mtp.*` shards, merged index, drafter config."""
+    cfg = model.cfg
+    specs = drafter_manifest(cfg)
+    tensors = export_tensors(cfg, specs, model.raw, model.formats)
+    os.makedirs(out_dir, exist_ok=True)
+    index = _copy_backbone(base_dir, out_dir)
+    from safetensors.torch import save_file
+
+    shards = plan_shards(specs, max_shard_bytes)
+    files = [f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, names in zip(files, shards, strict=True):
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
+                  metadata={"format": "pt"})
+        index["weight_map"].update({n: file for n in names})
+    index["metadata"]["total_size"] = sum(s.nbytes for s in checkpoint_manifest(cfg).values())
+    _write_json(os.path.join(out_dir, INDEX_FILE), index)
+    _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
+    return [os.path.join(out_dir, f) for f in files]
+
+
+def _copy_backbone(base_dir: str, out_dir: str) -> dict:
+    """Copy the base's shards and tokenizer, dropping any `mtp.*` tensor (a previous drafter)
+    -> the base index without them."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(base_dir, INDEX_FILE)) as f:
+        index = json.load(f)
+    old = {n for n in index["weight_map"] if n.startswith("mtp.")}
+    for file in sorted(set(index["weight_map"].values())):
+        src, dst = os.path.join(base_dir, file), os.path.join(out_dir, file)
+        if any(index["weight_map"][n] == file for n in old):
+            kept = {n: t for n, t in load_file(src).items() if not n.startswith("mtp.")}
+            if kept:
+                save_file(kept, dst, metadata={"format": "pt"})
+        else:
+            shutil.copyfile(src, dst)
+    if os.path.exists(os.path.join(base_dir, "tokenizer.json")):
+        shutil.copyfile(os.path.join(base_dir, "tokenizer.json"),
+                        os.path.join(out_dir, "tokenizer.json"))
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in old}
+    index["metadata"] = {"total_size": 0}  # recomputed by the caller's manifest
+    return index
+
+
+def _write_json(path: str, obj: object) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+# ============================================================================ acceptance
+@torch.no_grad()
+def greedy_continuation(target: Model, prompt: Sequence[int], new_tokens: int
+                        ) -> tuple[list[int], torch.Tensor]:
+    """The backbone's greedy continuation (new_tokens ids after the prompt) and the tap rows of
+    every position it computed [len(prompt) + new_tokens - 1, n_taps*D]."""
+    state = target.new_state()
+    ids = torch.tensor(list(prompt), dtype=torch.long, device=target.device)
+    logits, taps = target.forward_taps(ids, [SeqInput(state, 0, len(prompt))])
+    chain, rows = [int(logits[0][-1].argmax())], [taps.of(0)[0]]
+    while len(chain) < new_tokens:
+        step = torch.tensor([chain[-1]], device=target.device)
+        logits, taps = target.forward_taps(step, [SeqInput(state, state.num_tokens, 1)])
+        chain.append(int(logits[0][-1].argmax()))
+        rows.append(taps.of(0)[0])
+    return chain, torch.cat(rows)
+
+
+@torch.no_grad()
+def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int],
+                     taps: torch.Tensor) -> tuple[int, int]:
+    """Greedy speculative decoding over a known greedy chain -> (steps, tokens emitted).
+
+    chain[i] sits at position prompt_len + i; taps[q] is the tap row of position q. Each step
+    drafts k from the anchor chain[i], accepts the prefix equal to chain[i+1 ..], emits it plus
+    the bonus, and commits the anchor and the accepted drafts to the windows."""
+    state, k = drafter.new_state(), drafter.k
+    drafter.insert_context([state], [list(range(prompt_len))], taps[:prompt_len])
+    i, steps, emitted = 0, 0, 0
+    while i + k < len(chain):  # the chain covers every draft this step can be judged on
+        pos = prompt_len + i
+        out = drafter.draft([state], torch.tensor([chain[i]]), [pos], greedy_choose)
+        drafts = out.tokens[0].tolist()
+        accepted = 0
+        while accepted < k and drafts[accepted] == chain[i + 1 + accepted]:
+            accepted += 1
+        committed = list(range(pos, pos + accepted + 1))  # the anchor and accepted drafts
+        drafter.insert_context([state], [committed], taps[pos:pos + accepted + 1])
+        steps, emitted, i = steps + 1, emitted + accepted + 1, i + accepted + 1
+    return steps, emitted
+
+
+def acceptance_length(target: Model, drafter: DSparkDrafter, prompts: Sequence[Sequence[int]],
+                      new_tokens: int) -> dict:
+    """AL = tokens emitted per verify step at k drafts, greedy, over the prompts."""
+    steps = emitted = 0
+    for prompt in prompts:
+        chain, taps = greedy_continuation(target, prompt, new_tokens)
+        s, e = speculative_walk(drafter, len(prompt), chain, taps)
+        steps, emitted = steps + s, emitted + e
+    return {"acceptance_length": emitted / max(steps, 1), "steps": steps, "emitted": emitted,
+            "prompts": len(prompts), "new_tokens": new_tokens, "drafts": drafter.k}
+
+
+# ============================================================================ the command
+def load_frozen_backbone(base_dir: str, preset: str,
+                         device: str = "cpu") -> tuple[Model, ModelConfig]:
+    """The base checkpoint's backbone (FP32) recording the tap of the preset's drafter keys."""
+    from flashpd.model.presets import preset_config
+
+    ckpt = load_checkpoint(base_dir, device=device)
+    drafter_keys = preset_config(preset).dspark
+    if drafter_keys is None:
+        raise ValueError(f"preset {preset!r} has no drafter keys")
+    cfg = ckpt.cfg.replace(dspark=drafter_keys)
+    target = Model.from_checkpoint(dataclasses.replace(ckpt, cfg=cfg), torch.float32)
+    return target, cfg
+
+
+def train_drafter(args) -> dict:
+    from flashpd.model import train_data
+    from flashpd.model.train import prepare_data
+
+    log = print if not args.quiet else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+    target, cfg = load_frozen_backbone(args.base, args.preset, str(args.device))
+    tok_path = os.path.join(args.base, "tokenizer.json")
+    tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log)
+    pad = train_data.PAD_TOKEN_ID
+    gen = torch.Generator().manual_seed(args.seed)
+    pick = torch.randperm(tr_rows.shape[0], generator=gen)[: args.teacher_rows]
+    rows = teacher_rows(target, tr_rows[pick], pad, log=log)
+    model = TrainDrafter(cfg, target, seed=args.seed)
+    opt = _optimizer(model, args.lr)
+    budget = args.minutes * 60.0 if args.minutes else None
+    t0, step, history = time.time(), 0, []
+    while True:
+        elapsed = time.time() - t0
+        if (args.steps and step >= args.steps) or (budget and elapsed >= budget):
+            break
+        frac = step / args.steps if args.steps else elapsed / budget
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (
+            1 + math.cos(math.pi * min(frac, 1.0))))
+        for g in opt.param_groups:
+            g["lr"] = lr * g["lr_scale"]
+        idx = torch.randint(0, len(rows), (args.batch,), generator=gen).tolist()
+        batch = block_batch([rows[i] for i in idx], args.blocks_per_row, model.drafter.k, gen)
+        opt.zero_grad(set_to_none=True)
+        loss, parts = drafter_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % args.log_every == 0 or step == 1:
+            history.append({"step": step, **parts})
+            log(f"step {step} ce {parts['ce']:.3f} top1 {parts['top1']:.3f} "
+                f"bce {parts['bce']:.3f} lr {lr:.2e} {time.time() - t0:.0f} s", flush=True)
+    train_s = time.time() - t0
+    files = export_drafter(model, args.base, args.out, args.max_shard_bytes)
+    served = load_checkpoint(args.out)
+    drafter = DSparkDrafter.from_checkpoint(served, target)
+    prompts = _heldout_prompts(he_rows, pad, args.eval_prompts, args.eval_prompt_len)
+    al = acceptance_length(target, drafter, prompts, args.eval_tokens)
+    log(f"trained {step} steps in {train_s:.0f} s; held-out acceptance length {al}")
+    result = {"steps": step, "train_seconds": train_s, "history": history,
+              "heldout": al, "files": files}
+    with open(os.path.join(args.out, "drafter_train_log.json"), "w") as f:
+        json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
+    return result
+
+
+# The confidence head reads the pre-norm hidden (|x| grows with sqrt(D)): at the drafter's
+# learning rate its logits saturate within a few hundred steps (held BCE above ln 2 on `small`);
+# a smaller rate keeps it a calibrated probability.
+CONFIDENCE_LR_SCALE = 0.02
+
+
+def _optimizer(model: TrainDrafter, lr: float) -> torch.optim.Optimizer:
+    conf = [p for k, p in model.params.items() if "confidence_head" in k]
+    rest = [p for k, p in model.params.items() if "confidence_head" not in k]
+    return torch.optim.AdamW([{"params": rest, "lr_scale": 1.0},
+                              {"params": conf, "lr_scale": CONFIDENCE_LR_SCALE}],
+                             lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _heldout_prompts(rows: torch.Tensor, pad: int, count: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `count` held-out rows that are that long."""
+    out = []
+    for r in rows:
+        ids = r[r != pad].tolist()
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == count:
+            break
+    return out
