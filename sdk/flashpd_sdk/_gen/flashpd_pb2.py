@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lashpd_sdk/_gen/flashpd.proto\x12\nflashpd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.flashpd.v1.ToolCall\x12\x0c\n\x04name\x18\x05 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.flashpd.v1.ChatMessage\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"Q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xa1\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.flashpd.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18( \x01(\x0b\x32\x15.flashpd.v1.ChatInputH\x00\x12\x1f\n\x05tools\x18) \x03(\x0b\x32\x10.flashpd.v1.Tool\x12\x13\n\x0btool_choice\x18* \x01(\t\x12 \n\x13parallel_tool_calls\x18+ \x01(\x08H\x01\x88\x01\x01\x12\x33\n\x0fresponse_format\x18, \x01(\x0b\x32\x1a.flashpd.v1.ResponseFormat\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x12\n\nsession_id\x18\x0e \x01(\t\x12\x19\n\x11parent_session_id\x18\x0f \x01(\t\x12\x12\n\nrequest_id\x18\x10 \x01(\t\x12\x19\n\x11resume_from_token\x18\x11 \x01(\r\x12*\n\x0c\x63ontinue_ids\x18< \x01(\x0b\x32\x14.flashpd.v1.TokenIds\x12+\n\x1e\x63ontinue_prefill_credit_tokens\x18= \x01(\rH\x08\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB!\n\x1f_continue_prefill_credit_tokens\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xa7\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.flashpd.v1.TokenLogprobs\x12\"\n\x15prefill_credit_tokens\x18< \x01(\rH\x00\x88\x01\x01\x42\x18\n\x16_prefill_credit_tokens\"\x8d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_prefill\x18\x04 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_decode\x18\x05 \x01(\r\"\xc2\x01\n\x08Timeline\x12\x10\n\x08route_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x11\n\treplay_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01\x12\x12\n\nreserve_ms\x18\x08 \x01(\x01\x12\x12\n\nmigrate_ms\x18< \x01(\x01\"\x8e\x02\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.flashpd.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.flashpd.v1.Usage\x12&\n\x08timeline\x18\x03 \x01(\x0b\x32\x14.flashpd.v1.Timeline\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12(\n\ntool_calls\x18( \x03(\x0b\x32\x14.flashpd.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18) \x01(\t\"g\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.flashpd.v1.TokenChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.flashpd.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"C\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.flashpd.v1.ModelCard*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.flashpd.v1.GenerateRequest\x1a\x1c.flashpd.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.flashpd.v1.AbortRequest\x1a\x19.flashpd.v1.AbortResponse\x12K\n\nListModels\x12\x1d.flashpd.v1.ListModelsRequest\x1a\x1e.flashpd.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lashpd_sdk/_gen/flashpd.proto\x12\nflashpd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.flashpd.v1.ToolCall\x12\x0c\n\x04name\x18\x05 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.flashpd.v1.ChatMessage\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"Q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bschema_json\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xb7\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.flashpd.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18( \x01(\x0b\x32\x15.flashpd.v1.ChatInputH\x00\x12\x1f\n\x05tools\x18) \x03(\x0b\x32\x10.flashpd.v1.Tool\x12\x13\n\x0btool_choice\x18* \x01(\t\x12 \n\x13parallel_tool_calls\x18+ \x01(\x08H\x01\x88\x01\x01\x12\x33\n\x0fresponse_format\x18, \x01(\x0b\x32\x1a.flashpd.v1.ResponseFormat\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x12\n\nsession_id\x18\x0e \x01(\t\x12\x19\n\x11parent_session_id\x18\x0f \x01(\t\x12\x12\n\nrequest_id\x18\x10 \x01(\t\x12\x19\n\x11resume_from_token\x18\x11 \x01(\r\x12*\n\x0c\x63ontinue_ids\x18< \x01(\x0b\x32\x14.flashpd.v1.TokenIds\x12+\n\x1e\x63ontinue_prefill_credit_tokens\x18= \x01(\rH\x08\x88\x01\x01\x12\x0e\n\x01n\x18P \x01(\x05H\t\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB!\n\x1f_continue_prefill_credit_tokensB\x04\n\x02_n\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xbd\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.flashpd.v1.TokenLogprobs\x12\"\n\x15prefill_credit_tokens\x18< \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0c\x63hoice_index\x18P \x01(\rB\x18\n\x16_prefill_credit_tokens\"\x8d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_prefill\x18\x04 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_tokens_decode\x18\x05 \x01(\r\"\xc2\x01\n\x08Timeline\x12\x10\n\x08route_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x11\n\treplay_ms\x18\x05 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01\x12\x12\n\nreserve_ms\x18\x08 \x01(\x01\x12\x12\n\nmigrate_ms\x18< \x01(\x01\"\xcc\x02\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.flashpd.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.flashpd.v1.Usage\x12&\n\x08timeline\x18\x03 \x01(\x0b\x32\x14.flashpd.v1.Timeline\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\x12(\n\ntool_calls\x18( \x03(\x0b\x32\x14.flashpd.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18) \x01(\t\x12\x14\n\x0c\x63hoice_index\x18P \x01(\r\x12&\n\x0btotal_usage\x18Q \x01(\x0b\x32\x11.flashpd.v1.Usage\"g\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.flashpd.v1.TokenChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.flashpd.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"C\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.flashpd.v1.ModelCard*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.flashpd.v1.GenerateRequest\x1a\x1c.flashpd.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.flashpd.v1.AbortRequest\x1a\x19.flashpd.v1.AbortResponse\x12K\n\nListModels\x12\x1d.flashpd.v1.ListModelsRequest\x1a\x1e.flashpd.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashpd_sdk._gen.flashpd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2461
-  _globals['_FINISHREASON']._serialized_end=2611
+  _globals['_FINISHREASON']._serialized_start=2567
+  _globals['_FINISHREASON']._serialized_end=2717
   _globals['_TOKENIDS']._serialized_start=46
   _globals['_TOKENIDS']._serialized_end=69
   _globals['_TOOLCALL']._serialized_start=71
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESPONSEFORMAT']._serialized_start=392
   _globals['_RESPONSEFORMAT']._serialized_end=473
   _globals['_GENERATEREQUEST']._serialized_start=476
-  _globals['_GENERATEREQUEST']._serialized_end=1277
-  _globals['_TOKENLOGPROBS']._serialized_start=1279
-  _globals['_TOKENLOGPROBS']._serialized_end=1350
-  _globals['_TOKENCHUNK']._serialized_start=1353
-  _globals['_TOKENCHUNK']._serialized_end=1520
-  _globals['_USAGE']._serialized_start=1523
-  _globals['_USAGE']._serialized_end=1664
-  _globals['_TIMELINE']._serialized_start=1667
-  _globals['_TIMELINE']._serialized_end=1861
-  _globals['_FINAL']._serialized_start=1864
-  _globals['_FINAL']._serialized_end=2134
-  _globals['_GENERATERESPONSE']._serialized_start=2136
-  _globals['_GENERATERESPONSE']._serialized_end=2239
-  _globals['_ABORTREQUEST']._serialized_start=2241
-  _globals['_ABORTREQUEST']._serialized_end=2275
-  _globals['_ABORTRESPONSE']._serialized_start=2277
-  _globals['_ABORTRESPONSE']._serialized_end=2307
-  _globals['_LISTMODELSREQUEST']._serialized_start=2309
-  _globals['_LISTMODELSREQUEST']._serialized_end=2328
-  _globals['_MODELCARD']._serialized_start=2330
-  _globals['_MODELCARD']._serialized_end=2397
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2399
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2458
-  _globals['_GENERATION']._serialized_start=2614
-  _globals['_GENERATION']._serialized_end=2838
+  _globals['_GENERATEREQUEST']._serialized_end=1299
+  _globals['_TOKENLOGPROBS']._serialized_start=1301
+  _globals['_TOKENLOGPROBS']._serialized_end=1372
+  _globals['_TOKENCHUNK']._serialized_start=1375
+  _globals['_TOKENCHUNK']._serialized_end=1564
+  _globals['_USAGE']._serialized_start=1567
+  _globals['_USAGE']._serialized_end=1708
+  _globals['_TIMELINE']._serialized_start=1711
+  _globals['_TIMELINE']._serialized_end=1905
+  _globals['_FINAL']._serialized_start=1908
+  _globals['_FINAL']._serialized_end=2240
+  _globals['_GENERATERESPONSE']._serialized_start=2242
+  _globals['_GENERATERESPONSE']._serialized_end=2345
+  _globals['_ABORTREQUEST']._serialized_start=2347
+  _globals['_ABORTREQUEST']._serialized_end=2381
+  _globals['_ABORTRESPONSE']._serialized_start=2383
+  _globals['_ABORTRESPONSE']._serialized_end=2413
+  _globals['_LISTMODELSREQUEST']._serialized_start=2415
+  _globals['_LISTMODELSREQUEST']._serialized_end=2434
+  _globals['_MODELCARD']._serialized_start=2436
+  _globals['_MODELCARD']._serialized_end=2503
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2505
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2564
+  _globals['_GENERATION']._serialized_start=2720
+  _globals['_GENERATION']._serialized_end=2944
 # @@protoc_insertion_point(module_scope)

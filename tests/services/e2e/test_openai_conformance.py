@@ -382,7 +382,7 @@ def test_n_choices_share_one_prompt(client):
     ({"response_format": {"type": "json_schema", "json_schema": {  # valid JSON Schema that the
         "name": "x", "schema": {"$ref": "#/$defs/missing"}}}},       # grammar cannot compile
      "response_format.json_schema.schema"),
-    ({"n": 0}, "n"), ({"n": 2, "stream": True}, "n"),
+    ({"n": 0}, "n"), ({"n": 10**6}, "n"),
 ])
 def test_bad_agent_requests_are_400_naming_the_param(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -1,0 +1,109 @@
+"""`n` > 1: the choices of one request, fanned out over the orchestrator and merged into one
+event stream (the HTTP frontend, streaming or not, and the gRPC frontend share it).
+
+    choice 0 ----open----> first event ----> its prefill/decode pair holds the prompt's chunks
+    choices 1..n-1 --open pinned to that pair (`InternalRequest.pin`)--> prefix hits there
+
+Each choice is its own run (request id `<id>` for choice 0, `<id>-<i>` for the others, seed
+`seed + i`), so it keeps the orchestrator's transparent retries and continuations (a lease that
+expired while the shared prefill queued, a decode worker that died). Events come out in arrival
+order as `ChoiceEvent(index, event)`; every choice's stream ends with its FinalEvent. A choice that
+fails ends the whole request: its error is raised and the other choices are aborted (their runs
+are not resumable, so closing their streams cancels them on both legs).
+
+Usage as OpenAI counts it (`total_usage`): the prompt once (choice 0's prompt and cached
+tokens), the completion tokens of every choice summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from flashpd.services.api import FinalEvent, InternalRequest, TokenEvent, Usage
+from flashpd.services.router import validation as v
+from flashpd.services.router.orchestrator import Orchestrator
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    index: int  # the choice, 0..n-1
+    event: TokenEvent | FinalEvent
+
+
+def sibling(base: InternalRequest, i: int, placed: Sequence | None) -> InternalRequest:
+    """Choice i's request: its own id and seed, pinned to the pair choice 0 ran on."""
+    seed = base.sampling.seed
+    sampling = base.sampling if seed is None else dataclasses.replace(
+        base.sampling, seed=(seed + i) % (v.MAX_SEED + 1))
+    return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling,
+                               pin=tuple(placed or ()))
+
+
+def total_usage(finals: Sequence[FinalEvent]) -> Usage:
+    """The prompt once (choice 0's counts), the completion tokens of every choice."""
+    head = finals[0].usage
+    return dataclasses.replace(head, completion_tokens=sum(f.usage.completion_tokens
+                                                           for f in finals))
+
+
+def fan_out(orchestrator: Orchestrator, base: InternalRequest, n: int
+            ) -> AsyncIterator[ChoiceEvent]:
+    """Open choice 0 now (its refusals raise here, before any event) and return the n choices'
+    events, merged; iterate under `contextlib.aclosing` (closing aborts every choice still
+    running)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return _merged(orchestrator, base, n, orchestrator.open(base))
+
+
+async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, first_run
+                  ) -> AsyncIterator[ChoiceEvent]:
+    queue: asyncio.Queue[ChoiceEvent | BaseException] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(orchestrator, first_run, 0, queue))]
+    finals = 0
+    try:
+        while finals < n:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.index == 0 and len(tasks) == 1:  # choice 0 is placed and out: follow it
+                for i in range(1, n):
+                    run = orchestrator.open(sibling(base, i, first_run.placed))
+                    tasks.append(asyncio.ensure_future(_pump(orchestrator, run, i, queue)))
+            finals += isinstance(item.event, FinalEvent)
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(orchestrator: Orchestrator, run, index: int,
+                queue: asyncio.Queue) -> None:
+    try:
+        async with contextlib.aclosing(orchestrator.stream(run)) as events:
+            async for event in events:
+                queue.put_nowait(ChoiceEvent(index, event))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        queue.put_nowait(exc)
+
+
+async def collect(events: AsyncIterator[ChoiceEvent], n: int
+                  ) -> list[tuple[list[TokenEvent], FinalEvent]]:
+    """Every choice's tokens and final, in choice order (non-streaming responses), from
+    `fan_out`'s events."""
+    tokens: list[list[TokenEvent]] = [[] for _ in range(n)]
+    finals: list[FinalEvent | None] = [None] * n
+    async with contextlib.aclosing(events):
+        async for item in events:
+            if isinstance(item.event, FinalEvent):
+                finals[item.index] = item.event
+            else:
+                tokens[item.index].append(item.event)
+    return [(t, f) for t, f in zip(tokens, finals, strict=True) if f is not None]
