@@ -50,14 +50,36 @@ def total_usage(finals: Sequence[FinalEvent]) -> Usage:
                                                            for f in finals))
 
 
-def fan_out(orchestrator: Orchestrator, base: InternalRequest, n: int
-            ) -> AsyncIterator[ChoiceEvent]:
+def fan_out(orchestrator: Orchestrator, base: InternalRequest, n: int) -> Choices:
     """Open choice 0 now (its refusals raise here, before any event) and return the n choices'
     events, merged; iterate under `contextlib.aclosing` (closing aborts every choice still
     running)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    return _merged(orchestrator, base, n, orchestrator.open(base))
+    return Choices(orchestrator, base, n)
+
+
+class Choices:
+    """The merged events of n choices (an async iterator with `aclose`)."""
+
+    def __init__(self, orchestrator: Orchestrator, base: InternalRequest, n: int) -> None:
+        self._orchestrator, self._request_id = orchestrator, base.request_id
+        self._events = _merged(orchestrator, base, n, orchestrator.open(base))
+        self._started = False
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> ChoiceEvent:
+        self._started = True
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        """Abort what still runs; before the first event only choice 0 was opened (and a
+        generator that never ran has no cleanup of its own)."""
+        if not self._started:
+            await self._orchestrator.abort(self._request_id)
+        await self._events.aclose()
 
 
 async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, first_run
@@ -94,7 +116,7 @@ async def _pump(orchestrator: Orchestrator, run, index: int,
         queue.put_nowait(exc)
 
 
-async def collect(events: AsyncIterator[ChoiceEvent], n: int
+async def collect(events: Choices, n: int
                   ) -> list[tuple[list[TokenEvent], FinalEvent]]:
     """Every choice's tokens and final, in choice order (non-streaming responses), from
     `fan_out`'s events."""

@@ -27,7 +27,6 @@ from flashpd.services.api import FinalEvent, Internal, InvalidArgument, ServiceE
 from flashpd.services.router import choices
 from flashpd.services.router import validation as v
 from flashpd.services.router.auth import OPEN_GRPC_PREFIXES, ApiKeys, TlsFiles
-from flashpd.services.router.choices import ChoiceEvent
 from flashpd.services.router.convert import (
     EdgeRequest,
     ModelTable,
@@ -121,7 +120,7 @@ class GenerationServicer:
                                    + event.text, edge.agent)
                 yield msg
 
-    async def _choice_messages(self, edge: EdgeRequest, events: AsyncIterator[ChoiceEvent]
+    async def _choice_messages(self, edge: EdgeRequest, events: choices.Choices
                                ) -> AsyncIterator[pb.GenerateResponse]:
         """n > 1: the choices' chunks tagged with their index, one Final per choice; the last
         Final carries the request's usage (OpenAI's rule, `choices.total_usage`)."""

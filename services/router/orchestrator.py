@@ -202,6 +202,17 @@ class Orchestrator:
 
     def _start(self, run: Run) -> None:
         run.task = asyncio.create_task(self._produce(run), name=f"run-{run.request_id}")
+        run.task.add_done_callback(lambda task: self._ended(run, task))
+
+    def _ended(self, run: Run, task: asyncio.Task) -> None:
+        """A producer cancelled before it ever ran (aborted right after `open`) skipped its own
+        cleanup: fail the run and retire it here (no worker was called)."""
+        if task.cancelled() and not run.done:
+            self._background(self._retire_unstarted(run))
+
+    async def _retire_unstarted(self, run: Run) -> None:
+        await run.fail(run.cancel_reason or Cancelled("request cancelled"))
+        self.journal.finished(run)
 
     def _revive(self, run: Run) -> None:
         """Continue a run that broke UNAVAILABLE after tokens: a client came back for it."""
