@@ -3,6 +3,8 @@ event stream (the HTTP frontend, streaming or not, and the gRPC frontend share i
 
     choice 0 ----open----> first event ----> its prefill/decode pair holds the prompt's chunks
     choices 1..n-1 --open pinned to that pair (`InternalRequest.pin`)--> prefix hits there
+                     one after another: the next opens when the previous one's first event is
+                     out (`SIBLING_WAVE`); they then decode together
 
 Each choice is its own run (request id `<id>` for choice 0, `<id>-<i>` for the others, seed
 `seed + i`), so it keeps the orchestrator's transparent retries and continuations (a lease that
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from flashpd.services.api import FinalEvent, InternalRequest, TokenEvent, Usage
 from flashpd.services.router import validation as v
 from flashpd.services.router.orchestrator import Orchestrator
+
+SIBLING_WAVE = 4  # siblings opened but not yet out (first event) at a time
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,19 @@ async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, fir
                   ) -> AsyncIterator[ChoiceEvent]:
     queue: asyncio.Queue[ChoiceEvent | BaseException] = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(orchestrator, first_run, 0, queue))]
-    finals = 0
+    finals, out = 0, set()  # choices whose first event arrived
     try:
         while finals < n:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item.index == 0 and len(tasks) == 1:  # choice 0 is placed and out: follow it
-                for i in range(1, n):
-                    run = orchestrator.open(sibling(base, i, first_run.placed))
-                    tasks.append(asyncio.ensure_future(_pump(orchestrator, run, i, queue)))
+            out.add(item.index)
+            # once choice 0 is out (its pair holds the prompt), open the siblings, at most
+            # SIBLING_WAVE of them waiting for their first event at a time
+            while 0 in out and len(tasks) < n and len(tasks) - len(out) < SIBLING_WAVE:
+                i = len(tasks)
+                run = orchestrator.open(sibling(base, i, first_run.placed))
+                tasks.append(asyncio.ensure_future(_pump(orchestrator, run, i, queue)))
             finals += isinstance(item.event, FinalEvent)
             yield item
     finally:
