@@ -29,7 +29,14 @@ from flashpd.services.api import FinalEvent, InternalRequest, TokenEvent, Usage
 from flashpd.services.router import validation as v
 from flashpd.services.router.orchestrator import Orchestrator
 
-SIBLING_WAVE = 4  # siblings opened but not yet out (first event) at a time
+# Siblings opened but not yet out (first event) at a time. Measured on the 2-core Ray stack
+# (tiny model, 1P1D and 2P2D, the fuzz list's n = 16 case): with 4 (or all 15) opened at
+# once, calls to the replicas stalled in the router replica's Serve handle routing ("Failed to
+# get queue length ... within 0.1s", calls released ~10 s apart, KV leases expiring) and the
+# request outlived the client's 60 s; with 1, n = 16 answered in 7 s with no stall. Each
+# sibling's first event comes after its prefill, so the siblings' prefills are serialized
+# (their decodes run together); the stall's cause inside Serve is not found.
+SIBLING_WAVE = 1
 
 
 @dataclass(frozen=True)

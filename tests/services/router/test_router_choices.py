@@ -68,3 +68,27 @@ def test_refusal_of_choice_0_raises_at_open(redis_url):
                 assert isinstance([e async for e in events][-1], FinalEvent)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_siblings_open_one_at_a_time(redis_url):
+    """Sibling i + 1 is reserved only once sibling i's first event is out (SIBLING_WAVE = 1):
+    opened together, their calls stalled in Serve's routing on the Ray stack."""
+    assert choices.SIBLING_WAVE == 1
+    d = FakeDecode("d0", token_delay_s=0.02)
+    order: list[str] = []
+
+    async def main():
+        async with router_stack(redis_url, [FakePrefill("p0", delay_s=0.05)], [d]) as stack:
+            events = choices.fan_out(stack.orchestrator, request(range(10), rid="w",
+                                                                 max_tokens=3), 4)
+            async with contextlib.aclosing(events):
+                async for item in events:
+                    if not order or order[-1] != f"out {item.index}":
+                        order.append(f"out {item.index}")
+                    reserved = [rid for op, rid in d.calls if op == "reserve"]
+                    order.extend(f"reserve {r}" for r in reserved
+                                 if f"reserve {r}" not in order)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    for i in (1, 2):  # sibling i+1's reserve comes after sibling i's first event
+        assert order.index(f"out {i}") < order.index(f"reserve w-{i + 1}")
