@@ -1,7 +1,13 @@
-"""Structured outputs on CPU: the grammar mask's cost per decode step, compilation, and the
-schema-validity rate of generated objects.
+"""Structured outputs: the grammar mask's cost per decode step, compilation, and the
+schema-validity rate of generated objects, on CPU or a CUDA device.
 
-    python -m flashpd.bench.grammar_mask [--batch 1 8 64] [--objects 200] [--out FILE]
+    python -m flashpd.bench.grammar_mask [--device cpu|cuda[:N]] [--batch 1 8 64]
+                                         [--objects 200] [--out FILE]
+
+On a CUDA device the logits, the mask expansion and the sampler live on the device (as in the
+engine: the bitmask is filled on the host by xgrammar and copied over, `Sampler.launch`); every
+device piece is timed up to a `torch.cuda.synchronize()`, so the figures are wall time including
+the copy. The validity run loads the `small` checkpoint on the same device (bfloat16 on CUDA).
 
 1. Mask overhead per step (the host work a guided step adds, `engine/grammar.py` +
    `Sampler.launch`): for B guided rows, fill the token bitmask from B xgrammar matchers, turn
@@ -31,6 +37,7 @@ from flashpd.engine.sampling_params import GuidedDecoding
 from flashpd.model.presets.small import CHECKPOINT_DIR
 
 RELEASED_VOCAB = 129_280
+CPU = torch.device("cpu")
 SCHEMAS = {
     "person": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 16},
@@ -68,15 +75,23 @@ def _median_ms(fn, reps: int = 50, warm: int = 5) -> float:
     return statistics.median(times)
 
 
-def mask_overhead(backend: GrammarBackend, batches: list[int]) -> list[dict]:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU), so a timer reads wall time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mask_overhead(backend: GrammarBackend, batches: list[int],
+                  device: torch.device = CPU) -> list[dict]:
     guided = GuidedDecoding("json_schema", json.dumps(SCHEMAS["order"]))
     backend.compile(guided)
-    gen = torch.Generator().manual_seed(0)
-    return [_batch_row(backend, guided, b, gen) for b in batches]
+    gen = torch.Generator().manual_seed(0)  # CPU generator: the same draws on every device
+    return [_batch_row(backend, guided, b, gen, device) for b in batches]
 
 
 def _batch_row(backend: GrammarBackend, guided: GuidedDecoding, b: int, gen,
-               steps: int = 60, warm: int = 5) -> dict:
+               device: torch.device = CPU, steps: int = 60,
+               warm: int = 5) -> dict:
     """One decode step's grammar work for b guided rows, timed piece by piece inside the same
     loop (a difference of two separately timed loops drowns in the shared machine's noise):
     fill the bitmask, expand and apply it to the logits, feed the sampled ids back."""
@@ -85,14 +100,16 @@ def _batch_row(backend: GrammarBackend, guided: GuidedDecoding, b: int, gen,
     sampler = Sampler(0)
     t: dict[str, list[float]] = {"fill": [], "apply": [], "accept": [], "sampler": []}
     for step in range(steps + warm):
-        logits = torch.randn(b, backend.vocab_size, generator=gen)
+        logits = torch.randn(b, backend.vocab_size, generator=gen).to(device)
+        _sync(device)
         t0 = time.perf_counter()
-        bitmask = backend.fill_bitmask(matchers)
+        bitmask = backend.fill_bitmask(matchers)  # host int32, as the engine fills it
         t1 = time.perf_counter()
-        masked = logits.masked_fill(~allowed_from_bitmask(bitmask, backend.vocab_size),
-                                    float("-inf"))
+        allowed = allowed_from_bitmask(bitmask.to(device, non_blocking=True), backend.vocab_size)
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        _sync(device)
         t2 = time.perf_counter()
-        outs = sampler.launch(masked, rids, params).result()
+        outs = sampler.launch(masked, rids, params).result()  # result() waits for the ids
         t3 = time.perf_counter()
         for i, (m, o) in enumerate(zip(matchers, outs, strict=True)):
             if not m.accept_token(o.token_id) or m.is_terminated():
@@ -102,11 +119,17 @@ def _batch_row(backend: GrammarBackend, guided: GuidedDecoding, b: int, gen,
             for key, dt in (("fill", t1 - t0), ("apply", t2 - t1), ("sampler", t3 - t2),
                             ("accept", t4 - t3)):
                 t[key].append(dt * 1e3)
-    big = torch.randn(b, RELEASED_VOCAB, generator=gen)
-    big_mask = torch.full((b, (RELEASED_VOCAB + 31) // 32), -1, dtype=torch.int32)
+    big = torch.randn(b, RELEASED_VOCAB, generator=gen).to(device)
+    big_mask = torch.full((b, (RELEASED_VOCAB + 31) // 32), -1, dtype=torch.int32)  # host
+
+    def apply_big() -> None:
+        allowed_big = allowed_from_bitmask(big_mask.to(device, non_blocking=True),
+                                           RELEASED_VOCAB)
+        big.masked_fill(~allowed_big, float("-inf"))
+        _sync(device)
+
     row = {"batch": b, **{f"{k}_ms": statistics.median(v) for k, v in t.items()},
-           "apply_released_vocab_ms": _median_ms(lambda: big.masked_fill(
-               ~allowed_from_bitmask(big_mask, RELEASED_VOCAB), float("-inf")))}
+           "apply_released_vocab_ms": _median_ms(apply_big)}
     row["overhead_ms"] = row["fill_ms"] + row["apply_ms"] + row["accept_ms"]
     return row
 
@@ -119,14 +142,16 @@ def compile_times(backend: GrammarBackend) -> dict:
     return {"cold_ms": cold, "cached_ms": _median_ms(lambda: backend.compile(g), 200, 5)}
 
 
-def validity(num_objects: int, batch: int = 50) -> dict:
+def validity(num_objects: int, batch: int = 50, device: str = "cpu") -> dict:
     import jsonschema
 
     from flashpd.engine.llm_engine import EngineConfig
     from flashpd.engine.loading import load_engine, load_tokenizer
     ckpt = CHECKPOINT_DIR
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"  # the GPU path's dtype
     engine = load_engine(ckpt, EngineConfig(num_blocks=512, num_slots=batch, max_num_seqs=batch,
-                                            model_id="flashpd-small"))
+                                            model_id="flashpd-small", device=device,
+                                            dtype=dtype))
     tok = load_tokenizer(ckpt)
     prompt = tok.encode("<|begin_of_sentence|><|User|>Reply with a JSON object.<|Assistant|>",
                         add_special_tokens=False).ids
@@ -161,10 +186,13 @@ def validity(num_objects: int, batch: int = 50) -> dict:
     return results
 
 
-def _report(mask: list[dict], compiled: dict, valid: dict | None, vocab: int) -> str:
-    lines = ["# Grammar mask on CPU (structured outputs, enforced tool calls)", "",
+def _report(mask: list[dict], compiled: dict, valid: dict | None, vocab: int,
+            device: str = "cpu") -> str:
+    where = "CPU" if device == "cpu" else f"{device} ({_device_name(device)})"
+    lines = [f"# Grammar mask on {where} (structured outputs, enforced tool calls)", "",
              f"xgrammar; `small` tokenizer (V = {vocab:,}); JSON-schema grammar (`order`); one "
-             "torch thread.", "",
+             "torch thread; bitmask filled on the host, mask expand + apply and the sampler on "
+             f"{device} (timed to a device sync).", "",
              "| batch | bitmask fill (ms) | mask expand + apply (ms) | accept ids (ms) | "
              "**grammar overhead (ms/step)** | sampler itself (ms) | mask apply at "
              "V = 129,280 (ms) |", "|---|---|---|---|---|---|---|"]
@@ -179,25 +207,39 @@ def _report(mask: list[dict], compiled: dict, valid: dict | None, vocab: int) ->
         lines += ["", f"Schema validity: **{valid['valid']} / {valid['objects']} ({rate:.1f}%)** "
                   f"objects parse and validate (`jsonschema`); {valid['truncated']} hit "
                   f"max_tokens; {valid['tokens']:,} tokens in {valid['seconds']:.0f} s "
-                  "(trained `small` checkpoint, temperature 1.0, 4 schemas)."]
+                  f"(trained `small` checkpoint on {device}, temperature 1.0, 4 schemas)."]
         lines += [f"- {f}" for f in valid["failures"][:10]]
     return "\n".join(lines) + "\n"
 
 
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+
+
+def _check_device(device: str) -> torch.device:
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SystemExit(f"--device must be cpu or cuda[:N], got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device is available")
+    return torch.device(device)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--objects", type=int, default=200, help="0 skips the validity run")
     parser.add_argument("--out", default=None, help="also write the report here")
     args = parser.parse_args(argv)
+    device = _check_device(args.device)
     torch.set_num_threads(1)
     from flashpd.engine.loading import EOS_TOKEN, load_tokenizer
     tok = load_tokenizer(CHECKPOINT_DIR)
     backend = GrammarBackend.from_tokenizer(tok, tok.get_vocab_size(), tok.token_to_id(EOS_TOKEN))
-    mask = mask_overhead(backend, args.batch)
+    mask = mask_overhead(backend, args.batch, device)
     compiled = compile_times(backend)
-    valid = validity(args.objects) if args.objects else None
-    report = _report(mask, compiled, valid, backend.vocab_size)
+    valid = validity(args.objects, device=args.device) if args.objects else None
+    report = _report(mask, compiled, valid, backend.vocab_size, args.device)
     print(report)
     if args.out:
         with open(args.out, "w") as f:

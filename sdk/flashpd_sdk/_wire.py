@@ -72,6 +72,7 @@ def build_request(
     request_id: str | None, messages: Sequence[dict] | None = None,
     tools: Sequence[Tool | dict] | None = None, tool_choice: str | None = None,
     parallel_tool_calls: bool | None = None, response_format: ResponseFormat | None = None,
+    n: int = 1,
 ) -> pb.GenerateRequest:
     if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
         raise InvalidArgument("exactly one of prompt, prompt_ids and messages is required",
@@ -101,6 +102,10 @@ def build_request(
     for name, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
             setattr(msg, name, value)
+    if n != 1:  # the server checks the range (INVALID_ARGUMENT naming n)
+        if not isinstance(n, int) or isinstance(n, bool) or not -2**31 <= n < 2**31:
+            raise InvalidArgument(f"must be an integer, got {n!r}", field="n")
+        msg.n = n
     return msg
 
 
@@ -185,6 +190,19 @@ class StreamState:
         self.result = self._result(resp.final)
         return None
 
+    @property
+    def done(self) -> bool:
+        """Every Final the stream owes arrived."""
+        return self.result is not None
+
+    @property
+    def choices(self) -> tuple[GenerateResult, ...]:
+        return () if self.result is None else (self.result,)
+
+    @property
+    def total_usage(self) -> Usage | None:
+        return None if self.result is None else self.result.usage
+
     def on_stream_end(self) -> None:
         if self.result is None:
             raise InternalError("the stream ended without a final message")
@@ -232,17 +250,96 @@ class StreamState:
     def pause_s(self) -> float:
         return self.policy.pause_s(max(0, self.retries + self.resumes - 1))
 
-    def _result(self, final: pb.Final) -> GenerateResult:
+    def _result(self, final: pb.Final, output_ids: Sequence[int] | None = None,
+                text_parts: Sequence[str] | None = None) -> GenerateResult:
+        output_ids = self.output_ids if output_ids is None else output_ids
+        text_parts = self.text_parts if text_parts is None else text_parts
         return GenerateResult(
-            request_id=final.request_id or self.request_id, output_ids=tuple(self.output_ids),
-            text="".join(self.text_parts), finish_reason=FINISH_REASONS.get(final.finish_reason,
-                                                                             "unspecified"),
+            request_id=final.request_id or self.request_id, output_ids=tuple(output_ids),
+            text="".join(text_parts), finish_reason=FINISH_REASONS.get(final.finish_reason,
+                                                                       "unspecified"),
             usage=Usage(**{f: getattr(final.usage, f) for f in USAGE_FIELDS}),
             timeline={f: getattr(final.timeline, f) for f in TIMELINE_FIELDS},
             prefill_worker=final.prefill_worker, decode_worker=final.decode_worker,
             retries=self.retries, resumes=self.resumes,
             tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls),
-            content=final.content if final.tool_calls else None)
+            content=final.content if final.tool_calls else None,
+            choice_index=final.choice_index)
+
+
+class ChoicesState(StreamState):
+    """n > 1 choices in one stream (the server interleaves them, `choice_index`): per-choice
+    tokens and text, one GenerateResult per choice, the request's usage from the last Final.
+    Such a stream is retried before its first token (under a fresh request id: the server
+    forgets a failed n > 1 request's choices) and never resumed after it."""
+
+    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy,
+                 timeout_s: float | None) -> None:
+        super().__init__(request, policy, timeout_s)
+        self.n = request.n  # checked by the server: storage grows only with what arrives
+        self._ids: dict[int, list[int]] = {0: self.output_ids}  # choice 0's: the shared rule
+        self._texts: dict[int, list[str]] = {0: self.text_parts}
+        self._results: dict[int, GenerateResult] = {}
+        self._total: Usage | None = None
+
+    @property
+    def choices(self) -> tuple[GenerateResult, ...]:
+        if not self.done:
+            return ()
+        return tuple(self._results[i] for i in range(self.n))
+
+    @property
+    def total_usage(self) -> Usage | None:
+        return self._total
+
+    def next_request(self) -> pb.GenerateRequest:
+        msg = pb.GenerateRequest()
+        msg.CopyFrom(self.request)
+        if self.retries:
+            msg.request_id = f"{self.request.request_id}@r{self.retries}"
+        return msg
+
+    def on_response(self, resp: pb.GenerateResponse) -> TokenChunk | None:
+        kind = resp.WhichOneof("kind")
+        if kind == "chunk":
+            i = self._choice(resp.chunk.choice_index)
+            chunk = chunk_from_proto(resp.chunk)
+            ids = self._ids.setdefault(i, [])
+            if chunk.index != len(ids):
+                raise InternalError(f"choice {i}: chunk index {chunk.index} != "
+                                    f"{len(ids)} tokens received")
+            ids.extend(chunk.token_ids)
+            self._texts.setdefault(i, []).append(chunk.text)
+            return chunk
+        if kind != "final":
+            raise InternalError("empty GenerateResponse")
+        i = self._choice(resp.final.choice_index)
+        texts = self._texts.setdefault(i, [])
+        texts.append(resp.final.text)
+        self._results[i] = self._result(resp.final, self._ids.get(i, []), texts)
+        if len(self._results) == self.n:
+            if not resp.final.HasField("total_usage"):
+                raise InternalError("the last Final of an n > 1 stream lacks total_usage")
+            self._total = Usage(**{f: getattr(resp.final.total_usage, f) for f in USAGE_FIELDS})
+            self.result = self._results[0]
+        return None
+
+    def _choice(self, index: int) -> int:
+        if index >= self.n or (index in self._results):
+            raise InternalError(f"unexpected message for choice {index} of {self.n}")
+        return index
+
+    def decide(self, error: FlashpdError) -> Action:
+        if not isinstance(error, Unavailable) or self.remaining_s() == 0.0:
+            return "raise"
+        received = any(self._ids.values()) or self._results
+        if not received and self.retries < self.policy.max_retries:
+            self.retries += 1
+            return "retry"
+        return "raise"
+
+    def next_action(self, error: FlashpdError) -> Action:
+        return self.decide(error)
 
 
 def chunk_from_proto(msg: pb.TokenChunk, base: int = 0) -> TokenChunk:
@@ -250,7 +347,8 @@ def chunk_from_proto(msg: pb.TokenChunk, base: int = 0) -> TokenChunk:
         token_ids=tuple(msg.token_ids), text=msg.text, index=base + msg.index,
         logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
                                                            strict=True)))
-                       for lp in msg.logprobs))
+                       for lp in msg.logprobs),
+        choice_index=msg.choice_index)
 
 
 CHANNEL_OPTIONS_BASE = (
@@ -316,4 +414,6 @@ class ClientCore:
 
     def _stream_state(self, timeout_s: float | None, **request_fields) -> StreamState:
         timeout = timeout_s if timeout_s is not None else self.default_timeout_s
-        return StreamState(build_request(**request_fields), self.retry, timeout)
+        request = build_request(**request_fields)
+        cls = ChoicesState if request.HasField("n") and request.n > 1 else StreamState
+        return cls(request, self.retry, timeout)

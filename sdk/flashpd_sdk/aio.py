@@ -28,7 +28,14 @@ from flashpd_sdk._wire import (
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
-from flashpd_sdk.types import GenerateResult, ModelInfo, ResponseFormat, TokenChunk, Tool
+from flashpd_sdk.types import (
+    GenerateResult,
+    ModelInfo,
+    ResponseFormat,
+    TokenChunk,
+    Tool,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +69,29 @@ class AsyncGenerateStream:
         return self._state.result
 
     async def final(self) -> GenerateResult:
-        """Drain the stream and return the result."""
+        """Drain the stream and return the result (n > 1: choice 0's)."""
         async for _ in self._chunks:
             continue
         return self.result
+
+    async def final_choices(self) -> tuple[GenerateResult, ...]:
+        """Drain the stream and return one result per choice, in index order."""
+        await self.final()
+        return self._state.choices
+
+    @property
+    def choices(self) -> tuple[GenerateResult, ...]:
+        """One result per choice (once iteration ended)."""
+        self.result  # noqa: B018 - raises while the stream is unfinished
+        return self._state.choices
+
+    @property
+    def usage(self) -> Usage:
+        """The request's usage as OpenAI counts it (n > 1: the prompt once, every choice's
+        completion tokens summed), once iteration ended."""
+        self.result  # noqa: B018 - raises while the stream is unfinished
+        assert self._state.total_usage is not None
+        return self._state.total_usage
 
     def cancel(self) -> None:
         """Stop the stream and abort the request on the server (the Abort RPC runs in the
@@ -101,9 +127,10 @@ class AsyncGenerateStream:
             try:
                 async for resp in self._call:
                     chunk = state.on_response(resp)
-                    if chunk is None:
+                    if chunk is not None:
+                        yield chunk
+                    if state.done:  # every Final arrived (n > 1: one per choice)
                         return
-                    yield chunk
                 state.on_stream_end()
                 return
             except asyncio.CancelledError:
@@ -144,14 +171,14 @@ class AsyncClient(ClientCore):
                  request_id: str | None = None, model: str = "",
                  messages: Sequence[dict] | None = None, tools: Sequence[Tool | dict] | None = None,
                  tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                 response_format: ResponseFormat | None = None) -> AsyncGenerateStream:
+                 response_format: ResponseFormat | None = None, n: int = 1) -> AsyncGenerateStream:
         return AsyncGenerateStream(self._stub, self._metadata, self._stream_state(
             timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
             session_id=session_id, parent_session_id=parent_session_id, request_id=request_id,
             messages=messages, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, response_format=response_format))
+            parallel_tool_calls=parallel_tool_calls, response_format=response_format, n=n))
 
     async def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),

@@ -5,6 +5,11 @@
         for chunk in stream:
             print(chunk.text, end="")
         print(stream.result.usage)
+
+        stream = client.generate(messages=[...], n=3, temperature=1.0)  # three choices
+        for chunk in stream:  # interleaved; chunk.choice_index says whose
+            ...
+        texts = [c.text for c in stream.choices]; print(stream.usage)
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ from flashpd_sdk._wire import (
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
-from flashpd_sdk.types import GenerateResult, ModelInfo, ResponseFormat, TokenChunk, Tool
+from flashpd_sdk.types import (
+    GenerateResult,
+    ModelInfo,
+    ResponseFormat,
+    TokenChunk,
+    Tool,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +70,24 @@ class GenerateStream:
 
     @property
     def result(self) -> GenerateResult:
+        """The result (n > 1: choice 0's; see `choices`); drains the stream."""
         collections.deque(self._chunks, maxlen=0)  # drain: the result comes with the final
         assert self._state.result is not None
         return self._state.result
+
+    @property
+    def choices(self) -> tuple[GenerateResult, ...]:
+        """One result per choice, in index order (n = 1: the result alone); drains the stream."""
+        collections.deque(self._chunks, maxlen=0)
+        return self._state.choices
+
+    @property
+    def usage(self) -> Usage:
+        """The request's usage as OpenAI counts it (n > 1: the prompt once, every choice's
+        completion tokens summed); drains the stream."""
+        collections.deque(self._chunks, maxlen=0)
+        assert self._state.total_usage is not None
+        return self._state.total_usage
 
     def cancel(self) -> None:
         """Stop the stream and abort the request on the server (both legs). Thread-safe."""
@@ -85,9 +112,10 @@ class GenerateStream:
             try:
                 for resp in self._call:
                     chunk = state.on_response(resp)
-                    if chunk is None:
+                    if chunk is not None:
+                        yield chunk
+                    if state.done:  # every Final arrived (n > 1: one per choice)
                         return
-                    yield chunk
                 state.on_stream_end()
                 return
             except grpc.RpcError as exc:
@@ -124,14 +152,14 @@ class Client(ClientCore):
                  request_id: str | None = None, model: str = "",
                  messages: Sequence[dict] | None = None, tools: Sequence[Tool | dict] | None = None,
                  tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                 response_format: ResponseFormat | None = None) -> GenerateStream:
+                 response_format: ResponseFormat | None = None, n: int = 1) -> GenerateStream:
         return GenerateStream(self._stub, self._metadata, self._stream_state(
             timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
             session_id=session_id, parent_session_id=parent_session_id, request_id=request_id,
             messages=messages, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, response_format=response_format))
+            parallel_tool_calls=parallel_tool_calls, response_format=response_format, n=n))
 
     def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         """Abort a running request by id; False if the server does not know it (any more)."""

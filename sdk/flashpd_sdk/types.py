@@ -16,8 +16,9 @@ class TokenLogprobs:
 class TokenChunk:
     token_ids: tuple[int, ...]
     text: str  # text released with these tokens (may lag by a token)
-    index: int  # offset of token_ids[0] in the completion
+    index: int  # offset of token_ids[0] in its choice's completion
     logprobs: tuple[TokenLogprobs, ...] = ()
+    choice_index: int = 0  # n > 1: the choice (0..n-1) these tokens belong to
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class GenerateResult:
     request_id: str
     output_ids: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "tool_calls"
     usage: Usage
     timeline: dict[str, float] = field(default_factory=dict)  # *_ms, see the proto's Timeline
     prefill_worker: str = ""
@@ -83,6 +84,7 @@ class GenerateResult:
     resumes: int = 0  # times the stream was resumed from a token offset
     tool_calls: tuple[ToolCall, ...] = ()  # finish_reason "tool_calls": the parsed calls
     content: str | None = None  # with tool calls: the text before them (else None: see text)
+    choice_index: int = 0  # n > 1: which choice this is
 
     def json(self):
         """The text as JSON (a response_format request's output)."""

@@ -2,8 +2,9 @@
 `response_format` and `n`, validated into one `AgentOptions` (each refusal names the field).
 
     tool_choice        what the model may do                  how it is enforced
-    none               answer in text (tools still described)  nothing to parse
-    auto (default)     text, or calls in DSML markup           parsed after the fact
+    none               answer in text: the tools are not       nothing to parse (markup the
+                       described in the prompt                 model writes stays content)
+    auto (default)     text, or calls in DSML markup           no grammar; parsed after the fact
     required           one or more calls of any tool           grammar: a DSML calls block
     {"type": "function", "function": {"name": X}}  calls of X  grammar: a block of X calls
     parallel_tool_calls false: at most one call (enforced under required/named; under auto only
@@ -14,7 +15,7 @@
 
 Both are enforced with the grammar mask where tokens are sampled (`engine/grammar.py`), so even
 a model that would never call a tool on its own does when required to; they cannot be combined
-(a forced call is not a JSON reply). `n` choices: 1..MAX_N, non-streaming only.
+(a forced call is not a JSON reply). `n` choices: 1..MAX_N, streaming or not (`choices.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ from flashpd.services.api import InvalidArgument
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
 
+# JSON Schema keywords the grammar engine (xgrammar 0.2.8) compiles but does not enforce, or
+# enforces wrongly (measured: a grammar from each accepts an instance that violates it, or
+# refuses one that satisfies it). A schema that the grammar enforces must not hold them: the
+# output would not validate (refused, naming the field and the keyword's path). `format` is an
+# annotation in Draft 2020-12 (validators ignore unknown formats), so it is left alone; `oneOf`
+# is enforced as `anyOf` (alternatives that overlap are not excluded).
+UNENFORCED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "patternProperties", "propertyNames",
+    "minProperties", "maxProperties", "unevaluatedItems"})
+# where subschemas live: keyword -> how its value holds them
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties")
 MAX_TOOLS = 128
 MAX_N = 16
 MAX_DESCRIPTION_CHARS = 8192
@@ -51,11 +66,15 @@ class AgentOptions:
     def parses_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def prompt_tools(self) -> tuple[dsml.Tool, ...]:
+        """The tools the prompt describes: none under tool_choice none (the model is offered
+        no call; V4.1's template has no "described but not callable" mode)."""
+        return self.tools if self.tool_choice != "none" else ()
+
 
 def agent_options(body: Mapping, *, chat: bool) -> AgentOptions:
     n = v.as_int(body["n"], "n", 1, MAX_N) if body.get("n") is not None else 1
-    if n > 1 and body.get("stream") is True:
-        raise InvalidArgument("n > 1 is only supported without streaming", field="n")
     if not chat:
         return AgentOptions(n=n)
     tools = _tools(body.get("tools"))
@@ -78,6 +97,8 @@ def _guided(tools: tuple[dsml.Tool, ...], choice: str, named: str | None, parall
             raise InvalidArgument(f"cannot be {kind} while tool_choice forces a tool call",
                                   field="response_format")
         called = [t for t in tools if named is None or t.name == named]
+        for t in called:  # the grammar enforces these tools' argument schemas
+            check_enforceable(t.parameters, f"tools[{tools.index(t)}].function.parameters")
         guided = GuidedDecoding("structural_tag", dsml.structural_tag(called, parallel=parallel),
                                 field="tools")
     elif kind == "json_object":
@@ -169,6 +190,7 @@ def _response_format(value: Any) -> tuple[str, dict | None, bool]:
                               field="response_format.json_schema.name")
     schema = spec.get("schema", {"type": "object"})
     _check_schema(schema, "response_format.json_schema.schema")
+    check_enforceable(schema, "response_format.json_schema.schema")
     strict = spec.get("strict")
     strict = False if strict is None else v.as_bool(strict, "response_format.json_schema.strict")
     return kind, schema, strict
@@ -188,3 +210,34 @@ def _check_schema(schema: Any, field: str) -> None:
         where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
         raise InvalidArgument(f"is not a valid JSON schema at {where}: "
                               f"{exc.message[:200]}", field=field) from None
+
+
+def check_enforceable(schema: dict | None, field: str) -> None:
+    """Refuse a (valid) schema that uses a keyword the grammar cannot enforce
+    (`UNENFORCED_KEYWORDS`), naming the field and where the keyword is."""
+    stack: list[tuple[object, str]] = [(schema, "")]
+    while stack:  # iterative: a deep schema cannot exhaust the recursion limit
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        bad = sorted(UNENFORCED_KEYWORDS.intersection(node))
+        if bad:
+            where = path.lstrip("/") or "the top level"
+            raise InvalidArgument(f"uses {bad[0]!r} at {where}, which the grammar engine "
+                                  "cannot enforce (unsupported keywords: "
+                                  f"{sorted(UNENFORCED_KEYWORDS)})", field=field)
+        stack.extend(_subschemas(node, path))
+
+
+def _subschemas(node: dict, path: str) -> list[tuple[object, str]]:
+    out: list[tuple[object, str]] = []
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out += [(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key])]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(node.get(key), dict):
+            out.append((node[key], f"{path}/{key}"))
+    return out

@@ -28,7 +28,7 @@ from flashpd.services.api import (
 )
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
-from flashpd.services.router.agent_fields import AgentOptions, agent_options
+from flashpd.services.router.agent_fields import MAX_N, AgentOptions, agent_options
 from flashpd.services.router.text import Tokenizer
 from flashpd_sdk._gen import flashpd_pb2 as pb
 
@@ -98,10 +98,14 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
     if not messages:
         raise InvalidArgument("must contain at least one message", field="messages")
     system, turns = [], []
-    calls_order: dict[str, int] = {}  # tool_call_id -> position in the last assistant's calls
+    # tool_call_id -> position in the calls of the assistant message the tool messages answer
+    # (None: no such message right before them)
+    calls_order: dict[str, int] | None = None
     results: list[tuple[int, str]] = []  # the pending tool-results turn
     for i, message in enumerate(messages):
         role, content = _message_parts(message, i)
+        if role != "tool":
+            calls_order = None
         if role != "tool" and results:
             turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)])
                          + ("\n\n" + content if role == "user" else ""))
@@ -113,11 +117,11 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
         elif role == "user":
             turns.append(USER + content)
         elif role == "tool":
-            call_id = message["tool_call_id"]
-            results.append((calls_order.get(call_id, len(calls_order) + len(results)), content))
+            results.append((_answered_call(message["tool_call_id"], calls_order, results, i),
+                            content))
         else:
             calls = _assistant_calls(message, i)
-            calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls)}
+            calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls) if call_id}
             block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) \
                 if calls else ""
             turns.append(ASSISTANT + content + block + EOS)
@@ -130,6 +134,23 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
         system_text += ("\n\n" if system_text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
             schema=json.dumps(response_format, ensure_ascii=False))
     return BOS + system_text + "".join(turns) + ASSISTANT
+
+
+def _answered_call(call_id: str, calls_order: dict[str, int] | None,
+                   results: list[tuple[int, str]], i: int) -> int:
+    """The position of the call a tool message answers, among the tool calls of the assistant
+    message right before the tool messages (OpenAI's rule: a result answers a call made)."""
+    field = f"messages[{i}].tool_call_id"
+    if calls_order is None:
+        raise InvalidArgument("a tool message must follow an assistant message with tool_calls",
+                              field=field)
+    if call_id not in calls_order:
+        raise InvalidArgument(f"{v.show(call_id)} is not the id of a tool call of the assistant "
+                              f"message before it ({len(calls_order)} calls)", field=field)
+    position = calls_order[call_id]
+    if any(p == position for p, _ in results):
+        raise InvalidArgument(f"the call {v.show(call_id)} is already answered", field=field)
+    return position
 
 
 def _message_parts(message: object, i: int) -> tuple[str, str]:
@@ -239,6 +260,7 @@ class EdgeRequest:
     resumable: bool  # the client chose the request id, so it can come back for the stream
     fingerprint: str  # identifies the request's content, resume_from_token excluded
     agent: AgentOptions | None = None  # a chat input: tools, tool_choice, response_format
+    n: int = 1  # choices (`choices.py`)
 
 
 def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: Tokenizer, *,
@@ -248,6 +270,7 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("one of prompt, prompt_ids or chat is required", field="prompt")
+    n = choices_from_proto(msg)
     agent = None
     if kind != "chat" and (msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls")
                            or msg.HasField("response_format")):
@@ -260,7 +283,7 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
             raise InvalidArgument("must hold at least one message", field="chat.messages")
         v.check_text_budget(sum(len(m.content) for m in msg.chat.messages),
                             model.context_tokens, "chat.messages")
-        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.tools,
+        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.prompt_tools,
                                                         agent.response_schema))
     elif kind == "prompt":
         v.as_text(msg.prompt, "prompt", empty_ok=False)
@@ -291,7 +314,20 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
         deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now,
         **_continuation(msg, len(prompt_ids), bool(continued)))
     return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg),
-                       agent)
+                       agent, n)
+
+
+def choices_from_proto(msg: pb.GenerateRequest) -> int:
+    """`n` (unset: 1); an n > 1 stream is not resumable by the client (the server still
+    continues each choice itself when a worker fails)."""
+    n = v.as_int(msg.n, "n", 1, MAX_N) if msg.HasField("n") else 1
+    if n > 1 and msg.resume_from_token:
+        raise InvalidArgument("a stream of n > 1 choices cannot be resumed",
+                              field="resume_from_token")
+    if n > 1 and msg.continue_ids.ids:
+        raise InvalidArgument("a stream of n > 1 choices cannot be continued",
+                              field="continue_ids")
+    return n
 
 
 def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:

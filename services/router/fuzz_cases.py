@@ -298,6 +298,10 @@ def _http_headers() -> Iterator[HostileRequest]:
                 headers=((b"content-type", b"text/plain; charset=\xe9"),), expect="any")
 
 
+_CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
 def _http_messages() -> Iterator[HostileRequest]:
     bad = [
         ("no messages", {"max_tokens": 2}, "messages"),
@@ -331,6 +335,20 @@ def _http_messages() -> Iterator[HostileRequest]:
             {"role": "user", "content": "y"}]}, "messages[0].tool_calls[0].function.arguments"),
         ("name int", {"messages": [{"role": "user", "content": "x", "name": 5}]},
          "messages[0].name"),
+        ("tool_call_id refers to no call", {"messages": [
+            {"role": "user", "content": "x"}, _CALLED, {"role": "tool", "tool_call_id": "zz",
+                                                       "content": "r"}]},
+         "messages[2].tool_call_id"),
+        ("tool message without a call before it", {"messages": [
+            {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1",
+                                               "content": "r"}]}, "messages[1].tool_call_id"),
+        ("tool result answered twice", {"messages": [
+            {"role": "user", "content": "x"}, _CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"}]}, "messages[3].tool_call_id"),
+        ("1 MB tool result", {"messages": [
+            {"role": "user", "content": "x"}, _CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "r" * (1 << 20)}]}, "messages"),
     ]
     for name, body, field in bad:
         yield _http("messages", name, {"max_tokens": 2, **body}, field=field)
@@ -351,7 +369,29 @@ UNSUPPORTED = [  # unsupported values, and the agent fields' bad shapes (agent_f
     ("response_format string", {"response_format": "json"}, "response_format"),
     ("n=0", {"n": 0}, "n"),
     ("n=17", {"n": 17}, "n"),
-    ("n with stream", {"n": 2, "stream": True}, "n"),
+    ("n huge", {"n": 10**9}, "n"),
+    ("n beyond int64", {"n": 2**64}, "n"),
+    ("n negative", {"n": -3}, "n"),
+    ("n float", {"n": 2.0}, "n"),
+    ("tool parameters with an invalid type", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
+     "tools[0].function.parameters"),
+    ("tool parameters with a negative minLength", {"tools": [_F, {"type": "function",
+     "function": {"name": "g", "parameters": {"type": "string", "minLength": -1}}}]},
+     "tools[1].function.parameters"),
+    ("forced tool with an unenforceable keyword", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {
+            "type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ("json_schema with not", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}}},
+     "response_format.json_schema.schema"),
+    ("json_schema with if/then", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$defs": {"d": {"if": {}, "then": {}}}, "$ref": "#/$defs/d"}}}},
+     "response_format.json_schema.schema"),
+    ("json_schema with patternProperties", {"response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "patternProperties": {
+         "^a": {"type": "integer"}}}}}}, "response_format.json_schema.schema"),
     ("tools not a list", {"tools": {"type": "function"}}, "tools"),
     ("tool schema not an object", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
@@ -382,6 +422,15 @@ def _http_unsupported() -> Iterator[HostileRequest]:
                         ("response_format json_object", {"response_format": {
                             "type": "json_object"}}),
                         ("tools auto", {"tools": [_F]}), ("n=2", {"n": 2}),
+                        ("n=2 streamed with tools", {"n": 2, "stream": True, "tools": [_F]}),
+                        ("n=16", {"n": 16}),
+                        ("tool result answers its call", {"tools": [_F], "messages": [
+                            {"role": "user", "content": "x"}, _CALLED,
+                            {"role": "tool", "tool_call_id": "c1", "content": "r"}]}),
+                        ("json_schema with oneOf and format", {"response_format": {
+                            "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                "oneOf": [{"type": "string", "format": "email"},
+                                          {"type": "integer"}]}}}}),
                         ("modalities text", {"modalities": ["text"]}), ("user", {"user": "u"})):
         yield _http("unsupported", name, {**CHAT_BASE, **extra}, expect="any")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -22,10 +23,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from flashpd.services.api import Internal, InvalidArgument, ServiceError
+from flashpd.services.api import FinalEvent, Internal, InvalidArgument, ServiceError
+from flashpd.services.router import choices
 from flashpd.services.router import validation as v
 from flashpd.services.router.auth import OPEN_GRPC_PREFIXES, ApiKeys, TlsFiles
 from flashpd.services.router.convert import (
+    EdgeRequest,
     ModelTable,
     calls_to_proto,
     event_to_proto,
@@ -80,20 +83,12 @@ class GenerationServicer:
                 edge = request_from_proto(request, self.models, self.tokenizer,
                                           timeout_s=context.time_remaining())
                 rid = edge.request.request_id
-                run = self.orchestrator.open(
-                    edge.request, resumable=edge.resumable, fingerprint=edge.fingerprint,
-                    resume_from_token=edge.resume_from_token)
+                messages = self._open(edge)
             except ServiceError as exc:
                 self._refused(exc)
                 raise
-            events = self.orchestrator.stream(run, edge.resume_from_token)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    msg = event_to_proto(event)
-                    if msg.HasField("final") and edge.agent is not None \
-                            and edge.agent.parses_calls:  # the whole text, resumed or not
-                        calls_to_proto(msg.final, "".join(e.text for e in run.events)
-                                       + event.text, edge.agent)
+            async with contextlib.aclosing(messages):
+                async for msg in messages:
                     yield msg
         except ServiceError as exc:
             error = exc
@@ -103,6 +98,51 @@ class GenerationServicer:
             error = Internal("unexpected")
         if error is not None:
             await _abort(context, error, rid)
+
+    def _open(self, edge: EdgeRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Start the request (refusals raise here) and return its response messages."""
+        if edge.n > 1:
+            return self._choice_messages(edge, choices.fan_out(
+                self.orchestrator, edge.request, edge.n))
+        run = self.orchestrator.open(
+            edge.request, resumable=edge.resumable, fingerprint=edge.fingerprint,
+            resume_from_token=edge.resume_from_token)
+        return self._messages(edge, run)
+
+    async def _messages(self, edge: EdgeRequest, run) -> AsyncIterator[pb.GenerateResponse]:
+        events = self.orchestrator.stream(run, edge.resume_from_token)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                msg = event_to_proto(event)
+                if msg.HasField("final") and edge.agent is not None \
+                        and edge.agent.parses_calls:  # the whole text, resumed or not
+                    calls_to_proto(msg.final, "".join(e.text for e in run.events)
+                                   + event.text, edge.agent)
+                yield msg
+
+    async def _choice_messages(self, edge: EdgeRequest, events: choices.Choices
+                               ) -> AsyncIterator[pb.GenerateResponse]:
+        """n > 1: the choices' chunks tagged with their index, one Final per choice; the last
+        Final carries the request's usage (OpenAI's rule, `choices.total_usage`)."""
+        texts: list[list[str]] = [[] for _ in range(edge.n)]
+        finals: dict[int, FinalEvent] = {}
+        async with contextlib.aclosing(events):
+            async for item in events:
+                msg = event_to_proto(item.event)
+                if msg.HasField("chunk"):
+                    msg.chunk.choice_index = item.index
+                    texts[item.index].append(item.event.text)
+                    yield msg
+                    continue
+                msg.final.choice_index = item.index
+                if edge.agent is not None and edge.agent.parses_calls:
+                    calls_to_proto(msg.final, "".join(texts[item.index]) + item.event.text,
+                                   edge.agent)
+                finals[item.index] = item.event
+                if len(finals) == edge.n:
+                    total = choices.total_usage([finals[i] for i in range(edge.n)])
+                    msg.final.total_usage.CopyFrom(pb.Usage(**vars(total)))
+                yield msg
 
     async def Abort(self, raw, context: grpc.aio.ServicerContext):  # noqa: N802
         try:

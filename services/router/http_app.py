@@ -39,6 +39,7 @@ from flashpd.services.api import (
     ServiceError,
     TokenEvent,
 )
+from flashpd.services.router import choices
 from flashpd.services.router import validation as v
 from flashpd.services.router.auth import ApiKeys
 from flashpd.services.router.convert import ModelTable, ServedModel, new_request_id
@@ -172,10 +173,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
                  request: Request, refused) -> Response:
     if oreq.agent.n > 1:
-        results = await _until_done_or_disconnect(_choices(orchestrator, oreq, refused),
-                                                   request)
-        shapers = [ResponseShaper(oreq, tokenizer, i) for i in range(len(results))]
-        return JSONResponse(merge_choices(shapers, results))
+        return await _serve_choices(orchestrator, oreq, tokenizer, request, refused)
     try:
         run = orchestrator.open(oreq.request)
     except ServiceError as exc:
@@ -220,49 +218,59 @@ def _data(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _choices(orchestrator: Orchestrator, oreq: OpenAIRequest, refused):
-    """n choices sharing the prompt's KV: choice 0 runs first; once its first token is out,
-    its decode worker holds the prompt's chunks in its prefix cache, and choices 1..n-1 are
-    placed on the same prefill/decode pair (`InternalRequest.pin`), so each reuses every full
-    chunk and only its last partial chunk and the bounded replay are recomputed. Any failure
-    ends every choice."""
-    base = oreq.request
+async def _serve_choices(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
+                         request: Request, refused) -> Response:
+    """n > 1 (`choices.py`): one response of n choices, or one SSE stream whose chunks carry
+    their choice's index, ending with one usage chunk (when asked for) counted as OpenAI does."""
+    n = oreq.agent.n
     try:
-        first_run = orchestrator.open(base)
+        events = choices.fan_out(orchestrator, oreq.request, n)
     except ServiceError as exc:
         refused(exc)
         raise
-    events0 = orchestrator.stream(first_run)
-    tasks: list[asyncio.Task] = []
+    if not oreq.stream:
+        results = await _until_done_or_disconnect(choices.collect(events, n), request)
+        shapers = [ResponseShaper(oreq, tokenizer, i) for i in range(n)]
+        return JSONResponse(merge_choices(shapers, results))
     try:
-        head = await anext(events0)
-        for i in range(1, oreq.agent.n):
-            run = orchestrator.open(_sibling(base, i, first_run.placed))
-            tasks.append(asyncio.ensure_future(_collect(orchestrator.stream(run))))
-        results = [await _collect(_chain(head, events0))]
-        for task in tasks:
-            results.append(await task)
-        return results
-    finally:
-        await events0.aclose()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    per_choice = dataclasses.replace(oreq, include_usage=False)  # one usage chunk, at the end
+    shapers = [ResponseShaper(per_choice, tokenizer, i) for i in range(n)]
+    return StreamingResponse(_sse_choices(first, events, shapers, oreq),
+                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
-def _sibling(base, i: int, placed) -> object:
-    seed = base.sampling.seed
-    sampling = base.sampling if seed is None else dataclasses.replace(
-        base.sampling, seed=(seed + i) % (v.MAX_SEED + 1))
-    return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling,
-                               pin=tuple(placed or ()))
-
-
-async def _chain(head: TokenEvent | FinalEvent, rest: Events) -> Events:
-    yield head
-    if not isinstance(head, FinalEvent):
-        async for event in rest:
-            yield event
+async def _sse_choices(first: choices.ChoiceEvent, events, shapers: list[ResponseShaper],
+                       oreq: OpenAIRequest) -> AsyncIterator[str]:
+    request_id = oreq.request.request_id
+    started: set[int] = set()
+    finals: dict[int, FinalEvent] = {}
+    async with contextlib.aclosing(events):
+        item = first
+        try:
+            while True:
+                for payload in shapers[item.index].chunks(item.event,
+                                                          first=item.index not in started):
+                    yield _data(payload)
+                started.add(item.index)
+                if isinstance(item.event, FinalEvent):
+                    finals[item.index] = item.event
+                    if len(finals) == len(shapers):
+                        break
+                item = await anext(events)
+        except ServiceError as exc:
+            yield _data(error_body(exc, request_id))
+        except Exception as exc:
+            log.error("request %s failed while streaming", request_id, exc_info=exc)
+            yield _data(error_body(Internal("unexpected"), request_id))
+        else:
+            if oreq.include_usage:
+                total = choices.total_usage([finals[i] for i in range(len(shapers))])
+                yield _data(shapers[0].usage_chunk(total))
+    yield "data: [DONE]\n\n"
 
 
 async def _collect(events: Events) -> tuple[list[TokenEvent], FinalEvent]:

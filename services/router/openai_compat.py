@@ -28,6 +28,7 @@ from flashpd.services.api import (
     InvalidArgument,
     ServiceError,
     TokenEvent,
+    Usage,
 )
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
@@ -138,9 +139,9 @@ def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
         raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got "
                               f"{len(messages)}", field="messages")
     v.check_text_budget(_content_chars(messages), model.context_tokens, "messages")
-    if agent.tools or agent.response_schema is not None or _has_agent_turns(messages):
+    if agent.prompt_tools or agent.response_schema is not None or _has_agent_turns(messages):
         prompt_ids = check_prompt_ids(tokenizer.encode(deepseek_chat_prompt(
-            messages, agent.tools, agent.response_schema)), model, "messages")
+            messages, agent.prompt_tools, agent.response_schema)), model, "messages")
     else:
         prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -285,6 +286,11 @@ class ResponseShaper:
             out.append({**self._envelope(chunk=True), "choices": [], "usage": usage(event)})
         return out
 
+    def usage_chunk(self, total: Usage) -> dict:
+        """The stream's last chunk when `stream_options.include_usage` is set (n > 1: the
+        choices' usage, summed as OpenAI counts it)."""
+        return {**self._envelope(chunk=True), "choices": [], "usage": usage_dict(total)}
+
     def response(self, tokens: Sequence[TokenEvent], final: FinalEvent) -> dict:
         return {**self._envelope(chunk=False), "choices": [self.choice(tokens, final)],
                 "usage": usage(final), "flashpd": flashpd_extension(final)}
@@ -397,7 +403,10 @@ def _token_entry(piece: str, logprob: float) -> dict:
 
 
 def usage(final: FinalEvent) -> dict:
-    u = final.usage
+    return usage_dict(final.usage)
+
+
+def usage_dict(u: Usage) -> dict:
     out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
            "total_tokens": u.prompt_tokens + u.completion_tokens,
            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

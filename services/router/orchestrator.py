@@ -41,7 +41,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from flashpd.engine.detokenizer import TextStream
@@ -91,6 +91,10 @@ class OrchestratorConfig:
     wait_for_workers_s: float = 60.0  # a run whose workers all failed waits this long for more
     wait_poll_s: float = 0.25  # ... checking this often
     reprobe_excluded_s: float = 6.0  # while waiting, retry failed workers this often
+    # placements after a KV lease expired before the first token (a queued prefill, not a
+    # failed worker): placed again with no worker excluded or suspected, before the failures
+    # of `max_attempts` count
+    max_lease_retries: int = 4
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -102,6 +106,9 @@ class _RetryElsewhere(Exception):
         super().__init__(f"{worker.key}: {error}")
         self.worker, self.error = worker, error
         self.died = died  # the worker is gone (Serve replaces it), not merely refusing
+        # the attempt's KV lease had passed when a live worker refused it, before its first
+        # token: the request waited too long (a queued prefill), the worker did nothing wrong
+        self.lease_expired = False
 
 
 def _ray_root(exc: BaseException) -> BaseException:
@@ -160,12 +167,14 @@ class _Attempt:
 class Orchestrator:
     def __init__(self, placements: Mapping[str, Placement], directory: WorkerDirectory,
                  tokenizer: Tokenizer, *, metrics: RouterMetrics,
-                 config: OrchestratorConfig = OrchestratorConfig()) -> None:
-        """`placements`: one per served model name (each has its own index keys)."""
+                 config: OrchestratorConfig = OrchestratorConfig(),
+                 clock: Callable[[], float] = time.time) -> None:
+        """`placements`: one per served model name (each has its own index keys); `clock`:
+        unix seconds, the time KV leases (`Ticket.lease_deadline_unix_s`) are read against."""
         if not placements:
             raise ValueError("at least one placement (served model) is required")
         self.placements, self.directory, self.tokenizer = dict(placements), directory, tokenizer
-        self.metrics, self.config = metrics, config
+        self.metrics, self.config, self._clock = metrics, config, clock
         self.journal = RunJournal(ttl_s=config.journal_ttl_s)
         self._timers: set[asyncio.Task] = set()
 
@@ -193,6 +202,17 @@ class Orchestrator:
 
     def _start(self, run: Run) -> None:
         run.task = asyncio.create_task(self._produce(run), name=f"run-{run.request_id}")
+        run.task.add_done_callback(lambda task: self._ended(run, task))
+
+    def _ended(self, run: Run, task: asyncio.Task) -> None:
+        """A producer cancelled before it ever ran (aborted right after `open`) skipped its own
+        cleanup: fail the run and retire it here (no worker was called)."""
+        if task.cancelled() and not run.done:
+            self._background(self._retire_unstarted(run))
+
+    async def _retire_unstarted(self, run: Run) -> None:
+        await run.fail(run.cancel_reason or Cancelled("request cancelled"))
+        self.journal.finished(run)
 
     def _revive(self, run: Run) -> None:
         """Continue a run that broke UNAVAILABLE after tokens: a client came back for it."""
@@ -310,7 +330,7 @@ class Orchestrator:
         excluded: set[WorkerRef] = set()
         last_error: ServiceError | None = None
         died = False  # the last failure was a worker's death: a replacement is coming
-        failures = 0
+        failures = lease_retries = 0
         waited_s = cleared_at_s = 0.0
         while failures < self.config.max_attempts:
             if run.num_tokens >= run.request.sampling.max_tokens:  # broke right before Final
@@ -338,6 +358,12 @@ class Orchestrator:
                 await self._attempt(run, assignment, attempt_req, progress)
                 return
             except _RetryElsewhere as retry:
+                if retry.lease_expired and lease_retries < self.config.max_lease_retries:
+                    lease_retries += 1  # nobody failed: same workers allowed, none suspected
+                    log.warning("request %s: its KV lease expired before prefill (%s); "
+                                "placing it again (%d)", run.request_id, retry, lease_retries)
+                    self.metrics.on_retry(retry.error.code)
+                    continue
                 log.warning("request %s (%d tokens out): %s; placing it again",
                             run.request_id, run.num_tokens, retry)
                 excluded.add(retry.worker)
@@ -393,6 +419,10 @@ class Orchestrator:
             await self._decode(run, attempt, progress)
         except BaseException as exc:
             failed = exc.worker if isinstance(exc, _RetryElsewhere) else None
+            if isinstance(exc, _RetryElsewhere):
+                exc.lease_expired = self._lease_expired(run, attempt, exc)
+                if exc.lease_expired:
+                    failed = None  # alive: its leg is aborted in line like the other
             await asyncio.shield(self._abort_legs(attempt, failed))
             raise
         finally:
@@ -400,6 +430,16 @@ class Orchestrator:
                 placement.release(moved)
             if attempt.moved:
                 placement.release(attempt.assignment)
+
+    def _lease_expired(self, run: Run, attempt: _Attempt, retry: _RetryElsewhere) -> bool:
+        """A live worker's UNAVAILABLE, before the attempt's first token, once its ticket's
+        lease had passed: the prefill refused a ticket it could no longer honour, or the KV
+        did not reach the decode worker in time. The request queued too long; no worker
+        failed (a slow machine, a long prefill queue: n > 1 choices all queue behind one)."""
+        ticket = attempt.ticket
+        return (ticket is not None and not retry.died and isinstance(retry.error, Unavailable)
+                and run.num_tokens == attempt.base_tokens
+                and self._clock() >= ticket.lease_deadline_unix_s)
 
     def _endpoint(self, worker: WorkerRef):
         try:

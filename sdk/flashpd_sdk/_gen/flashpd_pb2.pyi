@@ -81,7 +81,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., schema_json: _Optional[str] = ..., name: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_ids", "chat", "tools", "tool_choice", "parallel_tool_calls", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token", "continue_ids", "continue_prefill_credit_tokens", "speculative")
+    __slots__ = ("model", "prompt", "prompt_ids", "chat", "tools", "tool_choice", "parallel_tool_calls", "response_format", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "session_id", "parent_session_id", "request_id", "resume_from_token", "continue_ids", "continue_prefill_credit_tokens", "speculative", "n")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_PREFILL_CREDIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_ids: TokenIds
@@ -132,7 +133,8 @@ class GenerateRequest(_message.Message):
     continue_ids: TokenIds
     continue_prefill_credit_tokens: int
     speculative: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ..., continue_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., continue_prefill_credit_tokens: _Optional[int] = ..., speculative: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., session_id: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., resume_from_token: _Optional[int] = ..., continue_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., continue_prefill_credit_tokens: _Optional[int] = ..., speculative: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -145,18 +147,20 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "index", "logprobs", "prefill_credit_tokens")
+    __slots__ = ("token_ids", "text", "index", "logprobs", "prefill_credit_tokens", "choice_index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CREDIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prefill_credit_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefill_credit_tokens: _Optional[int] = ...) -> None: ...
+    choice_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prefill_credit_tokens: _Optional[int] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_prefill", "cached_tokens_decode", "draft_tokens", "accepted_draft_tokens", "draft_steps", "forced_acceptance_length")
@@ -203,7 +207,7 @@ class Timeline(_message.Message):
     def __init__(self, route_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., replay_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., reserve_ms: _Optional[float] = ..., migrate_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timeline", "prefill_worker", "decode_worker", "request_id", "text", "tool_calls", "content")
+    __slots__ = ("finish_reason", "usage", "timeline", "prefill_worker", "decode_worker", "request_id", "text", "tool_calls", "content", "choice_index", "total_usage")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +217,8 @@ class Final(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_USAGE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timeline: Timeline
@@ -222,7 +228,9 @@ class Final(_message.Message):
     text: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timeline: _Optional[_Union[Timeline, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    choice_index: int
+    total_usage: Usage
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timeline: _Optional[_Union[Timeline, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., choice_index: _Optional[int] = ..., total_usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

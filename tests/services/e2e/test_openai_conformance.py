@@ -28,14 +28,14 @@ ROLES = [{"role": "system", "content": "You are terse."},
 
 @pytest.fixture(scope="module")
 def server(ray_serve, ckpt_dir, redis_server):
-    deploy(APP, ckpt_dir, redis_server.url)
+    args = deploy(APP, ckpt_dir, redis_server.url)
     base = f"http://127.0.0.1:{ray_serve}/{APP}"
     deadline = time.monotonic() + 120
     while httpx.get(f"{base}/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the app never became healthy"
         time.sleep(0.5)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield {"client": client, "base": base}
+    yield {"client": client, "base": base, "grpc": f"127.0.0.1:{args['grpc_port']}"}
     client.close()
     from ray import serve
 
@@ -334,6 +334,18 @@ def test_tool_choice_auto_with_a_random_model_answers_in_text(agent):
     assert isinstance(choice.message.content, str)
 
 
+def test_tool_choice_none_offers_no_tool(agent):
+    """none: the tools are left out of the prompt (fewer prompt tokens than auto's), the
+    answer is text."""
+    auto = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                          tool_choice="auto", max_tokens=4, **GREEDY)
+    none = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                          tool_choice="none", max_tokens=4, **GREEDY)
+    choice = none.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert none.usage.prompt_tokens < auto.usage.prompt_tokens
+
+
 def test_json_mode(client):
     out = client.chat.completions.create(model=MODEL, messages=ASK,
                                          response_format={"type": "json_object"}, **SAMPLED)
@@ -373,6 +385,36 @@ def test_n_choices_share_one_prompt(client):
     assert len({c.message.content for c in out.choices}) > 1  # different seeds per choice
 
 
+def test_n_choices_stream_with_their_index_and_one_usage_chunk(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ROLES, n=2, max_tokens=4, temperature=1.0, seed=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1] and reasons == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_grpc_sdk_n_choices(server):
+    """The same stack over gRPC with the SDK: n choices, per-choice results and usage."""
+    from flashpd_sdk import Client
+
+    with Client(server["grpc"], default_timeout_s=300) as sdk:
+        stream = sdk.generate(messages=ROLES, n=3, max_tokens=4, temperature=1.0, seed=11,
+                              ignore_eos=True)
+        chunks = list(stream)
+        results, usage = stream.choices, stream.usage
+    assert {c.choice_index for c in chunks} == {0, 1, 2}
+    assert [r.choice_index for r in results] == [0, 1, 2]
+    assert all(len(r.output_ids) == 4 and r.finish_reason == "length" for r in results)
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == results[0].usage.prompt_tokens
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
@@ -382,9 +424,27 @@ def test_n_choices_share_one_prompt(client):
     ({"response_format": {"type": "json_schema", "json_schema": {  # valid JSON Schema that the
         "name": "x", "schema": {"$ref": "#/$defs/missing"}}}},       # grammar cannot compile
      "response_format.json_schema.schema"),
-    ({"n": 0}, "n"), ({"n": 2, "stream": True}, "n"),
+    ({"n": 0}, "n"), ({"n": 10**6}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {  # refused by the decode
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}},  # worker's compiler
+     "response_format.json_schema.schema"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "x"}], "tools": [WEATHER]},
+     "messages[3].tool_call_id"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [  # a 1 MB
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",  # tool result
+                                                          "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "r" * (1 << 20)}]}, "messages"),
 ])
 def test_bad_agent_requests_are_400_naming_the_param(client, kwargs, param):
+    kwargs = {"messages": ASK, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+        client.chat.completions.create(model=MODEL, max_tokens=4, **kwargs)
     assert info.value.body["param"] == param

@@ -208,7 +208,8 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], *,
-                       routing: str = "affinity", config: OrchestratorConfig | None = None):
+                       routing: str = "affinity", config: OrchestratorConfig | None = None,
+                       clock=time.time):
     redis = router_redis(redis_url)
     publisher = IndexPublisher(redis, MODEL)
     for worker in [*prefill, *decode]:
@@ -220,7 +221,8 @@ async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[
     directory = FakeDirectory({p.worker_id: p for p in prefill},
                               {d.worker_id: d for d in decode})
     orchestrator = Orchestrator({MODEL: placement}, directory, tokenizer, metrics=metrics,
-                                config=config or OrchestratorConfig(resume_grace_s=0.2))
+                                config=config or OrchestratorConfig(resume_grace_s=0.2),
+                                clock=clock)
     try:
         yield Stack(orchestrator, publisher, index, redis, metrics, ModelTable([SERVED]),
                     tokenizer, directory)

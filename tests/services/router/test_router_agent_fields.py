@@ -54,7 +54,8 @@ def _chat(**body):
      "response_format.json_schema.strict"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
-    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2.5}, "n"), ({"n": 2, "stream": True}, "n"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2.5}, "n"), ({"n": -1}, "n"),
+    ({"n": 10**30}, "n"), ({"n": "2"}, "n"), ({"n": True}, "n"),
 ])
 def test_bad_agent_fields_name_the_field(body, field):
     with pytest.raises(InvalidArgument) as err:

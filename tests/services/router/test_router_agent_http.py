@@ -146,3 +146,113 @@ def test_n_choices_follow_the_first_choice_workers_and_sum_usage():
     assert first.pin == () and all(
         [w.worker_id for w in r.pin] == ["p0", served[0].worker_id] for r in siblings)
     assert sorted(r.sampling.seed for r in served[0].seen) == [5, 6, 7]
+
+
+def _sse_payloads(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_n_choices_stream_with_tools_index_calls_and_one_usage_chunk():
+    """n = 2 + stream + tools: every chunk carries its choice's index, each choice streams its
+    own delta.tool_calls (indexes from 0) and finish_reason tool_calls, and the one usage chunk
+    (include_usage) counts the prompt once and the completions summed."""
+    d = FakeDecode("d0", output=OUTPUT)
+
+    async def main():
+        r = await _post(d, {**CHAT, "n": 2, "stream": True,
+                            "stream_options": {"include_usage": True}})
+        assert r.status_code == 200, r.text
+        return _sse_payloads(r.text)
+
+    payloads = asyncio.run(asyncio.wait_for(main(), 180))
+    *chunks, last = payloads
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * len(OUTPUT)
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 2 * len(OUTPUT)
+    assert all("usage" not in c for c in chunks)
+    for i in (0, 1):
+        own = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert own[0]["delta"].get("role") == "assistant"
+        calls = [tc for c in own for tc in c["delta"].get("tool_calls") or ()]
+        assert [tc["index"] for tc in calls] == [0, 1]
+        assert [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
+                for tc in calls] == CALLS
+        assert [c["finish_reason"] for c in own if c["finish_reason"]] == ["tool_calls"]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+
+
+def test_n_choices_stream_text_without_usage():
+    async def main():
+        r = await _post(FakeDecode("d0"), {"messages": CHAT["messages"], "n": 3, "stream": True,
+                                          "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        return _sse_payloads(r.text)
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 180))
+    for i in range(3):
+        own = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content") or "" for c in own) == "abc"
+        assert own[-1]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)
+
+
+# ---------------------------------------------------------------- tool_choice, mode by mode
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"key": {"type": "string"}}}}}
+
+
+def _served(output, body):
+    d = FakeDecode("d0", output=output)
+
+    async def main():
+        r = await _post(d, body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    choice = asyncio.run(asyncio.wait_for(main(), 180))
+    return choice, d.seen[0], bytes(d.seen[0].prompt_ids).decode()
+
+
+@pytest.mark.parametrize("output, reason", [
+    (text_ids("It is sunny.") + (EOS_ID,), "stop"), (OUTPUT, "tool_calls")])
+def test_tool_choice_auto_leaves_the_model_free(output, reason):
+    """auto: the tools are described, no grammar constrains the output; a text answer is
+    content, a calls block is parsed into tool_calls."""
+    choice, req, prompt = _served(output, {**CHAT, "tools": TOOLS + [LOOKUP],
+                                           "tool_choice": "auto"})
+    assert req.sampling.guided is None
+    assert "## Tools" in prompt and '"name": "lookup"' in prompt
+    assert choice["finish_reason"] == reason
+    assert (choice["message"].get("tool_calls") is not None) == (reason == "tool_calls")
+
+
+def test_tool_choice_none_offers_no_call():
+    """none: the tools are not described (the prompt is the plain chat prompt), nothing is
+    enforced, and markup the model writes anyway stays content."""
+    choice, req, prompt = _served(OUTPUT, {**CHAT, "tool_choice": "none"})
+    assert req.sampling.guided is None
+    assert "## Tools" not in prompt and "get_weather" not in prompt
+    assert choice["finish_reason"] == "stop" and choice["message"].get("tool_calls") is None
+    assert "<｜DSML｜ invoke" in choice["message"]["content"]
+
+
+def test_tool_choice_required_forces_a_call_of_any_tool():
+    choice, req, prompt = _served(OUTPUT, {**CHAT, "tools": TOOLS + [LOOKUP],
+                                           "tool_choice": "required"})
+    guided = req.sampling.guided
+    assert guided.kind == "structural_tag"
+    assert 'name=\\"get_weather\\"' in guided.spec and 'name=\\"lookup\\"' in guided.spec
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_named_tool_choice_forces_that_tool_only():
+    choice, req, prompt = _served(OUTPUT, {
+        **CHAT, "tools": TOOLS + [LOOKUP],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    guided = req.sampling.guided
+    assert guided.kind == "structural_tag"
+    assert 'name=\\"get_weather\\"' in guided.spec and "lookup" not in guided.spec
+    assert '"name": "lookup"' in prompt  # still described: only the call is constrained
+    assert choice["finish_reason"] == "tool_calls"
