@@ -226,6 +226,14 @@ def surface_mismatches(op: str) -> list[str]:
         other = getattr(fast, name, None)
         if other is None:
             missing.append(name)
-        elif list(inspect.signature(other).parameters) != list(inspect.signature(obj).parameters):
+        elif _params(other) != _params(obj):
             missing.append(f"{name} (signature)")
     return missing
+
+
+def _params(fn) -> list[str]:
+    """Parameter names of fn, less the keyword-only `tuned` (the launch configs a Triton
+    implementation takes beside the reference's parameters; `dispatch.bind` fills it)."""
+    import inspect
+
+    return [p for p in inspect.signature(fn).parameters if p != "tuned"]

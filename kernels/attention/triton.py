@@ -25,8 +25,6 @@ interpreter every product runs in FP32.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 # isort: off
@@ -35,6 +33,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import DEFAULT, AttentionConfig, KernelConfigs
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode, round_bf16
@@ -71,33 +70,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # combine_heads heads at a time, in the combine kernel's order (bit-identical), so a decode call
 # is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at engine load: on). Off: slower on the H200 (B = 1 / 8 /
 # 64 calls 0.093 / 0.122 / 0.139 ms against 0.023 / 0.030 / 0.094, attn_fused_combine.json).
-CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages": 1,
-          "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
-          "heads_trans_s": False, "heads_vsplit": False, "heads_vsplit_block_n": 32,
-          "heads_vsplit_warps": 4,
-          "heads_split_target": 132,
-          "heads_split_block_n": 64, "heads_split_stages": 1, "legacy_max_q": 1,
-          "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
-          "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
-          "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
-          "combine_heads": 1,  # H200: 1 head per combine program (B = 1 call 22.6 -> 17.2 us)
-          "fused_combine": False}  # FLASHPD_ATTN_FUSED_COMBINE=1 (kernels/tuning.py): on
-
-
-def env_overrides(text: str | None) -> dict:
-    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at engine load
-    (kernels/tuning.py; launch tuning without a code change); an unknown key or a value of
-    another type is an error."""
-    if not text:
-        return {}
-    over = json.loads(text)
-    if not isinstance(over, dict):
-        raise ValueError(f"FLASHPD_ATTN_CONFIG must be a JSON object, got {text!r}")
-    for key, value in over.items():
-        if key not in CONFIG or type(value) is not type(CONFIG[key]):
-            raise ValueError(f"FLASHPD_ATTN_CONFIG: {key}={value!r} is not a CONFIG key of "
-                             f"that type")
-    return over
+# (configs.AttentionConfig: KernelConfigs.attention, passed in as `cfg` / `tuned`)
 
 
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
@@ -794,20 +767,20 @@ def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, 
                 hmask, D, ROPE_PAIRS, OUT_BF16)
 
 
-def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int]:
+def split_plan(num_q: int, num_heads: int, keys: tuple[int, int],
+               cfg: AttentionConfig) -> tuple[int, int]:
     """(splits, tiles per split) for num_q queries over (window, compressed) key slots.
 
-    Splits only while (queries x head blocks) leave SMs idle: up to CONFIG["split_target"]
+    Splits only while (queries x head blocks) leave SMs idle: up to cfg.split_target
     programs, with at least split_min_tiles key tiles each; 1 = the single-pass kernel.
     """
-    cfg = CONFIG
-    if cfg["split_target"] <= 0 or num_q > cfg["split_max_q"]:
+    if cfg.split_target <= 0 or num_q > cfg.split_max_q:
         return 1, 0
-    bn = cfg["split_block_n"]
+    bn = cfg.split_block_n
     tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
-    base = num_q * -(-num_heads // cfg["split_heads"])
-    splits = min(-(-cfg["split_target"] // base), max(1, tiles // cfg["split_min_tiles"]))
-    if splits <= 1 or splits < cfg["split_min_splits"]:
+    base = num_q * -(-num_heads // cfg.split_heads)
+    splits = min(-(-cfg.split_target // base), max(1, tiles // cfg.split_min_tiles))
+    if splits <= 1 or splits < cfg.split_min_splits:
         return 1, 0
     per = -(-tiles // splits)
     return -(-tiles // per), per
@@ -815,7 +788,7 @@ def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, 
 
 def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src: int,
             kv=None, valid=None, win=None, win_rows=None, comp=None, comp_rows=None,
-            comp_fmt: int = FMT_NVFP4) -> torch.Tensor:
+            comp_fmt: int = FMT_NVFP4, *, cfg: AttentionConfig) -> torch.Tensor:
     num_q, num_heads, dim = q.shape
     out = torch.empty_like(q)
     if num_q == 0:
@@ -828,18 +801,17 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         cos = sin = torch.ones(1, 1, dtype=torch.float32, device=q.device)
         rope_pairs = 0
     dummy = q
-    cfg = CONFIG
     if src == 1:
         keys = (win_rows.shape[1], comp_rows.shape[1])
-        if num_q > cfg["legacy_max_q"]:
+        if num_q > cfg.legacy_max_q:
             return _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
                                  win_rows, comp, comp_rows, comp_fmt,
-                                 *heads_plan(num_q, num_heads, keys))
-        splits, per = split_plan(num_q, num_heads, keys)
+                                 *heads_plan(num_q, num_heads, keys, cfg), cfg)
+        splits, per = split_plan(num_q, num_heads, keys, cfg)
         if splits > 1:
             return _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
-                                 win_rows, comp, comp_rows, comp_fmt, splits, per)
-    grid = (num_q, triton.cdiv(num_heads, cfg["heads"]))
+                                 win_rows, comp, comp_rows, comp_fmt, splits, per, cfg)
+    grid = (num_q, triton.cdiv(num_heads, cfg.heads))
     _attn_kernel[grid](
         q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
         kv if kv is not None else dummy, valid if valid is not None else dummy,
@@ -849,50 +821,49 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         comp if comp is not None else dummy, comp.stride(0) if comp is not None else 0,
         comp_rows if comp_rows is not None else dummy,
         comp_rows.shape[1] if comp is not None else 0, num_heads, float(softmax_scale),
-        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg["heads"],
-        BLOCK_N=cfg["block_n"], OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg.heads,
+        BLOCK_N=cfg.block_n, OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.warps, num_stages=cfg.stages,
         **triton_runtime.launch_options())
     return out
 
 
-def heads_block(num_heads: int) -> int:
+def heads_block(num_heads: int, cfg: AttentionConfig) -> int:
     """Heads per program of the heads-as-M kernel: all of them up to heads_max (>= 16)."""
-    return max(16, min(CONFIG["heads_max"], triton.next_power_of_2(num_heads)))
+    return max(16, min(cfg.heads_max, triton.next_power_of_2(num_heads)))
 
 
-def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int, int]:
+def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int],
+               cfg: AttentionConfig) -> tuple[int, int, int]:
     """(block_n, splits, tiles per split) of the heads-as-M kernel for num_q queries over
     (window, compressed) key slots: split-KV only while the programs leave SMs idle."""
-    cfg = CONFIG
-    target = cfg["heads_split_target"]
-    base = num_q * -(-num_heads // heads_block(num_heads))
+    target = cfg.heads_split_target
+    base = num_q * -(-num_heads // heads_block(num_heads, cfg))
     if target <= 0 or base >= target:
-        return cfg["heads_block_n"], 1, 1 << 20
-    bn = cfg["heads_split_block_n"]
+        return cfg.heads_block_n, 1, 1 << 20
+    bn = cfg.heads_split_block_n
     tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
     splits = min(-(-target // base), max(tiles, 1))
     if splits <= 1:
-        return cfg["heads_block_n"], 1, 1 << 20
+        return cfg.heads_block_n, 1, 1 << 20
     per = -(-tiles // splits)
     return bn, -(-tiles // per), per
 
 
 def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, block_n, splits, per):
+                  comp_rows, comp_fmt, block_n, splits, per, cfg: AttentionConfig):
     num_q, num_heads, dim = q.shape
-    cfg = CONFIG
-    hb = heads_block(num_heads)
+    hb = heads_block(num_heads, cfg)
     sink32 = sink.to(torch.float32).contiguous()
-    if cfg["heads_vsplit"] and splits == 1 and dim >= 64:
+    if cfg.heads_vsplit and splits == 1 and dim >= 64:
         _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
             q, out, torch.empty_like(q), sink32, cos, sin, cos.stride(0), win,
             win.view(torch.int16), win.stride(0), win_rows, win_rows.shape[1], comp,
             comp.view(torch.int16), comp.stride(0), comp_rows, comp_rows.shape[1], num_heads,
             float(softmax_scale), D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
-            BLOCK_N=cfg["heads_vsplit_block_n"], ASM=HW_FP8 and bool(cfg["heads_asm"]),
-            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_vsplit_warps"],
-            num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
+            BLOCK_N=cfg.heads_vsplit_block_n, ASM=HW_FP8 and bool(cfg.heads_asm),
+            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_vsplit_warps,
+            num_stages=cfg.heads_stages, **triton_runtime.launch_options())
         return out
     if splits > 1:
         m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
@@ -901,22 +872,22 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     else:
         m = l_ = acc = sink32
     blocks = triton.cdiv(num_heads, hb)
-    fused = splits > 1 and bool(cfg["fused_combine"])
+    fused = splits > 1 and bool(cfg.fused_combine)
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else sink32
     _heads_kernel[(num_q, blocks, splits)](
         q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
         win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
         comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, count, D=dim,
         ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
-        PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
-        TRANS=bool(cfg["heads_trans_s"]), FUSED=fused, CH=combine_chunk(hb),
+        PREFETCH=bool(cfg.heads_prefetch), TAU=float(cfg.heads_rescale_tau),
+        TRANS=bool(cfg.heads_trans_s), FUSED=fused, CH=combine_chunk(hb, cfg),
         OUT_BF16=q.dtype == torch.bfloat16,
-        ASM=HW_FP8 and bool(cfg["heads_asm"]),
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
-        num_stages=cfg["heads_split_stages"] if splits > 1 else cfg["heads_stages"],
+        ASM=HW_FP8 and bool(cfg.heads_asm),
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_warps if hb >= 64 else 4,
+        num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
         **triton_runtime.launch_options())
     if splits > 1 and not fused:
-        hc = cfg["combine_heads"]
+        hc = cfg.combine_heads
         _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
             out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
             ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
@@ -925,29 +896,28 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
 
 
 def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, splits, per):
+                  comp_rows, comp_fmt, splits, per, cfg: AttentionConfig):
     num_q, num_heads, dim = q.shape
-    cfg = CONFIG
-    hb = cfg["split_heads"]
+    hb = cfg.split_heads
     sink32 = sink.to(torch.float32).contiguous()
     m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
     blocks = triton.cdiv(num_heads, hb)
-    fused = bool(cfg["fused_combine"])
+    fused = bool(cfg.fused_combine)
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else m
     out_bf16 = q.dtype == torch.bfloat16
     _attn_split_kernel[(num_q, blocks, splits)](
         q, sink32, cos, sin, cos.stride(0), win, win.stride(0), win_rows, win_rows.shape[1],
         comp, comp.stride(0), comp_rows, comp_rows.shape[1], m, l_, acc, num_heads,
         float(softmax_scale), per, out, count, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt,
-        HB=hb, BLOCK_N=cfg["split_block_n"], SPLITS=splits, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb), OUT_BF16=out_bf16,
-        num_warps=cfg["split_warps"], num_stages=cfg["split_stages"],
+        HB=hb, BLOCK_N=cfg.split_block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb, cfg), OUT_BF16=out_bf16,
+        num_warps=cfg.split_warps, num_stages=cfg.split_stages,
         **triton_runtime.launch_options())
     if fused:
         return out
-    hc = cfg["combine_heads"]
+    hc = cfg.combine_heads
     _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
         out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
         ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
@@ -955,22 +925,23 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     return out
 
 
-def combine_chunk(heads_per_program: int) -> int:
+def combine_chunk(heads_per_program: int, cfg: AttentionConfig) -> int:
     """Heads combined at a time by a fused split program (fused_combine): combine_heads, at
     most the program's heads (both powers of two)."""
-    return max(1, min(CONFIG["combine_heads"], heads_per_program))
+    return max(1, min(cfg.combine_heads, heads_per_program))
 
 
-def single_pass_rows(num_heads: int) -> int:
+def single_pass_rows(num_heads: int, cfg: AttentionConfig) -> int:
     """The fewest queries that the heads-as-M kernel runs in one pass (no split-KV): the
     variant a prefill chunk compiles."""
-    target = CONFIG["heads_split_target"]
-    blocks = -(-num_heads // heads_block(num_heads))
-    return max(1, -(-target // blocks), CONFIG["legacy_max_q"] + 1)
+    target = cfg.heads_split_target
+    blocks = -(-num_heads // heads_block(num_heads, cfg))
+    return max(1, -(-target // blocks), cfg.legacy_max_q + 1)
 
 
 def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
-           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
+           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64), *,
+           tuned: KernelConfigs = DEFAULT) -> int:
     """Compile (and run once) the packed-attention variants of `rows`-query decode calls and
     of a prefill chunk (single_pass_rows queries, the one-pass variant every longer chunk
     takes), so that the first request compiles nothing.
@@ -979,7 +950,7 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
     index_topk). Returns the number of calls made.
     """
     device = triton_runtime.kernel_device()
-    rows = sorted(set(rows) | {single_pass_rows(num_heads)})
+    rows = sorted(set(rows) | {single_pass_rows(num_heads, tuned.attention)})
     pool_rows = max(rows) * window + 1
     win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8,
                       device=device)
@@ -999,7 +970,7 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
             comp_rows = torch.zeros(r, k, dtype=torch.int32, device=device)
             sparse_attention_packed(q, rope, win, win_rows, comp if k else None,
                                     comp_rows if k else None, sink, head_dim ** -0.5,
-                                    comp_format=comp_format)
+                                    comp_format=comp_format, tuned=tuned)
             calls += 1
     return calls
 
@@ -1026,7 +997,8 @@ def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Te
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, softmax_scale: float, *,
+                     tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
     _check_q(q, sink)
     if keys.ndim != 3 or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
@@ -1035,13 +1007,14 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
         raise ValueError(f"valid must be {tuple(keys.shape[:2])}, got {tuple(valid.shape)}")
     triton_runtime.check_device(keys, valid)
     return _launch(q, sink, softmax_scale, None, 0, kv=keys.to(q.dtype).contiguous(),
-                   valid=valid.contiguous().view(torch.uint8))
+                   valid=valid.contiguous().view(torch.uint8), cfg=tuned.attention)
 
 
 def sparse_attention_packed(
     q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
     window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
-    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4,
+    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4, *,
+    tuned: KernelConfigs = DEFAULT,
 ) -> torch.Tensor:
     """Fused RoPE(q) -> attention over packed window ∪ compressed records -> inverse RoPE.
 
@@ -1065,7 +1038,8 @@ def sparse_attention_packed(
         raise TypeError("packed attention computes on bf16 queries")
     return _launch(q, sink, softmax_scale, rope, 1, win=window_pool,
                    win_rows=window_rows.to(torch.int32).contiguous(), comp=comp_pool,
-                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format)
+                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format,
+                   cfg=tuned.attention)
 
 
 def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:
