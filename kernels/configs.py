@@ -98,20 +98,20 @@ class AttentionConfig(_Frozen):
     fused_combine: bool = False  # FLASHPD_ATTN_FUSED_COMBINE=1 (tuning.py): on
 
 
-_FP8_SWAP_SHAPES = {(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
+_FP8_SWAP_SHAPES = freeze({(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
                     (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
-                    (5120, 2304, 1, False): {"target_ctas": 528}}  # shared expert down
+                    (5120, 2304, 1, False): {"target_ctas": 528}})  # shared expert down
 # H200 (bench/results/h200/dense_fp8_rows.md, per-layer FP8 sums vs the split-K tiles): 16:
 # mma.sync, 2 warps, 528 programs (91.7 vs 116.7-121.9 us); 32: mma.sync, BN 64, 2 warps (128.9
 # vs 154.0-157.3); 64: wgmma m64n64k16, BN 64, 4 warps (191.1-194.3 vs 215.2-224.4), wq_b and
 # idx_wq_b (bench shapes) on mma.sync BN 32 / 2 warps (-1.4 us each, both timings).
-_FP8_SWAP_CLASSES = {
+_FP8_SWAP_CLASSES = freeze({
     8: {"rows": 8},
     16: {"rows": 16, "block_n": 32, "warps": 2, "target_ctas": 528, "shapes": {}},
     32: {"rows": 32, "block_n": 64, "warps": 2, "shapes": {}},
     64: {"rows": 64, "block_n": 64, "warps": 4,
          "shapes": {(32768, 1280, 1, False): {"block_n": 32, "warps": 2},
-                    (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}}
+                    (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}})
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,8 @@ class GemvConfig(_Frozen):
     decode: str = "bits"
 
 
-_K256 = {"block_k": 256}
-_W2 = {"block_n": 32, "warps": 2}
+_K256 = freeze({"block_k": 256})
+_W2 = freeze({"block_n": 32, "warps": 2})
 
 
 @dataclass(frozen=True)
@@ -299,6 +299,21 @@ def override(config: Any, **fields: Any) -> Any:
                              f"{current!r}")
         changes[name] = value
     return dataclasses.replace(config, **changes)
+
+
+def merge(config: Any, **fields: Any) -> Any:
+    """`override` that merges instead of replacing mappings: a dict given for a mapping field
+    updates its entries ({**current, **value}); for a nested config, its own fields (merged
+    the same way). The form benchmark variants are written in ({"mx": {"block_k": 128}})."""
+    changes = {}
+    for name, value in fields.items():
+        current = getattr(config, name, None)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            value = merge(current, **value)
+        elif isinstance(current, Mapping) and isinstance(value, Mapping):
+            value = {**current, **value}
+        changes[name] = value
+    return override(config, **changes)
 
 
 def _same_kind(current: Any, value: Any) -> bool:
