@@ -82,7 +82,7 @@ def main() -> None:
             row = {"batch": batch, "case": name, "entries": n}
             for label, tuned in (("off", OFF), ("on", configs.DEFAULT)):
                 row[f"{label}_out"] = run(tuned)
-                row[f"{label}_us"] = 1e3 * graph_ms([lambda t=tuned: run(t)],
+                row[f"{label}_us"] = 1e3 * graph_ms([lambda t=tuned, run=run: run(t)],
                                                     reps=1 if args.smoke else 9)
             row["same"] = bool(torch.equal(row.pop("off_out"), row.pop("on_out")))
             row["tiles_on"] = it.score_tiles(batch, n, configs.DEFAULT.indexer)

@@ -168,7 +168,7 @@ def _timed(check: Check, timing: bool, kernel: Callable[[], object],
 
 
 # ============================================================================ registry
-CHECKS: dict[str, Callable[[str, bool], list[Check]]] = {}
+CHECKS: dict[str, Callable[..., list[Check]]] = {}  # op -> fn(scale, timing, tuned=)
 
 
 def register_check(op: str):
@@ -179,9 +179,13 @@ def register_check(op: str):
 
 
 def run_checks(scale: str = "tiny", ops: list[str] | None = None,
-               timing: bool | None = None) -> list[Check]:
-    """All registered checks (import side effect: kernels/verify_cases.py) at `scale`."""
-    from flashpd.kernels import verify_cases  # noqa: F401  (registers the cases)
+               timing: bool | None = None, tuned=None) -> list[Check]:
+    """All registered checks (import side effect: kernels/verify_cases.py) at `scale`, each
+    kernel run with `tuned` (a configs.KernelConfigs; None: the table's default)."""
+    from flashpd.kernels import (
+        configs,
+        verify_cases,  # noqa: F401  (registers the cases)
+    )
 
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; scales are {', '.join(SCALES)}")
@@ -193,7 +197,7 @@ def run_checks(scale: str = "tiny", ops: list[str] | None = None,
     for op, fn in CHECKS.items():
         if ops and op not in ops:
             continue
-        results.extend(fn(scale, timing))
+        results.extend(fn(scale, timing, tuned=tuned or configs.DEFAULT))
     return results
 
 

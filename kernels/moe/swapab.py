@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import SwapabConfig
 from flashpd.kernels.dense.triton import (
     DOT_UPCAST,
     W_MXFP4,
@@ -65,7 +66,6 @@ from flashpd.kernels.dense.triton import (
     mma,
     swiglu_limited,
 )
-from flashpd.kernels.configs import SwapabConfig
 from flashpd.kernels.moe.gemv import check_rows_call, rows_for
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 

@@ -3,12 +3,10 @@ token block also sorts the pairs; outputs identical to route + sort_pairs, count
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from flashpd.kernels import triton_runtime
-from flashpd.kernels import configs
+from flashpd.kernels import configs, triton_runtime
 from flashpd.kernels.moe import ref as mref
 from flashpd.kernels.moe import triton as mt
 
