@@ -33,13 +33,14 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.attention.ref import FMT_FP8, FMT_NVFP4
 from flashpd.kernels.configs import DEFAULT, AttentionConfig, KernelConfigs
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode, round_bf16
 
-FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
-FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
+# compressed record formats (codes shared with attention/ref.py): FMT_FP8 E4M3 + UE8M0 per 32
+# (the window's record, 528 B at d = 512), FMT_NVFP4 E2M1 + E4M3 per 16 (288 B at d = 512)
 # Launch configuration; tuned on an H200 (benchmarks/attention_bench.py, bench/results/h200/attention.md).
 # Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles

@@ -47,11 +47,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # isort: on
 
 from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
+from flashpd.kernels.dense.ref import W_FP8, W_MXFP4, W_PLAIN, Weights  # noqa: F401 (re-exported)
+from flashpd.kernels.dense.ref import dequantize as dequantize  # torch, re-exported
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
-W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 # Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py; the
 # figures are in bench/results/h200/roofline.md).
@@ -695,72 +696,6 @@ def _gemm_kernel(
 # The split-K kernel as `grouped_gemm` launches it (a module global read at each launch):
 # bench tools read its compiled binaries and, offline, stand a recorder in for it.
 SPLITK_KERNEL = _gemm_kernel
-
-
-# ============================================================================ weights
-@dataclass(frozen=True)
-class Weights:
-    """One or more [N, K] weight matrices in a checkpoint format (leading expert axis E).
-
-    fmt PLAIN: data [E, N, K] bf16/fp32, scale None. MXFP4: data uint8 [E, N, K/2], scale uint8
-    [E, N, K/32]. FP8: data float8_e4m3fn [E, N, K], scale uint8 [E, ceil(N/32), ceil(K/32)].
-    """
-
-    fmt: int
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def out_dim(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def in_dim(self) -> int:
-        return self.data.shape[2] * (2 if self.fmt == W_MXFP4 else 1)
-
-    @staticmethod
-    def plain(w: torch.Tensor) -> Weights:
-        return Weights(W_PLAIN, w if w.ndim == 3 else w[None])
-
-    @staticmethod
-    def mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> Weights:
-        if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-            raise TypeError("MXFP4 weights are uint8 packed nibbles + uint8 UE8M0 scales")
-        return Weights(W_MXFP4, packed if packed.ndim == 3 else packed[None],
-                       scale if scale.ndim == 3 else scale[None])
-
-    @staticmethod
-    def fp8(w_f8: torch.Tensor, scale: torch.Tensor) -> Weights:
-        if w_f8.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
-            raise TypeError("FP8 weights are float8_e4m3fn + uint8 UE8M0 32x32 tile scales")
-        return Weights(W_FP8, (w_f8 if w_f8.ndim == 3 else w_f8[None]).view(torch.uint8),
-                       scale if scale.ndim == 3 else scale[None])
-
-    @staticmethod
-    def stack_out(parts: list[Weights]) -> Weights:
-        """One weight whose output rows are `parts`' rows in order (same input, one GEMM instead
-        of several: x . W^T = [x . W_0^T, x . W_1^T, ...] along N). Single FP8 or plain matrices
-        of one K; FP8 parts need N % 32 == 0 so their 32x32 scale tiles stay whole."""
-        if not parts:
-            raise ValueError("stack_out: no weights")
-        first = parts[0]
-        for i, w in enumerate(parts):
-            if w.num_experts != 1 or w.fmt != first.fmt or w.in_dim != first.in_dim or \
-                    w.data.dtype != first.data.dtype:
-                raise ValueError(f"stack_out: part {i} is not a single matrix of the first "
-                                 f"part's format and K ({first.in_dim})")
-            if w.fmt == W_MXFP4:
-                raise ValueError("stack_out: FP8 or plain weights only")
-            if w.fmt == W_FP8 and w.out_dim % 32:
-                raise ValueError(f"stack_out: FP8 part {i} has N={w.out_dim}, not a multiple "
-                                 "of the 32-row scale tile")
-        data = torch.cat([w.data for w in parts], dim=1)
-        scale = torch.cat([w.scale for w in parts], dim=1) if first.fmt == W_FP8 else None
-        return Weights(first.fmt, data, scale)
 
 
 @dataclass(frozen=True)

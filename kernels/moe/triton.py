@@ -41,7 +41,7 @@ from flashpd.kernels.dense.triton import (
     swiglu_limited,
 )
 from flashpd.kernels.moe import gemv, grouped_large, swapab
-from flashpd.kernels.moe.ref import ExpertWeights
+from flashpd.kernels.moe.ref import ExpertSet, ExpertWeights  # noqa: F401 (re-exported)
 from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
@@ -293,24 +293,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 # ============================================================================ experts
-@dataclass(frozen=True)
-class ExpertSet:
-    """SwiGLU experts in any checkpoint format: w1, w3 [E, I, D], w2 [E, D, I] (as `Weights`)."""
-
-    w1: Weights
-    w3: Weights
-    w2: Weights
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1.num_experts
-
-    @staticmethod
-    def plain(weights: ExpertWeights) -> ExpertSet:
-        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3),
-                         Weights.plain(weights.w2))
-
-
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                limit: float, weight: torch.Tensor | None = None, *,
                tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
