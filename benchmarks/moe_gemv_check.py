@@ -153,18 +153,33 @@ class Bench:
         return out
 
 
+def rows_table(rows: list[dict]) -> list[str]:
+    """The markdown table of timed / checked rows (both MoE decode checks print it)."""
+    lines = ["| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
+             else "- | - | -")
+        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
+    return lines
+
+
+def write_results(out_dir: str, name: str, text: str, payload: dict) -> None:
+    """name.md (the text, also printed) and name.json under out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    print(text)
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
              "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
              f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
              f" gemv config {meta['gemv_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
-             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
-             else "- | - | -")
-        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
-    return "\n".join(lines) + "\n"
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    return "\n".join(lines + rows_table(rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,13 +229,8 @@ def _run(args, argv, shape: dict) -> int:
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(meta, rows)
-    with open(os.path.join(args.out, "moe_gemv_check.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "moe_gemv_check.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1, default=str)
-    print(text)
+    write_results(args.out, "moe_gemv_check", markdown(meta, rows),
+                  {"meta": meta, "results": rows})
     return 0
 
 

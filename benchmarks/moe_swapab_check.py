@@ -20,12 +20,10 @@ activations in and out; % is of 4.2 TB/s. Writes moe_swapab.md / .json under --o
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import time
 
-from moe_gemv_check import COPY_GBPS, Bench
+from moe_gemv_check import COPY_GBPS, Bench, rows_table, write_results
 
 from flashpd.bench import kernel_roofline as kr
 from flashpd.kernels import configs
@@ -112,12 +110,8 @@ def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
              f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
              f" full path = pair sort + both expert GEMMs + combine; swapab config "
              f"{meta['swapab_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
-             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
-             else "- | - | -")
-        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    lines += rows_table(rows)
     lines += ["", "Compiled swap-AB kernels (MMA instructions in the PTX):", "",
               "| wgmma | mma.sync | regs | spills | shared B | dot |", "|---|---|---|---|---|---|"]
     lines += [f"| {k['wgmma']} | {k['mma_sync']} | {k['regs']} | {k['spills']} | {k['shared']} | "
@@ -177,13 +171,8 @@ def _run(args, argv, shape: dict) -> int:
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(meta, rows, kernels)
-    with open(os.path.join(args.out, "moe_swapab.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "moe_swapab.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows, "kernels": kernels}, f, indent=1, default=str)
-    print(text)
+    write_results(args.out, "moe_swapab", markdown(meta, rows, kernels),
+                  {"meta": meta, "results": rows, "kernels": kernels})
     return 0
 
 
