@@ -36,6 +36,7 @@ import triton.language as tl
 from flashpd.kernels.attention.ref import FMT_FP8, FMT_NVFP4
 from flashpd.kernels.configs import DEFAULT, AttentionConfig, KernelConfigs
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
+from flashpd.kernels.e2m1 import e2m1_lohi_asm
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode, round_bf16
 
@@ -255,41 +256,6 @@ def _fp8_pairs_asm(w, s_bf16):
 
 
 @triton.jit
-def _e2m1_pairs_asm(b, s_bf16):
-    """Bytes (E2M1 channel 2i low nibble, 2i+1 high nibble) * s_bf16 -> (even, odd) BF16.
-
-    Each code's 3 magnitude bits go to BF16 bits 8..6 and its sign to bit 15 (value * 2^-126,
-    0.5 subnormal); s_bf16 = 2^63 * scale makes it value * scale * 2^-63."""
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, v<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        shl.b32 u0, t0, 6;
-        shl.b32 u1, t0, 12;
-        shl.b32 u2, t1, 6;
-        shl.b32 u3, t1, 12;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 v0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 v1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, v0, $5;
-        mul.rn.bf16x2 $1, v1, $6;
-        shl.b32 u0, t0, 2;
-        shl.b32 u1, t0, 8;
-        shl.b32 u2, t1, 2;
-        shl.b32 u3, t1, 8;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 v2, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 v3, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $2, v2, $5;
-        mul.rn.bf16x2 $3, v3, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
-
-
-@triton.jit
 def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, first, NPAIRS: tl.constexpr,
               HALF: tl.constexpr, FMT: tl.constexpr):
     """Raw bytes of channel pairs first..first+NPAIRS-1 (first: a multiple of 16) of the records
@@ -323,7 +289,7 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
         else:
             s = tl.broadcast_to((_fp8_values(sc, HW) * 9.223372036854775808e18)
                                 .to(tl.bfloat16), code.shape)  # 2^63 * E4M3 scale
-            lo, hi = _e2m1_pairs_asm(code, s)
+            lo, hi = e2m1_lohi_asm(code, s)
     else:
         if FMT == 0:
             word = code.to(tl.int32)

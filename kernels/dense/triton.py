@@ -49,6 +49,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
 from flashpd.kernels.dense.ref import W_FP8, W_MXFP4, W_PLAIN, Weights  # noqa: F401 (re-exported)
 from flashpd.kernels.dense.ref import dequantize as dequantize  # torch, re-exported
+from flashpd.kernels.e2m1 import e2m1_hi_asm, e2m1_lo_asm, fp32_e2m1
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
@@ -188,58 +189,7 @@ def _round_out(x, OUT_BF16: tl.constexpr):
 # which path ran it (up to the tensor-core instruction the compiler picks for the tile size).
 # MXFP4 nibbles (low = even k) are decoded by bit moves and interleaved back into K order, so
 # the bit-trick, asm and tl.dot_scaled paths all sum K in the same order.
-@triton.jit
-def fp32_e2m1(nib, s_f32):
-    """E2M1 code (low 4 bits, int32) * scale -> FP32: the code's bits are placed in an FP32's
-    sign/exponent/mantissa fields (value * 2^-126, subnormal for 0.5), then rescaled exactly."""
-    bits = ((nib & 7) << 22) | ((nib & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_f32  # 2^126
-
-
-# GPU only: E2M1 codes (the low or the high nibbles of bytes b) * s_bf16 -> BF16, 4 bytes per
-# PTX block: bytes spread to 16-bit lanes (prmt), each code's bits moved into a BF16's sign /
-# exponent / mantissa fields (value * 2^-126, subnormal for 0.5), then one bf16x2 multiply by
-# s_bf16 = 2^126 * scale rescales exactly. Two functions: the string must be a literal.
-@triton.jit
-def e2m1_lo_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $2, z, 0x4140;
-        prmt.b32 t1, $2, z, 0x4342;
-        shl.b32 u0, t0, 6;
-        shl.b32 u1, t0, 12;
-        shl.b32 u2, t1, 6;
-        shl.b32 u3, t1, 12;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, t0, $3;
-        mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def e2m1_hi_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $2, z, 0x4140;
-        prmt.b32 t1, $2, z, 0x4342;
-        shl.b32 u0, t0, 2;
-        shl.b32 u1, t0, 8;
-        shl.b32 u2, t1, 2;
-        shl.b32 u3, t1, 8;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, t0, $3;
-        mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
+# The E2M1 decoders (fp32_e2m1, e2m1_lo_asm / e2m1_hi_asm) are kernels/e2m1.py's.
 @triton.jit
 def _fp8_scaled(q, s, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, DEQ_BF16: tl.constexpr):
     """E4M3 bytes q times FP32 power-of-two scales s (broadcast) -> OUT_DTYPE, exact.

@@ -54,6 +54,7 @@ from flashpd.kernels.dense.triton import (
     swiglu_halves,
     swiglu_limited,
 )
+from flashpd.kernels.e2m1 import fp32_e2m1
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
@@ -71,21 +72,14 @@ _DEQUANT = DEFAULT.moe.large.dequant  # read-only: the decode tiles when none ar
 
 # ============================================================================ MXFP4 decode
 @triton.jit
-def _e2m1_bits(nib):
-    """E2M1 codes (low 4 bits, int32) -> FP32 of value * 2^-126 (code bits placed in the
-    sign/exponent/mantissa fields; 0.5 becomes the subnormal 2^-127)."""
-    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """packed uint8 [BN, BK/2] + UE8M0 uint8 [BN, BK/32] -> BF16 [BN, BK] in K order (exact)."""
     b = packed.to(tl.int32)
     f = e8m0_decode(scale)  # [BN, BK/32] 2^(s - 127)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                    (BLOCK_N, BLOCK_K // 2))
-    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.bfloat16)  # * 2^126: the E2M1 value
-    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.bfloat16)
+    lo = fp32_e2m1(b, f).to(tl.bfloat16)
+    hi = fp32_e2m1(b >> 4, f).to(tl.bfloat16)
     return tl.interleave(lo, hi)
 
 
@@ -293,8 +287,8 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_
     b = tl.load(w_ptr + r64 * row_bytes + byte, mask=rmask, other=0).to(tl.int32)
     f = e8m0_decode(tl.load(s_ptr + r64 * row_groups + grp[None, :, None], mask=rmask,
                             other=127))  # [R, G, 1]
-    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
-    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
+    lo = fp32_e2m1(b, f).to(tl.int32, bitcast=True)
+    hi = fp32_e2m1(b >> 4, f).to(tl.int32, bitcast=True)
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
     y_row = (r64 // N) * stride_ye + (r64 % N) * row_bytes  # in 32-bit words
     tl.store(y_ptr + y_row + byte, word, mask=rmask)

@@ -28,8 +28,8 @@ MXFP4 nibbles: byte j of a 32-value group holds k = 2j (low nibble) and 2j + 1 (
 of G groups loads the bytes as [BN, G, 16], decodes the low nibbles into [BN, 16 G] (the even
 k of the step) and the high ones into [BN, 16 G] (the odd k), each times its group's scale
 (exact), and makes two dots against the matching halves of xp: no interleave in registers.
-On the GPU the decode is PTX (`e2m1_pair_asm`, SwapabConfig.decode "pair"; or dense/triton.py's
-`e2m1_lo_asm` / `e2m1_hi_asm`, "split"); under the interpreter `fp32_e2m1` (same values: all
+On the GPU the decode is PTX (kernels/e2m1.py: `e2m1_pair_asm`, SwapabConfig.decode "pair";
+or `e2m1_lo_asm` / `e2m1_hi_asm`, "split"); under the interpreter `fp32_e2m1` (same values: all
 exact).
 
 Split-K (up / down "split", per batch size through SwapabConfig.sizes): grid axis 2 splits the K
@@ -57,15 +57,8 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.configs import SwapabConfig
-from flashpd.kernels.dense.triton import (
-    DOT_UPCAST,
-    W_MXFP4,
-    e2m1_hi_asm,
-    e2m1_lo_asm,
-    fp32_e2m1,
-    mma,
-    swiglu_limited,
-)
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, mma, swiglu_limited
+from flashpd.kernels.e2m1 import e2m1_hi_asm, e2m1_lo_asm, e2m1_pair_asm, fp32_e2m1
 from flashpd.kernels.moe.gemv import check_rows_call, rows_for
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
@@ -124,41 +117,6 @@ def _prep_kernel(x_ptr, stride_x, xp_ptr, K, BLOCK: tl.constexpr):
     mask = k < K
     v = tl.load(x_ptr + t * stride_x + k, mask=mask, other=0.0)
     tl.store(xp_ptr + t * K + _split_col(k), v, mask=mask)
-
-
-@triton.jit
-def e2m1_pair_asm(b, s_bf16):
-    """(low-nibble codes, high-nibble codes) of bytes b, each * s_bf16, BF16: one PTX block for
-    both halves (dense/triton.py's e2m1_lo_asm / e2m1_hi_asm make two): 2 prmt + 3 bit ops +
-    1 bf16x2 multiply per output register, 18 instructions per 4 bytes instead of 22-24. Low
-    codes: t << 6 puts the magnitude at bits 6..8 of each 16-bit lane and t << 12 the sign at
-    bit 15; each is zero where the other is kept, so one lop3 (a | b) & mask merges them. High
-    codes: (t & 0x00F000F0) * 260 = (.. << 2) + (.. << 8), the two shifted copies disjoint, so
-    the product holds the magnitude at 6..8 and the sign at 15. Same values as the pair of
-    functions (exact)."""
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, a, c, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        shl.b32 a, t0, 6;
-        shl.b32 c, t0, 12;
-        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
-        mul.rn.bf16x2 $0, a, $5;
-        shl.b32 a, t1, 6;
-        shl.b32 c, t1, 12;
-        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
-        mul.rn.bf16x2 $1, a, $6;
-        and.b32 c, t0, 0x00F000F0;
-        mul.lo.u32 c, c, 260;
-        and.b32 a, c, 0x81C081C0;
-        mul.rn.bf16x2 $2, a, $5;
-        and.b32 c, t1, 0x00F000F0;
-        mul.lo.u32 c, c, 260;
-        and.b32 a, c, 0x81C081C0;
-        mul.rn.bf16x2 $3, a, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
 
 
 @triton.jit
