@@ -153,6 +153,22 @@ class Bench:
         return out
 
 
+def parse_common(ap: argparse.ArgumentParser, argv: list[str] | None, variants: dict,
+                 budget_s: float) -> argparse.Namespace:
+    """--variants (names of `variants`, checked), --budget-s and --smoke (the options both MoE
+    decode checks take), then parse."""
+    ap.add_argument("--variants", nargs="*", default=list(variants))
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help="start no variant after this many seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in variants]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(variants)}")
+    return args
+
+
 def rows_table(rows: list[dict]) -> list[str]:
     """The markdown table of timed / checked rows (both MoE decode checks print it)."""
     lines = ["| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
@@ -185,15 +201,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    ap.add_argument("--budget-s", type=float, default=45.0,
-                    help="start no variant after this many seconds")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
-    args = ap.parse_args(argv)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args = parse_common(ap, argv, VARIANTS, budget_s=45.0)
     return kr.device_main("moe_gemv_check", args.smoke,
                           lambda: _run(args, argv, SHAPES["smoke" if args.smoke else "full"]))
 

@@ -23,7 +23,7 @@ import argparse
 import re
 import time
 
-from moe_gemv_check import COPY_GBPS, Bench, rows_table, write_results
+from moe_gemv_check import COPY_GBPS, Bench, parse_common, rows_table, write_results
 
 from flashpd.bench import kernel_roofline as kr
 from flashpd.kernels import configs
@@ -122,18 +122,10 @@ def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--ms", nargs="*", type=int, default=None)
     ap.add_argument("--paths", nargs="*", default=["swapab", "grouped", "gemv"],
                     help="which paths the per-M rows time (gemv at M <= 16 only)")
-    ap.add_argument("--budget-s", type=float, default=60.0,
-                    help="start no variant after this many seconds")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
-    args = ap.parse_args(argv)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args = parse_common(ap, argv, VARIANTS, budget_s=60.0)
     shape = dict(SHAPES["smoke" if args.smoke else "full"])
     if args.ms:
         shape["ms"] = tuple(args.ms)

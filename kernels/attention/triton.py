@@ -97,6 +97,21 @@ def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, p
 
 
 @triton.jit
+def _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D: tl.constexpr,
+            ROPE_PAIRS: tl.constexpr):
+    """The [HB, D] query rows of heads `heads` (masked by hmask) of query t, RoPE applied in
+    FP32 (ROPE_PAIRS > 0), in q's dtype: the prologue of the split-KV attention kernels."""
+    c = tl.arange(0, D)
+    q_rows = q_ptr + (t * H + heads[:, None]) * D
+    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    if ROPE_PAIRS > 0:
+        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), False)
+    return q.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _fp8_values(b, HW: tl.constexpr):
     """E4M3FN bytes -> FP32: the conversion hardware on the GPU, bit arithmetic otherwise."""
     if HW:
@@ -173,14 +188,8 @@ def _attn_kernel(
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = heads < H
+    q = _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D, ROPE_PAIRS)
     c = tl.arange(0, D)
-    q_rows = q_ptr + (t * H + heads[:, None]) * D
-    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    if ROPE_PAIRS > 0:
-        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), False)
-    q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)  # the sink: running max ...
     l_i = tl.full((HB,), 1.0, tl.float32)  # ... with exp(sink - sink) = 1 in the denominator
     acc = tl.zeros((HB, D), dtype=tl.float32)
@@ -621,14 +630,8 @@ def _attn_split_kernel(
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     sp = tl.program_id(2)
     hmask = heads < H
+    q = _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D, ROPE_PAIRS)
     c = tl.arange(0, D)
-    q_rows = q_ptr + (t * H + heads[:, None]) * D
-    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    if ROPE_PAIRS > 0:
-        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), False)
-    q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
     l_i = tl.zeros((HB,), tl.float32)
     acc = tl.zeros((HB, D), dtype=tl.float32)

@@ -33,6 +33,7 @@ Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -751,8 +752,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
-    sched = schedule if schedule is not None else _NO_SCHEDULE.get(a.device) or \
-        _no_schedule(a.device)
+    sched = schedule if schedule is not None else _no_schedule(a.device)
     # pdl (GPU, FP8): launched as a programmatic dependent launch; the kernel lets the next one
     # start, prefetches its first weight lines (one byte per K column), then waits for the
     # previous grid
@@ -803,14 +803,11 @@ def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = 
     return out.view(num_tokens, groups, -1)
 
 
-_NO_SCHEDULE: dict[torch.device, TileSchedule] = {}
-
-
+@functools.cache
 def _no_schedule(device: torch.device) -> TileSchedule:
-    """Placeholder schedule tensors for schedule-free launches (never read)."""
+    """Placeholder schedule tensors for schedule-free launches (never read; one per device)."""
     z = torch.zeros(1, dtype=torch.int32, device=device)
-    _NO_SCHEDULE[device] = TileSchedule(z, z, z, 16)
-    return _NO_SCHEDULE[device]
+    return TileSchedule(z, z, z, 16)
 
 
 def _tiles(w: Weights, cfg: DenseConfig) -> Mapping[str, Any]:
