@@ -857,11 +857,7 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
         **triton_runtime.launch_options())
     if splits > 1 and not fused:
-        hc = cfg.combine_heads
-        _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
-            out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
-            ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
-            num_warps=4, **triton_runtime.launch_options())
+        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
     return out
 
 
@@ -885,14 +881,21 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
         UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb, cfg), OUT_BF16=out_bf16,
         num_warps=cfg.split_warps, num_stages=cfg.split_stages,
         **triton_runtime.launch_options())
-    if fused:
-        return out
+    if not fused:
+        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
+    return out
+
+
+def _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs: int, splits: int,
+             cfg: AttentionConfig) -> None:
+    """The split-KV partials (m, l_, acc) of every (query, head) combined into out, in place:
+    one program per query and combine_heads heads."""
+    num_q, num_heads, dim = out.shape
     hc = cfg.combine_heads
     _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
         out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
-        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
+        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=out.dtype == torch.bfloat16,
         num_warps=4, **triton_runtime.launch_options())
-    return out
 
 
 def combine_chunk(heads_per_program: int, cfg: AttentionConfig) -> int:

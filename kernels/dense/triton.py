@@ -51,7 +51,7 @@ from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
 from flashpd.kernels.dense.ref import W_FP8, W_MXFP4, W_PLAIN, Weights  # noqa: F401 (re-exported)
 from flashpd.kernels.dense.ref import dequantize as dequantize  # torch, re-exported
 from flashpd.kernels.e2m1 import e2m1_hi_asm, e2m1_lo_asm, fp32_e2m1
-from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
+from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16, round_bf16_if
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
@@ -163,13 +163,6 @@ def _dot_scaled_mxfp4(a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
     sbase = s_ptr + e.to(tl.int64) * stride_se + n_idx[:, None].to(tl.int64) * stride_sn
     scale = tl.load(sbase + groups[None, :], mask=nmask & (groups[None, :] < K // 32), other=127)
     return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
-
-
-@triton.jit
-def _round_out(x, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        x = round_bf16(x)
-    return x
 
 
 # ============================================================================ split-K GEMM
@@ -489,14 +482,14 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
               EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr, ROUND_ACT_BF16: tl.constexpr,
               OUT_BF16: tl.constexpr):
     if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-        out = swiglu_limited(_round_out(acc1, ROUND_ACT_BF16), _round_out(acc3, ROUND_ACT_BF16),
+        out = swiglu_limited(round_bf16_if(acc1, ROUND_ACT_BF16), round_bf16_if(acc3, ROUND_ACT_BF16),
                              limit)
         if HAS_GAMMA:
             out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
     else:
         out = acc1
     c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
-    tl.store(c, _round_out(out, OUT_BF16).to(c_ptr.dtype.element_ty),
+    tl.store(c, round_bf16_if(out, OUT_BF16).to(c_ptr.dtype.element_ty),
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
@@ -1064,7 +1057,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
     y = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, _round_out(y, OUT_BF16).to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + row * stride_y + cols, round_bf16_if(y, OUT_BF16).to(y_ptr.dtype.element_ty),
              mask=mask)
 
 

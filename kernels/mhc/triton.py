@@ -48,7 +48,8 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.configs import DEFAULT, KernelConfigs, MhcConfig
-from flashpd.kernels.dense.triton import DOT_UPCAST, round_bf16, sigmoid_f32
+from flashpd.kernels.dense.triton import DOT_UPCAST, sigmoid_f32
+from flashpd.kernels.quant.triton import round_bf16_if
 
 _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 # Slices of D (at most): a function of D only, so a token's sums do not depend on the batch.
@@ -93,13 +94,6 @@ _S = 4
 
 
 # ============================================================================ device helpers
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    if BF16:
-        x = round_bf16(x)
-    return x
-
-
 @triton.jit
 def _sinkhorn(logits, ITERS: tl.constexpr, eps, S: tl.constexpr):
     """logits [BT, S(j), S(k)] -> comb: row softmax (+eps), column norm, ITERS-1 x (rows, cols)."""
@@ -202,7 +196,7 @@ def _expand_stream(y, pk, c0, c1, c2, c3, x0, x1, x2, x3, BF16: tl.constexpr):
     mixed = mixed + c1[:, None] * x1
     mixed = mixed + c2[:, None] * x2
     mixed = mixed + c3[:, None] * x3
-    return _round(pk[:, None] * y + mixed, BF16)
+    return round_bf16_if(pk[:, None] * y + mixed, BF16)
 
 
 @triton.jit
@@ -334,7 +328,7 @@ def _mhc_kernel(
                 xc = q0[:, None] * n0
                 xc = xc + q1[:, None] * n1
                 xc = xc + q2[:, None] * n2
-                xc = _round(xc + q3[:, None] * n3, BF16)
+                xc = round_bf16_if(xc + q3[:, None] * n3, BF16)
                 xsq += tl.sum(xc * xc, axis=1)
                 tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
                          xc.to(xc_ptr.dtype.element_ty), mask=mask)
@@ -404,7 +398,7 @@ def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl
                   cache_modifier=".cg")
     xc = tl.load(xc_ptr + row0.to(tl.int64) * D + idx, mask=m, other=0.0,
                  cache_modifier=".cg").to(tl.float32)
-    return _round(xc * inv * w, BF16)
+    return round_bf16_if(xc * inv * w, BF16)
 
 
 @triton.jit
@@ -420,7 +414,7 @@ def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D: tl.constexpr):
 def _norm_store(xc_ptr, r64, rmask, cols, D: tl.constexpr, xc, inv, w, BF16: tl.constexpr):
     mask = rmask[:, None] & (cols[None, :] < D)
     tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
-             _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
+             round_bf16_if(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -657,7 +651,7 @@ def _collapse_kernel(x_ptr, pre_ptr, out_ptr, D, S: tl.constexpr, BF16: tl.const
             out = pk * xk
         else:
             out = out + pk * xk
-    tl.store(out_ptr + t * D + cols, _round(out, BF16).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * D + cols, round_bf16_if(out, BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from flashpd.kernels.configs import GemvConfig
 from flashpd.kernels.dense.triton import W_MXFP4, Weights, swiglu_limited
-from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
+from flashpd.kernels.quant.triton import e8m0_decode, round_bf16_if
 
 # rows: pairs per tile by token count (the smallest entry >= the batch; 2 rows keep ~100
 # registers per thread, 4 rows ~175: fewer programs resident); up / down: N block
@@ -271,22 +271,15 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _round(x, ROUND_BF16: tl.constexpr):
-    if ROUND_BF16:
-        x = round_bf16(x)
-    return x
-
-
-@triton.jit
 def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
               SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Pair p's outputs for columns n from its sums per (n, group, word lane) [BN, G, 4]."""
-    g = _round(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
+    g = round_bf16_if(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
     mask = nmask & ok
     if SWIGLU:  # moe.ref.expert_ffn: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
-        u = _round(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
+        u = round_bf16_if(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
         gamma = tl.load(gamma_ptr + p, mask=ok, other=0.0)
-        h = _round(gamma * swiglu_limited(g, u, limit), ROUND_BF16)
+        h = round_bf16_if(gamma * swiglu_limited(g, u, limit), ROUND_BF16)
         r = n % 32
         col = n - r + 4 * (r % 8) + r // 8  # nibble order for the down launch
         tl.store(out_ptr + p.to(tl.int64) * N + col, h * out_scale, mask=mask)

@@ -67,6 +67,14 @@ def round_bf16(x):
 
 
 @triton.jit
+def round_bf16_if(x, BF16: tl.constexpr):
+    """round_bf16(x) when BF16 (an activation or output in BF16), else x as it is (FP32)."""
+    if BF16:
+        x = round_bf16(x)
+    return x
+
+
+@triton.jit
 def _rne_small(y):
     """Round-half-even of 0 <= y < 2^22 to an int32."""
     fl = y.to(tl.int32)  # truncation == floor for y >= 0

@@ -219,3 +219,16 @@ def test_override_checks_names_and_types_and_nests():
         configs.override(h.attention, heads_asm=1)
     with pytest.raises(ValueError, match="heads_max"):
         configs.override(h.attention, heads_max="64")
+
+
+def test_bind_gives_a_models_configs_to_every_tuned_function():
+    from flashpd.kernels import dispatch
+
+    ref = dispatch.get("mhc", "ref")
+    assert dispatch.bind(ref, configs.H200) is ref  # nothing to give: the module itself
+    fast = dispatch.get("mhc", "triton")
+    tuned = configs.override(configs.H200, mhc={"decode_rows": 3})
+    bound = dispatch.bind(fast, tuned)
+    assert bound.hc_mixes.keywords == {"tuned": tuned}
+    assert bound.expand_mix_collapse.func is fast.expand_mix_collapse
+    assert bound.launch_plan is fast.launch_plan  # helpers without `tuned` pass through
