@@ -97,24 +97,20 @@ def engram_paths(num_tokens: int = 4096, cols: int = 24, rows: int = 24 * 100_00
     return out
 
 
-def _sweep(module, configs: list[dict], make_inputs, run) -> list[dict]:
-    """Time `run(inputs)` under each launch CONFIG of `module`; restores the original."""
+def _sweep(op: str, variants: list[dict], make_inputs, run) -> list[dict]:
+    """Time `run(inputs, tuned)` with each variant: `tuned` = the default kernel configs with
+    the variant's fields of `op` replaced (nothing global changes)."""
+    from flashpd.kernels import configs
     from flashpd.kernels.verify import time_ms
 
-    original = dict(module.CONFIG)
     inputs = make_inputs()
     rows = []
-    try:
-        for cfg in configs:
-            module.CONFIG.clear()
-            module.CONFIG.update(cfg)
-            try:
-                rows.append({**cfg, "ms": time_ms(lambda: run(inputs), reps=20)})
-            except Exception as exc:
-                rows.append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
-    finally:
-        module.CONFIG.clear()
-        module.CONFIG.update(original)
+    for fields in variants:
+        try:
+            tuned = configs.override(configs.DEFAULT, **{op: fields})
+            rows.append({**fields, "ms": time_ms(lambda t=tuned: run(inputs, t), reps=20)})
+        except Exception as exc:
+            rows.append({**fields, "error": f"{type(exc).__name__}: {exc}"[:200]})
     return rows
 
 
@@ -135,8 +131,9 @@ def sweeps() -> dict:
         cs = torch.rand(t, 32, device="cuda")
         return q, (cs, cs), win, win_rows, comp, comp_rows, torch.zeros(h, device="cuda")
 
-    def attn_run(a):
-        return at.sparse_attention_packed(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0.044)
+    def attn_run(a, tuned):
+        return at.sparse_attention_packed(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0.044,
+                                          tuned=tuned)
 
     attn_cfgs = [{"heads": 16, "block_n": 16, "warps": 8, "stages": 1},
                  {"heads": 16, "block_n": 32, "warps": 8, "stages": 1},
@@ -152,28 +149,25 @@ def sweeps() -> dict:
             torch.randint(118, 123, (e, n, kk // 32), dtype=torch.uint8, device="cuda"))
         return x, ids, gam, mt.ExpertSet(mk(i, d), mk(i, d), mk(d, i))
 
-    def moe_run(a):
-        return mt.routed_experts(a[0], a[1], a[2], a[3], 10.0)
+    def moe_run(a, tuned):
+        return mt.routed_experts(a[0], a[1], a[2], a[3], 10.0, tuned=tuned)
 
     gemm_cfgs = [{"block_n": 64, "warps": 4, "stages": 3},
                  {"block_n": 128, "warps": 8, "stages": 3},
                  {"block_n": 128, "warps": 4, "stages": 3}]
-    return {"attention_decode_T64": _sweep(at, attn_cfgs, attn_inputs, attn_run),
-            "moe_mxfp4_T4096": _sweep(dt, gemm_cfgs, moe_inputs, moe_run)}
+    return {"attention_decode_T64": _sweep("attention", attn_cfgs, attn_inputs, attn_run),
+            "moe_mxfp4_T4096": _sweep("dense", gemm_cfgs, moe_inputs, moe_run)}
 
 
-def apply_best(sweep: dict) -> dict:
-    """Set each module's CONFIG to its fastest swept configuration; returns the choices."""
-    from flashpd.kernels.attention import triton as at
-    from flashpd.kernels.dense import triton as dt
-
+def best_fields(sweep: dict) -> dict:
+    """The fastest swept fields of each sweep (a candidate for the table in
+    kernels/configs.py; the kernels' configs themselves do not change)."""
     chosen = {}
-    for name, module in (("attention_decode_T64", at), ("moe_mxfp4_T4096", dt)):
+    for name in ("attention_decode_T64", "moe_mxfp4_T4096"):
         ok = [row for row in sweep.get(name, []) if "ms" in row]
         if ok:
             best = min(ok, key=lambda row: row["ms"])
-            module.CONFIG.update({k: v for k, v in best.items() if k != "ms"})
-            chosen[name] = dict(module.CONFIG)
+            chosen[name] = {k: v for k, v in best.items() if k != "ms"}
     return chosen
 
 
@@ -249,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:  # first, so that the checks below run (and verify) the chosen configs
         try:
             payload["sweeps"] = sweeps()
-            payload["chosen_configs"] = apply_best(payload["sweeps"])
+            payload["chosen_configs"] = best_fields(payload["sweeps"])
         except Exception as exc:
             payload["errors"].append(f"sweeps: {type(exc).__name__}: {exc}")
         print("sweeps", json.dumps(payload.get("sweeps"), indent=1), flush=True)

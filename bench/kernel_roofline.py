@@ -30,8 +30,12 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
+
+from flashpd.kernels import configs
+from flashpd.kernels.configs import KernelConfigs
 
 HIDDEN, HEADS, HEAD_DIM, Q_LORA, O_LORA, O_GROUPS = 5120, 64, 512, 1280, 1024, 8
 INTER, EXPERTS, TOP_K, INDEX_HEADS, INDEX_DIM = 2304, 64, 6, 32, 128
@@ -40,7 +44,7 @@ DECODE_M, PREFILL_M = (1, 8, 64), 4096
 L2_BYTES = 256 << 20  # rotate weight copies until a graph replay streams this much
 DEV = "cuda"
 
-# name -> (dense CONFIG overrides, attention CONFIG overrides)
+# name -> (DenseConfig overrides, AttentionConfig overrides; mappings merged)
 VARIANTS = {
     "after": ({}, {}),
 }
@@ -111,18 +115,20 @@ def graph_us(calls: list, device: torch.device, reps: int = 20) -> float:
     return graph_ms(calls, reps) * 1e3
 
 
-def snapshot(config: dict) -> dict:
-    """A copy of a kernel module's CONFIG (its dict entries copied too)."""
-    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+@dataclass
+class Launch:
+    """The kernel configs of the variant being timed: `run_variant` sets `tuned`, and the
+    cases' calls pass it to every kernel at call time (the kernels hold no tuning state)."""
+
+    tuned: KernelConfigs = configs.DEFAULT
 
 
-def set_config(config: dict, default: dict, overrides: dict) -> None:
-    """config (a kernel module's CONFIG, in place) = default with `overrides`, dict entries
-    merged key by key."""
-    config.clear()
-    config.update(snapshot(default))
-    for k, v in overrides.items():
-        config[k] = {**default[k], **v} if isinstance(v, dict) else v
+LAUNCH = Launch()
+
+
+def variant_configs(dense_over: dict, attn_over: dict) -> KernelConfigs:
+    """The default configs with a variant's dense / attention overrides (mappings merged)."""
+    return configs.merge(configs.DEFAULT, dense=dense_over, attention=attn_over)
 
 
 def device_main(name: str, smoke: bool, run) -> int:
@@ -238,19 +244,23 @@ def dense_cases(ms, names) -> list[Case]:
             c.bytes = wbytes(base) + rows * (k + n) * 2
             c.flops = 2.0 * rows * n * k
             if e == 1:
-                c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16)
+                c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16,
+                                                              tuned=LAUNCH.tuned)
                            for w in copies]
                 c.check = lambda x=x, w=base, r=ref_w: rel_err(
-                    dt.linear_weights(x, w, torch.bfloat16), x.float() @ r[0].T)
+                    dt.linear_weights(x, w, torch.bfloat16, tuned=LAUNCH.tuned),
+                    x.float() @ r[0].T)
             else:  # block-diagonal wo_a as the GPU forward runs it
                 p = torch.arange(rows, device=DEV)
                 a_rows = ((p % m) * e + p // m).to(torch.int32)
                 counts = torch.full((e,), m, dtype=torch.int64, device=DEV)
 
                 def call(w, x=x, a_rows=a_rows, counts=counts, m=m, e=e, n=n):
-                    sched = dt.grouped_schedule(counts, m * e, dt.block_m_for(m))
+                    sched = dt.grouped_schedule(counts, m * e,
+                                                dt.block_m_for(m, LAUNCH.tuned.dense))
                     out_ = torch.empty(m * e, n, dtype=torch.bfloat16, device=DEV)
-                    return dt.grouped_gemm(x, w, sched, out_, a_rows=a_rows)
+                    return dt.grouped_gemm(x, w, sched, out_, a_rows=a_rows,
+                                           cfg=LAUNCH.tuned.dense)
 
                 c.calls = [lambda w=w, call=call: call(w) for w in copies]
 
@@ -263,9 +273,10 @@ def dense_cases(ms, names) -> list[Case]:
                 bd = Case("fp8_dense", f"{name} N={n} K={k} G={e} block_diagonal", m, c.phase)
                 bd.bytes, bd.flops = c.bytes, c.flops
                 x3 = x.view(m, e, k)
-                bd.calls = [lambda w=w, x3=x3: dt.block_diagonal(x3, w) for w in copies]
+                bd.calls = [lambda w=w, x3=x3: dt.block_diagonal(x3, w, tuned=LAUNCH.tuned)
+                            for w in copies]
                 bd.check = lambda w=base, r=ref_w, x3=x3: rel_err(
-                    dt.block_diagonal(x3, w),
+                    dt.block_diagonal(x3, w, tuned=LAUNCH.tuned),
                     torch.bmm(x3.float().transpose(0, 1), r.transpose(1, 2)).transpose(0, 1))
                 out.append(bd)
             out.append(c)
@@ -302,7 +313,8 @@ def expert_cases(ms) -> list[Case]:
             gamma = gam.reshape(-1)[order].float().contiguous()
             counts = torch.bincount(flat, minlength=EXPERTS)
             sched = dt.grouped_schedule(counts, m * TOP_K,
-                                        dt.block_m_for(max(1, m * TOP_K // EXPERTS)))
+                                        dt.block_m_for(max(1, m * TOP_K // EXPERTS),
+                                                       LAUNCH.tuned.dense))
             return rows, gamma, sched
 
         preps = [prepared(*s) for s in sets]
@@ -313,7 +325,7 @@ def expert_cases(ms) -> list[Case]:
             dt.grouped_gemm(x, routed.w1, sched, h, a_rows=rows, w3=routed.w3, gamma=gamma,
                             limit=10.0)
             y = torch.empty(m * TOP_K, HIDDEN, dtype=torch.bfloat16, device=DEV)
-            return dt.grouped_gemm(h, routed.w2, sched, y)
+            return dt.grouped_gemm(h, routed.w2, sched, y, cfg=LAUNCH.tuned.dense)
 
         c = Case("mxfp4_experts", f"routed E={EXPERTS} k={TOP_K} I={INTER}", m,
                  "prefill" if m > 64 else "decode")
@@ -342,9 +354,10 @@ def expert_cases(ms) -> list[Case]:
             s = Case("fp8_shared_expert", f"shared I={INTER}", m, "decode")
             s.bytes = sum(wbytes(w) for w in (shared.w1, shared.w3, shared.w2)) + m * HIDDEN * 4
             s.flops = 6.0 * m * HIDDEN * INTER
-            s.calls = [lambda x=x: mt.dense_experts(x, shared, 10.0, None)]
+            s.calls = [lambda x=x: mt.dense_experts(x, shared, 10.0, None, LAUNCH.tuned.dense)]
             d = [deq(w)[0].to(torch.bfloat16) for w in (shared.w1, shared.w3, shared.w2)]
-            s.check = lambda x=x, d=d: rel_err(mt.dense_experts(x, shared, 10.0, None),
+            s.check = lambda x=x, d=d: rel_err(mt.dense_experts(x, shared, 10.0, None,
+                                                                LAUNCH.tuned.dense),
                                                mref.expert_ffn(x, *d, 10.0))
             out.append(s)
     return out
@@ -378,7 +391,7 @@ def attention_cases(ms) -> list[Case]:
                        + 2 * HEADS * HEAD_DIM * 2 + (WINDOW + TOPK_KEYS) * 4)
         c.flops = 4.0 * m * HEADS * (WINDOW + TOPK_KEYS) * HEAD_DIM
         c.calls = [lambda q=q, wr=win_rows, cr=comp_rows: at.sparse_attention_packed(
-            q, None, win_pool, wr, comp_pool, cr, sink, HEAD_DIM ** -0.5)]
+            q, None, win_pool, wr, comp_pool, cr, sink, HEAD_DIM ** -0.5, tuned=LAUNCH.tuned)]
 
         def check(q=q, wr=win_rows, cr=comp_rows):
             got = c_call(q, wr, cr)
@@ -389,7 +402,7 @@ def attention_cases(ms) -> list[Case]:
 
         def c_call(q, wr, cr):
             return at.sparse_attention_packed(q, None, win_pool, wr, comp_pool, cr, sink,
-                                              HEAD_DIM ** -0.5)
+                                              HEAD_DIM ** -0.5, tuned=LAUNCH.tuned)
 
         c.check = check
         out.append(c)
@@ -408,14 +421,8 @@ def all_cases(quick: bool) -> list[Case]:
 
 # ============================================================================ run
 def apply(variant: str) -> None:
-    from flashpd.kernels.attention import triton as at
-    from flashpd.kernels.dense import triton as dt
-
-    dense_over, attn_over = {**VARIANTS, **SWEEP}[variant]
-    dt.CONFIG.clear()
-    dt.CONFIG.update(DENSE_DEFAULT, **dense_over)
-    at.CONFIG.clear()
-    at.CONFIG.update(ATTN_DEFAULT, **attn_over)
+    """The cases' calls run with this variant's configs from now on."""
+    LAUNCH.tuned = variant_configs(*{**VARIANTS, **SWEEP}[variant])
 
 
 def run_variant(variant: str, cases: list[Case], ceilings: dict) -> list[dict]:
@@ -506,8 +513,6 @@ def use_tiny_shapes() -> None:
     WINDOW, TOPK_KEYS, DECODE_M, PREFILL_M, L2_BYTES, DEV = 16, 24, (1, 3), 80, 1, "cpu"
 
 
-DENSE_DEFAULT: dict = {}
-ATTN_DEFAULT: dict = {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,18 +534,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("kernel_roofline needs a CUDA GPU")
     import triton
 
-    from flashpd.kernels.attention import triton as at
-    from flashpd.kernels.dense import triton as dt
-
-    DENSE_DEFAULT.update(dt.CONFIG)
-    ATTN_DEFAULT.update(at.CONFIG)
     os.makedirs(args.out, exist_ok=True)
     ceilings = measure_ceilings() if DEV == "cuda" else {"copy_GBps": 1.0, "bf16_TFLOPs": 1.0}
     meta = {"command": "python -m flashpd.bench.kernel_roofline " + " ".join(argv or []),
             "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "torch": torch.__version__,
             "triton": triton.__version__, "host": platform.node(),
             "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), **ceilings,
-            "dense_config": dict(dt.CONFIG), "attention_config": dict(at.CONFIG)}
+            "dense_config": configs.DEFAULT.dense.as_dict(),
+            "attention_config": configs.DEFAULT.attention.as_dict()}
     print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 {ceilings['bf16_TFLOPs']:.0f}"
           " TFLOP/s", flush=True)
     sweep = list(SWEEP) if args.sweep_only is None else args.sweep_only

@@ -10,7 +10,7 @@ window = pool rows t..t+127 (a sliding window), its top-k = random rows of a 4,0
 Decode: B = 1, 8, 64 queries, each with its own random window rows and top-k rows out of an 8K
 context's 4,096 entries per sequence (B x 4,096 entries, past the L2 at B = 64).
 
-Each variant is a set of `kernels.attention.triton.CONFIG` overrides. For every (variant, shape)
+Each variant is a set of `configs.AttentionConfig` overrides. For every (variant, shape)
 it checks ||out - ref|| / ||ref|| against `attention/ref.py` (on 256 sampled queries for
 prefill, all for decode; the output is poisoned with NaN first) and times the call: prefill
 with CUDA events (median of 5 after a warm-up), decode as CUDA-graph replays of 20 calls.
@@ -25,6 +25,9 @@ import statistics
 import time
 
 import torch
+
+from flashpd.kernels import configs
+from flashpd.kernels.configs import KernelConfigs
 
 H, D, W, K, PAIRS, ENTRIES = 64, 512, 128, 512, 32, 4096
 PREFILL_T, DECODE_B = (4096, 8192), (1, 8, 64)
@@ -122,11 +125,11 @@ def _inputs(num_q: int, decode: bool, g: torch.Generator):
                 freqs=freqs.to(DEV))
 
 
-def _call(x):
+def _call(x, tuned: KernelConfigs):
     from flashpd.kernels.attention import triton as at
 
     return at.sparse_attention_packed(x["q"], x["rope"], x["win"], x["win_rows"], x["comp"],
-                                      x["comp_rows"], x["sink"], D ** -0.5)
+                                      x["comp_rows"], x["sink"], D ** -0.5, tuned=tuned)
 
 
 def _reference(x, idx: torch.Tensor) -> torch.Tensor:
@@ -144,23 +147,20 @@ def _reference(x, idx: torch.Tensor) -> torch.Tensor:
     return rope.apply_rope(o, pos, x["freqs"], inverse=True)
 
 
-def _check(x, idx, ref) -> float:
+def _check(x, idx, ref, tuned: KernelConfigs) -> float:
     """Relative error on the sampled queries; 1e9 if any output is NaN (the block the output
     is allocated from was filled with NaN just before)."""
     from flashpd.kernels.verify import errors
 
-    out = _call(x)
+    out = _call(x, tuned)
     return errors(out[idx].float(), ref.float())[1] if not out.isnan().any() else 1e9
 
 
-def _fused_diff(at, x) -> float:
+def _fused_diff(x, tuned: KernelConfigs) -> float:
     """Max |fused - unfused| of one call (fused_combine on, then off; 0.0: bit-identical)."""
-    fused = _call(x)
-    at.CONFIG["fused_combine"] = False
-    try:
-        return float((fused.float() - _call(x).float()).abs().max())
-    finally:
-        at.CONFIG["fused_combine"] = True
+    fused = _call(x, tuned)
+    unfused = _call(x, configs.override(tuned, attention={"fused_combine": False}))
+    return float((fused.float() - unfused.float()).abs().max())
 
 
 def _time_events(fn, reps: int = 5) -> float:
@@ -230,7 +230,6 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
         deadline: float | None = None) -> list[dict]:
     from flashpd.kernels.attention import triton as at
 
-    default = dict(at.CONFIG)
     g = torch.Generator().manual_seed(0)
     rows = []
     plans = [("prefill", t, PREFILL_VARIANTS) for t in (PREFILL_T[:1] if quick else PREFILL_T)]
@@ -247,8 +246,7 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
         for name, over in variants.items():
             if only and name not in only:
                 continue
-            at.CONFIG.clear()
-            at.CONFIG.update(default, **over)
+            tuned = configs.override(configs.DEFAULT, attention=over)
             row = {"phase": phase, "rows": num_q, "variant": name}
             if deadline is not None and time.perf_counter() > deadline:
                 row["error"] = "skipped: over the time budget"
@@ -259,9 +257,9 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                 torch.empty(num_q * H * D, dtype=torch.bfloat16, device=DEV).fill_(
                     float("nan"))
                 before = _compiled(at) if DEV == "cuda" else {}
-                row["rel_err"] = _check(x, idx, ref)
+                row["rel_err"] = _check(x, idx, ref, tuned)
                 if over.get("fused_combine"):
-                    row["max_diff_unfused"] = _fused_diff(at, x)
+                    row["max_diff_unfused"] = _fused_diff(x, tuned)
                 if DEV == "cuda":
                     new = [k for i, k in _compiled(at).items() if i not in before]
                     row["kernels"] = _resources(new)
@@ -270,46 +268,39 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     continue
-                row["ms"] = (_time_graph(lambda x=x: _call(x)) if phase == "decode"
-                             else _time_events(lambda x=x: _call(x)))
+                row["ms"] = (_time_graph(lambda x=x, t=tuned: _call(x, t)) if phase == "decode"
+                             else _time_events(lambda x=x, t=tuned: _call(x, t)))
                 row["tflops"] = flops / row["ms"] / 1e9
                 row["gbps"] = nbytes / row["ms"] / 1e6
                 if phase == "decode":
-                    row["plan"] = at.heads_plan(num_q, H, (W, K))
+                    row["plan"] = at.heads_plan(num_q, H, (W, K), tuned.attention)
             except Exception as exc:  # a variant that fails to compile or run is reported
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
         del x
-    at.CONFIG.clear()
-    at.CONFIG.update(default)
     return rows
 
 
 def verify_variants(names: list[str]) -> list[dict]:
     """`verify-kernels --ops attention` (bench scale, no timing; tiny on the CPU) under each
-    prefill variant's CONFIG overrides: the packed NVFP4 / FP8 cases at T = 64 (split-KV) and
+    prefill variant's AttentionConfig overrides: the packed NVFP4 / FP8 cases at T = 64 (split-KV) and
     1024 (one pass)."""
     from flashpd.kernels import verify
-    from flashpd.kernels.attention import triton as at
 
-    default = dict(at.CONFIG)
     rows = []
     for name in names:
-        at.CONFIG.clear()
-        at.CONFIG.update(default, **PREFILL_VARIANTS[name])
+        tuned = configs.override(configs.DEFAULT, attention=PREFILL_VARIANTS[name])
         try:
             checks = verify.run_checks("bench" if DEV == "cuda" else "tiny", ["attention"],
-                                       timing=False)
+                                       timing=False, tuned=tuned)
             rows.append({"variant": name, "checks": [
                 {"case": c.case, "max_rel": c.max_rel, "tol": c.tol, "passed": c.passed}
                 for c in checks]})
         except Exception as exc:
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)
-    at.CONFIG.clear()
-    at.CONFIG.update(default)
     return rows
 
 
@@ -396,8 +387,8 @@ def main(argv=None) -> None:
                     "processes at once (fills Triton's cache for the timed run)")
     ap.add_argument("--verify", nargs="*", metavar="VARIANT",
                     help="run verify-kernels' attention checks (bench scale) under these "
-                    "prefill variants' CONFIG")
-    ap.add_argument("--pick-out", help="write the decode variant to adopt here (its CONFIG "
+                    "prefill variants' AttentionConfig")
+    ap.add_argument("--pick-out", help="write the decode variant to adopt here (its AttentionConfig "
                     "overrides as JSON, {} = keep the defaults): the fastest at B = 1 among "
                     "variants that check out and are at most 2%% slower than 'default' at "
                     "every other batch")

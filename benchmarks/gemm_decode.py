@@ -15,7 +15,7 @@ Cases (M = 1, 8, 64 tokens), built with bench/kernel_roofline.py's helpers:
                        gathers), to price the glue
 Times: median per call over CUDA-graph replays (kernel_roofline.graph_ms; weight copies or
 alternating routings so weights stream from HBM). Bytes: weights + scales of the experts the
-routing touches, activations in and out. Each variant is a dict of dense CONFIG overrides
+routing touches, activations in and out. Each variant is a dict of DenseConfig overrides
 ("mx" / "skinny" merged into the defaults); each case's error is against a torch reference on
 the dequantised weights. Writes gemm_decode.json and gemm_decode.md under --out.
 """
@@ -31,8 +31,10 @@ import time
 import torch
 
 from flashpd.bench import kernel_roofline as kr
+from flashpd.kernels import configs
+from flashpd.kernels.configs import KernelConfigs
 
-# name -> (dense CONFIG overrides, case kinds it runs, its M values), in priority order (a
+# name -> (DenseConfig overrides, case kinds it runs, its M values), in priority order (a
 # --budget-s run stops starting variants once the budget is spent): "mx" routed experts,
 # "fp8" dense layers + shared expert; "new" (the defaults) also runs the comparison cases
 _MS = (1, 64)
@@ -168,33 +170,25 @@ VARIANTS["rows_base_again"] = ({}, ("fp8",), _ROWS_M)
 _NEW_ONLY = ("mxfp4_experts", "routed_torch_glue", "moe_full")
 
 
-_SWAP_DEFAULT: list = []  # fp8_swap.CONFIG and dense FP8_SWAP_MAX_ROWS as imported
-
-
-def apply(overrides: dict, default: dict) -> None:
-    """Dense CONFIG = default + overrides ("mx" / "skinny" merged); "fp8_swap": fp8_swap.CONFIG
-    overrides with the path on to its widest row class; "fp8_swap_max_rows": the dense bound
-    alone."""
+def variant_configs(overrides: dict) -> KernelConfigs:
+    """The default kernel configs + a variant's DenseConfig overrides ("mx" / "skinny" merged);
+    "fp8_swap": Fp8SwapConfig fields replaced, with the path on to its widest row class;
+    "fp8_swap_max_rows": the dense bound alone."""
     from flashpd.kernels.dense import fp8_swap as fs
-    from flashpd.kernels.dense import triton as dt
 
-    if not _SWAP_DEFAULT:
-        _SWAP_DEFAULT[:] = [dict(fs.CONFIG), dt.FP8_SWAP_MAX_ROWS]
-    fs.CONFIG.clear()
-    fs.CONFIG.update(_SWAP_DEFAULT[0])
-    dt.FP8_SWAP_MAX_ROWS = _SWAP_DEFAULT[1]
-    dt.CONFIG.clear()
-    dt.CONFIG.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in default.items()})
-    for k, v in overrides.items():
-        if k == "fp8_swap":
-            fs.CONFIG.update(v)
-            dt.FP8_SWAP_MAX_ROWS = fs.max_rows()
-        elif k == "fp8_swap_max_rows":
-            dt.FP8_SWAP_MAX_ROWS = v
-        elif isinstance(v, dict):
-            dt.CONFIG[k] = {**default[k], **v}
-        else:
-            dt.CONFIG[k] = v
+    over = dict(overrides)
+    swap = over.pop("fp8_swap", None)
+    tuned = configs.merge(configs.DEFAULT, dense=over)
+    if swap is not None:
+        tuned = configs.override(tuned, dense={"fp8_swap": swap})
+        tuned = configs.override(tuned, dense={
+            "fp8_swap_max_rows": fs.max_rows(tuned.dense.fp8_swap)})
+    return tuned
+
+
+def apply(overrides: dict) -> None:
+    """The cases' kernel calls run with this variant's configs from now on (kr.LAUNCH)."""
+    kr.LAUNCH.tuned = variant_configs(overrides)
 
 
 def routed_cases(ms) -> list:
@@ -226,12 +220,14 @@ def routed_cases(ms) -> list:
             gamma = gam.reshape(-1)[order].to(torch.float32).contiguous()
             counts = torch.zeros(e_, dtype=torch.int64, device=x.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat))
-            sched = dt.grouped_schedule(counts, m * k_, dt.block_m_for(max(1, m * k_ // e_)))
+            dense = kr.LAUNCH.tuned.dense
+            sched = dt.grouped_schedule(counts, m * k_, dt.block_m_for(max(1, m * k_ // e_),
+                                                                       dense))
             h = torch.empty(m * k_, i_, dtype=x.dtype, device=x.device)
             dt.grouped_gemm(x, routed.w1, sched, h, a_rows=rows, w3=routed.w3, gamma=gamma,
-                            limit=10.0)
+                            limit=10.0, cfg=dense)
             y = torch.empty(m * k_, d_, dtype=x.dtype, device=x.device)
-            dt.grouped_gemm(h, routed.w2, sched, y)
+            dt.grouped_gemm(h, routed.w2, sched, y, cfg=dense)
             position = torch.empty_like(order)
             position[order] = torch.arange(m * k_, device=x.device)
             position = position.reshape(m, k_).sort(dim=-1).values
@@ -252,8 +248,8 @@ def routed_cases(ms) -> list:
                 want.index_add_(0, tok, y.float())
             return kr.rel_err(fn(ids, gam), want)
 
-        for name, fn in (("routed_full", lambda i, w, x=x: mt.routed_experts(x, i, w, routed,
-                                                                              10.0)),
+        for name, fn in (("routed_full", lambda i, w, x=x: mt.routed_experts(
+                              x, i, w, routed, 10.0, tuned=kr.LAUNCH.tuned)),
                          ("routed_torch_glue", glue)):
             c = kr.Case(name, f"routed E={e_} k={k_} I={i_}", m, "decode")
             c.bytes, c.flops = nbytes, 6.0 * m * k_ * d_ * i_
@@ -279,13 +275,16 @@ def _moe_full(x: torch.Tensor, routed, per_expert: float):
     c.bytes = (len(torch.unique(ids)) * per_expert + gate.numel() * 2 + x.numel() * 4
                + sum(kr.wbytes(w) for w in (shared.w1, shared.w3, shared.w2)))
     c.flops = 6.0 * x.shape[0] * (k_ + 1) * d_ * i_
-    c.calls = [lambda: mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0)]
+    c.calls = [lambda: mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0,
+                                        tuned=kr.LAUNCH.tuned)]
 
     def check():
         i, w = mt.route(x, gate, bias, k_, 1.0)
-        want = (mt.routed_experts(x, i, w, routed, 10.0)
-                + mt.dense_experts(x, shared, 10.0, None).float()).to(x.dtype)
-        return kr.rel_err(mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0), want)
+        tuned = kr.LAUNCH.tuned
+        want = (mt.routed_experts(x, i, w, routed, 10.0, tuned=tuned)
+                + mt.dense_experts(x, shared, 10.0, None, tuned.dense).float()).to(x.dtype)
+        return kr.rel_err(mt.moe_quantized(x, gate, bias, routed, shared, k_, 1.0, 10.0,
+                                           tuned=tuned), want)
 
     c.check = check
     return c
@@ -313,9 +312,10 @@ def stacked_cases(ms) -> list:
             c = kr.Case("fp8_stacked", f"{name} N={n} K={k}", m, "decode")
             x = torch.randn(m, k, device=kr.DEV).to(torch.bfloat16)
             c.bytes, c.flops = kr.wbytes(base) + m * (k + n) * 2, 2.0 * m * n * k
-            c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16) for w in copies]
+            c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16,
+                                                          tuned=kr.LAUNCH.tuned) for w in copies]
             c.check = lambda x=x, w=base, r=ref_w: kr.rel_err(
-                dt.linear_weights(x, w, torch.bfloat16), x.float() @ r.T)
+                dt.linear_weights(x, w, torch.bfloat16, tuned=kr.LAUNCH.tuned), x.float() @ r.T)
             out.append(c)
     return out
 
@@ -345,11 +345,11 @@ def _selected(v: str, cases: dict, kinds) -> list:
             if (ms is None or c.m in ms) and (v == "new" or c.kernel not in _NEW_ONLY)]
 
 
-def warm(variants, kinds, default: dict, layers=None) -> None:
+def warm(variants, kinds, layers=None) -> None:
     """Compile (one call of each case) every variant's kernels: fills Triton's disk cache."""
     cases = build_cases(kr.DECODE_M, kinds, layers)
     for v in variants:
-        apply(VARIANTS[v][0], default)
+        apply(VARIANTS[v][0])
         for c in _selected(v, cases, kinds):
             try:
                 c.calls[0]()
@@ -548,13 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gemm_decode needs a CUDA GPU (or --smoke)")
     import triton
 
-    from flashpd.kernels.dense import triton as dt
 
-    default = {k: (dict(v) if isinstance(v, dict) else v) for k, v in dt.CONFIG.items()}
+    default = configs.DEFAULT.dense.as_dict()
     if args.ms:
         kr.DECODE_M = tuple(args.ms)
     if args.warm_only:
-        warm(args.variants, args.kinds, default, args.layers)
+        warm(args.variants, args.kinds, args.layers)
         return 0
     t_start = time.perf_counter()
     jobs = warm_parallel(args.variants, args.kinds, args.warm_procs, args.smoke, args.ms,
@@ -578,9 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: {v} and later variants not run", flush=True)
             break
-        apply(VARIANTS[v][0], default)
+        apply(VARIANTS[v][0])
         rows += run(v, _selected(v, cases, args.kinds), ceilings)
-        apply({}, default)
+        apply({})
         if kr.DEV == "cuda":
             try:
                 facts = meta["kernels"][v] = kernel_facts(seen)
@@ -605,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "gemm_decode_best.json"), "w") as f:
             json.dump(best, f)
         if best:
-            apply(best, default)
+            apply(best)
             rows += run("best", [c for kind in args.kinds for c in cases[kind]
                                  if c.kernel not in _NEW_ONLY], ceilings)
             with open(os.path.join(args.out, "gemm_decode.md"), "w") as f:

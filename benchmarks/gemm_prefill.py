@@ -20,9 +20,12 @@ import time
 
 import torch
 
+from flashpd.kernels import configs
+
 HIDDEN, INTER, EXPERTS, TOP_K, Q_LORA, O_IN = 5120, 2304, 64, 6, 1280, 8192
 LIMIT = 10.0
 DEV = "cuda"
+BASE = configs.DEFAULT  # the kernel configs of the run (--smoke: no tl.dot_scaled)
 PEAK_NOTE = "bf16 8192^3 torch.matmul"
 
 _T1 = {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 4,
@@ -108,15 +111,17 @@ def routed(tokens: int, weights, results: list, log) -> None:
         log(f"  {name}: {ms:.3f} ms  {r['TFLOPs'] or 0:.0f} TFLOP/s  err {err:.2e}")
 
     # before: the current grouped GEMM of dense/triton.py (as moe/triton.py calls it)
-    sched = dt.grouped_schedule(counts, pairs, dt.block_m_for(max(1, pairs // EXPERTS)))
+    sched = dt.grouped_schedule(counts, pairs, dt.block_m_for(max(1, pairs // EXPERTS),
+                                                              BASE.dense))
     h0 = torch.empty(pairs, INTER, dtype=torch.bfloat16, device=dev)
     y0 = torch.empty(pairs, HIDDEN, dtype=torch.bfloat16, device=dev)
 
     def before1():
-        return dt.grouped_gemm(x, w1, sched, h0, a_rows=rows, w3=w3, gamma=gamma, limit=LIMIT)
+        return dt.grouped_gemm(x, w1, sched, h0, a_rows=rows, w3=w3, gamma=gamma, limit=LIMIT,
+                               cfg=BASE.dense)
 
     def before2():
-        return dt.grouped_gemm(h_ref, w2, sched, y0)
+        return dt.grouped_gemm(h_ref, w2, sched, y0, cfg=BASE.dense)
 
     ms1, ms2 = time_ms(before1, reps=5, warmup=1), time_ms(before2, reps=5, warmup=1)
     rec("before gemm1", ms1, rel_err(before1(), h_ref), flops1)
@@ -140,38 +145,37 @@ def routed(tokens: int, weights, results: list, log) -> None:
                     best[gemm] = (name, ms, t)
             except Exception as exc:  # a configuration that does not compile or run
                 log(f"  {gemm} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-    saved = {k: v for k, v in gl.CONFIG.items()}
+    large = BASE.moe.large
     try:
         for name, cfg in DEQUANT.items():  # decode of W1 | W3 into the scratch (3 GB BF16)
-            gl.CONFIG["dequant"] = cfg
-            fn = lambda: gl.decoded_scratch(w1, w3)  # noqa: E731
+            fn = lambda cfg=cfg: gl.decoded_scratch(w1, w3, cfg)  # noqa: E731
             ms = time_ms(fn, reps=5, warmup=1)
             nbytes = 2 * (w1.data.numel() + w1.scale.numel()) + 2 * 2 * w1.data.numel() * 2
             rec(f"dequant W1|W3 {name}", ms, 0.0, 0.0, GBps=nbytes / (ms * 1e-3) / 1e9)
-        gl.CONFIG["dequant"] = saved["dequant"]
         if "gemm1" in best and "gemm2" in best:  # end to end: the best of each GEMM
-            gl.CONFIG.update(gemm1=best["gemm1"][2], gemm2=best["gemm2"][2],
-                             scratch_min_pairs=1 << 40)
-            fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT)  # noqa: E731
+            top = configs.override(large, gemm1=best["gemm1"][2], gemm2=best["gemm2"][2],
+                                   scratch_min_pairs=1 << 40)
+            fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT,  # noqa: E731
+                                         cfg=top)
             rec(f"after best ({best['gemm1'][0]} + {best['gemm2'][0]})",
                 time_ms(fn, reps=7, warmup=1), rel_err(fn(), y_ref), flops1 + flops2,
                 gemm1=best["gemm1"][2], gemm2=best["gemm2"][2])
-            gl.CONFIG.clear()
-            gl.CONFIG.update(saved)
-        # the defaults (grouped_large.CONFIG), then the MoE entry point: dispatched here vs the
+        # the defaults (GroupedLargeConfig), then the MoE entry point: dispatched here vs the
         # previous grouped GEMM (min_pairs out of reach); both include sorting and the sum
-        fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT)  # noqa: E731
+        fn = lambda: gl.expert_gemms(x, rows, gamma, s128, w1, w3, w2, LIMIT,  # noqa: E731
+                                     cfg=large)
         out = torch.full_like(y_ref, float("nan"))
         out.copy_(fn())
         rec("after (defaults)", time_ms(fn, reps=7, warmup=1), rel_err(out, y_ref),
             flops1 + flops2)
         from flashpd.kernels.moe import triton as mt
         experts = mt.ExpertSet(w1, w3, w2)
-        new = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+        new = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT, tuned=BASE)  # noqa: E731
         y_new = new()
         ms_new = time_ms(new, reps=5, warmup=1)
-        gl.CONFIG["min_pairs"] = 1 << 40
-        old = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT)  # noqa: E731
+        previous = configs.override(BASE, moe={"large": {"min_pairs": 1 << 40}})
+        old = lambda: mt.routed_experts(x, ids, gam, experts, LIMIT,  # noqa: E731
+                                        tuned=previous)
         y_old = old()
         ms_old = time_ms(old, reps=5, warmup=1)
         rec("moe.routed_experts previous path", ms_old, 0.0, flops1 + flops2)
@@ -179,9 +183,6 @@ def routed(tokens: int, weights, results: list, log) -> None:
             rel_err(y_new, y_old), flops1 + flops2)
     except Exception as exc:
         log(f"  end to end FAILED {type(exc).__name__}: {str(exc)[:300]}")
-    finally:
-        gl.CONFIG.clear()
-        gl.CONFIG.update(saved)
 
 
 def fp8_cases(tokens: int, results: list, log) -> None:
@@ -205,7 +206,7 @@ def fp8_cases(tokens: int, results: list, log) -> None:
         return h @ dt.dequantize_fp8(shared.w2).T
 
     for name, fn in (("shared expert (current)", lambda: mt.dense_experts(x, shared, LIMIT,
-                                                                            None)),
+                                                                            None, BASE.dense)),
                      ("shared expert cuBLAS w13", cublas_shared)):
         ms = time_ms(fn, reps=7, warmup=1)
         results.append({"case": "fp8", "tokens": tokens, "variant": name, "ms": ms,
@@ -215,7 +216,8 @@ def fp8_cases(tokens: int, results: list, log) -> None:
     for name, n, k in (("wq_a", Q_LORA, HIDDEN), ("wo_b", HIDDEN, O_IN)):
         w = rand_fp8(n, k, seed=hash(name) % 1000)
         xa = torch.randn(tokens, k, device=DEV).to(torch.bfloat16)
-        fn = lambda w=w, xa=xa: dt.linear_weights(xa, w, torch.bfloat16)  # noqa: E731
+        fn = lambda w=w, xa=xa: dt.linear_weights(xa, w, torch.bfloat16,  # noqa: E731
+                                                  tuned=BASE)
         ms = time_ms(fn, reps=7, warmup=1)
         results.append({"case": "fp8", "tokens": tokens, "variant": f"{name} N={n} K={k}",
                         "ms": ms, "err": rel_err(fn(), xa.float() @ deq(w)[0].T),
@@ -226,12 +228,12 @@ def fp8_cases(tokens: int, results: list, log) -> None:
 def _smoke() -> None:
     from flashpd.bench import kernel_roofline
 
-    global DEV, HIDDEN, INTER, EXPERTS, Q_LORA, O_IN
-    from flashpd.kernels.moe import grouped_large as gl
+    global DEV, HIDDEN, INTER, EXPERTS, Q_LORA, O_IN, BASE
 
     DEV = kernel_roofline.DEV = "cpu"
-    for gemm in ("gemm1", "gemm2"):  # the interpreter cannot run tl.dot_scaled
-        gl.CONFIG[gemm] = {**gl.CONFIG[gemm], "dot_scaled": False}
+    # the interpreter cannot run tl.dot_scaled
+    BASE = configs.merge(BASE, moe={"large": {"gemm1": {"dot_scaled": False},
+                                              "gemm2": {"dot_scaled": False}}})
     HIDDEN, INTER, EXPERTS, Q_LORA, O_IN = 128, 128, 8, 64, 128
 
 

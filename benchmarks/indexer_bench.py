@@ -6,8 +6,8 @@ For each batch B (one query per sequence, every sequence at `--context` tokens) 
 index layer of the preset at that context:
   dense  (ratio 2 / 1 index sources): index_scores_paged + select_topk over n entries
   sparse (reindex layers):            index_topk_sparse_paged over candidate_topk_blocks blocks
-the median us per call over CUDA-graph replays with kernels/indexer CONFIG's small-batch forms
-off (score_target 0, topk_split_q 0: the previous launches) and on (the defaults), and whether
+the median us per call over CUDA-graph replays with the indexer's small-batch launches
+(configs.IndexerConfig) off (score_target 0, topk_split_q 0: the previous launches) and on (the defaults), and whether
 both select the same pool rows. Rows go to DIR/indexer_bench.json, a table to stdout.
 """
 
@@ -21,11 +21,12 @@ import torch
 
 from flashpd.bench import kernel_roofline
 from flashpd.bench.kernel_roofline import graph_ms
+from flashpd.kernels import configs
 from flashpd.kernels.indexer import triton as it
 from flashpd.kernels.quant import ref as qref
 from flashpd.model.presets import preset_config
 
-OFF = {"score_target": 0, "topk_split_q": 0}
+OFF = configs.override(configs.DEFAULT, indexer={"score_target": 0, "topk_split_q": 0})
 DEV = "cuda"
 
 
@@ -38,9 +39,10 @@ def _case(cfg, batch: int, n: int, sparse: bool, gen: torch.Generator):
     seq_of = torch.arange(batch, dtype=torch.int32, device=DEV)
     n_vis = torch.full((batch,), n, dtype=torch.int32, device=DEV)
     if not sparse:
-        def run():
-            s = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.01)
-            return it.select_topk(s, k, pool_rows=(key_rows, seq_of))
+        def run(tuned):
+            s = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.01,
+                                      tuned=tuned)
+            return it.select_topk(s, k, pool_rows=(key_rows, seq_of), tuned=tuned)
         return run
     bs, nb = cfg.candidate_block_size, cfg.candidate_topk_blocks
     wide = max(n, nb * bs + bs)  # the pool's key-row width exceeds the kept blocks' columns
@@ -53,9 +55,9 @@ def _case(cfg, batch: int, n: int, sparse: bool, gen: torch.Generator):
         blocks[b, :kept.numel()] = kept
     blocks = blocks.to(DEV)
 
-    def run():
+    def run(tuned):
         return it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k,
-                                          weight_scale=0.01, as_pool_rows=True)
+                                          weight_scale=0.01, as_pool_rows=True, tuned=tuned)
     return run
 
 
@@ -73,21 +75,19 @@ def main() -> None:
     cases = [(f"dense r{r}", args.context // r, False) for r in ratios]
     cases.append((f"sparse r{ratios[0]}", args.context // ratios[0], True))
     gen = torch.Generator().manual_seed(0)
-    defaults = dict(it.CONFIG)
     rows = []
     for batch in args.batch:
         for name, n, sparse in cases:
             run = _case(cfg, batch, n, sparse, gen)
             row = {"batch": batch, "case": name, "entries": n}
-            for label, over in (("off", OFF), ("on", {})):
-                it.CONFIG.update(defaults)
-                it.CONFIG.update(over)
-                row[f"{label}_out"] = run()
-                row[f"{label}_us"] = 1e3 * graph_ms([run], reps=1 if args.smoke else 9)
-            it.CONFIG.update(defaults)
+            for label, tuned in (("off", OFF), ("on", configs.DEFAULT)):
+                row[f"{label}_out"] = run(tuned)
+                row[f"{label}_us"] = 1e3 * graph_ms([lambda t=tuned, run=run: run(t)],
+                                                    reps=1 if args.smoke else 9)
             row["same"] = bool(torch.equal(row.pop("off_out"), row.pop("on_out")))
-            row["tiles_on"] = it.score_tiles(batch, n)
-            row["topk_slice_on"] = it.topk_slice(batch, n, cfg.index_topk)
+            row["tiles_on"] = it.score_tiles(batch, n, configs.DEFAULT.indexer)
+            row["topk_slice_on"] = it.topk_slice(batch, n, cfg.index_topk,
+                                                 configs.DEFAULT.indexer)
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| B | case | entries | off us | on us | same |", "|---|---|---|---|---|---|"]

@@ -38,16 +38,17 @@ import triton.language as tl
 # isort: on
 
 from flashpd.bench import kernel_roofline as kr
+from flashpd.kernels import configs, dispatch
 from flashpd.kernels.dense import ref as dref
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.mhc import ref as href
-from flashpd.kernels.mhc import triton as ht
+from flashpd.kernels.mhc import triton as mhc_triton
 from flashpd.kernels.verify import errors
 
 TOKENS = (1, 8, 64, 4096)
 DEVICE = triton_runtime.kernel_device()  # CPU under the interpreter (a dry run of the script)
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
-# prefill launch variants timed at `--big` tokens (fused step): name -> CONFIG overrides
+# prefill launch variants timed at `--big` tokens (fused step): name -> MhcConfig overrides
 VARIANTS = {
     "bt64 bd32 w8 s3 auto": {},
     "bt64 bd32 w8 s3 grid1": {"prefill_grid": 1},
@@ -56,7 +57,7 @@ VARIANTS = {
     "bt32 bd32 w8 s3": {"prefill_block_t": 32},
 }
 # decode variants timed at 1, 8 and 64 tokens, each checked against the ref and for batch
-# invariance (CONFIG overrides of the defaults; bench/results/h200/mhc_decode.md): pin = the MMA
+# invariance (MhcConfig overrides of the defaults; bench/results/h200/mhc_decode.md): pin = the MMA
 # operand X' converted once instead of recomputed in every warp, red = slice vectors loaded at
 # once by the last program, spin = every program normalises its own slice, sk_tok = Sinkhorn on
 # per-token vectors, split = slices of D, warps = per program
@@ -72,19 +73,37 @@ DECODE_VARIANTS = {"default": {},
 DECODE_MODES = ("seam", "fused")
 
 
-def apply(over: dict) -> dict:
-    """Apply a variant's overrides; returns what restores the defaults."""
-    saved = {"config": dict(ht.CONFIG), "split": ht.MHC_SPLIT}
-    over = dict(over)
-    ht.MHC_SPLIT = over.pop("split", ht.MHC_SPLIT)
-    ht.CONFIG.update(over)
+class Launch:
+    """The mHC kernels with the configs of the variant being timed: `apply` / `restore` switch
+    the configs, `ht` is the kernel module bound to them (the kernels hold no tuning state)."""
+
+    def __init__(self) -> None:
+        self.tuned = configs.DEFAULT
+
+    @property
+    def ht(self):
+        return dispatch.bind(mhc_triton, self.tuned)
+
+    def plan(self, num_tokens: int, dim: int) -> dict:
+        return mhc_triton.launch_plan(num_tokens, dim, self.tuned.mhc)
+
+    def set(self, **fields) -> None:
+        self.tuned = configs.override(self.tuned, mhc=fields)
+
+
+LAUNCH = Launch()
+
+
+def apply(over: dict) -> configs.KernelConfigs:
+    """Run with a variant's MhcConfig overrides (of the defaults); returns what restores the
+    configs before."""
+    saved = LAUNCH.tuned
+    LAUNCH.tuned = configs.override(configs.DEFAULT, mhc=over)
     return saved
 
 
-def restore(saved: dict) -> None:
-    ht.CONFIG.clear()
-    ht.CONFIG.update(saved["config"])
-    ht.MHC_SPLIT = saved["split"]
+def restore(saved: configs.KernelConfigs) -> None:
+    LAUNCH.tuned = saved
 
 
 def load_before(path: str):
@@ -165,7 +184,7 @@ def check(site: Site, t: int) -> list[dict]:
     xn_ref = href.expand(site.y, site.x, site.post, site.comb)
     ref = href.hc_mixes(xn_ref, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
     xc_ref = dref.rms_norm(href.collapse(xn_ref, site.pre), site.nw, NORM_EPS)
-    xn, pre, post, comb, xc = ht.expand_mix_collapse(*site.args(True, True))
+    xn, pre, post, comb, xc = LAUNCH.ht.expand_mix_collapse(*site.args(True, True))
     for name, got, want, tol in (("fused X'", xn, xn_ref, 8e-3),
                                  ("fused pre/post", torch.cat((pre, post), 1),
                                   torch.cat(ref[:2], 1), 1e-4),
@@ -173,16 +192,16 @@ def check(site: Site, t: int) -> list[dict]:
                                  ("fused collapse+norm", xc, xc_ref, 2e-2)):
         rows.append({"T": t, "check": name, "rel_err": errors(got, want)[1], "tol": tol})
     mref = href.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
-    mix = ht.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
+    mix = LAUNCH.ht.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
     rows.append({"T": t, "check": "mixes pre/post/comb",
                  "rel_err": max(errors(a, b)[1] for a, b in zip(mix, mref, strict=True)),
                  "tol": 1e-4})
-    seam = ht.expand_mix_collapse(*site.args(False, True))
+    seam = LAUNCH.ht.expand_mix_collapse(*site.args(False, True))
     sref = dref.rms_norm(href.collapse(site.x, site.pre), site.nw, NORM_EPS)
     rows.append({"T": t, "check": "seam collapse+norm", "rel_err": errors(seam[4], sref)[1],
                  "tol": 2e-2})
     rows.append({"T": t, "check": "expand", "rel_err": errors(
-        ht.expand(site.y, site.x, site.post, site.comb), xn_ref)[1], "tol": 8e-3})
+        LAUNCH.ht.expand(site.y, site.x, site.post, site.comb), xn_ref)[1], "tol": 8e-3})
     for r in rows:
         r["ok"] = r["rel_err"] <= r["tol"]
     return rows
@@ -195,12 +214,12 @@ def decode_invariance(d: int, s: int) -> bool:
     same = True
     for y in (True, False):
         args = site.args(y, True)
-        batch = ht.expand_mix_collapse(*args)
+        batch = LAUNCH.ht.expand_mix_collapse(*args)
         for i in (0, 5, 37, 63):
             for lo, hi in ((i, i + 1), (i - i % 8, i - i % 8 + 8)):
                 part = [a[lo:hi] if j in (0, 1, 2, 3, 10) and a is not None else a
                         for j, a in enumerate(args)]
-                got = ht.expand_mix_collapse(*part)
+                got = LAUNCH.ht.expand_mix_collapse(*part)
                 same &= all(torch.equal(a[i:i + 1], b[i - lo:i - lo + 1])
                             for a, b in zip(batch, got, strict=True))
     return bool(same)
@@ -215,9 +234,9 @@ def invariance(d: int, s: int, big_t: int, prefill: bool = True) -> list[dict]:
     big = Site(big_t, d, s, 8)
     runs = []
     for grid in (1, 2, None):
-        ht.CONFIG["prefill_grid"] = grid
-        runs.append(ht.expand_mix_collapse(*big.args(True, True)))
-    ht.CONFIG["prefill_grid"] = None
+        LAUNCH.set(prefill_grid=grid)
+        runs.append(LAUNCH.ht.expand_mix_collapse(*big.args(True, True)))
+    LAUNCH.set(prefill_grid=None)
     same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
     out.append({"check": f"prefill {big_t}: grid 1 == grid 2 == auto (bits)", "ok": bool(same)})
     return out
@@ -237,7 +256,7 @@ def decode_variants(d: int, s: int, checks: list, rounds: int) -> list[dict]:
                 saved = apply(over)
                 for mode in DECODE_MODES:
                     got[name][mode].append(
-                        time_us([f for st in sites for f in calls(ht, mode, st)]))
+                        time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)]))
                 if r == 0:
                     new = [dict(c, variant=name) for c in check(sites[0], t)]
                     if t == 64:
@@ -248,7 +267,7 @@ def decode_variants(d: int, s: int, checks: list, rounds: int) -> list[dict]:
                 restore(saved)
         for name, over in DECODE_VARIANTS.items():
             saved = apply(over)
-            row = {"variant": f"decode {name}", "T": t, "plan": ht.launch_plan(t, d),
+            row = {"variant": f"decode {name}", "T": t, "plan": LAUNCH.plan(t, d),
                    "ok": ok[name]}
             restore(saved)
             for mode in DECODE_MODES:
@@ -270,13 +289,13 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
     if kind == "before":
         mod = load_before(before)
     else:
-        mod = ht
         if variant in DECODE_VARIANTS or variant == "decode":
             apply(DECODE_VARIANTS.get(variant, {}))
-            ht.CONFIG["decode_rows"] = 1 << 30
+            LAUNCH.set(decode_rows=1 << 30)
         else:
             apply(VARIANTS[variant])
-            ht.CONFIG["decode_rows"] = 0
+            LAUNCH.set(decode_rows=0)
+        mod = LAUNCH.ht
     for f in calls(mod, mode, site):
         f()
     torch.cuda.synchronize()
@@ -341,22 +360,22 @@ def main() -> None:
                       args.decode_only)
     print(f"parallel compile {warm_s:.1f} s", flush=True)
     before = load_before(args.before) if args.before else None
-    result = {"preset": "bench", "D": d, "S": s, "config": dict(ht.CONFIG), "checks": [],
+    result = {"preset": "bench", "D": d, "S": s, "config": configs.DEFAULT.mhc.as_dict(), "checks": [],
               "times": [], "variants": [], "warm_s": warm_s}
     for t in args.tokens:
         n_sites = 40 if t < 4096 and DEVICE.type == "cuda" else 2
         sites = [Site(t, d, s, 100 + i) for i in range(n_sites)]
         result["checks"] += check(sites[0], t)
-        row = {"T": t, "plan": ht.launch_plan(t, d)}
+        row = {"T": t, "plan": LAUNCH.plan(t, d)}
         for mode in ("mixes", "fused"):
-            row[f"{mode}_after"] = time_us([f for st in sites for f in calls(ht, mode, st)])
+            row[f"{mode}_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)])
             if before:
                 row[f"{mode}_before"] = time_us(
                     [f for st in sites for f in calls(before, mode, st)])
         if t <= 64:  # where a decode call's time goes: Sinkhorn, collapse + norm, expand
             for mode in ("seam", "mixes_it1"):
-                row[f"{mode}_after"] = time_us([f for st in sites for f in calls(ht, mode, st)])
-        row["layer_after"] = time_us([f for st in sites for f in calls(ht, "layer_after", st)
+                row[f"{mode}_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)])
+        row["layer_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, "layer_after", st)
                                       ]) * 3
         if before:  # the same three launches through the previous kernels
             row["layer_before"] = time_us(
@@ -368,13 +387,13 @@ def main() -> None:
     skip = args.no_variants or args.no_prefill_variants or args.decode_only
     big = [] if skip else [Site(args.big, d, s, 200 + i) for i in range(2)]
     for name, over in ({} if skip else VARIANTS).items():
-        if ht.launch_plan(1, d)["nsl"] % (over.get("prefill_grid") or 1):
+        if LAUNCH.plan(1, d)["nsl"] % (over.get("prefill_grid") or 1):
             continue
         saved = apply(over)
-        us = time_us([f for st in big for f in calls(ht, "fused", st)])
-        mix_us = time_us([f for st in big for f in calls(ht, "mixes", st)])
+        us = time_us([f for st in big for f in calls(LAUNCH.ht, "fused", st)])
+        mix_us = time_us([f for st in big for f in calls(LAUNCH.ht, "mixes", st)])
         result["variants"].append({"variant": name, "fused_us_8192": us, "mixes_us_big": mix_us,
-                                   "plan": ht.launch_plan(args.big, d)})
+                                   "plan": LAUNCH.plan(args.big, d)})
         restore(saved)
         print(name, f"fused {us:.1f} us, mixes {mix_us:.1f} us", flush=True)
     del big

@@ -27,6 +27,7 @@ import time
 import torch
 
 from flashpd.bench import kernel_roofline as kr
+from flashpd.kernels import configs
 
 COPY_GBPS = 4200.0
 LIMIT = 10.0
@@ -36,7 +37,7 @@ SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
                     "check_m": (1, 3), "time_m": (3,)}}
 _SMOKE_TILES = {"up": {"block_n": 64}, "down": {"block_n": 64}}  # few interpreted programs
 _ALL_ROWS = 1 << 30
-# name -> gemv CONFIG overrides ("up" / "down" merged into the defaults), the Ms it times
+# name -> GemvConfig overrides ("up" / "down" merged into the defaults), the Ms it times
 VARIANTS = {
     "rows4": ({"rows": ((1, 1), (_ALL_ROWS, 4))}, (16,)),
     "rows1": ({"rows": ((_ALL_ROWS, 1),)}, (8, 16)),
@@ -47,13 +48,6 @@ VARIANTS = {
     "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}},
                 (1,)),
 }
-
-
-def apply(overrides: dict, default: dict) -> None:
-    """gemv.CONFIG = default with `overrides` (dict entries merged)."""
-    from flashpd.kernels.moe import gemv
-
-    kr.set_config(gemv.CONFIG, default, overrides)
 
 
 class Bench:
@@ -72,6 +66,8 @@ class Bench:
         self.gen = torch.Generator().manual_seed(17)
         self.sets: dict[int, list] = {}
         self.refs: dict[int, torch.Tensor] = {}
+        # the kernel configs of the rows: `base` (the run's defaults), `tuned` (the current row)
+        self.base = self.tuned = configs.DEFAULT
 
     def routings(self, m: int) -> tuple[torch.Tensor, list]:
         if m not in self.sets:
@@ -108,21 +104,30 @@ class Bench:
             self.refs[m] = want
         return self.refs[m]
 
-    def kernels_row(self, m: int) -> dict:
-        """gemv.expert_rows alone (prep + up + down; pairs sorted outside), timed only."""
-        from flashpd.kernels.moe import gemv
+    def use(self, **moe) -> None:
+        """The rows from now on run with the base configs' MoE fields `moe` replaced (mappings
+        and the nested gemv_tiles / swapab configs merged)."""
+        self.tuned = configs.merge(self.base, moe=moe)
+
+    def kernels_row(self, m: int, path: str = "gemv") -> dict:
+        """gemv / swapab `expert_rows` alone (prep + up + down; pairs sorted outside, no
+        combine), timed only."""
+        from flashpd.kernels.moe import gemv, swapab
         from flashpd.kernels.moe import triton as mt
 
+        module, cfg = ((gemv, self.tuned.moe.gemv_tiles) if path == "gemv"
+                       else (swapab, self.tuned.moe.swapab))
         x, sets = self.routings(m)
-        rows = gemv.tile_rows(m)
+        rows = module.tile_rows(m, cfg)
         pairs = [mt.sort_pairs(ids, gam, self.e, rows) for ids, gam in sets]
-        calls = [lambda p=p: gemv.expert_rows(x, p, self.routed, LIMIT, rows) for p in pairs]
+        calls = [lambda p=p: module.expert_rows(x, p, self.routed, LIMIT, rows, cfg=cfg)
+                 for p in pairs]
         t0 = time.perf_counter()
         for fn in calls[:1]:
             fn()
         ms = (time.perf_counter() - t0) * 1e3 if kr.DEV != "cuda" else kr.graph_ms(calls)
         gbps = self.nbytes(m) / (ms * 1e-3) / 1e9
-        out = {"path": "gemv kernels only (prep+up+down)", "m": m, "err": float("nan"),
+        out = {"path": f"{path} kernels only (prep+up+down)", "m": m, "err": float("nan"),
                "us": ms * 1e3, "GBps": gbps, "pct": 100.0 * gbps / COPY_GBPS}
         print(json.dumps(out), flush=True)
         return out
@@ -131,7 +136,8 @@ class Bench:
         from flashpd.kernels.moe import triton as mt
 
         x, sets = self.routings(m)
-        return mt.routed_experts(x, sets[r][0], sets[r][1], self.routed, LIMIT)
+        return mt.routed_experts(x, sets[r][0], sets[r][1], self.routed, LIMIT,
+                                 tuned=self.tuned)
 
     def row(self, path: str, m: int, timed: bool) -> dict:
         t0 = time.perf_counter()
@@ -147,88 +153,92 @@ class Bench:
         return out
 
 
-def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
-             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
-             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
-             f" gemv CONFIG {meta['gemv_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
-             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
+def parse_common(ap: argparse.ArgumentParser, argv: list[str] | None, variants: dict,
+                 budget_s: float) -> argparse.Namespace:
+    """--variants (names of `variants`, checked), --budget-s and --smoke (the options both MoE
+    decode checks take), then parse."""
+    ap.add_argument("--variants", nargs="*", default=list(variants))
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help="start no variant after this many seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants if v not in variants]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(variants)}")
+    return args
+
+
+def rows_table(rows: list[dict]) -> list[str]:
+    """The markdown table of timed / checked rows (both MoE decode checks print it)."""
+    lines = ["| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
              else "- | - | -")
         lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def write_results(out_dir: str, name: str, text: str, payload: dict) -> None:
+    """name.md (the text, also printed) and name.json under out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    print(text)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
+             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
+             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
+             f" gemv config {meta['gemv_config']}; variants (overrides): "
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    return "\n".join(lines + rows_table(rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    ap.add_argument("--budget-s", type=float, default=45.0,
-                    help="start no variant after this many seconds")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
-    args = ap.parse_args(argv)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args = parse_common(ap, argv, VARIANTS, budget_s=45.0)
     return kr.device_main("moe_gemv_check", args.smoke,
                           lambda: _run(args, argv, SHAPES["smoke" if args.smoke else "full"]))
 
 
 def _run(args, argv, shape: dict) -> int:
-    from flashpd.kernels.moe import gemv
-    from flashpd.kernels.moe import triton as mt
-
     t0 = time.perf_counter()
-    saved = kr.snapshot(gemv.CONFIG)
-    if args.smoke:
-        apply(_SMOKE_TILES, saved)
-    default = kr.snapshot(gemv.CONFIG)
-    meta = kr.run_meta("moe_gemv_check", argv, shape, gemv_config=default)
     bench = Bench(shape)
+    bench.base = configs.merge(configs.DEFAULT, moe={
+        "gemv_max_rows": max(shape["check_m"]), "gemv_tiles": _SMOKE_TILES if args.smoke else {}})
+    meta = kr.run_meta("moe_gemv_check", argv, shape,
+                       gemv_config=bench.base.moe.gemv_tiles.as_dict())
     rows: list[dict] = []
-    gemv_default, max_rows = mt.GEMV, mt.GEMV_MAX_ROWS
-    try:
-        mt.GEMV_MAX_ROWS = max(max_rows, max(shape["check_m"]))
-        for m in shape["check_m"]:  # new path, checked (and timed at time_m)
-            mt.GEMV = True
-            rows.append(bench.row("gemv (new)", m, m in shape["time_m"]))
-            if m in shape["time_m"]:
-                rows.append(bench.kernels_row(m))
-                mt.GEMV = False
-                rows.append(bench.row("grouped GEMM (old)", m, True))
-        mt.GEMV = True
-        worst = max(r["err"] for r in rows if r["path"] == "gemv (new)")
-        if worst > 5e-3:  # e.g. subnormal weights flushed: try the decode without subnormals
-            print(f"WARNING: gemv err {worst:.1e}; checking decode 'select'", flush=True)
-            apply({"decode": "select"}, default)
-            rows += [bench.row("gemv select (err check)", m, False) for m in shape["check_m"]]
-            apply({}, default)
-        smoke_variants = args.variants[:1] if args.smoke else args.variants
-        for name in smoke_variants:
-            if time.perf_counter() - t0 > args.budget_s and not args.smoke:
-                print(f"budget spent: {name} and later variants not run", flush=True)
-                break
-            overrides, ms = VARIANTS[name]
-            apply(overrides, default)
-            for m in (ms if not args.smoke else shape["time_m"][-1:]):
-                rows.append(bench.row(f"gemv {name}", m, True))
-            apply({}, default)
-    finally:
-        mt.GEMV, mt.GEMV_MAX_ROWS = gemv_default, max_rows
-        apply({}, saved)
+    for m in shape["check_m"]:  # new path, checked (and timed at time_m)
+        bench.use(gemv=True)
+        rows.append(bench.row("gemv (new)", m, m in shape["time_m"]))
+        if m in shape["time_m"]:
+            rows.append(bench.kernels_row(m))
+            bench.use(gemv=False)
+            rows.append(bench.row("grouped GEMM (old)", m, True))
+    worst = max(r["err"] for r in rows if r["path"] == "gemv (new)")
+    if worst > 5e-3:  # e.g. subnormal weights flushed: try the decode without subnormals
+        print(f"WARNING: gemv err {worst:.1e}; checking decode 'select'", flush=True)
+        bench.use(gemv_tiles={"decode": "select"})
+        rows += [bench.row("gemv select (err check)", m, False) for m in shape["check_m"]]
+    for name in (args.variants[:1] if args.smoke else args.variants):
+        if time.perf_counter() - t0 > args.budget_s and not args.smoke:
+            print(f"budget spent: {name} and later variants not run", flush=True)
+            break
+        overrides, ms = VARIANTS[name]
+        bench.use(gemv_tiles=overrides)
+        for m in (ms if not args.smoke else shape["time_m"][-1:]):
+            rows.append(bench.row(f"gemv {name}", m, True))
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(meta, rows)
-    with open(os.path.join(args.out, "moe_gemv_check.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "moe_gemv_check.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1, default=str)
-    print(text)
+    write_results(args.out, "moe_gemv_check", markdown(meta, rows),
+                  {"meta": meta, "results": rows})
     return 0
 
 

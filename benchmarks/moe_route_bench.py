@@ -11,7 +11,7 @@ as in a decode step, where each layer's gate comes from memory).
 
 `--before FILE` times a saved copy of the previous kernels/moe/triton.py beside the current one.
 `--fused` times only the gate as the decode MoE runs it, route + sort_pairs (two launches) against
-route_sorted with FUSED_GATE on (one launch: the router's last token block sorts the pairs), at
+route_sorted with MoeConfig.fused_gate on (one launch: the router's last token block sorts the pairs), at
 the swap-AB path's block_m, after checking the fused outputs identical and the counters zero.
 
     python benchmarks/moe_route_bench.py --before .mhc_before/moe_head.py --out $OUT
@@ -35,6 +35,8 @@ from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel imp
 # isort: on
 
 from flashpd.bench import kernel_roofline as kr
+from flashpd.kernels import configs
+from flashpd.kernels.configs import DEFAULT, KernelConfigs
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.moe import gemv, swapab
 from flashpd.kernels.moe import ref as mref
@@ -63,17 +65,21 @@ def time_us(fns: list, reps: int = 20) -> float:
     return kr.graph_us(fns, DEVICE, reps)
 
 
-def block_m(t: int, experts: int, top_k: int) -> int:
-    """The sort's tile rows on the expert path T tokens take (moe/triton.py _expert_rows)."""
-    if mt.GEMV and t <= mt.GEMV_MAX_ROWS:
-        return gemv.tile_rows(t)
-    return dt.block_m_for(max(1, t * top_k // experts))
+def block_m(t: int, experts: int, top_k: int, tuned: KernelConfigs = DEFAULT) -> int:
+    """The sort's tile rows on the expert path T tokens of plain (non-MXFP4) experts take
+    (moe/triton.py expert_path: the GEMV bound, else the grouped GEMMs)."""
+    m = tuned.moe
+    if m.gemv and t <= m.gemv_max_rows:
+        return gemv.tile_rows(t, m.gemv_tiles)
+    return dt.block_m_for(max(1, t * top_k // experts), tuned.dense)
 
 
-def gate_block_m(t: int, experts: int, top_k: int) -> int:
+def gate_block_m(t: int, experts: int, top_k: int, tuned: KernelConfigs = DEFAULT) -> int:
     """The sort's tile rows of the bench preset's decode path (MXFP4 experts: swap-AB up to
-    swapab.MAX_TOKENS tokens; moe/triton.py _expert_block_m)."""
-    return swapab.tile_rows(t) if t <= swapab.MAX_TOKENS else block_m(t, experts, top_k)
+    swapab_max_tokens tokens; moe/triton.py expert_path)."""
+    if t <= tuned.moe.swapab_max_tokens:
+        return swapab.tile_rows(t, tuned.moe.swapab)
+    return block_m(t, experts, top_k, tuned)
 
 
 def same_pairs(a: mt.SortedPairs, b: mt.SortedPairs) -> bool:
@@ -87,14 +93,13 @@ def same_pairs(a: mt.SortedPairs, b: mt.SortedPairs) -> bool:
 def gate_rows(x, gates, bias, experts: int, top_k: int, t: int, result: dict) -> dict:
     """us per gate call, route + sort_pairs against the fused route_sorted (checked first)."""
     bm = gate_block_m(t, experts, top_k)
-    saved = mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS
-    mt.FUSED_GATE_MAX_TOKENS = max(t, mt.FUSED_GATE_MAX_TOKENS)  # every T fused (the bound's data)
+    # every T fused (the bound's data)
+    fused = configs.override(DEFAULT, moe={"fused_gate": True, "fused_gate_max_tokens": max(
+        t, DEFAULT.moe.fused_gate_max_tokens)})
     ok = True
     for w in gates[:4]:
-        mt.FUSED_GATE = True
-        ids, gam, pairs = mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm)
+        ids, gam, pairs = mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm, tuned=fused)
         zero = not bool(triton_runtime.arrival_counters(x.device).any())
-        mt.FUSED_GATE = False
         rids, rgam = mt.route(x, w, bias, top_k, 1.5)
         ok &= zero and bool(torch.equal(ids, rids)) and bool(torch.equal(gam, rgam)) and \
             same_pairs(pairs, mt.sort_pairs(rids, rgam, experts, bm))
@@ -106,10 +111,9 @@ def gate_rows(x, gates, bias, experts: int, top_k: int, t: int, result: dict) ->
         return mt.sort_pairs(ids, gam, experts, bm)
 
     row = {"T": t, "gate route+sort": time_us([lambda w=w: two(w) for w in gates])}
-    mt.FUSED_GATE = True
     row["gate fused"] = time_us(
-        [lambda w=w: mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm) for w in gates])
-    mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS = saved
+        [lambda w=w: mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm, tuned=fused)
+         for w in gates])
     return row
 
 

@@ -20,24 +20,23 @@ activations in and out; % is of 4.2 TB/s. Writes moe_swapab.md / .json under --o
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import time
 
-from moe_gemv_check import COPY_GBPS, Bench
+from moe_gemv_check import COPY_GBPS, Bench, parse_common, rows_table, write_results
 
 from flashpd.bench import kernel_roofline as kr
+from flashpd.kernels import configs
 
 SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
                    "ms": (8, 16, 32, 64, 128, 192)},
           "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)}}
 _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
-# name -> (swapab CONFIG overrides, the Ms it times), on top of swapab.CONFIG (run 1 at
-# 280db55 compared the "pair" decode, now the default, and others; run 2 at ae9dc55 these,
-# before CONFIG "sizes" existed: moe_decode.md). Variants setting up / down run without
-# CONFIG "sizes" (apply).
+# name -> (SwapabConfig overrides, the Ms it times), on top of the default (run 1 at 280db55
+# compared the "pair" decode, now the default, and others; run 2 at ae9dc55 these, before the
+# config's "sizes" existed: moe_decode.md). Variants setting up / down run without "sizes"
+# (variant_fields).
 _W2 = {"block_n": 32, "warps": 2}
 VARIANTS = {
     "split_decode": ({"decode": "split"}, (1, 64)),
@@ -61,15 +60,12 @@ VARIANTS = {
 }
 
 
-def apply(overrides: dict, default: dict) -> None:
-    """swapab.CONFIG = default with `overrides` (dict entries merged). A variant that sets
-    "up" or "down" (and no "sizes") runs without the per-size entries, so that it is measured
-    as given, not shadowed by them."""
-    from flashpd.kernels.moe import swapab
-
-    kr.set_config(swapab.CONFIG, default, overrides)
+def variant_fields(overrides: dict) -> dict:
+    """A variant's SwapabConfig fields: one that sets "up" or "down" (and no "sizes") runs
+    without the per-size entries, so that it is measured as given, not shadowed by them."""
     if ("up" in overrides or "down" in overrides) and "sizes" not in overrides:
-        swapab.CONFIG["sizes"] = ()
+        return {**overrides, "sizes": ()}
+    return overrides
 
 
 def compiled_kernels() -> list[dict]:
@@ -89,54 +85,33 @@ def compiled_kernels() -> list[dict]:
     return out
 
 
-def kernels_row(bench: Bench, m: int) -> dict:
-    """swapab.expert_rows alone (prep + up + down; pairs sorted outside, no combine), timed."""
-    from flashpd.kernels.moe import swapab
-    from flashpd.kernels.moe import triton as mt
-
-    x, sets = bench.routings(m)
-    rows = swapab.tile_rows(m)
-    pairs = [mt.sort_pairs(ids, gam, bench.e, rows) for ids, gam in sets]
-    calls = [lambda p=p: swapab.expert_rows(x, p, bench.routed, 10.0, rows) for p in pairs]
-    ms = kr.graph_ms(calls)
-    gbps = bench.nbytes(m) / (ms * 1e-3) / 1e9
-    out = {"path": "swapab kernels only (prep+up+down)", "m": m, "err": float("nan"),
-           "us": ms * 1e3, "GBps": gbps, "pct": 100.0 * gbps / COPY_GBPS}
-    print(json.dumps(out), flush=True)
-    return out
+# MoE fields per path of the rows: which routed-expert path `routed_experts` takes
+PATHS = {"swapab": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": _ALL},
+         "grouped": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": 0},
+         "gemv": {"gemv": True, "gemv_max_rows": 16, "swapab_max_tokens": 0}}
 
 
-class Paths:
-    """Which routed-expert path `moe.triton.routed_experts` takes, set per row."""
-
-    def __init__(self):
-        from flashpd.kernels.moe import swapab
-        from flashpd.kernels.moe import triton as mt
-
-        self.mt, self.sw = mt, swapab
-        self.saved = (mt.GEMV, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS)
-
-    def set(self, path: str) -> None:
-        mt, sw = self.mt, self.sw
-        mt.GEMV, mt.GEMV_MAX_ROWS, sw.MAX_TOKENS = {
-            "swapab": (False, 0, _ALL), "grouped": (False, 0, 0), "gemv": (True, 16, 0)}[path]
-
-    def restore(self) -> None:
-        self.mt.GEMV, self.mt.GEMV_MAX_ROWS, self.sw.MAX_TOKENS = self.saved
+def _variant_row(bench: Bench, name: str, m: int, smoke: bool) -> dict:
+    """One variant's row; its failure is a row (one variant must not hide the others)."""
+    try:
+        return bench.row(f"swapab {name}", m, True)
+    except Exception as exc:
+        if smoke:
+            raise
+        print(f"variant {name} M={m} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
+              flush=True)
+        return {"path": f"swapab {name} FAILED", "m": m, "err": float("nan"), "us": None,
+                "GBps": None, "pct": None}
 
 
 def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
     lines = [f"# Routed MXFP4 experts, 1-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
              "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
              f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
-             f" full path = pair sort + both expert GEMMs + combine; swapab CONFIG "
+             f" full path = pair sort + both expert GEMMs + combine; swapab config "
              f"{meta['swapab_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), "",
-             "| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
-             else "- | - | -")
-        lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
+             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    lines += rows_table(rows)
     lines += ["", "Compiled swap-AB kernels (MMA instructions in the PTX):", "",
               "| wgmma | mma.sync | regs | spills | shared B | dot |", "|---|---|---|---|---|---|"]
     lines += [f"| {k['wgmma']} | {k['mma_sync']} | {k['regs']} | {k['spills']} | {k['shared']} | "
@@ -147,18 +122,10 @@ def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--ms", nargs="*", type=int, default=None)
     ap.add_argument("--paths", nargs="*", default=["swapab", "grouped", "gemv"],
                     help="which paths the per-M rows time (gemv at M <= 16 only)")
-    ap.add_argument("--budget-s", type=float, default=60.0,
-                    help="start no variant after this many seconds")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
-    args = ap.parse_args(argv)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args = parse_common(ap, argv, VARIANTS, budget_s=60.0)
     shape = dict(SHAPES["smoke" if args.smoke else "full"])
     if args.ms:
         shape["ms"] = tuple(args.ms)
@@ -166,64 +133,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, argv, shape: dict) -> int:
-    from flashpd.kernels.moe import swapab
-
     t0 = time.perf_counter()
-    saved = kr.snapshot(swapab.CONFIG)
-    if args.smoke:
-        apply(_SMOKE_TILES, saved)
-    default = kr.snapshot(swapab.CONFIG)
-    meta = kr.run_meta("moe_swapab_check", argv, shape, swapab_config=default)
     bench = Bench(shape)
-    paths = Paths()
+    bench.base = configs.merge(configs.DEFAULT,
+                               moe={"swapab": _SMOKE_TILES if args.smoke else {}})
+    meta = kr.run_meta("moe_swapab_check", argv, shape,
+                       swapab_config=bench.base.moe.swapab.as_dict())
     rows: list[dict] = []
-    try:
-        for m in shape["ms"]:
-            if "swapab" in args.paths:
-                paths.set("swapab")
-                rows.append(bench.row("swapab (new)", m, True))
-            if "grouped" in args.paths:
-                paths.set("grouped")
-                rows.append(bench.row("grouped GEMM (old)", m, True))
-            if m <= 16 and "gemv" in args.paths:
-                paths.set("gemv")
-                rows.append(bench.row("gemv (default <= 16)", m, True))
-            if "kernels" in args.paths and not args.smoke:
-                rows.append(kernels_row(bench, m))
-        paths.set("swapab")
-        for name in (args.variants[:1] if args.smoke else args.variants):
-            if time.perf_counter() - t0 > args.budget_s and not args.smoke:
-                print(f"budget spent: {name} and later variants not run", flush=True)
-                break
-            overrides, ms = VARIANTS[name]
-            apply(overrides, default)
-            for m in (ms if not args.smoke else shape["ms"][-1:]):
-                if args.ms and not args.smoke and m not in args.ms:
-                    continue
-                try:
-                    rows.append(bench.row(f"swapab {name}", m, True))
-                except Exception as exc:  # one variant's failure must not hide the others
-                    if args.smoke:
-                        raise
-                    print(f"variant {name} M={m} FAILED: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}", flush=True)
-                    rows.append({"path": f"swapab {name} FAILED", "m": m, "err": float("nan"),
-                                 "us": None, "GBps": None, "pct": None})
-            apply({}, default)
-        kernels = compiled_kernels()
-    finally:
-        paths.restore()
-        apply({}, saved)
+    for m in shape["ms"]:
+        for path, label in (("swapab", "swapab (new)"), ("grouped", "grouped GEMM (old)"),
+                            ("gemv", "gemv (default <= 16)")):
+            if path in args.paths and (path != "gemv" or m <= 16):
+                bench.use(**PATHS[path])
+                rows.append(bench.row(label, m, True))
+        if "kernels" in args.paths and not args.smoke:
+            bench.use(**PATHS["swapab"])
+            rows.append(bench.kernels_row(m, "swapab"))
+    for name in (args.variants[:1] if args.smoke else args.variants):
+        if time.perf_counter() - t0 > args.budget_s and not args.smoke:
+            print(f"budget spent: {name} and later variants not run", flush=True)
+            break
+        overrides, ms = VARIANTS[name]
+        bench.use(**PATHS["swapab"], swapab=variant_fields(overrides))
+        for m in (ms if not args.smoke else shape["ms"][-1:]):
+            if args.ms and not args.smoke and m not in args.ms:
+                continue
+            rows.append(_variant_row(bench, name, m, args.smoke))
+    kernels = compiled_kernels()
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    text = markdown(meta, rows, kernels)
-    with open(os.path.join(args.out, "moe_swapab.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "moe_swapab.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows, "kernels": kernels}, f, indent=1, default=str)
-    print(text)
+    write_results(args.out, "moe_swapab", markdown(meta, rows, kernels),
+                  {"meta": meta, "results": rows, "kernels": kernels})
     return 0
 
 

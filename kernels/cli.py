@@ -25,11 +25,14 @@ def _run(args: argparse.Namespace) -> int:
     # Triton is imported only here: `flashpd --help` and the other commands never need it.
     from flashpd.kernels import triton_runtime, tuning, verify
 
-    tuning.apply_env_overrides()  # FLASHPD_* launch overrides, validated (kernels/tuning.py)
+    # the configs an engine on this device would load: the table's entry with the FLASHPD_*
+    # overrides (validated: a bad value fails the command); every case runs with them
+    tuned = tuning.load()
     scale = args.scale or ("tiny" if triton_runtime.interpreting() else "bench")
     if scale == "bench" and triton_runtime.interpreting():
         raise SystemExit("--scale bench needs a GPU; the interpreter runs tiny shapes only")
-    results = verify.run_checks(scale, args.ops, timing=None if not args.no_timing else False)
+    results = verify.run_checks(scale, args.ops, timing=None if not args.no_timing else False,
+                                tuned=tuned)
     print(f"verify-kernels: scale={scale}, device={verify.device()}, "
           f"interpreter={triton_runtime.interpreting()}")
     print(verify.format_table(results))

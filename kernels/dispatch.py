@@ -8,9 +8,11 @@ package first) and must expose the same function names and signatures as the ref
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from collections.abc import Mapping
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 # Op families the model forward calls, in paper order.
 OPS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer", "moe")
@@ -69,3 +71,17 @@ def available(op: str) -> tuple[str, ...]:
 def _check_op(op: str) -> None:
     if op not in OPS:
         raise KeyError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")
+
+
+def bind(module: ModuleType, tuned: object) -> ModuleType | SimpleNamespace:
+    """`module`'s public names with `tuned` (a `configs.KernelConfigs`) given to every function
+    that takes a `tuned` parameter: what a model holds as its kernels, so each call runs with
+    the configs chosen at load. A module without such functions (a reference) comes back as it
+    is; other names (constants, classes) are passed through."""
+    names = {n: getattr(module, n) for n in dir(module) if not n.startswith("_")}
+    takes = {n for n, f in names.items() if inspect.isfunction(f)
+             and "tuned" in inspect.signature(f).parameters}
+    if not takes:
+        return module
+    bound = {n: functools.partial(f, tuned=tuned) if n in takes else f for n, f in names.items()}
+    return SimpleNamespace(__name__=module.__name__, **bound)

@@ -1,15 +1,16 @@
 """Kernel launch overrides from the environment: the one place that reads them, validated.
 
-The Triton modules hold their tuned defaults (the H200 values, explained beside each); no kernel
-module reads the environment at import. `apply_env_overrides` runs where the Triton kernels are
-chosen for a model (`engine.gpu.forward.GpuModel`) and in `flashpd verify-kernels`: every
-variable below that is set is parsed strictly (a bad value raises naming the variable) and
-written into its kernel module's tuning value; variables that are not set change nothing, so a
-run without them computes exactly with the defaults (and a test's monkeypatched value stands).
+The launch settings are data (`kernels/configs.py`: a frozen table keyed by GPU and shape
+class); no kernel module reads the environment or holds tuning state. `load` runs where the
+Triton kernels are chosen for a model (`engine.gpu.forward.GpuModel`) and in `flashpd
+verify-kernels`: it picks the device's table entry, then every variable below that is set is
+parsed strictly (a bad value raises naming the variable; all are checked before any is used)
+and replaces its field in a copy of that entry; variables that are not set change nothing, so a
+run without them computes exactly with the table's values.
 
     FLASHPD_INDEXER_SMALL_BATCH       0|1  the indexer's small-batch scoring / two-stage top-k
     FLASHPD_ATTN_FUSED_COMBINE        0|1  split-KV partials combined by their last program
-    FLASHPD_ATTN_CONFIG               JSON object of attention CONFIG keys (same types)
+    FLASHPD_ATTN_CONFIG               JSON object of AttentionConfig fields (same types)
     FLASHPD_MHC_SPIN                  0|1  mHC decode: every program normalises its own slice
     FLASHPD_FP8_SWAP_MAX_ROWS         int >= 0  FP8 rows per weight on dense/fp8_swap.py
     FLASHPD_MOE_GEMV_MAX_ROWS         int >= 0  routed-expert tokens on the CUDA-core GEMV
@@ -20,9 +21,14 @@ run without them computes exactly with the defaults (and a test's monkeypatched 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from flashpd.kernels import configs
+from flashpd.kernels.configs import KernelConfigs
 
 
 def _flag(name: str, text: str) -> bool:
@@ -41,68 +47,52 @@ def _count(name: str, text: str) -> int:
     return value
 
 
-def _indexer_small_batch(on: bool) -> None:
-    from flashpd.kernels.indexer import triton as it
-
-    it.CONFIG.update(it.small_batch_config(on))
-
-
-def _attn_fused_combine(on: bool) -> None:
-    from flashpd.kernels.attention import triton as at
-
-    at.CONFIG["fused_combine"] = on
-
-
-def _attn_config_parse(name: str, text: str) -> dict:
-    from flashpd.kernels.attention import triton as at
-
-    return at.env_overrides(text)  # keys and value types checked against attention's CONFIG
+def attention_overrides(text: str | None, name: str = "FLASHPD_ATTN_CONFIG") -> dict:
+    """'{"combine_heads": 1}' -> AttentionConfig fields to replace; an unknown field or a value
+    of another type is an error naming the variable."""
+    if not text:
+        return {}
+    over = json.loads(text)
+    if not isinstance(over, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    try:
+        configs.override(configs.DEFAULT.attention, **over)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return over
 
 
-def _attn_config(over: dict) -> None:
-    from flashpd.kernels.attention import triton as at
-
-    at.CONFIG.update(over)
-
-
-def _mhc_spin(on: bool) -> None:
-    from flashpd.kernels.mhc import triton as ht
-
-    ht.CONFIG["decode_spin"] = on
-
-
-def _setter(module: str, attr: str) -> Callable[[object], None]:
-    def apply(value: object) -> None:
-        import importlib
-
-        setattr(importlib.import_module(module), attr, value)
+def _field(op: str, name: str) -> Callable[[KernelConfigs, Any], KernelConfigs]:
+    def apply(c: KernelConfigs, value: Any) -> KernelConfigs:
+        return configs.override(c, **{op: {name: value}})
 
     return apply
+
+
+def _moe(name: str) -> Callable[[KernelConfigs, Any], KernelConfigs]:
+    return _field("moe", name)
 
 
 @dataclass(frozen=True)
 class EnvOverride:
     env: str
     parse: Callable[[str, str], object]  # (variable name, text) -> value; raises ValueError
-    apply: Callable[[object], None]
+    apply: Callable[[KernelConfigs, Any], KernelConfigs]  # a new configs with the value
 
 
-# In the order the kernel modules applied them at import before (FUSED_COMBINE, then the JSON).
+# Applied in this order (FUSED_COMBINE, then the JSON: the JSON's fused_combine wins).
 OVERRIDES: tuple[EnvOverride, ...] = (
-    EnvOverride("FLASHPD_INDEXER_SMALL_BATCH", _flag, _indexer_small_batch),
-    EnvOverride("FLASHPD_ATTN_FUSED_COMBINE", _flag, _attn_fused_combine),
-    EnvOverride("FLASHPD_ATTN_CONFIG", _attn_config_parse, _attn_config),
-    EnvOverride("FLASHPD_MHC_SPIN", _flag, _mhc_spin),
-    EnvOverride("FLASHPD_FP8_SWAP_MAX_ROWS", _count,
-                _setter("flashpd.kernels.dense.triton", "FP8_SWAP_MAX_ROWS")),
-    EnvOverride("FLASHPD_MOE_GEMV_MAX_ROWS", _count,
-                _setter("flashpd.kernels.moe.triton", "GEMV_MAX_ROWS")),
-    EnvOverride("FLASHPD_MOE_SWAPAB_MAX_TOKENS", _count,
-                _setter("flashpd.kernels.moe.swapab", "MAX_TOKENS")),
-    EnvOverride("FLASHPD_MOE_FUSED_GATE", _flag,
-                _setter("flashpd.kernels.moe.triton", "FUSED_GATE")),
-    EnvOverride("FLASHPD_MOE_FUSED_GATE_MAX_TOKENS", _count,
-                _setter("flashpd.kernels.moe.triton", "FUSED_GATE_MAX_TOKENS")),
+    EnvOverride("FLASHPD_INDEXER_SMALL_BATCH", _flag,
+                lambda c, on: configs.override(c, indexer=c.indexer.small_batch(on).as_dict())),
+    EnvOverride("FLASHPD_ATTN_FUSED_COMBINE", _flag, _field("attention", "fused_combine")),
+    EnvOverride("FLASHPD_ATTN_CONFIG", lambda n, t: attention_overrides(t, n),
+                lambda c, over: configs.override(c, attention=over)),
+    EnvOverride("FLASHPD_MHC_SPIN", _flag, _field("mhc", "decode_spin")),
+    EnvOverride("FLASHPD_FP8_SWAP_MAX_ROWS", _count, _field("dense", "fp8_swap_max_rows")),
+    EnvOverride("FLASHPD_MOE_GEMV_MAX_ROWS", _count, _moe("gemv_max_rows")),
+    EnvOverride("FLASHPD_MOE_SWAPAB_MAX_TOKENS", _count, _moe("swapab_max_tokens")),
+    EnvOverride("FLASHPD_MOE_FUSED_GATE", _flag, _moe("fused_gate")),
+    EnvOverride("FLASHPD_MOE_FUSED_GATE_MAX_TOKENS", _count, _moe("fused_gate_max_tokens")),
 )
 
 
@@ -112,10 +102,17 @@ def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, ob
     return {o.env: o.parse(o.env, environ[o.env]) for o in OVERRIDES if o.env in environ}
 
 
-def apply_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """Reads, validates and applies the set variables; returns what was applied."""
+def apply_env_overrides(base: KernelConfigs,
+                        environ: Mapping[str, str] | None = None) -> KernelConfigs:
+    """`base` with the set variables applied (validated first; unset ones change nothing)."""
     values = read_env_overrides(environ)
     for o in OVERRIDES:
         if o.env in values:
-            o.apply(values[o.env])
-    return values
+            base = o.apply(base, values[o.env])
+    return base
+
+
+def load(device: Any = None, environ: Mapping[str, str] | None = None) -> KernelConfigs:
+    """The kernel configs a model runs with: the table's entry for `device` (None: the current
+    CUDA device, or the interpreter's entry) with the FLASHPD_* overrides applied."""
+    return apply_env_overrides(configs.for_device(device), environ)

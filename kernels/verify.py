@@ -168,7 +168,7 @@ def _timed(check: Check, timing: bool, kernel: Callable[[], object],
 
 
 # ============================================================================ registry
-CHECKS: dict[str, Callable[[str, bool], list[Check]]] = {}
+CHECKS: dict[str, Callable[..., list[Check]]] = {}  # op -> fn(scale, timing, tuned=)
 
 
 def register_check(op: str):
@@ -179,9 +179,13 @@ def register_check(op: str):
 
 
 def run_checks(scale: str = "tiny", ops: list[str] | None = None,
-               timing: bool | None = None) -> list[Check]:
-    """All registered checks (import side effect: kernels/verify_cases.py) at `scale`."""
-    from flashpd.kernels import verify_cases  # noqa: F401  (registers the cases)
+               timing: bool | None = None, tuned=None) -> list[Check]:
+    """All registered checks (import side effect: kernels/verify_cases.py) at `scale`, each
+    kernel run with `tuned` (a configs.KernelConfigs; None: the table's default)."""
+    from flashpd.kernels import (
+        configs,
+        verify_cases,  # noqa: F401  (registers the cases)
+    )
 
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; scales are {', '.join(SCALES)}")
@@ -193,7 +197,7 @@ def run_checks(scale: str = "tiny", ops: list[str] | None = None,
     for op, fn in CHECKS.items():
         if ops and op not in ops:
             continue
-        results.extend(fn(scale, timing))
+        results.extend(fn(scale, timing, tuned=tuned or configs.DEFAULT))
     return results
 
 
@@ -226,6 +230,14 @@ def surface_mismatches(op: str) -> list[str]:
         other = getattr(fast, name, None)
         if other is None:
             missing.append(name)
-        elif list(inspect.signature(other).parameters) != list(inspect.signature(obj).parameters):
+        elif _params(other) != _params(obj):
             missing.append(f"{name} (signature)")
     return missing
+
+
+def _params(fn) -> list[str]:
+    """Parameter names of fn, less the keyword-only `tuned` (the launch configs a Triton
+    implementation takes beside the reference's parameters; `dispatch.bind` fills it)."""
+    import inspect
+
+    return [p for p in inspect.signature(fn).parameters if p != "tuned"]

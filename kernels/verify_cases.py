@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from flashpd.kernels import dispatch
+from flashpd.kernels.configs import DEFAULT, KernelConfigs
 from flashpd.kernels.verify import (
     Check,
     _timed,
@@ -37,12 +39,13 @@ def _rope(num: int, pairs: int, seed: int):
 
 # ============================================================================ 1. KV writes
 @register_check("kv_write")
-def check_kv_write(scale: str, timing: bool) -> list[Check]:
+def check_kv_write(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.quant import ref as qref
     from flashpd.kernels.quant import triton as qt
+    qt = dispatch.bind(qt, tuned)
 
     dm = _dims(scale, dict(n=12, d=64, di=32, rp=8), dict(n=8192, d=512, di=128, rp=32))
-    return [_kv_write_case(name, write, pack, dim, dm["n"], dm["rp"], timing)
+    return [_kv_write_case(name, write, pack, dim, dm["n"], dm["rp"], timing, tuned=tuned)
             for name, write, pack, dim in (
                 ("window_fp8", qt.write_window_fp8, qref.pack_window_fp8, dm["d"]),
                 ("compressed_nvfp4", qt.write_nvfp4, qref.pack_nvfp4, dm["d"]),
@@ -50,7 +53,7 @@ def check_kv_write(scale: str, timing: bool) -> list[Check]:
 
 
 def _kv_write_case(name: str, write, pack, dim: int, n: int, rope_pairs: int,
-                   timing: bool) -> Check:
+                   timing: bool, *, tuned: KernelConfigs = DEFAULT) -> Check:
     from flashpd.kernels.rope import ref as rope
 
     vals = randn(n, dim, seed=1, scale=3.0)
@@ -74,16 +77,17 @@ def _kv_write_case(name: str, write, pack, dim: int, n: int, rope_pairs: int,
 
 # ============================================================================ 2. MoE gate
 @register_check("moe_gate")
-def check_moe_gate(scale: str, timing: bool) -> list[Check]:
+def check_moe_gate(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
 
     shapes = [(20, 128, 8, 2)] if scale == "tiny" else [
         (64, 5120, 64, 6), (4096, 5120, 64, 6), (64, 5120, 384, 6), (4096, 5120, 384, 6)]
-    return [c for t, d, e, k in shapes for c in _route_case(t, d, e, k, timing)]
+    return [c for t, d, e, k in shapes for c in _route_case(t, d, e, k, timing, tuned=tuned)]
 
 
-def _route_case(t: int, d: int, e: int, k: int, timing: bool) -> list[Check]:
+def _route_case(t: int, d: int, e: int, k: int, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.moe import ref as mref
     from flashpd.kernels.moe import triton as mt
+    mt = dispatch.bind(mt, tuned)
 
     x = randn(t, d, seed=10)
     w = randn(e, d, seed=11, scale=d ** -0.5)
@@ -107,16 +111,17 @@ def _route_case(t: int, d: int, e: int, k: int, timing: bool) -> list[Check]:
 
 # ============================================================================ 3. mHC
 @register_check("mhc")
-def check_mhc(scale: str, timing: bool) -> list[Check]:
+def check_mhc(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
 
     shapes = [(19, 96)] if scale == "tiny" else [(64, 5120), (4096, 5120)]
-    return [c for t, d in shapes for c in _mhc_case(t, d, timing)]
+    return [c for t, d in shapes for c in _mhc_case(t, d, timing, tuned=tuned)]
 
 
-def _mhc_case(t: int, d: int, timing: bool) -> list[Check]:
+def _mhc_case(t: int, d: int, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.dense import ref as dref
     from flashpd.kernels.mhc import ref as href
     from flashpd.kernels.mhc import triton as ht
+    ht = dispatch.bind(ht, tuned)
 
     out = []
     s = 4
@@ -166,18 +171,19 @@ def _index_inputs(t: int, n: int, h: int, di: int, seed: int):
 
 
 @register_check("indexer")
-def check_indexer(scale: str, timing: bool) -> list[Check]:
+def check_indexer(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
 
     dm = _dims(scale, dict(t=5, h=4, di=32, k=16, bs=4, nb=8, ns=[300]),
                dict(t=16, h=32, di=128, k=512, bs=8, nb=2048, ns=[8192, 524288]))
     paged = _dims(scale, dict(t=5, b=3, n=40, epb=4), dict(t=64, b=64, n=4096, epb=64))
-    return [c for n in dm["ns"] for c in _indexer_case(n, dm, timing)] + \
-        _indexer_paged_case(dict(dm, **paged), timing)
+    return [c for n in dm["ns"] for c in _indexer_case(n, dm, timing, tuned=tuned)] + \
+        _indexer_paged_case(dict(dm, **paged), timing, tuned=tuned)
 
 
-def _indexer_case(n: int, dm: dict, timing: bool) -> list[Check]:
+def _indexer_case(n: int, dm: dict, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.indexer import ref as iref
     from flashpd.kernels.indexer import triton as it
+    it = dispatch.bind(it, tuned)
     from flashpd.kernels.quant import ref as qref
 
     out = []
@@ -247,10 +253,11 @@ def _paged_index_inputs(dm: dict, seed: int):
             n_vis.to(torch.int32).to(device()), num_entries)
 
 
-def _indexer_paged_case(dm: dict, timing: bool) -> list[Check]:
+def _indexer_paged_case(dm: dict, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     """One launch over a paged pool vs the per-sequence path (gather, one launch per sequence)."""
     from flashpd.kernels.indexer import ref as iref
     from flashpd.kernels.indexer import triton as it
+    it = dispatch.bind(it, tuned)
 
     q, w, pool, key_rows, seq_of, n_vis, num_entries = _paged_index_inputs(dm, seed=34)
     label = f"B={dm['b']} N={dm['n']}"
@@ -289,13 +296,14 @@ def _indexer_paged_case(dm: dict, timing: bool) -> list[Check]:
 
 # ============================================================================ 5. attention
 @register_check("attention")
-def check_attention(scale: str, timing: bool) -> list[Check]:
+def check_attention(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.attention import ref as aref
     from flashpd.kernels.attention import triton as at
+    at = dispatch.bind(at, tuned)
 
     dm = _dims(scale, dict(ts=[3], h=4, d=64, w=8, k=6, rp=8, entries=40),
                dict(ts=[64, 1024], h=64, d=512, w=128, k=512, rp=32, entries=65536))
-    out = [c for t in dm["ts"] for c in _attention_case(t, dm, timing)]
+    out = [c for t in dm["ts"] for c in _attention_case(t, dm, timing, tuned=tuned)]
     t = dm["ts"][0]
     q = randn(t, dm["h"], dm["d"], seed=46)
     keys = randn(t, dm["w"] + dm["k"], dm["d"], seed=47)
@@ -308,9 +316,10 @@ def check_attention(scale: str, timing: bool) -> list[Check]:
     return out
 
 
-def _attention_case(t: int, dm: dict, timing: bool) -> list[Check]:
+def _attention_case(t: int, dm: dict, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.attention import ref as aref
     from flashpd.kernels.attention import triton as at
+    at = dispatch.bind(at, tuned)
     from flashpd.kernels.quant import ref as qref
     from flashpd.kernels.rope import ref as rope
 
@@ -359,9 +368,10 @@ def _attention_case(t: int, dm: dict, timing: bool) -> list[Check]:
 
 # ============================================================================ 6. GEMMs
 @register_check("gemm")
-def check_gemm(scale: str, timing: bool) -> list[Check]:
+def check_gemm(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.dense import ref as dref
     from flashpd.kernels.dense import triton as dt
+    dt = dispatch.bind(dt, tuned)
     from flashpd.kernels.quant import ref as qref
 
     out = []
@@ -377,9 +387,9 @@ def check_gemm(scale: str, timing: bool) -> list[Check]:
                           lambda x=x, w=w_deq: torch.matmul(x, w.T)))
         if chk.ref_ms:
             chk.note = "ref_ms = cuBLAS bf16 on dequantised W"
-    out.extend(_check_fp8_prefill(scale))
+    out.extend(_check_fp8_prefill(scale, tuned=tuned))
     t, d, i, e, k = (12, 64, 64, 4, 2) if scale == "tiny" else (4096, 5120, 2304, 64, 6)
-    out.extend(_check_grouped(t, d, i, e, k, timing))
+    out.extend(_check_grouped(t, d, i, e, k, timing, tuned=tuned))
     if scale == "tiny":
         x = randn(7, 96, seed=52)
         out.append(close_check("gemm", "rms_norm", dt.rms_norm(x, randn(96, seed=53), 1e-20),
@@ -391,12 +401,13 @@ def check_gemm(scale: str, timing: bool) -> list[Check]:
     return out
 
 
-def _check_fp8_prefill(scale: str) -> list[Check]:
+def _check_fp8_prefill(scale: str, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     """The FP8 GEMMs a prefill runs besides single weights: the shared expert's SwiGLU pair
     and wo_a's block-diagonal groups (cuBLAS on the GPU from cublas_min_rows rows per weight,
     the Triton kernel below that and under the interpreter)."""
     from flashpd.kernels.dense import ref as dref
     from flashpd.kernels.dense import triton as dt
+    dt = dispatch.bind(dt, tuned)
     from flashpd.kernels.quant import ref as qref
 
     t, d, i, g, n, k = (6, 64, 32, 2, 32, 64) if scale == "tiny" else (4096, 5120, 2304, 8,
@@ -408,7 +419,7 @@ def _check_fp8_prefill(scale: str) -> list[Check]:
     gam = torch.rand(t, generator=torch.Generator().manual_seed(59)).to(x.device) + 0.5
     h = torch.empty(t, i, dtype=x.dtype, device=x.device)
     dt.grouped_gemm(x, dt.Weights.fp8(w1, s1), None, h, w3=dt.Weights.fp8(w3, s3), gamma=gam,
-                    limit=limit)
+                    limit=limit, cfg=tuned.dense)
     gr = dref.linear(x, qref.dequantize_fp8_blockwise(w1, s1)).float().clamp_max(limit)
     ur = dref.linear(x, qref.dequantize_fp8_blockwise(w3, s3)).float().clamp(-limit, limit)
     ref = (gam[:, None] * torch.nn.functional.silu(gr) * ur).to(x.dtype)
@@ -432,10 +443,12 @@ def _random_mxfp4(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torc
     return packed.to(device()), scale.to(device())
 
 
-def _check_grouped(t: int, d: int, i: int, e: int, k: int, timing: bool) -> list[Check]:
+def _check_grouped(t: int, d: int, i: int, e: int, k: int, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.dense import triton as dt
+    dt = dispatch.bind(dt, tuned)
     from flashpd.kernels.moe import ref as mref
     from flashpd.kernels.moe import triton as mt
+    mt = dispatch.bind(mt, tuned)
     from flashpd.kernels.quant import ref as qref
 
     x = randn(t, d, seed=56)
@@ -464,13 +477,14 @@ def _check_grouped(t: int, d: int, i: int, e: int, k: int, timing: bool) -> list
     out = [_timed(chk, timing, lambda: mt.routed_experts(x, ids, gam, experts, 10.0),
                   reference, reps=10)]
     if device().type == "cuda":
-        out.append(_check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing))
+        out.append(_check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing, tuned=tuned))
     return out
 
 
-def _check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing) -> Check:
+def _check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing, *, tuned: KernelConfigs = DEFAULT) -> Check:
     """The constexpr DOT_SCALED path of the grouped GEMM (GPU only): W1 of every pair."""
     from flashpd.kernels.dense import triton as dt
+    dt = dispatch.bind(dt, tuned)
 
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -478,24 +492,25 @@ def _check_dot_scaled(x, ids, gam, experts, t, e, k, d, i, timing) -> Check:
     sched = dt.grouped_schedule(torch.bincount(flat, minlength=e), t * k, 64)
     out_a = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
     out_b = torch.empty_like(out_a)
-    dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows)
+    dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows, cfg=tuned.dense)
     try:
-        dt.grouped_gemm(x, experts.w1, sched, out_b, a_rows=rows, dot_scaled=True)
+        dt.grouped_gemm(x, experts.w1, sched, out_b, a_rows=rows, dot_scaled=True, cfg=tuned.dense)
     except Exception as exc:  # report, do not hide: the switch is experimental on Hopper
         return Check("gemm", "MXFP4 W1 via tl.dot_scaled", float("nan"), float("nan"), 1e-2,
                      False, note=f"dot_scaled failed: {type(exc).__name__}: {exc}"[:160])
     chk = close_check("gemm", "MXFP4 W1 via tl.dot_scaled", out_b, out_a, 1e-2)
     chk.flops = 2.0 * t * k * d * i
     return _timed(chk, timing, lambda: dt.grouped_gemm(x, experts.w1, sched, out_b, a_rows=rows,
-                                                       dot_scaled=True),
-                  lambda: dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows))
+                                                       dot_scaled=True, cfg=tuned.dense),
+                  lambda: dt.grouped_gemm(x, experts.w1, sched, out_a, a_rows=rows, cfg=tuned.dense))
 
 
 # ============================================================================ 7. Engram
 @register_check("engram")
-def check_engram(scale: str, timing: bool) -> list[Check]:
+def check_engram(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     from flashpd.kernels.engram import ref as eref
     from flashpd.kernels.engram import triton as et
+    et = dispatch.bind(et, tuned)
     from flashpd.kernels.quant import ref as qref
 
     dm = _dims(scale, dict(t=5, c=6, rows=500, r=32, d=64),
@@ -542,15 +557,18 @@ def check_engram(scale: str, timing: bool) -> list[Check]:
 
 # ============================================================================ forward glue
 @register_check("glue")
-def check_glue(scale: str, timing: bool) -> list[Check]:
+def check_glue(scale: str, timing: bool, *, tuned: KernelConfigs = DEFAULT) -> list[Check]:
     """The GPU forward's fused glue: the index query (RoPE + MXFP4 values per head, one launch),
     the ratio-2 compressor pooling, and top-k emitted as pool rows."""
     from flashpd.kernels.compressor import ref as cref
     from flashpd.kernels.compressor import triton as ct
+    ct = dispatch.bind(ct, tuned)
     from flashpd.kernels.indexer import ref as iref
     from flashpd.kernels.indexer import triton as it
+    it = dispatch.bind(it, tuned)
     from flashpd.kernels.quant import ref as qref
     from flashpd.kernels.quant import triton as qt
+    qt = dispatch.bind(qt, tuned)
 
     dm = _dims(scale, dict(t=12, h=4, di=32, rp=8, c=64, n=40, k=8),
                dict(t=8192, h=32, di=128, rp=32, c=512, n=4096, k=512))

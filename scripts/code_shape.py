@@ -13,8 +13,9 @@ working tree instead) and prints / writes:
   comprehension or `dict(...)` call: tuning state other code can mutate);
 - environment reads at import: `os.environ` / `os.getenv` reached by module-level code of the
   installed package (outside function bodies; `setdefault` writes count too);
-- repeated blocks among model/, engine/gpu/ and bench/: pairs the `duplicates` tool lists whose
-  two sides both lie there (identical runs and same-shape runs apart).
+- repeated blocks among model/, engine/gpu/ and bench/, and among kernels/ and benchmarks/:
+  pairs the `duplicates` tool lists whose two sides both lie there (identical runs and
+  same-shape runs apart).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 PACKAGE = ("flashpd", "model", "engine", "kernels", "services", "bench")  # setup.py ROOTS
 LONG_LINES = 40
 DUP_FOLDERS = ("model/", "engine/gpu/", "bench/")
+KERNEL_DUP_FOLDERS = ("kernels/", "benchmarks/")  # the kernels and their microbenchmarks
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -136,10 +138,10 @@ def measure(files: dict[str, str]) -> dict:
             "funcs": dict(funcs), "dicts": dicts, "env": env}
 
 
-def duplicate_pairs(rev: str) -> tuple[int, int, list[str]]:
-    """(identical, same-shape) pairs with both sides in DUP_FOLDERS, and their rows."""
+def duplicate_rows(rev: str) -> list[str]:
+    """The `duplicates` tool's pair rows over the tree at `rev` (one run)."""
     if shutil.which("duplicates") is None:
-        return -1, -1, ["`duplicates` is not on PATH"]
+        return ["`duplicates` is not on PATH"]
     with tempfile.TemporaryDirectory() as tmp:
         if rev == "WORKTREE":
             root = str(REPO)
@@ -151,9 +153,13 @@ def duplicate_pairs(rev: str) -> tuple[int, int, list[str]]:
             root = str(Path(tmp) / "tree")
         out = subprocess.run(["duplicates", "--repo", root, "--most", "200", "--seconds", "300"],
                              capture_output=True, text=True, cwd=root).stdout
-    rows = [line for line in out.splitlines()
-            if re.match(r"^D\d+ (\S+):\S+ ~ (\S+):", line)
-            and all(p.startswith(DUP_FOLDERS) for p in re.findall(r"(\S+?):\d", line)[:2])]
+    return out.splitlines()
+
+
+def duplicate_pairs(lines: list[str], folders: tuple[str, ...]) -> tuple[int, int, list[str]]:
+    """(identical, same-shape) pairs with both sides in `folders`, and their rows."""
+    rows = [line for line in lines if re.match(r"^D\d+ (\S+):\S+ ~ (\S+):", line)
+            and all(p.startswith(folders) for p in re.findall(r"(\S+?):\d", line)[:2])]
     same = [r for r in rows if " shape" in r]
     return len(rows) - len(same), len(same), rows
 
@@ -194,12 +200,14 @@ def render(before: dict, after: dict, revs: tuple[str, str], dups: dict) -> str:
     out += ["", "## Environment reads at import (installed package)", "",
             f"{b}: {sum(before['env'].values())}; {a}: {sum(after['env'].values())}", ""]
     out += [f"- {p}: {n}" for p, n in sorted(after["env"].items())]
-    out += ["", "## Repeated blocks among model/, engine/gpu/, bench/ (`duplicates`)", ""]
-    for rev in revs:
-        same_text, shape, rows = dups[rev]
-        out += [f"{rev}: {same_text} identical, {shape} same-shape", ""]
-        out += [f"    {r}" for r in rows]
-        out.append("")
+    for title, key in (("model/, engine/gpu/, bench/", "main"),
+                       ("kernels/, benchmarks/", "kernels")):
+        out += ["", f"## Repeated blocks among {title} (`duplicates`)", ""]
+        for rev in revs:
+            same_text, shape, rows = dups[(rev, key)]
+            out += [f"{rev}: {same_text} identical, {shape} same-shape", ""]
+            out += [f"    {r}" for r in rows]
+            out.append("")
     return "\n".join(out)
 
 
@@ -211,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     revs = (args.before, args.after)
     before, after = measure(read_tree(args.before)), measure(read_tree(args.after))
-    dups = {rev: duplicate_pairs(rev) for rev in revs}
+    lines = {rev: duplicate_rows(rev) for rev in revs}
+    dups = {(rev, key): duplicate_pairs(lines[rev], folders) for rev in revs
+            for key, folders in (("main", DUP_FOLDERS), ("kernels", KERNEL_DUP_FOLDERS))}
     text = render(before, after, revs, dups)
     print(text)
     if args.out:

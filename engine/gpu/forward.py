@@ -60,6 +60,11 @@ DECODE_WARMUP_CONTEXT = 4096
 WARMUP_EXTRA_ROWS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
 
 
+# Model's kernel attributes (one per dispatch op), bound to the model's launch configs.
+_KERNEL_ATTRS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer",
+                 "moe_k")
+
+
 class GpuModel(Model):
     """`Model` over `GpuWeights` and `PagedSeqState`s, computed by the Triton kernels."""
 
@@ -70,9 +75,13 @@ class GpuModel(Model):
                  decode_graphs: bool | None = None):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
-        tuning.apply_env_overrides()  # the one read of FLASHPD_* kernel overrides, validated
         super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
                          compressed_kv_format)
+        # The launch configs: the table's entry for this GPU with the FLASHPD_* overrides (the
+        # one read of them, validated), given to every kernel call through the bound ops.
+        self.kernel_configs = tuning.load(self.device)
+        for attr in _KERNEL_ATTRS:
+            setattr(self, attr, dispatch.bind(getattr(self, attr), self.kernel_configs))
         if self.kv_format.kernel_code is None:
             raise ValueError(f"the Triton kernels cannot store {self.kv_format.name!r} KV")
         # One record code for the quant writer and the attention reader (FMT_* of both kernels).

@@ -60,3 +60,39 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
     denom = torch.exp(sink - row_max) + weights.sum(dim=-1)  # [T, H]
     probs = weights / denom[..., None]
     return torch.bmm(probs, k32).to(q.dtype)  # [T, H, d]
+
+
+# ---------------------------------------------------------------- packed records (GPU forward)
+FMT_FP8 = 0  # compressed records in the window's E4M3 + UE8M0 per 32 form
+FMT_NVFP4 = 1  # compressed records in E2M1 + E4M3 per 16 (the default compressed KV)
+
+
+def sparse_attention_packed(
+    q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
+    window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
+    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4,
+) -> torch.Tensor:
+    """RoPE(q) -> attention over the records of window_rows ∪ comp_rows -> inverse RoPE.
+
+    q [T, H, d] pre-RoPE; rope = (cos, sin) [T, R/2] (None: no RoPE); window_pool uint8 window
+    FP8 records, window_rows [T, W] pool rows (-1 empty); comp_pool records in comp_format,
+    comp_rows [T, K] (-1 empty), or None for window-only layers. The keys are the records
+    unpacked to q.dtype (exact), K = V as in `sparse_attention`."""
+    from flashpd.kernels.quant import ref as qref
+    from flashpd.kernels.rope.ref import rotate
+
+    keys = [qref.unpack_window_fp8(window_pool, q.dtype)[window_rows.long().clamp_min(0)]]
+    valid = [window_rows >= 0]
+    if comp_pool is not None:
+        unpack = qref.unpack_nvfp4 if comp_format == FMT_NVFP4 else qref.unpack_window_fp8
+        keys.append(unpack(comp_pool, q.dtype)[comp_rows.long().clamp_min(0)])
+        valid.append(comp_rows >= 0)
+    x = q if rope is None else rotate(q, *rope)
+    o = sparse_attention(x, torch.cat(keys, dim=1), torch.cat(valid, dim=1), sink, softmax_scale)
+    return o if rope is None else rotate(o, *rope, inverse=True)
+
+
+def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
+           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
+    """Kernel variants compiled ahead of the first request: the reference compiles none."""
+    return 0

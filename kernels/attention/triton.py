@@ -25,8 +25,6 @@ interpreter every product runs in FP32.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 # isort: off
@@ -35,12 +33,15 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.attention.ref import FMT_FP8, FMT_NVFP4
+from flashpd.kernels.configs import DEFAULT, AttentionConfig, KernelConfigs
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
+from flashpd.kernels.e2m1 import e2m1_lohi_asm
 from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant.triton import e2m1_to_e4m3, e4m3_decode, e8m0_decode, round_bf16
 
-FMT_FP8 = 0  # E4M3 + UE8M0 per 32 (window record, 528 B at d = 512)
-FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
+# compressed record formats (codes shared with attention/ref.py): FMT_FP8 E4M3 + UE8M0 per 32
+# (the window's record, 528 B at d = 512), FMT_NVFP4 E2M1 + E4M3 per 16 (288 B at d = 512)
 # Launch configuration; tuned on an H200 (benchmarks/attention_bench.py, bench/results/h200/attention.md).
 # Packed attention (sparse_attention_packed) runs the heads-as-M kernel (_heads_kernel): all
 # heads of a query in one program (heads_max per program, >= 16: tl.dot's minimum M), key tiles
@@ -71,33 +72,7 @@ FMT_NVFP4 = 1  # E2M1 + E4M3 per 16 (compressed record, 288 B at d = 512)
 # combine_heads heads at a time, in the combine kernel's order (bit-identical), so a decode call
 # is one launch (FLASHPD_ATTN_FUSED_COMBINE=1 at engine load: on). Off: slower on the H200 (B = 1 / 8 /
 # 64 calls 0.093 / 0.122 / 0.139 ms against 0.023 / 0.030 / 0.094, attn_fused_combine.json).
-CONFIG = {"heads_max": 64, "heads_block_n": 32, "heads_warps": 8, "heads_stages": 1,
-          "heads_prefetch": False, "heads_rescale_tau": 0.0, "heads_asm": True,
-          "heads_trans_s": False, "heads_vsplit": False, "heads_vsplit_block_n": 32,
-          "heads_vsplit_warps": 4,
-          "heads_split_target": 132,
-          "heads_split_block_n": 64, "heads_split_stages": 1, "legacy_max_q": 1,
-          "heads": 32, "block_n": 16, "warps": 8, "stages": 1,
-          "split_target": 264, "split_max_q": 64, "split_min_tiles": 1, "split_min_splits": 3,
-          "split_heads": 16, "split_block_n": 16, "split_warps": 4, "split_stages": 1,
-          "combine_heads": 1,  # H200: 1 head per combine program (B = 1 call 22.6 -> 17.2 us)
-          "fused_combine": False}  # FLASHPD_ATTN_FUSED_COMBINE=1 (kernels/tuning.py): on
-
-
-def env_overrides(text: str | None) -> dict:
-    """FLASHPD_ATTN_CONFIG='{"combine_heads": 1}': CONFIG keys set at engine load
-    (kernels/tuning.py; launch tuning without a code change); an unknown key or a value of
-    another type is an error."""
-    if not text:
-        return {}
-    over = json.loads(text)
-    if not isinstance(over, dict):
-        raise ValueError(f"FLASHPD_ATTN_CONFIG must be a JSON object, got {text!r}")
-    for key, value in over.items():
-        if key not in CONFIG or type(value) is not type(CONFIG[key]):
-            raise ValueError(f"FLASHPD_ATTN_CONFIG: {key}={value!r} is not a CONFIG key of "
-                             f"that type")
-    return over
+# (configs.AttentionConfig: KernelConfigs.attention, passed in as `cfg` / `tuned`)
 
 
 HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GPU
@@ -119,6 +94,21 @@ def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, p
     signed_sin = tl.where((c & 1) == 0, -sin, sin)  # a' = a cos - b sin, b' = b cos + a sin
     rotated = round_bf16(x * cos[None, :] + partner * signed_sin[None, :])
     return tl.where(is_rope[None, :], rotated, x)
+
+
+@triton.jit
+def _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D: tl.constexpr,
+            ROPE_PAIRS: tl.constexpr):
+    """The [HB, D] query rows of heads `heads` (masked by hmask) of query t, RoPE applied in
+    FP32 (ROPE_PAIRS > 0), in q's dtype: the prologue of the split-KV attention kernels."""
+    c = tl.arange(0, D)
+    q_rows = q_ptr + (t * H + heads[:, None]) * D
+    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    if ROPE_PAIRS > 0:
+        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
+                       partner.to(tl.float32), False)
+    return q.to(q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -198,14 +188,8 @@ def _attn_kernel(
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = heads < H
+    q = _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D, ROPE_PAIRS)
     c = tl.arange(0, D)
-    q_rows = q_ptr + (t * H + heads[:, None]) * D
-    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    if ROPE_PAIRS > 0:
-        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), False)
-    q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)  # the sink: running max ...
     l_i = tl.full((HB,), 1.0, tl.float32)  # ... with exp(sink - sink) = 1 in the denominator
     acc = tl.zeros((HB, D), dtype=tl.float32)
@@ -281,41 +265,6 @@ def _fp8_pairs_asm(w, s_bf16):
 
 
 @triton.jit
-def _e2m1_pairs_asm(b, s_bf16):
-    """Bytes (E2M1 channel 2i low nibble, 2i+1 high nibble) * s_bf16 -> (even, odd) BF16.
-
-    Each code's 3 magnitude bits go to BF16 bits 8..6 and its sign to bit 15 (value * 2^-126,
-    0.5 subnormal); s_bf16 = 2^63 * scale makes it value * scale * 2^-63."""
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, v<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        shl.b32 u0, t0, 6;
-        shl.b32 u1, t0, 12;
-        shl.b32 u2, t1, 6;
-        shl.b32 u3, t1, 12;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 v0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 v1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, v0, $5;
-        mul.rn.bf16x2 $1, v1, $6;
-        shl.b32 u0, t0, 2;
-        shl.b32 u1, t0, 8;
-        shl.b32 u2, t1, 2;
-        shl.b32 u3, t1, 8;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 v2, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 v3, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $2, v2, $5;
-        mul.rn.bf16x2 $3, v3, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
-
-
-@triton.jit
 def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, first, NPAIRS: tl.constexpr,
               HALF: tl.constexpr, FMT: tl.constexpr):
     """Raw bytes of channel pairs first..first+NPAIRS-1 (first: a multiple of 16) of the records
@@ -349,7 +298,7 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
         else:
             s = tl.broadcast_to((_fp8_values(sc, HW) * 9.223372036854775808e18)
                                 .to(tl.bfloat16), code.shape)  # 2^63 * E4M3 scale
-            lo, hi = _e2m1_pairs_asm(code, s)
+            lo, hi = e2m1_lohi_asm(code, s)
     else:
         if FMT == 0:
             word = code.to(tl.int32)
@@ -681,14 +630,8 @@ def _attn_split_kernel(
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     sp = tl.program_id(2)
     hmask = heads < H
+    q = _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D, ROPE_PAIRS)
     c = tl.arange(0, D)
-    q_rows = q_ptr + (t * H + heads[:, None]) * D
-    q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    if ROPE_PAIRS > 0:
-        partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), False)
-    q = q.to(q_ptr.dtype.element_ty)
     m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
     l_i = tl.zeros((HB,), tl.float32)
     acc = tl.zeros((HB, D), dtype=tl.float32)
@@ -794,20 +737,20 @@ def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, 
                 hmask, D, ROPE_PAIRS, OUT_BF16)
 
 
-def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int]:
+def split_plan(num_q: int, num_heads: int, keys: tuple[int, int],
+               cfg: AttentionConfig) -> tuple[int, int]:
     """(splits, tiles per split) for num_q queries over (window, compressed) key slots.
 
-    Splits only while (queries x head blocks) leave SMs idle: up to CONFIG["split_target"]
+    Splits only while (queries x head blocks) leave SMs idle: up to cfg.split_target
     programs, with at least split_min_tiles key tiles each; 1 = the single-pass kernel.
     """
-    cfg = CONFIG
-    if cfg["split_target"] <= 0 or num_q > cfg["split_max_q"]:
+    if cfg.split_target <= 0 or num_q > cfg.split_max_q:
         return 1, 0
-    bn = cfg["split_block_n"]
+    bn = cfg.split_block_n
     tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
-    base = num_q * -(-num_heads // cfg["split_heads"])
-    splits = min(-(-cfg["split_target"] // base), max(1, tiles // cfg["split_min_tiles"]))
-    if splits <= 1 or splits < cfg["split_min_splits"]:
+    base = num_q * -(-num_heads // cfg.split_heads)
+    splits = min(-(-cfg.split_target // base), max(1, tiles // cfg.split_min_tiles))
+    if splits <= 1 or splits < cfg.split_min_splits:
         return 1, 0
     per = -(-tiles // splits)
     return -(-tiles // per), per
@@ -815,7 +758,7 @@ def split_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, 
 
 def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src: int,
             kv=None, valid=None, win=None, win_rows=None, comp=None, comp_rows=None,
-            comp_fmt: int = FMT_NVFP4) -> torch.Tensor:
+            comp_fmt: int = FMT_NVFP4, *, cfg: AttentionConfig) -> torch.Tensor:
     num_q, num_heads, dim = q.shape
     out = torch.empty_like(q)
     if num_q == 0:
@@ -828,18 +771,17 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         cos = sin = torch.ones(1, 1, dtype=torch.float32, device=q.device)
         rope_pairs = 0
     dummy = q
-    cfg = CONFIG
     if src == 1:
         keys = (win_rows.shape[1], comp_rows.shape[1])
-        if num_q > cfg["legacy_max_q"]:
+        if num_q > cfg.legacy_max_q:
             return _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
                                  win_rows, comp, comp_rows, comp_fmt,
-                                 *heads_plan(num_q, num_heads, keys))
-        splits, per = split_plan(num_q, num_heads, keys)
+                                 *heads_plan(num_q, num_heads, keys, cfg), cfg)
+        splits, per = split_plan(num_q, num_heads, keys, cfg)
         if splits > 1:
             return _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
-                                 win_rows, comp, comp_rows, comp_fmt, splits, per)
-    grid = (num_q, triton.cdiv(num_heads, cfg["heads"]))
+                                 win_rows, comp, comp_rows, comp_fmt, splits, per, cfg)
+    grid = (num_q, triton.cdiv(num_heads, cfg.heads))
     _attn_kernel[grid](
         q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
         kv if kv is not None else dummy, valid if valid is not None else dummy,
@@ -849,50 +791,49 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
         comp if comp is not None else dummy, comp.stride(0) if comp is not None else 0,
         comp_rows if comp_rows is not None else dummy,
         comp_rows.shape[1] if comp is not None else 0, num_heads, float(softmax_scale),
-        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg["heads"],
-        BLOCK_N=cfg["block_n"], OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg.heads,
+        BLOCK_N=cfg.block_n, OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.warps, num_stages=cfg.stages,
         **triton_runtime.launch_options())
     return out
 
 
-def heads_block(num_heads: int) -> int:
+def heads_block(num_heads: int, cfg: AttentionConfig) -> int:
     """Heads per program of the heads-as-M kernel: all of them up to heads_max (>= 16)."""
-    return max(16, min(CONFIG["heads_max"], triton.next_power_of_2(num_heads)))
+    return max(16, min(cfg.heads_max, triton.next_power_of_2(num_heads)))
 
 
-def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int]) -> tuple[int, int, int]:
+def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int],
+               cfg: AttentionConfig) -> tuple[int, int, int]:
     """(block_n, splits, tiles per split) of the heads-as-M kernel for num_q queries over
     (window, compressed) key slots: split-KV only while the programs leave SMs idle."""
-    cfg = CONFIG
-    target = cfg["heads_split_target"]
-    base = num_q * -(-num_heads // heads_block(num_heads))
+    target = cfg.heads_split_target
+    base = num_q * -(-num_heads // heads_block(num_heads, cfg))
     if target <= 0 or base >= target:
-        return cfg["heads_block_n"], 1, 1 << 20
-    bn = cfg["heads_split_block_n"]
+        return cfg.heads_block_n, 1, 1 << 20
+    bn = cfg.heads_split_block_n
     tiles = -(-keys[0] // bn) + -(-keys[1] // bn)
     splits = min(-(-target // base), max(tiles, 1))
     if splits <= 1:
-        return cfg["heads_block_n"], 1, 1 << 20
+        return cfg.heads_block_n, 1, 1 << 20
     per = -(-tiles // splits)
     return bn, -(-tiles // per), per
 
 
 def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, block_n, splits, per):
+                  comp_rows, comp_fmt, block_n, splits, per, cfg: AttentionConfig):
     num_q, num_heads, dim = q.shape
-    cfg = CONFIG
-    hb = heads_block(num_heads)
+    hb = heads_block(num_heads, cfg)
     sink32 = sink.to(torch.float32).contiguous()
-    if cfg["heads_vsplit"] and splits == 1 and dim >= 64:
+    if cfg.heads_vsplit and splits == 1 and dim >= 64:
         _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
             q, out, torch.empty_like(q), sink32, cos, sin, cos.stride(0), win,
             win.view(torch.int16), win.stride(0), win_rows, win_rows.shape[1], comp,
             comp.view(torch.int16), comp.stride(0), comp_rows, comp_rows.shape[1], num_heads,
             float(softmax_scale), D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
-            BLOCK_N=cfg["heads_vsplit_block_n"], ASM=HW_FP8 and bool(cfg["heads_asm"]),
-            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_vsplit_warps"],
-            num_stages=cfg["heads_stages"], **triton_runtime.launch_options())
+            BLOCK_N=cfg.heads_vsplit_block_n, ASM=HW_FP8 and bool(cfg.heads_asm),
+            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_vsplit_warps,
+            num_stages=cfg.heads_stages, **triton_runtime.launch_options())
         return out
     if splits > 1:
         m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
@@ -901,76 +842,79 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     else:
         m = l_ = acc = sink32
     blocks = triton.cdiv(num_heads, hb)
-    fused = splits > 1 and bool(cfg["fused_combine"])
+    fused = splits > 1 and bool(cfg.fused_combine)
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else sink32
     _heads_kernel[(num_q, blocks, splits)](
         q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
         win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
         comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, count, D=dim,
         ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
-        PREFETCH=bool(cfg["heads_prefetch"]), TAU=float(cfg["heads_rescale_tau"]),
-        TRANS=bool(cfg["heads_trans_s"]), FUSED=fused, CH=combine_chunk(hb),
+        PREFETCH=bool(cfg.heads_prefetch), TAU=float(cfg.heads_rescale_tau),
+        TRANS=bool(cfg.heads_trans_s), FUSED=fused, CH=combine_chunk(hb, cfg),
         OUT_BF16=q.dtype == torch.bfloat16,
-        ASM=HW_FP8 and bool(cfg["heads_asm"]),
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg["heads_warps"] if hb >= 64 else 4,
-        num_stages=cfg["heads_split_stages"] if splits > 1 else cfg["heads_stages"],
+        ASM=HW_FP8 and bool(cfg.heads_asm),
+        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_warps if hb >= 64 else 4,
+        num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
         **triton_runtime.launch_options())
     if splits > 1 and not fused:
-        hc = cfg["combine_heads"]
-        _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
-            out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
-            ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
-            num_warps=4, **triton_runtime.launch_options())
+        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
     return out
 
 
 def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, splits, per):
+                  comp_rows, comp_fmt, splits, per, cfg: AttentionConfig):
     num_q, num_heads, dim = q.shape
-    cfg = CONFIG
-    hb = cfg["split_heads"]
+    hb = cfg.split_heads
     sink32 = sink.to(torch.float32).contiguous()
     m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
     blocks = triton.cdiv(num_heads, hb)
-    fused = bool(cfg["fused_combine"])
+    fused = bool(cfg.fused_combine)
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else m
     out_bf16 = q.dtype == torch.bfloat16
     _attn_split_kernel[(num_q, blocks, splits)](
         q, sink32, cos, sin, cos.stride(0), win, win.stride(0), win_rows, win_rows.shape[1],
         comp, comp.stride(0), comp_rows, comp_rows.shape[1], m, l_, acc, num_heads,
         float(softmax_scale), per, out, count, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt,
-        HB=hb, BLOCK_N=cfg["split_block_n"], SPLITS=splits, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb), OUT_BF16=out_bf16,
-        num_warps=cfg["split_warps"], num_stages=cfg["split_stages"],
+        HB=hb, BLOCK_N=cfg.split_block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb, cfg), OUT_BF16=out_bf16,
+        num_warps=cfg.split_warps, num_stages=cfg.split_stages,
         **triton_runtime.launch_options())
-    if fused:
-        return out
-    hc = cfg["combine_heads"]
-    _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
-        out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
-        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=q.dtype == torch.bfloat16,
-        num_warps=4, **triton_runtime.launch_options())
+    if not fused:
+        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
     return out
 
 
-def combine_chunk(heads_per_program: int) -> int:
+def _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs: int, splits: int,
+             cfg: AttentionConfig) -> None:
+    """The split-KV partials (m, l_, acc) of every (query, head) combined into out, in place:
+    one program per query and combine_heads heads."""
+    num_q, num_heads, dim = out.shape
+    hc = cfg.combine_heads
+    _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
+        out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
+        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=4, **triton_runtime.launch_options())
+
+
+def combine_chunk(heads_per_program: int, cfg: AttentionConfig) -> int:
     """Heads combined at a time by a fused split program (fused_combine): combine_heads, at
     most the program's heads (both powers of two)."""
-    return max(1, min(CONFIG["combine_heads"], heads_per_program))
+    return max(1, min(cfg.combine_heads, heads_per_program))
 
 
-def single_pass_rows(num_heads: int) -> int:
+def single_pass_rows(num_heads: int, cfg: AttentionConfig) -> int:
     """The fewest queries that the heads-as-M kernel runs in one pass (no split-KV): the
     variant a prefill chunk compiles."""
-    target = CONFIG["heads_split_target"]
-    blocks = -(-num_heads // heads_block(num_heads))
-    return max(1, -(-target // blocks), CONFIG["legacy_max_q"] + 1)
+    target = cfg.heads_split_target
+    blocks = -(-num_heads // heads_block(num_heads, cfg))
+    return max(1, -(-target // blocks), cfg.legacy_max_q + 1)
 
 
 def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
-           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
+           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64), *,
+           tuned: KernelConfigs = DEFAULT) -> int:
     """Compile (and run once) the packed-attention variants of `rows`-query decode calls and
     of a prefill chunk (single_pass_rows queries, the one-pass variant every longer chunk
     takes), so that the first request compiles nothing.
@@ -979,7 +923,7 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
     index_topk). Returns the number of calls made.
     """
     device = triton_runtime.kernel_device()
-    rows = sorted(set(rows) | {single_pass_rows(num_heads)})
+    rows = sorted(set(rows) | {single_pass_rows(num_heads, tuned.attention)})
     pool_rows = max(rows) * window + 1
     win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8,
                       device=device)
@@ -999,7 +943,7 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
             comp_rows = torch.zeros(r, k, dtype=torch.int32, device=device)
             sparse_attention_packed(q, rope, win, win_rows, comp if k else None,
                                     comp_rows if k else None, sink, head_dim ** -0.5,
-                                    comp_format=comp_format)
+                                    comp_format=comp_format, tuned=tuned)
             calls += 1
     return calls
 
@@ -1026,7 +970,8 @@ def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Te
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, softmax_scale: float, *,
+                     tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
     _check_q(q, sink)
     if keys.ndim != 3 or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
@@ -1035,13 +980,14 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
         raise ValueError(f"valid must be {tuple(keys.shape[:2])}, got {tuple(valid.shape)}")
     triton_runtime.check_device(keys, valid)
     return _launch(q, sink, softmax_scale, None, 0, kv=keys.to(q.dtype).contiguous(),
-                   valid=valid.contiguous().view(torch.uint8))
+                   valid=valid.contiguous().view(torch.uint8), cfg=tuned.attention)
 
 
 def sparse_attention_packed(
     q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
     window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
-    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4,
+    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4, *,
+    tuned: KernelConfigs = DEFAULT,
 ) -> torch.Tensor:
     """Fused RoPE(q) -> attention over packed window ∪ compressed records -> inverse RoPE.
 
@@ -1065,7 +1011,8 @@ def sparse_attention_packed(
         raise TypeError("packed attention computes on bf16 queries")
     return _launch(q, sink, softmax_scale, rope, 1, win=window_pool,
                    win_rows=window_rows.to(torch.int32).contiguous(), comp=comp_pool,
-                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format)
+                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format,
+                   cfg=tuned.attention)
 
 
 def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ MMA's A operand (BLOCK_N weight rows) and the activation rows are its N, ROWS (8
 which Triton 3.6 compiles on sm_90 (bench/results/h200/investigations.md) to mma.sync m16n8k16 with
 both operands in registers at ROWS = 8 and at 2 warps, and to wgmma m64nROWSk16 with W from
 registers at ROWS >= 16 with 4 or 8 warps (BLOCK_N >= 64). Calls of T rows per weight run the
-smallest row class >= T (CONFIG["classes"]); a class may run its rows as several row blocks
+smallest row class >= T (Fp8SwapConfig.classes); a class may run its rows as several row blocks
 of ROWS. dense/ref.py's math:
 
     out[t] = round(x[t] . deq(W)^T)                                    plain
@@ -24,10 +24,10 @@ Grid (N blocks, row blocks x groups, SPLIT): program (nb, rb * groups + g, s) su
 (k_chunk columns, walked in steps of BLOCK_K from its start) for rows t * groups + g,
 rb * ROWS <= t < rb * ROWS + ROWS, t < T. SPLIT > 1: FP32 partials go to a workspace and the
 last program of (rb, g, nb) to arrive (atomic counter) sums them in chunk order 0..SPLIT-1,
-then runs the epilogue. SPLIT and k_chunk are functions of the weight's shape, CONFIG and the
+then runs the epilogue. SPLIT and k_chunk are functions of the weight's shape, the config and the
 row class only.
 
-Decode of the weight bytes (CONFIG["deq"]):
+Decode of the weight bytes (Fp8SwapConfig.deq):
     "f32"   E4M3 -> FP32 (hardware cvt; bit arithmetic under the interpreter), FP32 multiply by
             the scale, pack to BF16 (exact: a value of <= 4 significant bits times 2^e)
     "asm"   (GPU) PTX: each byte's sign and exponent/mantissa bits moved into a BF16 (prmt
@@ -39,7 +39,7 @@ Decode of the weight bytes (CONFIG["deq"]):
             weight's scales once, outside graph capture, and takes "asm" for a weight it has
             not checked or whose scales are larger (opt-in; not the default)
 
-Batch invariance: a row's sums depend on the weight's shape, CONFIG and the row class only (the
+Batch invariance: a row's sums depend on the weight's shape, the config and the row class only (the
 K chunks, the K step and the MMA instruction are fixed for every T of a class), not on how
 many rows of its class share the call. Across classes (8 -> 9, 16 -> 17, 32 -> 33 rows) the
 tiles, the split and the MMA may change: a row may differ in the last bits across a class
@@ -51,6 +51,8 @@ another order: the same holds across that bound (as the MoE GEMV / grouped GEMM 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 # isort: off
@@ -59,6 +61,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import Fp8SwapConfig
 from flashpd.kernels.dense.triton import (
     DOT_UPCAST,
     W_FP8,
@@ -83,23 +86,8 @@ from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 # above (a class's "shapes" replace the top-level ones). The launch (split-K plan included) is
 # a function of the weight's shape and the class only: a row's sums do not depend on how many
 # rows of its class share the call.
-CONFIG = {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 264,
-          "min_k_chunk": 256, "red_unroll": 4, "deq": "asm", "layers": None,
-          "shapes": {(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
-                     (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
-                     (5120, 2304, 1, False): {"target_ctas": 528}},  # shared expert down
-          # H200 (bench/results/h200/dense_fp8_rows.md, per-layer FP8 sums vs the split-K tiles):
-          # 16: mma.sync, 2 warps, 528 programs (91.7 vs 116.7-121.9 us); 32: mma.sync, BN 64,
-          # 2 warps (128.9 vs 154.0-157.3); 64: wgmma m64n64k16, BN 64, 4 warps (191.1-194.3 vs
-          # 215.2-224.4), wq_b and idx_wq_b (bench shapes) on mma.sync BN 32 / 2 warps (-1.4 us
-          # each, both timings)
-          "classes": {8: {"rows": 8},
-                      16: {"rows": 16, "block_n": 32, "warps": 2, "target_ctas": 528,
-                           "shapes": {}},
-                      32: {"rows": 32, "block_n": 64, "warps": 2, "shapes": {}},
-                      64: {"rows": 64, "block_n": 64, "warps": 4,
-                           "shapes": {(32768, 1280, 1, False): {"block_n": 32, "warps": 2},
-                                      (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}}}
+# (configs.Fp8SwapConfig: KernelConfigs.dense.fp8_swap, passed in as `cfg`; the H200 row-class
+# measurements are beside its table in kernels/configs.py)
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
 _SCALES_OK: dict[tuple, bool] = {}  # (data_ptr, shape) of a scale tensor -> all <= 134
 
@@ -291,37 +279,38 @@ def compiled_variants() -> list:
 
 
 def layer_key(w: Weights, swiglu: bool) -> tuple[int, int, int, bool]:
-    """(N, K, groups, swiglu): what CONFIG["layers"] / ["shapes"] are keyed by."""
+    """(N, K, groups, swiglu): what Fp8SwapConfig.layers / .shapes are keyed by."""
     return (w.out_dim, w.in_dim, w.num_experts, bool(swiglu))
 
 
-def max_rows() -> int:
+def max_rows(cfg: Fp8SwapConfig) -> int:
     """The most rows per weight a call may have here (the widest row class)."""
-    return max(CONFIG["classes"], default=0)
+    return max(cfg.classes, default=0)
 
 
-def row_class(rows: int) -> int:
-    """The class (CONFIG["classes"] key) that runs rows per weight: the smallest >= rows."""
-    fits = [c for c in CONFIG["classes"] if c >= rows]
+def row_class(rows: int, cfg: Fp8SwapConfig) -> int:
+    """The class (cfg.classes key) that runs rows per weight: the smallest >= rows."""
+    fits = [c for c in cfg.classes if c >= rows]
     if not fits:
-        raise ValueError(f"fp8_swap: {rows} rows per weight, at most {max_rows()}")
+        raise ValueError(f"fp8_swap: {rows} rows per weight, at most {max_rows(cfg)}")
     return min(fits)
 
 
-def tiles(w: Weights, swiglu: bool, cls: int = 8) -> dict:
-    """The launch keys for weight w in row class cls: CONFIG, the class's overrides, then the
-    per-shape overrides (the class's "shapes" if it has them)."""
-    cfg = {**CONFIG, **CONFIG["classes"].get(cls, {})}
+def tiles(w: Weights, swiglu: bool, cls: int, config: Fp8SwapConfig) -> dict:
+    """The launch keys for weight w in row class cls: the config's fields, the class's
+    overrides, then the per-shape overrides (the class's "shapes" if it has them)."""
+    base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    cfg = {**base, **config.classes.get(cls, {})}
     cfg.setdefault("rows", cls)
     return {**cfg, **cfg["shapes"].get(layer_key(w, swiglu), {})}
 
 
-def plan(w: Weights, swiglu: bool, cls: int = 8) -> tuple[int, int]:
-    """(split, k_chunk) of weight w in row class cls: from its shape and CONFIG alone, never
+def plan(w: Weights, swiglu: bool, cls: int, config: Fp8SwapConfig) -> tuple[int, int]:
+    """(split, k_chunk) of weight w in row class cls: from its shape and config alone, never
     from the rows. Enough K chunks that N blocks x groups x row blocks (of the class's widest
     call) x split reaches target_ctas, chunks of at least min_k_chunk columns, each a whole
     number of K steps."""
-    cfg = tiles(w, swiglu, cls)
+    cfg = tiles(w, swiglu, cls, config)
     k_dim, step = w.in_dim, cfg["block_k"]
     blocks = triton.cdiv(w.out_dim, cfg["block_n"]) * w.num_experts * \
         triton.cdiv(cls, cfg["rows"])
@@ -331,18 +320,19 @@ def plan(w: Weights, swiglu: bool, cls: int = 8) -> tuple[int, int]:
     return triton.cdiv(k_dim, chunk), chunk
 
 
-def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None) -> bool:
+def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, *,
+             cfg: Fp8SwapConfig) -> bool:
     """True when `gemm` takes this call: FP8 weight(s), bf16 activations of <= max_rows() rows
     per weight (one weight, a SwiGLU pair of single weights, or G block-diagonal weights), and
-    the layer is in CONFIG["layers"] (None: every layer)."""
+    the layer is in cfg.layers (None: every layer)."""
     groups = w.num_experts
     if w.fmt != W_FP8 or a.dtype != torch.bfloat16 or a.shape[0] % groups:
         return False
-    if a.shape[0] // groups > max_rows() or a.shape[0] == 0:
+    if a.shape[0] // groups > max_rows(cfg) or a.shape[0] == 0:
         return False
     if w3 is not None and (groups != 1 or w3.fmt != W_FP8 or w3.data.shape != w.data.shape):
         return False
-    layers = CONFIG["layers"]
+    layers = cfg.layers
     return layers is None or layer_key(w, w3 is not None) in layers
 
 
@@ -363,15 +353,16 @@ def scales_fit_asm(*ws: Weights) -> bool:
 
 
 def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = None,
-         gamma: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
+         gamma: torch.Tensor | None = None, limit: float = 0.0, *,
+         config: Fp8SwapConfig) -> torch.Tensor:
     """out = epilogue(a . deq(W)^T) for an `eligible` call (see the module docstring).
 
     a [T * G, K] bf16 row-major (row t * G + g against weight g); out [T * G, N] bf16 or fp32
     row-major; w3: the SwiGLU pair's second weight; gamma [T] fp32 (SwiGLU only)."""
-    if not eligible(a, w, out, w3):
-        raise ValueError(f"fp8_swap.gemm: not an FP8 call of <= {max_rows()} bf16 rows per weight "
-                         f"(a {tuple(a.shape)} {a.dtype}, W [{w.num_experts}, {w.out_dim}, "
-                         f"{w.in_dim}], or the layer is off in CONFIG['layers'])")
+    if not eligible(a, w, out, w3, cfg=config):
+        raise ValueError(f"fp8_swap.gemm: not an FP8 call of <= {max_rows(config)} bf16 rows per "
+                         f"weight (a {tuple(a.shape)} {a.dtype}, W [{w.num_experts}, "
+                         f"{w.out_dim}, {w.in_dim}], or the layer is off in config layers)")
     if a.stride(1) != 1 or out.stride(1) != 1 or a.shape[1] != w.in_dim or \
             out.shape != (a.shape[0], w.out_dim):
         raise ValueError(f"fp8_swap.gemm: shapes a {tuple(a.shape)}, W [{w.out_dim}, "
@@ -382,14 +373,14 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
     swiglu = w3 is not None
     groups, n_dim, k_dim = w.num_experts, w.out_dim, w.in_dim
     rows = a.shape[0] // groups
-    cls = row_class(rows)
-    cfg = tiles(w, swiglu, cls)
-    split, chunk = plan(w, swiglu, cls)
+    cls = row_class(rows, config)
+    cfg = tiles(w, swiglu, cls, config)
+    split, chunk = plan(w, swiglu, cls, config)
     block_k, width = cfg["block_k"], cfg["rows"]
     if block_k % 32 or block_k < 32:
-        raise ValueError(f"fp8_swap CONFIG block_k must be a multiple of 32, got {block_k}")
+        raise ValueError(f"fp8_swap config block_k must be a multiple of 32, got {block_k}")
     if width < 8 or width & (width - 1):
-        raise ValueError(f"fp8_swap CONFIG rows must be a power of two >= 8, got {width}")
+        raise ValueError(f"fp8_swap config rows must be a power of two >= 8, got {width}")
     nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
     if split > 1 and nblocks * groups * rblocks > triton_runtime.COUNTER_SLOTS:
         raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most "

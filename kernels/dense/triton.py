@@ -20,20 +20,23 @@ Batch invariance (dense/ref.py): block sizes along K never depend on the number 
 the split of K into chunks (`_plan`: split-K for decode, the same chunks walked in order for
 larger GEMMs) depends on the weight's shape only, so a row's result does not depend on how many
 rows share the call (up to the tensor-core instruction the compiler picks per tile size; FP8
-64-row split-K tiles, 33-64 rows per weight, run the swapped wgmma of CONFIG["skinny"]["m64"]).
+64-row split-K tiles, 33-64 rows per weight, run the swapped wgmma of DenseConfig.skinny["m64"]).
 The exception is opt-in by size: FP8 GEMMs without a row gather (one weight, a SwiGLU pair, or
-block-diagonal groups) of >= CONFIG["cublas_min_rows"] rows per weight (prefill) run cuBLAS on
+block-diagonal groups) of >= DenseConfig.cublas_min_rows rows per weight (prefill) run cuBLAS on
 the weights dequantised to BF16, which sums in its own order.
 BF16 x BF16 products are exact in FP32, so `tl.dot` with FP32 accumulation is the ref's FP32
 GEMM up to summation order; FP32 operands use `input_precision="ieee"` (no TF32).
 `tl.dot_scaled` (MXFP4 as stored) is behind the constexpr DOT_SCALED, chosen on the GPU by
-CONFIG["mxfp4_decode"] / ["mxfp4_large"] (or the dot_scaled argument); it does not run under the
+DenseConfig.mxfp4_decode / .mxfp4_large (or the dot_scaled argument); it does not run under the
 Triton 3.6 interpreter, where the dequantise-then-`tl.dot` path runs.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,11 +47,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # isort: on
 
-from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
+from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
+from flashpd.kernels.dense.ref import W_FP8, W_MXFP4, W_PLAIN, Weights  # noqa: F401 (re-exported)
+from flashpd.kernels.dense.ref import dequantize as dequantize  # torch, re-exported
+from flashpd.kernels.e2m1 import e2m1_hi_asm, e2m1_lo_asm, fp32_e2m1
+from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16, round_bf16_if
 
 GEMM_PAD_ROWS = 16  # kept for signature parity with dense/ref.py
 
-W_PLAIN, W_MXFP4, W_FP8 = 0, 1, 2
 EPI_STORE, EPI_SWIGLU = 0, 1
 # Launch configuration of the grouped GEMM, tuned on an H200 (bench/kernel_roofline.py; the
 # figures are in bench/results/h200/roofline.md).
@@ -88,26 +94,14 @@ EPI_STORE, EPI_SWIGLU = 0, 1
 # Block sizes along K never change a row's arithmetic: K is summed in 16-wide tensor-core
 # steps in order within each chunk, and the chunks (SPLIT, k_chunk) depend on the weight's
 # shape only (_plan), never on the number of rows.
-CONFIG = {"small_rows": 64,
-          "skinny": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4,
-                     "m64": {"swap": True, "red_unroll": 4}},
-          "mx": {"block_n": 32, "block_k": 128, "warps": 4, "stages": 3, "target_ctas": 1024,
-                 "max_rows": 64},
-          "plain": {"block_n": 64, "block_k": 64, "warps": 4, "stages": 4},
-          "target_ctas": 264, "min_k_chunk": 256, "expert_tiles": 6,
-          "mxfp4_decode": "dot_scaled", "mxfp4_large": "dot_scaled",
-          "block_n": 64, "block_m_large": 64, "warps": 4, "stages": 3,
-          "prefill": "cublas", "cublas_min_rows": 256}
-# FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or block-diagonal groups,
-# no schedule or row gather) run dense/fp8_swap.py's swapped kernel (<= 64, its row classes
-# 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at engine load.
-# fp8_swap.CONFIG["layers"] says which layers. H200: faster than the split-K tiles at M = 1, 8
-# (per-layer sum 113.0-114.7 -> 83.0-83.9 us, bench/results/h200/dense_fp8_swap.md) and 16,
-# 32, 64 (116.7-121.9 -> 91.7, 154.0-157.3 -> 128.9, 215.2-224.4 -> 188-192 us,
-# dense_fp8_rows.md). A row's last bits may differ across the bound and across the row
-# classes (another K order or MMA); these are decode-graph buckets, so a padded graph batch
-# and its eager batch stay on one side. More than 64 rows: the split-K tiles (not measured).
-FP8_SWAP_MAX_ROWS = 64
+# (configs.DenseConfig: KernelConfigs.dense, passed in as `cfg`.)
+# fp8_swap_max_rows: FP8 calls of <= this many rows per weight (one weight, a SwiGLU pair or
+# block-diagonal groups, no schedule or row gather) run dense/fp8_swap.py's swapped kernel (<= 64,
+# its row classes 8 / 16 / 32 / 64; 0: off); FLASHPD_FP8_SWAP_MAX_ROWS overrides it at engine
+# load, Fp8SwapConfig.layers says which layers. H200: faster than the split-K tiles at M = 1 to
+# 64 (bench/results/h200/dense_fp8_swap.md, dense_fp8_rows.md). A row's last bits may differ
+# across the bound and across the row classes (another K order or MMA); these are decode-graph
+# buckets, so a padded graph batch and its eager batch stay on one side.
 
 
 # ============================================================================ activations
@@ -171,13 +165,6 @@ def _dot_scaled_mxfp4(a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn,
     return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
 
 
-@triton.jit
-def _round_out(x, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        x = round_bf16(x)
-    return x
-
-
 # ============================================================================ split-K GEMM
 # The serving GEMM (the previous one-program-per-tile kernel is in git history, 7f5b989).
 #
@@ -196,58 +183,7 @@ def _round_out(x, OUT_BF16: tl.constexpr):
 # which path ran it (up to the tensor-core instruction the compiler picks for the tile size).
 # MXFP4 nibbles (low = even k) are decoded by bit moves and interleaved back into K order, so
 # the bit-trick, asm and tl.dot_scaled paths all sum K in the same order.
-@triton.jit
-def fp32_e2m1(nib, s_f32):
-    """E2M1 code (low 4 bits, int32) * scale -> FP32: the code's bits are placed in an FP32's
-    sign/exponent/mantissa fields (value * 2^-126, subnormal for 0.5), then rescaled exactly."""
-    bits = ((nib & 7) << 22) | ((nib & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_f32  # 2^126
-
-
-# GPU only: E2M1 codes (the low or the high nibbles of bytes b) * s_bf16 -> BF16, 4 bytes per
-# PTX block: bytes spread to 16-bit lanes (prmt), each code's bits moved into a BF16's sign /
-# exponent / mantissa fields (value * 2^-126, subnormal for 0.5), then one bf16x2 multiply by
-# s_bf16 = 2^126 * scale rescales exactly. Two functions: the string must be a literal.
-@triton.jit
-def e2m1_lo_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $2, z, 0x4140;
-        prmt.b32 t1, $2, z, 0x4342;
-        shl.b32 u0, t0, 6;
-        shl.b32 u1, t0, 12;
-        shl.b32 u2, t1, 6;
-        shl.b32 u3, t1, 12;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, t0, $3;
-        mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def e2m1_hi_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, u<4>, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $2, z, 0x4140;
-        prmt.b32 t1, $2, z, 0x4342;
-        shl.b32 u0, t0, 2;
-        shl.b32 u1, t0, 8;
-        shl.b32 u2, t1, 2;
-        shl.b32 u3, t1, 8;
-        and.b32 u1, u1, 0x80008000;
-        and.b32 u3, u3, 0x80008000;
-        lop3.b32 t0, u0, 0x01C001C0, u1, 0xEA;
-        lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
-        mul.rn.bf16x2 $0, t0, $3;
-        mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
+# The E2M1 decoders (fp32_e2m1, e2m1_lo_asm / e2m1_hi_asm) are kernels/e2m1.py's.
 @triton.jit
 def _fp8_scaled(q, s, OUT_DTYPE: tl.constexpr, HW_FP8: tl.constexpr, DEQ_BF16: tl.constexpr):
     """E4M3 bytes q times FP32 power-of-two scales s (broadcast) -> OUT_DTYPE, exact.
@@ -546,14 +482,14 @@ def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limi
               EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr, ROUND_ACT_BF16: tl.constexpr,
               OUT_BF16: tl.constexpr):
     if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-        out = swiglu_limited(_round_out(acc1, ROUND_ACT_BF16), _round_out(acc3, ROUND_ACT_BF16),
+        out = swiglu_limited(round_bf16_if(acc1, ROUND_ACT_BF16), round_bf16_if(acc3, ROUND_ACT_BF16),
                              limit)
         if HAS_GAMMA:
             out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
     else:
         out = acc1
     c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
-    tl.store(c, _round_out(out, OUT_BF16).to(c_ptr.dtype.element_ty),
+    tl.store(c, round_bf16_if(out, OUT_BF16).to(c_ptr.dtype.element_ty),
              mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
@@ -706,72 +642,6 @@ def _gemm_kernel(
 SPLITK_KERNEL = _gemm_kernel
 
 
-# ============================================================================ weights
-@dataclass(frozen=True)
-class Weights:
-    """One or more [N, K] weight matrices in a checkpoint format (leading expert axis E).
-
-    fmt PLAIN: data [E, N, K] bf16/fp32, scale None. MXFP4: data uint8 [E, N, K/2], scale uint8
-    [E, N, K/32]. FP8: data float8_e4m3fn [E, N, K], scale uint8 [E, ceil(N/32), ceil(K/32)].
-    """
-
-    fmt: int
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def out_dim(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def in_dim(self) -> int:
-        return self.data.shape[2] * (2 if self.fmt == W_MXFP4 else 1)
-
-    @staticmethod
-    def plain(w: torch.Tensor) -> Weights:
-        return Weights(W_PLAIN, w if w.ndim == 3 else w[None])
-
-    @staticmethod
-    def mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> Weights:
-        if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-            raise TypeError("MXFP4 weights are uint8 packed nibbles + uint8 UE8M0 scales")
-        return Weights(W_MXFP4, packed if packed.ndim == 3 else packed[None],
-                       scale if scale.ndim == 3 else scale[None])
-
-    @staticmethod
-    def fp8(w_f8: torch.Tensor, scale: torch.Tensor) -> Weights:
-        if w_f8.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
-            raise TypeError("FP8 weights are float8_e4m3fn + uint8 UE8M0 32x32 tile scales")
-        return Weights(W_FP8, (w_f8 if w_f8.ndim == 3 else w_f8[None]).view(torch.uint8),
-                       scale if scale.ndim == 3 else scale[None])
-
-    @staticmethod
-    def stack_out(parts: list[Weights]) -> Weights:
-        """One weight whose output rows are `parts`' rows in order (same input, one GEMM instead
-        of several: x . W^T = [x . W_0^T, x . W_1^T, ...] along N). Single FP8 or plain matrices
-        of one K; FP8 parts need N % 32 == 0 so their 32x32 scale tiles stay whole."""
-        if not parts:
-            raise ValueError("stack_out: no weights")
-        first = parts[0]
-        for i, w in enumerate(parts):
-            if w.num_experts != 1 or w.fmt != first.fmt or w.in_dim != first.in_dim or \
-                    w.data.dtype != first.data.dtype:
-                raise ValueError(f"stack_out: part {i} is not a single matrix of the first "
-                                 f"part's format and K ({first.in_dim})")
-            if w.fmt == W_MXFP4:
-                raise ValueError("stack_out: FP8 or plain weights only")
-            if w.fmt == W_FP8 and w.out_dim % 32:
-                raise ValueError(f"stack_out: FP8 part {i} has N={w.out_dim}, not a multiple "
-                                 "of the 32-row scale tile")
-        data = torch.cat([w.data for w in parts], dim=1)
-        scale = torch.cat([w.scale for w in parts], dim=1) if first.fmt == W_FP8 else None
-        return Weights(first.fmt, data, scale)
-
-
 @dataclass(frozen=True)
 class TileSchedule:
     """Row tiles of C: tile t covers rows [start[t], end[t]) of weight expert[t] (empty: start=end)."""
@@ -817,7 +687,7 @@ def grouped_schedule(counts: torch.Tensor, total_rows: int, block_m: int) -> Til
 def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out: torch.Tensor,
                  a_rows: torch.Tensor | None = None, w3: Weights | None = None,
                  gamma: torch.Tensor | None = None, limit: float = 0.0,
-                 dot_scaled: bool = False) -> torch.Tensor:
+                 dot_scaled: bool = False, *, cfg: DenseConfig = DEFAULT.dense) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given.
 
     schedule None: no schedule tensors, nothing launched besides the GEMM; with one weight,
@@ -830,41 +700,40 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if dot_scaled and (w.fmt != W_MXFP4 or triton_runtime.interpreting()):
         raise ValueError("dot_scaled needs MXFP4 weights and a GPU (not the interpreter)")
     rows = out.shape[0]
-    cfg = CONFIG
     if rows == 0 or (schedule is not None and schedule.start.shape[0] == 0):
         return out
-    if cublas_eligible(a, w, out, a_rows, w3, dot_scaled):
+    if cublas_eligible(a, w, out, a_rows, w3, dot_scaled, cfg):
         return _cublas_gemm(a, w, out, w3, gamma, limit)
     if w.fmt == W_FP8 and schedule is None and a_rows is None and not dot_scaled and \
-            rows <= FP8_SWAP_MAX_ROWS * w.num_experts:
+            rows <= cfg.fp8_swap_max_rows * w.num_experts:
         from flashpd.kernels.dense import fp8_swap  # imports this module: not at the top
-        if fp8_swap.eligible(a, w, out, w3):
-            return fp8_swap.gemm(a, w, out, w3, gamma, limit)
+        if fp8_swap.eligible(a, w, out, w3, cfg=cfg.fp8_swap):
+            return fp8_swap.gemm(a, w, out, w3, gamma, limit, config=cfg.fp8_swap)
     n_dim, k_dim = w.out_dim, w.in_dim
     single = schedule is None
     groups = w.num_experts if single else 1
     if single and groups > 1 and (a_rows is not None or rows % groups):
         raise ValueError(f"block-diagonal GEMM: {rows} rows do not split into {groups} groups "
                          "(or a_rows was given)")
-    block_m = block_m_for(rows // groups) if single else schedule.block_m
+    block_m = block_m_for(rows // groups, cfg) if single else schedule.block_m
     n_tiles = groups * triton.cdiv(rows // groups, block_m) if single else \
         schedule.start.shape[0]
-    split, chunk = _plan(w)
-    tiles = _tiles(w)
-    small = rows <= tiles.get("max_rows", cfg["small_rows"]) or \
+    split, chunk = _plan(w, cfg)
+    tiles = _tiles(w, cfg)
+    small = rows <= tiles.get("max_rows", cfg.small_rows) or \
         triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < tiles.get("target_ctas",
-                                                                   cfg["target_ctas"])
-    mx_asm = w.fmt == W_MXFP4 and cfg["mxfp4_decode"] == "asm" and not DOT_UPCAST
+                                                                   cfg.target_ctas)
+    mx_asm = w.fmt == W_MXFP4 and cfg.mxfp4_decode == "asm" and not DOT_UPCAST
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
-        dot_scaled = dot_scaled or (cfg["mxfp4_decode"] == "dot_scaled" if small
-                                    else cfg["mxfp4_large"] == "dot_scaled")
+        dot_scaled = dot_scaled or (cfg.mxfp4_decode == "dot_scaled" if small
+                                    else cfg.mxfp4_large == "dot_scaled")
     step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
     if small and block_m >= 64 and "m64" in tiles:  # 64-row decode tiles: their own launch
         tiles = {**tiles, **tiles["m64"]}
     # swap (FP8 / plain): on the K-segment path too, so a row's sums match the split-K grid's
     swap = bool(tiles.get("swap", False)) and w.fmt != W_MXFP4 and not tiles.get("wide", False)
     if not small:
-        tiles = {"block_n": cfg["block_n"], "warps": cfg["warps"], "stages": cfg["stages"]}
+        tiles = {"block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages}
     block_k = 64 if dot_scaled and not small else step
     grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
     if small and split > 1 and grid[0] * n_tiles > triton_runtime.COUNTER_SLOTS:
@@ -876,8 +745,7 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
-    sched = schedule if schedule is not None else _NO_SCHEDULE.get(a.device) or \
-        _no_schedule(a.device)
+    sched = schedule if schedule is not None else _no_schedule(a.device)
     # pdl (GPU, FP8): launched as a programmatic dependent launch; the kernel lets the next one
     # start, prefetches its first weight lines (one byte per K column), then waits for the
     # previous grid
@@ -912,8 +780,8 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     return out
 
 
-def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
+def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None, *,
+                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, G, K] -> [T, G, N]: out[t, g] = x[t, g] . W[g]^T, one launch, no schedule.
 
     The GPU forward's wo_a (group g of a token's heads through its own low-rank weight): A and C
@@ -924,30 +792,27 @@ def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = 
     num_tokens, groups, _ = x.shape
     out = torch.empty(num_tokens * groups, w.out_dim, dtype=out_dtype or x.dtype,
                       device=x.device)
-    grouped_gemm(x.reshape(num_tokens * groups, -1).contiguous(), w, None, out)
+    grouped_gemm(x.reshape(num_tokens * groups, -1).contiguous(), w, None, out, cfg=tuned.dense)
     return out.view(num_tokens, groups, -1)
 
 
-_NO_SCHEDULE: dict[torch.device, TileSchedule] = {}
-
-
+@functools.cache
 def _no_schedule(device: torch.device) -> TileSchedule:
-    """Placeholder schedule tensors for schedule-free launches (never read)."""
+    """Placeholder schedule tensors for schedule-free launches (never read; one per device)."""
     z = torch.zeros(1, dtype=torch.int32, device=device)
-    _NO_SCHEDULE[device] = TileSchedule(z, z, z, 16)
-    return _NO_SCHEDULE[device]
+    return TileSchedule(z, z, z, 16)
 
 
-def _tiles(w: Weights) -> dict:
+def _tiles(w: Weights, cfg: DenseConfig) -> Mapping[str, Any]:
     """The split-K tiles of w's format (MXFP4 "mx", FP8 "skinny", plain "plain"). With
     fit_block_n, the N block halves (down to 32; 64 with swap) while even the finest split
     (chunks of min_k_chunk) leaves the grid under the target: a function of w's shape only."""
-    tiles = CONFIG["mx" if w.fmt == W_MXFP4 else "skinny" if w.fmt == W_FP8 else "plain"]
+    tiles = cfg.mx if w.fmt == W_MXFP4 else cfg.skinny if w.fmt == W_FP8 else cfg.plain
     if tiles.get("fit_block_n", False):
-        target = tiles.get("target_ctas", CONFIG["target_ctas"])
-        experts = min(w.num_experts, CONFIG["expert_tiles"]) if w.fmt == W_MXFP4 else \
+        target = tiles.get("target_ctas", cfg.target_ctas)
+        experts = min(w.num_experts, cfg.expert_tiles) if w.fmt == W_MXFP4 else \
             w.num_experts
-        finest = max(1, w.in_dim // CONFIG["min_k_chunk"])
+        finest = max(1, w.in_dim // cfg.min_k_chunk)
         bn = tiles["block_n"]
         floor = 64 if tiles.get("swap", False) else 32  # swap: wgmma's 64-row operand
         while bn > floor and triton.cdiv(w.out_dim, bn) * experts * finest < target:
@@ -957,21 +822,20 @@ def _tiles(w: Weights) -> dict:
     return tiles
 
 
-def _plan(w: Weights) -> tuple[int, int]:
+def _plan(w: Weights, cfg: DenseConfig) -> tuple[int, int]:
     """(SPLIT, k_chunk) of weight w: from its format and shape alone, never from the rows.
 
     Enough split-K programs that a decode GEMM of one row tile per expert reaches target_ctas
     (a grouped MXFP4 weight, the routed experts, assumes expert_tiles active experts; other
     grouped weights run block-diagonal, every group active), with chunks of >= min_k_chunk.
     """
-    cfg = CONFIG
     k_dim = w.in_dim
-    tiles = _tiles(w)
+    tiles = _tiles(w, cfg)
     step = tiles["block_k"]
     blocks = triton.cdiv(w.out_dim, tiles["block_n"])
-    experts = min(w.num_experts, cfg["expert_tiles"]) if w.fmt == W_MXFP4 else w.num_experts
-    want = triton.cdiv(tiles.get("target_ctas", cfg["target_ctas"]), blocks * experts)
-    split = max(1, min(want, k_dim // cfg["min_k_chunk"]))
+    experts = min(w.num_experts, cfg.expert_tiles) if w.fmt == W_MXFP4 else w.num_experts
+    want = triton.cdiv(tiles.get("target_ctas", cfg.target_ctas), blocks * experts)
+    split = max(1, min(want, k_dim // cfg.min_k_chunk))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
     return triton.cdiv(k_dim, chunk), chunk
 
@@ -1011,17 +875,17 @@ def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float,
 
 
 def cublas_eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3,
-                     dot_scaled: bool) -> bool:
+                    dot_scaled: bool, cfg: DenseConfig) -> bool:
     """Prefill-sized FP8 GEMMs without a row gather: one weight (optionally with w3, SwiGLU),
     or G weights block-diagonal (row t * G + g against weight g), >= cublas_min_rows rows per
     weight."""
     groups = w.num_experts
-    return (CONFIG["prefill"] == "cublas" and not triton_runtime.interpreting()
+    return (cfg.prefill == "cublas" and not triton_runtime.interpreting()
             and w.fmt == W_FP8 and a_rows is None and not dot_scaled
             and (w3 is None or (groups == 1 and w3.fmt == W_FP8 and w3.num_experts == 1))
             and a.dtype == out.dtype == torch.bfloat16 and out.shape[0] == a.shape[0]
             and out.shape[0] % groups == 0
-            and out.shape[0] // groups >= CONFIG["cublas_min_rows"])
+            and out.shape[0] // groups >= cfg.cublas_min_rows)
 
 
 def _cublas_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None,
@@ -1106,20 +970,22 @@ def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | No
     triton_runtime.check_device(a, out, w.data)
 
 
-def block_m_for(num_rows: int) -> int:
-    """Row tile for GEMMs of num_rows rows (per expert): 16, 32, then CONFIG["block_m_large"]."""
-    return 16 if num_rows <= 16 else 32 if num_rows <= 32 else CONFIG["block_m_large"]
+def block_m_for(num_rows: int, cfg: DenseConfig) -> int:
+    """Row tile for GEMMs of num_rows rows (per expert): 16, 32, then cfg.block_m_large."""
+    return 16 if num_rows <= 16 else 32 if num_rows <= 32 else cfg.block_m_large
 
 
-def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch.Tensor:
+def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype, *,
+                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, K] . W^T for a single weight in any format -> [T, N] in out_dtype."""
     if w.num_experts != 1:
         raise ValueError("linear_weights takes one weight matrix")
     out = torch.empty(x.shape[0], w.out_dim, dtype=out_dtype, device=x.device)
-    return grouped_gemm(x.contiguous(), w, None, out)
+    return grouped_gemm(x.contiguous(), w, None, out, cfg=tuned.dense)
 
 
-def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int:
+def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16, *,
+           tuned: KernelConfigs = DEFAULT) -> int:
     """Compile (and run once) the GEMM variants that `rows`-row calls of each weight take.
 
     weights: `Weights` of the model's layers (repeats are skipped: variants depend on format,
@@ -1136,10 +1002,11 @@ def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16) -> int
         act = dtype if w.fmt != W_PLAIN else w.data.dtype
         for r in rows:
             if w.num_experts == 1:
-                linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act)
+                linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act,
+                               tuned=tuned)
             else:
                 block_diagonal(torch.randn(r, w.num_experts, w.in_dim, device=device).to(act),
-                               w, act)
+                               w, act, tuned=tuned)
             calls += 1
     return calls
 
@@ -1152,32 +1019,32 @@ def kernel_device_of(weights) -> torch.device:
 
 
 # ============================================================================ ref surface
-def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul_nt(a: torch.Tensor, b: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """a [M, K] @ b[N, K]^T -> [M, N] in FP32 (both operands in a's dtype)."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"matmul_nt shapes {tuple(a.shape)} x {tuple(b.shape)}^T")
     dtype = torch.float32 if torch.float32 in (a.dtype, b.dtype) else a.dtype
-    return linear_weights(a.to(dtype), Weights.plain(b.to(dtype)), torch.float32)
+    return linear_weights(a.to(dtype), Weights.plain(b.to(dtype)), torch.float32, tuned=tuned)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, in] . weight[out, in]^T -> [T, out] in x.dtype, FP32 accumulation."""
-    return linear_weights(x, Weights.plain(weight.to(x.dtype)), x.dtype)
+    return linear_weights(x, Weights.plain(weight.to(x.dtype)), x.dtype, tuned=tuned)
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x . weight^T in FP32 (bf16 operands: exact products, FP32 sums)."""
-    return matmul_nt(x, weight)
+    return matmul_nt(x, weight, tuned=tuned)
 
 
-def linear_fp8(x: torch.Tensor, w_f8: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+def linear_fp8(x: torch.Tensor, w_f8: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, in] bf16 . dequant(W_fp8 [out, in], 32x32 UE8M0 tiles)^T -> [T, out] bf16."""
-    return linear_weights(x, Weights.fp8(w_f8, scale_u8), x.dtype)
+    return linear_weights(x, Weights.fp8(w_f8, scale_u8), x.dtype, tuned=tuned)
 
 
-def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor) -> torch.Tensor:
+def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, in] bf16 . dequant(MXFP4 [out, in/2], UE8M0 per 1x32)^T -> [T, out] bf16."""
-    return linear_weights(x, Weights.mxfp4(packed, scale_u8), x.dtype)
+    return linear_weights(x, Weights.mxfp4(packed, scale_u8), x.dtype, tuned=tuned)
 
 
 @triton.jit
@@ -1190,7 +1057,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
     y = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, _round_out(y, OUT_BF16).to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + row * stride_y + cols, round_bf16_if(y, OUT_BF16).to(y_ptr.dtype.element_ty),
              mask=mask)
 
 

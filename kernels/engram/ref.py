@@ -39,10 +39,32 @@ def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, 
                   norm_eps: float) -> torch.Tensor:
     """streams [T, S, D], rows [T, C*row_dim] (compute dtype), wkv [(S+1)*D, C*row_dim],
     qk [S, D] FP32 -> new streams [T, S, D] in streams.dtype."""
-    num_tokens, num_streams, d_model = streams.shape
     kv = linear(rows.to(streams.dtype), wkv)  # [T, (S+1)*D]
+    return run_engram(streams, kv, qk, norm_eps, inject=True)[0]
+
+
+def run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float,
+               inject: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """streams [T, S, D], kv [T, (S+1)*D] (the projected rows: S keys, one value) -> (new
+    streams if `inject` else streams, gates FP32 [T, S])."""
+    num_tokens, num_streams, d_model = streams.shape
     keys = kv[:, : num_streams * d_model].reshape(num_tokens, num_streams, d_model)
     value = fp32(kv[:, num_streams * d_model:])  # [T, D]
     gates = engram_gates(streams, keys, qk, norm_eps)  # [T, S]
+    if not inject:
+        return streams, gates
     out = fp32(streams) + gates[..., None] * value[:, None, :]
-    return out.to(streams.dtype)
+    return out.to(streams.dtype), gates
+
+
+def gather_rows(table, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [T, C] (global rows of the layer's table: E4M3 `weight` [rows, row_dim] and UE8M0
+    `scale` [rows, row_dim/32], e.g. on the host) -> BF16 rows [T, C * row_dim] on ids' device
+    (exact: an E4M3 value times a power of two)."""
+    from flashpd.kernels.quant.ref import unpack_window_fp8
+
+    idx = ids.reshape(-1).long().to(table.weight.device)
+    records = torch.cat((table.weight[idx], table.scale[idx]), dim=1)  # window-record layout
+    rows = unpack_window_fp8(records, torch.bfloat16).to(ids.device)
+    rows = rows.reshape(ids.shape[0], ids.shape[1] * table.weight.shape[1])
+    return rows if out is None else out.copy_(rows)

@@ -54,11 +54,23 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
     """Two-level candidates (§5.4): scores [T, N] -> bool [T, N], entries of the kept blocks.
 
     Block score = max over its entries; the newest (partly filled) block is forced in; the top
-    `num_blocks` blocks are kept, except those whose score is -inf.
+    `num_blocks` blocks are kept, except those whose score is -inf (`candidate_blocks`).
     """
     num_q, num_keys = scores.shape
     if num_keys == 0:
         return torch.zeros(num_q, 0, dtype=torch.bool, device=scores.device)
+    n_blocks = -(-num_keys // block_size)
+    blocks = candidate_blocks(scores, n_visible, block_size, num_blocks)  # [T, kept], -1 pad
+    kept = torch.zeros(num_q, n_blocks + 1, dtype=torch.bool, device=scores.device)
+    kept.scatter_(1, torch.where(blocks < 0, n_blocks, blocks), True)
+    return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
+
+
+def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
+                     num_blocks: int) -> torch.Tensor:
+    """scores [T, N] -> the kept block ids [T, min(num_blocks, #blocks)], ascending, -1 padded
+    (blocks of score -inf are not kept; the newest block of each query is)."""
+    num_q, num_keys = scores.shape
     n_blocks = -(-num_keys // block_size)
     padded = scores.new_full((num_q, n_blocks * block_size), NEG_INF)
     padded[:, :num_keys] = scores
@@ -67,11 +79,7 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
     newest = ((n_visible - 1).clamp_min(0) // block_size)[has_visible]  # [T']
     rows = torch.arange(num_q, device=scores.device)[has_visible]
     block_score[rows, newest] = float("inf")
-    keep = min(num_blocks, n_blocks)
-    order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :keep]
-    kept = torch.zeros(num_q, n_blocks, dtype=torch.bool, device=scores.device)
-    kept.scatter_(1, order, torch.gather(block_score, 1, order) > NEG_INF)
-    return kept.repeat_interleave(block_size, dim=1)[:, :num_keys]
+    return select_topk(block_score, min(num_blocks, n_blocks))
 
 
 def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,

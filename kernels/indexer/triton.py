@@ -22,7 +22,7 @@ tile is dequantised in registers (E2M1 nibbles * 2^(UE8M0 - 127), exact in BF16)
 on the tensor cores with FP32 accumulation.
 
 Small decode batches: a scoring launch takes fewer tiles per program until it has
-CONFIG["score_target"] programs (a batch-1 row of 8,192 entries was 16 programs), and a row of
+IndexerConfig.score_target programs (a batch-1 row of 8,192 entries was 16 programs), and a row of
 at least two slices is selected in two stages (`_topk`: top-k of each slice, one program per
 (row, slice), then top-k of the survivors), both bit-identical to the one-program forms.
 
@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import DEFAULT, IndexerConfig, KernelConfigs
 from flashpd.kernels.dense.triton import DOT_UPCAST, mma
 from flashpd.kernels.indexer.ref import _check_blocks, _check_paged
 from flashpd.kernels.indexer.ref import paged_key_rows as paged_key_rows  # host-side, re-exported
@@ -56,17 +57,10 @@ _BLOCK_N = 64  # entries per scoring tile
 _TILES = 8  # tiles per scoring program (the query is loaded once per program)
 _CHUNK = 1024  # entries per top-k step
 _SPLIT_COLS = 16384  # rows of >= 4 x this many entries take the two-stage top-k
-# Small batches (FLASHPD_INDEXER_SMALL_BATCH=0 turns both off, kernels/tuning.py): scoring
-# launches aim for score_target programs (fewer tiles per program); batches of at most
-# topk_split_q queries select rows of >= 2 slices of max(topk_min_slice, 2k) entries in two stages.
-
-
-def small_batch_config(on: bool) -> dict:
-    """The small-batch launch settings, on (the default) or off (0: the plain launches)."""
-    return {"score_target": 264 if on else 0, "topk_split_q": 16 if on else 0}
-
-
-CONFIG = {**small_batch_config(True), "topk_min_slice": 2048}
+# Small batches (configs.IndexerConfig, passed in as `tuned`; FLASHPD_INDEXER_SMALL_BATCH=0
+# turns both off, kernels/tuning.py): scoring launches aim for score_target programs (fewer tiles
+# per program); batches of at most topk_split_q queries select rows of >= 2 slices of
+# max(topk_min_slice, 2k) entries in two stages.
 
 
 # ============================================================================ scoring
@@ -137,7 +131,7 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
             n_visible: torch.Tensor, packed: bool, blocks: torch.Tensor | None = None,
             block_size: int = 1,
             paged: tuple[torch.Tensor, torch.Tensor] | None = None,
-            weight_scale: float = 1.0) -> torch.Tensor:
+            weight_scale: float = 1.0, *, cfg: IndexerConfig) -> torch.Tensor:
     """Launch _score_kernel; `paged` = (key_rows [B, N], seq_of [T]) makes `keys` a pool;
     the head weights are read in their own dtype and scaled by `weight_scale` in FP32."""
     num_q, num_heads, head_dim = q.shape
@@ -162,7 +156,7 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
     else:
         rows_arg, seq_arg = (x.contiguous() for x in paged)
         num_seqs = rows_arg.shape[0]
-    tiles = score_tiles(num_q, n_cols)
+    tiles = score_tiles(num_q, n_cols, cfg)
     grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
         dot_q, head_weights.contiguous(), key_arg, key_arg.stride(0), n_visible.contiguous(),
@@ -175,32 +169,32 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
     return out
 
 
-def score_tiles(num_q: int, n_cols: int) -> int:
+def score_tiles(num_q: int, n_cols: int, cfg: IndexerConfig) -> int:
     """Tiles per scoring program: _TILES, halved while the launch has fewer than
-    CONFIG["score_target"] programs (each entry's score is the same either way)."""
+    cfg.score_target programs (each entry's score is the same either way)."""
     tiles = max(1, min(_TILES, triton.cdiv(n_cols, _BLOCK_N)))
-    target = CONFIG["score_target"]
+    target = cfg.score_target
     while tiles > 1 and num_q * triton.cdiv(n_cols, _BLOCK_N * tiles) < target:
         tiles //= 2
     return tiles
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-                 n_visible: torch.Tensor) -> torch.Tensor:
+                 n_visible: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """q [T, h, dI], head_weights [T, h], keys [N, dI], n_visible [T] -> scores [T, N] FP32."""
     _check_scores(q, head_weights, n_visible)
     if keys.ndim != 2 or keys.shape[1] != q.shape[2]:
         raise ValueError(f"keys must be [N, {q.shape[2]}], got {tuple(keys.shape)}")
     triton_runtime.check_device(keys)
-    return _scores(q, head_weights, keys, n_visible, packed=False)
+    return _scores(q, head_weights, keys, n_visible, packed=False, cfg=tuned.indexer)
 
 
 def index_scores_packed(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
-                        n_visible: torch.Tensor) -> torch.Tensor:
+                        n_visible: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """As index_scores, keys as MXFP4 records uint8 [N, dI/2 + dI/32] (dequantised in registers)."""
     _check_scores(q, head_weights, n_visible)
     _check_records(key_records, q.shape[2])
-    return _scores(q, head_weights, key_records, n_visible, packed=True)
+    return _scores(q, head_weights, key_records, n_visible, packed=True, cfg=tuned.indexer)
 
 
 def _check_scores(q: torch.Tensor, head_weights: torch.Tensor, n_visible: torch.Tensor) -> None:
@@ -322,17 +316,17 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLIC
                      tl.full((CHUNK,), float("-inf"), tl.float32), mask=pad)
 
 
-def topk_slice(num_q: int, n_cols: int, k: int) -> int:
+def topk_slice(num_q: int, n_cols: int, k: int, cfg: IndexerConfig) -> int:
     """Columns per first-stage slice of a two-stage top-k, 0 for one pass: _SPLIT_COLS for
     long rows (>= 4 slices, k <= a quarter slice); for batches of at most
-    CONFIG["topk_split_q"] queries, max(topk_min_slice, 2k rounded up to a power of two) when
+    cfg.topk_split_q queries, max(topk_min_slice, 2k rounded up to a power of two) when
     the row holds at least two of those."""
     if k <= 0:
         return 0
     if n_cols >= 4 * _SPLIT_COLS and k <= _SPLIT_COLS // 4:
         return _SPLIT_COLS
-    if num_q <= CONFIG["topk_split_q"]:
-        piece = max(CONFIG["topk_min_slice"], triton.next_power_of_2(2 * k))
+    if num_q <= cfg.topk_split_q:
+        piece = max(cfg.topk_min_slice, triton.next_power_of_2(2 * k))
         if n_cols >= 2 * piece:
             return piece
     return 0
@@ -340,7 +334,7 @@ def topk_slice(num_q: int, n_cols: int, k: int) -> int:
 
 def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
           blocks: torch.Tensor | None = None, block_size: int = 1,
-          pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+          pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None, *, cfg: IndexerConfig) -> torch.Tensor:
     """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
     int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel.
 
@@ -356,7 +350,7 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
     s = scores.to(torch.float32).contiguous()
     allowed = allowed.contiguous().view(torch.uint8) if allowed is not None else None
     blocks = blocks.contiguous() if blocks is not None else None
-    piece = topk_slice(num_q, n_cols, k)
+    piece = topk_slice(num_q, n_cols, k, cfg)
     if piece:  # stage 1: top-k of each slice (entry ids + scores), then top-k of those
         slices = -(-n_cols // piece)
         ids = torch.empty(num_q, slices * k, dtype=torch.int64, device=scores.device)
@@ -394,7 +388,7 @@ def topk_chunk(n_cols: int) -> int:
 
 
 def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
-                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
     pool_rows = (key_rows [B, N], seq_of [T]) (paged scores): the selected entries' pool rows
@@ -405,7 +399,7 @@ def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = Non
         raise ValueError("allowed must be a bool mask shaped like scores")
     triton_runtime.check_device(scores)
     _check_pool_rows(pool_rows, scores.shape)
-    return _topk(scores, k, allowed, pool_rows=pool_rows)
+    return _topk(scores, k, allowed, pool_rows=pool_rows, cfg=tuned.indexer)
 
 
 # ============================================================================ candidates
@@ -425,7 +419,7 @@ def _block_max_kernel(s_ptr, nvis_ptr, out_ptr, N, NB, BLOCK_SIZE: tl.constexpr,
 
 
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                     num_blocks: int) -> torch.Tensor:
+                     num_blocks: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """scores [T, N] -> kept block ids [T, min(num_blocks, #blocks)] ascending, -1 padded (§5.4)."""
     if scores.ndim != 2 or n_visible.shape != scores.shape[:1]:
         raise ValueError("candidate_blocks needs scores [T, N] and n_visible [T]")
@@ -440,14 +434,14 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
         _block_max_kernel[(num_q, triton.cdiv(n_blocks, per))](
             scores.to(torch.float32).contiguous(), n_visible.to(torch.int32).contiguous(),
             block_score, num_keys, n_blocks, BLOCK_SIZE=block_size, BLOCKS=per)
-    return _topk(block_score, min(num_blocks, n_blocks))
+    return _topk(block_score, min(num_blocks, n_blocks), cfg=tuned.indexer)
 
 
 def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                   num_blocks: int) -> torch.Tensor:
+                   num_blocks: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """Two-level candidates (§5.4): scores [T, N] -> bool [T, N], entries of the kept blocks."""
     num_q, num_keys = scores.shape
-    blocks = candidate_blocks(scores, n_visible, block_size, num_blocks)  # [T, kept]
+    blocks = candidate_blocks(scores, n_visible, block_size, num_blocks, tuned=tuned)  # [T, kept]
     n_blocks = -(-num_keys // block_size)
     kept = torch.zeros(num_q, n_blocks + 1, dtype=torch.bool, device=scores.device)
     kept.scatter_(1, torch.where(blocks < 0, n_blocks, blocks), True)
@@ -456,7 +450,7 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
 
 def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
                       n_visible: torch.Tensor, blocks: torch.Tensor, block_size: int,
-                      k: int) -> torch.Tensor:
+                      k: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """Reindex layers (§5.4): score only the entries of each query's candidate blocks [T, nb]
     (ascending block ids, -1 padded) over packed MXFP4 keys, then select the top k.
 
@@ -470,29 +464,29 @@ def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: 
     if blocks.shape[1] * block_size >= num_keys:
         # every block is kept (<= num_blocks reachable): the mask cannot bite (§5.4), and
         # contiguous scoring of all entries selects the same ids without the indirection
-        return _topk(_scores(q, head_weights, key_records, n_visible, packed=True), k)
+        return _topk(_scores(q, head_weights, key_records, n_visible, packed=True, cfg=tuned.indexer), k, cfg=tuned.indexer)
     scores = _scores(q, head_weights, key_records, n_visible, packed=True, blocks=blocks,
-                     block_size=block_size)  # [T, nb * bs]
-    return _topk(scores, k, blocks=blocks, block_size=block_size)
+                     block_size=block_size, cfg=tuned.indexer)  # [T, nb * bs]
+    return _topk(scores, k, blocks=blocks, block_size=block_size, cfg=tuned.indexer)
 
 
 # ============================================================================ paged keys
 def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
                        key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                       weight_scale: float = 1.0) -> torch.Tensor:
+                       weight_scale: float = 1.0, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """As index_scores_packed over each query's own sequence: key_pool uint8 [R, rec], key_rows
     [B, N] pool rows (-1 = none), seq_of [T] -> scores [T, N] FP32 (one launch, graph safe).
     The head weights are FP32(head_weights) * weight_scale (in the kernel)."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
     triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible)
     return _scores(q, head_weights, key_pool, n_visible, packed=True, paged=(key_rows, seq_of),
-                   weight_scale=weight_scale)
+                   weight_scale=weight_scale, cfg=tuned.indexer)
 
 
 def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
                             key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
                             blocks: torch.Tensor, block_size: int, k: int,
-                            weight_scale: float = 1.0, as_pool_rows: bool = False) -> torch.Tensor:
+                            weight_scale: float = 1.0, as_pool_rows: bool = False, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """index_topk_sparse over paged keys: ids [T, k] sequence-local, ascending, -1 padded
     (as_pool_rows: their pool rows key_rows[seq_of[t], id], int32; weight_scale: as
     index_scores_paged)."""
@@ -505,10 +499,10 @@ def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_poo
         # as index_topk_sparse: blocks from candidate_blocks over these N columns hold every
         # block with a visible entry, so scoring all N selects the same ids
         return _topk(_scores(q, head_weights, key_pool, n_visible, packed=True, paged=paged,
-                             weight_scale=weight_scale), k, pool_rows=rows)
+                             weight_scale=weight_scale, cfg=tuned.indexer), k, pool_rows=rows, cfg=tuned.indexer)
     scores = _scores(q, head_weights, key_pool, n_visible, packed=True, blocks=blocks,
-                     block_size=block_size, paged=paged, weight_scale=weight_scale)
-    return _topk(scores, k, blocks=blocks, block_size=block_size, pool_rows=rows)
+                     block_size=block_size, paged=paged, weight_scale=weight_scale, cfg=tuned.indexer)
+    return _topk(scores, k, blocks=blocks, block_size=block_size, pool_rows=rows, cfg=tuned.indexer)
 
 
 def _check_pool_rows(pool_rows: tuple[torch.Tensor, torch.Tensor] | None,

@@ -7,7 +7,7 @@ the fused step of the shifted schedule (§2.4), `expand_mix_collapse`:
     pre', post', comb' = hc_mixes(X'; fn, base, scale)   coefficient GEMM + Sinkhorn
     x      = RMSNorm_w(collapse(X', pre_in))             (optional)
 
-D is cut into at most MHC_SPLIT slices of CH channels at prefill sizes, CONFIG["decode_split"]
+D is cut into at most MHC_SPLIT slices of CH channels at prefill sizes, MhcConfig.decode_split
 at decode sizes (a function of D and the size class only; CH = 128 / 64 at D = 5120), walked
 in chunks of 32 channels; a token's bits can therefore differ in the last place between a decode
 call and a prefill call, never between two calls of one size class. Per chunk a program loads the four streams once,
@@ -26,7 +26,7 @@ the RMSNorm scale are elementwise per token, and so is the Sinkhorn at decode (d
 per-token values, every sum of four added left to right); at prefill it runs on the [BT, S, S]
 tile of the totals, the same tile shape for every call of the size class. So a token's results
 do not depend on the batch, on how many programs share its block or in what order they finish. The tile shape is the same for every
-call of at most CONFIG["decode_rows"] tokens (decode); longer calls (prefill) take taller token
+call of at most MhcConfig.decode_rows tokens (decode); longer calls (prefill) take taller token
 blocks, equal up to the tensor-core instruction and in-tile reduction order the compiler picks
 per tile shape (as the dense GEMM, dense/triton.py). The RMSNorm needs the whole row's statistic,
 so the collapsed row is written raw and normalised in a second, L2-resident pass: over
@@ -47,7 +47,9 @@ import triton
 import triton.language as tl
 # isort: on
 
-from flashpd.kernels.dense.triton import DOT_UPCAST, round_bf16, sigmoid_f32
+from flashpd.kernels.configs import DEFAULT, KernelConfigs, MhcConfig
+from flashpd.kernels.dense.triton import DOT_UPCAST, sigmoid_f32
+from flashpd.kernels.quant.triton import round_bf16_if
 
 _BLOCK_D = 64  # channels per chunk (GEMM K step: 64 per stream)
 # Slices of D (at most): a function of D only, so a token's sums do not depend on the batch.
@@ -85,28 +87,13 @@ _N = 32  # slice vector: comb (16) | pre (S) | post (S) | sum(X'^2) | sum(x^2) |
 # 32; decode logits off by a median 0.23 against the reference), cause not found; with 64-channel
 # slices and decode_pin / red 80 / decode_spin on they pass (22 of 22, H200, after 71db72c). At
 # D = 5120 the default split (80) gives 64-channel slices either way.
-CONFIG: dict = {
-    "decode_rows": 64, "decode_block_t": 16, "decode_block_d": 32, "decode_warps": 4,
-    "decode_stages": 3, "decode_split": 80,
-    "decode_spin": True, "decode_pin": True,  # FLASHPD_MHC_SPIN=0: spin off (kernels/tuning.py)
-    "decode_sk_tok": False, "decode_narrow": False,
-    "prefill_block_t": 64, "prefill_block_d": 32, "prefill_warps": 8, "prefill_stages": 3,
-    "prefill_grid": None, "target_programs": 528,
-    "norm_elems": 4096, "flat_elems": 2048, "decode_flat_rows": 8, "red": 80,
-}
+# The values: configs.MhcConfig (the H200 entry of configs.TABLE), passed in as `tuned`.
 
 
 _S = 4
 
 
 # ============================================================================ device helpers
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    if BF16:
-        x = round_bf16(x)
-    return x
-
-
 @triton.jit
 def _sinkhorn(logits, ITERS: tl.constexpr, eps, S: tl.constexpr):
     """logits [BT, S(j), S(k)] -> comb: row softmax (+eps), column norm, ITERS-1 x (rows, cols)."""
@@ -209,7 +196,7 @@ def _expand_stream(y, pk, c0, c1, c2, c3, x0, x1, x2, x3, BF16: tl.constexpr):
     mixed = mixed + c1[:, None] * x1
     mixed = mixed + c2[:, None] * x2
     mixed = mixed + c3[:, None] * x3
-    return _round(pk[:, None] * y + mixed, BF16)
+    return round_bf16_if(pk[:, None] * y + mixed, BF16)
 
 
 @triton.jit
@@ -341,7 +328,7 @@ def _mhc_kernel(
                 xc = q0[:, None] * n0
                 xc = xc + q1[:, None] * n1
                 xc = xc + q2[:, None] * n2
-                xc = _round(xc + q3[:, None] * n3, BF16)
+                xc = round_bf16_if(xc + q3[:, None] * n3, BF16)
                 xsq += tl.sum(xc * xc, axis=1)
                 tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
                          xc.to(xc_ptr.dtype.element_ty), mask=mask)
@@ -411,7 +398,7 @@ def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl
                   cache_modifier=".cg")
     xc = tl.load(xc_ptr + row0.to(tl.int64) * D + idx, mask=m, other=0.0,
                  cache_modifier=".cg").to(tl.float32)
-    return _round(xc * inv * w, BF16)
+    return round_bf16_if(xc * inv * w, BF16)
 
 
 @triton.jit
@@ -427,7 +414,7 @@ def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D: tl.constexpr):
 def _norm_store(xc_ptr, r64, rmask, cols, D: tl.constexpr, xc, inv, w, BF16: tl.constexpr):
     mask = rmask[:, None] & (cols[None, :] < D)
     tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
-             _round(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
+             round_bf16_if(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -509,35 +496,34 @@ def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
     return triton.cdiv(dim, ch), ch
 
 
-def launch_plan(num_tokens: int, dim: int) -> dict:
+def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
-    cfg = CONFIG
-    kind = "decode" if num_tokens <= cfg["decode_rows"] else "prefill"
-    block_t, block_d = cfg[f"{kind}_block_t"], cfg[f"{kind}_block_d"]
+    kind = "decode" if num_tokens <= cfg.decode_rows else "prefill"
+    block_t, block_d = getattr(cfg, f"{kind}_block_t"), getattr(cfg, f"{kind}_block_d")
     if block_d <= 0 or _BLOCK_D % block_d:
         raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
     # decode slices may be as narrow as one chunk (decode_split 160 at D = 5120: 32 channels)
-    nsl, ch = (_slices(dim, cfg["decode_split"], block_d if cfg["decode_narrow"] else _BLOCK_D)
+    nsl, ch = (_slices(dim, cfg.decode_split, block_d if cfg.decode_narrow else _BLOCK_D)
                if kind == "decode" else _slices(dim, MHC_SPLIT))
-    warps, stages = cfg[f"{kind}_warps"], cfg[f"{kind}_stages"]
-    grid = nsl if kind == "decode" else cfg["prefill_grid"]
+    warps, stages = getattr(cfg, f"{kind}_warps"), getattr(cfg, f"{kind}_stages")
+    grid = nsl if kind == "decode" else cfg.prefill_grid
     if kind == "prefill":
         if grid is None:
             blocks = triton.cdiv(num_tokens, block_t)
             grid = next((g for g in range(1, nsl + 1)
-                         if nsl % g == 0 and blocks * g >= cfg["target_programs"]), nsl)
+                         if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
     if nsl % grid:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
     return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
-            "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg["red"]),
-            "norm_e": triton.next_power_of_2(cfg["flat_elems"]),
-            "norm_d": min(max(16, triton.next_power_of_2(cfg["norm_elems"] // block_t)),
+            "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg.red),
+            "norm_e": triton.next_power_of_2(cfg.flat_elems),
+            "norm_d": min(max(16, triton.next_power_of_2(cfg.norm_elems // block_t)),
                           triton.next_power_of_2(dim)),
-            "flat_rows": cfg["decode_flat_rows"] if kind == "decode" else 0,
-            "spin": kind == "decode" and bool(cfg["decode_spin"])
+            "flat_rows": cfg.decode_flat_rows if kind == "decode" else 0,
+            "spin": kind == "decode" and bool(cfg.decode_spin)
             and not triton_runtime.interpreting(),
-            "pin": kind == "decode" and bool(cfg["decode_pin"]) and not DOT_UPCAST,
-            "sk_tok": kind == "decode" and bool(cfg["decode_sk_tok"])}
+            "pin": kind == "decode" and bool(cfg.decode_pin) and not DOT_UPCAST,
+            "sk_tok": kind == "decode" and bool(cfg.decode_sk_tok)}
 
 
 def kernel_constants(plan: dict) -> dict:
@@ -552,7 +538,7 @@ def expand_mix_collapse(
     y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor | None,
     comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, *, tuned: KernelConfigs = DEFAULT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One fused mHC step (see module doc).
 
@@ -573,7 +559,7 @@ def expand_mix_collapse(
         return new_streams, pre_o, post_o, comb_o, xc
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     dummy = pre_o
-    plan = launch_plan(num_tokens, dim)
+    plan = launch_plan(num_tokens, dim, tuned.mhc)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
     # the slice vectors (grid > 1) and, after them, the totals
     partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N,
@@ -617,10 +603,11 @@ def _check_mhc(y, streams, post, comb, fn, base, scale, pre_in) -> None:
 # ============================================================================ ref surface
 def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
              sinkhorn_iters: int, hc_eps: float,
-             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             norm_eps: float, *, tuned: KernelConfigs = DEFAULT,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, S, D] -> pre [T, S], post [T, S], comb [T, S, S], all FP32 (one launch)."""
     _, pre, post, comb, _ = expand_mix_collapse(None, streams, None, None, fn, base, scale,
-                                                sinkhorn_iters, hc_eps, norm_eps)
+                                                sinkhorn_iters, hc_eps, norm_eps, tuned=tuned)
     return pre, post, comb
 
 
@@ -664,7 +651,7 @@ def _collapse_kernel(x_ptr, pre_ptr, out_ptr, D, S: tl.constexpr, BF16: tl.const
             out = pk * xk
         else:
             out = out + pk * xk
-    tl.store(out_ptr + t * D + cols, _round(out, BF16).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * D + cols, round_bf16_if(out, BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -50,17 +50,15 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import GemvConfig
 from flashpd.kernels.dense.triton import W_MXFP4, Weights, swiglu_limited
-from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
+from flashpd.kernels.quant.triton import e8m0_decode, round_bf16_if
 
 # rows: pairs per tile by token count (the smallest entry >= the batch; 2 rows keep ~100
 # registers per thread, 4 rows ~175: fewer programs resident); up / down: N block
 # (weight rows per program), K step in 32-value groups, warps, prefetch (the next K step's
 # weights loaded before this step's math); decode: "bits" or "select".
-CONFIG = {"rows": ((1, 1), (1 << 30, 2)),
-          "up": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
-          "down": {"block_n": 16, "groups": 8, "warps": 4, "prefetch": True},
-          "decode": "bits"}
+# (configs.GemvConfig: KernelConfigs.moe.gemv_tiles, passed in as `cfg`)
 _XSCALE_BITS, _POST_BITS = 2.0 ** 64, 2.0 ** 62  # x' = x * 2^64; sums * 2^62 (see above)
 _PREP_BLOCK = 1024
 _SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # as int32
@@ -72,12 +70,12 @@ def rows_for(table, num_tokens: int, name: str) -> int:
     for max_tokens, rows in table:
         if num_tokens <= max_tokens:
             return rows
-    raise ValueError(f"{name} CONFIG['rows'] has no entry for {num_tokens} tokens")
+    raise ValueError(f"{name} config rows has no entry for {num_tokens} tokens")
 
 
-def tile_rows(num_tokens: int) -> int:
-    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
-    return rows_for(CONFIG["rows"], num_tokens, "gemv")
+def tile_rows(num_tokens: int, cfg: GemvConfig) -> int:
+    """Pairs per tile for a batch of num_tokens tokens (cfg.rows)."""
+    return rows_for(cfg.rows, num_tokens, "gemv")
 
 
 def eligible(experts, dtype: torch.dtype) -> bool:
@@ -273,22 +271,15 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _round(x, ROUND_BF16: tl.constexpr):
-    if ROUND_BF16:
-        x = round_bf16(x)
-    return x
-
-
-@triton.jit
 def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
               SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Pair p's outputs for columns n from its sums per (n, group, word lane) [BN, G, 4]."""
-    g = _round(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
+    g = round_bf16_if(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
     mask = nmask & ok
     if SWIGLU:  # moe.ref.expert_ffn: h = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
-        u = _round(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
+        u = round_bf16_if(tl.sum(tl.sum(a3, axis=2), axis=1) * post, ROUND_BF16)
         gamma = tl.load(gamma_ptr + p, mask=ok, other=0.0)
-        h = _round(gamma * swiglu_limited(g, u, limit), ROUND_BF16)
+        h = round_bf16_if(gamma * swiglu_limited(g, u, limit), ROUND_BF16)
         r = n % 32
         col = n - r + 4 * (r % 8) + r // 8  # nibble order for the down launch
         tl.store(out_ptr + p.to(tl.int64) * N + col, h * out_scale, mask=mask)
@@ -305,12 +296,13 @@ def _words(w: Weights) -> torch.Tensor:
 
 
 def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, limit: float,
-            rows_per_tile: int, swiglu: bool, round_bf16: bool, out_scale: float) -> None:
-    cfg = CONFIG["up" if swiglu else "down"]
-    select = CONFIG["decode"] == "select"
-    if CONFIG["decode"] not in ("bits", "select"):
-        raise ValueError(f"gemv CONFIG['decode'] must be 'bits' or 'select', got "
-                         f"{CONFIG['decode']!r}")
+            rows_per_tile: int, swiglu: bool, round_bf16: bool, out_scale: float,
+            config: GemvConfig) -> None:
+    cfg = config.up if swiglu else config.down
+    select = config.decode == "select"
+    if config.decode not in ("bits", "select"):
+        raise ValueError(f"gemv config decode must be 'bits' or 'select', got "
+                         f"{config.decode!r}")
     post = 1.0 if select else _POST_BITS
     words1 = _words(w1)
     words3 = _words(w3) if w3 is not None else words1
@@ -318,7 +310,7 @@ def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, lim
     n_dim, k_dim = w1.out_dim, w1.in_dim
     groups = cfg["groups"]
     if groups not in (4, 8, 16):
-        raise ValueError(f"gemv CONFIG groups must be 4, 8 or 16, got {groups}")
+        raise ValueError(f"gemv config groups must be 4, 8 or 16, got {groups}")
     grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
     _gemv_kernel[grid](
         xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
@@ -344,8 +336,8 @@ def check_rows_call(x: torch.Tensor, pairs, experts, rows_per_tile: int,
     return x
 
 
-def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int
-                ) -> torch.Tensor:
+def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *,
+                cfg: GemvConfig) -> torch.Tensor:
     """y [P, D] in x.dtype, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose
     schedule has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
 
@@ -358,7 +350,7 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
     inter = experts.w1.out_dim
-    select = CONFIG["decode"] == "select"
+    select = cfg.decode == "select"
     xscale = 1.0 if select else _XSCALE_BITS
     round_bf16 = x.dtype == torch.bfloat16
     xp = torch.empty(num_tokens, dim, dtype=torch.float32, device=x.device)
@@ -369,7 +361,7 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
         x, x.stride(0), xp, dim, xscale, BLOCK=_PREP_BLOCK, num_warps=4)
     _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, hp, limit,
-            rows_per_tile, True, round_bf16, xscale)
+            rows_per_tile, True, round_bf16, xscale, cfg)
     _launch(hp, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False, round_bf16, 1.0)
+            rows_per_tile, False, round_bf16, 1.0, cfg)
     return y

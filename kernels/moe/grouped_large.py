@@ -3,7 +3,7 @@
 Same math as `moe/ref.py` (expert_ffn on the pairs sorted by expert) and as the grouped GEMM of
 `dense/triton.py`, for the case that GEMM's small tiles serve badly: thousands of token-expert
 pairs, hundreds of rows per expert. Each of the two GEMMs (SwiGLU GEMM on W1 | W3, down GEMM on
-W2) takes one of three paths, CONFIG["gemm1"|"gemm2"]["path"]:
+W2) takes one of three paths, GroupedLargeConfig.gemm1 / .gemm2 ["path"]:
 
 "mx": one grouped GEMM launch on the weights as stored, tiles of BLOCK_M pairs x BLOCK_N weight
 rows x BLOCK_K, the K loop software-pipelined (num_stages). Program (nb, tile) computes
@@ -27,11 +27,14 @@ with g, u rounded to BF16 first, as moe.ref.expert_ffn does.
 
 Batch invariance: a row's arithmetic depends on its own values and the weight only (tile sizes
 are constants), but this path is opt-in by size (moe/triton.py dispatches here from
-CONFIG["min_pairs"] pairs on the GPU), so a token may differ in the last bits between a
+GroupedLargeConfig.min_pairs pairs on the GPU), so a token may differ in the last bits between a
 prefill-sized call and a decode-sized one, like dense/triton.py's cuBLAS prefill path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -41,6 +44,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import DEFAULT, GroupedLargeConfig
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import (
     DOT_UPCAST,
@@ -50,6 +54,7 @@ from flashpd.kernels.dense.triton import (
     swiglu_halves,
     swiglu_limited,
 )
+from flashpd.kernels.e2m1 import fp32_e2m1
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
 # Tuned on an H200 (bench/results/h200/gemm_prefill.md).
@@ -61,27 +66,11 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 #   scratch_min_pairs, gemm1_large/gemm2_large: from this many pairs the weights' decode into
 #                  the scratch buffer pays off; the paths used then
 #   dequant        the BF16 decode kernel's rows x K block and warps
-CONFIG = {
-    "min_pairs": 6144,
-    "gemm1": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
-              "stages": 4, "dot_scaled": True, "swap": False, "fused13": True},
-    "gemm2": {"path": "mx", "block_m": 128, "block_n": 128, "block_k": 64, "warps": 8,
-              "stages": 4, "dot_scaled": True, "swap": False},
-    "scratch_min_pairs": 24576,
-    "gemm1_large": {"path": "cublas"},
-    "gemm2_large": {"path": "cublas"},
-    "dequant": {"block_r": 32, "block_k": 256, "warps": 4},
-}
+# (configs.GroupedLargeConfig: KernelConfigs.moe.large, passed in as `cfg`)
+_DEQUANT = DEFAULT.moe.large.dequant  # read-only: the decode tiles when none are given
 
 
 # ============================================================================ MXFP4 decode
-@triton.jit
-def _e2m1_bits(nib):
-    """E2M1 codes (low 4 bits, int32) -> FP32 of value * 2^-126 (code bits placed in the
-    sign/exponent/mantissa fields; 0.5 becomes the subnormal 2^-127)."""
-    return (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """packed uint8 [BN, BK/2] + UE8M0 uint8 [BN, BK/32] -> BF16 [BN, BK] in K order (exact)."""
@@ -89,8 +78,8 @@ def _decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     f = e8m0_decode(scale)  # [BN, BK/32] 2^(s - 127)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                    (BLOCK_N, BLOCK_K // 2))
-    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.bfloat16)  # * 2^126: the E2M1 value
-    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.bfloat16)
+    lo = fp32_e2m1(b, f).to(tl.bfloat16)
+    hi = fp32_e2m1(b >> 4, f).to(tl.bfloat16)
     return tl.interleave(lo, hi)
 
 
@@ -238,17 +227,17 @@ def _layout(w: Weights) -> tuple:
 def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out: torch.Tensor,
                  a_rows: torch.Tensor | None = None, w3: Weights | None = None,
                  gamma: torch.Tensor | None = None, limit: float = 0.0,
-                 tiles: dict | None = None) -> torch.Tensor:
+                 *, tiles: Mapping[str, Any]) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T), W MXFP4 or BF16 (SwiGLU when w3 is
     given; W1 and W3 share one layout).
 
     schedule: row tiles of `out` with schedule.block_m == tiles["block_m"] (dense.grouped_schedule).
-    tiles: launch configuration (CONFIG["gemm1"] / ["gemm2"] when None).
+    tiles: launch configuration (GroupedLargeConfig.gemm1 / .gemm2).
     """
     _check(a, w, out)
     if w3 is not None and _layout(w3) != _layout(w):
         raise ValueError("SwiGLU W1 and W3 must share format, shape and strides")
-    t = tiles or CONFIG["gemm1" if w3 is not None else "gemm2"]
+    t = tiles
     if schedule.block_m != t["block_m"]:
         raise ValueError(f"schedule.block_m {schedule.block_m} != tiles block_m {t['block_m']}")
     bf16 = w.fmt == W_PLAIN
@@ -298,14 +287,15 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_
     b = tl.load(w_ptr + r64 * row_bytes + byte, mask=rmask, other=0).to(tl.int32)
     f = e8m0_decode(tl.load(s_ptr + r64 * row_groups + grp[None, :, None], mask=rmask,
                             other=127))  # [R, G, 1]
-    lo = (_e2m1_bits(b) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
-    hi = (_e2m1_bits(b >> 4) * 8.507059173023462e37 * f).to(tl.int32, bitcast=True)
+    lo = fp32_e2m1(b, f).to(tl.int32, bitcast=True)
+    hi = fp32_e2m1(b >> 4, f).to(tl.int32, bitcast=True)
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
     y_row = (r64 // N) * stride_ye + (r64 % N) * row_bytes  # in 32-bit words
     tl.store(y_ptr + y_row + byte, word, mask=rmask)
 
 
-def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None,
+                     tiles: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """MXFP4 weights [E, N, K] -> BF16 [E, N, K] (exact), one launch. `out`: where to write, a
     BF16 [E, N, K] view whose rows are contiguous (a slice of a larger scratch buffer works)."""
     if w.fmt != W_MXFP4 or not w.data.is_contiguous() or not w.scale.is_contiguous():
@@ -318,7 +308,7 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None) -> torch.Tenso
     if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1) or \
             y.stride(0) % 2:
         raise ValueError(f"out must be a BF16 [{e}, {n}, {k}] view with contiguous rows")
-    rows, cfg = e * n, CONFIG["dequant"]
+    rows, cfg = e * n, tiles
     groups = k // 32
     block_g = min(cfg["block_k"] // 32, triton.next_power_of_2(groups))
     _dequant_kernel[(triton.cdiv(rows, cfg["block_r"]), triton.cdiv(groups, block_g))](
@@ -358,9 +348,9 @@ def counts_of(schedule: dense.TileSchedule, num_experts: int) -> torch.Tensor:
         0, idx, rows)
 
 
-def block_m() -> int:
-    """The row tile the caller's schedule must use (CONFIG["gemm1"]["block_m"])."""
-    return CONFIG["gemm1"]["block_m"]
+def block_m(cfg: GroupedLargeConfig) -> int:
+    """The row tile the caller's schedule must use (cfg.gemm1["block_m"])."""
+    return cfg.gemm1["block_m"]
 
 
 class _Pairs:
@@ -383,41 +373,43 @@ class _Pairs:
         return dense.grouped_schedule(self.counts, self.rows.shape[0], bm)
 
 
-def decoded_scratch(w1: Weights, w3: Weights | None = None) -> torch.Tensor:
+def decoded_scratch(w1: Weights, w3: Weights | None = None,
+                    dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """Decoded BF16 [E, N, K] of w1, or [E, 2N, K] of w1 | w3 side by side per expert, in the
     reused scratch buffer."""
     e, n, k = w1.num_experts, w1.out_dim, w1.in_dim
     buf = _scratch((e, n * (1 if w3 is None else 2), k), w1.data.device)
-    dequantize_mxfp4(w1, buf[:, :n])
+    dequantize_mxfp4(w1, buf[:, :n], dequant)
     if w3 is not None:
-        dequantize_mxfp4(w3, buf[:, n:])
+        dequantize_mxfp4(w3, buf[:, n:], dequant)
     return buf
 
 
 def swiglu_gemm(x: torch.Tensor, pairs: _Pairs, w1: Weights, w3: Weights, limit: float,
-                tiles: dict) -> torch.Tensor:
+                tiles: Mapping[str, Any], dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """h [P, I] BF16 = gamma * SwiGLU(x[rows] . W1^T, x[rows] . W3^T) per pair's expert."""
     path = tiles.get("path", "mx")
     if path == "cublas":
         ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
-        gu = _grouped_mm(x[pairs.rows.long()], decoded_scratch(w1, w3), ends)  # g | u
+        gu = _grouped_mm(x[pairs.rows.long()], decoded_scratch(w1, w3, dequant), ends)  # g | u
         return swiglu_halves(gu, pairs.gamma, limit)
     if path == "bf16":
-        buf, n = decoded_scratch(w1, w3), w1.out_dim
+        buf, n = decoded_scratch(w1, w3, dequant), w1.out_dim
         w1, w3 = Weights.plain(buf[:, :n]), Weights.plain(buf[:, n:])
     h = torch.empty(pairs.rows.shape[0], w1.out_dim, dtype=x.dtype, device=x.device)
     return grouped_gemm(x, w1, pairs.schedule_for(tiles["block_m"]), h, a_rows=pairs.rows,
                         w3=w3, gamma=pairs.gamma, limit=limit, tiles=tiles)
 
 
-def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: dict) -> torch.Tensor:
+def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: Mapping[str, Any],
+              dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """y [P, D] BF16 = h . W2^T per pair's expert."""
     path = tiles.get("path", "mx")
     if path == "cublas":
         ends = torch.cumsum(pairs.counts, 0).to(torch.int32)
-        return _grouped_mm(h, decoded_scratch(w2), ends)
+        return _grouped_mm(h, decoded_scratch(w2, None, dequant), ends)
     if path == "bf16":
-        w2 = Weights.plain(decoded_scratch(w2))
+        w2 = Weights.plain(decoded_scratch(w2, None, dequant))
     y = torch.empty(h.shape[0], w2.out_dim, dtype=h.dtype, device=h.device)
     return grouped_gemm(h, w2, pairs.schedule_for(tiles["block_m"]), y, tiles=tiles)
 
@@ -429,7 +421,7 @@ def pairs_of(token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
 
 def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
                  schedule: dense.TileSchedule, w1: Weights, w3: Weights, w2: Weights,
-                 limit: float) -> torch.Tensor:
+                 limit: float, *, cfg: GroupedLargeConfig) -> torch.Tensor:
     """Both expert GEMMs on pairs sorted by expert -> y [P, D] BF16.
 
     x [T, D]; token_of_pair [P] int32, the token of each sorted pair; gamma [P] FP32;
@@ -437,21 +429,23 @@ def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tens
     y[p] = expert_ffn(x[token]) of pair p's expert, with weight gamma[p] (moe.ref.expert_ffn).
     """
     pairs = _Pairs(token_of_pair, gamma, schedule, w1.num_experts)
-    large = token_of_pair.shape[0] >= CONFIG["scratch_min_pairs"]
-    h = swiglu_gemm(x, pairs, w1, w3, limit, CONFIG["gemm1_large" if large else "gemm1"])
-    return down_gemm(h, pairs, w2, CONFIG["gemm2_large" if large else "gemm2"])
+    large = token_of_pair.shape[0] >= cfg.scratch_min_pairs
+    h = swiglu_gemm(x, pairs, w1, w3, limit, cfg.gemm1_large if large else cfg.gemm1,
+                    cfg.dequant)
+    return down_gemm(h, pairs, w2, cfg.gemm2_large if large else cfg.gemm2, cfg.dequant)
 
 
-def eligible(w: Weights, num_pairs: int, dtype: torch.dtype, w2: Weights | None = None) -> bool:
+def eligible(w: Weights, num_pairs: int, dtype: torch.dtype, w2: Weights | None = None, *,
+             cfg: GroupedLargeConfig) -> bool:
     """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here (GPU only):
     both GEMMs' K (W1's and, when given, W2's) whole multiples of the K tiles they would take
     (small models, e.g. the test presets, keep the generic kernels)."""
-    if not (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= CONFIG["min_pairs"]
+    if not (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= cfg.min_pairs
             and not triton_runtime.interpreting()):
         return False
-    large = num_pairs >= CONFIG["scratch_min_pairs"]
-    checks = [(w, CONFIG["gemm1_large" if large else "gemm1"])]
+    large = num_pairs >= cfg.scratch_min_pairs
+    checks = [(w, cfg.gemm1_large if large else cfg.gemm1)]
     if w2 is not None:
-        checks.append((w2, CONFIG["gemm2_large" if large else "gemm2"]))
+        checks.append((w2, cfg.gemm2_large if large else cfg.gemm2))
     return all(weights.in_dim % tiles.get("block_k", 64) == 0 and weights.in_dim >= 128
                for weights, tiles in checks)

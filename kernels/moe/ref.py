@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpd.kernels.dense.ref import fp32, linear, linear_fp32, silu, softplus
+from flashpd.kernels.dense.ref import (
+    Weights,
+    dequantize,
+    fp32,
+    linear,
+    linear_fp32,
+    silu,
+    softplus,
+)
 
 ROUTER_NORM_EPS = 1e-20
 
@@ -82,3 +90,42 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts:
         for e in range(shared.num_experts):
             out += fp32(expert_ffn(x, shared.w1[e], shared.w3[e], shared.w2[e], limit))
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- checkpoint-format experts
+@dataclass(frozen=True)
+class ExpertSet:
+    """SwiGLU experts in any checkpoint format: w1, w3 [E, I, D], w2 [E, D, I] (as `Weights`)."""
+
+    w1: Weights
+    w3: Weights
+    w2: Weights
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.num_experts
+
+    @staticmethod
+    def plain(weights: ExpertWeights) -> ExpertSet:
+        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3),
+                         Weights.plain(weights.w2))
+
+
+def _dequantized(experts: ExpertSet, dtype: torch.dtype) -> ExpertWeights:
+    return ExpertWeights(*(dequantize(w).to(dtype) for w in (experts.w1, experts.w3, experts.w2)))
+
+
+def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+                  experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
+                  limit: float, gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
+    """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared): the
+    weights dequantised (exact) to x.dtype, as the GPU kernels do in registers."""
+    return moe(x, gate_weight, bias, _dequantized(experts, x.dtype),
+               None if shared is None else _dequantized(shared, x.dtype), top_k, routed_scale,
+               limit, gate_temp, normalize)
+
+
+def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,
+           rows=(1, 8, 64), limit: float = 10.0) -> int:
+    """Kernel variants compiled ahead of the first request: the reference compiles none."""
+    return 0

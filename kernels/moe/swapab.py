@@ -3,7 +3,7 @@
 At 1-32 pairs per expert the grouped GEMM of dense/triton.py computes A[BM, K] . W^T with
 BM = 16 rows of which a handful are valid, the dequantised weight as the MMA's B operand. Here
 the weight tile is the MMA's A operand (M = 64 weight rows) and the few activation rows of one
-expert tile are its N (ROWS = 8, 16 or 32; CONFIG says which MMA instruction each becomes):
+expert tile are its N (ROWS = 8, 16 or 32; SwapabConfig.rows says which MMA instruction each becomes):
 
     acc[BN, ROWS] += W[e, n0:n0+BN, k-step] . X[rows of the tile, k-step]^T     FP32
 
@@ -28,20 +28,20 @@ MXFP4 nibbles: byte j of a 32-value group holds k = 2j (low nibble) and 2j + 1 (
 of G groups loads the bytes as [BN, G, 16], decodes the low nibbles into [BN, 16 G] (the even
 k of the step) and the high ones into [BN, 16 G] (the odd k), each times its group's scale
 (exact), and makes two dots against the matching halves of xp: no interleave in registers.
-On the GPU the decode is PTX (`e2m1_pair_asm`, CONFIG decode "pair"; or dense/triton.py's
-`e2m1_lo_asm` / `e2m1_hi_asm`, "split"); under the interpreter `fp32_e2m1` (same values: all
+On the GPU the decode is PTX (kernels/e2m1.py: `e2m1_pair_asm`, SwapabConfig.decode "pair";
+or `e2m1_lo_asm` / `e2m1_hi_asm`, "split"); under the interpreter `fp32_e2m1` (same values: all
 exact).
 
-Split-K (CONFIG "split", per batch size through CONFIG "sizes"): grid axis 2 splits the K
+Split-K (up / down "split", per batch size through SwapabConfig.sizes): grid axis 2 splits the K
 steps; FP32 partials go to a workspace and the last program of a (tile, N block) to arrive
 sums them in split order, then runs the epilogue (deterministic, no extra launch).
 
 Batch invariance: K is summed in steps of BLOCK_K, even half then odd half, so a pair's sums
 do not depend on how many pairs share its tile or the call within a batch-size class (the
 tensor-core instruction the compiler picks for the class's ROWS, and the K step and split-K
-ways of its CONFIG "sizes" entry, are constants of the class): across those bounds (2/3, 4/5,
+ways of its sizes entry, are constants of the class): across those bounds (2/3, 4/5,
 8/9, 16/17, 32/33, 64/65 tokens) the last bits may differ. The path is chosen by size
-(moe/triton.py: (GEMV_MAX_ROWS, MAX_TOKENS] tokens) and sums in another order than the GEMV and
+(moe/triton.py: (gemv_max_rows, swapab_max_tokens] tokens) and sums in another order than the GEMV and
 the grouped GEMMs, so a token may differ in the last bits across those bounds too, as between
 the GEMV and the grouped GEMM paths.
 """
@@ -56,23 +56,16 @@ import triton
 import triton.language as tl
 # isort: on
 
-from flashpd.kernels.dense.triton import (
-    DOT_UPCAST,
-    W_MXFP4,
-    e2m1_hi_asm,
-    e2m1_lo_asm,
-    fp32_e2m1,
-    mma,
-    swiglu_limited,
-)
+from flashpd.kernels.configs import SwapabConfig
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, mma, swiglu_limited
+from flashpd.kernels.e2m1 import e2m1_hi_asm, e2m1_lo_asm, e2m1_pair_asm, fp32_e2m1
 from flashpd.kernels.moe.gemv import check_rows_call, rows_for
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
-# Routed MXFP4 experts of batches of <= MAX_TOKENS tokens (and more than moe.triton's
-# GEMV_MAX_ROWS) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at engine load (0: off).
+# Routed MXFP4 experts of batches of <= MoeConfig.swapab_max_tokens tokens (and more than
+# gemv_max_rows) take this path; FLASHPD_MOE_SWAPAB_MAX_TOKENS overrides it at engine load (0: off).
 # Measured on the H200 (bench/results/h200/moe_swapab.md, moe_decode.md): faster than the
 # grouped GEMMs from 8 to 128 tokens, than the GEMV from 1 token; a tie at 192.
-MAX_TOKENS = 128
 # rows: pairs per tile (the MMA's N) by token count, the first entry whose bound covers the
 # batch; up / down: N block (weight rows per program: the MMA's M), K step, warps, stages.
 # Triton 3.6 on sm_90 compiles ROWS = 8 to mma.sync m16n8k16 (the weight bytes reach registers
@@ -91,25 +84,14 @@ MAX_TOKENS = 128
 # 33-64 N block 32 with 2 warps and K step 256 (511.6 vs 574.5 at 64); 65-128 (tiles of 16)
 # N block 32 with 2 warps (mma.sync instead of wgmma: 717.5 vs 750.9 at 128). 1-2, 5-8 and
 # 17-32 tokens: no variant measured faster (17-32 not measured).
-_K256 = {"block_k": 256}
-_W2 = {"block_n": 32, "warps": 2}
-CONFIG = {"rows": ((64, 8), (1 << 30, 16)),
-          "up": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
-                 "scale_prefetch": False, "w_prefetch": False},
-          "down": {"block_n": 64, "block_k": 128, "warps": 4, "stages": 3,
-                   "scale_prefetch": False, "w_prefetch": False},
-          "decode": "pair", "fold_prep": False,
-          "sizes": ((2, {}), (4, {"up": {"split": 2}}), (8, {}),
-                    (16, {"up": _K256, "down": _K256}), (32, {}),
-                    (64, {"up": {**_W2, **_K256}, "down": {**_W2, **_K256}}),
-                    (128, {"up": _W2, "down": _W2}))}
+# (configs.SwapabConfig: KernelConfigs.moe.swapab, passed in as `cfg`)
 _PREP_BLOCK = 1024
 _BF16_2P126 = tl.constexpr(8.507059173023462e37)  # 2^126: the asm decode's scale offset (exact in BF16)
 
 
-def tile_rows(num_tokens: int) -> int:
-    """Pairs per tile for a batch of num_tokens tokens (CONFIG["rows"])."""
-    return rows_for(CONFIG["rows"], num_tokens, "swapab")
+def tile_rows(num_tokens: int, cfg: SwapabConfig) -> int:
+    """Pairs per tile for a batch of num_tokens tokens (cfg.rows)."""
+    return rows_for(cfg.rows, num_tokens, "swapab")
 
 
 def eligible(experts, dtype: torch.dtype) -> bool:
@@ -135,41 +117,6 @@ def _prep_kernel(x_ptr, stride_x, xp_ptr, K, BLOCK: tl.constexpr):
     mask = k < K
     v = tl.load(x_ptr + t * stride_x + k, mask=mask, other=0.0)
     tl.store(xp_ptr + t * K + _split_col(k), v, mask=mask)
-
-
-@triton.jit
-def e2m1_pair_asm(b, s_bf16):
-    """(low-nibble codes, high-nibble codes) of bytes b, each * s_bf16, BF16: one PTX block for
-    both halves (dense/triton.py's e2m1_lo_asm / e2m1_hi_asm make two): 2 prmt + 3 bit ops +
-    1 bf16x2 multiply per output register, 18 instructions per 4 bytes instead of 22-24. Low
-    codes: t << 6 puts the magnitude at bits 6..8 of each 16-bit lane and t << 12 the sign at
-    bit 15; each is zero where the other is kept, so one lop3 (a | b) & mask merges them. High
-    codes: (t & 0x00F000F0) * 260 = (.. << 2) + (.. << 8), the two shifted copies disjoint, so
-    the product holds the magnitude at 6..8 and the sign at 15. Same values as the pair of
-    functions (exact)."""
-    return tl.inline_asm_elementwise("""{
-        .reg .b32 t<2>, a, c, z;
-        mov.b32 z, 0;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        shl.b32 a, t0, 6;
-        shl.b32 c, t0, 12;
-        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
-        mul.rn.bf16x2 $0, a, $5;
-        shl.b32 a, t1, 6;
-        shl.b32 c, t1, 12;
-        lop3.b32 a, a, c, 0x81C081C0, 0xA8;
-        mul.rn.bf16x2 $1, a, $6;
-        and.b32 c, t0, 0x00F000F0;
-        mul.lo.u32 c, c, 260;
-        and.b32 a, c, 0x81C081C0;
-        mul.rn.bf16x2 $2, a, $5;
-        and.b32 c, t1, 0x00F000F0;
-        mul.lo.u32 c, c, 260;
-        and.b32 a, c, 0x81C081C0;
-        mul.rn.bf16x2 $3, a, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
 
 
 @triton.jit
@@ -359,11 +306,11 @@ def compiled_variants() -> list:
 
 
 
-def launch_config(part: str, num_tokens: int) -> dict:
-    """CONFIG[part] ("up" / "down") with the overrides of the first CONFIG["sizes"] entry
-    whose max tokens covers the batch (none past the last entry)."""
-    cfg = dict(CONFIG[part])
-    for max_tokens, over in CONFIG.get("sizes", ()):
+def launch_config(part: str, num_tokens: int, config: SwapabConfig) -> dict:
+    """config.up / .down (part) with the overrides of the first config.sizes entry whose max
+    tokens covers the batch (none past the last entry)."""
+    cfg = dict(getattr(config, part))
+    for max_tokens, over in config.sizes:
         if num_tokens <= max_tokens:
             cfg.update(over.get(part, {}))
             break
@@ -371,17 +318,14 @@ def launch_config(part: str, num_tokens: int) -> dict:
 
 
 def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
-            swiglu: bool, cfg: dict, x_split: bool = True) -> None:
+            swiglu: bool, cfg: dict, pair: bool, x_split: bool = True) -> None:
     n_dim, k_dim = w1.out_dim, w1.in_dim
     block_k, split = cfg["block_k"], cfg.get("split", 1)
     if block_k not in (32, 64, 128, 256, 512):
-        raise ValueError(f"swapab CONFIG block_k must be a power of two in [32, 512], "
+        raise ValueError(f"swapab config block_k must be a power of two in [32, 512], "
                          f"got {block_k}")
-    if CONFIG["decode"] not in ("pair", "split"):
-        raise ValueError(f"swapab CONFIG['decode'] must be 'pair' or 'split', got "
-                         f"{CONFIG['decode']!r}")
     if not 1 <= split <= 16:
-        raise ValueError(f"swapab CONFIG split must be in [1, 16], got {split}")
+        raise ValueError(f"swapab config split must be in [1, 16], got {split}")
     w3 = w3 if w3 is not None else w1
     for w in (w1, w3):
         if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
@@ -402,7 +346,7 @@ def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile:
         triton.cdiv(steps, split),
         SWIGLU=swiglu, MX_ASM=not triton_runtime.interpreting(), UPCAST=DOT_UPCAST,
         EVEN_K=k_dim % block_k == 0, ROWS=rows_per_tile, BLOCK_N=cfg["block_n"],
-        BLOCK_K=block_k, PAIR=CONFIG["decode"] == "pair",
+        BLOCK_K=block_k, PAIR=pair,
         SCALE_PF=cfg.get("scale_prefetch", False), W_PF=cfg.get("w_prefetch", False),
         X_SPLIT=x_split, SPLIT=split, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not
@@ -410,8 +354,8 @@ def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile:
         **triton_runtime.launch_options())
 
 
-def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int
-                ) -> torch.Tensor:
+def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *,
+                cfg: SwapabConfig) -> torch.Tensor:
     """y [P, D] bf16, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose schedule
     has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
 
@@ -427,15 +371,18 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     if num_pairs == 0:
         return y
-    if CONFIG["fold_prep"]:  # the up launch gathers the even / odd halves from x itself
+    if cfg.decode not in ("pair", "split"):
+        raise ValueError(f"swapab config decode must be 'pair' or 'split', got {cfg.decode!r}")
+    pair = cfg.decode == "pair"
+    if cfg.fold_prep:  # the up launch gathers the even / odd halves from x itself
         xp = x
     else:
         xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
         _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
             x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
     _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
-            rows_per_tile, True, launch_config("up", num_tokens),
-            x_split=not CONFIG["fold_prep"])
+            rows_per_tile, True, launch_config("up", num_tokens, cfg), pair,
+            x_split=not cfg.fold_prep)
     _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False, launch_config("down", num_tokens))
+            rows_per_tile, False, launch_config("down", num_tokens, cfg), pair)
     return y

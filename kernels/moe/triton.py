@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
 from flashpd.kernels.dense import triton as dense
 from flashpd.kernels.dense.triton import (
     DOT_UPCAST,
@@ -40,17 +41,15 @@ from flashpd.kernels.dense.triton import (
     swiglu_limited,
 )
 from flashpd.kernels.moe import gemv, grouped_large, swapab
-from flashpd.kernels.moe.ref import ExpertWeights
+from flashpd.kernels.moe.ref import ExpertSet, ExpertWeights  # noqa: F401 (re-exported)
 from flashpd.kernels.quant.triton import round_bf16
 
 ROUTER_SPLIT = 20  # slices of D per token block (constant: batch invariance)
-# Routed MXFP4 experts of batches of <= GEMV_MAX_ROWS tokens run on CUDA cores (moe/gemv.py);
-# FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at engine load (0: always the tensor-core GEMMs).
-# 0: the swap-AB kernels are faster from 1 token (H200, full routed path: 76.5 vs 93.6 us at 1,
-# 128 vs 194 at 2, 196 vs 312 at 4; bench/results/h200/moe_decode.md); the GEMV stays for
-# FLASHPD_MOE_GEMV_MAX_ROWS > 0 (it also takes fp32 activations, which swap-AB does not).
-GEMV = True
-GEMV_MAX_ROWS = 0
+# Routed MXFP4 experts of batches of <= MoeConfig.gemv_max_rows tokens run on CUDA cores
+# (moe/gemv.py); FLASHPD_MOE_GEMV_MAX_ROWS overrides the bound at engine load (0: always the
+# tensor-core GEMMs). The H200 default is 0: swap-AB (moe/swapab.py) is faster from 1 token
+# (bench/results/h200/moe_decode.md); the GEMV stays for gemv_max_rows > 0 (it also takes fp32
+# activations, which swap-AB does not).
 _ROUTER_BLOCK_T = 16
 ROUTER_BLOCK_K = 128  # one or two K steps per program at D = 5120 (at most: router_block_k)
 _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
@@ -182,26 +181,26 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     return ids, weights
 
 
-# The gate in one launch at decode sizes (route_sorted): with FUSED_GATE on, calls of at most
-# FUSED_GATE_MAX_TOKENS tokens have the router's last token block to finish also produce
-# sort_pairs' outputs (the same tensors and values), instead of a second launch. Off: slower on
-# the H200 (benchmarks/moe_route_bench.py --fused: 20.1 us against route + sort 12.5 at 1 token,
-# 28.2 / 13.0 at 16; results/h200/moe_fused_gate.md): the last block's serial sort costs more
-# than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at engine load (kernels/tuning.py). Read at call time.
-# The bound: 16 tokens are one sort token block; past it the one program sorts block after
-# block (4 at 64 tokens, plus the tile blocks).
-FUSED_GATE = False
-FUSED_GATE_MAX_TOKENS = 16
+# The gate in one launch at decode sizes (route_sorted): with MoeConfig.fused_gate on, calls of
+# at most fused_gate_max_tokens tokens have the router's last token block to finish also
+# produce sort_pairs' outputs (the same tensors and values), instead of a second launch. Off:
+# slower on the H200 (benchmarks/moe_route_bench.py --fused: 20.1 us against route + sort 12.5
+# at 1 token, 28.2 / 13.0 at 16; results/h200/moe_fused_gate.md): the last block's serial sort
+# costs more than the launch it saves. FLASHPD_MOE_FUSED_GATE=1 turns it on at engine load
+# (kernels/tuning.py). The bound: 16 tokens are one sort token block; past it the one program
+# sorts block after block (4 at 64 tokens, plus the tile blocks).
 
 
 def route_sorted(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                  routed_scale: float, gate_temp: float, normalize: bool,
-                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
+                 block_m: int, *, tuned: KernelConfigs = DEFAULT,
+                 ) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
     """(ids, weights) as `route` and their SortedPairs as `sort_pairs(ids, weights, E, block_m)`:
-    one launch when FUSED_GATE is on and T <= FUSED_GATE_MAX_TOKENS, else route + sort_pairs."""
+    one launch when fused_gate is on and T <= fused_gate_max_tokens, else route + sort_pairs."""
     num_experts = gate_weight.shape[0]
-    if not (FUSED_GATE and 0 < x.shape[0] <= min(FUSED_GATE_MAX_TOKENS,
-                                                  SORT_KERNEL_MAX_TOKENS)):
+    m = tuned.moe
+    if not (m.fused_gate and 0 < x.shape[0] <= min(m.fused_gate_max_tokens,
+                                                    SORT_KERNEL_MAX_TOKENS)):
         ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
         return ids, weights, sort_pairs(ids, weights, num_experts, block_m)
     return _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize,
@@ -294,41 +293,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 # ============================================================================ experts
-@dataclass(frozen=True)
-class ExpertSet:
-    """SwiGLU experts in any checkpoint format: w1, w3 [E, I, D], w2 [E, D, I] (as `Weights`)."""
-
-    w1: Weights
-    w3: Weights
-    w2: Weights
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1.num_experts
-
-    @staticmethod
-    def plain(weights: ExpertWeights) -> ExpertSet:
-        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3),
-                         Weights.plain(weights.w2))
-
-
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-               limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+               limit: float, weight: torch.Tensor | None = None, *,
+               tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [n, D] -> [n, D] in x.dtype; `weight` [n, 1] FP32 multiplies h before w2."""
     experts = ExpertSet(Weights.plain(w1.to(x.dtype)), Weights.plain(w3.to(x.dtype)),
                         Weights.plain(w2.to(x.dtype)))
     gamma = None if weight is None else weight.reshape(-1).to(torch.float32).contiguous()
-    return dense_experts(x, experts, limit, gamma)
+    return dense_experts(x, experts, limit, gamma, tuned.dense)
 
 
 def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
-                   gamma: torch.Tensor | None) -> torch.Tensor:
+                  gamma: torch.Tensor | None, cfg: DenseConfig) -> torch.Tensor:
     """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
     num_rows = x.shape[0]
     h = torch.empty(num_rows, experts.w1.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(x, experts.w1, None, h, w3=experts.w3, gamma=gamma, limit=limit)
+    dense.grouped_gemm(x, experts.w1, None, h, w3=experts.w3, gamma=gamma, limit=limit, cfg=cfg)
     y = torch.empty(num_rows, experts.w2.out_dim, dtype=x.dtype, device=x.device)
-    return dense.grouped_gemm(h, experts.w2, None, y)
+    return dense.grouped_gemm(h, experts.w2, None, y, cfg=cfg)
 
 
 # ============================================================================ pair sorting
@@ -552,86 +534,84 @@ def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None,
 
 
 # ============================================================================ routed experts
+def expert_path(num_tokens: int, num_pairs: int, experts: ExpertSet, dtype: torch.dtype,
+                tuned: KernelConfigs) -> tuple[str, int]:
+    """(path, tile rows) the routed experts of a num_tokens-token call take: "gemv" (CUDA
+    cores), "swapab" (decode sizes), "large" (prefill sizes, GPU) or "grouped" (the generic
+    grouped GEMMs); tile rows: the pair sort's block_m for that path."""
+    m = tuned.moe
+    if m.gemv and num_tokens <= m.gemv_max_rows and gemv.eligible(experts, dtype):
+        return "gemv", gemv.tile_rows(num_tokens, m.gemv_tiles)
+    if num_tokens <= m.swapab_max_tokens and swapab.eligible(experts, dtype):
+        return "swapab", swapab.tile_rows(num_tokens, m.swapab)
+    if grouped_large.eligible(experts.w1, num_pairs, dtype, experts.w2, cfg=m.large):
+        return "large", grouped_large.block_m(m.large)
+    return "grouped", dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)),
+                                        tuned.dense)
+
+
 def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: ExpertSet, limit: float,
-                 presorted: SortedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 experts: ExpertSet, limit: float, presorted: SortedPairs | None,
+                 tuned: KernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs.
     `presorted`: the pairs already sorted (route_sorted), used when its tiles fit the path."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
-
-    def pairs_for(block_m: int) -> SortedPairs:
-        if presorted is not None and presorted.schedule.block_m == block_m:
-            return presorted
-        return sort_pairs(ids, weights, experts.num_experts, block_m)
-
-    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts, x.dtype):
-        rows = gemv.tile_rows(num_tokens)
-        pairs = pairs_for(rows)
-        return gemv.expert_rows(x, pairs, experts, limit, rows), pairs.pos
-    if num_tokens <= swapab.MAX_TOKENS and swapab.eligible(experts, x.dtype):  # moe/swapab.py
-        rows = swapab.tile_rows(num_tokens)
-        pairs = pairs_for(rows)
-        return swapab.expert_rows(x, pairs, experts, limit, rows), pairs.pos
-    large = grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2)  # prefill sizes (GPU)
-    block_m = grouped_large.block_m() if large else dense.block_m_for(
-        max(1, num_pairs // max(1, experts.num_experts)))
-    pairs = pairs_for(block_m)
-    if large:
+    path, block_m = expert_path(num_tokens, num_pairs, experts, x.dtype, tuned)
+    pairs = presorted
+    if pairs is None or pairs.schedule.block_m != block_m:
+        pairs = sort_pairs(ids, weights, experts.num_experts, block_m)
+    m = tuned.moe
+    if path == "gemv":
+        return gemv.expert_rows(x, pairs, experts, limit, block_m, cfg=m.gemv_tiles), pairs.pos
+    if path == "swapab":
+        return swapab.expert_rows(x, pairs, experts, limit, block_m, cfg=m.swapab), pairs.pos
+    if path == "large":
         return grouped_large.expert_gemms(x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1,
-                                          experts.w3, experts.w2, limit), pairs.pos
+                                          experts.w3, experts.w2, limit, cfg=m.large), pairs.pos
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(x, experts.w1, pairs.schedule, h, a_rows=pairs.rows, w3=experts.w3,
-                       gamma=pairs.gamma, limit=limit)
+                       gamma=pairs.gamma, limit=limit, cfg=tuned.dense)
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(h, experts.w2, pairs.schedule, y)
+    dense.grouped_gemm(h, experts.w2, pairs.schedule, y, cfg=tuned.dense)
     return y, pairs.pos
 
 
-def _expert_block_m(x: torch.Tensor, num_pairs: int, experts: ExpertSet) -> int:
-    """The sort's tile rows on the expert path `_expert_rows` takes for num_pairs pairs of x."""
-    num_tokens = x.shape[0]
-    if GEMV and num_tokens <= GEMV_MAX_ROWS and gemv.eligible(experts, x.dtype):
-        return gemv.tile_rows(num_tokens)
-    if num_tokens <= swapab.MAX_TOKENS and swapab.eligible(experts, x.dtype):
-        return swapab.tile_rows(num_tokens)
-    if grouped_large.eligible(experts.w1, num_pairs, x.dtype, experts.w2):
-        return grouped_large.block_m()
-    return dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)))
-
-
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   experts: ExpertSet, limit: float) -> torch.Tensor:
+                   experts: ExpertSet, limit: float, *,
+                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """Sum over each token's k experts, ascending expert id, FP32 [T, D] (no shared expert)."""
-    y, pos = _expert_rows(x, ids, weights, experts, limit)
+    y, pos = _expert_rows(x, ids, weights, experts, limit, None, tuned)
     return combine(y, pos, None, torch.float32)
 
 
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
         shared: ExpertWeights | None, top_k: int, routed_scale: float, limit: float,
-        gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
+        gate_temp: float = 1.0, normalize: bool = True, *,
+        tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """x [T, D] -> y [T, D] in x.dtype (dequantised expert weights, as the ref)."""
     return moe_quantized(x, gate_weight, bias, ExpertSet.plain(experts),
                          None if shared is None else ExpertSet.plain(shared), top_k,
-                         routed_scale, limit, gate_temp, normalize)
+                         routed_scale, limit, gate_temp, normalize, tuned=tuned)
 
 
 def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
                   experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
-                  limit: float, gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
+                  limit: float, gate_temp: float = 1.0, normalize: bool = True, *,
+                  tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
     """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared)."""
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     presorted = None
-    if FUSED_GATE and x.shape[0] <= FUSED_GATE_MAX_TOKENS:  # the gate in one launch
+    if tuned.moe.fused_gate and x.shape[0] <= tuned.moe.fused_gate_max_tokens:  # one launch
+        _, block_m = expert_path(x.shape[0], x.shape[0] * top_k, experts, x.dtype, tuned)
         ids, weights, presorted = route_sorted(
-            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize,
-            _expert_block_m(x, x.shape[0] * top_k, experts))
+            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned)
     else:
         ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
-    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted)
-    shared_y = [dense_experts(x, _one_expert(shared, e), limit, None)
+    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
+    shared_y = [dense_experts(x, _one_expert(shared, e), limit, None, tuned.dense)
                 for e in range(shared.num_experts if shared is not None else 0)]
     if len(shared_y) <= 1:  # routed sum + shared expert + rounding in one launch
         return combine(y, pos, shared_y[0] if shared_y else None, x.dtype)
@@ -647,7 +627,7 @@ def _one_expert(experts: ExpertSet, e: int) -> ExpertSet:
 
 
 def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,
-           rows=(1, 8, 64), limit: float = 10.0) -> int:
+           rows=(1, 8, 64), limit: float = 10.0, *, tuned: KernelConfigs = DEFAULT) -> int:
     """Compile (and run once) the router and expert GEMM variants of `rows`-token MoE calls.
 
     experts / shared: one layer's routed (MXFP4) and shared (FP8) experts; num_gate_experts:
@@ -660,5 +640,5 @@ def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, 
     bias = torch.zeros(num_gate_experts, device=device)
     for r in rows:
         x = torch.randn(r, dim, device=device).to(torch.bfloat16)
-        moe_quantized(x, gate, bias, experts, shared, top_k, 1.0, limit)
+        moe_quantized(x, gate, bias, experts, shared, top_k, 1.0, limit, tuned=tuned)
     return len(rows)

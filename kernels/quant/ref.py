@@ -373,3 +373,19 @@ def dequantize_fp8_rows(
 def _check_dtype(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+# ---------------------------------------------------------------- KV writes (GPU forward)
+FMT_WINDOW_FP8, FMT_NVFP4, FMT_MXFP4 = 0, 1, 2  # record formats of `write_unchecked`
+
+
+def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """pool[rows[n]] = pack(rope(values[n])) in the record format `fmt` (rows < 0 skipped; the
+    rotated values rounded to values.dtype first), in place."""
+    from flashpd.kernels.rope.ref import rotate
+
+    pack = (pack_window_fp8, pack_nvfp4, pack_mxfp4)[fmt]
+    x = values if rope is None else rotate(values, *rope)
+    keep = rows >= 0
+    pool[rows[keep].long()] = pack(x[keep])

@@ -27,6 +27,8 @@ is one pass. A negative destination row skips that token (padded slots, §11.4).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 # isort: off
@@ -36,16 +38,17 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.quant import ref
+from flashpd.kernels.quant.ref import FMT_MXFP4, FMT_NVFP4, FMT_WINDOW_FP8
 
-FMT_WINDOW_FP8 = 0
-FMT_NVFP4 = 1
-FMT_MXFP4 = 2
-
-_BLOCK = {FMT_WINDOW_FP8: ref.WINDOW_FP8_BLOCK, FMT_NVFP4: ref.NVFP4_BLOCK,
-          FMT_MXFP4: ref.MXFP4_BLOCK}
-_RECORD_BYTES = {FMT_WINDOW_FP8: ref.window_fp8_record_bytes, FMT_NVFP4: ref.nvfp4_record_bytes,
-                 FMT_MXFP4: ref.mxfp4_record_bytes}
-_AMAX_FLOOR = {FMT_WINDOW_FP8: 1e-4, FMT_NVFP4: 6.0 * 2.0**-9, FMT_MXFP4: 6.0 * 2.0**-126}
+# per record format (read-only tables): values per scale block, record bytes of a D-wide row,
+# the amax floor of a block's scale
+_BLOCK = MappingProxyType({FMT_WINDOW_FP8: ref.WINDOW_FP8_BLOCK, FMT_NVFP4: ref.NVFP4_BLOCK,
+                           FMT_MXFP4: ref.MXFP4_BLOCK})
+_RECORD_BYTES = MappingProxyType({FMT_WINDOW_FP8: ref.window_fp8_record_bytes,
+                                  FMT_NVFP4: ref.nvfp4_record_bytes,
+                                  FMT_MXFP4: ref.mxfp4_record_bytes})
+_AMAX_FLOOR = MappingProxyType({FMT_WINDOW_FP8: 1e-4, FMT_NVFP4: 6.0 * 2.0**-9,
+                                FMT_MXFP4: 6.0 * 2.0**-126})
 
 
 # ============================================================================ device helpers
@@ -61,6 +64,14 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16_if(x, BF16: tl.constexpr):
+    """round_bf16(x) when BF16 (an activation or output in BF16), else x as it is (FP32)."""
+    if BF16:
+        x = round_bf16(x)
+    return x
 
 
 @triton.jit

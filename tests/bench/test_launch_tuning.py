@@ -1,23 +1,7 @@
-"""Launch-tuning helpers of the GPU benches: the attention CONFIG override from the environment
-and the rule that picks a decode variant from timed rows."""
+"""Launch-tuning helpers of the GPU benches: the rule that picks a decode variant from timed
+rows (the attention override from the environment: tests/kernels/test_tuning.py)."""
 
 from __future__ import annotations
-
-import pytest
-
-from flashpd.kernels.attention import triton as at
-
-
-def test_attention_config_override_checks_keys_and_types():
-    assert at.env_overrides(None) == {} and at.env_overrides("") == {}
-    assert at.env_overrides('{"combine_heads": 1, "split_min_tiles": 2}') == {
-        "combine_heads": 1, "split_min_tiles": 2}
-    with pytest.raises(ValueError, match="combine_head"):
-        at.env_overrides('{"combine_head": 1}')  # not a key
-    with pytest.raises(ValueError, match="combine_heads"):
-        at.env_overrides('{"combine_heads": "1"}')  # not an int
-    with pytest.raises(ValueError, match="JSON object"):
-        at.env_overrides("[1]")
 
 
 def _rows(name: str, ms: dict, err: float = 0.005) -> list[dict]:

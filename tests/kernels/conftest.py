@@ -5,9 +5,10 @@ flashpd.kernels.triton_runtime (which selects the interpreter on hosts without C
 imported first; pytest loads this file before the test modules of this folder.
 """
 
+import pytest
 import torch  # noqa: E402 - after the backend choice above
 
-from flashpd.kernels import triton_runtime  # noqa: F401
+from flashpd.kernels import configs, dispatch, triton_runtime  # noqa: F401
 from flashpd.kernels.dense import triton as dt  # noqa: E402
 from flashpd.kernels.moe import ref as mref  # noqa: E402
 from flashpd.kernels.moe import triton as mt  # noqa: E402
@@ -53,3 +54,32 @@ def routed_reference(x, ids, weights, experts: mt.ExpertSet) -> torch.Tensor:
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
+
+
+# ---------------------------------------------------------------- launch configs of a test
+class Tune:
+    """A test's kernel launch configs: `set(op, **fields)` replaces fields of one op's config
+    (a new frozen KernelConfigs each time, starting from the table's default); `tune(module)`
+    is the module with those configs bound to its calls (as GpuModel binds its own)."""
+
+    def __init__(self) -> None:
+        self.configs = configs.DEFAULT
+
+    def set(self, op: str, **fields) -> None:
+        self.configs = configs.override(self.configs, **{op: fields})
+
+    def merge(self, op: str, field: str, **entries) -> None:
+        """One mapping field of an op's config, with `entries` merged into it."""
+        current = getattr(getattr(self.configs, op), field)
+        self.set(op, **{field: {**current, **entries}})
+
+    def __call__(self, module):
+        return dispatch.bind(module, self.configs)
+
+    def __getattr__(self, op: str):
+        return getattr(self.__dict__["configs"], op)
+
+
+@pytest.fixture
+def tune() -> Tune:
+    return Tune()

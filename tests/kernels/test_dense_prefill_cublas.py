@@ -33,31 +33,31 @@ def _x(*shape: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def cublas_gate(monkeypatch):
+def cublas_gate(monkeypatch, tune):
     """Open the prefill gate on the CPU: rows >= 4 per weight take the cuBLAS branch."""
     def open_gate():  # dense.triton's view of the runtime says "GPU"; kernels still interpret
         shim = types.SimpleNamespace(interpreting=lambda: False,
                                      launch_options=triton_runtime.launch_options,
                                      check_device=triton_runtime.check_device)
         monkeypatch.setattr(dt, "triton_runtime", shim)
-        monkeypatch.setitem(dt.CONFIG, "cublas_min_rows", 4)
+        tune.set("dense", cublas_min_rows=4)
     return open_gate
 
 
-def _swiglu(x, w1, w3, gamma):
+def _swiglu(x, w1, w3, gamma, tuned):
     h = torch.empty(x.shape[0], w1[0].shape[0], dtype=x.dtype)
     dt.grouped_gemm(x, dt.Weights.fp8(w1[0], w1[1]), None, h, w3=dt.Weights.fp8(w3[0], w3[1]),
-                    gamma=gamma, limit=LIMIT)
+                    gamma=gamma, limit=LIMIT, cfg=tuned.dense)
     return h
 
 
-def test_swiglu_pair_matches_reference_and_kernel(cublas_gate):
+def test_swiglu_pair_matches_reference_and_kernel(cublas_gate, tune):
     x = _x(9, 64, seed=1)
     w1, w3 = _fp8(32, 64, 2), _fp8(32, 64, 3)
     gamma = torch.rand(9, generator=torch.Generator().manual_seed(4)) + 0.5
-    kernel = _swiglu(x, w1, w3, gamma)
+    kernel = _swiglu(x, w1, w3, gamma, tune)
     cublas_gate()
-    out = _swiglu(x, w1, w3, gamma)
+    out = _swiglu(x, w1, w3, gamma, tune)
     g = dref.linear(x, w1[2]).float().clamp_max(LIMIT)
     u = dref.linear(x, w3[2]).float().clamp(-LIMIT, LIMIT)
     ref = (gamma[:, None] * torch.nn.functional.silu(g) * u).to(torch.bfloat16)
@@ -67,11 +67,11 @@ def test_swiglu_pair_matches_reference_and_kernel(cublas_gate):
     assert not torch.equal(out, torch.zeros_like(out))
 
 
-def test_swiglu_pair_without_gamma_and_limit_clamps(cublas_gate):
+def test_swiglu_pair_without_gamma_and_limit_clamps(cublas_gate, tune):
     x = _x(6, 64, seed=5) * 8  # large gate values: the limit clamps
     w1, w3 = _fp8(32, 64, 6), _fp8(32, 64, 7)
     cublas_gate()
-    out = _swiglu(x, w1, w3, None).float()
+    out = _swiglu(x, w1, w3, None, tune).float()
     g = dref.linear(x, w1[2]).float()
     u = dref.linear(x, w3[2]).float()
     assert (g > LIMIT).any()
@@ -79,28 +79,28 @@ def test_swiglu_pair_without_gamma_and_limit_clamps(cublas_gate):
     torch.testing.assert_close(out, ref.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_block_diagonal_groups_match_reference_and_kernel(cublas_gate):
+def test_block_diagonal_groups_match_reference_and_kernel(cublas_gate, tune):
     groups, tokens = 3, 5
     ws = [_fp8(32, 64, 10 + j) for j in range(groups)]
     w = dt.Weights.fp8(torch.stack([q for q, _, _ in ws]), torch.stack([s for _, s, _ in ws]))
     x = _x(tokens, groups, 64, seed=8)
-    kernel = dt.block_diagonal(x, w)
+    kernel = tune(dt).block_diagonal(x, w)
     cublas_gate()
-    out = dt.block_diagonal(x, w)
+    out = tune(dt).block_diagonal(x, w)
     ref = torch.stack([dref.linear(x[:, j], ws[j][2]) for j in range(groups)], dim=1)
     assert out.shape == (tokens, groups, 32)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), kernel.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_gate_needs_enough_rows_per_weight_and_no_gather(cublas_gate):
+def test_gate_needs_enough_rows_per_weight_and_no_gather(cublas_gate, tune):
     cublas_gate()
     w1 = _fp8(32, 64, 12)
     wd = dt.Weights.fp8(w1[0], w1[1])
     wg = dt.Weights.fp8(torch.stack([w1[0]] * 2), torch.stack([w1[1]] * 2))
     x = _x(6, 64, seed=13)
     out = torch.empty(6, 32, dtype=torch.bfloat16)
-    assert dt.cublas_eligible(x, wd, out, None, None, False)
-    assert not dt.cublas_eligible(x, wd, out, torch.arange(6), None, False)  # gathered rows
-    assert not dt.cublas_eligible(x, wg, out, None, None, False)  # 3 rows per group < 4
-    assert not dt.cublas_eligible(x.float(), wd, out.float(), None, None, False)  # FP32
+    assert dt.cublas_eligible(x, wd, out, None, None, False, tune.dense)
+    assert not dt.cublas_eligible(x, wd, out, torch.arange(6), None, False, tune.dense)  # gathered rows
+    assert not dt.cublas_eligible(x, wg, out, None, None, False, tune.dense)  # 3 rows per group < 4
+    assert not dt.cublas_eligible(x.float(), wd, out.float(), None, None, False, tune.dense)  # FP32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpd.kernels import configs
 from flashpd.kernels.dense import triton as dt
 from flashpd.kernels.moe import grouped_large as gl
 from flashpd.kernels.moe import ref as mref
@@ -46,7 +47,7 @@ def _want(x, sorted_ids, token_of_pair, gamma, w1, w3, w2):
 @pytest.mark.parametrize(("path", "swap", "fused13"), [
     ("mx", False, False), ("mx", True, False), ("mx", True, True), ("bf16", False, True),
     ("bf16", True, False), ("cublas", False, False)])
-def test_expert_gemms_match_reference_ffn(monkeypatch, path, swap, fused13):
+def test_expert_gemms_match_reference_ffn(tune, monkeypatch, path, swap, fused13):
     """Both GEMMs (gathered SwiGLU with gamma, then down) on pairs sorted by expert; the SwiGLU
     GEMM's N (96) is not a multiple of its block_n (64; 32 W1 + 32 W3 rows when fused13):
     masked weight rows. The caller's schedule has block_m 16; the down GEMM makes its own."""
@@ -57,19 +58,20 @@ def test_expert_gemms_match_reference_ffn(monkeypatch, path, swap, fused13):
     w2, d2 = _mxfp4(experts, dim, inter, g)
     x = torch.randn(tokens, dim, generator=g).bfloat16()
     sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "path": path, "swap": swap,
-                                             "block_n": 64, "fused13": fused13})
-    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "path": path, "swap": swap,
-                                             "block_m": 32, "block_k": 32})
-    monkeypatch.setitem(gl.CONFIG, "dequant", {"block_r": 16, "block_k": 64, "warps": 4})
+    tune.set("moe", large=dict(gemm1={**SMALL, "path": path, "swap": swap,
+                                             "block_n": 64, "fused13": fused13}))
+    tune.set("moe", large=dict(gemm2={**SMALL, "path": path, "swap": swap,
+                                             "block_m": 32, "block_k": 32}))
+    tune.set("moe", large=dict(dequant={"block_r": 16, "block_k": 64, "warps": 4}))
     schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
     assert torch.equal(gl.counts_of(schedule, experts), counts)
-    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT,
+                          cfg=tune.moe.large)
     want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_large_calls_take_the_scratch_paths(monkeypatch):
+def test_large_calls_take_the_scratch_paths(tune, monkeypatch):
     """From scratch_min_pairs pairs the *_large configurations run (here: cublas), whatever
     gemm1/gemm2 say (dot_scaled, which the interpreter refuses)."""
     g = torch.Generator().manual_seed(4)
@@ -79,11 +81,12 @@ def test_large_calls_take_the_scratch_paths(monkeypatch):
     w2, d2 = _mxfp4(experts, dim, inter, g)
     x = torch.randn(tokens, dim, generator=g).bfloat16()
     sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    monkeypatch.setitem(gl.CONFIG, "scratch_min_pairs", tokens * top_k)
-    monkeypatch.setitem(gl.CONFIG, "gemm1", {**SMALL, "dot_scaled": True, "swap": False})
-    monkeypatch.setitem(gl.CONFIG, "gemm2", {**SMALL, "dot_scaled": True, "swap": False})
+    tune.set("moe", large=dict(scratch_min_pairs=tokens * top_k))
+    tune.set("moe", large=dict(gemm1={**SMALL, "dot_scaled": True, "swap": False}))
+    tune.set("moe", large=dict(gemm2={**SMALL, "dot_scaled": True, "swap": False}))
     schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
-    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT,
+                          cfg=tune.moe.large)
     want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
@@ -113,9 +116,9 @@ def test_rejects_mismatched_schedule_and_formats():
     with pytest.raises(ValueError, match="block_m"):
         gl.grouped_gemm(a, w, sched, out, tiles=SMALL | {"swap": False})
     with pytest.raises(ValueError, match="MXFP4"):
-        gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64)), sched, out)
+        gl.grouped_gemm(a, dt.Weights.plain(torch.randn(2, 32, 64)), sched, out, tiles=SMALL)
     with pytest.raises(TypeError, match="bf16"):
-        gl.grouped_gemm(a.float(), w, sched, out)
+        gl.grouped_gemm(a.float(), w, sched, out, tiles=SMALL)
 
 
 def test_eligible_only_where_both_gemms_tile_their_k(monkeypatch):
@@ -123,13 +126,13 @@ def test_eligible_only_where_both_gemms_tile_their_k(monkeypatch):
     kernels instead of failing inside the large-tile GEMMs; the bench shapes qualify."""
     monkeypatch.setattr(gl.triton_runtime, "interpreting", lambda: False)
     g = torch.Generator().manual_seed(0)
-    many = gl.CONFIG["min_pairs"]
+    many = configs.DEFAULT.moe.large.min_pairs
     w1_small, _ = _mxfp4(2, 64, 128, g)
     w2_small, _ = _mxfp4(2, 128, 32, g)
-    assert not gl.eligible(w1_small, many, torch.bfloat16, w2_small)
+    assert not gl.eligible(w1_small, many, torch.bfloat16, w2_small, cfg=configs.DEFAULT.moe.large)
     w1, _ = _mxfp4(2, 64, 256, g)
     w2, _ = _mxfp4(2, 256, 128, g)
-    assert gl.eligible(w1, many, torch.bfloat16, w2)
-    assert not gl.eligible(w1, many - 1, torch.bfloat16, w2)  # decode sizes
-    assert not gl.eligible(w1, many, torch.float32, w2)
-    assert gl.eligible(w1, gl.CONFIG["scratch_min_pairs"], torch.bfloat16, w2)
+    assert gl.eligible(w1, many, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)
+    assert not gl.eligible(w1, many - 1, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)  # decode sizes
+    assert not gl.eligible(w1, many, torch.float32, w2, cfg=configs.DEFAULT.moe.large)
+    assert gl.eligible(w1, configs.DEFAULT.moe.large.scratch_min_pairs, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashpd.kernels import configs
 from flashpd.kernels.indexer import ref as iref
 from flashpd.kernels.indexer import triton as it
 from flashpd.kernels.quant import ref as qref
@@ -64,7 +65,7 @@ def test_two_stage_topk_of_long_rows_keeps_ties_and_order(monkeypatch):
     assert torch.equal(it.select_topk(scores, 8, allowed), iref.select_topk(scores, 8, allowed))
 
 
-def test_small_batch_topk_in_slices_equals_one_pass(monkeypatch):
+def test_small_batch_topk_in_slices_equals_one_pass():
     """Small batches select rows of >= 2 slices in two stages (entry ids and scores of each
     slice's top-k, then the top-k of those): same ids as one pass, ties, -inf, the allowed
     mask, candidate blocks and pool rows included."""
@@ -83,36 +84,36 @@ def test_small_batch_topk_in_slices_equals_one_pass(monkeypatch):
     blocks = torch.stack([torch.randperm(50, generator=g)[:19].sort().values for _ in range(3)])
     blocks[1, 14:] = -1
 
-    def run():
-        return [it.select_topk(scores, 8), it.select_topk(scores, 8, allowed),
-                it.select_topk(scores, 8, pool_rows=(key_rows, seq_of)),
-                it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8),
+    def run(**fields):
+        t = configs.override(configs.DEFAULT, indexer=fields)
+        return [it.select_topk(scores, 8, tuned=t), it.select_topk(scores, 8, allowed, tuned=t),
+                it.select_topk(scores, 8, pool_rows=(key_rows, seq_of), tuned=t),
                 it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8,
-                                           as_pool_rows=True)]
+                                           tuned=t),
+                it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8,
+                                           as_pool_rows=True, tuned=t)]
 
-    monkeypatch.setitem(it.CONFIG, "topk_split_q", 0)
-    one_pass = run()
-    monkeypatch.setitem(it.CONFIG, "topk_split_q", 16)
-    monkeypatch.setitem(it.CONFIG, "topk_min_slice", 32)
-    assert it.topk_slice(3, 150, 8) == 32 and it.topk_slice(17, 150, 8) == 0
-    assert it.topk_slice(3, 63, 8) == 0  # fewer than two slices: one pass
+    one_pass = run(topk_split_q=0)
+    sliced = configs.IndexerConfig(topk_split_q=16, topk_min_slice=32)
+    assert it.topk_slice(3, 150, 8, sliced) == 32 and it.topk_slice(17, 150, 8, sliced) == 0
+    assert it.topk_slice(3, 63, 8, sliced) == 0  # fewer than two slices: one pass
     assert torch.equal(one_pass[0], iref.select_topk(scores, 8))
     assert torch.equal(one_pass[1], iref.select_topk(scores, 8, allowed))
     assert (one_pass[3] >= 0).sum() == 3 * 8  # every row had >= 8 visible candidates
-    for a, b in zip(run(), one_pass, strict=True):
+    for a, b in zip(run(topk_split_q=16, topk_min_slice=32), one_pass, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_small_batch_scoring_takes_fewer_tiles_per_program(monkeypatch):
-    monkeypatch.setitem(it.CONFIG, "score_target", 264)
-    assert it.score_tiles(1, 8192) == 1  # 128 programs of one tile, not 16 of eight
-    assert it.score_tiles(64, 8192) == 8  # 1,024 programs already
-    assert it.score_tiles(8, 8192) == 2  # 8 x 32 = 256 < 264 at 4 tiles... halved until >= 264
+def test_small_batch_scoring_takes_fewer_tiles_per_program():
+    c = configs.IndexerConfig(score_target=264)
+    assert it.score_tiles(1, 8192, c) == 1  # 128 programs of one tile, not 16 of eight
+    assert it.score_tiles(64, 8192, c) == 8  # 1,024 programs already
+    assert it.score_tiles(8, 8192, c) == 2  # 8 x 32 = 256 < 264 at 4 tiles... halved to >= 264
     q, w, rec, n_vis = _inputs(n=700)
     want = iref.index_scores(q, w, qref.unpack_mxfp4(rec, torch.bfloat16), n_vis)
-    monkeypatch.setitem(it.CONFIG, "score_target", 0)
-    eight = it.index_scores_packed(q, w, rec, n_vis)  # 11 tiles: 2 programs of 8 per query
-    monkeypatch.setitem(it.CONFIG, "score_target", 1000)
-    one = it.index_scores_packed(q, w, rec, n_vis)  # 11 programs of 1 per query
+    eight = it.index_scores_packed(q, w, rec, n_vis, tuned=configs.override(
+        configs.DEFAULT, indexer={"score_target": 0}))  # 11 tiles: 2 programs of 8 per query
+    one = it.index_scores_packed(q, w, rec, n_vis, tuned=configs.override(
+        configs.DEFAULT, indexer={"score_target": 1000}))  # 11 programs of 1 per query
     assert torch.equal(eight, one)
     torch.testing.assert_close(one, want, rtol=1e-6, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpd.kernels import triton_runtime
+from flashpd.kernels import configs, triton_runtime
 from flashpd.kernels.dense import ref as dref
 from flashpd.kernels.mhc import ref as href
 from flashpd.kernels.mhc import triton as ht
@@ -85,6 +85,11 @@ def test_split_over_d_matches_reference_and_leaves_counters_reset():
     assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
+def _mhc(**fields) -> configs.KernelConfigs:
+    """The default configs with these mHC launch fields."""
+    return configs.override(configs.DEFAULT, mhc=fields)
+
+
 def _fused(t: int, d: int, seed: int):
     x, fn, base, scale = _site(t=t, d=d, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -95,17 +100,15 @@ def _fused(t: int, d: int, seed: int):
 
 
 @pytest.mark.parametrize("block_d", [64, 32])
-def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(monkeypatch, block_d):
+def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(block_d):
     # 70 tokens > decode_rows: prefill tiles; D = 256 is 4 slices, spread over 1, 2 or 4
     # programs per token block, always added in slice order -> identical results
-    monkeypatch.setitem(ht.CONFIG, "decode_rows", 16)
-    monkeypatch.setitem(ht.CONFIG, "prefill_block_d", block_d)
     args = _fused(70, 256, 7)
     runs = []
     for grid in (1, 2, 4):
-        monkeypatch.setitem(ht.CONFIG, "prefill_grid", grid)
-        assert ht.launch_plan(70, 256)["grid"] == grid
-        runs.append(ht.expand_mix_collapse(*args))
+        tuned = _mhc(decode_rows=16, prefill_block_d=block_d, prefill_grid=grid)
+        assert ht.launch_plan(70, 256, tuned.mhc)["grid"] == grid
+        runs.append(ht.expand_mix_collapse(*args, tuned=tuned))
     for run in runs[1:]:
         for a, b in zip(runs[0], run, strict=True):
             assert torch.equal(a, b)
@@ -153,29 +156,27 @@ def test_ref_fused_step_is_the_unfused_sequence():
                                   {"decode_split": 160, "red": 7, "decode_narrow": True},
                                   {"decode_sk_tok": True, "decode_split": 160, "red": 160,
                                    "decode_narrow": True}])
-def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(monkeypatch, over):
+def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(over):
     # per-token Sinkhorn, one-chunk slices (D = 256: 8 slices of 32 channels), slice vectors
     # loaded 7 at a time or all at once: same tolerances as the defaults, a row's bits alone ==
     # in the batch, the counters back at zero
-    for k, v in over.items():
-        monkeypatch.setitem(ht.CONFIG, k, v)
-    plan = ht.launch_plan(19, 256)
+    tuned = _mhc(**over)
+    plan = ht.launch_plan(19, 256, tuned.mhc)
     if "decode_split" in over:
         assert (plan["nsl"], plan["ch"]) == (8, 32)
     args = _fused(19, 256, 10)
-    batch = ht.expand_mix_collapse(*args)
+    batch = ht.expand_mix_collapse(*args, tuned=tuned)
     y, x, post, comb, fn, base, scale, _, _, _, pre_in, norm_w = args
     _assert_fused_close(batch, y, x, post, comb, fn, base, scale, pre_in, norm_w,
                         mixes_of_kernel_streams=True)
     for i in (5, 17):
         one = ht.expand_mix_collapse(*(a[i:i + 1] if j in (0, 1, 2, 3, 10) else a
-                                       for j, a in enumerate(args)))
+                                       for j, a in enumerate(args)), tuned=tuned)
         for a, b in zip(batch, one, strict=True):
             assert torch.equal(a[i:i + 1], b)
     assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 
-def test_decode_block_d_must_divide_the_chunk(monkeypatch):
-    monkeypatch.setitem(ht.CONFIG, "decode_block_d", 48)
+def test_decode_block_d_must_divide_the_chunk():
     with pytest.raises(ValueError, match="decode_block_d"):
-        ht.launch_plan(1, 256)
+        ht.launch_plan(1, 256, _mhc(decode_block_d=48).mhc)

@@ -77,12 +77,11 @@ def test_swiglu_clamps_gate_from_above_and_up_on_both_sides():
     torch.testing.assert_close(mt.swiglu(gate, up, 10.0), mref.swiglu(gate, up, 10.0))
 
 
-def test_split_k_experts_with_swiglu_and_gamma_match_reference(monkeypatch):
+def test_split_k_experts_with_swiglu_and_gamma_match_reference(tune):
     """MXFP4 routed + FP8 shared experts through three split-K programs per output block."""
-    monkeypatch.setitem(dt.CONFIG, "min_k_chunk", 32)
+    tune.set("dense", min_k_chunk=32, target_ctas=10_000)
     for fmt in ("skinny", "mx"):
-        monkeypatch.setitem(dt.CONFIG, fmt, {**dt.CONFIG[fmt], "block_k": 32})
-    monkeypatch.setitem(dt.CONFIG, "target_ctas", 10_000)
+        tune.merge("dense", fmt, block_k=32)
     x, gw, bias = _router(t=6, d=96, e=4, seed=6)
     g = torch.Generator().manual_seed(7)
     shapes = ((64, 96), (64, 96), (96, 64))
@@ -90,11 +89,11 @@ def test_split_k_experts_with_swiglu_and_gamma_match_reference(monkeypatch):
                for _ in range(4)] for shape in shapes]
     routed = mt.ExpertSet(*(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]),
                                              torch.stack([s for _, s in ps])) for ps in packed))
-    assert dt._plan(routed.w1)[0] == 3
+    assert dt._plan(routed.w1, tune.dense)[0] == 3
     fp8 = [qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1)
            for shape in shapes]
     shared = mt.ExpertSet(*(dt.Weights.fp8(w, s) for w, s in fp8))
-    got = mt.moe_quantized(x, gw, bias, routed, shared, 2, 1.5, 10.0)
+    got = tune(mt).moe_quantized(x, gw, bias, routed, shared, 2, 1.5, 10.0)
     ref_routed = mref.ExpertWeights(*(torch.stack([qref.dequantize_mxfp4_weight(p, s)
                                                    for p, s in ps]) for ps in packed))
     ref_shared = mref.ExpertWeights(*(qref.dequantize_fp8_blockwise(w, s)[None] for w, s in fp8))

@@ -1,14 +1,12 @@
-"""The gate in one launch (kernels/moe/triton.py route_sorted, FUSED_GATE): the router's last
+"""The gate in one launch (kernels/moe/triton.py route_sorted, MoeConfig.fused_gate): the router's last
 token block also sorts the pairs; outputs identical to route + sort_pairs, counters left zero."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from flashpd.kernels import triton_runtime
+from flashpd.kernels import configs, triton_runtime
 from flashpd.kernels.moe import ref as mref
 from flashpd.kernels.moe import triton as mt
 
@@ -38,16 +36,16 @@ def _counters_zero(device: torch.device) -> bool:
 
 @pytest.mark.parametrize("t", [1, 3, 8, 64])
 @pytest.mark.parametrize("block_m", [16, 2])
-def test_fused_gate_gives_route_and_sort_pairs_outputs(monkeypatch, t, block_m):
+def test_fused_gate_gives_route_and_sort_pairs_outputs(tune, monkeypatch, t, block_m):
     """T = 1, 3, 8, 64 at the bench preset's 64 experts / top-6 (tiny width): ids and weights
     bit-identical to `route`, rows / gamma / pos / every tile identical to `sort_pairs`
     (block_m 2 at T = 64: 4 token blocks, 4 blocks of 64 tiles in the one program)."""
     x, w, bias = _gate(t, 256, BENCH_EXPERTS, seed=t)
-    monkeypatch.setattr(mt, "FUSED_GATE", True)
-    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 64)
+    tune.set("moe", fused_gate=True)
+    tune.set("moe", fused_gate_max_tokens=64)
     real = mt.sort_pairs
     monkeypatch.setattr(mt, "sort_pairs", lambda *a: pytest.fail("fell back to sort_pairs"))
-    ids, gam, pairs = mt.route_sorted(x, w, bias, BENCH_TOP_K, 2.5, 1.0, True, block_m)
+    ids, gam, pairs = tune(mt).route_sorted(x, w, bias, BENCH_TOP_K, 2.5, 1.0, True, block_m)
     assert _counters_zero(x.device)
     want_ids, want_gam = mt.route(x, w, bias, BENCH_TOP_K, 2.5)
     assert torch.equal(ids, want_ids) and torch.equal(gam, want_gam)
@@ -55,34 +53,34 @@ def test_fused_gate_gives_route_and_sort_pairs_outputs(monkeypatch, t, block_m):
     _assert_same_pairs(pairs, real(want_ids, want_gam, BENCH_EXPERTS, block_m))
 
 
-def test_fused_gate_one_program_per_token_block(monkeypatch):
+def test_fused_gate_one_program_per_token_block(tune, monkeypatch):
     """ROUTER_SPLIT 1 (no partials: each token block's only program runs the epilogue) with two
     token blocks; gate_temp and normalize=False go through unchanged."""
     x, w, bias = _gate(20, 64, 12, seed=5)
     monkeypatch.setattr(mt, "ROUTER_SPLIT", 1)
-    monkeypatch.setattr(mt, "FUSED_GATE", True)
-    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 64)
-    ids, gam, pairs = mt.route_sorted(x, w, bias, 4, 1.5, 0.7, False, 4)
+    tune.set("moe", fused_gate=True)
+    tune.set("moe", fused_gate_max_tokens=64)
+    ids, gam, pairs = tune(mt).route_sorted(x, w, bias, 4, 1.5, 0.7, False, 4)
     assert _counters_zero(x.device)
     want_ids, want_gam = mt.route(x, w, bias, 4, 1.5, 0.7, normalize=False)
     assert torch.equal(ids, want_ids) and torch.equal(gam, want_gam)
     _assert_same_pairs(pairs, mt.sort_pairs(want_ids, want_gam, 12, 4))
 
 
-def test_fused_gate_off_or_past_its_bound_is_route_then_sort(monkeypatch):
-    """Switch off (the default), or T > FUSED_GATE_MAX_TOKENS: the two launches, same results."""
-    assert not mt.FUSED_GATE or os.environ.get("FLASHPD_MOE_FUSED_GATE") == "1"  # off by default
+def test_fused_gate_off_or_past_its_bound_is_route_then_sort(tune, monkeypatch):
+    """Switch off (the default), or T > fused_gate_max_tokens: the two launches, same results."""
+    assert not configs.DEFAULT.moe.fused_gate  # off by default
     x, w, bias = _gate(5, 128, 16, seed=2)
-    monkeypatch.setattr(mt, "FUSED_GATE", True)
-    want = mt.route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
+    tune.set("moe", fused_gate=True)
+    want = tune(mt).route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
     launches = []
     real = mt.sort_pairs
     monkeypatch.setattr(mt, "sort_pairs", lambda *a: launches.append(a) or real(*a))
-    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 4)
-    past = mt.route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
-    monkeypatch.setattr(mt, "FUSED_GATE_MAX_TOKENS", 64)
-    monkeypatch.setattr(mt, "FUSED_GATE", False)
-    off = mt.route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
+    tune.set("moe", fused_gate_max_tokens=4)
+    past = tune(mt).route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
+    tune.set("moe", fused_gate_max_tokens=64)
+    tune.set("moe", fused_gate=False)
+    off = tune(mt).route_sorted(x, w, bias, 3, 1.0, 1.0, True, 16)
     assert len(launches) == 2  # both fell back to sort_pairs
     for got in (past, off):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -90,8 +88,8 @@ def test_fused_gate_off_or_past_its_bound_is_route_then_sort(monkeypatch):
     assert _counters_zero(x.device)
 
 
-def test_moe_with_the_fused_gate_sorts_once_and_matches_the_unfused_moe(monkeypatch):
-    """mt.moe (bf16 experts, T = 3): with FUSED_GATE on, sort_pairs is not called (the gate's
+def test_moe_with_the_fused_gate_sorts_once_and_matches_the_unfused_moe(tune, monkeypatch):
+    """mt.moe (bf16 experts, T = 3): with fused_gate on, sort_pairs is not called (the gate's
     pairs are used) and the output is bit-identical to the unfused path's."""
     g = torch.Generator().manual_seed(7)
     e, d, i = 8, 64, 32
@@ -100,14 +98,14 @@ def test_moe_with_the_fused_gate_sorts_once_and_matches_the_unfused_moe(monkeypa
                                    for n, k in ((i, d), (i, d), (d, i))))
     shared = mref.ExpertWeights(*(torch.randn(1, n, k, generator=g).bfloat16() * 0.1
                                   for n, k in ((i, d), (i, d), (d, i))))
-    monkeypatch.setattr(mt, "FUSED_GATE", False)
-    want = mt.moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
+    tune.set("moe", fused_gate=False)
+    want = tune(mt).moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
 
     def no_sort(*args):
         raise AssertionError("sort_pairs called with the fused gate on")
 
-    monkeypatch.setattr(mt, "FUSED_GATE", True)
+    tune.set("moe", fused_gate=True)
     monkeypatch.setattr(mt, "sort_pairs", no_sort)
-    got = mt.moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
+    got = tune(mt).moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
     assert torch.equal(got, want)
     assert _counters_zero(x.device)

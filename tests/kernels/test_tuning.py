@@ -4,41 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from flashpd.kernels import tuning
-from flashpd.kernels.attention import triton as at
-from flashpd.kernels.dense import triton as dt
-from flashpd.kernels.indexer import triton as it
-from flashpd.kernels.mhc import triton as ht
-from flashpd.kernels.moe import swapab
-from flashpd.kernels.moe import triton as mt
+from flashpd.kernels import configs, tuning
+
+H200 = configs.H200
 
 
 def test_unset_variables_change_nothing():
-    assert tuning.apply_env_overrides({}) == {}
-    assert dt.FP8_SWAP_MAX_ROWS == 64 and swapab.MAX_TOKENS == 128
-    assert (mt.GEMV_MAX_ROWS, mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS) == (0, False, 16)
-    assert (it.CONFIG["score_target"], it.CONFIG["topk_split_q"]) == (264, 16)
-    assert at.CONFIG["fused_combine"] is False and ht.CONFIG["decode_spin"] is True
+    assert tuning.read_env_overrides({}) == {}
+    assert tuning.apply_env_overrides(H200, {"FLASHPD_COMMIT": "x"}) is H200
+    assert tuning.load("cpu", {}) is configs.DEFAULT
 
 
-def test_set_variables_reach_their_kernel_modules(monkeypatch):
-    for mod in (it, at, ht):
-        monkeypatch.setattr(mod, "CONFIG", dict(mod.CONFIG))
-    for mod, name in ((dt, "FP8_SWAP_MAX_ROWS"), (swapab, "MAX_TOKENS"), (mt, "GEMV_MAX_ROWS"),
-                      (mt, "FUSED_GATE"), (mt, "FUSED_GATE_MAX_TOKENS")):
-        monkeypatch.setattr(mod, name, getattr(mod, name))
+def test_set_variables_reach_their_fields_in_a_copy():
     env = {"FLASHPD_INDEXER_SMALL_BATCH": "0", "FLASHPD_ATTN_FUSED_COMBINE": "1",
            "FLASHPD_ATTN_CONFIG": '{"combine_heads": 2}', "FLASHPD_MHC_SPIN": "0",
            "FLASHPD_FP8_SWAP_MAX_ROWS": "8", "FLASHPD_MOE_GEMV_MAX_ROWS": "4",
            "FLASHPD_MOE_SWAPAB_MAX_TOKENS": "0", "FLASHPD_MOE_FUSED_GATE": "1",
            "FLASHPD_MOE_FUSED_GATE_MAX_TOKENS": "32", "FLASHPD_COMMIT": "not a kernel knob"}
-    applied = tuning.apply_env_overrides(env)
-    assert len(applied) == 9
-    assert (it.CONFIG["score_target"], it.CONFIG["topk_split_q"]) == (0, 0)
-    assert at.CONFIG["fused_combine"] is True and at.CONFIG["combine_heads"] == 2
-    assert ht.CONFIG["decode_spin"] is False
-    assert (dt.FP8_SWAP_MAX_ROWS, mt.GEMV_MAX_ROWS, swapab.MAX_TOKENS) == (8, 4, 0)
-    assert (mt.FUSED_GATE, mt.FUSED_GATE_MAX_TOKENS) == (True, 32)
+    assert len(tuning.read_env_overrides(env)) == 9
+    c = tuning.apply_env_overrides(H200, env)
+    assert (c.indexer.score_target, c.indexer.topk_split_q) == (0, 0)
+    assert c.indexer.topk_min_slice == 2048
+    assert c.attention.fused_combine is True and c.attention.combine_heads == 2
+    assert c.mhc.decode_spin is False
+    assert (c.dense.fp8_swap_max_rows, c.moe.gemv_max_rows, c.moe.swapab_max_tokens) == (8, 4, 0)
+    assert (c.moe.fused_gate, c.moe.fused_gate_max_tokens) == (True, 32)
+    # the table entry itself is untouched
+    assert (H200.attention.fused_combine, H200.dense.fp8_swap_max_rows) == (False, 64)
+    assert tuning.load("cpu", env) == c
 
 
 @pytest.mark.parametrize("env,match", [
@@ -47,12 +40,34 @@ def test_set_variables_reach_their_kernel_modules(monkeypatch):
     ({"FLASHPD_MOE_GEMV_MAX_ROWS": "4.5"}, "FLASHPD_MOE_GEMV_MAX_ROWS must be an integer"),
     ({"FLASHPD_ATTN_CONFIG": '{"combine_head": 1}'}, "combine_head"),
 ])
-def test_bad_values_raise_naming_the_variable_and_apply_nothing(monkeypatch, env, match):
-    monkeypatch.setattr(dt, "FP8_SWAP_MAX_ROWS", 64)
+def test_bad_values_raise_naming_the_variable(env, match):
     good = {} if "FLASHPD_FP8_SWAP_MAX_ROWS" in env else {"FLASHPD_FP8_SWAP_MAX_ROWS": "8"}
     with pytest.raises(ValueError, match=match):
-        tuning.apply_env_overrides({**good, **env})
-    assert dt.FP8_SWAP_MAX_ROWS == 64  # every value checked before any is applied
+        tuning.load("cpu", {**good, **env})
+
+
+def test_attention_json_checks_fields_and_types():
+    assert tuning.attention_overrides(None) == {} and tuning.attention_overrides("") == {}
+    assert tuning.attention_overrides('{"combine_heads": 1, "split_min_tiles": 2}') == {
+        "combine_heads": 1, "split_min_tiles": 2}
+    with pytest.raises(ValueError, match="combine_head"):
+        tuning.attention_overrides('{"combine_head": 1}')  # not a field
+    with pytest.raises(ValueError, match="FLASHPD_ATTN_CONFIG.*combine_heads"):
+        tuning.attention_overrides('{"combine_heads": "1"}')  # not an int
+    with pytest.raises(ValueError, match="JSON object"):
+        tuning.attention_overrides("[1]")
+
+
+def test_no_kernel_module_holds_tuning_state():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(tuning.__file__).parent
+    globals_ = [f"{p.relative_to(root)}:{n.targets[0].id}" for p in root.rglob("*.py")
+                for n in ast.parse(p.read_text()).body
+                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "CONFIG"]
+    assert globals_ == []
 
 
 def test_no_kernel_module_reads_the_environment_at_import():
