@@ -86,9 +86,13 @@ def make_engine(model, dtype: str, device: str, batch: int, context: int,
         speculative=spec), dspark=dspark if spec is not None else None)
 
 
+WARM_STEPS = 3  # untimed steps once every request decodes
+
+
 def new_tokens(steps: int) -> int:
-    """max_tokens of a measured request: room for every timed step at 17 tokens (k <= 16)."""
-    return 17 * (steps + 4)
+    """max_tokens of a measured request: room for every timed and warm step at 17 tokens
+    (k <= 16)."""
+    return 17 * (steps + WARM_STEPS + 4)
 
 
 def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int) -> dict:
@@ -103,19 +107,25 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int)
         engine.add_request(rid, prefix + _prompt(16, 100 + b, vocab), params)
     while any(engine.stats[r].first_token_s is None for r in rids):
         engine.step()
-    engine.step()  # one more: async scheduling's pipeline is full, speculation has started
+    for _ in range(WARM_STEPS):  # async scheduling's pipeline is full, speculation has
+        engine.step()  # started, the verify shape's graph is captured
     _sync()
+    graphs = getattr(engine.model, "graphs", None)
+    captures = graphs.num_captures if graphs is not None else 0
     t0, tokens = time.perf_counter(), 0
     for _ in range(steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     _sync()
     seconds = time.perf_counter() - t0
+    captures = (graphs.num_captures if graphs is not None else 0) - captures
     for rid in rids:
         engine.abort(rid)
     total = tokens / seconds
     return {"batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
             "tok_s_total": total, "tok_s_per_user": total / batch,
             "tokens_per_step_per_user": tokens / steps / batch,
+            "graph_captures_while_timed": captures,
+            "verify_graph_replays": graphs.num_verify_replays if graphs is not None else 0,
             "spec": engine.spec_stats.snapshot() if engine.spec is not None else None}
 
 

@@ -11,9 +11,13 @@ whose tensors are static buffers. Per call:
     after   `GpuModel.commit`: window records scratch -> ring, new open rows, the books
 
 Eligible: plain decode (every sequence adds one token, last-row logits, no replay), a bounded
-replay of one sequence over exactly W rows without logits, and a turn: one sequence adding 2..W
+replay of one sequence over exactly W rows without logits, a turn: one sequence adding 2..W
 rows through all layers with last-row logits (a new turn after a prefix hit, a short prompt),
-padded to the next bucket (`graph_turns_from_env`; the rows are otherwise thousands of eager launches). Everything the graph writes into the
+padded to the next bucket (`graph_turns_from_env`; the rows are otherwise thousands of eager
+launches), and a speculative verify: every sequence adds the same 2..MAX_VERIFY_ROWS rows
+(anchor + drafts) with logits for every row, padded to the next row bucket. A verify graph is
+checked once at capture against the eager forward over the same buffers; one that disagrees is
+dropped and verifies run eagerly from then on (logged). Everything the graph writes into the
 pools is a function of the buffers alone (scratch rows, entry rows), so the warm-up runs before a
 capture may repeat it; the writes that would not be idempotent (ring copies, open rows) happen
 in the commit. Padding rows read nothing and write only scratch rows.
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KEY_WIDTH_STEP = 1024  # key-row tables are padded to a multiple of this (fewer captures)
+MAX_VERIFY_ROWS = 17  # anchor + up to 16 drafts (SpeculativeConfig.num_tokens <= 16)
 TURNS_ENV = "FLASHPD_GRAPH_TURNS"  # 0: turns (<= W rows) run eagerly (the A/B baseline)
 
 
@@ -63,6 +68,8 @@ class DecodeGraphs:
         self.num_captures = 0
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
         self._failed_turns = False
+        self._failed_verify = False
+        self.num_verify_replays = 0
         self.turns = graph_turns_from_env()
         # Replays and turns (one sequence, <= W rows: a prefix hit's or a pushed prompt's first
         # step) get key tables as wide as this context needs, whatever theirs: one graph per
@@ -73,7 +80,8 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
-        return self._decode(seqs) or self._replay(seqs) or self._turn(seqs)
+        return (self._decode(seqs) or self._replay(seqs) or self._turn(seqs)
+                or self._verify(seqs))
 
     def _decode(self, seqs: Sequence[SeqInput]) -> bool:
         """Plain decode: one token per sequence, last-row logits, no replay."""
@@ -104,38 +112,73 @@ class DecodeGraphs:
                 and isinstance(inp.state, PagedSeqState)
                 and inp.start_pos == inp.state.num_tokens)
 
+    def _verify(self, seqs: Sequence[SeqInput]) -> bool:
+        """A speculative step's verify: every sequence adds the same 2..MAX_VERIFY_ROWS rows
+        through all layers with logits for every row, no replay, and the padded rows fit the
+        pools' scratch rows."""
+        if self._failed_verify or not 0 < len(seqs) <= BUCKETS[-1]:
+            return False
+        n = seqs[0].num_tokens
+        if not 1 < n <= MAX_VERIFY_ROWS or not isinstance(seqs[0].state, PagedSeqState):
+            return False
+        pools = seqs[0].state.pools
+        if _verify_rows(len(seqs) * n) > pools.window.shape[1] - pools.scratch_base:
+            return False
+        return all(
+            inp.num_tokens == n and inp.plan.replay is None and inp.plan.decoder_rows is None
+            and inp.plan.logits is LogitsRequest.ALL and isinstance(inp.state, PagedSeqState)
+            and inp.start_pos == inp.state.num_tokens > 0 for inp in seqs)
+
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def run(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
             feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
+        return self.run_step(token_ids, seqs, feed)[0]
+
+    @torch.no_grad()
+    def run_step(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                 feed: TokenFeed | None = None) -> tuple[list[torch.Tensor | None], Step]:
+        """`run`, plus the step it ran (its `outputs` are the graph's: the DSpark tap)."""
         model = self.model
         decode = self._decode(seqs)
         turn = not decode and self._turn(seqs)
+        verify = not decode and not turn and self._verify(seqs)
         if decode or turn:
             rows = next(b for b in BUCKETS if b >= (len(seqs) if decode else seqs[0].num_tokens))
+        elif verify:
+            rows = _verify_rows(token_ids.shape[0])
         else:
             rows = seqs[0].num_tokens
-        fixed = 0 if decode else self.turn_width_tokens
+        fixed = 0 if decode or verify else self.turn_width_tokens
         step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP,
-                             pad_logits=decode, key_width_tokens=fixed)
+                             pad_logits=decode or verify, key_width_tokens=fixed)
         tables = step.tables
         key = (decode, turn, rows,
                tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
                tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())),
                pools_key(tables.pools))
+        if verify:  # every input's shape: sequences and rows vary within one row bucket
+            key += ("verify", len(seqs), tuple(tuple(t.shape) for t in step.tensors()))
         if key not in self._graphs:
             t0 = time.perf_counter()
             try:
-                self._graphs[key] = self._build(step)
-            except Exception:  # noqa: BLE001 - a turn that cannot be captured runs eagerly
-                if not turn:
+                self._graphs[key] = self._build(step, check=verify)
+            except Exception:  # noqa: BLE001 - a turn or verify that cannot be captured runs eagerly
+                if not (turn or verify):
                     raise
-                log.exception("turn graph capture failed; turns run eagerly from now on")
-                self._failed_turns = True
-                return model.forward_eager(token_ids, seqs, feed)
+                kind = "turn" if turn else "verify"
+                log.exception("%s graph capture failed; %ss run eagerly from now on", kind, kind)
+                if turn:
+                    self._failed_turns = True
+                else:
+                    self._failed_verify = True
+                step = model.prepare(token_ids, seqs)
+                return self._eager(step, feed), step
             finally:
                 self.capture_s += time.perf_counter() - t0
         graph, static, nbytes = self._graphs[key]
+        if verify:
+            self.num_verify_replays += 1
         if step.buffer is not None and step.input_bytes == nbytes:
             static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy
         else:
@@ -150,9 +193,18 @@ class DecodeGraphs:
             logits = static.outputs["logits"]
         step.outputs = static.outputs
         model.commit(step)
+        return step.split_logits(logits), step
+
+    def _eager(self, step: Step, feed: TokenFeed | None) -> list[torch.Tensor | None]:
+        """The forward of a prepared step without a graph (as `Model.forward_taps`)."""
+        model = self.model
+        if feed is not None:
+            model.apply_feed(step, feed)
+        logits = model.compute(step)
+        model.commit(step)
         return step.split_logits(logits)
 
-    def _build(self, step: Step):
+    def _build(self, step: Step, check: bool = False):
         """A step of static buffers shaped like `step` (views of one device buffer laid out as
         the step's, so a call refills every input with one copy) and, on a GPU, the graph of the
         forward over them (two warm-up runs compile and allocate first)."""
@@ -179,14 +231,45 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile + allocate outside the capture
             for _ in range(2):
-                model.compute(static)
+                eager = model.compute(static)
         torch.cuda.current_stream().wait_stream(stream)
+        eager = None if eager is None else eager.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             static.outputs = {}
             static.outputs["logits"] = model.compute(static)
         self.num_captures += 1
+        if check:  # the same buffers again (the forward is idempotent over the pools)
+            graph.replay()
+            real = sum(seg.num_tokens for seg in static.segs)  # padding rows are not compared
+            mismatch = logits_mismatch(static.outputs["logits"][:real], eager[:real])
+            if mismatch:
+                raise RuntimeError(f"verify graph disagrees with the eager forward: {mismatch}")
         return graph, static, nbytes
+
+
+def _verify_rows(num_rows: int) -> int:
+    """A verify step's rows padded to the next row bucket (beyond the last: as they are)."""
+    return next((b for b in BUCKETS if b >= num_rows), num_rows)
+
+
+def logits_mismatch(graph: torch.Tensor | None, eager: torch.Tensor | None) -> str:
+    """'' when a graph's logits agree with the eager forward's over the same inputs (the same
+    argmax per row, values within 1% of the largest magnitude), else what differs."""
+    if graph is None or eager is None:
+        return "" if graph is None and eager is None else "one side has no logits"
+    if graph.shape != eager.shape:
+        return f"shapes {tuple(graph.shape)} vs {tuple(eager.shape)}"
+    g, e = graph.float(), eager.float()
+    if not torch.isfinite(g).all():
+        return "non-finite logits"
+    scale = e.abs().max().clamp_min(1e-6)
+    diff = (g - e).abs().max()
+    if diff > 1e-2 * scale:
+        return f"max |diff| {float(diff):.3g} over max |logit| {float(scale):.3g}"
+    if not torch.equal(g.argmax(-1), e.argmax(-1)):
+        return "argmax differs"
+    return ""
 
 
 def pools_key(pools) -> tuple:

@@ -229,10 +229,17 @@ class GpuModel(Model):
             return self.graphs.run(token_ids, seqs, feed)
         return super().forward(token_ids, seqs, feed)
 
-    def forward_eager(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                      feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
-        """The forward without graphs (a call the graphs could not take)."""
-        return super().forward(token_ids, seqs, feed)
+    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
+                     feed: TokenFeed | None = None):
+        """`forward` with the DSpark tap: through the graphs where they take the step (the
+        tap is then the graph's static output: consumed before the next forward)."""
+        if self.graphs is not None and self.graphs.eligible(seqs):
+            logits, step = self.graphs.run_step(token_ids, seqs, feed)
+            taps = self.taps(step)  # a view of the graph's static buffer: the next replay
+            # overwrites it, and the engine keeps taps across steps
+            return logits, None if taps is None else dataclasses.replace(
+                taps, values=taps.values.clone())
+        return super().forward_taps(token_ids, seqs, feed)
 
     # ------------------------------------------------------------------ the step's tables
     def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,

@@ -453,3 +453,98 @@ def test_graph_turns_switch_is_read_at_load_and_validated():
     assert graph_turns_from_env({"FLASHPD_GRAPH_TURNS": "0"}) is False
     with pytest.raises(ValueError, match="FLASHPD_GRAPH_TURNS"):
         graph_turns_from_env({"FLASHPD_GRAPH_TURNS": "off"})
+
+
+def test_speculative_verify_steps_take_the_graph_path_padded_to_a_row_bucket():
+    """A verify (every sequence adds the same anchor + drafts rows, logits for every row) is
+    eligible for the graphs, padded to the next row bucket with each real row's logits; the
+    tables and books stay those of the per-layer builder. A batch whose sequences add
+    different row counts (a sequence that does not speculate rides along) stays eager."""
+    model = small_model()
+    cfg = model.cfg
+    pools = KVPools(cfg, 24, 4, "cpu", window_scratch_rows=256)
+    states = [PagedSeqState(pools, i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], torch.bfloat16)
+              for i in range(3)]
+    for s, n in zip(states, (20, 31, 9), strict=True):
+        model.forward(torch.tensor(_ids(n, n)), [SeqInput(s, 0, n)])
+    model.graphs = DecodeGraphs(model, capture=False)
+    every = SeqPlan(logits=LogitsRequest.ALL)
+    for i, (group, rows) in enumerate(((states, 3), (states[:2], 6), (states, 3))):
+        seqs = [SeqInput(s, s.num_tokens, rows, every) for s in group]
+        assert model.graphs.eligible(seqs)
+        out = model.forward(torch.tensor(_ids(rows * len(group), 50 + i)), seqs)
+        assert [tuple(lg.shape) for lg in out] == [(rows, cfg.vocab_size)] * len(group)
+        model.check_books(group)
+    keys = [k for k in model.graphs._graphs if "verify" in k]
+    assert len(keys) == 2 and {k[2] for k in keys} == {16}  # 9 and 12 rows: bucket 16
+    assert model.graphs.num_verify_replays == 3
+    mixed = [SeqInput(states[0], states[0].num_tokens, 3, every),
+             SeqInput(states[1], states[1].num_tokens, 1)]
+    assert not model.graphs.eligible(mixed)
+    last = [SeqInput(s, s.num_tokens, 3) for s in states[:2]]  # 2 sequences, last-row logits
+    assert not model.graphs.eligible(last)
+
+
+def test_a_verify_graph_that_disagrees_with_the_eager_forward_is_refused():
+    from flashpd.engine.gpu.decode_graph import logits_mismatch
+
+    ref = torch.tensor([[1.0, 5.0, 2.0], [0.5, 0.1, 3.0]])
+    assert logits_mismatch(ref.clone(), ref) == ""
+    assert logits_mismatch(ref + 1e-4, ref) == ""
+    near = torch.tensor([[1.0, 5.0, 4.99], [0.5, 0.1, 3.0]])
+    assert "argmax" in logits_mismatch(torch.tensor([[1.0, 4.99, 5.0], [0.5, 0.1, 3.0]]), near)
+    assert "diff" in logits_mismatch(ref * 2, ref)
+    assert "non-finite" in logits_mismatch(ref.masked_fill(ref > 4, float("nan")), ref)
+    assert "shapes" in logits_mismatch(ref[:1], ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="interpreted kernels: minutes on the CPU; runs on the GPU")
+@pytest.mark.parametrize("capture", [False, True])
+def test_verify_steps_through_the_graphs_equal_the_eager_forward(capture):
+    """Two sequences verifying 4 rows each (logits for every row) through the graph path,
+    eager over the static buffers and captured: the logits, pools and books of the eager
+    forward; a captured graph is replayed for the second step of the same shape."""
+    import copy
+
+    tiny = preset_config("tiny")
+    cfg = tiny.replace(name="verify", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
+    dev = torch.device("cuda")
+    weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, dev), dev)
+    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
+                     decode_graphs=False)
+    prompts = [_ids(40, 5), _ids(40, 6)]
+    base = KVPools(cfg, 12, 2, dev, window_scratch_rows=64)
+    seqs0 = [PagedSeqState(base, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16)
+             for i in range(2)]
+    for s, p, n in zip(seqs0, prompts, (13, 17), strict=True):
+        model.forward(torch.tensor(p[:n]), [SeqInput(s, 0, n)])
+    every = SeqPlan(logits=LogitsRequest.ALL)
+    runs = []
+    for graphs in (False, True):
+        model.graphs = DecodeGraphs(model, capture=capture) if graphs else None
+        pools, states = copy.deepcopy((base, seqs0))
+        out = []
+        for _ in range(2):
+            seqs = [SeqInput(s, s.num_tokens, 4, every) for s in states]
+            if graphs:
+                assert model.graphs.eligible(seqs)
+            ids = [t for s, p in zip(states, prompts, strict=True)
+                   for t in p[s.num_tokens:s.num_tokens + 4]]
+            out += [lg.clone() for lg in model.forward(torch.tensor(ids), seqs)]
+        runs.append((out, pools, states, model.graphs))
+    model.graphs = None
+    (out_e, pools_e, se, _), (out_g, pools_g, sg, graphs) = runs
+    assert graphs.num_verify_replays == 2 and not graphs._failed_verify
+    assert graphs.num_captures == (1 if capture else 0)
+    for le, lg in zip(out_e, out_g, strict=True):
+        assert le.shape == lg.shape == (4, cfg.vocab_size)
+        assert torch.allclose(le, lg, atol=1e-3, rtol=0) if capture else torch.equal(le, lg)
+    for src in cfg.kv_source_layer_ids:
+        assert torch.equal(pools_e.main[src], pools_g.main[src])
+        assert torch.equal(pools_e.index[src], pools_g.index[src])
+    assert torch.equal(pools_e.open, pools_g.open)
+    for a, b in zip(se, sg, strict=True):
+        assert a.num_tokens == b.num_tokens and a.lookback_ids() == b.lookback_ids()
+        for layer in range(cfg.num_layers):
+            assert a.window_span(layer) == b.window_span(layer)

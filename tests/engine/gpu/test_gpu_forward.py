@@ -372,7 +372,7 @@ def test_hits_at_new_context_widths_capture_no_replay_or_turn_graph_after_warm_u
     try:
         engine = LLMEngine(gpu, EngineConfig(num_blocks=96, num_slots=4, dtype="bfloat16",
                                              device=DEVICE, max_model_len=6144))
-        warm_up(engine, WarmupPlan(long_tokens=40, short_tokens=12, batches=(1,)))
+        warm_up(engine, WarmupPlan(long_tokens=300, short_tokens=12, batches=(1,)))
         hit_keys = {k for k in gpu.graphs._graphs if not k[0]}  # replays and turns
         assert hit_keys
         history = _prompt(1500, 5)
