@@ -25,8 +25,10 @@ ngram speculation gives the same tokens as without.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -95,7 +97,8 @@ def new_tokens(steps: int) -> int:
     return 17 * (steps + WARM_STEPS + 4)
 
 
-def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int) -> dict:
+def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
+            profile: bool = False) -> dict:
     """Admit B requests on a shared prefix, then time `steps` steps with all of them decoding."""
     prefix = _prompt(context, 7, vocab)
     engine.add_request("prefix", prefix, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -112,11 +115,17 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int)
     _sync()
     graphs = getattr(engine.model, "graphs", None)
     captures = graphs.num_captures if graphs is not None else 0
+    prof = cProfile.Profile() if profile else None
     t0, tokens = time.perf_counter(), 0
+    if prof is not None:
+        prof.enable()
     for _ in range(steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     _sync()
     seconds = time.perf_counter() - t0
+    if prof is not None:  # where the host waits and works (a device sync shows as its caller)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     captures = (graphs.num_captures if graphs is not None else 0) - captures
     for rid in rids:
         engine.abort(rid)
@@ -171,11 +180,16 @@ def run(args) -> dict:
         for name, cfg in (("nonspec", None), ("spec", spec)):
             engine = make_engine(model, dtype, args.device, batch, args.context, cfg,
                                  new_tokens(args.steps), dspark)
-            row = measure(engine, batch, args.context, args.steps, vocab)
+            row = measure(engine, batch, args.context, args.steps, vocab,
+                          profile=name == "spec" and batch in args.profile)
             rows[(name, batch)] = row
             print(f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
                   f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
                   f" tok/step/user)", flush=True)
+        if args.out:  # what is measured so far survives a time box
+            partial = {"partial": True, "rows": [dict(r, mode=n) for (n, _), r in rows.items()]}
+            with open(args.out, "w") as f:
+                json.dump(partial, f, indent=1)
     crossover = next((b for b in args.batches
                       if rows[("spec", b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]),
                      None)
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="ngram", choices=["ngram", "dspark"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--no-greedy-check", dest="greedy_check", action="store_false")
+    ap.add_argument("--profile", type=int, nargs="*", default=[],
+                    help="batches whose timed speculative steps are profiled (cProfile)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="JSON path (spec_summary keys)")
     args = ap.parse_args(argv)

@@ -121,3 +121,34 @@ def test_ngram_lookup_prefers_longest_latest_match():
     assert ngram_lookup(seq, 2, 1, 3) == [9, 2]  # "1 2 3" at 0 beats "2 3" at 4
     assert ngram_lookup([1, 2, 7, 2], 3, 1, 3) == [7, 2]
     assert ngram_lookup([1, 2, 3], 3, 1, 3) == []
+
+
+def _ngram_loop(seq, k, n_min, n_max):
+    """The prompt lookup as a plain loop (the reference for the vectorised one)."""
+    size = len(seq)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        tail = list(seq[size - n:])
+        for start in range(size - n - 1, -1, -1):
+            if list(seq[start:start + n]) == tail:
+                return list(seq[start + n:start + n + k])
+    return []
+
+
+def test_vectorised_ngram_lookup_equals_the_loop_and_the_cached_prefix_follows_growth():
+    import random
+
+    from flashpd.engine.speculative import NgramDrafter
+
+    rng = random.Random(0)
+    for trial in range(300):
+        size = rng.randint(1, 60)
+        seq = [rng.randint(0, 3 + trial % 6) for _ in range(size)]
+        for n_min, n_max in ((1, 4), (2, 3), (1, 1)):
+            assert ngram_lookup(seq, 5, n_min, n_max) == _ngram_loop(seq, 5, n_min, n_max)
+    drafter = NgramDrafter(3)
+    tokens = [1, 2, 3, 4, 1, 2]
+    st = drafter.new_state(tokens)
+    assert drafter.propose([st], [3], [6], None).tokens == [[4, 1, 2]]
+    tokens += [3, 9, 1, 2, 3]  # the request's list grows; the cache copies only the new ids
+    assert drafter.propose([st], [9], [11], None).tokens == [[1, 2, 3]]
+    assert st.ids.tolist()[:11] == tokens[:11]
