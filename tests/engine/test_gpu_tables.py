@@ -455,9 +455,9 @@ def test_graph_turns_switch_is_read_at_load_and_validated():
         graph_turns_from_env({"FLASHPD_GRAPH_TURNS": "off"})
 
 
-def test_speculative_verify_steps_take_the_graph_path_padded_to_a_row_bucket():
+def test_speculative_verify_steps_take_the_graph_path_one_graph_per_shape():
     """A verify (every sequence adds the same anchor + drafts rows, logits for every row) is
-    eligible for the graphs, padded to the next row bucket with each real row's logits; the
+    eligible for the graphs, unpadded, one graph per (sequences, rows) shape; the
     tables and books stay those of the per-layer builder. A batch whose sequences add
     different row counts (a sequence that does not speculate rides along) stays eager."""
     model = small_model()
@@ -476,7 +476,7 @@ def test_speculative_verify_steps_take_the_graph_path_padded_to_a_row_bucket():
         assert [tuple(lg.shape) for lg in out] == [(rows, cfg.vocab_size)] * len(group)
         model.check_books(group)
     keys = [k for k in model.graphs._graphs if "verify" in k]
-    assert len(keys) == 2 and {k[2] for k in keys} == {16}  # 9 and 12 rows: bucket 16
+    assert len(keys) == 2 and {k[2] for k in keys} == {9, 12}  # the third step replays
     assert model.graphs.num_verify_replays == 3
     mixed = [SeqInput(states[0], states[0].num_tokens, 3, every),
              SeqInput(states[1], states[1].num_tokens, 1)]
