@@ -90,6 +90,10 @@ class AsyncLLMEngine:
         self._submit(fn, fut)
         return await asyncio.wrap_future(fut)
 
+    def wake(self) -> None:
+        """End the loop's idle wait now (another thread has news for a hook: a KV notice)."""
+        self._wake.set()
+
     def _submit(self, fn, fut) -> None:
         if self._error is not None or self._stop.is_set():
             raise EngineDead(f"engine loop is not running: {self._error!r}")

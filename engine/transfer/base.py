@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -125,6 +125,9 @@ class KVReceiver(ABC):
         self.incarnation = incarnation
         self.agent_name = agent_name
         self._ledger = ReceiverLedger(self.num_blocks)
+        # called (from a transport thread) when a notice arrived that `poll_completed` will
+        # see: the owner's loop polls now instead of at its next iteration
+        self.on_notice: Callable[[], None] | None = None
 
     def descriptor(self) -> bytes:
         """Peer metadata for the sender: contract, agent, incarnation, pool registrations."""

@@ -3,7 +3,9 @@
 The child must import its entry point by module path (spawn start method), so it lives here
 rather than in a test file. Commands: ("expect", request_id, block_ids, lease_s, incarnation),
 ("cancel", request_id), ("drain", request_id, fallback_s) -> token | None, ("quiet",) -> tokens
-quiet since the last call, ("completed",), ("rejections",), ("rows", group, block_ids), ("stop",).
+quiet since the last call, ("completed",), ("rejections",), ("rows", group, block_ids),
+("block",) -> the owner stops polling until the next message arrives (an engine in a long
+step; answers with the receiver's progress-thread pump count), ("stop",).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def receiver_main(conn, contract_json: str, num_blocks: int, incarnation: str) -
             completed = []
         elif command == "rejections":
             conn.send(receiver.rejection_counts())
+        elif command == "block":  # no poll from the owner: only the receiver's own thread
+            conn.recv()
+            conn.send(receiver.num_pumps)
         elif command == "rows":
             group, block_ids = args
             conn.send(receiver.pools[group][block_ids].clone())

@@ -106,6 +106,7 @@ class DecodeWorker(EngineWorker):
         self.receiver = make_receiver(config.transfer_backend, self.contract, self.pools,
                                       ref.incarnation)
         self.engine.hooks.append(self._poll_transfers)
+        self.receiver.on_notice = self.engine.wake  # a KV push's notice: poll it now
         self.engine.on_unfinished_close = self._stream_closed
         self._tokens = itertools.count()
         self._attempts: dict[str, _Attempt] = {}  # request id -> live attempt (loop thread)

@@ -166,3 +166,21 @@ def test_concurrent_pushes_from_many_threads_all_complete(peer, sender):
     peer.call("expect", "after", [12, 13], 60.0, "prefill-after")
     sender.wait(sender.send("after", [2, 3], [12, 13], "prefill-after"), timeout_s=30)
     assert "after" in peer.wait_for("completed", lambda done: "after" in done)
+
+
+def test_a_write_completes_while_the_receivers_owner_is_not_polling(peer, sender):
+    """The sender's WRITE completes only once the receiver's UCX worker progresses; a decode
+    engine polls once per loop iteration (a whole step when busy). The receiver's own progress
+    thread completes the write while its owner is blocked, and keeps the notice for the
+    owner's next poll."""
+    src, dst = [1, 2], [9, 10]
+    peer.call("expect", "r-blocked", dst, 60.0, "prefill-1")
+    peer.conn.send(("block",))  # the child owner now waits on its pipe without polling
+    stats = sender.wait(sender.send("r-blocked", src, dst, "prefill-1"), timeout_s=30)
+    assert stats.num_bytes == 2 * (256 + 64)
+    peer.conn.send(("unblock",))
+    assert peer.conn.poll(REPLY_TIMEOUT_S)
+    assert peer.conn.recv() > 0  # the progress thread's pumps
+    assert peer.wait_for("completed", lambda done: done) == ["r-blocked"]
+    for name in CONTRACT.group_names:
+        assert torch.equal(peer.call("rows", name, dst), sender.pools[name][src])
