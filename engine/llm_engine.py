@@ -90,8 +90,14 @@ class EngineConfig:
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
     # The longest context served (None: unbounded here, the router enforces its own limit).
-    # With decode graphs, replays and turns take key tables this wide: width-agnostic graphs.
     max_model_len: int | None = None
+    # With decode graphs: replays and turns of contexts up to this many tokens take key tables
+    # this wide (one graph per row bucket for all of them, captured at warm-up; None: widths
+    # step by 1,024 key entries, a capture per new width). Off by default: on the H200 stack
+    # at 139,264 tokens the decode side's 128-row replay of an 8K prompt went 134 -> 388 ms
+    # (every layer scores the whole padded table) and the first hit at a new width stayed
+    # ~1 s (bench/results/h200_stack/report.md).
+    graph_width_tokens: int | None = None
     # speculative decoding (engine/speculative.py): None = off; a dict is parsed strictly
     speculative: SpeculativeConfig | None = None
 
@@ -107,8 +113,9 @@ class EngineConfig:
         for name in ("num_blocks", "num_slots", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("max_model_len", "graph_width_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -169,8 +176,9 @@ class LLMEngine:
         self.model, self.config = model, config
         cfg = model.cfg
         graphs = getattr(model, "graphs", None)  # the GPU model's decode graphs
-        if graphs is not None and config.max_model_len is not None:  # engines may share a model
-            graphs.turn_width_tokens = max(graphs.turn_width_tokens, config.max_model_len)
+        if graphs is not None and config.graph_width_tokens is not None:  # engines may share
+            graphs.turn_width_tokens = max(graphs.turn_width_tokens,  # a model
+                                           config.graph_width_tokens)
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
         self.kv = KVCacheManager(config.num_blocks, config.num_slots, 128,
                                  namespace=f"{config.model_id}|{config.cache_salt}",

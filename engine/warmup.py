@@ -156,7 +156,7 @@ class _Run:
     def turns(self, base: list[int]) -> None:
         """A prefix hit on `base` then a turn of each turn-graph bucket (2, 3, 5, ... rows:
         every bucket up to W), one sequence at a time. With width-agnostic replay and turn
-        graphs (`EngineConfig.max_model_len`) these are every shape a hit takes at any
+        graphs (`EngineConfig.graph_width_tokens`) these are every shape a hit takes at any
         context, so none is captured on the request path."""
         w = self.engine.model.cfg.sliding_window
         for i, n in enumerate([2] + [b // 2 + 1 for b in BUCKETS if 4 <= b <= w]):

@@ -214,6 +214,10 @@ class AppArgs(_Strict):
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
+    graph_width_tokens: int | None = Field(
+        None, ge=1, description="GPU: replays and turns of contexts up to this many tokens share "
+        "one key-table width (no capture at a new width; every such replay scores the whole "
+        "width); default: widths step by 1,024 key entries")
     kv_lease_s: float = Field(30.0, gt=0, le=3600, description="how long a decode reservation "
                               "waits for its KV (prefill queueing included) before its blocks "
                               "are freed; both roles use it")
@@ -296,6 +300,7 @@ class AppArgs(_Strict):
                               kv_format=self.kv_format,
                               async_scheduling=self.async_scheduling,
                               max_model_len=self.max_model_len,
+                              graph_width_tokens=self.graph_width_tokens,
                               speculative=spec if role == "decode" else None)
         return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
                             redis_url or self.resolved_redis_url(), lease_s=self.kv_lease_s,

@@ -77,7 +77,7 @@ class DecodeGraphs:
         # step) get key tables as wide as this context needs, whatever theirs: one graph per
         # row bucket for every context up to it, captured at warm-up, so a hit at a new
         # context width captures nothing on the request path (0: widths step by
-        # KEY_WIDTH_STEP, a capture per new width). Set by the engine (`max_model_len`).
+        # KEY_WIDTH_STEP, a capture per new width). Set by the engine (`graph_width_tokens`).
         self.turn_width_tokens = 0
 
     # ------------------------------------------------------------------ eligibility

@@ -422,7 +422,7 @@ def test_graphs_are_keyed_by_the_pools_they_were_recorded_against():
 
 
 def test_replay_and_turn_tables_take_one_width_for_every_context_up_to_the_limit():
-    """`key_width_tokens` (the engine's max_model_len, for replays and turns): two sequences of
+    """`key_width_tokens` (the engine's graph_width_tokens, for replays and turns): two sequences of
     different contexts get key tables of one width, as wide as the limit needs, so their
     turns share one graph; without it the widths follow each context (a capture per width)."""
     model = small_model()
