@@ -8,7 +8,8 @@
 #                                                  (bench/h200_stack.py: results in OUT)
 # On a machine without Ray/Redis/NIXL it sources .gpu_stack/install.sh (the bundle built by
 # ../shared/tools/gpu_stack/build.sh); without flashpd importable it installs this checkout
-# (and the SDK) into $FLASHPD_SITE (default /tmp/flashpd-site) with no index.
+# (and the SDK) into $FLASHPD_SITE (default /tmp/flashpd-site) with no index; wheels in .whl/
+# (xgrammar, apache-tvm-ffi, the openai client) go in when those are missing.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if ! python3 -c "import ray, redis, nixl" 2>/dev/null && [ -f "$REPO/.gpu_stack/install.sh" ]; then
@@ -18,6 +19,13 @@ if ! (cd /tmp && python3 -c "import flashpd.services.gpu_stack, flashpd_sdk") 2>
     SITE=${FLASHPD_SITE:-/tmp/flashpd-site}
     pip install -q --no-deps --no-index --no-build-isolation --target "$SITE" "$REPO" "$REPO/sdk"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! (cd /tmp && python3 -c "import xgrammar, openai") 2>/dev/null && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    # wheels carried to a machine with no index (xgrammar + apache-tvm-ffi: the decode
+    # replica's guided decoding; openai and its dependencies: the bench's client)
+    WHEELS=${FLASHPD_WHEELS_SITE:-/tmp/flashpd-wheels}
+    pip install -q --no-index --no-deps --no-compile --target "$WHEELS" "$REPO"/.whl/*.whl
+    export PYTHONPATH="$WHEELS${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
 cd /tmp  # the checkout's folders must not shadow the installed package
