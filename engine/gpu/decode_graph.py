@@ -33,7 +33,7 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,10 +51,10 @@ MAX_VERIFY_ROWS = 17  # anchor + up to 16 drafts (SpeculativeConfig.num_tokens <
 TURNS_ENV = "FLASHPD_GRAPH_TURNS"  # 0: turns (<= W rows) run eagerly (the A/B baseline)
 
 
-def graph_turns_from_env(environ=os.environ) -> bool:
+def graph_turns_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether turns go through graphs: FLASHPD_GRAPH_TURNS, read when the graphs are built
     (engine load), validated (0 or 1; unset: on)."""
-    text = environ.get(TURNS_ENV, "1")
+    text = (os.environ if environ is None else environ).get(TURNS_ENV, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{TURNS_ENV} must be 0 or 1, got {text!r}")
     return text == "1"
