@@ -8,8 +8,14 @@ import os
 
 from setuptools import setup
 
-ROOTS = {"flashpd": "flashpd", "flashpd.model": "model", "flashpd.engine": "engine",
-         "flashpd.kernels": "kernels", "flashpd.services": "services", "flashpd.bench": "bench"}
+ROOTS = {
+    "flashpd": "flashpd",
+    "flashpd.model": "model",
+    "flashpd.engine": "engine",
+    "flashpd.kernels": "kernels",
+    "flashpd.services": "services",
+    "flashpd.bench": "bench",
+}
 
 
 def _packages() -> list[str]:

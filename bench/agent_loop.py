@@ -24,18 +24,38 @@ import time
 from dataclasses import dataclass, field
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather of a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-            "required": ["city", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "search_files", "description": "Search the workspace",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string", "maxLength": 24},
-            "limit": {"type": "integer", "minimum": 1, "maximum": 5}},
-            "required": ["query", "limit"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_files",
+            "description": "Search the workspace",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "maxLength": 24},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 5},
+                },
+                "required": ["query", "limit"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 SYSTEM = "You are an agent. Use the tools to answer; call several when useful."
@@ -44,10 +64,15 @@ SYSTEM = "You are an agent. Use the tools to answer; call several when useful."
 def fake_tool(name: str, arguments: dict) -> str:
     """A deterministic stand-in for the tool (the loop's shape, not the tool, is measured)."""
     if name == "get_weather":
-        return json.dumps({"city": arguments.get("city"), "forecast": [
-            {"day": d + 1, "temp_c": 12 + 3 * d} for d in range(int(arguments.get("days", 1)))]})
-    return json.dumps({"matches": [f"src/{arguments.get('query', 'x')}_{i}.py"
-                                   for i in range(int(arguments.get("limit", 1)))]})
+        return json.dumps(
+            {
+                "city": arguments.get("city"),
+                "forecast": [{"day": d + 1, "temp_c": 12 + 3 * d} for d in range(int(arguments.get("days", 1)))],
+            }
+        )
+    return json.dumps(
+        {"matches": [f"src/{arguments.get('query', 'x')}_{i}.py" for i in range(int(arguments.get("limit", 1)))]}
+    )
 
 
 @dataclass
@@ -69,54 +94,77 @@ class LoopResult:
     errors: list[str] = field(default_factory=list)
 
 
-async def run_session(client, model: str, session: int, turns: int, max_tokens: int,
-                      seed: int, result: LoopResult) -> None:
+async def run_session(
+    client, model: str, session: int, turns: int, max_tokens: int, seed: int, result: LoopResult
+) -> None:
     import jsonschema
 
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Task {session}: plan a trip and find the notes."}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Task {session}: plan a trip and find the notes."},
+    ]
     headers = {"x-session-id": f"agent-{seed}-{session}"}
     for turn in range(turns):
         last = turn == turns - 1
         t0 = time.perf_counter()
         out = await client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens,
-            tool_choice="auto" if last else "required", temperature=1.0,
-            seed=seed * 1000 + session * 10 + turn, extra_headers=headers)
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=max_tokens,
+            tool_choice="auto" if last else "required",
+            temperature=1.0,
+            seed=seed * 1000 + session * 10 + turn,
+            extra_headers=headers,
+        )
         choice, usage = out.choices[0], out.usage
         calls = choice.message.tool_calls or []
         valid = 0
         for call in calls:
             try:
-                jsonschema.validate(json.loads(call.function.arguments),
-                                    SCHEMAS[call.function.name])
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
                 valid += 1
             except (ValueError, KeyError, jsonschema.ValidationError) as exc:
                 result.errors.append(f"session {session} turn {turn}: {exc}"[:200])
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        result.turns.append(TurnRecord(session, turn, time.perf_counter() - t0,
-                                       usage.prompt_tokens, cached or 0, usage.completion_tokens,
-                                       choice.finish_reason, len(calls), valid))
+        result.turns.append(
+            TurnRecord(
+                session,
+                turn,
+                time.perf_counter() - t0,
+                usage.prompt_tokens,
+                cached or 0,
+                usage.completion_tokens,
+                choice.finish_reason,
+                len(calls),
+                valid,
+            )
+        )
         if not calls:
             messages.append({"role": "assistant", "content": choice.message.content or ""})
             break
-        messages.append({"role": "assistant", "content": choice.message.content,
-                         "tool_calls": [c.model_dump() for c in calls]})
+        messages.append(
+            {"role": "assistant", "content": choice.message.content, "tool_calls": [c.model_dump() for c in calls]}
+        )
         for call in calls:  # the fake tool runs between turns
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": fake_tool(
-                call.function.name, json.loads(call.function.arguments))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": fake_tool(call.function.name, json.loads(call.function.arguments)),
+                }
+            )
 
 
-async def run_loop(base_url: str, model: str, sessions: int, turns: int, max_tokens: int,
-                   seed: int) -> LoopResult:
+async def run_loop(base_url: str, model: str, sessions: int, turns: int, max_tokens: int, seed: int) -> LoopResult:
     import openai
 
     result = LoopResult()
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                                  timeout=600) as client:
-        outcomes = await asyncio.gather(*(run_session(client, model, s, turns, max_tokens, seed,
-                                                      result) for s in range(sessions)),
-                                        return_exceptions=True)
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        outcomes = await asyncio.gather(
+            *(run_session(client, model, s, turns, max_tokens, seed, result) for s in range(sessions)),
+            return_exceptions=True,
+        )
     result.errors += [f"{type(o).__name__}: {o}"[:300] for o in outcomes if o is not None]
     return result
 
@@ -125,15 +173,18 @@ def summary(result: LoopResult, command: str) -> str:
     t = result.turns
     calls, valid = sum(r.calls for r in t), sum(r.valid_calls for r in t)
     later = [r for r in t if r.turn > 0]
-    lines = ["# Agent loop (tools + fake tool between turns)", "", f"`{command}`", "",
-             f"- turns: {len(t)} in {len({r.session for r in t})} sessions; errors: "
-             f"{len(result.errors)}",
-             f"- tool calls: {calls}, arguments valid against the schema: {valid}",
-             f"- finish reasons: {sorted({r.finish_reason for r in t})}",
-             f"- latency per turn: median {statistics.median([r.latency_s for r in t]):.2f} s"
-             if t else "- no turns",
-             f"- turns after the first: cached / prompt tokens = "
-             f"{sum(r.cached_tokens for r in later)} / {sum(r.prompt_tokens for r in later)}"]
+    lines = [
+        "# Agent loop (tools + fake tool between turns)",
+        "",
+        f"`{command}`",
+        "",
+        f"- turns: {len(t)} in {len({r.session for r in t})} sessions; errors: {len(result.errors)}",
+        f"- tool calls: {calls}, arguments valid against the schema: {valid}",
+        f"- finish reasons: {sorted({r.finish_reason for r in t})}",
+        f"- latency per turn: median {statistics.median([r.latency_s for r in t]):.2f} s" if t else "- no turns",
+        f"- turns after the first: cached / prompt tokens = "
+        f"{sum(r.cached_tokens for r in later)} / {sum(r.prompt_tokens for r in later)}",
+    ]
     lines += [f"  - {e}" for e in result.errors[:10]]
     return "\n".join(lines) + "\n"
 
@@ -154,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m flashpd.bench.agent_loop " + " ".join(argv)
 
     def go() -> LoopResult:
-        return asyncio.run(run_loop(args.target, args.model, args.sessions, args.turns,
-                                    args.max_tokens, args.seed))
+        return asyncio.run(run_loop(args.target, args.model, args.sessions, args.turns, args.max_tokens, args.seed))
 
     if args.serve:
         from flashpd.services import cli as serve_cli
@@ -163,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
         parser = argparse.ArgumentParser(prog="flashpd")
         serve_cli.register(parser.add_subparsers(dest="command"))
-        stack = parser.parse_args(["serve", "--http-port", args.target.rsplit(":", 1)[1]]
-                                  + (["--checkpoint", args.checkpoint] if args.checkpoint
-                                     else []))
+        stack = parser.parse_args(
+            ["serve", "--http-port", args.target.rsplit(":", 1)[1]]
+            + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
+        )
         with serve_cli.local_stack(stack) as a:
             client = Client(f"127.0.0.1:{stack.grpc_port}")
             serve_cli.wait_healthy(client)

@@ -30,13 +30,35 @@ PRESET = "bench"
 STARTUP_MARGIN_S = 60.0  # what one point needs beyond its window: lanes' warm-up and the drain
 
 
-def sweep_command(target: str, name: str, out: str, concurrency: int, window_s: float,
-                  trees: int) -> list[str]:
-    return [sys.executable, "-m", "flashpd.cli", "bench", "run", "--target", target,
-            "--name", name, "--gpus", "1", "-c", str(concurrency), "--window-s", str(window_s),
-            "--warmup-requests", "2", "--trees", str(trees), "--drain-timeout-s", "60",
-            "--request-timeout-s", "300", "--no-progress",
-            "--out", str(Path(out) / name / f"c{concurrency}")]
+def sweep_command(target: str, name: str, out: str, concurrency: int, window_s: float, trees: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "flashpd.cli",
+        "bench",
+        "run",
+        "--target",
+        target,
+        "--name",
+        name,
+        "--gpus",
+        "1",
+        "-c",
+        str(concurrency),
+        "--window-s",
+        str(window_s),
+        "--warmup-requests",
+        "2",
+        "--trees",
+        str(trees),
+        "--drain-timeout-s",
+        "60",
+        "--request-timeout-s",
+        "300",
+        "--no-progress",
+        "--out",
+        str(Path(out) / name / f"c{concurrency}"),
+    ]
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -51,8 +73,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             if left < args.window_s + STARTUP_MARGIN_S:
                 print(f"agentx {args.name} c={c}: not started ({left:.0f} s left)", flush=True)
                 continue
-            cmd = sweep_command(stack.grpc_target, args.name, args.out, c, args.window_s,
-                                args.trees)
+            cmd = sweep_command(stack.grpc_target, args.name, args.out, c, args.window_s, args.trees)
             try:
                 rc = subprocess.run(cmd, timeout=min(left, 3600.0)).returncode
             except subprocess.TimeoutExpired:
@@ -63,17 +84,28 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def finish_report(args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "flashpd.cli", "bench", "report", args.out, "--tiers",
-           args.tiers, "--ttft-limit-s", str(args.ttft_limit_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashpd.cli",
+        "bench",
+        "report",
+        args.out,
+        "--tiers",
+        args.tiers,
+        "--ttft-limit-s",
+        str(args.ttft_limit_s),
+    ]
     for flag in ("baseline", "candidate"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
     subprocess.run(cmd, check=True)
     path = Path(args.out) / "summary.json"
     summary = {"commit": args.commit, "preset": PRESET, **json.loads(path.read_text())}
-    summary.setdefault("pd_vs_colocated", {
-        "measured": False,
-        "why": "flashpd serves disaggregated only: no colocated Serve deployment to sweep"})
+    summary.setdefault(
+        "pd_vs_colocated",
+        {"measured": False, "why": "flashpd serves disaggregated only: no colocated Serve deployment to sweep"},
+    )
     path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

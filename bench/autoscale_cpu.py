@@ -41,27 +41,57 @@ APP = "flashpd"
 # The fake provider's config keys (Ray's fake_multi_node/example.yaml, which the Ray 2.60 wheel
 # does not ship although AutoscalingCluster reads it).
 FAKE_BASE = {
-    "cluster_name": "fake_multinode", "max_workers": 8,
-    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
-                 "disable_node_updaters": True, "disable_launch_config_check": True},
-    "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0,
-    "idle_timeout_minutes": 0.1, "docker": {}, "initialization_commands": [],
-    "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
-    "head_start_ray_commands": [], "worker_start_ray_commands": [], "file_mounts": {},
-    "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+    "cluster_name": "fake_multinode",
+    "max_workers": 8,
+    "provider": {
+        "type": "fake_multinode",
+        "use_node_id_as_ip": True,
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+    },
+    "head_node_type": "ray.head.default",
+    "auth": {},
+    "upscaling_speed": 1.0,
+    "idle_timeout_minutes": 0.1,
+    "docker": {},
+    "initialization_commands": [],
+    "setup_commands": [],
+    "head_setup_commands": [],
+    "worker_setup_commands": [],
+    "head_start_ray_commands": [],
+    "worker_start_ray_commands": [],
+    "file_mounts": {},
+    "cluster_synced_files": [],
+    "file_mounts_sync_continuously": False,
+    "rsync_exclude": [],
     "rsync_filter": [],
 }
 NODE_TYPES = {
-    "prefill_node": {"resources": {"CPU": 1, "flashpd_prefill": 1}, "node_config": {},
-                     "min_workers": 0, "max_workers": 3},
-    "decode_node": {"resources": {"CPU": 1, "flashpd_decode": 1}, "node_config": {},
-                    "min_workers": 0, "max_workers": 3},
+    "prefill_node": {
+        "resources": {"CPU": 1, "flashpd_prefill": 1},
+        "node_config": {},
+        "min_workers": 0,
+        "max_workers": 3,
+    },
+    "decode_node": {
+        "resources": {"CPU": 1, "flashpd_decode": 1},
+        "node_config": {},
+        "min_workers": 0,
+        "max_workers": 3,
+    },
 }
 POLICY_KWARGS = {
-    "prefill_tokens_per_replica": 256, "decode_seqs_per_replica": 2, "decode_kv_usage": 0.75,
-    "router_requests_per_replica": 3, "ttft_target_s": 10.0, "pd_ratio_min": 0.5,
-    "pd_ratio_max": 2.0, "upscale_delay_s": 0.0, "downscale_delay_s": 20.0,
-    "drain_hold_seqs_per_replica": 1.5, "drain_hold_kv_usage": 0.6,
+    "prefill_tokens_per_replica": 256,
+    "decode_seqs_per_replica": 2,
+    "decode_kv_usage": 0.75,
+    "router_requests_per_replica": 3,
+    "ttft_target_s": 10.0,
+    "pd_ratio_min": 0.5,
+    "pd_ratio_max": 2.0,
+    "upscale_delay_s": 0.0,
+    "downscale_delay_s": 20.0,
+    "drain_hold_seqs_per_replica": 1.5,
+    "drain_hold_kv_usage": 0.6,
 }
 
 
@@ -71,37 +101,55 @@ def serve_config(checkpoint: str, grpc_port: int, http_port: int, redis_port: in
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [{
-            "name": APP, "route_prefix": "/", "import_path": "flashpd.services.app:build_app",
-            "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}},
-            "autoscaling_policy": {
-                "policy_function": "flashpd.services.autoscaling.serve:JointPolicy",
-                "policy_kwargs": POLICY_KWARGS},
-            "args": {
-                "checkpoint": checkpoint, "model_id": "flashpd-tiny",
-                "redis_url": f"redis://127.0.0.1:{redis_port}/0",
-                "redis_password_env": PASSWORD_ENV, "grpc_host": "127.0.0.1",
-                "grpc_port": grpc_port, "max_model_len": 2048, "joint_autoscaling": True,
-                "router": {"num_cpus": 0, "graceful_shutdown_timeout_s": 60,
-                           "autoscaling": {"min_replicas": 1, "max_replicas": 2, **scaling}},
-                "prefill": {**role, "resources": {"flashpd_prefill": 1},
-                            "graceful_shutdown_timeout_s": 60,
-                            "autoscaling": {"min_replicas": 1, "max_replicas": 3, **scaling}},
-                "decode": {**role, "resources": {"flashpd_decode": 1},
-                           "graceful_shutdown_timeout_s": 120,
-                           "autoscaling": {"min_replicas": 1, "max_replicas": 3, **scaling}},
-            },
-        }],
+        "applications": [
+            {
+                "name": APP,
+                "route_prefix": "/",
+                "import_path": "flashpd.services.app:build_app",
+                "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}},
+                "autoscaling_policy": {
+                    "policy_function": "flashpd.services.autoscaling.serve:JointPolicy",
+                    "policy_kwargs": POLICY_KWARGS,
+                },
+                "args": {
+                    "checkpoint": checkpoint,
+                    "model_id": "flashpd-tiny",
+                    "redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                    "redis_password_env": PASSWORD_ENV,
+                    "grpc_host": "127.0.0.1",
+                    "grpc_port": grpc_port,
+                    "max_model_len": 2048,
+                    "joint_autoscaling": True,
+                    "router": {
+                        "num_cpus": 0,
+                        "graceful_shutdown_timeout_s": 60,
+                        "autoscaling": {"min_replicas": 1, "max_replicas": 2, **scaling},
+                    },
+                    "prefill": {
+                        **role,
+                        "resources": {"flashpd_prefill": 1},
+                        "graceful_shutdown_timeout_s": 60,
+                        "autoscaling": {"min_replicas": 1, "max_replicas": 3, **scaling},
+                    },
+                    "decode": {
+                        **role,
+                        "resources": {"flashpd_decode": 1},
+                        "graceful_shutdown_timeout_s": 120,
+                        "autoscaling": {"min_replicas": 1, "max_replicas": 3, **scaling},
+                    },
+                },
+            }
+        ],
     }
 
 
 def _reexec_in_private_namespaces() -> int:
     """Run this module again in new PID + network namespaces (loopback up)."""
-    inner = " ".join(["exec", sys.executable, "-m", "flashpd.bench.autoscale_cpu",
-                      *map(_quote, sys.argv[1:])])
+    inner = " ".join(["exec", sys.executable, "-m", "flashpd.bench.autoscale_cpu", *map(_quote, sys.argv[1:])])
     env = dict(os.environ, **{NS_FLAG: "1"})
-    return subprocess.call(["unshare", "-n", "-p", "-f", "--mount-proc", "sh", "-c",
-                            f"ip link set lo up && {inner}"], env=env)
+    return subprocess.call(
+        ["unshare", "-n", "-p", "-f", "--mount-proc", "sh", "-c", f"ip link set lo up && {inner}"], env=env
+    )
 
 
 def _quote(arg: str) -> str:
@@ -112,17 +160,23 @@ def _make_cluster(idle_timeout_minutes: float):
     from ray.cluster_utils import AutoscalingCluster
 
     class SimulatedCluster(AutoscalingCluster):
-        def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False,
-                             **config_kwargs):
+        def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **config_kwargs):
             config = json.loads(json.dumps(FAKE_BASE))
             config["available_node_types"] = json.loads(json.dumps(worker_node_types))
             config["available_node_types"]["ray.head.default"] = {
-                "resources": dict(head_resources), "node_config": {}, "max_workers": 0}
+                "resources": dict(head_resources),
+                "node_config": {},
+                "max_workers": 0,
+            }
             config.update(config_kwargs)
             return config
 
-    return SimulatedCluster(head_resources={"CPU": 0}, worker_node_types=NODE_TYPES,
-                            idle_timeout_minutes=idle_timeout_minutes, max_workers=6)
+    return SimulatedCluster(
+        head_resources={"CPU": 0},
+        worker_node_types=NODE_TYPES,
+        idle_timeout_minutes=idle_timeout_minutes,
+        max_workers=6,
+    )
 
 
 class RedisWithPassword:
@@ -134,9 +188,22 @@ class RedisWithPassword:
         import redis
 
         self._proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind",
-             "127.0.0.1", "--requirepass", self.password, "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--requirepass",
+                self.password,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
         for _ in range(100):
             try:
@@ -214,29 +281,47 @@ def _nodes() -> dict[str, int]:
     return counts
 
 
-async def _sampler(samples: list, state: dict, backend: CountingBackend, t0: float,
-                   period_s: float, window_s: float) -> None:
+async def _sampler(
+    samples: list, state: dict, backend: CountingBackend, t0: float, period_s: float, window_s: float
+) -> None:
     while True:
         now = time.monotonic() - t0
         reps = await asyncio.to_thread(_replicas)
         nodes = await asyncio.to_thread(_nodes)
-        recent = sorted(r.ttft_s for t, r in state["records"]
-                        if now - window_s <= t <= now and r.ok and r.ttft_s is not None)
+        recent = sorted(
+            r.ttft_s for t, r in state["records"] if now - window_s <= t <= now and r.ok and r.ttft_s is not None
+        )
         p90 = recent[max(0, -(-9 * len(recent) // 10) - 1)] if recent else None
         failed = sum(1 for _, r in state["records"] if not r.ok)
 
         def rep(name, i, reps=reps):
             return reps.get(name, (0, 0, 0))[i]
 
-        samples.append(Sample(now, state["level"], backend.in_flight, rep("PrefillServer", 0),
-                              rep("DecodeServer", 0), rep("Router", 0), rep("PrefillServer", 1),
-                              rep("DecodeServer", 1), rep("DecodeServer", 2), nodes["prefill"],
-                              nodes["decode"], p90,
-                              len(state["records"]), failed))
+        samples.append(
+            Sample(
+                now,
+                state["level"],
+                backend.in_flight,
+                rep("PrefillServer", 0),
+                rep("DecodeServer", 0),
+                rep("Router", 0),
+                rep("PrefillServer", 1),
+                rep("DecodeServer", 1),
+                rep("DecodeServer", 2),
+                nodes["prefill"],
+                nodes["decode"],
+                p90,
+                len(state["records"]),
+                failed,
+            )
+        )
         s = samples[-1]
-        print(f"[{now:6.0f}s] lanes {s.level} in-flight {s.in_flight} P {s.prefill}/"
-              f"{s.prefill_target} D {s.decode}/{s.decode_target} (stopping {s.decode_stopping}) nodes P{s.prefill_nodes} "
-              f"D{s.decode_nodes} ttft_p90 {p90} done {s.finished} failed {failed}", flush=True)
+        print(
+            f"[{now:6.0f}s] lanes {s.level} in-flight {s.in_flight} P {s.prefill}/"
+            f"{s.prefill_target} D {s.decode}/{s.decode_target} (stopping {s.decode_stopping}) nodes P{s.prefill_nodes} "
+            f"D{s.decode_nodes} ttft_p90 {p90} done {s.finished} failed {failed}",
+            flush=True,
+        )
         await asyncio.sleep(period_s)
 
 
@@ -255,11 +340,20 @@ async def _ramp(ns, workload, samples: list) -> list:
     for epoch, level in enumerate(int(x) for x in ns.levels.split(",")):
         state["level"] = level
         config = DriverConfig.for_time_scale(
-            ns.time_scale, concurrency=level, window_s=ns.stage_s, warmup_requests=0,
-            request_timeout_s=300.0, drain_timeout_s=300.0, seed=0, salt_epoch=epoch,
-            show_progress=False, handle_sigint=False)
-        await run_closed_loop(workload, backend, config, name=f"stage{epoch}-c{level}",
-                              target=ns.target, num_gpus=1, on_record=on_record)
+            ns.time_scale,
+            concurrency=level,
+            window_s=ns.stage_s,
+            warmup_requests=0,
+            request_timeout_s=300.0,
+            drain_timeout_s=300.0,
+            seed=0,
+            salt_epoch=epoch,
+            show_progress=False,
+            handle_sigint=False,
+        )
+        await run_closed_loop(
+            workload, backend, config, name=f"stage{epoch}-c{level}", target=ns.target, num_gpus=1, on_record=on_record
+        )
     state["level"] = 0
     await asyncio.sleep(ns.tail_s)  # idle: replicas and nodes go back down
     sampler.cancel()
@@ -290,8 +384,7 @@ def _policy_log(ray_tmp: str) -> list[str]:
 def _deploy(config: dict, workdir: Path) -> None:
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    subprocess.check_call([shutil.which("serve") or "serve", "run", str(path), "--non-blocking",
-                           "--address", "auto"])
+    subprocess.check_call([shutil.which("serve") or "serve", "run", str(path), "--non-blocking", "--address", "auto"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail-s", type=float, default=90.0)
     ap.add_argument("--sample-s", type=float, default=2.0)
     add_tree_args(ap)
-    ap.add_argument("--report-only", action="store_true",
-                    help="re-write report.md and the plot from the files of a previous run in --out")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-write report.md and the plot from the files of a previous run in --out",
+    )
     ns = ap.parse_args(argv)
     if ns.report_only:
         return _report_from_files(Path(ns.out))
@@ -325,15 +421,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ[PASSWORD_ENV] = secrets.token_hex(16)  # every node's workers inherit it
     ckpt = tiny_checkpoint()
-    workload = generate_workload(WorkloadConfig(
-        seed=0, num_trees=ns.trees, scale=ns.scale, time_scale=ns.time_scale,
-        output_scale=ns.output_scale, max_turns=ns.max_turns, vocab_lo=3, vocab_hi=500))
+    workload = generate_workload(
+        WorkloadConfig(
+            seed=0,
+            num_trees=ns.trees,
+            scale=ns.scale,
+            time_scale=ns.time_scale,
+            output_scale=ns.output_scale,
+            max_turns=ns.max_turns,
+            vocab_lo=3,
+            vocab_hi=500,
+        )
+    )
     grpc_port, http_port = free_port(), free_port()
     ns.target = f"127.0.0.1:{grpc_port}"
     cluster = _make_cluster(idle_timeout_minutes=0.25)
     samples: list[Sample] = []
-    with tempfile.TemporaryDirectory(prefix="fpd") as tmp, \
-            RedisWithPassword(free_port(), os.environ[PASSWORD_ENV]) as redis_server:
+    with (
+        tempfile.TemporaryDirectory(prefix="fpd") as tmp,
+        RedisWithPassword(free_port(), os.environ[PASSWORD_ENV]) as redis_server,
+    ):
         os.environ["RAY_TMPDIR"] = tmp  # this run's Ray session (and logs) under tmp
         cluster.start()
         try:
@@ -352,12 +459,12 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
             cluster.shutdown()
     (out / "timeline.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
-    (out / "records.jsonl").write_text("".join(
-        json.dumps({"t_end_s": t, **r.to_json()}) + "\n" for t, r in records))
+    (out / "records.jsonl").write_text("".join(json.dumps({"t_end_s": t, **r.to_json()}) + "\n" for t, r in records))
     (out / "policy.log").write_text("".join(line + "\n" for line in policy_lines))
     run = {k: v for k, v in vars(ns).items() if k not in ("out", "report_only")}
-    (out / "run.json").write_text(json.dumps({"args": run, "policy_kwargs": POLICY_KWARGS,
-                                              "load_started": load_started}, indent=1) + "\n")
+    (out / "run.json").write_text(
+        json.dumps({"args": run, "policy_kwargs": POLICY_KWARGS, "load_started": load_started}, indent=1) + "\n"
+    )
     return _report_from_files(out)
 
 
@@ -372,8 +479,7 @@ def _report_from_files(out: Path) -> int:
         row = json.loads(line)
         records.append((row.pop("t_end_s"), RequestRecord.from_json(row)))
     policy_lines = (out / "policy.log").read_text().splitlines()
-    path = write_report(out, samples, records, run["args"], run["policy_kwargs"], policy_lines,
-                        run["load_started"])
+    path = write_report(out, samples, records, run["args"], run["policy_kwargs"], policy_lines, run["load_started"])
     print(f"report: {path}")
     return 0
 

@@ -15,8 +15,7 @@ def _scale_down_windows(samples) -> list[tuple[float, float]]:
     a replica stopping), widened by one sample each side."""
     out, start = [], None
     for prev, s in zip(samples, samples[1:], strict=False):
-        down = (s.decode_stopping > 0 or s.decode_target < prev.decode_target
-                or s.prefill_target < prev.prefill_target)
+        down = s.decode_stopping > 0 or s.decode_target < prev.decode_target or s.prefill_target < prev.prefill_target
         if down and start is None:
             start = prev.t_s
         elif not down and start is not None:
@@ -35,10 +34,8 @@ def _plot(samples, path: Path) -> Path:
     axes[0].set_ylabel("load")
     axes[1].step(t, [s.prefill for s in samples], where="post", label="prefill replicas")
     axes[1].step(t, [s.decode for s in samples], where="post", label="decode replicas")
-    axes[1].step(t, [s.decode_stopping for s in samples], where="post",
-                 label="decode replicas draining", linestyle=":")
-    axes[1].step(t, [s.router for s in samples], where="post", label="router replicas",
-                 alpha=0.6)
+    axes[1].step(t, [s.decode_stopping for s in samples], where="post", label="decode replicas draining", linestyle=":")
+    axes[1].step(t, [s.router for s in samples], where="post", label="router replicas", alpha=0.6)
     axes[1].set_ylabel("replicas (running)")
     axes[2].step(t, [s.prefill_nodes for s in samples], where="post", label="prefill nodes")
     axes[2].step(t, [s.decode_nodes for s in samples], where="post", label="decode nodes")
@@ -61,15 +58,15 @@ def _plot(samples, path: Path) -> Path:
     return path
 
 
-def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dict,
-                 policy_lines: list[str], load_started: str) -> Path:
+def write_report(
+    out: Path, samples, records, run_args: dict, policy_kwargs: dict, policy_lines: list[str], load_started: str
+) -> Path:
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
     _plot(samples, plots / "timeline.png")
     failed = [(t, r) for t, r in records if not r.ok]
     windows = _scale_down_windows(samples)
-    in_down = [r for t, r in records
-               if any(a <= t <= b or a <= t - r.e2e_s <= b for a, b in windows)]
+    in_down = [r for t, r in records if any(a <= t <= b or a <= t - r.e2e_s <= b for a, b in windows)]
     failed_down = [r for r in in_down if not r.ok]
     ttfts = sorted(r.ttft_s for _, r in records if r.ok and r.ttft_s is not None)
     p90 = ttfts[max(0, -(-9 * len(ttfts) // 10) - 1)] if ttfts else None
@@ -91,8 +88,7 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         "| figure | value |",
         "|---|---|",
         f"| requests finished / failed | {len(records)} / {len(failed)} |",
-        f"| requests overlapping a scale-down (grey bands) / failed among them | "
-        f"{len(in_down)} / {len(failed_down)} |",
+        f"| requests overlapping a scale-down (grey bands) / failed among them | {len(in_down)} / {len(failed_down)} |",
         f"| peak running replicas prefill / decode / router | "
         f"{max(s.prefill for s in samples)} / {max(s.decode for s in samples)} / "
         f"{max(s.router for s in samples)} |",
@@ -111,7 +107,7 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
         "20 s of slack, only while decode load is under the drain-hold threshold; grey bands "
         "mark scale-downs, the dotted line a decode replica Serve is draining (its streams "
         "finish before it stops). Nodes follow replicas with the autoscaler's 15 s idle "
-        "timeout. All \"nodes\" share this machine's 2 cores, so added replicas add "
+        'timeout. All "nodes" share this machine\'s 2 cores, so added replicas add '
         "scheduling capacity, not compute: TTFT here shows load, not the speed-up a real "
         "cluster would get. Routers (1..2, on the head) scale on requests in flight; a "
         "stopping router drains its gRPC streams and the SDK retries UNAVAILABLE on a new "
@@ -129,18 +125,30 @@ def write_report(out: Path, samples, records, run_args: dict, policy_kwargs: dic
     ]
     for s in samples[::5]:
         ttft = f"{s.ttft_p90_s:.2f}" if s.ttft_p90_s is not None else "-"
-        lines.append(f"| {s.t_s:.0f} | {s.level} | {s.in_flight} | {s.prefill}/"
-                     f"{s.prefill_target} | {s.decode}/{s.decode_target} | "
-                     f"{s.decode_stopping} | {s.router} | {s.prefill_nodes}/{s.decode_nodes} | "
-                     f"{ttft} | "
-                     f"{s.finished} | {s.failed} |")
-    changes = [line for line in policy_lines if "->" in line
-               and line.split("->")[0].split("JointPolicy:")[1].split("(demand")[0].strip()
-               != line.split("->")[1].split("(demand")[0].strip()]
+        lines.append(
+            f"| {s.t_s:.0f} | {s.level} | {s.in_flight} | {s.prefill}/"
+            f"{s.prefill_target} | {s.decode}/{s.decode_target} | "
+            f"{s.decode_stopping} | {s.router} | {s.prefill_nodes}/{s.decode_nodes} | "
+            f"{ttft} | "
+            f"{s.finished} | {s.failed} |"
+        )
+    changes = [
+        line
+        for line in policy_lines
+        if "->" in line
+        and line.split("->")[0].split("JointPolicy:")[1].split("(demand")[0].strip()
+        != line.split("->")[1].split("(demand")[0].strip()
+    ]
     held = [line for line in policy_lines if "scale-down held" in line]
-    lines += ["", f"## Policy decisions (Serve controller log; load started {load_started})", "",
-              f"{len(policy_lines)} logged ticks, {len(changes)} with a new target, {len(held)} "
-              "with a scale-down held (all in `policy.log`). Target changes:", "", "```"]
+    lines += [
+        "",
+        f"## Policy decisions (Serve controller log; load started {load_started})",
+        "",
+        f"{len(policy_lines)} logged ticks, {len(changes)} with a new target, {len(held)} "
+        "with a scale-down held (all in `policy.log`). Target changes:",
+        "",
+        "```",
+    ]
     lines += [line.split(" -- ", 1)[-1] if " -- " in line else line for line in changes[:40]]
     lines += ["```"]
     if held:

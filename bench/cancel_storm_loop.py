@@ -28,19 +28,22 @@ def main() -> int:
 
     failed = 0
     with open(args.out, "w") as out, LocalRedis() as redis_server:
-        out.write("# unshare -n sh -c 'ip link set lo up && python -m "
-                  f"flashpd.bench.cancel_storm_loop --runs {args.runs}'\n"
-                  f"# counts per run: {QUICK['cancel_storm']}\n")
+        out.write(
+            "# unshare -n sh -c 'ip link set lo up && python -m "
+            f"flashpd.bench.cancel_storm_loop --runs {args.runs}'\n"
+            f"# counts per run: {QUICK['cancel_storm']}\n"
+        )
         port = start_ray()
         try:
-            stack = FaultStack(tiny_checkpoint(), redis_server, port,
-                               StackConfig(2, 2, app_name="storm2x2")).deploy()
+            stack = FaultStack(tiny_checkpoint(), redis_server, port, StackConfig(2, 2, app_name="storm2x2")).deploy()
             for i in range(args.runs):
                 started = time.monotonic()
                 r = asyncio.run(scenarios.cancel_storm(stack, seed=i, **QUICK["cancel_storm"]))
                 failed += not r.passed
-                line = (f"run {i + 1}: {'passed' if r.passed else 'FAILED'} in "
-                        f"{time.monotonic() - started:.1f} s {r.counts} {r.failures}")
+                line = (
+                    f"run {i + 1}: {'passed' if r.passed else 'FAILED'} in "
+                    f"{time.monotonic() - started:.1f} s {r.counts} {r.failures}"
+                )
                 print(line, flush=True)
                 out.write(line + "\n")
                 out.flush()

@@ -78,9 +78,7 @@ def _add_workload_args(p: argparse.ArgumentParser, with_file: bool) -> None:
     g.add_argument("--trees", type=int, default=64, help="session trees to generate")
     g.add_argument("--scale", type=float, default=1.0, help="divides every token count")
     g.add_argument("--time-scale", type=float, default=1.0, help="divides every think time")
-    g.add_argument(
-        "--output-scale", type=float, default=None, help="divides outputs (default: --scale)"
-    )
+    g.add_argument("--output-scale", type=float, default=None, help="divides outputs (default: --scale)")
     g.add_argument("--max-turns", type=int, default=None, help="cap on turns per session")
     g.add_argument("--vocab-lo", type=int, default=1000, help="synthetic ids from [lo, hi)")
     g.add_argument("--vocab-hi", type=int, default=128_000)
@@ -90,9 +88,7 @@ def _add_run_args(p: argparse.ArgumentParser, single_target: bool) -> None:
     if single_target:
         p.add_argument("--target", required=True, help="gRPC address host:port")
         p.add_argument("--name", default=None, help="configuration name (default: the target)")
-        p.add_argument(
-            "--gpus", type=int, required=True, help="prefill + decode GPUs of the target"
-        )
+        p.add_argument("--gpus", type=int, required=True, help="prefill + decode GPUs of the target")
     else:
         p.add_argument("--target", action="append", required=True, help="NAME=host:port (repeat)")
         p.add_argument("--gpus", action="append", required=True, help="N for all, or NAME=N")
@@ -119,12 +115,9 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap", type=float, default=150.0, help="interactivity cap, tok/s/user")
     p.add_argument("--ttft-limit-s", type=float, default=5.0, help="p90 TTFT limit for goodput")
-    p.add_argument("--tiers", default="20,60,150",
-                   help="comma-separated tok/s/user tiers for summary.json")
-    p.add_argument("--baseline", default=None,
-                   help="configuration the A/B ratios in summary.json compare against")
-    p.add_argument("--candidate", default=None,
-                   help="configuration summarised at the top (default: the first)")
+    p.add_argument("--tiers", default="20,60,150", help="comma-separated tok/s/user tiers for summary.json")
+    p.add_argument("--baseline", default=None, help="configuration the A/B ratios in summary.json compare against")
+    p.add_argument("--candidate", default=None, help="configuration summarised at the top (default: the first)")
 
 
 def parse_tiers(text: str) -> list[float]:
@@ -142,8 +135,13 @@ def _report(args: argparse.Namespace, study_dir: str | Path, study: Study) -> No
     path = write_report(study_dir, study, args.cap, args.ttft_limit_s)
     print(f"report: {path}")
     metrics = {name: [p.metrics for p in points] for name, points in study.items()}
-    summary = study_summary(metrics, baseline=args.baseline, candidate=args.candidate,
-                            tiers=parse_tiers(args.tiers), ttft_limit_s=args.ttft_limit_s)
+    summary = study_summary(
+        metrics,
+        baseline=args.baseline,
+        candidate=args.candidate,
+        tiers=parse_tiers(args.tiers),
+        ttft_limit_s=args.ttft_limit_s,
+    )
     print(f"summary: {write_summary(study_dir, summary)}")
 
 
@@ -225,9 +223,7 @@ def _parse_gpus(gpus: list[str], names: set[str]) -> dict[str, int]:
     return out  # type: ignore[return-value]
 
 
-async def _run_point(
-    workload: Workload, target: Target, config: DriverConfig, run_dir: Path
-) -> RunResult:
+async def _run_point(workload: Workload, target: Target, config: DriverConfig, run_dir: Path) -> RunResult:
     backend = connect(target.address)
     writer = RecordWriter(run_dir)
     try:
@@ -250,22 +246,16 @@ async def _run_point(
     return result
 
 
-def _run_targets(
-    args: argparse.Namespace, targets: list[Target], concurrencies: list[int], study_dir: Path
-) -> int:
+def _run_targets(args: argparse.Namespace, targets: list[Target], concurrencies: list[int], study_dir: Path) -> int:
     workload = _workload(args)
     workload.write_jsonl(study_dir / "workload.jsonl")
     for target in targets:
         for c in concurrencies:
             config = _driver_config(args, workload, c)
-            result = asyncio.run(
-                _run_point(workload, target, config, study_dir / target.name / f"c{c}")
-            )
+            result = asyncio.run(_run_point(workload, target, config, study_dir / target.name / f"c{c}"))
             code = _exit_code(result)
             if code != 0:
-                print(
-                    f"{target.name} C={c}: stopped ({result.meta.aborted_reason or 'interrupted'})"
-                )
+                print(f"{target.name} C={c}: stopped ({result.meta.aborted_reason or 'interrupted'})")
                 return code
     return 0
 

@@ -72,18 +72,24 @@ class CompileWatch:
         """{"count", "seconds", "kernels": [{"kernel", "seconds", "constants"}, ...]} (slowest
         first, at most `top`)."""
         rows = sorted(self.compiles, key=lambda c: -c.seconds)[:top]
-        return {"count": len(self.compiles), "seconds": round(self.seconds, 3),
-                "kernels": [{"kernel": c.kernel, "seconds": round(c.seconds, 3),
-                             "constants": {k: v for k, v in c.constants.items()
-                                           if isinstance(v, (int, float, bool, str))},
-                             "div16": list(c.div16)}
-                            for c in rows]}
+        return {
+            "count": len(self.compiles),
+            "seconds": round(self.seconds, 3),
+            "kernels": [
+                {
+                    "kernel": c.kernel,
+                    "seconds": round(c.seconds, 3),
+                    "constants": {k: v for k, v in c.constants.items() if isinstance(v, (int, float, bool, str))},
+                    "div16": list(c.div16),
+                }
+                for c in rows
+            ],
+        }
 
     def report(self, top: int = 12) -> str:
         s = self.summary(top)
         lines = [f"{s['count']} Triton compiles, {s['seconds']:.2f} s"]
-        lines += [f"  {k['seconds']:7.3f} s  {k['kernel']}  {k['constants']}  div16={k['div16']}"
-                  for k in s["kernels"]]
+        lines += [f"  {k['seconds']:7.3f} s  {k['kernel']}  {k['constants']}  div16={k['div16']}" for k in s["kernels"]]
         return "\n".join(lines)
 
 

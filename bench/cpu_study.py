@@ -31,14 +31,45 @@ def _bench_args(ns: argparse.Namespace, target: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     register(sub)
-    return parser.parse_args([
-        "bench", "ab", "--target", f"x={target}", "--gpus", "4", "--out", ns.out,
-        "--seed", "0", "--trees", str(ns.trees), "--scale", str(ns.scale),
-        "--time-scale", str(ns.time_scale), "--output-scale", str(ns.output_scale),
-        "--max-turns", str(ns.max_turns), "--vocab-lo", "3", "--vocab-hi", "500",
-        "--window-s", str(ns.window_s), "--warmup-requests", str(ns.warmup_requests),
-        "--concurrency", ns.concurrency, "--cap", str(ns.cap), "--no-progress",
-        "--request-timeout-s", "300"])
+    return parser.parse_args(
+        [
+            "bench",
+            "ab",
+            "--target",
+            f"x={target}",
+            "--gpus",
+            "4",
+            "--out",
+            ns.out,
+            "--seed",
+            "0",
+            "--trees",
+            str(ns.trees),
+            "--scale",
+            str(ns.scale),
+            "--time-scale",
+            str(ns.time_scale),
+            "--output-scale",
+            str(ns.output_scale),
+            "--max-turns",
+            str(ns.max_turns),
+            "--vocab-lo",
+            "3",
+            "--vocab-hi",
+            "500",
+            "--window-s",
+            str(ns.window_s),
+            "--warmup-requests",
+            str(ns.warmup_requests),
+            "--concurrency",
+            ns.concurrency,
+            "--cap",
+            str(ns.cap),
+            "--no-progress",
+            "--request-timeout-s",
+            "300",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,16 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     study.mkdir(parents=True, exist_ok=True)
     ckpt = tiny_checkpoint()
     with LocalRedis() as redis:
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         try:
             for name in ns.configs.split(","):
                 port = free_port()
-                args = {"checkpoint": ckpt, "model_id": "flashpd-tiny", "redis_url": redis.url,
-                        "grpc_port": port, "cache_salt": name,
-                        "prefill": {"replicas": 2, "num_blocks": 1024},
-                        "decode": {"replicas": 2, "num_blocks": 1024}, **CONFIGS[name]}
+                args = {
+                    "checkpoint": ckpt,
+                    "model_id": "flashpd-tiny",
+                    "redis_url": redis.url,
+                    "grpc_port": port,
+                    "cache_salt": name,
+                    "prefill": {"replicas": 2, "num_blocks": 1024},
+                    "decode": {"replicas": 2, "num_blocks": 1024},
+                    **CONFIGS[name],
+                }
                 t0 = time.monotonic()
                 serve.run(build_app(args), name=name, route_prefix=f"/{name}")
                 client = Client(f"127.0.0.1:{port}")

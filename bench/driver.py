@@ -63,11 +63,7 @@ class DriverConfig:
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.window_s <= 0 or self.warmup_requests < 0:
             raise ValueError(f"need concurrency >= 1, window_s > 0, warmup_requests >= 0: {self}")
-        if (
-            self.request_timeout_s <= 0
-            or self.drain_timeout_s < 0
-            or self.max_consecutive_errors < 1
-        ):
+        if self.request_timeout_s <= 0 or self.drain_timeout_s < 0 or self.max_consecutive_errors < 1:
             raise ValueError(f"bad timeouts or error limit: {self}")
 
     @classmethod
@@ -98,9 +94,7 @@ class _Run:
     The clock is the running loop's `time()`: real in runs, virtual in tests (bench/clock.py).
     """
 
-    def __init__(
-        self, config: DriverConfig, on_record: Callable[[RequestRecord], None] | None
-    ) -> None:
+    def __init__(self, config: DriverConfig, on_record: Callable[[RequestRecord], None] | None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
@@ -152,13 +146,8 @@ class _Run:
         if self.on_record is not None:
             self.on_record(record)
         self._consecutive_errors = 0 if record.ok else self._consecutive_errors + 1
-        if (
-            self._consecutive_errors >= self.config.max_consecutive_errors
-            and not self.stopped.is_set()
-        ):
-            self.aborted_reason = (
-                f"{self._consecutive_errors} consecutive errors, last: {record.error}"
-            )
+        if self._consecutive_errors >= self.config.max_consecutive_errors and not self.stopped.is_set():
+            self.aborted_reason = f"{self._consecutive_errors} consecutive errors, last: {record.error}"
             self._cut_window()
             self.stop()
 
@@ -237,9 +226,7 @@ class _Lane:
         turn = tree.requests[start].turn_index
         if turn > 0 and not self.run.stopped.is_set():
             previous = next(
-                r
-                for r in reversed(tree.requests[:start])
-                if not r.is_subagent and r.turn_index == turn - 1
+                r for r in reversed(tree.requests[:start]) if not r.is_subagent and r.turn_index == turn - 1
             )
             await self._send(previous, Phase.PRIMER, 0.0, max_tokens=1)
         if self.warmup_left == 0:
@@ -253,24 +240,18 @@ class _Lane:
     def _tree(self, ordinal: int) -> SessionTree:
         c, trees = self.config.concurrency, self.workload.trees
         tree = trees[(self.lane + ordinal * c) % len(trees)]
-        salt = derive_key(
-            self.config.seed, self.config.salt_epoch, c, self.lane, ordinal, _LANE_SALT_TAG
-        )
+        salt = derive_key(self.config.seed, self.config.salt_epoch, c, self.lane, ordinal, _LANE_SALT_TAG)
         prefix = f"e{self.config.salt_epoch}-c{c}-l{self.lane}-n{ordinal}-t{tree.tree_id}"
         return tree.instantiate(salt, prefix)
 
     def _start_index(self, tree: SessionTree) -> int:
         """The first main-agent request at or after a random point 25-75% into the tree."""
-        rng = np.random.default_rng(
-            [self.config.seed, self.config.salt_epoch, self.config.concurrency, self.lane]
-        )
+        rng = np.random.default_rng([self.config.seed, self.config.salt_epoch, self.config.concurrency, self.lane])
         point = int(rng.uniform(0.25, 0.75) * len(tree.requests))
         main = [r.index for r in tree.requests if not r.is_subagent]
         return next((i for i in main if i >= point), main[-1])
 
-    async def _send(
-        self, request: Request, phase: Phase, think_s: float, max_tokens: int | None = None
-    ) -> None:
+    async def _send(self, request: Request, phase: Phase, think_s: float, max_tokens: int | None = None) -> None:
         call = GenerateCall(
             prompt_ids=self.prompts.build(request).tolist(),
             max_tokens=request.max_tokens if max_tokens is None else max_tokens,
@@ -289,27 +270,14 @@ class _Lane:
         except BackendError as exc:
             outcome.error_type, outcome.error = exc.kind, exc.message
         except asyncio.TimeoutError:
-            outcome.error_type, outcome.error = (
-                "ClientTimeout",
-                f"no result after {self.config.request_timeout_s} s",
-            )
+            outcome.error_type, outcome.error = ("ClientTimeout", f"no result after {self.config.request_timeout_s} s")
         except asyncio.CancelledError:
             outcome.error_type, outcome.error = "Cancelled", "run stopped while in flight"
             raise
         finally:
             self.run.pacer.request_finished()
             self.run.record(
-                _record(
-                    self.lane,
-                    phase,
-                    request,
-                    call,
-                    think_s,
-                    start_s,
-                    self.run.now_s(),
-                    timer,
-                    outcome,
-                )
+                _record(self.lane, phase, request, call, think_s, start_s, self.run.now_s(), timer, outcome)
             )
         if outcome.completion is not None and len(timer.ids) == call.max_tokens:
             self.prompts.record_output(request, timer.ids)
@@ -411,10 +379,7 @@ async def run_closed_loop(
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with _sigint_stops(run, config.handle_sigint):
         progress = asyncio.create_task(_show_progress(run, config.show_progress))
-        lanes = [
-            asyncio.create_task(_Lane(i, run, workload, backend).replay())
-            for i in range(config.concurrency)
-        ]
+        lanes = [asyncio.create_task(_Lane(i, run, workload, backend).replay()) for i in range(config.concurrency)]
         await run.stopped.wait()
         drain_s = 0.0 if run.hard_stop else config.drain_timeout_s
         _, pending = await asyncio.wait(lanes, timeout=drain_s)

@@ -49,10 +49,18 @@ from flashpd.engine.warmup import warm_up as warm_engine
 from flashpd.model.presets import preset_config
 
 PLANS = {
-    "bench": dict(contexts=(8192, 32768, 131072), decode_context=8192, batches=(1, 8, 64),
-                  turn=64, decode_steps=8, chunk=8192, sampled_batches=(64,)),
-    "smoke": dict(contexts=(256,), decode_context=256, batches=(1, 2), turn=8, decode_steps=2,
-                  chunk=256, sampled_batches=(2,)),
+    "bench": dict(
+        contexts=(8192, 32768, 131072),
+        decode_context=8192,
+        batches=(1, 8, 64),
+        turn=64,
+        decode_steps=8,
+        chunk=8192,
+        sampled_batches=(64,),
+    ),
+    "smoke": dict(
+        contexts=(256,), decode_context=256, batches=(1, 2), turn=8, decode_steps=2, chunk=256, sampled_batches=(2,)
+    ),
 }
 
 
@@ -72,8 +80,7 @@ def sync_points(engine: LLMEngine, steps: int) -> dict[str, int]:
 
     def note(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "flashpd" in f.filename]
-        where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames \
-            else f"{filename}:{lineno}"
+        where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
         found[where] = found.get(where, 0) + 1
 
     show = warnings.showwarning
@@ -134,10 +141,19 @@ def encoder_prefill(model, plan: dict, vocab: int, log, reps: int = 5) -> dict:
     logits) on one `decode_context`-token prompt: `reps` prompts one after another, the first
     a warm-up; the median of the others is reported (one run alone is at the host's mercy)."""
     length = plan["decode_context"]
-    engine = LLMEngine(model, EngineConfig(
-        role="prefill", dtype="bfloat16", device=str(model.device), num_blocks=length // 64 + 8,
-        num_slots=2, max_num_batched_tokens=plan["chunk"], max_num_seqs=2,
-        model_id="flashpd-prefill-bench"))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            role="prefill",
+            dtype="bfloat16",
+            device=str(model.device),
+            num_blocks=length // 64 + 8,
+            num_slots=2,
+            max_num_batched_tokens=plan["chunk"],
+            max_num_seqs=2,
+            model_id="flashpd-prefill-bench",
+        ),
+    )
     times = []
     for rep in range(max(2, reps)):
         engine.add_request(f"p{rep}", _prompt(length, 400 + rep, vocab), SamplingParams())
@@ -151,10 +167,11 @@ def encoder_prefill(model, plan: dict, vocab: int, log, reps: int = 5) -> dict:
         engine.release_kv(f"p{rep}")
     timed = times[1:]
     seconds = statistics.median(timed)
-    row = {"tokens": length, "seconds": seconds, "tok_s": length / seconds,
-           "runs_s": times, "min_s": min(timed)}
-    log(f"encoder-path prefill {length} tokens: median {seconds:.3f} s ({row['tok_s']:.0f} "
-        f"tok/s) over {len(timed)} runs after a warm-up; runs {', '.join(f'{t:.3f}' for t in times)} s")
+    row = {"tokens": length, "seconds": seconds, "tok_s": length / seconds, "runs_s": times, "min_s": min(timed)}
+    log(
+        f"encoder-path prefill {length} tokens: median {seconds:.3f} s ({row['tok_s']:.0f} "
+        f"tok/s) over {len(timed)} runs after a warm-up; runs {', '.join(f'{t:.3f}' for t in times)} s"
+    )
     return row
 
 
@@ -175,11 +192,18 @@ def ttft(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
             out = engine.stats[f"hit{i}_{rep}"]
             _finish(engine, [])
         hit = hits[-1]
-        row = {"context": length, "cold_ttft_ms": cold, "hit_ttft_ms": hit,
-               "first_hit_ms": hits[0],
-               "speedup": cold / hit, "cold_tok_s": length / (cold * 1e-3)}
-        log(f"ttft L={length}: cold {cold:.0f} ms ({row['cold_tok_s']:.0f} tok/s), "
-            f"hit+replay {hit:.0f} ms ({cold / hit:.1f}x), prompt {out.prompt_tokens}")
+        row = {
+            "context": length,
+            "cold_ttft_ms": cold,
+            "hit_ttft_ms": hit,
+            "first_hit_ms": hits[0],
+            "speedup": cold / hit,
+            "cold_tok_s": length / (cold * 1e-3),
+        }
+        log(
+            f"ttft L={length}: cold {cold:.0f} ms ({row['cold_tok_s']:.0f} tok/s), "
+            f"hit+replay {hit:.0f} ms ({cold / hit:.1f}x), prompt {out.prompt_tokens}"
+        )
         rows.append(row)
     return rows
 
@@ -187,8 +211,7 @@ def ttft(engine: LLMEngine, plan: dict, vocab: int, log) -> list[dict]:
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the drawing decode rows' parameters
 
 
-def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None = None,
-           batches=None) -> list[dict]:
+def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None = None, batches=None) -> list[dict]:
     """Decode ms/step per batch (greedy, or `sampling`'s SamplingParams fields)."""
     cfg = engine.model.cfg
     tag = "s" if sampling else "d"
@@ -225,13 +248,23 @@ def decode(engine: LLMEngine, plan: dict, vocab: int, log, sampling: dict | None
         host_ms = statistics.median(hosts[1:])
         floor = gpu_floor.decode_step_bytes(cfg, batch, plan["decode_context"])
         floor_ms = (floor["weights"] + floor["kv"]) / (copy_gbps * 1e9) * 1e3
-        row = {"batch": batch, "step_ms": ms, "tok_s": batch / (ms * 1e-3),
-               "floor_ms": floor_ms, "x_floor": ms / floor_ms, "admit_s": admit_s,
-               "copy_GBps": copy_gbps, "host_ms": host_ms, "sampling": sampling or "greedy"}
-        log(f"decode B={batch} ({row['sampling']}): {ms:.1f} ms/step ({row['tok_s']:.0f} tok/s), "
+        row = {
+            "batch": batch,
+            "step_ms": ms,
+            "tok_s": batch / (ms * 1e-3),
+            "floor_ms": floor_ms,
+            "x_floor": ms / floor_ms,
+            "admit_s": admit_s,
+            "copy_GBps": copy_gbps,
+            "host_ms": host_ms,
+            "sampling": sampling or "greedy",
+        }
+        log(
+            f"decode B={batch} ({row['sampling']}): {ms:.1f} ms/step ({row['tok_s']:.0f} tok/s), "
             f"floor "
             f"{floor_ms:.2f} ms ({row['x_floor']:.0f}x), host {host_ms} ms/step, admission "
-            f"{admit_s:.1f} s")
+            f"{admit_s:.1f} s"
+        )
         rows.append(row)
     return rows
 
@@ -245,16 +278,21 @@ def first_request(engine: LLMEngine, plan: dict, vocab: int, log) -> tuple[float
     captures, capture_s = (graphs.num_captures, graphs.capture_s) if graphs else (0, 0.0)
     t0 = time.perf_counter()
     with CompileWatch() as watch:
-        engine.add_request("first", _prompt(plan["decode_context"], 900, vocab),
-                           SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.add_request(
+            "first", _prompt(plan["decode_context"], 900, vocab), SamplingParams(max_tokens=2, ignore_eos=True)
+        )
         _until_first_token(engine, "first")
         ms = 1e3 * (time.perf_counter() - t0)
         _finish(engine, ["first"])
-    detail = {"compiles": watch.summary(),
-              "graph_captures": graphs.num_captures - captures if graphs else 0,
-              "graph_capture_s": round(graphs.capture_s - capture_s, 3) if graphs else 0.0}
-    log(f"first request after load: first token in {ms:.0f} ms; {watch.report()}; "
-        f"{detail['graph_captures']} graph captures, {detail['graph_capture_s']:.2f} s")
+    detail = {
+        "compiles": watch.summary(),
+        "graph_captures": graphs.num_captures - captures if graphs else 0,
+        "graph_capture_s": round(graphs.capture_s - capture_s, 3) if graphs else 0.0,
+    }
+    log(
+        f"first request after load: first token in {ms:.0f} ms; {watch.report()}; "
+        f"{detail['graph_captures']} graph captures, {detail['graph_capture_s']:.2f} s"
+    )
     return ms, detail
 
 
@@ -272,18 +310,20 @@ def summary(payload: dict, commit: str) -> dict:
     dec = {str(r["batch"]): r for r in payload["decode"]}
     ttft_rows = {str(r["context"]): r for r in payload["ttft"]}
     return {
-        "preset": payload["preset"], "context": payload["decode_context"],
+        "preset": payload["preset"],
+        "context": payload["decode_context"],
         "decode_ms_per_step": {b: round(r["step_ms"], 2) for b, r in dec.items()},
         "decode_floor_ms": {b: round(r["floor_ms"], 2) for b, r in dec.items()},
-        "host_ms_per_step": {b: None if r["host_ms"] is None else round(r["host_ms"], 2)
-                             for b, r in dec.items()},
+        "host_ms_per_step": {b: None if r["host_ms"] is None else round(r["host_ms"], 2) for b, r in dec.items()},
         "prefill_tok_s_8k": round(payload["prefill"]["tok_s"], 1),
         "prefill_mfu_8k": round(payload["prefill"]["mfu"], 4),
         "ttft_cold_ms": {c: round(r["cold_ttft_ms"], 1) for c, r in ttft_rows.items()},
-        "ttft_hit_ms": {c: round(r["hit_ttft_ms"], 1) for c, r in ttft_rows.items()
-                        if c == str(payload["decode_context"])},
+        "ttft_hit_ms": {
+            c: round(r["hit_ttft_ms"], 1) for c, r in ttft_rows.items() if c == str(payload["decode_context"])
+        },
         "first_request_ms": round(payload["first_request_ms"], 1),
-        "command": payload["command"], "commit": commit,
+        "command": payload["command"],
+        "commit": commit,
     }
 
 
@@ -291,44 +331,68 @@ def _commit() -> str:
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def render(payload: dict) -> str:
-    lines = [f"# Engine on {payload['device']}: `{payload['preset']}` preset", "",
-             f"Command: `{payload['command']}`", "",
-             "LLMEngine + GpuModel (Triton kernels, weights in checkpoint formats, packed KV "
-             "pools on the device), scheduler/KV manager/sampler included.", "",
-             "## TTFT: cold prompt vs prefix hit + bounded replay (64-token new turn)", "",
-             "| context | cold TTFT ms | cold tok/s | MFU | hit + replay TTFT ms | speedup |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Engine on {payload['device']}: `{payload['preset']}` preset",
+        "",
+        f"Command: `{payload['command']}`",
+        "",
+        "LLMEngine + GpuModel (Triton kernels, weights in checkpoint formats, packed KV "
+        "pools on the device), scheduler/KV manager/sampler included.",
+        "",
+        "## TTFT: cold prompt vs prefix hit + bounded replay (64-token new turn)",
+        "",
+        "| context | cold TTFT ms | cold tok/s | MFU | hit + replay TTFT ms | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in payload["ttft"]:
-        lines.append(f"| {r['context']:,} | {r['cold_ttft_ms']:.0f} | {r['cold_tok_s']:.0f} | "
-                     f"{100 * r.get('mfu', 0):.1f}% | {r['hit_ttft_ms']:.0f} | "
-                     f"{r['speedup']:.1f}x |")
+        lines.append(
+            f"| {r['context']:,} | {r['cold_ttft_ms']:.0f} | {r['cold_tok_s']:.0f} | "
+            f"{100 * r.get('mfu', 0):.1f}% | {r['hit_ttft_ms']:.0f} | "
+            f"{r['speedup']:.1f}x |"
+        )
     p = payload["prefill"]
-    lines += ["", "## Encoder-path prefill (prefill role: layers 0-19 + layer 20's KV write)", "",
-              "| tokens | seconds | tok/s | MFU (790 TFLOP/s bf16) |", "|---|---|---|---|",
-              f"| {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:.0f} | "
-              f"{100 * p['mfu']:.1f}% |"]
-    lines += ["", f"## Decode, {payload['decode_context']:,}-token context per sequence", "",
-              "| batch | ms/step | host ms/step | tok/s | HBM floor ms | x floor |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Encoder-path prefill (prefill role: layers 0-19 + layer 20's KV write)",
+        "",
+        "| tokens | seconds | tok/s | MFU (790 TFLOP/s bf16) |",
+        "|---|---|---|---|",
+        f"| {p['tokens']:,} | {p['seconds']:.2f} | {p['tok_s']:.0f} | {100 * p['mfu']:.1f}% |",
+    ]
+    lines += [
+        "",
+        f"## Decode, {payload['decode_context']:,}-token context per sequence",
+        "",
+        "| batch | ms/step | host ms/step | tok/s | HBM floor ms | x floor |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in payload["decode"]:
         host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.1f}"
-        lines.append(f"| {r['batch']} | {r['step_ms']:.1f} | {host} | {r['tok_s']:.0f} | "
-                     f"{r['floor_ms']:.2f} | {r['x_floor']:.0f}x |")
+        lines.append(
+            f"| {r['batch']} | {r['step_ms']:.1f} | {host} | {r['tok_s']:.0f} | "
+            f"{r['floor_ms']:.2f} | {r['x_floor']:.0f}x |"
+        )
     for r in payload.get("decode_sampled", []):
         host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.1f}"
-        lines.append(f"| {r['batch']}, drawing ({r['sampling']}) | {r['step_ms']:.1f} | {host} | "
-                     f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['x_floor']:.0f}x |")
+        lines.append(
+            f"| {r['batch']}, drawing ({r['sampling']}) | {r['step_ms']:.1f} | {host} | "
+            f"{r['tok_s']:.0f} | {r['floor_ms']:.2f} | {r['x_floor']:.0f}x |"
+        )
     if payload.get("first_request_ms") is not None:
-        lines += ["", f"First request after load (model built in {payload['build_s']:.1f} s, "
-                  f"kernels warmed): first token {payload['first_request_ms']:.0f} ms "
-                  f"({payload['decode_context']:,}-token prompt)."]
+        lines += [
+            "",
+            f"First request after load (model built in {payload['build_s']:.1f} s, "
+            f"kernels warmed): first token {payload['first_request_ms']:.0f} ms "
+            f"({payload['decode_context']:,}-token prompt).",
+        ]
     lines += ["", "Notes:"] + [f"- {n}" for n in payload["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -339,16 +403,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-only", action="store_true", help="skip prefill and TTFT")
-    ap.add_argument("--compare-sync", action="store_true",
-                    help="with --decode-only: decode again with async scheduling off")
-    ap.add_argument("--prefill-only", action="store_true",
-                    help="only the encoder-path prefill (no warm-up, TTFT or decode)")
-    ap.add_argument("--ttft-only", action="store_true",
-                    help="only the cold and hit TTFT at the decode context (after the warm-up)")
-    ap.add_argument("--summary", action="store_true",
-                    help="everything, first request after load included; writes summary.json")
-    ap.add_argument("--engine-warmup", action="store_true",
-                    help="warm the engine as load_engine does (always with --summary)")
+    ap.add_argument(
+        "--compare-sync", action="store_true", help="with --decode-only: decode again with async scheduling off"
+    )
+    ap.add_argument(
+        "--prefill-only", action="store_true", help="only the encoder-path prefill (no warm-up, TTFT or decode)"
+    )
+    ap.add_argument(
+        "--ttft-only", action="store_true", help="only the cold and hit TTFT at the decode context (after the warm-up)"
+    )
+    ap.add_argument(
+        "--summary", action="store_true", help="everything, first request after load included; writes summary.json"
+    )
+    ap.add_argument(
+        "--engine-warmup", action="store_true", help="warm the engine as load_engine does (always with --summary)"
+    )
     ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
@@ -361,25 +430,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model built in {build_s:.1f} s", flush=True)
     blocks = 2 * max(plan["contexts"]) // 128 + 64
     slots = max(plan["batches"]) + 4
-    engine = LLMEngine(model, EngineConfig(
-        dtype="bfloat16", device=device, num_blocks=blocks, num_slots=slots,
-        max_num_batched_tokens=plan["chunk"], max_num_seqs=max(plan["batches"]),
-        model_id=f"flashpd-{args.preset}"))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            dtype="bfloat16",
+            device=device,
+            num_blocks=blocks,
+            num_slots=slots,
+            max_num_batched_tokens=plan["chunk"],
+            max_num_seqs=max(plan["batches"]),
+            model_id=f"flashpd-{args.preset}",
+        ),
+    )
     log = lambda m: print(m, flush=True)  # noqa: E731
     engine_warmup, early = None, {}
     if args.summary or args.engine_warmup:  # as engine.loading.load_engine does on a GPU
         engine_warmup = watched("engine_warmup", early, log, warm_engine, engine)
-        log(f"engine warm-up: {engine_warmup['requests']} requests, {engine_warmup['steps']} "
-            f"steps, {engine_warmup['seconds']:.1f} s")
-    first_ms, first_detail = (first_request(engine, plan, cfg.vocab_size, log) if args.summary
-                              else (None, None))
-    payload = {"preset": args.preset, "device": torch.cuda.get_device_name()
-               if torch.cuda.is_available() else platform.processor() or "cpu",
-               "command": "python -m flashpd.bench.gpu_engine " + " ".join(
-                   sys.argv[1:] if argv is None else argv),
-               "build_s": build_s, "decode_context": plan["decode_context"],
-               "first_request_ms": first_ms, "first_request_detail": first_detail,
-               "engine_warmup": engine_warmup, **early}
+        log(
+            f"engine warm-up: {engine_warmup['requests']} requests, {engine_warmup['steps']} "
+            f"steps, {engine_warmup['seconds']:.1f} s"
+        )
+    first_ms, first_detail = first_request(engine, plan, cfg.vocab_size, log) if args.summary else (None, None)
+    payload = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "command": "python -m flashpd.bench.gpu_engine " + " ".join(sys.argv[1:] if argv is None else argv),
+        "build_s": build_s,
+        "decode_context": plan["decode_context"],
+        "first_request_ms": first_ms,
+        "first_request_detail": first_detail,
+        "engine_warmup": engine_warmup,
+        **early,
+    }
     if args.decode_only:
         payload["decode"] = decode(engine, plan, cfg.vocab_size, log)
         if args.compare_sync:  # the same engine with async scheduling off
@@ -392,11 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(payload, f, indent=1)
         return 0
     if not args.prefill_only:
-        payload["warmup_s"] = watched("warm_up", payload, log, warm_up, engine, plan,
-                                      cfg.vocab_size, log)
+        payload["warmup_s"] = watched("warm_up", payload, log, warm_up, engine, plan, cfg.vocab_size, log)
     if args.ttft_only:
-        payload["ttft"] = ttft(engine, dict(plan, contexts=(plan["decode_context"],)),
-                               cfg.vocab_size, log)
+        payload["ttft"] = ttft(engine, dict(plan, contexts=(plan["decode_context"],)), cfg.vocab_size, log)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "engine_ttft.json"), "w") as f:
@@ -404,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     payload["prefill"] = encoder_prefill(model, plan, cfg.vocab_size, log)
     flops = sum(gpu_floor.encoder_prefill_flops(cfg, payload["prefill"]["tokens"]).values())
-    payload["prefill"]["mfu"] = flops / payload["prefill"]["seconds"] / (
-        gpu_floor.PEAK_BF16_TFLOPS * 1e12)
+    payload["prefill"]["mfu"] = flops / payload["prefill"]["seconds"] / (gpu_floor.PEAK_BF16_TFLOPS * 1e12)
     if args.prefill_only:
         log(f"prefill MFU {100 * payload['prefill']['mfu']:.1f}%")
         if args.out:
@@ -418,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = sum(gpu_floor.encoder_prefill_flops(cfg, r["context"]).values())
         r["mfu"] = flops / (r["cold_ttft_ms"] * 1e-3) / (gpu_floor.PEAK_BF16_TFLOPS * 1e12)
     payload["decode"] = watched("decode", payload, log, decode, engine, plan, cfg.vocab_size, log)
-    payload["decode_sampled"] = decode(engine, plan, cfg.vocab_size, log, SAMPLED,
-                                       plan["sampled_batches"])
+    payload["decode_sampled"] = decode(engine, plan, cfg.vocab_size, log, SAMPLED, plan["sampled_batches"])
     payload["notes"] = [
         "Cold TTFT runs the encoder path on every prompt row and the decoder layers on the last "
         "128 rows (decoder narrowing, bounded replay's colocated form); MFU counts the "

@@ -37,8 +37,13 @@ def _fp8_bytes(params: int) -> float:
 
 def _attn_params(cfg: ModelConfig) -> int:
     d, dim = cfg.head_dim, cfg.hidden_size
-    return (dim * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_heads * d + dim * d
-            + cfg.num_heads * d * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * dim)
+    return (
+        dim * cfg.q_lora_rank
+        + cfg.q_lora_rank * cfg.num_heads * d
+        + dim * d
+        + cfg.num_heads * d * cfg.o_lora_rank
+        + cfg.o_groups * cfg.o_lora_rank * dim
+    )
 
 
 def _expert_params(cfg: ModelConfig) -> int:
@@ -63,16 +68,20 @@ def _role_extra_params(cfg: ModelConfig, spec: LayerSpec) -> dict[str, int]:
     return out
 
 
-def decode_layer_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int,
-                       context_tokens: int) -> dict[str, float]:
+def decode_layer_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, context_tokens: int) -> dict[str, float]:
     """HBM bytes one decode step reads in one layer: weights + KV (activations left out)."""
     s, dim = cfg.hc_mult, cfg.hidden_size
     extra = _role_extra_params(cfg, spec)
-    weights = (_fp8_bytes(_attn_params(cfg)) + cfg.n_routed_experts * dim * 2
-               + expected_experts(cfg, batch) * _expert_params(cfg) * (0.5 + 1 / 32)
-               + _fp8_bytes(_expert_params(cfg)) + 2 * (2 + s) * s * s * dim * 4
-               + 2 * extra.get("compressor_bf16", 0) + _fp8_bytes(extra.get("index_q_fp8", 0))
-               + 2 * extra.get("index_proj_bf16", 0))
+    weights = (
+        _fp8_bytes(_attn_params(cfg))
+        + cfg.n_routed_experts * dim * 2
+        + expected_experts(cfg, batch) * _expert_params(cfg) * (0.5 + 1 / 32)
+        + _fp8_bytes(_expert_params(cfg))
+        + 2 * (2 + s) * s * s * dim * 4
+        + 2 * extra.get("compressor_bf16", 0)
+        + _fp8_bytes(extra.get("index_q_fp8", 0))
+        + 2 * extra.get("index_proj_bf16", 0)
+    )
     if spec.has_engram:
         weights += _fp8_bytes((s + 1) * dim * cfg.engram_hash_columns * cfg.engram_head_dim)
     kv = cfg.sliding_window * qref.window_fp8_record_bytes(cfg.head_dim)
@@ -105,8 +114,12 @@ def encoder_prefill_flops(cfg: ModelConfig, num_tokens: int) -> dict[str, float]
     attn_flops = 0.0
     index_flops = 0.0
     for spec in cfg.layers[:seam]:
-        per_token = (_attn_params(cfg) + cfg.n_routed_experts * dim + mhc_params
-                     + (cfg.num_experts_per_tok + 1) * _expert_params(cfg))
+        per_token = (
+            _attn_params(cfg)
+            + cfg.n_routed_experts * dim
+            + mhc_params
+            + (cfg.num_experts_per_tok + 1) * _expert_params(cfg)
+        )
         extra = _role_extra_params(cfg, spec)
         if spec.owns_compressor:  # projections per token; index keys per entry
             per_token += d * dim * (2 if spec.ratio == 2 else 1)
@@ -124,5 +137,9 @@ def encoder_prefill_flops(cfg: ModelConfig, num_tokens: int) -> dict[str, float]
                     index_flops += 2 * cfg.index_n_heads * cfg.index_head_dim * visible
             attn_flops += 4 * cfg.num_heads * d * keys
     dense_per_token += mhc_params / 2 + d * dim + cfg.index_head_dim * d  # layer-20 seam
-    return {"dense": 2 * dense_per_token * num_tokens, "attention": attn_flops,
-            "index": index_flops, "active_params_per_token": dense_per_token}
+    return {
+        "dense": 2 * dense_per_token * num_tokens,
+        "attention": attn_flops,
+        "index": index_flops,
+        "active_params_per_token": dense_per_token,
+    }

@@ -67,10 +67,18 @@ def group_of(name: str) -> str:
 
 
 def _engine(cfg, model, context: int, batch: int) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(
-        dtype="bfloat16", device="cuda", num_blocks=context // 64 + 16 + 2 * batch,
-        num_slots=batch + 4, max_num_batched_tokens=8192, max_num_seqs=batch,
-        model_id="flashpd-profile"))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            dtype="bfloat16",
+            device="cuda",
+            num_blocks=context // 64 + 16 + 2 * batch,
+            num_slots=batch + 4,
+            max_num_batched_tokens=8192,
+            max_num_seqs=batch,
+            model_id="flashpd-profile",
+        ),
+    )
 
 
 FIRST_PROMPT_MS: list[float] = []  # per _start call: ms to the prefix prompt's first token
@@ -193,8 +201,12 @@ def op_table(run, steps: int, top: int = 30, sites: int = 40) -> list[str]:
             table[key][0] += us
             table[key][1] += 1
     total = sum(v[0] for v in per_op.values()) / steps / 1e3
-    lines = [f"Torch ops: {total:.2f} ms per step ({sum(v[1] for v in per_op.values()) / steps:.0f}"
-             " launches).", "", "| torch op | ms/step | calls/step |", "|---|---|---|"]
+    lines = [
+        f"Torch ops: {total:.2f} ms per step ({sum(v[1] for v in per_op.values()) / steps:.0f} launches).",
+        "",
+        "| torch op | ms/step | calls/step |",
+        "|---|---|---|",
+    ]
     for key, (us, n) in sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| `{key}` | {us / steps / 1e3:.3f} | {n / steps:.0f} |")
     lines += ["", "| torch op | called from | ms/step | calls/step |", "|---|---|---|---|"]
@@ -206,9 +218,19 @@ def op_table(run, steps: int, top: int = 30, sites: int = 40) -> list[str]:
 def prefill_profile(cfg, model, length: int, steps: int) -> list[str]:
     """The prefill role's job (encoder path + layer 20's KV write) on one `length`-token
     prompt: kernel table and torch-op table after a warm-up run."""
-    engine = LLMEngine(model, EngineConfig(
-        role="prefill", dtype="bfloat16", device="cuda", num_blocks=length // 64 + 8,
-        num_slots=2, max_num_batched_tokens=8192, max_num_seqs=2, model_id="flashpd-profile"))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            role="prefill",
+            dtype="bfloat16",
+            device="cuda",
+            num_blocks=length // 64 + 8,
+            num_slots=2,
+            max_num_batched_tokens=8192,
+            max_num_seqs=2,
+            model_id="flashpd-profile",
+        ),
+    )
     g = torch.Generator().manual_seed(1)
     counter = iter(range(1_000_000))
 
@@ -224,8 +246,14 @@ def prefill_profile(cfg, model, length: int, steps: int) -> list[str]:
     one()
     torch.cuda.synchronize()
     total, groups, per_kernel = kernel_table_of(one, 1)
-    lines = [f"## Prefill role, {length:,}-token prompt", "",
-             f"Device time: {total:.1f} ms (eager).", "", "| group | ms | share |", "|---|---|---|"]
+    lines = [
+        f"## Prefill role, {length:,}-token prompt",
+        "",
+        f"Device time: {total:.1f} ms (eager).",
+        "",
+        "| group | ms | share |",
+        "|---|---|---|",
+    ]
     for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {group} | {ms:.2f} | {100 * ms / total:.0f}% |")
     lines += ["", "Top kernels:", "", "| kernel | ms |", "|---|---|"]
@@ -261,8 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", action="store_true", help="also graphed steps under cProfile")
     ap.add_argument("--ops", action="store_true", help="also torch ops by calling line")
     ap.add_argument("--prefill", type=int, default=0, help="also profile an N-token prefill")
-    ap.add_argument("--warm-prefill", type=int, default=None,
-                    help="rows of the load-time prefill warm-up (default: the model's; 0: none)")
+    ap.add_argument(
+        "--warm-prefill",
+        type=int,
+        default=None,
+        help="rows of the load-time prefill warm-up (default: the model's; 0: none)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = preset_config(args.preset)
@@ -271,15 +303,25 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     model.warmup(prefill_rows=args.warm_prefill)
     split = getattr(model, "warmup_s", {})
-    warm = (f"model built in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s ("
-            + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()) + ")")
+    warm = (
+        f"model built in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s ("
+        + ", ".join(f"{k} {v:.1f} s" for k, v in split.items())
+        + ")"
+    )
     print(warm, flush=True)
     graphs = model.graphs
-    lines = [f"# Decode step GPU time by kernel: `{args.preset}` preset, "
-             f"{args.context:,}-token context (eager, torch.profiler)", "",
-             "Command: `python -m flashpd.bench.gpu_profile --out bench/results/h200`", "",
-             "Eager steps (graphs off, so that every kernel shows under its own name); the "
-             "captured graph replays the same kernels.", "", warm + ".", ""]
+    lines = [
+        f"# Decode step GPU time by kernel: `{args.preset}` preset, "
+        f"{args.context:,}-token context (eager, torch.profiler)",
+        "",
+        "Command: `python -m flashpd.bench.gpu_profile --out bench/results/h200`",
+        "",
+        "Eager steps (graphs off, so that every kernel shows under its own name); the "
+        "captured graph replays the same kernels.",
+        "",
+        warm + ".",
+        "",
+    ]
     for batch in args.batch:
         engine = _engine(cfg, model, args.context, batch)
         rids = _start(engine, cfg, args.context, batch, f"b{batch}_")
@@ -296,14 +338,21 @@ def main(argv: list[str] | None = None) -> int:
         while engine.has_unfinished():
             engine.step()
         del engine
-        lines += [f"## B={batch}", "", f"Device time per step: {total:.1f} ms over "
-                  f"{args.steps} steps (eager).", "",
-                  f"The {args.context:,}-token prefix prompt (the engine's first request "
-                  f"{'after load' if batch == args.batch[0] else ''}): first token in "
-                  f"{FIRST_PROMPT_MS[-1]:.0f} ms.", ""]
+        lines += [
+            f"## B={batch}",
+            "",
+            f"Device time per step: {total:.1f} ms over {args.steps} steps (eager).",
+            "",
+            f"The {args.context:,}-token prefix prompt (the engine's first request "
+            f"{'after load' if batch == args.batch[0] else ''}): first token in "
+            f"{FIRST_PROMPT_MS[-1]:.0f} ms.",
+            "",
+        ]
         if host:
-            lines += [f"Graphed step: wall {host['wall_ms']:.1f} ms, device span (CUDA "
-                      f"events) {host['events_ms']:.1f} ms.", ""]
+            lines += [
+                f"Graphed step: wall {host['wall_ms']:.1f} ms, device span (CUDA events) {host['events_ms']:.1f} ms.",
+                "",
+            ]
         lines += ["| group | ms/step | share |", "|---|---|---|"]
         for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {group} | {ms:.2f} | {100 * ms / total:.0f}% |")

@@ -39,29 +39,59 @@ from flashpd.model.presets.small import CHECKPOINT_DIR
 RELEASED_VOCAB = 129_280
 CPU = torch.device("cpu")
 SCHEMAS = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "maxLength": 24}},
-        "required": ["name", "age", "email"], "additionalProperties": False},
-    "order": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1},
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
-                                             "qty": {"type": "integer", "minimum": 1,
-                                                     "maximum": 9}},
-            "required": ["sku", "qty"], "additionalProperties": False}},
-        "status": {"enum": ["open", "paid", "shipped"]}},
-        "required": ["id", "items", "status"], "additionalProperties": False},
-    "weather_call": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "units": {"enum": ["metric", "imperial"]}},
-        "required": ["city", "days", "units"], "additionalProperties": False},
-    "flags": {"type": "object", "properties": {
-        "ok": {"type": "boolean"}, "score": {"type": "number"},
-        "tags": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 6}}},
-        "required": ["ok", "score", "tags"], "additionalProperties": False},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 24},
+        },
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 8},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+            "status": {"enum": ["open", "paid", "shipped"]},
+        },
+        "required": ["id", "items", "status"],
+        "additionalProperties": False,
+    },
+    "weather_call": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            "units": {"enum": ["metric", "imperial"]},
+        },
+        "required": ["city", "days", "units"],
+        "additionalProperties": False,
+    },
+    "flags": {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "score": {"type": "number"},
+            "tags": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 6}},
+        },
+        "required": ["ok", "score", "tags"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -81,17 +111,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def mask_overhead(backend: GrammarBackend, batches: list[int],
-                  device: torch.device = CPU) -> list[dict]:
+def mask_overhead(backend: GrammarBackend, batches: list[int], device: torch.device = CPU) -> list[dict]:
     guided = GuidedDecoding("json_schema", json.dumps(SCHEMAS["order"]))
     backend.compile(guided)
     gen = torch.Generator().manual_seed(0)  # CPU generator: the same draws on every device
     return [_batch_row(backend, guided, b, gen, device) for b in batches]
 
 
-def _batch_row(backend: GrammarBackend, guided: GuidedDecoding, b: int, gen,
-               device: torch.device = CPU, steps: int = 60,
-               warm: int = 5) -> dict:
+def _batch_row(
+    backend: GrammarBackend,
+    guided: GuidedDecoding,
+    b: int,
+    gen,
+    device: torch.device = CPU,
+    steps: int = 60,
+    warm: int = 5,
+) -> dict:
     """One decode step's grammar work for b guided rows, timed piece by piece inside the same
     loop (a difference of two separately timed loops drowns in the shared machine's noise):
     fill the bitmask, expand and apply it to the logits, feed the sampled ids back."""
@@ -116,20 +151,21 @@ def _batch_row(backend: GrammarBackend, guided: GuidedDecoding, b: int, gen,
                 matchers[i] = backend.matcher(guided)
         t4 = time.perf_counter()
         if step >= warm:
-            for key, dt in (("fill", t1 - t0), ("apply", t2 - t1), ("sampler", t3 - t2),
-                            ("accept", t4 - t3)):
+            for key, dt in (("fill", t1 - t0), ("apply", t2 - t1), ("sampler", t3 - t2), ("accept", t4 - t3)):
                 t[key].append(dt * 1e3)
     big = torch.randn(b, RELEASED_VOCAB, generator=gen).to(device)
     big_mask = torch.full((b, (RELEASED_VOCAB + 31) // 32), -1, dtype=torch.int32)  # host
 
     def apply_big() -> None:
-        allowed_big = allowed_from_bitmask(big_mask.to(device, non_blocking=True),
-                                           RELEASED_VOCAB)
+        allowed_big = allowed_from_bitmask(big_mask.to(device, non_blocking=True), RELEASED_VOCAB)
         big.masked_fill(~allowed_big, float("-inf"))
         _sync(device)
 
-    row = {"batch": b, **{f"{k}_ms": statistics.median(v) for k, v in t.items()},
-           "apply_released_vocab_ms": _median_ms(apply_big)}
+    row = {
+        "batch": b,
+        **{f"{k}_ms": statistics.median(v) for k, v in t.items()},
+        "apply_released_vocab_ms": _median_ms(apply_big),
+    }
     row["overhead_ms"] = row["fill_ms"] + row["apply_ms"] + row["accept_ms"]
     return row
 
@@ -147,14 +183,19 @@ def validity(num_objects: int, batch: int = 50, device: str = "cpu") -> dict:
 
     from flashpd.engine.llm_engine import EngineConfig
     from flashpd.engine.loading import load_engine, load_tokenizer
+
     ckpt = CHECKPOINT_DIR
     dtype = "bfloat16" if device.startswith("cuda") else "float32"  # the GPU path's dtype
-    engine = load_engine(ckpt, EngineConfig(num_blocks=512, num_slots=batch, max_num_seqs=batch,
-                                            model_id="flashpd-small", device=device,
-                                            dtype=dtype))
+    engine = load_engine(
+        ckpt,
+        EngineConfig(
+            num_blocks=512, num_slots=batch, max_num_seqs=batch, model_id="flashpd-small", device=device, dtype=dtype
+        ),
+    )
     tok = load_tokenizer(ckpt)
-    prompt = tok.encode("<|begin_of_sentence|><|User|>Reply with a JSON object.<|Assistant|>",
-                        add_special_tokens=False).ids
+    prompt = tok.encode(
+        "<|begin_of_sentence|><|User|>Reply with a JSON object.<|Assistant|>", add_special_tokens=False
+    ).ids
     names = list(SCHEMAS)
     results = {"objects": 0, "valid": 0, "truncated": 0, "tokens": 0, "failures": []}
     t0 = time.perf_counter()
@@ -162,9 +203,13 @@ def validity(num_objects: int, batch: int = 50, device: str = "cpu") -> dict:
         texts: dict[str, list[int]] = {}
         for i in range(start, min(start + batch, num_objects)):
             schema = SCHEMAS[names[i % len(names)]]
-            engine.add_request(f"o{i}", prompt, SamplingParams(
-                max_tokens=256, temperature=1.0, seed=i,
-                guided=GuidedDecoding("json_schema", json.dumps(schema))))
+            engine.add_request(
+                f"o{i}",
+                prompt,
+                SamplingParams(
+                    max_tokens=256, temperature=1.0, seed=i, guided=GuidedDecoding("json_schema", json.dumps(schema))
+                ),
+            )
             texts[f"o{i}"] = []
         reasons = {}
         while engine.has_unfinished():
@@ -186,28 +231,40 @@ def validity(num_objects: int, batch: int = 50, device: str = "cpu") -> dict:
     return results
 
 
-def _report(mask: list[dict], compiled: dict, valid: dict | None, vocab: int,
-            device: str = "cpu") -> str:
+def _report(mask: list[dict], compiled: dict, valid: dict | None, vocab: int, device: str = "cpu") -> str:
     where = "CPU" if device == "cpu" else f"{device} ({_device_name(device)})"
-    lines = [f"# Grammar mask on {where} (structured outputs, enforced tool calls)", "",
-             f"xgrammar; `small` tokenizer (V = {vocab:,}); JSON-schema grammar (`order`); one "
-             "torch thread; bitmask filled on the host, mask expand + apply and the sampler on "
-             f"{device} (timed to a device sync).", "",
-             "| batch | bitmask fill (ms) | mask expand + apply (ms) | accept ids (ms) | "
-             "**grammar overhead (ms/step)** | sampler itself (ms) | mask apply at "
-             "V = 129,280 (ms) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Grammar mask on {where} (structured outputs, enforced tool calls)",
+        "",
+        f"xgrammar; `small` tokenizer (V = {vocab:,}); JSON-schema grammar (`order`); one "
+        "torch thread; bitmask filled on the host, mask expand + apply and the sampler on "
+        f"{device} (timed to a device sync).",
+        "",
+        "| batch | bitmask fill (ms) | mask expand + apply (ms) | accept ids (ms) | "
+        "**grammar overhead (ms/step)** | sampler itself (ms) | mask apply at "
+        "V = 129,280 (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in mask:
-        lines.append(f"| {r['batch']} | {r['fill_ms']:.3f} | {r['apply_ms']:.3f} | "
-                     f"{r['accept_ms']:.3f} | **{r['overhead_ms']:.3f}** | "
-                     f"{r['sampler_ms']:.3f} | {r['apply_released_vocab_ms']:.3f} |")
-    lines += ["", f"Compilation of the `order` schema: {compiled['cold_ms']:.1f} ms cold, "
-              f"{compiled['cached_ms'] * 1e3:.1f} us from the cache."]
+        lines.append(
+            f"| {r['batch']} | {r['fill_ms']:.3f} | {r['apply_ms']:.3f} | "
+            f"{r['accept_ms']:.3f} | **{r['overhead_ms']:.3f}** | "
+            f"{r['sampler_ms']:.3f} | {r['apply_released_vocab_ms']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Compilation of the `order` schema: {compiled['cold_ms']:.1f} ms cold, "
+        f"{compiled['cached_ms'] * 1e3:.1f} us from the cache.",
+    ]
     if valid is not None:
         rate = 100.0 * valid["valid"] / max(1, valid["objects"])
-        lines += ["", f"Schema validity: **{valid['valid']} / {valid['objects']} ({rate:.1f}%)** "
-                  f"objects parse and validate (`jsonschema`); {valid['truncated']} hit "
-                  f"max_tokens; {valid['tokens']:,} tokens in {valid['seconds']:.0f} s "
-                  f"(trained `small` checkpoint on {device}, temperature 1.0, 4 schemas)."]
+        lines += [
+            "",
+            f"Schema validity: **{valid['valid']} / {valid['objects']} ({rate:.1f}%)** "
+            f"objects parse and validate (`jsonschema`); {valid['truncated']} hit "
+            f"max_tokens; {valid['tokens']:,} tokens in {valid['seconds']:.0f} s "
+            f"(trained `small` checkpoint on {device}, temperature 1.0, 4 schemas).",
+        ]
         lines += [f"- {f}" for f in valid["failures"][:10]]
     return "\n".join(lines) + "\n"
 
@@ -234,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _check_device(args.device)
     torch.set_num_threads(1)
     from flashpd.engine.loading import EOS_TOKEN, load_tokenizer
+
     tok = load_tokenizer(CHECKPOINT_DIR)
     backend = GrammarBackend.from_tokenizer(tok, tok.get_vocab_size(), tok.token_to_id(EOS_TOKEN))
     mask = mask_overhead(backend, args.batch, device)

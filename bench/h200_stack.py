@@ -68,6 +68,8 @@ def smoke_plan(checkpoint: str) -> None:
     CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS = checkpoint, {"s": 40}, 200, 8
     CONCURRENCY, TRANSFER_PROMPTS, SESSION_PROMPT = {1: 1, 2: 2}, (256, 512), 300
     CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS = 1024, (0.3, 0.6), 400
+
+
 BYTES_PER_BLOCK = 113_920  # 890 B/token x 128 (bench = released KV geometry)
 
 
@@ -93,25 +95,25 @@ def run_reference(out: str) -> dict:
     from flashpd.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    engine = load_engine(CHECKPOINT, EngineConfig(
-        role="colocated", num_blocks=2048, num_slots=16, max_num_seqs=16,
-        max_num_batched_tokens=8192, **REF_ENGINE))
+    engine = load_engine(
+        CHECKPOINT,
+        EngineConfig(
+            role="colocated", num_blocks=2048, num_slots=16, max_num_seqs=16, max_num_batched_tokens=8192, **REF_ENGINE
+        ),
+    )
     load_s = time.perf_counter() - t0
     greedy = {}
     for i, (name, n) in enumerate(CHECK_PROMPTS.items()):
         rid = f"g-{name}"
-        engine.add_request(rid, prompt_ids(n, 100 + i), SamplingParams(
-            max_tokens=CHECK_TOKENS, ignore_eos=True))
+        engine.add_request(rid, prompt_ids(n, 100 + i), SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))
         ids: list[int] = []
         while engine.has_unfinished():
             for o in engine.step():
                 ids.extend(o.new_token_ids)
         greedy[name] = ids
-    pd = pd_greedy(engine.model, {name: prompt_ids(n, 100 + i)
-                                  for i, (name, n) in enumerate(CHECK_PROMPTS.items())})
+    pd = pd_greedy(engine.model, {name: prompt_ids(n, 100 + i) for i, (name, n) in enumerate(CHECK_PROMPTS.items())})
     steps = {b: engine_step_ms(engine, b) for b in (1, 8)}
-    ref = {"load_s": round(load_s, 1), "greedy": greedy, "pd_greedy": pd,
-           "engine_step_ms": steps}
+    ref = {"load_s": round(load_s, 1), "greedy": greedy, "pd_greedy": pd, "engine_step_ms": steps}
     with open(os.path.join(out, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
     print(f"reference: load {load_s:.1f} s, engine step ms {steps}", flush=True)
@@ -127,9 +129,16 @@ def pd_greedy(model, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     from flashpd.engine.llm_engine import EngineConfig, LLMEngine
     from flashpd.engine.sampling import SamplingParams
 
-    common = dict(num_blocks=1536, num_slots=8, max_num_seqs=8, max_num_batched_tokens=8192,
-                  swa_bounded_replay=True, async_scheduling=True,
-                  max_model_len=STACK_MAX_MODEL_LEN, **REF_ENGINE)
+    common = dict(
+        num_blocks=1536,
+        num_slots=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        swa_bounded_replay=True,
+        async_scheduling=True,
+        max_model_len=STACK_MAX_MODEL_LEN,
+        **REF_ENGINE,
+    )
     pre = LLMEngine(model, EngineConfig(role="prefill", **common))
     dec = LLMEngine(model, EngineConfig(role="decode", **common))
     out = {}
@@ -142,7 +151,7 @@ def pd_greedy(model, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
         if ready.finish_reason != "kv_ready":
             raise RuntimeError(f"prefill of {name} ended with {ready.finish_reason}")
         r = dec.reserve(rid, ids, SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))
-        src = torch.tensor(ready.kv_block_ids[r.num_cached_blocks:], dtype=torch.long)
+        src = torch.tensor(ready.kv_block_ids[r.num_cached_blocks :], dtype=torch.long)
         dst = torch.tensor(r.missing_block_ids, dtype=torch.long)
         theirs, ours = pre.pools.transfer_groups(), dec.pools.transfer_groups()
         for group, pool in theirs.items():
@@ -163,8 +172,9 @@ def engine_step_ms(engine, batch: int, steps: int = 24) -> float:
 
     rids = [f"s{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(rids):
-        engine.add_request(rid, prompt_ids(CLIENT_PROMPT, 500 + 37 * batch + i),
-                           SamplingParams(max_tokens=steps + 40, ignore_eos=True))
+        engine.add_request(
+            rid, prompt_ids(CLIENT_PROMPT, 500 + 37 * batch + i), SamplingParams(max_tokens=steps + 40, ignore_eos=True)
+        )
     while any(engine.stats[r].first_token_s is None for r in rids):
         engine.step()
     for _ in range(4):
@@ -202,16 +212,22 @@ class Rec:
         ttft = (a[0] - self.t0) * 1e3 if a else None
         gaps = [(y - x) * 1e3 for x, y in zip(a, a[1:], strict=False)]
         decode_s = a[-1] - a[0] if len(a) > 1 else 0
-        return {"ttft_ms": ttft, "gaps_ms": gaps, "tokens": self.tokens, "error": self.error,
-                "tok_s_user": (self.tokens - 1) / decode_s if decode_s > 0 else None,
-                "e2e_s": (a[-1] - self.t0) if a else None}
+        return {
+            "ttft_ms": ttft,
+            "gaps_ms": gaps,
+            "tokens": self.tokens,
+            "error": self.error,
+            "tok_s_user": (self.tokens - 1) / decode_s if decode_s > 0 else None,
+            "e2e_s": (a[-1] - self.t0) if a else None,
+        }
 
 
 async def sdk_request(client, ids, max_tokens, rec: Rec | None = None, **kw):
     rec = rec or Rec()
     try:
-        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                                 temperature=0.0, timeout_s=600, **kw)
+        stream = client.generate(
+            prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, timeout_s=600, **kw
+        )
         async for chunk in stream:
             if chunk.token_ids:
                 rec.add(len(chunk.token_ids))
@@ -226,8 +242,13 @@ async def openai_request(client, model, ids, max_tokens, rec: Rec | None = None)
     text = []
     try:
         stream = await client.completions.create(
-            model=model, prompt=ids, max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True})
+            model=model,
+            prompt=ids,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 rec.add(1)
@@ -255,11 +276,14 @@ async def phase_greedy(stack, ref: dict, tok) -> dict:
         got = list(g.result.output_ids) if g.result else []
         h = await openai_request(oai, stack.model_id, ids, CHECK_TOKENS)
         want_text = tok.decode(want, skip_special_tokens=True)
-        out[name] = {"grpc_identical": got == want, "http_identical": h.text == want_text,
-                     "grpc_error": g.error, "http_error": h.error,
-                     "first_diff": next((k for k, (x, y) in enumerate(zip(got, want, strict=False))
-                                         if x != y), None),
-                     "colocated_identical": got == ref["greedy"][name]}
+        out[name] = {
+            "grpc_identical": got == want,
+            "http_identical": h.text == want_text,
+            "grpc_error": g.error,
+            "http_error": h.error,
+            "first_diff": next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), None),
+            "colocated_identical": got == ref["greedy"][name],
+        }
     await client.close()
     await oai.close()
     return out
@@ -278,13 +302,16 @@ async def phase_transfer(stack) -> dict:
             continue
         blocks = -(-n // 128)
         ms = r.timeline.get("transfer_ms", 0.0)
-        out[str(n)] = {"transfer_ms": round(ms, 3), "bytes": blocks * BYTES_PER_BLOCK,
-                       "gb_s": round(blocks * BYTES_PER_BLOCK / ms / 1e6, 1) if ms else None,
-                       "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
-                       "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
-                       "replay_ms": round(r.timeline.get("replay_ms", 0), 1),
-                       "route_ms": round(r.timeline.get("route_ms", 0), 2),
-                       "reserve_ms": round(r.timeline.get("reserve_ms", 0), 2)}
+        out[str(n)] = {
+            "transfer_ms": round(ms, 3),
+            "bytes": blocks * BYTES_PER_BLOCK,
+            "gb_s": round(blocks * BYTES_PER_BLOCK / ms / 1e6, 1) if ms else None,
+            "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
+            "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
+            "replay_ms": round(r.timeline.get("replay_ms", 0), 1),
+            "route_ms": round(r.timeline.get("route_ms", 0), 2),
+            "reserve_ms": round(r.timeline.get("reserve_ms", 0), 2),
+        }
         print(f"transfer {n}: {out[str(n)]}", flush=True)
     await client.close()
     return out
@@ -304,11 +331,15 @@ async def phase_sessions(stack) -> dict:
         if r is None:
             turns.append({"error": rec.error})
             break
-        turns.append({"prompt_tokens": r.usage.prompt_tokens,
-                      "cached_tokens": r.usage.cached_tokens,
-                      "cached_tokens_decode": r.usage.cached_tokens_decode,
-                      "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
-                      "prefill_worker": r.prefill_worker})
+        turns.append(
+            {
+                "prompt_tokens": r.usage.prompt_tokens,
+                "cached_tokens": r.usage.cached_tokens,
+                "cached_tokens_decode": r.usage.cached_tokens_decode,
+                "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
+                "prefill_worker": r.prefill_worker,
+            }
+        )
         history = history + list(r.output_ids) + prompt_ids(64, 900 + turn)
     await client.close()
     return {"turns": turns}
@@ -324,14 +355,19 @@ async def phase_itl_b8(stack) -> dict:
     prompts = [prompt_ids(ITL_B8_PROMPT, 31000 + i) for i in range(8)]
     for i, ids in enumerate(prompts):
         await sdk_request(client, ids, 1, session_id=f"b8-{i}")
-    recs = await asyncio.gather(*(sdk_request(client, ids, ITL_B8_TOKENS, session_id=f"b8-{i}")
-                                  for i, ids in enumerate(prompts)))
+    recs = await asyncio.gather(
+        *(sdk_request(client, ids, ITL_B8_TOKENS, session_id=f"b8-{i}") for i, ids in enumerate(prompts))
+    )
     await client.close()
     rows = [r.row() for r in recs]
     gaps = [g for r in rows if r["error"] is None for g in r["gaps_ms"][8:]]  # all 8 decoding
-    return {"requests": len(rows), "errors": sum(r["error"] is not None for r in rows),
-            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p90": pct(gaps, 0.9),
-            "ttft_ms_p50": pct([r["ttft_ms"] for r in rows if r["ttft_ms"]], 0.5)}
+    return {
+        "requests": len(rows),
+        "errors": sum(r["error"] is not None for r in rows),
+        "itl_ms_p50": pct(gaps, 0.5),
+        "itl_ms_p90": pct(gaps, 0.9),
+        "ttft_ms_p50": pct([r["ttft_ms"] for r in rows if r["ttft_ms"]], 0.5),
+    }
 
 
 def phase_agentx(stack, out: str, deadline: float) -> dict:
@@ -344,19 +380,43 @@ def phase_agentx(stack, out: str, deadline: float) -> dict:
         if left < AGENTX_WINDOW_S + 30:
             done[str(c)] = "skipped: time box"
             continue
-        cmd = [sys.executable, "-m", "flashpd.cli", "bench", "run", "--target",
-               stack.grpc_target, "--gpus", "1", "-c", str(c), "--window-s",
-               str(AGENTX_WINDOW_S), "--warmup-requests", "1", "--trees", "32",
-               "--drain-timeout-s", "30", "--request-timeout-s", "120", "--no-progress",
-               "--name", "flashpd", "--out", os.path.join(study, "flashpd", f"c{c}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashpd.cli",
+            "bench",
+            "run",
+            "--target",
+            stack.grpc_target,
+            "--gpus",
+            "1",
+            "-c",
+            str(c),
+            "--window-s",
+            str(AGENTX_WINDOW_S),
+            "--warmup-requests",
+            "1",
+            "--trees",
+            "32",
+            "--drain-timeout-s",
+            "30",
+            "--request-timeout-s",
+            "120",
+            "--no-progress",
+            "--name",
+            "flashpd",
+            "--out",
+            os.path.join(study, "flashpd", f"c{c}"),
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
             done[str(c)] = {"rc": r.returncode, "tail": (r.stdout + r.stderr)[-600:]}
         except subprocess.TimeoutExpired:
             done[str(c)] = "timed out (records so far kept)"
         print(f"agentx c={c}: {done[str(c)]}", flush=True)
-    rep = subprocess.run([sys.executable, "-m", "flashpd.cli", "bench", "report", study],
-                         capture_output=True, text=True, timeout=120)
+    rep = subprocess.run(
+        [sys.executable, "-m", "flashpd.cli", "bench", "report", study], capture_output=True, text=True, timeout=120
+    )
     done["report"] = (rep.stdout + rep.stderr)[-3000:]
     return done
 
@@ -390,15 +450,21 @@ async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: i
     rows = [r.row() for r in recs]
     ok = [r for r in rows if r["error"] is None and r["ttft_ms"] is not None]
     gaps = [g for r in ok for g in r["gaps_ms"]]
-    return {"client": kind, "concurrency": concurrency, "requests": len(rows),
-            "errors": len(rows) - len(ok),
-            "error_samples": [r["error"] for r in rows if r["error"]][:3],
-            "ttft_ms_p50": pct([r["ttft_ms"] for r in ok], 0.5),
-            "ttft_ms_p90": pct([r["ttft_ms"] for r in ok], 0.9),
-            "itl_ms_p50": pct(gaps, 0.5), "itl_ms_p90": pct(gaps, 0.9),
-            "itl_ms_mean": round(statistics.mean(gaps), 2) if gaps else None,
-            "tok_s_per_user_p50": pct([r["tok_s_user"] for r in ok if r["tok_s_user"]], 0.5),
-            "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 1)}
+    return {
+        "client": kind,
+        "concurrency": concurrency,
+        "requests": len(rows),
+        "errors": len(rows) - len(ok),
+        "error_samples": [r["error"] for r in rows if r["error"]][:3],
+        "ttft_ms_p50": pct([r["ttft_ms"] for r in ok], 0.5),
+        "ttft_ms_p90": pct([r["ttft_ms"] for r in ok], 0.9),
+        "itl_ms_p50": pct(gaps, 0.5),
+        "itl_ms_p90": pct(gaps, 0.9),
+        "itl_ms_mean": round(statistics.mean(gaps), 2) if gaps else None,
+        "tok_s_per_user_p50": pct([r["tok_s_user"] for r in ok if r["tok_s_user"]], 0.5),
+        "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+        "wall_s": round(wall, 1),
+    }
 
 
 async def phase_faults(stack, deadline: float) -> dict:
@@ -420,16 +486,19 @@ async def phase_faults(stack, deadline: float) -> dict:
     idle = await asyncio.to_thread(stack.wait_idle_blocks, 30.0)
     held = stack.blocks_held()
     after = await sdk_request(client, prompt_ids(256, 1), 4)
-    out["cancel"] = {"outcomes": cancels, "idle_after_s": idle, "blocks_held_after": held,
-                     "served_after": after.error is None}
+    out["cancel"] = {
+        "outcomes": cancels,
+        "idle_after_s": idle,
+        "blocks_held_after": held,
+        "served_after": after.error is None,
+    }
     print(f"faults cancel: {out['cancel']}", flush=True)
     if time.monotonic() > deadline - 150:
         out["decode_kill"] = {"skipped": "no time left in the box"}
         return out
     # a decode replica killed mid-stream
     rec = Rec()
-    task = asyncio.ensure_future(sdk_request(client, prompt_ids(CLIENT_PROMPT, 5), 400,
-                                             rec=rec))
+    task = asyncio.ensure_future(sdk_request(client, prompt_ids(CLIENT_PROMPT, 5), 400, rec=rec))
     while rec.tokens < 20 and not task.done():
         await asyncio.sleep(0.01)
     (victim,) = list(stack.replica_actors("decode"))
@@ -445,11 +514,15 @@ async def phase_faults(stack, deadline: float) -> dict:
         await asyncio.sleep(1.0)
     after = await sdk_request(client, prompt_ids(256, 2), 4) if ready else None
     idle = await asyncio.to_thread(stack.wait_idle_blocks, 15.0) if ready else None
-    out["decode_kill"] = {"stream_tokens": rec.tokens, "stream_error": rec.error,
-                          "replacement_ready_s": ready, "idle_after_s": idle,
-                          "blocks_held_after": stack.blocks_held() if ready else None,
-                          "served_after": bool(after and after.error is None),
-                          "after_error": after.error if after else None}
+    out["decode_kill"] = {
+        "stream_tokens": rec.tokens,
+        "stream_error": rec.error,
+        "replacement_ready_s": ready,
+        "idle_after_s": idle,
+        "blocks_held_after": stack.blocks_held() if ready else None,
+        "served_after": bool(after and after.error is None),
+        "after_error": after.error if after else None,
+    }
     print(f"faults decode kill: {out['decode_kill']}", flush=True)
     await client.close()
     return out
@@ -465,9 +538,12 @@ def transports(stack) -> dict:
 
 def gpu_memory() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                               "--format=csv"], capture_output=True, text=True,
-                              timeout=20).stdout
+        return subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
     except Exception as e:  # noqa: BLE001
         return repr(e)
 
@@ -487,13 +563,21 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
         res["gpu_memory"] = gpu_memory()
         print(res["gpu_memory"], flush=True)
         stack.wait_idle_blocks = lambda timeout_s: _wait_idle(stack, timeout_s)
-        phases = [("greedy", lambda: phase_greedy(stack, ref, tok) if ref else None),
-                  ("transfer", lambda: phase_transfer(stack)),
-                  ("sessions", lambda: phase_sessions(stack))]
+        phases = [
+            ("greedy", lambda: phase_greedy(stack, ref, tok) if ref else None),
+            ("transfer", lambda: phase_transfer(stack)),
+            ("sessions", lambda: phase_sessions(stack)),
+        ]
         for kind in ("openai", "sdk"):
             for c, n in CONCURRENCY.items():
-                phases.append((f"{kind}_c{c}", lambda k=kind, c=c, n=n: run_clients(
-                    stack, k, c, n, 20000 + 1000 * c + (0 if k == "sdk" else 500))))
+                phases.append(
+                    (
+                        f"{kind}_c{c}",
+                        lambda k=kind, c=c, n=n: run_clients(
+                            stack, k, c, n, 20000 + 1000 * c + (0 if k == "sdk" else 500)
+                        ),
+                    )
+                )
         phases.append(("itl_b8", lambda: phase_itl_b8(stack)))
         phases.append(("faults", lambda: phase_faults(stack, deadline)))
         for name, make in phases:
@@ -506,14 +590,13 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
                 res[name] = asyncio.run(coro) if coro is not None else {"skipped": "no ref"}
             except Exception as e:  # noqa: BLE001 - one phase failing keeps the others
                 res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            print(f"== {name} ({time.monotonic() - t1:.1f} s): {json.dumps(res[name])[:600]}",
-                  flush=True)
+            print(f"== {name} ({time.monotonic() - t1:.1f} s): {json.dumps(res[name])[:600]}", flush=True)
             _dump(out, res)
             if name == "transfer":
                 res["transport"] = transports(stack)
                 print(f"transport: {res['transport']}", flush=True)
                 try:
-                    res["push_records"] = stack.push_records()[-len(TRANSFER_PROMPTS):]
+                    res["push_records"] = stack.push_records()[-len(TRANSFER_PROMPTS) :]
                 except Exception as e:  # noqa: BLE001
                     res["push_records"] = repr(e)[:300]
                 print(f"pushes: {res['push_records']}", flush=True)
@@ -548,21 +631,19 @@ def summary(out: str, commit: str) -> dict:
     all_runs = [res.get(f"{k}_c{c}", {}) for k in ("openai", "sdk") for c in CONCURRENCY]
     turns = (res.get("sessions") or {}).get("turns") or []
     s = {
-        "commit": commit, "preset": "bench",
+        "commit": commit,
+        "preset": "bench",
         "transport": (res.get("transport") or {}).get("transport", "unknown"),
-        "transfer_gb_s": {k: (res.get("transfer") or {}).get(k, {}).get("gb_s")
-                          for k in ("8192", "32768", "131072")},
+        "transfer_gb_s": {k: (res.get("transfer") or {}).get(k, {}).get("gb_s") for k in ("8192", "32768", "131072")},
         # against the engines alone under the stack's scheme (P/D engines in one process)
-        "greedy_identical_to_colocated": bool(greedy) and all(
-            isinstance(g, dict) and g.get("grpc_identical") and g.get("http_identical")
-            for g in greedy.values()),
-        "greedy_identical_to_colocated_narrowing": bool(greedy) and all(
-            isinstance(g, dict) and g.get("colocated_identical") for g in greedy.values()),
+        "greedy_identical_to_colocated": bool(greedy)
+        and all(isinstance(g, dict) and g.get("grpc_identical") and g.get("http_identical") for g in greedy.values()),
+        "greedy_identical_to_colocated_narrowing": bool(greedy)
+        and all(isinstance(g, dict) and g.get("colocated_identical") for g in greedy.values()),
         "itl_ms_p50_batch8_isolated": (res.get("itl_b8") or {}).get("itl_ms_p50"),
         "ttft_ms_p50": {str(c): clients[c].get("ttft_ms_p50") for c in CONCURRENCY},
         "itl_ms_p50": {str(c): clients[c].get("itl_ms_p50") for c in CONCURRENCY},
-        "engine_step_ms": {str(b): (ref.get("engine_step_ms") or {}).get(str(b))
-                           for b in (1, 8)},
+        "engine_step_ms": {str(b): (ref.get("engine_step_ms") or {}).get(str(b)) for b in (1, 8)},
         "requests": sum(r.get("requests", 0) for r in all_runs),
         "errors": sum(r.get("errors", 0) for r in all_runs),
         "first_hit_new_width_ms": turns[1].get("ttft_ms") if len(turns) > 1 else None,
@@ -578,8 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", choices=["reference", "stack", "both"], default="both")
     p.add_argument("--config", default=os.path.abspath("infra/serve.h200.yaml"))
     p.add_argument("--budget-s", type=float, default=420.0)
-    p.add_argument("--end-unix", type=float, default=None,
-                   help="finish the stack phase by this unix time (overrides --budget-s)")
+    p.add_argument(
+        "--end-unix", type=float, default=None, help="finish the stack phase by this unix time (overrides --budget-s)"
+    )
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
     p.add_argument("--smoke-checkpoint", help="CPU smoke: tiny sizes, this checkpoint")
     a = p.parse_args(argv)
@@ -587,8 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         smoke_plan(a.smoke_checkpoint)
     os.makedirs(a.out, exist_ok=True)
     if a.phase == "both":  # the reference in its own process: its GPU memory goes back
-        cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out,
-               "--phase", "reference"]
+        cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out, "--phase", "reference"]
         if a.smoke_checkpoint:
             cmd += ["--smoke-checkpoint", a.smoke_checkpoint]
         subprocess.run(cmd, check=False)

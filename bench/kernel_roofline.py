@@ -45,9 +45,7 @@ L2_BYTES = 256 << 20  # rotate weight copies until a graph replay streams this m
 DEV = "cuda"
 
 # name -> (DenseConfig overrides, AttentionConfig overrides; mappings merged)
-VARIANTS = {
-    "after": ({}, {}),
-}
+VARIANTS = {"after": ({}, {})}
 _MX = {"block_n": 32, "block_k": 256, "warps": 4, "stages": 3, "target_ctas": 1024}
 # mx_* sweeps run the MXFP4 expert cases at decode sizes; pf_* the prefill cases; others the
 # M = 1 and 64 cases of wq_a, wo_b, the experts and attention
@@ -56,8 +54,7 @@ SWEEP = {
     "mx_ds_k128": ({"mx": {**_MX, "block_k": 128}}, {}),
     "mx_ds_k64_t264": ({"mx": {**_MX, "block_k": 64, "target_ctas": 264, "stages": 4}}, {}),
     "mx_asm": ({"mxfp4_decode": "asm"}, {}),
-    "mx_asm_k128_t264": ({"mxfp4_decode": "asm", "mx": {**_MX, "block_k": 128,
-                                                         "target_ctas": 264}}, {}),
+    "mx_asm_k128_t264": ({"mxfp4_decode": "asm", "mx": {**_MX, "block_k": 128, "target_ctas": 264}}, {}),
     "mx_bits": ({"mxfp4_decode": "bits"}, {}),
 }
 
@@ -73,8 +70,7 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     mm_ms = time_ms(lambda: a @ b, reps=10)
-    return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
-            "bf16_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12}
+    return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9, "bf16_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12}
 
 
 def graph_ms(calls: list, reps: int = 7) -> float:
@@ -151,9 +147,13 @@ def run_meta(name: str, argv: list[str] | None, shape: dict, **extra) -> dict:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    return {"command": f"python -m flashpd.bench.{name} " + " ".join(argv),
-            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
-            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), "shape": shape, **extra}
+    return {
+        "command": f"python -m flashpd.bench.{name} " + " ".join(argv),
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
+        "commit": os.environ.get("FLASHPD_COMMIT", "unknown"),
+        "shape": shape,
+        **extra,
+    }
 
 
 def copies_for(nbytes: float) -> int:
@@ -184,10 +184,8 @@ def rand_mxfp4(n: int, k: int, experts: int, seed: int):
     from flashpd.kernels.dense.triton import Weights
 
     g = torch.Generator(device=DEV).manual_seed(seed)
-    packed = torch.randint(0, 256, (experts, n, k // 2), device=DEV, generator=g,
-                           dtype=torch.uint8)
-    scale = torch.randint(118, 123, (experts, n, k // 32), device=DEV, generator=g,
-                          dtype=torch.uint8)
+    packed = torch.randint(0, 256, (experts, n, k // 2), device=DEV, generator=g, dtype=torch.uint8)
+    scale = torch.randint(118, 123, (experts, n, k // 32), device=DEV, generator=g, dtype=torch.uint8)
     return Weights.mxfp4(packed, scale)
 
 
@@ -197,12 +195,14 @@ def deq(w) -> torch.Tensor:
     from flashpd.kernels.quant import ref as qref
 
     if w.fmt == W_FP8:
-        return torch.stack([qref.dequantize_fp8_blockwise(w.data[e].view(torch.float8_e4m3fn),
-                                                          w.scale[e], torch.float32)
-                            for e in range(w.num_experts)])
+        return torch.stack(
+            [
+                qref.dequantize_fp8_blockwise(w.data[e].view(torch.float8_e4m3fn), w.scale[e], torch.float32)
+                for e in range(w.num_experts)
+            ]
+        )
     if w.fmt == W_MXFP4:
-        return torch.stack([qref.dequantize_mxfp4_weight(w.data[e], w.scale[e]).float()
-                            for e in range(w.num_experts)])
+        return torch.stack([qref.dequantize_mxfp4_weight(w.data[e], w.scale[e]).float() for e in range(w.num_experts)])
     return w.data.float()
 
 
@@ -224,43 +224,44 @@ class Case:
 def dense_cases(ms, names) -> list[Case]:
     from flashpd.kernels.dense import triton as dt
 
-    shapes = {"wq_a": (Q_LORA, HIDDEN, 1), "wq_b": (HEADS * HEAD_DIM, Q_LORA, 1),
-              "wkv": (HEAD_DIM, HIDDEN, 1), "wo_a": (O_LORA, HEADS // O_GROUPS * HEAD_DIM,
-                                                     O_GROUPS),
-              "wo_b": (HIDDEN, O_GROUPS * O_LORA, 1),
-              "idx_wq_b": (INDEX_HEADS * INDEX_DIM, Q_LORA, 1)}
+    shapes = {
+        "wq_a": (Q_LORA, HIDDEN, 1),
+        "wq_b": (HEADS * HEAD_DIM, Q_LORA, 1),
+        "wkv": (HEAD_DIM, HIDDEN, 1),
+        "wo_a": (O_LORA, HEADS // O_GROUPS * HEAD_DIM, O_GROUPS),
+        "wo_b": (HIDDEN, O_GROUPS * O_LORA, 1),
+        "idx_wq_b": (INDEX_HEADS * INDEX_DIM, Q_LORA, 1),
+    }
     out = []
     for name in names:
         n, k, e = shapes[name]
         base = rand_fp8(n, k, e, seed=hash(name) % 1000)
-        copies = [base] + [dt.Weights(base.fmt, base.data.clone(), base.scale.clone())
-                           for _ in range(copies_for(wbytes(base)) - 1)]
+        copies = [base] + [
+            dt.Weights(base.fmt, base.data.clone(), base.scale.clone()) for _ in range(copies_for(wbytes(base)) - 1)
+        ]
         ref_w = deq(base)
         for m in ms:
-            c = Case("fp8_dense", f"{name} N={n} K={k}" + (f" G={e}" if e > 1 else ""), m,
-                     "prefill" if m > 64 else "decode")
+            c = Case(
+                "fp8_dense", f"{name} N={n} K={k}" + (f" G={e}" if e > 1 else ""), m, "prefill" if m > 64 else "decode"
+            )
             rows = m * e
             x = torch.randn(rows, k, device=DEV).to(torch.bfloat16)
             c.bytes = wbytes(base) + rows * (k + n) * 2
             c.flops = 2.0 * rows * n * k
             if e == 1:
-                c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16,
-                                                              tuned=LAUNCH.tuned)
-                           for w in copies]
+                c.calls = [lambda w=w, x=x: dt.linear_weights(x, w, torch.bfloat16, tuned=LAUNCH.tuned) for w in copies]
                 c.check = lambda x=x, w=base, r=ref_w: rel_err(
-                    dt.linear_weights(x, w, torch.bfloat16, tuned=LAUNCH.tuned),
-                    x.float() @ r[0].T)
+                    dt.linear_weights(x, w, torch.bfloat16, tuned=LAUNCH.tuned), x.float() @ r[0].T
+                )
             else:  # block-diagonal wo_a as the GPU forward runs it
                 p = torch.arange(rows, device=DEV)
                 a_rows = ((p % m) * e + p // m).to(torch.int32)
                 counts = torch.full((e,), m, dtype=torch.int64, device=DEV)
 
                 def call(w, x=x, a_rows=a_rows, counts=counts, m=m, e=e, n=n):
-                    sched = dt.grouped_schedule(counts, m * e,
-                                                dt.block_m_for(m, LAUNCH.tuned.dense))
+                    sched = dt.grouped_schedule(counts, m * e, dt.block_m_for(m, LAUNCH.tuned.dense))
                     out_ = torch.empty(m * e, n, dtype=torch.bfloat16, device=DEV)
-                    return dt.grouped_gemm(x, w, sched, out_, a_rows=a_rows,
-                                           cfg=LAUNCH.tuned.dense)
+                    return dt.grouped_gemm(x, w, sched, out_, a_rows=a_rows, cfg=LAUNCH.tuned.dense)
 
                 c.calls = [lambda w=w, call=call: call(w) for w in copies]
 
@@ -273,11 +274,11 @@ def dense_cases(ms, names) -> list[Case]:
                 bd = Case("fp8_dense", f"{name} N={n} K={k} G={e} block_diagonal", m, c.phase)
                 bd.bytes, bd.flops = c.bytes, c.flops
                 x3 = x.view(m, e, k)
-                bd.calls = [lambda w=w, x3=x3: dt.block_diagonal(x3, w, tuned=LAUNCH.tuned)
-                            for w in copies]
+                bd.calls = [lambda w=w, x3=x3: dt.block_diagonal(x3, w, tuned=LAUNCH.tuned) for w in copies]
                 bd.check = lambda w=base, r=ref_w, x3=x3: rel_err(
                     dt.block_diagonal(x3, w, tuned=LAUNCH.tuned),
-                    torch.bmm(x3.float().transpose(0, 1), r.transpose(1, 2)).transpose(0, 1))
+                    torch.bmm(x3.float().transpose(0, 1), r.transpose(1, 2)).transpose(0, 1),
+                )
                 out.append(bd)
             out.append(c)
     return out
@@ -289,19 +290,21 @@ def expert_cases(ms) -> list[Case]:
     from flashpd.kernels.moe import ref as mref
     from flashpd.kernels.moe import triton as mt
 
-    routed = mt.ExpertSet(rand_mxfp4(INTER, HIDDEN, EXPERTS, 1),
-                          rand_mxfp4(INTER, HIDDEN, EXPERTS, 2),
-                          rand_mxfp4(HIDDEN, INTER, EXPERTS, 3))
-    shared = mt.ExpertSet(rand_fp8(INTER, HIDDEN, seed=4), rand_fp8(INTER, HIDDEN, seed=5),
-                          rand_fp8(HIDDEN, INTER, seed=6))
+    routed = mt.ExpertSet(
+        rand_mxfp4(INTER, HIDDEN, EXPERTS, 1),
+        rand_mxfp4(INTER, HIDDEN, EXPERTS, 2),
+        rand_mxfp4(HIDDEN, INTER, EXPERTS, 3),
+    )
+    shared = mt.ExpertSet(
+        rand_fp8(INTER, HIDDEN, seed=4), rand_fp8(INTER, HIDDEN, seed=5), rand_fp8(HIDDEN, INTER, seed=6)
+    )
     per_expert = sum(wbytes(w) for w in (routed.w1, routed.w3, routed.w2)) / EXPERTS
     out = []
     g = torch.Generator().manual_seed(7)
     for m in ms:
         sets = []
         for _ in range(2 if m <= 64 else 1):  # two routings alternate: fewer L2 hits
-            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K]
-                               for _ in range(m)]).to(DEV)
+            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(m)]).to(DEV)
             gam = (torch.rand(m, TOP_K, generator=g) * 0.3).to(DEV)
             sets.append((ids, gam))
         x = torch.randn(m, HIDDEN, device=DEV).to(torch.bfloat16)
@@ -312,9 +315,9 @@ def expert_cases(ms) -> list[Case]:
             rows = (order // TOP_K).to(torch.int32)
             gamma = gam.reshape(-1)[order].float().contiguous()
             counts = torch.bincount(flat, minlength=EXPERTS)
-            sched = dt.grouped_schedule(counts, m * TOP_K,
-                                        dt.block_m_for(max(1, m * TOP_K // EXPERTS),
-                                                       LAUNCH.tuned.dense))
+            sched = dt.grouped_schedule(
+                counts, m * TOP_K, dt.block_m_for(max(1, m * TOP_K // EXPERTS), LAUNCH.tuned.dense)
+            )
             return rows, gamma, sched
 
         preps = [prepared(*s) for s in sets]
@@ -322,16 +325,13 @@ def expert_cases(ms) -> list[Case]:
         def gemms(prep, x=x, m=m):
             rows, gamma, sched = prep
             h = torch.empty(m * TOP_K, INTER, dtype=torch.bfloat16, device=DEV)
-            dt.grouped_gemm(x, routed.w1, sched, h, a_rows=rows, w3=routed.w3, gamma=gamma,
-                            limit=10.0)
+            dt.grouped_gemm(x, routed.w1, sched, h, a_rows=rows, w3=routed.w3, gamma=gamma, limit=10.0)
             y = torch.empty(m * TOP_K, HIDDEN, dtype=torch.bfloat16, device=DEV)
             return dt.grouped_gemm(h, routed.w2, sched, y, cfg=LAUNCH.tuned.dense)
 
-        c = Case("mxfp4_experts", f"routed E={EXPERTS} k={TOP_K} I={INTER}", m,
-                 "prefill" if m > 64 else "decode")
+        c = Case("mxfp4_experts", f"routed E={EXPERTS} k={TOP_K} I={INTER}", m, "prefill" if m > 64 else "decode")
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in sets)
-        c.bytes = distinct * per_expert + m * HIDDEN * 2 * 2 + m * TOP_K * (
-            INTER * 2 * 2 + HIDDEN * 2)
+        c.bytes = distinct * per_expert + m * HIDDEN * 2 * 2 + m * TOP_K * (INTER * 2 * 2 + HIDDEN * 2)
         c.flops = 6.0 * m * TOP_K * HIDDEN * INTER
         c.calls = [lambda p=p, gemms=gemms: gemms(p) for p in preps]
 
@@ -356,9 +356,9 @@ def expert_cases(ms) -> list[Case]:
             s.flops = 6.0 * m * HIDDEN * INTER
             s.calls = [lambda x=x: mt.dense_experts(x, shared, 10.0, None, LAUNCH.tuned.dense)]
             d = [deq(w)[0].to(torch.bfloat16) for w in (shared.w1, shared.w3, shared.w2)]
-            s.check = lambda x=x, d=d: rel_err(mt.dense_experts(x, shared, 10.0, None,
-                                                                LAUNCH.tuned.dense),
-                                               mref.expert_ffn(x, *d, 10.0))
+            s.check = lambda x=x, d=d: rel_err(
+                mt.dense_experts(x, shared, 10.0, None, LAUNCH.tuned.dense), mref.expert_ffn(x, *d, 10.0)
+            )
             out.append(s)
     return out
 
@@ -382,27 +382,38 @@ def attention_cases(ms) -> list[Case]:
     sink = torch.randn(HEADS, device=DEV)
     for m in ms:
         q = torch.randn(m, HEADS, HEAD_DIM, device=DEV).to(torch.bfloat16)
-        win_rows = torch.randperm(win_pool.shape[0], generator=g)[:m * WINDOW].view(
-            m, WINDOW).int().to(DEV)
+        win_rows = torch.randperm(win_pool.shape[0], generator=g)[: m * WINDOW].view(m, WINDOW).int().to(DEV)
         comp_rows = torch.randint(0, entries, (m, TOPK_KEYS), generator=g).int().to(DEV)
-        c = Case("attention", f"packed NVFP4 H={HEADS} D={HEAD_DIM} W={WINDOW} "
-                 f"K={TOPK_KEYS}", m, "decode")
-        c.bytes = m * (WINDOW * win_pool.shape[1] + TOPK_KEYS * comp_pool.shape[1]
-                       + 2 * HEADS * HEAD_DIM * 2 + (WINDOW + TOPK_KEYS) * 4)
+        c = Case("attention", f"packed NVFP4 H={HEADS} D={HEAD_DIM} W={WINDOW} K={TOPK_KEYS}", m, "decode")
+        c.bytes = m * (
+            WINDOW * win_pool.shape[1]
+            + TOPK_KEYS * comp_pool.shape[1]
+            + 2 * HEADS * HEAD_DIM * 2
+            + (WINDOW + TOPK_KEYS) * 4
+        )
         c.flops = 4.0 * m * HEADS * (WINDOW + TOPK_KEYS) * HEAD_DIM
-        c.calls = [lambda q=q, wr=win_rows, cr=comp_rows: at.sparse_attention_packed(
-            q, None, win_pool, wr, comp_pool, cr, sink, HEAD_DIM ** -0.5, tuned=LAUNCH.tuned)]
+        c.calls = [
+            lambda q=q, wr=win_rows, cr=comp_rows: at.sparse_attention_packed(
+                q, None, win_pool, wr, comp_pool, cr, sink, HEAD_DIM**-0.5, tuned=LAUNCH.tuned
+            )
+        ]
 
         def check(q=q, wr=win_rows, cr=comp_rows):
             got = c_call(q, wr, cr)
-            keys = torch.cat((qref.unpack_window_fp8(win_pool, torch.bfloat16)[wr.long()],
-                              qref.unpack_nvfp4(comp_pool, torch.bfloat16)[cr.long()]), dim=1)
+            keys = torch.cat(
+                (
+                    qref.unpack_window_fp8(win_pool, torch.bfloat16)[wr.long()],
+                    qref.unpack_nvfp4(comp_pool, torch.bfloat16)[cr.long()],
+                ),
+                dim=1,
+            )
             valid = torch.ones(keys.shape[:2], dtype=torch.bool, device=DEV)
-            return rel_err(got, aref.sparse_attention(q, keys, valid, sink, HEAD_DIM ** -0.5))
+            return rel_err(got, aref.sparse_attention(q, keys, valid, sink, HEAD_DIM**-0.5))
 
         def c_call(q, wr, cr):
-            return at.sparse_attention_packed(q, None, win_pool, wr, comp_pool, cr, sink,
-                                              HEAD_DIM ** -0.5, tuned=LAUNCH.tuned)
+            return at.sparse_attention_packed(
+                q, None, win_pool, wr, comp_pool, cr, sink, HEAD_DIM**-0.5, tuned=LAUNCH.tuned
+            )
 
         c.check = check
         out.append(c)
@@ -410,8 +421,7 @@ def attention_cases(ms) -> list[Case]:
 
 
 def all_cases(quick: bool) -> list[Case]:
-    dense_names = ["wq_a", "wo_b", "wkv"] if quick else ["wq_a", "wq_b", "wkv", "wo_a", "wo_b",
-                                                          "idx_wq_b"]
+    dense_names = ["wq_a", "wo_b", "wkv"] if quick else ["wq_a", "wq_b", "wkv", "wo_a", "wo_b", "idx_wq_b"]
     ms = (1, 64) if quick else DECODE_M
     cases = dense_cases(ms, dense_names) + expert_cases(ms) + attention_cases(ms)
     if not quick:
@@ -430,8 +440,15 @@ def run_variant(variant: str, cases: list[Case], ceilings: dict) -> list[dict]:
     rows = []
     for c in cases:
         t0 = time.perf_counter()
-        row = {"variant": variant, "kernel": c.kernel, "shape": c.shape, "M": c.m,
-               "phase": c.phase, "bytes": c.bytes, "flops": c.flops}
+        row = {
+            "variant": variant,
+            "kernel": c.kernel,
+            "shape": c.shape,
+            "M": c.m,
+            "phase": c.phase,
+            "bytes": c.bytes,
+            "flops": c.flops,
+        }
         try:
             row["rel_err"] = c.check()
             row["ms"] = graph_ms(c.calls)
@@ -445,9 +462,12 @@ def run_variant(variant: str, cases: list[Case], ceilings: dict) -> list[dict]:
         row["pct_copy"] = 100 * row["GBps"] / ceilings["copy_GBps"]
         row["pct_bf16"] = 100 * row["TFLOPs"] / ceilings["bf16_TFLOPs"]
         rows.append(row)
-        print(f"{variant:>18} {c.kernel:<18} {c.shape:<40} M={c.m:<5} {row['ms']:9.4f} ms "
-              f"{row['GBps']:8.0f} GB/s {row['pct_copy']:5.1f}% copy {row['TFLOPs']:7.1f} TF "
-              f"err {row['rel_err']:.2e}  ({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"{variant:>18} {c.kernel:<18} {c.shape:<40} M={c.m:<5} {row['ms']:9.4f} ms "
+            f"{row['GBps']:8.0f} GB/s {row['pct_copy']:5.1f}% copy {row['TFLOPs']:7.1f} TF "
+            f"err {row['rel_err']:.2e}  ({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
     apply("after")
     return rows
 
@@ -457,7 +477,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     key = lambda r: (r["kernel"], r["shape"], r["M"])  # noqa: E731
     by = {(r["variant"],) + key(r): r for r in ok}
     lines = [
-        "# Kernel roofline on one H200 (bench-preset shapes)", "",
+        "# Kernel roofline on one H200 (bench-preset shapes)",
+        "",
         f"Generated by `{meta['command']}` on {meta['device']} (torch {meta['torch']}, triton "
         f"{meta['triton']}), commit {meta['commit']}.",
         f"Measured ceilings: copy {meta['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM "
@@ -466,10 +487,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "copies to stream from HBM). Bytes: weights + scales once, activations in and out. "
         "`before` = the previous kernels (rows kept in roofline_b428135.md; '-' in a run of "
         "today's code); `after` = the current defaults. err = max |out - ref| / max |ref| against a torch "
-        "reference on the dequantised weights.", "",
+        "reference on the dequantised weights.",
+        "",
         "| kernel | shape | M | MB moved | GFLOP | before ms | after ms | speed-up | after GB/s "
         "| % copy | after TFLOP/s | % bf16 | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     seen = []
     for r in ok:
         if key(r) not in seen:
@@ -484,22 +507,31 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {k[0]} | {k[1]} | {k[2]} | {a['bytes'] / 1e6:.1f} | {a['flops'] / 1e9:.1f} | "
             f"{before} | {a['ms']:.4f} | {speed} | {a['GBps']:.0f} | {a['pct_copy']:.1f}% | "
-            f"{a['TFLOPs']:.1f} | {a['pct_bf16']:.1f}% | {a['rel_err']:.1e} |")
+            f"{a['TFLOPs']:.1f} | {a['pct_bf16']:.1f}% | {a['rel_err']:.1e} |"
+        )
     sweeps = sorted({r["variant"] for r in ok} - {"before", "after"})
     if sweeps:
-        lines += ["", "## Launch-configuration sweep (ms per call)", "",
-                  "| kernel | shape | M | after | " + " | ".join(sweeps) + " |",
-                  "|---|---|---|---|" + "---|" * len(sweeps)]
+        lines += [
+            "",
+            "## Launch-configuration sweep (ms per call)",
+            "",
+            "| kernel | shape | M | after | " + " | ".join(sweeps) + " |",
+            "|---|---|---|---|" + "---|" * len(sweeps),
+        ]
         for k in seen:
             cells = [by.get((v,) + k) for v in sweeps]
             if not any(cells) or ("after",) + k not in by:
                 continue
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {by[('after',) + k]['ms']:.4f} | "
-                         + " | ".join(f"{c['ms']:.4f}" if c else "-" for c in cells) + " |")
+            lines.append(
+                f"| {k[0]} | {k[1]} | {k[2]} | {by[('after',) + k]['ms']:.4f} | "
+                + " | ".join(f"{c['ms']:.4f}" if c else "-" for c in cells)
+                + " |"
+            )
     failed = [r for r in rows if "error" in r]
     if failed:
-        lines += ["", "## Failed", ""] + [f"- {r['variant']} {r['kernel']} {r['shape']} "
-                                          f"M={r['M']}: {r['error']}" for r in failed]
+        lines += ["", "## Failed", ""] + [
+            f"- {r['variant']} {r['kernel']} {r['shape']} M={r['M']}: {r['error']}" for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -513,20 +545,19 @@ def use_tiny_shapes() -> None:
     WINDOW, TOPK_KEYS, DECODE_M, PREFILL_M, L2_BYTES, DEV = 16, 24, (1, 3), 80, 1, "cpu"
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/h200")
     ap.add_argument("--variants", nargs="*", default=["after"])
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP configurations")
     ap.add_argument("--quick", action="store_true", help="fewer cases")
-    ap.add_argument("--sweep-only", nargs="*", default=None,
-                    help="with --sweep: these SWEEP names only")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
-    ap.add_argument("--budget-s", type=float, default=1e9,
-                    help="start no variant after this many seconds (results so far are kept)")
+    ap.add_argument("--sweep-only", nargs="*", default=None, help="with --sweep: these SWEEP names only")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the driver)"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=1e9, help="start no variant after this many seconds (results so far are kept)"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         use_tiny_shapes()
@@ -536,22 +567,27 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     ceilings = measure_ceilings() if DEV == "cuda" else {"copy_GBps": 1.0, "bf16_TFLOPs": 1.0}
-    meta = {"command": "python -m flashpd.bench.kernel_roofline " + " ".join(argv or []),
-            "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "torch": torch.__version__,
-            "triton": triton.__version__, "host": platform.node(),
-            "commit": os.environ.get("FLASHPD_COMMIT", "unknown"), **ceilings,
-            "dense_config": configs.DEFAULT.dense.as_dict(),
-            "attention_config": configs.DEFAULT.attention.as_dict()}
-    print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 {ceilings['bf16_TFLOPs']:.0f}"
-          " TFLOP/s", flush=True)
+    meta = {
+        "command": "python -m flashpd.bench.kernel_roofline " + " ".join(argv or []),
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "host": platform.node(),
+        "commit": os.environ.get("FLASHPD_COMMIT", "unknown"),
+        **ceilings,
+        "dense_config": configs.DEFAULT.dense.as_dict(),
+        "attention_config": configs.DEFAULT.attention.as_dict(),
+    }
+    print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 {ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     sweep = list(SWEEP) if args.sweep_only is None else args.sweep_only
     cases = all_cases(args.quick)
-    quick = [c for c in cases if c.m in (1, 64) and (c.kernel != "fp8_dense" or c.shape.split()[0]
-                                                      in ("wq_a", "wo_b"))]
+    quick = [c for c in cases if c.m in (1, 64) and (c.kernel != "fp8_dense" or c.shape.split()[0] in ("wq_a", "wo_b"))]
     plan = [(v, cases) for v in args.variants]
     mx = [c for c in cases if c.kernel == "mxfp4_experts" and c.phase == "decode"]
-    plan += [(v, [c for c in cases if c.phase == "prefill"] if v.startswith("pf_") else
-              mx if v.startswith("mx_") else quick) for v in (sweep if args.sweep else [])]
+    plan += [
+        (v, [c for c in cases if c.phase == "prefill"] if v.startswith("pf_") else mx if v.startswith("mx_") else quick)
+        for v in (sweep if args.sweep else [])
+    ]
     rows: list[dict] = []
     t_start = time.perf_counter()
     for v, subset in plan:

@@ -124,9 +124,7 @@ class AgentShape:
             raise ValueError("salt_tokens and context_cap_tokens must be >= 1")
         for window in (self.short_window_compact_tokens, self.long_window_compact_tokens):
             if window.hi > self.context_cap_tokens:
-                raise ValueError(
-                    f"compaction window {window} passes the context cap {self.context_cap_tokens}"
-                )
+                raise ValueError(f"compaction window {window} passes the context cap {self.context_cap_tokens}")
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict

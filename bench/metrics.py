@@ -72,9 +72,7 @@ class RunMetrics:
     aborted_reason: str | None = None
 
     def interactivity(self, definition: str) -> float:
-        return {"itl": self.interactivity_itl_tok_s, "e2e": self.interactivity_e2e_tok_s}[
-            definition
-        ]
+        return {"itl": self.interactivity_itl_tok_s, "e2e": self.interactivity_e2e_tok_s}[definition]
 
     def throughput(self, definition: str) -> float:
         return {"total": self.total_tok_s_per_gpu, "output": self.output_tok_s_per_gpu}[definition]
@@ -136,9 +134,7 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def _tokens_in_window(
-    records: Iterable[RequestRecord], window: tuple[float, float]
-) -> tuple[int, int]:
+def _tokens_in_window(records: Iterable[RequestRecord], window: tuple[float, float]) -> tuple[int, int]:
     lo, hi = window
     input_tokens = output_tokens = 0
     for r in records:
@@ -155,9 +151,7 @@ def _coverage(records: Iterable[RequestRecord], window: tuple[float, float]) -> 
     lo, hi = window
     if hi <= lo:
         return 0.0
-    spans = sorted(
-        (max(r.start_s, lo), min(r.end_s, hi)) for r in records if r.end_s > lo and r.start_s < hi
-    )
+    spans = sorted((max(r.start_s, lo), min(r.end_s, hi)) for r in records if r.end_s > lo and r.start_s < hi)
     covered_s, reach = 0.0, lo
     for start, end in spans:
         if end > reach:
@@ -175,17 +169,13 @@ class Goodput:
 
 
 def goodput(
-    points: Sequence[RunMetrics],
-    min_interactivity_tok_s: float = 150.0,
-    max_ttft_p90_s: float = 5.0,
+    points: Sequence[RunMetrics], min_interactivity_tok_s: float = 150.0, max_ttft_p90_s: float = 5.0
 ) -> list[Goodput]:
     """For each (interactivity, throughput) definition, the best point meeting both limits."""
     out = []
     for inter in INTERACTIVITY_DEFS:
         eligible = [
-            p
-            for p in points
-            if p.interactivity(inter) >= min_interactivity_tok_s and p.ttft_s.p90 <= max_ttft_p90_s
+            p for p in points if p.interactivity(inter) >= min_interactivity_tok_s and p.ttft_s.p90 <= max_ttft_p90_s
         ]
         for thru in THROUGHPUT_DEFS:
             best = max(eligible, key=lambda p, t=thru: p.throughput(t), default=None)
@@ -219,10 +209,7 @@ def hit_rate_by_turn(records: Iterable[RequestRecord]) -> list[TurnHitRate]:
         acc[1] += r.prompt_tokens
         acc[2] += r.cached_tokens
         acc[3] += r.ideal_cached_tokens
-    return [
-        TurnHitRate(_bucket_label(b), n, _ratio(c, p), _ratio(i, p))
-        for b, (n, p, c, i) in sorted(sums.items())
-    ]
+    return [TurnHitRate(_bucket_label(b), n, _ratio(c, p), _ratio(i, p)) for b, (n, p, c, i) in sorted(sums.items())]
 
 
 def _turn_bucket(turn_index: int) -> int:
@@ -257,12 +244,9 @@ class Comparison:
 
 def compare(baseline: RunMetrics, other: RunMetrics) -> Comparison:
     if baseline.concurrency != other.concurrency:
-        raise ValueError(
-            f"compare points at the same concurrency, got {baseline.concurrency} and {other.concurrency}"
-        )
+        raise ValueError(f"compare points at the same concurrency, got {baseline.concurrency} and {other.concurrency}")
     ratios = {f: _ratio(getattr(other, f), getattr(baseline, f)) for f in RATIO_FIELDS}
     latency = {
-        f"{f}_p90": _ratio(getattr(other, f).p90, getattr(baseline, f).p90)
-        for f in ("ttft_s", "itl_s", "e2e_s")
+        f"{f}_p90": _ratio(getattr(other, f).p90, getattr(baseline, f).p90) for f in ("ttft_s", "itl_s", "e2e_s")
     }
     return Comparison(other.name, baseline.name, other.concurrency, ratios, latency)

@@ -38,8 +38,7 @@ OUT = "bench/results/migration_cpu"
 async def _stream(client, ids: list[int], max_tokens: int, progress: list, i: int):
     """One greedy SDK stream: arrival time of each chunk, and the result."""
     arrivals: list[float] = []
-    stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                             timeout_s=600)
+    stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, timeout_s=600)
     async for chunk in stream:
         arrivals.append(time.monotonic())
         progress[i] += len(chunk.token_ids)
@@ -50,8 +49,7 @@ def _gaps(arrivals: list[float]) -> list[float]:
     return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
 
-async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tokens: int,
-                    drain_after: int) -> dict:
+async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tokens: int, drain_after: int) -> dict:
     """Per migrated stream (Timeline.migrate_ms > 0): its longest gap in token arrival (the
     migration pause) against its median gap, and the router's migrate_ms (pause to the new
     stream); the same longest gap for the streams that stayed on the other replica."""
@@ -67,8 +65,9 @@ async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tok
     async def drain() -> None:
         while min(progress) < drain_after:
             await asyncio.sleep(0.005)
-        busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
-                       if w.role == "decode"), key=lambda w: w.running)
+        busiest = max(
+            (w for w in await asyncio.to_thread(stack.worker_stats) if w.role == "decode"), key=lambda w: w.running
+        )
         info.update(worker=busiest.worker_id, running=busiest.running)
         marked_at = time.monotonic()
         await stack.drain_replica(busiest.worker_id)
@@ -76,16 +75,20 @@ async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tok
         info["drain_s"] = None if idle is None else time.monotonic() - marked_at
 
     async with AsyncClient(stack.grpc_target) as client:
-        outs = (await asyncio.gather(*(_stream(client, p, max_tokens, progress, i)
-                                       for i, p in enumerate(prompts)), drain()))[:streams]
+        outs = (
+            await asyncio.gather(*(_stream(client, p, max_tokens, progress, i) for i, p in enumerate(prompts)), drain())
+        )[:streams]
     after = await scenarios.drain_counters(stack)
     moved = [(a, r) for a, r in outs if r.timeline["migrate_ms"] > 0]
     stayed = [(a, r) for a, r in outs if r.timeline["migrate_ms"] == 0 and len(a) > 2]
     n = int(after["moved"] - before["moved"])
     pct = scenarios.percentiles
     return {
-        "streams": streams, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "drained_replica_sequences": info.get("running"), "migrated": n,
+        "streams": streams,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "drained_replica_sequences": info.get("running"),
+        "migrated": n,
         "stayed": after["stayed"] - before["stayed"],
         "kv_bytes_per_migrated_stream": (after["bytes"] - before["bytes"]) / n if n else None,
         "migrated_longest_gap_s": pct([max(_gaps(a)) for a, _ in moved]),
@@ -94,7 +97,8 @@ async def drain_run(stack: FaultStack, streams: int, prompt_tokens: int, max_tok
         "others_longest_gap_s": pct([max(_gaps(a)) for a, _ in stayed]),
         "others_median_gap_s": pct([statistics.median(_gaps(a)) for a, _ in stayed]),
         "drain_s": None if info.get("drain_s") is None else round(info["drain_s"], 2),
-        "prefills": after["prefills"] - before["prefills"]}
+        "prefills": after["prefills"] - before["prefills"],
+    }
 
 
 async def kill_run(stack: FaultStack, streams: int, max_tokens: int, kill_after: int) -> dict:
@@ -108,15 +112,14 @@ async def kill_run(stack: FaultStack, streams: int, max_tokens: int, kill_after:
     progress = [0] * streams
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     async with AsyncClient(stack.grpc_target) as client:
-        reference = [await scenarios.generate(client, p, max_tokens=max_tokens)
-                     for p in prompts]
-        warm = await scenarios.generate(client, scenarios.prompt_ids(rng, 64, vocab),
-                                         max_tokens=2, session_id=session)
+        reference = [await scenarios.generate(client, p, max_tokens=max_tokens) for p in prompts]
+        warm = await scenarios.generate(client, scenarios.prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
         bound = warm["result"].decode_worker
 
         async def one(i: int):
-            stream = client.generate(prompt_ids=prompts[i], max_tokens=max_tokens,
-                                     ignore_eos=True, session_id=session, timeout_s=600)
+            stream = client.generate(
+                prompt_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True, session_id=session, timeout_s=600
+            )
             async for chunk in stream:
                 arrivals[i].extend([time.monotonic()] * len(chunk.token_ids))
                 progress[i] += len(chunk.token_ids)
@@ -137,10 +140,14 @@ async def kill_run(stack: FaultStack, streams: int, max_tokens: int, kill_after:
         after = [t for t in a if t > killed["at"]]
         if before and after:
             resume.append(after[0] - killed["at"])
-    identical = sum(r.output_ids == ref["result"].output_ids
-                    for r, ref in zip(results, reference, strict=True))
-    return {"streams": streams, "max_tokens": max_tokens, "kill_after_tokens": kill_after,
-            "identical": identical, "time_to_resume_s": scenarios.percentiles(resume)}
+    identical = sum(r.output_ids == ref["result"].output_ids for r, ref in zip(results, reference, strict=True))
+    return {
+        "streams": streams,
+        "max_tokens": max_tokens,
+        "kill_after_tokens": kill_after,
+        "identical": identical,
+        "time_to_resume_s": scenarios.percentiles(resume),
+    }
 
 
 def engine_resume(prompt_tokens: int, streamed: int, reps: int = 3) -> dict:
@@ -175,13 +182,13 @@ def engine_resume(prompt_tokens: int, streamed: int, reps: int = 3) -> dict:
 
     out = {}
     for name, bounded, ids, prefix in (
-            ("fresh_bounded", True, prompt, None),
-            ("continuation_bounded", True, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens)),
-            ("continuation_exact", False, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens))):
+        ("fresh_bounded", True, prompt, None),
+        ("continuation_bounded", True, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens)),
+        ("continuation_exact", False, prompt + outputs, PrefixPolicy(kv_tokens=prompt_tokens)),
+    ):
         times = [first_token_s(bounded, ids, prefix) for _ in range(reps)]
         out[name] = round(1e3 * statistics.median(times), 1)
-    return {"prompt_tokens": prompt_tokens, "streamed_tokens": streamed,
-            "first_token_ms": out}
+    return {"prompt_tokens": prompt_tokens, "streamed_tokens": streamed, "first_token_ms": out}
 
 
 def main() -> int:
@@ -197,8 +204,7 @@ def main() -> int:
     from flashpd.services.cli import tiny_checkpoint
     from flashpd.services.redis_local import LocalRedis
 
-    results: dict = {"command": "python -m flashpd.bench.migration " + " ".join(
-        a for a in os.sys.argv[1:])}
+    results: dict = {"command": "python -m flashpd.bench.migration " + " ".join(a for a in os.sys.argv[1:])}
     if "engine" not in args.skip:
         results["engine_resume"] = [engine_resume(1500, g) for g in (8, 32)]
         print("engine_resume", json.dumps(results["engine_resume"]), flush=True)
@@ -208,18 +214,21 @@ def main() -> int:
         port = start_ray()
         try:
             if "drain" not in args.skip:
-                stack = FaultStack(tiny_checkpoint(), redis_server, port,
-                                   StackConfig(1, 2, app_name="mig1x2")).deploy()
-                results["drain"] = asyncio.run(drain_run(
-                    stack, args.streams, args.prompt_tokens, args.max_tokens, args.drain_after))
+                stack = FaultStack(tiny_checkpoint(), redis_server, port, StackConfig(1, 2, app_name="mig1x2")).deploy()
+                results["drain"] = asyncio.run(
+                    drain_run(stack, args.streams, args.prompt_tokens, args.max_tokens, args.drain_after)
+                )
                 print("drain", json.dumps(results["drain"]), flush=True)
                 stack.undeploy()
             if "kill" not in args.skip:
                 for name, extra in (("bounded", {}), ("exact", {"swa_bounded_replay": False})):
-                    stack = FaultStack(tiny_checkpoint(), redis_server, port, StackConfig(
-                        2, 2, app_name=f"mig{name}", extra_args=extra)).deploy()
-                    results[f"kill_{name}"] = asyncio.run(kill_run(
-                        stack, args.kill_streams, args.max_tokens, 5))
+                    stack = FaultStack(
+                        tiny_checkpoint(),
+                        redis_server,
+                        port,
+                        StackConfig(2, 2, app_name=f"mig{name}", extra_args=extra),
+                    ).deploy()
+                    results[f"kill_{name}"] = asyncio.run(kill_run(stack, args.kill_streams, args.max_tokens, 5))
                     print(f"kill_{name}", json.dumps(results[f"kill_{name}"]), flush=True)
                     stack.undeploy()
         finally:

@@ -56,8 +56,7 @@ def served(args, prompts, max_tokens: int) -> dict[str, list[float]]:
         wait_healthy(client)
         for p in prompts:
             t0 = time.perf_counter()
-            stream = client.generate(prompt_ids=p, max_tokens=max_tokens, ignore_eos=True,
-                                     timeout_s=120)
+            stream = client.generate(prompt_ids=p, max_tokens=max_tokens, ignore_eos=True, timeout_s=120)
             first = None
             for _ in stream:
                 first = first or time.perf_counter()
@@ -78,35 +77,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", default="bench/results/pd_overhead_cpu.md")
     args = ap.parse_args(argv)
-    for key, value in dict(checkpoint=None, redis=None, prefill_replicas=1, decode_replicas=1,
-                           grpc_port=9000, http_port=8000, routing="affinity",
-                           no_swa_bounded_replay=False, transfer_backend="nixl",
-                           num_blocks=512, kv_format="nvfp4").items():
+    for key, value in dict(
+        checkpoint=None,
+        redis=None,
+        prefill_replicas=1,
+        decode_replicas=1,
+        grpc_port=9000,
+        http_port=8000,
+        routing="affinity",
+        no_swa_bounded_replay=False,
+        transfer_backend="nixl",
+        num_blocks=512,
+        kv_format="nvfp4",
+    ).items():
         setattr(args, key, value)
     ckpt = tiny_checkpoint()
     prompts = [_prompt(args.prompt_tokens, 1000 + i) for i in range(args.requests)]
     local = local_engine(ckpt, prompts, args.max_tokens)
     pd = served(args, prompts, args.max_tokens)
-    rows = ["# Disaggregated path overhead, tiny preset on CPU", "",
-            f"{args.requests} sequential requests, {args.prompt_tokens}-token prompts (distinct, "
-            f"no prefix hits), {args.max_tokens} output tokens, greedy; 1 prefill + 1 decode "
-            "replica on local Ray, NIXL over UCX loopback, Redis index; versus LLMEngine in "
-            f"one process. Machine: {os.cpu_count()} cores.", "",
-            "| path | TTFT p50 ms | TTFT p90 ms | e2e p50 ms | e2e p90 ms |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "# Disaggregated path overhead, tiny preset on CPU",
+        "",
+        f"{args.requests} sequential requests, {args.prompt_tokens}-token prompts (distinct, "
+        f"no prefix hits), {args.max_tokens} output tokens, greedy; 1 prefill + 1 decode "
+        "replica on local Ray, NIXL over UCX loopback, Redis index; versus LLMEngine in "
+        f"one process. Machine: {os.cpu_count()} cores.",
+        "",
+        "| path | TTFT p50 ms | TTFT p90 ms | e2e p50 ms | e2e p90 ms |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in (("single-process engine", local), ("disaggregated (gRPC, P->D)", pd)):
-        rows.append(f"| {name} | {statistics.median(r['ttft']):.1f} | {_pct(r['ttft'], .9):.1f} "
-                    f"| {statistics.median(r['e2e']):.1f} | {_pct(r['e2e'], .9):.1f} |")
+        rows.append(
+            f"| {name} | {statistics.median(r['ttft']):.1f} | {_pct(r['ttft'], 0.9):.1f} "
+            f"| {statistics.median(r['e2e']):.1f} | {_pct(r['e2e'], 0.9):.1f} |"
+        )
     over_ttft = statistics.median(pd["ttft"]) - statistics.median(local["ttft"])
     over_e2e = statistics.median(pd["e2e"]) - statistics.median(local["e2e"])
-    rows += ["", f"Per-request overhead (p50): TTFT +{over_ttft:.1f} ms, e2e +{over_e2e:.1f} ms.",
-             "", "| router decision latency | p50 ms | p99 ms |", "|---|---|---|",
-             f"| placement (Redis lookup + policy) | {statistics.median(pd['route_ms']):.2f} | "
-             f"{_pct(pd['route_ms'], .99):.2f} |", "",
-             "Disaggregated timeline, p50 ms: " + ", ".join(
-                 f"{k[:-3]} {statistics.median(pd[k]):.1f}" for k in
-                 ("reserve_ms", "prefill_ms", "transfer_ms", "replay_ms")), "",
-             "Command: `unshare -n sh -c 'ip link set lo up && python -m flashpd.bench.pd_overhead'`"]
+    rows += [
+        "",
+        f"Per-request overhead (p50): TTFT +{over_ttft:.1f} ms, e2e +{over_e2e:.1f} ms.",
+        "",
+        "| router decision latency | p50 ms | p99 ms |",
+        "|---|---|---|",
+        f"| placement (Redis lookup + policy) | {statistics.median(pd['route_ms']):.2f} | "
+        f"{_pct(pd['route_ms'], 0.99):.2f} |",
+        "",
+        "Disaggregated timeline, p50 ms: "
+        + ", ".join(
+            f"{k[:-3]} {statistics.median(pd[k]):.1f}" for k in ("reserve_ms", "prefill_ms", "transfer_ms", "replay_ms")
+        ),
+        "",
+        "Command: `unshare -n sh -c 'ip link set lo up && python -m flashpd.bench.pd_overhead'`",
+    ]
     write_markdown(args.out, rows)
     return 0
 

@@ -33,9 +33,7 @@ class PromptBuilder:
         previous = self._last.get(request.session_id)
         output = self._outputs.pop(request.session_id, None)
         if previous is not None and len(previous) <= request.ideal_cached_tokens:
-            tail = self.token_space.prompt_slice(
-                request.segments, len(previous), request.prompt_tokens
-            )
+            tail = self.token_space.prompt_slice(request.segments, len(previous), request.prompt_tokens)
             if output is not None and len(previous) + len(output) <= request.ideal_cached_tokens:
                 tail[: len(output)] = output
             ids = np.concatenate([previous, tail])  # [prompt_tokens]

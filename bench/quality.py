@@ -55,8 +55,7 @@ from flashpd.model.kv_format import CompressedKVFormat
 
 HITS = (256, 384, 512)
 TAIL = 64  # prompt tokens after the hit in the generated comparisons
-BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16", value_bits=16,
-                             scale_group=0)
+BF16_KV = CompressedKVFormat("bf16", "fake_quant_bf16", "pack_bf16", "unpack_bf16", value_bits=16, scale_group=0)
 BF16_QUANT_IMPL = "bf16-kv"
 
 
@@ -93,10 +92,16 @@ class Paired:
         se = lambda xs: statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")  # noqa: E731
         mean_d = statistics.fmean(deltas) if deltas else float("nan")
         se_metric = se(self.ref)
-        return {"name": self.name, "n": n, "ref": statistics.fmean(self.ref) if n else None,
-                "var": statistics.fmean(self.var) if n else None, "delta": mean_d,
-                "se_metric": se_metric, "se_delta": se(deltas),
-                "within": bool(abs(mean_d) <= 1.5 * se_metric) if n > 1 else None}
+        return {
+            "name": self.name,
+            "n": n,
+            "ref": statistics.fmean(self.ref) if n else None,
+            "var": statistics.fmean(self.var) if n else None,
+            "delta": mean_d,
+            "se_metric": se_metric,
+            "se_delta": se(deltas),
+            "within": bool(abs(mean_d) <= 1.5 * se_metric) if n > 1 else None,
+        }
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
@@ -137,8 +142,7 @@ def colocated_logits(model, ids: Sequence[int], prompt_len: int) -> torch.Tensor
     from flashpd.model.model import LogitsRequest, SeqPlan
 
     state = model.new_state()
-    last = model.run(state, ids[:prompt_len],
-                     SeqPlan(logits=LogitsRequest.LAST, decoder_rows=model.cfg.sliding_window))
+    last = model.run(state, ids[:prompt_len], SeqPlan(logits=LogitsRequest.LAST, decoder_rows=model.cfg.sliding_window))
     rest = model.run(state, ids[prompt_len:-1], SeqPlan(logits=LogitsRequest.ALL))
     return torch.cat((last, rest))
 
@@ -149,8 +153,9 @@ def teacher_forced(ckpt_dir: str, seqs: list[list[int]], hits: Sequence[int], lo
 
     ckpt = load_checkpoint(ckpt_dir)
     models = {
-        "bf16": Model.from_checkpoint(ckpt, torch.float32, {"quant": register_bf16_kv_quant()},
-                                      compressed_kv_format=BF16_KV),
+        "bf16": Model.from_checkpoint(
+            ckpt, torch.float32, {"quant": register_bf16_kv_quant()}, compressed_kv_format=BF16_KV
+        ),
         "nvfp4": Model.from_checkpoint(ckpt, torch.float32, compressed_kv_format="nvfp4"),
         "fp8": Model.from_checkpoint(ckpt, torch.float32, compressed_kv_format="fp8"),
     }
@@ -176,10 +181,10 @@ def teacher_forced(ckpt_dir: str, seqs: list[list[int]], hits: Sequence[int], lo
         cold_nll, cold_top = out["nvfp4"]  # the served format is the replay baseline
         for h in hits:
             nll, top = nll_and_argmax(replayed_logits(models["nvfp4"], ids, h), ids, h)
-            rep[h].add(statistics.fmean(cold_nll[h - 1:]), statistics.fmean(nll))
-            rep_agree[h].add(1.0, agreement(cold_top[h - 1:], top))
+            rep[h].add(statistics.fmean(cold_nll[h - 1 :]), statistics.fmean(nll))
+            rep_agree[h].add(1.0, agreement(cold_top[h - 1 :], top))
             c_nll, c_top = nll_and_argmax(colocated_logits(models["nvfp4"], ids, h), ids, h)
-            col[h].add(statistics.fmean(cold_nll[h - 1:]), statistics.fmean(c_nll))
+            col[h].add(statistics.fmean(cold_nll[h - 1 :]), statistics.fmean(c_nll))
             pdc[h].add(statistics.fmean(c_nll), statistics.fmean(nll))
             pdc_agree[h].add(1.0, agreement(c_top, top))
         log(f"teacher-forced {i + 1}/{len(seqs)} ({time.time() - t0:.1f} s)")
@@ -200,8 +205,9 @@ def teacher_forced(ckpt_dir: str, seqs: list[list[int]], hits: Sequence[int], lo
 def _engine(model, role: str = "colocated", replay: bool = True):
     from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 
-    return LLMEngine(model, EngineConfig(role=role, num_blocks=64, num_slots=8,
-                                         swa_bounded_replay=replay, model_id="quality"))
+    return LLMEngine(
+        model, EngineConfig(role=role, num_blocks=64, num_slots=8, swa_bounded_replay=replay, model_id="quality")
+    )
 
 
 def _generate(engine, rid: str, prompt: Sequence[int], n: int) -> tuple[list[int], int]:
@@ -220,7 +226,7 @@ def _generate(engine, rid: str, prompt: Sequence[int], n: int) -> tuple[list[int
 def colocated_after_hit(model, ids: Sequence[int], hit: int, n: int, replay: bool) -> list[int]:
     engine = _engine(model, replay=replay)
     _generate(engine, "warm", ids[:hit], 1)
-    out, cached = _generate(engine, "hit", ids[:hit + TAIL], n)
+    out, cached = _generate(engine, "hit", ids[: hit + TAIL], n)
     if replay and cached == 0:  # with replay off the credit can be 0: that run is cold (= exact)
         raise RuntimeError(f"expected a prefix hit after caching {hit} tokens")
     return out
@@ -234,17 +240,15 @@ async def _disaggregated(model, prompt: Sequence[int], n: int, replay: bool) -> 
     from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
     def role(name):
-        ec = EngineConfig(role=name, num_blocks=64, num_slots=8, swa_bounded_replay=replay,
-                          model_id="quality")
-        return LLMEngine(model, ec), WorkerConfig("unused", "quality", ec,
-                                                  transfer_backend="local",
-                                                  transfer_timeout_s=60.0)
+        ec = EngineConfig(role=name, num_blocks=64, num_slots=8, swa_bounded_replay=replay, model_id="quality")
+        return LLMEngine(model, ec), WorkerConfig(
+            "unused", "quality", ec, transfer_backend="local", transfer_timeout_s=60.0
+        )
 
     p = PrefillWorker(*role("prefill"), new_worker_ref("prefill"))
     d = DecodeWorker(*role("decode"), new_worker_ref("decode"))
     try:
-        req = InternalRequest("q", "quality", tuple(prompt),
-                              SamplingParams(max_tokens=n, ignore_eos=True))
+        req = InternalRequest("q", "quality", tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True))
         ticket = await d.reserve(req)
         if ticket.needs_prefill:
             await p.run(req, ticket)
@@ -272,7 +276,7 @@ def generated(ckpt_dir: str, seqs: list[list[int]], hits: Sequence[int], n: int,
     for i, ids in enumerate(seqs):
         t0 = time.time()
         for h in hits:
-            prompt = ids[:h + TAIL]
+            prompt = ids[: h + TAIL]
             # replay off reproduces the cold run bit for bit (tests/engine): it is the reference
             exact = colocated_after_hit(model, ids, h, n, replay=False)
             bounded = colocated_after_hit(model, ids, h, n, replay=True)
@@ -283,9 +287,11 @@ def generated(ckpt_dir: str, seqs: list[list[int]], hits: Sequence[int], n: int,
             served, _ = _generate(_engine(model, replay=True), "cold", prompt, n)
             pd[h].add(1.0, agreement(served, d_bounded))
         log(f"generated {i + 1}/{len(seqs)} ({time.time() - t0:.1f} s)")
-    return {"colocated_hit": [hit_on[h].summary() for h in hits],
-            "decode_side": [dec_on[h].summary() for h in hits],
-            "pd_vs_colocated": [pd[h].summary() for h in hits]}
+    return {
+        "colocated_hit": [hit_on[h].summary() for h in hits],
+        "decode_side": [dec_on[h].summary() for h in hits],
+        "pd_vs_colocated": [pd[h].summary() for h in hits],
+    }
 
 
 # ============================================================================ data
@@ -325,95 +331,138 @@ def _rows(summaries: list[dict], unit: str) -> list[str]:
     agree = unit == "agreement"
     out = []
     for s in summaries:
-        verdict = (f"{_verdict(s, 'se_delta')}" if agree else
-                   f"{_verdict(s, 'se_metric')} / {_verdict(s, 'se_delta')}")
-        out.append(f"| {s['name']} | {s['n']} | {_fmt(s['ref'])} | {_fmt(s['var'])} | "
-                   f"{_fmt(s['delta'])} | {_fmt(s['se_metric'])} | {_fmt(s['se_delta'])} | "
-                   f"{verdict} |")
-    bar = ("within 1.5 SE(delta)" if agree else
-           "within 1.5 SE(metric) / 1.5 SE(delta)")
-    head = [f"| variant | n | reference {unit} | variant {unit} | delta | SE(metric) | "
-            f"SE(delta, paired) | {bar} |", "|---|---|---|---|---|---|---|---|"]
+        verdict = f"{_verdict(s, 'se_delta')}" if agree else f"{_verdict(s, 'se_metric')} / {_verdict(s, 'se_delta')}"
+        out.append(
+            f"| {s['name']} | {s['n']} | {_fmt(s['ref'])} | {_fmt(s['var'])} | "
+            f"{_fmt(s['delta'])} | {_fmt(s['se_metric'])} | {_fmt(s['se_delta'])} | "
+            f"{verdict} |"
+        )
+    bar = "within 1.5 SE(delta)" if agree else "within 1.5 SE(metric) / 1.5 SE(delta)"
+    head = [
+        f"| variant | n | reference {unit} | variant {unit} | delta | SE(metric) | SE(delta, paired) | {bar} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     return head + out
 
 
 def _summary(tf: dict, gen: dict | None) -> list[str]:
     """One line per optimization: its NLL delta against the seed's bar and the paired SE."""
-    named = [("NVFP4 compressed KV + MXFP4 index keys (890 B/token) vs BF16 KV",
-              tf["formats"][0]),
-             ("FP8 compressed KV vs BF16 KV", tf["formats"][1])]
-    named += [(f"bounded replay after a prefix hit / P->D handoff at {s['name'].split('@')[1]}"
-               " tokens vs replay off", s) for s in tf["replay"]]
-    named += [(f"disaggregated vs colocated, prompt {s['name'].split('@')[1]}", s)
-              for s in tf.get("pd_vs_colocated", [])]
+    named = [
+        ("NVFP4 compressed KV + MXFP4 index keys (890 B/token) vs BF16 KV", tf["formats"][0]),
+        ("FP8 compressed KV vs BF16 KV", tf["formats"][1]),
+    ]
+    named += [
+        (f"bounded replay after a prefix hit / P->D handoff at {s['name'].split('@')[1]} tokens vs replay off", s)
+        for s in tf["replay"]
+    ]
+    named += [
+        (f"disaggregated vs colocated, prompt {s['name'].split('@')[1]}", s) for s in tf.get("pd_vs_colocated", [])
+    ]
     out = ["## Summary (held-out NLL per token; the seed's bar is |delta| <= 1.5 SE)", ""]
     for label, s in named:
-        out.append(f"- {label}: delta {s['delta']:+.4f} nats (SE {s['se_metric']:.4f}; paired SE "
-                   f"{s['se_delta']:.4f}) -> {'within' if _verdict(s, 'se_metric') == 'yes' else 'outside'}"
-                   f" 1.5 SE; {'also' if _verdict(s, 'se_delta') == 'yes' else 'not'} within 1.5 "
-                   "paired SE.")
-    agree = [s["var"] for k in ("formats_agreement", "replay_agreement",
-                                "pd_vs_colocated_agreement") for s in tf.get(k, [])]
-    out += ["", f"Teacher-forced top-1 agreement per position: {100 * min(agree):.1f}-"
-            f"{100 * max(agree):.1f}% (tables below); a lossy step flips the argmax where the "
-            "top logits nearly tie."]
+        out.append(
+            f"- {label}: delta {s['delta']:+.4f} nats (SE {s['se_metric']:.4f}; paired SE "
+            f"{s['se_delta']:.4f}) -> {'within' if _verdict(s, 'se_metric') == 'yes' else 'outside'}"
+            f" 1.5 SE; {'also' if _verdict(s, 'se_delta') == 'yes' else 'not'} within 1.5 "
+            "paired SE."
+        )
+    agree = [
+        s["var"] for k in ("formats_agreement", "replay_agreement", "pd_vs_colocated_agreement") for s in tf.get(k, [])
+    ]
+    out += [
+        "",
+        f"Teacher-forced top-1 agreement per position: {100 * min(agree):.1f}-"
+        f"{100 * max(agree):.1f}% (tables below); a lossy step flips the argmax where the "
+        "top logits nearly tie.",
+    ]
     if gen:
-        out += ["Free-running greedy text (last section) compounds each flip, so its "
-                "position-wise agreement is lower than the teacher-forced one."]
+        out += [
+            "Free-running greedy text (last section) compounds each flip, so its "
+            "position-wise agreement is lower than the teacher-forced one."
+        ]
     return out + [""]
 
 
 def render(result: dict) -> str:
     tf, gen, meta = result.get("teacher_forced"), result.get("generated"), result["meta"]
-    lines = ["# Quality of the lossy optimizations on held-out ShareGPT (small checkpoint)", "",
-             f"Command: `{meta['command']}`", "",
-             f"Checkpoint `{meta['checkpoint']}`; held-out conversations (thread-hash split, never "
-             f"trained on), first {meta['seq_len']} tokens of each; FP32 compute on CPU. "
-             "Deltas are variant minus reference, averaged over conversations; SE(metric) is the "
-             "standard error of the reference metric over conversations (the seed's bar: within "
-             "about 1.5 of it), SE(delta) the paired standard error of the difference.", ""]
+    lines = [
+        "# Quality of the lossy optimizations on held-out ShareGPT (small checkpoint)",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Checkpoint `{meta['checkpoint']}`; held-out conversations (thread-hash split, never "
+        f"trained on), first {meta['seq_len']} tokens of each; FP32 compute on CPU. "
+        "Deltas are variant minus reference, averaged over conversations; SE(metric) is the "
+        "standard error of the reference metric over conversations (the seed's bar: within "
+        "about 1.5 of it), SE(delta) the paired standard error of the difference.",
+        "",
+    ]
     if tf:
         lines += _summary(tf, gen)
     if tf:
         ppl = tf["ppl"]
-        lines += ["## Compressed-KV formats (teacher-forced, every next token)", "",
-                  f"Held-out perplexity over {tf['tokens']} tokens: BF16 KV {ppl['bf16']:.3f}, "
-                  f"NVFP4 + MXFP4 index keys (890 B/token released) {ppl['nvfp4']:.3f}, "
-                  f"FP8 compressed KV {ppl['fp8']:.3f}.", "",
-                  "Mean NLL per token (nats), reference BF16 KV:", ""]
+        lines += [
+            "## Compressed-KV formats (teacher-forced, every next token)",
+            "",
+            f"Held-out perplexity over {tf['tokens']} tokens: BF16 KV {ppl['bf16']:.3f}, "
+            f"NVFP4 + MXFP4 index keys (890 B/token released) {ppl['nvfp4']:.3f}, "
+            f"FP8 compressed KV {ppl['fp8']:.3f}.",
+            "",
+            "Mean NLL per token (nats), reference BF16 KV:",
+            "",
+        ]
         lines += _rows(tf["formats"], "NLL")
         lines += ["", "Top-1 (greedy) agreement with BF16 KV, per position:", ""]
         lines += _rows(tf["formats_agreement"], "agreement")
-        lines += ["", "## Bounded replay after H tokens of global KV (teacher-forced, positions "
-                  "after H)", "",
-                  "Reference: the cold run (= replay off: the exact replay reproduces it bit for "
-                  "bit). Variant: global KV of [0, H) only, windows rebuilt from the last 128 "
-                  "tokens. At the model level this is both a prefix hit of H tokens and the "
-                  "decode side of a P->D handoff at prompt length H.", ""]
+        lines += [
+            "",
+            "## Bounded replay after H tokens of global KV (teacher-forced, positions after H)",
+            "",
+            "Reference: the cold run (= replay off: the exact replay reproduces it bit for "
+            "bit). Variant: global KV of [0, H) only, windows rebuilt from the last 128 "
+            "tokens. At the model level this is both a prefix hit of H tokens and the "
+            "decode side of a P->D handoff at prompt length H.",
+            "",
+        ]
         lines += _rows(tf["replay"], "NLL")
         lines += [""]
         lines += _rows(tf["replay_agreement"], "agreement")
         lines += [""]
         if "colocated" in tf:
-            lines += ["## Colocated vs disaggregated (teacher-forced, positions after the prompt)",
-                      "", "Colocated as served with replay on: the prompt of H tokens in one "
-                      "chunk, decoder layers narrowed to its last 128 rows; then the reply in "
-                      "full. Against the cold run:", ""]
+            lines += [
+                "## Colocated vs disaggregated (teacher-forced, positions after the prompt)",
+                "",
+                "Colocated as served with replay on: the prompt of H tokens in one "
+                "chunk, decoder layers narrowed to its last 128 rows; then the reply in "
+                "full. Against the cold run:",
+                "",
+            ]
             lines += _rows(tf["colocated"], "NLL")
-            lines += ["", "Disaggregated (encoder-only prompt, decode-side replay of 128 tokens) "
-                      "against colocated (reference):", ""]
+            lines += [
+                "",
+                "Disaggregated (encoder-only prompt, decode-side replay of 128 tokens) against colocated (reference):",
+                "",
+            ]
             lines += _rows(tf["pd_vs_colocated"], "NLL")
             lines += [""]
             lines += _rows(tf["pd_vs_colocated_agreement"], "agreement")
             lines += [""]
     if gen:
-        lines += [f"## Generated text through the engine (greedy, {meta['gen_tokens']} tokens)", "",
-                  "Agreement = fraction of generated positions equal to the reference's tokens "
-                  "(reference 1.0 by definition).", "",
-                  "Colocated engine, prefix hit of H tokens, prompt H + 64: replay on vs off:", ""]
+        lines += [
+            f"## Generated text through the engine (greedy, {meta['gen_tokens']} tokens)",
+            "",
+            "Agreement = fraction of generated positions equal to the reference's tokens "
+            "(reference 1.0 by definition).",
+            "",
+            "Colocated engine, prefix hit of H tokens, prompt H + 64: replay on vs off:",
+            "",
+        ]
         lines += _rows(gen["colocated_hit"], "agreement")
-        lines += ["", "Disaggregated (PrefillWorker -> local KV transfer -> DecodeWorker), decode "
-                  "side replay on vs off:", ""]
+        lines += [
+            "",
+            "Disaggregated (PrefillWorker -> local KV transfer -> DecodeWorker), decode side replay on vs off:",
+            "",
+        ]
         lines += _rows(gen["decode_side"], "agreement")
         lines += ["", "Colocated vs disaggregated as served (replay on both, no prefix hit):", ""]
         lines += _rows(gen["pd_vs_colocated"], "agreement")
@@ -433,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/results/quality.md")
     ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--render-json", default=None,
-                    help="only re-render --out from a results JSON written by --json")
+    ap.add_argument("--render-json", default=None, help="only re-render --out from a results JSON written by --json")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.render_json:
@@ -458,15 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     seqs = heldout_sequences(os.path.join(args.checkpoint, "tokenizer.json"), n_seq, args.seq_len)
     result: dict = {}
     if args.conversations:
-        result["teacher_forced"] = teacher_forced(args.checkpoint, seqs[:args.conversations],
-                                                  hits, log)
+        result["teacher_forced"] = teacher_forced(args.checkpoint, seqs[: args.conversations], hits, log)
     if args.engine_conversations:
-        result["generated"] = generated(args.checkpoint, seqs[:args.engine_conversations], hits,
-                                        args.gen_tokens, log)
+        result["generated"] = generated(args.checkpoint, seqs[: args.engine_conversations], hits, args.gen_tokens, log)
     cmd = "python -m flashpd.bench.quality" + (" " + " ".join(argv) if argv else "")
-    result["meta"] = {"command": cmd, "checkpoint": os.path.relpath(args.checkpoint),
-                      "seq_len": args.seq_len, "gen_tokens": args.gen_tokens,
-                      "seconds": time.time() - t0}
+    result["meta"] = {
+        "command": cmd,
+        "checkpoint": os.path.relpath(args.checkpoint),
+        "seq_len": args.seq_len,
+        "gen_tokens": args.gen_tokens,
+        "seconds": time.time() - t0,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(render(result))

@@ -22,14 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flashpd.bench.metrics import (  # noqa: E402
-    Goodput,
-    RunMetrics,
-    aggregate,
-    compare,
-    goodput,
-    hit_rate_by_turn,
-)
+from flashpd.bench.metrics import Goodput, RunMetrics, aggregate, compare, goodput, hit_rate_by_turn  # noqa: E402
 from flashpd.bench.records import META_FILE, Phase, RequestRecord, RunMeta, read_run  # noqa: E402
 
 PLOTS_DIR = "plots"
@@ -63,17 +56,12 @@ def load_study(study_dir: str | Path) -> Study:
 
 
 def write_report(
-    study_dir: str | Path,
-    study: Study,
-    min_interactivity_tok_s: float = 150.0,
-    max_ttft_p90_s: float = 5.0,
+    study_dir: str | Path, study: Study, min_interactivity_tok_s: float = 150.0, max_ttft_p90_s: float = 5.0
 ) -> Path:
     out = Path(study_dir)
     (out / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
     plots = [
-        _plot_throughput(
-            study, out / PLOTS_DIR / "throughput_vs_interactivity.png", min_interactivity_tok_s
-        ),
+        _plot_throughput(study, out / PLOTS_DIR / "throughput_vs_interactivity.png", min_interactivity_tok_s),
         _plot_cdf(study, out / PLOTS_DIR / "ttft_cdf.png", "TTFT (s)", _ttfts),
         _plot_cdf(study, out / PLOTS_DIR / "itl_cdf.png", "inter-token latency (ms)", _itls_ms),
         _plot_hit_rate(study, out / PLOTS_DIR / "hit_rate_by_turn.png"),
@@ -157,17 +145,9 @@ def _config_section(name: str, points: list[RunData], cap: float, ttft_limit_s: 
         f"| {t.turns} | {t.requests} | {_fmt(t.actual, 3)} | {_fmt(t.ideal, 3)} |"
         for t in hit_rate_by_turn([r for p in points for r in p.records])
     ]
-    lines += [
-        "",
-        "Goodput:",
-        "",
-        "| interactivity | throughput | best tok/s/GPU | at C |",
-        "|---|---|---|---|",
-    ]
+    lines += ["", "Goodput:", "", "| interactivity | throughput | best tok/s/GPU | at C |", "|---|---|---|---|"]
     for g in goodput([p.metrics for p in points], cap, ttft_limit_s):
-        lines.append(
-            f"| {g.interactivity} | {g.throughput} | {_fmt(g.tok_s_per_gpu)} | {g.concurrency or '-'} |"
-        )
+        lines.append(f"| {g.interactivity} | {g.throughput} | {_fmt(g.tok_s_per_gpu)} | {g.concurrency or '-'} |")
     return lines + [""]
 
 
@@ -234,9 +214,7 @@ def _plot_throughput(study: Study, path: Path, cap: float) -> Path:
                 for p, x, y in zip(points, xs, ys, strict=True):
                     ax.annotate(f"C={p.meta.concurrency}", (x, y), fontsize=7)
             ax.axvline(cap, color="grey", linestyle=":")
-            ax.set_xlabel(
-                f"interactivity, 1/p90({'ITL' if inter == 'itl' else 'e2e/token'}) tok/s/user"
-            )
+            ax.set_xlabel(f"interactivity, 1/p90({'ITL' if inter == 'itl' else 'e2e/token'}) tok/s/user")
             ax.set_ylabel(f"{'(in+out)' if thru == 'total' else 'output'} tok/s/GPU")
             ax.grid(alpha=0.3)
     axes[0][0].legend()
@@ -255,19 +233,13 @@ def _measured_ok(records: list[RequestRecord]) -> list[RequestRecord]:
     return [r for r in records if r.phase is Phase.MEASURE and r.ok]
 
 
-def _plot_cdf(
-    study: Study, path: Path, xlabel: str, values_of: Callable[[list[RequestRecord]], list[float]]
-) -> Path:
+def _plot_cdf(study: Study, path: Path, xlabel: str, values_of: Callable[[list[RequestRecord]], list[float]]) -> Path:
     fig, axes = plt.subplots(1, len(study), figsize=(5.5 * len(study), 4), squeeze=False)
     for ax, (name, points) in zip(axes[0], study.items(), strict=True):
         for p in points:
             values = np.sort(np.asarray(values_of(p.records), dtype=np.float64))
             if values.size:
-                ax.plot(
-                    values,
-                    np.arange(1, values.size + 1) / values.size,
-                    label=f"C={p.meta.concurrency}",
-                )
+                ax.plot(values, np.arange(1, values.size + 1) / values.size, label=f"C={p.meta.concurrency}")
         ax.set_title(name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of requests" if "TTFT" in xlabel else "fraction of tokens")
@@ -283,9 +255,7 @@ def _plot_hit_rate(study: Study, path: Path) -> Path:
         labels = [t.turns for t in rates]
         color = f"C{index}"
         ax.plot(labels, [t.actual for t in rates], marker="o", color=color, label=f"{name} actual")
-        ax.plot(
-            labels, [t.ideal for t in rates], linestyle="--", color=color, label=f"{name} ideal"
-        )
+        ax.plot(labels, [t.ideal for t in rates], linestyle="--", color=color, label=f"{name} ideal")
     ax.set_xlabel("turn index within session")
     ax.set_ylabel("prefix hit rate (token-weighted)")
     ax.set_ylim(0, 1.02)

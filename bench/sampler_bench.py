@@ -20,9 +20,11 @@ import torch
 
 from flashpd.engine.sampling import Sampler, SamplingParams
 
-CASES = {"greedy": SamplingParams(),
-         "t0.8 top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
-         "t1.0 top-k 50 seeded": SamplingParams(temperature=1.0, top_k=50, seed=5)}
+CASES = {
+    "greedy": SamplingParams(),
+    "t0.8 top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    "t1.0 top-k 50 seeded": SamplingParams(temperature=1.0, top_k=50, seed=5),
+}
 
 
 def _load(path: str):
@@ -60,8 +62,7 @@ def main(argv=None) -> None:
     print("| rows | params | " + " | ".join(f"{k} ms" for k in samplers) + " |")
     print("|---|---|" + "---|" * len(samplers))
     for b in args.batch:
-        logits = torch.randn(b, args.vocab, generator=torch.Generator().manual_seed(b)).to(
-            args.device)
+        logits = torch.randn(b, args.vocab, generator=torch.Generator().manual_seed(b)).to(args.device)
         rids = [f"r{i}" for i in range(b)]
         for name, p in CASES.items():
             cells = [f"{_ms(cls(0), logits, rids, [p] * b):.2f}" for cls in samplers.values()]

@@ -44,15 +44,20 @@ class ShareGPTRequest:
     output_tokens: int  # the conversation's first reply, capped
 
 
-def sample_requests(tokenizer, n: int, seed: int = 0, max_prompt_tokens: int = 1024,
-                    max_output_tokens: int = 256, min_output_tokens: int = 4,
-                    conversations=None) -> list[ShareGPTRequest]:
+def sample_requests(
+    tokenizer,
+    n: int,
+    seed: int = 0,
+    max_prompt_tokens: int = 1024,
+    max_output_tokens: int = 256,
+    min_output_tokens: int = 4,
+    conversations=None,
+) -> list[ShareGPTRequest]:
     """n requests from ShareGPT conversations (seeded shuffle of the dataset's order)."""
     from flashpd.model import train_data
     from flashpd.services.router.convert import deepseek_chat_prompt
 
-    convs = list(conversations) if conversations is not None else \
-        train_data.load_conversations()
+    convs = list(conversations) if conversations is not None else train_data.load_conversations()
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
     out: list[ShareGPTRequest] = []
@@ -61,18 +66,15 @@ def sample_requests(tokenizer, n: int, seed: int = 0, max_prompt_tokens: int = 1
         if pair is None:
             continue
         messages, reply = pair
-        prompt = len(tokenizer.encode(deepseek_chat_prompt(messages),
-                                      add_special_tokens=False).ids)
+        prompt = len(tokenizer.encode(deepseek_chat_prompt(messages), add_special_tokens=False).ids)
         output = len(tokenizer.encode(reply, add_special_tokens=False).ids)
         if prompt > max_prompt_tokens or output < min_output_tokens:
             continue
-        out.append(ShareGPTRequest(len(out), convs[i].id, tuple(messages), prompt,
-                                   min(output, max_output_tokens)))
+        out.append(ShareGPTRequest(len(out), convs[i].id, tuple(messages), prompt, min(output, max_output_tokens)))
         if len(out) == n:
             break
     if len(out) < n:
-        raise ValueError(f"only {len(out)} conversations fit --max-prompt-tokens "
-                         f"{max_prompt_tokens}; asked for {n}")
+        raise ValueError(f"only {len(out)} conversations fit --max-prompt-tokens {max_prompt_tokens}; asked for {n}")
     return out
 
 
@@ -101,7 +103,7 @@ def parse_sse_line(line: str) -> dict | None:
     line = line.strip()
     if not line or line.startswith(":") or not line.startswith("data:"):
         return None
-    payload = line[len("data:"):].strip()
+    payload = line[len("data:") :].strip()
     if payload == "[DONE]":
         return None
     try:
@@ -123,8 +125,7 @@ def apply_chunk(result: ChatResult, obj: dict, now: float) -> None:
     ext = obj.get("flashpd")
     if ext:
         result.request_id = ext.get("request_id")
-        result.prefill_worker, result.decode_worker = ext.get("prefill_worker"), \
-            ext.get("decode_worker")
+        result.prefill_worker, result.decode_worker = ext.get("prefill_worker"), ext.get("decode_worker")
         result.cached_tokens_prefill = ext.get("cached_tokens_prefill")
         result.cached_tokens_decode = ext.get("cached_tokens_decode")
         result.timeline = dict(ext.get("timeline") or {})
@@ -146,9 +147,15 @@ class HttpChat:
         self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
 
     async def chat(self, req: ShareGPTRequest, clock: Callable[[], float]) -> ChatResult:
-        body = {"model": self.model, "messages": list(req.messages),
-                "max_tokens": req.output_tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": list(req.messages),
+            "max_tokens": req.output_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         result = ChatResult()
         async with self._client.stream("POST", self.url, json=body) as resp:
             if resp.status_code != 200:
@@ -178,20 +185,27 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def to_record(req: ShareGPTRequest, start: float, end: float, result: ChatResult | None,
-              error: BaseException | None) -> RequestRecord:
+def to_record(
+    req: ShareGPTRequest, start: float, end: float, result: ChatResult | None, error: BaseException | None
+) -> RequestRecord:
     times = result.chunk_times if result else []
     return RequestRecord(
-        lane=0, phase=Phase.MEASURE, tree_id=req.index, request_index=req.index,
-        agent="sharegpt", session_id=f"sharegpt-{req.index}", parent_session_id=None,
-        turn_index=0, think_s=0.0, start_s=start, end_s=end,
+        lane=0,
+        phase=Phase.MEASURE,
+        tree_id=req.index,
+        request_index=req.index,
+        agent="sharegpt",
+        session_id=f"sharegpt-{req.index}",
+        parent_session_id=None,
+        turn_index=0,
+        think_s=0.0,
+        start_s=start,
+        end_s=end,
         ttft_s=(times[0] - start) if times else None,
         itl_s=[b - a for a, b in zip(times, times[1:], strict=False)],
-        prompt_tokens=(result.prompt_tokens if result and result.prompt_tokens is not None
-                       else req.prompt_tokens),
+        prompt_tokens=(result.prompt_tokens if result and result.prompt_tokens is not None else req.prompt_tokens),
         expected_output_tokens=req.output_tokens,
-        output_tokens=(result.completion_tokens if result and result.completion_tokens is not None
-                       else len(times)),
+        output_tokens=(result.completion_tokens if result and result.completion_tokens is not None else len(times)),
         ideal_cached_tokens=0,
         cached_tokens=result.cached_tokens if result else None,
         cached_tokens_prefill=result.cached_tokens_prefill if result else None,
@@ -206,12 +220,14 @@ def to_record(req: ShareGPTRequest, start: float, end: float, result: ChatResult
     )
 
 
-async def run_benchmark(requests: Sequence[ShareGPTRequest],
-                        chat: Callable[[ShareGPTRequest], Awaitable[ChatResult]],
-                        offsets: Sequence[float], max_concurrency: int,
-                        clock: Callable[[], float],
-                        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-                        ) -> tuple[list[RequestRecord], float, float]:
+async def run_benchmark(
+    requests: Sequence[ShareGPTRequest],
+    chat: Callable[[ShareGPTRequest], Awaitable[ChatResult]],
+    offsets: Sequence[float],
+    max_concurrency: int,
+    clock: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> tuple[list[RequestRecord], float, float]:
     """Send each request at its offset (at most max_concurrency in flight); (records, t0, t1).
 
     `clock` (seconds) and `sleep` are injected; a failed request is recorded with its error."""
@@ -246,43 +262,46 @@ def _ms(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{1e3 * x:.0f}"
 
 
-def render_report(meta: RunMeta, m: RunMetrics, records: Sequence[RequestRecord],
-                  command: str) -> str:
+def render_report(meta: RunMeta, m: RunMetrics, records: Sequence[RequestRecord], command: str) -> str:
     ok = [r for r in records if r.ok]
     prompt = [r.prompt_tokens for r in ok]
     outs = [r.output_tokens for r in ok]
     w = meta.workload
     lines = [
-        "# ShareGPT-shaped serving benchmark", "",
-        f"Command: `{command}`", "",
+        "# ShareGPT-shaped serving benchmark",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Target {meta.target} (model `{w.get('model')}`), {meta.started_at}. {len(records)} "
         f"requests from ShareGPT conversations (seed {w.get('seed')}; prompt = first user turn, "
         f"output = first reply's length, capped at {w.get('max_output_tokens')}), Poisson "
         f"arrivals at {w.get('rate')}/s, at most {meta.concurrency} in flight, greedy, "
-        "ignore_eos, streamed over /v1/chat/completions." + (
-            f" Host: {w['host']['cpus']} CPUs, 1-min load {w['host']['loadavg_1m_at_start']} "
-            "at start." if w.get("host") else ""), "",
-        "| metric | value |", "|---|---|",
+        "ignore_eos, streamed over /v1/chat/completions."
+        + (
+            f" Host: {w['host']['cpus']} CPUs, 1-min load {w['host']['loadavg_1m_at_start']} at start."
+            if w.get("host")
+            else ""
+        ),
+        "",
+        "| metric | value |",
+        "|---|---|",
         f"| requests ok / errors | {len(ok)} / {m.errors} {m.errors_by_type or ''} |",
         f"| duration (s) | {m.window_s:.1f} |",
-        f"| prompt tokens mean / max | {sum(prompt) / max(len(prompt), 1):.0f} / "
-        f"{max(prompt, default=0)} |",
-        f"| output tokens mean / max | {sum(outs) / max(len(outs), 1):.0f} / "
-        f"{max(outs, default=0)} |",
+        f"| prompt tokens mean / max | {sum(prompt) / max(len(prompt), 1):.0f} / {max(prompt, default=0)} |",
+        f"| output tokens mean / max | {sum(outs) / max(len(outs), 1):.0f} / {max(outs, default=0)} |",
         f"| request throughput (req/s) | {len(ok) / max(m.window_s, 1e-9):.3f} |",
         f"| output tokens/s | {m.output_tok_s_per_gpu * m.num_gpus:.1f} |",
         f"| total tokens/s (prompt + output) | {m.total_tok_s_per_gpu * m.num_gpus:.1f} |",
-        f"| TTFT p50 / p90 / p99 (ms) | {_ms(m.ttft_s.p50)} / {_ms(m.ttft_s.p90)} / "
-        f"{_ms(m.ttft_s.p99)} |",
-        f"| ITL p50 / p90 / p99 (ms) | {_ms(m.itl_s.p50)} / {_ms(m.itl_s.p90)} / "
-        f"{_ms(m.itl_s.p99)} |",
-        f"| E2E p50 / p90 / p99 (ms) | {_ms(m.e2e_s.p50)} / {_ms(m.e2e_s.p90)} / "
-        f"{_ms(m.e2e_s.p99)} |",
+        f"| TTFT p50 / p90 / p99 (ms) | {_ms(m.ttft_s.p50)} / {_ms(m.ttft_s.p90)} / {_ms(m.ttft_s.p99)} |",
+        f"| ITL p50 / p90 / p99 (ms) | {_ms(m.itl_s.p50)} / {_ms(m.itl_s.p90)} / {_ms(m.itl_s.p99)} |",
+        f"| E2E p50 / p90 / p99 (ms) | {_ms(m.e2e_s.p50)} / {_ms(m.e2e_s.p90)} / {_ms(m.e2e_s.p99)} |",
         f"| prefix-cache hit rate (cached / prompt tokens) | {m.hit_rate_actual:.3f} |",
         "",
         "ShareGPT requests are single first turns of unrelated conversations, so prefix hits come "
         "only from shared chat-template tokens; the AgentX-like benchmark (bench/cli.py) is the "
-        "one that exercises session reuse.", ""]
+        "one that exercises session reuse.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -293,20 +312,36 @@ async def _main_async(args, requests, command: str) -> tuple[RunMeta, list[Reque
     host = {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(os.getloadavg()[0], 1)}
     try:
         records, t0, t1 = await run_benchmark(
-            requests, lambda r: chat_backend.chat(r, loop.time),
-            arrival_times(len(requests), args.rate, args.seed), args.max_concurrency, loop.time)
+            requests,
+            lambda r: chat_backend.chat(r, loop.time),
+            arrival_times(len(requests), args.rate, args.seed),
+            args.max_concurrency,
+            loop.time,
+        )
     finally:
         await chat_backend.aclose()
     meta = RunMeta(
-        name="sharegpt", target=args.target, concurrency=args.max_concurrency, num_gpus=1,
-        window_s=t1 - t0, window_start_s=t0, window_end_s=t1,
+        name="sharegpt",
+        target=args.target,
+        concurrency=args.max_concurrency,
+        num_gpus=1,
+        window_s=t1 - t0,
+        window_start_s=t0,
+        window_end_s=t1,
         started_at=started,
-        workload={"kind": "sharegpt", "model": args.model, "seed": args.seed, "host": host,
-                  "requests": len(requests), "rate": args.rate,
-                  "max_prompt_tokens": args.max_prompt_tokens,
-                  "max_output_tokens": args.max_output_tokens,
-                  "sample": [asdict(r) | {"messages": len(r.messages)} for r in requests]},
-        driver={"command": command, "max_concurrency": args.max_concurrency})
+        workload={
+            "kind": "sharegpt",
+            "model": args.model,
+            "seed": args.seed,
+            "host": host,
+            "requests": len(requests),
+            "rate": args.rate,
+            "max_prompt_tokens": args.max_prompt_tokens,
+            "max_output_tokens": args.max_output_tokens,
+            "sample": [asdict(r) | {"messages": len(r.messages)} for r in requests],
+        },
+        driver={"command": command, "max_concurrency": args.max_concurrency},
+    )
     return meta, records
 
 
@@ -315,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="flashpd-small", help="served model id")
-    ap.add_argument("--serve", action="store_true",
-                    help="start the local stack (flashpd serve defaults) for the run")
+    ap.add_argument("--serve", action="store_true", help="start the local stack (flashpd serve defaults) for the run")
     ap.add_argument("--checkpoint", default=None, help="with --serve (default: small preset)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (inf = all at once)")
@@ -335,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ckpt = checkpoint_path()
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
-    requests = sample_requests(tok, args.requests, args.seed, args.max_prompt_tokens,
-                               args.max_output_tokens)
+    requests = sample_requests(tok, args.requests, args.seed, args.max_prompt_tokens, args.max_output_tokens)
     command = "python -m flashpd.bench.sharegpt " + " ".join(argv)
     if args.serve:
         from flashpd.services import cli as serve_cli
@@ -345,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="flashpd")
         serve_cli.register(parser.add_subparsers(dest="command"))
         serve_argv = ["serve", "--http-port", args.target.rsplit(":", 1)[1]]
-        stack = parser.parse_args(serve_argv + (["--checkpoint", args.checkpoint]
-                                                if args.checkpoint else []))  # serve's defaults
+        stack = parser.parse_args(
+            serve_argv + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
+        )  # serve's defaults
         local_stack, wait_healthy = serve_cli.local_stack, serve_cli.wait_healthy
         with local_stack(stack) as a:
             client = Client(f"127.0.0.1:{stack.grpc_port}")

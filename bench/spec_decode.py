@@ -78,14 +78,30 @@ def build_model(preset: str, device: str, method: str):
     return model, "float32", drafter
 
 
-def make_engine(model, dtype: str, device: str, batch: int, context: int,
-                spec: SpeculativeConfig | None, new_tokens: int = 256,
-                dspark=None) -> LLMEngine:
+def make_engine(
+    model,
+    dtype: str,
+    device: str,
+    batch: int,
+    context: int,
+    spec: SpeculativeConfig | None,
+    new_tokens: int = 256,
+    dspark=None,
+) -> LLMEngine:
     blocks = (batch + 2) * (-(-(context + 16 + new_tokens) // 128)) + 16
-    return LLMEngine(model, EngineConfig(
-        dtype=dtype, device=device, num_blocks=blocks, num_slots=batch + 2,
-        max_num_batched_tokens=max(2048, context + 64), max_num_seqs=batch + 2,
-        speculative=spec), dspark=dspark if spec is not None else None)
+    return LLMEngine(
+        model,
+        EngineConfig(
+            dtype=dtype,
+            device=device,
+            num_blocks=blocks,
+            num_slots=batch + 2,
+            max_num_batched_tokens=max(2048, context + 64),
+            max_num_seqs=batch + 2,
+            speculative=spec,
+        ),
+        dspark=dspark if spec is not None else None,
+    )
 
 
 WARM_STEPS = 3  # untimed steps once every request decodes
@@ -97,8 +113,7 @@ def new_tokens(steps: int) -> int:
     return 17 * (steps + WARM_STEPS + 4)
 
 
-def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
-            profile: bool = False) -> dict:
+def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int, profile: bool = False) -> dict:
     """Admit B requests on a shared prefix, then time `steps` steps with all of them decoding."""
     prefix = _prompt(context, 7, vocab)
     engine.add_request("prefix", prefix, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -130,12 +145,18 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
     for rid in rids:
         engine.abort(rid)
     total = tokens / seconds
-    return {"batch": batch, "steps": steps, "tokens": tokens, "seconds": seconds,
-            "tok_s_total": total, "tok_s_per_user": total / batch,
-            "tokens_per_step_per_user": tokens / steps / batch,
-            "graph_captures_while_timed": captures,
-            "verify_graph_replays": graphs.num_verify_replays if graphs is not None else 0,
-            "spec": engine.spec_stats.snapshot() if engine.spec is not None else None}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s_total": total,
+        "tok_s_per_user": total / batch,
+        "tokens_per_step_per_user": tokens / steps / batch,
+        "graph_captures_while_timed": captures,
+        "verify_graph_replays": graphs.num_verify_replays if graphs is not None else 0,
+        "spec": engine.spec_stats.snapshot() if engine.spec is not None else None,
+    }
 
 
 def greedy_identical(model, dtype: str, device: str, vocab: int) -> bool:
@@ -157,8 +178,9 @@ def greedy_identical(model, dtype: str, device: str, vocab: int) -> bool:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -166,38 +188,51 @@ def _commit() -> str:
 def run(args) -> dict:
     commit = args.commit or _commit()  # the code loaded now (HEAD may move during a run)
     os.environ[BENCH_ENV] = "1"  # this script is the benchmark flag
-    print(f"BENCHMARK MODE: forced acceptance length {args.forced} (accepted drafts follow a "
-          "schedule; outputs are not the model's)", flush=True)
+    print(
+        f"BENCHMARK MODE: forced acceptance length {args.forced} (accepted drafts follow a "
+        "schedule; outputs are not the model's)",
+        flush=True,
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     model, dtype, dspark = build_model(args.preset, args.device, args.method)
     vocab = model.cfg.vocab_size
-    spec = SpeculativeConfig(method=args.method, num_tokens=args.num_tokens,
-                             max_batch=max(args.batches),
-                             bench_forced_acceptance_length=args.forced)
+    spec = SpeculativeConfig(
+        method=args.method,
+        num_tokens=args.num_tokens,
+        max_batch=max(args.batches),
+        bench_forced_acceptance_length=args.forced,
+    )
     rows = {}
     for batch in args.batches:
         for name, cfg in (("nonspec", None), ("spec", spec)):
-            engine = make_engine(model, dtype, args.device, batch, args.context, cfg,
-                                 new_tokens(args.steps), dspark)
-            row = measure(engine, batch, args.context, args.steps, vocab,
-                          profile=name == "spec" and batch in args.profile)
+            engine = make_engine(model, dtype, args.device, batch, args.context, cfg, new_tokens(args.steps), dspark)
+            row = measure(
+                engine, batch, args.context, args.steps, vocab, profile=name == "spec" and batch in args.profile
+            )
             rows[(name, batch)] = row
-            print(f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
-                  f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
-                  f" tok/step/user)", flush=True)
+            print(
+                f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
+                f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
+                f" tok/step/user)",
+                flush=True,
+            )
         if args.out:  # what is measured so far survives a time box
             partial = {"partial": True, "rows": [dict(r, mode=n) for (n, _), r in rows.items()]}
             with open(args.out, "w") as f:
                 json.dump(partial, f, indent=1)
-    crossover = next((b for b in args.batches
-                      if rows[("spec", b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]),
-                     None)
+    crossover = next(
+        (b for b in args.batches if rows[("spec", b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]), None
+    )
     identical = greedy_identical(model, dtype, args.device, vocab) if args.greedy_check else None
     keyed = lambda name, key: {str(b): rows[(name, b)][key] for b in args.batches}  # noqa: E731
     return {
-        "commit": commit, "preset": args.preset, "context": args.context,
-        "forced_acceptance": args.forced, "device": args.device, "method": args.method,
+        "commit": commit,
+        "preset": args.preset,
+        "context": args.context,
+        "forced_acceptance": args.forced,
+        "device": args.device,
+        "method": args.method,
         "num_tokens": args.num_tokens,
         "tok_s_per_user": keyed("spec", "tok_s_per_user"),
         "tok_s_total": keyed("spec", "tok_s_total"),
@@ -223,8 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="ngram", choices=["ngram", "dspark"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--no-greedy-check", dest="greedy_check", action="store_false")
-    ap.add_argument("--profile", type=int, nargs="*", default=[],
-                    help="batches whose timed speculative steps are profiled (cProfile)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batches whose timed speculative steps are profiled (cProfile)",
+    )
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="JSON path (spec_summary keys)")
     args = ap.parse_args(argv)

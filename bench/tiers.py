@@ -43,17 +43,18 @@ def _meets(m: RunMetrics, tier: float, ttft_limit_s: float) -> bool:
     return math.isfinite(speed) and speed >= tier and math.isfinite(ttft) and ttft <= ttft_limit_s
 
 
-def tier_points(points: Sequence[RunMetrics], tiers: Sequence[float] = DEFAULT_TIERS,
-                ttft_limit_s: float = 5.0) -> dict[str, dict]:
+def tier_points(
+    points: Sequence[RunMetrics], tiers: Sequence[float] = DEFAULT_TIERS, ttft_limit_s: float = 5.0
+) -> dict[str, dict]:
     """Per tier: the largest concurrency meeting it and the throughput there."""
     out = {}
     for tier in tiers:
-        best = max((m for m in points if _meets(m, tier, ttft_limit_s)),
-                   key=lambda m: m.concurrency, default=None)
+        best = max((m for m in points if _meets(m, tier, ttft_limit_s)), key=lambda m: m.concurrency, default=None)
         out[_key(tier)] = {
             "max_concurrency": None if best is None else best.concurrency,
             "tok_s": None if best is None else round(best.total_tok_s_per_gpu, 1),
-            "output_tok_s": None if best is None else round(best.output_tok_s_per_gpu, 1)}
+            "output_tok_s": None if best is None else round(best.output_tok_s_per_gpu, 1),
+        }
     return out
 
 
@@ -63,25 +64,38 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 3)
 
 
-def ab_ratios(baseline: Sequence[RunMetrics], candidate: Sequence[RunMetrics],
-              tiers: Sequence[float] = DEFAULT_TIERS, ttft_limit_s: float = 5.0) -> dict:
+def ab_ratios(
+    baseline: Sequence[RunMetrics],
+    candidate: Sequence[RunMetrics],
+    tiers: Sequence[float] = DEFAULT_TIERS,
+    ttft_limit_s: float = 5.0,
+) -> dict:
     """The seed's two ratios for `candidate` against `baseline` (see the module docstring)."""
     base = {m.concurrency: m for m in baseline}
-    low = [_ratio(m.interactivity_e2e_tok_s, base[m.concurrency].interactivity_e2e_tok_s)
-           for m in candidate if m.concurrency in LOW_CONCURRENCY and m.concurrency in base]
+    low = [
+        _ratio(m.interactivity_e2e_tok_s, base[m.concurrency].interactivity_e2e_tok_s)
+        for m in candidate
+        if m.concurrency in LOW_CONCURRENCY and m.concurrency in base
+    ]
     low = [r for r in low if r is not None]
     t_base = tier_points(baseline, tiers, ttft_limit_s)
     t_cand = tier_points(candidate, tiers, ttft_limit_s)
     return {
         "speedup_low_concurrency": round(sum(low) / len(low), 3) if low else None,
         "low_concurrency_points": len(low),
-        "throughput_ratio_at_tier": {k: _ratio(t_cand[k]["tok_s"], t_base[k]["tok_s"])
-                                     for k in t_cand}}
+        "throughput_ratio_at_tier": {k: _ratio(t_cand[k]["tok_s"], t_base[k]["tok_s"]) for k in t_cand},
+    }
 
 
-def study_summary(study: Mapping[str, Sequence[RunMetrics]], *, baseline: str | None = None,
-                  candidate: str | None = None, tiers: Sequence[float] = DEFAULT_TIERS,
-                  ttft_limit_s: float = 5.0, extra: Mapping | None = None) -> dict:
+def study_summary(
+    study: Mapping[str, Sequence[RunMetrics]],
+    *,
+    baseline: str | None = None,
+    candidate: str | None = None,
+    tiers: Sequence[float] = DEFAULT_TIERS,
+    ttft_limit_s: float = 5.0,
+    extra: Mapping | None = None,
+) -> dict:
     """The summary of a study: tiers of every configuration (the candidate's at the top level),
     and the A/B ratios when both named configurations are in it."""
     for name in (baseline, candidate):
@@ -89,14 +103,16 @@ def study_summary(study: Mapping[str, Sequence[RunMetrics]], *, baseline: str | 
             raise KeyError(f"configuration {name!r} not in the study ({sorted(study)})")
     main = candidate if candidate is not None else next(iter(study))
     out = dict(extra or {})
-    out.update({
-        "configuration": main, "ttft_limit_s": ttft_limit_s,
-        "tiers": tier_points(study[main], tiers, ttft_limit_s),
-        "configurations": {name: tier_points(points, tiers, ttft_limit_s)
-                           for name, points in study.items()}})
+    out.update(
+        {
+            "configuration": main,
+            "ttft_limit_s": ttft_limit_s,
+            "tiers": tier_points(study[main], tiers, ttft_limit_s),
+            "configurations": {name: tier_points(points, tiers, ttft_limit_s) for name, points in study.items()},
+        }
+    )
     if baseline is not None and baseline != main:
-        out["ab"] = {"baseline": baseline, **ab_ratios(study[baseline], study[main], tiers,
-                                                        ttft_limit_s)}
+        out["ab"] = {"baseline": baseline, **ab_ratios(study[baseline], study[main], tiers, ttft_limit_s)}
     return out
 
 

@@ -113,9 +113,7 @@ class TokenSpace:
         return ids
 
 
-def _block_pieces(
-    segments: Sequence[Segment], block_tokens: int
-) -> Iterator[list[tuple[int, int, int]]]:
+def _block_pieces(segments: Sequence[Segment], block_tokens: int) -> Iterator[list[tuple[int, int, int]]]:
     """Per block, the (stream_key, offset, count) pieces it is made of."""
     pieces: list[tuple[int, int, int]] = []
     room = block_tokens

@@ -58,9 +58,7 @@ def receiver_main(conn, contract_json: str, num_blocks: int, poll_interval_s: fl
     from flashpd.engine.transfer.nixl_backend import NixlReceiver
 
     contract = TransferContract.from_json(contract_json)
-    pools = {
-        g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups
-    }
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups}
     receiver = NixlReceiver(contract, pools, incarnation="bench-decode")
     conn.send(receiver.descriptor())
     while True:
@@ -163,8 +161,7 @@ def render(rows: list[Row], args: argparse.Namespace, contract: TransferContract
         f"{os.environ.get('UCX_TLS', '(default)')}, UCX_NET_DEVICES="
         f"{os.environ.get('UCX_NET_DEVICES')}; no NIXL progress thread, receiver polls every "
         f"{args.poll_interval_us} us",
-        "- sender: post -> sender observes WRITE done; notify: post -> receiver reports the "
-        "request complete",
+        "- sender: post -> sender observes WRITE done; notify: post -> receiver reports the request complete",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -219,9 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=100_000, help="prompt tokens to move")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per pattern")
-    parser.add_argument(
-        "--poll-interval-us", type=int, default=100, help="receiver's wait between polls"
-    )
+    parser.add_argument("--poll-interval-us", type=int, default=100, help="receiver's wait between polls")
     parser.add_argument("--out", default="", help="write the markdown table here")
     return parser
 

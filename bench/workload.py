@@ -55,9 +55,7 @@ class WorkloadConfig:
         if self.num_trees < 1:
             raise ValueError(f"num_trees must be >= 1, got {self.num_trees}")
         if not (self.scale >= 1.0 and self.time_scale > 0.0):
-            raise ValueError(
-                f"need scale >= 1 and time_scale > 0, got {self.scale}, {self.time_scale}"
-            )
+            raise ValueError(f"need scale >= 1 and time_scale > 0, got {self.scale}, {self.time_scale}")
         if self.output_scale is not None and self.output_scale < 1.0:
             raise ValueError(f"output_scale must be >= 1, got {self.output_scale}")
         if self.max_turns is not None and self.max_turns < 1:
@@ -125,9 +123,7 @@ class SessionTree:
 
     def instantiate(self, salt_key: int, session_prefix: str) -> SessionTree:
         """The same tree with a new salt and session ids, so it shares no KV with other copies."""
-        return SessionTree(
-            self.tree_id, tuple(_resalt(r, salt_key, session_prefix) for r in self.requests)
-        )
+        return SessionTree(self.tree_id, tuple(_resalt(r, salt_key, session_prefix) for r in self.requests))
 
 
 def _resalt(request: Request, salt_key: int, session_prefix: str) -> Request:
@@ -151,9 +147,7 @@ class _TurnDraws:
     summary_tokens: list[int]
 
     @classmethod
-    def sample(
-        cls, rng: np.random.Generator, config: WorkloadConfig, output_law: LogQuantiles, n: int
-    ) -> _TurnDraws:
+    def sample(cls, rng: np.random.Generator, config: WorkloadConfig, output_law: LogQuantiles, n: int) -> _TurnDraws:
         shape = config.shape
         return cls(
             new_input_tokens=config.tokens_array(shape.new_input_tokens.sample(rng, n)),
@@ -186,9 +180,7 @@ class _AgentContext:
         self.context_tokens = 0  # context-stream tokens in the last prompt
         self.last_output_tokens = 0
 
-    def next_prompt(
-        self, new_input: int, output: int, summary: int
-    ) -> tuple[tuple[Segment, ...], int, int]:
+    def next_prompt(self, new_input: int, output: int, summary: int) -> tuple[tuple[Segment, ...], int, int]:
         """(segments, ideal cached tokens, new input tokens) of this agent's next request."""
         grown = self.context_tokens + self.last_output_tokens + new_input
         if self.turns > 0 and self.prefix_tokens + grown + output <= self.compact_tokens:
@@ -228,9 +220,7 @@ def _count(law: LogQuantiles, rng: np.random.Generator, cap: int | None) -> int:
     return n if cap is None else min(n, cap)
 
 
-def _group_plan(
-    rng: np.random.Generator, config: WorkloadConfig, num_turns: int
-) -> list[tuple[int, int]]:
+def _group_plan(rng: np.random.Generator, config: WorkloadConfig, num_turns: int) -> list[tuple[int, int]]:
     """(main turn the group follows, requests in the group), in replay order."""
     shape = config.shape
     if rng.random() >= shape.subagent_tree_share:
@@ -283,9 +273,7 @@ class _TreeBuilder:
         self.requests: list[Request] = []
         self.num_groups = 0
 
-    def add(
-        self, agent: str, context: _AgentContext, draws: _TurnDraws, turn: int, first_in_tree: bool
-    ) -> None:
+    def add(self, agent: str, context: _AgentContext, draws: _TurnDraws, turn: int, first_in_tree: bool) -> None:
         output = draws.output_tokens[turn]
         segments, shared, new_input = context.next_prompt(
             draws.new_input_tokens[turn], output, draws.summary_tokens[turn]
@@ -410,8 +398,7 @@ def summarize(workload: Workload) -> dict[str, float]:
         "subagent_group_requests_p50": pct(group_sizes, 50),
         "subagent_prompt_p50": pct([r.prompt_tokens for r in subs], 50),
         "subagent_prompt_p90": pct([r.prompt_tokens for r in subs], 90),
-        "ideal_hit_rate": sum(r.ideal_cached_tokens for r in requests)
-        / sum(r.prompt_tokens for r in requests),
+        "ideal_hit_rate": sum(r.ideal_cached_tokens for r in requests) / sum(r.prompt_tokens for r in requests),
     }
 
 

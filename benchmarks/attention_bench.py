@@ -49,37 +49,27 @@ PREFILL_VARIANTS = {
     "heads_bn128": {"heads_block_n": 128, "heads_stages": 1},
     "heads_bn128_trans": {"heads_block_n": 128, "heads_stages": 1, "heads_trans_s": True},
     # two programs per query, each owning half of the output channels (_heads_vsplit_kernel)
-    "vsplit_bn32_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 32,
-                       "heads_vsplit_warps": 4},
-    "vsplit_bn16_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 16,
-                       "heads_vsplit_warps": 4},
-    "vsplit_bn64_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 64,
-                       "heads_vsplit_warps": 4},
-    "vsplit_bn32_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 32,
-                       "heads_vsplit_warps": 8},
-    "vsplit_bn16_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 16,
-                       "heads_vsplit_warps": 8},
-    "vsplit_bn64_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 64,
-                       "heads_vsplit_warps": 8},
+    "vsplit_bn32_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 32, "heads_vsplit_warps": 4},
+    "vsplit_bn16_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 16, "heads_vsplit_warps": 4},
+    "vsplit_bn64_w4": {"heads_vsplit": True, "heads_vsplit_block_n": 64, "heads_vsplit_warps": 4},
+    "vsplit_bn32_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 32, "heads_vsplit_warps": 8},
+    "vsplit_bn16_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 16, "heads_vsplit_warps": 8},
+    "vsplit_bn64_w8": {"heads_vsplit": True, "heads_vsplit_block_n": 64, "heads_vsplit_warps": 8},
     "default": {},
 }
 DECODE_VARIANTS = {
     "legacy": {"legacy_max_q": 1 << 30},  # per-head-block kernel + its split-KV path
     "heads_t132_bn64": {"legacy_max_q": 0, "heads_split_target": 132},
-    "heads_t132_bn32": {"legacy_max_q": 0, "heads_split_target": 132,
-                        "heads_split_block_n": 32},
-    "heads_t132_bn64_s2": {"legacy_max_q": 0, "heads_split_target": 132,
-                           "heads_split_stages": 2},
-    "heads_t132_bn128": {"legacy_max_q": 0, "heads_split_target": 132,
-                         "heads_split_block_n": 128},
+    "heads_t132_bn32": {"legacy_max_q": 0, "heads_split_target": 132, "heads_split_block_n": 32},
+    "heads_t132_bn64_s2": {"legacy_max_q": 0, "heads_split_target": 132, "heads_split_stages": 2},
+    "heads_t132_bn128": {"legacy_max_q": 0, "heads_split_target": 132, "heads_split_block_n": 128},
     "heads_nosplit": {"legacy_max_q": 0, "heads_split_target": 0},
     "default": {},
     # fused_combine: the split programs' last arrival combines (one launch per call), against
     # the same kernels with _attn_combine_kernel (default / legacy / heads_t132_bn64)
     "fused_combine": {"fused_combine": True},
     "legacy_fused": {"legacy_max_q": 1 << 30, "fused_combine": True},
-    "heads_t132_bn64_fused": {"legacy_max_q": 0, "heads_split_target": 132,
-                              "fused_combine": True},
+    "heads_t132_bn64_fused": {"legacy_max_q": 0, "heads_split_target": 132, "fused_combine": True},
     # the split-KV combine's width and the split count at small batches
     "c1": {"combine_heads": 1},
     "c2": {"combine_heads": 2},
@@ -96,8 +86,7 @@ DECODE_VARIANTS = {
     "t132_c1": {"split_target": 132, "combine_heads": 1},
 }
 # --fused-combine: these decode variants only (B = 1, 8, 64)
-FUSED_COMPARE = ("default", "fused_combine", "legacy", "legacy_fused", "heads_t132_bn64",
-                 "heads_t132_bn64_fused")
+FUSED_COMPARE = ("default", "fused_combine", "legacy", "legacy_fused", "heads_t132_bn64", "heads_t132_bn64_fused")
 
 
 def _inputs(num_q: int, decode: bool, g: torch.Generator):
@@ -108,9 +97,8 @@ def _inputs(num_q: int, decode: bool, g: torch.Generator):
     comp = qref.pack_nvfp4(torch.randn(entries, D, generator=g).to(DEV))
     if decode:
         win = qref.pack_window_fp8(torch.randn(num_q * W * 2, D, generator=g).to(DEV))
-        win_rows = torch.randperm(num_q * W * 2, generator=g)[:num_q * W].view(num_q, W)
-        comp_rows = (torch.randint(0, ENTRIES, (num_q, K), generator=g)
-                     + ENTRIES * torch.arange(num_q)[:, None])
+        win_rows = torch.randperm(num_q * W * 2, generator=g)[: num_q * W].view(num_q, W)
+        comp_rows = torch.randint(0, ENTRIES, (num_q, K), generator=g) + ENTRIES * torch.arange(num_q)[:, None]
     else:
         win = qref.pack_window_fp8(torch.randn(num_q + W, D, generator=g).to(DEV))
         win_rows = torch.arange(num_q)[:, None] + torch.arange(W)[None, :]
@@ -120,16 +108,25 @@ def _inputs(num_q: int, decode: bool, g: torch.Generator):
     cos, sin = rope.rope_cos_sin(pos, freqs)
     q = torch.randn(num_q, H, D, generator=g).to(torch.bfloat16).to(DEV)
     sink = torch.randn(H, generator=g).to(DEV)
-    return dict(q=q, rope=(cos.to(DEV), sin.to(DEV)), win=win, win_rows=win_rows.int().to(DEV),
-                comp=comp, comp_rows=comp_rows.int().to(DEV), sink=sink, pos=pos.to(DEV),
-                freqs=freqs.to(DEV))
+    return dict(
+        q=q,
+        rope=(cos.to(DEV), sin.to(DEV)),
+        win=win,
+        win_rows=win_rows.int().to(DEV),
+        comp=comp,
+        comp_rows=comp_rows.int().to(DEV),
+        sink=sink,
+        pos=pos.to(DEV),
+        freqs=freqs.to(DEV),
+    )
 
 
 def _call(x, tuned: KernelConfigs):
     from flashpd.kernels.attention import triton as at
 
-    return at.sparse_attention_packed(x["q"], x["rope"], x["win"], x["win_rows"], x["comp"],
-                                      x["comp_rows"], x["sink"], D ** -0.5, tuned=tuned)
+    return at.sparse_attention_packed(
+        x["q"], x["rope"], x["win"], x["win_rows"], x["comp"], x["comp_rows"], x["sink"], D**-0.5, tuned=tuned
+    )
 
 
 def _reference(x, idx: torch.Tensor) -> torch.Tensor:
@@ -138,12 +135,12 @@ def _reference(x, idx: torch.Tensor) -> torch.Tensor:
     from flashpd.kernels.rope import ref as rope
 
     wr, cr = x["win_rows"][idx].long(), x["comp_rows"][idx].long()
-    keys = torch.cat((qref.unpack_window_fp8(x["win"], torch.bfloat16)[wr],
-                      qref.unpack_nvfp4(x["comp"], torch.bfloat16)[cr]), dim=1)
+    keys = torch.cat(
+        (qref.unpack_window_fp8(x["win"], torch.bfloat16)[wr], qref.unpack_nvfp4(x["comp"], torch.bfloat16)[cr]), dim=1
+    )
     valid = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
     pos = x["pos"][idx]
-    o = aref.sparse_attention(rope.apply_rope(x["q"][idx], pos, x["freqs"]), keys, valid,
-                              x["sink"], D ** -0.5)
+    o = aref.sparse_attention(rope.apply_rope(x["q"][idx], pos, x["freqs"]), keys, valid, x["sink"], D**-0.5)
     return rope.apply_rope(o, pos, x["freqs"], inverse=True)
 
 
@@ -218,16 +215,21 @@ def _resources(kernels) -> list[dict]:
     for k, arg_names in kernels:
         k = k.result() if hasattr(k, "result") else k  # launched: registers / spills known
         c = getattr(k.src, "constants", {})
-        out.append({"kernel": k.name, "n_regs": getattr(k, "n_regs", None),
-                    "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
-                    "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
-                    "const": {arg_names[i[0]]: v for i, v in c.items()
-                              if isinstance(i, tuple) and arg_names[i[0]] in keep}})
+        out.append(
+            {
+                "kernel": k.name,
+                "n_regs": getattr(k, "n_regs", None),
+                "n_spills": getattr(k, "n_spills", None),
+                "shared": k.metadata.shared,
+                "warps": k.metadata.num_warps,
+                "stages": k.metadata.num_stages,
+                "const": {arg_names[i[0]]: v for i, v in c.items() if isinstance(i, tuple) and arg_names[i[0]] in keep},
+            }
+        )
     return out
 
 
-def run(quick: bool, only: list[str] | None = None, timing: bool = True,
-        deadline: float | None = None) -> list[dict]:
+def run(quick: bool, only: list[str] | None = None, timing: bool = True, deadline: float | None = None) -> list[dict]:
     from flashpd.kernels.attention import triton as at
 
     g = torch.Generator().manual_seed(0)
@@ -238,8 +240,11 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
         if only and not set(only) & set(variants):
             continue
         x = _inputs(num_q, phase == "decode", g)
-        idx = (torch.randperm(num_q, generator=g)[:256].sort().values.to(DEV)
-               if num_q > 256 else torch.arange(num_q, device=DEV))
+        idx = (
+            torch.randperm(num_q, generator=g)[:256].sort().values.to(DEV)
+            if num_q > 256
+            else torch.arange(num_q, device=DEV)
+        )
         ref = _reference(x, idx)
         flops = 4.0 * num_q * H * (W + K) * D
         nbytes = num_q * (W * x["win"].shape[1] + K * x["comp"].shape[1] + 2 * H * D * 2)
@@ -254,8 +259,7 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                 continue
             t0 = time.perf_counter()
             try:
-                torch.empty(num_q * H * D, dtype=torch.bfloat16, device=DEV).fill_(
-                    float("nan"))
+                torch.empty(num_q * H * D, dtype=torch.bfloat16, device=DEV).fill_(float("nan"))
                 before = _compiled(at) if DEV == "cuda" else {}
                 row["rel_err"] = _check(x, idx, ref, tuned)
                 if over.get("fused_combine"):
@@ -268,8 +272,11 @@ def run(quick: bool, only: list[str] | None = None, timing: bool = True,
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     continue
-                row["ms"] = (_time_graph(lambda x=x, t=tuned: _call(x, t)) if phase == "decode"
-                             else _time_events(lambda x=x, t=tuned: _call(x, t)))
+                row["ms"] = (
+                    _time_graph(lambda x=x, t=tuned: _call(x, t))
+                    if phase == "decode"
+                    else _time_events(lambda x=x, t=tuned: _call(x, t))
+                )
                 row["tflops"] = flops / row["ms"] / 1e9
                 row["gbps"] = nbytes / row["ms"] / 1e6
                 if phase == "decode":
@@ -293,11 +300,15 @@ def verify_variants(names: list[str]) -> list[dict]:
     for name in names:
         tuned = configs.override(configs.DEFAULT, attention=PREFILL_VARIANTS[name])
         try:
-            checks = verify.run_checks("bench" if DEV == "cuda" else "tiny", ["attention"],
-                                       timing=False, tuned=tuned)
-            rows.append({"variant": name, "checks": [
-                {"case": c.case, "max_rel": c.max_rel, "tol": c.tol, "passed": c.passed}
-                for c in checks]})
+            checks = verify.run_checks("bench" if DEV == "cuda" else "tiny", ["attention"], timing=False, tuned=tuned)
+            rows.append(
+                {
+                    "variant": name,
+                    "checks": [
+                        {"case": c.case, "max_rel": c.max_rel, "tol": c.tol, "passed": c.passed} for c in checks
+                    ],
+                }
+            )
         except Exception as exc:
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)
@@ -313,21 +324,18 @@ def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
 
     cmds = []
     for v in variants:
-        cmd = [sys.executable, __file__, "--check-only",
-               "--variants", v]
+        cmd = [sys.executable, __file__, "--check-only", "--variants", v]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--smoke"] if args.smoke else []
         cmd += ["--decode-only"] if not PREFILL_T else []
         cmds.append(cmd + (["--prefill-t", *map(str, args.prefill_t)] if args.prefill_t else []))
     for v in args.verify or []:
-        cmds.append([sys.executable, __file__, "--verify", v,
-                     "--variants", *(["--smoke"] if args.smoke else [])])
+        cmds.append([sys.executable, __file__, "--verify", v, "--variants", *(["--smoke"] if args.smoke else [])])
     pending, running, done = list(cmds), [], []
     while pending or running:
         while pending and len(running) < jobs:
             cmd = pending.pop(0)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             running.append((cmd, proc, time.perf_counter()))
         time.sleep(0.2)
         for item in list(running):
@@ -338,33 +346,41 @@ def warm(variants: list[str], jobs: int, args, deadline: float) -> list[dict]:
                 proc.kill()
             out = proc.communicate()[0]
             running.remove(item)
-            done.append({"cmd": " ".join(cmd[3:]), "rc": proc.returncode,
-                         "wall_s": round(time.perf_counter() - t0, 1), "out": out[-3000:]})
-            print(f"warm: {done[-1]['cmd']}: rc {proc.returncode}, {done[-1]['wall_s']} s",
-                  flush=True)
+            done.append(
+                {
+                    "cmd": " ".join(cmd[3:]),
+                    "rc": proc.returncode,
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "out": out[-3000:],
+                }
+            )
+            print(f"warm: {done[-1]['cmd']}: rc {proc.returncode}, {done[-1]['wall_s']} s", flush=True)
         if time.perf_counter() > deadline:
             pending.clear()
     return done
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill/smem |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| phase | rows | variant | ms | TFLOP/s | GB/s | rel err | regs/spill/smem |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "max_diff_unfused" in r:  # fused_combine: max |fused - unfused| beside the name
             r = dict(r, variant=f"{r['variant']} (diff {r['max_diff_unfused']:.1e})")
-        res = ",".join(f"{k['n_regs']}/{4 * (k['n_spills'] or 0)}B/{k['shared'] // 1024}K"
-                       for k in r.get("kernels", []))
+        res = ",".join(
+            f"{k['n_regs']}/{4 * (k['n_spills'] or 0)}B/{k['shared'] // 1024}K" for k in r.get("kernels", [])
+        )
         if "error" in r:
-            lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | error: "
-                         f"{r['error'][:80]} | | | | |")
+            lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | error: {r['error'][:80]} | | | | |")
             continue
         if "ms" not in r:
-            lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | | | | "
-                         f"{r['rel_err']:.2e} | {res} |")
+            lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | | | | {r['rel_err']:.2e} | {res} |")
             continue
-        lines.append(f"| {r['phase']} | {r['rows']} | {r['variant']} | {r['ms']:.4f} | "
-                     f"{r['tflops']:.1f} | {r['gbps']:.0f} | {r['rel_err']:.2e} | {res} |")
+        lines.append(
+            f"| {r['phase']} | {r['rows']} | {r['variant']} | {r['ms']:.4f} | "
+            f"{r['tflops']:.1f} | {r['gbps']:.0f} | {r['rel_err']:.2e} | {res} |"
+        )
     return "\n".join(lines)
 
 
@@ -373,27 +389,42 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="prefill T = 4096 only")
     ap.add_argument("--variants", nargs="*", help="run only these variants")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes, checks only (runs under the CPU interpreter)")
-    ap.add_argument("--prefill-t", type=int, nargs="*", help="prefill row counts (default "
-                    "4096 8192)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, checks only (runs under the CPU interpreter)")
+    ap.add_argument("--prefill-t", type=int, nargs="*", help="prefill row counts (default 4096 8192)")
     ap.add_argument("--check-only", action="store_true", help="check, do not time")
-    ap.add_argument("--fused-combine", action="store_true",
-                    help="decode only: the fused split-KV combine against the two-launch "
-                    "form (variants " + " ".join(FUSED_COMPARE) + ")")
+    ap.add_argument(
+        "--fused-combine",
+        action="store_true",
+        help="decode only: the fused split-KV combine against the two-launch "
+        "form (variants " + " ".join(FUSED_COMPARE) + ")",
+    )
     ap.add_argument("--decode-only", action="store_true", help="no prefill rows")
-    ap.add_argument("--jobs", type=int, default=0,
-                    help="first compile and check every selected variant in this many "
-                    "processes at once (fills Triton's cache for the timed run)")
-    ap.add_argument("--verify", nargs="*", metavar="VARIANT",
-                    help="run verify-kernels' attention checks (bench scale) under these "
-                    "prefill variants' AttentionConfig")
-    ap.add_argument("--pick-out", help="write the decode variant to adopt here (its AttentionConfig "
-                    "overrides as JSON, {} = keep the defaults): the fastest at B = 1 among "
-                    "variants that check out and are at most 2%% slower than 'default' at "
-                    "every other batch")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall budget: warm-up jobs stop at 60%% of it, timing skips rows past it")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="first compile and check every selected variant in this many "
+        "processes at once (fills Triton's cache for the timed run)",
+    )
+    ap.add_argument(
+        "--verify",
+        nargs="*",
+        metavar="VARIANT",
+        help="run verify-kernels' attention checks (bench scale) under these prefill variants' AttentionConfig",
+    )
+    ap.add_argument(
+        "--pick-out",
+        help="write the decode variant to adopt here (its AttentionConfig "
+        "overrides as JSON, {} = keep the defaults): the fastest at B = 1 among "
+        "variants that check out and are at most 2%% slower than 'default' at "
+        "every other batch",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall budget: warm-up jobs stop at 60%% of it, timing skips rows past it",
+    )
     args = ap.parse_args(argv)
     global H, D, W, K, PAIRS, ENTRIES, PREFILL_T, DECODE_B, DEV
     start = time.perf_counter()
@@ -413,18 +444,19 @@ def main(argv=None) -> None:
     warm_rows = []
     if args.jobs:
         names = args.variants or sorted(set(PREFILL_VARIANTS) | set(DECODE_VARIANTS))
-        warm_rows = warm(names, args.jobs, args,
-                         start + 0.6 * budget if budget else float("inf"))
+        warm_rows = warm(names, args.jobs, args, start + 0.6 * budget if budget else float("inf"))
     elif args.verify:
         warm_rows = verify_variants(args.verify)
         if not args.variants:
             return
-    rows = run(args.quick, args.variants, timing=not args.check_only,
-               deadline=start + budget if budget else None)
+    rows = run(args.quick, args.variants, timing=not args.check_only, deadline=start + budget if budget else None)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-                       "rows": rows, "warm": warm_rows}, f, indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "rows": rows, "warm": warm_rows},
+                f,
+                indent=1,
+            )
     print(table(rows) if DEV == "cuda" else json.dumps(rows))
     if args.pick_out:
         name = pick_decode(rows)

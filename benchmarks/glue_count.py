@@ -25,6 +25,7 @@ import torch
 
 # isort: off
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+
 # isort: on
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,7 +39,8 @@ NO_KERNEL = frozenset(
     "view unsqueeze slice select expand empty empty_like empty_strided new_empty lift_fresh "
     "_local_scalar_dense detach alias t transpose permute squeeze _unsafe_view as_strided "
     "_reshape_alias reshape split unbind scalar_tensor split_with_sizes unflatten flatten set_ "
-    "resize_ result_type is_nonzero".split())
+    "resize_ result_type is_nonzero".split()
+)
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,11 +54,14 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in NO_KERNEL:
             stack = traceback.extract_stack()[:-1]
-            if any(f.name == "compute" for f in stack) and not any(
-                    "triton/runtime" in f.filename for f in stack):
-                ours = [f for f in stack if "/.venv/" not in f.filename
-                        and "site-packages" not in f.filename
-                        and not f.filename.endswith("glue_count.py")]
+            if any(f.name == "compute" for f in stack) and not any("triton/runtime" in f.filename for f in stack):
+                ours = [
+                    f
+                    for f in stack
+                    if "/.venv/" not in f.filename
+                    and "site-packages" not in f.filename
+                    and not f.filename.endswith("glue_count.py")
+                ]
                 where = "?"
                 if ours:
                     f = ours[-1]
@@ -76,17 +81,35 @@ def bench_shaped_config():
     """The bench preset's layer structure at tiny widths (the tiny preset's Engram tables)."""
     base, tiny = preset_config("bench"), preset_config("tiny")
     return base.replace(
-        name="benchshape", vocab_size=tiny.vocab_size, hidden_size=128, num_heads=4,
-        head_dim=64, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32,
-        sliding_window=8, index_n_heads=4, index_head_dim=32, index_topk=8,
-        candidate_topk_blocks=2, candidate_block_size=4, n_routed_experts=8,
-        num_experts_per_tok=base.num_experts_per_tok, moe_intermediate_size=32,
-        hc_sinkhorn_iters=1, engram_num_embeddings=tiny.engram_num_embeddings,
-        engram_n_heads=tiny.engram_n_heads, engram_head_dim=tiny.engram_head_dim,
+        name="benchshape",
+        vocab_size=tiny.vocab_size,
+        hidden_size=128,
+        num_heads=4,
+        head_dim=64,
+        rope_head_dim=16,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=8,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=8,
+        candidate_topk_blocks=2,
+        candidate_block_size=4,
+        n_routed_experts=8,
+        num_experts_per_tok=base.num_experts_per_tok,
+        moe_intermediate_size=32,
+        hc_sinkhorn_iters=1,
+        engram_num_embeddings=tiny.engram_num_embeddings,
+        engram_n_heads=tiny.engram_n_heads,
+        engram_head_dim=tiny.engram_head_dim,
         engram_vocab_size=tiny.engram_vocab_size,
         engram_compressed_vocab_size=tiny.engram_compressed_vocab_size,
-        engram_pad_token_id=tiny.engram_pad_token_id, image_token_id=None,
-        max_position_embeddings=65536, rope=tiny.rope)
+        engram_pad_token_id=tiny.engram_pad_token_id,
+        image_token_id=None,
+        max_position_embeddings=65536,
+        rope=tiny.rope,
+    )
 
 
 def count(prompt_len: int) -> dict[str, collections.Counter]:
@@ -102,12 +125,10 @@ def count(prompt_len: int) -> dict[str, collections.Counter]:
     out = {}
     counter = OpCounter()
     with counter:
-        logits = model.forward(prompt, [SeqInput(state, 0, prompt_len,
-                                                 SeqPlan(logits=LogitsRequest.ALL))])[0]
+        logits = model.forward(prompt, [SeqInput(state, 0, prompt_len, SeqPlan(logits=LogitsRequest.ALL))])[0]
     out["prefill"], counter.counts = counter.counts, collections.Counter()
     with counter:
-        model.forward(torch.tensor([int(logits[-1].argmax())]),
-                      [SeqInput(state, prompt_len, 1)])
+        model.forward(torch.tensor([int(logits[-1].argmax())]), [SeqInput(state, prompt_len, 1)])
     out["decode"] = counter.counts
     return out
 
@@ -127,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:6d}  {where}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({k: [[op, w, n] for (op, w), n in c.items()] for k, c in counts.items()},
-                      f, indent=1)
+            json.dump({k: [[op, w, n] for (op, w), n in c.items()] for k, c in counts.items()}, f, indent=1)
     return 0
 
 

@@ -37,15 +37,20 @@ def host_config():
     """The bench preset's layer layout at the tiny preset's widths."""
     bench, tiny = preset_config("bench"), preset_config("tiny")
     return tiny.replace(
-        name="host-bench", num_layers=bench.num_layers, compress_ratios=bench.compress_ratios,
+        name="host-bench",
+        num_layers=bench.num_layers,
+        compress_ratios=bench.compress_ratios,
         kv_source_layer_ids=bench.kv_source_layer_ids,
         index_source_layer_ids=bench.index_source_layer_ids,
         candidate_source_layer_id=bench.candidate_source_layer_id,
         candidate_block_size=bench.candidate_block_size,
-        candidate_topk_blocks=bench.candidate_topk_blocks, index_topk=bench.index_topk,
-        sliding_window=bench.sliding_window, engram_layer_ids=bench.engram_layer_ids,
-        engram_num_embeddings=tiny.engram_num_embeddings[:len(bench.engram_layer_ids)],
-        max_position_embeddings=bench.max_position_embeddings)
+        candidate_topk_blocks=bench.candidate_topk_blocks,
+        index_topk=bench.index_topk,
+        sliding_window=bench.sliding_window,
+        engram_layer_ids=bench.engram_layer_ids,
+        engram_num_embeddings=tiny.engram_num_embeddings[: len(bench.engram_layer_ids)],
+        max_position_embeddings=bench.max_position_embeddings,
+    )
 
 
 class HostOnlyModel(GpuModel):
@@ -59,8 +64,7 @@ class HostOnlyModel(GpuModel):
         for src in cfg.kv_source_layer_ids:
             if cfg.compress_ratios[src] == 2:
                 rows = step.rows_of(cfg.layers[src])
-                step.outputs[("open", src)] = torch.zeros(rows.num_seam, 2, cfg.head_dim,
-                                                          device=self.device)
+                step.outputs[("open", src)] = torch.zeros(rows.num_seam, 2, cfg.head_dim, device=self.device)
         n = step.logit_rows.shape[0]
         return torch.zeros(n, cfg.vocab_size, device=self.device) if n else None
 
@@ -76,10 +80,18 @@ def start(model, batch: int, context: int, sampling: dict | None = None) -> LLME
     """An engine with `batch` sequences decoding; sampling: extra SamplingParams fields of the
     decoding requests (temperature, top_p, ...; default greedy)."""
     cfg = model.cfg
-    engine = LLMEngine(model, EngineConfig(
-        dtype="bfloat16", device=str(model.device), num_blocks=context // 64 + 16 + 2 * batch,
-        num_slots=batch + 4, max_num_batched_tokens=8192, max_num_seqs=batch,
-        model_id="flashpd-host-bench"))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            dtype="bfloat16",
+            device=str(model.device),
+            num_blocks=context // 64 + 16 + 2 * batch,
+            num_slots=batch + 4,
+            max_num_batched_tokens=8192,
+            max_num_seqs=batch,
+            model_id="flashpd-host-bench",
+        ),
+    )
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, cfg.vocab_size - 10, (context,), generator=g).tolist()
     engine.add_request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -88,8 +100,7 @@ def start(model, batch: int, context: int, sampling: dict | None = None) -> LLME
     rids = [f"r{b}" for b in range(batch)]
     for rid in rids:
         tail = torch.randint(10, cfg.vocab_size - 10, (16,), generator=g).tolist()
-        engine.add_request(rid, prompt + tail, SamplingParams(
-            max_tokens=1_000, ignore_eos=True, **(sampling or {})))
+        engine.add_request(rid, prompt + tail, SamplingParams(max_tokens=1_000, ignore_eos=True, **(sampling or {})))
     while any(engine.stats[r].first_token_s is None for r in rids):
         engine.step()
     for _ in range(3):  # the decode graph buckets (eager here) and every cache filled
@@ -117,10 +128,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: one core)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps")
-    ap.add_argument("--device", default="cpu", help="cuda: the same steps with CUDA graphs "
-                    "(zero-logit graphs: wall time = host time + a near-empty replay)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: requests draw (with "
-                    "--top-p) instead of greedy decoding")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: the same steps with CUDA graphs (zero-logit graphs: wall time = host time + a near-empty replay)",
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: requests draw (with --top-p) instead of greedy decoding"
+    )
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown table to this file")
     args = ap.parse_args(argv)
@@ -142,8 +157,11 @@ def main(argv=None) -> None:
         cpu, wall = time_steps(engine, args.steps)
         med, p10, wmed = statistics.median(cpu), sorted(cpu)[len(cpu) // 10], statistics.median(wall)
         rows.append((batch, med, p10, wmed))
-        print(f"B={batch}: host CPU ms/step median {med:.2f} (p10 {p10:.2f}; wall median "
-              f"{wmed:.2f}) over {args.steps} steps", flush=True)
+        print(
+            f"B={batch}: host CPU ms/step median {med:.2f} (p10 {p10:.2f}; wall median "
+            f"{wmed:.2f}) over {args.steps} steps",
+            flush=True,
+        )
     if args.out:
         lines = ["| B | host CPU ms/step (median) | p10 | wall ms (median) |", "|---|---|---|---|"]
         lines += [f"| {b} | {m:.2f} | {p:.2f} | {x:.2f} |" for b, m, p, x in rows]

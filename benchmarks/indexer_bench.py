@@ -39,25 +39,27 @@ def _case(cfg, batch: int, n: int, sparse: bool, gen: torch.Generator):
     seq_of = torch.arange(batch, dtype=torch.int32, device=DEV)
     n_vis = torch.full((batch,), n, dtype=torch.int32, device=DEV)
     if not sparse:
+
         def run(tuned):
-            s = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.01,
-                                      tuned=tuned)
+            s = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.01, tuned=tuned)
             return it.select_topk(s, k, pool_rows=(key_rows, seq_of), tuned=tuned)
+
         return run
     bs, nb = cfg.candidate_block_size, cfg.candidate_topk_blocks
     wide = max(n, nb * bs + bs)  # the pool's key-row width exceeds the kept blocks' columns
-    key_rows = torch.cat([key_rows, torch.full((batch, wide - n), -1, dtype=torch.int32,
-                                               device=DEV)], dim=1)
+    key_rows = torch.cat([key_rows, torch.full((batch, wide - n), -1, dtype=torch.int32, device=DEV)], dim=1)
     real = -(-n // bs)
     blocks = torch.full((batch, nb), -1, dtype=torch.int64)
     for b in range(batch):
-        kept = torch.randperm(real, generator=gen)[:min(nb, real)].sort().values
-        blocks[b, :kept.numel()] = kept
+        kept = torch.randperm(real, generator=gen)[: min(nb, real)].sort().values
+        blocks[b, : kept.numel()] = kept
     blocks = blocks.to(DEV)
 
     def run(tuned):
-        return it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k,
-                                          weight_scale=0.01, as_pool_rows=True, tuned=tuned)
+        return it.index_topk_sparse_paged(
+            q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k, weight_scale=0.01, as_pool_rows=True, tuned=tuned
+        )
+
     return run
 
 
@@ -82,22 +84,25 @@ def main() -> None:
             row = {"batch": batch, "case": name, "entries": n}
             for label, tuned in (("off", OFF), ("on", configs.DEFAULT)):
                 row[f"{label}_out"] = run(tuned)
-                row[f"{label}_us"] = 1e3 * graph_ms([lambda t=tuned, run=run: run(t)],
-                                                    reps=1 if args.smoke else 9)
+                row[f"{label}_us"] = 1e3 * graph_ms([lambda t=tuned, run=run: run(t)], reps=1 if args.smoke else 9)
             row["same"] = bool(torch.equal(row.pop("off_out"), row.pop("on_out")))
             row["tiles_on"] = it.score_tiles(batch, n, configs.DEFAULT.indexer)
-            row["topk_slice_on"] = it.topk_slice(batch, n, cfg.index_topk,
-                                                 configs.DEFAULT.indexer)
+            row["topk_slice_on"] = it.topk_slice(batch, n, cfg.index_topk, configs.DEFAULT.indexer)
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| B | case | entries | off us | on us | same |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['case']} | {r['entries']} | {r['off_us']:.1f} | "
-              f"{r['on_us']:.1f} | {r['same']} |" for r in rows]
+    lines += [
+        f"| {r['batch']} | {r['case']} | {r['entries']} | {r['off_us']:.1f} | {r['on_us']:.1f} | {r['same']} |"
+        for r in rows
+    ]
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "indexer_bench.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-                   "context": args.context, "rows": rows}, f, indent=1)
+        json.dump(
+            {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "context": args.context, "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -61,15 +61,20 @@ VARIANTS = {
 # operand X' converted once instead of recomputed in every warp, red = slice vectors loaded at
 # once by the last program, spin = every program normalises its own slice, sk_tok = Sinkhorn on
 # per-token vectors, split = slices of D, warps = per program
-DECODE_VARIANTS = {"default": {},
-                   "before (no pin, red 40, no spin, tile Sinkhorn)": {
-                       "decode_pin": False, "red": 40, "decode_spin": False,
-                       "decode_sk_tok": False},
-                   "Sinkhorn per token": {"decode_sk_tok": True},
-                   "no pin": {"decode_pin": False},
-                   "no spin": {"decode_spin": False},
-                   "no spin, 8 warps": {"decode_spin": False, "decode_warps": 8},
-                   "split 40": {"decode_split": 40}}
+DECODE_VARIANTS = {
+    "default": {},
+    "before (no pin, red 40, no spin, tile Sinkhorn)": {
+        "decode_pin": False,
+        "red": 40,
+        "decode_spin": False,
+        "decode_sk_tok": False,
+    },
+    "Sinkhorn per token": {"decode_sk_tok": True},
+    "no pin": {"decode_pin": False},
+    "no spin": {"decode_spin": False},
+    "no spin, 8 warps": {"decode_spin": False, "decode_warps": 8},
+    "split 40": {"decode_split": 40},
+}
 DECODE_MODES = ("seam", "fused")
 
 
@@ -125,39 +130,51 @@ class Site:
         self.base = rnd((2 + s) * s) * 0.5
         self.scale = torch.tensor([1.0, 0.5, 2.0], device=DEVICE)
         self.nw = rnd(d).bfloat16()
-        self.pre, self.post, self.comb = href.hc_mixes(self.x, self.fn, self.base, self.scale,
-                                                       ITERS, HC_EPS, NORM_EPS)
+        self.pre, self.post, self.comb = href.hc_mixes(self.x, self.fn, self.base, self.scale, ITERS, HC_EPS, NORM_EPS)
 
     def args(self, y: bool, collapse: bool) -> tuple:
-        return (self.y if y else None, self.x, self.post if y else None,
-                self.comb if y else None, self.fn, self.base, self.scale, ITERS, HC_EPS,
-                NORM_EPS, self.pre if collapse else None, self.nw if collapse else None)
+        return (
+            self.y if y else None,
+            self.x,
+            self.post if y else None,
+            self.comb if y else None,
+            self.fn,
+            self.base,
+            self.scale,
+            ITERS,
+            HC_EPS,
+            NORM_EPS,
+            self.pre if collapse else None,
+            self.nw if collapse else None,
+        )
 
 
 def calls(mod, mode: str, site: Site) -> list:
     """Zero-argument launches of one site's `mode` through the module `mod` (new or before)."""
     if mode == "mixes":
-        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS,
-                                     NORM_EPS)]
+        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)]
     if mode == "mixes_it1":  # one Sinkhorn iteration: mixes - mixes_it1 = the other 19
-        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, 1, HC_EPS,
-                                     NORM_EPS)]
+        return [lambda: mod.hc_mixes(site.x, site.fn, site.base, site.scale, 1, HC_EPS, NORM_EPS)]
     if mode == "fused":
         return [lambda: mod.expand_mix_collapse(*site.args(True, True))]
     if mode == "seam":
         return [lambda: mod.expand_mix_collapse(*site.args(False, True))]
     if mode == "layer_before":
         a = site.args(True, True)
-        return [lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
-                lambda: mod.hc_mixes(site.x, *a[4:10]),
-                lambda: mod.expand(site.y, site.x, site.post, site.comb),
-                lambda: mod.hc_mixes(site.x, *a[4:10]),
-                lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
-                lambda: mod.expand(site.y, site.x, site.post, site.comb)]
+        return [
+            lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
+            lambda: mod.hc_mixes(site.x, *a[4:10]),
+            lambda: mod.expand(site.y, site.x, site.post, site.comb),
+            lambda: mod.hc_mixes(site.x, *a[4:10]),
+            lambda: dt.rms_norm(mod.collapse(site.x, site.pre), site.nw, NORM_EPS),
+            lambda: mod.expand(site.y, site.x, site.post, site.comb),
+        ]
     if mode == "layer_after":
-        return [lambda: mod.expand_mix_collapse(*site.args(False, True)),
-                lambda: mod.expand_mix_collapse(*site.args(True, True)),
-                lambda: mod.expand(site.y, site.x, site.post, site.comb)]
+        return [
+            lambda: mod.expand_mix_collapse(*site.args(False, True)),
+            lambda: mod.expand_mix_collapse(*site.args(True, True)),
+            lambda: mod.expand(site.y, site.x, site.post, site.comb),
+        ]
     raise ValueError(mode)
 
 
@@ -185,23 +202,34 @@ def check(site: Site, t: int) -> list[dict]:
     ref = href.hc_mixes(xn_ref, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
     xc_ref = dref.rms_norm(href.collapse(xn_ref, site.pre), site.nw, NORM_EPS)
     xn, pre, post, comb, xc = LAUNCH.ht.expand_mix_collapse(*site.args(True, True))
-    for name, got, want, tol in (("fused X'", xn, xn_ref, 8e-3),
-                                 ("fused pre/post", torch.cat((pre, post), 1),
-                                  torch.cat(ref[:2], 1), 1e-4),
-                                 ("fused comb", comb, ref[2], 1e-4),
-                                 ("fused collapse+norm", xc, xc_ref, 2e-2)):
+    for name, got, want, tol in (
+        ("fused X'", xn, xn_ref, 8e-3),
+        ("fused pre/post", torch.cat((pre, post), 1), torch.cat(ref[:2], 1), 1e-4),
+        ("fused comb", comb, ref[2], 1e-4),
+        ("fused collapse+norm", xc, xc_ref, 2e-2),
+    ):
         rows.append({"T": t, "check": name, "rel_err": errors(got, want)[1], "tol": tol})
     mref = href.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
     mix = LAUNCH.ht.hc_mixes(site.x, site.fn, site.base, site.scale, ITERS, HC_EPS, NORM_EPS)
-    rows.append({"T": t, "check": "mixes pre/post/comb",
-                 "rel_err": max(errors(a, b)[1] for a, b in zip(mix, mref, strict=True)),
-                 "tol": 1e-4})
+    rows.append(
+        {
+            "T": t,
+            "check": "mixes pre/post/comb",
+            "rel_err": max(errors(a, b)[1] for a, b in zip(mix, mref, strict=True)),
+            "tol": 1e-4,
+        }
+    )
     seam = LAUNCH.ht.expand_mix_collapse(*site.args(False, True))
     sref = dref.rms_norm(href.collapse(site.x, site.pre), site.nw, NORM_EPS)
-    rows.append({"T": t, "check": "seam collapse+norm", "rel_err": errors(seam[4], sref)[1],
-                 "tol": 2e-2})
-    rows.append({"T": t, "check": "expand", "rel_err": errors(
-        LAUNCH.ht.expand(site.y, site.x, site.post, site.comb), xn_ref)[1], "tol": 8e-3})
+    rows.append({"T": t, "check": "seam collapse+norm", "rel_err": errors(seam[4], sref)[1], "tol": 2e-2})
+    rows.append(
+        {
+            "T": t,
+            "check": "expand",
+            "rel_err": errors(LAUNCH.ht.expand(site.y, site.x, site.post, site.comb), xn_ref)[1],
+            "tol": 8e-3,
+        }
+    )
     for r in rows:
         r["ok"] = r["rel_err"] <= r["tol"]
     return rows
@@ -217,18 +245,15 @@ def decode_invariance(d: int, s: int) -> bool:
         batch = LAUNCH.ht.expand_mix_collapse(*args)
         for i in (0, 5, 37, 63):
             for lo, hi in ((i, i + 1), (i - i % 8, i - i % 8 + 8)):
-                part = [a[lo:hi] if j in (0, 1, 2, 3, 10) and a is not None else a
-                        for j, a in enumerate(args)]
+                part = [a[lo:hi] if j in (0, 1, 2, 3, 10) and a is not None else a for j, a in enumerate(args)]
                 got = LAUNCH.ht.expand_mix_collapse(*part)
-                same &= all(torch.equal(a[i:i + 1], b[i - lo:i - lo + 1])
-                            for a, b in zip(batch, got, strict=True))
+                same &= all(torch.equal(a[i : i + 1], b[i - lo : i - lo + 1]) for a, b in zip(batch, got, strict=True))
     return bool(same)
 
 
 def invariance(d: int, s: int, big_t: int, prefill: bool = True) -> list[dict]:
     """Bits of a token alone vs in a batch (decode), and over prefill grids (--big tokens)."""
-    out = [{"check": "decode: row alone == in a batch of 8 == in a batch of 64",
-            "ok": decode_invariance(d, s)}]
+    out = [{"check": "decode: row alone == in a batch of 8 == in a batch of 64", "ok": decode_invariance(d, s)}]
     if not prefill:
         return out
     big = Site(big_t, d, s, 8)
@@ -255,20 +280,19 @@ def decode_variants(d: int, s: int, checks: list, rounds: int) -> list[dict]:
             for name, over in DECODE_VARIANTS.items():
                 saved = apply(over)
                 for mode in DECODE_MODES:
-                    got[name][mode].append(
-                        time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)]))
+                    got[name][mode].append(time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)]))
                 if r == 0:
                     new = [dict(c, variant=name) for c in check(sites[0], t)]
                     if t == 64:
-                        new.append({"variant": name, "check": "decode invariance (bits)",
-                                    "ok": decode_invariance(d, s)})
+                        new.append(
+                            {"variant": name, "check": "decode invariance (bits)", "ok": decode_invariance(d, s)}
+                        )
                     checks += new
                     ok[name] = all(c["ok"] for c in new)
                 restore(saved)
         for name, over in DECODE_VARIANTS.items():
             saved = apply(over)
-            row = {"variant": f"decode {name}", "T": t, "plan": LAUNCH.plan(t, d),
-                   "ok": ok[name]}
+            row = {"variant": f"decode {name}", "T": t, "plan": LAUNCH.plan(t, d), "ok": ok[name]}
             restore(saved)
             for mode in DECODE_MODES:
                 vals = sorted(got[name][mode])
@@ -301,25 +325,30 @@ def warm(job: str, before: str | None, d: int, s: int) -> None:
     torch.cuda.synchronize()
 
 
-def warm_all(before: str | None, d: int, s: int, variants: bool = True,
-             prefill_variants: bool = True, decode_only: bool = False) -> float:
+def warm_all(
+    before: str | None, d: int, s: int, variants: bool = True, prefill_variants: bool = True, decode_only: bool = False
+) -> float:
     first = next(iter(VARIANTS))
-    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused")
-            for v in ("decode",) + (() if decode_only else (first,))]
+    jobs = [f"new:{m}:{v}" for m in ("mixes", "seam", "fused") for v in ("decode",) + (() if decode_only else (first,))]
     if variants and prefill_variants and not decode_only:
-        jobs += [f"new:{m}:{v}" for m in ("mixes", "fused") for v in VARIANTS
-                 if "grid" not in v and "auto" not in v and "decode tiles" not in v]
+        jobs += [
+            f"new:{m}:{v}"
+            for m in ("mixes", "fused")
+            for v in VARIANTS
+            if "grid" not in v and "auto" not in v and "decode tiles" not in v
+        ]
     if variants:
-        jobs += [f"new:{m}:{v}" for m in DECODE_MODES for v in DECODE_VARIANTS
-                 if v != next(iter(DECODE_VARIANTS))]
+        jobs += [f"new:{m}:{v}" for m in DECODE_MODES for v in DECODE_VARIANTS if v != next(iter(DECODE_VARIANTS))]
     jobs += ["new:layer_after:decode", "new:mixes_it1:decode"]
     if before:
         jobs += [f"before:{m}:x" for m in ("mixes", "fused", "layer_after")]
     if DEVICE.type != "cuda":
         return 0.0
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm", j,
-                               *(["--before", before] if before else [])]) for j in jobs]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--warm", j, *(["--before", before] if before else [])])
+        for j in jobs
+    ]
     bad = [j for j, p in zip(jobs, procs, strict=True) if p.wait() != 0]
     if bad:
         print("warm-up failed:", bad, flush=True)
@@ -335,12 +364,17 @@ def main() -> None:
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--big", type=int, default=8192, help="tokens of the prefill variants")
     ap.add_argument("--no-variants", action="store_true", help="the before/after table only")
-    ap.add_argument("--no-prefill-variants", action="store_true",
-                    help="decode variants only (the prefill ones at --big tokens are skipped)")
-    ap.add_argument("--decode-only", action="store_true",
-                    help="no prefill-size compiles, rows, variants or grid checks")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="times each decode variant is timed (interleaved; the median is kept)")
+    ap.add_argument(
+        "--no-prefill-variants",
+        action="store_true",
+        help="decode variants only (the prefill ones at --big tokens are skipped)",
+    )
+    ap.add_argument(
+        "--decode-only", action="store_true", help="no prefill-size compiles, rows, variants or grid checks"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="times each decode variant is timed (interleaved; the median is kept)"
+    )
     args = ap.parse_args()
     if args.decode_only:
         args.tokens = [t for t in args.tokens if t <= 64]
@@ -356,12 +390,19 @@ def main() -> None:
     if args.warm:
         warm(args.warm, args.before, d, s)
         return
-    warm_s = warm_all(args.before, d, s, not args.no_variants, not args.no_prefill_variants,
-                      args.decode_only)
+    warm_s = warm_all(args.before, d, s, not args.no_variants, not args.no_prefill_variants, args.decode_only)
     print(f"parallel compile {warm_s:.1f} s", flush=True)
     before = load_before(args.before) if args.before else None
-    result = {"preset": "bench", "D": d, "S": s, "config": configs.DEFAULT.mhc.as_dict(), "checks": [],
-              "times": [], "variants": [], "warm_s": warm_s}
+    result = {
+        "preset": "bench",
+        "D": d,
+        "S": s,
+        "config": configs.DEFAULT.mhc.as_dict(),
+        "checks": [],
+        "times": [],
+        "variants": [],
+        "warm_s": warm_s,
+    }
     for t in args.tokens:
         n_sites = 40 if t < 4096 and DEVICE.type == "cuda" else 2
         sites = [Site(t, d, s, 100 + i) for i in range(n_sites)]
@@ -370,16 +411,13 @@ def main() -> None:
         for mode in ("mixes", "fused"):
             row[f"{mode}_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)])
             if before:
-                row[f"{mode}_before"] = time_us(
-                    [f for st in sites for f in calls(before, mode, st)])
+                row[f"{mode}_before"] = time_us([f for st in sites for f in calls(before, mode, st)])
         if t <= 64:  # where a decode call's time goes: Sinkhorn, collapse + norm, expand
             for mode in ("seam", "mixes_it1"):
                 row[f"{mode}_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, mode, st)])
-        row["layer_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, "layer_after", st)
-                                      ]) * 3
+        row["layer_after"] = time_us([f for st in sites for f in calls(LAUNCH.ht, "layer_after", st)]) * 3
         if before:  # the same three launches through the previous kernels
-            row["layer_before"] = time_us(
-                [f for st in sites for f in calls(before, "layer_after", st)]) * 3
+            row["layer_before"] = time_us([f for st in sites for f in calls(before, "layer_after", st)]) * 3
         result["times"].append(row)
         print(json.dumps(row), flush=True)
         del sites
@@ -392,8 +430,9 @@ def main() -> None:
         saved = apply(over)
         us = time_us([f for st in big for f in calls(LAUNCH.ht, "fused", st)])
         mix_us = time_us([f for st in big for f in calls(LAUNCH.ht, "mixes", st)])
-        result["variants"].append({"variant": name, "fused_us_8192": us, "mixes_us_big": mix_us,
-                                   "plan": LAUNCH.plan(args.big, d)})
+        result["variants"].append(
+            {"variant": name, "fused_us_8192": us, "mixes_us_big": mix_us, "plan": LAUNCH.plan(args.big, d)}
+        )
         restore(saved)
         print(name, f"fused {us:.1f} us, mixes {mix_us:.1f} us", flush=True)
     del big
@@ -405,30 +444,48 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mhc.json").write_text(json.dumps(result, indent=1))
-    lines = ["| T | mixes before | mixes after | fused before | fused after | layer before | "
-             "layer after |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | mixes before | mixes after | fused before | fused after | layer before | layer after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["times"]:
-        lines.append(f"| {r['T']} | " + " | ".join(
-            f"{r.get(k, float('nan')):.1f}" for k in ("mixes_before", "mixes_after",
-                                                      "fused_before", "fused_after",
-                                                      "layer_before", "layer_after")) + " |")
+        lines.append(
+            f"| {r['T']} | "
+            + " | ".join(
+                f"{r.get(k, float('nan')):.1f}"
+                for k in ("mixes_before", "mixes_after", "fused_before", "fused_after", "layer_before", "layer_after")
+            )
+            + " |"
+        )
     lines += ["", "| check | variant | T | rel err | tol | ok |", "|---|---|---|---|---|---|"]
     for c in result["checks"]:
-        lines.append(f"| {c['check']} | {c.get('variant', '')} | {c.get('T', '')} | "
-                     f"{c.get('rel_err', 0):.2e} | {c.get('tol', '')} | {c['ok']} |")
-    lines += ["", f"| prefill variant ({args.big} tokens) | fused us | mixes us |",
-              "|---|---|---|"]
-    lines += [f"| {v['variant']} | {v['fused_us_8192']:.1f} | {v['mixes_us_big']:.1f} |"
-              for v in result["variants"] if "fused_us_8192" in v]
-    lines += ["", "| decode variant | T | seam us | fused us | all rounds (seam; fused) | "
-              "checks ok |", "|---|---|---|---|---|---|"]
-    lines += [f"| {v['variant']} | {v['T']} | {v['seam_us']:.1f} | {v['fused_us']:.1f} | "
-              f"{' '.join(f'{x:.1f}' for x in v['seam_all'])}; "
-              f"{' '.join(f'{x:.1f}' for x in v['fused_all'])} | {v['ok']} |"
-              for v in result["variants"] if "seam_us" in v]
-    lines += ["", "launch floor, us per launch of an 80 / 320-program kernel that stores one "
-              "word per program (graph): " + " / ".join(
-                  f"{v:.1f}" for v in result["launch_floor_us"].values())]
+        lines.append(
+            f"| {c['check']} | {c.get('variant', '')} | {c.get('T', '')} | "
+            f"{c.get('rel_err', 0):.2e} | {c.get('tol', '')} | {c['ok']} |"
+        )
+    lines += ["", f"| prefill variant ({args.big} tokens) | fused us | mixes us |", "|---|---|---|"]
+    lines += [
+        f"| {v['variant']} | {v['fused_us_8192']:.1f} | {v['mixes_us_big']:.1f} |"
+        for v in result["variants"]
+        if "fused_us_8192" in v
+    ]
+    lines += [
+        "",
+        "| decode variant | T | seam us | fused us | all rounds (seam; fused) | checks ok |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {v['variant']} | {v['T']} | {v['seam_us']:.1f} | {v['fused_us']:.1f} | "
+        f"{' '.join(f'{x:.1f}' for x in v['seam_all'])}; "
+        f"{' '.join(f'{x:.1f}' for x in v['fused_all'])} | {v['ok']} |"
+        for v in result["variants"]
+        if "seam_us" in v
+    ]
+    lines += [
+        "",
+        "launch floor, us per launch of an 80 / 320-program kernel that stores one "
+        "word per program (graph): " + " / ".join(f"{v:.1f}" for v in result["launch_floor_us"].values()),
+    ]
     (out / "mhc_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("ALL CHECKS OK" if all(c["ok"] for c in result["checks"]) else "SOME CHECKS FAILED")

@@ -83,17 +83,16 @@ def replay_deviation(model: Model) -> dict[str, tuple[float, float]]:
     state = _shipped_state(model, ids[:PREFIX_HIT])
     model.run_replay(state, replay_segment(ids, PREFIX_HIT, window, LogitsRequest.NONE))
     encoder_side = model.run(state, ids[PREFIX_HIT:])[-1]
-    return {f"decode-side replay ({REPLAY_PROMPT}-token prompt, last {window})":
-            _deviation(exact, decode_side),
-            f"encoder-side replay (hit {PREFIX_HIT}, prompt {REPLAY_PROMPT})":
-            _deviation(exact, encoder_side)}
+    return {
+        f"decode-side replay ({REPLAY_PROMPT}-token prompt, last {window})": _deviation(exact, decode_side),
+        f"encoder-side replay (hit {PREFIX_HIT}, prompt {REPLAY_PROMPT})": _deviation(exact, encoder_side),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="tiny checkpoint directory (default: random)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: small ops are dispatch-bound)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: small ops are dispatch-bound)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -106,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             write_random_checkpoint(preset_config("tiny"), tmp, seed=0)
             path = tmp
         ckpt = load_checkpoint(path)
-        models = {name: Model.from_checkpoint(ckpt, dtype)
-                  for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        models = {
+            name: Model.from_checkpoint(ckpt, dtype)
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        }
     print(f"tiny model on CPU, {args.threads} thread(s), median of {args.repeats}")
     print(f"{'dtype':<6} {'what':<34} {'wall ms':>10} {'cpu ms':>10}")
     for name, model in models.items():

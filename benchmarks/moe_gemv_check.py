@@ -31,10 +31,10 @@ from flashpd.kernels import configs
 
 COPY_GBPS = 4200.0
 LIMIT = 10.0
-SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
-                   "check_m": (1, 4, 8, 16), "time_m": (1, 8, 16)},
-          "smoke": {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2,
-                    "check_m": (1, 3), "time_m": (3,)}}
+SHAPES = {
+    "full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6, "check_m": (1, 4, 8, 16), "time_m": (1, 8, 16)},
+    "smoke": {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2, "check_m": (1, 3), "time_m": (3,)},
+}
 _SMOKE_TILES = {"up": {"block_n": 64}, "down": {"block_n": 64}}  # few interpreted programs
 _ALL_ROWS = 1 << 30
 # name -> GemvConfig overrides ("up" / "down" merged into the defaults), the Ms it times
@@ -45,8 +45,7 @@ VARIANTS = {
     "no_prefetch": ({"up": {"prefetch": False}, "down": {"prefetch": False}}, (1,)),
     "g16": ({"up": {"groups": 16}, "down": {"groups": 16}}, (1,)),
     "select": ({"decode": "select"}, (1,)),
-    "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}},
-                (1,)),
+    "bn32_w8": ({"up": {"block_n": 32, "warps": 8}, "down": {"block_n": 32, "warps": 8}}, (1,)),
 }
 
 
@@ -58,9 +57,11 @@ class Bench:
 
         self.e, self.k = shape["experts"], shape["top_k"]
         self.d, self.i = shape["hidden"], shape["inter"]
-        self.routed = mt.ExpertSet(kr.rand_mxfp4(self.i, self.d, self.e, 11),
-                                   kr.rand_mxfp4(self.i, self.d, self.e, 12),
-                                   kr.rand_mxfp4(self.d, self.i, self.e, 13))
+        self.routed = mt.ExpertSet(
+            kr.rand_mxfp4(self.i, self.d, self.e, 11),
+            kr.rand_mxfp4(self.i, self.d, self.e, 12),
+            kr.rand_mxfp4(self.d, self.i, self.e, 13),
+        )
         ws = (self.routed.w1, self.routed.w3, self.routed.w2)
         self.per_expert = sum(kr.wbytes(w) for w in ws) / self.e
         self.gen = torch.Generator().manual_seed(17)
@@ -74,8 +75,7 @@ class Bench:
             x = torch.randn(m, self.d, generator=self.gen).to(torch.bfloat16).to(kr.DEV)
             sets = []
             for _ in range(2):
-                ids = torch.stack([torch.randperm(self.e, generator=self.gen)[:self.k]
-                                   for _ in range(m)])
+                ids = torch.stack([torch.randperm(self.e, generator=self.gen)[: self.k] for _ in range(m)])
                 gam = torch.rand(m, self.k, generator=self.gen) * 0.3
                 sets.append((ids.to(kr.DEV), gam.to(kr.DEV)))
             self.sets[m] = [x, sets]
@@ -84,8 +84,7 @@ class Bench:
     def nbytes(self, m: int) -> float:
         _, sets = self.routings(m)
         distinct = statistics.mean(len(torch.unique(ids)) for ids, _ in sets)
-        return (distinct * self.per_expert + m * self.d * (2 + 4)
-                + m * self.k * (self.i * 2 * 2 + self.d * 2))
+        return distinct * self.per_expert + m * self.d * (2 + 4) + m * self.k * (self.i * 2 * 2 + self.d * 2)
 
     def reference(self, m: int) -> torch.Tensor:
         """moe.ref's routed sum for routing 0, FP32 [m, D] (dequantises used experts only)."""
@@ -97,8 +96,7 @@ class Bench:
             want = torch.zeros(m, self.d, dtype=torch.float32, device=kr.DEV)
             for j in torch.unique(ids).tolist():
                 tok, slot = torch.nonzero(ids == j, as_tuple=True)
-                w1, w3, w2 = (kr.deq_one(w, j) for w in (self.routed.w1, self.routed.w3,
-                                                          self.routed.w2))
+                w1, w3, w2 = (kr.deq_one(w, j) for w in (self.routed.w1, self.routed.w3, self.routed.w2))
                 y = mref.expert_ffn(x[tok], w1, w3, w2, LIMIT, gam[tok, slot][:, None])
                 want.index_add_(0, tok, y.float())
             self.refs[m] = want
@@ -115,20 +113,24 @@ class Bench:
         from flashpd.kernels.moe import gemv, swapab
         from flashpd.kernels.moe import triton as mt
 
-        module, cfg = ((gemv, self.tuned.moe.gemv_tiles) if path == "gemv"
-                       else (swapab, self.tuned.moe.swapab))
+        module, cfg = (gemv, self.tuned.moe.gemv_tiles) if path == "gemv" else (swapab, self.tuned.moe.swapab)
         x, sets = self.routings(m)
         rows = module.tile_rows(m, cfg)
         pairs = [mt.sort_pairs(ids, gam, self.e, rows) for ids, gam in sets]
-        calls = [lambda p=p: module.expert_rows(x, p, self.routed, LIMIT, rows, cfg=cfg)
-                 for p in pairs]
+        calls = [lambda p=p: module.expert_rows(x, p, self.routed, LIMIT, rows, cfg=cfg) for p in pairs]
         t0 = time.perf_counter()
         for fn in calls[:1]:
             fn()
         ms = (time.perf_counter() - t0) * 1e3 if kr.DEV != "cuda" else kr.graph_ms(calls)
         gbps = self.nbytes(m) / (ms * 1e-3) / 1e9
-        out = {"path": f"{path} kernels only (prep+up+down)", "m": m, "err": float("nan"),
-               "us": ms * 1e3, "GBps": gbps, "pct": 100.0 * gbps / COPY_GBPS}
+        out = {
+            "path": f"{path} kernels only (prep+up+down)",
+            "m": m,
+            "err": float("nan"),
+            "us": ms * 1e3,
+            "GBps": gbps,
+            "pct": 100.0 * gbps / COPY_GBPS,
+        }
         print(json.dumps(out), flush=True)
         return out
 
@@ -136,8 +138,7 @@ class Bench:
         from flashpd.kernels.moe import triton as mt
 
         x, sets = self.routings(m)
-        return mt.routed_experts(x, sets[r][0], sets[r][1], self.routed, LIMIT,
-                                 tuned=self.tuned)
+        return mt.routed_experts(x, sets[r][0], sets[r][1], self.routed, LIMIT, tuned=self.tuned)
 
     def row(self, path: str, m: int, timed: bool) -> dict:
         t0 = time.perf_counter()
@@ -153,15 +154,16 @@ class Bench:
         return out
 
 
-def parse_common(ap: argparse.ArgumentParser, argv: list[str] | None, variants: dict,
-                 budget_s: float) -> argparse.Namespace:
+def parse_common(
+    ap: argparse.ArgumentParser, argv: list[str] | None, variants: dict, budget_s: float
+) -> argparse.Namespace:
     """--variants (names of `variants`, checked), --budget-s and --smoke (the options both MoE
     decode checks take), then parse."""
     ap.add_argument("--variants", nargs="*", default=list(variants))
-    ap.add_argument("--budget-s", type=float, default=budget_s,
-                    help="start no variant after this many seconds")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under the interpreter (checks the driver)")
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="start no variant after this many seconds")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter (checks the driver)"
+    )
     args = ap.parse_args(argv)
     unknown = [v for v in args.variants if v not in variants]
     if unknown:
@@ -173,8 +175,7 @@ def rows_table(rows: list[dict]) -> list[str]:
     """The markdown table of timed / checked rows (both MoE decode checks print it)."""
     lines = ["| path | M | MB | us | GB/s | % of 4.2 TB/s | err |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        t = (f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None
-             else "- | - | -")
+        t = f"{r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.1f}%" if r["us"] is not None else "- | - | -"
         lines.append(f"| {r['path']} | {r['m']} | {r.get('MB', 0):.1f} | {t} | {r['err']:.1e} |")
     return lines
 
@@ -190,11 +191,15 @@ def write_results(out_dir: str, name: str, text: str, payload: dict) -> None:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
-             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
-             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
-             f" gemv config {meta['gemv_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    lines = [
+        f"# Routed MXFP4 experts, decode: GEMV (CUDA cores) vs grouped GEMMs ({meta['device']})",
+        "",
+        f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
+        f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
+        f" gemv config {meta['gemv_config']}; variants (overrides): "
+        + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()),
+        "",
+    ]
     return "\n".join(lines + rows_table(rows)) + "\n"
 
 
@@ -202,17 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     args = parse_common(ap, argv, VARIANTS, budget_s=45.0)
-    return kr.device_main("moe_gemv_check", args.smoke,
-                          lambda: _run(args, argv, SHAPES["smoke" if args.smoke else "full"]))
+    return kr.device_main(
+        "moe_gemv_check", args.smoke, lambda: _run(args, argv, SHAPES["smoke" if args.smoke else "full"])
+    )
 
 
 def _run(args, argv, shape: dict) -> int:
     t0 = time.perf_counter()
     bench = Bench(shape)
-    bench.base = configs.merge(configs.DEFAULT, moe={
-        "gemv_max_rows": max(shape["check_m"]), "gemv_tiles": _SMOKE_TILES if args.smoke else {}})
-    meta = kr.run_meta("moe_gemv_check", argv, shape,
-                       gemv_config=bench.base.moe.gemv_tiles.as_dict())
+    bench.base = configs.merge(
+        configs.DEFAULT, moe={"gemv_max_rows": max(shape["check_m"]), "gemv_tiles": _SMOKE_TILES if args.smoke else {}}
+    )
+    meta = kr.run_meta("moe_gemv_check", argv, shape, gemv_config=bench.base.moe.gemv_tiles.as_dict())
     rows: list[dict] = []
     for m in shape["check_m"]:  # new path, checked (and timed at time_m)
         bench.use(gemv=True)
@@ -226,19 +232,18 @@ def _run(args, argv, shape: dict) -> int:
         print(f"WARNING: gemv err {worst:.1e}; checking decode 'select'", flush=True)
         bench.use(gemv_tiles={"decode": "select"})
         rows += [bench.row("gemv select (err check)", m, False) for m in shape["check_m"]]
-    for name in (args.variants[:1] if args.smoke else args.variants):
+    for name in args.variants[:1] if args.smoke else args.variants:
         if time.perf_counter() - t0 > args.budget_s and not args.smoke:
             print(f"budget spent: {name} and later variants not run", flush=True)
             break
         overrides, ms = VARIANTS[name]
         bench.use(gemv_tiles=overrides)
-        for m in (ms if not args.smoke else shape["time_m"][-1:]):
+        for m in ms if not args.smoke else shape["time_m"][-1:]:
             rows.append(bench.row(f"gemv {name}", m, True))
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    write_results(args.out, "moe_gemv_check", markdown(meta, rows),
-                  {"meta": meta, "results": rows})
+    write_results(args.out, "moe_gemv_check", markdown(meta, rows), {"meta": meta, "results": rows})
     return 0
 
 

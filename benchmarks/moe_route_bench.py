@@ -45,11 +45,13 @@ from flashpd.kernels.moe import triton as mt
 DEVICE = triton_runtime.kernel_device()
 TOKENS = (1, 8, 64)
 # router variants: name -> (ROUTER_SPLIT, BLOCK_K); the first is the module's default
-ROUTER_VARIANTS = {f"split{s} bk{k}": (s, k) for s, k in
-                   ((mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))}
+ROUTER_VARIANTS = {
+    f"split{s} bk{k}": (s, k) for s, k in ((mt.ROUTER_SPLIT, mt.ROUTER_BLOCK_K), (20, 128), (40, 128), (80, 64))
+}
 # sort variants: name -> (tokens per counting step, warps); the first is the module's default
-SORT_VARIANTS = {f"count{c} w{w}": (c, w) for c, w in
-                 ((mt.SORT_COUNT_T, mt.SORT_WARPS), (16, 4), (32, 4), (64, 4), (64, 8))}
+SORT_VARIANTS = {
+    f"count{c} w{w}": (c, w) for c, w in ((mt.SORT_COUNT_T, mt.SORT_WARPS), (16, 4), (32, 4), (64, 4), (64, 8))
+}
 
 
 def load(path: str):
@@ -84,27 +86,38 @@ def gate_block_m(t: int, experts: int, top_k: int, tuned: KernelConfigs = DEFAUL
 
 def same_pairs(a: mt.SortedPairs, b: mt.SortedPairs) -> bool:
     sa, sb = a.schedule, b.schedule
-    return (torch.equal(a.rows, b.rows) and torch.equal(a.gamma, b.gamma)
-            and torch.equal(a.pos, b.pos) and sa.block_m == sb.block_m
-            and torch.equal(sa.expert, sb.expert) and torch.equal(sa.start, sb.start)
-            and torch.equal(sa.end, sb.end))
+    return (
+        torch.equal(a.rows, b.rows)
+        and torch.equal(a.gamma, b.gamma)
+        and torch.equal(a.pos, b.pos)
+        and sa.block_m == sb.block_m
+        and torch.equal(sa.expert, sb.expert)
+        and torch.equal(sa.start, sb.start)
+        and torch.equal(sa.end, sb.end)
+    )
 
 
 def gate_rows(x, gates, bias, experts: int, top_k: int, t: int, result: dict) -> dict:
     """us per gate call, route + sort_pairs against the fused route_sorted (checked first)."""
     bm = gate_block_m(t, experts, top_k)
     # every T fused (the bound's data)
-    fused = configs.override(DEFAULT, moe={"fused_gate": True, "fused_gate_max_tokens": max(
-        t, DEFAULT.moe.fused_gate_max_tokens)})
+    fused = configs.override(
+        DEFAULT, moe={"fused_gate": True, "fused_gate_max_tokens": max(t, DEFAULT.moe.fused_gate_max_tokens)}
+    )
     ok = True
     for w in gates[:4]:
         ids, gam, pairs = mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm, tuned=fused)
         zero = not bool(triton_runtime.arrival_counters(x.device).any())
         rids, rgam = mt.route(x, w, bias, top_k, 1.5)
-        ok &= zero and bool(torch.equal(ids, rids)) and bool(torch.equal(gam, rgam)) and \
-            same_pairs(pairs, mt.sort_pairs(rids, rgam, experts, bm))
-    result["checks"].append({"T": t, "check": f"fused gate (block_m {bm}) == route + sort_pairs"
-                             ", counters zero", "ok": bool(ok)})
+        ok &= (
+            zero
+            and bool(torch.equal(ids, rids))
+            and bool(torch.equal(gam, rgam))
+            and same_pairs(pairs, mt.sort_pairs(rids, rgam, experts, bm))
+        )
+    result["checks"].append(
+        {"T": t, "check": f"fused gate (block_m {bm}) == route + sort_pairs, counters zero", "ok": bool(ok)}
+    )
 
     def two(w):
         ids, gam = mt.route(x, w, bias, top_k, 1.5)
@@ -112,8 +125,8 @@ def gate_rows(x, gates, bias, experts: int, top_k: int, t: int, result: dict) ->
 
     row = {"T": t, "gate route+sort": time_us([lambda w=w: two(w) for w in gates])}
     row["gate fused"] = time_us(
-        [lambda w=w: mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm, tuned=fused)
-         for w in gates])
+        [lambda w=w: mt.route_sorted(x, w, bias, top_k, 1.5, 1.0, True, bm, tuned=fused) for w in gates]
+    )
     return row
 
 
@@ -131,8 +144,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, help="D other than the bench preset's (dry runs)")
     ap.add_argument("--sites", type=int, default=128, help="gate weights a graph cycles over")
     ap.add_argument("--sort-only", action="store_true", help="time the default router only")
-    ap.add_argument("--fused", action="store_true",
-                    help="time only the gate: route + sort_pairs against the fused route_sorted")
+    ap.add_argument(
+        "--fused", action="store_true", help="time only the gate: route + sort_pairs against the fused route_sorted"
+    )
     args = ap.parse_args()
     try:
         from flashpd.model.presets import preset_config
@@ -146,8 +160,7 @@ def main() -> None:
     sites = args.sites if DEVICE.type == "cuda" else 2
     before = load(args.before) if args.before else None
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    gates = [(torch.randn(experts, d, generator=g, device=DEVICE) * d ** -0.5).bfloat16()
-             for _ in range(sites)]
+    gates = [(torch.randn(experts, d, generator=g, device=DEVICE) * d**-0.5).bfloat16() for _ in range(sites)]
     bias = torch.randn(experts, generator=g, device=DEVICE) * 0.1
     result = {"D": d, "E": experts, "top_k": top_k, "sites": sites, "checks": [], "times": []}
     t_start = time.perf_counter()
@@ -158,21 +171,18 @@ def main() -> None:
             print(json.dumps(result["times"][-1]), flush=True)
             continue
         row = {"T": t}
-        for name, (split, bk) in list(ROUTER_VARIANTS.items())[:1 if args.sort_only else None]:
+        for name, (split, bk) in list(ROUTER_VARIANTS.items())[: 1 if args.sort_only else None]:
             saved = set_router(split, bk)
             ok = True
             for w in gates[:4]:
                 ids, gam = mt.route(x, w, bias, top_k, 1.5)
                 rids, rgam = mref.route(x, w, bias, top_k, 1.5)
-                ok &= bool(torch.equal(ids, rids)) and bool(
-                    torch.allclose(gam, rgam, rtol=1e-5, atol=1e-6))
+                ok &= bool(torch.equal(ids, rids)) and bool(torch.allclose(gam, rgam, rtol=1e-5, atol=1e-6))
             result["checks"].append({"T": t, "check": f"route {name} == ref", "ok": ok})
-            row[f"route {name}"] = time_us(
-                [lambda w=w, x=x: mt.route(x, w, bias, top_k, 1.5) for w in gates])
+            row[f"route {name}"] = time_us([lambda w=w, x=x: mt.route(x, w, bias, top_k, 1.5) for w in gates])
             set_router(*saved)
         if before is not None:
-            row["route before"] = time_us(
-                [lambda w=w, x=x: before.route(x, w, bias, top_k, 1.5) for w in gates])
+            row["route before"] = time_us([lambda w=w, x=x: before.route(x, w, bias, top_k, 1.5) for w in gates])
         # sort: ids of 40 layers' gates
         bm = block_m(t, experts, top_k)
         routed = [mt.route(x, w, bias, top_k, 1.5) for w in gates[:40]]
@@ -185,19 +195,24 @@ def main() -> None:
                 limit, mt.SORT_KERNEL_MAX_TOKENS = mt.SORT_KERNEL_MAX_TOKENS, 0
                 want = mt.sort_pairs(ids, gam, experts, bm)
                 mt.SORT_KERNEL_MAX_TOKENS = limit
-                tiles = lambda s: [(int(a), int(b), int(c)) for a, b, c in  # noqa: E731
-                                   zip(s.expert, s.start, s.end, strict=True) if b < c]
-                ok &= (torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
-                       and torch.equal(got.pos, want.pos)
-                       and tiles(got.schedule) == tiles(want.schedule))
-            result["checks"].append({"T": t, "check": f"sort {name} (block_m {bm}) == torch "
-                                     "chain", "ok": bool(ok)})
-            row[f"sort {name}"] = time_us(
-                [lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+                tiles = lambda s: [
+                    (int(a), int(b), int(c))
+                    for a, b, c in zip(s.expert, s.start, s.end, strict=True)  # noqa: E731
+                    if b < c
+                ]
+                ok &= (
+                    torch.equal(got.rows, want.rows)
+                    and torch.equal(got.gamma, want.gamma)
+                    and torch.equal(got.pos, want.pos)
+                    and tiles(got.schedule) == tiles(want.schedule)
+                )
+            result["checks"].append({"T": t, "check": f"sort {name} (block_m {bm}) == torch chain", "ok": bool(ok)})
+            row[f"sort {name}"] = time_us([lambda r=r, bm=bm: mt.sort_pairs(r[0], r[1], experts, bm) for r in routed])
             mt.SORT_COUNT_T, mt.SORT_WARPS = saved
         if before is not None:
             row["sort before"] = time_us(
-                [lambda r=r, bm=bm: before.sort_pairs(r[0], r[1], experts, bm) for r in routed])
+                [lambda r=r, bm=bm: before.sort_pairs(r[0], r[1], experts, bm) for r in routed]
+            )
         result["times"].append(row)
         print(json.dumps(row), flush=True)
     result["wall_s"] = time.perf_counter() - t_start
@@ -205,10 +220,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_route.json").write_text(json.dumps(result, indent=1))
     keys = [k for k in result["times"][0] if k != "T"]
-    lines = ["| us per call | " + " | ".join(f"T={r['T']}" for r in result["times"]) + " |",
-             "|---|" + "---|" * len(result["times"])]
-    lines += [f"| {k} | " + " | ".join(f"{r[k]:.1f}" for r in result["times"]) + " |"
-              for k in keys]
+    lines = [
+        "| us per call | " + " | ".join(f"T={r['T']}" for r in result["times"]) + " |",
+        "|---|" + "---|" * len(result["times"]),
+    ]
+    lines += [f"| {k} | " + " | ".join(f"{r[k]:.1f}" for r in result["times"]) + " |" for k in keys]
     lines += ["", "| check | T | ok |", "|---|---|---|"]
     lines += [f"| {c['check']} | {c['T']} | {c['ok']} |" for c in result["checks"]]
     (out / "moe_route_table.md").write_text("\n".join(lines) + "\n")

@@ -28,9 +28,10 @@ from moe_gemv_check import COPY_GBPS, Bench, parse_common, rows_table, write_res
 from flashpd.bench import kernel_roofline as kr
 from flashpd.kernels import configs
 
-SHAPES = {"full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6,
-                   "ms": (8, 16, 32, 64, 128, 192)},
-          "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)}}
+SHAPES = {
+    "full": {"hidden": 5120, "inter": 2304, "experts": 64, "top_k": 6, "ms": (8, 16, 32, 64, 128, 192)},
+    "smoke": {"hidden": 64, "inter": 64, "experts": 4, "top_k": 2, "ms": (3, 9)},
+}
 _SMOKE_TILES = {"up": {"block_k": 64}, "down": {"block_k": 64}}
 _ALL = 1 << 30
 # name -> (SwapabConfig overrides, the Ms it times), on top of the default (run 1 at 280db55
@@ -41,8 +42,7 @@ _W2 = {"block_n": 32, "warps": 2}
 VARIANTS = {
     "split_decode": ({"decode": "split"}, (1, 64)),
     "bn32w2": ({"up": _W2, "down": _W2}, (1, 2, 4, 8, 16, 64, 128)),
-    "bn16w1": ({"up": {"block_n": 16, "warps": 1}, "down": {"block_n": 16, "warps": 1}},
-               (1, 8, 64)),
+    "bn16w1": ({"up": {"block_n": 16, "warps": 1}, "down": {"block_n": 16, "warps": 1}}, (1, 8, 64)),
     "up_s2": ({"up": {"split": 2}}, (1, 2, 4, 8)),
     "up_s4": ({"up": {"split": 4}}, (1, 4)),
     "up_s2_dn2": ({"up": {"split": 2}, "down": {"split": 2}}, (1, 8)),
@@ -76,19 +76,26 @@ def compiled_kernels() -> list[dict]:
     for k in swapab.compiled_variants():
         ptx = k.asm.get("ptx", "")
         ttgir = k.asm.get("ttgir", "")
-        dot = next((ln.strip()[:240] for ln in ttgir.splitlines()
-                    if "warp_group_dot " in ln or "tt.dot " in ln), "")
-        out.append({"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-                    "mma_sync": len(re.findall(r"mma\.sync", ptx)),
-                    "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
-                    "shared": getattr(k.metadata, "shared", None), "dot": dot})
+        dot = next((ln.strip()[:240] for ln in ttgir.splitlines() if "warp_group_dot " in ln or "tt.dot " in ln), "")
+        out.append(
+            {
+                "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                "mma_sync": len(re.findall(r"mma\.sync", ptx)),
+                "regs": getattr(k, "n_regs", None),
+                "spills": getattr(k, "n_spills", None),
+                "shared": getattr(k.metadata, "shared", None),
+                "dot": dot,
+            }
+        )
     return out
 
 
 # MoE fields per path of the rows: which routed-expert path `routed_experts` takes
-PATHS = {"swapab": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": _ALL},
-         "grouped": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": 0},
-         "gemv": {"gemv": True, "gemv_max_rows": 16, "swapab_max_tokens": 0}}
+PATHS = {
+    "swapab": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": _ALL},
+    "grouped": {"gemv": False, "gemv_max_rows": 0, "swapab_max_tokens": 0},
+    "gemv": {"gemv": True, "gemv_max_rows": 16, "swapab_max_tokens": 0},
+}
 
 
 def _variant_row(bench: Bench, name: str, m: int, smoke: bool) -> dict:
@@ -98,24 +105,32 @@ def _variant_row(bench: Bench, name: str, m: int, smoke: bool) -> dict:
     except Exception as exc:
         if smoke:
             raise
-        print(f"variant {name} M={m} FAILED: {type(exc).__name__}: {str(exc)[:300]}",
-              flush=True)
-        return {"path": f"swapab {name} FAILED", "m": m, "err": float("nan"), "us": None,
-                "GBps": None, "pct": None}
+        print(f"variant {name} M={m} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return {"path": f"swapab {name} FAILED", "m": m, "err": float("nan"), "us": None, "GBps": None, "pct": None}
 
 
 def markdown(meta: dict, rows: list[dict], kernels: list[dict]) -> str:
-    lines = [f"# Routed MXFP4 experts, 1-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
-             "", f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
-             f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
-             f" full path = pair sort + both expert GEMMs + combine; swapab config "
-             f"{meta['swapab_config']}; variants (overrides): "
-             + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()), ""]
+    lines = [
+        f"# Routed MXFP4 experts, 1-192 tokens: swap-AB vs grouped GEMMs ({meta['device']})",
+        "",
+        f"Command: `{meta['command']}` (commit {meta['commit']}); shapes {meta['shape']};"
+        f" % of {COPY_GBPS:.0f} GB/s; MB per call = experts touched + activations;"
+        f" full path = pair sort + both expert GEMMs + combine; swapab config "
+        f"{meta['swapab_config']}; variants (overrides): " + "; ".join(f"{k} {v[0]}" for k, v in VARIANTS.items()),
+        "",
+    ]
     lines += rows_table(rows)
-    lines += ["", "Compiled swap-AB kernels (MMA instructions in the PTX):", "",
-              "| wgmma | mma.sync | regs | spills | shared B | dot |", "|---|---|---|---|---|---|"]
-    lines += [f"| {k['wgmma']} | {k['mma_sync']} | {k['regs']} | {k['spills']} | {k['shared']} | "
-              f"`{k['dot'][:120]}` |" for k in kernels]
+    lines += [
+        "",
+        "Compiled swap-AB kernels (MMA instructions in the PTX):",
+        "",
+        "| wgmma | mma.sync | regs | spills | shared B | dot |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k['wgmma']} | {k['mma_sync']} | {k['regs']} | {k['spills']} | {k['shared']} | `{k['dot'][:120]}` |"
+        for k in kernels
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -123,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", nargs="*", type=int, default=None)
-    ap.add_argument("--paths", nargs="*", default=["swapab", "grouped", "gemv"],
-                    help="which paths the per-M rows time (gemv at M <= 16 only)")
+    ap.add_argument(
+        "--paths",
+        nargs="*",
+        default=["swapab", "grouped", "gemv"],
+        help="which paths the per-M rows time (gemv at M <= 16 only)",
+    )
     args = parse_common(ap, argv, VARIANTS, budget_s=60.0)
     shape = dict(SHAPES["smoke" if args.smoke else "full"])
     if args.ms:
@@ -135,27 +154,28 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, argv, shape: dict) -> int:
     t0 = time.perf_counter()
     bench = Bench(shape)
-    bench.base = configs.merge(configs.DEFAULT,
-                               moe={"swapab": _SMOKE_TILES if args.smoke else {}})
-    meta = kr.run_meta("moe_swapab_check", argv, shape,
-                       swapab_config=bench.base.moe.swapab.as_dict())
+    bench.base = configs.merge(configs.DEFAULT, moe={"swapab": _SMOKE_TILES if args.smoke else {}})
+    meta = kr.run_meta("moe_swapab_check", argv, shape, swapab_config=bench.base.moe.swapab.as_dict())
     rows: list[dict] = []
     for m in shape["ms"]:
-        for path, label in (("swapab", "swapab (new)"), ("grouped", "grouped GEMM (old)"),
-                            ("gemv", "gemv (default <= 16)")):
+        for path, label in (
+            ("swapab", "swapab (new)"),
+            ("grouped", "grouped GEMM (old)"),
+            ("gemv", "gemv (default <= 16)"),
+        ):
             if path in args.paths and (path != "gemv" or m <= 16):
                 bench.use(**PATHS[path])
                 rows.append(bench.row(label, m, True))
         if "kernels" in args.paths and not args.smoke:
             bench.use(**PATHS["swapab"])
             rows.append(bench.kernels_row(m, "swapab"))
-    for name in (args.variants[:1] if args.smoke else args.variants):
+    for name in args.variants[:1] if args.smoke else args.variants:
         if time.perf_counter() - t0 > args.budget_s and not args.smoke:
             print(f"budget spent: {name} and later variants not run", flush=True)
             break
         overrides, ms = VARIANTS[name]
         bench.use(**PATHS["swapab"], swapab=variant_fields(overrides))
-        for m in (ms if not args.smoke else shape["ms"][-1:]):
+        for m in ms if not args.smoke else shape["ms"][-1:]:
             if args.ms and not args.smoke and m not in args.ms:
                 continue
             rows.append(_variant_row(bench, name, m, args.smoke))
@@ -163,8 +183,9 @@ def _run(args, argv, shape: dict) -> int:
     for r in rows:
         r["MB"] = bench.nbytes(r["m"]) / 1e6
     meta["seconds"] = time.perf_counter() - t0
-    write_results(args.out, "moe_swapab", markdown(meta, rows, kernels),
-                  {"meta": meta, "results": rows, "kernels": kernels})
+    write_results(
+        args.out, "moe_swapab", markdown(meta, rows, kernels), {"meta": meta, "results": rows, "kernels": kernels}
+    )
     return 0
 
 

@@ -66,8 +66,7 @@ class AsyncLLMEngine:
         self.hooks: list[Callable[[LLMEngine], None]] = []
         # What closing an unfinished stream does, on the loop thread (default: abort). The decode
         # worker replaces it to keep blocks that a KV write may still reach.
-        self.on_unfinished_close: Callable[[LLMEngine, str], Any] = \
-            lambda e, request_id: e.abort(request_id)
+        self.on_unfinished_close: Callable[[LLMEngine, str], Any] = lambda e, request_id: e.abort(request_id)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._error: BaseException | None = None
@@ -101,14 +100,18 @@ class AsyncLLMEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_ids, params: SamplingParams,
-                       session_id: str | None = None,
-                       prefix: PrefixPolicy | None = None) -> AsyncIterator[EngineOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids,
+        params: SamplingParams,
+        session_id: str | None = None,
+        prefix: PrefixPolicy | None = None,
+    ) -> AsyncIterator[EngineOutput]:
         """Colocated role: add and stream. Cancelling the consumer aborts the request."""
         stream = self._open(request_id)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id,
-                                                    prefix))
+            await self.call(lambda e: e.add_request(request_id, prompt_ids, params, session_id, prefix))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -163,9 +166,11 @@ class AsyncLLMEngine:
     def cache_snapshot(self, timeout_s: float | None = 60.0) -> list:
         """Every cached chunk as events (re-publish after index loss); events queued before it
         are dropped (the snapshot starts with AllCleared and covers them)."""
+
         def snapshot(e: LLMEngine) -> list:
             self._cache_events.clear()
             return e.drain_cache_snapshot()
+
         return self.call_sync(snapshot, timeout_s)
 
     def has_stream(self, request_id: str) -> bool:
@@ -175,8 +180,7 @@ class AsyncLLMEngine:
         """Create the output queue before the request is admitted (so no output is missed)."""
         self._open(request_id)
 
-    async def prefill(self, request_id: str, prompt_ids,
-                      prefix: PrefixPolicy | None = None) -> EngineOutput:
+    async def prefill(self, request_id: str, prompt_ids, prefix: PrefixPolicy | None = None) -> EngineOutput:
         """Prefill role: run the encoder path; returns the kv_ready output (blocks held)."""
         params = SamplingParams(max_tokens=1)
         last = None
@@ -268,8 +272,7 @@ class AsyncLLMEngine:
                 if failures >= MAX_HOOK_FAILURES:
                     self._hook_error = exc
             else:
-                if self._hook_failures.pop(index, None) is not None and not any(
-                        self._hook_failures.values()):
+                if self._hook_failures.pop(index, None) is not None and not any(self._hook_failures.values()):
                     self._hook_error = None
 
     def _run_commands(self) -> None:

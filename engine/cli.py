@@ -29,15 +29,23 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--sequential", action="store_true")
-    p.add_argument("--no-swa-bounded-replay", action="store_true",
-                   help="exact replay after prefix hits (outputs equal a cold run)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu (reference forward) or cuda[:N] (Triton kernels, CUDA graphs)")
+    p.add_argument(
+        "--no-swa-bounded-replay", action="store_true", help="exact replay after prefix hits (outputs equal a cold run)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu (reference forward) or cuda[:N] (Triton kernels, CUDA graphs)")
     p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--speculative", choices=["dspark", "ngram"], default=None,
-                   help="speculative decoding with this drafter (engine/speculative.py)")
+    p.add_argument(
+        "--speculative",
+        choices=["dspark", "ngram"],
+        default=None,
+        help="speculative decoding with this drafter (engine/speculative.py)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.set_defaults(func=run)
 
@@ -54,8 +62,7 @@ def _requests_from_args(args, tokenizer) -> list[dict]:
         with open(args.requests) as f:
             lines = [json.loads(line) for line in f if line.strip()]
     else:
-        line = {"id": "0", "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "seed": args.seed}
+        line = {"id": "0", "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
         if args.prompt is not None:
             line["prompt"] = args.prompt
         else:
@@ -71,13 +78,22 @@ def _requests_from_args(args, tokenizer) -> list[dict]:
 
 
 def _params(line: dict) -> SamplingParams:
-    keys = ("max_tokens", "temperature", "seed", "top_k", "top_p", "min_p", "stop",
-            "stop_token_ids", "ignore_eos", "logprobs")
+    keys = (
+        "max_tokens",
+        "temperature",
+        "seed",
+        "top_k",
+        "top_p",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+    )
     return SamplingParams.from_dict({k: line[k] for k in keys if line.get(k) is not None})
 
 
-def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool,
-                 tokenizer=None) -> list[dict]:
+def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool, tokenizer=None) -> list[dict]:
     """Text and stop strings as the router applies them: each request's tokens go through a
     TextStream, and a matched stop string aborts the request (finish_reason "stop")."""
     results: dict[str, dict] = {}
@@ -114,26 +130,37 @@ def run_requests(engine: LLMEngine, lines: list[dict], sequential: bool,
                 r["text"] += stream.flush()
             if finish_reason is not None:
                 st = engine.stats[out.request_id]
-                r.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                         ttft_ms=st.ttft_ms, finish_reason=finish_reason)
+                r.update(
+                    prompt_tokens=out.prompt_tokens,
+                    cached_tokens=out.cached_tokens,
+                    ttft_ms=st.ttft_ms,
+                    finish_reason=finish_reason,
+                )
     return [results[str(line["id"])] for line in lines]
 
 
 def run(args) -> int:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    spec = None if args.speculative is None else {
-        "method": args.speculative, "num_tokens": args.num_speculative_tokens}
-    config = EngineConfig(swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
-                          device=args.device,
-                          num_blocks=args.num_blocks, speculative=spec)
+    spec = None if args.speculative is None else {"method": args.speculative, "num_tokens": args.num_speculative_tokens}
+    config = EngineConfig(
+        swa_bounded_replay=not args.no_swa_bounded_replay,
+        dtype=dtype,
+        device=args.device,
+        num_blocks=args.num_blocks,
+        speculative=spec,
+    )
     engine = load_engine(args.checkpoint, config)
     tokenizer = load_tokenizer(args.checkpoint)
     lines = _requests_from_args(args, tokenizer)
     for r in run_requests(engine, lines, args.sequential, tokenizer):
         if args.json or args.requests:
-            print(json.dumps(r if args.requests else
-                             {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"],
-                              "text": r["text"]}))
+            print(
+                json.dumps(
+                    r
+                    if args.requests
+                    else {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"], "text": r["text"]}
+                )
+            )
         else:
             print(r["text"])
     sys.stdout.flush()

@@ -50,14 +50,20 @@ class GrammarBackend:
     """Compiles guided-decoding specs for one tokenizer (thread-safe, LRU-cached) and makes a
     matcher per request."""
 
-    def __init__(self, encoded_vocab: Sequence[str], vocab_size: int,
-                 stop_token_ids: Sequence[int], max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self,
+        encoded_vocab: Sequence[str],
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size  # the model's logits width (>= the tokenizer's)
-        self.info = xgr.TokenizerInfo(list(encoded_vocab), xgr.VocabType.BYTE_LEVEL,
-                                      vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.info = xgr.TokenizerInfo(
+            list(encoded_vocab), xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -65,8 +71,7 @@ class GrammarBackend:
         self.num_compiles = 0  # compilations done (cache misses), for tests and metrics
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None,
-                       **kwargs) -> GrammarBackend:
+    def from_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None, **kwargs) -> GrammarBackend:
         """From an HF `tokenizers.Tokenizer` (byte-level BPE, as the presets ship)."""
         special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -104,19 +109,17 @@ class GrammarBackend:
         c = self._compiler
         try:
             if guided.kind == "json_object":  # any object, compact like json_schema below
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                             strict_mode=False)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if guided.kind == "json_schema":
                 # compact output (no free whitespace): a model cannot pad an object forever
                 grammar = self._xgr.Grammar.from_json_schema(
-                    guided.spec, any_whitespace=False, strict_mode=guided.strict)
-                return c.compile_grammar(self._xgr.Grammar.from_ebnf(_json_string_fix(
-                    str(grammar))))
+                    guided.spec, any_whitespace=False, strict_mode=guided.strict
+                )
+                return c.compile_grammar(self._xgr.Grammar.from_ebnf(_json_string_fix(str(grammar))))
             json.loads(guided.spec)  # a clearer error than the engine's for broken JSON
             return c.compile_structural_tag(guided.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarError(f"cannot be compiled into a grammar: {_first_line(exc)}",
-                               field=guided.field) from None
+            raise GrammarError(f"cannot be compiled into a grammar: {_first_line(exc)}", field=guided.field) from None
 
     # ------------------------------------------------------------------ matchers (loop thread)
     def matcher(self, guided: GuidedDecoding, replay_ids: Sequence[int] = ()):
@@ -124,8 +127,10 @@ class GrammarBackend:
         m = self._xgr.GrammarMatcher(self.compile(guided))
         for token_id in replay_ids:
             if not m.accept_token(int(token_id)):
-                raise GrammarError(f"the {len(replay_ids)} tokens generated before the stream "
-                                   "broke do not follow the grammar", field=guided.field)
+                raise GrammarError(
+                    f"the {len(replay_ids)} tokens generated before the stream broke do not follow the grammar",
+                    field=guided.field,
+                )
         return m
 
     def fill_bitmask(self, matchers: Sequence[object | None]) -> torch.Tensor | None:
@@ -149,8 +154,8 @@ class GrammarBackend:
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength/minLength) as
 # [^"\\\r\n], which lets raw control characters through (invalid JSON; its unbounded strings
 # exclude \0-\x1f). The same class with the control characters excluded, as RFC 8259 requires.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
 def _json_string_fix(ebnf: str) -> str:

@@ -43,14 +43,10 @@ def next_chunk_hash(parent_hash: str, chunk_token_ids: Sequence[int]) -> str:
         packed = struct.pack(f"<{len(chunk_token_ids)}I", *chunk_token_ids)
     except struct.error as error:  # negative, >= 2**32, or not an int
         raise ValueError(f"token ids must be uint32: {error}") from None
-    return hashlib.blake2b(
-        bytes.fromhex(parent_hash) + packed, digest_size=DIGEST_BYTES
-    ).hexdigest()
+    return hashlib.blake2b(bytes.fromhex(parent_hash) + packed, digest_size=DIGEST_BYTES).hexdigest()
 
 
-def chunk_hashes(
-    token_ids: Sequence[int], namespace: str, chunk_tokens: int = CHUNK_TOKENS
-) -> list[str]:
+def chunk_hashes(token_ids: Sequence[int], namespace: str, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
     """Chained hashes of every full chunk of `token_ids` (len = len(token_ids) // chunk_tokens)."""
     _check_chunk_tokens(chunk_tokens)
     hashes = []
@@ -61,18 +57,14 @@ def chunk_hashes(
     return hashes
 
 
-def usable_prefix_tokens(
-    hit_tokens: int, chunk_tokens: int = CHUNK_TOKENS, replay_tokens: int = REPLAY_TOKENS
-) -> int:
+def usable_prefix_tokens(hit_tokens: int, chunk_tokens: int = CHUNK_TOKENS, replay_tokens: int = REPLAY_TOKENS) -> int:
     """Tokens a prefix hit saves: align_down(hit, chunk) - replay, or 0 when that is not > 0.
 
     With the real sizes, hits of <= 128 tokens save nothing (hit 200 -> 0, 256 -> 128, 300 -> 128).
     """
     _check_chunk_tokens(chunk_tokens)
     if hit_tokens < 0 or replay_tokens < 0:
-        raise ValueError(
-            f"hit_tokens and replay_tokens must be >= 0, got {hit_tokens}, {replay_tokens}"
-        )
+        raise ValueError(f"hit_tokens and replay_tokens must be >= 0, got {hit_tokens}, {replay_tokens}")
     usable = (hit_tokens // chunk_tokens) * chunk_tokens - replay_tokens
     return usable if usable > 0 else 0
 

@@ -73,9 +73,7 @@ class KVCacheManager:
         replay_tokens: int | None = None,
     ) -> None:
         if num_slots <= 0 or chunk_tokens <= 0:
-            raise ValueError(
-                f"num_slots and chunk_tokens must be > 0, got {num_slots}, {chunk_tokens}"
-            )
+            raise ValueError(f"num_slots and chunk_tokens must be > 0, got {num_slots}, {chunk_tokens}")
         # The real model's window (the replay) is one chunk long: 128 tokens.
         self.replay_tokens = chunk_tokens if replay_tokens is None else replay_tokens
         if self.replay_tokens < 0:
@@ -116,11 +114,7 @@ class KVCacheManager:
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, hit: PrefixHit | None = None
     ) -> Allocation | None:
         """Blocks for tokens [0, usable + num_new_tokens) plus a slot, or None (no change).
 
@@ -173,9 +167,7 @@ class KVCacheManager:
             self._pool.release(extra[::-1])
         return extra
 
-    def commit(
-        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
-    ) -> list[str]:
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[str]:
         """Cache every full chunk whose global KV is now computed; returns the hashes stored."""
         held = self._get(request_id)
         if num_computed_tokens > min(len(token_ids), len(held.block_ids) * self.chunk_tokens):
@@ -271,10 +263,7 @@ class KVCacheManager:
         return held
 
     def _check_hit_current(self, hit: PrefixHit) -> None:
-        if (
-            len(hit.block_ids) != len(hit.block_hashes)
-            or hit.hit_tokens != len(hit.block_ids) * self.chunk_tokens
-        ):
+        if len(hit.block_ids) != len(hit.block_hashes) or hit.hit_tokens != len(hit.block_ids) * self.chunk_tokens:
             raise ValueError(f"malformed prefix hit: {hit}")
         for block_id, block_hash in zip(hit.block_ids, hit.block_hashes, strict=True):
             if self._pool.block_hash(block_id) != block_hash:

@@ -34,16 +34,7 @@ from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.kernels.quant import ref as q
 from flashpd.model.config import ModelConfig
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, CompressedKVFormat, kv_format
-from flashpd.model.state import (
-    Entries,
-    GlobalKV,
-    OpenGroup,
-    SeqState,
-    SpecMark,
-    StateError,
-    TokenCounter,
-    Window,
-)
+from flashpd.model.state import Entries, GlobalKV, OpenGroup, SeqState, SpecMark, StateError, TokenCounter, Window
 
 
 @dataclass(frozen=True)
@@ -91,38 +82,43 @@ class PoolGeometry:
 class KVPools:
     """All packed KV memory of one worker (CPU or CUDA)."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, num_slots: int,
-                 device: str | torch.device = "cpu",
-                 compressed_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
-                 window_scratch_rows: int = 0):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        compressed_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+        window_scratch_rows: int = 0,
+    ):
         if window_scratch_rows < 0:
             raise ValueError(f"window_scratch_rows must be >= 0, got {window_scratch_rows}")
         self.geometry = PoolGeometry(cfg, compressed_format=compressed_format)
         self.format = self.geometry.compressed_format
         self.cfg, self.num_blocks, self.num_slots = cfg, num_blocks, num_slots
         u8 = dict(dtype=torch.uint8, device=device)
-        self.main = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
-                                    self.geometry.compressed_entry_bytes, **u8)
-                     for s in cfg.kv_source_layer_ids}
-        self.index = {s: torch.zeros(num_blocks, self.geometry.entries_per_block(s),
-                                     cfg.index_entry_bytes, **u8)
-                      for s in cfg.kv_source_layer_ids}
+        self.main = {
+            s: torch.zeros(num_blocks, self.geometry.entries_per_block(s), self.geometry.compressed_entry_bytes, **u8)
+            for s in cfg.kv_source_layer_ids
+        }
+        self.index = {
+            s: torch.zeros(num_blocks, self.geometry.entries_per_block(s), cfg.index_entry_bytes, **u8)
+            for s in cfg.kv_source_layer_ids
+        }
         self.ring_rows = cfg.sliding_window - 1
         self.scratch_base = num_slots * self.ring_rows  # first scratch row of every layer
-        self.window = torch.zeros(cfg.num_layers, self.scratch_base + window_scratch_rows,
-                                  cfg.window_record_bytes, **u8)
+        self.window = torch.zeros(
+            cfg.num_layers, self.scratch_base + window_scratch_rows, cfg.window_record_bytes, **u8
+        )
         r2 = self.geometry.ratio2_sources
         self.open_row_of = {s: i for i, s in enumerate(r2)}
-        self.open = torch.zeros(num_slots, max(len(r2), 1), 2, cfg.head_dim,
-                                dtype=torch.float32, device=device)
+        self.open = torch.zeros(num_slots, max(len(r2), 1), 2, cfg.head_dim, dtype=torch.float32, device=device)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, num_slots: int, device: str | torch.device,
-                  max_rows: int) -> KVPools:
+    def for_model(cls, model, num_blocks: int, num_slots: int, device: str | torch.device, max_rows: int) -> KVPools:
         """Pools in the model's KV format, with window scratch rows for `max_rows` rows per
         forward when the model stages new window records there (`Model.stages_window_kv`)."""
-        return cls(model.cfg, num_blocks, num_slots, device, model.kv_format,
-                   max_rows if model.stages_window_kv else 0)
+        return cls(model.cfg, num_blocks, num_slots, device, model.kv_format, max_rows if model.stages_window_kv else 0)
 
     def transfer_groups(self) -> dict[str, torch.Tensor]:
         """Each global group as a [num_blocks, block_bytes] uint8 view (what NIXL registers)."""
@@ -134,8 +130,7 @@ class KVPools:
 
     @property
     def global_bytes(self) -> int:
-        return sum(t.numel() for t in self.main.values()) + sum(
-            t.numel() for t in self.index.values())
+        return sum(t.numel() for t in self.main.values()) + sum(t.numel() for t in self.index.values())
 
     @property
     def private_bytes(self) -> int:
@@ -154,8 +149,7 @@ class PagedSeqState(TokenCounter, SeqState):
     object each step, so blocks added later are seen here.
     """
 
-    def __init__(self, pools: KVPools, slot: int, block_table: list[int],
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, pools: KVPools, slot: int, block_table: list[int], dtype: torch.dtype = torch.float32):
         self.pools, self.slot, self.block_table, self.dtype = pools, slot, block_table, dtype
         cfg = pools.cfg
         self._keep = cfg.sliding_window - 1
@@ -170,8 +164,7 @@ class PagedSeqState(TokenCounter, SeqState):
         self._open_set: dict[int, bool] = dict.fromkeys(pools.open_row_of, False)
         self._n_entries: dict[int, int] = dict.fromkeys(cfg.kv_source_layer_ids, 0)
         geo = pools.geometry
-        self._sources = tuple((s, cfg.compress_ratios[s], geo.entries_per_block(s))
-                              for s in cfg.kv_source_layer_ids)
+        self._sources = tuple((s, cfg.compress_ratios[s], geo.entries_per_block(s)) for s in cfg.kv_source_layer_ids)
         self._ratio_epb = {s: (r, epb) for s, r, epb in self._sources}
 
     def adopt_prefix(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
@@ -196,8 +189,9 @@ class PagedSeqState(TokenCounter, SeqState):
     def window(self, layer: int) -> Window:
         start, n = self.window_span(layer)
         if n == 0:
-            return Window(start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype,
-                                             device=self.pools.window.device))
+            return Window(
+                start, torch.zeros(0, self.pools.cfg.head_dim, dtype=self.dtype, device=self.pools.window.device)
+            )
         rows = self.slot * self._keep + torch.arange(start, start + n) % self._keep
         rec = self.pools.window[layer, rows.to(self.pools.window.device)]
         return Window(start, q.unpack_window_fp8(rec, self.dtype))
@@ -205,14 +199,14 @@ class PagedSeqState(TokenCounter, SeqState):
     def append_window(self, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         start, held = self.window_span(layer)
         if start_pos != start + held:
-            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
-                             f"{start + held}")
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at {start + held}")
         total = kv.shape[0]
-        kv = kv[-self._keep:]  # only the last W-1 positions can ever be read again
+        kv = kv[-self._keep :]  # only the last W-1 positions can ever be read again
         first = start_pos + total - kv.shape[0]  # position of the first kept row
         rows = self.slot * self._keep + torch.arange(first, first + kv.shape[0]) % self._keep
-        self.pools.window[layer, rows.to(self.pools.window.device)] = \
-            q.pack_window_fp8(kv.float()).to(self.pools.window.device)
+        self.pools.window[layer, rows.to(self.pools.window.device)] = q.pack_window_fp8(kv.float()).to(
+            self.pools.window.device
+        )
         self.note_window_append(layer, start_pos, total)
 
     def window_span(self, layer: int) -> tuple[int, int]:
@@ -238,8 +232,7 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"no layer {layer}")
         self._set_span(layer, (start_pos, 0))
 
-    def note_windows(self, layers: Sequence[int], start_pos: int, count: int,
-                     clip: bool = False) -> None:
+    def note_windows(self, layers: Sequence[int], start_pos: int, count: int, clip: bool = False) -> None:
         """`clip_window` (when `clip`) then `note_window_append` for each of `layers` (distinct):
         one update of the shared span when `layers` are all the layers and share it."""
         if self._per_layer is None and len(layers) == self._num_layers:
@@ -255,12 +248,10 @@ class PagedSeqState(TokenCounter, SeqState):
         if spans is not None and spans.count(spans[0]) == len(spans):
             self._common, self._per_layer = spans[0], None
 
-    def _appended(self, layer: int, span: tuple[int, int], start_pos: int,
-                  count: int) -> tuple[int, int]:
+    def _appended(self, layer: int, span: tuple[int, int], start_pos: int, count: int) -> tuple[int, int]:
         start, held = span
         if start_pos != start + held:
-            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
-                             f"{start + held}")
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at {start + held}")
         new_end = start_pos + count
         new_start = max(start, new_end - self._keep)
         return new_start, new_end - new_start
@@ -305,15 +296,16 @@ class PagedSeqState(TokenCounter, SeqState):
         if n == 0:
             cfg = self.pools.cfg
             dev = self.pools.window.device
-            return Entries(torch.zeros(0, cfg.head_dim, dtype=self.dtype, device=dev),
-                           torch.zeros(0, cfg.index_head_dim, dtype=self.dtype, device=dev))
+            return Entries(
+                torch.zeros(0, cfg.head_dim, dtype=self.dtype, device=dev),
+                torch.zeros(0, cfg.index_head_dim, dtype=self.dtype, device=dev),
+            )
         main = self._gather(self.pools.main[src], src, n)
         keys = self._gather(self.pools.index[src], src, n)
         unpack = getattr(q, self.pools.format.unpack)
         return Entries(unpack(main, self.dtype), q.unpack_mxfp4(keys, self.dtype))
 
-    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor,
-                       keys: torch.Tensor) -> None:
+    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor, keys: torch.Tensor) -> None:
         n = self._n_entries[self._src(src)]
         if first_entry != n:
             raise StateError(f"source {src}: entries appended at {first_entry}, {n} stored")
@@ -353,16 +345,19 @@ class PagedSeqState(TokenCounter, SeqState):
                 if held != start_pos // ratio:
                     raise StateError(f"source {src}: {held} entries at position {start_pos}")
                 if ratio == 2 and self._open_set[src] != (start_pos % 2 == 1):
-                    raise StateError(f"source {src}: open-group row "
-                                     f"{'present' if self._open_set[src] else 'missing'} at "
-                                     f"position {start_pos}")
+                    raise StateError(
+                        f"source {src}: open-group row "
+                        f"{'present' if self._open_set[src] else 'missing'} at "
+                        f"position {start_pos}"
+                    )
             if -(-visible // epb) > blocks:
                 self._check_blocks(visible, src)
             out.append(visible)
         return out
 
-    def note_step_entries(self, start_pos: int, end_pos: int, sources: Sequence[int],
-                          open_sources: Sequence[int]) -> None:
+    def note_step_entries(
+        self, start_pos: int, end_pos: int, sources: Sequence[int], open_sources: Sequence[int]
+    ) -> None:
         """After a step over [start_pos, end_pos) that wrote the entries of `sources` (and, for
         `open_sources`, the open row when end_pos is odd): `note_entries` + `mark_open_group`
         for each, in one call."""
@@ -371,8 +366,7 @@ class PagedSeqState(TokenCounter, SeqState):
             ratio, epb = self._ratio_epb[self._src(src)]
             n, end = self._n_entries[src], end_pos // ratio
             if n != start_pos // ratio:
-                raise StateError(f"source {src}: entries appended at {start_pos // ratio}, "
-                                 f"{n} stored")
+                raise StateError(f"source {src}: entries appended at {start_pos // ratio}, {n} stored")
             if -(-end // epb) > blocks:
                 self._check_blocks(end, src)
             self._n_entries[src] = end
@@ -388,9 +382,14 @@ class PagedSeqState(TokenCounter, SeqState):
             raise StateError(f"a verify of {max_rows} rows: need 1 .. {self._keep}")
         n = self._num_tokens
         rows = self._ring_rows(n, n + max_rows)
-        saved = (self._common, None if self._per_layer is None else list(self._per_layer),
-                 rows, self.pools.window[:, rows].clone(), self.pools.open[self.slot].clone(),
-                 dict(self._open_set))
+        saved = (
+            self._common,
+            None if self._per_layer is None else list(self._per_layer),
+            rows,
+            self.pools.window[:, rows].clone(),
+            self.pools.open[self.slot].clone(),
+            dict(self._open_set),
+        )
         self._spec = SpecMark(n, max_rows, saved)
 
     def truncate(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
@@ -400,8 +399,8 @@ class PagedSeqState(TokenCounter, SeqState):
         mark.check_truncate(num_tokens, self._num_tokens)
         common, per_layer, rows, records, open_rows, open_set = mark.saved
         start = mark.num_tokens
-        lost = rows[num_tokens - start:]  # rows of rejected positions: put the older ones back
-        self.pools.window[:, lost] = records[:, num_tokens - start:]
+        lost = rows[num_tokens - start :]  # rows of rejected positions: put the older ones back
+        self.pools.window[:, lost] = records[:, num_tokens - start :]
         self._common, self._per_layer = common, per_layer
         if common is None and per_layer is None:
             raise StateError("windows were unset at the mark")
@@ -422,13 +421,11 @@ class PagedSeqState(TokenCounter, SeqState):
         return rows.to(self.pools.window.device)
 
     def global_state(self) -> GlobalKV:
-        return GlobalKV(self._num_tokens, self._lookback,
-                        {s: self.entries(s) for s in self._n_entries})
+        return GlobalKV(self._num_tokens, self._lookback, {s: self.entries(s) for s in self._n_entries})
 
     def load_global_state(self, state: GlobalKV) -> None:
         if set(state.entries) != set(self._n_entries):
-            raise StateError(f"global state has sources {sorted(state.entries)}, config has "
-                             f"{sorted(self._n_entries)}")
+            raise StateError(f"global state has sources {sorted(state.entries)}, config has {sorted(self._n_entries)}")
         self._n_entries = dict.fromkeys(self._n_entries, 0)
         for s, ent in state.entries.items():
             self.append_entries(s, 0, ent.kv, ent.keys)
@@ -463,8 +460,9 @@ class PagedSeqState(TokenCounter, SeqState):
     def _check_blocks(self, num_entries: int, src: int) -> None:
         need = -(-num_entries // self.pools.geometry.entries_per_block(src))
         if need > len(self.block_table):
-            raise StateError(f"source {src}: {num_entries} entries need {need} blocks, the "
-                             f"block table has {len(self.block_table)}")
+            raise StateError(
+                f"source {src}: {num_entries} entries need {need} blocks, the block table has {len(self.block_table)}"
+            )
 
 
 def _pack_nvfp4_exact(x: torch.Tensor) -> torch.Tensor:

@@ -169,30 +169,44 @@ class EngineOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Model, config: EngineConfig, eos_token_id: int | None = None,
-                 grammar: GrammarBackend | None = None, dspark=None):
+    def __init__(
+        self,
+        model: Model,
+        config: EngineConfig,
+        eos_token_id: int | None = None,
+        grammar: GrammarBackend | None = None,
+        dspark=None,
+    ):
         """dspark: the checkpoint's DSpark drafter (model/dspark.py), for speculative.method
         "dspark"."""
         self.model, self.config = model, config
         cfg = model.cfg
         graphs = getattr(model, "graphs", None)  # the GPU model's decode graphs
         if graphs is not None and config.graph_width_tokens is not None:  # engines may share
-            graphs.turn_width_tokens = max(graphs.turn_width_tokens,  # a model
-                                           config.graph_width_tokens)
+            graphs.turn_width_tokens = max(
+                graphs.turn_width_tokens,  # a model
+                config.graph_width_tokens,
+            )
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
-        self.kv = KVCacheManager(config.num_blocks, config.num_slots, 128,
-                                 namespace=f"{config.model_id}|{config.cache_salt}",
-                                 replay_tokens=self.replay_tokens)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.num_slots,
+            128,
+            namespace=f"{config.model_id}|{config.cache_salt}",
+            replay_tokens=self.replay_tokens,
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
-            self.kv, role_from_name(config.role))
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv, role_from_name(config.role)
+        )
         if model.kv_format.name != config.kv_format:
-            raise ValueError(f"kv_format {config.kv_format!r} but the model fake-quantises "
-                             f"compressed KV as {model.kv_format.name!r}")
+            raise ValueError(
+                f"kv_format {config.kv_format!r} but the model fake-quantises compressed KV as {model.kv_format.name!r}"
+            )
         # issue 12 (helper F): the pools take the KV format object and window scratch rows
         # from the model's declared capability (Model.stages_window_kv)
-        self.pools = KVPools.for_model(model, config.num_blocks, config.num_slots, config.device,
-                                       max_rows=config.max_num_batched_tokens)
+        self.pools = KVPools.for_model(
+            model, config.num_blocks, config.num_slots, config.device, max_rows=config.max_num_batched_tokens
+        )
         narrowing = cfg.sliding_window if (config.swa_bounded_replay and config.role == "colocated") else None
         self.runner = ModelRunner(model, self.pools, decoder_rows=narrowing)
         self.sampler = Sampler(config.seed)
@@ -215,12 +229,12 @@ class LLMEngine:
         if spec is None:
             return
         if self.config.role == "prefill":
-            raise ValueError("speculative: a prefill worker samples no tokens; configure it on "
-                             "the decode workers")
+            raise ValueError("speculative: a prefill worker samples no tokens; configure it on the decode workers")
         self.drafter = build_drafter(spec, dspark)
         if self.drafter.uses_tap and not getattr(self.model, "tap_layer_ids", ()):
-            raise ValueError("the drafter reads the target's tap, but the model records none "
-                             "(Model.tap_layer_ids is empty)")
+            raise ValueError(
+                "the drafter reads the target's tap, but the model records none (Model.tap_layer_ids is empty)"
+            )
         self.runner.taps = self.drafter.uses_tap
         self._drafter_states: dict[str, object] = {}
         self._draft_gen = torch.Generator().manual_seed(self.config.seed + 1)
@@ -229,14 +243,25 @@ class LLMEngine:
         log_forced(spec)
 
     # ------------------------------------------------------------------ admission
-    def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
-                    session_id: str | None = None, prefix: PrefixPolicy | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids,
+        params: SamplingParams,
+        session_id: str | None = None,
+        prefix: PrefixPolicy | None = None,
+    ) -> None:
         request = self._new_request(request_id, prompt_ids, params, session_id, prefix)
         self.scheduler.add(request)
 
-    def reserve(self, request_id: str, prompt_ids, params: SamplingParams,
-                session_id: str | None = None,
-                prefix: PrefixPolicy | None = None) -> Reservation | None:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_ids,
+        params: SamplingParams,
+        session_id: str | None = None,
+        prefix: PrefixPolicy | None = None,
+    ) -> Reservation | None:
         """Decode role: blocks for the whole prompt (own prefix hit reused); None when full.
         `prefix.kv_tokens`: a continuation (see `PrefixPolicy`)."""
         request = self._new_request(request_id, prompt_ids, params, session_id, prefix)
@@ -271,16 +296,14 @@ class LLMEngine:
         or been aborted since is not work: the next `step()` completes it (its rows dropped)."""
         return self.scheduler.has_unfinished()
 
-    def _new_request(self, request_id, prompt_ids, params, session_id,
-                     prefix: PrefixPolicy | None = None) -> Request:
+    def _new_request(self, request_id, prompt_ids, params, session_id, prefix: PrefixPolicy | None = None) -> Request:
         ids = [int(t) for t in prompt_ids]
         bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids: token id {bad[0]} outside [0, {self.model.cfg.vocab_size})")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        request = Request(request_id, ids, params, session_id=session_id,
-                          arrival_time=time.monotonic(), prefix=prefix)
+        request = Request(request_id, ids, params, session_id=session_id, arrival_time=time.monotonic(), prefix=prefix)
         if params is not None and params.guided is not None:
             self._matchers[request_id] = self._new_matcher(params.guided, ids)
         self._requests[request_id] = request
@@ -293,12 +316,10 @@ class LLMEngine:
     def _new_matcher(self, guided: GuidedDecoding, prompt_ids: list[int]):
         """A matcher that has accepted the earlier attempt's output (the prompt's tail)."""
         if self.grammar is None:
-            raise GrammarError("needs a tokenizer on the worker (guided decoding)",
-                               field=guided.field)
+            raise GrammarError("needs a tokenizer on the worker (guided decoding)", field=guided.field)
         if guided.replay_tokens > len(prompt_ids):
-            raise GrammarError(f"replay_tokens {guided.replay_tokens} exceeds the prompt",
-                               field=guided.field)
-        replay = prompt_ids[len(prompt_ids) - guided.replay_tokens:]
+            raise GrammarError(f"replay_tokens {guided.replay_tokens} exceeds the prompt", field=guided.field)
+        replay = prompt_ids[len(prompt_ids) - guided.replay_tokens :]
         return self.grammar.matcher(guided, replay)
 
     def _drop(self, request_id: str) -> None:
@@ -341,9 +362,12 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
                 return self._forward_failed(plan, exc)
         ahead_failed: tuple | None = None
-        if (self.config.async_scheduling and launched.pending is not None
-                and not any(r in self._matchers for r in launched.rids)
-                and not self._may_speculate_next()):
+        if (
+            self.config.async_scheduling
+            and launched.pending is not None
+            and not any(r in self._matchers for r in launched.rids)
+            and not self._may_speculate_next()
+        ):
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 try:
@@ -379,8 +403,11 @@ class LLMEngine:
         out_logits = logits_by_rid
         try:
             logits = torch.stack([out_logits[r] for r in rids])
-            bitmask = (self.grammar.fill_bitmask([self._matchers.get(r) for r in rids])
-                       if self._matchers and self.grammar is not None else None)
+            bitmask = (
+                self.grammar.fill_bitmask([self._matchers.get(r) for r in rids])
+                if self._matchers and self.grammar is not None
+                else None
+            )
             launched.pending = self.sampler.launch(logits, rids, params, bitmask)
         except Exception:  # noqa: BLE001 - retried row by row to find the failing request(s)
             launched.samples, launched.errors = self._sample_rows(rids, out_logits, params)
@@ -399,17 +426,19 @@ class LLMEngine:
                     self.runner.patch_last_token(rid, samples[rid].token_id)
         failed = self._fail_requests(launched.errors)
         result = StepResult(
-            sampled_token_ids={r: [s.token_id] for r, s in samples.items()},
-            finish_signals=self._signals(samples))
+            sampled_token_ids={r: [s.token_id] for r, s in samples.items()}, finish_signals=self._signals(samples)
+        )
         outputs = self.scheduler.update(launched.plan, result)
         self.num_steps += 1
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
     def _forward_failed(self, plan: StepPlan, exc: Exception) -> list[EngineOutput]:
-        log.error("forward of step %d failed; failing its %d request(s)", plan.step_id,
-                  len(plan.chunks), exc_info=exc)
-        errors = {c.request_id: f"forward failed: {type(exc).__name__}: {exc}"
-                  for c in plan.chunks if c.request_id in self._requests}
+        log.error("forward of step %d failed; failing its %d request(s)", plan.step_id, len(plan.chunks), exc_info=exc)
+        errors = {
+            c.request_id: f"forward failed: {type(exc).__name__}: {exc}"
+            for c in plan.chunks
+            if c.request_id in self._requests
+        }
         return self._fail(plan, errors)
 
     def _sample_rows(self, rids: list[str], logits_by_rid, params) -> tuple[dict, dict[str, str]]:
@@ -441,13 +470,15 @@ class LLMEngine:
             produced = 0 if request is None else request.num_output_tokens
             self.scheduler.abort(rid)
             self._drop(rid)
-            outputs.append(EngineOutput(rid, (), True, "error", prompt, produced, 0,
-                                        error=message))
+            outputs.append(EngineOutput(rid, (), True, "error", prompt, produced, 0, error=message))
         return outputs
 
     def _signals(self, samples) -> dict[str, FinishSignal]:
-        signals = {} if self.eos_token_id is None else {
-            rid: FinishSignal.EOS for rid, s in samples.items() if s.token_id == self.eos_token_id}
+        signals = (
+            {}
+            if self.eos_token_id is None
+            else {rid: FinishSignal.EOS for rid, s in samples.items() if s.token_id == self.eos_token_id}
+        )
         for rid, s in samples.items():
             matcher = self._matchers.get(rid)
             if matcher is None:
@@ -474,11 +505,21 @@ class LLMEngine:
         forced = None if self.spec is None else self.spec.bench_forced_acceptance_length
         if o.finished and reason != "kv_ready":
             self._drop(o.request_id)
-        return EngineOutput(o.request_id, tuple(o.new_token_ids), o.finished, reason,
-                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens,
-                            logprobs, tuple(o.kv_block_ids), draft_tokens=drafted,
-                            accepted_draft_tokens=accepted, draft_steps=steps,
-                            forced_acceptance_length=forced)
+        return EngineOutput(
+            o.request_id,
+            tuple(o.new_token_ids),
+            o.finished,
+            reason,
+            o.num_prompt_tokens,
+            o.num_output_tokens,
+            o.num_cached_tokens,
+            logprobs,
+            tuple(o.kv_block_ids),
+            draft_tokens=drafted,
+            accepted_draft_tokens=accepted,
+            draft_steps=steps,
+            forced_acceptance_length=forced,
+        )
 
     def _wants_logprobs(self, request_id: str) -> bool:
         p = self._params.get(request_id)
@@ -513,9 +554,12 @@ class LLMEngine:
         rids = [c.request_id for c in chunks]
         states = [self._drafter_state(r) for r in rids]
         params = [self._params[r] for r in rids]
-        proposal = self.drafter.propose(states, [c.token_ids[0] for c in chunks],
-                                        [c.start for c in chunks],
-                                        lambda logits, slot: self._choose(logits, params))
+        proposal = self.drafter.propose(
+            states,
+            [c.token_ids[0] for c in chunks],
+            [c.start for c in chunks],
+            lambda logits, slot: self._choose(logits, params),
+        )
         return self._trim_drafts(rids, proposal, room)
 
     def _draft_room(self, chunk) -> int:
@@ -523,10 +567,17 @@ class LLMEngine:
         fewer than the tokens it may still emit."""
         rid = chunk.request_id
         request, params = self._requests.get(rid), self._params.get(rid)
-        if (request is None or params is None or params.speculative == "off"
-                or params.logprobs or rid in self._matchers or chunk.replay is not None
-                or chunk.fresh_slot or chunk.token_ids[0] == PENDING_TOKEN
-                or chunk.end != request.num_tokens):
+        if (
+            request is None
+            or params is None
+            or params.speculative == "off"
+            or params.logprobs
+            or rid in self._matchers
+            or chunk.replay is not None
+            or chunk.fresh_slot
+            or chunk.token_ids[0] == PENDING_TOKEN
+            or chunk.end != request.num_tokens
+        ):
             return 0
         left = params.max_tokens - request.num_output_tokens - 1
         return max(0, min(self.spec.num_tokens, left))
@@ -549,12 +600,12 @@ class LLMEngine:
     def _trim_drafts(self, rids, proposal: Proposal, room) -> dict[str, _Draft]:
         out = {}
         for i, rid in enumerate(rids):
-            tokens = list(proposal.tokens[i])[:room[rid]]
+            tokens = list(proposal.tokens[i])[: room[rid]]
             if self.forced is not None:
                 pad = tokens[-1] if tokens else self._requests[rid].token_ids[-1]
                 tokens += [pad] * (room[rid] - len(tokens))  # forced: always k (bench)
             if tokens:
-                probs = None if proposal.probs is None else proposal.probs[i, :len(tokens)]
+                probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]
                 out[rid] = _Draft(tuple(int(t) for t in tokens), probs)
         return out
 
@@ -567,18 +618,20 @@ class LLMEngine:
             d = drafts.get(c.request_id)
             if d is not None and self.kv.grow(c.request_id, c.end + len(d.tokens)) is not None:
                 known[c.request_id] = known[c.request_id] + list(d.tokens)
-                c = replace(c, end=c.end + len(d.tokens), token_ids=c.token_ids + d.tokens,
-                            block_ids=tuple(self.kv.block_table(c.request_id)))
+                c = replace(
+                    c,
+                    end=c.end + len(d.tokens),
+                    token_ids=c.token_ids + d.tokens,
+                    block_ids=tuple(self.kv.block_table(c.request_id)),
+                )
                 verify[c.request_id] = (c, d)
             chunks.append(c)
         self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
         try:
-            out = self.runner.execute(replace(plan, chunks=tuple(chunks)), known, None,
-                                      frozenset(verify))
+            out = self.runner.execute(replace(plan, chunks=tuple(chunks)), known, None, frozenset(verify))
         except Exception as exc:  # noqa: BLE001 - contained: the plan's requests fail
             return self._forward_failed(plan, exc)
-        rids = [c.request_id for c in plan.chunks
-                if c.request_id in out.logits and c.request_id not in verify]
+        rids = [c.request_id for c in plan.chunks if c.request_id in out.logits and c.request_id not in verify]
         launched = _Launched(plan, rids)
         if rids:
             self._launch_sampling(launched, out.logits)
@@ -625,7 +678,7 @@ class LLMEngine:
                 verdict = self._verify_row(rid, logits_by_rid[rid], draft, argmax.get(rid))
                 verdict = self._cut_at_eos(rid, verdict)
                 n = chunk.start + 1 + verdict.num_accepted  # the anchor and accepted drafts
-                self.runner.truncate(rid, n, known[rid][n - 3:n])
+                self.runner.truncate(rid, n, known[rid][n - 3 : n])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 log.exception("speculative verify of %s failed", rid)
                 errors[rid] = f"speculative verify failed: {type(exc).__name__}: {exc}"
@@ -648,11 +701,10 @@ class LLMEngine:
         out, at = {}, 0
         for rid in rids:
             n = logits_by_rid[rid].shape[0]
-            out[rid], at = flat[at:at + n], at + n
+            out[rid], at = flat[at : at + n], at + n
         return out
 
-    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft,
-                    argmax: list[int] | None) -> Verdict:
+    def _verify_row(self, rid: str, rows: torch.Tensor, draft: _Draft, argmax: list[int] | None) -> Verdict:
         """rows [d + 1, V] FP32: the target's logits after the anchor and each draft;
         argmax: their argmaxes (greedy requests)."""
         params, drafts = self._params[rid], list(draft.tokens)
@@ -661,7 +713,7 @@ class LLMEngine:
             if argmax is not None:
                 return Verdict(tuple(drafts[:a]) + (argmax[a],), a)
             gen = self.sampler.verify_generator(rid, params, 1)
-            p = filtered_probs(rows[a:a + 1], [params]).cpu()
+            p = filtered_probs(rows[a : a + 1], [params]).cpu()
             token = int(torch.multinomial(p[0], 1, generator=gen))
             return Verdict(tuple(drafts[:a]) + (token,), a)
         if argmax is not None:
@@ -676,30 +728,32 @@ class LLMEngine:
         if eos is None or self._params[rid].ignore_eos or eos not in verdict.tokens:
             return verdict
         i = verdict.tokens.index(eos)
-        return Verdict(verdict.tokens[:i + 1], min(verdict.num_accepted, i))
+        return Verdict(verdict.tokens[: i + 1], min(verdict.num_accepted, i))
 
-    def _complete_speculative(self, launched: _Launched,
-                              verdicts: dict[str, Verdict]) -> list[EngineOutput]:
+    def _complete_speculative(self, launched: _Launched, verdicts: dict[str, Verdict]) -> list[EngineOutput]:
         samples = launched.samples
         if launched.pending is not None:
             samples = dict(zip(launched.rids, launched.pending.result(), strict=True))
         failed = self._fail_requests(launched.errors)
         signals = self._signals(samples)
         eos = self.eos_token_id
-        signals.update((rid, FinishSignal.EOS) for rid, v in verdicts.items()
-                       if eos is not None and v.tokens[-1] == eos)
+        signals.update(
+            (rid, FinishSignal.EOS) for rid, v in verdicts.items() if eos is not None and v.tokens[-1] == eos
+        )
         sampled = {r: [s.token_id] for r, s in samples.items()}
         sampled.update((rid, list(v.tokens)) for rid, v in verdicts.items())
-        result = StepResult(sampled_token_ids=sampled, finish_signals=signals,
-                            accepted_drafts={rid: v.num_accepted for rid, v in verdicts.items()})
+        result = StepResult(
+            sampled_token_ids=sampled,
+            finish_signals=signals,
+            accepted_drafts={rid: v.num_accepted for rid, v in verdicts.items()},
+        )
         outputs = self.scheduler.update(launched.plan, result)
         self.num_steps += 1
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
     # ------------------------------------------------------------------ views
     def usage(self) -> dict[str, int]:
-        return dict(self.kv.usage(), running=self.scheduler.num_running,
-                    waiting=self.scheduler.num_waiting)
+        return dict(self.kv.usage(), running=self.scheduler.num_running, waiting=self.scheduler.num_waiting)
 
     def drain_cache_events(self):
         return self.kv.drain_events()

@@ -45,8 +45,9 @@ def random_source(checkpoint: str) -> RandomWeights | None:
 
     m = _RANDOM.fullmatch(checkpoint)
     if m is None or m["preset"] not in PRESET_NAMES:
-        raise ValueError(f"checkpoint {checkpoint!r}: expected random:<preset>[:<seed>] with a "
-                         f"preset of {PRESET_NAMES}")
+        raise ValueError(
+            f"checkpoint {checkpoint!r}: expected random:<preset>[:<seed>] with a preset of {PRESET_NAMES}"
+        )
     return RandomWeights(m["preset"], int(m["seed"] or 0))
 
 
@@ -83,16 +84,17 @@ def _preset_tokenizer(preset: str):
         return Tokenizer.from_file(own)
     tok = Tokenizer.from_file(tokenizer_path("small"))
     vocab = preset_hf(preset)["text_config"]["vocab_size"]
-    tok.add_tokens([AddedToken(f"<t{i}>", special=False, normalized=False)
-                    for i in range(tok.get_vocab_size(), vocab)])
+    tok.add_tokens([AddedToken(f"<t{i}>", special=False, normalized=False) for i in range(tok.get_vocab_size(), vocab)])
     return tok
 
 
 def _random_gpu_model(source: RandomWeights, config: EngineConfig, fmt):
     if not config.device.startswith("cuda"):
-        raise ValueError(f"random:{source.preset} weights are generated on the GPU; on the CPU "
-                         f"write a checkpoint (`flashpd make-checkpoint --preset "
-                         f"{source.preset}`)")
+        raise ValueError(
+            f"random:{source.preset} weights are generated on the GPU; on the CPU "
+            f"write a checkpoint (`flashpd make-checkpoint --preset "
+            f"{source.preset}`)"
+        )
     from flashpd.engine.gpu.loading import random_gpu_model
     from flashpd.model.presets import preset_config
 
@@ -106,16 +108,20 @@ def _dspark(checkpoint_dir: str, config: EngineConfig, model):
     if spec is None or spec.method != "dspark":
         return None
     if random_source(checkpoint_dir) is not None:
-        raise ValueError("speculative.method 'dspark' needs a checkpoint directory with the "
-                         "drafter's mtp.* tensors (random:<preset> weights have none); use "
-                         "method 'ngram' for forced-acceptance benchmarks")
+        raise ValueError(
+            "speculative.method 'dspark' needs a checkpoint directory with the "
+            "drafter's mtp.* tensors (random:<preset> weights have none); use "
+            "method 'ngram' for forced-acceptance benchmarks"
+        )
     from flashpd.model.checkpoint import load_checkpoint
     from flashpd.model.dspark import DSparkDrafter
 
     drafter = DSparkDrafter.from_checkpoint(load_checkpoint(checkpoint_dir), model)
     if drafter is None:
-        raise ValueError(f"speculative.method 'dspark': {checkpoint_dir} has no drafter "
-                         "(num_nextn_predict_layers = 0 or no mtp.* tensors)")
+        raise ValueError(
+            f"speculative.method 'dspark': {checkpoint_dir} has no drafter "
+            "(num_nextn_predict_layers = 0 or no mtp.* tensors)"
+        )
     return drafter
 
 
@@ -155,9 +161,13 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     dspark = _dspark(checkpoint_dir, config, model)
     if dspark is None:  # this engine's model is its own: no drafter reads the tap, skip it
         model.tap_layer_ids = ()
-    engine = LLMEngine(model, config, eos_token_id=eos,
-                       grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role),
-                       dspark=dspark)
+    engine = LLMEngine(
+        model,
+        config,
+        eos_token_id=eos,
+        grammar=_grammar(tokenizer, model.cfg.vocab_size, eos, config.role),
+        dspark=dspark,
+    )
     if config.device.startswith("cuda"):  # CPU engines (tests, the demo) start cold
         from flashpd.engine.warmup import warm_up_at_load
 

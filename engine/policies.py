@@ -97,9 +97,7 @@ class DecodeRole(ColocatedRole):
     admission = Admission.RESERVE
 
 
-ROLES: dict[str, RolePolicy] = {
-    role.name: role for role in (ColocatedRole(), PrefillRole(), DecodeRole())
-}
+ROLES: dict[str, RolePolicy] = {role.name: role for role in (ColocatedRole(), PrefillRole(), DecodeRole())}
 
 
 def role_from_name(name: str) -> RolePolicy:

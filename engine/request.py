@@ -127,10 +127,10 @@ class Request:
         self.replay: Replay | None = None  # set while a replay range is still ahead
         self.fresh_slot = False  # the slot's private state must be reset before the next chunk
         self.prefix = PrefixPolicy() if prefix is None else prefix
-        if self.prefix.kv_tokens is not None and not 0 < self.prefix.kv_tokens <= len(
-                self.prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: kv_tokens {self.prefix.kv_tokens} "
-                             f"outside [1, {len(self.prompt_token_ids)}]")
+        if self.prefix.kv_tokens is not None and not 0 < self.prefix.kv_tokens <= len(self.prompt_token_ids):
+            raise ValueError(
+                f"request {request_id!r}: kv_tokens {self.prefix.kv_tokens} outside [1, {len(self.prompt_token_ids)}]"
+            )
 
     @property
     def kv_tokens(self) -> int:
@@ -175,4 +175,3 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     kv_block_ids: tuple[int, ...] = ()  # prefill role, kv_ready: blocks held until release_kv
-

@@ -80,8 +80,13 @@ class ModelRunner:
         self._states[request_id].truncate(num_tokens, lookback_ids)
 
     @torch.no_grad()
-    def execute(self, plan: StepPlan, token_ids_of: dict[str, Sequence[int]],
-                fed: FedTokens | None = None, verify: frozenset[str] = frozenset()) -> StepOutput:
+    def execute(
+        self,
+        plan: StepPlan,
+        token_ids_of: dict[str, Sequence[int]],
+        fed: FedTokens | None = None,
+        verify: frozenset[str] = frozenset(),
+    ) -> StepOutput:
         """token_ids_of: request id -> all known token ids (prompt + outputs), for replays.
         fed: where the ids of chunks holding `PENDING_TOKEN` are (the previous step's samples
         on the device; a plan from `Scheduler.schedule_ahead`).
@@ -119,11 +124,10 @@ class ModelRunner:
             if chunk.start > 0 or chunk.replay is not None:
                 # The blocks already hold global KV up to the replay end (or the chunk start).
                 held = chunk.replay.to_token if chunk.replay is not None else chunk.start
-                state.adopt_prefix(held, tuple(known[max(0, held - 3):held]))
+                state.adopt_prefix(held, tuple(known[max(0, held - 3) : held]))
         return self._states[rid]
 
-    def _run(self, path: ForwardPath, parts, token_ids_of, out, replay: bool,
-             fed: FedTokens | None = None) -> int:
+    def _run(self, path: ForwardPath, parts, token_ids_of, out, replay: bool, fed: FedTokens | None = None) -> int:
         ids, seqs, owners = [], [], []
         fed_seqs, fed_src = [], []
         for chunk, state, start, end in parts:
@@ -134,10 +138,11 @@ class ModelRunner:
             if every:
                 logits = LogitsRequest.ALL
             if replay:
-                lookback = tuple(known[max(0, start - 3):start])
-                state.move_cursor(end, tuple(known[max(0, end - 3):end]))
-                plan = SeqPlan(logits=logits, replay=Replay(lookback),
-                               decoder_rows=0 if path is ForwardPath.ENCODER else None)
+                lookback = tuple(known[max(0, start - 3) : start])
+                state.move_cursor(end, tuple(known[max(0, end - 3) : end]))
+                plan = SeqPlan(
+                    logits=logits, replay=Replay(lookback), decoder_rows=0 if path is ForwardPath.ENCODER else None
+                )
             else:
                 plan = self._normal_plan(path, logits, end - start)
             if chunk.token_ids == (PENDING_TOKEN,):  # sampled by the step before: on the device
@@ -152,14 +157,19 @@ class ModelRunner:
             owners.append((chunk.request_id, last))
         feed = TokenFeed(fed.tokens, tuple(fed_seqs), tuple(fed_src)) if fed_seqs else None
         results = self._forward(torch.tensor(ids, dtype=torch.long), seqs, feed, owners)
-        wanted = [(rid, logits[-1]) for (rid, last), logits in zip(owners, results, strict=True)
-                  if last and rid not in self._verify]
+        wanted = [
+            (rid, logits[-1])
+            for (rid, last), logits in zip(owners, results, strict=True)
+            if last and rid not in self._verify
+        ]
         if wanted:  # rows stay on the device: the sampler decides there, one copy per step
             rows = torch.stack([row for _, row in wanted]).float()
             out.update((rid, row) for (rid, _), row in zip(wanted, rows, strict=True))
-        out.update((rid, logits.float()) for (rid, last), logits in zip(owners, results,
-                                                                         strict=True)
-                   if last and rid in self._verify)
+        out.update(
+            (rid, logits.float())
+            for (rid, last), logits in zip(owners, results, strict=True)
+            if last and rid in self._verify
+        )
         return len(ids)
 
     def _forward(self, ids: torch.Tensor, seqs, feed, owners) -> list:
@@ -180,4 +190,3 @@ class ModelRunner:
         if self.decoder_rows is not None and num_tokens > self.decoder_rows:
             return SeqPlan(logits=logits, decoder_rows=self.decoder_rows)
         return SeqPlan(logits=logits)
-

@@ -70,7 +70,7 @@ def _uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     z = (z ^ _lsr(z, 30)) * _int64(_MIX1)
     z = (z ^ _lsr(z, 27)) * _int64(_MIX2)
     z = z ^ _lsr(z, 31)
-    return (_lsr(z, 40).to(torch.float32) + 0.5) * 2.0 ** -24
+    return (_lsr(z, 40).to(torch.float32) + 0.5) * 2.0**-24
 
 
 def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -107,8 +107,7 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     if any(p.min_p > 0.0 for p in params):
         min_p = _on([p.min_p for p in params], torch.float32, dev)
         probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values,
-                          float("-inf"))
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if order is not None and any(tp < 1.0 for tp in top_p):
         sorted_x = x.gather(1, order)  # the masks keep a prefix of the sorted order
         probs = torch.softmax(sorted_x, dim=-1)
@@ -116,8 +115,7 @@ def _filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         drop_sorted = (probs.cumsum(-1) - probs) >= p_row  # keep the token crossing p
         drop_sorted[:, 0] = False  # the best token always stays
         drop_sorted &= p_row < 1.0
-        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
-                          float("-inf"))
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     return x
 
 
@@ -129,8 +127,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._drawn.pop(request_id, None)
 
-    def verify_generator(self, request_id: str, params: SamplingParams,
-                         num_tokens: int) -> torch.Generator:
+    def verify_generator(self, request_id: str, params: SamplingParams, num_tokens: int) -> torch.Generator:
         """A CPU generator for one speculative verify of `request_id`: seeded from the
         request's stream (its seed and tokens drawn so far, or a fresh engine key), which then
         moves on by `num_tokens` (the most tokens the verify can emit)."""
@@ -144,8 +141,7 @@ class Sampler:
         how many tokens it has drawn (so its draws do not depend on batch neighbours or step
         order); rows without a seed take fresh keys from the engine's generator."""
         unseeded = sum(p.seed is None for p in params)
-        fresh = (torch.randint(-2 ** 62, 2 ** 62, (unseeded,), generator=self._shared).tolist()
-                 if unseeded else [])
+        fresh = torch.randint(-(2**62), 2**62, (unseeded,), generator=self._shared).tolist() if unseeded else []
         keys = []
         for rid, p in zip(request_ids, params, strict=True):
             if p.seed is None:
@@ -156,7 +152,10 @@ class Sampler:
         return [_int64(k) for k in keys]
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
         bitmask: torch.Tensor | None = None,
     ) -> list[SampleOutput]:
         """logits: [B, V] (any float dtype, upcast to FP32; on any device); one row per request.
@@ -164,7 +163,10 @@ class Sampler:
         return self.launch(logits, request_ids, params, bitmask).result()
 
     def launch(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
         bitmask: torch.Tensor | None = None,
     ) -> PendingSamples:
         """Decide every row where the logits are, without waiting for the device.
@@ -188,8 +190,7 @@ class Sampler:
         logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
         clean = torch.nan_to_num(logits, nan=-math.inf)
         if bitmask is not None:
-            allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True),
-                                           logits.shape[1])
+            allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
             clean = clean.masked_fill(~allowed, -math.inf)
         tokens = torch.argmax(clean, dim=-1)  # [B]
         drawn = [row for row, p in enumerate(params) if not p.greedy]
@@ -197,8 +198,7 @@ class Sampler:
             dp = [params[row] for row in drawn]
             rows = _on(drawn, torch.long, logits.device)
             x = _filter_rows(clean[rows], dp)
-            keys = _on(self._keys([request_ids[r] for r in drawn], dp), torch.int64,
-                       logits.device)
+            keys = _on(self._keys([request_ids[r] for r in drawn], dp), torch.int64, logits.device)
             gumbel = -torch.log(-torch.log(_uniform(keys, logits.shape[1])))
             picked = torch.argmax(torch.nan_to_num(x + gumbel, nan=-math.inf), dim=-1)
             ok = torch.isfinite(clean[rows].max(dim=-1).values)  # else: argmax of the row
@@ -221,8 +221,7 @@ class PendingSamples:
     """A launched batch of samples: `tokens` [B] on the device now, `result()` on the host
     (waits for the one device-to-host copy of the step)."""
 
-    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list[SamplingParams],
-                 top_n: int) -> None:
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, params: list[SamplingParams], top_n: int) -> None:
         self.tokens, self._params, self._top_n = tokens, params, top_n
         self._event = None
         if packed.is_cuda:  # pinned host buffer + event: the copy runs behind the queued work
@@ -242,9 +241,10 @@ class PendingSamples:
             for vals, p in zip(self._host.tolist(), self._params, strict=True):  # Python floats
                 top: tuple[tuple[int, float], ...] = ()
                 if p.logprobs:
-                    top = tuple((int(i), v) for i, v in zip(vals[2:2 + p.logprobs],
-                                                            vals[2 + top_n:2 + top_n + p.logprobs],
-                                                            strict=True))
+                    top = tuple(
+                        (int(i), v)
+                        for i, v in zip(vals[2 : 2 + p.logprobs], vals[2 + top_n : 2 + top_n + p.logprobs], strict=True)
+                    )
                 outs.append(SampleOutput(int(vals[0]), vals[1], top))
             self._outs = outs
         return self._outs
@@ -266,4 +266,3 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         rows = torch.tensor(drawn, dtype=torch.long, device=clean.device)
         out[rows] = torch.softmax(_filter_rows(clean[rows], [params[r] for r in drawn]), dim=-1)
     return out
-

@@ -22,7 +22,10 @@ MAX_SEED = 2**63 - 1  # seeds travel as int64 (torch.Generator.manual_seed)
 MAX_LOGPROBS = 20
 GUIDED_KINDS = ("json_object", "json_schema", "structural_tag")
 MAX_GUIDED_SPEC_CHARS = 1 << 20
-SPECULATIVE_MODES = ("auto", "off")  # per request: the engine's policy decides, or never  # a schema / structural tag as JSON text
+SPECULATIVE_MODES = (
+    "auto",
+    "off",
+)  # per request: the engine's policy decides, or never  # a schema / structural tag as JSON text
 
 
 class SamplingError(ValueError):
@@ -62,14 +65,11 @@ class GuidedDecoding:
 
     def check(self) -> None:
         if self.kind not in GUIDED_KINDS:
-            raise SamplingError(f"kind must be one of {list(GUIDED_KINDS)}, got {self.kind!r}",
-                                field=self.field)
+            raise SamplingError(f"kind must be one of {list(GUIDED_KINDS)}, got {self.kind!r}", field=self.field)
         if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDED_SPEC_CHARS:
-            raise SamplingError(f"must be JSON text of at most {MAX_GUIDED_SPEC_CHARS} "
-                                "characters", field=self.field)
+            raise SamplingError(f"must be JSON text of at most {MAX_GUIDED_SPEC_CHARS} characters", field=self.field)
         if (self.kind == "json_object") != (self.spec == ""):
-            raise SamplingError(f"{self.kind} {'takes no' if self.spec else 'needs a'} spec",
-                                field=self.field)
+            raise SamplingError(f"{self.kind} {'takes no' if self.spec else 'needs a'} spec", field=self.field)
         if not (_is_int(self.replay_tokens) and self.replay_tokens >= 0):
             raise SamplingError("replay_tokens must be an integer >= 0", field=self.field)
 
@@ -101,27 +101,42 @@ class SamplingParams:
         """Raise SamplingError for the first invalid field (also for an unpickled copy, whose
         __post_init__ did not run)."""
         checks = [
-            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-             "must be an integer >= 1"),
-            (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf, "temperature",
-             "must be a finite number >= 0"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1"),
+            (
+                _is_real(self.temperature) and 0.0 <= self.temperature < math.inf,
+                "temperature",
+                "must be a finite number >= 0",
+            ),
             (_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0"),
             (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
-             f"must be null or an integer in [0, {MAX_SEED}]"),
-            (_is_seq(self.stop_token_ids) and all(_is_int(t) and t >= 0
-                                                   for t in self.stop_token_ids),
-             "stop_token_ids", "must be token ids >= 0"),
-            (_is_seq(self.stop) and all(isinstance(s, str) and s for s in self.stop), "stop",
-             "must be non-empty strings"),
+            (
+                self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+                "seed",
+                f"must be null or an integer in [0, {MAX_SEED}]",
+            ),
+            (
+                _is_seq(self.stop_token_ids) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be token ids >= 0",
+            ),
+            (
+                _is_seq(self.stop) and all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "must be non-empty strings",
+            ),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean"),
-            (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be an integer in [0, {MAX_LOGPROBS}]"),
-            (self.guided is None or isinstance(self.guided, GuidedDecoding), "guided",
-             "must be null or a GuidedDecoding"),
-            (self.speculative in SPECULATIVE_MODES, "speculative",
-             f"must be one of {list(SPECULATIVE_MODES)}"),
+            (
+                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.guided is None or isinstance(self.guided, GuidedDecoding),
+                "guided",
+                "must be null or a GuidedDecoding",
+            ),
+            (self.speculative in SPECULATIVE_MODES, "speculative", f"must be one of {list(SPECULATIVE_MODES)}"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -142,8 +157,7 @@ class SamplingParams:
         d = dict(d)
         for key in ("stop_token_ids", "stop"):
             if key in d:
-                d[key] = () if d[key] is None else (d[key],) if isinstance(d[key], str) \
-                    else tuple(d[key])
+                d[key] = () if d[key] is None else (d[key],) if isinstance(d[key], str) else tuple(d[key])
         if isinstance(d.get("guided"), dict):
             d["guided"] = GuidedDecoding(**d["guided"])
         return cls(**d)

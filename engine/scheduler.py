@@ -134,9 +134,7 @@ def _by_arrival(request: Request) -> int:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, role: RolePolicy | None = None
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, role: RolePolicy | None = None) -> None:
         self.config = config
         self.kv = kv
         self.role: RolePolicy = ColocatedRole() if role is None else role
@@ -171,9 +169,7 @@ class Scheduler:
         prompt = request.token_ids
         kv_tokens = request.kv_tokens
         hit = self.kv.lookup(prompt[:kv_tokens])  # outputs past kv_tokens are recomputed here
-        allocation = self.kv.allocate(
-            request.request_id, prompt, len(prompt) - hit.usable_tokens, hit
-        )
+        allocation = self.kv.allocate(request.request_id, prompt, len(prompt) - hit.usable_tokens, hit)
         if allocation is None:
             return None
         self._register(request)
@@ -211,8 +207,7 @@ class Scheduler:
         the other worker would. A step already launched for it is dropped at its update (its
         token is sampled again). None when it is not running or waiting with KV."""
         request = self._requests.get(request_id)
-        if request is None or request.status not in (RequestStatus.RUNNING,
-                                                      RequestStatus.WAITING):
+        if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.WAITING):
             return None
         if not self.kv.holds(request_id) or self.role.admission is not Admission.RESERVE:
             return None
@@ -224,8 +219,9 @@ class Scheduler:
         self._awaiting_kv[request_id] = request
         self._freed_since_plan.append(request_id)  # the runner drops its state
         kv_blocks = self.kv.blocks_for_tokens(request.kv_tokens)
-        return PausedKV(request_id, tuple(self.kv.block_table(request_id)[:kv_blocks]),
-                        request.kv_tokens, tuple(request.token_ids))
+        return PausedKV(
+            request_id, tuple(self.kv.block_table(request_id)[:kv_blocks]), request.kv_tokens, tuple(request.token_ids)
+        )
 
     def abort(self, request_id: str) -> bool:
         """Forget the request and free everything it holds; False when it is unknown/finished."""
@@ -313,9 +309,12 @@ class Scheduler:
         for chunk in plan.chunks:
             request = self._requests[chunk.request_id]
             replay = request.replay
-            if (not chunk.needs_logits or chunk.end != request.num_tokens
-                    or (replay is not None and chunk.end < replay.to_token)
-                    or chunk.end < self.config.history_tokens):
+            if (
+                not chunk.needs_logits
+                or chunk.end != request.num_tokens
+                or (replay is not None and chunk.end < replay.to_token)
+                or chunk.end < self.config.history_tokens
+            ):
                 return None
         ahead: dict[str, ScheduledChunk] = {}
         for chunk in plan.chunks:
@@ -341,7 +340,7 @@ class Scheduler:
             start=start,
             end=start + 1,
             token_ids=(PENDING_TOKEN,),
-            history_token_ids=tuple(request.token_ids[start - self.config.history_tokens:start]),
+            history_token_ids=tuple(request.token_ids[start - self.config.history_tokens : start]),
             fresh_slot=False,
             needs_logits=self.role.needs_logits(request, start),  # the end, once chunk's id is in
             replay=None,
@@ -375,11 +374,7 @@ class Scheduler:
         return decodes + prefills
 
     def _grow_or_preempt(
-        self,
-        request: Request,
-        num_tokens: int,
-        chunks: dict[str, ScheduledChunk],
-        preempted: list[str],
+        self, request: Request, num_tokens: int, chunks: dict[str, ScheduledChunk], preempted: list[str]
     ) -> int:
         """Make room for `num_tokens` more tokens of `request`, preempting the most recently
         arrived running requests (possibly `request` itself). Returns the budget refunded by
@@ -507,9 +502,7 @@ class Scheduler:
 
     # ---- update helpers -------------------------------------------------------------------
 
-    def _apply_chunk(
-        self, request: Request, chunk: ScheduledChunk, result: StepResult
-    ) -> RequestOutput | None:
+    def _apply_chunk(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput | None:
         if request.num_computed_tokens != chunk.start:
             raise RuntimeError(
                 f"request {request.request_id!r} computed {request.num_computed_tokens} tokens, "
@@ -542,14 +535,10 @@ class Scheduler:
         self.kv.commit(request.request_id, request.token_ids, request.num_computed_tokens)
         self.kv.shrink(request.request_id, request.num_tokens)
 
-    def _append_sampled(
-        self, request: Request, result: StepResult
-    ) -> tuple[tuple[int, ...], FinishReason | None]:
+    def _append_sampled(self, request: Request, result: StepResult) -> tuple[tuple[int, ...], FinishReason | None]:
         sampled = result.sampled_token_ids[request.request_id]
         signal = result.finish_signals.get(request.request_id)
-        signal_stops = signal is FinishSignal.STOP or (
-            signal is FinishSignal.EOS and not request.ignore_eos
-        )
+        signal_stops = signal is FinishSignal.STOP or (signal is FinishSignal.EOS and not request.ignore_eos)
         assert request.max_tokens is not None  # checked at admission by sampling roles
         new_token_ids = []
         for index, token_id in enumerate(sampled):
@@ -563,9 +552,7 @@ class Scheduler:
                 return tuple(new_token_ids), FinishReason.LENGTH
         return tuple(new_token_ids), None
 
-    def _finish(
-        self, request: Request, reason: FinishReason, new_token_ids: tuple[int, ...]
-    ) -> RequestOutput:
+    def _finish(self, request: Request, reason: FinishReason, new_token_ids: tuple[int, ...]) -> RequestOutput:
         self._running.remove(request)
         request.status = reason.status
         request.finish_reason = reason
@@ -597,8 +584,9 @@ class Scheduler:
     def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         """Reject a result that does not answer the plan, before anything is applied."""
         sampling = {chunk.request_id for chunk in plan.chunks if chunk.needs_logits}
-        unexpected = (set(result.sampled_token_ids) | set(result.finish_signals)
-                      | set(result.accepted_drafts)) - sampling
+        unexpected = (
+            set(result.sampled_token_ids) | set(result.finish_signals) | set(result.accepted_drafts)
+        ) - sampling
         if unexpected:
             raise ValueError(f"results for requests not sampled this step: {sorted(unexpected)}")
         missing = [
@@ -620,8 +608,7 @@ class Scheduler:
         needed_blocks = self.kv.blocks_for_tokens(self.role.max_known_tokens(request))
         if needed_blocks > self.kv.num_blocks:
             raise ValueError(
-                f"request {request.request_id!r} needs up to {needed_blocks} blocks; the pool has "
-                f"{self.kv.num_blocks}"
+                f"request {request.request_id!r} needs up to {needed_blocks} blocks; the pool has {self.kv.num_blocks}"
             )
 
     def _register(self, request: Request) -> None:

@@ -68,8 +68,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative.method must be one of {list(METHODS)}, "
-                             f"got {self.method!r}")
+            raise ValueError(f"speculative.method must be one of {list(METHODS)}, got {self.method!r}")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"speculative.num_tokens must be in [1, 16], got {self.num_tokens}")
         if self.max_batch < 0:
@@ -79,12 +78,15 @@ class SpeculativeConfig:
         al = self.bench_forced_acceptance_length
         if al is not None:
             if os.environ.get(BENCH_ENV) != "1":
-                raise ValueError("speculative.bench_forced_acceptance_length is a benchmark "
-                                 f"mode (outputs are not the model's); set {BENCH_ENV}=1 to "
-                                 "enable it")
+                raise ValueError(
+                    "speculative.bench_forced_acceptance_length is a benchmark "
+                    f"mode (outputs are not the model's); set {BENCH_ENV}=1 to "
+                    "enable it"
+                )
             if not (isinstance(al, int | float) and 1.0 <= al <= self.num_tokens + 1):
-                raise ValueError("speculative.bench_forced_acceptance_length must be in "
-                                 f"[1, {self.num_tokens + 1}], got {al!r}")
+                raise ValueError(
+                    f"speculative.bench_forced_acceptance_length must be in [1, {self.num_tokens + 1}], got {al!r}"
+                )
 
     @classmethod
     def from_dict(cls, d: Mapping | None) -> SpeculativeConfig | None:
@@ -104,8 +106,7 @@ class SpeculativeConfig:
     def handoff(self) -> dict:
         """What a prefill -> decode handoff must agree on (the decode side drafts; P only needs
         to know the pair agrees on it)."""
-        return {"method": self.method, "num_tokens": self.num_tokens,
-                "forced": self.bench_forced_acceptance_length}
+        return {"method": self.method, "num_tokens": self.num_tokens, "forced": self.bench_forced_acceptance_length}
 
 
 # ============================================================================ the drafter seam
@@ -130,13 +131,13 @@ class Drafter(Protocol):
     def new_state(self, token_ids: list[int]) -> object:
         """Per-request state; `token_ids` is the request's live token list (prompt + outputs)."""
 
-    def observe(self, states: Sequence[object], positions: Sequence[Sequence[int]],
-                taps: torch.Tensor | None) -> None:
+    def observe(self, states: Sequence[object], positions: Sequence[Sequence[int]], taps: torch.Tensor | None) -> None:
         """Committed rows only (never a rejected draft): their positions, and the target's tap
         rows for them (concatenated, in order) when `uses_tap`."""
 
-    def propose(self, states: Sequence[object], anchors: Sequence[int],
-                anchor_positions: Sequence[int], choose: Choose) -> Proposal: ...
+    def propose(
+        self, states: Sequence[object], anchors: Sequence[int], anchor_positions: Sequence[int], choose: Choose
+    ) -> Proposal: ...
 
 
 @dataclass
@@ -187,14 +188,14 @@ def ngram_lookup(seq: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int
     ids = np.asarray(seq, dtype=np.int64)
     size = ids.shape[0]
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        tail = ids[size - n:]
-        match = ids[:size - n] == tail[0]  # match[s]: ids[s:s + n] == tail, s < size - n
+        tail = ids[size - n :]
+        match = ids[: size - n] == tail[0]  # match[s]: ids[s:s + n] == tail, s < size - n
         for j in range(1, n):
-            match &= ids[j:size - n + j] == tail[j]
+            match &= ids[j : size - n + j] == tail[j]
         starts = np.flatnonzero(match)
         if starts.size:  # the latest match (the tail itself is excluded: s < size - n)
             start = int(starts[-1])
-            return ids[start + n:start + n + k].tolist()
+            return ids[start + n : start + n + k].tolist()
     return []
 
 
@@ -218,9 +219,9 @@ class DSparkDrafterAdapter:
 
     def propose(self, states, anchors, anchor_positions, choose) -> Proposal:
         dev = getattr(self.drafter, "device", "cpu")
-        out = self.drafter.draft(states, torch.tensor(list(anchors), dtype=torch.long,
-                                                      device=dev),
-                                 list(anchor_positions), choose)
+        out = self.drafter.draft(
+            states, torch.tensor(list(anchors), dtype=torch.long, device=dev), list(anchor_positions), choose
+        )
         return Proposal(out.tokens.tolist(), out.probs)
 
 
@@ -239,8 +240,7 @@ def accept_greedy(target_ids: Sequence[int], drafts: Sequence[int]) -> Verdict:
     return Verdict(tuple(int(t) for t in drafts[:a]) + (int(target_ids[a]),), a)
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor | None, drafts: Sequence[int],
-                   gen: torch.Generator) -> Verdict:
+def accept_sampled(p: torch.Tensor, q: torch.Tensor | None, drafts: Sequence[int], gen: torch.Generator) -> Verdict:
     """Token-level rejection sampling. p [d + 1, V] target probabilities (filtered), q [d, V]
     draft probabilities (filtered; None = point masses on the drafts), gen: the request's
     stream for this step (CPU)."""
@@ -313,10 +313,16 @@ class SpecStats:
         return self.emitted / self.verifies if self.verifies else 0.0
 
     def snapshot(self) -> dict:
-        return {"steps": self.steps, "verifies": self.verifies, "drafted": self.drafted,
-                "accepted": self.accepted, "emitted": self.emitted,
-                "acceptance_length": self.acceptance_length,
-                "length_counts": dict(self.length_counts), "skipped_batch": self.skipped_batch}
+        return {
+            "steps": self.steps,
+            "verifies": self.verifies,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "acceptance_length": self.acceptance_length,
+            "length_counts": dict(self.length_counts),
+            "skipped_batch": self.skipped_batch,
+        }
 
 
 def build_drafter(config: SpeculativeConfig, dspark=None) -> Drafter:
@@ -326,17 +332,24 @@ def build_drafter(config: SpeculativeConfig, dspark=None) -> Drafter:
         return NgramDrafter(config.num_tokens, config.ngram_min, config.ngram_max)
     drafter = dspark
     if drafter is None:
-        raise ValueError("speculative.method 'dspark' needs a checkpoint with the DSpark drafter "
-                         "(num_nextn_predict_layers > 0, mtp.* tensors)")
+        raise ValueError(
+            "speculative.method 'dspark' needs a checkpoint with the DSpark drafter "
+            "(num_nextn_predict_layers > 0, mtp.* tensors)"
+        )
     adapter = DSparkDrafterAdapter(drafter)
     if adapter.num_tokens != config.num_tokens:
-        raise ValueError(f"speculative.num_tokens {config.num_tokens} but the DSpark drafter "
-                         f"drafts {adapter.num_tokens} (dspark_block_size)")
+        raise ValueError(
+            f"speculative.num_tokens {config.num_tokens} but the DSpark drafter "
+            f"drafts {adapter.num_tokens} (dspark_block_size)"
+        )
     return adapter
 
 
 def log_forced(config: SpeculativeConfig) -> None:
     if config.bench_forced_acceptance_length is not None:
-        log.warning("BENCHMARK MODE: speculative.bench_forced_acceptance_length=%s — accepted "
-                    "drafts follow a fixed schedule, outputs are NOT the model's; never serve "
-                    "with this", config.bench_forced_acceptance_length)
+        log.warning(
+            "BENCHMARK MODE: speculative.bench_forced_acceptance_length=%s — accepted "
+            "drafts follow a fixed schedule, outputs are NOT the model's; never serve "
+            "with this",
+            config.bench_forced_acceptance_length,
+        )

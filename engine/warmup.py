@@ -62,8 +62,7 @@ def default_plan(engine) -> WarmupPlan:
     cfg, mcfg = engine.config, engine.model.cfg
     block = engine.kv.chunk_tokens
     chunk = cfg.max_num_batched_tokens
-    long_tokens = min(max(LONG_PROMPT, 2 * chunk) + 129, cfg.num_blocks * block // 4,
-                      mcfg.max_position_embeddings // 2)
+    long_tokens = min(max(LONG_PROMPT, 2 * chunk) + 129, cfg.num_blocks * block // 4, mcfg.max_position_embeddings // 2)
     short = min(SHORT_PROMPT, long_tokens)
     top = min(cfg.max_num_seqs, cfg.num_slots - 1, (cfg.num_blocks // 4) // 2)
     return WarmupPlan(long_tokens, short, tuple(b for b in BUCKETS if b <= max(top, 1)))
@@ -80,8 +79,7 @@ def warm_up_at_load(engine, plan: WarmupPlan | None = None) -> dict | None:
     except Exception:  # noqa: BLE001 - an optimisation: serve cold rather than not at all
         log.exception("engine warm-up failed; serving without it (first requests compile)")
         return None
-    log.info("engine warm-up: %d requests, %d steps, %.1f s", done["requests"], done["steps"],
-             done["seconds"])
+    log.info("engine warm-up: %d requests, %d steps, %.1f s", done["requests"], done["steps"], done["seconds"])
     return done
 
 
@@ -96,8 +94,13 @@ def warm_up(engine, plan: WarmupPlan | None = None) -> dict:
         run.go()
     finally:
         run.clean()
-    return {"requests": run.count, "steps": run.steps, "seconds": time.perf_counter() - t0,
-            "long_tokens": plan.long_tokens, "batches": list(plan.batches)}
+    return {
+        "requests": run.count,
+        "steps": run.steps,
+        "seconds": time.perf_counter() - t0,
+        "long_tokens": plan.long_tokens,
+        "batches": list(plan.batches),
+    }
 
 
 class _Run:
@@ -117,17 +120,17 @@ class _Run:
     # ------------------------------------------------------------------ the plan
     def go(self) -> None:
         p = self.plan
-        self.prompt(self.ids[:p.long_tokens])
+        self.prompt(self.ids[: p.long_tokens])
         aligned = p.long_tokens // 512 * 512
-        burst_base = self.ids[:p.long_tokens]
+        burst_base = self.ids[: p.long_tokens]
         if aligned and self.role != "decode":  # an aligned prompt of other tokens (no hit)
-            burst_base = self.ids[64:64 + aligned]
+            burst_base = self.ids[64 : 64 + aligned]
             self.prompt(burst_base)
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
-            self.prompt(self.ids[:p.long_tokens] + [11, 12, 13])
-            self.prompt(self.ids[p.long_tokens - p.short_tokens:p.long_tokens])
+            self.prompt(self.ids[: p.long_tokens] + [11, 12, 13])
+            self.prompt(self.ids[p.long_tokens - p.short_tokens : p.long_tokens])
             return
-        for base in (burst_base, self.ids[-p.short_tokens:]):  # long and short contexts
+        for base in (burst_base, self.ids[-p.short_tokens :]):  # long and short contexts
             self.decode_batches(base)
         self.burst(burst_base)
         self.turns(burst_base)

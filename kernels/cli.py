@@ -12,10 +12,13 @@ import json
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify-kernels", help="check Triton kernels against ref.py")
-    p.add_argument("--scale", choices=("tiny", "bench"), default=None,
-                   help="tiny (default on CPU, interpreter) or bench (default on GPU)")
-    p.add_argument("--ops", nargs="*", default=None,
-                   help="subset: kv_write moe_gate mhc indexer attention gemm engram")
+    p.add_argument(
+        "--scale",
+        choices=("tiny", "bench"),
+        default=None,
+        help="tiny (default on CPU, interpreter) or bench (default on GPU)",
+    )
+    p.add_argument("--ops", nargs="*", default=None, help="subset: kv_write moe_gate mhc indexer attention gemm engram")
     p.add_argument("--no-timing", action="store_true", help="skip the timings")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.set_defaults(func=_run)
@@ -31,10 +34,8 @@ def _run(args: argparse.Namespace) -> int:
     scale = args.scale or ("tiny" if triton_runtime.interpreting() else "bench")
     if scale == "bench" and triton_runtime.interpreting():
         raise SystemExit("--scale bench needs a GPU; the interpreter runs tiny shapes only")
-    results = verify.run_checks(scale, args.ops, timing=None if not args.no_timing else False,
-                                tuned=tuned)
-    print(f"verify-kernels: scale={scale}, device={verify.device()}, "
-          f"interpreter={triton_runtime.interpreting()}")
+    results = verify.run_checks(scale, args.ops, timing=None if not args.no_timing else False, tuned=tuned)
+    print(f"verify-kernels: scale={scale}, device={verify.device()}, interpreter={triton_runtime.interpreting()}")
     print(verify.format_table(results))
     failed = [c for c in results if not c.passed]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")

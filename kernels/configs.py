@@ -98,20 +98,33 @@ class AttentionConfig(_Frozen):
     fused_combine: bool = False  # FLASHPD_ATTN_FUSED_COMBINE=1 (tuning.py): on
 
 
-_FP8_SWAP_SHAPES = freeze({(5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
-                    (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
-                    (5120, 2304, 1, False): {"target_ctas": 528}})  # shared expert down
+_FP8_SWAP_SHAPES = freeze(
+    {
+        (5120, 8192, 1, False): {"block_n": 128, "warps": 8},  # wo_b (bench)
+        (2304, 5120, 1, True): {"target_ctas": 528},  # shared expert up
+        (5120, 2304, 1, False): {"target_ctas": 528},
+    }
+)  # shared expert down
 # H200 (bench/results/h200/dense_fp8_rows.md, per-layer FP8 sums vs the split-K tiles): 16:
 # mma.sync, 2 warps, 528 programs (91.7 vs 116.7-121.9 us); 32: mma.sync, BN 64, 2 warps (128.9
 # vs 154.0-157.3); 64: wgmma m64n64k16, BN 64, 4 warps (191.1-194.3 vs 215.2-224.4), wq_b and
 # idx_wq_b (bench shapes) on mma.sync BN 32 / 2 warps (-1.4 us each, both timings).
-_FP8_SWAP_CLASSES = freeze({
-    8: {"rows": 8},
-    16: {"rows": 16, "block_n": 32, "warps": 2, "target_ctas": 528, "shapes": {}},
-    32: {"rows": 32, "block_n": 64, "warps": 2, "shapes": {}},
-    64: {"rows": 64, "block_n": 64, "warps": 4,
-         "shapes": {(32768, 1280, 1, False): {"block_n": 32, "warps": 2},
-                    (4096, 1280, 1, False): {"block_n": 32, "warps": 2}}}})
+_FP8_SWAP_CLASSES = freeze(
+    {
+        8: {"rows": 8},
+        16: {"rows": 16, "block_n": 32, "warps": 2, "target_ctas": 528, "shapes": {}},
+        32: {"rows": 32, "block_n": 64, "warps": 2, "shapes": {}},
+        64: {
+            "rows": 64,
+            "block_n": 64,
+            "warps": 4,
+            "shapes": {
+                (32768, 1280, 1, False): {"block_n": 32, "warps": 2},
+                (4096, 1280, 1, False): {"block_n": 32, "warps": 2},
+            },
+        },
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -129,10 +142,8 @@ class Fp8SwapConfig(_Frozen):
     red_unroll: int = 4
     deq: str = "asm"
     layers: tuple[int, ...] | None = None
-    shapes: Mapping[tuple, Mapping[str, Any]] = field(
-        default_factory=lambda: freeze(_FP8_SWAP_SHAPES))
-    classes: Mapping[int, Mapping[str, Any]] = field(
-        default_factory=lambda: freeze(_FP8_SWAP_CLASSES))
+    shapes: Mapping[tuple, Mapping[str, Any]] = field(default_factory=lambda: freeze(_FP8_SWAP_SHAPES))
+    classes: Mapping[int, Mapping[str, Any]] = field(default_factory=lambda: freeze(_FP8_SWAP_CLASSES))
 
 
 @dataclass(frozen=True)
@@ -141,10 +152,8 @@ class DenseConfig(_Frozen):
     FP8 calls of at most this many rows per weight run `fp8_swap` (0: off)."""
 
     small_rows: int = 64
-    skinny: Mapping[str, Any] = _map(block_n=64, block_k=64, warps=4, stages=4,
-                                     m64={"swap": True, "red_unroll": 4})
-    mx: Mapping[str, Any] = _map(block_n=32, block_k=128, warps=4, stages=3, target_ctas=1024,
-                                 max_rows=64)
+    skinny: Mapping[str, Any] = _map(block_n=64, block_k=64, warps=4, stages=4, m64={"swap": True, "red_unroll": 4})
+    mx: Mapping[str, Any] = _map(block_n=32, block_k=128, warps=4, stages=3, target_ctas=1024, max_rows=64)
     plain: Mapping[str, Any] = _map(block_n=64, block_k=64, warps=4, stages=4)
     target_ctas: int = 264
     min_k_chunk: int = 256
@@ -172,8 +181,7 @@ class IndexerConfig(_Frozen):
 
     def small_batch(self, on: bool) -> IndexerConfig:
         """The small-batch settings on (the H200 values) or off (0: the plain launches)."""
-        return dataclasses.replace(self, score_target=264 if on else 0,
-                                   topk_split_q=16 if on else 0)
+        return dataclasses.replace(self, score_target=264 if on else 0, topk_split_q=16 if on else 0)
 
 
 @dataclass(frozen=True)
@@ -222,17 +230,19 @@ class SwapabConfig(_Frozen):
     sizes: per-batch-size overrides of up / down (the H200 measurements are listed there)."""
 
     rows: tuple[tuple[int, int], ...] = ((64, 8), (1 << 30, 16))
-    up: Mapping[str, Any] = _map(block_n=64, block_k=128, warps=4, stages=3,
-                                 scale_prefetch=False, w_prefetch=False)
-    down: Mapping[str, Any] = _map(block_n=64, block_k=128, warps=4, stages=3,
-                                   scale_prefetch=False, w_prefetch=False)
+    up: Mapping[str, Any] = _map(block_n=64, block_k=128, warps=4, stages=3, scale_prefetch=False, w_prefetch=False)
+    down: Mapping[str, Any] = _map(block_n=64, block_k=128, warps=4, stages=3, scale_prefetch=False, w_prefetch=False)
     decode: str = "pair"
     fold_prep: bool = False
     sizes: tuple[tuple[int, Mapping[str, Any]], ...] = (
-        (2, {}), (4, {"up": {"split": 2}}), (8, {}),
-        (16, {"up": _K256, "down": _K256}), (32, {}),
+        (2, {}),
+        (4, {"up": {"split": 2}}),
+        (8, {}),
+        (16, {"up": _K256, "down": _K256}),
+        (32, {}),
         (64, {"up": {**_W2, **_K256}, "down": {**_W2, **_K256}}),
-        (128, {"up": _W2, "down": _W2}))
+        (128, {"up": _W2, "down": _W2}),
+    )
 
 
 @dataclass(frozen=True)
@@ -241,10 +251,12 @@ class GroupedLargeConfig(_Frozen):
     launch code)."""
 
     min_pairs: int = 6144
-    gemm1: Mapping[str, Any] = _map(path="mx", block_m=128, block_n=128, block_k=64, warps=8,
-                                    stages=4, dot_scaled=True, swap=False, fused13=True)
-    gemm2: Mapping[str, Any] = _map(path="mx", block_m=128, block_n=128, block_k=64, warps=8,
-                                    stages=4, dot_scaled=True, swap=False)
+    gemm1: Mapping[str, Any] = _map(
+        path="mx", block_m=128, block_n=128, block_k=64, warps=8, stages=4, dot_scaled=True, swap=False, fused13=True
+    )
+    gemm2: Mapping[str, Any] = _map(
+        path="mx", block_m=128, block_n=128, block_k=64, warps=8, stages=4, dot_scaled=True, swap=False
+    )
     scratch_min_pairs: int = 24576
     gemm1_large: Mapping[str, Any] = _map(path="cublas")
     gemm2_large: Mapping[str, Any] = _map(path="cublas")
@@ -295,8 +307,7 @@ def override(config: Any, **fields: Any) -> Any:
         if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
             value = override(current, **value)
         elif not _same_kind(current, value):
-            raise ValueError(f"{type(config).__name__}.{name}={value!r}: expected a value like "
-                             f"{current!r}")
+            raise ValueError(f"{type(config).__name__}.{name}={value!r}: expected a value like {current!r}")
         changes[name] = value
     return dataclasses.replace(config, **changes)
 
@@ -337,10 +348,7 @@ ANY = "*"
 # class measured so far: the bench preset's dimensions; other shapes run the same launches).
 # The ANY entry is the H200's: the only GPU the values were measured on (the interpreter and
 # other GPUs run them untuned).
-TABLE: Mapping[tuple[str, str], KernelConfigs] = MappingProxyType({
-    ("H200", ANY): H200,
-    (ANY, ANY): H200,
-})
+TABLE: Mapping[tuple[str, str], KernelConfigs] = MappingProxyType({("H200", ANY): H200, (ANY, ANY): H200})
 DEFAULT = TABLE[(ANY, ANY)]
 
 
@@ -348,15 +356,17 @@ def gpu_keys(device_name: str | None, capability: tuple[int, int] | None) -> lis
     """The table's gpu keys that match a device, most specific first (ANY last)."""
     keys = []
     if device_name:
-        keys += [g for g, _ in TABLE if g not in (ANY,) and not g.startswith("sm_")
-                 and g.lower() in device_name.lower()]
+        keys += [
+            g for g, _ in TABLE if g not in (ANY,) and not g.startswith("sm_") and g.lower() in device_name.lower()
+        ]
     if capability is not None:
         keys.append(f"sm_{capability[0]}{capability[1]}")
     return keys + [ANY]
 
 
-def choose(device_name: str | None = None, capability: tuple[int, int] | None = None,
-           shape_class: str = ANY) -> KernelConfigs:
+def choose(
+    device_name: str | None = None, capability: tuple[int, int] | None = None, shape_class: str = ANY
+) -> KernelConfigs:
     """The table entry for a device (name and compute capability; None: the interpreter / CPU)
     and shape class: the first of (gpu, shape_class), (gpu, ANY) over `gpu_keys`."""
     for gpu in gpu_keys(device_name, capability):
@@ -370,8 +380,7 @@ def for_device(device: Any = None) -> KernelConfigs:
     """`choose` for a torch device (None: the current CUDA device, or the CPU entry)."""
     import torch
 
-    if not torch.cuda.is_available() or (device is not None and
-                                         torch.device(device).type != "cuda"):
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return choose()
     index = torch.device(device).index if device is not None else None
     return choose(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))

@@ -18,9 +18,7 @@ from types import ModuleType, SimpleNamespace
 OPS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer", "moe")
 
 # (op, impl) -> module, or its dotted path until first use
-_REGISTRY: dict[tuple[str, str], ModuleType | str] = {
-    (op, "ref"): f"flashpd.kernels.{op}.ref" for op in OPS
-}
+_REGISTRY: dict[tuple[str, str], ModuleType | str] = {(op, "ref"): f"flashpd.kernels.{op}.ref" for op in OPS}
 
 
 def register(op: str, impl: str, module: ModuleType | str, replace: bool = False) -> None:
@@ -79,8 +77,7 @@ def bind(module: ModuleType, tuned: object) -> ModuleType | SimpleNamespace:
     the configs chosen at load. A module without such functions (a reference) comes back as it
     is; other names (constants, classes) are passed through."""
     names = {n: getattr(module, n) for n in dir(module) if not n.startswith("_")}
-    takes = {n for n, f in names.items() if inspect.isfunction(f)
-             and "tuned" in inspect.signature(f).parameters}
+    takes = {n for n, f in names.items() if inspect.isfunction(f) and "tuned" in inspect.signature(f).parameters}
     if not takes:
         return module
     bound = {n: functools.partial(f, tuned=tuned) if n in takes else f for n, f in names.items()}

@@ -46,7 +46,8 @@ def fp32_e2m1(nib, s_f32):
 # s_bf16 = 2^126 * scale rescales exactly.
 @triton.jit
 def e2m1_lo_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, u<4>, z;
         mov.b32 z, 0;
         prmt.b32 t0, $2, z, 0x4140;
@@ -61,12 +62,19 @@ def e2m1_lo_asm(b, s_bf16):
         lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
+        }""",
+        "=r,=r,r,r,r",
+        [b, s_bf16],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
 def e2m1_hi_asm(b, s_bf16):
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, u<4>, z;
         mov.b32 z, 0;
         prmt.b32 t0, $2, z, 0x4140;
@@ -81,7 +89,13 @@ def e2m1_hi_asm(b, s_bf16):
         lop3.b32 t1, u2, 0x01C001C0, u3, 0xEA;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [b, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
+        }""",
+        "=r,=r,r,r,r",
+        [b, s_bf16],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -94,7 +108,8 @@ def e2m1_pair_asm(b, s_bf16):
     codes: (t & 0x00F000F0) * 260 = (.. << 2) + (.. << 8), the two shifted copies disjoint, so
     the product holds the magnitude at 6..8 and the sign at 15. Same values as the pair of
     functions (exact)."""
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, a, c, z;
         mov.b32 z, 0;
         prmt.b32 t0, $4, z, 0x4140;
@@ -115,8 +130,13 @@ def e2m1_pair_asm(b, s_bf16):
         mul.lo.u32 c, c, 260;
         and.b32 a, c, 0x81C081C0;
         mul.rn.bf16x2 $3, a, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
+        }""",
+        "=r,=r,=r,=r,r,r,r",
+        [b, s_bf16],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -125,7 +145,8 @@ def e2m1_lohi_asm(b, s_bf16):
 
     Each code's 3 magnitude bits go to BF16 bits 8..6 and its sign to bit 15 (value * 2^-126,
     0.5 subnormal); s_bf16 = 2^63 * scale makes it value * scale * 2^-63."""
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, u<4>, v<4>, z;
         mov.b32 z, 0;
         prmt.b32 t0, $4, z, 0x4140;
@@ -150,5 +171,10 @@ def e2m1_lohi_asm(b, s_bf16):
         lop3.b32 v3, u2, 0x01C001C0, u3, 0xEA;
         mul.rn.bf16x2 $2, v2, $5;
         mul.rn.bf16x2 $3, v3, $6;
-        }""", "=r,=r,=r,=r,r,r,r", [b, s_bf16], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
+        }""",
+        "=r,=r,=r,=r,r,r,r",
+        [b, s_bf16],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )

@@ -59,7 +59,8 @@ def check_device(*tensors: torch.Tensor) -> None:
         if t.device.type != want:
             raise ValueError(
                 f"Triton kernels here run on {want} (TRITON_INTERPRET="
-                f"{os.environ.get('TRITON_INTERPRET', '')!r}); got a tensor on {t.device}")
+                f"{os.environ.get('TRITON_INTERPRET', '')!r}); got a tensor on {t.device}"
+            )
 
 
 def launch_options() -> dict:

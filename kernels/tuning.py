@@ -82,11 +82,17 @@ class EnvOverride:
 
 # Applied in this order (FUSED_COMBINE, then the JSON: the JSON's fused_combine wins).
 OVERRIDES: tuple[EnvOverride, ...] = (
-    EnvOverride("FLASHPD_INDEXER_SMALL_BATCH", _flag,
-                lambda c, on: configs.override(c, indexer=c.indexer.small_batch(on).as_dict())),
+    EnvOverride(
+        "FLASHPD_INDEXER_SMALL_BATCH",
+        _flag,
+        lambda c, on: configs.override(c, indexer=c.indexer.small_batch(on).as_dict()),
+    ),
     EnvOverride("FLASHPD_ATTN_FUSED_COMBINE", _flag, _field("attention", "fused_combine")),
-    EnvOverride("FLASHPD_ATTN_CONFIG", lambda n, t: attention_overrides(t, n),
-                lambda c, over: configs.override(c, attention=over)),
+    EnvOverride(
+        "FLASHPD_ATTN_CONFIG",
+        lambda n, t: attention_overrides(t, n),
+        lambda c, over: configs.override(c, attention=over),
+    ),
     EnvOverride("FLASHPD_MHC_SPIN", _flag, _field("mhc", "decode_spin")),
     EnvOverride("FLASHPD_FP8_SWAP_MAX_ROWS", _count, _field("dense", "fp8_swap_max_rows")),
     EnvOverride("FLASHPD_MOE_GEMV_MAX_ROWS", _count, _moe("gemv_max_rows")),
@@ -102,8 +108,7 @@ def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, ob
     return {o.env: o.parse(o.env, environ[o.env]) for o in OVERRIDES if o.env in environ}
 
 
-def apply_env_overrides(base: KernelConfigs,
-                        environ: Mapping[str, str] | None = None) -> KernelConfigs:
+def apply_env_overrides(base: KernelConfigs, environ: Mapping[str, str] | None = None) -> KernelConfigs:
     """`base` with the set variables applied (validated first; unset ones change nothing)."""
     values = read_env_overrides(environ)
     for o in OVERRIDES:

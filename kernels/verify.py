@@ -84,29 +84,32 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def exact_check(op: str, case: str, out: torch.Tensor, ref: torch.Tensor, **kw) -> Check:
     same = torch.equal(out, ref)
     mism = 0.0 if same else (out != ref).float().mean().item()
-    return Check(op, case, mism, mism, 0.0, same, note="bit-exact" if same else
-                 f"{mism:.2%} bytes differ", **kw)
+    return Check(op, case, mism, mism, 0.0, same, note="bit-exact" if same else f"{mism:.2%} bytes differ", **kw)
 
 
-def close_check(op: str, case: str, out: torch.Tensor, ref: torch.Tensor, tol: float,
-                **kw) -> Check:
+def close_check(op: str, case: str, out: torch.Tensor, ref: torch.Tensor, tol: float, **kw) -> Check:
     abs_err, rel_err = errors(out, ref)
     return Check(op, case, abs_err, rel_err, tol, rel_err <= tol, **kw)
 
 
-def selection_check(op: str, case: str, ids: torch.Tensor, ref_ids: torch.Tensor,
-                    scores: torch.Tensor, tol: float, **kw) -> Check:
+def selection_check(
+    op: str, case: str, ids: torch.Tensor, ref_ids: torch.Tensor, scores: torch.Tensor, tol: float, **kw
+) -> Check:
     """ids [T, k] (-1 padded) vs ref_ids: equal, or equal score multisets within tol."""
     if torch.equal(ids, ref_ids):
         return Check(op, case, 0.0, 0.0, tol, True, note="identical selection", **kw)
-    pick = lambda i: torch.where(i >= 0, torch.gather(scores, 1, i.clamp_min(0)),  # noqa: E731
-                                 torch.full_like(scores[:, :1], -math.inf).expand_as(i))
+    pick = (
+        lambda i: torch.where(
+            i >= 0,
+            torch.gather(scores, 1, i.clamp_min(0)),  # noqa: E731
+            torch.full_like(scores[:, :1], -math.inf).expand_as(i),
+        )
+    )
     a = pick(ids).sort(dim=-1).values
     b = pick(ref_ids).sort(dim=-1).values
     abs_err, rel_err = errors(a, b)
     frac = (ids != ref_ids).float().mean().item()
-    return Check(op, case, abs_err, rel_err, tol, rel_err <= tol,
-                 note=f"{frac:.3%} ids differ (near-ties)", **kw)
+    return Check(op, case, abs_err, rel_err, tol, rel_err <= tol, note=f"{frac:.3%} ids differ (near-ties)", **kw)
 
 
 _L2_FLUSH: list[torch.Tensor] = []
@@ -158,8 +161,9 @@ def randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.bfloat16) -> t
     return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(device())
 
 
-def _timed(check: Check, timing: bool, kernel: Callable[[], object],
-           ref: Callable[[], object] | None = None, reps: int = 20) -> Check:
+def _timed(
+    check: Check, timing: bool, kernel: Callable[[], object], ref: Callable[[], object] | None = None, reps: int = 20
+) -> Check:
     if timing:
         check.kernel_ms = time_ms(kernel, reps)
         if ref is not None:
@@ -175,11 +179,13 @@ def register_check(op: str):
     def wrap(fn):
         CHECKS[op] = fn
         return fn
+
     return wrap
 
 
-def run_checks(scale: str = "tiny", ops: list[str] | None = None,
-               timing: bool | None = None, tuned=None) -> list[Check]:
+def run_checks(
+    scale: str = "tiny", ops: list[str] | None = None, timing: bool | None = None, tuned=None
+) -> list[Check]:
     """All registered checks (import side effect: kernels/verify_cases.py) at `scale`, each
     kernel run with `tuned` (a configs.KernelConfigs; None: the table's default)."""
     from flashpd.kernels import (
@@ -202,9 +208,12 @@ def run_checks(scale: str = "tiny", ops: list[str] | None = None,
 
 
 def format_table(results: list[Check]) -> str:
-    head = (f"{'op':<10} {'case':<34} {'max_abs':>10} {'max_rel':>10} {'tol':>8} {'ok':>4} "
-            f"{'ms':>9} {'ref_ms':>9} {'GB/s':>8} {'TFLOP/s':>8}  note")
+    head = (
+        f"{'op':<10} {'case':<34} {'max_abs':>10} {'max_rel':>10} {'tol':>8} {'ok':>4} "
+        f"{'ms':>9} {'ref_ms':>9} {'GB/s':>8} {'TFLOP/s':>8}  note"
+    )
     lines = [head, "-" * len(head)]
+
     def fmt(v: float | None, spec: str) -> str:
         return "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
 
@@ -212,7 +221,8 @@ def format_table(results: list[Check]) -> str:
         lines.append(
             f"{c.op:<10} {c.case:<34} {c.max_abs:>10.3g} {c.max_rel:>10.3g} {c.tol:>8.1g} "
             f"{'yes' if c.passed else 'NO':>4} {fmt(c.kernel_ms, '9.4f')} "
-            f"{fmt(c.ref_ms, '9.4f')} {fmt(c.gbps, '8.1f')} {fmt(c.tflops, '8.1f')}  {c.note}")
+            f"{fmt(c.ref_ms, '9.4f')} {fmt(c.gbps, '8.1f')} {fmt(c.tflops, '8.1f')}  {c.note}"
+        )
     return "\n".join(lines)
 
 

@@ -109,8 +109,7 @@ def drafter_manifest(cfg: ModelConfig) -> dict[str, TensorSpec]:
     out = _fp8(cfg, "mtp.0.main_proj", d_model, len(ds.target_layer_ids) * d_model)
     out["mtp.0.main_norm.weight"] = TensorSpec("BF16", (d_model,))
     for s in range(ds.num_layers):
-        stage = {**_mhc_and_norm_tensors(cfg), **_attention_core_tensors(cfg),
-                 **_moe_tensors(cfg, ds.n_routed_experts)}
+        stage = {**_mhc_and_norm_tensors(cfg), **_attention_core_tensors(cfg), **_moe_tensors(cfg, ds.n_routed_experts)}
         out.update({f"mtp.{s}.{name}": spec for name, spec in stage.items()})
     p = f"mtp.{last}."
     out[p + "norm.weight"] = TensorSpec("BF16", (d_model,))
@@ -153,10 +152,7 @@ def _layer_tensors(cfg: ModelConfig, spec: LayerSpec) -> dict[str, TensorSpec]:
 def _mhc_and_norm_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     d_model, streams = cfg.hidden_size, cfg.hc_mult
     mix = (2 + streams) * streams  # pre + post + comb
-    out = {
-        "attn_norm.weight": TensorSpec("BF16", (d_model,)),
-        "ffn_norm.weight": TensorSpec("BF16", (d_model,)),
-    }
+    out = {"attn_norm.weight": TensorSpec("BF16", (d_model,)), "ffn_norm.weight": TensorSpec("BF16", (d_model,))}
     for site in ("attn", "ffn"):
         out[f"hc_{site}_fn"] = TensorSpec("F32", (mix, streams * d_model))
         out[f"hc_{site}_base"] = TensorSpec("F32", (mix,))
@@ -269,9 +265,7 @@ def _generator(seed: int, name: str, chunk: int, device: torch.device) -> torch.
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _float_rows(
-    seed: int, name: str, spec: TensorSpec, device: torch.device, row_align: int
-) -> Iterator[torch.Tensor]:
+def _float_rows(seed: int, name: str, spec: TensorSpec, device: torch.device, row_align: int) -> Iterator[torch.Tensor]:
     """The tensor's float values, FP32, in row chunks (multiples of `row_align` rows)."""
     shape = logical_shape(spec)
     rows, cols = (shape[0], 1) if len(shape) == 1 else (shape[0], shape[-1])
@@ -289,8 +283,9 @@ def _float_rows(
         yield block if len(shape) > 1 else block.reshape(n)
 
 
-def random_values(seed: int, name: str, spec: TensorSpec, device: str | torch.device,
-                  dtype: torch.dtype) -> torch.Tensor:
+def random_values(
+    seed: int, name: str, spec: TensorSpec, device: str | torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """The values `write_random_checkpoint` draws for `name` (logical shape, `dtype`), before
     any rounding to the checkpoint format: random weights made straight on a device."""
     chunks = [c.to(dtype) for c in _float_rows(seed, name, spec, torch.device(device), 32)]
@@ -304,9 +299,7 @@ def _as_bytes(t: torch.Tensor) -> bytes:
 class _RandomWeights:
     """Produces each tensor's bytes in manifest order; a weight's scale follows the weight."""
 
-    def __init__(
-        self, cfg: ModelConfig, specs: dict[str, TensorSpec], seed: int, device: torch.device
-    ):
+    def __init__(self, cfg: ModelConfig, specs: dict[str, TensorSpec], seed: int, device: torch.device):
         self.cfg, self.specs, self.seed, self.device = cfg, specs, seed, device
         self._pending_scales: dict[str, list[bytes]] = {}
         self._row_align = cfg.weight_block_size[0]  # row chunks keep the FP8 tiles whole
@@ -357,20 +350,14 @@ def _safetensors_header(names: list[str], specs: dict[str, TensorSpec]) -> bytes
     offset = 0
     for name in names:
         spec = specs[name]
-        header[name] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
+        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _write_shard(
-    path: str, names: list[str], specs: dict[str, TensorSpec], weights: _RandomWeights
-) -> None:
+def _write_shard(path: str, names: list[str], specs: dict[str, TensorSpec], weights: _RandomWeights) -> None:
     with open(path, "wb") as f:
         f.write(_safetensors_header(names, specs))
         for name in names:
@@ -449,9 +436,7 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
         specs = {n: s for n, (_, s) in found.items()}
     errors = _validate(checkpoint_manifest(cfg), specs)
     if errors:
-        raise CheckpointError(
-            f"checkpoint {path} does not match config {cfg.name!r}:\n  " + "\n  ".join(errors)
-        )
+        raise CheckpointError(f"checkpoint {path} does not match config {cfg.name!r}:\n  " + "\n  ".join(errors))
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for name, (file, _) in found.items():
@@ -463,7 +448,10 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
     drafter = {n: tensors.pop(n) for n in list(tensors) if n.startswith(DRAFTER_PREFIX)}
     tok = os.path.join(path, "tokenizer.json")
     return Checkpoint(
-        cfg=cfg, tensors=tensors, tokenizer_path=tok if os.path.exists(tok) else None, path=path,
+        cfg=cfg,
+        tensors=tensors,
+        tokenizer_path=tok if os.path.exists(tok) else None,
+        path=path,
         drafter_tensors=drafter,
     )
 
@@ -506,10 +494,7 @@ def _scan_shards(path: str) -> dict[str, tuple[str, TensorSpec]]:
                 if name in found:
                     errors.append(f"{name}: stored twice ({found[name][0]} and {file})")
                 elif weight_map is not None and weight_map.get(name) != os.path.basename(file):
-                    errors.append(
-                        f"{name}: in {os.path.basename(file)} but the index says "
-                        f"{weight_map.get(name)!r}"
-                    )
+                    errors.append(f"{name}: in {os.path.basename(file)} but the index says {weight_map.get(name)!r}")
                 found[name] = (file, TensorSpec(sl.get_dtype(), tuple(sl.get_shape())))
     if weight_map is not None:
         errors += [
@@ -523,16 +508,8 @@ def _scan_shards(path: str) -> dict[str, tuple[str, TensorSpec]]:
 
 
 def _validate(expected: dict[str, TensorSpec], found: dict[str, TensorSpec]) -> list[str]:
-    errors = [
-        f"{n}: missing (expected {s.dtype} {list(s.shape)})"
-        for n, s in expected.items()
-        if n not in found
-    ]
-    errors += [
-        f"{n}: unexpected tensor ({s.dtype} {list(s.shape)})"
-        for n, s in found.items()
-        if n not in expected
-    ]
+    errors = [f"{n}: missing (expected {s.dtype} {list(s.shape)})" for n, s in expected.items() if n not in found]
+    errors += [f"{n}: unexpected tensor ({s.dtype} {list(s.shape)})" for n, s in found.items() if n not in expected]
     for name, want in expected.items():
         got = found.get(name)
         if got is None:

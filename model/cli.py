@@ -12,9 +12,7 @@ from flashpd.model.config import ModelConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    make = subparsers.add_parser(
-        "make-checkpoint", help="write a random checkpoint of a preset in the released format"
-    )
+    make = subparsers.add_parser("make-checkpoint", help="write a random checkpoint of a preset in the released format")
     make.add_argument("--preset", required=True, choices=_preset_names())
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
@@ -49,9 +47,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
         max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
         device=args.device,
     )
-    json.dump(
-        {"preset": cfg.name, "out": args.out, "seed": args.seed, "shards": len(files)}, sys.stdout
-    )
+    json.dump({"preset": cfg.name, "out": args.out, "seed": args.seed, "shards": len(files)}, sys.stdout)
     sys.stdout.write("\n")
     return 0
 

@@ -63,7 +63,6 @@ class LayerSpec:
         return LayerGroup(decoder=not self.is_encoder, owns_compressor=self.owns_compressor)
 
 
-
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float  # base for SWA-only layers (no YaRN)
@@ -106,9 +105,11 @@ class DSparkConfig:
             return None
         ratios = t["compress_ratios"]
         if len(ratios) != num_layers + n:
-            raise ValueError(f"compress_ratios has {len(ratios)} entries; with "
-                             f"num_nextn_predict_layers={n} it needs num_hidden_layers + {n} = "
-                             f"{num_layers + n}")
+            raise ValueError(
+                f"compress_ratios has {len(ratios)} entries; with "
+                f"num_nextn_predict_layers={n} it needs num_hidden_layers + {n} = "
+                f"{num_layers + n}"
+            )
         ids = t.get("dspark_target_layer_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ValueError(f"dspark_target_layer_ids must be a list of layer ids, got {ids!r}")
@@ -139,22 +140,21 @@ class DSparkConfig:
         """What is wrong against the backbone, each message naming its key."""
         out = []
         if self.num_layers < 1:
-            out.append(f"num_nextn_predict_layers must be >= 1 with a drafter, "
-                       f"got {self.num_layers}")
+            out.append(f"num_nextn_predict_layers must be >= 1 with a drafter, got {self.num_layers}")
         if len(self.compress_ratios) != self.num_layers or any(self.compress_ratios):
-            out.append(f"compress_ratios: the {self.num_layers} trailing (drafter) entries must "
-                       f"be 0 (SWA-only), got {list(self.compress_ratios)}")
+            out.append(
+                f"compress_ratios: the {self.num_layers} trailing (drafter) entries must "
+                f"be 0 (SWA-only), got {list(self.compress_ratios)}"
+            )
         if self.block_size < 1:
             out.append(f"dspark_block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.noise_token_id < vocab_size:
-            out.append(f"dspark_noise_token_id {self.noise_token_id} outside the vocabulary "
-                       f"[0, {vocab_size})")
+            out.append(f"dspark_noise_token_id {self.noise_token_id} outside the vocabulary [0, {vocab_size})")
         ids = self.target_layer_ids
         if not ids:
             out.append("dspark_target_layer_ids is empty")
         if any(not 0 <= i < num_layers for i in ids):
-            out.append(f"dspark_target_layer_ids {list(ids)}: every id must be a backbone layer "
-                       f"in [0, {num_layers})")
+            out.append(f"dspark_target_layer_ids {list(ids)}: every id must be a backbone layer in [0, {num_layers})")
         if list(ids) != sorted(set(ids)):
             out.append(f"dspark_target_layer_ids {list(ids)} must be strictly ascending")
         if self.markov_rank < 1:
@@ -162,8 +162,10 @@ class DSparkConfig:
         if self.n_routed_experts < 1:
             out.append(f"dspark_n_routed_experts must be >= 1, got {self.n_routed_experts}")
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
-            out.append(f"dspark_num_experts_per_tok {self.num_experts_per_tok} outside "
-                       f"[1, dspark_n_routed_experts={self.n_routed_experts}]")
+            out.append(
+                f"dspark_num_experts_per_tok {self.num_experts_per_tok} outside "
+                f"[1, dspark_n_routed_experts={self.n_routed_experts}]"
+            )
         return out
 
 
@@ -237,8 +239,7 @@ class ModelConfig:
         ratios = tuple(int(r) for r in t["compress_ratios"][:n_layers])
         if len(ratios) != n_layers:
             raise ValueError(
-                f"compress_ratios has {len(t['compress_ratios'])} entries, "
-                f"need at least num_hidden_layers={n_layers}"
+                f"compress_ratios has {len(t['compress_ratios'])} entries, need at least num_hidden_layers={n_layers}"
             )
         kv_src = tuple(int(x) for x in t["kv_source_layer_ids"])
         idx_src = tuple(int(x) for x in t.get("index_source_layer_ids", kv_src))
@@ -421,21 +422,29 @@ class ModelConfig:
         need(self.head_dim % 32 == 0, "head_dim must be a multiple of 32 (FP8/NVFP4 blocks)")
         need(self.index_head_dim % 32 == 0, "index_head_dim must be a multiple of 32 (MXFP4)")
         need(all(r in (0, 1, 2) for r in self.compress_ratios), "compress_ratios must be 0, 1 or 2")
-        need(set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
-             "every kv source must be an index source")
+        need(
+            set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids), "every kv source must be an index source"
+        )
         for s in self.kv_source_layer_ids:
-            need(0 <= s < self.num_layers and self.compress_ratios[s] > 0,
-                 f"kv source {s} must be a layer with ratio > 0")
+            need(
+                0 <= s < self.num_layers and self.compress_ratios[s] > 0,
+                f"kv source {s} must be a layer with ratio > 0",
+            )
         for layer, r in enumerate(self.compress_ratios):
             if r > 0:
                 src = [s for s in self.kv_source_layer_ids if s <= layer]
                 need(bool(src), f"layer {layer} has ratio {r} but no kv source at or before it")
-                need(self.compress_ratios[max(src)] == r,
-                     f"layer {layer} ratio {r} differs from its kv source {max(src)}")
-        need(self.candidate_source_layer_id in self.kv_source_layer_ids,
-             "candidate_source_layer_id must be a kv source")
-        need(len(self.engram_layer_ids) == len(self.engram_num_embeddings),
-             "engram_layer_ids and engram_num_embeddings differ in length")
+                need(
+                    self.compress_ratios[max(src)] == r,
+                    f"layer {layer} ratio {r} differs from its kv source {max(src)}",
+                )
+        need(
+            self.candidate_source_layer_id in self.kv_source_layer_ids, "candidate_source_layer_id must be a kv source"
+        )
+        need(
+            len(self.engram_layer_ids) == len(self.engram_num_embeddings),
+            "engram_layer_ids and engram_num_embeddings differ in length",
+        )
         need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult / hc_sinkhorn_iters")
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
         need(self.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1")
@@ -525,4 +534,3 @@ def _resolve_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-

@@ -40,12 +40,7 @@ import torch
 from flashpd.model.checkpoint import Checkpoint, drafter_manifest, random_values
 from flashpd.model.config import ModelConfig
 from flashpd.model.model import Model, attention_query, output_projection, window_kv
-from flashpd.model.weights import (
-    DrafterLayerWeights,
-    DrafterWeights,
-    drafter_weights_from,
-    load_drafter_weights,
-)
+from flashpd.model.weights import DrafterLayerWeights, DrafterWeights, drafter_weights_from, load_drafter_weights
 
 # choose(L_j [B, V] FP32 logits, slot j) -> (tokens [B] int64, probs [B, V] FP32: the
 # distribution the tokens were drawn from, after the request's processors)
@@ -106,16 +101,16 @@ def greedy_choose(logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.
 class DSparkDrafter:
     """The drafter over dequantised `mtp.*` weights, with the target's embed, head and kernels."""
 
-    def __init__(self, cfg: ModelConfig, weights: DrafterWeights, target: Model,
-                 kernels: Mapping[str, object] | None = None):
+    def __init__(
+        self, cfg: ModelConfig, weights: DrafterWeights, target: Model, kernels: Mapping[str, object] | None = None
+    ):
         """kernels: op -> module overrides of the target's choice (training: STE fake quants)."""
         if cfg.dspark is None:
             raise DrafterError(f"config {cfg.name!r} has no drafter (num_nextn_predict_layers=0)")
         if (target.cfg.vocab_size, target.cfg.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
             raise DrafterError("the drafter's vocabulary / hidden size differ from the target's")
         if len(weights.layers) != cfg.dspark.num_layers:
-            raise DrafterError(f"{len(weights.layers)} drafter layers, config says "
-                               f"{cfg.dspark.num_layers}")
+            raise DrafterError(f"{len(weights.layers)} drafter layers, config says {cfg.dspark.num_layers}")
         self.cfg, self.ds, self.target = cfg, cfg.dspark, target
         self.k = cfg.dspark.block_size  # drafts per step (5 released)
         self.window = cfg.sliding_window  # W = 128 context slots per stage
@@ -125,16 +120,14 @@ class DSparkDrafter:
         self.dense, self.mhc, self.rope = k["dense"], k["mhc"], k["rope"]
         self.attention, self.moe_k = k["attention"], k["moe"]
         # RoPE of ratio-0 layers: base rope_theta (10000 released), no YaRN (dspark.md §2.3)
-        self.freqs = self.rope.rope_frequencies(cfg.rope_head_dim, cfg.rope.theta,
-                                                None).to(self.device)
+        self.freqs = self.rope.rope_frequencies(cfg.rope_head_dim, cfg.rope.theta, None).to(self.device)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, target: Model) -> DSparkDrafter | None:
         """None when the checkpoint stores no `mtp.*` tensor (the engine runs without one)."""
         if ckpt.cfg.dspark is None or not ckpt.drafter_tensors:
             return None
-        return cls(ckpt.cfg, load_drafter_weights(ckpt.cfg, ckpt.drafter_tensors, target.dtype),
-                   target)
+        return cls(ckpt.cfg, load_drafter_weights(ckpt.cfg, ckpt.drafter_tensors, target.dtype), target)
 
     @classmethod
     def random(cls, cfg: ModelConfig, target: Model, seed: int = 0) -> DSparkDrafter:
@@ -153,19 +146,18 @@ class DSparkDrafter:
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """main_hidden [T, n_taps*D] -> main_x = main_norm(main_proj(.)) [T, D]."""
         d = self.dense
-        return d.rms_norm(d.linear(taps.to(self.dtype), self.w.main_proj), self.w.main_norm,
-                          self.cfg.rms_norm_eps)
+        return d.rms_norm(d.linear(taps.to(self.dtype), self.w.main_proj), self.w.main_norm, self.cfg.rms_norm_eps)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tap rows [N, n_taps*D] at `positions` [N] -> every stage's context K = V [L, N, d]."""
         main_x = self.project_taps(taps)  # [N, D], shared by the L stages
         cos_sin = self.rope.rope_cos_sin(positions, self.freqs)
-        return torch.stack([window_kv(self.kernels, self.cfg, lw.attn, main_x, cos_sin)
-                            for lw in self.w.layers])
+        return torch.stack([window_kv(self.kernels, self.cfg, lw.attn, main_x, cos_sin) for lw in self.w.layers])
 
     @torch.no_grad()
-    def insert_context(self, states: Sequence[DrafterState], positions: Sequence[Sequence[int]],
-                       taps: torch.Tensor) -> None:
+    def insert_context(
+        self, states: Sequence[DrafterState], positions: Sequence[Sequence[int]], taps: torch.Tensor
+    ) -> None:
         """Write committed positions' context K/V into every stage's window.
 
         taps [N, n_taps*D]: the tap rows of `positions[0]`, then `positions[1]`, ... (N rows in
@@ -180,36 +172,43 @@ class DSparkDrafter:
         kv = self.context_kv(taps.to(self.device), pos)  # [L, N, d]
         at = 0
         for state, ps in zip(states, positions, strict=True):
-            keep = ps[-self.window:]  # older ones would be overwritten in this very call
+            keep = ps[-self.window :]  # older ones would be overwritten in this very call
             r0 = at + len(ps) - len(keep)
             slots = torch.tensor([p % self.window for p in keep], device=self.device)
-            state.kv[:, slots] = kv[:, r0:at + len(ps)]
-            state.slot_pos[slots] = pos[r0:at + len(ps)]
+            state.kv[:, slots] = kv[:, r0 : at + len(ps)]
+            state.slot_pos[slots] = pos[r0 : at + len(ps)]
             state.end_pos = max(state.end_pos, keep[-1] + 1) if keep else state.end_pos
             at += len(ps)
 
-    def _check_insert(self, states: Sequence[DrafterState], positions: Sequence[Sequence[int]],
-                      taps: torch.Tensor) -> list[int]:
+    def _check_insert(
+        self, states: Sequence[DrafterState], positions: Sequence[Sequence[int]], taps: torch.Tensor
+    ) -> list[int]:
         if len(states) != len(positions):
             raise DrafterError(f"{len(states)} states, {len(positions)} position lists")
         width = len(self.ds.target_layer_ids) * self.cfg.hidden_size
         flat = [int(p) for ps in positions for p in ps]
         if taps.ndim != 2 or taps.shape != (len(flat), width):
-            raise DrafterError(f"taps must be [{len(flat)}, {width}] (one row per position), "
-                               f"got {list(taps.shape)}")
+            raise DrafterError(f"taps must be [{len(flat)}, {width}] (one row per position), got {list(taps.shape)}")
         for i, (state, ps) in enumerate(zip(states, positions, strict=True)):
             ps = list(ps)
             if any(p < 0 for p in ps) or ps != sorted(set(ps)):
                 raise DrafterError(f"positions[{i}] must be distinct, ascending and >= 0")
             if ps and ps[0] < state.end_pos - self.window:
-                raise DrafterError(f"positions[{i}] starts at {ps[0]}, more than W = "
-                                   f"{self.window} behind the window's end {state.end_pos}")
+                raise DrafterError(
+                    f"positions[{i}] starts at {ps[0]}, more than W = "
+                    f"{self.window} behind the window's end {state.end_pos}"
+                )
         return flat
 
     # ------------------------------------------------------------------ draft (§3.2-§3.4)
     @torch.no_grad()
-    def draft(self, states: Sequence[DrafterState], anchors: torch.Tensor,
-              anchor_positions: Sequence[int], choose: Chooser = greedy_choose) -> DraftOut:
+    def draft(
+        self,
+        states: Sequence[DrafterState],
+        anchors: torch.Tensor,
+        anchor_positions: Sequence[int],
+        choose: Chooser = greedy_choose,
+    ) -> DraftOut:
         """anchors [B]: the bonus token of each sequence, at anchor_positions[b] (= p + 1, the
         context ends at p). Drafts the k tokens of positions p+2 .. p+k+1 from slots p+1 ..
         p+k. The windows are read only."""
@@ -217,11 +216,11 @@ class DSparkDrafter:
         x, base = self.forward_block(states, anchors, anchor_positions)  # [B, k, D], [B, k, V]
         return self.markov(x, base, anchors, choose)
 
-    def _check_draft(self, states: Sequence[DrafterState], anchors: torch.Tensor,
-                     anchor_positions: Sequence[int]) -> torch.Tensor:
+    def _check_draft(
+        self, states: Sequence[DrafterState], anchors: torch.Tensor, anchor_positions: Sequence[int]
+    ) -> torch.Tensor:
         if anchors.ndim != 1 or anchors.dtype != torch.long or anchors.shape[0] != len(states):
-            raise DrafterError(f"anchors must be int64 [{len(states)}], got {anchors.dtype} "
-                               f"{list(anchors.shape)}")
+            raise DrafterError(f"anchors must be int64 [{len(states)}], got {anchors.dtype} {list(anchors.shape)}")
         if len(anchor_positions) != len(states):
             raise DrafterError(f"{len(anchor_positions)} anchor_positions for {len(states)} states")
         if any(int(p) < 0 for p in anchor_positions):
@@ -230,40 +229,41 @@ class DSparkDrafter:
             raise DrafterError(f"anchor id outside [0, {self.cfg.vocab_size})")
         return anchors.to(self.device)
 
-    def forward_block(self, states: Sequence[DrafterState], anchors: torch.Tensor,
-                      anchor_positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_block(
+        self, states: Sequence[DrafterState], anchors: torch.Tensor, anchor_positions: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The parallel pass -> (pre-norm x [B, k, D], base logits U [B, k, V] FP32)."""
         first = torch.tensor([int(p) for p in anchor_positions], device=self.device)  # [B]
         ctx_kv, ctx_valid = self.context(states, first - 1)  # [L, B, W, d], [B, W]
         return self.block_pass(ctx_kv, ctx_valid, anchors, first)
 
-    def block_pass(self, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor, anchors: torch.Tensor,
-                   first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_pass(
+        self, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor, anchors: torch.Tensor, first: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block [a, n, .., n] at positions first[b] .. first[b]+k-1 over context keys
         ctx_kv [L, B, Wc, d] (any slot order) visible where ctx_valid [B, Wc]
         -> (pre-norm x [B, k, D], U [B, k, V] FP32)."""
         cfg, num_seqs, k = self.cfg, anchors.shape[0], self.k
-        ids = torch.full((num_seqs, k), self.ds.noise_token_id, dtype=torch.long,
-                         device=self.device)
+        ids = torch.full((num_seqs, k), self.ds.noise_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = anchors  # [B, k]: [a, n, .., n]
         pos = (first[:, None] + torch.arange(k, device=self.device)).reshape(-1)  # [B*k]
         cos_sin = self.rope.rope_cos_sin(pos, self.freqs)  # [B*k, r/2] each
         embed = self.target.w.embed[ids.reshape(-1)]  # [B*k, D]
         streams = embed[:, None, :].expand(-1, cfg.hc_mult, -1).clone()  # [B*k, S, D]
-        carried = torch.zeros(num_seqs * k, cfg.hc_mult, dtype=torch.float32,
-                              device=self.device)  # [B*k, S]
+        carried = torch.zeros(num_seqs * k, cfg.hc_mult, dtype=torch.float32, device=self.device)  # [B*k, S]
         carried[:, 0] = 1.0  # identity pre-mix: the first collapse is stream 0
         for s, lw in enumerate(self.w.layers):
+
             def attend(x: torch.Tensor, s: int = s, lw: DrafterLayerWeights = lw) -> torch.Tensor:
                 return self._attention(lw, x, cos_sin, ctx_kv[s], ctx_valid)
+
             streams, carried = self._block(lw, streams, carried, attend)
         x = self.mhc.collapse(streams, carried)  # [B*k, D]: the last FFN pre, no hc_head
         h = self.dense.rms_norm(x, self.w.norm, cfg.rms_norm_eps)
         base = self.dense.linear_fp32(h, self.target.w.head)  # [B*k, V] FP32, target's head
         return x.reshape(num_seqs, k, -1), base.reshape(num_seqs, k, -1)
 
-    def context(self, states: Sequence[DrafterState],
-                last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context(self, states: Sequence[DrafterState], last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys of each sequence whose context ends at last_pos[b] = p ->
         (kv [L, B, W, d], valid [B, W]): a slot is visible iff it holds a position in
         [max(0, p-W+1), p]; never-written slots hold -1 and are never visible."""
@@ -273,30 +273,48 @@ class DSparkDrafter:
         valid = (held >= 0) & (held <= p) & (held > p - self.window)
         return kv, valid
 
-    def _block(self, lw: DrafterLayerWeights, streams: torch.Tensor, carried: torch.Tensor,
-               attend: Callable[[torch.Tensor], torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block(
+        self,
+        lw: DrafterLayerWeights,
+        streams: torch.Tensor,
+        carried: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One V4.1 block on every row (model_spec §2.4, the shifted mHC of Model._layer):
         streams [N, S, D], carried pre [N, S] -> (new streams, this layer's FFN pre)."""
         cfg, mhc = self.cfg, self.mhc
         iters, hc_eps, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         a, f = lw.hc_attn, lw.hc_ffn
         _, pre_a, post_a, comb_a, x = mhc.expand_mix_collapse(
-            None, streams, None, None, a.fn, a.base, a.scale, iters, hc_eps, eps, carried,
-            lw.attn_norm)  # attention input from the carried pre
+            None, streams, None, None, a.fn, a.base, a.scale, iters, hc_eps, eps, carried, lw.attn_norm
+        )  # attention input from the carried pre
         y = attend(x)  # [N, D]
         streams, pre_f, post_f, comb_f, h = mhc.expand_mix_collapse(
-            y, streams, post_a, comb_a, f.fn, f.base, f.scale, iters, hc_eps, eps, pre_a,
-            lw.ffn_norm)  # FFN input from the attention site's pre
+            y, streams, post_a, comb_a, f.fn, f.base, f.scale, iters, hc_eps, eps, pre_a, lw.ffn_norm
+        )  # FFN input from the attention site's pre
         m = lw.moe  # bias_vl unused: drafts are text
-        out = self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, self.ds.num_experts_per_tok,
-                             cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                             cfg.norm_topk_prob)
+        out = self.moe_k.moe(
+            h,
+            m.gate,
+            m.bias,
+            m.experts,
+            m.shared,
+            self.ds.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.gate_temp,
+            cfg.norm_topk_prob,
+        )
         return mhc.expand(out, streams, post_f, comb_f), pre_f
 
-    def _attention(self, lw: DrafterLayerWeights, x: torch.Tensor,
-                   cos_sin: tuple[torch.Tensor, torch.Tensor], ctx_kv: torch.Tensor,
-                   ctx_valid: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self,
+        lw: DrafterLayerWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        ctx_kv: torch.Tensor,
+        ctx_valid: torch.Tensor,
+    ) -> torch.Tensor:
         """DSparkAttention: x [B*k, D] (normed), ctx_kv [B, W, d], ctx_valid [B, W] -> [B*k, D]."""
         cfg, aw, k = self.cfg, lw.attn, self.k
         _, q = attention_query(self.kernels, cfg, aw, x, cos_sin)  # [B*k, H, d]
@@ -306,7 +324,7 @@ class DSparkDrafter:
         valid = torch.cat((ctx_valid, ctx_valid.new_ones(num_seqs, k)), dim=1)  # [B, W+k]
         keys = keys[:, None].expand(-1, k, -1, -1).reshape(num_seqs * k, w + k, -1)
         valid = valid[:, None].expand(-1, k, -1).reshape(num_seqs * k, w + k)
-        o = self.attention.sparse_attention(q, keys, valid, aw.sink, cfg.head_dim ** -0.5)
+        o = self.attention.sparse_attention(q, keys, valid, aw.sink, cfg.head_dim**-0.5)
         o = self.rope.rotate(o, *cos_sin, inverse=True)  # [B*k, H, d]
         return output_projection(self.dense, cfg, aw, o)
 
@@ -323,8 +341,7 @@ class DSparkDrafter:
         score = score + (self.w.markov_embed[prev] * w[dim:]).sum(-1)
         return torch.sigmoid(score)
 
-    def markov(self, x: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
-               choose: Chooser) -> DraftOut:
+    def markov(self, x: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor, choose: Chooser) -> DraftOut:
         """The sequential head over x [B, k, D], U [B, k, V]: L_j = U_j + B(prev_j)."""
         if anchors.shape[0] == 0:  # no sequence: nothing to choose
             empty = base.new_zeros(0, self.k)
@@ -364,8 +381,9 @@ class _RandomReader:
 
 def _check_choice(token: torch.Tensor, prob: torch.Tensor, logits: torch.Tensor) -> None:
     if token.shape != logits.shape[:1] or prob.shape != logits.shape:
-        raise DrafterError(f"choose returned tokens {list(token.shape)} / probs "
-                           f"{list(prob.shape)} for logits {list(logits.shape)}")
+        raise DrafterError(
+            f"choose returned tokens {list(token.shape)} / probs {list(prob.shape)} for logits {list(logits.shape)}"
+        )
 
 
 def _to_device(obj: _T, device: torch.device) -> _T:
@@ -375,6 +393,7 @@ def _to_device(obj: _T, device: torch.device) -> _T:
     if isinstance(obj, tuple):
         return tuple(_to_device(v, device) for v in obj)
     if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj)})
+        return dataclasses.replace(
+            obj, **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        )
     return obj

@@ -189,25 +189,18 @@ class EngramHasher:
         primes = layer_primes(cfg)
         for i, rows in enumerate(cfg.engram_num_embeddings):
             if sum(primes[i]) != rows:
-                raise ValueError(
-                    f"engram_num_embeddings[{i}] = {rows} != sum of primes {sum(primes[i])}"
-                )
+                raise ValueError(f"engram_num_embeddings[{i}] = {rows} != sum of primes {sum(primes[i])}")
         n_grams = cfg.engram_max_ngram_size - 1
         self.primes = [torch.tensor(p, dtype=torch.int64).reshape(n_grams, -1) for p in primes]
-        self.offsets = [
-            torch.tensor(column_offsets(p), dtype=torch.int64).reshape(n_grams, -1) for p in primes
-        ]
-        self._on_device: dict[str, tuple] = {"cpu": (self.compressed_map, self.multipliers,
-                                                     self.primes, self.offsets)}
+        self.offsets = [torch.tensor(column_offsets(p), dtype=torch.int64).reshape(n_grams, -1) for p in primes]
+        self._on_device: dict[str, tuple] = {"cpu": (self.compressed_map, self.multipliers, self.primes, self.offsets)}
 
     @classmethod
     def from_tokenizer(cls, cfg: ModelConfig, tokenizer_path: str | None) -> EngramHasher:
         """Build from a tokenizer.json (None: identity map, compressed size = vocab_size)."""
         return cls(cfg, _load_map(cfg, tokenizer_path))
 
-    def hash_ids(
-        self, engram_index: int, token_ids: torch.Tensor, history: list[int]
-    ) -> torch.Tensor:
+    def hash_ids(self, engram_index: int, token_ids: torch.Tensor, history: list[int]) -> torch.Tensor:
         """token_ids [T] (+ up to 3 preceding ids, oldest first) -> row ids [T, C] int64."""
         if len(history) > self.max_shift:
             raise ValueError(f"history holds {len(history)} ids; at most {self.max_shift}")
@@ -220,8 +213,7 @@ class EngramHasher:
         consts = self._constants(shifted.device)
         return self._rows(consts, engram_index, shifted).to(token_ids.device)
 
-    def hash_windows(self, engram_indices: Sequence[int],
-                     windows: torch.Tensor) -> list[torch.Tensor]:
+    def hash_windows(self, engram_indices: Sequence[int], windows: torch.Tensor) -> list[torch.Tensor]:
         """windows [T, max_shift+1] int64: each row a token id and the max_shift ids before
         it, oldest first (a full lookback) -> row ids [T, C] per Engram layer index, computed
         on windows' device with no host copy (a decode row whose id is still on the device);
@@ -229,13 +221,11 @@ class EngramHasher:
         come from the model's own samples): an id outside the compressed map (a padded
         vocabulary row) hashes as the pad id, where `hash_ids` raises."""
         if windows.ndim != 2 or windows.shape[1] != self.max_shift + 1:
-            raise ValueError(f"windows must be [T, {self.max_shift + 1}], got "
-                             f"{tuple(windows.shape)}")
+            raise ValueError(f"windows must be [T, {self.max_shift + 1}], got {tuple(windows.shape)}")
         consts = self._constants(windows.device)
         ids = windows.flip(1)  # column k: token[p-k]
         inside = (ids >= 0) & (ids < self.num_token_ids)
-        shifted = torch.where(inside, consts[0][ids.clamp(0, self.num_token_ids - 1)],
-                              self.pad_id)
+        shifted = torch.where(inside, consts[0][ids.clamp(0, self.num_token_ids - 1)], self.pad_id)
         return [self._rows(consts, index, shifted) for index in engram_indices]
 
     def _constants(self, device: torch.device) -> tuple:
@@ -243,8 +233,12 @@ class EngramHasher:
         key = str(device)
         cached = self._on_device.get(key)
         if cached is None:
-            cached = (self.compressed_map.to(device), [m.to(device) for m in self.multipliers],
-                      [p.to(device) for p in self.primes], [o.to(device) for o in self.offsets])
+            cached = (
+                self.compressed_map.to(device),
+                [m.to(device) for m in self.multipliers],
+                [p.to(device) for p in self.primes],
+                [o.to(device) for o in self.offsets],
+            )
             self._on_device[key] = cached
         return cached
 
@@ -265,9 +259,7 @@ class EngramHasher:
     def _shifted_compressed(self, ids: torch.Tensor, n_history: int) -> torch.Tensor:
         """[T, max_shift+1]: column k holds c(token[p-k]), or the pad id before the sequence."""
         compressed = self.compressed_map[ids]
-        padded = torch.cat(
-            (torch.full((self.max_shift,), self.pad_id, dtype=torch.int64), compressed)
-        )
+        padded = torch.cat((torch.full((self.max_shift,), self.pad_id, dtype=torch.int64), compressed))
         start = self.max_shift + n_history  # index of token_ids[0] in `padded`
         n_tokens = ids.numel() - n_history
         positions = torch.arange(n_tokens) + start

@@ -36,12 +36,26 @@ class CompressedKVFormat:
         return head_dim * self.value_bits // 8 + scales
 
 
-NVFP4 = CompressedKVFormat("nvfp4", "fake_quant_nvfp4", "pack_nvfp4", "unpack_nvfp4",
-                           value_bits=4, scale_group=16, record_format="nvfp4_e2m1_e4m3x16",
-                           kernel_code=1)
-FP8 = CompressedKVFormat("fp8", "fake_quant_fp8_ue8m0", "pack_window_fp8", "unpack_window_fp8",
-                         value_bits=8, scale_group=32, record_format="fp8_e4m3_ue8m0x32",
-                         kernel_code=0)
+NVFP4 = CompressedKVFormat(
+    "nvfp4",
+    "fake_quant_nvfp4",
+    "pack_nvfp4",
+    "unpack_nvfp4",
+    value_bits=4,
+    scale_group=16,
+    record_format="nvfp4_e2m1_e4m3x16",
+    kernel_code=1,
+)
+FP8 = CompressedKVFormat(
+    "fp8",
+    "fake_quant_fp8_ue8m0",
+    "pack_window_fp8",
+    "unpack_window_fp8",
+    value_bits=8,
+    scale_group=32,
+    record_format="fp8_e4m3_ue8m0x32",
+    kernel_code=0,
+)
 KV_FORMATS: dict[str, CompressedKVFormat] = {f.name: f for f in (NVFP4, FP8)}
 DEFAULT_KV_FORMAT = NVFP4  # the trained (QAT) format
 INDEX_RECORD_FORMAT = "mxfp4_e2m1_ue8m0x32"  # index keys, whatever the main format

@@ -17,8 +17,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", required=True, help="output .npz (key `logits`, FP32 [T, vocab])")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
-                   help="compute dtype of the forward (logits are FP32 either way)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="bfloat16",
+        help="compute dtype of the forward (logits are FP32 either way)",
+    )
     p.set_defaults(func=_run)
 
 

@@ -129,8 +129,9 @@ class ReplaySegment:
     plan: SeqPlan
 
 
-def replay_segment(prompt_ids: Sequence[int], end_pos: int, rows: int,
-                   logits: LogitsRequest = LogitsRequest.LAST) -> ReplaySegment:
+def replay_segment(
+    prompt_ids: Sequence[int], end_pos: int, rows: int, logits: LogitsRequest = LogitsRequest.LAST
+) -> ReplaySegment:
     """Replay positions [end_pos - rows, end_pos) of a prompt (clamped at 0).
 
     Decode side (§11.3): end_pos = len(prompt), rows = W. Encoder side after a prefix hit of H
@@ -142,9 +143,10 @@ def replay_segment(prompt_ids: Sequence[int], end_pos: int, rows: int,
     if rows < 1:
         raise ValueError(f"replay needs at least one row, got {rows}")
     start = max(0, end_pos - rows)
-    lookback = tuple(int(t) for t in prompt_ids[max(0, start - 3):start])
-    return ReplaySegment(tuple(int(t) for t in prompt_ids[start:end_pos]), start,
-                         SeqPlan(logits=logits, replay=Replay(lookback)))
+    lookback = tuple(int(t) for t in prompt_ids[max(0, start - 3) : start])
+    return ReplaySegment(
+        tuple(int(t) for t in prompt_ids[start:end_pos]), start, SeqPlan(logits=logits, replay=Replay(lookback))
+    )
 
 
 def exact_replay_rows(cfg: ModelConfig) -> int:
@@ -222,8 +224,7 @@ class LayerRows:
     seam = compute = all T rows (a decode step or a replay), so the forward skips the gathers.
     """
 
-    def __init__(self, key: LayerGroup, segs: Sequence[Segment], device: torch.device,
-                 num_rows: int):
+    def __init__(self, key: LayerGroup, segs: Sequence[Segment], device: torch.device, num_rows: int):
         self.key, self.parts = key, []
         decoder, owns_compressor = key
         c = s = 0
@@ -246,8 +247,7 @@ class LayerRows:
         self.compute_parts = [p for p in self.parts if p.c1 > p.c0]
         self.everything = c == s == num_rows
         if self.everything:  # every index is the identity, seam positions = compute positions
-            self.seam_idx = self.compute_idx = self.compute_in_seam = torch.arange(
-                num_rows, device=device)
+            self.seam_idx = self.compute_idx = self.compute_in_seam = torch.arange(num_rows, device=device)
             self.positions = self.seam_positions = _on(positions, device)
             return
         self.seam_idx = _on(seam_idx, device)  # [Ts]
@@ -263,8 +263,7 @@ class LayerRows:
         return out
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.seam_idx, self.compute_idx, self.compute_in_seam, self.positions,
-                self.seam_positions]
+        return [self.seam_idx, self.compute_idx, self.compute_in_seam, self.positions, self.seam_positions]
 
     def padded(self, num_rows: int) -> LayerRows:
         """All rows, extended to `num_rows` with padding rows at position 0 (graph buckets)."""
@@ -302,7 +301,7 @@ class Published:
         first, value = self._rows[key]
         if part.first < first:
             raise RuntimeError(f"{kind} of layer {layer} start at row {first}, need {part.first}")
-        return value[part.first - first:]
+        return value[part.first - first :]
 
 
 @dataclass(frozen=True)
@@ -322,8 +321,7 @@ class Taps:
         """Segment `seg_index`'s tap rows [n, n_taps * D] and their absolute positions."""
         for part in self.rows.parts:
             if part.seg.index == seg_index:
-                return self.values[part.c0:part.c1], range(part.first_pos,
-                                                            part.first_pos + part.c1 - part.c0)
+                return self.values[part.c0 : part.c1], range(part.first_pos, part.first_pos + part.c1 - part.c0)
         return self.values[:0], range(0)
 
 
@@ -369,8 +367,9 @@ class Step:
         at = 2
         for key in sorted(self.rows):
             rows = self.rows[key]
-            (rows.seam_idx, rows.compute_idx, rows.compute_in_seam, rows.positions,
-             rows.seam_positions) = tensors[at:at + 5]
+            (rows.seam_idx, rows.compute_idx, rows.compute_in_seam, rows.positions, rows.seam_positions) = tensors[
+                at : at + 5
+            ]
             at += 5
         for k in sorted(self.hash_ids):
             self.hash_ids[k] = tensors[at]
@@ -386,7 +385,7 @@ class Step:
             if n is None:
                 out.append(None)
             else:
-                out.append(logits[at:at + n])
+                out.append(logits[at : at + n])
                 at += n
         return out
 
@@ -397,9 +396,15 @@ class Model:
 
     stages_window_kv = False  # the paged GPU forward stages new window records in scratch rows
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
-                 hasher: EngramHasher | None = None, kernels: Mapping[str, str] | None = None,
-                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        hasher: EngramHasher | None = None,
+        kernels: Mapping[str, str] | None = None,
+        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+    ):
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("config has Engram layers: an EngramHasher is required")
         if len(weights.layers) != cfg.num_layers:
@@ -418,18 +423,19 @@ class Model:
     def _init_rope(self, cfg: ModelConfig) -> None:
         """RoPE tables on the model's device: main (ratio-0 layers) and compressed (§3.3)."""
         rope = cfg.rope
-        yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow,
-                    rope.yarn_original_max_position)
-        self.freqs_main = self.rope.rope_frequencies(
-            cfg.rope_head_dim, rope.theta, None).to(self.device)
-        self.freqs_compress = self.rope.rope_frequencies(
-            cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
+        yarn = Yarn(rope.yarn_factor, rope.yarn_beta_fast, rope.yarn_beta_slow, rope.yarn_original_max_position)
+        self.freqs_main = self.rope.rope_frequencies(cfg.rope_head_dim, rope.theta, None).to(self.device)
+        self.freqs_compress = self.rope.rope_frequencies(cfg.rope_head_dim, rope.compress_theta, yarn).to(self.device)
         self.eps = cfg.rms_norm_eps
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.bfloat16,
-                        kernels: Mapping[str, str] | None = None,
-                        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
+    def from_checkpoint(
+        cls,
+        ckpt: Checkpoint,
+        dtype: torch.dtype = torch.bfloat16,
+        kernels: Mapping[str, str] | None = None,
+        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+    ) -> Model:
         """From a `flashpd.model.checkpoint.Checkpoint` (raw tensors, dequantised here once)."""
         hasher = None
         if ckpt.cfg.engram_layer_ids:
@@ -443,8 +449,9 @@ class Model:
         return DenseSeqState(self.cfg, self.dtype, self.device)
 
     # ------------------------------------------------------------------ entry points
-    def run(self, state: SeqState, token_ids: Sequence[int], plan: SeqPlan | None = None,
-            start_pos: int | None = None) -> torch.Tensor | None:
+    def run(
+        self, state: SeqState, token_ids: Sequence[int], plan: SeqPlan | None = None, start_pos: int | None = None
+    ) -> torch.Tensor | None:
         """One sequence: `forward` with a batch of one (start defaults to state.num_tokens)."""
         plan = plan or SeqPlan()
         start = state.num_tokens if start_pos is None else start_pos
@@ -455,16 +462,17 @@ class Model:
         return self.run(state, segment.token_ids, segment.plan, segment.start_pos)
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
+    def forward(
+        self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None
+    ) -> list[torch.Tensor | None]:
         """token_ids [T] (segments concatenated) -> per sequence FP32 logits [1|T, V] or None.
         feed: rows whose ids are read on the device (`TokenFeed`)."""
         return self.forward_taps(token_ids, seqs, feed)[0]
 
     @torch.no_grad()
-    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                     feed: TokenFeed | None = None
-                     ) -> tuple[list[torch.Tensor | None], Taps | None]:
+    def forward_taps(
+        self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None
+    ) -> tuple[list[torch.Tensor | None], Taps | None]:
         """`forward`, plus the step's DSpark tap (`taps`; None without a drafter)."""
         step = self.prepare(token_ids, seqs)
         if feed is not None:
@@ -473,8 +481,7 @@ class Model:
         self.commit(step)
         return step.split_logits(logits), self.taps(step)
 
-    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                device: torch.device | None = None) -> Step:
+    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], device: torch.device | None = None) -> Step:
         """The step's static description: segments, rows per layer kind, Engram ids, head rows.
         device: where its tensors go (default: the model's; a backend that moves them in one
         copy builds them on the host)."""
@@ -488,18 +495,25 @@ class Model:
         for spec in cfg.layers:
             key = spec.group
             if key not in rows:
-                rows[key] = (next(iter(rows.values())).relabel(key) if same and rows
-                             else LayerRows(key, segs, device, num_rows))
+                rows[key] = (
+                    next(iter(rows.values())).relabel(key) if same and rows else LayerRows(key, segs, device, num_rows)
+                )
         picks, counts = [], []
         for seg in segs:
             request = seg.inp.plan.logits
             end = seg.offset + seg.num_tokens
-            first = {LogitsRequest.NONE: end, LogitsRequest.LAST: end - 1,
-                     LogitsRequest.ALL: seg.offset}[request]
+            first = {LogitsRequest.NONE: end, LogitsRequest.LAST: end - 1, LogitsRequest.ALL: seg.offset}[request]
             picks += range(first, end)
             counts.append(None if request is LogitsRequest.NONE else end - first)
-        return Step(token_ids, segs, rows, self._engram_ids(host_ids, segs, device),
-                    _on(picks, device), counts, host_ids=host_ids)
+        return Step(
+            token_ids,
+            segs,
+            rows,
+            self._engram_ids(host_ids, segs, device),
+            _on(picks, device),
+            counts,
+            host_ids=host_ids,
+        )
 
     def apply_feed(self, step: Step, feed: TokenFeed, into: Step | None = None) -> None:
         """Write the fed rows' ids and Engram row ids into `into`'s tensors (default: `step`;
@@ -522,8 +536,9 @@ class Model:
         lookbacks = [self._lookback(seg) for seg in segs]
         if any(len(lb) != self.hasher.max_shift for lb in lookbacks):
             raise ValueError("a fed sequence needs a full Engram lookback")
-        windows = torch.cat((torch.tensor(lookbacks, dtype=torch.long).to(dev, non_blocking=True),
-                             tokens[:, None]), dim=1)
+        windows = torch.cat(
+            (torch.tensor(lookbacks, dtype=torch.long).to(dev, non_blocking=True), tokens[:, None]), dim=1
+        )
         hashed = self.hasher.hash_windows([spec.engram_index for spec in layers], windows)
         for spec, rows in zip(layers, hashed, strict=True):
             into.hash_ids[spec.layer_id].index_copy_(0, dst, rows)
@@ -534,8 +549,7 @@ class Model:
         num_rows = step.token_ids.shape[0]
         embed = self.w.embed[step.token_ids]  # [T, D]
         streams = embed[:, None, :].expand(num_rows, cfg.hc_mult, cfg.hidden_size).clone()
-        carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32,
-                                  device=self.device)  # [T, S]
+        carried_pre = torch.zeros(num_rows, cfg.hc_mult, dtype=torch.float32, device=self.device)  # [T, S]
         carried_pre[:, 0] = 1.0  # layer 0: one-hot, the first attention input is e_p (§2.4)
         step.published, step.outputs = Published(), {}
         taps: list[torch.Tensor] = []
@@ -574,15 +588,16 @@ class Model:
         """After the step: the states' token counters and lookback ids."""
         ids = (step.token_ids if step.host_ids is None else step.host_ids).tolist()
         for seg in step.segs:
-            self._record_tokens(seg, ids[seg.offset:seg.offset + seg.num_tokens])
+            self._record_tokens(seg, ids[seg.offset : seg.offset + seg.num_tokens])
 
     # ------------------------------------------------------------------ batch setup
     def _segments(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput]) -> list[Segment]:
         if token_ids.ndim != 1 or token_ids.dtype != torch.long:
             raise ValueError("token_ids must be a 1-D int64 tensor")
         if sum(s.num_tokens for s in seqs) != token_ids.shape[0]:
-            raise ValueError(f"segments cover {sum(s.num_tokens for s in seqs)} tokens, "
-                             f"token_ids has {token_ids.shape[0]}")
+            raise ValueError(
+                f"segments cover {sum(s.num_tokens for s in seqs)} tokens, token_ids has {token_ids.shape[0]}"
+            )
         if len({id(s.state) for s in seqs}) != len(seqs):
             raise ValueError("a state appears twice in one batch")
         if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= self.cfg.vocab_size):
@@ -609,8 +624,7 @@ class Model:
             if inp.start_pos != held:
                 raise StateError(f"segment starts at {inp.start_pos}, state holds {held} tokens")
         elif inp.start_pos < 0 or end != held:
-            raise StateError(f"replay of [{inp.start_pos}, {end}) must end where the state "
-                             f"ends ({held})")
+            raise StateError(f"replay of [{inp.start_pos}, {end}) must end where the state ends ({held})")
         if end > self.cfg.max_position_embeddings:
             raise ValueError(f"position {end - 1} beyond max_position_embeddings")
 
@@ -620,8 +634,9 @@ class Model:
             raise StateError(f"{len(ids)} lookback ids for a segment starting at {seg.start_pos}")
         return tuple(ids)
 
-    def _engram_ids(self, token_ids: torch.Tensor, segs: list[Segment],
-                    device: torch.device | None = None) -> dict[int, torch.Tensor]:
+    def _engram_ids(
+        self, token_ids: torch.Tensor, segs: list[Segment], device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
         """Per Engram layer: row ids [T, C] of every row (token_ids on the host).
 
         A row's hash reads only the `max_shift` ids before it, so the segments with a full
@@ -640,7 +655,7 @@ class Model:
         for i in full:
             s = segs[i]
             joined += lookbacks[i]
-            joined += ids[s.offset:s.offset + s.num_tokens]
+            joined += ids[s.offset : s.offset + s.num_tokens]
             keep += [False] * shift + [True] * s.num_tokens
             dst += range(s.offset, s.offset + s.num_tokens)
         if full:
@@ -654,8 +669,9 @@ class Model:
                 rows[dst_t] = hashed[keep_t]
             for i in short:
                 s = segs[i]
-                rows[s.offset:s.offset + s.num_tokens] = self.hasher.hash_ids(
-                    spec.engram_index, token_ids[s.offset:s.offset + s.num_tokens], lookbacks[i])
+                rows[s.offset : s.offset + s.num_tokens] = self.hasher.hash_ids(
+                    spec.engram_index, token_ids[s.offset : s.offset + s.num_tokens], lookbacks[i]
+                )
             out[spec.layer_id] = rows.to(self.device if device is None else device)  # [T, C]
         return out
 
@@ -665,8 +681,15 @@ class Model:
         seg.state.record_tokens(max(end, seg.state.num_tokens), history[-3:])
 
     # ------------------------------------------------------------------ one layer (§2.4)
-    def _layer(self, spec: LayerSpec, lw: LayerWeights, rows: LayerRows, streams: torch.Tensor,
-               carried_pre: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(
+        self,
+        spec: LayerSpec,
+        lw: LayerWeights,
+        rows: LayerRows,
+        streams: torch.Tensor,
+        carried_pre: torch.Tensor,
+        step: Step,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over its seam / compute rows -> (new streams [T, S, D], carried pre [T, S]).
 
         A layer over every row returns its own FFN pre as the carried pre (no copy); one over
@@ -684,8 +707,7 @@ class Model:
         pre_in = carried_pre if seam_all else carried_pre[rows.seam_idx]
         mixes_a = None
         if every:
-            _, *mixes_a, x_seam = self._mhc_step(None, xs, None, None, lw.hc_attn, pre_in,
-                                                 lw.attn_norm)
+            _, *mixes_a, x_seam = self._mhc_step(None, xs, None, None, lw.hc_attn, pre_in, lw.attn_norm)
         else:
             x_seam = d.rms_norm(self.mhc.collapse(xs, pre_in), lw.attn_norm, self.eps)  # [Ts, D]
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
@@ -697,8 +719,7 @@ class Model:
         x = x_seam if every else x_seam[rows.compute_in_seam]
         y = self._attention(spec, lw, x, rows, step)
         # 4. write-back, 5. the FFN site's mixes, 6. ffn_norm(collapse): one fused mHC step
-        xc, pre_f, post_f, comb_f, h = self._mhc_step(y, xc, post_a, comb_a, lw.hc_ffn, pre_a,
-                                                      lw.ffn_norm)
+        xc, pre_f, post_f, comb_f, h = self._mhc_step(y, xc, post_a, comb_a, lw.hc_ffn, pre_a, lw.ffn_norm)
         out = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
         if every:
             return out, pre_f  # 8.
@@ -706,35 +727,54 @@ class Model:
         carried_pre[rows.compute_idx] = pre_f  # 8.
         return streams, carried_pre
 
-    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
-                       row_ids: torch.Tensor) -> torch.Tensor:
+    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         table_rows = lw.engram.table.rows(row_ids, self.dtype)
         return self.engram.engram_inject(xs, table_rows, lw.engram.wkv, lw.engram.qk, self.eps)
 
     def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg, m = self.cfg, lw.moe
-        return self.moe_k.moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
-                              cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                              cfg.norm_topk_prob)
+        return self.moe_k.moe(
+            h,
+            m.gate,
+            m.bias,
+            m.experts,
+            m.shared,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.gate_temp,
+            cfg.norm_topk_prob,
+        )
 
     def _mhc_step(self, y, streams, post, comb, mw: MixWeights, pre_in, norm_weight):
         """mhc.expand_mix_collapse: (X', pre, post, comb, rms_norm(collapse(X', pre_in)))."""
         cfg = self.cfg
-        return self.mhc.expand_mix_collapse(y, streams, post, comb, mw.fn, mw.base, mw.scale,
-                                            cfg.hc_sinkhorn_iters, cfg.hc_eps, self.eps, pre_in,
-                                            norm_weight)
+        return self.mhc.expand_mix_collapse(
+            y,
+            streams,
+            post,
+            comb,
+            mw.fn,
+            mw.base,
+            mw.scale,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            self.eps,
+            pre_in,
+            norm_weight,
+        )
 
     def _mixes(self, streams: torch.Tensor, mw: MixWeights) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        return self.mhc.hc_mixes(streams, mw.fn, mw.base, mw.scale, cfg.hc_sinkhorn_iters,
-                                 cfg.hc_eps, self.eps)
+        return self.mhc.hc_mixes(streams, mw.fn, mw.base, mw.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, self.eps)
 
     def _freqs(self, spec: LayerSpec) -> torch.Tensor:
         return self.freqs_compress if spec.ratio > 0 else self.freqs_main
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
-    def _write_global_kv(self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor,
-                         rows: LayerRows, step: Step) -> None:
+    def _write_global_kv(
+        self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor, rows: LayerRows, step: Step
+    ) -> None:
         """Compress the seam rows of every segment and append entries + index keys (§4, §5.2)."""
         cw = lw.compressor
         if spec.ratio == 2:
@@ -748,42 +788,48 @@ class Model:
             if spec.ratio == 2:
                 latents = self._close_groups(spec.layer_id, cw.norm, part, projected)  # [G, d]
             else:
-                latents = latents_all[part.s0:part.s1]  # [G, d]
+                latents = latents_all[part.s0 : part.s1]  # [G, d]
             if latents.shape[0]:
                 first_entry = (part.seg.start_pos + part.seam_first) // spec.ratio
                 kv, keys = self._entries(cw, latents, first_entry, spec.ratio)
                 part.seg.state.append_entries(spec.layer_id, first_entry, kv, keys)
 
-    def _close_groups(self, src: int, norm: torch.Tensor, part: Part,
-                      projected: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _close_groups(
+        self, src: int, norm: torch.Tensor, part: Part, projected: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         """Ratio 2: pool the part's rows after the carried open-group row -> latents [G, d]."""
         state, first_pos = part.seg.state, part.seg.start_pos + part.seam_first
         open_in = state.open_group(src)
         if (open_in is not None) != (first_pos % 2 == 1):
-            raise StateError(f"source {src}: open-group row {'present' if open_in else 'missing'}"
-                             f" at position {first_pos}")
-        kv32, gate32 = (t[part.s0:part.s1] for t in projected)
+            raise StateError(
+                f"source {src}: open-group row {'present' if open_in else 'missing'} at position {first_pos}"
+            )
+        kv32, gate32 = (t[part.s0 : part.s1] for t in projected)
         state.note_group_rows(src, first_pos, kv32, gate32)  # a verify's rollback (speculation)
         pooled, open_out = self.compressor.pool_pairs(kv32, gate32, open_in)
         state.set_open_group(src, open_out)
         return self.compressor.latent(pooled, norm, self.eps, self.dtype)
 
-    def _replay_open_group(self, spec: LayerSpec, part: Part,
-                           projected: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def _replay_open_group(
+        self, spec: LayerSpec, part: Part, projected: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
         """Replay writes no entries (they exist); a ratio-2 source rebuilds its open row."""
         state, end_pos = part.seg.state, part.seg.start_pos + part.seg.num_tokens
         needed = end_pos // spec.ratio
         if state.num_entries(spec.layer_id) < needed:
-            raise StateError(f"replay: source {spec.layer_id} holds "
-                             f"{state.num_entries(spec.layer_id)} entries, needs {needed}")
+            raise StateError(
+                f"replay: source {spec.layer_id} holds {state.num_entries(spec.layer_id)} entries, needs {needed}"
+            )
         if projected is not None:
             last = part.s1 - 1  # the lone token of a group left open at end_pos - 1
             kv32, gate32 = projected
-            state.set_open_group(spec.layer_id, OpenGroup(kv32[last].clone(), gate32[last].clone())
-                                 if end_pos % 2 else None)
+            state.set_open_group(
+                spec.layer_id, OpenGroup(kv32[last].clone(), gate32[last].clone()) if end_pos % 2 else None
+            )
 
-    def _entries(self, cw: CompressorWeights, latents: torch.Tensor, first_entry: int,
-                 ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _entries(
+        self, cw: CompressorWeights, latents: torch.Tensor, first_entry: int, ratio: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE latents [G, d] -> (main KV [G, d] NVFP4, index keys [G, dI] MXFP4)."""
         d = self.dense
         # entries are rotated at the position of their group's first token (§3.3, §12.7)
@@ -796,8 +842,9 @@ class Model:
         return kv, keys
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows,
-                   step: Step) -> torch.Tensor:
+    def _attention(
+        self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step
+    ) -> torch.Tensor:
         """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
         cfg, aw = self.cfg, lw.attn
         pos = rows.positions
@@ -808,32 +855,31 @@ class Model:
             self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, step.published)
         outs = []
         for part in rows.compute_parts:
-            keys, valid = self._window(spec.layer_id, part, kv[part.c0:part.c1],
-                                       pos[part.c0:part.c1])  # [t, W, d]
+            keys, valid = self._window(spec.layer_id, part, kv[part.c0 : part.c1], pos[part.c0 : part.c1])  # [t, W, d]
             if spec.ratio > 0:
                 entries = part.seg.state.entries(spec.kv_src).kv  # [N, d]
                 topk = step.published.get(part, "topk", spec.idx_src)  # [t, K]
                 ck, cvalid = self.attention.compressed_keys(entries, topk)  # [t, K, d]
                 keys, valid = torch.cat((keys, ck), 1), torch.cat((valid, cvalid), 1)
-            outs.append(self.attention.sparse_attention(
-                q[part.c0:part.c1], keys, valid, aw.sink, cfg.head_dim ** -0.5))
+            outs.append(self.attention.sparse_attention(q[part.c0 : part.c1], keys, valid, aw.sink, cfg.head_dim**-0.5))
         o = torch.cat(outs)  # [Tc, H, d]
         o = self.rope.rotate(o, cos, sin, inverse=True)
         return self._output_projection(aw, o)
 
-    def _window(self, layer: int, part: Part, kv_new: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(
+        self, layer: int, part: Part, kv_new: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys of the part's queries; appends the new window KV to the state."""
         state = part.seg.state
         if part.clip_window:
             state.clip_window(layer, part.first_pos)
         win = state.window(layer)
         if win.end_pos != part.first_pos:
-            raise StateError(f"layer {layer}: window ends at {win.end_pos}, segment rows start "
-                             f"at {part.first_pos} (replay needed?)")
+            raise StateError(
+                f"layer {layer}: window ends at {win.end_pos}, segment rows start at {part.first_pos} (replay needed?)"
+            )
         buffer = torch.cat((win.kv, kv_new))  # positions win.start_pos ..
-        keys, valid = self.attention.window_keys(buffer, win.start_pos, positions,
-                                                 self.cfg.sliding_window)
+        keys, valid = self.attention.window_keys(buffer, win.start_pos, positions, self.cfg.sliding_window)
         state.append_window(layer, part.first_pos, kv_new)
         return keys, valid
 
@@ -842,37 +888,52 @@ class Model:
         return output_projection(self.dense, self.cfg, aw, o)
 
     # ------------------------------------------------------------------ indexer (§5)
-    def _select(self, spec: LayerSpec, iw: IndexQueryWeights, x: torch.Tensor, c_q: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: LayerRows,
-                published: Published) -> None:
+    def _select(
+        self,
+        spec: LayerSpec,
+        iw: IndexQueryWeights,
+        x: torch.Tensor,
+        c_q: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rows: LayerRows,
+        published: Published,
+    ) -> None:
         """Score the kv source's index keys, publish top-k (and candidates at the source)."""
         cfg, d = self.cfg, self.dense
         pos, num_q = rows.positions, x.shape[0]
         q = d.linear(c_q, iw.wq_b).reshape(num_q, cfg.index_n_heads, cfg.index_head_dim)
         q = self.quant.fake_quant_mxfp4(self.rope.rotate(q, *cos_sin))  # [Tc, hI, dI]
-        scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5  # 1/64 released
+        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5  # 1/64 released
         head_w = d.linear(x, iw.weights_proj).to(torch.float32) * scale  # [Tc, hI]
         for part in rows.compute_parts:
             keys = part.seg.state.entries(spec.kv_src).keys  # [N, dI]
-            n_visible = (pos[part.c0:part.c1] + 1) // spec.ratio  # [t]
-            scores = self.indexer.index_scores(q[part.c0:part.c1], head_w[part.c0:part.c1],
-                                               keys, n_visible)  # [t, N] FP32
+            n_visible = (pos[part.c0 : part.c1] + 1) // spec.ratio  # [t]
+            scores = self.indexer.index_scores(
+                q[part.c0 : part.c1], head_w[part.c0 : part.c1], keys, n_visible
+            )  # [t, N] FP32
             allowed = None
             if spec.is_candidate_source:
-                published.put(part, "candidates", spec.layer_id, self.indexer.candidate_mask(
-                    scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks))
+                published.put(
+                    part,
+                    "candidates",
+                    spec.layer_id,
+                    self.indexer.candidate_mask(scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks),
+                )
             if spec.uses_candidates:
                 allowed = published.get(part, "candidates", cfg.candidate_source_layer_id)
-            published.put(part, "topk", spec.layer_id,
-                          self.indexer.select_topk(scores, cfg.index_topk, allowed))
+            published.put(part, "topk", spec.layer_id, self.indexer.select_topk(scores, cfg.index_topk, allowed))
 
 
 # ============================================================================ shared pieces
 # Attention arithmetic the backbone (ratio-0 and compressed layers alike) and the DSpark drafter
 # (model/dspark.py) share; `kernels` maps op family -> module (`dispatch.select`).
-def attention_query(kernels: Mapping, cfg: ModelConfig, aw: AttentionWeights, x: torch.Tensor,
-                    cos_sin: tuple[torch.Tensor, torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_query(
+    kernels: Mapping,
+    cfg: ModelConfig,
+    aw: AttentionWeights,
+    x: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (normed) -> (c_q [T, q_lora], RoPE'd q [T, H, d]); no per-head q norm (§12.4)."""
     d = kernels["dense"]
     c_q = d.rms_norm(d.linear(x, aw.wq_a), aw.q_norm, cfg.rms_norm_eps)  # [T, q_lora]
@@ -880,16 +941,20 @@ def attention_query(kernels: Mapping, cfg: ModelConfig, aw: AttentionWeights, x:
     return c_q, kernels["rope"].rotate(q, *cos_sin)
 
 
-def window_kv(kernels: Mapping, cfg: ModelConfig, aw: AttentionWeights, x: torch.Tensor,
-              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def window_kv(
+    kernels: Mapping,
+    cfg: ModelConfig,
+    aw: AttentionWeights,
+    x: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """x [T, D] -> window K = V [T, d]: kv_norm(wkv(x)), RoPE, FP8 UE8M0 fake-quant (§6.1)."""
     d = kernels["dense"]
     kv = d.rms_norm(d.linear(x, aw.wkv), aw.kv_norm, cfg.rms_norm_eps)  # [T, d]
     return kernels["quant"].fake_quant_fp8_ue8m0(kernels["rope"].rotate(kv, *cos_sin))
 
 
-def output_projection(dense, cfg: ModelConfig, aw: AttentionWeights,
-                      o: torch.Tensor) -> torch.Tensor:
+def output_projection(dense, cfg: ModelConfig, aw: AttentionWeights, o: torch.Tensor) -> torch.Tensor:
     """o [T, H, d] (inverse-RoPE'd) -> grouped wo_a (block-diagonal, §3.6) -> wo_b -> [T, D]."""
     groups = o.reshape(o.shape[0], cfg.o_groups, -1)  # [T, G, (H/G)*d]
     wo_a = aw.wo_a.reshape(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, (H/G)*d]
@@ -897,9 +962,12 @@ def output_projection(dense, cfg: ModelConfig, aw: AttentionWeights,
     return dense.linear(z, aw.wo_b)  # [T, D]
 
 
-def load_model(path: str, dtype: torch.dtype = torch.bfloat16,
-               kernels: Mapping[str, str] | None = None,
-               compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT) -> Model:
+def load_model(
+    path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    kernels: Mapping[str, str] | None = None,
+    compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+) -> Model:
     """Load a checkpoint directory and build the model in `dtype`."""
     from flashpd.model.checkpoint import load_checkpoint
 

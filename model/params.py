@@ -70,8 +70,4 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     final = cfg.hidden_size + cfg.vocab_size * cfg.hidden_size  # norm + head
     prefill = sum(per_layer_active[:cand]) + seam_active + embed_row
     decode = sum(per_layer_active) + embed_row + final
-    return {
-        "total_params": total,
-        "active_params_prefill": round(prefill),
-        "active_params_decode": round(decode),
-    }
+    return {"total_params": total, "active_params_prefill": round(prefill), "active_params_decode": round(decode)}

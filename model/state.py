@@ -52,8 +52,18 @@ from flashpd.model.config import ModelConfig
 
 LOOKBACK_TOKENS = 3  # Engram looks back engram_max_ngram_size - 1 = 3 tokens
 
-__all__ = ["DenseSeqState", "SpecMark", "Speculative", "TokenCounter", "Entries", "GlobalKV", "OpenGroup", "SeqState", "StateError",
-           "Window"]
+__all__ = [
+    "DenseSeqState",
+    "SpecMark",
+    "Speculative",
+    "TokenCounter",
+    "Entries",
+    "GlobalKV",
+    "OpenGroup",
+    "SeqState",
+    "StateError",
+    "Window",
+]
 
 
 class StateError(RuntimeError):
@@ -104,11 +114,14 @@ class SpecMark:
 
     def check_truncate(self, num_tokens: int, held: int) -> None:
         if not self.num_tokens <= num_tokens <= held:
-            raise StateError(f"truncate to {num_tokens} tokens outside [{self.num_tokens}, "
-                             f"{held}] (speculation began at {self.num_tokens})")
+            raise StateError(
+                f"truncate to {num_tokens} tokens outside [{self.num_tokens}, "
+                f"{held}] (speculation began at {self.num_tokens})"
+            )
         if held - self.num_tokens > self.max_rows:
-            raise StateError(f"{held - self.num_tokens} rows appended since the mark, at most "
-                             f"{self.max_rows} announced")
+            raise StateError(
+                f"{held - self.num_tokens} rows appended since the mark, at most {self.max_rows} announced"
+            )
 
     def open_row_at(self, src: int, num_tokens: int) -> OpenGroup | None:
         """The open row of a ratio-2 source for a state of `num_tokens` tokens, when its last
@@ -134,8 +147,7 @@ class Speculative:
     def begin_speculation(self, max_rows: int) -> None:
         raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")
 
-    def note_group_rows(self, src: int, first_pos: int, kv32: torch.Tensor,
-                        gate32: torch.Tensor) -> None:
+    def note_group_rows(self, src: int, first_pos: int, kv32: torch.Tensor, gate32: torch.Tensor) -> None:
         """The ratio-2 compressor's FP32 (a, g) rows [n, c] of positions first_pos ...; kept
         only while speculating (rows at or after the mark)."""
         mark = self._spec
@@ -183,8 +195,7 @@ class SeqState(Speculative, abc.ABC):
     def entries(self, src: int) -> Entries: ...
 
     @abc.abstractmethod
-    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor,
-                       keys: torch.Tensor) -> None: ...
+    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor, keys: torch.Tensor) -> None: ...
 
     @abc.abstractmethod
     def global_state(self) -> GlobalKV: ...
@@ -221,8 +232,7 @@ class TokenCounter:
 class DenseSeqState(TokenCounter, SeqState):
     """Reference state: plain tensors in the compute dtype (FP32 open-group rows)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -231,24 +241,24 @@ class DenseSeqState(TokenCounter, SeqState):
         self._num_tokens = 0
         self._lookback: tuple[int, ...] = ()
         self._windows: dict[int, Window | None] = {
-            layer: Window(0, self._empty(cfg.head_dim)) for layer in range(cfg.num_layers)}
-        self._open: dict[int, OpenGroup | None] = {
-            s: None for s, r in self._ratios.items() if r > 1}
+            layer: Window(0, self._empty(cfg.head_dim)) for layer in range(cfg.num_layers)
+        }
+        self._open: dict[int, OpenGroup | None] = {s: None for s, r in self._ratios.items() if r > 1}
         self._entries: dict[int, Entries] = {s: self._no_entries() for s in self._ratios}
 
     # ------------------------------------------------------------------ windows
     def window(self, layer: int) -> Window:
         win = self._windows[layer]
         if win is None:
-            raise StateError(f"window of layer {layer} is unset (global state loaded without a "
-                             "replay); run a bounded replay first")
+            raise StateError(
+                f"window of layer {layer} is unset (global state loaded without a replay); run a bounded replay first"
+            )
         return win
 
     def append_window(self, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         win = self.window(layer)
         if start_pos != win.end_pos:
-            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at "
-                             f"{win.end_pos}")
+            raise StateError(f"layer {layer}: window append at {start_pos}, window ends at {win.end_pos}")
         joined = torch.cat((win.kv, kv.to(self.device, self.dtype)), dim=0)
         drop = max(0, joined.shape[0] - self._keep_positions)
         self._windows[layer] = Window(win.start_pos + drop, joined[drop:])
@@ -272,32 +282,34 @@ class DenseSeqState(TokenCounter, SeqState):
     def entries(self, src: int) -> Entries:
         return self._entries_of(src)
 
-    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor,
-                       keys: torch.Tensor) -> None:
+    def append_entries(self, src: int, first_entry: int, kv: torch.Tensor, keys: torch.Tensor) -> None:
         old = self._entries_of(src)
         if first_entry != old.num_entries:
-            raise StateError(f"source {src}: entries appended at {first_entry}, "
-                             f"{old.num_entries} stored")
-        self._entries[src] = Entries(torch.cat((old.kv, kv.to(self.device, self.dtype))),
-                                     torch.cat((old.keys, keys.to(self.device, self.dtype))))
+            raise StateError(f"source {src}: entries appended at {first_entry}, {old.num_entries} stored")
+        self._entries[src] = Entries(
+            torch.cat((old.kv, kv.to(self.device, self.dtype))), torch.cat((old.keys, keys.to(self.device, self.dtype)))
+        )
 
     def global_state(self) -> GlobalKV:
         return GlobalKV(
-            num_tokens=self._num_tokens, lookback_ids=self._lookback,
-            entries={s: Entries(e.kv.clone(), e.keys.clone()) for s, e in self._entries.items()})
+            num_tokens=self._num_tokens,
+            lookback_ids=self._lookback,
+            entries={s: Entries(e.kv.clone(), e.keys.clone()) for s, e in self._entries.items()},
+        )
 
     def load_global_state(self, state: GlobalKV) -> None:
         if set(state.entries) != set(self._ratios):
-            raise StateError(f"global state has sources {sorted(state.entries)}, config has "
-                             f"{sorted(self._ratios)}")
+            raise StateError(f"global state has sources {sorted(state.entries)}, config has {sorted(self._ratios)}")
         for src, ent in state.entries.items():
             want = state.num_tokens // self._ratios[src]
             if ent.num_entries != want:
-                raise StateError(f"source {src}: {ent.num_entries} entries for "
-                                 f"{state.num_tokens} tokens, expected {want}")
-        self._entries = {s: Entries(e.kv.to(self.device, self.dtype).clone(),
-                                    e.keys.to(self.device, self.dtype).clone())
-                         for s, e in state.entries.items()}
+                raise StateError(
+                    f"source {src}: {ent.num_entries} entries for {state.num_tokens} tokens, expected {want}"
+                )
+        self._entries = {
+            s: Entries(e.kv.to(self.device, self.dtype).clone(), e.keys.to(self.device, self.dtype).clone())
+            for s, e in state.entries.items()
+        }
         self._windows = {layer: None for layer in self._windows}
         self._open = {s: None for s in self._open}
         self._num_tokens = 0
@@ -323,7 +335,7 @@ class DenseSeqState(TokenCounter, SeqState):
             cur = self.window(layer)
             if cur.start_pos > mark.num_tokens:
                 raise StateError(f"layer {layer}: window lost rows since the mark")
-            kept = cur.kv[mark.num_tokens - cur.start_pos:num_tokens - cur.start_pos]
+            kept = cur.kv[mark.num_tokens - cur.start_pos : num_tokens - cur.start_pos]
             self._windows[layer] = saved
             self.append_window(layer, mark.num_tokens, kept)
         for src, ratio in self._ratios.items():
@@ -332,8 +344,7 @@ class DenseSeqState(TokenCounter, SeqState):
             self._entries[src] = Entries(ent.kv[:keep], ent.keys[:keep])
         for src in self._open:
             row = mark.open_row_at(src, num_tokens)  # None: even count, or the mark's own row
-            self._open[src] = None if num_tokens % 2 == 0 else row if row is not None \
-                else opens[src]
+            self._open[src] = None if num_tokens % 2 == 0 else row if row is not None else opens[src]
         self._spec = None
         self._set_tokens(num_tokens, lookback_ids)
 

@@ -47,14 +47,7 @@ from flashpd.kernels.indexer import ref as indexer_ref
 from flashpd.kernels.mhc import ref as mhc
 from flashpd.kernels.quant import ref as quant
 from flashpd.kernels.rope import ref as rope
-from flashpd.model.checkpoint import (
-    INDEX_FILE,
-    TensorSpec,
-    is_scale,
-    logical_shape,
-    manifest,
-    plan_shards,
-)
+from flashpd.model.checkpoint import INDEX_FILE, TensorSpec, is_scale, logical_shape, manifest, plan_shards
 from flashpd.model.config import LayerSpec, ModelConfig
 
 INDEXER_LOSS_WEIGHT = 0.1
@@ -116,7 +109,7 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Generato
         return torch.ones(shape)
     if leaf.endswith("_base"):  # pre 0 (0.5 each), post 0 (1 each), comb near the identity
         base = torch.zeros(shape)
-        base[2 * s:] = (torch.eye(s) * 4.0).reshape(-1)
+        base[2 * s :] = (torch.eye(s) * 4.0).reshape(-1)
         return base
     if leaf == "embed.weight":
         return torch.randn(shape, generator=g)
@@ -139,16 +132,19 @@ class TrainModel(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.specs = {n: s for n, s in manifest(cfg).items() if not is_scale(s)}
         self.formats = {n: _format_of(n, s) for n, s in self.specs.items()}
-        self.params = torch.nn.ParameterDict({
-            _key(n): torch.nn.Parameter(_init(n, logical_shape(s), cfg, g))
-            for n, s in self.specs.items()})
+        self.params = torch.nn.ParameterDict(
+            {_key(n): torch.nn.Parameter(_init(n, logical_shape(s), cfg, g)) for n, s in self.specs.items()}
+        )
         self.compute_dtype = torch.float32
-        yarn = rope.Yarn(cfg.rope.yarn_factor, cfg.rope.yarn_beta_fast, cfg.rope.yarn_beta_slow,
-                         cfg.rope.yarn_original_max_position)
-        self.register_buffer("freqs_main", rope.rope_frequencies(
-            cfg.rope_head_dim, cfg.rope.theta, None), persistent=False)
-        self.register_buffer("freqs_compress", rope.rope_frequencies(
-            cfg.rope_head_dim, cfg.rope.compress_theta, yarn), persistent=False)
+        yarn = rope.Yarn(
+            cfg.rope.yarn_factor, cfg.rope.yarn_beta_fast, cfg.rope.yarn_beta_slow, cfg.rope.yarn_original_max_position
+        )
+        self.register_buffer(
+            "freqs_main", rope.rope_frequencies(cfg.rope_head_dim, cfg.rope.theta, None), persistent=False
+        )
+        self.register_buffer(
+            "freqs_compress", rope.rope_frequencies(cfg.rope_head_dim, cfg.rope.compress_theta, yarn), persistent=False
+        )
         self.expert_load: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ weights
@@ -186,8 +182,7 @@ class TrainModel(torch.nn.Module):
         return y.to(x.dtype)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, ids: torch.Tensor, want_aux: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, want_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] (every sequence from position 0) -> (logits FP32 [B, T, V], indexer loss)."""
         cfg, dt = self.cfg, self.compute_dtype
         b, t = ids.shape
@@ -216,9 +211,8 @@ class TrainModel(torch.nn.Module):
         hz, dev = self.hasher, ids.device
         cmap = hz.compressed_map.to(dev)[ids]  # [B, T]
         k = hz.max_shift
-        padded = torch.cat((torch.full((ids.shape[0], k), hz.pad_id, device=dev,
-                                       dtype=torch.long), cmap), 1)
-        shifted = torch.stack([padded[:, k - s: k - s + ids.shape[1]] for s in range(k + 1)], -1)
+        padded = torch.cat((torch.full((ids.shape[0], k), hz.pad_id, device=dev, dtype=torch.long), cmap), 1)
+        shifted = torch.stack([padded[:, k - s : k - s + ids.shape[1]] for s in range(k + 1)], -1)
         out = {}
         for spec in self.cfg.layers:
             if not spec.has_engram:
@@ -227,7 +221,7 @@ class TrainModel(torch.nn.Module):
             prod = shifted * hz.multipliers[i].to(dev)  # [B, T, K]
             rolling, hashes = prod[..., :1], []
             for s in range(1, k + 1):
-                rolling = torch.bitwise_xor(rolling, prod[..., s:s + 1])
+                rolling = torch.bitwise_xor(rolling, prod[..., s : s + 1])
                 hashes.append(rolling)
             r = torch.cat(hashes, -1)  # [B, T, n_grams]
             rows = torch.remainder(r[..., None], hz.primes[i].to(dev)) + hz.offsets[i].to(dev)
@@ -235,9 +229,15 @@ class TrainModel(torch.nn.Module):
         return out
 
     def _mixes(self, xs: torch.Tensor, p: str, site: str):
-        return mhc.hc_mixes(xs, self.w(f"{p}hc_{site}_fn"), self.w(f"{p}hc_{site}_base"),
-                            self.w(f"{p}hc_{site}_scale"), self.cfg.hc_sinkhorn_iters,
-                            self.cfg.hc_eps, self.cfg.rms_norm_eps)
+        return mhc.hc_mixes(
+            xs,
+            self.w(f"{p}hc_{site}_fn"),
+            self.w(f"{p}hc_{site}_base"),
+            self.w(f"{p}hc_{site}_scale"),
+            self.cfg.hc_sinkhorn_iters,
+            self.cfg.hc_eps,
+            self.cfg.rms_norm_eps,
+        )
 
     def _layer(self, spec: LayerSpec, xs, carried, hash_rows, ctx):
         cfg, p = self.cfg, f"layers.{spec.layer_id}."
@@ -245,8 +245,7 @@ class TrainModel(torch.nn.Module):
             rows = hash_rows[spec.layer_id].reshape(xs.shape[0], -1)  # [N, C]
             table = self.wc(p + "engram.embed.weight")[rows].reshape(rows.shape[0], -1)
             qk = self.w(p + "engram.q_weight") * self.w(p + "engram.k_weight")
-            xs = engram_ref.engram_inject(xs, table, self.wc(p + "engram.wkv.weight"), qk,
-                                          cfg.rms_norm_eps)
+            xs = engram_ref.engram_inject(xs, table, self.wc(p + "engram.wkv.weight"), qk, cfg.rms_norm_eps)
         x = self._rms(mhc.collapse(xs, carried), p + "attn_norm.weight")  # [N, D]
         if spec.owns_compressor:
             self._compress(spec, p, x, ctx)
@@ -268,8 +267,9 @@ class TrainModel(torch.nn.Module):
             pooled = (wts * a).sum(2)  # [B, G, d] FP32
             latent = self._rms(pooled.to(self.compute_dtype), p + "attn.compressor.norm.weight")
         else:
-            latent = self._rms(self._lin(x, p + "attn.compressor.wkv.weight"),
-                               p + "attn.compressor.norm.weight").reshape(b, t, -1)
+            latent = self._rms(
+                self._lin(x, p + "attn.compressor.wkv.weight"), p + "attn.compressor.norm.weight"
+            ).reshape(b, t, -1)
         n_ent = latent.shape[1]
         entry_pos = torch.arange(n_ent, device=x.device) * spec.ratio
         cos, sin = rope.rope_cos_sin(entry_pos, self.freqs_compress)
@@ -278,8 +278,7 @@ class TrainModel(torch.nn.Module):
         kv = _act_ste(kv, quant.fake_quant_nvfp4)
 
         def keys_of(lat):
-            k = self._rms(self._lin(lat, p + "attn.indexer.wk.weight"),
-                          p + "attn.indexer.k_norm.weight")
+            k = self._rms(self._lin(lat, p + "attn.indexer.wk.weight"), p + "attn.indexer.k_norm.weight")
             k = rope.rotate(k.transpose(0, 1), cos, sin).transpose(0, 1)
             return _act_ste(k, quant.fake_quant_mxfp4)
 
@@ -304,7 +303,7 @@ class TrainModel(torch.nn.Module):
             entries = ctx.entries[spec.kv_src]  # [B, N, d]
             keys = torch.cat((kv, entries), 1)
             mask = torch.cat((mask, ctx.selected[spec.idx_src]), 2)
-        scores = torch.einsum("bthd,bsd->bhts", q, keys.to(q.dtype)).float() * d ** -0.5
+        scores = torch.einsum("bthd,bsd->bhts", q, keys.to(q.dtype)).float() * d**-0.5
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         sink = self.w(p + "attn.attn_sink").reshape(1, nh, 1, 1).expand(b, nh, t, 1)
         probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
@@ -321,7 +320,7 @@ class TrainModel(torch.nn.Module):
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         qi = self._lin(c_q.detach(), p + "attn.indexer.wq_b.weight").reshape(b * t, hi, di)
         qi = _act_ste(rope.rotate(qi, *cos_sin), quant.fake_quant_mxfp4).reshape(b, t, hi, di)
-        scale = di ** -0.5 * hi ** -0.5
+        scale = di**-0.5 * hi**-0.5
         head_w = self._lin(x.detach(), p + "attn.indexer.weights_proj.weight").float() * scale
         keys = ctx.keys[spec.kv_src]  # [B, N, dI]
         dots = torch.einsum("bthd,bnd->bthn", qi.float(), keys.float()).clamp_min(0)
@@ -336,7 +335,8 @@ class TrainModel(torch.nn.Module):
             allowed = None
             if spec.is_candidate_source:
                 ctx.candidates = indexer_ref.candidate_mask(
-                    flat, nv, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                    flat, nv, cfg.candidate_block_size, cfg.candidate_topk_blocks
+                )
             if spec.uses_candidates:
                 allowed = ctx.candidates
             top = indexer_ref.select_topk(flat, cfg.index_topk, allowed)  # [B*T, K]
@@ -350,7 +350,7 @@ class TrainModel(torch.nn.Module):
         """KL(attention over all visible entries (heads averaged) || softmax(index scores))."""
         with torch.no_grad():
             att = torch.einsum("bthd,bnd->bhtn", q_main.float(), entries.float())
-            att = att * self.cfg.head_dim ** -0.5
+            att = att * self.cfg.head_dim**-0.5
             att = att.masked_fill(~visible[None, None], float("-inf"))
             target = torch.softmax(att, -1).nan_to_num(0.0).mean(1)  # [B, T, N]
         rows = visible.any(-1)  # queries with at least one visible entry
@@ -372,8 +372,7 @@ class TrainModel(torch.nn.Module):
         weights = chosen * cfg.routed_scaling_factor
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         with torch.no_grad():
-            self.expert_load[spec.layer_id] = torch.bincount(
-                ids.reshape(-1), minlength=cfg.n_routed_experts).float()
+            self.expert_load[spec.layer_id] = torch.bincount(ids.reshape(-1), minlength=cfg.n_routed_experts).float()
         for e in range(cfg.n_routed_experts):
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             if tok.numel() == 0:
@@ -422,8 +421,9 @@ class _Ctx:
 
 
 # ============================================================================ export
-def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | None,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def export_checkpoint(
+    model: TrainModel, out_dir: str, tokenizer_path: str | None, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[str]:
     """Write the weights in the released format (manifest order, config.json, index, tokenizer)."""
     from safetensors.torch import save_file
 
@@ -434,10 +434,11 @@ def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | Non
     shards = plan_shards(specs, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards, strict=True):
-        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
-                  metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())},
-             "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in specs.values())},
+        "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
+    }
     _write_json(os.path.join(out_dir, INDEX_FILE), index)
     _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
     if tokenizer_path:
@@ -445,8 +446,9 @@ def export_checkpoint(model: TrainModel, out_dir: str, tokenizer_path: str | Non
     return [os.path.join(out_dir, f) for f in files]
 
 
-def export_tensors(cfg: ModelConfig, specs: dict[str, TensorSpec], raw, formats: dict[str, str]
-                   ) -> dict[str, torch.Tensor]:
+def export_tensors(
+    cfg: ModelConfig, specs: dict[str, TensorSpec], raw, formats: dict[str, str]
+) -> dict[str, torch.Tensor]:
     """Master weights (`raw(name)`, FP32) -> checkpoint tensors in their formats (+ scales),
     checked against `specs`."""
     tensors: dict[str, torch.Tensor] = {}
@@ -514,7 +516,7 @@ def make_rows(token_lists: list[list[int]], seq_len: int, bos: int, pad: int) ->
         start, first = 0, True
         while start < len(ids) - 1:
             take = seq_len if first else seq_len - 1
-            chunk = ids[start:start + take]
+            chunk = ids[start : start + take]
             if not first:
                 chunk = [bos] + chunk
             start += take
@@ -564,9 +566,11 @@ def prepare_data(tokenizer_path: str, seq_len: int, limit: int | None, log) -> t
     he_rows = make_rows(he_ids, seq_len, bos, train_data.PAD_TOKEN_ID)
     if tr_rows.shape[0] == 0:
         raise ValueError("no training rows: the conversations are too short")
-    log(f"data: {len(train)} train / {len(held)} held-out conversations, "
+    log(
+        f"data: {len(train)} train / {len(held)} held-out conversations, "
         f"{sum(map(len, tr_ids))} / {sum(map(len, he_ids))} tokens, rows {tr_rows.shape[0]} / "
-        f"{he_rows.shape[0]} of {seq_len} ({time.time() - t0:.1f} s)")
+        f"{he_rows.shape[0]} of {seq_len} ({time.time() - t0:.1f} s)"
+    )
     return tr_rows, he_rows
 
 
@@ -574,7 +578,7 @@ def prepare_data(tokenizer_path: str, seq_len: int, limit: int | None, log) -> t
 def evaluate(model: TrainModel, rows: torch.Tensor, batch: int, device, pad: int) -> float:
     total, count = 0.0, 0
     for i in range(0, rows.shape[0], batch):
-        ids = rows[i:i + batch].to(device)
+        ids = rows[i : i + batch].to(device)
         logits, _ = model(ids)
         loss, n = loss_fn(logits, ids, pad)
         total += float(loss) * n
@@ -599,11 +603,17 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {cfg.name}: {n_params / 1e6:.1f}M parameters, compute {args.dtype}")
     decay = [p for k, p in model.params.items() if p.ndim >= 2 and "embed" not in k]
-    other = [p for k, p in model.params.items() if not (p.ndim >= 2 and "embed" not in k)
-             and not k.endswith(("gate__bias", "gate__bias_vl"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    other = [
+        p
+        for k, p in model.params.items()
+        if not (p.ndim >= 2 and "embed" not in k) and not k.endswith(("gate__bias", "gate__bias_vl"))
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     pad = train_data.PAD_TOKEN_ID
     budget = args.minutes * 60.0 if args.minutes else None
@@ -614,12 +624,14 @@ def train(args) -> dict:
         if (args.steps and step >= args.steps) or (budget and elapsed >= budget):
             break
         frac = step / args.steps if args.steps else elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (
-            1 + math.cos(math.pi * min(frac, 1.0))))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        ids = tr_rows.sample(args.batch, gen) if isinstance(tr_rows, Batches) else \
-            tr_rows[torch.randint(0, tr_rows.shape[0], (args.batch,), generator=gen)]
+        ids = (
+            tr_rows.sample(args.batch, gen)
+            if isinstance(tr_rows, Batches)
+            else tr_rows[torch.randint(0, tr_rows.shape[0], (args.batch,), generator=gen)]
+        )
         ids = ids.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         try:
@@ -645,18 +657,29 @@ def train(args) -> dict:
             first_loss = loss.item()
         if step % args.log_every == 0 or step == 1:
             history.append((step, loss.item(), aux.item()))
-            log(f"step {step} loss {loss.item():.4f} indexer {aux.item():.4f} lr {lr:.2e} "
-                f"{time.time() - t0:.0f} s", flush=True)
+            log(
+                f"step {step} loss {loss.item():.4f} indexer {aux.item():.4f} lr {lr:.2e} {time.time() - t0:.0f} s",
+                flush=True,
+            )
     train_time = time.time() - t0
     last_loss = loss.item()
     heldout = evaluate(model, he_rows, args.batch, device, pad) if he_rows.shape[0] else None
-    log(f"trained {step} steps in {train_time:.0f} s; train loss {first_loss:.3f} -> "
-        f"{last_loss:.3f}; held-out loss {heldout}")
+    log(
+        f"trained {step} steps in {train_time:.0f} s; train loss {first_loss:.3f} -> "
+        f"{last_loss:.3f}; held-out loss {heldout}"
+    )
     files = export_checkpoint(model, args.out, tok_path)
-    result = {"steps": step, "train_seconds": train_time, "first_loss": first_loss,
-              "last_loss": last_loss, "heldout_loss": heldout,
-              "heldout_ppl": math.exp(heldout) if heldout is not None else None,
-              "tokens_per_step": args.batch * args.seq_len, "files": files, "history": history}
+    result = {
+        "steps": step,
+        "train_seconds": train_time,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "heldout_loss": heldout,
+        "heldout_ppl": math.exp(heldout) if heldout is not None else None,
+        "tokens_per_step": args.batch * args.seq_len,
+        "files": files,
+        "history": history,
+    }
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
     log(f"wrote {args.out}")
@@ -668,8 +691,9 @@ def register(sub) -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="compute dtype (default bf16 on cuda, fp32 on cpu)")
+    p.add_argument(
+        "--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default bf16 on cuda, fp32 on cpu)"
+    )
     p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
     p.add_argument("--steps", type=int, default=None, help="training steps (instead of minutes)")
     p.add_argument("--batch", type=int, default=32)
@@ -681,18 +705,21 @@ def register(sub) -> None:
     p.add_argument("--eval-rows", type=int, default=256)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--quiet", action="store_true")
-    d = p.add_argument_group("drafter", "--drafter: train the DSpark drafter of a trained "
-                             "checkpoint, its backbone frozen (model/train_drafter.py)")
+    d = p.add_argument_group(
+        "drafter",
+        "--drafter: train the DSpark drafter of a trained checkpoint, its backbone frozen (model/train_drafter.py)",
+    )
     d.add_argument("--drafter", action="store_true")
-    d.add_argument("--base", default=None,
-                   help="trained checkpoint (default: the preset's shipped one)")
-    d.add_argument("--teacher-rows", type=int, default=512,
-                   help="training rows the frozen backbone labels (taps + greedy tokens)")
+    d.add_argument("--base", default=None, help="trained checkpoint (default: the preset's shipped one)")
+    d.add_argument(
+        "--teacher-rows", type=int, default=512, help="training rows the frozen backbone labels (taps + greedy tokens)"
+    )
     d.add_argument("--blocks-per-row", type=int, default=8)
     d.add_argument("--eval-prompts", type=int, default=16)
     d.add_argument("--eval-prompt-len", type=int, default=64)
-    d.add_argument("--eval-tokens", type=int, default=128,
-                   help="greedy tokens per held-out prompt the acceptance length walks")
+    d.add_argument(
+        "--eval-tokens", type=int, default=128, help="greedy tokens per held-out prompt the acceptance length walks"
+    )
     d.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
     p.set_defaults(func=_run)
 

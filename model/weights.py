@@ -146,12 +146,10 @@ class _Reader:
 
     def fp8(self, prefix: str) -> torch.Tensor:
         """`prefix.weight` E4M3 + `prefix.scale` 32x32 tiles -> compute dtype."""
-        return quant.dequantize_fp8_blockwise(self.take(f"{prefix}.weight"),
-                                              self.take(f"{prefix}.scale"), self.dtype)
+        return quant.dequantize_fp8_blockwise(self.take(f"{prefix}.weight"), self.take(f"{prefix}.scale"), self.dtype)
 
     def mxfp4(self, prefix: str) -> torch.Tensor:
-        return quant.dequantize_mxfp4_weight(self.take(f"{prefix}.weight"),
-                                             self.take(f"{prefix}.scale"), self.dtype)
+        return quant.dequantize_mxfp4_weight(self.take(f"{prefix}.weight"), self.take(f"{prefix}.scale"), self.dtype)
 
     def finish(self) -> None:
         if self._left:
@@ -159,14 +157,14 @@ class _Reader:
             raise WeightError(f"{len(names)} checkpoint tensors unused, e.g. {names[:5]}")
 
 
-def load_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype) -> ModelWeights:
+def load_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> ModelWeights:
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"compute dtype must be bfloat16 or float32, got {dtype}")
     r = _Reader(tensors, dtype)
     layers = tuple(_layer(cfg, spec, r) for spec in cfg.layers)
-    weights = ModelWeights(embed=r.plain("embed.weight"), norm=r.plain("norm.weight"),
-                           head=r.plain("head.weight"), layers=layers)
+    weights = ModelWeights(
+        embed=r.plain("embed.weight"), norm=r.plain("norm.weight"), head=r.plain("head.weight"), layers=layers
+    )
     r.finish()
     return weights
 
@@ -181,9 +179,10 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, r: _Reader) -> LayerWeights:
         attn=_attention(r, p),
         compressor=_compressor(spec, r, p) if spec.owns_compressor else None,
         index_query=IndexQueryWeights(
-            wq_b=r.fp8(p + "attn.indexer.wq_b"),
-            weights_proj=r.plain(p + "attn.indexer.weights_proj.weight"),
-        ) if spec.owns_index_query else None,
+            wq_b=r.fp8(p + "attn.indexer.wq_b"), weights_proj=r.plain(p + "attn.indexer.weights_proj.weight")
+        )
+        if spec.owns_index_query
+        else None,
         moe=_moe(cfg, r, p, cfg.n_routed_experts),
         engram=_engram(r, p) if spec.has_engram else None,
     )
@@ -191,15 +190,19 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, r: _Reader) -> LayerWeights:
 
 def _attention(r: _Reader, p: str) -> AttentionWeights:
     return AttentionWeights(
-        wq_a=r.fp8(p + "attn.wq_a"), q_norm=r.plain(p + "attn.q_norm.weight"),
-        wq_b=r.fp8(p + "attn.wq_b"), wkv=r.fp8(p + "attn.wkv"),
-        kv_norm=r.plain(p + "attn.kv_norm.weight"), wo_a=r.fp8(p + "attn.wo_a"),
-        wo_b=r.fp8(p + "attn.wo_b"), sink=r.fp32(p + "attn.attn_sink"))
+        wq_a=r.fp8(p + "attn.wq_a"),
+        q_norm=r.plain(p + "attn.q_norm.weight"),
+        wq_b=r.fp8(p + "attn.wq_b"),
+        wkv=r.fp8(p + "attn.wkv"),
+        kv_norm=r.plain(p + "attn.kv_norm.weight"),
+        wo_a=r.fp8(p + "attn.wo_a"),
+        wo_b=r.fp8(p + "attn.wo_b"),
+        sink=r.fp32(p + "attn.attn_sink"),
+    )
 
 
 def _mix(r: _Reader, prefix: str) -> MixWeights:
-    return MixWeights(fn=r.fp32(prefix + "_fn"), base=r.fp32(prefix + "_base"),
-                      scale=r.fp32(prefix + "_scale"))
+    return MixWeights(fn=r.fp32(prefix + "_fn"), base=r.fp32(prefix + "_base"), scale=r.fp32(prefix + "_scale"))
 
 
 def _compressor(spec: LayerSpec, r: _Reader, p: str) -> CompressorWeights:
@@ -208,7 +211,8 @@ def _compressor(spec: LayerSpec, r: _Reader, p: str) -> CompressorWeights:
         wgate=r.plain(p + "attn.compressor.wgate.weight") if spec.ratio > 1 else None,
         norm=r.plain(p + "attn.compressor.norm.weight"),
         index_wk=r.plain(p + "attn.indexer.wk.weight"),
-        index_k_norm=r.plain(p + "attn.indexer.k_norm.weight"))
+        index_k_norm=r.plain(p + "attn.indexer.k_norm.weight"),
+    )
 
 
 def _moe(cfg: ModelConfig, r: _Reader, p: str, n_experts: int) -> MoEWeights:
@@ -260,8 +264,7 @@ class DrafterWeights:
     confidence: torch.Tensor  # [D + r] FP32: weights of [x_k ; E[prev]]
 
 
-def load_drafter_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> DrafterWeights:
+def load_drafter_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> DrafterWeights:
     """`mtp.*` checkpoint tensors (raw form) -> dequantised drafter weights; every one consumed."""
     r = _Reader(tensors, dtype)
     weights = drafter_weights_from(cfg, r)
@@ -278,15 +281,22 @@ def drafter_weights_from(cfg: ModelConfig, r) -> DrafterWeights:
     layers = tuple(_drafter_layer(cfg, r, f"mtp.{s}.") for s in range(ds.num_layers))
     last = f"mtp.{ds.num_layers - 1}."
     return DrafterWeights(
-        main_proj=r.fp8("mtp.0.main_proj"), main_norm=r.plain("mtp.0.main_norm.weight"),
-        layers=layers, norm=r.plain(last + "norm.weight"),
+        main_proj=r.fp8("mtp.0.main_proj"),
+        main_norm=r.plain("mtp.0.main_norm.weight"),
+        layers=layers,
+        norm=r.plain(last + "norm.weight"),
         markov_embed=r.plain(last + "markov_head.embed.weight").float(),
         markov_head=r.plain(last + "markov_head.head.weight").float(),
-        confidence=r.plain(last + "confidence_head.proj.weight").float()[0])
+        confidence=r.plain(last + "confidence_head.proj.weight").float()[0],
+    )
 
 
 def _drafter_layer(cfg: ModelConfig, r, p: str) -> DrafterLayerWeights:
     return DrafterLayerWeights(
-        attn_norm=r.plain(p + "attn_norm.weight"), ffn_norm=r.plain(p + "ffn_norm.weight"),
-        hc_attn=_mix(r, p + "hc_attn"), hc_ffn=_mix(r, p + "hc_ffn"), attn=_attention(r, p),
-        moe=_moe(cfg, r, p, cfg.dspark.n_routed_experts))
+        attn_norm=r.plain(p + "attn_norm.weight"),
+        ffn_norm=r.plain(p + "ffn_norm.weight"),
+        hc_attn=_mix(r, p + "hc_attn"),
+        hc_ffn=_mix(r, p + "hc_ffn"),
+        attn=_attention(r, p),
+        moe=_moe(cfg, r, p, cfg.dspark.n_routed_experts),
+    )

@@ -39,16 +39,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout
 
 
 def read_tree(rev: str) -> dict[str, str]:
     """path -> text of every tracked .py file at `rev` (WORKTREE: the working tree)."""
     if rev == "WORKTREE":
         paths = _git("ls-files", "--cached", "--others", "--exclude-standard").split()
-        return {p: (REPO / p).read_text() for p in paths if p.endswith(".py")
-                and (REPO / p).is_file()}
+        return {p: (REPO / p).read_text() for p in paths if p.endswith(".py") and (REPO / p).is_file()}
     paths = [p for p in _git("ls-tree", "-r", "--name-only", rev).split() if p.endswith(".py")]
     return {p: _git("show", f"{rev}:{p}") for p in paths}
 
@@ -70,15 +68,15 @@ def function_lengths(text: str) -> list[int]:
         tree = ast.parse(text)
     except SyntaxError:
         return []
-    return [n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def _is_dict(value: ast.AST | None) -> bool:
     if isinstance(value, (ast.Dict, ast.DictComp)):
         return True
-    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
-        value.func.id in ("dict", "defaultdict")
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("dict", "defaultdict")
 
 
 def global_dicts(text: str) -> list[str]:
@@ -86,8 +84,7 @@ def global_dicts(text: str) -> list[str]:
     for node in ast.parse(text).body:
         if isinstance(node, ast.Assign) and _is_dict(node.value):
             names += [t.id for t in node.targets if isinstance(t, ast.Name)]
-        elif isinstance(node, ast.AnnAssign) and _is_dict(node.value) and \
-                isinstance(node.target, ast.Name):
+        elif isinstance(node, ast.AnnAssign) and _is_dict(node.value) and isinstance(node.target, ast.Name):
             names.append(node.target.id)
     return names
 
@@ -107,8 +104,12 @@ def _module_level(tree: ast.Module):
 def env_reads_at_import(text: str) -> int:
     count = 0
     for node in _module_level(ast.parse(text)):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
-                isinstance(node.value, ast.Name) and node.value.id == "os":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("environ", "getenv")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        ):
             count += 1
     return count
 
@@ -131,11 +132,16 @@ def measure(files: dict[str, str]) -> dict:
         else:
             unpkg_lines += n
         funcs[folder_of(path)] += function_lengths(text)
-    dicts = {p: d for p, t in files.items() if p.startswith("kernels/")
-             for d in [global_dicts(t)] if d}
+    dicts = {p: d for p, t in files.items() if p.startswith("kernels/") for d in [global_dicts(t)] if d}
     env = {p: n for p, t in files.items() if installed(p) for n in [env_reads_at_import(t)] if n}
-    return {"lines": dict(lines), "package": pkg_lines, "unpackaged": unpkg_lines,
-            "funcs": dict(funcs), "dicts": dicts, "env": env}
+    return {
+        "lines": dict(lines),
+        "package": pkg_lines,
+        "unpackaged": unpkg_lines,
+        "funcs": dict(funcs),
+        "dicts": dicts,
+        "env": env,
+    }
 
 
 def duplicate_rows(rev: str) -> list[str]:
@@ -151,57 +157,88 @@ def duplicate_rows(rev: str) -> list[str]:
             with tarfile.open(archive) as tar:
                 tar.extractall(Path(tmp) / "tree")
             root = str(Path(tmp) / "tree")
-        out = subprocess.run(["duplicates", "--repo", root, "--most", "200", "--seconds", "300"],
-                             capture_output=True, text=True, cwd=root).stdout
+        out = subprocess.run(
+            ["duplicates", "--repo", root, "--most", "200", "--seconds", "300"],
+            capture_output=True,
+            text=True,
+            cwd=root,
+        ).stdout
     return out.splitlines()
 
 
 def duplicate_pairs(lines: list[str], folders: tuple[str, ...]) -> tuple[int, int, list[str]]:
     """(identical, same-shape) pairs with both sides in `folders`, and their rows."""
-    rows = [line for line in lines if re.match(r"^D\d+ (\S+):\S+ ~ (\S+):", line)
-            and all(p.startswith(folders) for p in re.findall(r"(\S+?):\d", line)[:2])]
+    rows = [
+        line
+        for line in lines
+        if re.match(r"^D\d+ (\S+):\S+ ~ (\S+):", line)
+        and all(p.startswith(folders) for p in re.findall(r"(\S+?):\d", line)[:2])
+    ]
     same = [r for r in rows if " shape" in r]
     return len(rows) - len(same), len(same), rows
 
 
 def render(before: dict, after: dict, revs: tuple[str, str], dups: dict) -> str:
     b, a = revs
-    out = [f"# Code shape: {b} -> {a}", "", "Command: `python scripts/code_shape.py "
-           f"--before {b} --after {a}` (non-blank lines of .py files).", "",
-           "## Code lines per top-level folder", "",
-           f"| folder | installed | {b} | {a} | change |", "|---|---|---|---|---|"]
+    out = [
+        f"# Code shape: {b} -> {a}",
+        "",
+        f"Command: `python scripts/code_shape.py --before {b} --after {a}` (non-blank lines of .py files).",
+        "",
+        "## Code lines per top-level folder",
+        "",
+        f"| folder | installed | {b} | {a} | change |",
+        "|---|---|---|---|---|",
+    ]
     for folder in sorted(set(before["lines"]) | set(after["lines"])):
         x, y = before["lines"].get(folder, 0), after["lines"].get(folder, 0)
-        out.append(f"| {folder} | {'yes' if folder in PACKAGE else 'no'} | {x:,} | {y:,} | "
-                   f"{y - x:+,} |")
-    out += [f"| **installed package** | | {before['package']:,} | {after['package']:,} | "
-            f"{after['package'] - before['package']:+,} |",
-            f"| **unpackaged** (tests, benchmarks, scripts, sdk, proto) | | "
-            f"{before['unpackaged']:,} | {after['unpackaged']:,} | "
-            f"{after['unpackaged'] - before['unpackaged']:+,} |", "",
-            "## Function length (lines, def to end) per folder", "",
-            f"| folder | {b} p50 / p90 / max / >{LONG_LINES} (of n) | "
-            f"{a} p50 / p90 / max / >{LONG_LINES} (of n) |", "|---|---|---|"]
+        out.append(f"| {folder} | {'yes' if folder in PACKAGE else 'no'} | {x:,} | {y:,} | {y - x:+,} |")
+    out += [
+        f"| **installed package** | | {before['package']:,} | {after['package']:,} | "
+        f"{after['package'] - before['package']:+,} |",
+        f"| **unpackaged** (tests, benchmarks, scripts, sdk, proto) | | "
+        f"{before['unpackaged']:,} | {after['unpackaged']:,} | "
+        f"{after['unpackaged'] - before['unpackaged']:+,} |",
+        "",
+        "## Function length (lines, def to end) per folder",
+        "",
+        f"| folder | {b} p50 / p90 / max / >{LONG_LINES} (of n) | {a} p50 / p90 / max / >{LONG_LINES} (of n) |",
+        "|---|---|---|",
+    ]
     for folder in sorted(set(before["funcs"]) | set(after["funcs"])):
         cells = []
         for m in (before, after):
             f = m["funcs"].get(folder, [])
-            cells.append(f"{percentile(f, .5)} / {percentile(f, .9)} / {max(f, default=0)} / "
-                         f"{sum(x > LONG_LINES for x in f)} (of {len(f)})" if f else "-")
+            cells.append(
+                f"{percentile(f, 0.5)} / {percentile(f, 0.9)} / {max(f, default=0)} / "
+                f"{sum(x > LONG_LINES for x in f)} (of {len(f)})"
+                if f
+                else "-"
+            )
         out.append(f"| {folder} | {cells[0]} | {cells[1]} |")
+
     def tuning(m: dict) -> int:  # launch-tuning state (CONFIG) vs caches, registries, tables
         return sum(d == "CONFIG" for names in m["dicts"].values() for d in names)
 
-    out += ["", "## Module-global mutable dicts in kernels/", "",
-            f"{b}: {sum(map(len, before['dicts'].values()))} ({tuning(before)} launch-tuning "
-            f"CONFIG dicts); {a}: {sum(map(len, after['dicts'].values()))} ({tuning(after)} "
-            "CONFIG); the rest are per-device caches, the registries and constant tables", ""]
+    out += [
+        "",
+        "## Module-global mutable dicts in kernels/",
+        "",
+        f"{b}: {sum(map(len, before['dicts'].values()))} ({tuning(before)} launch-tuning "
+        f"CONFIG dicts); {a}: {sum(map(len, after['dicts'].values()))} ({tuning(after)} "
+        "CONFIG); the rest are per-device caches, the registries and constant tables",
+        "",
+    ]
     out += [f"- {p}: {', '.join(d)}" for p, d in sorted(after["dicts"].items())]
-    out += ["", "## Environment reads at import (installed package)", "",
-            f"{b}: {sum(before['env'].values())}; {a}: {sum(after['env'].values())}", ""]
+    out += [
+        "",
+        "## Environment reads at import (installed package)",
+        "",
+        f"{b}: {sum(before['env'].values())}; {a}: {sum(after['env'].values())}",
+        "",
+    ]
     out += [f"- {p}: {n}" for p, n in sorted(after["env"].items())]
-    for title, key in (("model/, engine/gpu/, bench/", "main"),
-                       ("kernels/, benchmarks/", "kernels")):
+    for title, key in (("model/, engine/gpu/, bench/", "main"), ("kernels/, benchmarks/", "kernels")):
         out += ["", f"## Repeated blocks among {title} (`duplicates`)", ""]
         for rev in revs:
             same_text, shape, rows = dups[(rev, key)]
@@ -220,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     revs = (args.before, args.after)
     before, after = measure(read_tree(args.before)), measure(read_tree(args.after))
     lines = {rev: duplicate_rows(rev) for rev in revs}
-    dups = {(rev, key): duplicate_pairs(lines[rev], folders) for rev in revs
-            for key, folders in (("main", DUP_FOLDERS), ("kernels", KERNEL_DUP_FOLDERS))}
+    dups = {
+        (rev, key): duplicate_pairs(lines[rev], folders)
+        for rev in revs
+        for key, folders in (("main", DUP_FOLDERS), ("kernels", KERNEL_DUP_FOLDERS))
+    }
     text = render(before, after, revs, dups)
     print(text)
     if args.out:

@@ -22,8 +22,10 @@ def main(path: str) -> int:
     total = sum(int(s.get("tests", 0)) for s in suites)
     failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
     skipped = sum(int(s.get("skipped", 0)) for s in suites)
-    cases = sorted(((float(c.get("time", 0) or 0), f"{c.get('classname')}::{c.get('name')}")
-                    for c in root.iter("testcase")), reverse=True)
+    cases = sorted(
+        ((float(c.get("time", 0) or 0), f"{c.get('classname')}::{c.get('name')}") for c in root.iter("testcase")),
+        reverse=True,
+    )
     if cases:
         print(f"slowest tests (of {sum(t for t, _ in cases):.0f} s in tests):")
         for seconds, name in cases[:SLOWEST]:

@@ -46,9 +46,9 @@ def stale_files() -> list[str]:
         generate(Path(tmp))
         fresh, committed = Path(tmp) / GEN_PACKAGE, SDK_DIR / GEN_PACKAGE
         return [
-            name for name in GENERATED
-            if not (committed / name).exists()
-            or not filecmp.cmp(fresh / name, committed / name, shallow=False)
+            name
+            for name in GENERATED
+            if not (committed / name).exists() or not filecmp.cmp(fresh / name, committed / name, shallow=False)
         ]
 
 

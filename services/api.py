@@ -131,16 +131,33 @@ class Internal(ServiceError):
 
 ERRORS_BY_CODE: dict[str, type[ServiceError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, ResourceExhausted, DeadlineExceeded, Unavailable,
-                Cancelled, Unauthenticated, Internal)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Unavailable,
+        Cancelled,
+        Unauthenticated,
+        Internal,
+    )
 }
 
 # Ray failures by class name (matched by name so this module never imports Ray).
-_RAY_UNAVAILABLE = frozenset({
-    "ActorDiedError", "ActorUnavailableError", "RayActorError", "BackPressureError",
-    "DeploymentUnavailableError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError",
-    "OwnerDiedError", "RaySystemError",
-})
+_RAY_UNAVAILABLE = frozenset(
+    {
+        "ActorDiedError",
+        "ActorUnavailableError",
+        "RayActorError",
+        "BackPressureError",
+        "DeploymentUnavailableError",
+        "WorkerCrashedError",
+        "NodeDiedError",
+        "ObjectLostError",
+        "OwnerDiedError",
+        "RaySystemError",
+    }
+)
 _RAY_CANCELLED = frozenset({"RequestCancelledError", "TaskCancelledError"})
 
 
@@ -196,15 +213,13 @@ class InternalRequest:
             raise InvalidArgument("must be non-empty", field="request_id")
         if not self.prompt_ids:
             raise InvalidArgument("must not be empty", field="prompt")
-        if self.kv_prompt_tokens is not None and \
-                not 0 < self.kv_prompt_tokens <= len(self.prompt_ids):
+        if self.kv_prompt_tokens is not None and not 0 < self.kv_prompt_tokens <= len(self.prompt_ids):
             raise InvalidArgument("kv_prompt_tokens outside the prompt", field="prompt")
 
     @property
     def kv_prompt_ids(self) -> tuple[int, ...]:
         """The tokens whose KV a prefill computes: the original prompt of a continuation."""
-        return self.prompt_ids if self.kv_prompt_tokens is None \
-            else self.prompt_ids[: self.kv_prompt_tokens]
+        return self.prompt_ids if self.kv_prompt_tokens is None else self.prompt_ids[: self.kv_prompt_tokens]
 
     @property
     def prompt_tokens(self) -> int:
@@ -221,9 +236,9 @@ class InternalRequest:
 class Ticket:
     """Decode's answer to reserve: where the prefill worker writes the missing chunks.
 
-        prompt chunks: | 0 | 1 | 2 | 3 | 4 | 5 |      (128 tokens each, the last may be partial)
-        cached on D:   |<- decode_cached ->|          decode_cached_tokens = 3 * 128
-        dst_block_ids:                 | b0| b1| b2|  first_block_index = 3
+    prompt chunks: | 0 | 1 | 2 | 3 | 4 | 5 |      (128 tokens each, the last may be partial)
+    cached on D:   |<- decode_cached ->|          decode_cached_tokens = 3 * 128
+    dst_block_ids:                 | b0| b1| b2|  first_block_index = 3
     """
 
     request_id: str

@@ -39,13 +39,18 @@ class SpeculativeArgs(_Strict):
 
     method: Literal["dspark", "ngram"] = "dspark"
     num_tokens: int = Field(5, ge=1, le=16, description="drafts per step (DSpark: 5)")
-    max_batch: int = Field(DEFAULT_MAX_BATCH, ge=0, description="no speculation in a step "
-                           "with more decode rows (provisional default; see the README)")
+    max_batch: int = Field(
+        DEFAULT_MAX_BATCH,
+        ge=0,
+        description="no speculation in a step with more decode rows (provisional default; see the README)",
+    )
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     bench_forced_acceptance_length: float | None = Field(
-        None, description="BENCHMARK ONLY: accept drafts on a fixed schedule of this mean "
-        f"acceptance length; refused unless {BENCH_ENV}=1")
+        None,
+        description="BENCHMARK ONLY: accept drafts on a fixed schedule of this mean "
+        f"acceptance length; refused unless {BENCH_ENV}=1",
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> SpeculativeArgs:
@@ -81,11 +86,12 @@ class _Placement(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     num_cpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources, e.g. {flashpd_decode: 1} to land "
-        "on decode nodes")
+        default_factory=dict, description="custom Ray resources, e.g. {flashpd_decode: 1} to land on decode nodes"
+    )
     placement_group_bundles: list[Bundle] | None = Field(
-        None, description="one replica spanning several bundles (e.g. GPUs); the replica actor "
-        "itself takes the first bundle")
+        None,
+        description="one replica spanning several bundles (e.g. GPUs); the replica actor itself takes the first bundle",
+    )
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
 
     @model_validator(mode="after")
@@ -96,13 +102,11 @@ class _Placement(_Strict):
                 raise ValueError("placement_group_strategy needs placement_group_bundles")
             return self
         if not bundles or any(not b or any(v < 0 for v in b.values()) for b in bundles):
-            raise ValueError("placement_group_bundles must be non-empty bundles of "
-                             "non-negative resources")
+            raise ValueError("placement_group_bundles must be non-empty bundles of non-negative resources")
         need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         short = {k: v for k, v in need.items() if v > bundles[0].get(k, 0.0)}
         if short:
-            raise ValueError(f"placement_group_bundles[0] must hold the replica's own resources; "
-                             f"missing {short}")
+            raise ValueError(f"placement_group_bundles[0] must hold the replica's own resources; missing {short}")
         return self
 
     def placement_options(self) -> dict:
@@ -115,8 +119,7 @@ class _Placement(_Strict):
         return opts
 
 
-def _scaling_options(replicas: int | None, autoscaling: AutoscalingArgs | None,
-                     joint: bool) -> dict:
+def _scaling_options(replicas: int | None, autoscaling: AutoscalingArgs | None, joint: bool) -> dict:
     if autoscaling is None:
         return {"num_replicas": replicas}
     config = autoscaling.model_dump()
@@ -129,11 +132,17 @@ class RoleArgs(_Placement):
     replicas: int | None = Field(1, ge=1, description="fixed replica count (or autoscaling)")
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int | None = Field(
-        None, ge=1, description="Serve calls a replica takes at once (default: max_num_seqs + "
-        "max_queued_requests + a margin, so queued reserves never starve running streams)")
+        None,
+        ge=1,
+        description="Serve calls a replica takes at once (default: max_num_seqs + "
+        "max_queued_requests + a margin, so queued reserves never starve running streams)",
+    )
     max_queued_requests: int = Field(
-        1024, ge=0, description="decode reserves waiting for KV capacity before a refusal "
-        "(RESOURCE_EXHAUSTED / 429 with retry-after)")
+        1024,
+        ge=0,
+        description="decode reserves waiting for KV capacity before a refusal "
+        "(RESOURCE_EXHAUSTED / 429 with retry-after)",
+    )
     retry_after_s: float = Field(1.0, gt=0, description="retry-after hint sent with a refusal")
     num_blocks: int = Field(512, ge=1)
     num_slots: int = Field(64, ge=1)
@@ -185,29 +194,38 @@ class RouterArgs(_Placement):
 
 
 class AppArgs(_Strict):
-    checkpoint: str = Field(..., description="checkpoint directory (released format), or "
-                            "random:<preset>[:<seed>] (weights generated on the GPU)")
+    checkpoint: str = Field(
+        ...,
+        description="checkpoint directory (released format), or "
+        "random:<preset>[:<seed>] (weights generated on the GPU)",
+    )
     model_id: str = "flashpd-tiny"
-    redis_url: str | None = Field(None, pattern=r"^rediss?://",
-                                  description="redis:// or rediss:// (TLS); no password in it "
-                                  "when a redis_password_* source is set")
+    redis_url: str | None = Field(
+        None,
+        pattern=r"^rediss?://",
+        description="redis:// or rediss:// (TLS); no password in it when a redis_password_* source is set",
+    )
     redis_url_env: str | None = Field(None, description="environment variable holding the URL")
-    redis_password_env: str | None = Field(None, description="environment variable holding "
-                                           "the Redis password")
+    redis_password_env: str | None = Field(None, description="environment variable holding the Redis password")
     redis_password_file: str | None = Field(None, description="file holding the Redis password")
     grpc_port: int = Field(9000, ge=0, le=65535)
     grpc_host: str = Field("127.0.0.1", description="the one interface gRPC listens on")
-    api_keys_env: str | None = Field("FLASHPD_API_KEYS", description="environment variable "
-                                     "with comma-separated API keys (none set: no auth)")
+    api_keys_env: str | None = Field(
+        "FLASHPD_API_KEYS", description="environment variable with comma-separated API keys (none set: no auth)"
+    )
     api_keys_file: str | None = Field(None, description="file with one API key per line")
-    tls_cert_file: str | None = Field(None, description="PEM chain: gRPC serves TLS only (HTTPS: "
-                                      "Serve's http_options.ssl_certfile/ssl_keyfile)")
+    tls_cert_file: str | None = Field(
+        None, description="PEM chain: gRPC serves TLS only (HTTPS: Serve's http_options.ssl_certfile/ssl_keyfile)"
+    )
     tls_key_file: str | None = Field(None, description="PEM key for tls_cert_file")
     routing: Literal["affinity", "random", "round_robin"] = "affinity"
     swa_bounded_replay: bool = True
-    async_scheduling: bool = Field(True, description="decode workers plan and launch step N+1 "
-                                   "before step N's ids reach the host (host work overlaps "
-                                   "the device); one dropped row per stop")
+    async_scheduling: bool = Field(
+        True,
+        description="decode workers plan and launch step N+1 "
+        "before step N's ids reach the host (host work overlaps "
+        "the device); one dropped row per stop",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
@@ -215,16 +233,26 @@ class AppArgs(_Strict):
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     graph_width_tokens: int | None = Field(
-        None, ge=1, description="GPU: replays and turns of contexts up to this many tokens share "
+        None,
+        ge=1,
+        description="GPU: replays and turns of contexts up to this many tokens share "
         "one key-table width (no capture at a new width; every such replay scores the whole "
-        "width); default: widths step by 1,024 key entries")
-    kv_lease_s: float = Field(30.0, gt=0, le=3600, description="how long a decode reservation "
-                              "waits for its KV (prefill queueing included) before its blocks "
-                              "are freed; both roles use it")
-    joint_autoscaling: bool = Field(False, description="scaled by the application-level "
-                                    "JointPolicy: every role needs `autoscaling` bounds")
-    speculative: SpeculativeArgs | None = Field(None, description="speculative decoding on the "
-                                                "decode workers (null: off)")
+        "width); default: widths step by 1,024 key entries",
+    )
+    kv_lease_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="how long a decode reservation "
+        "waits for its KV (prefill queueing included) before its blocks "
+        "are freed; both roles use it",
+    )
+    joint_autoscaling: bool = Field(
+        False, description="scaled by the application-level JointPolicy: every role needs `autoscaling` bounds"
+    )
+    speculative: SpeculativeArgs | None = Field(
+        None, description="speculative decoding on the decode workers (null: off)"
+    )
     router: RouterArgs = RouterArgs()
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
@@ -240,15 +268,13 @@ class AppArgs(_Strict):
         from flashpd.engine.loading import random_source
 
         if random_source(self.checkpoint) is not None and self.device != "cuda":
-            raise ValueError("checkpoint random:<preset> needs device 'cuda' (the weights are "
-                             "generated on the GPU)")
+            raise ValueError("checkpoint random:<preset> needs device 'cuda' (the weights are generated on the GPU)")
         return self
 
     @model_validator(mode="after")
     def _gpu_dtype(self) -> AppArgs:
         if self.device == "cuda" and self.dtype != "bfloat16":
-            raise ValueError("dtype must be 'bfloat16' with device 'cuda' (the GPU path "
-                             "computes in bfloat16)")
+            raise ValueError("dtype must be 'bfloat16' with device 'cuda' (the GPU path computes in bfloat16)")
         return self
 
     @model_validator(mode="after")
@@ -262,21 +288,20 @@ class AppArgs(_Strict):
     @model_validator(mode="after")
     def _joint(self) -> AppArgs:
         if self.joint_autoscaling:
-            missing = [r for r in DEPLOYMENT_ROLES
-                       if getattr(self, r).autoscaling is None]
+            missing = [r for r in DEPLOYMENT_ROLES if getattr(self, r).autoscaling is None]
             if missing:
                 raise ValueError(f"joint_autoscaling needs `autoscaling` bounds for {missing}")
         return self
 
-    def resolved_redis_url(self, environ: Mapping[str, str] = os.environ,
-                           read_file: Callable[[str], str] | None = None) -> str:
+    def resolved_redis_url(
+        self, environ: Mapping[str, str] = os.environ, read_file: Callable[[str], str] | None = None
+    ) -> str:
         """The URL the router and workers connect with, password filled in from its source."""
         url = self.redis_url
         if url is None:
             url = environ.get(self.redis_url_env or "", "")
             if not url.startswith(("redis://", "rediss://")):
-                raise ValueError(f"redis_url_env: ${self.redis_url_env} must hold a redis:// "
-                                 f"or rediss:// URL")
+                raise ValueError(f"redis_url_env: ${self.redis_url_env} must hold a redis:// or rediss:// URL")
         password = None
         if self.redis_password_env is not None:
             password = environ.get(self.redis_password_env)
@@ -291,21 +316,35 @@ class AppArgs(_Strict):
     def worker_config(self, role: str, redis_url: str | None = None) -> WorkerConfig:
         r: RoleArgs = getattr(self, role)
         spec = None if self.speculative is None else self.speculative.engine_config()
-        engine = EngineConfig(role=role, num_blocks=r.num_blocks, num_slots=r.num_slots,
-                              max_num_batched_tokens=r.max_num_batched_tokens,
-                              max_num_seqs=r.max_num_seqs,
-                              swa_bounded_replay=self.swa_bounded_replay, dtype=self.dtype,
-                              device=self.device, model_id=self.model_id,
-                              cache_salt=self.cache_salt, num_threads=r.num_threads,
-                              kv_format=self.kv_format,
-                              async_scheduling=self.async_scheduling,
-                              max_model_len=self.max_model_len,
-                              graph_width_tokens=self.graph_width_tokens,
-                              speculative=spec if role == "decode" else None)
-        return WorkerConfig(self.checkpoint, self.model_id, engine, self.transfer_backend,
-                            redis_url or self.resolved_redis_url(), lease_s=self.kv_lease_s,
-                            max_queued_requests=r.queue_limit(), retry_after_s=r.retry_after_s,
-                            speculative=None if spec is None else spec.handoff())
+        engine = EngineConfig(
+            role=role,
+            num_blocks=r.num_blocks,
+            num_slots=r.num_slots,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            max_num_seqs=r.max_num_seqs,
+            swa_bounded_replay=self.swa_bounded_replay,
+            dtype=self.dtype,
+            device=self.device,
+            model_id=self.model_id,
+            cache_salt=self.cache_salt,
+            num_threads=r.num_threads,
+            kv_format=self.kv_format,
+            async_scheduling=self.async_scheduling,
+            max_model_len=self.max_model_len,
+            graph_width_tokens=self.graph_width_tokens,
+            speculative=spec if role == "decode" else None,
+        )
+        return WorkerConfig(
+            self.checkpoint,
+            self.model_id,
+            engine,
+            self.transfer_backend,
+            redis_url or self.resolved_redis_url(),
+            lease_s=self.kv_lease_s,
+            max_queued_requests=r.queue_limit(),
+            retry_after_s=r.retry_after_s,
+            speculative=None if spec is None else spec.handoff(),
+        )
 
 
 def _read_text(path: str) -> str:
@@ -317,8 +356,7 @@ def _with_password(url: str, password: str) -> str:
     parts = urlsplit(url)
     host = parts.netloc.rsplit("@", 1)[-1]
     user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}"
-                                            f"@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"))
 
 
 def build_app(args: dict):
@@ -326,25 +364,25 @@ def build_app(args: dict):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from flashpd.services.autoscaling.replicas import (
-        ReportingDecodeServer,
-        ReportingPrefillServer,
-        ReportingRouter,
-    )
+    from flashpd.services.autoscaling.replicas import ReportingDecodeServer, ReportingPrefillServer, ReportingRouter
 
     parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     joint = parsed.joint_autoscaling
     redis_url = parsed.resolved_redis_url()
-    pinned = RequestRouterConfig(
-        request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
-    prefill = serve.deployment(ReportingPrefillServer, name="PrefillServer",
-                               request_router_config=pinned,
-                               **parsed.prefill.deployment_options(joint))
-    decode = serve.deployment(ReportingDecodeServer, name="DecodeServer",
-                              request_router_config=pinned,
-                              **parsed.decode.deployment_options(joint))
-    router = serve.deployment(ReportingRouter, name="Router",
-                              **parsed.router.deployment_options(joint))
+    pinned = RequestRouterConfig(request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
+    prefill = serve.deployment(
+        ReportingPrefillServer,
+        name="PrefillServer",
+        request_router_config=pinned,
+        **parsed.prefill.deployment_options(joint),
+    )
+    decode = serve.deployment(
+        ReportingDecodeServer,
+        name="DecodeServer",
+        request_router_config=pinned,
+        **parsed.decode.deployment_options(joint),
+    )
+    router = serve.deployment(ReportingRouter, name="Router", **parsed.router.deployment_options(joint))
     return router.bind(
         {**parsed.model_dump(), "redis_url": redis_url},
         prefill.bind(parsed.worker_config("prefill", redis_url)),

@@ -21,12 +21,18 @@ DEFAULT_CACHE = os.path.expanduser("~/.cache/flashpd")
 
 
 def register(sub) -> None:
-    for name, func, help_ in (("serve", run_serve, "serve the model locally (Ray Serve)"),
-                              ("demo", run_demo, "serve locally and chat through the SDK")):
+    for name, func, help_ in (
+        ("serve", run_serve, "serve the model locally (Ray Serve)"),
+        ("demo", run_demo, "serve locally and chat through the SDK"),
+    ):
         p = sub.add_parser(name, help=help_)
         src = p.add_mutually_exclusive_group()
-        src.add_argument("--preset", default="small", choices=["small", "tiny"],
-                         help="small: the trained checkpoint shipped in the repo; tiny: random")
+        src.add_argument(
+            "--preset",
+            default="small",
+            choices=["small", "tiny"],
+            help="small: the trained checkpoint shipped in the repo; tiny: random",
+        )
         src.add_argument("--checkpoint")
         p.add_argument("--redis", help="redis://host:port (default: start a local one)")
         p.add_argument("--prefill-replicas", type=int, default=1)
@@ -37,14 +43,22 @@ def register(sub) -> None:
         p.add_argument("--no-swa-bounded-replay", action="store_true")
         p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
         p.add_argument("--num-blocks", type=int, default=512)
-        p.add_argument("--kv-format", default=DEFAULT_KV_FORMAT.name, choices=sorted(KV_FORMATS),
-                       help="compressed main KV format (nvfp4 = trained format)")
-        p.add_argument("--host", default="127.0.0.1",
-                       help="the one interface HTTP and gRPC listen on (default: loopback only)")
+        p.add_argument(
+            "--kv-format",
+            default=DEFAULT_KV_FORMAT.name,
+            choices=sorted(KV_FORMATS),
+            help="compressed main KV format (nvfp4 = trained format)",
+        )
+        p.add_argument(
+            "--host", default="127.0.0.1", help="the one interface HTTP and gRPC listen on (default: loopback only)"
+        )
         p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
         p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-        p.add_argument("--api-keys-file", help="API keys, one per line (also: FLASHPD_API_KEYS, "
-                       "comma-separated); clients send Authorization: Bearer <key>")
+        p.add_argument(
+            "--api-keys-file",
+            help="API keys, one per line (also: FLASHPD_API_KEYS, "
+            "comma-separated); clients send Authorization: Bearer <key>",
+        )
         p.set_defaults(func=func)
 
 
@@ -73,14 +87,19 @@ def tiny_checkpoint(seed: int = 0) -> str:
 def app_args(args, checkpoint: str, redis_url: str) -> dict:
     role = {"num_blocks": args.num_blocks}
     return {
-        "checkpoint": checkpoint, "model_id": f"flashpd-{args.preset}" if not args.checkpoint else
-        os.path.basename(os.path.normpath(checkpoint)),
-        "redis_url": redis_url, "grpc_port": args.grpc_port, "routing": args.routing,
+        "checkpoint": checkpoint,
+        "model_id": f"flashpd-{args.preset}" if not args.checkpoint else os.path.basename(os.path.normpath(checkpoint)),
+        "redis_url": redis_url,
+        "grpc_port": args.grpc_port,
+        "routing": args.routing,
         "swa_bounded_replay": not args.no_swa_bounded_replay,
-        "transfer_backend": args.transfer_backend, "kv_format": args.kv_format,
+        "transfer_backend": args.transfer_backend,
+        "kv_format": args.kv_format,
         "prefill": dict(role, replicas=args.prefill_replicas),
         "decode": dict(role, replicas=args.decode_replicas),
-        "grpc_host": args.host, "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key,
+        "grpc_host": args.host,
+        "tls_cert_file": args.tls_cert,
+        "tls_key_file": args.tls_key,
         "api_keys_file": args.api_keys_file,
     }
 
@@ -108,10 +127,14 @@ def local_stack(args):
     redis = None if args.redis else LocalRedis().start()
     try:
         redis_url = args.redis or redis.url
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
-        tls = ({"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if args.tls_cert
-               else {})
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if args.tls_cert else {}
         serve.start(http_options={"host": args.host, "port": args.http_port, **tls})
         a = app_args(args, checkpoint, redis_url)
         serve.run(build_app(a), name="flashpd", route_prefix="/")
@@ -150,11 +173,13 @@ def run_serve(args) -> int:
         # after ray.init: Ray's driver installs its own SIGTERM handler, which aborts
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"flashpd serving {a['model_id']}: gRPC 127.0.0.1:{args.grpc_port}, "
-              f"HTTP http://127.0.0.1:{args.http_port}/v1 (Ctrl-C to stop)", flush=True)
+        print(
+            f"flashpd serving {a['model_id']}: gRPC 127.0.0.1:{args.grpc_port}, "
+            f"HTTP http://127.0.0.1:{args.http_port}/v1 (Ctrl-C to stop)",
+            flush=True,
+        )
         stop.wait()
-        print(f"flashpd: stopping (draining in-flight requests for up to {DRAIN_TIMEOUT_S:.0f} s)",
-              flush=True)
+        print(f"flashpd: stopping (draining in-flight requests for up to {DRAIN_TIMEOUT_S:.0f} s)", flush=True)
     print("flashpd: stopped", flush=True)
     return 0
 
@@ -185,16 +210,17 @@ def run_demo(args) -> int:
         for i, user in enumerate(DEMO_TURNS, 1):
             history += f"<|User|>{user}<|Assistant|>"
             print(f"\n[turn {i}] user: {user}\n[turn {i}] assistant: ", end="", flush=True)
-            stream = client.generate(prompt=history, max_tokens=32, session_id="demo-session",
-                                     timeout_s=120)
+            stream = client.generate(prompt=history, max_tokens=32, session_id="demo-session", timeout_s=120)
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
             r = stream.result
             history += r.text + "<|end_of_sentence|>"
-            print(f"\n[turn {i}] prompt={r.usage.prompt_tokens} cached={r.usage.cached_tokens} "
-                  f"(decode {r.usage.cached_tokens_decode}, prefill "
-                  f"{r.usage.cached_tokens_prefill}) ttft={r.timeline['first_token_ms']:.0f} ms "
-                  f"finish={r.finish_reason} P={r.prefill_worker or '-'} D={r.decode_worker}")
+            print(
+                f"\n[turn {i}] prompt={r.usage.prompt_tokens} cached={r.usage.cached_tokens} "
+                f"(decode {r.usage.cached_tokens_decode}, prefill "
+                f"{r.usage.cached_tokens_prefill}) ttft={r.timeline['first_token_ms']:.0f} ms "
+                f"finish={r.finish_reason} P={r.prefill_worker or '-'} D={r.decode_worker}"
+            )
         client.close()
     return 0
 

@@ -27,8 +27,9 @@ def register(sub) -> None:
     p.add_argument("worker_id", help="the decode worker id (its Serve replica id)")
     p.add_argument("--redis", required=True, help="the stack's Redis URL")
     p.add_argument("--model", required=True, help="the served model id (Redis key prefix)")
-    p.add_argument("--wait-s", type=float, default=0.0,
-                   help="wait this long for the replica to hold no sequence (0: do not wait)")
+    p.add_argument(
+        "--wait-s", type=float, default=0.0, help="wait this long for the replica to hold no sequence (0: do not wait)"
+    )
     p.set_defaults(func=run)
 
 
@@ -66,8 +67,9 @@ async def mark_draining(redis_url: str, model: str, worker_id: str) -> WorkerRef
         await redis.aclose()
 
 
-async def wait_drained(redis_url: str, model: str, worker: WorkerRef, timeout_s: float,
-                       poll_s: float = 0.1) -> float | None:
+async def wait_drained(
+    redis_url: str, model: str, worker: WorkerRef, timeout_s: float, poll_s: float = 0.1
+) -> float | None:
     """Seconds until `worker`'s heartbeat shows no sequence and no block in use (or it is
     gone); None when that did not happen within `timeout_s`."""
     from flashpd.services.router.index import PrefixIndex, router_redis
@@ -87,17 +89,24 @@ async def wait_drained(redis_url: str, model: str, worker: WorkerRef, timeout_s:
 
 
 def _drained(stats: WorkerStats) -> bool:
-    return stats.draining and stats.running == 0 and stats.waiting == 0 \
-        and stats.kv_blocks_used == 0
+    return stats.draining and stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
 
 
 # ------------------------------------------------------------------ before a decode scale-down
 
 
-def drain_before_scale_down(want: int, target: int, replicas: Sequence[str],
-                            loads: Mapping[str, object], state: dict, now: float, *,
-                            mark: Callable[[str], bool], unmark: Callable[[str], bool],
-                            timeout_s: float) -> tuple[int, dict, str | None]:
+def drain_before_scale_down(
+    want: int,
+    target: int,
+    replicas: Sequence[str],
+    loads: Mapping[str, object],
+    state: dict,
+    now: float,
+    *,
+    mark: Callable[[str], bool],
+    unmark: Callable[[str], bool],
+    timeout_s: float,
+) -> tuple[int, dict, str | None]:
     """The joint policy's "starting to stop" for decode: (decode target, new state, note).
 
     When the policy wants fewer decode replicas than Serve's target, it first marks the replica
@@ -150,8 +159,7 @@ def redis_marker(redis_url: str, model: str, timeout_s: float = 1.0):
         return [k for k in names if WorkerRef.from_key(k).worker_id == worker_id]
 
     def apply(worker_id: str, add: bool) -> bool:
-        client = redis_sync.Redis.from_url(redis_url, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s)
+        client = redis_sync.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             found = wkeys(client, worker_id)
             for k in found:

@@ -70,11 +70,9 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
         raise ValueError(f"{path}: replicas ask for {gpus:g} GPUs, the machine has {num_gpus}")
     if args.device == "cuda" and gpus <= 0:
         raise ValueError(f"{path}: device cuda but no replica asks for a GPU")
-    env = {str(k): str(v) for k, v in
-           ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+    env = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
     http_port = int((raw.get("http_options") or {}).get("port", 8000))
-    return StackConfig(dict(app["args"]), env, app.get("name", "flashpd"), http_port,
-                       replicas, gpus)
+    return StackConfig(dict(app["args"]), env, app.get("name", "flashpd"), http_port, replicas, gpus)
 
 
 class GpuStack:
@@ -111,8 +109,11 @@ class GpuStack:
         with Client(self.grpc_target) as client:
             while time.monotonic() - t0 < timeout_s:
                 with contextlib.suppress(Exception):
-                    if (client.health(timeout_s=2.0) == "SERVING" and self.counts() == want
-                            and _http_ok(self.http_url + "/health")):
+                    if (
+                        client.health(timeout_s=2.0) == "SERVING"
+                        and self.counts() == want
+                        and _http_ok(self.http_url + "/health")
+                    ):
                         return time.monotonic() - t0
                 time.sleep(0.5)
         raise TimeoutError(f"stack not ready within {timeout_s} s (workers {self.counts()})")
@@ -136,9 +137,11 @@ class GpuStack:
         import ray
 
         prefix = f"SERVE_REPLICA::{self.config.app_name}#{DEPLOYMENTS[role]}#"
-        return {a["name"][len(prefix):]: a["name"]
-                for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith(prefix)}
+        return {
+            a["name"][len(prefix) :]: a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)
+        }
 
     def kill_replica(self, role: str, worker_id: str) -> None:
         """End one replica's process at once, as SIGKILL does (Serve starts a replacement)."""
@@ -154,8 +157,14 @@ def _http_ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def gpu_stack(config_path: str = DEFAULT_CONFIG, *, num_gpus: int | None = None,
-              http_port: int | None = None, ready_timeout_s: float = 900.0, log=print):
+def gpu_stack(
+    config_path: str = DEFAULT_CONFIG,
+    *,
+    num_gpus: int | None = None,
+    http_port: int | None = None,
+    ready_timeout_s: float = 900.0,
+    log=print,
+):
     """Start Redis, Ray and the application; yield a ready GpuStack; stop everything."""
     import ray
     from ray import serve
@@ -175,16 +184,26 @@ def gpu_stack(config_path: str = DEFAULT_CONFIG, *, num_gpus: int | None = None,
         os.environ[config.args["redis_url_env"]] = redis_server.url
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)
-        ray.init(address="local", _node_ip_address=LOOPBACK, num_gpus=gpus,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local",
+            _node_ip_address=LOOPBACK,
+            num_gpus=gpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         serve.start(http_options={"host": LOOPBACK, "port": port})
-        log(f"gpu_stack: redis {redis_server.url}, ray with {gpus} GPU(s), deploying "
-            f"{config_path} ({config.replicas}, {config.gpus:g} GPU)")
+        log(
+            f"gpu_stack: redis {redis_server.url}, ray with {gpus} GPU(s), deploying "
+            f"{config_path} ({config.replicas}, {config.gpus:g} GPU)"
+        )
         serve.run(build_app(config.args), name=config.app_name, route_prefix="/")
         stack = GpuStack(config, redis_server.url, port)
         waited = stack.wait_ready(ready_timeout_s)
-        log(f"gpu_stack: ready in {time.monotonic() - t0:.1f} s (load + warm-up; health after "
-            f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}")
+        log(
+            f"gpu_stack: ready in {time.monotonic() - t0:.1f} s (load + warm-up; health after "
+            f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}"
+        )
         yield stack
     finally:
         with contextlib.suppress(Exception):
@@ -201,8 +220,7 @@ def _visible_gpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashpd.services.gpu_stack",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m flashpd.services.gpu_stack", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--check", action="store_true", help="validate the config and exit")

@@ -31,8 +31,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 class LocalRedis:
-    def __init__(self, *, executable: str = "redis-server", start_timeout_s: float = 10.0,
-                 attempts: int = 3) -> None:
+    def __init__(self, *, executable: str = "redis-server", start_timeout_s: float = 10.0, attempts: int = 3) -> None:
         path = shutil.which(executable)
         if path is None:
             raise FileNotFoundError(f"{executable} not found on PATH")
@@ -59,9 +58,22 @@ class LocalRedis:
             chosen = port or free_port()
             log_file = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall redis
             proc = subprocess.Popen(
-                [self._executable, "--port", str(chosen), "--bind", LOOPBACK, "--save", "",
-                 "--appendonly", "no", "--protected-mode", "yes"],
-                stdout=log_file, stderr=subprocess.STDOUT)
+                [
+                    self._executable,
+                    "--port",
+                    str(chosen),
+                    "--bind",
+                    LOOPBACK,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--protected-mode",
+                    "yes",
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
             if self._wait_ready(proc, chosen):
                 self._proc, self._log_file, self.port = proc, log_file, chosen
                 return self

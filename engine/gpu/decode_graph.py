@@ -58,6 +58,8 @@ def graph_turns_from_env(environ: Mapping[str, str] | None = None) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{TURNS_ENV} must be 0 or 1, got {text!r}")
     return text == "1"
+
+
 log = logging.getLogger(__name__)
 
 
@@ -82,15 +84,19 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
-        return (self._decode(seqs) or self._replay(seqs) or self._turn(seqs)
-                or self._verify(seqs))
+        return self._decode(seqs) or self._replay(seqs) or self._turn(seqs) or self._verify(seqs)
 
     def _decode(self, seqs: Sequence[SeqInput]) -> bool:
         """Plain decode: one token per sequence, last-row logits, no replay."""
         return 0 < len(seqs) <= BUCKETS[-1] and all(
-            inp.num_tokens == 1 and inp.plan.replay is None and inp.plan.decoder_rows != 0
-            and inp.plan.logits is LogitsRequest.LAST and isinstance(inp.state, PagedSeqState)
-            and inp.start_pos == inp.state.num_tokens > 0 for inp in seqs)
+            inp.num_tokens == 1
+            and inp.plan.replay is None
+            and inp.plan.decoder_rows != 0
+            and inp.plan.logits is LogitsRequest.LAST
+            and isinstance(inp.state, PagedSeqState)
+            and inp.start_pos == inp.state.num_tokens > 0
+            for inp in seqs
+        )
 
     def _replay(self, seqs: Sequence[SeqInput]) -> bool:
         """One sequence replaying exactly W rows through all layers, no logits (a prefix hit's
@@ -99,9 +105,13 @@ class DecodeGraphs:
             return False
         inp = seqs[0]
         plan = inp.plan
-        return (plan.replay is not None and inp.num_tokens == self.cfg.sliding_window
-                and plan.decoder_rows is None and plan.logits is LogitsRequest.NONE
-                and isinstance(inp.state, PagedSeqState))
+        return (
+            plan.replay is not None
+            and inp.num_tokens == self.cfg.sliding_window
+            and plan.decoder_rows is None
+            and plan.logits is LogitsRequest.NONE
+            and isinstance(inp.state, PagedSeqState)
+        )
 
     def _turn(self, seqs: Sequence[SeqInput]) -> bool:
         """One sequence adding 2..W rows through all layers, last-row logits, no replay."""
@@ -109,10 +119,14 @@ class DecodeGraphs:
             return False
         inp = seqs[0]
         plan = inp.plan
-        return (plan.replay is None and 1 < inp.num_tokens <= self.cfg.sliding_window
-                and plan.decoder_rows is None and plan.logits is LogitsRequest.LAST
-                and isinstance(inp.state, PagedSeqState)
-                and inp.start_pos == inp.state.num_tokens)
+        return (
+            plan.replay is None
+            and 1 < inp.num_tokens <= self.cfg.sliding_window
+            and plan.decoder_rows is None
+            and plan.logits is LogitsRequest.LAST
+            and isinstance(inp.state, PagedSeqState)
+            and inp.start_pos == inp.state.num_tokens
+        )
 
     def _verify(self, seqs: Sequence[SeqInput]) -> bool:
         """A speculative step's verify: every sequence adds the same 2..MAX_VERIFY_ROWS rows
@@ -127,19 +141,26 @@ class DecodeGraphs:
         if len(seqs) * n > pools.window.shape[1] - pools.scratch_base:
             return False
         return all(
-            inp.num_tokens == n and inp.plan.replay is None and inp.plan.decoder_rows is None
-            and inp.plan.logits is LogitsRequest.ALL and isinstance(inp.state, PagedSeqState)
-            and inp.start_pos == inp.state.num_tokens > 0 for inp in seqs)
+            inp.num_tokens == n
+            and inp.plan.replay is None
+            and inp.plan.decoder_rows is None
+            and inp.plan.logits is LogitsRequest.ALL
+            and isinstance(inp.state, PagedSeqState)
+            and inp.start_pos == inp.state.num_tokens > 0
+            for inp in seqs
+        )
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def run(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-            feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
+    def run(
+        self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None
+    ) -> list[torch.Tensor | None]:
         return self.run_step(token_ids, seqs, feed)[0]
 
     @torch.no_grad()
-    def run_step(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                 feed: TokenFeed | None = None) -> tuple[list[torch.Tensor | None], Step]:
+    def run_step(
+        self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None
+    ) -> tuple[list[torch.Tensor | None], Step]:
         """`run`, plus the step it ran (its `outputs` are the graph's: the DSpark tap)."""
         model = self.model
         decode = self._decode(seqs)
@@ -152,13 +173,24 @@ class DecodeGraphs:
         else:
             rows = seqs[0].num_tokens
         fixed = 0 if decode or verify else self.turn_width_tokens
-        step = model.prepare(token_ids, seqs, pad_to=rows, key_width_step=KEY_WIDTH_STEP,
-                             pad_logits=decode or verify, key_width_tokens=fixed)
+        step = model.prepare(
+            token_ids,
+            seqs,
+            pad_to=rows,
+            key_width_step=KEY_WIDTH_STEP,
+            pad_logits=decode or verify,
+            key_width_tokens=fixed,
+        )
         tables = step.tables
-        key = (decode, turn, rows,
-               tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
-               tables.window_spec.shape[0], tuple(sorted(tables.key_width.items())),
-               pools_key(tables.pools))
+        key = (
+            decode,
+            turn,
+            rows,
+            tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
+            tables.window_spec.shape[0],
+            tuple(sorted(tables.key_width.items())),
+            pools_key(tables.pools),
+        )
         if verify:  # every input's shape: sequences and rows vary within one row bucket
             key += ("verify", len(seqs), tuple(tuple(t.shape) for t in step.tensors()))
         if key not in self._graphs:
@@ -281,4 +313,3 @@ def pools_key(pools) -> tuple:
 def _offset(t: torch.Tensor) -> int:
     """Byte offset of a view into its (uint8) buffer."""
     return t.storage_offset() * t.element_size()
-

@@ -61,8 +61,7 @@ WARMUP_EXTRA_ROWS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
 
 
 # Model's kernel attributes (one per dispatch op), bound to the model's launch configs.
-_KERNEL_ATTRS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer",
-                 "moe_k")
+_KERNEL_ATTRS = ("dense", "quant", "rope", "mhc", "engram", "attention", "compressor", "indexer", "moe_k")
 
 
 class GpuModel(Model):
@@ -70,13 +69,17 @@ class GpuModel(Model):
 
     stages_window_kv = True  # new window records go to scratch rows first (KVPools.for_model)
 
-    def __init__(self, cfg: ModelConfig, weights: GpuWeights, hasher=None,
-                 compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
-                 decode_graphs: bool | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: GpuWeights,
+        hasher=None,
+        compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+        decode_graphs: bool | None = None,
+    ):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
         CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
-        super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(),
-                         compressed_kv_format)
+        super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(), compressed_kv_format)
         # The launch configs: the table's entry for this GPU with the FLASHPD_* overrides (the
         # one read of them, validated), given to every kernel call through the bound ops.
         self.kernel_configs = tuning.load(self.device)
@@ -104,8 +107,7 @@ class GpuModel(Model):
         self._source_kinds = [(k, tuple(v[0]), tuple(v[1])) for k, v in kinds.items()]
 
     # ------------------------------------------------------------------ load-time warm-up
-    def warmup(self, rows: Sequence[int] | None = None,
-               prefill_rows: int | None = None) -> int:
+    def warmup(self, rows: Sequence[int] | None = None, prefill_rows: int | None = None) -> int:
         """Compile (and run once) the GEMM, MoE and attention kernel variants that `rows`-row
         calls take (default: the decode graph buckets and the W-row replay; the layers' GEMMs
         and MoE also WARMUP_EXTRA_ROWS), then every kernel variant of a prefill
@@ -128,8 +130,9 @@ class GpuModel(Model):
         if hasattr(self.dense, "warmup"):
             weights = []
             for lw in self.w.layers:
-                weights += [getattr(lw, f.name) for f in dataclasses.fields(lw)
-                            if isinstance(getattr(lw, f.name), Weights)]
+                weights += [
+                    getattr(lw, f.name) for f in dataclasses.fields(lw) if isinstance(getattr(lw, f.name), Weights)
+                ]
                 if lw.engram is not None and isinstance(lw.engram.wkv, Weights):
                     weights.append(lw.engram.wkv)
             calls += self.dense.warmup(weights, rows=gemm_rows)
@@ -138,14 +141,19 @@ class GpuModel(Model):
         if hasattr(self.moe_k, "warmup"):
             lw = next((lw for lw in self.w.layers if lw.experts is not None), None)
             if lw is not None:
-                calls += self.moe_k.warmup(lw.experts, lw.shared, cfg.n_routed_experts,
-                                           cfg.num_experts_per_tok, rows=gemm_rows,
-                                           limit=cfg.swiglu_limit)
+                calls += self.moe_k.warmup(
+                    lw.experts,
+                    lw.shared,
+                    cfg.n_routed_experts,
+                    cfg.num_experts_per_tok,
+                    rows=gemm_rows,
+                    limit=cfg.swiglu_limit,
+                )
         if hasattr(self.attention, "warmup"):
-            topk = tuple(sorted({0} | ({cfg.index_topk} if any(
-                s.ratio > 0 for s in cfg.layers) else set())))
-            calls += self.attention.warmup(cfg.num_heads, cfg.head_dim, cfg.rope_head_dim // 2,
-                                           cfg.sliding_window, topk, self._attn_fmt, rows=rows)
+            topk = tuple(sorted({0} | ({cfg.index_topk} if any(s.ratio > 0 for s in cfg.layers) else set())))
+            calls += self.attention.warmup(
+                cfg.num_heads, cfg.head_dim, cfg.rope_head_dim // 2, cfg.sliding_window, topk, self._attn_fmt, rows=rows
+            )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -155,8 +163,7 @@ class GpuModel(Model):
             calls += self.warm_prefill(min(prefill_rows, cfg.max_position_embeddings // 2))
             t2 = time.perf_counter()
             calls += self.warm_decode(min(DECODE_WARMUP_CONTEXT, prefill_rows))
-        self.warmup_s = {"kernels": t1 - t0, "prefill": t2 - t1,
-                         "decode": time.perf_counter() - t2}
+        self.warmup_s = {"kernels": t1 - t0, "prefill": t2 - t1, "decode": time.perf_counter() - t2}
         return calls
 
     @torch.no_grad()
@@ -171,13 +178,13 @@ class GpuModel(Model):
         total = num_rows + more
 
         def calls():
-            pools = KVPools.for_model(self, -(-total // CHUNK_TOKENS) + 1, 1, self.device,
-                                      num_rows)
+            pools = KVPools.for_model(self, -(-total // CHUNK_TOKENS) + 1, 1, self.device, num_rows)
             state = PagedSeqState(pools, 0, list(range(pools.num_blocks)), self.dtype)
-            ids = torch.randint(10, cfg.vocab_size - 10, (total,),
-                                generator=torch.Generator().manual_seed(0))
-            return [(ids[:num_rows], [SeqInput(state, 0, num_rows)]),
-                    (ids[num_rows:], [SeqInput(state, num_rows, more)])]
+            ids = torch.randint(10, cfg.vocab_size - 10, (total,), generator=torch.Generator().manual_seed(0))
+            return [
+                (ids[:num_rows], [SeqInput(state, 0, num_rows)]),
+                (ids[num_rows:], [SeqInput(state, num_rows, more)]),
+            ]
 
         return self._run_scratch(calls)
 
@@ -194,13 +201,13 @@ class GpuModel(Model):
 
         def calls():
             pools = KVPools.for_model(self, 2 * per, 2, self.device, 2 * context)
-            a, b = (PagedSeqState(pools, i, list(range(i * per, (i + 1) * per)), self.dtype)
-                    for i in range(2))
-            ids = torch.randint(10, cfg.vocab_size - 10, (2 * context,),
-                                generator=torch.Generator().manual_seed(1))
-            return [(ids, [SeqInput(a, 0, context), SeqInput(b, 0, context)]),
-                    (ids[:1], [SeqInput(a, context, 1)]),
-                    (ids[:2], [SeqInput(a, context + 1, 1), SeqInput(b, context, 1)])]
+            a, b = (PagedSeqState(pools, i, list(range(i * per, (i + 1) * per)), self.dtype) for i in range(2))
+            ids = torch.randint(10, cfg.vocab_size - 10, (2 * context,), generator=torch.Generator().manual_seed(1))
+            return [
+                (ids, [SeqInput(a, 0, context), SeqInput(b, 0, context)]),
+                (ids[:1], [SeqInput(a, context, 1)]),
+                (ids[:2], [SeqInput(a, context + 1, 1), SeqInput(b, context, 1)]),
+            ]
 
         return self._run_scratch(calls)
 
@@ -223,28 +230,33 @@ class GpuModel(Model):
 
     # ------------------------------------------------------------------ entry point
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                feed: TokenFeed | None = None) -> list[torch.Tensor | None]:
+    def forward(
+        self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None
+    ) -> list[torch.Tensor | None]:
         if self.graphs is not None and self.graphs.eligible(seqs):
             return self.graphs.run(token_ids, seqs, feed)
         return super().forward(token_ids, seqs, feed)
 
-    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput],
-                     feed: TokenFeed | None = None):
+    def forward_taps(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], feed: TokenFeed | None = None):
         """`forward` with the DSpark tap: through the graphs where they take the step (the
         tap is then the graph's static output: consumed before the next forward)."""
         if self.graphs is not None and self.graphs.eligible(seqs):
             logits, step = self.graphs.run_step(token_ids, seqs, feed)
             taps = self.taps(step)  # a view of the graph's static buffer: the next replay
             # overwrites it, and the engine keeps taps across steps
-            return logits, None if taps is None else dataclasses.replace(
-                taps, values=taps.values.clone())
+            return logits, None if taps is None else dataclasses.replace(taps, values=taps.values.clone())
         return super().forward_taps(token_ids, seqs, feed)
 
     # ------------------------------------------------------------------ the step's tables
-    def prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], pad_to: int = 0,
-                key_width_step: int = 0, pad_logits: bool = True,
-                key_width_tokens: int = 0) -> Step:
+    def prepare(
+        self,
+        token_ids: torch.Tensor,
+        seqs: Sequence[SeqInput],
+        pad_to: int = 0,
+        key_width_step: int = 0,
+        pad_logits: bool = True,
+        key_width_tokens: int = 0,
+    ) -> Step:
         """`Model.prepare` + pool row tables, all built on the host and moved to the device in
         one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
         run on every row to that many rows (padding rows read nothing and write only scratch
@@ -259,19 +271,27 @@ class GpuModel(Model):
         pools = seqs[0].state.pools
         rows = max(token_ids.shape[0], pad_to)
         if rows > pools.window.shape[1] - pools.scratch_base:
-            raise ValueError(f"{rows} rows in one forward, the pools have "
-                             f"{pools.window.shape[1] - pools.scratch_base} window scratch rows")
+            raise ValueError(
+                f"{rows} rows in one forward, the pools have "
+                f"{pools.window.shape[1] - pools.scratch_base} window scratch rows"
+            )
         step = super().prepare(token_ids, seqs, device=torch.device("cpu"))
         if pad_to > token_ids.shape[0]:
             self._pad(step, pad_to, pad_logits)
-        step.tables = TableBuilder(self.cfg, pools, step, key_width_step, self.layer_kinds,
-                                   min_tables=0 if pad_logits else pad_to,
-                                   key_width_tokens=key_width_tokens).build()
+        step.tables = TableBuilder(
+            self.cfg,
+            pools,
+            step,
+            key_width_step,
+            self.layer_kinds,
+            min_tables=0 if pad_logits else pad_to,
+            key_width_tokens=key_width_tokens,
+        ).build()
         inputs, commit = step.tensors(), step.tables.commit_tensors()
         step.buffer, moved, offsets = self.pack.upload(inputs + commit)
         step.input_bytes = offsets[len(inputs)]  # the commit's tensors come after the inputs
-        step.set_tensors(moved[:len(inputs)])
-        step.tables.set_commit_tensors(moved[len(inputs):])
+        step.set_tensors(moved[: len(inputs)])
+        step.tables.set_commit_tensors(moved[len(inputs) :])
         return step
 
     def _pad(self, step: Step, num_rows: int, logits: bool = True) -> None:
@@ -285,8 +305,7 @@ class GpuModel(Model):
             if p is None:
                 p = done[id(r.positions)] = r.padded(num_rows)
             step.rows[key] = p if p.key == key else p.relabel(key)
-        step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1])))
-                         for k, v in step.hash_ids.items()}
+        step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1]))) for k, v in step.hash_ids.items()}
         if logits:
             step.logit_rows = torch.arange(num_rows, device=step.token_ids.device)
 
@@ -349,38 +368,48 @@ class GpuModel(Model):
                     continue
                 first = part.seg.start_pos + part.seam_first
                 for src in open_srcs:
-                    ag = step.outputs[("open", src)][part.s0:part.s1]
+                    ag = step.outputs[("open", src)][part.s0 : part.s1]
                     state.note_group_rows(src, first, ag[:, 0], ag[:, 1])
 
     # ------------------------------------------------------------------ layer hooks
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         return self.dense.linear_weights(x.contiguous(), w, self.dtype)
 
-    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor,
-                       row_ids: torch.Tensor) -> torch.Tensor:
+    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         rows = self.engram.gather_rows(lw.engram.table, row_ids)  # BF16 [Ts, C*row_dim], exact
         kv = self._lin(rows, lw.engram.wkv)  # [Ts, (S+1)*D]
         return self.engram.run_engram(xs, kv, lw.engram.qk, self.eps, inject=True)[0]
 
     def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        return self.moe_k.moe_quantized(h, lw.gate, lw.gate_bias, lw.experts, lw.shared,
-                                        cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                                        cfg.swiglu_limit, cfg.gate_temp, cfg.norm_topk_prob)
+        return self.moe_k.moe_quantized(
+            h,
+            lw.gate,
+            lw.gate_bias,
+            lw.experts,
+            lw.shared,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.gate_temp,
+            cfg.norm_topk_prob,
+        )
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
-    def _write_global_kv(self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor,
-                         rows: LayerRows, step: Step) -> None:
+    def _write_global_kv(
+        self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor, rows: LayerRows, step: Step
+    ) -> None:
         """Latents of every seam row -> entries + index keys at the rows that close a group."""
         d, t, src = self.dense, step.tables, spec.layer_id
         pools = t.pools
         if spec.ratio == 2:
-            ag = torch.stack((d.linear_fp32(x_seam, lw.comp_wkv),
-                              d.linear_fp32(x_seam, lw.comp_wgate)), dim=1)  # [Ts, 2, c] FP32
+            ag = torch.stack(
+                (d.linear_fp32(x_seam, lw.comp_wkv), d.linear_fp32(x_seam, lw.comp_wgate)), dim=1
+            )  # [Ts, 2, c] FP32
             # partner: the slot's stored open row (first seam row of a part) or the row before
             pooled = self.compressor.pool_open_pairs(
-                ag, pools.open[:, pools.open_row_of[src]], t.from_stored[src],
-                t.open_slots[src], self.dtype)  # [Ts, c], one launch
+                ag, pools.open[:, pools.open_row_of[src]], t.from_stored[src], t.open_slots[src], self.dtype
+            )  # [Ts, c], one launch
             latent = d.rms_norm(pooled, lw.comp_norm, self.eps)
             step.outputs[("open", src)] = ag
         else:
@@ -390,24 +419,26 @@ class GpuModel(Model):
         keys = d.rms_norm(d.linear(latent, lw.idx_wk), lw.idx_k_norm, self.eps)  # [Ts, dI]
         write_rows = t.entry_rows[src]
         main, index = pools.main[src], pools.index[src]
-        self.quant.write_unchecked(self._write_fmt, latent.contiguous(), write_rows,
-                                   main.view(-1, main.shape[-1]), rope)
-        self.quant.write_unchecked(self.quant.FMT_MXFP4, keys.contiguous(), write_rows,
-                                   index.view(-1, index.shape[-1]), rope)
+        self.quant.write_unchecked(
+            self._write_fmt, latent.contiguous(), write_rows, main.view(-1, main.shape[-1]), rope
+        )
+        self.quant.write_unchecked(
+            self.quant.FMT_MXFP4, keys.contiguous(), write_rows, index.view(-1, index.shape[-1]), rope
+        )
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows,
-                   step: Step) -> torch.Tensor:
+    def _attention(
+        self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step
+    ) -> torch.Tensor:
         cfg, d, t = self.cfg, self.dense, step.tables
         num_q = x.shape[0]
         rope = self._step_rope(step, rows.positions, self._freqs(spec))  # [Tc, r/2] each
         qkv = self._lin(x, lw.wq_a_kv)  # [Tc, q_lora + d]: wq_a and wkv in one GEMM
-        c_q = d.rms_norm(qkv[:, :lw.q_lora], lw.q_norm, self.eps)  # [Tc, q_lora]
+        c_q = d.rms_norm(qkv[:, : lw.q_lora], lw.q_norm, self.eps)  # [Tc, q_lora]
         q = self._lin(c_q, lw.wq_b).view(num_q, cfg.num_heads, cfg.head_dim)  # pre-RoPE
-        kv = d.rms_norm(qkv[:, lw.q_lora:], lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
+        kv = d.rms_norm(qkv[:, lw.q_lora :], lw.kv_norm, self.eps)  # [Tc, d] pre-RoPE
         window_pool = t.pools.window[spec.layer_id]  # [rings + scratch, 528]
-        self.quant.write_unchecked(self.quant.FMT_WINDOW_FP8, kv, t.scratch[:num_q],
-                                   window_pool, rope)
+        self.quant.write_unchecked(self.quant.FMT_WINDOW_FP8, kv, t.scratch[:num_q], window_pool, rope)
         if lw.idx_wq_b is not None:
             self._select(spec, lw, x, c_q, rope, rows, step)
         comp_pool = comp_rows = None
@@ -416,8 +447,16 @@ class GpuModel(Model):
             comp_pool = main.view(-1, main.shape[-1])
             comp_rows = _take(step, rows, "topk", spec.idx_src)
         o = self.attention.sparse_attention_packed(
-            q, rope, window_pool, t.window_rows[t.window_of[spec.layer_id], :num_q], comp_pool, comp_rows,
-            lw.sink, cfg.head_dim ** -0.5, comp_format=self._attn_fmt)  # [Tc, H, d]
+            q,
+            rope,
+            window_pool,
+            t.window_rows[t.window_of[spec.layer_id], :num_q],
+            comp_pool,
+            comp_rows,
+            lw.sink,
+            cfg.head_dim**-0.5,
+            comp_format=self._attn_fmt,
+        )  # [Tc, H, d]
         return self._lin(self._wo_a(o.view(num_q, cfg.o_groups, -1), lw.wo_a), lw.wo_b)
 
     def _wo_a(self, o: torch.Tensor, w: Weights) -> torch.Tensor:
@@ -426,46 +465,65 @@ class GpuModel(Model):
         return self.dense.block_diagonal(o, w).reshape(o.shape[0], -1)
 
     # ------------------------------------------------------------------ indexer (§5)
-    def _select(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, c_q: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], rows: LayerRows, step: Step) -> None:
+    def _select(
+        self,
+        spec: LayerSpec,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        c_q: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rows: LayerRows,
+        step: Step,
+    ) -> None:
         """Score the packed index keys of every sequence in one launch (paged: each query reads
         its own sequence's rows), publish top-k as pool rows (and candidate blocks)."""
         cfg, d, t, ix = self.cfg, self.dense, step.tables, self.indexer
         q = self._index_query(lw, c_q, rope)  # [Tc, hI, dI] BF16 (MXFP4 values)
         # head weights: FP32(BF16 projection) * scale, the scale applied in the scoring kernel
-        scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
         head_w = d.linear(x, lw.idx_proj)  # [Tc, hI] BF16
         key_rows, seq_of = t.key_rows[spec.kv_src], t.seq_of[rows.key]  # [B, N], [Tc]
-        n_visible = self._step_value(step, ("n_visible", id(rows.positions), spec.ratio),
-                                     lambda: ((rows.positions + 1) // spec.ratio).to(torch.int32))
+        n_visible = self._step_value(
+            step,
+            ("n_visible", id(rows.positions), spec.ratio),
+            lambda: ((rows.positions + 1) // spec.ratio).to(torch.int32),
+        )
         pool = t.pools.index[spec.kv_src]
         pool = pool.view(-1, pool.shape[-1])
         num_q, width = q.shape[0], key_rows.shape[1]
         blocks = None
         # top-k straight as pool rows (int32, -1 padded): key_rows[seq_of[t], entry id]
         if width == 0:  # no entries anywhere yet (the first tokens of every sequence)
-            rows_out = torch.full((num_q, cfg.index_topk), -1, dtype=torch.int32,
-                                  device=self.device)
+            rows_out = torch.full((num_q, cfg.index_topk), -1, dtype=torch.int32, device=self.device)
             if spec.is_candidate_source:
                 blocks = torch.full((num_q, 0), -1, dtype=torch.int64, device=self.device)
         elif spec.uses_candidates:
             cand = _take(step, rows, "candidates", cfg.candidate_source_layer_id)
             rows_out = ix.index_topk_sparse_paged(
-                q, head_w, pool, key_rows, seq_of, n_visible, cand, cfg.candidate_block_size,
-                cfg.index_topk, weight_scale=scale, as_pool_rows=True)
+                q,
+                head_w,
+                pool,
+                key_rows,
+                seq_of,
+                n_visible,
+                cand,
+                cfg.candidate_block_size,
+                cfg.index_topk,
+                weight_scale=scale,
+                as_pool_rows=True,
+            )
         else:
-            scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible,
-                                           weight_scale=scale)
+            scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible, weight_scale=scale)
             if spec.is_candidate_source:
-                blocks = ix.candidate_blocks(scores, n_visible, cfg.candidate_block_size,
-                                             cfg.candidate_topk_blocks)
+                blocks = ix.candidate_blocks(scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
             rows_out = ix.select_topk(scores, cfg.index_topk, pool_rows=(key_rows, seq_of))
         if blocks is not None:
             step.outputs[("candidates", spec.layer_id)] = (rows, blocks)
         step.outputs[("topk", spec.layer_id)] = (rows, rows_out)
 
-    def _index_query(self, lw: LayerWeights, c_q: torch.Tensor,
-                     rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _index_query(
+        self, lw: LayerWeights, c_q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         """q^I = MXFP4(RoPE(c_q . wq_b)) [T, hI, dI] as BF16 values (§5.1): one launch rotates
         each head row by its token's RoPE row and writes the MXFP4 values (the KV-write kernel's
         encoder, values out instead of a record)."""
@@ -483,10 +541,12 @@ class GpuModel(Model):
             step.outputs[full] = make()
         return step.outputs[full]
 
-    def _step_rope(self, step: Step, positions: torch.Tensor, freqs: torch.Tensor,
-                   ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_rope(
+        self, step: Step, positions: torch.Tensor, freqs: torch.Tensor, ratio: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables of `positions` (rounded down to a multiple of `ratio`: the compressed
         entries' group starts), once per forward per (positions, table, ratio)."""
+
         def make():
             pos = positions if ratio == 1 else positions // ratio * ratio
             return self.rope.rope_cos_sin(pos, freqs)

@@ -26,28 +26,34 @@ def _hasher(cfg: ModelConfig, tokenizer_path: str | None):
     return EngramHasher.from_tokenizer(cfg, tokenizer_path)
 
 
-def load_gpu_model(checkpoint_dir: str, device: str = "cuda",
-                   compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
-                   warm: bool | None = None) -> GpuModel:
+def load_gpu_model(
+    checkpoint_dir: str,
+    device: str = "cuda",
+    compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+    warm: bool | None = None,
+) -> GpuModel:
     from flashpd.model.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint_dir)
     weights = from_checkpoint_tensors(ckpt.cfg, ckpt.tensors, torch.device(device))
-    return _warmed(GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path),
-                            compressed_kv_format), warm)
+    return _warmed(GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path), compressed_kv_format), warm)
 
 
-def random_gpu_model(cfg: ModelConfig, device: str = "cuda", seed: int = 0,
-                     compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
-                     decode_graphs: bool | None = None, warm: bool | None = None) -> GpuModel:
+def random_gpu_model(
+    cfg: ModelConfig,
+    device: str = "cuda",
+    seed: int = 0,
+    compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
+    decode_graphs: bool | None = None,
+    warm: bool | None = None,
+) -> GpuModel:
     tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
     weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))
     del tensors
     from flashpd.model.presets import PRESET_NAMES, tokenizer_path
 
     tokenizer = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
-    return _warmed(GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format,
-                            decode_graphs), warm)
+    return _warmed(GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format, decode_graphs), warm)
 
 
 def _warmed(model: GpuModel, warm: bool | None) -> GpuModel:

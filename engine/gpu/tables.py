@@ -89,8 +89,9 @@ class PagedTables:
         """key_rows[src] [B', N] = pool row of entry j of each sequence (-1 from its count on),
         from the block table; window_rows [U, T, W] from the window spec: a few device ops,
         graph-capturable (no host values)."""
-        self.window_rows = expand_windows(self.window_spec, self.window_size,
-                                          self.pools.ring_rows, self.pools.scratch_base)
+        self.window_rows = expand_windows(
+            self.window_spec, self.window_size, self.pools.ring_rows, self.pools.scratch_base
+        )
         epb_of = self.pools.geometry.entries_per_block
         bt = self.block_table
         for i, (src, width) in enumerate(self.key_width.items()):
@@ -161,17 +162,23 @@ def expand_windows(spec: torch.Tensor, window: int, ring: int, scratch_base: int
 class TableBuilder:
     """Host-side construction of `PagedTables` (vectorised over rows, once per row layout)."""
 
-    def __init__(self, cfg: ModelConfig, pools: KVPools, step: Step, key_width_step: int,
-                 kinds: dict[LayerGroup, tuple[int, ...]], min_tables: int = 0,
-                 key_width_tokens: int = 0):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        pools: KVPools,
+        step: Step,
+        key_width_step: int,
+        kinds: dict[LayerGroup, tuple[int, ...]],
+        min_tables: int = 0,
+        key_width_tokens: int = 0,
+    ):
         """kinds: rows kind -> its layers (`GpuModel.layer_kinds`); min_tables: at least this
         many key-table rows (the ones past the segments' and padding rows' are empty);
         key_width_tokens: every key table at least as wide as a context of that many tokens
         needs (one table shape for every context up to it: a width-agnostic graph)."""
         self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
         self.num_rows = step.token_ids.shape[0]
-        self.num_tables = max(min_tables, len(step.segs) + self.num_rows
-                              - sum(s.num_tokens for s in step.segs))
+        self.num_tables = max(min_tables, len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs))
         self.width_step = key_width_step
         self.width_tokens = key_width_tokens
 
@@ -208,7 +215,7 @@ class TableBuilder:
         window = torch.zeros((len(windows), 4, self.num_rows), dtype=torch.long)
         window[:, 1:3] = NO_KEYS  # rows past a layout's compute rows: an empty window
         for i, t in enumerate(windows):
-            window[i, :, :t.shape[1]] = t
+            window[i, :, : t.shape[1]] = t
         counts, widths = self._key_counts()
         bt = self._block_table(widths)
         entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}
@@ -224,12 +231,24 @@ class TableBuilder:
                 from_stored[src], open_slots[src], open_keep[src] = stored, slots, okeep
         keep_src, keep_dst = torch.cat(keep_src), torch.cat(keep_dst)
         return PagedTables(
-            pools, pools.scratch_base + torch.arange(self.num_rows), window, window_of, seq_of,
-            bt, torch.tensor(list(counts.values()), dtype=torch.long), widths,
-            entry_rows, from_stored, open_slots, keep_src, keep_dst, open_keep,
+            pools,
+            pools.scratch_base + torch.arange(self.num_rows),
+            window,
+            window_of,
+            seq_of,
+            bt,
+            torch.tensor(list(counts.values()), dtype=torch.long),
+            widths,
+            entry_rows,
+            from_stored,
+            open_slots,
+            keep_src,
+            keep_dst,
+            open_keep,
             num_keep=keep_src.shape[0],
             num_open_keep={s: v[0].shape[0] for s, v in open_keep.items()},
-            window_size=cfg.sliding_window)
+            window_size=cfg.sliding_window,
+        )
 
     # ------------------------------------------------------------------ per compute row
     def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
@@ -241,8 +260,7 @@ class TableBuilder:
             if n == 1:
                 cols.row(fp, fp, seg.inp.state.slot, seg.index, fp + 1)
             else:
-                cols.span(torch.arange(fp, fp + n), fp, seg.inp.state.slot, seg.index,
-                          seg.end_pos)
+                cols.span(torch.arange(fp, fp + n), fp, seg.inp.state.slot, seg.index, seg.end_pos)
         pad = rows.num_compute - cols.num_rows  # padding rows: position 0, an empty window,
         num_segs = len(self.step.segs)  # their own key-table rows
         if pad:
@@ -264,16 +282,16 @@ class TableBuilder:
             span = state.common_window_span()
             if span is not None:
                 if span[0] + span[1] != fp:
-                    raise StateError(f"window ends at {span[0] + span[1]}, segment rows start "
-                                     f"at {fp} (replay needed?)")
+                    raise StateError(f"window ends at {span[0] + span[1]}, segment rows start at {fp} (replay needed?)")
                 common.append(span[0])
                 continue
             common.append(None)
             for layer in layers:
                 start, held = state.window_span(layer)
                 if start + held != fp:
-                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
-                                     f"rows start at {fp} (replay needed?)")
+                    raise StateError(
+                        f"layer {layer}: window ends at {start + held}, segment rows start at {fp} (replay needed?)"
+                    )
                 per_layer.setdefault(layer, {})[j] = start
         if not per_layer:
             return {tuple(common): layers}
@@ -284,8 +302,7 @@ class TableBuilder:
             out.setdefault(starts, []).append(layer)
         return out
 
-    def _window(self, rows: LayerRows, starts: tuple[int, ...],
-                per_row: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _window(self, rows: LayerRows, starts: tuple[int, ...], per_row: dict[str, torch.Tensor]) -> torch.Tensor:
         """[4, Tc] window spec of each compute row for one set of part starts: position, first
         position of its part (keys from there on are this step's rows), first position the
         ring holds (earlier keys: none), slot. `window_rows` expands it on the device."""
@@ -294,9 +311,10 @@ class TableBuilder:
         if all(n == 1 for n in counts):
             start = torch.tensor(starts, dtype=torch.long)
         else:
-            start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long),
-                                            torch.tensor(counts, dtype=torch.long))
-        start = torch.cat((start, pos[len(start):]))  # padding rows: nothing earlier
+            start = torch.repeat_interleave(
+                torch.tensor(starts, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
+            )
+        start = torch.cat((start, pos[len(start) :]))  # padding rows: nothing earlier
         return torch.stack((pos, per_row["first"], start, per_row["slot"]))
 
     def _keep(self, layers: list[int], per_row: dict[str, torch.Tensor]):
@@ -316,9 +334,10 @@ class TableBuilder:
         """Per source: entries visible to each key-table row by the step's end, and the
         table width (rounded up to the width step)."""
         cfg, pad = self.cfg, self.num_tables - len(self.step.segs)
-        per_seg = [seg.inp.state.visible_entries(seg.inp.start_pos, seg.end_pos,
-                                                 seg.inp.plan.replay is not None)
-                   for seg in self.step.segs]
+        per_seg = [
+            seg.inp.state.visible_entries(seg.inp.start_pos, seg.end_pos, seg.inp.plan.replay is not None)
+            for seg in self.step.segs
+        ]
         counts, widths = {}, {}
         for i, src in enumerate(cfg.kv_source_layer_ids):
             c = [v[i] for v in per_seg]
@@ -337,7 +356,7 @@ class TableBuilder:
             blocks = seg.inp.state.block_table[:nb]
             flat.extend(blocks)
             if len(blocks) < nb:
-                flat.extend(zeros[len(blocks):])
+                flat.extend(zeros[len(blocks) :])
         flat.extend([0] * (nb * (self.num_tables - len(self.step.segs))))
         return torch.frombuffer(flat, dtype=torch.int64).view(self.num_tables, nb).clone()
 
@@ -353,8 +372,7 @@ class TableBuilder:
             end = seg.end_pos
             n = end - first
             if n == 1 and seg.inp.plan.replay is None:  # a decode row
-                cols.row(first // ratio if end % ratio == 0 else -1, 1, seg.inp.state.slot,
-                         seg.index)
+                cols.row(first // ratio if end % ratio == 0 else -1, 1, seg.inp.state.slot, seg.index)
                 continue
             if seg.replay is not None:  # the entries exist: nothing is written
                 entry = torch.full((n,), -1, dtype=torch.long)
@@ -396,8 +414,7 @@ class HostPack:
         self._turn = 0
         self._pads = [torch.zeros(n, dtype=torch.uint8) for n in range(ALIGN)]
 
-    def upload(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                 list[int]]:
+    def upload(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
         """-> (device buffer, the tensors as views of it, the byte offset of each). A tensor
         listed twice (the same object) is moved once and its views are shared."""
         pieces, offsets, off, seen = [], [], 0, {}
@@ -406,8 +423,7 @@ class HostPack:
             if at is not None:
                 offsets.append(at)
                 continue
-            b = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else \
-                t.contiguous().reshape(-1).view(torch.uint8)
+            b = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
             seen[id(t)] = off
             offsets.append(off)
             pieces.append(b)
@@ -422,8 +438,7 @@ class HostPack:
             if self._events[k] is not None:
                 self._events[k].synchronize()
             if self._pinned[k] is None or self._pinned[k].shape[0] < off:
-                self._pinned[k] = torch.empty(max(off, 1 << 20) * 2, dtype=torch.uint8,
-                                              pin_memory=True)
+                self._pinned[k] = torch.empty(max(off, 1 << 20) * 2, dtype=torch.uint8, pin_memory=True)
             host = self._pinned[k][:off]
             torch.cat(pieces, out=host)
             buf = torch.empty(off, dtype=torch.uint8, device=self.device)
@@ -437,14 +452,13 @@ class HostPack:
         return buf, views(buf, tensors, offsets), offsets
 
 
-def views(buf: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]
-          ) -> list[torch.Tensor]:
+def views(buf: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
     """Tensors shaped and typed as `like`, viewing `buf` at `offsets`."""
     out, made = [], {}
     for t, off in zip(like, offsets, strict=True):
         v = made.get(off)
         if v is None or v.dtype != t.dtype or v.shape != t.shape:
             n = t.numel() * t.element_size()
-            v = made[off] = buf[off:off + n].view(t.dtype).view(t.shape)
+            v = made[off] = buf[off : off + n].view(t.dtype).view(t.shape)
         out.append(v)
     return out

@@ -102,7 +102,7 @@ def out_rows(w: Weights, start: int, end: int) -> Weights:
         return Weights(w.fmt, w.data[:, start:end])
     if start % _TILE or (end % _TILE and end != w.out_dim):
         raise ValueError(f"rows [{start}, {end}) split a {_TILE}-row scale tile")
-    return Weights(w.fmt, w.data[:, start:end], w.scale[:, start // _TILE:-(-end // _TILE)])
+    return Weights(w.fmt, w.data[:, start:end], w.scale[:, start // _TILE : -(-end // _TILE)])
 
 
 @dataclass
@@ -125,8 +125,7 @@ class _Taker:
     """Takes checkpoint tensors by name (each once), checks them against the manifest, and moves
     them to the device; `finish` raises on leftovers."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device):
         self._left = dict(tensors)
         self._specs = manifest(cfg)
         self.device = device
@@ -151,8 +150,7 @@ class _Taker:
         return Weights.fp8(self.take(prefix + ".weight"), self.take(prefix + ".scale"))
 
     def mix(self, prefix: str) -> MixWeights:
-        return MixWeights(self.take(prefix + "_fn"), self.take(prefix + "_base"),
-                          self.take(prefix + "_scale"))
+        return MixWeights(self.take(prefix + "_fn"), self.take(prefix + "_base"), self.take(prefix + "_scale"))
 
     def finish(self) -> None:
         if self._left:
@@ -160,19 +158,20 @@ class _Taker:
             raise WeightError(f"{len(names)} checkpoint tensors unused, e.g. {names[:5]}")
 
 
-def from_checkpoint_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                            device: str | torch.device) -> GpuWeights:
+def from_checkpoint_tensors(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device
+) -> GpuWeights:
     """Checkpoint tensors in their loaded form (`model.checkpoint.load_checkpoint`) -> GpuWeights
     on `device`, nothing dequantised. `tensors` is not modified; see the module doc for copies."""
     if tuple(cfg.weight_block_size) != (_TILE, _TILE):
-        raise ValueError(f"weight_block_size {cfg.weight_block_size}: the kernels read 32x32 "
-                         "FP8 scale tiles only")
+        raise ValueError(f"weight_block_size {cfg.weight_block_size}: the kernels read 32x32 FP8 scale tiles only")
     if cfg.n_shared_experts < 1:
         raise ValueError("n_shared_experts = 0: the GPU forward expects the shared expert")
     t = _Taker(cfg, tensors, torch.device(device))
     layers = [_layer(cfg, spec, t) for spec in cfg.layers]
-    weights = GpuWeights(cfg, layers, norm=t.take("norm.weight"), head=t.take("head.weight"),
-                         embed=t.take("embed.weight"))
+    weights = GpuWeights(
+        cfg, layers, norm=t.take("norm.weight"), head=t.take("head.weight"), embed=t.take("embed.weight")
+    )
     t.finish()
     return weights
 
@@ -184,14 +183,21 @@ def _layer(cfg: ModelConfig, spec: LayerSpec, t: _Taker) -> LayerWeights:
     lw = LayerWeights(
         spec=spec,
         wq_a_kv=Weights.stack_out([t.fp8(p + "attn.wq_a"), t.fp8(p + "attn.wkv")]),
-        q_lora=cfg.q_lora_rank, q_norm=t.take(p + "attn.q_norm.weight"),
-        wq_b=t.fp8(p + "attn.wq_b"), kv_norm=t.take(p + "attn.kv_norm.weight"),
-        wo_a=_grouped_wo_a(cfg, t, p + "attn.wo_a"), wo_b=t.fp8(p + "attn.wo_b"),
+        q_lora=cfg.q_lora_rank,
+        q_norm=t.take(p + "attn.q_norm.weight"),
+        wq_b=t.fp8(p + "attn.wq_b"),
+        kv_norm=t.take(p + "attn.kv_norm.weight"),
+        wo_a=_grouped_wo_a(cfg, t, p + "attn.wo_a"),
+        wo_b=t.fp8(p + "attn.wo_b"),
         sink=t.take(p + "attn.attn_sink"),
-        attn_norm=t.take(p + "attn_norm.weight"), ffn_norm=t.take(p + "ffn_norm.weight"),
-        hc_attn=t.mix(p + "hc_attn"), hc_ffn=t.mix(p + "hc_ffn"),
-        gate=t.take(p + "ffn.gate.weight"), gate_bias=gate_bias,
-        experts=_routed_experts(cfg, t, p), shared=_shared_expert(t, p),
+        attn_norm=t.take(p + "attn_norm.weight"),
+        ffn_norm=t.take(p + "ffn_norm.weight"),
+        hc_attn=t.mix(p + "hc_attn"),
+        hc_ffn=t.mix(p + "hc_ffn"),
+        gate=t.take(p + "ffn.gate.weight"),
+        gate_bias=gate_bias,
+        experts=_routed_experts(cfg, t, p),
+        shared=_shared_expert(t, p),
     )
     if spec.owns_compressor:
         lw.comp_wkv = t.take(p + "attn.compressor.wkv.weight")
@@ -213,21 +219,25 @@ def _grouped_wo_a(cfg: ModelConfig, t: _Taker, prefix: str) -> Weights:
     32-row scale tiles, so o_lora must be a multiple of 32."""
     groups, rank = cfg.o_groups, cfg.o_lora_rank
     if rank % _TILE:
-        raise ValueError(f"{prefix}: o_lora_rank {rank} is not a multiple of the {_TILE}-row "
-                         f"scale tile, so its {groups} groups would share tiles")
+        raise ValueError(
+            f"{prefix}: o_lora_rank {rank} is not a multiple of the {_TILE}-row "
+            f"scale tile, so its {groups} groups would share tiles"
+        )
     w, s = t.take(prefix + ".weight"), t.take(prefix + ".scale")
-    return Weights.fp8(w.view(groups, rank, w.shape[1]),
-                       s.view(groups, rank // _TILE, s.shape[1]))
+    return Weights.fp8(w.view(groups, rank, w.shape[1]), s.view(groups, rank // _TILE, s.shape[1]))
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
     """[E] equal tensors -> [E, ...]: a view when they are consecutive slices of one buffer."""
     first, step = parts[0], parts[0].numel()
     in_place = all(
-        p.is_contiguous() and p.shape == first.shape and p.device == first.device
+        p.is_contiguous()
+        and p.shape == first.shape
+        and p.device == first.device
         and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         and p.storage_offset() == first.storage_offset() + e * step
-        for e, p in enumerate(parts))
+        for e, p in enumerate(parts)
+    )
     if in_place:
         return first.as_strided((len(parts), *first.shape), (step, *first.stride()))
     return torch.stack(parts)
@@ -249,16 +259,14 @@ def _shared_expert(t: _Taker, p: str) -> ExpertSet:
 
 
 def _engram(t: _Taker, p: str) -> EngramWeights:
-    table = HostTable.from_quantized(t.raw(p + "engram.embed.weight"),
-                                     t.raw(p + "engram.embed.scale"))
+    table = HostTable.from_quantized(t.raw(p + "engram.embed.weight"), t.raw(p + "engram.embed.scale"))
     q = t.take(p + "engram.q_weight").to(torch.float32)
     k = t.take(p + "engram.k_weight").to(torch.float32)
     return EngramWeights(table=table, wkv=t.fp8(p + "engram.wkv"), qk=q * k)
 
 
 # ============================================================================ random checkpoint
-def random_checkpoint_tensors(cfg: ModelConfig, seed: int,
-                              device: str | torch.device) -> dict[str, torch.Tensor]:
+def random_checkpoint_tensors(cfg: ModelConfig, seed: int, device: str | torch.device) -> dict[str, torch.Tensor]:
     """A random checkpoint of `cfg` in the loaded form of `load_checkpoint`, in manifest order.
 
     Everything is drawn on `device` from one generator seeded with `seed`: FP8 weights are
@@ -282,8 +290,9 @@ def random_checkpoint_tensors(cfg: ModelConfig, seed: int,
         elif spec.dtype == "F8_E4M3":
             scale_name = name[: -len(".weight")] + ".scale"
             out[name] = _randn(spec.shape, torch.bfloat16, gen, device).to(torch.float8_e4m3fn)
-            out[scale_name] = torch.full(specs[scale_name].shape, _scale_byte(spec.shape[1], False),
-                                         dtype=torch.uint8, device=device)
+            out[scale_name] = torch.full(
+                specs[scale_name].shape, _scale_byte(spec.shape[1], False), dtype=torch.uint8, device=device
+            )
         elif spec.dtype in ("BF16", "F32"):
             out[name] = _random_plain(name, spec, gen, device)
         else:
@@ -291,13 +300,11 @@ def random_checkpoint_tensors(cfg: ModelConfig, seed: int,
     return {name: out[name] for name in specs}
 
 
-def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
-           device: torch.device) -> torch.Tensor:
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     return torch.randn(shape, dtype=dtype, generator=gen, device=device)
 
 
-def _random_plain(name: str, spec: TensorSpec, gen: torch.Generator,
-                  device: torch.device) -> torch.Tensor:
+def _random_plain(name: str, spec: TensorSpec, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     dtype = LOADED_TORCH_DTYPES[spec.dtype]
     kind, std = init_rule(name, spec)
     if kind == "ones":
@@ -307,8 +314,9 @@ def _random_plain(name: str, spec: TensorSpec, gen: torch.Generator,
     return _randn(spec.shape, dtype, gen, device).mul_(std)
 
 
-def _random_experts(cfg: ModelConfig, specs: dict[str, TensorSpec], name: str,
-                    gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+def _random_experts(
+    cfg: ModelConfig, specs: dict[str, TensorSpec], name: str, gen: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
     """All experts' `wN` of one layer, from the name of expert 0's: views of one buffer."""
     layer, rest = name.split(".ffn.experts.")
     expert, w, _ = rest.split(".")
@@ -319,8 +327,7 @@ def _random_experts(cfg: ModelConfig, specs: dict[str, TensorSpec], name: str,
     scale_shape = specs[name[: -len(".weight")] + ".scale"].shape
     packed = torch.empty((num, *spec.shape), dtype=torch.uint8, device=device)
     packed.random_(0, 256, generator=gen)  # every byte is two valid E2M1 codes
-    scale = torch.full((num, *scale_shape), _scale_byte(2 * spec.shape[1], True),
-                       dtype=torch.uint8, device=device)
+    scale = torch.full((num, *scale_shape), _scale_byte(2 * spec.shape[1], True), dtype=torch.uint8, device=device)
     out = {}
     for e in range(num):
         out[f"{layer}.ffn.experts.{e}.{w}.weight"] = packed[e]
@@ -328,8 +335,9 @@ def _random_experts(cfg: ModelConfig, specs: dict[str, TensorSpec], name: str,
     return out
 
 
-def _random_engram_table(specs: dict[str, TensorSpec], name: str, gen: torch.Generator,
-                         device: torch.device) -> dict[str, torch.Tensor]:
+def _random_engram_table(
+    specs: dict[str, TensorSpec], name: str, gen: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
     """N(0, 1) E4M3 rows drawn on `device` in chunks, returned on the host, scales 2^0."""
     spec = specs[name]
     scale_name = name[: -len(".weight")] + ".scale"
@@ -337,7 +345,6 @@ def _random_engram_table(specs: dict[str, TensorSpec], name: str, gen: torch.Gen
     rows = torch.empty(spec.shape, dtype=torch.float8_e4m3fn)
     for r0 in range(0, num_rows, _ENGRAM_CHUNK_ROWS):
         n = min(_ENGRAM_CHUNK_ROWS, num_rows - r0)
-        rows[r0:r0 + n] = _randn((n, row_dim), torch.bfloat16, gen, device).to(
-            torch.float8_e4m3fn).cpu()
+        rows[r0 : r0 + n] = _randn((n, row_dim), torch.bfloat16, gen, device).to(torch.float8_e4m3fn).cpu()
     scale = torch.full(specs[scale_name].shape, _ENGRAM_SCALE_BYTE, dtype=torch.uint8)
     return {name: rows, scale_name: scale}

@@ -41,16 +41,19 @@ class LocalMoE:
     def load(cls, shard: RankShard, layer: int, dtype: torch.dtype) -> LocalMoE:
         cfg, p = shard.cfg, f"layers.{layer}.ffn."
         owned = shard.plan.owned_experts(cfg, shard.rank)
-        experts = ExpertWeights(*(
-            torch.stack([shard.mxfp4(f"{p}experts.{e}.{w}", dtype) for e in owned])
-            for w in ("w1", "w3", "w2")))
+        experts = ExpertWeights(
+            *(torch.stack([shard.mxfp4(f"{p}experts.{e}.{w}", dtype) for e in owned]) for w in ("w1", "w3", "w2"))
+        )
         shared = None
         if cfg.n_shared_experts:
-            shared = ExpertWeights(*(shard.fp8(f"{p}shared_experts.{w}", dtype)[None]
-                                     for w in ("w1", "w3", "w2")))
-        return cls(gate=shard.get(p + "gate.weight").to(dtype),
-                   bias=shard.get(p + "gate.bias"), experts=experts,
-                   first_expert=owned.start, shared=shared)
+            shared = ExpertWeights(*(shard.fp8(f"{p}shared_experts.{w}", dtype)[None] for w in ("w1", "w3", "w2")))
+        return cls(
+            gate=shard.get(p + "gate.weight").to(dtype),
+            bias=shard.get(p + "gate.bias"),
+            experts=experts,
+            first_expert=owned.start,
+            shared=shared,
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,7 @@ class Dispatch:
     send_counts: list[int]  # pairs per owner rank
 
 
-def plan_dispatch(ids: torch.Tensor, weights: torch.Tensor, experts_per_rank: int,
-                  ep_size: int) -> Dispatch:
+def plan_dispatch(ids: torch.Tensor, weights: torch.Tensor, experts_per_rank: int, ep_size: int) -> Dispatch:
     """ids, weights [T, k] -> the pairs to send, grouped by owner rank."""
     num_tokens, top_k = ids.shape
     sorted_ids, perm = ids.sort(dim=1)  # [T, k] ascending expert per token
@@ -79,21 +81,24 @@ def plan_dispatch(ids: torch.Tensor, weights: torch.Tensor, experts_per_rank: in
     send_counts = torch.bincount(owners, minlength=ep_size)
     if send_counts.numel() > ep_size:
         raise ValueError(f"expert id {int(expert_ids.max())} has no owner among {ep_size} ranks")
-    return Dispatch(token_idx[by_expert], expert_ids, sorted_w.reshape(-1)[by_expert],
-                    order[by_expert], send_counts.tolist())
+    return Dispatch(
+        token_idx[by_expert], expert_ids, sorted_w.reshape(-1)[by_expert], order[by_expert], send_counts.tolist()
+    )
 
 
-def run_local_experts(x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
-                      experts: ExpertWeights, limit: float) -> torch.Tensor:
+def run_local_experts(
+    x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, limit: float
+) -> torch.Tensor:
     """Received rows x [R, D] with local expert ids [R] and weights [R] -> y [R, D] in x.dtype."""
     y = torch.empty_like(x)
     if local_ids.numel() and (local_ids.min() < 0 or local_ids.max() >= experts.num_experts):
-        raise ValueError(f"received a pair for an expert this rank does not own "
-                         f"(local ids {int(local_ids.min())}..{int(local_ids.max())})")
+        raise ValueError(
+            f"received a pair for an expert this rank does not own "
+            f"(local ids {int(local_ids.min())}..{int(local_ids.max())})"
+        )
     for e in torch.unique(local_ids).tolist():
         rows = torch.nonzero(local_ids == e).squeeze(1)
-        y[rows] = expert_ffn(x[rows], experts.w1[e], experts.w3[e], experts.w2[e], limit,
-                             weights[rows][:, None])
+        y[rows] = expert_ffn(x[rows], experts.w1[e], experts.w3[e], experts.w2[e], limit, weights[rows][:, None])
     return y
 
 
@@ -110,17 +115,19 @@ def combine(y: torch.Tensor, d: Dispatch, num_tokens: int, top_k: int) -> torch.
 def ep_moe(x: torch.Tensor, moe: LocalMoE, cfg: ModelConfig, comm: Comm) -> torch.Tensor:
     """x [T, D] (this rank's tokens) -> y [T, D] in x.dtype; collective over `comm`."""
     if moe.experts.w1.shape[1] != cfg.moe_intermediate_size:
-        raise ValueError(f"experts hold {moe.experts.w1.shape[1]} of "
-                         f"{cfg.moe_intermediate_size} intermediate rows (TP-split): use tp_moe")
-    ids, weights = route(x, moe.gate, moe.bias, cfg.num_experts_per_tok,
-                         cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob)
+        raise ValueError(
+            f"experts hold {moe.experts.w1.shape[1]} of "
+            f"{cfg.moe_intermediate_size} intermediate rows (TP-split): use tp_moe"
+        )
+    ids, weights = route(
+        x, moe.gate, moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob
+    )
     d = plan_dispatch(ids, weights, moe.experts.num_experts, comm.size)
     recv_counts = comm.exchange_counts(d.send_counts, x.device)
     x_in = comm.all_to_all(x[d.token_idx], d.send_counts, recv_counts)  # [R, D]
     ids_in = comm.all_to_all(d.expert_ids, d.send_counts, recv_counts)  # [R]
     w_in = comm.all_to_all(d.weights, d.send_counts, recv_counts)  # [R]
-    y_in = run_local_experts(x_in, ids_in - moe.first_expert, w_in, moe.experts,
-                             cfg.swiglu_limit)
+    y_in = run_local_experts(x_in, ids_in - moe.first_expert, w_in, moe.experts, cfg.swiglu_limit)
     y = comm.all_to_all(y_in, recv_counts, d.send_counts)  # [P, D] back in dispatch order
     out = combine(y, d, x.shape[0], cfg.num_experts_per_tok)
     if moe.shared is not None:

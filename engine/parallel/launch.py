@@ -66,8 +66,7 @@ class Comm:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def all_to_all(self, rows: torch.Tensor, send_counts: list[int],
-                   recv_counts: list[int]) -> torch.Tensor:
+    def all_to_all(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """rows [sum(send_counts), ...]: block r goes to rank r; returns [sum(recv_counts), ...]."""
         if self.size == 1:
             return rows
@@ -140,8 +139,13 @@ def loopback_ifname() -> str:
 
 
 def rank_environment(rank: int, world_size: int, port: int, backend: str) -> dict[str, str]:
-    env = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank),
-           "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    env = {
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+    }
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = loopback_ifname()
     else:
@@ -149,8 +153,16 @@ def rank_environment(rank: int, world_size: int, port: int, backend: str) -> dic
     return env
 
 
-def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
-              fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _run_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
     """Body of one rank: join the group, run fn, report (ok, pickled result) or the traceback."""
     try:
         os.environ.update(rank_environment(rank, world_size, port, backend))
@@ -160,8 +172,7 @@ def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: fl
             torch.cuda.set_device(rank)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -171,8 +182,9 @@ def _run_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: fl
         results.put((rank, False, traceback.format_exc()))
 
 
-def spawn(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo",
-          timeout_s: float = 120.0) -> list[Any]:
+def spawn(
+    world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo", timeout_s: float = 120.0
+) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` local ranks; returns results by rank.
 
     The process group is initialised before fn and destroyed after it. For "nccl", fn and args
@@ -185,13 +197,20 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "g
     ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     listener = free_loopback_socket()
     port = listener.getsockname()[1]
-    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,  # owns the socket now
-                          master_listen_fd=listener.detach(), wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        world_size,
+        is_master=True,  # owns the socket now
+        master_listen_fd=listener.detach(),
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=_run_rank, daemon=True,
-                         args=(r, world_size, port, backend, timeout_s, fn, args, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_run_rank, daemon=True, args=(r, world_size, port, backend, timeout_s, fn, args, results))
+        for r in range(world_size)
+    ]
     try:
         for p in procs:
             p.start()
@@ -211,11 +230,11 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
         try:
             rank, ok, payload = results.get(timeout=0.1)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs)
-                    if r not in values and p.exitcode not in (None, 0)]
+            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
             if dead:
-                raise SpawnError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                 "without a result") from None
+                raise SpawnError(
+                    f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                ) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(values))
                 raise SpawnError(f"ranks {missing} gave no result within {timeout_s} s") from None

@@ -47,24 +47,24 @@ class ParallelPlan:
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"{field_name} must be a positive int, got {value!r}")
         if self.ep_size not in (1, self.world_size):
-            raise PlanError(f"ep_size={self.ep_size} must be 1 or the world size "
-                            f"dp_size*tp_size={self.world_size}")
+            raise PlanError(f"ep_size={self.ep_size} must be 1 or the world size dp_size*tp_size={self.world_size}")
         if self.ep_size > 1 and self.tp_size > 1:
-            raise PlanError(f"ep_size={self.ep_size} with tp_size={self.tp_size}: the TP ranks "
-                            "of a replica hold the same tokens and would each dispatch them")
+            raise PlanError(
+                f"ep_size={self.ep_size} with tp_size={self.tp_size}: the TP ranks "
+                "of a replica hold the same tokens and would each dispatch them"
+            )
         if self.vocab_parallel_head and self.tp_size == 1:
             raise PlanError("vocab_parallel_head needs tp_size > 1")
 
     # ------------------------------------------------------------------ names
     @classmethod
     def from_name(cls, name: str) -> ParallelPlan:
-        """"single", or tokens tpN / dpN / epN concatenated: "tp4", "dp2ep2", "tp2dp2"."""
+        """ "single", or tokens tpN / dpN / epN concatenated: "tp4", "dp2ep2", "tp2dp2"."""
         if name == "single":
             return cls()
         tokens = _NAME_TOKEN.findall(name)
         if not tokens or "".join(k + v for k, v in tokens) != name:
-            raise PlanError(f"unknown plan name {name!r}: use 'single' or tpN/dpN/epN tokens, "
-                            "e.g. 'tp4', 'dp2ep2'")
+            raise PlanError(f"unknown plan name {name!r}: use 'single' or tpN/dpN/epN tokens, e.g. 'tp4', 'dp2ep2'")
         sizes: dict[str, int] = {}
         for kind, value in tokens:
             field_name = f"{kind}_size"
@@ -75,8 +75,7 @@ class ParallelPlan:
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("tp", self.tp_size), ("dp", self.dp_size),
-                                         ("ep", self.ep_size)) if v > 1]
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp_size), ("dp", self.dp_size), ("ep", self.ep_size)) if v > 1]
         return "".join(parts) or "single"
 
     # ------------------------------------------------------------------ rank layout
@@ -120,8 +119,7 @@ class ParallelPlan:
         """Raise PlanError listing every config field the plan cannot split."""
         errors = self._tp_errors(cfg) + self._ep_errors(cfg)
         if errors:
-            raise PlanError(f"plan {self.name} does not fit config {cfg.name!r}:\n  "
-                            + "\n  ".join(errors))
+            raise PlanError(f"plan {self.name} does not fit config {cfg.name!r}:\n  " + "\n  ".join(errors))
 
     def _tp_errors(self, cfg: ModelConfig) -> list[str]:
         tp = self.tp_size
@@ -132,26 +130,30 @@ class ParallelPlan:
         if cfg.num_heads % tp:
             errors.append(f"num_heads={cfg.num_heads} is not divisible by tp_size={tp}")
         elif (cfg.num_heads // tp * cfg.head_dim) % rows_block:
-            errors.append(f"num_heads/tp_size*head_dim={cfg.num_heads // tp * cfg.head_dim} "
-                          f"(wq_b rows per rank) is not a multiple of the {rows_block}-row "
-                          "FP8 tile")
+            errors.append(
+                f"num_heads/tp_size*head_dim={cfg.num_heads // tp * cfg.head_dim} "
+                f"(wq_b rows per rank) is not a multiple of the {rows_block}-row "
+                "FP8 tile"
+            )
         if cfg.o_groups % tp:
             errors.append(f"o_groups={cfg.o_groups} is not divisible by tp_size={tp}")
         elif (cfg.o_groups // tp * cfg.o_lora_rank) % max(rows_block, cols_block):
-            errors.append(f"o_groups/tp_size*o_lora_rank={cfg.o_groups // tp * cfg.o_lora_rank} "
-                          "(wo_a rows, wo_b columns per rank) is not a multiple of the FP8 tile")
+            errors.append(
+                f"o_groups/tp_size*o_lora_rank={cfg.o_groups // tp * cfg.o_lora_rank} "
+                "(wo_a rows, wo_b columns per rank) is not a multiple of the FP8 tile"
+            )
         ff_unit = tp * max(rows_block, cols_block, MXFP4_K_BLOCK)
         if cfg.moe_intermediate_size % ff_unit:
-            errors.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
-                          f"tp_size*{ff_unit // tp}={ff_unit} (expert rows per rank must fill "
-                          "whole FP8 tiles and MXFP4 K blocks)")
+            errors.append(
+                f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by "
+                f"tp_size*{ff_unit // tp}={ff_unit} (expert rows per rank must fill "
+                "whole FP8 tiles and MXFP4 K blocks)"
+            )
         if self.vocab_parallel_head and cfg.vocab_size % tp:
-            errors.append(f"vocab_size={cfg.vocab_size} is not divisible by tp_size={tp} "
-                          "(vocab_parallel_head)")
+            errors.append(f"vocab_size={cfg.vocab_size} is not divisible by tp_size={tp} (vocab_parallel_head)")
         return errors
 
     def _ep_errors(self, cfg: ModelConfig) -> list[str]:
         if cfg.n_routed_experts % self.ep_size:
-            return [f"n_routed_experts={cfg.n_routed_experts} is not divisible by "
-                    f"ep_size={self.ep_size}"]
+            return [f"n_routed_experts={cfg.n_routed_experts} is not divisible by ep_size={self.ep_size}"]
         return []

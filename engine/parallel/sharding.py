@@ -38,13 +38,7 @@ from safetensors import safe_open
 
 from flashpd.engine.parallel.plan import MXFP4_K_BLOCK, ParallelPlan
 from flashpd.kernels.quant import ref as quant
-from flashpd.model.checkpoint import (
-    IGNORED_PREFIXES,
-    INDEX_FILE,
-    LOADED_TORCH_DTYPES,
-    TensorSpec,
-    manifest,
-)
+from flashpd.model.checkpoint import IGNORED_PREFIXES, INDEX_FILE, LOADED_TORCH_DTYPES, TensorSpec, manifest
 from flashpd.model.config import ModelConfig
 
 FP8_BLOCK = (32, 32)
@@ -109,7 +103,7 @@ class Slice:
 
 def _leaf(name: str) -> str:
     match = _LAYER_PREFIX.match(name)
-    return name[match.end():] if match else name
+    return name[match.end() :] if match else name
 
 
 def tensor_rule(name: str) -> TensorRule:
@@ -154,8 +148,9 @@ def _unit(dtype: str, dim: int, block: tuple[int, int]) -> int:
     return 1  # scales (one entry per tile / block), plain tensors, MXFP4 rows
 
 
-def tensor_slice(name: str, spec: TensorSpec, plan: ParallelPlan, rank: int,
-                 block: tuple[int, int] = FP8_BLOCK) -> Slice:
+def tensor_slice(
+    name: str, spec: TensorSpec, plan: ParallelPlan, rank: int, block: tuple[int, int] = FP8_BLOCK
+) -> Slice:
     """The slice of stored tensor `name` (dtype and shape in `spec`) that `rank` holds."""
     dim = _split_dim(tensor_rule(name).split, plan)
     if dim is None:
@@ -168,14 +163,16 @@ def tensor_slice(name: str, spec: TensorSpec, plan: ParallelPlan, rank: int,
         raise ShardError(f"{name}: dim {dim} of size {size} is not divisible by tp_size={tp}")
     part, unit = size // tp, _unit(spec.dtype, dim, block)
     if part % unit:
-        raise ShardError(f"{name}: a split of dim {dim} into {tp} parts of {part} falls inside "
-                         f"a {unit}-element quantisation block")
+        raise ShardError(
+            f"{name}: a split of dim {dim} into {tp} parts of {part} falls inside a {unit}-element quantisation block"
+        )
     start = plan.tp_rank(rank) * part
     return Slice(dim, start, start + part)
 
 
-def shard_spec(name: str, spec: TensorSpec, plan: ParallelPlan, rank: int,
-               block: tuple[int, int] = FP8_BLOCK) -> TensorSpec:
+def shard_spec(
+    name: str, spec: TensorSpec, plan: ParallelPlan, rank: int, block: tuple[int, int] = FP8_BLOCK
+) -> TensorSpec:
     """The stored spec of `rank`'s part (no ownership check: see `holds`)."""
     sl = tensor_slice(name, spec, plan, rank, block)
     if sl.dim is None:
@@ -185,11 +182,7 @@ def shard_spec(name: str, spec: TensorSpec, plan: ParallelPlan, rank: int,
     return TensorSpec(spec.dtype, tuple(shape))
 
 
-_TORCH_TO_STORED = {
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-}
+_TORCH_TO_STORED = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
 def _stored_dtype(name: str, tensor: torch.Tensor) -> str:
@@ -201,8 +194,9 @@ def _stored_dtype(name: str, tensor: torch.Tensor) -> str:
     return _TORCH_TO_STORED[tensor.dtype]
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, plan: ParallelPlan, rank: int,
-                 block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+def shard_tensor(
+    name: str, tensor: torch.Tensor, plan: ParallelPlan, rank: int, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
     """`rank`'s part of a raw (loaded-form) checkpoint tensor; a contiguous copy when split."""
     spec = TensorSpec(_stored_dtype(name, tensor), tuple(tensor.shape))
     sl = tensor_slice(name, spec, plan, rank, block)
@@ -232,20 +226,22 @@ class RankShard:
 
     def fp8(self, prefix: str, dtype: torch.dtype) -> torch.Tensor:
         """`prefix.weight` E4M3 + `prefix.scale` tiles -> the rank's part in `dtype`."""
-        return quant.dequantize_fp8_blockwise(self.get(f"{prefix}.weight"),
-                                              self.get(f"{prefix}.scale"), dtype,
-                                              self.cfg.weight_block_size)
+        return quant.dequantize_fp8_blockwise(
+            self.get(f"{prefix}.weight"), self.get(f"{prefix}.scale"), dtype, self.cfg.weight_block_size
+        )
 
     def mxfp4(self, prefix: str, dtype: torch.dtype) -> torch.Tensor:
-        return quant.dequantize_mxfp4_weight(self.get(f"{prefix}.weight"),
-                                             self.get(f"{prefix}.scale"), dtype)
+        return quant.dequantize_mxfp4_weight(self.get(f"{prefix}.weight"), self.get(f"{prefix}.scale"), dtype)
 
 
 def rank_manifest(cfg: ModelConfig, plan: ParallelPlan, rank: int) -> dict[str, TensorSpec]:
     """Stored specs of every tensor part `rank` holds, without reading anything."""
     plan.validate(cfg)
-    return {name: shard_spec(name, spec, plan, rank, cfg.weight_block_size)
-            for name, spec in manifest(cfg).items() if holds(name, cfg, plan, rank)}
+    return {
+        name: shard_spec(name, spec, plan, rank, cfg.weight_block_size)
+        for name, spec in manifest(cfg).items()
+        if holds(name, cfg, plan, rank)
+    }
 
 
 def load_shard(checkpoint_dir: str, plan: ParallelPlan, rank: int) -> RankShard:
@@ -261,8 +257,9 @@ def load_shard(checkpoint_dir: str, plan: ParallelPlan, rank: int) -> RankShard:
                 tensors[name] = _read_part(f, name, expected[name], plan, rank, cfg)
     missing = sorted(wanted - set(tensors))
     if missing:
-        raise ShardError(f"checkpoint {checkpoint_dir} lacks {len(missing)} tensors rank {rank} "
-                         f"needs, e.g. {missing[:5]}")
+        raise ShardError(
+            f"checkpoint {checkpoint_dir} lacks {len(missing)} tensors rank {rank} needs, e.g. {missing[:5]}"
+        )
     return RankShard(cfg, plan, rank, tensors)
 
 
@@ -287,19 +284,19 @@ def _files_of(checkpoint_dir: str, wanted: set[str]) -> dict[str, list[str]]:
     return by_file
 
 
-def _read_part(f, name: str, expected: TensorSpec, plan: ParallelPlan, rank: int,
-               cfg: ModelConfig) -> torch.Tensor:
+def _read_part(f, name: str, expected: TensorSpec, plan: ParallelPlan, rank: int, cfg: ModelConfig) -> torch.Tensor:
     stored = f.get_slice(name)
     found = TensorSpec(stored.get_dtype(), tuple(stored.get_shape()))
     if found != expected:
-        raise ShardError(f"{name}: stored {found.dtype} {list(found.shape)}, config expects "
-                         f"{expected.dtype} {list(expected.shape)}")
+        raise ShardError(
+            f"{name}: stored {found.dtype} {list(found.shape)}, config expects {expected.dtype} {list(expected.shape)}"
+        )
     sl = tensor_slice(name, expected, plan, rank, cfg.weight_block_size)
     if sl.dim is None:
         part = stored[:]
     elif sl.dim == 0:
-        part = stored[sl.start:sl.stop]
+        part = stored[sl.start : sl.stop]
     else:
-        part = stored[:, sl.start:sl.stop]
+        part = stored[:, sl.start : sl.stop]
     loaded = LOADED_TORCH_DTYPES[expected.dtype]
     return part if part.dtype == loaded else part.view(loaded)  # E8M0 / I8 bytes as uint8

@@ -65,15 +65,13 @@ def local_heads(cfg: ModelConfig, comm: Comm) -> range:
     return range(comm.rank * per_rank, (comm.rank + 1) * per_rank)
 
 
-def tp_query(c_q: torch.Tensor, wq_b: torch.Tensor, cfg: ModelConfig,
-             comm: Comm) -> torch.Tensor:
+def tp_query(c_q: torch.Tensor, wq_b: torch.Tensor, cfg: ModelConfig, comm: Comm) -> torch.Tensor:
     """c_q [T, q_lora] -> this rank's query heads [T, H/tp, d] (wq_b split by heads)."""
     q = column_parallel_linear(c_q, wq_b)  # [T, H/tp * d]
     return q.reshape(c_q.shape[0], len(local_heads(cfg, comm)), cfg.head_dim)
 
 
-def tp_output_projection(o: torch.Tensor, w: AttentionOutShard, cfg: ModelConfig,
-                         comm: Comm) -> torch.Tensor:
+def tp_output_projection(o: torch.Tensor, w: AttentionOutShard, cfg: ModelConfig, comm: Comm) -> torch.Tensor:
     """Local heads o [T, H/tp, d] (inverse-RoPE'd) -> grouped wo_a -> wo_b -> [T, D] (§3.6)."""
     num_groups = cfg.o_groups // comm.size
     groups = o.reshape(o.shape[0], num_groups, -1)  # [T, G/tp, (H/G)*d]
@@ -83,8 +81,15 @@ def tp_output_projection(o: torch.Tensor, w: AttentionOutShard, cfg: ModelConfig
 
 
 # ============================================================================ MLP
-def _expert_partial(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                    limit: float, comm: Comm, weight: torch.Tensor | None = None) -> torch.Tensor:
+def _expert_partial(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    comm: Comm,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One expert over this rank's intermediate slice -> FP32 partial [n, D] of y_e.
 
     The reference rounds y_e to x.dtype once it is complete; under TP it completes only after
@@ -97,8 +102,7 @@ def _expert_partial(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: tor
     return fp32(round_to(partial, x.dtype)) if comm.size == 1 else partial
 
 
-def tp_shared_expert(x: torch.Tensor, shared: ExpertWeights, limit: float,
-                     comm: Comm) -> torch.Tensor:
+def tp_shared_expert(x: torch.Tensor, shared: ExpertWeights, limit: float, comm: Comm) -> torch.Tensor:
     """x [T, D] -> shared expert output [T, D] in x.dtype (w1, w3 by rows, w2 by columns)."""
     partial = _expert_partial(x, shared.w1[0], shared.w3[0], shared.w2[0], limit, comm)
     return round_to(comm.all_reduce_sum(partial), x.dtype)
@@ -110,17 +114,22 @@ def tp_moe(x: torch.Tensor, moe: LocalMoE, cfg: ModelConfig, comm: Comm) -> torc
     Routed experts are all present, split by intermediate rows; the per-token FP32 sum runs in
     ascending expert order, as in kernels/moe/ref.py."""
     if moe.experts.num_experts != cfg.n_routed_experts:
-        raise ValueError(f"tp_moe needs all {cfg.n_routed_experts} routed experts, the rank "
-                         f"holds {moe.experts.num_experts} (EP-owned): use ep_moe")
-    ids, weights = route(x, moe.gate, moe.bias, cfg.num_experts_per_tok,
-                         cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob)
+        raise ValueError(
+            f"tp_moe needs all {cfg.n_routed_experts} routed experts, the rank "
+            f"holds {moe.experts.num_experts} (EP-owned): use ep_moe"
+        )
+    ids, weights = route(
+        x, moe.gate, moe.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob
+    )
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
     ex, limit = moe.experts, cfg.swiglu_limit
     for e in torch.unique(ids).tolist():
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-        out.index_add_(0, token_idx, _expert_partial(
-            x[token_idx], ex.w1[e], ex.w3[e], ex.w2[e], limit, comm,
-            weights[token_idx, slot][:, None]))
+        out.index_add_(
+            0,
+            token_idx,
+            _expert_partial(x[token_idx], ex.w1[e], ex.w3[e], ex.w2[e], limit, comm, weights[token_idx, slot][:, None]),
+        )
     if moe.shared is not None:
         s = moe.shared
         out += _expert_partial(x, s.w1[0], s.w3[0], s.w2[0], limit, comm)

@@ -13,12 +13,7 @@ from flashpd.engine.transfer.base import (
     TransferStats,
     TransferTimeout,
 )
-from flashpd.engine.transfer.contract import (
-    ContractMismatch,
-    GroupSpec,
-    TransferContract,
-    check_compatible,
-)
+from flashpd.engine.transfer.contract import ContractMismatch, GroupSpec, TransferContract, check_compatible
 from flashpd.engine.transfer.ledger import Rejection
 from flashpd.engine.transfer.local import LocalReceiver, LocalSender
 

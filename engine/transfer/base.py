@@ -65,8 +65,7 @@ class TransferStats:
 class TransferHandle:
     """One posted send; opaque to callers except for the fields below."""
 
-    def __init__(self, request_id: str, peer: str, num_bytes: int, posted_at_s: float,
-                 xfer: Any):
+    def __init__(self, request_id: str, peer: str, num_bytes: int, posted_at_s: float, xfer: Any):
         self.request_id = request_id
         self.peer = peer
         self.num_bytes = num_bytes
@@ -80,8 +79,7 @@ class TransferHandle:
 def check_pools(contract: TransferContract, pools: KVPools) -> int:
     """Validate pools against the contract; returns the shared num_blocks."""
     if set(pools) != set(contract.group_names):
-        raise ValueError(f"pool groups {sorted(pools)} != contract groups "
-                         f"{sorted(contract.group_names)}")
+        raise ValueError(f"pool groups {sorted(pools)} != contract groups {sorted(contract.group_names)}")
     shapes = {}
     for name, pool in pools.items():
         block_bytes = contract.group(name).block_bytes
@@ -103,10 +101,16 @@ def pool_regions(contract: TransferContract, pools: KVPools) -> tuple[PoolRegion
     for name in contract.group_names:
         pool = pools[name]
         on_cpu = pool.device.type == "cpu"
-        regions.append(PoolRegion(group=name, address=pool.data_ptr(), num_blocks=pool.shape[0],
-                                  block_bytes=pool.shape[1],
-                                  device_id=0 if on_cpu else pool.get_device(),
-                                  mem_type="DRAM" if on_cpu else "VRAM"))
+        regions.append(
+            PoolRegion(
+                group=name,
+                address=pool.data_ptr(),
+                num_blocks=pool.shape[0],
+                block_bytes=pool.shape[1],
+                device_id=0 if on_cpu else pool.get_device(),
+                mem_type="DRAM" if on_cpu else "VRAM",
+            )
+        )
     return tuple(regions)
 
 
@@ -115,8 +119,7 @@ class KVReceiver(ABC):
 
     backend: ClassVar[str]
 
-    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str,
-                 agent_name: str):
+    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str, agent_name: str):
         if not incarnation:
             raise ValueError("incarnation must be non-empty")
         self.contract = contract
@@ -131,13 +134,23 @@ class KVReceiver(ABC):
 
     def descriptor(self) -> bytes:
         """Peer metadata for the sender: contract, agent, incarnation, pool registrations."""
-        return PeerDescriptor(backend=self.backend, agent_name=self.agent_name,
-                              incarnation=self.incarnation, contract=self.contract,
-                              regions=pool_regions(self.contract, self.pools),
-                              agent_metadata=self._agent_metadata()).to_bytes()
+        return PeerDescriptor(
+            backend=self.backend,
+            agent_name=self.agent_name,
+            incarnation=self.incarnation,
+            contract=self.contract,
+            regions=pool_regions(self.contract, self.pools),
+            agent_metadata=self._agent_metadata(),
+        ).to_bytes()
 
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
-               incarnation: str, issued_s: float | None = None) -> None:
+    def expect(
+        self,
+        request_id: str,
+        dst_block_ids: Sequence[int],
+        lease_deadline_s: float,
+        incarnation: str,
+        issued_s: float | None = None,
+    ) -> None:
         """Wait for `request_id`'s KV in `dst_block_ids`, from writes carrying `incarnation`.
 
         `incarnation` is the fencing token the writer must echo in `send`: the sender worker's
@@ -203,8 +216,9 @@ class KVReceiver(ABC):
             except ValueError:
                 self._ledger.on_malformed()
                 continue
-            self._ledger.on_notice(notice.request_id, notice.incarnation, notice.dst_block_ids,
-                                   notice.kind, notice.before_unix_s)
+            self._ledger.on_notice(
+                notice.request_id, notice.incarnation, notice.dst_block_ids, notice.kind, notice.before_unix_s
+            )
 
     @abstractmethod
     def _agent_metadata(self) -> bytes:
@@ -261,8 +275,15 @@ class KVSender(ABC):
         return tuple(self._peers)
 
     # ------------------------------------------------------------------ transfers
-    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             incarnation: str, *, peer: str | None = None) -> TransferHandle:
+    def send(
+        self,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        incarnation: str,
+        *,
+        peer: str | None = None,
+    ) -> TransferHandle:
         """Post the write of every group's src blocks into the peer's dst blocks.
 
         `incarnation` is the fencing token the receiver expects (see KVReceiver.expect);
@@ -284,18 +305,15 @@ class KVSender(ABC):
         notice = TransferNotice(request_id, incarnation, (), kind="abandon").to_bytes()
         self._notify(target, notice)
 
-    def abandon_all(self, request_id: str, before_unix_s: float, *,
-                    peer: str | None = None) -> None:
+    def abandon_all(self, request_id: str, before_unix_s: float, *, peer: str | None = None) -> None:
         """Tell every connected receiver (or `peer`) that this sender has no run of
         `request_id` and refuses its tickets issued at or before `before_unix_s`."""
-        notice = TransferNotice(request_id, "", (), kind="abandon_all",
-                                before_unix_s=before_unix_s).to_bytes()
+        notice = TransferNotice(request_id, "", (), kind="abandon_all", before_unix_s=before_unix_s).to_bytes()
         targets = list(self._peers.values()) if peer is None else [self._peer(peer)]
         for target in targets:
             self._notify(target, notice)
 
-    def wait(self, handle: TransferHandle, timeout_s: float,
-             cancel: threading.Event | None = None) -> TransferStats:
+    def wait(self, handle: TransferHandle, timeout_s: float, cancel: threading.Event | None = None) -> TransferStats:
         """Block until the transfer completes; on failure, timeout or `cancel` being set, abort
         it and raise (once this returns or raises, no byte of the transfer is still moving)."""
         if handle.stats is not None:
@@ -346,8 +364,9 @@ class KVSender(ABC):
             raise TransferError(f"send needs peer= with {len(self._peers)} connections")
         return next(iter(self._peers.values()))
 
-    def _checked_pairs(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                       dst_num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    def _checked_pairs(
+        self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dst_num_blocks: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)  # [n]
         dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)  # [n]
         if len(src) == 0 or len(src) != len(dst):
@@ -374,13 +393,12 @@ class KVSender(ABC):
         """Forget the peer and free what _attach prepared."""
 
     @abstractmethod
-    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray,
-              notice: bytes) -> Any:
+    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes) -> Any:
         """Start the write of all groups' blocks src -> dst plus the notice; returns xfer."""
 
     @abstractmethod
     def _poll(self, xfer: Any) -> str:
-        """"DONE", "PROC" or "ERR"; a finished xfer frees its transport resources."""
+        """ "DONE", "PROC" or "ERR"; a finished xfer frees its transport resources."""
 
     @abstractmethod
     def _abort(self, xfer: Any) -> None:

@@ -87,8 +87,7 @@ class TransferContract:
             "protocol_version": self.protocol_version,
             "speculative": self.speculative,
             "groups": [
-                {"name": g.name, "block_bytes": g.block_bytes, "record_format": g.record_format}
-                for g in self.groups
+                {"name": g.name, "block_bytes": g.block_bytes, "record_format": g.record_format} for g in self.groups
             ],
         }
 
@@ -98,14 +97,16 @@ class TransferContract:
         if set(data) != expected:
             raise ValueError(f"contract fields {sorted(data)} != {sorted(expected)}")
         groups = tuple(
-            GroupSpec(name=str(g["name"]), block_bytes=int(g["block_bytes"]),
-                      record_format=str(g["record_format"]))
+            GroupSpec(name=str(g["name"]), block_bytes=int(g["block_bytes"]), record_format=str(g["record_format"]))
             for g in data["groups"]
         )
-        return cls(model_id=str(data["model_id"]), groups=groups,
-                   chunk_tokens=int(data["chunk_tokens"]),
-                   protocol_version=int(data["protocol_version"]),
-                   speculative=str(data["speculative"]))
+        return cls(
+            model_id=str(data["model_id"]),
+            groups=groups,
+            chunk_tokens=int(data["chunk_tokens"]),
+            protocol_version=int(data["protocol_version"]),
+            speculative=str(data["speculative"]),
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -136,11 +137,11 @@ def check_compatible(local: TransferContract, remote: TransferContract) -> None:
     theirs = {g.name: g for g in remote.groups}
     if set(mine) != set(theirs):
         fields.append("groups")
-        details.append(f"groups: only local={sorted(set(mine) - set(theirs))} "
-                       f"only remote={sorted(set(theirs) - set(mine))}")
+        details.append(
+            f"groups: only local={sorted(set(mine) - set(theirs))} only remote={sorted(set(theirs) - set(mine))}"
+        )
     for name in sorted(set(mine) & set(theirs)):
         differ(f"groups[{name}].block_bytes", mine[name].block_bytes, theirs[name].block_bytes)
-        differ(f"groups[{name}].record_format", mine[name].record_format,
-               theirs[name].record_format)
+        differ(f"groups[{name}].record_format", mine[name].record_format, theirs[name].record_format)
     if fields:
         raise ContractMismatch(fields, details)

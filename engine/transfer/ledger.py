@@ -72,8 +72,14 @@ class ReceiverLedger:
         self._abandoned_all: OrderedDict[str, float] = OrderedDict()  # request id -> before_s
 
     # ------------------------------------------------------------------ owner side
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], lease_deadline_s: float,
-               incarnation: str, issued_s: float | None = None) -> None:
+    def expect(
+        self,
+        request_id: str,
+        dst_block_ids: Sequence[int],
+        lease_deadline_s: float,
+        incarnation: str,
+        issued_s: float | None = None,
+    ) -> None:
         """Start (or supersede, with a new sender incarnation) the wait for one request's KV."""
         block_ids = self._checked_block_ids(request_id, dst_block_ids)
         if not math.isfinite(lease_deadline_s):
@@ -85,8 +91,7 @@ class ReceiverLedger:
             raise ValueError(f"{request_id}: already expected from incarnation {incarnation!r}")
         # A newer incarnation restarts the request: the old sender's notices become stale.
         self._closed.pop(request_id, None)
-        self._live[request_id] = _Expected(block_ids, float(lease_deadline_s), incarnation,
-                                           issued_s=issued_s)
+        self._live[request_id] = _Expected(block_ids, float(lease_deadline_s), incarnation, issued_s=issued_s)
 
     def cancel(self, request_id: str) -> bool:
         """Stop waiting for a request; True if it was live. Its late notices are rejected."""
@@ -106,8 +111,7 @@ class ReceiverLedger:
         self._remember(request_id, Rejection.CANCELLED)
         if expected.abandoned or self._covered_by_abandon_all(request_id, expected):
             return None
-        self._draining[expected.incarnation] = _Draining(request_id, expected,
-                                                         float(fallback_deadline_s))
+        self._draining[expected.incarnation] = _Draining(request_id, expected, float(fallback_deadline_s))
         return expected.incarnation
 
     def take_quiet(self, now_s: float) -> list[str]:
@@ -130,8 +134,7 @@ class ReceiverLedger:
             self._remember(rid, Rejection.EXPIRED)
             if expected.abandoned or self._covered_by_abandon_all(rid, expected):
                 continue
-            self._draining[expected.incarnation] = _Draining(
-                rid, expected, expected.lease_deadline_s + grace_s)
+            self._draining[expected.incarnation] = _Draining(rid, expected, expected.lease_deadline_s + grace_s)
         return expired
 
     def take_completed(self) -> list[str]:
@@ -139,8 +142,14 @@ class ReceiverLedger:
         return done
 
     # ------------------------------------------------------------------ notice side
-    def on_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int],
-                  kind: str = "write", before_unix_s: float = 0.0) -> bool:
+    def on_notice(
+        self,
+        request_id: str,
+        incarnation: str,
+        dst_block_ids: Sequence[int],
+        kind: str = "write",
+        before_unix_s: float = 0.0,
+    ) -> bool:
         """Apply one sender notice; returns whether it was accepted (a notice that only ends a
         draining request is not accepted: its bytes are not used)."""
         if kind == "abandon_all":
@@ -165,8 +174,7 @@ class ReceiverLedger:
         return True
 
     def _on_abandon_all(self, request_id: str, before_unix_s: float) -> None:
-        self._abandoned_all[request_id] = max(before_unix_s,
-                                              self._abandoned_all.get(request_id, before_unix_s))
+        self._abandoned_all[request_id] = max(before_unix_s, self._abandoned_all.get(request_id, before_unix_s))
         self._abandoned_all.move_to_end(request_id)
         while len(self._abandoned_all) > self._max_remembered:
             self._abandoned_all.popitem(last=False)
@@ -177,11 +185,9 @@ class ReceiverLedger:
 
     def _covered_by_abandon_all(self, request_id: str, expected: _Expected) -> bool:
         before_s = self._abandoned_all.get(request_id)
-        return before_s is not None and expected.issued_s is not None and \
-            expected.issued_s <= before_s
+        return before_s is not None and expected.issued_s is not None and expected.issued_s <= before_s
 
-    def _on_draining_notice(self, request_id: str, incarnation: str,
-                            dst_block_ids: Sequence[int], kind: str) -> None:
+    def _on_draining_notice(self, request_id: str, incarnation: str, dst_block_ids: Sequence[int], kind: str) -> None:
         d = self._draining.get(incarnation)
         if d is None or d.request_id != request_id:
             return

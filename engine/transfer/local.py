@@ -27,10 +27,8 @@ _RECEIVERS: weakref.WeakValueDictionary[str, LocalReceiver] = weakref.WeakValueD
 class LocalReceiver(KVReceiver):
     backend = "local"
 
-    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str,
-                 agent_name: str | None = None):
-        super().__init__(contract, pools, incarnation,
-                         agent_name or f"flashpd-local-{uuid.uuid4().hex[:12]}")
+    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str, agent_name: str | None = None):
+        super().__init__(contract, pools, incarnation, agent_name or f"flashpd-local-{uuid.uuid4().hex[:12]}")
         if self.agent_name in _RECEIVERS:
             raise ValueError(f"a local receiver named {self.agent_name!r} already exists")
         self._inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
@@ -68,15 +66,13 @@ class LocalSender(KVSender):
             raise TransferError(f"local peer {peer.agent_name} lives in another process")
         receiver = _RECEIVERS.get(peer.agent_name)
         if receiver is None or receiver.incarnation != peer.incarnation:
-            raise TransferError(f"no live local receiver {peer.agent_name} "
-                                f"(incarnation {peer.incarnation})")
+            raise TransferError(f"no live local receiver {peer.agent_name} (incarnation {peer.incarnation})")
         self._receivers[peer.agent_name] = receiver
 
     def _detach(self, peer: PeerDescriptor) -> None:
         del self._receivers[peer.agent_name]
 
-    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray,
-              notice: bytes) -> str:
+    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes) -> str:
         receiver = self._receivers[peer.agent_name]
         if _RECEIVERS.get(peer.agent_name) is not receiver:
             raise TransferError(f"local receiver {peer.agent_name} was closed")

@@ -39,13 +39,7 @@ import uuid
 import numpy as np
 
 from flashpd.engine.transfer import ucx_transport
-from flashpd.engine.transfer.base import (
-    KVPools,
-    KVReceiver,
-    KVSender,
-    TransferError,
-    pool_regions,
-)
+from flashpd.engine.transfer.base import KVPools, KVReceiver, KVSender, TransferError, pool_regions
 from flashpd.engine.transfer.contract import TransferContract
 from flashpd.engine.transfer.wire import PeerDescriptor, PoolRegion
 
@@ -59,8 +53,7 @@ def _make_agent(name: str, progress_thread: bool):
     # Imported here: `nixl` loads native plugins, which tests of other backends never need.
     from nixl._api import nixl_agent, nixl_agent_config
 
-    config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
-                               backends=[_BACKEND])
+    config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[_BACKEND])
     agent = nixl_agent(name, config)
     if _BACKEND not in agent.backends:
         raise TransferError(f"NIXL plugin {_BACKEND} unavailable (have {agent.get_plugin_list()})")
@@ -78,16 +71,22 @@ def block_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return s[starts], d[starts], ends - starts
 
 
-def run_rows(regions: tuple[PoolRegion, ...], starts: np.ndarray,
-             lengths: np.ndarray) -> np.ndarray:
+def run_rows(regions: tuple[PoolRegion, ...], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[groups * R, 3] uint64 descriptor rows (address, bytes, device id), group-major: one per
     (group, run)."""
     rows = []
     for r in regions:
         bb = np.uint64(r.block_bytes)
-        rows.append(np.stack([np.uint64(r.address) + starts.astype(np.uint64) * bb,
-                              lengths.astype(np.uint64) * bb,
-                              np.full(len(starts), r.device_id, dtype=np.uint64)], axis=1))
+        rows.append(
+            np.stack(
+                [
+                    np.uint64(r.address) + starts.astype(np.uint64) * bb,
+                    lengths.astype(np.uint64) * bb,
+                    np.full(len(starts), r.device_id, dtype=np.uint64),
+                ],
+                axis=1,
+            )
+        )
     return np.concatenate(rows)
 
 
@@ -107,11 +106,16 @@ class NixlReceiver(KVReceiver):
 
     backend = "nixl"
 
-    def __init__(self, contract: TransferContract, pools: KVPools, incarnation: str,
-                 agent_name: str | None = None, progress_thread: bool = False,
-                 progress_interval_s: float = HOT_POLL_S):
-        super().__init__(contract, pools, incarnation,
-                         agent_name or f"flashpd-recv-{uuid.uuid4().hex[:12]}")
+    def __init__(
+        self,
+        contract: TransferContract,
+        pools: KVPools,
+        incarnation: str,
+        agent_name: str | None = None,
+        progress_thread: bool = False,
+        progress_interval_s: float = HOT_POLL_S,
+    ):
+        super().__init__(contract, pools, incarnation, agent_name or f"flashpd-recv-{uuid.uuid4().hex[:12]}")
         self._lock = threading.Lock()
         self._agent = _make_agent(self.agent_name, progress_thread)
         tensors = [self.pools[name] for name in contract.group_names]
@@ -123,16 +127,17 @@ class NixlReceiver(KVReceiver):
         self._progress: threading.Thread | None = None
         self.num_pumps = 0  # progress calls made by the thread (diagnostics, tests)
         if progress_interval_s > 0:
-            self._progress = threading.Thread(target=self._progress_loop,
-                                              args=(progress_interval_s,),
-                                              name=f"{self.agent_name}-progress", daemon=True)
+            self._progress = threading.Thread(
+                target=self._progress_loop, args=(progress_interval_s,), name=f"{self.agent_name}-progress", daemon=True
+            )
             self._progress.start()
 
     def _agent_metadata(self) -> bytes:
         return self._metadata
 
-    def expect(self, request_id: str, dst_block_ids, lease_deadline_s: float,
-               incarnation: str, issued_s: float | None = None) -> None:
+    def expect(
+        self, request_id: str, dst_block_ids, lease_deadline_s: float, incarnation: str, issued_s: float | None = None
+    ) -> None:
         super().expect(request_id, dst_block_ids, lease_deadline_s, incarnation, issued_s)
         self._hot.set()
 
@@ -183,16 +188,22 @@ class NixlReceiver(KVReceiver):
 class NixlSender(KVSender):
     backend = "nixl"
 
-    def __init__(self, contract: TransferContract, pools: KVPools,
-                 agent_name: str | None = None, progress_thread: bool = False,
-                 required_transports: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        contract: TransferContract,
+        pools: KVPools,
+        agent_name: str | None = None,
+        progress_thread: bool = False,
+        required_transports: tuple[str, ...] | None = None,
+    ):
         super().__init__(contract, pools)
         self.agent_name = agent_name or f"flashpd-send-{uuid.uuid4().hex[:12]}"
         self._lock = threading.RLock()
         self._in_flight: set = set()  # posted xfers not yet released
         self._proto_log = ucx_transport.enable_proto_log()
-        self._required = (ucx_transport.required_transports() if required_transports is None
-                          else tuple(required_transports))
+        self._required = (
+            ucx_transport.required_transports() if required_transports is None else tuple(required_transports)
+        )
         self._agent = _make_agent(self.agent_name, progress_thread)
         tensors = [self.pools[name] for name in contract.group_names]
         self._registration = self._agent.register_memory(tensors, backends=[_BACKEND])
@@ -228,8 +239,11 @@ class NixlSender(KVSender):
         remote_regions = tuple(peer.region(name) for name in self.contract.group_names)
         local = run_rows(self._regions, src_starts, lengths)
         remote = run_rows(remote_regions, dst_starts, lengths)
-        return (self._agent.get_xfer_descs(local, self._mem_type),
-                self._agent.get_xfer_descs(remote, remote_regions[0].mem_type), len(local))
+        return (
+            self._agent.get_xfer_descs(local, self._mem_type),
+            self._agent.get_xfer_descs(remote, remote_regions[0].mem_type),
+            len(local),
+        )
 
     def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes):
         with self._lock:
@@ -239,8 +253,7 @@ class NixlSender(KVSender):
                 raise self._barred[peer.agent_name]
             local, remote, self.last_num_descriptors = self._descriptors(peer, src, dst)
             try:
-                xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.agent_name,
-                                                   notice, backends=[_BACKEND])
+                xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.agent_name, notice, backends=[_BACKEND])
             except Exception as e:  # nixlBind raises its own exception types
                 raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
             try:
@@ -262,15 +275,15 @@ class NixlSender(KVSender):
             raise self._barred[handle.peer]
         tables = ucx_transport.parse_put_tables(ucx_transport.read_log(self._proto_log))
         try:
-            report = ucx_transport.judge(tables, self._mem_type, self._min_desc_bytes,
-                                         self._required)
+            report = ucx_transport.judge(tables, self._mem_type, self._min_desc_bytes, self._required)
         except ucx_transport.TransportFallback as e:
             self._barred[handle.peer] = e
             log.error("KV transport to %s REFUSED: %s", handle.peer, e)
             raise
         self.transports[handle.peer] = report
-        log.warning("KV transport to %s: %s (%s pools; %s)", handle.peer, report.transport,
-                    self._mem_type, report.summary())
+        log.warning(
+            "KV transport to %s: %s (%s pools; %s)", handle.peer, report.transport, self._mem_type, report.summary()
+        )
 
     def _poll(self, xfer) -> str:
         with self._lock:

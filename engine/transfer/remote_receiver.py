@@ -21,8 +21,7 @@ def receiver_main(conn, contract_json: str, num_blocks: int, incarnation: str) -
     from flashpd.engine.transfer.nixl_backend import NixlReceiver
 
     contract = TransferContract.from_json(contract_json)
-    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8)
-             for g in contract.groups}
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups}
     receiver = NixlReceiver(contract, pools, incarnation)
     conn.send(receiver.descriptor())
     completed: list[str] = []

@@ -29,15 +29,16 @@ from dataclasses import dataclass
 from flashpd.engine.transfer.base import TransferError
 
 _TITLE = re.compile(r"remote memory write by ucp_put\S* from (\S+(?: memory)?) to (\S+)")
-_ROW = re.compile(r"\|\s*([0-9.]+[KMGT]?\.\.(?:inf|[0-9.]+[KMGT]?))\s*\|\s*([^|]+?)\s*\|"
-                  r"\s*([^|]+?)\s*\|")
+_ROW = re.compile(
+    r"\|\s*([0-9.]+[KMGT]?\.\.(?:inf|[0-9.]+[KMGT]?))\s*\|\s*([^|]+?)\s*\|"
+    r"\s*([^|]+?)\s*\|"
+)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 # Transports that move GPU memory without a host bounce.
 GPU_DIRECT_TRANSPORTS = ("cuda_ipc", "rc_mlx5", "rc_verbs", "dc_mlx5", "ud_mlx5", "gdr_copy")
 # Signs of a fallback: TCP, or the data staged through host memory.
-FALLBACK_MARKS = ("tcp", "cuda_copy", "copy-in", "copy-out", "bcopy", "pipeline", "bounce",
-                  "staged")
+FALLBACK_MARKS = ("tcp", "cuda_copy", "copy-in", "copy-out", "bcopy", "pipeline", "bounce", "staged")
 
 
 class TransportFallback(TransferError):
@@ -76,9 +77,11 @@ class TransportReport:
     tables: tuple[PutTable, ...]
 
     def summary(self) -> str:
-        rows = [f"{t.source}->{t.destination}: " + ", ".join(
-            f"{r.low_bytes}..{r.high_bytes:g} {r.description} {r.config}" for r in t.ranges)
-            for t in self.tables]
+        rows = [
+            f"{t.source}->{t.destination}: "
+            + ", ".join(f"{r.low_bytes}..{r.high_bytes:g} {r.description} {r.config}" for r in t.ranges)
+            for t in self.tables
+        ]
         return "; ".join(rows) or "no put protocol reported"
 
 
@@ -105,8 +108,7 @@ def parse_put_tables(log_text: str) -> list[PutTable]:
         row = _ROW.search(line)
         if row:
             low, high = row.group(1).split("..")
-            current[2].append(ProtoRange(int(_size(low)), _size(high), row.group(2),
-                                         row.group(3)))
+            current[2].append(ProtoRange(int(_size(low)), _size(high), row.group(2), row.group(3)))
         elif "ucp_" in line and "|" in line:  # another operation's table begins
             tables.append(PutTable(current[0], current[1], tuple(current[2])))
             current = None
@@ -119,8 +121,7 @@ def _transport_name(config: str) -> str:
     return config.split("/")[0].strip()
 
 
-def judge(tables: list[PutTable], mem_type: str, min_bytes: int,
-          required: tuple[str, ...] = ()) -> TransportReport:
+def judge(tables: list[PutTable], mem_type: str, min_bytes: int, required: tuple[str, ...] = ()) -> TransportReport:
     """The report for pools of `mem_type` ("VRAM" or "DRAM") moved in descriptors of at least
     `min_bytes`; raises TransportFallback where a VRAM pool's bytes would not move zero-copy
     over a GPU transport, or (any pool) where `required` is given and a transport outside it
@@ -132,13 +133,16 @@ def judge(tables: list[PutTable], mem_type: str, min_bytes: int,
     if required:
         outside = sorted(set(names) - set(required))
         if not used or outside:
-            raise TransportFallback(f"UCX moves {mem_type} pools over {report.transport} "
-                                    f"({report.summary()}); required: {', '.join(required)}")
+            raise TransportFallback(
+                f"UCX moves {mem_type} pools over {report.transport} "
+                f"({report.summary()}); required: {', '.join(required)}"
+            )
     if mem_type != "VRAM":
         return report
     if not used:
-        raise TransportFallback(f"UCX reported no GPU put protocol for VRAM pools "
-                                f"({report.summary()}): cannot confirm a zero-copy path")
+        raise TransportFallback(
+            f"UCX reported no GPU put protocol for VRAM pools ({report.summary()}): cannot confirm a zero-copy path"
+        )
     for r in used:
         text = f"{r.description} {r.config}".lower()
         bad = [m for m in FALLBACK_MARKS if m in text]
@@ -147,7 +151,8 @@ def judge(tables: list[PutTable], mem_type: str, min_bytes: int,
             raise TransportFallback(
                 f"UCX moves VRAM pools over {r.config!r} ({r.description}) for "
                 f"{r.low_bytes}..{r.high_bytes:g} B: a fallback ({why}); expected zero-copy "
-                f"over one of {', '.join(GPU_DIRECT_TRANSPORTS)}")
+                f"over one of {', '.join(GPU_DIRECT_TRANSPORTS)}"
+            )
     return report
 
 

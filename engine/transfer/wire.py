@@ -75,14 +75,18 @@ class PeerDescriptor:
         (head_len,) = _HEADER_LEN.unpack_from(data, len(DESCRIPTOR_MAGIC))
         if len(data) < prefix + head_len:
             raise ValueError("truncated transfer descriptor")
-        header: dict[str, Any] = json.loads(data[prefix:prefix + head_len])
+        header: dict[str, Any] = json.loads(data[prefix : prefix + head_len])
         regions = tuple(PoolRegion(**r) for r in header["regions"])
         if not regions or len({r.num_blocks for r in regions}) != 1:
             raise ValueError("descriptor regions must be non-empty with one num_blocks")
-        return cls(backend=str(header["backend"]), agent_name=str(header["agent_name"]),
-                   incarnation=str(header["incarnation"]),
-                   contract=TransferContract.from_dict(header["contract"]),
-                   regions=regions, agent_metadata=bytes(data[prefix + head_len:]))
+        return cls(
+            backend=str(header["backend"]),
+            agent_name=str(header["agent_name"]),
+            incarnation=str(header["incarnation"]),
+            contract=TransferContract.from_dict(header["contract"]),
+            regions=regions,
+            agent_metadata=bytes(data[prefix + head_len :]),
+        )
 
 
 NOTICE_KINDS = ("write", "abandon", "abandon_all")
@@ -109,9 +113,14 @@ class TransferNotice:
             raise ValueError(f"notice kind must be one of {NOTICE_KINDS}, got {self.kind!r}")
 
     def to_bytes(self) -> bytes:
-        body = {"v": NOTICE_VERSION, "rid": self.request_id, "inc": self.incarnation,
-                "runs": block_runs(self.dst_block_ids), "kind": self.kind,
-                "before": self.before_unix_s}
+        body = {
+            "v": NOTICE_VERSION,
+            "rid": self.request_id,
+            "inc": self.incarnation,
+            "runs": block_runs(self.dst_block_ids),
+            "kind": self.kind,
+            "before": self.before_unix_s,
+        }
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -120,11 +129,14 @@ class TransferNotice:
             body = json.loads(data)
             if body["v"] != NOTICE_VERSION:
                 raise ValueError(f"notice version {body['v']} != {NOTICE_VERSION}")
-            block_ids = tuple(b for start, length in body["runs"]
-                              for b in range(int(start), int(start) + int(length)))
-            return cls(request_id=str(body["rid"]), incarnation=str(body["inc"]),
-                       dst_block_ids=block_ids, kind=str(body.get("kind", "write")),
-                       before_unix_s=float(body.get("before", 0.0)))
+            block_ids = tuple(b for start, length in body["runs"] for b in range(int(start), int(start) + int(length)))
+            return cls(
+                request_id=str(body["rid"]),
+                incarnation=str(body["inc"]),
+                dst_block_ids=block_ids,
+                kind=str(body.get("kind", "write")),
+                before_unix_s=float(body.get("before", 0.0)),
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed notice {bytes(data[:64])!r}: {e!r}") from e
 

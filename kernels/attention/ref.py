@@ -22,8 +22,9 @@ import torch
 from flashpd.kernels.dense.ref import fp32
 
 
-def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_keys(
+    window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather each query's window slots.
 
     window_kv [Nw, d] holds positions [window_start, window_start + Nw); q_positions [T].
@@ -48,8 +49,9 @@ def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Te
     return entries[topk.clamp_min(0)], valid
 
 
-def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
     k32 = fp32(keys)
     scores = torch.bmm(fp32(q), k32.transpose(1, 2)) * softmax_scale  # [T, H, N]
@@ -68,9 +70,15 @@ FMT_NVFP4 = 1  # compressed records in E2M1 + E4M3 per 16 (the default compresse
 
 
 def sparse_attention_packed(
-    q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
-    window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
-    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4,
+    q: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    window_pool: torch.Tensor,
+    window_rows: torch.Tensor,
+    comp_pool: torch.Tensor | None,
+    comp_rows: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    comp_format: int = FMT_NVFP4,
 ) -> torch.Tensor:
     """RoPE(q) -> attention over the records of window_rows ∪ comp_rows -> inverse RoPE.
 
@@ -92,7 +100,14 @@ def sparse_attention_packed(
     return o if rope is None else rotate(o, *rope, inverse=True)
 
 
-def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
-           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64)) -> int:
+def warmup(
+    num_heads: int,
+    head_dim: int,
+    rope_pairs: int,
+    window: int,
+    topk: tuple[int, ...],
+    comp_format: int = FMT_NVFP4,
+    rows=(1, 8, 64),
+) -> int:
     """Kernel variants compiled ahead of the first request: the reference compiles none."""
     return 0

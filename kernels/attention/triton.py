@@ -80,8 +80,7 @@ HW_FP8 = not triton_runtime.interpreting()  # hardware E4M3 conversion on the GP
 
 # ============================================================================ device helpers
 @triton.jit
-def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, partner,
-               inverse: tl.constexpr):
+def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, partner, inverse: tl.constexpr):
     """Rotate the last 2*ROPE_PAIRS channels of rows x [M, D]; partner[c] = x[c ^ 1]."""
     c = tl.arange(0, D)
     off: tl.constexpr = D - 2 * ROPE_PAIRS
@@ -97,8 +96,7 @@ def _rope_rows(x, cos_ptr, sin_ptr, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, p
 
 
 @triton.jit
-def _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D: tl.constexpr,
-            ROPE_PAIRS: tl.constexpr):
+def _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D: tl.constexpr, ROPE_PAIRS: tl.constexpr):
     """The [HB, D] query rows of heads `heads` (masked by hmask) of query t, RoPE applied in
     FP32 (ROPE_PAIRS > 0), in q's dtype: the prologue of the split-KV attention kernels."""
     c = tl.arange(0, D)
@@ -106,8 +104,9 @@ def _load_q(q_ptr, cos_ptr, sin_ptr, stride_cs, t, heads, hmask, H, D: tl.conste
     q = tl.load(q_rows + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     if ROPE_PAIRS > 0:
         partner = tl.load(q_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        q = _rope_rows(q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), False)
+        q = _rope_rows(
+            q, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS, partner.to(tl.float32), False
+        )
     return q.to(q_ptr.dtype.element_ty)
 
 
@@ -121,8 +120,7 @@ def _fp8_values(b, HW: tl.constexpr):
 
 
 @triton.jit
-def _record_tile(pool_ptr, stride_p, rows, valid, D: tl.constexpr, FMT: tl.constexpr,
-                 HW: tl.constexpr):
+def _record_tile(pool_ptr, stride_p, rows, valid, D: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
     """Records at pool rows [BN] -> values [BN, D] in BF16 (exact).
 
     NVFP4 nibbles are selected per channel from the byte loaded for each channel (c // 2),
@@ -157,8 +155,21 @@ def _attend(q, keys, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr, UPCAST: tl
 
 
 @triton.jit
-def _store_rows(o, out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask,
-                D: tl.constexpr, ROPE_PAIRS: tl.constexpr, OUT_BF16: tl.constexpr):
+def _store_rows(
+    o,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    t,
+    H,
+    heads,
+    c,
+    hmask,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     """Store one query's normalised output rows [HB, D], then undo RoPE on the rope channels
     (partner channels read back from memory, so the inverse rotation uses the rounded values)."""
     if OUT_BF16:
@@ -168,22 +179,46 @@ def _store_rows(o, out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask,
     if ROPE_PAIRS > 0:
         tl.debug_barrier()
         partner = tl.load(o_rows + (c ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS,
-                       partner.to(tl.float32), True)
+        o = _rope_rows(o, cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, D, ROPE_PAIRS, partner.to(tl.float32), True)
         tl.debug_barrier()
-        tl.store(o_rows + c[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS))
+        tl.store(
+            o_rows + c[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=hmask[:, None] & (c[None, :] >= D - 2 * ROPE_PAIRS),
+        )
 
 
 @triton.jit
 def _attn_kernel(
-    q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
-    kv_ptr, valid_ptr, N,  # SRC 0: gathered keys [T, N, D] + valid [T, N]
-    win_ptr, stride_win, win_rows_ptr, W, comp_ptr, stride_comp, comp_rows_ptr, KC,  # SRC 1
-    H, scale,
-    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SRC: tl.constexpr, COMP_FMT: tl.constexpr,
-    HB: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, HW: tl.constexpr,
+    q_ptr,
+    out_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    kv_ptr,
+    valid_ptr,
+    N,  # SRC 0: gathered keys [T, N, D] + valid [T, N]
+    win_ptr,
+    stride_win,
+    win_rows_ptr,
+    W,
+    comp_ptr,
+    stride_comp,
+    comp_rows_ptr,
+    KC,  # SRC 1
+    H,
+    scale,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    SRC: tl.constexpr,
+    COMP_FMT: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HW: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -197,8 +232,7 @@ def _attn_kernel(
         for n0 in range(0, N, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = tl.load(valid_ptr + t * N + n, mask=n < N, other=0) != 0
-            keys = tl.load(kv_ptr + (t * N + n[:, None]) * D + c[None, :], mask=valid[:, None],
-                           other=0.0).to(q.dtype)
+            keys = tl.load(kv_ptr + (t * N + n[:, None]) * D + c[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
             m_i, l_i, acc = _attend(q, keys, valid, m_i, l_i, acc, scale, IEEE, UPCAST)
     else:
         for n0 in range(0, W, BLOCK_N):
@@ -211,8 +245,9 @@ def _attn_kernel(
             rows = tl.load(comp_rows_ptr + t * KC + n, mask=n < KC, other=-1)
             keys = _record_tile(comp_ptr, stride_comp, rows, rows >= 0, D, COMP_FMT, HW)
             m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
-    _store_rows(acc / l_i[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
-                hmask, D, ROPE_PAIRS, OUT_BF16)
+    _store_rows(
+        acc / l_i[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask, D, ROPE_PAIRS, OUT_BF16
+    )
 
 
 # ============================================================================ heads-as-M kernel
@@ -245,7 +280,8 @@ def _fp8_pairs_asm(w, s_bf16):
 
     Each byte's 7 magnitude bits go to BF16 bits 10..4 and its sign to bit 15 (value * 2^-120,
     subnormals included); s_bf16 = 2^57 * scale makes it value * scale * 2^-63."""
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, u<4>, z;
         mov.b32 z, 0;
         prmt.b32 t0, $2, z, 0x4240;
@@ -260,13 +296,17 @@ def _fp8_pairs_asm(w, s_bf16):
         lop3.b32 t1, u2, 0x07F007F0, u3, 0xEA;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $3;
-        }""", "=r,=r,r,r", [w, s_bf16], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-        pack=2)
+        }""",
+        "=r,=r,r,r",
+        [w, s_bf16],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
-def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, first, NPAIRS: tl.constexpr,
-              HALF: tl.constexpr, FMT: tl.constexpr):
+def _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, first, NPAIRS: tl.constexpr, HALF: tl.constexpr, FMT: tl.constexpr):
     """Raw bytes of channel pairs first..first+NPAIRS-1 (first: a multiple of 16) of the records
     at pool rows [BN] (-1: none) as [BN, scale blocks, pairs per block] codes and
     [BN, scale blocks, 1] scale bytes (each scale byte loaded once); HALF = D / 2."""
@@ -292,12 +332,12 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
     HALF: tl.constexpr = code.shape[1] * code.shape[2]
     if ASM:
         if FMT == 0:  # 2^(byte - 70) = 2^57 * UE8M0 scale (exact, normal for bytes <= 197)
-            s = tl.broadcast_to(((sc.to(tl.int32) + 57) << 23).to(tl.float32, bitcast=True)
-                                .to(tl.bfloat16), code.shape)
+            s = tl.broadcast_to(((sc.to(tl.int32) + 57) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16), code.shape)
             lo, hi = _fp8_pairs_asm(code, s)
         else:
-            s = tl.broadcast_to((_fp8_values(sc, HW) * 9.223372036854775808e18)
-                                .to(tl.bfloat16), code.shape)  # 2^63 * E4M3 scale
+            s = tl.broadcast_to(
+                (_fp8_values(sc, HW) * 9.223372036854775808e18).to(tl.bfloat16), code.shape
+            )  # 2^63 * E4M3 scale
             lo, hi = e2m1_lohi_asm(code, s)
     else:
         if FMT == 0:
@@ -314,14 +354,12 @@ def _decode_tile(code, sc, FMT: tl.constexpr, ASM: tl.constexpr, HW: tl.constexp
 
 
 @triton.jit
-def _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale,
-                    UPCAST: tl.constexpr):
+def _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, UPCAST: tl.constexpr):
     """_attend_pairs (exact rescale, TAU = 0) with the scores transposed: S^T = K.Q^T puts
     the keys in the MMA M dimension (BLOCK_N = 128 fills both warpgroups of 8 warps, so
     neither computes the other's scores); the softmax reduces over axis 0 and P = (P^T)^T
     feeds the P.V product from shared memory."""
-    st = mma(k_e, tl.trans(q_e), tl.zeros((k_e.shape[0], q_e.shape[0]), tl.float32), False,
-             UPCAST)
+    st = mma(k_e, tl.trans(q_e), tl.zeros((k_e.shape[0], q_e.shape[0]), tl.float32), False, UPCAST)
     st = mma(k_o, tl.trans(q_o), st, False, UPCAST)
     st = tl.where(valid[:, None], st * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(st, axis=0))
@@ -335,8 +373,21 @@ def _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale,
 
 
 @triton.jit
-def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU: tl.constexpr,
-                  UPCAST: tl.constexpr, TRANS: tl.constexpr):
+def _attend_pairs(
+    q_e,
+    q_o,
+    k_e,
+    k_o,
+    valid,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    scale,
+    TAU: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TRANS: tl.constexpr,
+):
     """One key tile of the online softmax over the channel halves; keys are K and V.
 
     Scores and the running max m are in log2 units (scale includes log2 e). The accumulators
@@ -346,8 +397,7 @@ def _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU:
     same softmax. TRANS: _attend_pairs_t (exact rescale)."""
     if TRANS:
         return _attend_pairs_t(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, UPCAST)
-    s = mma(q_e, tl.trans(k_e), tl.zeros((q_e.shape[0], k_e.shape[0]), tl.float32), False,
-            UPCAST)
+    s = mma(q_e, tl.trans(k_e), tl.zeros((q_e.shape[0], k_e.shape[0]), tl.float32), False, UPCAST)
     s = mma(q_o, tl.trans(k_o), s, False, UPCAST)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     return _softmax_step(s, m_i, l_i, acc_e, acc_o, k_e, k_o, TAU, UPCAST)
@@ -374,31 +424,63 @@ def _softmax_step(s, m_i, l_i, acc_e, acc_o, v_e, v_o, TAU: tl.constexpr, UPCAST
 
 
 @triton.jit
-def _stage_rope_q(q_ptr, stage_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask,
-                  D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
-                  ROPE_PAIRS: tl.constexpr):
+def _stage_rope_q(
+    q_ptr,
+    stage_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    t,
+    rows_in,
+    hh,
+    i,
+    hmask,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    HB: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+):
     """q rows loaded whole (coalesced), split into the channel halves, RoPE at the query
     position (rounded as rope.ref), stored to the stage rows as [even half | odd half];
     returns the stage pointers [HB, HALF] of the even half (the odd half is + HALF)."""
-    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :],
-                mask=hmask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + rows_in * D + (hh * D)[:, None] + tl.arange(0, D)[None, :], mask=hmask, other=0.0).to(
+        tl.float32
+    )
     a, b = tl.split(tl.reshape(q, (HB, HALF, 2)))
-    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF,
-                            ROPE_PAIRS)
+    cos, sin = _rope_tables(cos_ptr + t * stride_cs, sin_ptr + t * stride_cs, HALF, ROPE_PAIRS)
     stage = stage_ptr + rows_in * D + (hh * D)[:, None] + i[None, :]
     tl.store(stage, round_bf16(a * cos + b * -sin).to(stage_ptr.dtype.element_ty), mask=hmask)
-    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(stage_ptr.dtype.element_ty),
-             mask=hmask)
+    tl.store(stage + HALF, round_bf16(b * cos + a * sin).to(stage_ptr.dtype.element_ty), mask=hmask)
     tl.debug_barrier()
     return stage
 
 
 @triton.jit
-def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_p, rows_ptr,
-                 NK, lo, hi, scale, HALF: tl.constexpr, FMT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
-                 ASM: tl.constexpr, HW: tl.constexpr, UPCAST: tl.constexpr,
-                 TRANS: tl.constexpr):
+def _heads_range(
+    q_e,
+    q_o,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    pool_ptr,
+    pool16_ptr,
+    stride_p,
+    rows_ptr,
+    NK,
+    lo,
+    hi,
+    scale,
+    HALF: tl.constexpr,
+    FMT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TAU: tl.constexpr,
+    ASM: tl.constexpr,
+    HW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TRANS: tl.constexpr,
+):
     """Key tiles lo..hi-1 of one row list (rows_ptr [NK]); PREFETCH: the next tile's bytes are
     loaded before the current tile is used."""
     if PREFETCH:
@@ -411,16 +493,18 @@ def _heads_range(q_e, q_o, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr, stride_
             n = (it + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows = tl.load(rows_ptr + n, mask=(n < NK) & (it + 1 < hi), other=-1)
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, 0, HALF, HALF, FMT)
-            m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e,
-                                                   acc_o, scale, TAU, UPCAST, TRANS)
+            m_i, l_i, acc_e, acc_o = _attend_pairs(
+                q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, TAU, UPCAST, TRANS
+            )
     else:
         for it in range(lo, hi):
             n = it * BLOCK_N + tl.arange(0, BLOCK_N)
             rows = tl.load(rows_ptr + n, mask=n < NK, other=-1)
             code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, 0, HALF, HALF, FMT)
             k_e, k_o = _decode_tile(code, sc, FMT, ASM, HW)
-            m_i, l_i, acc_e, acc_o = _attend_pairs(q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i,
-                                                   acc_e, acc_o, scale, TAU, UPCAST, TRANS)
+            m_i, l_i, acc_e, acc_o = _attend_pairs(
+                q_e, q_o, k_e, k_o, rows >= 0, m_i, l_i, acc_e, acc_o, scale, TAU, UPCAST, TRANS
+            )
     return m_i, l_i, acc_e, acc_o
 
 
@@ -438,20 +522,50 @@ def _rope_tables(cos_ptr, sin_ptr, HALF: tl.constexpr, ROPE_PAIRS: tl.constexpr)
 
 @triton.jit
 def _heads_kernel(
-    q_ptr, out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
-    win_ptr, win16_ptr, stride_win, win_rows_ptr, W,
-    comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC,
-    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split, count_ptr,
-    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
-    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr, TAU: tl.constexpr,
-    ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr, TRANS: tl.constexpr,
-    FUSED: tl.constexpr = False, CH: tl.constexpr = 16, OUT_BF16: tl.constexpr = True,
+    q_ptr,
+    out_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    win_ptr,
+    win16_ptr,
+    stride_win,
+    win_rows_ptr,
+    W,
+    comp_ptr,
+    comp16_ptr,
+    stride_comp,
+    comp_rows_ptr,
+    KC,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    H,
+    scale,
+    tiles_per_split,
+    count_ptr,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    COMP_FMT: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TAU: tl.constexpr,
+    ASM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HW: tl.constexpr,
+    TRANS: tl.constexpr,
+    FUSED: tl.constexpr = False,
+    CH: tl.constexpr = 16,
+    OUT_BF16: tl.constexpr = True,
 ):
     # The prologue and the epilogue compute their addresses and RoPE tables separately (and
     # spelled differently, so the compiler does not merge them): kept alive across the key
     # loop, the [HB, D/2] pointer and table tensors would spill the accumulators.
     HALF: tl.constexpr = D // 2
-    UNSHIFT: tl.constexpr = 2.0 ** 63 if ASM else 1.0  # keys as decoded = K / UNSHIFT
+    UNSHIFT: tl.constexpr = 2.0**63 if ASM else 1.0  # keys as decoded = K / UNSHIFT
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HB
     sp = tl.program_id(2)
@@ -461,8 +575,9 @@ def _heads_kernel(
     hmask = (hh + h0)[:, None] < H
     # Q staged through the output rows as [even half | odd half] (RoPE applied), so that the two
     # Q operands are plain contiguous loads (shared-memory wgmma operands)
-    stage = _stage_rope_q(q_ptr, out_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i,
-                          hmask, D, HALF, HB, ROPE_PAIRS)
+    stage = _stage_rope_q(
+        q_ptr, out_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask, D, HALF, HB, ROPE_PAIRS
+    )
     q_e = tl.load(stage, mask=hmask, other=0.0)
     q_o = tl.load(stage + HALF, mask=hmask, other=0.0)
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -477,24 +592,65 @@ def _heads_kernel(
     hi = lo + tiles_per_split
     k_scale = scale * UNSHIFT * LOG2E
     m_i, l_i, acc_e, acc_o = _heads_range(
-        q_e, q_o, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win, win_rows_ptr + t * W,
-        W, tl.minimum(lo, win_tiles), tl.minimum(hi, win_tiles), k_scale, HALF, 0, BLOCK_N,
-        PREFETCH, TAU, ASM, HW, UPCAST, TRANS)
+        q_e,
+        q_o,
+        m_i,
+        l_i,
+        acc_e,
+        acc_o,
+        win_ptr,
+        win16_ptr,
+        stride_win,
+        win_rows_ptr + t * W,
+        W,
+        tl.minimum(lo, win_tiles),
+        tl.minimum(hi, win_tiles),
+        k_scale,
+        HALF,
+        0,
+        BLOCK_N,
+        PREFETCH,
+        TAU,
+        ASM,
+        HW,
+        UPCAST,
+        TRANS,
+    )
     m_i, l_i, acc_e, acc_o = _heads_range(
-        q_e, q_o, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
-        comp_rows_ptr + t * KC, KC, tl.maximum(lo, win_tiles) - win_tiles,
-        tl.minimum(hi, win_tiles + comp_tiles) - win_tiles, k_scale, HALF, COMP_FMT, BLOCK_N,
-        PREFETCH, TAU, ASM, HW, UPCAST, TRANS)
+        q_e,
+        q_o,
+        m_i,
+        l_i,
+        acc_e,
+        acc_o,
+        comp_ptr,
+        comp16_ptr,
+        stride_comp,
+        comp_rows_ptr + t * KC,
+        KC,
+        tl.maximum(lo, win_tiles) - win_tiles,
+        tl.minimum(hi, win_tiles + comp_tiles) - win_tiles,
+        k_scale,
+        HALF,
+        COMP_FMT,
+        BLOCK_N,
+        PREFETCH,
+        TAU,
+        ASM,
+        HW,
+        UPCAST,
+        TRANS,
+    )
     # epilogue: addresses again (see above); rows stored whole, channels interleaved again
     off2 = hh[:, None] * D + tl.arange(0, D)[None, :]
     hmask2 = hh[:, None] < H - h0
     if not PARTIAL:
         a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
         b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
-        cos2, sin2 = _rope_tables(cos_ptr + stride_cs * t, sin_ptr + stride_cs * t, HALF,
-                                  ROPE_PAIRS)  # inverse RoPE on the rounded output
-        o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)),
-                       (HB, D))
+        cos2, sin2 = _rope_tables(
+            cos_ptr + stride_cs * t, sin_ptr + stride_cs * t, HALF, ROPE_PAIRS
+        )  # inverse RoPE on the rounded output
+        o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)), (HB, D))
         tl.store(out_ptr + D * rows_in + off2, o.to(out_ptr.dtype.element_ty), mask=hmask2)
     else:
         cell = (t * tl.num_programs(2) + sp) * H + h0  # first partial row here
@@ -504,9 +660,26 @@ def _heads_kernel(
         tl.store(acc_ptr + D * cell + off2, o, mask=hmask2)
         if FUSED:  # the last range of (t, head block) in combines (fused_combine); the other
             # programs staged and loaded their Q from the output rows before they arrived
-            _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr,
-                             acc_ptr, count_ptr, t, H, h0, tl.num_programs(2), D, ROPE_PAIRS,
-                             HB, CH, OUT_BF16)
+            _combine_if_last(
+                out_ptr,
+                sink_ptr,
+                cos_ptr,
+                sin_ptr,
+                stride_cs,
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                count_ptr,
+                t,
+                H,
+                h0,
+                tl.num_programs(2),
+                D,
+                ROPE_PAIRS,
+                HB,
+                CH,
+                OUT_BF16,
+            )
 
 
 # ---------------------------------------------------------------------------- V split
@@ -521,10 +694,29 @@ def _heads_kernel(
 # [T, H, D]) instead of the output rows, which the other program of the query may already be
 # writing.
 @triton.jit
-def _vsplit_range(q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, pool_ptr, pool16_ptr,
-                  stride_p, rows_ptr, NK, own, scale, HALF: tl.constexpr, FMT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ASM: tl.constexpr, HW: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def _vsplit_range(
+    q_ea,
+    q_oa,
+    q_eb,
+    q_ob,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    pool_ptr,
+    pool16_ptr,
+    stride_p,
+    rows_ptr,
+    NK,
+    own,
+    scale,
+    HALF: tl.constexpr,
+    FMT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+    HW: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """All key tiles of one row list (rows_ptr [NK]) for the program owning pair range `own`
     (a: its range, b: the other); exact online softmax (rescaled whenever a row max grows)."""
     QP: tl.constexpr = HALF // 2
@@ -533,31 +725,52 @@ def _vsplit_range(q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, pool_ptr, pool
         rows = tl.load(rows_ptr + n, mask=n < NK, other=-1)
         code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, own * QP, QP, HALF, FMT)
         k_ea, k_oa = _decode_tile(code, sc, FMT, ASM, HW)
-        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, (1 - own) * QP, QP, HALF,
-                             FMT)
+        code, sc = _raw_tile(pool_ptr, pool16_ptr, stride_p, rows, (1 - own) * QP, QP, HALF, FMT)
         k_eb, k_ob = _decode_tile(code, sc, FMT, ASM, HW)
-        s = mma(q_ea, tl.trans(k_ea), tl.zeros((q_ea.shape[0], BLOCK_N), tl.float32), False,
-                UPCAST)
+        s = mma(q_ea, tl.trans(k_ea), tl.zeros((q_ea.shape[0], BLOCK_N), tl.float32), False, UPCAST)
         s = mma(q_oa, tl.trans(k_oa), s, False, UPCAST)
         s = mma(q_eb, tl.trans(k_eb), s, False, UPCAST)
         s = mma(q_ob, tl.trans(k_ob), s, False, UPCAST)
         s = tl.where((rows >= 0)[None, :], s * scale, float("-inf"))
-        m_i, l_i, acc_e, acc_o = _softmax_step(s, m_i, l_i, acc_e, acc_o, k_ea, k_oa, 0.0,
-                                               UPCAST)  # exact rescale (TAU = 0)
+        m_i, l_i, acc_e, acc_o = _softmax_step(
+            s, m_i, l_i, acc_e, acc_o, k_ea, k_oa, 0.0, UPCAST
+        )  # exact rescale (TAU = 0)
     return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
 def _heads_vsplit_kernel(
-    q_ptr, out_ptr, stage_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
-    win_ptr, win16_ptr, stride_win, win_rows_ptr, W,
-    comp_ptr, comp16_ptr, stride_comp, comp_rows_ptr, KC, H, scale,
-    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, HW: tl.constexpr,
+    q_ptr,
+    out_ptr,
+    stage_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    win_ptr,
+    win16_ptr,
+    stride_win,
+    win_rows_ptr,
+    W,
+    comp_ptr,
+    comp16_ptr,
+    stride_comp,
+    comp_rows_ptr,
+    KC,
+    H,
+    scale,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    COMP_FMT: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HW: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     QP: tl.constexpr = D // 4  # channel pairs per program
-    UNSHIFT: tl.constexpr = 2.0 ** 63 if ASM else 1.0
+    UNSHIFT: tl.constexpr = 2.0**63 if ASM else 1.0
     LOG2E: tl.constexpr = 1.4426950408889634
     t = (tl.program_id(0) // 2).to(tl.int64)
     own = tl.program_id(0) % 2
@@ -567,8 +780,7 @@ def _heads_vsplit_kernel(
     rows_in = t * H + h0
     hmask = (hh + h0)[:, None] < H
     # prologue as in _heads_kernel (both programs of a query stage the same values)
-    _stage_rope_q(q_ptr, stage_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask, D,
-                  HALF, HB, ROPE_PAIRS)
+    _stage_rope_q(q_ptr, stage_ptr, cos_ptr, sin_ptr, stride_cs, t, rows_in, hh, i, hmask, D, HALF, HB, ROPE_PAIRS)
     j = tl.arange(0, QP)[None, :]
     qrow = stage_ptr + rows_in * D + (hh * D)[:, None]
     q_ea = tl.load(qrow + own * QP + j, mask=hmask, other=0.0)
@@ -581,11 +793,51 @@ def _heads_vsplit_kernel(
     acc_o = tl.zeros((HB, QP), dtype=tl.float32)
     k_scale = scale * UNSHIFT * LOG2E
     m_i, l_i, acc_e, acc_o = _vsplit_range(
-        q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, win_ptr, win16_ptr, stride_win,
-        win_rows_ptr + t * W, W, own, k_scale, HALF, 0, BLOCK_N, ASM, HW, UPCAST)
+        q_ea,
+        q_oa,
+        q_eb,
+        q_ob,
+        m_i,
+        l_i,
+        acc_e,
+        acc_o,
+        win_ptr,
+        win16_ptr,
+        stride_win,
+        win_rows_ptr + t * W,
+        W,
+        own,
+        k_scale,
+        HALF,
+        0,
+        BLOCK_N,
+        ASM,
+        HW,
+        UPCAST,
+    )
     m_i, l_i, acc_e, acc_o = _vsplit_range(
-        q_ea, q_oa, q_eb, q_ob, m_i, l_i, acc_e, acc_o, comp_ptr, comp16_ptr, stride_comp,
-        comp_rows_ptr + t * KC, KC, own, k_scale, HALF, COMP_FMT, BLOCK_N, ASM, HW, UPCAST)
+        q_ea,
+        q_oa,
+        q_eb,
+        q_ob,
+        m_i,
+        l_i,
+        acc_e,
+        acc_o,
+        comp_ptr,
+        comp16_ptr,
+        stride_comp,
+        comp_rows_ptr + t * KC,
+        KC,
+        own,
+        k_scale,
+        HALF,
+        COMP_FMT,
+        BLOCK_N,
+        ASM,
+        HW,
+        UPCAST,
+    )
     # epilogue: this program's pairs, normalised, rounded, inverse RoPE, stored interleaved
     a = round_bf16(acc_e * UNSHIFT / l_i[:, None])
     b = round_bf16(acc_o * UNSHIFT / l_i[:, None])
@@ -594,11 +846,9 @@ def _heads_vsplit_kernel(
     rp = tl.where(is_rope, pair - (HALF - ROPE_PAIRS), 0)
     cos2 = tl.load(cos_ptr + stride_cs * t + rp, mask=is_rope, other=1.0)[None, :]
     sin2 = tl.load(sin_ptr + stride_cs * t + rp, mask=is_rope, other=0.0)[None, :]
-    o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)),
-                   (HB, HALF))
+    o = tl.reshape(tl.join(round_bf16(a * cos2 + b * sin2), round_bf16(b * cos2 + a * -sin2)), (HB, HALF))
     off = hh[:, None] * D + own * HALF + tl.arange(0, HALF)[None, :]
-    tl.store(out_ptr + D * rows_in + off, o.to(out_ptr.dtype.element_ty),
-             mask=hh[:, None] < H - h0)
+    tl.store(out_ptr + D * rows_in + off, o.to(out_ptr.dtype.element_ty), mask=hh[:, None] < H - h0)
 
 
 # The heads kernels' JIT functions, for tools that compile or inspect them
@@ -619,12 +869,39 @@ HEADS_VSPLIT_KERNEL = _heads_vsplit_kernel
 # Starting every range at the sink (finite) keeps empty ranges NaN-free (their l and acc stay 0).
 @triton.jit
 def _attn_split_kernel(
-    q_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs,
-    win_ptr, stride_win, win_rows_ptr, W, comp_ptr, stride_comp, comp_rows_ptr, KC,
-    m_ptr, l_ptr, acc_ptr, H, scale, tiles_per_split, out_ptr, count_ptr,
-    D: tl.constexpr, ROPE_PAIRS: tl.constexpr, COMP_FMT: tl.constexpr, HB: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    HW: tl.constexpr, FUSED: tl.constexpr, CH: tl.constexpr, OUT_BF16: tl.constexpr,
+    q_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    win_ptr,
+    stride_win,
+    win_rows_ptr,
+    W,
+    comp_ptr,
+    stride_comp,
+    comp_rows_ptr,
+    KC,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    H,
+    scale,
+    tiles_per_split,
+    out_ptr,
+    count_ptr,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    COMP_FMT: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HW: tl.constexpr,
+    FUSED: tl.constexpr,
+    CH: tl.constexpr,
+    OUT_BF16: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -644,8 +921,7 @@ def _attn_split_kernel(
         rows = tl.load(win_rows_ptr + t * W + n, mask=n < W, other=-1)
         keys = _record_tile(win_ptr, stride_win, rows, rows >= 0, D, 0, HW)
         m_i, l_i, acc = _attend(q, keys, rows >= 0, m_i, l_i, acc, scale, IEEE, UPCAST)
-    for i in range(tl.maximum(lo, win_tiles) - win_tiles,
-                   tl.minimum(hi, win_tiles + comp_tiles) - win_tiles):
+    for i in range(tl.maximum(lo, win_tiles) - win_tiles, tl.minimum(hi, win_tiles + comp_tiles) - win_tiles):
         n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(comp_rows_ptr + t * KC + n, mask=n < KC, other=-1)
         keys = _record_tile(comp_ptr, stride_comp, rows, rows >= 0, D, COMP_FMT, HW)
@@ -655,9 +931,26 @@ def _attn_split_kernel(
     tl.store(l_ptr + cell, l_i, mask=hmask)
     tl.store(acc_ptr + cell[:, None] * D + c[None, :], acc, mask=hmask[:, None])
     if FUSED:  # the last range of (t, head block) in combines (fused_combine)
-        _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
-                         count_ptr, t, H, tl.program_id(1) * HB, SPLITS, D, ROPE_PAIRS, HB, CH,
-                         OUT_BF16)
+        _combine_if_last(
+            out_ptr,
+            sink_ptr,
+            cos_ptr,
+            sin_ptr,
+            stride_cs,
+            m_ptr,
+            l_ptr,
+            acc_ptr,
+            count_ptr,
+            t,
+            H,
+            tl.program_id(1) * HB,
+            SPLITS,
+            D,
+            ROPE_PAIRS,
+            HB,
+            CH,
+            OUT_BF16,
+        )
 
 
 @triton.jit
@@ -670,9 +963,24 @@ def _load_partial(ptr, mask, CG: tl.constexpr):
 
 
 @triton.jit
-def _combine_rows(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr, t, H,
-                  heads, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, SPLITS, CG: tl.constexpr,
-                  OUT_BF16: tl.constexpr):
+def _combine_rows(
+    out_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    t,
+    H,
+    heads,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    SPLITS,
+    CG: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     """Merge the SPLITS partials of query t's heads [CH] with the sink (in split order), then
     normalise, round, inverse RoPE and store: _attn_combine_kernel's operations in its order
     (bit-identical), with SPLITS a run-time value (the heads kernel's split count)."""
@@ -688,16 +996,33 @@ def _combine_rows(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, 
         cell = (t * SPLITS + s) * H + heads
         w = tl.exp(_load_partial(m_ptr + cell, hmask, CG) - m)
         l_sum += w * _load_partial(l_ptr + cell, hmask, CG)
-        acc += w[:, None] * _load_partial(acc_ptr + cell[:, None] * D + c[None, :],
-                                          hmask[:, None], CG)
-    _store_rows(acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
-                hmask, D, ROPE_PAIRS, OUT_BF16)
+        acc += w[:, None] * _load_partial(acc_ptr + cell[:, None] * D + c[None, :], hmask[:, None], CG)
+    _store_rows(
+        acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask, D, ROPE_PAIRS, OUT_BF16
+    )
 
 
 @triton.jit
-def _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
-                     count_ptr, t, H, h0, SPLITS, D: tl.constexpr, ROPE_PAIRS: tl.constexpr,
-                     HB: tl.constexpr, CH: tl.constexpr, OUT_BF16: tl.constexpr):
+def _combine_if_last(
+    out_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    count_ptr,
+    t,
+    H,
+    h0,
+    SPLITS,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    HB: tl.constexpr,
+    CH: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     """fused_combine: called after this program stored its partials; the last of the SPLITS
     programs of (query t, head block) to arrive combines heads h0..h0+HB-1, CH at a time, and
     zeroes the counter for the next launch. The barrier makes every thread's partial stores
@@ -707,16 +1032,44 @@ def _combine_if_last(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_pt
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived == SPLITS - 1:
         for c0 in tl.static_range(0, HB, CH):
-            _combine_rows(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
-                          t, H, h0 + c0 + tl.arange(0, CH), D, ROPE_PAIRS, SPLITS, True,
-                          OUT_BF16)
+            _combine_rows(
+                out_ptr,
+                sink_ptr,
+                cos_ptr,
+                sin_ptr,
+                stride_cs,
+                m_ptr,
+                l_ptr,
+                acc_ptr,
+                t,
+                H,
+                h0 + c0 + tl.arange(0, CH),
+                D,
+                ROPE_PAIRS,
+                SPLITS,
+                True,
+                OUT_BF16,
+            )
         tl.store(counter, 0)  # ready for the next launch
 
 
 @triton.jit
-def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, l_ptr, acc_ptr,
-                         H, D: tl.constexpr, ROPE_PAIRS: tl.constexpr, HB: tl.constexpr,
-                         SPLITS: tl.constexpr, OUT_BF16: tl.constexpr):
+def _attn_combine_kernel(
+    out_ptr,
+    sink_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    H,
+    D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    HB: tl.constexpr,
+    SPLITS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = heads < H
@@ -731,14 +1084,13 @@ def _attn_combine_kernel(out_ptr, sink_ptr, cos_ptr, sin_ptr, stride_cs, m_ptr, 
         cell = (t * SPLITS + s) * H + heads
         w = tl.exp(tl.load(m_ptr + cell, mask=hmask, other=0.0) - m)
         l_sum += w * tl.load(l_ptr + cell, mask=hmask, other=0.0)
-        acc += w[:, None] * tl.load(acc_ptr + cell[:, None] * D + c[None, :], mask=hmask[:, None],
-                                    other=0.0)
-    _store_rows(acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c,
-                hmask, D, ROPE_PAIRS, OUT_BF16)
+        acc += w[:, None] * tl.load(acc_ptr + cell[:, None] * D + c[None, :], mask=hmask[:, None], other=0.0)
+    _store_rows(
+        acc / l_sum[:, None], out_ptr, cos_ptr, sin_ptr, stride_cs, t, H, heads, c, hmask, D, ROPE_PAIRS, OUT_BF16
+    )
 
 
-def split_plan(num_q: int, num_heads: int, keys: tuple[int, int],
-               cfg: AttentionConfig) -> tuple[int, int]:
+def split_plan(num_q: int, num_heads: int, keys: tuple[int, int], cfg: AttentionConfig) -> tuple[int, int]:
     """(splits, tiles per split) for num_q queries over (window, compressed) key slots.
 
     Splits only while (queries x head blocks) leave SMs idle: up to cfg.split_target
@@ -756,9 +1108,22 @@ def split_plan(num_q: int, num_heads: int, keys: tuple[int, int],
     return -(-tiles // per), per
 
 
-def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src: int,
-            kv=None, valid=None, win=None, win_rows=None, comp=None, comp_rows=None,
-            comp_fmt: int = FMT_NVFP4, *, cfg: AttentionConfig) -> torch.Tensor:
+def _launch(
+    q: torch.Tensor,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    rope,
+    src: int,
+    kv=None,
+    valid=None,
+    win=None,
+    win_rows=None,
+    comp=None,
+    comp_rows=None,
+    comp_fmt: int = FMT_NVFP4,
+    *,
+    cfg: AttentionConfig,
+) -> torch.Tensor:
     num_q, num_heads, dim = q.shape
     out = torch.empty_like(q)
     if num_q == 0:
@@ -774,27 +1139,76 @@ def _launch(q: torch.Tensor, sink: torch.Tensor, softmax_scale: float, rope, src
     if src == 1:
         keys = (win_rows.shape[1], comp_rows.shape[1])
         if num_q > cfg.legacy_max_q:
-            return _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
-                                 win_rows, comp, comp_rows, comp_fmt,
-                                 *heads_plan(num_q, num_heads, keys, cfg), cfg)
+            return _launch_heads(
+                q,
+                out,
+                sink,
+                softmax_scale,
+                cos,
+                sin,
+                rope_pairs,
+                win,
+                win_rows,
+                comp,
+                comp_rows,
+                comp_fmt,
+                *heads_plan(num_q, num_heads, keys, cfg),
+                cfg,
+            )
         splits, per = split_plan(num_q, num_heads, keys, cfg)
         if splits > 1:
-            return _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win,
-                                 win_rows, comp, comp_rows, comp_fmt, splits, per, cfg)
+            return _launch_split(
+                q,
+                out,
+                sink,
+                softmax_scale,
+                cos,
+                sin,
+                rope_pairs,
+                win,
+                win_rows,
+                comp,
+                comp_rows,
+                comp_fmt,
+                splits,
+                per,
+                cfg,
+            )
     grid = (num_q, triton.cdiv(num_heads, cfg.heads))
     _attn_kernel[grid](
-        q, out, sink.to(torch.float32).contiguous(), cos, sin, cos.stride(0),
-        kv if kv is not None else dummy, valid if valid is not None else dummy,
+        q,
+        out,
+        sink.to(torch.float32).contiguous(),
+        cos,
+        sin,
+        cos.stride(0),
+        kv if kv is not None else dummy,
+        valid if valid is not None else dummy,
         kv.shape[1] if kv is not None else 0,
-        win if win is not None else dummy, win.stride(0) if win is not None else 0,
-        win_rows if win_rows is not None else dummy, win_rows.shape[1] if win is not None else 0,
-        comp if comp is not None else dummy, comp.stride(0) if comp is not None else 0,
+        win if win is not None else dummy,
+        win.stride(0) if win is not None else 0,
+        win_rows if win_rows is not None else dummy,
+        win_rows.shape[1] if win is not None else 0,
+        comp if comp is not None else dummy,
+        comp.stride(0) if comp is not None else 0,
         comp_rows if comp_rows is not None else dummy,
-        comp_rows.shape[1] if comp is not None else 0, num_heads, float(softmax_scale),
-        D=dim, ROPE_PAIRS=rope_pairs, SRC=src, COMP_FMT=comp_fmt, HB=cfg.heads,
-        BLOCK_N=cfg.block_n, OUT_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.warps, num_stages=cfg.stages,
-        **triton_runtime.launch_options())
+        comp_rows.shape[1] if comp is not None else 0,
+        num_heads,
+        float(softmax_scale),
+        D=dim,
+        ROPE_PAIRS=rope_pairs,
+        SRC=src,
+        COMP_FMT=comp_fmt,
+        HB=cfg.heads,
+        BLOCK_N=cfg.block_n,
+        OUT_BF16=q.dtype == torch.bfloat16,
+        IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        HW=HW_FP8,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+        **triton_runtime.launch_options(),
+    )
     return out
 
 
@@ -803,8 +1217,7 @@ def heads_block(num_heads: int, cfg: AttentionConfig) -> int:
     return max(16, min(cfg.heads_max, triton.next_power_of_2(num_heads)))
 
 
-def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int],
-               cfg: AttentionConfig) -> tuple[int, int, int]:
+def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int], cfg: AttentionConfig) -> tuple[int, int, int]:
     """(block_n, splits, tiles per split) of the heads-as-M kernel for num_q queries over
     (window, compressed) key slots: split-KV only while the programs leave SMs idle."""
     target = cfg.heads_split_target
@@ -820,20 +1233,60 @@ def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int],
     return bn, -(-tiles // per), per
 
 
-def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, block_n, splits, per, cfg: AttentionConfig):
+def _launch_heads(
+    q,
+    out,
+    sink,
+    softmax_scale,
+    cos,
+    sin,
+    rope_pairs,
+    win,
+    win_rows,
+    comp,
+    comp_rows,
+    comp_fmt,
+    block_n,
+    splits,
+    per,
+    cfg: AttentionConfig,
+):
     num_q, num_heads, dim = q.shape
     hb = heads_block(num_heads, cfg)
     sink32 = sink.to(torch.float32).contiguous()
     if cfg.heads_vsplit and splits == 1 and dim >= 64:
         _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
-            q, out, torch.empty_like(q), sink32, cos, sin, cos.stride(0), win,
-            win.view(torch.int16), win.stride(0), win_rows, win_rows.shape[1], comp,
-            comp.view(torch.int16), comp.stride(0), comp_rows, comp_rows.shape[1], num_heads,
-            float(softmax_scale), D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb,
-            BLOCK_N=cfg.heads_vsplit_block_n, ASM=HW_FP8 and bool(cfg.heads_asm),
-            UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_vsplit_warps,
-            num_stages=cfg.heads_stages, **triton_runtime.launch_options())
+            q,
+            out,
+            torch.empty_like(q),
+            sink32,
+            cos,
+            sin,
+            cos.stride(0),
+            win,
+            win.view(torch.int16),
+            win.stride(0),
+            win_rows,
+            win_rows.shape[1],
+            comp,
+            comp.view(torch.int16),
+            comp.stride(0),
+            comp_rows,
+            comp_rows.shape[1],
+            num_heads,
+            float(softmax_scale),
+            D=dim,
+            ROPE_PAIRS=rope_pairs,
+            COMP_FMT=comp_fmt,
+            HB=hb,
+            BLOCK_N=cfg.heads_vsplit_block_n,
+            ASM=HW_FP8 and bool(cfg.heads_asm),
+            UPCAST=DOT_UPCAST,
+            HW=HW_FP8,
+            num_warps=cfg.heads_vsplit_warps,
+            num_stages=cfg.heads_stages,
+            **triton_runtime.launch_options(),
+        )
         return out
     if splits > 1:
         m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
@@ -845,24 +1298,70 @@ def _launch_heads(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     fused = splits > 1 and bool(cfg.fused_combine)
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else sink32
     _heads_kernel[(num_q, blocks, splits)](
-        q, out, sink32, cos, sin, cos.stride(0), win, win.view(torch.int16), win.stride(0),
-        win_rows, win_rows.shape[1], comp, comp.view(torch.int16), comp.stride(0), comp_rows,
-        comp_rows.shape[1], m, l_, acc, num_heads, float(softmax_scale), per, count, D=dim,
-        ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt, HB=hb, BLOCK_N=block_n, PARTIAL=splits > 1,
-        PREFETCH=bool(cfg.heads_prefetch), TAU=float(cfg.heads_rescale_tau),
-        TRANS=bool(cfg.heads_trans_s), FUSED=fused, CH=combine_chunk(hb, cfg),
+        q,
+        out,
+        sink32,
+        cos,
+        sin,
+        cos.stride(0),
+        win,
+        win.view(torch.int16),
+        win.stride(0),
+        win_rows,
+        win_rows.shape[1],
+        comp,
+        comp.view(torch.int16),
+        comp.stride(0),
+        comp_rows,
+        comp_rows.shape[1],
+        m,
+        l_,
+        acc,
+        num_heads,
+        float(softmax_scale),
+        per,
+        count,
+        D=dim,
+        ROPE_PAIRS=rope_pairs,
+        COMP_FMT=comp_fmt,
+        HB=hb,
+        BLOCK_N=block_n,
+        PARTIAL=splits > 1,
+        PREFETCH=bool(cfg.heads_prefetch),
+        TAU=float(cfg.heads_rescale_tau),
+        TRANS=bool(cfg.heads_trans_s),
+        FUSED=fused,
+        CH=combine_chunk(hb, cfg),
         OUT_BF16=q.dtype == torch.bfloat16,
         ASM=HW_FP8 and bool(cfg.heads_asm),
-        UPCAST=DOT_UPCAST, HW=HW_FP8, num_warps=cfg.heads_warps if hb >= 64 else 4,
+        UPCAST=DOT_UPCAST,
+        HW=HW_FP8,
+        num_warps=cfg.heads_warps if hb >= 64 else 4,
         num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
-        **triton_runtime.launch_options())
+        **triton_runtime.launch_options(),
+    )
     if splits > 1 and not fused:
         _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
     return out
 
 
-def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_rows, comp,
-                  comp_rows, comp_fmt, splits, per, cfg: AttentionConfig):
+def _launch_split(
+    q,
+    out,
+    sink,
+    softmax_scale,
+    cos,
+    sin,
+    rope_pairs,
+    win,
+    win_rows,
+    comp,
+    comp_rows,
+    comp_fmt,
+    splits,
+    per,
+    cfg: AttentionConfig,
+):
     num_q, num_heads, dim = q.shape
     hb = cfg.split_heads
     sink32 = sink.to(torch.float32).contiguous()
@@ -874,28 +1373,71 @@ def _launch_split(q, out, sink, softmax_scale, cos, sin, rope_pairs, win, win_ro
     count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else m
     out_bf16 = q.dtype == torch.bfloat16
     _attn_split_kernel[(num_q, blocks, splits)](
-        q, sink32, cos, sin, cos.stride(0), win, win.stride(0), win_rows, win_rows.shape[1],
-        comp, comp.stride(0), comp_rows, comp_rows.shape[1], m, l_, acc, num_heads,
-        float(softmax_scale), per, out, count, D=dim, ROPE_PAIRS=rope_pairs, COMP_FMT=comp_fmt,
-        HB=hb, BLOCK_N=cfg.split_block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, HW=HW_FP8, FUSED=fused, CH=combine_chunk(hb, cfg), OUT_BF16=out_bf16,
-        num_warps=cfg.split_warps, num_stages=cfg.split_stages,
-        **triton_runtime.launch_options())
+        q,
+        sink32,
+        cos,
+        sin,
+        cos.stride(0),
+        win,
+        win.stride(0),
+        win_rows,
+        win_rows.shape[1],
+        comp,
+        comp.stride(0),
+        comp_rows,
+        comp_rows.shape[1],
+        m,
+        l_,
+        acc,
+        num_heads,
+        float(softmax_scale),
+        per,
+        out,
+        count,
+        D=dim,
+        ROPE_PAIRS=rope_pairs,
+        COMP_FMT=comp_fmt,
+        HB=hb,
+        BLOCK_N=cfg.split_block_n,
+        SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        HW=HW_FP8,
+        FUSED=fused,
+        CH=combine_chunk(hb, cfg),
+        OUT_BF16=out_bf16,
+        num_warps=cfg.split_warps,
+        num_stages=cfg.split_stages,
+        **triton_runtime.launch_options(),
+    )
     if not fused:
         _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
     return out
 
 
-def _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs: int, splits: int,
-             cfg: AttentionConfig) -> None:
+def _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs: int, splits: int, cfg: AttentionConfig) -> None:
     """The split-KV partials (m, l_, acc) of every (query, head) combined into out, in place:
     one program per query and combine_heads heads."""
     num_q, num_heads, dim = out.shape
     hc = cfg.combine_heads
     _attn_combine_kernel[(num_q, triton.cdiv(num_heads, hc))](
-        out, sink32, cos, sin, cos.stride(0), m, l_, acc, num_heads, D=dim,
-        ROPE_PAIRS=rope_pairs, HB=hc, SPLITS=splits, OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=4, **triton_runtime.launch_options())
+        out,
+        sink32,
+        cos,
+        sin,
+        cos.stride(0),
+        m,
+        l_,
+        acc,
+        num_heads,
+        D=dim,
+        ROPE_PAIRS=rope_pairs,
+        HB=hc,
+        SPLITS=splits,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=4,
+        **triton_runtime.launch_options(),
+    )
 
 
 def combine_chunk(heads_per_program: int, cfg: AttentionConfig) -> int:
@@ -912,9 +1454,17 @@ def single_pass_rows(num_heads: int, cfg: AttentionConfig) -> int:
     return max(1, -(-target // blocks), cfg.legacy_max_q + 1)
 
 
-def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
-           topk: tuple[int, ...], comp_format: int = FMT_NVFP4, rows=(1, 8, 64), *,
-           tuned: KernelConfigs = DEFAULT) -> int:
+def warmup(
+    num_heads: int,
+    head_dim: int,
+    rope_pairs: int,
+    window: int,
+    topk: tuple[int, ...],
+    comp_format: int = FMT_NVFP4,
+    rows=(1, 8, 64),
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> int:
     """Compile (and run once) the packed-attention variants of `rows`-query decode calls and
     of a prefill chunk (single_pass_rows queries, the one-pass variant every longer chunk
     takes), so that the first request compiles nothing.
@@ -925,10 +1475,10 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
     device = triton_runtime.kernel_device()
     rows = sorted(set(rows) | {single_pass_rows(num_heads, tuned.attention)})
     pool_rows = max(rows) * window + 1
-    win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8,
-                      device=device)
-    comp_bytes = (qref.nvfp4_record_bytes(head_dim) if comp_format == FMT_NVFP4
-                  else qref.window_fp8_record_bytes(head_dim))
+    win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8, device=device)
+    comp_bytes = (
+        qref.nvfp4_record_bytes(head_dim) if comp_format == FMT_NVFP4 else qref.window_fp8_record_bytes(head_dim)
+    )
     comp = torch.zeros(pool_rows, comp_bytes, dtype=torch.uint8, device=device)
     sink = torch.zeros(num_heads, device=device)
     calls = 0
@@ -936,27 +1486,37 @@ def warmup(num_heads: int, head_dim: int, rope_pairs: int, window: int,
         q = torch.randn(r, num_heads, head_dim, device=device).to(torch.bfloat16)
         rope = None
         if rope_pairs:
-            rope = (torch.ones(r, rope_pairs, device=device),
-                    torch.zeros(r, rope_pairs, device=device))
+            rope = (torch.ones(r, rope_pairs, device=device), torch.zeros(r, rope_pairs, device=device))
         win_rows = torch.arange(r * window, dtype=torch.int32, device=device).view(r, window)
         for k in sorted(set(topk)):
             comp_rows = torch.zeros(r, k, dtype=torch.int32, device=device)
-            sparse_attention_packed(q, rope, win, win_rows, comp if k else None,
-                                    comp_rows if k else None, sink, head_dim ** -0.5,
-                                    comp_format=comp_format, tuned=tuned)
+            sparse_attention_packed(
+                q,
+                rope,
+                win,
+                win_rows,
+                comp if k else None,
+                comp_rows if k else None,
+                sink,
+                head_dim**-0.5,
+                comp_format=comp_format,
+                tuned=tuned,
+            )
             calls += 1
     return calls
 
 
 # ============================================================================ ref surface
-def window_keys(window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_keys(
+    window_kv: torch.Tensor, window_start: int, q_positions: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """window_kv [Nw, d] (positions window_start..), q_positions [T] -> keys [T, W, d], valid."""
     num_kv = window_kv.shape[0]
     if q_positions.numel() and int(q_positions.max()) >= window_start + num_kv:
         raise ValueError("a query position lies past the window buffer")
-    slot_pos = q_positions[:, None] + (torch.arange(window, device=q_positions.device)
-                                       - (window - 1))[None, :]  # [T, W]
+    slot_pos = (
+        q_positions[:, None] + (torch.arange(window, device=q_positions.device) - (window - 1))[None, :]
+    )  # [T, W]
     valid = slot_pos >= window_start
     return window_kv[(slot_pos - window_start).clamp_min(0)], valid
 
@@ -969,9 +1529,15 @@ def compressed_keys(entries: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Te
     return entries[topk.clamp_min(0)], valid
 
 
-def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, softmax_scale: float, *,
-                     tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """q [T, H, d], keys [T, N, d] (K = V), valid [T, N], sink [H] FP32 -> [T, H, d] in q.dtype."""
     _check_q(q, sink)
     if keys.ndim != 3 or keys.shape[0] != q.shape[0] or keys.shape[2] != q.shape[2]:
@@ -979,14 +1545,29 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
     if valid.shape != keys.shape[:2]:
         raise ValueError(f"valid must be {tuple(keys.shape[:2])}, got {tuple(valid.shape)}")
     triton_runtime.check_device(keys, valid)
-    return _launch(q, sink, softmax_scale, None, 0, kv=keys.to(q.dtype).contiguous(),
-                   valid=valid.contiguous().view(torch.uint8), cfg=tuned.attention)
+    return _launch(
+        q,
+        sink,
+        softmax_scale,
+        None,
+        0,
+        kv=keys.to(q.dtype).contiguous(),
+        valid=valid.contiguous().view(torch.uint8),
+        cfg=tuned.attention,
+    )
 
 
 def sparse_attention_packed(
-    q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, window_pool: torch.Tensor,
-    window_rows: torch.Tensor, comp_pool: torch.Tensor | None, comp_rows: torch.Tensor | None,
-    sink: torch.Tensor, softmax_scale: float, comp_format: int = FMT_NVFP4, *,
+    q: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    window_pool: torch.Tensor,
+    window_rows: torch.Tensor,
+    comp_pool: torch.Tensor | None,
+    comp_rows: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    comp_format: int = FMT_NVFP4,
+    *,
     tuned: KernelConfigs = DEFAULT,
 ) -> torch.Tensor:
     """Fused RoPE(q) -> attention over packed window ∪ compressed records -> inverse RoPE.
@@ -1002,23 +1583,30 @@ def sparse_attention_packed(
     if comp_pool is None:
         comp_pool, comp_rows = window_pool, window_rows[:, :0]
         comp_format = FMT_FP8
-    want = qref.nvfp4_record_bytes(dim) if comp_format == FMT_NVFP4 else \
-        qref.window_fp8_record_bytes(dim)
+    want = qref.nvfp4_record_bytes(dim) if comp_format == FMT_NVFP4 else qref.window_fp8_record_bytes(dim)
     _check_pool(comp_pool, comp_rows, want, q.shape[0])
     if rope is not None and (rope[0].shape[0] != q.shape[0] or 2 * rope[0].shape[1] > dim):
         raise ValueError(f"rope tables {tuple(rope[0].shape)} do not fit q {tuple(q.shape)}")
     if q.dtype != torch.bfloat16:
         raise TypeError("packed attention computes on bf16 queries")
-    return _launch(q, sink, softmax_scale, rope, 1, win=window_pool,
-                   win_rows=window_rows.to(torch.int32).contiguous(), comp=comp_pool,
-                   comp_rows=comp_rows.to(torch.int32).contiguous(), comp_fmt=comp_format,
-                   cfg=tuned.attention)
+    return _launch(
+        q,
+        sink,
+        softmax_scale,
+        rope,
+        1,
+        win=window_pool,
+        win_rows=window_rows.to(torch.int32).contiguous(),
+        comp=comp_pool,
+        comp_rows=comp_rows.to(torch.int32).contiguous(),
+        comp_fmt=comp_format,
+        cfg=tuned.attention,
+    )
 
 
 def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:
     if q.ndim != 3 or sink.shape != (q.shape[1],):
-        raise ValueError(f"q must be [T, H, d] and sink [H], got {tuple(q.shape)}, "
-                         f"{tuple(sink.shape)}")
+        raise ValueError(f"q must be [T, H, d] and sink [H], got {tuple(q.shape)}, {tuple(sink.shape)}")
     if q.shape[2] & (q.shape[2] - 1) or q.shape[2] < 32:
         raise ValueError(f"head dim {q.shape[2]} must be a power of two >= 32")
     if q.dtype not in (torch.bfloat16, torch.float32):

@@ -32,14 +32,14 @@ class OpenGroup:
     gate: torch.Tensor
 
 
-def gated_projection(x: torch.Tensor, wkv: torch.Tensor,
-                     wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_projection(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (a, g), each FP32 [T, c] (input and weights upcast, §4.1)."""
     return linear_fp32(x, wkv), linear_fp32(x, wgate)
 
 
-def pool_pairs(kv: torch.Tensor, gate: torch.Tensor,
-               open_group: OpenGroup | None) -> tuple[torch.Tensor, OpenGroup | None]:
+def pool_pairs(
+    kv: torch.Tensor, gate: torch.Tensor, open_group: OpenGroup | None
+) -> tuple[torch.Tensor, OpenGroup | None]:
     """Close the groups of consecutive tokens (after the carried open row, if any).
 
     kv, gate FP32 [T, c] for consecutive tokens whose first token opens a group unless
@@ -57,8 +57,7 @@ def pool_pairs(kv: torch.Tensor, gate: torch.Tensor,
     return pool_two(a[:, 0], g[:, 0], a[:, 1], g[:, 1]), left
 
 
-def pool_two(a0: torch.Tensor, g0: torch.Tensor, a1: torch.Tensor,
-             g1: torch.Tensor) -> torch.Tensor:
+def pool_two(a0: torch.Tensor, g0: torch.Tensor, a1: torch.Tensor, g1: torch.Tensor) -> torch.Tensor:
     """Softmax-gated pooling of two rows, FP32 [N, c] each -> [N, c] (§4.1)."""
     g_max = torch.maximum(g0, g1)
     e0, e1 = torch.exp(g0 - g_max), torch.exp(g1 - g_max)
@@ -66,20 +65,23 @@ def pool_two(a0: torch.Tensor, g0: torch.Tensor, a1: torch.Tensor,
     return (e0 / total) * a0 + (e1 / total) * a1
 
 
-def latent(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-           dtype: torch.dtype) -> torch.Tensor:
+def latent(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """Pre-RoPE latent = RMSNorm(bf16(P)) [G, c] in `dtype` (§4.1)."""
     return rms_norm(pooled.to(dtype), norm_weight, eps)
 
 
-def project(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,
-            eps: float) -> torch.Tensor:
+def project(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Ratio 1 (§4.2): latent_t = RMSNorm(x_t . wkv^T) [T, c] in x.dtype."""
     return rms_norm(linear(x, wkv), norm_weight, eps)
 
 
-def pool_open_pairs(ag: torch.Tensor, open_rows: torch.Tensor, from_stored: torch.Tensor,
-                    slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def pool_open_pairs(
+    ag: torch.Tensor,
+    open_rows: torch.Tensor,
+    from_stored: torch.Tensor,
+    slots: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The paged forward's pooling of T consecutive seam rows: ag FP32 [T, 2, c] ((a, g) per
     row), open_rows FP32 [S, 2, c] (each slot's stored open row), from_stored bool [T], slots
     [T] -> pool_two(partner(t), row t) in `dtype` [T, c], where partner(t) is

@@ -46,9 +46,19 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _pool_open_pairs_kernel(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr, out_ptr,
-                            num_rows, C: tl.constexpr, BLOCK_C: tl.constexpr,
-                            OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _pool_open_pairs_kernel(
+    ag_ptr,
+    open_ptr,
+    stride_open,
+    stored_ptr,
+    slots_ptr,
+    out_ptr,
+    num_rows,
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -60,10 +70,16 @@ def _pool_open_pairs_kernel(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr
     slot = tl.load(slots_ptr + t).to(tl.int64)
     prev = ag_ptr + ((t + num_rows - 1) % num_rows) * (2 * C)  # the row before (roll by one)
     kept = open_ptr + slot * stride_open
-    a0 = tl.where(stored, tl.load(kept + cols, mask=mask & stored, other=0.0),
-                  tl.load(prev + cols, mask=mask & from_prev, other=0.0))
-    g0 = tl.where(stored, tl.load(kept + C + cols, mask=mask & stored, other=0.0),
-                  tl.load(prev + C + cols, mask=mask & from_prev, other=0.0))
+    a0 = tl.where(
+        stored,
+        tl.load(kept + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + cols, mask=mask & from_prev, other=0.0),
+    )
+    g0 = tl.where(
+        stored,
+        tl.load(kept + C + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + C + cols, mask=mask & from_prev, other=0.0),
+    )
     g_max = tl.maximum(g0, g1)
     e0 = _exp(g0 - g_max, LIBDEVICE)
     e1 = _exp(g1 - g_max, LIBDEVICE)
@@ -74,8 +90,13 @@ def _pool_open_pairs_kernel(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr
     tl.store(out_ptr + t * C + cols, pooled.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def pool_open_pairs(ag: torch.Tensor, open_rows: torch.Tensor, from_stored: torch.Tensor,
-                    slots: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def pool_open_pairs(
+    ag: torch.Tensor,
+    open_rows: torch.Tensor,
+    from_stored: torch.Tensor,
+    slots: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """ag FP32 [T, 2, c] ((a, g) of T consecutive seam rows), open_rows FP32 [S, 2, c] (each
     slot's stored open row of this source; a view of the pools is fine), from_stored bool [T],
     slots int [T] -> pooled [T, c] in `dtype` (BF16: rounded to nearest even):
@@ -87,15 +108,14 @@ def pool_open_pairs(ag: torch.Tensor, open_rows: torch.Tensor, from_stored: torc
     if ag.ndim != 3 or ag.shape[1] != 2 or ag.dtype != torch.float32:
         raise ValueError(f"ag must be FP32 [T, 2, c], got {ag.dtype} {tuple(ag.shape)}")
     num_rows, _, width = ag.shape
-    if open_rows.ndim != 3 or open_rows.shape[1:] != (2, width) or (
-            open_rows.dtype != torch.float32):
-        raise ValueError(f"open_rows must be FP32 [S, 2, {width}], got {open_rows.dtype} "
-                         f"{tuple(open_rows.shape)}")
+    if open_rows.ndim != 3 or open_rows.shape[1:] != (2, width) or (open_rows.dtype != torch.float32):
+        raise ValueError(f"open_rows must be FP32 [S, 2, {width}], got {open_rows.dtype} {tuple(open_rows.shape)}")
     if open_rows.stride(1) != width or open_rows.stride(2) != 1:
         raise ValueError("open_rows must be contiguous within a slot's row")
     if from_stored.shape != (num_rows,) or slots.shape != (num_rows,):
-        raise ValueError(f"from_stored and slots must be [{num_rows}], got "
-                         f"{tuple(from_stored.shape)}, {tuple(slots.shape)}")
+        raise ValueError(
+            f"from_stored and slots must be [{num_rows}], got {tuple(from_stored.shape)}, {tuple(slots.shape)}"
+        )
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype}")
     triton_runtime.check_device(ag, open_rows, from_stored, slots)
@@ -105,7 +125,17 @@ def pool_open_pairs(ag: torch.Tensor, open_rows: torch.Tensor, from_stored: torc
     ag = ag.contiguous()
     block = min(1024, triton.next_power_of_2(width))
     _pool_open_pairs_kernel[(num_rows, triton.cdiv(width, block))](
-        ag, open_rows, open_rows.stride(0), from_stored.view(torch.uint8), slots, out,
-        num_rows, C=width, BLOCK_C=block, OUT_BF16=dtype == torch.bfloat16,
-        LIBDEVICE=_LIBDEVICE, **triton_runtime.launch_options())
+        ag,
+        open_rows,
+        open_rows.stride(0),
+        from_stored.view(torch.uint8),
+        slots,
+        out,
+        num_rows,
+        C=width,
+        BLOCK_C=block,
+        OUT_BF16=dtype == torch.bfloat16,
+        LIBDEVICE=_LIBDEVICE,
+        **triton_runtime.launch_options(),
+    )
     return out

@@ -62,13 +62,7 @@ import triton.language as tl
 # isort: on
 
 from flashpd.kernels.configs import Fp8SwapConfig
-from flashpd.kernels.dense.triton import (
-    DOT_UPCAST,
-    W_FP8,
-    Weights,
-    mma,
-    swiglu_limited,
-)
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_FP8, Weights, mma, swiglu_limited
 from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 
 # Launch configuration (H200, two runs: bench/results/h200/dense_fp8_swap.md). block_n: weight
@@ -100,7 +94,8 @@ def _e4m3_bf16_asm(q, s_bf16):
     << 4 and the mask 0x87F0 leave sign | exponent-mantissa << 4: a BF16 equal to the E4M3
     value times 2^-120 (E4M3 subnormals become BF16 subnormals, zero stays zero); one bf16x2
     multiply rescales (exact while 2^120 * scale is a BF16: "asm1")."""
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>;
         prmt.b32 t0, $2, 0, 0x9180;
         prmt.b32 t1, $2, 0, 0xB3A2;
@@ -110,7 +105,13 @@ def _e4m3_bf16_asm(q, s_bf16):
         and.b32 t1, t1, 0x87F087F0;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [q, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
+        }""",
+        "=r,=r,r,r,r",
+        [q, s_bf16],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -118,7 +119,8 @@ def _e4m3_bf16_asm2(q, s_bf16):
     """GPU only: E4M3 bytes q times s_bf16 (= the scale) -> BF16, exact for every scale: as
     _e4m3_bf16_asm, then a bf16x2 multiply by 2^120 (0x7B80: the E4M3 value, exact) and one
     by the scale ("asm")."""
-    return tl.inline_asm_elementwise("""{
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t<2>, c;
         mov.b32 c, 0x7B807B80;
         prmt.b32 t0, $2, 0, 0x9180;
@@ -131,13 +133,30 @@ def _e4m3_bf16_asm2(q, s_bf16):
         mul.rn.bf16x2 t1, t1, c;
         mul.rn.bf16x2 $0, t0, $3;
         mul.rn.bf16x2 $1, t1, $4;
-        }""", "=r,=r,r,r,r", [q, s_bf16], dtype=tl.bfloat16, is_pure=True, pack=4)
+        }""",
+        "=r,=r,r,r,r",
+        [q, s_bf16],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
-def _weight_step(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, DEQ: tl.constexpr,
-                 HW_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _weight_step(
+    w_ptr,
+    s_ptr,
+    w_row,
+    s_row,
+    k0,
+    k_hi,
+    nmask,
+    DEQ: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """W[rows, k0 : k0 + BLOCK_K] dequantised, [BLOCK_N, BLOCK_K] BF16 (exact); columns at or
     past k_hi are zero unless EVEN_K (then none are)."""
     G: tl.constexpr = BLOCK_K // 32
@@ -147,8 +166,7 @@ def _weight_step(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, DEQ: tl.constexpr,
         q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None], other=0)
         smask = nmask[:, None]
     else:
-        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :],
-                    other=0)
+        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0)
         smask = nmask[:, None] & (gi * 32 < k_hi)[None, :]  # a tile past K: never read
     sb = tl.load(s_ptr + s_row + gi[None, :], mask=smask, other=127)  # [BN, G] UE8M0
     if DEQ == 2:  # "asm1": bf16(2^(S - 7)): exponent field S + 120 (S <= 134, host-checked)
@@ -160,8 +178,7 @@ def _weight_step(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, DEQ: tl.constexpr,
         s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
         return _e4m3_bf16_asm2(q, s16)
     else:
-        sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 32)),
-                        (BLOCK_N, BLOCK_K))
+        sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
         if HW_FP8:
             v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -170,10 +187,29 @@ def _weight_step(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, DEQ: tl.constexpr,
 
 
 @triton.jit
-def _chunk_t(x_ptr, stride_x, p, tmask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, nmask,
-             k_lo, k_hi, SWIGLU: tl.constexpr, DEQ: tl.constexpr, HW_FP8: tl.constexpr,
-             UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+def _chunk_t(
+    x_ptr,
+    stride_x,
+    p,
+    tmask,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    w_row,
+    s_row,
+    nmask,
+    k_lo,
+    k_hi,
+    SWIGLU: tl.constexpr,
+    DEQ: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """(acc1, acc3) [BLOCK_N, ROWS] FP32: W . X^T over K in [k_lo, k_hi), from zero."""
     acc1 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
@@ -183,21 +219,31 @@ def _chunk_t(x_ptr, stride_x, p, tmask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s
         if EVEN_K:
             xt = tl.load(x_row + kk[:, None], mask=tmask[None, :], other=0.0)  # [BK, ROWS]
         else:
-            xt = tl.load(x_row + kk[:, None], mask=tmask[None, :] & (kk < k_hi)[:, None],
-                         other=0.0)
-        w1 = _weight_step(w1_ptr, s1_ptr, w_row, s_row, k0, k_hi, nmask, DEQ, HW_FP8,
-                          EVEN_K, BLOCK_N, BLOCK_K)
+            xt = tl.load(x_row + kk[:, None], mask=tmask[None, :] & (kk < k_hi)[:, None], other=0.0)
+        w1 = _weight_step(w1_ptr, s1_ptr, w_row, s_row, k0, k_hi, nmask, DEQ, HW_FP8, EVEN_K, BLOCK_N, BLOCK_K)
         acc1 = mma(w1, xt, acc1, False, UPCAST)
         if SWIGLU:
-            w3 = _weight_step(w3_ptr, s3_ptr, w_row, s_row, k0, k_hi, nmask, DEQ, HW_FP8,
-                              EVEN_K, BLOCK_N, BLOCK_K)
+            w3 = _weight_step(w3_ptr, s3_ptr, w_row, s_row, k0, k_hi, nmask, DEQ, HW_FP8, EVEN_K, BLOCK_N, BLOCK_K)
             acc3 = mma(w3, xt, acc3, False, UPCAST)
     return acc1, acc3
 
 
 @triton.jit
-def _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit,
-                SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, OUT_BF16: tl.constexpr):
+def _epilogue_t(
+    acc1,
+    acc3,
+    p,
+    tmask,
+    n,
+    nmask,
+    out_ptr,
+    stride_out,
+    gamma_ptr,
+    limit,
+    SWIGLU: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     """out[p, n] = acc1^T (or the SwiGLU of acc1^T, acc3^T), rounded once to out's dtype."""
     if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to bf16 (the activation dtype) first
         val = swiglu_limited(round_bf16(acc1), round_bf16(acc3), limit)
@@ -207,20 +253,50 @@ def _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, 
         val = acc1
     if OUT_BF16:
         val = round_bf16(val)
-    tl.store(out_ptr + p.to(tl.int64)[None, :] * stride_out + n[:, None],
-             val.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & tmask[None, :])
+    tl.store(
+        out_ptr + p.to(tl.int64)[None, :] * stride_out + n[:, None],
+        val.to(out_ptr.dtype.element_ty),
+        mask=nmask[:, None] & tmask[None, :],
+    )
 
 
 # one compiled variant for every row count of a row class and every split (`split` runtime)
 @triton.jit(do_not_specialize=["rows", "split"])
 def _fp8_swap_kernel(
-    x_ptr, stride_x, out_ptr, stride_out, gamma_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    part_ptr, count_ptr, N, K, k_chunk, rows, groups, limit, split,
-    SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, OUT_BF16: tl.constexpr,
-    DEQ: tl.constexpr, HW_FP8: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, RED_UNROLL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    stride_x,
+    out_ptr,
+    stride_out,
+    gamma_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    part_ptr,
+    count_ptr,
+    N,
+    K,
+    k_chunk,
+    rows,
+    groups,
+    limit,
+    split,
+    SWIGLU: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    DEQ: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    RED_UNROLL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Program (N block nb, row block rb * groups + g, K chunk sp); rows t * groups + g of x
     and out for t in [rb * ROWS, rb * ROWS + ROWS), t < rows. SPLIT_K: split > 1 chunks."""
@@ -239,9 +315,29 @@ def _fp8_swap_kernel(
     s_row = g64 * stride_se + (n64 // 32)[:, None] * stride_sn  # [BN, 1]
     k_lo = sp * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, K)
-    acc1, acc3 = _chunk_t(x_ptr, stride_x, p, tmask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row,
-                          s_row, nmask, k_lo, k_hi, SWIGLU, DEQ, HW_FP8, UPCAST, EVEN_K,
-                          BLOCK_N, BLOCK_K, ROWS)
+    acc1, acc3 = _chunk_t(
+        x_ptr,
+        stride_x,
+        p,
+        tmask,
+        w1_ptr,
+        s1_ptr,
+        w3_ptr,
+        s3_ptr,
+        w_row,
+        s_row,
+        nmask,
+        k_lo,
+        k_hi,
+        SWIGLU,
+        DEQ,
+        HW_FP8,
+        UPCAST,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+        ROWS,
+    )
     if SPLIT_K:
         cell = p.to(tl.int64)[None, :] * N + n64[:, None]  # [BN, ROWS]
         cmask = nmask[:, None] & tmask[None, :]
@@ -258,17 +354,17 @@ def _fp8_swap_kernel(
             for s0 in range(0, split, RED_UNROLL):
                 for j in tl.static_range(RED_UNROLL):
                     rm = cmask & (s0 + j < split)  # -0.0 + x == x for every x
-                    acc1 += tl.load(part_ptr + (s0 + j) * plane + cell, mask=rm, other=-0.0,
-                                    cache_modifier=".cg")
+                    acc1 += tl.load(part_ptr + (s0 + j) * plane + cell, mask=rm, other=-0.0, cache_modifier=".cg")
                     if SWIGLU:
-                        acc3 += tl.load(part_ptr + (split + s0 + j) * plane + cell, mask=rm,
-                                        other=-0.0, cache_modifier=".cg")
+                        acc3 += tl.load(
+                            part_ptr + (split + s0 + j) * plane + cell, mask=rm, other=-0.0, cache_modifier=".cg"
+                        )
             tl.store(counter, 0)  # ready for the next launch
-            _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit,
-                        SWIGLU, HAS_GAMMA, OUT_BF16)
+            _epilogue_t(
+                acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit, SWIGLU, HAS_GAMMA, OUT_BF16
+            )
     else:
-        _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit,
-                    SWIGLU, HAS_GAMMA, OUT_BF16)
+        _epilogue_t(acc1, acc3, p, tmask, n, nmask, out_ptr, stride_out, gamma_ptr, limit, SWIGLU, HAS_GAMMA, OUT_BF16)
 
 
 # ============================================================================ host side
@@ -312,16 +408,14 @@ def plan(w: Weights, swiglu: bool, cls: int, config: Fp8SwapConfig) -> tuple[int
     number of K steps."""
     cfg = tiles(w, swiglu, cls, config)
     k_dim, step = w.in_dim, cfg["block_k"]
-    blocks = triton.cdiv(w.out_dim, cfg["block_n"]) * w.num_experts * \
-        triton.cdiv(cls, cfg["rows"])
+    blocks = triton.cdiv(w.out_dim, cfg["block_n"]) * w.num_experts * triton.cdiv(cls, cfg["rows"])
     want = triton.cdiv(cfg["target_ctas"], blocks)
     split = max(1, min(want, k_dim // cfg["min_k_chunk"], int(cfg.get("max_split", 1 << 20))))
     chunk = triton.cdiv(triton.cdiv(k_dim, split), step) * step
     return triton.cdiv(k_dim, chunk), chunk
 
 
-def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, *,
-             cfg: Fp8SwapConfig) -> bool:
+def eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, *, cfg: Fp8SwapConfig) -> bool:
     """True when `gemm` takes this call: FP8 weight(s), bf16 activations of <= max_rows() rows
     per weight (one weight, a SwiGLU pair of single weights, or G block-diagonal weights), and
     the layer is in cfg.layers (None: every layer)."""
@@ -352,21 +446,31 @@ def scales_fit_asm(*ws: Weights) -> bool:
     return True
 
 
-def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = None,
-         gamma: torch.Tensor | None = None, limit: float = 0.0, *,
-         config: Fp8SwapConfig) -> torch.Tensor:
+def gemm(
+    a: torch.Tensor,
+    w: Weights,
+    out: torch.Tensor,
+    w3: Weights | None = None,
+    gamma: torch.Tensor | None = None,
+    limit: float = 0.0,
+    *,
+    config: Fp8SwapConfig,
+) -> torch.Tensor:
     """out = epilogue(a . deq(W)^T) for an `eligible` call (see the module docstring).
 
     a [T * G, K] bf16 row-major (row t * G + g against weight g); out [T * G, N] bf16 or fp32
     row-major; w3: the SwiGLU pair's second weight; gamma [T] fp32 (SwiGLU only)."""
     if not eligible(a, w, out, w3, cfg=config):
-        raise ValueError(f"fp8_swap.gemm: not an FP8 call of <= {max_rows(config)} bf16 rows per "
-                         f"weight (a {tuple(a.shape)} {a.dtype}, W [{w.num_experts}, "
-                         f"{w.out_dim}, {w.in_dim}], or the layer is off in config layers)")
-    if a.stride(1) != 1 or out.stride(1) != 1 or a.shape[1] != w.in_dim or \
-            out.shape != (a.shape[0], w.out_dim):
-        raise ValueError(f"fp8_swap.gemm: shapes a {tuple(a.shape)}, W [{w.out_dim}, "
-                         f"{w.in_dim}], out {tuple(out.shape)} do not chain (row-major)")
+        raise ValueError(
+            f"fp8_swap.gemm: not an FP8 call of <= {max_rows(config)} bf16 rows per "
+            f"weight (a {tuple(a.shape)} {a.dtype}, W [{w.num_experts}, "
+            f"{w.out_dim}, {w.in_dim}], or the layer is off in config layers)"
+        )
+    if a.stride(1) != 1 or out.stride(1) != 1 or a.shape[1] != w.in_dim or out.shape != (a.shape[0], w.out_dim):
+        raise ValueError(
+            f"fp8_swap.gemm: shapes a {tuple(a.shape)}, W [{w.out_dim}, "
+            f"{w.in_dim}], out {tuple(out.shape)} do not chain (row-major)"
+        )
     for ww in (w, w3) if w3 is not None else (w,):
         if ww.data.stride(-1) != 1 or ww.scale.stride(-1) != 1:
             raise ValueError("fp8_swap.gemm reads weights and scales with contiguous rows")
@@ -383,25 +487,55 @@ def gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None = No
         raise ValueError(f"fp8_swap config rows must be a power of two >= 8, got {width}")
     nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
     if split > 1 and nblocks * groups * rblocks > triton_runtime.COUNTER_SLOTS:
-        raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most "
-                         f"{triton_runtime.COUNTER_SLOTS}")
+        raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most {triton_runtime.COUNTER_SLOTS}")
     w3_ = w3 if w3 is not None else w
     deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
     if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
         deq = 2
-    part = (torch.empty((2 if swiglu else 1) * split * a.shape[0] * n_dim, dtype=torch.float32,
-                        device=a.device) if split > 1 else out)
+    part = (
+        torch.empty((2 if swiglu else 1) * split * a.shape[0] * n_dim, dtype=torch.float32, device=a.device)
+        if split > 1
+        else out
+    )
     _fp8_swap_kernel[(nblocks, groups * rblocks, split)](
-        a, a.stride(0), out, out.stride(0), gamma if gamma is not None else a,
-        w.data, w.scale, w3_.data, w3_.scale, w.data.stride(0), w.data.stride(1),
-        w.scale.stride(0), w.scale.stride(1), part, triton_runtime.arrival_counters(a.device),
-        n_dim, k_dim, chunk, rows, groups, float(limit), split,
-        SWIGLU=swiglu, HAS_GAMMA=gamma is not None, OUT_BF16=out.dtype == torch.bfloat16,
-        DEQ=deq, HW_FP8=not DOT_UPCAST, UPCAST=DOT_UPCAST,
-        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0, SPLIT_K=split > 1,
-        RED_UNROLL=max(1, int(cfg["red_unroll"])), BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
-        ROWS=width, num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **triton_runtime.launch_options())
+        a,
+        a.stride(0),
+        out,
+        out.stride(0),
+        gamma if gamma is not None else a,
+        w.data,
+        w.scale,
+        w3_.data,
+        w3_.scale,
+        w.data.stride(0),
+        w.data.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
+        part,
+        triton_runtime.arrival_counters(a.device),
+        n_dim,
+        k_dim,
+        chunk,
+        rows,
+        groups,
+        float(limit),
+        split,
+        SWIGLU=swiglu,
+        HAS_GAMMA=gamma is not None,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        DEQ=deq,
+        HW_FP8=not DOT_UPCAST,
+        UPCAST=DOT_UPCAST,
+        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
+        SPLIT_K=split > 1,
+        RED_UNROLL=max(1, int(cfg["red_unroll"])),
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=block_k,
+        ROWS=width,
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+        **triton_runtime.launch_options(),
+    )
     return out
 
 

@@ -128,15 +128,15 @@ class Weights:
     def mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> Weights:
         if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
             raise TypeError("MXFP4 weights are uint8 packed nibbles + uint8 UE8M0 scales")
-        return Weights(W_MXFP4, packed if packed.ndim == 3 else packed[None],
-                       scale if scale.ndim == 3 else scale[None])
+        return Weights(W_MXFP4, packed if packed.ndim == 3 else packed[None], scale if scale.ndim == 3 else scale[None])
 
     @staticmethod
     def fp8(w_f8: torch.Tensor, scale: torch.Tensor) -> Weights:
         if w_f8.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
             raise TypeError("FP8 weights are float8_e4m3fn + uint8 UE8M0 32x32 tile scales")
-        return Weights(W_FP8, (w_f8 if w_f8.ndim == 3 else w_f8[None]).view(torch.uint8),
-                       scale if scale.ndim == 3 else scale[None])
+        return Weights(
+            W_FP8, (w_f8 if w_f8.ndim == 3 else w_f8[None]).view(torch.uint8), scale if scale.ndim == 3 else scale[None]
+        )
 
     @staticmethod
     def stack_out(parts: list[Weights]) -> Weights:
@@ -147,15 +147,14 @@ class Weights:
             raise ValueError("stack_out: no weights")
         first = parts[0]
         for i, w in enumerate(parts):
-            if w.num_experts != 1 or w.fmt != first.fmt or w.in_dim != first.in_dim or \
-                    w.data.dtype != first.data.dtype:
-                raise ValueError(f"stack_out: part {i} is not a single matrix of the first "
-                                 f"part's format and K ({first.in_dim})")
+            if w.num_experts != 1 or w.fmt != first.fmt or w.in_dim != first.in_dim or w.data.dtype != first.data.dtype:
+                raise ValueError(
+                    f"stack_out: part {i} is not a single matrix of the first part's format and K ({first.in_dim})"
+                )
             if w.fmt == W_MXFP4:
                 raise ValueError("stack_out: FP8 or plain weights only")
             if w.fmt == W_FP8 and w.out_dim % 32:
-                raise ValueError(f"stack_out: FP8 part {i} has N={w.out_dim}, not a multiple "
-                                 "of the 32-row scale tile")
+                raise ValueError(f"stack_out: FP8 part {i} has N={w.out_dim}, not a multiple of the 32-row scale tile")
         data = torch.cat([w.data for w in parts], dim=1)
         scale = torch.cat([w.scale for w in parts], dim=1) if first.fmt == W_FP8 else None
         return Weights(first.fmt, data, scale)
@@ -181,8 +180,7 @@ def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype) -> torch
     return matmul_nt(x, dequantize(w)[0].to(x.dtype)).to(out_dtype)
 
 
-def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
+def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, G, K] -> [T, G, N]: out[t, g] = x[t, g] . W[g]^T (FP32 sums, out_dtype or x's)."""
     if x.ndim != 3 or x.shape[1] != w.num_experts:
         raise ValueError(f"block_diagonal: x {tuple(x.shape)} for {w.num_experts} weights")

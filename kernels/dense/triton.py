@@ -152,8 +152,9 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 # ============================================================================ weight tiles
 @triton.jit
-def _dot_scaled_mxfp4(a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se,
-                      stride_sn, acc, BLOCK_K: tl.constexpr):
+def _dot_scaled_mxfp4(
+    a, w_ptr, s_ptr, e, n_idx, k0, N, K, stride_we, stride_wn, stride_se, stride_sn, acc, BLOCK_K: tl.constexpr
+):
     """acc + a . W^T with the MXFP4 tile handed to tl.dot_scaled as stored (no dequant here)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     nmask = n_idx[:, None] < N
@@ -213,12 +214,36 @@ def _mma_t(a, w, acc_t, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64,
-              n64, nmask, gg, k_hi, stride_we, stride_wn, stride_se, stride_sn,
-              W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-              UPCAST: tl.constexpr, HW_FP8: tl.constexpr, MX_ASM: tl.constexpr,
-              EVEN_K: tl.constexpr, SWAP: tl.constexpr = False,
-              DEQ_BF16: tl.constexpr = False):
+def _sub_step(
+    acc1,
+    acc3,
+    a_ptr,
+    a_row,
+    stride_am,
+    p_mask,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    e64,
+    n64,
+    nmask,
+    gg,
+    k_hi,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    W_FMT: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MX_ASM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SWAP: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False,
+):
     """acc += A[:, kk:kk+32] . W[e, n, kk:kk+32]^T, kk = 32 * gg (both weights for SwiGLU);
     columns at or past k_hi are masked unless EVEN_K. SWAP (FP8 / plain): the accumulators are
     transposed, acc^T += W . A^T, so the dequantised W tile is the MMA's first operand (on
@@ -301,8 +326,22 @@ def _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_pt
 
 
 @triton.jit
-def _load_step(w_ptr, s_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn, stride_se,
-               stride_sn, W_FMT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_step(
+    w_ptr,
+    s_ptr,
+    e64,
+    n64,
+    nmask,
+    g0,
+    k_hi,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    W_FMT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """W[e, n, 32*g0 : 32*g0+BLOCK_K] as stored, K grouped by 32 (one scale per group and row):
     (raw [BN, BK/32, 16] MXFP4 bytes or [BN, BK/32, 32] FP8 bytes / plain values,
      scale bytes [BN, BK/32]). Steps at or past k_hi load nothing (a prefetch past the chunk's
@@ -333,38 +372,77 @@ def _load_step(w_ptr, s_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn, st
         raw = tl.load(ptrs, mask=m3, other=0)
     gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
     if W_FMT == 1:
-        s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + g0 + g[None, :],
-                    mask=gmask, other=127)
+        s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     elif W_FMT == 2:
-        s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + g0
-                    + g[None, :], mask=gmask, other=127)
+        s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     else:
         s = gmask.to(tl.uint8)  # plain weights: no scales (never read)
     return raw, s
 
 
 @triton.jit
-def _wide_loads(a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi,
-                stride_we, stride_wn, stride_se, stride_sn, W_FMT: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, EPILOGUE: tl.constexpr):
+def _wide_loads(
+    a_base,
+    kk,
+    p_mask,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    e64,
+    n64,
+    nmask,
+    g0,
+    k_hi,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    W_FMT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
     """One wide K step's operands from group g0: the A tile and the raw W1 (and W3 for the
     SwiGLU epilogue; W1's again otherwise) tiles with their scales."""
     k0 = g0 * 32
-    a = tl.load(a_base + k0 + kk[None, :], mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :],
-                other=0.0)
-    r1, q1 = _load_step(w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn,
-                        stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+    a = tl.load(a_base + k0 + kk[None, :], mask=p_mask[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+    r1, q1 = _load_step(
+        w1_ptr, s1_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K
+    )
     if EPILOGUE == 1:
-        r3, q3 = _load_step(w3_ptr, s3_ptr, e64, n64, nmask, g0, k_hi, stride_we, stride_wn,
-                            stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K)
+        r3, q3 = _load_step(
+            w3_ptr,
+            s3_ptr,
+            e64,
+            n64,
+            nmask,
+            g0,
+            k_hi,
+            stride_we,
+            stride_wn,
+            stride_se,
+            stride_sn,
+            W_FMT,
+            EVEN_K,
+            BLOCK_K,
+        )
     else:
         r3, q3 = r1, q1
     return a, r1, q1, r3, q3
 
 
 @triton.jit
-def _dequant(raw, s, OUT_DTYPE: tl.constexpr, W_FMT: tl.constexpr, HW_FP8: tl.constexpr,
-             MX_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant(
+    raw,
+    s,
+    OUT_DTYPE: tl.constexpr,
+    W_FMT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MX_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """_load_step's tile -> [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in natural order (exact)."""
     if W_FMT == 0:
         w = raw.to(OUT_DTYPE)
@@ -388,13 +466,41 @@ def _dequant(raw, s, OUT_DTYPE: tl.constexpr, W_FMT: tl.constexpr, HW_FP8: tl.co
 
 
 @triton.jit
-def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n_idx, k_lo,
-           k_hi, N, K, stride_we, stride_wn, stride_se, stride_sn,
-           W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr,
-           UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-           MX_ASM: tl.constexpr, WIDE: tl.constexpr, PREFETCH: tl.constexpr,
-           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DEQ_BF16: tl.constexpr):
+def _chunk(
+    a_ptr,
+    a_row,
+    stride_am,
+    p_mask,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    e,
+    n_idx,
+    k_lo,
+    k_hi,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    W_FMT: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MX_ASM: tl.constexpr,
+    WIDE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    DEQ_BF16: tl.constexpr,
+):
     """Sums over K in [k_lo, k_hi) from zero: (acc1, acc3) [BLOCK_M, BLOCK_N] FP32.
 
     K is walked in steps of BLOCK_K from group index k_lo // 32 (offsets are multiples of 32
@@ -424,30 +530,85 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
         # (Triton 3.6, tl.dot_scaled on Hopper), bench/results/h200/gemm_decode.md.
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k_idx = k0 + kk
-            a = tl.load(a_base + k_idx[None, :],
-                        mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
-            acc1 = _dot_scaled_mxfp4(a, w1_ptr, s1_ptr, e, n_idx, k0, N, k_hi, stride_we,
-                                     stride_wn, stride_se, stride_sn, acc1, BLOCK_K)
+            a = tl.load(a_base + k_idx[None, :], mask=p_mask[:, None] & (k_idx[None, :] < k_hi), other=0.0)
+            acc1 = _dot_scaled_mxfp4(
+                a, w1_ptr, s1_ptr, e, n_idx, k0, N, k_hi, stride_we, stride_wn, stride_se, stride_sn, acc1, BLOCK_K
+            )
             if EPILOGUE == 1:
-                acc3 = _dot_scaled_mxfp4(a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we,
-                                         stride_wn, stride_se, stride_sn, acc3, BLOCK_K)
+                acc3 = _dot_scaled_mxfp4(
+                    a, w3_ptr, s3_ptr, e, n_idx, k0, N, k_hi, stride_we, stride_wn, stride_se, stride_sn, acc3, BLOCK_K
+                )
     elif WIDE:
         if PREFETCH:
-            a, r1, q1, r3, q3 = _wide_loads(a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                                            e64, n64, nmask, g_lo, k_hi, stride_we, stride_wn,
-                                            stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
-                                            EPILOGUE)
+            a, r1, q1, r3, q3 = _wide_loads(
+                a_base,
+                kk,
+                p_mask,
+                w1_ptr,
+                s1_ptr,
+                w3_ptr,
+                s3_ptr,
+                e64,
+                n64,
+                nmask,
+                g_lo,
+                k_hi,
+                stride_we,
+                stride_wn,
+                stride_se,
+                stride_sn,
+                W_FMT,
+                EVEN_K,
+                BLOCK_K,
+                EPILOGUE,
+            )
         for g0 in range(g_lo, g_hi, G):
             if PREFETCH:  # next step in flight during this step's dequant and dot
                 na, nr1, nq1, nr3, nq3 = _wide_loads(
-                    a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0 + G,
-                    k_hi, stride_we, stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
-                    EPILOGUE)
+                    a_base,
+                    kk,
+                    p_mask,
+                    w1_ptr,
+                    s1_ptr,
+                    w3_ptr,
+                    s3_ptr,
+                    e64,
+                    n64,
+                    nmask,
+                    g0 + G,
+                    k_hi,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    W_FMT,
+                    EVEN_K,
+                    BLOCK_K,
+                    EPILOGUE,
+                )
             else:
                 a, r1, q1, r3, q3 = _wide_loads(
-                    a_base, kk, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0,
-                    k_hi, stride_we, stride_wn, stride_se, stride_sn, W_FMT, EVEN_K, BLOCK_K,
-                    EPILOGUE)
+                    a_base,
+                    kk,
+                    p_mask,
+                    w1_ptr,
+                    s1_ptr,
+                    w3_ptr,
+                    s3_ptr,
+                    e64,
+                    n64,
+                    nmask,
+                    g0,
+                    k_hi,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    W_FMT,
+                    EVEN_K,
+                    BLOCK_K,
+                    EPILOGUE,
+                )
             w1 = _dequant(r1, q1, dot_dtype, W_FMT, HW_FP8, MX_ASM, BLOCK_N, BLOCK_K)
             acc1 = mma(a, tl.trans(w1), acc1, IEEE, UPCAST)
             if EPILOGUE == 1:
@@ -460,50 +621,129 @@ def _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n
         t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for g0 in range(g_lo, g_hi, G):
             for j in tl.static_range(G):
-                t1, t3 = _sub_step(t1, t3, a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr,
-                                   w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi, stride_we,
-                                   stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE,
-                                   UPCAST, HW_FP8, MX_ASM, EVEN_K, True, DEQ_BF16)
+                t1, t3 = _sub_step(
+                    t1,
+                    t3,
+                    a_ptr,
+                    a_row,
+                    stride_am,
+                    p_mask,
+                    w1_ptr,
+                    s1_ptr,
+                    w3_ptr,
+                    s3_ptr,
+                    e64,
+                    n64,
+                    nmask,
+                    g0 + j,
+                    k_hi,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    W_FMT,
+                    EPILOGUE,
+                    IEEE,
+                    UPCAST,
+                    HW_FP8,
+                    MX_ASM,
+                    EVEN_K,
+                    True,
+                    DEQ_BF16,
+                )
         acc1 = tl.trans(t1)
         acc3 = tl.trans(t3)
     else:
         for g0 in range(g_lo, g_hi, G):
             for j in tl.static_range(G):
-                acc1, acc3 = _sub_step(acc1, acc3, a_ptr, a_row, stride_am, p_mask, w1_ptr,
-                                       s1_ptr, w3_ptr, s3_ptr, e64, n64, nmask, g0 + j, k_hi,
-                                       stride_we, stride_wn, stride_se, stride_sn, W_FMT,
-                                       EPILOGUE, IEEE, UPCAST, HW_FP8, MX_ASM, EVEN_K,
-                                       False, DEQ_BF16)
+                acc1, acc3 = _sub_step(
+                    acc1,
+                    acc3,
+                    a_ptr,
+                    a_row,
+                    stride_am,
+                    p_mask,
+                    w1_ptr,
+                    s1_ptr,
+                    w3_ptr,
+                    s3_ptr,
+                    e64,
+                    n64,
+                    nmask,
+                    g0 + j,
+                    k_hi,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    W_FMT,
+                    EPILOGUE,
+                    IEEE,
+                    UPCAST,
+                    HW_FP8,
+                    MX_ASM,
+                    EVEN_K,
+                    False,
+                    DEQ_BF16,
+                )
     return acc1, acc3
 
 
 @triton.jit
-def _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
-              EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr, ROUND_ACT_BF16: tl.constexpr,
-              OUT_BF16: tl.constexpr):
+def _epilogue(
+    acc1,
+    acc3,
+    p,
+    p_mask,
+    n_idx,
+    N,
+    c_ptr,
+    stride_cm,
+    gamma_ptr,
+    limit,
+    EPILOGUE: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    ROUND_ACT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     if EPILOGUE == 1:  # SwiGLU (moe.ref.expert_ffn): g, u rounded to the activation dtype
-        out = swiglu_limited(round_bf16_if(acc1, ROUND_ACT_BF16), round_bf16_if(acc3, ROUND_ACT_BF16),
-                             limit)
+        out = swiglu_limited(round_bf16_if(acc1, ROUND_ACT_BF16), round_bf16_if(acc3, ROUND_ACT_BF16), limit)
         if HAS_GAMMA:
             out = tl.load(gamma_ptr + p, mask=p_mask, other=0.0)[:, None] * out
     else:
         out = acc1
     c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
-    tl.store(c, round_bf16_if(out, OUT_BF16).to(c_ptr.dtype.element_ty),
-             mask=p_mask[:, None] & (n_idx[None, :] < N))
+    tl.store(c, round_bf16_if(out, OUT_BF16).to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
 @triton.jit
 def _prefetch_l2(ptrs):
     """prefetch.global.L2 of each pointer (no value; kept: not pure)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
-def _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows, groups, nb,
-                  tile, EPILOGUE: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr,
-                  PF_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _pdl_prologue(
+    w1_ptr,
+    w3_ptr,
+    stride_we,
+    stride_wn,
+    N,
+    K,
+    k_chunk,
+    num_rows,
+    groups,
+    nb,
+    tile,
+    EPILOGUE: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
+    ROWS: tl.constexpr,
+    PF_LINES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Let the next (PDL-launched) kernel start; prefetch into L2 the first PF_LINES 128-byte
     lines of this program's weight rows in its K chunk (weights: never written by an earlier
     kernel; schedule-free launches only, whose weight index needs no load); then wait for the
@@ -519,8 +759,7 @@ def _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows,
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col = k_lo + tl.arange(0, PF_LINES) * 128
         ok = (rows[:, None] < N) & (col[None, :] < k_hi)
-        off = tl.where(ok, e.to(tl.int64) * stride_we + rows[:, None].to(tl.int64) * stride_wn
-                       + col[None, :], 0)
+        off = tl.where(ok, e.to(tl.int64) * stride_we + rows[:, None].to(tl.int64) * stride_wn + col[None, :], 0)
         _prefetch_l2(w1_ptr + off)
         if EPILOGUE == 1:
             _prefetch_l2(w3_ptr + off)
@@ -529,17 +768,55 @@ def _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows,
 
 @triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every decode batch
 def _gemm_kernel(
-    a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr, part_ptr, count_ptr,
-    N, K, k_chunk, num_rows, groups, limit,
-    W_FMT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_GAMMA: tl.constexpr,
-    GATHER_A: tl.constexpr, ROUND_ACT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-    SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, ROWS: tl.constexpr, MX_ASM: tl.constexpr,
-    WIDE: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr = False,
-    DEQ_BF16: tl.constexpr = False, RED_UNROLL: tl.constexpr = 0, PDL: tl.constexpr = False,
+    a_ptr,
+    stride_am,
+    a_rows_ptr,
+    c_ptr,
+    stride_cm,
+    gamma_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    K,
+    k_chunk,
+    num_rows,
+    groups,
+    limit,
+    W_FMT: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    ROUND_ACT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
+    ROWS: tl.constexpr,
+    MX_ASM: tl.constexpr,
+    WIDE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False,
+    RED_UNROLL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
     PF_LINES: tl.constexpr = 0,
 ):
     # ROWS 0: tiles from the schedule tensors; 1: all rows against weight 0 (no schedule);
@@ -547,8 +824,25 @@ def _gemm_kernel(
     nb = tl.program_id(0)
     tile = tl.program_id(1)
     if PDL:  # programmatic dependent launch (GPU; see grouped_gemm)
-        _pdl_prologue(w1_ptr, w3_ptr, stride_we, stride_wn, N, K, k_chunk, num_rows, groups, nb,
-                      tile, EPILOGUE, SPLIT_GRID, ROWS, PF_LINES, BLOCK_M, BLOCK_N)
+        _pdl_prologue(
+            w1_ptr,
+            w3_ptr,
+            stride_we,
+            stride_wn,
+            N,
+            K,
+            k_chunk,
+            num_rows,
+            groups,
+            nb,
+            tile,
+            EPILOGUE,
+            SPLIT_GRID,
+            ROWS,
+            PF_LINES,
+            BLOCK_M,
+            BLOCK_N,
+        )
     if ROWS == 0:
         start = tl.load(tile_start_ptr + tile)
         end = tl.load(tile_end_ptr + tile)
@@ -580,12 +874,41 @@ def _gemm_kernel(
         if SPLIT_GRID:  # one K chunk per program, partials reduced by the last to arrive
             sp = tl.program_id(2)
             k_lo = sp * k_chunk
-            acc1, acc3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr,
-                                s3_ptr, e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K,
-                                stride_we, stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE,
-                                IEEE, UPCAST, DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH,
-                                EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SWAP,
-                                DEQ_BF16)
+            acc1, acc3 = _chunk(
+                a_ptr,
+                a_row,
+                stride_am,
+                p_mask,
+                w1_ptr,
+                s1_ptr,
+                w3_ptr,
+                s3_ptr,
+                e,
+                n_idx,
+                k_lo,
+                tl.minimum(k_lo + k_chunk, K),
+                N,
+                K,
+                stride_we,
+                stride_wn,
+                stride_se,
+                stride_sn,
+                W_FMT,
+                EPILOGUE,
+                IEEE,
+                UPCAST,
+                DOT_SCALED,
+                HW_FP8,
+                MX_ASM,
+                WIDE,
+                PREFETCH,
+                EVEN_K,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                SWAP,
+                DEQ_BF16,
+            )
             if SPLIT > 1:
                 cell = p[:, None].to(tl.int64) * N + n_idx[None, :]
                 cmask = p_mask[:, None] & (n_idx[None, :] < N)
@@ -601,40 +924,117 @@ def _gemm_kernel(
                     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     if RED_UNROLL == 0:  # every partial's load in flight at once
                         for s in tl.static_range(SPLIT):
-                            acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0,
-                                            cache_modifier=".cg")
+                            acc1 += tl.load(part_ptr + s * plane + cell, mask=cmask, other=0.0, cache_modifier=".cg")
                             if EPILOGUE == 1:
-                                acc3 += tl.load(part_ptr + (SPLIT + s) * plane + cell,
-                                                mask=cmask, other=0.0, cache_modifier=".cg")
+                                acc3 += tl.load(
+                                    part_ptr + (SPLIT + s) * plane + cell, mask=cmask, other=0.0, cache_modifier=".cg"
+                                )
                     else:  # RED_UNROLL at a time (fewer registers), still summed in order
                         for s0 in range(0, SPLIT, RED_UNROLL):
                             for j in tl.static_range(RED_UNROLL):
                                 rm = cmask & (s0 + j < SPLIT)  # -0.0 + x == x for every x
-                                acc1 += tl.load(part_ptr + (s0 + j) * plane + cell, mask=rm,
-                                                other=-0.0, cache_modifier=".cg")
+                                acc1 += tl.load(
+                                    part_ptr + (s0 + j) * plane + cell, mask=rm, other=-0.0, cache_modifier=".cg"
+                                )
                                 if EPILOGUE == 1:
-                                    acc3 += tl.load(part_ptr + (SPLIT + s0 + j) * plane + cell,
-                                                    mask=rm, other=-0.0, cache_modifier=".cg")
+                                    acc3 += tl.load(
+                                        part_ptr + (SPLIT + s0 + j) * plane + cell,
+                                        mask=rm,
+                                        other=-0.0,
+                                        cache_modifier=".cg",
+                                    )
                     tl.store(counter, 0)  # ready for the next launch
-                    _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr,
-                              limit, EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+                    _epilogue(
+                        acc1,
+                        acc3,
+                        p,
+                        p_mask,
+                        n_idx,
+                        N,
+                        c_ptr,
+                        stride_cm,
+                        gamma_ptr,
+                        limit,
+                        EPILOGUE,
+                        HAS_GAMMA,
+                        ROUND_ACT_BF16,
+                        OUT_BF16,
+                    )
             else:
-                _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
-                          EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+                _epilogue(
+                    acc1,
+                    acc3,
+                    p,
+                    p_mask,
+                    n_idx,
+                    N,
+                    c_ptr,
+                    stride_cm,
+                    gamma_ptr,
+                    limit,
+                    EPILOGUE,
+                    HAS_GAMMA,
+                    ROUND_ACT_BF16,
+                    OUT_BF16,
+                )
         else:  # SEGMENTS: the same chunks walked in order by one program
             acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sp in range(0, SPLIT):
                 k_lo = sp * k_chunk
-                c1, c3 = _chunk(a_ptr, a_row, stride_am, p_mask, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                                e, n_idx, k_lo, tl.minimum(k_lo + k_chunk, K), N, K, stride_we,
-                                stride_wn, stride_se, stride_sn, W_FMT, EPILOGUE, IEEE, UPCAST,
-                                DOT_SCALED, HW_FP8, MX_ASM, WIDE, PREFETCH, EVEN_K, BLOCK_M,
-                                BLOCK_N, BLOCK_K, SWAP, DEQ_BF16)
+                c1, c3 = _chunk(
+                    a_ptr,
+                    a_row,
+                    stride_am,
+                    p_mask,
+                    w1_ptr,
+                    s1_ptr,
+                    w3_ptr,
+                    s3_ptr,
+                    e,
+                    n_idx,
+                    k_lo,
+                    tl.minimum(k_lo + k_chunk, K),
+                    N,
+                    K,
+                    stride_we,
+                    stride_wn,
+                    stride_se,
+                    stride_sn,
+                    W_FMT,
+                    EPILOGUE,
+                    IEEE,
+                    UPCAST,
+                    DOT_SCALED,
+                    HW_FP8,
+                    MX_ASM,
+                    WIDE,
+                    PREFETCH,
+                    EVEN_K,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    SWAP,
+                    DEQ_BF16,
+                )
                 acc1 += c1
                 acc3 += c3
-            _epilogue(acc1, acc3, p, p_mask, n_idx, N, c_ptr, stride_cm, gamma_ptr, limit,
-                      EPILOGUE, HAS_GAMMA, ROUND_ACT_BF16, OUT_BF16)
+            _epilogue(
+                acc1,
+                acc3,
+                p,
+                p_mask,
+                n_idx,
+                N,
+                c_ptr,
+                stride_cm,
+                gamma_ptr,
+                limit,
+                EPILOGUE,
+                HAS_GAMMA,
+                ROUND_ACT_BF16,
+                OUT_BF16,
+            )
 
 
 # The split-K kernel as `grouped_gemm` launches it (a module global read at each launch):
@@ -680,14 +1080,22 @@ def grouped_schedule(counts: torch.Tensor, total_rows: int, block_m: int) -> Til
     start = row_off[expert] + (t - first_tile) * block_m
     end = torch.minimum(start + block_m, row_off[expert] + counts[expert])
     end = torch.where(t < tile_off[-1], end, start)
-    return TileSchedule(expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32),
-                        block_m)
+    return TileSchedule(expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32), block_m)
 
 
-def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out: torch.Tensor,
-                 a_rows: torch.Tensor | None = None, w3: Weights | None = None,
-                 gamma: torch.Tensor | None = None, limit: float = 0.0,
-                 dot_scaled: bool = False, *, cfg: DenseConfig = DEFAULT.dense) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor,
+    w: Weights,
+    schedule: TileSchedule | None,
+    out: torch.Tensor,
+    a_rows: torch.Tensor | None = None,
+    w3: Weights | None = None,
+    gamma: torch.Tensor | None = None,
+    limit: float = 0.0,
+    dot_scaled: bool = False,
+    *,
+    cfg: DenseConfig = DEFAULT.dense,
+) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T); SwiGLU epilogue when w3 is given.
 
     schedule None: no schedule tensors, nothing launched besides the GEMM; with one weight,
@@ -704,29 +1112,32 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
         return out
     if cublas_eligible(a, w, out, a_rows, w3, dot_scaled, cfg):
         return _cublas_gemm(a, w, out, w3, gamma, limit)
-    if w.fmt == W_FP8 and schedule is None and a_rows is None and not dot_scaled and \
-            rows <= cfg.fp8_swap_max_rows * w.num_experts:
+    if (
+        w.fmt == W_FP8
+        and schedule is None
+        and a_rows is None
+        and not dot_scaled
+        and rows <= cfg.fp8_swap_max_rows * w.num_experts
+    ):
         from flashpd.kernels.dense import fp8_swap  # imports this module: not at the top
+
         if fp8_swap.eligible(a, w, out, w3, cfg=cfg.fp8_swap):
             return fp8_swap.gemm(a, w, out, w3, gamma, limit, config=cfg.fp8_swap)
     n_dim, k_dim = w.out_dim, w.in_dim
     single = schedule is None
     groups = w.num_experts if single else 1
     if single and groups > 1 and (a_rows is not None or rows % groups):
-        raise ValueError(f"block-diagonal GEMM: {rows} rows do not split into {groups} groups "
-                         "(or a_rows was given)")
+        raise ValueError(f"block-diagonal GEMM: {rows} rows do not split into {groups} groups (or a_rows was given)")
     block_m = block_m_for(rows // groups, cfg) if single else schedule.block_m
-    n_tiles = groups * triton.cdiv(rows // groups, block_m) if single else \
-        schedule.start.shape[0]
+    n_tiles = groups * triton.cdiv(rows // groups, block_m) if single else schedule.start.shape[0]
     split, chunk = _plan(w, cfg)
     tiles = _tiles(w, cfg)
-    small = rows <= tiles.get("max_rows", cfg.small_rows) or \
-        triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < tiles.get("target_ctas",
-                                                                   cfg.target_ctas)
+    small = rows <= tiles.get("max_rows", cfg.small_rows) or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < tiles.get(
+        "target_ctas", cfg.target_ctas
+    )
     mx_asm = w.fmt == W_MXFP4 and cfg.mxfp4_decode == "asm" and not DOT_UPCAST
     if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
-        dot_scaled = dot_scaled or (cfg.mxfp4_decode == "dot_scaled" if small
-                                    else cfg.mxfp4_large == "dot_scaled")
+        dot_scaled = dot_scaled or (cfg.mxfp4_decode == "dot_scaled" if small else cfg.mxfp4_large == "dot_scaled")
     step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
     if small and block_m >= 64 and "m64" in tiles:  # 64-row decode tiles: their own launch
         tiles = {**tiles, **tiles["m64"]}
@@ -739,8 +1150,11 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if small and split > 1 and grid[0] * n_tiles > triton_runtime.COUNTER_SLOTS:
         raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {triton_runtime.COUNTER_SLOTS}")
     swiglu = w3 is not None
-    part = (torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32,
-                        device=a.device) if small and split > 1 else out)
+    part = (
+        torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32, device=a.device)
+        if small and split > 1
+        else out
+    )
     scale1 = w.scale if w.scale is not None else w.data
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
@@ -755,33 +1169,68 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: TileSchedule | None, out
     if pdl:
         launch = {**launch, "launch_pdl": True}
         span = chunk if small else k_dim
-        pf_lines = min(triton.next_power_of_2(triton.cdiv(span, 128)),
-                       int(tiles.get("pdl_lines", 4)))
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(span, 128)), int(tiles.get("pdl_lines", 4)))
     SPLITK_KERNEL[grid](
-        a, a.stride(0), a_rows if a_rows is not None else sched.start, out, out.stride(0),
-        gamma if gamma is not None else a, w.data, scale1, w3_.data, scale3,
-        w.data.stride(0), w.data.stride(1), sse, ssn,
-        sched.expert, sched.start, sched.end, part, triton_runtime.arrival_counters(a.device),
-        n_dim, k_dim, chunk, rows, groups, float(limit),
-        W_FMT=w.fmt, EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
-        HAS_GAMMA=gamma is not None, GATHER_A=a_rows is not None,
-        ROUND_ACT_BF16=a.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16,
-        IEEE=a.dtype == torch.float32, UPCAST=DOT_UPCAST, DOT_SCALED=dot_scaled,
-        HW_FP8=not DOT_UPCAST, SPLIT=split, SPLIT_GRID=small,
-        ROWS=0 if not single else 1 if groups == 1 else 2, MX_ASM=mx_asm,
+        a,
+        a.stride(0),
+        a_rows if a_rows is not None else sched.start,
+        out,
+        out.stride(0),
+        gamma if gamma is not None else a,
+        w.data,
+        scale1,
+        w3_.data,
+        scale3,
+        w.data.stride(0),
+        w.data.stride(1),
+        sse,
+        ssn,
+        sched.expert,
+        sched.start,
+        sched.end,
+        part,
+        triton_runtime.arrival_counters(a.device),
+        n_dim,
+        k_dim,
+        chunk,
+        rows,
+        groups,
+        float(limit),
+        W_FMT=w.fmt,
+        EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
+        HAS_GAMMA=gamma is not None,
+        GATHER_A=a_rows is not None,
+        ROUND_ACT_BF16=a.dtype == torch.bfloat16,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        IEEE=a.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        DOT_SCALED=dot_scaled,
+        HW_FP8=not DOT_UPCAST,
+        SPLIT=split,
+        SPLIT_GRID=small,
+        ROWS=0 if not single else 1 if groups == 1 else 2,
+        MX_ASM=mx_asm,
         WIDE=bool(tiles.get("wide", False)) and not dot_scaled,
         PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
         EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, num_warps=tiles["warps"],
-        SWAP=swap, DEQ_BF16=w.fmt == W_FP8 and tiles.get("deq", "f32") == "bf16",
-        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0, PDL=pdl,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles["block_n"],
+        BLOCK_K=block_k,
+        num_warps=tiles["warps"],
+        SWAP=swap,
+        DEQ_BF16=w.fmt == W_FP8 and tiles.get("deq", "f32") == "bf16",
+        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0,
+        PDL=pdl,
         PF_LINES=pf_lines,
-        num_stages=tiles["stages"], **launch)
+        num_stages=tiles["stages"],
+        **launch,
+    )
     return out
 
 
-def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None, *,
-                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def block_diagonal(
+    x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = None, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """x [T, G, K] -> [T, G, N]: out[t, g] = x[t, g] . W[g]^T, one launch, no schedule.
 
     The GPU forward's wo_a (group g of a token's heads through its own low-rank weight): A and C
@@ -790,8 +1239,7 @@ def block_diagonal(x: torch.Tensor, w: Weights, out_dtype: torch.dtype | None = 
     if x.ndim != 3 or x.shape[1] != w.num_experts:
         raise ValueError(f"block_diagonal: x {tuple(x.shape)} for {w.num_experts} weights")
     num_tokens, groups, _ = x.shape
-    out = torch.empty(num_tokens * groups, w.out_dim, dtype=out_dtype or x.dtype,
-                      device=x.device)
+    out = torch.empty(num_tokens * groups, w.out_dim, dtype=out_dtype or x.dtype, device=x.device)
     grouped_gemm(x.reshape(num_tokens * groups, -1).contiguous(), w, None, out, cfg=tuned.dense)
     return out.view(num_tokens, groups, -1)
 
@@ -810,8 +1258,7 @@ def _tiles(w: Weights, cfg: DenseConfig) -> Mapping[str, Any]:
     tiles = cfg.mx if w.fmt == W_MXFP4 else cfg.skinny if w.fmt == W_FP8 else cfg.plain
     if tiles.get("fit_block_n", False):
         target = tiles.get("target_ctas", cfg.target_ctas)
-        experts = min(w.num_experts, cfg.expert_tiles) if w.fmt == W_MXFP4 else \
-            w.num_experts
+        experts = min(w.num_experts, cfg.expert_tiles) if w.fmt == W_MXFP4 else w.num_experts
         finest = max(1, w.in_dim // cfg.min_k_chunk)
         bn = tiles["block_n"]
         floor = 64 if tiles.get("swap", False) else 32  # swap: wgmma's 64-row operand
@@ -840,25 +1287,27 @@ def _plan(w: Weights, cfg: DenseConfig) -> tuple[int, int]:
     return triton.cdiv(k_dim, chunk), chunk
 
 
-
 @triton.jit
-def _swiglu_kernel(gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+def _swiglu_kernel(
+    gu_ptr, gamma_ptr, h_ptr, rows, inter, limit, HAS_GAMMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr
+):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (r < rows)[:, None] & (i < inter)[None, :]
     base = r.to(tl.int64)[:, None] * (2 * inter) + i[None, :]
-    out = swiglu_limited(tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32),
-                         tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32),
-                         limit)
+    out = swiglu_limited(
+        tl.load(gu_ptr + base, mask=mask, other=0.0).to(tl.float32),
+        tl.load(gu_ptr + base + inter, mask=mask, other=0.0).to(tl.float32),
+        limit,
+    )
     if HAS_GAMMA:
         out = tl.load(gamma_ptr + r, mask=r < rows, other=0.0)[:, None] * out
-    tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :],
-             round_bf16(out).to(tl.bfloat16), mask=mask)
+    tl.store(h_ptr + r.to(tl.int64)[:, None] * inter + i[None, :], round_bf16(out).to(tl.bfloat16), mask=mask)
 
 
-def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_halves(
+    gu: torch.Tensor, gamma: torch.Tensor | None, limit: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """gu [P, 2I] BF16 (g | u) -> h [P, I] BF16 = bf16(gamma * silu(min(g, L)) * clamp(u, -L, L))
     (into `out` when given: contiguous BF16 [P, I]). One launch."""
     rows, inter = gu.shape[0], gu.shape[1] // 2
@@ -869,27 +1318,43 @@ def swiglu_halves(gu: torch.Tensor, gamma: torch.Tensor | None, limit: float,
         raise ValueError(f"swiglu_halves: out must be contiguous BF16 {(rows, inter)}")
     if rows:
         _swiglu_kernel[(triton.cdiv(rows, 32), triton.cdiv(inter, 128))](
-            gu, gamma if gamma is not None else gu, h, rows, inter, float(limit),
-            HAS_GAMMA=gamma is not None, BLOCK_R=32, BLOCK_I=128)
+            gu,
+            gamma if gamma is not None else gu,
+            h,
+            rows,
+            inter,
+            float(limit),
+            HAS_GAMMA=gamma is not None,
+            BLOCK_R=32,
+            BLOCK_I=128,
+        )
     return h
 
 
-def cublas_eligible(a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3,
-                    dot_scaled: bool, cfg: DenseConfig) -> bool:
+def cublas_eligible(
+    a: torch.Tensor, w: Weights, out: torch.Tensor, a_rows, w3, dot_scaled: bool, cfg: DenseConfig
+) -> bool:
     """Prefill-sized FP8 GEMMs without a row gather: one weight (optionally with w3, SwiGLU),
     or G weights block-diagonal (row t * G + g against weight g), >= cublas_min_rows rows per
     weight."""
     groups = w.num_experts
-    return (cfg.prefill == "cublas" and not triton_runtime.interpreting()
-            and w.fmt == W_FP8 and a_rows is None and not dot_scaled
-            and (w3 is None or (groups == 1 and w3.fmt == W_FP8 and w3.num_experts == 1))
-            and a.dtype == out.dtype == torch.bfloat16 and out.shape[0] == a.shape[0]
-            and out.shape[0] % groups == 0
-            and out.shape[0] // groups >= cfg.cublas_min_rows)
+    return (
+        cfg.prefill == "cublas"
+        and not triton_runtime.interpreting()
+        and w.fmt == W_FP8
+        and a_rows is None
+        and not dot_scaled
+        and (w3 is None or (groups == 1 and w3.fmt == W_FP8 and w3.num_experts == 1))
+        and a.dtype == out.dtype == torch.bfloat16
+        and out.shape[0] == a.shape[0]
+        and out.shape[0] % groups == 0
+        and out.shape[0] // groups >= cfg.cublas_min_rows
+    )
 
 
-def _cublas_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None,
-                 gamma: torch.Tensor | None, limit: float) -> torch.Tensor:
+def _cublas_gemm(
+    a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, gamma: torch.Tensor | None, limit: float
+) -> torch.Tensor:
     """`grouped_gemm` of a `cublas_eligible` call: the FP8 weights dequantised to BF16 (exact)
     once per call, cuBLAS BF16 GEMMs (FP32 accumulation, their own summation order).
 
@@ -916,12 +1381,13 @@ def _cublas_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | N
 
 
 def _one_weight(w: Weights, g: int) -> Weights:
-    return Weights(w.fmt, w.data[g:g + 1], None if w.scale is None else w.scale[g:g + 1])
+    return Weights(w.fmt, w.data[g : g + 1], None if w.scale is None else w.scale[g : g + 1])
 
 
 @triton.jit
-def _dequant_fp8_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_sn, HW_FP8: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_fp8_kernel(
+    w_ptr, s_ptr, y_ptr, N, K, stride_sn, HW_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (n[:, None] < N) & (k[None, :] < K)
@@ -941,13 +1407,12 @@ def dequantize_fp8(w: Weights, out: torch.Tensor | None = None) -> torch.Tensor:
     if w.fmt != W_FP8 or w.num_experts != 1:
         raise ValueError("dequantize_fp8 takes one FP8 weight matrix")
     n_dim, k_dim = w.out_dim, w.in_dim
-    y = torch.empty(n_dim, k_dim, dtype=torch.bfloat16, device=w.data.device) if out is None \
-        else out
+    y = torch.empty(n_dim, k_dim, dtype=torch.bfloat16, device=w.data.device) if out is None else out
     if y.shape != (n_dim, k_dim) or y.dtype != torch.bfloat16 or not y.is_contiguous():
         raise ValueError(f"dequantize_fp8: out must be contiguous BF16 {(n_dim, k_dim)}")
     _dequant_fp8_kernel[(triton.cdiv(n_dim, 32), triton.cdiv(k_dim, 128))](
-        w.data[0], w.scale[0], y, n_dim, k_dim, w.scale.stride(1), HW_FP8=not DOT_UPCAST,
-        BLOCK_N=32, BLOCK_K=128)
+        w.data[0], w.scale[0], y, n_dim, k_dim, w.scale.stride(1), HW_FP8=not DOT_UPCAST, BLOCK_N=32, BLOCK_K=128
+    )
     return y
 
 
@@ -957,8 +1422,7 @@ def _check_gemm(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | No
     if a.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"activations must be bf16 or fp32, got {a.dtype}")
     if a.shape[1] != w.in_dim or out.shape[1] != w.out_dim:
-        raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], "
-                         f"out {tuple(out.shape)} do not chain")
+        raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], out {tuple(out.shape)} do not chain")
     if w.fmt == W_PLAIN and w.data.dtype != a.dtype:
         raise TypeError(f"plain weights must match the activation dtype {a.dtype}")
     if w.fmt != W_PLAIN and a.dtype != torch.bfloat16:
@@ -975,8 +1439,9 @@ def block_m_for(num_rows: int, cfg: DenseConfig) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else cfg.block_m_large
 
 
-def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype, *,
-                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def linear_weights(
+    x: torch.Tensor, w: Weights, out_dtype: torch.dtype, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """x [T, K] . W^T for a single weight in any format -> [T, N] in out_dtype."""
     if w.num_experts != 1:
         raise ValueError("linear_weights takes one weight matrix")
@@ -984,8 +1449,7 @@ def linear_weights(x: torch.Tensor, w: Weights, out_dtype: torch.dtype, *,
     return grouped_gemm(x.contiguous(), w, None, out, cfg=tuned.dense)
 
 
-def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16, *,
-           tuned: KernelConfigs = DEFAULT) -> int:
+def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16, *, tuned: KernelConfigs = DEFAULT) -> int:
     """Compile (and run once) the GEMM variants that `rows`-row calls of each weight take.
 
     weights: `Weights` of the model's layers (repeats are skipped: variants depend on format,
@@ -1002,11 +1466,9 @@ def warmup(weights, rows=(1, 8, 64), dtype: torch.dtype = torch.bfloat16, *,
         act = dtype if w.fmt != W_PLAIN else w.data.dtype
         for r in rows:
             if w.num_experts == 1:
-                linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act,
-                               tuned=tuned)
+                linear_weights(torch.randn(r, w.in_dim, device=device).to(act), w, act, tuned=tuned)
             else:
-                block_diagonal(torch.randn(r, w.num_experts, w.in_dim, device=device).to(act),
-                               w, act, tuned=tuned)
+                block_diagonal(torch.randn(r, w.num_experts, w.in_dim, device=device).to(act), w, act, tuned=tuned)
             calls += 1
     return calls
 
@@ -1037,19 +1499,24 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, *, tuned: KernelConfigs =
     return matmul_nt(x, weight, tuned=tuned)
 
 
-def linear_fp8(x: torch.Tensor, w_f8: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def linear_fp8(
+    x: torch.Tensor, w_f8: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """x [T, in] bf16 . dequant(W_fp8 [out, in], 32x32 UE8M0 tiles)^T -> [T, out] bf16."""
     return linear_weights(x, Weights.fp8(w_f8, scale_u8), x.dtype, tuned=tuned)
 
 
-def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def linear_mxfp4(
+    x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """x [T, in] bf16 . dequant(MXFP4 [out, in/2], UE8M0 per 1x32)^T -> [T, out] bf16."""
     return linear_weights(x, Weights.mxfp4(packed, scale_u8), x.dtype, tuned=tuned)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
-                     HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, HAS_W: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_D: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -1057,8 +1524,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
     y = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, round_bf16_if(y, OUT_BF16).to(y_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(y_ptr + row * stride_y + cols, round_bf16_if(y, OUT_BF16).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -1071,10 +1537,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight if weight is not None else x2, y, x2.stride(0), y.stride(0),
-            x2.shape[1], float(eps), HAS_W=weight is not None,
-            OUT_BF16=x.dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
-            **triton_runtime.launch_options())
+            x2,
+            weight if weight is not None else x2,
+            y,
+            x2.stride(0),
+            y.stride(0),
+            x2.shape[1],
+            float(eps),
+            HAS_W=weight is not None,
+            OUT_BF16=x.dtype == torch.bfloat16,
+            BLOCK_D=triton.next_power_of_2(x2.shape[1]),
+            **triton_runtime.launch_options(),
+        )
     return y.reshape(x.shape)
 
 
@@ -1108,8 +1582,7 @@ def _activation(x: torch.Tensor, act: int, threshold: float = 20.0) -> torch.Ten
     y = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
     if flat.numel():
         block = 1024
-        _act_kernel[(triton.cdiv(flat.numel(), block),)](flat, y, flat.numel(), float(threshold),
-                                                        ACT=act, BLOCK=block)
+        _act_kernel[(triton.cdiv(flat.numel(), block),)](flat, y, flat.numel(), float(threshold), ACT=act, BLOCK=block)
     return y.reshape(x.shape)
 
 

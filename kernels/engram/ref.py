@@ -22,34 +22,34 @@ from flashpd.kernels.dense.ref import fp32, linear, sigmoid
 SIGNED_SQRT_CLAMP = 1e-6
 
 
-def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor,
-                 norm_eps: float) -> torch.Tensor:
+def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """streams, keys [T, S, D]; qk [S, D] -> gates FP32 [T, S]."""
     h = fp32(streams)
     key = fp32(keys)
     d_model = h.shape[-1]
-    rho = torch.rsqrt(h.square().mean(dim=-1) + norm_eps) * torch.rsqrt(
-        key.square().mean(dim=-1) + norm_eps)  # [T, S]
+    rho = torch.rsqrt(h.square().mean(dim=-1) + norm_eps) * torch.rsqrt(key.square().mean(dim=-1) + norm_eps)  # [T, S]
     dot = rho * (h * fp32(qk)[None] * key).sum(dim=-1) / math.sqrt(d_model)
     sign = torch.where(dot < 0, -1.0, 1.0)
     return sigmoid(sign * torch.sqrt(dot.abs().clamp_min(SIGNED_SQRT_CLAMP)))
 
 
-def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, qk: torch.Tensor,
-                  norm_eps: float) -> torch.Tensor:
+def engram_inject(
+    streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, qk: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
     """streams [T, S, D], rows [T, C*row_dim] (compute dtype), wkv [(S+1)*D, C*row_dim],
     qk [S, D] FP32 -> new streams [T, S, D] in streams.dtype."""
     kv = linear(rows.to(streams.dtype), wkv)  # [T, (S+1)*D]
     return run_engram(streams, kv, qk, norm_eps, inject=True)[0]
 
 
-def run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float,
-               inject: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_engram(
+    streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float, inject: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """streams [T, S, D], kv [T, (S+1)*D] (the projected rows: S keys, one value) -> (new
     streams if `inject` else streams, gates FP32 [T, S])."""
     num_tokens, num_streams, d_model = streams.shape
     keys = kv[:, : num_streams * d_model].reshape(num_tokens, num_streams, d_model)
-    value = fp32(kv[:, num_streams * d_model:])  # [T, D]
+    value = fp32(kv[:, num_streams * d_model :])  # [T, D]
     gates = engram_gates(streams, keys, qk, norm_eps)  # [T, S]
     if not inject:
         return streams, gates

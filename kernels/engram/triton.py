@@ -72,8 +72,7 @@ def _unpin(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def _host_buffer(num_bytes: int, pinned: bool,
-                 huge_pages: bool) -> tuple[torch.Tensor, object | None, bool]:
+def _host_buffer(num_bytes: int, pinned: bool, huge_pages: bool) -> tuple[torch.Tensor, object | None, bool]:
     """(uint8 tensor, owner to keep alive, huge pages used?) in host memory.
 
     A huge-page buffer is registered with CUDA here and unregistered when the owner (the
@@ -105,7 +104,7 @@ def transparent_huge_pages_mode() -> str:
             text = f.read()
     except OSError:
         return "unavailable"
-    return text[text.index("[") + 1: text.index("]")] if "[" in text else text.strip()
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
 @dataclass
@@ -127,8 +126,7 @@ class HostTable:
         return self.weight.shape[1]
 
     @staticmethod
-    def allocate(num_rows: int, row_dim: int, pinned: bool | None = None,
-                 huge_pages: bool = True) -> HostTable:
+    def allocate(num_rows: int, row_dim: int, pinned: bool | None = None, huge_pages: bool = True) -> HostTable:
         """Zeroed table; pinned (+ huge pages where possible) whenever CUDA is present.
 
         huge_pages=False takes torch's pinned allocator directly (the fallback path).
@@ -138,12 +136,12 @@ class HostTable:
         pinned = torch.cuda.is_available() if pinned is None else pinned
         w, w_owner, w_huge = _host_buffer(num_rows * row_dim, pinned, huge_pages)
         s, s_owner, _ = _host_buffer(num_rows * (row_dim // 32), pinned, huge_pages)
-        return HostTable(w.view(num_rows, row_dim), s.view(num_rows, row_dim // 32), w_huge,
-                         pinned, (w_owner, s_owner))
+        return HostTable(w.view(num_rows, row_dim), s.view(num_rows, row_dim // 32), w_huge, pinned, (w_owner, s_owner))
 
     @staticmethod
-    def from_quantized(w_f8: torch.Tensor, scale_u8: torch.Tensor, pinned: bool | None = None,
-                       huge_pages: bool = True) -> HostTable:
+    def from_quantized(
+        w_f8: torch.Tensor, scale_u8: torch.Tensor, pinned: bool | None = None, huge_pages: bool = True
+    ) -> HostTable:
         """Copy checkpoint tensors (float8_e4m3fn [rows, D], uint8 [rows, D/32]) into a table."""
         if w_f8.dtype != torch.float8_e4m3fn or scale_u8.dtype != torch.uint8:
             raise TypeError("Engram tables are float8_e4m3fn rows + uint8 UE8M0 scales")
@@ -155,8 +153,7 @@ class HostTable:
 
 # ============================================================================ gather
 @triton.jit
-def _gather_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, n_rows, ROW: tl.constexpr,
-                   BLOCK_R: tl.constexpr, HW: tl.constexpr):
+def _gather_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, n_rows, ROW: tl.constexpr, BLOCK_R: tl.constexpr, HW: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     ids = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
@@ -167,12 +164,10 @@ def _gather_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, n_rows, ROW: tl.constexpr,
     else:
         val = e4m3_decode(q)
     sb = tl.load(s_ptr + ids[:, None] * (ROW // 32) + c // 32, mask=rmask[:, None], other=127)
-    tl.store(out_ptr + r[:, None].to(tl.int64) * ROW + c, (val * e8m0_decode(sb)).to(tl.bfloat16),
-             mask=rmask[:, None])
+    tl.store(out_ptr + r[:, None].to(tl.int64) * ROW + c, (val * e8m0_decode(sb)).to(tl.bfloat16), mask=rmask[:, None])
 
 
-def gather_rows(table: HostTable, ids: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def gather_rows(table: HostTable, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """ids [T, C] (global rows of the layer's table) -> BF16 rows [T, C * row_dim]."""
     if ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be int [T, C], got {ids.dtype} {tuple(ids.shape)}")
@@ -185,8 +180,16 @@ def gather_rows(table: HostTable, ids: torch.Tensor, out: torch.Tensor | None = 
     if n:
         block = 8
         _gather_kernel[(triton.cdiv(n, block),)](
-            table.weight, table.scale, ids.contiguous(), out, n, ROW=row_dim, BLOCK_R=block,
-            HW=not triton_runtime.interpreting(), num_warps=4)
+            table.weight,
+            table.scale,
+            ids.contiguous(),
+            out,
+            n,
+            ROW=row_dim,
+            BLOCK_R=block,
+            HW=not triton_runtime.interpreting(),
+            num_warps=4,
+        )
     return out
 
 
@@ -226,9 +229,20 @@ class EngramPrefetcher:
 
 # ============================================================================ gate + inject
 @triton.jit
-def _engram_kernel(x_ptr, kv_ptr, qk_ptr, out_ptr, gates_ptr, D, norm_eps, inv_sqrt_d,
-                   S: tl.constexpr, INJECT: tl.constexpr, BF16: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _engram_kernel(
+    x_ptr,
+    kv_ptr,
+    qk_ptr,
+    out_ptr,
+    gates_ptr,
+    D,
+    norm_eps,
+    inv_sqrt_d,
+    S: tl.constexpr,
+    INJECT: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Per token: gate_k from (X_k, key_k, qk_k); optionally X_k <- round(X_k + gate_k v)."""
     t = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + t * (S + 1) * D
@@ -246,7 +260,8 @@ def _engram_kernel(x_ptr, kv_ptr, qk_ptr, out_ptr, gates_ptr, D, norm_eps, inv_s
             k_sq += key * key
             hqk += h * qk * key
         rho = (1.0 / tl.sqrt_rn(tl.sum(h_sq, axis=0) / D + norm_eps)) * (
-            1.0 / tl.sqrt_rn(tl.sum(k_sq, axis=0) / D + norm_eps))
+            1.0 / tl.sqrt_rn(tl.sum(k_sq, axis=0) / D + norm_eps)
+        )
         dot = rho * tl.sum(hqk, axis=0) * inv_sqrt_d
         sign = tl.where(dot < 0, -1.0, 1.0)
         gate = sigmoid_f32(sign * tl.sqrt_rn(tl.maximum(tl.abs(dot), 1e-6)))
@@ -260,12 +275,12 @@ def _engram_kernel(x_ptr, kv_ptr, qk_ptr, out_ptr, gates_ptr, D, norm_eps, inv_s
                 y = h + gate * v
                 if BF16:
                     y = round_bf16(y)
-                tl.store(out_ptr + (t * S + k) * D + cols, y.to(out_ptr.dtype.element_ty),
-                         mask=m)
+                tl.store(out_ptr + (t * S + k) * D + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float,
-               inject: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_engram(
+    streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_eps: float, inject: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """streams [T, S, D], kv [T, (S+1)*D] (the projected rows: S keys, one value) -> (new streams
     if `inject` else streams, gates FP32 [T, S]): the fused gate (+ injection) launch."""
     num_tokens, num_streams, d_model = streams.shape
@@ -274,34 +289,42 @@ def run_engram(streams: torch.Tensor, kv: torch.Tensor, qk: torch.Tensor, norm_e
     gates = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=x.device)
     if num_tokens:
         _engram_kernel[(num_tokens,)](
-            x, kv.contiguous(), qk.to(torch.float32).contiguous(), out, gates, d_model,
-            float(norm_eps), 1.0 / math.sqrt(d_model), S=num_streams, INJECT=inject,
-            BF16=x.dtype == torch.bfloat16, BLOCK_D=min(1024, triton.next_power_of_2(d_model)),
-            num_warps=4, **triton_runtime.launch_options())
+            x,
+            kv.contiguous(),
+            qk.to(torch.float32).contiguous(),
+            out,
+            gates,
+            d_model,
+            float(norm_eps),
+            1.0 / math.sqrt(d_model),
+            S=num_streams,
+            INJECT=inject,
+            BF16=x.dtype == torch.bfloat16,
+            BLOCK_D=min(1024, triton.next_power_of_2(d_model)),
+            num_warps=4,
+            **triton_runtime.launch_options(),
+        )
     return out, gates
 
 
-def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor,
-                 norm_eps: float) -> torch.Tensor:
+def engram_gates(streams: torch.Tensor, keys: torch.Tensor, qk: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """streams, keys [T, S, D]; qk [S, D] -> gates FP32 [T, S]."""
     if keys.shape != streams.shape or qk.shape != streams.shape[1:]:
-        raise ValueError(f"streams {tuple(streams.shape)}, keys {tuple(keys.shape)}, "
-                         f"qk {tuple(qk.shape)} do not match")
+        raise ValueError(f"streams {tuple(streams.shape)}, keys {tuple(keys.shape)}, qk {tuple(qk.shape)} do not match")
     triton_runtime.check_device(streams, keys, qk)
     num_tokens, num_streams, d_model = streams.shape
-    kv = torch.cat((keys.reshape(num_tokens, -1),
-                    keys.new_zeros(num_tokens, d_model)), dim=1)  # value slot unused
+    kv = torch.cat((keys.reshape(num_tokens, -1), keys.new_zeros(num_tokens, d_model)), dim=1)  # value slot unused
     return run_engram(streams, kv, qk, norm_eps, inject=False)[1]
 
 
-def engram_inject(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, qk: torch.Tensor,
-                  norm_eps: float) -> torch.Tensor:
+def engram_inject(
+    streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, qk: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
     """streams [T, S, D], rows [T, C*row_dim], wkv [(S+1)*D, C*row_dim], qk [S, D]
     -> new streams [T, S, D]: one GEMM, then one fused gate + injection launch."""
     num_tokens, num_streams, d_model = streams.shape
     if wkv.shape[0] != (num_streams + 1) * d_model or rows.shape != (num_tokens, wkv.shape[1]):
-        raise ValueError(f"rows {tuple(rows.shape)} / wkv {tuple(wkv.shape)} do not fit "
-                         f"streams {tuple(streams.shape)}")
+        raise ValueError(f"rows {tuple(rows.shape)} / wkv {tuple(wkv.shape)} do not fit streams {tuple(streams.shape)}")
     triton_runtime.check_device(streams, rows, wkv, qk)
     kv = dense.linear(rows.to(streams.dtype).contiguous(), wkv)  # [T, (S+1)*D]
     return run_engram(streams, kv, qk, norm_eps, inject=True)[0]

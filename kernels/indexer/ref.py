@@ -34,8 +34,9 @@ from flashpd.kernels.quant import ref as qref
 NEG_INF = float("-inf")
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-                 n_visible: torch.Tensor) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor
+) -> torch.Tensor:
     """q [T, h, dI], head_weights [T, h], keys [N, dI], n_visible [T] -> scores [T, N] FP32."""
     num_q, num_heads, head_dim = q.shape
     num_keys = keys.shape[0]
@@ -49,8 +50,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     return scores.masked_fill(~visible, NEG_INF)
 
 
-def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                   num_blocks: int) -> torch.Tensor:
+def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
     """Two-level candidates (§5.4): scores [T, N] -> bool [T, N], entries of the kept blocks.
 
     Block score = max over its entries; the newest (partly filled) block is forced in; the top
@@ -66,8 +66,7 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
     return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
 
 
-def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                     num_blocks: int) -> torch.Tensor:
+def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
     """scores [T, N] -> the kept block ids [T, min(num_blocks, #blocks)], ascending, -1 padded
     (blocks of score -inf are not kept; the newest block of each query is)."""
     num_q, num_keys = scores.shape
@@ -82,8 +81,12 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     return select_topk(block_score, min(num_blocks, n_blocks))
 
 
-def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
-                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
+    pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
     `allowed` [T, N] (the candidate mask) sets every other entry to -inf first. pool_rows =
@@ -111,37 +114,52 @@ def to_pool_rows(ids: torch.Tensor, key_rows: torch.Tensor, seq_of: torch.Tensor
     num_seqs, width = key_rows.shape
     seq = seq_of.long()[:, None].expand_as(ids)
     ok = (ids >= 0) & (ids < width) & (seq >= 0) & (seq < num_seqs)
-    rows = key_rows[seq.clamp(0, max(num_seqs - 1, 0)), ids.clamp(0, max(width - 1, 0))] \
-        if ids.numel() and key_rows.numel() else ids
+    rows = (
+        key_rows[seq.clamp(0, max(num_seqs - 1, 0)), ids.clamp(0, max(width - 1, 0))]
+        if ids.numel() and key_rows.numel()
+        else ids
+    )
     return torch.where(ok, rows.long(), -1).to(torch.int32)
 
 
-def paged_key_rows(block_tables: list[list[int]], entries_per_block: int,
-                   num_entries: list[int], width: int, device: torch.device | str) -> torch.Tensor:
+def paged_key_rows(
+    block_tables: list[list[int]],
+    entries_per_block: int,
+    num_entries: list[int],
+    width: int,
+    device: torch.device | str,
+) -> torch.Tensor:
     """Host-side key_rows int32 [B, width]: entry e of sequence b sits at pool row
     block_tables[b][e // entries_per_block] * entries_per_block + e % entries_per_block;
     -1 from num_entries[b] on."""
     if entries_per_block < 1:
         raise ValueError(f"entries_per_block must be >= 1, got {entries_per_block}")
     if len(num_entries) != len(block_tables):
-        raise ValueError(f"num_entries has {len(num_entries)} sequences, block_tables "
-                         f"{len(block_tables)}")
+        raise ValueError(f"num_entries has {len(num_entries)} sequences, block_tables {len(block_tables)}")
     rows = torch.full((len(block_tables), width), -1, dtype=torch.int32)
     for b, (table, count) in enumerate(zip(block_tables, num_entries, strict=True)):
         if not 0 <= count <= width:
             raise ValueError(f"num_entries[{b}] = {count} is outside [0, width={width}]")
         if count > len(table) * entries_per_block:
-            raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for "
-                             f"{count} entries of {entries_per_block} per block")
+            raise ValueError(
+                f"block_tables[{b}] holds {len(table)} blocks, too few for "
+                f"{count} entries of {entries_per_block} per block"
+            )
         e = torch.arange(count)
         blocks = torch.tensor(table, dtype=torch.int64)[e // entries_per_block]
         rows[b, :count] = (blocks * entries_per_block + e % entries_per_block).to(torch.int32)
     return rows.to(device)
 
 
-def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                       key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                       weight_scale: float = 1.0) -> torch.Tensor:
+def index_scores_paged(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_rows: torch.Tensor,
+    seq_of: torch.Tensor,
+    n_visible: torch.Tensor,
+    weight_scale: float = 1.0,
+) -> torch.Tensor:
     """q [T, h, dI], head_weights [T, h], key_pool uint8 [R, rec], key_rows [B, N], seq_of [T],
     n_visible [T] -> scores [T, N] FP32 over each query's own sequence (module docstring).
     The head weights used are FP32(head_weights) * weight_scale."""
@@ -149,8 +167,7 @@ def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: to
     if weight_scale != 1.0:
         head_weights = fp32(head_weights) * weight_scale
     num_pool_rows = key_pool.shape[0]
-    scores = torch.full((q.shape[0], key_rows.shape[1]), NEG_INF, dtype=torch.float32,
-                        device=q.device)
+    scores = torch.full((q.shape[0], key_rows.shape[1]), NEG_INF, dtype=torch.float32, device=q.device)
     for b in range(key_rows.shape[0]):  # every query against sequence b; keep its own rows
         rows = key_rows[b].long()  # [N]
         usable = (rows >= 0) & (rows < num_pool_rows)
@@ -161,16 +178,24 @@ def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: to
     return scores
 
 
-def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                            key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                            blocks: torch.Tensor, block_size: int, k: int,
-                            weight_scale: float = 1.0, as_pool_rows: bool = False) -> torch.Tensor:
+def index_topk_sparse_paged(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_rows: torch.Tensor,
+    seq_of: torch.Tensor,
+    n_visible: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    k: int,
+    weight_scale: float = 1.0,
+    as_pool_rows: bool = False,
+) -> torch.Tensor:
     """Reindex layers over paged keys: top-k [T, k] sequence-local entry ids (ascending, -1
     padded) among the entries of each query's candidate blocks [T, nb] (-1 padded); with
     as_pool_rows, their pool rows (int32, `to_pool_rows`)."""
     _check_blocks(blocks, q.shape[0], block_size, k)
-    scores = index_scores_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible,
-                                weight_scale)
+    scores = index_scores_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible, weight_scale)
     ids = select_topk(scores, k, allowed=_blocks_mask(blocks, block_size, scores.shape[1]))
     return to_pool_rows(ids, key_rows, seq_of) if as_pool_rows else ids
 
@@ -185,8 +210,14 @@ def _blocks_mask(blocks: torch.Tensor, block_size: int, num_keys: int) -> torch.
     return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
 
 
-def _check_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                 key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor) -> None:
+def _check_paged(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_rows: torch.Tensor,
+    seq_of: torch.Tensor,
+    n_visible: torch.Tensor,
+) -> None:
     """Shapes and dtypes only (never values: the paged ops must stay CUDA-graph safe)."""
     if q.ndim != 3 or q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"q must be BF16/FP32 [T, h, dI], got {q.dtype} {tuple(q.shape)}")
@@ -194,13 +225,15 @@ def _check_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Te
     if head_dim % 32 or head_dim & (head_dim - 1):
         raise ValueError(f"q: index head dim {head_dim} must be a power of two >= 32")
     if head_weights.shape != q.shape[:2] or not head_weights.is_floating_point():
-        raise ValueError(f"head_weights must be float {tuple(q.shape[:2])}, got "
-                         f"{head_weights.dtype} {tuple(head_weights.shape)}")
+        raise ValueError(
+            f"head_weights must be float {tuple(q.shape[:2])}, got {head_weights.dtype} {tuple(head_weights.shape)}"
+        )
     rec_bytes = qref.mxfp4_record_bytes(head_dim)
-    if (key_pool.dtype != torch.uint8 or key_pool.ndim != 2 or key_pool.shape[1] != rec_bytes
-            or key_pool.stride(1) != 1):
-        raise ValueError(f"key_pool must be row-major uint8 [R, {rec_bytes}] (MXFP4, dI="
-                         f"{head_dim}), got {key_pool.dtype} {tuple(key_pool.shape)}")
+    if key_pool.dtype != torch.uint8 or key_pool.ndim != 2 or key_pool.shape[1] != rec_bytes or key_pool.stride(1) != 1:
+        raise ValueError(
+            f"key_pool must be row-major uint8 [R, {rec_bytes}] (MXFP4, dI="
+            f"{head_dim}), got {key_pool.dtype} {tuple(key_pool.shape)}"
+        )
     _check_index("key_rows", key_rows, 2)
     for name, t in (("seq_of", seq_of), ("n_visible", n_visible)):
         _check_index(name, t, 1)
@@ -220,5 +253,4 @@ def _check_blocks(blocks: torch.Tensor, num_q: int, block_size: int, k: int) -> 
 
 def _check_index(name: str, t: torch.Tensor, ndim: int) -> None:
     if t.ndim != ndim or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a {ndim}-D int32/int64 tensor, got {t.dtype} "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"{name} must be a {ndim}-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")

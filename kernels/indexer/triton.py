@@ -65,16 +65,14 @@ _SPLIT_COLS = 16384  # rows of >= 4 x this many entries take the two-stage top-k
 
 # ============================================================================ scoring
 @triton.jit
-def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constexpr,
-              DOT_DTYPE: tl.constexpr):
+def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Keys of entries j [BN] as [BN, DI] in DOT_DTYPE; PACKED reads MXFP4 records."""
     rows = keys_ptr + j[:, None].to(tl.int64) * stride_k
     if PACKED:
         half = tl.arange(0, DI // 2)[None, :]
         packed = tl.load(rows + half, mask=jmask[:, None], other=0).to(tl.int32)
         vals = tl.interleave(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4))  # [BN, DI]
-        sb = tl.load(rows + DI // 2 + tl.arange(0, DI)[None, :] // 32, mask=jmask[:, None],
-                     other=127)
+        sb = tl.load(rows + DI // 2 + tl.arange(0, DI)[None, :] // 32, mask=jmask[:, None], other=127)
         keys = (vals * e8m0_decode(sb)).to(DOT_DTYPE)
     else:
         keys = tl.load(rows + tl.arange(0, DI)[None, :], mask=jmask[:, None], other=0.0)
@@ -83,11 +81,34 @@ def _key_tile(keys_ptr, stride_k, j, jmask, DI: tl.constexpr, PACKED: tl.constex
 
 
 @triton.jit(do_not_specialize=["TILES"])
-def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_ptr, seq_ptr,
-                  out_ptr, N_COLS, H, NB_LIST, BLOCK_SIZE, N_KEYS, NUM_SEQS, NUM_ROWS, w_scale,
-                  TILES, DI: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PACKED: tl.constexpr, SPARSE: tl.constexpr,
-                  PAGED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _score_kernel(
+    q_ptr,
+    w_ptr,
+    keys_ptr,
+    stride_k,
+    nvis_ptr,
+    blocks_ptr,
+    rows_ptr,
+    seq_ptr,
+    out_ptr,
+    N_COLS,
+    H,
+    NB_LIST,
+    BLOCK_SIZE,
+    N_KEYS,
+    NUM_SEQS,
+    NUM_ROWS,
+    w_scale,
+    TILES,
+    DI: tl.constexpr,
+    H_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr,
+    SPARSE: tl.constexpr,
+    PAGED: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One query x TILES * BLOCK_N entries; the query (h x dI) is loaded once per program.
     TILES is a run-time value (not specialised): any batch size or key width is one compile.
 
@@ -97,8 +118,9 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_p
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     hmask = h < H
-    q = tl.load(q_ptr + (t * H + h[:, None]) * DI + tl.arange(0, DI)[None, :],
-                mask=hmask[:, None], other=0.0)  # [H_PAD, DI]
+    q = tl.load(
+        q_ptr + (t * H + h[:, None]) * DI + tl.arange(0, DI)[None, :], mask=hmask[:, None], other=0.0
+    )  # [H_PAD, DI]
     w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     n_vis = tl.load(nvis_ptr + t)
     seq = tl.zeros((), dtype=tl.int64)
@@ -127,11 +149,19 @@ def _score_kernel(q_ptr, w_ptr, keys_ptr, stride_k, nvis_ptr, blocks_ptr, rows_p
         tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
 
 
-def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-            n_visible: torch.Tensor, packed: bool, blocks: torch.Tensor | None = None,
-            block_size: int = 1,
-            paged: tuple[torch.Tensor, torch.Tensor] | None = None,
-            weight_scale: float = 1.0, *, cfg: IndexerConfig) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    n_visible: torch.Tensor,
+    packed: bool,
+    blocks: torch.Tensor | None = None,
+    block_size: int = 1,
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_scale: float = 1.0,
+    *,
+    cfg: IndexerConfig,
+) -> torch.Tensor:
     """Launch _score_kernel; `paged` = (key_rows [B, N], seq_of [T]) makes `keys` a pool;
     the head weights are read in their own dtype and scaled by `weight_scale` in FP32."""
     num_q, num_heads, head_dim = q.shape
@@ -159,13 +189,34 @@ def _scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
     tiles = score_tiles(num_q, n_cols, cfg)
     grid = (num_q, triton.cdiv(n_cols, _BLOCK_N * tiles))
     _score_kernel[grid](
-        dot_q, head_weights.contiguous(), key_arg, key_arg.stride(0), n_visible.contiguous(),
-        blocks_arg, rows_arg, seq_arg, out, n_cols, num_heads,
-        blocks.shape[1] if blocks is not None else 0, block_size, num_keys, num_seqs,
-        keys.shape[0], float(weight_scale), tiles, DI=head_dim,
-        H_PAD=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=_BLOCK_N,
-        PACKED=packed, SPARSE=blocks is not None, PAGED=paged is not None,
-        IEEE=dot_q.dtype == torch.float32, UPCAST=DOT_UPCAST, num_warps=4)
+        dot_q,
+        head_weights.contiguous(),
+        key_arg,
+        key_arg.stride(0),
+        n_visible.contiguous(),
+        blocks_arg,
+        rows_arg,
+        seq_arg,
+        out,
+        n_cols,
+        num_heads,
+        blocks.shape[1] if blocks is not None else 0,
+        block_size,
+        num_keys,
+        num_seqs,
+        keys.shape[0],
+        float(weight_scale),
+        tiles,
+        DI=head_dim,
+        H_PAD=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_N=_BLOCK_N,
+        PACKED=packed,
+        SPARSE=blocks is not None,
+        PAGED=paged is not None,
+        IEEE=dot_q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        num_warps=4,
+    )
     return out
 
 
@@ -179,8 +230,14 @@ def score_tiles(num_q: int, n_cols: int, cfg: IndexerConfig) -> int:
     return tiles
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-                 n_visible: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    n_visible: torch.Tensor,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """q [T, h, dI], head_weights [T, h], keys [N, dI], n_visible [T] -> scores [T, N] FP32."""
     _check_scores(q, head_weights, n_visible)
     if keys.ndim != 2 or keys.shape[1] != q.shape[2]:
@@ -189,8 +246,14 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     return _scores(q, head_weights, keys, n_visible, packed=False, cfg=tuned.indexer)
 
 
-def index_scores_packed(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
-                        n_visible: torch.Tensor, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def index_scores_packed(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_records: torch.Tensor,
+    n_visible: torch.Tensor,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """As index_scores, keys as MXFP4 records uint8 [N, dI/2 + dI/32] (dequantised in registers)."""
     _check_scores(q, head_weights, n_visible)
     _check_records(key_records, q.shape[2])
@@ -199,8 +262,10 @@ def index_scores_packed(q: torch.Tensor, head_weights: torch.Tensor, key_records
 
 def _check_scores(q: torch.Tensor, head_weights: torch.Tensor, n_visible: torch.Tensor) -> None:
     if q.ndim != 3 or head_weights.shape != q.shape[:2] or n_visible.shape != q.shape[:1]:
-        raise ValueError(f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)}, "
-                         f"n_visible {tuple(n_visible.shape)} do not match")
+        raise ValueError(
+            f"q {tuple(q.shape)}, head_weights {tuple(head_weights.shape)}, "
+            f"n_visible {tuple(n_visible.shape)} do not match"
+        )
     head_dim = q.shape[2]
     if head_dim % 32 or head_dim & (head_dim - 1):
         raise ValueError(f"index head dim {head_dim} must be a power of two >= 32")
@@ -211,8 +276,9 @@ def _check_records(records: torch.Tensor, head_dim: int) -> None:
     if records.dtype != torch.uint8 or records.ndim != 2 or records.stride(1) != 1:
         raise TypeError("key records must be a row-major uint8 [N, record_bytes] tensor")
     if records.shape[1] != qref.mxfp4_record_bytes(head_dim):
-        raise ValueError(f"records are {records.shape[1]} B, MXFP4 needs "
-                         f"{qref.mxfp4_record_bytes(head_dim)} B for dI={head_dim}")
+        raise ValueError(
+            f"records are {records.shape[1]} B, MXFP4 needs {qref.mxfp4_record_bytes(head_dim)} B for dI={head_dim}"
+        )
     triton_runtime.check_device(records)
 
 
@@ -238,10 +304,27 @@ def _load_keys(s_row, allowed_row, idx, N, HAS_ALLOWED: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLICE, K, NB_LIST,
-                 BLOCK_SIZE, rows_ptr, seq_ptr, N_KEYS, NUM_SEQS,
-                 HAS_ALLOWED: tl.constexpr, MAP_BLOCKS: tl.constexpr, MAP_ROWS: tl.constexpr,
-                 SCORES_OUT: tl.constexpr, CHUNK: tl.constexpr):
+def _topk_kernel(
+    s_ptr,
+    allowed_ptr,
+    blocks_ptr,
+    out_ptr,
+    score_out_ptr,
+    N,
+    SLICE,
+    K,
+    NB_LIST,
+    BLOCK_SIZE,
+    rows_ptr,
+    seq_ptr,
+    N_KEYS,
+    NUM_SEQS,
+    HAS_ALLOWED: tl.constexpr,
+    MAP_BLOCKS: tl.constexpr,
+    MAP_ROWS: tl.constexpr,
+    SCORES_OUT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Program (row, slice): the top K of columns [slice * SLICE, (slice + 1) * SLICE) of the
     row (one slice: the whole row), written to out[row * slices + slice]. MAP_BLOCKS: emit
     blocks[row, col // BLOCK_SIZE] * BLOCK_SIZE + col % BLOCK_SIZE instead of the column;
@@ -254,8 +337,7 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLIC
     s_row = s_ptr + row * N + base
     allowed_row = allowed_ptr + row * N + base
     out_row = (row * tl.num_programs(1) + tl.program_id(1)) * K
-    neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32),
-                             tl.full((1,), True, tl.int1))
+    neg_inf_key = _order_key(tl.full((1,), float("-inf"), tl.float32), tl.full((1,), True, tl.int1))
     digits = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.int64)
     above = tl.zeros((), dtype=tl.int32)
@@ -265,8 +347,7 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLIC
         hist = tl.zeros((256,), dtype=tl.int32)
         n_valid = tl.zeros((), dtype=tl.int32)
         for c0 in range(0, n_here, CHUNK):
-            key, in_range = _load_keys(s_row, allowed_row, c0 + tl.arange(0, CHUNK), n_here,
-                                       HAS_ALLOWED)
+            key, in_range = _load_keys(s_row, allowed_row, c0 + tl.arange(0, CHUNK), n_here, HAS_ALLOWED)
             match = in_range
             if p == 0:  # also count the selectable entries: kk = min(K, that)
                 n_valid += tl.sum((in_range & (key > neg_inf_key)).to(tl.int32), axis=0)
@@ -302,18 +383,15 @@ def _topk_kernel(s_ptr, allowed_ptr, blocks_ptr, out_ptr, score_out_ptr, N, SLIC
             entry = tl.load(rows_ptr + seq * N_KEYS + entry, mask=ok, other=-1).to(tl.int64)
         tl.store(out_ptr + out_row + pos, entry.to(out_ptr.dtype.element_ty), mask=sel != 0)
         if SCORES_OUT:
-            tl.store(score_out_ptr + out_row + pos, tl.load(s_row + idx, mask=sel != 0),
-                     mask=sel != 0)
+            tl.store(score_out_ptr + out_row + pos, tl.load(s_row + idx, mask=sel != 0), mask=sel != 0)
         emitted += tl.sum(sel, axis=0)
         equal_seen += tl.sum(eq, axis=0)
     for c0 in range(0, K, CHUNK):  # pad with -1 (and -inf scores)
         slot = c0 + tl.arange(0, CHUNK)
         pad = (slot < K) & (slot >= kk)
-        tl.store(out_ptr + out_row + slot,
-                 tl.full((CHUNK,), -1, tl.int64).to(out_ptr.dtype.element_ty), mask=pad)
+        tl.store(out_ptr + out_row + slot, tl.full((CHUNK,), -1, tl.int64).to(out_ptr.dtype.element_ty), mask=pad)
         if SCORES_OUT:
-            tl.store(score_out_ptr + out_row + slot,
-                     tl.full((CHUNK,), float("-inf"), tl.float32), mask=pad)
+            tl.store(score_out_ptr + out_row + slot, tl.full((CHUNK,), float("-inf"), tl.float32), mask=pad)
 
 
 def topk_slice(num_q: int, n_cols: int, k: int, cfg: IndexerConfig) -> int:
@@ -332,9 +410,16 @@ def topk_slice(num_q: int, n_cols: int, k: int, cfg: IndexerConfig) -> int:
     return 0
 
 
-def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
-          blocks: torch.Tensor | None = None, block_size: int = 1,
-          pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None, *, cfg: IndexerConfig) -> torch.Tensor:
+def _topk(
+    scores: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
+    blocks: torch.Tensor | None = None,
+    block_size: int = 1,
+    pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    cfg: IndexerConfig,
+) -> torch.Tensor:
     """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
     int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel.
 
@@ -343,8 +428,7 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
     and lower column), and the survivors are listed slice by slice in ascending column, so the
     second stage emits ascending ids with the same tie order as one pass."""
     num_q, n_cols = scores.shape
-    out = torch.empty(num_q, k, dtype=torch.int64 if pool_rows is None else torch.int32,
-                      device=scores.device)
+    out = torch.empty(num_q, k, dtype=torch.int64 if pool_rows is None else torch.int32, device=scores.device)
     if num_q == 0 or k == 0:
         return out
     s = scores.to(torch.float32).contiguous()
@@ -361,21 +445,42 @@ def _topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
     return out
 
 
-def _launch_topk(s: torch.Tensor, allowed: torch.Tensor | None, blocks: torch.Tensor | None,
-                 block_size: int, pool_rows: tuple[torch.Tensor, torch.Tensor] | None,
-                 out: torch.Tensor, kept: torch.Tensor | None, k: int, piece: int,
-                 slices: int) -> None:
+def _launch_topk(
+    s: torch.Tensor,
+    allowed: torch.Tensor | None,
+    blocks: torch.Tensor | None,
+    block_size: int,
+    pool_rows: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor,
+    kept: torch.Tensor | None,
+    k: int,
+    piece: int,
+    slices: int,
+) -> None:
     num_q, n_cols = s.shape
     rows_arg, seq_arg = (x.contiguous() for x in pool_rows) if pool_rows is not None else (s, s)
     _topk_kernel[(num_q, slices)](
-        s, allowed if allowed is not None else s, blocks if blocks is not None else s, out,
-        kept if kept is not None else s, n_cols, piece, k,
-        blocks.shape[1] if blocks is not None else 0, block_size, rows_arg, seq_arg,
+        s,
+        allowed if allowed is not None else s,
+        blocks if blocks is not None else s,
+        out,
+        kept if kept is not None else s,
+        n_cols,
+        piece,
+        k,
+        blocks.shape[1] if blocks is not None else 0,
+        block_size,
+        rows_arg,
+        seq_arg,
         rows_arg.shape[1] if pool_rows is not None else 0,
         rows_arg.shape[0] if pool_rows is not None else 0,
-        HAS_ALLOWED=allowed is not None, MAP_BLOCKS=blocks is not None,
-        MAP_ROWS=pool_rows is not None, SCORES_OUT=kept is not None,
-        CHUNK=topk_chunk(piece), num_warps=8)
+        HAS_ALLOWED=allowed is not None,
+        MAP_BLOCKS=blocks is not None,
+        MAP_ROWS=pool_rows is not None,
+        SCORES_OUT=kept is not None,
+        CHUNK=topk_chunk(piece),
+        num_warps=8,
+    )
 
 
 def topk_chunk(n_cols: int) -> int:
@@ -387,8 +492,14 @@ def topk_chunk(n_cols: int) -> int:
     return _CHUNK
 
 
-def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
-                pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
+    pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
     pool_rows = (key_rows [B, N], seq_of [T]) (paged scores): the selected entries' pool rows
@@ -404,8 +515,7 @@ def select_topk(scores: torch.Tensor, k: int, allowed: torch.Tensor | None = Non
 
 # ============================================================================ candidates
 @triton.jit
-def _block_max_kernel(s_ptr, nvis_ptr, out_ptr, N, NB, BLOCK_SIZE: tl.constexpr,
-                      BLOCKS: tl.constexpr):
+def _block_max_kernel(s_ptr, nvis_ptr, out_ptr, N, NB, BLOCK_SIZE: tl.constexpr, BLOCKS: tl.constexpr):
     """Block score = max over its entries; the newest (partial) block of the query -> +inf."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -418,8 +528,9 @@ def _block_max_kernel(s_ptr, nvis_ptr, out_ptr, N, NB, BLOCK_SIZE: tl.constexpr,
     tl.store(out_ptr + row * NB + b, best, mask=b < NB)
 
 
-def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                     num_blocks: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def candidate_blocks(
+    scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, num_blocks: int, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """scores [T, N] -> kept block ids [T, min(num_blocks, #blocks)] ascending, -1 padded (§5.4)."""
     if scores.ndim != 2 or n_visible.shape != scores.shape[:1]:
         raise ValueError("candidate_blocks needs scores [T, N] and n_visible [T]")
@@ -432,13 +543,20 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     if num_q and n_blocks:
         per = 64
         _block_max_kernel[(num_q, triton.cdiv(n_blocks, per))](
-            scores.to(torch.float32).contiguous(), n_visible.to(torch.int32).contiguous(),
-            block_score, num_keys, n_blocks, BLOCK_SIZE=block_size, BLOCKS=per)
+            scores.to(torch.float32).contiguous(),
+            n_visible.to(torch.int32).contiguous(),
+            block_score,
+            num_keys,
+            n_blocks,
+            BLOCK_SIZE=block_size,
+            BLOCKS=per,
+        )
     return _topk(block_score, min(num_blocks, n_blocks), cfg=tuned.indexer)
 
 
-def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int,
-                   num_blocks: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def candidate_mask(
+    scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, num_blocks: int, *, tuned: KernelConfigs = DEFAULT
+) -> torch.Tensor:
     """Two-level candidates (§5.4): scores [T, N] -> bool [T, N], entries of the kept blocks."""
     num_q, num_keys = scores.shape
     blocks = candidate_blocks(scores, n_visible, block_size, num_blocks, tuned=tuned)  # [T, kept]
@@ -448,9 +566,17 @@ def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: in
     return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
 
 
-def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: torch.Tensor,
-                      n_visible: torch.Tensor, blocks: torch.Tensor, block_size: int,
-                      k: int, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def index_topk_sparse(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_records: torch.Tensor,
+    n_visible: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    k: int,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """Reindex layers (§5.4): score only the entries of each query's candidate blocks [T, nb]
     (ascending block ids, -1 padded) over packed MXFP4 keys, then select the top k.
 
@@ -464,29 +590,59 @@ def index_topk_sparse(q: torch.Tensor, head_weights: torch.Tensor, key_records: 
     if blocks.shape[1] * block_size >= num_keys:
         # every block is kept (<= num_blocks reachable): the mask cannot bite (§5.4), and
         # contiguous scoring of all entries selects the same ids without the indirection
-        return _topk(_scores(q, head_weights, key_records, n_visible, packed=True, cfg=tuned.indexer), k, cfg=tuned.indexer)
-    scores = _scores(q, head_weights, key_records, n_visible, packed=True, blocks=blocks,
-                     block_size=block_size, cfg=tuned.indexer)  # [T, nb * bs]
+        return _topk(
+            _scores(q, head_weights, key_records, n_visible, packed=True, cfg=tuned.indexer), k, cfg=tuned.indexer
+        )
+    scores = _scores(
+        q, head_weights, key_records, n_visible, packed=True, blocks=blocks, block_size=block_size, cfg=tuned.indexer
+    )  # [T, nb * bs]
     return _topk(scores, k, blocks=blocks, block_size=block_size, cfg=tuned.indexer)
 
 
 # ============================================================================ paged keys
-def index_scores_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                       key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                       weight_scale: float = 1.0, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def index_scores_paged(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_rows: torch.Tensor,
+    seq_of: torch.Tensor,
+    n_visible: torch.Tensor,
+    weight_scale: float = 1.0,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """As index_scores_packed over each query's own sequence: key_pool uint8 [R, rec], key_rows
     [B, N] pool rows (-1 = none), seq_of [T] -> scores [T, N] FP32 (one launch, graph safe).
     The head weights are FP32(head_weights) * weight_scale (in the kernel)."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
     triton_runtime.check_device(q, head_weights, key_pool, key_rows, seq_of, n_visible)
-    return _scores(q, head_weights, key_pool, n_visible, packed=True, paged=(key_rows, seq_of),
-                   weight_scale=weight_scale, cfg=tuned.indexer)
+    return _scores(
+        q,
+        head_weights,
+        key_pool,
+        n_visible,
+        packed=True,
+        paged=(key_rows, seq_of),
+        weight_scale=weight_scale,
+        cfg=tuned.indexer,
+    )
 
 
-def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
-                            key_rows: torch.Tensor, seq_of: torch.Tensor, n_visible: torch.Tensor,
-                            blocks: torch.Tensor, block_size: int, k: int,
-                            weight_scale: float = 1.0, as_pool_rows: bool = False, *, tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def index_topk_sparse_paged(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_rows: torch.Tensor,
+    seq_of: torch.Tensor,
+    n_visible: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    k: int,
+    weight_scale: float = 1.0,
+    as_pool_rows: bool = False,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """index_topk_sparse over paged keys: ids [T, k] sequence-local, ascending, -1 padded
     (as_pool_rows: their pool rows key_rows[seq_of[t], id], int32; weight_scale: as
     index_scores_paged)."""
@@ -498,23 +654,44 @@ def index_topk_sparse_paged(q: torch.Tensor, head_weights: torch.Tensor, key_poo
     if blocks.shape[1] * block_size >= key_rows.shape[1]:
         # as index_topk_sparse: blocks from candidate_blocks over these N columns hold every
         # block with a visible entry, so scoring all N selects the same ids
-        return _topk(_scores(q, head_weights, key_pool, n_visible, packed=True, paged=paged,
-                             weight_scale=weight_scale, cfg=tuned.indexer), k, pool_rows=rows, cfg=tuned.indexer)
-    scores = _scores(q, head_weights, key_pool, n_visible, packed=True, blocks=blocks,
-                     block_size=block_size, paged=paged, weight_scale=weight_scale, cfg=tuned.indexer)
+        return _topk(
+            _scores(
+                q,
+                head_weights,
+                key_pool,
+                n_visible,
+                packed=True,
+                paged=paged,
+                weight_scale=weight_scale,
+                cfg=tuned.indexer,
+            ),
+            k,
+            pool_rows=rows,
+            cfg=tuned.indexer,
+        )
+    scores = _scores(
+        q,
+        head_weights,
+        key_pool,
+        n_visible,
+        packed=True,
+        blocks=blocks,
+        block_size=block_size,
+        paged=paged,
+        weight_scale=weight_scale,
+        cfg=tuned.indexer,
+    )
     return _topk(scores, k, blocks=blocks, block_size=block_size, pool_rows=rows, cfg=tuned.indexer)
 
 
-def _check_pool_rows(pool_rows: tuple[torch.Tensor, torch.Tensor] | None,
-                     scores_shape: torch.Size) -> None:
+def _check_pool_rows(pool_rows: tuple[torch.Tensor, torch.Tensor] | None, scores_shape: torch.Size) -> None:
     if pool_rows is None:
         return
     key_rows, seq_of = pool_rows
-    if key_rows.ndim != 2 or key_rows.shape[1] != scores_shape[1] or key_rows.dtype not in (
-            torch.int32, torch.int64):
-        raise ValueError(f"pool_rows: key_rows must be int [B, {scores_shape[1]}], got "
-                         f"{key_rows.dtype} {tuple(key_rows.shape)}")
+    if key_rows.ndim != 2 or key_rows.shape[1] != scores_shape[1] or key_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"pool_rows: key_rows must be int [B, {scores_shape[1]}], got {key_rows.dtype} {tuple(key_rows.shape)}"
+        )
     if seq_of.shape != scores_shape[:1] or seq_of.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"pool_rows: seq_of must be int [{scores_shape[0]}], got "
-                         f"{seq_of.dtype} {tuple(seq_of.shape)}")
+        raise ValueError(f"pool_rows: seq_of must be int [{scores_shape[0]}], got {seq_of.dtype} {tuple(seq_of.shape)}")
     triton_runtime.check_device(key_rows, seq_of)

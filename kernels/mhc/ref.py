@@ -39,9 +39,15 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
-def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             sinkhorn_iters: int, hc_eps: float,
-             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_mixes(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, S, D] -> pre [T, S], post [T, S], comb [T, S, S], all FP32."""
     num_tokens, num_streams, _ = streams.shape
     z = fp32(streams).reshape(num_tokens, -1)  # [T, S*D]
@@ -50,8 +56,8 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     base, scale = fp32(base), fp32(scale)
     s = num_streams
     pre = sigmoid(scale[0] * m[:, :s] + base[:s]) + hc_eps
-    post = 2.0 * sigmoid(scale[1] * m[:, s:2 * s] + base[s:2 * s])
-    comb_logits = (scale[2] * m[:, 2 * s:] + base[2 * s:]).reshape(num_tokens, s, s)
+    post = 2.0 * sigmoid(scale[1] * m[:, s : 2 * s] + base[s : 2 * s])
+    comb_logits = (scale[2] * m[:, 2 * s :] + base[2 * s :]).reshape(num_tokens, s, s)
     return pre, post, sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
 
 
@@ -61,8 +67,7 @@ def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return mixed[:, 0].to(streams.dtype)
 
 
-def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-           comb: torch.Tensor) -> torch.Tensor:
+def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """y [T, D], streams [T, S, D], post [T, S], comb [T, S, S] -> new streams [T, S, D].
 
     X'_k = post_k y + sum_j comb[j][k] X_j: the residual mix is comb^T (per token) times X.
@@ -73,9 +78,17 @@ def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
 
 
 def expand_mix_collapse(
-    y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor | None,
-    comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor | None = None,
+    y: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    pre_in: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One mHC step of the shifted schedule (§2.4), as the sequence of the ops above:

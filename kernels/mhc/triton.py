@@ -135,15 +135,17 @@ def _comb_logit(sp, rmask, rho, s2, base_ptr, i: tl.constexpr, S: tl.constexpr):
 @triton.jit
 def _comb_row(sp, rmask, rho, s2, base_ptr, j: tl.constexpr, eps, S: tl.constexpr):
     """Softmax (+ eps) of comb row j (logits j*S .. j*S+3) of each token, as four [BT]."""
-    return _softmax4(_comb_logit(sp, rmask, rho, s2, base_ptr, j * S, S),
-                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 1, S),
-                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 2, S),
-                     _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 3, S), eps)
+    return _softmax4(
+        _comb_logit(sp, rmask, rho, s2, base_ptr, j * S, S),
+        _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 1, S),
+        _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 2, S),
+        _comb_logit(sp, rmask, rho, s2, base_ptr, j * S + 3, S),
+        eps,
+    )
 
 
 @triton.jit
-def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constexpr, eps,
-                  S: tl.constexpr):
+def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constexpr, eps, S: tl.constexpr):
     """The comb Sinkhorn on 16 per-token vectors c{j}{k} (j source, k destination), stored to
     comb_ptr [T, S*S]: the same steps as `_sinkhorn`, each token's chain in one thread."""
     c00, c01, c02, c03 = _comb_row(sp, rmask, rho, s2, base_ptr, 0, eps, S)
@@ -205,8 +207,11 @@ def _fn_tile(fn_ptr, k: tl.constexpr, cols, cmask, D, S: tl.constexpr):
     n = tl.arange(0, 32)
     frow = tl.where(n < 16, n + 2 * S, n - 16)
     fmask = (n < (2 + S) * S)[:, None] & cmask[None, :]
-    return tl.load(fn_ptr + (frow[:, None] * (S * D) + k * D + cols[None, :]),  # int32: < 2^31
-                   mask=fmask, other=0.0)
+    return tl.load(
+        fn_ptr + (frow[:, None] * (S * D) + k * D + cols[None, :]),  # int32: < 2^31
+        mask=fmask,
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -214,8 +219,7 @@ def _pin_bf16(x):
     """x (BF16) unchanged, through an opaque register move: the compiler cannot recompute what
     produced x in the MMA operand's layout (which repeats it in every warp of the program) and
     converts the finished tile once instead. GPU only (inline PTX)."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16,
-                                     is_pure=False, pack=2)
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -240,15 +244,45 @@ def _mix_mma(xk, f, acc, BF16: tl.constexpr, UPCAST: tl.constexpr, PIN: tl.const
 
 @triton.jit(do_not_specialize=["T", "GRID"])
 def _mhc_kernel(
-    x_ptr, xo_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, pre_in_ptr, nw_ptr,
-    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, partial_ptr, counter_ptr, T, D: tl.constexpr,
+    x_ptr,
+    xo_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_in_ptr,
+    nw_ptr,
+    pre_ptr,
+    post_out_ptr,
+    comb_out_ptr,
+    xc_ptr,
+    partial_ptr,
+    counter_ptr,
+    T,
+    D: tl.constexpr,
     GRID,
-    norm_eps, hc_eps,
-    S: tl.constexpr, ITERS: tl.constexpr, HAS_Y: tl.constexpr, COLLAPSE: tl.constexpr,
-    HAS_NORM_W: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, NSL: tl.constexpr,
-    NORM_E: tl.constexpr, ND: tl.constexpr, FLAT_ROWS: tl.constexpr, RED: tl.constexpr,
-    SPIN: tl.constexpr, PIN: tl.constexpr, SK_TOK: tl.constexpr,
+    norm_eps,
+    hc_eps,
+    S: tl.constexpr,
+    ITERS: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    COLLAPSE: tl.constexpr,
+    HAS_NORM_W: tl.constexpr,
+    BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CH: tl.constexpr,
+    NSL: tl.constexpr,
+    NORM_E: tl.constexpr,
+    ND: tl.constexpr,
+    FLAT_ROWS: tl.constexpr,
+    RED: tl.constexpr,
+    SPIN: tl.constexpr,
+    PIN: tl.constexpr,
+    SK_TOK: tl.constexpr,
 ):
     """Program (token block, g) of GRID per block walks slices g*NSL/GRID, ... (one compiled
     variant for every GRID); see the module doc for the order."""
@@ -330,16 +364,14 @@ def _mhc_kernel(
                 xc = xc + q2[:, None] * n2
                 xc = round_bf16_if(xc + q3[:, None] * n3, BF16)
                 xsq += tl.sum(xc * xc, axis=1)
-                tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
-                         xc.to(xc_ptr.dtype.element_ty), mask=mask)
+                tl.store(xc_ptr + r64[:, None] * D + cols[None, :], xc.to(xc_ptr.dtype.element_ty), mask=mask)
         # slice vector: the mixes' columns of acc, then the two statistics (acc is 0 there)
         vec = acc + tl.where(col[None, :] == 24, sumsq[:, None], 0.0)
         vec = vec + tl.where(col[None, :] == 25, xsq[:, None], 0.0)
         if GRID == 1:
             total += vec
         else:
-            tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec,
-                     mask=rmask[:, None])
+            tl.store(partial_ptr + (sl * T + r64)[:, None] * 32 + col[None, :], vec, mask=rmask[:, None])
     tl.debug_barrier()
     # counters per token block: [arrivals, 1/rms published, departures, unused]
     cnt = counter_ptr + tb * 4
@@ -355,7 +387,10 @@ def _mhc_kernel(
                 for j in tl.static_range(RED):
                     total += tl.load(
                         partial_ptr + ((j0 + j) * T + r64)[:, None] * 32 + col[None, :],
-                        mask=rmask[:, None] & (j0 + j < NSL), other=0.0, cache_modifier=".cg")
+                        mask=rmask[:, None] & (j0 + j < NSL),
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
             tl.store(cnt, 0)  # ready for the next launch
         # the totals go through memory and are read back by the same code on every path
         tl.store(sums_ptr + r64[:, None] * 32 + col[None, :], total, mask=rmask[:, None])
@@ -365,10 +400,32 @@ def _mhc_kernel(
             tl.store(sums_ptr + r64 * 32 + 26, 1.0 / tl.sqrt_rn(xsq / D + norm_eps), mask=rmask)
             tl.debug_barrier()
             tl.atomic_xchg(cnt + 1, 1, sem="release")
-        _mhc_finish(sums_ptr, tb * BLOCK_T, T, rows, rmask, base_ptr, scale_ptr, nw_ptr,
-                    pre_ptr, post_out_ptr, comb_out_ptr, xc_ptr, D, norm_eps, hc_eps, S, ITERS,
-                    COLLAPSE and HAS_NORM_W and not SPIN, BF16, BLOCK_T, NORM_E, ND, FLAT_ROWS,
-                    SK_TOK)
+        _mhc_finish(
+            sums_ptr,
+            tb * BLOCK_T,
+            T,
+            rows,
+            rmask,
+            base_ptr,
+            scale_ptr,
+            nw_ptr,
+            pre_ptr,
+            post_out_ptr,
+            comb_out_ptr,
+            xc_ptr,
+            D,
+            norm_eps,
+            hc_eps,
+            S,
+            ITERS,
+            COLLAPSE and HAS_NORM_W and not SPIN,
+            BF16,
+            BLOCK_T,
+            NORM_E,
+            ND,
+            FLAT_ROWS,
+            SK_TOK,
+        )
     if SPIN:  # (decode on the GPU: a block's programs are resident together) wait for 1/rms
         ready = tl.atomic_add(cnt + 1, 0, sem="acquire")
         while ready == 0:
@@ -394,10 +451,8 @@ def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl
     m = idx < n
     r = idx // D
     w = tl.load(nw_ptr + (idx - r * D), mask=m, other=0.0).to(tl.float32)
-    inv = tl.load(sums_ptr + (row0 + r).to(tl.int64) * 32 + 26, mask=m, other=0.0,
-                  cache_modifier=".cg")
-    xc = tl.load(xc_ptr + row0.to(tl.int64) * D + idx, mask=m, other=0.0,
-                 cache_modifier=".cg").to(tl.float32)
+    inv = tl.load(sums_ptr + (row0 + r).to(tl.int64) * 32 + 26, mask=m, other=0.0, cache_modifier=".cg")
+    xc = tl.load(xc_ptr + row0.to(tl.int64) * D + idx, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     return round_bf16_if(xc * inv * w, BF16)
 
 
@@ -405,24 +460,47 @@ def _norm_part(xc_ptr, nw_ptr, sums_ptr, row0, idx, n, D: tl.constexpr, BF16: tl
 def _norm_load(xc_ptr, nw_ptr, r64, rmask, cols, D: tl.constexpr):
     """Raw collapsed rows r64 x cols (written by this launch: from L2) and the weight, FP32."""
     mask = rmask[:, None] & (cols[None, :] < D)
-    xc = tl.load(xc_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0,
-                 cache_modifier=".cg").to(tl.float32)
+    xc = tl.load(xc_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     return xc, tl.load(nw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _norm_store(xc_ptr, r64, rmask, cols, D: tl.constexpr, xc, inv, w, BF16: tl.constexpr):
     mask = rmask[:, None] & (cols[None, :] < D)
-    tl.store(xc_ptr + r64[:, None] * D + cols[None, :],
-             round_bf16_if(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        xc_ptr + r64[:, None] * D + cols[None, :],
+        round_bf16_if(xc * inv[:, None] * w[None, :], BF16).to(xc_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
-def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre_ptr,
-                post_out_ptr, comb_out_ptr, xc_ptr, D: tl.constexpr, norm_eps, hc_eps,
-                S: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
-                BLOCK_T: tl.constexpr, NORM_E: tl.constexpr, ND: tl.constexpr,
-                FLAT_ROWS: tl.constexpr, SK_TOK: tl.constexpr):
+def _mhc_finish(
+    sums_ptr,
+    row0,
+    T,
+    rows,
+    rmask,
+    base_ptr,
+    scale_ptr,
+    nw_ptr,
+    pre_ptr,
+    post_out_ptr,
+    comb_out_ptr,
+    xc_ptr,
+    D: tl.constexpr,
+    norm_eps,
+    hc_eps,
+    S: tl.constexpr,
+    ITERS: tl.constexpr,
+    NORM: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NORM_E: tl.constexpr,
+    ND: tl.constexpr,
+    FLAT_ROWS: tl.constexpr,
+    SK_TOK: tl.constexpr,
+):
     """Mixes from the full-D totals (sums_ptr: [T, 32], read back from memory), then, with
     NORM, the RMSNorm of the collapsed rows (written raw before)."""
     r64 = rows.to(tl.int64)
@@ -449,8 +527,7 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
         m_comb = tl.load(sp[:, None, None] + j3 * S + k3, mask=rmask[:, None, None], other=0.0)
         base_c = tl.load(base_ptr + 2 * S + j3 * S + k3)
         comb = _sinkhorn(s2 * (m_comb * rho[:, None, None]) + base_c, ITERS, hc_eps, S)
-        tl.store(comb_out_ptr + r64[:, None, None] * SS + j3 * S + k3, comb,
-                 mask=rmask[:, None, None])
+        tl.store(comb_out_ptr + r64[:, None, None] * SS + j3 * S + k3, comb, mask=rmask[:, None, None])
     if NORM:  # second pass: RMSNorm of the collapsed rows (L2-resident)
         xsq = tl.load(sp + 25, mask=rmask, other=0.0)
         inv = 1.0 / tl.sqrt_rn(xsq / D + norm_eps)
@@ -486,8 +563,6 @@ def _mhc_finish(sums_ptr, row0, T, rows, rmask, base_ptr, scale_ptr, nw_ptr, pre
                 _norm_store(xc_ptr, r64, rmask, c0 + 3 * ND, D, a3, inv, w3, BF16)
 
 
-
-
 def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
     """(slice count, channels per slice, a multiple of gran) of D: a function of D, the split
     and gran alone (batch invariance)."""
@@ -503,42 +578,68 @@ def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
     if block_d <= 0 or _BLOCK_D % block_d:
         raise ValueError(f"{kind}_block_d {block_d} must divide {_BLOCK_D}")
     # decode slices may be as narrow as one chunk (decode_split 160 at D = 5120: 32 channels)
-    nsl, ch = (_slices(dim, cfg.decode_split, block_d if cfg.decode_narrow else _BLOCK_D)
-               if kind == "decode" else _slices(dim, MHC_SPLIT))
+    nsl, ch = (
+        _slices(dim, cfg.decode_split, block_d if cfg.decode_narrow else _BLOCK_D)
+        if kind == "decode"
+        else _slices(dim, MHC_SPLIT)
+    )
     warps, stages = getattr(cfg, f"{kind}_warps"), getattr(cfg, f"{kind}_stages")
     grid = nsl if kind == "decode" else cfg.prefill_grid
     if kind == "prefill":
         if grid is None:
             blocks = triton.cdiv(num_tokens, block_t)
-            grid = next((g for g in range(1, nsl + 1)
-                         if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
+            grid = next((g for g in range(1, nsl + 1) if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
     if nsl % grid:
         raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
-    return {"block_t": block_t, "block_d": block_d, "warps": warps, "stages": stages,
-            "grid": grid, "nsl": nsl, "ch": ch, "red": min(nsl, cfg.red),
-            "norm_e": triton.next_power_of_2(cfg.flat_elems),
-            "norm_d": min(max(16, triton.next_power_of_2(cfg.norm_elems // block_t)),
-                          triton.next_power_of_2(dim)),
-            "flat_rows": cfg.decode_flat_rows if kind == "decode" else 0,
-            "spin": kind == "decode" and bool(cfg.decode_spin)
-            and not triton_runtime.interpreting(),
-            "pin": kind == "decode" and bool(cfg.decode_pin) and not DOT_UPCAST,
-            "sk_tok": kind == "decode" and bool(cfg.decode_sk_tok)}
+    return {
+        "block_t": block_t,
+        "block_d": block_d,
+        "warps": warps,
+        "stages": stages,
+        "grid": grid,
+        "nsl": nsl,
+        "ch": ch,
+        "red": min(nsl, cfg.red),
+        "norm_e": triton.next_power_of_2(cfg.flat_elems),
+        "norm_d": min(max(16, triton.next_power_of_2(cfg.norm_elems // block_t)), triton.next_power_of_2(dim)),
+        "flat_rows": cfg.decode_flat_rows if kind == "decode" else 0,
+        "spin": kind == "decode" and bool(cfg.decode_spin) and not triton_runtime.interpreting(),
+        "pin": kind == "decode" and bool(cfg.decode_pin) and not DOT_UPCAST,
+        "sk_tok": kind == "decode" and bool(cfg.decode_sk_tok),
+    }
 
 
 def kernel_constants(plan: dict) -> dict:
     """The fused kernel's tile constexprs of a launch plan (SPIN aside: it also needs the norm)."""
-    return {"BLOCK_T": plan["block_t"], "BLOCK_D": plan["block_d"], "CH": plan["ch"],
-            "NSL": plan["nsl"], "NORM_E": plan["norm_e"], "ND": plan["norm_d"],
-            "FLAT_ROWS": plan["flat_rows"], "RED": plan["red"], "PIN": plan["pin"],
-            "SK_TOK": plan["sk_tok"]}
+    return {
+        "BLOCK_T": plan["block_t"],
+        "BLOCK_D": plan["block_d"],
+        "CH": plan["ch"],
+        "NSL": plan["nsl"],
+        "NORM_E": plan["norm_e"],
+        "ND": plan["norm_d"],
+        "FLAT_ROWS": plan["flat_rows"],
+        "RED": plan["red"],
+        "PIN": plan["pin"],
+        "SK_TOK": plan["sk_tok"],
+    }
 
 
 def expand_mix_collapse(
-    y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor | None,
-    comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None, *, tuned: KernelConfigs = DEFAULT,
+    y: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    pre_in: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    *,
+    tuned: KernelConfigs = DEFAULT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One fused mHC step (see module doc).
 
@@ -562,22 +663,42 @@ def expand_mix_collapse(
     plan = launch_plan(num_tokens, dim, tuned.mhc)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
     # the slice vectors (grid > 1) and, after them, the totals
-    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N,
-                          dtype=torch.float32, device=dev)
+    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N, dtype=torch.float32, device=dev)
     _mhc_kernel[(plan["grid"], n_blocks)](
-        x, new_streams, y.contiguous() if y is not None else x,
-        f32(post) if post is not None else dummy, f32(comb) if comb is not None else dummy,
-        f32(fn), f32(base), f32(scale), f32(pre_in) if pre_in is not None else dummy,
-        norm_weight.contiguous() if norm_weight is not None else dummy, pre_o, post_o, comb_o,
-        xc if xc is not None else dummy, partial, triton_runtime.arrival_counters(dev, 4 * n_blocks), num_tokens, dim,
-        plan["grid"], float(norm_eps), float(hc_eps),
-        S=num_streams, ITERS=sinkhorn_iters, HAS_Y=y is not None, COLLAPSE=pre_in is not None,
-        HAS_NORM_W=norm_weight is not None, BF16=x.dtype == torch.bfloat16, UPCAST=DOT_UPCAST,
+        x,
+        new_streams,
+        y.contiguous() if y is not None else x,
+        f32(post) if post is not None else dummy,
+        f32(comb) if comb is not None else dummy,
+        f32(fn),
+        f32(base),
+        f32(scale),
+        f32(pre_in) if pre_in is not None else dummy,
+        norm_weight.contiguous() if norm_weight is not None else dummy,
+        pre_o,
+        post_o,
+        comb_o,
+        xc if xc is not None else dummy,
+        partial,
+        triton_runtime.arrival_counters(dev, 4 * n_blocks),
+        num_tokens,
+        dim,
+        plan["grid"],
+        float(norm_eps),
+        float(hc_eps),
+        S=num_streams,
+        ITERS=sinkhorn_iters,
+        HAS_Y=y is not None,
+        COLLAPSE=pre_in is not None,
+        HAS_NORM_W=norm_weight is not None,
+        BF16=x.dtype == torch.bfloat16,
+        UPCAST=DOT_UPCAST,
         SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
         **kernel_constants(plan),
         num_warps=plan["warps"],
         num_stages=plan["stages"],
-        **triton_runtime.launch_options())
+        **triton_runtime.launch_options(),
+    )
     return new_streams, pre_o, post_o, comb_o, xc
 
 
@@ -588,8 +709,10 @@ def _check_mhc(y, streams, post, comb, fn, base, scale, pre_in) -> None:
         raise TypeError(f"streams must be bf16 or fp32, got {streams.dtype}")
     num_tokens, s, dim = streams.shape
     if fn.shape != ((2 + s) * s, s * dim) or base.shape != ((2 + s) * s,) or scale.shape != (3,):
-        raise ValueError(f"mHC params fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale "
-                         f"{tuple(scale.shape)} do not fit S={s}, D={dim}")
+        raise ValueError(
+            f"mHC params fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale "
+            f"{tuple(scale.shape)} do not fit S={s}, D={dim}"
+        )
     if y is not None:
         if y.shape != (num_tokens, dim) or post is None or comb is None:
             raise ValueError("expand needs y [T, D], post [T, S] and comb [T, S, S]")
@@ -601,19 +724,26 @@ def _check_mhc(y, streams, post, comb, fn, base, scale, pre_in) -> None:
 
 
 # ============================================================================ ref surface
-def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             sinkhorn_iters: int, hc_eps: float,
-             norm_eps: float, *, tuned: KernelConfigs = DEFAULT,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_mixes(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, S, D] -> pre [T, S], post [T, S], comb [T, S, S], all FP32 (one launch)."""
-    _, pre, post, comb, _ = expand_mix_collapse(None, streams, None, None, fn, base, scale,
-                                                sinkhorn_iters, hc_eps, norm_eps, tuned=tuned)
+    _, pre, post, comb, _ = expand_mix_collapse(
+        None, streams, None, None, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, tuned=tuned
+    )
     return pre, post, comb
 
 
 @triton.jit
-def _sinkhorn_kernel(l_ptr, c_ptr, T, eps, S: tl.constexpr, ITERS: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+def _sinkhorn_kernel(l_ptr, c_ptr, T, eps, S: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     idx = rows[:, None].to(tl.int64) * (S * S) + tl.arange(0, S * S)[None, :]
     mask = (rows < T)[:, None]
@@ -633,13 +763,13 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     comb = torch.empty_like(lg)
     if lg.shape[0]:
         _sinkhorn_kernel[(triton.cdiv(lg.shape[0], 16),)](
-            lg, comb, lg.shape[0], float(eps), S=_S, ITERS=iters, BLOCK_T=16)
+            lg, comb, lg.shape[0], float(eps), S=_S, ITERS=iters, BLOCK_T=16
+        )
     return comb
 
 
 @triton.jit
-def _collapse_kernel(x_ptr, pre_ptr, out_ptr, D, S: tl.constexpr, BF16: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _collapse_kernel(x_ptr, pre_ptr, out_ptr, D, S: tl.constexpr, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -662,14 +792,32 @@ def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, dim, dtype=streams.dtype, device=streams.device)
     if num_tokens:
         _collapse_kernel[(num_tokens, triton.cdiv(dim, 256))](
-            x, pre.to(torch.float32).contiguous(), out, dim, S=s,
-            BF16=streams.dtype == torch.bfloat16, BLOCK_D=256, **triton_runtime.launch_options())
+            x,
+            pre.to(torch.float32).contiguous(),
+            out,
+            dim,
+            S=s,
+            BF16=streams.dtype == torch.bfloat16,
+            BLOCK_D=256,
+            **triton_runtime.launch_options(),
+        )
     return out
 
 
 @triton.jit(do_not_specialize=["T"])
-def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, S: tl.constexpr,
-                   BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _expand_kernel(
+    y_ptr,
+    x_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    T,
+    D,
+    S: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """[BLOCK_T tokens, BLOCK_D channels] per program; each stream loaded once."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -685,17 +833,23 @@ def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, S: tl.conste
     x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
     orow = out_ptr + (r64[:, None] * S) * D + cols[None, :]
     for k in tl.static_range(S):
-        out = _expand_stream(y, _load_cols(post_ptr, r64, rmask, S, k),
-                             _load_cols(comb_ptr, r64, rmask, SS, k),
-                             _load_cols(comb_ptr, r64, rmask, SS, S + k),
-                             _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
-                             _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
-                             x0, x1, x2, x3, BF16)
+        out = _expand_stream(
+            y,
+            _load_cols(post_ptr, r64, rmask, S, k),
+            _load_cols(comb_ptr, r64, rmask, SS, k),
+            _load_cols(comb_ptr, r64, rmask, SS, S + k),
+            _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
+            _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
+            x0,
+            x1,
+            x2,
+            x3,
+            BF16,
+        )
         tl.store(orow + k * D, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-           comb: torch.Tensor) -> torch.Tensor:
+def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """y [T, D], streams [T, S, D], post [T, S], comb [T, S, S] -> new streams [T, S, D]."""
     triton_runtime.check_device(y, streams, post, comb)
     num_tokens, s, dim = streams.shape
@@ -703,8 +857,17 @@ def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     out = torch.empty_like(x)
     if num_tokens:
         _expand_kernel[(triton.cdiv(num_tokens, 4), triton.cdiv(dim, 256))](
-            y.contiguous(), x, post.to(torch.float32).contiguous(),
-            comb.to(torch.float32).contiguous(), out, num_tokens, dim, S=s,
-            BF16=streams.dtype == torch.bfloat16, BLOCK_T=4, BLOCK_D=256,
-            **triton_runtime.launch_options())
+            y.contiguous(),
+            x,
+            post.to(torch.float32).contiguous(),
+            comb.to(torch.float32).contiguous(),
+            out,
+            num_tokens,
+            dim,
+            S=s,
+            BF16=streams.dtype == torch.bfloat16,
+            BLOCK_T=4,
+            BLOCK_D=256,
+            **triton_runtime.launch_options(),
+        )
     return out

@@ -59,7 +59,7 @@ from flashpd.kernels.quant.triton import e8m0_decode, round_bf16_if
 # (weight rows per program), K step in 32-value groups, warps, prefetch (the next K step's
 # weights loaded before this step's math); decode: "bits" or "select".
 # (configs.GemvConfig: KernelConfigs.moe.gemv_tiles, passed in as `cfg`)
-_XSCALE_BITS, _POST_BITS = 2.0 ** 64, 2.0 ** 62  # x' = x * 2^64; sums * 2^62 (see above)
+_XSCALE_BITS, _POST_BITS = 2.0**64, 2.0**62  # x' = x * 2^64; sums * 2^62 (see above)
 _PREP_BLOCK = 1024
 _SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # as int32
 
@@ -81,8 +81,9 @@ def tile_rows(num_tokens: int, cfg: GemvConfig) -> int:
 def eligible(experts, dtype: torch.dtype) -> bool:
     """True when these kernels take the call: MXFP4 routed experts (all three weights), bf16 or
     fp32 activations."""
-    return (dtype in (torch.bfloat16, torch.float32)
-            and all(w.fmt == W_MXFP4 for w in (experts.w1, experts.w3, experts.w2)))
+    return dtype in (torch.bfloat16, torch.float32) and all(
+        w.fmt == W_MXFP4 for w in (experts.w1, experts.w3, experts.w2)
+    )
 
 
 # ============================================================================ kernels
@@ -105,8 +106,7 @@ def _decode(words, i: tl.constexpr, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _x_nibble(xp_ptr, row_off, col0, i: tl.constexpr, gmask, G: tl.constexpr,
-              EVEN_K: tl.constexpr):
+def _x_nibble(xp_ptr, row_off, col0, i: tl.constexpr, gmask, G: tl.constexpr, EVEN_K: tl.constexpr):
     """xp[row, col0 + 32 g + 4 i + j] as [G, 4]: the x values of nibble i of each word."""
     g = tl.arange(0, G)
     j = tl.arange(0, 4)
@@ -145,8 +145,7 @@ def _load_w(w_ptr, s_ptr, w_row, s_row, gk, g, j, nmask, n_groups, EVEN_K: tl.co
     else:
         gmask = (gg < n_groups)[None, :, None]
         words = tl.load(w_ptr + woff, mask=nmask[:, None, None] & gmask, other=0)
-        sb4 = tl.load(s_ptr + s_row + quad, mask=nmask[:, None, None] & (quad < n_groups),
-                      other=127)
+        sb4 = tl.load(s_ptr + s_row + quad, mask=nmask[:, None, None] & (quad < n_groups), other=127)
     own = j[None, None, :] == (g % 4)[None, :, None]  # gk is a multiple of 4: loop-invariant
     sb = tl.sum(tl.where(own, sb4.to(tl.int32), 0), axis=2)[:, :, None]
     return words, sb
@@ -167,11 +166,34 @@ def _row(tile_rows_ptr, start, end, r: tl.constexpr, GATHER: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    xp_ptr, K, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    out_ptr, N, limit, post, out_scale,
-    SWIGLU: tl.constexpr, ROWS: tl.constexpr, SELECT: tl.constexpr, ROUND_BF16: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    xp_ptr,
+    K,
+    rows_ptr,
+    gamma_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    out_ptr,
+    N,
+    limit,
+    post,
+    out_scale,
+    SWIGLU: tl.constexpr,
+    ROWS: tl.constexpr,
+    SELECT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
 ):
     """One tile (<= ROWS pairs of one expert) x one N block. SWIGLU (up): rows of xp gathered by
     token, W1 and W3, epilogue -> FP32 nibble-order h * out_scale. Else (down): row p of xp,
@@ -200,8 +222,7 @@ def _gemv_kernel(
             w1n, s1n = _load_w(w1_ptr, s1_ptr, w_row, s_row, 0, g, j, nmask, n_groups, EVEN_K)
             w3n, s3n = w1n, s1n
             if SWIGLU:
-                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, 0, g, j, nmask, n_groups,
-                                   EVEN_K)
+                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, 0, g, j, nmask, n_groups, EVEN_K)
         for gk in range(0, n_groups, G):
             gmask = gk + g < n_groups
             if PREFETCH:  # next step's weights in flight while this step computes
@@ -209,11 +230,9 @@ def _gemv_kernel(
                 nxt = tl.minimum(gk + G, last)  # the last step reloads itself (cache hit)
             else:
                 nxt = gk
-            w1n, s1n = _load_w(w1_ptr, s1_ptr, w_row, s_row, nxt, g, j, nmask, n_groups,
-                               EVEN_K)
+            w1n, s1n = _load_w(w1_ptr, s1_ptr, w_row, s_row, nxt, g, j, nmask, n_groups, EVEN_K)
             if SWIGLU:
-                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, nxt, g, j, nmask, n_groups,
-                                   EVEN_K)
+                w3n, s3n = _load_w(w3_ptr, s3_ptr, w_row, s_row, nxt, g, j, nmask, n_groups, EVEN_K)
             else:
                 w3n, s3n = w1n, s1n
             if not PREFETCH:
@@ -258,21 +277,37 @@ def _gemv_kernel(
                 if SWIGLU:
                     a32 += p32 * sc3
                     a33 += p33 * sc3
-        _epilogue(a10, a30, start, ok0, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
-                  SWIGLU, ROUND_BF16)
+        _epilogue(a10, a30, start, ok0, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale, SWIGLU, ROUND_BF16)
         if ROWS > 1:
-            _epilogue(a11, a31, start + 1, ok1, n, nmask, gamma_ptr, out_ptr, N, limit, post,
-                      out_scale, SWIGLU, ROUND_BF16)
+            _epilogue(
+                a11, a31, start + 1, ok1, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale, SWIGLU, ROUND_BF16
+            )
         if ROWS > 2:
-            _epilogue(a12, a32, start + 2, ok2, n, nmask, gamma_ptr, out_ptr, N, limit, post,
-                      out_scale, SWIGLU, ROUND_BF16)
-            _epilogue(a13, a33, start + 3, ok3, n, nmask, gamma_ptr, out_ptr, N, limit, post,
-                      out_scale, SWIGLU, ROUND_BF16)
+            _epilogue(
+                a12, a32, start + 2, ok2, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale, SWIGLU, ROUND_BF16
+            )
+            _epilogue(
+                a13, a33, start + 3, ok3, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale, SWIGLU, ROUND_BF16
+            )
 
 
 @triton.jit
-def _epilogue(a1, a3, p, ok, n, nmask, gamma_ptr, out_ptr, N, limit, post, out_scale,
-              SWIGLU: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _epilogue(
+    a1,
+    a3,
+    p,
+    ok,
+    n,
+    nmask,
+    gamma_ptr,
+    out_ptr,
+    N,
+    limit,
+    post,
+    out_scale,
+    SWIGLU: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """Pair p's outputs for columns n from its sums per (n, group, word lane) [BN, G, 4]."""
     g = round_bf16_if(tl.sum(tl.sum(a1, axis=2), axis=1) * post, ROUND_BF16)  # GEMM output, act dtype
     mask = nmask & ok
@@ -295,14 +330,25 @@ def _words(w: Weights) -> torch.Tensor:
     return w.data.view(torch.int32)
 
 
-def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, limit: float,
-            rows_per_tile: int, swiglu: bool, round_bf16: bool, out_scale: float,
-            config: GemvConfig) -> None:
+def _launch(
+    xp,
+    rows,
+    gamma,
+    schedule,
+    w1: Weights,
+    w3: Weights | None,
+    out,
+    limit: float,
+    rows_per_tile: int,
+    swiglu: bool,
+    round_bf16: bool,
+    out_scale: float,
+    config: GemvConfig,
+) -> None:
     cfg = config.up if swiglu else config.down
     select = config.decode == "select"
     if config.decode not in ("bits", "select"):
-        raise ValueError(f"gemv config decode must be 'bits' or 'select', got "
-                         f"{config.decode!r}")
+        raise ValueError(f"gemv config decode must be 'bits' or 'select', got {config.decode!r}")
     post = 1.0 if select else _POST_BITS
     words1 = _words(w1)
     words3 = _words(w3) if w3 is not None else words1
@@ -313,22 +359,46 @@ def _launch(xp, rows, gamma, schedule, w1: Weights, w3: Weights | None, out, lim
         raise ValueError(f"gemv config groups must be 4, 8 or 16, got {groups}")
     grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
     _gemv_kernel[grid](
-        xp, k_dim, rows, gamma, schedule.expert, schedule.start, schedule.end,
-        words1, w1.scale, words3, scale3, words1.stride(0), words1.stride(1),
-        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit), post, out_scale,
-        SWIGLU=swiglu, ROWS=rows_per_tile, SELECT=select, ROUND_BF16=round_bf16,
-        EVEN_K=(k_dim // 32) % groups == 0, PREFETCH=cfg["prefetch"], BLOCK_N=cfg["block_n"],
+        xp,
+        k_dim,
+        rows,
+        gamma,
+        schedule.expert,
+        schedule.start,
+        schedule.end,
+        words1,
+        w1.scale,
+        words3,
+        scale3,
+        words1.stride(0),
+        words1.stride(1),
+        w1.scale.stride(0),
+        w1.scale.stride(1),
+        out,
+        n_dim,
+        float(limit),
+        post,
+        out_scale,
+        SWIGLU=swiglu,
+        ROWS=rows_per_tile,
+        SELECT=select,
+        ROUND_BF16=round_bf16,
+        EVEN_K=(k_dim // 32) % groups == 0,
+        PREFETCH=cfg["prefetch"],
+        BLOCK_N=cfg["block_n"],
         G=groups,
-        num_warps=cfg["warps"])
+        num_warps=cfg["warps"],
+    )
 
 
-def check_rows_call(x: torch.Tensor, pairs, experts, rows_per_tile: int,
-                    allowed: tuple[int, ...]) -> torch.Tensor:
+def check_rows_call(x: torch.Tensor, pairs, experts, rows_per_tile: int, allowed: tuple[int, ...]) -> torch.Tensor:
     """The checks every routed-expert `expert_rows` makes (tile rows one of `allowed` and the
     schedule's, x [T, D] on the kernels' device); returns x with unit column stride."""
     if rows_per_tile not in allowed or pairs.schedule.block_m != rows_per_tile:
-        raise ValueError(f"rows_per_tile {rows_per_tile} must be one of {allowed} and match "
-                         f"the schedule's block_m {pairs.schedule.block_m}")
+        raise ValueError(
+            f"rows_per_tile {rows_per_tile} must be one of {allowed} and match "
+            f"the schedule's block_m {pairs.schedule.block_m}"
+        )
     if x.ndim != 2 or x.shape[1] != experts.w1.in_dim:
         raise ValueError(f"x {tuple(x.shape)} must be [T, {experts.w1.in_dim}]")
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -336,16 +406,14 @@ def check_rows_call(x: torch.Tensor, pairs, experts, rows_per_tile: int,
     return x
 
 
-def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *,
-                cfg: GemvConfig) -> torch.Tensor:
+def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *, cfg: GemvConfig) -> torch.Tensor:
     """y [P, D] in x.dtype, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose
     schedule has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
 
     x: [T, D] bf16 or fp32 tokens; experts: moe.triton.ExpertSet with MXFP4 w1, w3 [E, I, D]
     and w2 [E, D, I]."""
     if not eligible(experts, x.dtype):
-        raise ValueError(f"gemv expert_rows reads MXFP4 experts and bf16/fp32 activations "
-                         f"(got {x.dtype})")
+        raise ValueError(f"gemv expert_rows reads MXFP4 experts and bf16/fp32 activations (got {x.dtype})")
     x = check_rows_call(x, pairs, experts, rows_per_tile, (1, 2, 4))
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
@@ -359,9 +427,36 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     if num_pairs == 0:
         return y
     _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
-        x, x.stride(0), xp, dim, xscale, BLOCK=_PREP_BLOCK, num_warps=4)
-    _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, hp, limit,
-            rows_per_tile, True, round_bf16, xscale, cfg)
-    _launch(hp, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False, round_bf16, 1.0, cfg)
+        x, x.stride(0), xp, dim, xscale, BLOCK=_PREP_BLOCK, num_warps=4
+    )
+    _launch(
+        xp,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule,
+        experts.w1,
+        experts.w3,
+        hp,
+        limit,
+        rows_per_tile,
+        True,
+        round_bf16,
+        xscale,
+        cfg,
+    )
+    _launch(
+        hp,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule,
+        experts.w2,
+        None,
+        y,
+        0.0,
+        rows_per_tile,
+        False,
+        round_bf16,
+        1.0,
+        cfg,
+    )
     return y

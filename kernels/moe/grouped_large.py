@@ -46,14 +46,7 @@ import triton.language as tl
 
 from flashpd.kernels.configs import DEFAULT, GroupedLargeConfig
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import (
-    DOT_UPCAST,
-    W_MXFP4,
-    W_PLAIN,
-    Weights,
-    swiglu_halves,
-    swiglu_limited,
-)
+from flashpd.kernels.dense.triton import DOT_UPCAST, W_MXFP4, W_PLAIN, Weights, swiglu_halves, swiglu_limited
 from flashpd.kernels.e2m1 import fp32_e2m1
 from flashpd.kernels.quant.triton import e8m0_decode, round_bf16
 
@@ -76,8 +69,7 @@ def _decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """packed uint8 [BN, BK/2] + UE8M0 uint8 [BN, BK/32] -> BF16 [BN, BK] in K order (exact)."""
     b = packed.to(tl.int32)
     f = e8m0_decode(scale)  # [BN, BK/32] 2^(s - 127)
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
-                   (BLOCK_N, BLOCK_K // 2))
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
     lo = fp32_e2m1(b, f).to(tl.bfloat16)
     hi = fp32_e2m1(b >> 4, f).to(tl.bfloat16)
     return tl.interleave(lo, hi)
@@ -92,9 +84,23 @@ def _mm(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
-          DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
-          W_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _step(
+    acc,
+    a,
+    w_ptr,
+    s_ptr,
+    w_off,
+    s_off,
+    k0,
+    n_mask,
+    EVEN: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+    SWAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    W_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """acc + (tile product) for K in [k0, k0 + BLOCK_K) of one weight."""
     if W_BF16:  # plain BF16 weights (a decoded scratch copy): w_off spans BLOCK_K columns
         if EVEN:
@@ -114,11 +120,9 @@ def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
             scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
         if DOT_SCALED:
             if SWAP:
-                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
-                                    fast_math=True)
+                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
             else:
-                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
-                                    fast_math=True)
+                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc, fast_math=True)
         else:
             w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
             if SWAP:
@@ -130,13 +134,40 @@ def _step(acc, a, w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr,
 
 @triton.jit
 def _large_gemm_kernel(
-    a_ptr, stride_am, a_rows_ptr, c_ptr, stride_cm, gamma_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr, N, K, limit, w3_delta, s3_delta,
-    SWIGLU: tl.constexpr, HAS_GAMMA: tl.constexpr, GATHER_A: tl.constexpr,
-    EVEN: tl.constexpr, DOT_SCALED: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED13: tl.constexpr, W_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    stride_am,
+    a_rows_ptr,
+    c_ptr,
+    stride_cm,
+    gamma_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    N,
+    K,
+    limit,
+    w3_delta,
+    s3_delta,
+    SWIGLU: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    EVEN: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+    SWAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FUSED13: tl.constexpr,
+    W_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # W_BF16: W is BF16 [E, N, K] (scales unused), else MXFP4 [E, N, K/2] + UE8M0 [E, N, K/32]
     # FUSED13 (SwiGLU): one accumulator over BLOCK_N weight rows, the first half W1 rows
@@ -161,10 +192,18 @@ def _large_gemm_kernel(
             half = j >= BLOCK_N // 2
             n_idx = nb * (BLOCK_N // 2) + tl.where(half, j - BLOCK_N // 2, j)
             n64 = n_idx.to(tl.int64)
-            w_off = e * stride_we + n64[:, None] * stride_wn + kh[None, :] + tl.where(
-                half, w3_delta, 0).to(tl.int64)[:, None]
-            s_off = e * stride_se + n64[:, None] * stride_sn + ks[None, :] + tl.where(
-                half, s3_delta, 0).to(tl.int64)[:, None]
+            w_off = (
+                e * stride_we
+                + n64[:, None] * stride_wn
+                + kh[None, :]
+                + tl.where(half, w3_delta, 0).to(tl.int64)[:, None]
+            )
+            s_off = (
+                e * stride_se
+                + n64[:, None] * stride_sn
+                + ks[None, :]
+                + tl.where(half, s3_delta, 0).to(tl.int64)[:, None]
+            )
         else:
             n_idx = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             n64 = n_idx.to(tl.int64)
@@ -180,17 +219,46 @@ def _large_gemm_kernel(
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = tl.load(a_ptrs + k0)  # rows past `end` read a real row; never stored
-            acc1 = _step(acc1, a, w1_ptr, s1_ptr, w_off, s_off, k0, n_mask, EVEN, DOT_SCALED,
-                         SWAP, UPCAST, W_BF16, BLOCK_N, BLOCK_K)
+            acc1 = _step(
+                acc1,
+                a,
+                w1_ptr,
+                s1_ptr,
+                w_off,
+                s_off,
+                k0,
+                n_mask,
+                EVEN,
+                DOT_SCALED,
+                SWAP,
+                UPCAST,
+                W_BF16,
+                BLOCK_N,
+                BLOCK_K,
+            )
             if SWIGLU and not FUSED13:
-                acc3 = _step(acc3, a, w3_ptr, s3_ptr, w_off, s_off, k0, n_mask, EVEN,
-                             DOT_SCALED, SWAP, UPCAST, W_BF16, BLOCK_N, BLOCK_K)
+                acc3 = _step(
+                    acc3,
+                    a,
+                    w3_ptr,
+                    s3_ptr,
+                    w_off,
+                    s_off,
+                    k0,
+                    n_mask,
+                    EVEN,
+                    DOT_SCALED,
+                    SWAP,
+                    UPCAST,
+                    W_BF16,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
         if SWAP:
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
         if FUSED13:  # columns [0, BN/2) are g, [BN/2, BN) u of the same outputs
-            acc1, acc3 = tl.split(tl.permute(tl.reshape(acc1, (BLOCK_M, 2, BLOCK_N // 2)),
-                                             (0, 2, 1)))
+            acc1, acc3 = tl.split(tl.permute(tl.reshape(acc1, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             n_idx = nb * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         if SWIGLU:  # moe.ref.expert_ffn: g, u rounded to BF16, FP32 SwiGLU, gamma, one rounding
             out = swiglu_limited(round_bf16(acc1), round_bf16(acc3), limit)
@@ -199,35 +267,39 @@ def _large_gemm_kernel(
         else:
             out = acc1
         c = c_ptr + p[:, None].to(tl.int64) * stride_cm + n_idx[None, :]
-        tl.store(c, round_bf16(out).to(c_ptr.dtype.element_ty),
-                 mask=p_mask[:, None] & (n_idx[None, :] < N))
+        tl.store(c, round_bf16(out).to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & (n_idx[None, :] < N))
 
 
 def _check(a: torch.Tensor, w: Weights, out: torch.Tensor) -> None:
     if not (w.fmt == W_MXFP4 or (w.fmt == W_PLAIN and w.data.dtype == torch.bfloat16)):
         raise ValueError("grouped_large runs MXFP4 or BF16 weights only")
     if a.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-        raise TypeError(f"grouped_large needs bf16 activations and output, got {a.dtype}, "
-                        f"{out.dtype}")
+        raise TypeError(f"grouped_large needs bf16 activations and output, got {a.dtype}, {out.dtype}")
     if a.ndim != 2 or a.stride(1) != 1 or out.ndim != 2 or out.stride(1) != 1:
         raise ValueError("grouped_large needs row-major 2-D a and out")
     if a.shape[1] != w.in_dim or out.shape[1] != w.out_dim:
-        raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], "
-                         f"out {tuple(out.shape)} do not chain")
+        raise ValueError(f"shapes a {tuple(a.shape)}, W [{w.out_dim}, {w.in_dim}], out {tuple(out.shape)} do not chain")
     if w.data.stride(2) != 1 or (w.scale is not None and w.scale.stride(2) != 1):
         raise ValueError("weight and scale rows must be contiguous")
     triton_runtime.check_device(a, out, w.data)
 
 
 def _layout(w: Weights) -> tuple:
-    return (w.fmt, w.data.dtype, w.data.shape, w.data.stride(),
-            None if w.scale is None else w.scale.stride())
+    return (w.fmt, w.data.dtype, w.data.shape, w.data.stride(), None if w.scale is None else w.scale.stride())
 
 
-def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out: torch.Tensor,
-                 a_rows: torch.Tensor | None = None, w3: Weights | None = None,
-                 gamma: torch.Tensor | None = None, limit: float = 0.0,
-                 *, tiles: Mapping[str, Any]) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor,
+    w: Weights,
+    schedule: dense.TileSchedule,
+    out: torch.Tensor,
+    a_rows: torch.Tensor | None = None,
+    w3: Weights | None = None,
+    gamma: torch.Tensor | None = None,
+    limit: float = 0.0,
+    *,
+    tiles: Mapping[str, Any],
+) -> torch.Tensor:
     """out[p] = epilogue(A[a_rows[p]] . W[expert(p)]^T), W MXFP4 or BF16 (SwiGLU when w3 is
     given; W1 and W3 share one layout).
 
@@ -260,22 +332,52 @@ def grouped_gemm(a: torch.Tensor, w: Weights, schedule: dense.TileSchedule, out:
         s3_delta = scale3.data_ptr() - scale1.data_ptr()
     per_block = t["block_n"] // (2 if fused else 1)  # output columns per program
     _large_gemm_kernel[(triton.cdiv(n_dim, per_block), n_tiles)](
-        a, a.stride(0), a_rows if a_rows is not None else schedule.start, out, out.stride(0),
-        gamma if gamma is not None else out, w.data, scale1, w3_.data, scale3,
-        w.data.stride(0), w.data.stride(1), scale1.stride(0), scale1.stride(1),
-        schedule.expert, schedule.start, schedule.end, n_dim, k_dim, float(limit),
-        w3_delta, s3_delta, SWIGLU=w3 is not None, HAS_GAMMA=gamma is not None,
-        GATHER_A=a_rows is not None, EVEN=n_dim % per_block == 0, DOT_SCALED=dot_scaled,
-        SWAP=t["swap"], UPCAST=DOT_UPCAST, FUSED13=fused, W_BF16=bf16, BLOCK_M=t["block_m"],
-        BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-        num_warps=t["warps"], num_stages=t["stages"], **triton_runtime.launch_options())
+        a,
+        a.stride(0),
+        a_rows if a_rows is not None else schedule.start,
+        out,
+        out.stride(0),
+        gamma if gamma is not None else out,
+        w.data,
+        scale1,
+        w3_.data,
+        scale3,
+        w.data.stride(0),
+        w.data.stride(1),
+        scale1.stride(0),
+        scale1.stride(1),
+        schedule.expert,
+        schedule.start,
+        schedule.end,
+        n_dim,
+        k_dim,
+        float(limit),
+        w3_delta,
+        s3_delta,
+        SWIGLU=w3 is not None,
+        HAS_GAMMA=gamma is not None,
+        GATHER_A=a_rows is not None,
+        EVEN=n_dim % per_block == 0,
+        DOT_SCALED=dot_scaled,
+        SWAP=t["swap"],
+        UPCAST=DOT_UPCAST,
+        FUSED13=fused,
+        W_BF16=bf16,
+        BLOCK_M=t["block_m"],
+        BLOCK_N=t["block_n"],
+        BLOCK_K=t["block_k"],
+        num_warps=t["warps"],
+        num_stages=t["stages"],
+        **triton_runtime.launch_options(),
+    )
     return out
 
 
 # ============================================================================ dequant mode
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_ye,
-                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _dequant_kernel(
+    w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_ye, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr
+):
     """MXFP4 rows -> BF16 rows, one 32-bit word per packed byte: the word is the BF16 pair
     (k = 2j, 2j + 1) of byte j, so no interleave. Each value is E2M1 * 2^(s - 127) in FP32, whose
     bits below 16 are zero (at most 2 significant bits): the BF16 is its top half (exact)."""
@@ -285,8 +387,7 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_
     r64 = r.to(tl.int64)[:, None, None]
     byte = grp[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]  # [1, G, 16]
     b = tl.load(w_ptr + r64 * row_bytes + byte, mask=rmask, other=0).to(tl.int32)
-    f = e8m0_decode(tl.load(s_ptr + r64 * row_groups + grp[None, :, None], mask=rmask,
-                            other=127))  # [R, G, 1]
+    f = e8m0_decode(tl.load(s_ptr + r64 * row_groups + grp[None, :, None], mask=rmask, other=127))  # [R, G, 1]
     lo = fp32_e2m1(b, f).to(tl.int32, bitcast=True)
     hi = fp32_e2m1(b >> 4, f).to(tl.int32, bitcast=True)
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
@@ -294,8 +395,7 @@ def _dequant_kernel(w_ptr, s_ptr, y_ptr, rows, N, row_bytes, row_groups, stride_
     tl.store(y_ptr + y_row + byte, word, mask=rmask)
 
 
-def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None,
-                     tiles: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
+def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None, tiles: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """MXFP4 weights [E, N, K] -> BF16 [E, N, K] (exact), one launch. `out`: where to write, a
     BF16 [E, N, K] view whose rows are contiguous (a slice of a larger scratch buffer works)."""
     if w.fmt != W_MXFP4 or not w.data.is_contiguous() or not w.scale.is_contiguous():
@@ -303,17 +403,25 @@ def dequantize_mxfp4(w: Weights, out: torch.Tensor | None = None,
     e, n, k = w.num_experts, w.out_dim, w.in_dim
     if k % 32:
         raise ValueError(f"dequantize_mxfp4 needs K % 32 == 0, got {k}")
-    y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16,
-                                                device=w.data.device)
-    if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1) or \
-            y.stride(0) % 2:
+    y = out if out is not None else torch.empty(e, n, k, dtype=torch.bfloat16, device=w.data.device)
+    if y.shape != (e, n, k) or y.dtype != torch.bfloat16 or y.stride()[1:] != (k, 1) or y.stride(0) % 2:
         raise ValueError(f"out must be a BF16 [{e}, {n}, {k}] view with contiguous rows")
     rows, cfg = e * n, tiles
     groups = k // 32
     block_g = min(cfg["block_k"] // 32, triton.next_power_of_2(groups))
     _dequant_kernel[(triton.cdiv(rows, cfg["block_r"]), triton.cdiv(groups, block_g))](
-        w.data, w.scale, y.view(torch.int32), rows, n, k // 2, groups, y.stride(0) // 2,
-        BLOCK_R=cfg["block_r"], BLOCK_G=block_g, num_warps=cfg["warps"])
+        w.data,
+        w.scale,
+        y.view(torch.int32),
+        rows,
+        n,
+        k // 2,
+        groups,
+        y.stride(0) // 2,
+        BLOCK_R=cfg["block_r"],
+        BLOCK_G=block_g,
+        num_warps=cfg["warps"],
+    )
     return y
 
 
@@ -344,8 +452,7 @@ def counts_of(schedule: dense.TileSchedule, num_experts: int) -> torch.Tensor:
     """Rows per expert [E] int64 of a tile schedule (empty tiles count nothing); no host sync."""
     rows = (schedule.end - schedule.start).clamp_min(0).to(torch.int64)
     idx = schedule.expert.to(torch.int64).clamp(0, num_experts - 1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=rows.device).scatter_add_(
-        0, idx, rows)
+    return torch.zeros(num_experts, dtype=torch.int64, device=rows.device).scatter_add_(0, idx, rows)
 
 
 def block_m(cfg: GroupedLargeConfig) -> int:
@@ -373,8 +480,7 @@ class _Pairs:
         return dense.grouped_schedule(self.counts, self.rows.shape[0], bm)
 
 
-def decoded_scratch(w1: Weights, w3: Weights | None = None,
-                    dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
+def decoded_scratch(w1: Weights, w3: Weights | None = None, dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
     """Decoded BF16 [E, N, K] of w1, or [E, 2N, K] of w1 | w3 side by side per expert, in the
     reused scratch buffer."""
     e, n, k = w1.num_experts, w1.out_dim, w1.in_dim
@@ -385,8 +491,15 @@ def decoded_scratch(w1: Weights, w3: Weights | None = None,
     return buf
 
 
-def swiglu_gemm(x: torch.Tensor, pairs: _Pairs, w1: Weights, w3: Weights, limit: float,
-                tiles: Mapping[str, Any], dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
+def swiglu_gemm(
+    x: torch.Tensor,
+    pairs: _Pairs,
+    w1: Weights,
+    w3: Weights,
+    limit: float,
+    tiles: Mapping[str, Any],
+    dequant: Mapping[str, Any] = _DEQUANT,
+) -> torch.Tensor:
     """h [P, I] BF16 = gamma * SwiGLU(x[rows] . W1^T, x[rows] . W3^T) per pair's expert."""
     path = tiles.get("path", "mx")
     if path == "cublas":
@@ -397,12 +510,22 @@ def swiglu_gemm(x: torch.Tensor, pairs: _Pairs, w1: Weights, w3: Weights, limit:
         buf, n = decoded_scratch(w1, w3, dequant), w1.out_dim
         w1, w3 = Weights.plain(buf[:, :n]), Weights.plain(buf[:, n:])
     h = torch.empty(pairs.rows.shape[0], w1.out_dim, dtype=x.dtype, device=x.device)
-    return grouped_gemm(x, w1, pairs.schedule_for(tiles["block_m"]), h, a_rows=pairs.rows,
-                        w3=w3, gamma=pairs.gamma, limit=limit, tiles=tiles)
+    return grouped_gemm(
+        x,
+        w1,
+        pairs.schedule_for(tiles["block_m"]),
+        h,
+        a_rows=pairs.rows,
+        w3=w3,
+        gamma=pairs.gamma,
+        limit=limit,
+        tiles=tiles,
+    )
 
 
-def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: Mapping[str, Any],
-              dequant: Mapping[str, Any] = _DEQUANT) -> torch.Tensor:
+def down_gemm(
+    h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: Mapping[str, Any], dequant: Mapping[str, Any] = _DEQUANT
+) -> torch.Tensor:
     """y [P, D] BF16 = h . W2^T per pair's expert."""
     path = tiles.get("path", "mx")
     if path == "cublas":
@@ -414,14 +537,24 @@ def down_gemm(h: torch.Tensor, pairs: _Pairs, w2: Weights, tiles: Mapping[str, A
     return grouped_gemm(h, w2, pairs.schedule_for(tiles["block_m"]), y, tiles=tiles)
 
 
-def pairs_of(token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
-             schedule: dense.TileSchedule, num_experts: int) -> _Pairs:
+def pairs_of(
+    token_of_pair: torch.Tensor, gamma: torch.Tensor | None, schedule: dense.TileSchedule, num_experts: int
+) -> _Pairs:
     return _Pairs(token_of_pair, gamma, schedule, num_experts)
 
 
-def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tensor | None,
-                 schedule: dense.TileSchedule, w1: Weights, w3: Weights, w2: Weights,
-                 limit: float, *, cfg: GroupedLargeConfig) -> torch.Tensor:
+def expert_gemms(
+    x: torch.Tensor,
+    token_of_pair: torch.Tensor,
+    gamma: torch.Tensor | None,
+    schedule: dense.TileSchedule,
+    w1: Weights,
+    w3: Weights,
+    w2: Weights,
+    limit: float,
+    *,
+    cfg: GroupedLargeConfig,
+) -> torch.Tensor:
     """Both expert GEMMs on pairs sorted by expert -> y [P, D] BF16.
 
     x [T, D]; token_of_pair [P] int32, the token of each sorted pair; gamma [P] FP32;
@@ -430,22 +563,25 @@ def expert_gemms(x: torch.Tensor, token_of_pair: torch.Tensor, gamma: torch.Tens
     """
     pairs = _Pairs(token_of_pair, gamma, schedule, w1.num_experts)
     large = token_of_pair.shape[0] >= cfg.scratch_min_pairs
-    h = swiglu_gemm(x, pairs, w1, w3, limit, cfg.gemm1_large if large else cfg.gemm1,
-                    cfg.dequant)
+    h = swiglu_gemm(x, pairs, w1, w3, limit, cfg.gemm1_large if large else cfg.gemm1, cfg.dequant)
     return down_gemm(h, pairs, w2, cfg.gemm2_large if large else cfg.gemm2, cfg.dequant)
 
 
-def eligible(w: Weights, num_pairs: int, dtype: torch.dtype, w2: Weights | None = None, *,
-             cfg: GroupedLargeConfig) -> bool:
+def eligible(
+    w: Weights, num_pairs: int, dtype: torch.dtype, w2: Weights | None = None, *, cfg: GroupedLargeConfig
+) -> bool:
     """True when moe/triton.py should run MXFP4 experts of num_pairs pairs here (GPU only):
     both GEMMs' K (W1's and, when given, W2's) whole multiples of the K tiles they would take
     (small models, e.g. the test presets, keep the generic kernels)."""
-    if not (w.fmt == W_MXFP4 and dtype == torch.bfloat16 and num_pairs >= cfg.min_pairs
-            and not triton_runtime.interpreting()):
+    if not (
+        w.fmt == W_MXFP4
+        and dtype == torch.bfloat16
+        and num_pairs >= cfg.min_pairs
+        and not triton_runtime.interpreting()
+    ):
         return False
     large = num_pairs >= cfg.scratch_min_pairs
     checks = [(w, cfg.gemm1_large if large else cfg.gemm1)]
     if w2 is not None:
         checks.append((w2, cfg.gemm2_large if large else cfg.gemm2))
-    return all(weights.in_dim % tiles.get("block_k", 64) == 0 and weights.in_dim >= 128
-               for weights, tiles in checks)
+    return all(weights.in_dim % tiles.get("block_k", 64) == 0 and weights.in_dim >= 128 for weights, tiles in checks)

@@ -16,15 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpd.kernels.dense.ref import (
-    Weights,
-    dequantize,
-    fp32,
-    linear,
-    linear_fp32,
-    silu,
-    softplus,
-)
+from flashpd.kernels.dense.ref import Weights, dequantize, fp32, linear, linear_fp32, silu, softplus
 
 ROUTER_NORM_EPS = 1e-20
 
@@ -42,9 +34,15 @@ class ExpertWeights:
         return self.w1.shape[0]
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-          routed_scale: float, gate_temp: float = 1.0,
-          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    routed_scale: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids [T, k] int64, weights [T, k] FP32).
 
     Ties in s + bias go to the lower expert id (stable sort). `normalize` is norm_topk_prob.
@@ -66,8 +64,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return silu(gate) * up
 
 
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-               limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [n, D] -> [n, D] in x.dtype; `weight` [n, 1] FP32 multiplies h before w2 (§12.14)."""
     h = swiglu(linear(x, w1), linear(x, w3), limit)  # [n, I] FP32
     if weight is not None:
@@ -75,16 +79,26 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
     return linear(h.to(x.dtype), w2)
 
 
-def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
-        shared: ExpertWeights | None, top_k: int, routed_scale: float, limit: float,
-        gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
+def moe(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    experts: ExpertWeights,
+    shared: ExpertWeights | None,
+    top_k: int,
+    routed_scale: float,
+    limit: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+) -> torch.Tensor:
     """x [T, D] -> y [T, D] in x.dtype."""
     ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
     for e in torch.unique(ids).tolist():  # ascending expert id: fixed per-token sum order
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = expert_ffn(x[token_idx], experts.w1[e], experts.w3[e], experts.w2[e], limit,
-                       weights[token_idx, slot][:, None])
+        y = expert_ffn(
+            x[token_idx], experts.w1[e], experts.w3[e], experts.w2[e], limit, weights[token_idx, slot][:, None]
+        )
         out.index_add_(0, token_idx, fp32(y))
     if shared is not None:
         for e in range(shared.num_experts):
@@ -107,25 +121,48 @@ class ExpertSet:
 
     @staticmethod
     def plain(weights: ExpertWeights) -> ExpertSet:
-        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3),
-                         Weights.plain(weights.w2))
+        return ExpertSet(Weights.plain(weights.w1), Weights.plain(weights.w3), Weights.plain(weights.w2))
 
 
 def _dequantized(experts: ExpertSet, dtype: torch.dtype) -> ExpertWeights:
     return ExpertWeights(*(dequantize(w).to(dtype) for w in (experts.w1, experts.w3, experts.w2)))
 
 
-def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
-                  experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
-                  limit: float, gate_temp: float = 1.0, normalize: bool = True) -> torch.Tensor:
+def moe_quantized(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    experts: ExpertSet,
+    shared: ExpertSet | None,
+    top_k: int,
+    routed_scale: float,
+    limit: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+) -> torch.Tensor:
     """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared): the
     weights dequantised (exact) to x.dtype, as the GPU kernels do in registers."""
-    return moe(x, gate_weight, bias, _dequantized(experts, x.dtype),
-               None if shared is None else _dequantized(shared, x.dtype), top_k, routed_scale,
-               limit, gate_temp, normalize)
+    return moe(
+        x,
+        gate_weight,
+        bias,
+        _dequantized(experts, x.dtype),
+        None if shared is None else _dequantized(shared, x.dtype),
+        top_k,
+        routed_scale,
+        limit,
+        gate_temp,
+        normalize,
+    )
 
 
-def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,
-           rows=(1, 8, 64), limit: float = 10.0) -> int:
+def warmup(
+    experts: ExpertSet,
+    shared: ExpertSet | None,
+    num_gate_experts: int,
+    top_k: int,
+    rows=(1, 8, 64),
+    limit: float = 10.0,
+) -> int:
     """Kernel variants compiled ahead of the first request: the reference compiles none."""
     return 0

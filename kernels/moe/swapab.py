@@ -127,21 +127,18 @@ def _load_bytes(w_ptr, w_row, g0, K, nmask, G: tl.constexpr, EVEN_K: tl.constexp
         return tl.load(w_ptr + w_row + g0 * 16 + c[None, :], mask=nmask[:, None], other=0)
     else:  # whole groups in or out (K % 32 == 0)
         cmask = (g0 + c // 16) * 32 < K
-        return tl.load(w_ptr + w_row + g0 * 16 + c[None, :],
-                       mask=nmask[:, None] & cmask[None, :], other=0)
+        return tl.load(w_ptr + w_row + g0 * 16 + c[None, :], mask=nmask[:, None] & cmask[None, :], other=0)
 
 
 @triton.jit
 def _load_scales(s_ptr, s_row, g0, K, nmask, G: tl.constexpr):
     """UE8M0 bytes of groups g0 .. g0+G-1 of W rows s_row: [BN, G] (127 past K)."""
     kmask = (g0 + tl.arange(0, G)) * 32 < K
-    return tl.load(s_ptr + s_row + g0 + tl.arange(0, G)[None, :],
-                   mask=nmask[:, None] & kmask[None, :], other=127)
+    return tl.load(s_ptr + s_row + g0 + tl.arange(0, G)[None, :], mask=nmask[:, None] & kmask[None, :], other=127)
 
 
 @triton.jit
-def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr, BLOCK_N: tl.constexpr):
     """(even k, odd k) each [BN, 16 G] bf16 of bytes raw [BN, 16 G] and scales sb [BN, G]:
     exact. Only elementwise ops lie between the bytes and the dot (the tile can go to the MMA
     from registers); each group's scale is broadcast over its 16 bytes."""
@@ -149,8 +146,7 @@ def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr,
         s16 = ((sb.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, G * 16))
         return e2m1_pair_asm(raw, s16)
-    sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 16)),
-                    (BLOCK_N, G * 16))
+    sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, G * 16))
     if MX_ASM:  # 2^126 * scale is exact in BF16 for UE8M0 bytes <= 128
         s16 = (sf * _BF16_2P126).to(tl.bfloat16)
         lo, hi = e2m1_lo_asm(raw, s16), e2m1_hi_asm(raw, s16)
@@ -163,12 +159,40 @@ def _decode(raw, sb, G: tl.constexpr, MX_ASM: tl.constexpr, PAIR: tl.constexpr,
 
 @triton.jit
 def _swapab_kernel(
-    xp_ptr, K, stride_x, rows_ptr, gamma_ptr, t_exp_ptr, t_start_ptr, t_end_ptr,
-    w1_ptr, s1_ptr, w3_ptr, s3_ptr, stride_we, stride_wn, stride_se, stride_sn,
-    out_ptr, N, limit, ws_ptr, count_ptr, steps_per_split,
-    SWIGLU: tl.constexpr, MX_ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
-    SCALE_PF: tl.constexpr, W_PF: tl.constexpr, X_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    xp_ptr,
+    K,
+    stride_x,
+    rows_ptr,
+    gamma_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    out_ptr,
+    N,
+    limit,
+    ws_ptr,
+    count_ptr,
+    steps_per_split,
+    SWIGLU: tl.constexpr,
+    MX_ASM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAIR: tl.constexpr,
+    SCALE_PF: tl.constexpr,
+    W_PF: tl.constexpr,
+    X_SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One tile (<= ROWS pairs of one expert) x one N block of BLOCK_N weight rows.
 
@@ -235,8 +259,7 @@ def _swapab_kernel(
             else:
                 xm = (k0 + x_col < K)[:, None]
                 xe = tl.load(xp_ptr + x_row + (k0 + x_col)[:, None], mask=xm, other=0.0)
-                xo = tl.load(xp_ptr + x_row + (k0 + x_odd + x_col)[:, None], mask=xm,
-                             other=0.0)
+                xo = tl.load(xp_ptr + x_row + (k0 + x_odd + x_col)[:, None], mask=xm, other=0.0)
             if W_PF:
                 raw1, raw3 = raw1n, raw3n
                 raw1n = _load_bytes(w1_ptr, w_row, nxt, K, nmask, G, EVEN_K)
@@ -267,7 +290,7 @@ def _swapab_kernel(
         done = True
         if SPLIT > 1:  # partials out; the last program of the SPLIT sums them in s order
             pid_nb = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            tile = (tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :])
+            tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :]
             base = pid_nb.to(tl.int64) * SPLIT * 2 * BLOCK_N * ROWS
             part = base + tl.program_id(2) * 2 * BLOCK_N * ROWS + tile
             tl.store(ws_ptr + part, acc1)
@@ -296,14 +319,11 @@ def _swapab_kernel(
             tl.store(out, round_bf16(acc1).to(tl.bfloat16), mask=mask)
 
 
-
-
 # ============================================================================ host side
 def compiled_variants() -> list:
     """The GEMM kernel's variants compiled so far (Triton CompiledKernel: asm, n_regs, ...)."""
     caches = getattr(_swapab_kernel, "device_caches", {})  # empty under the interpreter
     return [k for cache, *_ in caches.values() for k in cache.values()]
-
 
 
 def launch_config(part: str, num_tokens: int, config: SwapabConfig) -> dict:
@@ -317,13 +337,25 @@ def launch_config(part: str, num_tokens: int, config: SwapabConfig) -> dict:
     return cfg
 
 
-def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile: int,
-            swiglu: bool, cfg: dict, pair: bool, x_split: bool = True) -> None:
+def _launch(
+    xp,
+    rows,
+    gamma,
+    schedule,
+    w1,
+    w3,
+    out,
+    limit: float,
+    rows_per_tile: int,
+    swiglu: bool,
+    cfg: dict,
+    pair: bool,
+    x_split: bool = True,
+) -> None:
     n_dim, k_dim = w1.out_dim, w1.in_dim
     block_k, split = cfg["block_k"], cfg.get("split", 1)
     if block_k not in (32, 64, 128, 256, 512):
-        raise ValueError(f"swapab config block_k must be a power of two in [32, 512], "
-                         f"got {block_k}")
+        raise ValueError(f"swapab config block_k must be a power of two in [32, 512], got {block_k}")
     if not 1 <= split <= 16:
         raise ValueError(f"swapab config split must be in [1, 16], got {split}")
     w3 = w3 if w3 is not None else w1
@@ -334,36 +366,62 @@ def _launch(xp, rows, gamma, schedule, w1, w3, out, limit: float, rows_per_tile:
     steps = triton.cdiv(k_dim, block_k)
     if split > 1:
         n_tiles = grid[0] * grid[1]
-        ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile,
-                         dtype=torch.float32, device=xp.device)
+        ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile, dtype=torch.float32, device=xp.device)
         count = triton_runtime.arrival_counters(xp.device, n_tiles)
     else:
         ws = count = out  # unused
     _swapab_kernel[grid](
-        xp, k_dim, xp.stride(0), rows, gamma, schedule.expert, schedule.start, schedule.end,
-        w1.data, w1.scale, w3.data, w3.scale, w1.data.stride(0), w1.data.stride(1),
-        w1.scale.stride(0), w1.scale.stride(1), out, n_dim, float(limit), ws, count,
+        xp,
+        k_dim,
+        xp.stride(0),
+        rows,
+        gamma,
+        schedule.expert,
+        schedule.start,
+        schedule.end,
+        w1.data,
+        w1.scale,
+        w3.data,
+        w3.scale,
+        w1.data.stride(0),
+        w1.data.stride(1),
+        w1.scale.stride(0),
+        w1.scale.stride(1),
+        out,
+        n_dim,
+        float(limit),
+        ws,
+        count,
         triton.cdiv(steps, split),
-        SWIGLU=swiglu, MX_ASM=not triton_runtime.interpreting(), UPCAST=DOT_UPCAST,
-        EVEN_K=k_dim % block_k == 0, ROWS=rows_per_tile, BLOCK_N=cfg["block_n"],
-        BLOCK_K=block_k, PAIR=pair,
-        SCALE_PF=cfg.get("scale_prefetch", False), W_PF=cfg.get("w_prefetch", False),
-        X_SPLIT=x_split, SPLIT=split, num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not
-           triton_runtime.interpreting() else {}),
-        **triton_runtime.launch_options())
+        SWIGLU=swiglu,
+        MX_ASM=not triton_runtime.interpreting(),
+        UPCAST=DOT_UPCAST,
+        EVEN_K=k_dim % block_k == 0,
+        ROWS=rows_per_tile,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=block_k,
+        PAIR=pair,
+        SCALE_PF=cfg.get("scale_prefetch", False),
+        W_PF=cfg.get("w_prefetch", False),
+        X_SPLIT=x_split,
+        SPLIT=split,
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not triton_runtime.interpreting() else {}),
+        **triton_runtime.launch_options(),
+    )
 
 
-def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *,
-                cfg: SwapabConfig) -> torch.Tensor:
+def expert_rows(
+    x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: int, *, cfg: SwapabConfig
+) -> torch.Tensor:
     """y [P, D] bf16, one row per sorted pair of `pairs` (moe.triton.SortedPairs whose schedule
     has tiles of <= rows_per_tile pairs: sort_pairs(..., block_m=rows_per_tile)).
 
     x: [T, D] bf16 tokens; experts: moe.triton.ExpertSet with MXFP4 w1, w3 [E, I, D] and
     w2 [E, D, I]."""
     if not eligible(experts, x.dtype):
-        raise ValueError(f"swapab expert_rows reads MXFP4 experts (K % 32 == 0) and bf16 "
-                         f"activations (got {x.dtype})")
+        raise ValueError(f"swapab expert_rows reads MXFP4 experts (K % 32 == 0) and bf16 activations (got {x.dtype})")
     x = check_rows_call(x, pairs, experts, rows_per_tile, (8, 16, 32))
     num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
@@ -379,10 +437,35 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     else:
         xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
         _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
-            x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
-    _launch(xp, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, h, limit,
-            rows_per_tile, True, launch_config("up", num_tokens, cfg), pair,
-            x_split=not cfg.fold_prep)
-    _launch(h, pairs.rows, pairs.gamma, pairs.schedule, experts.w2, None, y, 0.0,
-            rows_per_tile, False, launch_config("down", num_tokens, cfg), pair)
+            x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4
+        )
+    _launch(
+        xp,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule,
+        experts.w1,
+        experts.w3,
+        h,
+        limit,
+        rows_per_tile,
+        True,
+        launch_config("up", num_tokens, cfg),
+        pair,
+        x_split=not cfg.fold_prep,
+    )
+    _launch(
+        h,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule,
+        experts.w2,
+        None,
+        y,
+        0.0,
+        rows_per_tile,
+        False,
+        launch_config("down", num_tokens, cfg),
+        pair,
+    )
     return y

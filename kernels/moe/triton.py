@@ -33,13 +33,7 @@ import triton.language as tl
 
 from flashpd.kernels.configs import DEFAULT, DenseConfig, KernelConfigs
 from flashpd.kernels.dense import triton as dense
-from flashpd.kernels.dense.triton import (
-    DOT_UPCAST,
-    Weights,
-    mma,
-    softplus_f32,
-    swiglu_limited,
-)
+from flashpd.kernels.dense.triton import DOT_UPCAST, Weights, mma, softplus_f32, swiglu_limited
 from flashpd.kernels.moe import gemv, grouped_large, swapab
 from flashpd.kernels.moe.ref import ExpertSet, ExpertWeights  # noqa: F401 (re-exported)
 from flashpd.kernels.quant.triton import round_bf16
@@ -57,9 +51,22 @@ _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
 
 # ============================================================================ fused router
 @triton.jit
-def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
-                    inv_temp, routed_scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                    E_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+def _route_epilogue(
+    logits,
+    rows,
+    rmask,
+    experts,
+    emask,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    inv_temp,
+    routed_scale,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
     scores = tl.sqrt_rn(softplus_f32(logits * inv_temp))  # [BT, E_PAD]
     bias = tl.load(bias_ptr + experts, mask=emask, other=0.0)
     biased = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
@@ -87,10 +94,28 @@ def _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr, weig
 
 
 @triton.jit
-def _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr,
-                t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks, TOP_K: tl.constexpr,
-                K_PAD: tl.constexpr, E_PAD: tl.constexpr, SORT_BLOCK_T: tl.constexpr,
-                COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+def _route_sort(
+    ids_ptr,
+    weights_ptr,
+    counter_ptr,
+    rows_ptr,
+    gamma_ptr,
+    pos_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    T,
+    E,
+    max_tiles,
+    sort_blocks,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SORT_BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
     """After a router token block's epilogue: the last token block to finish (a second arrival
     counter, counter_ptr[token blocks]) runs every program of `_sort_pairs_kernel` in turn, so
     the gate launch also gives sort_pairs' outputs. Reads the ids / weights through L2 (.cg)."""
@@ -106,25 +131,87 @@ def _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr,
         slot = tl.arange(0, K_PAD)
         smask = slot < TOP_K
         for blk in range(0, sort_blocks):
-            _sort_token_block(ids_ptr, weights_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk,
-                              sort_blocks, experts, slot, smask, TOP_K, E_PAD, SORT_BLOCK_T,
-                              COUNT_T, ".cg")
+            _sort_token_block(
+                ids_ptr,
+                weights_ptr,
+                rows_ptr,
+                gamma_ptr,
+                pos_ptr,
+                T,
+                blk,
+                sort_blocks,
+                experts,
+                slot,
+                smask,
+                TOP_K,
+                E_PAD,
+                SORT_BLOCK_T,
+                COUNT_T,
+                ".cg",
+            )
         for qb in range(0, (max_tiles + BLOCK_Q - 1) // BLOCK_Q):
-            _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, qb,
-                             experts, slot, smask, TOP_K, E_PAD, SORT_BLOCK_T, COUNT_T,
-                             BLOCK_M, BLOCK_Q, ".cg")
+            _sort_tile_block(
+                ids_ptr,
+                t_exp_ptr,
+                t_start_ptr,
+                t_end_ptr,
+                T,
+                E,
+                max_tiles,
+                qb,
+                experts,
+                slot,
+                smask,
+                TOP_K,
+                E_PAD,
+                SORT_BLOCK_T,
+                COUNT_T,
+                BLOCK_M,
+                BLOCK_Q,
+                ".cg",
+            )
 
 
 @triton.jit(do_not_specialize=["T", "max_tiles", "sort_blocks"])  # T == 1 stays a tensor scalar
-def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, counter_ptr,
-                  ids_ptr, weights_ptr, T, E, D, chunk, inv_temp, routed_scale,
-                  rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, max_tiles,
-                  sort_blocks,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr, NORMALIZE: tl.constexpr,
-                  SORT: tl.constexpr, SORT_BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+def _route_kernel(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    stride_w,
+    bias_ptr,
+    partial_ptr,
+    counter_ptr,
+    ids_ptr,
+    weights_ptr,
+    T,
+    E,
+    D,
+    chunk,
+    inv_temp,
+    routed_scale,
+    rows_ptr,
+    gamma_ptr,
+    pos_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    max_tiles,
+    sort_blocks,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SORT: tl.constexpr,
+    SORT_BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
     tb = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -136,48 +223,127 @@ def _route_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, partial_ptr, count
     for k0 in range(sp * chunk, k_end, BLOCK_K):
         k_idx = k0 + tl.arange(0, BLOCK_K)
         kmask = k_idx < k_end
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k_idx[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * stride_w + k_idx[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x + k_idx[None, :],
+            mask=rmask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + experts[:, None].to(tl.int64) * stride_w + k_idx[None, :],
+            mask=emask[:, None] & kmask[None, :],
+            other=0.0,
+        )
         acc = mma(a, tl.trans(w), acc, IEEE, UPCAST)
     if SPLIT == 1:
-        _route_epilogue(acc, rows, rmask, experts, emask, bias_ptr, ids_ptr, weights_ptr,
-                        inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
+        _route_epilogue(
+            acc,
+            rows,
+            rmask,
+            experts,
+            emask,
+            bias_ptr,
+            ids_ptr,
+            weights_ptr,
+            inv_temp,
+            routed_scale,
+            TOP_K,
+            K_PAD,
+            E_PAD,
+            NORMALIZE,
+        )
         if SORT:
-            _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr,
-                        t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks,
-                        TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
+            _route_sort(
+                ids_ptr,
+                weights_ptr,
+                counter_ptr,
+                rows_ptr,
+                gamma_ptr,
+                pos_ptr,
+                t_exp_ptr,
+                t_start_ptr,
+                t_end_ptr,
+                T,
+                E,
+                max_tiles,
+                sort_blocks,
+                TOP_K,
+                K_PAD,
+                E_PAD,
+                SORT_BLOCK_T,
+                COUNT_T,
+                BLOCK_M,
+                BLOCK_Q,
+            )
     else:
-        tile = (rows[:, None].to(tl.int64) * E_PAD + experts[None, :])
+        tile = rows[:, None].to(tl.int64) * E_PAD + experts[None, :]
         tl.store(partial_ptr + sp * T.to(tl.int64) * E_PAD + tile, acc, mask=rmask[:, None])
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # last slice of this token block: reduce in slice order
             logits = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
-                logits += tl.load(partial_ptr + s * T.to(tl.int64) * E_PAD + tile,
-                                  mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+                logits += tl.load(
+                    partial_ptr + s * T.to(tl.int64) * E_PAD + tile,
+                    mask=rmask[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
             tl.store(counter_ptr + tb, 0)  # ready for the next launch
-            _route_epilogue(logits, rows, rmask, experts, emask, bias_ptr, ids_ptr,
-                            weights_ptr, inv_temp, routed_scale, TOP_K, K_PAD, E_PAD, NORMALIZE)
+            _route_epilogue(
+                logits,
+                rows,
+                rmask,
+                experts,
+                emask,
+                bias_ptr,
+                ids_ptr,
+                weights_ptr,
+                inv_temp,
+                routed_scale,
+                TOP_K,
+                K_PAD,
+                E_PAD,
+                NORMALIZE,
+            )
             if SORT:  # sort_pairs' outputs from the last token block to finish
-                _route_sort(ids_ptr, weights_ptr, counter_ptr, rows_ptr, gamma_ptr, pos_ptr,
-                            t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, sort_blocks,
-                            TOP_K, K_PAD, E_PAD, SORT_BLOCK_T, COUNT_T, BLOCK_M, BLOCK_Q)
+                _route_sort(
+                    ids_ptr,
+                    weights_ptr,
+                    counter_ptr,
+                    rows_ptr,
+                    gamma_ptr,
+                    pos_ptr,
+                    t_exp_ptr,
+                    t_start_ptr,
+                    t_end_ptr,
+                    T,
+                    E,
+                    max_tiles,
+                    sort_blocks,
+                    TOP_K,
+                    K_PAD,
+                    E_PAD,
+                    SORT_BLOCK_T,
+                    COUNT_T,
+                    BLOCK_M,
+                    BLOCK_Q,
+                )
 
 
-
-
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-          routed_scale: float, gate_temp: float = 1.0,
-          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    routed_scale: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids [T, k] int64, weights [T, k] FP32), one fused launch.
 
     Ties in s + bias go to the lower expert id. `normalize` is norm_topk_prob.
     """
-    ids, weights, _ = _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp,
-                                    normalize, None)
+    ids, weights, _ = _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, None)
     return ids, weights
 
 
@@ -191,25 +357,38 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 # sorts block after block (4 at 64 tokens, plus the tile blocks).
 
 
-def route_sorted(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                 routed_scale: float, gate_temp: float, normalize: bool,
-                 block_m: int, *, tuned: KernelConfigs = DEFAULT,
-                 ) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
+def route_sorted(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    routed_scale: float,
+    gate_temp: float,
+    normalize: bool,
+    block_m: int,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor, SortedPairs]:
     """(ids, weights) as `route` and their SortedPairs as `sort_pairs(ids, weights, E, block_m)`:
     one launch when fused_gate is on and T <= fused_gate_max_tokens, else route + sort_pairs."""
     num_experts = gate_weight.shape[0]
     m = tuned.moe
-    if not (m.fused_gate and 0 < x.shape[0] <= min(m.fused_gate_max_tokens,
-                                                    SORT_KERNEL_MAX_TOKENS)):
+    if not (m.fused_gate and 0 < x.shape[0] <= min(m.fused_gate_max_tokens, SORT_KERNEL_MAX_TOKENS)):
         ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
         return ids, weights, sort_pairs(ids, weights, num_experts, block_m)
-    return _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize,
-                         block_m)
+    return _route_launch(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m)
 
 
-def _route_launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                  routed_scale: float, gate_temp: float, normalize: bool,
-                  block_m: int | None) -> tuple[torch.Tensor, torch.Tensor, SortedPairs | None]:
+def _route_launch(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    routed_scale: float,
+    gate_temp: float,
+    normalize: bool,
+    block_m: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, SortedPairs | None]:
     """The router launch; with `block_m`, its last token block also sorts the pairs."""
     _check_route(x, gate_weight, bias, top_k)
     num_tokens, dim = x.shape
@@ -229,19 +408,43 @@ def _route_launch(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
     if block_m is not None:
         pairs = _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
         sched = pairs.schedule
-        sorted_out = (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end,
-                      sched.start.shape[0])
+        sorted_out = (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end, sched.start.shape[0])
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
-        x, x.stride(0), w, w.stride(0), bias.to(torch.float32).contiguous(), partial,
-        triton_runtime.arrival_counters(x.device, n_blocks + 1), ids, weights, num_tokens,
-        num_experts, dim, chunk, 1.0 / gate_temp, float(routed_scale), *sorted_out,
+        x,
+        x.stride(0),
+        w,
+        w.stride(0),
+        bias.to(torch.float32).contiguous(),
+        partial,
+        triton_runtime.arrival_counters(x.device, n_blocks + 1),
+        ids,
+        weights,
+        num_tokens,
+        num_experts,
+        dim,
+        chunk,
+        1.0 / gate_temp,
+        float(routed_scale),
+        *sorted_out,
         triton.cdiv(num_tokens, _SORT_BLOCK_T),
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=_ROUTER_BLOCK_T,
-        E_PAD=e_pad, BLOCK_K=block_k, SPLIT=ROUTER_SPLIT,
-        IEEE=x.dtype == torch.float32, UPCAST=DOT_UPCAST, NORMALIZE=normalize,
-        SORT=block_m is not None, SORT_BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T,
-        BLOCK_M=block_m or 16, BLOCK_Q=_SORT_BLOCK_Q,
-        num_warps=8, num_stages=3, **triton_runtime.launch_options())
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        BLOCK_T=_ROUTER_BLOCK_T,
+        E_PAD=e_pad,
+        BLOCK_K=block_k,
+        SPLIT=ROUTER_SPLIT,
+        IEEE=x.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        NORMALIZE=normalize,
+        SORT=block_m is not None,
+        SORT_BLOCK_T=_SORT_BLOCK_T,
+        COUNT_T=SORT_COUNT_T,
+        BLOCK_M=block_m or 16,
+        BLOCK_Q=_SORT_BLOCK_Q,
+        num_warps=8,
+        num_stages=3,
+        **triton_runtime.launch_options(),
+    )
     return ids, weights, pairs
 
 
@@ -255,13 +458,11 @@ def router_block_k(num_experts: int) -> int:
     return max(16, min(ROUTER_BLOCK_K, _ROUTER_TILE_BYTES // (2 * e_pad)))
 
 
-def _check_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
-                 top_k: int) -> None:
+def _check_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
     if x.ndim != 2 or x.stride(1) != 1 or gate_weight.ndim != 2 or gate_weight.stride(1) != 1:
         raise ValueError("route needs row-major x [T, D] and gate_weight [E, D]")
     if x.shape[1] != gate_weight.shape[1] or bias.shape != (gate_weight.shape[0],):
-        raise ValueError(f"route shapes x {tuple(x.shape)}, W {tuple(gate_weight.shape)}, "
-                         f"bias {tuple(bias.shape)}")
+        raise ValueError(f"route shapes x {tuple(x.shape)}, W {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"route input must be bf16 or fp32, got {x.dtype}")
     if not 1 <= top_k <= gate_weight.shape[0]:
@@ -287,24 +488,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     g, u = gate.contiguous(), up.contiguous()
     h = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
     if h.numel():
-        _swiglu_kernel[(triton.cdiv(h.numel(), 1024),)](g, u, h, h.numel(), float(limit),
-                                                         BLOCK=1024)
+        _swiglu_kernel[(triton.cdiv(h.numel(), 1024),)](g, u, h, h.numel(), float(limit), BLOCK=1024)
     return h
 
 
 # ============================================================================ experts
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-               limit: float, weight: torch.Tensor | None = None, *,
-               tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weight: torch.Tensor | None = None,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """x [n, D] -> [n, D] in x.dtype; `weight` [n, 1] FP32 multiplies h before w2."""
-    experts = ExpertSet(Weights.plain(w1.to(x.dtype)), Weights.plain(w3.to(x.dtype)),
-                        Weights.plain(w2.to(x.dtype)))
+    experts = ExpertSet(Weights.plain(w1.to(x.dtype)), Weights.plain(w3.to(x.dtype)), Weights.plain(w2.to(x.dtype)))
     gamma = None if weight is None else weight.reshape(-1).to(torch.float32).contiguous()
     return dense_experts(x, experts, limit, gamma, tuned.dense)
 
 
-def dense_experts(x: torch.Tensor, experts: ExpertSet, limit: float,
-                  gamma: torch.Tensor | None, cfg: DenseConfig) -> torch.Tensor:
+def dense_experts(
+    x: torch.Tensor, experts: ExpertSet, limit: float, gamma: torch.Tensor | None, cfg: DenseConfig
+) -> torch.Tensor:
     """Every row of x through expert 0 of `experts` (shared expert / single expert)."""
     num_rows = x.shape[0]
     h = torch.empty(num_rows, experts.w1.out_dim, dtype=x.dtype, device=x.device)
@@ -337,9 +544,19 @@ _COMBINE_BLOCK_D = 1024
 
 
 @triton.jit
-def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
-                 BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, E_PAD: tl.constexpr,
-                 CACHE: tl.constexpr):
+def _sort_counts(
+    ids_ptr,
+    T,
+    t_own,
+    experts,
+    slot,
+    smask,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """(pairs per expert in every token but the BLOCK_T from t_own, of those before t_own),
     COUNT_T tokens a step."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -348,8 +565,7 @@ def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
         tok = t0 + tl.arange(0, COUNT_T)
         own = (tok >= t_own) & (tok < t_own + BLOCK_T)
         m = ((tok < T) & ~own)[:, None] & smask[None, :]
-        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1,
-                      cache_modifier=CACHE)
+        ids = tl.load(ids_ptr + tok[:, None] * TOP_K + slot[None, :], mask=m, other=-1, cache_modifier=CACHE)
         hit = (ids.to(tl.int32)[:, :, None] == experts[None, None, :]).to(tl.int32)
         per_tok = tl.sum(hit, axis=1)  # [COUNT_T, E]
         counts += tl.sum(per_tok, axis=0)
@@ -358,9 +574,24 @@ def _sort_counts(ids_ptr, T, t_own, experts, slot, smask, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk, n_blocks, experts,
-                      slot, smask, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, CACHE: tl.constexpr):
+def _sort_token_block(
+    ids_ptr,
+    w_ptr,
+    rows_ptr,
+    gamma_ptr,
+    pos_ptr,
+    T,
+    blk,
+    n_blocks,
+    experts,
+    slot,
+    smask,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """Token block `blk`: the sorted rows (rows, gamma) and per-token ranks (pos) of its pairs."""
     tok = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     m = (tok[:, None] < T) & smask[None, :]
@@ -372,8 +603,7 @@ def _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk, n_bl
     counts = tl.sum(per_tok, axis=0)
     seen = tl.zeros((E_PAD,), dtype=tl.int32)
     if n_blocks > 1:
-        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K,
-                               BLOCK_T, COUNT_T, E_PAD, CACHE)
+        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
         counts += c
     row_off = tl.cumsum(counts, 0) - counts
     base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
@@ -383,21 +613,35 @@ def _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, blk, n_bl
     earlier = slot[None, None, :] < slot[None, :, None]
     same = (other == ids[:, :, None]) & valid & earlier
     dest += tl.sum(same.to(tl.int32), axis=2)
-    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + \
-        tl.sum(same.to(tl.int32), axis=2)
+    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + tl.sum(same.to(tl.int32), axis=2)
     tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
     tl.store(gamma_ptr + dest, gam, mask=m)
     tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
 
 
 @triton.jit
-def _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles, qb, experts,
-                     slot, smask, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-                     BLOCK_T: tl.constexpr, COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, CACHE: tl.constexpr):
+def _sort_tile_block(
+    ids_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    T,
+    E,
+    max_tiles,
+    qb,
+    experts,
+    slot,
+    smask,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """Tiles qb * BLOCK_Q .. + BLOCK_Q - 1 of the grouped GEMM's schedule."""
-    counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T,
-                             COUNT_T, E_PAD, CACHE)
+    counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
     row_off = tl.cumsum(counts, 0) - counts
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
@@ -418,21 +662,71 @@ def _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles
 
 
 @triton.jit(do_not_specialize=["T", "max_tiles", "n_blocks"])
-def _sort_pairs_kernel(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, t_exp_ptr, t_start_ptr,
-                       t_end_ptr, T, E, max_tiles, n_blocks, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       COUNT_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+def _sort_pairs_kernel(
+    ids_ptr,
+    w_ptr,
+    rows_ptr,
+    gamma_ptr,
+    pos_ptr,
+    t_exp_ptr,
+    t_start_ptr,
+    t_end_ptr,
+    T,
+    E,
+    max_tiles,
+    n_blocks,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     slot = tl.arange(0, K_PAD)
     smask = slot < TOP_K
     if pid < n_blocks:  # token block pid: sorted rows and per-token ranks of its pairs
-        _sort_token_block(ids_ptr, w_ptr, rows_ptr, gamma_ptr, pos_ptr, T, pid, n_blocks,
-                          experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T, "")
+        _sort_token_block(
+            ids_ptr,
+            w_ptr,
+            rows_ptr,
+            gamma_ptr,
+            pos_ptr,
+            T,
+            pid,
+            n_blocks,
+            experts,
+            slot,
+            smask,
+            TOP_K,
+            E_PAD,
+            BLOCK_T,
+            COUNT_T,
+            "",
+        )
     else:  # tiles of the grouped GEMM's schedule
-        _sort_tile_block(ids_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, T, E, max_tiles,
-                         pid - n_blocks, experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T,
-                         BLOCK_M, BLOCK_Q, "")
+        _sort_tile_block(
+            ids_ptr,
+            t_exp_ptr,
+            t_start_ptr,
+            t_end_ptr,
+            T,
+            E,
+            max_tiles,
+            pid - n_blocks,
+            experts,
+            slot,
+            smask,
+            TOP_K,
+            E_PAD,
+            BLOCK_T,
+            COUNT_T,
+            BLOCK_M,
+            BLOCK_Q,
+            "",
+        )
 
 
 @dataclass(frozen=True)
@@ -447,8 +741,7 @@ class SortedPairs:
     pos: torch.Tensor
 
 
-def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-               block_m: int) -> SortedPairs:
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
     """Sort the (token, slot) pairs of ids [T, k] (distinct experts per token, as `route`
     gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens (a program
     per 16-token block and per 64 tiles)."""
@@ -472,11 +765,27 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
     sched = out.schedule
     n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
     _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
-        ids.contiguous(), weights.to(torch.float32).contiguous(), out.rows, out.gamma, out.pos,
-        sched.expert, sched.start, sched.end, num_tokens, num_experts, max_tiles, n_blocks,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), BLOCK_T=_SORT_BLOCK_T, COUNT_T=SORT_COUNT_T,
-        BLOCK_M=block_m, BLOCK_Q=_SORT_BLOCK_Q, num_warps=SORT_WARPS)
+        ids.contiguous(),
+        weights.to(torch.float32).contiguous(),
+        out.rows,
+        out.gamma,
+        out.pos,
+        sched.expert,
+        sched.start,
+        sched.end,
+        num_tokens,
+        num_experts,
+        max_tiles,
+        n_blocks,
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_T=_SORT_BLOCK_T,
+        COUNT_T=SORT_COUNT_T,
+        BLOCK_M=block_m,
+        BLOCK_Q=_SORT_BLOCK_Q,
+        num_warps=SORT_WARPS,
+    )
     return out
 
 
@@ -485,22 +794,31 @@ def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, -(-num_pairs // block_m) + num_experts))
 
 
-def _empty_pairs(num_tokens: int, top_k: int, num_experts: int, block_m: int,
-                 device: torch.device) -> SortedPairs:
+def _empty_pairs(num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device) -> SortedPairs:
     """SortedPairs' buffers for the sort kernels to fill (sort_pairs, route_sorted)."""
     num_pairs = num_tokens * top_k
     rows = torch.empty(num_pairs, dtype=torch.int32, device=device)
     gamma = torch.empty(num_pairs, dtype=torch.float32, device=device)
     pos = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    tile = torch.empty(3, _max_tiles(num_pairs, num_experts, block_m), dtype=torch.int32,
-                       device=device)
+    tile = torch.empty(3, _max_tiles(num_pairs, num_experts, block_m), dtype=torch.int32, device=device)
     return SortedPairs(rows, gamma, dense.TileSchedule(tile[0], tile[1], tile[2], block_m), pos)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, stride_y, pos_ptr, shared_ptr, stride_s, out_ptr, stride_o, D,
-                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, OUT_BF16: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    stride_y,
+    pos_ptr,
+    shared_ptr,
+    stride_s,
+    out_ptr,
+    stride_o,
+    D,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """out[t] = sum of y[pos[t, 0..k-1]] in that order (ascending expert id) + shared[t], FP32,
     rounded once to out's dtype."""
     t = tl.program_id(0).to(tl.int64)
@@ -517,8 +835,7 @@ def _combine_kernel(y_ptr, stride_y, pos_ptr, shared_ptr, stride_s, out_ptr, str
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None,
-            out_dtype: torch.dtype) -> torch.Tensor:
+def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """[T, D] in out_dtype: each token's expert rows y[pos[t]] summed in FP32 in pos order,
     plus shared[t] (the shared expert's output) when given, one rounding. One launch."""
     num_tokens, top_k = pos.shape
@@ -526,16 +843,27 @@ def combine(y: torch.Tensor, pos: torch.Tensor, shared: torch.Tensor | None,
     out = torch.empty(num_tokens, dim, dtype=out_dtype, device=y.device)
     if num_tokens:
         _combine_kernel[(num_tokens, triton.cdiv(dim, _COMBINE_BLOCK_D))](
-            y, y.stride(0), pos, shared if shared is not None else y,
-            shared.stride(0) if shared is not None else 0, out, out.stride(0), dim,
-            TOP_K=top_k, HAS_SHARED=shared is not None, OUT_BF16=out_dtype == torch.bfloat16,
-            BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
+            y,
+            y.stride(0),
+            pos,
+            shared if shared is not None else y,
+            shared.stride(0) if shared is not None else 0,
+            out,
+            out.stride(0),
+            dim,
+            TOP_K=top_k,
+            HAS_SHARED=shared is not None,
+            OUT_BF16=out_dtype == torch.bfloat16,
+            BLOCK_D=_COMBINE_BLOCK_D,
+            num_warps=4,
+        )
     return out
 
 
 # ============================================================================ routed experts
-def expert_path(num_tokens: int, num_pairs: int, experts: ExpertSet, dtype: torch.dtype,
-                tuned: KernelConfigs) -> tuple[str, int]:
+def expert_path(
+    num_tokens: int, num_pairs: int, experts: ExpertSet, dtype: torch.dtype, tuned: KernelConfigs
+) -> tuple[str, int]:
     """(path, tile rows) the routed experts of a num_tokens-token call take: "gemv" (CUDA
     cores), "swapab" (decode sizes), "large" (prefill sizes, GPU) or "grouped" (the generic
     grouped GEMMs); tile rows: the pair sort's block_m for that path."""
@@ -546,13 +874,18 @@ def expert_path(num_tokens: int, num_pairs: int, experts: ExpertSet, dtype: torc
         return "swapab", swapab.tile_rows(num_tokens, m.swapab)
     if grouped_large.eligible(experts.w1, num_pairs, dtype, experts.w2, cfg=m.large):
         return "large", grouped_large.block_m(m.large)
-    return "grouped", dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)),
-                                        tuned.dense)
+    return "grouped", dense.block_m_for(max(1, num_pairs // max(1, experts.num_experts)), tuned.dense)
 
 
-def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: ExpertSet, limit: float, presorted: SortedPairs | None,
-                 tuned: KernelConfigs) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_rows(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertSet,
+    limit: float,
+    presorted: SortedPairs | None,
+    tuned: KernelConfigs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T*k, D] in x.dtype, one row per sorted pair; pos [T, k]): the two grouped GEMMs.
     `presorted`: the pairs already sorted (route_sorted), used when its tiles fit the path."""
     num_tokens, top_k = ids.shape
@@ -567,38 +900,84 @@ def _expert_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if path == "swapab":
         return swapab.expert_rows(x, pairs, experts, limit, block_m, cfg=m.swapab), pairs.pos
     if path == "large":
-        return grouped_large.expert_gemms(x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1,
-                                          experts.w3, experts.w2, limit, cfg=m.large), pairs.pos
+        return grouped_large.expert_gemms(
+            x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, experts.w2, limit, cfg=m.large
+        ), pairs.pos
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
-    dense.grouped_gemm(x, experts.w1, pairs.schedule, h, a_rows=pairs.rows, w3=experts.w3,
-                       gamma=pairs.gamma, limit=limit, cfg=tuned.dense)
+    dense.grouped_gemm(
+        x,
+        experts.w1,
+        pairs.schedule,
+        h,
+        a_rows=pairs.rows,
+        w3=experts.w3,
+        gamma=pairs.gamma,
+        limit=limit,
+        cfg=tuned.dense,
+    )
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(h, experts.w2, pairs.schedule, y, cfg=tuned.dense)
     return y, pairs.pos
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   experts: ExpertSet, limit: float, *,
-                   tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertSet,
+    limit: float,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """Sum over each token's k experts, ascending expert id, FP32 [T, D] (no shared expert)."""
     y, pos = _expert_rows(x, ids, weights, experts, limit, None, tuned)
     return combine(y, pos, None, torch.float32)
 
 
-def moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights,
-        shared: ExpertWeights | None, top_k: int, routed_scale: float, limit: float,
-        gate_temp: float = 1.0, normalize: bool = True, *,
-        tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def moe(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    experts: ExpertWeights,
+    shared: ExpertWeights | None,
+    top_k: int,
+    routed_scale: float,
+    limit: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """x [T, D] -> y [T, D] in x.dtype (dequantised expert weights, as the ref)."""
-    return moe_quantized(x, gate_weight, bias, ExpertSet.plain(experts),
-                         None if shared is None else ExpertSet.plain(shared), top_k,
-                         routed_scale, limit, gate_temp, normalize, tuned=tuned)
+    return moe_quantized(
+        x,
+        gate_weight,
+        bias,
+        ExpertSet.plain(experts),
+        None if shared is None else ExpertSet.plain(shared),
+        top_k,
+        routed_scale,
+        limit,
+        gate_temp,
+        normalize,
+        tuned=tuned,
+    )
 
 
-def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
-                  experts: ExpertSet, shared: ExpertSet | None, top_k: int, routed_scale: float,
-                  limit: float, gate_temp: float = 1.0, normalize: bool = True, *,
-                  tuned: KernelConfigs = DEFAULT) -> torch.Tensor:
+def moe_quantized(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    experts: ExpertSet,
+    shared: ExpertSet | None,
+    top_k: int,
+    routed_scale: float,
+    limit: float,
+    gate_temp: float = 1.0,
+    normalize: bool = True,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> torch.Tensor:
     """As `moe`, with expert weights in checkpoint formats (MXFP4 routed, FP8 shared)."""
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
@@ -607,12 +986,15 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
     if tuned.moe.fused_gate and x.shape[0] <= tuned.moe.fused_gate_max_tokens:  # one launch
         _, block_m = expert_path(x.shape[0], x.shape[0] * top_k, experts, x.dtype, tuned)
         ids, weights, presorted = route_sorted(
-            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned)
+            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned
+        )
     else:
         ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
     y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
-    shared_y = [dense_experts(x, _one_expert(shared, e), limit, None, tuned.dense)
-                for e in range(shared.num_experts if shared is not None else 0)]
+    shared_y = [
+        dense_experts(x, _one_expert(shared, e), limit, None, tuned.dense)
+        for e in range(shared.num_experts if shared is not None else 0)
+    ]
     if len(shared_y) <= 1:  # routed sum + shared expert + rounding in one launch
         return combine(y, pos, shared_y[0] if shared_y else None, x.dtype)
     out = combine(y, pos, None, torch.float32)
@@ -622,12 +1004,24 @@ def moe_quantized(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor
 
 
 def _one_expert(experts: ExpertSet, e: int) -> ExpertSet:
-    return ExpertSet(*(Weights(w.fmt, w.data[e:e + 1], None if w.scale is None else
-                               w.scale[e:e + 1]) for w in (experts.w1, experts.w3, experts.w2)))
+    return ExpertSet(
+        *(
+            Weights(w.fmt, w.data[e : e + 1], None if w.scale is None else w.scale[e : e + 1])
+            for w in (experts.w1, experts.w3, experts.w2)
+        )
+    )
 
 
-def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, top_k: int,
-           rows=(1, 8, 64), limit: float = 10.0, *, tuned: KernelConfigs = DEFAULT) -> int:
+def warmup(
+    experts: ExpertSet,
+    shared: ExpertSet | None,
+    num_gate_experts: int,
+    top_k: int,
+    rows=(1, 8, 64),
+    limit: float = 10.0,
+    *,
+    tuned: KernelConfigs = DEFAULT,
+) -> int:
     """Compile (and run once) the router and expert GEMM variants of `rows`-token MoE calls.
 
     experts / shared: one layer's routed (MXFP4) and shared (FP8) experts; num_gate_experts:
@@ -636,7 +1030,7 @@ def warmup(experts: ExpertSet, shared: ExpertSet | None, num_gate_experts: int, 
     """
     device = experts.w1.data.device
     dim = experts.w1.in_dim
-    gate = torch.randn(num_gate_experts, dim, device=device).to(torch.bfloat16) * dim ** -0.5
+    gate = torch.randn(num_gate_experts, dim, device=device).to(torch.bfloat16) * dim**-0.5
     bias = torch.zeros(num_gate_experts, device=device)
     for r in rows:
         x = torch.randn(r, dim, device=device).to(torch.bfloat16)

@@ -36,24 +36,7 @@ _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 _INV_E2M1_MAX = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
 
 # E2M1 code -> value. Bit 3 sign, bits 2-1 exponent, bit 0 mantissa.
-_E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 # ----------------------------------------------------------------------------- scalar formats
@@ -205,8 +188,9 @@ def fake_quant_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
     return _merge_blocks(e2m1_decode(q) * e8m0_to_float(s)).to(x.dtype)
 
 
-def rope_fake_quant_mxfp4(values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                          heads: int = 1) -> torch.Tensor:
+def rope_fake_quant_mxfp4(
+    values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int = 1
+) -> torch.Tensor:
     """values [T * heads, D], RoPE tables [T, R/2] (one row per token, shared by its heads) ->
     fake_quant_mxfp4(rope(values)) in values.dtype: the index query of §5.1."""
     from flashpd.kernels.rope.ref import rotate
@@ -285,9 +269,7 @@ def _record_dim(rec: torch.Tensor, record_bytes, per_d: float) -> int:
 
 
 # ----------------------------------------------------------------------------- weight formats
-def quantize_fp8_blockwise(
-    w: torch.Tensor, block: tuple[int, int] = (32, 32)
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (32, 32)) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (E4M3 [out, in] float8_e4m3fn, UE8M0 bytes uint8 [ceil(out/bo), ceil(in/bi)]).
 
     One power-of-two scale per bo x bi tile: scale = pow2ceil(amax / 448). Edge tiles are padded
@@ -316,10 +298,7 @@ def expand_tile_scales(
 
 
 def dequantize_fp8_blockwise(
-    w_f8: torch.Tensor,
-    scale_u8: torch.Tensor,
-    dtype: torch.dtype = torch.bfloat16,
-    block: tuple[int, int] = (32, 32),
+    w_f8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: tuple[int, int] = (32, 32)
 ) -> torch.Tensor:
     """Inverse of quantize_fp8_blockwise: W = E4M3(w) * 2^(S - 127) per tile, in `dtype`."""
     _check_dtype(w_f8, torch.float8_e4m3fn, "w_f8")
@@ -379,8 +358,13 @@ def _check_dtype(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 FMT_WINDOW_FP8, FMT_NVFP4, FMT_MXFP4 = 0, 1, 2  # record formats of `write_unchecked`
 
 
-def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def write_unchecked(
+    fmt: int,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    pool: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
     """pool[rows[n]] = pack(rope(values[n])) in the record format `fmt` (rows < 0 skipped; the
     rotated values rounded to values.dtype first), in place."""
     from flashpd.kernels.rope.ref import rotate

@@ -42,13 +42,13 @@ from flashpd.kernels.quant.ref import FMT_MXFP4, FMT_NVFP4, FMT_WINDOW_FP8
 
 # per record format (read-only tables): values per scale block, record bytes of a D-wide row,
 # the amax floor of a block's scale
-_BLOCK = MappingProxyType({FMT_WINDOW_FP8: ref.WINDOW_FP8_BLOCK, FMT_NVFP4: ref.NVFP4_BLOCK,
-                           FMT_MXFP4: ref.MXFP4_BLOCK})
-_RECORD_BYTES = MappingProxyType({FMT_WINDOW_FP8: ref.window_fp8_record_bytes,
-                                  FMT_NVFP4: ref.nvfp4_record_bytes,
-                                  FMT_MXFP4: ref.mxfp4_record_bytes})
-_AMAX_FLOOR = MappingProxyType({FMT_WINDOW_FP8: 1e-4, FMT_NVFP4: 6.0 * 2.0**-9,
-                                FMT_MXFP4: 6.0 * 2.0**-126})
+_BLOCK = MappingProxyType(
+    {FMT_WINDOW_FP8: ref.WINDOW_FP8_BLOCK, FMT_NVFP4: ref.NVFP4_BLOCK, FMT_MXFP4: ref.MXFP4_BLOCK}
+)
+_RECORD_BYTES = MappingProxyType(
+    {FMT_WINDOW_FP8: ref.window_fp8_record_bytes, FMT_NVFP4: ref.nvfp4_record_bytes, FMT_MXFP4: ref.mxfp4_record_bytes}
+)
+_AMAX_FLOOR = MappingProxyType({FMT_WINDOW_FP8: 1e-4, FMT_NVFP4: 6.0 * 2.0**-9, FMT_MXFP4: 6.0 * 2.0**-126})
 
 
 # ============================================================================ device helpers
@@ -113,10 +113,15 @@ def e4m3_decode(b):
 def e2m1_encode(x):
     """FP32 (already scaled) -> E2M1 code (int32, 0..15); ties to the even code, saturating."""
     mag = tl.abs(x)
-    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32)
-            + (mag > 1.25).to(tl.int32) + (mag >= 1.75).to(tl.int32)
-            + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-            + (mag > 5.0).to(tl.int32))
+    code = (
+        (mag > 0.25).to(tl.int32)
+        + (mag >= 0.75).to(tl.int32)
+        + (mag > 1.25).to(tl.int32)
+        + (mag >= 1.75).to(tl.int32)
+        + (mag > 2.5).to(tl.int32)
+        + (mag >= 3.5).to(tl.int32)
+        + (mag > 5.0).to(tl.int32)
+    )
     return code | ((x < 0).to(tl.int32) << 3)
 
 
@@ -161,8 +166,9 @@ def pow2ceil_biased(x):
 
 # ============================================================================ record encoders
 @triton.jit
-def _rope_pairs(a, b, cos_ptr, sin_ptr, pair, ROPE_PAIRS: tl.constexpr, NUM_PAIRS: tl.constexpr,
-                ROUND_BF16: tl.constexpr):
+def _rope_pairs(
+    a, b, cos_ptr, sin_ptr, pair, ROPE_PAIRS: tl.constexpr, NUM_PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr
+):
     """Rotate pairs (a, b) whose pair index >= NUM_PAIRS - ROPE_PAIRS; round as the input dtype.
 
     a' = a cos - b sin, b' = a sin + b cos in FP32 (products rounded before the sum), then one
@@ -183,9 +189,22 @@ def _rope_pairs(a, b, cos_ptr, sin_ptr, pair, ROPE_PAIRS: tl.constexpr, NUM_PAIR
 
 @triton.jit
 def _kv_write_kernel(
-    values_ptr, stride_v, rows_ptr, pool_ptr, stride_p, cos_ptr, sin_ptr, stride_cs, rope_div,
-    D: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-    ROPE_PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_VALUES: tl.constexpr,
+    values_ptr,
+    stride_v,
+    rows_ptr,
+    pool_ptr,
+    stride_p,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    rope_div,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    OUT_VALUES: tl.constexpr,
 ):
     """One program per token: RoPE (optional) -> block scales -> codes -> one packed record.
 
@@ -232,28 +251,30 @@ def _kv_write_kernel(
         if OUT_VALUES:  # code * 2^(sbyte - 127): exact in FP32 and in BF16
             scale = e8m0_decode(sbyte)[:, None]
             tl.store(rec + 2 * pair, (e2m1_decode(lo) * scale).to(pool_ptr.dtype.element_ty))
-            tl.store(rec + 2 * pair + 1,
-                     (e2m1_decode(hi) * scale).to(pool_ptr.dtype.element_ty))
+            tl.store(rec + 2 * pair + 1, (e2m1_decode(hi) * scale).to(pool_ptr.dtype.element_ty))
         else:
             tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
             tl.store(rec + D // 2 + tl.arange(0, NB), sbyte.to(tl.uint8), mask=live)
 
 
 # ============================================================================ public API
-def write_window_fp8(values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def write_window_fp8(
+    values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     """values [N, D] -> pool[rows[n]] = ref.pack_window_fp8(rope(values[n])) (rows < 0 skipped)."""
     _write(FMT_WINDOW_FP8, values, rows, pool, rope)
 
 
-def write_nvfp4(values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def write_nvfp4(
+    values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     """values [N, D] -> pool[rows[n]] = ref.pack_nvfp4(rope(values[n])) (compressed main KV)."""
     _write(FMT_NVFP4, values, rows, pool, rope)
 
 
-def write_mxfp4(values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def write_mxfp4(
+    values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     """values [N, D] -> pool[rows[n]] = ref.pack_mxfp4(rope(values[n])) (index keys)."""
     _write(FMT_MXFP4, values, rows, pool, rope)
 
@@ -276,21 +297,30 @@ def pack_mxfp4(x: torch.Tensor) -> torch.Tensor:
 def _pack(fmt: int, x: torch.Tensor) -> torch.Tensor:
     if x.ndim != 2:
         raise ValueError(f"pack expects [N, D], got {tuple(x.shape)}")
-    pool = torch.empty(x.shape[0], _RECORD_BYTES[fmt](x.shape[1]), dtype=torch.uint8,
-                       device=x.device)
+    pool = torch.empty(x.shape[0], _RECORD_BYTES[fmt](x.shape[1]), dtype=torch.uint8, device=x.device)
     rows = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
     _write(fmt, x, rows, pool, None)
     return pool
 
 
-def _write(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-           rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def _write(
+    fmt: int,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    pool: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
     _check_write_args(fmt, values, rows, pool)
     write_unchecked(fmt, values, rows, pool, rope)
 
 
-def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def write_unchecked(
+    fmt: int,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    pool: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
     """The KV write without the host-side argument checks (they read max(rows) back): for CUDA
     graph capture, where the caller has checked rows < pool rows when filling them."""
     num_tokens, dim = values.shape
@@ -298,14 +328,30 @@ def write_unchecked(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: to
         return
     cos, sin, rope_pairs = _rope_tables(rope, values)
     _kv_write_kernel[(num_tokens,)](
-        values, values.stride(0), rows, pool, pool.stride(0), cos, sin, cos.stride(0), 1,
-        D=dim, BLOCK=_BLOCK[fmt], FMT=fmt, AMAX_FLOOR=_AMAX_FLOOR[fmt], ROPE_PAIRS=rope_pairs,
-        ROUND_BF16=values.dtype == torch.bfloat16, OUT_VALUES=False,
-        num_warps=1 if dim <= 128 else 4, **triton_runtime.launch_options())
+        values,
+        values.stride(0),
+        rows,
+        pool,
+        pool.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        1,
+        D=dim,
+        BLOCK=_BLOCK[fmt],
+        FMT=fmt,
+        AMAX_FLOOR=_AMAX_FLOOR[fmt],
+        ROPE_PAIRS=rope_pairs,
+        ROUND_BF16=values.dtype == torch.bfloat16,
+        OUT_VALUES=False,
+        num_warps=1 if dim <= 128 else 4,
+        **triton_runtime.launch_options(),
+    )
 
 
-def rope_fake_quant_mxfp4(values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                          heads: int = 1) -> torch.Tensor:
+def rope_fake_quant_mxfp4(
+    values: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int = 1
+) -> torch.Tensor:
     """values [T * heads, D] (rows of token t: t * heads .. t * heads + heads - 1), RoPE tables
     [T, R/2] -> fake_quant_mxfp4(rope(values)) in values.dtype, one launch: the index query
     (§5.1) without a record round trip or per-head copies of the tables. Graph safe."""
@@ -319,21 +365,36 @@ def rope_fake_quant_mxfp4(values: torch.Tensor, rope: tuple[torch.Tensor, torch.
         return out
     cos, sin = rope
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] * heads != num_rows:
-        raise ValueError(f"rope tables must be [{num_rows // heads}, R/2] each, got "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"rope tables must be [{num_rows // heads}, R/2] each, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or 2 * cos.shape[1] > dim:
         raise ValueError("rope tables must be FP32 and cover at most D channels")
     cos, sin = cos.contiguous(), sin.contiguous()
     _kv_write_kernel[(num_rows,)](
-        values, values.stride(0), out, out, out.stride(0), cos, sin, cos.stride(0), heads,
-        D=dim, BLOCK=ref.MXFP4_BLOCK, FMT=FMT_MXFP4, AMAX_FLOOR=_AMAX_FLOOR[FMT_MXFP4],
-        ROPE_PAIRS=cos.shape[1], ROUND_BF16=values.dtype == torch.bfloat16, OUT_VALUES=True,
-        num_warps=1 if dim <= 128 else 4, **triton_runtime.launch_options())
+        values,
+        values.stride(0),
+        out,
+        out,
+        out.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        heads,
+        D=dim,
+        BLOCK=ref.MXFP4_BLOCK,
+        FMT=FMT_MXFP4,
+        AMAX_FLOOR=_AMAX_FLOOR[FMT_MXFP4],
+        ROPE_PAIRS=cos.shape[1],
+        ROUND_BF16=values.dtype == torch.bfloat16,
+        OUT_VALUES=True,
+        num_warps=1 if dim <= 128 else 4,
+        **triton_runtime.launch_options(),
+    )
     return out
 
 
-def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor,
-                      pool: torch.Tensor) -> None:
+def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor) -> None:
     if values.ndim != 2 or values.stride(1) != 1:
         raise ValueError(f"values must be [N, D] with unit channel stride, got {tuple(values.shape)}")
     if values.dtype not in (torch.bfloat16, torch.float32):
@@ -342,29 +403,29 @@ def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor,
     if dim % _BLOCK[fmt] or (dim // _BLOCK[fmt]) & (dim // _BLOCK[fmt] - 1):
         raise ValueError(f"D={dim}: D/{_BLOCK[fmt]} must be a power of two")
     if pool.dtype != torch.uint8 or pool.ndim != 2 or pool.stride(1) != 1:
-        raise TypeError(f"pool must be a uint8 [rows, record_bytes] tensor, got {pool.dtype} "
-                        f"{tuple(pool.shape)}")
+        raise TypeError(f"pool must be a uint8 [rows, record_bytes] tensor, got {pool.dtype} {tuple(pool.shape)}")
     if pool.shape[1] != _RECORD_BYTES[fmt](dim):
-        raise ValueError(f"pool records are {pool.shape[1]} B, format needs "
-                         f"{_RECORD_BYTES[fmt](dim)} B for D={dim}")
+        raise ValueError(f"pool records are {pool.shape[1]} B, format needs {_RECORD_BYTES[fmt](dim)} B for D={dim}")
     if rows.shape != (num_tokens,) or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rows must be int32/int64 [{num_tokens}], got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+        raise ValueError(f"rows must be int32/int64 [{num_tokens}], got {rows.dtype} {tuple(rows.shape)}")
     if num_tokens and int(rows.max()) >= pool.shape[0]:
         raise IndexError(f"destination row {int(rows.max())} >= pool rows {pool.shape[0]}")
     triton_runtime.check_device(values, rows, pool)
 
 
-def _rope_tables(rope: tuple[torch.Tensor, torch.Tensor] | None, values: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _rope_tables(
+    rope: tuple[torch.Tensor, torch.Tensor] | None, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(cos, sin, rope pairs); a 1x1 dummy table when no RoPE is fused."""
     if rope is None:
         dummy = torch.ones(1, 1, dtype=torch.float32, device=values.device)
         return dummy, dummy, 0
     cos, sin = rope
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] != values.shape[0]:
-        raise ValueError(f"rope tables must be [N, R/2] each, got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)} for {values.shape[0]} tokens")
+        raise ValueError(
+            f"rope tables must be [N, R/2] each, got {tuple(cos.shape)}, "
+            f"{tuple(sin.shape)} for {values.shape[0]} tokens"
+        )
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise TypeError("rope tables must be FP32")
     if 2 * cos.shape[1] > values.shape[1]:

@@ -38,8 +38,7 @@ def yarn_correction_range(rope_dim: int, base: float, yarn: Yarn) -> tuple[int, 
     """(lo, hi) pair indices of the YaRN ramp; (15, 25) for the released compress table."""
 
     def corr(beta: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position / (2 * math.pi * beta)) / (
-            2 * math.log(base))
+        return rope_dim * math.log(yarn.original_max_position / (2 * math.pi * beta)) / (2 * math.log(base))
 
     lo = max(math.floor(corr(yarn.beta_fast)), 0)
     hi = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
@@ -65,8 +64,7 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Te
     return torch.cos(phase), torch.sin(phase)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           inverse: bool = False) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [T, ..., dim] rotated on its last 2n channels by cos, sin [T, n]; x.dtype out."""
     n = cos.shape[-1]
     rope_dim = 2 * n
@@ -83,8 +81,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [T, ..., dim] rotated on its last 2*len(freqs) channels at positions [T]; x.dtype out."""
     if x.shape[0] != positions.shape[0]:
         raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}")

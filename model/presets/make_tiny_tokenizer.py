@@ -13,13 +13,7 @@ import argparse
 import os
 
 VOCAB_SIZE = 512
-SPECIAL_TOKENS = [
-    "<|begin_of_sentence|>",
-    "<|end_of_sentence|>",
-    "<|pad|>",
-    "<|User|>",
-    "<|Assistant|>",
-]
+SPECIAL_TOKENS = ["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>", "<|User|>", "<|Assistant|>"]
 PAD_TOKEN_ID = 2
 
 CORPUS = """
@@ -110,10 +104,7 @@ def build_tokenizer():
     # Training threads only parallelise pair counting; counts (and so merges) are deterministic.
     tokenizer.train_from_iterator(CORPUS.strip().split("\n\n"), trainer=trainer)
     if tokenizer.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
-        raise RuntimeError(
-            f"trained {tokenizer.get_vocab_size()} tokens, need {VOCAB_SIZE}: "
-            "the corpus is too small"
-        )
+        raise RuntimeError(f"trained {tokenizer.get_vocab_size()} tokens, need {VOCAB_SIZE}: the corpus is too small")
     for i, tok in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(tok) != i:
             raise RuntimeError(f"special token {tok} got id {tokenizer.token_to_id(tok)}, need {i}")

@@ -53,6 +53,8 @@ def checkpoint_path() -> str:
     its train_log.json records the run).
     """
     if not os.path.exists(os.path.join(CHECKPOINT_DIR, "config.json")):
-        raise FileNotFoundError(f"the small checkpoint is missing from {CHECKPOINT_DIR}; rebuild it "
-                                "with `flashpd train --preset small --out DIR`")
+        raise FileNotFoundError(
+            f"the small checkpoint is missing from {CHECKPOINT_DIR}; rebuild it "
+            "with `flashpd train --preset small --out DIR`"
+        )
     return CHECKPOINT_DIR

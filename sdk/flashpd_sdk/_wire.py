@@ -34,18 +34,14 @@ from flashpd_sdk import _health
 from flashpd_sdk._gen import flashpd_pb2 as pb
 from flashpd_sdk._gen import flashpd_pb2_grpc as pb_grpc
 from flashpd_sdk.errors import FlashpdError, InternalError, InvalidArgument, NotFound, Unavailable
-from flashpd_sdk.types import (
-    GenerateResult,
-    ResponseFormat,
-    TokenChunk,
-    TokenLogprobs,
-    Tool,
-    ToolCall,
-    Usage,
-)
+from flashpd_sdk.types import GenerateResult, ResponseFormat, TokenChunk, TokenLogprobs, Tool, ToolCall, Usage
 
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 TIMELINE_FIELDS = tuple(f.name for f in pb.Timeline.DESCRIPTOR.fields)
 USAGE_FIELDS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields)
 
@@ -65,25 +61,46 @@ DEFAULT_RETRY = RetryPolicy()
 
 
 def build_request(
-    *, model: str, prompt: str | None, prompt_ids: Sequence[int] | None, max_tokens: int,
-    temperature: float, top_p: float | None, top_k: int | None, min_p: float | None,
-    seed: int | None, stop: Sequence[str] | None, stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool, logprobs: int, session_id: str | None, parent_session_id: str | None,
-    request_id: str | None, messages: Sequence[dict] | None = None,
-    tools: Sequence[Tool | dict] | None = None, tool_choice: str | None = None,
-    parallel_tool_calls: bool | None = None, response_format: ResponseFormat | None = None,
+    *,
+    model: str,
+    prompt: str | None,
+    prompt_ids: Sequence[int] | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    seed: int | None,
+    stop: Sequence[str] | None,
+    stop_token_ids: Sequence[int] | None,
+    ignore_eos: bool,
+    logprobs: int,
+    session_id: str | None,
+    parent_session_id: str | None,
+    request_id: str | None,
+    messages: Sequence[dict] | None = None,
+    tools: Sequence[Tool | dict] | None = None,
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool | None = None,
+    response_format: ResponseFormat | None = None,
     n: int = 1,
 ) -> pb.GenerateRequest:
     if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
-        raise InvalidArgument("exactly one of prompt, prompt_ids and messages is required",
-                              field="prompt")
+        raise InvalidArgument("exactly one of prompt, prompt_ids and messages is required", field="prompt")
     if isinstance(stop, str):
         stop = [stop]
     msg = pb.GenerateRequest(
-        model=model, max_tokens=max_tokens, temperature=temperature, stop=stop or (),
-        stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos, logprobs=logprobs,
-        session_id=session_id or "", parent_session_id=parent_session_id or "",
-        request_id=request_id or uuid.uuid4().hex)  # a client id makes the stream resumable
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stop=stop or (),
+        stop_token_ids=stop_token_ids or (),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        session_id=session_id or "",
+        parent_session_id=parent_session_id or "",
+        request_id=request_id or uuid.uuid4().hex,
+    )  # a client id makes the stream resumable
     if prompt is not None:
         msg.prompt = prompt
     elif prompt_ids is not None:
@@ -96,14 +113,19 @@ def build_request(
         msg.parallel_tool_calls = parallel_tool_calls
     if response_format is not None:
         rf = response_format
-        msg.response_format.CopyFrom(pb.ResponseFormat(
-            type=rf.type, name=rf.name, strict=rf.strict,
-            schema_json=json.dumps(rf.schema) if rf.schema is not None else ""))
+        msg.response_format.CopyFrom(
+            pb.ResponseFormat(
+                type=rf.type,
+                name=rf.name,
+                strict=rf.strict,
+                schema_json=json.dumps(rf.schema) if rf.schema is not None else "",
+            )
+        )
     for name, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
             setattr(msg, name, value)
     if n != 1:  # the server checks the range (INVALID_ARGUMENT naming n)
-        if not isinstance(n, int) or isinstance(n, bool) or not -2**31 <= n < 2**31:
+        if not isinstance(n, int) or isinstance(n, bool) or not -(2**31) <= n < 2**31:
             raise InvalidArgument(f"must be an integer, got {n!r}", field="n")
         msg.n = n
     return msg
@@ -111,22 +133,31 @@ def build_request(
 
 def _chat_message(m: dict) -> pb.ChatMessage:
     """An OpenAI-shaped message (role, content, tool_call_id, tool_calls)."""
-    calls = [pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"],
-                         arguments=c["function"].get("arguments", "{}"))
-             if isinstance(c, dict) else pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-             for c in m.get("tool_calls") or ()]
-    return pb.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
-                          tool_call_id=m.get("tool_call_id", ""), name=m.get("name", ""),
-                          tool_calls=calls)
+    calls = [
+        pb.ToolCall(id=c.get("id", ""), name=c["function"]["name"], arguments=c["function"].get("arguments", "{}"))
+        if isinstance(c, dict)
+        else pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+        for c in m.get("tool_calls") or ()
+    ]
+    return pb.ChatMessage(
+        role=m.get("role", ""),
+        content=m.get("content") or "",
+        tool_call_id=m.get("tool_call_id", ""),
+        name=m.get("name", ""),
+        tool_calls=calls,
+    )
 
 
 def _tool(t: Tool | dict) -> pb.Tool:
     if isinstance(t, dict):  # OpenAI's {"type": "function", "function": {...}}
         fn = t.get("function", t)
-        t = Tool(fn["name"], fn.get("description", ""), fn.get("parameters"),
-                 bool(fn.get("strict", False)))
-    return pb.Tool(name=t.name, description=t.description, strict=t.strict,
-                   parameters_json=json.dumps(t.parameters) if t.parameters is not None else "")
+        t = Tool(fn["name"], fn.get("description", ""), fn.get("parameters"), bool(fn.get("strict", False)))
+    return pb.Tool(
+        name=t.name,
+        description=t.description,
+        strict=t.strict,
+        parameters_json=json.dumps(t.parameters) if t.parameters is not None else "",
+    )
 
 
 Action = Literal["retry", "resume", "raise"]
@@ -135,8 +166,7 @@ Action = Literal["retry", "resume", "raise"]
 class StreamState:
     """What one logical generate call received so far, across retries and resumes."""
 
-    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy,
-                 timeout_s: float | None) -> None:
+    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy, timeout_s: float | None) -> None:
         self.request, self.policy = request, policy
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.output_ids: list[int] = []
@@ -179,8 +209,7 @@ class StreamState:
             if not self.output_ids and resp.chunk.HasField("prefill_credit_tokens"):
                 self.prefill_credit = resp.chunk.prefill_credit_tokens
             if chunk.index != len(self.output_ids):
-                raise InternalError(f"chunk index {chunk.index} != {len(self.output_ids)} "
-                                    "tokens received")
+                raise InternalError(f"chunk index {chunk.index} != {len(self.output_ids)} tokens received")
             self.output_ids.extend(chunk.token_ids)
             self.text_parts.append(chunk.text)
             return chunk
@@ -223,10 +252,13 @@ class StreamState:
     def decide_refusal(self, error: FlashpdError) -> Action:
         """A resume was refused (`error`): continue as a fresh request when possible."""
         can_continue = (
-            isinstance(error, NotFound) and self.broken_by is not None
+            isinstance(error, NotFound)
+            and self.broken_by is not None
             and self.request.HasField("max_tokens")
             and len(self.output_ids) < self.request.max_tokens
-            and self.continuations < self.policy.max_resumes and self.remaining_s() != 0.0)
+            and self.continuations < self.policy.max_resumes
+            and self.remaining_s() != 0.0
+        )
         if not can_continue:
             return "raise"
         self.continuations += 1
@@ -250,21 +282,26 @@ class StreamState:
     def pause_s(self) -> float:
         return self.policy.pause_s(max(0, self.retries + self.resumes - 1))
 
-    def _result(self, final: pb.Final, output_ids: Sequence[int] | None = None,
-                text_parts: Sequence[str] | None = None) -> GenerateResult:
+    def _result(
+        self, final: pb.Final, output_ids: Sequence[int] | None = None, text_parts: Sequence[str] | None = None
+    ) -> GenerateResult:
         output_ids = self.output_ids if output_ids is None else output_ids
         text_parts = self.text_parts if text_parts is None else text_parts
         return GenerateResult(
-            request_id=final.request_id or self.request_id, output_ids=tuple(output_ids),
-            text="".join(text_parts), finish_reason=FINISH_REASONS.get(final.finish_reason,
-                                                                       "unspecified"),
+            request_id=final.request_id or self.request_id,
+            output_ids=tuple(output_ids),
+            text="".join(text_parts),
+            finish_reason=FINISH_REASONS.get(final.finish_reason, "unspecified"),
             usage=Usage(**{f: getattr(final.usage, f) for f in USAGE_FIELDS}),
             timeline={f: getattr(final.timeline, f) for f in TIMELINE_FIELDS},
-            prefill_worker=final.prefill_worker, decode_worker=final.decode_worker,
-            retries=self.retries, resumes=self.resumes,
+            prefill_worker=final.prefill_worker,
+            decode_worker=final.decode_worker,
+            retries=self.retries,
+            resumes=self.resumes,
             tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls),
             content=final.content if final.tool_calls else None,
-            choice_index=final.choice_index)
+            choice_index=final.choice_index,
+        )
 
 
 class ChoicesState(StreamState):
@@ -273,8 +310,7 @@ class ChoicesState(StreamState):
     Such a stream is retried before its first token (under a fresh request id: the server
     forgets a failed n > 1 request's choices) and never resumed after it."""
 
-    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy,
-                 timeout_s: float | None) -> None:
+    def __init__(self, request: pb.GenerateRequest, policy: RetryPolicy, timeout_s: float | None) -> None:
         super().__init__(request, policy, timeout_s)
         self.n = request.n  # checked by the server: storage grows only with what arrives
         self._ids: dict[int, list[int]] = {0: self.output_ids}  # choice 0's: the shared rule
@@ -306,8 +342,7 @@ class ChoicesState(StreamState):
             chunk = chunk_from_proto(resp.chunk)
             ids = self._ids.setdefault(i, [])
             if chunk.index != len(ids):
-                raise InternalError(f"choice {i}: chunk index {chunk.index} != "
-                                    f"{len(ids)} tokens received")
+                raise InternalError(f"choice {i}: chunk index {chunk.index} != {len(ids)} tokens received")
             ids.extend(chunk.token_ids)
             self._texts.setdefault(i, []).append(chunk.text)
             return chunk
@@ -344,11 +379,14 @@ class ChoicesState(StreamState):
 
 def chunk_from_proto(msg: pb.TokenChunk, base: int = 0) -> TokenChunk:
     return TokenChunk(
-        token_ids=tuple(msg.token_ids), text=msg.text, index=base + msg.index,
-        logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
-                                                           strict=True)))
-                       for lp in msg.logprobs),
-        choice_index=msg.choice_index)
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        index=base + msg.index,
+        logprobs=tuple(
+            TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True))) for lp in msg.logprobs
+        ),
+        choice_index=msg.choice_index,
+    )
 
 
 CHANNEL_OPTIONS_BASE = (
@@ -359,15 +397,13 @@ CHANNEL_OPTIONS_BASE = (
 
 
 def channel_options(keepalive_s: float, tls_server_name: str | None = None) -> list[tuple]:
-    options: list[tuple] = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-                            *CHANNEL_OPTIONS_BASE]
+    options: list[tuple] = [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), *CHANNEL_OPTIONS_BASE]
     if tls_server_name:  # the name the server's certificate carries, when it is not the target's
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     return options
 
 
-def channel_credentials(tls: bool | str, credentials: grpc.ChannelCredentials | None
-                        ) -> grpc.ChannelCredentials | None:
+def channel_credentials(tls: bool | str, credentials: grpc.ChannelCredentials | None) -> grpc.ChannelCredentials | None:
     """TLS credentials: `tls=True` trusts the system roots, `tls="ca.pem"` that root certificate
     (PEM file); `credentials` (any grpc.ChannelCredentials) wins over both."""
     if credentials is not None:
@@ -377,14 +413,12 @@ def channel_credentials(tls: bool | str, credentials: grpc.ChannelCredentials | 
     if tls is True:
         return grpc.ssl_channel_credentials()
     if not isinstance(tls, str) or not tls:
-        raise InvalidArgument("must be True, False or the path of a PEM root certificate",
-                              field="tls")
+        raise InvalidArgument("must be True, False or the path of a PEM root certificate", field="tls")
     try:
         with open(tls, "rb") as f:
             root = f.read()
     except OSError as exc:
-        raise InvalidArgument(f"cannot read the root certificate {tls!r}: {exc.strerror}",
-                              field="tls") from None
+        raise InvalidArgument(f"cannot read the root certificate {tls!r}: {exc.strerror}", field="tls") from None
     return grpc.ssl_channel_credentials(root_certificates=root)
 
 
@@ -392,24 +426,25 @@ def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """Sent with every call: `authorization: Bearer <key>` when an API key is given."""
     if api_key is None:
         return ()
-    if not isinstance(api_key, str) or not api_key or any(
-            not 33 <= ord(c) < 127 for c in api_key):
-        raise InvalidArgument("must be a non-empty printable ASCII string without spaces",
-                              field="api_key")
+    if not isinstance(api_key, str) or not api_key or any(not 33 <= ord(c) < 127 for c in api_key):
+        raise InvalidArgument("must be a non-empty printable ASCII string without spaces", field="api_key")
     return (("authorization", f"Bearer {api_key}"),)
 
 
 class ClientCore:
     """What the sync and async clients share: stubs on a channel, defaults, stream state."""
 
-    def _attach(self, channel, default_timeout_s: float | None, retry: RetryPolicy,
-                metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def _attach(
+        self, channel, default_timeout_s: float | None, retry: RetryPolicy, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._channel = channel
         self._metadata = metadata
         self._stub = pb_grpc.GenerationStub(channel)
         self._health = channel.unary_unary(
-            _health.CHECK_METHOD, request_serializer=_health.HealthCheckRequest.SerializeToString,
-            response_deserializer=_health.HealthCheckResponse.FromString)
+            _health.CHECK_METHOD,
+            request_serializer=_health.HealthCheckRequest.SerializeToString,
+            response_deserializer=_health.HealthCheckResponse.FromString,
+        )
         self.default_timeout_s, self.retry = default_timeout_s, retry
 
     def _stream_state(self, timeout_s: float | None, **request_fields) -> StreamState:

@@ -1,10 +1,10 @@
 """asyncio client (grpc.aio); same API as `Client`, awaited.
 
-    async with AsyncClient("127.0.0.1:9000") as client:
-        stream = client.generate(prompt_ids=[1, 2, 3], max_tokens=8)
-        async for chunk in stream:
-            ...
-        result = stream.result
+async with AsyncClient("127.0.0.1:9000") as client:
+    stream = client.generate(prompt_ids=[1, 2, 3], max_tokens=8)
+    async for chunk in stream:
+        ...
+    result = stream.result
 """
 
 from __future__ import annotations
@@ -28,14 +28,7 @@ from flashpd_sdk._wire import (
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
-from flashpd_sdk.types import (
-    GenerateResult,
-    ModelInfo,
-    ResponseFormat,
-    TokenChunk,
-    Tool,
-    Usage,
-)
+from flashpd_sdk.types import GenerateResult, ModelInfo, ResponseFormat, TokenChunk, Tool, Usage
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +105,9 @@ class AsyncGenerateStream:
 
     async def _abort(self) -> None:
         try:
-            await self._stub.Abort(pb.AbortRequest(request_id=self.request_id),
-                                   timeout=ABORT_TIMEOUT_S, metadata=self._metadata)
+            await self._stub.Abort(
+                pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S, metadata=self._metadata
+            )
         except grpc.RpcError as exc:  # best effort: the cancelled call already ended the stream
             log.info("abort of %s after cancel failed: %s", self.request_id, exc)
 
@@ -122,8 +116,7 @@ class AsyncGenerateStream:
         while True:
             if self._cancelled:
                 raise Cancelled("cancelled by the client")
-            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s(),
-                                             metadata=self._metadata)
+            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s(), metadata=self._metadata)
             try:
                 async for resp in self._call:
                     chunk = state.on_response(resp)
@@ -147,47 +140,91 @@ class AsyncGenerateStream:
 
 
 class AsyncClient(ClientCore):
-    def __init__(self, target: str, *, keepalive_s: float = 30.0,
-                 default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
-                 api_key: str | None = None, tls: bool | str = False,
-                 tls_server_name: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        keepalive_s: float = 30.0,
+        default_timeout_s: float | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        api_key: str | None = None,
+        tls: bool | str = False,
+        tls_server_name: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         """`api_key`: sent as `authorization: Bearer <key>`; `tls`: True (system roots) or a
         PEM root certificate path; `tls_server_name`: the name in the server's certificate when
         it differs from the target host; `credentials`: any channel credentials instead."""
         options = channel_options(keepalive_s, tls_server_name)
         creds = channel_credentials(tls, credentials)
-        channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                   else grpc.aio.insecure_channel(target, options))
+        channel = (
+            grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
+        )
         self._attach(channel, default_timeout_s, retry, call_metadata(api_key))
 
-    def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
-                 max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
-                 session_id: str | None = None, parent_session_id: str | None = None,
-                 ignore_eos: bool = False, stop: Sequence[str] | str | None = None,
-                 timeout_s: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, min_p: float | None = None,
-                 stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
-                 request_id: str | None = None, model: str = "",
-                 messages: Sequence[dict] | None = None, tools: Sequence[Tool | dict] | None = None,
-                 tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                 response_format: ResponseFormat | None = None, n: int = 1) -> AsyncGenerateStream:
-        return AsyncGenerateStream(self._stub, self._metadata, self._stream_state(
-            timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id,
-            messages=messages, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, response_format=response_format, n=n))
+    def generate(
+        self,
+        prompt: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        session_id: str | None = None,
+        parent_session_id: str | None = None,
+        ignore_eos: bool = False,
+        stop: Sequence[str] | str | None = None,
+        timeout_s: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: int = 0,
+        request_id: str | None = None,
+        model: str = "",
+        messages: Sequence[dict] | None = None,
+        tools: Sequence[Tool | dict] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: ResponseFormat | None = None,
+        n: int = 1,
+    ) -> AsyncGenerateStream:
+        return AsyncGenerateStream(
+            self._stub,
+            self._metadata,
+            self._stream_state(
+                timeout_s,
+                model=model,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                session_id=session_id,
+                parent_session_id=parent_session_id,
+                request_id=request_id,
+                messages=messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                response_format=response_format,
+                n=n,
+            ),
+        )
 
     async def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
-        reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
-                                  timeout_s)
+        reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout_s)
         return reply.found
 
     async def health(self, service: str = "", *, timeout_s: float = 5.0) -> str:
-        reply = await self._unary(self._health, _health.HealthCheckRequest(service=service),
-                                  timeout_s)
+        reply = await self._unary(self._health, _health.HealthCheckRequest(service=service), timeout_s)
         return _health.status_name(reply)
 
     async def models(self, *, timeout_s: float = 5.0) -> list[ModelInfo]:

@@ -1,15 +1,15 @@
 """Synchronous client.
 
-    with Client("127.0.0.1:9000") as client:
-        stream = client.generate(prompt="Hello", max_tokens=32, session_id="chat-1")
-        for chunk in stream:
-            print(chunk.text, end="")
-        print(stream.result.usage)
+with Client("127.0.0.1:9000") as client:
+    stream = client.generate(prompt="Hello", max_tokens=32, session_id="chat-1")
+    for chunk in stream:
+        print(chunk.text, end="")
+    print(stream.result.usage)
 
-        stream = client.generate(messages=[...], n=3, temperature=1.0)  # three choices
-        for chunk in stream:  # interleaved; chunk.choice_index says whose
-            ...
-        texts = [c.text for c in stream.choices]; print(stream.usage)
+    stream = client.generate(messages=[...], n=3, temperature=1.0)  # three choices
+    for chunk in stream:  # interleaved; chunk.choice_index says whose
+        ...
+    texts = [c.text for c in stream.choices]; print(stream.usage)
 """
 
 from __future__ import annotations
@@ -35,14 +35,7 @@ from flashpd_sdk._wire import (
     channel_options,
 )
 from flashpd_sdk.errors import Cancelled, from_rpc_error
-from flashpd_sdk.types import (
-    GenerateResult,
-    ModelInfo,
-    ResponseFormat,
-    TokenChunk,
-    Tool,
-    Usage,
-)
+from flashpd_sdk.types import GenerateResult, ModelInfo, ResponseFormat, TokenChunk, Tool, Usage
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +88,9 @@ class GenerateStream:
             return
         self._cancelled.set()
         try:  # abort first: the server then frees both legs at once, resumable or not
-            self._stub.Abort(pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S,
-                            metadata=self._metadata)
+            self._stub.Abort(
+                pb.AbortRequest(request_id=self.request_id), timeout=ABORT_TIMEOUT_S, metadata=self._metadata
+            )
         except grpc.RpcError as exc:  # best effort: cancelling the call below ends it anyway
             log.info("abort of %s failed: %s", self.request_id, exc)
         if self._call is not None:
@@ -107,8 +101,7 @@ class GenerateStream:
         while True:
             if self._cancelled.is_set():
                 raise Cancelled("cancelled by the client")
-            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s(),
-                                             metadata=self._metadata)
+            self._call = self._stub.Generate(state.next_request(), timeout=state.remaining_s(), metadata=self._metadata)
             try:
                 for resp in self._call:
                     chunk = state.on_response(resp)
@@ -128,43 +121,86 @@ class GenerateStream:
 
 
 class Client(ClientCore):
-    def __init__(self, target: str, *, keepalive_s: float = 30.0,
-                 default_timeout_s: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
-                 api_key: str | None = None, tls: bool | str = False,
-                 tls_server_name: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        keepalive_s: float = 30.0,
+        default_timeout_s: float | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        api_key: str | None = None,
+        tls: bool | str = False,
+        tls_server_name: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         """`api_key`: sent as `authorization: Bearer <key>`; `tls`: True (system roots) or a
         PEM root certificate path; `tls_server_name`: the name in the server's certificate when
         it differs from the target host; `credentials`: any channel credentials instead."""
         options = channel_options(keepalive_s, tls_server_name)
         creds = channel_credentials(tls, credentials)
-        channel = (grpc.secure_channel(target, creds, options) if creds
-                   else grpc.insecure_channel(target, options))
+        channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
         self._attach(channel, default_timeout_s, retry, call_metadata(api_key))
 
-    def generate(self, prompt: str | None = None, prompt_ids: Sequence[int] | None = None, *,
-                 max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
-                 session_id: str | None = None, parent_session_id: str | None = None,
-                 ignore_eos: bool = False, stop: Sequence[str] | str | None = None,
-                 timeout_s: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, min_p: float | None = None,
-                 stop_token_ids: Sequence[int] | None = None, logprobs: int = 0,
-                 request_id: str | None = None, model: str = "",
-                 messages: Sequence[dict] | None = None, tools: Sequence[Tool | dict] | None = None,
-                 tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
-                 response_format: ResponseFormat | None = None, n: int = 1) -> GenerateStream:
-        return GenerateStream(self._stub, self._metadata, self._stream_state(
-            timeout_s, model=model, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-            session_id=session_id, parent_session_id=parent_session_id, request_id=request_id,
-            messages=messages, tools=tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls, response_format=response_format, n=n))
+    def generate(
+        self,
+        prompt: str | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        session_id: str | None = None,
+        parent_session_id: str | None = None,
+        ignore_eos: bool = False,
+        stop: Sequence[str] | str | None = None,
+        timeout_s: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: int = 0,
+        request_id: str | None = None,
+        model: str = "",
+        messages: Sequence[dict] | None = None,
+        tools: Sequence[Tool | dict] | None = None,
+        tool_choice: str | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: ResponseFormat | None = None,
+        n: int = 1,
+    ) -> GenerateStream:
+        return GenerateStream(
+            self._stub,
+            self._metadata,
+            self._stream_state(
+                timeout_s,
+                model=model,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                session_id=session_id,
+                parent_session_id=parent_session_id,
+                request_id=request_id,
+                messages=messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                response_format=response_format,
+                n=n,
+            ),
+        )
 
     def abort(self, request_id: str, *, timeout_s: float = ABORT_TIMEOUT_S) -> bool:
         """Abort a running request by id; False if the server does not know it (any more)."""
-        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
-                           timeout_s).found
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout_s).found
 
     def health(self, service: str = "", *, timeout_s: float = 5.0) -> str:
         """grpc.health.v1 status: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN"."""
@@ -189,6 +225,3 @@ class Client(ClientCore):
             return method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-
-
-

@@ -14,8 +14,7 @@ FIELD_METADATA_KEY = "flashpd-field"
 class FlashpdError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, field: str | None = None,
-                 code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message, self.field = message, field
         if code is not None:
@@ -63,8 +62,17 @@ class InternalError(FlashpdError):
 
 
 _BY_CODE: dict[grpc.StatusCode, type[FlashpdError]] = {
-    cls.code: cls for cls in (InvalidArgument, NotFound, ResourceExhausted, DeadlineExceeded,
-                              Unavailable, Cancelled, Unauthenticated, PermissionDenied)
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        ResourceExhausted,
+        DeadlineExceeded,
+        Unavailable,
+        Cancelled,
+        Unauthenticated,
+        PermissionDenied,
+    )
 }
 
 

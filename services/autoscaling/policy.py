@@ -97,8 +97,7 @@ class PolicyConfig:
     drain_hold_kv_usage: float = 0.5
 
     def __post_init__(self) -> None:
-        positive = ("prefill_tokens_per_replica", "decode_seqs_per_replica",
-                    "router_requests_per_replica")
+        positive = ("prefill_tokens_per_replica", "decode_seqs_per_replica", "router_requests_per_replica")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -106,8 +105,7 @@ class PolicyConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.pd_ratio_min <= self.pd_ratio_max:
-            raise ValueError(f"pd_ratio_min ({self.pd_ratio_min}) must be in "
-                             f"[0, pd_ratio_max ({self.pd_ratio_max})]")
+            raise ValueError(f"pd_ratio_min ({self.pd_ratio_min}) must be in [0, pd_ratio_max ({self.pd_ratio_max})]")
 
 
 @dataclass(frozen=True)
@@ -121,14 +119,18 @@ def check_limits(limits: Limits, config: PolicyConfig) -> None:
     """Every decode count in bounds must admit a prefill count inside the P:D ratio."""
     for role in ROLES:
         if limits.min.of(role) < 1 or limits.max.of(role) < limits.min.of(role):
-            raise ValueError(f"{role} replica bounds must satisfy 1 <= min <= max, got "
-                             f"[{limits.min.of(role)}, {limits.max.of(role)}]")
+            raise ValueError(
+                f"{role} replica bounds must satisfy 1 <= min <= max, got "
+                f"[{limits.min.of(role)}, {limits.max.of(role)}]"
+            )
     for d in range(limits.min.decode, limits.max.decode + 1):
         lo, hi = _ratio_window(d, config)
         if max(lo, limits.min.prefill) > min(hi, limits.max.prefill):
-            raise ValueError(f"with {d} decode replicas no prefill count in "
-                             f"[{limits.min.prefill}, {limits.max.prefill}] keeps the P:D ratio "
-                             f"in [{config.pd_ratio_min}, {config.pd_ratio_max}]")
+            raise ValueError(
+                f"with {d} decode replicas no prefill count in "
+                f"[{limits.min.prefill}, {limits.max.prefill}] keeps the P:D ratio "
+                f"in [{config.pd_ratio_min}, {config.pd_ratio_max}]"
+            )
 
 
 def demand(signals: Signals, config: PolicyConfig, limits: Limits) -> tuple[Replicas, list[str]]:
@@ -163,8 +165,9 @@ def demand(signals: Signals, config: PolicyConfig, limits: Limits) -> tuple[Repl
     return Replicas(p, d, limits.clamp("router", r)), notes
 
 
-def decide(signals: Signals, config: PolicyConfig, limits: Limits, state: dict | None,
-           now: float) -> tuple[Decision, dict]:
+def decide(
+    signals: Signals, config: PolicyConfig, limits: Limits, state: dict | None, now: float
+) -> tuple[Decision, dict]:
     """One tick: the replica targets and the new state (`{role: {"since": t, "dir": +1|-1}}`)."""
     want, notes = demand(signals, config, limits)
     state = {role: dict((state or {}).get(role) or {}) for role in ROLES}
@@ -197,11 +200,9 @@ def _holds(signals: Signals, config: PolicyConfig) -> dict[str, str]:
         held["decode"] = "itl over target"
     elif decode:
         seqs = _mean([w.running + w.waiting for w in decode])
-        usage = sum(w.kv_blocks_used for w in decode) / max(
-            1.0, sum(w.kv_blocks_total for w in decode))
+        usage = sum(w.kv_blocks_used for w in decode) / max(1.0, sum(w.kv_blocks_total for w in decode))
         if seqs > config.drain_hold_seqs_per_replica:
-            held["decode"] = (f"{seqs:.1f} sequences per decode replica > "
-                              f"{config.drain_hold_seqs_per_replica:g}")
+            held["decode"] = f"{seqs:.1f} sequences per decode replica > {config.drain_hold_seqs_per_replica:g}"
         elif usage > config.drain_hold_kv_usage:
             held["decode"] = f"KV usage {usage:.2f} > {config.drain_hold_kv_usage:g}"
     if _over(signals.ttft_p90_s, config.ttft_target_s):
@@ -228,8 +229,7 @@ def _step(role: str, current: int, goal: int, config: PolicyConfig, st: dict, no
 
 def _ratio_window(d: int, config: PolicyConfig) -> tuple[int, float]:
     lo = math.ceil(config.pd_ratio_min * d - 1e-9)
-    hi = math.floor(config.pd_ratio_max * d + 1e-9) if math.isfinite(config.pd_ratio_max) \
-        else math.inf
+    hi = math.floor(config.pd_ratio_max * d + 1e-9) if math.isfinite(config.pd_ratio_max) else math.inf
     return lo, hi
 
 

@@ -37,8 +37,7 @@ from flashpd.services.autoscaling.policy import (
 
 log = logging.getLogger("ray.serve")  # Serve's logger: lands in the controller's log file
 
-WORKER_METRICS = ("queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "running",
-                  "waiting", "draining")
+WORKER_METRICS = ("queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "running", "waiting", "draining")
 ROUTER_METRICS = ("requests_running", "ttft_p90_s", "itl_p90_s")
 STATE_KEY = "flashpd_joint"
 
@@ -76,9 +75,16 @@ class JointPolicyArgs(BaseModel):
         return self
 
     def policy_config(self):
-        data = self.model_dump(exclude={"prefill_deployment", "decode_deployment",
-                                        "router_deployment", "redis_url", "model_id",
-                                        "drain_timeout_s"})
+        data = self.model_dump(
+            exclude={
+                "prefill_deployment",
+                "decode_deployment",
+                "router_deployment",
+                "redis_url",
+                "model_id",
+                "drain_timeout_s",
+            }
+        )
         data["pd_ratio_max"] = math.inf if self.pd_ratio_max is None else self.pd_ratio_max
         return PolicyConfig(**data)
 
@@ -90,9 +96,11 @@ class JointPolicy:
         self.args = JointPolicyArgs.model_validate(policy_kwargs)
         self.config = self.args.policy_config()
         self._marker = None  # (mark, unmark) on the stack's Redis, made at first use
-        self._names = {"prefill": self.args.prefill_deployment,
-                       "decode": self.args.decode_deployment,
-                       "router": self.args.router_deployment}
+        self._names = {
+            "prefill": self.args.prefill_deployment,
+            "decode": self.args.decode_deployment,
+            "router": self.args.router_deployment,
+        }
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
         by_role = {}
@@ -102,12 +110,16 @@ class JointPolicy:
                     by_role[role] = (dep_id, ctx)
         missing = set(self._names) - set(by_role)
         if missing:  # not this application's shape: leave every target where it is
-            log.error("JointPolicy: no deployment for %s in %s", sorted(missing),
-                      sorted(c.deployment_name for c in contexts.values()))
+            log.error(
+                "JointPolicy: no deployment for %s in %s",
+                sorted(missing),
+                sorted(c.deployment_name for c in contexts.values()),
+            )
             return {d: c.target_num_replicas for d, c in contexts.items()}, {}
         limits = Limits(
             min=Replicas(**{r: by_role[r][1].capacity_adjusted_min_replicas for r in by_role}),
-            max=Replicas(**{r: by_role[r][1].capacity_adjusted_max_replicas for r in by_role}))
+            max=Replicas(**{r: by_role[r][1].capacity_adjusted_max_replicas for r in by_role}),
+        )
         try:
             check_limits(limits, self.config)
         except ValueError as exc:  # e.g. bounds lowered by target_capacity: hold, say why
@@ -119,11 +131,15 @@ class JointPolicy:
         decision, state = decide(signals, self.config, limits, state, now=decode_ctx.current_time)
         decision = self._drain_first(decision, decode_ctx, state)
         if decision.replicas != signals.target or decision.notes:
-            log.info("JointPolicy: %s -> %s (demand %s) %s", signals.target, decision.replicas,
-                     decision.demand, "; ".join(decision.notes))
+            log.info(
+                "JointPolicy: %s -> %s (demand %s) %s",
+                signals.target,
+                decision.replicas,
+                decision.demand,
+                "; ".join(decision.notes),
+            )
         targets = {by_role[r][0]: decision.replicas.of(r) for r in by_role}
         return targets, {decode_id: {STATE_KEY: state}}
-
 
     def _drain_first(self, decision, decode_ctx, state: dict):
         """Hold a decode scale-down until the replica Serve will stop has drained
@@ -137,23 +153,33 @@ class JointPolicy:
         mark, unmark = self._marker
         replicas = [rid.unique_id for rid in decode_ctx.running_replicas]
         decode, state["drain"], note = drain_before_scale_down(
-            decision.replicas.decode, decode_ctx.target_num_replicas, replicas,
-            decode_loads(decode_ctx), state.get("drain") or {}, decode_ctx.current_time,
-            mark=mark, unmark=unmark, timeout_s=self.args.drain_timeout_s)
+            decision.replicas.decode,
+            decode_ctx.target_num_replicas,
+            replicas,
+            decode_loads(decode_ctx),
+            state.get("drain") or {},
+            decode_ctx.current_time,
+            mark=mark,
+            unmark=unmark,
+            timeout_s=self.args.drain_timeout_s,
+        )
         if note is None:
             return decision
-        return dataclasses.replace(decision, notes=(*decision.notes, note),
-                                   replicas=dataclasses.replace(decision.replicas,
-                                                                decode=decode))
+        return dataclasses.replace(
+            decision, notes=(*decision.notes, note), replicas=dataclasses.replace(decision.replicas, decode=decode)
+        )
 
 
 def decode_loads(ctx) -> dict[str, WorkerLoad]:
     """Replica id -> its reported load, for the decode replicas that reported every metric."""
     per = ctx.aggregated_metrics or {}
-    return {rid.unique_id: WorkerLoad(running=per["running"][rid], waiting=per["waiting"][rid],
-                                      draining=per["draining"][rid] > 0)
-            for rid in ctx.running_replicas
-            if all(rid in per.get(m, {}) for m in ("running", "waiting", "draining"))}
+    return {
+        rid.unique_id: WorkerLoad(
+            running=per["running"][rid], waiting=per["waiting"][rid], draining=per["draining"][rid] > 0
+        )
+        for rid in ctx.running_replicas
+        if all(rid in per.get(m, {}) for m in ("running", "waiting", "draining"))
+    }
 
 
 def signals_from_contexts(ctx: dict) -> Signals:
@@ -162,18 +188,23 @@ def signals_from_contexts(ctx: dict) -> Signals:
 
     def loads(role: str) -> tuple[WorkerLoad, ...]:
         per_replica = metrics[role]
-        reported = [rid for rid in ctx[role].running_replicas
-                    if all(rid in per_replica.get(m, {}) for m in WORKER_METRICS)]
-        return tuple(WorkerLoad(
-            queued_prefill_tokens=per_replica["queued_prefill_tokens"][rid],
-            kv_blocks_used=per_replica["kv_blocks_used"][rid],
-            kv_blocks_total=per_replica["kv_blocks_total"][rid],
-            running=per_replica["running"][rid], waiting=per_replica["waiting"][rid],
-            draining=per_replica["draining"][rid] > 0) for rid in reported)
+        reported = [
+            rid for rid in ctx[role].running_replicas if all(rid in per_replica.get(m, {}) for m in WORKER_METRICS)
+        ]
+        return tuple(
+            WorkerLoad(
+                queued_prefill_tokens=per_replica["queued_prefill_tokens"][rid],
+                kv_blocks_used=per_replica["kv_blocks_used"][rid],
+                kv_blocks_total=per_replica["kv_blocks_total"][rid],
+                running=per_replica["running"][rid],
+                waiting=per_replica["waiting"][rid],
+                draining=per_replica["draining"][rid] > 0,
+            )
+            for rid in reported
+        )
 
     router = metrics["router"]
-    router_ids = [rid for rid in ctx["router"].running_replicas
-                  if rid in router.get("requests_running", {})]
+    router_ids = [rid for rid in ctx["router"].running_replicas if rid in router.get("requests_running", {})]
 
     def worst(name: str) -> float | None:
         values = [router[name][rid] for rid in router_ids if rid in router.get(name, {})]
@@ -182,7 +213,10 @@ def signals_from_contexts(ctx: dict) -> Signals:
     return Signals(
         target=Replicas(**{r: c.target_num_replicas for r, c in ctx.items()}),
         running=Replicas(**{r: len(c.running_replicas) for r, c in ctx.items()}),
-        prefill=loads("prefill"), decode=loads("decode"),
+        prefill=loads("prefill"),
+        decode=loads("decode"),
         router_requests=sum(router["requests_running"][rid] for rid in router_ids),
         router_reports=len(router_ids),
-        ttft_p90_s=worst("ttft_p90_s"), itl_p90_s=worst("itl_p90_s"))
+        ttft_p90_s=worst("ttft_p90_s"),
+        itl_p90_s=worst("itl_p90_s"),
+    )

@@ -21,8 +21,7 @@ class DecodeServer(WorkerDeployment):
         self._check_target(target_worker)
         return await self.worker.reserve(req)
 
-    async def generate(self, req: InternalRequest,
-                       target_worker: str | None = None) -> AsyncIterator[Event]:
+    async def generate(self, req: InternalRequest, target_worker: str | None = None) -> AsyncIterator[Event]:
         self._check_target(target_worker)
         events = self.worker.generate(req)
         try:
@@ -45,8 +44,7 @@ class DecodeServer(WorkerDeployment):
             await asyncio.to_thread(self._publisher.mark_draining)
         return await self.worker.drain(deadline_s)
 
-    async def migrate_out(self, request_id: str, ticket: Ticket,
-                          target_worker: str | None = None) -> MigrationResult:
+    async def migrate_out(self, request_id: str, ticket: Ticket, target_worker: str | None = None) -> MigrationResult:
         self._check_target(target_worker)
         return await self.worker.migrate_out(request_id, ticket)
 

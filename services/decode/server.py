@@ -67,12 +67,7 @@ from flashpd.services.api import (
     WorkerRef,
 )
 from flashpd.services.worker.admission import AdmissionQueue
-from flashpd.services.worker.common import (
-    EngineWorker,
-    WorkerConfig,
-    make_receiver,
-    ms_since,
-)
+from flashpd.services.worker.common import EngineWorker, WorkerConfig, make_receiver, ms_since
 
 log = logging.getLogger(__name__)
 DRAIN_MARGIN_S = 1.0  # clock skew and notice delivery between the two workers
@@ -103,8 +98,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, engine: LLMEngine, config: WorkerConfig, ref: WorkerRef):
         super().__init__(engine, config, ref)
-        self.receiver = make_receiver(config.transfer_backend, self.contract, self.pools,
-                                      ref.incarnation)
+        self.receiver = make_receiver(config.transfer_backend, self.contract, self.pools, ref.incarnation)
         self.engine.hooks.append(self._poll_transfers)
         self.receiver.on_notice = self.engine.wake  # a KV push's notice: poll it now
         self.engine.on_unfinished_close = self._stream_closed
@@ -113,8 +107,7 @@ class DecodeWorker(EngineWorker):
         self._draining: dict[str, str] = {}  # token -> engine id whose blocks wait to be quiet
         self._arrived_at: dict[str, float] = {}
         self._free_blocks = -1
-        self.admission = AdmissionQueue(config.max_queued_requests,
-                                        retry_after_s=config.retry_after_s)
+        self.admission = AdmissionQueue(config.max_queued_requests, retry_after_s=config.retry_after_s)
         self._expired: OrderedDict[str, None] = OrderedDict()  # leases expired (bounded)
         self._sender = None  # made at the first migration (a NIXL agent of its own)
         self._peers: dict[bytes, str] = {}  # decode descriptor -> sender peer
@@ -126,8 +119,9 @@ class DecodeWorker(EngineWorker):
         self._check_request(req)
         params = req.sampling
         await self._compile_grammar(params)
-        attempt = await self.admission.admit(lambda: self._try_reserve(req, params),
-                                             req.deadline_unix_s, req.request_id)
+        attempt = await self.admission.admit(
+            lambda: self._try_reserve(req, params), req.deadline_unix_s, req.request_id
+        )
         attempt.ticket_issued = True
         return self._ticket(req, attempt)
 
@@ -137,8 +131,7 @@ class DecodeWorker(EngineWorker):
         n = next(self._tokens)
         token = f"{self.ref.incarnation}.{n}"
         now = time.time()
-        attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}", now,
-                           now + self.config.lease_s)
+        attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}", now, now + self.config.lease_s)
         self.engine.open_stream(attempt.engine_id)
         superseded: list[str] = []
 
@@ -149,8 +142,13 @@ class DecodeWorker(EngineWorker):
                 self._give_up(e, old)
                 superseded.append(old.engine_id)
             try:
-                r = e.reserve(attempt.engine_id, req.prompt_ids, params, req.session_id,
-                              PrefixPolicy(kv_tokens=req.kv_prompt_tokens))
+                r = e.reserve(
+                    attempt.engine_id,
+                    req.prompt_ids,
+                    params,
+                    req.session_id,
+                    PrefixPolicy(kv_tokens=req.kv_prompt_tokens),
+                )
             except SamplingError as exc:  # a grammar the replayed tokens break
                 raise InvalidArgument(exc.message, field=exc.field) from None
             except ValueError as exc:
@@ -159,8 +157,9 @@ class DecodeWorker(EngineWorker):
                 return None
             self._attempts[req.request_id] = attempt
             if r.missing_block_ids:
-                self.receiver.expect(req.request_id, list(r.missing_block_ids),
-                                     attempt.lease_unix_s, token, attempt.issued_unix_s)
+                self.receiver.expect(
+                    req.request_id, list(r.missing_block_ids), attempt.lease_unix_s, token, attempt.issued_unix_s
+                )
             else:
                 e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
             return r
@@ -211,8 +210,7 @@ class DecodeWorker(EngineWorker):
         attempt = self._attempts.get(rid)
         if attempt is None or not self.engine.has_stream(attempt.engine_id):
             if rid in self._expired:  # alive but slow (a loaded machine): place it again
-                raise Unavailable(f"the KV of {rid} did not arrive within its lease on "
-                                  f"{self.ref.worker_id}")
+                raise Unavailable(f"the KV of {rid} did not arrive within its lease on {self.ref.worker_id}")
             raise NotFound(f"request {rid!r} was not reserved on {self.ref.worker_id}")
         stream = self.engine.stream(attempt.engine_id)
         try:
@@ -239,16 +237,19 @@ class DecodeWorker(EngineWorker):
                     replay_ms = 1e3 * ((first_s or time.monotonic()) - max(arrived, t0))
                     yield FinalEvent(
                         finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                        usage=Usage(prompt_tokens=out.prompt_tokens,
-                                    completion_tokens=out.output_tokens,
-                                    cached_tokens_decode=out.cached_tokens,
-                                    draft_tokens=out.draft_tokens,
-                                    accepted_draft_tokens=out.accepted_draft_tokens,
-                                    draft_steps=out.draft_steps,
-                                    forced_acceptance_length=out.forced_acceptance_length
-                                    or 0.0),
+                        usage=Usage(
+                            prompt_tokens=out.prompt_tokens,
+                            completion_tokens=out.output_tokens,
+                            cached_tokens_decode=out.cached_tokens,
+                            draft_tokens=out.draft_tokens,
+                            accepted_draft_tokens=out.accepted_draft_tokens,
+                            draft_steps=out.draft_steps,
+                            forced_acceptance_length=out.forced_acceptance_length or 0.0,
+                        ),
                         timeline=Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0)),
-                        decode_worker=self.ref.worker_id, request_id=rid)
+                        decode_worker=self.ref.worker_id,
+                        request_id=rid,
+                    )
         except RequestFailed as exc:
             raise Internal(f"decode of {rid} failed: {exc.reason}") from None
         except asyncio.CancelledError:
@@ -294,11 +295,13 @@ class DecodeWorker(EngineWorker):
         attempt = self._attempts.get(request_id)
         if attempt is None or attempt.paused is None:
             raise NotFound(f"request {request_id!r} is not paused on {self.ref.worker_id}")
-        src = list(attempt.paused.kv_block_ids[ticket.first_block_index:])
+        src = list(attempt.paused.kv_block_ids[ticket.first_block_index :])
         if len(src) != len(ticket.dst_block_ids):
-            raise Internal(f"{len(attempt.paused.kv_block_ids)} KV blocks here; the ticket asks "
-                           f"for chunks {ticket.first_block_index}.. into "
-                           f"{len(ticket.dst_block_ids)} blocks")
+            raise Internal(
+                f"{len(attempt.paused.kv_block_ids)} KV blocks here; the ticket asks "
+                f"for chunks {ticket.first_block_index}.. into "
+                f"{len(ticket.dst_block_ids)} blocks"
+            )
         t0 = time.monotonic()
         peer = self._connect(ticket)  # on the loop: one sender, one connection per target
         stats = await asyncio.to_thread(self._push, ticket, src, peer)
@@ -307,6 +310,7 @@ class DecodeWorker(EngineWorker):
             if self._attempts.get(request_id) is attempt:
                 del self._attempts[request_id]
             e.abort(attempt.engine_id)
+
         await self.engine.call(free_on_loop)
         self.engine.close_stream(attempt.engine_id, abort=False)  # the router left it
         return MigrationResult(moved_bytes=stats.num_bytes, transfer_ms=ms_since(t0))
@@ -314,6 +318,7 @@ class DecodeWorker(EngineWorker):
     async def resume(self, request_id: str) -> bool:
         """Continue a paused request here (nowhere to move it): it replays from its prompt
         boundary and streams on. False when it is not paused here."""
+
         def resume_on_loop(e: LLMEngine) -> bool:
             attempt = self._attempts.get(request_id)
             if attempt is None or attempt.paused is None:
@@ -321,6 +326,7 @@ class DecodeWorker(EngineWorker):
             attempt.paused, attempt.stays = None, True
             e.kv_arrived(attempt.engine_id)
             return True
+
         return await self.engine.call(resume_on_loop)
 
     def _connect(self, ticket: Ticket) -> str:
@@ -342,14 +348,14 @@ class DecodeWorker(EngineWorker):
     def _push(self, ticket: Ticket, src: list[int], peer: str):
         """On a worker thread: write and wait, or abandon the target's reservation."""
         try:
-            handle = self._sender.send(ticket.request_id, src, list(ticket.dst_block_ids),
-                                       ticket.incarnation, peer=peer)
+            handle = self._sender.send(
+                ticket.request_id, src, list(ticket.dst_block_ids), ticket.incarnation, peer=peer
+            )
             return self._sender.wait(handle, self.config.transfer_timeout_s, threading.Event())
         except TransferError as exc:
             with contextlib.suppress(TransferError):
                 self._sender.abandon(ticket.request_id, ticket.incarnation, peer=peer)
-            raise TransferFailed(f"KV migration to {ticket.decode_worker_id} failed: {exc}") \
-                from exc
+            raise TransferFailed(f"KV migration to {ticket.decode_worker_id} failed: {exc}") from exc
 
     def _pause_all(self, e: LLMEngine) -> int:
         return sum(self._pause(e, a) for a in list(self._attempts.values()))
@@ -367,8 +373,7 @@ class DecodeWorker(EngineWorker):
     def _poll_transfers(self, e: LLMEngine) -> None:
         for rid in self.receiver.poll_completed():
             attempt = self._attempts.get(rid)
-            if attempt is None or e.scheduler.status(attempt.engine_id) is not \
-                    RequestStatus.WAITING_FOR_KV:
+            if attempt is None or e.scheduler.status(attempt.engine_id) is not RequestStatus.WAITING_FOR_KV:
                 continue
             self._arrived_at[attempt.engine_id] = time.monotonic()
             e.kv_arrived(attempt.engine_id)
@@ -452,8 +457,7 @@ class DecodeWorker(EngineWorker):
             raise InvalidArgument(exc.message, field=exc.field) from None
         limit = self.engine.engine.model.cfg.max_position_embeddings
         if req.prompt_tokens + req.sampling.max_tokens > limit:
-            raise InvalidArgument(f"prompt + max_tokens exceeds the context limit {limit}",
-                                  field="prompt")
+            raise InvalidArgument(f"prompt + max_tokens exceeds the context limit {limit}", field="prompt")
 
     async def close(self) -> None:
         self.draining = True

@@ -20,23 +20,30 @@ from flashpd.services.faults import scenarios
 from flashpd.services.faults.stack import FaultStack, StackConfig, start_ray, stop_ray
 
 FULL = {  # the issue's counts
-    "fuzz": {}, "cancel_storm": {"n": 200, "concurrency": 8},
-    "prefill_kill": {"n": 20, "concurrency": 4}, "decode_kill": {"streams": 3},
+    "fuzz": {},
+    "cancel_storm": {"n": 200, "concurrency": 8},
+    "prefill_kill": {"n": 20, "concurrency": 4},
+    "decode_kill": {"streams": 3},
     "decode_kill_exact": {"streams": 3},
-    "redis_pause": {"pause_s": 20.0}, "redis_restart": {"down_s": 8.0},
-    "load_100": {"n": 100}, "load_500": {"n": 500},
+    "redis_pause": {"pause_s": 20.0},
+    "redis_restart": {"down_s": 8.0},
+    "load_100": {"n": 100},
+    "load_500": {"n": 500},
     "decode_drain": {"streams": 32, "max_tokens": 32},
 }
 QUICK = {  # what the pytest suite runs (tests/faults)
-    "fuzz": {"limit": 120}, "cancel_storm": {"n": 30, "concurrency": 6},
-    "prefill_kill": {"n": 6, "concurrency": 3}, "decode_kill": {"streams": 3, "max_tokens": 40},
+    "fuzz": {"limit": 120},
+    "cancel_storm": {"n": 30, "concurrency": 6},
+    "prefill_kill": {"n": 6, "concurrency": 3},
+    "decode_kill": {"streams": 3, "max_tokens": 40},
     "decode_kill_exact": {"streams": 3, "max_tokens": 40},
-    "redis_pause": {"pause_s": 5.0}, "redis_restart": {"down_s": 3.0},
-    "load_100": {"n": 40}, "load_500": {"n": 100},
+    "redis_pause": {"pause_s": 5.0},
+    "redis_restart": {"down_s": 3.0},
+    "load_100": {"n": 40},
+    "load_500": {"n": 100},
     "decode_drain": {"streams": 32, "max_tokens": 16},
 }
-TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause",
-              "redis_restart")
+TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause", "redis_restart")
 ONE_BY_ONE = ("load_100", "load_500")
 ONE_BY_TWO = ("decode_drain",)  # live migration: 1 prefill + 2 decode replicas
 EXACT = ("decode_kill_exact",)  # on a stack with exact replay (swa_bounded_replay: false)
@@ -56,10 +63,10 @@ SCENARIO_FUNCS = {"load_100": "load", "load_500": "load", "decode_kill_exact": "
 def register(sub) -> None:
     p = sub.add_parser("faults", help="run the fault suite against a local stack")
     p.add_argument("--quick", action="store_true", help="the pytest suite's smaller counts")
-    p.add_argument("--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE],
-                   help="run only these scenarios")
-    p.add_argument("--out", default="bench/results/faults.md",
-                   help="markdown results ('' to skip)")
+    p.add_argument(
+        "--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE], help="run only these scenarios"
+    )
+    p.add_argument("--out", default="bench/results/faults.md", help="markdown results ('' to skip)")
     p.add_argument("--checkpoint", help="default: the tiny preset's random checkpoint")
     p.set_defaults(func=run)
 
@@ -76,10 +83,9 @@ def run(args) -> int:
     command = " ".join(["flashpd", *sys.argv[1:]])
 
     def record(result: scenarios.ScenarioResult) -> None:  # written as it goes: a cut run
-        results.append(result)                               # still leaves its results
+        results.append(result)  # still leaves its results
         if args.out:
-            write_markdown(args.out, results, command=command,
-                           elapsed_s=time.monotonic() - started)
+            write_markdown(args.out, results, command=command, elapsed_s=time.monotonic() - started)
 
     with LocalRedis() as redis_server:
         http_port = start_ray()
@@ -87,8 +93,7 @@ def run(args) -> int:
             for config, names in STACKS:
                 names = [n for n in names if n in chosen]
                 if names:
-                    run_on_stack(checkpoint, redis_server, http_port, config, names, counts,
-                                 record)
+                    run_on_stack(checkpoint, redis_server, http_port, config, names, counts, record)
         finally:
             stop_ray()
     elapsed_s = time.monotonic() - started
@@ -102,8 +107,9 @@ def run(args) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
-def run_on_stack(checkpoint: str, redis_server, http_port: int, config: StackConfig,
-                 names: list[str], counts: dict, record) -> None:
+def run_on_stack(
+    checkpoint: str, redis_server, http_port: int, config: StackConfig, names: list[str], counts: dict, record
+) -> None:
     stack = FaultStack(checkpoint, redis_server, http_port, config).deploy()
     try:
         for name in names:
@@ -151,27 +157,32 @@ NOTES = (
 )
 
 
-def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str,
-                   elapsed_s: float) -> None:
+def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str, elapsed_s: float) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Fault suite (issue 15)", "",
-        f"Run {now}, {elapsed_s / 60:.1f} min, tiny preset on CPU, loopback only:", "",
-        "```bash", f"unshare -n sh -c 'ip link set lo up && {command}'", "```", "",
+        "# Fault suite (issue 15)",
+        "",
+        f"Run {now}, {elapsed_s / 60:.1f} min, tiny preset on CPU, loopback only:",
+        "",
+        "```bash",
+        f"unshare -n sh -c 'ip link set lo up && {command}'",
+        "```",
+        "",
         "Stacks: 2 prefill + 2 decode replicas (defaults: 128-token bounded replay) for fuzz, "
         "cancel storm, kills and Redis; the same with exact replay (`swa_bounded_replay: false`) "
         "for `decode_kill_exact`; 1 prefill + 1 decode (decode queue 1,024) for the load runs. "
         "Each scenario lists its "
-        "counts and what missed the issue's bar (nothing listed = met).", "",
-        "| scenario | result | misses |", "|---|---|---|",
+        "counts and what missed the issue's bar (nothing listed = met).",
+        "",
+        "| scenario | result | misses |",
+        "|---|---|---|",
     ]
     for r in results:
         misses = "; ".join(r.failures) or "-"
         lines.append(f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {misses} |")
     lines += ["", *NOTES, ""]
     for r in results:
-        lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str),
-                  "```", ""]
+        lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str), "```", ""]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines))

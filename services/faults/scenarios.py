@@ -44,8 +44,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
         return {}
     s = sorted(values)
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"p50": round(pick(0.50), 3), "p90": round(pick(0.90), 3),
-            "p99": round(pick(0.99), 3), "max": round(s[-1], 3)}
+    return {
+        "p50": round(pick(0.50), 3),
+        "p90": round(pick(0.90), 3),
+        "p99": round(pick(0.99), 3),
+        "max": round(s[-1], 3),
+    }
 
 
 def _code(exc: BaseException) -> str:
@@ -60,13 +64,13 @@ async def generate(client, ids: list[int], *, max_tokens: int, **kw) -> dict:
     started = time.monotonic()
     ttft = None
     try:
-        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                                 timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+        stream = client.generate(
+            prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw
+        )
         async for _ in stream:
             if ttft is None:
                 ttft = time.monotonic() - started
-        return {"ok": True, "ttft_s": ttft, "e2e_s": time.monotonic() - started,
-                "result": stream.result}
+        return {"ok": True, "ttft_s": ttft, "e2e_s": time.monotonic() - started, "result": stream.result}
     except Exception as exc:  # counted, not raised: the scenario reports it
         return {"ok": False, "code": _code(exc), "error": str(exc)[:200]}
 
@@ -94,12 +98,13 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
     before = _worker_ids(stack)
     problems: list[str] = []
     outcomes: Counter = Counter()
-    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http, \
-            grpc.aio.insecure_channel(stack.grpc_target) as channel:
+    async with (
+        httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http,
+        grpc.aio.insecure_channel(stack.grpc_target) as channel,
+    ):
         for case in cases:
             if case.protocol == "http":
-                r = await http.request(case.method, case.path, headers=list(case.headers),
-                                       content=case.body)
+                r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
                 outcomes[f"http {r.status_code // 100}xx"] += 1
                 problem = http_verdict(case, r.status_code, r.content)
             else:
@@ -109,8 +114,12 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
             if problem is not None:
                 problems.append(problem)
     after = _worker_ids(stack)
-    res.counts = {"requests": len(cases), "problems": len(problems),
-                  "engine_deaths": len(before - after), **dict(sorted(outcomes.items()))}
+    res.counts = {
+        "requests": len(cases),
+        "problems": len(problems),
+        "engine_deaths": len(before - after),
+        **dict(sorted(outcomes.items())),
+    }
     res.counts["examples"] = problems[:5]
     res.check(not problems, f"{len(problems)} answers were server errors or leaked internals")
     res.check(before == after, f"workers died: {sorted(before - after)}")
@@ -147,8 +156,9 @@ async def _serving(stack: FaultStack) -> bool:
 # ----------------------------------------------------------------------------- cancel storm
 
 
-async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
-                       seed: int = 0, idle_within_s: float = 5.0) -> ScenarioResult:
+async def cancel_storm(
+    stack: FaultStack, *, n: int = 200, concurrency: int = 8, seed: int = 0, idle_within_s: float = 5.0
+) -> ScenarioResult:
     """`n` streams cancelled at random points (SDK cancel, HTTP disconnect, raw gRPC cancel),
     while a prober keeps sending small requests: requests served throughout, back to idle
     within `idle_within_s`, 0 blocks leaked."""
@@ -170,6 +180,7 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
             mode = ("sdk", "http", "grpc")[i % 3]
             async with sem:
                 outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
+
         await asyncio.gather(*(one(i) for i in range(n)))
         stop.set()
         await prober
@@ -178,12 +189,19 @@ async def cancel_storm(stack: FaultStack, *, n: int = 200, concurrency: int = 8,
     if idle_s is None:  # how long it takes at all (reported, still a miss)
         late = await asyncio.to_thread(stack.wait_idle, 60.0)
         res.counts["idle_after_s"] = None if late is None else round(idle_within_s + late, 2)
-    res.counts.update({"streams": n, **dict(sorted(outcomes.items())),
-                       "probe_ok": probe["ok"], "probe_failed": probe["failed"],
-                       "idle_within_s": None if idle_s is None else round(idle_s, 2),
-                       "blocks_held_after": leaked})
-    res.check(probe["failed"] == 0 and probe["ok"] > 0,
-              f"prober: {probe['failed']} of {probe['ok'] + probe['failed']} failed")
+    res.counts.update(
+        {
+            "streams": n,
+            **dict(sorted(outcomes.items())),
+            "probe_ok": probe["ok"],
+            "probe_failed": probe["failed"],
+            "idle_within_s": None if idle_s is None else round(idle_s, 2),
+            "blocks_held_after": leaked,
+        }
+    )
+    res.check(
+        probe["failed"] == 0 and probe["ok"] > 0, f"prober: {probe['failed']} of {probe['ok'] + probe['failed']} failed"
+    )
     res.check(idle_s is not None, f"not idle within {idle_within_s} s ({leaked} blocks held)")
     bad = {k: v for k, v in outcomes.items() if k.startswith("error")}
     res.check(not bad, f"storm requests failed other than by cancel: {bad}")
@@ -199,8 +217,7 @@ async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), 0.5)
 
 
-async def _cancelled_stream(stack: FaultStack, client, mode: str, ids: list[int],
-                            after_tokens: int) -> str:
+async def _cancelled_stream(stack: FaultStack, client, mode: str, ids: list[int], after_tokens: int) -> str:
     """Open a stream, read `after_tokens` tokens (0: cancel before the first), cancel it;
     the outcome: "cancelled <mode>", "finished <mode>" or "error <mode> <code>"."""
     try:
@@ -230,6 +247,7 @@ async def _sdk_cancel(client, ids: list[int], after_tokens: int) -> bool:
         except Cancelled:
             return False
         return True
+
     reader = asyncio.create_task(read())
     if after_tokens == 0:  # cancel before the first token (while routing or prefilling)
         await asyncio.sleep(0.2)
@@ -291,8 +309,9 @@ async def vocab_size(stack: FaultStack) -> int:
 # ---------------------------------------------------------------------------- prefill kill
 
 
-async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
-                       prompt_tokens: int = 1500, seed: int = 1) -> ScenarioResult:
+async def prefill_kill(
+    stack: FaultStack, *, n: int = 20, concurrency: int = 4, prompt_tokens: int = 1500, seed: int = 1
+) -> ScenarioResult:
     """Kill a prefill replica while it prefills (`n` requests, `concurrency` in flight): every
     request completes (re-prefilled elsewhere or after the replacement registers)."""
     from flashpd_sdk import AsyncClient
@@ -302,10 +321,12 @@ async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
     sem = asyncio.Semaphore(concurrency)
     outs: list[dict] = []
     async with AsyncClient(stack.grpc_target) as client:
+
         async def one(i: int) -> None:
             ids = prompt_ids(random.Random(seed * 1000 + i), prompt_tokens, vocab)
             async with sem:
                 outs.append(await generate(client, ids, max_tokens=8))
+
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
         victim = await _busy_worker(stack, "prefill", lambda w: w.queued_prefill_tokens > 0)
         if victim is not None:
@@ -313,9 +334,14 @@ async def prefill_kill(stack: FaultStack, *, n: int = 20, concurrency: int = 4,
         await asyncio.gather(*tasks)
     ok = [o for o in outs if o["ok"]]
     codes = Counter(o["code"] for o in outs if not o["ok"])
-    res.counts = {"requests": n, "completed": len(ok), "failed": dict(codes),
-                  "killed": victim, "killed_mid_prefill": victim is not None,
-                  "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None])}
+    res.counts = {
+        "requests": n,
+        "completed": len(ok),
+        "failed": dict(codes),
+        "killed": victim,
+        "killed_mid_prefill": victim is not None,
+        "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None]),
+    }
     res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
     res.check(victim is not None, "no prefill worker was seen prefilling (nothing killed)")
     res.check(len(ok) == n, f"{n - len(ok)} of {n} failed: {dict(codes)}")
@@ -336,8 +362,9 @@ async def _busy_worker(stack: FaultStack, role: str, busy, timeout_s: float = 12
 # ----------------------------------------------------------------------------- decode kill
 
 
-async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 64,
-                      kill_after_tokens: int = 5, seed: int = 2) -> ScenarioResult:
+async def decode_kill(
+    stack: FaultStack, *, streams: int = 3, max_tokens: int = 64, kill_after_tokens: int = 5, seed: int = 2
+) -> ScenarioResult:
     """Greedy streams of one session, all on its decode worker (`streams` through the SDK, one
     more as OpenAI HTTP SSE, one as raw gRPC); that worker is killed after each stream got
     `kill_after_tokens`: every stream completes with output identical to an unbroken run, and
@@ -356,46 +383,48 @@ async def decode_kill(stack: FaultStack, *, streams: int = 3, max_tokens: int = 
     session = f"dk-{seed}-{time.time_ns()}"
     async with AsyncClient(stack.grpc_target) as client:
         reference = [await generate(client, p, max_tokens=max_tokens) for p in prompts]
-        warm = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
-                               session_id=session)
+        warm = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
         if not (warm["ok"] and all(r["ok"] for r in reference)):
             res.check(False, "reference runs failed on the healthy stack")
             return res
         bound = warm["result"].decode_worker
         progress = [0] * (streams + 2)
         outs = await asyncio.gather(
-            *(_tracked(client, p, max_tokens, session, progress, i)
-              for i, p in enumerate(prompts[:streams])),
+            *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts[:streams])),
             _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
-            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress,
-                          streams + 1),
-            _kill_when(stack, bound, progress, kill_after_tokens))
-        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams],
-                                                  outs[streams + 1], outs[-1])
-        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2,
-                                session_id=session)
+            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress, streams + 1),
+            _kill_when(stack, bound, progress, kill_after_tokens),
+        )
+        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams], outs[streams + 1], outs[-1])
+        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
     refs = [r["result"] for r in reference]
-    identical = [f["ok"] and f["result"].output_ids == r.output_ids
-                 for f, r in zip(sdk_outs, refs, strict=False)]
+    identical = [f["ok"] and f["result"].output_ids == r.output_ids for f, r in zip(sdk_outs, refs, strict=False)]
     moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
     http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
     grpc_identical = grpc_out["ok"] and tuple(grpc_out["ids"]) == refs[streams + 1].output_ids
     res.counts = {
-        "streams": streams, "killed": bound if snapshot else None,
-        "tokens_before_kill": snapshot, "completed": sum(f["ok"] for f in sdk_outs),
+        "streams": streams,
+        "killed": bound if snapshot else None,
+        "tokens_before_kill": snapshot,
+        "completed": sum(f["ok"] for f in sdk_outs),
         "identical": sum(identical),
-        "matching_tokens": [_common_prefix(f["result"].output_ids, r.output_ids)
-                            if f["ok"] else 0 for f, r in zip(sdk_outs, refs, strict=False)],
-        "resumed_elsewhere": sum(moved), "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
-        "http_sse_completed": http_out["ok"], "http_sse_identical_text": http_identical,
+        "matching_tokens": [
+            _common_prefix(f["result"].output_ids, r.output_ids) if f["ok"] else 0
+            for f, r in zip(sdk_outs, refs, strict=False)
+        ],
+        "resumed_elsewhere": sum(moved),
+        "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
+        "http_sse_completed": http_out["ok"],
+        "http_sse_identical_text": http_identical,
         "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
-        "grpc_completed": grpc_out["ok"], "grpc_identical": grpc_identical,
+        "grpc_completed": grpc_out["ok"],
+        "grpc_identical": grpc_identical,
         "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, bound),
         "next_turn_ok": after["ok"],
-        "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound}
+        "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound,
+    }
     res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
-    res.check(snapshot is not None and max(snapshot) < max_tokens,
-              "the decode worker was not killed mid-stream")
+    res.check(snapshot is not None and max(snapshot) < max_tokens, "the decode worker was not killed mid-stream")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
     res.check(all(moved), "not every stream was resumed on another decode worker")
     res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
@@ -408,13 +437,17 @@ async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i
     """An OpenAI completions SSE stream: its text and the decode worker of its last chunk."""
     import httpx
 
-    body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}  # OpenAI's default is 1: greedy must be asked for
+    body = {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }  # OpenAI's default is 1: greedy must be asked for
     text, worker = [], None
     try:
         async with httpx.AsyncClient(base_url=stack.http_url, timeout=TIMEOUT_S) as http:
-            async with http.stream("POST", "/v1/completions", json=body,
-                                   headers={"x-session-id": session}) as r:
+            async with http.stream("POST", "/v1/completions", json=body, headers={"x-session-id": session}) as r:
                 if r.status_code != 200:
                     return {"ok": False, "error": f"HTTP {r.status_code}"}
                 async for line in r.aiter_lines():
@@ -455,8 +488,9 @@ async def _tracked_grpc(stack: FaultStack, ids, max_tokens, session, progress, i
 
 async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
     try:
-        stream = client.generate(prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                                 session_id=session, timeout_s=TIMEOUT_S)
+        stream = client.generate(
+            prompt_ids=ids, max_tokens=max_tokens, ignore_eos=True, session_id=session, timeout_s=TIMEOUT_S
+        )
         async for chunk in stream:
             progress[i] += len(chunk.token_ids)
         return {"ok": True, "result": stream.result}
@@ -464,8 +498,7 @@ async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
         return {"ok": False, "code": _code(exc)}
 
 
-async def _kill_when(stack: FaultStack, worker_id: str, progress: list[int],
-                     after: int) -> list[int] | None:
+async def _kill_when(stack: FaultStack, worker_id: str, progress: list[int], after: int) -> list[int] | None:
     """Kill once every stream got `after` tokens; the tokens each had then (None: no kill)."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
@@ -489,9 +522,15 @@ def _common_prefix(a, b) -> int:
 # ---------------------------------------------------------------------------- decode drain
 
 
-async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: int = 160,
-                       max_tokens: int = 12, drain_after_tokens: int = 3,
-                       seed: int = 6) -> ScenarioResult:
+async def decode_drain(
+    stack: FaultStack,
+    *,
+    streams: int = 32,
+    prompt_tokens: int = 160,
+    max_tokens: int = 12,
+    drain_after_tokens: int = 3,
+    seed: int = 6,
+) -> ScenarioResult:
     """`streams` greedy SDK streams on 1 prefill + 2 decode replicas; once each got
     `drain_after_tokens` tokens, the decode replica holding the most sequences is marked
     draining (`flashpd drain`'s Redis mark): every stream completes with output identical to
@@ -505,8 +544,7 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
     rng = random.Random(seed)
     prompts = [prompt_ids(rng, prompt_tokens, vocab) for _ in range(streams)]
     async with AsyncClient(stack.grpc_target) as client:
-        reference = await asyncio.gather(*(generate(client, p, max_tokens=max_tokens)
-                                           for p in prompts))
+        reference = await asyncio.gather(*(generate(client, p, max_tokens=max_tokens) for p in prompts))
         if not all(r["ok"] for r in reference):
             res.check(False, "reference runs failed on the healthy stack")
             return res
@@ -515,47 +553,66 @@ async def decode_drain(stack: FaultStack, *, streams: int = 32, prompt_tokens: i
         drained: dict = {}
         outs = await asyncio.gather(
             *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
-            _drain_when(stack, progress, drain_after_tokens, drained))
+            _drain_when(stack, progress, drain_after_tokens, drained),
+        )
         outs = outs[:streams]
         victim = drained.get("worker")
         after = await drain_counters(stack)
-        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2)
-                for _ in range(4)] if victim else []
+        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2) for _ in range(4)] if victim else []
     idle_s = await asyncio.to_thread(victim_idle, stack, victim, 30.0) if victim else None
     refs = [r["result"].output_ids for r in reference]
     identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
     delta = {k: after[k] - before[k] for k in after}
     res.counts = {
-        "streams": streams, "drained": victim, "tokens_at_drain": drained.get("progress"),
-        "paused_on_victim": drained.get("running"), "completed": sum(o["ok"] for o in outs),
-        "failed": [o.get("code") for o in outs if not o["ok"]], "identical": sum(identical),
-        "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0
-                                for o in outs),
+        "streams": streams,
+        "drained": victim,
+        "tokens_at_drain": drained.get("progress"),
+        "paused_on_victim": drained.get("running"),
+        "completed": sum(o["ok"] for o in outs),
+        "failed": [o.get("code") for o in outs if not o["ok"]],
+        "identical": sum(identical),
+        "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0 for o in outs),
         # streams with tokens still to come at the drain that nonetheless ended on the victim
-        "left_on_victim": sum(o["ok"] and o["result"].decode_worker == victim and got < max_tokens
-                              for o, got in zip(outs, drained.get("snapshot", []), strict=False)),
-        "migrated": delta["moved"], "stayed": delta["stayed"], "prefills": delta["prefills"],
-        "retries": delta["retries"], "migrated_bytes": delta["bytes"],
-        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim
-                                       for o in late),
+        "left_on_victim": sum(
+            o["ok"] and o["result"].decode_worker == victim and got < max_tokens
+            for o, got in zip(outs, drained.get("snapshot", []), strict=False)
+        ),
+        "migrated": delta["moved"],
+        "stayed": delta["stayed"],
+        "prefills": delta["prefills"],
+        "retries": delta["retries"],
+        "migrated_bytes": delta["bytes"],
+        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim for o in late),
         "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
-        "differing": [(i, _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
-                       o["ok"] and o["result"].timeline["migrate_ms"] > 0)
-                      for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
-                      if not same]}  # (stream, tokens matching, migrated)
+        "differing": [
+            (
+                i,
+                _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
+                o["ok"] and o["result"].timeline["migrate_ms"] > 0,
+            )
+            for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
+            if not same
+        ],
+    }  # (stream, tokens matching, migrated)
     res.check(victim is not None, "no decode replica was drained mid-stream")
     res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
-    res.check(res.counts["left_on_victim"] == 0,
-              "streams unfinished at the drain finished on the drained replica")
-    res.check(res.counts["migrated_streams"] == delta["moved"],
-              "streams reporting a migration != the router's migration count")
-    res.check(delta["moved"] >= 1 and delta["stayed"] == 0,
-              f"migrations: {delta['moved']} moved, {delta['stayed']} stayed")
-    res.check(delta["prefills"] == streams and delta["retries"] == 0,
-              f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries")
-    res.check(all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
-              "a request sent after the drain mark failed or landed on the drained replica")
+    res.check(res.counts["left_on_victim"] == 0, "streams unfinished at the drain finished on the drained replica")
+    res.check(
+        res.counts["migrated_streams"] == delta["moved"],
+        "streams reporting a migration != the router's migration count",
+    )
+    res.check(
+        delta["moved"] >= 1 and delta["stayed"] == 0, f"migrations: {delta['moved']} moved, {delta['stayed']} stayed"
+    )
+    res.check(
+        delta["prefills"] == streams and delta["retries"] == 0,
+        f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries",
+    )
+    res.check(
+        all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
+        "a request sent after the drain mark failed or landed on the drained replica",
+    )
     res.check(idle_s is not None, "the drained replica still holds sequences or blocks")
     return res
 
@@ -565,10 +622,12 @@ async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: d
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         if all(p >= after for p in progress):
-            busiest = max((w for w in await asyncio.to_thread(stack.worker_stats)
-                           if w.role == "decode"), key=lambda w: w.running)
-            out.update(worker=busiest.worker_id, running=busiest.running,
-                       progress=sorted(progress), snapshot=list(progress))
+            busiest = max(
+                (w for w in await asyncio.to_thread(stack.worker_stats) if w.role == "decode"), key=lambda w: w.running
+            )
+            out.update(
+                worker=busiest.worker_id, running=busiest.running, progress=sorted(progress), snapshot=list(progress)
+            )
             await stack.drain_replica(busiest.worker_id)
             return
         await asyncio.sleep(0.005)
@@ -586,29 +645,32 @@ def victim_idle(stack: FaultStack, worker_id: str, timeout_s: float) -> float | 
 
 async def drain_counters(stack: FaultStack) -> dict[str, float]:
     moved = await router_counter(stack, "flashpd:stream_migrations_total")
-    return {"moved": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
-            "stayed": sum(v for k, v in moved.items() if 'outcome="stayed"' in k),
-            "bytes": sum((await router_counter(stack,
-                                               "flashpd:stream_migration_bytes_total")).values()),
-            "prefills": sum((await router_counter(stack, "flashpd:prefills_total")).values()),
-            "retries": sum((await router_counter(stack,
-                                                 "flashpd:request_retries_total")).values())}
+    return {
+        "moved": sum(v for k, v in moved.items() if 'outcome="moved"' in k),
+        "stayed": sum(v for k, v in moved.items() if 'outcome="stayed"' in k),
+        "bytes": sum((await router_counter(stack, "flashpd:stream_migration_bytes_total")).values()),
+        "prefills": sum((await router_counter(stack, "flashpd:prefills_total")).values()),
+        "retries": sum((await router_counter(stack, "flashpd:request_retries_total")).values()),
+    }
 
 
 # ------------------------------------------------------------------------------- Redis loss
 
 
-async def redis_pause(stack: FaultStack, *, pause_s: float = 20.0, clients: int = 2,
-                      seed: int = 3) -> ScenarioResult:
+async def redis_pause(stack: FaultStack, *, pause_s: float = 20.0, clients: int = 2, seed: int = 3) -> ScenarioResult:
     """Traffic while Redis is stopped (SIGSTOP) for `pause_s`: 0 failed requests."""
     res = ScenarioResult("redis_pause")
     health: Counter = Counter()
     stats = await _with_traffic(stack, clients, seed, _pause_fault(stack, pause_s, health))
     res.counts = {**stats, "health_during_pause": dict(health)}
-    res.check(stats["failed"] == 0 and stats["ok"] > 0,
-              f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed")
-    res.check(set(health) == {"grpc SERVING", "http 200"},
-              f"health during the pause: {dict(health)} (workers were known: SERVING expected)")
+    res.check(
+        stats["failed"] == 0 and stats["ok"] > 0,
+        f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed",
+    )
+    res.check(
+        set(health) == {"grpc SERVING", "http 200"},
+        f"health during the pause: {dict(health)} (workers were known: SERVING expected)",
+    )
     return res
 
 
@@ -621,8 +683,10 @@ async def _pause_fault(stack: FaultStack, pause_s: float, health: Counter) -> No
     await asyncio.sleep(1.0)
     stack.redis_server.pause()
     try:
-        async with AsyncClient(stack.grpc_target) as client, \
-                httpx.AsyncClient(base_url=stack.http_url, timeout=10) as http:
+        async with (
+            AsyncClient(stack.grpc_target) as client,
+            httpx.AsyncClient(base_url=stack.http_url, timeout=10) as http,
+        ):
             until = time.monotonic() + pause_s
             while time.monotonic() < until:
                 with contextlib.suppress(Exception):
@@ -635,8 +699,9 @@ async def _pause_fault(stack: FaultStack, pause_s: float, health: Counter) -> No
     await asyncio.sleep(2.0)
 
 
-async def redis_restart(stack: FaultStack, *, down_s: float = 8.0, clients: int = 2,
-                        hits_within_s: float = 10.0, seed: int = 4) -> ScenarioResult:
+async def redis_restart(
+    stack: FaultStack, *, down_s: float = 8.0, clients: int = 2, hits_within_s: float = 10.0, seed: int = 4
+) -> ScenarioResult:
     """Redis killed (SIGKILL) for `down_s` under traffic, then restarted empty on its port:
     0 failed requests, workers re-registered and prefix hits back within `hits_within_s`."""
     from flashpd_sdk import AsyncClient
@@ -656,15 +721,19 @@ async def redis_restart(stack: FaultStack, *, down_s: float = 8.0, clients: int 
             await asyncio.sleep(down_s)
             stack.redis_server.restart()
             res.counts["hits_back_s"] = await _hits_back(client, prefix, 120.0)
+
         stats = await _with_traffic(stack, clients, seed, fault())
     registered = len(stack.worker_stats())
     res.counts.update(stats)
     res.counts["workers_registered_after"] = registered
     back = res.counts.get("hits_back_s")
-    res.check(stats["failed"] == 0 and stats["ok"] > 0,
-              f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed")
-    res.check(back is not None and back <= hits_within_s,
-              f"prefix hits not back within {hits_within_s} s (took {back})")
+    res.check(
+        stats["failed"] == 0 and stats["ok"] > 0,
+        f"{stats['failed']} of {stats['ok'] + stats['failed']} requests failed",
+    )
+    res.check(
+        back is not None and back <= hits_within_s, f"prefix hits not back within {hits_within_s} s (took {back})"
+    )
     want = stack.config.prefill_replicas + stack.config.decode_replicas
     res.check(registered == want, f"{registered} of {want} workers re-registered")
     return res
@@ -681,8 +750,7 @@ async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 
     run = 0
     while time.monotonic() - started < timeout_s:
         sent = time.monotonic()
-        out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1,
-                              timeout_s=60)
+        out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1, timeout_s=60)
         hit = out["ok"] and out["result"].usage.cached_tokens_decode >= len(prefix) // 2
         run = run + 1 if hit else 0
         if run == 1:
@@ -700,12 +768,12 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
     stats = {"ok": 0, "failed": 0, "codes": Counter(), "latencies": []}
     done = asyncio.Event()
     async with AsyncClient(stack.grpc_target) as client:
+
         async def loop(c: int) -> None:
             rng = random.Random(seed * 100 + c)
             context = prompt_ids(rng, 150, vocab)
             while not done.is_set():
-                out = await generate(client, context, max_tokens=4, timeout_s=60,
-                                      session_id=f"traffic-{seed}-{c}")
+                out = await generate(client, context, max_tokens=4, timeout_s=60, session_id=f"traffic-{seed}-{c}")
                 if out["ok"]:
                     stats["ok"] += 1
                     stats["latencies"].append(out["e2e_s"])
@@ -714,21 +782,34 @@ async def _with_traffic(stack: FaultStack, clients: int, seed: int, fault) -> di
                 else:
                     stats["failed"] += 1
                     stats["codes"][out["code"]] += 1
+
         loops = [asyncio.create_task(loop(c)) for c in range(clients)]
         try:
             await fault
         finally:
             done.set()
             await asyncio.gather(*loops)
-    return {"ok": stats["ok"], "failed": stats["failed"], "codes": dict(stats["codes"]),
-            "latency_s": percentiles(stats["latencies"])}
+    return {
+        "ok": stats["ok"],
+        "failed": stats["failed"],
+        "codes": dict(stats["codes"]),
+        "latency_s": percentiles(stats["latencies"]),
+    }
 
 
 # ------------------------------------------------------------------------------------- load
 
 
-async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_tokens: int = 16,
-               channels: int = 8, seed: int = 5, idle_within_s: float = 30.0) -> ScenarioResult:
+async def load(
+    stack: FaultStack,
+    *,
+    n: int,
+    prompt_tokens: int = 200,
+    max_tokens: int = 16,
+    channels: int = 8,
+    seed: int = 5,
+    idle_within_s: float = 30.0,
+) -> ScenarioResult:
     """`n` streams at once (1 prefill + 1 decode): all complete (queued, not refused or hung),
     0 blocks held afterwards; TTFT percentiles."""
     from flashpd_sdk import AsyncClient
@@ -738,11 +819,17 @@ async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_token
     clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
     try:
         started = time.monotonic()
-        outs = await asyncio.gather(*(
-            generate(clients[i % channels],
-                      prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
-                      max_tokens=max_tokens, timeout_s=600)
-            for i in range(n)))
+        outs = await asyncio.gather(
+            *(
+                generate(
+                    clients[i % channels],
+                    prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
+                    max_tokens=max_tokens,
+                    timeout_s=600,
+                )
+                for i in range(n)
+            )
+        )
         wall_s = time.monotonic() - started
     finally:
         for c in clients:
@@ -752,12 +839,18 @@ async def load(stack: FaultStack, *, n: int, prompt_tokens: int = 200, max_token
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
     held = stack.blocks_held()
     res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
-    res.counts.update({"streams": n, "completed": len(ok), "failed": dict(codes),
-                  "wall_s": round(wall_s, 1),
-                  "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None]),
-                  "e2e_s": percentiles([o["e2e_s"] for o in ok]),
-                  "blocks_held_after": held,
-                  "idle_after_s": None if idle_s is None else round(idle_s, 2)})
+    res.counts.update(
+        {
+            "streams": n,
+            "completed": len(ok),
+            "failed": dict(codes),
+            "wall_s": round(wall_s, 1),
+            "ttft_s": percentiles([o["ttft_s"] for o in ok if o["ttft_s"] is not None]),
+            "e2e_s": percentiles([o["e2e_s"] for o in ok]),
+            "blocks_held_after": held,
+            "idle_after_s": None if idle_s is None else round(idle_s, 2),
+        }
+    )
     res.check(len(ok) == n, f"{n - len(ok)} of {n} did not complete: {dict(codes)}")
     res.check(idle_s is not None and held == 0, f"{held} blocks held afterwards")
     return res
@@ -773,6 +866,6 @@ async def router_counter(stack: FaultStack, name: str) -> dict[str, float]:
             text = (await http.get("/metrics")).text
         for line in text.splitlines():
             if line.startswith(name):
-                labels, _, value = line[len(name):].rpartition(" ")
+                labels, _, value = line[len(name) :].rpartition(" ")
                 out[labels or "{}"] = float(value)
     return out

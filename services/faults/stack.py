@@ -43,8 +43,13 @@ def start_ray() -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     http_port = free_port()
     serve.start(http_options={"host": LOOPBACK, "port": http_port})
     return http_port
@@ -63,8 +68,9 @@ def stop_ray() -> None:
 class FaultStack:
     """One deployed flashpd application (call `deploy()`; `undeploy()` removes it)."""
 
-    def __init__(self, checkpoint: str, redis_server: LocalRedis, http_port: int,
-                 config: StackConfig = StackConfig()) -> None:
+    def __init__(
+        self, checkpoint: str, redis_server: LocalRedis, http_port: int, config: StackConfig = StackConfig()
+    ) -> None:
         self.checkpoint, self.redis_server, self.config = checkpoint, redis_server, config
         self.http_url = f"http://{LOOPBACK}:{http_port}"
         self.grpc_port = free_port()
@@ -75,8 +81,10 @@ class FaultStack:
         c = self.config
         role = {"num_blocks": c.num_blocks}
         args = {
-            "checkpoint": self.checkpoint, "model_id": MODEL_ID,
-            "redis_url": self.redis_server.url, "grpc_port": self.grpc_port,
+            "checkpoint": self.checkpoint,
+            "model_id": MODEL_ID,
+            "redis_url": self.redis_server.url,
+            "grpc_port": self.grpc_port,
             "max_model_len": c.max_model_len,
             "prefill": dict(role, replicas=c.prefill_replicas),
             "decode": dict(role, replicas=c.decode_replicas),
@@ -141,8 +149,7 @@ class FaultStack:
         started = time.monotonic()
         while time.monotonic() - started <= timeout_s:
             stats = self.worker_stats()
-            if stats and all(w.kv_blocks_used == 0 and w.running == 0 and w.waiting == 0
-                             for w in stats):
+            if stats and all(w.kv_blocks_used == 0 and w.running == 0 and w.waiting == 0 for w in stats):
                 return time.monotonic() - started
             time.sleep(poll_s)
         return None
@@ -154,9 +161,11 @@ class FaultStack:
         import ray
 
         prefix = f"SERVE_REPLICA::{self.config.app_name}#{DEPLOYMENTS[role]}#"
-        return {a["name"][len(prefix):]: a["name"]
-                for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith(prefix)}
+        return {
+            a["name"][len(prefix) :]: a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)
+        }
 
     async def drain_replica(self, worker_id: str) -> None:
         """Mark a decode replica draining (what `flashpd drain` and the autoscaler do): routers

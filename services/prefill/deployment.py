@@ -14,8 +14,7 @@ class PrefillServer(WorkerDeployment):
 
         return PrefillWorker(engine, config, ref)
 
-    async def run(self, req: InternalRequest, ticket: Ticket,
-                  target_worker: str | None = None) -> PrefillResult:
+    async def run(self, req: InternalRequest, ticket: Ticket, target_worker: str | None = None) -> PrefillResult:
         self._check_target(target_worker)
         return await self.worker.run(req, ticket)
 

@@ -48,12 +48,7 @@ from flashpd.services.api import (
     Unavailable,
     WorkerRef,
 )
-from flashpd.services.worker.common import (
-    EngineWorker,
-    WorkerConfig,
-    make_sender,
-    ms_since,
-)
+from flashpd.services.worker.common import EngineWorker, WorkerConfig, make_sender, ms_since
 
 log = logging.getLogger(__name__)
 
@@ -110,19 +105,20 @@ class PrefillWorker(EngineWorker):
             ready = await self._compute(req, run)
             compute_ms = ms_since(t0)
             t1 = time.monotonic()
-            src = list(ready.kv_block_ids[ticket.first_block_index:])
+            src = list(ready.kv_block_ids[ticket.first_block_index :])
             if len(src) != len(ticket.dst_block_ids):
-                raise Internal(f"prefill holds {len(ready.kv_block_ids)} blocks; the ticket "
-                               f"asks for chunks {ticket.first_block_index}.. into "
-                               f"{len(ticket.dst_block_ids)} blocks")
+                raise Internal(
+                    f"prefill holds {len(ready.kv_block_ids)} blocks; the ticket "
+                    f"asks for chunks {ticket.first_block_index}.. into "
+                    f"{len(ticket.dst_block_ids)} blocks"
+                )
             if run.cancel.is_set():
                 raise Cancelled(f"prefill of {rid} aborted")
             if time.time() >= ticket.lease_deadline_unix_s:  # decode gave the blocks up: the
                 # attempt is lost, not the request (a slow, loaded machine): place it again
                 raise Unavailable(f"the ticket's lease for {rid} passed before the KV push")
             run.phase = "push"
-            push = asyncio.get_running_loop().run_in_executor(
-                self._pushes, self._push, req, ticket, peer, src, run)
+            push = asyncio.get_running_loop().run_in_executor(self._pushes, self._push, req, ticket, peer, src, run)
             stats = await asyncio.shield(push)
             run.phase = "done"
             self._record_push(req.request_id, stats, t1, run)
@@ -130,8 +126,11 @@ class PrefillWorker(EngineWorker):
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
                 computed_tokens=len(req.kv_prompt_ids) - ready.cached_tokens,
-                pushed_bytes=stats.num_bytes, queue_ms=0.0, compute_ms=compute_ms,
-                transfer_ms=ms_since(t1))
+                pushed_bytes=stats.num_bytes,
+                queue_ms=0.0,
+                compute_ms=compute_ms,
+                transfer_ms=ms_since(t1),
+            )
         finally:
             if run.phase != "done":
                 run.cancel.set()  # a push still running aborts its transfer
@@ -140,15 +139,13 @@ class PrefillWorker(EngineWorker):
             task.add_done_callback(self._cleanups.discard)
             await asyncio.shield(task)  # a second cancel leaves the cleanup running
 
-    async def _finish(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run,
-                      push) -> None:
+    async def _finish(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run, push) -> None:
         """After every run: once no write is in flight, abandon an unfinished handoff (the
         decode worker frees its blocks now) and free this worker's blocks."""
         if push is not None:
             await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
         if run.phase != "done" and not run.write_may_land:
-            abandon = functools.partial(self.sender.abandon, req.request_id, ticket.incarnation,
-                                        peer=peer)
+            abandon = functools.partial(self.sender.abandon, req.request_id, ticket.incarnation, peer=peer)
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pushes, abandon)
             except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
@@ -170,7 +167,8 @@ class PrefillWorker(EngineWorker):
         try:
             prefix = PrefixPolicy(max_credit_tokens=req.max_prefill_credit_tokens)
             return await asyncio.wait_for(
-                self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining)
+                self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining
+            )
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:
@@ -197,13 +195,18 @@ class PrefillWorker(EngineWorker):
         posting (descriptors + NIXL post), post -> completion seen by the poll, the return to
         the event loop. The transport's own figure is stats.seconds (post -> completion)."""
         started, posted, now = run.push_started_s, run.posted_s, time.monotonic()
-        self.push_records.append({
-            "request_id": request_id, "bytes": stats.num_bytes,
-            "descriptors": getattr(self.sender, "last_num_descriptors", 0),
-            "hop_ms": 1e3 * (started - t1) if started else None,
-            "post_ms": 1e3 * (posted - started) if posted and started else None,
-            "wire_ms": 1e3 * stats.seconds, "total_ms": 1e3 * (now - t1),
-            "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None})
+        self.push_records.append(
+            {
+                "request_id": request_id,
+                "bytes": stats.num_bytes,
+                "descriptors": getattr(self.sender, "last_num_descriptors", 0),
+                "hop_ms": 1e3 * (started - t1) if started else None,
+                "post_ms": 1e3 * (posted - started) if posted and started else None,
+                "wire_ms": 1e3 * stats.seconds,
+                "total_ms": 1e3 * (now - t1),
+                "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None,
+            }
+        )
 
     def _announce_tombstones(self, peer: str) -> None:
         """A newly connected decode worker learns of the recent aborts that found no run here
@@ -212,8 +215,7 @@ class PrefillWorker(EngineWorker):
         for request_id, aborted_at in list(self._tombstones.items()):
             if aborted_at < horizon:
                 continue
-            notice = functools.partial(self.sender.abandon_all, request_id, aborted_at,
-                                       peer=peer)
+            notice = functools.partial(self.sender.abandon_all, request_id, aborted_at, peer=peer)
             try:
                 notice()
             except TransferError as exc:
@@ -226,8 +228,7 @@ class PrefillWorker(EngineWorker):
         handle = None
         run.push_started_s = time.monotonic()
         try:
-            handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids),
-                                      ticket.incarnation, peer=peer)
+            handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids), ticket.incarnation, peer=peer)
             run.posted_s = time.monotonic()
             return self.sender.wait(handle, self.config.transfer_timeout_s, run.cancel)
         except TransferCancelled:
@@ -247,8 +248,7 @@ class PrefillWorker(EngineWorker):
             while len(self._tombstones) > MAX_TOMBSTONES:
                 self._tombstones.popitem(last=False)
             try:  # decode workers may reuse blocks reserved for this request before now
-                await asyncio.get_running_loop().run_in_executor(
-                    self._pushes, self.sender.abandon_all, request_id, now)
+                await asyncio.get_running_loop().run_in_executor(self._pushes, self.sender.abandon_all, request_id, now)
             except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
                 log.warning("abandon_all notice for %s failed: %r", request_id, exc)
             return False

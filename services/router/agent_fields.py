@@ -37,10 +37,25 @@ from flashpd.services.router import validation as v
 # output would not validate (refused, naming the field and the keyword's path). `format` is an
 # annotation in Draft 2020-12 (validators ignore unknown formats), so it is left alone; `oneOf`
 # is enforced as `anyOf` (alternatives that overlap are not excluded).
-UNENFORCED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas", "patternProperties", "propertyNames",
-    "minProperties", "maxProperties", "unevaluatedItems"})
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentRequired",
+        "dependentSchemas",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "unevaluatedItems",
+    }
+)
 # where subschemas live: keyword -> how its value holds them
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -89,23 +104,29 @@ def agent_options(body: Mapping, *, chat: bool) -> AgentOptions:
     return AgentOptions(tools, choice, named, parallel, schema, guided, n)
 
 
-def _guided(tools: tuple[dsml.Tool, ...], choice: str, named: str | None, parallel: bool,
-            kind: str, schema: dict | None, strict: bool) -> GuidedDecoding | None:
+def _guided(
+    tools: tuple[dsml.Tool, ...],
+    choice: str,
+    named: str | None,
+    parallel: bool,
+    kind: str,
+    schema: dict | None,
+    strict: bool,
+) -> GuidedDecoding | None:
     guided = None
     if choice in ("required", "named"):
         if kind != "text":
-            raise InvalidArgument(f"cannot be {kind} while tool_choice forces a tool call",
-                                  field="response_format")
+            raise InvalidArgument(f"cannot be {kind} while tool_choice forces a tool call", field="response_format")
         called = [t for t in tools if named is None or t.name == named]
         for t in called:  # the grammar enforces these tools' argument schemas
             check_enforceable(t.parameters, f"tools[{tools.index(t)}].function.parameters")
-        guided = GuidedDecoding("structural_tag", dsml.structural_tag(called, parallel=parallel),
-                                field="tools")
+        guided = GuidedDecoding("structural_tag", dsml.structural_tag(called, parallel=parallel), field="tools")
     elif kind == "json_object":
         guided = GuidedDecoding("json_object")
     elif kind == "json_schema":
-        guided = GuidedDecoding("json_schema", json.dumps(schema), strict=strict,
-                                field="response_format.json_schema.schema")
+        guided = GuidedDecoding(
+            "json_schema", json.dumps(schema), strict=strict, field="response_format.json_schema.schema"
+        )
     return guided
 
 
@@ -115,8 +136,7 @@ def _tools(value: Any) -> tuple[dsml.Tool, ...]:
     if not isinstance(value, list):
         raise InvalidArgument("must be a list of tools", field="tools")
     if len(value) > MAX_TOOLS:
-        raise InvalidArgument(f"must hold at most {MAX_TOOLS} tools, got {len(value)}",
-                              field="tools")
+        raise InvalidArgument(f"must hold at most {MAX_TOOLS} tools, got {len(value)}", field="tools")
     tools = [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]
     names = [t.name for t in tools]
     for i, name in enumerate(names):
@@ -129,15 +149,15 @@ def _tool(item: Any, field: str) -> dsml.Tool:
     if not isinstance(item, dict):
         raise InvalidArgument("must be an object", field=field)
     if item.get("type") != "function":
-        raise InvalidArgument(f'must be "function", got {v.show(item.get("type"))}',
-                              field=f"{field}.type")
+        raise InvalidArgument(f'must be "function", got {v.show(item.get("type"))}', field=f"{field}.type")
     fn = item.get("function")
     if not isinstance(fn, dict):
         raise InvalidArgument("must be an object with a name", field=f"{field}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidArgument("must be 1-64 letters, digits, underscores or dashes, got "
-                              f"{v.show(name)}", field=f"{field}.function.name")
+        raise InvalidArgument(
+            f"must be 1-64 letters, digits, underscores or dashes, got {v.show(name)}", field=f"{field}.function.name"
+        )
     description = fn.get("description") or ""
     v.as_text(description, f"{field}.function.description", max_chars=MAX_DESCRIPTION_CHARS)
     parameters = fn.get("parameters")
@@ -153,19 +173,20 @@ def _tool_choice(value: Any, tools: tuple[dsml.Tool, ...]) -> tuple[str, str | N
         return ("auto" if tools else "none"), None
     if isinstance(value, str):
         if value not in CHOICES:
-            raise InvalidArgument(f"must be one of {list(CHOICES)} or a named function, got "
-                                  f"{v.show(value)}", field="tool_choice")
+            raise InvalidArgument(
+                f"must be one of {list(CHOICES)} or a named function, got {v.show(value)}", field="tool_choice"
+            )
         if value == "required" and not tools:
             raise InvalidArgument("required needs tools", field="tool_choice")
         return value, None
     fn = value.get("function") if isinstance(value, dict) else None
     if not isinstance(fn, dict) or value.get("type") != "function":
-        raise InvalidArgument('must be a string or {"type": "function", "function": {"name": '
-                              '...}}', field="tool_choice")
+        raise InvalidArgument(
+            'must be a string or {"type": "function", "function": {"name": ...}}', field="tool_choice"
+        )
     name = fn.get("name")
     if name not in {t.name for t in tools}:
-        raise InvalidArgument(f"names no tool in tools: {v.show(name)}",
-                              field="tool_choice.function.name")
+        raise InvalidArgument(f"names no tool in tools: {v.show(name)}", field="tool_choice.function.name")
     return "named", name
 
 
@@ -177,17 +198,18 @@ def _response_format(value: Any) -> tuple[str, dict | None, bool]:
     if kind in ("text", "json_object"):
         return kind, None, False
     if kind != "json_schema":
-        raise InvalidArgument('must be {"type": "text" | "json_object" | "json_schema", ...}',
-                              field="response_format.type" if isinstance(value, dict)
-                              else "response_format")
+        raise InvalidArgument(
+            'must be {"type": "text" | "json_object" | "json_schema", ...}',
+            field="response_format.type" if isinstance(value, dict) else "response_format",
+        )
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise InvalidArgument("must be an object with name and schema",
-                              field="response_format.json_schema")
+        raise InvalidArgument("must be an object with name and schema", field="response_format.json_schema")
     name = spec.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidArgument("must be 1-64 letters, digits, underscores or dashes",
-                              field="response_format.json_schema.name")
+        raise InvalidArgument(
+            "must be 1-64 letters, digits, underscores or dashes", field="response_format.json_schema.name"
+        )
     schema = spec.get("schema", {"type": "object"})
     _check_schema(schema, "response_format.json_schema.schema")
     check_enforceable(schema, "response_format.json_schema.schema")
@@ -208,8 +230,7 @@ def _check_schema(schema: Any, field: str) -> None:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
-        raise InvalidArgument(f"is not a valid JSON schema at {where}: "
-                              f"{exc.message[:200]}", field=field) from None
+        raise InvalidArgument(f"is not a valid JSON schema at {where}: {exc.message[:200]}", field=field) from None
 
 
 def check_enforceable(schema: dict | None, field: str) -> None:
@@ -223,9 +244,12 @@ def check_enforceable(schema: dict | None, field: str) -> None:
         bad = sorted(UNENFORCED_KEYWORDS.intersection(node))
         if bad:
             where = path.lstrip("/") or "the top level"
-            raise InvalidArgument(f"uses {bad[0]!r} at {where}, which the grammar engine "
-                                  "cannot enforce (unsupported keywords: "
-                                  f"{sorted(UNENFORCED_KEYWORDS)})", field=field)
+            raise InvalidArgument(
+                f"uses {bad[0]!r} at {where}, which the grammar engine "
+                "cannot enforce (unsupported keywords: "
+                f"{sorted(UNENFORCED_KEYWORDS)})",
+                field=field,
+            )
         stack.extend(_subschemas(node, path))
 
 

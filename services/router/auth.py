@@ -43,8 +43,7 @@ class ApiKeys:
             return True
         if authorization is None:
             return False
-        raw = (authorization.encode("latin-1", errors="replace") if isinstance(authorization, str)
-               else authorization)
+        raw = authorization.encode("latin-1", errors="replace") if isinstance(authorization, str) else authorization
         scheme, _, token = raw.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not token.strip():
             return False
@@ -56,8 +55,9 @@ class ApiKeys:
             raise Unauthenticated("missing or invalid API key (send Authorization: Bearer <key>)")
 
     @classmethod
-    def load(cls, *, env_var: str | None = DEFAULT_KEYS_ENV, file: str | None = None,
-             environ: dict[str, str] | None = None) -> ApiKeys:
+    def load(
+        cls, *, env_var: str | None = DEFAULT_KEYS_ENV, file: str | None = None, environ: dict[str, str] | None = None
+    ) -> ApiKeys:
         """Keys from `env_var` (comma-separated) and `file` (one per line, `#` comments)."""
         env = os.environ if environ is None else environ
         keys: list[str] = []
@@ -65,8 +65,7 @@ class ApiKeys:
             keys += env.get(env_var, "").split(",")
         if file:
             with open(file, encoding="utf-8") as f:
-                keys += [line for line in f.read().splitlines()
-                         if line.strip() and not line.lstrip().startswith("#")]
+                keys += [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
         return cls(keys)
 
 

@@ -31,9 +31,16 @@ class BreakerOpen(ConnectionError):
 
 
 class CircuitBreaker:
-    def __init__(self, name: str, *, timeout_s: float = 0.2, failure_threshold: int = 2,
-                 open_s: float = 1.0, failures: tuple[type[BaseException], ...] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout_s: float = 0.2,
+        failure_threshold: int = 2,
+        open_s: float = 1.0,
+        failures: tuple[type[BaseException], ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if timeout_s <= 0 or open_s <= 0 or failure_threshold < 1:
             raise ValueError("timeout_s and open_s must be > 0, failure_threshold >= 1")
         self.name, self.timeout_s, self.open_s = name, timeout_s, open_s

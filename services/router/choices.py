@@ -48,17 +48,14 @@ class ChoiceEvent:
 def sibling(base: InternalRequest, i: int, placed: Sequence | None) -> InternalRequest:
     """Choice i's request: its own id and seed, pinned to the pair choice 0 ran on."""
     seed = base.sampling.seed
-    sampling = base.sampling if seed is None else dataclasses.replace(
-        base.sampling, seed=(seed + i) % (v.MAX_SEED + 1))
-    return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling,
-                               pin=tuple(placed or ()))
+    sampling = base.sampling if seed is None else dataclasses.replace(base.sampling, seed=(seed + i) % (v.MAX_SEED + 1))
+    return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling, pin=tuple(placed or ()))
 
 
 def total_usage(finals: Sequence[FinalEvent]) -> Usage:
     """The prompt once (choice 0's counts), the completion tokens of every choice."""
     head = finals[0].usage
-    return dataclasses.replace(head, completion_tokens=sum(f.usage.completion_tokens
-                                                           for f in finals))
+    return dataclasses.replace(head, completion_tokens=sum(f.usage.completion_tokens for f in finals))
 
 
 def fan_out(orchestrator: Orchestrator, base: InternalRequest, n: int) -> Choices:
@@ -93,8 +90,7 @@ class Choices:
         await self._events.aclose()
 
 
-async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, first_run
-                  ) -> AsyncIterator[ChoiceEvent]:
+async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, first_run) -> AsyncIterator[ChoiceEvent]:
     queue: asyncio.Queue[ChoiceEvent | BaseException] = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(orchestrator, first_run, 0, queue))]
     finals, out = 0, set()  # choices whose first event arrived
@@ -118,8 +114,7 @@ async def _merged(orchestrator: Orchestrator, base: InternalRequest, n: int, fir
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(orchestrator: Orchestrator, run, index: int,
-                queue: asyncio.Queue) -> None:
+async def _pump(orchestrator: Orchestrator, run, index: int, queue: asyncio.Queue) -> None:
     try:
         async with contextlib.aclosing(orchestrator.stream(run)) as events:
             async for event in events:
@@ -130,8 +125,7 @@ async def _pump(orchestrator: Orchestrator, run, index: int,
         queue.put_nowait(exc)
 
 
-async def collect(events: Choices, n: int
-                  ) -> list[tuple[list[TokenEvent], FinalEvent]]:
+async def collect(events: Choices, n: int) -> list[tuple[list[TokenEvent], FinalEvent]]:
     """Every choice's tokens and final, in choice order (non-streaming responses), from
     `fan_out`'s events."""
     tokens: list[list[TokenEvent]] = [[] for _ in range(n)]

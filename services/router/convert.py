@@ -43,10 +43,7 @@ ASSISTANT = "<|Assistant|>"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's new system
 MAX_TOOL_CALLS = 128  # per assistant message
 
-FINISH_TO_PROTO = {
-    "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
+FINISH_TO_PROTO = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 FINISH_FROM_PROTO[pb.FINISH_REASON_TOOL_CALLS] = "stop"  # the internal API has no tool_calls
 
@@ -77,16 +74,18 @@ class ModelTable:
         if not name:
             return self.default
         if name not in self._by_name:
-            raise v.ModelNotFound(f"the model {v.show(name)} does not exist; served: "
-                                  f"{sorted(self._by_name)}", field="model")
+            raise v.ModelNotFound(
+                f"the model {v.show(name)} does not exist; served: {sorted(self._by_name)}", field="model"
+            )
         return self._by_name[name]
 
 
 # ------------------------------------------------------------------------------- chat template
 
 
-def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = (),
-                         response_format: dict | None = None) -> str:
+def deepseek_chat_prompt(
+    messages: Sequence[dict], tools: Sequence[dsml.Tool] = (), response_format: dict | None = None
+) -> str:
     """DeepSeek-style prompt: BOS, system text, then `<|User|>u<|Assistant|>a<|end_of_sentence|>`
     per turn, ending with `<|Assistant|>` so the model writes the next assistant turn.
 
@@ -107,8 +106,11 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
         if role != "tool":
             calls_order = None
         if role != "tool" and results:
-            turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)])
-                         + ("\n\n" + content if role == "user" else ""))
+            turns.append(
+                USER
+                + dsml.render_tool_results([c for _, c in sorted(results)])
+                + ("\n\n" + content if role == "user" else "")
+            )
             results = []
             if role == "user":
                 continue
@@ -117,13 +119,11 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
         elif role == "user":
             turns.append(USER + content)
         elif role == "tool":
-            results.append((_answered_call(message["tool_call_id"], calls_order, results, i),
-                            content))
+            results.append((_answered_call(message["tool_call_id"], calls_order, results, i), content))
         else:
             calls = _assistant_calls(message, i)
             calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls) if call_id}
-            block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) \
-                if calls else ""
+            block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) if calls else ""
             turns.append(ASSISTANT + content + block + EOS)
     if results:
         turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)]))
@@ -132,21 +132,23 @@ def deepseek_chat_prompt(messages: Sequence[dict], tools: Sequence[dsml.Tool] = 
         system_text += ("\n\n" if system_text else "") + dsml.render_tools(tools)
     if response_format is not None:
         system_text += ("\n\n" if system_text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
-            schema=json.dumps(response_format, ensure_ascii=False))
+            schema=json.dumps(response_format, ensure_ascii=False)
+        )
     return BOS + system_text + "".join(turns) + ASSISTANT
 
 
-def _answered_call(call_id: str, calls_order: dict[str, int] | None,
-                   results: list[tuple[int, str]], i: int) -> int:
+def _answered_call(call_id: str, calls_order: dict[str, int] | None, results: list[tuple[int, str]], i: int) -> int:
     """The position of the call a tool message answers, among the tool calls of the assistant
     message right before the tool messages (OpenAI's rule: a result answers a call made)."""
     field = f"messages[{i}].tool_call_id"
     if calls_order is None:
-        raise InvalidArgument("a tool message must follow an assistant message with tool_calls",
-                              field=field)
+        raise InvalidArgument("a tool message must follow an assistant message with tool_calls", field=field)
     if call_id not in calls_order:
-        raise InvalidArgument(f"{v.show(call_id)} is not the id of a tool call of the assistant "
-                              f"message before it ({len(calls_order)} calls)", field=field)
+        raise InvalidArgument(
+            f"{v.show(call_id)} is not the id of a tool call of the assistant "
+            f"message before it ({len(calls_order)} calls)",
+            field=field,
+        )
     position = calls_order[call_id]
     if any(p == position for p, _ in results):
         raise InvalidArgument(f"the call {v.show(call_id)} is already answered", field=field)
@@ -158,32 +160,25 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
         raise InvalidArgument("must be an object with role and content", field=f"messages[{i}]")
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {v.show(role)}",
-                              field=f"messages[{i}].role")
+        raise InvalidArgument(f"must be one of {list(CHAT_ROLES)}, got {v.show(role)}", field=f"messages[{i}].role")
     for unsupported in ("function_call", "audio"):
         if message.get(unsupported) is not None:
-            raise InvalidArgument("is not supported by this server",
-                                  field=f"messages[{i}].{unsupported}")
+            raise InvalidArgument("is not supported by this server", field=f"messages[{i}].{unsupported}")
     if message.get("tool_calls") is not None and role != "assistant":
-        raise InvalidArgument("is only allowed on assistant messages",
-                              field=f"messages[{i}].tool_calls")
+        raise InvalidArgument("is only allowed on assistant messages", field=f"messages[{i}].tool_calls")
     if role == "tool":
-        v.as_text(message.get("tool_call_id"), f"messages[{i}].tool_call_id", max_chars=256,
-                  empty_ok=False)
+        v.as_text(message.get("tool_call_id"), f"messages[{i}].tool_call_id", max_chars=256, empty_ok=False)
     if message.get("name") is not None:
         v.as_text(message["name"], f"messages[{i}].name", max_chars=256)
     content = message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""  # OpenAI: an assistant turn that only calls tools has null content
     if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise InvalidArgument("only text content parts are supported",
-                                  field=f"messages[{i}].content")
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise InvalidArgument("only text content parts are supported", field=f"messages[{i}].content")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise InvalidArgument("must be a string or a list of text parts",
-                              field=f"messages[{i}].content")
+        raise InvalidArgument("must be a string or a list of text parts", field=f"messages[{i}].content")
     v.check_unicode(content, f"messages[{i}].content")
     return role, content
 
@@ -195,15 +190,13 @@ def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
         return []
     field = f"messages[{i}].tool_calls"
     if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
-        raise InvalidArgument(f"must be a list of at most {MAX_TOOL_CALLS} tool calls",
-                              field=field)
+        raise InvalidArgument(f"must be a list of at most {MAX_TOOL_CALLS} tool calls", field=field)
     out = []
     for j, call in enumerate(calls):
         f = f"{field}[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or call.get("type", "function") != "function":
-            raise InvalidArgument('must be {"id", "type": "function", "function": {"name", '
-                                  '"arguments"}}', field=f)
+            raise InvalidArgument('must be {"id", "type": "function", "function": {"name", "arguments"}}', field=f)
         call_id = v.as_text(call.get("id", ""), f"{f}.id", max_chars=256)
         name = v.as_text(fn.get("name"), f"{f}.function.name", max_chars=64, empty_ok=False)
         arguments = fn.get("arguments", "{}")
@@ -211,8 +204,7 @@ def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
             try:
                 arguments = json.loads(arguments or "{}")
             except ValueError:
-                raise InvalidArgument("must be a JSON object as text",
-                                      field=f"{f}.function.arguments") from None
+                raise InvalidArgument("must be a JSON object as text", field=f"{f}.function.arguments") from None
         if not isinstance(arguments, dict):
             raise InvalidArgument("must be a JSON object", field=f"{f}.function.arguments")
         out.append((call_id, name, arguments))
@@ -226,15 +218,19 @@ def check_prompt_ids(ids: Sequence[int], model: ServedModel, field: str) -> tupl
     return v.token_ids(list(ids), field, model.vocab_size)
 
 
-def check_context(model: ServedModel, prompt_tokens: int, max_tokens: int, prompt_field: str, *,
-                  max_tokens_field: str = "max_tokens") -> None:
+def check_context(
+    model: ServedModel, prompt_tokens: int, max_tokens: int, prompt_field: str, *, max_tokens_field: str = "max_tokens"
+) -> None:
     if prompt_tokens > model.context_tokens:
-        raise InvalidArgument(f"{prompt_tokens} tokens exceed the context limit of "
-                              f"{model.context_tokens} tokens", field=prompt_field)
+        raise InvalidArgument(
+            f"{prompt_tokens} tokens exceed the context limit of {model.context_tokens} tokens", field=prompt_field
+        )
     if prompt_tokens + max_tokens > model.context_tokens:
         raise InvalidArgument(
             f"prompt ({prompt_tokens}) + {max_tokens_field} ({max_tokens}) exceeds the context "
-            f"limit of {model.context_tokens} tokens", field=max_tokens_field)
+            f"limit of {model.context_tokens} tokens",
+            field=max_tokens_field,
+        )
 
 
 def check_id(value: str, field: str) -> str | None:
@@ -263,8 +259,14 @@ class EdgeRequest:
     n: int = 1  # choices (`choices.py`)
 
 
-def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: Tokenizer, *,
-                       timeout_s: float | None, now_unix_s: float | None = None) -> EdgeRequest:
+def request_from_proto(
+    msg: pb.GenerateRequest,
+    models: ModelTable,
+    tokenizer: Tokenizer,
+    *,
+    timeout_s: float | None,
+    now_unix_s: float | None = None,
+) -> EdgeRequest:
     now = time.time() if now_unix_s is None else now_unix_s
     model = models.resolve(msg.model)
     kind = msg.WhichOneof("input")
@@ -272,19 +274,17 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
         raise InvalidArgument("one of prompt, prompt_ids or chat is required", field="prompt")
     n = choices_from_proto(msg)
     agent = None
-    if kind != "chat" and (msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls")
-                           or msg.HasField("response_format")):
-        raise InvalidArgument("tools, tool_choice and response_format need a chat input",
-                              field="chat")
+    if kind != "chat" and (
+        msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls") or msg.HasField("response_format")
+    ):
+        raise InvalidArgument("tools, tool_choice and response_format need a chat input", field="chat")
     if kind == "chat":
         body = chat_body_from_proto(msg)
         agent = agent_options(body, chat=True)
         if not body["messages"]:
             raise InvalidArgument("must hold at least one message", field="chat.messages")
-        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages),
-                            model.context_tokens, "chat.messages")
-        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.prompt_tools,
-                                                        agent.response_schema))
+        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages), model.context_tokens, "chat.messages")
+        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.prompt_tools, agent.response_schema))
     elif kind == "prompt":
         v.as_text(msg.prompt, "prompt", empty_ok=False)
         v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
@@ -292,29 +292,31 @@ def request_from_proto(msg: pb.GenerateRequest, models: ModelTable, tokenizer: T
     else:
         raw_ids = list(msg.prompt_ids.ids)
         if len(raw_ids) > model.context_tokens:
-            raise InvalidArgument(f"{len(raw_ids)} tokens exceed the context limit of "
-                                  f"{model.context_tokens} tokens", field=kind)
+            raise InvalidArgument(
+                f"{len(raw_ids)} tokens exceed the context limit of {model.context_tokens} tokens", field=kind
+            )
     prompt_ids = check_prompt_ids(raw_ids, model, kind)
-    continued = v.token_ids(list(msg.continue_ids.ids), "continue_ids", model.vocab_size,
-                            empty_ok=True)
+    continued = v.token_ids(list(msg.continue_ids.ids), "continue_ids", model.vocab_size, empty_ok=True)
     sampling = sampling_from_proto(msg, model.vocab_size)
     if agent is not None:
         guided = agent.guided
         if guided is not None and continued:  # the grammar resumes after the tokens received
             guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(continued))
         sampling = dataclasses.replace(sampling, guided=guided)
-    check_context(model, len(prompt_ids) + len(continued), sampling.max_tokens,
-                  "continue_ids" if continued else kind)
+    check_context(model, len(prompt_ids) + len(continued), sampling.max_tokens, "continue_ids" if continued else kind)
     client_id = check_id(msg.request_id, "request_id")
     request = InternalRequest(
-        request_id=client_id or new_request_id(), model=model.name,
+        request_id=client_id or new_request_id(),
+        model=model.name,
         prompt_ids=prompt_ids + continued,
-        sampling=sampling, session_id=check_id(msg.session_id, "session_id"),
+        sampling=sampling,
+        session_id=check_id(msg.session_id, "session_id"),
         parent_session_id=check_id(msg.parent_session_id, "parent_session_id"),
-        deadline_unix_s=deadline_from(timeout_s, now), arrival_unix_s=now,
-        **_continuation(msg, len(prompt_ids), bool(continued)))
-    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg),
-                       agent, n)
+        deadline_unix_s=deadline_from(timeout_s, now),
+        arrival_unix_s=now,
+        **_continuation(msg, len(prompt_ids), bool(continued)),
+    )
+    return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg), agent, n)
 
 
 def choices_from_proto(msg: pb.GenerateRequest) -> int:
@@ -322,11 +324,9 @@ def choices_from_proto(msg: pb.GenerateRequest) -> int:
     continues each choice itself when a worker fails)."""
     n = v.as_int(msg.n, "n", 1, MAX_N) if msg.HasField("n") else 1
     if n > 1 and msg.resume_from_token:
-        raise InvalidArgument("a stream of n > 1 choices cannot be resumed",
-                              field="resume_from_token")
+        raise InvalidArgument("a stream of n > 1 choices cannot be resumed", field="resume_from_token")
     if n > 1 and msg.continue_ids.ids:
-        raise InvalidArgument("a stream of n > 1 choices cannot be continued",
-                              field="continue_ids")
+        raise InvalidArgument("a stream of n > 1 choices cannot be continued", field="continue_ids")
     return n
 
 
@@ -341,18 +341,35 @@ def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
         if m.name:
             message["name"] = m.name
         if m.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
         messages.append(message)
     body: dict = {"messages": messages}
     if msg.tools:
-        body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "strict": t.strict,
-            **({"parameters": _json_field(t.parameters_json, f"tools[{i}].function.parameters")}
-               if t.parameters_json else {})}} for i, t in enumerate(msg.tools)]
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "strict": t.strict,
+                    **(
+                        {"parameters": _json_field(t.parameters_json, f"tools[{i}].function.parameters")}
+                        if t.parameters_json
+                        else {}
+                    ),
+                },
+            }
+            for i, t in enumerate(msg.tools)
+        ]
     if msg.tool_choice:
-        body["tool_choice"] = msg.tool_choice if msg.tool_choice in ("none", "auto", "required") \
+        body["tool_choice"] = (
+            msg.tool_choice
+            if msg.tool_choice in ("none", "auto", "required")
             else {"type": "function", "function": {"name": msg.tool_choice}}
+        )
     if msg.HasField("parallel_tool_calls"):
         body["parallel_tool_calls"] = msg.parallel_tool_calls
     if msg.HasField("response_format"):
@@ -360,8 +377,10 @@ def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
         body["response_format"] = {"type": rf.type or "text"}
         if rf.type == "json_schema":
             body["response_format"]["json_schema"] = {
-                "name": rf.name, "strict": rf.strict,
-                "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema")}
+                "name": rf.name,
+                "strict": rf.strict,
+                "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema"),
+            }
     return body
 
 
@@ -378,8 +397,7 @@ def calls_to_proto(final: pb.Final, text: str, agent: AgentOptions) -> None:
     if not calls:
         return
     calls = calls if agent.parallel_tool_calls else calls[:1]
-    final.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                            for c in calls)
+    final.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
     final.content = content
     if final.finish_reason == pb.FINISH_REASON_STOP:
         final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
@@ -390,11 +408,9 @@ def _continuation(msg: pb.GenerateRequest, prompt_tokens: int, continued: bool) 
     and the prefill's credit is capped at the broken stream's (`InternalRequest`)."""
     if not continued:
         if msg.HasField("continue_prefill_credit_tokens"):
-            raise InvalidArgument("is only valid with continue_ids",
-                                  field="continue_prefill_credit_tokens")
+            raise InvalidArgument("is only valid with continue_ids", field="continue_prefill_credit_tokens")
         return {}
-    credit = (msg.continue_prefill_credit_tokens
-              if msg.HasField("continue_prefill_credit_tokens") else None)
+    credit = msg.continue_prefill_credit_tokens if msg.HasField("continue_prefill_credit_tokens") else None
     return {"kv_prompt_tokens": prompt_tokens, "max_prefill_credit_tokens": credit}
 
 
@@ -414,9 +430,14 @@ def sampling_from_proto(msg: pb.GenerateRequest, vocab_size: int) -> SamplingPar
 
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     max_tokens = v.as_int(max_tokens, "max_tokens", 1, v.MAX_TOKENS)
-    return v.sampling_params(get, max_tokens=max_tokens, logprobs=v.as_logprobs(
-        msg.logprobs, "logprobs"), vocab_size=vocab_size, defaults=v.GRPC_DEFAULTS,
-        ignore_eos=msg.ignore_eos)
+    return v.sampling_params(
+        get,
+        max_tokens=max_tokens,
+        logprobs=v.as_logprobs(msg.logprobs, "logprobs"),
+        vocab_size=vocab_size,
+        defaults=v.GRPC_DEFAULTS,
+        ignore_eos=msg.ignore_eos,
+    )
 
 
 def sampling_to_proto(p: SamplingParams, msg: pb.GenerateRequest) -> None:
@@ -455,9 +476,14 @@ def event_to_proto(event: TokenEvent | FinalEvent) -> pb.GenerateResponse:
 
 def token_event_to_proto(ev: TokenEvent) -> pb.TokenChunk:
     msg = pb.TokenChunk(
-        token_ids=ev.token_ids, text=ev.text, index=ev.index,
-        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
-                                   top_logprobs=[v for _, v in lp.top]) for lp in ev.logprobs])
+        token_ids=ev.token_ids,
+        text=ev.text,
+        index=ev.index,
+        logprobs=[
+            pb.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in ev.logprobs
+        ],
+    )
     if ev.prefill_credit_tokens is not None:
         msg.prefill_credit_tokens = ev.prefill_credit_tokens
     return msg
@@ -465,20 +491,26 @@ def token_event_to_proto(ev: TokenEvent) -> pb.TokenChunk:
 
 def token_event_from_proto(msg: pb.TokenChunk) -> TokenEvent:
     return TokenEvent(
-        token_ids=tuple(msg.token_ids), index=msg.index, text=msg.text,
-        logprobs=tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs,
-                                                           strict=True)))
-                       for lp in msg.logprobs),
-        prefill_credit_tokens=(msg.prefill_credit_tokens
-                               if msg.HasField("prefill_credit_tokens") else None))
+        token_ids=tuple(msg.token_ids),
+        index=msg.index,
+        text=msg.text,
+        logprobs=tuple(
+            TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs, strict=True))) for lp in msg.logprobs
+        ),
+        prefill_credit_tokens=(msg.prefill_credit_tokens if msg.HasField("prefill_credit_tokens") else None),
+    )
 
 
 def final_to_proto(ev: FinalEvent) -> pb.Final:
     return pb.Final(
         finish_reason=FINISH_TO_PROTO[ev.finish_reason],
-        usage=pb.Usage(**vars(ev.usage)), timeline=pb.Timeline(**ev.timeline.as_dict()),
-        prefill_worker=ev.prefill_worker, decode_worker=ev.decode_worker,
-        request_id=ev.request_id, text=ev.text)
+        usage=pb.Usage(**vars(ev.usage)),
+        timeline=pb.Timeline(**ev.timeline.as_dict()),
+        prefill_worker=ev.prefill_worker,
+        decode_worker=ev.decode_worker,
+        request_id=ev.request_id,
+        text=ev.text,
+    )
 
 
 def final_from_proto(msg: pb.Final) -> FinalEvent:
@@ -486,5 +518,8 @@ def final_from_proto(msg: pb.Final) -> FinalEvent:
         finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
         usage=Usage(**{f: getattr(msg.usage, f) for f in vars(Usage())}),
         timeline=Timeline(**{f: getattr(msg.timeline, f) for f in Timeline().as_dict()}),
-        prefill_worker=msg.prefill_worker, decode_worker=msg.decode_worker,
-        request_id=msg.request_id, text=msg.text)
+        prefill_worker=msg.prefill_worker,
+        decode_worker=msg.decode_worker,
+        request_id=msg.request_id,
+        text=msg.text,
+    )

@@ -13,15 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from ray import serve
 
-from flashpd.services.api import (
-    Event,
-    InternalRequest,
-    MigrationResult,
-    PrefillResult,
-    Ticket,
-    WorkerRef,
-    WorkerStats,
-)
+from flashpd.services.api import Event, InternalRequest, MigrationResult, PrefillResult, Ticket, WorkerRef, WorkerStats
 from flashpd.services.router.convert import deepseek_chat_prompt
 from flashpd.services.worker.pinned_router import TARGET_KWARG
 
@@ -120,25 +112,35 @@ class Router:
         self.tokenizer = HFTokenizer(tok)
         model = a["model_id"]
         self.redis = router_redis(a["redis_url"])  # retried reconnects, socket timeouts
-        placement = Placement(PrefixIndex(self.redis, model), make_policy(a["routing"]),
-                              model=model, cache_salt=a["cache_salt"])
-        context = min(a.get("max_model_len") or cfg.max_position_embeddings,
-                      cfg.max_position_embeddings)
+        placement = Placement(
+            PrefixIndex(self.redis, model), make_policy(a["routing"]), model=model, cache_salt=a["cache_salt"]
+        )
+        context = min(a.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         models = ModelTable([ServedModel(model, context, cfg.vocab_size)])
         self.metrics = RouterMetrics(model)
-        self.orchestrator = Orchestrator({model: placement},
-                                         PinnedDirectory(self._prefill, self._decode),
-                                         self.tokenizer, metrics=self.metrics)
-        keys = ApiKeys.load(env_var=a.get("api_keys_env", "FLASHPD_API_KEYS"),
-                            file=a.get("api_keys_file"))
+        self.orchestrator = Orchestrator(
+            {model: placement}, PinnedDirectory(self._prefill, self._decode), self.tokenizer, metrics=self.metrics
+        )
+        keys = ApiKeys.load(env_var=a.get("api_keys_env", "FLASHPD_API_KEYS"), file=a.get("api_keys_file"))
         tls = TlsFiles.from_paths(a.get("tls_cert_file"), a.get("tls_key_file"))
-        self.grpc = await start_grpc_server(self.orchestrator, models, self.tokenizer,
-                                            host=a["grpc_host"], port=a["grpc_port"],
-                                            metrics=self.metrics, api_keys=keys, tls=tls)
-        log.info("flashpd router: gRPC on %s:%d (%s, %s)", a["grpc_host"], self.grpc.port,
-                 "TLS" if tls else "plaintext", f"{len(keys)} API keys" if len(keys) else "no auth")
-        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics,
-                              api_keys=keys)
+        self.grpc = await start_grpc_server(
+            self.orchestrator,
+            models,
+            self.tokenizer,
+            host=a["grpc_host"],
+            port=a["grpc_port"],
+            metrics=self.metrics,
+            api_keys=keys,
+            tls=tls,
+        )
+        log.info(
+            "flashpd router: gRPC on %s:%d (%s, %s)",
+            a["grpc_host"],
+            self.grpc.port,
+            "TLS" if tls else "plaintext",
+            f"{len(keys)} API keys" if len(keys) else "no auth",
+        )
+        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics, api_keys=keys)
 
     async def grpc_port(self) -> int:
         return self.grpc.port if self.grpc is not None else -1

@@ -36,8 +36,7 @@ CALLS, INVOKE, PARAMETER = " calls", " invoke", " parameter"
 CALLS_OPEN, CALLS_CLOSE = f"<{DSML}{CALLS}>", f"</{DSML}{CALLS}>"
 INVOKE_CLOSE = f"</{DSML}{INVOKE}>"
 CALLS_PREFIX = "\n\n"  # between an assistant turn's content and its calls block
-RESPONSE_FORMAT_TEMPLATE = ("## Response Format:\n\nYou MUST strictly adhere to the following "
-                            "schema to reply:\n{schema}")
+RESPONSE_FORMAT_TEMPLATE = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 TOOL_RESULT_TEMPLATE = "<tool_result>{content}</tool_result>"
 # Enforced calls: whitespace between parameters is bounded (a weak model would pad forever), and
 # a tool declared without a schema takes no arguments.
@@ -70,10 +69,14 @@ String parameters should be specified as is and set `string="true"`. For all oth
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """
 
-_INVOKE_RE = re.compile(re.escape(f"<{DSML}{INVOKE}") + r' name="([^"]*)">\n?(.*?)'
-                        + re.escape(INVOKE_CLOSE), re.DOTALL)
-_PARAM_RE = re.compile(re.escape(f"<{DSML}{PARAMETER}") + r' name="([^"]*)" string="(true|false)">'
-                       r"(.*?)" + re.escape(f"</{DSML}{PARAMETER}>"), re.DOTALL)
+_INVOKE_RE = re.compile(
+    re.escape(f"<{DSML}{INVOKE}") + r' name="([^"]*)">\n?(.*?)' + re.escape(INVOKE_CLOSE), re.DOTALL
+)
+_PARAM_RE = re.compile(
+    re.escape(f"<{DSML}{PARAMETER}") + r' name="([^"]*)" string="(true|false)">'
+    r"(.*?)" + re.escape(f"</{DSML}{PARAMETER}>"),
+    re.DOTALL,
+)
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,7 @@ class Tool:
         fn: dict = {"name": self.name}
         if self.description:
             fn["description"] = self.description
-        fn["parameters"] = self.parameters if self.parameters is not None else \
-            {"type": "object", "properties": {}}
+        fn["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
         return _json(fn)
 
 
@@ -99,8 +101,7 @@ class ToolCall:
     arguments: str  # a JSON object as text (OpenAI's shape)
 
     def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def _json(value) -> str:
@@ -115,8 +116,9 @@ def new_call_id() -> str:
 
 
 def render_tools(tools: Sequence[Tool]) -> str:
-    return TOOLS_TEMPLATE.format(dsml=DSML, calls=CALLS, invoke=INVOKE, parameter=PARAMETER,
-                                 schemas="\n".join(t.schema_line() for t in tools))
+    return TOOLS_TEMPLATE.format(
+        dsml=DSML, calls=CALLS, invoke=INVOKE, parameter=PARAMETER, schemas="\n".join(t.schema_line() for t in tools)
+    )
 
 
 def render_calls(calls: Sequence[tuple[str, dict]]) -> str:
@@ -126,7 +128,8 @@ def render_calls(calls: Sequence[tuple[str, dict]]) -> str:
         params = "\n".join(
             f'<{DSML}{PARAMETER} name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
             f"{value if isinstance(value, str) else _json(value)}</{DSML}{PARAMETER}>"
-            for key, value in arguments.items())
+            for key, value in arguments.items()
+        )
         invokes.append(f'<{DSML}{INVOKE} name="{name}">\n{params}\n{INVOKE_CLOSE}')
     return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
 
@@ -146,20 +149,20 @@ def parse(text: str) -> tuple[str, list[ToolCall] | None]:
     if start < 0:
         return text, None
     end = text.find(CALLS_CLOSE, start)
-    if end < 0 or text[end + len(CALLS_CLOSE):].strip():
+    if end < 0 or text[end + len(CALLS_CLOSE) :].strip():
         return text, None
-    calls = parse_invokes(text[start + len(CALLS_OPEN):end])
+    calls = parse_invokes(text[start + len(CALLS_OPEN) : end])
     if not calls:
         return text, None
     content = text[:start]
-    return (content[:-len(CALLS_PREFIX)] if content.endswith(CALLS_PREFIX) else content), calls
+    return (content[: -len(CALLS_PREFIX)] if content.endswith(CALLS_PREFIX) else content), calls
 
 
 def parse_invokes(block: str) -> list[ToolCall] | None:
     """The invokes of a calls block's body; None when any part of it is malformed."""
     calls, pos = [], 0
     for m in _INVOKE_RE.finditer(block):
-        if block[pos:m.start()].strip():
+        if block[pos : m.start()].strip():
             return None
         arguments = _parse_parameters(m.group(2))
         if arguments is None or not m.group(1):
@@ -172,7 +175,7 @@ def parse_invokes(block: str) -> list[ToolCall] | None:
 def _parse_parameters(body: str) -> dict | None:
     arguments, pos = {}, 0
     for m in _PARAM_RE.finditer(body):
-        if body[pos:m.start()].strip():
+        if body[pos : m.start()].strip():
             return None
         name, is_string, value = m.groups()
         if is_string == "true":
@@ -204,8 +207,8 @@ class StreamParser:
             self._held = buf[cut:]
             return buf[:cut], []
         keep = _partial_suffix(buf, CALLS_PREFIX + CALLS_OPEN)
-        self._held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], []
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         held, self._held = self._held, ""
@@ -230,14 +233,37 @@ def structural_tag(tools: Sequence[Tool], *, parallel: bool) -> str:
     invokes of `tools` (exactly one when `parallel` is False), each with arguments that follow
     the tool's parameter schema in V4.1's parameter style. The block ends the turn (EOS
     follows)."""
-    tags = [{"type": "tag", "begin": f'<{DSML}{INVOKE} name="{t.name}">\n',
-             "content": {"type": "json_schema", "style": "deepseek_v4_1_xml",
-                         "json_schema": t.parameters if t.parameters is not None else NO_ARGUMENTS,
-                         "max_whitespace_cnt": MAX_WHITESPACE},
-             "end": f"{INVOKE_CLOSE}\n"} for t in tools]
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'<{DSML}{INVOKE} name="{t.name}">\n',
+            "content": {
+                "type": "json_schema",
+                "style": "deepseek_v4_1_xml",
+                "json_schema": t.parameters if t.parameters is not None else NO_ARGUMENTS,
+                "max_whitespace_cnt": MAX_WHITESPACE,
+            },
+            "end": f"{INVOKE_CLOSE}\n",
+        }
+        for t in tools
+    ]
     # invokes end in "\n", so they follow each other with no separator (the template's join)
-    calls = {"type": "repeat", "min": 1, "max": MAX_FORCED_CALLS if parallel else 1,
-             "content": {"type": "or", "elements": tags}}
-    return _json({"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "const_string", "value": f"{CALLS_PREFIX}{CALLS_OPEN}\n"}, calls,
-        {"type": "const_string", "value": CALLS_CLOSE}]}})
+    calls = {
+        "type": "repeat",
+        "min": 1,
+        "max": MAX_FORCED_CALLS if parallel else 1,
+        "content": {"type": "or", "elements": tags},
+    }
+    return _json(
+        {
+            "type": "structural_tag",
+            "format": {
+                "type": "sequence",
+                "elements": [
+                    {"type": "const_string", "value": f"{CALLS_PREFIX}{CALLS_OPEN}\n"},
+                    calls,
+                    {"type": "const_string", "value": CALLS_CLOSE},
+                ],
+            },
+        }
+    )

@@ -43,8 +43,7 @@ class WorkerDirectory(Protocol):
 class StaticDirectory:
     """Endpoints by worker id (any incarnation)."""
 
-    def __init__(self, prefill: Mapping[str, PrefillServerApi],
-                 decode: Mapping[str, DecodeServerApi]) -> None:
+    def __init__(self, prefill: Mapping[str, PrefillServerApi], decode: Mapping[str, DecodeServerApi]) -> None:
         self._prefill, self._decode = dict(prefill), dict(decode)
 
     def prefill(self, worker: WorkerRef) -> PrefillServerApi:
@@ -97,8 +96,11 @@ class HandleDirectory:
     """Endpoints from `handle_for(worker) -> DeploymentHandle`, adapted once per incarnation;
     `call_kwargs_for(worker)` adds per-worker call kwargs (default: none)."""
 
-    def __init__(self, handle_for: Callable[[WorkerRef], Any],
-                 call_kwargs_for: Callable[[WorkerRef], Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        handle_for: Callable[[WorkerRef], Any],
+        call_kwargs_for: Callable[[WorkerRef], Mapping[str, Any]] | None = None,
+    ) -> None:
         self._handle_for = handle_for
         self._call_kwargs_for = call_kwargs_for or (lambda worker: {})
         self._workers: dict[WorkerRef, ServeHandleWorker] = {}
@@ -112,5 +114,6 @@ class HandleDirectory:
     def _get(self, worker: WorkerRef) -> ServeHandleWorker:
         if worker not in self._workers:
             self._workers[worker] = ServeHandleWorker(
-                self._handle_for(worker), call_kwargs=self._call_kwargs_for(worker))
+                self._handle_for(worker), call_kwargs=self._call_kwargs_for(worker)
+            )
         return self._workers[worker]

@@ -61,16 +61,19 @@ def parse_message(cls, raw: bytes | object):
     try:
         msg.ParseFromString(raw)
     except (DecodeError, ValueError, RuntimeError):
-        raise InvalidArgument(f"is not a valid {cls.DESCRIPTOR.name} message (bad wire format "
-                              "or invalid UTF-8 in a string field)", field="request") from None
+        raise InvalidArgument(
+            f"is not a valid {cls.DESCRIPTOR.name} message (bad wire format or invalid UTF-8 in a string field)",
+            field="request",
+        ) from None
     return msg
 
 
 class GenerationServicer:
     """The Generation service's methods; requests are raw bytes (see `parse_message`)."""
 
-    def __init__(self, orchestrator: Orchestrator, models: ModelTable, tokenizer: Tokenizer,
-                 metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self, orchestrator: Orchestrator, models: ModelTable, tokenizer: Tokenizer, metrics: RouterMetrics | None = None
+    ) -> None:
         self.orchestrator, self.models, self.tokenizer = orchestrator, models, tokenizer
         self.metrics = metrics
 
@@ -80,8 +83,7 @@ class GenerationServicer:
         try:
             try:  # the edge: a refusal here never reaches the orchestrator
                 request = parse_message(pb.GenerateRequest, raw)
-                edge = request_from_proto(request, self.models, self.tokenizer,
-                                          timeout_s=context.time_remaining())
+                edge = request_from_proto(request, self.models, self.tokenizer, timeout_s=context.time_remaining())
                 rid = edge.request.request_id
                 messages = self._open(edge)
             except ServiceError as exc:
@@ -102,11 +104,13 @@ class GenerationServicer:
     def _open(self, edge: EdgeRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Start the request (refusals raise here) and return its response messages."""
         if edge.n > 1:
-            return self._choice_messages(edge, choices.fan_out(
-                self.orchestrator, edge.request, edge.n))
+            return self._choice_messages(edge, choices.fan_out(self.orchestrator, edge.request, edge.n))
         run = self.orchestrator.open(
-            edge.request, resumable=edge.resumable, fingerprint=edge.fingerprint,
-            resume_from_token=edge.resume_from_token)
+            edge.request,
+            resumable=edge.resumable,
+            fingerprint=edge.fingerprint,
+            resume_from_token=edge.resume_from_token,
+        )
         return self._messages(edge, run)
 
     async def _messages(self, edge: EdgeRequest, run) -> AsyncIterator[pb.GenerateResponse]:
@@ -114,14 +118,13 @@ class GenerationServicer:
         async with contextlib.aclosing(events):
             async for event in events:
                 msg = event_to_proto(event)
-                if msg.HasField("final") and edge.agent is not None \
-                        and edge.agent.parses_calls:  # the whole text, resumed or not
-                    calls_to_proto(msg.final, "".join(e.text for e in run.events)
-                                   + event.text, edge.agent)
+                if (
+                    msg.HasField("final") and edge.agent is not None and edge.agent.parses_calls
+                ):  # the whole text, resumed or not
+                    calls_to_proto(msg.final, "".join(e.text for e in run.events) + event.text, edge.agent)
                 yield msg
 
-    async def _choice_messages(self, edge: EdgeRequest, events: choices.Choices
-                               ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _choice_messages(self, edge: EdgeRequest, events: choices.Choices) -> AsyncIterator[pb.GenerateResponse]:
         """n > 1: the choices' chunks tagged with their index, one Final per choice; the last
         Final carries the request's usage (OpenAI's rule, `choices.total_usage`)."""
         texts: list[list[str]] = [[] for _ in range(edge.n)]
@@ -136,8 +139,7 @@ class GenerationServicer:
                     continue
                 msg.final.choice_index = item.index
                 if edge.agent is not None and edge.agent.parses_calls:
-                    calls_to_proto(msg.final, "".join(texts[item.index]) + item.event.text,
-                                   edge.agent)
+                    calls_to_proto(msg.final, "".join(texts[item.index]) + item.event.text, edge.agent)
                 finals[item.index] = item.event
                 if len(finals) == edge.n:
                     total = choices.total_usage([finals[i] for i in range(edge.n)])
@@ -163,9 +165,12 @@ class GenerationServicer:
             parse_message(pb.ListModelsRequest, raw)
         except ServiceError as exc:
             await _abort(context, exc, None)
-        return pb.ListModelsResponse(models=[
-            pb.ModelCard(id=m.name, context_tokens=m.context_tokens, vocab_size=m.vocab_size)
-            for m in self.models.models])
+        return pb.ListModelsResponse(
+            models=[
+                pb.ModelCard(id=m.name, context_tokens=m.context_tokens, vocab_size=m.vocab_size)
+                for m in self.models.models
+            ]
+        )
 
     def _refused(self, exc: ServiceError) -> None:
         if self.metrics is not None:
@@ -174,24 +179,27 @@ class GenerationServicer:
 
 def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     """The service's handlers with raw-bytes requests (parsed by the servicer)."""
+
     def out(cls):
         return cls.SerializeToString
 
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, response_serializer=out(pb.GenerateResponse)),
-        "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, response_serializer=out(pb.AbortResponse)),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, response_serializer=out(pb.ListModelsResponse)),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, response_serializer=out(pb.GenerateResponse)
+            ),
+            "Abort": grpc.unary_unary_rpc_method_handler(servicer.Abort, response_serializer=out(pb.AbortResponse)),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                servicer.ListModels, response_serializer=out(pb.ListModelsResponse)
+            ),
+        },
+    )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, request_id: str | None,
-                 ) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, request_id: str | None) -> None:
     metadata = ((FIELD_METADATA_KEY, exc.field),) if exc.field else ()
-    code = grpc.StatusCode[exc.code] if exc.code in grpc.StatusCode.__members__ \
-        else grpc.StatusCode.INTERNAL
+    code = grpc.StatusCode[exc.code] if exc.code in grpc.StatusCode.__members__ else grpc.StatusCode.INTERNAL
     await context.abort(code, v.public_message(exc, request_id), trailing_metadata=metadata)
 
 
@@ -211,8 +219,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _deny(raw, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                        "missing or invalid API key (send authorization: Bearer <key>)")
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (send authorization: Bearer <key>)"
+    )
 
 
 @dataclass
@@ -232,22 +241,29 @@ class GrpcFrontend:
         await self.server.stop(grace_s)
 
 
-async def start_grpc_server(orchestrator: Orchestrator, models: ModelTable, tokenizer: Tokenizer,
-                            *, host: str = "127.0.0.1", port: int = 0,
-                            health_poll_s: float = 1.0, metrics: RouterMetrics | None = None,
-                            api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-                            max_message_bytes: int = v.MAX_BODY_BYTES) -> GrpcFrontend:
+async def start_grpc_server(
+    orchestrator: Orchestrator,
+    models: ModelTable,
+    tokenizer: Tokenizer,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    health_poll_s: float = 1.0,
+    metrics: RouterMetrics | None = None,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    max_message_bytes: int = v.MAX_BODY_BYTES,
+) -> GrpcFrontend:
     """Start serving on `host` only; `port=0` picks a free port (see `.port`)."""
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None and len(api_keys) else []
     options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes))
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    server.add_generic_rpc_handlers(
-        (generation_handler(GenerationServicer(orchestrator, models, tokenizer, metrics)),))
+    server.add_generic_rpc_handlers((generation_handler(GenerationServicer(orchestrator, models, tokenizer, metrics)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     address = f"{host}:{port}"
     if tls is not None:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls.read()]))
@@ -261,8 +277,9 @@ async def start_grpc_server(orchestrator: Orchestrator, models: ModelTable, toke
     return GrpcFrontend(server, bound, health_servicer, task, stop)
 
 
-async def _health_loop(orchestrator: Orchestrator, servicer: health.aio.HealthServicer,
-                       poll_s: float, stop: asyncio.Event) -> None:
+async def _health_loop(
+    orchestrator: Orchestrator, servicer: health.aio.HealthServicer, poll_s: float, stop: asyncio.Event
+) -> None:
     """SERVING while at least one prefill and one decode worker are live."""
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -31,14 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashpd.services.api import (
-    Cancelled,
-    FinalEvent,
-    Internal,
-    ResourceExhausted,
-    ServiceError,
-    TokenEvent,
-)
+from flashpd.services.api import Cancelled, FinalEvent, Internal, ResourceExhausted, ServiceError, TokenEvent
 from flashpd.services.router import choices
 from flashpd.services.router import validation as v
 from flashpd.services.router.auth import ApiKeys
@@ -62,11 +55,18 @@ log = logging.getLogger(__name__)
 Events = AsyncIterator[TokenEvent | FinalEvent]
 
 
-def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: Tokenizer,
-                   metrics: RouterMetrics, *, api_keys: ApiKeys | None = None,
-                   max_body_bytes: int = v.MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="flashpd", description="OpenAI-compatible API of flashpd",
-                  openapi_url=None, docs_url=None, redoc_url=None)
+def build_http_app(
+    orchestrator: Orchestrator,
+    models: ModelTable,
+    tokenizer: Tokenizer,
+    metrics: RouterMetrics,
+    *,
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int = v.MAX_BODY_BYTES,
+) -> FastAPI:
+    app = FastAPI(
+        title="flashpd", description="OpenAI-compatible API of flashpd", openapi_url=None, docs_url=None, redoc_url=None
+    )
     keys = api_keys or ApiKeys(())
 
     def refused(exc: ServiceError) -> None:
@@ -77,13 +77,15 @@ def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: To
         headers = {}
         if isinstance(exc, ResourceExhausted):
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-        return JSONResponse(error_body(exc, _request_id(request)), status_code=exc.http_status,
-                            headers=headers)
+        return JSONResponse(error_body(exc, _request_id(request)), status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(route_error_body(exc.status_code, request.method, request.url.path),
-                            status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            route_error_body(exc.status_code, request.method, request.url.path),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -133,8 +135,7 @@ def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: To
         except Exception as exc:  # Redis unreachable: not ready (details in the log only)
             log.warning("health check failed: %r", exc)
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok" if ready else "no_workers"},
-                            status_code=200 if ready else 503)
+        return JSONResponse({"status": "ok" if ready else "no_workers"}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -144,8 +145,7 @@ def build_http_app(orchestrator: Orchestrator, models: ModelTable, tokenizer: To
 
 
 def _model_card(m: ServedModel) -> dict:
-    return {"id": m.name, "object": "model", "created": 0, "owned_by": "flashpd",
-            "max_model_len": m.context_tokens}
+    return {"id": m.name, "object": "model", "created": 0, "owned_by": "flashpd", "max_model_len": m.context_tokens}
 
 
 def _request_id(request: Request) -> str:
@@ -159,8 +159,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused as soon as it exceeds `max_bytes` (declared or received)."""
     declared = v.content_length(request.headers)
     if declared is not None and declared > max_bytes:
-        raise v.PayloadTooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes",
-                                field="body")
+        raise v.PayloadTooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes", field="body")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -170,8 +169,9 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
-                 request: Request, refused) -> Response:
+async def _serve(
+    orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer, request: Request, refused
+) -> Response:
     if oreq.agent.n > 1:
         return await _serve_choices(orchestrator, oreq, tokenizer, request, refused)
     try:
@@ -189,12 +189,16 @@ async def _serve(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tok
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_sse(first, events, shaper, oreq.request.request_id),
-                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return StreamingResponse(
+        _sse(first, events, shaper, oreq.request.request_id),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache"},
+    )
 
 
-async def _sse(first: TokenEvent | FinalEvent, events: Events, shaper: ResponseShaper,
-               request_id: str) -> AsyncIterator[str]:
+async def _sse(
+    first: TokenEvent | FinalEvent, events: Events, shaper: ResponseShaper, request_id: str
+) -> AsyncIterator[str]:
     """`data: {chunk}` lines, then `data: [DONE]`; an error after the first event is sent as a
     `data: {"error": ...}` line before [DONE] (unexpected ones as a generic internal error)."""
     async with contextlib.aclosing(events):
@@ -218,8 +222,9 @@ def _data(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _serve_choices(orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer,
-                         request: Request, refused) -> Response:
+async def _serve_choices(
+    orchestrator: Orchestrator, oreq: OpenAIRequest, tokenizer: Tokenizer, request: Request, refused
+) -> Response:
     """n > 1 (`choices.py`): one response of n choices, or one SSE stream whose chunks carry
     their choice's index, ending with one usage chunk (when asked for) counted as OpenAI does."""
     n = oreq.agent.n
@@ -239,12 +244,16 @@ async def _serve_choices(orchestrator: Orchestrator, oreq: OpenAIRequest, tokeni
         raise
     per_choice = dataclasses.replace(oreq, include_usage=False)  # one usage chunk, at the end
     shapers = [ResponseShaper(per_choice, tokenizer, i) for i in range(n)]
-    return StreamingResponse(_sse_choices(first, events, shapers, oreq),
-                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return StreamingResponse(
+        _sse_choices(first, events, shapers, oreq),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache"},
+    )
 
 
-async def _sse_choices(first: choices.ChoiceEvent, events, shapers: list[ResponseShaper],
-                       oreq: OpenAIRequest) -> AsyncIterator[str]:
+async def _sse_choices(
+    first: choices.ChoiceEvent, events, shapers: list[ResponseShaper], oreq: OpenAIRequest
+) -> AsyncIterator[str]:
     request_id = oreq.request.request_id
     started: set[int] = set()
     finals: dict[int, FinalEvent] = {}
@@ -252,8 +261,7 @@ async def _sse_choices(first: choices.ChoiceEvent, events, shapers: list[Respons
         item = first
         try:
             while True:
-                for payload in shapers[item.index].chunks(item.event,
-                                                          first=item.index not in started):
+                for payload in shapers[item.index].chunks(item.event, first=item.index not in started):
                     yield _data(payload)
                 started.add(item.index)
                 if isinstance(item.event, FinalEvent):

@@ -54,17 +54,18 @@ class HeaderGuard:
         for raw_key, value in headers:
             key = raw_key.lower()
             if key in ID_HEADERS and not _is_id(value):
-                return (400, key.decode("ascii", "replace"),
-                        f"must be at most {v.MAX_ID_CHARS} printable ASCII characters without "
-                        "spaces")
+                return (
+                    400,
+                    key.decode("ascii", "replace"),
+                    f"must be at most {v.MAX_ID_CHARS} printable ASCII characters without spaces",
+                )
             if key in UTF8_HEADERS and not _utf8(value):
                 return 400, key.decode("ascii", "replace"), "must be UTF-8 text"
             if key == b"content-length":
                 if not value.isdigit():
                     return 400, "content-length", "must be a non-negative integer"
                 if int(value) > self.max_body_bytes:
-                    return (413, "body", f"request body of {int(value)} bytes exceeds "
-                                         f"{self.max_body_bytes} bytes")
+                    return (413, "body", f"request body of {int(value)} bytes exceeds {self.max_body_bytes} bytes")
         return None
 
 
@@ -92,11 +93,25 @@ async def _drain(receive, limit_bytes: int) -> None:
 
 
 async def _send_error(send, status: int, field: str, message: str) -> None:
-    body = json.dumps({"error": {"message": f"{field}: {message}",
-                                 "type": "invalid_request_error", "param": field,
-                                 "code": "invalid_argument"}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"{field}: {message}",
+                "type": "invalid_request_error",
+                "param": field,
+                "code": "invalid_argument",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -71,10 +71,13 @@ def router_redis(url: str, *, socket_timeout_s: float = 2.0, connect_timeout_s: 
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    return aioredis.from_url(url, retry=Retry(NoBackoff(), 1),
-                             retry_on_error=[RedisConnectionError],
-                             socket_timeout=socket_timeout_s,
-                             socket_connect_timeout=connect_timeout_s)
+    return aioredis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[RedisConnectionError],
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+    )
 
 
 def _cancel_safe(method):
@@ -188,8 +191,11 @@ async def _drop_worker_sessions(redis, keys: IndexKeys, wkey: str) -> None:
         for sid in session_ids:
             pipe.hgetall(keys.session(sid))
         bindings = await pipe.execute()
-        stale = [keys.session(sid) for sid, b in zip(session_ids, bindings, strict=True)
-                 if wkey in {_text(v) for v in b.values()}]
+        stale = [
+            keys.session(sid)
+            for sid, b in zip(session_ids, bindings, strict=True)
+            if wkey in {_text(v) for v in b.values()}
+        ]
         if stale:
             await redis.delete(*stale)
     await redis.delete(keys.worker_sessions(wkey))
@@ -200,8 +206,14 @@ class IndexPublisher:
     `publish` with batches of cache events drained from the engine (off the step loop), and
     `deregister` on graceful shutdown."""
 
-    def __init__(self, redis, model: str, *, heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
-                 chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S) -> None:
+    def __init__(
+        self,
+        redis,
+        model: str,
+        *,
+        heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
+        chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S,
+    ) -> None:
         self._redis, self.keys = redis, IndexKeys(model)
         self._heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self._chunk_ttl_s = int(chunk_ttl_s)
@@ -258,9 +270,12 @@ class IndexPublisher:
     async def deregister(self, worker: WorkerRef) -> None:
         await deregister_worker(self._redis, self.keys, worker)
 
-    async def run(self, stats: Callable[[], WorkerStats],
-                  drain_events: Callable[[], Sequence[KVCacheEvent]],
-                  interval_s: float = 0.5) -> None:
+    async def run(
+        self,
+        stats: Callable[[], WorkerStats],
+        drain_events: Callable[[], Sequence[KVCacheEvent]],
+        interval_s: float = 0.5,
+    ) -> None:
         """Publish loop for a worker's event loop (cancel it to stop): every interval, publish
         the drained cache events and refresh the heartbeat. Events stay ordered because one
         task publishes them all."""
@@ -271,8 +286,11 @@ class IndexPublisher:
             if events:
                 await self.publish(first.ref, events)
             if await self.heartbeat(stats()):
-                log.warning("%s was reaped (heartbeat lapsed) and re-registered; chunks cached "
-                            "before that are not indexed until stored again", first.ref.key)
+                log.warning(
+                    "%s was reaped (heartbeat lapsed) and re-registered; chunks cached "
+                    "before that are not indexed until stored again",
+                    first.ref.key,
+                )
             await asyncio.sleep(interval_s)
 
     async def _apply(self, wkey: str, events: Iterable[BlockStored | BlockRemoved]) -> None:
@@ -312,8 +330,7 @@ class PrefixIndex:
                 dead.append(WorkerRef.from_key(wkey))
             else:
                 stats = WorkerStats.from_json(beat)
-                live.append(dataclasses.replace(stats, draining=True) if wkey in marked
-                            else stats)
+                live.append(dataclasses.replace(stats, draining=True) if wkey in marked else stats)
         return LiveView(tuple(live), tuple(dead))
 
     async def draining(self) -> frozenset[str]:
@@ -325,9 +342,13 @@ class PrefixIndex:
         await self._redis.sadd(self.keys.draining, worker.key)
 
     @_cancel_safe
-    async def lookup(self, chunk_hashes: Sequence[str], live: Iterable[WorkerRef],
-                     session_id: str | None = None,
-                     parent_session_id: str | None = None) -> Lookup:
+    async def lookup(
+        self,
+        chunk_hashes: Sequence[str],
+        live: Iterable[WorkerRef],
+        session_id: str | None = None,
+        parent_session_id: str | None = None,
+    ) -> Lookup:
         """Per live worker, the number of leading prompt chunks it holds, plus the session's and
         the parent session's bindings: one pipelined round trip, in which a server-side script
         walks the chunks and stops at the first chunk no remaining worker holds."""
@@ -342,24 +363,26 @@ class PrefixIndex:
         bindings = dict(zip(sids, (_binding(r) for r in replies), strict=False))
         counts = replies[len(sids)] if chunk_keys else [0] * len(workers)
         hits = {w: int(n) for w, n in zip(workers, counts, strict=True) if int(n) > 0}
-        return Lookup(hits, bindings.get(session_id or ""),
-                      bindings.get(parent_session_id or ""),
-                      frozenset(_text(k) for k in replies[-1]))
+        return Lookup(
+            hits,
+            bindings.get(session_id or ""),
+            bindings.get(parent_session_id or ""),
+            frozenset(_text(k) for k in replies[-1]),
+        )
 
-    async def _lookup_pipeline(self, sids: list[str], chunk_keys: list[str],
-                               workers: list[WorkerRef]) -> list:
+    async def _lookup_pipeline(self, sids: list[str], chunk_keys: list[str], workers: list[WorkerRef]) -> list:
         pipe = self._redis.pipeline(transaction=False)
         for sid in sids:
             pipe.hgetall(self.keys.session(sid))
         if chunk_keys:
-            pipe.evalsha(LONGEST_PREFIX_SHA, len(chunk_keys), *chunk_keys,
-                         *(w.key for w in workers))
+            pipe.evalsha(LONGEST_PREFIX_SHA, len(chunk_keys), *chunk_keys, *(w.key for w in workers))
         pipe.smembers(self.keys.draining)  # last: read with every placement, same round trip
         return await pipe.execute()
 
     @_cancel_safe
-    async def bind_session(self, session_id: str, prefill: WorkerRef | None, decode: WorkerRef,
-                           previous: SessionBinding | None) -> None:
+    async def bind_session(
+        self, session_id: str, prefill: WorkerRef | None, decode: WorkerRef, previous: SessionBinding | None
+    ) -> None:
         """Bind (or re-bind) a session to a worker pair and restart its idle TTL."""
         key = self.keys.session(session_id)
         pipe = self._redis.pipeline(transaction=True)
@@ -396,8 +419,7 @@ def live_worker_stats(redis_url: str, model_id: str, timeout_s: float = 1.0) -> 
     import redis
 
     keys = IndexKeys(model_id)
-    client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
-                                  socket_connect_timeout=timeout_s)
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         wkeys = sorted(_text(k) for k in client.smembers(keys.workers))
         beats = client.mget([keys.heartbeat(k) for k in wkeys]) if wkeys else []

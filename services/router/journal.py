@@ -22,14 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-from flashpd.services.api import (
-    FinalEvent,
-    InternalRequest,
-    InvalidArgument,
-    ServiceError,
-    TokenEvent,
-    WorkerRef,
-)
+from flashpd.services.api import FinalEvent, InternalRequest, InvalidArgument, ServiceError, TokenEvent, WorkerRef
 
 
 class Run:
@@ -111,7 +104,8 @@ class Run:
             return offsets.index(from_token)
         raise InvalidArgument(
             f"{from_token} is not a chunk boundary of this stream ({self.num_tokens} tokens so far)",
-            field="resume_from_token")
+            field="resume_from_token",
+        )
 
     async def _end(self) -> None:
         if self.done:
@@ -128,10 +122,12 @@ def _merge(events: list[TokenEvent]) -> TokenEvent:
     if len(events) == 1:
         return events[0]
     return TokenEvent(
-        token_ids=tuple(t for e in events for t in e.token_ids), index=events[0].index,
+        token_ids=tuple(t for e in events for t in e.token_ids),
+        index=events[0].index,
         logprobs=tuple(lp for e in events for lp in e.logprobs),
         text="".join(e.text for e in events),
-        prefill_credit_tokens=events[0].prefill_credit_tokens)
+        prefill_credit_tokens=events[0].prefill_credit_tokens,
+    )
 
 
 class RunJournal:

@@ -27,10 +27,29 @@ from prometheus_client.core import GaugeMetricFamily
 
 from flashpd.services.api import FinalEvent, PrefillResult, WorkerStats
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
-                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS_S = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 DECISION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 AL_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 9.0)  # tokens/verify
@@ -65,19 +84,18 @@ class WorkerLoadCollector:
     """Per-worker gauges from the latest view of worker stats (a custom Prometheus collector)."""
 
     GAUGES = (
-        ("kv_cache_blocks_used", "KV blocks held by running or reserved sequences.",
-         lambda w: w.kv_blocks_used),
+        ("kv_cache_blocks_used", "KV blocks held by running or reserved sequences.", lambda w: w.kv_blocks_used),
         ("kv_cache_blocks_total", "KV blocks in the worker's pool.", lambda w: w.kv_blocks_total),
-        ("kv_cache_usage_perc", "Fraction of KV blocks used (1 = full).",
-         lambda w: w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0),
+        (
+            "kv_cache_usage_perc",
+            "Fraction of KV blocks used (1 = full).",
+            lambda w: w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0,
+        ),
         ("worker_num_requests_running", "Sequences running on the worker.", lambda w: w.running),
-        ("worker_num_requests_waiting", "Sequences waiting to be scheduled on the worker.",
-         lambda w: w.waiting),
+        ("worker_num_requests_waiting", "Sequences waiting to be scheduled on the worker.", lambda w: w.waiting),
         ("worker_batch_size", "Sequences in the worker's running batch.", lambda w: w.running),
-        ("num_queued_prefill_tokens", "Prompt tokens queued or running in prefill.",
-         lambda w: w.queued_prefill_tokens),
-        ("worker_draining", "1 while the worker takes no new requests.",
-         lambda w: float(w.draining)),
+        ("num_queued_prefill_tokens", "Prompt tokens queued or running in prefill.", lambda w: w.queued_prefill_tokens),
+        ("worker_draining", "1 while the worker takes no new requests.", lambda w: float(w.draining)),
     )
 
     def __init__(self, namespace: str, model: str) -> None:
@@ -86,17 +104,22 @@ class WorkerLoadCollector:
 
     def collect(self):
         for name, doc, value in self.GAUGES:
-            family = GaugeMetricFamily(f"{self._ns}:{name}", doc,
-                                       labels=["model_name", "role", "worker_id"])
+            family = GaugeMetricFamily(f"{self._ns}:{name}", doc, labels=["model_name", "role", "worker_id"])
             for w in self.workers:
                 family.add_metric([self._model, w.role, w.worker_id], float(value(w)))
             yield family
 
 
 class RouterMetrics:
-    def __init__(self, model: str, *, registry: CollectorRegistry | None = None,
-                 namespace: str = "flashpd", window_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "flashpd",
+        window_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._model = model
         self.in_flight = 0
@@ -107,51 +130,51 @@ class RouterMetrics:
         ns, reg, labels = namespace, self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(f"{ns}:{name}", doc, labels + list(extra), buckets=buckets,
-                             registry=reg)
+            return Histogram(f"{ns}:{name}", doc, labels + list(extra), buckets=buckets, registry=reg)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{ns}:{name}", doc, labels + list(extra), registry=reg)
 
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
-                         LATENCY_BUCKETS_S)
-        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.",
-                        ITL_BUCKETS_S)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to final message.",
-                        LATENCY_BUCKETS_S)
-        self.decision = hist("router_decision_latency_seconds",
-                             "Routing decision (Redis lookup + policy).", DECISION_BUCKETS_S)
-        self.transfer_latency = hist("kv_transfer_latency_seconds",
-                                     "KV push prefill -> decode.", LATENCY_BUCKETS_S)
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
+        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.", ITL_BUCKETS_S)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to final message.", LATENCY_BUCKETS_S)
+        self.decision = hist(
+            "router_decision_latency_seconds", "Routing decision (Redis lookup + policy).", DECISION_BUCKETS_S
+        )
+        self.transfer_latency = hist("kv_transfer_latency_seconds", "KV push prefill -> decode.", LATENCY_BUCKETS_S)
         self.transfer_bytes = counter("kv_transfer_bytes", "KV bytes pushed prefill -> decode.")
-        self.transfer_bytes_per_request = hist("kv_transfer_request_bytes",
-                                               "KV bytes pushed per request.", BYTES_BUCKETS)
+        self.transfer_bytes_per_request = hist(
+            "kv_transfer_request_bytes", "KV bytes pushed per request.", BYTES_BUCKETS
+        )
         self.transfer_failures = counter("kv_transfer_failures", "Failed KV pushes.")
-        self.cache_hits = counter("prefix_cache_hits", "Requests by prefix-cache tier hit.",
-                                  ("tier",))
-        self.cache_hit_tokens = counter("prefix_cache_hit_tokens", "Cached prompt tokens by tier.",
-                                        ("tier",))
+        self.cache_hits = counter("prefix_cache_hits", "Requests by prefix-cache tier hit.", ("tier",))
+        self.cache_hit_tokens = counter("prefix_cache_hit_tokens", "Cached prompt tokens by tier.", ("tier",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.errors = counter("request_errors", "Failed requests by status code.", ("code",))
         self.retries = counter("request_retries", "Attempts moved to another worker.", ("code",))
-        self.migrations = counter("stream_migrations", "Streams of a draining decode worker: "
-                                  "moved to another one, or staying (nowhere to go).",
-                                  ("outcome",))
+        self.migrations = counter(
+            "stream_migrations",
+            "Streams of a draining decode worker: moved to another one, or staying (nowhere to go).",
+            ("outcome",),
+        )
         self.migrated_bytes = counter("stream_migration_bytes", "KV bytes moved D -> D.")
-        self.prefills = counter("prefills", "Prefill calls that ran (first attempts and "
-                                "re-prefills after a failure).")
+        self.prefills = counter("prefills", "Prefill calls that ran (first attempts and re-prefills after a failure).")
         # speculative decoding (decode workers' verify books, per finished request)
         self.spec_drafted = counter("spec_decode_draft_tokens", "Draft tokens verified.")
         self.spec_accepted = counter("spec_decode_accepted_tokens", "Draft tokens accepted.")
         self.spec_steps = counter("spec_decode_verify_steps", "Sequence verify steps.")
-        self.spec_length = hist("spec_decode_acceptance_length", "Per request: mean tokens "
-                                "emitted per verify (1 + accepted / steps).", AL_BUCKETS)
-        self.spec_forced = counter("spec_decode_forced_requests", "Requests decoded under a "
-                                   "benchmark's forced acceptance (outputs not the model's).")
-        self.running = Gauge(f"{ns}:num_requests_running", "Requests in flight in this router.",
-                             labels, registry=reg)
+        self.spec_length = hist(
+            "spec_decode_acceptance_length",
+            "Per request: mean tokens emitted per verify (1 + accepted / steps).",
+            AL_BUCKETS,
+        )
+        self.spec_forced = counter(
+            "spec_decode_forced_requests",
+            "Requests decoded under a benchmark's forced acceptance (outputs not the model's).",
+        )
+        self.running = Gauge(f"{ns}:num_requests_running", "Requests in flight in this router.", labels, registry=reg)
 
     def _l(self, **extra: str) -> dict[str, str]:
         return {"model_name": self._model, **extra}
@@ -214,8 +237,7 @@ class RouterMetrics:
         self.spec_drafted.labels(**self._l()).inc(usage.draft_tokens)
         self.spec_accepted.labels(**self._l()).inc(usage.accepted_draft_tokens)
         self.spec_steps.labels(**self._l()).inc(usage.draft_steps)
-        self.spec_length.labels(**self._l()).observe(
-            1 + usage.accepted_draft_tokens / usage.draft_steps)
+        self.spec_length.labels(**self._l()).observe(1 + usage.accepted_draft_tokens / usage.draft_steps)
 
     def on_end(self, error_code: str | None) -> None:
         self.in_flight -= 1
@@ -228,9 +250,11 @@ class RouterMetrics:
         self.worker_load.workers = tuple(workers)
 
     def autoscaling_stats(self) -> dict[str, float]:
-        return {"requests_running": float(self.in_flight),
-                "ttft_p90_s": self.recent_ttft.quantile(0.9) or 0.0,
-                "itl_p90_s": self.recent_itl.quantile(0.9) or 0.0}
+        return {
+            "requests_running": float(self.in_flight),
+            "ttft_p90_s": self.recent_ttft.quantile(0.9) or 0.0,
+            "itl_p90_s": self.recent_itl.quantile(0.9) or 0.0,
+        }
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,14 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from flashpd.services.api import (
-    FinalEvent,
-    InternalRequest,
-    InvalidArgument,
-    ServiceError,
-    TokenEvent,
-    Usage,
-)
+from flashpd.services.api import FinalEvent, InternalRequest, InvalidArgument, ServiceError, TokenEvent, Usage
 from flashpd.services.router import dsml
 from flashpd.services.router import validation as v
 from flashpd.services.router.agent_fields import AgentOptions, agent_options
@@ -51,10 +44,14 @@ SESSION_HEADER = "x-session-id"
 PARENT_SESSION_HEADER = "x-parent-session-id"
 REQUEST_ID_HEADER = "x-request-id"
 OPENAI_ERROR_TYPES = {
-    "INVALID_ARGUMENT": "invalid_request_error", "NOT_FOUND": "not_found_error",
-    "RESOURCE_EXHAUSTED": "rate_limit_error", "DEADLINE_EXCEEDED": "timeout_error",
-    "UNAVAILABLE": "service_unavailable_error", "CANCELLED": "cancelled_error",
-    "UNAUTHENTICATED": "authentication_error", "INTERNAL": "internal_error",
+    "INVALID_ARGUMENT": "invalid_request_error",
+    "NOT_FOUND": "not_found_error",
+    "RESOURCE_EXHAUSTED": "rate_limit_error",
+    "DEADLINE_EXCEEDED": "timeout_error",
+    "UNAVAILABLE": "service_unavailable_error",
+    "CANCELLED": "cancelled_error",
+    "UNAUTHENTICATED": "authentication_error",
+    "INTERNAL": "internal_error",
 }
 
 
@@ -81,12 +78,13 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda x: False,
 }
 # Implemented (agent_fields.py): for chat all of them, for completions only n.
-AGENT_FIELDS = {"chat": frozenset({"n", "tools", "tool_choice", "response_format"}),
-                "completion": frozenset({"n"})}
+AGENT_FIELDS = {"chat": frozenset({"n", "tools", "tool_choice", "response_format"}), "completion": frozenset({"n"})}
 # Fields accepted and ignored, with their type checked.
 IGNORED: dict[str, Callable[[Any], bool]] = {
-    "user": lambda x: isinstance(x, str), "metadata": lambda x: isinstance(x, dict),
-    "store": lambda x: isinstance(x, bool), "service_tier": lambda x: isinstance(x, str),
+    "user": lambda x: isinstance(x, str),
+    "metadata": lambda x: isinstance(x, dict),
+    "store": lambda x: isinstance(x, bool),
+    "service_tier": lambda x: isinstance(x, str),
 }
 
 
@@ -111,8 +109,9 @@ def request_id_from(headers: Mapping[str, str]) -> str:
     return v.as_id(headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER) or new_request_id()
 
 
-def completion_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
-                       tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
+def completion_request(
+    body: Mapping, headers: Mapping[str, str], models: ModelTable, tokenizer: Tokenizer, request_id: str | None = None
+) -> OpenAIRequest:
     model = _model(body, models)
     _check_unsupported(body, AGENT_FIELDS["completion"])
     if body.get("parallel_tool_calls") is not None:
@@ -123,12 +122,12 @@ def completion_request(body: Mapping, headers: Mapping[str, str], models: ModelT
     max_tokens = _opt(body, "max_tokens", DEFAULT_MAX_TOKENS, _max_tokens)
     check_context(model, len(prompt_ids), max_tokens, "prompt")
     sampling = _sampling(body, model, max_tokens, logprobs)
-    return _request("completion", body, headers, model, prompt_ids, sampling, logprobs,
-                    logprobs > 0, request_id, agent)
+    return _request("completion", body, headers, model, prompt_ids, sampling, logprobs, logprobs > 0, request_id, agent)
 
 
-def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
-                 tokenizer: Tokenizer, request_id: str | None = None) -> OpenAIRequest:
+def chat_request(
+    body: Mapping, headers: Mapping[str, str], models: ModelTable, tokenizer: Tokenizer, request_id: str | None = None
+) -> OpenAIRequest:
     model = _model(body, models)
     _check_unsupported(body, AGENT_FIELDS["chat"])
     agent = agent_options(body, chat=True)
@@ -136,16 +135,17 @@ def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
     if len(messages) > v.MAX_MESSAGES:
-        raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got "
-                              f"{len(messages)}", field="messages")
+        raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got {len(messages)}", field="messages")
     v.check_text_budget(_content_chars(messages), model.context_tokens, "messages")
     if agent.prompt_tools or agent.response_schema is not None or _has_agent_turns(messages):
-        prompt_ids = check_prompt_ids(tokenizer.encode(deepseek_chat_prompt(
-            messages, agent.prompt_tools, agent.response_schema)), model, "messages")
+        prompt_ids = check_prompt_ids(
+            tokenizer.encode(deepseek_chat_prompt(messages, agent.prompt_tools, agent.response_schema)),
+            model,
+            "messages",
+        )
     else:
         prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _opt(body, field, None, _max_tokens)
     if max_tokens is None:
         max_tokens = max(1, model.context_tokens - len(prompt_ids))
@@ -154,34 +154,43 @@ def chat_request(body: Mapping, headers: Mapping[str, str], models: ModelTable,
     top = _opt(body, "top_logprobs", 0, v.as_logprobs)
     if top and not want:
         raise InvalidArgument("requires logprobs=true", field="top_logprobs")
-    sampling = dataclasses.replace(_sampling(body, model, max_tokens, max(top, 1) if want else 0),
-                                   guided=agent.guided)
-    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id,
-                    agent)
+    sampling = dataclasses.replace(_sampling(body, model, max_tokens, max(top, 1) if want else 0), guided=agent.guided)
+    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id, agent)
 
 
 def _has_agent_turns(messages: list) -> bool:
-    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
-               for m in messages)
+    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
 
 
-def _request(kind: Kind, body: Mapping, headers: Mapping[str, str], model: ServedModel,
-             prompt_ids: tuple[int, ...], sampling, top_logprobs: int, want_logprobs: bool,
-             request_id: str | None, agent: AgentOptions) -> OpenAIRequest:
+def _request(
+    kind: Kind,
+    body: Mapping,
+    headers: Mapping[str, str],
+    model: ServedModel,
+    prompt_ids: tuple[int, ...],
+    sampling,
+    top_logprobs: int,
+    want_logprobs: bool,
+    request_id: str | None,
+    agent: AgentOptions,
+) -> OpenAIRequest:
     stream = _opt(body, "stream", False, v.as_bool)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidArgument("must be an object", field="stream_options")
-    include_usage = _opt(options or {}, "include_usage", False,
-                         lambda x, _: v.as_bool(x, "stream_options.include_usage"))
+    include_usage = _opt(
+        options or {}, "include_usage", False, lambda x, _: v.as_bool(x, "stream_options.include_usage")
+    )
     request = InternalRequest(
         request_id=request_id or request_id_from(headers),
-        model=model.name, prompt_ids=prompt_ids, sampling=sampling,
+        model=model.name,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
         session_id=v.as_id(headers.get(SESSION_HEADER), SESSION_HEADER),
         parent_session_id=v.as_id(headers.get(PARENT_SESSION_HEADER), PARENT_SESSION_HEADER),
-        arrival_unix_s=time.time())
-    return OpenAIRequest(kind, request, model.name, stream, include_usage, top_logprobs,
-                         want_logprobs, agent)
+        arrival_unix_s=time.time(),
+    )
+    return OpenAIRequest(kind, request, model.name, stream, include_usage, top_logprobs, want_logprobs, agent)
 
 
 def _model(body: Mapping, models: ModelTable) -> ServedModel:
@@ -195,8 +204,7 @@ def _check_unsupported(body: Mapping, implemented: frozenset[str]) -> None:
         if name in implemented:
             continue
         if value is not None and not neutral(value):
-            raise InvalidArgument(f"is not supported by this server (got {v.show(value)})",
-                                  field=name)
+            raise InvalidArgument(f"is not supported by this server (got {v.show(value)})", field=name)
     for name, ok in IGNORED.items():
         value = body.get(name)
         if value is not None and not ok(value):
@@ -210,8 +218,9 @@ def _content_chars(messages: list) -> int:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            total += sum(len(p.get("text", "")) for p in content
-                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+            total += sum(
+                len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
     return total
 
 
@@ -223,22 +232,26 @@ def _completion_prompt(prompt: Any, model: ServedModel, tokenizer: Tokenizer) ->
         v.as_text(prompt, field, empty_ok=False)
         v.check_text_budget(len(prompt), model.context_tokens, "prompt")
         return check_prompt_ids(tokenizer.encode(prompt), model, "prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                        for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if len(prompt) > model.context_tokens:
-            raise InvalidArgument(f"{len(prompt)} tokens exceed the context limit of "
-                                  f"{model.context_tokens} tokens", field="prompt")
+            raise InvalidArgument(
+                f"{len(prompt)} tokens exceed the context limit of {model.context_tokens} tokens", field="prompt"
+            )
         return v.token_ids(prompt, "prompt", model.vocab_size)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise InvalidArgument("batched prompts are not supported; send one per request",
-                              field="prompt")
+        raise InvalidArgument("batched prompts are not supported; send one per request", field="prompt")
     raise InvalidArgument("must be a string or a list of token ids", field="prompt")
 
 
 def _sampling(body: Mapping, model: ServedModel, max_tokens: int, logprobs: int):
-    return v.sampling_params(body.get, max_tokens=max_tokens, logprobs=logprobs,
-                             vocab_size=model.vocab_size, defaults=v.OPENAI_DEFAULTS,
-                             ignore_eos=_opt(body, "ignore_eos", False, v.as_bool))
+    return v.sampling_params(
+        body.get,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        vocab_size=model.vocab_size,
+        defaults=v.OPENAI_DEFAULTS,
+        ignore_eos=_opt(body, "ignore_eos", False, v.as_bool),
+    )
 
 
 def _max_tokens(value: Any, field: str) -> int:
@@ -261,8 +274,9 @@ class ResponseShaper:
 
     def __init__(self, req: OpenAIRequest, tokenizer: Tokenizer, index: int = 0) -> None:
         self.req, self._tok, self.index = req, tokenizer, index
-        prefix, self._object = (("cmpl-", "text_completion") if req.kind == "completion"
-                                else ("chatcmpl-", "chat.completion"))
+        prefix, self._object = (
+            ("cmpl-", "text_completion") if req.kind == "completion" else ("chatcmpl-", "chat.completion")
+        )
         self._id = prefix + req.request.request_id
         self._created = int(req.request.arrival_unix_s)
         self._text_offset = 0
@@ -292,8 +306,12 @@ class ResponseShaper:
         return {**self._envelope(chunk=True), "choices": [], "usage": usage_dict(total)}
 
     def response(self, tokens: Sequence[TokenEvent], final: FinalEvent) -> dict:
-        return {**self._envelope(chunk=False), "choices": [self.choice(tokens, final)],
-                "usage": usage(final), "flashpd": flashpd_extension(final)}
+        return {
+            **self._envelope(chunk=False),
+            "choices": [self.choice(tokens, final)],
+            "usage": usage(final),
+            "flashpd": flashpd_extension(final),
+        }
 
     def choice(self, tokens: Sequence[TokenEvent], final: FinalEvent) -> dict:
         text = "".join(e.text for e in tokens) + final.text
@@ -308,8 +326,11 @@ class ResponseShaper:
                 content, calls = dsml.parse(text)
             if calls:
                 calls = calls if self.req.agent.parallel_tool_calls else calls[:1]
-                message = {"role": "assistant", "content": content or None,
-                           "tool_calls": [c.as_openai() for c in calls]}
+                message = {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [c.as_openai() for c in calls],
+                }
                 reason = "tool_calls" if reason == "stop" else reason
             choice = {"index": self.index, "message": message, "logprobs": logprobs}
         choice["finish_reason"] = reason
@@ -324,8 +345,12 @@ class ResponseShaper:
         reason: str = final.finish_reason
         if self._num_calls and reason == "stop":
             reason = "tool_calls"
-        out.append({**self._envelope(chunk=True), "choices": [
-            {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]})
+        out.append(
+            {
+                **self._envelope(chunk=True),
+                "choices": [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}],
+            }
+        )
         return out
 
     def _envelope(self, *, chunk: bool) -> dict:
@@ -341,8 +366,11 @@ class ResponseShaper:
             chunk["choices"][0]["logprobs"] = logprobs
             return chunk
         else:
-            delta = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or finish is None else {})
+            delta = (
+                {"role": "assistant", "content": text}
+                if first
+                else ({"content": text} if text or finish is None else {})
+            )
             choice = {"index": self.index, "delta": delta, "logprobs": logprobs}
         choice["finish_reason"] = finish
         return {**self._envelope(chunk=True), "choices": [choice]}
@@ -354,29 +382,39 @@ class ResponseShaper:
         if content or not calls:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [{"index": self._num_calls + k, **c.as_openai()}
-                                   for k, c in enumerate(calls)]
+            delta["tool_calls"] = [{"index": self._num_calls + k, **c.as_openai()} for k, c in enumerate(calls)]
             self._num_calls += len(calls)
-        return {**self._envelope(chunk=True), "choices": [
-            {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return {
+            **self._envelope(chunk=True),
+            "choices": [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
 
     def _logprobs(self, event: TokenEvent) -> dict | None:
         if not self.req.want_logprobs or not event.logprobs:
             return None
         pieces = [self._tok.decode([t]) for t in event.token_ids]
         if self.req.kind == "chat":
-            return {"content": [
-                {**_token_entry(piece, lp.logprob), "top_logprobs": [
-                    _token_entry(self._tok.decode([t]), v) for t, v in lp.top[: self.req.top_logprobs]]}
-                for piece, lp in zip(pieces, event.logprobs, strict=True)]}
+            return {
+                "content": [
+                    {
+                        **_token_entry(piece, lp.logprob),
+                        "top_logprobs": [
+                            _token_entry(self._tok.decode([t]), v) for t, v in lp.top[: self.req.top_logprobs]
+                        ],
+                    }
+                    for piece, lp in zip(pieces, event.logprobs, strict=True)
+                ]
+            }
         offsets = []
         for piece in pieces:
             offsets.append(self._text_offset)
             self._text_offset += len(piece)
-        return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in event.logprobs],
-                "top_logprobs": [{self._tok.decode([t]): v for t, v in lp.top}
-                                 for lp in event.logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": pieces,
+            "token_logprobs": [lp.logprob for lp in event.logprobs],
+            "top_logprobs": [{self._tok.decode([t]): v for t, v in lp.top} for lp in event.logprobs],
+            "text_offset": offsets,
+        }
 
     def _merge_logprobs(self, parts: list[dict | None]) -> dict | None:
         parts = [p for p in parts if p is not None]
@@ -385,8 +423,9 @@ class ResponseShaper:
         return {key: [x for p in parts for x in p[key]] for key in parts[0]}
 
 
-def merge_choices(shapers: Sequence[ResponseShaper],
-                  results: Sequence[tuple[Sequence[TokenEvent], FinalEvent]]) -> dict:
+def merge_choices(
+    shapers: Sequence[ResponseShaper], results: Sequence[tuple[Sequence[TokenEvent], FinalEvent]]
+) -> dict:
     """One response of `n` choices. Usage as OpenAI counts it: the prompt once (choice 0's
     cached tokens), the completion tokens of every choice."""
     first = shapers[0].response(*results[0])
@@ -407,23 +446,30 @@ def usage(final: FinalEvent) -> dict:
 
 
 def usage_dict(u: Usage) -> dict:
-    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    out = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
     if u.draft_steps:  # OpenAI's predicted-output counters, filled by speculative decoding
         out["completion_tokens_details"] = {
             "accepted_prediction_tokens": u.accepted_draft_tokens,
-            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens}
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
+        }
     return out
 
 
 def flashpd_extension(final: FinalEvent) -> dict:
-    return {"request_id": final.request_id, "prefill_worker": final.prefill_worker,
-            "decode_worker": final.decode_worker,
-            "cached_tokens_prefill": final.usage.cached_tokens_prefill,
-            "cached_tokens_decode": final.usage.cached_tokens_decode,
-            "speculative": speculative_usage(final),
-            "timeline": final.timeline.as_dict()}
+    return {
+        "request_id": final.request_id,
+        "prefill_worker": final.prefill_worker,
+        "decode_worker": final.decode_worker,
+        "cached_tokens_prefill": final.usage.cached_tokens_prefill,
+        "cached_tokens_decode": final.usage.cached_tokens_decode,
+        "speculative": speculative_usage(final),
+        "timeline": final.timeline.as_dict(),
+    }
 
 
 def speculative_usage(final: FinalEvent) -> dict:
@@ -431,10 +477,12 @@ def speculative_usage(final: FinalEvent) -> dict:
     mean acceptance length (tokens per verify, 1 + accepted / steps; 0 without a verify) and,
     only in a benchmark run, the forced acceptance length (its outputs are not the model's)."""
     u = final.usage
-    out = {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens,
-           "draft_steps": u.draft_steps,
-           "acceptance_length": 1 + u.accepted_draft_tokens / u.draft_steps
-           if u.draft_steps else 0.0}
+    out = {
+        "draft_tokens": u.draft_tokens,
+        "accepted_draft_tokens": u.accepted_draft_tokens,
+        "draft_steps": u.draft_steps,
+        "acceptance_length": 1 + u.accepted_draft_tokens / u.draft_steps if u.draft_steps else 0.0,
+    }
     if u.forced_acceptance_length:
         out["forced_acceptance_length"] = u.forced_acceptance_length
     return out
@@ -450,8 +498,9 @@ def error_body(exc: ServiceError, request_id: str | None = None) -> dict:
     error_type = OPENAI_ERROR_TYPES.get(exc.code, "internal_error")
     if exc.http_status in (404, 413):
         error_type = "invalid_request_error"
-    return {"error": {"message": v.public_message(exc, request_id), "type": error_type,
-                      "param": exc.field, "code": code}}
+    return {
+        "error": {"message": v.public_message(exc, request_id), "type": error_type, "param": exc.field, "code": code}
+    }
 
 
 def route_error_body(status: int, method: str, path: str) -> dict:
@@ -462,8 +511,7 @@ def route_error_body(status: int, method: str, path: str) -> dict:
         message, code = f"no route {method} {_clip(path)}", "not_found"
     else:
         message, code = f"HTTP {status}", f"http_{status}"
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": code}}
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
 
 
 def _clip(path: str) -> str:

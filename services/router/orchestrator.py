@@ -115,8 +115,9 @@ def _ray_root(exc: BaseException) -> BaseException:
     """The failure a Ray wrapper carries (RayTaskError(ActorDiedError) -> the ActorDiedError);
     a ServiceError a worker raised is what `as_service_error` reads from `cause` itself."""
     seen = 0
-    while seen < 8 and isinstance(getattr(exc, "cause", None), BaseException) \
-            and not isinstance(exc.cause, ServiceError):
+    while (
+        seen < 8 and isinstance(getattr(exc, "cause", None), BaseException) and not isinstance(exc.cause, ServiceError)
+    ):
         exc, seen = exc.cause, seen + 1
     return exc
 
@@ -156,8 +157,7 @@ class _Attempt:
     moved: list[Assignment] = dataclasses.field(default_factory=list)  # earlier decode legs
     migrate_ms: float = 0.0  # live migrations of this attempt, summed (pause to new stream)
 
-    def moved_to(self, a: Assignment, req: InternalRequest, base_tokens: int,
-                 decode: object, ticket: Ticket) -> None:
+    def moved_to(self, a: Assignment, req: InternalRequest, base_tokens: int, decode: object, ticket: Ticket) -> None:
         """The stream continues on another decode worker (a live migration)."""
         self.moved.append(self.assignment)
         self.assignment, self.request, self.base_tokens = a, req, base_tokens
@@ -165,10 +165,16 @@ class _Attempt:
 
 
 class Orchestrator:
-    def __init__(self, placements: Mapping[str, Placement], directory: WorkerDirectory,
-                 tokenizer: Tokenizer, *, metrics: RouterMetrics,
-                 config: OrchestratorConfig = OrchestratorConfig(),
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        placements: Mapping[str, Placement],
+        directory: WorkerDirectory,
+        tokenizer: Tokenizer,
+        *,
+        metrics: RouterMetrics,
+        config: OrchestratorConfig = OrchestratorConfig(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """`placements`: one per served model name (each has its own index keys); `clock`:
         unix seconds, the time KV leases (`Ticket.lease_deadline_unix_s`) are read against."""
         if not placements:
@@ -180,8 +186,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------- frontend API
 
-    def open(self, req: InternalRequest, *, resumable: bool = False, fingerprint: str = "",
-             resume_from_token: int = 0) -> Run:
+    def open(
+        self, req: InternalRequest, *, resumable: bool = False, fingerprint: str = "", resume_from_token: int = 0
+    ) -> Run:
         """Start the request, or re-attach to it (same client-chosen id and content)."""
         if req.model not in self.placements:
             raise InvalidArgument(f"model {req.model!r} is not served here", field="model")
@@ -193,8 +200,7 @@ class Orchestrator:
                 self._revive(existing)
             return existing
         if resume_from_token > 0:
-            raise NotFound(f"no resumable stream {req.request_id!r} on this router",
-                           field="request_id")
+            raise NotFound(f"no resumable stream {req.request_id!r} on this router", field="request_id")
         run = Run(req, resumable=resumable, fingerprint=fingerprint)
         self.journal.add(run)
         self._start(run)
@@ -216,8 +222,12 @@ class Orchestrator:
 
     def _revive(self, run: Run) -> None:
         """Continue a run that broke UNAVAILABLE after tokens: a client came back for it."""
-        log.warning("request %s: resumed by its client after %r; continuing from token %d",
-                    run.request_id, run.error, run.num_tokens)
+        log.warning(
+            "request %s: resumed by its client after %r; continuing from token %d",
+            run.request_id,
+            run.error,
+            run.num_tokens,
+        )
         self.journal.revive(run)
         self._start(run)
 
@@ -294,8 +304,7 @@ class Orchestrator:
     async def _expire_detached(self, run: Run) -> None:
         await asyncio.sleep(self.config.resume_grace_s)
         if run.consumers == 0 and not run.done:
-            self._cancel(run, Cancelled(f"client did not resume within "
-                                        f"{self.config.resume_grace_s} s"))
+            self._cancel(run, Cancelled(f"client did not resume within {self.config.resume_grace_s} s"))
 
     # --------------------------------------------------------------------------- producer
 
@@ -360,12 +369,15 @@ class Orchestrator:
             except _RetryElsewhere as retry:
                 if retry.lease_expired and lease_retries < self.config.max_lease_retries:
                     lease_retries += 1  # nobody failed: same workers allowed, none suspected
-                    log.warning("request %s: its KV lease expired before prefill (%s); "
-                                "placing it again (%d)", run.request_id, retry, lease_retries)
+                    log.warning(
+                        "request %s: its KV lease expired before prefill (%s); placing it again (%d)",
+                        run.request_id,
+                        retry,
+                        lease_retries,
+                    )
                     self.metrics.on_retry(retry.error.code)
                     continue
-                log.warning("request %s (%d tokens out): %s; placing it again",
-                            run.request_id, run.num_tokens, retry)
+                log.warning("request %s (%d tokens out): %s; placing it again", run.request_id, run.num_tokens, retry)
                 excluded.add(retry.worker)
                 if isinstance(retry.error, Unavailable):
                     placement.suspect(retry.worker)
@@ -393,28 +405,26 @@ class Orchestrator:
         if guided is not None:  # the grammar resumes after the tokens already released
             guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(done))
         return dataclasses.replace(
-            req, request_id=f"{req.request_id}@{number}", prompt_ids=req.prompt_ids + done,
-            sampling=dataclasses.replace(req.sampling, guided=guided,
-                                         max_tokens=req.sampling.max_tokens - len(done)),
+            req,
+            request_id=f"{req.request_id}@{number}",
+            prompt_ids=req.prompt_ids + done,
+            sampling=dataclasses.replace(req.sampling, guided=guided, max_tokens=req.sampling.max_tokens - len(done)),
             kv_prompt_tokens=req.kv_prompt_tokens or req.prompt_tokens,
-            max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None)
+            max_prefill_credit_tokens=progress.prefill_credit_tokens if progress else None,
+        )
 
-    async def _attempt(self, run: Run, a: Assignment, req: InternalRequest,
-                       progress: _Progress) -> None:
+    async def _attempt(self, run: Run, a: Assignment, req: InternalRequest, progress: _Progress) -> None:
         placement = self.placements[req.model]
-        attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill),
-                           decode=self._endpoint(a.decode))
+        attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill), decode=self._endpoint(a.decode))
         try:
             started = time.perf_counter()
-            attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode,
-                                              RETRY_RESERVE)
+            attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode, RETRY_RESERVE)
             run.placed = (a.prefill, a.decode)  # n > 1: the other choices follow this pair
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
             if attempt.base_tokens == 0:  # the KV the first tokens will rest on
-                progress.prefill_credit_tokens = (attempt.result.prefill_cached_tokens
-                                                  if attempt.result else None)
+                progress.prefill_credit_tokens = attempt.result.prefill_cached_tokens if attempt.result else None
             placement.prefill_done(a)
             await self._decode(run, attempt, progress)
         except BaseException as exc:
@@ -437,9 +447,13 @@ class Orchestrator:
         did not reach the decode worker in time. The request queued too long; no worker
         failed (a slow machine, a long prefill queue: n > 1 choices all queue behind one)."""
         ticket = attempt.ticket
-        return (ticket is not None and not retry.died and isinstance(retry.error, Unavailable)
-                and run.num_tokens == attempt.base_tokens
-                and self._clock() >= ticket.lease_deadline_unix_s)
+        return (
+            ticket is not None
+            and not retry.died
+            and isinstance(retry.error, Unavailable)
+            and run.num_tokens == attempt.base_tokens
+            and self._clock() >= ticket.lease_deadline_unix_s
+        )
 
     def _endpoint(self, worker: WorkerRef):
         try:
@@ -452,8 +466,7 @@ class Orchestrator:
     async def _prefill(self, attempt: _Attempt) -> PrefillResult:
         a = attempt.assignment
         try:
-            result = await self._call(attempt.prefill.run(attempt.request, attempt.ticket),
-                                      a.prefill, RETRY_PREFILL)
+            result = await self._call(attempt.prefill.run(attempt.request, attempt.ticket), a.prefill, RETRY_PREFILL)
         except (_RetryElsewhere, ServiceError) as exc:
             if isinstance(getattr(exc, "error", exc), TransferFailed):
                 self.metrics.on_transfer_failure()
@@ -470,8 +483,9 @@ class Orchestrator:
                 try:
                     event = await self._call(events.__anext__(), worker, RETRY_DECODE)
                 except StopAsyncIteration:  # the worker went away mid-stream
-                    raise _RetryElsewhere(worker, Unavailable(
-                        "decode stream ended without a final event"), died=True) from None
+                    raise _RetryElsewhere(
+                        worker, Unavailable("decode stream ended without a final event"), died=True
+                    ) from None
                 if isinstance(event, MigrateEvent):
                     if await self._migrate(run, attempt):  # the stream moved: follow it
                         await _aclose(stream)
@@ -511,8 +525,9 @@ class Orchestrator:
         try:
             target = self._endpoint(a.decode)
             ticket = await target.reserve(req)
-            moved = await attempt.decode.migrate_out(attempt.request.request_id, ticket) \
-                if ticket.needs_prefill else None
+            moved = (
+                await attempt.decode.migrate_out(attempt.request.request_id, ticket) if ticket.needs_prefill else None
+            )
         except asyncio.CancelledError:
             placement.release(a)
             raise
@@ -524,21 +539,24 @@ class Orchestrator:
         attempt.moved_to(a, req, run.num_tokens, target, ticket)
         attempt.migrate_ms += (time.perf_counter() - started) * 1e3
         self.metrics.on_migration("moved", moved.moved_bytes if moved else 0)
-        log.info("request %s: moved from %s to %s after %d tokens (%d KV bytes, %.1f ms)",
-                 run.request_id, source.worker_id, a.decode.worker_id, run.num_tokens,
-                 moved.moved_bytes if moved else 0, attempt.migrate_ms)
+        log.info(
+            "request %s: moved from %s to %s after %d tokens (%d KV bytes, %.1f ms)",
+            run.request_id,
+            source.worker_id,
+            a.decode.worker_id,
+            run.num_tokens,
+            moved.moved_bytes if moved else 0,
+            attempt.migrate_ms,
+        )
         return True
 
     async def _stay(self, run: Run, attempt: _Attempt, why: str) -> bool:
-        log.warning("request %s: stays on draining %s (%s)", run.request_id,
-                    attempt.assignment.decode.worker_id, why)
+        log.warning("request %s: stays on draining %s (%s)", run.request_id, attempt.assignment.decode.worker_id, why)
         self.metrics.on_migration("stayed")
-        await self._call(attempt.decode.resume(attempt.request.request_id),
-                         attempt.assignment.decode, RETRY_DECODE)
+        await self._call(attempt.decode.resume(attempt.request.request_id), attempt.assignment.decode, RETRY_DECODE)
         return False
 
-    async def _call(self, awaitable: Awaitable, worker: WorkerRef,
-                    retryable: tuple[type[ServiceError], ...]):
+    async def _call(self, awaitable: Awaitable, worker: WorkerRef, retryable: tuple[type[ServiceError], ...]):
         """Await a worker call; a retryable failure becomes _RetryElsewhere (before or after
         the first token: a later attempt continues from the tokens released)."""
         try:
@@ -554,12 +572,10 @@ class Orchestrator:
                 raise
             raise error from exc
 
-    async def _release_tokens(self, run: Run, attempt: _Attempt, progress: _Progress,
-                              event: TokenEvent) -> bool:
+    async def _release_tokens(self, run: Run, attempt: _Attempt, progress: _Progress, event: TokenEvent) -> bool:
         """Detokenize D's tokens into the run; True when a stop string ended generation."""
         if attempt.base_tokens + event.index != run.num_tokens:
-            raise Internal(f"decode sent token index {event.index} (+{attempt.base_tokens}), "
-                           f"expected {run.num_tokens}")
+            raise Internal(f"decode sent token index {event.index} (+{attempt.base_tokens}), expected {run.num_tokens}")
         ids: list[int] = []
         pieces: list[str] = []
         for token_id in event.token_ids:
@@ -576,12 +592,12 @@ class Orchestrator:
             self.metrics.on_tokens(len(ids), now - (progress.last_token_unix_s or now))
         progress.last_token_unix_s = now
         credit = progress.prefill_credit_tokens if run.num_tokens == 0 else None
-        await run.push(TokenEvent(tuple(ids), run.num_tokens, event.logprobs[: len(ids)],
-                                  "".join(pieces), credit))
+        await run.push(TokenEvent(tuple(ids), run.num_tokens, event.logprobs[: len(ids)], "".join(pieces), credit))
         return progress.text.stopped
 
-    async def _finish(self, run: Run, attempt: _Attempt, progress: _Progress,
-                      reason: FinishReason, decode_final: FinalEvent | None) -> None:
+    async def _finish(
+        self, run: Run, attempt: _Attempt, progress: _Progress, reason: FinishReason, decode_final: FinalEvent | None
+    ) -> None:
         final = self._final_event(run, attempt, progress, reason, decode_final)
         try:
             await self.placements[run.request.model].commit(run.request, attempt.assignment)
@@ -597,40 +613,52 @@ class Orchestrator:
         final = FinalEvent(
             finish_reason="length",
             usage=Usage(prompt_tokens=req.prompt_tokens, completion_tokens=run.num_tokens),
-            timeline=Timeline(first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
-                              e2e_ms=(time.time() - req.arrival_unix_s) * 1e3),
-            request_id=req.request_id, text=progress.text.flush())
+            timeline=Timeline(
+                first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
+                e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
+            ),
+            request_id=req.request_id,
+            text=progress.text.flush(),
+        )
         self.metrics.on_final(final)
         await run.finish(final)
 
-    def _final_event(self, run: Run, attempt: _Attempt, progress: _Progress,
-                     reason: FinishReason, decode_final: FinalEvent | None) -> FinalEvent:
+    def _final_event(
+        self, run: Run, attempt: _Attempt, progress: _Progress, reason: FinishReason, decode_final: FinalEvent | None
+    ) -> FinalEvent:
         req, result, ticket = run.request, attempt.result, attempt.ticket
         assert ticket is not None
         # without a prefill, D replays the last chunk itself: that much is computed afresh
-        computed = (result.computed_tokens if result
-                    else min(attempt.request.prompt_tokens, CHUNK_TOKENS))
+        computed = result.computed_tokens if result else min(attempt.request.prompt_tokens, CHUNK_TOKENS)
         usage = Usage(
-            prompt_tokens=req.prompt_tokens, completion_tokens=run.num_tokens,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=run.num_tokens,
             cached_tokens=max(0, req.prompt_tokens - computed),
-            cached_tokens_prefill=min(req.prompt_tokens,
-                                      result.prefill_cached_tokens if result else 0),
+            cached_tokens_prefill=min(req.prompt_tokens, result.prefill_cached_tokens if result else 0),
             cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens),
-            **_speculative_usage(decode_final))
+            **_speculative_usage(decode_final),
+        )
         first = progress.first_token_unix_s
         timeline = Timeline(
-            route_ms=attempt.assignment.route_ms, reserve_ms=attempt.reserve_ms,
+            route_ms=attempt.assignment.route_ms,
+            reserve_ms=attempt.reserve_ms,
             prefill_queue_ms=result.queue_ms if result else 0.0,
             prefill_ms=result.compute_ms if result else 0.0,
             transfer_ms=result.transfer_ms if result else 0.0,
             replay_ms=decode_final.timeline.replay_ms if decode_final else 0.0,
             first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
-            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3, migrate_ms=attempt.migrate_ms)
+            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
+            migrate_ms=attempt.migrate_ms,
+        )
         return FinalEvent(
-            finish_reason=reason, usage=usage, timeline=timeline,
+            finish_reason=reason,
+            usage=usage,
+            timeline=timeline,
             prefill_worker=attempt.assignment.prefill.worker_id if result else "",
-            decode_worker=attempt.assignment.decode.worker_id, request_id=req.request_id,
-            text=progress.text.flush() if reason != "stop" else "")
+            decode_worker=attempt.assignment.decode.worker_id,
+            request_id=req.request_id,
+            text=progress.text.flush() if reason != "stop" else "",
+        )
 
     async def _abort_legs(self, attempt: _Attempt, failed: WorkerRef | None = None) -> None:
         """Abort both legs of an attempt (bounded). The leg of a worker that just failed is
@@ -650,16 +678,24 @@ class Orchestrator:
         try:
             await asyncio.wait_for(endpoint.abort(request_id), self.config.abort_timeout_s)
         except TimeoutError:
-            log.warning("request %s: abort on %s did not answer within %.1f s", request_id,
-                        worker.key, self.config.abort_timeout_s)
+            log.warning(
+                "request %s: abort on %s did not answer within %.1f s",
+                request_id,
+                worker.key,
+                self.config.abort_timeout_s,
+            )
         except Exception as exc:
             log.warning("request %s: abort on %s failed: %r", request_id, worker.key, exc)
 
 
 def _revivable(run: Run) -> bool:
     """A finished run that broke UNAVAILABLE after its first token can continue."""
-    return (run.done and isinstance(run.error, Unavailable) and run.num_tokens > 0
-            and run.num_tokens < run.request.sampling.max_tokens)
+    return (
+        run.done
+        and isinstance(run.error, Unavailable)
+        and run.num_tokens > 0
+        and run.num_tokens < run.request.sampling.max_tokens
+    )
 
 
 async def _aclose(stream: object) -> None:
@@ -673,5 +709,9 @@ def _speculative_usage(decode_final: FinalEvent | None) -> dict:
     if decode_final is None:
         return {}
     u = decode_final.usage
-    return {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens,
-            "draft_steps": u.draft_steps, "forced_acceptance_length": u.forced_acceptance_length}
+    return {
+        "draft_tokens": u.draft_tokens,
+        "accepted_draft_tokens": u.accepted_draft_tokens,
+        "draft_steps": u.draft_steps,
+        "forced_acceptance_length": u.forced_acceptance_length,
+    }

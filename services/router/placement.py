@@ -79,19 +79,30 @@ class PlacementConfig:
 
 
 class Placement:
-    def __init__(self, index: PrefixIndex, policy: RoutingPolicy, *, model: str,
-                 cache_salt: str = "", view_refresh_s: float | None = None,
-                 config: PlacementConfig = PlacementConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        policy: RoutingPolicy,
+        *,
+        model: str,
+        cache_salt: str = "",
+        view_refresh_s: float | None = None,
+        config: PlacementConfig = PlacementConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index, self.policy = index, policy
         self.config = config
         self._namespace = namespace_for(model, cache_salt)
         self._view_refresh_s = config.view_refresh_s if view_refresh_s is None else view_refresh_s
         self._clock = clock
-        self.breaker = CircuitBreaker(f"redis index ({model})", timeout_s=config.redis_timeout_s,
-                                      failure_threshold=config.breaker_failures,
-                                      open_s=config.breaker_open_s, failures=(RedisError,),
-                                      clock=clock)
+        self.breaker = CircuitBreaker(
+            f"redis index ({model})",
+            timeout_s=config.redis_timeout_s,
+            failure_threshold=config.breaker_failures,
+            open_s=config.breaker_open_s,
+            failures=(RedisError,),
+            clock=clock,
+        )
         self._view: LiveView | None = None
         self._view_at = float("-inf")
         self._view_lock = asyncio.Lock()
@@ -138,8 +149,9 @@ class Placement:
             if now - seen > self.config.known_ttl_s:
                 del self._known[ref]
         roles = {w.role for w in view.workers if not w.draining}
-        extra = tuple(stats for stats, _ in self._known.values()
-                      if stats.role not in roles and stats.ref not in view.dead)
+        extra = tuple(
+            stats for stats, _ in self._known.values() if stats.role not in roles and stats.ref not in view.dead
+        )
         return LiveView(view.workers + extra, view.dead) if extra else view
 
     async def _draining_marks(self) -> frozenset[str]:
@@ -184,15 +196,18 @@ class Placement:
             marked = await self._draining_marks()
         # draining marks are read with every placement: a drain takes effect from its mark on
         usable = [w for w in usable if w.ref.key not in marked]
-        candidates = {role: [self._candidate(w, hit_chunks.get(w.ref, 0), req)
-                             for w in usable if w.role == role] for role in ROLES}
+        candidates = {
+            role: [self._candidate(w, hit_chunks.get(w.ref, 0), req) for w in usable if w.role == role]
+            for role in ROLES
+        }
         if req.pin:  # a pinned worker wins its role while it is usable
-            candidates = {role: [c for c in cands if c.ref in req.pin] or cands
-                          for role, cands in candidates.items()}
+            candidates = {role: [c for c in cands if c.ref in req.pin] or cands for role, cands in candidates.items()}
         query = RouteQuery(
             prompt_tokens=req.prompt_tokens,
             affinity_key=req.session_id or req.request_id,
-            bound=_refs(binding), preferred=_refs(parent))
+            bound=_refs(binding),
+            preferred=_refs(parent),
+        )
         decision = self.policy.choose(query, candidates["prefill"], candidates["decode"])
         pending = req.prompt_tokens - decision.prefill_credit_tokens
         self._in_flight.prefill_tokens[decision.prefill.ref] += pending
@@ -213,9 +228,14 @@ class Placement:
 
     async def _lookup(self, req: InternalRequest, live: list[WorkerRef]) -> Lookup:
         try:
-            return await self.breaker.call(lambda: self.index.lookup(
-                chunk_hashes(req.prompt_ids, self._namespace, CHUNK_TOKENS), live,
-                req.session_id, req.parent_session_id))
+            return await self.breaker.call(
+                lambda: self.index.lookup(
+                    chunk_hashes(req.prompt_ids, self._namespace, CHUNK_TOKENS),
+                    live,
+                    req.session_id,
+                    req.parent_session_id,
+                )
+            )
         except (TimeoutError, OSError, RedisError) as exc:
             log.debug("index lookup failed (%r); placing on session affinity and load", exc)
             return Lookup({}, None, None)
@@ -240,8 +260,9 @@ class Placement:
             if new == a.previous_binding:
                 await self.breaker.call(lambda: self.index.touch_session(req.session_id))
             else:
-                await self.breaker.call(lambda: self.index.bind_session(
-                    req.session_id, a.prefill, a.decode, a.previous_binding))
+                await self.breaker.call(
+                    lambda: self.index.bind_session(req.session_id, a.prefill, a.decode, a.previous_binding)
+                )
         except (TimeoutError, OSError, RedisError) as exc:
             log.debug("session %s: binding kept locally only (%r)", req.session_id, exc)
 
@@ -258,7 +279,8 @@ class Placement:
             stats=stats,
             hit_tokens=min(hit_chunks * CHUNK_TOKENS, req.prompt_tokens),
             pending_prefill_tokens=self._in_flight.prefill_tokens[stats.ref],
-            pending_requests=self._in_flight.decode_requests[stats.ref])
+            pending_requests=self._in_flight.decode_requests[stats.ref],
+        )
 
     def _reap(self, dead: tuple[WorkerRef, ...]) -> None:
         fresh = [w for w in dead if w not in self._reaping]

@@ -71,8 +71,9 @@ class RoutingDecision:
 class RoutingPolicy(Protocol):
     name: str
 
-    def choose(self, query: RouteQuery, prefill: Sequence[Candidate],
-               decode: Sequence[Candidate]) -> RoutingDecision: ...
+    def choose(
+        self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]
+    ) -> RoutingDecision: ...
 
 
 class AffinityPolicy:
@@ -83,8 +84,7 @@ class AffinityPolicy:
             raise ValueError("load_slack and decode_slack must be >= 0")
         self.load_slack, self.decode_slack = load_slack, decode_slack
 
-    def choose(self, query: RouteQuery, prefill: Sequence[Candidate],
-               decode: Sequence[Candidate]) -> RoutingDecision:
+    def choose(self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]) -> RoutingDecision:
         _require(prefill, "prefill")
         _require(decode, "decode")
         p, p_reason = self._pick_prefill(query, prefill)
@@ -96,9 +96,11 @@ class AffinityPolicy:
         if bound:
             return bound[0], "session"
         if any(usable_prefix_tokens(c.hit_tokens) > 0 for c in cands):
+
             def cost(c: Candidate) -> tuple:
                 work_tokens = _prefill_load(c) + q.prompt_tokens - usable_prefix_tokens(c.hit_tokens)
                 return (work_tokens, c.ref not in q.preferred, c.ref.worker_id)
+
             return min(cands, key=cost), "prefix"
         return self._hash_pick(q, cands, _prefill_load), "hash"
 
@@ -110,12 +112,12 @@ class AffinityPolicy:
             occupancy = {c.ref: _projected_kv_occupancy(c, q.prompt_tokens) for c in cands}
             best = min(occupancy.values())
             close = [c for c in cands if occupancy[c.ref] <= best + self.decode_slack]
-            return min(close, key=lambda c: (-c.hit_tokens, c.ref not in q.preferred,
-                                             _decode_load(c), c.ref.worker_id)), "prefix"
+            return min(
+                close, key=lambda c: (-c.hit_tokens, c.ref not in q.preferred, _decode_load(c), c.ref.worker_id)
+            ), "prefix"
         return self._hash_pick(q, cands, _decode_load), "hash"
 
-    def _hash_pick(self, q: RouteQuery, cands: Sequence[Candidate],
-                   load: Callable[[Candidate], float]) -> Candidate:
+    def _hash_pick(self, q: RouteQuery, cands: Sequence[Candidate], load: Callable[[Candidate], float]) -> Candidate:
         mean = sum(load(c) for c in cands) / len(cands)
         under_cap = [c for c in cands if load(c) <= (1.0 + self.load_slack) * mean + 1e-9]
         preferred = [c for c in under_cap if c.ref in q.preferred]
@@ -134,12 +136,10 @@ class RandomPolicy:
     def __init__(self, *, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, query: RouteQuery, prefill: Sequence[Candidate],
-               decode: Sequence[Candidate]) -> RoutingDecision:
+    def choose(self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]) -> RoutingDecision:
         _require(prefill, "prefill")
         _require(decode, "decode")
-        return RoutingDecision(self._rng.choice(_by_id(prefill)), self._rng.choice(_by_id(decode)),
-                               "random", "random")
+        return RoutingDecision(self._rng.choice(_by_id(prefill)), self._rng.choice(_by_id(decode)), "random", "random")
 
 
 class RoundRobinPolicy:
@@ -148,12 +148,12 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = {"prefill": 0, "decode": 0}
 
-    def choose(self, query: RouteQuery, prefill: Sequence[Candidate],
-               decode: Sequence[Candidate]) -> RoutingDecision:
+    def choose(self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]) -> RoutingDecision:
         _require(prefill, "prefill")
         _require(decode, "decode")
-        return RoutingDecision(self._take("prefill", prefill), self._take("decode", decode),
-                               "round_robin", "round_robin")
+        return RoutingDecision(
+            self._take("prefill", prefill), self._take("decode", decode), "round_robin", "round_robin"
+        )
 
     def _take(self, role: str, cands: Sequence[Candidate]) -> Candidate:
         ordered = _by_id(cands)
@@ -163,7 +163,9 @@ class RoundRobinPolicy:
 
 
 POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
-    "affinity": AffinityPolicy, "random": RandomPolicy, "round_robin": RoundRobinPolicy,
+    "affinity": AffinityPolicy,
+    "random": RandomPolicy,
+    "round_robin": RoundRobinPolicy,
 }
 
 

@@ -41,13 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flashpd.engine.sampling_params import (
-    GREEDY_TEMPERATURE,
-    MAX_LOGPROBS,
-    MAX_SEED,
-    SPECULATIVE_MODES,
-    SamplingParams,
-)
+from flashpd.engine.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_SEED, SPECULATIVE_MODES, SamplingParams
 from flashpd.services.api import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -113,8 +107,7 @@ def as_text(value: Any, field: str, *, max_chars: int | None = None, empty_ok: b
     if not empty_ok and not value:
         raise InvalidArgument("must not be empty", field=field)
     if max_chars is not None and len(value) > max_chars:
-        raise InvalidArgument(f"must be at most {max_chars} characters, got {len(value)}",
-                              field=field)
+        raise InvalidArgument(f"must be at most {max_chars} characters, got {len(value)}", field=field)
     check_unicode(value, field)
     return value
 
@@ -123,8 +116,7 @@ def check_unicode(value: str, field: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgument("must be valid Unicode text (it holds a lone UTF-16 surrogate)",
-                              field=field) from None
+        raise InvalidArgument("must be valid Unicode text (it holds a lone UTF-16 surrogate)", field=field) from None
 
 
 def as_id(value: Any, field: str) -> str | None:
@@ -134,24 +126,22 @@ def as_id(value: Any, field: str) -> str | None:
     if not isinstance(value, str):
         raise InvalidArgument(f"must be a string, got {_type_name(value)}", field=field)
     if len(value) > MAX_ID_CHARS or not all(33 <= ord(c) < 127 for c in value):
-        raise InvalidArgument(f"must be at most {MAX_ID_CHARS} printable ASCII characters "
-                              "without spaces", field=field)
+        raise InvalidArgument(f"must be at most {MAX_ID_CHARS} printable ASCII characters without spaces", field=field)
     return value
 
 
-def token_ids(value: Any, field: str, vocab_size: int, *, max_count: int | None = None,
-              empty_ok: bool = False) -> tuple[int, ...]:
+def token_ids(
+    value: Any, field: str, vocab_size: int, *, max_count: int | None = None, empty_ok: bool = False
+) -> tuple[int, ...]:
     if not isinstance(value, list | tuple):
         raise InvalidArgument("must be a list of token ids", field=field)
     if not value and not empty_ok:
         raise InvalidArgument("must not be empty", field=field)
     if max_count is not None and len(value) > max_count:
-        raise InvalidArgument(f"must hold at most {max_count} token ids, got {len(value)}",
-                              field=field)
+        raise InvalidArgument(f"must hold at most {max_count} token ids, got {len(value)}", field=field)
     for t in value:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidArgument(f"token ids must be integers in [0, {vocab_size}), got "
-                                  f"{show(t)}", field=field)
+            raise InvalidArgument(f"token ids must be integers in [0, {vocab_size}), got {show(t)}", field=field)
     return tuple(value)
 
 
@@ -159,8 +149,7 @@ def check_text_budget(num_chars: int, context_tokens: int, field: str) -> None:
     """Refuse text that cannot fit the context before paying for tokenizing it."""
     limit = context_tokens * MAX_CHARS_PER_TOKEN
     if num_chars > limit:
-        raise InvalidArgument(f"{num_chars} characters cannot fit the context of "
-                              f"{context_tokens} tokens", field=field)
+        raise InvalidArgument(f"{num_chars} characters cannot fit the context of {context_tokens} tokens", field=field)
 
 
 # ---------------------------------------------------------------------------------- sampling
@@ -175,29 +164,48 @@ OPENAI_DEFAULTS = SamplingDefaults(temperature=1.0)  # OpenAI samples by default
 GRPC_DEFAULTS = SamplingDefaults(temperature=0.0)  # the gRPC API is greedy by default
 
 
-def sampling_params(get: Callable[[str], Any], *, max_tokens: int, logprobs: int,
-                    vocab_size: int, defaults: SamplingDefaults,
-                    ignore_eos: bool = False) -> SamplingParams:
+def sampling_params(
+    get: Callable[[str], Any],
+    *,
+    max_tokens: int,
+    logprobs: int,
+    vocab_size: int,
+    defaults: SamplingDefaults,
+    ignore_eos: bool = False,
+) -> SamplingParams:
     """The engine's sampling parameters from the client's fields. `get(name)` returns the value
     sent, or None when the field is absent; `max_tokens` and `logprobs` are checked by the
     caller (their names and defaults differ between the APIs)."""
-    temperature = _opt(get, "temperature", defaults.temperature,
-                       lambda v, f: as_number(v, f, 0.0, MAX_TEMPERATURE))
+    temperature = _opt(get, "temperature", defaults.temperature, lambda v, f: as_number(v, f, 0.0, MAX_TEMPERATURE))
     top_p = _opt(get, "top_p", 1.0, lambda v, f: as_number(v, f, 0.0, 1.0))
     top_k = _opt(get, "top_k", 0, lambda v, f: as_int(v, f, -1, vocab_size))
     min_p = _opt(get, "min_p", 0.0, lambda v, f: as_number(v, f, 0.0, 1.0))
     seed = _opt(get, "seed", None, lambda v, f: as_int(v, f, 0, MAX_SEED))
     stop = _opt(get, "stop", (), _stop_strings)
-    stop_ids = _opt(get, "stop_token_ids", (), lambda v, f: token_ids(
-        list(v) if isinstance(v, tuple) else v, f, vocab_size, max_count=MAX_STOP_TOKEN_IDS,
-        empty_ok=True))
+    stop_ids = _opt(
+        get,
+        "stop_token_ids",
+        (),
+        lambda v, f: token_ids(
+            list(v) if isinstance(v, tuple) else v, f, vocab_size, max_count=MAX_STOP_TOKEN_IDS, empty_ok=True
+        ),
+    )
     speculative = _opt(get, "speculative", "auto", as_speculative)
     if temperature < GREEDY_TEMPERATURE or top_p < MIN_TOP_P:
         temperature, top_p = 0.0, 1.0  # greedy (see the module docstring)
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-        min_p=min_p, seed=seed, stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos,
-        logprobs=logprobs, speculative=speculative)
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        stop_token_ids=stop_ids,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        speculative=speculative,
+    )
 
 
 def as_speculative(value: Any, field: str) -> str:
@@ -205,8 +213,7 @@ def as_speculative(value: Any, field: str) -> str:
     if value == "":
         return "auto"
     if not isinstance(value, str) or value not in SPECULATIVE_MODES:
-        raise InvalidArgument(f"must be one of {list(SPECULATIVE_MODES)}, got {value!r}",
-                              field=field)
+        raise InvalidArgument(f"must be one of {list(SPECULATIVE_MODES)}, got {value!r}", field=field)
     return value
 
 
@@ -219,8 +226,7 @@ def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     if not isinstance(items, list | tuple):
         raise InvalidArgument("must be a string or a list of strings", field=field)
     if len(items) > MAX_STOP:
-        raise InvalidArgument(f"must hold at most {MAX_STOP} strings, got {len(items)}",
-                              field=field)
+        raise InvalidArgument(f"must hold at most {MAX_STOP} strings, got {len(items)}", field=field)
     return tuple(as_text(s, field, max_chars=MAX_STOP_CHARS, empty_ok=False) for s in items)
 
 
@@ -236,8 +242,7 @@ def parse_json_body(raw: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> dict:
     """A request body as a JSON object: bounded size, UTF-8, bounded nesting, no lone surrogates
     in any string (keys included)."""
     if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"request body of {len(raw)} bytes exceeds {max_bytes} bytes",
-                              field="body")
+        raise PayloadTooLarge(f"request body of {len(raw)} bytes exceeds {max_bytes} bytes", field="body")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -245,8 +250,7 @@ def parse_json_body(raw: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> dict:
     try:
         body = json.loads(text)
     except RecursionError:
-        raise InvalidArgument(f"JSON nesting exceeds {MAX_JSON_DEPTH} levels",
-                              field="body") from None
+        raise InvalidArgument(f"JSON nesting exceeds {MAX_JSON_DEPTH} levels", field="body") from None
     except ValueError as exc:  # JSONDecodeError, or an integer literal beyond Python's limit
         raise InvalidArgument(f"malformed JSON ({_first_line(exc)})", field="body") from None
     if not isinstance(body, dict):
@@ -262,8 +266,9 @@ def check_json_tree(body: dict) -> None:
     while stack:
         node, path, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:  # named by its top-level field (the path is long)
-            raise InvalidArgument(f"JSON nesting exceeds {MAX_JSON_DEPTH} levels",
-                                  field=re.split(r"[.\[]", path, maxsplit=1)[0] or "body")
+            raise InvalidArgument(
+                f"JSON nesting exceeds {MAX_JSON_DEPTH} levels", field=re.split(r"[.\[]", path, maxsplit=1)[0] or "body"
+            )
         if isinstance(node, dict):
             for key, value in node.items():
                 check_unicode(key, path or "body")
@@ -292,8 +297,14 @@ def show(value: Any) -> str:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "an object", list: "a list", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), "another type")
+    return {
+        dict: "an object",
+        list: "a list",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), "another type")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -303,14 +314,18 @@ def _first_line(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------ public errors
 
 # Text that must not reach a client: exception class names, tracebacks, Ray task traces, paths.
-_INTERNALS = re.compile(r"Traceback|File \"|\b[A-Z][A-Za-z0-9]*(Error|Exception|Exit)\b|ray::|"
-                        r"\bRay[A-Z]|\.py\b|<class |object at 0x|\n")
+_INTERNALS = re.compile(
+    r"Traceback|File \"|\b[A-Z][A-Za-z0-9]*(Error|Exception|Exit)\b|ray::|"
+    r"\bRay[A-Z]|\.py\b|<class |object at 0x|\n"
+)
 _GENERIC = {
-    "INVALID_ARGUMENT": "invalid request", "NOT_FOUND": "not found",
+    "INVALID_ARGUMENT": "invalid request",
+    "NOT_FOUND": "not found",
     "RESOURCE_EXHAUSTED": "the server is at capacity; retry later",
     "DEADLINE_EXCEEDED": "the deadline passed before the request finished",
     "UNAVAILABLE": "no worker could serve the request right now; retry",
-    "CANCELLED": "the request was cancelled", "UNAUTHENTICATED": "missing or invalid API key",
+    "CANCELLED": "the request was cancelled",
+    "UNAUTHENTICATED": "missing or invalid API key",
 }
 MAX_MESSAGE_CHARS = 500
 
@@ -323,6 +338,5 @@ def public_message(exc: Exception, request_id: str | None = None) -> str:
     if code in _GENERIC and len(message) <= MAX_MESSAGE_CHARS and not _INTERNALS.search(message):
         return message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogate
     where = f" (request id {request_id})" if request_id else ""
-    log.warning("request %s: %s answered with a generic message: %r", request_id or "-", code,
-                message)
+    log.warning("request %s: %s answered with a generic message: %r", request_id or "-", code, message)
     return _GENERIC.get(code, "internal server error") + where

@@ -42,8 +42,13 @@ def _rebuild_worker_full(message: str, field: str | None, retry_after_s: float) 
 
 
 class AdmissionQueue:
-    def __init__(self, max_waiting: int, recheck_s: float = 0.05, retry_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        max_waiting: int,
+        recheck_s: float = 0.05,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
@@ -69,8 +74,9 @@ class AdmissionQueue:
         except RuntimeError:  # the loop closed
             pass
 
-    async def admit(self, try_admit: Callable[[], Awaitable[T | None]],
-                    deadline_unix_s: float | None, what: str = "request") -> T:
+    async def admit(
+        self, try_admit: Callable[[], Awaitable[T | None]], deadline_unix_s: float | None, what: str = "request"
+    ) -> T:
         self._loop = asyncio.get_running_loop()
         if self._room is None:
             self._room = asyncio.Event()
@@ -79,9 +85,11 @@ class AdmissionQueue:
             if result is not None:
                 return result
         if len(self._waiting) >= self.max_waiting:
-            raise WorkerFull(f"{what}: the admission queue is full ({self.max_waiting} waiting); "
-                             f"retry after {self._retry_after_s:g} s",
-                             retry_after_s=self._retry_after_s)
+            raise WorkerFull(
+                f"{what}: the admission queue is full ({self.max_waiting} waiting); "
+                f"retry after {self._retry_after_s:g} s",
+                retry_after_s=self._retry_after_s,
+            )
         me = next(self._ids)
         self._waiting.append(me)
         try:
@@ -94,8 +102,7 @@ class AdmissionQueue:
                 if deadline_unix_s is not None:
                     left_s = deadline_unix_s - self._clock()
                     if left_s <= 0:
-                        raise DeadlineExceeded(f"{what}: the deadline passed while queued for "
-                                               "capacity")
+                        raise DeadlineExceeded(f"{what}: the deadline passed while queued for capacity")
                     wait_s = min(wait_s, left_s)
                 room = self._room
                 try:

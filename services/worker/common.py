@@ -42,8 +42,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, "
-                             f"got {self.transfer_backend!r}")
+            raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         for name in ("lease_s", "transfer_timeout_s", "heartbeat_interval_s", "retry_after_s"):
@@ -51,8 +50,7 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-def transfer_contract(pools: KVPools, model_id: str,
-                      speculative: dict | None = None) -> TransferContract:
+def transfer_contract(pools: KVPools, model_id: str, speculative: dict | None = None) -> TransferContract:
     """The contract both sides check at handshake: groups, block sizes, record formats, and the
     decode side's speculative configuration."""
     groups = []
@@ -104,8 +102,7 @@ class EngineWorker:
         from flashpd.engine.async_engine import AsyncLLMEngine
 
         if engine.config.role != self.role:
-            raise ValueError(f"{type(self).__name__} needs an engine in {self.role} role, "
-                             f"got {engine.config.role}")
+            raise ValueError(f"{type(self).__name__} needs an engine in {self.role} role, got {engine.config.role}")
         self.config, self.ref = config, ref
         self.contract = transfer_contract(engine.pools, config.model_id, config.speculative)
         self.pools = engine.pools
@@ -132,12 +129,25 @@ class EngineWorker:
 
     def _stats_from(self, usage: dict) -> WorkerStats:
         queued, limit = self.admission_queue()
-        return worker_stats(self.ref, usage, queued_prefill_tokens=self.queued_prefill_tokens(),
-                            draining=self.draining, queued=queued, queue_limit=limit)
+        return worker_stats(
+            self.ref,
+            usage,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            draining=self.draining,
+            queued=queued,
+            queue_limit=limit,
+        )
 
 
-def worker_stats(ref: WorkerRef, usage: dict, *, queued_prefill_tokens: int = 0,
-                 draining: bool = False, queued: int = 0, queue_limit: int = 0) -> WorkerStats:
+def worker_stats(
+    ref: WorkerRef,
+    usage: dict,
+    *,
+    queued_prefill_tokens: int = 0,
+    draining: bool = False,
+    queued: int = 0,
+    queue_limit: int = 0,
+) -> WorkerStats:
     """A worker's load record from its engine's `usage()` counters.
 
     running = the engine's batch (requests with a slot, stepping); waiting = admitted requests
@@ -145,9 +155,16 @@ def worker_stats(ref: WorkerRef, usage: dict, *, queued_prefill_tokens: int = 0,
     in the worker's bounded queue (decode reserves beyond capacity), queue_limit its bound;
     kv_blocks_used counts every block not free or merely cached (draining ones included)."""
     total = usage["blocks_total"]
-    return WorkerStats(ref.worker_id, ref.incarnation, ref.role,
-                       queued_prefill_tokens=queued_prefill_tokens,
-                       kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
-                       kv_blocks_total=total, running=usage["running"],
-                       waiting=usage["waiting"], draining=draining, queued=queued,
-                       queue_limit=queue_limit)
+    return WorkerStats(
+        ref.worker_id,
+        ref.incarnation,
+        ref.role,
+        queued_prefill_tokens=queued_prefill_tokens,
+        kv_blocks_used=total - usage["blocks_free"] - usage["blocks_cached"],
+        kv_blocks_total=total,
+        running=usage["running"],
+        waiting=usage["waiting"],
+        draining=draining,
+        queued=queued,
+        queue_limit=queue_limit,
+    )

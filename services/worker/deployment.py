@@ -41,9 +41,20 @@ class RedisPublisher:
     BlockStored of all cached hashes), so prefix hits come back without a restart.
     """
 
-    def __init__(self, redis_url: str, model_id: str, ref: WorkerRef, stats, drain_events,
-                 snapshot, interval_s: float, *, op_timeout_s: float = 2.0,
-                 max_backoff_s: float = 2.0, on_drain_mark=None):
+    def __init__(
+        self,
+        redis_url: str,
+        model_id: str,
+        ref: WorkerRef,
+        stats,
+        drain_events,
+        snapshot,
+        interval_s: float,
+        *,
+        op_timeout_s: float = 2.0,
+        max_backoff_s: float = 2.0,
+        on_drain_mark=None,
+    ):
         """`on_drain_mark`: an async callable run (once) on this thread's loop when the
         worker finds itself marked draining in Redis (an operator's `flashpd drain`, the
         autoscaler's scale-down)."""
@@ -56,8 +67,7 @@ class RedisPublisher:
         self.republished = 0  # full snapshots published (first registration included)
         self.failures = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="flashpd-publisher",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flashpd-publisher", daemon=True)
         self._thread.start()
         self._task = asyncio.run_coroutine_threadsafe(self._main(), self._loop)
 
@@ -66,8 +76,9 @@ class RedisPublisher:
 
         from flashpd.services.router.index import IndexPublisher
 
-        self.redis = aioredis.from_url(self._url, socket_timeout=self._op_timeout_s,
-                                       socket_connect_timeout=self._op_timeout_s)
+        self.redis = aioredis.from_url(
+            self._url, socket_timeout=self._op_timeout_s, socket_connect_timeout=self._op_timeout_s
+        )
         self.publisher = IndexPublisher(self.redis, self._model_id)
         fresh, backoff_s = True, self._interval_s
         while True:
@@ -78,8 +89,12 @@ class RedisPublisher:
             except Exception as exc:  # noqa: BLE001 - retried forever; the worker keeps serving
                 self.failures += 1
                 if self.registered or self.failures == 1:
-                    log.warning("%s: Redis publishing failed (%r); retrying, and re-publishing "
-                                "every cached chunk once Redis answers", self._ref.key, exc)
+                    log.warning(
+                        "%s: Redis publishing failed (%r); retrying, and re-publishing "
+                        "every cached chunk once Redis answers",
+                        self._ref.key,
+                        exc,
+                    )
                 self.registered, fresh = False, True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(2 * backoff_s, self._max_backoff_s)
@@ -98,8 +113,7 @@ class RedisPublisher:
         if events:
             await self.publisher.publish(self._ref, events)
         if await self.publisher.heartbeat(self._stats()):  # we were missing: a fresh Redis
-            log.warning("%s: missing from the Redis registry; re-publishing every cached chunk",
-                        self._ref.key)
+            log.warning("%s: missing from the Redis registry; re-publishing every cached chunk", self._ref.key)
             await self._republish()
         if self._on_drain_mark is None:
             return
@@ -121,8 +135,7 @@ class RedisPublisher:
         when Redis does not answer in time."""
         while not hasattr(self, "publisher"):  # _main sets it first thing
             time.sleep(0.01)
-        fut = asyncio.run_coroutine_threadsafe(self.publisher.mark_draining(self._ref),
-                                               self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self.publisher.mark_draining(self._ref), self._loop)
         fut.result(timeout_s)
 
     def health_error(self) -> str | None:
@@ -168,9 +181,15 @@ class WorkerDeployment:
             self._publisher = RedisPublisher(
                 # stats and events never wait for a step: a long forward must not make this
                 # live worker's heartbeat lapse (the router would reap it)
-                config.redis_url, config.model_id, ref, self.worker.stats_now,
-                engine.take_cache_events, lambda: engine.cache_snapshot(5.0),
-                config.heartbeat_interval_s, on_drain_mark=self._drained_by_mark)
+                config.redis_url,
+                config.model_id,
+                ref,
+                self.worker.stats_now,
+                engine.take_cache_events,
+                lambda: engine.cache_snapshot(5.0),
+                config.heartbeat_interval_s,
+                on_drain_mark=self._drained_by_mark,
+            )
 
     def _make_worker(self, engine, config, ref):
         raise TypeError("subclasses build their worker")
@@ -219,6 +238,10 @@ def _return_cached_gpu_memory(config: WorkerConfig) -> None:
     import torch
 
     torch.cuda.empty_cache()
-    log.warning("%s engine ready: %.1f GiB allocated, %.1f GiB reserved on %s", config.engine.role,
-                torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30,
-                config.engine.device)
+    log.warning(
+        "%s engine ready: %.1f GiB allocated, %.1f GiB reserved on %s",
+        config.engine.role,
+        torch.cuda.memory_allocated() / 2**30,
+        torch.cuda.memory_reserved() / 2**30,
+        config.engine.device,
+    )

@@ -17,9 +17,7 @@ TARGET_KWARG = "target_worker"
 
 class PinnedWorkerRouter(RequestRouter):
     async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         target = None
         if pending_request is not None:

@@ -24,10 +24,7 @@ class FakeBackend:
     """
 
     def __init__(
-        self,
-        ttft_s: float = 0.004,
-        itl_s: float = 0.001,
-        fail: Callable[[GenerateCall], bool] | None = None,
+        self, ttft_s: float = 0.004, itl_s: float = 0.001, fail: Callable[[GenerateCall], bool] | None = None
     ) -> None:
         self.ttft_s = ttft_s
         self.itl_s = itl_s
@@ -87,9 +84,7 @@ def fake_backend_cls() -> type[FakeBackend]:
 
 
 def small_workload_config(**overrides: object) -> WorkloadConfig:
-    base = dict(
-        seed=3, num_trees=6, scale=2000.0, output_scale=200.0, time_scale=2000.0, max_turns=12
-    )
+    base = dict(seed=3, num_trees=6, scale=2000.0, output_scale=200.0, time_scale=2000.0, max_turns=12)
     base.update(overrides)
     return WorkloadConfig(**base)  # type: ignore[arg-type]
 
@@ -110,9 +105,7 @@ def compacting_workload() -> Workload:
         short_window_compact_tokens=UniformRange(40_000, 50_000),
         long_window_compact_tokens=UniformRange(60_000, 80_000),
     )
-    return generate_workload(
-        WorkloadConfig(seed=2, num_trees=4, scale=200.0, max_turns=40, shape=shape)
-    )
+    return generate_workload(WorkloadConfig(seed=2, num_trees=4, scale=200.0, max_turns=40, shape=shape))
 
 
 @pytest.fixture(scope="session")
@@ -130,12 +123,7 @@ def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
                 drain_timeout_s=2.0,
             )
             coro = run_closed_loop(
-                small_workload,
-                fake_backend_cls(ttft_s=ttft_s),
-                config,
-                name=name,
-                target=f"inproc-{name}",
-                num_gpus=2,
+                small_workload, fake_backend_cls(ttft_s=ttft_s), config, name=name, target=f"inproc-{name}", num_gpus=2
             )
             result = clock.run(coro, clock="virtual")
             write_run(root / name / f"c{concurrency}", result.meta, result.records)

@@ -56,11 +56,7 @@ class FakeClient:
 
 def sdk_result():
     usage = SimpleNamespace(
-        prompt_tokens=5,
-        completion_tokens=3,
-        cached_tokens=4,
-        cached_tokens_prefill=3,
-        cached_tokens_decode=1,
+        prompt_tokens=5, completion_tokens=3, cached_tokens=4, cached_tokens_prefill=3, cached_tokens_decode=1
     )
     return SimpleNamespace(
         request_id="r1",
@@ -74,16 +70,11 @@ def sdk_result():
     )
 
 
-CALL = GenerateCall(
-    prompt_ids=[1, 2, 3, 4, 5], max_tokens=3, session_id="s", parent_session_id="p", timeout_s=30.0
-)
+CALL = GenerateCall(prompt_ids=[1, 2, 3, 4, 5], max_tokens=3, session_id="s", parent_session_id="p", timeout_s=30.0)
 
 
 def test_adapter_sends_greedy_ignore_eos_with_session_ids_and_maps_the_result():
-    chunks = [
-        SimpleNamespace(token_ids=[7], text="", index=0),
-        SimpleNamespace(token_ids=[8, 9], text="", index=1),
-    ]
+    chunks = [SimpleNamespace(token_ids=[7], text="", index=0), SimpleNamespace(token_ids=[8, 9], text="", index=1)]
     client = FakeClient(FakeStream(chunks, sdk_result()))
     seen: list[list[int]] = []
 
@@ -133,9 +124,7 @@ def test_adapter_closes_the_stream_when_the_request_is_cancelled():
     stream = EndlessStream([], None)
 
     async def scenario():
-        task = asyncio.create_task(
-            SdkBackend(FakeClient(stream), SdkError).generate(CALL, lambda ids: None)
-        )
+        task = asyncio.create_task(SdkBackend(FakeClient(stream), SdkError).generate(CALL, lambda ids: None))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

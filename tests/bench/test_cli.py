@@ -24,15 +24,7 @@ WORKLOAD_ARGS = [
     "--seed",
     "4",
 ]
-DRIVER_ARGS = [
-    "--window-s",
-    "0.3",
-    "--warmup-requests",
-    "2",
-    "--drain-timeout-s",
-    "2",
-    "--no-progress",
-]
+DRIVER_ARGS = ["--window-s", "0.3", "--warmup-requests", "2", "--drain-timeout-s", "2", "--no-progress"]
 
 
 @pytest.fixture
@@ -136,9 +128,7 @@ def test_ab_replays_the_same_workload_against_each_named_target(tmp_path, fake_c
 
 
 def test_run_exits_nonzero_when_the_server_keeps_failing(tmp_path, monkeypatch, fake_backend_cls):
-    monkeypatch.setattr(
-        bench_cli, "connect", lambda target: fake_backend_cls(fail=lambda call: True)
-    )
+    monkeypatch.setattr(bench_cli, "connect", lambda target: fake_backend_cls(fail=lambda call: True))
     code = main(
         [
             "bench",

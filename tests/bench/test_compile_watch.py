@@ -13,11 +13,18 @@ class _Kernel:  # the hook's `fn` (triton's JitFunctionInfo): a name and the JIT
 
 
 def _compile(watch_clock, seconds, constants, attrs=None):
-    kw = dict(key=("sig", str(constants)), repr="", fn=_Kernel,
-              compile={"constants": constants, "configs": [attrs or {}],
-                       "signature": {"x": "*bf16", "w": "*fp8e4nv", "BLOCK_N": "constexpr",
-                                     "SPLIT": "constexpr"}},
-              is_manual_warmup=False, already_compiled=False)
+    kw = dict(
+        key=("sig", str(constants)),
+        repr="",
+        fn=_Kernel,
+        compile={
+            "constants": constants,
+            "configs": [attrs or {}],
+            "signature": {"x": "*bf16", "w": "*fp8e4nv", "BLOCK_N": "constexpr", "SPLIT": "constexpr"},
+        },
+        is_manual_warmup=False,
+        already_compiled=False,
+    )
     assert knobs.runtime.jit_cache_hook(**kw) is None  # None: triton goes on compiling
     watch_clock[0] += seconds
     knobs.runtime.jit_post_compile_hook(**kw)
@@ -30,8 +37,12 @@ def test_records_each_variant_with_its_constexprs_and_seconds():
         _compile(now, 0.25, {(2,): 128, (3,): False})
     s = watch.summary()
     assert s["count"] == 2 and s["seconds"] == 1.75
-    assert s["kernels"][0] == {"kernel": "_gemm_kernel", "seconds": 1.5,
-                               "constants": {"BLOCK_N": 64, "SPLIT": True}, "div16": []}
+    assert s["kernels"][0] == {
+        "kernel": "_gemm_kernel",
+        "seconds": 1.5,
+        "constants": {"BLOCK_N": 64, "SPLIT": True},
+        "div16": [],
+    }
     assert s["kernels"][1]["constants"] == {"BLOCK_N": 128, "SPLIT": False}
     assert "2 Triton compiles, 1.75 s" in watch.report()
 
@@ -69,11 +80,18 @@ def test_divisibility_specialisation_of_integer_arguments_is_recorded():
     div = [["tt.divisibility", 16]]
     with CompileWatch(clock=lambda: 0.0) as watch:
         for attrs in ({(0,): div, (1,): div}, {(0,): div}):  # 144 tokens, then 145
-            kw = dict(key=str(attrs), repr="", fn=_Sort, is_manual_warmup=False,
-                      already_compiled=False,
-                      compile={"constants": {}, "configs": [attrs],
-                               "signature": {"ids": "*i32", "num_tokens": "i32",
-                                             "max_tiles": "i32"}})
+            kw = dict(
+                key=str(attrs),
+                repr="",
+                fn=_Sort,
+                is_manual_warmup=False,
+                already_compiled=False,
+                compile={
+                    "constants": {},
+                    "configs": [attrs],
+                    "signature": {"ids": "*i32", "num_tokens": "i32", "max_tiles": "i32"},
+                },
+            )
             knobs.runtime.jit_cache_hook(**kw)
             knobs.runtime.jit_post_compile_hook(**kw)
     assert [c.div16 for c in watch.compiles] == [("num_tokens",), ()]

@@ -23,11 +23,7 @@ WARMUP = 3
 
 def run(workload, backend, **overrides) -> RunResult:
     settings = dict(
-        concurrency=CONCURRENCY,
-        window_s=0.5,
-        warmup_requests=WARMUP,
-        drain_timeout_s=2.0,
-        show_progress=False,
+        concurrency=CONCURRENCY, window_s=0.5, warmup_requests=WARMUP, drain_timeout_s=2.0, show_progress=False
     )
     settings.update(overrides)
     config = DriverConfig.for_time_scale(workload.config.time_scale, **settings)
@@ -91,9 +87,7 @@ def test_window_opens_after_every_lane_is_warm_and_bounds_measured_starts(normal
     measured = [r for r in result.records if r.phase is Phase.MEASURE]
     assert measured
     assert all(meta.window_start_s <= r.start_s <= meta.window_end_s for r in measured)
-    assert all(
-        r.start_s < meta.window_start_s for r in result.records if r.phase is not Phase.MEASURE
-    )
+    assert all(r.start_s < meta.window_start_s for r in result.records if r.phase is not Phase.MEASURE)
 
 
 def test_every_request_carries_session_ids(normal_run):
@@ -136,9 +130,7 @@ def test_finished_tree_restarts_from_turn_zero_with_a_new_salt(workload_config, 
     instances = Counter(r.session_id.split("/")[0] for r in result.records)
     assert len(instances) >= 2
     first_of = {}
-    for call, record in zip(
-        backend.calls, sorted(result.records, key=lambda r: r.start_s), strict=True
-    ):
+    for call, record in zip(backend.calls, sorted(result.records, key=lambda r: r.start_s), strict=True):
         first_of.setdefault(record.session_id.split("/")[0], (record, call))
     (_, first), *later = sorted(first_of.values(), key=lambda rc: rc[0].start_s)
     for record, call in later:
@@ -193,9 +185,7 @@ def test_sigint_stops_at_once_and_keeps_partial_results(small_workload, fake_bac
             warmup_requests=1,
             show_progress=False,
         )
-        return await run_closed_loop(
-            small_workload, backend, config, name="f", target="t", num_gpus=1
-        )
+        return await run_closed_loop(small_workload, backend, config, name="f", target="t", num_gpus=1)
 
     result = clock.run(interrupted(), clock="virtual")
     assert max(r.end_s for r in result.records) < 0.6 + 1e-6  # stopped at the signal, not later

@@ -12,17 +12,7 @@ from flashpd.bench.records import Phase, RequestRecord, RunMeta
 
 
 def record(
-    start_s,
-    ttft_s,
-    itl_s,
-    *,
-    prompt=100,
-    cached=90,
-    ideal=95,
-    phase=Phase.MEASURE,
-    turn=1,
-    error=None,
-    lane=0,
+    start_s, ttft_s, itl_s, *, prompt=100, cached=90, ideal=95, phase=Phase.MEASURE, turn=1, error=None, lane=0
 ) -> RequestRecord:
     output = 0 if ttft_s is None else 1 + len(itl_s)
     end_s = start_s + (ttft_s or 0.0) + sum(itl_s)
@@ -118,8 +108,7 @@ def test_coverage_is_the_union_of_request_spans_within_the_window():
 
 def test_run_without_a_window_has_no_throughput():
     m = aggregate(
-        dataclasses.replace(meta(), window_start_s=None, window_end_s=None),
-        [record(1.0, 0.1, [], phase=Phase.PRE)],
+        dataclasses.replace(meta(), window_start_s=None, window_end_s=None), [record(1.0, 0.1, [], phase=Phase.PRE)]
     )
     assert m.total_tok_s_per_gpu == 0.0 and m.coverage == 0.0
     assert math.isnan(m.ttft_s.p50)
@@ -142,14 +131,10 @@ def test_goodput_picks_the_best_point_meeting_both_limits_per_definition():
         point(1, total=1000, output=100, inter_itl=400, inter_e2e=300, ttft_p90=0.5),
         point(4, total=3000, output=250, inter_itl=200, inter_e2e=160, ttft_p90=2.0),
         point(8, total=5000, output=400, inter_itl=170, inter_e2e=120, ttft_p90=3.0),
-        point(
-            16, total=9000, output=700, inter_itl=160, inter_e2e=90, ttft_p90=6.0
-        ),  # TTFT too slow
+        point(16, total=9000, output=700, inter_itl=160, inter_e2e=90, ttft_p90=6.0),  # TTFT too slow
         point(32, total=12000, output=900, inter_itl=100, inter_e2e=60, ttft_p90=9.0),
     ]
-    best = {
-        (g.interactivity, g.throughput): (g.tok_s_per_gpu, g.concurrency) for g in goodput(sweep)
-    }
+    best = {(g.interactivity, g.throughput): (g.tok_s_per_gpu, g.concurrency) for g in goodput(sweep)}
     assert best[("itl", "total")] == (5000, 8)
     assert best[("itl", "output")] == (400, 8)
     assert best[("e2e", "total")] == (3000, 4)
@@ -176,9 +161,7 @@ def test_hit_rate_by_turn_buckets_powers_of_two():
 
 def test_compare_gives_other_over_baseline_ratios():
     a = point(4, total=1000, output=100, inter_itl=200, inter_e2e=100, ttft_p90=2.0)
-    b = dataclasses.replace(
-        point(4, total=1500, output=120, inter_itl=250, inter_e2e=150, ttft_p90=1.0), name="y"
-    )
+    b = dataclasses.replace(point(4, total=1500, output=120, inter_itl=250, inter_e2e=150, ttft_p90=1.0), name="y")
     c = compare(a, b)
     assert c.ratios["total_tok_s_per_gpu"] == pytest.approx(1.5)
     assert c.ratios["interactivity_e2e_tok_s"] == pytest.approx(1.5)

@@ -30,10 +30,7 @@ def test_server_output_replaces_the_synthetic_output_region(small_workload):
     n = len(first_ids)
     assert np.array_equal(second_ids[:n], first_ids)
     assert second_ids[n : n + len(output)].tolist() == output
-    assert (
-        second_ids[n + len(output) :].tolist()
-        == small_workload.prompt_ids(second)[n + len(output) :]
-    )
+    assert second_ids[n + len(output) :].tolist() == small_workload.prompt_ids(second)[n + len(output) :]
 
 
 def test_spliced_outputs_persist_in_later_prompts_of_the_session(small_workload):

@@ -56,8 +56,12 @@ def test_driver_runs_every_comparison_on_tiny(ckpt_dir):
         assert s["n"] == 2 and math.isfinite(s["delta"])
     for key in ("colocated_hit", "decode_side", "pd_vs_colocated"):
         assert gen[key][0]["n"] == 1 and 0.0 <= gen[key][0]["var"] <= 1.0
-    text = q.render({"teacher_forced": tf, "generated": gen,
-                     "meta": {"command": "cmd", "checkpoint": "ck", "seq_len": 320,
-                              "gen_tokens": 4, "seconds": 1.0}})
+    text = q.render(
+        {
+            "teacher_forced": tf,
+            "generated": gen,
+            "meta": {"command": "cmd", "checkpoint": "ck", "seq_len": 320, "gen_tokens": 4, "seconds": 1.0},
+        }
+    )
     assert "Compressed-KV formats" in text and "Bounded replay" in text
     assert "Disaggregated" in text and text.count("within 1.5 SE") >= 7

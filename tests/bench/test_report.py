@@ -10,8 +10,6 @@ from flashpd.bench.report import load_study, write_report
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-
-
 def test_run_directory_round_trips(study_dir):
     meta, records = read_run(study_dir / "base" / "c2")
     assert meta.concurrency == 2 and meta.name == "base"
@@ -27,9 +25,7 @@ def test_report_writes_markdown_with_every_configuration_and_point(report_text):
     assert "## Configuration `base`" in report_text and "## Configuration `fast`" in report_text
     assert "Goodput" in report_text and "Hit rate by turn" in report_text
     point_rows = [
-        line
-        for line in report_text.splitlines()
-        if line.startswith(("| 1 |", "| 2 |")) and line.count("|") == 14
+        line for line in report_text.splitlines() if line.startswith(("| 1 |", "| 2 |")) and line.count("|") == 14
     ]
     assert len(point_rows) == 4
 

@@ -30,10 +30,8 @@ def _conv(i: int, question: str, answer: str) -> Conversation:
 
 
 def test_requests_take_prompt_and_output_lengths_from_the_conversations(tok):
-    convs = [_conv(i, f"Question {i}: " + "word " * (5 * i), "answer " * (3 + 4 * i))
-             for i in range(12)]
-    reqs = sg.sample_requests(tok, 5, seed=3, max_prompt_tokens=40, max_output_tokens=20,
-                              conversations=convs)
+    convs = [_conv(i, f"Question {i}: " + "word " * (5 * i), "answer " * (3 + 4 * i)) for i in range(12)]
+    reqs = sg.sample_requests(tok, 5, seed=3, max_prompt_tokens=40, max_output_tokens=20, conversations=convs)
     assert len(reqs) == 5 and [r.index for r in reqs] == list(range(5))
     by_id = {c.id: c for c in convs}
     for r in reqs:
@@ -42,11 +40,9 @@ def test_requests_take_prompt_and_output_lengths_from_the_conversations(tok):
         assert r.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False).ids) <= 40
         reply = len(tok.encode(conv.turns[1][1], add_special_tokens=False).ids)
         assert r.output_tokens == min(reply, 20)
-    again = sg.sample_requests(tok, 5, seed=3, max_prompt_tokens=40, max_output_tokens=20,
-                               conversations=convs)
+    again = sg.sample_requests(tok, 5, seed=3, max_prompt_tokens=40, max_output_tokens=20, conversations=convs)
     assert again == reqs
-    other = sg.sample_requests(tok, 5, seed=4, max_prompt_tokens=40, max_output_tokens=20,
-                               conversations=convs)
+    other = sg.sample_requests(tok, 5, seed=4, max_prompt_tokens=40, max_output_tokens=20, conversations=convs)
     assert [r.conversation_id for r in other] != [r.conversation_id for r in reqs]
     with pytest.raises(ValueError, match="max-prompt-tokens"):
         sg.sample_requests(tok, 11, max_prompt_tokens=40, conversations=convs)
@@ -58,12 +54,21 @@ def test_sse_lines_fold_into_a_result():
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]},
         {"choices": [{"index": 0, "delta": {"content": " there"}}]},
-        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-         "flashpd": {"request_id": "r1", "prefill_worker": "p", "decode_worker": "d",
-                     "cached_tokens_prefill": 0, "cached_tokens_decode": 128,
-                     "timeline": {"first_token_ms": 5.0}}},
-        {"choices": [], "usage": {"prompt_tokens": 300, "completion_tokens": 2,
-                                  "prompt_tokens_details": {"cached_tokens": 128}}},
+        {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "flashpd": {
+                "request_id": "r1",
+                "prefill_worker": "p",
+                "decode_worker": "d",
+                "cached_tokens_prefill": 0,
+                "cached_tokens_decode": 128,
+                "timeline": {"first_token_ms": 5.0},
+            },
+        },
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 128}},
+        },
     ]
     for t, c in enumerate(chunks):
         sg.apply_chunk(r, sg.parse_sse_line("data: " + json.dumps(c)), float(t))
@@ -104,8 +109,7 @@ class VirtualClock:
 
 
 def _reqs(n: int) -> list[sg.ShareGPTRequest]:
-    return [sg.ShareGPTRequest(i, f"c{i}", ({"role": "user", "content": "q"},), 10 + i, 3)
-            for i in range(n)]
+    return [sg.ShareGPTRequest(i, f"c{i}", ({"role": "user", "content": "q"},), 10 + i, 3) for i in range(n)]
 
 
 def test_run_records_ttft_itl_and_errors_on_the_injected_clock():
@@ -124,15 +128,13 @@ def test_run_records_ttft_itl_and_errors_on_the_injected_clock():
             for _ in range(req.output_tokens):
                 res.chunk_times.append(clock())
                 await clock.sleep(0.1)
-            res.prompt_tokens, res.completion_tokens, res.cached_tokens = req.prompt_tokens, \
-                req.output_tokens, 0
+            res.prompt_tokens, res.completion_tokens, res.cached_tokens = req.prompt_tokens, req.output_tokens, 0
             return res
         finally:
             in_flight -= 1
 
     offsets = [0.0, 0.0, 1.0, 5.0]
-    records, t0, t1 = asyncio.run(clock.run(sg.run_benchmark(_reqs(4), chat, offsets, 2, clock,
-                                                             clock.sleep)))
+    records, t0, t1 = asyncio.run(clock.run(sg.run_benchmark(_reqs(4), chat, offsets, 2, clock, clock.sleep)))
     assert peak == 2 and t0 == 100.0 and t1 == pytest.approx(105.8)
     assert [r.start_s for r in records] == pytest.approx([100.0, 100.0, 101.0, 105.0])
     ok = [r for r in records if r.ok]
@@ -142,8 +144,9 @@ def test_run_records_ttft_itl_and_errors_on_the_injected_clock():
         assert r.itl_s == pytest.approx([0.1, 0.1])
         assert r.e2e_s == pytest.approx(0.8)
         assert r.output_tokens == 3
-    meta = RunMeta(name="sharegpt", target="fake", concurrency=2, num_gpus=1, window_s=t1 - t0,
-                   window_start_s=t0, window_end_s=t1)
+    meta = RunMeta(
+        name="sharegpt", target="fake", concurrency=2, num_gpus=1, window_s=t1 - t0, window_start_s=t0, window_end_s=t1
+    )
     m = aggregate(meta, records)
     assert m.requests == 4 and m.errors == 1 and m.ttft_s.p50 == pytest.approx(0.5)
     text = sg.render_report(meta, m, records, "cmd")
@@ -171,8 +174,7 @@ def test_http_chat_streams_through_an_openai_shaped_app():
         def events():
             for word in ("a", "b", "c"):
                 yield "data: " + json.dumps({"choices": [{"delta": {"content": word}}]}) + "\n\n"
-            usage = {"prompt_tokens": 7, "completion_tokens": 3,
-                     "prompt_tokens_details": {"cached_tokens": 0}}
+            usage = {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
 

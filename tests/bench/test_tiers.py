@@ -13,24 +13,50 @@ from flashpd.bench.metrics import Percentiles, RunMetrics
 from flashpd.bench.tiers import ab_ratios, study_summary, tier_points
 
 
-def point(c: int, itl_tok_s: float, e2e_tok_s: float, ttft_p90_s: float, tok_s: float,
-          name: str = "x") -> RunMetrics:
+def point(c: int, itl_tok_s: float, e2e_tok_s: float, ttft_p90_s: float, tok_s: float, name: str = "x") -> RunMetrics:
     pct = Percentiles(0.1, ttft_p90_s, ttft_p90_s)
     return RunMetrics(
-        name=name, concurrency=c, num_gpus=1, window_s=60.0, requests=10, errors=0,
-        errors_by_type={}, input_tokens=0, output_tokens=0, total_tok_s_per_gpu=tok_s,
-        output_tok_s_per_gpu=tok_s / 10, interactivity_itl_tok_s=itl_tok_s,
-        interactivity_e2e_tok_s=e2e_tok_s, ttft_s=pct, itl_s=pct, e2e_s=pct,
-        hit_rate_actual=0.9, hit_rate_ideal=0.95, prompt_tokens=1, cached_tokens=1,
-        cached_tokens_prefill=0, cached_tokens_decode=1, coverage=1.0)
+        name=name,
+        concurrency=c,
+        num_gpus=1,
+        window_s=60.0,
+        requests=10,
+        errors=0,
+        errors_by_type={},
+        input_tokens=0,
+        output_tokens=0,
+        total_tok_s_per_gpu=tok_s,
+        output_tok_s_per_gpu=tok_s / 10,
+        interactivity_itl_tok_s=itl_tok_s,
+        interactivity_e2e_tok_s=e2e_tok_s,
+        ttft_s=pct,
+        itl_s=pct,
+        e2e_s=pct,
+        hit_rate_actual=0.9,
+        hit_rate_ideal=0.95,
+        prompt_tokens=1,
+        cached_tokens=1,
+        cached_tokens_prefill=0,
+        cached_tokens_decode=1,
+        coverage=1.0,
+    )
 
 
 # per-user speed falls and throughput rises with concurrency; TTFT breaks the bound at C=16
-BASE = [point(1, 100, 50, 0.5, 1000), point(2, 80, 40, 0.6, 1800), point(4, 55, 30, 1.0, 3000),
-        point(8, 30, 20, 2.0, 5000), point(16, 21, 15, 9.0, 7000)]
-FAST = [point(1, 190, 95, 0.3, 1900), point(2, 170, 80, 0.4, 3400),
-        point(4, 160, 70, 0.5, 6400), point(8, 70, 45, 1.0, 11000),
-        point(16, 40, 30, 4.0, 16000)]
+BASE = [
+    point(1, 100, 50, 0.5, 1000),
+    point(2, 80, 40, 0.6, 1800),
+    point(4, 55, 30, 1.0, 3000),
+    point(8, 30, 20, 2.0, 5000),
+    point(16, 21, 15, 9.0, 7000),
+]
+FAST = [
+    point(1, 190, 95, 0.3, 1900),
+    point(2, 170, 80, 0.4, 3400),
+    point(4, 160, 70, 0.5, 6400),
+    point(8, 70, 45, 1.0, 11000),
+    point(16, 40, 30, 4.0, 16000),
+]
 
 
 def test_a_tier_is_the_largest_concurrency_meeting_speed_and_ttft():
@@ -41,8 +67,11 @@ def test_a_tier_is_the_largest_concurrency_meeting_speed_and_ttft():
 
 
 def test_interrupted_aborted_and_nan_points_meet_no_tier():
-    bad = [replace(BASE[0], interrupted=True), replace(BASE[1], aborted_reason="errors"),
-           replace(BASE[2], interactivity_itl_tok_s=math.nan)]
+    bad = [
+        replace(BASE[0], interrupted=True),
+        replace(BASE[1], aborted_reason="errors"),
+        replace(BASE[2], interactivity_itl_tok_s=math.nan),
+    ]
     assert all(v["max_concurrency"] is None for v in tier_points(bad, (20,)).values())
 
 
@@ -52,12 +81,14 @@ def test_ab_ratios_are_the_seeds_two_figures():
     assert ab["speedup_low_concurrency"] == pytest.approx((1.9 + 2.0 + 70 / 30) / 3, abs=1e-3)
     assert ab["low_concurrency_points"] == 3
     assert ab["throughput_ratio_at_tier"] == {
-        "20": 3.2, "60": round(11000 / 1800, 3), "150": None}  # base meets no 150 point
+        "20": 3.2,
+        "60": round(11000 / 1800, 3),
+        "150": None,
+    }  # base meets no 150 point
 
 
 def test_study_summary_names_its_configurations_and_refuses_unknown_ones():
-    s = study_summary({"base": BASE, "fast": FAST}, baseline="base", candidate="fast",
-                      extra={"commit": "abc"})
+    s = study_summary({"base": BASE, "fast": FAST}, baseline="base", candidate="fast", extra={"commit": "abc"})
     assert s["commit"] == "abc" and s["configuration"] == "fast"
     assert s["tiers"]["150"]["max_concurrency"] == 4
     assert set(s["configurations"]) == {"base", "fast"} and s["ab"]["baseline"] == "base"
@@ -68,8 +99,10 @@ def test_study_summary_names_its_configurations_and_refuses_unknown_ones():
 def test_report_command_writes_summary_json(study_dir, tmp_path):
     from flashpd.cli import main
 
-    assert main(["bench", "report", str(study_dir), "--tiers", "1,1000000",
-                 "--baseline", "base", "--candidate", "fast"]) == 0
+    assert (
+        main(["bench", "report", str(study_dir), "--tiers", "1,1000000", "--baseline", "base", "--candidate", "fast"])
+        == 0
+    )
     s = json.loads((study_dir / "summary.json").read_text())
     assert s["configuration"] == "fast" and set(s["tiers"]) == {"1", "1e+06"}
     assert s["tiers"]["1e+06"]["max_concurrency"] is None
@@ -81,8 +114,7 @@ def test_report_command_writes_summary_json(study_dir, tmp_path):
 def test_agentx_gpu_report_adds_commit_and_preset(study_dir):
     from flashpd.bench.agentx_gpu import main, sweep_command
 
-    assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast",
-                 "--commit", "abc123"]) == 0
+    assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast", "--commit", "abc123"]) == 0
     s = json.loads((study_dir / "summary.json").read_text())
     assert s["commit"] == "abc123" and s["preset"] == "bench" and s["ab"]["baseline"] == "base"
     assert s["pd_vs_colocated"]["measured"] is False

@@ -52,9 +52,7 @@ def test_compaction_restarts_the_context_after_the_prefix(compacting_workload):
         if r.turn_index > 0 and r.ideal_cached_tokens == sum(s.num_tokens for s in r.segments[:2])
     ]
     assert compacted
-    assert all(
-        r.prompt_tokens < 80_000 / 200 + 1 + 96_000 / 200 for r in compacting_workload.requests()
-    )
+    assert all(r.prompt_tokens < 80_000 / 200 + 1 + 96_000 / 200 for r in compacting_workload.requests())
 
 
 @pytest.mark.parametrize("which", ["small_workload", "compacting_workload"])

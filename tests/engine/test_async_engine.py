@@ -24,10 +24,13 @@ def test_two_streams_run_concurrently_to_completion(model_f32):
     async def main():
         eng = _engine(model_f32)
         try:
+
             async def collect(rid, seed):
-                outs = [o async for o in eng.generate(rid, _prompt(40, seed),
-                                                      SamplingParams(max_tokens=5, ignore_eos=True))]
+                outs = [
+                    o async for o in eng.generate(rid, _prompt(40, seed), SamplingParams(max_tokens=5, ignore_eos=True))
+                ]
                 return outs
+
             a, b = await asyncio.gather(collect("a", 1), collect("b", 2))
             for outs in (a, b):
                 assert sum(len(o.new_token_ids) for o in outs) == 5
@@ -109,9 +112,11 @@ def test_usage_and_cache_events_are_read_without_waiting_for_a_step():
     slow = _SlowStepEngine()
     eng = AsyncLLMEngine(slow)  # type: ignore[arg-type]
     try:
+
         def admit(e):
             e.running = 2
             e.events.append("stored-at-admission")
+
         eng.call_sync(admit, 10)
         assert slow.in_step.wait(10)  # the loop is inside step() now
         # a command would wait for the step; the views answer at once

@@ -23,8 +23,9 @@ def _engine(model, on: bool, eos: int | None = None, **kw) -> LLMEngine:
     return LLMEngine(model, cfg, eos_token_id=eos)
 
 
-def _drive(engine: LLMEngine, requests: dict, arrivals: dict | None = None,
-           aborts: dict | None = None) -> dict[str, dict]:
+def _drive(
+    engine: LLMEngine, requests: dict, arrivals: dict | None = None, aborts: dict | None = None
+) -> dict[str, dict]:
     """Run to completion; arrivals / aborts: call index -> request ids added / aborted then."""
     out: dict[str, dict] = {}
     arrivals, aborts = dict(arrivals or {}), dict(aborts or {})
@@ -63,7 +64,7 @@ def _same(model, requests, eos=None, **drive) -> tuple[dict, LLMEngine]:
     for rid in requests:
         if rid in aborted:
             assert ahead[rid]["reason"] == "abort"
-            assert ahead[rid]["ids"] == full[rid]["ids"][:len(ahead[rid]["ids"])]
+            assert ahead[rid]["ids"] == full[rid]["ids"][: len(ahead[rid]["ids"])]
         else:
             assert ahead[rid] == sync[rid], rid
     assert engine.num_ahead_steps > 0, "no step was planned ahead"
@@ -74,16 +75,17 @@ def _same(model, requests, eos=None, **drive) -> tuple[dict, LLMEngine]:
 
 
 def test_greedy_and_length_caps_match_the_sync_engine(model_f32):
-    requests = {f"r{i}": (_prompt(20 + 7 * i, i), SamplingParams(max_tokens=3 + 2 * i))
-                for i in range(4)}
+    requests = {f"r{i}": (_prompt(20 + 7 * i, i), SamplingParams(max_tokens=3 + 2 * i)) for i in range(4)}
     out, _ = _same(model_f32, requests)
     assert [len(out[f"r{i}"]["ids"]) for i in range(4)] == [3, 5, 7, 9]
     assert all(r["reason"] == "length" for r in out.values())
 
 
 def test_seeded_draws_and_logprobs_match_the_sync_engine(model_f32):
-    requests = {f"s{i}": (_prompt(30, 10 + i), SamplingParams(
-        max_tokens=8, temperature=1.0, top_p=0.9, seed=7 + i, logprobs=2)) for i in range(3)}
+    requests = {
+        f"s{i}": (_prompt(30, 10 + i), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7 + i, logprobs=2))
+        for i in range(3)
+    }
     _same(model_f32, requests)
 
 
@@ -122,7 +124,7 @@ def test_engram_hash_of_a_device_row_equals_the_host_hash(model_f32):
     windows = ids.unfold(0, width, 1)  # [T - 3, 4]: three ids before each row, then the row
     indices = list(range(len(model_f32.cfg.engram_layer_ids)))
     for index, device_rows in zip(indices, hasher.hash_windows(indices, windows), strict=True):
-        host = hasher.hash_ids(index, ids[hasher.max_shift:], ids[:hasher.max_shift].tolist())
+        host = hasher.hash_ids(index, ids[hasher.max_shift :], ids[: hasher.max_shift].tolist())
         assert torch.equal(device_rows, host)
 
 

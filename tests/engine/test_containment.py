@@ -12,9 +12,16 @@ from flashpd.engine.async_engine import AsyncLLMEngine, RequestFailed
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import Sampler, SamplingError, SamplingParams
 
-HOSTILE = [("temperature", 1e-300), ("temperature", 5e-324), ("temperature", 1e-45),
-           ("top_p", 1e-300), ("top_p", 5e-324), ("top_p", 1e-45),
-           ("seed", 0), ("seed", 2**63 - 1)]
+HOSTILE = [
+    ("temperature", 1e-300),
+    ("temperature", 5e-324),
+    ("temperature", 1e-45),
+    ("top_p", 1e-300),
+    ("top_p", 5e-324),
+    ("top_p", 1e-45),
+    ("seed", 0),
+    ("seed", 2**63 - 1),
+]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -33,8 +40,7 @@ def _run(engine: LLMEngine, rid: str, prompt, params) -> list:
 def test_hostile_sampling_value_samples_and_the_engine_goes_on(model_f32, field, value):
     engine = LLMEngine(model_f32, EngineConfig(num_blocks=16, num_slots=4))
     params = {"temperature": 0.7, field: value} if field != "temperature" else {field: value}
-    outs = _run(engine, "hostile", _prompt(20, 1), SamplingParams(max_tokens=3, ignore_eos=True,
-                                                                  **params))
+    outs = _run(engine, "hostile", _prompt(20, 1), SamplingParams(max_tokens=3, ignore_eos=True, **params))
     assert outs[-1].finish_reason == "length" and outs[-1].error is None
     assert all(0 <= t < model_f32.cfg.vocab_size for o in outs for t in o.new_token_ids)
     after = _run(engine, "after", _prompt(20, 2), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -56,10 +62,20 @@ def test_tiny_top_p_keeps_only_the_best_token(value):
     assert [s.token_id for s in got] == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("field,value", [("temperature", float("nan")),
-                                         ("temperature", float("inf")), ("top_p", float("nan")),
-                                         ("seed", 1.5), ("seed", True), ("stop_token_ids", ("x",)),
-                                         ("seed", 2**63), ("seed", 2**200), ("seed", -(2**70))])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("seed", 1.5),
+        ("seed", True),
+        ("stop_token_ids", ("x",)),
+        ("seed", 2**63),
+        ("seed", 2**200),
+        ("seed", -(2**70)),
+    ],
+)
 def test_non_numbers_and_out_of_range_seeds_are_refused_naming_the_field(field, value):
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**{field: value})
@@ -129,8 +145,7 @@ def test_async_stream_raises_request_failed_and_the_loop_goes_on(model_f32):
             with pytest.raises(RequestFailed, match="bad"):
                 async for _ in eng.generate("bad", _prompt(20, 7), SamplingParams(max_tokens=3)):
                     pass
-            outs = [o async for o in eng.generate("ok", _prompt(20, 8),
-                                                  SamplingParams(max_tokens=3, ignore_eos=True))]
+            outs = [o async for o in eng.generate("ok", _prompt(20, 8), SamplingParams(max_tokens=3, ignore_eos=True))]
             assert outs[-1].finish_reason == "length"
             assert eng.health_error() is None
         finally:
@@ -141,8 +156,7 @@ def test_async_stream_raises_request_failed_and_the_loop_goes_on(model_f32):
 
 def test_a_hook_failing_every_iteration_makes_the_engine_unhealthy_not_dead(model_f32):
     async def main():
-        eng = AsyncLLMEngine(LLMEngine(model_f32, EngineConfig(num_blocks=16, num_slots=4)),
-                             idle_wait_s=0.0)
+        eng = AsyncLLMEngine(LLMEngine(model_f32, EngineConfig(num_blocks=16, num_slots=4)), idle_wait_s=0.0)
         state = {"fail": True}
 
         def flaky(_engine):

@@ -38,13 +38,19 @@ def _copy(src: LLMEngine, src_ids, dst: LLMEngine, dst_ids) -> None:
         d[name][list(dst_ids)] = tensor[list(src_ids)]
 
 
-def _decode(d: LLMEngine, rid: str, ids: list[int], max_tokens: int, src: LLMEngine,
-            src_blocks, prefix: PrefixPolicy | None = None) -> list[int]:
-    r = d.reserve(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                  prefix=prefix)
+def _decode(
+    d: LLMEngine,
+    rid: str,
+    ids: list[int],
+    max_tokens: int,
+    src: LLMEngine,
+    src_blocks,
+    prefix: PrefixPolicy | None = None,
+) -> list[int]:
+    r = d.reserve(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), prefix=prefix)
     assert r is not None
     missing = r.missing_block_ids
-    _copy(src, src_blocks[r.num_cached_blocks:r.num_cached_blocks + len(missing)], d, missing)
+    _copy(src, src_blocks[r.num_cached_blocks : r.num_cached_blocks + len(missing)], d, missing)
     d.kv_arrived(rid)
     out: list[int] = []
     while d.has_unfinished():
@@ -65,19 +71,24 @@ def test_continuation_from_the_prompt_boundary_is_identical_under_bounded_replay
     for streamed in (1, 9, 23):  # tokens the first decode worker sent before it died
         p2, d2 = _engine(model_f32, "prefill"), _engine(model_f32, "decode")
         ready = _prefill(p2, "b", prompt, PrefixPolicy(max_credit_tokens=0))
-        rest = _decode(d2, "b", prompt + unbroken[:streamed], MAX_TOKENS - streamed, p2,
-                       ready.kv_block_ids, PrefixPolicy(kv_tokens=len(prompt)))
+        rest = _decode(
+            d2,
+            "b",
+            prompt + unbroken[:streamed],
+            MAX_TOKENS - streamed,
+            p2,
+            ready.kv_block_ids,
+            PrefixPolicy(kv_tokens=len(prompt)),
+        )
         assert unbroken[:streamed] + rest == unbroken, streamed
 
 
 def test_reservation_transfers_only_the_original_prompt_chunks(model_f32):
     d = _engine(model_f32, "decode")
     ids = _prompt(PROMPT_TOKENS + 40, 2)  # 300 prompt tokens + 40 streamed outputs
-    r = d.reserve("c", ids, SamplingParams(max_tokens=8),
-                  prefix=PrefixPolicy(kv_tokens=PROMPT_TOKENS))
+    r = d.reserve("c", ids, SamplingParams(max_tokens=8), prefix=PrefixPolicy(kv_tokens=PROMPT_TOKENS))
     assert len(r.block_ids) == 3 and len(r.missing_block_ids) == 3  # 340 tokens: 3 chunks
-    r2 = d.reserve("d", ids, SamplingParams(max_tokens=8),
-                   prefix=PrefixPolicy(kv_tokens=200))
+    r2 = d.reserve("d", ids, SamplingParams(max_tokens=8), prefix=PrefixPolicy(kv_tokens=200))
     assert len(r2.missing_block_ids) == 2  # chunks 0-1 hold [0, 200); chunk 2 is computed here
 
 
@@ -135,11 +146,19 @@ def test_paused_request_migrates_to_another_decode_engine_identically(model_f32)
     assert len(paused.kv_block_ids) == 3 and paused.token_ids == tuple(prompt + before)
     d1.step()  # a step launched ahead for it completes; its token is dropped
     d2 = _engine(model_f32, "decode")
-    rest = _decode(d2, "m", list(paused.token_ids), MAX_TOKENS - len(before), d1,
-                   paused.kv_block_ids, PrefixPolicy(kv_tokens=PROMPT_TOKENS))
+    rest = _decode(
+        d2,
+        "m",
+        list(paused.token_ids),
+        MAX_TOKENS - len(before),
+        d1,
+        paused.kv_block_ids,
+        PrefixPolicy(kv_tokens=PROMPT_TOKENS),
+    )
     assert before + rest == unbroken
-    assert d1.abort("m") and d1.kv.usage()["blocks_free"] + d1.kv.usage()["blocks_cached"] \
-        == d1.kv.usage()["blocks_total"]
+    assert (
+        d1.abort("m") and d1.kv.usage()["blocks_free"] + d1.kv.usage()["blocks_cached"] == d1.kv.usage()["blocks_total"]
+    )
 
 
 def test_paused_request_resumed_in_place_is_identical(model_f32):

@@ -15,13 +15,14 @@ def _ids(n, seed):
 
 def test_requests_file_sequential_gets_prefix_hits(ckpt_dir, tmp_path, capsys):
     shared = _ids(300, 1)
-    lines = [{"id": "a", "prompt_ids": shared, "max_tokens": 2},
-             {"id": "b", "prompt_ids": shared + _ids(20, 2), "max_tokens": 2},
-             {"id": "c", "prompt": "Hello there", "max_tokens": 3, "temperature": 0.7, "seed": 3}]
+    lines = [
+        {"id": "a", "prompt_ids": shared, "max_tokens": 2},
+        {"id": "b", "prompt_ids": shared + _ids(20, 2), "max_tokens": 2},
+        {"id": "c", "prompt": "Hello there", "max_tokens": 3, "temperature": 0.7, "seed": 3},
+    ]
     path = tmp_path / "reqs.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
-    assert main(["generate", "--checkpoint", ckpt_dir, "--requests", str(path),
-                 "--sequential"]) == 0
+    assert main(["generate", "--checkpoint", ckpt_dir, "--requests", str(path), "--sequential"]) == 0
     out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [o["id"] for o in out] == ["a", "b", "c"]
     assert out[0]["cached_tokens"] == 0 and out[1]["cached_tokens"] == 128
@@ -30,8 +31,7 @@ def test_requests_file_sequential_gets_prefix_hits(ckpt_dir, tmp_path, capsys):
 
 
 def test_single_prompt_json(ckpt_dir, capsys):
-    assert main(["generate", "--checkpoint", ckpt_dir, "--prompt-ids", "5,6,7",
-                 "--max-tokens", "3", "--json"]) == 0
+    assert main(["generate", "--checkpoint", ckpt_dir, "--prompt-ids", "5,6,7", "--max-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_ids"] == [5, 6, 7] and len(out["output_ids"]) <= 3
 

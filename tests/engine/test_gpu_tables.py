@@ -14,6 +14,7 @@ import torch
 
 # isort: off
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
+
 # isort: on
 from flashpd.engine.gpu.decode_graph import DecodeGraphs
 from flashpd.engine.gpu.forward import GpuModel
@@ -48,10 +49,9 @@ class OldTables:
             windows += tables
             seq_of[key] = per_row["table"].to(torch.int32)
             keep[key] = self._keep(layers, per_row)
-        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1,
-                            dtype=torch.int32)
+        window = torch.full((len(windows), self.num_rows, cfg.sliding_window), -1, dtype=torch.int32)
         for i, table in enumerate(windows):
-            window[i, :table.shape[0]] = table
+            window[i, : table.shape[0]] = table
         key_rows, entry_rows, from_stored, open_slots, open_keep = {}, {}, {}, {}, {}
         for src in cfg.kv_source_layer_ids:
             spec = cfg.layers[src]
@@ -61,9 +61,17 @@ class OldTables:
             if src in pools.open_row_of:
                 from_stored[src], open_slots[src] = stored, slots
                 open_keep[src] = self._open_keep(rows)
-        return dict(window=window, window_of=window_of, seq_of=seq_of, keep=keep,
-                    key_rows=key_rows, entry_rows=entry_rows, from_stored=from_stored,
-                    open_slots=open_slots, open_keep=open_keep)
+        return dict(
+            window=window,
+            window_of=window_of,
+            seq_of=seq_of,
+            keep=keep,
+            key_rows=key_rows,
+            entry_rows=entry_rows,
+            from_stored=from_stored,
+            open_slots=open_slots,
+            open_keep=open_keep,
+        )
 
     def _compute_rows(self, rows: LayerRows) -> dict[str, torch.Tensor]:
         """Per compute row: position, first position of its part, slot, key-table row, end."""
@@ -82,11 +90,14 @@ class OldTables:
         slot += [-1] * pad
         table += range(num_segs, num_segs + pad)
         end += [0] * pad
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in
-                (("pos", pos), ("first", first), ("slot", slot), ("table", table), ("end", end))}
+        return {
+            k: torch.tensor(v, dtype=torch.long)
+            for k, v in (("pos", pos), ("first", first), ("slot", slot), ("table", table), ("end", end))
+        }
 
-    def _window(self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
-                ) -> tuple[list[torch.Tensor], dict[int, int]]:
+    def _window(
+        self, rows: LayerRows, layers: list[int], per_row: dict[str, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], dict[int, int]]:
         """[Tc, W] pool rows per distinct window span of `layers` (and each layer's table):
         keys at or after the part's first position from this step's scratch rows, earlier ones
         from the slot's ring as far as the window holds them."""
@@ -101,8 +112,10 @@ class OldTables:
                     continue
                 start, held = part.seg.state.window_span(layer)
                 if start + held != part.first_pos:
-                    raise StateError(f"layer {layer}: window ends at {start + held}, segment "
-                                     f"rows start at {part.first_pos} (replay needed?)")
+                    raise StateError(
+                        f"layer {layer}: window ends at {start + held}, segment "
+                        f"rows start at {part.first_pos} (replay needed?)"
+                    )
                 row.append(start)
             index[layer] = distinct.setdefault(tuple(row), len(distinct))
         counts = [p.c1 - p.c0 for p in parts]
@@ -114,7 +127,7 @@ class OldTables:
         tables = []
         for starts in distinct:  # padding rows: start at their own position (nothing earlier)
             start = [v for v, n in zip(starts, counts, strict=True) for _ in range(n)]
-            start = torch.cat((torch.tensor(start, dtype=torch.long), pos[len(start):]))  # [Tc]
+            start = torch.cat((torch.tensor(start, dtype=torch.long), pos[len(start) :]))  # [Tc]
             from_ring = torch.where(key_pos >= start[:, None], ring_rows, -1)
             tables.append(torch.where(mine, own, from_ring).to(torch.int32))
         return tables, index
@@ -125,8 +138,11 @@ class OldTables:
         pos, slot = per_row["pos"], per_row["slot"]
         kept = (pos >= per_row["end"] - ring) & (slot >= 0)
         idx = torch.nonzero(kept).flatten()
-        return (torch.tensor(layers, dtype=torch.long), self.pools.scratch_base + idx,
-                slot[idx] * ring + pos[idx] % ring)
+        return (
+            torch.tensor(layers, dtype=torch.long),
+            self.pools.scratch_base + idx,
+            slot[idx] * ring + pos[idx] % ring,
+        )
 
     def _key_table(self, src: int) -> torch.Tensor:
         """[B, N] pool rows of each sequence's entries visible by the step's end (-1 past)."""
@@ -148,12 +164,14 @@ class OldTables:
             for seg, n in zip(self.step.segs, counts, strict=True):
                 seg.state.check_blocks(src, n)
             blocks = max(len(seg.state.block_table) for seg in self.step.segs)
-            bt = torch.tensor([seg.state.block_table + [0] * (blocks - len(seg.state.block_table))
-                               for seg in self.step.segs], dtype=torch.long)  # [B, blocks]
+            bt = torch.tensor(
+                [seg.state.block_table + [0] * (blocks - len(seg.state.block_table)) for seg in self.step.segs],
+                dtype=torch.long,
+            )  # [B, blocks]
             e = torch.arange(width)
             rows = bt[:, (e // epb).clamp(max=blocks - 1)] * epb + e % epb  # [B, width]
             valid = e[None, :] < torch.tensor(counts)[:, None]
-            table[:len(counts)] = torch.where(valid, rows, -1).to(torch.int32)
+            table[: len(counts)] = torch.where(valid, rows, -1).to(torch.int32)
         return table
 
     def _entry_rows(self, src: int, rows: LayerRows, table: torch.Tensor):
@@ -170,11 +188,12 @@ class OldTables:
             else:
                 if ratio == 2 and seg.state.has_open_group(src) != (seg.start_pos % 2 == 1):
                     present = seg.state.has_open_group(src)
-                    raise StateError(f"source {src}: open-group row "
-                                     f"{'present' if present else 'missing'} at position "
-                                     f"{seg.start_pos}")
-                entry += [p // ratio if (p + 1) % ratio == 0 else -1
-                          for p in range(first, seg.end_pos)]
+                    raise StateError(
+                        f"source {src}: open-group row "
+                        f"{'present' if present else 'missing'} at position "
+                        f"{seg.start_pos}"
+                    )
+                entry += [p // ratio if (p + 1) % ratio == 0 else -1 for p in range(first, seg.end_pos)]
             stored += [True] + [False] * (n - 1)
             slots += [seg.state.slot] * n
             tables += [seg.index] * n
@@ -186,8 +205,7 @@ class OldTables:
         entry_t, b = torch.tensor(entry, dtype=torch.long), torch.tensor(tables, dtype=torch.long)
         width = table.shape[1]
         picked = table[b, entry_t.clamp(0, max(width - 1, 0))].long() if width else entry_t
-        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored),
-                torch.tensor(slots, dtype=torch.long))
+        return (torch.where(entry_t >= 0, picked, -1), torch.tensor(stored), torch.tensor(slots, dtype=torch.long))
 
     def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
@@ -203,13 +221,13 @@ class CheckedModel(GpuModel):
     """Compares the step's tables with `OldTables` and keeps per-layer shadow window books;
     the layers are replaced by zero logits (and zero ratio-2 open rows)."""
 
-    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0, pad_logits=True,
-                key_width_tokens=0):
+    def prepare(self, token_ids, seqs, pad_to=0, key_width_step=0, pad_logits=True, key_width_tokens=0):
         assert key_width_tokens == 0  # the old builder knows width steps only
         step = super().prepare(token_ids, seqs, pad_to, key_width_step, pad_logits)
         # the old builder on the same (host) step, before any commit
-        host = step.__class__(step.token_ids.cpu(), step.segs, step.rows, step.hash_ids,
-                              step.logit_rows, step.logit_counts)
+        host = step.__class__(
+            step.token_ids.cpu(), step.segs, step.rows, step.hash_ids, step.logit_rows, step.logit_counts
+        )
         self.expected = OldTables(self.cfg, step.tables.pools, host, key_width_step).build()
         self.shadow_commit(step)
         self.check_commit_tables(step.tables)  # (a graph's static step holds the first ones)
@@ -220,8 +238,7 @@ class CheckedModel(GpuModel):
         rows = t.pools.window.shape[1]
         for layers, src, dst in self.expected["keep"].values():
             for layer in layers.tolist():
-                pairs |= {(layer * rows + s, layer * rows + d)
-                          for s, d in zip(src.tolist(), dst.tolist(), strict=True)}
+                pairs |= {(layer * rows + s, layer * rows + d) for s, d in zip(src.tolist(), dst.tolist(), strict=True)}
         got = set(zip(t.keep_src.tolist(), t.keep_dst.tolist(), strict=True))
         assert got == pairs and len(pairs) == t.num_keep, "kept window rows"
         for src, (slots, seam) in self.expected["open_keep"].items():
@@ -232,8 +249,9 @@ class CheckedModel(GpuModel):
         t.materialise()
         want = self.expected
         for layer in range(self.cfg.num_layers):
-            assert torch.equal(t.window_rows[t.window_of[layer]],
-                               want["window"][want["window_of"][layer]]), f"window rows {layer}"
+            assert torch.equal(t.window_rows[t.window_of[layer]], want["window"][want["window_of"][layer]]), (
+                f"window rows {layer}"
+            )
         for key, v in want["seq_of"].items():
             assert torch.equal(t.seq_of[key], v), f"seq_of {key}"
         for group in ("key_rows", "entry_rows", "from_stored", "open_slots"):
@@ -244,8 +262,8 @@ class CheckedModel(GpuModel):
                 if group == "key_rows" and g.shape[0] > v.shape[0]:
                     # a padded turn keeps one key-table row per bucket row: the rows past the
                     # old builder's (segments + padding rows) hold no keys
-                    assert (g[v.shape[0]:] < 0).all(), f"{group}[{src}] extra rows"
-                    g = g[:v.shape[0]]
+                    assert (g[v.shape[0] :] < 0).all(), f"{group}[{src}] extra rows"
+                    g = g[: v.shape[0]]
                 assert torch.equal(g, v), f"{group}[{src}]"
         self.checked += 1
         cfg = self.cfg
@@ -282,8 +300,7 @@ def small_model() -> CheckedModel:
     cfg = tiny.replace(name="tables", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
     device = torch.device("cpu")
     weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, device), device)
-    model = CheckedModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
-                         decode_graphs=False)
+    model = CheckedModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")), decode_graphs=False)
     model.checked, model.shadow = 0, {}
     return model
 
@@ -300,18 +317,19 @@ def test_tables_and_books_match_the_per_layer_builder():
     b = PagedSeqState(pools, 1, [3, 4], torch.bfloat16)
     pa, pb = _ids(150, 1), _ids(40, 2)
     # prefill: a whole (every row's logits), b encoder-only
-    model.forward(torch.tensor(pa[:19] + pb[:13]),
-                  [SeqInput(a, 0, 19, SeqPlan(logits=LogitsRequest.ALL)),
-                   SeqInput(b, 0, 13, SeqPlan.encoder_only())])
+    model.forward(
+        torch.tensor(pa[:19] + pb[:13]),
+        [SeqInput(a, 0, 19, SeqPlan(logits=LogitsRequest.ALL)), SeqInput(b, 0, 13, SeqPlan.encoder_only())],
+    )
     # a: a chunk with decoder narrowing (decoder layers clip at the chunk's last 4 rows)
     model.forward(torch.tensor(pa[19:30]), [SeqInput(a, 19, 11, SeqPlan(decoder_rows=4))])
     model.check_books([a])
     # c hits a's first 24 tokens (blocks shared): adopt, bounded replay of W rows, a turn
     hit, w = 24, cfg.sliding_window
     c = PagedSeqState(pools, 2, [0, 1, 5], torch.bfloat16)
-    c.adopt_prefix(hit, tuple(pa[hit - 3:hit]))
-    replay = SeqPlan(logits=LogitsRequest.NONE, replay=Replay(tuple(pa[hit - w - 3:hit - w])))
-    model.forward(torch.tensor(pa[hit - w:hit]), [SeqInput(c, hit - w, w, replay)])
+    c.adopt_prefix(hit, tuple(pa[hit - 3 : hit]))
+    replay = SeqPlan(logits=LogitsRequest.NONE, replay=Replay(tuple(pa[hit - w - 3 : hit - w])))
+    model.forward(torch.tensor(pa[hit - w : hit]), [SeqInput(c, hit - w, w, replay)])
     model.forward(torch.tensor(pa[hit:27]), [SeqInput(c, hit, 3)])
     model.check_books([a, c])
     # decode through the graph path (eager): three sequences in a bucket of four, and two
@@ -350,8 +368,7 @@ def test_window_books_split_and_rejoin():
         s.note_windows(every, 0, 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="interpreted kernels: ~4 min on the CPU; runs on the GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="interpreted kernels: ~4 min on the CPU; runs on the GPU")
 def test_turns_through_the_graph_path_equal_the_eager_forward():
     """A turn (one sequence, 2..W rows, last-row logits) takes the graph path padded to its
     bucket, one graph for every row count of the bucket: same logits, pools and books as the
@@ -362,8 +379,7 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
     cfg = tiny.replace(name="turns", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
     dev = torch.device("cuda")
     weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, dev), dev)
-    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
-                     decode_graphs=False)
+    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")), decode_graphs=False)
     prompt = _ids(30, 3)
     base = KVPools(cfg, 8, 2, dev, window_scratch_rows=64)
     a = PagedSeqState(base, 0, [0, 1], torch.bfloat16)
@@ -377,7 +393,7 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
             seqs = [SeqInput(s, start, n)]
             if graphs:
                 assert model.graphs.eligible(seqs)
-            out += model.forward(torch.tensor(prompt[start:start + n]), seqs)
+            out += model.forward(torch.tensor(prompt[start : start + n]), seqs)
         runs.append((out, pools, s, model.graphs))
     model.graphs = None
     (out_e, pools_e, se, _), (out_g, pools_g, sg, graphs) = runs
@@ -385,8 +401,7 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
     assert len(out_g) == 2 and all(lg.shape[0] == 1 for lg in out_g)
     for le, lg in zip(out_e, out_g, strict=True):
         assert torch.equal(le, lg)
-    assert torch.equal(pools_e.window[:, :pools_e.scratch_base],
-                       pools_g.window[:, :pools_g.scratch_base])
+    assert torch.equal(pools_e.window[:, : pools_e.scratch_base], pools_g.window[:, : pools_g.scratch_base])
     assert torch.equal(pools_e.open, pools_g.open)
     for src in cfg.kv_source_layer_ids:
         assert torch.equal(pools_e.main[src], pools_g.main[src])
@@ -428,20 +443,24 @@ def test_replay_and_turn_tables_take_one_width_for_every_context_up_to_the_limit
     model = small_model()
     cfg = model.cfg
     pools = KVPools(cfg, 16, 4, "cpu", window_scratch_rows=256)
-    states = [PagedSeqState(pools, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16)
-              for i in range(2)]
+    states = [PagedSeqState(pools, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16) for i in range(2)]
     for s, n in zip(states, (20, 44), strict=True):
         model.forward(torch.tensor(_ids(n, n)), [SeqInput(s, 0, n)])
 
     def widths(s, tokens):
-        step = GpuModel.prepare(model, torch.tensor([7, 8, 9]), [SeqInput(s, s.num_tokens, 3)],
-                                pad_to=4, key_width_step=4, pad_logits=False,
-                                key_width_tokens=tokens)
+        step = GpuModel.prepare(
+            model,
+            torch.tensor([7, 8, 9]),
+            [SeqInput(s, s.num_tokens, 3)],
+            pad_to=4,
+            key_width_step=4,
+            pad_logits=False,
+            key_width_tokens=tokens,
+        )
         return step.tables.key_width
 
     limit = 300
-    want = {src: math.ceil(math.ceil(limit / cfg.compress_ratios[src]) / 4) * 4
-            for src in cfg.kv_source_layer_ids}
+    want = {src: math.ceil(math.ceil(limit / cfg.compress_ratios[src]) / 4) * 4 for src in cfg.kv_source_layer_ids}
     assert widths(states[0], limit) == widths(states[1], limit) == want
     assert widths(states[0], 0) != widths(states[1], 0)
 
@@ -463,8 +482,7 @@ def test_speculative_verify_steps_take_the_graph_path_one_graph_per_shape():
     model = small_model()
     cfg = model.cfg
     pools = KVPools(cfg, 24, 4, "cpu", window_scratch_rows=256)
-    states = [PagedSeqState(pools, i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], torch.bfloat16)
-              for i in range(3)]
+    states = [PagedSeqState(pools, i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], torch.bfloat16) for i in range(3)]
     for s, n in zip(states, (20, 31, 9), strict=True):
         model.forward(torch.tensor(_ids(n, n)), [SeqInput(s, 0, n)])
     model.graphs = DecodeGraphs(model, capture=False)
@@ -478,8 +496,7 @@ def test_speculative_verify_steps_take_the_graph_path_one_graph_per_shape():
     keys = [k for k in model.graphs._graphs if "verify" in k]
     assert len(keys) == 2 and {k[2] for k in keys} == {9, 12}  # the third step replays
     assert model.graphs.num_verify_replays == 3
-    mixed = [SeqInput(states[0], states[0].num_tokens, 3, every),
-             SeqInput(states[1], states[1].num_tokens, 1)]
+    mixed = [SeqInput(states[0], states[0].num_tokens, 3, every), SeqInput(states[1], states[1].num_tokens, 1)]
     assert not model.graphs.eligible(mixed)
     last = [SeqInput(s, s.num_tokens, 3) for s in states[:2]]  # 2 sequences, last-row logits
     assert not model.graphs.eligible(last)
@@ -498,8 +515,7 @@ def test_a_verify_graph_that_disagrees_with_the_eager_forward_is_refused():
     assert "shapes" in logits_mismatch(ref[:1], ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="interpreted kernels: minutes on the CPU; runs on the GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="interpreted kernels: minutes on the CPU; runs on the GPU")
 @pytest.mark.parametrize("capture", [False, True])
 def test_verify_steps_through_the_graphs_equal_the_eager_forward(capture):
     """Two sequences verifying 4 rows each (logits for every row) through the graph path,
@@ -511,12 +527,10 @@ def test_verify_steps_through_the_graphs_equal_the_eager_forward(capture):
     cfg = tiny.replace(name="verify", sliding_window=8, index_topk=8, candidate_topk_blocks=2)
     dev = torch.device("cuda")
     weights = from_checkpoint_tensors(cfg, random_checkpoint_tensors(cfg, 0, dev), dev)
-    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")),
-                     decode_graphs=False)
+    model = GpuModel(cfg, weights, EngramHasher.from_tokenizer(cfg, tokenizer_path("tiny")), decode_graphs=False)
     prompts = [_ids(40, 5), _ids(40, 6)]
     base = KVPools(cfg, 12, 2, dev, window_scratch_rows=64)
-    seqs0 = [PagedSeqState(base, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16)
-             for i in range(2)]
+    seqs0 = [PagedSeqState(base, i, [3 * i, 3 * i + 1, 3 * i + 2], torch.bfloat16) for i in range(2)]
     for s, p, n in zip(seqs0, prompts, (13, 17), strict=True):
         model.forward(torch.tensor(p[:n]), [SeqInput(s, 0, n)])
     every = SeqPlan(logits=LogitsRequest.ALL)
@@ -529,8 +543,7 @@ def test_verify_steps_through_the_graphs_equal_the_eager_forward(capture):
             seqs = [SeqInput(s, s.num_tokens, 4, every) for s in states]
             if graphs:
                 assert model.graphs.eligible(seqs)
-            ids = [t for s, p in zip(states, prompts, strict=True)
-                   for t in p[s.num_tokens:s.num_tokens + 4]]
+            ids = [t for s, p in zip(states, prompts, strict=True) for t in p[s.num_tokens : s.num_tokens + 4]]
             out += [lg.clone() for lg in model.forward(torch.tensor(ids), seqs)]
         runs.append((out, pools, states, model.graphs))
     model.graphs = None

@@ -15,11 +15,16 @@ from flashpd.engine.loading import EOS_TOKEN, load_tokenizer
 from flashpd.engine.sampling import Sampler
 from flashpd.engine.sampling_params import GuidedDecoding, SamplingParams
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +34,7 @@ def tokenizer(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def backend(tokenizer, model_f32):
-    return GrammarBackend.from_tokenizer(tokenizer, model_f32.cfg.vocab_size,
-                                         tokenizer.token_to_id(EOS_TOKEN))
+    return GrammarBackend.from_tokenizer(tokenizer, model_f32.cfg.vocab_size, tokenizer.token_to_id(EOS_TOKEN))
 
 
 def _schema(schema=SCHEMA) -> GuidedDecoding:
@@ -90,12 +94,14 @@ def test_continued_stream_resumes_the_grammar_state(model_f32, backend, tokenize
     the same object instead of starting a new one."""
     eos = tokenizer.token_to_id(EOS_TOKEN)
     prompt = [5, 6, 7, 8]
-    full, _ = _generate(_engine(model_f32, backend, eos), "a",
-                        prompt, SamplingParams(max_tokens=400, guided=_schema()))
+    full, _ = _generate(_engine(model_f32, backend, eos), "a", prompt, SamplingParams(max_tokens=400, guided=_schema()))
     k = len(full) // 2
-    rest, reason = _generate(_engine(model_f32, backend, eos), "a@1", prompt + full[:k],
-                             SamplingParams(max_tokens=400, guided=GuidedDecoding(
-                                 "json_schema", _schema().spec, replay_tokens=k)))
+    rest, reason = _generate(
+        _engine(model_f32, backend, eos),
+        "a@1",
+        prompt + full[:k],
+        SamplingParams(max_tokens=400, guided=GuidedDecoding("json_schema", _schema().spec, replay_tokens=k)),
+    )
     assert reason == "stop"
     jsonschema.validate(json.loads(tokenizer.decode(full[:k] + rest)), SCHEMA)
 
@@ -105,6 +111,5 @@ def test_replayed_tokens_that_break_the_grammar_are_refused(model_f32, backend, 
     bad = tokenizer.encode("]]", add_special_tokens=False).ids
     engine = _engine(model_f32, backend, eos)
     with pytest.raises(GrammarError):
-        engine.add_request("x", [5] + bad, SamplingParams(guided=GuidedDecoding(
-            "json_object", replay_tokens=len(bad))))
+        engine.add_request("x", [5] + bad, SamplingParams(guided=GuidedDecoding("json_object", replay_tokens=len(bad))))
     assert not engine.has_unfinished()

@@ -5,13 +5,7 @@ import sys
 
 import pytest
 
-from flashpd.engine.hashing import (
-    chunk_hashes,
-    namespace_for,
-    next_chunk_hash,
-    root_hash,
-    usable_prefix_tokens,
-)
+from flashpd.engine.hashing import chunk_hashes, namespace_for, next_chunk_hash, root_hash, usable_prefix_tokens
 
 NS = "deepseek-v4.1-flash|"
 
@@ -45,10 +39,7 @@ def test_pinned_values_do_not_drift():
 
 
 def test_stable_across_processes():
-    code = (
-        "from flashpd.engine.hashing import chunk_hashes;"
-        f"print(','.join(chunk_hashes(list(range(20)), {NS!r}, 4)))"
-    )
+    code = f"from flashpd.engine.hashing import chunk_hashes;print(','.join(chunk_hashes(list(range(20)), {NS!r}, 4)))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip().split(",") == chunk_hashes(list(range(20)), NS, 4)
 
@@ -84,8 +75,7 @@ def test_token_ids_must_fit_uint32():
 
 
 @pytest.mark.parametrize(
-    "hit_tokens, usable",
-    [(0, 0), (100, 0), (128, 0), (200, 0), (255, 0), (256, 128), (300, 128), (384, 256)],
+    "hit_tokens, usable", [(0, 0), (100, 0), (128, 0), (200, 0), (255, 0), (256, 128), (300, 128), (384, 256)]
 )
 def test_usable_prefix_is_whole_chunks_minus_replay(hit_tokens, usable):
     assert usable_prefix_tokens(hit_tokens) == usable

@@ -13,8 +13,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams,
-         sequential: bool = False) -> dict[str, dict]:
+def _run(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, sequential: bool = False
+) -> dict[str, dict]:
     out: dict[str, dict] = {}
     todo = list(prompts.items())
     if not sequential:
@@ -126,11 +127,15 @@ def test_exact_replay_credit_is_bit_identical_to_cold_run(model_f32):
 
 def test_stops_at_the_first_stop_token_id(model_f32):
     prompt = _prompt(20, 50)
-    free = _run(LLMEngine(model_f32, EngineConfig(num_blocks=16)), {"f": prompt},
-                SamplingParams(max_tokens=6, ignore_eos=True))["f"]["ids"]
+    free = _run(
+        LLMEngine(model_f32, EngineConfig(num_blocks=16)), {"f": prompt}, SamplingParams(max_tokens=6, ignore_eos=True)
+    )["f"]["ids"]
     stop_id = free[2]
-    out = _run(LLMEngine(model_f32, EngineConfig(num_blocks=16)), {"s": prompt},
-               SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(stop_id,)))["s"]
+    out = _run(
+        LLMEngine(model_f32, EngineConfig(num_blocks=16)),
+        {"s": prompt},
+        SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(stop_id,)),
+    )["s"]
     assert out["ids"] == free[: free.index(stop_id) + 1] and out["reason"] == "stop"
 
 

@@ -3,12 +3,7 @@
 import pytest
 
 from flashpd.engine.llm_engine import EngineConfig
-from flashpd.engine.loading import (
-    RandomWeights,
-    load_engine,
-    load_tokenizer,
-    random_source,
-)
+from flashpd.engine.loading import RandomWeights, load_engine, load_tokenizer, random_source
 
 
 def test_spec_names_preset_and_seed():

@@ -46,8 +46,11 @@ def test_bounded_replay_credit_and_deviation(model_f32):
     warm, cached = _last_logits(engine, "warm", prompt)
     assert cached == 128  # align_down(256, 128) - 128
     dmax = float((warm - cold).abs().max())
-    kl = float(torch.nn.functional.kl_div(torch.log_softmax(warm, -1), torch.log_softmax(cold, -1),
-                                          log_target=True, reduction="sum"))
+    kl = float(
+        torch.nn.functional.kl_div(
+            torch.log_softmax(warm, -1), torch.log_softmax(cold, -1), log_target=True, reduction="sum"
+        )
+    )
     print(f"bounded replay after a 256-token hit: max|dlogit|={dmax:.4f} KL={kl:.2e}")
     assert dmax <= MODEL_MAX_ABS_DLOGIT and kl <= MODEL_KL, (dmax, kl)
     assert dmax > 0  # a real approximation, not a silent cold recompute

@@ -19,8 +19,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_neighbours():
     p = SamplingParams(temperature=1.0, seed=7)
     alone = [Sampler(seed=0).sample(logits[:1], ["r"], [p])[0].token_id for _ in range(1)]
     s = Sampler(seed=123)
-    batched = s.sample(logits, ["x", "r", "y"], [SamplingParams(temperature=1.0), p,
-                                                   SamplingParams(temperature=2.0)])
+    batched = s.sample(logits, ["x", "r", "y"], [SamplingParams(temperature=1.0), p, SamplingParams(temperature=2.0)])
     assert batched[1].token_id == alone[0]
     seq1 = [Sampler().sample(logits[:1], ["r"], [p])[0].token_id]
     s2 = Sampler()
@@ -58,8 +57,9 @@ def test_top_n_logprobs_sorted_and_normalised():
     assert abs(out.logprob - float(torch.log_softmax(logits[0], -1).max())) < 1e-6
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0),
-                                         ("top_p", 0.0), ("min_p", 2.0), ("top_k", -1)])
+@pytest.mark.parametrize(
+    "field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0), ("top_k", -1)]
+)
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**{field: value})
@@ -111,9 +111,12 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_best():
 
 def test_rows_with_different_params_share_one_call():
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(9))
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=4),
-              SamplingParams(temperature=0.7, top_p=0.9, logprobs=2),
-              SamplingParams(temperature=1.0, min_p=1.0)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=1, seed=4),
+        SamplingParams(temperature=0.7, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ]
     out = Sampler(3).sample(logits, list("abcd"), params)
     assert out[0].token_id == int(logits[0].argmax())
     assert out[1].token_id == int(logits[1].argmax())
@@ -131,14 +134,14 @@ def test_seeded_stream_moves_on_per_token_and_restarts_for_a_new_request():
     s.forget("r")
     again = [s.sample(logits, ["r"], [p])[0].token_id for _ in range(6)]
     assert again == first
-    other = [Sampler().sample(logits, ["q"], [SamplingParams(temperature=1.0, seed=12)])[0]
-             .token_id for _ in range(1)]
+    other = [Sampler().sample(logits, ["q"], [SamplingParams(temperature=1.0, seed=12)])[0].token_id for _ in range(1)]
     assert other[0] != first[0] or first[1:] != again[:-1]
 
 
-@pytest.mark.parametrize("row,want", [([float("-inf")] * 5, None),
-                                      ([0.0, float("inf"), 1.0, float("nan"), 2.0], 1),
-                                      ([float("nan")] * 5, None)])
+@pytest.mark.parametrize(
+    "row,want",
+    [([float("-inf")] * 5, None), ([0.0, float("inf"), 1.0, float("nan"), 2.0], 1), ([float("nan")] * 5, None)],
+)
 def test_non_finite_rows_take_the_argmax(row, want):
     """No draw from a row without finite logits or with +inf: its argmax (any valid id when
     every value is -inf or NaN), never an error."""
@@ -148,6 +151,7 @@ def test_non_finite_rows_take_the_argmax(row, want):
 
 def test_largest_seed_and_huge_vocab_draw():
     logits = torch.randn(2, 129_280, generator=torch.Generator().manual_seed(1))
-    out = Sampler().sample(logits, ["a", "b"], [SamplingParams(temperature=1.0, seed=2**63 - 1),
-                                                 SamplingParams(temperature=1.0, top_k=50)])
+    out = Sampler().sample(
+        logits, ["a", "b"], [SamplingParams(temperature=1.0, seed=2**63 - 1), SamplingParams(temperature=1.0, top_k=50)]
+    )
     assert all(0 <= o.token_id < 129_280 for o in out)

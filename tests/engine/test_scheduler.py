@@ -4,13 +4,7 @@ from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.policies import DecodeRole, ForwardPath, PrefillRole, role_from_name
 from flashpd.engine.request import FinishReason, PrefixPolicy, Replay, Request, RequestStatus
 from flashpd.engine.sampling_params import SamplingParams
-from flashpd.engine.scheduler import (
-    FinishSignal,
-    Scheduler,
-    SchedulerConfig,
-    StepPlan,
-    StepResult,
-)
+from flashpd.engine.scheduler import FinishSignal, Scheduler, SchedulerConfig, StepPlan, StepResult
 
 C = 4  # chunk tokens; the replay is one chunk
 
@@ -40,12 +34,7 @@ def test_chunked_prefill_respects_the_token_budget():
     s = make(budget=4)
     s.add(req("a", range(10), max_tokens=2))
     plans = [step(s)[0] for _ in range(4)]
-    assert [ranges(p) for p in plans] == [
-        [("a", 0, 4)],
-        [("a", 4, 8)],
-        [("a", 8, 10)],
-        [("a", 10, 11)],
-    ]
+    assert [ranges(p) for p in plans] == [[("a", 0, 4)], [("a", 4, 8)], [("a", 8, 10)], [("a", 10, 11)]]
     assert [p.chunks[0].block_ids for p in plans] == [(0,), (0, 1), (0, 1, 2), (0, 1, 2)]
     assert [p.chunks[0].needs_logits for p in plans] == [False, False, True, True]
     assert all(p.num_tokens <= 4 for p in plans)
@@ -96,8 +85,9 @@ def test_a_prefill_prompt_that_fits_a_step_waits_for_one_instead_of_splitting():
 
 def test_a_continuation_replays_to_its_prompt_boundary_then_recomputes_one_token_per_step():
     s = make(budget=16, role=DecodeRole())
-    r = Request("c", list(range(12)) + [50, 51, 52], SamplingParams(max_tokens=4),
-                prefix=PrefixPolicy(kv_tokens=12))  # 3 outputs streamed elsewhere
+    r = Request(
+        "c", list(range(12)) + [50, 51, 52], SamplingParams(max_tokens=4), prefix=PrefixPolicy(kv_tokens=12)
+    )  # 3 outputs streamed elsewhere
     s.reserve(r)
     s.kv_arrived("c")
     assert ranges(step(s)[0]) == [("c", 8, 12)]  # the original replay, alone
@@ -231,11 +221,7 @@ def test_the_victim_already_planned_this_step_gives_back_its_tokens():
 
     def a_and_d_get_two_tokens() -> StepPlan:
         plan = s.schedule()
-        sampled = {
-            c.request_id: [8] if c.request_id == "b" else [7, 7]
-            for c in plan.chunks
-            if c.needs_logits
-        }
+        sampled = {c.request_id: [8] if c.request_id == "b" else [7, 7] for c in plan.chunks if c.needs_logits}
         s.update(plan, StepResult(sampled))
         return plan
 

@@ -16,13 +16,7 @@ import pytest
 import torch
 
 from flashpd.engine.sampling import SamplingParams, filtered_probs
-from flashpd.engine.speculative import (
-    ForcedSchedule,
-    Verdict,
-    accept_greedy,
-    accept_sampled,
-    ngram_lookup,
-)
+from flashpd.engine.speculative import ForcedSchedule, Verdict, accept_greedy, accept_sampled, ngram_lookup
 
 V, K, N_SAMPLES = 5, 3, 4000
 
@@ -76,16 +70,16 @@ def _test_against_chain(params: SamplingParams, verify) -> float:
     return _chi2_pvalue(stat, cells - 1)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.7, top_k=3, top_p=0.9)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3, top_p=0.9)]
+)
 def test_rejection_sampling_preserves_the_target_distribution(params):
     assert _test_against_chain(params, accept_sampled) > 1e-3
 
 
 def test_the_statistical_test_catches_a_biased_verifier():
     def accept_all(rows, probs, drafts, gen):
-        return Verdict(tuple(drafts) + (int(torch.multinomial(rows[-1], 1, generator=gen)),),
-                       len(drafts))
+        return Verdict(tuple(drafts) + (int(torch.multinomial(rows[-1], 1, generator=gen)),), len(drafts))
 
     assert _test_against_chain(SamplingParams(temperature=1.0), accept_all) < 1e-6
 
@@ -127,10 +121,10 @@ def _ngram_loop(seq, k, n_min, n_max):
     """The prompt lookup as a plain loop (the reference for the vectorised one)."""
     size = len(seq)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        tail = list(seq[size - n:])
+        tail = list(seq[size - n :])
         for start in range(size - n - 1, -1, -1):
-            if list(seq[start:start + n]) == tail:
-                return list(seq[start + n:start + n + k])
+            if list(seq[start : start + n]) == tail:
+                return list(seq[start + n : start + n + k])
     return []
 
 

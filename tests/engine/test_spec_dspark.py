@@ -82,12 +82,10 @@ def test_dspark_sampled_runs_and_decode_worker_replay_seeds_the_windows(model_f3
     prompt = _prompt(300, 5)
     p = _engine(model_f32, "prefill")
     ready = _prefill(p, "a", prompt)
-    d = LLMEngine(model_f32, EngineConfig(role="decode", num_blocks=64, num_slots=8,
-                                          speculative=SPEC), dspark=drafter)
+    d = LLMEngine(model_f32, EngineConfig(role="decode", num_blocks=64, num_slots=8, speculative=SPEC), dspark=drafter)
     seen = _record(d)
-    r = d.reserve("a", prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=3,
-                                              ignore_eos=True))
-    _copy(p, ready.kv_block_ids[r.num_cached_blocks:], d, r.missing_block_ids)
+    r = d.reserve("a", prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True))
+    _copy(p, ready.kv_block_ids[r.num_cached_blocks :], d, r.missing_block_ids)
     d.kv_arrived("a")
     out = []
     while d.has_unfinished():

@@ -57,8 +57,7 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dense", "paged"])
-@pytest.mark.parametrize("prompt_len,accepted", [(140, 0), (140, 2), (141, 3), (141, 5),
-                                                 (126, 1), (127, 4)])
+@pytest.mark.parametrize("prompt_len,accepted", [(140, 0), (140, 2), (141, 3), (141, 5), (126, 1), (127, 4)])
 def test_truncate_equals_a_run_of_the_accepted_tokens(model_f32, kind, prompt_len, accepted):
     model = model_f32
     pools = KVPools(model.cfg, num_blocks=8, num_slots=2) if kind == "paged" else None
@@ -70,10 +69,10 @@ def test_truncate_equals_a_run_of_the_accepted_tokens(model_f32, kind, prompt_le
     assert logits.shape[0] == K + 1
     keep = prompt_len + 1 + accepted
     known = prompt + extra
-    spec.truncate(keep, known[keep - 3:keep])
+    spec.truncate(keep, known[keep - 3 : keep])
     ref = _make(model, kind, (pools, 1))
     model.run(ref, prompt)
-    model.run(ref, extra[:1 + accepted])
+    model.run(ref, extra[: 1 + accepted])
     _assert_same(_snapshot(model, spec), _snapshot(model, ref))
     # and both go on identically (the next verify reads what the rollback left)
     nxt = _ids(3, 7)

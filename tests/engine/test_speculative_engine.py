@@ -38,22 +38,22 @@ class OracleDrafter:
         out = []
         for tokens, pos in zip(states, anchor_positions, strict=True):
             self.calls += 1
-            full = next((v for k, v in self.reference.items()
-                         if list(tokens[:len(k)]) == list(k)), None)
+            full = next((v for k, v in self.reference.items() if list(tokens[: len(k)]) == list(k)), None)
             if full is None:
                 out.append([])
                 continue
             prompt_len = len(full[0])
-            cont = full[1][pos + 1 - prompt_len:pos + 1 - prompt_len + self.num_tokens]
+            cont = full[1][pos + 1 - prompt_len : pos + 1 - prompt_len + self.num_tokens]
             wrong = self.calls % (self.num_tokens + 2)
             if wrong < len(cont):
-                cont = cont[:wrong] + [(cont[wrong] + 1) % self.vocab] + cont[wrong + 1:]
+                cont = cont[:wrong] + [(cont[wrong] + 1) % self.vocab] + cont[wrong + 1 :]
             out.append(cont)
         return Proposal(out, None)
 
 
-def _run(engine: LLMEngine, prompts: dict, params: dict | SamplingParams,
-         sequential: bool = False) -> dict[str, list[int]]:
+def _run(
+    engine: LLMEngine, prompts: dict, params: dict | SamplingParams, sequential: bool = False
+) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     todo = list(prompts.items())
     par = (lambda rid: params[rid]) if isinstance(params, dict) else (lambda rid: params)
@@ -72,8 +72,14 @@ def _run(engine: LLMEngine, prompts: dict, params: dict | SamplingParams,
     return out
 
 
-PROMPTS = {"a": _prompt(20, 1), "b": _prompt(127, 2), "c": _prompt(128, 3), "d": _prompt(141, 4),
-           "e": _prompt(300, 5), "f": _prompt(3, 6)}
+PROMPTS = {
+    "a": _prompt(20, 1),
+    "b": _prompt(127, 2),
+    "c": _prompt(128, 3),
+    "d": _prompt(141, 4),
+    "e": _prompt(300, 5),
+    "f": _prompt(3, 6),
+}
 
 
 def _spec_engine(model, cfg_kw, reference, k=5, max_batch=64):
@@ -84,8 +90,7 @@ def _spec_engine(model, cfg_kw, reference, k=5, max_batch=64):
     return engine
 
 
-@pytest.mark.parametrize("cfg_kw", [{}, {"swa_bounded_replay": False},
-                                    {"max_num_batched_tokens": 64}])
+@pytest.mark.parametrize("cfg_kw", [{}, {"swa_bounded_replay": False}, {"max_num_batched_tokens": 64}])
 def test_greedy_speculation_is_token_identical(model_f32, cfg_kw):
     params = SamplingParams(max_tokens=23)
     reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64, **cfg_kw)), PROMPTS, params)
@@ -99,10 +104,12 @@ def test_greedy_speculation_is_token_identical(model_f32, cfg_kw):
 def test_sequential_prefix_hits_and_opt_out_stay_identical(model_f32):
     base = PROMPTS["e"]
     prompts = {"e": base, "g": base + _prompt(30, 9), "a": PROMPTS["a"]}
-    params = {"e": SamplingParams(max_tokens=9), "a": SamplingParams(max_tokens=9),
-              "g": SamplingParams(max_tokens=9, speculative="off")}
-    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, params,
-                     sequential=True)
+    params = {
+        "e": SamplingParams(max_tokens=9),
+        "a": SamplingParams(max_tokens=9),
+        "g": SamplingParams(max_tokens=9, speculative="off"),
+    }
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, params, sequential=True)
     PROMPTS_G = dict(PROMPTS, g=prompts["g"])
     engine = _spec_engine(model_f32, {}, {r: reference[r] for r in ("e", "a")})
     engine.drafter.reference[tuple(PROMPTS_G["g"])] = (prompts["g"], reference["g"])
@@ -119,8 +126,7 @@ def test_policy_switches_off_above_max_batch(model_f32):
     engine = _spec_engine(model_f32, {}, reference, max_batch=2)
     seen = []
     propose = engine.drafter.propose
-    engine.drafter.propose = lambda states, *a: seen.append(
-        engine.scheduler.num_running) or propose(states, *a)
+    engine.drafter.propose = lambda states, *a: seen.append(engine.scheduler.num_running) or propose(states, *a)
     assert _run(engine, PROMPTS, params) == reference
     assert seen and max(seen) <= 2  # drafted only once the batch fell to max_batch
     assert engine.spec_stats.verifies > 0
@@ -157,7 +163,7 @@ def test_no_hash_for_unaccepted_tokens(model_f32):
     tokens = prompt + got["a"]
     parent, want = root_hash(engine.kv.namespace), []
     for i in range(len(tokens) // 128):
-        parent = next_chunk_hash(parent, tokens[i * 128:(i + 1) * 128])
+        parent = next_chunk_hash(parent, tokens[i * 128 : (i + 1) * 128])
         want.append(parent)
     assert stored and set(stored) <= set(want)
 
@@ -170,8 +176,7 @@ def test_ngram_drafter_lookup_and_engine(model_f32):
     prompts = {"r": [5, 6, 7, 8] * 30, "s": _prompt(50, 3)}
     params = SamplingParams(max_tokens=12)
     reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, params)
-    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64,
-                                               speculative={"method": "ngram"}))
+    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, speculative={"method": "ngram"}))
     assert _run(engine, prompts, params) == reference
     assert engine.spec_stats.drafted > 0
 
@@ -227,8 +232,7 @@ def test_decode_worker_drafts_after_the_handoff(model_f32):
         if spec is not None:
             keyed = {tuple(prompt): (prompt, outs[None])}
             d.drafter = OracleDrafter(4, keyed, 512)
-        outs[None if spec is None else "spec"] = _decode(d, "a", prompt, 24, p,
-                                                         ready.kv_block_ids)
+        outs[None if spec is None else "spec"] = _decode(d, "a", prompt, 24, p, ready.kv_block_ids)
         if spec is not None:
             assert d.spec_stats.verifies > 0 and d.spec_stats.accepted > 0
     assert outs["spec"] == outs[None]
@@ -260,14 +264,11 @@ def test_opted_out_and_logprob_rows_ride_in_the_verify_batch(model_f32):
 def test_eos_inside_accepted_drafts(model_f32, ignore_eos):
     prompts = {"a": PROMPTS["a"], "d": PROMPTS["d"]}
     params = SamplingParams(max_tokens=16, ignore_eos=ignore_eos)
-    free = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts,
-                SamplingParams(max_tokens=16))
+    free = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, SamplingParams(max_tokens=16))
     eos = free["a"][6]
-    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64), eos_token_id=eos),
-                     prompts, params)
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64), eos_token_id=eos), prompts, params)
     spec = SpeculativeConfig(num_tokens=5)
-    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, speculative=spec),
-                       eos_token_id=eos)
+    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, speculative=spec), eos_token_id=eos)
     keyed = {tuple(p): (p, free[r]) for r, p in prompts.items()}
     engine.drafter = OracleDrafter(5, keyed, 512)
     got = _run(engine, prompts, params)

@@ -21,16 +21,12 @@ from flashpd.engine.scheduler import FinishSignal, Scheduler, SchedulerConfig, S
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27]]
 STORM = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 
 
 def operations(prompt_tokens: int, max_tokens: tuple[int, int], step_weight: int):
-    add = st.tuples(
-        st.just("add"), st.integers(0, 1), st.integers(1, prompt_tokens), st.integers(*max_tokens)
-    )
+    add = st.tuples(st.just("add"), st.integers(0, 1), st.integers(1, prompt_tokens), st.integers(*max_tokens))
     others = [
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("arrive"), st.integers(0, 30)),
@@ -52,9 +48,7 @@ class Sizes:
 ANY_SIZES = Sizes()
 ANY_OPS = operations(prompt_tokens=12, max_tokens=(1, 12), step_weight=3)
 # Several requests growing at once in a pool that cannot hold them all: preemption storms.
-PRESSURE_SIZES = Sizes(
-    chunk_tokens=(2, 2), num_blocks=(5, 7), num_slots=(3, 4), max_num_seqs=(3, 4)
-)
+PRESSURE_SIZES = Sizes(chunk_tokens=(2, 2), num_blocks=(5, 7), num_slots=(3, 4), max_num_seqs=(3, 4))
 PRESSURE_OPS = operations(prompt_tokens=6, max_tokens=(4, 8), step_weight=6)
 
 
@@ -116,12 +110,8 @@ def do_step(storm: Storm, data) -> None:
         assert chunk.block_ids == tuple(storm.kv.block_table(chunk.request_id))
         assert len(chunk.block_ids) * storm.kv.chunk_tokens >= chunk.end
         if chunk.needs_logits:
-            sampled[chunk.request_id] = data.draw(
-                st.lists(st.integers(0, 50), min_size=1, max_size=2)
-            )
-            signal = data.draw(
-                st.sampled_from([None, None, None, FinishSignal.EOS, FinishSignal.STOP])
-            )
+            sampled[chunk.request_id] = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=2))
+            signal = data.draw(st.sampled_from([None, None, None, FinishSignal.EOS, FinishSignal.STOP]))
             if signal is not None:
                 signals[chunk.request_id] = signal
     for output in storm.scheduler.update(plan, StepResult(sampled, signals)):
@@ -154,10 +144,7 @@ def check_invariants(storm: Storm) -> None:
     kv, scheduler = storm.kv, storm.scheduler
     kv.check_consistency()
     usage = kv.usage()
-    assert (
-        usage["blocks_free"] + usage["blocks_used"] + usage["blocks_cached"]
-        == usage["blocks_total"]
-    )
+    assert usage["blocks_free"] + usage["blocks_used"] + usage["blocks_cached"] == usage["blocks_total"]
     held = [rid for rid in storm.requests if kv.holds(rid)]
     referenced = {block for rid in held for block in kv.block_table(rid)}
     assert len(referenced) == usage["blocks_used"]

@@ -19,8 +19,7 @@ TURNS = 1 + sum(1 for b in BUCKETS if 4 <= b <= preset_config("tiny").sliding_wi
 
 
 def _engine(model, role="colocated", **kw) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(role=role, num_blocks=64, num_slots=8,
-                                         max_num_batched_tokens=128, **kw))
+    return LLMEngine(model, EngineConfig(role=role, num_blocks=64, num_slots=8, max_num_batched_tokens=128, **kw))
 
 
 def _generate(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -34,8 +33,7 @@ def _generate(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
 
 def _assert_clean(engine: LLMEngine, before: dict) -> None:
     assert not engine.has_unfinished()
-    assert engine.kv.usage() == dict(before, blocks_free=before["blocks_total"],
-                                     blocks_cached=0)
+    assert engine.kv.usage() == dict(before, blocks_free=before["blocks_total"], blocks_cached=0)
     assert engine.drain_cache_events() == []  # nothing of the warm-up reaches the cache index
     assert not [r for r in engine.stats if r.startswith(PREFIX)]
     engine.kv.check_consistency()
@@ -100,9 +98,12 @@ def test_default_plan_fits_the_pool_positions_and_batch_limits(model_f32):
     assert plan.long_tokens <= 64 * 128 // 4
     assert plan.long_tokens <= model_f32.cfg.max_position_embeddings // 2
     assert plan.batches == (1, 2, 4) and plan.short_tokens <= plan.long_tokens
-    big = LLMEngine(model_f32, dataclasses.replace(engine.config, num_blocks=4096,
-                                                   num_slots=300, max_num_seqs=256,
-                                                   max_num_batched_tokens=8192))
+    big = LLMEngine(
+        model_f32,
+        dataclasses.replace(
+            engine.config, num_blocks=4096, num_slots=300, max_num_seqs=256, max_num_batched_tokens=8192
+        ),
+    )
     plan = default_plan(big)
     assert plan.long_tokens == min(16384 + 129, model_f32.cfg.max_position_embeddings // 2)
     assert plan.batches[-1] == 256

@@ -10,8 +10,7 @@ NO_TRITON = "import sys; sys.modules['triton'] = None; from flashpd.cli import m
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", NO_TRITON + code], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", NO_TRITON + code], capture_output=True, text=True, timeout=300)
 
 
 def test_help_lists_every_command_without_triton():

@@ -27,8 +27,7 @@ def rayservice_documents() -> dict[str, dict]:
 
 
 def serve_configs() -> dict[str, dict]:
-    configs = {os.path.basename(p): yaml.safe_load(open(p))
-               for p in sorted(glob.glob(infra_path("serve*.yaml")))}
+    configs = {os.path.basename(p): yaml.safe_load(open(p)) for p in sorted(glob.glob(infra_path("serve*.yaml")))}
     service = rayservice_documents()["RayService"]
     configs["rayservice.yaml:serveConfigV2"] = yaml.safe_load(service["spec"]["serveConfigV2"])
     return configs

@@ -42,8 +42,10 @@ def test_every_node_type_declares_resources_and_gpu_types_start_at_zero(cluster)
 
 def test_each_role_has_its_own_node_type_by_custom_resource(cluster):
     types = cluster["available_node_types"]
-    by_role = {role: [n for n, t in types.items() if t["resources"].get(f"flashpd_{role}")]
-               for role in ("prefill", "decode", "router")}
+    by_role = {
+        role: [n for n, t in types.items() if t["resources"].get(f"flashpd_{role}")]
+        for role in ("prefill", "decode", "router")
+    }
     assert all(len(names) == 1 for names in by_role.values()), by_role
     assert len({names[0] for names in by_role.values()}) == 3  # three distinct node types
     for role in ("prefill", "decode"):

@@ -10,8 +10,9 @@ import jsonschema
 import pytest
 import yaml
 
-CRD = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "fixtures", "kuberay",
-                   "ray.io_rayservices.yaml")
+CRD = os.path.join(
+    os.path.dirname(__file__), "..", "..", "..", "shared", "fixtures", "kuberay", "ray.io_rayservices.yaml"
+)
 
 
 def strict(schema):
@@ -22,8 +23,11 @@ def strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -61,8 +65,7 @@ def test_an_unknown_field_fails(rayservice_docs, validator, where):
         "spec": doc["spec"],
         "rayClusterConfig": doc["spec"]["rayClusterConfig"],
         "workerGroup": doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0],
-        "container": doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
-        ["containers"][0],
+        "container": doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0],
     }[where]
     target["bogusField"] = 1
     assert any("bogusField" in e for e in _errors(validator, doc))
@@ -81,8 +84,7 @@ def test_redis_service_secret_and_model_volume_are_defined(rayservice_docs):
     assert _secret_refs(redis) == {docs["Secret"]["metadata"]["name"]}
     claim = docs["PersistentVolumeClaim"]["metadata"]["name"]
     for pod in _pod_specs(docs["RayService"]):
-        assert claim in {v.get("persistentVolumeClaim", {}).get("claimName")
-                         for v in pod["volumes"]}
+        assert claim in {v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
         container = pod["containers"][0]
         assert any(m["mountPath"] == "/models" for m in container["volumeMounts"])
         assert args["checkpoint"].startswith("/models/")
@@ -115,10 +117,8 @@ def test_image_is_built_by_the_repo_setup_script(rayservice_docs):
 
 def _pod_specs(service) -> list[dict]:
     cluster = service["spec"]["rayClusterConfig"]
-    return [cluster["headGroupSpec"]["template"]["spec"]] + [
-        g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    return [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
 
 
 def _secret_refs(container) -> set[str]:
-    return {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
-            if "valueFrom" in e}
+    return {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if "valueFrom" in e}

@@ -34,9 +34,12 @@ def test_app_args_and_policy_kwargs_validate(serve_config):
     assert policy["policy_function"] == "flashpd.services.autoscaling.serve:JointPolicy"
     kwargs = JointPolicyArgs.model_validate(policy["policy_kwargs"])
     assert args.joint_autoscaling
-    limits = Limits(*(Replicas(**{r: getattr(getattr(args, r).autoscaling, bound)
-                                  for r in ("prefill", "decode", "router")})
-                      for bound in ("min_replicas", "max_replicas")))
+    limits = Limits(
+        *(
+            Replicas(**{r: getattr(getattr(args, r).autoscaling, bound) for r in ("prefill", "decode", "router")})
+            for bound in ("min_replicas", "max_replicas")
+        )
+    )
     check_limits(limits, kwargs.policy_config())
     JointPolicy(**policy["policy_kwargs"])  # what Serve instantiates
 

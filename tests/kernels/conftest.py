@@ -25,8 +25,7 @@ def mxfp4_experts(e: int, d: int, i: int, seed: int) -> mt.ExpertSet:
     out = []
     for n, k in ((i, d), (i, d), (d, i)):
         ps = [qref.quantize_mxfp4_weight(torch.randn(n, k, generator=g) * 0.1) for _ in range(e)]
-        out.append(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]),
-                                    torch.stack([s for _, s in ps])))
+        out.append(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]), torch.stack([s for _, s in ps])))
     return mt.ExpertSet(*out)
 
 
@@ -40,14 +39,14 @@ def routed_batch(t: int, d: int, e: int, k: int, seed: int, dtype=torch.bfloat16
 
 def routed_reference(x, ids, weights, experts: mt.ExpertSet) -> torch.Tensor:
     """moe.ref's routed sum on the dequantised experts, FP32 [T, D]."""
-    deq = [torch.stack([qref.dequantize_mxfp4_weight(w.data[j], w.scale[j]).to(x.dtype)
-                        for j in range(w.num_experts)])
-           for w in (experts.w1, experts.w3, experts.w2)]
+    deq = [
+        torch.stack([qref.dequantize_mxfp4_weight(w.data[j], w.scale[j]).to(x.dtype) for j in range(w.num_experts)])
+        for w in (experts.w1, experts.w3, experts.w2)
+    ]
     out = torch.zeros(x.shape, dtype=torch.float32)
     for j in torch.unique(ids).tolist():  # ascending expert id, as moe.ref.moe
         tok, slot = torch.nonzero(ids == j, as_tuple=True)
-        y = mref.expert_ffn(x[tok], deq[0][j], deq[1][j], deq[2][j], MOE_LIMIT,
-                            weights[tok, slot][:, None])
+        y = mref.expert_ffn(x[tok], deq[0][j], deq[1][j], deq[2][j], MOE_LIMIT, weights[tok, slot][:, None])
         out.index_add_(0, tok, y.float())
     return out
 

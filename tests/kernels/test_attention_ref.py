@@ -28,8 +28,8 @@ def test_sparse_attention_matches_the_formula():
     valid = torch.rand(3, 6, generator=g) > 0.3
     valid[0] = False  # a query with no key outputs 0
     sink = torch.tensor([0.5, -1.0])
-    out = ref.sparse_attention(q, keys, valid, sink, 8 ** -0.5)
-    torch.testing.assert_close(out, _brute(q, keys, valid, sink, 8 ** -0.5))
+    out = ref.sparse_attention(q, keys, valid, sink, 8**-0.5)
+    torch.testing.assert_close(out, _brute(q, keys, valid, sink, 8**-0.5))
     assert torch.equal(out[0], torch.zeros(2, 8))
 
 

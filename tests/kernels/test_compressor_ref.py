@@ -36,5 +36,4 @@ def test_gated_projection_is_fp32_and_latent_rounds_before_the_norm():
     torch.testing.assert_close(a, x.float() @ wkv.float().T)
     lat = ref.latent(a, torch.ones(8, dtype=torch.bfloat16), 1e-20, torch.bfloat16)
     p = a.to(torch.bfloat16).float()
-    assert torch.equal(lat, (p * torch.rsqrt(p.square().mean(-1, keepdim=True) + 1e-20))
-                       .to(torch.bfloat16))
+    assert torch.equal(lat, (p * torch.rsqrt(p.square().mean(-1, keepdim=True) + 1e-20)).to(torch.bfloat16))

@@ -35,19 +35,31 @@ def _x(*shape: int, seed: int) -> torch.Tensor:
 @pytest.fixture
 def cublas_gate(monkeypatch, tune):
     """Open the prefill gate on the CPU: rows >= 4 per weight take the cuBLAS branch."""
+
     def open_gate():  # dense.triton's view of the runtime says "GPU"; kernels still interpret
-        shim = types.SimpleNamespace(interpreting=lambda: False,
-                                     launch_options=triton_runtime.launch_options,
-                                     check_device=triton_runtime.check_device)
+        shim = types.SimpleNamespace(
+            interpreting=lambda: False,
+            launch_options=triton_runtime.launch_options,
+            check_device=triton_runtime.check_device,
+        )
         monkeypatch.setattr(dt, "triton_runtime", shim)
         tune.set("dense", cublas_min_rows=4)
+
     return open_gate
 
 
 def _swiglu(x, w1, w3, gamma, tuned):
     h = torch.empty(x.shape[0], w1[0].shape[0], dtype=x.dtype)
-    dt.grouped_gemm(x, dt.Weights.fp8(w1[0], w1[1]), None, h, w3=dt.Weights.fp8(w3[0], w3[1]),
-                    gamma=gamma, limit=LIMIT, cfg=tuned.dense)
+    dt.grouped_gemm(
+        x,
+        dt.Weights.fp8(w1[0], w1[1]),
+        None,
+        h,
+        w3=dt.Weights.fp8(w3[0], w3[1]),
+        gamma=gamma,
+        limit=LIMIT,
+        cfg=tuned.dense,
+    )
     return h
 
 

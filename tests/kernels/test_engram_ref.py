@@ -38,5 +38,5 @@ def test_inject_adds_gated_shared_value():
     qk = torch.randn(s, d, generator=g)
     out = ref.engram_inject(streams, rows, wkv, qk, 1e-20)
     kv = rows @ wkv.T
-    gates = ref.engram_gates(streams, kv[:, :s * d].reshape(3, s, d), qk, 1e-20)
-    torch.testing.assert_close(out, streams + gates[..., None] * kv[:, None, s * d:])
+    gates = ref.engram_gates(streams, kv[:, : s * d].reshape(3, s, d), qk, 1e-20)
+    torch.testing.assert_close(out, streams + gates[..., None] * kv[:, None, s * d :])

@@ -26,16 +26,29 @@ from .conftest import mxfp4_experts, rel_err
 
 FORWARD = pathlib.Path(__file__).parents[2] / "engine" / "gpu" / "forward.py"
 # GpuModel's kernel attributes (model.Model's names) and the local aliases forward.py uses
-ATTRS = {"dense": "dense", "quant": "quant", "rope": "rope", "mhc": "mhc", "engram": "engram",
-         "attention": "attention", "compressor": "compressor", "indexer": "indexer",
-         "moe_k": "moe", "d": "dense", "ix": "indexer"}
+ATTRS = {
+    "dense": "dense",
+    "quant": "quant",
+    "rope": "rope",
+    "mhc": "mhc",
+    "engram": "engram",
+    "attention": "attention",
+    "compressor": "compressor",
+    "indexer": "indexer",
+    "moe_k": "moe",
+    "d": "dense",
+    "ix": "indexer",
+}
 
 
 def gpu_calls() -> set[tuple[str, str]]:
     """(op, name) of every kernel-op attribute engine/gpu/forward.py reads."""
     text = FORWARD.read_text()
-    found = re.findall(r"self\.(dense|quant|rope|mhc|engram|attention|compressor|indexer|"
-                       r"moe_k)\.([A-Za-z_]\w*)", text)
+    found = re.findall(
+        r"self\.(dense|quant|rope|mhc|engram|attention|compressor|indexer|"
+        r"moe_k)\.([A-Za-z_]\w*)",
+        text,
+    )
     found += re.findall(r"(?<![\w.])(d|ix)\.([A-Za-z_]\w*)\(", text)  # d = self.dense, ...
     return {(ATTRS[a], n) for a, n in found if not n.startswith("_")}
 
@@ -43,8 +56,12 @@ def gpu_calls() -> set[tuple[str, str]]:
 def test_every_name_the_gpu_model_calls_has_a_reference_beside_it():
     calls = gpu_calls()
     assert ("attention", "sparse_attention_packed") in calls  # the scan sees the forward
-    missing = [f"{op}/{impl}.{name}" for op, name in sorted(calls)
-               for impl in dispatch.available(op) if not hasattr(dispatch.get(op, impl), name)]
+    missing = [
+        f"{op}/{impl}.{name}"
+        for op, name in sorted(calls)
+        for impl in dispatch.available(op)
+        if not hasattr(dispatch.get(op, impl), name)
+    ]
     assert missing == []
     for op in {op for op, _ in calls} - {"rope", "quant"}:  # rope: no Triton module; quant:
         assert verify.surface_mismatches(op) == [], op  # its ref keeps encode/decode helpers
@@ -69,15 +86,13 @@ def test_linear_weights(fmt):
         w = dt.Weights.plain(torch.randn(64, 96, generator=g).bfloat16())
     x = torch.randn(5, 96, generator=g).bfloat16()
     want = dref.linear_weights(x, w, torch.float32)
-    torch.testing.assert_close(dt.linear_weights(x, w, torch.float32), want, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(dt.linear_weights(x, w, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
 def test_block_diagonal():
     w = _fp8(64, 96, groups=3, seed=2)
     x = torch.randn(4, 3, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
-    torch.testing.assert_close(dt.block_diagonal(x, w).float(),
-                               dref.block_diagonal(x, w).float(), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(dt.block_diagonal(x, w).float(), dref.block_diagonal(x, w).float(), rtol=8e-3, atol=1e-2)
 
 
 def test_gather_rows_and_run_engram():
@@ -90,8 +105,7 @@ def test_gather_rows_and_run_engram():
     kv = torch.randn(3, 5 * 64, generator=g).bfloat16()
     qk = torch.randn(4, 64, generator=g)
     for inject in (False, True):
-        got, want = et.run_engram(x, kv, qk, 1e-20, inject), eref.run_engram(x, kv, qk, 1e-20,
-                                                                            inject)
+        got, want = et.run_engram(x, kv, qk, 1e-20, inject), eref.run_engram(x, kv, qk, 1e-20, inject)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[0].float(), want[0].float(), rtol=8e-3, atol=1e-2)
 
@@ -113,8 +127,7 @@ def test_write_unchecked(fmt):
     g = torch.Generator().manual_seed(10 + fmt)
     values = torch.randn(3, 64, generator=g).bfloat16()
     rows = torch.tensor([4, -1, 1], dtype=torch.int32)
-    width = (qref.window_fp8_record_bytes, qref.nvfp4_record_bytes,
-             qref.mxfp4_record_bytes)[fmt](64)
+    width = (qref.window_fp8_record_bytes, qref.nvfp4_record_bytes, qref.mxfp4_record_bytes)[fmt](64)
     tables = rope.rope_cos_sin(torch.tensor([3, 9, 27]), rope.rope_frequencies(16, 1e4, None))
     pools = [torch.zeros(6, width, dtype=torch.uint8) for _ in range(2)]
     qt.write_unchecked(fmt, values, rows, pools[0], tables)
@@ -135,9 +148,12 @@ def test_sparse_attention_packed(comp_format):
     tables = rope.rope_cos_sin(torch.tensor([5, 77, 300]), rope.rope_frequencies(16, 1e4, None))
     fmt = {} if comp_format is None else {"comp_format": comp_format}
     args = (q, tables, win, win_rows, comp, comp_rows, sink, 0.125)
-    torch.testing.assert_close(at.sparse_attention_packed(*args, **fmt).float(),
-                               aref.sparse_attention_packed(*args, **fmt).float(),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        at.sparse_attention_packed(*args, **fmt).float(),
+        aref.sparse_attention_packed(*args, **fmt).float(),
+        rtol=2e-2,
+        atol=2e-2,
+    )
 
 
 def test_reference_warmups_compile_nothing():

@@ -49,11 +49,14 @@ def test_paged_key_rows_follow_the_block_tables():
     assert it.paged_key_rows is iref.paged_key_rows
 
 
-@pytest.mark.parametrize("tables, num_entries, width, field", [
-    ([[0]], [5], 8, "block_tables[0]"),  # 1 block of 3 cannot hold 5 entries
-    ([[0, 1]], [5], 4, "num_entries[0]"),  # wider than width
-    ([[0]], [1, 1], 4, "num_entries"),
-])
+@pytest.mark.parametrize(
+    "tables, num_entries, width, field",
+    [
+        ([[0]], [5], 8, "block_tables[0]"),  # 1 block of 3 cannot hold 5 entries
+        ([[0, 1]], [5], 4, "num_entries[0]"),  # wider than width
+        ([[0]], [1, 1], 4, "num_entries"),
+    ],
+)
 def test_paged_key_rows_refuse_inconsistent_tables(tables, num_entries, width, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[")):
         iref.paged_key_rows(tables, 3, num_entries, width, "cpu")
@@ -74,8 +77,9 @@ def test_reference_paged_scores_match_the_kernel():
     q, w, pool, key_rows, seq_of, n_vis = _batch(seed=1)
     want = iref.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
     got = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
-    assert torch.isfinite(want).sum() == sum(min(int(n), NUM_ENTRIES[int(b)])
-                                             for b, n in zip(seq_of, n_vis, strict=True))
+    assert torch.isfinite(want).sum() == sum(
+        min(int(n), NUM_ENTRIES[int(b)]) for b, n in zip(seq_of, n_vis, strict=True)
+    )
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -110,13 +114,11 @@ def test_sparse_paged_topk_equals_per_sequence_sparse_topk(num_blocks):
     blocks = it.candidate_blocks(scores, n_vis, bs, num_blocks)  # [T, <= num_blocks]
     got = it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k)
     assert got.shape == (q.shape[0], k)
-    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
-                                                         blocks, bs, k))
+    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, bs, k))
     for _, queries, records in _per_sequence(seq_of, key_rows, pool):
         alone = it.index_scores_packed(q[queries], w[queries], records, n_vis[queries])
         seq_blocks = it.candidate_blocks(alone, n_vis[queries], bs, num_blocks)
-        want = it.index_topk_sparse(q[queries], w[queries], records, n_vis[queries],
-                                    seq_blocks, bs, k)
+        want = it.index_topk_sparse(q[queries], w[queries], records, n_vis[queries], seq_blocks, bs, k)
         assert torch.equal(got[queries], want)
 
 
@@ -127,8 +129,7 @@ def test_sparse_paged_topk_keeps_to_the_candidate_blocks():
     got = it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 6)
     live = got[got >= 0]
     assert live.numel() and ((live >= 4) & (live < 8)).all()
-    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
-                                                         blocks, 4, 6))
+    assert torch.equal(got, iref.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 6))
 
 
 @pytest.mark.parametrize("num_blocks", [2, 6])
@@ -140,11 +141,10 @@ def test_topk_as_pool_rows_equals_the_gather_of_the_ids(num_blocks):
     wb = w.bfloat16()
     bs, k, scale = 4, 5, 1.0 / 64
     scores = it.index_scores_paged(q, wb, pool, key_rows, seq_of, n_vis, weight_scale=scale)
-    assert torch.equal(scores, it.index_scores_paged(q, wb.float() * scale, pool, key_rows,
-                                                     seq_of, n_vis))
-    torch.testing.assert_close(iref.index_scores_paged(q, wb, pool, key_rows, seq_of, n_vis,
-                                                       weight_scale=scale), scores,
-                               rtol=1e-6, atol=1e-6)
+    assert torch.equal(scores, it.index_scores_paged(q, wb.float() * scale, pool, key_rows, seq_of, n_vis))
+    torch.testing.assert_close(
+        iref.index_scores_paged(q, wb, pool, key_rows, seq_of, n_vis, weight_scale=scale), scores, rtol=1e-6, atol=1e-6
+    )
     ids = it.select_topk(scores, k)
     want = torch.full_like(ids, -1, dtype=torch.int32)
     for t in range(ids.shape[0]):
@@ -156,10 +156,10 @@ def test_topk_as_pool_rows_equals_the_gather_of_the_ids(num_blocks):
         assert rows.dtype == torch.int32 and torch.equal(rows, want)
     blocks = it.candidate_blocks(scores, n_vis, bs, num_blocks)
     for impl in (it, iref):
-        ids = impl.index_topk_sparse_paged(q, wb, pool, key_rows, seq_of, n_vis, blocks, bs, k,
-                                           weight_scale=scale)
-        rows = impl.index_topk_sparse_paged(q, wb, pool, key_rows, seq_of, n_vis, blocks, bs,
-                                            k, weight_scale=scale, as_pool_rows=True)
+        ids = impl.index_topk_sparse_paged(q, wb, pool, key_rows, seq_of, n_vis, blocks, bs, k, weight_scale=scale)
+        rows = impl.index_topk_sparse_paged(
+            q, wb, pool, key_rows, seq_of, n_vis, blocks, bs, k, weight_scale=scale, as_pool_rows=True
+        )
         assert rows.dtype == torch.int32
         assert torch.equal(rows, iref.to_pool_rows(ids, key_rows, seq_of))
 
@@ -167,8 +167,7 @@ def test_topk_as_pool_rows_equals_the_gather_of_the_ids(num_blocks):
 def test_paged_ops_never_read_tensor_values_on_the_host(monkeypatch):
     """CUDA-graph safety: no .item()/.tolist()/bool()/nonzero while scoring and selecting."""
     q, w, pool, key_rows, seq_of, n_vis = _batch(seed=6)
-    blocks = it.candidate_blocks(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis),
-                                 n_vis, 4, 2)
+    blocks = it.candidate_blocks(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis), n_vis, 4, 2)
 
     def refuse(*args, **kwargs):
         raise AssertionError("host read of a tensor value")
@@ -178,16 +177,13 @@ def test_paged_ops_never_read_tensor_values_on_the_host(monkeypatch):
     monkeypatch.setattr(torch, "nonzero", refuse)
     it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5)
     it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 8, 5)  # all blocks
-    it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5,
-                               weight_scale=0.5, as_pool_rows=True)
-    it.select_topk(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis), 5,
-                   pool_rows=(key_rows, seq_of))
+    it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, 5, weight_scale=0.5, as_pool_rows=True)
+    it.select_topk(it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis), 5, pool_rows=(key_rows, seq_of))
 
 
 def _bad(name: str):
     q, w, pool, key_rows, seq_of, n_vis = _batch()
-    args = dict(q=q, head_weights=w, key_pool=pool, key_rows=key_rows, seq_of=seq_of,
-                n_visible=n_vis)
+    args = dict(q=q, head_weights=w, key_pool=pool, key_rows=key_rows, seq_of=seq_of, n_visible=n_vis)
     args[name] = {
         "q": q.to(torch.float16),
         "head_weights": w[:, :2],
@@ -200,8 +196,7 @@ def _bad(name: str):
 
 
 @pytest.mark.parametrize("impl", [iref, it], ids=["ref", "triton"])
-@pytest.mark.parametrize("name", ["q", "head_weights", "key_pool", "key_rows", "seq_of",
-                                  "n_visible"])
+@pytest.mark.parametrize("name", ["q", "head_weights", "key_pool", "key_rows", "seq_of", "n_visible"])
 def test_bad_shapes_and_dtypes_raise_naming_the_argument(impl, name):
     with pytest.raises(ValueError, match=f"^{name} "):
         impl.index_scores_paged(**_bad(name))
@@ -211,8 +206,8 @@ def test_bad_shapes_and_dtypes_raise_naming_the_argument(impl, name):
 def test_bad_candidate_blocks_raise_naming_the_argument(impl):
     q, w, pool, key_rows, seq_of, n_vis = _batch()
     with pytest.raises(ValueError, match="^blocks "):
-        impl.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
-                                     torch.zeros(2, 3, dtype=torch.int64), 4, 5)
+        impl.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, torch.zeros(2, 3, dtype=torch.int64), 4, 5)
     with pytest.raises(ValueError, match="^block_size "):
-        impl.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis,
-                                     torch.zeros(q.shape[0], 3, dtype=torch.int64), 0, 5)
+        impl.index_topk_sparse_paged(
+            q, w, pool, key_rows, seq_of, n_vis, torch.zeros(q.shape[0], 3, dtype=torch.int64), 0, 5
+        )

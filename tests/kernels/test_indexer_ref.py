@@ -43,6 +43,5 @@ def test_candidate_blocks_force_the_newest_block_and_drop_invisible_ones():
 
 
 def test_short_context_selects_every_visible_entry():
-    scores = ref.index_scores(torch.randn(1, 2, 4), torch.ones(1, 2), torch.randn(6, 4),
-                              torch.tensor([3]))
+    scores = ref.index_scores(torch.randn(1, 2, 4), torch.ones(1, 2), torch.randn(6, 4), torch.tensor([3]))
     assert ref.select_topk(scores, 4).tolist() == [[0, 1, 2, -1]]

@@ -28,9 +28,9 @@ def test_swiglu_clamps_gate_above_and_up_both_sides():
     up = torch.tensor([50.0, -50.0, 3.0])
     out = ref.swiglu(gate, up, limit=10.0)
     silu = torch.nn.functional.silu
-    torch.testing.assert_close(out, torch.stack((silu(torch.tensor(10.0)) * 10,
-                                                 silu(torch.tensor(-50.0)) * -10,
-                                                 silu(torch.tensor(2.0)) * 3)))
+    torch.testing.assert_close(
+        out, torch.stack((silu(torch.tensor(10.0)) * 10, silu(torch.tensor(-50.0)) * -10, silu(torch.tensor(2.0)) * 3))
+    )
 
 
 def test_moe_is_weighted_experts_plus_shared():
@@ -38,14 +38,19 @@ def test_moe_is_weighted_experts_plus_shared():
     d, i, e = 8, 6, 4
     x = torch.randn(5, d, generator=g)
     gate_w = torch.randn(e, d, generator=g)
-    experts = ref.ExpertWeights(torch.randn(e, i, d, generator=g), torch.randn(e, i, d, generator=g),
-                                torch.randn(e, d, i, generator=g))
+    experts = ref.ExpertWeights(
+        torch.randn(e, i, d, generator=g), torch.randn(e, i, d, generator=g), torch.randn(e, d, i, generator=g)
+    )
     shared = ref.ExpertWeights(*(t[:1] for t in (experts.w1, experts.w3, experts.w2)))
     bias = torch.randn(e, generator=g)
     out = ref.moe(x, gate_w, bias, experts, shared, 2, 1.5, 10.0)
     ids, w = ref.route(x, gate_w, bias, 2, 1.5)
     for t in range(5):
-        want = sum(w[t, k] * experts.w2[ids[t, k]] @ ref.swiglu(
-            experts.w1[ids[t, k]] @ x[t], experts.w3[ids[t, k]] @ x[t], 10.0) for k in range(2))
+        want = sum(
+            w[t, k]
+            * experts.w2[ids[t, k]]
+            @ ref.swiglu(experts.w1[ids[t, k]] @ x[t], experts.w3[ids[t, k]] @ x[t], 10.0)
+            for k in range(2)
+        )
         want = want + experts.w2[0] @ ref.swiglu(experts.w1[0] @ x[t], experts.w3[0] @ x[t], 10)
         torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)

@@ -66,17 +66,14 @@ def test_e2m1_ties_go_to_the_even_code():
 
 def test_e2m1_rounds_to_nearest_off_ties():
     x = f32(0.26, 0.74, 1.3, 2.4, 2.6, 3.4, 3.6, 4.9, 5.1, 6.0)
-    assert torch.equal(
-        q.e2m1_decode(q.e2m1_encode(x)), f32(0.5, 0.5, 1.5, 2.0, 3.0, 3.0, 4.0, 4.0, 6.0, 6.0)
-    )
+    assert torch.equal(q.e2m1_decode(q.e2m1_encode(x)), f32(0.5, 0.5, 1.5, 2.0, 3.0, 3.0, 4.0, 4.0, 6.0, 6.0))
 
 
 def test_e2m1_codes_and_sign_bit():
     x = f32(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -6.0)
     assert q.e2m1_encode(x).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 15]
     assert torch.equal(
-        q.e2m1_decode(torch.arange(16, dtype=torch.uint8)).abs()[8:],
-        q.e2m1_decode(torch.arange(8, dtype=torch.uint8)),
+        q.e2m1_decode(torch.arange(16, dtype=torch.uint8)).abs()[8:], q.e2m1_decode(torch.arange(8, dtype=torch.uint8))
     )
 
 
@@ -152,11 +149,7 @@ def test_record_sizes_for_the_released_dims():
     assert q.pack_window_fp8(torch.zeros(3, 512)).shape == (3, 528)
     assert q.pack_nvfp4(torch.zeros(3, 512)).shape == (3, 288)
     assert q.pack_mxfp4(torch.zeros(3, 128)).shape == (3, 68)
-    assert (
-        q.window_fp8_record_bytes(512),
-        q.nvfp4_record_bytes(512),
-        q.mxfp4_record_bytes(128),
-    ) == (528, 288, 68)
+    assert (q.window_fp8_record_bytes(512), q.nvfp4_record_bytes(512), q.mxfp4_record_bytes(128)) == (528, 288, 68)
 
 
 def test_nibble_order_low_is_even_channel():
@@ -218,9 +211,7 @@ def test_mxfp4_weight_matches_row_fake_quant_and_packs_along_k():
     w = torch.randn(16, 64)
     packed, scale = q.quantize_mxfp4_weight(w)
     assert packed.shape == (16, 32) and scale.shape == (16, 2)
-    assert torch.equal(
-        q.dequantize_mxfp4_weight(packed, scale, torch.float32), q.fake_quant_mxfp4(w)
-    )
+    assert torch.equal(q.dequantize_mxfp4_weight(packed, scale, torch.float32), q.fake_quant_mxfp4(w))
     codes = q.e2m1_encode(w[0, :2] / q.e8m0_to_float(scale[0, :1]))
     assert packed[0, 0].item() == codes[0].item() | (codes[1].item() << 4)
 

@@ -22,8 +22,9 @@ def test_released_frequencies_keep_low_pairs_and_divide_high_pairs():
     torch.testing.assert_close(freqs[25:], base[25:] / 16, rtol=1e-6, atol=0)
     ramp = (torch.arange(16, 25, dtype=torch.float32) - 15) / 10
     torch.testing.assert_close(freqs[16:25], base[16:25] * (1 - ramp) + base[16:25] / 16 * ramp)
-    assert torch.equal(ref.rope_frequencies(64, 10000.0, None),
-                       1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)))
+    assert torch.equal(
+        ref.rope_frequencies(64, 10000.0, None), 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    )
 
 
 def test_rotation_is_interleaved_on_the_last_channels():

@@ -32,7 +32,7 @@ def test_pool_open_pairs_matches_the_torch_expression(dtype):
     assert got.dtype == dtype and got.shape == want.shape
     # exp may differ by an ulp between NumPy (interpreter) and torch: BF16 rounding hides it
     # almost always; a flipped rounding is one BF16 ulp
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
     torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-30)
     if dtype == torch.bfloat16:
         assert (got == want).float().mean() >= 0.99
@@ -52,8 +52,7 @@ def test_partner_is_the_stored_row_or_the_row_before():
 def test_dispatch_names_match_the_reference():
     triton_mod = dispatch.get("compressor", "triton")
     assert triton_mod is ct
-    for name in ("gated_projection", "pool_pairs", "pool_two", "latent", "project",
-                 "pool_open_pairs"):
+    for name in ("gated_projection", "pool_pairs", "pool_two", "latent", "project", "pool_open_pairs"):
         assert callable(getattr(triton_mod, name)) and callable(getattr(ref, name))
 
 

@@ -42,11 +42,14 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("t", [1, 3, 8])
-@pytest.mark.parametrize("n, k, target", [
-    (64, 128, 1),     # one program, two K steps
-    (96, 320, 12),    # N block past N (96 of 128), split-K 5 chunks of 64
-    (70, 200, 8),     # N % 32 != 0, K = 200: a K tail (200 = 3 * 64 + 8), masked
-])
+@pytest.mark.parametrize(
+    "n, k, target",
+    [
+        (64, 128, 1),  # one program, two K steps
+        (96, 320, 12),  # N block past N (96 of 128), split-K 5 chunks of 64
+        (70, 200, 8),  # N % 32 != 0, K = 200: a K tail (200 = 3 * 64 + 8), masked
+    ],
+)
 def test_plain_gemm_matches_reference(tune, monkeypatch, t, n, k, target):
     _split(tune, target)
     w, deq = _fp8(n, k, seed=n + k)
@@ -74,8 +77,8 @@ def test_a_row_does_not_depend_on_the_batch(tune, monkeypatch, target):
     x = _x(8, 256, seed=4)
     full = fs.gemm(x, w, torch.empty(8, 64, dtype=torch.float32), config=tune.dense.fp8_swap)
     for r in (0, 5, 7):
-        one = fs.gemm(x[r:r + 1], w, torch.empty(1, 64, dtype=torch.float32), config=tune.dense.fp8_swap)
-        assert torch.equal(one, full[r:r + 1])
+        one = fs.gemm(x[r : r + 1], w, torch.empty(1, 64, dtype=torch.float32), config=tune.dense.fp8_swap)
+        assert torch.equal(one, full[r : r + 1])
 
 
 @pytest.mark.parametrize("target", [1, 6])
@@ -128,8 +131,7 @@ def test_eligibility_and_bad_calls(tune):
 def test_row_classes_and_their_plans(tune, monkeypatch):
     """A call runs the smallest class >= its rows; the split-K plan counts the class's row
     blocks (of its widest call), never the call's rows."""
-    tune.set("dense", fp8_swap={"classes": {8: {"rows": 8}, 16: {"rows": 16},
-                                               64: {"rows": 32}}})
+    tune.set("dense", fp8_swap={"classes": {8: {"rows": 8}, 16: {"rows": 16}, 64: {"rows": 32}}})
     assert [fs.row_class(r, tune.dense.fp8_swap) for r in (1, 8, 9, 16, 17, 64)] == [8, 8, 16, 16, 64, 64]
     with pytest.raises(ValueError, match="at most 64"):
         fs.row_class(65, tune.dense.fp8_swap)
@@ -137,13 +139,19 @@ def test_row_classes_and_their_plans(tune, monkeypatch):
     w, _ = _fp8(96, 320, seed=1)
     assert fs.plan(w, False, 8, tune.dense.fp8_swap) == (5, 64)  # 2 N blocks x 5 chunks >= 12 programs
     assert fs.plan(w, False, 64, tune.dense.fp8_swap) == (3, 128)  # 2 N blocks x 2 row blocks x 3 chunks >= 12
-    tune.set("dense", fp8_swap={"classes": {8: {"rows": 8}, 16: {"rows": 16,
-                                                                    "block_n": 32}}})
-    assert fs.tiles(w, False, 16, tune.dense.fp8_swap)["block_n"] == 32 and fs.tiles(w, False, 8, tune.dense.fp8_swap)["block_n"] == 64
+    tune.set("dense", fp8_swap={"classes": {8: {"rows": 8}, 16: {"rows": 16, "block_n": 32}}})
+    assert (
+        fs.tiles(w, False, 16, tune.dense.fp8_swap)["block_n"] == 32
+        and fs.tiles(w, False, 8, tune.dense.fp8_swap)["block_n"] == 64
+    )
 
 
-_CLASSES = {8: {"rows": 8}, 16: {"rows": 16, "block_n": 32, "warps": 2},
-            32: {"rows": 32}, 64: {"rows": 32, "block_n": 32, "warps": 2}}
+_CLASSES = {
+    8: {"rows": 8},
+    16: {"rows": 16, "block_n": 32, "warps": 2},
+    32: {"rows": 32},
+    64: {"rows": 32, "block_n": 32, "warps": 2},
+}
 
 
 @pytest.mark.parametrize("t", [9, 16, 27, 40, 64])

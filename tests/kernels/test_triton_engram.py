@@ -10,8 +10,7 @@ from flashpd.kernels.quant import ref as qref
 
 
 def _table(rows: int = 50, dim: int = 64, seed: int = 0):
-    w, s = qref.quantize_fp8_rows(torch.randn(rows, dim, generator=torch.Generator()
-                                              .manual_seed(seed)))
+    w, s = qref.quantize_fp8_rows(torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)))
     return w, s, et.HostTable.from_quantized(w, s)
 
 
@@ -42,16 +41,16 @@ def test_inject_matches_reference():
     wkv = (torch.randn(5 * 64, 96, generator=g) * 0.1).bfloat16()
     qk = torch.randn(4, 64, generator=g)
     got = et.engram_inject(x, rows, wkv, qk, 1e-20)
-    torch.testing.assert_close(got.float(), eref.engram_inject(x, rows, wkv, qk, 1e-20).float(),
-                               rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(got.float(), eref.engram_inject(x, rows, wkv, qk, 1e-20).float(), rtol=8e-3, atol=1e-2)
 
 
 def test_gates_match_reference():
     g = torch.Generator().manual_seed(5)
     x, keys = torch.randn(2, 3, 4, 64, generator=g).bfloat16()
     qk = torch.randn(4, 64, generator=g)
-    torch.testing.assert_close(et.engram_gates(x, keys, qk, 1e-20),
-                               eref.engram_gates(x, keys, qk, 1e-20), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        et.engram_gates(x, keys, qk, 1e-20), eref.engram_gates(x, keys, qk, 1e-20), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_cpu_tables_are_plain_memory():

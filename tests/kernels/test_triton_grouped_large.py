@@ -12,15 +12,17 @@ from flashpd.kernels.moe import ref as mref
 from flashpd.kernels.quant import ref as qref
 
 LIMIT = 10.0
-SMALL = {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2,
-         "dot_scaled": False}
+SMALL = {"block_m": 16, "block_n": 32, "block_k": 64, "warps": 4, "stages": 2, "dot_scaled": False}
 
 
 def _mxfp4(experts: int, n: int, k: int, g: torch.Generator) -> tuple[dt.Weights, torch.Tensor]:
     """Random MXFP4 weights [E, N, K] with a spread of scales, and their BF16 values."""
-    quant = [qref.quantize_mxfp4_weight(
-        torch.randn(n, k, generator=g) * 0.1 * 2.0 ** torch.randint(-3, 3, (n, 1), generator=g))
-        for _ in range(experts)]
+    quant = [
+        qref.quantize_mxfp4_weight(
+            torch.randn(n, k, generator=g) * 0.1 * 2.0 ** torch.randint(-3, 3, (n, 1), generator=g)
+        )
+        for _ in range(experts)
+    ]
     w = dt.Weights.mxfp4(torch.stack([p for p, _ in quant]), torch.stack([s for _, s in quant]))
     deq = torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in quant])
     return w, deq
@@ -39,14 +41,21 @@ def _want(x, sorted_ids, token_of_pair, gamma, w1, w3, w2):
     want = torch.empty(token_of_pair.shape[0], w2.shape[1], dtype=torch.bfloat16)
     for e in torch.unique(sorted_ids).tolist():
         sel = (sorted_ids == e).nonzero().flatten()
-        want[sel] = mref.expert_ffn(x[token_of_pair[sel].long()], w1[e], w3[e], w2[e], LIMIT,
-                                    gamma[sel][:, None])
+        want[sel] = mref.expert_ffn(x[token_of_pair[sel].long()], w1[e], w3[e], w2[e], LIMIT, gamma[sel][:, None])
     return want
 
 
-@pytest.mark.parametrize(("path", "swap", "fused13"), [
-    ("mx", False, False), ("mx", True, False), ("mx", True, True), ("bf16", False, True),
-    ("bf16", True, False), ("cublas", False, False)])
+@pytest.mark.parametrize(
+    ("path", "swap", "fused13"),
+    [
+        ("mx", False, False),
+        ("mx", True, False),
+        ("mx", True, True),
+        ("bf16", False, True),
+        ("bf16", True, False),
+        ("cublas", False, False),
+    ],
+)
 def test_expert_gemms_match_reference_ffn(tune, monkeypatch, path, swap, fused13):
     """Both GEMMs (gathered SwiGLU with gamma, then down) on pairs sorted by expert; the SwiGLU
     GEMM's N (96) is not a multiple of its block_n (64; 32 W1 + 32 W3 rows when fused13):
@@ -58,15 +67,12 @@ def test_expert_gemms_match_reference_ffn(tune, monkeypatch, path, swap, fused13
     w2, d2 = _mxfp4(experts, dim, inter, g)
     x = torch.randn(tokens, dim, generator=g).bfloat16()
     sorted_ids, token_of_pair, gamma, counts = _pairs(tokens, experts, top_k, g)
-    tune.set("moe", large=dict(gemm1={**SMALL, "path": path, "swap": swap,
-                                             "block_n": 64, "fused13": fused13}))
-    tune.set("moe", large=dict(gemm2={**SMALL, "path": path, "swap": swap,
-                                             "block_m": 32, "block_k": 32}))
+    tune.set("moe", large=dict(gemm1={**SMALL, "path": path, "swap": swap, "block_n": 64, "fused13": fused13}))
+    tune.set("moe", large=dict(gemm2={**SMALL, "path": path, "swap": swap, "block_m": 32, "block_k": 32}))
     tune.set("moe", large=dict(dequant={"block_r": 16, "block_k": 64, "warps": 4}))
     schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
     assert torch.equal(gl.counts_of(schedule, experts), counts)
-    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT,
-                          cfg=tune.moe.large)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT, cfg=tune.moe.large)
     want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
@@ -85,8 +91,7 @@ def test_large_calls_take_the_scratch_paths(tune, monkeypatch):
     tune.set("moe", large=dict(gemm1={**SMALL, "dot_scaled": True, "swap": False}))
     tune.set("moe", large=dict(gemm2={**SMALL, "dot_scaled": True, "swap": False}))
     schedule = dt.grouped_schedule(counts, tokens * top_k, 16)
-    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT,
-                          cfg=tune.moe.large)
+    got = gl.expert_gemms(x, token_of_pair, gamma, schedule, w1, w3, w2, LIMIT, cfg=tune.moe.large)
     want = _want(x, sorted_ids, token_of_pair, gamma, d1, d3, d2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
@@ -99,8 +104,7 @@ def test_dequantize_mxfp4_is_exact():
     scale = torch.randint(0, 255, (2, 8, 6), generator=g, dtype=torch.uint8)
     scale[0, 0] = torch.tensor([0, 1, 126, 127, 128, 254], dtype=torch.uint8)
     w = dt.Weights.mxfp4(packed, scale)
-    want = torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in zip(packed, scale,
-                                                                             strict=True)])
+    want = torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in zip(packed, scale, strict=True)])
     buf = torch.full((2, 16, 192), float("nan"), dtype=torch.bfloat16)
     got = gl.dequantize_mxfp4(w, buf[:, 8:])
     assert torch.equal(got, want)
@@ -135,4 +139,6 @@ def test_eligible_only_where_both_gemms_tile_their_k(monkeypatch):
     assert gl.eligible(w1, many, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)
     assert not gl.eligible(w1, many - 1, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)  # decode sizes
     assert not gl.eligible(w1, many, torch.float32, w2, cfg=configs.DEFAULT.moe.large)
-    assert gl.eligible(w1, configs.DEFAULT.moe.large.scratch_min_pairs, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large)
+    assert gl.eligible(
+        w1, configs.DEFAULT.moe.large.scratch_min_pairs, torch.bfloat16, w2, cfg=configs.DEFAULT.moe.large
+    )

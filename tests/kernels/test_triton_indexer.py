@@ -22,8 +22,7 @@ def _inputs(t: int = 4, h: int = 4, di: int = 32, n: int = 200, seed: int = 0):
 def test_packed_scores_equal_scores_of_unpacked_keys():
     q, w, rec, n_vis = _inputs()
     want = iref.index_scores(q, w, qref.unpack_mxfp4(rec, torch.bfloat16), n_vis)
-    torch.testing.assert_close(it.index_scores_packed(q, w, rec, n_vis), want,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(it.index_scores_packed(q, w, rec, n_vis), want, rtol=1e-6, atol=1e-6)
 
 
 def test_topk_is_ascending_and_padded_like_reference():
@@ -34,8 +33,9 @@ def test_topk_is_ascending_and_padded_like_reference():
 
 
 def test_topk_ties_prefer_lower_positions():
-    scores = torch.tensor([[1.0, 0.0, 1.0, 1.0, -0.0, 0.0, 2.0, float("-inf")],
-                           [0.0, 0.0, -0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    scores = torch.tensor(
+        [[1.0, 0.0, 1.0, 1.0, -0.0, 0.0, 2.0, float("-inf")], [0.0, 0.0, -0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    )
     assert torch.equal(it.select_topk(scores, 4), iref.select_topk(scores, 4))
     assert it.select_topk(scores, 4).tolist() == [[0, 2, 3, 6], [0, 1, 2, 3]]
 
@@ -43,8 +43,7 @@ def test_topk_ties_prefer_lower_positions():
 def test_candidate_mask_forces_the_newest_block():
     q, w, rec, n_vis = _inputs(seed=2)
     scores = iref.index_scores(q, w, qref.unpack_mxfp4(rec, torch.bfloat16), n_vis)
-    assert torch.equal(it.candidate_mask(scores, n_vis, 4, 6),
-                       iref.candidate_mask(scores, n_vis, 4, 6))
+    assert torch.equal(it.candidate_mask(scores, n_vis, 4, 6), iref.candidate_mask(scores, n_vis, 4, 6))
 
 
 def test_sparse_reindex_equals_candidate_masked_dense_selection():
@@ -74,24 +73,25 @@ def test_small_batch_topk_in_slices_equals_one_pass():
     scores[1, 40:] = float("-inf")
     scores[2, :] = float("-inf")
     allowed = torch.rand(3, 150, generator=g) > 0.3
-    key_rows = torch.randperm(1000, generator=g)[:2 * 150].reshape(2, 150)
+    key_rows = torch.randperm(1000, generator=g)[: 2 * 150].reshape(2, 150)
     seq_of = torch.tensor([1, 0, 1])
     # reindex layers: 19 candidate blocks of 8 over 400 paged entries (152 scored columns)
     q, w, _, _ = _inputs(t=3, n=400, seed=6)
     pool = qref.pack_mxfp4(torch.randn(900, 32, generator=g))
-    pool_rows = torch.randperm(900, generator=g)[:2 * 400].reshape(2, 400).int()
+    pool_rows = torch.randperm(900, generator=g)[: 2 * 400].reshape(2, 400).int()
     n_vis = torch.tensor([400, 111, 400])
     blocks = torch.stack([torch.randperm(50, generator=g)[:19].sort().values for _ in range(3)])
     blocks[1, 14:] = -1
 
     def run(**fields):
         t = configs.override(configs.DEFAULT, indexer=fields)
-        return [it.select_topk(scores, 8, tuned=t), it.select_topk(scores, 8, allowed, tuned=t),
-                it.select_topk(scores, 8, pool_rows=(key_rows, seq_of), tuned=t),
-                it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8,
-                                           tuned=t),
-                it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8,
-                                           as_pool_rows=True, tuned=t)]
+        return [
+            it.select_topk(scores, 8, tuned=t),
+            it.select_topk(scores, 8, allowed, tuned=t),
+            it.select_topk(scores, 8, pool_rows=(key_rows, seq_of), tuned=t),
+            it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8, tuned=t),
+            it.index_topk_sparse_paged(q, w, pool, pool_rows, seq_of, n_vis, blocks, 8, 8, as_pool_rows=True, tuned=t),
+        ]
 
     one_pass = run(topk_split_q=0)
     sliced = configs.IndexerConfig(topk_split_q=16, topk_min_slice=32)
@@ -111,9 +111,11 @@ def test_small_batch_scoring_takes_fewer_tiles_per_program():
     assert it.score_tiles(8, 8192, c) == 2  # 8 x 32 = 256 < 264 at 4 tiles... halved to >= 264
     q, w, rec, n_vis = _inputs(n=700)
     want = iref.index_scores(q, w, qref.unpack_mxfp4(rec, torch.bfloat16), n_vis)
-    eight = it.index_scores_packed(q, w, rec, n_vis, tuned=configs.override(
-        configs.DEFAULT, indexer={"score_target": 0}))  # 11 tiles: 2 programs of 8 per query
-    one = it.index_scores_packed(q, w, rec, n_vis, tuned=configs.override(
-        configs.DEFAULT, indexer={"score_target": 1000}))  # 11 programs of 1 per query
+    eight = it.index_scores_packed(
+        q, w, rec, n_vis, tuned=configs.override(configs.DEFAULT, indexer={"score_target": 0})
+    )  # 11 tiles: 2 programs of 8 per query
+    one = it.index_scores_packed(
+        q, w, rec, n_vis, tuned=configs.override(configs.DEFAULT, indexer={"score_target": 1000})
+    )  # 11 programs of 1 per query
     assert torch.equal(eight, one)
     torch.testing.assert_close(one, want, rtol=1e-6, atol=1e-6)

@@ -22,8 +22,11 @@ def _site(t: int = 7, d: int = 64, seed: int = 0):
 
 def test_mixes_match_reference():
     x, fn, base, scale = _site()
-    for got, want in zip(ht.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20),
-                         href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
+    for got, want in zip(
+        ht.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20),
+        href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20),
+        strict=True,
+    ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -33,21 +36,18 @@ def test_fused_step_matches_expand_mixes_collapse_norm():
     y = torch.randn(7, 64, generator=g).bfloat16()
     norm_w = torch.randn(64, generator=g).bfloat16()
     pre_in, post, comb = href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
-    out = ht.expand_mix_collapse(y, x, post, comb, fn, base, scale, 20, 1e-6, 1e-20, pre_in,
-                                 norm_w)
+    out = ht.expand_mix_collapse(y, x, post, comb, fn, base, scale, 20, 1e-6, 1e-20, pre_in, norm_w)
     _assert_fused_close(out, y, x, post, comb, fn, base, scale, pre_in, norm_w)
 
 
-def _assert_fused_close(out, y, x, post, comb, fn, base, scale, pre_in, norm_w,
-                        mixes_of_kernel_streams=False):
+def _assert_fused_close(out, y, x, post, comb, fn, base, scale, pre_in, norm_w, mixes_of_kernel_streams=False):
     """The fused step's outputs against expand -> mixes -> collapse -> RMSNorm (the mixes of
     the ref's X', or of the kernel's X' when asked)."""
     new, pre, post2, comb2, xc = out
     want = href.expand(y, x, post, comb)
     torch.testing.assert_close(new.float(), want.float(), rtol=8e-3, atol=1e-5)
     streams = new if mixes_of_kernel_streams else want
-    for got, ref in zip((pre, post2, comb2), href.hc_mixes(streams, fn, base, scale, 20, 1e-6,
-                                                           1e-20), strict=True):
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(streams, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
     torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
@@ -65,8 +65,9 @@ def test_collapse_and_expand_match_reference():
     pre, post, comb = href.hc_mixes(x, fn, base, scale, 20, 1e-6, 1e-20)
     y = torch.randn(7, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert torch.equal(ht.collapse(x, pre), href.collapse(x, pre))
-    torch.testing.assert_close(ht.expand(y, x, post, comb).float(),
-                               href.expand(y, x, post, comb).float(), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(
+        ht.expand(y, x, post, comb).float(), href.expand(y, x, post, comb).float(), rtol=8e-3, atol=1e-5
+    )
 
 
 def test_only_four_streams_are_supported():
@@ -118,8 +119,7 @@ def test_prefill_tiles_match_reference_and_every_grid_gives_the_same_bits(block_
     torch.testing.assert_close(new.float(), want.float(), rtol=8e-3, atol=1e-5)
     # mixes of the kernel's own X' (a few X' elements may differ by one BF16 ulp from the
     # ref's bmm, whose summation order is MKL's)
-    for got, ref in zip((pre, post2, comb2), href.hc_mixes(new, fn, base, scale, 20, 1e-6,
-                                                           1e-20), strict=True):
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(new, fn, base, scale, 20, 1e-6, 1e-20), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     ref_x = dref.rms_norm(href.collapse(want, pre_in), norm_w, 1e-20)
     torch.testing.assert_close(xc.float(), ref_x.float(), rtol=2e-2, atol=1e-2)
@@ -132,30 +132,31 @@ def test_decode_rows_do_not_depend_on_the_batch():
     args = _fused(19, 256, 8)
     batch = ht.expand_mix_collapse(*args)
     for i in (5, 17):
-        one = ht.expand_mix_collapse(*(a[i:i + 1] if j in (0, 1, 2, 3, 10) else a
-                                       for j, a in enumerate(args)))
+        one = ht.expand_mix_collapse(*(a[i : i + 1] if j in (0, 1, 2, 3, 10) else a for j, a in enumerate(args)))
         for a, b in zip(batch, one, strict=True):
-            assert torch.equal(a[i:i + 1], b)
+            assert torch.equal(a[i : i + 1], b)
 
 
 def test_ref_fused_step_is_the_unfused_sequence():
     y, x, post, comb, fn, base, scale, it, he, ne, pre_in, norm_w = _fused(5, 64, 9)
-    new, pre, post2, comb2, xc = href.expand_mix_collapse(y, x, post, comb, fn, base, scale, it,
-                                                          he, ne, pre_in, norm_w)
+    new, pre, post2, comb2, xc = href.expand_mix_collapse(y, x, post, comb, fn, base, scale, it, he, ne, pre_in, norm_w)
     want = href.expand(y, x, post, comb)
     assert torch.equal(new, want)
-    for got, ref in zip((pre, post2, comb2), href.hc_mixes(want, fn, base, scale, it, he, ne),
-                        strict=True):
+    for got, ref in zip((pre, post2, comb2), href.hc_mixes(want, fn, base, scale, it, he, ne), strict=True):
         assert torch.equal(got, ref)
     assert torch.equal(xc, dref.rms_norm(href.collapse(want, pre_in), norm_w, ne))
     same, *_, none = href.expand_mix_collapse(None, x, None, None, fn, base, scale, it, he, ne)
     assert same is x and none is None
 
 
-@pytest.mark.parametrize("over", [{"decode_sk_tok": True},
-                                  {"decode_split": 160, "red": 7, "decode_narrow": True},
-                                  {"decode_sk_tok": True, "decode_split": 160, "red": 160,
-                                   "decode_narrow": True}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"decode_sk_tok": True},
+        {"decode_split": 160, "red": 7, "decode_narrow": True},
+        {"decode_sk_tok": True, "decode_split": 160, "red": 160, "decode_narrow": True},
+    ],
+)
 def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(over):
     # per-token Sinkhorn, one-chunk slices (D = 256: 8 slices of 32 channels), slice vectors
     # loaded 7 at a time or all at once: same tolerances as the defaults, a row's bits alone ==
@@ -167,13 +168,13 @@ def test_decode_knobs_match_reference_and_keep_rows_batch_invariant(over):
     args = _fused(19, 256, 10)
     batch = ht.expand_mix_collapse(*args, tuned=tuned)
     y, x, post, comb, fn, base, scale, _, _, _, pre_in, norm_w = args
-    _assert_fused_close(batch, y, x, post, comb, fn, base, scale, pre_in, norm_w,
-                        mixes_of_kernel_streams=True)
+    _assert_fused_close(batch, y, x, post, comb, fn, base, scale, pre_in, norm_w, mixes_of_kernel_streams=True)
     for i in (5, 17):
-        one = ht.expand_mix_collapse(*(a[i:i + 1] if j in (0, 1, 2, 3, 10) else a
-                                       for j, a in enumerate(args)), tuned=tuned)
+        one = ht.expand_mix_collapse(
+            *(a[i : i + 1] if j in (0, 1, 2, 3, 10) else a for j, a in enumerate(args)), tuned=tuned
+        )
         for a, b in zip(batch, one, strict=True):
-            assert torch.equal(a[i:i + 1], b)
+            assert torch.equal(a[i : i + 1], b)
     assert int(triton_runtime.arrival_counters(torch.device("cpu")).abs().sum()) == 0
 
 

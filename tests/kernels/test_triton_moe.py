@@ -15,7 +15,7 @@ from flashpd.kernels.quant import ref as qref
 def _router(t: int = 20, d: int = 128, e: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, d, generator=g).bfloat16()
-    w = (torch.randn(e, d, generator=g) * d ** -0.5).bfloat16()
+    w = (torch.randn(e, d, generator=g) * d**-0.5).bfloat16()
     bias = torch.randn(e, generator=g) * 0.1
     return x, w, bias
 
@@ -57,12 +57,14 @@ def test_moe_with_dequantised_weights_matches_reference():
 def test_moe_reads_mxfp4_routed_and_fp8_shared_experts_as_stored():
     x, gw, bias = _router(t=10, d=64, e=4, seed=4)
     g = torch.Generator().manual_seed(5)
-    packed = [qref.quantize_mxfp4_weight(torch.randn(32 if i < 2 else 64, 64 if i < 2 else 32,
-                                                     generator=g) * 0.1) for i in range(3)]
-    routed = mt.ExpertSet(*(dt.Weights.mxfp4(torch.stack([p] * 4), torch.stack([s] * 4))
-                            for p, s in packed))
-    fp8 = [qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1)
-           for shape in ((32, 64), (32, 64), (64, 32))]
+    packed = [
+        qref.quantize_mxfp4_weight(torch.randn(32 if i < 2 else 64, 64 if i < 2 else 32, generator=g) * 0.1)
+        for i in range(3)
+    ]
+    routed = mt.ExpertSet(*(dt.Weights.mxfp4(torch.stack([p] * 4), torch.stack([s] * 4)) for p, s in packed))
+    fp8 = [
+        qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1) for shape in ((32, 64), (32, 64), (64, 32))
+    ]
     shared = mt.ExpertSet(*(dt.Weights.fp8(w, s) for w, s in fp8))
     got = mt.moe_quantized(x, gw, bias, routed, shared, 2, 1.5, 10.0)
     deq = [qref.dequantize_mxfp4_weight(p, s) for p, s in packed]
@@ -85,17 +87,19 @@ def test_split_k_experts_with_swiglu_and_gamma_match_reference(tune):
     x, gw, bias = _router(t=6, d=96, e=4, seed=6)
     g = torch.Generator().manual_seed(7)
     shapes = ((64, 96), (64, 96), (96, 64))
-    packed = [[qref.quantize_mxfp4_weight(torch.randn(*shape, generator=g) * 0.1)
-               for _ in range(4)] for shape in shapes]
-    routed = mt.ExpertSet(*(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]),
-                                             torch.stack([s for _, s in ps])) for ps in packed))
+    packed = [
+        [qref.quantize_mxfp4_weight(torch.randn(*shape, generator=g) * 0.1) for _ in range(4)] for shape in shapes
+    ]
+    routed = mt.ExpertSet(
+        *(dt.Weights.mxfp4(torch.stack([p for p, _ in ps]), torch.stack([s for _, s in ps])) for ps in packed)
+    )
     assert dt._plan(routed.w1, tune.dense)[0] == 3
-    fp8 = [qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1)
-           for shape in shapes]
+    fp8 = [qref.quantize_fp8_blockwise(torch.randn(*shape, generator=g) * 0.1) for shape in shapes]
     shared = mt.ExpertSet(*(dt.Weights.fp8(w, s) for w, s in fp8))
     got = tune(mt).moe_quantized(x, gw, bias, routed, shared, 2, 1.5, 10.0)
-    ref_routed = mref.ExpertWeights(*(torch.stack([qref.dequantize_mxfp4_weight(p, s)
-                                                   for p, s in ps]) for ps in packed))
+    ref_routed = mref.ExpertWeights(
+        *(torch.stack([qref.dequantize_mxfp4_weight(p, s) for p, s in ps]) for ps in packed)
+    )
     ref_shared = mref.ExpertWeights(*(qref.dequantize_fp8_blockwise(w, s)[None] for w, s in fp8))
     want = mref.moe(x, gw, bias, ref_routed, ref_shared, 2, 1.5, 10.0)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-2)
@@ -108,8 +112,7 @@ def _routing(t: int, e: int, k: int, seed: int):
 
 
 def _tiles(sched):
-    return [(int(x), int(a), int(b)) for x, a, b in zip(sched.expert, sched.start, sched.end,
-                                                        strict=True) if a < b]
+    return [(int(x), int(a), int(b)) for x, a, b in zip(sched.expert, sched.start, sched.end, strict=True) if a < b]
 
 
 @pytest.mark.parametrize("count_t", [16, 64])
@@ -135,8 +138,7 @@ def test_sort_kernel_pos_lists_each_token_pairs_in_ascending_expert_id():
     got = mt.sort_pairs(ids, w, 12, 16)
     sorted_expert = ids.reshape(-1)[torch.argsort(ids.reshape(-1), stable=True)]
     assert torch.equal(sorted_expert[got.pos.long()], ids.sort(dim=-1).values)
-    assert torch.equal(got.rows[got.pos.long()],
-                       torch.arange(7, dtype=torch.int32)[:, None].expand(7, 4))
+    assert torch.equal(got.rows[got.pos.long()], torch.arange(7, dtype=torch.int32)[:, None].expand(7, 4))
 
 
 def test_combine_sums_in_pos_order_adds_shared_and_rounds_once():
@@ -148,8 +150,7 @@ def test_combine_sums_in_pos_order_adds_shared_and_rounds_once():
     for r in range(3):
         want = want + y[pos[:, r].long()].float()
     assert torch.equal(mt.combine(y, pos, None, torch.float32), want)
-    assert torch.equal(mt.combine(y, pos, shared, torch.bfloat16),
-                       (want + shared.float()).bfloat16())
+    assert torch.equal(mt.combine(y, pos, shared, torch.bfloat16), (want + shared.float()).bfloat16())
 
 
 def test_router_k_step_keeps_the_gate_tile_in_shared_memory():

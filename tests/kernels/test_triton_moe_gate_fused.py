@@ -16,7 +16,7 @@ BENCH_EXPERTS, BENCH_TOP_K = 64, 6  # the bench preset's router (model/presets.p
 def _gate(t: int, d: int, e: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, d, generator=g).bfloat16()
-    w = (torch.randn(e, d, generator=g) * d ** -0.5).bfloat16()
+    w = (torch.randn(e, d, generator=g) * d**-0.5).bfloat16()
     return x, w, torch.randn(e, generator=g) * 0.1
 
 
@@ -24,9 +24,11 @@ def _assert_same_pairs(got: mt.SortedPairs, want: mt.SortedPairs) -> None:
     assert torch.equal(got.rows, want.rows) and torch.equal(got.gamma, want.gamma)
     assert torch.equal(got.pos, want.pos)
     assert got.schedule.block_m == want.schedule.block_m
-    for a, b in ((got.schedule.expert, want.schedule.expert),
-                 (got.schedule.start, want.schedule.start),
-                 (got.schedule.end, want.schedule.end)):
+    for a, b in (
+        (got.schedule.expert, want.schedule.expert),
+        (got.schedule.start, want.schedule.start),
+        (got.schedule.end, want.schedule.end),
+    ):
         assert torch.equal(a, b)  # every tile, the empty surplus ones included
 
 
@@ -94,10 +96,12 @@ def test_moe_with_the_fused_gate_sorts_once_and_matches_the_unfused_moe(tune, mo
     g = torch.Generator().manual_seed(7)
     e, d, i = 8, 64, 32
     x, gw, bias = _gate(3, d, e, seed=7)
-    experts = mref.ExpertWeights(*(torch.randn(e, n, k, generator=g).bfloat16() * 0.1
-                                   for n, k in ((i, d), (i, d), (d, i))))
-    shared = mref.ExpertWeights(*(torch.randn(1, n, k, generator=g).bfloat16() * 0.1
-                                  for n, k in ((i, d), (i, d), (d, i))))
+    experts = mref.ExpertWeights(
+        *(torch.randn(e, n, k, generator=g).bfloat16() * 0.1 for n, k in ((i, d), (i, d), (d, i)))
+    )
+    shared = mref.ExpertWeights(
+        *(torch.randn(1, n, k, generator=g).bfloat16() * 0.1 for n, k in ((i, d), (i, d), (d, i)))
+    )
     tune.set("moe", fused_gate=False)
     want = tune(mt).moe(x, gw, bias, experts, shared, 2, 1.5, 10.0)
 

@@ -108,8 +108,9 @@ def test_only_mxfp4_experts_are_eligible(tune):
     experts = mxfp4_experts(2, 64, 32, seed=15)
     assert gemv.eligible(experts, torch.bfloat16) and gemv.eligible(experts, torch.float32)
     assert not gemv.eligible(experts, torch.float16)
-    plain = mt.ExpertSet.plain(mref.ExpertWeights(torch.zeros(2, 32, 64), torch.zeros(2, 32, 64),
-                                                  torch.zeros(2, 64, 32)))
+    plain = mt.ExpertSet.plain(
+        mref.ExpertWeights(torch.zeros(2, 32, 64), torch.zeros(2, 32, 64), torch.zeros(2, 64, 32))
+    )
     assert not gemv.eligible(plain, torch.bfloat16)
     x, ids, w = routed_batch(1, 64, 2, 1, seed=0)
     pairs = mt.sort_pairs(ids, w, 2, 1)
@@ -128,8 +129,12 @@ def test_bench_check_smoke_runs_and_reports_old_and_new(tmp_path, benchmark_scri
     assert moe_gemv_check.main(["--smoke", "--out", str(tmp_path), "--variants", "rows1"]) == 0
     rows = json.loads((tmp_path / "moe_gemv_check.json").read_text())["results"]
     assert {(r["path"], r["m"]) for r in rows} == {
-        ("gemv (new)", 1), ("gemv (new)", 3), ("gemv kernels only (prep+up+down)", 3),
-        ("grouped GEMM (old)", 3), ("gemv rows1", 3)}
+        ("gemv (new)", 1),
+        ("gemv (new)", 3),
+        ("gemv kernels only (prep+up+down)", 3),
+        ("grouped GEMM (old)", 3),
+        ("gemv rows1", 3),
+    }
     assert all(r["err"] < 2e-3 for r in rows if r["path"] != "gemv kernels only (prep+up+down)")
     assert "| gemv rows1 | 3 |" in (tmp_path / "moe_gemv_check.md").read_text()
     assert configs.DEFAULT.moe.gemv  # the defaults are data: nothing to restore

@@ -31,12 +31,15 @@ def _swapab(x, ids, weights, experts: mt.ExpertSet, rows: int, tune) -> torch.Te
     return mt.combine(y, pairs.pos, None, torch.float32)
 
 
-@pytest.mark.parametrize("t, rows, d, i", [
-    (1, 8, 64, 64),     # a single pair per tile, every other grid slot empty
-    (9, 8, 128, 64),    # full and partial tiles of 8 pairs, two K steps
-    (20, 16, 64, 128),  # tiles of 16 (the wgmma form on the GPU)
-    (5, 32, 96, 96),    # K = 96: a K step past the last scale group (masked)
-])
+@pytest.mark.parametrize(
+    "t, rows, d, i",
+    [
+        (1, 8, 64, 64),  # a single pair per tile, every other grid slot empty
+        (9, 8, 128, 64),  # full and partial tiles of 8 pairs, two K steps
+        (20, 16, 64, 128),  # tiles of 16 (the wgmma form on the GPU)
+        (5, 32, 96, 96),  # K = 96: a K step past the last scale group (masked)
+    ],
+)
 def test_routed_sum_matches_reference(tune, t, rows, d, i):
     experts = mxfp4_experts(4, d, i, seed=t)
     x, ids, w = routed_batch(t, d, 4, 2, seed=10 + t)
@@ -76,15 +79,15 @@ def test_moe_triton_takes_the_path_between_the_gemv_and_swapab_bounds(tune, monk
     x, ids, w = routed_batch(6, 64, 4, 2, seed=14)
     calls = []
     real = swapab.expert_rows
-    monkeypatch.setattr(swapab, "expert_rows",
-                        lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    monkeypatch.setattr(swapab, "expert_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     tune.set("moe", gemv_max_rows=2, swapab_max_tokens=6)
     got = tune(mt).routed_experts(x, ids, w, experts, MOE_LIMIT)
     assert calls == [swapab.tile_rows(6, tune.moe.swapab)]
     assert rel_err(got, routed_reference(x, ids, w, experts)) < 2e-3
     tune(mt).routed_experts(x[:2], ids[:2], w[:2], experts, MOE_LIMIT)  # GEMV
-    tune(mt).routed_experts(torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]),
-                      torch.cat([w, w[:1]]), experts, MOE_LIMIT)  # 7 tokens: grouped GEMMs
+    tune(mt).routed_experts(
+        torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]), torch.cat([w, w[:1]]), experts, MOE_LIMIT
+    )  # 7 tokens: grouped GEMMs
     tune.set("moe", swapab_max_tokens=0)
     tune(mt).routed_experts(x, ids, w, experts, MOE_LIMIT)
     assert len(calls) == 1
@@ -102,8 +105,9 @@ def test_only_mxfp4_experts_and_bf16_activations_are_eligible():
     experts = mxfp4_experts(2, 64, 64, seed=15)
     assert swapab.eligible(experts, torch.bfloat16)
     assert not swapab.eligible(experts, torch.float32)
-    plain = mt.ExpertSet.plain(mref.ExpertWeights(torch.zeros(2, 64, 64), torch.zeros(2, 64, 64),
-                                                  torch.zeros(2, 64, 64)))
+    plain = mt.ExpertSet.plain(
+        mref.ExpertWeights(torch.zeros(2, 64, 64), torch.zeros(2, 64, 64), torch.zeros(2, 64, 64))
+    )
     assert not swapab.eligible(plain, torch.bfloat16)
     x, ids, w = routed_batch(1, 64, 2, 1, seed=0)
     pairs = mt.sort_pairs(ids, w, 2, 8)
@@ -119,22 +123,27 @@ def test_bench_check_smoke_reports_new_old_and_gemv(tmp_path, benchmark_script):
 
     moe_swapab_check = benchmark_script("moe_swapab_check")
 
-    assert moe_swapab_check.main(["--smoke", "--out", str(tmp_path), "--ms", "3",
-                                  "--variants", "bn32w2"]) == 0
+    assert moe_swapab_check.main(["--smoke", "--out", str(tmp_path), "--ms", "3", "--variants", "bn32w2"]) == 0
     rows = json.loads((tmp_path / "moe_swapab.json").read_text())["results"]
     assert {(r["path"], r["m"]) for r in rows} == {
-        ("swapab (new)", 3), ("grouped GEMM (old)", 3), ("gemv (default <= 16)", 3),
-        ("swapab bn32w2", 3)}
+        ("swapab (new)", 3),
+        ("grouped GEMM (old)", 3),
+        ("gemv (default <= 16)", 3),
+        ("swapab bn32w2", 3),
+    }
     assert all(r["err"] < 2e-3 for r in rows)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"up": {"split": 2}, "down": {"split": 3}},  # K = 96, steps of 64: the third split is empty
-    {"up": {"split": 4, "block_n": 32, "warps": 2}, "down": {"split": 2}},
-    {"up": {"split": 2, "scale_prefetch": True}, "down": {"split": 2, "w_prefetch": True}},
-    {"up": {"scale_prefetch": True}, "down": {"w_prefetch": True}},
-    {"fold_prep": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"up": {"split": 2}, "down": {"split": 3}},  # K = 96, steps of 64: the third split is empty
+        {"up": {"split": 4, "block_n": 32, "warps": 2}, "down": {"split": 2}},
+        {"up": {"split": 2, "scale_prefetch": True}, "down": {"split": 2, "w_prefetch": True}},
+        {"up": {"scale_prefetch": True}, "down": {"w_prefetch": True}},
+        {"fold_prep": True},
+    ],
+)
 def test_variants_match_reference_and_leave_counters_zeroed(tune, monkeypatch, overrides):
     """Split-K (partials summed by the last program), register prefetch, no prep launch."""
     for key, value in overrides.items():
@@ -162,8 +171,7 @@ def test_split_k_result_does_not_depend_on_the_batch(tune, monkeypatch):
 
 
 def test_launch_config_takes_the_first_size_entry_covering_the_batch():
-    cfg = configs.SwapabConfig(sizes=((2, {}), (4, {"up": {"split": 2}}),
-                                      (64, {"down": {"block_n": 32}})))
+    cfg = configs.SwapabConfig(sizes=((2, {}), (4, {"up": {"split": 2}}), (64, {"down": {"block_n": 32}})))
     up, down = dict(cfg.up), dict(cfg.down)
     assert swapab.launch_config("up", 2, cfg) == up
     assert swapab.launch_config("up", 3, cfg) == {**up, "split": 2}
@@ -174,8 +182,9 @@ def test_launch_config_takes_the_first_size_entry_covering_the_batch():
 
 def test_default_size_classes_match_reference(tune, monkeypatch):
     """Each size class of the defaults (SwapabConfig.sizes; K steps shrunk to the tiny shapes)."""
-    small = tuple((m, {p: {**o, "block_k": 64} for p, o in over.items()})
-                  for m, over in configs.DEFAULT.moe.swapab.sizes)
+    small = tuple(
+        (m, {p: {**o, "block_k": 64} for p, o in over.items()}) for m, over in configs.DEFAULT.moe.swapab.sizes
+    )
     tune.set("moe", swapab={"sizes": small})
     experts = mxfp4_experts(8, 128, 64, seed=25)
     for t in (1, 4, 16, 64, 65):

@@ -15,9 +15,11 @@ from flashpd.kernels.quant import ref as qref
 from flashpd.kernels.quant import triton as qt
 from flashpd.kernels.rope import ref as rope
 
-FORMATS = [("fp8", qt.write_window_fp8, qref.pack_window_fp8, 64),
-           ("nvfp4", qt.write_nvfp4, qref.pack_nvfp4, 64),
-           ("mxfp4", qt.write_mxfp4, qref.pack_mxfp4, 32)]
+FORMATS = [
+    ("fp8", qt.write_window_fp8, qref.pack_window_fp8, 64),
+    ("nvfp4", qt.write_nvfp4, qref.pack_nvfp4, 64),
+    ("mxfp4", qt.write_mxfp4, qref.pack_mxfp4, 32),
+]
 
 
 def _values(n: int, d: int, dtype: torch.dtype) -> torch.Tensor:

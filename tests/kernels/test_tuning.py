@@ -16,11 +16,18 @@ def test_unset_variables_change_nothing():
 
 
 def test_set_variables_reach_their_fields_in_a_copy():
-    env = {"FLASHPD_INDEXER_SMALL_BATCH": "0", "FLASHPD_ATTN_FUSED_COMBINE": "1",
-           "FLASHPD_ATTN_CONFIG": '{"combine_heads": 2}', "FLASHPD_MHC_SPIN": "0",
-           "FLASHPD_FP8_SWAP_MAX_ROWS": "8", "FLASHPD_MOE_GEMV_MAX_ROWS": "4",
-           "FLASHPD_MOE_SWAPAB_MAX_TOKENS": "0", "FLASHPD_MOE_FUSED_GATE": "1",
-           "FLASHPD_MOE_FUSED_GATE_MAX_TOKENS": "32", "FLASHPD_COMMIT": "not a kernel knob"}
+    env = {
+        "FLASHPD_INDEXER_SMALL_BATCH": "0",
+        "FLASHPD_ATTN_FUSED_COMBINE": "1",
+        "FLASHPD_ATTN_CONFIG": '{"combine_heads": 2}',
+        "FLASHPD_MHC_SPIN": "0",
+        "FLASHPD_FP8_SWAP_MAX_ROWS": "8",
+        "FLASHPD_MOE_GEMV_MAX_ROWS": "4",
+        "FLASHPD_MOE_SWAPAB_MAX_TOKENS": "0",
+        "FLASHPD_MOE_FUSED_GATE": "1",
+        "FLASHPD_MOE_FUSED_GATE_MAX_TOKENS": "32",
+        "FLASHPD_COMMIT": "not a kernel knob",
+    }
     assert len(tuning.read_env_overrides(env)) == 9
     c = tuning.apply_env_overrides(H200, env)
     assert (c.indexer.score_target, c.indexer.topk_split_q) == (0, 0)
@@ -34,12 +41,15 @@ def test_set_variables_reach_their_fields_in_a_copy():
     assert tuning.load("cpu", env) == c
 
 
-@pytest.mark.parametrize("env,match", [
-    ({"FLASHPD_MOE_FUSED_GATE": "yes"}, "FLASHPD_MOE_FUSED_GATE must be 0 or 1"),
-    ({"FLASHPD_FP8_SWAP_MAX_ROWS": "-1"}, "FLASHPD_FP8_SWAP_MAX_ROWS must be an integer"),
-    ({"FLASHPD_MOE_GEMV_MAX_ROWS": "4.5"}, "FLASHPD_MOE_GEMV_MAX_ROWS must be an integer"),
-    ({"FLASHPD_ATTN_CONFIG": '{"combine_head": 1}'}, "combine_head"),
-])
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"FLASHPD_MOE_FUSED_GATE": "yes"}, "FLASHPD_MOE_FUSED_GATE must be 0 or 1"),
+        ({"FLASHPD_FP8_SWAP_MAX_ROWS": "-1"}, "FLASHPD_FP8_SWAP_MAX_ROWS must be an integer"),
+        ({"FLASHPD_MOE_GEMV_MAX_ROWS": "4.5"}, "FLASHPD_MOE_GEMV_MAX_ROWS must be an integer"),
+        ({"FLASHPD_ATTN_CONFIG": '{"combine_head": 1}'}, "combine_head"),
+    ],
+)
 def test_bad_values_raise_naming_the_variable(env, match):
     good = {} if "FLASHPD_FP8_SWAP_MAX_ROWS" in env else {"FLASHPD_FP8_SWAP_MAX_ROWS": "8"}
     with pytest.raises(ValueError, match=match):
@@ -49,7 +59,9 @@ def test_bad_values_raise_naming_the_variable(env, match):
 def test_attention_json_checks_fields_and_types():
     assert tuning.attention_overrides(None) == {} and tuning.attention_overrides("") == {}
     assert tuning.attention_overrides('{"combine_heads": 1, "split_min_tiles": 2}') == {
-        "combine_heads": 1, "split_min_tiles": 2}
+        "combine_heads": 1,
+        "split_min_tiles": 2,
+    }
     with pytest.raises(ValueError, match="combine_head"):
         tuning.attention_overrides('{"combine_head": 1}')  # not a field
     with pytest.raises(ValueError, match="FLASHPD_ATTN_CONFIG.*combine_heads"):
@@ -63,10 +75,12 @@ def test_no_kernel_module_holds_tuning_state():
     import pathlib
 
     root = pathlib.Path(tuning.__file__).parent
-    globals_ = [f"{p.relative_to(root)}:{n.targets[0].id}" for p in root.rglob("*.py")
-                for n in ast.parse(p.read_text()).body
-                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
-                and n.targets[0].id == "CONFIG"]
+    globals_ = [
+        f"{p.relative_to(root)}:{n.targets[0].id}"
+        for p in root.rglob("*.py")
+        for n in ast.parse(p.read_text()).body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "CONFIG"
+    ]
     assert globals_ == []
 
 
@@ -74,6 +88,9 @@ def test_no_kernel_module_reads_the_environment_at_import():
     import pathlib
 
     root = pathlib.Path(tuning.__file__).parent
-    readers = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
-               if "os.environ" in p.read_text() and p.name not in ("tuning.py", "triton_runtime.py")]
+    readers = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if "os.environ" in p.read_text() and p.name not in ("tuning.py", "triton_runtime.py")
+    ]
     assert readers == []

@@ -37,10 +37,8 @@ def test_unknown_op_is_refused():
 
 def test_selection_check_accepts_tie_swaps_only():
     scores = torch.tensor([[3.0, 1.0, 1.0, 0.5]])
-    ok = verify.selection_check("x", "tie", torch.tensor([[0, 2]]), torch.tensor([[0, 1]]),
-                                scores, 0.0)
-    bad = verify.selection_check("x", "wrong", torch.tensor([[0, 3]]), torch.tensor([[0, 1]]),
-                                 scores, 0.0)
+    ok = verify.selection_check("x", "tie", torch.tensor([[0, 2]]), torch.tensor([[0, 1]]), scores, 0.0)
+    bad = verify.selection_check("x", "wrong", torch.tensor([[0, 3]]), torch.tensor([[0, 1]]), scores, 0.0)
     assert ok.passed and not bad.passed
 
 

@@ -127,17 +127,13 @@ def test_loaded_dtypes_are_raw(tiny_dir):
 
 def test_random_weights_have_the_intended_scales(tiny_cfg, tiny_dir):
     t = load_checkpoint(str(tiny_dir)).tensors
-    wq_a = q.dequantize_fp8_blockwise(
-        t["layers.3.attn.wq_a.weight"], t["layers.3.attn.wq_a.scale"], torch.float32
-    )
+    wq_a = q.dequantize_fp8_blockwise(t["layers.3.attn.wq_a.weight"], t["layers.3.attn.wq_a.scale"], torch.float32)
     assert wq_a.std().item() == pytest.approx(tiny_cfg.hidden_size**-0.5, rel=0.1)
     w2 = q.dequantize_mxfp4_weight(
         t["layers.3.ffn.experts.1.w2.weight"], t["layers.3.ffn.experts.1.w2.scale"], torch.float32
     )
     assert w2.std().item() == pytest.approx(tiny_cfg.moe_intermediate_size**-0.5, rel=0.15)
-    rows = q.dequantize_fp8_rows(
-        t["layers.4.engram.embed.weight"], t["layers.4.engram.embed.scale"], torch.float32
-    )
+    rows = q.dequantize_fp8_rows(t["layers.4.engram.embed.weight"], t["layers.4.engram.embed.scale"], torch.float32)
     assert rows.std().item() == pytest.approx(1.0, rel=0.1)
     assert torch.all(t["layers.3.attn.q_norm.weight"] == 1)
     assert torch.all(t["layers.3.attn.attn_sink"] == 0)

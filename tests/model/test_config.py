@@ -133,9 +133,7 @@ def test_inspect_config_file_equals_preset(capsys):
 
 
 def test_make_checkpoint_then_inspect_the_directory(capsys, tmp_path):
-    made = _run_cli(
-        capsys, "make-checkpoint", "--preset", "tiny", "--out", str(tmp_path), "--seed", "5"
-    )
+    made = _run_cli(capsys, "make-checkpoint", "--preset", "tiny", "--out", str(tmp_path), "--seed", "5")
     assert made["shards"] == 1
     out = _run_cli(capsys, "inspect", "--config", str(tmp_path))
     assert out["name"] == "tiny"

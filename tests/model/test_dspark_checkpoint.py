@@ -71,8 +71,7 @@ def test_released_drafter_manifest_matches_the_table():
     for name, (dtype, shape) in expect.items():
         assert m[name] == TensorSpec(dtype, shape), name
     # no hc_head in V4.1; main_* only on stage 0, heads only on the last stage; no compressor
-    assert not any("hc_head" in n or "compressor" in n or "indexer" in n or "engram" in n
-                   for n in m)
+    assert not any("hc_head" in n or "compressor" in n or "indexer" in n or "engram" in n for n in m)
     assert "mtp.1.main_proj.weight" not in m and "mtp.0.norm.weight" not in m
     assert "mtp.128" not in {n.rsplit(".", 3)[0] for n in m}
     assert len(m) == 2401  # dspark.md §2.5 totals: ~2,401 tensors, ~14.2B params, ~7.9 GB
@@ -117,8 +116,7 @@ def test_drafter_weights_dequantise_to_the_documented_shapes(tiny_cfg, tiny_dir)
     d, ds = tiny_cfg.hidden_size, tiny_cfg.dspark
     assert w.main_proj.shape == (d, 3 * d) and w.main_proj.dtype == torch.float32
     assert len(w.layers) == 3
-    assert w.layers[0].moe.experts.w1.shape == (ds.n_routed_experts, tiny_cfg.moe_intermediate_size,
-                                                d)
+    assert w.layers[0].moe.experts.w1.shape == (ds.n_routed_experts, tiny_cfg.moe_intermediate_size, d)
     assert w.markov_embed.shape == (tiny_cfg.vocab_size, ds.markov_rank)
     assert w.markov_head.dtype == torch.float32
     assert w.confidence.shape == (d + ds.markov_rank,)
@@ -145,6 +143,7 @@ def test_checkpoint_without_mtp_tensors_has_no_drafter(tiny_dir):
     def drop_mtp(t):
         for n in [n for n in t if n.startswith("mtp.")]:
             del t[n]
+
     _rewrite(tiny_dir, drop_mtp)
     ck = load_checkpoint(str(tiny_dir))
     assert ck.cfg.dspark is None and ck.drafter_tensors == {}
@@ -165,6 +164,7 @@ def test_misshaped_drafter_tensor_is_named(tiny_dir):
     def bad(t):
         if "mtp.2.markov_head.head.weight" in t:
             t["mtp.2.markov_head.head.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+
     _rewrite(tiny_dir, bad)
     with pytest.raises(CheckpointError, match=r"mtp\.2\.markov_head\.head\.weight: shape"):
         load_checkpoint(str(tiny_dir))

@@ -35,8 +35,7 @@ def _draft(drafter, states, anchors, anchor_positions) -> DraftOut:
 
 
 def test_from_checkpoint_is_none_without_mtp_tensors(tiny_ckpt, tiny_model):
-    bare = dataclasses.replace(tiny_ckpt, cfg=tiny_ckpt.cfg.replace(dspark=None),
-                               drafter_tensors={})
+    bare = dataclasses.replace(tiny_ckpt, cfg=tiny_ckpt.cfg.replace(dspark=None), drafter_tensors={})
     assert isinstance(bare, Checkpoint)
     assert DSparkDrafter.from_checkpoint(bare, tiny_model) is None
 
@@ -113,10 +112,10 @@ def test_confidence_is_the_head_on_prenorm_hidden_and_previous_token(drafter):
 def test_batch_invariance(drafter):
     taps = _taps(drafter, 200, seed=3)
     specs = [(range(200), 7, 200), (range(50, 90), 8, 90), (range(3), 9, 3)]
-    states = [_state(drafter, r, taps[r.start:r.stop]) for r, _, _ in specs]
+    states = [_state(drafter, r, taps[r.start : r.stop]) for r, _, _ in specs]
     batch = _draft(drafter, states, [a for _, a, _ in specs], [p for _, _, p in specs])
     for b, (r, a, p) in enumerate(specs):
-        alone = _draft(drafter, [_state(drafter, r, taps[r.start:r.stop])], [a], [p])
+        alone = _draft(drafter, [_state(drafter, r, taps[r.start : r.stop])], [a], [p])
         assert torch.equal(batch.tokens[b], alone.tokens[0])
         assert torch.equal(batch.probs[b], alone.probs[0])
         assert torch.equal(batch.confidences[b], alone.confidences[0])
@@ -142,7 +141,7 @@ def test_window_holds_the_last_128_committed_positions(drafter):
     for start in range(0, 300, 7):  # as decode commits them, a few per step
         stop = min(start + 7, 300)
         drafter.insert_context([stepwise], [list(range(start, stop))], taps[start:stop])
-    suffix = _state(drafter, range(300 - W, 300), taps[300 - W:])
+    suffix = _state(drafter, range(300 - W, 300), taps[300 - W :])
     outs = [_draft(drafter, [s], [3], [300]) for s in (full, stepwise, suffix)]
     for o in outs[1:]:
         assert torch.equal(o.probs, outs[0].probs) and torch.equal(o.tokens, outs[0].tokens)
@@ -213,10 +212,12 @@ def test_random_drafter_is_made_from_the_seed(tiny_model):
     cfg = tiny_model.cfg
     a, b = DSparkDrafter.random(cfg, tiny_model, seed=4), DSparkDrafter.random(cfg, tiny_model, 4)
     c = DSparkDrafter.random(cfg, tiny_model, seed=5)
-    assert torch.equal(a.w.main_proj, b.w.main_proj) and not torch.equal(a.w.main_proj,
-                                                                          c.w.main_proj)
-    assert a.w.layers[2].moe.experts.w2.shape == (cfg.dspark.n_routed_experts, cfg.hidden_size,
-                                                  cfg.moe_intermediate_size)
+    assert torch.equal(a.w.main_proj, b.w.main_proj) and not torch.equal(a.w.main_proj, c.w.main_proj)
+    assert a.w.layers[2].moe.experts.w2.shape == (
+        cfg.dspark.n_routed_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+    )
     st = _state(a, range(12), _taps(a, 12))
     out = _draft(a, [st], [3], [12])
     assert out.tokens.shape == (1, a.k)

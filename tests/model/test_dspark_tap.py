@@ -31,8 +31,7 @@ def _step(model, segments):
     return step
 
 
-def test_tap_is_the_stream_mean_entering_each_target_layer(tiny_model, make_prompt,
-                                                           monkeypatch):
+def test_tap_is_the_stream_mean_entering_each_target_layer(tiny_model, make_prompt, monkeypatch):
     seen = _record_layer_inputs(tiny_model, monkeypatch)
     step = _step(tiny_model, [(tiny_model.new_state(), make_prompt(30), SeqPlan())])
     ids = tiny_model.cfg.dspark.target_layer_ids
@@ -49,9 +48,14 @@ def test_tap_rows_follow_the_decoder_rows_per_segment(tiny_model, make_prompt, m
     seen = _record_layer_inputs(tiny_model, monkeypatch)
     a, b, c = (tiny_model.new_state() for _ in range(3))
     narrow = SeqPlan(decoder_rows=4)  # the decoder layers compute only the last 4 rows
-    step = _step(tiny_model, [(a, make_prompt(12, 1), narrow),
-                              (b, make_prompt(9, 2), SeqPlan.encoder_only()),
-                              (c, make_prompt(7, 3), SeqPlan(logits=LogitsRequest.ALL))])
+    step = _step(
+        tiny_model,
+        [
+            (a, make_prompt(12, 1), narrow),
+            (b, make_prompt(9, 2), SeqPlan.encoder_only()),
+            (c, make_prompt(7, 3), SeqPlan(logits=LogitsRequest.ALL)),
+        ],
+    )
     va, pa = tiny_model.taps(step).of(0)
     vb, pb = tiny_model.taps(step).of(1)
     vc, pc = tiny_model.taps(step).of(2)
@@ -68,8 +72,7 @@ def test_tap_rows_follow_the_decoder_rows_per_segment(tiny_model, make_prompt, m
 def test_a_model_without_a_drafter_records_no_tap(tiny_ckpt, make_prompt):
     import dataclasses
 
-    bare = dataclasses.replace(tiny_ckpt, cfg=tiny_ckpt.cfg.replace(dspark=None),
-                               drafter_tensors={})
+    bare = dataclasses.replace(tiny_ckpt, cfg=tiny_ckpt.cfg.replace(dspark=None), drafter_tensors={})
     model = Model.from_checkpoint(bare, torch.float32)
     assert model.tap_layer_ids == ()
     step = _step(model, [(model.new_state(), make_prompt(5), SeqPlan())])
@@ -83,8 +86,9 @@ def test_tap_feeds_the_drafter_end_to_end(tiny_ckpt, tiny_model, make_prompt):
     prompt = make_prompt(20, 4)
     step = _step(tiny_model, [(st, prompt, SeqPlan())])
     values, positions = tiny_model.taps(step).of(0)
-    logits, taps = tiny_model.forward_taps(torch.tensor(prompt), [SeqInput(
-        tiny_model.new_state(), 0, 20)])  # the one-call form gives the same tap
+    logits, taps = tiny_model.forward_taps(
+        torch.tensor(prompt), [SeqInput(tiny_model.new_state(), 0, 20)]
+    )  # the one-call form gives the same tap
     assert torch.equal(taps.values, values) and logits[0].shape == (1, tiny_model.cfg.vocab_size)
     drafter.insert_context([ds], [list(positions)], values)
     out = drafter.draft([ds], torch.tensor([prompt[-1]]), [20], greedy_choose)
@@ -113,9 +117,10 @@ def test_decode_side_replay_rebuilds_the_tap_of_the_last_window(tiny_ckpt, make_
     state = model.new_state()
     state.load_global_state(encoder.global_state())
     seg = replay_segment(ids, 200, exact_replay_rows(cfg))
-    _, taps = model.forward_taps(torch.tensor(seg.token_ids),
-                                 [SeqInput(state, seg.start_pos, len(seg.token_ids), seg.plan)])
+    _, taps = model.forward_taps(
+        torch.tensor(seg.token_ids), [SeqInput(state, seg.start_pos, len(seg.token_ids), seg.plan)]
+    )
     values, positions = taps.of(0)
     assert positions == range(seg.start_pos, 200)
     cold_values, _ = cold.of(0)
-    assert torch.equal(values[-(w - 1):], cold_values[-(w - 1):])
+    assert torch.equal(values[-(w - 1) :], cold_values[-(w - 1) :])

@@ -59,8 +59,12 @@ def test_training_lowers_the_loss_and_reaches_the_context_path(backbone, rows):
         loss.backward()
         if step == 0:
             first = parts["ce"]
-            for name in ("mtp.0.main_proj.weight", "mtp.1.attn.wkv.weight",
-                         "mtp.2.markov_head.head.weight", "mtp.0.ffn.experts.0.w1.weight"):
+            for name in (
+                "mtp.0.main_proj.weight",
+                "mtp.1.attn.wkv.weight",
+                "mtp.2.markov_head.head.weight",
+                "mtp.0.ffn.experts.0.w1.weight",
+            ):
                 grad = model.raw(name).grad
                 assert grad is not None and grad.abs().sum() > 0, name
         opt.step()
@@ -101,7 +105,7 @@ class _Oracle:
     def draft(self, states, anchors, positions, choose):
         i = positions[0] - self.prompt_len
         assert int(anchors[0]) == self.chain[i]
-        good = self.chain[i + 1:i + 1 + self.hits]
+        good = self.chain[i + 1 : i + 1 + self.hits]
         tokens = good + [-1] * (self.k - len(good))
         return DraftOut(torch.tensor([tokens]), torch.zeros(1, self.k, 1), torch.zeros(1, self.k))
 

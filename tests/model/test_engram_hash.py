@@ -82,18 +82,8 @@ def tiny_hasher(tiny):
 # ----------------------------------------------------------------------------- §8.2, §8.3
 def test_multipliers_match_the_spec():
     assert engram.multiplier_bound(99092) == 46539438283891
-    assert engram.multipliers(1, 99092).tolist() == [
-        76632096046245,
-        4839876093313,
-        35959672319349,
-        73987337458391,
-    ]
-    assert engram.multipliers(14, 99092).tolist() == [
-        67716810739261,
-        51510806800915,
-        30921347202721,
-        82619226485591,
-    ]
+    assert engram.multipliers(1, 99092).tolist() == [76632096046245, 4839876093313, 35959672319349, 73987337458391]
+    assert engram.multipliers(14, 99092).tolist() == [67716810739261, 51510806800915, 30921347202721, 82619226485591]
 
 
 def test_released_primes_match_the_spec(released):
@@ -129,11 +119,7 @@ def test_empty_normalisation_keeps_the_original_text():
 def test_partial_utf8_byte_tokens_keep_distinct_raw_keys():
     tok = Tokenizer.from_file(tokenizer_path("tiny"))
     c = engram.compressed_vocab(tok)
-    byte_tokens = [
-        t
-        for t in range(tok.get_vocab_size())
-        if "\ufffd" in tok.decode([t], skip_special_tokens=False)
-    ]
+    byte_tokens = [t for t in range(tok.get_vocab_size()) if "\ufffd" in tok.decode([t], skip_special_tokens=False)]
     assert len(byte_tokens) >= 64  # continuation / lead bytes decode to U+FFFD alone
     assert len({int(c[t]) for t in byte_tokens}) == len(byte_tokens)
 

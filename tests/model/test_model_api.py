@@ -56,8 +56,9 @@ def test_logits_cli_writes_fp32_logits(tiny_model, tiny_ckpt_dir, tmp_path):
     from flashpd.cli import main
 
     out = tmp_path / "logits.npz"
-    rc = main(["logits", "--checkpoint", tiny_ckpt_dir, "--prompt-ids", "1,2,3",
-               "--out", str(out), "--dtype", "float32"])
+    rc = main(
+        ["logits", "--checkpoint", tiny_ckpt_dir, "--prompt-ids", "1,2,3", "--out", str(out), "--dtype", "float32"]
+    )
     assert rc == 0
     saved = np.load(out)["logits"]
     assert saved.dtype == np.float32 and saved.shape == (3, 512)

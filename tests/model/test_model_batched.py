@@ -32,8 +32,9 @@ def test_batched_equals_alone(tiny_model, make_prompt, assert_global_equal):
     batch_states = [copy.deepcopy(w[0]) for w in work]
     alone = [tiny_model.run(state, ids, plan, start) for state, ids, start, plan in work]
     token_ids = torch.tensor([t for _, ids, _, _ in work for t in ids])
-    inputs = [SeqInput(state, start, len(ids), plan)
-              for state, (_, ids, start, plan) in zip(batch_states, work, strict=True)]
+    inputs = [
+        SeqInput(state, start, len(ids), plan) for state, (_, ids, start, plan) in zip(batch_states, work, strict=True)
+    ]
     batched = tiny_model.forward(token_ids, inputs)
     cand = tiny_model.cfg.candidate_source_layer_id
     for i, (one, many) in enumerate(zip(alone, batched, strict=True)):

@@ -8,8 +8,7 @@ from flashpd.model.model import SeqPlan
 from flashpd.model.state import StateError
 
 
-def test_encoder_only_global_kv_equals_full_forward(tiny_model, make_prompt,
-                                                    assert_global_equal):
+def test_encoder_only_global_kv_equals_full_forward(tiny_model, make_prompt, assert_global_equal):
     ids = make_prompt(261, seed=11)
     full_state = tiny_model.new_state()
     tiny_model.run(full_state, ids)

@@ -28,8 +28,7 @@ def test_tiny_prompt_exercises_window_topk_and_candidates(tiny_model):
     assert NUM_TOKENS > cfg.candidate_topk_blocks * cfg.candidate_block_size  # pool bites
 
 
-def test_token_by_token_decode_matches_full_forward(tiny_model, make_prompt,
-                                                    assert_global_equal):
+def test_token_by_token_decode_matches_full_forward(tiny_model, make_prompt, assert_global_equal):
     """Decode steps over the first 24 positions and over 200..319, where the window, the
     ratio-2 groups, top-k and the candidate pool all bite (one chunk in between, for time)."""
     ids = make_prompt(NUM_TOKENS, seed=1)
@@ -55,7 +54,7 @@ def test_random_chunkings_match_one_shot_prefill(tiny_model, make_prompt, assert
         state, pieces, at = tiny_model.new_state(), [], 0
         while at < len(ids):
             size = int(torch.randint(1, 140, (1,), generator=g))
-            pieces.append(tiny_model.run(state, ids[at:at + size], ALL))
+            pieces.append(tiny_model.run(state, ids[at : at + size], ALL))
             at += size
         assert _rel_err(torch.cat(pieces), one_shot) <= 1e-4
         assert torch.equal(torch.cat(pieces), one_shot)

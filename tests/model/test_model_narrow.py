@@ -14,8 +14,7 @@ def test_narrowing_wider_than_the_chunk_is_the_full_forward(tiny_model, make_pro
     assert torch.equal(narrow, full)
 
 
-def test_narrowing_keeps_global_kv_and_windows_for_decode(tiny_model, make_prompt,
-                                                          assert_global_equal):
+def test_narrowing_keeps_global_kv_and_windows_for_decode(tiny_model, make_prompt, assert_global_equal):
     ids = make_prompt(300, seed=41)
     full_state = tiny_model.new_state()
     full = tiny_model.run(full_state, ids)
@@ -37,5 +36,6 @@ def test_narrowing_refuses_all_row_logits(tiny_model, make_prompt):
     import pytest
 
     with pytest.raises(ValueError, match="all rows"):
-        tiny_model.run(tiny_model.new_state(), make_prompt(200, seed=42),
-                       SeqPlan(logits=LogitsRequest.ALL, decoder_rows=128))
+        tiny_model.run(
+            tiny_model.new_state(), make_prompt(200, seed=42), SeqPlan(logits=LogitsRequest.ALL, decoder_rows=128)
+        )

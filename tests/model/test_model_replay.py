@@ -33,8 +33,7 @@ def test_exact_replay_rows_formula(tiny_model):
 
 
 @pytest.mark.parametrize("num_tokens", [300, 301])
-def test_exact_decode_side_replay_equals_full_forward(short_window_model, make_prompt,
-                                                      num_tokens):
+def test_exact_decode_side_replay_equals_full_forward(short_window_model, make_prompt, num_tokens):
     model = short_window_model
     ids = make_prompt(num_tokens, seed=21)
     cold = model.new_state()
@@ -53,8 +52,7 @@ def test_exact_decode_side_replay_equals_full_forward(short_window_model, make_p
         assert torch.equal(model.run(state, [token]), model.run(cold, [token]))
 
 
-def test_exact_encoder_side_replay_after_prefix_hit(short_window_model, make_prompt,
-                                                     assert_global_equal):
+def test_exact_encoder_side_replay_after_prefix_hit(short_window_model, make_prompt, assert_global_equal):
     model = short_window_model
     ids, hit = make_prompt(320, seed=22), 256
     cold = model.new_state()
@@ -63,15 +61,13 @@ def test_exact_encoder_side_replay_after_prefix_hit(short_window_model, make_pro
     model.run(cached, ids[:hit], SeqPlan.encoder_only())
     state = model.new_state()
     state.load_global_state(cached.global_state())
-    model.run_replay(state, replay_segment(ids, hit, exact_replay_rows(model.cfg),
-                                           LogitsRequest.NONE))
+    model.run_replay(state, replay_segment(ids, hit, exact_replay_rows(model.cfg), LogitsRequest.NONE))
     logits = model.run(state, ids[hit:])
     assert torch.equal(logits, cold_logits)
     assert_global_equal(state.global_state(), cold.global_state())
 
 
-def test_bounded_replay_rebuilds_windows_without_global_writes(tiny_model, make_prompt,
-                                                               assert_global_equal):
+def test_bounded_replay_rebuilds_windows_without_global_writes(tiny_model, make_prompt, assert_global_equal):
     ids = make_prompt(301, seed=23)
     state = _shipped_state(tiny_model, ids)
     before = state.global_state()

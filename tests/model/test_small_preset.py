@@ -60,11 +60,14 @@ def test_tokenizer_has_the_chat_special_tokens(cfg, tok):
     assert cfg.engram_pad_token_id == train_data.PAD_TOKEN_ID
 
 
-@pytest.mark.parametrize("text", [
-    "Hello! Can you tell me about prefill and decode?",
-    "def f(x):\n    return x ** 2  # squares\n\tédition naïve, 東京, emoji 🙂",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello! Can you tell me about prefill and decode?",
+        "def f(x):\n    return x ** 2  # squares\n\tédition naïve, 東京, emoji 🙂",
+        "",
+    ],
+)
 def test_tokenizer_round_trips(tok, text):
     conv = train_data.Conversation("t_0", (("user", text), ("assistant", "Sure.")))
     chat = train_data.chat_text(conv)

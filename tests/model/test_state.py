@@ -61,8 +61,7 @@ def test_global_state_round_trip_unsets_windows(tiny_model, make_prompt, assert_
 
 def test_load_refuses_inconsistent_entry_counts(cfg):
     d, di = cfg.head_dim, cfg.index_head_dim
-    entries = {s: Entries(torch.zeros(n, d), torch.zeros(n, di))
-               for s, n in ((2, 5), (4, 5), (6, 9))}
+    entries = {s: Entries(torch.zeros(n, d), torch.zeros(n, di)) for s, n in ((2, 5), (4, 5), (6, 9))}
     with pytest.raises(StateError, match="source 6: 9 entries for 10 tokens"):
         DenseSeqState(cfg).load_global_state(GlobalKV(10, (1, 2, 3), entries))
 

@@ -56,8 +56,9 @@ def test_a_few_steps_lower_the_loss_on_real_conversations(tiny):
     cfg, tok_path, hasher = tiny
     tok = Tokenizer.from_file(tok_path)
     convs = train_data.split(train_data.load_conversations())[0][:4]
-    rows = tr.make_rows(train_data.encode_all(tok, [train_data.chat_text(c) for c in convs]),
-                        128, 0, train_data.PAD_TOKEN_ID)
+    rows = tr.make_rows(
+        train_data.encode_all(tok, [train_data.chat_text(c) for c in convs]), 128, 0, train_data.PAD_TOKEN_ID
+    )
     batch = rows[:2]
     assert batch[:, 0].tolist() == [0, 0]  # every row starts with BOS
     torch.manual_seed(0)
@@ -85,9 +86,31 @@ def test_cli_trains_exports_and_the_engine_generates(tmp_path):
     from flashpd.engine.sampling import SamplingParams
 
     out = str(tmp_path / "run")
-    assert main(["train", "--preset", "tiny", "--out", out, "--steps", "2", "--batch", "2",
-                 "--seq-len", "64", "--limit-conversations", "3", "--eval-rows", "2",
-                 "--device", "cpu", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--out",
+                out,
+                "--steps",
+                "2",
+                "--batch",
+                "2",
+                "--seq-len",
+                "64",
+                "--limit-conversations",
+                "3",
+                "--eval-rows",
+                "2",
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     log = json.load(open(os.path.join(out, "train_log.json")))
     assert log["steps"] == 2 and log["heldout_loss"] is not None
     engine = load_engine(out, EngineConfig(model_id="t"))

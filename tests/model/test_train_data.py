@@ -22,13 +22,23 @@ def test_parse_stops_at_a_record_cut_short():
 
 
 def test_conversation_roles_and_chat_text():
-    conv = td.to_conversation(_record(
-        "a_1", ("system", "Be brief."), ("human", "Hi"), ("gpt", "Hello"), ("human", "Bye"),
-        ("chatgpt", "Goodbye"), ("weird", "dropped")))
+    conv = td.to_conversation(
+        _record(
+            "a_1",
+            ("system", "Be brief."),
+            ("human", "Hi"),
+            ("gpt", "Hello"),
+            ("human", "Bye"),
+            ("chatgpt", "Goodbye"),
+            ("weird", "dropped"),
+        )
+    )
     assert conv.thread == "a"
-    assert td.chat_text(conv) == ("<|begin_of_sentence|>Be brief.<|User|>Hi<|Assistant|>Hello"
-                                  "<|end_of_sentence|><|User|>Bye<|Assistant|>Goodbye"
-                                  "<|end_of_sentence|>")
+    assert td.chat_text(conv) == (
+        "<|begin_of_sentence|>Be brief.<|User|>Hi<|Assistant|>Hello"
+        "<|end_of_sentence|><|User|>Bye<|Assistant|>Goodbye"
+        "<|end_of_sentence|>"
+    )
     messages, reply = td.prompt_and_reply(conv)
     assert [m["role"] for m in messages] == ["system", "user"] and reply == "Hello"
     assert td.to_conversation(_record("c_0", ("human", "only a question"))) is None
@@ -36,8 +46,9 @@ def test_conversation_roles_and_chat_text():
 
 
 def test_split_is_by_thread_and_deterministic():
-    convs = [td.Conversation(f"t{i}_{part}", (("user", "q"), ("assistant", "a")))
-             for i in range(400) for part in range(3)]
+    convs = [
+        td.Conversation(f"t{i}_{part}", (("user", "q"), ("assistant", "a"))) for i in range(400) for part in range(3)
+    ]
     train, held = td.split(convs)
     assert 0 < len(held) < len(convs) * 0.1
     held_threads = {c.thread for c in held}

@@ -61,12 +61,22 @@ class Servicer(pb_grpc.GenerationServicer):
         if step.fail is not None:
             metadata = (("flashpd-field", step.field),) if step.field else None
             context.abort_with_status(_status(step.fail, f"scripted {step.fail.name}", metadata))
-        yield pb.GenerateResponse(final=pb.Final(
-            finish_reason=pb.FINISH_REASON_LENGTH, request_id=request.request_id,
-            usage=pb.Usage(prompt_tokens=3, completion_tokens=len(OUTPUT), cached_tokens=1,
-                           cached_tokens_prefill=1, cached_tokens_decode=2),
-            timeline=pb.Timeline(route_ms=0.5, first_token_ms=3.0, e2e_ms=9.0),
-            prefill_worker="p0", decode_worker="d0"))
+        yield pb.GenerateResponse(
+            final=pb.Final(
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                request_id=request.request_id,
+                usage=pb.Usage(
+                    prompt_tokens=3,
+                    completion_tokens=len(OUTPUT),
+                    cached_tokens=1,
+                    cached_tokens_prefill=1,
+                    cached_tokens_decode=2,
+                ),
+                timeline=pb.Timeline(route_ms=0.5, first_token_ms=3.0, e2e_ms=9.0),
+                prefill_worker="p0",
+                decode_worker="d0",
+            )
+        )
 
     def Abort(self, request, context):  # noqa: N802
         self.metadata.append(dict(context.invocation_metadata()))
@@ -74,8 +84,7 @@ class Servicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=True)
 
     def ListModels(self, request, context):  # noqa: N802
-        return pb.ListModelsResponse(models=[pb.ModelCard(id="m", context_tokens=64,
-                                                          vocab_size=256)])
+        return pb.ListModelsResponse(models=[pb.ModelCard(id="m", context_tokens=64, vocab_size=256)])
 
 
 class _Status(grpc.Status):
@@ -135,14 +144,19 @@ def self_signed_cert(host: str = "127.0.0.1") -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem

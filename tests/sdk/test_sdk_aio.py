@@ -24,6 +24,7 @@ def test_async_generate_streams_and_returns_the_result(server):
             result = stream.result
         assert "".join(c.text for c in chunks) == result.text == "hello world"
         assert result.output_ids == tuple(OUTPUT) and server.requests[0].ignore_eos
+
     run_async(main())
 
 
@@ -34,18 +35,21 @@ def test_async_result_before_the_end_is_an_error(server):
             with pytest.raises(RuntimeError, match="not finished"):
                 _ = stream.result
             assert (await stream.final()).finish_reason == "length"
+
     run_async(main())
 
 
 def test_async_retry_before_first_token_and_resume_after(server):
-    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=0),
-                Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3), COMPLETE)
+    server.play(
+        Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=0), Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3), COMPLETE
+    )
 
     async def main():
         async with AsyncClient(server.target, retry=FAST) as client:
             result = await client.generate(prompt="x").final()
         assert result.text == "hello world" and (result.retries, result.resumes) == (1, 1)
         assert [r.resume_from_token for r in server.requests] == [0, 0, 3]
+
     run_async(main())
 
 
@@ -57,6 +61,7 @@ def test_async_typed_errors_are_not_retried(server):
             with pytest.raises(ResourceExhausted):
                 await client.generate(prompt="x").final()
         assert len(server.requests) == 1
+
     run_async(main())
 
 
@@ -64,11 +69,11 @@ def test_async_retries_give_up_with_unavailable(server):
     server.play(*[Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=0)] * 5)
 
     async def main():
-        async with AsyncClient(server.target, retry=RetryPolicy(max_retries=2,
-                                                                  backoff_s=0.01)) as client:
+        async with AsyncClient(server.target, retry=RetryPolicy(max_retries=2, backoff_s=0.01)) as client:
             with pytest.raises(Unavailable):
                 await client.generate(prompt="x").final()
         assert len(server.requests) == 3
+
     run_async(main())
 
 
@@ -84,6 +89,7 @@ def test_async_cancel_aborts_on_the_server(server):
                 await anext(stream)
             await stream.aclose()
         assert server.servicer.aborts == ["mine"]
+
     run_async(main())
 
 
@@ -93,12 +99,14 @@ def test_async_abort_health_models(server):
             assert await client.abort("x") is True
             assert await client.health() == "SERVING"
             assert [m.vocab_size for m in await client.models()] == [256]
+
     run_async(main())
 
 
 def test_async_resume_refused_continues_from_prompt_ids(server):
-    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=5),
-                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+    server.play(
+        Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=5), Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE
+    )
 
     async def main():
         async with AsyncClient(server.target, retry=FAST) as client:
@@ -109,6 +117,7 @@ def test_async_resume_refused_continues_from_prompt_ids(server):
         cont = server.requests[2]
         assert list(cont.prompt_ids.ids) == [7, 8] and list(cont.continue_ids.ids) == [*OUTPUT[:5]]
         assert server.requests[2].max_tokens == 6
+
     run_async(main())
 
 
@@ -119,6 +128,7 @@ def test_async_api_key_is_sent_as_bearer_metadata(server):
             await client.abort("some-id")
         assert len(server.metadata) == 2
         assert all(m.get("authorization") == "Bearer secret" for m in server.metadata)
+
     run_async(main())
 
 
@@ -130,4 +140,5 @@ def test_async_tls_with_a_root_certificate_file(tmp_path):
         with ScriptedServer(tls=(cert, key)) as tls_server:
             async with AsyncClient(tls_server.target, tls=str(tmp_path / "ca.pem")) as client:
                 assert (await client.generate(prompt="x").final()).text == "hello world"
+
     run_async(main())

@@ -44,14 +44,17 @@ def test_result_drains_an_unread_stream(server):
         assert client.generate(prompt="hi").result.text == "hello world"
 
 
-@pytest.mark.parametrize("code,error", [
-    (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
-    (grpc.StatusCode.CANCELLED, Cancelled),
-    (grpc.StatusCode.INTERNAL, InternalError),
-    (grpc.StatusCode.UNIMPLEMENTED, InternalError),
-])
+@pytest.mark.parametrize(
+    "code,error",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhausted),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceeded),
+        (grpc.StatusCode.CANCELLED, Cancelled),
+        (grpc.StatusCode.INTERNAL, InternalError),
+        (grpc.StatusCode.UNIMPLEMENTED, InternalError),
+    ],
+)
 def test_status_codes_map_to_typed_errors(server, code, error):
     server.play(Step(fail=code, tokens=0))
     with Client(server.target) as client, pytest.raises(error) as info:
@@ -95,8 +98,7 @@ def test_broken_stream_resumes_from_the_tokens_received(server):
 
 
 def test_unresumable_stream_reports_the_break(server):
-    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
-                Step(fail=grpc.StatusCode.INVALID_ARGUMENT, tokens=0))
+    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4), Step(fail=grpc.StatusCode.INVALID_ARGUMENT, tokens=0))
     with Client(server.target, retry=FAST) as client:
         stream = client.generate(prompt="x")
         got = []
@@ -107,8 +109,9 @@ def test_unresumable_stream_reports_the_break(server):
 
 
 def test_resume_refused_by_a_router_that_forgot_the_stream_continues_from_prompt_ids(server):
-    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
-                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+    server.play(
+        Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4), Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE
+    )
     with Client(server.target, retry=FAST) as client:
         stream = client.generate(prompt_ids=[1, 2, 3], max_tokens=11, request_id="q")
         chunks = list(stream)
@@ -121,10 +124,13 @@ def test_resume_refused_by_a_router_that_forgot_the_stream_continues_from_prompt
 
 
 def test_text_prompt_stream_the_router_forgot_continues_from_the_same_text(server):
-    server.play(Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
-                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0),
-                Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3),  # the continuation breaks too
-                Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0), COMPLETE)
+    server.play(
+        Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=4),
+        Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0),
+        Step(fail=grpc.StatusCode.UNAVAILABLE, tokens=3),  # the continuation breaks too
+        Step(fail=grpc.StatusCode.NOT_FOUND, tokens=0),
+        COMPLETE,
+    )
     with Client(server.target, retry=FAST) as client:
         stream = client.generate(prompt="tell me", max_tokens=11, request_id="t")
         chunks = list(stream)
@@ -142,8 +148,7 @@ def test_api_key_is_sent_as_bearer_metadata_on_every_call(server):
         stream = client.generate(prompt="x")
         next(iter(stream))
         stream.cancel()
-    assert server.metadata and all(m.get("authorization") == "Bearer k-123"
-                                   for m in server.metadata)
+    assert server.metadata and all(m.get("authorization") == "Bearer k-123" for m in server.metadata)
     with pytest.raises(InvalidArgument) as info:
         Client(server.target, api_key="has space")
     assert info.value.field == "api_key"

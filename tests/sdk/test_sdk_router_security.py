@@ -26,18 +26,18 @@ def test_api_key_over_tls_against_the_router(redis_url, tmp_path):
 
     async def main():
         async with router_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as s:
-            frontend = await start_grpc_server(s.orchestrator, s.models, s.tokenizer,
-                                               api_keys=ApiKeys(["k-1"]), tls=tls)
+            frontend = await start_grpc_server(
+                s.orchestrator, s.models, s.tokenizer, api_keys=ApiKeys(["k-1"]), tls=tls
+            )
             target = f"127.0.0.1:{frontend.port}"
             try:
-                async with AsyncClient(target, api_key="k-1",
-                                       tls=str(tmp_path / "cert.pem")) as client:
+                async with AsyncClient(target, api_key="k-1", tls=str(tmp_path / "cert.pem")) as client:
                     result = await client.generate(prompt_ids=[1, 2, 3], max_tokens=3).final()
                     assert len(result.output_ids) == 3
-                async with AsyncClient(target, api_key="wrong",
-                                       tls=str(tmp_path / "cert.pem")) as client:
+                async with AsyncClient(target, api_key="wrong", tls=str(tmp_path / "cert.pem")) as client:
                     with pytest.raises(Unauthenticated):
                         await client.generate(prompt_ids=[1, 2, 3], max_tokens=3).final()
             finally:
                 await frontend.stop(grace_s=None)
+
     asyncio.run(asyncio.wait_for(main(), 60))

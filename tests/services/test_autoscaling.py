@@ -16,9 +16,15 @@ from flashpd.services.autoscaling.policy import (
 )
 
 LIMITS = Limits(min=Replicas(1, 1, 1), max=Replicas(8, 8, 4))
-CFG = PolicyConfig(prefill_tokens_per_replica=1000, decode_seqs_per_replica=10,
-                   decode_kv_usage=0.5, router_requests_per_replica=100,
-                   downscale_delay_s=30, drain_hold_seqs_per_replica=4, drain_hold_kv_usage=0.5)
+CFG = PolicyConfig(
+    prefill_tokens_per_replica=1000,
+    decode_seqs_per_replica=10,
+    decode_kv_usage=0.5,
+    router_requests_per_replica=100,
+    downscale_delay_s=30,
+    drain_hold_seqs_per_replica=4,
+    drain_hold_kv_usage=0.5,
+)
 
 
 def idle(n: int) -> tuple[WorkerLoad, ...]:
@@ -26,10 +32,14 @@ def idle(n: int) -> tuple[WorkerLoad, ...]:
 
 
 def signals(p=1, d=1, r=1, prefill=None, decode=None, **kw) -> Signals:
-    return Signals(target=Replicas(p, d, r), running=Replicas(p, d, r),
-                   prefill=idle(p) if prefill is None else prefill,
-                   decode=idle(d) if decode is None else decode,
-                   router_reports=kw.pop("router_reports", r), **kw)
+    return Signals(
+        target=Replicas(p, d, r),
+        running=Replicas(p, d, r),
+        prefill=idle(p) if prefill is None else prefill,
+        decode=idle(d) if decode is None else decode,
+        router_reports=kw.pop("router_reports", r),
+        **kw,
+    )
 
 
 def test_prefill_demand_follows_queued_tokens():
@@ -168,8 +178,7 @@ def test_hold_restarts_the_slack_clock():
 
 
 def test_decode_scale_down_held_while_a_worker_drains_or_has_not_reported():
-    draining = signals(d=2, decode=(WorkerLoad(kv_blocks_total=100, draining=True),
-                                    WorkerLoad(kv_blocks_total=100)))
+    draining = signals(d=2, decode=(WorkerLoad(kv_blocks_total=100, draining=True), WorkerLoad(kv_blocks_total=100)))
     missing = signals(d=2, decode=idle(1))
     for s in (draining, missing):
         _, st = decide(s, CFG, LIMITS, None, now=0.0)

@@ -11,9 +11,14 @@ import pytest
 
 from flashpd.services.autoscaling.serve import STATE_KEY, JointPolicy, JointPolicyArgs
 
-KWARGS = {"prefill_tokens_per_replica": 100, "decode_seqs_per_replica": 4,
-          "downscale_delay_s": 10, "drain_hold_seqs_per_replica": 1, "pd_ratio_min": 0.5,
-          "pd_ratio_max": 2.0}
+KWARGS = {
+    "prefill_tokens_per_replica": 100,
+    "decode_seqs_per_replica": 4,
+    "downscale_delay_s": 10,
+    "drain_hold_seqs_per_replica": 1,
+    "pd_ratio_min": 0.5,
+    "pd_ratio_max": 2.0,
+}
 
 
 @dataclass
@@ -29,19 +34,23 @@ class Ctx:
 
 
 def _worker_metrics(loads: dict[str, dict]) -> dict:
-    names = ("queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "running", "waiting",
-             "draining")
+    names = ("queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "running", "waiting", "draining")
     return {n: {rid: float(load.get(n, 0)) for rid, load in loads.items()} for n in names}
 
 
-def _contexts(prefill: dict, decode: dict, router_running: float = 0.0, *, state=None,
-              now=0.0, targets=(1, 1, 1)) -> dict:
-    router = {"requests_running": {"r0": router_running}, "ttft_p90_s": {"r0": 0.0},
-              "itl_p90_s": {"r0": 0.0}}
+def _contexts(
+    prefill: dict, decode: dict, router_running: float = 0.0, *, state=None, now=0.0, targets=(1, 1, 1)
+) -> dict:
+    router = {"requests_running": {"r0": router_running}, "ttft_p90_s": {"r0": 0.0}, "itl_p90_s": {"r0": 0.0}}
     ctxs = {
         "P": Ctx("PrefillServer", list(prefill), _worker_metrics(prefill), targets[0]),
-        "D": Ctx("DecodeServer", list(decode), _worker_metrics(decode), targets[1],
-                 policy_state={STATE_KEY: state} if state else {}),
+        "D": Ctx(
+            "DecodeServer",
+            list(decode),
+            _worker_metrics(decode),
+            targets[1],
+            policy_state={STATE_KEY: state} if state else {},
+        ),
         "R": Ctx("Router", ["r0"], router, targets[2]),
     }
     for c in ctxs.values():
@@ -51,8 +60,7 @@ def _contexts(prefill: dict, decode: dict, router_running: float = 0.0, *, state
 
 def test_one_decision_for_all_three_deployments():
     policy = JointPolicy(**KWARGS)
-    ctxs = _contexts({"p0": {"queued_prefill_tokens": 250}},
-                     {"d0": {"running": 10, "kv_blocks_total": 100}})
+    ctxs = _contexts({"p0": {"queued_prefill_tokens": 250}}, {"d0": {"running": 10, "kv_blocks_total": 100}})
     targets, state = policy(ctxs)
     assert targets == {"P": 3, "D": 3, "R": 1}
     assert set(state) == {"D"} and STATE_KEY in state["D"]
@@ -63,8 +71,7 @@ def test_state_round_trips_through_serve_policy_state():
     idle = {"d0": {"kv_blocks_total": 100}, "d1": {"kv_blocks_total": 100}}
     targets, state = policy(_contexts({"p0": {}}, idle, targets=(1, 2, 1), now=0.0))
     assert targets["D"] == 2
-    targets, _ = policy(_contexts({"p0": {}}, idle, targets=(1, 2, 1), now=10.0,
-                                  state=state["D"][STATE_KEY]))
+    targets, _ = policy(_contexts({"p0": {}}, idle, targets=(1, 2, 1), now=10.0, state=state["D"][STATE_KEY]))
     assert targets["D"] == 1
 
 
@@ -73,8 +80,9 @@ def test_a_replica_without_metrics_holds_its_role():
     ctxs = _contexts({"p0": {}}, {"d0": {"kv_blocks_total": 100}}, targets=(1, 2, 1))
     ctxs["D"].running_replicas = ["d0", "d1"]  # d1 started, no report yet
     _, state = policy(ctxs)
-    ctxs = _contexts({"p0": {}}, {"d0": {"kv_blocks_total": 100}}, targets=(1, 2, 1), now=60.0,
-                     state=state["D"][STATE_KEY])
+    ctxs = _contexts(
+        {"p0": {}}, {"d0": {"kv_blocks_total": 100}}, targets=(1, 2, 1), now=60.0, state=state["D"][STATE_KEY]
+    )
     ctxs["D"].running_replicas = ["d0", "d1"]
     targets, _ = policy(ctxs)
     assert targets["D"] == 2

@@ -26,8 +26,9 @@ class Marks:
 
 
 def step(marks: Marks, want, target, replicas, loads, state, now):
-    return drain_before_scale_down(want, target, replicas, loads, state, now, mark=marks.mark,
-                                   unmark=marks.unmark, timeout_s=60.0)
+    return drain_before_scale_down(
+        want, target, replicas, loads, state, now, mark=marks.mark, unmark=marks.unmark, timeout_s=60.0
+    )
 
 
 def test_scale_down_marks_the_newest_replica_and_waits_until_it_drained():

@@ -36,6 +36,7 @@ def test_autoscaled_roles_are_refused(tmp_path):
     def edit(app):
         app["args"]["prefill"]["autoscaling"] = {"min_replicas": 1, "max_replicas": 2}
         app["args"]["prefill"]["replicas"] = None
+
     with pytest.raises(ValueError, match="prefill needs a fixed"):
         check_config(_variant(tmp_path, edit), num_gpus=1)
 
@@ -56,8 +57,7 @@ def test_kv_lease_reaches_both_roles():
     from flashpd.services.app import AppArgs
 
     c = check_config(CONFIG, num_gpus=1)
-    args = AppArgs.model_validate({**c.args, "redis_url": "redis://127.0.0.1:1",
-                                   "redis_url_env": None})
+    args = AppArgs.model_validate({**c.args, "redis_url": "redis://127.0.0.1:1", "redis_url_env": None})
     assert args.worker_config("prefill").lease_s == args.worker_config("decode").lease_s == 120
 
 
@@ -69,6 +69,9 @@ def test_baseline_config_turns_the_switchable_optimizations_off():
     diff = {k for k in set(base.args) | set(shipped.args) if base.args.get(k) != shipped.args.get(k)}
     assert diff == {"swa_bounded_replay", "kv_format", "routing"}
     assert (base.args["swa_bounded_replay"], base.args["kv_format"], base.args["routing"]) == (
-        False, "fp8", "round_robin")
+        False,
+        "fp8",
+        "round_robin",
+    )
     extra = {k: v for k, v in base.env.items() if shipped.env.get(k) != v}
     assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0"}

@@ -22,12 +22,11 @@ def test_h200_stack_serves_and_moves_kv_over_cuda_ipc():
 
     with gpu_stack(CONFIG) as stack:
         with Client(stack.grpc_target) as client:
-            stream = client.generate(prompt_ids=list(range(10, 1034)), max_tokens=4,
-                                     ignore_eos=True, timeout_s=120)
+            stream = client.generate(prompt_ids=list(range(10, 1034)), max_tokens=4, ignore_eos=True, timeout_s=120)
             ids = [t for chunk in stream for t in chunk.token_ids]
         assert len(ids) == 4
         reply = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="none").completions.create(
-            model=stack.model_id, prompt=list(range(10, 1034)), max_tokens=4,
-            extra_body={"ignore_eos": True})
+            model=stack.model_id, prompt=list(range(10, 1034)), max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert reply.usage.completion_tokens == 4
         assert set(stack.kv_transports().values()) == {"cuda_ipc"}

@@ -17,13 +17,29 @@ from flashpd.services.api import (
 )
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("top_p", 0.0),
-    ("top_k", -1), ("min_p", 1.5), ("seed", -1), ("logprobs", 21), ("stop", ("",)),
-    ("stop_token_ids", (-1,)), ("temperature", float("nan")), ("temperature", float("inf")),
-    ("top_p", float("nan")), ("min_p", float("nan")), ("seed", 2**63), ("seed", 2**64),
-    ("temperature", "1"), ("top_p", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("seed", -1),
+        ("logprobs", 21),
+        ("stop", ("",)),
+        ("stop_token_ids", (-1,)),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("seed", 2**63),
+        ("seed", 2**64),
+        ("temperature", "1"),
+        ("top_p", True),
+    ],
+)
 def test_sampling_errors_name_the_field(field, value):
     with pytest.raises(SamplingError) as info:
         SamplingParams(**{field: value})
@@ -37,8 +53,7 @@ def test_wire_sampling_is_the_engine_class_and_round_trips():
     from flashpd.engine.sampling import SamplingParams as EngineSampling
 
     assert SamplingParams is EngineSampling
-    p = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("x",),
-                       stop_token_ids=(2,), logprobs=2)
+    p = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("x",), stop_token_ids=(2,), logprobs=2)
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert pickle.loads(pickle.dumps(p)) == p
 

@@ -21,8 +21,11 @@ def test_an_explicit_small_ongoing_limit_shrinks_the_queue_instead_of_deadlockin
 
 
 def test_worker_config_carries_the_queue_limit_and_retry_hint(tmp_path):
-    args = AppArgs(checkpoint=str(tmp_path), redis_url="redis://127.0.0.1:1",
-                   decode={"max_queued_requests": 5, "retry_after_s": 2.5})
+    args = AppArgs(
+        checkpoint=str(tmp_path),
+        redis_url="redis://127.0.0.1:1",
+        decode={"max_queued_requests": 5, "retry_after_s": 2.5},
+    )
     config = args.worker_config("decode")
     assert config.max_queued_requests == 5 and config.retry_after_s == 2.5
 

@@ -21,8 +21,7 @@ from flashpd_sdk._gen import flashpd_pb2 as pb
 
 
 def _params(body: dict):
-    return v.sampling_params(body.get, max_tokens=4, logprobs=0, vocab_size=512,
-                             defaults=v.OPENAI_DEFAULTS)
+    return v.sampling_params(body.get, max_tokens=4, logprobs=0, vocab_size=512, defaults=v.OPENAI_DEFAULTS)
 
 
 def test_http_field_speculative():
@@ -43,8 +42,7 @@ def test_grpc_field_speculative_round_trip():
     assert p.speculative == "off"
     out = pb.GenerateRequest()
     convert.sampling_to_proto(p, out)
-    assert out.speculative == "off" and pb.GenerateRequest.DESCRIPTOR.fields_by_name[
-        "speculative"].number == 70
+    assert out.speculative == "off" and pb.GenerateRequest.DESCRIPTOR.fields_by_name["speculative"].number == 70
     msg.speculative = "sometimes"
     with pytest.raises(InvalidArgument) as info:
         convert.sampling_from_proto(msg, 512)
@@ -52,19 +50,18 @@ def test_grpc_field_speculative_round_trip():
 
 
 def _final(**kw) -> FinalEvent:
-    return FinalEvent(finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=9,
-                                                        **kw))
+    return FinalEvent(finish_reason="stop", usage=Usage(prompt_tokens=5, completion_tokens=9, **kw))
 
 
 def test_usage_reports_drafts():
     final = _final(draft_tokens=10, accepted_draft_tokens=6, draft_steps=2)
     u = usage(final)
-    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 6,
-                                              "rejected_prediction_tokens": 4}
+    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": 4}
     ext = flashpd_extension(final)["speculative"]
     assert ext["acceptance_length"] == 4.0 and "forced_acceptance_length" not in ext
-    forced = flashpd_extension(_final(draft_tokens=5, accepted_draft_tokens=3, draft_steps=1,
-                                      forced_acceptance_length=3.5))["speculative"]
+    forced = flashpd_extension(
+        _final(draft_tokens=5, accepted_draft_tokens=3, draft_steps=1, forced_acceptance_length=3.5)
+    )["speculative"]
     assert forced["forced_acceptance_length"] == 3.5
     back = convert.final_from_proto(convert.final_to_proto(final))
     assert back.usage == final.usage
@@ -96,8 +93,12 @@ def test_serve_config_section(monkeypatch):
     with pytest.raises(ValueError, match=BENCH_ENV):
         _app(method="ngram", bench_forced_acceptance_length=3.51)
     monkeypatch.setenv(BENCH_ENV, "1")
-    assert _app(method="ngram", bench_forced_acceptance_length=3.51).worker_config(
-        "decode").engine.speculative.bench_forced_acceptance_length == 3.51
+    assert (
+        _app(method="ngram", bench_forced_acceptance_length=3.51)
+        .worker_config("decode")
+        .engine.speculative.bench_forced_acceptance_length
+        == 3.51
+    )
 
 
 def test_contract_mismatch_on_speculative_config():

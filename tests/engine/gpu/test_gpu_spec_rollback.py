@@ -36,8 +36,8 @@ def test_gpu_verify_rollback_equals_the_accepted_run(models, prompt_len, accepte
     assert _run(gpu, spec, extra, prompt_len).shape[0] == 4
     n = prompt_len + 1 + accepted
     known = prompt + extra
-    spec.truncate(n, known[n - 3:n])
-    _run(gpu, ref, extra[:1 + accepted], prompt_len)
+    spec.truncate(n, known[n - 3 : n])
+    _run(gpu, ref, extra[: 1 + accepted], prompt_len)
     assert (spec.num_tokens, spec.lookback_ids()) == (ref.num_tokens, ref.lookback_ids())
     cfg = gpu.cfg
     for layer in range(cfg.num_layers):

@@ -15,11 +15,7 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  before anything imports triton
 # isort: on
 
-from flashpd.engine.gpu.weights import (
-    GpuWeights,
-    from_checkpoint_tensors,
-    random_checkpoint_tensors,
-)
+from flashpd.engine.gpu.weights import GpuWeights, from_checkpoint_tensors, random_checkpoint_tensors
 from flashpd.kernels.dense.triton import W_FP8, W_MXFP4, Weights
 from flashpd.kernels.quant import ref as qref
 from flashpd.model.checkpoint import LOADED_TORCH_DTYPES, load_checkpoint, manifest
@@ -56,8 +52,7 @@ def gpu(varied_tensors) -> GpuWeights:
 
 def _fp8(w: Weights, e: int = 0) -> torch.Tensor:
     assert w.fmt == W_FP8
-    return qref.dequantize_fp8_blockwise(w.data[e].view(torch.float8_e4m3fn), w.scale[e],
-                                         torch.float32)
+    return qref.dequantize_fp8_blockwise(w.data[e].view(torch.float8_e4m3fn), w.scale[e], torch.float32)
 
 
 def _mxfp4(w: Weights, e: int) -> torch.Tensor:
@@ -126,8 +121,7 @@ def test_plain_tensors_keep_their_values(gpu, reference):
         _equal(lw.gate_bias, ref.moe.bias)
         _equal(lw.sink, ref.attn.sink)
         for got, want in ((lw.hc_attn, ref.hc_attn), (lw.hc_ffn, ref.hc_ffn)):
-            for g, w in zip((got.fn, got.base, got.scale), (want.fn, want.base, want.scale),
-                            strict=True):
+            for g, w in zip((got.fn, got.base, got.scale), (want.fn, want.base, want.scale), strict=True):
                 _equal(g, w)
         if ref.compressor is not None:
             _equal(lw.comp_wkv.float(), ref.compressor.wkv)
@@ -214,8 +208,7 @@ def test_random_checkpoint_values_stay_unit_order(random_tensors):
     weights = load_weights(preset_config("tiny"), random_tensors, torch.float32)
     layer = weights.layers[0]
     engram = next(lw.engram for lw in weights.layers if lw.engram is not None)
-    for w in (layer.attn.wq_a, layer.attn.wo_b, layer.moe.experts.w1[0], layer.moe.shared.w2[0],
-              engram.wkv):
+    for w in (layer.attn.wq_a, layer.attn.wo_b, layer.moe.experts.w1[0], layer.moe.shared.w2[0], engram.wkv):
         x = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
         rms = (x @ w.T).pow(2).mean().sqrt()
         assert 0.25 < rms < 4.0
@@ -230,5 +223,7 @@ def test_random_checkpoint_loads_in_kernel_format(random_tensors):
     first = random_tensors["layers.0.ffn.experts.0.w1.weight"]
     assert experts.data.data_ptr() == first.data_ptr()
     assert experts.data.shape == (cfg.n_routed_experts, *first.shape)
-    _equal(experts.data[cfg.n_routed_experts - 1],
-           random_tensors[f"layers.0.ffn.experts.{cfg.n_routed_experts - 1}.w1.weight"])
+    _equal(
+        experts.data[cfg.n_routed_experts - 1],
+        random_tensors[f"layers.0.ffn.experts.{cfg.n_routed_experts - 1}.w1.weight"],
+    )

@@ -36,4 +36,3 @@ def tp4_model_f32(tp4_ckpt_dir):
     from flashpd.model.model import load_model
 
     return load_model(tp4_ckpt_dir, torch.float32)
-

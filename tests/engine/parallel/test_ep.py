@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpd.engine.parallel.ep import (
-    LocalMoE,
-    combine,
-    ep_moe,
-    plan_dispatch,
-    run_local_experts,
-)
+from flashpd.engine.parallel.ep import LocalMoE, combine, ep_moe, plan_dispatch, run_local_experts
 from flashpd.engine.parallel.launch import Comm, init_groups, spawn
 from flashpd.engine.parallel.plan import ParallelPlan
 from flashpd.engine.parallel.sharding import load_shard
@@ -23,8 +17,18 @@ EP2 = ParallelPlan.from_name("dp2ep2")
 
 
 def _moe_ref(x: torch.Tensor, m, cfg) -> torch.Tensor:
-    return moe(x, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
-               cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp, cfg.norm_topk_prob)
+    return moe(
+        x,
+        m.gate,
+        m.bias,
+        m.experts,
+        m.shared,
+        cfg.num_experts_per_tok,
+        cfg.routed_scaling_factor,
+        cfg.swiglu_limit,
+        cfg.gate_temp,
+        cfg.norm_topk_prob,
+    )
 
 
 def _tokens(counts: list[int], hidden: int, seed: int = 0) -> list[torch.Tensor]:
@@ -61,8 +65,9 @@ def test_a_pair_for_a_foreign_expert_raises(single_shard):
         run_local_experts(torch.zeros(1, 128), torch.tensor([8]), torch.ones(1), experts, 10.0)
 
 
-def _ep_rank(rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan,
-             xs: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def _ep_rank(
+    rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan, xs: list[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, int]:
     ep = init_groups(plan).ep
     shard = load_shard(ckpt_dir, plan, rank)
     local = LocalMoE.load(shard, LAYER, dtype)
@@ -100,8 +105,7 @@ def test_ep1_moe_is_the_reference(single_shard, dtype):
 def test_ep_and_tp_moe_refuse_each_others_weights(ckpt_dir, single_shard):
     cfg = single_shard.cfg
     ep_local = LocalMoE.load(load_shard(ckpt_dir, EP2, 0), LAYER, torch.float32)
-    tp_local = LocalMoE.load(load_shard(ckpt_dir, ParallelPlan(tp_size=2), 0), LAYER,
-                             torch.float32)
+    tp_local = LocalMoE.load(load_shard(ckpt_dir, ParallelPlan(tp_size=2), 0), LAYER, torch.float32)
     x = torch.zeros(2, cfg.hidden_size)
     with pytest.raises(ValueError, match="use ep_moe"):
         tp_moe(x, ep_local, cfg, Comm.single())

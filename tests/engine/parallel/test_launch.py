@@ -8,13 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashpd.engine.parallel.launch import (
-    Comm,
-    SpawnError,
-    init_groups,
-    loopback_ifname,
-    spawn,
-)
+from flashpd.engine.parallel.launch import Comm, SpawnError, init_groups, loopback_ifname, spawn
 from flashpd.engine.parallel.plan import ParallelPlan
 
 

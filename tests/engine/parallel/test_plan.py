@@ -8,12 +8,9 @@ from flashpd.engine.parallel.plan import ParallelPlan, PlanError
 from flashpd.model.presets import preset_config
 
 
-@pytest.mark.parametrize("name, sizes", [
-    ("single", (1, 1, 1)),
-    ("tp4", (4, 1, 1)),
-    ("dp2ep2", (1, 2, 2)),
-    ("tp2dp2", (2, 2, 1)),
-])
+@pytest.mark.parametrize(
+    "name, sizes", [("single", (1, 1, 1)), ("tp4", (4, 1, 1)), ("dp2ep2", (1, 2, 2)), ("tp2dp2", (2, 2, 1))]
+)
 def test_from_name_gives_sizes_and_round_trips(name, sizes):
     plan = ParallelPlan.from_name(name)
     assert (plan.tp_size, plan.dp_size, plan.ep_size) == sizes
@@ -45,14 +42,17 @@ def test_ep_ranks_own_contiguous_expert_blocks():
     assert ParallelPlan.from_name("tp2").owned_experts(cfg, 1) == range(0, 8)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"tp_size": 0}, "tp_size"),
-    ({"dp_size": -1}, "dp_size"),
-    ({"dp_size": 4, "ep_size": 2}, "ep_size=2 must be 1 or the world size"),
-    ({"tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2"),
-    ({"tp_size": 2, "dp_size": 2, "ep_size": 4}, "with tp_size=2"),
-    ({"vocab_parallel_head": True}, "vocab_parallel_head needs tp_size > 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tp_size": 0}, "tp_size"),
+        ({"dp_size": -1}, "dp_size"),
+        ({"dp_size": 4, "ep_size": 2}, "ep_size=2 must be 1 or the world size"),
+        ({"tp_size": 2, "ep_size": 2}, "ep_size=2 with tp_size=2"),
+        ({"tp_size": 2, "dp_size": 2, "ep_size": 4}, "with tp_size=2"),
+        ({"vocab_parallel_head": True}, "vocab_parallel_head needs tp_size > 1"),
+    ],
+)
 def test_malformed_plans_name_the_field(kwargs, field):
     with pytest.raises(PlanError, match=field):
         ParallelPlan(**kwargs)
@@ -75,7 +75,8 @@ def test_heads_and_experts_must_divide():
         ParallelPlan(dp_size=3, ep_size=3).validate(cfg)
     with pytest.raises(PlanError, match="vocab_size=512 is not divisible by tp_size=3"):
         ParallelPlan(tp_size=3, vocab_parallel_head=True).validate(
-            cfg.replace(num_heads=6, o_groups=3, moe_intermediate_size=96))
+            cfg.replace(num_heads=6, o_groups=3, moe_intermediate_size=96)
+        )
 
 
 @pytest.mark.parametrize("name", ["single", "tp2", "dp2ep2"])

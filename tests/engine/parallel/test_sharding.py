@@ -38,27 +38,30 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_raw(a), _raw(b))
 
 
-@pytest.mark.parametrize("leaf, split", [
-    ("embed.weight", Split.REPLICATED),
-    ("head.weight", Split.VOCAB),
-    ("layers.2.attn.wq_a.scale", Split.REPLICATED),
-    ("layers.2.attn.wq_b.weight", Split.COLUMN),
-    ("layers.2.attn.wq_b.scale", Split.COLUMN),
-    ("layers.2.attn.wkv.weight", Split.REPLICATED),
-    ("layers.2.attn.kv_norm.weight", Split.REPLICATED),
-    ("layers.2.attn.wo_a.weight", Split.COLUMN),
-    ("layers.2.attn.wo_b.scale", Split.ROW),
-    ("layers.2.attn.attn_sink", Split.COLUMN),
-    ("layers.2.attn.compressor.wgate.weight", Split.REPLICATED),
-    ("layers.2.attn.indexer.wq_b.weight", Split.REPLICATED),
-    ("layers.2.ffn.gate.weight", Split.REPLICATED),
-    ("layers.2.ffn.shared_experts.w3.weight", Split.COLUMN),
-    ("layers.2.ffn.shared_experts.w2.scale", Split.ROW),
-    ("layers.2.ffn.experts.7.w1.weight", Split.COLUMN),
-    ("layers.2.ffn.experts.7.w2.scale", Split.ROW),
-    ("layers.1.engram.embed.weight", Split.REPLICATED),
-    ("layers.1.hc_ffn_fn", Split.REPLICATED),
-])
+@pytest.mark.parametrize(
+    "leaf, split",
+    [
+        ("embed.weight", Split.REPLICATED),
+        ("head.weight", Split.VOCAB),
+        ("layers.2.attn.wq_a.scale", Split.REPLICATED),
+        ("layers.2.attn.wq_b.weight", Split.COLUMN),
+        ("layers.2.attn.wq_b.scale", Split.COLUMN),
+        ("layers.2.attn.wkv.weight", Split.REPLICATED),
+        ("layers.2.attn.kv_norm.weight", Split.REPLICATED),
+        ("layers.2.attn.wo_a.weight", Split.COLUMN),
+        ("layers.2.attn.wo_b.scale", Split.ROW),
+        ("layers.2.attn.attn_sink", Split.COLUMN),
+        ("layers.2.attn.compressor.wgate.weight", Split.REPLICATED),
+        ("layers.2.attn.indexer.wq_b.weight", Split.REPLICATED),
+        ("layers.2.ffn.gate.weight", Split.REPLICATED),
+        ("layers.2.ffn.shared_experts.w3.weight", Split.COLUMN),
+        ("layers.2.ffn.shared_experts.w2.scale", Split.ROW),
+        ("layers.2.ffn.experts.7.w1.weight", Split.COLUMN),
+        ("layers.2.ffn.experts.7.w2.scale", Split.ROW),
+        ("layers.1.engram.embed.weight", Split.REPLICATED),
+        ("layers.1.hc_ffn_fn", Split.REPLICATED),
+    ],
+)
 def test_rule_table(leaf, split):
     assert tensor_rule(leaf).split is split
 
@@ -75,8 +78,7 @@ def test_every_tiny_and_released_tensor_has_a_rule():
 def _round_trip(tensors, plan, cfg):
     """Every tensor's parts, put back together along the split dim, give the tensor."""
     for name, full in tensors.items():
-        parts = [shard_tensor(name, full, plan, r, cfg.weight_block_size)
-                 for r in range(plan.world_size)]
+        parts = [shard_tensor(name, full, plan, r, cfg.weight_block_size) for r in range(plan.world_size)]
         split = tensor_rule(name).split
         if split is Split.REPLICATED or split is Split.VOCAB:
             assert all(p is full for p in parts), name
@@ -112,12 +114,10 @@ def _dequant_commutes(tensors, plan):
             continue  # Engram rows (1x32 scales) are replicated
         scale_name = name[: -len(".weight")] + ".scale"
         s = tensors[scale_name]
-        deq = quant.dequantize_mxfp4_weight if w.dtype == torch.uint8 else \
-            quant.dequantize_fp8_blockwise
+        deq = quant.dequantize_mxfp4_weight if w.dtype == torch.uint8 else quant.dequantize_fp8_blockwise
         full = deq(w, s, torch.float32)
         for r in range(plan.world_size):
-            got = deq(shard_tensor(name, w, plan, r), shard_tensor(scale_name, s, plan, r),
-                      torch.float32)
+            got = deq(shard_tensor(name, w, plan, r), shard_tensor(scale_name, s, plan, r), torch.float32)
             assert torch.equal(got, _expected_part(full, name, plan, r)), f"{name} rank {r}"
         checked += 1
     assert checked > 0
@@ -169,8 +169,7 @@ def test_load_shard_equals_shard_of_full(ckpt_dir, tiny_tensors, plan_name):
         for name, t in want.items():
             assert _same(shard.tensors[name], shard_tensor(name, t, plan, rank)), name
         specs = rank_manifest(cfg, plan, rank)
-        assert {n: tuple(t.shape) for n, t in shard.tensors.items()} == {
-            n: s.shape for n, s in specs.items()}
+        assert {n: tuple(t.shape) for n, t in shard.tensors.items()} == {n: s.shape for n, s in specs.items()}
         assert shard.nbytes == sum(s.nbytes for s in specs.values())
 
 

@@ -39,15 +39,16 @@ def _inputs(cfg, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return o, c_q
 
 
-def _tp_rank(rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan,
-             o: torch.Tensor, c_q: torch.Tensor) -> dict[str, torch.Tensor]:
+def _tp_rank(
+    rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan, o: torch.Tensor, c_q: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """One TP rank: attention output projection -> ffn_norm -> shared expert / MoE."""
     tp = init_groups(plan).tp
     shard = load_shard(ckpt_dir, plan, rank)
     cfg, dtype, p = shard.cfg, torch.float32, f"layers.{LAYER}."
     heads = local_heads(cfg, tp)
     w_out = AttentionOutShard.load(shard, LAYER, dtype)
-    y = tp_output_projection(o[:, heads.start:heads.stop], w_out, cfg, tp)  # [T, D]
+    y = tp_output_projection(o[:, heads.start : heads.stop], w_out, cfg, tp)  # [T, D]
     h = rms_norm(y, shard.get(p + "ffn_norm.weight").to(dtype), cfg.rms_norm_eps)
     local_moe = LocalMoE.load(shard, LAYER, dtype)
     q = tp_query(c_q, shard.fp8(p + "attn.wq_b", dtype), cfg, tp)  # [T, H/tp, d]
@@ -68,8 +69,18 @@ def _reference(model, o, c_q) -> dict[str, torch.Tensor]:
     return {
         "attn_out": y,
         "shared": expert_ffn(h, s.w1[0], s.w3[0], s.w2[0], cfg.swiglu_limit),
-        "moe": moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
-                   cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp, cfg.norm_topk_prob),
+        "moe": moe(
+            h,
+            m.gate,
+            m.bias,
+            m.experts,
+            m.shared,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.gate_temp,
+            cfg.norm_topk_prob,
+        ),
         "q": linear(c_q, lw.attn.wq_b),
         "sink": lw.attn.sink,
     }
@@ -97,8 +108,7 @@ def test_tp4_blocks_equal_single_process(tp4_ckpt_dir, tp4_model_f32):
     _check_tp(tp4_ckpt_dir, tp4_model_f32, "tp4")
 
 
-def _vocab_rank(rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan,
-                h: torch.Tensor) -> torch.Tensor:
+def _vocab_rank(rank: int, world_size: int, ckpt_dir: str, plan: ParallelPlan, h: torch.Tensor) -> torch.Tensor:
     tp = init_groups(plan).tp
     head = load_shard(ckpt_dir, plan, rank).get("head.weight").to(torch.float32)
     assert head.shape[0] == 512 // world_size
@@ -127,12 +137,24 @@ def test_tp1_blocks_are_the_reference_bit_for_bit(ckpt_dir, dtype):
     h = rms_norm(y, lw.ffn_norm, cfg.rms_norm_eps)
     local_moe = LocalMoE.load(shard, LAYER, dtype)
     s = lw.moe.shared
-    assert torch.equal(tp_shared_expert(h, local_moe.shared, cfg.swiglu_limit, comm),
-                       expert_ffn(h, s.w1[0], s.w3[0], s.w2[0], cfg.swiglu_limit))
+    assert torch.equal(
+        tp_shared_expert(h, local_moe.shared, cfg.swiglu_limit, comm),
+        expert_ffn(h, s.w1[0], s.w3[0], s.w2[0], cfg.swiglu_limit),
+    )
     m = lw.moe
-    assert torch.equal(tp_moe(h, local_moe, cfg, comm),
-                       moe(h, m.gate, m.bias, m.experts, m.shared, cfg.num_experts_per_tok,
-                           cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                           cfg.norm_topk_prob))
-    assert torch.equal(tp_query(c_q, lw.attn.wq_b, cfg, comm).reshape(NUM_TOKENS, -1),
-                       linear(c_q, lw.attn.wq_b))
+    assert torch.equal(
+        tp_moe(h, local_moe, cfg, comm),
+        moe(
+            h,
+            m.gate,
+            m.bias,
+            m.experts,
+            m.shared,
+            cfg.num_experts_per_tok,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            cfg.gate_temp,
+            cfg.norm_topk_prob,
+        ),
+    )
+    assert torch.equal(tp_query(c_q, lw.attn.wq_b, cfg, comm).reshape(NUM_TOKENS, -1), linear(c_q, lw.attn.wq_b))

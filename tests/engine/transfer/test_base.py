@@ -3,14 +3,7 @@
 import pytest
 import torch
 
-from flashpd.engine.transfer import (
-    GroupSpec,
-    KVSender,
-    LocalReceiver,
-    TransferContract,
-    TransferError,
-    TransferTimeout,
-)
+from flashpd.engine.transfer import GroupSpec, KVSender, LocalReceiver, TransferContract, TransferError, TransferTimeout
 from flashpd.engine.transfer.base import TransferCancelled
 
 CONTRACT = TransferContract("tiny", (GroupSpec("main.L2", 16, "nvfp4_e4m3x16"),))

@@ -19,10 +19,9 @@ MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 
 
 def contract(main_bytes: int = 32, index_fmt: str = "mxfp4_ue8m0x32", model: str = MODEL):
-    return TransferContract(model, (
-        GroupSpec("main.L2", main_bytes, "nvfp4_e4m3x16"),
-        GroupSpec("index.L2", 8, index_fmt),
-    ))
+    return TransferContract(
+        model, (GroupSpec("main.L2", main_bytes, "nvfp4_e4m3x16"), GroupSpec("index.L2", 8, index_fmt))
+    )
 
 
 def zero_pools(c: TransferContract, num_blocks: int = 4) -> dict[str, torch.Tensor]:
@@ -40,15 +39,13 @@ def test_mismatch_names_every_differing_field():
     b = contract(main_bytes=64, index_fmt="fp8_e4m3", model="other/model")
     with pytest.raises(ContractMismatch) as err:
         check_compatible(a, b)
-    assert set(err.value.fields) == {
-        "model_id", "groups[main.L2].block_bytes", "groups[index.L2].record_format"}
+    assert set(err.value.fields) == {"model_id", "groups[main.L2].block_bytes", "groups[index.L2].record_format"}
     assert "groups[main.L2].block_bytes: local=32 remote=64" in str(err.value)
 
 
 def test_mismatch_names_missing_groups_and_versions():
     a = contract()
-    b = TransferContract(MODEL, (GroupSpec("main.L2", 32, "nvfp4_e4m3x16"),),
-                         chunk_tokens=64, protocol_version=2)
+    b = TransferContract(MODEL, (GroupSpec("main.L2", 32, "nvfp4_e4m3x16"),), chunk_tokens=64, protocol_version=2)
     with pytest.raises(ContractMismatch) as err:
         check_compatible(a, b)
     assert set(err.value.fields) == {"groups", "chunk_tokens", "protocol_version"}

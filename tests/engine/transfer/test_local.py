@@ -3,31 +3,29 @@ import time
 import pytest
 import torch
 
-from flashpd.engine.transfer import (
-    GroupSpec,
-    LocalReceiver,
-    LocalSender,
-    TransferContract,
-    TransferError,
-)
+from flashpd.engine.transfer import GroupSpec, LocalReceiver, LocalSender, TransferContract, TransferError
 from flashpd.engine.transfer.wire import PeerDescriptor
 
-CONTRACT = TransferContract("tiny", (
-    GroupSpec("main.L2", 24, "nvfp4_e4m3x16"),
-    GroupSpec("index.L2", 8, "mxfp4_ue8m0x32"),
-    GroupSpec("main.L4", 48, "nvfp4_e4m3x16"),
-))
+CONTRACT = TransferContract(
+    "tiny",
+    (
+        GroupSpec("main.L2", 24, "nvfp4_e4m3x16"),
+        GroupSpec("index.L2", 8, "mxfp4_ue8m0x32"),
+        GroupSpec("main.L4", 48, "nvfp4_e4m3x16"),
+    ),
+)
 
 
 def random_pools(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {g.name: torch.randint(0, 256, (num_blocks, g.block_bytes), dtype=torch.uint8,
-                                  generator=gen) for g in CONTRACT.groups}
+    return {
+        g.name: torch.randint(0, 256, (num_blocks, g.block_bytes), dtype=torch.uint8, generator=gen)
+        for g in CONTRACT.groups
+    }
 
 
 def zero_pools(num_blocks: int) -> dict[str, torch.Tensor]:
-    return {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8)
-            for g in CONTRACT.groups}
+    return {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in CONTRACT.groups}
 
 
 @pytest.fixture
@@ -127,8 +125,9 @@ def test_send_needs_a_peer_name_with_several_connections(pair):
 def test_descriptor_from_another_process_is_refused(pair):
     _, receiver = pair
     desc = PeerDescriptor.from_bytes(receiver.descriptor())
-    foreign = PeerDescriptor(desc.backend, desc.agent_name, desc.incarnation, desc.contract,
-                             desc.regions, agent_metadata=b"999999999")
+    foreign = PeerDescriptor(
+        desc.backend, desc.agent_name, desc.incarnation, desc.contract, desc.regions, agent_metadata=b"999999999"
+    )
     sender = LocalSender(CONTRACT, random_pools(2, seed=2))
     with pytest.raises(TransferError, match="another process"):
         sender.connect(foreign.to_bytes())

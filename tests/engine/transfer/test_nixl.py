@@ -12,21 +12,15 @@ import torch
 
 pytest.importorskip("nixl")
 
-from flashpd.engine.transfer import (  # noqa: E402
-    ContractMismatch,
-    GroupSpec,
-    TransferContract,
-    TransferError,
-)
+from flashpd.engine.transfer import ContractMismatch, GroupSpec, TransferContract, TransferError  # noqa: E402
 from flashpd.engine.transfer.nixl_backend import NixlSender  # noqa: E402
 from flashpd.engine.transfer.remote_receiver import receiver_main  # noqa: E402
 
 pytestmark = pytest.mark.net
 
-CONTRACT = TransferContract("tiny", (
-    GroupSpec("main.L2", 256, "nvfp4_e4m3x16"),
-    GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"),
-))
+CONTRACT = TransferContract(
+    "tiny", (GroupSpec("main.L2", 256, "nvfp4_e4m3x16"), GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"))
+)
 RECEIVER_BLOCKS = 16
 REPLY_TIMEOUT_S = 60.0
 
@@ -61,8 +55,9 @@ def peer():
         env.setenv("NIXL_LOG_LEVEL", "WARN")
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe()
-        process = ctx.Process(target=receiver_main, daemon=True,
-                              args=(child_end, CONTRACT.to_json(), RECEIVER_BLOCKS, "decode-1"))
+        process = ctx.Process(
+            target=receiver_main, daemon=True, args=(child_end, CONTRACT.to_json(), RECEIVER_BLOCKS, "decode-1")
+        )
         process.start()
         assert parent_end.poll(REPLY_TIMEOUT_S), "receiver process did not start"
         the_peer = Peer(parent_end, process)
@@ -77,8 +72,9 @@ def peer():
 @pytest.fixture(scope="module")
 def sender(peer):
     gen = torch.Generator().manual_seed(0)
-    pools = {g.name: torch.randint(0, 256, (8, g.block_bytes), dtype=torch.uint8, generator=gen)
-             for g in CONTRACT.groups}
+    pools = {
+        g.name: torch.randint(0, 256, (8, g.block_bytes), dtype=torch.uint8, generator=gen) for g in CONTRACT.groups
+    }
     the_sender = NixlSender(CONTRACT, pools)
     the_sender.connect(peer.descriptor)
     yield the_sender
@@ -106,10 +102,9 @@ def test_late_write_after_cancel_is_rejected(peer, sender):
 
 
 def test_contract_mismatch_fails_at_connect(peer):
-    other = TransferContract("tiny", (
-        GroupSpec("main.L2", 128, "nvfp4_e4m3x16"),
-        GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"),
-    ))
+    other = TransferContract(
+        "tiny", (GroupSpec("main.L2", 128, "nvfp4_e4m3x16"), GroupSpec("index.L2", 64, "mxfp4_ue8m0x32"))
+    )
     pools = {g.name: torch.zeros(2, g.block_bytes, dtype=torch.uint8) for g in other.groups}
     mismatched = NixlSender(other, pools)
     with pytest.raises(ContractMismatch, match=r"groups\[main.L2\].block_bytes"):

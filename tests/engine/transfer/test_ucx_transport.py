@@ -24,22 +24,31 @@ from flashpd.engine.transfer.wire import PoolRegion
 
 def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
     p = "[1796241349.5] [h200:4242:0]   "
-    lines = [p + "+--------+", p + "| flashpd intra-node cfg#3 |", p + f"| {title} |",
-             p + "+--------+", p + "| Range | Description | Config |", p + "+--------+"]
+    lines = [
+        p + "+--------+",
+        p + "| flashpd intra-node cfg#3 |",
+        p + f"| {title} |",
+        p + "+--------+",
+        p + "| Range | Description | Config |",
+        p + "+--------+",
+    ]
     lines += [p + f"| {r} | {d} | {c} |" for r, d, c in rows]
     return "\n".join(lines + [p + "+--------+"])
 
 
-GPU_IPC = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
-                 [("0..inf", "zero-copy", "cuda_ipc/cuda")])
-GPU_TCP = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
-                 [("0..8K", "short", "tcp/lo"), ("8K..inf", "zero-copy", "tcp/lo")])
-GPU_STAGED = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
-                    [("0..inf", "pipeline cuda_copy", "cuda_copy/cuda + tcp/eth0")])
-HOST_AM = _table("active message by ucp_am_send* from host memory",
-                 [("0..8184", "short", "tcp/lo")])
-HOST_CMA = _table("remote memory write by ucp_put* from host memory to host",
-                  [("0..inf", "zero-copy", "cma/memory")])
+GPU_IPC = _table(
+    "remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0", [("0..inf", "zero-copy", "cuda_ipc/cuda")]
+)
+GPU_TCP = _table(
+    "remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
+    [("0..8K", "short", "tcp/lo"), ("8K..inf", "zero-copy", "tcp/lo")],
+)
+GPU_STAGED = _table(
+    "remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
+    [("0..inf", "pipeline cuda_copy", "cuda_copy/cuda + tcp/eth0")],
+)
+HOST_AM = _table("active message by ucp_am_send* from host memory", [("0..8184", "short", "tcp/lo")])
+HOST_CMA = _table("remote memory write by ucp_put* from host memory to host", [("0..inf", "zero-copy", "cma/memory")])
 
 
 def test_cuda_ipc_zero_copy_is_accepted_and_named():
@@ -63,9 +72,10 @@ def test_no_gpu_table_cannot_confirm_zero_copy():
 
 
 def test_ranges_below_the_smallest_descriptor_do_not_count():
-    mixed = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
-                   [("0..1K", "short copy-in", "cuda_copy/cuda"),
-                    ("1025..inf", "zero-copy", "cuda_ipc/cuda")])
+    mixed = _table(
+        "remote memory write by ucp_put* from cuda/GPU0 to cuda/GPU0",
+        [("0..1K", "short copy-in", "cuda_copy/cuda"), ("1025..inf", "zero-copy", "cuda_ipc/cuda")],
+    )
     assert judge(parse_put_tables(mixed), "VRAM", 4352).transport == "cuda_ipc"
     with pytest.raises(TransportFallback):
         judge(parse_put_tables(mixed), "VRAM", 512)
@@ -80,8 +90,7 @@ def test_dram_takes_what_ucx_picked_unless_transports_are_required():
 
 
 def test_required_transports_parse_strictly():
-    assert required_transports({"FLASHPD_KV_TRANSPORTS": "cuda_ipc, rc_mlx5"}) == (
-        "cuda_ipc", "rc_mlx5")
+    assert required_transports({"FLASHPD_KV_TRANSPORTS": "cuda_ipc, rc_mlx5"}) == ("cuda_ipc", "rc_mlx5")
     assert required_transports({}) == ()
     with pytest.raises(ValueError, match="FLASHPD_KV_TRANSPORTS"):
         required_transports({"FLASHPD_KV_TRANSPORTS": "cuda ipc"})
@@ -108,8 +117,7 @@ def test_block_runs_split_where_only_one_side_is_contiguous():
 
 
 def test_run_rows_one_descriptor_per_group_and_run():
-    regions = (PoolRegion("main.L2", 1000, 16, 256, 0, "VRAM"),
-               PoolRegion("index.L2", 9000, 16, 64, 0, "VRAM"))
+    regions = (PoolRegion("main.L2", 1000, 16, 256, 0, "VRAM"), PoolRegion("index.L2", 9000, 16, 64, 0, "VRAM"))
     rows = run_rows(regions, np.array([2, 5]), np.array([3, 1]))
     assert rows.tolist() == [[1512, 768, 0], [2280, 256, 0], [9128, 192, 0], [9320, 64, 0]]
 
@@ -155,8 +163,7 @@ _SCRIPT = textwrap.dedent("""
 def _run(extra_env: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_LOG")}
     env.update(UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN", **extra_env)
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, done.stdout[-2000:] + done.stderr[-2000:]
     return json.loads(line[0][7:])
@@ -174,8 +181,7 @@ def test_real_nixl_reads_back_the_transport_it_used(tmp_path):
 @pytest.mark.net
 def test_real_nixl_over_tcp_fails_when_another_transport_is_required(tmp_path):
     pytest.importorskip("nixl")
-    out = _run({"UCX_LOG_FILE": str(tmp_path / "ucx.%p"), "UCX_TLS": "tcp,self",
-                "FLASHPD_KV_TRANSPORTS": "cma"})
+    out = _run({"UCX_LOG_FILE": str(tmp_path / "ucx.%p"), "UCX_TLS": "tcp,self", "FLASHPD_KV_TRANSPORTS": "cma"})
     assert out["0"][0] == "fallback" and "tcp" in out["0"][1]
     assert out["1"][0] == "fallback"  # the peer stays barred: no silent second try
 
@@ -183,9 +189,11 @@ def test_real_nixl_over_tcp_fails_when_another_transport_is_required(tmp_path):
 def test_puts_from_host_memory_do_not_count_for_vram_pools():
     """What the H200 stack's log held: a host->GPU put table over TCP emulation beside the
     GPU->GPU one over cuda_ipc; the KV's descriptors are GPU memory on both sides."""
-    host_to_gpu = _table("remote memory write by ucp_put* from host memory to cuda/dev[1]",
-                         [("0..inf", "software emulation", "tcp/lo")])
-    gpu_to_gpu = _table("remote memory write by ucp_put* from cuda/GPU0 to cuda/dev[1]",
-                        [("0..inf", "zero-copy", "cuda_ipc/cuda")])
+    host_to_gpu = _table(
+        "remote memory write by ucp_put* from host memory to cuda/dev[1]", [("0..inf", "software emulation", "tcp/lo")]
+    )
+    gpu_to_gpu = _table(
+        "remote memory write by ucp_put* from cuda/GPU0 to cuda/dev[1]", [("0..inf", "zero-copy", "cuda_ipc/cuda")]
+    )
     tables = parse_put_tables(host_to_gpu + "\n" + gpu_to_gpu)
     assert judge(tables, "VRAM", 4352, ("cuda_ipc",)).transport == "cuda_ipc"

@@ -9,8 +9,17 @@ def test_notice_round_trip_keeps_block_order_and_compresses_runs():
     assert TransferNotice.from_bytes(notice.to_bytes()) == notice
 
 
-@pytest.mark.parametrize("raw", [b"", b"{}", b"[1]", b'{"v": 2, "rid": "r", "inc": "p", "runs": []}',
-                                 b'{"v": 1, "rid": "r", "inc": "p", "runs": [[1]]}', b"\xff"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{}",
+        b"[1]",
+        b'{"v": 2, "rid": "r", "inc": "p", "runs": []}',
+        b'{"v": 1, "rid": "r", "inc": "p", "runs": [[1]]}',
+        b"\xff",
+    ],
+)
 def test_malformed_notice_raises_value_error(raw):
     with pytest.raises(ValueError):
         TransferNotice.from_bytes(raw)

@@ -30,8 +30,13 @@ def ray_serve():
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)  # as flashpd serve
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     http_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     yield http_port
@@ -45,10 +50,15 @@ def deploy(name: str, ckpt_dir: str, redis_url: str, **overrides) -> dict:
 
     from flashpd.services.app import build_app
 
-    args = {"checkpoint": ckpt_dir, "model_id": "flashpd-tiny", "redis_url": redis_url,
-            "grpc_port": free_port(), "max_model_len": 2048,
-            "prefill": {"num_blocks": 64, "num_slots": 16},
-            "decode": {"num_blocks": 64, "num_slots": 16}}
+    args = {
+        "checkpoint": ckpt_dir,
+        "model_id": "flashpd-tiny",
+        "redis_url": redis_url,
+        "grpc_port": free_port(),
+        "max_model_len": 2048,
+        "prefill": {"num_blocks": 64, "num_slots": 16},
+        "decode": {"num_blocks": 64, "num_slots": 16},
+    }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(args.get(key), dict):
             args[key] = {**args[key], **value}

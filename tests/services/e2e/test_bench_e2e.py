@@ -13,8 +13,7 @@ pytestmark = pytest.mark.net
 APP = "benchapp"
 
 
-def test_short_closed_loop_run_writes_metrics_and_plots(ray_serve, ckpt_dir, redis_server,
-                                                       tmp_path):
+def test_short_closed_loop_run_writes_metrics_and_plots(ray_serve, ckpt_dir, redis_server, tmp_path):
     from ray import serve
 
     from flashpd.bench.cli import Target, _run_targets

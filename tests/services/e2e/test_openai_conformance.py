@@ -19,11 +19,13 @@ pytestmark = [pytest.mark.net, pytest.mark.slow]
 APP = "oai"
 MODEL = "flashpd-tiny"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
-ROLES = [{"role": "system", "content": "You are terse."},
-         {"role": "developer", "content": "Answer in one word."},
-         {"role": "user", "content": "Name a colour."},
-         {"role": "assistant", "content": "Blue."},
-         {"role": "user", "content": "Another?"}]
+ROLES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "developer", "content": "Answer in one word."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +79,17 @@ def test_chat_with_every_role(client):
 
 
 def test_chat_stream_with_usage_matches_the_non_stream_reply(client):
-    full = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=6,
-                                          **GREEDY)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=ROLES[2:3], max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, **GREEDY))
+    full = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=6, **GREEDY)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ROLES[2:3],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -93,22 +101,32 @@ def test_chat_stream_with_usage_matches_the_non_stream_reply(client):
 
 
 def test_max_completion_tokens(client):
-    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3],
-                                         max_completion_tokens=3, **GREEDY)
+    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_completion_tokens=3, **GREEDY)
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
 def test_seed_makes_sampling_repeatable(client):
     def sample():
-        return client.chat.completions.create(
-            model=MODEL, messages=ROLES[2:3], max_tokens=8, temperature=1.0, seed=1234,
-            extra_body={"ignore_eos": True}).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ROLES[2:3],
+                max_tokens=8,
+                temperature=1.0,
+                seed=1234,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .message.content
+        )
+
     assert sample() == sample()
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=3,
-                                         logprobs=True, top_logprobs=2, **GREEDY)
+    out = client.chat.completions.create(
+        model=MODEL, messages=ROLES[2:3], max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 3
     for entry in content:
@@ -118,15 +136,23 @@ def test_chat_logprobs(client):
 
 
 def test_stop_string_cuts_the_reply(client):
-    base = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12,
-                                          **GREEDY).choices[0].message.content
-    stop = next((base[i:i + 2] for i in range(1, len(base) - 1)
-                 if base[i:i + 2].strip() and base.index(base[i:i + 2]) == i), None)
+    base = (
+        client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12, **GREEDY)
+        .choices[0]
+        .message.content
+    )
+    stop = next(
+        (
+            base[i : i + 2]
+            for i in range(1, len(base) - 1)
+            if base[i : i + 2].strip() and base.index(base[i : i + 2]) == i
+        ),
+        None,
+    )
     if stop is None:
         pytest.fail(f"no usable stop string in the greedy reply {base!r}")
-    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12,
-                                         stop=[stop], **GREEDY)
-    assert out.choices[0].message.content == base[:base.index(stop)]
+    out = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=12, stop=[stop], **GREEDY)
+    assert out.choices[0].message.content == base[: base.index(stop)]
     assert out.choices[0].finish_reason == "stop"
 
 
@@ -134,20 +160,25 @@ def test_stop_string_cuts_the_reply(client):
 
 
 def test_completion_and_its_stream_agree(client):
-    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
-                                     **GREEDY)
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, **GREEDY)
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 5
-    chunks = list(client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True,
-        stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == 5
 
 
 def test_completion_logprobs_and_token_prompt(client):
-    out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2, logprobs=3,
-                                    **GREEDY)
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2, logprobs=3, **GREEDY)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 2
     assert all(len(top) <= 3 for top in lp.top_logprobs)
@@ -164,18 +195,21 @@ def _error_shape(resp: httpx.Response) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"seed": 2**64}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": 10**9}, "max_completion_tokens"),
-    ({"n": 17}, "n"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
-    ({"extra_body": {"top_k": 10**20}}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 10**9}, "max_completion_tokens"),
+        ({"n": 17}, "n"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+        ({"extra_body": {"top_k": 10**20}}, "top_k"),
+    ],
+)
 def test_bad_chat_requests_are_400_naming_the_param(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ROLES[2:3], **kwargs)
@@ -189,18 +223,35 @@ def test_unknown_model_is_404_model_not_found(client):
 
 
 def test_tiny_temperature_is_greedy(client):
-    greedy = client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=4,
-                                            **GREEDY).choices[0].message.content
-    tiny = client.chat.completions.create(
-        model=MODEL, messages=ROLES[2:3], max_tokens=4, temperature=5e-324, top_p=1e-300,
-        extra_body={"ignore_eos": True}).choices[0].message.content
+    greedy = (
+        client.chat.completions.create(model=MODEL, messages=ROLES[2:3], max_tokens=4, **GREEDY)
+        .choices[0]
+        .message.content
+    )
+    tiny = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ROLES[2:3],
+            max_tokens=4,
+            temperature=5e-324,
+            top_p=1e-300,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
     assert tiny == greedy
 
 
-@pytest.mark.parametrize("method,path,status", [
-    ("GET", "/v1/nope", 404), ("POST", "/v1/embeddings", 404),
-    ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405),
-])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("GET", "/v1/nope", 404),
+        ("POST", "/v1/embeddings", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ],
+)
 def test_unknown_routes_and_methods(server, method, path, status):
     resp = httpx.request(method, server["base"] + path, timeout=30)
     assert resp.status_code == status
@@ -214,22 +265,29 @@ def test_the_client_raises_not_found_for_an_unknown_route(client):
 
 @pytest.mark.parametrize("header", [b"x-session-id", b"x-request-id"])
 def test_non_ascii_header_bytes_are_400_through_the_proxy(server, header):
-    resp = httpx.post(f"{server['base']}/v1/completions", timeout=30,
-                      headers=[(b"content-type", b"application/json"), (header, b"caf\xe9")],
-                      content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+    resp = httpx.post(
+        f"{server['base']}/v1/completions",
+        timeout=30,
+        headers=[(b"content-type", b"application/json"), (header, b"caf\xe9")],
+        content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    )
     assert resp.status_code == 400
     assert _error_shape(resp)["param"] == header.decode()
 
 
-@pytest.mark.parametrize("raw,status,param", [
-    (json.dumps({"prompt": "x" * 10_000_000}).encode(), 413, "body"),
-    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "body"),
-    (b'{"prompt": "\\ud800"}', 400, "prompt"),
-    (b'{"prompt": "caf\xe9"}', 400, "body"),
-])
+@pytest.mark.parametrize(
+    "raw,status,param",
+    [
+        (json.dumps({"prompt": "x" * 10_000_000}).encode(), 413, "body"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "body"),
+        (b'{"prompt": "\\ud800"}', 400, "prompt"),
+        (b'{"prompt": "caf\xe9"}', 400, "body"),
+    ],
+)
 def test_hostile_bodies_are_client_errors(server, raw, status, param):
-    resp = httpx.post(f"{server['base']}/v1/completions", content=raw, timeout=60,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{server['base']}/v1/completions", content=raw, timeout=60, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == status
     assert _error_shape(resp)["param"] == param
 
@@ -239,23 +297,48 @@ def test_hostile_bodies_are_client_errors(server, raw, status, param):
 # go through the grammar mask (tool_choice required/named, response_format). Sampling is seeded:
 # every run draws the same tokens.
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-LOOKUP = {"type": "function", "function": {
-    "name": "lookup", "parameters": {"type": "object", "properties": {
-        "key": {"type": "string", "maxLength": 8}}, "required": ["key"],
-        "additionalProperties": False}}}
-ASK = [{"role": "system", "content": "You are a weather agent."},
-       {"role": "user", "content": "What is the weather in Paris and Rome?"}]
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"type": "string", "enum": ["admin", "user"]}},
-    "required": ["name", "age", "role"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"type": "string", "maxLength": 8}},
+            "required": ["key"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [
+    {"role": "system", "content": "You are a weather agent."},
+    {"role": "user", "content": "What is the weather in Paris and Rome?"},
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 300}
 TOOL_SAMPLED = {**SAMPLED, "max_tokens": 600}  # parallel calls: ~200 tokens per call here
 
@@ -279,8 +362,9 @@ def _check_calls(calls, tools):
 
 
 def test_tool_call_required(agent):
-    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP],
-                                         tool_choice="required", **TOOL_SAMPLED)
+    out = agent.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP], tool_choice="required", **TOOL_SAMPLED
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls, [WEATHER, LOOKUP])
@@ -288,47 +372,61 @@ def test_tool_call_required(agent):
 
 def test_tool_call_named_and_not_parallel(agent):
     out = agent.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER, LOOKUP], parallel_tool_calls=False,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **TOOL_SAMPLED)
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, LOOKUP],
+        parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **TOOL_SAMPLED,
+    )
     calls = out.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     _check_calls(calls, [WEATHER])
 
 
 def test_tool_call_streaming_matches_the_non_streaming_call(agent):
-    kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-              **TOOL_SAMPLED}
+    kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", **TOOL_SAMPLED}
     full = agent.chat.completions.create(**kwargs).choices[0]
     chunks = list(agent.chat.completions.create(stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert [tc.index for tc in calls] == list(range(len(calls)))
-    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_parallel_tool_results_next_turn_hit_the_prefix(agent):
-    first = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
-                                           tool_choice="required", **TOOL_SAMPLED)
+    first = agent.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", **TOOL_SAMPLED
+    )
     message = first.choices[0].message
-    calls = [{"id": "call_a", "type": "function", "function": {
-                 "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}},
-             {"id": "call_b", "type": "function", "function": {
-                 "name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}]
-    turn2 = ASK + [{"role": "assistant", "content": message.content, "tool_calls": calls},
-                   {"role": "tool", "tool_call_id": "call_b", "content": "rain, 12 C"},
-                   {"role": "tool", "tool_call_id": "call_a", "content": "sun, 21 C"}]
-    out = agent.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER],
-                                         max_tokens=4, **GREEDY)
+    calls = [
+        {
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+        },
+        {
+            "id": "call_b",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'},
+        },
+    ]
+    turn2 = ASK + [
+        {"role": "assistant", "content": message.content, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_b", "content": "rain, 12 C"},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sun, 21 C"},
+    ]
+    out = agent.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER], max_tokens=4, **GREEDY)
     assert out.choices[0].finish_reason == "length"  # a text answer (tool_choice auto)
     assert out.usage.prompt_tokens > first.usage.prompt_tokens
     assert out.usage.prompt_tokens_details.cached_tokens >= 128  # the tools + question prefix
 
 
 def test_tool_choice_auto_with_a_random_model_answers_in_text(agent):
-    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
-                                         max_tokens=8, **GREEDY)
+    out = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, **GREEDY)
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert isinstance(choice.message.content, str)
@@ -337,18 +435,19 @@ def test_tool_choice_auto_with_a_random_model_answers_in_text(agent):
 def test_tool_choice_none_offers_no_tool(agent):
     """none: the tools are left out of the prompt (fewer prompt tokens than auto's), the
     answer is text."""
-    auto = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
-                                          tool_choice="auto", max_tokens=4, **GREEDY)
-    none = agent.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
-                                          tool_choice="none", max_tokens=4, **GREEDY)
+    auto = agent.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=4, **GREEDY
+    )
+    none = agent.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4, **GREEDY
+    )
     choice = none.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert none.usage.prompt_tokens < auto.usage.prompt_tokens
 
 
 def test_json_mode(client):
-    out = client.chat.completions.create(model=MODEL, messages=ASK,
-                                         response_format={"type": "json_object"}, **SAMPLED)
+    out = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"}, **SAMPLED)
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
@@ -356,11 +455,11 @@ def test_json_mode(client):
 def test_json_schema_strict(client):
     import jsonschema
 
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True,
-                                                  "schema": PERSON}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
     for seed in (1, 2, 3):
-        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt,
-                                             **{**SAMPLED, "seed": seed})
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, response_format=fmt, **{**SAMPLED, "seed": seed}
+        )
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
@@ -369,16 +468,15 @@ def test_json_schema_streaming(client):
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    chunks = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt,
-                                            stream=True, **SAMPLED)
+    chunks = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, stream=True, **SAMPLED)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_n_choices_share_one_prompt(client):
-    out = client.chat.completions.create(model=MODEL, messages=ROLES, n=3, max_tokens=5,
-                                         temperature=1.0, seed=11,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL, messages=ROLES, n=3, max_tokens=5, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert out.usage.completion_tokens == 15
     assert out.usage.total_tokens == out.usage.prompt_tokens + 15
@@ -386,9 +484,19 @@ def test_n_choices_share_one_prompt(client):
 
 
 def test_n_choices_stream_with_their_index_and_one_usage_chunk(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=ROLES, n=2, max_tokens=4, temperature=1.0, seed=3, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ROLES,
+            n=2,
+            max_tokens=4,
+            temperature=1.0,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     for c in chunks[:-1]:
@@ -405,8 +513,7 @@ def test_grpc_sdk_n_choices(server):
     from flashpd_sdk import Client
 
     with Client(server["grpc"], default_timeout_s=300) as sdk:
-        stream = sdk.generate(messages=ROLES, n=3, max_tokens=4, temperature=1.0, seed=11,
-                              ignore_eos=True)
+        stream = sdk.generate(messages=ROLES, n=3, max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
         chunks = list(stream)
         results, usage = stream.choices, stream.usage
     assert {c.choice_index for c in chunks} == {0, 1, 2}
@@ -415,34 +522,112 @@ def test_grpc_sdk_n_choices(server):
     assert usage.completion_tokens == 12 and usage.prompt_tokens == results[0].usage.prompt_tokens
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice.function.name"),
-    ({"tools": WEATHER}, "tools"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {  # valid JSON Schema that the
-        "name": "x", "schema": {"$ref": "#/$defs/missing"}}}},       # grammar cannot compile
-     "response_format.json_schema.schema"),
-    ({"n": 0}, "n"), ({"n": 10**6}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {  # refused by the decode
-        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}},  # worker's compiler
-     "response_format.json_schema.schema"),
-    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                          "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_9", "content": "x"}], "tools": [WEATHER]},
-     "messages[3].tool_call_id"),
-    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [  # a 1 MB
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",  # tool result
-                                                          "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "r" * (1 << 20)}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": WEATHER}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {  # valid JSON Schema that the
+                        "name": "x",
+                        "schema": {"$ref": "#/$defs/missing"},
+                    },
+                }
+            },  # grammar cannot compile
+            "response_format.json_schema.schema",
+        ),
+        ({"n": 0}, "n"),
+        ({"n": 10**6}, "n"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {  # refused by the decode
+                        "name": "x",
+                        "schema": {"type": "string", "pattern": "(?<=a)b"},
+                    },
+                }
+            },  # worker's compiler
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "messages": ASK
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_9", "content": "x"},
+                ],
+                "tools": [WEATHER],
+            },
+            "messages[3].tool_call_id",
+        ),
+        (
+            {
+                "messages": ASK
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [  # a 1 MB
+                            {
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {
+                                    "name": "get_weather",  # tool result
+                                    "arguments": "{}",
+                                },
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_1", "content": "r" * (1 << 20)},
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
 def test_bad_agent_requests_are_400_naming_the_param(client, kwargs, param):
     kwargs = {"messages": ASK, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:

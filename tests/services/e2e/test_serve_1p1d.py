@@ -34,8 +34,7 @@ def app(ray_serve, ckpt_dir, redis_server):
     deadline = time.monotonic() + 60
     while client.health() != "SERVING" and time.monotonic() < deadline:
         time.sleep(0.3)
-    yield {"args": args, "client": client, "http": f"http://127.0.0.1:{ray_serve}/{APP}",
-           "redis": r}
+    yield {"args": args, "client": client, "http": f"http://127.0.0.1:{ray_serve}/{APP}", "redis": r}
     client.close()
 
 
@@ -44,8 +43,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _engine_greedy(model, prompt: list[int], n: int) -> list[int]:
-    eng = LLMEngine(model, EngineConfig(swa_bounded_replay=False, num_blocks=32,
-                                        model_id="flashpd-tiny"))
+    eng = LLMEngine(model, EngineConfig(swa_bounded_replay=False, num_blocks=32, model_id="flashpd-tiny"))
     eng.add_request("x", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     out = []
     while eng.has_unfinished():
@@ -55,8 +53,7 @@ def _engine_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _generate(client, prompt_ids, n, **kw):
-    stream = client.generate(prompt_ids=prompt_ids, max_tokens=n, ignore_eos=True,
-                             timeout_s=120, **kw)
+    stream = client.generate(prompt_ids=prompt_ids, max_tokens=n, ignore_eos=True, timeout_s=120, **kw)
     ids = [t for chunk in stream for t in chunk.token_ids]
     return ids, stream.result
 
@@ -109,27 +106,31 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(app):
     prefill = serve.get_deployment_handle("PrefillServer", app_name=APP)
     idle_d = decode.stats.remote().result().kv_blocks_used
     idle_p = prefill.stats.remote().result().kv_blocks_used
-    stream = app["client"].generate(prompt_ids=_prompt(260, 4), max_tokens=400, ignore_eos=True,
-                                    timeout_s=120)
+    stream = app["client"].generate(prompt_ids=_prompt(260, 4), max_tokens=400, ignore_eos=True, timeout_s=120)
     for n, _chunk in enumerate(stream):
         if n == 2:
             stream.cancel()
             break
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if (decode.stats.remote().result().kv_blocks_used == idle_d
-                and prefill.stats.remote().result().kv_blocks_used == idle_p):
+        if (
+            decode.stats.remote().result().kv_blocks_used == idle_d
+            and prefill.stats.remote().result().kv_blocks_used == idle_p
+        ):
             break
         time.sleep(0.2)
     assert decode.stats.remote().result().kv_blocks_used == idle_d
     assert prefill.stats.remote().result().kv_blocks_used == idle_p
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"prompt_ids": []}, "prompt"),
-    ({"prompt_ids": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
-    ({"prompt_ids": list(range(3, 503)) * 5, "max_tokens": 4}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"prompt_ids": []}, "prompt"),
+        ({"prompt_ids": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
+        ({"prompt_ids": list(range(3, 503)) * 5, "max_tokens": 4}, "prompt"),
+    ],
+)
 def test_bad_grpc_requests_are_invalid_argument(app, kwargs, field):
     from flashpd_sdk.errors import InvalidArgument
 
@@ -142,15 +143,20 @@ def test_unknown_model_is_invalid_argument(app):
     from flashpd_sdk.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="model"):
-        list(app["client"].generate(prompt_ids=[1, 2, 3], max_tokens=2, model="nope",
-                                    timeout_s=30))
+        list(app["client"].generate(prompt_ids=[1, 2, 3], max_tokens=2, model="nope", timeout_s=30))
 
 
 def test_http_completion_stream_and_usage(app):
-    body = {"model": "flashpd-tiny", "prompt": "Hello there", "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{app['http']}/v1/completions", json=body, timeout=60,
-                      headers={"x-session-id": "http-sess"}) as resp:
+    body = {
+        "model": "flashpd-tiny",
+        "prompt": "Hello there",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{app['http']}/v1/completions", json=body, timeout=60, headers={"x-session-id": "http-sess"}
+    ) as resp:
         assert resp.status_code == 200
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -160,8 +166,7 @@ def test_http_completion_stream_and_usage(app):
 
 
 def test_http_chat_completion(app):
-    body = {"model": "flashpd-tiny", "max_tokens": 4,
-            "messages": [{"role": "user", "content": "Hi"}]}
+    body = {"model": "flashpd-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     resp = httpx.post(f"{app['http']}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -169,11 +174,14 @@ def test_http_chat_completion(app):
     assert data["usage"]["completion_tokens"] >= 1
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"model": "flashpd-tiny", "prompt": "", "max_tokens": 4}, "prompt"),
-    ({"model": "other", "prompt": "hi", "max_tokens": 4}, "model"),
-    ({"model": "flashpd-tiny", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"model": "flashpd-tiny", "prompt": "", "max_tokens": 4}, "prompt"),
+        ({"model": "other", "prompt": "hi", "max_tokens": 4}, "model"),
+        ({"model": "flashpd-tiny", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ],
+)
 def test_bad_http_requests_are_400_naming_the_field(app, body, field):
     resp = httpx.post(f"{app['http']}/v1/completions", json=body, timeout=30)
     assert resp.status_code == (404 if field == "model" else 400), resp.text  # model_not_found
@@ -181,8 +189,9 @@ def test_bad_http_requests_are_400_naming_the_field(app, body, field):
 
 
 def test_malformed_json_is_400(app):
-    resp = httpx.post(f"{app['http']}/v1/completions", content=b"{not json",
-                      headers={"content-type": "application/json"}, timeout=30)
+    resp = httpx.post(
+        f"{app['http']}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=30
+    )
     assert resp.status_code == 400
 
 

@@ -23,8 +23,7 @@ def test_two_by_two_sessions_stay_bound(ray_serve, ckpt_dir, redis_server):
 
     from flashpd_sdk import Client
 
-    args = deploy(APP, ckpt_dir, redis_server.url, prefill={"replicas": 2},
-                  decode={"replicas": 2})
+    args = deploy(APP, ckpt_dir, redis_server.url, prefill={"replicas": 2}, decode={"replicas": 2})
     client = Client(f"127.0.0.1:{args['grpc_port']}")
     try:
         deadline = time.monotonic() + 60
@@ -34,8 +33,9 @@ def test_two_by_two_sessions_stay_bound(ray_serve, ckpt_dir, redis_server):
         for s in range(4):
             context = _prompt(140, 100 + s)
             for turn in range(2):
-                stream = client.generate(prompt_ids=context, max_tokens=4, ignore_eos=True,
-                                         session_id=f"s{s}", timeout_s=120)
+                stream = client.generate(
+                    prompt_ids=context, max_tokens=4, ignore_eos=True, session_id=f"s{s}", timeout_s=120
+                )
                 ids = [t for c in stream for t in c.token_ids]
                 r = stream.result
                 seen_decode.setdefault(f"s{s}", set()).add(r.decode_worker)

@@ -57,9 +57,23 @@ def test_sigterm_stops_serve_and_leaves_no_ray_or_redis_process(tmp_path):
     grpc_port, http_port = free_port(), free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flashpd.cli", "serve", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port), "--num-blocks", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "flashpd.cli",
+            "serve",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--num-blocks",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
     try:
         _wait_for_line(proc, "flashpd serving", lines)

@@ -25,8 +25,7 @@ def _gauges(text: str, name: str) -> dict[str, float]:
 
 
 def test_metrics_show_each_worker_load_by_role(ray_serve, ckpt_dir, redis_server):
-    deploy(APP, ckpt_dir, redis_server.url,
-                  prefill={"num_blocks": 48}, decode={"num_blocks": 40})
+    deploy(APP, ckpt_dir, redis_server.url, prefill={"num_blocks": 48}, decode={"num_blocks": 40})
     url = f"http://127.0.0.1:{ray_serve}/{APP}/metrics"
     deadline = time.monotonic() + 60
     total: dict[str, float] = {}
@@ -37,9 +36,15 @@ def test_metrics_show_each_worker_load_by_role(ray_serve, ckpt_dir, redis_server
             break
         time.sleep(0.5)
     assert total == {"prefill": 48.0, "decode": 40.0}
-    for name in ("kv_cache_blocks_used", "kv_cache_usage_perc", "worker_num_requests_running",
-                 "worker_num_requests_waiting", "worker_batch_size",
-                 "num_queued_prefill_tokens", "worker_draining"):
+    for name in (
+        "kv_cache_blocks_used",
+        "kv_cache_usage_perc",
+        "worker_num_requests_running",
+        "worker_num_requests_waiting",
+        "worker_batch_size",
+        "num_queued_prefill_tokens",
+        "worker_draining",
+    ):
         assert set(_gauges(text, name)) == {"prefill", "decode"}, name
     from ray import serve
 

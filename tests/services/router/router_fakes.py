@@ -82,8 +82,16 @@ class FakeDecode:
             raise self.reserve_error
         prompt_chunks = -(-req.prompt_tokens // CHUNK_TOKENS)
         cached = min(self.cached_chunks, req.prompt_tokens // CHUNK_TOKENS)
-        return Ticket(req.request_id, self.worker_id, "i0", cached * CHUNK_TOKENS, b"desc",
-                      tuple(range(100, 100 + prompt_chunks - cached)), cached, time.time() + 30)
+        return Ticket(
+            req.request_id,
+            self.worker_id,
+            "i0",
+            cached * CHUNK_TOKENS,
+            b"desc",
+            tuple(range(100, 100 + prompt_chunks - cached)),
+            cached,
+            time.time() + 30,
+        )
 
     async def generate(self, req: InternalRequest):
         self.calls.append(("generate", req.request_id))
@@ -91,23 +99,25 @@ class FakeDecode:
             raise self.generate_error
         try:
             reason, count = "length", 0
-            output = (greedy_chain(req.prompt_ids[-1], req.sampling.max_tokens) if self.follow_prompt
-                      else self.output)
+            output = greedy_chain(req.prompt_ids[-1], req.sampling.max_tokens) if self.follow_prompt else self.output
             for token in output[: req.sampling.max_tokens]:
                 if self.fail_after_tokens and count == self.fail_after_tokens[0]:
                     raise self.fail_after_tokens[1]
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                logprobs = ((TokenLogprobs(-0.5, ((token, -0.5), (1, -2.0))),)
-                            if req.sampling.logprobs else ())
+                logprobs = (TokenLogprobs(-0.5, ((token, -0.5), (1, -2.0))),) if req.sampling.logprobs else ()
                 yield TokenEvent((token,), count, logprobs)
                 count += 1
                 if token == EOS_ID and not req.sampling.ignore_eos:
                     reason = "stop"
                     break
             cached = min(self.cached_chunks, req.prompt_tokens // CHUNK_TOKENS) * CHUNK_TOKENS
-            yield FinalEvent(reason, Usage(req.prompt_tokens, count, 0, 0, cached),
-                             Timeline(replay_ms=self.replay_ms), decode_worker=self.worker_id)
+            yield FinalEvent(
+                reason,
+                Usage(req.prompt_tokens, count, 0, 0, cached),
+                Timeline(replay_ms=self.replay_ms),
+                decode_worker=self.worker_id,
+            )
         finally:
             self.closed_streams += 1
 
@@ -155,9 +165,15 @@ class FakePrefill:
         if self.error is not None:
             raise self.error
         computed = req.prompt_tokens - self.cached_tokens
-        return PrefillResult(self.worker_id, self.cached_tokens, computed,
-                             pushed_bytes=890 * len(ticket.dst_block_ids) * CHUNK_TOKENS,
-                             queue_ms=0.5, compute_ms=2.0, transfer_ms=0.25)
+        return PrefillResult(
+            self.worker_id,
+            self.cached_tokens,
+            computed,
+            pushed_bytes=890 * len(ticket.dst_block_ids) * CHUNK_TOKENS,
+            queue_ms=0.5,
+            compute_ms=2.0,
+            transfer_ms=0.25,
+        )
 
     async def abort(self, request_id: str) -> bool:
         self.calls.append(("abort", request_id))
@@ -207,9 +223,15 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], *,
-                       routing: str = "affinity", config: OrchestratorConfig | None = None,
-                       clock=time.time):
+async def router_stack(
+    redis_url: str,
+    prefill: list[FakePrefill],
+    decode: list[FakeDecode],
+    *,
+    routing: str = "affinity",
+    config: OrchestratorConfig | None = None,
+    clock=time.time,
+):
     redis = router_redis(redis_url)
     publisher = IndexPublisher(redis, MODEL)
     for worker in [*prefill, *decode]:
@@ -218,14 +240,17 @@ async def router_stack(redis_url: str, prefill: list[FakePrefill], decode: list[
     placement = Placement(index, make_policy(routing), model=MODEL, view_refresh_s=0.0)
     metrics = RouterMetrics(MODEL)
     tokenizer = ByteTokenizer()
-    directory = FakeDirectory({p.worker_id: p for p in prefill},
-                              {d.worker_id: d for d in decode})
-    orchestrator = Orchestrator({MODEL: placement}, directory, tokenizer, metrics=metrics,
-                                config=config or OrchestratorConfig(resume_grace_s=0.2),
-                                clock=clock)
+    directory = FakeDirectory({p.worker_id: p for p in prefill}, {d.worker_id: d for d in decode})
+    orchestrator = Orchestrator(
+        {MODEL: placement},
+        directory,
+        tokenizer,
+        metrics=metrics,
+        config=config or OrchestratorConfig(resume_grace_s=0.2),
+        clock=clock,
+    )
     try:
-        yield Stack(orchestrator, publisher, index, redis, metrics, ModelTable([SERVED]),
-                    tokenizer, directory)
+        yield Stack(orchestrator, publisher, index, redis, metrics, ModelTable([SERVED]), tokenizer, directory)
     finally:
         await orchestrator.close()
         await redis.aclose()
@@ -235,9 +260,16 @@ def request(prompt_ids, *, rid="r1", max_tokens=5, session=None, deadline_s=None
     from flashpd.services.api import SamplingParams
 
     now = time.time()
-    return InternalRequest(rid, MODEL, tuple(prompt_ids),
-                           SamplingParams(max_tokens=max_tokens, **sampling), session, None,
-                           None if deadline_s is None else now + deadline_s, now)
+    return InternalRequest(
+        rid,
+        MODEL,
+        tuple(prompt_ids),
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        session,
+        None,
+        None if deadline_s is None else now + deadline_s,
+        now,
+    )
 
 
 async def collect(orchestrator: Orchestrator, run, from_token: int = 0):
@@ -249,14 +281,14 @@ async def collect(orchestrator: Orchestrator, run, from_token: int = 0):
 
 
 @contextlib.asynccontextmanager
-async def grpc_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode],
-                     **kwargs):
+async def grpc_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], **kwargs):
     """The router stack behind a real grpc.aio server on a free 127.0.0.1 port."""
     from flashpd.services.router.grpc_server import start_grpc_server
 
     async with router_stack(redis_url, prefill, decode, **kwargs) as stack:
-        frontend = await start_grpc_server(stack.orchestrator, stack.models, stack.tokenizer,
-                                           host="127.0.0.1", port=0, health_poll_s=0.05)
+        frontend = await start_grpc_server(
+            stack.orchestrator, stack.models, stack.tokenizer, host="127.0.0.1", port=0, health_poll_s=0.05
+        )
         try:
             yield stack, f"127.0.0.1:{frontend.port}"
         finally:
@@ -264,8 +296,7 @@ async def grpc_stack(redis_url: str, prefill: list[FakePrefill], decode: list[Fa
 
 
 @contextlib.asynccontextmanager
-async def http_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode],
-                     **kwargs):
+async def http_stack(redis_url: str, prefill: list[FakePrefill], decode: list[FakeDecode], **kwargs):
     """The router stack behind the OpenAI app served by uvicorn on a free 127.0.0.1 port."""
     import uvicorn
 
@@ -275,8 +306,7 @@ async def http_stack(redis_url: str, prefill: list[FakePrefill], decode: list[Fa
     async with router_stack(redis_url, prefill, decode, **kwargs) as stack:
         app = build_http_app(stack.orchestrator, stack.models, stack.tokenizer, stack.metrics)
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                               log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():

@@ -14,18 +14,21 @@ from flashpd.services.router import dsml
 from flashpd_sdk import AsyncClient, InvalidArgument, ResponseFormat, Tool
 
 pytestmark = pytest.mark.net
-WEATHER = Tool("get_weather", "Weather of a city", {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+WEATHER = Tool(
+    "get_weather",
+    "Weather of a city",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
-OUTPUT = text_ids("Sure." + dsml.CALLS_PREFIX + dsml.render_calls(
-    [("get_weather", {"city": "Oslo"})])) + (EOS_ID,)
+OUTPUT = text_ids("Sure." + dsml.CALLS_PREFIX + dsml.render_calls([("get_weather", {"city": "Oslo"})])) + (EOS_ID,)
 
 
 @pytest.fixture(autouse=True)
 def _eos_is_special(monkeypatch):
     decode = router_fakes.ByteTokenizer.decode
-    monkeypatch.setattr(router_fakes.ByteTokenizer, "decode",
-                        lambda self, ids: decode(self, [t for t in ids if t != EOS_ID]))
+    monkeypatch.setattr(
+        router_fakes.ByteTokenizer, "decode", lambda self, ids: decode(self, [t for t in ids if t != EOS_ID])
+    )
 
 
 def run_async(coro):
@@ -38,12 +41,14 @@ def test_chat_with_tools_returns_typed_tool_calls(redis_url):
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], [d]) as (_, target):
             async with AsyncClient(target) as client:
-                result = await client.generate(messages=ASK, tools=[WEATHER],
-                                               tool_choice="required", max_tokens=600).final()
+                result = await client.generate(
+                    messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=600
+                ).final()
         assert result.finish_reason == "tool_calls" and result.content == "Sure."
         (call,) = result.tool_calls
         assert call.name == "get_weather" and call.parsed_arguments() == {"city": "Oslo"}
         assert call.id.startswith("call_")
+
     run_async(main())
     assert d.seen[0].sampling.guided.kind == "structural_tag"
     assert "<｜DSML｜ invoke name=" in bytes(d.seen[0].prompt_ids).decode()  # tools described
@@ -57,21 +62,25 @@ def test_response_format_reaches_the_decode_worker(redis_url):
         async with grpc_stack(redis_url, [FakePrefill("p0")], [d]) as (_, target):
             async with AsyncClient(target) as client:
                 result = await client.generate(
-                    messages=ASK, response_format=ResponseFormat.json_schema(schema),
-                    max_tokens=20).final()
+                    messages=ASK, response_format=ResponseFormat.json_schema(schema), max_tokens=20
+                ).final()
         assert result.json() == {"a": 1} and result.tool_calls == ()
+
     run_async(main())
     guided = d.seen[0].sampling.guided
     assert guided.kind == "json_schema" and guided.strict
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"messages": ASK, "tools": [WEATHER], "tool_choice": "nope"}, "tool_choice.function.name"),
-    ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
-    ({"prompt": "x", "tools": [WEATHER]}, "chat"),
-    ({"messages": ASK, "response_format": ResponseFormat("yaml")}, "response_format.type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"messages": ASK, "tools": [WEATHER], "tool_choice": "nope"}, "tool_choice.function.name"),
+        ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+        ({"prompt": "x", "tools": [WEATHER]}, "chat"),
+        ({"messages": ASK, "response_format": ResponseFormat("yaml")}, "response_format.type"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ],
+)
 def test_bad_agent_requests_name_the_field(redis_url, kwargs, field):
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, target):
@@ -79,6 +88,7 @@ def test_bad_agent_requests_name_the_field(redis_url, kwargs, field):
                 with pytest.raises(InvalidArgument) as info:
                     await client.generate(max_tokens=4, **kwargs).final()
         assert info.value.field == field
+
     run_async(main())
 
 
@@ -101,8 +111,7 @@ def test_n_choices_stream_with_their_index_and_share_the_first_choice_pair(redis
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], decodes) as (_, target):
             async with AsyncClient(target) as client:
-                stream = client.generate(prompt="hello there", n=3, max_tokens=4, seed=5,
-                                         temperature=1.0)
+                stream = client.generate(prompt="hello there", n=3, max_tokens=4, seed=5, temperature=1.0)
                 chunks = [c async for c in stream]
                 return chunks, stream.choices, stream.usage, stream.result
 
@@ -119,8 +128,7 @@ def test_n_choices_stream_with_their_index_and_share_the_first_choice_pair(redis
     served = [d for d in decodes if d.seen]
     assert len(served) == 1 and len(served[0].seen) == 3
     first, *siblings = sorted(served[0].seen, key=lambda r: r.request_id)
-    assert first.pin == () and all(
-        [w.worker_id for w in r.pin] == ["p0", served[0].worker_id] for r in siblings)
+    assert first.pin == () and all([w.worker_id for w in r.pin] == ["p0", served[0].worker_id] for r in siblings)
     assert sorted(r.sampling.seed for r in served[0].seen) == [5, 6, 7]
 
 
@@ -133,11 +141,12 @@ def test_n_choices_with_tools_stream_typed_tool_calls_per_choice(redis_url):
 
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], [d]) as (_, target):
+
             def call():
                 with Client(target) as client:
-                    stream = client.generate(messages=ASK, tools=[WEATHER], n=2,
-                                             tool_choice="required", max_tokens=600)
+                    stream = client.generate(messages=ASK, tools=[WEATHER], n=2, tool_choice="required", max_tokens=600)
                     return list(stream), stream.choices, stream.usage
+
             return await asyncio.to_thread(call)
 
     chunks, choices, usage = asyncio.run(asyncio.wait_for(main(), 180))
@@ -160,8 +169,7 @@ def test_streamed_tool_calls_round_trip_typed(redis_url):
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], [d]) as (_, target):
             async with AsyncClient(target) as client:
-                stream = client.generate(messages=ASK, tools=[WEATHER], tool_choice="auto",
-                                         max_tokens=600)
+                stream = client.generate(messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=600)
                 chunks = [c async for c in stream]
                 return chunks, stream.result
 
@@ -169,8 +177,7 @@ def test_streamed_tool_calls_round_trip_typed(redis_url):
     assert len(chunks) > 1 and all(c.choice_index == 0 for c in chunks)
     assert "<｜DSML｜ invoke" in "".join(c.text for c in chunks) + result.text
     assert result.finish_reason == "tool_calls"
-    assert [(c.name, c.parsed_arguments()) for c in result.tool_calls] == [
-        ("get_weather", {"city": "Oslo"})]
+    assert [(c.name, c.parsed_arguments()) for c in result.tool_calls] == [("get_weather", {"city": "Oslo"})]
 
 
 @pytest.mark.parametrize("n", [0, -1, 17, 2**31 - 1])
@@ -183,14 +190,15 @@ def test_bad_n_is_invalid_argument_naming_n(redis_url, n):
                 with pytest.raises(InvalidArgument) as info:
                     await client.generate(prompt="x", n=n, max_tokens=4).final()
         assert info.value.field == "n"
+
     run_async(main())
     assert d.calls == []  # refused at the edge: nothing reached a worker
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"resume_from_token": 2}, "resume_from_token"),
-    ({"continue_ids": {"ids": [1, 2]}}, "continue_ids"),
-])
+@pytest.mark.parametrize(
+    "extra, field",
+    [({"resume_from_token": 2}, "resume_from_token"), ({"continue_ids": {"ids": [1, 2]}}, "continue_ids")],
+)
 def test_n_choices_cannot_be_resumed(redis_url, extra, field):
     """Raw stub (the SDK never sends these with n > 1): INVALID_ARGUMENT naming the field."""
     import grpc
@@ -202,11 +210,13 @@ def test_n_choices_cannot_be_resumed(redis_url, extra, field):
     async def main():
         async with grpc_stack(redis_url, [FakePrefill("p0")], [FakeDecode("d0")]) as (_, target):
             async with grpc.aio.insecure_channel(target) as channel:
-                msg = json_format.ParseDict({"prompt": "x", "n": 2, "maxTokens": 4,
-                                             "requestId": "nres", **extra}, pb.GenerateRequest())
+                msg = json_format.ParseDict(
+                    {"prompt": "x", "n": 2, "maxTokens": 4, "requestId": "nres", **extra}, pb.GenerateRequest()
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for _ in pb_grpc.GenerationStub(channel).Generate(msg):
                         pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(field)
+
     run_async(main())

@@ -45,9 +45,11 @@ def test_opens_after_consecutive_failures_and_then_fails_fast():
         async def counted():
             calls.append(1)
             return 1
+
         with pytest.raises(BreakerOpen):
             await b.call(counted)
         assert calls == []  # refused without calling
+
     run(main())
 
 
@@ -61,6 +63,7 @@ def test_a_success_resets_the_failure_count():
         with pytest.raises(ConnectionRefusedError):
             await b.call(refused)
         assert b.state == "closed"
+
     run(main())
 
 
@@ -71,6 +74,7 @@ def test_a_hung_call_times_out_and_counts_as_a_failure():
         with pytest.raises(TimeoutError):
             await b.call(hangs)
         assert b.state == "open"
+
     run(main())
 
 
@@ -89,6 +93,7 @@ def test_half_open_probe_closes_on_success_and_reopens_on_failure():
         clock.now = 2.0
         assert await b.call(ok) == "ok"
         assert b.state == "closed" and b.trips == 1
+
     run(main())
 
 
@@ -105,10 +110,12 @@ def test_only_one_probe_at_a_time():
         async def slow():
             await gate.wait()
             return "probe"
+
         probe = asyncio.create_task(b.call(slow))
         await asyncio.sleep(0)
         with pytest.raises(BreakerOpen):
             await b.call(ok)
         gate.set()
         assert await probe == "probe" and b.state == "closed"
+
     run(main())

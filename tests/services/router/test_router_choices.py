@@ -21,8 +21,7 @@ def test_closing_before_the_first_event_aborts_choice_0(redis_url):
 
     async def main():
         async with router_stack(redis_url, [FakePrefill("p0")], [d]) as stack:
-            events = choices.fan_out(stack.orchestrator, request(range(10), rid="c0",
-                                                                 max_tokens=50), 3)
+            events = choices.fan_out(stack.orchestrator, request(range(10), rid="c0", max_tokens=50), 3)
             await events.aclose()
             for _ in range(500):  # the run is retired (its producer never ran)
                 if not stack.orchestrator.journal.live_runs():
@@ -39,8 +38,7 @@ def test_closing_mid_stream_aborts_every_choice(redis_url):
 
     async def main():
         async with router_stack(redis_url, [FakePrefill("p0")], [d]) as stack:
-            events = choices.fan_out(stack.orchestrator, request(range(10), rid="c1",
-                                                                 max_tokens=50), 3)
+            events = choices.fan_out(stack.orchestrator, request(range(10), rid="c1", max_tokens=50), 3)
             seen: set[int] = set()
             async with contextlib.aclosing(events):
                 async for item in events:
@@ -79,15 +77,13 @@ def test_siblings_open_one_at_a_time(redis_url):
 
     async def main():
         async with router_stack(redis_url, [FakePrefill("p0", delay_s=0.05)], [d]) as stack:
-            events = choices.fan_out(stack.orchestrator, request(range(10), rid="w",
-                                                                 max_tokens=3), 4)
+            events = choices.fan_out(stack.orchestrator, request(range(10), rid="w", max_tokens=3), 4)
             async with contextlib.aclosing(events):
                 async for item in events:
                     if not order or order[-1] != f"out {item.index}":
                         order.append(f"out {item.index}")
                     reserved = [rid for op, rid in d.calls if op == "reserve"]
-                    order.extend(f"reserve {r}" for r in reserved
-                                 if f"reserve {r}" not in order)
+                    order.extend(f"reserve {r}" for r in reserved if f"reserve {r}" not in order)
 
     asyncio.run(asyncio.wait_for(main(), 60))
     for i in (1, 2):  # sibling i+1's reserve comes after sibling i's first event

@@ -20,13 +20,16 @@ def test_render_then_parse_round_trips():
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    "plain text",
-    TEXT[:-5],  # unclosed block
-    TEXT.replace('string="false">3', 'string="false">{3'),  # a non-JSON value
-    TEXT + " trailing",
-    dsml.CALLS_OPEN + "\n" + dsml.CALLS_CLOSE,  # no invoke
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain text",
+        TEXT[:-5],  # unclosed block
+        TEXT.replace('string="false">3', 'string="false">{3'),  # a non-JSON value
+        TEXT + " trailing",
+        dsml.CALLS_OPEN + "\n" + dsml.CALLS_CLOSE,  # no invoke
+    ],
+)
 def test_malformed_markup_is_content(text):
     assert dsml.parse(text) == (text, None)
 
@@ -36,11 +39,10 @@ def test_malformed_markup_is_content(text):
 def test_stream_parser_matches_the_whole_parse(text, step):
     parser, content, calls = dsml.StreamParser(), "", []
     for i in range(0, len(text), step):
-        c, new = parser.push(text[i:i + step])
+        c, new = parser.push(text[i : i + step])
         content, calls = content + c, calls + new
     c, new = parser.finish()
     content, calls = content + c, calls + new
     whole_content, whole_calls = dsml.parse(text)
     assert content == whole_content
-    assert [(c.name, c.arguments) for c in calls] == \
-        [(c.name, c.arguments) for c in whole_calls or []]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls or []]

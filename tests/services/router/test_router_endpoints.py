@@ -57,18 +57,17 @@ class FakeHandle:
 def test_orchestrator_over_handle_shaped_endpoints(redis_url):
     p, d = FakePrefill("p0"), FakeDecode("d0")
     handles = {"p0": FakeHandle(p), "d0": FakeHandle(d)}
-    directory = HandleDirectory(lambda w: handles[w.worker_id],
-                                lambda w: {"target_worker": w.worker_id})
+    directory = HandleDirectory(lambda w: handles[w.worker_id], lambda w: {"target_worker": w.worker_id})
 
     async def main():
         async with router_stack(redis_url, [p], [d]) as s:
             s.orchestrator.directory = directory
-            events = await collect(s.orchestrator, s.orchestrator.open(
-                request(PROMPT, max_tokens=10, stop=("cd",))))
+            events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT, max_tokens=10, stop=("cd",))))
         assert "".join(e.text for e in events) == "ab" and events[-1].finish_reason == "stop"
         assert [name for name, _ in handles["d0"].calls] == ["reserve", "generate", "abort"]
         assert [name for name, _ in handles["p0"].calls] == ["run", "abort"]
         assert handles["d0"].streams[0].cancelled  # stopped early: the Serve stream is cancelled
+
     asyncio.run(main())
 
 

@@ -11,12 +11,7 @@ import pytest
 from edge_servers import grpc_server, heartbeats, http_server, raw_call
 from router_fakes import SERVED, FakeDecode, FakePrefill, router_stack
 
-from flashpd.services.router.fuzz_cases import (
-    HostileRequest,
-    grpc_verdict,
-    hostile_requests,
-    http_verdict,
-)
+from flashpd.services.router.fuzz_cases import HostileRequest, grpc_verdict, hostile_requests, http_verdict
 
 pytestmark = pytest.mark.net
 
@@ -29,16 +24,22 @@ def test_generator_is_deterministic_and_covers_both_protocols():
     assert hostile_requests(4) != a  # the seed drives the random part
 
 
-@pytest.mark.parametrize("case,status,body,problem", [
-    (HostileRequest("http", "c", "n"), 500, b"{}", "server error"),
-    (HostileRequest("http", "c", "n"), 200, b"{}", "accepted"),
-    (HostileRequest("http", "c", "n"), 400, b'{"detail": "x"}', "error shape"),
-    (HostileRequest("http", "c", "n", field="top_p"), 400,
-     b'{"error": {"message": "seed: bad", "param": "seed"}}', "expected 'top_p'"),
-    (HostileRequest("http", "c", "n"), 400,
-     b'{"error": {"message": "ValueError: x", "param": null}}', "internals"),
-    (HostileRequest("http", "c", "n", expect="any"), 200, b"{}", None),
-])
+@pytest.mark.parametrize(
+    "case,status,body,problem",
+    [
+        (HostileRequest("http", "c", "n"), 500, b"{}", "server error"),
+        (HostileRequest("http", "c", "n"), 200, b"{}", "accepted"),
+        (HostileRequest("http", "c", "n"), 400, b'{"detail": "x"}', "error shape"),
+        (
+            HostileRequest("http", "c", "n", field="top_p"),
+            400,
+            b'{"error": {"message": "seed: bad", "param": "seed"}}',
+            "expected 'top_p'",
+        ),
+        (HostileRequest("http", "c", "n"), 400, b'{"error": {"message": "ValueError: x", "param": null}}', "internals"),
+        (HostileRequest("http", "c", "n", expect="any"), 200, b"{}", None),
+    ],
+)
 def test_http_verdict_catches_each_kind_of_problem(case, status, body, problem):
     verdict = http_verdict(case, status, body)
     assert (verdict is None) if problem is None else (problem in verdict)
@@ -61,10 +62,11 @@ def test_hostile_requests_get_client_errors_only(redis_url):
     async def main():
         workers = [FakePrefill("p0"), FakeDecode("d0")]
         async with router_stack(redis_url, workers[:1], workers[1:]) as stack:
-            async with heartbeats(stack, workers), http_server(stack) as url, \
-                    grpc_server(stack) as target:
-                async with httpx.AsyncClient(base_url=url, timeout=30) as http, \
-                        grpc.aio.insecure_channel(target) as channel:
+            async with heartbeats(stack, workers), http_server(stack) as url, grpc_server(stack) as target:
+                async with (
+                    httpx.AsyncClient(base_url=url, timeout=30) as http,
+                    grpc.aio.insecure_channel(target) as channel,
+                ):
                     for case in cases:
                         problems.append(await _send(case, http, channel))
                     await _send(cases[0], http, channel)  # still serving afterwards
@@ -74,11 +76,9 @@ def test_hostile_requests_get_client_errors_only(redis_url):
     assert not bad, f"{len(bad)} of {len(cases)}:\n" + "\n".join(bad[:20])
 
 
-async def _send(case: HostileRequest, http: httpx.AsyncClient,
-                channel: grpc.aio.Channel) -> str | None:
+async def _send(case: HostileRequest, http: httpx.AsyncClient, channel: grpc.aio.Channel) -> str | None:
     if case.protocol == "http":
-        r = await http.request(case.method, case.path, headers=list(case.headers),
-                               content=case.body)
+        r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
         return http_verdict(case, r.status_code, r.content)
     code, details, field = await raw_call(channel, case.grpc_method, case.grpc_payload)
     return grpc_verdict(case, code, details, field)

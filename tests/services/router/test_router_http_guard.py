@@ -18,11 +18,11 @@ def post(headers, body=b"{}", max_body_bytes=1000):
         transport = httpx.ASGITransport(app=HeaderGuard(ok_app, max_body_bytes=max_body_bytes))
         async with httpx.AsyncClient(transport=transport, base_url="http://guard") as http:
             return await http.post("/v1/completions", headers=headers, content=body)
+
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("header", [b"x-request-id", b"x-session-id", b"x-parent-session-id",
-                                    b"X-Session-Id"])
+@pytest.mark.parametrize("header", [b"x-request-id", b"x-session-id", b"x-parent-session-id", b"X-Session-Id"])
 @pytest.mark.parametrize("value", [b"caf\xe9", b"\xff", b"a b", b"x" * 129])
 def test_bad_id_headers_are_400_naming_the_header(header, value):
     r = post([(header, value)])

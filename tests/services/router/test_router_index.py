@@ -8,12 +8,7 @@ import redis.asyncio as aioredis
 
 from flashpd.engine.events import AllCleared, BlockRemoved, BlockStored
 from flashpd.services.api import WorkerRef, WorkerStats
-from flashpd.services.router.index import (
-    IndexKeys,
-    IndexPublisher,
-    PrefixIndex,
-    live_worker_stats,
-)
+from flashpd.services.router.index import IndexKeys, IndexPublisher, PrefixIndex, live_worker_stats
 
 pytestmark = pytest.mark.net
 MODEL = "tiny"
@@ -31,6 +26,7 @@ def run(redis_url, scenario):
             await scenario(client, IndexPublisher(client, MODEL), PrefixIndex(client, MODEL))
         finally:
             await client.aclose()
+
     asyncio.run(main())
 
 
@@ -45,6 +41,7 @@ def test_lookup_counts_leading_chunks_per_worker(redis_url):
         view = await index.live_view()
         found = await index.lookup(H[:6], [w.ref for w in view.workers])
         assert found.hit_chunks == {p0.ref: 5, d0.ref: 2}
+
     run(redis_url, scenario)
 
 
@@ -64,6 +61,7 @@ def test_lookup_is_one_round_trip_and_stops_at_the_first_miss(redis_url):
         assert client_side == ["HGETALL", "EVALSHA", "SMEMBERS", "PING"]
         found = await index.lookup(many, [d0.ref, d1.ref])
         assert found.hit_chunks == {d0.ref: 3, d1.ref: 5}
+
     run(redis_url, scenario)
 
 
@@ -92,6 +90,7 @@ def test_removed_chunks_and_all_cleared(redis_url):
         assert (await index.lookup(H[:4], [d0.ref])).hit_chunks == {d0.ref: 1}
         keys = IndexKeys(MODEL)
         assert await r.smembers(keys.worker_chunks(d0.ref.key)) == {H[0].encode()}
+
     run(redis_url, scenario)
 
 
@@ -105,6 +104,7 @@ def test_chunk_keys_carry_ttls(redis_url):
         assert 0 < await r.ttl(keys.chunk(H[0])) <= 120
         assert 0 < await r.ttl(keys.worker_chunks(d0.ref.key)) <= 120
         assert 0 < await r.pttl(keys.heartbeat(d0.ref.key)) <= 5000
+
     run(redis_url, scenario)
 
 
@@ -124,6 +124,7 @@ def test_deregister_removes_chunks_and_bindings_without_scanning(redis_url):
         assert found.session is None
         assert (await index.lookup([], [], "s-b")).session.decode == d1.ref
         assert d0.ref not in {w.ref for w in (await index.live_view()).workers}
+
     run(redis_url, scenario)
 
 
@@ -141,6 +142,7 @@ def test_new_incarnation_replaces_the_old_one(redis_url):
         view = await index.live_view()
         assert [w.ref for w in view.workers] == [new.ref]
         assert (await index.lookup(H[:3], [old.ref, new.ref])).hit_chunks == {}
+
     run(redis_url, scenario)
 
 
@@ -158,6 +160,7 @@ def test_expired_heartbeat_marks_a_worker_dead_and_reap_cleans_it(redis_url):
         assert (await index.live_view()).dead == ()
         assert await r.smembers(IndexKeys(MODEL).chunk(H[0])) == set()
         assert await short.heartbeat(d0) is True  # came back: re-registered, cache forgotten
+
     run(redis_url, scenario)
 
 
@@ -175,6 +178,7 @@ def test_session_binding_moves_and_old_reverse_entry_is_dropped(redis_url):
         assert 0 < await r.ttl(keys.session("s")) <= 30
         await pub.deregister(d0.ref)  # the old decode worker leaving must not drop the session
         assert (await index_short.lookup([], [], "s")).session.decode == d1.ref
+
     run(redis_url, scenario)
 
 
@@ -184,6 +188,7 @@ def test_lookup_returns_parent_binding(redis_url):
         await index.bind_session("parent", p0.ref, d0.ref, None)
         found = await index.lookup(H[:2], [], "child", "parent")
         assert found.session is None and found.parent_session.decode == d0.ref
+
     run(redis_url, scenario)
 
 
@@ -196,6 +201,7 @@ def test_keys_are_scoped_by_model_and_reject_braces():
 
 def test_cancelling_a_caller_mid_redis_call_is_never_swallowed(redis_url):
     """redis-py can swallow a cancellation that lands mid-command; the index must not."""
+
     async def scenario(r, pub, index):
         d0 = stats("decode", "d0")
         await pub.register(d0)
@@ -205,12 +211,14 @@ def test_cancelling_a_caller_mid_redis_call_is_never_swallowed(redis_url):
             while True:
                 await index.live_view()
                 await index.lookup(H, [d0.ref], "s")
+
         for i in range(100):
             task = asyncio.create_task(busy())
             await asyncio.sleep((i % 10) * 0.0002)
             task.cancel()
             done, _ = await asyncio.wait({task}, timeout=1.0)
             assert done, f"cancellation swallowed on try {i}"
+
     run(redis_url, scenario)
 
 
@@ -222,6 +230,7 @@ def test_lookup_recovers_when_redis_forgot_the_script(redis_url):
         assert (await index.lookup(H, [d0.ref])).hit_chunks == {d0.ref: 2}
         await r.script_flush()
         assert (await index.lookup(H, [d0.ref])).hit_chunks == {d0.ref: 2}
+
     run(redis_url, scenario)
 
 
@@ -230,9 +239,9 @@ def test_live_worker_stats_reads_the_heartbeats_and_is_empty_without_redis(redis
         for w in (stats("prefill", "p0", running=2), stats("decode", "d0", kv_blocks_used=5)):
             await pub.register(w)
         got = await asyncio.to_thread(live_worker_stats, redis_url, MODEL)
-        assert sorted((w.role, w.running, w.kv_blocks_used) for w in got) == [
-            ("decode", 0, 5), ("prefill", 2, 0)]
+        assert sorted((w.role, w.running, w.kv_blocks_used) for w in got) == [("decode", 0, 5), ("prefill", 2, 0)]
         assert await asyncio.to_thread(live_worker_stats, redis_url, "other-model") == []
+
     run(redis_url, scenario)
     dead = f"redis://127.0.0.1:{_closed_port()}/0"
     assert live_worker_stats(dead, MODEL, timeout_s=0.2) == []

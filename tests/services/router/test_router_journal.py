@@ -20,12 +20,14 @@ def test_follow_replays_from_an_offset_then_waits_for_more():
         async def consumer():
             async for e in run.follow(2):
                 seen.append(e)
+
         task = asyncio.create_task(consumer())
         await asyncio.sleep(0.01)
         await run.push(TokenEvent((4,), 3))
         await run.finish(FinalEvent("length", Usage(2, 4)))
         await task
         assert [e.index for e in seen[:-1]] == [2, 3] and isinstance(seen[-1], FinalEvent)
+
     asyncio.run(main())
 
 
@@ -39,6 +41,7 @@ def test_error_is_raised_to_followers_after_the_events():
             async for e in run.follow():
                 got.append(e)
         assert len(got) == 1
+
     asyncio.run(main())
 
 
@@ -46,6 +49,7 @@ def test_push_checks_the_index():
     async def main():
         with pytest.raises(ValueError):
             await make_run().push(TokenEvent((1,), 5))
+
     asyncio.run(main())
 
 
@@ -63,6 +67,7 @@ def test_journal_keeps_resumable_runs_for_the_ttl_only():
         assert journal.get("a") is kept and journal.get("b") is None and journal.get("c") is None
         journal.prune(now=kept.finished_at + 11)
         assert journal.get("a") is None
+
     asyncio.run(main())
 
 
@@ -75,6 +80,7 @@ def test_a_lagging_follower_gets_pending_events_merged():
         seen = [e async for e in run.follow()]
         assert seen[0] == TokenEvent((1, 2, 3), 0, (), "abc") and len(seen) == 2
         assert [e.index for e in [x async for x in run.follow(1)][:-1]] == [1]
+
     asyncio.run(main())
 
 
@@ -90,4 +96,5 @@ def test_events_pushed_while_a_follower_holds_one_are_not_skipped():
         rest = [e async for e in follower]
         tokens = list(first.token_ids) + [t for e in rest[:-1] for t in e.token_ids]
         assert tokens == [1, 2, 3] and rest[0].index == 1
+
     asyncio.run(main())

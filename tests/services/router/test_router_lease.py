@@ -30,8 +30,7 @@ class QueuedPrefill(FakePrefill):
     refusals: int = 1
 
     async def run(self, req, ticket):
-        seen = sum(1 for op, rid in self.calls if op == "run" and rid.split("@")[0]
-                   == req.request_id.split("@")[0])
+        seen = sum(1 for op, rid in self.calls if op == "run" and rid.split("@")[0] == req.request_id.split("@")[0])
         if seen < self.refusals:
             self.calls.append(("run", req.request_id))
             raise Unavailable(LEASE_MSG.format(req.request_id))
@@ -55,8 +54,9 @@ async def _all_choices(stack, n: int, **kw):
 
 @contextlib.asynccontextmanager
 async def _stack(redis_url, prefill, decode, clock=_late, **config):
-    async with router_stack(redis_url, prefill, decode, clock=clock,
-                            config=OrchestratorConfig(resume_grace_s=0.2, **config)) as stack:
+    async with router_stack(
+        redis_url, prefill, decode, clock=clock, config=OrchestratorConfig(resume_grace_s=0.2, **config)
+    ) as stack:
         yield stack
 
 
@@ -71,8 +71,7 @@ def test_n_choices_whose_leases_expire_in_the_prefill_queue_all_complete(redis_u
 
     finals, stack = asyncio.run(asyncio.wait_for(main(), 120))
     assert sorted(finals) == [0, 1, 2]
-    assert all(f.finish_reason == "length" and f.usage.completion_tokens == 4
-               for f in finals.values())
+    assert all(f.finish_reason == "length" and f.usage.completion_tokens == 4 for f in finals.values())
     runs = [rid for op, rid in p.calls if op == "run"]
     assert len(runs) == 6  # each choice: one refused, one served
     assert sorted({r.split("@")[0] for r in runs}) == ["nl", "nl-1", "nl-2"]

@@ -20,9 +20,12 @@ def _stats(worker_id: str, role: str, **kw) -> WorkerStats:
 
 def test_worker_gauges_per_worker_and_role():
     m = RouterMetrics("m")
-    m.observe_workers([
-        _stats("d0", "decode", kv_blocks_used=30, kv_blocks_total=120, running=5, waiting=2),
-        _stats("p0", "prefill", queued_prefill_tokens=4096, running=1, draining=True)])
+    m.observe_workers(
+        [
+            _stats("d0", "decode", kv_blocks_used=30, kv_blocks_total=120, running=5, waiting=2),
+            _stats("p0", "prefill", queued_prefill_tokens=4096, running=1, draining=True),
+        ]
+    )
     text = m.exposition().decode()
     for line in (
         'flashpd:kv_cache_blocks_used{model_name="m",role="decode",worker_id="d0"} 30.0',
@@ -68,15 +71,13 @@ def test_recent_window_quantile_is_nearest_rank():
 def test_autoscaling_stats_report_in_flight_and_recent_latency():
     clock = Clock()
     m = RouterMetrics("m", window_s=30.0, clock=clock)
-    assert m.autoscaling_stats() == {"requests_running": 0.0, "ttft_p90_s": 0.0,
-                                     "itl_p90_s": 0.0}
+    assert m.autoscaling_stats() == {"requests_running": 0.0, "ttft_p90_s": 0.0, "itl_p90_s": 0.0}
     m.on_start()
     m.on_start()
     m.on_first_token(0.4)
     m.on_tokens(1, None)
     m.on_tokens(2, 0.1)  # two tokens in 0.1 s: 0.05 s each
     m.on_end(None)
-    assert m.autoscaling_stats() == {"requests_running": 1.0, "ttft_p90_s": 0.4,
-                                     "itl_p90_s": 0.05}
+    assert m.autoscaling_stats() == {"requests_running": 1.0, "ttft_p90_s": 0.4, "itl_p90_s": 0.05}
     clock.t = 31.0
     assert m.autoscaling_stats()["ttft_p90_s"] == 0.0

@@ -3,16 +3,7 @@
 import asyncio
 
 import pytest
-from router_fakes import (
-    ActorDiedError,
-    FakeDecode,
-    FakePrefill,
-    collect,
-    greedy_chain,
-    request,
-    router_stack,
-    text_ids,
-)
+from router_fakes import ActorDiedError, FakeDecode, FakePrefill, collect, greedy_chain, request, router_stack, text_ids
 
 from flashpd.services.api import (
     Cancelled,
@@ -59,6 +50,7 @@ def test_happy_path_streams_tokens_then_final_with_usage_and_timeline(redis_url)
             assert d.calls == [("reserve", "r1"), ("generate", "r1")]
             assert p.calls == [("run", "r1")] and p.tickets[0].dst_block_ids == (100, 101, 102, 103)
             assert d.aborted == [] and p.aborted == []
+
     run_async(main())
 
 
@@ -67,16 +59,18 @@ def test_session_turns_stay_on_their_pair(redis_url):
 
     async def main():
         async with router_stack(redis_url, ps, ds) as s:
-            first = (await collect(s.orchestrator, s.orchestrator.open(
-                request(PROMPT, rid="t1", session="sess")))) [-1]
+            first = (await collect(s.orchestrator, s.orchestrator.open(request(PROMPT, rid="t1", session="sess"))))[-1]
             binding = (await s.index.lookup([], [], "sess")).session
-            assert (binding.prefill.worker_id, binding.decode.worker_id) == (
-                first.prefill_worker, first.decode_worker)
+            assert (binding.prefill.worker_id, binding.decode.worker_id) == (first.prefill_worker, first.decode_worker)
             for turn in range(2, 5):
-                final = (await collect(s.orchestrator, s.orchestrator.open(
-                    request(PROMPT + (7,) * turn, rid=f"t{turn}", session="sess"))))[-1]
-                assert (final.prefill_worker, final.decode_worker) == (
-                    first.prefill_worker, first.decode_worker)
+                final = (
+                    await collect(
+                        s.orchestrator,
+                        s.orchestrator.open(request(PROMPT + (7,) * turn, rid=f"t{turn}", session="sess")),
+                    )
+                )[-1]
+                assert (final.prefill_worker, final.decode_worker) == (first.prefill_worker, first.decode_worker)
+
     run_async(main())
 
 
@@ -89,6 +83,7 @@ def test_prefix_hit_picks_the_worker_holding_it(redis_url):
             await s.cache(ds[0], PROMPT)
             final = (await collect(s.orchestrator, s.orchestrator.open(request(PROMPT))))[-1]
             assert (final.prefill_worker, final.decode_worker) == ("p1", "d0")
+
     run_async(main())
 
 
@@ -102,6 +97,7 @@ def test_decode_holding_every_chunk_skips_prefill(redis_url):
             assert p.calls == [] and final.prefill_worker == ""
             assert final.usage.cached_tokens_decode == 256
             assert final.usage.cached_tokens == 128  # D replays the last chunk itself
+
     run_async(main())
 
 
@@ -115,6 +111,7 @@ def test_reserve_unavailable_retries_on_another_decode(redis_url):
             assert final.decode_worker == "d1"
             assert ("abort", "r1") in bad.calls  # the failed attempt's legs were released
             assert b'flashpd:request_retries_total{code="UNAVAILABLE"' in s.metrics.exposition()
+
     run_async(main())
 
 
@@ -129,6 +126,7 @@ def test_prefill_failure_aborts_the_reservation_and_moves_on(redis_url):
             assert d.calls[:2] == [("reserve", "r1"), ("abort", "r1")]
             assert bad.aborted == ["r1"]
             assert b"flashpd:kv_transfer_failures_total" in s.metrics.exposition()
+
     run_async(main())
 
 
@@ -140,26 +138,23 @@ def test_decode_dying_before_the_first_token_is_retried(redis_url):
         async with router_stack(redis_url, [p], [bad, good], routing="round_robin") as s:
             events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT)))
             assert events[-1].decode_worker == "d1" and tokens_of(events) == list(b"abcde")
+
     run_async(main())
 
 
-def test_decode_death_after_tokens_continues_on_another_decode_with_identical_output(
-        redis_url):
+def test_decode_death_after_tokens_continues_on_another_decode_with_identical_output(redis_url):
     p = FakePrefill("p0")
-    d0 = FakeDecode("d0", follow_prompt=True,
-                    fail_after_tokens=(2, ActorDiedError("the actor died")))
+    d0 = FakeDecode("d0", follow_prompt=True, fail_after_tokens=(2, ActorDiedError("the actor died")))
     d1 = FakeDecode("d1", follow_prompt=True)
     expected = list(greedy_chain(PROMPT[-1], 6))  # what an unbroken greedy run gives
 
     async def main():
         async with router_stack(redis_url, [p], [d0, d1], routing="round_robin") as s:
-            events = await collect(s.orchestrator, s.orchestrator.open(
-                request(PROMPT, max_tokens=6)))
+            events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT, max_tokens=6)))
             final = events[-1]
             assert tokens_of(events) == expected
             offsets = [e.index for e in events[:-1]]
-            assert offsets == [sum(len(e.token_ids) for e in events[:i]) for i in
-                               range(len(offsets))]
+            assert offsets == [sum(len(e.token_ids) for e in events[:i]) for i in range(len(offsets))]
             assert final.decode_worker == "d1" and final.usage.completion_tokens == 6
             assert final.finish_reason == "length"
             # the continuation: its own id, prompt + the 2 tokens released, 4 tokens to go
@@ -174,6 +169,7 @@ def test_decode_death_after_tokens_continues_on_another_decode_with_identical_ou
             assert events[0].prefill_credit_tokens == 0
             assert all(e.prefill_credit_tokens is None for e in events[1:-1])
             assert d0.aborted == ["r1"] and p.aborted[0] == "r1"
+
     run_async(main())
 
 
@@ -189,6 +185,7 @@ def test_prefill_death_is_re_prefilled_elsewhere_under_a_fresh_attempt_id(redis_
             assert d.calls[:3] == [("reserve", "r1"), ("abort", "r1"), ("reserve", "r1@1")]
             assert good.calls == [("run", "r1@1")]
             assert events[-1].request_id == "r1"
+
     run_async(main())
 
 
@@ -208,6 +205,7 @@ def test_run_waits_for_a_replacement_when_its_only_prefill_died(redis_url):
             await s.publisher.register(replacement.stats())
             events = await collect(s.orchestrator, run)
             assert events[-1].prefill_worker == "p9" and tokens_of(events) == list(b"abcde")
+
     run_async(main())
 
 
@@ -226,11 +224,11 @@ def test_resume_of_a_run_that_broke_after_tokens_continues_it(redis_url):
                     first.append(e)
             assert len(tokens_of(first)) == 3
             d0.fail_after_tokens = None  # the next attempt's worker is healthy
-            again = s.orchestrator.open(req, resumable=True, fingerprint="f",
-                                        resume_from_token=3)
+            again = s.orchestrator.open(req, resumable=True, fingerprint="f", resume_from_token=3)
             rest = await collect(s.orchestrator, again, from_token=3)
             assert tokens_of(first) + tokens_of(rest) == list(greedy_chain(PROMPT[-1], 8))
             assert d0.seen[-1].request_id == "r1@1" and d0.seen[-1].sampling.max_tokens == 5
+
     run_async(main())
 
 
@@ -242,6 +240,7 @@ def test_all_decode_workers_full_is_resource_exhausted(redis_url):
             with pytest.raises(ResourceExhausted):
                 await collect(s.orchestrator, s.orchestrator.open(request(PROMPT)))
             assert sum(c[0] == "reserve" for d in ds for c in d.calls) == 2
+
     run_async(main())
 
 
@@ -250,6 +249,7 @@ def test_no_workers_is_unavailable(redis_url):
         async with router_stack(redis_url, [], [FakeDecode("d0")]) as s:
             with pytest.raises(Unavailable, match="prefill"):
                 await collect(s.orchestrator, s.orchestrator.open(request(PROMPT)))
+
     run_async(main())
 
 
@@ -264,6 +264,7 @@ def test_deadline_aborts_both_legs(redis_url):
                 await collect(s.orchestrator, run)
             assert p.aborted == ["r1"] and d.aborted == ["r1"]
             assert d.seen[0].deadline_unix_s == run.request.deadline_unix_s  # propagated
+
     run_async(main())
 
 
@@ -281,6 +282,7 @@ def test_abort_mid_stream_aborts_both_legs(redis_url):
                     continue
             assert p.aborted == ["r1"] and d.aborted == ["r1"] and d.closed_streams == 1
             assert await s.orchestrator.abort("r1") is False
+
     run_async(main())
 
 
@@ -296,6 +298,7 @@ def test_consumer_leaving_a_plain_request_aborts_it(redis_url):
             await asyncio.wait({run.task}, timeout=5)
             assert isinstance(run.error, Cancelled)
             assert p.aborted == ["r1"] and d.aborted == ["r1"]
+
     run_async(main())
 
 
@@ -303,20 +306,19 @@ def test_resumable_run_survives_a_disconnect_and_resumes_at_an_offset(redis_url)
     p, d = FakePrefill("p0"), FakeDecode("d0", token_delay_s=0.02)
 
     async def main():
-        async with router_stack(redis_url, [p], [d],
-                                config=OrchestratorConfig(resume_grace_s=5.0)) as s:
+        async with router_stack(redis_url, [p], [d], config=OrchestratorConfig(resume_grace_s=5.0)) as s:
             req = request(PROMPT, max_tokens=10)
             run = s.orchestrator.open(req, resumable=True, fingerprint="f")
             stream = s.orchestrator.stream(run)
             first = [await anext(stream), await anext(stream)]
             await stream.aclose()  # the connection broke after 2 tokens
             received = len(tokens_of(first))  # >= 2: a lagging consumer gets merged chunks
-            again = s.orchestrator.open(req, resumable=True, fingerprint="f",
-                                        resume_from_token=received)
+            again = s.orchestrator.open(req, resumable=True, fingerprint="f", resume_from_token=received)
             assert again is run
             rest = await collect(s.orchestrator, again, from_token=received)
             assert tokens_of(first) + tokens_of(rest) == list(b"abcdefghij")
             assert d.aborted == []
+
     run_async(main())
 
 
@@ -324,14 +326,14 @@ def test_detached_resumable_run_is_aborted_after_the_grace(redis_url):
     p, d = FakePrefill("p0"), FakeDecode("d0", token_delay_s=0.05)
 
     async def main():
-        async with router_stack(redis_url, [p], [d],
-                                config=OrchestratorConfig(resume_grace_s=0.1)) as s:
+        async with router_stack(redis_url, [p], [d], config=OrchestratorConfig(resume_grace_s=0.1)) as s:
             run = s.orchestrator.open(request(PROMPT, max_tokens=50), resumable=True)
             stream = s.orchestrator.stream(run)
             await anext(stream)
             await stream.aclose()
             await asyncio.wait({run.task}, timeout=5)
             assert isinstance(run.error, Cancelled) and d.aborted == ["r1"]
+
     run_async(main())
 
 
@@ -343,11 +345,11 @@ def test_request_id_reuse_and_unknown_resume_are_rejected(redis_url):
                 s.orchestrator.open(request(PROMPT), resumable=True, fingerprint="b")
             assert info.value.field == "request_id"
             with pytest.raises(NotFound):
-                s.orchestrator.open(request(PROMPT, rid="r2"), resumable=True,
-                                    resume_from_token=3)
+                s.orchestrator.open(request(PROMPT, rid="r2"), resumable=True, resume_from_token=3)
             await collect(s.orchestrator, run)
             with pytest.raises(InvalidArgument, match="chunk boundary"):
                 await collect(s.orchestrator, run, from_token=99)
+
     run_async(main())
 
 
@@ -356,12 +358,12 @@ def test_stop_string_cuts_text_and_stops_decode(redis_url):
 
     async def main():
         async with router_stack(redis_url, [p], [d]) as s:
-            events = await collect(s.orchestrator, s.orchestrator.open(
-                request(PROMPT, max_tokens=20, stop=("def",))))
+            events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT, max_tokens=20, stop=("def",))))
             final = events[-1]
             assert "".join(e.text for e in events[:-1]) + final.text == "abc"
             assert final.finish_reason == "stop" and final.usage.completion_tokens == 6
             assert d.aborted == ["r1"]
+
     run_async(main())
 
 
@@ -377,6 +379,7 @@ def test_metrics_count_cache_tiers_once(redis_url):
             assert 'tier="none"' not in text
             assert "flashpd:time_to_first_token_seconds_count" in text
             assert 'flashpd:kv_transfer_bytes_total{model_name="flash-tiny"} 341760.0' in text
+
     run_async(main())
 
 
@@ -386,14 +389,15 @@ def test_a_continued_guided_run_replays_its_tokens_into_the_grammar(redis_url):
     from flashpd.engine.sampling_params import GuidedDecoding
 
     p = FakePrefill("p0")
-    d0 = FakeDecode("d0", follow_prompt=True,
-                    fail_after_tokens=(2, ActorDiedError("the actor died")))
+    d0 = FakeDecode("d0", follow_prompt=True, fail_after_tokens=(2, ActorDiedError("the actor died")))
     d1 = FakeDecode("d1", follow_prompt=True)
 
     async def main():
         async with router_stack(redis_url, [p], [d0, d1], routing="round_robin") as s:
-            await collect(s.orchestrator, s.orchestrator.open(
-                request(PROMPT, max_tokens=6, guided=GuidedDecoding("json_object"))))
+            await collect(
+                s.orchestrator, s.orchestrator.open(request(PROMPT, max_tokens=6, guided=GuidedDecoding("json_object")))
+            )
+
     run_async(main())
     assert d0.seen[0].sampling.guided.replay_tokens == 0
     cont = d1.seen[0]

@@ -62,10 +62,14 @@ def req(rid="r", session=None) -> InternalRequest:
 
 
 def placement(index, clock) -> Placement:
-    return Placement(index, make_policy("affinity"), model="m", view_refresh_s=0.0,
-                     config=PlacementConfig(suspect_s=10.0, known_ttl_s=60.0,
-                                            breaker_failures=1, breaker_open_s=1.0),
-                     clock=clock)
+    return Placement(
+        index,
+        make_policy("affinity"),
+        model="m",
+        view_refresh_s=0.0,
+        config=PlacementConfig(suspect_s=10.0, known_ttl_s=60.0, breaker_failures=1, breaker_open_s=1.0),
+        clock=clock,
+    )
 
 
 def run(coro):
@@ -78,14 +82,14 @@ def test_a_suspect_is_avoided_while_another_worker_of_its_role_is_left():
 
     async def main():
         pl.suspect(P0.ref)
-        picks = {(await pl.place(req(f"r{i}"), frozenset())).prefill.worker_id
-                 for i in range(8)}
+        picks = {(await pl.place(req(f"r{i}"), frozenset())).prefill.worker_id for i in range(8)}
         assert picks == {"p1"}
         pl.suspect(P1.ref)  # now every prefill worker is suspect: they stay candidates
         assert (await pl.place(req(), frozenset())).prefill.worker_id in {"p0", "p1"}
         clock.now = 10.0  # suspicion expires
         pl.suspect(P1.ref)
         assert (await pl.place(req(), frozenset())).prefill.worker_id == "p0"
+
     run(main())
 
 
@@ -105,6 +109,7 @@ def test_redis_down_keeps_the_last_view_and_the_local_session_binding():
             assert a.decision.decode_reason == "session"
             pl.release(a)
         assert not pl.redis_ok
+
     run(main())
 
 
@@ -122,6 +127,7 @@ def test_redis_restarted_empty_is_bridged_by_remembered_workers_until_they_expir
         assert (await pl.live_view()).workers == ()
         with pytest.raises(Unavailable):
             await pl.place(req(), frozenset())
+
     run(main())
 
 
@@ -130,8 +136,14 @@ def test_a_worker_marked_draining_gets_no_new_request_from_the_next_placement():
     operator's or the autoscaler's drain and the router avoiding the worker."""
     clock = Clock()
     index = FakeIndex([P0, D0, D1])
-    pl = Placement(index, make_policy("affinity"), model="m", view_refresh_s=3600.0,
-                   config=PlacementConfig(breaker_failures=1), clock=clock)
+    pl = Placement(
+        index,
+        make_policy("affinity"),
+        model="m",
+        view_refresh_s=3600.0,
+        config=PlacementConfig(breaker_failures=1),
+        clock=clock,
+    )
 
     async def main():
         first = await pl.place(req("a", session="s"), frozenset())
@@ -142,4 +154,5 @@ def test_a_worker_marked_draining_gets_no_new_request_from_the_next_placement():
         index.down = True  # Redis gone: the last marks still hold
         clock.now += 10
         assert (await pl.place(req("c"), frozenset())).decode != first.decode
+
     run(main())

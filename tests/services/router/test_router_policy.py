@@ -15,8 +15,9 @@ from flashpd.services.router.policy import (
 
 
 def cand(role, wid, *, hit=0, queued=0, used=0, total=1000, running=0, pending=0):
-    stats = WorkerStats(wid, "i0", role, queued_prefill_tokens=queued, kv_blocks_used=used,
-                        kv_blocks_total=total, running=running)
+    stats = WorkerStats(
+        wid, "i0", role, queued_prefill_tokens=queued, kv_blocks_used=used, kv_blocks_total=total, running=running
+    )
     return Candidate(stats, hit_tokens=hit, pending_prefill_tokens=pending)
 
 
@@ -25,8 +26,7 @@ D = [cand("decode", "d0"), cand("decode", "d1"), cand("decode", "d2")]
 
 
 def q(prompt=1000, key="s1", bound=(), preferred=()):
-    return RouteQuery(prompt, key, frozenset(c.ref for c in bound),
-                      frozenset(c.ref for c in preferred))
+    return RouteQuery(prompt, key, frozenset(c.ref for c in bound), frozenset(c.ref for c in preferred))
 
 
 def test_bound_session_keeps_its_pair():
@@ -68,8 +68,11 @@ def test_router_pending_tokens_count_as_load():
 
 
 def test_decode_prefers_the_longest_hit_among_similarly_loaded():
-    ds = [cand("decode", "d0", hit=256, used=100), cand("decode", "d1", hit=768, used=150),
-          cand("decode", "d2", used=50)]
+    ds = [
+        cand("decode", "d0", hit=256, used=100),
+        cand("decode", "d1", hit=768, used=150),
+        cand("decode", "d2", used=50),
+    ]
     d = AffinityPolicy(decode_slack=0.10).choose(q(), P, ds)
     assert d.decode.ref.worker_id == "d1" and d.decode_reason == "prefix"
 
@@ -80,15 +83,13 @@ def test_decode_avoids_a_nearly_full_worker_despite_its_hit():
 
 
 def test_new_sessions_hash_consistently():
-    picks = {AffinityPolicy().choose(q(key="session-42"), P, D).decode.ref.worker_id
-             for _ in range(5)}
+    picks = {AffinityPolicy().choose(q(key="session-42"), P, D).decode.ref.worker_id for _ in range(5)}
     assert len(picks) == 1
     assert picks == {ring_walk("session-42", ("d0", "d1", "d2"))[0]}
 
 
 def test_new_sessions_spread_over_workers():
-    picks = {AffinityPolicy().choose(q(key=f"s{i}"), P, D).decode.ref.worker_id
-             for i in range(60)}
+    picks = {AffinityPolicy().choose(q(key=f"s{i}"), P, D).decode.ref.worker_id for i in range(60)}
     assert picks == {"d0", "d1", "d2"}
 
 

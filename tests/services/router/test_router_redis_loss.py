@@ -28,12 +28,14 @@ def own_redis():
 @contextlib.asynccontextmanager
 async def heartbeats(s, workers):
     """The workers' heartbeat loop (a worker keeps beating through a Redis outage)."""
+
     async def beat():
         while True:
             for w in workers:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(s.publisher.heartbeat(w.stats()), 0.2)
             await asyncio.sleep(0.3)
+
     task = asyncio.create_task(beat())
     try:
         yield
@@ -51,8 +53,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 async def _serve(s, rid: str, session: str | None = None, prompt=PROMPT) -> FinalEvent:
-    events = await collect(s.orchestrator, s.orchestrator.open(
-        request(prompt, rid=rid, session=session)))
+    events = await collect(s.orchestrator, s.orchestrator.open(request(prompt, rid=rid, session=session)))
     return events[-1]
 
 
@@ -74,6 +75,7 @@ def test_paused_redis_fails_no_request_and_keeps_sessions(own_redis):
             finally:
                 own_redis.resume()
             await _until(lambda: _serve_and_check(s, placement))
+
     run_async(main())
 
 
@@ -102,9 +104,11 @@ def test_redis_killed_and_restarted_empty_serves_throughout_and_prefix_hits_retu
 
             async def index_back() -> bool:  # one probe per breaker_open_s closes the circuit
                 return await _decode_hit(s, ds[1]) and placement.redis_ok
+
             await _until(index_back)
             for i in range(3):  # placed by prefix from now on, whatever the request id
                 assert await _decode_hit(s, ds[1]), i
+
     run_async(main())
 
 
@@ -118,4 +122,5 @@ def test_health_is_not_serving_without_any_known_worker(own_redis):
         async with router_stack(own_redis.url, [], []) as s:
             serving, why = await s.orchestrator.serving_status()
             assert not serving and "prefill" in why and "decode" in why
+
     run_async(main())

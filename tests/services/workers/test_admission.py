@@ -25,6 +25,7 @@ class Capacity:
             self.units -= need
             self.order.append(name)
             return name
+
         return try_admit
 
 

@@ -52,8 +52,7 @@ def test_health_fails_when_transfer_progress_keeps_failing_and_recovers(model_f3
     try:
         server.check_health()
         real = server.worker.receiver.poll_completed
-        server.worker.receiver.poll_completed = lambda: (_ for _ in ()).throw(
-            RuntimeError("transport wedged"))
+        server.worker.receiver.poll_completed = lambda: (_ for _ in ()).throw(RuntimeError("transport wedged"))
         assert _until(lambda: _unhealthy(server))
         with pytest.raises(RuntimeError, match="transport wedged"):
             server.check_health()
@@ -77,9 +76,17 @@ def test_health_fails_when_the_publisher_stopped_but_not_when_redis_is_away(mode
     ref = server.ref
     stats = lambda: WorkerStats(ref.worker_id, ref.incarnation, "decode")  # noqa: E731
     # nothing listens on port 1: every round fails and is retried; the replica stays healthy
-    server._publisher = RedisPublisher("redis://127.0.0.1:1/0", MODEL_ID, ref, stats,
-                                       lambda: [], lambda: [], 0.01, op_timeout_s=0.2,
-                                       max_backoff_s=0.05)
+    server._publisher = RedisPublisher(
+        "redis://127.0.0.1:1/0",
+        MODEL_ID,
+        ref,
+        stats,
+        lambda: [],
+        lambda: [],
+        0.01,
+        op_timeout_s=0.2,
+        max_backoff_s=0.05,
+    )
     try:
         assert _until(lambda: server._publisher.failures >= 3)
         server.check_health()

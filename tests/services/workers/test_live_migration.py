@@ -27,8 +27,7 @@ STREAMS, PROMPT_TOKENS, MAX_TOKENS = 4, 200, 16
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:
-    return tuple(torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed))
-                 .tolist())
+    return tuple(torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 def _worker(model, role: str, num_slots: int = 8):
@@ -70,10 +69,8 @@ async def _stack(redis_url: str, workers):
             await asyncio.sleep(0.2)
 
     beat = asyncio.create_task(heartbeats())
-    placement = Placement(PrefixIndex(redis, MODEL_ID), make_policy("round_robin"),
-                          model=MODEL_ID, view_refresh_s=0.0)
-    orch = Orchestrator({MODEL_ID: placement}, _Directory(workers), _Tokenizer(),
-                        metrics=RouterMetrics(MODEL_ID))
+    placement = Placement(PrefixIndex(redis, MODEL_ID), make_policy("round_robin"), model=MODEL_ID, view_refresh_s=0.0)
+    orch = Orchestrator({MODEL_ID: placement}, _Directory(workers), _Tokenizer(), metrics=RouterMetrics(MODEL_ID))
     try:
         yield orch, publisher
     finally:
@@ -99,9 +96,15 @@ async def _follow(orch: Orchestrator, run, progress: list[int], i: int):
 
 
 def _requests(tag: str):
-    return [InternalRequest(f"{tag}{i}", MODEL_ID, _prompt(PROMPT_TOKENS, 40 + i),
-                            SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-            for i in range(STREAMS)]
+    return [
+        InternalRequest(
+            f"{tag}{i}",
+            MODEL_ID,
+            _prompt(PROMPT_TOKENS, 40 + i),
+            SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
+        for i in range(STREAMS)
+    ]
 
 
 async def _streams_with_drain(orch, victim: DecodeWorker, tag: str, after_tokens: int = 3):
@@ -116,8 +119,7 @@ async def _streams_with_drain(orch, victim: DecodeWorker, tag: str, after_tokens
 
 def test_drain_moves_every_stream_to_the_other_decode_worker(model_f32, redis_url):
     async def main():
-        p, d0, d1 = (_worker(model_f32, "prefill"), _worker(model_f32, "decode"),
-                     _worker(model_f32, "decode"))
+        p, d0, d1 = (_worker(model_f32, "prefill"), _worker(model_f32, "decode"), _worker(model_f32, "decode"))
         async with _stack(redis_url, [p, d0, d1]) as (orch, _):
             reference = [await _follow(orch, orch.open(r), [0], 0) for r in _requests("ref")]
             paused, outs = await _streams_with_drain(orch, d0, "run")
@@ -127,11 +129,11 @@ def test_drain_moves_every_stream_to_the_other_decode_worker(model_f32, redis_ur
             moved = [f for _, f in outs if f.decode_worker == d1.ref.worker_id]
             assert len(moved) == STREAMS  # d0's streams moved, d1's stayed on d1
             metrics = orch.metrics
-            assert metrics.migrations.labels(model_name=MODEL_ID, outcome="moved")._value.get() \
-                == paused
+            assert metrics.migrations.labels(model_name=MODEL_ID, outcome="moved")._value.get() == paused
             prefills = metrics.prefills.labels(model_name=MODEL_ID)._value.get()
             assert prefills == 2 * STREAMS  # the references' and the streams' first: none more
             assert d0.stats_now().kv_blocks_used == 0 and d0.stats_now().running == 0
+
     asyncio.run(main())
 
 
@@ -144,6 +146,6 @@ def test_streams_with_nowhere_to_go_finish_in_place(model_f32, redis_url):
             assert paused > 0
             assert [ids for ids, _ in outs] == [ids for ids, _ in reference]
             assert all(f.decode_worker == d0.ref.worker_id for _, f in outs)
-            assert orch.metrics.migrations.labels(model_name=MODEL_ID, outcome="stayed") \
-                ._value.get() == paused
+            assert orch.metrics.migrations.labels(model_name=MODEL_ID, outcome="stayed")._value.get() == paused
+
     asyncio.run(main())

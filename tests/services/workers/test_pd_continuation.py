@@ -46,12 +46,16 @@ def test_continuation_on_fresh_workers_is_identical_under_bounded_replay(model_f
 
     async def main():
         p1, d1 = _worker(model_f32, "prefill"), _worker(model_f32, "decode")
-        unbroken = await _turn(p1, d1, InternalRequest("a", MODEL_ID, prompt,
-                                                       SamplingParams(max_tokens=20)))
+        unbroken = await _turn(p1, d1, InternalRequest("a", MODEL_ID, prompt, SamplingParams(max_tokens=20)))
         p2, d2 = _worker(model_f32, "prefill"), _worker(model_f32, "decode")
-        cont = InternalRequest("a@1", MODEL_ID, prompt + tuple(unbroken[:streamed]),
-                               SamplingParams(max_tokens=20 - streamed),
-                               kv_prompt_tokens=len(prompt), max_prefill_credit_tokens=0)
+        cont = InternalRequest(
+            "a@1",
+            MODEL_ID,
+            prompt + tuple(unbroken[:streamed]),
+            SamplingParams(max_tokens=20 - streamed),
+            kv_prompt_tokens=len(prompt),
+            max_prefill_credit_tokens=0,
+        )
         ticket = await d2.reserve(cont)
         assert len(ticket.dst_block_ids) == 3  # the original prompt's 3 chunks only
         result = await p2.run(cont, ticket)
@@ -63,4 +67,5 @@ def test_continuation_on_fresh_workers_is_identical_under_bounded_replay(model_f
         assert unbroken[:streamed] + rest == unbroken
         for w in (p1, d1, p2, d2):
             await w.close()
+
     asyncio.run(main())

@@ -39,23 +39,32 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _workers(model, decode_blocks: int = 64, max_queued: int = 1024, max_seqs: int = 16):
     def make(role, blocks):
-        ec = EngineConfig(role=role, num_blocks=blocks, num_slots=max_seqs, model_id=MODEL_ID,
-                          max_num_seqs=max_seqs)
-        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=LONG_S,
-                          transfer_timeout_s=LONG_S, max_queued_requests=max_queued)
+        ec = EngineConfig(role=role, num_blocks=blocks, num_slots=max_seqs, model_id=MODEL_ID, max_num_seqs=max_seqs)
+        wc = WorkerConfig(
+            "unused",
+            MODEL_ID,
+            ec,
+            transfer_backend="local",
+            lease_s=LONG_S,
+            transfer_timeout_s=LONG_S,
+            max_queued_requests=max_queued,
+        )
         return LLMEngine(model, ec), wc
 
     pe, pc = make("prefill", 64)
     de, dc = make("decode", decode_blocks)
-    return (PrefillWorker(pe, pc, new_worker_ref("prefill")),
-            DecodeWorker(de, dc, new_worker_ref("decode")))
+    return (PrefillWorker(pe, pc, new_worker_ref("prefill")), DecodeWorker(de, dc, new_worker_ref("decode")))
 
 
 def _req(rid: str, n: int, seed: int, max_tokens: int = 3, deadline_s: float | None = None):
     deadline = None if deadline_s is None else time.time() + deadline_s
-    return InternalRequest(rid, MODEL_ID, tuple(_prompt(n, seed)),
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           deadline_unix_s=deadline)
+    return InternalRequest(
+        rid,
+        MODEL_ID,
+        tuple(_prompt(n, seed)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        deadline_unix_s=deadline,
+    )
 
 
 async def _turn(p: PrefillWorker, d: DecodeWorker, req: InternalRequest) -> list[int]:
@@ -264,8 +273,7 @@ def test_requests_beyond_capacity_queue_and_all_complete(model_f32):
                     await asyncio.sleep(0.005)
 
             watcher = asyncio.create_task(watch())
-            results = await asyncio.gather(*(_turn(p, d, _req(f"q{i}", 300, 100 + i, 4))
-                                             for i in range(16)))
+            results = await asyncio.gather(*(_turn(p, d, _req(f"q{i}", 300, 100 + i, 4)) for i in range(16)))
             watcher.cancel()
             assert all(len(ids) == 4 for ids in results)
             assert peak["queued"] > 0
@@ -387,8 +395,7 @@ def test_expired_lease_is_retryable_unavailable_not_a_client_error(model_f32):
 
     async def main():
         ec = EngineConfig(role="decode", num_blocks=16, num_slots=4, model_id=MODEL_ID)
-        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=0.05,
-                          transfer_timeout_s=0.05)
+        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=0.05, transfer_timeout_s=0.05)
         d = DecodeWorker(LLMEngine(model_f32, ec), wc, new_worker_ref("decode"))
         try:
             req = _req("slow", 200, 9)

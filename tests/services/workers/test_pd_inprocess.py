@@ -24,15 +24,14 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _workers(model, replay: bool):
     def cfg(role):
-        ec = EngineConfig(role=role, num_blocks=32, num_slots=8, swa_bounded_replay=replay,
-                          model_id=MODEL_ID)
-        return LLMEngine(model, ec), WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local",
-                                                  transfer_timeout_s=30.0)
+        ec = EngineConfig(role=role, num_blocks=32, num_slots=8, swa_bounded_replay=replay, model_id=MODEL_ID)
+        return LLMEngine(model, ec), WorkerConfig(
+            "unused", MODEL_ID, ec, transfer_backend="local", transfer_timeout_s=30.0
+        )
 
     pe, pc = cfg("prefill")
     de, dc = cfg("decode")
-    return (PrefillWorker(pe, pc, new_worker_ref("prefill")),
-            DecodeWorker(de, dc, new_worker_ref("decode")))
+    return (PrefillWorker(pe, pc, new_worker_ref("prefill")), DecodeWorker(de, dc, new_worker_ref("decode")))
 
 
 async def _turn(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], n: int):

@@ -36,8 +36,7 @@ N, MAX_TOKENS = 3, 6
 
 def _worker(model, role: str):
     ec = EngineConfig(role=role, num_blocks=48, num_slots=8, model_id=MODEL_ID)
-    wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=LEASE_S,
-                      transfer_timeout_s=1.0)
+    wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=LEASE_S, transfer_timeout_s=1.0)
     cls = PrefillWorker if role == "prefill" else DecodeWorker
     return cls(LLMEngine(model, ec), wc, new_worker_ref(role))
 
@@ -88,10 +87,8 @@ async def _stack(redis_url: str, p: PrefillWorker, d: DecodeWorker):
 
     beat = asyncio.create_task(heartbeats())
     queued = _QueuedPrefill(p)
-    placement = Placement(PrefixIndex(redis, MODEL_ID), make_policy("round_robin"),
-                          model=MODEL_ID, view_refresh_s=0.0)
-    orch = Orchestrator({MODEL_ID: placement}, _Directory(queued, d), _Tokenizer(),
-                        metrics=RouterMetrics(MODEL_ID))
+    placement = Placement(PrefixIndex(redis, MODEL_ID), make_policy("round_robin"), model=MODEL_ID, view_refresh_s=0.0)
+    orch = Orchestrator({MODEL_ID: placement}, _Directory(queued, d), _Tokenizer(), metrics=RouterMetrics(MODEL_ID))
     try:
         yield orch, queued
     finally:
@@ -112,8 +109,7 @@ class _Tokenizer:
 
 def _request(rid: str) -> InternalRequest:
     prompt = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(7)).tolist()
-    return InternalRequest(rid, MODEL_ID, tuple(prompt),
-                           SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return InternalRequest(rid, MODEL_ID, tuple(prompt), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
 
 
 async def _choices(orch: Orchestrator, rid: str) -> dict[int, tuple[list[int], FinalEvent]]:

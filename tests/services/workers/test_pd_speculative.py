@@ -22,16 +22,17 @@ SPEC = SpeculativeConfig(method="ngram", num_tokens=4)
 
 def _workers(model, p_spec: SpeculativeConfig | None, d_spec: SpeculativeConfig | None):
     def make(role, spec):
-        ec = EngineConfig(role=role, num_blocks=32, num_slots=8, model_id=MODEL_ID,
-                          speculative=spec if role == "decode" else None)
-        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local",
-                          speculative=None if spec is None else spec.handoff())
+        ec = EngineConfig(
+            role=role, num_blocks=32, num_slots=8, model_id=MODEL_ID, speculative=spec if role == "decode" else None
+        )
+        wc = WorkerConfig(
+            "unused", MODEL_ID, ec, transfer_backend="local", speculative=None if spec is None else spec.handoff()
+        )
         return LLMEngine(model, ec), wc
 
     pe, pc = make("prefill", p_spec)
     de, dc = make("decode", d_spec)
-    return (PrefillWorker(pe, pc, new_worker_ref("prefill")),
-            DecodeWorker(de, dc, new_worker_ref("decode")))
+    return (PrefillWorker(pe, pc, new_worker_ref("prefill")), DecodeWorker(de, dc, new_worker_ref("decode")))
 
 
 async def _turn(p, d, rid, prompt, n):
@@ -77,8 +78,7 @@ def test_speculative_mismatch_fails_at_the_handshake(model_f32, p_spec):
     async def main():
         p, d = _workers(model_f32, p_spec, SPEC)
         try:
-            req = InternalRequest("m", MODEL_ID, tuple(_prompt(150, 9)),
-                                  SamplingParams(max_tokens=2))
+            req = InternalRequest("m", MODEL_ID, tuple(_prompt(150, 9)), SamplingParams(max_tokens=2))
             ticket = await d.reserve(req)
             with pytest.raises(Internal, match="speculative"):
                 await p.run(req, ticket)

@@ -32,8 +32,7 @@ class FakeWorker:
         self.pending.append(BlockStored(hashes))
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.ref.worker_id, self.ref.incarnation, "decode",
-                           kv_blocks_total=16)
+        return WorkerStats(self.ref.worker_id, self.ref.incarnation, "decode", kv_blocks_total=16)
 
     def drain(self):
         events, self.pending = self.pending, []
@@ -74,8 +73,17 @@ def test_publisher_reregisters_and_republishes_after_redis_restart_and_pause(ser
     def registered() -> bool:
         return client.exists(keys.heartbeat(worker.ref.key)) == 1
 
-    pub = RedisPublisher(server.url, MODEL, worker.ref, worker.stats, worker.drain,
-                         worker.snapshot, interval_s=0.05, op_timeout_s=0.5, max_backoff_s=0.5)
+    pub = RedisPublisher(
+        server.url,
+        MODEL,
+        worker.ref,
+        worker.stats,
+        worker.drain,
+        worker.snapshot,
+        interval_s=0.05,
+        op_timeout_s=0.5,
+        max_backoff_s=0.5,
+    )
     try:
         assert _eventually(lambda: registered() and indexed("h0") and indexed("h1"))
         worker.store("h2")  # an incremental event
@@ -86,8 +94,7 @@ def test_publisher_reregisters_and_republishes_after_redis_restart_and_pause(ser
         assert _eventually(lambda: pub.failures > failures)
         worker.store("h3")  # stored while Redis is down
         server.restart()  # a fresh, empty Redis on the same port
-        assert _eventually(lambda: registered() and all(
-            indexed(h) for h in ("h0", "h1", "h2", "h3")))
+        assert _eventually(lambda: registered() and all(indexed(h) for h in ("h0", "h1", "h2", "h3")))
         assert pub.health_error() is None
 
         server.pause()
@@ -110,13 +117,17 @@ def test_publisher_notices_a_fresh_redis_without_seeing_an_error(server):
     worker.store("a", "b")
     keys = IndexKeys(MODEL)
     client = redis.Redis.from_url(server.url, socket_timeout=1.0)
-    pub = RedisPublisher(server.url, MODEL, worker.ref, worker.stats, worker.drain,
-                         worker.snapshot, interval_s=0.05, op_timeout_s=0.5)
+    pub = RedisPublisher(
+        server.url, MODEL, worker.ref, worker.stats, worker.drain, worker.snapshot, interval_s=0.05, op_timeout_s=0.5
+    )
     try:
         assert _eventually(lambda: client.sismember(keys.chunk("b"), worker.ref.key))
         client.flushall()  # what a restarted, empty Redis looks like to the publisher
-        assert _eventually(lambda: client.sismember(keys.chunk("a"), worker.ref.key)
-                           and client.sismember(keys.chunk("b"), worker.ref.key))
+        assert _eventually(
+            lambda: (
+                client.sismember(keys.chunk("a"), worker.ref.key) and client.sismember(keys.chunk("b"), worker.ref.key)
+            )
+        )
     finally:
         pub.stop(worker.ref)
         client.close()
