@@ -25,7 +25,7 @@ window there: query t sees window positions [max(t - W + 1, start + f), t].
 A forward is three calls: `prepare` (the step's static description: segments, rows per layer
 kind, Engram ids, head rows, and whatever tables a backend adds), `compute` (the layers, reading
 only the step) and `commit` (the states' books). The GPU path (engine/gpu) is this class with
-other weights and layer hooks over packed pools; its CUDA graphs capture `compute` itself.
+other weights and its own `LayerOps` over packed pools; its CUDA graphs capture `compute` itself.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import copy
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -330,8 +330,9 @@ class Step:
     """Everything one forward needs, built once before it (`Model.prepare`): the forward itself
     (`Model.compute`) reads only this, and the states' books move after it (`Model.commit`).
 
-    `tables` holds what a backend adds (the GPU path: pool row tables); `outputs` what it leaves
-    for the commit. A CUDA graph captures `compute` over a Step whose tensors are static buffers.
+    `outputs` holds what `compute` leaves for the commit. A backend that needs more per step (the
+    GPU path: pool row tables and the one device buffer every input views, engine/gpu/step.py)
+    extends this class; `tensors` / `set_tensors` are what a CUDA graph's static step refills.
     """
 
     token_ids: torch.Tensor  # [T]
@@ -340,12 +341,9 @@ class Step:
     hash_ids: dict[int, torch.Tensor]  # Engram layer -> [T, C]
     logit_rows: torch.Tensor  # [n] rows of the batch the head runs on
     logit_counts: list[int | None]  # per segment: rows of logits, None = not requested
-    tables: object = None
     outputs: dict = field(default_factory=dict)
     published: Published = field(default_factory=Published)
     host_ids: torch.Tensor | None = None  # [T] token_ids on the host (hashes, the commit)
-    buffer: torch.Tensor | None = None  # the one device buffer the tensors view (a backend's)
-    input_bytes: int = 0  # buffer[:input_bytes] holds every tensor of `tensors()`
 
     def rows_of(self, spec: LayerSpec) -> LayerRows:
         return self.rows[spec.group]
@@ -356,8 +354,6 @@ class Step:
         for key in sorted(self.rows):
             out += self.rows[key].tensors()
         out += [self.hash_ids[k] for k in sorted(self.hash_ids)]
-        if self.tables is not None:
-            out += self.tables.tensors()
         return out
 
     def set_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -374,9 +370,7 @@ class Step:
         for k in sorted(self.hash_ids):
             self.hash_ids[k] = tensors[at]
             at += 1
-        if self.tables is not None:
-            self.tables.set_tensors(tensors[at:])
-        elif at != len(tensors):
+        if at != len(tensors):
             raise ValueError(f"{len(tensors)} tensors for a step of {at}")
 
     def split_logits(self, logits: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -388,6 +382,36 @@ class Step:
                 out.append(logits[at : at + n])
                 at += n
         return out
+
+
+# ============================================================================ the layer ops
+class LayerOps(Protocol):
+    """The ops a layer needs from its backend: `Model` implements them over the reference
+    kernels (readable torch, dequantised weights, `SeqState`s); the GPU model
+    (engine/gpu/forward.py) implements them over the Triton kernels and packed KV pools. The
+    layer itself (`Model._layer`: mHC mixing, norms, the order of the ops) is shared, so every
+    backend runs the same forward. Each op reads only its arguments and the step."""
+
+    def engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """xs [T, S, D] the hc streams + Engram table rows `row_ids` [T, C] -> xs with the gated
+        Engram memory added (§6)."""
+        ...
+
+    def write_global_kv(
+        self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor, rows: LayerRows, step: Step
+    ) -> None:
+        """Compress the seam rows of every segment into the layer's global KV entries and index
+        keys (§4, §5.2), in each segment's state (reference) or pool (GPU)."""
+        ...
+
+    def attend(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step) -> torch.Tensor:
+        """x [Tc, D] (normed attention input) -> attention output [Tc, D]: the sliding window,
+        and for ratio > 0 layers the indexer's top-k of the global KV (§3, §5)."""
+        ...
+
+    def moe_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """h [Tc, D] -> the shared expert + the gated routed experts' output [Tc, D] (§7)."""
+        ...
 
 
 # ============================================================================ the model
@@ -701,7 +725,7 @@ class Model:
         xs = streams if seam_all else streams[rows.seam_idx]  # [Ts, S, D]
         if lw.engram is not None:  # 1. Engram before the mixes; they see the injected streams
             ids = step.hash_ids[spec.layer_id]
-            xs = self._engram_inject(lw, xs, ids if seam_all else ids[rows.seam_idx])
+            xs = self.engram_inject(lw, xs, ids if seam_all else ids[rows.seam_idx])
         # 3. (seam) attention input = attn_norm(collapse(X, carried pre)); when every row
         # computes, one fused mHC step also gives 2. (the attention site's mixes)
         pre_in = carried_pre if seam_all else carried_pre[rows.seam_idx]
@@ -711,27 +735,27 @@ class Model:
         else:
             x_seam = d.rms_norm(self.mhc.collapse(xs, pre_in), lw.attn_norm, self.eps)  # [Ts, D]
         if spec.owns_compressor:  # §3.7 steps 2-4: global entries and index keys
-            self._write_global_kv(spec, lw, x_seam, rows, step)
+            self.write_global_kv(spec, lw, x_seam, rows, step)
         if rows.num_compute == 0:
             return streams, carried_pre
         xc = xs if every else xs[rows.compute_in_seam]  # [Tc, S, D]
         pre_a, post_a, comb_a = mixes_a or self._mixes(xc, lw.hc_attn)  # 2.
         x = x_seam if every else x_seam[rows.compute_in_seam]
-        y = self._attention(spec, lw, x, rows, step)
+        y = self.attend(spec, lw, x, rows, step)
         # 4. write-back, 5. the FFN site's mixes, 6. ffn_norm(collapse): one fused mHC step
         xc, pre_f, post_f, comb_f, h = self._mhc_step(y, xc, post_a, comb_a, lw.hc_ffn, pre_a, lw.ffn_norm)
-        out = self.mhc.expand(self._moe(lw, h), xc, post_f, comb_f)  # 7.
+        out = self.mhc.expand(self.moe_ffn(lw, h), xc, post_f, comb_f)  # 7.
         if every:
             return out, pre_f  # 8.
         streams[rows.compute_idx] = out
         carried_pre[rows.compute_idx] = pre_f  # 8.
         return streams, carried_pre
 
-    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    def engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         table_rows = lw.engram.table.rows(row_ids, self.dtype)
         return self.engram.engram_inject(xs, table_rows, lw.engram.wkv, lw.engram.qk, self.eps)
 
-    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def moe_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg, m = self.cfg, lw.moe
         return self.moe_k.moe(
             h,
@@ -772,7 +796,7 @@ class Model:
         return self.freqs_compress if spec.ratio > 0 else self.freqs_main
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
-    def _write_global_kv(
+    def write_global_kv(
         self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor, rows: LayerRows, step: Step
     ) -> None:
         """Compress the seam rows of every segment and append entries + index keys (§4, §5.2)."""
@@ -842,9 +866,7 @@ class Model:
         return kv, keys
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(
-        self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step
-    ) -> torch.Tensor:
+    def attend(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step) -> torch.Tensor:
         """x [Tc, D] (normed attention input) -> attention output [Tc, D]."""
         cfg, aw = self.cfg, lw.attn
         pos = rows.positions
@@ -852,7 +874,7 @@ class Model:
         c_q, q = attention_query(self.kernels, cfg, aw, x, (cos, sin))  # [Tc, q_lora], [Tc, H, d]
         kv = window_kv(self.kernels, cfg, aw, x, (cos, sin))  # [Tc, d]
         if lw.index_query is not None:  # index sources have ratio > 0: same (compress) table
-            self._select(spec, lw.index_query, x, c_q, (cos, sin), rows, step.published)
+            self._select_keys(spec, lw.index_query, x, c_q, (cos, sin), rows, step.published)
         outs = []
         for part in rows.compute_parts:
             keys, valid = self._window(spec.layer_id, part, kv[part.c0 : part.c1], pos[part.c0 : part.c1])  # [t, W, d]
@@ -888,7 +910,7 @@ class Model:
         return output_projection(self.dense, self.cfg, aw, o)
 
     # ------------------------------------------------------------------ indexer (§5)
-    def _select(
+    def _select_keys(
         self,
         spec: LayerSpec,
         iw: IndexQueryWeights,

@@ -38,6 +38,7 @@ import torch
 from flashpd.kernels import triton_runtime  # noqa: F401  (before any kernel import)
 # isort: on
 
+from flashpd.engine.gpu.step import GpuStep
 from flashpd.engine.gpu.tables import HostPack, PagedTables, TableBuilder  # noqa: F401
 from flashpd.engine.gpu.weights import GpuWeights, LayerWeights
 from flashpd.engine.hashing import CHUNK_TOKENS
@@ -256,9 +257,9 @@ class GpuModel(Model):
         key_width_step: int = 0,
         pad_logits: bool = True,
         key_width_tokens: int = 0,
-    ) -> Step:
-        """`Model.prepare` + pool row tables, all built on the host and moved to the device in
-        one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
+    ) -> GpuStep:
+        """`Model.prepare` as a `GpuStep` + pool row tables, all built on the host and moved to
+        the device in one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
         run on every row to that many rows (padding rows read nothing and write only scratch
         rows); key_width_step: round key-table widths up to a multiple of it (fewer graph
         shapes); key_width_tokens: key tables at least as wide as that context needs (one
@@ -275,7 +276,7 @@ class GpuModel(Model):
                 f"{rows} rows in one forward, the pools have "
                 f"{pools.window.shape[1] - pools.scratch_base} window scratch rows"
             )
-        step = super().prepare(token_ids, seqs, device=torch.device("cpu"))
+        step = GpuStep.of(super().prepare(token_ids, seqs, device=torch.device("cpu")))
         if pad_to > token_ids.shape[0]:
             self._pad(step, pad_to, pad_logits)
         step.tables = TableBuilder(
@@ -375,12 +376,12 @@ class GpuModel(Model):
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
         return self.dense.linear_weights(x.contiguous(), w, self.dtype)
 
-    def _engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    def engram_inject(self, lw: LayerWeights, xs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         rows = self.engram.gather_rows(lw.engram.table, row_ids)  # BF16 [Ts, C*row_dim], exact
         kv = self._lin(rows, lw.engram.wkv)  # [Ts, (S+1)*D]
         return self.engram.run_engram(xs, kv, lw.engram.qk, self.eps, inject=True)[0]
 
-    def _moe(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def moe_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         return self.moe_k.moe_quantized(
             h,
@@ -396,7 +397,7 @@ class GpuModel(Model):
         )
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
-    def _write_global_kv(
+    def write_global_kv(
         self, spec: LayerSpec, lw: LayerWeights, x_seam: torch.Tensor, rows: LayerRows, step: Step
     ) -> None:
         """Latents of every seam row -> entries + index keys at the rows that close a group."""
@@ -427,9 +428,7 @@ class GpuModel(Model):
         )
 
     # ------------------------------------------------------------------ attention (§3)
-    def _attention(
-        self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step
-    ) -> torch.Tensor:
+    def attend(self, spec: LayerSpec, lw: LayerWeights, x: torch.Tensor, rows: LayerRows, step: Step) -> torch.Tensor:
         cfg, d, t = self.cfg, self.dense, step.tables
         num_q = x.shape[0]
         rope = self._step_rope(step, rows.positions, self._freqs(spec))  # [Tc, r/2] each
@@ -440,7 +439,7 @@ class GpuModel(Model):
         window_pool = t.pools.window[spec.layer_id]  # [rings + scratch, 528]
         self.quant.write_unchecked(self.quant.FMT_WINDOW_FP8, kv, t.scratch[:num_q], window_pool, rope)
         if lw.idx_wq_b is not None:
-            self._select(spec, lw, x, c_q, rope, rows, step)
+            self._select_keys(spec, lw, x, c_q, rope, rows, step)
         comp_pool = comp_rows = None
         if spec.ratio > 0:
             main = t.pools.main[spec.kv_src]
@@ -465,7 +464,7 @@ class GpuModel(Model):
         return self.dense.block_diagonal(o, w).reshape(o.shape[0], -1)
 
     # ------------------------------------------------------------------ indexer (§5)
-    def _select(
+    def _select_keys(
         self,
         spec: LayerSpec,
         lw: LayerWeights,
