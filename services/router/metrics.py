@@ -125,6 +125,9 @@ class _Families:
     def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(f"{self.namespace}:{name}", doc, ["model_name", *extra], registry=self.registry)
 
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"{self.namespace}:{name}", doc, ["model_name"], registry=self.registry)
+
 
 class RouterMetrics:
     def __init__(
@@ -148,12 +151,7 @@ class RouterMetrics:
         self._transfer_metrics(families)
         self._request_metrics(families)
         self._speculative_metrics(families)
-        self.running = Gauge(
-            f"{namespace}:num_requests_running",
-            "Requests in flight in this router.",
-            ["model_name"],
-            registry=self.registry,
-        )
+        self.running = families.gauge("num_requests_running", "Requests in flight in this router.")
 
     def _latency_metrics(self, f: _Families) -> None:
         self.ttft = f.histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
