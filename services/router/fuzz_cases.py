@@ -825,6 +825,11 @@ def _f32(value: float) -> float:
 
 
 def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
+    yield from _grpc_sampler_reals()
+    yield from _grpc_integer_limits(vocab)
+
+
+def _grpc_sampler_reals() -> Iterator[HostileRequest]:
     for field in ("temperature", "top_p"):
         for v in (1e-45, 1e-38, 1e-7, 1.4e-45):
             yield _grpc("numbers", f"{field}={v!r}", _msg(**{field: _f32(v)}), expect="any")
@@ -832,6 +837,9 @@ def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
             yield _grpc("numbers", f"{field}={v!r}", _msg(**{field: v}), field=field)
     for v in (NAN, INF, -1.0, 1.5):
         yield _grpc("numbers", f"min_p={v!r}", _msg(min_p=v), field="min_p")
+
+
+def _grpc_integer_limits(vocab: int) -> Iterator[HostileRequest]:
     for v in (2**63, 2**63 + 1, 2**64 - 1):
         yield _grpc("numbers", f"seed={v}", _msg(seed=v), field="seed")
     yield _grpc("numbers", "seed=2**63-1", _msg(seed=2**63 - 1, temperature=0.5), expect="any")
@@ -853,6 +861,12 @@ def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
 
 
 def _grpc_text() -> Iterator[HostileRequest]:
+    yield from _grpc_ids_and_model()
+    yield from _grpc_prompt_and_stop()
+    yield from _grpc_abort_ids()
+
+
+def _grpc_ids_and_model() -> Iterator[HostileRequest]:
     for field in ("request_id", "session_id", "parent_session_id"):
         for value in ("a b", "caf\u00e9", "x" * 5000, "\x00", "\U0001f600", "a\nb"):
             yield _grpc("text", f"{field}={value[:10]!r}", _msg(**{field: value}), field=field)
@@ -864,6 +878,9 @@ def _grpc_text() -> Iterator[HostileRequest]:
             expect="any" if value == "" else "refused",
             field=None if value == "" else "model",
         )
+
+
+def _grpc_prompt_and_stop() -> Iterator[HostileRequest]:
     yield _grpc("text", "prompt empty", _msg(prompt=""), field="prompt")
     yield _grpc("text", "prompt 10 MB", _msg(prompt="x" * 10_000_000))
     yield _grpc("text", "prompt 1 MB", _msg(prompt="hello " * 200_000), field="prompt")
@@ -871,6 +888,9 @@ def _grpc_text() -> Iterator[HostileRequest]:
     yield _grpc("text", "stop x1000", _msg(stop=["x"] * 1000), field="stop")
     yield _grpc("text", "stop 10k chars", _msg(stop=["x" * 10_000]), field="stop")
     yield _grpc("text", "no input", pb.GenerateRequest(max_tokens=2).SerializeToString(), field="prompt")
+
+
+def _grpc_abort_ids() -> Iterator[HostileRequest]:
     yield _grpc("text", "abort empty id", pb.AbortRequest().SerializeToString(), method=ABORT, field="request_id")
     yield _grpc(
         "text",
