@@ -548,56 +548,111 @@ async def decode_drain(
         if not all(r["ok"] for r in reference):
             res.check(False, "reference runs failed on the healthy stack")
             return res
-        before = await drain_counters(stack)
-        progress = [0] * streams
-        drained: dict = {}
-        outs = await asyncio.gather(
-            *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
-            _drain_when(stack, progress, drain_after_tokens, drained),
-        )
-        outs = outs[:streams]
-        victim = drained.get("worker")
-        after = await drain_counters(stack)
-        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2) for _ in range(4)] if victim else []
-    idle_s = await asyncio.to_thread(victim_idle, stack, victim, 30.0) if victim else None
-    refs = [r["result"].output_ids for r in reference]
-    identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
+        refs = [r["result"].output_ids for r in reference]
+        run = await _streams_through_drain(stack, client, prompts, refs, max_tokens, drain_after_tokens)
+        if run.victim:
+            run.late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2) for _ in range(4)]
+    if run.victim:
+        run.idle_s = await asyncio.to_thread(victim_idle, stack, run.victim, 30.0)
+    res.counts = {**_drain_stream_counts(run), **_drain_router_counts(run.delta), **_drain_after_counts(run)}
+    _check_drained_streams(res, run)
+    _check_drain_bookkeeping(res, run)
+    return res
+
+
+@dataclass
+class _DrainRun:
+    """What decode_drain saw: each stream's outcome against its undisturbed reference."""
+
+    max_tokens: int
+    refs: list[tuple[int, ...]]  # the reference runs' output ids, per stream
+    outs: list[dict]  # the streams through the drain (`_tracked`)
+    drained: dict  # `_drain_when`'s record (worker, running, progress, snapshot); {} when none
+    delta: dict[str, float]  # `drain_counters` after the streams minus before
+    late: list[dict] = field(default_factory=list)  # requests sent after the drain mark
+    idle_s: float | None = None  # when the drained replica held nothing any more
+
+    @property
+    def victim(self) -> str | None:
+        return self.drained.get("worker")
+
+    @property
+    def identical(self) -> list[bool]:
+        return [o["ok"] and o["result"].output_ids == r for o, r in zip(self.outs, self.refs, strict=True)]
+
+
+async def _streams_through_drain(
+    stack: FaultStack, client, prompts: list[list[int]], refs: list, max_tokens: int, drain_after_tokens: int
+) -> _DrainRun:
+    """The streams again; the busiest decode replica is drained once each got its tokens."""
+    before = await drain_counters(stack)
+    progress = [0] * len(prompts)
+    drained: dict = {}
+    outs = await asyncio.gather(
+        *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
+        _drain_when(stack, progress, drain_after_tokens, drained),
+    )
+    after = await drain_counters(stack)
     delta = {k: after[k] - before[k] for k in after}
-    res.counts = {
-        "streams": streams,
+    return _DrainRun(max_tokens, refs, list(outs[: len(prompts)]), drained, delta)
+
+
+def _drain_stream_counts(run: _DrainRun) -> dict:
+    outs, victim = run.outs, run.victim
+    return {
+        "streams": len(outs),
         "drained": victim,
-        "tokens_at_drain": drained.get("progress"),
-        "paused_on_victim": drained.get("running"),
+        "tokens_at_drain": run.drained.get("progress"),
+        "paused_on_victim": run.drained.get("running"),
         "completed": sum(o["ok"] for o in outs),
         "failed": [o.get("code") for o in outs if not o["ok"]],
-        "identical": sum(identical),
+        "identical": sum(run.identical),
         "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0 for o in outs),
         # streams with tokens still to come at the drain that nonetheless ended on the victim
         "left_on_victim": sum(
-            o["ok"] and o["result"].decode_worker == victim and got < max_tokens
-            for o, got in zip(outs, drained.get("snapshot", []), strict=False)
+            o["ok"] and o["result"].decode_worker == victim and got < run.max_tokens
+            for o, got in zip(outs, run.drained.get("snapshot", []), strict=False)
         ),
+    }
+
+
+def _drain_router_counts(delta: dict[str, float]) -> dict:
+    return {
         "migrated": delta["moved"],
         "stayed": delta["stayed"],
         "prefills": delta["prefills"],
         "retries": delta["retries"],
         "migrated_bytes": delta["bytes"],
-        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim for o in late),
-        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
-        "differing": [
+    }
+
+
+def _drain_after_counts(run: _DrainRun) -> dict:
+    return {
+        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == run.victim for o in run.late),
+        "victim_idle_after_s": None if run.idle_s is None else round(run.idle_s, 2),
+        "differing": [  # (stream, tokens matching, migrated)
             (
                 i,
                 _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
                 o["ok"] and o["result"].timeline["migrate_ms"] > 0,
             )
-            for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
+            for i, (o, r, same) in enumerate(zip(run.outs, run.refs, run.identical, strict=True))
             if not same
         ],
-    }  # (stream, tokens matching, migrated)
-    res.check(victim is not None, "no decode replica was drained mid-stream")
-    res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
+    }
+
+
+def _check_drained_streams(res: ScenarioResult, run: _DrainRun) -> None:
+    streams, identical = len(run.outs), run.identical
+    res.check(run.victim is not None, "no decode replica was drained mid-stream")
+    res.check(all(o["ok"] for o in run.outs), f"streams failed: {res.counts['failed']}")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
     res.check(res.counts["left_on_victim"] == 0, "streams unfinished at the drain finished on the drained replica")
+
+
+def _check_drain_bookkeeping(res: ScenarioResult, run: _DrainRun) -> None:
+    """Migrations as the router counted them, requests after the mark, the replica left idle."""
+    streams, delta = len(run.outs), run.delta
     res.check(
         res.counts["migrated_streams"] == delta["moved"],
         "streams reporting a migration != the router's migration count",
@@ -610,11 +665,10 @@ async def decode_drain(
         f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries",
     )
     res.check(
-        all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
+        all(o["ok"] for o in run.late) and res.counts["late_requests_on_victim"] == 0,
         "a request sent after the drain mark failed or landed on the drained replica",
     )
-    res.check(idle_s is not None, "the drained replica still holds sequences or blocks")
-    return res
+    res.check(run.idle_s is not None, "the drained replica still holds sequences or blocks")
 
 
 async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: dict) -> None:
