@@ -387,50 +387,111 @@ async def decode_kill(
         if not (warm["ok"] and all(r["ok"] for r in reference)):
             res.check(False, "reference runs failed on the healthy stack")
             return res
+        refs = [r["result"] for r in reference]
         bound = warm["result"].decode_worker
-        progress = [0] * (streams + 2)
-        outs = await asyncio.gather(
-            *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts[:streams])),
-            _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
-            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress, streams + 1),
-            _kill_when(stack, bound, progress, kill_after_tokens),
-        )
-        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams], outs[streams + 1], outs[-1])
-        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
-    refs = [r["result"] for r in reference]
-    identical = [f["ok"] and f["result"].output_ids == r.output_ids for f, r in zip(sdk_outs, refs, strict=False)]
-    moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
-    http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
-    grpc_identical = grpc_out["ok"] and tuple(grpc_out["ids"]) == refs[streams + 1].output_ids
-    res.counts = {
-        "streams": streams,
-        "killed": bound if snapshot else None,
-        "tokens_before_kill": snapshot,
+        run = await _streams_through_kill(stack, client, prompts, refs, max_tokens, session, bound, kill_after_tokens)
+        run.after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
+    res.counts = _kill_counts(run)
+    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
+    _check_kill(res, run, max_tokens)
+    return res
+
+
+@dataclass
+class _KillRun:
+    """What decode_kill saw: the session's streams through the kill of its decode worker."""
+
+    bound: str  # the session's decode worker (the one killed)
+    refs: list  # the unbroken runs' results: the SDK streams', then the HTTP one's, then gRPC's
+    sdk_outs: list[dict]
+    http_out: dict
+    grpc_out: dict
+    snapshot: list[int] | None  # each stream's tokens at the kill (None: nothing was killed)
+    after: dict | None = None  # the session's next turn
+
+    @property
+    def identical(self) -> list[bool]:
+        return [
+            f["ok"] and f["result"].output_ids == r.output_ids for f, r in zip(self.sdk_outs, self.refs, strict=False)
+        ]
+
+    @property
+    def moved(self) -> list[bool]:
+        return [f["ok"] and f["result"].decode_worker != self.bound for f in self.sdk_outs]
+
+    @property
+    def http_identical(self) -> bool:
+        return self.http_out["ok"] and self.http_out["text"] == self.refs[len(self.sdk_outs)].text
+
+    @property
+    def grpc_identical(self) -> bool:
+        return self.grpc_out["ok"] and tuple(self.grpc_out["ids"]) == self.refs[len(self.sdk_outs) + 1].output_ids
+
+
+async def _streams_through_kill(
+    stack: FaultStack,
+    client,
+    prompts: list,
+    refs: list,
+    max_tokens: int,
+    session: str,
+    bound: str,
+    kill_after_tokens: int,
+) -> _KillRun:
+    """The SDK streams, then one HTTP SSE and one raw gRPC stream, with `bound` killed once
+    each got `kill_after_tokens` tokens."""
+    streams = len(prompts) - 2
+    progress = [0] * len(prompts)
+    outs = await asyncio.gather(
+        *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts[:streams])),
+        _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
+        _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress, streams + 1),
+        _kill_when(stack, bound, progress, kill_after_tokens),
+    )
+    return _KillRun(bound, refs, list(outs[:streams]), outs[streams], outs[streams + 1], outs[-1])
+
+
+def _kill_counts(run: _KillRun) -> dict:
+    sdk_outs, bound = run.sdk_outs, run.bound
+    return {
+        "streams": len(sdk_outs),
+        "killed": bound if run.snapshot else None,
+        "tokens_before_kill": run.snapshot,
         "completed": sum(f["ok"] for f in sdk_outs),
-        "identical": sum(identical),
+        "identical": sum(run.identical),
         "matching_tokens": [
             _common_prefix(f["result"].output_ids, r.output_ids) if f["ok"] else 0
-            for f, r in zip(sdk_outs, refs, strict=False)
+            for f, r in zip(sdk_outs, run.refs, strict=False)
         ],
-        "resumed_elsewhere": sum(moved),
+        "resumed_elsewhere": sum(run.moved),
         "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
-        "http_sse_completed": http_out["ok"],
-        "http_sse_identical_text": http_identical,
-        "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
-        "grpc_completed": grpc_out["ok"],
-        "grpc_identical": grpc_identical,
-        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, bound),
-        "next_turn_ok": after["ok"],
-        "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound,
+        **_kill_edge_counts(run),
+        "next_turn_ok": run.after["ok"],
+        "next_turn_rebound": run.after["ok"] and run.after["result"].decode_worker != bound,
     }
-    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
+
+
+def _kill_edge_counts(run: _KillRun) -> dict:
+    """The OpenAI SSE stream's and the raw gRPC stream's outcomes."""
+    http_out, grpc_out = run.http_out, run.grpc_out
+    return {
+        "http_sse_completed": http_out["ok"],
+        "http_sse_identical_text": run.http_identical,
+        "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, run.bound),
+        "grpc_completed": grpc_out["ok"],
+        "grpc_identical": run.grpc_identical,
+        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, run.bound),
+    }
+
+
+def _check_kill(res: ScenarioResult, run: _KillRun, max_tokens: int) -> None:
+    streams, identical, snapshot = len(run.sdk_outs), run.identical, run.snapshot
     res.check(snapshot is not None and max(snapshot) < max_tokens, "the decode worker was not killed mid-stream")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
-    res.check(all(moved), "not every stream was resumed on another decode worker")
-    res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
-    res.check(grpc_identical, f"the raw gRPC stream differs or failed: {grpc_out.get('error')}")
+    res.check(all(run.moved), "not every stream was resumed on another decode worker")
+    res.check(run.http_identical, f"the HTTP SSE stream differs or failed: {run.http_out.get('error')}")
+    res.check(run.grpc_identical, f"the raw gRPC stream differs or failed: {run.grpc_out.get('error')}")
     res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
-    return res
 
 
 async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i) -> dict:
