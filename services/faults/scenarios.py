@@ -88,7 +88,7 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
     import grpc
     import httpx
 
-    from flashpd.services.router.fuzz_cases import grpc_verdict, hostile_requests, http_verdict
+    from flashpd.services.router.fuzz_cases import hostile_requests
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("fuzz")
@@ -103,14 +103,7 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
         grpc.aio.insecure_channel(stack.grpc_target) as channel,
     ):
         for case in cases:
-            if case.protocol == "http":
-                r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
-                outcomes[f"http {r.status_code // 100}xx"] += 1
-                problem = http_verdict(case, r.status_code, r.content)
-            else:
-                code, details, fld = await raw_grpc(channel, case.grpc_method, case.grpc_payload)
-                outcomes[f"grpc {code}"] += 1
-                problem = grpc_verdict(case, code, details, fld)
+            problem = await _send_hostile(http, channel, case, outcomes)
             if problem is not None:
                 problems.append(problem)
     after = _worker_ids(stack)
@@ -126,6 +119,19 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
     alive = await _serving(stack)
     res.check(alive, "not serving after the fuzz run")
     return res
+
+
+async def _send_hostile(http, channel, case, outcomes: Counter) -> str | None:
+    """Send one hostile request over its protocol, count its outcome; the problem, if any."""
+    from flashpd.services.router.fuzz_cases import grpc_verdict, http_verdict
+
+    if case.protocol == "http":
+        r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
+        outcomes[f"http {r.status_code // 100}xx"] += 1
+        return http_verdict(case, r.status_code, r.content)
+    code, details, fld = await raw_grpc(channel, case.grpc_method, case.grpc_payload)
+    outcomes[f"grpc {code}"] += 1
+    return grpc_verdict(case, code, details, fld)
 
 
 async def raw_grpc(channel, method: str, payload: bytes) -> tuple[str, str, str | None]:
@@ -927,28 +933,10 @@ async def load(
 ) -> ScenarioResult:
     """`n` streams at once (1 prefill + 1 decode): all complete (queued, not refused or hung),
     0 blocks held afterwards; TTFT percentiles."""
-    from flashpd_sdk import AsyncClient
-
     res = ScenarioResult(f"load_{n}")
     vocab = await vocab_size(stack)
-    clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
-    try:
-        started = time.monotonic()
-        outs = await asyncio.gather(
-            *(
-                generate(
-                    clients[i % channels],
-                    prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
-                    max_tokens=max_tokens,
-                    timeout_s=600,
-                )
-                for i in range(n)
-            )
-        )
-        wall_s = time.monotonic() - started
-    finally:
-        for c in clients:
-            await c.close()
+    prompts = [prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab) for i in range(n)]
+    outs, wall_s = await _all_at_once(stack, prompts, max_tokens, channels)
     ok = [o for o in outs if o["ok"]]
     codes = Counter(o["code"] for o in outs if not o["ok"])
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
@@ -969,6 +957,25 @@ async def load(
     res.check(len(ok) == n, f"{n - len(ok)} of {n} did not complete: {dict(codes)}")
     res.check(idle_s is not None and held == 0, f"{held} blocks held afterwards")
     return res
+
+
+async def _all_at_once(
+    stack: FaultStack, prompts: list[list[int]], max_tokens: int, channels: int
+) -> tuple[list[dict], float]:
+    """Every prompt sent at once, spread over `channels` SDK clients: the outcomes, and the
+    wall time until the last one ended."""
+    from flashpd_sdk import AsyncClient
+
+    clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
+    try:
+        started = time.monotonic()
+        outs = await asyncio.gather(
+            *(generate(clients[i % channels], p, max_tokens=max_tokens, timeout_s=600) for i, p in enumerate(prompts))
+        )
+        return outs, time.monotonic() - started
+    finally:
+        for c in clients:
+            await c.close()
 
 
 async def router_counter(stack: FaultStack, name: str) -> dict[str, float]:
