@@ -173,21 +173,11 @@ async def cancel_storm(
     res = ScenarioResult("cancel_storm")
     rng = random.Random(seed)
     vocab = await vocab_size(stack)
-    outcomes: Counter = Counter()
     probe = {"ok": 0, "failed": 0}
     stop = asyncio.Event()
-    sem = asyncio.Semaphore(concurrency)
     async with AsyncClient(stack.grpc_target) as client:
         prober = asyncio.create_task(_probe(client, probe, stop))
-
-        async def one(i: int) -> None:
-            ids = prompt_ids(random.Random(seed * 1000 + i), rng.randrange(100, 600), vocab)
-            after_tokens = rng.randrange(0, 24)
-            mode = ("sdk", "http", "grpc")[i % 3]
-            async with sem:
-                outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
-
-        await asyncio.gather(*(one(i) for i in range(n)))
+        outcomes = await _storm(stack, client, n=n, concurrency=concurrency, seed=seed, vocab=vocab, rng=rng)
         stop.set()
         await prober
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
@@ -212,6 +202,25 @@ async def cancel_storm(
     bad = {k: v for k, v in outcomes.items() if k.startswith("error")}
     res.check(not bad, f"storm requests failed other than by cancel: {bad}")
     return res
+
+
+async def _storm(
+    stack: FaultStack, client, *, n: int, concurrency: int, seed: int, vocab: int, rng: random.Random
+) -> Counter:
+    """`n` streams, `concurrency` at a time, each cancelled after 0-23 tokens by the SDK, an
+    HTTP disconnect or a raw gRPC cancel in turn: how each ended."""
+    outcomes: Counter = Counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        ids = prompt_ids(random.Random(seed * 1000 + i), rng.randrange(100, 600), vocab)
+        after_tokens = rng.randrange(0, 24)
+        mode = ("sdk", "http", "grpc")[i % 3]
+        async with sem:
+            outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return outcomes
 
 
 async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
