@@ -175,7 +175,6 @@ def gpu_stack(
     import ray
     from ray import serve
 
-    from flashpd.services.app import build_app
     from flashpd.services.redis_local import LocalRedis
 
     gpus = num_gpus if num_gpus is not None else _visible_gpus()
@@ -190,20 +189,31 @@ def gpu_stack(
             f"gpu_stack: redis {redis_server.url}, ray with {gpus} GPU(s), deploying "
             f"{config_path} ({config.replicas}, {config.gpus:g} GPU)"
         )
-        serve.run(build_app(config.args), name=config.app_name, route_prefix="/")
-        stack = GpuStack(config, redis_server.url, port)
-        waited = stack.wait_ready(ready_timeout_s)
-        log(
-            f"gpu_stack: ready in {time.monotonic() - t0:.1f} s (load + warm-up; health after "
-            f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}"
-        )
-        yield stack
+        yield _deploy(config, redis_server.url, port, ready_timeout_s, log=log, started_s=t0)
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         with contextlib.suppress(Exception):
             ray.shutdown()
         redis_server.stop()
+
+
+def _deploy(
+    config: StackConfig, redis_url: str, port: int, ready_timeout_s: float, *, log, started_s: float
+) -> GpuStack:
+    """Run the application and wait until it serves (`started_s`: when the launch began)."""
+    from ray import serve
+
+    from flashpd.services.app import build_app
+
+    serve.run(build_app(config.args), name=config.app_name, route_prefix="/")
+    stack = GpuStack(config, redis_url, port)
+    waited = stack.wait_ready(ready_timeout_s)
+    log(
+        f"gpu_stack: ready in {time.monotonic() - started_s:.1f} s (load + warm-up; health after "
+        f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}"
+    )
+    return stack
 
 
 def _export_env(config: StackConfig, redis_url: str) -> None:
