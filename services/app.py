@@ -316,7 +316,21 @@ class AppArgs(_Strict):
     def worker_config(self, role: str, redis_url: str | None = None) -> WorkerConfig:
         r: RoleArgs = getattr(self, role)
         spec = None if self.speculative is None else self.speculative.engine_config()
-        engine = EngineConfig(
+        return WorkerConfig(
+            self.checkpoint,
+            self.model_id,
+            self._engine_config(role, r, spec if role == "decode" else None),
+            self.transfer_backend,
+            redis_url or self.resolved_redis_url(),
+            lease_s=self.kv_lease_s,
+            max_queued_requests=r.queue_limit(),
+            retry_after_s=r.retry_after_s,
+            speculative=None if spec is None else spec.handoff(),
+        )
+
+    def _engine_config(self, role: str, r: RoleArgs, spec: SpeculativeConfig | None) -> EngineConfig:
+        """The engine of a `role` worker; `spec`: speculative decoding (decode only)."""
+        return EngineConfig(
             role=role,
             num_blocks=r.num_blocks,
             num_slots=r.num_slots,
@@ -332,18 +346,7 @@ class AppArgs(_Strict):
             async_scheduling=self.async_scheduling,
             max_model_len=self.max_model_len,
             graph_width_tokens=self.graph_width_tokens,
-            speculative=spec if role == "decode" else None,
-        )
-        return WorkerConfig(
-            self.checkpoint,
-            self.model_id,
-            engine,
-            self.transfer_backend,
-            redis_url or self.resolved_redis_url(),
-            lease_s=self.kv_lease_s,
-            max_queued_requests=r.queue_limit(),
-            retry_after_s=r.retry_after_s,
-            speculative=None if spec is None else spec.handoff(),
+            speculative=spec,
         )
 
 
@@ -362,29 +365,27 @@ def _with_password(url: str, password: str) -> str:
 def build_app(args: dict):
     """Serve application builder (`import_path: flashpd.services.app:build_app`)."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from flashpd.services.autoscaling.replicas import ReportingDecodeServer, ReportingPrefillServer, ReportingRouter
 
     parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     joint = parsed.joint_autoscaling
     redis_url = parsed.resolved_redis_url()
-    pinned = RequestRouterConfig(request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
-    prefill = serve.deployment(
-        ReportingPrefillServer,
-        name="PrefillServer",
-        request_router_config=pinned,
-        **parsed.prefill.deployment_options(joint),
-    )
-    decode = serve.deployment(
-        ReportingDecodeServer,
-        name="DecodeServer",
-        request_router_config=pinned,
-        **parsed.decode.deployment_options(joint),
-    )
+    prefill = _worker_deployment(ReportingPrefillServer, "PrefillServer", parsed.prefill, joint)
+    decode = _worker_deployment(ReportingDecodeServer, "DecodeServer", parsed.decode, joint)
     router = serve.deployment(ReportingRouter, name="Router", **parsed.router.deployment_options(joint))
     return router.bind(
         {**parsed.model_dump(), "redis_url": redis_url},
         prefill.bind(parsed.worker_config("prefill", redis_url)),
         decode.bind(parsed.worker_config("decode", redis_url)),
     )
+
+
+def _worker_deployment(cls: type, name: str, role: RoleArgs, joint: bool):
+    """A worker role's deployment; its replicas are reached through the pinned-worker router
+    (a request may name the replica it must reach)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    pinned = RequestRouterConfig(request_router_class="flashpd.services.worker.pinned_router:PinnedWorkerRouter")
+    return serve.deployment(cls, name=name, request_router_config=pinned, **role.deployment_options(joint))

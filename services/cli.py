@@ -26,40 +26,53 @@ def register(sub) -> None:
         ("demo", run_demo, "serve locally and chat through the SDK"),
     ):
         p = sub.add_parser(name, help=help_)
-        src = p.add_mutually_exclusive_group()
-        src.add_argument(
-            "--preset",
-            default="small",
-            choices=["small", "tiny"],
-            help="small: the trained checkpoint shipped in the repo; tiny: random",
-        )
-        src.add_argument("--checkpoint")
-        p.add_argument("--redis", help="redis://host:port (default: start a local one)")
-        p.add_argument("--prefill-replicas", type=int, default=1)
-        p.add_argument("--decode-replicas", type=int, default=1)
-        p.add_argument("--grpc-port", type=int, default=9000)
-        p.add_argument("--http-port", type=int, default=8000)
-        p.add_argument("--routing", default="affinity", choices=["affinity", "random", "round_robin"])
-        p.add_argument("--no-swa-bounded-replay", action="store_true")
-        p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
-        p.add_argument("--num-blocks", type=int, default=512)
-        p.add_argument(
-            "--kv-format",
-            default=DEFAULT_KV_FORMAT.name,
-            choices=sorted(KV_FORMATS),
-            help="compressed main KV format (nvfp4 = trained format)",
-        )
-        p.add_argument(
-            "--host", default="127.0.0.1", help="the one interface HTTP and gRPC listen on (default: loopback only)"
-        )
-        p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
-        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-        p.add_argument(
-            "--api-keys-file",
-            help="API keys, one per line (also: FLASHPD_API_KEYS, "
-            "comma-separated); clients send Authorization: Bearer <key>",
-        )
+        _add_model_args(p)
+        _add_stack_args(p)
+        _add_edge_args(p)
         p.set_defaults(func=func)
+
+
+def _add_model_args(p) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--preset",
+        default="small",
+        choices=["small", "tiny"],
+        help="small: the trained checkpoint shipped in the repo; tiny: random",
+    )
+    src.add_argument("--checkpoint")
+    p.add_argument(
+        "--kv-format",
+        default=DEFAULT_KV_FORMAT.name,
+        choices=sorted(KV_FORMATS),
+        help="compressed main KV format (nvfp4 = trained format)",
+    )
+
+
+def _add_stack_args(p) -> None:
+    p.add_argument("--redis", help="redis://host:port (default: start a local one)")
+    p.add_argument("--prefill-replicas", type=int, default=1)
+    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument("--routing", default="affinity", choices=["affinity", "random", "round_robin"])
+    p.add_argument("--no-swa-bounded-replay", action="store_true")
+    p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
+    p.add_argument("--num-blocks", type=int, default=512)
+
+
+def _add_edge_args(p) -> None:
+    """Where clients connect, and how they are let in."""
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the one interface HTTP and gRPC listen on (default: loopback only)"
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--api-keys-file",
+        help="API keys, one per line (also: FLASHPD_API_KEYS, "
+        "comma-separated); clients send Authorization: Bearer <key>",
+    )
 
 
 def default_checkpoint(preset: str) -> str:
@@ -112,7 +125,6 @@ DRAIN_TIMEOUT_S = 6.0
 @contextlib.contextmanager
 def local_stack(args):
     """Start Redis (unless given), Ray and the Serve app; yield the app args; tear down."""
-    import ray
     from ray import serve
 
     from flashpd.services.app import build_app
@@ -127,20 +139,28 @@ def local_stack(args):
     redis = None if args.redis else LocalRedis().start()
     try:
         redis_url = args.redis or redis.url
-        ray.init(
-            address="local",
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if args.tls_cert else {}
-        serve.start(http_options={"host": args.host, "port": args.http_port, **tls})
+        _start_ray_serve(args)
         a = app_args(args, checkpoint, redis_url)
         serve.run(build_app(a), name="flashpd", route_prefix="/")
         yield a
     finally:
         stop_stack(redis)
+
+
+def _start_ray_serve(args) -> None:
+    """A local Ray on loopback, and Serve's HTTP proxy on the interface and port asked for."""
+    import ray
+    from ray import serve
+
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key} if args.tls_cert else {}
+    serve.start(http_options={"host": args.host, "port": args.http_port, **tls})
 
 
 def stop_stack(redis, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:

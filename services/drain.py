@@ -120,29 +120,46 @@ def drain_before_scale_down(
     `draining`). Pure: the clock and Redis are the caller's."""
     seen = {r: state.get("seen", {}).get(r, now) for r in replicas}
     out = {"seen": seen}
-    lowered = state.get("lowered")
-    if lowered and lowered["victim"] in replicas and now - lowered["at"] >= timeout_s:
-        unmark(lowered["victim"])
-        lowered = None
+    lowered = _still_lowered(state.get("lowered"), replicas, now, unmark=unmark, timeout_s=timeout_s)
     if lowered:
         out["lowered"] = lowered
     if want >= target or len(replicas) < 2:
         return want, out, None
     victim = state.get("victim")
     if victim not in replicas:
-        victim = max(replicas, key=lambda r: (seen[r], r))
-        if not mark(victim):
-            return target, out, f"decode scale-down held: marking {victim} draining failed"
-        out.update(victim=victim, since=now)
-        return target, out, f"decode scale-down waits for {victim} to drain"
+        return _mark_victim(max(replicas, key=lambda r: (seen[r], r)), target, out, now, mark)
     out.update(victim=victim, since=state["since"])
-    load = loads.get(victim)
-    drained = load is not None and load.draining and load.running == 0 and load.waiting == 0
-    if drained or now - state["since"] >= timeout_s:
+    if _load_drained(loads.get(victim)) or now - state["since"] >= timeout_s:
         out.pop("victim"), out.pop("since")
         out["lowered"] = {"victim": victim, "at": now}
         return target - 1, out, f"{victim} drained: decode {target} -> {target - 1}"
     return target, out, f"decode scale-down waits for {victim} to drain"
+
+
+def _still_lowered(
+    lowered: dict | None, replicas: Sequence[str], now: float, *, unmark: Callable[[str], bool], timeout_s: float
+) -> dict | None:
+    """The last lowering, unless its victim still runs `timeout_s` after it (Serve stopped
+    another replica): then the victim is unmarked and serves again."""
+    if lowered and lowered["victim"] in replicas and now - lowered["at"] >= timeout_s:
+        unmark(lowered["victim"])
+        return None
+    return lowered
+
+
+def _mark_victim(
+    victim: str, target: int, out: dict, now: float, mark: Callable[[str], bool]
+) -> tuple[int, dict, str | None]:
+    """Mark the replica Serve will stop draining; the target holds meanwhile."""
+    if not mark(victim):
+        return target, out, f"decode scale-down held: marking {victim} draining failed"
+    out.update(victim=victim, since=now)
+    return target, out, f"decode scale-down waits for {victim} to drain"
+
+
+def _load_drained(load) -> bool:
+    """Draining with no running or waiting sequence (its streams moved away)."""
+    return load is not None and load.draining and load.running == 0 and load.waiting == 0
 
 
 def redis_marker(redis_url: str, model: str, timeout_s: float = 1.0):

@@ -59,13 +59,7 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
     args = AppArgs.model_validate(app["args"])
     if args.redis_url_env is None:
         raise ValueError(f"{path}: args.redis_url_env must name the variable this launcher sets")
-    replicas, gpus = {}, 0.0
-    for role in ("router", "prefill", "decode"):
-        r = getattr(args, role)
-        if r.autoscaling is not None or r.replicas is None:
-            raise ValueError(f"{path}: {role} needs a fixed `replicas` count here")
-        replicas[role] = r.replicas
-        gpus += r.replicas * r.num_gpus
+    replicas, gpus = _fixed_replicas(path, args)
     if gpus > num_gpus + 1e-9:
         raise ValueError(f"{path}: replicas ask for {gpus:g} GPUs, the machine has {num_gpus}")
     if args.device == "cuda" and gpus <= 0:
@@ -73,6 +67,18 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
     env = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
     http_port = int((raw.get("http_options") or {}).get("port", 8000))
     return StackConfig(dict(app["args"]), env, app.get("name", "flashpd"), http_port, replicas, gpus)
+
+
+def _fixed_replicas(path: str, args: AppArgs) -> tuple[dict[str, int], float]:
+    """role -> replica count, and the GPUs they ask for together; every role needs a fixed count."""
+    replicas, gpus = {}, 0.0
+    for role in ("router", "prefill", "decode"):
+        r = getattr(args, role)
+        if r.autoscaling is not None or r.replicas is None:
+            raise ValueError(f"{path}: {role} needs a fixed `replicas` count here")
+        replicas[role] = r.replicas
+        gpus += r.replicas * r.num_gpus
+    return replicas, gpus
 
 
 class GpuStack:
@@ -169,9 +175,7 @@ def gpu_stack(
     import ray
     from ray import serve
 
-    from flashpd.services.app import build_app
     from flashpd.services.redis_local import LocalRedis
-    from flashpd.services.router import http_guard
 
     gpus = num_gpus if num_gpus is not None else _visible_gpus()
     config = check_config(config_path, gpus)
@@ -179,38 +183,65 @@ def gpu_stack(
     t0 = time.monotonic()
     redis_server = LocalRedis().start()
     try:
-        for key, value in config.env.items():
-            os.environ.setdefault(key, value)
-        os.environ[config.args["redis_url_env"]] = redis_server.url
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)
-        ray.init(
-            address="local",
-            _node_ip_address=LOOPBACK,
-            num_gpus=gpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        serve.start(http_options={"host": LOOPBACK, "port": port})
+        _export_env(config, redis_server.url)
+        _start_ray_serve(gpus, port)
         log(
             f"gpu_stack: redis {redis_server.url}, ray with {gpus} GPU(s), deploying "
             f"{config_path} ({config.replicas}, {config.gpus:g} GPU)"
         )
-        serve.run(build_app(config.args), name=config.app_name, route_prefix="/")
-        stack = GpuStack(config, redis_server.url, port)
-        waited = stack.wait_ready(ready_timeout_s)
-        log(
-            f"gpu_stack: ready in {time.monotonic() - t0:.1f} s (load + warm-up; health after "
-            f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}"
-        )
-        yield stack
+        yield _deploy(config, redis_server.url, port, ready_timeout_s, log=log, started_s=t0)
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         with contextlib.suppress(Exception):
             ray.shutdown()
         redis_server.stop()
+
+
+def _deploy(
+    config: StackConfig, redis_url: str, port: int, ready_timeout_s: float, *, log, started_s: float
+) -> GpuStack:
+    """Run the application and wait until it serves (`started_s`: when the launch began)."""
+    from ray import serve
+
+    from flashpd.services.app import build_app
+
+    serve.run(build_app(config.args), name=config.app_name, route_prefix="/")
+    stack = GpuStack(config, redis_url, port)
+    waited = stack.wait_ready(ready_timeout_s)
+    log(
+        f"gpu_stack: ready in {time.monotonic() - started_s:.1f} s (load + warm-up; health after "
+        f"{waited:.1f} s of waiting): HTTP {stack.http_url}/v1, gRPC {stack.grpc_target}"
+    )
+    return stack
+
+
+def _export_env(config: StackConfig, redis_url: str) -> None:
+    """The environment the replicas inherit: the config's variables (the caller's win), the
+    Redis URL, and the HTTP guard's callback."""
+    from flashpd.services.router import http_guard
+
+    for key, value in config.env.items():
+        os.environ.setdefault(key, value)
+    os.environ[config.args["redis_url_env"]] = redis_url
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(http_guard.CALLBACK_ENV, http_guard.CALLBACK_PATH)
+
+
+def _start_ray_serve(gpus: int, http_port: int) -> None:
+    """A local Ray on loopback with `gpus` GPUs, and Serve's HTTP proxy on `http_port`."""
+    import ray
+    from ray import serve
+
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        num_gpus=gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    serve.start(http_options={"host": LOOPBACK, "port": http_port})
 
 
 def _visible_gpus() -> int:

@@ -58,21 +58,7 @@ class LocalRedis:
             chosen = port or free_port()
             log_file = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall redis
             proc = subprocess.Popen(
-                [
-                    self._executable,
-                    "--port",
-                    str(chosen),
-                    "--bind",
-                    LOOPBACK,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--protected-mode",
-                    "yes",
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
+                _server_command(self._executable, chosen), stdout=log_file, stderr=subprocess.STDOUT
             )
             if self._wait_ready(proc, chosen):
                 self._proc, self._log_file, self.port = proc, log_file, chosen
@@ -154,3 +140,9 @@ def _stop_process(proc: subprocess.Popen, log_file) -> str:
     output = log_file.read()
     log_file.close()
     return output[-2000:]
+
+
+def _server_command(executable: str, port: int) -> list[str]:
+    """redis-server on loopback only, with nothing persisted (the index is rebuilt by the workers)."""
+    persistence = ["--save", "", "--appendonly", "no"]
+    return [executable, "--port", str(port), "--bind", LOOPBACK, *persistence, "--protected-mode", "yes"]

@@ -138,23 +138,9 @@ def demand(signals: Signals, config: PolicyConfig, limits: Limits) -> tuple[Repl
     notes: list[str] = []
     queued = sum(w.queued_prefill_tokens for w in signals.prefill)
     p = math.ceil(queued / config.prefill_tokens_per_replica)
-    seqs = sum(w.running + w.waiting for w in signals.decode)
-    d = math.ceil(seqs / config.decode_seqs_per_replica)
-    used = sum(w.kv_blocks_used for w in signals.decode)
-    per_replica = _mean([w.kv_blocks_total for w in signals.decode])
-    if per_replica > 0:
-        d = max(d, math.ceil(used / (config.decode_kv_usage * per_replica)))
+    d = _decode_for_load(signals.decode, config)
     r = math.ceil(signals.router_requests / config.router_requests_per_replica)
-    if _over(signals.ttft_p90_s, config.ttft_target_s):
-        if queued > 0:
-            p = max(p, signals.target.prefill + 1)
-            notes.append("ttft over target with prefill queued: +1 prefill")
-        if any(w.waiting > 0 for w in signals.decode):
-            d = max(d, signals.target.decode + 1)
-            notes.append("ttft over target with decode waiting: +1 decode")
-    if _over(signals.itl_p90_s, config.itl_target_s):
-        d = max(d, signals.target.decode + 1)
-        notes.append("itl over target: +1 decode")
+    p, d = _latency_boost(signals, config, p, d, prefill_queued=queued > 0, notes=notes)
     d = limits.clamp("decode", d)
     p = limits.clamp("prefill", p)
     lo, hi = _ratio_window(d, config)
@@ -163,6 +149,34 @@ def demand(signals: Signals, config: PolicyConfig, limits: Limits) -> tuple[Repl
         notes.append("decode raised to keep P:D")
     p = _fit_ratio(p, d, config, limits)
     return Replicas(p, d, limits.clamp("router", r)), notes
+
+
+def _decode_for_load(decode: tuple[WorkerLoad, ...], config: PolicyConfig) -> int:
+    """Decode replicas for the sequences, or for the KV blocks they hold if that asks more."""
+    seqs = sum(w.running + w.waiting for w in decode)
+    d = math.ceil(seqs / config.decode_seqs_per_replica)
+    used = sum(w.kv_blocks_used for w in decode)
+    per_replica = _mean([w.kv_blocks_total for w in decode])
+    if per_replica > 0:
+        d = max(d, math.ceil(used / (config.decode_kv_usage * per_replica)))
+    return d
+
+
+def _latency_boost(
+    signals: Signals, config: PolicyConfig, p: int, d: int, *, prefill_queued: bool, notes: list[str]
+) -> tuple[int, int]:
+    """One more replica past the current target of the role a latency over target points at."""
+    if _over(signals.ttft_p90_s, config.ttft_target_s):
+        if prefill_queued:
+            p = max(p, signals.target.prefill + 1)
+            notes.append("ttft over target with prefill queued: +1 prefill")
+        if any(w.waiting > 0 for w in signals.decode):
+            d = max(d, signals.target.decode + 1)
+            notes.append("ttft over target with decode waiting: +1 decode")
+    if _over(signals.itl_p90_s, config.itl_target_s):
+        d = max(d, signals.target.decode + 1)
+        notes.append("itl over target: +1 decode")
+    return p, d
 
 
 def decide(

@@ -26,6 +26,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpd.services.autoscaling.policy import (
+    Decision,
     Limits,
     PolicyConfig,
     Replicas,
@@ -103,11 +104,7 @@ class JointPolicy:
         }
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
-        by_role = {}
-        for dep_id, ctx in contexts.items():
-            for role, name in self._names.items():
-                if ctx.deployment_name == name:
-                    by_role[role] = (dep_id, ctx)
+        by_role = self._by_role(contexts)
         missing = set(self._names) - set(by_role)
         if missing:  # not this application's shape: leave every target where it is
             log.error(
@@ -115,31 +112,31 @@ class JointPolicy:
                 sorted(missing),
                 sorted(c.deployment_name for c in contexts.values()),
             )
-            return {d: c.target_num_replicas for d, c in contexts.items()}, {}
-        limits = Limits(
-            min=Replicas(**{r: by_role[r][1].capacity_adjusted_min_replicas for r in by_role}),
-            max=Replicas(**{r: by_role[r][1].capacity_adjusted_max_replicas for r in by_role}),
-        )
+            return _hold(contexts), {}
+        limits = _limits({r: c for r, (_, c) in by_role.items()})
         try:
             check_limits(limits, self.config)
         except ValueError as exc:  # e.g. bounds lowered by target_capacity: hold, say why
             log.error("JointPolicy: holding every target: %s", exc)
-            return {d: c.target_num_replicas for d, c in contexts.items()}, {}
+            return _hold(contexts), {}
         signals = signals_from_contexts({r: c for r, (_, c) in by_role.items()})
         decode_id, decode_ctx = by_role["decode"]
         state = decode_ctx.policy_state.get(STATE_KEY)
         decision, state = decide(signals, self.config, limits, state, now=decode_ctx.current_time)
         decision = self._drain_first(decision, decode_ctx, state)
         if decision.replicas != signals.target or decision.notes:
-            log.info(
-                "JointPolicy: %s -> %s (demand %s) %s",
-                signals.target,
-                decision.replicas,
-                decision.demand,
-                "; ".join(decision.notes),
-            )
+            _log_decision(signals, decision)
         targets = {by_role[r][0]: decision.replicas.of(r) for r in by_role}
         return targets, {decode_id: {STATE_KEY: state}}
+
+    def _by_role(self, contexts: dict) -> dict:
+        """role -> (deployment id, its context), for this application's deployments."""
+        by_role = {}
+        for dep_id, ctx in contexts.items():
+            for role, name in self._names.items():
+                if ctx.deployment_name == name:
+                    by_role[role] = (dep_id, ctx)
+        return by_role
 
     def _drain_first(self, decision, decode_ctx, state: dict):
         """Hold a decode scale-down until the replica Serve will stop has drained
@@ -185,38 +182,60 @@ def decode_loads(ctx) -> dict[str, WorkerLoad]:
 def signals_from_contexts(ctx: dict) -> Signals:
     """`Signals` from the per-role AutoscalingContext (custom metrics per running replica)."""
     metrics = {role: c.aggregated_metrics or {} for role, c in ctx.items()}
-
-    def loads(role: str) -> tuple[WorkerLoad, ...]:
-        per_replica = metrics[role]
-        reported = [
-            rid for rid in ctx[role].running_replicas if all(rid in per_replica.get(m, {}) for m in WORKER_METRICS)
-        ]
-        return tuple(
-            WorkerLoad(
-                queued_prefill_tokens=per_replica["queued_prefill_tokens"][rid],
-                kv_blocks_used=per_replica["kv_blocks_used"][rid],
-                kv_blocks_total=per_replica["kv_blocks_total"][rid],
-                running=per_replica["running"][rid],
-                waiting=per_replica["waiting"][rid],
-                draining=per_replica["draining"][rid] > 0,
-            )
-            for rid in reported
-        )
-
     router = metrics["router"]
     router_ids = [rid for rid in ctx["router"].running_replicas if rid in router.get("requests_running", {})]
-
-    def worst(name: str) -> float | None:
-        values = [router[name][rid] for rid in router_ids if rid in router.get(name, {})]
-        return max(values) if values and max(values) > 0 else None
-
     return Signals(
         target=Replicas(**{r: c.target_num_replicas for r, c in ctx.items()}),
         running=Replicas(**{r: len(c.running_replicas) for r, c in ctx.items()}),
-        prefill=loads("prefill"),
-        decode=loads("decode"),
+        prefill=_worker_loads(ctx["prefill"].running_replicas, metrics["prefill"]),
+        decode=_worker_loads(ctx["decode"].running_replicas, metrics["decode"]),
         router_requests=sum(router["requests_running"][rid] for rid in router_ids),
         router_reports=len(router_ids),
-        ttft_p90_s=worst("ttft_p90_s"),
-        itl_p90_s=worst("itl_p90_s"),
+        ttft_p90_s=_worst(router, router_ids, "ttft_p90_s"),
+        itl_p90_s=_worst(router, router_ids, "itl_p90_s"),
     )
+
+
+def _worker_loads(running_replicas, per_replica: dict) -> tuple[WorkerLoad, ...]:
+    """The loads of the running replicas that reported every worker metric."""
+    reported = [rid for rid in running_replicas if all(rid in per_replica.get(m, {}) for m in WORKER_METRICS)]
+    return tuple(
+        WorkerLoad(
+            queued_prefill_tokens=per_replica["queued_prefill_tokens"][rid],
+            kv_blocks_used=per_replica["kv_blocks_used"][rid],
+            kv_blocks_total=per_replica["kv_blocks_total"][rid],
+            running=per_replica["running"][rid],
+            waiting=per_replica["waiting"][rid],
+            draining=per_replica["draining"][rid] > 0,
+        )
+        for rid in reported
+    )
+
+
+def _worst(router: dict, router_ids: list, name: str) -> float | None:
+    """The highest of the routers' reports of `name`; None when none reported a positive one."""
+    values = [router[name][rid] for rid in router_ids if rid in router.get(name, {})]
+    return max(values) if values and max(values) > 0 else None
+
+
+def _limits(ctx: dict) -> Limits:
+    """The replica bounds per role, as Serve adjusts them for `target_capacity`."""
+    return Limits(
+        min=Replicas(**{r: c.capacity_adjusted_min_replicas for r, c in ctx.items()}),
+        max=Replicas(**{r: c.capacity_adjusted_max_replicas for r, c in ctx.items()}),
+    )
+
+
+def _log_decision(signals: Signals, decision: Decision) -> None:
+    log.info(
+        "JointPolicy: %s -> %s (demand %s) %s",
+        signals.target,
+        decision.replicas,
+        decision.demand,
+        "; ".join(decision.notes),
+    )
+
+
+def _hold(contexts: dict) -> dict:
+    """Every deployment's target left where it is."""
+    return {d: c.target_num_replicas for d, c in contexts.items()}

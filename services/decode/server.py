@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from flashpd.engine.async_engine import RequestFailed
-from flashpd.engine.llm_engine import LLMEngine
+from flashpd.engine.llm_engine import EngineOutput, LLMEngine
 from flashpd.engine.request import PrefixPolicy, RequestStatus
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
 from flashpd.engine.scheduler import PausedKV, Reservation
@@ -133,39 +133,9 @@ class DecodeWorker(EngineWorker):
         now = time.time()
         attempt = _Attempt(req.request_id, token, f"{req.request_id}@{n}", now, now + self.config.lease_s)
         self.engine.open_stream(attempt.engine_id)
-        superseded: list[str] = []
-
-        def reserve_on_loop(e: LLMEngine):
-            old = self._attempts.pop(req.request_id, None)
-            if old is not None:  # a retry: fence and give up the old attempt first
-                log.info("%s: %s supersedes %s", self.ref.worker_id, token, old.token)
-                self._give_up(e, old)
-                superseded.append(old.engine_id)
-            try:
-                r = e.reserve(
-                    attempt.engine_id,
-                    req.prompt_ids,
-                    params,
-                    req.session_id,
-                    PrefixPolicy(kv_tokens=req.kv_prompt_tokens),
-                )
-            except SamplingError as exc:  # a grammar the replayed tokens break
-                raise InvalidArgument(exc.message, field=exc.field) from None
-            except ValueError as exc:
-                raise InvalidArgument(str(exc), field="prompt") from None
-            if r is None:
-                return None
-            self._attempts[req.request_id] = attempt
-            if r.missing_block_ids:
-                self.receiver.expect(
-                    req.request_id, list(r.missing_block_ids), attempt.lease_unix_s, token, attempt.issued_unix_s
-                )
-            else:
-                e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
-            return r
-
+        superseded: list[str] = []  # engine ids of older attempts this one replaced
         try:
-            reservation = await self.engine.call(reserve_on_loop)
+            reservation = await self.engine.call(lambda e: self._reserve_on_loop(e, req, params, attempt, superseded))
         except BaseException:
             await asyncio.shield(self.engine.call(lambda e: self._abandon_unissued(e, attempt)))
             self.engine.close_stream(attempt.engine_id, abort=False)
@@ -178,6 +148,28 @@ class DecodeWorker(EngineWorker):
             return None
         attempt.reservation = reservation
         return attempt
+
+    def _reserve_on_loop(
+        self, e: LLMEngine, req: InternalRequest, params: SamplingParams, attempt: _Attempt, superseded: list[str]
+    ) -> Reservation | None:
+        """On the loop thread: give up an older attempt of the request (a retry), reserve, and
+        expect the missing blocks' KV (none missing: replay at once). None when the pool is short."""
+        old = self._attempts.pop(req.request_id, None)
+        if old is not None:  # a retry: fence and give up the old attempt first
+            log.info("%s: %s supersedes %s", self.ref.worker_id, attempt.token, old.token)
+            self._give_up(e, old)
+            superseded.append(old.engine_id)
+        r = _engine_reserve(e, attempt.engine_id, req, params)
+        if r is None:
+            return None
+        self._attempts[req.request_id] = attempt
+        if r.missing_block_ids:
+            self.receiver.expect(
+                req.request_id, list(r.missing_block_ids), attempt.lease_unix_s, attempt.token, attempt.issued_unix_s
+            )
+        else:
+            e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
+        return r
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile a guided request's grammar in a thread before it reaches the engine loop
@@ -235,21 +227,8 @@ class DecodeWorker(EngineWorker):
                     arrived = self._arrived_at.pop(attempt.engine_id, t0)
                     await self.engine.call(lambda e: self._forget(attempt))
                     replay_ms = 1e3 * ((first_s or time.monotonic()) - max(arrived, t0))
-                    yield FinalEvent(
-                        finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                        usage=Usage(
-                            prompt_tokens=out.prompt_tokens,
-                            completion_tokens=out.output_tokens,
-                            cached_tokens_decode=out.cached_tokens,
-                            draft_tokens=out.draft_tokens,
-                            accepted_draft_tokens=out.accepted_draft_tokens,
-                            draft_steps=out.draft_steps,
-                            forced_acceptance_length=out.forced_acceptance_length or 0.0,
-                        ),
-                        timeline=Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0)),
-                        decode_worker=self.ref.worker_id,
-                        request_id=rid,
-                    )
+                    timeline = Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0))
+                    yield _final_event(out, timeline, self.ref.worker_id, rid)
         except RequestFailed as exc:
             raise Internal(f"decode of {rid} failed: {exc.reason}") from None
         except asyncio.CancelledError:
@@ -371,6 +350,16 @@ class DecodeWorker(EngineWorker):
 
     # ------------------------------------------------------------------ loop thread
     def _poll_transfers(self, e: LLMEngine) -> None:
+        self._admit_arrived(e)
+        self._expire_leases(e)
+        for token in self.receiver.take_quiet(time.time()):  # drained: no write can reach them any more
+            engine_id = self._draining.pop(token, None)
+            if engine_id is not None:
+                e.abort(engine_id)
+        self._signal_room(e)
+
+    def _admit_arrived(self, e: LLMEngine) -> None:
+        """Requests whose KV has all arrived start replaying."""
         for rid in self.receiver.poll_completed():
             attempt = self._attempts.get(rid)
             if attempt is None or e.scheduler.status(attempt.engine_id) is not RequestStatus.WAITING_FOR_KV:
@@ -379,6 +368,9 @@ class DecodeWorker(EngineWorker):
             e.kv_arrived(attempt.engine_id)
             if self.draining:  # admitted while draining: offered for migration at once
                 self._pause(e, attempt)
+
+    def _expire_leases(self, e: LLMEngine) -> None:
+        """Give up requests whose KV did not arrive within the lease (+ a transfer's grace)."""
         grace_s = self.config.transfer_timeout_s + DRAIN_MARGIN_S
         for rid in self.receiver.expire(time.time(), grace_s):
             attempt = self._attempts.pop(rid, None)
@@ -394,11 +386,6 @@ class DecodeWorker(EngineWorker):
             else:
                 e.abort(attempt.engine_id)
             self.engine.close_stream(attempt.engine_id, abort=True)
-        for token in self.receiver.take_quiet(time.time()):
-            engine_id = self._draining.pop(token, None)
-            if engine_id is not None:
-                e.abort(engine_id)
-        self._signal_room(e)
 
     def _signal_room(self, e: LLMEngine) -> None:
         usage = e.kv.usage()
@@ -465,3 +452,34 @@ class DecodeWorker(EngineWorker):
         self.receiver.close()
         if self._sender is not None:
             self._sender.close()
+
+
+def _engine_reserve(e: LLMEngine, engine_id: str, req: InternalRequest, params: SamplingParams) -> Reservation | None:
+    """The engine's reservation for the request's prompt; bad input is INVALID_ARGUMENT."""
+    try:
+        return e.reserve(
+            engine_id, req.prompt_ids, params, req.session_id, PrefixPolicy(kv_tokens=req.kv_prompt_tokens)
+        )
+    except SamplingError as exc:  # a grammar the replayed tokens break
+        raise InvalidArgument(exc.message, field=exc.field) from None
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), field="prompt") from None
+
+
+def _final_event(out: EngineOutput, timeline: Timeline, worker_id: str, request_id: str) -> FinalEvent:
+    """The decode leg's final event from the engine's finished output."""
+    return FinalEvent(
+        finish_reason=out.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.output_tokens,
+            cached_tokens_decode=out.cached_tokens,
+            draft_tokens=out.draft_tokens,
+            accepted_draft_tokens=out.accepted_draft_tokens,
+            draft_steps=out.draft_steps,
+            forced_acceptance_length=out.forced_acceptance_length or 0.0,
+        ),
+        timeline=timeline,
+        decode_worker=worker_id,
+        request_id=request_id,
+    )

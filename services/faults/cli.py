@@ -73,7 +73,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from flashpd.services.cli import tiny_checkpoint
-    from flashpd.services.redis_local import LocalRedis
 
     counts = QUICK if args.quick else FULL
     chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE]
@@ -87,6 +86,19 @@ def run(args) -> int:
         if args.out:
             write_markdown(args.out, results, command=command, elapsed_s=time.monotonic() - started)
 
+    run_chosen(checkpoint, chosen, counts, record)
+    elapsed_s = time.monotonic() - started
+    _print_results(results)
+    if args.out:
+        write_markdown(args.out, results, command=command, elapsed_s=elapsed_s)
+        print(f"results written to {args.out}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+def run_chosen(checkpoint: str, chosen: list[str], counts: dict, record) -> None:
+    """The chosen scenarios, each stack deployed in turn on one Redis and one Ray."""
+    from flashpd.services.redis_local import LocalRedis
+
     with LocalRedis() as redis_server:
         http_port = start_ray()
         try:
@@ -96,15 +108,13 @@ def run(args) -> int:
                     run_on_stack(checkpoint, redis_server, http_port, config, names, counts, record)
         finally:
             stop_ray()
-    elapsed_s = time.monotonic() - started
+
+
+def _print_results(results: list[scenarios.ScenarioResult]) -> None:
     for r in results:
         print(f"{'PASS' if r.passed else 'FAIL'} {r.name}: {json.dumps(r.counts, default=str)}")
         for f in r.failures:
             print(f"     - {f}")
-    if args.out:
-        write_markdown(args.out, results, command=command, elapsed_s=elapsed_s)
-        print(f"results written to {args.out}")
-    return 0 if all(r.passed for r in results) else 1
 
 
 def run_on_stack(
@@ -158,8 +168,22 @@ NOTES = (
 
 
 def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, command: str, elapsed_s: float) -> None:
+    lines = _summary_head(command, elapsed_s)
+    for r in results:
+        misses = "; ".join(r.failures) or "-"
+        lines.append(f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {misses} |")
+    lines += ["", *NOTES, ""]
+    for r in results:
+        lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str), "```", ""]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def _summary_head(command: str, elapsed_s: float) -> list[str]:
+    """The results page's title, how it was run, and the summary table's header."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
+    return [
         "# Fault suite (issue 15)",
         "",
         f"Run {now}, {elapsed_s / 60:.1f} min, tiny preset on CPU, loopback only:",
@@ -177,12 +201,3 @@ def write_markdown(path: str, results: list[scenarios.ScenarioResult], *, comman
         "| scenario | result | misses |",
         "|---|---|---|",
     ]
-    for r in results:
-        misses = "; ".join(r.failures) or "-"
-        lines.append(f"| {r.name} | {'PASS' if r.passed else 'FAIL'} | {misses} |")
-    lines += ["", *NOTES, ""]
-    for r in results:
-        lines += [f"## {r.name}", "", "```json", json.dumps(r.counts, indent=1, default=str), "```", ""]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write("\n".join(lines))

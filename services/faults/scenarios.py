@@ -88,7 +88,7 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
     import grpc
     import httpx
 
-    from flashpd.services.router.fuzz_cases import grpc_verdict, hostile_requests, http_verdict
+    from flashpd.services.router.fuzz_cases import hostile_requests
     from flashpd_sdk import AsyncClient
 
     res = ScenarioResult("fuzz")
@@ -103,14 +103,7 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
         grpc.aio.insecure_channel(stack.grpc_target) as channel,
     ):
         for case in cases:
-            if case.protocol == "http":
-                r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
-                outcomes[f"http {r.status_code // 100}xx"] += 1
-                problem = http_verdict(case, r.status_code, r.content)
-            else:
-                code, details, fld = await raw_grpc(channel, case.grpc_method, case.grpc_payload)
-                outcomes[f"grpc {code}"] += 1
-                problem = grpc_verdict(case, code, details, fld)
+            problem = await _send_hostile(http, channel, case, outcomes)
             if problem is not None:
                 problems.append(problem)
     after = _worker_ids(stack)
@@ -126,6 +119,19 @@ async def fuzz(stack: FaultStack, *, seed: int = 0, limit: int | None = None) ->
     alive = await _serving(stack)
     res.check(alive, "not serving after the fuzz run")
     return res
+
+
+async def _send_hostile(http, channel, case, outcomes: Counter) -> str | None:
+    """Send one hostile request over its protocol, count its outcome; the problem, if any."""
+    from flashpd.services.router.fuzz_cases import grpc_verdict, http_verdict
+
+    if case.protocol == "http":
+        r = await http.request(case.method, case.path, headers=list(case.headers), content=case.body)
+        outcomes[f"http {r.status_code // 100}xx"] += 1
+        return http_verdict(case, r.status_code, r.content)
+    code, details, fld = await raw_grpc(channel, case.grpc_method, case.grpc_payload)
+    outcomes[f"grpc {code}"] += 1
+    return grpc_verdict(case, code, details, fld)
 
 
 async def raw_grpc(channel, method: str, payload: bytes) -> tuple[str, str, str | None]:
@@ -167,21 +173,11 @@ async def cancel_storm(
     res = ScenarioResult("cancel_storm")
     rng = random.Random(seed)
     vocab = await vocab_size(stack)
-    outcomes: Counter = Counter()
     probe = {"ok": 0, "failed": 0}
     stop = asyncio.Event()
-    sem = asyncio.Semaphore(concurrency)
     async with AsyncClient(stack.grpc_target) as client:
         prober = asyncio.create_task(_probe(client, probe, stop))
-
-        async def one(i: int) -> None:
-            ids = prompt_ids(random.Random(seed * 1000 + i), rng.randrange(100, 600), vocab)
-            after_tokens = rng.randrange(0, 24)
-            mode = ("sdk", "http", "grpc")[i % 3]
-            async with sem:
-                outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
-
-        await asyncio.gather(*(one(i) for i in range(n)))
+        outcomes = await _storm(stack, client, n=n, concurrency=concurrency, seed=seed, vocab=vocab, rng=rng)
         stop.set()
         await prober
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
@@ -206,6 +202,25 @@ async def cancel_storm(
     bad = {k: v for k, v in outcomes.items() if k.startswith("error")}
     res.check(not bad, f"storm requests failed other than by cancel: {bad}")
     return res
+
+
+async def _storm(
+    stack: FaultStack, client, *, n: int, concurrency: int, seed: int, vocab: int, rng: random.Random
+) -> Counter:
+    """`n` streams, `concurrency` at a time, each cancelled after 0-23 tokens by the SDK, an
+    HTTP disconnect or a raw gRPC cancel in turn: how each ended."""
+    outcomes: Counter = Counter()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        ids = prompt_ids(random.Random(seed * 1000 + i), rng.randrange(100, 600), vocab)
+        after_tokens = rng.randrange(0, 24)
+        mode = ("sdk", "http", "grpc")[i % 3]
+        async with sem:
+            outcomes[await _cancelled_stream(stack, client, mode, ids, after_tokens)] += 1
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return outcomes
 
 
 async def _probe(client, probe: dict, stop: asyncio.Event) -> None:
@@ -387,50 +402,111 @@ async def decode_kill(
         if not (warm["ok"] and all(r["ok"] for r in reference)):
             res.check(False, "reference runs failed on the healthy stack")
             return res
+        refs = [r["result"] for r in reference]
         bound = warm["result"].decode_worker
-        progress = [0] * (streams + 2)
-        outs = await asyncio.gather(
-            *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts[:streams])),
-            _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
-            _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress, streams + 1),
-            _kill_when(stack, bound, progress, kill_after_tokens),
-        )
-        sdk_outs, http_out, grpc_out, snapshot = (outs[:streams], outs[streams], outs[streams + 1], outs[-1])
-        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
-    refs = [r["result"] for r in reference]
-    identical = [f["ok"] and f["result"].output_ids == r.output_ids for f, r in zip(sdk_outs, refs, strict=False)]
-    moved = [f["ok"] and f["result"].decode_worker != bound for f in sdk_outs]
-    http_identical = http_out["ok"] and http_out["text"] == refs[streams].text
-    grpc_identical = grpc_out["ok"] and tuple(grpc_out["ids"]) == refs[streams + 1].output_ids
-    res.counts = {
-        "streams": streams,
-        "killed": bound if snapshot else None,
-        "tokens_before_kill": snapshot,
+        run = await _streams_through_kill(stack, client, prompts, refs, max_tokens, session, bound, kill_after_tokens)
+        run.after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
+    res.counts = _kill_counts(run)
+    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
+    _check_kill(res, run, max_tokens)
+    return res
+
+
+@dataclass
+class _KillRun:
+    """What decode_kill saw: the session's streams through the kill of its decode worker."""
+
+    bound: str  # the session's decode worker (the one killed)
+    refs: list  # the unbroken runs' results: the SDK streams', then the HTTP one's, then gRPC's
+    sdk_outs: list[dict]
+    http_out: dict
+    grpc_out: dict
+    snapshot: list[int] | None  # each stream's tokens at the kill (None: nothing was killed)
+    after: dict | None = None  # the session's next turn
+
+    @property
+    def identical(self) -> list[bool]:
+        return [
+            f["ok"] and f["result"].output_ids == r.output_ids for f, r in zip(self.sdk_outs, self.refs, strict=False)
+        ]
+
+    @property
+    def moved(self) -> list[bool]:
+        return [f["ok"] and f["result"].decode_worker != self.bound for f in self.sdk_outs]
+
+    @property
+    def http_identical(self) -> bool:
+        return self.http_out["ok"] and self.http_out["text"] == self.refs[len(self.sdk_outs)].text
+
+    @property
+    def grpc_identical(self) -> bool:
+        return self.grpc_out["ok"] and tuple(self.grpc_out["ids"]) == self.refs[len(self.sdk_outs) + 1].output_ids
+
+
+async def _streams_through_kill(
+    stack: FaultStack,
+    client,
+    prompts: list,
+    refs: list,
+    max_tokens: int,
+    session: str,
+    bound: str,
+    kill_after_tokens: int,
+) -> _KillRun:
+    """The SDK streams, then one HTTP SSE and one raw gRPC stream, with `bound` killed once
+    each got `kill_after_tokens` tokens."""
+    streams = len(prompts) - 2
+    progress = [0] * len(prompts)
+    outs = await asyncio.gather(
+        *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts[:streams])),
+        _tracked_http(stack, prompts[streams], max_tokens, session, progress, streams),
+        _tracked_grpc(stack, prompts[streams + 1], max_tokens, session, progress, streams + 1),
+        _kill_when(stack, bound, progress, kill_after_tokens),
+    )
+    return _KillRun(bound, refs, list(outs[:streams]), outs[streams], outs[streams + 1], outs[-1])
+
+
+def _kill_counts(run: _KillRun) -> dict:
+    sdk_outs, bound = run.sdk_outs, run.bound
+    return {
+        "streams": len(sdk_outs),
+        "killed": bound if run.snapshot else None,
+        "tokens_before_kill": run.snapshot,
         "completed": sum(f["ok"] for f in sdk_outs),
-        "identical": sum(identical),
+        "identical": sum(run.identical),
         "matching_tokens": [
             _common_prefix(f["result"].output_ids, r.output_ids) if f["ok"] else 0
-            for f, r in zip(sdk_outs, refs, strict=False)
+            for f, r in zip(sdk_outs, run.refs, strict=False)
         ],
-        "resumed_elsewhere": sum(moved),
+        "resumed_elsewhere": sum(run.moved),
         "failed": [f.get("code") for f in sdk_outs if not f["ok"]],
-        "http_sse_completed": http_out["ok"],
-        "http_sse_identical_text": http_identical,
-        "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, bound),
-        "grpc_completed": grpc_out["ok"],
-        "grpc_identical": grpc_identical,
-        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, bound),
-        "next_turn_ok": after["ok"],
-        "next_turn_rebound": after["ok"] and after["result"].decode_worker != bound,
+        **_kill_edge_counts(run),
+        "next_turn_ok": run.after["ok"],
+        "next_turn_rebound": run.after["ok"] and run.after["result"].decode_worker != bound,
     }
-    res.counts["router_retries"] = await router_counter(stack, "flashpd:request_retries_total")
+
+
+def _kill_edge_counts(run: _KillRun) -> dict:
+    """The OpenAI SSE stream's and the raw gRPC stream's outcomes."""
+    http_out, grpc_out = run.http_out, run.grpc_out
+    return {
+        "http_sse_completed": http_out["ok"],
+        "http_sse_identical_text": run.http_identical,
+        "http_sse_resumed_elsewhere": http_out.get("decode_worker") not in (None, run.bound),
+        "grpc_completed": grpc_out["ok"],
+        "grpc_identical": run.grpc_identical,
+        "grpc_resumed_elsewhere": grpc_out.get("decode_worker") not in (None, run.bound),
+    }
+
+
+def _check_kill(res: ScenarioResult, run: _KillRun, max_tokens: int) -> None:
+    streams, identical, snapshot = len(run.sdk_outs), run.identical, run.snapshot
     res.check(snapshot is not None and max(snapshot) < max_tokens, "the decode worker was not killed mid-stream")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ or failed")
-    res.check(all(moved), "not every stream was resumed on another decode worker")
-    res.check(http_identical, f"the HTTP SSE stream differs or failed: {http_out.get('error')}")
-    res.check(grpc_identical, f"the raw gRPC stream differs or failed: {grpc_out.get('error')}")
+    res.check(all(run.moved), "not every stream was resumed on another decode worker")
+    res.check(run.http_identical, f"the HTTP SSE stream differs or failed: {run.http_out.get('error')}")
+    res.check(run.grpc_identical, f"the raw gRPC stream differs or failed: {run.grpc_out.get('error')}")
     res.check(res.counts["next_turn_rebound"], "the session's next turn did not rebind")
-    return res
 
 
 async def _tracked_http(stack: FaultStack, ids, max_tokens, session, progress, i) -> dict:
@@ -548,56 +624,111 @@ async def decode_drain(
         if not all(r["ok"] for r in reference):
             res.check(False, "reference runs failed on the healthy stack")
             return res
-        before = await drain_counters(stack)
-        progress = [0] * streams
-        drained: dict = {}
-        outs = await asyncio.gather(
-            *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
-            _drain_when(stack, progress, drain_after_tokens, drained),
-        )
-        outs = outs[:streams]
-        victim = drained.get("worker")
-        after = await drain_counters(stack)
-        late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2) for _ in range(4)] if victim else []
-    idle_s = await asyncio.to_thread(victim_idle, stack, victim, 30.0) if victim else None
-    refs = [r["result"].output_ids for r in reference]
-    identical = [o["ok"] and o["result"].output_ids == r for o, r in zip(outs, refs, strict=True)]
+        refs = [r["result"].output_ids for r in reference]
+        run = await _streams_through_drain(stack, client, prompts, refs, max_tokens, drain_after_tokens)
+        if run.victim:
+            run.late = [await generate(client, prompt_ids(rng, 32, vocab), max_tokens=2) for _ in range(4)]
+    if run.victim:
+        run.idle_s = await asyncio.to_thread(victim_idle, stack, run.victim, 30.0)
+    res.counts = {**_drain_stream_counts(run), **_drain_router_counts(run.delta), **_drain_after_counts(run)}
+    _check_drained_streams(res, run)
+    _check_drain_bookkeeping(res, run)
+    return res
+
+
+@dataclass
+class _DrainRun:
+    """What decode_drain saw: each stream's outcome against its undisturbed reference."""
+
+    max_tokens: int
+    refs: list[tuple[int, ...]]  # the reference runs' output ids, per stream
+    outs: list[dict]  # the streams through the drain (`_tracked`)
+    drained: dict  # `_drain_when`'s record (worker, running, progress, snapshot); {} when none
+    delta: dict[str, float]  # `drain_counters` after the streams minus before
+    late: list[dict] = field(default_factory=list)  # requests sent after the drain mark
+    idle_s: float | None = None  # when the drained replica held nothing any more
+
+    @property
+    def victim(self) -> str | None:
+        return self.drained.get("worker")
+
+    @property
+    def identical(self) -> list[bool]:
+        return [o["ok"] and o["result"].output_ids == r for o, r in zip(self.outs, self.refs, strict=True)]
+
+
+async def _streams_through_drain(
+    stack: FaultStack, client, prompts: list[list[int]], refs: list, max_tokens: int, drain_after_tokens: int
+) -> _DrainRun:
+    """The streams again; the busiest decode replica is drained once each got its tokens."""
+    before = await drain_counters(stack)
+    progress = [0] * len(prompts)
+    drained: dict = {}
+    outs = await asyncio.gather(
+        *(_tracked(client, p, max_tokens, None, progress, i) for i, p in enumerate(prompts)),
+        _drain_when(stack, progress, drain_after_tokens, drained),
+    )
+    after = await drain_counters(stack)
     delta = {k: after[k] - before[k] for k in after}
-    res.counts = {
-        "streams": streams,
+    return _DrainRun(max_tokens, refs, list(outs[: len(prompts)]), drained, delta)
+
+
+def _drain_stream_counts(run: _DrainRun) -> dict:
+    outs, victim = run.outs, run.victim
+    return {
+        "streams": len(outs),
         "drained": victim,
-        "tokens_at_drain": drained.get("progress"),
-        "paused_on_victim": drained.get("running"),
+        "tokens_at_drain": run.drained.get("progress"),
+        "paused_on_victim": run.drained.get("running"),
         "completed": sum(o["ok"] for o in outs),
         "failed": [o.get("code") for o in outs if not o["ok"]],
-        "identical": sum(identical),
+        "identical": sum(run.identical),
         "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0 for o in outs),
         # streams with tokens still to come at the drain that nonetheless ended on the victim
         "left_on_victim": sum(
-            o["ok"] and o["result"].decode_worker == victim and got < max_tokens
-            for o, got in zip(outs, drained.get("snapshot", []), strict=False)
+            o["ok"] and o["result"].decode_worker == victim and got < run.max_tokens
+            for o, got in zip(outs, run.drained.get("snapshot", []), strict=False)
         ),
+    }
+
+
+def _drain_router_counts(delta: dict[str, float]) -> dict:
+    return {
         "migrated": delta["moved"],
         "stayed": delta["stayed"],
         "prefills": delta["prefills"],
         "retries": delta["retries"],
         "migrated_bytes": delta["bytes"],
-        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == victim for o in late),
-        "victim_idle_after_s": None if idle_s is None else round(idle_s, 2),
-        "differing": [
+    }
+
+
+def _drain_after_counts(run: _DrainRun) -> dict:
+    return {
+        "late_requests_on_victim": sum(o["ok"] and o["result"].decode_worker == run.victim for o in run.late),
+        "victim_idle_after_s": None if run.idle_s is None else round(run.idle_s, 2),
+        "differing": [  # (stream, tokens matching, migrated)
             (
                 i,
                 _common_prefix(o["result"].output_ids, r) if o["ok"] else None,
                 o["ok"] and o["result"].timeline["migrate_ms"] > 0,
             )
-            for i, (o, r, same) in enumerate(zip(outs, refs, identical, strict=True))
+            for i, (o, r, same) in enumerate(zip(run.outs, run.refs, run.identical, strict=True))
             if not same
         ],
-    }  # (stream, tokens matching, migrated)
-    res.check(victim is not None, "no decode replica was drained mid-stream")
-    res.check(all(o["ok"] for o in outs), f"streams failed: {res.counts['failed']}")
+    }
+
+
+def _check_drained_streams(res: ScenarioResult, run: _DrainRun) -> None:
+    streams, identical = len(run.outs), run.identical
+    res.check(run.victim is not None, "no decode replica was drained mid-stream")
+    res.check(all(o["ok"] for o in run.outs), f"streams failed: {res.counts['failed']}")
     res.check(all(identical), f"{streams - sum(identical)} of {streams} streams differ")
     res.check(res.counts["left_on_victim"] == 0, "streams unfinished at the drain finished on the drained replica")
+
+
+def _check_drain_bookkeeping(res: ScenarioResult, run: _DrainRun) -> None:
+    """Migrations as the router counted them, requests after the mark, the replica left idle."""
+    streams, delta = len(run.outs), run.delta
     res.check(
         res.counts["migrated_streams"] == delta["moved"],
         "streams reporting a migration != the router's migration count",
@@ -610,11 +741,10 @@ async def decode_drain(
         f"{delta['prefills']} prefills for {streams} streams, {delta['retries']} retries",
     )
     res.check(
-        all(o["ok"] for o in late) and res.counts["late_requests_on_victim"] == 0,
+        all(o["ok"] for o in run.late) and res.counts["late_requests_on_victim"] == 0,
         "a request sent after the drain mark failed or landed on the drained replica",
     )
-    res.check(idle_s is not None, "the drained replica still holds sequences or blocks")
-    return res
+    res.check(run.idle_s is not None, "the drained replica still holds sequences or blocks")
 
 
 async def _drain_when(stack: FaultStack, progress: list[int], after: int, out: dict) -> None:
@@ -812,28 +942,10 @@ async def load(
 ) -> ScenarioResult:
     """`n` streams at once (1 prefill + 1 decode): all complete (queued, not refused or hung),
     0 blocks held afterwards; TTFT percentiles."""
-    from flashpd_sdk import AsyncClient
-
     res = ScenarioResult(f"load_{n}")
     vocab = await vocab_size(stack)
-    clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
-    try:
-        started = time.monotonic()
-        outs = await asyncio.gather(
-            *(
-                generate(
-                    clients[i % channels],
-                    prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab),
-                    max_tokens=max_tokens,
-                    timeout_s=600,
-                )
-                for i in range(n)
-            )
-        )
-        wall_s = time.monotonic() - started
-    finally:
-        for c in clients:
-            await c.close()
+    prompts = [prompt_ids(random.Random(seed * 10_000 + i), prompt_tokens, vocab) for i in range(n)]
+    outs, wall_s = await _all_at_once(stack, prompts, max_tokens, channels)
     ok = [o for o in outs if o["ok"]]
     codes = Counter(o["code"] for o in outs if not o["ok"])
     idle_s = await asyncio.to_thread(stack.wait_idle, idle_within_s)
@@ -854,6 +966,25 @@ async def load(
     res.check(len(ok) == n, f"{n - len(ok)} of {n} did not complete: {dict(codes)}")
     res.check(idle_s is not None and held == 0, f"{held} blocks held afterwards")
     return res
+
+
+async def _all_at_once(
+    stack: FaultStack, prompts: list[list[int]], max_tokens: int, channels: int
+) -> tuple[list[dict], float]:
+    """Every prompt sent at once, spread over `channels` SDK clients: the outcomes, and the
+    wall time until the last one ended."""
+    from flashpd_sdk import AsyncClient
+
+    clients = [AsyncClient(stack.grpc_target) for _ in range(channels)]
+    try:
+        started = time.monotonic()
+        outs = await asyncio.gather(
+            *(generate(clients[i % channels], p, max_tokens=max_tokens, timeout_s=600) for i, p in enumerate(prompts))
+        )
+        return outs, time.monotonic() - started
+    finally:
+        for c in clients:
+            await c.close()
 
 
 async def router_counter(stack: FaultStack, name: str) -> dict[str, float]:

@@ -86,10 +86,7 @@ class PrefillWorker(EngineWorker):
         self.push_records: deque[dict] = deque(maxlen=PUSH_RECORDS)
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
-        if self.draining:
-            raise Unavailable(f"{self.ref.worker_id} is draining")
-        if req.model != self.config.model_id:
-            raise InvalidArgument(f"unknown model {req.model!r}", field="model")
+        self._check_servable(req)
         t0 = time.monotonic()
         peer = self._connect(ticket.transfer_descriptor)
         rid, token = req.request_id, ticket.incarnation
@@ -98,25 +95,12 @@ class PrefillWorker(EngineWorker):
         self._queued_tokens[run.engine_id] = len(req.kv_prompt_ids)
         push = None
         try:
-            if self._aborted_before(rid, ticket):
-                raise Cancelled(f"prefill of {rid} was aborted before it started")
-            if time.time() >= ticket.lease_deadline_unix_s:
-                raise Unavailable(f"the ticket's lease for {rid} passed before prefill started")
+            self._check_may_start(rid, ticket)
             ready = await self._compute(req, run)
             compute_ms = ms_since(t0)
             t1 = time.monotonic()
-            src = list(ready.kv_block_ids[ticket.first_block_index :])
-            if len(src) != len(ticket.dst_block_ids):
-                raise Internal(
-                    f"prefill holds {len(ready.kv_block_ids)} blocks; the ticket "
-                    f"asks for chunks {ticket.first_block_index}.. into "
-                    f"{len(ticket.dst_block_ids)} blocks"
-                )
-            if run.cancel.is_set():
-                raise Cancelled(f"prefill of {rid} aborted")
-            if time.time() >= ticket.lease_deadline_unix_s:  # decode gave the blocks up: the
-                # attempt is lost, not the request (a slow, loaded machine): place it again
-                raise Unavailable(f"the ticket's lease for {rid} passed before the KV push")
+            src = _blocks_to_push(ready.kv_block_ids, ticket)
+            _check_may_push(rid, run, ticket)
             run.phase = "push"
             push = asyncio.get_running_loop().run_in_executor(self._pushes, self._push, req, ticket, peer, src, run)
             stats = await asyncio.shield(push)
@@ -134,10 +118,26 @@ class PrefillWorker(EngineWorker):
         finally:
             if run.phase != "done":
                 run.cancel.set()  # a push still running aborts its transfer
-            task = asyncio.ensure_future(self._finish(req, ticket, peer, run, push))
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
-            await asyncio.shield(task)  # a second cancel leaves the cleanup running
+            await self._finish_shielded(req, ticket, peer, run, push)
+
+    def _check_servable(self, req: InternalRequest) -> None:
+        if self.draining:
+            raise Unavailable(f"{self.ref.worker_id} is draining")
+        if req.model != self.config.model_id:
+            raise InvalidArgument(f"unknown model {req.model!r}", field="model")
+
+    def _check_may_start(self, rid: str, ticket: Ticket) -> None:
+        if self._aborted_before(rid, ticket):
+            raise Cancelled(f"prefill of {rid} was aborted before it started")
+        if time.time() >= ticket.lease_deadline_unix_s:
+            raise Unavailable(f"the ticket's lease for {rid} passed before prefill started")
+
+    async def _finish_shielded(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run, push) -> None:
+        """`_finish` as its own task: a second cancel of the run leaves the cleanup running."""
+        task = asyncio.ensure_future(self._finish(req, ticket, peer, run, push))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(task)
 
     async def _finish(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run, push) -> None:
         """After every run: once no write is in flight, abandon an unfinished handoff (the
@@ -290,3 +290,23 @@ def _release(e: LLMEngine, request_id: str) -> None:
         e.release_kv(request_id)
     except KeyError:
         e.abort(request_id)
+
+
+def _blocks_to_push(kv_block_ids: tuple[int, ...], ticket: Ticket) -> list[int]:
+    """The prompt's blocks from the ticket's first missing chunk on, one per destination block."""
+    src = list(kv_block_ids[ticket.first_block_index :])
+    if len(src) != len(ticket.dst_block_ids):
+        raise Internal(
+            f"prefill holds {len(kv_block_ids)} blocks; the ticket "
+            f"asks for chunks {ticket.first_block_index}.. into "
+            f"{len(ticket.dst_block_ids)} blocks"
+        )
+    return src
+
+
+def _check_may_push(rid: str, run: _Run, ticket: Ticket) -> None:
+    if run.cancel.is_set():
+        raise Cancelled(f"prefill of {rid} aborted")
+    if time.time() >= ticket.lease_deadline_unix_s:  # decode gave the blocks up: the
+        # attempt is lost, not the request (a slow, loaded machine): place it again
+        raise Unavailable(f"the ticket's lease for {rid} passed before the KV push")

@@ -96,45 +96,70 @@ def deepseek_chat_prompt(
     them joins that turn)."""
     if not messages:
         raise InvalidArgument("must contain at least one message", field="messages")
-    system, turns = [], []
-    # tool_call_id -> position in the calls of the assistant message the tool messages answer
-    # (None: no such message right before them)
-    calls_order: dict[str, int] | None = None
-    results: list[tuple[int, str]] = []  # the pending tool-results turn
+    transcript = _Transcript()
     for i, message in enumerate(messages):
+        transcript.add(message, i)
+    transcript.close()
+    return BOS + _system_text(transcript.system, tools, response_format) + "".join(transcript.turns) + ASSISTANT
+
+
+class _Transcript:
+    """The system texts and the prompt's turns, message by message. Tool messages gather into one
+    pending user turn of tool results, closed by the next other message (a user message joins it)."""
+
+    def __init__(self) -> None:
+        self.system: list[str] = []
+        self.turns: list[str] = []
+        # tool_call_id -> position in the calls of the assistant message the tool messages answer
+        # (None: no such message right before them)
+        self._calls_order: dict[str, int] | None = None
+        self._results: list[tuple[int, str]] = []  # the pending tool-results turn
+
+    def add(self, message: dict, i: int) -> None:
         role, content = _message_parts(message, i)
         if role != "tool":
-            calls_order = None
-        if role != "tool" and results:
-            turns.append(
-                USER
-                + dsml.render_tool_results([c for _, c in sorted(results)])
-                + ("\n\n" + content if role == "user" else "")
-            )
-            results = []
-            if role == "user":
-                continue
+            self._calls_order = None
+            if self._results:
+                self._close_results(content if role == "user" else None)
+                if role == "user":
+                    return
         if role in ("system", "developer"):
-            system.append(content)
+            self.system.append(content)
         elif role == "user":
-            turns.append(USER + content)
+            self.turns.append(USER + content)
         elif role == "tool":
-            results.append((_answered_call(message["tool_call_id"], calls_order, results, i), content))
+            position = _answered_call(message["tool_call_id"], self._calls_order, self._results, i)
+            self._results.append((position, content))
         else:
-            calls = _assistant_calls(message, i)
-            calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls) if call_id}
-            block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) if calls else ""
-            turns.append(ASSISTANT + content + block + EOS)
-    if results:
-        turns.append(USER + dsml.render_tool_results([c for _, c in sorted(results)]))
-    system_text = "\n\n".join(system)
+            self._add_assistant(message, content, i)
+
+    def close(self) -> None:
+        if self._results:
+            self._close_results(None)
+
+    def _close_results(self, user_text: str | None) -> None:
+        """The tool results in the order of the calls they answer, then `user_text` if any."""
+        text = dsml.render_tool_results([c for _, c in sorted(self._results)])
+        self.turns.append(USER + text + ("\n\n" + user_text if user_text is not None else ""))
+        self._results = []
+
+    def _add_assistant(self, message: dict, content: str, i: int) -> None:
+        calls = _assistant_calls(message, i)
+        self._calls_order = {call_id: n for n, (call_id, _, _) in enumerate(calls) if call_id}
+        block = dsml.CALLS_PREFIX + dsml.render_calls([(n, a) for _, n, a in calls]) if calls else ""
+        self.turns.append(ASSISTANT + content + block + EOS)
+
+
+def _system_text(system: list[str], tools: Sequence[dsml.Tool], response_format: dict | None) -> str:
+    """The system texts, then the tools and the response-format schema described (DSML)."""
+    text = "\n\n".join(system)
     if tools:
-        system_text += ("\n\n" if system_text else "") + dsml.render_tools(tools)
+        text += ("\n\n" if text else "") + dsml.render_tools(tools)
     if response_format is not None:
-        system_text += ("\n\n" if system_text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
+        text += ("\n\n" if text else "") + dsml.RESPONSE_FORMAT_TEMPLATE.format(
             schema=json.dumps(response_format, ensure_ascii=False)
         )
-    return BOS + system_text + "".join(turns) + ASSISTANT
+    return text
 
 
 def _answered_call(call_id: str, calls_order: dict[str, int] | None, results: list[tuple[int, str]], i: int) -> int:
@@ -170,6 +195,10 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
         v.as_text(message.get("tool_call_id"), f"messages[{i}].tool_call_id", max_chars=256, empty_ok=False)
     if message.get("name") is not None:
         v.as_text(message["name"], f"messages[{i}].name", max_chars=256)
+    return role, _content_text(message, role, i)
+
+
+def _content_text(message: dict, role: str, i: int) -> str:
     content = message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""  # OpenAI: an assistant turn that only calls tools has null content
@@ -180,7 +209,7 @@ def _message_parts(message: object, i: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise InvalidArgument("must be a string or a list of text parts", field=f"messages[{i}].content")
     v.check_unicode(content, f"messages[{i}].content")
-    return role, content
+    return content
 
 
 def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
@@ -191,24 +220,25 @@ def _assistant_calls(message: dict, i: int) -> list[tuple[str, str, dict]]:
     field = f"messages[{i}].tool_calls"
     if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
         raise InvalidArgument(f"must be a list of at most {MAX_TOOL_CALLS} tool calls", field=field)
-    out = []
-    for j, call in enumerate(calls):
-        f = f"{field}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or call.get("type", "function") != "function":
-            raise InvalidArgument('must be {"id", "type": "function", "function": {"name", "arguments"}}', field=f)
-        call_id = v.as_text(call.get("id", ""), f"{f}.id", max_chars=256)
-        name = v.as_text(fn.get("name"), f"{f}.function.name", max_chars=64, empty_ok=False)
-        arguments = fn.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except ValueError:
-                raise InvalidArgument("must be a JSON object as text", field=f"{f}.function.arguments") from None
-        if not isinstance(arguments, dict):
-            raise InvalidArgument("must be a JSON object", field=f"{f}.function.arguments")
-        out.append((call_id, name, arguments))
-    return out
+    return [_tool_call(call, f"{field}[{j}]") for j, call in enumerate(calls)]
+
+
+def _tool_call(call: object, f: str) -> tuple[str, str, dict]:
+    """(id, name, arguments object) of one entry of `tool_calls`; `f` is its field name."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or call.get("type", "function") != "function":
+        raise InvalidArgument('must be {"id", "type": "function", "function": {"name", "arguments"}}', field=f)
+    call_id = v.as_text(call.get("id", ""), f"{f}.id", max_chars=256)
+    name = v.as_text(fn.get("name"), f"{f}.function.name", max_chars=64, empty_ok=False)
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise InvalidArgument("must be a JSON object as text", field=f"{f}.function.arguments") from None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument("must be a JSON object", field=f"{f}.function.arguments")
+    return call_id, name, arguments
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -273,36 +303,11 @@ def request_from_proto(
     if kind is None:
         raise InvalidArgument("one of prompt, prompt_ids or chat is required", field="prompt")
     n = choices_from_proto(msg)
-    agent = None
-    if kind != "chat" and (
-        msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls") or msg.HasField("response_format")
-    ):
-        raise InvalidArgument("tools, tool_choice and response_format need a chat input", field="chat")
-    if kind == "chat":
-        body = chat_body_from_proto(msg)
-        agent = agent_options(body, chat=True)
-        if not body["messages"]:
-            raise InvalidArgument("must hold at least one message", field="chat.messages")
-        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages), model.context_tokens, "chat.messages")
-        raw_ids = tokenizer.encode(deepseek_chat_prompt(body["messages"], agent.prompt_tools, agent.response_schema))
-    elif kind == "prompt":
-        v.as_text(msg.prompt, "prompt", empty_ok=False)
-        v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
-        raw_ids = tokenizer.encode(msg.prompt)
-    else:
-        raw_ids = list(msg.prompt_ids.ids)
-        if len(raw_ids) > model.context_tokens:
-            raise InvalidArgument(
-                f"{len(raw_ids)} tokens exceed the context limit of {model.context_tokens} tokens", field=kind
-            )
+    _check_chat_only_fields(msg, kind)
+    raw_ids, agent = _input_ids(msg, kind, model, tokenizer)
     prompt_ids = check_prompt_ids(raw_ids, model, kind)
     continued = v.token_ids(list(msg.continue_ids.ids), "continue_ids", model.vocab_size, empty_ok=True)
-    sampling = sampling_from_proto(msg, model.vocab_size)
-    if agent is not None:
-        guided = agent.guided
-        if guided is not None and continued:  # the grammar resumes after the tokens received
-            guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + len(continued))
-        sampling = dataclasses.replace(sampling, guided=guided)
+    sampling = _guided(sampling_from_proto(msg, model.vocab_size), agent, len(continued))
     check_context(model, len(prompt_ids) + len(continued), sampling.max_tokens, "continue_ids" if continued else kind)
     client_id = check_id(msg.request_id, "request_id")
     request = InternalRequest(
@@ -319,6 +324,49 @@ def request_from_proto(
     return EdgeRequest(request, msg.resume_from_token, client_id is not None, fingerprint(msg), agent, n)
 
 
+def _check_chat_only_fields(msg: pb.GenerateRequest, kind: str) -> None:
+    if kind != "chat" and (
+        msg.tools or msg.tool_choice or msg.HasField("parallel_tool_calls") or msg.HasField("response_format")
+    ):
+        raise InvalidArgument("tools, tool_choice and response_format need a chat input", field="chat")
+
+
+def _input_ids(
+    msg: pb.GenerateRequest, kind: str, model: ServedModel, tokenizer: Tokenizer
+) -> tuple[list[int], AgentOptions | None]:
+    """The prompt's token ids from the input `kind`, and a chat's agent options (else None)."""
+    if kind == "chat":
+        body = chat_body_from_proto(msg)
+        agent = agent_options(body, chat=True)
+        if not body["messages"]:
+            raise InvalidArgument("must hold at least one message", field="chat.messages")
+        v.check_text_budget(sum(len(m.content) for m in msg.chat.messages), model.context_tokens, "chat.messages")
+        return tokenizer.encode(
+            deepseek_chat_prompt(body["messages"], agent.prompt_tools, agent.response_schema)
+        ), agent
+    if kind == "prompt":
+        v.as_text(msg.prompt, "prompt", empty_ok=False)
+        v.check_text_budget(len(msg.prompt), model.context_tokens, "prompt")
+        return tokenizer.encode(msg.prompt), None
+    raw_ids = list(msg.prompt_ids.ids)
+    if len(raw_ids) > model.context_tokens:
+        raise InvalidArgument(
+            f"{len(raw_ids)} tokens exceed the context limit of {model.context_tokens} tokens", field=kind
+        )
+    return raw_ids, None
+
+
+def _guided(sampling: SamplingParams, agent: AgentOptions | None, num_continued: int) -> SamplingParams:
+    """A chat's grammar (if any) on the sampling; after `num_continued` tokens already received,
+    the grammar resumes past them."""
+    if agent is None:
+        return sampling
+    guided = agent.guided
+    if guided is not None and num_continued:
+        guided = dataclasses.replace(guided, replay_tokens=guided.replay_tokens + num_continued)
+    return dataclasses.replace(sampling, guided=guided)
+
+
 def choices_from_proto(msg: pb.GenerateRequest) -> int:
     """`n` (unset: 1); an n > 1 stream is not resumable by the client (the server still
     continues each choice itself when a worker fails)."""
@@ -333,37 +381,9 @@ def choices_from_proto(msg: pb.GenerateRequest) -> int:
 def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
     """The chat fields as the OpenAI body they mirror, for the one validation model
     (`agent_fields.py`) and the chat template; field names in refusals are the OpenAI ones."""
-    messages = []
-    for m in msg.chat.messages:
-        message: dict = {"role": m.role, "content": m.content}
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name:
-            message["name"] = m.name
-        if m.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in m.tool_calls
-            ]
-        messages.append(message)
-    body: dict = {"messages": messages}
+    body: dict = {"messages": [_message_from_proto(m) for m in msg.chat.messages]}
     if msg.tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "strict": t.strict,
-                    **(
-                        {"parameters": _json_field(t.parameters_json, f"tools[{i}].function.parameters")}
-                        if t.parameters_json
-                        else {}
-                    ),
-                },
-            }
-            for i, t in enumerate(msg.tools)
-        ]
+        body["tools"] = [_tool_from_proto(t, i) for i, t in enumerate(msg.tools)]
     if msg.tool_choice:
         body["tool_choice"] = (
             msg.tool_choice
@@ -373,14 +393,39 @@ def chat_body_from_proto(msg: pb.GenerateRequest) -> dict:
     if msg.HasField("parallel_tool_calls"):
         body["parallel_tool_calls"] = msg.parallel_tool_calls
     if msg.HasField("response_format"):
-        rf = msg.response_format
-        body["response_format"] = {"type": rf.type or "text"}
-        if rf.type == "json_schema":
-            body["response_format"]["json_schema"] = {
-                "name": rf.name,
-                "strict": rf.strict,
-                "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema"),
-            }
+        body["response_format"] = _response_format_from_proto(msg.response_format)
+    return body
+
+
+def _message_from_proto(m: pb.ChatMessage) -> dict:
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    return message
+
+
+def _tool_from_proto(t: pb.Tool, i: int) -> dict:
+    function = {"name": t.name, "description": t.description, "strict": t.strict}
+    if t.parameters_json:
+        function["parameters"] = _json_field(t.parameters_json, f"tools[{i}].function.parameters")
+    return {"type": "function", "function": function}
+
+
+def _response_format_from_proto(rf: pb.ResponseFormat) -> dict:
+    body = {"type": rf.type or "text"}
+    if rf.type == "json_schema":
+        body["json_schema"] = {
+            "name": rf.name,
+            "strict": rf.strict,
+            "schema": _json_field(rf.schema_json or "{}", "response_format.json_schema.schema"),
+        }
     return body
 
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from ray import serve
 
 from flashpd.services.api import Event, InternalRequest, MigrationResult, PrefillResult, Ticket, WorkerRef, WorkerStats
-from flashpd.services.router.convert import deepseek_chat_prompt
+from flashpd.services.router.auth import ApiKeys, TlsFiles
+from flashpd.services.router.convert import ModelTable, ServedModel, deepseek_chat_prompt
 from flashpd.services.worker.pinned_router import TARGET_KWARG
 
 log = logging.getLogger(__name__)
@@ -93,16 +94,19 @@ class Router:
         self.grpc = None
 
     async def __serve_build_asgi_app__(self):
-        from flashpd.engine.loading import load_tokenizer, model_config
-        from flashpd.services.router.auth import ApiKeys, TlsFiles
-        from flashpd.services.router.convert import ModelTable, ServedModel
-        from flashpd.services.router.grpc_server import start_grpc_server
         from flashpd.services.router.http_app import build_http_app
-        from flashpd.services.router.index import PrefixIndex, router_redis
-        from flashpd.services.router.metrics import RouterMetrics
-        from flashpd.services.router.orchestrator import Orchestrator
-        from flashpd.services.router.placement import Placement
-        from flashpd.services.router.policy import make_policy
+
+        a = self.args
+        models = self._load_model()
+        self._build_orchestrator(a["model_id"])
+        keys = ApiKeys.load(env_var=a.get("api_keys_env", "FLASHPD_API_KEYS"), file=a.get("api_keys_file"))
+        tls = TlsFiles.from_paths(a.get("tls_cert_file"), a.get("tls_key_file"))
+        await self._start_grpc(models, keys, tls)
+        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics, api_keys=keys)
+
+    def _load_model(self) -> ModelTable:
+        """The served model's table (context, vocabulary) and the tokenizer, from the checkpoint."""
+        from flashpd.engine.loading import load_tokenizer, model_config
 
         a = self.args
         cfg = model_config(a["checkpoint"])
@@ -110,19 +114,30 @@ class Router:
         if tok is None:
             raise ValueError(f"checkpoint {a['checkpoint']} ships no tokenizer.json")
         self.tokenizer = HFTokenizer(tok)
-        model = a["model_id"]
+        context = min(a.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        return ModelTable([ServedModel(a["model_id"], context, cfg.vocab_size)])
+
+    def _build_orchestrator(self, model: str) -> None:
+        from flashpd.services.router.index import PrefixIndex, router_redis
+        from flashpd.services.router.metrics import RouterMetrics
+        from flashpd.services.router.orchestrator import Orchestrator
+        from flashpd.services.router.placement import Placement
+        from flashpd.services.router.policy import make_policy
+
+        a = self.args
         self.redis = router_redis(a["redis_url"])  # retried reconnects, socket timeouts
         placement = Placement(
             PrefixIndex(self.redis, model), make_policy(a["routing"]), model=model, cache_salt=a["cache_salt"]
         )
-        context = min(a.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        models = ModelTable([ServedModel(model, context, cfg.vocab_size)])
         self.metrics = RouterMetrics(model)
         self.orchestrator = Orchestrator(
             {model: placement}, PinnedDirectory(self._prefill, self._decode), self.tokenizer, metrics=self.metrics
         )
-        keys = ApiKeys.load(env_var=a.get("api_keys_env", "FLASHPD_API_KEYS"), file=a.get("api_keys_file"))
-        tls = TlsFiles.from_paths(a.get("tls_cert_file"), a.get("tls_key_file"))
+
+    async def _start_grpc(self, models: ModelTable, keys: ApiKeys, tls: TlsFiles | None) -> None:
+        from flashpd.services.router.grpc_server import start_grpc_server
+
+        a = self.args
         self.grpc = await start_grpc_server(
             self.orchestrator,
             models,
@@ -140,7 +155,6 @@ class Router:
             "TLS" if tls else "plaintext",
             f"{len(keys)} API keys" if len(keys) else "no auth",
         )
-        return build_http_app(self.orchestrator, models, self.tokenizer, self.metrics, api_keys=keys)
 
     async def grpc_port(self) -> int:
         return self.grpc.port if self.grpc is not None else -1

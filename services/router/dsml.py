@@ -233,20 +233,7 @@ def structural_tag(tools: Sequence[Tool], *, parallel: bool) -> str:
     invokes of `tools` (exactly one when `parallel` is False), each with arguments that follow
     the tool's parameter schema in V4.1's parameter style. The block ends the turn (EOS
     follows)."""
-    tags = [
-        {
-            "type": "tag",
-            "begin": f'<{DSML}{INVOKE} name="{t.name}">\n',
-            "content": {
-                "type": "json_schema",
-                "style": "deepseek_v4_1_xml",
-                "json_schema": t.parameters if t.parameters is not None else NO_ARGUMENTS,
-                "max_whitespace_cnt": MAX_WHITESPACE,
-            },
-            "end": f"{INVOKE_CLOSE}\n",
-        }
-        for t in tools
-    ]
+    tags = [_invoke_tag(t) for t in tools]
     # invokes end in "\n", so they follow each other with no separator (the template's join)
     calls = {
         "type": "repeat",
@@ -267,3 +254,18 @@ def structural_tag(tools: Sequence[Tool], *, parallel: bool) -> str:
             },
         }
     )
+
+
+def _invoke_tag(t: Tool) -> dict:
+    """One invoke of tool `t`: its arguments follow the parameter schema, in V4.1's style."""
+    return {
+        "type": "tag",
+        "begin": f'<{DSML}{INVOKE} name="{t.name}">\n',
+        "content": {
+            "type": "json_schema",
+            "style": "deepseek_v4_1_xml",
+            "json_schema": t.parameters if t.parameters is not None else NO_ARGUMENTS,
+            "max_whitespace_cnt": MAX_WHITESPACE,
+        },
+        "end": f"{INVOKE_CLOSE}\n",
+    }

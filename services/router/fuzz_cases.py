@@ -170,6 +170,13 @@ BAD_REAL = (NAN, INF, -INF, -1e-300, -1.0, 1e300, 10**400)
 
 
 def _http_numbers(vocab: int) -> Iterator[HostileRequest]:
+    yield from _sampler_reals()
+    yield from _integer_limits(vocab)
+    yield from _token_counts()
+    yield _http("numbers", "huge integer literal", b'{"max_tokens": 1' + b"0" * 5000 + b"}", field="body")
+
+
+def _sampler_reals() -> Iterator[HostileRequest]:
     for field in ("temperature", "top_p"):
         for v in TINY:
             yield from _both("numbers", f"{field}={v!r}", {field: v}, expect="any", field=field)
@@ -179,6 +186,9 @@ def _http_numbers(vocab: int) -> Iterator[HostileRequest]:
         yield from _both("numbers", f"min_p={v!r}", {"min_p": v}, field="min_p")
     for v in (2.5, 1e10):
         yield from _both("numbers", f"temperature={v!r}", {"temperature": v}, field="temperature")
+
+
+def _integer_limits(vocab: int) -> Iterator[HostileRequest]:
     for v in (-1, -(2**63), 2**63, 2**64, 2**64 + 1, 10**30, 10**300):
         yield from _both("numbers", f"seed={v}", {"seed": v}, field="seed")
     yield from _both("numbers", "seed=2**63-1", {"seed": 2**63 - 1, "temperature": 0.5}, expect="any")
@@ -187,6 +197,9 @@ def _http_numbers(vocab: int) -> Iterator[HostileRequest]:
     for v in (-1, vocab, 2**31, 2**63, 2**64, 10**30):
         yield from _both("numbers", f"stop_token_ids=[{v}]", {"stop_token_ids": [v]}, field="stop_token_ids")
     yield from _both("numbers", "stop_token_ids x10000", {"stop_token_ids": [1] * 10_000}, field="stop_token_ids")
+
+
+def _token_counts() -> Iterator[HostileRequest]:
     for v in (-1, 21, 2**31, 10**30):
         yield _http(
             "numbers", f"top_logprobs={v}", {**CHAT_BASE, "logprobs": True, "top_logprobs": v}, field="top_logprobs"
@@ -203,7 +216,6 @@ def _http_numbers(vocab: int) -> Iterator[HostileRequest]:
             path=COMPLETIONS,
             field="max_tokens",
         )
-    yield _http("numbers", "huge integer literal", b'{"max_tokens": 1' + b"0" * 5000 + b"}", field="body")
 
 
 WRONG_TYPES = ("1", True, None, [], {}, [1], {"a": 1}, 1.5)
@@ -250,38 +262,50 @@ SURROGATES = ("\ud800", "\udfff", "a\ud83d", "\ude00b", "x" * 100 + "\udc80")
 
 def _http_text() -> Iterator[HostileRequest]:
     for i, s in enumerate(SURROGATES):
-        yield _http(
-            "text",
-            f"surrogate {i} in content",
-            {"messages": [{"role": "user", "content": s}]},
-            field="messages[0].content",
-        )
-        yield _http(
-            "text",
-            f"surrogate {i} in content part",
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": s}]}]},
-            field="messages[0].content[0].text",
-        )
-        yield _http("text", f"surrogate {i} in prompt", {"prompt": s}, path=COMPLETIONS, field="prompt")
-        yield _http("text", f"surrogate {i} in prompt list", {"prompt": [s]}, path=COMPLETIONS, field="prompt[0]")
-        yield _http("text", f"surrogate {i} in stop", {**CHAT_BASE, "stop": [s]}, field="stop[0]")
-        yield _http("text", f"surrogate {i} in model", {**CHAT_BASE, "model": s}, field="model")
-        yield _http("text", f"surrogate {i} in key", {**CHAT_BASE, s: 1}, field="body")
-        yield _http(
-            "text",
-            f"surrogate {i} in system",
-            {"messages": [{"role": "system", "content": s}, {"role": "user", "content": "x"}]},
-            field="messages[0].content",
-        )
-    for name, raw in (
-        ("latin-1 byte", b'{"prompt": "caf\xe9"}'),
-        ("overlong utf-8", b'{"prompt": "\xc0\xaf"}'),
-        ("utf-8 surrogate bytes", b'{"prompt": "\xed\xa0\x80"}'),
-        ("truncated utf-8", b'{"prompt": "\xe2\x82"}'),
-        ("0xff byte", b'\xff{"prompt": "x"}'),
-        ("utf-16 body", '{"prompt": "x"}'.encode("utf-16")),
-    ):
+        yield from _surrogate_in_every_field(i, s)
+    yield from _undecodable_bodies()
+    yield from _odd_strings()
+
+
+def _surrogate_in_every_field(i: int, s: str) -> Iterator[HostileRequest]:
+    yield _http(
+        "text", f"surrogate {i} in content", {"messages": [{"role": "user", "content": s}]}, field="messages[0].content"
+    )
+    yield _http(
+        "text",
+        f"surrogate {i} in content part",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": s}]}]},
+        field="messages[0].content[0].text",
+    )
+    yield _http("text", f"surrogate {i} in prompt", {"prompt": s}, path=COMPLETIONS, field="prompt")
+    yield _http("text", f"surrogate {i} in prompt list", {"prompt": [s]}, path=COMPLETIONS, field="prompt[0]")
+    yield _http("text", f"surrogate {i} in stop", {**CHAT_BASE, "stop": [s]}, field="stop[0]")
+    yield _http("text", f"surrogate {i} in model", {**CHAT_BASE, "model": s}, field="model")
+    yield _http("text", f"surrogate {i} in key", {**CHAT_BASE, s: 1}, field="body")
+    yield _http(
+        "text",
+        f"surrogate {i} in system",
+        {"messages": [{"role": "system", "content": s}, {"role": "user", "content": "x"}]},
+        field="messages[0].content",
+    )
+
+
+UNDECODABLE_BODIES = (
+    ("latin-1 byte", b'{"prompt": "caf\xe9"}'),
+    ("overlong utf-8", b'{"prompt": "\xc0\xaf"}'),
+    ("utf-8 surrogate bytes", b'{"prompt": "\xed\xa0\x80"}'),
+    ("truncated utf-8", b'{"prompt": "\xe2\x82"}'),
+    ("0xff byte", b'\xff{"prompt": "x"}'),
+    ("utf-16 body", '{"prompt": "x"}'.encode("utf-16")),
+)
+
+
+def _undecodable_bodies() -> Iterator[HostileRequest]:
+    for name, raw in UNDECODABLE_BODIES:
         yield _http("text", name, raw, path=COMPLETIONS, field="body")
+
+
+def _odd_strings() -> Iterator[HostileRequest]:
     yield _http("text", "NUL in prompt", {"prompt": "a\x00b", "max_tokens": 2}, path=COMPLETIONS, expect="any")
     yield _http("text", "empty prompt", {"prompt": ""}, path=COMPLETIONS, field="prompt")
     yield _http("text", "stop empty string", {**CHAT_BASE, "stop": [""]}, field="stop")
@@ -294,21 +318,16 @@ def _nested(depth: int, open_: str, close: str, inner: str = "1") -> bytes:
 
 
 def _http_structure() -> Iterator[HostileRequest]:
+    yield from _deep_nesting()
+    yield from _malformed_json()
+    yield from _oversized_bodies()
+
+
+def _deep_nesting() -> Iterator[HostileRequest]:
     for depth in (33, 100, 1000, 5000, 100_000):
-        yield _http(
-            "structure",
-            f"arrays x{depth}",
-            _nested(depth, "[", "]"),
-            path=COMPLETIONS,
-            field="body" if depth > 900 else None,
-        )
-        yield _http(
-            "structure",
-            f"objects x{depth}",
-            _nested(depth, '{"a":', "}"),
-            path=COMPLETIONS,
-            field="body" if depth > 900 else None,
-        )
+        field = "body" if depth > 900 else None  # the field is checked only past the parser's recursion limit
+        for kind, open_, close in (("arrays", "[", "]"), ("objects", '{"a":', "}")):
+            yield _http("structure", f"{kind} x{depth}", _nested(depth, open_, close), path=COMPLETIONS, field=field)
     yield _http(
         "structure",
         "messages nested deep",
@@ -318,18 +337,24 @@ def _http_structure() -> Iterator[HostileRequest]:
             ]
         },
     )
-    for name, raw in (
-        ("empty body", b""),
-        ("null", b"null"),
-        ("array", b"[]"),
-        ("number", b"1"),
-        ("string", b'"x"'),
-        ("truncated", b'{"prompt": "x"'),
-        ("trailing garbage", b'{"prompt": "x"} x'),
-        ("NaN literal", b"NaN"),
-        ("single quotes", b"{'prompt': 'x'}"),
-        ("duplicate keys", b'{"prompt": 1, "prompt": "x"}'),
-    ):
+
+
+MALFORMED_JSON = (
+    ("empty body", b""),
+    ("null", b"null"),
+    ("array", b"[]"),
+    ("number", b"1"),
+    ("string", b'"x"'),
+    ("truncated", b'{"prompt": "x"'),
+    ("trailing garbage", b'{"prompt": "x"} x'),
+    ("NaN literal", b"NaN"),
+    ("single quotes", b"{'prompt': 'x'}"),
+    ("duplicate keys", b'{"prompt": 1, "prompt": "x"}'),
+)
+
+
+def _malformed_json() -> Iterator[HostileRequest]:
+    for name, raw in MALFORMED_JSON:
         yield _http(
             "structure",
             name,
@@ -338,6 +363,9 @@ def _http_structure() -> Iterator[HostileRequest]:
             expect="any" if name == "duplicate keys" else "refused",
             field=None if name == "duplicate keys" else "body",
         )
+
+
+def _oversized_bodies() -> Iterator[HostileRequest]:
     yield _http("structure", "10 MB prompt", _dumps({"prompt": "x" * 10_000_000}), path=COMPLETIONS, field="body")
     yield _http("structure", "1 MB prompt", _dumps({"prompt": "hello " * 200_000}), path=COMPLETIONS, field="prompt")
     yield _http(
@@ -369,21 +397,29 @@ HEADER_VALUES = (
 def _http_headers() -> Iterator[HostileRequest]:
     for header in (b"x-session-id", b"x-request-id", b"x-parent-session-id"):
         for name, value in HEADER_VALUES:
-            yield _http(
-                "headers",
-                f"{header.decode()} {name.decode()}",
-                dict(CHAT_BASE),
-                headers=((header, value),),
-                field=header.decode(),
-            )
-            yield _http(
-                "headers",
-                f"{header.decode()} {name.decode()} (completion)",
-                dict(COMPLETION_BASE),
-                path=COMPLETIONS,
-                headers=((header, value),),
-                field=header.decode(),
-            )
+            yield from _bad_session_header(header, name, value)
+    yield from _tolerated_headers()
+
+
+def _bad_session_header(header: bytes, name: bytes, value: bytes) -> Iterator[HostileRequest]:
+    yield _http(
+        "headers",
+        f"{header.decode()} {name.decode()}",
+        dict(CHAT_BASE),
+        headers=((header, value),),
+        field=header.decode(),
+    )
+    yield _http(
+        "headers",
+        f"{header.decode()} {name.decode()} (completion)",
+        dict(COMPLETION_BASE),
+        path=COMPLETIONS,
+        headers=((header, value),),
+        field=header.decode(),
+    )
+
+
+def _tolerated_headers() -> Iterator[HostileRequest]:
     yield _http(
         "headers",
         "authorization latin-1",
@@ -407,93 +443,87 @@ _CALLED = {
 }
 
 
+BAD_MESSAGES = [  # (case name, body, the field a refusal must name)
+    ("no messages", {"max_tokens": 2}, "messages"),
+    ("empty list", {"messages": []}, "messages"),
+    ("messages object", {"messages": {"role": "user"}}, "messages"),
+    ("messages string", {"messages": "hi"}, "messages"),
+    ("message string", {"messages": ["hi"]}, "messages[0]"),
+    ("message null", {"messages": [None]}, "messages[0]"),
+    ("no role", {"messages": [{"content": "x"}]}, "messages[0].role"),
+    ("role tool without tool_call_id", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ("role function", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ("role function", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ("role int", {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+    ("role surrogate", {"messages": [{"role": "\ud800", "content": "x"}]}, "messages[0].role"),
+    ("content int", {"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
+    ("content null", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    (
+        "content image",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        "messages[0].content",
+    ),
+    ("content part no text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    ("content part int", {"messages": [{"role": "user", "content": [1]}]}, "messages[0].content"),
+    (
+        "tool_calls arguments not JSON",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": "x",
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
+                },
+                {"role": "user", "content": "y"},
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    ("name int", {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+    (
+        "tool_call_id refers to no call",
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                _CALLED,
+                {"role": "tool", "tool_call_id": "zz", "content": "r"},
+            ]
+        },
+        "messages[2].tool_call_id",
+    ),
+    (
+        "tool message without a call before it",
+        {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
+        "messages[1].tool_call_id",
+    ),
+    (
+        "tool result answered twice",
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                _CALLED,
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            ]
+        },
+        "messages[3].tool_call_id",
+    ),
+    (
+        "1 MB tool result",
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                _CALLED,
+                {"role": "tool", "tool_call_id": "c1", "content": "r" * (1 << 20)},
+            ]
+        },
+        "messages",
+    ),
+]
+
+
 def _http_messages() -> Iterator[HostileRequest]:
-    bad = [
-        ("no messages", {"max_tokens": 2}, "messages"),
-        ("empty list", {"messages": []}, "messages"),
-        ("messages object", {"messages": {"role": "user"}}, "messages"),
-        ("messages string", {"messages": "hi"}, "messages"),
-        ("message string", {"messages": ["hi"]}, "messages[0]"),
-        ("message null", {"messages": [None]}, "messages[0]"),
-        ("no role", {"messages": [{"content": "x"}]}, "messages[0].role"),
-        (
-            "role tool without tool_call_id",
-            {"messages": [{"role": "tool", "content": "x"}]},
-            "messages[0].tool_call_id",
-        ),
-        ("role function", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
-        ("role function", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
-        ("role int", {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
-        ("role surrogate", {"messages": [{"role": "\ud800", "content": "x"}]}, "messages[0].role"),
-        ("content int", {"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
-        ("content null", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-        (
-            "content image",
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
-            "messages[0].content",
-        ),
-        (
-            "content part no text",
-            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-            "messages[0].content",
-        ),
-        ("content part int", {"messages": [{"role": "user", "content": [1]}]}, "messages[0].content"),
-        (
-            "tool_calls arguments not JSON",
-            {
-                "messages": [
-                    {
-                        "role": "assistant",
-                        "content": "x",
-                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
-                    },
-                    {"role": "user", "content": "y"},
-                ]
-            },
-            "messages[0].tool_calls[0].function.arguments",
-        ),
-        ("name int", {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
-        (
-            "tool_call_id refers to no call",
-            {
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    _CALLED,
-                    {"role": "tool", "tool_call_id": "zz", "content": "r"},
-                ]
-            },
-            "messages[2].tool_call_id",
-        ),
-        (
-            "tool message without a call before it",
-            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
-            "messages[1].tool_call_id",
-        ),
-        (
-            "tool result answered twice",
-            {
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    _CALLED,
-                    {"role": "tool", "tool_call_id": "c1", "content": "r"},
-                    {"role": "tool", "tool_call_id": "c1", "content": "r"},
-                ]
-            },
-            "messages[3].tool_call_id",
-        ),
-        (
-            "1 MB tool result",
-            {
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    _CALLED,
-                    {"role": "tool", "tool_call_id": "c1", "content": "r" * (1 << 20)},
-                ]
-            },
-            "messages",
-        ),
-    ]
-    for name, body, field in bad:
+    for name, body, field in BAD_MESSAGES:
         yield _http("messages", name, {"max_tokens": 2, **body}, field=field)
     for role in ("system", "developer", "user", "assistant"):
         yield _http(
@@ -632,61 +662,67 @@ UNSUPPORTED = [  # unsupported values, and the agent fields' bad shapes (agent_f
 def _http_unsupported() -> Iterator[HostileRequest]:
     for name, extra, field in UNSUPPORTED:
         yield _http("unsupported", name, {**CHAT_BASE, **extra}, field=field)
-    for name, extra in (
-        ("response_format text", {"response_format": {"type": "text"}}),
-        ("n=1", {"n": 1}),
-        ("tool_choice none", {"tool_choice": "none"}),
-        ("response_format json_object", {"response_format": {"type": "json_object"}}),
-        ("tools auto", {"tools": [_F]}),
-        ("n=2", {"n": 2}),
-        ("n=2 streamed with tools", {"n": 2, "stream": True, "tools": [_F]}),
-        ("n=16", {"n": 16}),
-        (
-            "tool result answers its call",
-            {
-                "tools": [_F],
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    _CALLED,
-                    {"role": "tool", "tool_call_id": "c1", "content": "r"},
-                ],
-            },
-        ),
-        (
-            "json_schema with oneOf and format",
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {
-                        "name": "x",
-                        "schema": {"oneOf": [{"type": "string", "format": "email"}, {"type": "integer"}]},
-                    },
-                }
-            },
-        ),
-        ("modalities text", {"modalities": ["text"]}),
-        ("user", {"user": "u"}),
-    ):
+    for name, extra in ACCEPTED_FIELDS:
         yield _http("unsupported", name, {**CHAT_BASE, **extra}, expect="any")
 
 
+ACCEPTED_FIELDS = (  # OpenAI fields and values the router serves (or ignores): never refused
+    ("response_format text", {"response_format": {"type": "text"}}),
+    ("n=1", {"n": 1}),
+    ("tool_choice none", {"tool_choice": "none"}),
+    ("response_format json_object", {"response_format": {"type": "json_object"}}),
+    ("tools auto", {"tools": [_F]}),
+    ("n=2", {"n": 2}),
+    ("n=2 streamed with tools", {"n": 2, "stream": True, "tools": [_F]}),
+    ("n=16", {"n": 16}),
+    (
+        "tool result answers its call",
+        {
+            "tools": [_F],
+            "messages": [
+                {"role": "user", "content": "x"},
+                _CALLED,
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            ],
+        },
+    ),
+    (
+        "json_schema with oneOf and format",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"oneOf": [{"type": "string", "format": "email"}, {"type": "integer"}]},
+                },
+            }
+        },
+    ),
+    ("modalities text", {"modalities": ["text"]}),
+    ("user", {"user": "u"}),
+)
+
+
+BAD_ROUTES = (
+    ("GET", CHAT),
+    ("PUT", CHAT),
+    ("DELETE", COMPLETIONS),
+    ("PATCH", "/v1/models"),
+    ("POST", "/v1/models"),
+    ("POST", "/v1/embeddings"),
+    ("GET", "/v1/nope"),
+    ("POST", "/nope"),
+    ("GET", "/v1/models/nope"),
+    ("GET", "/v1/models/" + "x" * 5000),
+    ("GET", "/v1/models/caf%C3%A9"),
+    ("GET", "/v1/models/%ff%fe"),
+    ("GET", "/v1/models/%00"),
+    ("POST", "/v1/chat/completions/x"),
+)
+
+
 def _http_routes() -> Iterator[HostileRequest]:
-    for method, path in (
-        ("GET", CHAT),
-        ("PUT", CHAT),
-        ("DELETE", COMPLETIONS),
-        ("PATCH", "/v1/models"),
-        ("POST", "/v1/models"),
-        ("POST", "/v1/embeddings"),
-        ("GET", "/v1/nope"),
-        ("POST", "/nope"),
-        ("GET", "/v1/models/nope"),
-        ("GET", "/v1/models/" + "x" * 5000),
-        ("GET", "/v1/models/caf%C3%A9"),
-        ("GET", "/v1/models/%ff%fe"),
-        ("GET", "/v1/models/%00"),
-        ("POST", "/v1/chat/completions/x"),
-    ):
+    for method, path in BAD_ROUTES:
         yield _http("routes", f"{method} {path[:40]}", b"", method=method, path=path)
     for model in ("nope", "", " ", "x" * 10_000):
         yield _http(
@@ -701,53 +737,60 @@ def _http_routes() -> Iterator[HostileRequest]:
 def _http_random(rng: random.Random, count: int) -> list[HostileRequest]:
     """Seeded random mutations of valid bodies: a field set to a value drawn from all the
     hostile values above, or random bytes."""
-    fields = [
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "stop",
-        "stop_token_ids",
-        "logprobs",
-        "top_logprobs",
-        "stream",
-        "n",
-        "model",
-        "stream_options",
-        "ignore_eos",
-        "max_completion_tokens",
-        "response_format",
-    ]
-    values = [
-        *TINY,
-        *BAD_REAL,
-        *WRONG_TYPES,
-        *SURROGATES,
-        0,
-        -1,
-        2**63,
-        2**64,
-        10**30,
-        "",
-        [NAN],
-        {"include_usage": "yes"},
-        {"type": "json_object"},
-    ]
     out = []
     for i in range(count):
         if rng.random() < 0.1:
             raw = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
             out.append(_http("random", f"{i} random bytes", raw, path=rng.choice((CHAT, COMPLETIONS)), field="body"))
-            continue
-        base, path = rng.choice(((CHAT_BASE, CHAT), (COMPLETION_BASE, COMPLETIONS)))
-        body = dict(base)
-        for _ in range(rng.randint(1, 3)):
-            body[rng.choice(fields)] = rng.choice(values)
-        body.setdefault("max_tokens", 2)
-        out.append(_http("random", f"{i} {sorted(body)}", body, path=path, expect="any"))
+        else:
+            out.append(_random_fields(rng, i))
     return out
+
+
+def _random_fields(rng: random.Random, i: int) -> HostileRequest:
+    """A valid body with one to three fields set to values drawn from RANDOM_VALUES."""
+    base, path = rng.choice(((CHAT_BASE, CHAT), (COMPLETION_BASE, COMPLETIONS)))
+    body = dict(base)
+    for _ in range(rng.randint(1, 3)):
+        body[rng.choice(RANDOM_FIELDS)] = rng.choice(RANDOM_VALUES)
+    body.setdefault("max_tokens", 2)
+    return _http("random", f"{i} {sorted(body)}", body, path=path, expect="any")
+
+
+RANDOM_FIELDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "n",
+    "model",
+    "stream_options",
+    "ignore_eos",
+    "max_completion_tokens",
+    "response_format",
+]
+RANDOM_VALUES = [
+    *TINY,
+    *BAD_REAL,
+    *WRONG_TYPES,
+    *SURROGATES,
+    0,
+    -1,
+    2**63,
+    2**64,
+    10**30,
+    "",
+    [NAN],
+    {"include_usage": "yes"},
+    {"type": "json_object"},
+]
 
 
 # ------------------------------------------------------------------------------- gRPC cases
@@ -782,6 +825,11 @@ def _f32(value: float) -> float:
 
 
 def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
+    yield from _grpc_sampler_reals()
+    yield from _grpc_integer_limits(vocab)
+
+
+def _grpc_sampler_reals() -> Iterator[HostileRequest]:
     for field in ("temperature", "top_p"):
         for v in (1e-45, 1e-38, 1e-7, 1.4e-45):
             yield _grpc("numbers", f"{field}={v!r}", _msg(**{field: _f32(v)}), expect="any")
@@ -789,6 +837,9 @@ def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
             yield _grpc("numbers", f"{field}={v!r}", _msg(**{field: v}), field=field)
     for v in (NAN, INF, -1.0, 1.5):
         yield _grpc("numbers", f"min_p={v!r}", _msg(min_p=v), field="min_p")
+
+
+def _grpc_integer_limits(vocab: int) -> Iterator[HostileRequest]:
     for v in (2**63, 2**63 + 1, 2**64 - 1):
         yield _grpc("numbers", f"seed={v}", _msg(seed=v), field="seed")
     yield _grpc("numbers", "seed=2**63-1", _msg(seed=2**63 - 1, temperature=0.5), expect="any")
@@ -810,6 +861,12 @@ def _grpc_numbers(vocab: int) -> Iterator[HostileRequest]:
 
 
 def _grpc_text() -> Iterator[HostileRequest]:
+    yield from _grpc_ids_and_model()
+    yield from _grpc_prompt_and_stop()
+    yield from _grpc_abort_ids()
+
+
+def _grpc_ids_and_model() -> Iterator[HostileRequest]:
     for field in ("request_id", "session_id", "parent_session_id"):
         for value in ("a b", "caf\u00e9", "x" * 5000, "\x00", "\U0001f600", "a\nb"):
             yield _grpc("text", f"{field}={value[:10]!r}", _msg(**{field: value}), field=field)
@@ -821,6 +878,9 @@ def _grpc_text() -> Iterator[HostileRequest]:
             expect="any" if value == "" else "refused",
             field=None if value == "" else "model",
         )
+
+
+def _grpc_prompt_and_stop() -> Iterator[HostileRequest]:
     yield _grpc("text", "prompt empty", _msg(prompt=""), field="prompt")
     yield _grpc("text", "prompt 10 MB", _msg(prompt="x" * 10_000_000))
     yield _grpc("text", "prompt 1 MB", _msg(prompt="hello " * 200_000), field="prompt")
@@ -828,6 +888,9 @@ def _grpc_text() -> Iterator[HostileRequest]:
     yield _grpc("text", "stop x1000", _msg(stop=["x"] * 1000), field="stop")
     yield _grpc("text", "stop 10k chars", _msg(stop=["x" * 10_000]), field="stop")
     yield _grpc("text", "no input", pb.GenerateRequest(max_tokens=2).SerializeToString(), field="prompt")
+
+
+def _grpc_abort_ids() -> Iterator[HostileRequest]:
     yield _grpc("text", "abort empty id", pb.AbortRequest().SerializeToString(), method=ABORT, field="request_id")
     yield _grpc(
         "text",
@@ -840,7 +903,24 @@ def _grpc_text() -> Iterator[HostileRequest]:
 
 def _grpc_unparsable(rng: random.Random) -> Iterator[HostileRequest]:
     valid = _msg()
-    raw = [
+    for name, payload in _malformed_wire(valid):
+        method = ABORT if name.startswith("abort") else GENERATE
+        yield _grpc("unparsable", name, payload, method=method)
+    yield _grpc("unparsable", "list models garbage", b"\xff\xff", method=LIST_MODELS)
+    for i in range(40):
+        data = bytearray(valid)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.getrandbits(8)
+        yield _grpc("unparsable", f"mutated {i}", bytes(data), expect="any")
+    for i in range(20):
+        payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 48)))
+        yield _grpc("unparsable", f"random bytes {i}", payload, expect="any")
+
+
+def _malformed_wire(valid: bytes) -> list[tuple[str, bytes]]:
+    """Protobuf wire bytes that do not parse: bad UTF-8 in string fields, broken framing.
+    `valid` is a serialized GenerateRequest that some cases extend with a bad field."""
+    return [
         ("invalid utf-8 in prompt", b"\x12\x02\xc3\x28"),
         ("latin-1 in prompt", b"\x12\x04caf\xe9"),
         ("surrogate bytes in prompt", b"\x12\x03\xed\xa0\x80"),
@@ -856,15 +936,3 @@ def _grpc_unparsable(rng: random.Random) -> Iterator[HostileRequest]:
         ("nested prompt_ids garbage", b"\x1a\x03\x0a\xff\xff"),
         ("abort invalid utf-8", b"\x0a\x02\xff\xfe"),
     ]
-    for name, payload in raw:
-        method = ABORT if name.startswith("abort") else GENERATE
-        yield _grpc("unparsable", name, payload, method=method)
-    yield _grpc("unparsable", "list models garbage", b"\xff\xff", method=LIST_MODELS)
-    for i in range(40):
-        data = bytearray(valid)
-        for _ in range(rng.randint(1, 4)):
-            data[rng.randrange(len(data))] = rng.getrandbits(8)
-        yield _grpc("unparsable", f"mutated {i}", bytes(data), expect="any")
-    for i in range(20):
-        payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 48)))
-        yield _grpc("unparsable", f"random bytes {i}", payload, expect="any")

@@ -259,11 +259,26 @@ async def start_grpc_server(
     options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message_bytes))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((generation_handler(GenerationServicer(orchestrator, models, tokenizer, metrics)),))
+    health_servicer = _add_health_and_reflection(server)
+    bound = _bind(server, host, port, tls)
+    await server.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(_health_loop(orchestrator, health_servicer, health_poll_s, stop))
+    return GrpcFrontend(server, bound, health_servicer, task, stop)
+
+
+def _add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The standard health service (its status set by `_health_loop`) and server reflection."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
+    return health_servicer
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsFiles | None) -> int:
+    """The port bound on `host` (TLS when given)."""
     address = f"{host}:{port}"
     if tls is not None:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls.read()]))
@@ -271,10 +286,7 @@ async def start_grpc_server(
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
-    await server.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(_health_loop(orchestrator, health_servicer, health_poll_s, stop))
-    return GrpcFrontend(server, bound, health_servicer, task, stop)
+    return bound
 
 
 async def _health_loop(

@@ -67,11 +67,41 @@ def build_http_app(
     app = FastAPI(
         title="flashpd", description="OpenAI-compatible API of flashpd", openapi_url=None, docs_url=None, redoc_url=None
     )
-    keys = api_keys or ApiKeys(())
+    edge = _Edge(api_keys or ApiKeys(()), models, tokenizer, metrics, max_body_bytes)
+    _add_error_handlers(app)
+    _add_generation_routes(app, orchestrator, edge)
+    _add_model_routes(app, edge.keys, models)
+    _add_operations_routes(app, orchestrator, metrics)
+    return app
 
-    def refused(exc: ServiceError) -> None:
-        metrics.errors.labels(model_name=models.default.name, code=exc.code).inc()
 
+@dataclasses.dataclass(frozen=True)
+class _Edge:
+    """What a request passes before the orchestrator sees it: the key, the body limit and the
+    OpenAI validation. Refusals here are counted (the orchestrator counts the rest)."""
+
+    keys: ApiKeys
+    models: ModelTable
+    tokenizer: Tokenizer
+    metrics: RouterMetrics
+    max_body_bytes: int
+
+    def refused(self, exc: ServiceError) -> None:
+        self.metrics.errors.labels(model_name=self.models.default.name, code=exc.code).inc()
+
+    async def admit(self, request: Request, parse) -> OpenAIRequest:
+        """Authorize, read and validate with `parse` (`chat_request` or `completion_request`)."""
+        try:
+            self.keys.require(request.headers.get("authorization"))
+            rid = request.state.flashpd_request_id = request_id_from(request.headers)
+            body = parse_json(await _read_body(request, self.max_body_bytes), self.max_body_bytes)
+            return parse(body, request.headers, self.models, self.tokenizer, rid)
+        except ServiceError as exc:
+            self.refused(exc)
+            raise
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         headers = {}
@@ -93,28 +123,20 @@ def build_http_app(
         log.error("request %s failed", rid, exc_info=exc)
         return JSONResponse(error_body(Internal("unexpected"), rid), status_code=500)
 
-    async def edge(request: Request, parse) -> OpenAIRequest:
-        """Authorize, read and validate; a refusal here is counted (it never reaches the
-        orchestrator, which counts the rest)."""
-        try:
-            keys.require(request.headers.get("authorization"))
-            rid = request.state.flashpd_request_id = request_id_from(request.headers)
-            body = parse_json(await _read_body(request, max_body_bytes), max_body_bytes)
-            return parse(body, request.headers, models, tokenizer, rid)
-        except ServiceError as exc:
-            refused(exc)
-            raise
 
+def _add_generation_routes(app: FastAPI, orchestrator: Orchestrator, edge: _Edge) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        oreq = await edge(request, completion_request)
-        return await _serve(orchestrator, oreq, tokenizer, request, refused)
+        oreq = await edge.admit(request, completion_request)
+        return await _serve(orchestrator, oreq, edge.tokenizer, request, edge.refused)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        oreq = await edge(request, chat_request)
-        return await _serve(orchestrator, oreq, tokenizer, request, refused)
+        oreq = await edge.admit(request, chat_request)
+        return await _serve(orchestrator, oreq, edge.tokenizer, request, edge.refused)
 
+
+def _add_model_routes(app: FastAPI, keys: ApiKeys, models: ModelTable) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         keys.require(request.headers.get("authorization"))
@@ -128,6 +150,8 @@ def build_http_app(
             raise v.ModelNotFound("must not be empty", field="model")
         return _model_card(models.resolve(model_id))
 
+
+def _add_operations_routes(app: FastAPI, orchestrator: Orchestrator, metrics: RouterMetrics) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
@@ -140,8 +164,6 @@ def build_http_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _model_card(m: ServedModel) -> dict:
@@ -184,16 +206,22 @@ async def _serve(
     if not oreq.stream:
         tokens, final = await _until_done_or_disconnect(_collect(events), request)
         return JSONResponse(shaper.response(tokens, final))
+    first = await _first_event(events)
+    return _event_stream(_sse(first, events, shaper, oreq.request.request_id))
+
+
+async def _first_event(events):
+    """The stream's first event; the stream is closed if that fails (no response has started,
+    so the error still gets its HTTP status)."""
     try:
-        first = await anext(events)
+        return await anext(events)
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(
-        _sse(first, events, shaper, oreq.request.request_id),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache"},
-    )
+
+
+def _event_stream(lines: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
 async def _sse(
@@ -237,18 +265,10 @@ async def _serve_choices(
         results = await _until_done_or_disconnect(choices.collect(events, n), request)
         shapers = [ResponseShaper(oreq, tokenizer, i) for i in range(n)]
         return JSONResponse(merge_choices(shapers, results))
-    try:
-        first = await anext(events)
-    except BaseException:
-        await events.aclose()
-        raise
+    first = await _first_event(events)
     per_choice = dataclasses.replace(oreq, include_usage=False)  # one usage chunk, at the end
     shapers = [ResponseShaper(per_choice, tokenizer, i) for i in range(n)]
-    return StreamingResponse(
-        _sse_choices(first, events, shapers, oreq),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache"},
-    )
+    return _event_stream(_sse_choices(first, events, shapers, oreq))
 
 
 async def _sse_choices(

@@ -21,6 +21,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -110,6 +111,24 @@ class WorkerLoadCollector:
             yield family
 
 
+@dataclass(frozen=True)
+class _Families:
+    """Metric families named `<namespace>:<name>`, labelled by model_name (plus `extra`)."""
+
+    namespace: str
+    registry: CollectorRegistry
+
+    def histogram(self, name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
+        labels = ["model_name", *extra]
+        return Histogram(f"{self.namespace}:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+    def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(f"{self.namespace}:{name}", doc, ["model_name", *extra], registry=self.registry)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"{self.namespace}:{name}", doc, ["model_name"], registry=self.registry)
+
+
 class RouterMetrics:
     def __init__(
         self,
@@ -127,54 +146,64 @@ class RouterMetrics:
         self.recent_itl = RecentWindow(window_s, clock)
         self.worker_load = WorkerLoadCollector(namespace, model)
         self.registry.register(self.worker_load)
-        ns, reg, labels = namespace, self.registry, ["model_name"]
+        families = _Families(namespace, self.registry)
+        self._latency_metrics(families)
+        self._transfer_metrics(families)
+        self._request_metrics(families)
+        self._speculative_metrics(families)
+        self.running = families.gauge("num_requests_running", "Requests in flight in this router.")
 
-        def hist(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(f"{ns}:{name}", doc, labels + list(extra), buckets=buckets, registry=reg)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{ns}:{name}", doc, labels + list(extra), registry=reg)
-
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
-        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.", ITL_BUCKETS_S)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to final message.", LATENCY_BUCKETS_S)
-        self.decision = hist(
+    def _latency_metrics(self, f: _Families) -> None:
+        self.ttft = f.histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS_S)
+        self.itl = f.histogram("inter_token_latency_seconds", "Time between streamed tokens.", ITL_BUCKETS_S)
+        self.e2e = f.histogram("e2e_request_latency_seconds", "Arrival to final message.", LATENCY_BUCKETS_S)
+        self.decision = f.histogram(
             "router_decision_latency_seconds", "Routing decision (Redis lookup + policy).", DECISION_BUCKETS_S
         )
-        self.transfer_latency = hist("kv_transfer_latency_seconds", "KV push prefill -> decode.", LATENCY_BUCKETS_S)
-        self.transfer_bytes = counter("kv_transfer_bytes", "KV bytes pushed prefill -> decode.")
-        self.transfer_bytes_per_request = hist(
+
+    def _transfer_metrics(self, f: _Families) -> None:
+        self.transfer_latency = f.histogram(
+            "kv_transfer_latency_seconds", "KV push prefill -> decode.", LATENCY_BUCKETS_S
+        )
+        self.transfer_bytes = f.counter("kv_transfer_bytes", "KV bytes pushed prefill -> decode.")
+        self.transfer_bytes_per_request = f.histogram(
             "kv_transfer_request_bytes", "KV bytes pushed per request.", BYTES_BUCKETS
         )
-        self.transfer_failures = counter("kv_transfer_failures", "Failed KV pushes.")
-        self.cache_hits = counter("prefix_cache_hits", "Requests by prefix-cache tier hit.", ("tier",))
-        self.cache_hit_tokens = counter("prefix_cache_hit_tokens", "Cached prompt tokens by tier.", ("tier",))
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.success = counter("request_success", "Finished requests.", ("finished_reason",))
-        self.errors = counter("request_errors", "Failed requests by status code.", ("code",))
-        self.retries = counter("request_retries", "Attempts moved to another worker.", ("code",))
-        self.migrations = counter(
+        self.transfer_failures = f.counter("kv_transfer_failures", "Failed KV pushes.")
+
+    def _request_metrics(self, f: _Families) -> None:
+        """Per finished, refused, retried or migrated request."""
+        self.cache_hits = f.counter("prefix_cache_hits", "Requests by prefix-cache tier hit.", ("tier",))
+        self.cache_hit_tokens = f.counter("prefix_cache_hit_tokens", "Cached prompt tokens by tier.", ("tier",))
+        self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = f.counter("generation_tokens", "Generated tokens.")
+        self.success = f.counter("request_success", "Finished requests.", ("finished_reason",))
+        self.errors = f.counter("request_errors", "Failed requests by status code.", ("code",))
+        self.retries = f.counter("request_retries", "Attempts moved to another worker.", ("code",))
+        self.migrations = f.counter(
             "stream_migrations",
             "Streams of a draining decode worker: moved to another one, or staying (nowhere to go).",
             ("outcome",),
         )
-        self.migrated_bytes = counter("stream_migration_bytes", "KV bytes moved D -> D.")
-        self.prefills = counter("prefills", "Prefill calls that ran (first attempts and re-prefills after a failure).")
-        # speculative decoding (decode workers' verify books, per finished request)
-        self.spec_drafted = counter("spec_decode_draft_tokens", "Draft tokens verified.")
-        self.spec_accepted = counter("spec_decode_accepted_tokens", "Draft tokens accepted.")
-        self.spec_steps = counter("spec_decode_verify_steps", "Sequence verify steps.")
-        self.spec_length = hist(
+        self.migrated_bytes = f.counter("stream_migration_bytes", "KV bytes moved D -> D.")
+        self.prefills = f.counter(
+            "prefills", "Prefill calls that ran (first attempts and re-prefills after a failure)."
+        )
+
+    def _speculative_metrics(self, f: _Families) -> None:
+        """The decode workers' verify books, per finished request."""
+        self.spec_drafted = f.counter("spec_decode_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = f.counter("spec_decode_accepted_tokens", "Draft tokens accepted.")
+        self.spec_steps = f.counter("spec_decode_verify_steps", "Sequence verify steps.")
+        self.spec_length = f.histogram(
             "spec_decode_acceptance_length",
             "Per request: mean tokens emitted per verify (1 + accepted / steps).",
             AL_BUCKETS,
         )
-        self.spec_forced = counter(
+        self.spec_forced = f.counter(
             "spec_decode_forced_requests",
             "Requests decoded under a benchmark's forced acceptance (outputs not the model's).",
         )
-        self.running = Gauge(f"{ns}:num_requests_running", "Requests in flight in this router.", labels, registry=reg)
 
     def _l(self, **extra: str) -> dict[str, str]:
         return {"model_name": self._model, **extra}

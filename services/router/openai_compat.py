@@ -131,31 +131,43 @@ def chat_request(
     model = _model(body, models)
     _check_unsupported(body, AGENT_FIELDS["chat"])
     agent = agent_options(body, chat=True)
+    messages = _messages(body, model)
+    prompt_ids = check_prompt_ids(_chat_prompt_ids(messages, agent, tokenizer), model, "messages")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _opt(body, field, None, _max_tokens)
+    if max_tokens is None:
+        max_tokens = max(1, model.context_tokens - len(prompt_ids))
+    check_context(model, len(prompt_ids), max_tokens, "messages", max_tokens_field=field)
+    want, top = _chat_logprobs(body)
+    sampling = dataclasses.replace(_sampling(body, model, max_tokens, max(top, 1) if want else 0), guided=agent.guided)
+    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id, agent)
+
+
+def _messages(body: Mapping, model: ServedModel) -> list:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
     if len(messages) > v.MAX_MESSAGES:
         raise InvalidArgument(f"must hold at most {v.MAX_MESSAGES} messages, got {len(messages)}", field="messages")
     v.check_text_budget(_content_chars(messages), model.context_tokens, "messages")
+    return messages
+
+
+def _chat_prompt_ids(messages: list, agent: AgentOptions, tokenizer: Tokenizer) -> list[int]:
+    """Agent turns, tools or a response format: the DSML template (`convert.py`); else the
+    tokenizer's own chat template."""
     if agent.prompt_tools or agent.response_schema is not None or _has_agent_turns(messages):
-        prompt_ids = check_prompt_ids(
-            tokenizer.encode(deepseek_chat_prompt(messages, agent.prompt_tools, agent.response_schema)),
-            model,
-            "messages",
-        )
-    else:
-        prompt_ids = check_prompt_ids(tokenizer.apply_chat_template(messages), model, "messages")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _opt(body, field, None, _max_tokens)
-    if max_tokens is None:
-        max_tokens = max(1, model.context_tokens - len(prompt_ids))
-    check_context(model, len(prompt_ids), max_tokens, "messages", max_tokens_field=field)
+        return tokenizer.encode(deepseek_chat_prompt(messages, agent.prompt_tools, agent.response_schema))
+    return tokenizer.apply_chat_template(messages)
+
+
+def _chat_logprobs(body: Mapping) -> tuple[bool, int]:
+    """(logprobs wanted, top_logprobs)."""
     want = _opt(body, "logprobs", False, v.as_bool)
     top = _opt(body, "top_logprobs", 0, v.as_logprobs)
     if top and not want:
         raise InvalidArgument("requires logprobs=true", field="top_logprobs")
-    sampling = dataclasses.replace(_sampling(body, model, max_tokens, max(top, 1) if want else 0), guided=agent.guided)
-    return _request("chat", body, headers, model, prompt_ids, sampling, top, want, request_id, agent)
+    return want, top
 
 
 def _has_agent_turns(messages: list) -> bool:
@@ -175,12 +187,7 @@ def _request(
     agent: AgentOptions,
 ) -> OpenAIRequest:
     stream = _opt(body, "stream", False, v.as_bool)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidArgument("must be an object", field="stream_options")
-    include_usage = _opt(
-        options or {}, "include_usage", False, lambda x, _: v.as_bool(x, "stream_options.include_usage")
-    )
+    include_usage = _include_usage(body)
     request = InternalRequest(
         request_id=request_id or request_id_from(headers),
         model=model.name,
@@ -191,6 +198,13 @@ def _request(
         arrival_unix_s=time.time(),
     )
     return OpenAIRequest(kind, request, model.name, stream, include_usage, top_logprobs, want_logprobs, agent)
+
+
+def _include_usage(body: Mapping) -> bool:
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidArgument("must be an object", field="stream_options")
+    return _opt(options or {}, "include_usage", False, lambda x, _: v.as_bool(x, "stream_options.include_usage"))
 
 
 def _model(body: Mapping, models: ModelTable) -> ServedModel:

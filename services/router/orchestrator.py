@@ -133,6 +133,19 @@ def _worker_died(exc: BaseException, error: ServiceError) -> bool:
 
 
 @dataclass
+class _Retries:
+    """One run's placements so far (within one `_serve`)."""
+
+    excluded: set[WorkerRef] = dataclasses.field(default_factory=set)  # failed: not placed on again
+    last_error: ServiceError | None = None
+    died: bool = False  # the last failure was a worker's death: a replacement is coming
+    failures: int = 0  # bounded by max_attempts
+    lease_retries: int = 0  # bounded by max_lease_retries
+    waited_s: float = 0.0  # for a replacement worker
+    cleared_at_s: float = 0.0  # `waited_s` when `excluded` was last cleared
+
+
+@dataclass
 class _Progress:
     """What a run has released so far, across its attempts."""
 
@@ -336,58 +349,62 @@ class Orchestrator:
         if run.progress is None:  # kept across attempts and a revival
             run.progress = _Progress(TextStream(self.tokenizer, run.request.sampling.stop))
         progress = run.progress
-        excluded: set[WorkerRef] = set()
-        last_error: ServiceError | None = None
-        died = False  # the last failure was a worker's death: a replacement is coming
-        failures = lease_retries = 0
-        waited_s = cleared_at_s = 0.0
-        while failures < self.config.max_attempts:
+        retries = _Retries()
+        while retries.failures < self.config.max_attempts:
             if run.num_tokens >= run.request.sampling.max_tokens:  # broke right before Final
                 await self._finish_without_decode(run, progress)
                 return
             attempt_req = self._attempt_request(run)
             try:
-                assignment = await placement.place(attempt_req, frozenset(excluded))
-            except Unavailable:
-                if last_error is None:
-                    raise
-                if not died or waited_s >= self.config.wait_for_workers_s:
-                    raise last_error from None
-                # every usable worker of a role failed: wait for a replacement to register
-                # (a new incarnation is never excluded); after `reprobe_excluded_s` the
-                # excluded ones get another chance (a transient failure, not a death)
-                await asyncio.sleep(self.config.wait_poll_s)
-                waited_s += self.config.wait_poll_s
-                if waited_s - cleared_at_s >= self.config.reprobe_excluded_s:
-                    excluded.clear()
-                    cleared_at_s = waited_s
+                assignment = await placement.place(attempt_req, frozenset(retries.excluded))
+            except Unavailable as exc:
+                await self._wait_for_workers(retries, exc)
                 continue
             self.metrics.on_route(assignment.route_ms / 1e3)
             try:
                 await self._attempt(run, assignment, attempt_req, progress)
                 return
             except _RetryElsewhere as retry:
-                if retry.lease_expired and lease_retries < self.config.max_lease_retries:
-                    lease_retries += 1  # nobody failed: same workers allowed, none suspected
-                    log.warning(
-                        "request %s: its KV lease expired before prefill (%s); placing it again (%d)",
-                        run.request_id,
-                        retry,
-                        lease_retries,
-                    )
-                    self.metrics.on_retry(retry.error.code)
-                    continue
-                log.warning("request %s (%d tokens out): %s; placing it again", run.request_id, run.num_tokens, retry)
-                excluded.add(retry.worker)
-                if isinstance(retry.error, Unavailable):
-                    placement.suspect(retry.worker)
-                last_error, died = retry.error, retry.died
-                failures += 1
-                self.metrics.on_retry(retry.error.code)
+                self._count_retry(run, placement, retries, retry)
             finally:
                 placement.release(assignment)
-        assert last_error is not None
-        raise last_error
+        assert retries.last_error is not None
+        raise retries.last_error
+
+    async def _wait_for_workers(self, retries: _Retries, no_worker: Unavailable) -> None:
+        """No worker to place on. With no failure before, that is the answer; when the last
+        failure was a worker's death, wait (within `wait_for_workers_s`) for a replacement to
+        register (a new incarnation is never excluded); after `reprobe_excluded_s` the excluded
+        ones get another chance (a transient failure, not a death)."""
+        if retries.last_error is None:
+            raise no_worker
+        if not retries.died or retries.waited_s >= self.config.wait_for_workers_s:
+            raise retries.last_error from None
+        await asyncio.sleep(self.config.wait_poll_s)
+        retries.waited_s += self.config.wait_poll_s
+        if retries.waited_s - retries.cleared_at_s >= self.config.reprobe_excluded_s:
+            retries.excluded.clear()
+            retries.cleared_at_s = retries.waited_s
+
+    def _count_retry(self, run: Run, placement: Placement, retries: _Retries, retry: _RetryElsewhere) -> None:
+        """Book a failed attempt before the next placement."""
+        if retry.lease_expired and retries.lease_retries < self.config.max_lease_retries:
+            retries.lease_retries += 1  # nobody failed: same workers allowed, none suspected
+            log.warning(
+                "request %s: its KV lease expired before prefill (%s); placing it again (%d)",
+                run.request_id,
+                retry,
+                retries.lease_retries,
+            )
+            self.metrics.on_retry(retry.error.code)
+            return
+        log.warning("request %s (%d tokens out): %s; placing it again", run.request_id, run.num_tokens, retry)
+        retries.excluded.add(retry.worker)
+        if isinstance(retry.error, Unavailable):
+            placement.suspect(retry.worker)
+        retries.last_error, retries.died = retry.error, retry.died
+        retries.failures += 1
+        self.metrics.on_retry(retry.error.code)
 
     def _attempt_request(self, run: Run) -> InternalRequest:
         """The request as the next attempt's workers see it: a fresh worker-side id, and after
@@ -480,12 +497,7 @@ class Orchestrator:
         events = stream.__aiter__()
         try:
             while True:
-                try:
-                    event = await self._call(events.__anext__(), worker, RETRY_DECODE)
-                except StopAsyncIteration:  # the worker went away mid-stream
-                    raise _RetryElsewhere(
-                        worker, Unavailable("decode stream ended without a final event"), died=True
-                    ) from None
+                event = await self._next_decode_event(events, worker)
                 if isinstance(event, MigrateEvent):
                     if await self._migrate(run, attempt):  # the stream moved: follow it
                         await _aclose(stream)
@@ -505,6 +517,12 @@ class Orchestrator:
                     return
         finally:
             await _aclose(stream)
+
+    async def _next_decode_event(self, events: AsyncIterator, worker: WorkerRef):
+        try:
+            return await self._call(events.__anext__(), worker, RETRY_DECODE)
+        except StopAsyncIteration:  # the worker went away mid-stream
+            raise _RetryElsewhere(worker, Unavailable("decode stream ended without a final event"), died=True) from None
 
     async def _migrate(self, run: Run, attempt: _Attempt) -> bool:
         """The attempt's decode worker is draining and paused the stream after every token
@@ -538,17 +556,20 @@ class Orchestrator:
             return await self._stay(run, attempt, f"{type(exc).__name__}: {exc}")
         attempt.moved_to(a, req, run.num_tokens, target, ticket)
         attempt.migrate_ms += (time.perf_counter() - started) * 1e3
-        self.metrics.on_migration("moved", moved.moved_bytes if moved else 0)
+        self._count_move(run, attempt, source, moved.moved_bytes if moved else 0)
+        return True
+
+    def _count_move(self, run: Run, attempt: _Attempt, source: WorkerRef, moved_bytes: int) -> None:
+        self.metrics.on_migration("moved", moved_bytes)
         log.info(
             "request %s: moved from %s to %s after %d tokens (%d KV bytes, %.1f ms)",
             run.request_id,
             source.worker_id,
-            a.decode.worker_id,
+            attempt.assignment.decode.worker_id,
             run.num_tokens,
-            moved.moved_bytes if moved else 0,
+            moved_bytes,
             attempt.migrate_ms,
         )
-        return True
 
     async def _stay(self, run: Run, attempt: _Attempt, why: str) -> bool:
         log.warning("request %s: stays on draining %s (%s)", run.request_id, attempt.assignment.decode.worker_id, why)
@@ -626,34 +647,11 @@ class Orchestrator:
     def _final_event(
         self, run: Run, attempt: _Attempt, progress: _Progress, reason: FinishReason, decode_final: FinalEvent | None
     ) -> FinalEvent:
-        req, result, ticket = run.request, attempt.result, attempt.ticket
-        assert ticket is not None
-        # without a prefill, D replays the last chunk itself: that much is computed afresh
-        computed = result.computed_tokens if result else min(attempt.request.prompt_tokens, CHUNK_TOKENS)
-        usage = Usage(
-            prompt_tokens=req.prompt_tokens,
-            completion_tokens=run.num_tokens,
-            cached_tokens=max(0, req.prompt_tokens - computed),
-            cached_tokens_prefill=min(req.prompt_tokens, result.prefill_cached_tokens if result else 0),
-            cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens),
-            **_speculative_usage(decode_final),
-        )
-        first = progress.first_token_unix_s
-        timeline = Timeline(
-            route_ms=attempt.assignment.route_ms,
-            reserve_ms=attempt.reserve_ms,
-            prefill_queue_ms=result.queue_ms if result else 0.0,
-            prefill_ms=result.compute_ms if result else 0.0,
-            transfer_ms=result.transfer_ms if result else 0.0,
-            replay_ms=decode_final.timeline.replay_ms if decode_final else 0.0,
-            first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
-            e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
-            migrate_ms=attempt.migrate_ms,
-        )
+        req, result = run.request, attempt.result
         return FinalEvent(
             finish_reason=reason,
-            usage=usage,
-            timeline=timeline,
+            usage=_usage(run, attempt, decode_final),
+            timeline=_timeline(req, attempt, progress, decode_final),
             prefill_worker=attempt.assignment.prefill.worker_id if result else "",
             decode_worker=attempt.assignment.decode.worker_id,
             request_id=req.request_id,
@@ -702,6 +700,38 @@ async def _aclose(stream: object) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+def _usage(run: Run, attempt: _Attempt, decode_final: FinalEvent | None) -> Usage:
+    req, result, ticket = run.request, attempt.result, attempt.ticket
+    assert ticket is not None
+    # without a prefill, D replays the last chunk itself: that much is computed afresh
+    computed = result.computed_tokens if result else min(attempt.request.prompt_tokens, CHUNK_TOKENS)
+    return Usage(
+        prompt_tokens=req.prompt_tokens,
+        completion_tokens=run.num_tokens,
+        cached_tokens=max(0, req.prompt_tokens - computed),
+        cached_tokens_prefill=min(req.prompt_tokens, result.prefill_cached_tokens if result else 0),
+        cached_tokens_decode=min(req.prompt_tokens, ticket.decode_cached_tokens),
+        **_speculative_usage(decode_final),
+    )
+
+
+def _timeline(
+    req: InternalRequest, attempt: _Attempt, progress: _Progress, decode_final: FinalEvent | None
+) -> Timeline:
+    result, first = attempt.result, progress.first_token_unix_s
+    return Timeline(
+        route_ms=attempt.assignment.route_ms,
+        reserve_ms=attempt.reserve_ms,
+        prefill_queue_ms=result.queue_ms if result else 0.0,
+        prefill_ms=result.compute_ms if result else 0.0,
+        transfer_ms=result.transfer_ms if result else 0.0,
+        replay_ms=decode_final.timeline.replay_ms if decode_final else 0.0,
+        first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
+        e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
+        migrate_ms=attempt.migrate_ms,
+    )
 
 
 def _speculative_usage(decode_final: FinalEvent | None) -> dict:

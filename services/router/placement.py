@@ -67,6 +67,16 @@ class _InFlight:
 
 
 @dataclass(frozen=True)
+class _Affinity:
+    """What placement knows of a request's workers before the policy chooses."""
+
+    hit_chunks: dict[WorkerRef, int]  # cached prompt chunks per worker
+    binding: SessionBinding | None  # the session's workers
+    parent: SessionBinding | None  # the parent session's (preferred, not bound)
+    marked: frozenset[str]  # worker keys marked draining
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     view_refresh_s: float = 0.25  # live view cache
     redis_timeout_s: float = 0.2  # per Redis call on the request path
@@ -95,14 +105,7 @@ class Placement:
         self._namespace = namespace_for(model, cache_salt)
         self._view_refresh_s = config.view_refresh_s if view_refresh_s is None else view_refresh_s
         self._clock = clock
-        self.breaker = CircuitBreaker(
-            f"redis index ({model})",
-            timeout_s=config.redis_timeout_s,
-            failure_threshold=config.breaker_failures,
-            open_s=config.breaker_open_s,
-            failures=(RedisError,),
-            clock=clock,
-        )
+        self.breaker = _index_breaker(model, config, clock)
         self._view: LiveView | None = None
         self._view_at = float("-inf")
         self._view_lock = asyncio.Lock()
@@ -181,39 +184,45 @@ class Placement:
         started = time.perf_counter()
         view = await self.live_view()
         usable = self._usable(view, exclude)
-        blind = self.policy.name in BLIND_POLICIES
-        hit_chunks: dict[WorkerRef, int] = {}
-        binding = parent = None
-        if not blind:
-            lookup = await self._lookup(req, [w.ref for w in usable])
-            hit_chunks = lookup.hit_chunks
-            binding = lookup.session or self._local_binding(req.session_id)
-            parent = lookup.parent_session or self._local_binding(req.parent_session_id)
-            if lookup.draining is not None:
-                self._marked = lookup.draining
-            marked = self._marked
-        else:
-            marked = await self._draining_marks()
+        known = await self._affinity(req, usable)
         # draining marks are read with every placement: a drain takes effect from its mark on
-        usable = [w for w in usable if w.ref.key not in marked]
-        candidates = {
-            role: [self._candidate(w, hit_chunks.get(w.ref, 0), req) for w in usable if w.role == role]
-            for role in ROLES
-        }
-        if req.pin:  # a pinned worker wins its role while it is usable
-            candidates = {role: [c for c in cands if c.ref in req.pin] or cands for role, cands in candidates.items()}
+        usable = [w for w in usable if w.ref.key not in known.marked]
+        candidates = self._candidates(req, usable, known.hit_chunks)
         query = RouteQuery(
             prompt_tokens=req.prompt_tokens,
             affinity_key=req.session_id or req.request_id,
-            bound=_refs(binding),
-            preferred=_refs(parent),
+            bound=_refs(known.binding),
+            preferred=_refs(known.parent),
         )
         decision = self.policy.choose(query, candidates["prefill"], candidates["decode"])
         pending = req.prompt_tokens - decision.prefill_credit_tokens
         self._in_flight.prefill_tokens[decision.prefill.ref] += pending
         self._in_flight.decode_requests[decision.decode.ref] += 1
         route_ms = (time.perf_counter() - started) * 1e3
-        return Assignment(decision, route_ms, binding, pending)
+        return Assignment(decision, route_ms, known.binding, pending)
+
+    async def _affinity(self, req: InternalRequest, usable: list[WorkerStats]) -> _Affinity:
+        """What the index knows for the request (nothing for a blind policy), and the marks."""
+        if self.policy.name in BLIND_POLICIES:
+            return _Affinity({}, None, None, await self._draining_marks())
+        lookup = await self._lookup(req, [w.ref for w in usable])
+        binding = lookup.session or self._local_binding(req.session_id)
+        parent = lookup.parent_session or self._local_binding(req.parent_session_id)
+        if lookup.draining is not None:
+            self._marked = lookup.draining
+        return _Affinity(lookup.hit_chunks, binding, parent, self._marked)
+
+    def _candidates(
+        self, req: InternalRequest, usable: list[WorkerStats], hit_chunks: dict[WorkerRef, int]
+    ) -> dict[str, list[Candidate]]:
+        """role -> the policy's candidates; a pinned worker wins its role while it is usable."""
+        candidates = {
+            role: [self._candidate(w, hit_chunks.get(w.ref, 0), req) for w in usable if w.role == role]
+            for role in ROLES
+        }
+        if req.pin:
+            candidates = {role: [c for c in cands if c.ref in req.pin] or cands for role, cands in candidates.items()}
+        return candidates
 
     def prefill_done(self, a: Assignment) -> None:
         if a.prefill_open:
@@ -299,6 +308,18 @@ class Placement:
             log.exception("reaping %s failed; retried on the next view refresh", dead)
         finally:
             self._reaping.difference_update(dead)
+
+
+def _index_breaker(model: str, config: PlacementConfig, clock: Callable[[], float]) -> CircuitBreaker:
+    """Redis calls fail fast while the index is down (the router places from memory)."""
+    return CircuitBreaker(
+        f"redis index ({model})",
+        timeout_s=config.redis_timeout_s,
+        failure_threshold=config.breaker_failures,
+        open_s=config.breaker_open_s,
+        failures=(RedisError,),
+        clock=clock,
+    )
 
 
 def _refs(binding: SessionBinding | None) -> frozenset[WorkerRef]:

@@ -182,14 +182,7 @@ def sampling_params(
     min_p = _opt(get, "min_p", 0.0, lambda v, f: as_number(v, f, 0.0, 1.0))
     seed = _opt(get, "seed", None, lambda v, f: as_int(v, f, 0, MAX_SEED))
     stop = _opt(get, "stop", (), _stop_strings)
-    stop_ids = _opt(
-        get,
-        "stop_token_ids",
-        (),
-        lambda v, f: token_ids(
-            list(v) if isinstance(v, tuple) else v, f, vocab_size, max_count=MAX_STOP_TOKEN_IDS, empty_ok=True
-        ),
-    )
+    stop_ids = _opt(get, "stop_token_ids", (), lambda v, f: _stop_token_ids(v, f, vocab_size))
     speculative = _opt(get, "speculative", "auto", as_speculative)
     if temperature < GREEDY_TEMPERATURE or top_p < MIN_TOP_P:
         temperature, top_p = 0.0, 1.0  # greedy (see the module docstring)
@@ -206,6 +199,11 @@ def sampling_params(
         logprobs=logprobs,
         speculative=speculative,
     )
+
+
+def _stop_token_ids(value: Any, field: str, vocab_size: int) -> tuple[int, ...]:
+    ids = list(value) if isinstance(value, tuple) else value
+    return token_ids(ids, field, vocab_size, max_count=MAX_STOP_TOKEN_IDS, empty_ok=True)
 
 
 def as_speculative(value: Any, field: str) -> str:

@@ -98,22 +98,28 @@ class AdmissionQueue:
                     result = await try_admit()
                     if result is not None:
                         return result
-                wait_s = self._recheck_s
-                if deadline_unix_s is not None:
-                    left_s = deadline_unix_s - self._clock()
-                    if left_s <= 0:
-                        raise DeadlineExceeded(f"{what}: the deadline passed while queued for capacity")
-                    wait_s = min(wait_s, left_s)
-                room = self._room
-                try:
-                    await asyncio.wait_for(room.wait(), wait_s)
-                except TimeoutError:
-                    pass
-                if room.is_set() and self._room is room:
-                    # a fresh event for the next wake-up; only once per event, or a waiter
-                    # already parked on the fresh one would be orphaned until its recheck
-                    self._room = asyncio.Event()
+                await self._wait_for_room(self._wait_s(deadline_unix_s, what))
         finally:
             self._waiting.remove(me)
             if self._room is not None:
                 self._room.set()  # the next head tries at once
+
+    def _wait_s(self, deadline_unix_s: float | None, what: str) -> float:
+        """Until the next recheck, or the deadline if sooner (passed: DEADLINE_EXCEEDED)."""
+        if deadline_unix_s is None:
+            return self._recheck_s
+        left_s = deadline_unix_s - self._clock()
+        if left_s <= 0:
+            raise DeadlineExceeded(f"{what}: the deadline passed while queued for capacity")
+        return min(self._recheck_s, left_s)
+
+    async def _wait_for_room(self, wait_s: float) -> None:
+        room = self._room
+        try:
+            await asyncio.wait_for(room.wait(), wait_s)
+        except TimeoutError:
+            pass
+        if room.is_set() and self._room is room:
+            # a fresh event for the next wake-up; only once per event, or a waiter
+            # already parked on the fresh one would be orphaned until its recheck
+            self._room = asyncio.Event()

@@ -87,15 +87,8 @@ class RedisPublisher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - retried forever; the worker keeps serving
-                self.failures += 1
-                if self.registered or self.failures == 1:
-                    log.warning(
-                        "%s: Redis publishing failed (%r); retrying, and re-publishing "
-                        "every cached chunk once Redis answers",
-                        self._ref.key,
-                        exc,
-                    )
-                self.registered, fresh = False, True
+                self._count_failure(exc)
+                fresh = True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(2 * backoff_s, self._max_backoff_s)
                 continue
@@ -103,6 +96,17 @@ class RedisPublisher:
                 log.info("%s: registered in Redis, cached chunks published", self._ref.key)
             self.registered, fresh, backoff_s = True, False, self._interval_s
             await asyncio.sleep(self._interval_s)
+
+    def _count_failure(self, exc: Exception) -> None:
+        """A failed round; logged on the first failure after a success (and the very first)."""
+        self.failures += 1
+        if self.registered or self.failures == 1:
+            log.warning(
+                "%s: Redis publishing failed (%r); retrying, and re-publishing every cached chunk once Redis answers",
+                self._ref.key,
+                exc,
+            )
+        self.registered = False
 
     async def _round(self, fresh: bool) -> None:
         if fresh:
@@ -115,8 +119,11 @@ class RedisPublisher:
         if await self.publisher.heartbeat(self._stats()):  # we were missing: a fresh Redis
             log.warning("%s: missing from the Redis registry; re-publishing every cached chunk", self._ref.key)
             await self._republish()
-        if self._on_drain_mark is None:
-            return
+        if self._on_drain_mark is not None:
+            await self._follow_drain_mark()
+
+    async def _follow_drain_mark(self) -> None:
+        """Drain once marked draining in Redis; serve again once the mark is removed."""
         marked = await self.publisher.is_marked_draining(self._ref)
         if marked and self._drain_task is None:
             log.warning("%s: marked draining in Redis; draining", self._ref.key)
