@@ -338,6 +338,8 @@ async def phase_sessions(stack) -> dict:
                 "cached_tokens_decode": r.usage.cached_tokens_decode,
                 "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
                 "prefill_worker": r.prefill_worker,
+                # where a hit's first token goes: route, reserve, prefill, push, replay (ms)
+                "timeline_ms": {k: round(v, 2) for k, v in sorted(r.timeline.items())},
             }
         )
         history = history + list(r.output_ids) + prompt_ids(64, 900 + turn)
