@@ -138,6 +138,10 @@ class DSparkConfig:
 
     def problems(self, num_layers: int, vocab_size: int) -> list[str]:
         """What is wrong against the backbone, each message naming its key."""
+        return self._block_problems(vocab_size) + self._target_problems(num_layers) + self._head_problems()
+
+    def _block_problems(self, vocab_size: int) -> list[str]:
+        """The drafter's own layers and its [anchor, noise x (k-1)] block."""
         out = []
         if self.num_layers < 1:
             out.append(f"num_nextn_predict_layers must be >= 1 with a drafter, got {self.num_layers}")
@@ -150,13 +154,23 @@ class DSparkConfig:
             out.append(f"dspark_block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.noise_token_id < vocab_size:
             out.append(f"dspark_noise_token_id {self.noise_token_id} outside the vocabulary [0, {vocab_size})")
+        return out
+
+    def _target_problems(self, num_layers: int) -> list[str]:
+        """The tap layers: non-empty, backbone layers, strictly ascending."""
         ids = self.target_layer_ids
+        out = []
         if not ids:
             out.append("dspark_target_layer_ids is empty")
         if any(not 0 <= i < num_layers for i in ids):
             out.append(f"dspark_target_layer_ids {list(ids)}: every id must be a backbone layer in [0, {num_layers})")
         if list(ids) != sorted(set(ids)):
             out.append(f"dspark_target_layer_ids {list(ids)} must be strictly ascending")
+        return out
+
+    def _head_problems(self) -> list[str]:
+        """The Markov head's rank and the drafter's MoE routing."""
+        out = []
         if self.markov_rank < 1:
             out.append(f"dspark_markov_rank must be >= 1, got {self.markov_rank}")
         if self.n_routed_experts < 1:
@@ -236,76 +250,14 @@ class ModelConfig:
         """Translate a released-style config dict (nested `text_config` or flat)."""
         t = hf.get("text_config", hf)
         n_layers = int(t["num_hidden_layers"])
-        ratios = tuple(int(r) for r in t["compress_ratios"][:n_layers])
-        if len(ratios) != n_layers:
-            raise ValueError(
-                f"compress_ratios has {len(t['compress_ratios'])} entries, need at least num_hidden_layers={n_layers}"
-            )
-        kv_src = tuple(int(x) for x in t["kv_source_layer_ids"])
-        idx_src = tuple(int(x) for x in t.get("index_source_layer_ids", kv_src))
-        cand = int(t.get("candidate_source_layer_id", kv_src[-1]))
-        rs = t.get("rope_scaling") or {}
-        if rs and rs.get("type", rs.get("rope_type")) != "yarn":
-            raise ValueError(f"rope_scaling.type must be 'yarn', got {rs.get('type')!r}")
-        if "engram_pad_token_id" in t:
-            pad = int(t["engram_pad_token_id"])
-        elif "engram_pad_id" in t:
-            pad = int(t["engram_pad_id"])
-        else:
-            raise ValueError("config lacks engram_pad_token_id (or engram_pad_id)")
         q = hf.get("quantization_config") or {}
         cfg = cls(
             name=name,
-            vocab_size=int(t["vocab_size"]),
-            hidden_size=int(t["hidden_size"]),
-            num_layers=n_layers,
-            num_heads=int(t["num_attention_heads"]),
-            head_dim=int(t["head_dim"]),
-            rope_head_dim=int(t["qk_rope_head_dim"]),
-            q_lora_rank=int(t["q_lora_rank"]),
-            o_groups=int(t["o_groups"]),
-            o_lora_rank=int(t["o_lora_rank"]),
-            sliding_window=int(t["sliding_window"]),
-            compress_ratios=ratios,
-            kv_source_layer_ids=kv_src,
-            index_source_layer_ids=idx_src,
-            candidate_source_layer_id=cand,
-            candidate_topk_blocks=int(t["candidate_topk_blocks"]),
-            candidate_block_size=int(t["candidate_block_size"]),
-            index_n_heads=int(t["index_n_heads"]),
-            index_head_dim=int(t["index_head_dim"]),
-            index_topk=int(t["index_topk"]),
-            n_routed_experts=int(t["n_routed_experts"]),
-            num_experts_per_tok=int(t["num_experts_per_tok"]),
-            n_shared_experts=int(t["n_shared_experts"]),
-            moe_intermediate_size=int(t["moe_intermediate_size"]),
-            routed_scaling_factor=float(t["routed_scaling_factor"]),
-            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
-            swiglu_limit=float(t["swiglu_limit"]),
-            gate_temp=float(t.get("gate_temp", 1.0)),
-            hc_mult=int(t["hc_mult"]),
-            hc_sinkhorn_iters=int(t["hc_sinkhorn_iters"]),
-            hc_eps=float(t["hc_eps"]),
-            rms_norm_eps=float(t["rms_norm_eps"]),
-            rope=RopeConfig(
-                theta=float(t["rope_theta"]),
-                compress_theta=float(t["compress_rope_theta"]),
-                yarn_factor=float(rs.get("factor", 1.0)),
-                yarn_beta_fast=float(rs.get("beta_fast", 32)),
-                yarn_beta_slow=float(rs.get("beta_slow", 1)),
-                yarn_original_max_position=int(
-                    rs.get("original_max_position_embeddings", t["max_position_embeddings"])
-                ),
-            ),
-            max_position_embeddings=int(t["max_position_embeddings"]),
-            engram_layer_ids=tuple(int(x) for x in t.get("engram_layer_ids", ())),
-            engram_num_embeddings=tuple(int(x) for x in t.get("engram_num_embeddings", ())),
-            engram_max_ngram_size=int(t.get("engram_max_ngram_size", 4)),
-            engram_n_heads=int(t.get("engram_n_heads", 0)),
-            engram_head_dim=int(t.get("engram_head_dim", 0)),
-            engram_vocab_size=int(t.get("engram_vocab_size", 0)),
-            engram_compressed_vocab_size=int(t.get("engram_compressed_vocab_size", 0)),
-            engram_pad_token_id=pad,
+            **_layer_source_fields(t, n_layers),
+            rope=_rope_from_hf(t),
+            **_engram_fields(t),
+            **_shape_fields(t),
+            **_moe_and_hc_fields(t),
             image_token_id=hf.get("image_token_id"),
             weight_block_size=tuple(q.get("weight_block_size", (32, 32))),
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
@@ -326,62 +278,13 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """Inverse of from_hf: a released-style dict (nested text_config)."""
+        # Key order is the released file's; sections are concatenated in that order.
         t = {
-            "model_type": "deepseek_v41_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": 1,
-            "head_dim": self.head_dim,
-            "qk_rope_head_dim": self.rope_head_dim,
-            "q_lora_rank": self.q_lora_rank,
-            "o_lora_rank": self.o_lora_rank,
-            "o_groups": self.o_groups,
-            "n_routed_experts": self.n_routed_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "n_shared_experts": self.n_shared_experts,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "scoring_func": "sqrtsoftplus",
-            "topk_method": "noaux_tc",
-            "norm_topk_prob": self.norm_topk_prob,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "hidden_act": "silu",
-            "swiglu_limit": self.swiglu_limit,
-            "gate_temp": self.gate_temp,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope.theta,
-            "compress_rope_theta": self.rope.compress_theta,
-            "rope_scaling": {
-                "type": "yarn",
-                "factor": self.rope.yarn_factor,
-                "beta_fast": self.rope.yarn_beta_fast,
-                "beta_slow": self.rope.yarn_beta_slow,
-                "original_max_position_embeddings": self.rope.yarn_original_max_position,
-            },
-            "sliding_window": self.sliding_window,
-            "compress_ratios": list(self.compress_ratios),
-            "kv_source_layer_ids": list(self.kv_source_layer_ids),
-            "index_source_layer_ids": list(self.index_source_layer_ids),
-            "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim,
-            "index_topk": self.index_topk,
-            "candidate_source_layer_id": self.candidate_source_layer_id,
-            "candidate_topk_blocks": self.candidate_topk_blocks,
-            "candidate_block_size": self.candidate_block_size,
-            "hc_mult": self.hc_mult,
-            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
-            "hc_eps": self.hc_eps,
-            "engram_layer_ids": list(self.engram_layer_ids),
-            "engram_num_embeddings": list(self.engram_num_embeddings),
-            "engram_max_ngram_size": self.engram_max_ngram_size,
-            "engram_n_heads": self.engram_n_heads,
-            "engram_head_dim": self.engram_head_dim,
-            "engram_vocab_size": self.engram_vocab_size,
-            "engram_compressed_vocab_size": self.engram_compressed_vocab_size,
-            "engram_pad_token_id": self.engram_pad_token_id,
+            **_hf_shape(self),
+            **_hf_moe(self),
+            **_hf_norm_and_rope(self),
+            **_hf_layer_sources(self),
+            **_hf_hc_and_engram(self),
             "num_nextn_predict_layers": 0,
         }
         if self.dspark is not None:
@@ -392,13 +295,7 @@ class ModelConfig:
             "model_type": "deepseek_v41",
             "flashpd_preset": self.name,
             "text_config": t,
-            "quantization_config": {
-                "quant_method": "fp8",
-                "activation_scheme": "dynamic",
-                "weight_block_size": list(self.weight_block_size),
-                "scale_fmt": "ue8m0",
-                "expert_dtype": "fp4",
-            },
+            "quantization_config": _hf_quantization(self),
             "torch_dtype": "bfloat16",
         }
         if self.image_token_id is not None:
@@ -412,45 +309,49 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"invalid ModelConfig {self.name!r}: {msg}")
-
-        need(self.num_heads % self.o_groups == 0, "num_attention_heads % o_groups != 0")
-        need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "qk_rope_head_dim")
-        need(self.rope_head_dim <= self.index_head_dim, "qk_rope_head_dim > index_head_dim")
-        need(self.head_dim % 32 == 0, "head_dim must be a multiple of 32 (FP8/NVFP4 blocks)")
-        need(self.index_head_dim % 32 == 0, "index_head_dim must be a multiple of 32 (MXFP4)")
-        need(all(r in (0, 1, 2) for r in self.compress_ratios), "compress_ratios must be 0, 1 or 2")
-        need(
-            set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids), "every kv source must be an index source"
-        )
-        for s in self.kv_source_layer_ids:
-            need(
-                0 <= s < self.num_layers and self.compress_ratios[s] > 0,
-                f"kv source {s} must be a layer with ratio > 0",
-            )
-        for layer, r in enumerate(self.compress_ratios):
-            if r > 0:
-                src = [s for s in self.kv_source_layer_ids if s <= layer]
-                need(bool(src), f"layer {layer} has ratio {r} but no kv source at or before it")
-                need(
-                    self.compress_ratios[max(src)] == r,
-                    f"layer {layer} ratio {r} differs from its kv source {max(src)}",
-                )
-        need(
-            self.candidate_source_layer_id in self.kv_source_layer_ids, "candidate_source_layer_id must be a kv source"
-        )
-        need(
+        """Raise on the first inconsistency, naming the released key."""
+        self._validate_widths()
+        self._validate_layer_sources()
+        self._need(
             len(self.engram_layer_ids) == len(self.engram_num_embeddings),
             "engram_layer_ids and engram_num_embeddings differ in length",
         )
-        need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult / hc_sinkhorn_iters")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
-        need(self.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1")
+        self._need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult / hc_sinkhorn_iters")
+        self._need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
+        self._need(self.n_shared_experts in (0, 1), "n_shared_experts must be 0 or 1")
         if self.dspark is not None:
             for problem in self.dspark.problems(self.num_layers, self.vocab_size):
-                need(False, problem)
+                self._need(False, problem)
+
+    def _need(self, ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"invalid ModelConfig {self.name!r}: {msg}")
+
+    def _validate_widths(self) -> None:
+        """Head splits and the 32-channel quantization blocks of the KV formats."""
+        self._need(self.num_heads % self.o_groups == 0, "num_attention_heads % o_groups != 0")
+        self._need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "qk_rope_head_dim")
+        self._need(self.rope_head_dim <= self.index_head_dim, "qk_rope_head_dim > index_head_dim")
+        self._need(self.head_dim % 32 == 0, "head_dim must be a multiple of 32 (FP8/NVFP4 blocks)")
+        self._need(self.index_head_dim % 32 == 0, "index_head_dim must be a multiple of 32 (MXFP4)")
+
+    def _validate_layer_sources(self) -> None:
+        """Every compressed layer reads KV from an earlier-or-same source of the same ratio."""
+        ratios = self.compress_ratios
+        self._need(all(r in (0, 1, 2) for r in ratios), "compress_ratios must be 0, 1 or 2")
+        self._need(
+            set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids), "every kv source must be an index source"
+        )
+        for s in self.kv_source_layer_ids:
+            self._need(0 <= s < self.num_layers and ratios[s] > 0, f"kv source {s} must be a layer with ratio > 0")
+        for layer, r in enumerate(ratios):
+            if r > 0:
+                src = [s for s in self.kv_source_layer_ids if s <= layer]
+                self._need(bool(src), f"layer {layer} has ratio {r} but no kv source at or before it")
+                self._need(ratios[max(src)] == r, f"layer {layer} ratio {r} differs from its kv source {max(src)}")
+        self._need(
+            self.candidate_source_layer_id in self.kv_source_layer_ids, "candidate_source_layer_id must be a kv source"
+        )
 
     # ------------------------------------------------------------------ roles
     @property
@@ -496,40 +397,225 @@ class ModelConfig:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
 
+# ---------------------------------------------------------------- from_hf sections
+def _shape_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """Widths and counts of the backbone (embedding, attention projections, window)."""
+    return {
+        "vocab_size": int(t["vocab_size"]),
+        "hidden_size": int(t["hidden_size"]),
+        "num_layers": int(t["num_hidden_layers"]),
+        "num_heads": int(t["num_attention_heads"]),
+        "head_dim": int(t["head_dim"]),
+        "rope_head_dim": int(t["qk_rope_head_dim"]),
+        "q_lora_rank": int(t["q_lora_rank"]),
+        "o_groups": int(t["o_groups"]),
+        "o_lora_rank": int(t["o_lora_rank"]),
+        "sliding_window": int(t["sliding_window"]),
+        "rms_norm_eps": float(t["rms_norm_eps"]),
+        "max_position_embeddings": int(t["max_position_embeddings"]),
+    }
+
+
+def _layer_source_fields(t: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Compression ratios and the KV / index / candidate source layers (backbone only)."""
+    ratios = tuple(int(r) for r in t["compress_ratios"][:n_layers])
+    if len(ratios) != n_layers:
+        raise ValueError(
+            f"compress_ratios has {len(t['compress_ratios'])} entries, need at least num_hidden_layers={n_layers}"
+        )
+    kv_src = tuple(int(x) for x in t["kv_source_layer_ids"])
+    return {
+        "compress_ratios": ratios,
+        "kv_source_layer_ids": kv_src,
+        "index_source_layer_ids": tuple(int(x) for x in t.get("index_source_layer_ids", kv_src)),
+        "candidate_source_layer_id": int(t.get("candidate_source_layer_id", kv_src[-1])),
+        "candidate_topk_blocks": int(t["candidate_topk_blocks"]),
+        "candidate_block_size": int(t["candidate_block_size"]),
+        "index_n_heads": int(t["index_n_heads"]),
+        "index_head_dim": int(t["index_head_dim"]),
+        "index_topk": int(t["index_topk"]),
+    }
+
+
+def _rope_from_hf(t: dict[str, Any]) -> RopeConfig:
+    """RoPE bases and YaRN scaling; a missing `rope_scaling` means no YaRN (factor 1)."""
+    rs = t.get("rope_scaling") or {}
+    if rs and rs.get("type", rs.get("rope_type")) != "yarn":
+        raise ValueError(f"rope_scaling.type must be 'yarn', got {rs.get('type')!r}")
+    return RopeConfig(
+        theta=float(t["rope_theta"]),
+        compress_theta=float(t["compress_rope_theta"]),
+        yarn_factor=float(rs.get("factor", 1.0)),
+        yarn_beta_fast=float(rs.get("beta_fast", 32)),
+        yarn_beta_slow=float(rs.get("beta_slow", 1)),
+        yarn_original_max_position=int(rs.get("original_max_position_embeddings", t["max_position_embeddings"])),
+    )
+
+
+def _engram_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """Engram tables; every key but the pad id is optional (a config without Engram)."""
+    if "engram_pad_token_id" in t:
+        pad = int(t["engram_pad_token_id"])
+    elif "engram_pad_id" in t:
+        pad = int(t["engram_pad_id"])
+    else:
+        raise ValueError("config lacks engram_pad_token_id (or engram_pad_id)")
+    return {
+        "engram_layer_ids": tuple(int(x) for x in t.get("engram_layer_ids", ())),
+        "engram_num_embeddings": tuple(int(x) for x in t.get("engram_num_embeddings", ())),
+        "engram_max_ngram_size": int(t.get("engram_max_ngram_size", 4)),
+        "engram_n_heads": int(t.get("engram_n_heads", 0)),
+        "engram_head_dim": int(t.get("engram_head_dim", 0)),
+        "engram_vocab_size": int(t.get("engram_vocab_size", 0)),
+        "engram_compressed_vocab_size": int(t.get("engram_compressed_vocab_size", 0)),
+        "engram_pad_token_id": pad,
+    }
+
+
+def _moe_and_hc_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """Routed/shared experts and the hyper-connection (Sinkhorn) mixing."""
+    return {
+        "n_routed_experts": int(t["n_routed_experts"]),
+        "num_experts_per_tok": int(t["num_experts_per_tok"]),
+        "n_shared_experts": int(t["n_shared_experts"]),
+        "moe_intermediate_size": int(t["moe_intermediate_size"]),
+        "routed_scaling_factor": float(t["routed_scaling_factor"]),
+        "norm_topk_prob": bool(t.get("norm_topk_prob", True)),
+        "swiglu_limit": float(t["swiglu_limit"]),
+        "gate_temp": float(t.get("gate_temp", 1.0)),
+        "hc_mult": int(t["hc_mult"]),
+        "hc_sinkhorn_iters": int(t["hc_sinkhorn_iters"]),
+        "hc_eps": float(t["hc_eps"]),
+    }
+
+
+# ---------------------------------------------------------------- to_hf sections
+def _hf_shape(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "qk_rope_head_dim": cfg.rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_lora_rank": cfg.o_lora_rank,
+        "o_groups": cfg.o_groups,
+    }
+
+
+def _hf_moe(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_shared_experts": cfg.n_shared_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "hidden_act": "silu",
+        "swiglu_limit": cfg.swiglu_limit,
+        "gate_temp": cfg.gate_temp,
+    }
+
+
+def _hf_norm_and_rope(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope.theta,
+        "compress_rope_theta": cfg.rope.compress_theta,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": cfg.rope.yarn_factor,
+            "beta_fast": cfg.rope.yarn_beta_fast,
+            "beta_slow": cfg.rope.yarn_beta_slow,
+            "original_max_position_embeddings": cfg.rope.yarn_original_max_position,
+        },
+    }
+
+
+def _hf_layer_sources(cfg: ModelConfig) -> dict[str, Any]:
+    """Backbone ratios only; to_hf appends the drafter's tail."""
+    return {
+        "sliding_window": cfg.sliding_window,
+        "compress_ratios": list(cfg.compress_ratios),
+        "kv_source_layer_ids": list(cfg.kv_source_layer_ids),
+        "index_source_layer_ids": list(cfg.index_source_layer_ids),
+        "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "candidate_source_layer_id": cfg.candidate_source_layer_id,
+        "candidate_topk_blocks": cfg.candidate_topk_blocks,
+        "candidate_block_size": cfg.candidate_block_size,
+    }
+
+
+def _hf_hc_and_engram(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "engram_layer_ids": list(cfg.engram_layer_ids),
+        "engram_num_embeddings": list(cfg.engram_num_embeddings),
+        "engram_max_ngram_size": cfg.engram_max_ngram_size,
+        "engram_n_heads": cfg.engram_n_heads,
+        "engram_head_dim": cfg.engram_head_dim,
+        "engram_vocab_size": cfg.engram_vocab_size,
+        "engram_compressed_vocab_size": cfg.engram_compressed_vocab_size,
+        "engram_pad_token_id": cfg.engram_pad_token_id,
+    }
+
+
+def _hf_quantization(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(cfg.weight_block_size),
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+
+
 def _resolve_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
-    specs = []
     kv = sorted(cfg.kv_source_layer_ids)
     idx = sorted(cfg.index_source_layer_ids)
-    for layer in range(cfg.num_layers):
-        r = cfg.compress_ratios[layer]
-        if r == 0:
-            role, kv_src, idx_src = LayerRole.SWA_ONLY, None, None
-        else:
-            kv_src = max(s for s in kv if s <= layer)
-            idx_src = max(s for s in idx if s <= layer)
-            if layer in kv:
-                role = LayerRole.FULL
-            elif layer in idx:
-                role = LayerRole.REINDEX
-            else:
-                role = LayerRole.REUSE
-        owns_index = role in (LayerRole.FULL, LayerRole.REINDEX)
-        has_engram = layer in cfg.engram_layer_ids
-        specs.append(
-            LayerSpec(
-                layer_id=layer,
-                ratio=r,
-                role=role,
-                kv_src=kv_src,
-                idx_src=idx_src,
-                is_candidate_source=layer == cfg.candidate_source_layer_id,
-                uses_candidates=owns_index and layer > cfg.candidate_source_layer_id,
-                has_engram=has_engram,
-                engram_index=cfg.engram_layer_ids.index(layer) if has_engram else None,
-                is_encoder=layer < cfg.candidate_source_layer_id,
-            )
-        )
-    return tuple(specs)
+    return tuple(_layer_spec(cfg, layer, kv, idx) for layer in range(cfg.num_layers))
+
+
+def _layer_role(layer: int, ratio: int, kv: list[int], idx: list[int]) -> LayerRole:
+    if ratio == 0:
+        return LayerRole.SWA_ONLY
+    if layer in kv:
+        return LayerRole.FULL
+    if layer in idx:
+        return LayerRole.REINDEX
+    return LayerRole.REUSE
+
+
+def _layer_spec(cfg: ModelConfig, layer: int, kv: list[int], idx: list[int]) -> LayerSpec:
+    """`kv`/`idx`: sorted source layers; a compressed layer reads the latest at or before it."""
+    r = cfg.compress_ratios[layer]
+    role = _layer_role(layer, r, kv, idx)
+    owns_index = role in (LayerRole.FULL, LayerRole.REINDEX)
+    has_engram = layer in cfg.engram_layer_ids
+    cand = cfg.candidate_source_layer_id
+    return LayerSpec(
+        layer_id=layer,
+        ratio=r,
+        role=role,
+        kv_src=max(s for s in kv if s <= layer) if r > 0 else None,
+        idx_src=max(s for s in idx if s <= layer) if r > 0 else None,
+        is_candidate_source=layer == cand,
+        uses_candidates=owns_index and layer > cand,
+        has_engram=has_engram,
+        engram_index=cfg.engram_layer_ids.index(layer) if has_engram else None,
+        is_encoder=layer < cand,
+    )
 
 
 def ceil_div(a: int, b: int) -> int:
