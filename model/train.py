@@ -37,7 +37,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -587,98 +587,161 @@ def evaluate(model: TrainModel, rows: torch.Tensor, batch: int, device, pad: int
 
 
 def train(args) -> dict:
-    from flashpd.model import train_data
-
     log = print if not args.quiet else (lambda *a, **k: None)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device = _setup_torch(args.seed, args.device)
     cfg, tok_path, hasher = load_preset(args.preset)
     tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log)
-    he_rows = he_rows[: args.eval_rows]
     model = TrainModel(cfg, hasher, seed=args.seed).to(device)
     model.compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {cfg.name}: {n_params / 1e6:.1f}M parameters, compute {args.dtype}")
-    decay = [p for k, p in model.params.items() if p.ndim >= 2 and "embed" not in k]
-    other = [
-        p
-        for k, p in model.params.items()
-        if not (p.ndim >= 2 and "embed" not in k) and not k.endswith(("gate__bias", "gate__bias_vl"))
-    ]
-    opt = torch.optim.AdamW(
+    progress = _train_loop(args, model, _optimizer(model, args.lr), tr_rows, log)
+    return _finish(args, model, progress, he_rows[: args.eval_rows], tok_path, log)
+
+
+def _setup_torch(seed: int, device_name: str) -> torch.device:
+    torch.manual_seed(seed)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+def _optimizer(model: TrainModel, lr: float) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices except embeddings; routing biases are not optimized
+    (update_routing_bias moves them)."""
+
+    def decays(k: str, p: torch.Tensor) -> bool:
+        return p.ndim >= 2 and "embed" not in k
+
+    decay = [p for k, p in model.params.items() if decays(k, p)]
+    other = [p for k, p in model.params.items() if not decays(k, p) and not k.endswith(("gate__bias", "gate__bias_vl"))]
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr,
+        lr=lr,
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+
+
+def _set_lr(opt: torch.optim.AdamW, args, step: int, frac: float) -> float:
+    """Linear warmup over args.warmup steps, then cosine from args.lr down to 0.1 x args.lr
+    (`frac`: fraction of the step or time budget spent); sets every group, returns the rate."""
+    warm = min(1.0, (step + 1) / args.warmup)
+    lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+@dataclass
+class _Progress:
+    """What the training loop hands to the report; losses stay tensors until read once."""
+
+    t0: float  # time.time() at the first step
+    steps: int = 0
+    first_loss: float | None = None
+    last_loss: torch.Tensor | None = None
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, indexer)
+
+
+def _train_loop(args, model: TrainModel, opt: torch.optim.AdamW, rows, log) -> _Progress:
+    """Run until args.steps or args.minutes; halve the batch once if the first step runs out of memory."""
+    from flashpd.model import train_data
+
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(args.seed)
-    pad = train_data.PAD_TOKEN_ID
     budget = args.minutes * 60.0 if args.minutes else None
-    t0, step, history = time.time(), 0, []
-    first_loss = None
+    prog = _Progress(t0=time.time())
     while True:
-        elapsed = time.time() - t0
-        if (args.steps and step >= args.steps) or (budget and elapsed >= budget):
-            break
-        frac = step / args.steps if args.steps else elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = (
-            tr_rows.sample(args.batch, gen)
-            if isinstance(tr_rows, Batches)
-            else tr_rows[torch.randint(0, tr_rows.shape[0], (args.batch,), generator=gen)]
-        )
-        ids = ids.to(device, non_blocking=True)
-        opt.zero_grad(set_to_none=True)
+        elapsed = time.time() - prog.t0
+        if (args.steps and prog.steps >= args.steps) or (budget and elapsed >= budget):
+            return prog
+        lr = _set_lr(opt, args, prog.steps, prog.steps / args.steps if args.steps else elapsed / budget)
+        ids = _sample_rows(rows, args.batch, gen).to(device, non_blocking=True)
         try:
-            logits, aux = model(ids, want_aux=True)
-            loss, _ = loss_fn(logits, ids, pad)
-            (loss + aux).backward()
+            loss, aux = _forward_backward(model, opt, ids, train_data.PAD_TOKEN_ID)
         except torch.OutOfMemoryError:
-            if step or args.batch == 1:
+            if prog.steps or args.batch == 1:
                 raise
-            del ids
-            logits = aux = loss = None
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            args.batch //= 2
-            log(f"out of memory on the first step: batch -> {args.batch}")
+            loss = aux = None
+        if loss is None:  # outside the handler: the traceback no longer holds the step's tensors
+            _drop_first_step(opt, log, args)
             continue
-        del logits
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        model.update_routing_bias()
-        step += 1
-        if first_loss is None:
-            first_loss = loss.item()
-        if step % args.log_every == 0 or step == 1:
-            history.append((step, loss.item(), aux.item()))
-            log(
-                f"step {step} loss {loss.item():.4f} indexer {aux.item():.4f} lr {lr:.2e} {time.time() - t0:.0f} s",
-                flush=True,
-            )
-    train_time = time.time() - t0
-    last_loss = loss.item()
-    heldout = evaluate(model, he_rows, args.batch, device, pad) if he_rows.shape[0] else None
+        _optimizer_step(model, opt)
+        _record_step(args, prog, loss, aux, lr, log)
+
+
+def _sample_rows(rows, batch: int, gen: torch.Generator) -> torch.Tensor:
+    if isinstance(rows, Batches):
+        return rows.sample(batch, gen)
+    return rows[torch.randint(0, rows.shape[0], (batch,), generator=gen)]
+
+
+def _forward_backward(
+    model: TrainModel, opt: torch.optim.AdamW, ids: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of LM loss + indexer loss; returns both losses (the logits are freed here)."""
+    opt.zero_grad(set_to_none=True)
+    logits, aux = model(ids, want_aux=True)
+    loss, _ = loss_fn(logits, ids, pad)
+    (loss + aux).backward()
+    return loss, aux
+
+
+def _drop_first_step(opt: torch.optim.AdamW, log, args) -> None:
+    """Out of memory on step 1: free what it allocated and retry at half the batch."""
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    args.batch //= 2
+    log(f"out of memory on the first step: batch -> {args.batch}")
+
+
+def _optimizer_step(model: TrainModel, opt: torch.optim.AdamW) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.update_routing_bias()
+
+
+def _record_step(args, prog: _Progress, loss: torch.Tensor, aux: torch.Tensor, lr: float, log) -> None:
+    """Count the step; read the losses back from the device only on logged steps."""
+    prog.steps += 1
+    prog.last_loss = loss
+    if prog.first_loss is None:
+        prog.first_loss = loss.item()
+    if prog.steps % args.log_every == 0 or prog.steps == 1:
+        prog.history.append((prog.steps, loss.item(), aux.item()))
+        log(
+            f"step {prog.steps} loss {loss.item():.4f} indexer {aux.item():.4f} lr {lr:.2e} "
+            f"{time.time() - prog.t0:.0f} s",
+            flush=True,
+        )
+
+
+def _finish(args, model: TrainModel, prog: _Progress, he_rows: torch.Tensor, tok_path: str, log) -> dict:
+    """Held-out loss, the exported checkpoint and train_log.json in args.out."""
+    from flashpd.model import train_data
+
+    train_time = time.time() - prog.t0
+    last_loss = prog.last_loss.item()
+    device = next(model.parameters()).device
+    heldout = evaluate(model, he_rows, args.batch, device, train_data.PAD_TOKEN_ID) if he_rows.shape[0] else None
     log(
-        f"trained {step} steps in {train_time:.0f} s; train loss {first_loss:.3f} -> "
+        f"trained {prog.steps} steps in {train_time:.0f} s; train loss {prog.first_loss:.3f} -> "
         f"{last_loss:.3f}; held-out loss {heldout}"
     )
     files = export_checkpoint(model, args.out, tok_path)
     result = {
-        "steps": step,
+        "steps": prog.steps,
         "train_seconds": train_time,
-        "first_loss": first_loss,
+        "first_loss": prog.first_loss,
         "last_loss": last_loss,
         "heldout_loss": heldout,
         "heldout_ppl": math.exp(heldout) if heldout is not None else None,
         "tokens_per_step": args.batch * args.seq_len,
         "files": files,
-        "history": history,
+        "history": prog.history,
     }
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
