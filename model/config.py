@@ -103,25 +103,15 @@ class DSparkConfig:
             raise ValueError(f"num_nextn_predict_layers must be >= 0, got {n}")
         if n == 0:
             return None
-        ratios = t["compress_ratios"]
-        if len(ratios) != num_layers + n:
-            raise ValueError(
-                f"compress_ratios has {len(ratios)} entries; with "
-                f"num_nextn_predict_layers={n} it needs num_hidden_layers + {n} = "
-                f"{num_layers + n}"
-            )
-        ids = t.get("dspark_target_layer_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise ValueError(f"dspark_target_layer_ids must be a list of layer ids, got {ids!r}")
         return cls(
             num_layers=n,
+            compress_ratios=_drafter_ratios(t, num_layers, n),
+            target_layer_ids=_target_layer_ids(t),
             block_size=_int_key(t, "dspark_block_size"),
             noise_token_id=_int_key(t, "dspark_noise_token_id"),
-            target_layer_ids=tuple(ids),
             markov_rank=_int_key(t, "dspark_markov_rank"),
             n_routed_experts=_int_key(t, "dspark_n_routed_experts"),
             num_experts_per_tok=_int_key(t, "dspark_num_experts_per_tok"),
-            compress_ratios=tuple(int(r) for r in ratios[num_layers:]),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -181,6 +171,25 @@ class DSparkConfig:
                 f"[1, dspark_n_routed_experts={self.n_routed_experts}]"
             )
         return out
+
+
+def _drafter_ratios(t: dict[str, Any], num_layers: int, n: int) -> tuple[int, ...]:
+    """The trailing `n` compress_ratios entries (the drafter's layers)."""
+    ratios = t["compress_ratios"]
+    if len(ratios) != num_layers + n:
+        raise ValueError(
+            f"compress_ratios has {len(ratios)} entries; with "
+            f"num_nextn_predict_layers={n} it needs num_hidden_layers + {n} = "
+            f"{num_layers + n}"
+        )
+    return tuple(int(r) for r in ratios[num_layers:])
+
+
+def _target_layer_ids(t: dict[str, Any]) -> tuple[int, ...]:
+    ids = t.get("dspark_target_layer_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"dspark_target_layer_ids must be a list of layer ids, got {ids!r}")
+    return tuple(ids)
 
 
 def _int_key(t: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -278,23 +287,11 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """Inverse of from_hf: a released-style dict (nested text_config)."""
-        # Key order is the released file's; sections are concatenated in that order.
-        t = {
-            **_hf_shape(self),
-            **_hf_moe(self),
-            **_hf_norm_and_rope(self),
-            **_hf_layer_sources(self),
-            **_hf_hc_and_engram(self),
-            "num_nextn_predict_layers": 0,
-        }
-        if self.dspark is not None:
-            t.update(self.dspark.to_hf())
-            t["compress_ratios"] += list(self.dspark.compress_ratios)
         out: dict[str, Any] = {
             "architectures": ["DeepseekV41ForCausalLM"],
             "model_type": "deepseek_v41",
             "flashpd_preset": self.name,
-            "text_config": t,
+            "text_config": _hf_text_config(self),
             "quantization_config": _hf_quantization(self),
             "torch_dtype": "bfloat16",
         }
@@ -490,6 +487,22 @@ def _moe_and_hc_fields(t: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- to_hf sections
+def _hf_text_config(cfg: ModelConfig) -> dict[str, Any]:
+    # Key order is the released file's; sections are concatenated in that order.
+    t = {
+        **_hf_shape(cfg),
+        **_hf_moe(cfg),
+        **_hf_norm_and_rope(cfg),
+        **_hf_layer_sources(cfg),
+        **_hf_hc_and_engram(cfg),
+        "num_nextn_predict_layers": 0,
+    }
+    if cfg.dspark is not None:
+        t.update(cfg.dspark.to_hf())
+        t["compress_ratios"] += list(cfg.dspark.compress_ratios)
+    return t
+
+
 def _hf_shape(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "model_type": "deepseek_v41_text",

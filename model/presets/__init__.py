@@ -43,7 +43,20 @@ def released_hf() -> dict:
 def tiny_hf() -> dict:
     hf = released_hf()
     t = hf["text_config"]
-    t.update(
+    t.update(_tiny_widths())
+    t.update(_tiny_layer_layout())
+    t.update(_tiny_drafter())
+    # Engram table sizes and the compressed vocabulary are derived from the shipped tokenizer
+    # and the prime schedule; model/engram.py fills them in (see tiny_config()).
+    t["engram_num_embeddings"] = [0, 0]
+    t["engram_compressed_vocab_size"] = 0
+    hf["image_token_id"] = None
+    return hf
+
+
+def _tiny_widths() -> dict:
+    """Widths, expert counts and the position range (YaRN x4 over 4096)."""
+    return dict(
         vocab_size=512,
         hidden_size=128,
         num_hidden_layers=10,
@@ -64,6 +77,12 @@ def tiny_hf() -> dict:
             "beta_slow": 1,
             "original_max_position_embeddings": 4096,
         },
+    )
+
+
+def _tiny_layer_layout() -> dict:
+    """The layer table above: window, ratios, KV/index/candidate sources, Engram layers."""
+    return dict(
         sliding_window=128,
         compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0],
         kv_source_layer_ids=[2, 4, 6],
@@ -79,10 +98,15 @@ def tiny_hf() -> dict:
         engram_n_heads=2,
         engram_head_dim=32,
         engram_vocab_size=1000,
-        # DSpark drafter scaled to the preset (docs/dspark.md): 3 SWA-only layers tapping the
-        # last 3 backbone layers, 4 routed experts (top 2) + the shared one, Markov rank 16; the
-        # noise slots embed id 2 (<pad>, never a drafted token; the released model uses
-        # </think>)
+    )
+
+
+def _tiny_drafter() -> dict:
+    """DSpark drafter scaled to the preset (docs/dspark.md): 3 SWA-only layers tapping the
+    last 3 backbone layers, 4 routed experts (top 2) + the shared one, Markov rank 16; the
+    noise slots embed id 2 (<pad>, never a drafted token; the released model uses
+    </think>)."""
+    return dict(
         num_nextn_predict_layers=3,
         dspark_block_size=5,
         dspark_noise_token_id=2,
@@ -91,12 +115,6 @@ def tiny_hf() -> dict:
         dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2,
     )
-    # Engram table sizes and the compressed vocabulary are derived from the shipped tokenizer
-    # and the prime schedule; model/engram.py fills them in (see tiny_config()).
-    t["engram_num_embeddings"] = [0, 0]
-    t["engram_compressed_vocab_size"] = 0
-    hf["image_token_id"] = None
-    return hf
 
 
 def _bench_hf() -> dict:
