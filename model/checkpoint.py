@@ -383,25 +383,44 @@ def write_random_checkpoint(
     plus the pending scales of one weight. Deterministic in (seed, device): every tensor chunk
     has its own generator seeded from (seed, name, chunk index).
     """
-    from flashpd.model.presets import PRESET_NAMES, tokenizer_path
-
     os.makedirs(out_dir, exist_ok=True)
     specs = checkpoint_manifest(cfg)  # with the drafter's mtp.* tensors when cfg has one
     shards = plan_shards(specs, max_shard_bytes)
     weights = _RandomWeights(cfg, specs, seed, torch.device(device))
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = shard_file_names("model", len(shards))
     for file, names in zip(files, shards, strict=True):
         _write_shard(os.path.join(out_dir, file), names, specs, weights)
-    index = {
+    write_index_and_config(out_dir, cfg, shard_index(specs, files, shards))
+    _copy_preset_tokenizer(cfg.name, out_dir)
+    return [os.path.join(out_dir, f) for f in files]
+
+
+def shard_file_names(stem: str, n_shards: int) -> list[str]:
+    """`{stem}-00001-of-0000N.safetensors`, the released naming."""
+    return [f"{stem}-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+
+
+def shard_index(specs: dict[str, TensorSpec], files: list[str], shards: list[list[str]]) -> dict:
+    """The `model.safetensors.index.json` body: total bytes and tensor name -> file."""
+    return {
         "metadata": {"total_size": sum(s.nbytes for s in specs.values())},
         "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
     }
+
+
+def write_index_and_config(out_dir: str, cfg: ModelConfig, index: dict) -> None:
+    """The two JSON files next to the shards: the index and `config.json` (released style)."""
     _write_json(os.path.join(out_dir, INDEX_FILE), index)
     _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
-    tok = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
+
+
+def _copy_preset_tokenizer(name: str, out_dir: str) -> None:
+    """A preset's shipped tokenizer.json, when it has one."""
+    from flashpd.model.presets import PRESET_NAMES, tokenizer_path
+
+    tok = tokenizer_path(name) if name in PRESET_NAMES else None
     if tok is not None:
         shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
-    return [os.path.join(out_dir, f) for f in files]
 
 
 def _write_json(path: str, obj: object) -> None:
@@ -425,26 +444,11 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
 
     Raises CheckpointError naming every missing, unexpected, mis-shaped or wrong-dtype tensor.
     """
-    cfg = ModelConfig.from_file(path)
-    found = _scan_shards(path)  # name -> (file, TensorSpec)
-    specs = {n: s for n, (_, s) in found.items()}
-    has_drafter = any(n.startswith(DRAFTER_PREFIX) for n in specs)
-    if cfg.dspark is not None and not has_drafter:
-        cfg = cfg.replace(dspark=None)  # no mtp.* tensors: no drafter
-    if cfg.dspark is None:  # a config without a drafter ignores mtp.* tensors, as it always did
-        found = {n: v for n, v in found.items() if not n.startswith(DRAFTER_PREFIX)}
-        specs = {n: s for n, (_, s) in found.items()}
-    errors = _validate(checkpoint_manifest(cfg), specs)
+    cfg, found = _resolve_drafter(ModelConfig.from_file(path), _scan_shards(path))
+    errors = _validate(checkpoint_manifest(cfg), {n: s for n, (_, s) in found.items()})
     if errors:
         raise CheckpointError(f"checkpoint {path} does not match config {cfg.name!r}:\n  " + "\n  ".join(errors))
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for name, (file, _) in found.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt", device=device) as f:
-            for name in names:
-                tensors[name] = _to_loaded_form(f.get_tensor(name), found[name][1].dtype)
+    tensors = _read_tensors(found, device)
     drafter = {n: tensors.pop(n) for n in list(tensors) if n.startswith(DRAFTER_PREFIX)}
     tok = os.path.join(path, "tokenizer.json")
     return Checkpoint(
@@ -454,6 +458,31 @@ def load_checkpoint(path: str, device: str = "cpu") -> Checkpoint:
         path=path,
         drafter_tensors=drafter,
     )
+
+
+def _resolve_drafter(
+    cfg: ModelConfig, found: dict[str, tuple[str, TensorSpec]]
+) -> tuple[ModelConfig, dict[str, tuple[str, TensorSpec]]]:
+    """A drafter needs both its config keys and its mtp.* tensors: without the tensors the config
+    loses its drafter; without a drafter config the mtp.* tensors are ignored (as they always were)."""
+    if cfg.dspark is not None and not any(n.startswith(DRAFTER_PREFIX) for n in found):
+        cfg = cfg.replace(dspark=None)
+    if cfg.dspark is None:
+        found = {n: v for n, v in found.items() if not n.startswith(DRAFTER_PREFIX)}
+    return cfg, found
+
+
+def _read_tensors(found: dict[str, tuple[str, TensorSpec]], device: str) -> dict[str, torch.Tensor]:
+    """Every tensor of `found` (name -> (file, spec)), one open per shard file."""
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _) in found.items():
+        by_file.setdefault(file, []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device=device) as f:
+            for name in names:
+                tensors[name] = _to_loaded_form(f.get_tensor(name), found[name][1].dtype)
+    return tensors
 
 
 def _to_loaded_form(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -497,14 +526,18 @@ def _scan_shards(path: str) -> dict[str, tuple[str, TensorSpec]]:
                     errors.append(f"{name}: in {os.path.basename(file)} but the index says {weight_map.get(name)!r}")
                 found[name] = (file, TensorSpec(sl.get_dtype(), tuple(sl.get_shape())))
     if weight_map is not None:
-        errors += [
-            f"{n}: listed in {INDEX_FILE} ({f}) but not stored there"
-            for n, f in weight_map.items()
-            if not n.startswith(_UNLOADED_PREFIXES) and n not in found
-        ]
+        errors += _unstored_index_entries(weight_map, found)
     if errors:
         raise CheckpointError(f"checkpoint {path} is inconsistent:\n  " + "\n  ".join(errors))
     return found
+
+
+def _unstored_index_entries(weight_map: dict[str, str], found: dict[str, tuple[str, TensorSpec]]) -> list[str]:
+    return [
+        f"{n}: listed in {INDEX_FILE} ({f}) but not stored there"
+        for n, f in weight_map.items()
+        if not n.startswith(_UNLOADED_PREFIXES) and n not in found
+    ]
 
 
 def _validate(expected: dict[str, TensorSpec], found: dict[str, TensorSpec]) -> list[str]:

@@ -47,7 +47,16 @@ from flashpd.kernels.indexer import ref as indexer_ref
 from flashpd.kernels.mhc import ref as mhc
 from flashpd.kernels.quant import ref as quant
 from flashpd.kernels.rope import ref as rope
-from flashpd.model.checkpoint import INDEX_FILE, TensorSpec, is_scale, logical_shape, manifest, plan_shards
+from flashpd.model.checkpoint import (
+    TensorSpec,
+    is_scale,
+    logical_shape,
+    manifest,
+    plan_shards,
+    shard_file_names,
+    shard_index,
+    write_index_and_config,
+)
 from flashpd.model.config import LayerSpec, ModelConfig
 
 INDEXER_LOSS_WEIGHT = 0.1
@@ -432,15 +441,10 @@ def export_checkpoint(
     tensors = export_tensors(cfg, specs, model.raw, model.formats)
     os.makedirs(out_dir, exist_ok=True)
     shards = plan_shards(specs, max_shard_bytes)
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = shard_file_names("model", len(shards))
     for file, names in zip(files, shards, strict=True):
         save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file), metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": sum(s.nbytes for s in specs.values())},
-        "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names},
-    }
-    _write_json(os.path.join(out_dir, INDEX_FILE), index)
-    _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
+    write_index_and_config(out_dir, cfg, shard_index(specs, files, shards))
     if tokenizer_path:
         shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.json"))
     return [os.path.join(out_dir, f) for f in files]
@@ -454,24 +458,8 @@ def export_tensors(
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, spec in specs.items():
-            if is_scale(spec):
-                continue
-            w = raw(name).detach().float().cpu()
-            fmt = formats[name]
-            if fmt in ("fp8_block", "fp8_rows", "mxfp4"):
-                if fmt == "fp8_block":
-                    q, s = quant.quantize_fp8_blockwise(w, cfg.weight_block_size)
-                elif fmt == "fp8_rows":
-                    q, s = quant.quantize_fp8_rows(w)
-                else:
-                    q, s = quant.quantize_mxfp4_weight(w)
-                    q = q.view(torch.int8)
-                tensors[name] = q.contiguous()
-                tensors[name[: -len(".weight")] + ".scale"] = s.view(torch.float8_e8m0fnu)
-            elif fmt == "bf16":
-                tensors[name] = w.to(torch.bfloat16).contiguous()
-            else:
-                tensors[name] = w.contiguous()
+            if not is_scale(spec):
+                tensors.update(_export_one(cfg, name, raw(name).detach().float().cpu(), formats[name]))
     for name, spec in specs.items():
         got = tensors[name]
         if tuple(got.shape) != spec.shape:
@@ -479,10 +467,20 @@ def export_tensors(
     return tensors
 
 
-def _write_json(path: str, obj: object) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+def _export_one(cfg: ModelConfig, name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """One FP32 master weight in its checkpoint format; quantized ones bring their `.scale`."""
+    if fmt == "bf16":
+        return {name: w.to(torch.bfloat16).contiguous()}
+    if fmt not in ("fp8_block", "fp8_rows", "mxfp4"):
+        return {name: w.contiguous()}
+    if fmt == "fp8_block":
+        q, s = quant.quantize_fp8_blockwise(w, cfg.weight_block_size)
+    elif fmt == "fp8_rows":
+        q, s = quant.quantize_fp8_rows(w)
+    else:
+        q, s = quant.quantize_mxfp4_weight(w)
+        q = q.view(torch.int8)
+    return {name: q.contiguous(), name[: -len(".weight")] + ".scale": s.view(torch.float8_e8m0fnu)}
 
 
 def check_against_model(model: TrainModel, ckpt_dir: str, ids: list[int]) -> float:

@@ -51,6 +51,8 @@ from flashpd.model.checkpoint import (
     load_checkpoint,
     logical_shape,
     plan_shards,
+    shard_file_names,
+    write_index_and_config,
 )
 from flashpd.model.config import ModelConfig
 from flashpd.model.dspark import DSparkDrafter, greedy_choose
@@ -208,13 +210,12 @@ def export_drafter(model: TrainDrafter, base_dir: str, out_dir: str, max_shard_b
     from safetensors.torch import save_file
 
     shards = plan_shards(specs, max_shard_bytes)
-    files = [f"drafter-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = shard_file_names("drafter", len(shards))
     for file, names in zip(files, shards, strict=True):
         save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file), metadata={"format": "pt"})
         index["weight_map"].update({n: file for n in names})
     index["metadata"]["total_size"] = sum(s.nbytes for s in checkpoint_manifest(cfg).values())
-    _write_json(os.path.join(out_dir, INDEX_FILE), index)
-    _write_json(os.path.join(out_dir, "config.json"), cfg.to_hf())
+    write_index_and_config(out_dir, cfg, index)
     return [os.path.join(out_dir, f) for f in files]
 
 
@@ -239,12 +240,6 @@ def _copy_backbone(base_dir: str, out_dir: str) -> dict:
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in old}
     index["metadata"] = {"total_size": 0}  # recomputed by the caller's manifest
     return index
-
-
-def _write_json(path: str, obj: object) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
 
 
 # ============================================================================ acceptance
