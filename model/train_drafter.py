@@ -327,24 +327,31 @@ def train_drafter(args) -> dict:
     pick = torch.randperm(tr_rows.shape[0], generator=gen)[: args.teacher_rows]
     rows = teacher_rows(target, tr_rows[pick], pad, log=log)
     model = TrainDrafter(cfg, target, seed=args.seed)
+    run = _drafter_loop(args, model, rows, gen, log)
+    prompts = _heldout_prompts(he_rows, pad, args.eval_prompts, args.eval_prompt_len)
+    return _export_and_evaluate(args, model, target, run, prompts, log)
+
+
+@dataclass
+class _DrafterRun:
+    steps: int
+    train_seconds: float
+    history: list[dict]  # {"step", "ce", "bce", "top1"} on logged steps
+
+
+def _drafter_loop(args, model: TrainDrafter, rows: list, gen: torch.Generator, log) -> _DrafterRun:
+    """Run until args.steps or args.minutes over random blocks of the teacher rows."""
     opt = _optimizer(model, args.lr)
     budget = args.minutes * 60.0 if args.minutes else None
     t0, step, history = time.time(), 0, []
     while True:
         elapsed = time.time() - t0
         if (args.steps and step >= args.steps) or (budget and elapsed >= budget):
-            break
-        frac = step / args.steps if args.steps else elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_scale"]
+            return _DrafterRun(steps=step, train_seconds=time.time() - t0, history=history)
+        lr = _set_lr(opt, args, step, step / args.steps if args.steps else elapsed / budget)
         idx = torch.randint(0, len(rows), (args.batch,), generator=gen).tolist()
         batch = block_batch([rows[i] for i in idx], args.blocks_per_row, model.drafter.k, gen)
-        opt.zero_grad(set_to_none=True)
-        loss, parts = drafter_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        parts = _drafter_step(model, opt, batch)
         step += 1
         if step % args.log_every == 0 or step == 1:
             history.append({"step": step, **parts})
@@ -353,14 +360,39 @@ def train_drafter(args) -> dict:
                 f"bce {parts['bce']:.3f} lr {lr:.2e} {time.time() - t0:.0f} s",
                 flush=True,
             )
-    train_s = time.time() - t0
+
+
+def _set_lr(opt: torch.optim.Optimizer, args, step: int, frac: float) -> float:
+    """Warmup then cosine to 0.1 x args.lr, scaled per group by its `lr_scale`; returns the base rate."""
+    lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    for g in opt.param_groups:
+        g["lr"] = lr * g["lr_scale"]
+    return lr
+
+
+def _drafter_step(model: TrainDrafter, opt: torch.optim.Optimizer, batch) -> dict[str, float]:
+    opt.zero_grad(set_to_none=True)
+    loss, parts = drafter_loss(model, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return parts
+
+
+def _export_and_evaluate(args, model: TrainDrafter, target, run: _DrafterRun, prompts, log) -> dict:
+    """Export next to the base, reload as served, measure held-out acceptance length, write the log."""
     files = export_drafter(model, args.base, args.out, args.max_shard_bytes)
     served = load_checkpoint(args.out)
     drafter = DSparkDrafter.from_checkpoint(served, target)
-    prompts = _heldout_prompts(he_rows, pad, args.eval_prompts, args.eval_prompt_len)
     al = acceptance_length(target, drafter, prompts, args.eval_tokens)
-    log(f"trained {step} steps in {train_s:.0f} s; held-out acceptance length {al}")
-    result = {"steps": step, "train_seconds": train_s, "history": history, "heldout": al, "files": files}
+    log(f"trained {run.steps} steps in {run.train_seconds:.0f} s; held-out acceptance length {al}")
+    result = {
+        "steps": run.steps,
+        "train_seconds": run.train_seconds,
+        "history": run.history,
+        "heldout": al,
+        "files": files,
+    }
     with open(os.path.join(args.out, "drafter_train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
     return result
