@@ -66,10 +66,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def inspect_config(cfg: ModelConfig) -> dict[str, Any]:
     """The summary `flashpd inspect` prints (JSON-serialisable)."""
-    from flashpd.model.checkpoint import manifest
     from flashpd.model.params import param_counts
 
-    specs = manifest(cfg)
+    return {**_layer_summary(cfg), **_kv_bytes_summary(cfg), **param_counts(cfg), **_checkpoint_summary(cfg)}
+
+
+def _layer_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """Layer roles and the source layers they read (model_spec §2)."""
     roles = Counter(spec.role.value for spec in cfg.layers)
     return {
         "name": cfg.name,
@@ -82,12 +85,22 @@ def inspect_config(cfg: ModelConfig) -> dict[str, Any]:
         "engram_layer_ids": list(cfg.engram_layer_ids),
         "engram_num_embeddings": list(cfg.engram_num_embeddings),
         "engram_compressed_vocab_size": cfg.engram_compressed_vocab_size,
+    }
+
+
+def _kv_bytes_summary(cfg: ModelConfig) -> dict[str, Any]:
+    return {
         "window_record_bytes": cfg.window_record_bytes,
         "compressed_entry_bytes": cfg.compressed_entry_bytes,
         "index_entry_bytes": cfg.index_entry_bytes,
         "window_kv_bytes_per_token_per_layer": cfg.window_record_bytes,
         "global_kv_bytes_per_token": cfg.global_kv_bytes_per_token,
-        **param_counts(cfg),
-        "checkpoint_tensors": len(specs),
-        "checkpoint_bytes": sum(s.nbytes for s in specs.values()),
     }
+
+
+def _checkpoint_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """The backbone manifest: tensor count and bytes on disk."""
+    from flashpd.model.checkpoint import manifest
+
+    specs = manifest(cfg)
+    return {"checkpoint_tensors": len(specs), "checkpoint_bytes": sum(s.nbytes for s in specs.values())}
