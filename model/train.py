@@ -642,6 +642,7 @@ class _Progress:
     first_loss: float | None = None
     last_loss: torch.Tensor | None = None
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, indexer)
+    train_seconds: float = 0.0  # loop wall time, set by _finish
 
 
 def _train_loop(args, model: TrainModel, opt: torch.optim.AdamW, rows, log) -> _Progress:
@@ -721,34 +722,43 @@ def _finish(args, model: TrainModel, prog: _Progress, he_rows: torch.Tensor, tok
     """Held-out loss, the exported checkpoint and train_log.json in args.out."""
     from flashpd.model import train_data
 
-    train_time = time.time() - prog.t0
-    last_loss = prog.last_loss.item()
+    prog.train_seconds = time.time() - prog.t0  # before the held-out pass
     device = next(model.parameters()).device
     heldout = evaluate(model, he_rows, args.batch, device, train_data.PAD_TOKEN_ID) if he_rows.shape[0] else None
     log(
-        f"trained {prog.steps} steps in {train_time:.0f} s; train loss {prog.first_loss:.3f} -> "
-        f"{last_loss:.3f}; held-out loss {heldout}"
+        f"trained {prog.steps} steps in {prog.train_seconds:.0f} s; train loss {prog.first_loss:.3f} -> "
+        f"{prog.last_loss.item():.3f}; held-out loss {heldout}"
     )
     files = export_checkpoint(model, args.out, tok_path)
-    result = {
-        "steps": prog.steps,
-        "train_seconds": train_time,
-        "first_loss": prog.first_loss,
-        "last_loss": last_loss,
-        "heldout_loss": heldout,
-        "heldout_ppl": math.exp(heldout) if heldout is not None else None,
-        "tokens_per_step": args.batch * args.seq_len,
-        "files": files,
-        "history": prog.history,
-    }
+    result = _train_result(args, prog, heldout, files)
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump({k: v for k, v in result.items() if k != "files"}, f, indent=2)
     log(f"wrote {args.out}")
     return result
 
 
+def _train_result(args, prog: _Progress, heldout: float | None, files: list[str]) -> dict:
+    return {
+        "steps": prog.steps,
+        "train_seconds": prog.train_seconds,
+        "first_loss": prog.first_loss,
+        "last_loss": prog.last_loss.item(),
+        "heldout_loss": heldout,
+        "heldout_ppl": math.exp(heldout) if heldout is not None else None,
+        "tokens_per_step": args.batch * args.seq_len,
+        "files": files,
+        "history": prog.history,
+    }
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a preset on ShareGPT and export a checkpoint")
+    _add_training_args(p)
+    _add_drafter_args(p)
+    p.set_defaults(func=_run)
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -766,6 +776,9 @@ def register(sub) -> None:
     p.add_argument("--eval-rows", type=int, default=256)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--quiet", action="store_true")
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group(
         "drafter",
         "--drafter: train the DSpark drafter of a trained checkpoint, its backbone frozen (model/train_drafter.py)",
@@ -782,7 +795,6 @@ def register(sub) -> None:
         "--eval-tokens", type=int, default=128, help="greedy tokens per held-out prompt the acceptance length walks"
     )
     d.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
-    p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
