@@ -268,17 +268,7 @@ class TrainModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ compressor (§4, §5.2)
     def _compress(self, spec: LayerSpec, p: str, x: torch.Tensor, ctx) -> None:
-        b, t = ctx.b, ctx.t
-        if spec.ratio == 2:
-            a = self._lin32(x, p + "attn.compressor.wkv.weight").reshape(b, t // 2, 2, -1)
-            g = self._lin32(x, p + "attn.compressor.wgate.weight").reshape(b, t // 2, 2, -1)
-            wts = torch.softmax(g, dim=2)
-            pooled = (wts * a).sum(2)  # [B, G, d] FP32
-            latent = self._rms(pooled.to(self.compute_dtype), p + "attn.compressor.norm.weight")
-        else:
-            latent = self._rms(
-                self._lin(x, p + "attn.compressor.wkv.weight"), p + "attn.compressor.norm.weight"
-            ).reshape(b, t, -1)
+        latent = self._compressed_latent(spec, p, x, ctx)  # [B, G, d]
         n_ent = latent.shape[1]
         entry_pos = torch.arange(n_ent, device=x.device) * spec.ratio
         cos, sin = rope.rope_cos_sin(entry_pos, self.freqs_compress)
@@ -293,6 +283,18 @@ class TrainModel(torch.nn.Module):
 
         ctx.entries[spec.layer_id] = kv  # [B, G, d]
         ctx.keys[spec.layer_id] = keys_of(latent.detach())  # gradient: the indexer loss only
+
+    def _compressed_latent(self, spec: LayerSpec, p: str, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Ratio 2: gated softmax pooling of token pairs (FP32); ratio 1: one entry per token."""
+        b, t = ctx.b, ctx.t
+        if spec.ratio == 2:
+            a = self._lin32(x, p + "attn.compressor.wkv.weight").reshape(b, t // 2, 2, -1)
+            g = self._lin32(x, p + "attn.compressor.wgate.weight").reshape(b, t // 2, 2, -1)
+            wts = torch.softmax(g, dim=2)
+            pooled = (wts * a).sum(2)  # [B, G, d] FP32
+            return self._rms(pooled.to(self.compute_dtype), p + "attn.compressor.norm.weight")
+        per_token = self._lin(x, p + "attn.compressor.wkv.weight")
+        return self._rms(per_token, p + "attn.compressor.norm.weight").reshape(b, t, -1)
 
     # ------------------------------------------------------------------ attention (§3, §5)
     def _attention(self, spec: LayerSpec, p: str, x: torch.Tensor, ctx) -> torch.Tensor:
@@ -325,6 +327,13 @@ class TrainModel(torch.nn.Module):
 
     def _select(self, spec: LayerSpec, p: str, x, c_q, cos_sin, q_main, ctx) -> None:
         """Index scores of this layer's query over kv_src's keys; candidates; top-k mask."""
+        scores, visible = self._index_scores(spec, p, x, c_q, cos_sin, ctx)
+        self._select_topk(spec, scores.detach(), ctx)
+        if ctx.want_aux:
+            ctx.aux.append(self._indexer_loss(scores, q_main, ctx.entries[spec.kv_src], visible))
+
+    def _index_scores(self, spec: LayerSpec, p: str, x, c_q, cos_sin, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index scores [B, T, N] (-inf where not yet visible) and the visibility mask [T, N]."""
         cfg, b, t = self.cfg, ctx.b, ctx.t
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         qi = self._lin(c_q.detach(), p + "attn.indexer.wq_b.weight").reshape(b * t, hi, di)
@@ -334,26 +343,24 @@ class TrainModel(torch.nn.Module):
         keys = ctx.keys[spec.kv_src]  # [B, N, dI]
         dots = torch.einsum("bthd,bnd->bthn", qi.float(), keys.float()).clamp_min(0)
         scores = (head_w.reshape(b, t, hi, 1) * dots).sum(2)  # [B, T, N]
-        n_keys = keys.shape[1]
         n_visible = (ctx.pos + 1) // spec.ratio  # [T]
-        visible = torch.arange(n_keys, device=x.device)[None, :] < n_visible[:, None]  # [T, N]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        with torch.no_grad():
-            flat = scores.detach().reshape(b * t, n_keys)
-            nv = n_visible.repeat(b)
-            allowed = None
-            if spec.is_candidate_source:
-                ctx.candidates = indexer_ref.candidate_mask(
-                    flat, nv, cfg.candidate_block_size, cfg.candidate_topk_blocks
-                )
-            if spec.uses_candidates:
-                allowed = ctx.candidates
-            top = indexer_ref.select_topk(flat, cfg.index_topk, allowed)  # [B*T, K]
-            sel = torch.zeros(b * t, n_keys + 1, dtype=torch.bool, device=x.device)
-            sel.scatter_(1, torch.where(top < 0, n_keys, top), True)
-            ctx.selected[spec.layer_id] = sel[:, :n_keys].reshape(b, t, n_keys)
-        if ctx.want_aux:
-            ctx.aux.append(self._indexer_loss(scores, q_main, ctx.entries[spec.kv_src], visible))
+        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < n_visible[:, None]  # [T, N]
+        return scores.masked_fill(~visible[None], float("-inf")), visible
+
+    @torch.no_grad()
+    def _select_topk(self, spec: LayerSpec, scores: torch.Tensor, ctx) -> None:
+        """ctx.selected[layer]: [B, T, N] top-k mask (within the candidate pool on decoder layers)."""
+        cfg, b, t = self.cfg, ctx.b, ctx.t
+        n_keys = scores.shape[-1]
+        flat = scores.reshape(b * t, n_keys)
+        nv = ((ctx.pos + 1) // spec.ratio).repeat(b)
+        if spec.is_candidate_source:
+            ctx.candidates = indexer_ref.candidate_mask(flat, nv, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        allowed = ctx.candidates if spec.uses_candidates else None
+        top = indexer_ref.select_topk(flat, cfg.index_topk, allowed)  # [B*T, K]
+        sel = torch.zeros(b * t, n_keys + 1, dtype=torch.bool, device=scores.device)
+        sel.scatter_(1, torch.where(top < 0, n_keys, top), True)
+        ctx.selected[spec.layer_id] = sel[:, :n_keys].reshape(b, t, n_keys)
 
     def _indexer_loss(self, scores, q_main, entries, visible) -> torch.Tensor:
         """KL(attention over all visible entries (heads averaged) || softmax(index scores))."""
