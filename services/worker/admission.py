@@ -14,6 +14,7 @@ the router can unpickle `WorkerFull`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -115,10 +116,8 @@ class AdmissionQueue:
 
     async def _wait_for_room(self, wait_s: float) -> None:
         room = self._room
-        try:
+        with contextlib.suppress(TimeoutError):  # the timeout is the recheck, not a failure
             await asyncio.wait_for(room.wait(), wait_s)
-        except TimeoutError:
-            pass
         if room.is_set() and self._room is room:
             # a fresh event for the next wake-up; only once per event, or a waiter
             # already parked on the fresh one would be orphaned until its recheck
