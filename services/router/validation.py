@@ -271,8 +271,10 @@ def check_json_tree(body: dict) -> None:
             for key, value in node.items():
                 check_unicode(key, path or "body")
                 stack.append((value, f"{path}.{key}" if path else key, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+        elif isinstance(node, list):  # scalars other than strings need no check (nor a path):
+            for i, v in enumerate(node):  # a token-id prompt is thousands of ints
+                if isinstance(v, str | list | dict) or depth >= MAX_JSON_DEPTH:  # (refused when popped)
+                    stack.append((v, f"{path}[{i}]", depth + 1))
         elif isinstance(node, str):
             check_unicode(node, path)
 

@@ -276,3 +276,18 @@ def test_client_errors_keep_their_message():
         "param": "max_tokens",
         "code": "invalid_argument",
     }
+
+
+def test_nesting_limit_counts_scalars_in_lists():
+    """A scalar one level past the limit is refused whatever its type (ints are not walked one
+    by one below the limit: a token-id prompt is thousands of them)."""
+    deep_list = "[" * v.MAX_JSON_DEPTH + "1" + "]" * v.MAX_JSON_DEPTH
+    with pytest.raises(InvalidArgument) as info:
+        v.parse_json_body(f'{{"prompt": {deep_list}}}'.encode()[: 10**6])
+    assert "nesting" in str(info.value)
+    ok_list = "[" * (v.MAX_JSON_DEPTH - 2) + "1" + "]" * (v.MAX_JSON_DEPTH - 2)
+    assert v.parse_json_body(f'{{"prompt": {ok_list}}}'.encode())["prompt"]
+    body = {"prompt": list(range(8192)), "stop": ["a", "\ud800"]}
+    with pytest.raises(InvalidArgument) as info:
+        v.parse_json_body(json.dumps(body).encode())
+    assert info.value.field == "stop[1]"
