@@ -4,7 +4,9 @@ A tier is an interactivity floor in tok/s per user (20, 60, 150 by default). A s
 it when its per-user speed (1 / p90 inter-token latency) is at least the floor and its p90 TTFT
 is at most the bound. Per configuration, for each tier:
 
+    met               whether any swept point meets it
     max_concurrency   the largest swept concurrency that meets it (None: none does)
+    at_largest_point  it is met at the largest point swept: the true maximum may be higher
     tok_s             total tok/s per GPU (input incl. cached + output) there: the throughput
                       the seed's "5.3x more total throughput at 150 tok/s per user" compares
     output_tok_s      output tok/s per GPU there
@@ -48,10 +50,13 @@ def tier_points(
 ) -> dict[str, dict]:
     """Per tier: the largest concurrency meeting it and the throughput there."""
     out = {}
+    largest = max((m.concurrency for m in points), default=None)
     for tier in tiers:
         best = max((m for m in points if _meets(m, tier, ttft_limit_s)), key=lambda m: m.concurrency, default=None)
         out[_key(tier)] = {
+            "met": best is not None,
             "max_concurrency": None if best is None else best.concurrency,
+            "at_largest_point": best is not None and best.concurrency == largest,
             "tok_s": None if best is None else round(best.total_tok_s_per_gpu, 1),
             "output_tok_s": None if best is None else round(best.output_tok_s_per_gpu, 1),
         }
