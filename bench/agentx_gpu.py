@@ -152,34 +152,50 @@ def _plan_point(c: int, a: argparse.Namespace, primer: float, end: float, prefil
 
 
 def run_sweep(a: argparse.Namespace) -> int:
+    """Stack up, the points, stack down; OUT/<name>/sweep.json says what happened (a failed
+    bring-up included: its error is recorded before it propagates)."""
     from flashpd.services.gpu_stack import gpu_stack
 
-    points = parse_concurrency(a.concurrency)
+    parse_concurrency(a.concurrency)  # a bad list fails before the bring-up, not after it
     end = a.end_unix if a.end_unix is not None else math.inf
     primer = mean_primer_tokens(a)
     record: dict = {"config": a.config, "name": a.name, "argv": sys.argv[1:], "primer_tokens_mean": round(primer)}
     record.update(started_unix=time.time(), points=[], not_started=[])
+    # a bring-up that cannot leave time for the first point is not waited for to the end
+    ready_timeout_s = min(a.ready_timeout_s, end - time.time() - a.teardown_s)
+    try:
+        with gpu_stack(a.config, ready_timeout_s=max(1.0, ready_timeout_s)) as stack:
+            record["ready_s"] = round(time.time() - record["started_unix"], 1)
+            code = _sweep_points(a, stack.grpc_target, primer, end, record)
+    except BaseException as exc:
+        record["error"] = repr(exc)
+        raise
+    finally:
+        record["ended_unix"] = time.time()
+        _write_sweep(a, record)
+    return code
+
+
+def _sweep_points(a: argparse.Namespace, target: str, primer: float, end: float, record: dict) -> int:
     code, rate = 0, a.prefill_tok_s
-    with gpu_stack(a.config, ready_timeout_s=a.ready_timeout_s) as stack:
-        record["ready_s"] = round(time.time() - record["started_unix"], 1)
-        for c in points:
-            why = _plan_point(c, a, primer, end, rate)
-            if why is not None:
-                print(f"agentx {a.name} c={c}: not started ({why})", flush=True)
-                record["not_started"].append({"concurrency": c, "why": why})
-                continue
-            t0 = time.time()
-            rc = run_point(sweep_command(stack.grpc_target, a.name, a.out, c, a), end - a.teardown_s)
-            seen = observed_prefill_tok_s(Path(a.out) / a.name / f"c{c}")
-            rate = seen or rate
-            record["points"].append(
-                {"concurrency": c, "exit": rc, "wall_s": round(time.time() - t0, 1), "prefill_tok_s": seen}
-            )
-            print(f"agentx {a.name} c={c}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
-            code = code or rc
-            _write_sweep(a, record)
-    record["ended_unix"] = time.time()
-    _write_sweep(a, record)
+    for c in parse_concurrency(a.concurrency):
+        why = _plan_point(c, a, primer, end, rate)
+        if why is not None:
+            print(f"agentx {a.name} c={c}: not started ({why})", flush=True)
+            record["not_started"].append({"concurrency": c, "why": why})
+            continue
+        t0 = time.time()
+        rc = run_point(sweep_command(target, a.name, a.out, c, a), end - a.teardown_s)
+        seen = observed_prefill_tok_s(Path(a.out) / a.name / f"c{c}")
+        rate = seen or rate
+        record["points"].append(
+            {"concurrency": c, "exit": rc, "wall_s": round(time.time() - t0, 1), "prefill_tok_s": seen}
+        )
+        print(
+            f"agentx {a.name} c={c}: exit {rc} after {time.time() - t0:.0f} s (prefill {seen or '-'} tok/s)", flush=True
+        )
+        code = code or rc
+        _write_sweep(a, record)
     return code
 
 

@@ -242,7 +242,10 @@ H200_LIMITS = [
     "there: expect our speedup at concurrency 1-4 below the seed's 1.9x, by roughly that share.",
     "- **Switches the A/B cannot flip.** The sparse MQA indexer kernel, NVFP4 attention's fused decode, "
     "the Engram lookup with prefetch, fused mHC and the replay graphs are the only GPU path, so the "
-    "baseline keeps them: our ratios are lower bounds of the seed's eight-optimization A/B.",
+    "baseline keeps them; the fused MoE gate is off in both (the product's default: slower on the "
+    "H200, bench/results/h200/moe_fused_gate.md). What the A/B flips: bounded vs exact replay, NVFP4 "
+    "vs FP8 KV, affinity vs round-robin routing, CUDA graphs for turns. Our ratios are lower bounds "
+    "of the seed's eight-optimization A/B.",
     "- **Session affinity with one replica per role.** Blind routing (`round_robin`) still lands every "
     "turn on the one prefill and the one decode replica that hold its prefix; what it loses here is "
     "only what the router adds (the index lookup and the session binding: services/router/placement.py), "
