@@ -1,7 +1,7 @@
 """The AgentX-like sweep on one GPU machine, one configuration per device call (issue 28).
 
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.yaml --name flashpd \
-        --out OUT [--concurrency 1,2,4,8,16,32,64] [--window-s 30] [--end-unix T]
+        --out OUT [--concurrency 1,2,4,8,16,32,64] [--window-s 15] [--window-low-s 25] [--end-unix T]
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.baseline.yaml \
         --name baseline --out OUT ...
     python -m flashpd.bench.agentx_gpu report OUT --baseline baseline --candidate flashpd --commit SHA

@@ -135,7 +135,8 @@ def _workload_lines(wl: dict) -> list[str]:
         f"counts / {wl.get('scale')}, main outputs / {wl.get('output_scale')}, think times / "
         f"{wl.get('time_scale')}, max turns {wl.get('max_turns')}. Each point's lanes start cold (a primer "
         "prefills the turn before the lane's start point); the window opens once every lane is primed, so the "
-        "cold prefill is outside every figure.",
+        "cold prefill is outside every figure. Points share no sessions (the driver salts them by concurrency), "
+        "so every point pays its own cold start in wall time, not in its figures.",
         "",
     ]
 
@@ -255,8 +256,10 @@ H200_LIMITS = [
     "should come out well below it.",
     "- **The 150 tok/s/user tier.** It needs <= 6.7 ms per token; one H200 decodes the bench preset at "
     "9.7 ms/step at batch 1 (8K context), so without speculative decoding no point of either "
-    "configuration meets it and its ratio is null. TP4 splits each step's weight reads over four GPUs' "
-    "HBM (~3-4x less time per step), which is what makes the tier reachable for the seed.",
+    "configuration meets it and its ratio is null. Speculative decoding cannot lift it honestly here: "
+    "with random weights the drafts' acceptance says nothing about a trained model's (the 169 tok/s "
+    "at batch 1 in bench/results/h200/spec_decode.md is under forced acceptance). TP4 splits each "
+    "step's weight reads over four GPUs' HBM (~3-4x less time per step), which is what makes the tier reachable for the seed.",
     "- **Scale.** 64 sessions of ~28K tokens fit one H200's pools; DP2 + EP doubles the KV capacity and "
     "the decode batch, so the seed's throughput ratios are taken at higher concurrency than any here.",
 ]
