@@ -166,7 +166,7 @@ def run_sweep(a: argparse.Namespace) -> int:
     try:
         with gpu_stack(a.config, ready_timeout_s=max(1.0, ready_timeout_s)) as stack:
             record["ready_s"] = round(time.time() - record["started_unix"], 1)
-            code = _sweep_points(a, stack.grpc_target, primer, end, record)
+            code = _sweep_points(a, stack, primer, end, record)
     except BaseException as exc:
         record["error"] = repr(exc)
         raise
@@ -176,7 +176,22 @@ def run_sweep(a: argparse.Namespace) -> int:
     return code
 
 
-def _sweep_points(a: argparse.Namespace, target: str, primer: float, end: float, record: dict) -> int:
+def _stack_fact(read):
+    """A read-back of the running stack for sweep.json; a failure is recorded, never raised."""
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - telemetry must not end the sweep
+        return {"error": repr(exc)}
+
+
+def _workers(stack) -> list[dict]:
+    """Each worker's KV blocks in use / total and queue after a point (the prefix cache's fill
+    shows in `kv_blocks_total - kv_blocks_used - free`; the heartbeat carries used and total)."""
+    keys = ("role", "kv_blocks_used", "kv_blocks_total", "running", "waiting", "queued")
+    return [{k: getattr(w, k) for k in keys} for w in stack.worker_stats()]
+
+
+def _sweep_points(a: argparse.Namespace, stack, primer: float, end: float, record: dict) -> int:
     code, rate = 0, a.prefill_tok_s
     for c in parse_concurrency(a.concurrency):
         why = _plan_point(c, a, primer, end, rate)
@@ -185,11 +200,15 @@ def _sweep_points(a: argparse.Namespace, target: str, primer: float, end: float,
             record["not_started"].append({"concurrency": c, "why": why})
             continue
         t0 = time.time()
-        rc = run_point(sweep_command(target, a.name, a.out, c, a), end - a.teardown_s)
+        rc = run_point(sweep_command(stack.grpc_target, a.name, a.out, c, a), end - a.teardown_s)
         seen = observed_prefill_tok_s(Path(a.out) / a.name / f"c{c}")
         rate = seen or rate
+        wall_s = round(time.time() - t0, 1)
+        if "kv_transports" not in record:  # after the first point (pushes done, time to spare)
+            record["kv_transports"] = _stack_fact(stack.kv_transports)
+        workers = _stack_fact(lambda: _workers(stack))
         record["points"].append(
-            {"concurrency": c, "exit": rc, "wall_s": round(time.time() - t0, 1), "prefill_tok_s": seen}
+            {"concurrency": c, "exit": rc, "wall_s": wall_s, "prefill_tok_s": seen, "workers_after": workers}
         )
         print(
             f"agentx {a.name} c={c}: exit {rc} after {time.time() - t0:.0f} s (prefill {seen or '-'} tok/s)", flush=True

@@ -145,15 +145,18 @@ def _sweep_lines(s: dict) -> list[str]:
     lines = [
         "## What ran",
         "",
-        "| configuration | ready (s) | points run (exit) | not started | config |",
-        "|---|---|---|---|---|",
+        "| configuration | ready (s) | points run (exit, wall) | not started | KV transport | config |",
+        "|---|---|---|---|---|---|",
     ]
     for name, sw in s["sweeps"].items():
         if sw is None:
             continue
         run = ", ".join(f"{p['concurrency']} ({p['exit']}, {p['wall_s']:.0f} s)" for p in sw["points"]) or "-"
         skipped = "; ".join(f"{p['concurrency']}: {p['why']}" for p in sw["not_started"]) or "-"
-        lines.append(f"| {name} | {_fmt(sw.get('ready_s'))} | {run} | {skipped} | `{sw['config']}` |")
+        transports = sw.get("kv_transports") or {}
+        kv = ", ".join(sorted({str(v) for v in transports.values()})) or "-"
+        error = f" (error: {sw['error']})" if sw.get("error") else ""
+        lines.append(f"| {name}{error} | {_fmt(sw.get('ready_s'))} | {run} | {skipped} | {kv} | `{sw['config']}` |")
     if s["lost_points"]:
         lines += ["", "Lost (records, no meta.json): " + ", ".join(s["lost_points"])]
     return lines + [""]

@@ -37,7 +37,7 @@ def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     )
 
 
-def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path):
+def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server")
     pytest.importorskip("ray")
@@ -59,7 +59,9 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         record = json.loads((out / name / "sweep.json").read_text())
         assert [(p["concurrency"], p["exit"]) for p in record["points"]] == [(1, 0), (2, 0)]
-        assert record["not_started"] == [] and record["ready_s"] > 0
+        assert record["not_started"] == [] and record["ready_s"] > 0 and "error" not in record
+        assert "kv_transports" in record
+        assert {w["role"] for w in record["points"][-1]["workers_after"]} == {"prefill", "decode"}
     report = _run(["report", str(out), "--baseline", "baseline", "--candidate", "flashpd", "--commit", "dry"], 300)
     assert report.returncode == 0, report.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -75,5 +77,6 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path):
     text = (out / "report.md").read_text()
     for needle in ("| 1.9x |", "5.3x", "What one H200 cannot show", "## Failed requests", "## What ran"):
         assert needle in text
+    rectangular_tables(text)
     for plot in ("pareto", "throughput_vs_interactivity", "ttft_cdf", "itl_cdf", "hit_rate_by_turn"):
         assert (out / "plots" / f"{plot}.png").stat().st_size > 1000

@@ -127,7 +127,7 @@ def test_report_command_writes_summary_json(study_dir, tmp_path):
         main(["bench", "report", str(study_dir), "--tiers", "0,x"])
 
 
-def test_agentx_gpu_report_adds_commit_and_preset(study_dir):
+def test_agentx_gpu_report_adds_commit_and_preset(study_dir, rectangular_tables):
     from flashpd.bench.agentx_gpu import main
 
     assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast", "--commit", "abc123"]) == 0
@@ -140,6 +140,7 @@ def test_agentx_gpu_report_adds_commit_and_preset(study_dir):
     text = (study_dir / "report.md").read_text()
     for needle in ("| 1.9x |", "| 5.3x |", "What one H200 cannot show", "p90 TTFT is at most 5 s", "pareto.png"):
         assert needle in text
+    rectangular_tables(text)
     assert (study_dir / "plots" / "pareto.png").stat().st_size > 1000
 
 
