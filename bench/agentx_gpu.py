@@ -1,7 +1,7 @@
 """The AgentX-like sweep on one GPU machine, one configuration per device call (issue 28).
 
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.yaml --name flashpd \
-        --out OUT [--concurrency 1,2,4,8,16,32,64] [--window-s 15] [--window-low-s 25] [--end-unix T]
+        --out OUT [--concurrency 1,2,4,8,16,32,64] [--window-s 15] [--window-low-s 20] [--end-unix T]
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.baseline.yaml \
         --name baseline --out OUT ...
     python -m flashpd.bench.agentx_gpu report OUT --baseline baseline --candidate flashpd --commit SHA
@@ -59,7 +59,8 @@ LOW_CONCURRENCY = 4  # points up to this get --window-low-s: few lanes send few 
 INTERRUPT_GRACE_S = 20.0  # SIGINT -> the driver writes meta.json; then the point is killed
 SWEEP_FILE = "sweep.json"
 CONFIGS = {"flashpd": "infra/serve.h200.yaml", "baseline": "infra/serve.h200.baseline.yaml"}
-CALL_BUDGET_S = 560  # of the device call's 600 s: the sweep's --end-unix (install and bring-up included)
+CALL_BUDGET_S = 570  # of the device call's 600 s: the sweep's --end-unix (install and bring-up included);
+# points end --teardown-s before it, and the stack is down with ~30 s to spare
 
 # AgentX (5K-131K prompts, mean ~27K, ~150-token outputs, ~1 s tool delays) on one H200
 H200_WORKLOAD = {
@@ -274,7 +275,7 @@ def _add_sweep_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     s.add_argument("--window-s", type=float, default=15.0, help="measurement window of each point")
-    s.add_argument("--window-low-s", type=float, default=25.0, help=f"the window at concurrency <= {LOW_CONCURRENCY}")
+    s.add_argument("--window-low-s", type=float, default=20.0, help=f"the window at concurrency <= {LOW_CONCURRENCY}")
     s.add_argument("--warmup-requests", type=int, default=0, help="after each lane's primer")
     s.add_argument("--trees", type=int, default=H200_WORKLOAD["trees"])
     s.add_argument("--scale", type=float, default=H200_WORKLOAD["scale"])
@@ -287,7 +288,7 @@ def _add_sweep_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--drain-timeout-s", type=float, default=30.0)
     s.add_argument("--request-timeout-s", type=float, default=300.0)
     s.add_argument("--end-unix", type=float, default=None, help="no point runs past this (minus --teardown-s)")
-    s.add_argument("--teardown-s", type=float, default=25.0, help="kept for stopping Serve, Ray and Redis")
+    s.add_argument("--teardown-s", type=float, default=20.0, help="kept for stopping Serve, Ray and Redis")
     s.add_argument(
         "--prefill-tok-s",
         type=float,

@@ -187,7 +187,8 @@ def _ab_lines(s: dict) -> list[str]:
     lines = [
         "## A/B against the seed",
         "",
-        f"`{s['configuration']}` over `{ab['baseline']}` (the seed's optimizations on / off where a switch exists).",
+        f"`{s['configuration']}` over `{ab['baseline']}` (the seed's optimizations on / off where a switch exists), "
+        f"tiers taken over the concurrencies both swept: {ab.get('common_concurrency')}.",
         "",
         "| figure | ours | seed |",
         "|---|---|---|",

@@ -16,8 +16,9 @@ Between a baseline and a candidate configuration (the seed's optimizations off /
     speedup_low_concurrency    mean over the concurrencies 1-4 both swept of the candidate's
                                per-user end-to-end speed (1 / p90 of e2e per output token) over
                                the baseline's: the seed's "1.9x faster at low concurrency"
-    throughput_ratio_at_tier   candidate tok_s / baseline tok_s per tier (None where either
-                               configuration meets no point of the tier)
+    throughput_ratio_at_tier   candidate tok_s / baseline tok_s per tier, both taken over the
+                               concurrencies both configurations swept (None where either
+                               meets no such point of the tier)
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ def ab_ratios(
         if m.concurrency in LOW_CONCURRENCY and m.concurrency in base
     ]
     low = [r for r in low if r is not None]
-    t_base = tier_points(baseline, tiers, ttft_limit_s)
-    t_cand = tier_points(candidate, tiers, ttft_limit_s)
+    # the tiers over the points both swept: a point one configuration's call had no time for
+    # must not count as the other's advantage
+    common = set(base) & {m.concurrency for m in candidate}
+    t_base = tier_points([m for m in baseline if m.concurrency in common], tiers, ttft_limit_s)
+    t_cand = tier_points([m for m in candidate if m.concurrency in common], tiers, ttft_limit_s)
     return {
         "speedup_low_concurrency": round(sum(low) / len(low), 3) if low else None,
         "low_concurrency_points": len(low),
+        "common_concurrency": sorted(common),
         "throughput_ratio_at_tier": {k: _ratio(t_cand[k]["tok_s"], t_base[k]["tok_s"]) for k in t_cand},
     }
 

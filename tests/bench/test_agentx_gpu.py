@@ -44,7 +44,7 @@ def test_a_point_command_carries_the_workload_and_the_window():
     assert flag["--output-scale"] == "4" and flag["--time-scale"] == "5" and flag["--tree-idle-cap-s"] == "5"
     assert flag["--warmup-requests"] == "0" and cmd[-1] == "/o/flashpd/c8"
     low = g.sweep_command("t", "flashpd", "/o", 2, a)
-    assert low[low.index("--window-s") + 1] == "25"
+    assert low[low.index("--window-s") + 1] == "20"
 
 
 def test_the_guard_counts_the_cold_primers_and_skips_what_cannot_end_in_time():
@@ -58,11 +58,12 @@ def test_the_guard_counts_the_cold_primers_and_skips_what_cannot_end_in_time():
 
 
 def test_the_default_sweep_fits_one_call_after_a_cold_bring_up():
-    """With the H200 bring-up measured on a fresh machine (161 s), points 1-32 fit the call's
-    560 s by the guard's own estimate; 64 (its 64 cold primers alone ~175 s) does not."""
+    """With the H200 bring-up measured on a fresh machine (161 s) after ~30 s of installing the
+    bundle, points 1-32 fit the call's budget by the guard's own estimate; 64 (its 64 cold
+    primers alone ~175 s) does not."""
     a = sweep_args()
     primer = g.mean_primer_tokens(a)
-    t, ran = 161.0, []
+    t, ran = 161.0 + 30.0, []
     for c in g.parse_concurrency(a.concurrency):
         need = g.point_estimate_s(c, g.window_s(c, a), primer, a.prefill_tok_s)
         if t + need <= g.CALL_BUDGET_S - a.teardown_s:

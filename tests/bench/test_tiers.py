@@ -103,6 +103,13 @@ def test_ab_ratios_are_the_seeds_two_figures():
     }  # base meets no 150 point
 
 
+def test_tier_ratios_use_only_the_points_both_configurations_swept():
+    """FAST's C=16 (met at 20 tok/s/user) has no baseline point: the 20 tier compares at C=8."""
+    ab = ab_ratios(BASE[:4], FAST, (20,), ttft_limit_s=5.0)
+    assert ab["common_concurrency"] == [1, 2, 4, 8]
+    assert ab["throughput_ratio_at_tier"] == {"20": round(11000 / 5000, 3)}
+
+
 def test_study_summary_names_its_configurations_and_refuses_unknown_ones():
     s = study_summary({"base": BASE, "fast": FAST}, baseline="base", candidate="fast", extra={"commit": "abc"})
     assert s["commit"] == "abc" and s["configuration"] == "fast"
