@@ -119,7 +119,15 @@ def _summary_lines(s: dict, a: argparse.Namespace) -> list[str]:
     ]
     lines += [f"- note: {n}" for n in s["notes"]]
     lines += _workload_lines(s["workload"]) + _sweep_lines(s) + _tier_lines(s) + _ab_lines(s) + _error_lines(s)
-    return lines + H200_LIMITS + ["", "Commands: " + COMMANDS_NOTE + "; this report: `" + _report_cmd(a) + "`", ""]
+    return lines + H200_LIMITS + [""] + _command_lines(a)
+
+
+def _command_lines(a: argparse.Namespace) -> list[str]:
+    from flashpd.bench.agentx_gpu import CONFIGS, device_command
+
+    lines = ["## Commands", "", "One device call per configuration (" + COMMANDS_NOTE + "), then this report:", ""]
+    lines += ["```bash"] + [device_command(name) for name in CONFIGS] + [_report_cmd(a), "```", ""]
+    return lines
 
 
 def _report_cmd(a: argparse.Namespace) -> str:

@@ -145,7 +145,8 @@ def test_agentx_gpu_report_adds_commit_and_preset(study_dir, rectangular_tables)
     assert s["seed"] == {"speedup_low_concurrency": 1.9, "throughput_ratio_at_tier": {"150": 5.3}}
     assert s["errors"]["fast"]["measured_failed"] >= 0
     text = (study_dir / "report.md").read_text()
-    for needle in ("| 1.9x |", "| 5.3x |", "What one H200 cannot show", "p90 TTFT is at most 5 s", "pareto.png"):
+    needles = ("| 1.9x |", "| 5.3x |", "What one H200 cannot show", "p90 TTFT is at most 5 s", "pareto.png")
+    for needle in needles + ('--config "$PWD/infra/serve.h200.baseline.yaml"', "--commit abc123"):
         assert needle in text
     rectangular_tables(text)
     assert (study_dir / "plots" / "pareto.png").stat().st_size > 1000
