@@ -147,3 +147,38 @@ def test_the_device_command_runs_the_sweep_the_guard_knows(monkeypatch):
         a = sweep_args(*argv)
         assert a.config == g.CONFIGS[name] and a.name == name and a.end_unix == 0.0
         assert (ROOT / a.config).exists()
+
+
+@pytest.mark.net
+def test_a_real_point_cut_at_the_deadline_keeps_its_records_and_meta(tmp_path):
+    """`flashpd bench run` against a server that accepts and never answers: at the deadline the
+    SIGINT reaches the driver, which cancels the in-flight primer, records it and writes
+    meta.json (interrupted, no window) before exiting."""
+    import json
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    tiny = ["--trees", "2", "--scale", "300", "--time-scale", "50", "--output-scale", "40", "--max-turns", "8"]
+    a = sweep_args(*tiny, "--vocab-lo", "10", "--vocab-hi", "500")
+    target = f"127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        assert g.run_point(g.sweep_command(target, "cut", str(tmp_path), 1, a), time.time() + 8.0) == 124
+    finally:
+        srv.close()
+    meta = json.loads((tmp_path / "cut" / "c1" / "meta.json").read_text())
+    assert meta["interrupted"] is True and meta["window_start_s"] is None
+    records = (tmp_path / "cut" / "c1" / "records.jsonl").read_text().splitlines()
+    assert records and json.loads(records[0])["error_type"] == "Cancelled"
