@@ -4,7 +4,9 @@ A tier is an interactivity floor in tok/s per user (20, 60, 150 by default). A s
 it when its per-user speed (1 / p90 inter-token latency) is at least the floor and its p90 TTFT
 is at most the bound. Per configuration, for each tier:
 
+    met               whether any swept point meets it
     max_concurrency   the largest swept concurrency that meets it (None: none does)
+    at_largest_point  it is met at the largest point swept: the true maximum may be higher
     tok_s             total tok/s per GPU (input incl. cached + output) there: the throughput
                       the seed's "5.3x more total throughput at 150 tok/s per user" compares
     output_tok_s      output tok/s per GPU there
@@ -14,8 +16,9 @@ Between a baseline and a candidate configuration (the seed's optimizations off /
     speedup_low_concurrency    mean over the concurrencies 1-4 both swept of the candidate's
                                per-user end-to-end speed (1 / p90 of e2e per output token) over
                                the baseline's: the seed's "1.9x faster at low concurrency"
-    throughput_ratio_at_tier   candidate tok_s / baseline tok_s per tier (None where either
-                               configuration meets no point of the tier)
+    throughput_ratio_at_tier   candidate tok_s / baseline tok_s per tier, both taken over the
+                               concurrencies both configurations swept (None where either
+                               meets no such point of the tier)
 """
 
 from __future__ import annotations
@@ -48,10 +51,13 @@ def tier_points(
 ) -> dict[str, dict]:
     """Per tier: the largest concurrency meeting it and the throughput there."""
     out = {}
+    largest = max((m.concurrency for m in points), default=None)
     for tier in tiers:
         best = max((m for m in points if _meets(m, tier, ttft_limit_s)), key=lambda m: m.concurrency, default=None)
         out[_key(tier)] = {
+            "met": best is not None,
             "max_concurrency": None if best is None else best.concurrency,
+            "at_largest_point": best is not None and best.concurrency == largest,
             "tok_s": None if best is None else round(best.total_tok_s_per_gpu, 1),
             "output_tok_s": None if best is None else round(best.output_tok_s_per_gpu, 1),
         }
@@ -78,11 +84,15 @@ def ab_ratios(
         if m.concurrency in LOW_CONCURRENCY and m.concurrency in base
     ]
     low = [r for r in low if r is not None]
-    t_base = tier_points(baseline, tiers, ttft_limit_s)
-    t_cand = tier_points(candidate, tiers, ttft_limit_s)
+    # the tiers over the points both swept: a point one configuration's call had no time for
+    # must not count as the other's advantage
+    common = set(base) & {m.concurrency for m in candidate}
+    t_base = tier_points([m for m in baseline if m.concurrency in common], tiers, ttft_limit_s)
+    t_cand = tier_points([m for m in candidate if m.concurrency in common], tiers, ttft_limit_s)
     return {
         "speedup_low_concurrency": round(sum(low) / len(low), 3) if low else None,
         "low_concurrency_points": len(low),
+        "common_concurrency": sorted(common),
         "throughput_ratio_at_tier": {k: _ratio(t_cand[k]["tok_s"], t_base[k]["tok_s"]) for k in t_cand},
     }
 

@@ -6,6 +6,8 @@
 #   bash scripts/gpu_stack.sh --config FILE ...    another Serve config (services/gpu_stack.py)
 #   bash scripts/gpu_stack.sh bench OUT [ARGS]     the same stack measured through real clients
 #                                                  (bench/h200_stack.py: results in OUT)
+#   bash scripts/gpu_stack.sh agentx sweep|report ARGS   the AgentX sweep of one config (issue
+#                                                  28: bench/agentx_gpu.py; absolute paths)
 # On a machine without Ray/Redis/NIXL it sources .gpu_stack/install.sh (the bundle built by
 # ../shared/tools/gpu_stack/build.sh); without flashpd importable it installs this checkout
 # (and the SDK) into $FLASHPD_SITE (default /tmp/flashpd-site) with no index; wheels in .whl/
@@ -34,6 +36,10 @@ if [ "${1:-}" = bench ]; then
     OUT=${1:?usage: gpu_stack.sh bench OUT [ARGS]}
     shift
     exec python3 -m flashpd.bench.h200_stack --out "$OUT" --config "$REPO/infra/serve.h200.yaml" "$@"
+fi
+if [ "${1:-}" = agentx ]; then
+    shift
+    exec python3 -m flashpd.bench.agentx_gpu "$@"
 fi
 ARGS=("$@")
 case " $* " in *" --config "*) ;; *) ARGS=(--config "$REPO/infra/serve.h200.yaml" "$@") ;; esac

@@ -128,3 +128,20 @@ def study_dir(tmp_path_factory, small_workload, fake_backend_cls):
             result = clock.run(coro, clock="virtual")
             write_run(root / name / f"c{concurrency}", result.meta, result.records)
     return root
+
+
+def _assert_tables_are_rectangular(markdown: str) -> None:
+    """Every markdown table's rows have as many cells as its header."""
+    width = None
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            width = None
+            continue
+        cells = line.count("|") - 1
+        width = cells if width is None else width
+        assert cells == width, line
+
+
+@pytest.fixture
+def rectangular_tables():
+    return _assert_tables_are_rectangular

@@ -61,9 +61,25 @@ FAST = [
 
 def test_a_tier_is_the_largest_concurrency_meeting_speed_and_ttft():
     tiers = tier_points(BASE, (20, 60, 150), ttft_limit_s=5.0)
-    assert tiers["20"] == {"max_concurrency": 8, "tok_s": 5000.0, "output_tok_s": 500.0}
+    assert tiers["20"] == {
+        "met": True,
+        "max_concurrency": 8,
+        "at_largest_point": False,
+        "tok_s": 5000.0,
+        "output_tok_s": 500.0,
+    }
     assert tiers["60"]["max_concurrency"] == 2  # C=4 runs at 55 tok/s/user
-    assert tiers["150"] == {"max_concurrency": None, "tok_s": None, "output_tok_s": None}
+    assert tiers["150"] == {
+        "met": False,
+        "max_concurrency": None,
+        "at_largest_point": False,
+        "tok_s": None,
+        "output_tok_s": None,
+    }
+
+
+def test_a_tier_met_at_the_largest_point_says_the_sweep_bounds_it():
+    assert tier_points(FAST, (20,), ttft_limit_s=5.0)["20"]["at_largest_point"] is True
 
 
 def test_interrupted_aborted_and_nan_points_meet_no_tier():
@@ -85,6 +101,13 @@ def test_ab_ratios_are_the_seeds_two_figures():
         "60": round(11000 / 1800, 3),
         "150": None,
     }  # base meets no 150 point
+
+
+def test_tier_ratios_use_only_the_points_both_configurations_swept():
+    """FAST's C=16 (met at 20 tok/s/user) has no baseline point: the 20 tier compares at C=8."""
+    ab = ab_ratios(BASE[:4], FAST, (20,), ttft_limit_s=5.0)
+    assert ab["common_concurrency"] == [1, 2, 4, 8]
+    assert ab["throughput_ratio_at_tier"] == {"20": round(11000 / 5000, 3)}
 
 
 def test_study_summary_names_its_configurations_and_refuses_unknown_ones():
@@ -111,12 +134,40 @@ def test_report_command_writes_summary_json(study_dir, tmp_path):
         main(["bench", "report", str(study_dir), "--tiers", "0,x"])
 
 
-def test_agentx_gpu_report_adds_commit_and_preset(study_dir):
-    from flashpd.bench.agentx_gpu import main, sweep_command
+def test_agentx_gpu_report_adds_commit_and_preset(study_dir, rectangular_tables):
+    from flashpd.bench.agentx_gpu import main
 
     assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast", "--commit", "abc123"]) == 0
     s = json.loads((study_dir / "summary.json").read_text())
     assert s["commit"] == "abc123" and s["preset"] == "bench" and s["ab"]["baseline"] == "base"
+    assert set(s["ab"]["throughput_ratio_at_tier"]) == {"20", "60", "150"}
     assert s["pd_vs_colocated"]["measured"] is False
-    cmd = sweep_command("127.0.0.1:9000", "flashpd", "/o", 8, 45.0, 64)
-    assert cmd[cmd.index("-c") + 1] == "8" and cmd[-1].endswith("flashpd/c8")
+    assert s["seed"] == {"speedup_low_concurrency": 1.9, "throughput_ratio_at_tier": {"150": 5.3}}
+    assert s["errors"]["fast"]["measured_failed"] >= 0
+    text = (study_dir / "report.md").read_text()
+    needles = ("| 1.9x |", "| 5.3x |", "What one H200 cannot show", "p90 TTFT is at most 5 s", "pareto.png")
+    for needle in needles + ('--config "$PWD/infra/serve.h200.baseline.yaml"', "--commit abc123"):
+        assert needle in text
+    rectangular_tables(text)
+    assert (study_dir / "plots" / "pareto.png").stat().st_size > 1000
+
+
+def test_agentx_gpu_report_with_one_configuration_has_no_ab_and_says_so(study_dir, tmp_path):
+    """The baseline's call lost: the report still comes out, without ratios, saying why."""
+    import shutil
+
+    from flashpd.bench.agentx_gpu import main
+
+    shutil.copytree(study_dir / "fast", tmp_path / "fast")
+    assert main(["report", str(tmp_path), "--baseline", "base", "--candidate", "fast", "--tiers", "1e9"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert "ab" not in s and "'base' has no completed point" in s["notes"][0]
+    assert s["tiers"]["1e+09"] == {
+        "met": False,
+        "max_concurrency": None,
+        "at_largest_point": False,
+        "tok_s": None,
+        "output_tok_s": None,
+    }
+    text = (tmp_path / "report.md").read_text()
+    assert "No A/B" in text and "**no point meets it**" in text

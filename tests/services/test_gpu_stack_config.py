@@ -58,7 +58,7 @@ def test_kv_lease_reaches_both_roles():
 
     c = check_config(CONFIG, num_gpus=1)
     args = AppArgs.model_validate({**c.args, "redis_url": "redis://127.0.0.1:1", "redis_url_env": None})
-    assert args.worker_config("prefill").lease_s == args.worker_config("decode").lease_s == 120
+    assert args.worker_config("prefill").lease_s == args.worker_config("decode").lease_s == 300
 
 
 def test_baseline_config_turns_the_switchable_optimizations_off():

@@ -1,0 +1,82 @@
+"""The AgentX device calls rehearsed on the CPU, end to end (issue 28): both H200 configs turned
+into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
+`agentx_gpu sweep` as the device call runs it (Redis, Ray, router + prefill + decode, NIXL over
+loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report`. Minutes; run it in a
+loopback-only namespace (scripts/test.sh does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.net]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_WORKLOAD = [
+    "--concurrency", "1,2", "--window-s", "8", "--window-low-s", "8", "--trees", "4", "--scale", "300",
+    "--time-scale", "50", "--output-scale", "40", "--max-turns", "8", "--vocab-lo", "10", "--vocab-hi", "500",
+    "--tree-idle-cap-s", "1", "--prefill-tok-s", "2000", "--ready-timeout-s", "300",
+]  # fmt: skip
+
+
+def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "flashpd.bench.agentx_gpu", *args],
+        env=env,
+        timeout=timeout_s,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server")
+    pytest.importorskip("ray")
+    pytest.importorskip("nixl")
+    from flashpd.bench.agentx_gpu import CONFIGS
+    from flashpd.services.redis_local import free_port
+
+    out = tmp_path / "agentx"
+    end = time.time() + 1200
+    for name, src in CONFIGS.items():
+        cpu = tmp_path / f"{name}.yaml"
+        ports = ["--grpc-port", str(free_port()), "--http-port", str(free_port())]
+        assert (
+            _run(["cpu-config", str(ROOT / src), "--checkpoint", ckpt_dir, "--out", str(cpu), *ports], 60).returncode
+            == 0
+        )
+        sweep = ["sweep", "--config", str(cpu), "--name", name, "--out", str(out), "--end-unix", str(end)]
+        done = _run(sweep + TINY_WORKLOAD, 600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        record = json.loads((out / name / "sweep.json").read_text())
+        assert [(p["concurrency"], p["exit"]) for p in record["points"]] == [(1, 0), (2, 0)]
+        assert record["not_started"] == [] and record["ready_s"] > 0 and "error" not in record
+        assert "kv_transports" in record
+        assert {w["role"] for w in record["points"][-1]["workers_after"]} == {"prefill", "decode"}
+    report = _run(["report", str(out), "--baseline", "baseline", "--candidate", "flashpd", "--commit", "dry"], 300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["commit"] == "dry" and s["preset"] == "bench" and s["configuration"] == "flashpd"
+    assert set(s["tiers"]) == {"20", "60", "150"} and all(isinstance(t["met"], bool) for t in s["tiers"].values())
+    assert s["ab"]["baseline"] == "baseline" and s["ab"]["low_concurrency_points"] == 2
+    assert s["ab"]["speedup_low_concurrency"] > 0
+    assert set(s["ab"]["throughput_ratio_at_tier"]) == {"20", "60", "150"}
+    assert s["pd_vs_colocated"]["measured"] is False
+    for name in CONFIGS:
+        assert s["errors"][name]["measured_failed"] == 0 and s["errors"][name]["measured_requests"] > 0
+    assert s["lost_points"] == []
+    text = (out / "report.md").read_text()
+    for needle in ("| 1.9x |", "5.3x", "What one H200 cannot show", "## Failed requests", "## What ran"):
+        assert needle in text
+    rectangular_tables(text)
+    for plot in ("pareto", "throughput_vs_interactivity", "ttft_cdf", "itl_cdf", "hit_rate_by_turn"):
+        assert (out / "plots" / f"{plot}.png").stat().st_size > 1000

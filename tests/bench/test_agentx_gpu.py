@@ -1,0 +1,184 @@
+"""bench/agentx_gpu.py's parts that decide whether a device call is wasted: the H200 sizing, the
+--end-unix guard, the interrupt at the deadline, the CPU variant of the configs, and the device
+commands the README gives."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashpd.bench import agentx_gpu as g
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sweep_args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    g._add_sweep_args(p)
+    return p.parse_args(["--config", "c.yaml", "--name", "flashpd", "--out", "/o", *extra])
+
+
+def test_the_default_workload_is_agentx_on_one_h200():
+    """Prompts 5K-128K with a ~27K mean, ~150-token main outputs, ~1 s think times."""
+    from flashpd.bench.workload import WorkloadConfig, generate_workload, summarize
+
+    a = sweep_args()
+    config = WorkloadConfig(num_trees=a.trees, scale=a.scale, time_scale=a.time_scale, output_scale=a.output_scale)
+    wl = generate_workload(config)
+    prompts = [r.prompt_tokens for r in wl.requests()]
+    s = summarize(wl)
+    assert 24_000 <= sum(prompts) / len(prompts) <= 31_000
+    assert max(prompts) <= 128_000 and config.tokens(config.shape.context_cap_tokens) == 128_000
+    assert 130 <= s["main_output_p50"] <= 170 and 0.7 <= s["think_p50_s"] <= 1.3
+
+
+def test_a_point_command_carries_the_workload_and_the_window():
+    a = sweep_args()
+    cmd = g.sweep_command("127.0.0.1:9000", "flashpd", "/o", 8, a)
+    flag = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("-")}
+    assert flag["-c"] == "8" and flag["--window-s"] == "15" and flag["--scale"] == "7.8125"
+    assert flag["--output-scale"] == "4" and flag["--time-scale"] == "5" and flag["--tree-idle-cap-s"] == "5"
+    assert flag["--warmup-requests"] == "0" and cmd[-1] == "/o/flashpd/c8"
+    low = g.sweep_command("t", "flashpd", "/o", 2, a)
+    assert low[low.index("--window-s") + 1] == "20"
+
+
+def test_the_guard_counts_the_cold_primers_and_skips_what_cannot_end_in_time():
+    a = sweep_args()
+    # 32 lanes x 38K-token primers at 14K tok/s: ~87 s before the window opens
+    assert g.point_estimate_s(32, 15.0, 38_000, 14_000) == pytest.approx(32 * 38_000 / 14_000 + 15 + 8 + 3)
+    end = time.time() + a.teardown_s + 100.0
+    assert g._plan_point(1, a, 38_000, end, 14_000) is None
+    why = g._plan_point(32, a, 38_000, end, 14_000)
+    assert why is not None and "cold prefill of 32 primers" in why
+
+
+def test_the_default_sweep_fits_one_call_after_a_cold_bring_up():
+    """With the H200 bring-up measured on a fresh machine (161 s) after ~30 s of installing the
+    bundle, points 1-32 fit the call's budget by the guard's own estimate; 64 (its 64 cold
+    primers alone ~175 s) does not."""
+    a = sweep_args()
+    primer = g.mean_primer_tokens(a)
+    t, ran = 161.0 + 30.0, []
+    for c in g.parse_concurrency(a.concurrency):
+        need = g.point_estimate_s(c, g.window_s(c, a), primer, a.prefill_tok_s)
+        if t + need <= g.CALL_BUDGET_S - a.teardown_s:
+            t, ran = t + need, ran + [c]
+    assert ran == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_point_past_the_deadline_is_interrupted_then_reported_cut(tmp_path):
+    """SIGINT first (the driver writes meta.json on it), exit code 124."""
+    marker = tmp_path / "got_sigint"
+    script = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGINT, lambda *_: (open({str(marker)!r}, 'w').close(), sys.exit(130)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    assert g.run_point([sys.executable, "-c", script], time.time() + 3.0) == 124
+    assert marker.exists()
+
+
+def test_a_point_that_ends_in_time_returns_its_exit_code():
+    assert g.run_point([sys.executable, "-c", "raise SystemExit(3)"], time.time() + 60) == 3
+
+
+def test_the_cpu_variant_keeps_the_switches_and_passes_the_launcher_check(tmp_path):
+    import yaml
+
+    from flashpd.services.gpu_stack import check_config
+
+    for name, src in g.CONFIGS.items():
+        raw = g.cpu_config(str(ROOT / src), "/ckpt", grpc_port=9100, http_port=8100)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        cpu, h200 = check_config(str(path), num_gpus=0), check_config(str(ROOT / src), num_gpus=1)
+        for key in ("routing", "swa_bounded_replay", "kv_format", "kv_lease_s"):
+            assert cpu.args.get(key) == h200.args.get(key)
+        assert cpu.args["device"] == "cpu" and cpu.gpus == 0 and cpu.http_port == 8100
+        assert "FLASHPD_KV_TRANSPORTS" not in cpu.env
+        assert {k: v for k, v in h200.env.items() if k != "FLASHPD_KV_TRANSPORTS"} == cpu.env
+
+
+def test_h200_pools_hold_an_agentic_prefix_cache_in_the_spare_memory():
+    """Both configs: the same block counts (same tokens cached); pools fit ~27 GiB spare with
+    room left for activation peaks (NVFP4 113,920 B, FP8 190,720 B per block)."""
+    from flashpd.engine.kv_pools import PoolGeometry
+    from flashpd.model.presets import preset_config
+    from flashpd.services.gpu_stack import check_config
+
+    counts = set()
+    total_gib = {}
+    for name, src in g.CONFIGS.items():
+        c = check_config(str(ROOT / src), num_gpus=1)
+        block = sum(
+            PoolGeometry(preset_config("bench"), compressed_format=c.args.get("kv_format", "nvfp4"))
+            .group_block_bytes()
+            .values()
+        )
+        blocks = (c.args["prefill"]["num_blocks"], c.args["decode"]["num_blocks"])
+        counts.add(blocks)
+        total_gib[name] = sum(blocks) * block / 2**30
+        assert min(blocks) * 128 >= 64 * 28_000  # 64 sessions of AgentX's mean context, per role
+    assert len(counts) == 1
+    assert total_gib["flashpd"] < total_gib["baseline"] <= 12.0
+
+
+def test_the_readme_gives_the_device_commands_and_the_report_command():
+    readme = (ROOT / "README.md").read_text()
+    for name in g.CONFIGS:
+        assert g.device_command(name) in readme
+    assert g.report_command() in readme
+
+
+def test_the_device_command_runs_the_sweep_the_guard_knows(monkeypatch):
+    """The command's sweep arguments parse, name a shipped config, and carry --end-unix."""
+    for name in g.CONFIGS:
+        cmd = g.device_command(name)
+        sweep = cmd.split("agentx sweep ", 1)[1].split(" > ", 1)[0]
+        argv = [w.strip('"').replace("$PWD/", "") for w in sweep.split()]
+        argv[argv.index("--end-unix") + 1] = "0"
+        argv[argv.index("--out") + 1] = "/o"
+        a = sweep_args(*argv)
+        assert a.config == g.CONFIGS[name] and a.name == name and a.end_unix == 0.0
+        assert (ROOT / a.config).exists()
+
+
+@pytest.mark.net
+def test_a_real_point_cut_at_the_deadline_keeps_its_records_and_meta(tmp_path):
+    """`flashpd bench run` against a server that accepts and never answers: at the deadline the
+    SIGINT reaches the driver, which cancels the in-flight primer, records it and writes
+    meta.json (interrupted, no window) before exiting."""
+    import json
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    tiny = ["--trees", "2", "--scale", "300", "--time-scale", "50", "--output-scale", "40", "--max-turns", "8"]
+    a = sweep_args(*tiny, "--vocab-lo", "10", "--vocab-hi", "500")
+    target = f"127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        assert g.run_point(g.sweep_command(target, "cut", str(tmp_path), 1, a), time.time() + 8.0) == 124
+    finally:
+        srv.close()
+    meta = json.loads((tmp_path / "cut" / "c1" / "meta.json").read_text())
+    assert meta["interrupted"] is True and meta["window_start_s"] is None
+    records = (tmp_path / "cut" / "c1" / "records.jsonl").read_text().splitlines()
+    assert records and json.loads(records[0])["error_type"] == "Cancelled"
