@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused indexer attn measure final roofline" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer attn measure final wave tests roofline" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -110,6 +110,17 @@ timeout $(( $(left) - 60 )) python -m flashpd.bench.gpu_engine --summary --commi
     --out "$OUT"
 gpu_tests 3
 fi
+if has wave; then  # one call: no stall at a new shape (+ decode 1/8/64), kernels, speculation's batches
+echo "== first hit at a new width, decode ($(left) s left)"
+timeout 230 python -m flashpd.bench.gpu_engine --first-hit --commit "$FLASHPD_COMMIT" --out "$OUT"
+echo "== verify-kernels ($(left) s left)"
+timeout 100 python -m flashpd.cli verify-kernels --no-timing 2>&1 | tail -12
+echo "== speculative decoding, forced acceptance ($(left) s left)"
+FLASHPD_BENCH_FORCED_ACCEPTANCE=1 timeout $(( $(left) - 3 )) python -m flashpd.bench.spec_decode \
+    --device cuda --preset bench --context 8192 --batches 1 8 16 32 64 --steps 12 --no-greedy-check \
+    --commit "$FLASHPD_COMMIT" --out "$OUT/spec.json" 2>&1 | grep -v "^ " | tail -20
+fi
+if has tests; then gpu_tests 2; fi
 if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
 echo "== kernel roofline ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.kernel_roofline --out "$OUT" \
