@@ -391,25 +391,35 @@ def _route_launch(
 ) -> tuple[torch.Tensor, torch.Tensor, SortedPairs | None]:
     """The router launch; with `block_m`, its last token block also sorts the pairs."""
     _check_route(x, gate_weight, bias, top_k)
-    num_tokens, dim = x.shape
-    num_experts = gate_weight.shape[0]
+    num_tokens, num_experts = x.shape[0], gate_weight.shape[0]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights, None
-    e_pad = triton.next_power_of_2(num_experts)
     n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
-    block_k = router_block_k(num_experts)
-    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
-    partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
-    w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
-    pairs = None
-    sorted_out: tuple = (ids,) * 6 + (1,)  # unused pointers without the sort
-    if block_m is not None:
-        pairs = _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
-        sched = pairs.schedule
-        sorted_out = (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end, sched.start.shape[0])
+    pairs = None if block_m is None else _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
+        *_route_args(x, gate_weight, bias, ids, weights, n_blocks, routed_scale, gate_temp),
+        *_sorted_out(pairs, ids),
+        triton.cdiv(num_tokens, _SORT_BLOCK_T),
+        **_route_constexprs(x, num_experts, top_k, normalize, block_m),
+        num_warps=8,
+        num_stages=3,
+        **triton_runtime.launch_options(),
+    )
+    return ids, weights, pairs
+
+
+def _route_args(x, gate_weight, bias, ids, weights, n_blocks: int, routed_scale: float, gate_temp: float) -> tuple:
+    """The router's positional arguments up to the sort's outputs, in its signature's order."""
+    num_tokens, dim = x.shape
+    num_experts = gate_weight.shape[0]
+    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
+    partial = torch.empty(
+        ROUTER_SPLIT, num_tokens, triton.next_power_of_2(num_experts), dtype=torch.float32, device=x.device
+    )
+    w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
+    return (
         x,
         x.stride(0),
         w,
@@ -425,13 +435,24 @@ def _route_launch(
         chunk,
         1.0 / gate_temp,
         float(routed_scale),
-        *sorted_out,
-        triton.cdiv(num_tokens, _SORT_BLOCK_T),
+    )
+
+
+def _sorted_out(pairs: SortedPairs | None, ids: torch.Tensor) -> tuple:
+    """The sort's outputs and tile count; without the sort, unused pointers (ids) and 1."""
+    if pairs is None:
+        return (ids,) * 6 + (1,)
+    sched = pairs.schedule
+    return (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end, sched.start.shape[0])
+
+
+def _route_constexprs(x: torch.Tensor, num_experts: int, top_k: int, normalize: bool, block_m: int | None) -> dict:
+    return dict(
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
-        E_PAD=e_pad,
-        BLOCK_K=block_k,
+        E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_K=router_block_k(num_experts),
         SPLIT=ROUTER_SPLIT,
         IEEE=x.dtype == torch.float32,
         UPCAST=DOT_UPCAST,
@@ -441,11 +462,7 @@ def _route_launch(
         COUNT_T=SORT_COUNT_T,
         BLOCK_M=block_m or 16,
         BLOCK_Q=_SORT_BLOCK_Q,
-        num_warps=8,
-        num_stages=3,
-        **triton_runtime.launch_options(),
     )
-    return ids, weights, pairs
 
 
 def router_block_k(num_experts: int) -> int:
@@ -745,23 +762,34 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block
     """Sort the (token, slot) pairs of ids [T, k] (distinct experts per token, as `route`
     gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens (a program
     per 16-token block and per 64 tiles)."""
+    if ids.shape[0] > SORT_KERNEL_MAX_TOKENS:
+        return _sort_pairs_torch(ids, weights, num_experts, block_m)
+    return _sort_pairs_launch(ids, weights, num_experts, block_m)
+
+
+def _sort_pairs_torch(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """`sort_pairs` past SORT_KERNEL_MAX_TOKENS: a stable argsort by expert (no host read-back)."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
-    max_tiles = _max_tiles(num_pairs, num_experts, block_m)
-    if num_tokens > SORT_KERNEL_MAX_TOKENS:
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-        rows = (order // top_k).to(torch.int32)
-        gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read-back (CUDA graphs)
-        schedule = dense.grouped_schedule(counts, num_pairs, block_m)
-        position = torch.empty_like(order)
-        position[order] = torch.arange(num_pairs, device=device)
-        pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
-        return SortedPairs(rows, gamma, schedule, pos.contiguous())
-    out = _empty_pairs(num_tokens, top_k, num_experts, block_m, device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    rows = (order // top_k).to(torch.int32)
+    gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read-back (CUDA graphs)
+    schedule = dense.grouped_schedule(counts, num_pairs, block_m)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(num_pairs, device=device)
+    pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
+    return SortedPairs(rows, gamma, schedule, pos.contiguous())
+
+
+def _sort_pairs_launch(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """`sort_pairs` in one launch: a program per 16-token block and per 64 tiles."""
+    num_tokens, top_k = ids.shape
+    max_tiles = _max_tiles(num_tokens * top_k, num_experts, block_m)
+    out = _empty_pairs(num_tokens, top_k, num_experts, block_m, ids.device)
     sched = out.schedule
     n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
     _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
@@ -903,6 +931,12 @@ def _expert_rows(
         return grouped_large.expert_gemms(
             x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, experts.w2, limit, cfg=m.large
         ), pairs.pos
+    return _grouped_expert_rows(x, pairs, experts, limit, tuned), pairs.pos
+
+
+def _grouped_expert_rows(x: torch.Tensor, pairs: SortedPairs, experts: ExpertSet, limit: float, tuned) -> torch.Tensor:
+    """The two split-K grouped GEMMs (dense.grouped_gemm) over the sorted pairs' schedule."""
+    num_pairs = pairs.rows.shape[0]
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(
         x,
@@ -917,7 +951,7 @@ def _expert_rows(
     )
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(h, experts.w2, pairs.schedule, y, cfg=tuned.dense)
-    return y, pairs.pos
+    return y
 
 
 def routed_experts(
@@ -982,15 +1016,25 @@ def moe_quantized(
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    presorted = None
+    gate = (gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+    ids, weights, presorted = _route_for(x, gate, experts, tuned)
+    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
+    return _add_shared(x, y, pos, shared, limit, tuned)
+
+
+def _route_for(x: torch.Tensor, gate: tuple, experts: ExpertSet, tuned: KernelConfigs):
+    """(ids, weights, presorted pairs or None): with fused_gate, one launch that also sorts the
+    pairs for the expert path's tiles; else `route`."""
+    gate_weight, bias, top_k, routed_scale, gate_temp, normalize = gate
     if tuned.moe.fused_gate and x.shape[0] <= tuned.moe.fused_gate_max_tokens:  # one launch
         _, block_m = expert_path(x.shape[0], x.shape[0] * top_k, experts, x.dtype, tuned)
-        ids, weights, presorted = route_sorted(
-            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned
-        )
-    else:
-        ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
-    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
+        return route_sorted(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned)
+    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+    return ids, weights, None
+
+
+def _add_shared(x: torch.Tensor, y, pos, shared: ExpertSet | None, limit: float, tuned: KernelConfigs) -> torch.Tensor:
+    """The routed sum plus the shared expert(s), rounded to x.dtype once."""
     shared_y = [
         dense_experts(x, _one_expert(shared, e), limit, None, tuned.dense)
         for e in range(shared.num_experts if shared is not None else 0)
