@@ -571,6 +571,19 @@ def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
     return triton.cdiv(dim, ch), ch
 
 
+def _programs_per_block(kind: str, num_tokens: int, block_t: int, nsl: int, cfg: MhcConfig) -> int:
+    """Programs per token block: every slice (decode); prefill_grid, or the fewest dividing the
+    slice count that reach target_programs (prefill)."""
+    grid = nsl if kind == "decode" else cfg.prefill_grid
+    if kind == "prefill":
+        if grid is None:
+            blocks = triton.cdiv(num_tokens, block_t)
+            grid = next((g for g in range(1, nsl + 1) if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
+    if nsl % grid:
+        raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
+    return grid
+
+
 def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
     kind = "decode" if num_tokens <= cfg.decode_rows else "prefill"
@@ -584,13 +597,7 @@ def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
         else _slices(dim, MHC_SPLIT)
     )
     warps, stages = getattr(cfg, f"{kind}_warps"), getattr(cfg, f"{kind}_stages")
-    grid = nsl if kind == "decode" else cfg.prefill_grid
-    if kind == "prefill":
-        if grid is None:
-            blocks = triton.cdiv(num_tokens, block_t)
-            grid = next((g for g in range(1, nsl + 1) if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
-    if nsl % grid:
-        raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
+    grid = _programs_per_block(kind, num_tokens, block_t, nsl, cfg)
     return {
         "block_t": block_t,
         "block_d": block_d,
@@ -648,45 +655,87 @@ def expand_mix_collapse(
     (new streams [T, S, D], pre [T, S], post' [T, S], comb' [T, S, S], x [T, D] | None).
     """
     _check_mhc(y, streams, post, comb, fn, base, scale, pre_in)
-    num_tokens, num_streams, dim = streams.shape
-    dev = streams.device
     x = streams.contiguous()
+    outs = _mhc_outputs(x, y, pre_in)
+    if x.shape[0] == 0:
+        return outs
+    _launch(x, y, post, comb, pre_in, norm_weight, (fn, base, scale, sinkhorn_iters, hc_eps, norm_eps), outs, tuned.mhc)
+    return outs
+
+
+def _mhc_outputs(x: torch.Tensor, y: torch.Tensor | None, pre_in: torch.Tensor | None) -> tuple:
+    """(new streams, pre, post', comb', x collapsed or None): new streams are x itself without y."""
+    num_tokens, num_streams, dim = x.shape
     new_streams = torch.empty_like(x) if y is not None else x
-    pre_o = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=dev)
+    pre_o = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=x.device)
     post_o = torch.empty_like(pre_o)
-    comb_o = torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=dev)
-    xc = torch.empty(num_tokens, dim, dtype=x.dtype, device=dev) if pre_in is not None else None
-    if num_tokens == 0:
-        return new_streams, pre_o, post_o, comb_o, xc
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
-    dummy = pre_o
-    plan = launch_plan(num_tokens, dim, tuned.mhc)
+    comb_o = torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=x.device)
+    xc = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if pre_in is not None else None
+    return new_streams, pre_o, post_o, comb_o, xc
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _launch(x, y, post, comb, pre_in, norm_weight, params: tuple, outs: tuple, cfg: MhcConfig) -> None:
+    """The fused kernel over (programs per token block, token blocks)."""
+    fn, base, scale, sinkhorn_iters, hc_eps, norm_eps = params
+    num_tokens, dim = x.shape[0], x.shape[2]
+    plan = launch_plan(num_tokens, dim, cfg)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
-    # the slice vectors (grid > 1) and, after them, the totals
-    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N, dtype=torch.float32, device=dev)
     _mhc_kernel[(plan["grid"], n_blocks)](
         x,
-        new_streams,
-        y.contiguous() if y is not None else x,
-        f32(post) if post is not None else dummy,
-        f32(comb) if comb is not None else dummy,
-        f32(fn),
-        f32(base),
-        f32(scale),
-        f32(pre_in) if pre_in is not None else dummy,
-        norm_weight.contiguous() if norm_weight is not None else dummy,
-        pre_o,
-        post_o,
-        comb_o,
-        xc if xc is not None else dummy,
-        partial,
-        triton_runtime.arrival_counters(dev, 4 * n_blocks),
+        outs[0],
+        *_input_args(x, y, post, comb, fn, base, scale, pre_in, norm_weight, dummy=outs[1]),
+        *_output_args(outs, plan, n_blocks),
         num_tokens,
         dim,
         plan["grid"],
         float(norm_eps),
         float(hc_eps),
-        S=num_streams,
+        **_flags(x, y, pre_in, norm_weight, sinkhorn_iters, plan),
+        **kernel_constants(plan),
+        num_warps=plan["warps"],
+        num_stages=plan["stages"],
+        **triton_runtime.launch_options(),
+    )
+
+
+def _input_args(x, y, post, comb, fn, base, scale, pre_in, norm_weight, dummy: torch.Tensor) -> tuple:
+    """The kernel's inputs after (x, new streams), in its signature's order (fp32 mixes; `dummy`
+    for absent ones)."""
+    return (
+        y.contiguous() if y is not None else x,
+        _f32(post) if post is not None else dummy,
+        _f32(comb) if comb is not None else dummy,
+        _f32(fn),
+        _f32(base),
+        _f32(scale),
+        _f32(pre_in) if pre_in is not None else dummy,
+        norm_weight.contiguous() if norm_weight is not None else dummy,
+    )
+
+
+def _output_args(outs: tuple, plan: dict, n_blocks: int) -> tuple:
+    """The kernel's outputs, then its scratch: the slice vectors (grid > 1) and after them the
+    totals, and the arrival counters."""
+    _, pre_o, post_o, comb_o, xc = outs
+    num_tokens, dev = pre_o.shape[0], pre_o.device
+    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N, dtype=torch.float32, device=dev)
+    return (
+        pre_o,
+        post_o,
+        comb_o,
+        xc if xc is not None else pre_o,
+        partial,
+        triton_runtime.arrival_counters(dev, 4 * n_blocks),
+    )
+
+
+def _flags(x, y, pre_in, norm_weight, sinkhorn_iters: int, plan: dict) -> dict:
+    return dict(
+        S=x.shape[1],
         ITERS=sinkhorn_iters,
         HAS_Y=y is not None,
         COLLAPSE=pre_in is not None,
@@ -694,12 +743,7 @@ def expand_mix_collapse(
         BF16=x.dtype == torch.bfloat16,
         UPCAST=DOT_UPCAST,
         SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
-        **kernel_constants(plan),
-        num_warps=plan["warps"],
-        num_stages=plan["stages"],
-        **triton_runtime.launch_options(),
     )
-    return new_streams, pre_o, post_o, comb_o, xc
 
 
 def _check_mhc(y, streams, post, comb, fn, base, scale, pre_in) -> None:
