@@ -105,6 +105,36 @@ def pool_open_pairs(
         pooled[t]  = ref.pool_two(partner a, partner g, ag[t, 0], ag[t, 1])
 
     One launch, nothing read on the host (CUDA-graph safe)."""
+    _check_pool_args(ag, open_rows, from_stored, slots, dtype)
+    num_rows, _, width = ag.shape
+    out = torch.empty(num_rows, width, dtype=dtype, device=ag.device)
+    if num_rows == 0:
+        return out
+    _launch_pool(ag.contiguous(), open_rows, from_stored, slots, out)
+    return out
+
+
+def _launch_pool(ag: torch.Tensor, open_rows, from_stored, slots, out: torch.Tensor) -> None:
+    """One program per (row, BLOCK_C columns), BLOCK_C up to 1024."""
+    num_rows, width = out.shape
+    block = min(1024, triton.next_power_of_2(width))
+    _pool_open_pairs_kernel[(num_rows, triton.cdiv(width, block))](
+        ag,
+        open_rows,
+        open_rows.stride(0),
+        from_stored.view(torch.uint8),
+        slots,
+        out,
+        num_rows,
+        C=width,
+        BLOCK_C=block,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        LIBDEVICE=_LIBDEVICE,
+        **triton_runtime.launch_options(),
+    )
+
+
+def _check_pool_args(ag, open_rows, from_stored, slots, dtype: torch.dtype) -> None:
     if ag.ndim != 3 or ag.shape[1] != 2 or ag.dtype != torch.float32:
         raise ValueError(f"ag must be FP32 [T, 2, c], got {ag.dtype} {tuple(ag.shape)}")
     num_rows, _, width = ag.shape
@@ -119,23 +149,3 @@ def pool_open_pairs(
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype}")
     triton_runtime.check_device(ag, open_rows, from_stored, slots)
-    out = torch.empty(num_rows, width, dtype=dtype, device=ag.device)
-    if num_rows == 0:
-        return out
-    ag = ag.contiguous()
-    block = min(1024, triton.next_power_of_2(width))
-    _pool_open_pairs_kernel[(num_rows, triton.cdiv(width, block))](
-        ag,
-        open_rows,
-        open_rows.stride(0),
-        from_stored.view(torch.uint8),
-        slots,
-        out,
-        num_rows,
-        C=width,
-        BLOCK_C=block,
-        OUT_BF16=dtype == torch.bfloat16,
-        LIBDEVICE=_LIBDEVICE,
-        **triton_runtime.launch_options(),
-    )
-    return out

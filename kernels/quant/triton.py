@@ -327,7 +327,15 @@ def write_unchecked(
     if num_tokens == 0:
         return
     cos, sin, rope_pairs = _rope_tables(rope, values)
-    _kv_write_kernel[(num_tokens,)](
+    _launch_kv_write(fmt, values, rows, pool, (cos, sin, rope_pairs), heads=1, out_values=False)
+
+
+def _launch_kv_write(fmt: int, values, rows, pool, rope: tuple, heads: int, out_values: bool) -> None:
+    """One program per value row: records into pool[rows] (out_values: the fake-quantised values
+    into `pool` row by row; `rows` unused). rope: (cos, sin, pairs), heads rows per table row."""
+    cos, sin, rope_pairs = rope
+    dim = values.shape[1]
+    _kv_write_kernel[(values.shape[0],)](
         values,
         values.stride(0),
         rows,
@@ -336,14 +344,14 @@ def write_unchecked(
         cos,
         sin,
         cos.stride(0),
-        1,
+        heads,
         D=dim,
         BLOCK=_BLOCK[fmt],
         FMT=fmt,
         AMAX_FLOOR=_AMAX_FLOOR[fmt],
         ROPE_PAIRS=rope_pairs,
         ROUND_BF16=values.dtype == torch.bfloat16,
-        OUT_VALUES=False,
+        OUT_VALUES=out_values,
         num_warps=1 if dim <= 128 else 4,
         **triton_runtime.launch_options(),
     )
@@ -363,6 +371,13 @@ def rope_fake_quant_mxfp4(
     out = torch.empty(num_rows, dim, dtype=values.dtype, device=values.device)
     if num_rows == 0:
         return out
+    _check_query_rope(rope, num_rows, heads, dim)
+    cos, sin = rope[0].contiguous(), rope[1].contiguous()
+    _launch_kv_write(FMT_MXFP4, values, out, out, (cos, sin, cos.shape[1]), heads=heads, out_values=True)
+    return out
+
+
+def _check_query_rope(rope: tuple[torch.Tensor, torch.Tensor], num_rows: int, heads: int, dim: int) -> None:
     cos, sin = rope
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] * heads != num_rows:
         raise ValueError(
@@ -370,28 +385,6 @@ def rope_fake_quant_mxfp4(
         )
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or 2 * cos.shape[1] > dim:
         raise ValueError("rope tables must be FP32 and cover at most D channels")
-    cos, sin = cos.contiguous(), sin.contiguous()
-    _kv_write_kernel[(num_rows,)](
-        values,
-        values.stride(0),
-        out,
-        out,
-        out.stride(0),
-        cos,
-        sin,
-        cos.stride(0),
-        heads,
-        D=dim,
-        BLOCK=ref.MXFP4_BLOCK,
-        FMT=FMT_MXFP4,
-        AMAX_FLOOR=_AMAX_FLOOR[FMT_MXFP4],
-        ROPE_PAIRS=cos.shape[1],
-        ROUND_BF16=values.dtype == torch.bfloat16,
-        OUT_VALUES=True,
-        num_warps=1 if dim <= 128 else 4,
-        **triton_runtime.launch_options(),
-    )
-    return out
 
 
 def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor) -> None:
