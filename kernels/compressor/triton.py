@@ -46,6 +46,37 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _partner(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr, t, cols, mask, num_rows, C: tl.constexpr):
+    """(a, g) of row t's partner: its slot's stored open row, else the row before (roll by one)."""
+    stored = tl.load(stored_ptr + t) != 0
+    from_prev = tl.load(stored_ptr + t) == 0
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    prev = ag_ptr + ((t + num_rows - 1) % num_rows) * (2 * C)  # the row before (roll by one)
+    kept = open_ptr + slot * stride_open
+    a0 = tl.where(
+        stored,
+        tl.load(kept + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + cols, mask=mask & from_prev, other=0.0),
+    )
+    g0 = tl.where(
+        stored,
+        tl.load(kept + C + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + C + cols, mask=mask & from_prev, other=0.0),
+    )
+    return a0, g0
+
+
+@triton.jit
+def _pool_two(a0, g0, a1, g1, LIBDEVICE: tl.constexpr):
+    """softmax(g0, g1)-weighted a0, a1 in FP32 (ref.pool_two)."""
+    g_max = tl.maximum(g0, g1)
+    e0 = _exp(g0 - g_max, LIBDEVICE)
+    e1 = _exp(g1 - g_max, LIBDEVICE)
+    total = e0 + e1
+    return tl.math.div_rn(e0, total) * a0 + tl.math.div_rn(e1, total) * a1
+
+
+@triton.jit
 def _pool_open_pairs_kernel(
     ag_ptr,
     open_ptr,
@@ -65,26 +96,8 @@ def _pool_open_pairs_kernel(
     row = ag_ptr + t * (2 * C)
     a1 = tl.load(row + cols, mask=mask, other=0.0)
     g1 = tl.load(row + C + cols, mask=mask, other=0.0)
-    stored = tl.load(stored_ptr + t) != 0
-    from_prev = tl.load(stored_ptr + t) == 0
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    prev = ag_ptr + ((t + num_rows - 1) % num_rows) * (2 * C)  # the row before (roll by one)
-    kept = open_ptr + slot * stride_open
-    a0 = tl.where(
-        stored,
-        tl.load(kept + cols, mask=mask & stored, other=0.0),
-        tl.load(prev + cols, mask=mask & from_prev, other=0.0),
-    )
-    g0 = tl.where(
-        stored,
-        tl.load(kept + C + cols, mask=mask & stored, other=0.0),
-        tl.load(prev + C + cols, mask=mask & from_prev, other=0.0),
-    )
-    g_max = tl.maximum(g0, g1)
-    e0 = _exp(g0 - g_max, LIBDEVICE)
-    e1 = _exp(g1 - g_max, LIBDEVICE)
-    total = e0 + e1
-    pooled = tl.math.div_rn(e0, total) * a0 + tl.math.div_rn(e1, total) * a1
+    a0, g0 = _partner(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr, t, cols, mask, num_rows, C)
+    pooled = _pool_two(a0, g0, a1, g1, LIBDEVICE)
     if OUT_BF16:
         pooled = round_bf16(pooled)
     tl.store(out_ptr + t * C + cols, pooled.to(out_ptr.dtype.element_ty), mask=mask)
