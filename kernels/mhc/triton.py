@@ -166,22 +166,19 @@ def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constex
         c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
         c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     out = comb_ptr + r64 * (S * S)
-    tl.store(out, c00, mask=rmask)
-    tl.store(out + 1, c01, mask=rmask)
-    tl.store(out + 2, c02, mask=rmask)
-    tl.store(out + 3, c03, mask=rmask)
-    tl.store(out + 4, c10, mask=rmask)
-    tl.store(out + 5, c11, mask=rmask)
-    tl.store(out + 6, c12, mask=rmask)
-    tl.store(out + 7, c13, mask=rmask)
-    tl.store(out + 8, c20, mask=rmask)
-    tl.store(out + 9, c21, mask=rmask)
-    tl.store(out + 10, c22, mask=rmask)
-    tl.store(out + 11, c23, mask=rmask)
-    tl.store(out + 12, c30, mask=rmask)
-    tl.store(out + 13, c31, mask=rmask)
-    tl.store(out + 14, c32, mask=rmask)
-    tl.store(out + 15, c33, mask=rmask)
+    _store4(out, c00, c01, c02, c03, rmask)
+    _store4(out + 4, c10, c11, c12, c13, rmask)
+    _store4(out + 8, c20, c21, c22, c23, rmask)
+    _store4(out + 12, c30, c31, c32, c33, rmask)
+
+
+@triton.jit
+def _store4(ptr, a, b, c, d, mask):
+    """a, b, c, d to ptr + 0..3 (one row of a per-token S x S table)."""
+    tl.store(ptr, a, mask=mask)
+    tl.store(ptr + 1, b, mask=mask)
+    tl.store(ptr + 2, c, mask=mask)
+    tl.store(ptr + 3, d, mask=mask)
 
 
 # ============================================================================ fused kernel
@@ -868,7 +865,6 @@ def _expand_kernel(
     r64 = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = rmask[:, None] & (cols < D)[None, :]
-    SS: tl.constexpr = S * S
     y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
     x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
@@ -877,20 +873,29 @@ def _expand_kernel(
     x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
     orow = out_ptr + (r64[:, None] * S) * D + cols[None, :]
     for k in tl.static_range(S):
-        out = _expand_stream(
-            y,
-            _load_cols(post_ptr, r64, rmask, S, k),
-            _load_cols(comb_ptr, r64, rmask, SS, k),
-            _load_cols(comb_ptr, r64, rmask, SS, S + k),
-            _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
-            _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
-            x0,
-            x1,
-            x2,
-            x3,
-            BF16,
-        )
+        out = _expand_out(y, post_ptr, comb_ptr, r64, rmask, x0, x1, x2, x3, S, k, BF16)
         tl.store(orow + k * D, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_out(
+    y, post_ptr, comb_ptr, r64, rmask, x0, x1, x2, x3, S: tl.constexpr, k: tl.constexpr, BF16: tl.constexpr
+):
+    """New stream k: post_k * y + sum_j comb[j, k] * x_j (`_expand_stream`), its mixes loaded."""
+    SS: tl.constexpr = S * S
+    return _expand_stream(
+        y,
+        _load_cols(post_ptr, r64, rmask, S, k),
+        _load_cols(comb_ptr, r64, rmask, SS, k),
+        _load_cols(comb_ptr, r64, rmask, SS, S + k),
+        _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
+        _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
+        x0,
+        x1,
+        x2,
+        x3,
+        BF16,
+    )
 
 
 def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
