@@ -51,6 +51,25 @@ _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
 
 # ============================================================================ fused router
 @triton.jit
+def _select_top_k(scores, biased, experts, slot, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """(ids [BT, K_PAD], unbiased scores [BT, K_PAD], their sum [BT]) of the TOP_K experts by
+    biased score, lower id on ties, in selection order."""
+    sel_ids = tl.zeros((scores.shape[0], K_PAD), dtype=tl.int32)
+    sel_scores = tl.zeros((scores.shape[0], K_PAD), dtype=tl.float32)
+    total = tl.zeros_like(tl.max(scores, axis=1))
+    for i in tl.static_range(TOP_K):  # selection by biased score, lower id on ties
+        best = tl.max(biased, axis=1)
+        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], E_PAD), axis=1)
+        hit = experts[None, :] == pick[:, None]
+        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score
+        total = total + chosen
+        sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
+        sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
+        biased = tl.where(hit, float("-inf"), biased)
+    return sel_ids, sel_scores, total
+
+
+@triton.jit
 def _route_epilogue(
     logits,
     rows,
@@ -71,18 +90,7 @@ def _route_epilogue(
     bias = tl.load(bias_ptr + experts, mask=emask, other=0.0)
     biased = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
     slot = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
-    sel_ids = tl.zeros((logits.shape[0], K_PAD), dtype=tl.int32)
-    sel_scores = tl.zeros((logits.shape[0], K_PAD), dtype=tl.float32)
-    total = tl.zeros_like(tl.max(scores, axis=1))
-    for i in tl.static_range(TOP_K):  # selection by biased score, lower id on ties
-        best = tl.max(biased, axis=1)
-        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], E_PAD), axis=1)
-        hit = experts[None, :] == pick[:, None]
-        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score
-        total = total + chosen
-        sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
-        sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
-        biased = tl.where(hit, float("-inf"), biased)
+    sel_ids, sel_scores, total = _select_top_k(scores, biased, experts, slot, TOP_K, K_PAD, E_PAD)
     if NORMALIZE:  # norm_topk_prob
         gamma = sel_scores / (total[:, None] + 1e-20) * routed_scale
     else:
@@ -591,6 +599,47 @@ def _sort_counts(
 
 
 @triton.jit
+def _expert_rows_base(
+    ids_ptr,
+    T,
+    blk,
+    n_blocks,
+    hit,
+    experts,
+    slot,
+    smask,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """[BT, E]: the sorted row of each token's first pair with expert e: the expert's first row
+    (counts of every block), plus the earlier blocks' and this block's earlier tokens' pairs."""
+    per_tok = tl.sum(hit, axis=1)  # [BT, E]
+    counts = tl.sum(per_tok, axis=0)
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    if n_blocks > 1:
+        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
+        counts += c
+    row_off = tl.cumsum(counts, 0) - counts
+    return (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
+
+
+@triton.jit
+def _slot_ranks(ids, slot, smask):
+    """([BT, KP] earlier slots of the token with the same expert, [BT, KP] the slot's rank by
+    expert id within its token)."""
+    other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
+    valid = smask[None, None, :]
+    earlier = slot[None, None, :] < slot[None, :, None]
+    same = (other == ids[:, :, None]) & valid & earlier
+    ties = tl.sum(same.to(tl.int32), axis=2)
+    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + tl.sum(same.to(tl.int32), axis=2)
+    return ties, rank
+
+
+@triton.jit
 def _sort_token_block(
     ids_ptr,
     w_ptr,
@@ -616,21 +665,11 @@ def _sort_token_block(
     ids = tl.load(ids_ptr + flat, mask=m, other=-1, cache_modifier=CACHE).to(tl.int32)
     gam = tl.load(w_ptr + flat, mask=m, other=0.0, cache_modifier=CACHE)
     hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
-    per_tok = tl.sum(hit, axis=1)  # [BT, E]
-    counts = tl.sum(per_tok, axis=0)
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    if n_blocks > 1:
-        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
-        counts += c
-    row_off = tl.cumsum(counts, 0) - counts
-    base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
-    dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
-    other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
-    valid = smask[None, None, :]
-    earlier = slot[None, None, :] < slot[None, :, None]
-    same = (other == ids[:, :, None]) & valid & earlier
-    dest += tl.sum(same.to(tl.int32), axis=2)
-    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + tl.sum(same.to(tl.int32), axis=2)
+    base = _expert_rows_base(
+        ids_ptr, T, blk, n_blocks, hit, experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T, CACHE
+    )
+    ties, rank = _slot_ranks(ids, slot, smask)
+    dest = tl.sum(hit * base[:, None, :], axis=2) + ties  # [BT, KP]
     tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
     tl.store(gamma_ptr + dest, gam, mask=m)
     tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
