@@ -143,6 +143,29 @@ def _e4m3_bf16_asm2(q, s_bf16):
 
 
 @triton.jit
+def _load_fp8_tile(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(E4M3 codes [BN, BLOCK_K] uint8, UE8M0 scales [BN, BLOCK_K / 32]) of W[rows, k0 : k0 +
+    BLOCK_K]; columns at or past k_hi read as 0 (scales as 127) unless EVEN_K."""
+    G: tl.constexpr = BLOCK_K // 32
+    kk = k0 + tl.arange(0, BLOCK_K)
+    gi = k0 // 32 + tl.arange(0, G)
+    if EVEN_K:  # no K mask: 16-byte vector loads
+        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None], other=0)
+        smask = nmask[:, None]
+    else:
+        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0)
+        smask = nmask[:, None] & (gi * 32 < k_hi)[None, :]  # a tile past K: never read
+    sb = tl.load(s_ptr + s_row + gi[None, :], mask=smask, other=127)  # [BN, G] UE8M0
+    return q, sb
+
+
+@triton.jit
+def _per_column(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN, BLOCK_K / 32] per-32-column values -> [BN, BLOCK_K], each repeated over its 32."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _weight_step(
     w_ptr,
     s_ptr,
@@ -159,26 +182,15 @@ def _weight_step(
 ):
     """W[rows, k0 : k0 + BLOCK_K] dequantised, [BLOCK_N, BLOCK_K] BF16 (exact); columns at or
     past k_hi are zero unless EVEN_K (then none are)."""
-    G: tl.constexpr = BLOCK_K // 32
-    kk = k0 + tl.arange(0, BLOCK_K)
-    gi = k0 // 32 + tl.arange(0, G)
-    if EVEN_K:  # no K mask: 16-byte vector loads
-        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None], other=0)
-        smask = nmask[:, None]
-    else:
-        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0)
-        smask = nmask[:, None] & (gi * 32 < k_hi)[None, :]  # a tile past K: never read
-    sb = tl.load(s_ptr + s_row + gi[None, :], mask=smask, other=127)  # [BN, G] UE8M0
+    q, sb = _load_fp8_tile(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, EVEN_K, BLOCK_K)
     if DEQ == 2:  # "asm1": bf16(2^(S - 7)): exponent field S + 120 (S <= 134, host-checked)
         s16 = ((sb.to(tl.int32) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
-        return _e4m3_bf16_asm(q, s16)
+        return _e4m3_bf16_asm(q, _per_column(s16, BLOCK_N, BLOCK_K))
     elif DEQ == 1:  # "asm": bf16(2^(S - 127)), exact for every byte (0: the subnormal 2^-127)
         s16 = e8m0_decode(sb).to(tl.bfloat16)
-        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
-        return _e4m3_bf16_asm2(q, s16)
+        return _e4m3_bf16_asm2(q, _per_column(s16, BLOCK_N, BLOCK_K))
     else:
-        sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
+        sf = _per_column(e8m0_decode(sb), BLOCK_N, BLOCK_K)
         if HW_FP8:
             v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
