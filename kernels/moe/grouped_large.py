@@ -103,32 +103,49 @@ def _step(
 ):
     """acc + (tile product) for K in [k0, k0 + BLOCK_K) of one weight."""
     if W_BF16:  # plain BF16 weights (a decoded scratch copy): w_off spans BLOCK_K columns
-        if EVEN:
-            w = tl.load(w_ptr + w_off + k0)
-        else:
-            w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
-        if SWAP:
-            acc = _mm(w, tl.trans(a), acc, UPCAST)
-        else:
-            acc = _mm(a, tl.trans(w), acc, UPCAST)
+        acc = _mm_w(_load_bf16_tile(w_ptr, w_off, k0, n_mask, EVEN), a, acc, SWAP, UPCAST)
     else:
-        if EVEN:
-            packed = tl.load(w_ptr + w_off + k0 // 2)
-            scale = tl.load(s_ptr + s_off + k0 // 32)
-        else:
-            packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
-            scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+        packed, scale = _load_mx_tile(w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN)
         if DOT_SCALED:
             if SWAP:
                 acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
             else:
                 acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc, fast_math=True)
         else:
-            w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
-            if SWAP:
-                acc = _mm(w, tl.trans(a), acc, UPCAST)
-            else:
-                acc = _mm(a, tl.trans(w), acc, UPCAST)
+            acc = _mm_w(_decode_tile(packed, scale, BLOCK_N, BLOCK_K), a, acc, SWAP, UPCAST)
+    return acc
+
+
+@triton.jit
+def _load_bf16_tile(w_ptr, w_off, k0, n_mask, EVEN: tl.constexpr):
+    """A plain BF16 weight tile at K offset k0 (rows past N: 0 unless EVEN)."""
+    if EVEN:
+        w = tl.load(w_ptr + w_off + k0)
+    else:
+        w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _load_mx_tile(w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr):
+    """(packed E2M1 bytes, UE8M0 scales) of an MXFP4 weight tile at K offset k0 (rows past N:
+    codes 0 and scale 127 unless EVEN)."""
+    if EVEN:
+        packed = tl.load(w_ptr + w_off + k0 // 2)
+        scale = tl.load(s_ptr + s_off + k0 // 32)
+    else:
+        packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
+        scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+    return packed, scale
+
+
+@triton.jit
+def _mm_w(w, a, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + W . A^T ([BN, BM], SWAP: the weight as the MMA's M) or A . W^T ([BM, BN])."""
+    if SWAP:
+        acc = _mm(w, tl.trans(a), acc, UPCAST)
+    else:
+        acc = _mm(a, tl.trans(w), acc, UPCAST)
     return acc
 
 

@@ -676,6 +676,25 @@ def _sort_token_block(
 
 
 @triton.jit
+def _tile_bounds(counts, q, E, experts, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of schedule tiles q ([BQ]) from the per-expert pair counts:
+    each expert's rows in BLOCK_M tiles, experts in order; tiles past the last are empty."""
+    row_off = tl.cumsum(counts, 0) - counts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
+    total = tl.sum(tiles, axis=0)
+    ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
+    ex = tl.minimum(ex, E - 1)
+    sel = experts[None, :] == ex[:, None]  # [BQ, E]
+    first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
+    roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
+    cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+    start = roff + (q - first) * BLOCK_M
+    end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+    return ex, start, end
+
+
+@triton.jit
 def _sort_tile_block(
     ids_ptr,
     t_exp_ptr,
@@ -698,19 +717,8 @@ def _sort_tile_block(
 ):
     """Tiles qb * BLOCK_Q .. + BLOCK_Q - 1 of the grouped GEMM's schedule."""
     counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
-    row_off = tl.cumsum(counts, 0) - counts
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
-    total = tl.sum(tiles, axis=0)
     q = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
-    ex = tl.minimum(ex, E - 1)
-    sel = experts[None, :] == ex[:, None]  # [BQ, E]
-    first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
-    roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
-    cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-    start = roff + (q - first) * BLOCK_M
-    end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+    ex, start, end = _tile_bounds(counts, q, E, experts, BLOCK_M)
     qm = q < max_tiles
     tl.store(t_exp_ptr + q, ex, mask=qm)
     tl.store(t_start_ptr + q, start, mask=qm)
