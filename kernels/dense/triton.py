@@ -350,6 +350,23 @@ def _load_step(
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     k0 = g0 * 32
+    col, kmask = _step_columns(g0, k_hi, W_FMT, EVEN_K, BLOCK_K)
+    ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
+    m3 = nmask[:, None, None] & kmask[None, :, :]
+    if W_FMT == 0:
+        raw = tl.load(ptrs, mask=m3, other=0.0)
+    else:
+        raw = tl.load(ptrs, mask=m3, other=0)
+    gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
+    return raw, _step_scales(s_ptr, e64, n64, g0, g, gmask, stride_se, stride_sn, W_FMT)
+
+
+@triton.jit
+def _step_columns(g0, k_hi, W_FMT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(byte columns [BK/32, 16 or 32], their K mask) of the step from group g0: 16 bytes per
+    group for MXFP4 (two codes a byte), else 32; with EVEN_K the mask is constant along K."""
+    g = tl.arange(0, BLOCK_K // 32)
+    k0 = g0 * 32
     if W_FMT == 1:
         j = tl.arange(0, 16)
         col = g0 * 16 + g[:, None] * 16 + j[None, :]
@@ -364,20 +381,20 @@ def _load_step(
             kmask = (k0 < k_hi) & (j[None, :] >= 0)
         else:
             kmask = col < k_hi
-    ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
-    m3 = nmask[:, None, None] & kmask[None, :, :]
-    if W_FMT == 0:
-        raw = tl.load(ptrs, mask=m3, other=0.0)
-    else:
-        raw = tl.load(ptrs, mask=m3, other=0)
-    gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
+    return col, kmask
+
+
+@triton.jit
+def _step_scales(s_ptr, e64, n64, g0, g, gmask, stride_se, stride_sn, W_FMT: tl.constexpr):
+    """Scale bytes [BN, BK/32] of the step's groups: one per (row, group) for MXFP4, one per
+    (32 rows, group) for FP8 (127 where masked); plain weights have none (a placeholder)."""
     if W_FMT == 1:
         s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     elif W_FMT == 2:
         s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     else:
         s = gmask.to(tl.uint8)  # plain weights: no scales (never read)
-    return raw, s
+    return s
 
 
 @triton.jit
