@@ -90,3 +90,17 @@ def arrival_counters(device: torch.device, n: int = 0) -> torch.Tensor:
         buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+def check_counter_slots(blocks: int) -> None:
+    """A split-K grid's output blocks take one arrival counter each: at most COUNTER_SLOTS."""
+    if blocks > COUNTER_SLOTS:
+        raise ValueError(f"{blocks} split-K output blocks, at most {COUNTER_SLOTS}")
+
+
+def split_partials(split: int, swiglu: bool, rows: int, n_dim: int, out: torch.Tensor, device) -> torch.Tensor:
+    """The split-K partial sums: fp32 [(2 if SwiGLU else 1) * split * rows * N]; `out` itself
+    when one K segment writes C directly (split <= 1)."""
+    if split <= 1:
+        return out
+    return torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32, device=device)

@@ -25,6 +25,8 @@ interpreter every product runs in FP32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # isort: off
@@ -1124,81 +1126,119 @@ def _launch(
     *,
     cfg: AttentionConfig,
 ) -> torch.Tensor:
-    num_q, num_heads, dim = q.shape
     out = torch.empty_like(q)
-    if num_q == 0:
+    if q.shape[0] == 0:
         return out
-    q = q.contiguous()
+    call = _Call.build(q.contiguous(), out, sink, rope, softmax_scale, (win, win_rows, comp, comp_rows, comp_fmt))
+    if src == 1 and _launch_packed(call, cfg):
+        return out
+    _launch_rows(call, src, kv, valid, cfg)
+    return out
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One attention call's launch inputs, shared by its kernels' argument lists."""
+
+    q: torch.Tensor  # [T, H, d], contiguous
+    out: torch.Tensor  # [T, H, d] in q.dtype
+    sink32: torch.Tensor  # FP32 [H]
+    cos: torch.Tensor  # FP32 [T, R/2] (no RoPE: a [1, 1] placeholder)
+    sin: torch.Tensor
+    rope_pairs: int  # 0: no RoPE
+    softmax_scale: float
+    win: torch.Tensor | None  # the window pool (packed calls)
+    win_rows: torch.Tensor | None
+    comp: torch.Tensor | None  # the compressed pool (packed calls)
+    comp_rows: torch.Tensor | None
+    comp_fmt: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, out: torch.Tensor, sink, rope, softmax_scale: float, pools: tuple) -> _Call:
+        """pools: (win, win_rows, comp, comp_rows, comp_fmt)."""
+        cos, sin, rope_pairs = _rope_tensors(rope, q.device)
+        return cls(q, out, sink.to(torch.float32).contiguous(), cos, sin, rope_pairs, float(softmax_scale), *pools)
+
+
+def _rope_tensors(rope, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cos, sin, pairs) as FP32 contiguous tables; without RoPE, [1, 1] ones and 0 pairs."""
     if rope is not None:
         cos, sin = (r.to(torch.float32).contiguous() for r in rope)
-        rope_pairs = cos.shape[1]
-    else:
-        cos = sin = torch.ones(1, 1, dtype=torch.float32, device=q.device)
-        rope_pairs = 0
-    dummy = q
-    if src == 1:
-        keys = (win_rows.shape[1], comp_rows.shape[1])
-        if num_q > cfg.legacy_max_q:
-            return _launch_heads(
-                q,
-                out,
-                sink,
-                softmax_scale,
-                cos,
-                sin,
-                rope_pairs,
-                win,
-                win_rows,
-                comp,
-                comp_rows,
-                comp_fmt,
-                *heads_plan(num_q, num_heads, keys, cfg),
-                cfg,
-            )
-        splits, per = split_plan(num_q, num_heads, keys, cfg)
-        if splits > 1:
-            return _launch_split(
-                q,
-                out,
-                sink,
-                softmax_scale,
-                cos,
-                sin,
-                rope_pairs,
-                win,
-                win_rows,
-                comp,
-                comp_rows,
-                comp_fmt,
-                splits,
-                per,
-                cfg,
-            )
-    grid = (num_q, triton.cdiv(num_heads, cfg.heads))
-    _attn_kernel[grid](
-        q,
-        out,
-        sink.to(torch.float32).contiguous(),
-        cos,
-        sin,
-        cos.stride(0),
+        return cos, sin, cos.shape[1]
+    cos = sin = torch.ones(1, 1, dtype=torch.float32, device=device)
+    return cos, sin, 0
+
+
+def _launch_packed(call: _Call, cfg: AttentionConfig) -> bool:
+    """The heads-as-M kernel past legacy_max_q queries, else the split-KV kernel when it splits;
+    False: neither (the per-query kernel runs the call)."""
+    num_q, num_heads = call.q.shape[:2]
+    keys = (call.win_rows.shape[1], call.comp_rows.shape[1])
+    if num_q > cfg.legacy_max_q:
+        block_n, splits, per = heads_plan(num_q, num_heads, keys, cfg)
+        hb = heads_block(num_heads, cfg)
+        if cfg.heads_vsplit and splits == 1 and call.q.shape[2] >= 64:
+            _launch_vsplit(call, hb, cfg)
+        else:
+            _launch_heads(call, hb, block_n, splits, per, cfg)
+        return True
+    splits, per = split_plan(num_q, num_heads, keys, cfg)
+    if splits > 1:
+        _launch_split(call, splits, per, cfg)
+        return True
+    return False
+
+
+def _rope_args(call: _Call) -> tuple:
+    return (call.sink32, call.cos, call.sin, call.cos.stride(0))
+
+
+def _pool_args(call: _Call, int16_views: bool) -> tuple:
+    """Window then compressed pool: (pool, [its int16 view,] row stride, rows, rows per query)."""
+    win16 = (call.win.view(torch.int16),) if int16_views else ()
+    comp16 = (call.comp.view(torch.int16),) if int16_views else ()
+    return (call.win, *win16, call.win.stride(0), call.win_rows, call.win_rows.shape[1]) + (
+        call.comp,
+        *comp16,
+        call.comp.stride(0),
+        call.comp_rows,
+        call.comp_rows.shape[1],
+    )
+
+
+def _optional_pool_args(call: _Call, kv, valid, dummy: torch.Tensor) -> tuple:
+    """The per-query kernel's keys: dense (kv, valid, N) and / or pools, `dummy` and 0 when absent."""
+    win, comp = call.win, call.comp
+    return (
         kv if kv is not None else dummy,
         valid if valid is not None else dummy,
         kv.shape[1] if kv is not None else 0,
         win if win is not None else dummy,
         win.stride(0) if win is not None else 0,
-        win_rows if win_rows is not None else dummy,
-        win_rows.shape[1] if win is not None else 0,
+        call.win_rows if call.win_rows is not None else dummy,
+        call.win_rows.shape[1] if win is not None else 0,
         comp if comp is not None else dummy,
         comp.stride(0) if comp is not None else 0,
-        comp_rows if comp_rows is not None else dummy,
-        comp_rows.shape[1] if comp is not None else 0,
+        call.comp_rows if call.comp_rows is not None else dummy,
+        call.comp_rows.shape[1] if comp is not None else 0,
+    )
+
+
+def _launch_rows(call: _Call, src: int, kv, valid, cfg: AttentionConfig) -> None:
+    """The per-query kernel: one program per (query, cfg.heads heads)."""
+    q = call.q
+    num_q, num_heads, dim = q.shape
+    _attn_kernel[(num_q, triton.cdiv(num_heads, cfg.heads))](
+        q,
+        call.out,
+        *_rope_args(call),
+        *_optional_pool_args(call, kv, valid, dummy=q),
         num_heads,
-        float(softmax_scale),
+        call.softmax_scale,
         D=dim,
-        ROPE_PAIRS=rope_pairs,
+        ROPE_PAIRS=call.rope_pairs,
         SRC=src,
-        COMP_FMT=comp_fmt,
+        COMP_FMT=call.comp_fmt,
         HB=cfg.heads,
         BLOCK_N=cfg.block_n,
         OUT_BF16=q.dtype == torch.bfloat16,
@@ -1209,7 +1249,6 @@ def _launch(
         num_stages=cfg.stages,
         **triton_runtime.launch_options(),
     )
-    return out
 
 
 def heads_block(num_heads: int, cfg: AttentionConfig) -> int:
@@ -1233,97 +1272,49 @@ def heads_plan(num_q: int, num_heads: int, keys: tuple[int, int], cfg: Attention
     return bn, -(-tiles // per), per
 
 
-def _launch_heads(
-    q,
-    out,
-    sink,
-    softmax_scale,
-    cos,
-    sin,
-    rope_pairs,
-    win,
-    win_rows,
-    comp,
-    comp_rows,
-    comp_fmt,
-    block_n,
-    splits,
-    per,
-    cfg: AttentionConfig,
-):
-    num_q, num_heads, dim = q.shape
-    hb = heads_block(num_heads, cfg)
-    sink32 = sink.to(torch.float32).contiguous()
-    if cfg.heads_vsplit and splits == 1 and dim >= 64:
-        _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
-            q,
-            out,
-            torch.empty_like(q),
-            sink32,
-            cos,
-            sin,
-            cos.stride(0),
-            win,
-            win.view(torch.int16),
-            win.stride(0),
-            win_rows,
-            win_rows.shape[1],
-            comp,
-            comp.view(torch.int16),
-            comp.stride(0),
-            comp_rows,
-            comp_rows.shape[1],
-            num_heads,
-            float(softmax_scale),
-            D=dim,
-            ROPE_PAIRS=rope_pairs,
-            COMP_FMT=comp_fmt,
-            HB=hb,
-            BLOCK_N=cfg.heads_vsplit_block_n,
-            ASM=HW_FP8 and bool(cfg.heads_asm),
-            UPCAST=DOT_UPCAST,
-            HW=HW_FP8,
-            num_warps=cfg.heads_vsplit_warps,
-            num_stages=cfg.heads_stages,
-            **triton_runtime.launch_options(),
-        )
-        return out
-    if splits > 1:
-        m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
-        l_ = torch.empty_like(m)
-        acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
-    else:
-        m = l_ = acc = sink32
+def _launch_heads(call: _Call, hb: int, block_n: int, splits: int, per: int, cfg: AttentionConfig) -> None:
+    """The heads-as-M kernel (hb heads of a query as the MMA's M), split-KV into `splits`
+    partials of `per` key tiles when splits > 1, combined in the kernel (fused_combine) or after."""
+    num_q, num_heads = call.q.shape[:2]
     blocks = triton.cdiv(num_heads, hb)
     fused = splits > 1 and bool(cfg.fused_combine)
-    count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else sink32
+    m, l_, acc = _split_partials(call, splits) if splits > 1 else (call.sink32,) * 3
+    count = triton_runtime.arrival_counters(call.q.device, num_q * blocks) if fused else call.sink32
     _heads_kernel[(num_q, blocks, splits)](
-        q,
-        out,
-        sink32,
-        cos,
-        sin,
-        cos.stride(0),
-        win,
-        win.view(torch.int16),
-        win.stride(0),
-        win_rows,
-        win_rows.shape[1],
-        comp,
-        comp.view(torch.int16),
-        comp.stride(0),
-        comp_rows,
-        comp_rows.shape[1],
+        call.q,
+        call.out,
+        *_rope_args(call),
+        *_pool_args(call, int16_views=True),
         m,
         l_,
         acc,
         num_heads,
-        float(softmax_scale),
+        call.softmax_scale,
         per,
         count,
-        D=dim,
-        ROPE_PAIRS=rope_pairs,
-        COMP_FMT=comp_fmt,
+        **_heads_constexprs(call, hb, block_n, splits, fused, cfg),
+        num_warps=cfg.heads_warps if hb >= 64 else 4,
+        num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
+        **triton_runtime.launch_options(),
+    )
+    if splits > 1 and not fused:
+        _combine(call.out, call.sink32, call.cos, call.sin, m, l_, acc, call.rope_pairs, splits, cfg)
+
+
+def _split_partials(call: _Call, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP32 split-KV partials of every (query, split, head): running max, sum and [d] values."""
+    num_q, num_heads, dim = call.q.shape
+    m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=call.q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=call.q.device)
+    return m, l_, acc
+
+
+def _heads_constexprs(call: _Call, hb: int, block_n: int, splits: int, fused: bool, cfg: AttentionConfig) -> dict:
+    return dict(
+        D=call.q.shape[2],
+        ROPE_PAIRS=call.rope_pairs,
+        COMP_FMT=call.comp_fmt,
         HB=hb,
         BLOCK_N=block_n,
         PARTIAL=splits > 1,
@@ -1332,87 +1323,84 @@ def _launch_heads(
         TRANS=bool(cfg.heads_trans_s),
         FUSED=fused,
         CH=combine_chunk(hb, cfg),
-        OUT_BF16=q.dtype == torch.bfloat16,
+        OUT_BF16=call.q.dtype == torch.bfloat16,
         ASM=HW_FP8 and bool(cfg.heads_asm),
         UPCAST=DOT_UPCAST,
         HW=HW_FP8,
-        num_warps=cfg.heads_warps if hb >= 64 else 4,
-        num_stages=cfg.heads_split_stages if splits > 1 else cfg.heads_stages,
+    )
+
+
+def _launch_vsplit(call: _Call, hb: int, cfg: AttentionConfig) -> None:
+    """The heads-as-M kernel with the head dim split over two programs (one pass, no split-KV)."""
+    q = call.q
+    num_q, num_heads, dim = q.shape
+    _heads_vsplit_kernel[(2 * num_q, triton.cdiv(num_heads, hb))](
+        q,
+        call.out,
+        torch.empty_like(q),
+        *_rope_args(call),
+        *_pool_args(call, int16_views=True),
+        num_heads,
+        call.softmax_scale,
+        D=dim,
+        ROPE_PAIRS=call.rope_pairs,
+        COMP_FMT=call.comp_fmt,
+        HB=hb,
+        BLOCK_N=cfg.heads_vsplit_block_n,
+        ASM=HW_FP8 and bool(cfg.heads_asm),
+        UPCAST=DOT_UPCAST,
+        HW=HW_FP8,
+        num_warps=cfg.heads_vsplit_warps,
+        num_stages=cfg.heads_stages,
         **triton_runtime.launch_options(),
     )
-    if splits > 1 and not fused:
-        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
-    return out
 
 
-def _launch_split(
-    q,
-    out,
-    sink,
-    softmax_scale,
-    cos,
-    sin,
-    rope_pairs,
-    win,
-    win_rows,
-    comp,
-    comp_rows,
-    comp_fmt,
-    splits,
-    per,
-    cfg: AttentionConfig,
-):
-    num_q, num_heads, dim = q.shape
+def _launch_split(call: _Call, splits: int, per: int, cfg: AttentionConfig) -> None:
+    """The per-query split-KV kernel: `splits` partials of `per` key tiles per (query, heads),
+    combined in the kernel (fused_combine) or after it."""
+    num_q, num_heads, dim = call.q.shape
     hb = cfg.split_heads
-    sink32 = sink.to(torch.float32).contiguous()
-    m = torch.empty(num_q, splits, num_heads, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(num_q, splits, num_heads, dim, dtype=torch.float32, device=q.device)
+    m, l_, acc = _split_partials(call, splits)
     blocks = triton.cdiv(num_heads, hb)
     fused = bool(cfg.fused_combine)
-    count = triton_runtime.arrival_counters(q.device, num_q * blocks) if fused else m
-    out_bf16 = q.dtype == torch.bfloat16
+    count = triton_runtime.arrival_counters(call.q.device, num_q * blocks) if fused else m
     _attn_split_kernel[(num_q, blocks, splits)](
-        q,
-        sink32,
-        cos,
-        sin,
-        cos.stride(0),
-        win,
-        win.stride(0),
-        win_rows,
-        win_rows.shape[1],
-        comp,
-        comp.stride(0),
-        comp_rows,
-        comp_rows.shape[1],
+        call.q,
+        *_rope_args(call),
+        *_pool_args(call, int16_views=False),
         m,
         l_,
         acc,
         num_heads,
-        float(softmax_scale),
+        call.softmax_scale,
         per,
-        out,
+        call.out,
         count,
-        D=dim,
-        ROPE_PAIRS=rope_pairs,
-        COMP_FMT=comp_fmt,
-        HB=hb,
-        BLOCK_N=cfg.split_block_n,
-        SPLITS=splits,
-        IEEE=q.dtype == torch.float32,
-        UPCAST=DOT_UPCAST,
-        HW=HW_FP8,
-        FUSED=fused,
-        CH=combine_chunk(hb, cfg),
-        OUT_BF16=out_bf16,
+        **_split_constexprs(call, hb, splits, fused, cfg),
         num_warps=cfg.split_warps,
         num_stages=cfg.split_stages,
         **triton_runtime.launch_options(),
     )
     if not fused:
-        _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs, splits, cfg)
-    return out
+        _combine(call.out, call.sink32, call.cos, call.sin, m, l_, acc, call.rope_pairs, splits, cfg)
+
+
+def _split_constexprs(call: _Call, hb: int, splits: int, fused: bool, cfg: AttentionConfig) -> dict:
+    return dict(
+        D=call.q.shape[2],
+        ROPE_PAIRS=call.rope_pairs,
+        COMP_FMT=call.comp_fmt,
+        HB=hb,
+        BLOCK_N=cfg.split_block_n,
+        SPLITS=splits,
+        IEEE=call.q.dtype == torch.float32,
+        UPCAST=DOT_UPCAST,
+        HW=HW_FP8,
+        FUSED=fused,
+        CH=combine_chunk(hb, cfg),
+        OUT_BF16=call.q.dtype == torch.bfloat16,
+    )
 
 
 def _combine(out, sink32, cos, sin, m, l_, acc, rope_pairs: int, splits: int, cfg: AttentionConfig) -> None:
@@ -1474,13 +1462,7 @@ def warmup(
     """
     device = triton_runtime.kernel_device()
     rows = sorted(set(rows) | {single_pass_rows(num_heads, tuned.attention)})
-    pool_rows = max(rows) * window + 1
-    win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8, device=device)
-    comp_bytes = (
-        qref.nvfp4_record_bytes(head_dim) if comp_format == FMT_NVFP4 else qref.window_fp8_record_bytes(head_dim)
-    )
-    comp = torch.zeros(pool_rows, comp_bytes, dtype=torch.uint8, device=device)
-    sink = torch.zeros(num_heads, device=device)
+    pools = _warmup_pools(num_heads, head_dim, max(rows) * window + 1, comp_format, device)
     calls = 0
     for r in rows:
         q = torch.randn(r, num_heads, head_dim, device=device).to(torch.bfloat16)
@@ -1488,22 +1470,38 @@ def warmup(
         if rope_pairs:
             rope = (torch.ones(r, rope_pairs, device=device), torch.zeros(r, rope_pairs, device=device))
         win_rows = torch.arange(r * window, dtype=torch.int32, device=device).view(r, window)
-        for k in sorted(set(topk)):
-            comp_rows = torch.zeros(r, k, dtype=torch.int32, device=device)
-            sparse_attention_packed(
-                q,
-                rope,
-                win,
-                win_rows,
-                comp if k else None,
-                comp_rows if k else None,
-                sink,
-                head_dim**-0.5,
-                comp_format=comp_format,
-                tuned=tuned,
-            )
-            calls += 1
+        calls += _warmup_topk(q, rope, pools, win_rows, sorted(set(topk)), comp_format, tuned)
     return calls
+
+
+def _warmup_pools(num_heads: int, head_dim: int, pool_rows: int, comp_format: int, device) -> tuple:
+    """(window pool, compressed pool, sinks) of zeros for the warm-up calls."""
+    win = torch.zeros(pool_rows, qref.window_fp8_record_bytes(head_dim), dtype=torch.uint8, device=device)
+    comp_bytes = (
+        qref.nvfp4_record_bytes(head_dim) if comp_format == FMT_NVFP4 else qref.window_fp8_record_bytes(head_dim)
+    )
+    comp = torch.zeros(pool_rows, comp_bytes, dtype=torch.uint8, device=device)
+    return win, comp, torch.zeros(num_heads, device=device)
+
+
+def _warmup_topk(q, rope, pools: tuple, win_rows, topk: list[int], comp_format: int, tuned: KernelConfigs) -> int:
+    """One packed call per compressed-row count (0: window only); returns the calls made."""
+    win, comp, sink = pools
+    for k in topk:
+        comp_rows = torch.zeros(q.shape[0], k, dtype=torch.int32, device=q.device)
+        sparse_attention_packed(
+            q,
+            rope,
+            win,
+            win_rows,
+            comp if k else None,
+            comp_rows if k else None,
+            sink,
+            q.shape[2] ** -0.5,
+            comp_format=comp_format,
+            tuned=tuned,
+        )
+    return len(topk)
 
 
 # ============================================================================ ref surface
@@ -1577,6 +1575,13 @@ def sparse_attention_packed(
     comp_pool uint8 [rows, record], comp_rows [T, K] int32 pool rows (-1 empty) or None.
     Returns [T, H, d] in q.dtype = inverse_rope(round(attention)).
     """
+    pools = _packed_pools(q, sink, rope, window_pool, window_rows, comp_pool, comp_rows, comp_format)
+    return _launch(q, sink, softmax_scale, rope, 1, None, None, *pools, cfg=tuned.attention)
+
+
+def _packed_pools(q, sink, rope, window_pool, window_rows, comp_pool, comp_rows, comp_format: int) -> tuple:
+    """The checked pools as `_launch` takes them: (window pool, int32 window rows, compressed
+    pool, int32 compressed rows, its format); no compressed pool: the window pool, no rows, FP8."""
     _check_q(q, sink)
     dim = q.shape[2]
     _check_pool(window_pool, window_rows, qref.window_fp8_record_bytes(dim), q.shape[0])
@@ -1589,19 +1594,8 @@ def sparse_attention_packed(
         raise ValueError(f"rope tables {tuple(rope[0].shape)} do not fit q {tuple(q.shape)}")
     if q.dtype != torch.bfloat16:
         raise TypeError("packed attention computes on bf16 queries")
-    return _launch(
-        q,
-        sink,
-        softmax_scale,
-        rope,
-        1,
-        win=window_pool,
-        win_rows=window_rows.to(torch.int32).contiguous(),
-        comp=comp_pool,
-        comp_rows=comp_rows.to(torch.int32).contiguous(),
-        comp_fmt=comp_format,
-        cfg=tuned.attention,
-    )
+    win_rows, comp_rows = window_rows.to(torch.int32).contiguous(), comp_rows.to(torch.int32).contiguous()
+    return window_pool, win_rows, comp_pool, comp_rows, comp_format
 
 
 def _check_q(q: torch.Tensor, sink: torch.Tensor) -> None:

@@ -46,6 +46,37 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _partner(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr, t, cols, mask, num_rows, C: tl.constexpr):
+    """(a, g) of row t's partner: its slot's stored open row, else the row before (roll by one)."""
+    stored = tl.load(stored_ptr + t) != 0
+    from_prev = tl.load(stored_ptr + t) == 0
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    prev = ag_ptr + ((t + num_rows - 1) % num_rows) * (2 * C)  # the row before (roll by one)
+    kept = open_ptr + slot * stride_open
+    a0 = tl.where(
+        stored,
+        tl.load(kept + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + cols, mask=mask & from_prev, other=0.0),
+    )
+    g0 = tl.where(
+        stored,
+        tl.load(kept + C + cols, mask=mask & stored, other=0.0),
+        tl.load(prev + C + cols, mask=mask & from_prev, other=0.0),
+    )
+    return a0, g0
+
+
+@triton.jit
+def _pool_two(a0, g0, a1, g1, LIBDEVICE: tl.constexpr):
+    """softmax(g0, g1)-weighted a0, a1 in FP32 (ref.pool_two)."""
+    g_max = tl.maximum(g0, g1)
+    e0 = _exp(g0 - g_max, LIBDEVICE)
+    e1 = _exp(g1 - g_max, LIBDEVICE)
+    total = e0 + e1
+    return tl.math.div_rn(e0, total) * a0 + tl.math.div_rn(e1, total) * a1
+
+
+@triton.jit
 def _pool_open_pairs_kernel(
     ag_ptr,
     open_ptr,
@@ -65,26 +96,8 @@ def _pool_open_pairs_kernel(
     row = ag_ptr + t * (2 * C)
     a1 = tl.load(row + cols, mask=mask, other=0.0)
     g1 = tl.load(row + C + cols, mask=mask, other=0.0)
-    stored = tl.load(stored_ptr + t) != 0
-    from_prev = tl.load(stored_ptr + t) == 0
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    prev = ag_ptr + ((t + num_rows - 1) % num_rows) * (2 * C)  # the row before (roll by one)
-    kept = open_ptr + slot * stride_open
-    a0 = tl.where(
-        stored,
-        tl.load(kept + cols, mask=mask & stored, other=0.0),
-        tl.load(prev + cols, mask=mask & from_prev, other=0.0),
-    )
-    g0 = tl.where(
-        stored,
-        tl.load(kept + C + cols, mask=mask & stored, other=0.0),
-        tl.load(prev + C + cols, mask=mask & from_prev, other=0.0),
-    )
-    g_max = tl.maximum(g0, g1)
-    e0 = _exp(g0 - g_max, LIBDEVICE)
-    e1 = _exp(g1 - g_max, LIBDEVICE)
-    total = e0 + e1
-    pooled = tl.math.div_rn(e0, total) * a0 + tl.math.div_rn(e1, total) * a1
+    a0, g0 = _partner(ag_ptr, open_ptr, stride_open, stored_ptr, slots_ptr, t, cols, mask, num_rows, C)
+    pooled = _pool_two(a0, g0, a1, g1, LIBDEVICE)
     if OUT_BF16:
         pooled = round_bf16(pooled)
     tl.store(out_ptr + t * C + cols, pooled.to(out_ptr.dtype.element_ty), mask=mask)
@@ -105,6 +118,36 @@ def pool_open_pairs(
         pooled[t]  = ref.pool_two(partner a, partner g, ag[t, 0], ag[t, 1])
 
     One launch, nothing read on the host (CUDA-graph safe)."""
+    _check_pool_args(ag, open_rows, from_stored, slots, dtype)
+    num_rows, _, width = ag.shape
+    out = torch.empty(num_rows, width, dtype=dtype, device=ag.device)
+    if num_rows == 0:
+        return out
+    _launch_pool(ag.contiguous(), open_rows, from_stored, slots, out)
+    return out
+
+
+def _launch_pool(ag: torch.Tensor, open_rows, from_stored, slots, out: torch.Tensor) -> None:
+    """One program per (row, BLOCK_C columns), BLOCK_C up to 1024."""
+    num_rows, width = out.shape
+    block = min(1024, triton.next_power_of_2(width))
+    _pool_open_pairs_kernel[(num_rows, triton.cdiv(width, block))](
+        ag,
+        open_rows,
+        open_rows.stride(0),
+        from_stored.view(torch.uint8),
+        slots,
+        out,
+        num_rows,
+        C=width,
+        BLOCK_C=block,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        LIBDEVICE=_LIBDEVICE,
+        **triton_runtime.launch_options(),
+    )
+
+
+def _check_pool_args(ag, open_rows, from_stored, slots, dtype: torch.dtype) -> None:
     if ag.ndim != 3 or ag.shape[1] != 2 or ag.dtype != torch.float32:
         raise ValueError(f"ag must be FP32 [T, 2, c], got {ag.dtype} {tuple(ag.shape)}")
     num_rows, _, width = ag.shape
@@ -119,23 +162,3 @@ def pool_open_pairs(
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype}")
     triton_runtime.check_device(ag, open_rows, from_stored, slots)
-    out = torch.empty(num_rows, width, dtype=dtype, device=ag.device)
-    if num_rows == 0:
-        return out
-    ag = ag.contiguous()
-    block = min(1024, triton.next_power_of_2(width))
-    _pool_open_pairs_kernel[(num_rows, triton.cdiv(width, block))](
-        ag,
-        open_rows,
-        open_rows.stride(0),
-        from_stored.view(torch.uint8),
-        slots,
-        out,
-        num_rows,
-        C=width,
-        BLOCK_C=block,
-        OUT_BF16=dtype == torch.bfloat16,
-        LIBDEVICE=_LIBDEVICE,
-        **triton_runtime.launch_options(),
-    )
-    return out

@@ -143,6 +143,29 @@ def _e4m3_bf16_asm2(q, s_bf16):
 
 
 @triton.jit
+def _load_fp8_tile(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(E4M3 codes [BN, BLOCK_K] uint8, UE8M0 scales [BN, BLOCK_K / 32]) of W[rows, k0 : k0 +
+    BLOCK_K]; columns at or past k_hi read as 0 (scales as 127) unless EVEN_K."""
+    G: tl.constexpr = BLOCK_K // 32
+    kk = k0 + tl.arange(0, BLOCK_K)
+    gi = k0 // 32 + tl.arange(0, G)
+    if EVEN_K:  # no K mask: 16-byte vector loads
+        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None], other=0)
+        smask = nmask[:, None]
+    else:
+        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0)
+        smask = nmask[:, None] & (gi * 32 < k_hi)[None, :]  # a tile past K: never read
+    sb = tl.load(s_ptr + s_row + gi[None, :], mask=smask, other=127)  # [BN, G] UE8M0
+    return q, sb
+
+
+@triton.jit
+def _per_column(s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN, BLOCK_K / 32] per-32-column values -> [BN, BLOCK_K], each repeated over its 32."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _weight_step(
     w_ptr,
     s_ptr,
@@ -159,26 +182,15 @@ def _weight_step(
 ):
     """W[rows, k0 : k0 + BLOCK_K] dequantised, [BLOCK_N, BLOCK_K] BF16 (exact); columns at or
     past k_hi are zero unless EVEN_K (then none are)."""
-    G: tl.constexpr = BLOCK_K // 32
-    kk = k0 + tl.arange(0, BLOCK_K)
-    gi = k0 // 32 + tl.arange(0, G)
-    if EVEN_K:  # no K mask: 16-byte vector loads
-        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None], other=0)
-        smask = nmask[:, None]
-    else:
-        q = tl.load(w_ptr + w_row + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0)
-        smask = nmask[:, None] & (gi * 32 < k_hi)[None, :]  # a tile past K: never read
-    sb = tl.load(s_ptr + s_row + gi[None, :], mask=smask, other=127)  # [BN, G] UE8M0
+    q, sb = _load_fp8_tile(w_ptr, s_ptr, w_row, s_row, k0, k_hi, nmask, EVEN_K, BLOCK_K)
     if DEQ == 2:  # "asm1": bf16(2^(S - 7)): exponent field S + 120 (S <= 134, host-checked)
         s16 = ((sb.to(tl.int32) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
-        return _e4m3_bf16_asm(q, s16)
+        return _e4m3_bf16_asm(q, _per_column(s16, BLOCK_N, BLOCK_K))
     elif DEQ == 1:  # "asm": bf16(2^(S - 127)), exact for every byte (0: the subnormal 2^-127)
         s16 = e8m0_decode(sb).to(tl.bfloat16)
-        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
-        return _e4m3_bf16_asm2(q, s16)
+        return _e4m3_bf16_asm2(q, _per_column(s16, BLOCK_N, BLOCK_K))
     else:
-        sf = tl.reshape(tl.broadcast_to(e8m0_decode(sb)[:, :, None], (BLOCK_N, G, 32)), (BLOCK_N, BLOCK_K))
+        sf = _per_column(e8m0_decode(sb), BLOCK_N, BLOCK_K)
         if HW_FP8:
             v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -460,6 +472,17 @@ def gemm(
 
     a [T * G, K] bf16 row-major (row t * G + g against weight g); out [T * G, N] bf16 or fp32
     row-major; w3: the SwiGLU pair's second weight; gamma [T] fp32 (SwiGLU only)."""
+    _check_call(a, w, out, w3, config)
+    rows = a.shape[0] // w.num_experts
+    cls = row_class(rows, config)
+    cfg = tiles(w, w3 is not None, cls, config)
+    split, chunk = plan(w, w3 is not None, cls, config)
+    _check_tiles(cfg)
+    _launch(a, w, w3, out, gamma, limit, cfg, rows, split, chunk)
+    return out
+
+
+def _check_call(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, config: Fp8SwapConfig) -> None:
     if not eligible(a, w, out, w3, cfg=config):
         raise ValueError(
             f"fp8_swap.gemm: not an FP8 call of <= {max_rows(config)} bf16 rows per "
@@ -474,30 +497,36 @@ def gemm(
     for ww in (w, w3) if w3 is not None else (w,):
         if ww.data.stride(-1) != 1 or ww.scale.stride(-1) != 1:
             raise ValueError("fp8_swap.gemm reads weights and scales with contiguous rows")
-    swiglu = w3 is not None
-    groups, n_dim, k_dim = w.num_experts, w.out_dim, w.in_dim
-    rows = a.shape[0] // groups
-    cls = row_class(rows, config)
-    cfg = tiles(w, swiglu, cls, config)
-    split, chunk = plan(w, swiglu, cls, config)
+
+
+def _check_tiles(cfg: dict) -> None:
     block_k, width = cfg["block_k"], cfg["rows"]
     if block_k % 32 or block_k < 32:
         raise ValueError(f"fp8_swap config block_k must be a multiple of 32, got {block_k}")
     if width < 8 or width & (width - 1):
         raise ValueError(f"fp8_swap config rows must be a power of two >= 8, got {width}")
-    nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, width)
-    if split > 1 and nblocks * groups * rblocks > triton_runtime.COUNTER_SLOTS:
-        raise ValueError(f"{nblocks * groups * rblocks} split-K output blocks, at most {triton_runtime.COUNTER_SLOTS}")
+
+
+def _launch(a, w: Weights, w3: Weights | None, out, gamma, limit: float, cfg: dict, rows: int, split: int, chunk: int):
+    """One launch: N blocks x (groups x row blocks) x K segments."""
+    groups, n_dim = w.num_experts, w.out_dim
+    nblocks, rblocks = triton.cdiv(n_dim, cfg["block_n"]), triton.cdiv(rows, cfg["rows"])
+    if split > 1:
+        triton_runtime.check_counter_slots(nblocks * groups * rblocks)
     w3_ = w3 if w3 is not None else w
-    deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
-    if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
-        deq = 2
-    part = (
-        torch.empty((2 if swiglu else 1) * split * a.shape[0] * n_dim, dtype=torch.float32, device=a.device)
-        if split > 1
-        else out
-    )
+    part = triton_runtime.split_partials(split, w3 is not None, a.shape[0], n_dim, out, a.device)
     _fp8_swap_kernel[(nblocks, groups * rblocks, split)](
+        *_args(a, w, w3_, out, gamma, part, rows, chunk, limit, split),
+        **_constexprs(w, w3, w3_, out, gamma, cfg, chunk, split),
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+        **triton_runtime.launch_options(),
+    )
+
+
+def _args(a, w: Weights, w3_: Weights, out, gamma, part, rows: int, chunk: int, limit: float, split: int) -> tuple:
+    """The kernel's positional arguments, in its signature's order."""
+    return (
         a,
         a.stride(0),
         out,
@@ -513,17 +542,31 @@ def gemm(
         w.scale.stride(1),
         part,
         triton_runtime.arrival_counters(a.device),
-        n_dim,
-        k_dim,
+        w.out_dim,
+        w.in_dim,
         chunk,
         rows,
-        groups,
+        w.num_experts,
         float(limit),
         split,
-        SWIGLU=swiglu,
+    )
+
+
+def _deq_mode(cfg: dict, w: Weights, w3_: Weights) -> int:
+    """DEQ: 0 fp32 decode (and under the interpreter), 1 bf16, 2 the asm1 decoder (scales fit)."""
+    deq = 0 if DOT_UPCAST or cfg["deq"] == "f32" else 1
+    if deq and cfg["deq"] == "asm1" and scales_fit_asm(w, w3_):
+        deq = 2
+    return deq
+
+
+def _constexprs(w: Weights, w3, w3_: Weights, out, gamma, cfg: dict, chunk: int, split: int) -> dict:
+    block_k, k_dim = cfg["block_k"], w.in_dim
+    return dict(
+        SWIGLU=w3 is not None,
         HAS_GAMMA=gamma is not None,
         OUT_BF16=out.dtype == torch.bfloat16,
-        DEQ=deq,
+        DEQ=_deq_mode(cfg, w, w3_),
         HW_FP8=not DOT_UPCAST,
         UPCAST=DOT_UPCAST,
         EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
@@ -531,12 +574,8 @@ def gemm(
         RED_UNROLL=max(1, int(cfg["red_unroll"])),
         BLOCK_N=cfg["block_n"],
         BLOCK_K=block_k,
-        ROWS=width,
-        num_warps=cfg["warps"],
-        num_stages=cfg["stages"],
-        **triton_runtime.launch_options(),
+        ROWS=cfg["rows"],
     )
-    return out
 
 
 FP8_SWAP_KERNEL = _fp8_swap_kernel  # public name for offline compile reports

@@ -350,6 +350,23 @@ def _load_step(
     G: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, G)
     k0 = g0 * 32
+    col, kmask = _step_columns(g0, k_hi, W_FMT, EVEN_K, BLOCK_K)
+    ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
+    m3 = nmask[:, None, None] & kmask[None, :, :]
+    if W_FMT == 0:
+        raw = tl.load(ptrs, mask=m3, other=0.0)
+    else:
+        raw = tl.load(ptrs, mask=m3, other=0)
+    gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
+    return raw, _step_scales(s_ptr, e64, n64, g0, g, gmask, stride_se, stride_sn, W_FMT)
+
+
+@triton.jit
+def _step_columns(g0, k_hi, W_FMT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(byte columns [BK/32, 16 or 32], their K mask) of the step from group g0: 16 bytes per
+    group for MXFP4 (two codes a byte), else 32; with EVEN_K the mask is constant along K."""
+    g = tl.arange(0, BLOCK_K // 32)
+    k0 = g0 * 32
     if W_FMT == 1:
         j = tl.arange(0, 16)
         col = g0 * 16 + g[:, None] * 16 + j[None, :]
@@ -364,20 +381,20 @@ def _load_step(
             kmask = (k0 < k_hi) & (j[None, :] >= 0)
         else:
             kmask = col < k_hi
-    ptrs = w_ptr + e64 * stride_we + n64[:, None, None] * stride_wn + col[None, :, :]
-    m3 = nmask[:, None, None] & kmask[None, :, :]
-    if W_FMT == 0:
-        raw = tl.load(ptrs, mask=m3, other=0.0)
-    else:
-        raw = tl.load(ptrs, mask=m3, other=0)
-    gmask = nmask[:, None] & ((k0 + 32 * g) < k_hi)[None, :]
+    return col, kmask
+
+
+@triton.jit
+def _step_scales(s_ptr, e64, n64, g0, g, gmask, stride_se, stride_sn, W_FMT: tl.constexpr):
+    """Scale bytes [BN, BK/32] of the step's groups: one per (row, group) for MXFP4, one per
+    (32 rows, group) for FP8 (127 where masked); plain weights have none (a placeholder)."""
     if W_FMT == 1:
         s = tl.load(s_ptr + e64 * stride_se + n64[:, None] * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     elif W_FMT == 2:
         s = tl.load(s_ptr + e64 * stride_se + (n64[:, None] // 32) * stride_sn + g0 + g[None, :], mask=gmask, other=127)
     else:
         s = gmask.to(tl.uint8)  # plain weights: no scales (never read)
-    return raw, s
+    return s
 
 
 @triton.jit
@@ -1104,128 +1121,211 @@ def grouped_gemm(
     instead of dequantising it in registers; it is rejected under the interpreter, which cannot
     run it.
     """
+    _check_grouped_args(a, w, out, w3, dot_scaled)
+    if _nothing_to_do(out, schedule) or _library_path(a, w, schedule, out, a_rows, w3, gamma, limit, dot_scaled, cfg):
+        return out
+    plan = _splitk_plan(w, schedule, out.shape[0], a_rows, dot_scaled, cfg)
+    _launch_splitk(a, w, w3, plan, schedule, out, a_rows, gamma, limit)
+    return out
+
+
+def _check_grouped_args(a: torch.Tensor, w: Weights, out: torch.Tensor, w3: Weights | None, dot_scaled: bool) -> None:
     _check_gemm(a, w, out, w3)
     if dot_scaled and (w.fmt != W_MXFP4 or triton_runtime.interpreting()):
         raise ValueError("dot_scaled needs MXFP4 weights and a GPU (not the interpreter)")
-    rows = out.shape[0]
-    if rows == 0 or (schedule is not None and schedule.start.shape[0] == 0):
-        return out
+
+
+def _nothing_to_do(out: torch.Tensor, schedule: TileSchedule | None) -> bool:
+    """No rows, or a schedule of no tiles: nothing is launched."""
+    return out.shape[0] == 0 or (schedule is not None and schedule.start.shape[0] == 0)
+
+
+def _library_path(a, w: Weights, schedule, out, a_rows, w3, gamma, limit: float, dot_scaled: bool, cfg) -> bool:
+    """Runs the call on cuBLAS (prefill-sized FP8) or the fp8_swap kernel (decode-sized FP8)
+    when it qualifies and says so; False: the split-K kernel runs it."""
     if cublas_eligible(a, w, out, a_rows, w3, dot_scaled, cfg):
-        return _cublas_gemm(a, w, out, w3, gamma, limit)
+        _cublas_gemm(a, w, out, w3, gamma, limit)
+        return True
     if (
         w.fmt == W_FP8
         and schedule is None
         and a_rows is None
         and not dot_scaled
-        and rows <= cfg.fp8_swap_max_rows * w.num_experts
+        and out.shape[0] <= cfg.fp8_swap_max_rows * w.num_experts
     ):
         from flashpd.kernels.dense import fp8_swap  # imports this module: not at the top
 
         if fp8_swap.eligible(a, w, out, w3, cfg=cfg.fp8_swap):
-            return fp8_swap.gemm(a, w, out, w3, gamma, limit, config=cfg.fp8_swap)
-    n_dim, k_dim = w.out_dim, w.in_dim
+            fp8_swap.gemm(a, w, out, w3, gamma, limit, config=cfg.fp8_swap)
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _SplitKPlan:
+    """One `grouped_gemm` launch of the split-K kernel: every host-side choice, from the weight's
+    format and shape, the row count and the config (never from the data)."""
+
+    rows: int
+    groups: int  # G weights block-diagonal (schedule-free), else 1
+    single: bool  # schedule-free: row tiles against the weight(s) directly
+    block_m: int
+    split: int  # K segments of the split-K grid
+    chunk: int  # K columns per segment
+    small: bool  # the split-K (decode) grid; else one program per output tile, the whole K
+    tiles: Mapping[str, Any]
+    block_k: int
+    grid: tuple[int, int, int]
+    dot_scaled: bool
+    mx_asm: bool
+    swap: bool
+
+
+def _row_tiles(w: Weights, schedule: TileSchedule | None, rows: int, a_rows, cfg: DenseConfig) -> tuple[int, int, int]:
+    """(groups, BLOCK_M, row tiles): the schedule's, or schedule-free tiles over G groups."""
     single = schedule is None
     groups = w.num_experts if single else 1
     if single and groups > 1 and (a_rows is not None or rows % groups):
         raise ValueError(f"block-diagonal GEMM: {rows} rows do not split into {groups} groups (or a_rows was given)")
     block_m = block_m_for(rows // groups, cfg) if single else schedule.block_m
     n_tiles = groups * triton.cdiv(rows // groups, block_m) if single else schedule.start.shape[0]
-    split, chunk = _plan(w, cfg)
-    tiles = _tiles(w, cfg)
-    small = rows <= tiles.get("max_rows", cfg.small_rows) or triton.cdiv(n_dim, tiles["block_n"]) * n_tiles < tiles.get(
-        "target_ctas", cfg.target_ctas
-    )
-    mx_asm = w.fmt == W_MXFP4 and cfg.mxfp4_decode == "asm" and not DOT_UPCAST
-    if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
-        dot_scaled = dot_scaled or (cfg.mxfp4_decode == "dot_scaled" if small else cfg.mxfp4_large == "dot_scaled")
-    step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
+    return groups, block_m, n_tiles
+
+
+def _launch_tiles(w: Weights, tiles: Mapping[str, Any], small: bool, block_m: int, cfg: DenseConfig):
+    """(tiles, swap) as launched: 64-row decode tiles their own, the large path the config's."""
     if small and block_m >= 64 and "m64" in tiles:  # 64-row decode tiles: their own launch
         tiles = {**tiles, **tiles["m64"]}
     # swap (FP8 / plain): on the K-segment path too, so a row's sums match the split-K grid's
     swap = bool(tiles.get("swap", False)) and w.fmt != W_MXFP4 and not tiles.get("wide", False)
     if not small:
         tiles = {"block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages}
+    return tiles, swap
+
+
+def _splitk_plan(
+    w: Weights, schedule: TileSchedule | None, rows: int, a_rows, dot_scaled: bool, cfg: DenseConfig
+) -> _SplitKPlan:
+    groups, block_m, n_tiles = _row_tiles(w, schedule, rows, a_rows, cfg)
+    split, chunk = _plan(w, cfg)
+    tiles = _tiles(w, cfg)
+    small = rows <= tiles.get("max_rows", cfg.small_rows) or triton.cdiv(
+        w.out_dim, tiles["block_n"]
+    ) * n_tiles < tiles.get("target_ctas", cfg.target_ctas)
+    mx_asm = w.fmt == W_MXFP4 and cfg.mxfp4_decode == "asm" and not DOT_UPCAST
+    if w.fmt == W_MXFP4 and not triton_runtime.interpreting():
+        dot_scaled = dot_scaled or (cfg.mxfp4_decode == "dot_scaled" if small else cfg.mxfp4_large == "dot_scaled")
+    step = tiles["block_k"]  # the format's K step on both paths: never a function of the rows
+    tiles, swap = _launch_tiles(w, tiles, small, block_m, cfg)
     block_k = 64 if dot_scaled and not small else step
-    grid = (triton.cdiv(n_dim, tiles["block_n"]), n_tiles, split if small else 1)
-    if small and split > 1 and grid[0] * n_tiles > triton_runtime.COUNTER_SLOTS:
-        raise ValueError(f"{grid[0] * n_tiles} split-K output blocks, at most {triton_runtime.COUNTER_SLOTS}")
-    swiglu = w3 is not None
-    part = (
-        torch.empty((2 if swiglu else 1) * split * rows * n_dim, dtype=torch.float32, device=a.device)
-        if small and split > 1
-        else out
+    grid = (triton.cdiv(w.out_dim, tiles["block_n"]), n_tiles, split if small else 1)
+    if small and split > 1:
+        triton_runtime.check_counter_slots(grid[0] * n_tiles)
+    return _SplitKPlan(
+        rows, groups, schedule is None, block_m, split, chunk, small, tiles, block_k, grid, dot_scaled, mx_asm, swap
     )
+
+
+def _pdl_launch(w: Weights, plan: _SplitKPlan) -> tuple[dict, bool, int]:
+    """(launch options, PDL, PF_LINES). pdl (GPU, FP8): launched as a programmatic dependent
+    launch; the kernel lets the next one start, prefetches its first weight lines (one byte per
+    K column), then waits for the previous grid."""
+    launch = triton_runtime.launch_options()
+    pdl = bool(plan.tiles.get("pdl", False)) and w.fmt == W_FP8 and not DOT_UPCAST
+    pf_lines = 0
+    if pdl:
+        launch = {**launch, "launch_pdl": True}
+        span = plan.chunk if plan.small else w.in_dim
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(span, 128)), int(plan.tiles.get("pdl_lines", 4)))
+    return launch, pdl, pf_lines
+
+
+def _weight_args(w: Weights, w3: Weights | None) -> tuple:
+    """W1's and W3's data and scales (the data again when unscaled; W1 again without W3), then
+    W1's strides and its scales' (0, 0 unscaled)."""
     scale1 = w.scale if w.scale is not None else w.data
     w3_ = w3 if w3 is not None else w
     scale3 = w3_.scale if w3_.scale is not None else w3_.data
     sse, ssn = (scale1.stride(0), scale1.stride(1)) if w.scale is not None else (0, 0)
+    return (w.data, scale1, w3_.data, scale3, w.data.stride(0), w.data.stride(1), sse, ssn)
+
+
+def _splitk_args(a, w: Weights, w3, plan: _SplitKPlan, schedule, out, a_rows, gamma, limit: float) -> tuple:
+    """The split-K kernel's positional arguments, in its signature's order."""
     sched = schedule if schedule is not None else _no_schedule(a.device)
-    # pdl (GPU, FP8): launched as a programmatic dependent launch; the kernel lets the next one
-    # start, prefetches its first weight lines (one byte per K column), then waits for the
-    # previous grid
-    launch = triton_runtime.launch_options()
-    pdl = bool(tiles.get("pdl", False)) and w.fmt == W_FP8 and not DOT_UPCAST
-    pf_lines = 0
-    if pdl:
-        launch = {**launch, "launch_pdl": True}
-        span = chunk if small else k_dim
-        pf_lines = min(triton.next_power_of_2(triton.cdiv(span, 128)), int(tiles.get("pdl_lines", 4)))
-    SPLITK_KERNEL[grid](
+    part = triton_runtime.split_partials(
+        plan.split if plan.small else 1, w3 is not None, plan.rows, w.out_dim, out, a.device
+    )
+    return (
         a,
         a.stride(0),
         a_rows if a_rows is not None else sched.start,
         out,
         out.stride(0),
         gamma if gamma is not None else a,
-        w.data,
-        scale1,
-        w3_.data,
-        scale3,
-        w.data.stride(0),
-        w.data.stride(1),
-        sse,
-        ssn,
+        *_weight_args(w, w3),
         sched.expert,
         sched.start,
         sched.end,
         part,
         triton_runtime.arrival_counters(a.device),
-        n_dim,
-        k_dim,
-        chunk,
-        rows,
-        groups,
+        w.out_dim,
+        w.in_dim,
+        plan.chunk,
+        plan.rows,
+        plan.groups,
         float(limit),
+    )
+
+
+def _epilogue_constexprs(a, w: Weights, w3, out, a_rows, gamma) -> dict:
+    """What the kernel computes: the weight format, the epilogue and the dtypes."""
+    return dict(
         W_FMT=w.fmt,
-        EPILOGUE=EPI_SWIGLU if swiglu else EPI_STORE,
+        EPILOGUE=EPI_SWIGLU if w3 is not None else EPI_STORE,
         HAS_GAMMA=gamma is not None,
         GATHER_A=a_rows is not None,
         ROUND_ACT_BF16=a.dtype == torch.bfloat16,
         OUT_BF16=out.dtype == torch.bfloat16,
         IEEE=a.dtype == torch.float32,
         UPCAST=DOT_UPCAST,
-        DOT_SCALED=dot_scaled,
         HW_FP8=not DOT_UPCAST,
-        SPLIT=split,
-        SPLIT_GRID=small,
-        ROWS=0 if not single else 1 if groups == 1 else 2,
-        MX_ASM=mx_asm,
-        WIDE=bool(tiles.get("wide", False)) and not dot_scaled,
-        PREFETCH=bool(tiles.get("prefetch", False)) and not dot_scaled,
-        EVEN_K=k_dim % block_k == 0 and chunk % block_k == 0,
-        BLOCK_M=block_m,
+    )
+
+
+def _tile_constexprs(w: Weights, plan: _SplitKPlan) -> dict:
+    """How the kernel is tiled: the plan's blocks, split and per-format tile switches."""
+    tiles, k_dim, block_k = plan.tiles, w.in_dim, plan.block_k
+    return dict(
+        DOT_SCALED=plan.dot_scaled,
+        SPLIT=plan.split,
+        SPLIT_GRID=plan.small,
+        ROWS=0 if not plan.single else 1 if plan.groups == 1 else 2,
+        MX_ASM=plan.mx_asm,
+        WIDE=bool(tiles.get("wide", False)) and not plan.dot_scaled,
+        PREFETCH=bool(tiles.get("prefetch", False)) and not plan.dot_scaled,
+        EVEN_K=k_dim % block_k == 0 and plan.chunk % block_k == 0,
+        BLOCK_M=plan.block_m,
         BLOCK_N=tiles["block_n"],
         BLOCK_K=block_k,
-        num_warps=tiles["warps"],
-        SWAP=swap,
+        SWAP=plan.swap,
         DEQ_BF16=w.fmt == W_FP8 and tiles.get("deq", "f32") == "bf16",
-        RED_UNROLL=tiles.get("red_unroll", 0) if small and split > 1 else 0,
+        RED_UNROLL=tiles.get("red_unroll", 0) if plan.small and plan.split > 1 else 0,
+    )
+
+
+def _launch_splitk(a, w: Weights, w3, plan: _SplitKPlan, schedule, out, a_rows, gamma, limit: float) -> None:
+    launch, pdl, pf_lines = _pdl_launch(w, plan)
+    SPLITK_KERNEL[plan.grid](
+        *_splitk_args(a, w, w3, plan, schedule, out, a_rows, gamma, limit),
+        **_epilogue_constexprs(a, w, w3, out, a_rows, gamma),
+        **_tile_constexprs(w, plan),
         PDL=pdl,
         PF_LINES=pf_lines,
-        num_stages=tiles["stages"],
+        num_warps=plan.tiles["warps"],
+        num_stages=plan.tiles["stages"],
         **launch,
     )
-    return out
 
 
 def block_diagonal(

@@ -247,35 +247,49 @@ def _engram_kernel(
     t = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + t * (S + 1) * D
     for k in tl.static_range(S):
-        h_sq = tl.zeros((BLOCK_D,), tl.float32)
-        k_sq = tl.zeros((BLOCK_D,), tl.float32)
-        hqk = tl.zeros((BLOCK_D,), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            m = cols < D
-            h = tl.load(x_ptr + (t * S + k) * D + cols, mask=m, other=0.0).to(tl.float32)
-            key = tl.load(kv_row + k * D + cols, mask=m, other=0.0).to(tl.float32)
-            qk = tl.load(qk_ptr + k * D + cols, mask=m, other=0.0).to(tl.float32)
-            h_sq += h * h
-            k_sq += key * key
-            hqk += h * qk * key
-        rho = (1.0 / tl.sqrt_rn(tl.sum(h_sq, axis=0) / D + norm_eps)) * (
-            1.0 / tl.sqrt_rn(tl.sum(k_sq, axis=0) / D + norm_eps)
-        )
-        dot = rho * tl.sum(hqk, axis=0) * inv_sqrt_d
-        sign = tl.where(dot < 0, -1.0, 1.0)
-        gate = sigmoid_f32(sign * tl.sqrt_rn(tl.maximum(tl.abs(dot), 1e-6)))
+        x_row = x_ptr + (t * S + k) * D
+        gate = _gate(x_row, kv_row + k * D, qk_ptr + k * D, D, norm_eps, inv_sqrt_d, BLOCK_D)
         tl.store(gates_ptr + t * S + k, gate)
         if INJECT:
-            for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                m = cols < D
-                h = tl.load(x_ptr + (t * S + k) * D + cols, mask=m, other=0.0).to(tl.float32)
-                v = tl.load(kv_row + S * D + cols, mask=m, other=0.0).to(tl.float32)
-                y = h + gate * v
-                if BF16:
-                    y = round_bf16(y)
-                tl.store(out_ptr + (t * S + k) * D + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+            _inject(x_row, kv_row + S * D, out_ptr + (t * S + k) * D, gate, D, BF16, BLOCK_D)
+
+
+@triton.jit
+def _gate(x_row, key_row, qk_row, D, norm_eps, inv_sqrt_d, BLOCK_D: tl.constexpr):
+    """sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))), dot = rmsnorm(h) . (qk * rmsnorm(key)) / sqrt(D)
+    over one stream's D channels (FP32 sums in BLOCK_D lanes)."""
+    h_sq = tl.zeros((BLOCK_D,), tl.float32)
+    k_sq = tl.zeros((BLOCK_D,), tl.float32)
+    hqk = tl.zeros((BLOCK_D,), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m = cols < D
+        h = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        key = tl.load(key_row + cols, mask=m, other=0.0).to(tl.float32)
+        qk = tl.load(qk_row + cols, mask=m, other=0.0).to(tl.float32)
+        h_sq += h * h
+        k_sq += key * key
+        hqk += h * qk * key
+    rho = (1.0 / tl.sqrt_rn(tl.sum(h_sq, axis=0) / D + norm_eps)) * (
+        1.0 / tl.sqrt_rn(tl.sum(k_sq, axis=0) / D + norm_eps)
+    )
+    dot = rho * tl.sum(hqk, axis=0) * inv_sqrt_d
+    sign = tl.where(dot < 0, -1.0, 1.0)
+    return sigmoid_f32(sign * tl.sqrt_rn(tl.maximum(tl.abs(dot), 1e-6)))
+
+
+@triton.jit
+def _inject(x_row, v_row, out_row, gate, D, BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = h + gate * v over one stream's D channels (rounded to BF16 once when BF16)."""
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m = cols < D
+        h = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_row + cols, mask=m, other=0.0).to(tl.float32)
+        y = h + gate * v
+        if BF16:
+            y = round_bf16(y)
+        tl.store(out_row + cols, y.to(out_row.dtype.element_ty), mask=m)
 
 
 def run_engram(

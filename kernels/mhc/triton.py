@@ -166,22 +166,19 @@ def _sinkhorn_tok(sp, rmask, rho, s2, base_ptr, comb_ptr, r64, ITERS: tl.constex
         c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
         c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     out = comb_ptr + r64 * (S * S)
-    tl.store(out, c00, mask=rmask)
-    tl.store(out + 1, c01, mask=rmask)
-    tl.store(out + 2, c02, mask=rmask)
-    tl.store(out + 3, c03, mask=rmask)
-    tl.store(out + 4, c10, mask=rmask)
-    tl.store(out + 5, c11, mask=rmask)
-    tl.store(out + 6, c12, mask=rmask)
-    tl.store(out + 7, c13, mask=rmask)
-    tl.store(out + 8, c20, mask=rmask)
-    tl.store(out + 9, c21, mask=rmask)
-    tl.store(out + 10, c22, mask=rmask)
-    tl.store(out + 11, c23, mask=rmask)
-    tl.store(out + 12, c30, mask=rmask)
-    tl.store(out + 13, c31, mask=rmask)
-    tl.store(out + 14, c32, mask=rmask)
-    tl.store(out + 15, c33, mask=rmask)
+    _store4(out, c00, c01, c02, c03, rmask)
+    _store4(out + 4, c10, c11, c12, c13, rmask)
+    _store4(out + 8, c20, c21, c22, c23, rmask)
+    _store4(out + 12, c30, c31, c32, c33, rmask)
+
+
+@triton.jit
+def _store4(ptr, a, b, c, d, mask):
+    """a, b, c, d to ptr + 0..3 (one row of a per-token S x S table)."""
+    tl.store(ptr, a, mask=mask)
+    tl.store(ptr + 1, b, mask=mask)
+    tl.store(ptr + 2, c, mask=mask)
+    tl.store(ptr + 3, d, mask=mask)
 
 
 # ============================================================================ fused kernel
@@ -571,6 +568,19 @@ def _slices(dim: int, split: int, gran: int = _BLOCK_D) -> tuple[int, int]:
     return triton.cdiv(dim, ch), ch
 
 
+def _programs_per_block(kind: str, num_tokens: int, block_t: int, nsl: int, cfg: MhcConfig) -> int:
+    """Programs per token block: every slice (decode); prefill_grid, or the fewest dividing the
+    slice count that reach target_programs (prefill)."""
+    grid = nsl if kind == "decode" else cfg.prefill_grid
+    if kind == "prefill":
+        if grid is None:
+            blocks = triton.cdiv(num_tokens, block_t)
+            grid = next((g for g in range(1, nsl + 1) if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
+    if nsl % grid:
+        raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
+    return grid
+
+
 def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
     """Tiles of one call: tokens per program, warps, programs per token block, slices."""
     kind = "decode" if num_tokens <= cfg.decode_rows else "prefill"
@@ -584,13 +594,7 @@ def launch_plan(num_tokens: int, dim: int, cfg: MhcConfig) -> dict:
         else _slices(dim, MHC_SPLIT)
     )
     warps, stages = getattr(cfg, f"{kind}_warps"), getattr(cfg, f"{kind}_stages")
-    grid = nsl if kind == "decode" else cfg.prefill_grid
-    if kind == "prefill":
-        if grid is None:
-            blocks = triton.cdiv(num_tokens, block_t)
-            grid = next((g for g in range(1, nsl + 1) if nsl % g == 0 and blocks * g >= cfg.target_programs), nsl)
-    if nsl % grid:
-        raise ValueError(f"programs per token block {grid} must divide the slice count {nsl}")
+    grid = _programs_per_block(kind, num_tokens, block_t, nsl, cfg)
     return {
         "block_t": block_t,
         "block_d": block_d,
@@ -648,45 +652,87 @@ def expand_mix_collapse(
     (new streams [T, S, D], pre [T, S], post' [T, S], comb' [T, S, S], x [T, D] | None).
     """
     _check_mhc(y, streams, post, comb, fn, base, scale, pre_in)
-    num_tokens, num_streams, dim = streams.shape
-    dev = streams.device
     x = streams.contiguous()
+    outs = _mhc_outputs(x, y, pre_in)
+    if x.shape[0] == 0:
+        return outs
+    _launch(x, y, post, comb, pre_in, norm_weight, (fn, base, scale, sinkhorn_iters, hc_eps, norm_eps), outs, tuned.mhc)
+    return outs
+
+
+def _mhc_outputs(x: torch.Tensor, y: torch.Tensor | None, pre_in: torch.Tensor | None) -> tuple:
+    """(new streams, pre, post', comb', x collapsed or None): new streams are x itself without y."""
+    num_tokens, num_streams, dim = x.shape
     new_streams = torch.empty_like(x) if y is not None else x
-    pre_o = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=dev)
+    pre_o = torch.empty(num_tokens, num_streams, dtype=torch.float32, device=x.device)
     post_o = torch.empty_like(pre_o)
-    comb_o = torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=dev)
-    xc = torch.empty(num_tokens, dim, dtype=x.dtype, device=dev) if pre_in is not None else None
-    if num_tokens == 0:
-        return new_streams, pre_o, post_o, comb_o, xc
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
-    dummy = pre_o
-    plan = launch_plan(num_tokens, dim, tuned.mhc)
+    comb_o = torch.empty(num_tokens, num_streams, num_streams, dtype=torch.float32, device=x.device)
+    xc = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device) if pre_in is not None else None
+    return new_streams, pre_o, post_o, comb_o, xc
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _launch(x, y, post, comb, pre_in, norm_weight, params: tuple, outs: tuple, cfg: MhcConfig) -> None:
+    """The fused kernel over (programs per token block, token blocks)."""
+    fn, base, scale, sinkhorn_iters, hc_eps, norm_eps = params
+    num_tokens, dim = x.shape[0], x.shape[2]
+    plan = launch_plan(num_tokens, dim, cfg)
     n_blocks = triton.cdiv(num_tokens, plan["block_t"])
-    # the slice vectors (grid > 1) and, after them, the totals
-    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N, dtype=torch.float32, device=dev)
     _mhc_kernel[(plan["grid"], n_blocks)](
         x,
-        new_streams,
-        y.contiguous() if y is not None else x,
-        f32(post) if post is not None else dummy,
-        f32(comb) if comb is not None else dummy,
-        f32(fn),
-        f32(base),
-        f32(scale),
-        f32(pre_in) if pre_in is not None else dummy,
-        norm_weight.contiguous() if norm_weight is not None else dummy,
-        pre_o,
-        post_o,
-        comb_o,
-        xc if xc is not None else dummy,
-        partial,
-        triton_runtime.arrival_counters(dev, 4 * n_blocks),
+        outs[0],
+        *_input_args(x, y, post, comb, fn, base, scale, pre_in, norm_weight, dummy=outs[1]),
+        *_output_args(outs, plan, n_blocks),
         num_tokens,
         dim,
         plan["grid"],
         float(norm_eps),
         float(hc_eps),
-        S=num_streams,
+        **_flags(x, y, pre_in, norm_weight, sinkhorn_iters, plan),
+        **kernel_constants(plan),
+        num_warps=plan["warps"],
+        num_stages=plan["stages"],
+        **triton_runtime.launch_options(),
+    )
+
+
+def _input_args(x, y, post, comb, fn, base, scale, pre_in, norm_weight, dummy: torch.Tensor) -> tuple:
+    """The kernel's inputs after (x, new streams), in its signature's order (fp32 mixes; `dummy`
+    for absent ones)."""
+    return (
+        y.contiguous() if y is not None else x,
+        _f32(post) if post is not None else dummy,
+        _f32(comb) if comb is not None else dummy,
+        _f32(fn),
+        _f32(base),
+        _f32(scale),
+        _f32(pre_in) if pre_in is not None else dummy,
+        norm_weight.contiguous() if norm_weight is not None else dummy,
+    )
+
+
+def _output_args(outs: tuple, plan: dict, n_blocks: int) -> tuple:
+    """The kernel's outputs, then its scratch: the slice vectors (grid > 1) and after them the
+    totals, and the arrival counters."""
+    _, pre_o, post_o, comb_o, xc = outs
+    num_tokens, dev = pre_o.shape[0], pre_o.device
+    partial = torch.empty(plan["nsl"] + 1 if plan["grid"] > 1 else 1, num_tokens, _N, dtype=torch.float32, device=dev)
+    return (
+        pre_o,
+        post_o,
+        comb_o,
+        xc if xc is not None else pre_o,
+        partial,
+        triton_runtime.arrival_counters(dev, 4 * n_blocks),
+    )
+
+
+def _flags(x, y, pre_in, norm_weight, sinkhorn_iters: int, plan: dict) -> dict:
+    return dict(
+        S=x.shape[1],
         ITERS=sinkhorn_iters,
         HAS_Y=y is not None,
         COLLAPSE=pre_in is not None,
@@ -694,12 +740,7 @@ def expand_mix_collapse(
         BF16=x.dtype == torch.bfloat16,
         UPCAST=DOT_UPCAST,
         SPIN=plan["spin"] and pre_in is not None and norm_weight is not None,
-        **kernel_constants(plan),
-        num_warps=plan["warps"],
-        num_stages=plan["stages"],
-        **triton_runtime.launch_options(),
     )
-    return new_streams, pre_o, post_o, comb_o, xc
 
 
 def _check_mhc(y, streams, post, comb, fn, base, scale, pre_in) -> None:
@@ -824,7 +865,6 @@ def _expand_kernel(
     r64 = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = rmask[:, None] & (cols < D)[None, :]
-    SS: tl.constexpr = S * S
     y = tl.load(y_ptr + r64[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xrow = x_ptr + (r64[:, None] * S) * D + cols[None, :]
     x0 = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
@@ -833,20 +873,29 @@ def _expand_kernel(
     x3 = tl.load(xrow + 3 * D, mask=mask, other=0.0).to(tl.float32)
     orow = out_ptr + (r64[:, None] * S) * D + cols[None, :]
     for k in tl.static_range(S):
-        out = _expand_stream(
-            y,
-            _load_cols(post_ptr, r64, rmask, S, k),
-            _load_cols(comb_ptr, r64, rmask, SS, k),
-            _load_cols(comb_ptr, r64, rmask, SS, S + k),
-            _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
-            _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
-            x0,
-            x1,
-            x2,
-            x3,
-            BF16,
-        )
+        out = _expand_out(y, post_ptr, comb_ptr, r64, rmask, x0, x1, x2, x3, S, k, BF16)
         tl.store(orow + k * D, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_out(
+    y, post_ptr, comb_ptr, r64, rmask, x0, x1, x2, x3, S: tl.constexpr, k: tl.constexpr, BF16: tl.constexpr
+):
+    """New stream k: post_k * y + sum_j comb[j, k] * x_j (`_expand_stream`), its mixes loaded."""
+    SS: tl.constexpr = S * S
+    return _expand_stream(
+        y,
+        _load_cols(post_ptr, r64, rmask, S, k),
+        _load_cols(comb_ptr, r64, rmask, SS, k),
+        _load_cols(comb_ptr, r64, rmask, SS, S + k),
+        _load_cols(comb_ptr, r64, rmask, SS, 2 * S + k),
+        _load_cols(comb_ptr, r64, rmask, SS, 3 * S + k),
+        x0,
+        x1,
+        x2,
+        x3,
+        BF16,
+    )
 
 
 def expand(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -332,9 +332,7 @@ def _words(w: Weights) -> torch.Tensor:
 
 def _launch(
     xp,
-    rows,
-    gamma,
-    schedule,
+    pairs,
     w1: Weights,
     w3: Weights | None,
     out,
@@ -345,49 +343,60 @@ def _launch(
     out_scale: float,
     config: GemvConfig,
 ) -> None:
+    """One GEMV of the pair over `pairs`' tiles: up (W1 | W3, SwiGLU) or down (W2)."""
     cfg = config.up if swiglu else config.down
-    select = config.decode == "select"
     if config.decode not in ("bits", "select"):
         raise ValueError(f"gemv config decode must be 'bits' or 'select', got {config.decode!r}")
-    post = 1.0 if select else _POST_BITS
     words1 = _words(w1)
     words3 = _words(w3) if w3 is not None else words1
-    scale3 = w3.scale if w3 is not None else w1.scale
-    n_dim, k_dim = w1.out_dim, w1.in_dim
-    groups = cfg["groups"]
-    if groups not in (4, 8, 16):
-        raise ValueError(f"gemv config groups must be 4, 8 or 16, got {groups}")
-    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]))
+    if cfg["groups"] not in (4, 8, 16):
+        raise ValueError(f"gemv config groups must be 4, 8 or 16, got {cfg['groups']}")
+    post = 1.0 if config.decode == "select" else _POST_BITS
+    grid = (pairs.schedule.start.shape[0], triton.cdiv(w1.out_dim, cfg["block_n"]))
     _gemv_kernel[grid](
+        *_args(xp, pairs, w1, w3, (words1, words3), out, limit, post, out_scale),
+        **_constexprs(w1.in_dim, rows_per_tile, swiglu, round_bf16, cfg, config.decode == "select"),
+        num_warps=cfg["warps"],
+    )
+
+
+def _args(xp, pairs, w1: Weights, w3: Weights | None, words: tuple, out, limit: float, post: float, out_scale: float):
+    """The kernel's positional arguments, in its signature's order (weights as int32 words)."""
+    words1, words3 = words
+    return (
         xp,
-        k_dim,
-        rows,
-        gamma,
-        schedule.expert,
-        schedule.start,
-        schedule.end,
+        w1.in_dim,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule.expert,
+        pairs.schedule.start,
+        pairs.schedule.end,
         words1,
         w1.scale,
         words3,
-        scale3,
+        w3.scale if w3 is not None else w1.scale,
         words1.stride(0),
         words1.stride(1),
         w1.scale.stride(0),
         w1.scale.stride(1),
         out,
-        n_dim,
+        w1.out_dim,
         float(limit),
         post,
         out_scale,
+    )
+
+
+def _constexprs(k_dim: int, rows_per_tile: int, swiglu: bool, round_bf16: bool, cfg: dict, select: bool) -> dict:
+    return dict(
         SWIGLU=swiglu,
         ROWS=rows_per_tile,
         SELECT=select,
         ROUND_BF16=round_bf16,
-        EVEN_K=(k_dim // 32) % groups == 0,
+        EVEN_K=(k_dim // 32) % cfg["groups"] == 0,
         PREFETCH=cfg["prefetch"],
         BLOCK_N=cfg["block_n"],
-        G=groups,
-        num_warps=cfg["warps"],
+        G=cfg["groups"],
     )
 
 
@@ -429,34 +438,7 @@ def expert_rows(x: torch.Tensor, pairs, experts, limit: float, rows_per_tile: in
     _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
         x, x.stride(0), xp, dim, xscale, BLOCK=_PREP_BLOCK, num_warps=4
     )
-    _launch(
-        xp,
-        pairs.rows,
-        pairs.gamma,
-        pairs.schedule,
-        experts.w1,
-        experts.w3,
-        hp,
-        limit,
-        rows_per_tile,
-        True,
-        round_bf16,
-        xscale,
-        cfg,
-    )
-    _launch(
-        hp,
-        pairs.rows,
-        pairs.gamma,
-        pairs.schedule,
-        experts.w2,
-        None,
-        y,
-        0.0,
-        rows_per_tile,
-        False,
-        round_bf16,
-        1.0,
-        cfg,
-    )
+    w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    _launch(xp, pairs, w1, w3, hp, limit, rows_per_tile, True, round_bf16, xscale, cfg)
+    _launch(hp, pairs, w2, None, y, 0.0, rows_per_tile, False, round_bf16, 1.0, cfg)
     return y

@@ -103,32 +103,49 @@ def _step(
 ):
     """acc + (tile product) for K in [k0, k0 + BLOCK_K) of one weight."""
     if W_BF16:  # plain BF16 weights (a decoded scratch copy): w_off spans BLOCK_K columns
-        if EVEN:
-            w = tl.load(w_ptr + w_off + k0)
-        else:
-            w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
-        if SWAP:
-            acc = _mm(w, tl.trans(a), acc, UPCAST)
-        else:
-            acc = _mm(a, tl.trans(w), acc, UPCAST)
+        acc = _mm_w(_load_bf16_tile(w_ptr, w_off, k0, n_mask, EVEN), a, acc, SWAP, UPCAST)
     else:
-        if EVEN:
-            packed = tl.load(w_ptr + w_off + k0 // 2)
-            scale = tl.load(s_ptr + s_off + k0 // 32)
-        else:
-            packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
-            scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+        packed, scale = _load_mx_tile(w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN)
         if DOT_SCALED:
             if SWAP:
                 acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
             else:
                 acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc, fast_math=True)
         else:
-            w = _decode_tile(packed, scale, BLOCK_N, BLOCK_K)
-            if SWAP:
-                acc = _mm(w, tl.trans(a), acc, UPCAST)
-            else:
-                acc = _mm(a, tl.trans(w), acc, UPCAST)
+            acc = _mm_w(_decode_tile(packed, scale, BLOCK_N, BLOCK_K), a, acc, SWAP, UPCAST)
+    return acc
+
+
+@triton.jit
+def _load_bf16_tile(w_ptr, w_off, k0, n_mask, EVEN: tl.constexpr):
+    """A plain BF16 weight tile at K offset k0 (rows past N: 0 unless EVEN)."""
+    if EVEN:
+        w = tl.load(w_ptr + w_off + k0)
+    else:
+        w = tl.load(w_ptr + w_off + k0, mask=n_mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _load_mx_tile(w_ptr, s_ptr, w_off, s_off, k0, n_mask, EVEN: tl.constexpr):
+    """(packed E2M1 bytes, UE8M0 scales) of an MXFP4 weight tile at K offset k0 (rows past N:
+    codes 0 and scale 127 unless EVEN)."""
+    if EVEN:
+        packed = tl.load(w_ptr + w_off + k0 // 2)
+        scale = tl.load(s_ptr + s_off + k0 // 32)
+    else:
+        packed = tl.load(w_ptr + w_off + k0 // 2, mask=n_mask, other=0)
+        scale = tl.load(s_ptr + s_off + k0 // 32, mask=n_mask, other=127)
+    return packed, scale
+
+
+@triton.jit
+def _mm_w(w, a, acc, SWAP: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + W . A^T ([BN, BM], SWAP: the weight as the MMA's M) or A . W^T ([BM, BN])."""
+    if SWAP:
+        acc = _mm(w, tl.trans(a), acc, UPCAST)
+    else:
+        acc = _mm(a, tl.trans(w), acc, UPCAST)
     return acc
 
 
@@ -306,32 +323,68 @@ def grouped_gemm(
     schedule: row tiles of `out` with schedule.block_m == tiles["block_m"] (dense.grouped_schedule).
     tiles: launch configuration (GroupedLargeConfig.gemm1 / .gemm2).
     """
+    _check_call(a, w, schedule, out, w3, tiles)
+    if out.shape[0] == 0 or schedule.start.shape[0] == 0:
+        return out
+    _launch(a, w, schedule, out, a_rows, w3, gamma, limit, tiles)
+    return out
+
+
+def _check_call(a, w: Weights, schedule: dense.TileSchedule, out, w3: Weights | None, t: Mapping[str, Any]) -> None:
     _check(a, w, out)
     if w3 is not None and _layout(w3) != _layout(w):
         raise ValueError("SwiGLU W1 and W3 must share format, shape and strides")
-    t = tiles
     if schedule.block_m != t["block_m"]:
         raise ValueError(f"schedule.block_m {schedule.block_m} != tiles block_m {t['block_m']}")
-    bf16 = w.fmt == W_PLAIN
-    dot_scaled = t["dot_scaled"] and not bf16
-    if dot_scaled and triton_runtime.interpreting():
+    if t["dot_scaled"] and w.fmt != W_PLAIN and triton_runtime.interpreting():
         raise ValueError("dot_scaled does not run under the interpreter")
-    n_dim, k_dim = w.out_dim, w.in_dim
-    if k_dim % t["block_k"] or t["block_k"] % 32:
-        raise ValueError(f"K={k_dim} must be a multiple of block_k={t['block_k']} (itself of 32)")
-    n_tiles = schedule.start.shape[0]
-    if out.shape[0] == 0 or n_tiles == 0:
-        return out
-    w3_ = w3 if w3 is not None else w
-    scale1 = w.scale if w.scale is not None else w.data
-    scale3 = w3_.scale if w3_.scale is not None else w3_.data
+    if w.in_dim % t["block_k"] or t["block_k"] % 32:
+        raise ValueError(f"K={w.in_dim} must be a multiple of block_k={t['block_k']} (itself of 32)")
+
+
+def _launch(a, w: Weights, schedule, out, a_rows, w3: Weights | None, gamma, limit: float, t: Mapping[str, Any]):
+    """One program per (per_block output columns, row tile); fused13: W1 | W3 halves of one N block."""
+    bf16 = w.fmt == W_PLAIN
     fused = w3 is not None and t.get("fused13", False)
-    w3_delta = s3_delta = 0
-    if fused:  # W3 addressed from W1's pointer: offsets in elements
-        w3_delta = (w3.data.data_ptr() - w.data.data_ptr()) // w.data.element_size()
-        s3_delta = scale3.data_ptr() - scale1.data_ptr()
     per_block = t["block_n"] // (2 if fused else 1)  # output columns per program
-    _large_gemm_kernel[(triton.cdiv(n_dim, per_block), n_tiles)](
+    _large_gemm_kernel[(triton.cdiv(w.out_dim, per_block), schedule.start.shape[0])](
+        *_args(a, w, schedule, out, a_rows, w3, gamma, limit, fused),
+        SWIGLU=w3 is not None,
+        HAS_GAMMA=gamma is not None,
+        GATHER_A=a_rows is not None,
+        EVEN=w.out_dim % per_block == 0,
+        DOT_SCALED=t["dot_scaled"] and not bf16,
+        SWAP=t["swap"],
+        UPCAST=DOT_UPCAST,
+        FUSED13=fused,
+        W_BF16=bf16,
+        BLOCK_M=t["block_m"],
+        BLOCK_N=t["block_n"],
+        BLOCK_K=t["block_k"],
+        num_warps=t["warps"],
+        num_stages=t["stages"],
+        **triton_runtime.launch_options(),
+    )
+
+
+def _scales(w: Weights, w3_: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """W1's and W3's scales (their data when unscaled: BF16 weights; never read then)."""
+    return (w.scale if w.scale is not None else w.data, w3_.scale if w3_.scale is not None else w3_.data)
+
+
+def _w3_deltas(w: Weights, w3: Weights | None, fused: bool) -> tuple[int, int]:
+    """fused13: W3 addressed from W1's pointer: (data offset in elements, scale offset in bytes)."""
+    if not fused:
+        return 0, 0
+    scale1, scale3 = _scales(w, w3)
+    return (w3.data.data_ptr() - w.data.data_ptr()) // w.data.element_size(), scale3.data_ptr() - scale1.data_ptr()
+
+
+def _args(a, w: Weights, schedule, out, a_rows, w3: Weights | None, gamma, limit: float, fused: bool) -> tuple:
+    """The kernel's positional arguments, in its signature's order."""
+    w3_ = w3 if w3 is not None else w
+    scale1, scale3 = _scales(w, w3_)
+    return (
         a,
         a.stride(0),
         a_rows if a_rows is not None else schedule.start,
@@ -349,28 +402,11 @@ def grouped_gemm(
         schedule.expert,
         schedule.start,
         schedule.end,
-        n_dim,
-        k_dim,
+        w.out_dim,
+        w.in_dim,
         float(limit),
-        w3_delta,
-        s3_delta,
-        SWIGLU=w3 is not None,
-        HAS_GAMMA=gamma is not None,
-        GATHER_A=a_rows is not None,
-        EVEN=n_dim % per_block == 0,
-        DOT_SCALED=dot_scaled,
-        SWAP=t["swap"],
-        UPCAST=DOT_UPCAST,
-        FUSED13=fused,
-        W_BF16=bf16,
-        BLOCK_M=t["block_m"],
-        BLOCK_N=t["block_n"],
-        BLOCK_K=t["block_k"],
-        num_warps=t["warps"],
-        num_stages=t["stages"],
-        **triton_runtime.launch_options(),
+        *_w3_deltas(w, w3, fused),
     )
-    return out
 
 
 # ============================================================================ dequant mode

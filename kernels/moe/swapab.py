@@ -338,47 +338,58 @@ def launch_config(part: str, num_tokens: int, config: SwapabConfig) -> dict:
 
 
 def _launch(
-    xp,
-    rows,
-    gamma,
-    schedule,
-    w1,
-    w3,
-    out,
-    limit: float,
-    rows_per_tile: int,
-    swiglu: bool,
-    cfg: dict,
-    pair: bool,
-    x_split: bool = True,
+    xp, pairs, w1, w3, out, limit: float, rows_per_tile: int, swiglu: bool, cfg: dict, pair: bool, x_split: bool = True
 ) -> None:
-    n_dim, k_dim = w1.out_dim, w1.in_dim
+    """One GEMM of the pair over `pairs`' tiles: up (W1 | W3, SwiGLU) or down (W2)."""
+    _check_launch(w1, w3, cfg)
+    w3 = w3 if w3 is not None else w1
+    grid = (pairs.schedule.start.shape[0], triton.cdiv(w1.out_dim, cfg["block_n"]), cfg.get("split", 1))
+    ws, count = _split_scratch(grid, rows_per_tile, cfg, xp, out)
+    _swapab_kernel[grid](
+        *_args(xp, pairs, w1, w3, out, limit, ws, count, cfg),
+        **_constexprs(w1.in_dim, rows_per_tile, swiglu, cfg, pair, x_split),
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not triton_runtime.interpreting() else {}),
+        **triton_runtime.launch_options(),
+    )
+
+
+def _check_launch(w1, w3, cfg: dict) -> None:
     block_k, split = cfg["block_k"], cfg.get("split", 1)
     if block_k not in (32, 64, 128, 256, 512):
         raise ValueError(f"swapab config block_k must be a power of two in [32, 512], got {block_k}")
     if not 1 <= split <= 16:
         raise ValueError(f"swapab config split must be in [1, 16], got {split}")
-    w3 = w3 if w3 is not None else w1
-    for w in (w1, w3):
+    for w in (w1, w3 if w3 is not None else w1):
         if w.data.stride(-1) != 1 or w.scale.stride(-1) != 1:
             raise ValueError("swapab reads MXFP4 weights and scales with contiguous rows")
-    grid = (schedule.start.shape[0], triton.cdiv(n_dim, cfg["block_n"]), split)
-    steps = triton.cdiv(k_dim, block_k)
-    if split > 1:
-        n_tiles = grid[0] * grid[1]
-        ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile, dtype=torch.float32, device=xp.device)
-        count = triton_runtime.arrival_counters(xp.device, n_tiles)
-    else:
-        ws = count = out  # unused
-    _swapab_kernel[grid](
+
+
+def _split_scratch(grid: tuple[int, int, int], rows_per_tile: int, cfg: dict, xp, out):
+    """(partials, counters) of a split-K grid: fp32 [tiles * split * 2 * BLOCK_N * ROWS] and one
+    arrival counter per output tile; without a split both unused (out stands in)."""
+    split = grid[2]
+    if split <= 1:
+        return out, out  # unused
+    n_tiles = grid[0] * grid[1]
+    ws = torch.empty(n_tiles * split * 2 * cfg["block_n"] * rows_per_tile, dtype=torch.float32, device=xp.device)
+    return ws, triton_runtime.arrival_counters(xp.device, n_tiles)
+
+
+def _args(xp, pairs, w1, w3, out, limit: float, ws, count, cfg: dict) -> tuple:
+    """The kernel's positional arguments, in its signature's order."""
+    k_dim, split = w1.in_dim, cfg.get("split", 1)
+    steps = triton.cdiv(k_dim, cfg["block_k"])
+    return (
         xp,
         k_dim,
         xp.stride(0),
-        rows,
-        gamma,
-        schedule.expert,
-        schedule.start,
-        schedule.end,
+        pairs.rows,
+        pairs.gamma,
+        pairs.schedule.expert,
+        pairs.schedule.start,
+        pairs.schedule.end,
         w1.data,
         w1.scale,
         w3.data,
@@ -388,27 +399,28 @@ def _launch(
         w1.scale.stride(0),
         w1.scale.stride(1),
         out,
-        n_dim,
+        w1.out_dim,
         float(limit),
         ws,
         count,
         triton.cdiv(steps, split),
+    )
+
+
+def _constexprs(k_dim: int, rows_per_tile: int, swiglu: bool, cfg: dict, pair: bool, x_split: bool) -> dict:
+    return dict(
         SWIGLU=swiglu,
         MX_ASM=not triton_runtime.interpreting(),
         UPCAST=DOT_UPCAST,
-        EVEN_K=k_dim % block_k == 0,
+        EVEN_K=k_dim % cfg["block_k"] == 0,
         ROWS=rows_per_tile,
         BLOCK_N=cfg["block_n"],
-        BLOCK_K=block_k,
+        BLOCK_K=cfg["block_k"],
         PAIR=pair,
         SCALE_PF=cfg.get("scale_prefetch", False),
         W_PF=cfg.get("w_prefetch", False),
         X_SPLIT=x_split,
-        SPLIT=split,
-        num_warps=cfg["warps"],
-        num_stages=cfg["stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not triton_runtime.interpreting() else {}),
-        **triton_runtime.launch_options(),
+        SPLIT=cfg.get("split", 1),
     )
 
 
@@ -423,7 +435,6 @@ def expert_rows(
     if not eligible(experts, x.dtype):
         raise ValueError(f"swapab expert_rows reads MXFP4 experts (K % 32 == 0) and bf16 activations (got {x.dtype})")
     x = check_rows_call(x, pairs, experts, rows_per_tile, (8, 16, 32))
-    num_tokens, dim = x.shape
     num_pairs = pairs.rows.shape[0]
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
@@ -432,40 +443,19 @@ def expert_rows(
     if cfg.decode not in ("pair", "split"):
         raise ValueError(f"swapab config decode must be 'pair' or 'split', got {cfg.decode!r}")
     pair = cfg.decode == "pair"
-    if cfg.fold_prep:  # the up launch gathers the even / odd halves from x itself
-        xp = x
-    else:
-        xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
-        _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](
-            x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4
-        )
-    _launch(
-        xp,
-        pairs.rows,
-        pairs.gamma,
-        pairs.schedule,
-        experts.w1,
-        experts.w3,
-        h,
-        limit,
-        rows_per_tile,
-        True,
-        launch_config("up", num_tokens, cfg),
-        pair,
-        x_split=not cfg.fold_prep,
-    )
-    _launch(
-        h,
-        pairs.rows,
-        pairs.gamma,
-        pairs.schedule,
-        experts.w2,
-        None,
-        y,
-        0.0,
-        rows_per_tile,
-        False,
-        launch_config("down", num_tokens, cfg),
-        pair,
-    )
+    xp = _prepared(x, cfg)
+    up, down = launch_config("up", x.shape[0], cfg), launch_config("down", x.shape[0], cfg)
+    _launch(xp, pairs, experts.w1, experts.w3, h, limit, rows_per_tile, True, up, pair, x_split=not cfg.fold_prep)
+    _launch(h, pairs, experts.w2, None, y, 0.0, rows_per_tile, False, down, pair)
     return y
+
+
+def _prepared(x: torch.Tensor, cfg: SwapabConfig) -> torch.Tensor:
+    """x as the up launch reads it: x itself with fold_prep (the launch gathers the even / odd
+    halves), else the even / odd halves split by one prep launch."""
+    if cfg.fold_prep:
+        return x
+    num_tokens, dim = x.shape
+    xp = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
+    _prep_kernel[(num_tokens, triton.cdiv(dim, _PREP_BLOCK))](x, x.stride(0), xp, dim, BLOCK=_PREP_BLOCK, num_warps=4)
+    return xp

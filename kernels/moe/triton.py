@@ -51,6 +51,25 @@ _ROUTER_TILE_BYTES = 32 * 1024  # a pipeline stage's gate tile, at most
 
 # ============================================================================ fused router
 @triton.jit
+def _select_top_k(scores, biased, experts, slot, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """(ids [BT, K_PAD], unbiased scores [BT, K_PAD], their sum [BT]) of the TOP_K experts by
+    biased score, lower id on ties, in selection order."""
+    sel_ids = tl.zeros((scores.shape[0], K_PAD), dtype=tl.int32)
+    sel_scores = tl.zeros((scores.shape[0], K_PAD), dtype=tl.float32)
+    total = tl.zeros_like(tl.max(scores, axis=1))
+    for i in tl.static_range(TOP_K):  # selection by biased score, lower id on ties
+        best = tl.max(biased, axis=1)
+        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], E_PAD), axis=1)
+        hit = experts[None, :] == pick[:, None]
+        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score
+        total = total + chosen
+        sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
+        sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
+        biased = tl.where(hit, float("-inf"), biased)
+    return sel_ids, sel_scores, total
+
+
+@triton.jit
 def _route_epilogue(
     logits,
     rows,
@@ -71,18 +90,7 @@ def _route_epilogue(
     bias = tl.load(bias_ptr + experts, mask=emask, other=0.0)
     biased = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
     slot = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
-    sel_ids = tl.zeros((logits.shape[0], K_PAD), dtype=tl.int32)
-    sel_scores = tl.zeros((logits.shape[0], K_PAD), dtype=tl.float32)
-    total = tl.zeros_like(tl.max(scores, axis=1))
-    for i in tl.static_range(TOP_K):  # selection by biased score, lower id on ties
-        best = tl.max(biased, axis=1)
-        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], E_PAD), axis=1)
-        hit = experts[None, :] == pick[:, None]
-        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score
-        total = total + chosen
-        sel_ids = tl.where(slot == i, pick[:, None], sel_ids)
-        sel_scores = tl.where(slot == i, chosen[:, None], sel_scores)
-        biased = tl.where(hit, float("-inf"), biased)
+    sel_ids, sel_scores, total = _select_top_k(scores, biased, experts, slot, TOP_K, K_PAD, E_PAD)
     if NORMALIZE:  # norm_topk_prob
         gamma = sel_scores / (total[:, None] + 1e-20) * routed_scale
     else:
@@ -391,25 +399,35 @@ def _route_launch(
 ) -> tuple[torch.Tensor, torch.Tensor, SortedPairs | None]:
     """The router launch; with `block_m`, its last token block also sorts the pairs."""
     _check_route(x, gate_weight, bias, top_k)
-    num_tokens, dim = x.shape
-    num_experts = gate_weight.shape[0]
+    num_tokens, num_experts = x.shape[0], gate_weight.shape[0]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights, None
-    e_pad = triton.next_power_of_2(num_experts)
     n_blocks = triton.cdiv(num_tokens, _ROUTER_BLOCK_T)
-    block_k = router_block_k(num_experts)
-    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
-    partial = torch.empty(ROUTER_SPLIT, num_tokens, e_pad, dtype=torch.float32, device=x.device)
-    w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
-    pairs = None
-    sorted_out: tuple = (ids,) * 6 + (1,)  # unused pointers without the sort
-    if block_m is not None:
-        pairs = _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
-        sched = pairs.schedule
-        sorted_out = (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end, sched.start.shape[0])
+    pairs = None if block_m is None else _empty_pairs(num_tokens, top_k, num_experts, block_m, x.device)
     _route_kernel[(n_blocks, ROUTER_SPLIT)](
+        *_route_args(x, gate_weight, bias, ids, weights, n_blocks, routed_scale, gate_temp),
+        *_sorted_out(pairs, ids),
+        triton.cdiv(num_tokens, _SORT_BLOCK_T),
+        **_route_constexprs(x, num_experts, top_k, normalize, block_m),
+        num_warps=8,
+        num_stages=3,
+        **triton_runtime.launch_options(),
+    )
+    return ids, weights, pairs
+
+
+def _route_args(x, gate_weight, bias, ids, weights, n_blocks: int, routed_scale: float, gate_temp: float) -> tuple:
+    """The router's positional arguments up to the sort's outputs, in its signature's order."""
+    num_tokens, dim = x.shape
+    num_experts = gate_weight.shape[0]
+    chunk = triton.cdiv(triton.cdiv(dim, ROUTER_SPLIT), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
+    partial = torch.empty(
+        ROUTER_SPLIT, num_tokens, triton.next_power_of_2(num_experts), dtype=torch.float32, device=x.device
+    )
+    w = gate_weight if gate_weight.dtype == x.dtype else gate_weight.to(x.dtype)
+    return (
         x,
         x.stride(0),
         w,
@@ -425,13 +443,24 @@ def _route_launch(
         chunk,
         1.0 / gate_temp,
         float(routed_scale),
-        *sorted_out,
-        triton.cdiv(num_tokens, _SORT_BLOCK_T),
+    )
+
+
+def _sorted_out(pairs: SortedPairs | None, ids: torch.Tensor) -> tuple:
+    """The sort's outputs and tile count; without the sort, unused pointers (ids) and 1."""
+    if pairs is None:
+        return (ids,) * 6 + (1,)
+    sched = pairs.schedule
+    return (pairs.rows, pairs.gamma, pairs.pos, sched.expert, sched.start, sched.end, sched.start.shape[0])
+
+
+def _route_constexprs(x: torch.Tensor, num_experts: int, top_k: int, normalize: bool, block_m: int | None) -> dict:
+    return dict(
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=_ROUTER_BLOCK_T,
-        E_PAD=e_pad,
-        BLOCK_K=block_k,
+        E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_K=router_block_k(num_experts),
         SPLIT=ROUTER_SPLIT,
         IEEE=x.dtype == torch.float32,
         UPCAST=DOT_UPCAST,
@@ -441,11 +470,7 @@ def _route_launch(
         COUNT_T=SORT_COUNT_T,
         BLOCK_M=block_m or 16,
         BLOCK_Q=_SORT_BLOCK_Q,
-        num_warps=8,
-        num_stages=3,
-        **triton_runtime.launch_options(),
     )
-    return ids, weights, pairs
 
 
 def router_block_k(num_experts: int) -> int:
@@ -574,6 +599,47 @@ def _sort_counts(
 
 
 @triton.jit
+def _expert_rows_base(
+    ids_ptr,
+    T,
+    blk,
+    n_blocks,
+    hit,
+    experts,
+    slot,
+    smask,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """[BT, E]: the sorted row of each token's first pair with expert e: the expert's first row
+    (counts of every block), plus the earlier blocks' and this block's earlier tokens' pairs."""
+    per_tok = tl.sum(hit, axis=1)  # [BT, E]
+    counts = tl.sum(per_tok, axis=0)
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    if n_blocks > 1:
+        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
+        counts += c
+    row_off = tl.cumsum(counts, 0) - counts
+    return (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
+
+
+@triton.jit
+def _slot_ranks(ids, slot, smask):
+    """([BT, KP] earlier slots of the token with the same expert, [BT, KP] the slot's rank by
+    expert id within its token)."""
+    other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
+    valid = smask[None, None, :]
+    earlier = slot[None, None, :] < slot[None, :, None]
+    same = (other == ids[:, :, None]) & valid & earlier
+    ties = tl.sum(same.to(tl.int32), axis=2)
+    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + tl.sum(same.to(tl.int32), axis=2)
+    return ties, rank
+
+
+@triton.jit
 def _sort_token_block(
     ids_ptr,
     w_ptr,
@@ -599,24 +665,33 @@ def _sort_token_block(
     ids = tl.load(ids_ptr + flat, mask=m, other=-1, cache_modifier=CACHE).to(tl.int32)
     gam = tl.load(w_ptr + flat, mask=m, other=0.0, cache_modifier=CACHE)
     hit = (ids[:, :, None] == experts[None, None, :]).to(tl.int32)  # [BT, KP, E]
-    per_tok = tl.sum(hit, axis=1)  # [BT, E]
-    counts = tl.sum(per_tok, axis=0)
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    if n_blocks > 1:
-        c, seen = _sort_counts(ids_ptr, T, blk * BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
-        counts += c
-    row_off = tl.cumsum(counts, 0) - counts
-    base = (row_off + seen)[None, :] + tl.cumsum(per_tok, 0) - per_tok
-    dest = tl.sum(hit * base[:, None, :], axis=2)  # [BT, KP]
-    other = ids[:, None, :]  # [BT, 1, KP]: slot s' against slot s on axis 1
-    valid = smask[None, None, :]
-    earlier = slot[None, None, :] < slot[None, :, None]
-    same = (other == ids[:, :, None]) & valid & earlier
-    dest += tl.sum(same.to(tl.int32), axis=2)
-    rank = tl.sum(((other < ids[:, :, None]) & valid).to(tl.int32), axis=2) + tl.sum(same.to(tl.int32), axis=2)
+    base = _expert_rows_base(
+        ids_ptr, T, blk, n_blocks, hit, experts, slot, smask, TOP_K, E_PAD, BLOCK_T, COUNT_T, CACHE
+    )
+    ties, rank = _slot_ranks(ids, slot, smask)
+    dest = tl.sum(hit * base[:, None, :], axis=2) + ties  # [BT, KP]
     tl.store(rows_ptr + dest, tok[:, None] + slot[None, :] * 0, mask=m)
     tl.store(gamma_ptr + dest, gam, mask=m)
     tl.store(pos_ptr + tok[:, None] * TOP_K + rank, dest, mask=m)
+
+
+@triton.jit
+def _tile_bounds(counts, q, E, experts, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of schedule tiles q ([BQ]) from the per-expert pair counts:
+    each expert's rows in BLOCK_M tiles, experts in order; tiles past the last are empty."""
+    row_off = tl.cumsum(counts, 0) - counts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
+    total = tl.sum(tiles, axis=0)
+    ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
+    ex = tl.minimum(ex, E - 1)
+    sel = experts[None, :] == ex[:, None]  # [BQ, E]
+    first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
+    roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
+    cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+    start = roff + (q - first) * BLOCK_M
+    end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+    return ex, start, end
 
 
 @triton.jit
@@ -642,19 +717,8 @@ def _sort_tile_block(
 ):
     """Tiles qb * BLOCK_Q .. + BLOCK_Q - 1 of the grouped GEMM's schedule."""
     counts, _ = _sort_counts(ids_ptr, T, -BLOCK_T, experts, slot, smask, TOP_K, BLOCK_T, COUNT_T, E_PAD, CACHE)
-    row_off = tl.cumsum(counts, 0) - counts
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)  # one past each expert's last tile
-    total = tl.sum(tiles, axis=0)
     q = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    ex = tl.sum((tile_end[None, :] <= q[:, None]).to(tl.int32), axis=1)
-    ex = tl.minimum(ex, E - 1)
-    sel = experts[None, :] == ex[:, None]  # [BQ, E]
-    first = tl.sum(tl.where(sel, (tile_end - tiles)[None, :], 0), axis=1)
-    roff = tl.sum(tl.where(sel, row_off[None, :], 0), axis=1)
-    cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-    start = roff + (q - first) * BLOCK_M
-    end = tl.where(q < total, tl.minimum(start + BLOCK_M, roff + cnt), start)
+    ex, start, end = _tile_bounds(counts, q, E, experts, BLOCK_M)
     qm = q < max_tiles
     tl.store(t_exp_ptr + q, ex, mask=qm)
     tl.store(t_start_ptr + q, start, mask=qm)
@@ -745,23 +809,34 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block
     """Sort the (token, slot) pairs of ids [T, k] (distinct experts per token, as `route`
     gives) by expert; no host sync. One launch up to SORT_KERNEL_MAX_TOKENS tokens (a program
     per 16-token block and per 64 tiles)."""
+    if ids.shape[0] > SORT_KERNEL_MAX_TOKENS:
+        return _sort_pairs_torch(ids, weights, num_experts, block_m)
+    return _sort_pairs_launch(ids, weights, num_experts, block_m)
+
+
+def _sort_pairs_torch(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """`sort_pairs` past SORT_KERNEL_MAX_TOKENS: a stable argsort by expert (no host read-back)."""
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     device = ids.device
-    max_tiles = _max_tiles(num_pairs, num_experts, block_m)
-    if num_tokens > SORT_KERNEL_MAX_TOKENS:
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-        rows = (order // top_k).to(torch.int32)
-        gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read-back (CUDA graphs)
-        schedule = dense.grouped_schedule(counts, num_pairs, block_m)
-        position = torch.empty_like(order)
-        position[order] = torch.arange(num_pairs, device=device)
-        pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
-        return SortedPairs(rows, gamma, schedule, pos.contiguous())
-    out = _empty_pairs(num_tokens, top_k, num_experts, block_m, device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    rows = (order // top_k).to(torch.int32)
+    gamma = weights.reshape(-1)[order].to(torch.float32).contiguous()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host read-back (CUDA graphs)
+    schedule = dense.grouped_schedule(counts, num_pairs, block_m)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(num_pairs, device=device)
+    pos = position.reshape(num_tokens, top_k).sort(dim=-1).values.to(torch.int32)
+    return SortedPairs(rows, gamma, schedule, pos.contiguous())
+
+
+def _sort_pairs_launch(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """`sort_pairs` in one launch: a program per 16-token block and per 64 tiles."""
+    num_tokens, top_k = ids.shape
+    max_tiles = _max_tiles(num_tokens * top_k, num_experts, block_m)
+    out = _empty_pairs(num_tokens, top_k, num_experts, block_m, ids.device)
     sched = out.schedule
     n_blocks = triton.cdiv(num_tokens, _SORT_BLOCK_T)
     _sort_pairs_kernel[(n_blocks + triton.cdiv(max_tiles, _SORT_BLOCK_Q),)](
@@ -903,6 +978,12 @@ def _expert_rows(
         return grouped_large.expert_gemms(
             x, pairs.rows, pairs.gamma, pairs.schedule, experts.w1, experts.w3, experts.w2, limit, cfg=m.large
         ), pairs.pos
+    return _grouped_expert_rows(x, pairs, experts, limit, tuned), pairs.pos
+
+
+def _grouped_expert_rows(x: torch.Tensor, pairs: SortedPairs, experts: ExpertSet, limit: float, tuned) -> torch.Tensor:
+    """The two split-K grouped GEMMs (dense.grouped_gemm) over the sorted pairs' schedule."""
+    num_pairs = pairs.rows.shape[0]
     h = torch.empty(num_pairs, experts.w1.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(
         x,
@@ -917,7 +998,7 @@ def _expert_rows(
     )
     y = torch.empty(num_pairs, experts.w2.out_dim, dtype=x.dtype, device=x.device)
     dense.grouped_gemm(h, experts.w2, pairs.schedule, y, cfg=tuned.dense)
-    return y, pairs.pos
+    return y
 
 
 def routed_experts(
@@ -982,15 +1063,25 @@ def moe_quantized(
     triton_runtime.check_device(x)
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    presorted = None
+    gate = (gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+    ids, weights, presorted = _route_for(x, gate, experts, tuned)
+    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
+    return _add_shared(x, y, pos, shared, limit, tuned)
+
+
+def _route_for(x: torch.Tensor, gate: tuple, experts: ExpertSet, tuned: KernelConfigs):
+    """(ids, weights, presorted pairs or None): with fused_gate, one launch that also sorts the
+    pairs for the expert path's tiles; else `route`."""
+    gate_weight, bias, top_k, routed_scale, gate_temp, normalize = gate
     if tuned.moe.fused_gate and x.shape[0] <= tuned.moe.fused_gate_max_tokens:  # one launch
         _, block_m = expert_path(x.shape[0], x.shape[0] * top_k, experts, x.dtype, tuned)
-        ids, weights, presorted = route_sorted(
-            x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned
-        )
-    else:
-        ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
-    y, pos = _expert_rows(x, ids, weights, experts, limit, presorted, tuned)
+        return route_sorted(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize, block_m, tuned=tuned)
+    ids, weights = route(x, gate_weight, bias, top_k, routed_scale, gate_temp, normalize)
+    return ids, weights, None
+
+
+def _add_shared(x: torch.Tensor, y, pos, shared: ExpertSet | None, limit: float, tuned: KernelConfigs) -> torch.Tensor:
+    """The routed sum plus the shared expert(s), rounded to x.dtype once."""
     shared_y = [
         dense_experts(x, _one_expert(shared, e), limit, None, tuned.dense)
         for e in range(shared.num_experts if shared is not None else 0)

@@ -212,24 +212,58 @@ def _kv_write_kernel(
     OUT_VALUES (MXFP4 only): store the dequantised values (exact in BF16) in row n of the
     values-shaped `pool` instead of a record (the fake quant, no record round trip)."""
     token = tl.program_id(0)
+    dst = _dest_row(rows_ptr, token, OUT_VALUES)
+    src = values_ptr + token.to(tl.int64) * stride_v
+    a, b, pair = _load_pairs(
+        src, cos_ptr, sin_ptr, (token // rope_div).to(tl.int64) * stride_cs, D, BLOCK, ROPE_PAIRS, ROUND_BF16
+    )
+    _store_record(pool_ptr + dst * stride_p, pair, a, b, dst >= 0, D, BLOCK, FMT, AMAX_FLOOR, OUT_VALUES)
+
+
+@triton.jit
+def _dest_row(rows_ptr, token, OUT_VALUES: tl.constexpr):
+    """The pool row token writes: rows[token] (-1: none), or the token's own row (OUT_VALUES)."""
     if OUT_VALUES:
         dst = token.to(tl.int64)
     else:
         dst = tl.load(rows_ptr + token).to(tl.int64)
-    live = dst >= 0
+    return dst
+
+
+@triton.jit
+def _load_pairs(
+    src, cos_ptr, sin_ptr, cs, D: tl.constexpr, BLOCK: tl.constexpr, ROPE_PAIRS: tl.constexpr, ROUND_BF16: tl.constexpr
+):
+    """(a, b, pair): channels (2*pair, 2*pair + 1) of one value row as FP32 [NB, BLOCK/2]
+    (NB = D / BLOCK scale blocks), rotated by RoPE row `cs` when ROPE_PAIRS > 0."""
     NB: tl.constexpr = D // BLOCK
     HALF: tl.constexpr = BLOCK // 2
     blk = tl.arange(0, NB)[:, None]  # [NB, 1]
     j = tl.arange(0, HALF)[None, :]  # [1, HALF]
     pair = blk * HALF + j  # [NB, HALF]: channels (2*pair, 2*pair + 1)
-    src = values_ptr + token.to(tl.int64) * stride_v + 2 * pair
-    a = tl.load(src).to(tl.float32)
-    b = tl.load(src + 1).to(tl.float32)
+    a = tl.load(src + 2 * pair).to(tl.float32)
+    b = tl.load(src + 2 * pair + 1).to(tl.float32)
     if ROPE_PAIRS > 0:
-        cs = (token // rope_div).to(tl.int64) * stride_cs
         a, b = _rope_pairs(a, b, cos_ptr + cs, sin_ptr + cs, pair, ROPE_PAIRS, D // 2, ROUND_BF16)
+    return a, b, pair
+
+
+@triton.jit
+def _store_record(
+    rec,
+    pair,
+    a,
+    b,
+    live,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    OUT_VALUES: tl.constexpr,
+):
+    """The record of FMT at `rec` (nothing where not live), from per-block amax scales."""
+    NB: tl.constexpr = D // BLOCK
     amax = tl.maximum(tl.max(tl.maximum(tl.abs(a), tl.abs(b)), axis=1), AMAX_FLOOR)  # [NB]
-    rec = pool_ptr + dst * stride_p
     if FMT == 0:  # window FP8: pow2ceil(amax / 448) scale, E4M3 codes
         sbyte = pow2ceil_biased(amax * (1.0 / 448.0))
         inv = exp2i(127 - sbyte)[:, None]  # 1/scale, exact power of two
@@ -243,18 +277,24 @@ def _kv_write_kernel(
         hi = e2m1_encode(tl.math.div_rn(b, scale))
         tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
         tl.store(rec + D // 2 + tl.arange(0, NB), sbyte, mask=live)
-    else:  # MXFP4: pow2ceil(amax / 6) scale
-        sbyte = pow2ceil_biased(amax * (1.0 / 6.0))
-        inv = exp2i(127 - sbyte)[:, None]
-        lo = e2m1_encode(a * inv)
-        hi = e2m1_encode(b * inv)
-        if OUT_VALUES:  # code * 2^(sbyte - 127): exact in FP32 and in BF16
-            scale = e8m0_decode(sbyte)[:, None]
-            tl.store(rec + 2 * pair, (e2m1_decode(lo) * scale).to(pool_ptr.dtype.element_ty))
-            tl.store(rec + 2 * pair + 1, (e2m1_decode(hi) * scale).to(pool_ptr.dtype.element_ty))
-        else:
-            tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
-            tl.store(rec + D // 2 + tl.arange(0, NB), sbyte.to(tl.uint8), mask=live)
+    else:
+        _store_mxfp4(rec, pair, a, b, amax, live, D, NB, OUT_VALUES)
+
+
+@triton.jit
+def _store_mxfp4(rec, pair, a, b, amax, live, D: tl.constexpr, NB: tl.constexpr, OUT_VALUES: tl.constexpr):
+    """MXFP4: pow2ceil(amax / 6) scale; OUT_VALUES: the dequantised values instead of a record."""
+    sbyte = pow2ceil_biased(amax * (1.0 / 6.0))
+    inv = exp2i(127 - sbyte)[:, None]
+    lo = e2m1_encode(a * inv)
+    hi = e2m1_encode(b * inv)
+    if OUT_VALUES:  # code * 2^(sbyte - 127): exact in FP32 and in BF16
+        scale = e8m0_decode(sbyte)[:, None]
+        tl.store(rec + 2 * pair, (e2m1_decode(lo) * scale).to(rec.dtype.element_ty))
+        tl.store(rec + 2 * pair + 1, (e2m1_decode(hi) * scale).to(rec.dtype.element_ty))
+    else:
+        tl.store(rec + pair, (lo | (hi << 4)).to(tl.uint8), mask=live)
+        tl.store(rec + D // 2 + tl.arange(0, NB), sbyte.to(tl.uint8), mask=live)
 
 
 # ============================================================================ public API
@@ -327,7 +367,15 @@ def write_unchecked(
     if num_tokens == 0:
         return
     cos, sin, rope_pairs = _rope_tables(rope, values)
-    _kv_write_kernel[(num_tokens,)](
+    _launch_kv_write(fmt, values, rows, pool, (cos, sin, rope_pairs), heads=1, out_values=False)
+
+
+def _launch_kv_write(fmt: int, values, rows, pool, rope: tuple, heads: int, out_values: bool) -> None:
+    """One program per value row: records into pool[rows] (out_values: the fake-quantised values
+    into `pool` row by row; `rows` unused). rope: (cos, sin, pairs), heads rows per table row."""
+    cos, sin, rope_pairs = rope
+    dim = values.shape[1]
+    _kv_write_kernel[(values.shape[0],)](
         values,
         values.stride(0),
         rows,
@@ -336,14 +384,14 @@ def write_unchecked(
         cos,
         sin,
         cos.stride(0),
-        1,
+        heads,
         D=dim,
         BLOCK=_BLOCK[fmt],
         FMT=fmt,
         AMAX_FLOOR=_AMAX_FLOOR[fmt],
         ROPE_PAIRS=rope_pairs,
         ROUND_BF16=values.dtype == torch.bfloat16,
-        OUT_VALUES=False,
+        OUT_VALUES=out_values,
         num_warps=1 if dim <= 128 else 4,
         **triton_runtime.launch_options(),
     )
@@ -363,6 +411,13 @@ def rope_fake_quant_mxfp4(
     out = torch.empty(num_rows, dim, dtype=values.dtype, device=values.device)
     if num_rows == 0:
         return out
+    _check_query_rope(rope, num_rows, heads, dim)
+    cos, sin = rope[0].contiguous(), rope[1].contiguous()
+    _launch_kv_write(FMT_MXFP4, values, out, out, (cos, sin, cos.shape[1]), heads=heads, out_values=True)
+    return out
+
+
+def _check_query_rope(rope: tuple[torch.Tensor, torch.Tensor], num_rows: int, heads: int, dim: int) -> None:
     cos, sin = rope
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] * heads != num_rows:
         raise ValueError(
@@ -370,28 +425,6 @@ def rope_fake_quant_mxfp4(
         )
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or 2 * cos.shape[1] > dim:
         raise ValueError("rope tables must be FP32 and cover at most D channels")
-    cos, sin = cos.contiguous(), sin.contiguous()
-    _kv_write_kernel[(num_rows,)](
-        values,
-        values.stride(0),
-        out,
-        out,
-        out.stride(0),
-        cos,
-        sin,
-        cos.stride(0),
-        heads,
-        D=dim,
-        BLOCK=ref.MXFP4_BLOCK,
-        FMT=FMT_MXFP4,
-        AMAX_FLOOR=_AMAX_FLOOR[FMT_MXFP4],
-        ROPE_PAIRS=cos.shape[1],
-        ROUND_BF16=values.dtype == torch.bfloat16,
-        OUT_VALUES=True,
-        num_warps=1 if dim <= 128 else 4,
-        **triton_runtime.launch_options(),
-    )
-    return out
 
 
 def _check_write_args(fmt: int, values: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor) -> None:
