@@ -65,14 +65,14 @@ def test_after_warm_up_hits_turns_and_decodes_at_new_classes_build_no_graph(mode
         widths = {k[5] for k in graphs._graphs}
         assert len(widths) == len(CLASSES)  # every class's tables
         built = graphs.num_builds
-        # a session whose turns cross class 160 -> 320: prefix hits (replay + turn), a decode
-        # crossing the boundary, then a turn of every turn bucket at the new class
-        history = _prompt(150, 1)
-        history += _generate(engine, "s0", history, 12) + _prompt(3, 2)  # decode 150 -> 162
-        history += _generate(engine, "s1", history, 2)  # a hit at 256: replay + 3-row turn
+        # a decode crossing class 160 -> 320, a cold prompt caching 256 tokens, then prefix hits
+        # on it (replay + turn at class 320, whose graphs only the siblings built) with a turn
+        # of every turn bucket
+        assert len(_generate(engine, "s0", _prompt(150, 1), 12)) == 12  # decode 150 -> 162
+        cached = _prompt(300, 2)
+        _generate(engine, "s1", cached, 1)
         for i, n in enumerate(b for b in decode_graph.BUCKETS if 2 <= b <= w):
-            history = history[: len(history) // 128 * 128] + _prompt(n, 10 + i)
-            _generate(engine, f"t{i}", history, 1)
+            assert len(_generate(engine, f"t{i}", cached[:256] + _prompt(n, 10 + i), 2)) == 2
         assert graphs.num_builds == built and graphs.graph_misses == 0
         assert engine.graph_counters()["graph_builds"] == built
     finally:
