@@ -3,6 +3,7 @@
     python -m flashpd.bench.gpu_engine --out bench/results/h200           (GPU, `bench` preset)
     python -m flashpd.bench.gpu_engine --preset tiny --smoke              (CPU, interpreter)
     python -m flashpd.bench.gpu_engine --summary --out bench/results/h200 (+ summary.json)
+    python -m flashpd.bench.gpu_engine --first-hit --out bench/results/h200  (no stall at a new shape)
 
 Unlike bench/gpu_floor.py, which times kernel compositions outside the engine, every figure here
 goes through the engine's scheduler, KV cache manager (prefix hits, block tables), runner and
@@ -17,6 +18,9 @@ the KV pools packed on the device:
            then the wall time of engine.step() with all B decoding (sampling and the
            logits' device-to-host copy included); B = 1, 8, 64
     first  (--summary) a fresh process's first request: load done -> its first token
+    hit    (--first-hit) after the load-time warm-up (every graph up to max_model_len): per
+           context, the first and second prefix hit at a width the engine has not served yet,
+           and the graphs captured on the request path (must be 0); decode at 8K
     host   decode ms/step the host is busy (the step's wall time minus the time it waits for
            the device's sampled ids): with async scheduling it overlaps the device's forward
     floor  decode: bytes of active weights + KV read per step / measured copy bandwidth
@@ -45,6 +49,7 @@ from flashpd.bench.compile_watch import CompileWatch
 from flashpd.engine.gpu.loading import random_gpu_model
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.warmup import WarmupPlan
 from flashpd.engine.warmup import warm_up as warm_engine
 from flashpd.model.presets import preset_config
 
@@ -296,6 +301,101 @@ def first_request(engine: LLMEngine, plan: dict, vocab: int, log) -> tuple[float
     return ms, detail
 
 
+FIRST_HIT_CONTEXTS = {"bench": (8192, 32768), "smoke": (256,)}
+FIRST_HIT_MAX_LEN = {"bench": 65536, "smoke": 1024}
+
+
+def _graph_counts(engine: LLMEngine) -> dict:
+    return engine.graph_counters() or {"graph_captures": 0, "graph_builds": 0, "graph_misses": 0}
+
+
+def first_hits(engine: LLMEngine, contexts, plan: dict, vocab: int, log) -> list[dict]:
+    """Per context L: a cold L-token prompt, then two prefix hits on it with new 64-token turns
+    (the first at a key width this process has not served: its bounded replay and turn take
+    the graphs the warm-up captured), with the graphs captured and eager misses on the way."""
+    rows = []
+    for i, length in enumerate(contexts):
+        prompt = _prompt(length, 600 + i, vocab)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        before = _graph_counts(engine)
+        engine.add_request(f"fh_cold{i}", prompt, params)
+        cold_ms = _until_first_token(engine, f"fh_cold{i}")
+        _finish(engine, [f"fh_cold{i}"])
+        hits = []
+        for j in range(2):
+            rid = f"fh_hit{i}_{j}"
+            engine.add_request(rid, prompt + _prompt(plan["turn"], 700 + 10 * i + j, vocab), params)
+            hits.append(_until_first_token(engine, rid))
+            _finish(engine, [rid])
+        after = _graph_counts(engine)
+        row = {
+            "context": length,
+            "cold_ttft_ms": cold_ms,
+            "first_hit_ms": hits[0],
+            "second_hit_ms": hits[1],
+            "request_path_captures": after["graph_captures"] - before["graph_captures"],
+            "request_path_builds": after["graph_builds"] - before["graph_builds"],
+            "graph_misses": after["graph_misses"] - before["graph_misses"],
+        }
+        log(
+            f"L={length}: first hit {hits[0]:.0f} ms, second hit {hits[1]:.0f} ms (cold {cold_ms:.0f} ms); "
+            f"request-path captures {row['request_path_captures']}, builds {row['request_path_builds']}, "
+            f"eager misses {row['graph_misses']}"
+        )
+        rows.append(row)
+    return rows
+
+
+def first_hit_main(args, plan: dict, cfg, model, build_s: float, log) -> dict:
+    """--first-hit: an engine with max_model_len, warmed at load (every graph up to it), then
+    `first_hits` at 8K and 32K and decode at 8K, B = 1/8/64."""
+    key = "smoke" if args.smoke else "bench"
+    contexts = FIRST_HIT_CONTEXTS[key]
+    max_len = args.max_model_len or FIRST_HIT_MAX_LEN[key]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            dtype="bfloat16",
+            device=device,
+            num_blocks=2 * max(contexts) // 128 + 64,
+            num_slots=max(plan["batches"]) + 4,
+            max_num_batched_tokens=plan["chunk"],
+            max_num_seqs=max(plan["batches"]),
+            model_id=f"flashpd-{args.preset}",
+            max_model_len=max_len,
+            graph_width_ratio=args.graph_width_ratio,
+        ),
+    )
+    # the smoke run: a short plan (the interpreter); the GPU: the load-time default plan
+    wplan = WarmupPlan(long_tokens=136, short_tokens=128, batches=(1, 2)) if args.smoke else None
+    done = warm_engine(engine, wplan)
+    log(
+        f"warm-up: {done['seconds']:.1f} s, {done['requests']} requests, {done['graph_captures']} graph captures "
+        f"({done['graph_builds']} built), classes {done['graph_classes']}"
+    )
+    hits = first_hits(engine, contexts, plan, cfg.vocab_size, log)
+    before = _graph_counts(engine)
+    decode_rows = decode(engine, dict(plan, decode_steps=min(plan["decode_steps"], 8)), cfg.vocab_size, log)
+    after = _graph_counts(engine)
+    decode_captures = after["graph_captures"] - before["graph_captures"]
+    decode_misses = after["graph_misses"] - before["graph_misses"]
+    log(f"decode: request-path captures {decode_captures}, eager misses {decode_misses}")
+    return {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "build_s": build_s,
+        "max_model_len": max_len,
+        "graph_width_ratio": args.graph_width_ratio,
+        "warmup": done,
+        "first_hits": hits,
+        "decode": decode_rows,
+        "decode_request_path_captures": decode_captures,
+        "decode_graph_misses": decode_misses,
+        "counters": _graph_counts(engine),
+    }
+
+
 def watched(name: str, payload: dict, log, fn, *args, **kwargs):
     """fn(*args, **kwargs), with the Triton compiles it made under payload["compiles"][name]."""
     with CompileWatch() as watch:
@@ -418,6 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-warmup", action="store_true", help="warm the engine as load_engine does (always with --summary)"
     )
+    ap.add_argument(
+        "--first-hit",
+        action="store_true",
+        help="warm-up captures, first/second prefix hit at a new width (8K, 32K), decode at 8K",
+    )
+    ap.add_argument(
+        "--max-model-len", type=int, default=None, help="with --first-hit: the context limit (default 65,536)"
+    )
+    ap.add_argument("--graph-width-ratio", type=int, default=2, help="with --first-hit: EngineConfig.graph_width_ratio")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD)")
     args = ap.parse_args(argv)
     plan = PLANS["smoke" if args.smoke else args.preset]
@@ -428,6 +537,18 @@ def main(argv: list[str] | None = None) -> int:
     _sync()
     build_s = time.perf_counter() - t0
     print(f"model built in {build_s:.1f} s", flush=True)
+    if args.first_hit:
+        t0 = time.perf_counter()
+        payload = first_hit_main(args, plan, cfg, model, build_s, lambda m: print(m, flush=True))
+        payload["seconds_after_build"] = time.perf_counter() - t0
+        payload["command"] = "python -m flashpd.bench.gpu_engine " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(json.dumps({k: payload[k] for k in ("first_hits", "decode_request_path_captures")}, indent=1))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            name = "first_hit" if not args.smoke else "first_hit_smoke"
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0
     blocks = 2 * max(plan["contexts"]) // 128 + 64
     slots = max(plan["batches"]) + 4
     engine = LLMEngine(

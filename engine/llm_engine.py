@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flashpd.engine.gpu.decode_graph import width_classes
 from flashpd.engine.grammar import GrammarBackend, GrammarError
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
@@ -91,13 +92,12 @@ class EngineConfig:
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
     # The longest context served (None: unbounded here, the router enforces its own limit).
     max_model_len: int | None = None
-    # With decode graphs: replays and turns of contexts up to this many tokens take key tables
-    # this wide (one graph per row bucket for all of them, captured at warm-up; None: widths
-    # step by 1,024 key entries, a capture per new width). Off by default: on the H200 stack
-    # at 139,264 tokens the decode side's 128-row replay of an 8K prompt went 134 -> 388 ms
-    # (every layer scores the whole padded table) and the first hit at a new width stayed
-    # ~1 s (bench/results/h200_stack/report.md).
-    graph_width_tokens: int | None = None
+    # With decode graphs: key tables sized to context classes growing by this ratio from 4,096
+    # tokens up to the context limit (max_model_len, else the model's positions), every class
+    # captured at warm-up so a step at a new width captures nothing on the request path
+    # (engine/gpu/decode_graph.py says why 2); 0: widths step by 1,024 key entries, a capture
+    # per new width (a missing graph after warm-up then runs eagerly).
+    graph_width_ratio: int = 2
     # speculative decoding (engine/speculative.py): None = off; a dict is parsed strictly
     speculative: SpeculativeConfig | None = None
 
@@ -113,9 +113,16 @@ class EngineConfig:
         for name in ("num_blocks", "num_slots", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "graph_width_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if (
+            not isinstance(self.graph_width_ratio, int)
+            or self.graph_width_ratio == 1
+            or not 0 <= self.graph_width_ratio <= 16
+        ):
+            raise ValueError(
+                f"graph_width_ratio must be 0 (linear width steps) or 2..16, got {self.graph_width_ratio!r}"
+            )
 
 
 @dataclass
@@ -182,11 +189,9 @@ class LLMEngine:
         self.model, self.config = model, config
         cfg = model.cfg
         graphs = getattr(model, "graphs", None)  # the GPU model's decode graphs
-        if graphs is not None and config.graph_width_tokens is not None:  # engines may share
-            graphs.turn_width_tokens = max(
-                graphs.turn_width_tokens,  # a model
-                config.graph_width_tokens,
-            )
+        if graphs is not None and config.graph_width_ratio:  # engines may share a model
+            limit = config.max_model_len or cfg.max_position_embeddings
+            graphs.add_width_classes(width_classes(limit, config.graph_width_ratio))
         self.replay_tokens = cfg.sliding_window if config.swa_bounded_replay else exact_replay_rows(cfg)
         self.kv = KVCacheManager(
             config.num_blocks,
@@ -754,6 +759,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ views
     def usage(self) -> dict[str, int]:
         return dict(self.kv.usage(), running=self.scheduler.num_running, waiting=self.scheduler.num_waiting)
+
+    def graph_counters(self) -> dict[str, int | float]:
+        """The decode graphs' counters (captures, builds, eager misses after the warm-up,
+        seconds building); {} without graphs."""
+        graphs = getattr(self.model, "graphs", None)
+        return graphs.counters() if graphs is not None else {}
 
     def drain_cache_events(self):
         return self.kv.drain_events()

@@ -21,8 +21,14 @@ it, none on the first request (bench/results/h200/first_request.md).
                           hit with a turn of each turn-graph bucket (2 .. W rows)
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
 
+plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role). Each
+graph built is also built at every other context class holding its context (`DecodeGraphs`
+width classes), so the short prompt's shapes give every class's decode, replay and turn
+graphs; at the end the engine's graph set is frozen (`DecodeGraphs.freeze`): a step whose
+graph is still missing runs eagerly (counted) instead of capturing on the request path.
+
 then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
-and forgets their records. Returns what it ran (counts and seconds).
+and forgets their records. Returns what it ran (counts, graphs built and seconds).
 """
 
 from __future__ import annotations
@@ -89,17 +95,25 @@ def warm_up(engine, plan: WarmupPlan | None = None) -> dict:
     "long_tokens", "batches"}."""
     plan = default_plan(engine) if plan is None else plan
     run = _Run(engine, plan)
+    graphs = getattr(engine.model, "graphs", None)
+    before = graphs.counters() if graphs is not None else {}
     t0 = time.perf_counter()
     try:
         run.go()
     finally:
         run.clean()
+    if graphs is not None:  # the set is complete: no capture on the request path from now on
+        graphs.freeze(engine.pools)
+    after = graphs.counters() if graphs is not None else {}
     return {
         "requests": run.count,
         "steps": run.steps,
         "seconds": time.perf_counter() - t0,
         "long_tokens": plan.long_tokens,
         "batches": list(plan.batches),
+        "graph_builds": after.get("graph_builds", 0) - before.get("graph_builds", 0),
+        "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
+        "graph_classes": list(graphs.width_classes) if graphs is not None else [],
     }
 
 
@@ -126,14 +140,17 @@ class _Run:
         if aligned and self.role != "decode":  # an aligned prompt of other tokens (no hit)
             burst_base = self.ids[64 : 64 + aligned]
             self.prompt(burst_base)
+        short = self.ids[-p.short_tokens :]
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
             self.prompt(self.ids[: p.long_tokens] + [11, 12, 13])
             self.prompt(self.ids[p.long_tokens - p.short_tokens : p.long_tokens])
+            self.turns(short)  # every class's replay and turn graphs (short: every class holds it)
             return
-        for base in (burst_base, self.ids[-p.short_tokens :]):  # long and short contexts
+        for base in (burst_base, short):  # long and short contexts
             self.decode_batches(base)
         self.burst(burst_base)
         self.turns(burst_base)
+        self.turns(short)
 
     def decode_batches(self, base: list[int]) -> None:
         """Sequences sharing the prompt `base` (prefix hits after the first), added up to each
@@ -158,9 +175,8 @@ class _Run:
 
     def turns(self, base: list[int]) -> None:
         """A prefix hit on `base` then a turn of each turn-graph bucket (2, 3, 5, ... rows:
-        every bucket up to W), one sequence at a time. With width-agnostic replay and turn
-        graphs (`EngineConfig.graph_width_tokens`) these are every shape a hit takes at any
-        context, so none is captured on the request path."""
+        every bucket up to W), one sequence at a time: with the graphs' context classes these
+        are every shape a hit takes at any context, so none is captured on the request path."""
         w = self.engine.model.cfg.sliding_window
         for i, n in enumerate([2] + [b // 2 + 1 for b in BUCKETS if 4 <= b <= w]):
             self.prompt(base + _turn(1000 + i, n))

@@ -232,12 +232,13 @@ class AppArgs(_Strict):
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
-    graph_width_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="GPU: replays and turns of contexts up to this many tokens share "
-        "one key-table width (no capture at a new width; every such replay scores the whole "
-        "width); default: widths step by 1,024 key entries",
+    graph_width_ratio: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="GPU: key tables sized to context classes growing by this ratio from "
+        "4,096 tokens to the context limit, all captured at warm-up (no capture at a new "
+        "width); 0: widths step by 1,024 key entries (1 is refused)",
     )
     kv_lease_s: float = Field(
         30.0,
@@ -269,6 +270,12 @@ class AppArgs(_Strict):
 
         if random_source(self.checkpoint) is not None and self.device != "cuda":
             raise ValueError("checkpoint random:<preset> needs device 'cuda' (the weights are generated on the GPU)")
+        return self
+
+    @model_validator(mode="after")
+    def _width_ratio(self) -> AppArgs:
+        if self.graph_width_ratio == 1:
+            raise ValueError("graph_width_ratio must be 0 (linear width steps) or 2..16, got 1")
         return self
 
     @model_validator(mode="after")
@@ -345,7 +352,7 @@ class AppArgs(_Strict):
             kv_format=self.kv_format,
             async_scheduling=self.async_scheduling,
             max_model_len=self.max_model_len,
-            graph_width_tokens=self.graph_width_tokens,
+            graph_width_ratio=self.graph_width_ratio,
             speculative=spec,
         )
 

@@ -4,9 +4,9 @@ A graph captures `GpuModel.compute` itself (the one forward, model/model.py) ove
 whose tensors are static buffers. Per call:
 
     host    `GpuModel.prepare` builds the step on the host (padded to the batch bucket,
-            key-table widths rounded up to a multiple of KEY_WIDTH_STEP) and moves it in one
-            host-to-device copy; the graph captured for that shape (on first use) has its
-            static buffers laid out the same way in one device buffer, refilled by one copy
+            key tables as wide as the step's context *class* needs, see below) and moves it in
+            one host-to-device copy; the graph captured for that shape has its static buffers
+            laid out the same way in one device buffer, refilled by one copy
     graph   the key-row tables expanded from the block table, the forward -> logits [bucket, V]
     after   `GpuModel.commit`: window records scratch -> ring, new open rows, the books
 
@@ -24,7 +24,25 @@ pools is a function of the buffers alone (scratch rows, entry rows), so the warm
 capture may repeat it; the writes that would not be idempotent (ring copies, open rows) happen
 in the commit. Padding rows read nothing and write only scratch rows.
 
-`capture=False` runs the same path eagerly (the Triton interpreter on a CPU).
+Width classes. A graph's key tables have one width per context *class*: the smallest of
+`width_classes` (tokens: WIDTH_CLASS_BASE_TOKENS x ratio^k, the last one the context limit) at
+least the step's context, so a class holds every context up to it and a limit of 139,264
+tokens is 7 classes at ratio 2 (4K .. 128K, 136K). Ratio 2 bounds the padding at 2x the
+context; the padding costs a -inf store per padded column and the key-row expansion (the
+indexer kernels stop at each row's visible count), under a millisecond at 128K, while each
+class multiplies the graphs to capture at load (ratio 4: 4 classes, up to 4x padding). Without
+classes (`graph_width_ratio` 0) widths step by KEY_WIDTH_STEP entries: a capture per new width.
+
+Whenever a decode, replay or turn graph is built, the same step is also prepared and built at
+every other class that holds its context (`_siblings`: same buffers, the forward is idempotent
+over the pools), so the warm-up, which runs each shape once, leaves a graph for every shape at
+every class. `freeze(pools)` (the end of the warm-up) closes the set for those pools: from then
+on a decode, replay or turn step whose graph is missing runs eagerly (`graph_misses`, logged
+once per key) instead of capturing on the request path; verify graphs stay lazy (captured on
+first use: their key also holds the sequence and row counts, too many to warm).
+
+`capture=False` runs the same path eagerly (the Triton interpreter on a CPU); `num_builds`
+counts the graphs built either way.
 """
 
 from __future__ import annotations
@@ -47,6 +65,8 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KEY_WIDTH_STEP = 1024  # key-row tables are padded to a multiple of this (fewer captures)
+WIDTH_CLASS_BASE_TOKENS = 4096  # the smallest context class (1,024 ratio-4 entries)
+DEFAULT_WIDTH_RATIO = 2  # context classes grow by this factor (see the module docstring)
 MAX_VERIFY_ROWS = 17  # anchor + up to 16 drafts (SpeculativeConfig.num_tokens <= 16)
 TURNS_ENV = "FLASHPD_GRAPH_TURNS"  # 0: turns (<= W rows) run eagerly (the A/B baseline)
 
@@ -63,24 +83,60 @@ def graph_turns_from_env(environ: Mapping[str, str] | None = None) -> bool:
 log = logging.getLogger(__name__)
 
 
+def width_classes(limit_tokens: int, ratio: int, base_tokens: int = WIDTH_CLASS_BASE_TOKENS) -> tuple[int, ...]:
+    """Context classes in tokens: base, base*ratio, ... below limit_tokens, then limit_tokens
+    itself; () for ratio 0 (linear width steps)."""
+    if ratio == 0:
+        return ()
+    if ratio < 2 or limit_tokens < 1 or base_tokens < 1:
+        raise ValueError(f"width classes need ratio 0 or >= 2 and positive sizes, got {ratio}, {limit_tokens}")
+    out, c = [], base_tokens
+    while c < limit_tokens:
+        out.append(c)
+        c *= ratio
+    return (*out, limit_tokens)
+
+
 class DecodeGraphs:
     def __init__(self, model: GpuModel, capture: bool | None = None):
         self.model, self.cfg = model, model.cfg
         self.capture = torch.cuda.is_available() if capture is None else capture
         self._graphs: dict[tuple, tuple[object, Step]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.num_captures = 0
+        self.num_captures = 0  # CUDA graphs captured
+        self.num_builds = 0  # graphs built (captured, or with capture=False their static buffers)
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
+        self.graph_misses = 0  # decode/replay/turn steps run eagerly after freeze: no graph
+        self._missed: set[tuple] = set()
+        self._frozen: set[tuple] = set()  # pools_key of the pools whose graph set is closed
         self._failed_turns = False
         self._failed_verify = False
         self.num_verify_replays = 0
         self.turns = graph_turns_from_env()
-        # Replays and turns (one sequence, <= W rows: a prefix hit's or a pushed prompt's first
-        # step) get key tables as wide as this context needs, whatever theirs: one graph per
-        # row bucket for every context up to it, captured at warm-up, so a hit at a new
-        # context width captures nothing on the request path (0: widths step by
-        # KEY_WIDTH_STEP, a capture per new width). Set by the engine (`graph_width_tokens`).
-        self.turn_width_tokens = 0
+        # context classes (tokens, ascending; () = linear width steps): set by the engines
+        # over this model (`add_width_classes`, EngineConfig.graph_width_ratio)
+        self.width_classes: tuple[int, ...] = ()
+
+    def add_width_classes(self, classes: Sequence[int]) -> None:
+        """Engines over one model may have different limits: the union of their classes."""
+        self.width_classes = tuple(sorted(set(self.width_classes) | set(classes)))
+
+    def width_class(self, context_tokens: int) -> int:
+        """The smallest class holding `context_tokens` (0: none, a linear width step)."""
+        return next((c for c in self.width_classes if c >= context_tokens), 0)
+
+    def freeze(self, pools) -> None:
+        """Close the graph set of `pools` (after the warm-up): a missing decode, replay or turn
+        graph then runs eagerly instead of capturing on the request path."""
+        self._frozen.add(pools_key(pools))
+
+    def counters(self) -> dict[str, int | float]:
+        return {
+            "graph_captures": self.num_captures,
+            "graph_builds": self.num_builds,
+            "graph_misses": self.graph_misses,
+            "graph_capture_s": round(self.capture_s, 3),
+        }
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
@@ -172,44 +228,21 @@ class DecodeGraphs:
             rows = token_ids.shape[0]  # MoE reads); the key holds the sequence count anyway
         else:
             rows = seqs[0].num_tokens
-        fixed = 0 if decode or verify else self.turn_width_tokens
-        step = model.prepare(
-            token_ids,
-            seqs,
-            pad_to=rows,
-            key_width_step=KEY_WIDTH_STEP,
-            pad_logits=decode or verify,
-            key_width_tokens=fixed,
-        )
-        tables = step.tables
-        key = (
-            decode,
-            turn,
-            rows,
-            tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
-            tables.window_spec.shape[0],
-            tuple(sorted(tables.key_width.items())),
-            pools_key(tables.pools),
-        )
-        if verify:  # every input's shape: sequences and rows vary within one row bucket
-            key += ("verify", len(seqs), tuple(tuple(t.shape) for t in step.tensors()))
+        shape = (decode, turn, verify, rows)
+        context = max(inp.start_pos + inp.num_tokens for inp in seqs)
+        step = self._prepare(token_ids, seqs, shape, self.width_class(context))
+        key = self._key(step, shape, seqs)
         if key not in self._graphs:
-            t0 = time.perf_counter()
-            try:
-                self._graphs[key] = self._build(step, check=verify)
-            except Exception:  # noqa: BLE001 - a turn or verify that cannot be captured runs eagerly
-                if not (turn or verify):
-                    raise
-                kind = "turn" if turn else "verify"
-                log.exception("%s graph capture failed; %ss run eagerly from now on", kind, kind)
-                if turn:
-                    self._failed_turns = True
-                else:
-                    self._failed_verify = True
+            if not verify and key[-1] in self._frozen:  # closed set: no capture on the request path
+                self._miss(key, "turn" if turn else "decode" if decode else "replay")
                 step = model.prepare(token_ids, seqs)
                 return self._eager(step, feed), step
-            finally:
-                self.capture_s += time.perf_counter() - t0
+            built = self._build_or_fall_back(step, key, shape)
+            if not built:
+                step = model.prepare(token_ids, seqs)
+                return self._eager(step, feed), step
+            if not verify:
+                self._siblings(token_ids, seqs, shape, context)
         graph, static, nbytes = self._graphs[key]
         if verify:
             self.num_verify_replays += 1
@@ -228,6 +261,81 @@ class DecodeGraphs:
         step.outputs = static.outputs
         model.commit(step)
         return step.split_logits(logits), step
+
+    def _prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], shape: tuple, width_class: int) -> Step:
+        decode, _, verify, rows = shape
+        return self.model.prepare(
+            token_ids,
+            seqs,
+            pad_to=rows,
+            key_width_step=KEY_WIDTH_STEP,
+            pad_logits=decode or verify,
+            key_width_tokens=width_class,
+        )
+
+    def _key(self, step: Step, shape: tuple, seqs: Sequence[SeqInput]) -> tuple:
+        """What a graph is recorded against: the step's shape and table layout, the key-table
+        widths and (last) the pools."""
+        decode, turn, verify, rows = shape
+        tables = step.tables
+        key = (
+            decode,
+            turn,
+            rows,
+            tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
+            tables.window_spec.shape[0],
+            tuple(sorted(tables.key_width.items())),
+        )
+        if verify:  # every input's shape: sequences and rows vary within one row bucket
+            key += ("verify", len(seqs), tuple(tuple(t.shape) for t in step.tensors()))
+        return (*key, pools_key(tables.pools))
+
+    def _build_or_fall_back(self, step: Step, key: tuple, shape: tuple) -> bool:
+        """Build the graph of `key`; False when a turn or verify cannot be captured (logged;
+        that kind runs eagerly from then on)."""
+        _, turn, verify, _ = shape
+        t0 = time.perf_counter()
+        try:
+            self._graphs[key] = self._build(step, check=verify)
+        except Exception:  # noqa: BLE001 - a turn or verify that cannot be captured runs eagerly
+            if not (turn or verify):
+                raise
+            kind = "turn" if turn else "verify"
+            log.exception("%s graph capture failed; %ss run eagerly from now on", kind, kind)
+            if turn:
+                self._failed_turns = True
+            else:
+                self._failed_verify = True
+            return False
+        finally:
+            self.capture_s += time.perf_counter() - t0
+        return True
+
+    def _siblings(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], shape: tuple, context: int) -> None:
+        """The step just built, prepared and built at every other class holding its context
+        (before the step's commit: the same pool contents, the same writes)."""
+        for c in self.width_classes:
+            if c < context:
+                continue
+            step = self._prepare(token_ids, seqs, shape, c)
+            other = self._key(step, shape, seqs)
+            if other not in self._graphs and other[-1] not in self._frozen:
+                t0 = time.perf_counter()
+                try:
+                    self._graphs[other] = self._build(step)
+                finally:
+                    self.capture_s += time.perf_counter() - t0
+
+    def _miss(self, key: tuple, kind: str) -> None:
+        self.graph_misses += 1
+        if key not in self._missed:
+            self._missed.add(key)
+            log.warning(
+                "no %s graph for %d rows, key widths %s after warm-up: running it eagerly (no capture on the request path)",
+                kind,
+                key[2],
+                dict(key[5]),
+            )
 
     def _eager(self, step: Step, feed: TokenFeed | None) -> list[torch.Tensor | None]:
         """The forward of a prepared step without a graph (as `Model.forward_taps`)."""
@@ -258,6 +366,7 @@ class DecodeGraphs:
         else:
             static.buffer = None
             static.set_tensors([t.clone() for t in inputs])
+        self.num_builds += 1
         if not self.capture:
             return None, static, nbytes
         model = self.model

@@ -515,7 +515,7 @@ class GpuModel(Model):
             scores = ix.index_scores_paged(q, head_w, pool, key_rows, seq_of, n_visible, weight_scale=scale)
             if spec.is_candidate_source:
                 blocks = ix.candidate_blocks(scores, n_visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-            rows_out = ix.select_topk(scores, cfg.index_topk, pool_rows=(key_rows, seq_of))
+            rows_out = ix.select_topk(scores, cfg.index_topk, pool_rows=(key_rows, seq_of), n_visible=n_visible)
         if blocks is not None:
             step.outputs[("candidates", spec.layer_id)] = (rows, blocks)
         step.outputs[("topk", spec.layer_id)] = (rows, rows_out)

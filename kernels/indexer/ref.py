@@ -86,12 +86,18 @@ def select_topk(
     k: int,
     allowed: torch.Tensor | None = None,
     pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    n_visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
     `allowed` [T, N] (the candidate mask) sets every other entry to -inf first. pool_rows =
     (key_rows [B, N], seq_of [T]) (paged scores): the entries' pool rows instead, int32.
+    n_visible [T]: row t's scores from column n_visible[t] on are -inf (the Triton kernel does
+    not read them; here they are masked, the same selection).
     """
+    if n_visible is not None:
+        cols = torch.arange(scores.shape[1], device=scores.device)
+        scores = scores.masked_fill(cols[None, :] >= n_visible[:, None], NEG_INF)
     if pool_rows is not None:
         return to_pool_rows(select_topk(scores, k, allowed), *pool_rows)
     if allowed is not None:

@@ -127,26 +127,33 @@ def _score_kernel(
     if PAGED:
         seq = tl.load(seq_ptr + t).to(tl.int64)
         n_vis = tl.where((seq >= 0) & (seq < NUM_SEQS), tl.minimum(n_vis, N_KEYS), 0)
+    # contiguous columns past the row's visible count score -inf without reading anything (a
+    # padded key table costs a store per column, not a key tile: work follows n_vis, not N)
+    n_live = N_COLS if SPARSE else n_vis
     for tile in range(TILES):
-        col = (tl.program_id(1) * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = (tl.program_id(1) * TILES + tile) * BLOCK_N
+        col = first + tl.arange(0, BLOCK_N)
         cmask = col < N_COLS
-        if SPARSE:  # column c -> entry blocks[t, c // bs] * bs + c % bs
-            blk = tl.load(blocks_ptr + t * NB_LIST + col // BLOCK_SIZE, mask=cmask, other=-1)
-            j = blk * BLOCK_SIZE + col % BLOCK_SIZE
-            jmask = cmask & (blk >= 0)
-        else:
-            j = col
-            jmask = cmask
-        jmask = jmask & (j < n_vis)
-        if PAGED:  # sequence-local entry j -> pool row
-            row = tl.load(rows_ptr + seq * N_KEYS + j, mask=jmask, other=-1)
-            jmask = jmask & (row >= 0) & (row < NUM_ROWS)
-        else:
-            row = j
-        keys = _key_tile(keys_ptr, stride_k, row, jmask, DI, PACKED, q_ptr.dtype.element_ty)
-        dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
-        score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
-        tl.store(out_ptr + t * N_COLS + col, tl.where(jmask, score, float("-inf")), mask=cmask)
+        out = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        if first < n_live:
+            if SPARSE:  # column c -> entry blocks[t, c // bs] * bs + c % bs
+                blk = tl.load(blocks_ptr + t * NB_LIST + col // BLOCK_SIZE, mask=cmask, other=-1)
+                j = blk * BLOCK_SIZE + col % BLOCK_SIZE
+                jmask = cmask & (blk >= 0)
+            else:
+                j = col
+                jmask = cmask
+            jmask = jmask & (j < n_vis)
+            if PAGED:  # sequence-local entry j -> pool row
+                row = tl.load(rows_ptr + seq * N_KEYS + j, mask=jmask, other=-1)
+                jmask = jmask & (row >= 0) & (row < NUM_ROWS)
+            else:
+                row = j
+            keys = _key_tile(keys_ptr, stride_k, row, jmask, DI, PACKED, q_ptr.dtype.element_ty)
+            dots = mma(q, tl.trans(keys), tl.zeros((H_PAD, BLOCK_N), dtype=tl.float32), IEEE, UPCAST)
+            score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [BN]
+            out = tl.where(jmask, score, float("-inf"))
+        tl.store(out_ptr + t * N_COLS + col, out, mask=cmask)
 
 
 def _scores(
@@ -319,10 +326,14 @@ def _topk_kernel(
     seq_ptr,
     N_KEYS,
     NUM_SEQS,
+    nvis_ptr,
+    NV_DIV,
+    NV_MUL,
     HAS_ALLOWED: tl.constexpr,
     MAP_BLOCKS: tl.constexpr,
     MAP_ROWS: tl.constexpr,
     SCORES_OUT: tl.constexpr,
+    HAS_NVIS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Program (row, slice): the top K of columns [slice * SLICE, (slice + 1) * SLICE) of the
@@ -330,10 +341,15 @@ def _topk_kernel(
     blocks[row, col // BLOCK_SIZE] * BLOCK_SIZE + col % BLOCK_SIZE instead of the column;
     MAP_ROWS: emit rows[seq_of[row], entry] (the pool row of the entry, -1 if none) in the
     output's dtype instead of the entry id; SCORES_OUT: also store the emitted scores (-inf
-    in the padding), the survivors a second stage selects from."""
+    in the padding), the survivors a second stage selects from. HAS_NVIS: columns from
+    cdiv(nvis[row], NV_DIV) * NV_MUL on are -inf and not read (a padded row's work follows its
+    visible count; the selection is the same: -inf is never selected)."""
     row = tl.program_id(0).to(tl.int64)
     base = tl.program_id(1).to(tl.int64) * SLICE
     n_here = tl.minimum(N - base, SLICE)
+    if HAS_NVIS:
+        live = (tl.load(nvis_ptr + row).to(tl.int64) + NV_DIV - 1) // NV_DIV * NV_MUL
+        n_here = tl.maximum(tl.minimum(n_here, live - base), 0)
     s_row = s_ptr + row * N + base
     allowed_row = allowed_ptr + row * N + base
     out_row = (row * tl.num_programs(1) + tl.program_id(1)) * K
@@ -417,11 +433,13 @@ def _topk(
     blocks: torch.Tensor | None = None,
     block_size: int = 1,
     pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    n_visible: torch.Tensor | None = None,
     *,
     cfg: IndexerConfig,
 ) -> torch.Tensor:
     """Entry ids [T, k] int64; pool_rows = (key_rows [B, N], seq_of [T]): their pool rows,
-    int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel.
+    int32 (key_rows[seq_of[t], id], -1 padded) straight from the kernel; n_visible [T]: the
+    scores of row t from column n_visible[t] on are -inf (not read).
 
     Two stages (`topk_slice`) are exact, ties included: an entry dropped inside its slice is
     preceded there by k entries that also precede it in the row (higher score, or equal score
@@ -435,13 +453,16 @@ def _topk(
     allowed = allowed.contiguous().view(torch.uint8) if allowed is not None else None
     blocks = blocks.contiguous() if blocks is not None else None
     piece = topk_slice(num_q, n_cols, k, cfg)
+    nvis = None if n_visible is None else (n_visible.contiguous(), 1, 1)
     if piece:  # stage 1: top-k of each slice (entry ids + scores), then top-k of those
         slices = -(-n_cols // piece)
         ids = torch.empty(num_q, slices * k, dtype=torch.int64, device=scores.device)
         kept = torch.empty(num_q, slices * k, dtype=torch.float32, device=scores.device)
-        _launch_topk(s, allowed, blocks, block_size, None, ids, kept, k, piece, slices)
+        _launch_topk(s, allowed, blocks, block_size, None, ids, kept, k, piece, slices, nvis)
         s, allowed, blocks, block_size = kept, None, ids, 1
-    _launch_topk(s, allowed, blocks, block_size, pool_rows, out, None, k, s.shape[1], 1)
+        if nvis is not None:  # the slices from cdiv(n_visible, piece) on kept nothing
+            nvis = (nvis[0], piece, k)
+    _launch_topk(s, allowed, blocks, block_size, pool_rows, out, None, k, s.shape[1], 1, nvis)
     return out
 
 
@@ -456,7 +477,10 @@ def _launch_topk(
     k: int,
     piece: int,
     slices: int,
+    nvis: tuple[torch.Tensor, int, int] | None = None,
 ) -> None:
+    """nvis = (n_visible [T], div, mul): row t's columns from cdiv(n_visible[t], div) * mul on
+    are -inf (not read)."""
     num_q, n_cols = s.shape
     rows_arg, seq_arg = (x.contiguous() for x in pool_rows) if pool_rows is not None else (s, s)
     _topk_kernel[(num_q, slices)](
@@ -474,10 +498,14 @@ def _launch_topk(
         seq_arg,
         rows_arg.shape[1] if pool_rows is not None else 0,
         rows_arg.shape[0] if pool_rows is not None else 0,
+        nvis[0] if nvis is not None else s,
+        nvis[1] if nvis is not None else 1,
+        nvis[2] if nvis is not None else 1,
         HAS_ALLOWED=allowed is not None,
         MAP_BLOCKS=blocks is not None,
         MAP_ROWS=pool_rows is not None,
         SCORES_OUT=kept is not None,
+        HAS_NVIS=nvis is not None,
         CHUNK=topk_chunk(piece),
         num_warps=8,
     )
@@ -497,20 +525,26 @@ def select_topk(
     k: int,
     allowed: torch.Tensor | None = None,
     pool_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    n_visible: torch.Tensor | None = None,
     *,
     tuned: KernelConfigs = DEFAULT,
 ) -> torch.Tensor:
     """scores [T, N] (-inf = not selectable) -> entry ids [T, k], ascending, -1 padded (§5.5).
 
     pool_rows = (key_rows [B, N], seq_of [T]) (paged scores): the selected entries' pool rows
-    key_rows[seq_of[t], id] instead, int32, -1 padded (one launch, no gather after it)."""
+    key_rows[seq_of[t], id] instead, int32, -1 padded (one launch, no gather after it).
+    n_visible [T] (optional): row t's scores from column n_visible[t] on are -inf (as the
+    scoring kernels leave them) and are not read: a row's work follows its visible count, not
+    the (padded) width N."""
     if scores.ndim != 2:
         raise ValueError(f"scores must be [T, N], got {tuple(scores.shape)}")
     if allowed is not None and (allowed.shape != scores.shape or allowed.dtype != torch.bool):
         raise ValueError("allowed must be a bool mask shaped like scores")
     triton_runtime.check_device(scores)
     _check_pool_rows(pool_rows, scores.shape)
-    return _topk(scores, k, allowed, pool_rows=pool_rows, cfg=tuned.indexer)
+    if n_visible is not None and n_visible.shape != scores.shape[:1]:
+        raise ValueError(f"n_visible must be [{scores.shape[0]}], got {tuple(n_visible.shape)}")
+    return _topk(scores, k, allowed, pool_rows=pool_rows, n_visible=n_visible, cfg=tuned.indexer)
 
 
 # ============================================================================ candidates
@@ -667,6 +701,7 @@ def index_topk_sparse_paged(
             ),
             k,
             pool_rows=rows,
+            n_visible=n_visible,
             cfg=tuned.indexer,
         )
     scores = _scores(

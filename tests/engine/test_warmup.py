@@ -48,8 +48,8 @@ def test_colocated_warm_up_runs_every_bucket_and_changes_no_output(model_f32, as
     steps_before = engine.num_steps
     done = warm_up(engine, PLAN)
     # a long prompt, then per context 1 + 1 + 2 sequences (buckets 1, 2, 4), then 4 at once,
-    # then a hit + turn per turn-graph bucket (2 .. W rows)
-    assert done["requests"] == 1 + 2 * 4 + 4 + TURNS and done["batches"] == [1, 2, 4]
+    # then a hit + turn per turn-graph bucket (2 .. W rows) on the long and the short prompt
+    assert done["requests"] == 1 + 2 * 4 + 4 + 2 * TURNS and done["batches"] == [1, 2, 4]
     assert done["steps"] >= engine.num_steps - steps_before > 2 * 3 * PLAN.decode_steps
     _assert_clean(engine, before)
     assert engine.kv.lookup(list(range(10, 400))).hit_tokens == 0
@@ -80,7 +80,7 @@ def test_decode_role_warm_up_admits_as_the_router_does(model_f32):
     engine = _engine(model_f32, role="decode")
     before = engine.kv.usage()
     done = warm_up(engine, PLAN)
-    assert done["requests"] == 13 + TURNS
+    assert done["requests"] == 13 + 2 * TURNS
     _assert_clean(engine, before)
 
 
@@ -88,7 +88,7 @@ def test_prefill_role_warm_up_runs_prompts_only(model_f32):
     engine = _engine(model_f32, role="prefill")
     before = engine.kv.usage()
     done = warm_up(engine, PLAN)
-    assert done["requests"] == 3 and done["batches"] == [1, 2, 4]
+    assert done["requests"] == 3 + TURNS and done["batches"] == [1, 2, 4]
     _assert_clean(engine, before)
 
 
@@ -121,7 +121,7 @@ def test_a_long_prompt_past_512_adds_an_aligned_prompt_of_other_tokens(model_f32
     engine = _engine(model_f32, role="prefill")
     before = engine.kv.usage()
     done = warm_up(engine, dataclasses.replace(PLAN, long_tokens=600))
-    assert done["requests"] == 4  # long, aligned (512 tokens), hit + turn, short
+    assert done["requests"] == 4 + TURNS  # long, aligned (512 tokens), hit + turn, short, turns
     _assert_clean(engine, before)
 
 
@@ -144,4 +144,4 @@ def test_at_load_the_switch_skips_it(model_f32, monkeypatch):
     monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "0")
     assert warm_up_at_load(engine, PLAN) is None and engine.num_steps == 0
     monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "1")
-    assert warm_up_at_load(engine, PLAN)["requests"] == 13 + TURNS and engine.num_steps > 0
+    assert warm_up_at_load(engine, PLAN)["requests"] == 13 + 2 * TURNS and engine.num_steps > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpd.kernels import configs
 from flashpd.kernels.indexer import ref as iref
 from flashpd.kernels.indexer import triton as it
 from flashpd.kernels.quant import ref as qref
@@ -211,3 +212,47 @@ def test_bad_candidate_blocks_raise_naming_the_argument(impl):
         impl.index_topk_sparse_paged(
             q, w, pool, key_rows, seq_of, n_vis, torch.zeros(q.shape[0], 3, dtype=torch.int64), 0, 5
         )
+
+
+def _widen(key_rows: torch.Tensor, width: int) -> torch.Tensor:
+    """key_rows padded with -1 columns to `width` (a key table sized to a larger context class)."""
+    wide = torch.full((key_rows.shape[0], width), -1, dtype=key_rows.dtype)
+    wide[:, : key_rows.shape[1]] = key_rows
+    return wide
+
+
+@pytest.mark.parametrize("split_q", [0, 16])  # one pass, and two stages over slices of 32
+def test_a_wide_padded_key_table_selects_what_the_tight_one_does(split_q):
+    """Padding a key table to a wider class changes no score of a real entry nor any
+    selection: the scoring kernel skips tiles past a row's visible count (-inf, nothing read)
+    and the top-k with n_visible stops scanning there, in one pass and in two stages."""
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=8)
+    wide_rows = _widen(key_rows, 8 * WIDTH + 5)  # tiles and slices wholly past every count
+    tuned = configs.override(configs.DEFAULT, indexer={"topk_split_q": split_q, "topk_min_slice": 32})
+    tight = it.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis)
+    wide = it.index_scores_paged(q, w, pool, wide_rows, seq_of, n_vis)
+    assert torch.equal(wide[:, :WIDTH], tight) and (wide[:, WIDTH:] == NEG).all()
+    k = 6
+    want = it.select_topk(tight, k, pool_rows=(key_rows, seq_of), tuned=tuned)
+    got = it.select_topk(wide, k, pool_rows=(wide_rows, seq_of), n_visible=n_vis, tuned=tuned)
+    assert torch.equal(got, want) and torch.equal(got, iref.select_topk(tight, k, pool_rows=(key_rows, seq_of)))
+    assert torch.equal(iref.select_topk(wide, k, pool_rows=(wide_rows, seq_of), n_visible=n_vis), want)
+    blocks = torch.full((q.shape[0], 64), -1, dtype=torch.int64)  # every block: the all-entries path
+    tight_sparse = it.index_topk_sparse_paged(q, w, pool, key_rows, seq_of, n_vis, blocks, 4, k, tuned=tuned)
+    wide_sparse = it.index_topk_sparse_paged(q, w, pool, wide_rows, seq_of, n_vis, blocks, 4, k, tuned=tuned)
+    assert torch.equal(wide_sparse, tight_sparse)
+
+
+def test_topk_with_n_visible_reads_nothing_past_the_count():
+    """Columns from n_visible[t] on are not read: finite garbage there changes nothing."""
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randint(0, 5, (3, 300), generator=g).float()
+    n_vis = torch.tensor([300, 37, 0], dtype=torch.int32)
+    clean = scores.clone()
+    clean[1, 37:] = NEG
+    clean[2] = NEG
+    for split_q in (0, 16):
+        tuned = configs.override(configs.DEFAULT, indexer={"topk_split_q": split_q, "topk_min_slice": 32})
+        got = it.select_topk(scores, 8, n_visible=n_vis, tuned=tuned)
+        assert torch.equal(got, it.select_topk(clean, 8, tuned=tuned))
+        assert torch.equal(got, iref.select_topk(scores, 8, n_visible=n_vis))

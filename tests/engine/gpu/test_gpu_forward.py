@@ -370,7 +370,7 @@ def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
         if warm:
             done = warm_up(engine, WarmupPlan(long_tokens=40, short_tokens=12, batches=(1, 2)))
             turns = 1 + sum(1 for b in BUCKETS if 4 <= b <= gpu.cfg.sliding_window)
-            assert done["requests"] == 7 + turns and gpu.graphs.num_captures >= 2
+            assert done["requests"] == 7 + 2 * turns and gpu.graphs.num_captures >= 2
             assert engine.kv.usage()["blocks_cached"] == 0 and not engine.has_unfinished()
         for k in range(2):
             engine.add_request(f"r{k}", _prompt(11 + k, 60 + k), params)
@@ -385,7 +385,7 @@ def test_engine_warm_up_on_the_gpu_path_leaves_outputs_unchanged(models):
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="interpreted kernels: minutes; runs on the GPU")
 def test_hits_at_new_context_widths_capture_no_replay_or_turn_graph_after_warm_up(models):
-    """With graph_width_tokens, replays and turns take key tables as wide as that context needs:
+    """Replays and turns take key tables as wide as their context class (4,096 tokens here):
     the warm-up captures them once, and a session whose later turns cross key-width steps
     (ratio-2 entries past 1,024, then 2,048) captures no replay or turn graph on its hits."""
     from flashpd.engine.llm_engine import EngineConfig, LLMEngine
@@ -396,9 +396,7 @@ def test_hits_at_new_context_widths_capture_no_replay_or_turn_graph_after_warm_u
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     gpu.graphs = DecodeGraphs(gpu)
     try:
-        engine = LLMEngine(
-            gpu, EngineConfig(num_blocks=96, num_slots=4, dtype="bfloat16", device=DEVICE, graph_width_tokens=6144)
-        )
+        engine = LLMEngine(gpu, EngineConfig(num_blocks=96, num_slots=4, dtype="bfloat16", device=DEVICE))
         warm_up(engine, WarmupPlan(long_tokens=300, short_tokens=12, batches=(1,)))
         hit_keys = {k for k in gpu.graphs._graphs if not k[0]}  # replays and turns
         assert hit_keys
