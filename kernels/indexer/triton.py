@@ -348,8 +348,8 @@ def _topk_kernel(
     base = tl.program_id(1).to(tl.int64) * SLICE
     n_here = tl.minimum(N - base, SLICE)
     if HAS_NVIS:
-        live = (tl.load(nvis_ptr + row).to(tl.int64) + NV_DIV - 1) // NV_DIV * NV_MUL
-        n_here = tl.maximum(tl.minimum(n_here, live - base), 0)
+        n_cols = (tl.load(nvis_ptr + row).to(tl.int64) + NV_DIV - 1) // NV_DIV * NV_MUL
+        n_here = tl.maximum(tl.minimum(n_here, n_cols - base), 0)
     s_row = s_ptr + row * N + base
     allowed_row = allowed_ptr + row * N + base
     out_row = (row * tl.num_programs(1) + tl.program_id(1)) * K
