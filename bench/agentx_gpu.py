@@ -228,14 +228,16 @@ def _write_sweep(a: argparse.Namespace, record: dict) -> None:
 def device_command(name: str) -> str:
     """What goes into one device call for configuration `name` (run in the checkout's root, $OUT
     comes back): the GPU's memory noted (a previous call's leftovers show there), the bundle
-    installed and the stack swept by scripts/gpu_stack.sh, the log tail printed, the Serve
-    replicas' logs kept."""
+    installed and the stack swept by scripts/gpu_stack.sh into /tmp, the sweep tarred into $OUT
+    every 15 s and at the end (the device returns no nested result folders, and a call cut at
+    its limit keeps what the last tar held), the log tail printed."""
     return (
         f"END=$(( $(date +%s) + {CALL_BUDGET_S} )); "
         f'nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu_before_{name}.csv" 2>&1; '
+        f'(while sleep 15; do tar czf "$OUT/agentx_{name}.tgz" -C /tmp agentx_h200 2>/dev/null; done) & '
         f'bash scripts/gpu_stack.sh agentx sweep --config "$PWD/{CONFIGS[name]}" '
-        f'--name {name} --out "$OUT/agentx_h200" --end-unix "$END" > "$OUT/agentx_{name}.log" 2>&1; rc=$?; '
-        f'cp -r /tmp/ray/session_latest/logs/serve "$OUT/serve_logs_{name}" 2>/dev/null; '
+        f'--name {name} --out /tmp/agentx_h200 --end-unix "$END" > "$OUT/agentx_{name}.log" 2>&1; rc=$?; '
+        f'tar czf "$OUT/agentx_{name}.tgz" -C /tmp agentx_h200; '
         f'tail -n 60 "$OUT/agentx_{name}.log"; exit $rc'
     )
 

@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 
 METHODS = ("ngram", "dspark")
 BENCH_ENV = "FLASHPD_BENCH_FORCED_ACCEPTANCE"
-# Provisional: the batch size above which a step does not speculate. The H200 crossover is
-# measured by bench/spec_decode.py (issue 26); users report DSpark in vLLM paying only at
-# concurrency 1-3 on B200 (dspark.md §8). 8 is the issue's second target point.
-DEFAULT_MAX_BATCH = 8
+# The batch size above which a step does not speculate, from the H200 crossover (bench preset,
+# 8K context, k = 5, forced acceptance 3.51, bench/results/h200/spec_summary.json at 92abfc8):
+# total tok/s speculative / plain 1.70x at B = 1, 1.42x at 8, 1.11x at 16, 0.75x at 32, 0.58x at
+# 64. Speculation pays through 16 and loses from 32 (each verify row reads MoE experts of its own).
+DEFAULT_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@
 # (xgrammar, apache-tvm-ffi, the openai client) go in when those are missing.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if ! python3 -c "import ray, redis, nixl" 2>/dev/null && [ -f "$REPO/.gpu_stack/install.sh" ]; then
-    . "$REPO/.gpu_stack/install.sh"
+if ! (cd /tmp && python3 -c "import ray, redis, nixl") 2>/dev/null && [ -f "$REPO/.gpu_stack/install.sh" ]; then
+    . "$REPO/.gpu_stack/install.sh" "$REPO/.gpu_stack"  # (its $1 is the folder: not our arguments)
 fi
 if ! (cd /tmp && python3 -c "import flashpd.services.gpu_stack, flashpd_sdk") 2>/dev/null; then
     SITE=${FLASHPD_SITE:-/tmp/flashpd-site}
