@@ -358,7 +358,8 @@ def first_hit_main(args, plan: dict, cfg, model, build_s: float, log) -> dict:
         EngineConfig(
             dtype="bfloat16",
             device=device,
-            num_blocks=2 * max(contexts) // 128 + 64,
+            # the contexts twice over, and one decode sequence's 10,000-token budget (`decode`)
+            num_blocks=max(2 * max(contexts), plan["decode_context"] + 10_016) // 128 + 64,
             num_slots=max(plan["batches"]) + 4,
             max_num_batched_tokens=plan["chunk"],
             max_num_seqs=max(plan["batches"]),

@@ -33,3 +33,14 @@ def test_worker_config_carries_the_queue_limit_and_retry_hint(tmp_path):
 def test_negative_queue_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="max_queued_requests"):
         RoleArgs(max_queued_requests=-1)
+
+
+def test_graph_width_ratio_is_validated_and_reaches_the_engine_config(tmp_path):
+    base = {"checkpoint": str(tmp_path), "redis_url": "redis://127.0.0.1:1"}
+    assert AppArgs(**base).worker_config("decode").engine.graph_width_ratio == 2
+    assert AppArgs(**base, graph_width_ratio=4).worker_config("prefill").engine.graph_width_ratio == 4
+    for bad in (1, -1, 17):
+        with pytest.raises(ValueError, match="graph_width_ratio"):
+            AppArgs(**base, graph_width_ratio=bad)
+    with pytest.raises(ValueError, match="graph_width_tokens"):  # the old name is refused, not ignored
+        AppArgs(**base, graph_width_tokens=8192)
