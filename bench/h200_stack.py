@@ -423,15 +423,44 @@ def phase_agentx(stack, out: str, deadline: float) -> dict:
     return done
 
 
-async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: int) -> dict:
+async def http_request(client, model, ids, max_tokens, rec: Rec | None = None):
+    """The OpenAI completions route over plain httpx, the body serialised by json.dumps: the
+    server's HTTP path without the official client's own request building (which costs
+    ~350 ms for an 8K-id prompt on a 2-core VM: bench/results/client_overhead_cpu.md)."""
+    rec = rec or Rec()
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0}
+    body.update(stream=True, ignore_eos=True)
+    try:
+        async with client.stream("POST", "/v1/completions", content=json.dumps(body).encode()) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        rec.add(1)
+    except Exception as e:  # noqa: BLE001 - recorded as the client's error
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
+def _client(stack, kind: str):
+    if kind == "sdk":
+        from flashpd_sdk import AsyncClient
+
+        return AsyncClient(stack.grpc_target)
+    if kind == "http":
+        import httpx
+
+        return httpx.AsyncClient(base_url=stack.http_url, timeout=600)
     from openai import AsyncOpenAI
 
-    from flashpd_sdk import AsyncClient
+    return AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
 
-    if kind == "sdk":
-        client = AsyncClient(stack.grpc_target)
-    else:
-        client = AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
+
+async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: int) -> dict:
+    """kind: "openai" (the official client), "sdk" (gRPC) or "http" (plain httpx, same route)."""
+    client = _client(stack, kind)
     queue = list(range(requests))
     recs: list[Rec] = []
 
@@ -441,6 +470,8 @@ async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: i
             ids = prompt_ids(CLIENT_PROMPT, seed + i)
             if kind == "sdk":
                 rec = await sdk_request(client, ids, CLIENT_TOKENS)
+            elif kind == "http":
+                rec = await http_request(client, stack.model_id, ids, CLIENT_TOKENS)
             else:
                 rec = await openai_request(client, stack.model_id, ids, CLIENT_TOKENS)
             recs.append(rec)
@@ -448,7 +479,7 @@ async def run_clients(stack, kind: str, concurrency: int, requests: int, seed: i
     t0 = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    await client.close()
+    await (client.aclose() if kind == "http" else client.close())
     rows = [r.row() for r in recs]
     ok = [r for r in rows if r["error"] is None and r["ttft_ms"] is not None]
     gaps = [g for r in ok for g in r["gaps_ms"]]
@@ -580,6 +611,8 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
                         ),
                     )
                 )
+        # the HTTP route without the openai client's request building, at concurrency 1 (TTFT)
+        phases.append(("http_c1", lambda: run_clients(stack, "http", 1, CONCURRENCY[1], 21500)))
         phases.append(("itl_b8", lambda: phase_itl_b8(stack)))
         phases.append(("faults", lambda: phase_faults(stack, deadline)))
         for name, make in phases:
@@ -644,6 +677,8 @@ def summary(out: str, commit: str) -> dict:
         and all(isinstance(g, dict) and g.get("colocated_identical") for g in greedy.values()),
         "itl_ms_p50_batch8_isolated": (res.get("itl_b8") or {}).get("itl_ms_p50"),
         "ttft_ms_p50": {str(c): clients[c].get("ttft_ms_p50") for c in CONCURRENCY},
+        # the same HTTP route from plain httpx (no openai-client request building), concurrency 1
+        "ttft_ms_p50_http_raw_c1": (res.get("http_c1") or {}).get("ttft_ms_p50"),
         "itl_ms_p50": {str(c): clients[c].get("itl_ms_p50") for c in CONCURRENCY},
         "engine_step_ms": {str(b): (ref.get("engine_step_ms") or {}).get(str(b)) for b in (1, 8)},
         "requests": sum(r.get("requests", 0) for r in all_runs),
