@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused indexer attn measure final wave tests roofline" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer attn measure final wave tests reference roofline" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -121,6 +121,14 @@ FLASHPD_BENCH_FORCED_ACCEPTANCE=1 timeout $(( $(left) - 3 )) python -m flashpd.b
     --commit "$FLASHPD_COMMIT" --out "$OUT/spec.json" 2>&1 | grep -v "^ " | tail -20
 fi
 if has tests; then gpu_tests 2; fi
+if has reference; then  # the P/D greedy reference for the stack bench (needs xgrammar: .whl carried)
+echo "== P/D greedy reference ($(left) s left)"
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    pip install -q --no-index --no-deps --no-compile --target "$D-wheels" "$REPO"/.whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$D-wheels"
+fi
+timeout $(( $(left) - 3 )) python -m flashpd.bench.h200_stack --out "$OUT" --phase reference 2>&1 | tail -5
+fi
 if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
 echo "== kernel roofline ($(left) s left)"
 timeout $(( $(left) - 5 )) python -m flashpd.bench.kernel_roofline --out "$OUT" \
