@@ -87,6 +87,7 @@ def make_engine(
     spec: SpeculativeConfig | None,
     new_tokens: int = 256,
     dspark=None,
+    graph_width_ratio: int = 2,
 ) -> LLMEngine:
     blocks = (batch + 2) * (-(-(context + 16 + new_tokens) // 128)) + 16
     return LLMEngine(
@@ -99,6 +100,7 @@ def make_engine(
             max_num_batched_tokens=max(2048, context + 64),
             max_num_seqs=batch + 2,
             speculative=spec,
+            graph_width_ratio=graph_width_ratio,
         ),
         dspark=dspark if spec is not None else None,
     )
@@ -206,7 +208,17 @@ def run(args) -> dict:
     rows = {}
     for batch in args.batches:
         for name, cfg in (("nonspec", None), ("spec", spec)):
-            engine = make_engine(model, dtype, args.device, batch, args.context, cfg, new_tokens(args.steps), dspark)
+            engine = make_engine(
+                model,
+                dtype,
+                args.device,
+                batch,
+                args.context,
+                cfg,
+                new_tokens(args.steps),
+                dspark,
+                args.graph_width_ratio,
+            )
             row = measure(
                 engine, batch, args.context, args.steps, vocab, profile=name == "spec" and batch in args.profile
             )
@@ -234,6 +246,7 @@ def run(args) -> dict:
         "device": args.device,
         "method": args.method,
         "num_tokens": args.num_tokens,
+        "graph_width_ratio": args.graph_width_ratio,
         "tok_s_per_user": keyed("spec", "tok_s_per_user"),
         "tok_s_total": keyed("spec", "tok_s_total"),
         "nonspec_tok_s_per_user": keyed("nonspec", "tok_s_per_user"),
@@ -264,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         help="batches whose timed speculative steps are profiled (cProfile)",
+    )
+    ap.add_argument(
+        "--graph-width-ratio",
+        type=int,
+        default=2,
+        help="EngineConfig.graph_width_ratio (0: the old 1,024-entry width steps; to compare with the context classes)",
     )
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="JSON path (spec_summary keys)")
