@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's measurements in one call, inside a fixed time box (the device's per-call limit):
 #   FLASHPD_COMMIT=<sha> bash bench/h200_session.sh OUT [SECONDS] [PHASES]
-#   PHASES: any of "check moe dense decode fused indexer attn measure final wave tests reference roofline" (default "check measure"); moe and dense time the
+#   PHASES: any of "check moe dense decode fused indexer attn measure final wave tests reference drafter roofline" (default "check measure"); moe and dense time the
 #   variants built without a GPU run (each ~5 min: one call each)
 #   (the device copy's git metadata can be stale: pass the commit measured)
 # check: steps 2, 3, 5 and the host-step benchmark on the device; measure: steps 4 and 6
@@ -128,6 +128,19 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH="$PYTHONPATH:$D-wheels"
 fi
 timeout $(( $(left) - 3 )) python -m flashpd.bench.h200_stack --out "$OUT" --phase reference 2>&1 | tail -5
+fi
+if has drafter; then  # the small checkpoint's DSpark drafter (issue 26): .data/ carries the ShareGPT subset
+echo "== DSpark drafter for small ($(left) s left)"
+DATA=${FLASHPD_DRAFTER_DATA:-$REPO/.data/sgpt_sub.json.gz}  # python -m flashpd.model.train_data subset
+DOUT=/tmp/small_dspark$RANDOM
+timeout 120 python -m flashpd.cli train --drafter --preset small --out "$DOUT-smoke" --steps 3 --batch 2 \
+    --seq-len 128 --teacher-rows 4 --eval-prompts 1 --eval-tokens 8 --device cuda --data "$DATA" --quiet \
+    || echo "drafter smoke FAILED"
+MIN=${FLASHPD_DRAFTER_MINUTES:-$(( ($(left) - 150) / 60 ))}
+timeout $(( $(left) - 20 )) python -m flashpd.cli train --drafter --preset small --out "$DOUT" \
+    --minutes "$MIN" --device cuda --seq-len 1024 --batch 16 --teacher-rows 1024 --blocks-per-row 16 \
+    --eval-prompts 32 --eval-tokens 128 --log-every 100 --data "$DATA"
+tar czf "$OUT/small_dspark.tgz" -C "$DOUT" --exclude 'model-*' --exclude tokenizer.json . 2>/dev/null
 fi
 if has roofline; then  # the per-kernel roofline table at the current defaults (and the old kernels)
 echo "== kernel roofline ($(left) s left)"

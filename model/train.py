@@ -554,13 +554,13 @@ def load_preset(preset: str):
     return cfg, tok, hasher
 
 
-def prepare_data(tokenizer_path: str, seq_len: int, limit: int | None, log) -> tuple:
+def prepare_data(tokenizer_path: str, seq_len: int, limit: int | None, log, data: str | None = None) -> tuple:
     from tokenizers import Tokenizer
 
     from flashpd.model import train_data
 
     t0 = time.time()
-    train, held = train_data.split(train_data.load_conversations())
+    train, held = train_data.split(train_data.load_conversations(data))
     if limit is not None:  # the first `limit` of each split
         train, held = train[:limit], held[:limit]
     tok = Tokenizer.from_file(tokenizer_path)
@@ -595,7 +595,7 @@ def train(args) -> dict:
     log = print if not args.quiet else (lambda *a, **k: None)
     device = _setup_torch(args.seed, args.device)
     cfg, tok_path, hasher = load_preset(args.preset)
-    tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log)
+    tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log, args.data)
     model = TrainModel(cfg, hasher, seed=args.seed).to(device)
     model.compute_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     n_params = sum(p.numel() for p in model.parameters())
@@ -780,6 +780,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-conversations", type=int, default=None)
+    p.add_argument(
+        "--data", default=None, help="ShareGPT JSON or .json.gz (default: the bundled dataset; see train_data subset)"
+    )
     p.add_argument("--eval-rows", type=int, default=256)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--quiet", action="store_true")

@@ -16,6 +16,7 @@ Chat text follows the serving template (services/router/convert.py, deepseek_cha
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -104,8 +105,15 @@ def to_conversation(record: object) -> Conversation | None:
 
 
 def load_conversations(path: str | None = None, limit: int | None = None) -> list[Conversation]:
-    with open(path or dataset_path(), encoding="utf-8") as f:
-        records = parse_records(f.read())
+    """The conversations of `path` (a ShareGPT JSON array, `.gz` read as gzip; default: the
+    bundled dataset)."""
+    path = path or dataset_path()
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            records = parse_records(f.read())
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read dataset {path}: {e}") from e
     convs = [c for c in map(to_conversation, records) if c is not None]
     return convs[:limit] if limit is not None else convs
 
@@ -153,3 +161,43 @@ def prompt_and_reply(conv: Conversation) -> tuple[list[dict], str] | None:
 def encode_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text (special-token strings map to their ids)."""
     return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def write_subset(out_path: str, num_train: int, num_heldout: int, source: str | None = None) -> tuple[int, int]:
+    """Write the first `num_train` training and `num_heldout` held-out conversations of `source`
+    (in dataset order, so `--data OUT --limit-conversations n` sees what the full dataset gives
+    for n <= the counts) as a gzip ShareGPT JSON array; returns the counts written. For machines
+    without the dataset package (the GPU machine carries the file)."""
+    if num_train < 0 or num_heldout < 0:
+        raise ValueError("num_train and num_heldout must be >= 0")
+    train, held = split(load_conversations(source))
+    keep = {c.id for c in train[:num_train]} | {c.id for c in held[:num_heldout]}
+    records = [
+        {"id": c.id, "conversations": [{"from": role, "value": text} for role, text in c.turns]}
+        for c in load_conversations(source)
+        if c.id in keep
+    ]
+    with gzip.open(out_path, "wt", encoding="utf-8", compresslevel=9) as f:
+        json.dump(records, f, ensure_ascii=False)
+    return min(num_train, len(train)), min(num_heldout, len(held))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m flashpd.model.train_data subset OUT.json.gz --train N --heldout M`."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flashpd.model.train_data")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("subset", help="write the first N train / M held-out conversations (gzip JSON)")
+    s.add_argument("out")
+    s.add_argument("--train", type=int, required=True)
+    s.add_argument("--heldout", type=int, required=True)
+    s.add_argument("--source", default=None, help="ShareGPT JSON (default: the bundled dataset)")
+    args = p.parse_args(argv)
+    n_train, n_held = write_subset(args.out, args.train, args.heldout, args.source)
+    print(f"wrote {n_train} train + {n_held} held-out conversations to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

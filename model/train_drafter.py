@@ -321,7 +321,7 @@ def train_drafter(args) -> dict:
     torch.manual_seed(args.seed)
     target, cfg = load_frozen_backbone(args.base, args.preset, str(args.device))
     tok_path = os.path.join(args.base, "tokenizer.json")
-    tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log)
+    tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log, args.data)
     pad = train_data.PAD_TOKEN_ID
     gen = torch.Generator().manual_seed(args.seed)
     pick = torch.randperm(tr_rows.shape[0], generator=gen)[: args.teacher_rows]

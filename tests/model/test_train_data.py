@@ -61,3 +61,29 @@ def test_bundled_dataset_loads():
     convs = td.load_conversations()
     train, held = td.split(convs)
     assert len(convs) > 10000 and len(held) > 100
+
+
+def _records(n: int) -> list[dict]:
+    return [
+        {"id": f"t{i}_0", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(n)
+    ]
+
+
+def test_subset_keeps_dataset_order_per_split_and_reads_back_as_gzip(tmp_path):
+    src = tmp_path / "all.json"
+    src.write_text(json.dumps(_records(400)))
+    train, held = td.split(td.load_conversations(str(src)))
+    assert held, "400 threads at 2% should hold some out"
+    out = str(tmp_path / "sub.json.gz")
+    assert td.write_subset(out, 30, 2, str(src)) == (30, 2)
+    sub_train, sub_held = td.split(td.load_conversations(out))
+    assert sub_train == train[:30]  # --data SUBSET --limit-conversations n == the full set's first n
+    assert sub_held == held[:2]
+
+
+def test_unreadable_dataset_names_the_path(tmp_path):
+    bad = tmp_path / "broken.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(td.DataError, match="broken.json.gz"):
+        td.load_conversations(str(bad))
