@@ -53,7 +53,7 @@ SESSION_PROMPT = 9000
 CANCEL_PROMPT, CANCEL_AFTER_S = 32768, (1.9, 2.0, 2.1, 2.2, 2.3, 2.5)
 VOCAB_IDS = 6000
 REF_ENGINE = {"dtype": "bfloat16", "device": "cuda"}
-STACK_MAX_MODEL_LEN = 139_264  # infra/serve.h200.yaml's max_model_len (the graphs' key widths)
+STACK_CONFIG = os.path.abspath("infra/serve.h200.yaml")  # --config: the replicas' engine settings
 ITL_B8_PROMPT, ITL_B8_TOKENS = 8192, 96
 AGENTX_CONCURRENCY, AGENTX_WINDOW_S = (1, 4, 16), 40.0
 
@@ -89,7 +89,7 @@ def pct(xs, q):
 
 
 # ------------------------------------------------------------------------------ reference
-def run_reference(out: str) -> dict:
+def run_reference(out: str, config: str | None = None) -> dict:
     from flashpd.engine.llm_engine import EngineConfig
     from flashpd.engine.loading import load_engine
     from flashpd.engine.sampling import SamplingParams
@@ -111,7 +111,8 @@ def run_reference(out: str) -> dict:
             for o in engine.step():
                 ids.extend(o.new_token_ids)
         greedy[name] = ids
-    pd = pd_greedy(engine.model, {name: prompt_ids(n, 100 + i) for i, (name, n) in enumerate(CHECK_PROMPTS.items())})
+    prompts = {name: prompt_ids(n, 100 + i) for i, (name, n) in enumerate(CHECK_PROMPTS.items())}
+    pd = pd_greedy(engine.model, prompts, config)
     steps = {b: engine_step_ms(engine, b) for b in (1, 8)}
     ref = {"load_s": round(load_s, 1), "greedy": greedy, "pd_greedy": pd, "engine_step_ms": steps}
     with open(os.path.join(out, "reference.json"), "w") as f:
@@ -120,27 +121,40 @@ def run_reference(out: str) -> dict:
     return ref
 
 
-def pd_greedy(model, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Greedy ids through a prefill engine and a decode engine over one model (the stack's
-    engine settings), the prompt's KV blocks copied from the prefill pools into the decode
-    reservation's blocks (what NIXL does between the replicas), one prompt at a time."""
+def stack_engine_configs(config_path: str) -> dict:
+    """role -> the EngineConfig the stack's replicas of that role build (the Serve config's args,
+    through the application's own parsing), so the reference runs what the replicas run."""
+    import yaml
+
+    from flashpd.services.app import AppArgs
+
+    with open(config_path) as f:
+        app = yaml.safe_load(f)["applications"][0]
+    args = AppArgs.model_validate(app["args"])
+    # redis_url only fills WorkerConfig: the engines never connect
+    return {role: args.worker_config(role, redis_url="redis://127.0.0.1:1/0").engine for role in ("prefill", "decode")}
+
+
+def pd_greedy(model, prompts: dict[str, list[int]], config_path: str | None = None) -> dict[str, list[int]]:
+    """Greedy ids through a prefill engine and a decode engine over one model, each built with the
+    stack's engine config for its role (pools, slots, batch limits, graph classes) and warmed up
+    as a replica is at load (the same CUDA graphs), the prompt's KV blocks copied from the prefill
+    pools into the decode reservation's blocks (what NIXL does between the replicas), one prompt
+    at a time. Random weights leave logits near ties: only the replicas' own shapes and kernels
+    reproduce their tokens bit for bit."""
+    import dataclasses
+
     import torch
 
-    from flashpd.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpd.engine.llm_engine import LLMEngine
     from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.warmup import warm_up
 
-    common = dict(
-        num_blocks=1536,
-        num_slots=8,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        swa_bounded_replay=True,
-        async_scheduling=True,
-        max_model_len=STACK_MAX_MODEL_LEN,
-        **REF_ENGINE,
-    )
-    pre = LLMEngine(model, EngineConfig(role="prefill", **common))
-    dec = LLMEngine(model, EngineConfig(role="decode", **common))
+    cfgs = stack_engine_configs(config_path or STACK_CONFIG)
+    pre = LLMEngine(model, dataclasses.replace(cfgs["prefill"], **REF_ENGINE))
+    dec = LLMEngine(model, dataclasses.replace(cfgs["decode"], **REF_ENGINE))
+    for engine in (pre, dec):
+        warm_up(engine)
     out = {}
     for name, ids in prompts.items():
         rid = f"pd-{name}"
@@ -164,6 +178,16 @@ def pd_greedy(model, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
                 got.extend(o.new_token_ids)
         out[name] = got
     return out
+
+
+def streamed_text(tok, ids: list[int]) -> str:
+    """The text an HTTP stream of `ids` carries: the router's streaming detokenizer (a character
+    split across tokens is held until complete), not one decode of the whole list."""
+    from flashpd.engine.detokenizer import TextStream
+    from flashpd.services.router.deployment import HFTokenizer
+
+    stream = TextStream(HFTokenizer(tok))
+    return "".join(stream.push(t) for t in ids) + stream.flush()
 
 
 def engine_step_ms(engine, batch: int, steps: int = 24) -> float:
@@ -275,13 +299,14 @@ async def phase_greedy(stack, ref: dict, tok) -> dict:
         g = await sdk_request(client, ids, CHECK_TOKENS)
         got = list(g.result.output_ids) if g.result else []
         h = await openai_request(oai, stack.model_id, ids, CHECK_TOKENS)
-        want_text = tok.decode(want, skip_special_tokens=True)
+        want_text = streamed_text(tok, want)
         out[name] = {
             "grpc_identical": got == want,
             "http_identical": h.text == want_text,
             "grpc_error": g.error,
             "http_error": h.error,
             "first_diff": next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), None),
+            "grpc_ids": got,
             "colocated_identical": got == ref["greedy"][name],
         }
     await client.close()
@@ -707,11 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.phase == "both":  # the reference in its own process: its GPU memory goes back
         cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out, "--phase", "reference"]
+        cmd += ["--config", a.config]
         if a.smoke_checkpoint:
             cmd += ["--smoke-checkpoint", a.smoke_checkpoint]
         subprocess.run(cmd, check=False)
     if a.phase == "reference":
-        run_reference(a.out)
+        run_reference(a.out, a.config)
         return 0
     budget_s = a.budget_s if a.end_unix is None else a.end_unix - time.time() - 25
     run_stack(a.out, a.config, budget_s)
