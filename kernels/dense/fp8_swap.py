@@ -52,6 +52,7 @@ another order: the same holds across that bound (as the MoE GEMV / grouped GEMM 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -83,7 +84,10 @@ from flashpd.kernels.quant.triton import e4m3_decode, e8m0_decode, round_bf16
 # (configs.Fp8SwapConfig: KernelConfigs.dense.fp8_swap, passed in as `cfg`; the H200 row-class
 # measurements are beside its table in kernels/configs.py)
 ASM_MAX_SCALE = 134  # UE8M0 bytes the "asm1" decode takes exactly (2^120 * scale fits BF16)
-_SCALES_OK: dict[tuple, bool] = {}  # (data_ptr, shape) of a scale tensor -> all <= 134
+# (data_ptr, shape, device) of a scale tensor -> (a weak reference to the tensor owning that
+# memory, all <= 134); an answer whose owner was freed is stale (another tensor may since have
+# been allocated at the address) and is checked again
+_SCALES_OK: dict[tuple, tuple[weakref.ref, bool]] = {}
 
 
 # ============================================================================ kernel
@@ -446,16 +450,23 @@ def scales_fit_asm(*ws: Weights) -> bool:
     """True when every scale byte of ws is <= ASM_MAX_SCALE ("asm1"). Checked once per scale
     tensor (a device sync), never during CUDA-graph capture: there an unchecked weight answers
     False."""
-    for w in ws:
-        key = (w.scale.data_ptr(), tuple(w.scale.shape), w.scale.device)
-        ok = _SCALES_OK.get(key)
-        if ok is None:
-            if w.scale.is_cuda and torch.cuda.is_current_stream_capturing():
-                return False
-            ok = _SCALES_OK[key] = bool((w.scale.max() <= ASM_MAX_SCALE).item())
-        if not ok:
-            return False
-    return True
+    return all(_scale_fits_asm(w.scale) for w in ws)
+
+
+def _scale_fits_asm(scale: torch.Tensor) -> bool:
+    """The cached answer for `scale`, computed once per owning tensor (a view's base owns its
+    memory: the Weights views sliced per call share one answer while the base lives); False
+    while a CUDA graph is being captured and no answer is cached."""
+    key = (scale.data_ptr(), tuple(scale.shape), scale.device)
+    owner = scale._base if scale._base is not None else scale
+    entry = _SCALES_OK.get(key)
+    if entry is not None and entry[0]() is owner:
+        return entry[1]
+    if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = bool((scale.max() <= ASM_MAX_SCALE).item())
+    _SCALES_OK[key] = (weakref.ref(owner), ok)
+    return ok
 
 
 def gemm(

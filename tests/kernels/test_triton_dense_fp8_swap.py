@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -228,3 +230,25 @@ def test_layers_switch_and_dense_dispatch(tune, monkeypatch):
     tune.set("dense", fp8_swap_max_rows=0)
     tune(dt).linear_weights(x, w, torch.float32)
     assert calls == [1]
+
+
+def test_scale_check_is_cached_per_owner_and_rechecked_once_the_owner_is_freed(monkeypatch):
+    checks = []
+    real_max = torch.Tensor.max
+
+    def counting_max(self, *a, **k):
+        checks.append(1)
+        return real_max(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "max", counting_max)
+    base = torch.full((4, 8), 120, dtype=torch.uint8)
+    w = dt.Weights(dt.W_FP8, torch.zeros(4, 8, dtype=torch.uint8), base[:, 2:6])
+    assert fs.scales_fit_asm(w) and fs.scales_fit_asm(dt.Weights(dt.W_FP8, w.data, base[:, 2:6]))
+    assert len(checks) == 1  # a fresh view of the same base shares the answer
+    # a stale entry: the same (address, shape, device) recorded for a tensor since freed
+    bad = torch.full((4, 4), 200, dtype=torch.uint8)
+    gone = torch.zeros(1)
+    key = (bad.data_ptr(), tuple(bad.shape), bad.device)
+    fs._SCALES_OK[key] = (weakref.ref(gone), True)
+    del gone
+    assert not fs.scales_fit_asm(dt.Weights(dt.W_FP8, torch.zeros(4, 4, dtype=torch.uint8), bad))
