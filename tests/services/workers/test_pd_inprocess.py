@@ -159,6 +159,9 @@ def test_each_push_records_where_its_time_went(model_f32):
             # wire_ms runs from inside the post (send's clock) to completion: it overlaps post_ms
             assert record["hop_ms"] + record["post_ms"] <= record["total_ms"]
             assert record["hop_ms"] + record["wire_ms"] <= record["total_ms"]
+            # the local copy completes in the post: seen by the event loop's own polls
+            assert record["inline"] is True and record["phases"]["polls"] == 1
+            assert {"check_ms", "notice_ms", "done_ms"} <= set(record["phases"])
         finally:
             await p.close()
             await d.close()
