@@ -11,12 +11,12 @@ notice (`on_notice`), then polls completions. Each push mirrors the prefill work
 
 Per prompt size (the released config's 890 B/token KV, 113,920 B per 128-token block, 8
 groups) the table gives the median over --reps pushes of:
-  hop        loop -> the push thread starts
+  hop        loop -> the push thread starts (0 on the inline path: the loop posts)
   check, notice, lock, descriptors, init, post   `send`'s phases (TransferHandle.trace):
              block-id checks, the notice's bytes, the sender's lock, descriptor rows + NIXL
              descriptor lists, NIXL initialize_xfer, NIXL transfer (the post)
   done       the post's return -> completion seen by the sender's poll (polls: how many)
-  back       the push thread's return -> the loop resumes
+  back       the push thread's return -> the loop resumes (inline: the last poll -> the loop)
   e2e        loop -> loop: what the prefill worker's `transfer_ms` measures (compute end ->
              push done); GB/s e2e = bytes / e2e
   transport  post (before descriptors) -> completion seen (TransferStats.seconds); GB/s
@@ -91,16 +91,29 @@ def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float
 
 
 class Pusher:
-    """The prefill worker's push path: loop -> push thread (send + wait) -> loop."""
+    """The prefill worker's push path. "inline" (services/prefill/server.py since 3de969e):
+    send + up to INLINE_WAIT_S of polls on the loop, a push thread waits only on a slower
+    push; "thread" (before): loop -> push thread (send + wait) -> loop."""
 
-    def __init__(self, sender, conn):
-        self.sender, self.conn = sender, conn
+    def __init__(self, sender, conn, path: str):
+        self.sender, self.conn, self.path = sender, conn, path
         self.threads = ThreadPoolExecutor(4, thread_name_prefix="bench-push")
+        if path == "inline":  # imported here, not in the first timed push (~0.5 s of imports)
+            from flashpd.services.prefill.server import INLINE_WAIT_S
+
+            self.inline_wait_s = INLINE_WAIT_S
 
     def _push(self, request_id: str, src: list[int], dst: list[int], marks: dict) -> object:
         marks["thread_s"] = time.monotonic()
         handle = self.sender.send(request_id, src, dst, "bench-prefill")
         stats = self.sender.wait(handle, timeout_s=60)
+        marks["thread_end_s"] = time.monotonic()
+        return handle, stats
+
+    def _push_inline(self, request_id: str, src: list[int], dst: list[int], marks: dict):
+        marks["thread_s"] = time.monotonic()  # no hop: the loop itself
+        handle = self.sender.send(request_id, src, dst, "bench-prefill")
+        stats = self.sender.poll_briefly(handle, self.inline_wait_s)
         marks["thread_end_s"] = time.monotonic()
         return handle, stats
 
@@ -110,7 +123,13 @@ class Pusher:
         marks: dict = {}
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()  # "compute end"
-        handle, stats = await loop.run_in_executor(self.threads, self._push, request_id, src, dst, marks)
+        if self.path == "inline":
+            handle, stats = self._push_inline(request_id, src, dst, marks)
+            if stats is None:
+                stats = await loop.run_in_executor(self.threads, self.sender.wait, handle, 60.0)
+                marks["thread_end_s"] = time.monotonic()
+        else:
+            handle, stats = await loop.run_in_executor(self.threads, self._push, request_id, src, dst, marks)
         t1 = time.monotonic()
         _, done_id, done_s = reply(self.conn, "done")
         assert done_id == request_id, (done_id, request_id)
@@ -154,7 +173,8 @@ def render(result: dict, args: argparse.Namespace) -> str:
     lines = [
         f"# KV push phases, NIXL/UCX between two processes on the CPU ({args.label})",
         "",
-        f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us}`; "
+        f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us} "
+        f"--path {args.path}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
         f"- medians of {args.reps} pushes per size, ms (polls: a count); definitions in the module docstring",
@@ -197,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         if not conn.poll(REPLY_TIMEOUT_S):
             raise TimeoutError("receiver process did not start")
         sender.connect(conn.recv())
-        pusher = Pusher(sender, conn)
+        pusher = Pusher(sender, conn, args.path)
         result = asyncio.run(run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks))
     finally:
         conn.send(("stop",))
@@ -217,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_TOKENS), help="prompt tokens per push")
     parser.add_argument("--reps", type=int, default=15, help="pushes per size")
     parser.add_argument("--owner-wait-us", type=int, default=5000, help="the receiver owner's idle wait")
+    parser.add_argument("--path", choices=("inline", "thread"), default="inline", help="the push path (Pusher)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
