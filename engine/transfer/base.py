@@ -10,7 +10,8 @@ receiver's, then delivers a notice (request id, sender incarnation, dst block id
     expect(request, dst blocks, lease, inc)
                                                  send(request, src, dst, inc) -> handle
                  <-- WRITE block bytes + notice --
-    poll_completed() -> [request]                wait(handle, timeout_s, cancel) -> TransferStats
+    poll_completed() -> [request]                poll_briefly(handle, budget_s) -> stats | None
+                                                 wait(handle, timeout_s, cancel) -> TransferStats
     drain(request, fallback_s) -> token | None   abandon(request, inc, peer)  (nothing in flight)
                  <------- abandon notice ---------
     take_quiet(now_s) -> [token]  (owner frees the blocks of a drained request)
