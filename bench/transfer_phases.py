@@ -12,7 +12,7 @@ notice (`on_notice`), then polls completions. Each push mirrors the prefill work
 Per prompt size (the released config's 890 B/token KV, 113,920 B per 128-token block, 8
 groups) the table gives the median over --reps pushes of:
   hop        loop -> the push thread starts (0 on the inline path: the loop posts)
-  check, notice, lock, descriptors, init, post   `send`'s phases (TransferHandle.trace):
+  check, notice, lock, descriptors, nixl_init, nixl_post   `send`'s phases (TransferHandle.trace):
              block-id checks, the notice's bytes, the sender's lock, descriptor rows + NIXL
              descriptor lists, NIXL initialize_xfer, NIXL transfer (the post)
   done       the post's return -> completion seen by the sender's poll (polls: how many)
@@ -49,7 +49,7 @@ from flashpd.engine.transfer import TransferContract
 from flashpd.engine.transfer.contract import CHUNK_TOKENS
 
 SIZES_TOKENS = (128, 8192, 32768, 131072)
-SEND_PHASES = ("check_ms", "notice_ms", "lock_ms", "descriptors_ms", "init_ms", "post_ms", "done_ms", "polls")
+SEND_PHASES = ("check_ms", "notice_ms", "lock_ms", "descriptors_ms", "nixl_init_ms", "nixl_post_ms", "done_ms", "polls")
 
 
 def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float) -> None:

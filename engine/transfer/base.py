@@ -93,7 +93,7 @@ class TransferHandle:
         self.abort_failed = False  # the transport could not cancel it: bytes may still land
         # Where the push's time went, in order (diagnostics): send's "check_ms" and
         # "notice_ms", the backend's own post phases (nixl: "lock_ms", "descriptors_ms",
-        # "init_ms", "post_ms", "num_descriptors"), then wait's "done_ms" (the post's return
+        # "nixl_init_ms", "nixl_post_ms", "num_descriptors"), then wait's "done_ms" (the post's return
         # -> completion seen) and "polls".
         self.trace: dict[str, float] = {} if trace is None else trace
 

@@ -280,8 +280,8 @@ class NixlSender(KVSender):
         trace.update(
             lock_ms=1e3 * (t1 - t0),
             descriptors_ms=1e3 * (t2 - t1),
-            init_ms=1e3 * (t3 - t2),
-            post_ms=1e3 * (t4 - t3),
+            nixl_init_ms=1e3 * (t3 - t2),
+            nixl_post_ms=1e3 * (t4 - t3),
             num_descriptors=self.last_num_descriptors,
         )
         return xfer
