@@ -239,7 +239,7 @@ class PrefillWorker(EngineWorker):
         between host pools) holds the loop for the copy: CPU deployments only."""
         run.push_started_s = time.monotonic()
         try:
-            handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids), ticket.incarnation, peer=peer)
+            handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
             run.posted_s = time.monotonic()
             run.trace = handle.trace
             stats = self.sender.poll_briefly(handle, INLINE_WAIT_S)
