@@ -17,8 +17,10 @@ stack      scripts' one command (services/gpu_stack.py) brings up Redis, Ray and
            infra/serve.h200.yaml; then, each phase time-boxed:
              greedy     the check prompts over gRPC (SDK, ids) and HTTP (openai client, text)
                         against the reference's P/D engines (and the colocated engine)
-             transfer   cold 8K / 32K / 128K prompts: the router's timeline transfer_ms (post to
-                        completion on the prefill worker) -> GB/s of the 890 B/token KV
+             transfer   a warm-up push (UCX wire-up: first_push_ms), then distinct cold 8K / 32K /
+                        128K prompts, 3 of each, medians: e2e GB/s (the router's transfer_ms:
+                        compute end -> push done on the prefill worker) and transport GB/s
+                        (post -> completion), with the prefill's per-phase split of each push
              sessions   a two-turn session: the second turn's cached tokens and TTFT (the first
                         prefix hit at that width), then a second hit at the same width
              clients    openai client and SDK at concurrency 1, 8, 32 (8K prompts, 64 tokens):
@@ -49,6 +51,7 @@ CHECK_TOKENS = 32
 CLIENT_PROMPT, CLIENT_TOKENS = 8192, 64
 CONCURRENCY = {1: 3, 8: 8, 32: 32}  # concurrency -> requests
 TRANSFER_PROMPTS = (8192, 32768, 131072)
+TRANSFER_REPEATS, TRANSFER_WARMUP_PROMPT = 3, 1024  # 3 x 128K: ~33 s of prefill on the H200
 SESSION_PROMPT = 9000
 CANCEL_PROMPT, CANCEL_AFTER_S = 32768, (1.9, 2.0, 2.1, 2.2, 2.3, 2.5)
 VOCAB_IDS = 6000
@@ -61,12 +64,13 @@ AGENTX_CONCURRENCY, AGENTX_WINDOW_S = (1, 4, 16), 40.0
 def smoke_plan(checkpoint: str) -> None:
     """CPU smoke of every phase's client path against a tiny-preset stack (no reference)."""
     global CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS, CONCURRENCY
-    global TRANSFER_PROMPTS, SESSION_PROMPT, CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS
+    global TRANSFER_PROMPTS, TRANSFER_WARMUP_PROMPT, SESSION_PROMPT, CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS
     global ITL_B8_PROMPT, ITL_B8_TOKENS, AGENTX_CONCURRENCY, AGENTX_WINDOW_S
     REF_ENGINE.update(dtype="float32", device="cpu")
     ITL_B8_PROMPT, ITL_B8_TOKENS, AGENTX_CONCURRENCY, AGENTX_WINDOW_S = 200, 6, (1,), 5.0
     CHECKPOINT, CHECK_PROMPTS, CLIENT_PROMPT, CLIENT_TOKENS = checkpoint, {"s": 40}, 200, 8
     CONCURRENCY, TRANSFER_PROMPTS, SESSION_PROMPT = {1: 1, 2: 2}, (256, 512), 300
+    TRANSFER_WARMUP_PROMPT = 128
     CANCEL_PROMPT, CANCEL_AFTER_S, VOCAB_IDS = 1024, (0.3, 0.6), 400
 
 
@@ -315,30 +319,82 @@ async def phase_greedy(stack, ref: dict, tok) -> dict:
 
 
 async def phase_transfer(stack) -> dict:
+    """The KV push at each size, TRANSFER_REPEATS times, medians. Every prompt is distinct: a
+    repeated prompt would be a prefix hit on the decode worker, which then reserves (and the
+    prefill pushes) only the chunks it lacks (none but the last partial one), not the prompt's
+    KV; a prefill-side hit alone would still push every block the ticket names, but the decode
+    side's hit comes first. A warm-up push connects the peer first: the first push to a decode
+    worker pays UCX's wire-up (30 ms at 1fdeb33), reported on its own as `first_push_ms` (the
+    run's very first push when the prefill replica still holds its record)."""
     from flashpd_sdk import AsyncClient
 
     client = AsyncClient(stack.grpc_target)
-    out = {}
+    earlier = await asyncio.to_thread(_push_records, stack)
+    warm = await _transfer_once(client, stack, TRANSFER_WARMUP_PROMPT, 8999)
+    first = earlier[0] if earlier and len(earlier) < 64 else (warm.get("push") or {})
+    out: dict = {"first_push_ms": first.get("total_ms"), "first_push": first, "warmup": warm}
     for n in TRANSFER_PROMPTS:
-        rec = await sdk_request(client, prompt_ids(n, 9000 + n), 2)
-        r = rec.result
-        if r is None:
-            out[str(n)] = {"error": rec.error}
-            continue
-        blocks = -(-n // 128)
-        ms = r.timeline.get("transfer_ms", 0.0)
-        out[str(n)] = {
-            "transfer_ms": round(ms, 3),
-            "bytes": blocks * BYTES_PER_BLOCK,
-            "gb_s": round(blocks * BYTES_PER_BLOCK / ms / 1e6, 1) if ms else None,
-            "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
-            "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
-            "replay_ms": round(r.timeline.get("replay_ms", 0), 1),
-            "route_ms": round(r.timeline.get("route_ms", 0), 2),
-            "reserve_ms": round(r.timeline.get("reserve_ms", 0), 2),
-        }
-        print(f"transfer {n}: {out[str(n)]}", flush=True)
+        runs = [await _transfer_once(client, stack, n, 9000 + n + 7919 * k) for k in range(TRANSFER_REPEATS)]
+        out[str(n)] = _transfer_medians(runs)
+        print(f"transfer {n}: {json.dumps({k: v for k, v in out[str(n)].items() if k != 'runs'})}", flush=True)
     await client.close()
+    return out
+
+
+def _push_records(stack) -> list[dict]:
+    try:
+        return list(stack.push_records())
+    except Exception as e:  # noqa: BLE001 - the figures without the split
+        return [{"error": repr(e)[:300]}]
+
+
+async def _transfer_once(client, stack, n: int, seed: int) -> dict:
+    """One cold prompt of n tokens: the router's timeline and the prefill's record of its push
+    (compute end -> push done = transfer_ms, the e2e figure; post -> done = wire_ms)."""
+    rec = await sdk_request(client, prompt_ids(n, seed), 2)
+    r = rec.result
+    if r is None:
+        return {"error": rec.error}
+    records = await asyncio.to_thread(_push_records, stack)
+    push = records[-1] if records else {}
+    num_bytes = -(-n // 128) * BYTES_PER_BLOCK
+    ms, wire_ms = r.timeline.get("transfer_ms", 0.0), push.get("wire_ms")
+    return {
+        "transfer_ms": round(ms, 3),
+        "bytes": num_bytes,
+        "pushed_all_blocks": push.get("bytes") == num_bytes,
+        "gb_s": round(num_bytes / ms / 1e6, 1) if ms else None,
+        "wire_ms": round(wire_ms, 3) if wire_ms else None,
+        "gb_s_transport": round(num_bytes / wire_ms / 1e6, 1) if wire_ms else None,
+        "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
+        "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
+        "replay_ms": round(r.timeline.get("replay_ms", 0), 1),
+        "route_ms": round(r.timeline.get("route_ms", 0), 2),
+        "reserve_ms": round(r.timeline.get("reserve_ms", 0), 2),
+        "push": push,
+    }
+
+
+def _transfer_medians(runs: list[dict]) -> dict:
+    """Medians over the repeats: gb_s (e2e: compute end -> push done, what summary.json's
+    transfer_gb_s holds), gb_s_transport (post -> done), and the push's split (ms)."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"runs": runs, "repeats": len(ok), "errors": len(runs) - len(ok)}
+    if not ok:
+        return out
+    for key in ("transfer_ms", "gb_s", "wire_ms", "gb_s_transport", "ttft_ms", "prefill_ms", "replay_ms"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+    out["bytes"] = ok[0]["bytes"]
+    out["pushed_all_blocks"] = all(r["pushed_all_blocks"] for r in ok)
+    out["inline"] = [r["push"].get("inline") for r in ok]
+    split: dict = {}
+    for r in ok:
+        push = r["push"]
+        for key, value in [*((k, push.get(k)) for k in ("hop_ms", "post_ms")), *push.get("phases", {}).items()]:
+            if isinstance(value, (int, float)):
+                split.setdefault(key, []).append(value)
+    out["split_ms"] = {k: round(statistics.median(v), 4) for k, v in split.items()}
     return out
 
 
@@ -655,10 +711,7 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
             if name == "transfer":
                 res["transport"] = transports(stack)
                 print(f"transport: {res['transport']}", flush=True)
-                try:
-                    res["push_records"] = stack.push_records()[-len(TRANSFER_PROMPTS) :]
-                except Exception as e:  # noqa: BLE001
-                    res["push_records"] = repr(e)[:300]
+                res["push_records"] = _push_records(stack)[-(1 + len(TRANSFER_PROMPTS) * TRANSFER_REPEATS) :]
                 print(f"pushes: {res['push_records']}", flush=True)
         if time.monotonic() < deadline - AGENTX_WINDOW_S - 60:
             res["agentx"] = phase_agentx(stack, out, deadline)
@@ -694,7 +747,13 @@ def summary(out: str, commit: str) -> dict:
         "commit": commit,
         "preset": "bench",
         "transport": (res.get("transport") or {}).get("transport", "unknown"),
-        "transfer_gb_s": {k: (res.get("transfer") or {}).get(k, {}).get("gb_s") for k in ("8192", "32768", "131072")},
+        # e2e: compute end -> push done (the router's transfer_ms), median of TRANSFER_REPEATS
+        "transfer_gb_s": {k: _transfer_field(res, k, "gb_s") for k in ("8192", "32768", "131072")},
+        # the transport alone: post (descriptors built) -> completion seen by the sender
+        "transfer_gb_s_transport": {k: _transfer_field(res, k, "gb_s_transport") for k in ("8192", "32768", "131072")},
+        "transfer_ms": {k: _transfer_field(res, k, "transfer_ms") for k in ("8192", "32768", "131072")},
+        "transfer_first_push_ms": (res.get("transfer") or {}).get("first_push_ms"),
+        "push_split_ms": {k: _transfer_field(res, k, "split_ms") for k in ("8192", "32768", "131072")},
         # against the engines alone under the stack's scheme (P/D engines in one process)
         "greedy_identical_to_colocated": bool(greedy)
         and all(isinstance(g, dict) and g.get("grpc_identical") and g.get("http_identical") for g in greedy.values()),
@@ -713,6 +772,11 @@ def summary(out: str, commit: str) -> dict:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(s, f, indent=1)
     return s
+
+
+def _transfer_field(res: dict, size: str, key: str):
+    entry = (res.get("transfer") or {}).get(size)
+    return entry.get(key) if isinstance(entry, dict) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,9 @@ import queue
 import uuid
 import weakref
 
-import numpy as np
 import torch
 
-from flashpd.engine.transfer.base import KVPools, KVReceiver, KVSender, TransferError
+from flashpd.engine.transfer.base import BlockRuns, KVPools, KVReceiver, KVSender, TransferError
 from flashpd.engine.transfer.contract import TransferContract
 from flashpd.engine.transfer.wire import PeerDescriptor
 
@@ -72,14 +71,14 @@ class LocalSender(KVSender):
     def _detach(self, peer: PeerDescriptor) -> None:
         del self._receivers[peer.agent_name]
 
-    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes) -> str:
+    def _post(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]) -> str:
         receiver = self._receivers[peer.agent_name]
         if _RECEIVERS.get(peer.agent_name) is not receiver:
             raise TransferError(f"local receiver {peer.agent_name} was closed")
         for name, src_pool in self.pools.items():
             dst_pool = receiver.pools[name]  # [num_blocks, block_bytes]
-            src_idx = torch.from_numpy(src).to(src_pool.device)
-            dst_idx = torch.from_numpy(dst).to(dst_pool.device)
+            src_idx = torch.from_numpy(runs.src).to(src_pool.device)
+            dst_idx = torch.from_numpy(runs.dst).to(dst_pool.device)
             rows = src_pool.index_select(0, src_idx).to(dst_pool.device)  # [n, block_bytes]
             dst_pool.index_copy_(0, dst_idx, rows)
         receiver.deliver(notice)

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
 from flashpd.engine.transfer import ucx_transport
-from flashpd.engine.transfer.base import KVPools, KVReceiver, KVSender, TransferError, pool_regions
+from flashpd.engine.transfer.base import BlockRuns, KVPools, KVReceiver, KVSender, TransferError, pool_regions
 from flashpd.engine.transfer.contract import TransferContract
 from flashpd.engine.transfer.wire import PeerDescriptor, PoolRegion
 
@@ -60,34 +62,37 @@ def _make_agent(name: str, progress_thread: bool):
     return agent
 
 
-def block_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of pairs ascending by one on both sides, in src order:
-    (src_start [R], dst_start [R], num_blocks [R]) int64."""
-    order = np.argsort(src, kind="stable")
-    s, d = src[order], dst[order]  # [n]
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1  # first pair of a run
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(s)]])
-    return s[starts], d[starts], ends - starts
+@dataclass(frozen=True)
+class PoolTable:
+    """One side's pools in the contract's group order, as arrays (built once per side and
+    peer, not per push): group g's block b starts at address[g] + b * block_bytes[g]."""
+
+    address: np.ndarray  # [G] uint64
+    block_bytes: np.ndarray  # [G] uint64
+    device_id: np.ndarray  # [G] uint64
+    mem_type: str  # "DRAM" | "VRAM"
+
+    @classmethod
+    def of(cls, regions: tuple[PoolRegion, ...]) -> PoolTable:
+        mem_types = {r.mem_type for r in regions}
+        if len(mem_types) != 1:
+            raise TransferError(f"pools span memory types {sorted(mem_types)}")
+
+        def column(name: str) -> np.ndarray:
+            return np.array([getattr(r, name) for r in regions], dtype=np.uint64)
+
+        return cls(column("address"), column("block_bytes"), column("device_id"), mem_types.pop())
 
 
-def run_rows(regions: tuple[PoolRegion, ...], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def run_rows(table: PoolTable, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[groups * R, 3] uint64 descriptor rows (address, bytes, device id), group-major: one per
     (group, run)."""
-    rows = []
-    for r in regions:
-        bb = np.uint64(r.block_bytes)
-        rows.append(
-            np.stack(
-                [
-                    np.uint64(r.address) + starts.astype(np.uint64) * bb,
-                    lengths.astype(np.uint64) * bb,
-                    np.full(len(starts), r.device_id, dtype=np.uint64),
-                ],
-                axis=1,
-            )
-        )
-    return np.concatenate(rows)
+    rows = np.empty((len(table.address), len(starts), 3), dtype=np.uint64)  # [G, R, 3]
+    bb = table.block_bytes[:, None]  # [G, 1]
+    rows[:, :, 0] = table.address[:, None] + starts.astype(np.uint64)[None, :] * bb
+    rows[:, :, 1] = lengths.astype(np.uint64)[None, :] * bb
+    rows[:, :, 2] = table.device_id[:, None]
+    return rows.reshape(-1, 3)
 
 
 HOT_POLL_S = 2e-4  # the receiver's progress interval while a KV write is expected
@@ -207,9 +212,10 @@ class NixlSender(KVSender):
         self._agent = _make_agent(self.agent_name, progress_thread)
         tensors = [self.pools[name] for name in contract.group_names]
         self._registration = self._agent.register_memory(tensors, backends=[_BACKEND])
-        self._regions = pool_regions(contract, self.pools)
-        self._mem_type = self._regions[0].mem_type
-        self._min_desc_bytes = min(r.block_bytes for r in self._regions)
+        self._local = PoolTable.of(pool_regions(contract, self.pools))
+        self._remote: dict[str, PoolTable] = {}  # peer -> its pools (made at connect)
+        self._mem_type = self._local.mem_type
+        self._min_desc_bytes = int(self._local.block_bytes.min())
         # peer -> the transport UCX used for it (checked once), or the fallback that bars it
         self.transports: dict[str, ucx_transport.TransportReport] = {}
         self._barred: dict[str, ucx_transport.TransportFallback] = {}
@@ -228,34 +234,39 @@ class NixlSender(KVSender):
         if loaded_name != peer.agent_name:
             self._agent.remove_remote_agent(loaded_name)
             raise TransferError(f"descriptor names {peer.agent_name}, metadata {loaded_name}")
+        self._remote[peer.agent_name] = PoolTable.of(tuple(peer.region(g) for g in self.contract.group_names))
 
     def _detach(self, peer: PeerDescriptor) -> None:
         with self._lock:
+            self._remote.pop(peer.agent_name, None)
             self._agent.remove_remote_agent(peer.agent_name)
 
-    def _descriptors(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray):
+    def _descriptors(self, peer: PeerDescriptor, runs: BlockRuns):
         """Local and remote descriptor lists, one row per (group, run), in the same order."""
-        src_starts, dst_starts, lengths = block_runs(src, dst)
-        remote_regions = tuple(peer.region(name) for name in self.contract.group_names)
-        local = run_rows(self._regions, src_starts, lengths)
-        remote = run_rows(remote_regions, dst_starts, lengths)
+        remote = self._remote[peer.agent_name]
+        local_rows = run_rows(self._local, runs.src_start, runs.length)
+        remote_rows = run_rows(remote, runs.dst_start, runs.length)
         return (
-            self._agent.get_xfer_descs(local, self._mem_type),
-            self._agent.get_xfer_descs(remote, remote_regions[0].mem_type),
-            len(local),
+            self._agent.get_xfer_descs(local_rows, self._mem_type),
+            self._agent.get_xfer_descs(remote_rows, remote.mem_type),
+            len(local_rows),
         )
 
-    def _post(self, peer: PeerDescriptor, src: np.ndarray, dst: np.ndarray, notice: bytes):
+    def _post(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]):
+        t0 = time.perf_counter()
         with self._lock:
             if self._registration is None:
                 raise TransferError("NIXL sender is closed")
             if peer.agent_name in self._barred:
                 raise self._barred[peer.agent_name]
-            local, remote, self.last_num_descriptors = self._descriptors(peer, src, dst)
+            t1 = time.perf_counter()
+            local, remote, self.last_num_descriptors = self._descriptors(peer, runs)
+            t2 = time.perf_counter()
             try:
                 xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.agent_name, notice, backends=[_BACKEND])
             except Exception as e:  # nixlBind raises its own exception types
                 raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
+            t3 = time.perf_counter()
             try:
                 state = self._agent.transfer(xfer)
             except Exception as e:  # nixlBind raises its own exception types
@@ -265,7 +276,15 @@ class NixlSender(KVSender):
                 xfer.release()
                 raise TransferError(f"NIXL post to {peer.agent_name} returned ERR")
             self._in_flight.add(xfer)
-            return xfer
+        t4 = time.perf_counter()
+        trace.update(
+            lock_ms=1e3 * (t1 - t0),
+            descriptors_ms=1e3 * (t2 - t1),
+            nixl_init_ms=1e3 * (t3 - t2),
+            nixl_post_ms=1e3 * (t4 - t3),
+            num_descriptors=self.last_num_descriptors,
+        )
+        return xfer
 
     def _check_done(self, handle) -> None:
         """The first completed WRITE to a peer: read back UCX's transport and judge it."""

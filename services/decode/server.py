@@ -168,6 +168,7 @@ class DecodeWorker(EngineWorker):
                 req.request_id, list(r.missing_block_ids), attempt.lease_unix_s, attempt.token, attempt.issued_unix_s
             )
         else:
+            self._arrived_at[attempt.engine_id] = time.monotonic()
             e.kv_arrived(attempt.engine_id)  # every chunk already resident: replay at once
         return r
 
@@ -224,9 +225,9 @@ class DecodeWorker(EngineWorker):
                     yield TokenEvent(out.new_token_ids, index, lps)
                     index += len(out.new_token_ids)
                 if out.finished:
-                    arrived = self._arrived_at.pop(attempt.engine_id, t0)
-                    await self.engine.call(lambda e: self._forget(attempt))
-                    replay_ms = 1e3 * ((first_s or time.monotonic()) - max(arrived, t0))
+                    first_token_s = await self.engine.call(lambda e: self._forget(e, attempt))
+                    arrived = self._arrived_at.pop(attempt.engine_id, None)
+                    replay_ms = _replay_ms(arrived, first_token_s, t0, first_s)
                     timeline = Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0))
                     yield _final_event(out, timeline, self.ref.worker_id, rid)
         except RequestFailed as exc:
@@ -427,9 +428,13 @@ class DecodeWorker(EngineWorker):
         elif engine_id not in self._draining.values():
             e.abort(engine_id)
 
-    def _forget(self, attempt: _Attempt) -> None:
+    def _forget(self, e: LLMEngine, attempt: _Attempt) -> float | None:
+        """On the loop thread: drop a finished attempt; returns when the engine produced its
+        first token (time.monotonic), if it did."""
         if self._attempts.get(attempt.request_id) is attempt:
             del self._attempts[attempt.request_id]
+        stats = e.stats.get(attempt.engine_id)
+        return None if stats is None else stats.first_token_s
 
     # ------------------------------------------------------------------ views
     def admission_queue(self) -> tuple[int, int]:
@@ -464,6 +469,20 @@ def _engine_reserve(e: LLMEngine, engine_id: str, req: InternalRequest, params: 
         raise InvalidArgument(exc.message, field=exc.field) from None
     except ValueError as exc:
         raise InvalidArgument(str(exc), field="prompt") from None
+
+
+def _replay_ms(arrived_s: float | None, first_token_s: float | None, t0: float, first_seen_s: float | None) -> float:
+    """The decode leg's `replay_ms`: the KV complete here (the engine loop saw the last notice,
+    or the reserve found every chunk resident) -> the engine produced the first token, i.e.
+    the loop's pickup, the replay step (128 rows through every layer) and its sampling, on the
+    loop thread's clock (time.monotonic), whenever `generate` was called. The router calls
+    `generate` only after the prefill returned, a few ms after the KV arrived: measuring from
+    that call (as before) left out the part of the replay that ran meanwhile. Without both
+    times (a paused stream resumed here): arrival or the call -> the first token seen here."""
+    if arrived_s is not None and first_token_s is not None and first_token_s >= arrived_s:
+        return 1e3 * (first_token_s - arrived_s)
+    start = t0 if arrived_s is None else max(arrived_s, t0)
+    return 1e3 * ((first_seen_s or time.monotonic()) - start)
 
 
 def _final_event(out: EngineOutput, timeline: Timeline, worker_id: str, request_id: str) -> FinalEvent:

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 MAX_TOMBSTONES = 4096  # request ids aborted before their run arrived, remembered (bounded)
 PUSH_RECORDS = 64  # the last pushes' timings, kept for `push_records` (diagnostics)
 PUSH_THREADS = 4  # threads that wait on KV pushes (the NIXL agent itself is serialized)
+INLINE_WAIT_S = 1e-3  # a push is polled on the event loop this long before a thread waits on it
 
 
 @dataclass
@@ -68,6 +69,8 @@ class _Run:
     write_may_land: bool = False  # a transfer could not be cancelled: never send abandon
     push_started_s: float = 0.0  # time.monotonic() when the push thread took the push
     posted_s: float = 0.0  # ... when the write was posted (descriptors built, NIXL called)
+    trace: dict = field(default_factory=dict)  # the push's phases (TransferHandle.trace)
+    inline: bool = False  # the push completed within the event loop's polls (no thread hop)
 
 
 class PrefillWorker(EngineWorker):
@@ -102,8 +105,9 @@ class PrefillWorker(EngineWorker):
             src = _blocks_to_push(ready.kv_block_ids, ticket)
             _check_may_push(rid, run, ticket)
             run.phase = "push"
-            push = asyncio.get_running_loop().run_in_executor(self._pushes, self._push, req, ticket, peer, src, run)
-            stats = await asyncio.shield(push)
+            stats, push = self._start_push(req, ticket, peer, src, run)
+            if push is not None:  # still moving after the inline polls: a push thread waits
+                stats = await asyncio.shield(push)
             run.phase = "done"
             self._record_push(req.request_id, stats, t1, run)
             return PrefillResult(
@@ -191,20 +195,25 @@ class PrefillWorker(EngineWorker):
         return peer
 
     def _record_push(self, request_id: str, stats, t1: float, run: _Run) -> None:
-        """Where a push's time went (ms after the compute ended): the hop onto a push thread,
-        posting (descriptors + NIXL post), post -> completion seen by the poll, the return to
-        the event loop. The transport's own figure is stats.seconds (post -> completion)."""
+        """Where a push's time went (ms after the compute ended): compute end -> the push
+        started (`hop_ms`), posting (`post_ms`: `send`, checks + descriptors + NIXL post), the
+        transport's post -> completion seen (`wire_ms` = stats.seconds, from before the
+        descriptors), compute end -> push done on the event loop (`total_ms`, what
+        PrefillResult.transfer_ms reports), and `send`/`wait`'s own phases (`phases`:
+        TransferHandle.trace; `inline`: done within the event loop's polls, no thread hop)."""
         started, posted, now = run.push_started_s, run.posted_s, time.monotonic()
         self.push_records.append(
             {
                 "request_id": request_id,
                 "bytes": stats.num_bytes,
-                "descriptors": getattr(self.sender, "last_num_descriptors", 0),
+                "descriptors": int(run.trace.get("num_descriptors", 0)),
                 "hop_ms": 1e3 * (started - t1) if started else None,
                 "post_ms": 1e3 * (posted - started) if posted and started else None,
                 "wire_ms": 1e3 * stats.seconds,
                 "total_ms": 1e3 * (now - t1),
                 "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None,
+                "inline": run.inline,
+                "phases": {k: round(v, 4) for k, v in run.trace.items()},
             }
         )
 
@@ -221,24 +230,44 @@ class PrefillWorker(EngineWorker):
             except TransferError as exc:
                 log.warning("abandon_all notice for %s failed: %s", request_id, exc)
 
-    def _push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int], run: _Run):
+    def _start_push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int], run: _Run):
+        """On the event loop: post the write and poll it for up to INLINE_WAIT_S, so a push
+        that completes that fast (a 128K-token prompt's 117 MB over cuda_ipc) pays no hop onto
+        a push thread and back (~0.2-0.5 ms, most of a 32K-token push); a slower one is waited
+        on by a push thread. Returns (stats, None) or (None, the waiting thread's future).
+        Raises with nothing in flight. A backend that copies inside the post (local, UCX cma
+        between host pools) holds the loop for the copy: CPU deployments only."""
+        run.push_started_s = time.monotonic()
+        try:
+            handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
+            run.posted_s = time.monotonic()
+            run.trace = handle.trace
+            stats = self.sender.poll_briefly(handle, INLINE_WAIT_S)
+        except TransferError as exc:  # nothing in flight: refused, or ended (ERR, judged)
+            raise self._push_error(req, ticket, exc) from exc
+        if stats is not None:
+            run.inline = True
+            return stats, None
+        wait = functools.partial(self._wait_push, req, ticket, handle, run)
+        return None, asyncio.get_running_loop().run_in_executor(self._pushes, wait)
+
+    def _wait_push(self, req: InternalRequest, ticket: Ticket, handle, run: _Run):
         """On a push thread; returns or raises once the write completed or was cancelled (or,
         when the transport could not cancel it, marks the run so no abandon notice is sent:
         the decode worker then keeps the blocks until its lease bound)."""
-        handle = None
-        run.push_started_s = time.monotonic()
         try:
-            handle = self.sender.send(req.request_id, src, list(ticket.dst_block_ids), ticket.incarnation, peer=peer)
-            run.posted_s = time.monotonic()
             return self.sender.wait(handle, self.config.transfer_timeout_s, run.cancel)
-        except TransferCancelled:
-            raise Cancelled(f"KV push of {req.request_id} cancelled") from None
         except TransferError as exc:
-            self.transfer_failures += 1
-            raise TransferFailed(f"KV push to {ticket.decode_worker_id} failed: {exc}") from exc
+            raise self._push_error(req, ticket, exc) from exc
         finally:
-            if handle is not None and handle.abort_failed:
+            if handle.abort_failed:
                 run.write_may_land = True
+
+    def _push_error(self, req: InternalRequest, ticket: Ticket, exc: TransferError) -> Exception:
+        if isinstance(exc, TransferCancelled):
+            return Cancelled(f"KV push of {req.request_id} cancelled")
+        self.transfer_failures += 1
+        return TransferFailed(f"KV push to {ticket.decode_worker_id} failed: {exc}")
 
     async def abort(self, request_id: str) -> bool:
         runs = list(self._runs.get(request_id, {}).values())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashpd.engine.transfer import GroupSpec, KVSender, LocalReceiver, TransferContract, TransferError, TransferTimeout
-from flashpd.engine.transfer.base import TransferCancelled
+from flashpd.engine.transfer.base import MAX_POLL_SLEEP_S, MIN_POLL_SLEEP_S, SPIN_S, TransferCancelled, poll_sleep_s
 
 CONTRACT = TransferContract("tiny", (GroupSpec("main.L2", 16, "nvfp4_e4m3x16"),))
 
@@ -25,7 +25,7 @@ class ScriptedSender(KVSender):
     def _detach(self, peer):
         self.attached = None
 
-    def _post(self, peer, src, dst, notice):
+    def _post(self, peer, runs, notice, trace):
         return {"notice": notice}
 
     def _poll(self, xfer):
@@ -104,3 +104,22 @@ def test_a_failed_abort_is_recorded_so_no_abandon_follows(receiver):
     with pytest.raises(TransferError, match="cannot cancel"):
         sender.wait(handle, timeout_s=60.0, cancel=cancel)
     assert handle.abort_failed
+
+
+def test_wait_records_where_the_push_went(receiver):
+    sender = ScriptedSender(["PROC", "PROC", "DONE"])
+    sender.connect(receiver.descriptor())
+    handle = sender.send("r", [0, 1], [2, 3], "p")
+    sender.wait(handle, timeout_s=5)
+    assert handle.trace["polls"] == 3
+    assert {"check_ms", "notice_ms", "done_ms"} <= set(handle.trace)
+    assert all(v >= 0 for v in handle.trace.values())
+
+
+def test_polls_spin_while_a_push_is_young_then_back_off_in_proportion():
+    """A sub-millisecond push (a 128K-token prompt over cuda_ipc) is seen without sleeping;
+    a slow one within 1/8 of its time, never more than a millisecond late."""
+    assert poll_sleep_s(0.0) == 0.0 and poll_sleep_s(SPIN_S / 2) == 0.0
+    assert poll_sleep_s(SPIN_S) == max(SPIN_S / 8, MIN_POLL_SLEEP_S)
+    assert poll_sleep_s(4e-3) == 5e-4
+    assert poll_sleep_s(60.0) == MAX_POLL_SLEEP_S == 1e-3

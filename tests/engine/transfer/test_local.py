@@ -105,6 +105,10 @@ def test_send_rejects_bad_block_lists(pair):
         sender.send("r", [10], [0], "p")
     with pytest.raises(ValueError, match="duplicate"):
         sender.send("r", [0, 1], [3, 3], "p")
+    with pytest.raises(ValueError, match="duplicate"):  # not sorted: the full duplicate search
+        sender.send("r", [2, 0, 1], [3, 1, 3], "p")
+    with pytest.raises(ValueError, match="outside the peer"):  # not sorted: the full min / max
+        sender.send("r", [0, 1, 2], [3, -1, 2], "p")
     with pytest.raises(ValueError, match="equal, non-empty"):
         sender.send("r", [0, 1], [3], "p")
 

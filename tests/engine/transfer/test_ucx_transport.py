@@ -11,7 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from flashpd.engine.transfer.nixl_backend import block_runs, run_rows
+from flashpd.engine.transfer.base import checked_runs
+from flashpd.engine.transfer.nixl_backend import PoolTable, run_rows
 from flashpd.engine.transfer.ucx_transport import (
     TransportFallback,
     enable_proto_log,
@@ -103,22 +104,25 @@ def test_proto_log_keeps_a_log_file_already_set():
 
 
 def test_block_runs_merge_ascending_pairs_whatever_their_order():
-    src = np.array([7, 5, 6, 9, 10, 2])
-    dst = np.array([3, 1, 2, 8, 9, 20])
-    starts_src, starts_dst, lengths = block_runs(src, dst)
-    assert starts_src.tolist() == [2, 5, 9]
-    assert starts_dst.tolist() == [20, 1, 8]
-    assert lengths.tolist() == [1, 3, 2]
+    runs = checked_runs([7, 5, 6, 9, 10, 2], [3, 1, 2, 8, 9, 20], 16, 32)
+    assert runs.src_start.tolist() == [2, 5, 9]
+    assert runs.dst_start.tolist() == [20, 1, 8]
+    assert runs.length.tolist() == [1, 3, 2]
+    assert runs.src.tolist() == [2, 5, 6, 7, 9, 10] and runs.dst.tolist() == [20, 1, 2, 3, 8, 9]
 
 
 def test_block_runs_split_where_only_one_side_is_contiguous():
-    _, _, lengths = block_runs(np.array([0, 1, 2, 3]), np.array([0, 1, 5, 6]))
-    assert lengths.tolist() == [2, 2]
+    assert checked_runs([0, 1, 2, 3], [0, 1, 5, 6], 8, 8).length.tolist() == [2, 2]
+
+
+def test_a_prompt_allocated_in_order_is_one_run():
+    runs = checked_runs(list(range(40, 1064)), tuple(range(9, 1033)), 2048, 2048)
+    assert (runs.src_start.tolist(), runs.dst_start.tolist(), runs.length.tolist()) == ([40], [9], [1024])
 
 
 def test_run_rows_one_descriptor_per_group_and_run():
     regions = (PoolRegion("main.L2", 1000, 16, 256, 0, "VRAM"), PoolRegion("index.L2", 9000, 16, 64, 0, "VRAM"))
-    rows = run_rows(regions, np.array([2, 5]), np.array([3, 1]))
+    rows = run_rows(PoolTable.of(regions), np.array([2, 5]), np.array([3, 1]))
     assert rows.tolist() == [[1512, 768, 0], [2280, 256, 0], [9128, 192, 0], [9320, 64, 0]]
 
 

@@ -1,12 +1,30 @@
+import numpy as np
 import pytest
 
-from flashpd.engine.transfer.wire import TransferNotice, block_runs
+from flashpd.engine.transfer.base import checked_runs
+from flashpd.engine.transfer.wire import TransferNotice, block_runs, write_notice_bytes
 
 
 def test_notice_round_trip_keeps_block_order_and_compresses_runs():
     notice = TransferNotice("req-7", "prefill-3", (4, 5, 6, 9, 1, 2))
     assert block_runs(notice.dst_block_ids) == [[4, 3], [9, 1], [1, 2]]
     assert TransferNotice.from_bytes(notice.to_bytes()) == notice
+
+
+@pytest.mark.parametrize("dst", [[4, 5, 6, 9, 1, 2], [7], list(range(300, 1324)), [5, 3, 4, 0]])
+def test_a_write_notice_from_runs_names_exactly_the_pushed_blocks(dst):
+    src = list(range(len(dst)))
+    runs = checked_runs(src, dst, len(dst), 2048)
+    got = TransferNotice.from_bytes(write_notice_bytes("req-7", "prefill-3", runs.dst_start, runs.length))
+    assert (got.request_id, got.incarnation, got.kind) == ("req-7", "prefill-3", "write")
+    assert sorted(got.dst_block_ids) == sorted(dst)
+
+
+def test_a_one_run_write_notice_is_the_classic_notice_byte_for_byte():
+    runs = checked_runs(range(64), range(100, 164), 64, 256)
+    fast = write_notice_bytes("r", "t.1", runs.dst_start, runs.length)
+    assert fast == TransferNotice("r", "t.1", tuple(range(100, 164))).to_bytes()
+    assert isinstance(runs.dst_start, np.ndarray)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -97,6 +98,70 @@ async def _idle(p: PrefillWorker, d: DecodeWorker, timeout_s: float = SETTLE_S) 
 
 def _run(coro):
     return asyncio.run(coro)
+
+
+class _SlowPush:
+    """The prefill's sender with its writes still moving after the event loop's inline polls:
+    PROC until `landed` is set (the local copy itself happened in the post); an abort of an
+    unfinished write is recorded (a local write cannot really be cancelled)."""
+
+    def __init__(self, sender):
+        self.landed = threading.Event()
+        self.aborted: list = []
+        self.polls = 0
+        poll = sender._poll
+
+        def slow_poll(xfer):
+            self.polls += 1
+            return poll(xfer) if self.landed.is_set() else "PROC"
+
+        sender._poll = slow_poll
+        sender._abort = self.aborted.append
+
+    async def handed_off(self) -> None:
+        """Once the loop runs this again, the inline polls are over: a push thread waits."""
+        while not self.polls:
+            await asyncio.sleep(0.001)
+
+
+def test_a_push_still_moving_after_the_inline_polls_completes_on_a_push_thread(model_f32):
+    async def main():
+        p, d = _workers(model_f32)
+        slow = _SlowPush(p.sender)
+        try:
+            turn = asyncio.create_task(_turn(p, d, _req("s", 300, 7)))
+            await slow.handed_off()
+            slow.landed.set()
+            assert len(await turn) == 3
+            (record,) = p.push_records
+            assert record["inline"] is False and record["phases"]["polls"] > 1
+            assert not slow.aborted and await _idle(p, d)
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
+
+
+def test_abort_while_a_push_thread_waits_cancels_the_write_and_frees_both_sides(model_f32):
+    async def main():
+        p, d = _workers(model_f32)
+        slow = _SlowPush(p.sender)
+        try:
+            req = _req("w", 300, 8)
+            ticket = await d.reserve(req)
+            run = asyncio.create_task(p.run(req, ticket))
+            await slow.handed_off()
+            await _abort_legs(p, d, "w")
+            with pytest.raises(Cancelled):
+                await run
+            assert len(slow.aborted) == 1  # the transfer was cancelled, then abandoned
+            assert await _idle(p, d)
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
 
 
 def test_abort_between_reserve_and_run_frees_decode_blocks_without_waiting(model_f32):

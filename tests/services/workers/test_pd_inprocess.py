@@ -4,6 +4,7 @@ path gives the colocated engine's greedy output, moves only what decode lacks, f
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -159,6 +160,41 @@ def test_each_push_records_where_its_time_went(model_f32):
             # wire_ms runs from inside the post (send's clock) to completion: it overlaps post_ms
             assert record["hop_ms"] + record["post_ms"] <= record["total_ms"]
             assert record["hop_ms"] + record["wire_ms"] <= record["total_ms"]
+            # the local copy completes in the post: seen by the event loop's own polls
+            assert record["inline"] is True and record["phases"]["polls"] == 1
+            assert {"check_ms", "notice_ms", "done_ms"} <= set(record["phases"])
+        finally:
+            await p.close()
+            await d.close()
+
+    asyncio.run(main())
+
+
+def test_replay_ms_counts_the_replay_that_ran_before_generate_was_called(model_f32):
+    """The router calls generate only after the prefill returned; the decode replay starts when
+    the KV arrives. replay_ms runs from the arrival to the engine's first token, so a replay
+    that finished before generate was called still counts whole (it was ~0 before)."""
+
+    async def main():
+        p, d = _workers(model_f32, replay=True)
+        engine = d.engine.engine
+        starts: list[float] = []
+        step = engine.step
+
+        def timed_step():
+            starts.append(time.monotonic())
+            return step()
+
+        engine.step = timed_step
+        try:
+            req = InternalRequest("late", MODEL_ID, tuple(_prompt(300, 9)), SamplingParams(max_tokens=2))
+            await p.run(req, await d.reserve(req))
+            (stats,) = [s for rid, s in engine.stats.items() if rid.startswith("late@")]
+            while stats.first_token_s is None:  # the replay runs before anyone asks for tokens
+                await asyncio.sleep(0.01)
+            replay_start = max(s for s in starts if s <= stats.first_token_s)
+            final = [ev async for ev in d.generate(req) if not isinstance(ev, TokenEvent)][0]
+            assert final.timeline.replay_ms >= 1e3 * (stats.first_token_s - replay_start) > 0
         finally:
             await p.close()
             await d.close()

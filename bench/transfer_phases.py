@@ -1,0 +1,252 @@
+"""Where a KV push's time goes, phase by phase: NIXL over UCX between two processes (CPU).
+
+    python -m flashpd.bench.transfer_phases --reps 15 --out bench/results/transfer_phases_cpu.md
+
+The sender is a NixlSender in this process, the receiver a NixlReceiver in a spawned process
+whose owner loop mirrors the decode worker's engine loop: it sleeps up to --owner-wait-us
+(5 ms: the engine loop's idle wait) unless the receiver's progress thread wakes it with a
+notice (`on_notice`), then polls completions. Each push mirrors the prefill worker's
+(services/prefill/server.py): from the asyncio loop at "compute end" through
+`run_in_executor` onto a push thread, `send` + `wait` there, back onto the loop.
+
+Per prompt size (the released config's 890 B/token KV, 113,920 B per 128-token block, 8
+groups) the table gives the median over --reps pushes of:
+  hop        loop -> the push thread starts (0 on the inline path: the loop posts)
+  check, notice, lock, descriptors, nixl_init, nixl_post   `send`'s phases (TransferHandle.trace):
+             block-id checks, the notice's bytes, the sender's lock, descriptor rows + NIXL
+             descriptor lists, NIXL initialize_xfer, NIXL transfer (the post)
+  done       the post's return -> completion seen by the sender's poll (polls: how many)
+  back       the push thread's return -> the loop resumes (inline: the last poll -> the loop)
+  e2e        loop -> loop: what the prefill worker's `transfer_ms` measures (compute end ->
+             push done); GB/s e2e = bytes / e2e
+  transport  post (before descriptors) -> completion seen (TransferStats.seconds); GB/s
+  notify     `send` -> the receiver's owner has the request complete (one monotonic clock)
+The first push to the peer (UCX wire-up) is reported on its own (`first_push_ms`), never in
+the medians. Bytes are verified after the last push of each size.
+
+On this host the copy is a CPU memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent
+part is the CPU's, the fixed costs (everything but `done` at large sizes) are what carries
+over to the GPU, where cuda_ipc moves 117 MB in well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from flashpd.bench.transfer_bench import REPLY_TIMEOUT_S, digest, released_contract, reply
+from flashpd.engine.transfer import TransferContract
+from flashpd.engine.transfer.contract import CHUNK_TOKENS
+
+SIZES_TOKENS = (128, 8192, 32768, 131072)
+SEND_PHASES = ("check_ms", "notice_ms", "lock_ms", "descriptors_ms", "nixl_init_ms", "nixl_post_ms", "done_ms", "polls")
+
+
+def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float) -> None:
+    """Child process: a NixlReceiver whose owner loop wakes on notices or every owner_wait_s
+    (as the decode engine loop does) and reports ("done", request_id, monotonic time)."""
+    from flashpd.engine.transfer.nixl_backend import NixlReceiver
+
+    contract = TransferContract.from_json(contract_json)
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups}
+    receiver = NixlReceiver(contract, pools, incarnation="bench-decode")
+    wake, commands = threading.Event(), queue.SimpleQueue()
+    receiver.on_notice = wake.set
+
+    def read_pipe():
+        while True:
+            message = conn.recv()
+            commands.put(message)
+            wake.set()
+            if message[0] == "stop":
+                return
+
+    threading.Thread(target=read_pipe, daemon=True).start()
+    conn.send(receiver.descriptor())
+    while True:
+        wake.wait(owner_wait_s)
+        wake.clear()
+        for request_id in receiver.poll_completed():
+            conn.send(("done", request_id, time.monotonic()))
+        while not commands.empty():
+            command, *args = commands.get()
+            if command == "stop":
+                receiver.close()
+                return
+            if command == "expect":
+                receiver.expect(args[0], args[1], time.monotonic() + 600, "bench-prefill")
+                conn.send(("ok",))
+            elif command == "digest":
+                conn.send(("digest", digest(receiver.pools, args[0])))
+
+
+class Pusher:
+    """The prefill worker's push path. "inline" (services/prefill/server.py since 3de969e):
+    send + up to INLINE_WAIT_S of polls on the loop, a push thread waits only on a slower
+    push; "thread" (before): loop -> push thread (send + wait) -> loop."""
+
+    def __init__(self, sender, conn, path: str):
+        self.sender, self.conn, self.path = sender, conn, path
+        self.threads = ThreadPoolExecutor(4, thread_name_prefix="bench-push")
+        if path == "inline":  # imported here, not in the first timed push (~0.5 s of imports)
+            from flashpd.services.prefill.server import INLINE_WAIT_S
+
+            self.inline_wait_s = INLINE_WAIT_S
+
+    def _push(self, request_id: str, src: list[int], dst: list[int], marks: dict) -> object:
+        marks["thread_s"] = time.monotonic()
+        handle = self.sender.send(request_id, src, dst, "bench-prefill")
+        stats = self.sender.wait(handle, timeout_s=60)
+        marks["thread_end_s"] = time.monotonic()
+        return handle, stats
+
+    def _push_inline(self, request_id: str, src: list[int], dst: list[int], marks: dict):
+        marks["thread_s"] = time.monotonic()  # no hop: the loop itself
+        handle = self.sender.send(request_id, src, dst, "bench-prefill")
+        stats = self.sender.poll_briefly(handle, self.inline_wait_s)
+        marks["thread_end_s"] = time.monotonic()
+        return handle, stats
+
+    async def push(self, request_id: str, src: list[int], dst: list[int]) -> dict:
+        self.conn.send(("expect", request_id, dst))
+        reply(self.conn, "ok")
+        marks: dict = {}
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()  # "compute end"
+        if self.path == "inline":
+            handle, stats = self._push_inline(request_id, src, dst, marks)
+            if stats is None:
+                stats = await loop.run_in_executor(self.threads, self.sender.wait, handle, 60.0)
+                marks["thread_end_s"] = time.monotonic()
+        else:
+            handle, stats = await loop.run_in_executor(self.threads, self._push, request_id, src, dst, marks)
+        t1 = time.monotonic()
+        _, done_id, done_s = reply(self.conn, "done")
+        assert done_id == request_id, (done_id, request_id)
+        row = {k: float(v) for k, v in getattr(handle, "trace", {}).items()}  # older senders have no trace
+        row.update(
+            hop_ms=1e3 * (marks["thread_s"] - t0),
+            back_ms=1e3 * (t1 - marks["thread_end_s"]),
+            e2e_ms=1e3 * (t1 - t0),
+            transport_ms=1e3 * stats.seconds,
+            notify_ms=1e3 * (done_s - marks["thread_s"]),
+            bytes=stats.num_bytes,
+        )
+        return row
+
+
+async def run_sizes(pusher: Pusher, sizes_tokens: tuple[int, ...], reps: int, max_blocks: int) -> dict:
+    out: dict = {"first_push_ms": None, "sizes": {}}
+    first = await pusher.push("first", [0], [0])  # UCX wire-up to the peer
+    out["first_push_ms"] = round(first["e2e_ms"], 3)
+    for tokens in sizes_tokens:
+        n = math.ceil(tokens / CHUNK_TOKENS)
+        rows = []
+        for rep in range(reps):
+            src = list(range(n))
+            dst = list(range((rep % 2) * max_blocks, (rep % 2) * max_blocks + n))  # alternate halves
+            rows.append(await pusher.push(f"p{tokens}-{rep}", src, dst))
+        pusher.conn.send(("digest", dst))
+        verified = reply(pusher.conn, "digest")[1] == digest(pusher.sender.pools, src)
+        out["sizes"][tokens] = {"rows": rows, "verified": verified}
+    return out
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r})
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in keys}
+
+
+def render(result: dict, args: argparse.Namespace) -> str:
+    cols = ["hop_ms", *SEND_PHASES, "back_ms", "e2e_ms", "transport_ms", "notify_ms"]
+    head = ["tokens", "MB", *[c.removesuffix("_ms") for c in cols], "GB/s e2e", "GB/s transport", "verified"]
+    lines = [
+        f"# KV push phases, NIXL/UCX between two processes on the CPU ({args.label})",
+        "",
+        f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us} "
+        f"--path {args.path}`; "
+        f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
+        f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
+        f"- medians of {args.reps} pushes per size, ms (polls: a count); definitions in the module docstring",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for tokens, size in result["sizes"].items():
+        m = medians(size["rows"])
+        cells = [str(tokens), f"{m['bytes'] / 1e6:.1f}"]
+        cells += [f"{m[c]:.3f}" if c in m and c != "polls" else (f"{m[c]:.0f}" if c in m else "-") for c in cols]
+        cells += [f"{m['bytes'] / m['e2e_ms'] / 1e6:.2f}", f"{m['bytes'] / m['transport_ms'] / 1e6:.2f}"]
+        cells.append("yes" if size["verified"] else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from flashpd.engine.transfer.nixl_backend import NixlSender
+
+    contract = released_contract()
+    max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    child = ctx.Process(
+        target=receiver_main,
+        daemon=True,
+        args=(child_end, contract.to_json(), 2 * max_blocks, args.owner_wait_us * 1e-6),
+    )
+    child.start()
+    gen = torch.Generator().manual_seed(0)
+    pools = {
+        g.name: torch.randint(0, 256, (max_blocks, g.block_bytes), dtype=torch.uint8, generator=gen)
+        for g in contract.groups
+    }
+    sender = NixlSender(contract, pools)
+    try:
+        if not conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError("receiver process did not start")
+        sender.connect(conn.recv())
+        pusher = Pusher(sender, conn, args.path)
+        result = asyncio.run(run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks))
+    finally:
+        conn.send(("stop",))
+        child.join(timeout=30)
+        sender.close()
+    table = render(result, args)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a" if args.append else "w") as f:
+            f.write(table + "\n")
+    return 0 if all(s["verified"] for s in result["sizes"].values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_TOKENS), help="prompt tokens per push")
+    parser.add_argument("--reps", type=int, default=15, help="pushes per size")
+    parser.add_argument("--owner-wait-us", type=int, default=5000, help="the receiver owner's idle wait")
+    parser.add_argument("--path", choices=("inline", "thread"), default="inline", help="the push path (Pusher)")
+    parser.add_argument("--label", default="this commit", help="names the run in the table's title")
+    parser.add_argument("--out", default="", help="write the markdown table here")
+    parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
