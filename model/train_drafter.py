@@ -276,9 +276,11 @@ def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int], 
         accepted = 0
         while accepted < k and drafts[accepted] == chain[i + 1 + accepted]:
             accepted += 1
+        steps, emitted, i = steps + 1, emitted + accepted + 1, i + accepted + 1
+        if pos + accepted >= taps.shape[0]:  # every draft accepted up to the chain's last token,
+            break  # which has no tap row: nothing is left to draft
         committed = list(range(pos, pos + accepted + 1))  # the anchor and accepted drafts
         drafter.insert_context([state], [committed], taps[pos : pos + accepted + 1])
-        steps, emitted, i = steps + 1, emitted + accepted + 1, i + accepted + 1
     return steps, emitted
 
 

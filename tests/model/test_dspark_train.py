@@ -129,3 +129,13 @@ def test_confidence_head_trains_at_a_smaller_rate(backbone):
     assert [g["lr_scale"] for g in groups] == [1.0, CONFIDENCE_LR_SCALE]
     assert any(p is conf for p in groups[1]["params"])
     assert not any(p is conf for p in groups[0]["params"])
+
+
+def test_speculative_walk_ends_when_the_last_token_is_accepted():
+    """greedy_continuation records no tap row for the chain's last token (prompt + new - 1 rows):
+    a step that accepts every draft up to it ends the walk instead of inserting a missing row."""
+    chain = list(range(100, 160))
+    oracle = _Oracle(chain, 10, 5)
+    steps, emitted = speculative_walk(oracle, 10, chain, torch.zeros(10 + len(chain) - 1, 1))
+    assert (steps, emitted) == (10, 60)
+    assert oracle.inserted == list(range(10 + 54))  # the last step's positions are not committed
