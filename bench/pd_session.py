@@ -94,20 +94,23 @@ def decode_turn(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int], rea
     return row, got
 
 
-def session(pre: LLMEngine, dec: LLMEngine, vocab: int, sizes: dict, log) -> list[dict]:
+def session(pre: LLMEngine, dec: LLMEngine | None, vocab: int, sizes: dict, log) -> list[dict]:
+    """The turns; with no decode engine, the prefill side alone (the answer: generated ids)."""
     prompt = _ids(sizes["first"], 77, vocab)
     rows = []
     for turn in range(TURNS):
         rid = f"turn{turn}"
         row, ready = prefill_turn(pre, rid, prompt)
-        drow, answer = decode_turn(pre, dec, rid, prompt, ready, sizes["answer"])
+        if dec is not None:
+            drow, answer = decode_turn(pre, dec, rid, prompt, ready, sizes["answer"])
+        else:
+            pre.release_kv(rid)
+            drow, answer = {}, _ids(sizes["answer"], 500 + turn, vocab)
         row = {"turn": turn, "prompt_tokens": len(prompt), **row, **drow}
         log(
             f"turn {turn} ({len(prompt)} tokens): prefill {row['prefill_ms']} ms "
-            f"({row['prefill_compiles']['count']} compiles, {row['prefill_compiles']['seconds']} s), "
-            f"decode first token {row['decode_first_token_ms']} ms "
-            f"({row['decode_compiles']['count']} compiles, captures {row['decode_graph_captures']}, "
-            f"misses {row['decode_graph_misses']})"
+            f"({row['prefill_compiles']['count']} compiles, {row['prefill_compiles']['seconds']} s) "
+            f"{row['prefill_compiles']['kernels'][:2]}; decode {drow or '-'}"
         )
         rows.append(row)
         prompt = prompt + answer + _ids(sizes["new"], 900 + turn, vocab)
@@ -115,19 +118,22 @@ def session(pre: LLMEngine, dec: LLMEngine, vocab: int, sizes: dict, log) -> lis
 
 
 def build(args):
-    """(model, prefill engine, decode engine, vocab) over the config's engine settings."""
+    """(model, prefill engine, decode engine or None) over the config's engine settings."""
     cfgs = stack_engine_configs(args.config)
+    roles = ("prefill", "decode") if not args.prefill_only else ("prefill",)
     if args.smoke:
         from flashpd.model.model import load_model
 
         model = load_model(args.smoke, torch.float32)
         over = {"dtype": "float32", "device": "cpu", "num_blocks": 512, "max_model_len": 4096}
-        return model, *(LLMEngine(model, dataclasses.replace(cfgs[r], **over)) for r in ("prefill", "decode"))
+        engines = [LLMEngine(model, dataclasses.replace(cfgs[r], **over)) for r in roles]
+        return model, engines[0], engines[1] if len(engines) > 1 else None
     from flashpd.engine.gpu.loading import random_gpu_model
     from flashpd.model.presets import preset_config
 
     model = random_gpu_model(preset_config("bench"), "cuda", 0)
-    return model, *(LLMEngine(model, cfgs[r]) for r in ("prefill", "decode"))
+    engines = [LLMEngine(model, cfgs[r]) for r in roles]
+    return model, engines[0], engines[1] if len(engines) > 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", default=None, help="CPU: this checkpoint, short turns, a short warm-up")
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
+    p.add_argument("--prefill-only", action="store_true", help="the prefill engine alone (turns to kv_ready)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     model, pre, dec = build(args)
     plan = WarmupPlan(long_tokens=136, short_tokens=128, batches=(1, 2)) if args.smoke else None
-    warm = {role: warm_up(e, plan) for role, e in (("prefill", pre), ("decode", dec))}
+    warm = {role: warm_up(e, plan) for role, e in (("prefill", pre), ("decode", dec)) if e is not None}
     print(f"built and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
     sizes = SMOKE if args.smoke else {"first": FIRST, "answer": ANSWER, "new": NEW}
     rows = session(pre, dec, model.cfg.vocab_size, sizes, lambda m: print(m, flush=True))
