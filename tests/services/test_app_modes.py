@@ -63,3 +63,33 @@ def test_joint_autoscaling_is_refused_in_colocated_mode_naming_it():
 def test_speculative_decoding_goes_to_the_colocated_workers():
     args = AppArgs.model_validate({**BASE, "mode": "colocated", "speculative": {"method": "ngram"}})
     assert args.worker_config("colocated").engine.speculative.method == "ngram"
+
+
+def _cli_args(*argv: str):
+    import argparse
+
+    from flashpd.services.cli import register
+
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    return p.parse_args(["serve", "--preset", "tiny", *argv])
+
+
+def test_flashpd_serve_mode_colocated_builds_a_valid_colocated_config():
+    from flashpd.services.cli import app_args
+
+    a = app_args(_cli_args("--mode", "colocated", "--colocated-replicas", "2"), "ckpt", "redis://127.0.0.1:1")
+    args = AppArgs.model_validate(a)
+    assert args.mode == "colocated" and args.colocated_args.replicas == 2
+    assert "prefill" not in a and "decode" not in a
+    pd = AppArgs.model_validate(app_args(_cli_args(), "ckpt", "redis://127.0.0.1:1"))
+    assert pd.mode == "disaggregated" and (pd.prefill.replicas, pd.decode.replicas) == (1, 1)
+
+
+def test_flashpd_serve_refuses_the_other_modes_replica_flags():
+    from flashpd.services.cli import app_args
+
+    with pytest.raises(SystemExit, match="--prefill-replicas"):
+        app_args(_cli_args("--mode", "colocated", "--prefill-replicas", "2"), "ckpt", "redis://127.0.0.1:1")
+    with pytest.raises(SystemExit, match="--colocated-replicas"):
+        app_args(_cli_args("--colocated-replicas", "2"), "ckpt", "redis://127.0.0.1:1")
