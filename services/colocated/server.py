@@ -90,9 +90,11 @@ class ColocatedWorker(EngineWorker):
         self.engine.open_stream(engine_id)  # before the engine can produce an output
         try:
             added = await self.engine.call(lambda e: self._add_on_loop(e, req, engine_id))
-        except BaseException:
+        except BaseException as exc:
             self.engine.close_stream(engine_id, abort=False)
             await asyncio.shield(self._abort_run(engine_id))  # a cancel may land after the add ran
+            if isinstance(exc, EngineDead):  # the replica is replaced: another worker may serve it
+                raise Unavailable(f"the engine of {self.ref.worker_id} stopped: {exc}") from None
             raise
         if not added:
             self.engine.close_stream(engine_id, abort=False)
