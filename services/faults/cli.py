@@ -1,6 +1,7 @@
 """`flashpd faults`: the fault suite with the issue's counts against a real local stack
-(Redis + Ray Serve + the tiny model, 2 prefill + 2 decode replicas; 1 + 1 for the load runs),
-results printed and written to bench/results/faults.md.
+(Redis + Ray Serve + the tiny model, 2 prefill + 2 decode replicas; 1 + 1 for the load runs;
+2 colocated replicas for the `colocated_*` scenarios), results printed and written to
+bench/results/faults.md.
 
 Run it inside a loopback-only namespace:
 

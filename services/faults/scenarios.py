@@ -906,16 +906,18 @@ async def redis_restart(
     # longer than exact replay's receptive field (1,271 tokens on tiny), so a hit earns credit
     # in either replay mode
     prefix = prompt_ids(random.Random(seed), 1800, vocab)
+    # the worker that decodes holds the prefix: D's resident chunks, or a colocated worker's credit
+    field = "cached_tokens" if stack.config.mode == "colocated" else "cached_tokens_decode"
     async with AsyncClient(stack.grpc_target) as client:
         await generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
-        res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0)  # the baseline
+        res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0, field=field)  # the baseline
 
         async def fault() -> None:
             await asyncio.sleep(1.0)
             stack.redis_server.kill()
             await asyncio.sleep(down_s)
             stack.redis_server.restart()
-            res.counts["hits_back_s"] = await _hits_back(client, prefix, 120.0)
+            res.counts["hits_back_s"] = await _hits_back(client, prefix, 120.0, field=field)
 
         stats = await _with_traffic(stack, clients, seed, fault())
     registered = len(stack.worker_stats())
@@ -934,7 +936,7 @@ async def redis_restart(
     return res
 
 
-async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 6):
+async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 6, field: str = "cached_tokens_decode"):
     """Seconds from now until hits came back: the send time of the first of `streak` requests
     in a row (new ids, prompt = prefix + a new tail) placed on the decode worker holding the
     prefix (index-driven: blind placement finds it 1 time in 2, so 6 in a row by chance 1.6% of
@@ -946,7 +948,7 @@ async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 
     while time.monotonic() - started < timeout_s:
         sent = time.monotonic()
         out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1, timeout_s=60)
-        hit = out["ok"] and out["result"].usage.cached_tokens_decode >= len(prefix) // 2
+        hit = out["ok"] and getattr(out["result"].usage, field) >= len(prefix) // 2
         run = run + 1 if hit else 0
         if run == 1:
             streak_began = sent
