@@ -1,7 +1,8 @@
-"""The AgentX device calls rehearsed on the CPU, end to end (issue 28): both H200 configs turned
-into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
+"""The AgentX device calls rehearsed on the CPU, end to end (issue 28): every H200 config (the
+P/D A/B pair and the colocated one) turned into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
 `agentx_gpu sweep` as the device call runs it (Redis, Ray, router + prefill + decode, NIXL over
-loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report`. Minutes; run it in a
+loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report` (its pd_vs_colocated
+from the colocated sweep). Minutes; run it in a
 loopback-only namespace (scripts/test.sh does)."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     )
 
 
-def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
+def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server")
     pytest.importorskip("ray")
@@ -46,7 +47,7 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangula
     from flashpd.services.redis_local import free_port
 
     out = tmp_path / "agentx"
-    end = time.time() + 1200
+    end = time.time() + 1800
     for name, src in CONFIGS.items():
         cpu = tmp_path / f"{name}.yaml"
         ports = ["--grpc-port", str(free_port()), "--http-port", str(free_port())]
