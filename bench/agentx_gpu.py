@@ -4,6 +4,8 @@
         --out OUT [--concurrency 1,2,4,8,16,32,64] [--window-s 15] [--window-low-s 20] [--end-unix T]
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.baseline.yaml \
         --name baseline --out OUT ...
+    python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.colocated.yaml \
+        --name colocated --out OUT ...          (colocated serving: report's pd_vs_colocated)
     python -m flashpd.bench.agentx_gpu report OUT --baseline baseline --candidate flashpd --commit SHA
     python -m flashpd.bench.agentx_gpu cpu-config infra/serve.h200.yaml --checkpoint DIR --out FILE
 
@@ -58,7 +60,11 @@ CALIBRATE_MIN_TOKENS = 100_000  # primer tokens a point needs before its prefill
 LOW_CONCURRENCY = 4  # points up to this get --window-low-s: few lanes send few requests
 INTERRUPT_GRACE_S = 20.0  # SIGINT -> the driver writes meta.json; then the point is killed
 SWEEP_FILE = "sweep.json"
-CONFIGS = {"flashpd": "infra/serve.h200.yaml", "baseline": "infra/serve.h200.baseline.yaml"}
+CONFIGS = {
+    "flashpd": "infra/serve.h200.yaml",
+    "baseline": "infra/serve.h200.baseline.yaml",
+    "colocated": "infra/serve.h200.colocated.yaml",
+}
 CALL_BUDGET_S = 570  # of the device call's 600 s: the sweep's --end-unix (install and bring-up included);
 # points end --teardown-s before it, and the stack is down with ~30 s to spare
 
@@ -260,7 +266,8 @@ def cpu_config(src: str, checkpoint: str, *, grpc_port: int, http_port: int, mod
     args = app["args"]
     args.update(checkpoint=checkpoint, model_id="flashpd-tiny", dtype="float32", device="cpu")
     args.update(grpc_port=grpc_port, max_model_len=model_len)
-    for role in ("prefill", "decode"):
+    roles = ("colocated",) if args.get("mode") == "colocated" else ("prefill", "decode")
+    for role in roles:
         args[role].update(num_gpus=0, num_blocks=256, max_num_batched_tokens=512)
     return raw
 
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tiers", default="20,60,150")
     r.add_argument("--ttft-limit-s", type=float, default=5.0)
     r.add_argument("--commit", default="unknown")
+    r.add_argument("--colocated", default="colocated", help="the colocated sweep (pd_vs_colocated against --candidate)")
     c = sub.add_parser("cpu-config")
     c.add_argument("src")
     c.add_argument("--checkpoint", required=True)

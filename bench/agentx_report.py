@@ -10,6 +10,12 @@
 A tier no point meets comes out as `met: false` with null concurrency and throughput (no number
 is made up); with one configuration only (the other call lost) there is no `ab` and the report
 says so.
+
+`pd_vs_colocated`: when the study holds a colocated sweep (`--colocated`, default "colocated":
+`agentx_gpu sweep --config infra/serve.h200.colocated.yaml --name colocated`) and the P/D
+candidate, the seed's two ratios of disaggregated (the candidate) over colocated, over the
+concurrencies both swept (bench/tiers.py `ab_ratios`: speed at concurrency 1-4, throughput at each
+tier; > 1: disaggregated ahead), with the colocated tiers; otherwise `measured: false` and why.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 from flashpd.bench.cli import parse_tiers
 from flashpd.bench.records import META_FILE, RECORDS_FILE, Phase
 from flashpd.bench.report import PLOTS_DIR, REPORT_FILE, Study, load_study, write_report
-from flashpd.bench.tiers import SUMMARY_FILE, study_summary
+from flashpd.bench.tiers import SUMMARY_FILE, ab_ratios, study_summary, tier_points
 
 SEED = {"speedup_low_concurrency": 1.9, "throughput_ratio_at_tier": {"150": 5.3}}
 SWEEP_FILE = "sweep.json"
@@ -46,7 +52,9 @@ def write(a: argparse.Namespace) -> dict:
         sweeps={name: _sweep(out, name) for name in _config_dirs(out)},
         lost_points=_lost(out),
         notes=notes,
-        pd_vs_colocated=PD_VS_COLOCATED,
+        pd_vs_colocated=pd_vs_colocated(
+            metrics, candidate, getattr(a, "colocated", "colocated"), tiers=tiers, ttft_limit_s=a.ttft_limit_s
+        ),
         workload=next(iter(study.values()))[0].meta.workload,
     )
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
@@ -118,7 +126,8 @@ def _summary_lines(s: dict, a: argparse.Namespace) -> list[str]:
         "",
     ]
     lines += [f"- note: {n}" for n in s["notes"]]
-    lines += _workload_lines(s["workload"]) + _sweep_lines(s) + _tier_lines(s) + _ab_lines(s) + _error_lines(s)
+    lines += _workload_lines(s["workload"]) + _sweep_lines(s) + _tier_lines(s) + _ab_lines(s)
+    lines += _pd_lines(s["pd_vs_colocated"]) + _error_lines(s)
     return lines + H200_LIMITS + [""] + _command_lines(a)
 
 
@@ -229,11 +238,48 @@ def _error_lines(s: dict) -> list[str]:
     return lines + [""]
 
 
+def pd_vs_colocated(metrics: dict, pd: str | None, colocated: str, *, tiers, ttft_limit_s: float) -> dict:
+    """Disaggregated (`pd`) over colocated serving from the study's sweeps of both (the seed's two
+    ratios, bench/tiers.py), or why not (`measured: false`)."""
+    missing = [name for name in (pd, colocated) if name is None or name not in metrics]
+    if missing or pd == colocated:
+        why = f"no completed sweep of {missing or [colocated]} in the study"
+        return {**PD_VS_COLOCATED, "why": f"{why}; {PD_VS_COLOCATED['why']}"}
+    return {
+        "measured": True,
+        "pd": pd,
+        "colocated": colocated,
+        "ratio": "disaggregated over colocated (> 1: disaggregated ahead)",
+        **ab_ratios(metrics[colocated], metrics[pd], tiers, ttft_limit_s),
+        "colocated_tiers": tier_points(metrics[colocated], tiers, ttft_limit_s),
+        "expected": PD_VS_COLOCATED["expected"],
+    }
+
+
+def _pd_lines(pdc: dict) -> list[str]:
+    lines = ["## Disaggregated against colocated on the same GPU", ""]
+    if not pdc["measured"]:
+        return lines + [f"Not measured: {pdc['why']}", "", f"Expected: {pdc['expected']}.", ""]
+    lines += [
+        f"`{pdc['pd']}` (router + prefill + decode sharing the GPU, KV over cuda_ipc) over `{pdc['colocated']}` "
+        f"(router + one colocated replica, infra/serve.h200.colocated.yaml), over the concurrencies both swept: "
+        f"{pdc['common_concurrency']}. Above 1: disaggregated ahead.",
+        "",
+        "| figure | P/D over colocated |",
+        "|---|---|",
+        f"| speed at concurrency 1-4 (mean over {pdc['low_concurrency_points']} points) | "
+        f"{_fmt(pdc['speedup_low_concurrency'], 2, 'x')} |",
+    ]
+    for tier, ratio in pdc["throughput_ratio_at_tier"].items():
+        why = "" if ratio is not None else " (a configuration meets no point of this tier)"
+        lines.append(f"| total throughput at the {tier} tok/s/user tier | {_fmt(ratio, 2, 'x')}{why} |")
+    return lines + ["", f"Expected before measuring: {pdc['expected']}.", ""]
+
+
 PD_VS_COLOCATED = {
     "measured": False,
-    "why": "flashpd serves disaggregated only: no colocated Serve deployment exists to sweep through "
-    "the router. The colocated engine is compared at the engine level in bench/results/h200_stack "
-    "(greedy identity), not under this workload.",
+    "why": "sweep it with `python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.colocated.yaml "
+    "--name colocated --out OUT` (router + one colocated replica on the GPU; README 'Serving modes').",
     "expected": "on one GPU the two workers time-share it, so disaggregation buys no isolation here: "
     "a prefill delays the decode steps it overlaps as it would colocated, and P/D adds the KV push "
     "(cuda_ipc) per turn; colocated should match or beat it at every tier on one H200",

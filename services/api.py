@@ -13,6 +13,11 @@ Life of a request (all calls made by the router's orchestrator):
            --generate(req)--------> DecodeServer   -> TokenEvent* FinalEvent
            --abort(request_id)----> both, on cancel / deadline / failure (idempotent)
 
+Colocated mode (one worker role, `ColocatedServerApi`; no ticket, no KV transfer):
+
+    router --generate(req)--------> ColocatedServer -> TokenEvent* FinalEvent (prefill + decode)
+           --abort(request_id)----> it, on cancel / deadline / failure (idempotent)
+
 Worker method contract (the lead implements these as Ray Serve deployments; the orchestrator
 calls `handle.method.remote(...)` and awaits it, `generate` through
 `handle.options(stream=True)`):
@@ -57,11 +62,16 @@ from typing import ClassVar, Literal, Protocol
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")  # the worker roles (engine roles without colocated)
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")  # the disaggregated worker roles
 DeploymentRole = Literal["prefill", "decode", "router"]
-# Every Serve deployment of the application: the workers and the router (scaled together).
+# Every Serve deployment of a disaggregated application: the workers and the router (scaled together).
 DEPLOYMENT_ROLES: tuple[DeploymentRole, ...] = (*ROLES, "router")
+# Serving modes: disaggregated (a prefill and a decode worker per request, KV pushed P -> D) or
+# colocated (one worker prefills and decodes, no KV transfer). One mode per application.
+ServingMode = Literal["disaggregated", "colocated"]
+MODE_ROLES: dict[str, tuple[Role, ...]] = {"disaggregated": ROLES, "colocated": ("colocated",)}
+WORKER_ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated")  # every worker role
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -363,8 +373,8 @@ class WorkerRef:
     incarnation: str
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         for name in ("worker_id", "incarnation"):
             value = getattr(self, name)
             if not value or any(c in value for c in "| \t\n{}"):
@@ -415,6 +425,24 @@ class WorkerStats:
 
 class PrefillServerApi(Protocol):
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def stats(self) -> WorkerStats: ...
+
+
+class ColocatedServerApi(Protocol):
+    """One worker prefills (its own prefix cache, bounded replay on a hit) and decodes.
+
+    `generate(req)` admits the request (a bounded FIFO queue beyond capacity: only a full queue
+    refuses, RESOURCE_EXHAUSTED; its deadline applies while queued), prefills the part of the
+    prompt it lacks and streams TokenEvent* then one FinalEvent. The first TokenEvent carries
+    `prefill_credit_tokens` (the prefix-cache credit it used); FinalEvent.usage fills
+    prompt_tokens, completion_tokens, cached_tokens (= cached_tokens_prefill, the credit) and
+    the timeline's prefill_queue_ms / prefill_ms (admission wait; admitted -> first token).
+    `abort`, `stats` as on the other roles."""
+
+    def generate(self, req: InternalRequest) -> AsyncIterator[Event]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -8,6 +8,14 @@ values raise, naming the field) and turned into frozen dataclasses for the worke
       |-- PrefillServer  (engine in prefill role; autoscaled; PinnedWorkerRouter)
       '-- DecodeServer   (engine in decode role; autoscaled; PinnedWorkerRouter)
 
+or, with `mode: colocated` (one engine prefills and decodes; no KV transfer):
+
+    Router (the same front ends and routing)
+      '-- ColocatedServer (engine in colocated role; `colocated` section; PinnedWorkerRouter)
+
+A config is one mode: `mode: colocated` with a `prefill` or `decode` section, or a `colocated`
+section without `mode: colocated`, is refused naming the field.
+
 With `joint_autoscaling: true` the three deployments are scaled together by the application-level
 policy `flashpd.services.autoscaling.serve:JointPolicy` (set as the Serve application's
 `autoscaling_policy`, its `policy_kwargs` checked by its `JointPolicyArgs`); each role's
@@ -26,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.speculative import BENCH_ENV, DEFAULT_MAX_BATCH, SpeculativeConfig
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
-from flashpd.services.api import DEPLOYMENT_ROLES
+from flashpd.services.api import DEPLOYMENT_ROLES, ServingMode
 from flashpd.services.worker.common import WorkerConfig
 
 
@@ -254,9 +262,47 @@ class AppArgs(_Strict):
     speculative: SpeculativeArgs | None = Field(
         None, description="speculative decoding on the decode workers (null: off)"
     )
+    mode: ServingMode = Field(
+        "disaggregated",
+        description="disaggregated: prefill + decode workers, KV pushed P -> D; colocated: one "
+        "worker role that prefills and decodes (the `colocated` section), no KV transfer",
+    )
     router: RouterArgs = RouterArgs()
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
+    colocated: RoleArgs | None = Field(None, description="the colocated workers (mode: colocated only)")
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> AppArgs:
+        """A config serves one mode; mixing the roles is refused naming the field."""
+        if self.mode == "disaggregated":
+            if self.colocated is not None:
+                raise ValueError(
+                    "colocated: a colocated section needs `mode: colocated` (this config serves "
+                    "disaggregated through its prefill and decode sections)"
+                )
+            return self
+        mixed = sorted({"prefill", "decode"} & self.model_fields_set)
+        if mixed:
+            raise ValueError(
+                f"{', '.join(mixed)}: mode colocated serves with the `colocated` workers only; "
+                "remove the prefill/decode sections or set `mode: disaggregated`"
+            )
+        if self.joint_autoscaling:
+            raise ValueError(
+                "joint_autoscaling: the joint policy scales prefill against decode; with mode "
+                "colocated give `colocated.autoscaling` (Serve's own policy) instead"
+            )
+        return self
+
+    @property
+    def colocated_args(self) -> RoleArgs:
+        """The colocated workers' section (defaults when the config gives none)."""
+        return self.colocated if self.colocated is not None else RoleArgs()
+
+    def worker_roles(self) -> tuple[str, ...]:
+        """The worker deployments this config serves with."""
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> AppArgs:
@@ -294,7 +340,7 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _joint(self) -> AppArgs:
-        if self.joint_autoscaling:
+        if self.joint_autoscaling and self.mode == "disaggregated":
             missing = [r for r in DEPLOYMENT_ROLES if getattr(self, r).autoscaling is None]
             if missing:
                 raise ValueError(f"joint_autoscaling needs `autoscaling` bounds for {missing}")
@@ -321,12 +367,14 @@ class AppArgs(_Strict):
         return url if password is None else _with_password(url, password)
 
     def worker_config(self, role: str, redis_url: str | None = None) -> WorkerConfig:
-        r: RoleArgs = getattr(self, role)
+        if role not in self.worker_roles():
+            raise ValueError(f"role {role!r} is not served in mode {self.mode} (roles: {self.worker_roles()})")
+        r: RoleArgs = self.colocated_args if role == "colocated" else getattr(self, role)
         spec = None if self.speculative is None else self.speculative.engine_config()
         return WorkerConfig(
             self.checkpoint,
             self.model_id,
-            self._engine_config(role, r, spec if role == "decode" else None),
+            self._engine_config(role, r, spec if role in ("decode", "colocated") else None),
             self.transfer_backend,
             redis_url or self.resolved_redis_url(),
             lease_s=self.kv_lease_s,
@@ -336,7 +384,7 @@ class AppArgs(_Strict):
         )
 
     def _engine_config(self, role: str, r: RoleArgs, spec: SpeculativeConfig | None) -> EngineConfig:
-        """The engine of a `role` worker; `spec`: speculative decoding (decode only)."""
+        """The engine of a `role` worker; `spec`: speculative decoding (the roles that sample)."""
         return EngineConfig(
             role=role,
             num_blocks=r.num_blocks,
@@ -373,11 +421,21 @@ def build_app(args: dict):
     """Serve application builder (`import_path: flashpd.services.app:build_app`)."""
     from ray import serve
 
-    from flashpd.services.autoscaling.replicas import ReportingDecodeServer, ReportingPrefillServer, ReportingRouter
+    from flashpd.services.autoscaling.replicas import (
+        ReportingColocatedServer,
+        ReportingDecodeServer,
+        ReportingPrefillServer,
+        ReportingRouter,
+    )
 
     parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     joint = parsed.joint_autoscaling
     redis_url = parsed.resolved_redis_url()
+    if parsed.mode == "colocated":
+        colocated = _worker_deployment(ReportingColocatedServer, "ColocatedServer", parsed.colocated_args, False)
+        router = serve.deployment(ReportingRouter, name="Router", **parsed.router.deployment_options(False))
+        worker = colocated.bind(parsed.worker_config("colocated", redis_url))
+        return router.bind({**parsed.model_dump(), "redis_url": redis_url}, None, None, worker)
     prefill = _worker_deployment(ReportingPrefillServer, "PrefillServer", parsed.prefill, joint)
     decode = _worker_deployment(ReportingDecodeServer, "DecodeServer", parsed.decode, joint)
     router = serve.deployment(ReportingRouter, name="Router", **parsed.router.deployment_options(joint))

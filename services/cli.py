@@ -51,8 +51,15 @@ def _add_model_args(p) -> None:
 
 def _add_stack_args(p) -> None:
     p.add_argument("--redis", help="redis://host:port (default: start a local one)")
-    p.add_argument("--prefill-replicas", type=int, default=1)
-    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument(
+        "--mode",
+        default="disaggregated",
+        choices=["disaggregated", "colocated"],
+        help="disaggregated: prefill + decode workers (KV pushed P -> D); colocated: one worker role, no KV transfer",
+    )
+    p.add_argument("--prefill-replicas", type=int, default=None, help="disaggregated mode (default 1)")
+    p.add_argument("--decode-replicas", type=int, default=None, help="disaggregated mode (default 1)")
+    p.add_argument("--colocated-replicas", type=int, default=None, help="colocated mode (default 1)")
     p.add_argument("--routing", default="affinity", choices=["affinity", "random", "round_robin"])
     p.add_argument("--no-swa-bounded-replay", action="store_true")
     p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "local"])
@@ -97,8 +104,23 @@ def tiny_checkpoint(seed: int = 0) -> str:
     return out
 
 
-def app_args(args, checkpoint: str, redis_url: str) -> dict:
+def _worker_sections(args) -> dict:
+    """The mode's worker sections; a replica count of the other mode's roles is refused."""
     role = {"num_blocks": args.num_blocks}
+    mode = getattr(args, "mode", "disaggregated")
+    given = {
+        "prefill": getattr(args, "prefill_replicas", None),
+        "decode": getattr(args, "decode_replicas", None),
+        "colocated": getattr(args, "colocated_replicas", None),
+    }
+    roles = ("colocated",) if mode == "colocated" else ("prefill", "decode")
+    wrong = [f"--{r}-replicas" for r, n in given.items() if n is not None and r not in roles]
+    if wrong:
+        raise SystemExit(f"flashpd: {', '.join(wrong)} does not apply with --mode {mode}")
+    return {"mode": mode, **{r: dict(role, replicas=given[r] or 1) for r in roles}}
+
+
+def app_args(args, checkpoint: str, redis_url: str) -> dict:
     return {
         "checkpoint": checkpoint,
         "model_id": f"flashpd-{args.preset}" if not args.checkpoint else os.path.basename(os.path.normpath(checkpoint)),
@@ -108,8 +130,7 @@ def app_args(args, checkpoint: str, redis_url: str) -> dict:
         "swa_bounded_replay": not args.no_swa_bounded_replay,
         "transfer_backend": args.transfer_backend,
         "kv_format": args.kv_format,
-        "prefill": dict(role, replicas=args.prefill_replicas),
-        "decode": dict(role, replicas=args.decode_replicas),
+        **_worker_sections(args),
         "grpc_host": args.host,
         "tls_cert_file": args.tls_cert,
         "tls_key_file": args.tls_key,

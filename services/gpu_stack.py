@@ -4,8 +4,8 @@
 
 starts a redis-server on loopback, Ray on 127.0.0.1 with the machine's GPUs, and the config's
 application (router + prefill + decode; on one H200 the two workers share the GPU through
-fractional `num_gpus`). It returns "ready" only once both workers loaded and warmed their
-engines (Serve counts a replica as started when its constructor, load + warm-up, returned),
+fractional `num_gpus`; or router + colocated workers with `mode: colocated`). It returns "ready"
+only once every worker loaded and warmed its engine (Serve counts a replica as started when its constructor, load + warm-up, returned),
 each heartbeats in Redis, gRPC health says SERVING and HTTP /health answers. Then it serves
 until SIGINT/SIGTERM, and stops Serve, Ray and Redis.
 
@@ -32,7 +32,7 @@ from flashpd.services.app import AppArgs
 
 DEFAULT_CONFIG = "infra/serve.h200.yaml"
 LOOPBACK = "127.0.0.1"
-DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}
+DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer", "colocated": "ColocatedServer"}
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class StackConfig:
     env: dict[str, str]  # runtime_env.env_vars
     app_name: str
     http_port: int
-    replicas: dict[str, int]  # role -> fixed replica count
+    replicas: dict[str, int]  # role -> fixed replica count (the router and the mode's workers)
     gpus: float  # GPUs the replicas ask for together
 
 
@@ -70,10 +70,11 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
 
 
 def _fixed_replicas(path: str, args: AppArgs) -> tuple[dict[str, int], float]:
-    """role -> replica count, and the GPUs they ask for together; every role needs a fixed count."""
+    """role -> replica count, and the GPUs they ask for together; every role of the config's
+    mode needs a fixed count."""
     replicas, gpus = {}, 0.0
-    for role in ("router", "prefill", "decode"):
-        r = getattr(args, role)
+    for role in ("router", *args.worker_roles()):
+        r = args.colocated_args if role == "colocated" else getattr(args, role)
         if r.autoscaling is not None or r.replicas is None:
             raise ValueError(f"{path}: {role} needs a fixed `replicas` count here")
         replicas[role] = r.replicas
@@ -97,9 +98,10 @@ class GpuStack:
         return live_worker_stats(self.redis_url, self.model_id, timeout_s)
 
     def counts(self) -> dict[str, int]:
-        counts = {"prefill": 0, "decode": 0}
+        """Live workers per role of the mode (a worker of another role counts under its own)."""
+        counts = dict.fromkeys(self.args.worker_roles(), 0)
         for w in self.worker_stats():
-            counts[w.role] += 1
+            counts[w.role] = counts.get(w.role, 0) + 1
         return counts
 
     def blocks_held(self) -> int:
@@ -110,7 +112,7 @@ class GpuStack:
         heartbeats; raises TimeoutError."""
         from flashpd_sdk import Client
 
-        want = {r: self.config.replicas[r] for r in DEPLOYMENTS}
+        want = {r: self.config.replicas[r] for r in self.args.worker_roles()}
         t0 = time.monotonic()
         with Client(self.grpc_target) as client:
             while time.monotonic() - t0 < timeout_s:
@@ -125,16 +127,22 @@ class GpuStack:
         raise TimeoutError(f"stack not ready within {timeout_s} s (workers {self.counts()})")
 
     def kv_transports(self) -> dict[str, str]:
-        """Decode peer -> the UCX transport the prefill replica's pushes used (read back)."""
+        """Decode peer -> the UCX transport the prefill replica's pushes used (read back);
+        empty in colocated mode (no KV moves)."""
         from ray import serve
 
+        if self.args.mode == "colocated":
+            return {}
         handle = serve.get_deployment_handle(DEPLOYMENTS["prefill"], self.config.app_name)
         return handle.kv_transports.remote().result(timeout_s=30)
 
     def push_records(self) -> list[dict]:
-        """The prefill replica's last KV pushes: hop, post, wire and total ms, bytes."""
+        """The prefill replica's last KV pushes: hop, post, wire and total ms, bytes (none in
+        colocated mode)."""
         from ray import serve
 
+        if self.args.mode == "colocated":
+            return []
         handle = serve.get_deployment_handle(DEPLOYMENTS["prefill"], self.config.app_name)
         return handle.push_records.remote().result(timeout_s=30)
 

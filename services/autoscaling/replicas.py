@@ -14,6 +14,7 @@ import logging
 
 from flashpd.services.api import WorkerStats
 from flashpd.services.autoscaling.serve import WORKER_METRICS
+from flashpd.services.colocated.deployment import ColocatedServer
 from flashpd.services.decode.deployment import DecodeServer
 from flashpd.services.prefill.deployment import PrefillServer
 from flashpd.services.router.deployment import Router
@@ -34,6 +35,11 @@ class ReportingPrefillServer(PrefillServer):
 
 
 class ReportingDecodeServer(DecodeServer):
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return worker_load_metrics(await self.stats())
+
+
+class ReportingColocatedServer(ColocatedServer):
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return worker_load_metrics(await self.stats())
 

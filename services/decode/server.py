@@ -173,16 +173,7 @@ class DecodeWorker(EngineWorker):
         return r
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
-        """Compile a guided request's grammar in a thread before it reaches the engine loop
-        (which then finds it cached): compiling never stalls the decode steps. A grammar the
-        engine cannot compile is INVALID_ARGUMENT naming the request field."""
-        grammar = self.engine.engine.grammar
-        if params.guided is None or grammar is None or grammar.is_compiled(params.guided):
-            return
-        try:
-            await asyncio.to_thread(grammar.compile, params.guided)
-        except SamplingError as exc:
-            raise InvalidArgument(exc.message, field=exc.field) from None
+        await self.compile_grammar(params)
 
     def _ticket(self, req: InternalRequest, attempt: _Attempt) -> Ticket:
         r = attempt.reservation
@@ -441,15 +432,7 @@ class DecodeWorker(EngineWorker):
         return self.admission.num_waiting, self.admission.max_waiting
 
     def _check_request(self, req: InternalRequest) -> None:
-        if req.model != self.config.model_id:
-            raise InvalidArgument(f"unknown model {req.model!r}", field="model")
-        try:  # an unpickled request skipped __post_init__: nothing unchecked reaches the engine
-            req.sampling.check()
-        except SamplingError as exc:
-            raise InvalidArgument(exc.message, field=exc.field) from None
-        limit = self.engine.engine.model.cfg.max_position_embeddings
-        if req.prompt_tokens + req.sampling.max_tokens > limit:
-            raise InvalidArgument(f"prompt + max_tokens exceeds the context limit {limit}", field="prompt")
+        self.check_request(req)
 
     async def close(self) -> None:
         self.draining = True

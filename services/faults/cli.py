@@ -1,6 +1,7 @@
 """`flashpd faults`: the fault suite with the issue's counts against a real local stack
-(Redis + Ray Serve + the tiny model, 2 prefill + 2 decode replicas; 1 + 1 for the load runs),
-results printed and written to bench/results/faults.md.
+(Redis + Ray Serve + the tiny model, 2 prefill + 2 decode replicas; 1 + 1 for the load runs;
+2 colocated replicas for the `colocated_*` scenarios), results printed and written to
+bench/results/faults.md.
 
 Run it inside a loopback-only namespace:
 
@@ -30,6 +31,10 @@ FULL = {  # the issue's counts
     "load_100": {"n": 100},
     "load_500": {"n": 500},
     "decode_drain": {"streams": 32, "max_tokens": 32},
+    "colocated_fuzz": {},
+    "colocated_cancel_storm": {"n": 200, "concurrency": 8},
+    "colocated_kill": {"streams": 3},
+    "colocated_redis_restart": {"down_s": 8.0},
 }
 QUICK = {  # what the pytest suite runs (tests/faults)
     "fuzz": {"limit": 120},
@@ -42,11 +47,17 @@ QUICK = {  # what the pytest suite runs (tests/faults)
     "load_100": {"n": 40},
     "load_500": {"n": 100},
     "decode_drain": {"streams": 32, "max_tokens": 16},
+    "colocated_fuzz": {"limit": 120},
+    "colocated_cancel_storm": {"n": 30, "concurrency": 6},
+    "colocated_kill": {"streams": 3, "max_tokens": 40},
+    "colocated_redis_restart": {"down_s": 3.0},
 }
 TWO_BY_TWO = ("fuzz", "cancel_storm", "prefill_kill", "decode_kill", "redis_pause", "redis_restart")
 ONE_BY_ONE = ("load_100", "load_500")
 ONE_BY_TWO = ("decode_drain",)  # live migration: 1 prefill + 2 decode replicas
 EXACT = ("decode_kill_exact",)  # on a stack with exact replay (swa_bounded_replay: false)
+# colocated mode (2 colocated replicas): the guarantees the P/D stack gives, on the other mode
+COLOCATED = ("colocated_fuzz", "colocated_cancel_storm", "colocated_kill", "colocated_redis_restart")
 STACKS = (
     (StackConfig(2, 2, app_name="faults2x2"), TWO_BY_TWO),
     (StackConfig(2, 2, app_name="faultsexact", extra_args={"swa_bounded_replay": False}), EXACT),
@@ -54,17 +65,28 @@ STACKS = (
     # reserves beyond 64 running + 256 queued were refused (429), as a full queue is meant to
     (StackConfig(1, 2, app_name="faults1x2"), ONE_BY_TWO),
     (StackConfig(1, 1, app_name="faults1x1"), ONE_BY_ONE),
+    (StackConfig(app_name="faultsco", mode="colocated", colocated_replicas=2), COLOCATED),
 )
 
 
-SCENARIO_FUNCS = {"load_100": "load", "load_500": "load", "decode_kill_exact": "decode_kill"}
+SCENARIO_FUNCS = {
+    "load_100": "load",
+    "load_500": "load",
+    "decode_kill_exact": "decode_kill",
+    "colocated_fuzz": "fuzz",
+    "colocated_cancel_storm": "cancel_storm",
+    "colocated_redis_restart": "redis_restart",
+}
 
 
 def register(sub) -> None:
     p = sub.add_parser("faults", help="run the fault suite against a local stack")
     p.add_argument("--quick", action="store_true", help="the pytest suite's smaller counts")
     p.add_argument(
-        "--only", nargs="+", choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE], help="run only these scenarios"
+        "--only",
+        nargs="+",
+        choices=[*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE, *COLOCATED],
+        help="run only these scenarios",
     )
     p.add_argument("--out", default="bench/results/faults.md", help="markdown results ('' to skip)")
     p.add_argument("--checkpoint", help="default: the tiny preset's random checkpoint")
@@ -75,7 +97,7 @@ def run(args) -> int:
     from flashpd.services.cli import tiny_checkpoint
 
     counts = QUICK if args.quick else FULL
-    chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE]
+    chosen = args.only or [*TWO_BY_TWO, *EXACT, *ONE_BY_TWO, *ONE_BY_ONE, *COLOCATED]
     checkpoint = args.checkpoint or tiny_checkpoint()
     results: list[scenarios.ScenarioResult] = []
     started = time.monotonic()

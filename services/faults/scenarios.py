@@ -574,13 +574,15 @@ async def _tracked(client, ids, max_tokens, session, progress, i) -> dict:
         return {"ok": False, "code": _code(exc)}
 
 
-async def _kill_when(stack: FaultStack, worker_id: str, progress: list[int], after: int) -> list[int] | None:
+async def _kill_when(
+    stack: FaultStack, worker_id: str, progress: list[int], after: int, role: str = "decode"
+) -> list[int] | None:
     """Kill once every stream got `after` tokens; the tokens each had then (None: no kill)."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         if all(p >= after for p in progress):
             snapshot = list(progress)
-            stack.kill_replica("decode", worker_id)
+            stack.kill_replica(role, worker_id)
             return snapshot
         await asyncio.sleep(0.005)
     return None
@@ -593,6 +595,69 @@ def _common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+# -------------------------------------------------------------------------- colocated kill
+
+
+async def colocated_kill(
+    stack: FaultStack, *, streams: int = 3, max_tokens: int = 40, kill_after_tokens: int = 5, seed: int = 5
+) -> ScenarioResult:
+    """Colocated mode: greedy streams of one session, all on its colocated worker, which is
+    killed once each got `kill_after_tokens`. Every stream ends cleanly: complete (continued on
+    another replica, which re-prefills prompt + the released tokens) or a clear UNAVAILABLE,
+    never an internal error; the tokens before the kill are the unbroken run's; the session's
+    next turn works, the replacement registers and no block stays held."""
+    from flashpd_sdk import AsyncClient
+
+    res = ScenarioResult("colocated_kill")
+    vocab = await vocab_size(stack)
+    rng = random.Random(seed)
+    prompts = [prompt_ids(rng, 200, vocab) for _ in range(streams)]
+    session = f"ck-{seed}-{time.time_ns()}"
+    async with AsyncClient(stack.grpc_target) as client:
+        refs = [await generate(client, p, max_tokens=max_tokens) for p in prompts]
+        warm = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
+        if not (warm["ok"] and all(r["ok"] for r in refs)):
+            res.check(False, "reference runs failed on the healthy stack")
+            return res
+        bound, progress = warm["result"].decode_worker, [0] * streams
+        outs = await asyncio.gather(
+            *(_tracked(client, p, max_tokens, session, progress, i) for i, p in enumerate(prompts)),
+            _kill_when(stack, bound, progress, kill_after_tokens, role="colocated"),
+        )
+        after = await generate(client, prompt_ids(rng, 64, vocab), max_tokens=2, session_id=session)
+    await asyncio.to_thread(stack.wait_ready, 300.0)
+    idle_s = await asyncio.to_thread(stack.wait_idle, 30.0)
+    _check_colocated_kill(res, outs[:streams], [r["result"] for r in refs], outs[-1], after, max_tokens)
+    res.counts.update(killed=bound, idle_after_s=None if idle_s is None else round(idle_s, 2))
+    res.check(idle_s is not None, f"blocks still held 30 s after the kill ({stack.blocks_held()})")
+    return res
+
+
+def _check_colocated_kill(res: ScenarioResult, outs, refs, snapshot, after, max_tokens: int) -> None:
+    done = [o for o in outs if o["ok"]]
+    codes = [o["code"] for o in outs if not o["ok"]]
+    matching = [
+        _common_prefix(o["result"].output_ids, r.output_ids) if o["ok"] else 0 for o, r in zip(outs, refs, strict=True)
+    ]
+    res.counts.update(
+        streams=len(outs),
+        tokens_before_kill=snapshot,
+        completed=len(done),
+        failed=codes,
+        matching_tokens=matching,
+        next_turn_ok=after["ok"],
+    )
+    res.check(snapshot is not None and max(snapshot) < max_tokens, "the colocated worker was not killed mid-stream")
+    res.check(all(len(o["result"].output_ids) == max_tokens for o in done), "a completed stream lost tokens")
+    res.check(all("UNAVAILABLE" in c or c == "Unavailable" for c in codes), f"streams ended unclearly: {codes}")
+    before = snapshot or [0] * len(outs)
+    res.check(
+        all(m >= b or not o["ok"] for m, b, o in zip(matching, before, outs, strict=True)),
+        "tokens before the kill differ",
+    )
+    res.check(after["ok"], f"the session's next turn failed: {after.get('code')}")
 
 
 # ---------------------------------------------------------------------------- decode drain
@@ -841,16 +906,18 @@ async def redis_restart(
     # longer than exact replay's receptive field (1,271 tokens on tiny), so a hit earns credit
     # in either replay mode
     prefix = prompt_ids(random.Random(seed), 1800, vocab)
+    # the worker that decodes holds the prefix: D's resident chunks, or a colocated worker's credit
+    field = "cached_tokens" if stack.config.mode == "colocated" else "cached_tokens_decode"
     async with AsyncClient(stack.grpc_target) as client:
         await generate(client, prefix + [5, 6], max_tokens=2)  # cache the prefix somewhere
-        res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0)  # the baseline
+        res.counts["hits_before_s"] = await _hits_back(client, prefix, 60.0, field=field)  # the baseline
 
         async def fault() -> None:
             await asyncio.sleep(1.0)
             stack.redis_server.kill()
             await asyncio.sleep(down_s)
             stack.redis_server.restart()
-            res.counts["hits_back_s"] = await _hits_back(client, prefix, 120.0)
+            res.counts["hits_back_s"] = await _hits_back(client, prefix, 120.0, field=field)
 
         stats = await _with_traffic(stack, clients, seed, fault())
     registered = len(stack.worker_stats())
@@ -864,12 +931,12 @@ async def redis_restart(
     res.check(
         back is not None and back <= hits_within_s, f"prefix hits not back within {hits_within_s} s (took {back})"
     )
-    want = stack.config.prefill_replicas + stack.config.decode_replicas
+    want = sum(stack.config.worker_counts().values())
     res.check(registered == want, f"{registered} of {want} workers re-registered")
     return res
 
 
-async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 6):
+async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 6, field: str = "cached_tokens_decode"):
     """Seconds from now until hits came back: the send time of the first of `streak` requests
     in a row (new ids, prompt = prefix + a new tail) placed on the decode worker holding the
     prefix (index-driven: blind placement finds it 1 time in 2, so 6 in a row by chance 1.6% of
@@ -881,7 +948,7 @@ async def _hits_back(client, prefix: list[int], timeout_s: float, streak: int = 
     while time.monotonic() - started < timeout_s:
         sent = time.monotonic()
         out = await generate(client, prefix + prompt_ids(rng, 8, 200), max_tokens=1, timeout_s=60)
-        hit = out["ok"] and out["result"].usage.cached_tokens_decode >= len(prefix) // 2
+        hit = out["ok"] and getattr(out["result"].usage, field) >= len(prefix) // 2
         run = run + 1 if hit else 0
         if run == 1:
             streak_began = sent

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from flashpd.services.api import WorkerStats
 from flashpd.services.redis_local import LOOPBACK, LocalRedis, free_port
 
-DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}
+DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer", "colocated": "ColocatedServer"}
 MODEL_ID = "flashpd-tiny"
 
 
@@ -29,6 +29,14 @@ class StackConfig:
     max_model_len: int = 4096
     app_name: str = "faults"
     extra_args: dict = field(default_factory=dict)  # more build_app args (e.g. role limits)
+    mode: str = "disaggregated"  # or "colocated": `colocated_replicas` workers, no prefill/decode
+    colocated_replicas: int = 2
+
+    def worker_counts(self) -> dict[str, int]:
+        """The live workers per role a ready stack has."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated_replicas}
+        return {"prefill": self.prefill_replicas, "decode": self.decode_replicas}
 
 
 def start_ray() -> int:
@@ -86,8 +94,8 @@ class FaultStack:
             "redis_url": self.redis_server.url,
             "grpc_port": self.grpc_port,
             "max_model_len": c.max_model_len,
-            "prefill": dict(role, replicas=c.prefill_replicas),
-            "decode": dict(role, replicas=c.decode_replicas),
+            "mode": c.mode,
+            **{r: dict(role, replicas=n) for r, n in c.worker_counts().items()},
         }
         for key, value in c.extra_args.items():
             if isinstance(value, dict) and isinstance(args.get(key), dict):
@@ -115,7 +123,7 @@ class FaultStack:
         """Until gRPC health is SERVING and every replica heartbeats in Redis."""
         from flashpd_sdk import Client
 
-        want = {"prefill": self.config.prefill_replicas, "decode": self.config.decode_replicas}
+        want = self.config.worker_counts()
         deadline = time.monotonic() + timeout_s
         with Client(self.grpc_target) as client:
             while time.monotonic() < deadline:
@@ -126,9 +134,9 @@ class FaultStack:
         raise TimeoutError(f"stack not ready within {timeout_s} s (workers {self._counts()})")
 
     def _counts(self) -> dict[str, int]:
-        counts = {"prefill": 0, "decode": 0}
+        counts = dict.fromkeys(self.config.worker_counts(), 0)
         for w in self.worker_stats():
-            counts[w.role] += 1
+            counts[w.role] = counts.get(w.role, 0) + 1
         return counts
 
     # ------------------------------------------------------------------------------- stats

@@ -2,7 +2,7 @@
 
 On replica start (`__serve_build_asgi_app__`, awaited by Serve after the constructor) it opens
 Redis, builds the placement (index + policy) and the orchestrator over the prefill/decode
-deployment handles, starts the gRPC frontend on `grpc_port` (SO_REUSEPORT lets several router
+deployment handles (or the colocated one, `mode: colocated`), starts the gRPC frontend on `grpc_port` (SO_REUSEPORT lets several router
 replicas on one host share it) and returns the FastAPI app Serve's HTTP proxy serves.
 """
 
@@ -13,7 +13,16 @@ from collections.abc import AsyncIterator, Sequence
 
 from ray import serve
 
-from flashpd.services.api import Event, InternalRequest, MigrationResult, PrefillResult, Ticket, WorkerRef, WorkerStats
+from flashpd.services.api import (
+    Event,
+    InternalRequest,
+    MigrationResult,
+    PrefillResult,
+    Ticket,
+    Unavailable,
+    WorkerRef,
+    WorkerStats,
+)
 from flashpd.services.router.auth import ApiKeys, TlsFiles
 from flashpd.services.router.convert import ModelTable, ServedModel, deepseek_chat_prompt
 from flashpd.services.worker.pinned_router import TARGET_KWARG
@@ -76,21 +85,34 @@ class PinnedEndpoint:
 
 
 class PinnedDirectory:
-    def __init__(self, prefill_handle, decode_handle) -> None:
-        self._prefill, self._decode = prefill_handle, decode_handle
+    """Endpoints of the served mode's deployments (a role the mode lacks has no handle)."""
+
+    def __init__(self, prefill_handle, decode_handle, colocated_handle=None) -> None:
+        self._handles = {"prefill": prefill_handle, "decode": decode_handle, "colocated": colocated_handle}
+
+    def _endpoint(self, worker: WorkerRef) -> PinnedEndpoint:
+        handle = self._handles.get(worker.role)
+        if handle is None:
+            raise Unavailable(f"no {worker.role} deployment in this application ({worker.key})")
+        return PinnedEndpoint(handle, worker)
 
     def prefill(self, worker: WorkerRef) -> PinnedEndpoint:
-        return PinnedEndpoint(self._prefill, worker)
+        return self._endpoint(worker)
 
     def decode(self, worker: WorkerRef) -> PinnedEndpoint:
-        return PinnedEndpoint(self._decode, worker)
+        return self._endpoint(worker)
+
+    def colocated(self, worker: WorkerRef) -> PinnedEndpoint:
+        return self._endpoint(worker)
 
 
 @serve.ingress()
 class Router:
-    def __init__(self, args: dict, prefill_handle, decode_handle) -> None:
+    def __init__(self, args: dict, prefill_handle, decode_handle, colocated_handle=None) -> None:
+        """The handles of the served mode's workers: prefill + decode (disaggregated), or
+        colocated alone (`args["mode"] == "colocated"`, the other two None)."""
         self.args = args
-        self._prefill, self._decode = prefill_handle, decode_handle
+        self._prefill, self._decode, self._colocated = prefill_handle, decode_handle, colocated_handle
         self.grpc = None
 
     async def __serve_build_asgi_app__(self):
@@ -127,12 +149,15 @@ class Router:
         a = self.args
         self.redis = router_redis(a["redis_url"])  # retried reconnects, socket timeouts
         placement = Placement(
-            PrefixIndex(self.redis, model), make_policy(a["routing"]), model=model, cache_salt=a["cache_salt"]
+            PrefixIndex(self.redis, model),
+            make_policy(a["routing"]),
+            model=model,
+            cache_salt=a["cache_salt"],
+            mode=a.get("mode", "disaggregated"),
         )
         self.metrics = RouterMetrics(model)
-        self.orchestrator = Orchestrator(
-            {model: placement}, PinnedDirectory(self._prefill, self._decode), self.tokenizer, metrics=self.metrics
-        )
+        directory = PinnedDirectory(self._prefill, self._decode, self._colocated)
+        self.orchestrator = Orchestrator({model: placement}, directory, self.tokenizer, metrics=self.metrics)
 
     async def _start_grpc(self, models: ModelTable, keys: ApiKeys, tls: TlsFiles | None) -> None:
         from flashpd.services.router.grpc_server import start_grpc_server

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 from flashpd.services.api import (
+    ColocatedServerApi,
     DecodeServerApi,
     Event,
     InternalRequest,
@@ -39,18 +40,28 @@ class WorkerDirectory(Protocol):
 
     def decode(self, worker: WorkerRef) -> DecodeServerApi: ...
 
+    def colocated(self, worker: WorkerRef) -> ColocatedServerApi: ...
+
 
 class StaticDirectory:
     """Endpoints by worker id (any incarnation)."""
 
-    def __init__(self, prefill: Mapping[str, PrefillServerApi], decode: Mapping[str, DecodeServerApi]) -> None:
-        self._prefill, self._decode = dict(prefill), dict(decode)
+    def __init__(
+        self,
+        prefill: Mapping[str, PrefillServerApi],
+        decode: Mapping[str, DecodeServerApi],
+        colocated: Mapping[str, ColocatedServerApi] | None = None,
+    ) -> None:
+        self._prefill, self._decode, self._colocated = dict(prefill), dict(decode), dict(colocated or {})
 
     def prefill(self, worker: WorkerRef) -> PrefillServerApi:
         return _lookup(self._prefill, worker)
 
     def decode(self, worker: WorkerRef) -> DecodeServerApi:
         return _lookup(self._decode, worker)
+
+    def colocated(self, worker: WorkerRef) -> ColocatedServerApi:
+        return _lookup(self._colocated, worker)
 
 
 def _lookup(endpoints: Mapping[str, Any], worker: WorkerRef) -> Any:
@@ -109,6 +120,9 @@ class HandleDirectory:
         return self._get(worker)
 
     def decode(self, worker: WorkerRef) -> DecodeServerApi:
+        return self._get(worker)
+
+    def colocated(self, worker: WorkerRef) -> ColocatedServerApi:
         return self._get(worker)
 
     def _get(self, worker: WorkerRef) -> ServeHandleWorker:

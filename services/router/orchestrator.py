@@ -33,6 +33,14 @@
   revived and continues the same way.
 - Text: workers stream token ids; the router detokenizes, applies stop strings (aborting D on
   a match) and fills usage and the timeline.
+- Colocated mode (the placement's mode): an attempt is one leg, `generate` on the colocated
+  worker the placement picked (no reserve, no prefill call, no KV transfer); the first token
+  event carries the prefix credit the worker used (usage's cached_tokens, a continuation's
+  credit cap). Deadlines, cancel, retries before and after the first token, resume, stop
+  strings and metrics are the same code as above. A continuation re-prefills prompt + the
+  released tokens on the next worker (capped at the first attempt's credit): no KV moves, and
+  its output continues the stream (greedy identity with an unbroken run is not promised here,
+  the recomputed rows batch differently).
 """
 
 from __future__ import annotations
@@ -47,7 +55,6 @@ from dataclasses import dataclass
 from flashpd.engine.detokenizer import TextStream
 from flashpd.engine.hashing import CHUNK_TOKENS
 from flashpd.services.api import (
-    ROLES,
     Cancelled,
     DeadlineExceeded,
     FinalEvent,
@@ -80,6 +87,9 @@ log = logging.getLogger(__name__)
 RETRY_RESERVE = (Unavailable, ResourceExhausted)
 RETRY_PREFILL = (Unavailable, ResourceExhausted)
 RETRY_DECODE = (Unavailable,)
+# a colocated stream's first event may be its admission queue's refusal (another replica may
+# have room); after tokens, only a failed worker is retried (a continuation)
+RETRY_COLOCATED = (Unavailable, ResourceExhausted)
 
 
 @dataclass(frozen=True)
@@ -162,13 +172,14 @@ class _Attempt:
     assignment: Assignment
     request: InternalRequest  # as the workers see it (own id; continuation prompt)
     base_tokens: int  # completion tokens released before this attempt
-    prefill: object  # PrefillServerApi endpoint
-    decode: object  # DecodeServerApi endpoint
+    prefill: object  # PrefillServerApi endpoint (None: colocated, or after a live migration)
+    decode: object  # DecodeServerApi endpoint (ColocatedServerApi in colocated mode)
     ticket: Ticket | None = None
     result: PrefillResult | None = None
     reserve_ms: float = 0.0
     moved: list[Assignment] = dataclasses.field(default_factory=list)  # earlier decode legs
     migrate_ms: float = 0.0  # live migrations of this attempt, summed (pause to new stream)
+    colocated_credit_tokens: int | None = None  # colocated: the credit its worker used (first event)
 
     def moved_to(self, a: Assignment, req: InternalRequest, base_tokens: int, decode: object, ticket: Ticket) -> None:
         """The stream continues on another decode worker (a live migration)."""
@@ -265,9 +276,10 @@ class Orchestrator:
         return True
 
     async def serving_status(self) -> tuple[bool, str]:
-        """(serving, why). Serving when every served model has a known, non-draining prefill
-        and decode worker: live in Redis, or remembered by the router while Redis is away
-        (a Redis outage alone does not stop serving). Never raises."""
+        """(serving, why). Serving when every served model has a known, non-draining worker of
+        each role of its mode (prefill and decode, or colocated): live in Redis, or remembered
+        by the router while Redis is away (a Redis outage alone does not stop serving). Never
+        raises."""
         for model, placement in self.placements.items():
             try:
                 view = await placement.live_view()
@@ -275,7 +287,7 @@ class Orchestrator:
                 log.exception("serving status of %s failed", model)
                 return False, f"{model}: {type(exc).__name__}"
             roles = {w.role for w in view.workers if not w.draining}
-            missing = [r for r in ROLES if r not in roles]
+            missing = [r for r in placement.roles if r not in roles]
             if missing:
                 return False, f"{model}: no healthy {' or '.join(missing)} worker"
         redis = "ok" if all(p.redis_ok for p in self.placements.values()) else "degraded"
@@ -431,6 +443,9 @@ class Orchestrator:
         )
 
     async def _attempt(self, run: Run, a: Assignment, req: InternalRequest, progress: _Progress) -> None:
+        if a.colocated:
+            await self._attempt_colocated(run, a, req, progress)
+            return
         placement = self.placements[req.model]
         attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill), decode=self._endpoint(a.decode))
         try:
@@ -458,6 +473,26 @@ class Orchestrator:
             if attempt.moved:
                 placement.release(attempt.assignment)
 
+    async def _attempt_colocated(self, run: Run, a: Assignment, req: InternalRequest, progress: _Progress) -> None:
+        """One colocated attempt: stream from the one worker; on failure its leg is aborted
+        (in the background when that worker just failed) before the next placement."""
+        attempt = _Attempt(a, req, run.num_tokens, prefill=None, decode=self._endpoint(a.decode))
+        run.placed = (a.decode, a.decode)  # n > 1: the other choices follow this worker
+        try:
+            await self._decode(run, attempt, progress)
+        except BaseException as exc:
+            failed = exc.worker if isinstance(exc, _RetryElsewhere) else None
+            await asyncio.shield(self._abort_legs(attempt, failed))
+            raise
+
+    def _colocated_first_event(self, run: Run, attempt: _Attempt, progress: _Progress, event: TokenEvent) -> None:
+        """A colocated attempt's first token: its prefill is over, and the credit it used is
+        the KV the first tokens rest on (capping a later continuation's credit)."""
+        attempt.colocated_credit_tokens = event.prefill_credit_tokens
+        if attempt.base_tokens == 0:
+            progress.prefill_credit_tokens = event.prefill_credit_tokens
+        self.placements[run.request.model].prefill_done(attempt.assignment)
+
     def _lease_expired(self, run: Run, attempt: _Attempt, retry: _RetryElsewhere) -> bool:
         """A live worker's UNAVAILABLE, before the attempt's first token, once its ticket's
         lease had passed: the prefill refused a ticket it could no longer honour, or the KV
@@ -476,6 +511,8 @@ class Orchestrator:
         try:
             if worker.role == "prefill":
                 return self.directory.prefill(worker)
+            if worker.role == "colocated":
+                return self.directory.colocated(worker)
             return self.directory.decode(worker)
         except Unavailable as exc:
             raise _RetryElsewhere(worker, exc, died=True) from exc
@@ -495,9 +532,10 @@ class Orchestrator:
         worker = attempt.assignment.decode
         stream = attempt.decode.generate(attempt.request)
         events = stream.__aiter__()
+        colocated = attempt.assignment.colocated
         try:
             while True:
-                event = await self._next_decode_event(events, worker)
+                event = await self._next_decode_event(events, worker, colocated)
                 if isinstance(event, MigrateEvent):
                     if await self._migrate(run, attempt):  # the stream moved: follow it
                         await _aclose(stream)
@@ -510,6 +548,8 @@ class Orchestrator:
                     return
                 if not isinstance(event, TokenEvent):
                     raise Internal(f"decode stream yielded {type(event).__name__}")
+                if colocated and attempt.colocated_credit_tokens is None:
+                    self._colocated_first_event(run, attempt, progress, event)
                 if await self._release_tokens(run, attempt, progress, event):
                     await _aclose(stream)
                     await self._abort_legs(attempt)  # stop string: D stops now
@@ -518,9 +558,9 @@ class Orchestrator:
         finally:
             await _aclose(stream)
 
-    async def _next_decode_event(self, events: AsyncIterator, worker: WorkerRef):
+    async def _next_decode_event(self, events: AsyncIterator, worker: WorkerRef, colocated: bool = False):
         try:
-            return await self._call(events.__anext__(), worker, RETRY_DECODE)
+            return await self._call(events.__anext__(), worker, RETRY_COLOCATED if colocated else RETRY_DECODE)
         except StopAsyncIteration:  # the worker went away mid-stream
             raise _RetryElsewhere(worker, Unavailable("decode stream ended without a final event"), died=True) from None
 
@@ -664,8 +704,9 @@ class Orchestrator:
         next attempt must not wait for it."""
         request_id = attempt.request.request_id
         a = attempt.assignment
-        legs = {a.prefill: attempt.prefill, a.decode: attempt.decode}
-        legs = {w: e for w, e in legs.items() if e is not None}  # a migrated run: no prefill
+        legs = {a.decode: attempt.decode}  # colocated: the one leg
+        if attempt.prefill is not None:  # a migrated run or a colocated one: no prefill leg
+            legs = {a.prefill: attempt.prefill, **legs}
         for worker, endpoint in legs.items():
             if worker == failed:
                 self._background(self._abort_one(request_id, worker, endpoint))
@@ -703,6 +744,8 @@ async def _aclose(stream: object) -> None:
 
 
 def _usage(run: Run, attempt: _Attempt, decode_final: FinalEvent | None) -> Usage:
+    if attempt.assignment.colocated:
+        return _colocated_usage(run, attempt, decode_final)
     req, result, ticket = run.request, attempt.result, attempt.ticket
     assert ticket is not None
     # without a prefill, D replays the last chunk itself: that much is computed afresh
@@ -717,9 +760,26 @@ def _usage(run: Run, attempt: _Attempt, decode_final: FinalEvent | None) -> Usag
     )
 
 
+def _colocated_usage(run: Run, attempt: _Attempt, decode_final: FinalEvent | None) -> Usage:
+    """The colocated worker's prefix credit is cached_tokens (and the prefill tier's reuse);
+    nothing is transferred, so no decode tier. Known from its first token event on (a stop
+    string ends the run before the worker's final event)."""
+    credit = attempt.colocated_credit_tokens or 0
+    cached = min(run.request.prompt_tokens, credit)
+    return Usage(
+        prompt_tokens=run.request.prompt_tokens,
+        completion_tokens=run.num_tokens,
+        cached_tokens=cached,
+        cached_tokens_prefill=cached,
+        **_speculative_usage(decode_final),
+    )
+
+
 def _timeline(
     req: InternalRequest, attempt: _Attempt, progress: _Progress, decode_final: FinalEvent | None
 ) -> Timeline:
+    if attempt.assignment.colocated:
+        return _colocated_timeline(req, attempt, progress, decode_final)
     result, first = attempt.result, progress.first_token_unix_s
     return Timeline(
         route_ms=attempt.assignment.route_ms,
@@ -731,6 +791,21 @@ def _timeline(
         first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
         e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
         migrate_ms=attempt.migrate_ms,
+    )
+
+
+def _colocated_timeline(
+    req: InternalRequest, attempt: _Attempt, progress: _Progress, decode_final: FinalEvent | None
+) -> Timeline:
+    """The worker's admission wait and prefill (admitted -> first token) from its final event."""
+    worker = decode_final.timeline if decode_final else Timeline()
+    first = progress.first_token_unix_s
+    return Timeline(
+        route_ms=attempt.assignment.route_ms,
+        prefill_queue_ms=worker.prefill_queue_ms,
+        prefill_ms=worker.prefill_ms,
+        first_token_ms=(first - req.arrival_unix_s) * 1e3 if first else 0.0,
+        e2e_ms=(time.time() - req.arrival_unix_s) * 1e3,
     )
 
 

@@ -1,4 +1,7 @@
-"""Placement: one request -> one (prefill, decode) pair, from the Redis index and the policy.
+"""Placement: one request -> one (prefill, decode) pair, from the Redis index and the policy;
+in colocated mode (`mode="colocated"`) one colocated worker, carried as both legs of the
+decision (its in-flight load counts the request's prefill tokens and the request; its session
+binding names it as the decode worker with no prefill worker).
 
 Keeps what the policy must not: the cached live view of workers (refreshed every
 `view_refresh_s`), background reaping of workers whose heartbeat expired, the router's own
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from flashpd.engine.hashing import CHUNK_TOKENS, chunk_hashes, namespace_for
-from flashpd.services.api import ROLES, InternalRequest, WorkerRef, WorkerStats
+from flashpd.services.api import MODE_ROLES, InternalRequest, ServingMode, WorkerRef, WorkerStats
 from flashpd.services.router.breaker import CircuitBreaker
 from flashpd.services.router.index import LiveView, Lookup, PrefixIndex, SessionBinding
 from flashpd.services.router.policy import Candidate, RouteQuery, RoutingDecision, RoutingPolicy
@@ -58,6 +61,11 @@ class Assignment:
     @property
     def decode(self) -> WorkerRef:
         return self.decision.decode.ref
+
+    @property
+    def colocated(self) -> bool:
+        """One colocated worker serves both legs."""
+        return self.decision.decode.ref.role == "colocated"
 
 
 @dataclass
@@ -99,8 +107,12 @@ class Placement:
         view_refresh_s: float | None = None,
         config: PlacementConfig = PlacementConfig(),
         clock: Callable[[], float] = time.monotonic,
+        mode: ServingMode = "disaggregated",
     ) -> None:
+        if mode not in MODE_ROLES:
+            raise ValueError(f"mode must be one of {sorted(MODE_ROLES)}, got {mode!r}")
         self.index, self.policy = index, policy
+        self.mode, self.roles = mode, MODE_ROLES[mode]
         self.config = config
         self._namespace = namespace_for(model, cache_salt)
         self._view_refresh_s = config.view_refresh_s if view_refresh_s is None else view_refresh_s
@@ -194,7 +206,10 @@ class Placement:
             bound=_refs(known.binding),
             preferred=_refs(known.parent),
         )
-        decision = self.policy.choose(query, candidates["prefill"], candidates["decode"])
+        if self.mode == "colocated":
+            decision = self.policy.choose_colocated(query, candidates["colocated"])
+        else:
+            decision = self.policy.choose(query, candidates["prefill"], candidates["decode"])
         pending = req.prompt_tokens - decision.prefill_credit_tokens
         self._in_flight.prefill_tokens[decision.prefill.ref] += pending
         self._in_flight.decode_requests[decision.decode.ref] += 1
@@ -215,10 +230,12 @@ class Placement:
     def _candidates(
         self, req: InternalRequest, usable: list[WorkerStats], hit_chunks: dict[WorkerRef, int]
     ) -> dict[str, list[Candidate]]:
-        """role -> the policy's candidates; a pinned worker wins its role while it is usable."""
+        """role -> the policy's candidates (the mode's roles; a worker of another mode
+        registered under the same model is never placed on); a pinned worker wins its role
+        while it is usable."""
         candidates = {
             role: [self._candidate(w, hit_chunks.get(w.ref, 0), req) for w in usable if w.role == role]
-            for role in ROLES
+            for role in self.roles
         }
         if req.pin:
             candidates = {role: [c for c in cands if c.ref in req.pin] or cands for role, cands in candidates.items()}
@@ -260,7 +277,7 @@ class Placement:
         the router's LRU, in Redis when it answers in time."""
         if not req.session_id or self.policy.name in BLIND_POLICIES:
             return
-        new = SessionBinding(a.prefill, a.decode)
+        new = SessionBinding(None if a.colocated else a.prefill, a.decode)
         self._sessions[req.session_id] = new
         self._sessions.move_to_end(req.session_id)
         while len(self._sessions) > self.config.max_local_sessions:
@@ -270,7 +287,7 @@ class Placement:
                 await self.breaker.call(lambda: self.index.touch_session(req.session_id))
             else:
                 await self.breaker.call(
-                    lambda: self.index.bind_session(req.session_id, a.prefill, a.decode, a.previous_binding)
+                    lambda: self.index.bind_session(req.session_id, new.prefill, new.decode, a.previous_binding)
                 )
         except (TimeoutError, OSError, RedisError) as exc:
             log.debug("session %s: binding kept locally only (%r)", req.session_id, exc)

@@ -16,6 +16,11 @@ returns a decision; Redis, clocks and retries live in `placement.py`.
    (1 + load_slack) x the tier's mean load.
 
 Ties prefer the parent session's workers (sub-agents share the parent's system prefix).
+
+Colocated mode (`choose_colocated`): one worker per request, picked as D is above (session, then
+longest prefix among the workers within `decode_slack` of the least projected KV occupancy,
+then the hash ring with bounded load): on a colocated worker a hit saves both the prefill
+compute and the blocks, and the decision carries that worker as both legs.
 `random` and `round_robin` are prefix- and session-blind baselines for A/B runs.
 """
 
@@ -75,6 +80,8 @@ class RoutingPolicy(Protocol):
         self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]
     ) -> RoutingDecision: ...
 
+    def choose_colocated(self, query: RouteQuery, colocated: Sequence[Candidate]) -> RoutingDecision: ...
+
 
 class AffinityPolicy:
     name = "affinity"
@@ -90,6 +97,11 @@ class AffinityPolicy:
         p, p_reason = self._pick_prefill(query, prefill)
         d, d_reason = self._pick_decode(query, decode)
         return RoutingDecision(p, d, p_reason, d_reason)
+
+    def choose_colocated(self, query: RouteQuery, colocated: Sequence[Candidate]) -> RoutingDecision:
+        _require(colocated, "colocated")
+        c, reason = self._pick_decode(query, colocated)
+        return RoutingDecision(c, c, reason, reason)
 
     def _pick_prefill(self, q: RouteQuery, cands: Sequence[Candidate]) -> tuple[Candidate, Reason]:
         bound = [c for c in cands if c.ref in q.bound]
@@ -141,12 +153,17 @@ class RandomPolicy:
         _require(decode, "decode")
         return RoutingDecision(self._rng.choice(_by_id(prefill)), self._rng.choice(_by_id(decode)), "random", "random")
 
+    def choose_colocated(self, query: RouteQuery, colocated: Sequence[Candidate]) -> RoutingDecision:
+        _require(colocated, "colocated")
+        c = self._rng.choice(_by_id(colocated))
+        return RoutingDecision(c, c, "random", "random")
+
 
 class RoundRobinPolicy:
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._next = {"prefill": 0, "decode": 0}
+        self._next = {"prefill": 0, "decode": 0, "colocated": 0}
 
     def choose(self, query: RouteQuery, prefill: Sequence[Candidate], decode: Sequence[Candidate]) -> RoutingDecision:
         _require(prefill, "prefill")
@@ -154,6 +171,11 @@ class RoundRobinPolicy:
         return RoutingDecision(
             self._take("prefill", prefill), self._take("decode", decode), "round_robin", "round_robin"
         )
+
+    def choose_colocated(self, query: RouteQuery, colocated: Sequence[Candidate]) -> RoutingDecision:
+        _require(colocated, "colocated")
+        c = self._take("colocated", colocated)
+        return RoutingDecision(c, c, "round_robin", "round_robin")
 
     def _take(self, role: str, cands: Sequence[Candidate]) -> Candidate:
         ordered = _by_id(cands)

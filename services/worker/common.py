@@ -16,7 +16,7 @@ from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.transfer.contract import GroupSpec, TransferContract
 from flashpd.model.kv_format import INDEX_RECORD_FORMAT
-from flashpd.services.api import WorkerRef, WorkerStats
+from flashpd.services.api import InternalRequest, InvalidArgument, WorkerRef, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,37 @@ class EngineWorker:
 
     def queued_prefill_tokens(self) -> int:
         return 0
+
+    def check_request(self, req: InternalRequest) -> None:
+        """What a worker that samples checks before its engine sees a request: the model, the
+        sampling parameters (an unpickled request skipped __post_init__) and the context limit."""
+        from flashpd.engine.sampling_params import SamplingError
+
+        if req.model != self.config.model_id:
+            raise InvalidArgument(f"unknown model {req.model!r}", field="model")
+        try:
+            req.sampling.check()
+        except SamplingError as exc:
+            raise InvalidArgument(exc.message, field=exc.field) from None
+        limit = self.engine.engine.model.cfg.max_position_embeddings
+        if req.prompt_tokens + req.sampling.max_tokens > limit:
+            raise InvalidArgument(f"prompt + max_tokens exceeds the context limit {limit}", field="prompt")
+
+    async def compile_grammar(self, params) -> None:
+        """Compile a guided request's grammar in a thread before it reaches the engine loop
+        (which then finds it cached): compiling never stalls the steps. A grammar the engine
+        cannot compile is INVALID_ARGUMENT naming the request field."""
+        import asyncio
+
+        from flashpd.engine.sampling_params import SamplingError
+
+        grammar = self.engine.engine.grammar
+        if params.guided is None or grammar is None or grammar.is_compiled(params.guided):
+            return
+        try:
+            await asyncio.to_thread(grammar.compile, params.guided)
+        except SamplingError as exc:
+            raise InvalidArgument(exc.message, field=exc.field) from None
 
     def admission_queue(self) -> tuple[int, int]:
         """(requests waiting for admission, the queue's bound); (0, 0) without a queue."""

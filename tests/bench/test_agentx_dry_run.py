@@ -1,7 +1,8 @@
-"""The AgentX device calls rehearsed on the CPU, end to end (issue 28): both H200 configs turned
-into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
+"""The AgentX device calls rehearsed on the CPU, end to end (issue 28): every H200 config (the
+P/D A/B pair and the colocated one) turned into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
 `agentx_gpu sweep` as the device call runs it (Redis, Ray, router + prefill + decode, NIXL over
-loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report`. Minutes; run it in a
+loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report` (its pd_vs_colocated
+from the colocated sweep). Minutes; run it in a
 loopback-only namespace (scripts/test.sh does)."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     )
 
 
-def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
+def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangular_tables):
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server")
     pytest.importorskip("ray")
@@ -46,7 +47,7 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangula
     from flashpd.services.redis_local import free_port
 
     out = tmp_path / "agentx"
-    end = time.time() + 1200
+    end = time.time() + 1800
     for name, src in CONFIGS.items():
         cpu = tmp_path / f"{name}.yaml"
         ports = ["--grpc-port", str(free_port()), "--http-port", str(free_port())]
@@ -61,7 +62,8 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangula
         assert [(p["concurrency"], p["exit"]) for p in record["points"]] == [(1, 0), (2, 0)]
         assert record["not_started"] == [] and record["ready_s"] > 0 and "error" not in record
         assert "kv_transports" in record
-        assert {w["role"] for w in record["points"][-1]["workers_after"]} == {"prefill", "decode"}
+        roles = {"colocated"} if name == "colocated" else {"prefill", "decode"}
+        assert {w["role"] for w in record["points"][-1]["workers_after"]} == roles
     report = _run(["report", str(out), "--baseline", "baseline", "--candidate", "flashpd", "--commit", "dry"], 300)
     assert report.returncode == 0, report.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -70,12 +72,22 @@ def test_both_configs_sweep_and_report_on_the_cpu(ckpt_dir, tmp_path, rectangula
     assert s["ab"]["baseline"] == "baseline" and s["ab"]["low_concurrency_points"] == 2
     assert s["ab"]["speedup_low_concurrency"] > 0
     assert set(s["ab"]["throughput_ratio_at_tier"]) == {"20", "60", "150"}
-    assert s["pd_vs_colocated"]["measured"] is False
+    pdc = s["pd_vs_colocated"]  # the colocated sweep against the P/D candidate
+    assert pdc["measured"] is True and (pdc["pd"], pdc["colocated"]) == ("flashpd", "colocated")
+    assert pdc["low_concurrency_points"] == 2 and pdc["speedup_low_concurrency"] > 0
+    assert set(pdc["throughput_ratio_at_tier"]) == {"20", "60", "150"}
     for name in CONFIGS:
         assert s["errors"][name]["measured_failed"] == 0 and s["errors"][name]["measured_requests"] > 0
     assert s["lost_points"] == []
     text = (out / "report.md").read_text()
-    for needle in ("| 1.9x |", "5.3x", "What one H200 cannot show", "## Failed requests", "## What ran"):
+    for needle in (
+        "| 1.9x |",
+        "5.3x",
+        "What one H200 cannot show",
+        "## Failed requests",
+        "## What ran",
+        "| P/D over colocated |",
+    ):
         assert needle in text
     rectangular_tables(text)
     for plot in ("pareto", "throughput_vs_interactivity", "ttft_cdf", "itl_cdf", "hit_rate_by_turn"):

@@ -152,6 +152,31 @@ def test_agentx_gpu_report_adds_commit_and_preset(study_dir, rectangular_tables)
     assert (study_dir / "plots" / "pareto.png").stat().st_size > 1000
 
 
+def test_agentx_gpu_report_fills_pd_vs_colocated_from_a_colocated_sweep(study_dir, rectangular_tables):
+    """A colocated sweep in the study: the seed's two ratios of the P/D candidate over it."""
+    import shutil
+
+    from flashpd.bench.agentx_gpu import main
+
+    shutil.copytree(study_dir / "base", study_dir / "colocated")
+    for meta in (study_dir / "colocated").rglob("meta.json"):  # the study keys runs by their name
+        meta.write_text(meta.read_text().replace('"name": "base"', '"name": "colocated"'))
+    try:
+        assert main(["report", str(study_dir), "--baseline", "base", "--candidate", "fast", "--commit", "abc"]) == 0
+    finally:  # the study is shared with the other report tests
+        shutil.rmtree(study_dir / "colocated")
+    s = json.loads((study_dir / "summary.json").read_text())
+    pdc = s["pd_vs_colocated"]
+    assert pdc["measured"] is True and (pdc["pd"], pdc["colocated"]) == ("fast", "colocated")
+    # the colocated sweep is a copy of base: the ratios are the A/B's
+    assert pdc["speedup_low_concurrency"] == s["ab"]["speedup_low_concurrency"]
+    assert pdc["throughput_ratio_at_tier"] == s["ab"]["throughput_ratio_at_tier"]
+    assert set(pdc["colocated_tiers"]) == {"20", "60", "150"} and "colocated" in s["configurations"]
+    text = (study_dir / "report.md").read_text()
+    assert "## Disaggregated against colocated on the same GPU" in text and "| P/D over colocated |" in text
+    rectangular_tables(text)
+
+
 def test_agentx_gpu_report_with_one_configuration_has_no_ab_and_says_so(study_dir, tmp_path):
     """The baseline's call lost: the report still comes out, without ratios, saying why."""
     import shutil

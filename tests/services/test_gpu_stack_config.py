@@ -75,3 +75,22 @@ def test_baseline_config_turns_the_switchable_optimizations_off():
     )
     extra = {k: v for k, v in base.env.items() if shipped.env.get(k) != v}
     assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0"}
+
+
+def test_colocated_config_gives_one_replica_the_whole_gpu():
+    c = check_config("infra/serve.h200.colocated.yaml", num_gpus=1)
+    assert c.replicas == {"router": 1, "colocated": 1} and c.gpus == 1.0
+    assert c.args["mode"] == "colocated" and "FLASHPD_KV_TRANSPORTS" not in c.env
+    shipped = check_config(CONFIG, num_gpus=1).args
+    pools = shipped["prefill"]["num_blocks"] + shipped["decode"]["num_blocks"]
+    assert c.args["colocated"]["num_blocks"] == pools  # the P/D pair's pools together
+
+
+def test_colocated_config_with_a_decode_section_is_refused_naming_it(tmp_path):
+    path = tmp_path / "serve.yaml"
+    with open("infra/serve.h200.colocated.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["applications"][0]["args"]["decode"] = {"replicas": 1, "num_gpus": 0.5}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="decode: mode colocated"):
+        check_config(str(path), num_gpus=1)

@@ -59,6 +59,9 @@ def deploy(name: str, ckpt_dir: str, redis_url: str, **overrides) -> dict:
         "prefill": {"num_blocks": 64, "num_slots": 16},
         "decode": {"num_blocks": 64, "num_slots": 16},
     }
+    if overrides.get("mode") == "colocated":  # one worker role: no prefill/decode sections
+        del args["prefill"], args["decode"]
+        args["colocated"] = {"num_blocks": 64, "num_slots": 16}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(args.get(key), dict):
             args[key] = {**args[key], **value}

@@ -127,6 +127,56 @@ class FakeDecode:
         return True
 
 
+@dataclass
+class FakeColocated:
+    """A colocated worker: generate streams the output (the first token event carries the
+    prefix credit it used), abort is recorded."""
+
+    worker_id: str
+    output: tuple[int, ...] = text_ids("abcdefghijklmnopqrstuvwxyz")
+    credit_tokens: int = 0  # prefix credit reported with the first token
+    token_delay_s: float = 0.0
+    generate_error: Exception | None = None  # raised before the first token
+    fail_after_tokens: tuple[int, Exception] | None = None
+    follow_prompt: bool = False
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    seen: list[InternalRequest] = field(default_factory=list)
+    closed_streams: int = 0
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "i0", "colocated", kv_blocks_total=1000)
+
+    async def generate(self, req: InternalRequest):
+        self.calls.append(("generate", req.request_id))
+        self.seen.append(req)
+        if self.generate_error is not None:
+            raise self.generate_error
+        try:
+            output = greedy_chain(req.prompt_ids[-1], req.sampling.max_tokens) if self.follow_prompt else self.output
+            count = 0
+            for token in output[: req.sampling.max_tokens]:
+                if self.fail_after_tokens and count == self.fail_after_tokens[0]:
+                    raise self.fail_after_tokens[1]
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                yield TokenEvent((token,), count, (), prefill_credit_tokens=self.credit_tokens if count == 0 else None)
+                count += 1
+            yield FinalEvent(
+                "length",
+                Usage(req.prompt_tokens, count, self.credit_tokens, self.credit_tokens, 0),
+                Timeline(prefill_queue_ms=0.75, prefill_ms=3.0),
+                decode_worker=self.worker_id,
+            )
+        finally:
+            self.closed_streams += 1
+
+    async def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        self.aborted.append(request_id)
+        return True
+
+
 class ActorDiedError(Exception):
     """Stands for Ray's error of that name (matched by name, as `api.as_service_error` does)."""
 
@@ -187,9 +237,13 @@ class FakeDirectory:
 
     prefills: dict[str, FakePrefill]
     decodes: dict[str, FakeDecode]
+    colocateds: dict[str, FakeColocated] = field(default_factory=dict)
 
     def prefill(self, worker):
         return self._get(self.prefills, worker)
+
+    def colocated(self, worker):
+        return self._get(self.colocateds, worker)
 
     def decode(self, worker):
         return self._get(self.decodes, worker)
@@ -231,16 +285,22 @@ async def router_stack(
     routing: str = "affinity",
     config: OrchestratorConfig | None = None,
     clock=time.time,
+    colocated: list[FakeColocated] | None = None,
 ):
+    """`colocated`: serve in colocated mode with these workers (prefill/decode ones are then
+    registered too, as workers of another mode the router must ignore)."""
     redis = router_redis(redis_url)
     publisher = IndexPublisher(redis, MODEL)
-    for worker in [*prefill, *decode]:
+    for worker in [*prefill, *decode, *(colocated or [])]:
         await publisher.register(worker.stats())
     index = PrefixIndex(redis, MODEL)
-    placement = Placement(index, make_policy(routing), model=MODEL, view_refresh_s=0.0)
+    mode = "colocated" if colocated is not None else "disaggregated"
+    placement = Placement(index, make_policy(routing), model=MODEL, view_refresh_s=0.0, mode=mode)
     metrics = RouterMetrics(MODEL)
     tokenizer = ByteTokenizer()
-    directory = FakeDirectory({p.worker_id: p for p in prefill}, {d.worker_id: d for d in decode})
+    directory = FakeDirectory(
+        {p.worker_id: p for p in prefill}, {d.worker_id: d for d in decode}, {c.worker_id: c for c in colocated or []}
+    )
     orchestrator = Orchestrator(
         {MODEL: placement},
         directory,
