@@ -23,14 +23,14 @@ method gives the same tokens as without.
 
 DSpark drafting cost (`--draft-modes`, dspark only): each batch runs the speculating engine once
 per mode, `eager` (SpeculativeConfig.draft_graphs "off": every draft launched op by op) and
-`graph` (one CUDA graph per batch bucket, captured before the timed steps; on a CPU the graphs'
-static path without capture). Per run: drafter ms per step = host seconds in the drafter's
+`graph` (a CUDA graph per batch bucket for the draft and per row bucket for the context insert,
+captured before the timed steps; on a CPU the graphs' static path without capture). Per run: drafter ms per step = host seconds in the drafter's
 `propose` + `observe` over the timed steps / steps. `propose` ends with the drafts' one
 device-to-host read, which also waits for the `observe` kernels queued after the last verify,
 so the sum holds the drafter's device time without extra syncs (`--draft-sync` adds a sync
 around each call: each part's own device time, at the cost of those syncs). A table is printed
 and every figure goes to the JSON (`draft`). A `graph` run whose graphs were not used for every
-draft (a capture that failed, a bucket missing) is reported as a DRAFT GRAPH FAILURE and the
+draft and insert (a capture that failed, a bucket missing) is reported as a DRAFT GRAPH FAILURE and the
 script exits 2 after writing its results (the engine itself drafted eagerly, counted).
 
     python -m flashpd.bench.spec_decode --device cuda --preset bench --context 8192 \
@@ -201,6 +201,8 @@ def _draft_figures(before: dict | None, after: dict | None, steps: int) -> dict 
         "propose_ms_per_step": 1e3 * d["propose_s"] / steps,
         "observe_ms_per_step": 1e3 * d["observe_s"] / steps,
         "proposes": d["proposes"],
+        "observes": d["observes"],
+        "observe_graph": d["observe_graph"],
         "graph": d["graph"],
         "eager_fallback": d["eager_fallback"],
         "eager_sampled": d["eager_sampled"],
@@ -234,6 +236,8 @@ def graph_failure(draft: dict | None) -> str:
             f"({draft['eager_fallback']} eager fallbacks, {draft['graph_misses']} missing buckets, "
             f"{draft['eager_sampled']} sampled)"
         )
+    if draft["observe_graph"] != draft["observes"]:  # decode steps insert <= B (k+1) rows
+        return f"{draft['observe_graph']} of {draft['observes']} context inserts through graphs"
     return ""
 
 

@@ -233,8 +233,8 @@ class DSparkDrafterAdapter:
     batched insert (`insert_pooled`) and `propose` one batched draft (`draft_pooled`), neither
     with a per-sequence device loop nor a device-to-host read besides the drafts themselves.
 
-    Greedy batches (choose None) replay a CUDA graph per batch bucket (engine/gpu/draft_graph.py)
-    when `graphs` says so; a batch with a sampled request drafts eagerly with the engine's
+    Greedy batches (choose None) replay a CUDA graph per batch bucket, and inserts of up to W
+    rows one per row bucket (engine/gpu/draft_graph.py), when `graphs` says so; a batch with a sampled request drafts eagerly with the engine's
     chooser (its q go to the rejection sampler), as does any batch the graphs cannot take
     (counted in `counters`). graphs: "auto" (CUDA graphs when the drafter is on CUDA, else
     eager), "off" (eager), "static" (the graphs' padded static buffers without capture: the CPU
@@ -256,7 +256,8 @@ class DSparkDrafterAdapter:
             self.graphs = DraftGraphs(drafter, self.pool, capture=graphs == "auto")
         self.time_device = False  # benchmarks: synchronise around each call so the times below
         # are the device's (off: host time; propose ends with its device-to-host read anyway)
-        self.stats = {"proposes": 0, "graph": 0, "eager_sampled": 0, "eager_fallback": 0, "observes": 0}
+        self.stats = {"proposes": 0, "graph": 0, "eager_sampled": 0, "eager_fallback": 0}
+        self.stats.update(observes=0, observe_graph=0)
         self.seconds = {"propose": 0.0, "observe": 0.0}
 
     def new_state(self, token_ids: list[int]) -> object:
@@ -269,7 +270,12 @@ class DSparkDrafterAdapter:
         if taps is None:
             raise ValueError("the DSpark drafter needs the target's tap rows")
         t0 = self._clock()
-        self.drafter.insert_pooled(self.pool, states, positions, taps)
+        plan = self.drafter.plan_insert(self.pool, states, positions, taps)  # host: checks, books
+        if plan is not None:
+            if self.graphs is not None and self.graphs.write(taps, plan):
+                self.stats["observe_graph"] += 1
+            else:  # eager: no graphs, more rows than a row bucket (a prompt's), or a failure
+                self.drafter.insert_pooled(self.pool, states, positions, taps, plan)
         self.seconds["observe"] += self._clock() - t0
         self.stats["observes"] += 1
 

@@ -34,8 +34,8 @@ Two ways to run the same forward:
     pooled (the engine's)     insert_pooled(pool, states, ...)  draft_pooled(pool, slots, ...)
                               one scatter for the whole batch   one gather by pool row
 
-A `DrafterPool` holds every sequence's windows in one allocation ([S+1, L, W, d] and
-[S+1, W]); its states are views of their row, so both ways read and write the same bytes and
+A `DrafterPool` holds every sequence's windows in one allocation ([S+2, L, W, d] and
+[S+2, W]: S sequences, a padding row, a sink row); its states are views of their row, so both ways read and write the same bytes and
 `draft_pooled` (no host read, no validation, fixed shapes per batch) can be captured as a CUDA
 graph (engine/gpu/draft_graph.py). Both call `context_kv`, `visible`, `block_pass` and
 `markov`: one forward.
@@ -99,26 +99,31 @@ class DrafterState:
 class DrafterPool:
     """Every sequence's drafter windows in one allocation, indexed by pool row:
 
-        kv       [S+1, L, W, d]  row r: one sequence's L rings (model dtype)
-        slot_pos [S+1, W] int64  the position each slot of row r holds (-1 = none)
+        kv       [S+2, L, W, d]  row r: one sequence's L rings (model dtype)
+        slot_pos [S+2, W] int64  the position each slot of row r holds (-1 = none)
 
     Rows 0 .. S-1 are handed out as `DrafterState`s viewing their row (`acquire`, `release`);
-    row S (`pad_row`) is never handed out nor written: every slot -1, so nothing of it is
-    visible, and a batch padded to a graph bucket pads with it. Allocated once: the addresses
-    a captured graph reads (`key`) never change."""
+    row S (`pad_row`) is never handed out nor written: every slot -1 and K = V = 0, so nothing
+    of it is visible, and a draft batch padded to a graph bucket pads with it; row S+1
+    (`sink_row`) takes the writes of tap rows that are not kept (and of padding rows) and is
+    never read. Allocated once: the addresses a captured graph reads (`key`) never change."""
 
     def __init__(self, num_seqs: int, num_layers: int, window: int, head_dim: int, dtype, device):
         if num_seqs < 1:
             raise DrafterError(f"a drafter pool needs at least one row, got num_seqs={num_seqs}")
         self.num_seqs, self.window = num_seqs, window
-        self.kv = torch.zeros(num_seqs + 1, num_layers, window, head_dim, dtype=dtype, device=device)
-        self.slot_pos = torch.full((num_seqs + 1, window), -1, dtype=torch.long, device=device)
+        self.kv = torch.zeros(num_seqs + 2, num_layers, window, head_dim, dtype=dtype, device=device)
+        self.slot_pos = torch.full((num_seqs + 2, window), -1, dtype=torch.long, device=device)
         self._free = list(range(num_seqs - 1, -1, -1))  # pop(): row 0 first
         self._held: set[int] = set()
 
     @property
     def pad_row(self) -> int:
         return self.num_seqs
+
+    @property
+    def sink_row(self) -> int:
+        return self.num_seqs + 1
 
     @property
     def num_free(self) -> int:
@@ -273,29 +278,53 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def insert_pooled(
-        self, pool: DrafterPool, states: Sequence[DrafterState], positions: Sequence[Sequence[int]], taps: torch.Tensor
+        self,
+        pool: DrafterPool,
+        states: Sequence[DrafterState],
+        positions: Sequence[Sequence[int]],
+        taps: torch.Tensor,
+        plan: np.ndarray | None = None,
     ) -> None:
-        """`insert_context` for states of `pool`, as one tensor program: the indices go to the
-        device in one copy, `context_kv` runs over every row once and one scatter writes the
-        kept rows of every sequence (the same rows the reference keeps: per entry the last W
-        positions, and where two land in one slot the later one)."""
+        """`insert_context` for states of `pool`, as one tensor program: `plan_insert` on the
+        host (or its `plan`, already made: its books are done), one copy of the plan to the
+        device, `write_pooled`."""
+        plan = self.plan_insert(pool, states, positions, taps) if plan is None else plan
+        if plan is not None:
+            self.write_pooled(pool, taps.to(self.device), _upload(plan, self.device))
+
+    def plan_insert(
+        self, pool: DrafterPool, states: Sequence[DrafterState], positions: Sequence[Sequence[int]], taps: torch.Tensor
+    ) -> np.ndarray | None:
+        """The host half of `insert_pooled`: the reference's checks, the states' books
+        (end_pos), and where each tap row goes -> int64 [4, N] (None: no row):
+
+            plan[0]  the row's position (its RoPE)
+            plan[1]  its target pool row, plan[2] the slot, plan[3] the position the slot then
+                     holds: the rows the reference keeps (per entry the last W positions; of two
+                     landing in one slot, the later) go to their sequence's row at pos % W, the
+                     others to the sink row (slot i % W, holding -1)."""
         flat = self._check_insert(states, positions, taps)
         if not flat:
-            return
+            return None
         if any(st.pool_row is None for st in states):
             raise DrafterError("insert_pooled takes states of the pool (DrafterPool.acquire)")
-        rows, pool_rows = _pooled_writes(states, positions, self.window)  # host, [M] each
-        idx = _upload(np.concatenate([np.asarray(flat, dtype=np.int64), rows, pool_rows]), self.device)
-        num, kept = len(flat), rows.shape[0]
-        pos, rows_d, pool_rows_d = idx[:num], idx[num : num + kept], idx[num + kept :]
-        kv = self.context_kv(taps.to(self.device), pos)  # [L, N, d]
-        kept_pos = pos[rows_d]  # [M]
-        slots = kept_pos % self.window
-        pool.kv[pool_rows_d, :, slots] = kv[:, rows_d].transpose(0, 1)  # [M, L, d]
-        pool.slot_pos[pool_rows_d, slots] = kept_pos
+        pos = np.asarray(flat, dtype=np.int64)
+        index = np.arange(pos.shape[0], dtype=np.int64)
+        plan = np.stack([pos, np.full_like(pos, pool.sink_row), index % self.window, np.full_like(pos, -1)])
+        rows, pool_rows = _pooled_writes(states, positions, self.window)  # the kept rows [M]
+        plan[1, rows], plan[2, rows], plan[3, rows] = pool_rows, pos[rows] % self.window, pos[rows]
         for state, ps in zip(states, positions, strict=True):  # host books: no device read
             if len(ps):
                 state.end_pos = max(state.end_pos, int(ps[-1]) + 1)
+        return plan
+
+    def write_pooled(self, pool: DrafterPool, taps: torch.Tensor, plan: torch.Tensor) -> None:
+        """The device half of `insert_pooled`: taps [N, n_taps*D], plan [4, N] int64 on the
+        device (`plan_insert`) -> every row's context K/V written to its target slot. No host
+        read, fixed shapes: capturable (padding rows target the sink row)."""
+        kv = self.context_kv(taps, plan[0])  # [L, N, d]
+        pool.kv[plan[1], :, plan[2]] = kv.transpose(0, 1)  # [N, L, d]
+        pool.slot_pos[plan[1], plan[2]] = plan[3]
 
     # ------------------------------------------------------------------ draft (§3.2-§3.4)
     @torch.no_grad()

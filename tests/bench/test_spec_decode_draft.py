@@ -13,7 +13,7 @@ from flashpd.bench import spec_decode as sd
 
 def _draft(**over) -> dict:
     base = {"proposes": 4, "graph": 4, "eager_fallback": 0, "eager_sampled": 0, "graph_failures": 0}
-    return {**base, "graph_failed": False, "graph_misses": 0, **over}
+    return {**base, "graph_failed": False, "graph_misses": 0, "observes": 4, "observe_graph": 4, **over}
 
 
 def test_draft_modes_map_to_the_engine_setting():
@@ -29,6 +29,7 @@ def test_graph_failure_names_what_went_eager():
     assert "capture failure" in sd.graph_failure(_draft(graph_failures=1, graph_failed=True, graph=0))
     assert "2 of 4 drafts" in sd.graph_failure(_draft(graph=2, eager_fallback=2))
     assert "0 of 0" in sd.graph_failure(_draft(proposes=0, graph=0))
+    assert "3 of 4 context inserts" in sd.graph_failure(_draft(observe_graph=3))
     assert sd.graph_failure(None) == "no DSpark drafter counters"
 
 
@@ -49,6 +50,7 @@ def test_cpu_run_of_both_modes_writes_the_drafter_figures(tmp_path, capsys):
     eager, graph = summary["draft"]["spec-eager"]["2"], summary["draft"]["spec-graph"]["2"]
     assert eager["graph"] == 0 and eager["eager_fallback"] == eager["proposes"] == 2
     assert graph["graph"] == graph["proposes"] == 2 and graph["drafter_ms_per_step"] > 0
+    assert graph["observe_graph"] == graph["observes"] > 0 and eager["observe_graph"] == 0
     assert summary["spec_mode"] == "spec-graph" and summary["draft_graph_failures"] == []
     assert "draft ms/step" in capsys.readouterr().out
 

@@ -79,7 +79,7 @@ def test_a_failed_capture_falls_back_to_eager_and_is_counted(drafter, monkeypatc
 
 def test_warm_up_builds_each_bucket_then_freezes(drafter):
     ad, states = _adapter(drafter, "static", [10, 10, 10])
-    assert ad.warm_up(2) == 2  # buckets 1 and 2
+    assert ad.warm_up(2) == 2 + 5  # drafts of 1, 2 sequences; inserts of 1 .. 16 rows (2 x 6 = 12)
     ad.propose(states[:2], [1, 2], [10, 10], None)
     ad.propose(states, [1, 2, 3], [10, 10, 10], None)  # bucket 4: missing after freeze
     c = ad.counters()
@@ -113,3 +113,35 @@ def test_rows_go_back_to_the_pool(drafter):
 def test_draft_graphs_buckets_stop_at_the_pool(drafter):
     g = DraftGraphs(drafter, drafter.new_pool(6), capture=False)
     assert g.buckets == (1, 2, 4) and g.bucket(3) == 4 and g.bucket(5) is None
+
+
+def test_static_inserts_write_what_eager_inserts_write(drafter):
+    """Decode-sized inserts (1 .. 6 rows per sequence, 2 sequences: row buckets 2 .. 16) through
+    the row buckets' static programs leave the windows eager inserts leave; a prompt's 300 rows
+    (more than a row bucket) go eagerly; padding rows touch only the sink row."""
+    graph, gs = _adapter(drafter, "static", [300, 7])
+    eager, es = _adapter(drafter, "off", [300, 7])
+    lens = [300, 7]
+    for step, extra in enumerate([0, 3, 5, 1]):
+        pos = [list(range(lens[i], lens[i] + 1 + (extra + i) % 6)) for i in range(2)]
+        taps = _taps(drafter, sum(len(p) for p in pos), seed=20 + step)
+        graph.observe(gs, pos, taps)
+        eager.observe(es, pos, taps)
+        lens = [p[-1] + 1 for p in pos]
+    for a, b in zip(gs, es, strict=True):
+        assert torch.equal(a.slot_pos, b.slot_pos) and a.end_pos == b.end_pos
+        held = b.slot_pos >= 0
+        assert torch.equal(a.kv[:, held], b.kv[:, held])
+    assert graph.counters()["observe_graph"] == 4 and graph.counters()["observes"] == 5  # + the prompt
+    assert graph.counters()["write_graph_replays"] == 4 and eager.counters()["observe_graph"] == 0
+    pad = graph.pool.pad_row
+    assert bool((graph.pool.slot_pos[pad] == -1).all()) and not graph.pool.kv[pad].any()
+    got = graph.propose(gs, [3, 4], lens, None)
+    assert got.tokens == eager.propose(es, [3, 4], lens, None).tokens
+
+
+def test_warm_up_builds_the_insert_row_buckets(drafter):
+    ad = DSparkDrafterAdapter(drafter, max_seqs=4, graphs="static")
+    assert ad.warm_up(2) == 2 + 5  # drafts of 1, 2 sequences; inserts up to 2 x (k+1) = 12 rows
+    assert sorted(k[1] for k in ad.graphs._writes) == [1, 2, 4, 8, 16]
+    assert ad.warm_up(2) == 0  # built once; frozen
