@@ -31,14 +31,15 @@ Two ways to run the same forward:
 
     per sequence (the spec)   insert_context(states, ...)      draft(states, ...)
                               a write per sequence              the states' windows stacked
-    pooled (the engine's)     insert_pooled(pool, states, ...)  draft_pooled(pool, slots, ...)
-                              one scatter for the whole batch   one gather by pool row
+    pooled (the engine's)     insert_pooled(pool, states, ...)  draft_pooled(pool, rows, ...)
+                              = plan_insert (host) +            one gather by pool row
+                                write_pooled (one scatter)
 
-A `DrafterPool` holds every sequence's windows in one allocation ([S+2, L, W, d] and
-[S+2, W]: S sequences, a padding row, a sink row); its states are views of their row, so both ways read and write the same bytes and
-`draft_pooled` (no host read, no validation, fixed shapes per batch) can be captured as a CUDA
-graph (engine/gpu/draft_graph.py). Both call `context_kv`, `visible`, `block_pass` and
-`markov`: one forward.
+A `DrafterPool` holds every sequence's windows in one allocation ([S+2, L, W, d] and [S+2, W]:
+S sequences, a padding row, a sink row); its states are views of their row, so both ways read
+and write the same bytes, and `draft_pooled` and `write_pooled` (no host read, no validation,
+fixed shapes per bucket) can be captured as CUDA graphs (engine/gpu/draft_graph.py). Both ways
+call `context_kv`, `visible`, `block_pass` and `markov`: one forward.
 """
 
 from __future__ import annotations

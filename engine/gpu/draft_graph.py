@@ -71,11 +71,14 @@ class _Write:
 
 
 class DraftGraphs:
-    """Greedy drafts of `drafter` over `pool`, one static program per batch bucket."""
+    """Greedy drafts of `drafter` over `pool`, one static program per batch bucket, and its
+    context inserts, one per row bucket."""
 
     def __init__(self, drafter: DSparkDrafter, pool: DrafterPool, capture: bool, buckets: Sequence[int] = BUCKETS):
         self.drafter, self.pool, self.capture = drafter, pool, capture
-        self.buckets = tuple(b for b in buckets if b <= pool.num_seqs) or (1,)
+        # the batch buckets below the pool's row count, then the row count itself (a batch
+        # never holds more sequences than the pool)
+        self.buckets = tuple(b for b in buckets if b < pool.num_seqs) + (min(pool.num_seqs, buckets[-1]),)
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= drafter.window)
         self._graphs: dict[tuple, _Graph] = {}
         self._writes: dict[tuple, _Write] = {}
@@ -167,11 +170,13 @@ class DraftGraphs:
         max_batch * (k+1) rows. Returns how many were built."""
         built = 0
         rows = max(max_batch, 1) * (self.drafter.k + 1)
-        for bucket in self.buckets:
-            if bucket > max(max_batch, 1) or self.failed:
+        for bucket in self.buckets:  # up to the first bucket holding max_batch sequences
+            if self.failed:
                 break
             if self.key(bucket) not in self._graphs and self._build(bucket) is not None:
                 built += 1
+            if bucket >= max_batch:
+                break
         for bucket in self.row_buckets:
             if self.failed:
                 break

@@ -110,9 +110,11 @@ def test_rows_go_back_to_the_pool(drafter):
         SpeculativeConfig(method="dspark", draft_graphs="sometimes")
 
 
-def test_draft_graphs_buckets_stop_at_the_pool(drafter):
+def test_draft_graphs_buckets_end_at_the_pool(drafter):
     g = DraftGraphs(drafter, drafter.new_pool(6), capture=False)
-    assert g.buckets == (1, 2, 4) and g.bucket(3) == 4 and g.bucket(5) is None
+    assert g.buckets == (1, 2, 4, 6) and g.bucket(3) == 4 and g.bucket(5) == 6 and g.bucket(7) is None
+    assert g.warm(3) == 3 + 6  # drafts of 1, 2, 4; inserts of 1 .. 32 rows (3 x 6 = 18)
+    assert DraftGraphs(drafter, drafter.new_pool(8), capture=False).buckets == (1, 2, 4, 8)
 
 
 def test_static_inserts_write_what_eager_inserts_write(drafter):
