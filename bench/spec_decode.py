@@ -24,17 +24,19 @@ method gives the same tokens as without.
 DSpark drafting cost (`--draft-modes`, dspark only): each batch runs the speculating engine once
 per mode, `eager` (SpeculativeConfig.draft_graphs "off": every draft launched op by op) and
 `graph` (a CUDA graph per batch bucket for the draft and per row bucket for the context insert,
-captured before the timed steps; on a CPU the graphs' static path without capture). Per run: drafter ms per step = host seconds in the drafter's
-`propose` + `observe` over the timed steps / steps. `propose` ends with the drafts' one
-device-to-host read, which also waits for the `observe` kernels queued after the last verify,
-so the sum holds the drafter's device time without extra syncs (`--draft-sync` adds a sync
-around each call: each part's own device time, at the cost of those syncs). A table is printed
-and every figure goes to the JSON (`draft`). A `graph` run whose graphs were not used for every
-draft and insert (a capture that failed, a bucket missing) is reported as a DRAFT GRAPH FAILURE and the
-script exits 2 after writing its results (the engine itself drafted eagerly, counted).
+captured before the timed steps; on a CPU the graphs' static path without capture). Per run:
+drafter ms per step = host seconds in the drafter's `propose` + `observe` over the timed steps
+/ steps. `propose` ends with the drafts' one device-to-host read, which also waits for the
+`observe` kernels queued after the last verify, so the sum holds the drafter's device time
+without extra syncs (`--draft-sync` adds a sync around each call: each part's own device time,
+at the cost of those syncs). A table is printed and every figure goes to the JSON (`draft`). A
+`graph` run whose graphs were not used for every draft and insert (a capture that failed, a
+bucket missing) is reported as a DRAFT GRAPH FAILURE and the script exits 2 after writing its
+results (the engine itself drafted eagerly, counted). With `--method dspark` the greedy check
+runs the DSpark drafter (graphs on a GPU) against plain decoding.
 
     python -m flashpd.bench.spec_decode --device cuda --preset bench --context 8192 \
-        --method dspark --batches 1 8 --draft-modes eager graph --no-greedy-check \
+        --method dspark --batches 1 8 --draft-modes eager graph \
         --out bench/results/h200/dspark_draft.json                   (GPU: drafting cost)
     python -m flashpd.bench.spec_decode --device cpu --preset tiny --method dspark \
         --batches 1 8 --draft-modes eager graph --steps 4              (CPU: the same path)

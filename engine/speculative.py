@@ -234,11 +234,11 @@ class DSparkDrafterAdapter:
     with a per-sequence device loop nor a device-to-host read besides the drafts themselves.
 
     Greedy batches (choose None) replay a CUDA graph per batch bucket, and inserts of up to W
-    rows one per row bucket (engine/gpu/draft_graph.py), when `graphs` says so; a batch with a sampled request drafts eagerly with the engine's
-    chooser (its q go to the rejection sampler), as does any batch the graphs cannot take
-    (counted in `counters`). graphs: "auto" (CUDA graphs when the drafter is on CUDA, else
-    eager), "off" (eager), "static" (the graphs' padded static buffers without capture: the CPU
-    tests of that path)."""
+    rows one per row bucket (engine/gpu/draft_graph.py), when `graphs` says so; a batch with a
+    sampled request drafts eagerly with the engine's chooser (its q go to the rejection
+    sampler), as does any batch or insert the graphs cannot take (counted in `counters`).
+    graphs: "auto" (CUDA graphs when the drafter is on CUDA, else eager), "off" (eager),
+    "static" (the graphs' padded static buffers without capture: the CPU tests of that path)."""
 
     uses_tap = True
 
