@@ -17,15 +17,36 @@ speculating engine speculates at every measured batch (max_batch = the largest),
 crossover batch (the smallest B where speculation's total falls below plain decoding) is read
 from the same run. `--method ngram` (default) drafts by prompt lookup: its draft costs only host
 time, so the figures leave out what a DSpark drafter's forward adds; `--method dspark` runs the
-preset's random DSpark drafter (`DSparkDrafter.random` on the GPU; its reference forward, and
-every step of that engine is eager: the tap is read outside the CUDA graphs). `greedy_identical`: a short greedy run with real (not forced)
-ngram speculation gives the same tokens as without.
+preset's random DSpark drafter (`DSparkDrafter.random` on the GPU) through the engine's pooled
+adapter. `greedy_identical`: a short greedy run with real (not forced) speculation of the same
+method gives the same tokens as without.
+
+DSpark drafting cost (`--draft-modes`, dspark only): each batch runs the speculating engine once
+per mode, `eager` (SpeculativeConfig.draft_graphs "off": every draft launched op by op) and
+`graph` (a CUDA graph per batch bucket for the draft and per row bucket for the context insert,
+captured before the timed steps; on a CPU the graphs' static path without capture). Per run:
+drafter ms per step = host seconds in the drafter's `propose` + `observe` over the timed steps
+/ steps. `propose` ends with the drafts' one device-to-host read, which also waits for the
+`observe` kernels queued after the last verify, so the sum holds the drafter's device time
+without extra syncs (`--draft-sync` adds a sync around each call: each part's own device time,
+at the cost of those syncs). A table is printed and every figure goes to the JSON (`draft`). A
+`graph` run whose graphs were not used for every draft and insert (a capture that failed, a
+bucket missing) is reported as a DRAFT GRAPH FAILURE and the script exits 2 after writing its
+results (the engine itself drafted eagerly, counted). With `--method dspark` the greedy check
+runs the DSpark drafter (graphs on a GPU) against plain decoding.
+
+    python -m flashpd.bench.spec_decode --device cuda --preset bench --context 8192 \
+        --method dspark --batches 1 8 --draft-modes eager graph \
+        --out bench/results/h200/dspark_draft.json                   (GPU: drafting cost)
+    python -m flashpd.bench.spec_decode --device cpu --preset tiny --method dspark \
+        --batches 1 8 --draft-modes eager graph --steps 4              (CPU: the same path)
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -39,6 +60,8 @@ import torch
 from flashpd.engine.llm_engine import EngineConfig, LLMEngine
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.speculative import BENCH_ENV, SpeculativeConfig
+
+DRAFT_MODES = ("eager", "graph")  # --draft-modes -> SpeculativeConfig.draft_graphs by device
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -132,6 +155,7 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
     _sync()
     graphs = getattr(engine.model, "graphs", None)
     captures = graphs.num_captures if graphs is not None else 0
+    drafter_before = _drafter_counters(engine)
     prof = cProfile.Profile() if profile else None
     t0, tokens = time.perf_counter(), 0
     if prof is not None:
@@ -144,10 +168,12 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     captures = (graphs.num_captures if graphs is not None else 0) - captures
+    draft = _draft_figures(drafter_before, _drafter_counters(engine), steps)
     for rid in rids:
         engine.abort(rid)
     total = tokens / seconds
     return {
+        "draft": draft,
         "batch": batch,
         "steps": steps,
         "tokens": tokens,
@@ -161,13 +187,72 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int, vocab: int,
     }
 
 
-def greedy_identical(model, dtype: str, device: str, vocab: int) -> bool:
-    """4 requests x 24 greedy tokens: real ngram speculation (prompts with repeats, so drafts
-    get accepted and rejected) gives the same tokens as plain decoding."""
+def _drafter_counters(engine: LLMEngine) -> dict | None:
+    """The DSpark adapter's counters (None: no drafter with counters, e.g. ngram)."""
+    counters = getattr(engine.drafter, "counters", None)
+    return counters() if counters is not None else None
+
+
+def _draft_figures(before: dict | None, after: dict | None, steps: int) -> dict | None:
+    """Drafter time and paths over the timed steps (differences of the adapter's counters)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float) and k != "graph_failed"}
+    return {
+        "drafter_ms_per_step": 1e3 * (d["propose_s"] + d["observe_s"]) / steps,
+        "propose_ms_per_step": 1e3 * d["propose_s"] / steps,
+        "observe_ms_per_step": 1e3 * d["observe_s"] / steps,
+        "proposes": d["proposes"],
+        "observes": d["observes"],
+        "observe_graph": d["observe_graph"],
+        "graph": d["graph"],
+        "eager_fallback": d["eager_fallback"],
+        "eager_sampled": d["eager_sampled"],
+        "graph_failures": after.get("graph_failures", 0),
+        "graph_failed": bool(after.get("graph_failed", False)),
+        "graph_misses": d.get("graph_misses", 0),
+        "graph_captures": after.get("graph_captures", 0),
+        "graph_capture_s": after.get("graph_capture_s", 0.0),
+    }
+
+
+def draft_graphs_setting(mode: str, device: str) -> str:
+    """--draft-modes name -> SpeculativeConfig.draft_graphs: graph = CUDA graphs on a GPU, the
+    graphs' static path (no capture) on a CPU."""
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"draft mode must be one of {list(DRAFT_MODES)}, got {mode!r}")
+    if mode == "eager":
+        return "off"
+    return "auto" if device.startswith("cuda") else "static"
+
+
+def graph_failure(draft: dict | None) -> str:
+    """'' when a graph run drafted through its graphs at every timed step, else why not."""
+    if draft is None:
+        return "no DSpark drafter counters"
+    if draft["graph_failed"] or draft["graph_failures"]:
+        return f"{draft['graph_failures']} capture failure(s): drafts ran eagerly (see the log's traceback)"
+    if draft["graph"] != draft["proposes"] or not draft["proposes"]:
+        return (
+            f"{draft['graph']} of {draft['proposes']} drafts through graphs "
+            f"({draft['eager_fallback']} eager fallbacks, {draft['graph_misses']} missing buckets, "
+            f"{draft['eager_sampled']} sampled)"
+        )
+    if draft["observe_graph"] != draft["observes"]:  # decode steps insert <= B (k+1) rows
+        return f"{draft['observe_graph']} of {draft['observes']} context inserts through graphs"
+    return ""
+
+
+def greedy_identical(model, dtype: str, device: str, vocab: int, method: str = "ngram", dspark=None) -> bool:
+    """4 requests x 24 greedy tokens: real speculation of `method` (prompts with repeats, so
+    ngram drafts get accepted and rejected) gives the same tokens as plain decoding."""
     prompts = {f"g{i}": _prompt(20, 50 + i, vocab) * 3 for i in range(4)}
     outs = []
-    for spec in (None, SpeculativeConfig(method="ngram", num_tokens=5, max_batch=64)):
-        engine = make_engine(model, dtype, device, 4, 64, spec)
+    spec = SpeculativeConfig(method=method, num_tokens=5, max_batch=64)
+    for cfg in (None, spec):
+        engine = make_engine(model, dtype, device, 4, 64, cfg, dspark=dspark)
+        if cfg is not None:
+            engine.drafter.warm_up(4)
         got: dict[str, list[int]] = {}
         for rid, p in prompts.items():
             engine.add_request(rid, p, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -185,6 +270,63 @@ def _commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def spec_runs(args, spec: SpeculativeConfig) -> list[tuple[str, SpeculativeConfig]]:
+    """The speculating runs of each batch: one (`spec`) for ngram, one per draft mode for dspark
+    (`spec-eager`, `spec-graph`)."""
+    if args.method != "dspark":
+        return [("spec", spec)]
+    modes = args.draft_modes or ["graph"]
+    return [(f"spec-{m}", dataclasses.replace(spec, draft_graphs=draft_graphs_setting(m, args.device))) for m in modes]
+
+
+def _measure_row(args, model, dtype, dspark, vocab, batch: int, name: str, cfg) -> dict:
+    engine = make_engine(
+        model, dtype, args.device, batch, args.context, cfg, new_tokens(args.steps), dspark, args.graph_width_ratio
+    )
+    if cfg is not None:  # the draft graphs of every bucket up to B, before anything is timed
+        engine.drafter.time_device = args.draft_sync
+        engine.drafter.warm_up(batch)
+    profile = name != "nonspec" and batch in args.profile
+    row = measure(engine, batch, args.context, args.steps, vocab, profile=profile)
+    draft = row["draft"]
+    extra = "" if draft is None else f", drafter {draft['drafter_ms_per_step']:.2f} ms/step"
+    print(
+        f"B={batch:3d} {name:10s} {row['tok_s_per_user']:9.1f} tok/s/user "
+        f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
+        f" tok/step/user{extra})",
+        flush=True,
+    )
+    return row
+
+
+def print_table(rows: dict, batches: list[int], names: list[str]) -> None:
+    print(
+        f"{'B':>4} {'mode':10} {'tok/s/user':>11} {'tok/s total':>12} {'draft ms/step':>14} "
+        f"{'propose ms':>11} {'observe ms':>11} {'graph':>6} {'eager':>6} {'captures':>9} {'failures':>9}"
+    )
+    for b in batches:
+        for name in names:
+            r = rows[(name, b)]
+            d = r["draft"]
+            cells = (
+                ("-",) * 7
+                if d is None
+                else (
+                    f"{d['drafter_ms_per_step']:.2f}",
+                    f"{d['propose_ms_per_step']:.2f}",
+                    f"{d['observe_ms_per_step']:.2f}",
+                    d["graph"],
+                    d["eager_fallback"] + d["eager_sampled"],
+                    d["graph_captures"],
+                    d["graph_failures"],
+                )
+            )
+            print(
+                f"{b:4d} {name:10} {r['tok_s_per_user']:11.1f} {r['tok_s_total']:12.1f} {cells[0]:>14} "
+                f"{cells[1]:>11} {cells[2]:>11} {cells[3]:>6} {cells[4]:>6} {cells[5]:>9} {cells[6]:>9}"
+            )
 
 
 def run(args) -> dict:
@@ -205,38 +347,26 @@ def run(args) -> dict:
         max_batch=max(args.batches),
         bench_forced_acceptance_length=args.forced,
     )
-    rows = {}
+    runs = [("nonspec", None), *spec_runs(args, spec)]
+    rows, failures = {}, []
     for batch in args.batches:
-        for name, cfg in (("nonspec", None), ("spec", spec)):
-            engine = make_engine(
-                model,
-                dtype,
-                args.device,
-                batch,
-                args.context,
-                cfg,
-                new_tokens(args.steps),
-                dspark,
-                args.graph_width_ratio,
-            )
-            row = measure(
-                engine, batch, args.context, args.steps, vocab, profile=name == "spec" and batch in args.profile
-            )
-            rows[(name, batch)] = row
-            print(
-                f"B={batch:3d} {name:8s} {row['tok_s_per_user']:9.1f} tok/s/user "
-                f"{row['tok_s_total']:9.1f} tok/s total ({row['tokens_per_step_per_user']:.2f}"
-                f" tok/step/user)",
-                flush=True,
-            )
+        for name, cfg in runs:
+            rows[(name, batch)] = row = _measure_row(args, model, dtype, dspark, vocab, batch, name, cfg)
+            why = graph_failure(row["draft"]) if name == "spec-graph" else ""
+            if why:  # loudly: the figures of this row are the eager drafter's
+                failures.append({"batch": batch, "why": why})
+                print(f"DRAFT GRAPH FAILURE at B={batch}: {why}", file=sys.stderr, flush=True)
         if args.out:  # what is measured so far survives a time box
             partial = {"partial": True, "rows": [dict(r, mode=n) for (n, _), r in rows.items()]}
             with open(args.out, "w") as f:
                 json.dump(partial, f, indent=1)
+    names = [n for n, _ in runs]
+    print_table(rows, args.batches, names)
+    main_spec = "spec-graph" if "spec-graph" in names else names[1]  # the summary's speculating run
     crossover = next(
-        (b for b in args.batches if rows[("spec", b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]), None
+        (b for b in args.batches if rows[(main_spec, b)]["tok_s_total"] < rows[("nonspec", b)]["tok_s_total"]), None
     )
-    identical = greedy_identical(model, dtype, args.device, vocab) if args.greedy_check else None
+    identical = greedy_identical(model, dtype, args.device, vocab, args.method, dspark) if args.greedy_check else None
     keyed = lambda name, key: {str(b): rows[(name, b)][key] for b in args.batches}  # noqa: E731
     return {
         "commit": commit,
@@ -247,13 +377,17 @@ def run(args) -> dict:
         "method": args.method,
         "num_tokens": args.num_tokens,
         "graph_width_ratio": args.graph_width_ratio,
-        "tok_s_per_user": keyed("spec", "tok_s_per_user"),
-        "tok_s_total": keyed("spec", "tok_s_total"),
+        "spec_mode": main_spec,
+        "tok_s_per_user": keyed(main_spec, "tok_s_per_user"),
+        "tok_s_total": keyed(main_spec, "tok_s_total"),
         "nonspec_tok_s_per_user": keyed("nonspec", "tok_s_per_user"),
         "nonspec_tok_s_total": keyed("nonspec", "tok_s_total"),
         "crossover_batch": crossover,
         "small_acceptance_length": None,  # measured by the drafter's quality bench (issue 26)
         "greedy_identical": identical,
+        "draft": {n: {str(b): rows[(n, b)]["draft"] for b in args.batches} for n in names[1:]},
+        "draft_sync": args.draft_sync,
+        "draft_graph_failures": failures,
         "command": "python -m flashpd.bench.spec_decode " + " ".join(sys.argv[1:]),
         "rows": [dict(r, mode=name) for (name, _), r in rows.items()],
     }
@@ -269,6 +403,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, default=5, help="drafts per step")
     ap.add_argument("--forced", type=float, default=3.51, help="forced acceptance length")
     ap.add_argument("--method", default="ngram", choices=["ngram", "dspark"])
+    ap.add_argument(
+        "--draft-modes",
+        nargs="+",
+        choices=list(DRAFT_MODES),
+        default=None,
+        help="dspark: speculating runs per batch, drafts eager and/or through graphs (default: graph)",
+    )
+    ap.add_argument(
+        "--draft-sync",
+        action="store_true",
+        help="dspark: sync the device around each drafter call (each part's own device time)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--no-greedy-check", dest="greedy_check", action="store_false")
     ap.add_argument(
@@ -287,12 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="JSON path (spec_summary keys)")
     args = ap.parse_args(argv)
+    if args.draft_modes and args.method != "dspark":
+        ap.error("--draft-modes needs --method dspark (ngram drafts on the host)")
     summary = run(args)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=1), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
+    if summary["draft_graph_failures"]:
+        print(f"DRAFT GRAPH FAILURE: {summary['draft_graph_failures']}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -235,7 +235,7 @@ class LLMEngine:
             return
         if self.config.role == "prefill":
             raise ValueError("speculative: a prefill worker samples no tokens; configure it on the decode workers")
-        self.drafter = build_drafter(spec, dspark)
+        self.drafter = build_drafter(spec, dspark, max_seqs=self.config.max_num_seqs)
         if self.drafter.uses_tap and not getattr(self.model, "tap_layer_ids", ()):
             raise ValueError(
                 "the drafter reads the target's tap, but the model records none (Model.tap_layer_ids is empty)"
@@ -335,7 +335,7 @@ class LLMEngine:
         self.runner.forget([request_id])
         self._spec_usage.pop(request_id, None)
         if self.spec is not None:
-            self._drafter_states.pop(request_id, None)
+            self._release_drafter_state(request_id)
             if self.forced is not None:
                 self.forced.forget(request_id)
 
@@ -559,12 +559,9 @@ class LLMEngine:
         rids = [c.request_id for c in chunks]
         states = [self._drafter_state(r) for r in rids]
         params = [self._params[r] for r in rids]
-        proposal = self.drafter.propose(
-            states,
-            [c.token_ids[0] for c in chunks],
-            [c.start for c in chunks],
-            lambda logits, slot: self._choose(logits, params),
-        )
+        # every row greedy: no chooser (argmax drafts; a drafter may replay a graph for them)
+        choose = None if all(p.greedy for p in params) else (lambda logits, slot: self._choose(logits, params))
+        proposal = self.drafter.propose(states, [c.token_ids[0] for c in chunks], [c.start for c in chunks], choose)
         return self._trim_drafts(rids, proposal, room)
 
     def _draft_room(self, chunk) -> int:
@@ -649,28 +646,32 @@ class LLMEngine:
         recompute inserts their positions afresh."""
         if self.spec is not None:
             for rid in request_ids:
-                self._drafter_states.pop(rid, None)
+                self._release_drafter_state(rid)
+
+    def _release_drafter_state(self, rid: str) -> None:
+        state = self._drafter_states.pop(rid, None)
+        if state is not None:
+            self.drafter.release(state)
 
     def _observe(self, out, verdicts: dict[str, Verdict], verified: set[str] = frozenset()):
         """Hand the drafter the committed rows of this step (their taps): every computed row,
         but of a verify only the anchor and the accepted drafts (nothing of a failed one)."""
         if self.drafter is None or not self.drafter.uses_tap or not out.taps:
             return
-        states, positions, rows = [], [], []
-        for rid, pieces in out.taps.items():
-            if rid not in self._requests or (rid in verified and rid not in verdicts):
-                continue
-            for values, pos in pieces:
-                if rid in verdicts:
-                    keep = 1 + verdicts[rid].num_accepted
-                    values, pos = values[:keep], pos[:keep]
-                states.append(self._drafter_state(rid))
-                positions.append(list(pos))
-                rows.append(values)
-        if not states:
-            return
         try:
-            self.drafter.observe(states, positions, torch.cat(rows))
+            states, positions, rows = [], [], []
+            for rid, pieces in out.taps.items():
+                if rid not in self._requests or (rid in verified and rid not in verdicts):
+                    continue
+                for values, pos in pieces:
+                    if rid in verdicts:
+                        keep = 1 + verdicts[rid].num_accepted
+                        values, pos = values[:keep], pos[:keep]
+                    states.append(self._drafter_state(rid))  # a full pool raises here
+                    positions.append(list(pos))
+                    rows.append(values)
+            if states:
+                self.drafter.observe(states, positions, torch.cat(rows))
         except Exception:  # noqa: BLE001 - contained: those requests' drafter state restarts
             log.exception("the drafter refused this step's context rows; its states restart")
             self._forget_drafts(list(out.taps))

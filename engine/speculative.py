@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -47,9 +48,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from flashpd.model.dspark import greedy_choose
+
 log = logging.getLogger(__name__)
 
 METHODS = ("ngram", "dspark")
+DRAFT_GRAPH_MODES = ("auto", "off", "static")  # SpeculativeConfig.draft_graphs
 BENCH_ENV = "FLASHPD_BENCH_FORCED_ACCEPTANCE"
 # The batch size above which a step does not speculate, from the H200 crossover (bench preset,
 # 8K context, k = 5, forced acceptance 3.51, bench/results/h200/spec_summary.json at 92abfc8):
@@ -66,6 +70,9 @@ class SpeculativeConfig:
     ngram_min: int = 1  # prompt lookup: shortest suffix n-gram matched
     ngram_max: int = 4  # longest (tried first)
     bench_forced_acceptance_length: float | None = None  # AL = 1 + accepted drafts; bench only
+    # DSpark greedy drafts through CUDA graphs: "auto" (when the drafter is on CUDA), "off"
+    # (eager: the A/B baseline), "static" (the graphs' padded buffers without capture: CPU tests)
+    draft_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,6 +83,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.max_batch must be >= 0, got {self.max_batch}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
+        if self.draft_graphs not in DRAFT_GRAPH_MODES:
+            raise ValueError(
+                f"speculative.draft_graphs must be one of {list(DRAFT_GRAPH_MODES)}, got {self.draft_graphs!r}"
+            )
         al = self.bench_forced_acceptance_length
         if al is not None:
             if os.environ.get(BENCH_ENV) != "1":
@@ -132,13 +143,23 @@ class Drafter(Protocol):
     def new_state(self, token_ids: list[int]) -> object:
         """Per-request state; `token_ids` is the request's live token list (prompt + outputs)."""
 
+    def release(self, state: object) -> None:
+        """The engine is done with `state` (request finished, preempted or its state restarts):
+        whatever it holds goes back (a pooled drafter's row)."""
+
     def observe(self, states: Sequence[object], positions: Sequence[Sequence[int]], taps: torch.Tensor | None) -> None:
         """Committed rows only (never a rejected draft): their positions, and the target's tap
         rows for them (concatenated, in order) when `uses_tap`."""
 
     def propose(
-        self, states: Sequence[object], anchors: Sequence[int], anchor_positions: Sequence[int], choose: Choose
-    ) -> Proposal: ...
+        self, states: Sequence[object], anchors: Sequence[int], anchor_positions: Sequence[int], choose: Choose | None
+    ) -> Proposal:
+        """choose None: every row is greedy (argmax drafts, point masses), so a drafter may take
+        its own argmax path (a CUDA graph) and return probs None."""
+
+    def warm_up(self, max_batch: int) -> int:
+        """Prepare what steps of up to `max_batch` speculating rows run (graphs), before traffic;
+        returns how many things were built."""
 
 
 @dataclass
@@ -171,6 +192,12 @@ class NgramDrafter:
     def new_state(self, token_ids: list[int]) -> _NgramState:
         return _NgramState(token_ids)
 
+    def release(self, state: _NgramState) -> None:
+        return None  # holds nothing beyond the object
+
+    def warm_up(self, max_batch: int) -> int:
+        return 0  # host lookups: nothing to build
+
     def observe(self, states, positions, taps) -> None:
         return None  # reads the request's token list directly
 
@@ -201,29 +228,98 @@ def ngram_lookup(seq: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int
 
 
 class DSparkDrafterAdapter:
-    """The engine's `Drafter` over model/dspark.py's DSparkDrafter (`new_state()`,
-    `insert_context(states, positions, taps)`, `draft(states, anchors, positions, choose)`)."""
+    """The engine's `Drafter` over model/dspark.py's DSparkDrafter, pooled: every sequence's
+    windows are rows of one `DrafterPool` (allocated once, `max_seqs` rows), so `observe` is one
+    batched insert (`insert_pooled`) and `propose` one batched draft (`draft_pooled`), neither
+    with a per-sequence device loop nor a device-to-host read besides the drafts themselves.
+
+    Greedy batches (choose None) replay a CUDA graph per batch bucket, and inserts of up to W
+    rows one per row bucket (engine/gpu/draft_graph.py), when `graphs` says so; a batch with a
+    sampled request drafts eagerly with the engine's chooser (its q go to the rejection
+    sampler), as does any batch or insert the graphs cannot take (counted in `counters`).
+    graphs: "auto" (CUDA graphs when the drafter is on CUDA, else eager), "off" (eager),
+    "static" (the graphs' padded static buffers without capture: the CPU tests of that path)."""
 
     uses_tap = True
 
-    def __init__(self, drafter) -> None:
+    def __init__(self, drafter, max_seqs: int, graphs: str = "auto") -> None:
+        if graphs not in DRAFT_GRAPH_MODES:
+            raise ValueError(f"draft graphs must be one of {list(DRAFT_GRAPH_MODES)}, got {graphs!r}")
         self.drafter = drafter
         self.num_tokens = int(drafter.k)
+        self.pool = drafter.new_pool(max_seqs)
+        self.graphs = None
+        on_cuda = torch.device(drafter.device).type == "cuda"
+        if graphs == "static" or (graphs == "auto" and on_cuda):
+            from flashpd.engine.gpu.draft_graph import DraftGraphs  # torch.cuda only when capturing
+
+            self.graphs = DraftGraphs(drafter, self.pool, capture=graphs == "auto")
+        self.time_device = False  # benchmarks: synchronise around each call so the times below
+        # are the device's (off: host time; propose ends with its device-to-host read anyway)
+        self.stats = {"proposes": 0, "graph": 0, "eager_sampled": 0, "eager_fallback": 0}
+        self.stats.update(observes=0, observe_graph=0)
+        self.seconds = {"propose": 0.0, "observe": 0.0}
 
     def new_state(self, token_ids: list[int]) -> object:
-        return self.drafter.new_state()
+        return self.pool.acquire()
+
+    def release(self, state) -> None:
+        self.pool.release(state)
 
     def observe(self, states, positions, taps) -> None:
         if taps is None:
             raise ValueError("the DSpark drafter needs the target's tap rows")
-        self.drafter.insert_context(states, positions, taps)
+        t0 = self._clock()
+        plan = self.drafter.plan_insert(self.pool, states, positions, taps)  # host: checks, books
+        if plan is not None:
+            if self.graphs is not None and self.graphs.write(taps, plan):
+                self.stats["observe_graph"] += 1
+            else:  # eager: no graphs, more rows than a row bucket (a prompt's), or a failure
+                self.drafter.insert_pooled(self.pool, states, positions, taps, plan)
+        self.seconds["observe"] += self._clock() - t0
+        self.stats["observes"] += 1
 
     def propose(self, states, anchors, anchor_positions, choose) -> Proposal:
-        dev = getattr(self.drafter, "device", "cpu")
-        out = self.drafter.draft(
-            states, torch.tensor(list(anchors), dtype=torch.long, device=dev), list(anchor_positions), choose
-        )
-        return Proposal(out.tokens.tolist(), out.probs)
+        """choose None: every row is greedy (argmax drafts, point masses: probs None)."""
+        self.drafter.check_host_draft(len(states), anchors, anchor_positions)
+        t0 = self._clock()
+        rows = [st.pool_row for st in states]
+        tokens = None
+        if choose is None and self.graphs is not None:
+            tokens = self.graphs.run(rows, anchors, anchor_positions)
+        if tokens is not None:
+            self.stats["graph"] += 1
+            proposal = Proposal(tokens.tolist(), None)
+        else:
+            self.stats["eager_sampled" if choose is not None else "eager_fallback"] += 1
+            proposal = self._eager(rows, anchors, anchor_positions, choose)
+        self.seconds["propose"] += self._clock() - t0
+        self.stats["proposes"] += 1
+        return proposal
+
+    def _eager(self, rows, anchors, anchor_positions, choose) -> Proposal:
+        dev = self.drafter.device
+        inputs = torch.tensor([list(rows), list(anchors), list(anchor_positions)], dtype=torch.long).to(dev)
+        out = self.drafter.draft_pooled(self.pool, inputs[0], inputs[1], inputs[2], choose or greedy_choose)
+        return Proposal(out.tokens.tolist(), None if choose is None else out.probs)
+
+    def warm_up(self, max_batch: int) -> int:
+        """Build the graph of every bucket up to max_batch, then close the set (no capture on
+        the request path). Returns the graphs built."""
+        if self.graphs is None:
+            return 0
+        built = self.graphs.warm(max_batch)
+        self.graphs.freeze()
+        return built
+
+    def counters(self) -> dict:
+        out = {**self.stats, **{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}}
+        return {**out, **(self.graphs.counters() if self.graphs is not None else {})}
+
+    def _clock(self) -> float:
+        if self.time_device and torch.device(self.drafter.device).type == "cuda":
+            torch.cuda.synchronize(self.drafter.device)
+        return time.perf_counter()
 
 
 # ============================================================================ acceptance
@@ -326,9 +422,10 @@ class SpecStats:
         }
 
 
-def build_drafter(config: SpeculativeConfig, dspark=None) -> Drafter:
+def build_drafter(config: SpeculativeConfig, dspark=None, max_seqs: int = 1) -> Drafter:
     """The configured drafter. DSpark needs the checkpoint's drafter (`dspark`: a
-    model/dspark.py DSparkDrafter built from its mtp.* tensors; engine/loading.py makes it)."""
+    model/dspark.py DSparkDrafter built from its mtp.* tensors; engine/loading.py makes it);
+    its pool holds the windows of `max_seqs` sequences (the engine's running requests)."""
     if config.method == "ngram":
         return NgramDrafter(config.num_tokens, config.ngram_min, config.ngram_max)
     drafter = dspark
@@ -337,7 +434,7 @@ def build_drafter(config: SpeculativeConfig, dspark=None) -> Drafter:
             "speculative.method 'dspark' needs a checkpoint with the DSpark drafter "
             "(num_nextn_predict_layers > 0, mtp.* tensors)"
         )
-    adapter = DSparkDrafterAdapter(drafter)
+    adapter = DSparkDrafterAdapter(drafter, max_seqs, config.draft_graphs)
     if adapter.num_tokens != config.num_tokens:
         raise ValueError(
             f"speculative.num_tokens {config.num_tokens} but the DSpark drafter "

@@ -21,7 +21,8 @@ it, none on the first request (bench/results/h200/first_request.md).
                           hit with a turn of each turn-graph bucket (2 .. W rows)
     decode role           the same, admitted as the router does (reserve, KV arrived, replay)
 
-plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role). Each
+plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role), and the
+speculative drafter's graphs of every batch bucket that may speculate (`Drafter.warm_up`). Each
 graph built is also built at every other context class holding its context (`DecodeGraphs`
 width classes), so the short prompt's shapes give every class's decode, replay and turn
 graphs; at the end the engine's graph set is frozen (`DecodeGraphs.freeze`): a step whose
@@ -105,6 +106,9 @@ def warm_up(engine, plan: WarmupPlan | None = None) -> dict:
     if graphs is not None:  # the set is complete: no capture on the request path from now on
         graphs.freeze(engine.pools)
     after = graphs.counters() if graphs is not None else {}
+    draft_graphs = 0
+    if engine.drafter is not None:  # the drafter's graphs: every batch that may speculate
+        draft_graphs = engine.drafter.warm_up(min(engine.spec.max_batch, engine.config.max_num_seqs))
     return {
         "requests": run.count,
         "steps": run.steps,
@@ -114,6 +118,7 @@ def warm_up(engine, plan: WarmupPlan | None = None) -> dict:
         "graph_builds": after.get("graph_builds", 0) - before.get("graph_builds", 0),
         "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
         "graph_classes": list(graphs.width_classes) if graphs is not None else [],
+        "draft_graphs": draft_graphs,
     }
 
 

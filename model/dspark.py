@@ -26,6 +26,20 @@ position outside [p-W+1, p] are masked (the TensorRT-LLM pitfall, dspark.md §6)
 State: a `DrafterState` per sequence holds the L windows as position-indexed rings of W = 128
 slots. Only committed positions are written (`insert_context`); `draft` reads them and never
 writes, so a rejected draft needs no rollback and rewriting a position overwrites its own slot.
+
+Two ways to run the same forward:
+
+    per sequence (the spec)   insert_context(states, ...)      draft(states, ...)
+                              a write per sequence              the states' windows stacked
+    pooled (the engine's)     insert_pooled(pool, states, ...)  draft_pooled(pool, rows, ...)
+                              = plan_insert (host) +            one gather by pool row
+                                write_pooled (one scatter)
+
+A `DrafterPool` holds every sequence's windows in one allocation ([S+2, L, W, d] and [S+2, W]:
+S sequences, a padding row, a sink row); its states are views of their row, so both ways read
+and write the same bytes, and `draft_pooled` and `write_pooled` (no host read, no validation,
+fixed shapes per bucket) can be captured as CUDA graphs (engine/gpu/draft_graph.py). Both ways
+call `context_kv`, `visible`, `block_pass` and `markov`: one forward.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from flashpd.model.checkpoint import Checkpoint, drafter_manifest, random_values
@@ -60,11 +75,13 @@ class DrafterState:
     kv [L, W, d] holds each stage's context K = V (RoPE'd at its position, FP8 fake-quantised, in
     the model dtype); slot_pos [W] int64 the position each slot holds (-1 = never written), shared
     by the L stages (they are written together); end_pos = 1 + the highest position written.
+    pool_row: the `DrafterPool` row kv and slot_pos view (None: storage of its own).
     """
 
     kv: torch.Tensor
     slot_pos: torch.Tensor
     end_pos: int = 0
+    pool_row: int | None = None
 
     @property
     def window(self) -> int:
@@ -78,6 +95,62 @@ class DrafterState:
     def positions(self) -> list[int]:
         """Positions held, ascending."""
         return sorted(p for p in self.slot_pos.tolist() if p >= 0)
+
+
+class DrafterPool:
+    """Every sequence's drafter windows in one allocation, indexed by pool row:
+
+        kv       [S+2, L, W, d]  row r: one sequence's L rings (model dtype)
+        slot_pos [S+2, W] int64  the position each slot of row r holds (-1 = none)
+
+    Rows 0 .. S-1 are handed out as `DrafterState`s viewing their row (`acquire`, `release`);
+    row S (`pad_row`) is never handed out nor written: every slot -1 and K = V = 0, so nothing
+    of it is visible, and a draft batch padded to a graph bucket pads with it; row S+1
+    (`sink_row`) takes the writes of tap rows that are not kept (and of padding rows) and is
+    never read. Allocated once: the addresses a captured graph reads (`key`) never change."""
+
+    def __init__(self, num_seqs: int, num_layers: int, window: int, head_dim: int, dtype, device):
+        if num_seqs < 1:
+            raise DrafterError(f"a drafter pool needs at least one row, got num_seqs={num_seqs}")
+        self.num_seqs, self.window = num_seqs, window
+        self.kv = torch.zeros(num_seqs + 2, num_layers, window, head_dim, dtype=dtype, device=device)
+        self.slot_pos = torch.full((num_seqs + 2, window), -1, dtype=torch.long, device=device)
+        self._free = list(range(num_seqs - 1, -1, -1))  # pop(): row 0 first
+        self._held: set[int] = set()
+
+    @property
+    def pad_row(self) -> int:
+        return self.num_seqs
+
+    @property
+    def sink_row(self) -> int:
+        return self.num_seqs + 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def key(self) -> tuple:
+        """The memory a graph over this pool reads: (address, shape) of kv and slot_pos."""
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in (self.kv, self.slot_pos))
+
+    def acquire(self) -> DrafterState:
+        """A fresh state (nothing written) on a free row; raises when every row is held."""
+        if not self._free:
+            raise DrafterError(f"drafter pool full: all {self.num_seqs} rows hold a sequence")
+        row = self._free.pop()
+        self._held.add(row)
+        self.slot_pos[row].fill_(-1)  # forget the row's last sequence (a device fill, no sync)
+        return DrafterState(self.kv[row], self.slot_pos[row], 0, pool_row=row)
+
+    def release(self, state: DrafterState) -> None:
+        """Give `state`'s row back (once); the state must not be used after."""
+        row = state.pool_row
+        if row is None or row not in self._held:
+            raise DrafterError(f"state of pool row {row} is not held by this pool")
+        self._held.remove(row)
+        self._free.append(row)
+        state.pool_row = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +215,10 @@ class DSparkDrafter:
         slot_pos = torch.full((self.window,), -1, dtype=torch.long, device=self.device)
         return DrafterState(kv, slot_pos)
 
+    def new_pool(self, num_seqs: int) -> DrafterPool:
+        """Windows of up to `num_seqs` sequences in one allocation (the pooled path)."""
+        return DrafterPool(num_seqs, self.ds.num_layers, self.window, self.cfg.head_dim, self.dtype, self.device)
+
     # ------------------------------------------------------------------ context insert (§3.1)
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """main_hidden [T, n_taps*D] -> main_x = main_norm(main_proj(.)) [T, D]."""
@@ -199,6 +276,56 @@ class DSparkDrafter:
                     f"{self.window} behind the window's end {state.end_pos}"
                 )
         return flat
+
+    @torch.no_grad()
+    def insert_pooled(
+        self,
+        pool: DrafterPool,
+        states: Sequence[DrafterState],
+        positions: Sequence[Sequence[int]],
+        taps: torch.Tensor,
+        plan: np.ndarray | None = None,
+    ) -> None:
+        """`insert_context` for states of `pool`, as one tensor program: `plan_insert` on the
+        host (or its `plan`, already made: its books are done), one copy of the plan to the
+        device, `write_pooled`."""
+        plan = self.plan_insert(pool, states, positions, taps) if plan is None else plan
+        if plan is not None:
+            self.write_pooled(pool, taps.to(self.device), _upload(plan, self.device))
+
+    def plan_insert(
+        self, pool: DrafterPool, states: Sequence[DrafterState], positions: Sequence[Sequence[int]], taps: torch.Tensor
+    ) -> np.ndarray | None:
+        """The host half of `insert_pooled`: the reference's checks, the states' books
+        (end_pos), and where each tap row goes -> int64 [4, N] (None: no row):
+
+            plan[0]  the row's position (its RoPE)
+            plan[1]  its target pool row, plan[2] the slot, plan[3] the position the slot then
+                     holds: the rows the reference keeps (per entry the last W positions; of two
+                     landing in one slot, the later) go to their sequence's row at pos % W, the
+                     others to the sink row (slot i % W, holding -1)."""
+        flat = self._check_insert(states, positions, taps)
+        if not flat:
+            return None
+        if any(st.pool_row is None for st in states):
+            raise DrafterError("insert_pooled takes states of the pool (DrafterPool.acquire)")
+        pos = np.asarray(flat, dtype=np.int64)
+        index = np.arange(pos.shape[0], dtype=np.int64)
+        plan = np.stack([pos, np.full_like(pos, pool.sink_row), index % self.window, np.full_like(pos, -1)])
+        rows, pool_rows = _pooled_writes(states, positions, self.window)  # the kept rows [M]
+        plan[1, rows], plan[2, rows], plan[3, rows] = pool_rows, pos[rows] % self.window, pos[rows]
+        for state, ps in zip(states, positions, strict=True):  # host books: no device read
+            if len(ps):
+                state.end_pos = max(state.end_pos, int(ps[-1]) + 1)
+        return plan
+
+    def write_pooled(self, pool: DrafterPool, taps: torch.Tensor, plan: torch.Tensor) -> None:
+        """The device half of `insert_pooled`: taps [N, n_taps*D], plan [4, N] int64 on the
+        device (`plan_insert`) -> every row's context K/V written to its target slot. No host
+        read, fixed shapes: capturable (padding rows target the sink row)."""
+        kv = self.context_kv(taps, plan[0])  # [L, N, d]
+        pool.kv[plan[1], :, plan[2]] = kv.transpose(0, 1)  # [N, L, d]
+        pool.slot_pos[plan[1], plan[2]] = plan[3]
 
     # ------------------------------------------------------------------ draft (§3.2-§3.4)
     @torch.no_grad()
@@ -269,9 +396,40 @@ class DSparkDrafter:
         [max(0, p-W+1), p]; never-written slots hold -1 and are never visible."""
         kv = torch.stack([st.kv for st in states], dim=1)  # [L, B, W, d]
         held = torch.stack([st.slot_pos for st in states])  # [B, W]
+        return kv, self.visible(held, last_pos)
+
+    def visible(self, held: torch.Tensor, last_pos: torch.Tensor) -> torch.Tensor:
+        """held [B, W] (slot positions, -1 = none), last_pos [B] = p -> [B, W]: the slot holds a
+        position in [p-W+1, p] (never-written slots hold -1: never visible)."""
         p = last_pos[:, None]  # [B, 1]
-        valid = (held >= 0) & (held <= p) & (held > p - self.window)
-        return kv, valid
+        return (held >= 0) & (held <= p) & (held > p - self.window)
+
+    def draft_pooled(
+        self,
+        pool: DrafterPool,
+        pool_rows: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        choose: Chooser = greedy_choose,
+    ) -> DraftOut:
+        """`draft` over pool rows: pool_rows, anchors, anchor_positions [B] int64 on the device
+        (a row may be `pool.pad_row`: it sees only its block). No host read and no validation
+        (the caller checks on the host, `check_host_draft`), fixed shapes: capturable."""
+        ctx_kv = pool.kv[pool_rows].transpose(0, 1)  # [L, B, W, d]
+        ctx_valid = self.visible(pool.slot_pos[pool_rows], anchor_positions - 1)  # [B, W]
+        x, base = self.block_pass(ctx_kv, ctx_valid, anchors, anchor_positions)
+        return self.markov(x, base, anchors, choose)
+
+    def check_host_draft(self, num_states: int, anchors: Sequence[int], anchor_positions: Sequence[int]) -> None:
+        """`draft`'s input checks on host integers (the pooled path reads nothing back)."""
+        if len(anchors) != num_states or len(anchor_positions) != num_states:
+            raise DrafterError(
+                f"{len(anchors)} anchors / {len(anchor_positions)} anchor_positions for {num_states} states"
+            )
+        if any(int(p) < 0 for p in anchor_positions):
+            raise DrafterError("anchor_positions must be >= 0")
+        if any(not 0 <= int(a) < self.cfg.vocab_size for a in anchors):
+            raise DrafterError(f"anchor id outside [0, {self.cfg.vocab_size})")
 
     def _block(
         self,
@@ -384,6 +542,33 @@ def _check_choice(token: torch.Tensor, prob: torch.Tensor, logits: torch.Tensor)
         raise DrafterError(
             f"choose returned tokens {list(token.shape)} / probs {list(prob.shape)} for logits {list(logits.shape)}"
         )
+
+
+def _pooled_writes(
+    states: Sequence[DrafterState], positions: Sequence[Sequence[int]], window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows `insert_pooled` writes, as the reference's sequential writes leave them: of each
+    entry its last W positions, and of two rows landing in one (pool row, slot) the later one.
+    -> (tap row indices [M], their pool rows [M]) int64, in no particular order."""
+    lens = np.asarray([len(ps) for ps in positions], dtype=np.int64)
+    ends = np.repeat(np.cumsum(lens), lens)  # [N]: one past each row's entry
+    index = np.arange(int(lens.sum()), dtype=np.int64)
+    owner = np.repeat(np.asarray([st.pool_row for st in states], dtype=np.int64), lens)
+    pos = np.asarray([int(p) for ps in positions for p in ps], dtype=np.int64)
+    kept = index[ends - index <= window]  # the last W of each entry
+    key = owner[kept] * window + pos[kept] % window  # (pool row, slot)
+    _, last = np.unique(key[::-1], return_index=True)  # the last writer of each key
+    rows = kept[::-1][last]
+    return rows, owner[rows]
+
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host int64 values -> the device in one copy; on CUDA from pinned memory without waiting
+    (the caching host allocator keeps the block until the copy has read it)."""
+    host = torch.from_numpy(values)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _to_device(obj: _T, device: torch.device) -> _T:

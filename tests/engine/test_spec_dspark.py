@@ -99,3 +99,47 @@ def test_dspark_sampled_runs_and_decode_worker_replay_seeds_the_windows(model_f3
 def test_dspark_needs_a_drafter(model_f32):
     with pytest.raises(ValueError, match="drafter"):
         LLMEngine(model_f32, EngineConfig(speculative=SPEC))
+
+
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_dspark_greedy_identical_through_the_pool_and_the_graph_path(model_f32, drafter, graphs):
+    """Eager pooled drafts and the graph path's padded bucket programs (3 sequences: bucket 4)
+    give the plain greedy output; every draft took the path asked for, and every pool row is
+    back when the requests are done."""
+    prompts = {"a": _prompt(200, 11), "b": _prompt(30, 12), "c": _prompt(129, 13)}
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), prompts, params)
+    spec = {**SPEC, "draft_graphs": graphs}
+    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, max_num_seqs=4, speculative=spec), dspark=drafter)
+    assert _run(engine, prompts, params) == reference
+    c = engine.drafter.counters()
+    assert c["proposes"] > 0 and c["graph" if graphs == "static" else "eager_fallback"] == c["proposes"]
+    assert engine.drafter.pool.num_free == 4
+
+
+def test_dspark_mixed_greedy_and_sampled_batch(model_f32, drafter):
+    """A sampled request in the batch: the step drafts eagerly with the engine's chooser (its q
+    go to the rejection sampler, counted), and the greedy request's output is still plain
+    greedy decoding's."""
+    prompts = {"g": _prompt(90, 21), "s": _prompt(60, 22)}
+    params = {
+        "g": SamplingParams(max_tokens=12, ignore_eos=True),
+        "s": SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+    }
+
+    def run(engine):
+        out = {}
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, params[rid])
+        while engine.has_unfinished():
+            for o in engine.step():
+                assert o.finish_reason != "error", o.error
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    reference = run(LLMEngine(model_f32, EngineConfig(num_blocks=64)))
+    spec = {**SPEC, "draft_graphs": "static"}
+    engine = LLMEngine(model_f32, EngineConfig(num_blocks=64, max_num_seqs=4, speculative=spec), dspark=drafter)
+    out = run(engine)
+    assert out["g"] == reference["g"] and len(out["s"]) == 12
+    assert engine.drafter.counters()["eager_sampled"] > 0

@@ -31,6 +31,12 @@ class OracleDrafter:
     def new_state(self, token_ids):
         return token_ids
 
+    def release(self, state):
+        return None
+
+    def warm_up(self, max_batch):
+        return 0
+
     def observe(self, states, positions, taps):
         return None
 
