@@ -57,8 +57,14 @@ PREFILL_WARMUP_ROWS = 8192
 DECODE_WARMUP_CONTEXT = 4096
 # Row counts past the graph buckets whose GEMM and MoE variants the warm-up compiles too: a step
 # of several sequences' turns or prompt chunks lands there (the decode phase of the H200 engine
-# bench compiled 3 such variants after load before these were warmed).
-WARMUP_EXTRA_ROWS = (384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
+# bench compiled 3 such variants after load before these were warmed). A prefix hit's prefill
+# computes its bounded replay (128 rows) plus the new tokens, so 128-1,024 rows are common and
+# any count: every 64 there, and beside each count one 8 below it, because Triton specialises a
+# row count divisible by 16 apart from one that is not (bench/pd_session.py on the H200 at
+# d05f5f2: a session turn of 456 rows compiled 5 MoE-sort and GEMM variants, 2.97 s, after a
+# warm-up of 384 and 512 only).
+_WARMUP_ROW_GRID = (*range(192, 1025, 64), 1536, 2048, 3072, 4096, 6144)
+WARMUP_EXTRA_ROWS = tuple(sorted({r for base in _WARMUP_ROW_GRID for r in (base - 8, base)}))
 
 
 # Model's kernel attributes (one per dispatch op), bound to the model's launch configs.
