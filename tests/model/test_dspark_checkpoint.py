@@ -149,9 +149,10 @@ def test_checkpoint_without_mtp_tensors_has_no_drafter(tiny_dir):
     assert ck.cfg.dspark is None and ck.drafter_tensors == {}
 
 
-def test_shipped_small_checkpoint_loads_without_a_drafter():
+def test_shipped_small_checkpoint_carries_its_trained_drafter():
     ck = load_checkpoint(checkpoint_path())
-    assert ck.cfg.dspark is None and ck.drafter_tensors == {}
+    assert ck.cfg.dspark is not None and ck.cfg.dspark.block_size == 5
+    assert ck.drafter_tensors and all(n.startswith("mtp.") for n in ck.drafter_tensors)
 
 
 def test_partial_drafter_names_the_missing_tensor(tiny_dir):
