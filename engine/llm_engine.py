@@ -41,7 +41,7 @@ from flashpd.engine.grammar import GrammarBackend, GrammarError
 from flashpd.engine.kv_cache_manager import KVCacheManager
 from flashpd.engine.kv_pools import KVPools
 from flashpd.engine.policies import ROLES, role_from_name
-from flashpd.engine.request import PrefixPolicy, Request
+from flashpd.engine.request import FinishReason, PrefixPolicy, Request
 from flashpd.engine.runner import FedTokens, ModelRunner
 from flashpd.engine.sampling import PendingSamples, Sampler, SamplingParams, filtered_probs
 from flashpd.engine.sampling_params import GuidedDecoding
@@ -435,7 +435,17 @@ class LLMEngine:
         )
         outputs = self.scheduler.update(launched.plan, result)
         self.num_steps += 1
+        if any(o.finish_reason == FinishReason.KV_READY for o in outputs):
+            self._wait_for_kv_writes()
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
+
+    def _wait_for_kv_writes(self) -> None:
+        """kv_ready promises the KV is in the pools: wait for the step's kernels on the device.
+        A prefill-role step samples nothing, so nothing else waited for it. Without this wait the
+        KV push is posted while the last chunk's writes may still be queued. UCX's cuda_ipc copy
+        runs on a stream of its own and is not ordered after them."""
+        if str(self.config.device).startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.current_stream(torch.device(self.config.device)).synchronize()
 
     def _forward_failed(self, plan: StepPlan, exc: Exception) -> list[EngineOutput]:
         log.error("forward of step %d failed; failing its %d request(s)", plan.step_id, len(plan.chunks), exc_info=exc)
