@@ -164,6 +164,7 @@ def run_sweep(a: argparse.Namespace) -> int:
     from flashpd.services.gpu_stack import gpu_stack
 
     parse_concurrency(a.concurrency)  # a bad list fails before the bring-up, not after it
+    _switched(a)
     end = a.end_unix if a.end_unix is not None else math.inf
     primer = mean_primer_tokens(a)
     record: dict = {"config": a.config, "name": a.name, "argv": sys.argv[1:], "primer_tokens_mean": round(primer)}
@@ -272,6 +273,40 @@ def cpu_config(src: str, checkpoint: str, *, grpc_port: int, http_port: int, mod
     return raw
 
 
+# ---- single-switch configs (the A/B one optimisation at a time) ---------------------------------
+# The baseline's switches, each alone: flashpd's config with one optimisation off. A sweep with
+# `--switch-off NAME` derives its config from --config and writes it beside its records; the
+# report sets each such sweep against the candidate (`single_switch` in summary.json).
+SWITCHES = {
+    "replay": {"args": {"swa_bounded_replay": False}},  # exact replay instead of the 128-row bound
+    "nvfp4": {"args": {"kv_format": "fp8"}},  # FP8 compressed KV instead of NVFP4
+    "affinity": {"args": {"routing": "round_robin"}},  # no session affinity / prefix-aware placement
+    "graph_turns": {"env": {"FLASHPD_GRAPH_TURNS": "0"}},  # no CUDA graphs for turns after a hit
+}
+
+
+def switched_config(src: str, switch: str) -> dict:
+    """`src` with the one optimisation `switch` turned off (a key of SWITCHES)."""
+    if switch not in SWITCHES:
+        raise ValueError(f"--switch-off: {switch!r} is not one of {sorted(SWITCHES)}")
+    raw = yaml.safe_load(Path(src).read_text())
+    (app,) = raw["applications"]
+    app["args"].update(SWITCHES[switch].get("args", {}))
+    app.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(SWITCHES[switch].get("env", {}))
+    return raw
+
+
+def _switched(a: argparse.Namespace) -> None:
+    """--switch-off: write the derived config under OUT/<name>/ and sweep that instead."""
+    if not a.switch_off:
+        return
+    raw = switched_config(a.config, a.switch_off)
+    path = Path(a.out) / a.name / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    a.config = str(path)
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -283,6 +318,9 @@ def finish_report(a: argparse.Namespace) -> dict:
 
 def _add_sweep_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--config", required=True)
+    s.add_argument(
+        "--switch-off", default=None, choices=sorted(SWITCHES), help="sweep --config with this one optimisation off"
+    )
     s.add_argument("--name", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--concurrency", default="1,2,4,8,16,32,64")

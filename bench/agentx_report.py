@@ -56,6 +56,7 @@ def write(a: argparse.Namespace) -> dict:
             metrics, candidate, getattr(a, "colocated", "colocated"), tiers=tiers, ttft_limit_s=a.ttft_limit_s
         ),
         workload=next(iter(study.values()))[0].meta.workload,
+        single_switch=single_switch(metrics, candidate, tiers=tiers, ttft_limit_s=a.ttft_limit_s),
     )
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     pareto = _plot_pareto(study, out / PLOTS_DIR / "pareto.png", tiers)
@@ -126,7 +127,7 @@ def _summary_lines(s: dict, a: argparse.Namespace) -> list[str]:
         "",
     ]
     lines += [f"- note: {n}" for n in s["notes"]]
-    lines += _workload_lines(s["workload"]) + _sweep_lines(s) + _tier_lines(s) + _ab_lines(s)
+    lines += _workload_lines(s["workload"]) + _sweep_lines(s) + _tier_lines(s) + _ab_lines(s) + _switch_lines(s)
     lines += _pd_lines(s["pd_vs_colocated"]) + _error_lines(s)
     return lines + H200_LIMITS + [""] + _command_lines(a)
 
@@ -219,6 +220,40 @@ def _ab_lines(s: dict) -> list[str]:
             f"| total throughput at the {tier} tok/s/user tier | {_fmt(ratio, 2, 'x')}{why} | "
             f"{'-' if seed is None else f'{seed}x'} |"
         )
+    return lines + [""]
+
+
+SWITCH_PREFIX = "off-"  # a sweep named off-<switch> ran `agentx_gpu sweep --switch-off <switch>`
+
+
+def single_switch(metrics: dict, candidate: str | None, *, tiers, ttft_limit_s: float) -> dict:
+    """Per single-switch sweep (named off-<switch>): the candidate over it, i.e. what that one
+    optimisation is worth with the others on (the seed's two ratios, bench/tiers.py)."""
+    if candidate is None or candidate not in metrics:
+        return {}
+    return {
+        name[len(SWITCH_PREFIX) :]: ab_ratios(metrics[name], metrics[candidate], tiers, ttft_limit_s)
+        for name in sorted(metrics)
+        if name.startswith(SWITCH_PREFIX)
+    }
+
+
+def _switch_lines(s: dict) -> list[str]:
+    rows = s.get("single_switch") or {}
+    if not rows:
+        return []
+    tiers = list(next(iter(rows.values()))["throughput_ratio_at_tier"])
+    lines = [
+        "## One optimisation at a time",
+        "",
+        f"`{s['configuration']}` over itself with one switch off (`agentx_gpu sweep --switch-off`).",
+        "",
+        "| switch off | speed at concurrency 1-4 | " + " | ".join(f"throughput at {t}" for t in tiers) + " |",
+        "|---|---|" + "---|" * len(tiers),
+    ]
+    for name, r in rows.items():
+        cells = [_fmt(r["throughput_ratio_at_tier"][t], 2, "x") for t in tiers]
+        lines.append(f"| {name} | {_fmt(r['speedup_low_concurrency'], 2, 'x')} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

@@ -188,3 +188,26 @@ def test_a_real_point_cut_at_the_deadline_keeps_its_records_and_meta(tmp_path):
     assert meta["interrupted"] is True and meta["window_start_s"] is None
     records = (tmp_path / "cut" / "c1" / "records.jsonl").read_text().splitlines()
     assert records and json.loads(records[0])["error_type"] == "Cancelled"
+
+
+def test_a_single_switch_sweep_turns_exactly_one_optimisation_off(tmp_path):
+    import yaml
+
+    from flashpd.services.gpu_stack import check_config
+
+    src = str(ROOT / g.CONFIGS["flashpd"])
+    base = yaml.safe_load(Path(src).read_text())["applications"][0]
+    for switch in g.SWITCHES:
+        a = sweep_args("--switch-off", switch)
+        a.config, a.out, a.name = src, str(tmp_path), f"off-{switch}"
+        g._switched(a)
+        assert Path(a.config) == tmp_path / f"off-{switch}" / "config.yaml"
+        app = yaml.safe_load(Path(a.config).read_text())["applications"][0]
+        changed_args = {k for k in app["args"] if app["args"][k] != base["args"].get(k)}
+        changed_env = {
+            k for k, v in app["runtime_env"]["env_vars"].items() if base["runtime_env"]["env_vars"].get(k) != v
+        }
+        assert len(changed_args) + len(changed_env) == 1, (switch, changed_args, changed_env)
+        check_config(a.config, num_gpus=1)  # still a config the launcher takes
+    with pytest.raises(SystemExit):
+        sweep_args("--switch-off", "indexer")  # no such switch: refused by name before any bring-up

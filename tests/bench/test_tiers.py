@@ -196,3 +196,15 @@ def test_agentx_gpu_report_with_one_configuration_has_no_ab_and_says_so(study_di
     }
     text = (tmp_path / "report.md").read_text()
     assert "No A/B" in text and "**no point meets it**" in text
+
+
+def test_single_switch_sets_the_candidate_against_each_off_sweep():
+    from flashpd.bench.agentx_report import single_switch
+
+    full = [point(1, 100, 90, 0.5, 1000), point(4, 80, 70, 0.8, 3000)]
+    no_replay = [point(1, 90, 45, 0.9, 800), point(4, 70, 35, 1.5, 2000)]
+    metrics = {"flashpd": full, "off-replay": no_replay, "baseline": no_replay}
+    rows = single_switch(metrics, "flashpd", tiers=(20, 60), ttft_limit_s=5.0)
+    assert set(rows) == {"replay"}  # only the off-<switch> sweeps
+    assert rows["replay"]["speedup_low_concurrency"] == pytest.approx(2.0)
+    assert single_switch(metrics, None, tiers=(20,), ttft_limit_s=5.0) == {}
