@@ -19,6 +19,12 @@
                  the confidence head on detached hiddens (it calibrates, it does not steer)
 
    The routing biases stay 0 (no load balancing for the drafter's few experts).
+   `--slot-weights survival` weights slot j's CE by prod_{i<j} p_i(y_i) (`slot_weights`).
+   `--teacher-source greedy` (self-distillation): a row is a training prompt (its first P tokens,
+   P uniform in [--prompt-min, --prompt-max]) + the backbone's greedy continuation
+   (--greedy-tokens), generated in batches (`greedy_chains`; the serving `GpuModel` on cuda),
+   then labelled like a text row: for i >= P-1, g_i is the row's token i+1. `mix` takes a
+   --greedy-fraction share of the rows from each source.
 3. Export. The backbone's files are copied, the `mtp.*` tensors are written in their released
    formats to extra shards, the index merged, and config.json gains the drafter keys.
 4. Acceptance length at k drafts on held-out prompts (`acceptance_length`): the backbone's
@@ -433,7 +439,9 @@ def speculative_walk(drafter: DSparkDrafter, prompt_len: int, chain: list[int], 
         accepted = 0
         while accepted < k and drafts[accepted] == chain[i + 1 + accepted]:
             accepted += 1
-        committed = list(range(pos, pos + accepted + 1))  # the anchor and accepted drafts
+        # the anchor and accepted drafts; a step that accepts up to the chain's last token has no
+        # tap row for it (greedy_continuation records none) and ends the walk: nothing to insert
+        committed = list(range(pos, min(pos + accepted + 1, taps.shape[0])))
         drafter.insert_context([state], [committed], taps[pos : pos + accepted + 1])
         steps, emitted, i = steps + 1, emitted + accepted + 1, i + accepted + 1
     return steps, emitted

@@ -129,3 +129,12 @@ def test_confidence_head_trains_at_a_smaller_rate(backbone):
     assert [g["lr_scale"] for g in groups] == [1.0, CONFIDENCE_LR_SCALE]
     assert any(p is conf for p in groups[1]["params"])
     assert not any(p is conf for p in groups[0]["params"])
+
+
+def test_speculative_walk_accepting_up_to_the_chains_end_needs_no_tap_past_it():
+    # greedy_continuation's taps: one row per computed position, none for the chain's last token
+    chain = list(range(100, 166))  # 66 greedy tokens after a 10-token prompt: 75 tap rows
+    oracle = _Oracle(chain, 10, 5)
+    steps, emitted = speculative_walk(oracle, 10, chain, torch.zeros(75, 1))
+    assert (steps, emitted) == (11, 66)  # the last step accepts chain[61..65]: the chain's end
+    assert oracle.inserted == list(range(75))  # every position with a tap row, each once
