@@ -539,8 +539,10 @@ def _generator(args, target: Model, log):
     from flashpd.engine.gpu.loading import load_gpu_model
 
     t0 = time.time()
-    model = load_gpu_model(args.base, str(args.device))
-    log(f"greedy generator: GpuModel loaded and warmed ({time.time() - t0:.0f} s)")
+    # no load-time warm-up (its 8K-row prefill and 4K-context decode shapes are a server's):
+    # the kernels compile at their first call here, for the shapes generation uses
+    model = load_gpu_model(args.base, str(args.device), warm=False)
+    log(f"greedy generator: GpuModel loaded ({time.time() - t0:.0f} s)")
     return model, lambda lengths: paged_states(model, lengths)
 
 
