@@ -799,6 +799,32 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
         "--teacher-rows", type=int, default=512, help="training rows the frozen backbone labels (taps + greedy tokens)"
     )
     d.add_argument("--blocks-per-row", type=int, default=8)
+    d.add_argument(
+        "--teacher-source",
+        default="text",
+        choices=["text", "greedy", "mix"],
+        help="teacher rows: ShareGPT text the backbone labels, or a training prompt + the backbone's own greedy "
+        "continuation (self-distillation, the text acceptance is measured on), or a mix",
+    )
+    d.add_argument("--greedy-fraction", type=float, default=0.5, help="--teacher-source mix: the greedy share")
+    d.add_argument("--prompt-min", type=int, default=32, help="greedy rows: prompt tokens, at least")
+    d.add_argument("--prompt-max", type=int, default=128, help="greedy rows: prompt tokens, at most")
+    d.add_argument(
+        "--greedy-tokens", type=int, default=None, help="greedy tokens per row (default: seq-len - prompt-max)"
+    )
+    d.add_argument(
+        "--greedy-generator",
+        default="auto",
+        choices=["auto", "reference", "gpu"],
+        help="who generates greedy rows: the FP32 target (reference) or the serving GpuModel (gpu; auto on cuda)",
+    )
+    d.add_argument("--decode-batch", type=int, default=256, help="greedy rows: sequences per decode forward")
+    d.add_argument(
+        "--slot-weights",
+        default="uniform",
+        choices=["uniform", "survival"],
+        help="CE weight of draft slot j: 1, or the probability that slots < j are accepted",
+    )
     d.add_argument("--eval-prompts", type=int, default=16)
     d.add_argument("--eval-prompt-len", type=int, default=64)
     d.add_argument(

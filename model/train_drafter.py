@@ -19,6 +19,12 @@
                  the confidence head on detached hiddens (it calibrates, it does not steer)
 
    The routing biases stay 0 (no load balancing for the drafter's few experts).
+   `--slot-weights survival` weights slot j's CE by prod_{i<j} p_i(y_i) (`slot_weights`).
+   `--teacher-source greedy` (self-distillation): a row is a training prompt (its first P tokens,
+   P uniform in [--prompt-min, --prompt-max]) + the backbone's greedy continuation
+   (--greedy-tokens), generated in batches (`greedy_chains`; the serving `GpuModel` on cuda),
+   then labelled like a text row: for i >= P-1, g_i is the row's token i+1. `mix` takes a
+   --greedy-fraction share of the rows from each source.
 3. Export. The backbone's files are copied, the `mtp.*` tensors are written in their released
    formats to extra shards, the index merged, and config.json gains the drafter keys.
 4. Acceptance length at k drafts on held-out prompts (`acceptance_length`): the backbone's
@@ -144,19 +150,156 @@ class TeacherRow:
 @torch.no_grad()
 def teacher_rows(target: Model, rows: torch.Tensor, pad: int, per_forward: int = 4, log=print) -> list[TeacherRow]:
     """Run the frozen backbone over every row (a few rows per forward)."""
-    out, t0 = [], time.time()
-    for i in range(0, rows.shape[0], per_forward):
-        chunk = [r[: int((r != pad).sum())] for r in rows[i : i + per_forward]]
-        chunk = [r for r in chunk if r.numel() > 1]
+    t0 = time.time()
+    out = teacher_forward(target, [r[: int((r != pad).sum())] for r in rows], per_forward)
+    log(f"teacher: {len(out)} rows, {sum(r.ids.numel() for r in out)} tokens ({time.time() - t0:.0f} s)")
+    return out
+
+
+@torch.no_grad()
+def teacher_forward(target: Model, seqs: Sequence[torch.Tensor], per_forward: int = 4) -> list[TeacherRow]:
+    """The backbone over each id sequence (prefill, fresh state): taps and argmax next tokens
+    at every position. Sequences of one token are dropped (no label to learn from)."""
+    out = []
+    for i in range(0, len(seqs), per_forward):
+        chunk = [r for r in seqs[i : i + per_forward] if r.numel() > 1]
         if not chunk:
             continue
-        seqs = [SeqInput(target.new_state(), 0, r.numel(), SeqPlan(logits=LogitsRequest.ALL)) for r in chunk]
-        logits, taps = target.forward_taps(torch.cat(chunk).to(target.device), seqs)
+        segs = [SeqInput(target.new_state(), 0, r.numel(), SeqPlan(logits=LogitsRequest.ALL)) for r in chunk]
+        logits, taps = target.forward_taps(torch.cat(chunk).to(target.device), segs)
         for j, (r, lg) in enumerate(zip(chunk, logits, strict=True)):
             values, _ = taps.of(j)
             out.append(TeacherRow(r, values.float().cpu(), lg.argmax(-1).cpu()))
-    log(f"teacher: {len(out)} rows, {sum(r.ids.numel() for r in out)} tokens ({time.time() - t0:.0f} s)")
     return out
+
+
+# ============================================================================ self-distillation
+# `--teacher-source greedy`: the rows are a training prompt followed by the backbone's own greedy
+# continuation, the text the held-out acceptance length walks (`acceptance_length`), instead of
+# ShareGPT text the backbone only labels. Generation is batched: every decode step is one forward
+# over all sequences (each its own state); the taps and labels then come from one prefill of
+# each finished row through `teacher_forward`, so a greedy row's label at position i >= P-1 is
+# its token i+1 (the backbone's argmax there is what the chain took) and the label definition is
+# the text mode's (`drafter_loss`: y_j = g_{a+j}).
+@dataclass(frozen=True)
+class GreedySpec:
+    prompt_min: int  # prompt tokens, drawn uniformly in [prompt_min, prompt_max] per row
+    prompt_max: int
+    new_tokens: int  # greedy tokens generated after each prompt
+    decode_batch: int = 256  # sequences per decode forward (the GPU path's largest graph bucket)
+    prefill_tokens: int = 4096  # prompt tokens per prefill forward
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_min <= self.prompt_max:
+            raise ValueError(f"prompt tokens: need 1 <= min <= max, got {self.prompt_min}, {self.prompt_max}")
+        if self.new_tokens < 1 or self.decode_batch < 1 or self.prefill_tokens < 1:
+            raise ValueError("new_tokens, decode_batch and prefill_tokens must be >= 1")
+
+
+@torch.no_grad()
+def greedy_chains(
+    model: Model, prompts: Sequence[Sequence[int]], new_tokens: int, states=None, spec: GreedySpec | None = None
+) -> list[list[int]]:
+    """Each prompt's greedy continuation (new_tokens ids), batched: prompts prefilled a few per
+    forward, then one forward per decode step over up to spec.decode_batch sequences.
+    states: one fresh `SeqState` per prompt (default `model.new_state()`; `paged_states` for the
+    GPU path). Token for token what `greedy_continuation` gives for each prompt alone."""
+    spec = spec or GreedySpec(1, 1, new_tokens)
+    states = [model.new_state() for _ in prompts] if states is None else list(states)
+    if len(states) != len(prompts):
+        raise ValueError(f"{len(states)} states for {len(prompts)} prompts")
+    chains: list[list[int]] = []
+    for group in _prefill_groups([len(p) for p in prompts], spec.prefill_tokens):
+        ids = torch.tensor([t for i in group for t in prompts[i]], dtype=torch.long, device=model.device)
+        seqs = [SeqInput(states[i], 0, len(prompts[i])) for i in group]
+        chains += [[t] for t in _argmax_last(model.forward(ids, seqs))]
+    for _ in range(new_tokens - 1):
+        for lo in range(0, len(prompts), spec.decode_batch):
+            part = range(lo, min(lo + spec.decode_batch, len(prompts)))
+            ids = torch.tensor([chains[i][-1] for i in part], dtype=torch.long, device=model.device)
+            seqs = [SeqInput(states[i], states[i].num_tokens, 1) for i in part]
+            for i, t in zip(part, _argmax_last(model.forward(ids, seqs)), strict=True):
+                chains[i].append(t)
+    return chains
+
+
+def _prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive indices grouped so a group's lengths sum to <= budget (a longer one alone)."""
+    groups, cur, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > budget:
+            groups, cur, used = groups + [cur], [], 0
+        cur, used = cur + [i], used + n
+    return groups + [cur] if cur else groups
+
+
+def _argmax_last(logits: Sequence[torch.Tensor]) -> list[int]:
+    """The argmax of each sequence's last logits row (one device sync)."""
+    return torch.stack([lg[-1] for lg in logits]).argmax(-1).tolist()
+
+
+def paged_states(model: Model, lengths: Sequence[int]) -> list:
+    """One `PagedSeqState` per sequence over fresh `KVPools` sized for `lengths` tokens each
+    (disjoint blocks, one slot each, scratch rows for one prefill group or decode batch)."""
+    from flashpd.engine.hashing import CHUNK_TOKENS
+    from flashpd.engine.kv_pools import KVPools, PagedSeqState
+
+    per = [-(-n // CHUNK_TOKENS) for n in lengths]
+    max_rows = max(4096, len(lengths), max(lengths))
+    pools = KVPools.for_model(model, sum(per), len(lengths), model.device, max_rows)
+    states, first = [], 0
+    for slot, k in enumerate(per):
+        states.append(PagedSeqState(pools, slot, list(range(first, first + k)), model.dtype))
+        first += k
+    return states
+
+
+def greedy_prompts(rows: torch.Tensor, pad: int, count: int, spec: GreedySpec, gen: torch.Generator) -> list[list[int]]:
+    """`count` prompts: the first P tokens (P uniform in [prompt_min, prompt_max], at most the
+    row's length) of the given training rows, in order; rows shorter than prompt_min are skipped."""
+    out = []
+    for r in rows:
+        ids = r[r != pad].tolist()
+        if len(ids) < spec.prompt_min:
+            continue
+        p = int(torch.randint(spec.prompt_min, spec.prompt_max + 1, (), generator=gen))
+        out.append(ids[: min(p, len(ids))])
+        if len(out) == count:
+            break
+    return out
+
+
+@torch.no_grad()
+def greedy_teacher_rows(
+    target: Model, prompts: Sequence[Sequence[int]], spec: GreedySpec, generator=None, log=print
+) -> list[TeacherRow]:
+    """Teacher rows = prompt + the greedy continuation. generator: (model, states factory) that
+    generates the tokens (default: the target itself on per-sequence dense states); the taps and
+    labels are always the target's (one prefill per row)."""
+    t0 = time.time()
+    model, make_states = generator or (target, None)
+    states = make_states([len(p) + spec.new_tokens for p in prompts]) if make_states else None
+    chains = greedy_chains(model, prompts, spec.new_tokens, states, spec)
+    t1 = time.time()
+    seqs = [torch.tensor(list(p) + c, dtype=torch.long) for p, c in zip(prompts, chains, strict=True)]
+    rows = teacher_forward(target, seqs)
+    agree = _chain_agreement(rows, [len(p) for p in prompts])
+    log(
+        f"teacher (greedy): {len(rows)} rows, {len(rows) * spec.new_tokens} generated tokens in {t1 - t0:.0f} s "
+        f"({len(rows) * spec.new_tokens / max(t1 - t0, 1e-9):.0f} tok/s), taps {time.time() - t1:.0f} s; "
+        f"labels equal to the chain's next token at {agree:.4f} of generated positions"
+    )
+    return rows
+
+
+def _chain_agreement(rows: Sequence[TeacherRow], prompt_lens: Sequence[int]) -> float:
+    """Fraction of positions i in [P-1, n-1) whose label is the row's token i+1 (1.0 when the
+    generator is the target's own forward, up to argmax ties)."""
+    same = total = 0
+    for row, p in zip(rows, prompt_lens, strict=True):
+        same += int((row.greedy[p - 1 : -1] == row.ids[p:]).sum())
+        total += row.ids.numel() - p
+    return same / max(total, 1)
 
 
 # ============================================================================ the loss
@@ -172,8 +315,26 @@ def block_batch(
     return out
 
 
-def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
-    """Mean CE of the Markov-corrected logits + the confidence BCE over the batch's blocks."""
+SLOT_WEIGHTS = ("uniform", "survival")
+
+
+def slot_weights(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-slot CE weights [B, k]: `uniform` 1; `survival` w_j = prod_{i<j} p_i(y_i), the
+    (teacher-forced, detached) probability that every earlier slot is accepted, since a greedy
+    walk only reaches slot j through them."""
+    if kind == "uniform":
+        return torch.ones(labels.shape, device=logits.device)
+    if kind != "survival":
+        raise ValueError(f"slot weights {kind!r}: expected one of {SLOT_WEIGHTS}")
+    p = logits.detach().softmax(-1).gather(-1, labels[..., None])[..., 0]  # [B, k]
+    return torch.cat((torch.ones_like(p[:, :1]), p[:, :-1].cumprod(1)), 1)
+
+
+def drafter_loss(
+    model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor]], weights: str = "uniform"
+) -> tuple[torch.Tensor, dict]:
+    """Weighted mean CE of the Markov-corrected logits (`slot_weights`) + the confidence BCE
+    over the batch's blocks."""
     drafter = model.refresh()
     dev, k, win = drafter.device, drafter.k, drafter.window
     kv_parts, valid_parts, anchors, first, labels = [], [], [], [], []
@@ -192,7 +353,9 @@ def drafter_loss(model: TrainDrafter, batch: list[tuple[TeacherRow, torch.Tensor
     )  # [B, k, D], [B, k, V]
     prev = torch.cat((anchors_t[:, None], labels_t[:, :-1]), 1)  # [B, k] teacher-forced
     logits = base + drafter.markov_bias(prev.reshape(-1)).reshape(base.shape)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_t.reshape(-1))
+    w = slot_weights(logits, labels_t, weights)  # [B, k]
+    ce_all = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_t.reshape(-1), reduction="none")
+    ce = (w.reshape(-1) * ce_all).sum() / w.sum()
     hit = (logits.argmax(-1) == labels_t).float()  # [B, k]
     conf = drafter.confidence(x.detach(), prev).clamp(1e-6, 1 - 1e-6)
     bce = F.binary_cross_entropy(conf, hit)
@@ -326,12 +489,61 @@ def train_drafter(args) -> dict:
     tr_rows, he_rows = prepare_data(tok_path, args.seq_len, args.limit_conversations, log, args.data)
     pad = train_data.PAD_TOKEN_ID
     gen = torch.Generator().manual_seed(args.seed)
-    pick = torch.randperm(tr_rows.shape[0], generator=gen)[: args.teacher_rows]
-    rows = teacher_rows(target, tr_rows[pick], pad, log=log)
+    rows = build_teacher_rows(args, target, tr_rows, pad, gen, log)
     model = TrainDrafter(cfg, target, seed=args.seed)
     run = _drafter_loop(args, model, rows, gen, log)
     prompts = _heldout_prompts(he_rows, pad, args.eval_prompts, args.eval_prompt_len)
     return _export_and_evaluate(args, model, target, run, prompts, log)
+
+
+TEACHER_SOURCES = ("text", "greedy", "mix")
+
+
+def build_teacher_rows(args, target: Model, tr_rows: torch.Tensor, pad: int, gen: torch.Generator, log):
+    """args.teacher_rows rows from random training rows: ShareGPT text labelled by the backbone
+    (`text`), prompts + the backbone's greedy continuation (`greedy`), or both (`mix`: a
+    args.greedy_fraction share greedy)."""
+    if args.teacher_source not in TEACHER_SOURCES:
+        raise ValueError(f"--teacher-source {args.teacher_source!r}: expected one of {TEACHER_SOURCES}")
+    share = {"text": 0.0, "greedy": 1.0, "mix": args.greedy_fraction}[args.teacher_source]
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--greedy-fraction must be in [0, 1], got {share}")
+    order = torch.randperm(tr_rows.shape[0], generator=gen)
+    n_greedy = round(share * args.teacher_rows)
+    n_text = args.teacher_rows - n_greedy
+    rows = teacher_rows(target, tr_rows[order[:n_text]], pad, log=log) if n_text else []
+    if n_greedy:
+        spec = greedy_spec(args)
+        prompts = greedy_prompts(tr_rows[order[n_text:]], pad, n_greedy, spec, gen)
+        rows += greedy_teacher_rows(target, prompts, spec, _generator(args, target, log), log)
+    return rows
+
+
+def greedy_spec(args) -> GreedySpec:
+    new = args.greedy_tokens if args.greedy_tokens else args.seq_len - args.prompt_max
+    return GreedySpec(args.prompt_min, args.prompt_max, new, args.decode_batch)
+
+
+def _generator(args, target: Model, log):
+    """Who generates the greedy tokens: `reference` = the FP32 target itself (dense states; its
+    per-sequence Python loops cost ~1,000 torch ops per token: fine on the CPU, minutes per 10^4
+    tokens on a GPU), `gpu` = the serving `GpuModel` (batched Triton kernels, decode CUDA graphs,
+    BF16, paged states), `auto` = gpu on a CUDA device. Taps and labels stay the FP32 target's."""
+    kind = args.greedy_generator
+    if kind == "auto":
+        kind = "gpu" if str(args.device).startswith("cuda") else "reference"
+    if kind == "reference":
+        return None
+    if kind != "gpu":
+        raise ValueError(f"--greedy-generator {kind!r}: expected auto, reference or gpu")
+    from flashpd.engine.gpu.loading import load_gpu_model
+
+    t0 = time.time()
+    # no load-time warm-up (its 8K-row prefill and 4K-context decode shapes are a server's):
+    # the kernels compile at their first call here, for the shapes generation uses
+    model = load_gpu_model(args.base, str(args.device), warm=False)
+    log(f"greedy generator: GpuModel loaded ({time.time() - t0:.0f} s)")
+    return model, lambda lengths: paged_states(model, lengths)
 
 
 @dataclass
@@ -353,7 +565,7 @@ def _drafter_loop(args, model: TrainDrafter, rows: list, gen: torch.Generator, l
         lr = _set_lr(opt, args, step, step / args.steps if args.steps else elapsed / budget)
         idx = torch.randint(0, len(rows), (args.batch,), generator=gen).tolist()
         batch = block_batch([rows[i] for i in idx], args.blocks_per_row, model.drafter.k, gen)
-        parts = _drafter_step(model, opt, batch)
+        parts = _drafter_step(model, opt, batch, args.slot_weights)
         step += 1
         if step % args.log_every == 0 or step == 1:
             history.append({"step": step, **parts})
@@ -372,9 +584,9 @@ def _set_lr(opt: torch.optim.Optimizer, args, step: int, frac: float) -> float:
     return lr
 
 
-def _drafter_step(model: TrainDrafter, opt: torch.optim.Optimizer, batch) -> dict[str, float]:
+def _drafter_step(model: TrainDrafter, opt: torch.optim.Optimizer, batch, weights: str) -> dict[str, float]:
     opt.zero_grad(set_to_none=True)
-    loss, parts = drafter_loss(model, batch)
+    loss, parts = drafter_loss(model, batch, weights)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
