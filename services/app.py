@@ -59,6 +59,9 @@ class SpeculativeArgs(_Strict):
         description="BENCHMARK ONLY: accept drafts on a fixed schedule of this mean "
         f"acceptance length; refused unless {BENCH_ENV}=1",
     )
+    draft_graphs: Literal["auto", "off"] = Field(
+        "auto", description="DSpark greedy drafts through CUDA graphs (auto: on a GPU) or eagerly (off)"
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> SpeculativeArgs:

@@ -101,6 +101,13 @@ def test_serve_config_section(monkeypatch):
     )
 
 
+def test_serve_config_draft_graphs_switch():
+    assert _app(method="dspark").worker_config("decode").engine.speculative.draft_graphs == "auto"
+    assert _app(method="dspark", draft_graphs="off").worker_config("decode").engine.speculative.draft_graphs == "off"
+    with pytest.raises(ValueError, match="draft_graphs"):
+        _app(method="dspark", draft_graphs="static")  # the CPU tests' mode is not a serving option
+
+
 def test_contract_mismatch_on_speculative_config():
     pools = KVPools(preset_config("tiny"), num_blocks=2, num_slots=1)
     spec = {"method": "dspark", "num_tokens": 5, "forced": None}
