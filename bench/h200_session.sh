@@ -133,11 +133,12 @@ if has drafter; then  # the small checkpoint's DSpark drafter (issue 26): .data/
 echo "== DSpark drafter for small ($(left) s left)"
 DATA=${FLASHPD_DRAFTER_DATA:-$REPO/.data/sgpt_sub.json.gz}  # python -m flashpd.model.train_data subset
 DOUT=/tmp/small_dspark$RANDOM
-timeout 120 python -m flashpd.cli train --drafter --preset small --out "$DOUT-smoke" --steps 3 --batch 2 \
+BASE=$REPO/model/presets/small_checkpoint  # the installed package carries no weights
+timeout 120 python -m flashpd.cli train --drafter --preset small --base "$BASE" --out "$DOUT-smoke" --steps 3 --batch 2 \
     --seq-len 128 --teacher-rows 4 --eval-prompts 1 --eval-tokens 8 --device cuda --data "$DATA" --quiet \
     || echo "drafter smoke FAILED"
 MIN=${FLASHPD_DRAFTER_MINUTES:-$(( ($(left) - 150) / 60 ))}
-timeout $(( $(left) - 20 )) python -m flashpd.cli train --drafter --preset small --out "$DOUT" \
+timeout $(( $(left) - 20 )) python -m flashpd.cli train --drafter --preset small --base "$BASE" --out "$DOUT" \
     --minutes "$MIN" --device cuda --seq-len 1024 --batch 16 --teacher-rows 1024 --blocks-per-row 16 \
     --eval-prompts 32 --eval-tokens 128 --log-every 100 --data "$DATA"
 tar czf "$OUT/small_dspark.tgz" -C "$DOUT" --exclude 'model-*' --exclude tokenizer.json . 2>/dev/null
