@@ -148,8 +148,6 @@ def pd_greedy(model, prompts: dict[str, list[int]], config_path: str | None = No
     reproduce their tokens bit for bit."""
     import dataclasses
 
-    import torch
-
     from flashpd.engine.llm_engine import LLMEngine
     from flashpd.engine.sampling import SamplingParams
     from flashpd.engine.warmup import warm_up
@@ -169,12 +167,7 @@ def pd_greedy(model, prompts: dict[str, list[int]], config_path: str | None = No
         if ready.finish_reason != "kv_ready":
             raise RuntimeError(f"prefill of {name} ended with {ready.finish_reason}")
         r = dec.reserve(rid, ids, SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))
-        src = torch.tensor(ready.kv_block_ids[r.num_cached_blocks :], dtype=torch.long)
-        dst = torch.tensor(r.missing_block_ids, dtype=torch.long)
-        theirs, ours = pre.pools.transfer_groups(), dec.pools.transfer_groups()
-        for group, pool in theirs.items():
-            ours[group][dst.to(pool.device)] = pool[src.to(pool.device)]
-        pre.release_kv(rid)
+        hand_over_kv(pre, dec, rid, ready, r)
         dec.kv_arrived(rid)
         got: list[int] = []
         while dec.has_unfinished():
@@ -182,6 +175,19 @@ def pd_greedy(model, prompts: dict[str, list[int]], config_path: str | None = No
                 got.extend(o.new_token_ids)
         out[name] = got
     return out
+
+
+def hand_over_kv(pre, dec, rid: str, ready, reservation) -> None:
+    """What NIXL does between the replicas, in one process: the prefill engine's blocks of `rid`
+    that the decode reservation lacks are copied into its blocks, then the prefill lets them go."""
+    import torch
+
+    src = torch.tensor(ready.kv_block_ids[reservation.num_cached_blocks :], dtype=torch.long)
+    dst = torch.tensor(reservation.missing_block_ids, dtype=torch.long)
+    theirs, ours = pre.pools.transfer_groups(), dec.pools.transfer_groups()
+    for group, pool in theirs.items():
+        ours[group][dst.to(pool.device)] = pool[src.to(pool.device)]
+    pre.release_kv(rid)
 
 
 def streamed_text(tok, ids: list[int]) -> str:

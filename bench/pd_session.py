@@ -27,7 +27,7 @@ import time
 import torch
 
 from flashpd.bench.compile_watch import CompileWatch
-from flashpd.bench.h200_stack import stack_engine_configs
+from flashpd.bench.h200_stack import hand_over_kv, stack_engine_configs
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.warmup import WarmupPlan, warm_up
@@ -68,12 +68,7 @@ def prefill_turn(pre: LLMEngine, rid: str, prompt: list[int]) -> tuple[dict, obj
 def decode_turn(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int], ready, answer: int) -> tuple[dict, list]:
     """Reserve on the decode engine, copy the missing blocks, run to `answer` tokens."""
     r = dec.reserve(rid, prompt, SamplingParams(max_tokens=answer, ignore_eos=True))
-    src = torch.tensor(ready.kv_block_ids[r.num_cached_blocks :], dtype=torch.long)
-    dst = torch.tensor(r.missing_block_ids, dtype=torch.long)
-    theirs, ours = pre.pools.transfer_groups(), dec.pools.transfer_groups()
-    for group, pool in theirs.items():
-        ours[group][dst.to(pool.device)] = pool[src.to(pool.device)]
-    pre.release_kv(rid)
+    hand_over_kv(pre, dec, rid, ready, r)
     before = _counters(dec)
     got: list[int] = []
     first_ms = None

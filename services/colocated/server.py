@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 
 from flashpd.engine.async_engine import EngineDead, RequestFailed
-from flashpd.engine.llm_engine import EngineOutput, LLMEngine
+from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.sampling_params import SamplingError
 from flashpd.services.api import (
@@ -40,11 +40,10 @@ from flashpd.services.api import (
     TokenEvent,
     TokenLogprobs,
     Unavailable,
-    Usage,
     WorkerRef,
 )
 from flashpd.services.worker.admission import AdmissionQueue
-from flashpd.services.worker.common import EngineWorker, WorkerConfig, ms_since
+from flashpd.services.worker.common import EngineWorker, WorkerConfig, final_event, ms_since
 
 
 class ColocatedWorker(EngineWorker):
@@ -135,7 +134,7 @@ class ColocatedWorker(EngineWorker):
                     timeline = Timeline(
                         prefill_queue_ms=1e3 * (admitted - t0), prefill_ms=1e3 * (first - admitted), e2e_ms=ms_since(t0)
                     )
-                    yield _final_event(out, timeline, self.ref.worker_id, req.request_id)
+                    yield final_event(out, timeline, self.ref.worker_id, req.request_id, colocated=True)
                     return
         except RequestFailed as exc:
             raise Internal(f"{req.request_id} failed in the engine: {exc.reason}") from None
@@ -183,24 +182,3 @@ class ColocatedWorker(EngineWorker):
     async def close(self) -> None:
         self.draining = True
         await asyncio.to_thread(self.engine.shutdown)
-
-
-def _final_event(out: EngineOutput, timeline: Timeline, worker_id: str, request_id: str) -> FinalEvent:
-    """The final event from the engine's finished output: the run's prefix credit is both the
-    OpenAI `cached_tokens` and the prefill tier's reuse (no decode tier here)."""
-    return FinalEvent(
-        finish_reason=out.finish_reason,  # type: ignore[arg-type]
-        usage=Usage(
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.output_tokens,
-            cached_tokens=out.cached_tokens,
-            cached_tokens_prefill=out.cached_tokens,
-            draft_tokens=out.draft_tokens,
-            accepted_draft_tokens=out.accepted_draft_tokens,
-            draft_steps=out.draft_steps,
-            forced_acceptance_length=out.forced_acceptance_length or 0.0,
-        ),
-        timeline=timeline,
-        decode_worker=worker_id,
-        request_id=request_id,
-    )

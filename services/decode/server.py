@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from flashpd.engine.async_engine import RequestFailed
-from flashpd.engine.llm_engine import EngineOutput, LLMEngine
+from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import PrefixPolicy, RequestStatus
 from flashpd.engine.sampling_params import SamplingError, SamplingParams
 from flashpd.engine.scheduler import PausedKV, Reservation
@@ -50,7 +50,6 @@ from flashpd.engine.transfer.base import TransferError
 from flashpd.engine.transfer.contract import ContractMismatch
 from flashpd.services.api import (
     Event,
-    FinalEvent,
     Internal,
     InternalRequest,
     InvalidArgument,
@@ -63,11 +62,10 @@ from flashpd.services.api import (
     TokenLogprobs,
     TransferFailed,
     Unavailable,
-    Usage,
     WorkerRef,
 )
 from flashpd.services.worker.admission import AdmissionQueue
-from flashpd.services.worker.common import EngineWorker, WorkerConfig, make_receiver, ms_since
+from flashpd.services.worker.common import EngineWorker, WorkerConfig, final_event, make_receiver, ms_since
 
 log = logging.getLogger(__name__)
 DRAIN_MARGIN_S = 1.0  # clock skew and notice delivery between the two workers
@@ -220,7 +218,7 @@ class DecodeWorker(EngineWorker):
                     arrived = self._arrived_at.pop(attempt.engine_id, None)
                     replay_ms = _replay_ms(arrived, first_token_s, t0, first_s)
                     timeline = Timeline(replay_ms=replay_ms, e2e_ms=ms_since(t0))
-                    yield _final_event(out, timeline, self.ref.worker_id, rid)
+                    yield final_event(out, timeline, self.ref.worker_id, rid, colocated=False)
         except RequestFailed as exc:
             raise Internal(f"decode of {rid} failed: {exc.reason}") from None
         except asyncio.CancelledError:
@@ -466,22 +464,3 @@ def _replay_ms(arrived_s: float | None, first_token_s: float | None, t0: float, 
         return 1e3 * (first_token_s - arrived_s)
     start = t0 if arrived_s is None else max(arrived_s, t0)
     return 1e3 * ((first_seen_s or time.monotonic()) - start)
-
-
-def _final_event(out: EngineOutput, timeline: Timeline, worker_id: str, request_id: str) -> FinalEvent:
-    """The decode leg's final event from the engine's finished output."""
-    return FinalEvent(
-        finish_reason=out.finish_reason,  # type: ignore[arg-type]
-        usage=Usage(
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.output_tokens,
-            cached_tokens_decode=out.cached_tokens,
-            draft_tokens=out.draft_tokens,
-            accepted_draft_tokens=out.accepted_draft_tokens,
-            draft_steps=out.draft_steps,
-            forced_acceptance_length=out.forced_acceptance_length or 0.0,
-        ),
-        timeline=timeline,
-        decode_worker=worker_id,
-        request_id=request_id,
-    )

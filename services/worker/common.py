@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from flashpd.engine.kv_pools import KVPools
-from flashpd.engine.llm_engine import EngineConfig
+from flashpd.engine.llm_engine import EngineConfig, EngineOutput
 from flashpd.engine.transfer.contract import GroupSpec, TransferContract
 from flashpd.model.kv_format import INDEX_RECORD_FORMAT
-from flashpd.services.api import InternalRequest, InvalidArgument, WorkerRef, WorkerStats
+from flashpd.services.api import FinalEvent, InternalRequest, InvalidArgument, Timeline, Usage, WorkerRef, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,33 @@ def make_sender(backend: str, contract: TransferContract, pools: KVPools):
     from flashpd.engine.transfer.local import LocalSender
 
     return LocalSender(contract, pools.transfer_groups())
+
+
+def final_event(
+    out: EngineOutput, timeline: Timeline, worker_id: str, request_id: str, *, colocated: bool
+) -> FinalEvent:
+    """The final event of a stream from the engine's finished output. The engine's prefix credit
+    is the decode tier's reuse on a decode worker; on a colocated worker it is both the OpenAI
+    `cached_tokens` and the prefill tier's (there is no decode tier)."""
+    credit = out.cached_tokens
+    tiers = (
+        {"cached_tokens": credit, "cached_tokens_prefill": credit} if colocated else {"cached_tokens_decode": credit}
+    )
+    return FinalEvent(
+        finish_reason=out.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.output_tokens,
+            draft_tokens=out.draft_tokens,
+            accepted_draft_tokens=out.accepted_draft_tokens,
+            draft_steps=out.draft_steps,
+            forced_acceptance_length=out.forced_acceptance_length or 0.0,
+            **tiers,
+        ),
+        timeline=timeline,
+        decode_worker=worker_id,
+        request_id=request_id,
+    )
 
 
 def ms_since(t0: float) -> float:
