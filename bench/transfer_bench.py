@@ -16,6 +16,7 @@ Two latencies per repetition, both from just before `send`:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import multiprocessing as mp
@@ -170,19 +171,20 @@ def render(rows: list[Row], args: argparse.Namespace, contract: TransferContract
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def nixl_pair(receiver_target, num_blocks: int, wait_s: float):
+    """(sender, pipe, contract): a NixlSender over random pools of `num_blocks` blocks per group,
+    connected to a receiver process running `receiver_target(conn, contract_json, 2 * num_blocks,
+    wait_s)`; the receiver is stopped and the sender closed on exit."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from flashpd.engine.transfer.nixl_backend import NixlSender
 
     contract = released_contract()
-    num_blocks = math.ceil(args.tokens / CHUNK_TOKENS)
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     child = ctx.Process(
-        target=receiver_main,
-        daemon=True,
-        args=(child_end, contract.to_json(), 2 * num_blocks, args.poll_interval_us * 1e-6),
+        target=receiver_target, daemon=True, args=(child_end, contract.to_json(), 2 * num_blocks, wait_s)
     )
     child.start()
     gen = torch.Generator().manual_seed(0)
@@ -195,14 +197,20 @@ def run(args: argparse.Namespace) -> int:
         if not conn.poll(REPLY_TIMEOUT_S):
             raise TimeoutError("receiver process did not start")
         sender.connect(conn.recv())
-        rows = [
-            run_pattern(sender, conn, pattern, num_blocks, args.reps, seed=i)
-            for i, pattern in enumerate(("contiguous", "scattered"))
-        ]
+        yield sender, conn, contract
     finally:
         conn.send(("stop",))
         child.join(timeout=30)
         sender.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    num_blocks = math.ceil(args.tokens / CHUNK_TOKENS)
+    with nixl_pair(receiver_main, num_blocks, args.poll_interval_us * 1e-6) as (sender, conn, contract):
+        rows = [
+            run_pattern(sender, conn, pattern, num_blocks, args.reps, seed=i)
+            for i, pattern in enumerate(("contiguous", "scattered"))
+        ]
     table = render(rows, args, contract)
     print(table)
     if args.out:

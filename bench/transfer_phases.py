@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import multiprocessing as mp
 import os
 import queue
 import statistics
@@ -44,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flashpd.bench.transfer_bench import REPLY_TIMEOUT_S, digest, released_contract, reply
+from flashpd.bench.transfer_bench import digest, nixl_pair, reply
 from flashpd.engine.transfer import TransferContract
 from flashpd.engine.transfer.contract import CHUNK_TOKENS
 
@@ -193,36 +192,10 @@ def render(result: dict, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from flashpd.engine.transfer.nixl_backend import NixlSender
-
-    contract = released_contract()
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
-    ctx = mp.get_context("spawn")
-    conn, child_end = ctx.Pipe()
-    child = ctx.Process(
-        target=receiver_main,
-        daemon=True,
-        args=(child_end, contract.to_json(), 2 * max_blocks, args.owner_wait_us * 1e-6),
-    )
-    child.start()
-    gen = torch.Generator().manual_seed(0)
-    pools = {
-        g.name: torch.randint(0, 256, (max_blocks, g.block_bytes), dtype=torch.uint8, generator=gen)
-        for g in contract.groups
-    }
-    sender = NixlSender(contract, pools)
-    try:
-        if not conn.poll(REPLY_TIMEOUT_S):
-            raise TimeoutError("receiver process did not start")
-        sender.connect(conn.recv())
+    with nixl_pair(receiver_main, max_blocks, args.owner_wait_us * 1e-6) as (sender, conn, _):
         pusher = Pusher(sender, conn, args.path)
         result = asyncio.run(run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks))
-    finally:
-        conn.send(("stop",))
-        child.join(timeout=30)
-        sender.close()
     table = render(result, args)
     print(table)
     if args.out:
