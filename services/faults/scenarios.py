@@ -663,6 +663,11 @@ def _check_colocated_kill(res: ScenarioResult, outs, refs, snapshot, after, max_
 # ---------------------------------------------------------------------------- decode drain
 
 
+# tokens a stream may have beyond the client's count when a drain starts (CI at aaf584a: a stream
+# seen at 15 of 16 tokens finished on the drained replica: its last token was already made)
+DRAIN_IN_FLIGHT_TOKENS = 2
+
+
 async def decode_drain(
     stack: FaultStack,
     *,
@@ -749,9 +754,11 @@ def _drain_stream_counts(run: _DrainRun) -> dict:
         "failed": [o.get("code") for o in outs if not o["ok"]],
         "identical": sum(run.identical),
         "migrated_streams": sum(o["ok"] and o["result"].timeline["migrate_ms"] > 0 for o in outs),
-        # streams with tokens still to come at the drain that nonetheless ended on the victim
+        # streams with tokens still to come at the drain that nonetheless ended on the victim. The
+        # snapshot is the client's count: up to DRAIN_IN_FLIGHT_TOKENS more may already be made
+        # (one async step ahead, one in delivery) and cannot move, so those streams do not count
         "left_on_victim": sum(
-            o["ok"] and o["result"].decode_worker == victim and got < run.max_tokens
+            o["ok"] and o["result"].decode_worker == victim and got < run.max_tokens - DRAIN_IN_FLIGHT_TOKENS
             for o, got in zip(outs, run.drained.get("snapshot", []), strict=False)
         ),
     }
