@@ -19,6 +19,7 @@ Turn k's prompt = turn k-1's prompt + its 16-token answer + 64 new tokens (the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ import torch
 
 from flashpd.bench.compile_watch import CompileWatch
 from flashpd.bench.h200_stack import hand_over_kv, stack_engine_configs
+from flashpd.bench.turn_profile import HostProfile, TurnProfile, format_profile
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.warmup import WarmupPlan, warm_up
@@ -49,11 +51,12 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in ("graph_captures", "graph_builds", "graph_misses")}
 
 
-def prefill_turn(pre: LLMEngine, rid: str, prompt: list[int]) -> tuple[dict, object]:
-    """Prefill `prompt` to kv_ready; its ms, compiles, graph counters and the finished output."""
+def prefill_turn(pre: LLMEngine, rid: str, prompt: list[int], wrap=contextlib.nullcontext) -> tuple[dict, object]:
+    """Prefill `prompt` to kv_ready; its ms, compiles, graph counters and the finished output.
+    wrap: a context around the turn (a profiler)."""
     before = _counters(pre)
     t0 = time.perf_counter()
-    with CompileWatch() as watch:
+    with CompileWatch() as watch, wrap():
         pre.add_request(rid, prompt, SamplingParams(max_tokens=1))
         ready = None
         while ready is None:
@@ -65,21 +68,27 @@ def prefill_turn(pre: LLMEngine, rid: str, prompt: list[int]) -> tuple[dict, obj
     return row, ready
 
 
-def decode_turn(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int], ready, answer: int) -> tuple[dict, list]:
-    """Reserve on the decode engine, copy the missing blocks, run to `answer` tokens."""
+def decode_turn(
+    pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int], ready, answer: int, wrap=contextlib.nullcontext
+) -> tuple[dict, list]:
+    """Reserve on the decode engine, copy the missing blocks, run to `answer` tokens. wrap: a
+    context around the KV's arrival -> the first token (the replay; a profiler)."""
     r = dec.reserve(rid, prompt, SamplingParams(max_tokens=answer, ignore_eos=True))
     hand_over_kv(pre, dec, rid, ready, r)
     before = _counters(dec)
     got: list[int] = []
     first_ms = None
     with CompileWatch() as watch:
-        t0 = time.perf_counter()
-        dec.kv_arrived(rid)
+        with wrap():
+            t0 = time.perf_counter()
+            dec.kv_arrived(rid)
+            while not got:
+                for o in dec.step():
+                    got.extend(o.new_token_ids)
+            first_ms = round(1e3 * (time.perf_counter() - t0), 1)
         while dec.has_unfinished():
             for o in dec.step():
                 got.extend(o.new_token_ids)
-                if first_ms is None and o.new_token_ids:
-                    first_ms = round(1e3 * (time.perf_counter() - t0), 1)
     row = {
         "decode_cached_tokens": r.num_cached_blocks * 128,
         "decode_first_token_ms": first_ms,
@@ -89,15 +98,49 @@ def decode_turn(pre: LLMEngine, dec: LLMEngine, rid: str, prompt: list[int], rea
     return row, got
 
 
-def session(pre: LLMEngine, dec: LLMEngine | None, vocab: int, sizes: dict, log) -> list[dict]:
-    """The turns; with no decode engine, the prefill side alone (the answer: generated ids)."""
+def _wrapper(kind: str | None, sink: list):
+    """A context factory for one phase of a turn: nothing, TurnProfile or HostProfile; the
+    entered object is appended to sink (read after the turn)."""
+    if kind is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def wrap():
+        obj = TurnProfile() if kind == "device" else HostProfile()
+        with obj:
+            yield obj
+        sink.append(obj)
+
+    return wrap
+
+
+def session(
+    pre: LLMEngine,
+    dec: LLMEngine | None,
+    vocab: int,
+    sizes: dict,
+    log,
+    turns: int = TURNS,
+    profile_from: int | None = None,
+    host_profile_dir: str | None = None,
+) -> list[dict]:
+    """The turns; with no decode engine, the prefill side alone (the answer: generated ids).
+    From turn `profile_from` on, the even turns' prefill and replay run under torch.profiler
+    (row keys prefill_profile / decode_profile) and the odd ones under cProfile when
+    host_profile_dir is given (its text files land there); the unprofiled ms stay in the rows
+    of turns before."""
     prompt = _ids(sizes["first"], 77, vocab)
     rows = []
-    for turn in range(TURNS):
+    for turn in range(turns):
         rid = f"turn{turn}"
-        row, ready = prefill_turn(pre, rid, prompt)
+        kind = None
+        if profile_from is not None and turn >= profile_from:
+            kind = "device" if (turn - profile_from) % 2 == 0 or host_profile_dir is None else "host"
+        got_pre: list = []
+        got_dec: list = []
+        row, ready = prefill_turn(pre, rid, prompt, _wrapper(kind, got_pre))
         if dec is not None:
-            drow, answer = decode_turn(pre, dec, rid, prompt, ready, sizes["answer"])
+            drow, answer = decode_turn(pre, dec, rid, prompt, ready, sizes["answer"], _wrapper(kind, got_dec))
         else:
             pre.release_kv(rid)
             drow, answer = {}, _ids(sizes["answer"], 500 + turn, vocab)
@@ -107,6 +150,16 @@ def session(pre: LLMEngine, dec: LLMEngine | None, vocab: int, sizes: dict, log)
             f"({row['prefill_compiles']['count']} compiles, {row['prefill_compiles']['seconds']} s) "
             f"{row['prefill_compiles']['kernels'][:2]}; decode {drow or '-'}"
         )
+        for phase, got in (("prefill", got_pre), ("decode", got_dec)):
+            for obj in got:
+                if isinstance(obj, TurnProfile):
+                    row[f"{phase}_profile"] = obj.summary()
+                    log(format_profile(f"{phase} profile", row[f"{phase}_profile"]))
+                elif host_profile_dir is not None:
+                    path = os.path.join(host_profile_dir, f"host_{phase}_turn{turn}.txt")
+                    with open(path, "w") as f:
+                        f.write(obj.text)
+                    log(f"  {phase} host profile -> {path}")
         rows.append(row)
         prompt = prompt + answer + _ids(sizes["new"], 900 + turn, vocab)
     return rows
@@ -138,16 +191,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", default=None, help="CPU: this checkpoint, short turns, a short warm-up")
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
     p.add_argument("--prefill-only", action="store_true", help="the prefill engine alone (turns to kv_ready)")
+    p.add_argument("--turns", type=int, default=TURNS)
+    p.add_argument("--no-warmup", action="store_true", help="skip the replicas' load-time warm-up")
+    p.add_argument(
+        "--profile-from",
+        type=int,
+        default=None,
+        help="profile turns from this one on: torch.profiler (even), cProfile with --host-profile (odd)",
+    )
+    p.add_argument("--host-profile", action="store_true", help="cProfile text of the odd profiled turns into OUT")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     model, pre, dec = build(args)
     plan = WarmupPlan(long_tokens=136, short_tokens=128, batches=(1, 2)) if args.smoke else None
-    warm = {role: warm_up(e, plan) for role, e in (("prefill", pre), ("decode", dec)) if e is not None}
+    warm = {}
+    if not args.no_warmup:
+        warm = {role: warm_up(e, plan) for role, e in (("prefill", pre), ("decode", dec)) if e is not None}
     print(f"built and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
     sizes = SMOKE if args.smoke else {"first": FIRST, "answer": ANSWER, "new": NEW}
-    rows = session(pre, dec, model.cfg.vocab_size, sizes, lambda m: print(m, flush=True))
-    out = {"commit": args.commit, "config": args.config, "warmup": warm, "turns": rows}
     os.makedirs(args.out, exist_ok=True)
+    rows = session(
+        pre,
+        dec,
+        model.cfg.vocab_size,
+        sizes,
+        lambda m: print(m, flush=True),
+        turns=args.turns,
+        profile_from=args.profile_from,
+        host_profile_dir=args.out if args.host_profile else None,
+    )
+    out = {"commit": args.commit, "config": args.config, "warmup": warm, "turns": rows}
     with open(os.path.join(args.out, "pd_session.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     return 0
