@@ -26,3 +26,14 @@ def test_streamed_text_holds_split_characters_like_the_router():
     tok = Tokenizer.from_file(os.path.join(checkpoint_path(), "tokenizer.json"))
     ids = tok.encode("naïve café — 東京 🚀 done", add_special_tokens=False).ids
     assert streamed_text(tok, ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_http_greedy_prompts_reach_the_stack_cold():
+    """The HTTP check sends a prompt of its own (same length, other ids) after the gRPC one: the
+    same prompt again would be a prefix hit, a different compute path from the reference's."""
+    from flashpd.bench import h200_stack as hs
+
+    for i, (name, n) in enumerate(hs.CHECK_PROMPTS.items()):
+        grpc, http = hs.prompt_ids(n, 100 + i), hs.http_prompt(name, n, i)
+        assert len(http) == n and http[:128] != grpc[:128]  # not even a first block shared
+        assert hs.http_name(name) != name
