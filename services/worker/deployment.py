@@ -1,4 +1,4 @@
-"""The Ray Serve deployment base for the prefill and decode workers.
+"""The Ray Serve deployment base for the prefill, decode and colocated workers.
 
 Each replica is one worker: its worker id is its Serve replica id (so `PinnedWorkerRouter`
 can send the router's chosen worker exactly its calls), its incarnation is new per process.
@@ -13,9 +13,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 
 from flashpd.engine.loading import load_engine
-from flashpd.services.api import Unavailable, WorkerRef, WorkerStats
+from flashpd.services.api import Event, InternalRequest, Unavailable, WorkerRef, WorkerStats
 from flashpd.services.worker.common import WorkerConfig, new_worker_ref
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,38 @@ class WorkerDeployment:
         worker = getattr(self, "worker", None)
         if worker is not None:
             await worker.close()
+
+
+class StreamingDeployment(WorkerDeployment):
+    """A worker that streams tokens to the router (decode, colocated): `generate` and the drain,
+    whose meaning is the role's `_drain_worker` (decode: live migration; colocated: the streams
+    finish in place)."""
+
+    async def generate(self, req: InternalRequest, target_worker: str | None = None) -> AsyncIterator[Event]:
+        self._check_target(target_worker)
+        events = self.worker.generate(req)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    async def _drain_worker(self, deadline_s: float) -> int:
+        raise TypeError("subclasses say what draining does")
+
+    async def _drained_by_mark(self, marked: bool) -> None:
+        if marked:
+            await self._drain_worker(DRAIN_DEADLINE_S)
+        else:
+            self.worker.undrain()
+
+    async def drain(self, deadline_s: float = DRAIN_DEADLINE_S, target_worker: str | None = None) -> int:
+        """Mark this worker draining in Redis first (no router places a new request here), then
+        `_drain_worker`. Returns how many streams it had."""
+        self._check_target(target_worker)
+        if self._publisher is not None:
+            await asyncio.to_thread(self._publisher.mark_draining)
+        return await self._drain_worker(deadline_s)
 
 
 def _return_cached_gpu_memory(config: WorkerConfig) -> None:
