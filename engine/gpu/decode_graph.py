@@ -186,6 +186,8 @@ class DecodeGraphs:
             "graph_builds": self.num_builds,
             "graph_misses": self.graph_misses,
             "graph_capture_s": round(self.capture_s, 3),
+            # P/D first-hit steps run through a graph (a profile shows whether a turn took one)
+            "graph_runs_pd": sum(self.runs.get(kind, 0) for kind in PD_KINDS),
         }
 
     # ------------------------------------------------------------------ eligibility

@@ -10,6 +10,7 @@ checked with the layers replaced by zeros (`_cheap_forward`: a function of the s
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -191,6 +192,7 @@ def test_after_warm_up_the_decode_roles_first_steps_take_graphs_and_build_none(g
         assert len(_finish(dec)) == 2
     assert graphs.num_builds == built and graphs.graph_misses == 0
     assert graphs.runs[PD_REPLAY] == runs + 3  # each admission's first step: a graph
+    assert dec.graph_counters()["graph_runs_pd"] == graphs.runs[PD_REPLAY]
 
 
 def test_after_warm_up_a_prefill_role_hit_takes_graphs_and_builds_none(gpu, monkeypatch, graphs_off):
@@ -283,3 +285,76 @@ def test_a_failed_capture_of_a_colocated_replay_is_still_raised(gpu, monkeypatch
     plan = SeqPlan(logits=LogitsRequest.NONE, replay=Replay((1, 2, 3)))
     with pytest.raises(RuntimeError, match="capture failed"):
         gpu.forward(torch.tensor(_prompt(w, 1)), [SeqInput(s, 24 - w, w, plan)])
+
+
+# ---------------------------------------------------------------- the graph path equals the eager one
+def test_a_decode_role_admission_through_the_graphs_equals_the_eager_one(gpu, monkeypatch, graphs_off):
+    """Reserve, the prefill engine's KV copied in, KV arrived: the first step replays the
+    prompt's last W rows with the last row's logits. Through the graphs (a pd replay, then a
+    decode) the logits and tokens equal those with graphs off."""
+    prompt = _prompt(12, 21)  # >= W = 8
+    pre = _engine(gpu, "prefill", graphs=False)
+    ready = _prefill(pre, "p", prompt)
+    forward = gpu.forward
+    runs = []
+    for graphs in (False, True):
+        dec = _engine(gpu, "decode", graphs)
+        seen: list[list] = []
+
+        def recording(ids, seqs, feed=None, seen=seen):
+            out = forward(ids, seqs, feed)
+            seen.append([None if x is None else x.clone() for x in out])
+            return out
+
+        monkeypatch.setattr(gpu, "forward", recording)
+        _admit(dec, "d", prompt, 2, pre, ready.kv_block_ids)
+        runs.append((_finish(dec), seen, gpu.graphs))
+        monkeypatch.setattr(gpu, "forward", forward)
+    (tokens_e, seen_e, _), (tokens_g, seen_g, graphs) = runs
+    assert graphs.runs == {PD_REPLAY: 1, "decode": 1} and graphs.graph_misses == 0
+    assert tokens_g == tokens_e and len(tokens_g) == 2
+    assert len(seen_g) == len(seen_e) == 2
+    for got, want in zip(seen_g, seen_e, strict=True):
+        assert len(got) == len(want) == 1 and got[0].shape == (1, gpu.cfg.vocab_size)
+        assert torch.equal(got[0], want[0])
+
+
+def test_a_prefill_role_hit_through_the_graphs_writes_the_pools_as_eagerly(gpu, graphs_off):
+    """A prefix hit on the encoder path (the prefill role): the W-row replay, then a turn of 3
+    rows padded to 4, through the graphs: the same global KV (entries, index keys), window rings,
+    open rows and books as eagerly."""
+    cfg = gpu.cfg
+    w, hit = cfg.sliding_window, 16
+    prompt = _prompt(hit + 3, 31)
+    base = KVPools(cfg, 2, 2, DEVICE, window_scratch_rows=64)
+    gpu.graphs = None
+    cold = PagedSeqState(base, 0, [0], torch.bfloat16)
+    gpu.forward(torch.tensor(prompt[:hit], device=DEVICE), [SeqInput(cold, 0, hit, SeqPlan.encoder_only())])
+    results = []
+    for graphs in (False, True):
+        gpu.graphs = DecodeGraphs(gpu, capture=False) if graphs else None
+        pools = copy.deepcopy(base)
+        s = PagedSeqState(pools, 1, [0], torch.bfloat16)  # the hit: the cached block, a fresh slot
+        s.adopt_prefix(hit, tuple(prompt[hit - 3 : hit]))
+        replay = SeqPlan(logits=LogitsRequest.NONE, replay=Replay(tuple(prompt[hit - w - 3 : hit - w])), decoder_rows=0)
+        steps = [
+            (prompt[hit - w : hit], [SeqInput(s, hit - w, w, replay)], ENCODER_REPLAY),
+            (prompt[hit:], [SeqInput(s, hit, 3, SeqPlan.encoder_only())], ENCODER_TURN),
+        ]
+        for ids, seqs, kind in steps:
+            if graphs:
+                assert gpu.graphs.kind(seqs) == kind
+            assert gpu.forward(torch.tensor(ids, device=DEVICE), seqs) == [None]
+        results.append((pools, s, gpu.graphs))
+    (pools_e, se, _), (pools_g, sg, graphs) = results
+    assert graphs.runs == {ENCODER_REPLAY: 1, ENCODER_TURN: 1}
+    assert {k[2] for k in graphs._graphs} == {w, 4}  # the turn padded to its bucket
+    for src in cfg.kv_source_layer_ids:
+        assert torch.equal(pools_e.main[src], pools_g.main[src]), f"entries of {src}"
+        assert torch.equal(pools_e.index[src], pools_g.index[src]), f"index keys of {src}"
+    assert pools_e.main[cfg.kv_source_layer_ids[-1]][0].any()  # the turn wrote entries
+    assert torch.equal(pools_e.window[:, : pools_e.scratch_base], pools_g.window[:, : pools_g.scratch_base])
+    assert torch.equal(pools_e.open, pools_g.open)
+    assert se.num_tokens == sg.num_tokens == hit + 3 and se.lookback_ids() == sg.lookback_ids()
+    for layer in range(cfg.num_layers):
+        assert se.window_span(layer) == sg.window_span(layer)
