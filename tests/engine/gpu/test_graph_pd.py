@@ -215,6 +215,20 @@ def test_after_warm_up_a_prefill_role_hit_takes_graphs_and_builds_none(gpu, monk
     assert graphs.runs[ENCODER_REPLAY] >= len(buckets) and graphs.runs[ENCODER_TURN] >= len(buckets)
 
 
+def test_after_the_freeze_a_p_d_step_without_its_graph_runs_eagerly_and_counts_a_miss(
+    gpu, monkeypatch, caplog, graphs_off
+):
+    _cheap_forward(gpu, monkeypatch)
+    dec = _engine(gpu, "decode")
+    graphs = gpu.graphs
+    graphs.freeze(dec.pools)  # a closed set with no graph at all
+    with caplog.at_level(logging.WARNING, logger=decode_graph.__name__):
+        _admit(dec, "r", _prompt(20, 3), 1)
+        assert len(_finish(dec)) == 1
+    assert graphs.num_builds == 0 and graphs.graph_misses == 1 and not graphs.runs
+    assert any("no pd replay graph" in r.getMessage() for r in caplog.records)
+
+
 def test_without_the_switch_the_p_d_steps_run_eagerly(gpu, monkeypatch, graphs_off):
     monkeypatch.setenv("FLASHPD_GRAPH_PD", "0")
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
@@ -356,5 +370,5 @@ def test_a_prefill_role_hit_through_the_graphs_writes_the_pools_as_eagerly(gpu, 
     assert torch.equal(pools_e.window[:, : pools_e.scratch_base], pools_g.window[:, : pools_g.scratch_base])
     assert torch.equal(pools_e.open, pools_g.open)
     assert se.num_tokens == sg.num_tokens == hit + 3 and se.lookback_ids() == sg.lookback_ids()
-    for layer in range(cfg.num_layers):
+    for layer in range(cfg.candidate_source_layer_id):  # the encoder's (decoder windows: unset)
         assert se.window_span(layer) == sg.window_span(layer)
