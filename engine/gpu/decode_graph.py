@@ -147,7 +147,7 @@ class DecodeGraphs:
         self.num_captures = 0  # CUDA graphs captured
         self.num_builds = 0  # graphs built (captured, or with capture=False their static buffers)
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
-        self.graph_misses = 0  # decode/replay/turn steps run eagerly after freeze: no graph
+        self.graph_misses = 0  # steps of any kind but verify run eagerly after freeze: no graph
         self._missed: set[tuple] = set()
         self._frozen: set[tuple] = set()  # pools_key of the pools whose graph set is closed
         self._failed: set[str] = set()  # FALLBACK_KINDS whose capture failed: eager from then on
@@ -176,8 +176,8 @@ class DecodeGraphs:
         return next((c for c in self.width_classes if c >= context_tokens), 0)
 
     def freeze(self, pools) -> None:
-        """Close the graph set of `pools` (after the warm-up): a missing decode, replay or turn
-        graph then runs eagerly instead of capturing on the request path."""
+        """Close the graph set of `pools` (after the warm-up): a missing graph of any kind but
+        verify then runs eagerly instead of capturing on the request path."""
         self._frozen.add(pools_key(pools))
 
     def counters(self) -> dict[str, int | float]:
