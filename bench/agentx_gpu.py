@@ -282,6 +282,7 @@ SWITCHES = {
     "nvfp4": {"args": {"kv_format": "fp8"}},  # FP8 compressed KV instead of NVFP4
     "affinity": {"args": {"routing": "round_robin"}},  # no session affinity / prefix-aware placement
     "graph_turns": {"env": {"FLASHPD_GRAPH_TURNS": "0"}},  # no CUDA graphs for turns after a hit
+    "graph_pd": {"env": {"FLASHPD_GRAPH_PD": "0"}},  # no CUDA graphs for the P/D first-hit steps
 }
 
 

@@ -48,7 +48,8 @@ def _counters(engine: LLMEngine) -> dict:
 
 
 def _delta(after: dict, before: dict) -> dict:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in ("graph_captures", "graph_builds", "graph_misses")}
+    keys = ("graph_captures", "graph_builds", "graph_misses", "graph_runs_pd")
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
 
 
 def prefill_turn(pre: LLMEngine, rid: str, prompt: list[int], wrap=contextlib.nullcontext) -> tuple[dict, object]:

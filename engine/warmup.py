@@ -14,19 +14,24 @@ it, none on the first request (bench/results/h200/first_request.md).
 
     colocated / prefill   a long prompt (several chunks, the last one partial) and one of
                           whole 512s, then prefix hits (replay + a short turn), a short prompt
+                          (prefill role: the prompt whose hits come next, so each hit's replay
+                          and turn run on the encoder path: the encoder replay and encoder turn
+                          graphs of every bucket, 2 .. W rows)
     colocated / decode    decode batches of every graph bucket up to max_num_seqs, each for
                           `decode_steps` steps, at the long (aligned) context and at a short
                           one, joined by turns of 2 and 16 tokens after prefix hits; then the
                           largest bucket admitted at once (16-token turns); then one prefix
                           hit with a turn of each turn-graph bucket (2 .. W rows)
-    decode role           the same, admitted as the router does (reserve, KV arrived, replay)
+    decode role           the same, admitted as the router does (reserve, KV arrived, then a
+                          W-row replay with the last row's logits: the pd replay graph)
 
 plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role), and the
 speculative drafter's graphs of every batch bucket that may speculate (`Drafter.warm_up`). Each
 graph built is also built at every other context class holding its context (`DecodeGraphs`
 width classes), so the short prompt's shapes give every class's decode, replay and turn
-graphs; at the end the engine's graph set is frozen (`DecodeGraphs.freeze`): a step whose
-graph is still missing runs eagerly (counted) instead of capturing on the request path.
+graphs (the P/D kinds too: FLASHPD_GRAPH_PD, `DecodeGraphs` PD_KINDS); at the end the engine's
+graph set is frozen (`DecodeGraphs.freeze`): a step whose graph is still missing runs eagerly
+(counted) instead of capturing on the request path.
 
 then aborts them, drops the prefix cache they made (no chunk of theirs reaches the cache index)
 and forgets their records. Returns what it ran (counts, graphs built and seconds).
@@ -148,8 +153,8 @@ class _Run:
         short = self.ids[-p.short_tokens :]
         if self.role == "prefill":  # prompts only: a prefix hit with its turn, a short prompt
             self.prompt(self.ids[: p.long_tokens] + [11, 12, 13])
-            self.prompt(self.ids[p.long_tokens - p.short_tokens : p.long_tokens])
-            self.turns(short)  # every class's replay and turn graphs (short: every class holds it)
+            self.prompt(short)  # cold; cached, so every turn below hits it (the 2-row one too)
+            self.turns(short)  # every class's encoder replay and turn graphs (every class holds short)
             return
         for base in (burst_base, short):  # long and short contexts
             self.decode_batches(base)

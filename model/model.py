@@ -265,17 +265,29 @@ class LayerRows:
     def tensors(self) -> list[torch.Tensor]:
         return [self.seam_idx, self.compute_idx, self.compute_in_seam, self.positions, self.seam_positions]
 
-    def padded(self, num_rows: int) -> LayerRows:
-        """All rows, extended to `num_rows` with padding rows at position 0 (graph buckets)."""
-        if not self.everything:
-            raise ValueError("only rows covering the whole batch can be padded")
-        out = copy.copy(self)
-        pad = num_rows - self.num_seam
+    def padded(self, num_rows: int, batch_rows: int) -> LayerRows:
+        """The rows of a batch of `batch_rows` extended to `num_rows` with padding rows at
+        position 0 (graph buckets). Rows covering the whole batch get every padding row; a kind
+        with no compute rows (a decoder kind of an encoder-only step) gets them as seam rows
+        when its seam is the whole batch (the candidate source: its compressor runs on them,
+        writing nowhere, so the seam keeps one shape per bucket), else it stays empty."""
+        pad = num_rows - batch_rows
         every = torch.arange(num_rows, device=self.positions.device)
-        out.seam_idx = out.compute_idx = out.compute_in_seam = every
-        out.positions = torch.cat((self.positions, self.positions.new_zeros(pad)))
-        out.seam_positions = out.positions
-        out.num_compute = out.num_seam = num_rows
+        out = copy.copy(self)
+        if self.everything:
+            out.seam_idx = out.compute_idx = out.compute_in_seam = every
+            out.positions = torch.cat((self.positions, self.positions.new_zeros(pad)))
+            out.seam_positions = out.positions
+            out.num_compute = out.num_seam = num_rows
+            return out
+        if self.num_compute:
+            raise ValueError("only rows covering the whole batch, or computing none, can be padded")
+        if self.num_seam == batch_rows:
+            out.seam_idx = every
+            out.seam_positions = torch.cat((self.seam_positions, self.seam_positions.new_zeros(pad)))
+            out.num_seam = num_rows
+        elif self.num_seam:
+            raise ValueError("seam rows of part of the batch cannot be padded")
         return out
 
 

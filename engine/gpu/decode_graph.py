@@ -10,17 +10,33 @@ whose tensors are static buffers. Per call:
     graph   the key-row tables expanded from the block table, the forward -> logits [bucket, V]
     after   `GpuModel.commit`: window records scratch -> ring, new open rows, the books
 
-Eligible: plain decode (every sequence adds one token, last-row logits, no replay), a bounded
-replay of one sequence over exactly W rows without logits, a turn: one sequence adding 2..W
-rows through all layers with last-row logits (a new turn after a prefix hit, a short prompt),
-padded to the next bucket (`graph_turns_from_env`; the rows are otherwise thousands of eager
-launches), and a speculative verify: every sequence adds the same 2..MAX_VERIFY_ROWS rows
-(anchor + drafts) with logits for every row, unpadded (one graph per sequence count and row
-count: padding rows would add MoE expert reads of their own; at batch 1 on the H200 the step
-padded from 6 to 8 rows spent ~16.5 ms on the device against 9.7 for a 1-row decode). A verify graph is
-checked once at capture against the eager forward over the same buffers; one that disagrees is
-dropped and verifies run eagerly from then on (logged). Everything the graph writes into the
-pools is a function of the buffers alone (scratch rows, entry rows), so the warm-up runs before a
+Eligible (`DecodeGraphs.kind`): plain decode (every sequence adds one token, last-row logits, no
+replay), a bounded replay of one sequence over exactly W rows without logits, a turn: one
+sequence adding 2..W rows through all layers with last-row logits (a new turn after a prefix
+hit, a short prompt), padded to the next bucket (`graph_turns_from_env`; the rows are otherwise
+thousands of eager launches), and a speculative verify: every sequence adds the same
+2..MAX_VERIFY_ROWS rows (anchor + drafts) with logits for every row, unpadded (one graph per
+sequence count and row count: padding rows would add MoE expert reads of their own; at batch 1
+on the H200 the step padded from 6 to 8 rows spent ~16.5 ms on the device against 9.7 for a
+1-row decode). A verify graph is checked once at capture against the eager forward over the
+same buffers; one that disagrees is dropped and verifies run eagerly from then on (logged).
+
+The P/D roles' first-hit steps (PD_KINDS, `graph_pd_from_env`: FLASHPD_GRAPH_PD=0 runs them
+eagerly; on the H200 each was ~1,000 eager launches, 146-250 ms wall for 56-75 ms of kernels):
+    pd replay        the decode role's first step after the KV arrived: the prompt's last W
+                     rows replayed through all layers with the last row's logits
+    encoder replay   the prefill role's prefix hit: W rows replayed on the encoder path
+                     (decoder_rows=0, no logits)
+    encoder turn     the rows after it, 2..W on the encoder path, padded to the next bucket: the
+                     decoder kinds compute no row; the candidate source's seam (its compressor)
+                     takes the padding rows, which close no entry and write nowhere
+A graph's key holds the first sequence's (logits, decoder rows), so these never share a graph
+with the colocated replay and turn. A turn, verify or P/D kind whose capture fails is logged
+and that kind runs eagerly from then on (the engine loads and serves); a decode or plain replay
+capture failure is raised.
+
+Everything the graph writes into the pools is a function of the buffers alone (window scratch
+rows; entry and index-key rows, -1 for padding and replay rows), so the warm-up runs before a
 capture may repeat it; the writes that would not be idempotent (ring copies, open rows) happen
 in the commit. Padding rows read nothing and write only scratch rows.
 
@@ -33,11 +49,11 @@ indexer kernels stop at each row's visible count), under a millisecond at 128K, 
 class multiplies the graphs to capture at load (ratio 4: 4 classes, up to 4x padding). Without
 classes (`graph_width_ratio` 0) widths step by KEY_WIDTH_STEP entries: a capture per new width.
 
-Whenever a decode, replay or turn graph is built, the same step is also prepared and built at
+Whenever a graph other than a verify is built, the same step is also prepared and built at
 every other class that holds its context (`_siblings`: same buffers, the forward is idempotent
 over the pools), so the warm-up, which runs each shape once, leaves a graph for every shape at
 every class. `freeze(pools)` (the end of the warm-up) closes the set for those pools: from then
-on a decode, replay or turn step whose graph is missing runs eagerly (`graph_misses`, logged
+on a step of any kind but verify whose graph is missing runs eagerly (`graph_misses`, logged
 once per key) instead of capturing on the request path; verify graphs stay lazy (captured on
 first use: their key also holds the sequence and row counts, too many to warm).
 
@@ -69,15 +85,40 @@ WIDTH_CLASS_BASE_TOKENS = 4096  # the smallest context class (1,024 ratio-4 entr
 DEFAULT_WIDTH_RATIO = 2  # context classes grow by this factor (see the module docstring)
 MAX_VERIFY_ROWS = 17  # anchor + up to 16 drafts (SpeculativeConfig.num_tokens <= 16)
 TURNS_ENV = "FLASHPD_GRAPH_TURNS"  # 0: turns (<= W rows) run eagerly (the A/B baseline)
+# 0: the P/D roles' first-hit steps run eagerly (the decode role's W-row replay with last-row
+# logits, the prefill role's encoder-only replay and turn): the A/B baseline, a field escape hatch
+PD_ENV = "FLASHPD_GRAPH_PD"
+
+# Step kinds (`DecodeGraphs.kind`).
+DECODE, TURN, VERIFY = "decode", "turn", "verify"
+REPLAY = "replay"  # W rows, no logits, all layers (a colocated prefix hit's bounded replay)
+PD_REPLAY = "pd replay"  # W rows, last-row logits, all layers (the decode role's first step)
+ENCODER_REPLAY = "encoder replay"  # W rows, encoder-only (the prefill role's hit)
+ENCODER_TURN = "encoder turn"  # 2..W new rows, encoder-only (the prefill role's turn)
+PD_KINDS = frozenset({PD_REPLAY, ENCODER_REPLAY, ENCODER_TURN})
+PADDED_KINDS = frozenset({DECODE, TURN, ENCODER_TURN})  # rows padded to the next bucket
+# kinds whose capture failure (or a verify graph's disagreement) is logged and the kind then
+# runs eagerly; a decode or plain replay capture failure is raised (load fails loudly)
+FALLBACK_KINDS = frozenset({TURN, VERIFY, *PD_KINDS})
+
+
+def _switch_from_env(name: str, environ: Mapping[str, str] | None) -> bool:
+    text = (os.environ if environ is None else environ).get(name, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def graph_turns_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether turns go through graphs: FLASHPD_GRAPH_TURNS, read when the graphs are built
     (engine load), validated (0 or 1; unset: on)."""
-    text = (os.environ if environ is None else environ).get(TURNS_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{TURNS_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
+    return _switch_from_env(TURNS_ENV, environ)
+
+
+def graph_pd_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the P/D first-hit kinds (PD_KINDS) go through graphs: FLASHPD_GRAPH_PD, read
+    when the graphs are built (engine load), validated (0 or 1; unset: on)."""
+    return _switch_from_env(PD_ENV, environ)
 
 
 log = logging.getLogger(__name__)
@@ -106,13 +147,14 @@ class DecodeGraphs:
         self.num_captures = 0  # CUDA graphs captured
         self.num_builds = 0  # graphs built (captured, or with capture=False their static buffers)
         self.capture_s = 0.0  # seconds spent building graphs (warm-up runs + capture)
-        self.graph_misses = 0  # decode/replay/turn steps run eagerly after freeze: no graph
+        self.graph_misses = 0  # steps of any kind but verify run eagerly after freeze: no graph
         self._missed: set[tuple] = set()
         self._frozen: set[tuple] = set()  # pools_key of the pools whose graph set is closed
-        self._failed_turns = False
-        self._failed_verify = False
+        self._failed: set[str] = set()  # FALLBACK_KINDS whose capture failed: eager from then on
         self.num_verify_replays = 0
+        self.runs: dict[str, int] = {}  # kind -> steps run through the graphs (eager misses not)
         self.turns = graph_turns_from_env()
+        self.pd = graph_pd_from_env()
         # context classes (tokens, ascending; () = linear width steps): set by the engines
         # over this model (`add_width_classes`, EngineConfig.graph_width_ratio)
         self.width_classes: tuple[int, ...] = ()
@@ -121,13 +163,21 @@ class DecodeGraphs:
         """Engines over one model may have different limits: the union of their classes."""
         self.width_classes = tuple(sorted(set(self.width_classes) | set(classes)))
 
+    @property
+    def _failed_turns(self) -> bool:
+        return TURN in self._failed
+
+    @property
+    def _failed_verify(self) -> bool:
+        return VERIFY in self._failed
+
     def width_class(self, context_tokens: int) -> int:
         """The smallest class holding `context_tokens` (0: none, a linear width step)."""
         return next((c for c in self.width_classes if c >= context_tokens), 0)
 
     def freeze(self, pools) -> None:
-        """Close the graph set of `pools` (after the warm-up): a missing decode, replay or turn
-        graph then runs eagerly instead of capturing on the request path."""
+        """Close the graph set of `pools` (after the warm-up): a missing graph of any kind but
+        verify then runs eagerly instead of capturing on the request path."""
         self._frozen.add(pools_key(pools))
 
     def counters(self) -> dict[str, int | float]:
@@ -136,11 +186,27 @@ class DecodeGraphs:
             "graph_builds": self.num_builds,
             "graph_misses": self.graph_misses,
             "graph_capture_s": round(self.capture_s, 3),
+            # P/D first-hit steps run through a graph (a profile shows whether a turn took one)
+            "graph_runs_pd": sum(self.runs.get(kind, 0) for kind in PD_KINDS),
         }
 
     # ------------------------------------------------------------------ eligibility
     def eligible(self, seqs: Sequence[SeqInput]) -> bool:
-        return self._decode(seqs) or self._replay(seqs) or self._turn(seqs) or self._verify(seqs)
+        return self.kind(seqs) is not None
+
+    def kind(self, seqs: Sequence[SeqInput]) -> str | None:
+        """The graph kind of a step (None: it runs eagerly): a kind switched off (the env
+        switches) or failed at capture is None."""
+        if self._decode(seqs):
+            return DECODE
+        kind = self._single(seqs)
+        if kind is None and self._verify(seqs):
+            kind = VERIFY
+        if kind is None or kind in self._failed:
+            return None
+        if (kind == TURN and not self.turns) or (kind in PD_KINDS and not self.pd):
+            return None
+        return kind
 
     def _decode(self, seqs: Sequence[SeqInput]) -> bool:
         """Plain decode: one token per sequence, last-row logits, no replay."""
@@ -154,41 +220,34 @@ class DecodeGraphs:
             for inp in seqs
         )
 
-    def _replay(self, seqs: Sequence[SeqInput]) -> bool:
-        """One sequence replaying exactly W rows through all layers, no logits (a prefix hit's
-        or a pushed prompt's bounded replay)."""
-        if len(seqs) != 1:
-            return False
+    def _single(self, seqs: Sequence[SeqInput]) -> str | None:
+        """One sequence through all layers or the encoder path only (decoder_rows None or 0):
+        a replay of exactly W rows (no logits or, all layers, the last row's) or a turn adding
+        2..W rows (all layers: last-row logits; encoder-only: none)."""
+        if len(seqs) != 1 or not isinstance(seqs[0].state, PagedSeqState):
+            return None
         inp = seqs[0]
-        plan = inp.plan
-        return (
-            plan.replay is not None
-            and inp.num_tokens == self.cfg.sliding_window
-            and plan.decoder_rows is None
-            and plan.logits is LogitsRequest.NONE
-            and isinstance(inp.state, PagedSeqState)
-        )
-
-    def _turn(self, seqs: Sequence[SeqInput]) -> bool:
-        """One sequence adding 2..W rows through all layers, last-row logits, no replay."""
-        if not self.turns or len(seqs) != 1 or self._failed_turns:
-            return False
-        inp = seqs[0]
-        plan = inp.plan
-        return (
-            plan.replay is None
-            and 1 < inp.num_tokens <= self.cfg.sliding_window
-            and plan.decoder_rows is None
-            and plan.logits is LogitsRequest.LAST
-            and isinstance(inp.state, PagedSeqState)
-            and inp.start_pos == inp.state.num_tokens
-        )
+        plan, w = inp.plan, self.cfg.sliding_window
+        if plan.decoder_rows not in (None, 0):
+            return None
+        encoder = plan.decoder_rows == 0  # logits NONE (SeqPlan refuses any other)
+        if plan.replay is not None:
+            if inp.num_tokens != w:
+                return None
+            if encoder:
+                return ENCODER_REPLAY
+            return {LogitsRequest.NONE: REPLAY, LogitsRequest.LAST: PD_REPLAY}.get(plan.logits)
+        if not 1 < inp.num_tokens <= w or inp.start_pos != inp.state.num_tokens:
+            return None
+        if encoder:
+            return ENCODER_TURN
+        return TURN if plan.logits is LogitsRequest.LAST else None
 
     def _verify(self, seqs: Sequence[SeqInput]) -> bool:
         """A speculative step's verify: every sequence adds the same 2..MAX_VERIFY_ROWS rows
         through all layers with logits for every row, no replay, and the padded rows fit the
         pools' scratch rows."""
-        if self._failed_verify or not 0 < len(seqs) <= BUCKETS[-1]:
+        if not 0 < len(seqs) <= BUCKETS[-1]:
             return False
         n = seqs[0].num_tokens
         if not 1 < n <= MAX_VERIFY_ROWS or not isinstance(seqs[0].state, PagedSeqState):
@@ -219,32 +278,32 @@ class DecodeGraphs:
     ) -> tuple[list[torch.Tensor | None], Step]:
         """`run`, plus the step it ran (its `outputs` are the graph's: the DSpark tap)."""
         model = self.model
-        decode = self._decode(seqs)
-        turn = not decode and self._turn(seqs)
-        verify = not decode and not turn and self._verify(seqs)
-        if decode or turn:
-            rows = next(b for b in BUCKETS if b >= (len(seqs) if decode else seqs[0].num_tokens))
-        elif verify:  # unpadded: padding rows would route to experts of their own (the
+        kind = self.kind(seqs)
+        if kind is None:
+            raise ValueError("a step no graph kind takes (check `eligible` first)")
+        if kind in PADDED_KINDS:
+            rows = next(b for b in BUCKETS if b >= (len(seqs) if kind == DECODE else seqs[0].num_tokens))
+        elif kind == VERIFY:  # unpadded: padding rows would route to experts of their own (the
             rows = token_ids.shape[0]  # MoE reads); the key holds the sequence count anyway
         else:
             rows = seqs[0].num_tokens
-        shape = (decode, turn, verify, rows)
+        shape = (kind, rows)
         context = max(inp.start_pos + inp.num_tokens for inp in seqs)
         step = self._prepare(token_ids, seqs, shape, self.width_class(context))
         key = self._key(step, shape, seqs)
         if key not in self._graphs:
-            if not verify and key[-1] in self._frozen:  # closed set: no capture on the request path
-                self._miss(key, "turn" if turn else "decode" if decode else "replay")
+            if kind != VERIFY and key[-1] in self._frozen:  # closed set: no capture on the request path
+                self._miss(key, kind)
                 step = model.prepare(token_ids, seqs)
                 return self._eager(step, feed), step
-            built = self._build_or_fall_back(step, key, shape)
-            if not built:
+            if not self._build_or_fall_back(step, key, kind):
                 step = model.prepare(token_ids, seqs)
                 return self._eager(step, feed), step
-            if not verify:
+            if kind != VERIFY:
                 self._siblings(token_ids, seqs, shape, context)
+        self.runs[kind] = self.runs.get(kind, 0) + 1
         graph, static, nbytes = self._graphs[key]
-        if verify:
+        if kind == VERIFY:
             self.num_verify_replays += 1
         if step.buffer is not None and step.input_bytes == nbytes:
             static.buffer.copy_(step.buffer[:nbytes])  # every input in one copy
@@ -263,57 +322,63 @@ class DecodeGraphs:
         return step.split_logits(logits), step
 
     def _prepare(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], shape: tuple, width_class: int) -> Step:
-        decode, _, verify, rows = shape
+        kind, rows = shape
+        # a turn (all layers or encoder-only) keeps its own logit rows (none encoder-only) and
+        # gets `rows` key-table rows whatever its row count: one graph per bucket
         return self.model.prepare(
             token_ids,
             seqs,
             pad_to=rows,
             key_width_step=KEY_WIDTH_STEP,
-            pad_logits=decode or verify,
+            pad_logits=kind in (DECODE, VERIFY),
             key_width_tokens=width_class,
         )
 
     def _key(self, step: Step, shape: tuple, seqs: Sequence[SeqInput]) -> tuple:
         """What a graph is recorded against: the step's shape and table layout, the key-table
-        widths and (last) the pools."""
-        decode, turn, verify, rows = shape
+        widths, the first sequence's (logits, decoder rows) (a replay with and without logits,
+        all layers or encoder-only) and (last) the pools. `_miss` reads key[2] and key[5]."""
+        kind, rows = shape
         tables = step.tables
+        plan = seqs[0].plan
         key = (
-            decode,
-            turn,
+            kind == DECODE,
+            kind in (TURN, ENCODER_TURN),
             rows,
             tuple(tables.window_of[layer] for layer in range(self.cfg.num_layers)),
             tables.window_spec.shape[0],
             tuple(sorted(tables.key_width.items())),
+            (plan.logits.value, plan.decoder_rows),
         )
-        if verify:  # every input's shape: sequences and rows vary within one row bucket
+        if kind == VERIFY:  # every input's shape: sequences and rows vary within one row bucket
             key += ("verify", len(seqs), tuple(tuple(t.shape) for t in step.tensors()))
         return (*key, pools_key(tables.pools))
 
-    def _build_or_fall_back(self, step: Step, key: tuple, shape: tuple) -> bool:
-        """Build the graph of `key`; False when a turn or verify cannot be captured (logged;
-        that kind runs eagerly from then on)."""
-        _, turn, verify, _ = shape
+    def _build_or_fall_back(self, step: Step, key: tuple, kind: str) -> bool:
+        """Build the graph of `key`; False when a FALLBACK_KINDS step cannot be captured (logged
+        once; that kind runs eagerly from then on)."""
         t0 = time.perf_counter()
         try:
-            self._graphs[key] = self._build(step, check=verify)
-        except Exception:  # noqa: BLE001 - a turn or verify that cannot be captured runs eagerly
-            if not (turn or verify):
+            self._graphs[key] = self._build(step, check=kind == VERIFY)
+        except Exception:  # noqa: BLE001 - a fall-back kind that cannot be captured runs eagerly
+            if kind not in FALLBACK_KINDS:
                 raise
-            kind = "turn" if turn else "verify"
-            log.exception("%s graph capture failed; %ss run eagerly from now on", kind, kind)
-            if turn:
-                self._failed_turns = True
-            else:
-                self._failed_verify = True
+            self._fail(kind)
             return False
         finally:
             self.capture_s += time.perf_counter() - t0
         return True
 
+    def _fail(self, kind: str) -> None:
+        """Log (with the exception being handled) and mark `kind`: it runs eagerly from now on."""
+        log.exception("%s graph capture failed; %s steps run eagerly from now on", kind, kind)
+        self._failed.add(kind)
+
     def _siblings(self, token_ids: torch.Tensor, seqs: Sequence[SeqInput], shape: tuple, context: int) -> None:
         """The step just built, prepared and built at every other class holding its context
-        (before the step's commit: the same pool contents, the same writes)."""
+        (before the step's commit: the same pool contents, the same writes). A fall-back kind
+        failing here is marked failed (its later steps run eagerly; this one has its graph)."""
+        kind = shape[0]
         for c in self.width_classes:
             if c < context:
                 continue
@@ -323,6 +388,11 @@ class DecodeGraphs:
                 t0 = time.perf_counter()
                 try:
                     self._graphs[other] = self._build(step)
+                except Exception:  # noqa: BLE001 - as in `_build_or_fall_back`
+                    if kind not in FALLBACK_KINDS:
+                        raise
+                    self._fail(kind)
+                    return
                 finally:
                     self.capture_s += time.perf_counter() - t0
 

@@ -266,7 +266,7 @@ class GpuModel(Model):
     ) -> GpuStep:
         """`Model.prepare` as a `GpuStep` + pool row tables, all built on the host and moved to
         the device in one copy (the step's tensors view `step.buffer`). pad_to: extend a step whose layers all
-        run on every row to that many rows (padding rows read nothing and write only scratch
+        run on every row, or on none (an encoder-only step's decoder kinds), to that many rows (padding rows read nothing and write only scratch
         rows); key_width_step: round key-table widths up to a multiple of it (fewer graph
         shapes); key_width_tokens: key tables at least as wide as that context needs (one
         shape for every context up to it); pad_logits: padding rows get logits too (a decode bucket), else only the
@@ -303,14 +303,16 @@ class GpuModel(Model):
 
     def _pad(self, step: Step, num_rows: int, logits: bool = True) -> None:
         """Padding rows after the step's rows; logits: every row's (a decode bucket), else the
-        step's logit rows stay as they are (a padded turn: its last real row)."""
-        pad = num_rows - step.token_ids.shape[0]
+        step's logit rows stay as they are (a padded turn: its last real row, or none: an
+        encoder-only turn, whose decoder kinds compute no row, `LayerRows.padded`)."""
+        batch_rows = step.token_ids.shape[0]
+        pad = num_rows - batch_rows
         step.token_ids = torch.cat((step.token_ids, step.token_ids.new_zeros(pad)))
         done: dict[int, LayerRows] = {}  # kinds sharing rows share the padded ones
         for key, r in step.rows.items():
             p = done.get(id(r.positions))
             if p is None:
-                p = done[id(r.positions)] = r.padded(num_rows)
+                p = done[id(r.positions)] = r.padded(num_rows, batch_rows)
             step.rows[key] = p if p.key == key else p.relabel(key)
         step.hash_ids = {k: torch.cat((v, v.new_zeros(pad, v.shape[1]))) for k, v in step.hash_ids.items()}
         if logits:

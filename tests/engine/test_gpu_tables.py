@@ -411,6 +411,39 @@ def test_turns_through_the_graph_path_equal_the_eager_forward():
         assert se.window_span(layer) == sg.window_span(layer)
 
 
+def test_prefill_role_hits_through_the_graph_path_keep_the_per_layer_tables():
+    """The prefill role's prefix hit through the graphs (eager): the encoder-only W-row replay,
+    then encoder-only turns of 3 and 5 rows padded to 4 and 8 (the decoder kinds compute no
+    row; the candidate source's seam takes the padding rows, which write nowhere): the tables
+    and books of the per-layer builder."""
+    from flashpd.engine.gpu.decode_graph import ENCODER_REPLAY, ENCODER_TURN
+
+    model = small_model()
+    cfg = model.cfg
+    w, hit = cfg.sliding_window, 24
+    pools = KVPools(cfg, 4, 2, "cpu", window_scratch_rows=256)
+    prompt = _ids(40, 9)
+    a = PagedSeqState(pools, 0, [0], torch.bfloat16)
+    model.forward(torch.tensor(prompt[:hit]), [SeqInput(a, 0, hit, SeqPlan.encoder_only())])
+    model.graphs = DecodeGraphs(model, capture=False)
+    c = PagedSeqState(pools, 1, [0], torch.bfloat16)  # the hit: a's block, a slot of its own
+    c.adopt_prefix(hit, tuple(prompt[hit - 3 : hit]))
+    plan = SeqPlan(logits=LogitsRequest.NONE, replay=Replay(tuple(prompt[hit - w - 3 : hit - w])), decoder_rows=0)
+    seqs = [SeqInput(c, hit - w, w, plan)]
+    assert model.graphs.kind(seqs) == ENCODER_REPLAY
+    assert model.forward(torch.tensor(prompt[hit - w : hit]), seqs) == [None]
+    model.check_books([c])
+    for n in (3, 5):
+        at = c.num_tokens
+        seqs = [SeqInput(c, at, n, SeqPlan.encoder_only())]
+        assert model.graphs.kind(seqs) == ENCODER_TURN
+        assert model.forward(torch.tensor(prompt[at : at + n]), seqs) == [None]
+        model.check_books([c])
+    assert model.checked == 4 and c.num_tokens == hit + 8
+    assert model.graphs.runs == {ENCODER_REPLAY: 1, ENCODER_TURN: 2}
+    assert sorted(k[2] for k in model.graphs._graphs) == sorted([w, 4, 8])  # the replay, 2 buckets
+
+
 def test_graphs_are_keyed_by_the_pools_they_were_recorded_against():
     """Two engines' pools of one shape over one model: a decode step in the second pools gets
     its own graph, whose static step reads and writes those pools (before the key held the

@@ -74,7 +74,7 @@ def test_baseline_config_turns_the_switchable_optimizations_off():
         "round_robin",
     )
     extra = {k: v for k, v in base.env.items() if shipped.env.get(k) != v}
-    assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0"}
+    assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0", "FLASHPD_GRAPH_PD": "0"}
 
 
 def test_colocated_config_gives_one_replica_the_whole_gpu():
