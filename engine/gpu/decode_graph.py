@@ -359,7 +359,9 @@ class DecodeGraphs:
         once; that kind runs eagerly from then on)."""
         t0 = time.perf_counter()
         try:
-            self._graphs[key] = self._build(step, check=kind == VERIFY)
+            # the graphs whose logits are sampled on the request path's first token or a verify
+            # are checked once against the eager forward over the same buffers
+            self._graphs[key] = self._build(step, check=kind in (VERIFY, PD_REPLAY))
         except Exception:  # noqa: BLE001 - a fall-back kind that cannot be captured runs eagerly
             if kind not in FALLBACK_KINDS:
                 raise
@@ -457,7 +459,7 @@ class DecodeGraphs:
             real = sum(seg.num_tokens for seg in static.segs)  # padding rows are not compared
             mismatch = logits_mismatch(static.outputs["logits"][:real], eager[:real])
             if mismatch:
-                raise RuntimeError(f"verify graph disagrees with the eager forward: {mismatch}")
+                raise RuntimeError(f"graph disagrees with the eager forward: {mismatch}")
         return graph, static, nbytes
 
 
