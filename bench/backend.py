@@ -114,5 +114,6 @@ def _completion(result: Any) -> Completion:
         draft_tokens=usage.draft_tokens,
         accepted_draft_tokens=usage.accepted_draft_tokens,
         draft_steps=usage.draft_steps,
-        forced_acceptance_length=usage.forced_acceptance_length,
+        # a 32-bit float on the wire (3.51 arrives as 3.5099999...): the setting had <= 4 decimals
+        forced_acceptance_length=round(usage.forced_acceptance_length, 4),
     )

@@ -262,3 +262,20 @@ def test_the_forced_mode_without_the_benchmark_flag_is_refused_naming_the_settin
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match=BENCH_ENV):
         check_config(str(path), num_gpus=1)
+
+
+def test_the_sdk_backend_keeps_the_usage_speculation_figures():
+    """The driver's records carry what the usage says of speculation; the forced acceptance length
+    comes back as set although the wire carries it as a 32-bit float."""
+    import struct
+
+    from flashpd.bench.backend import _completion
+    from flashpd_sdk.types import GenerateResult, Usage
+
+    wire = struct.unpack("f", struct.pack("f", 3.51))[0]
+    usage = Usage(3, 9, draft_tokens=10, accepted_draft_tokens=5, draft_steps=2, forced_acceptance_length=wire)
+    c = _completion(GenerateResult("r", (1,), "", "length", usage))
+    assert wire != 3.51 and c.forced_acceptance_length == 3.51
+    assert (c.draft_tokens, c.accepted_draft_tokens, c.draft_steps) == (10, 5, 2)
+    plain = _completion(GenerateResult("r", (1,), "", "length", Usage(3, 9)))
+    assert plain.forced_acceptance_length == 0.0 and plain.draft_steps == 0
