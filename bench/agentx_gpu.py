@@ -6,6 +6,8 @@
         --name baseline --out OUT ...
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.colocated.yaml \
         --name colocated --out OUT ...          (colocated serving: report's pd_vs_colocated)
+    python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.spec.yaml \
+        --name spec --out OUT ...               (speculative, FORCED acceptance 3.51: the 150 tier)
     python -m flashpd.bench.agentx_gpu report OUT --baseline baseline --candidate flashpd --commit SHA
     python -m flashpd.bench.agentx_gpu cpu-config infra/serve.h200.yaml --checkpoint DIR --out FILE
 
@@ -32,7 +34,8 @@ commands, what one H200 cannot show, then bench/report.py's tables and plots) an
 OUT/summary.json (bench/tiers.py's tiers and A/B ratios with commit, preset, errors, coverage).
 
 `cpu-config` rewrites an H200 config for the CPU (tiny checkpoint, small pools, no GPU
-fractions, no cuda_ipc policy), so the whole sweep + report runs end to end on a CPU
+fractions, no cuda_ipc policy; the speculative block and its benchmark flag are kept: prompt
+lookup runs on the CPU), so the whole sweep + report runs end to end on a CPU
 (tests/bench/test_agentx_dry_run.py).
 """
 
@@ -64,6 +67,9 @@ CONFIGS = {
     "flashpd": "infra/serve.h200.yaml",
     "baseline": "infra/serve.h200.baseline.yaml",
     "colocated": "infra/serve.h200.colocated.yaml",
+    # flashpd + speculative decoding under FORCED acceptance (benchmark mode, AL 3.51): the 150
+    # tok/s/user tier; the report marks it forced and takes that tier from it
+    "spec": "infra/serve.h200.spec.yaml",
 }
 CALL_BUDGET_S = 570  # of the device call's 600 s: the sweep's --end-unix (install and bring-up included);
 # points end --teardown-s before it, and the stack is down with ~30 s to spare
@@ -361,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ttft-limit-s", type=float, default=5.0)
     r.add_argument("--commit", default="unknown")
     r.add_argument("--colocated", default="colocated", help="the colocated sweep (pd_vs_colocated against --candidate)")
+    r.add_argument(
+        "--speculative",
+        default="spec",
+        help="the speculative sweep: gives the tiers --candidate meets at no point (the 150 tok/s/user one)",
+    )
     c = sub.add_parser("cpu-config")
     c.add_argument("src")
     c.add_argument("--checkpoint", required=True)

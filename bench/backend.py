@@ -36,6 +36,12 @@ class Completion:
     prefill_worker: str
     decode_worker: str
     timeline: dict[str, float] = field(default_factory=dict)
+    # speculative decoding (the usage's figures): drafts verified, accepted, verify steps; and the
+    # benchmark's forced acceptance length (> 0: outputs are not the model's)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_steps: int = 0
+    forced_acceptance_length: float = 0.0
 
 
 class BackendError(Exception):
@@ -105,4 +111,9 @@ def _completion(result: Any) -> Completion:
         prefill_worker=result.prefill_worker,
         decode_worker=result.decode_worker,
         timeline=dict(result.timeline),
+        draft_tokens=usage.draft_tokens,
+        accepted_draft_tokens=usage.accepted_draft_tokens,
+        draft_steps=usage.draft_steps,
+        # a 32-bit float on the wire (3.51 arrives as 3.5099999...): the setting had <= 4 decimals
+        forced_acceptance_length=round(usage.forced_acceptance_length, 4),
     )

@@ -330,6 +330,10 @@ def _record(
         error_type=outcome.error_type,
         error=outcome.error,
         timeline={} if done is None else dict(done.timeline),
+        draft_tokens=None if done is None else done.draft_tokens,
+        accepted_draft_tokens=None if done is None else done.accepted_draft_tokens,
+        draft_steps=None if done is None else done.draft_steps,
+        forced_acceptance_length=None if done is None else done.forced_acceptance_length,
     )
 
 

@@ -55,6 +55,13 @@ class RequestRecord:
     error_type: str | None = None
     error: str | None = None
     timeline: dict[str, float] = field(default_factory=dict)
+    # speculative decoding, from the usage (None: no final result, or a record written before
+    # these fields); forced_acceptance_length > 0: a benchmark run forced acceptance, so this
+    # request's outputs and speed are not the model's
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+    draft_steps: int | None = None
+    forced_acceptance_length: float | None = None
 
     @property
     def e2e_s(self) -> float:

@@ -11,8 +11,10 @@ until SIGINT/SIGTERM, and stops Serve, Ray and Redis.
 
 Checked before anything starts (`check_config`, also run by the CPU tests): Serve's own schema,
 flashpd's `AppArgs`, one application, fixed replica counts, and that the replicas' GPU
-fractions fit the GPUs given. The config's `runtime_env.env_vars` are exported before Ray
-starts, so every replica inherits them (the transport policy FLASHPD_KV_TRANSPORTS among them).
+fractions fit the GPUs given; the args are checked with the config's `runtime_env.env_vars` in
+effect (a benchmark flag such as FLASHPD_BENCH_FORCED_ACCEPTANCE is what allows its setting).
+Those variables are exported before Ray starts, so every replica inherits them (the transport
+policy FLASHPD_KV_TRANSPORTS among them).
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
     if len(apps) != 1:
         raise ValueError(f"{path}: need exactly one application, got {len(apps)}")
     app = apps[0]
-    args = AppArgs.model_validate(app["args"])
+    env = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+    with _config_env(env):  # the args are checked as the replicas will see them (BENCH_ENV among them)
+        args = AppArgs.model_validate(app["args"])
     if args.redis_url_env is None:
         raise ValueError(f"{path}: args.redis_url_env must name the variable this launcher sets")
     replicas, gpus = _fixed_replicas(path, args)
@@ -64,9 +68,21 @@ def check_config(path: str, num_gpus: int = 1) -> StackConfig:
         raise ValueError(f"{path}: replicas ask for {gpus:g} GPUs, the machine has {num_gpus}")
     if args.device == "cuda" and gpus <= 0:
         raise ValueError(f"{path}: device cuda but no replica asks for a GPU")
-    env = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
     http_port = int((raw.get("http_options") or {}).get("port", 8000))
     return StackConfig(dict(app["args"]), env, app.get("name", "flashpd"), http_port, replicas, gpus)
+
+
+@contextlib.contextmanager
+def _config_env(env: dict[str, str]):
+    """The process environment as `_export_env` will leave it (the caller's variables win), for
+    the duration of a check only: nothing is left set afterwards."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _fixed_replicas(path: str, args: AppArgs) -> tuple[dict[str, int], float]:

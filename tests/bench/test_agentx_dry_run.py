@@ -1,8 +1,9 @@
 """The AgentX device calls rehearsed on the CPU, end to end (issue 28): every H200 config (the
-P/D A/B pair and the colocated one) turned into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
+P/D A/B pair, the colocated one and the speculative one with forced acceptance, swept at
+concurrency 1 only to keep the rehearsal short) turned into CPU configs (`agentx_gpu cpu-config`: same switches, tiny checkpoint), each swept by
 `agentx_gpu sweep` as the device call runs it (Redis, Ray, router + prefill + decode, NIXL over
 loopback, `flashpd bench run` per point, teardown), then `agentx_gpu report` (its pd_vs_colocated
-from the colocated sweep). Minutes; run it in a
+from the colocated sweep, the forced configuration marked). Minutes; run it in a
 loopback-only namespace (scripts/test.sh does)."""
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangu
             == 0
         )
         sweep = ["sweep", "--config", str(cpu), "--name", name, "--out", str(out), "--end-unix", str(end)]
-        done = _run(sweep + TINY_WORKLOAD, 600)
+        points = ["--concurrency", "1"] if name == "spec" else []  # later flags win
+        done = _run(sweep + TINY_WORKLOAD + points, 600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         record = json.loads((out / name / "sweep.json").read_text())
-        assert [(p["concurrency"], p["exit"]) for p in record["points"]] == [(1, 0), (2, 0)]
+        swept = [(1, 0)] if name == "spec" else [(1, 0), (2, 0)]
+        assert [(p["concurrency"], p["exit"]) for p in record["points"]] == swept
         assert record["not_started"] == [] and record["ready_s"] > 0 and "error" not in record
         assert "kv_transports" in record
         roles = {"colocated"} if name == "colocated" else {"prefill", "decode"}
@@ -79,6 +82,7 @@ def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangu
     for name in CONFIGS:
         assert s["errors"][name]["measured_failed"] == 0 and s["errors"][name]["measured_requests"] > 0
     assert s["lost_points"] == []
+    _assert_the_forced_sweep_is_marked(out, s)
     text = (out / "report.md").read_text()
     for needle in (
         "| 1.9x |",
@@ -89,6 +93,23 @@ def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangu
         "| P/D over colocated |",
     ):
         assert needle in text
+    assert "Benchmark mode: forced acceptance" in text and "| spec (**forced AL 3.51**) |" in text
     rectangular_tables(text)
     for plot in ("pareto", "throughput_vs_interactivity", "ttft_cdf", "itl_cdf", "hit_rate_by_turn"):
         assert (out / "plots" / f"{plot}.png").stat().st_size > 1000
+
+
+def _assert_the_forced_sweep_is_marked(out: Path, s: dict) -> None:
+    """The spec sweep's responses carried the forced acceptance length and its drafts; no other
+    configuration's did; the 150 tier comes from the spec sweep exactly when flashpd misses it."""
+    from flashpd.bench.records import read_run
+
+    _, records = read_run(out / "spec" / "c1")
+    decoded = [r for r in records if r.ok and r.output_tokens > 1]
+    assert decoded and all(r.forced_acceptance_length == 3.51 for r in decoded)
+    spec = s["configurations"]["spec"]
+    assert spec["forced_acceptance_length"] == 3.51 and spec["speculation"]["draft_steps"] > 0
+    assert all(s["configurations"][n]["forced_acceptance_length"] is None for n in ("flashpd", "baseline", "colocated"))
+    configs = s["configurations"]
+    expected = "spec" if configs["spec"]["150"]["met"] and not configs["flashpd"]["150"]["met"] else "flashpd"
+    assert s["tiers"]["150"]["configuration"] == expected == s["ab"]["candidate_at_tier"]["150"]

@@ -98,7 +98,7 @@ def test_the_cpu_variant_keeps_the_switches_and_passes_the_launcher_check(tmp_pa
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw))
         cpu, h200 = check_config(str(path), num_gpus=0), check_config(str(ROOT / src), num_gpus=1)
-        for key in ("routing", "swa_bounded_replay", "kv_format", "kv_lease_s"):
+        for key in ("routing", "swa_bounded_replay", "kv_format", "kv_lease_s", "speculative"):
             assert cpu.args.get(key) == h200.args.get(key)
         assert cpu.args["device"] == "cpu" and cpu.gpus == 0 and cpu.http_port == 8100
         assert "FLASHPD_KV_TRANSPORTS" not in cpu.env
@@ -211,3 +211,71 @@ def test_a_single_switch_sweep_turns_exactly_one_optimisation_off(tmp_path):
         check_config(a.config, num_gpus=1)  # still a config the launcher takes
     with pytest.raises(SystemExit):
         sweep_args("--switch-off", "indexer")  # no such switch: refused by name before any bring-up
+
+
+def test_the_spec_config_is_flashpds_plus_forced_speculation_on_the_decode_workers(monkeypatch):
+    """infra/serve.h200.spec.yaml = infra/serve.h200.yaml + the speculative block + the benchmark
+    flag in the runtime env; the launcher checks the args with that env in effect and leaves
+    nothing set behind it."""
+    import os
+
+    import yaml
+
+    from flashpd.engine.speculative import BENCH_ENV
+    from flashpd.services.app import AppArgs
+    from flashpd.services.gpu_stack import check_config
+
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    spec, plain = (yaml.safe_load((ROOT / g.CONFIGS[n]).read_text())["applications"][0] for n in ("spec", "flashpd"))
+    assert {k: v for k, v in spec["args"].items() if k != "speculative"} == plain["args"]
+    assert spec["args"]["speculative"] == {
+        "method": "ngram",
+        "num_tokens": 5,
+        "max_batch": 16,
+        "bench_forced_acceptance_length": 3.51,
+    }
+    env = dict(spec["runtime_env"]["env_vars"])
+    assert env.pop(BENCH_ENV) == "1" and env == plain["runtime_env"]["env_vars"]
+    c = check_config(str(ROOT / g.CONFIGS["spec"]), num_gpus=1)
+    assert BENCH_ENV not in os.environ and c.env[BENCH_ENV] == "1"
+    monkeypatch.setenv(BENCH_ENV, "1")  # as _export_env leaves it for the replicas
+    parsed = AppArgs.model_validate(c.args)
+    assert parsed.speculative.engine_config().bench_forced_acceptance_length == 3.51
+    assert parsed.worker_config("decode", "redis://127.0.0.1:1").engine.speculative.max_batch == 16
+    assert parsed.worker_config("prefill", "redis://127.0.0.1:1").engine.speculative is None  # decode only
+
+
+def test_the_forced_mode_without_the_benchmark_flag_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    import yaml
+
+    from flashpd.engine.speculative import BENCH_ENV
+    from flashpd.services.gpu_stack import check_config
+
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    raw = yaml.safe_load((ROOT / g.CONFIGS["spec"]).read_text())
+    del raw["applications"][0]["runtime_env"]["env_vars"][BENCH_ENV]
+    path = tmp_path / "spec_no_flag.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=f"bench_forced_acceptance_length is a benchmark mode.*{BENCH_ENV}=1"):
+        check_config(str(path), num_gpus=1)
+    raw["applications"][0]["runtime_env"]["env_vars"][BENCH_ENV] = "true"  # only "1" enables it
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=BENCH_ENV):
+        check_config(str(path), num_gpus=1)
+
+
+def test_the_sdk_backend_keeps_the_usage_speculation_figures():
+    """The driver's records carry what the usage says of speculation; the forced acceptance length
+    comes back as set although the wire carries it as a 32-bit float."""
+    import struct
+
+    from flashpd.bench.backend import _completion
+    from flashpd_sdk.types import GenerateResult, Usage
+
+    wire = struct.unpack("f", struct.pack("f", 3.51))[0]
+    usage = Usage(3, 9, draft_tokens=10, accepted_draft_tokens=5, draft_steps=2, forced_acceptance_length=wire)
+    c = _completion(GenerateResult("r", (1,), "", "length", usage))
+    assert wire != 3.51 and c.forced_acceptance_length == 3.51
+    assert (c.draft_tokens, c.accepted_draft_tokens, c.draft_steps) == (10, 5, 2)
+    plain = _completion(GenerateResult("r", (1,), "", "length", Usage(3, 9)))
+    assert plain.forced_acceptance_length == 0.0 and plain.draft_steps == 0

@@ -193,6 +193,8 @@ def test_agentx_gpu_report_with_one_configuration_has_no_ab_and_says_so(study_di
         "at_largest_point": False,
         "tok_s": None,
         "output_tok_s": None,
+        "configuration": "fast",  # the configuration giving the tier (a speculative sweep may)
+        "forced_acceptance_length": None,
     }
     text = (tmp_path / "report.md").read_text()
     assert "No A/B" in text and "**no point meets it**" in text
@@ -208,3 +210,72 @@ def test_single_switch_sets_the_candidate_against_each_off_sweep():
     assert set(rows) == {"replay"}  # only the off-<switch> sweeps
     assert rows["replay"]["speedup_low_concurrency"] == pytest.approx(2.0)
     assert single_switch(metrics, None, tiers=(20,), ttft_limit_s=5.0) == {}
+
+
+def _copy_config(study_dir, src: str, root, name: str, forced: float | None = None) -> None:
+    """`src`'s sweep as configuration `name` under `root`; `forced`: every answered record says its
+    acceptance was forced to that length, with 5 drafts and `forced - 1` accepted per verify step."""
+    import shutil
+
+    shutil.copytree(study_dir / src, root / name)
+    for meta in (root / name).rglob("meta.json"):  # the study keys runs by their name
+        meta.write_text(meta.read_text().replace(f'"name": "{src}"', f'"name": "{name}"'))
+    if forced is None:
+        return
+    for path in (root / name).rglob("records.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in rows:
+            if r["error_type"] is None:
+                r.update(forced_acceptance_length=forced, draft_tokens=50, draft_steps=10)
+                r["accepted_draft_tokens"] = round(10 * (forced - 1))
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_agentx_report_takes_a_tier_the_candidate_misses_from_the_forced_speculative_sweep(
+    study_dir, tmp_path, rectangular_tables
+):
+    """The candidate (a copy of the slow sweep) meets no point under a 4 ms TTFT bound; the
+    forced speculative sweep (a copy of the fast one) does: the tier names it, its concurrency and
+    forced acceptance, and the A/B sets it against the baseline for that tier only; every table
+    marks it forced."""
+    from flashpd.bench.agentx_gpu import main
+
+    root = tmp_path / "study"
+    _copy_config(study_dir, "fast", root, "baseline")
+    _copy_config(study_dir, "base", root, "flashpd")
+    _copy_config(study_dir, "fast", root, "spec", forced=3.5)
+    argv = ["report", str(root), "--baseline", "baseline", "--candidate", "flashpd", "--tiers", "20,1e6"]
+    assert main([*argv, "--ttft-limit-s", "0.004", "--commit", "c"]) == 0
+    s = json.loads((root / "summary.json").read_text())
+    assert s["configurations"]["spec"]["forced_acceptance_length"] == 3.5
+    assert s["configurations"]["flashpd"]["forced_acceptance_length"] is None
+    sp = s["configurations"]["spec"]["speculation"]
+    assert sp["forced_requests"] == sp["requests"] > 0 and sp["acceptance_length"] == 3.5
+    t20 = s["tiers"]["20"]
+    assert t20["met"] and t20["configuration"] == "spec" and t20["forced_acceptance_length"] == 3.5
+    assert t20["max_concurrency"] == s["configurations"]["spec"]["20"]["max_concurrency"] == 2
+    assert s["tiers"]["1e+06"]["configuration"] == "flashpd" and not s["tiers"]["1e+06"]["met"]
+    ab = s["ab"]
+    assert ab["candidate_at_tier"] == {"20": "spec", "1e+06": "flashpd"}
+    assert ab["throughput_ratio_at_tier"]["20"] == 1.0  # spec and baseline are copies of one sweep
+    assert ab["throughput_ratio_at_tier"]["1e+06"] is None and ab["speculative_common_concurrency"] == [1, 2]
+    assert ab["speedup_low_concurrency"] < 1  # the low-concurrency ratio stays flashpd's own
+    text = (root / "report.md").read_text()
+    assert "| spec (**forced AL 3.5**) | 20 | yes | 2" in text and "Benchmark mode: forced acceptance" in text
+    assert "takes `spec` as the candidate" in text and "## Speculative decoding" in text
+    rectangular_tables(text)
+
+
+def test_agentx_report_without_a_speculative_sweep_keeps_the_candidate_for_every_tier(study_dir, tmp_path):
+    from flashpd.bench.agentx_gpu import main
+
+    root = tmp_path / "study"
+    _copy_config(study_dir, "fast", root, "baseline")
+    _copy_config(study_dir, "base", root, "flashpd")
+    argv = ["report", str(root), "--baseline", "baseline", "--candidate", "flashpd", "--ttft-limit-s", "0.004"]
+    assert main(argv) == 0
+    s = json.loads((root / "summary.json").read_text())
+    assert {t["configuration"] for t in s["tiers"].values()} == {"flashpd"}
+    assert set(s["ab"]["candidate_at_tier"].values()) == {"flashpd"}
+    assert all(c["forced_acceptance_length"] is None for c in s["configurations"].values())
+    assert "forced" not in (root / "report.md").read_text().split("# Details")[0]

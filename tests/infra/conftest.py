@@ -47,3 +47,17 @@ def pytest_generate_tests(metafunc):
     if "serve_config" in metafunc.fixturenames:
         items = list(serve_configs().items())
         metafunc.parametrize("serve_config", items, ids=[name for name, _ in items])
+
+
+@pytest.fixture(autouse=True)
+def _serve_config_env(request, monkeypatch):
+    """A Serve config's args are checked as Serve builds them: with its application's
+    `runtime_env.env_vars` set (infra/serve.h200.spec.yaml's benchmark flag
+    FLASHPD_BENCH_FORCED_ACCEPTANCE among them); restored after the test."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or "serve_config" not in callspec.params:
+        return
+    _, config = callspec.params["serve_config"]
+    for app in config.get("applications") or []:
+        for key, value in ((app.get("runtime_env") or {}).get("env_vars") or {}).items():
+            monkeypatch.setenv(str(key), str(value))
