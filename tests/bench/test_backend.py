@@ -55,8 +55,16 @@ class FakeClient:
 
 
 def sdk_result():
-    usage = SimpleNamespace(
-        prompt_tokens=5, completion_tokens=3, cached_tokens=4, cached_tokens_prefill=3, cached_tokens_decode=1
+    usage = SimpleNamespace(  # the SDK's Usage fields (no speculation: zeros, as the wire sends them)
+        prompt_tokens=5,
+        completion_tokens=3,
+        cached_tokens=4,
+        cached_tokens_prefill=3,
+        cached_tokens_decode=1,
+        draft_tokens=0,
+        accepted_draft_tokens=0,
+        draft_steps=0,
+        forced_acceptance_length=0.0,
     )
     return SimpleNamespace(
         request_id="r1",
