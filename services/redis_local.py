@@ -12,6 +12,7 @@ Fault injection (the fault suite, tests): `pause()` / `resume()` (SIGSTOP / SIGC
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,12 +23,35 @@ import time
 import redis
 
 LOOPBACK = "127.0.0.1"
+# Ports handed out lie between Ray's worker ports (10002-19999 by default) and the kernel's
+# ephemeral range (32768-60999 on Linux by default, 49152-65535 elsewhere): a port picked here is
+# not taken by a Ray worker or an outgoing connection between the pick and the server's bind.
+# (An ephemeral pick was: the AgentX dry run's Serve gRPC port, chosen seconds before Ray came
+# up, failed "Failed to bind to address 127.0.0.1:40193" once in CI.)
+PORT_RANGE = (20000, 32768)
+_handed: set[int] = set()  # never the same port twice from one process
+_rng = random.Random(os.urandom(8))
 
 
 def free_port(host: str = LOOPBACK) -> int:
+    """A port of PORT_RANGE that binds now on `host` (one the kernel picks if none does)."""
+    for _ in range(256):
+        port = _rng.randrange(*PORT_RANGE)
+        if port not in _handed and _binds(host, port):
+            _handed.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _binds(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalRedis:
