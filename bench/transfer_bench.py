@@ -50,16 +50,16 @@ def released_contract() -> TransferContract:
 def digest(pools: dict[str, torch.Tensor], block_ids: list[int]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(pools):
-        h.update(pools[name][block_ids].numpy().tobytes())
+        h.update(pools[name][block_ids].cpu().numpy().tobytes())
     return h.hexdigest()
 
 
-def receiver_main(conn, contract_json: str, num_blocks: int, poll_interval_s: float) -> None:
+def receiver_main(conn, contract_json: str, num_blocks: int, poll_interval_s: float, device: str = "cpu") -> None:
     """Child process: a NixlReceiver that reports ("done", request_id, monotonic time)."""
     from flashpd.engine.transfer.nixl_backend import NixlReceiver
 
     contract = TransferContract.from_json(contract_json)
-    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups}
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8, device=device) for g in contract.groups}
     receiver = NixlReceiver(contract, pools, incarnation="bench-decode")
     conn.send(receiver.descriptor())
     while True:
@@ -172,10 +172,11 @@ def render(rows: list[Row], args: argparse.Namespace, contract: TransferContract
 
 
 @contextlib.contextmanager
-def nixl_pair(receiver_target, num_blocks: int, wait_s: float):
-    """(sender, pipe, contract): a NixlSender over random pools of `num_blocks` blocks per group,
-    connected to a receiver process running `receiver_target(conn, contract_json, 2 * num_blocks,
-    wait_s)`; the receiver is stopped and the sender closed on exit."""
+def nixl_pair(receiver_target, num_blocks: int, wait_s: float, device: str = "cpu", **sender_options):
+    """(sender, pipe, contract): a NixlSender over random pools of `num_blocks` blocks per group
+    on `device` (VRAM pools on "cuda"), connected to a receiver process running
+    `receiver_target(conn, contract_json, 2 * num_blocks, wait_s, device)`; the receiver is
+    stopped and the sender closed on exit."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from flashpd.engine.transfer.nixl_backend import NixlSender
@@ -184,15 +185,15 @@ def nixl_pair(receiver_target, num_blocks: int, wait_s: float):
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     child = ctx.Process(
-        target=receiver_target, daemon=True, args=(child_end, contract.to_json(), 2 * num_blocks, wait_s)
+        target=receiver_target, daemon=True, args=(child_end, contract.to_json(), 2 * num_blocks, wait_s, device)
     )
     child.start()
     gen = torch.Generator().manual_seed(0)
     pools = {
-        g.name: torch.randint(0, 256, (num_blocks, g.block_bytes), dtype=torch.uint8, generator=gen)
+        g.name: torch.randint(0, 256, (num_blocks, g.block_bytes), dtype=torch.uint8, generator=gen).to(device)
         for g in contract.groups
     }
-    sender = NixlSender(contract, pools)
+    sender = NixlSender(contract, pools, **sender_options)
     try:
         if not conn.poll(REPLY_TIMEOUT_S):
             raise TimeoutError("receiver process did not start")

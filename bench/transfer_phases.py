@@ -1,4 +1,4 @@
-"""Where a KV push's time goes, phase by phase: NIXL over UCX between two processes (CPU).
+"""Where a KV push's time goes, phase by phase: NIXL over UCX between two processes.
 
     python -m flashpd.bench.transfer_phases --reps 15 --out bench/results/transfer_phases_cpu.md
 
@@ -24,7 +24,9 @@ groups) the table gives the median over --reps pushes of:
 The first push to the peer (UCX wire-up) is reported on its own (`first_push_ms`), never in
 the medians. Bytes are verified after the last push of each size.
 
-On this host the copy is a CPU memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent
+`--device cuda` puts both sides' pools in VRAM (UCX's cuda_ipc on one GPU); `--loop-thread fresh`
+pushes from a thread that never touched CUDA (a Serve replica's event loop); `--in-ray-actor`
+runs the sender in a Ray actor's process. On a CPU host the copy is a CPU memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent
 part is the CPU's, the fixed costs (everything but `done` at large sizes) are what carries
 over to the GPU, where cuda_ipc moves 117 MB in well under a millisecond.
 """
@@ -51,13 +53,13 @@ SIZES_TOKENS = (128, 8192, 32768, 131072)
 SEND_PHASES = ("check_ms", "notice_ms", "lock_ms", "descriptors_ms", "nixl_init_ms", "nixl_post_ms", "done_ms", "polls")
 
 
-def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float) -> None:
+def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float, device: str = "cpu") -> None:
     """Child process: a NixlReceiver whose owner loop wakes on notices or every owner_wait_s
     (as the decode engine loop does) and reports ("done", request_id, monotonic time)."""
     from flashpd.engine.transfer.nixl_backend import NixlReceiver
 
     contract = TransferContract.from_json(contract_json)
-    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8) for g in contract.groups}
+    pools = {g.name: torch.zeros(num_blocks, g.block_bytes, dtype=torch.uint8, device=device) for g in contract.groups}
     receiver = NixlReceiver(contract, pools, incarnation="bench-decode")
     wake, commands = threading.Event(), queue.SimpleQueue()
     receiver.on_notice = wake.set
@@ -170,10 +172,11 @@ def render(result: dict, args: argparse.Namespace) -> str:
     cols = ["hop_ms", *SEND_PHASES, "back_ms", "e2e_ms", "transport_ms", "notify_ms"]
     head = ["tokens", "MB", *[c.removesuffix("_ms") for c in cols], "GB/s e2e", "GB/s transport", "verified"]
     lines = [
-        f"# KV push phases, NIXL/UCX between two processes on the CPU ({args.label})",
+        f"# KV push phases, NIXL/UCX between two processes, pools on {args.device} ({args.label})",
         "",
         f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us} "
-        f"--path {args.path}`; "
+        f"--path {args.path} --device {args.device} --loop-thread {args.loop_thread} "
+        f"--bind-cuda-context {args.bind_cuda_context}{' --in-ray-actor' if args.in_ray_actor else ''}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
         f"- medians of {args.reps} pushes per size, ms (polls: a count); definitions in the module docstring",
@@ -191,11 +194,61 @@ def render(result: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace) -> int:
+def _in_thread(fn, *args):
+    """fn(*args) on a fresh thread (one that never touched CUDA, like a Serve replica's event
+    loop thread); its result, or its exception re-raised."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=body, name="bench-loop")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def measure(args: argparse.Namespace) -> dict:
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
-    with nixl_pair(receiver_main, max_blocks, args.owner_wait_us * 1e-6) as (sender, conn, _):
+    options = {"bind_cuda_context": args.bind_cuda_context == "on"}
+    wait_s = args.owner_wait_us * 1e-6
+    with nixl_pair(receiver_main, max_blocks, wait_s, args.device, **options) as (sender, conn, _):
         pusher = Pusher(sender, conn, args.path)
-        result = asyncio.run(run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks))
+        sizes = run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks)
+        return asyncio.run(sizes) if args.loop_thread == "main" else _in_thread(asyncio.run, sizes)
+
+
+def _measure_in_ray_actor(args: argparse.Namespace) -> dict:
+    """The same measurement with the sender in a Ray actor's process (and the receiver that
+    process's child), as the Serve replicas run: the probe saw merged VRAM writes at 1,266 GB/s
+    between plain processes and 285 GB/s between Ray actors."""
+    import ray
+
+    ray.init(address="local", num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False)
+    try:
+        gpus = 0.5 if args.device == "cuda" else 0
+        actor = ray.remote(num_cpus=0, num_gpus=gpus)(_RayMeasure).remote()
+        return ray.get(actor.measure.remote(args))
+    finally:
+        ray.shutdown()
+
+
+class _RayMeasure:
+    def measure(self, args: argparse.Namespace) -> dict:
+        # by module name: under `python -m` this class travels by value, and a spawned
+        # receiver must find its target in an importable module, not in __main__
+        from flashpd.bench import transfer_phases
+
+        return transfer_phases.measure(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = _measure_in_ray_actor(args) if args.in_ray_actor else measure(args)
     table = render(result, args)
     print(table)
     if args.out:
@@ -211,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=15, help="pushes per size")
     parser.add_argument("--owner-wait-us", type=int, default=5000, help="the receiver owner's idle wait")
     parser.add_argument("--path", choices=("inline", "thread"), default="inline", help="the push path (Pusher)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides' pools live")
+    parser.add_argument(
+        "--loop-thread",
+        choices=("main", "fresh"),
+        default="main",
+        help="run the pushing event loop on the main thread (which made the pools) or a fresh one",
+    )
+    parser.add_argument(
+        "--bind-cuda-context", choices=("on", "off"), default="on", help="NixlSender's bind_cuda_context"
+    )
+    parser.add_argument("--in-ray-actor", action="store_true", help="the sender in a Ray actor (Ray started here)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")

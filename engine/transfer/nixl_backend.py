@@ -23,6 +23,12 @@ sender polls (`wait`) and the receiver polls (`poll_completed`). With UCX's shar
 RDMA transports writes need no receiver progress; over TCP the receiver must keep polling.
 Environment (not set here): UCX_NET_DEVICES, UCX_TLS select the UCX transports.
 
+CUDA context: UCX's cuda_ipc posts its copies with the CUDA driver on the calling thread. A
+thread that never touched CUDA (the Serve replica's event loop, a push thread) has no current
+context, so VRAM senders make their device current on each thread before its first agent call
+(`bind_cuda_context`, on by default; `bench/transfer_phases.py --bind-cuda-context off` measures
+the difference).
+
 Threads: one NIXL agent (one UCX worker) must never be entered by two threads at once (a prefill
 worker waits on each push from its own thread; concurrent posts and polls crashed in
 `uct_cma_ep_tx`). Every agent call goes through the side's lock, and a transfer handle is
@@ -39,6 +45,7 @@ import uuid
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from flashpd.engine.transfer import ucx_transport
 from flashpd.engine.transfer.base import BlockRuns, KVPools, KVReceiver, KVSender, TransferError, pool_regions
@@ -200,6 +207,7 @@ class NixlSender(KVSender):
         agent_name: str | None = None,
         progress_thread: bool = False,
         required_transports: tuple[str, ...] | None = None,
+        bind_cuda_context: bool = True,
     ):
         super().__init__(contract, pools)
         self.agent_name = agent_name or f"flashpd-send-{uuid.uuid4().hex[:12]}"
@@ -215,11 +223,22 @@ class NixlSender(KVSender):
         self._local = PoolTable.of(pool_regions(contract, self.pools))
         self._remote: dict[str, PoolTable] = {}  # peer -> its pools (made at connect)
         self._mem_type = self._local.mem_type
+        first = next(iter(self.pools.values()))
+        self._cuda_device = first.device.index if (bind_cuda_context and first.is_cuda) else None
+        self._bound = threading.local()  # .done: this thread has the pools' device current
         self._min_desc_bytes = int(self._local.block_bytes.min())
         # peer -> the transport UCX used for it (checked once), or the fallback that bars it
         self.transports: dict[str, ucx_transport.TransportReport] = {}
         self._barred: dict[str, ucx_transport.TransportFallback] = {}
         self.last_num_descriptors = 0  # descriptors of the last send (one per group and run)
+
+    def _bind_cuda(self) -> None:
+        """Make the pools' device (its primary context) current on the calling thread, once per
+        thread: what UCX's cuda_ipc copies run in."""
+        if self._cuda_device is None or getattr(self._bound, "done", False):
+            return
+        torch.cuda.set_device(self._cuda_device)
+        self._bound.done = True
 
     def _attach(self, peer: PeerDescriptor) -> None:
         with self._lock:
@@ -259,6 +278,7 @@ class NixlSender(KVSender):
                 raise TransferError("NIXL sender is closed")
             if peer.agent_name in self._barred:
                 raise self._barred[peer.agent_name]
+            self._bind_cuda()
             t1 = time.perf_counter()
             local, remote, self.last_num_descriptors = self._descriptors(peer, runs)
             t2 = time.perf_counter()
@@ -308,6 +328,7 @@ class NixlSender(KVSender):
         with self._lock:
             if xfer not in self._in_flight:
                 return "ERR"  # released by close()
+            self._bind_cuda()
             state = self._agent.check_xfer_state(xfer)
             if state != "PROC":
                 self._in_flight.discard(xfer)
@@ -319,6 +340,7 @@ class NixlSender(KVSender):
             if xfer not in self._in_flight:
                 return
             self._in_flight.discard(xfer)
+            self._bind_cuda()
             try:
                 xfer.release()  # NIXL cancels an active transfer on release
             except Exception as e:  # nixlBind raises its own exception types

@@ -9,7 +9,6 @@ so every class has widths of its own.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flashpd.engine.gpu import decode_graph
 from flashpd.engine.gpu.decode_graph import DecodeGraphs, pools_key, width_classes
@@ -54,30 +53,10 @@ def _generate(engine, rid: str, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def _cheap_forward(gpu, monkeypatch) -> None:
-    """The layers replaced by zeros (a fake at the compute seam: the interpreter would take an
-    hour over a warm-up): the tables are prepared, expanded and committed as the forward's, the
-    logits are zeros and the open rows' records zero bytes. What this test checks is which
-    graphs are built, a function of the steps' shapes alone."""
-
-    def compute(step):
-        step.tables.materialise()
-        pools = step.tables.pools
-        step.outputs = {}
-        for src in pools.open_row_of:
-            step.outputs[("open", src)] = torch.zeros(
-                step.token_ids.shape[0], *pools.open.shape[2:], dtype=pools.open.dtype, device=pools.open.device
-            )
-        n = step.logit_rows.numel()
-        return None if n == 0 else torch.zeros(n, gpu.cfg.vocab_size, device=step.token_ids.device)
-
-    monkeypatch.setattr(gpu, "compute", compute)
-
-
-def test_after_warm_up_hits_turns_and_decodes_at_new_classes_build_no_graph(models, monkeypatch):  # noqa: F811
+def test_after_warm_up_hits_turns_and_decodes_at_new_classes_build_no_graph(models, monkeypatch, cheap_forward):  # noqa: F811
     _, gpu = models
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     w = gpu.cfg.sliding_window
     try:
         engine = _engine(gpu)

@@ -5,7 +5,8 @@ The smoke checkpoint (tests/engine/gpu/test_gpu_forward.py: 6 layers, W = 8) und
 interpreter on a CPU, graphs with `capture=False` (the same static buffers, padding and tables,
 run eagerly): the graph path against the eager one token for token and byte for byte in the
 pools. Which graphs the warm-up builds, what the request path then takes and the fall-backs are
-checked with the layers replaced by zeros (`_cheap_forward`: a function of the steps' shapes).
+checked with the layers replaced by zeros (the `cheap_forward` fixture: a function of the
+steps' shapes). On a GPU the two equality tests capture real CUDA graphs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from flashpd.model.presets import tokenizer_path
 from tests.engine.gpu.test_gpu_forward import DEVICE, _prompt, smoke_config
 
 CLASSES = (160, 320, 640)
+CAPTURE = DEVICE == "cuda"  # the equality tests: real CUDA graphs on a GPU, their eager twin on a CPU
 CHUNK = 128  # the prefix cache's unit (engine/hashing.py CHUNK_TOKENS)
 
 
@@ -60,8 +62,8 @@ def graphs_off(gpu):
     gpu.graphs = None
 
 
-def _engine(gpu, role: str, graphs: bool = True) -> LLMEngine:
-    gpu.graphs = DecodeGraphs(gpu, capture=False) if graphs else None
+def _engine(gpu, role: str, graphs: bool = True, capture: bool = False) -> LLMEngine:
+    gpu.graphs = DecodeGraphs(gpu, capture=capture) if graphs else None
     engine = LLMEngine(
         gpu,
         EngineConfig(role=role, num_blocks=64, num_slots=4, dtype="bfloat16", device=DEVICE, max_model_len=CLASSES[-1]),
@@ -104,24 +106,6 @@ def _admit(dec: LLMEngine, rid: str, ids: list[int], n: int, src: LLMEngine | No
         for name, tensor in theirs.items():
             ours[name][list(r.missing_block_ids)] = tensor[blocks]
     dec.kv_arrived(rid)
-
-
-def _cheap_forward(gpu, monkeypatch) -> None:
-    """The layers replaced by zeros (a fake at the compute seam: the interpreter would take an
-    hour over a warm-up): the tables are prepared, expanded and committed as the forward's."""
-
-    def compute(step):
-        step.tables.materialise()
-        pools = step.tables.pools
-        step.outputs = {}
-        for src in pools.open_row_of:
-            step.outputs[("open", src)] = torch.zeros(
-                step.token_ids.shape[0], *pools.open.shape[2:], dtype=pools.open.dtype, device=pools.open.device
-            )
-        n = step.logit_rows.numel()
-        return None if n == 0 else torch.zeros(n, gpu.cfg.vocab_size, device=step.token_ids.device)
-
-    monkeypatch.setattr(gpu, "compute", compute)
 
 
 def _kinds(graphs: DecodeGraphs) -> dict[str, int]:
@@ -178,9 +162,11 @@ def test_graph_pd_switch_is_read_at_load_and_validated(gpu, monkeypatch, graphs_
 
 
 # ---------------------------------------------------------------- warm-up, then the request path
-def test_after_warm_up_the_decode_roles_first_steps_take_graphs_and_build_none(gpu, monkeypatch, graphs_off):
+def test_after_warm_up_the_decode_roles_first_steps_take_graphs_and_build_none(
+    gpu, monkeypatch, graphs_off, cheap_forward
+):
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     dec = _engine(gpu, "decode")
     done = warm_up(dec, WarmupPlan(long_tokens=136, short_tokens=128, batches=(1,)))
     graphs = gpu.graphs
@@ -195,9 +181,9 @@ def test_after_warm_up_the_decode_roles_first_steps_take_graphs_and_build_none(g
     assert dec.graph_counters()["graph_runs_pd"] == graphs.runs[PD_REPLAY]
 
 
-def test_after_warm_up_a_prefill_role_hit_takes_graphs_and_builds_none(gpu, monkeypatch, graphs_off):
+def test_after_warm_up_a_prefill_role_hit_takes_graphs_and_builds_none(gpu, monkeypatch, graphs_off, cheap_forward):
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     pre = _engine(gpu, "prefill")
     done = warm_up(pre, WarmupPlan(long_tokens=136, short_tokens=128, batches=(1,)))
     graphs = gpu.graphs
@@ -216,9 +202,9 @@ def test_after_warm_up_a_prefill_role_hit_takes_graphs_and_builds_none(gpu, monk
 
 
 def test_after_the_freeze_a_p_d_step_without_its_graph_runs_eagerly_and_counts_a_miss(
-    gpu, monkeypatch, caplog, graphs_off
+    gpu, monkeypatch, caplog, graphs_off, cheap_forward
 ):
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     dec = _engine(gpu, "decode")
     graphs = gpu.graphs
     graphs.freeze(dec.pools)  # a closed set with no graph at all
@@ -229,10 +215,10 @@ def test_after_the_freeze_a_p_d_step_without_its_graph_runs_eagerly_and_counts_a
     assert any("no pd replay graph" in r.getMessage() for r in caplog.records)
 
 
-def test_without_the_switch_the_p_d_steps_run_eagerly(gpu, monkeypatch, graphs_off):
+def test_without_the_switch_the_p_d_steps_run_eagerly(gpu, monkeypatch, graphs_off, cheap_forward):
     monkeypatch.setenv("FLASHPD_GRAPH_PD", "0")
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     for role in ("decode", "prefill"):
         engine = _engine(gpu, role)
         warm_up(engine, WarmupPlan(long_tokens=136, short_tokens=128, batches=(1,)))
@@ -249,12 +235,12 @@ def test_without_the_switch_the_p_d_steps_run_eagerly(gpu, monkeypatch, graphs_o
 
 @pytest.mark.parametrize("failing", [PD_REPLAY, ENCODER_TURN])
 def test_a_failed_capture_of_a_p_d_kind_is_logged_and_that_kind_runs_eagerly(
-    gpu, monkeypatch, caplog, graphs_off, failing
+    gpu, monkeypatch, caplog, graphs_off, failing, cheap_forward
 ):
     """The capture of one new kind raises: the warm-up (load) completes, the failure is logged
     once, the kind is marked and its steps run eagerly from then on; the engine serves."""
     monkeypatch.setattr(decode_graph, "KEY_WIDTH_STEP", 8)
-    _cheap_forward(gpu, monkeypatch)
+    cheap_forward(gpu)
     role = "decode" if failing == PD_REPLAY else "prefill"
     engine = _engine(gpu, role)
     graphs = gpu.graphs
@@ -283,8 +269,8 @@ def test_a_failed_capture_of_a_p_d_kind_is_logged_and_that_kind_runs_eagerly(
     assert graphs.graph_misses == 0 and len([r for r in caplog.records if "capture failed" in r.getMessage()]) == 1
 
 
-def test_a_failed_capture_of_a_colocated_replay_is_still_raised(gpu, monkeypatch, graphs_off):
-    _cheap_forward(gpu, monkeypatch)
+def test_a_failed_capture_of_a_colocated_replay_is_still_raised(gpu, monkeypatch, graphs_off, cheap_forward):
+    cheap_forward(gpu)
     graphs = DecodeGraphs(gpu, capture=False)
     gpu.graphs = graphs
     pools = KVPools(gpu.cfg, 4, 2, DEVICE, window_scratch_rows=64)
@@ -312,7 +298,7 @@ def test_a_decode_role_admission_through_the_graphs_equals_the_eager_one(gpu, mo
     forward = gpu.forward
     runs = []
     for graphs in (False, True):
-        dec = _engine(gpu, "decode", graphs)
+        dec = _engine(gpu, "decode", graphs, capture=CAPTURE)
         seen: list[list] = []
 
         def recording(ids, seqs, feed=None, seen=seen):
@@ -346,7 +332,7 @@ def test_a_prefill_role_hit_through_the_graphs_writes_the_pools_as_eagerly(gpu, 
     gpu.forward(torch.tensor(prompt[:hit], device=DEVICE), [SeqInput(cold, 0, hit, SeqPlan.encoder_only())])
     results = []
     for graphs in (False, True):
-        gpu.graphs = DecodeGraphs(gpu, capture=False) if graphs else None
+        gpu.graphs = DecodeGraphs(gpu, capture=CAPTURE) if graphs else None
         pools = copy.deepcopy(base)
         s = PagedSeqState(pools, 1, [0], torch.bfloat16)  # the hit: the cached block, a fresh slot
         s.adopt_prefix(hit, tuple(prompt[hit - 3 : hit]))
