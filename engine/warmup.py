@@ -25,7 +25,9 @@ it, none on the first request (bench/results/h200/first_request.md).
     decode role           the same, admitted as the router does (reserve, KV arrived, then a
                           W-row replay with the last row's logits: the pd replay graph)
 
-plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role), and the
+plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role), eager
+hit turns of more than W rows up to the chunk on a GPU (prefill and colocated: `wide_turn_rows`),
+and the
 speculative drafter's graphs of every batch bucket that may speculate (`Drafter.warm_up`). Each
 graph built is also built at every other context class holding its context (`DecodeGraphs`
 width classes), so the short prompt's shapes give every class's decode, replay and turn
@@ -65,6 +67,28 @@ class WarmupPlan:
     batches: tuple[int, ...]
     decode_steps: int = 2
     max_steps: int = 10_000  # a bound on engine steps (a warm-up that cannot finish raises)
+    # prefill / colocated: eager hit turns of these row counts (more than W rows, no graph),
+    # each after a prefix hit on the short prompt (`wide_turn_rows`)
+    wide_turns: tuple[int, ...] = ()
+
+
+WIDE_TURN_GROWTH = 1.6
+
+
+def wide_turn_rows(window: int, chunk: int) -> tuple[int, ...]:
+    """Row counts of the eager hit turns the warm-up runs: from W + 1 up to the chunk, growing
+    by WIDE_TURN_GROWTH, each also rounded down to a multiple of 16 (Triton specialises the row
+    count on divisibility by 16). The routed experts switch path and tile with the rows per
+    expert (gemv, swapab, grouped at 16 / 32 rows, large): a 328-row turn after an 8K hit
+    compiled two kernels (3.4 s) on the request path on the H200 before these."""
+    out: set[int] = set()
+    n = window + 1
+    while n < chunk:
+        out.add(n)
+        if n - n % 16 > window:
+            out.add(n - n % 16)
+        n = int(n * WIDE_TURN_GROWTH)
+    return tuple(sorted(out))
 
 
 def default_plan(engine) -> WarmupPlan:
@@ -77,7 +101,9 @@ def default_plan(engine) -> WarmupPlan:
     long_tokens = min(max(LONG_PROMPT, 2 * chunk) + 129, cfg.num_blocks * block // 4, mcfg.max_position_embeddings // 2)
     short = min(SHORT_PROMPT, long_tokens)
     top = min(cfg.max_num_seqs, cfg.num_slots - 1, (cfg.num_blocks // 4) // 2)
-    return WarmupPlan(long_tokens, short, tuple(b for b in BUCKETS if b <= max(top, 1)))
+    # eager hit turns: their kernel variants are a GPU concern (compiles); the CPU path has none
+    wide = () if cfg.role == "decode" or "cuda" not in str(cfg.device) else wide_turn_rows(mcfg.sliding_window, chunk)
+    return WarmupPlan(long_tokens, short, tuple(b for b in BUCKETS if b <= max(top, 1)), wide_turns=wide)
 
 
 def warm_up_at_load(engine, plan: WarmupPlan | None = None) -> dict | None:
@@ -155,12 +181,15 @@ class _Run:
             self.prompt(self.ids[: p.long_tokens] + [11, 12, 13])
             self.prompt(short)  # cold; cached, so every turn below hits it (the 2-row one too)
             self.turns(short)  # every class's encoder replay and turn graphs (every class holds short)
+            self.wide_turns(short)
             return
         for base in (burst_base, short):  # long and short contexts
             self.decode_batches(base)
         self.burst(burst_base)
         self.turns(burst_base)
         self.turns(short)
+        if self.role != "decode":
+            self.wide_turns(short)
 
     def decode_batches(self, base: list[int]) -> None:
         """Sequences sharing the prompt `base` (prefix hits after the first), added up to each
@@ -190,6 +219,12 @@ class _Run:
         w = self.engine.model.cfg.sliding_window
         for i, n in enumerate([2] + [b // 2 + 1 for b in BUCKETS if 4 <= b <= w]):
             self.prompt(base + _turn(1000 + i, n))
+
+    def wide_turns(self, base: list[int]) -> None:
+        """A prefix hit on `base` then an eager turn of each `plan.wide_turns` row count, one
+        sequence at a time (new token ids per turn, so each hits `base` only)."""
+        for i, n in enumerate(self.plan.wide_turns):
+            self.prompt(base + _turn(2000 + i, n))
 
     def decode_all(self) -> None:
         """Step until every live sequence has its first token, then `decode_steps` steps with

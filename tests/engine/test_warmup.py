@@ -145,3 +145,46 @@ def test_at_load_the_switch_skips_it(model_f32, monkeypatch):
     assert warm_up_at_load(engine, PLAN) is None and engine.num_steps == 0
     monkeypatch.setenv("FLASHPD_ENGINE_WARMUP", "1")
     assert warm_up_at_load(engine, PLAN)["requests"] == 13 + 2 * TURNS and engine.num_steps > 0
+
+
+def test_wide_turn_rows_span_w_to_the_chunk_on_and_off_divisibility_by_16():
+    from flashpd.engine.warmup import wide_turn_rows
+
+    rows = wide_turn_rows(128, 8192)
+    assert rows[0] == 129 and max(rows) < 8192 and list(rows) == sorted(set(rows))
+    assert 328 // 1.6 < max(r for r in rows if r <= 328)  # the H200's 328-row turn: a near count
+    assert any(r % 16 == 0 for r in rows) and any(r % 16 for r in rows)
+    assert all(b / a <= 1.6 + 1e-9 for a, b in zip(rows, rows[1:], strict=False))
+    assert wide_turn_rows(128, 129) == () and wide_turn_rows(8, 20) == (9, 14)
+
+
+def test_default_plan_adds_wide_turns_on_a_gpu_only_and_never_for_the_decode_role(model_f32):
+    from flashpd.engine.warmup import wide_turn_rows
+
+    engine = _engine(model_f32, role="prefill")
+    engine.config = dataclasses.replace(engine.config, max_num_batched_tokens=8192)  # read by default_plan only
+    assert default_plan(engine).wide_turns == ()  # CPU: nothing compiles
+    engine.config = dataclasses.replace(engine.config, device="cuda")
+    want = wide_turn_rows(model_f32.cfg.sliding_window, 8192)
+    assert want and default_plan(engine).wide_turns == want
+    engine.config = dataclasses.replace(engine.config, role="decode")
+    assert default_plan(engine).wide_turns == ()
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+def test_wide_turns_run_as_hits_of_their_row_counts_and_leave_nothing(model_f32, role, monkeypatch):
+    plain = warm_up(_engine(model_f32, role=role), PLAN)["requests"]
+    engine = _engine(model_f32, role=role)
+    before = engine.kv.usage()
+    lengths: list[int] = []
+    add = engine.add_request
+
+    def recording(rid, ids, *args, **kw):
+        lengths.append(len(ids))
+        return add(rid, ids, *args, **kw)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    done = warm_up(engine, dataclasses.replace(PLAN, wide_turns=(20, 33)))
+    assert done["requests"] == plain + 2
+    assert lengths[-2:] == [PLAN.short_tokens + 20, PLAN.short_tokens + 33]  # after a hit on the short prompt
+    _assert_clean(engine, before)
