@@ -25,6 +25,10 @@ TINY_WORKLOAD = [
     "--concurrency", "1,2", "--window-s", "8", "--window-low-s", "8", "--trees", "4", "--scale", "300",
     "--time-scale", "50", "--output-scale", "40", "--max-turns", "8", "--vocab-lo", "10", "--vocab-hi", "500",
     "--tree-idle-cap-s", "1", "--prefill-tok-s", "2000", "--ready-timeout-s", "300",
+    # a point's in-flight requests may finish for up to this long after its window: the tiny
+    # workload's longest answer (694 tokens, started 7 s into a c=1 window) took 31 s on a
+    # loaded 2-core CI machine and was cut at the default 30 s ("run stopped while in flight")
+    "--drain-timeout-s", "150",
 ]  # fmt: skip
 
 
