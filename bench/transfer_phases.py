@@ -24,11 +24,12 @@ groups) the table gives the median over --reps pushes of:
 The first push to the peer (UCX wire-up) is reported on its own (`first_push_ms`), never in
 the medians. Bytes are verified after the last push of each size.
 
-`--device cuda` puts both sides' pools in VRAM (UCX's cuda_ipc on one GPU); `--loop-thread fresh`
-pushes from a thread that never touched CUDA (a Serve replica's event loop); `--in-ray-actor`
-runs the sender in a Ray actor's process. On a CPU host the copy is a CPU memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent
-part is the CPU's, the fixed costs (everything but `done` at large sizes) are what carries
-over to the GPU, where cuda_ipc moves 117 MB in well under a millisecond.
+`--device cuda` puts both sides' pools in VRAM (UCX's cuda_ipc on one GPU); `--loop-thread
+fresh` pushes from a thread that never touched CUDA (a Serve replica's event loop);
+`--in-ray-actor` runs the sender in a Ray actor's process. On a CPU host the copy is a CPU
+memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent part is the CPU's, the fixed
+costs (everything but `done` at large sizes) are what carries over to the GPU, where cuda_ipc
+moves 117 MB in well under a millisecond.
 """
 
 from __future__ import annotations
@@ -194,25 +195,6 @@ def render(result: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _in_thread(fn, *args):
-    """fn(*args) on a fresh thread (one that never touched CUDA, like a Serve replica's event
-    loop thread); its result, or its exception re-raised."""
-    out: dict = {}
-
-    def body():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=body, name="bench-loop")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def measure(args: argparse.Namespace) -> dict:
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
     options = {"bind_cuda_context": args.bind_cuda_context == "on"}
@@ -220,7 +202,10 @@ def measure(args: argparse.Namespace) -> dict:
     with nixl_pair(receiver_main, max_blocks, wait_s, args.device, **options) as (sender, conn, _):
         pusher = Pusher(sender, conn, args.path)
         sizes = run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks)
-        return asyncio.run(sizes) if args.loop_thread == "main" else _in_thread(asyncio.run, sizes)
+        if args.loop_thread == "main":
+            return asyncio.run(sizes)
+        with ThreadPoolExecutor(1, thread_name_prefix="bench-loop") as fresh:  # never touched CUDA
+            return fresh.submit(asyncio.run, sizes).result()
 
 
 def _measure_in_ray_actor(args: argparse.Namespace) -> dict:

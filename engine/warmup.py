@@ -27,8 +27,8 @@ it, none on the first request (bench/results/h200/first_request.md).
 
 plus a prefix hit with a turn of each turn-graph bucket on the short prompt (every role), eager
 hit turns of more than W rows up to the chunk on a GPU (prefill and colocated: `wide_turn_rows`),
-and the
-speculative drafter's graphs of every batch bucket that may speculate (`Drafter.warm_up`). Each
+and the speculative drafter's graphs of every batch bucket that may speculate
+(`Drafter.warm_up`). Each
 graph built is also built at every other context class holding its context (`DecodeGraphs`
 width classes), so the short prompt's shapes give every class's decode, replay and turn
 graphs (the P/D kinds too: FLASHPD_GRAPH_PD, `DecodeGraphs` PD_KINDS); at the end the engine's
