@@ -8,6 +8,7 @@
         --name colocated --out OUT ...          (colocated serving: report's pd_vs_colocated)
     python -m flashpd.bench.agentx_gpu sweep --config infra/serve.h200.spec.yaml \
         --name spec --out OUT ...               (speculative, FORCED acceptance 3.51: the 150 tier)
+    python -m flashpd.bench.agentx_gpu merge STUDY CALL_OUT --commit SHA   (one call's sweeps into the study)
     python -m flashpd.bench.agentx_gpu report OUT --baseline baseline --candidate flashpd --commit SHA
     python -m flashpd.bench.agentx_gpu cpu-config infra/serve.h200.yaml --checkpoint DIR --out FILE
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,6 +261,64 @@ def report_command(study_dir: str = "bench/results/agentx_h200") -> str:
     return f"python -m flashpd.bench.agentx_gpu report {study_dir} --baseline baseline --candidate flashpd --commit SHA"
 
 
+# ---- folding one device call's sweeps into the study ----------------------------------------------
+
+
+def _as_runs(record: dict, commit: str) -> dict:
+    """A sweep.json as the merged form: `runs` (one entry per device call, with its commit and the
+    concurrencies it ran) and `points` each tagged with the commit that ran it."""
+    if "runs" in record:
+        return record
+    run = {k: v for k, v in record.items() if k != "points"}
+    run.update(commit=commit, concurrency=[p["concurrency"] for p in record["points"]])
+    points = [{**p, "commit": p.get("commit", commit)} for p in record["points"]]
+    merged = {k: record[k] for k in ("config", "name") if k in record}
+    merged.update(runs=[run], points=points)
+    return _settle(merged)
+
+
+def _settle(merged: dict) -> dict:
+    """The fields the report reads, from the runs: the latest run's bring-up, every transport
+    seen, and the points some run skipped that no run has since."""
+    run_c = {p["concurrency"] for p in merged["points"]}
+    merged["points"] = sorted(merged["points"], key=lambda p: p["concurrency"])
+    skipped = {s["concurrency"]: s for r in merged["runs"] for s in r.get("not_started", [])}
+    merged["not_started"] = [s for c, s in sorted(skipped.items()) if c not in run_c]
+    merged["ready_s"] = merged["runs"][-1].get("ready_s")
+    merged["kv_transports"] = {k: v for r in merged["runs"] for k, v in (r.get("kv_transports") or {}).items()}
+    merged["config"] = merged["runs"][-1].get("config", merged.get("config"))
+    return merged
+
+
+def merge_sweeps(study: Path, call: Path, commit: str, study_commit: str = "unknown") -> list[str]:
+    """Fold the sweeps one device call left in `call` (its <name>/sweep.json and c<C> point
+    folders) into `study`: point folders are copied (a concurrency run again replaces the older
+    one), and <name>/sweep.json keeps every call as a run with its commit. A sweep.json of the
+    study without runs is taken as one run of `study_commit`. Returns the names merged."""
+    names = []
+    for sweep in sorted(call.glob(f"*/{SWEEP_FILE}")):
+        name, record = sweep.parent.name, json.loads(sweep.read_text())
+        dest = study / name
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / SWEEP_FILE
+        merged = _as_runs(json.loads(target.read_text()), study_commit) if target.exists() else None
+        new = _as_runs(record, commit)
+        if merged is None:
+            merged = new
+        else:
+            again = {p["concurrency"] for p in new["points"]}
+            merged["points"] = [p for p in merged["points"] if p["concurrency"] not in again] + new["points"]
+            merged["runs"] += new["runs"]
+        for p in new["points"]:
+            src = sweep.parent / f"c{p['concurrency']}"
+            if src.is_dir():
+                shutil.rmtree(dest / src.name, ignore_errors=True)
+                shutil.copytree(src, dest / src.name)
+        target.write_text(json.dumps(_settle(merged), indent=1) + "\n")
+        names.append(name)
+    return names
+
+
 # ---- the CPU variant of a config (dry runs) ----------------------------------------------------
 
 
@@ -342,7 +402,12 @@ def _add_sweep_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-turns", type=int, default=None)
     s.add_argument("--vocab-lo", type=int, default=1000, help="synthetic ids from [lo, hi): inside the model's vocab")
     s.add_argument("--vocab-hi", type=int, default=128_000)
-    s.add_argument("--drain-timeout-s", type=float, default=30.0)
+    s.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=120.0,
+        help="in-flight requests finish after the window (30 s cut 21 streams at c=64 on the H200)",
+    )
     s.add_argument("--request-timeout-s", type=float, default=300.0)
     s.add_argument("--end-unix", type=float, default=None, help="no point runs past this (minus --teardown-s)")
     s.add_argument("--teardown-s", type=float, default=20.0, help="kept for stopping Serve, Ray and Redis")
@@ -372,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         default="spec",
         help="the speculative sweep: gives the tiers --candidate meets at no point (the 150 tok/s/user one)",
     )
+    m = sub.add_parser("merge", help="fold one device call's sweeps (its OUT) into the study folder")
+    m.add_argument("study")
+    m.add_argument("call")
+    m.add_argument("--commit", required=True, help="the commit the call ran")
+    m.add_argument("--study-commit", default="unknown", help="the commit of a study sweep.json without runs")
     c = sub.add_parser("cpu-config")
     c.add_argument("src")
     c.add_argument("--checkpoint", required=True)
@@ -381,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.action == "sweep":
         return run_sweep(a)
+    if a.action == "merge":
+        names = merge_sweeps(Path(a.study), Path(a.call), a.commit, a.study_commit)
+        print(f"merged {', '.join(names) or 'nothing'} into {a.study}")
+        return 0
     if a.action == "cpu-config":
         raw = cpu_config(a.src, a.checkpoint, grpc_port=a.grpc_port, http_port=a.http_port)
         Path(a.out).write_text(yaml.safe_dump(raw, sort_keys=False))

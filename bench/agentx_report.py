@@ -35,7 +35,7 @@ import math
 from pathlib import Path
 
 from flashpd.bench.cli import parse_tiers
-from flashpd.bench.records import META_FILE, RECORDS_FILE, Phase
+from flashpd.bench.records import META_FILE, RECORDS_FILE, STOPPED_IN_FLIGHT, Phase
 from flashpd.bench.report import PLOTS_DIR, REPORT_FILE, Study, load_study, write_report
 from flashpd.bench.tiers import SUMMARY_FILE, ab_ratios, study_summary, tier_points
 
@@ -159,9 +159,12 @@ def _errors(points) -> dict:
     for r in records:
         if not r.ok:
             by_type[str(r.error_type)] = by_type.get(str(r.error_type), 0) + 1
+    cut = [r for r in records if not r.ok and r.error == STOPPED_IN_FLIGHT]
     return {
         "requests": len(records),
         "failed": sum(not r.ok for r in records),
+        "cut_at_drain": len(cut),  # the client stopped them at the run's end: no server error
+        "server_failed": sum(not r.ok for r in records) - len(cut),
         "measured_requests": len(measured),
         "measured_failed": sum(not r.ok for r in measured),
         "by_type": by_type,
@@ -283,17 +286,28 @@ def _sweep_lines(s: dict) -> list[str]:
     for name, sw in s["sweeps"].items():
         if sw is None:
             continue
-        run = ", ".join(f"{p['concurrency']} ({p['exit']}, {p['wall_s']:.0f} s)" for p in sw["points"]) or "-"
+        run = ", ".join(_point_cell(p) for p in sw["points"]) or "-"
         skipped = "; ".join(f"{p['concurrency']}: {p['why']}" for p in sw["not_started"]) or "-"
         transports = sw.get("kv_transports") or {}
         kv = ", ".join(sorted({str(v) for v in transports.values()})) or "-"
         error = f" (error: {sw['error']})" if sw.get("error") else ""
-        lines.append(
-            f"| {label(s, name)}{error} | {_fmt(sw.get('ready_s'))} | {run} | {skipped} | {kv} | `{sw['config']}` |"
-        )
+        lines.append(f"| {label(s, name)}{error} | {_ready_cell(sw)} | {run} | {skipped} | {kv} | `{sw['config']}` |")
     if s["lost_points"]:
         lines += ["", "Lost (records, no meta.json): " + ", ".join(s["lost_points"])]
     return lines + [""]
+
+
+def _point_cell(p: dict) -> str:
+    commit = f", {p['commit']}" if p.get("commit") else ""
+    return f"{p['concurrency']} ({p['exit']}, {p['wall_s']:.0f} s{commit})"
+
+
+def _ready_cell(sw: dict) -> str:
+    """The bring-up time; per device call (with its commit) for a sweep merged from several."""
+    runs = sw.get("runs")
+    if not runs:
+        return _fmt(sw.get("ready_s"))
+    return ", ".join(f"{_fmt(r.get('ready_s'))} ({r.get('commit', '?')})" for r in runs)
 
 
 def _tier_lines(s: dict) -> list[str]:
@@ -424,13 +438,14 @@ def _error_lines(s: dict) -> list[str]:
     lines = [
         "## Failed requests",
         "",
-        "| configuration | failed / requests (all phases) | failed / requests (windows) | by type | aborted C | cut C |",
-        "|---|---|---|---|---|---|",
+        "| configuration | failed / requests (all phases) | of which cut by the driver at its drain | failed / requests (windows) | by type | aborted C | cut C |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, e in s["errors"].items():
         types = ", ".join(f"{k} {v}" for k, v in sorted(e["by_type"].items())) or "-"
         lines.append(
-            f"| {label(s, name)} | {e['failed']} / {e['requests']} | {e['measured_failed']} / {e['measured_requests']} | "
+            f"| {label(s, name)} | {e['failed']} / {e['requests']} | {e.get('cut_at_drain', 0)} | "
+            f"{e['measured_failed']} / {e['measured_requests']} | "
             f"{types} | {e['aborted_points'] or '-'} | {e['interrupted_points'] or '-'} |"
         )
     return lines + [""]

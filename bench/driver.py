@@ -35,7 +35,7 @@ import numpy as np
 from flashpd.bench.backend import Backend, BackendError, Completion, GenerateCall
 from flashpd.bench.pacing import IdlePacer
 from flashpd.bench.prompts import PromptBuilder
-from flashpd.bench.records import Phase, RequestRecord, RunMeta
+from flashpd.bench.records import STOPPED_IN_FLIGHT, Phase, RequestRecord, RunMeta
 from flashpd.bench.tokens import derive_key
 from flashpd.bench.workload import Request, SessionTree, Workload
 
@@ -272,7 +272,7 @@ class _Lane:
         except asyncio.TimeoutError:
             outcome.error_type, outcome.error = ("ClientTimeout", f"no result after {self.config.request_timeout_s} s")
         except asyncio.CancelledError:
-            outcome.error_type, outcome.error = "Cancelled", "run stopped while in flight"
+            outcome.error_type, outcome.error = "Cancelled", STOPPED_IN_FLIGHT
             raise
         finally:
             self.run.pacer.request_finished()

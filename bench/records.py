@@ -26,6 +26,11 @@ class Phase(str, enum.Enum):
     MEASURE = "measure"  # started inside the measurement window
 
 
+# The driver's error for a request still streaming when the run stopped (the drain after the
+# window ran out): the client gave up on it, the server did not fail it.
+STOPPED_IN_FLIGHT = "run stopped while in flight"
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     lane: int

@@ -279,3 +279,66 @@ def test_the_sdk_backend_keeps_the_usage_speculation_figures():
     assert (c.draft_tokens, c.accepted_draft_tokens, c.draft_steps) == (10, 5, 2)
     plain = _completion(GenerateResult("r", (1,), "", "length", Usage(3, 9)))
     assert plain.forced_acceptance_length == 0.0 and plain.draft_steps == 0
+
+
+def _call(root: Path, name: str, points: dict[int, int], ready_s: float, skipped=()) -> Path:
+    """A device call's OUT: <name>/sweep.json and one point folder per concurrency."""
+    d = root / name
+    d.mkdir(parents=True)
+    for c, marker in points.items():
+        (d / f"c{c}").mkdir()
+        (d / f"c{c}" / "records.jsonl").write_text(f"{marker}\n")
+    record = {
+        "config": f"/x/{name}.yaml",
+        "name": name,
+        "argv": ["sweep"],
+        "ready_s": ready_s,
+        "kv_transports": {f"recv-{ready_s}": "cuda_ipc"},
+        "points": [{"concurrency": c, "exit": 0, "wall_s": 1.0} for c in points],
+        "not_started": [{"concurrency": c, "why": "time"} for c in skipped],
+    }
+    (d / "sweep.json").write_text(g.json.dumps(record))
+    return root
+
+
+def test_merging_calls_keeps_every_run_its_commit_and_the_newest_point(tmp_path):
+    study = _call(tmp_path / "study", "flashpd", {1: "old1", 2: "old2"}, 60.0)
+    first = _call(tmp_path / "a", "flashpd", {2: "new2", 8: "new8"}, 240.0, skipped=(64,))
+    second = _call(tmp_path / "b", "flashpd", {64: "new64"}, 50.0)
+    assert g.merge_sweeps(study, first, "bbb", study_commit="aaa") == ["flashpd"]
+    g.merge_sweeps(study, second, "ccc")
+    merged = g.json.loads((study / "flashpd" / "sweep.json").read_text())
+    assert [(p["concurrency"], p["commit"]) for p in merged["points"]] == [
+        (1, "aaa"),
+        (2, "bbb"),
+        (8, "bbb"),
+        (64, "ccc"),
+    ]
+    assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb", "ccc"]
+    assert merged["not_started"] == [] and merged["ready_s"] == 50.0 and len(merged["kv_transports"]) == 3
+    assert (study / "flashpd" / "c2" / "records.jsonl").read_text() == "new2\n"
+    assert (study / "flashpd" / "c1" / "records.jsonl").read_text() == "old1\n"
+
+
+def test_a_point_skipped_by_the_only_run_stays_listed(tmp_path):
+    study = tmp_path / "study"
+    study.mkdir()
+    g.merge_sweeps(study, _call(tmp_path / "a", "colocated", {1: "x"}, 100.0, skipped=(32,)), "bbb")
+    merged = g.json.loads((study / "colocated" / "sweep.json").read_text())
+    assert merged["not_started"] == [{"concurrency": 32, "why": "time"}]
+
+
+def test_requests_the_driver_stopped_at_its_drain_are_not_server_failures():
+    from types import SimpleNamespace
+
+    from flashpd.bench import agentx_report
+    from flashpd.bench.records import STOPPED_IN_FLIGHT, Phase, RequestRecord
+
+    def rec(error_type=None, error=None):
+        return RequestRecord(0, Phase.MEASURE, 0, 0, "main", "s", None, 0, 0.0, 0.0, 1.0, 0.1, [], 10, 5, 5, 0,
+                             error_type=error_type, error=error)  # fmt: skip
+
+    records = [rec(), rec("Cancelled", STOPPED_IN_FLIGHT), rec("Unavailable", "no decode worker")]
+    meta = SimpleNamespace(concurrency=64, aborted_reason=None, interrupted=False)
+    e = agentx_report._errors([SimpleNamespace(records=records, meta=meta)])
+    assert (e["failed"], e["cut_at_drain"], e["server_failed"]) == (2, 1, 1)
