@@ -44,7 +44,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from flashpd.engine.transfer import ucx_transport
@@ -71,12 +70,10 @@ def _make_agent(name: str, progress_thread: bool):
 
 @dataclass(frozen=True)
 class PoolTable:
-    """One side's pools in the contract's group order, as arrays (built once per side and
-    peer, not per push): group g's block b starts at address[g] + b * block_bytes[g]."""
+    """One side's pools in the contract's group order (built once per side and peer, not per
+    push): group g's block b starts at rows[g].address + b * rows[g].block_bytes."""
 
-    address: np.ndarray  # [G] uint64
-    block_bytes: np.ndarray  # [G] uint64
-    device_id: np.ndarray  # [G] uint64
+    rows: tuple[tuple[int, int, int], ...]  # [G] (address, block_bytes, device id)
     mem_type: str  # "DRAM" | "VRAM"
 
     @classmethod
@@ -84,22 +81,14 @@ class PoolTable:
         mem_types = {r.mem_type for r in regions}
         if len(mem_types) != 1:
             raise TransferError(f"pools span memory types {sorted(mem_types)}")
-
-        def column(name: str) -> np.ndarray:
-            return np.array([getattr(r, name) for r in regions], dtype=np.uint64)
-
-        return cls(column("address"), column("block_bytes"), column("device_id"), mem_types.pop())
+        return cls(tuple((r.address, r.block_bytes, r.device_id) for r in regions), mem_types.pop())
 
 
-def run_rows(table: PoolTable, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[groups * R, 3] uint64 descriptor rows (address, bytes, device id), group-major: one per
-    (group, run)."""
-    rows = np.empty((len(table.address), len(starts), 3), dtype=np.uint64)  # [G, R, 3]
-    bb = table.block_bytes[:, None]  # [G, 1]
-    rows[:, :, 0] = table.address[:, None] + starts.astype(np.uint64)[None, :] * bb
-    rows[:, :, 1] = lengths.astype(np.uint64)[None, :] * bb
-    rows[:, :, 2] = table.device_id[:, None]
-    return rows.reshape(-1, 3)
+def run_rows(table: PoolTable, starts: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """[groups * R] descriptor rows (address, bytes, device id), group-major: one per (group,
+    run). Plain tuples: 8 of them for a one-run push, where numpy's per-call cost on cold
+    caches was most of the descriptors' time."""
+    return [(a + s * bb, n * bb, dev) for a, bb, dev in table.rows for s, n in zip(starts, lengths, strict=True)]
 
 
 HOT_POLL_S = 2e-4  # the receiver's progress interval while a KV write is expected
@@ -226,7 +215,7 @@ class NixlSender(KVSender):
         first = next(iter(self.pools.values()))
         self._cuda_device = first.device.index if (bind_cuda_context and first.is_cuda) else None
         self._bound = threading.local()  # .done: this thread has the pools' device current
-        self._min_desc_bytes = int(self._local.block_bytes.min())
+        self._min_desc_bytes = min(bb for _, bb, _ in self._local.rows)
         # peer -> the transport UCX used for it (checked once), or the fallback that bars it
         self.transports: dict[str, ucx_transport.TransportReport] = {}
         self._barred: dict[str, ucx_transport.TransportFallback] = {}
