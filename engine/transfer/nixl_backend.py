@@ -1,15 +1,21 @@
 """NIXL transfer backend (UCX): one-sided WRITEs of pool blocks plus a completion notification.
 
 Each side runs one NIXL agent and registers its pools (DRAM on CPU hosts, VRAM on GPU hosts).
-The receiver's descriptor carries its agent metadata; the sender loads it and prepares one
-descriptor list per side with a row per (group, block):
+The receiver's descriptor carries its agent metadata and pool addresses; the sender loads
+the metadata at connect and, per push, builds one descriptor row per (group, run) on each side:
 
-    row(group g, block b) = g * num_blocks + b     -> (pool_g address + b * block_bytes_g)
+    row(group g, run (start, length)) -> (pool_g address + start * block_bytes_g, length * block_bytes_g)
 
 A send groups its (src, dst) block pairs into runs that ascend by one on both sides and posts
 one descriptor per (group, run): a prompt whose blocks were allocated in order moves in one
 operation per group, whatever order the pairs came in (one operation per 113,920-byte block
-went at 15-22 GB/s between two H200 processes, merged runs at 285-1,266 GB/s). The notice
+went at 15-22 GB/s between two H200 processes, merged runs at 285-1,266 GB/s). The rows are
+plain tuples (8 for a one-run push) for `initialize_xfer`. NIXL's prepared lists were measured
+as the alternative (`prep_xfer_dlist` once per side, one strided entry per group, then
+`make_prepped_xfer` with per-block indices, which NIXL 1.5 merges back into one descriptor per
+(group, run): telemetry descCount 8 for a 256-block run): cheaper for a 1-block push, dearer
+from 8K tokens on (the [groups, blocks] index arrays), so not used
+(bench/results/transfer_phases_cpu.md). The notice
 bytes ride as the transfer's notification, which NIXL delivers to the receiver after the data.
 
 Transport check: every agent's process logs UCX's protocol choices (`ucx_transport`); after

@@ -155,15 +155,10 @@ def block_runs(block_ids: Sequence[int]) -> list[list[int]]:
 
 def write_notice_bytes(request_id: str, incarnation: str, dst_start: Sequence[int], length: Sequence[int]) -> bytes:
     """A "write" notice for the blocks dst_start[r] + i, i < length[r], from runs already
-    found (base.checked_runs): byte for byte what `TransferNotice(...).to_bytes()` carries,
-    formatted directly (json.dumps builds an encoder per call: most of this notice's cost on a
-    push's critical path) and without a Python loop over every block id."""
+    found (base.checked_runs): byte for byte what `TransferNotice(...).to_bytes()` carries
+    (json.dumps with (",", ":") separators and ensure_ascii, keys in that order), formatted
+    directly: json.dumps builds an encoder per call, most of the notice's cost on a push's
+    critical path."""
     runs = ",".join([f"[{s},{n}]" for s, n in zip(dst_start, length, strict=True)])
-    return _WRITE_NOTICE.format(
-        v=NOTICE_VERSION, rid=encode_basestring_ascii(request_id), inc=encode_basestring_ascii(incarnation), runs=runs
-    ).encode()
-
-
-# TransferNotice(kind="write").to_bytes()'s layout: json.dumps with (",", ":") separators
-# and ensure_ascii, keys in insertion order
-_WRITE_NOTICE = '{{"v":{v},"rid":{rid},"inc":{inc},"runs":[{runs}],"kind":"write","before":0.0}}'
+    rid, inc = encode_basestring_ascii(request_id), encode_basestring_ascii(incarnation)
+    return f'{{"v":{NOTICE_VERSION},"rid":{rid},"inc":{inc},"runs":[{runs}],"kind":"write","before":0.0}}'.encode()
