@@ -15,8 +15,8 @@ as the alternative (`prep_xfer_dlist` once per side, one strided entry per group
 `make_prepped_xfer` with per-block indices, which NIXL 1.5 merges back into one descriptor per
 (group, run): telemetry descCount 8 for a 256-block run): cheaper for a 1-block push, dearer
 from 8K tokens on (the [groups, blocks] index arrays), so not used
-(bench/results/transfer_phases_cpu.md). The notice
-bytes ride as the transfer's notification, which NIXL delivers to the receiver after the data.
+(bench/results/transfer_phases_cpu.md). The notice bytes ride as the transfer's notification,
+which NIXL delivers to the receiver after the data.
 
 Transport check: every agent's process logs UCX's protocol choices (`ucx_transport`); after
 the first completed WRITE to a peer the sender reads back which transport moved the bytes,
