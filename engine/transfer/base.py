@@ -100,23 +100,76 @@ class TransferHandle:
 
 @dataclass(frozen=True)
 class BlockRuns:
-    """A push's checked (src -> dst) block pairs, in ascending src order, and the same pairs as
-    maximal runs ascending by one on both sides: run r is the pairs (src_start[r] + i,
-    dst_start[r] + i) for i < length[r]. A prompt whose blocks were allocated in order on both
-    workers is one run, whatever order the ids came in."""
+    """A push's checked (src -> dst) block pairs as maximal runs ascending by one on both sides,
+    in ascending src order: run r is the pairs (src_start[r] + i, dst_start[r] + i) for
+    i < length[r]. A prompt whose blocks were allocated in order on both workers is one run,
+    whatever order the ids came in. Plain ints, not arrays: the notice and the descriptor rows
+    are built from them with no numpy call (see checked_runs)."""
 
-    src: np.ndarray  # [n] int64
-    dst: np.ndarray  # [n] int64, paired with src
-    src_start: np.ndarray  # [R] int64
-    dst_start: np.ndarray  # [R] int64
-    length: np.ndarray  # [R] int64 blocks
+    src_start: tuple[int, ...]  # [R]
+    dst_start: tuple[int, ...]  # [R]
+    length: tuple[int, ...]  # [R] blocks
+    num_blocks: int  # sum(length)
+
+    @property
+    def src(self) -> np.ndarray:
+        """[num_blocks] int64 src ids in ascending order (for a backend that copies by index)."""
+        return _expand(self.src_start, self.length)
+
+    @property
+    def dst(self) -> np.ndarray:
+        """[num_blocks] int64 dst ids, paired with `src`."""
+        return _expand(self.dst_start, self.length)
 
 
 def checked_runs(src_block_ids, dst_block_ids, src_num_blocks: int, dst_num_blocks: int) -> BlockRuns:
     """Validate a push's block pairs (equal non-empty lists, ids inside both pools, no dst id
-    twice) and merge them into runs. On a push's critical path: a few whole-array numpy calls,
-    never a Python loop over the ids (1,024 of them for a 128K-token prompt); sorted input,
-    the usual case, skips the sort and the duplicate search."""
+    twice) and merge them into runs. On a push's critical path, where the caches are cold
+    (after a forward pass; on a CPU host after the previous push's copy) and each numpy call
+    costs ~10 us: ids that ascend by one on both sides, the usual push, are checked with a few
+    C-level list compares and no numpy call; anything else takes whole-array numpy calls, never
+    a Python loop over the ids (1,024 of them for a 128K-token prompt)."""
+    n = len(src_block_ids)
+    s0, d0 = _run_start(src_block_ids), _run_start(dst_block_ids)  # the ends only: O(1)
+    if (
+        s0 is not None
+        and d0 is not None
+        and len(dst_block_ids) == n
+        and 0 <= s0
+        and s0 + n <= src_num_blocks
+        and 0 <= d0
+        and d0 + n <= dst_num_blocks
+        and _ascends_by_one(src_block_ids, s0)
+        and _ascends_by_one(dst_block_ids, d0)
+    ):
+        return BlockRuns((s0,), (d0,), (n,), n)
+    return _checked_runs_numpy(src_block_ids, dst_block_ids, src_num_blocks, dst_num_blocks)
+
+
+def _run_start(block_ids) -> int | None:
+    """block_ids[0] when the ids are a non-empty list, tuple or range starting at an int whose
+    last id is where a run ascending by one would end, else None (then checked_runs' numpy path
+    decides, and raises for bad input)."""
+    kind = type(block_ids)
+    if kind is range:
+        return block_ids.start if block_ids.step == 1 and len(block_ids) > 0 else None
+    if (kind is not list and kind is not tuple) or not block_ids:
+        return None
+    start = block_ids[0]
+    if type(start) is not int or block_ids[-1] != start + len(block_ids) - 1:
+        return None
+    return start
+
+
+def _ascends_by_one(block_ids, start: int) -> bool:
+    """Whether ids that passed _run_start are exactly start, start + 1, ...: one C-level compare."""
+    kind = type(block_ids)
+    return kind is range or block_ids == kind(range(start, start + len(block_ids)))
+
+
+def _checked_runs_numpy(src_block_ids, dst_block_ids, src_num_blocks: int, dst_num_blocks: int) -> BlockRuns:
+    """checked_runs for any ids; sorted src, the usual case here too, skips the sort and dst
+    ids that ascend skip the duplicate search."""
     src, dst = _int64_ids(src_block_ids), _int64_ids(dst_block_ids)  # [n], [n]
     n = len(src)
     if n == 0 or n != len(dst):
@@ -135,9 +188,10 @@ def checked_runs(src_block_ids, dst_block_ids, src_num_blocks: int, dst_num_bloc
         raise ValueError(f"dst_block_ids outside the peer's [0, {dst_num_blocks})")
     if not ascending and len(np.unique(dst)) != n:
         raise ValueError("duplicate dst_block_ids")
-    starts = np.flatnonzero((ds != 1) | (dd != 1)) + 1  # [R - 1] first pair of each later run
-    starts = np.concatenate(([0], starts))  # [R]
-    return BlockRuns(src, dst, src[starts], dst[starts], np.diff(np.append(starts, n)))
+    later = (np.flatnonzero((ds != 1) | (dd != 1)) + 1).tolist()  # [R - 1] first pair of each later run
+    first = [0, *later]  # [R]
+    length = tuple(end - start for start, end in zip(first, [*later, n], strict=True))
+    return BlockRuns(tuple(src[first].tolist()), tuple(dst[first].tolist()), length, n)
 
 
 def _int64_ids(block_ids) -> np.ndarray:
@@ -145,6 +199,11 @@ def _int64_ids(block_ids) -> np.ndarray:
     if isinstance(block_ids, np.ndarray):
         return block_ids.astype(np.int64).reshape(-1)
     return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+
+
+def _expand(starts: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
+    """[sum(lengths)] int64: each run's ids, run after run."""
+    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths, strict=True)])
 
 
 def poll_sleep_s(waited_s: float) -> float:
@@ -320,6 +379,7 @@ class KVSender(ABC):
         self.contract = contract
         self.pools = dict(pools)
         self.num_blocks = check_pools(contract, self.pools)
+        self._bytes_per_block = contract.bytes_per_block
         self._peers: dict[str, PeerDescriptor] = {}
 
     # ------------------------------------------------------------------ peers
@@ -375,7 +435,7 @@ class KVSender(ABC):
         posted_at_s = time.perf_counter()
         trace = {"check_ms": 1e3 * (t1 - t0), "notice_ms": 1e3 * (posted_at_s - t1)}
         xfer = self._post(target, runs, notice, trace)
-        num_bytes = len(runs.src) * self.contract.bytes_per_block
+        num_bytes = runs.num_blocks * self._bytes_per_block
         handle = TransferHandle(request_id, target.agent_name, num_bytes, posted_at_s, xfer, trace)
         handle.post_returned_s = time.perf_counter()
         return handle

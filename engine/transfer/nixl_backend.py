@@ -1,16 +1,22 @@
 """NIXL transfer backend (UCX): one-sided WRITEs of pool blocks plus a completion notification.
 
 Each side runs one NIXL agent and registers its pools (DRAM on CPU hosts, VRAM on GPU hosts).
-The receiver's descriptor carries its agent metadata; the sender loads it and prepares one
-descriptor list per side with a row per (group, block):
+The receiver's descriptor carries its agent metadata and pool addresses; the sender loads
+the metadata at connect and, per push, builds one descriptor row per (group, run) on each side:
 
-    row(group g, block b) = g * num_blocks + b     -> (pool_g address + b * block_bytes_g)
+    row(group g, run (start, length)) -> (pool_g address + start * block_bytes_g, length * block_bytes_g)
 
 A send groups its (src, dst) block pairs into runs that ascend by one on both sides and posts
 one descriptor per (group, run): a prompt whose blocks were allocated in order moves in one
 operation per group, whatever order the pairs came in (one operation per 113,920-byte block
-went at 15-22 GB/s between two H200 processes, merged runs at 285-1,266 GB/s). The notice
-bytes ride as the transfer's notification, which NIXL delivers to the receiver after the data.
+went at 15-22 GB/s between two H200 processes, merged runs at 285-1,266 GB/s). The rows are
+plain tuples (8 for a one-run push) for `initialize_xfer`. NIXL's prepared lists were measured
+as the alternative (`prep_xfer_dlist` once per side, one strided entry per group, then
+`make_prepped_xfer` with per-block indices, which NIXL 1.5 merges back into one descriptor per
+(group, run): telemetry descCount 8 for a 256-block run): cheaper for a 1-block push, dearer
+from 8K tokens on (the [groups, blocks] index arrays), so not used
+(bench/results/transfer_phases_cpu.md). The notice bytes ride as the transfer's notification,
+which NIXL delivers to the receiver after the data.
 
 Transport check: every agent's process logs UCX's protocol choices (`ucx_transport`); after
 the first completed WRITE to a peer the sender reads back which transport moved the bytes,
@@ -44,7 +50,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from flashpd.engine.transfer import ucx_transport
@@ -71,12 +76,10 @@ def _make_agent(name: str, progress_thread: bool):
 
 @dataclass(frozen=True)
 class PoolTable:
-    """One side's pools in the contract's group order, as arrays (built once per side and
-    peer, not per push): group g's block b starts at address[g] + b * block_bytes[g]."""
+    """One side's pools in the contract's group order (built once per side and peer, not per
+    push): group g's block b starts at rows[g].address + b * rows[g].block_bytes."""
 
-    address: np.ndarray  # [G] uint64
-    block_bytes: np.ndarray  # [G] uint64
-    device_id: np.ndarray  # [G] uint64
+    rows: tuple[tuple[int, int, int], ...]  # [G] (address, block_bytes, device id)
     mem_type: str  # "DRAM" | "VRAM"
 
     @classmethod
@@ -84,22 +87,14 @@ class PoolTable:
         mem_types = {r.mem_type for r in regions}
         if len(mem_types) != 1:
             raise TransferError(f"pools span memory types {sorted(mem_types)}")
-
-        def column(name: str) -> np.ndarray:
-            return np.array([getattr(r, name) for r in regions], dtype=np.uint64)
-
-        return cls(column("address"), column("block_bytes"), column("device_id"), mem_types.pop())
+        return cls(tuple((r.address, r.block_bytes, r.device_id) for r in regions), mem_types.pop())
 
 
-def run_rows(table: PoolTable, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[groups * R, 3] uint64 descriptor rows (address, bytes, device id), group-major: one per
-    (group, run)."""
-    rows = np.empty((len(table.address), len(starts), 3), dtype=np.uint64)  # [G, R, 3]
-    bb = table.block_bytes[:, None]  # [G, 1]
-    rows[:, :, 0] = table.address[:, None] + starts.astype(np.uint64)[None, :] * bb
-    rows[:, :, 1] = lengths.astype(np.uint64)[None, :] * bb
-    rows[:, :, 2] = table.device_id[:, None]
-    return rows.reshape(-1, 3)
+def run_rows(table: PoolTable, starts: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """[groups * R] descriptor rows (address, bytes, device id), group-major: one per (group,
+    run). Plain tuples: 8 of them for a one-run push, where numpy's per-call cost on cold
+    caches was most of the descriptors' time."""
+    return [(a + s * bb, n * bb, dev) for a, bb, dev in table.rows for s, n in zip(starts, lengths, strict=True)]
 
 
 HOT_POLL_S = 2e-4  # the receiver's progress interval while a KV write is expected
@@ -226,7 +221,7 @@ class NixlSender(KVSender):
         first = next(iter(self.pools.values()))
         self._cuda_device = first.device.index if (bind_cuda_context and first.is_cuda) else None
         self._bound = threading.local()  # .done: this thread has the pools' device current
-        self._min_desc_bytes = int(self._local.block_bytes.min())
+        self._min_desc_bytes = min(bb for _, bb, _ in self._local.rows)
         # peer -> the transport UCX used for it (checked once), or the fallback that bars it
         self.transports: dict[str, ucx_transport.TransportReport] = {}
         self._barred: dict[str, ucx_transport.TransportFallback] = {}

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from flashpd.engine.transfer.base import checked_runs
+from flashpd.engine.transfer.base import _checked_runs_numpy, checked_runs
 from flashpd.engine.transfer.nixl_backend import PoolTable, run_rows
 from flashpd.engine.transfer.ucx_transport import (
     TransportFallback,
@@ -105,25 +105,71 @@ def test_proto_log_keeps_a_log_file_already_set():
 
 def test_block_runs_merge_ascending_pairs_whatever_their_order():
     runs = checked_runs([7, 5, 6, 9, 10, 2], [3, 1, 2, 8, 9, 20], 16, 32)
-    assert runs.src_start.tolist() == [2, 5, 9]
-    assert runs.dst_start.tolist() == [20, 1, 8]
-    assert runs.length.tolist() == [1, 3, 2]
+    assert (runs.src_start, runs.dst_start, runs.length, runs.num_blocks) == ((2, 5, 9), (20, 1, 8), (1, 3, 2), 6)
     assert runs.src.tolist() == [2, 5, 6, 7, 9, 10] and runs.dst.tolist() == [20, 1, 2, 3, 8, 9]
 
 
 def test_block_runs_split_where_only_one_side_is_contiguous():
-    assert checked_runs([0, 1, 2, 3], [0, 1, 5, 6], 8, 8).length.tolist() == [2, 2]
+    assert checked_runs([0, 1, 2, 3], [0, 1, 5, 6], 8, 8).length == (2, 2)
 
 
 def test_a_prompt_allocated_in_order_is_one_run():
     runs = checked_runs(list(range(40, 1064)), tuple(range(9, 1033)), 2048, 2048)
-    assert (runs.src_start.tolist(), runs.dst_start.tolist(), runs.length.tolist()) == ([40], [9], [1024])
+    assert (runs.src_start, runs.dst_start, runs.length, runs.num_blocks) == ((40,), (9,), (1024,), 1024)
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (list(range(3, 7)), list(range(10, 14))),  # the list fast path
+        (tuple(range(3, 7)), tuple(range(10, 14))),  # tuples (a ticket's dst ids)
+        (range(3, 7), range(10, 14)),
+        (np.arange(3, 7), np.arange(10, 14)),  # arrays: the numpy path
+        ([np.int64(b) for b in range(3, 7)], list(range(10, 14))),  # numpy ints: the numpy path
+        ([3, 4, 5, 6], [10, 11, 12, 14]),  # one side not a run: the numpy path
+        ([6, 5, 4, 3], [13, 12, 11, 10]),  # descending pairs: sorted into one run
+    ],
+)
+def test_every_input_kind_gives_the_numpy_paths_runs(src, dst):
+    runs = checked_runs(src, dst, 16, 16)
+    assert runs == _checked_runs_numpy(src, dst, 16, 16)
+    assert all(type(v) is int for v in runs.src_start + runs.dst_start + runs.length)
+
+
+def test_random_pairs_give_the_numpy_paths_runs():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        src = (int(rng.integers(0, 20)) + np.arange(n)).tolist()
+        dst = (int(rng.integers(0, 20)) + np.arange(n)).tolist()
+        if rng.random() < 0.5:  # break a run somewhere
+            dst[int(rng.integers(0, n))] += 60
+        runs = checked_runs(src, dst, 64, 128)
+        assert runs == _checked_runs_numpy(src, dst, 64, 128)
+        assert runs.src.tolist() == src and runs.dst.tolist() == dst
+
+
+@pytest.mark.parametrize(
+    "src, dst, message",
+    [
+        ([6, 7, 8], [0, 1, 2], r"src_block_ids outside \[0, 8\)"),  # a run past the end
+        ([-1, 0], [0, 1], r"src_block_ids outside \[0, 8\)"),
+        ([0, 1], [7, 8], r"dst_block_ids outside the peer's \[0, 8\)"),
+        ((0, 1), (-2, -1), r"dst_block_ids outside the peer's \[0, 8\)"),
+        ([0, 1, 2], [0, 1], "need equal, non-empty block lists, got 3 -> 2"),
+        ([], [], "need equal, non-empty block lists, got 0 -> 0"),
+        ([0, 1], [3, 3], "duplicate dst_block_ids"),
+    ],
+)
+def test_runs_that_fail_a_check_raise_the_numpy_paths_error(src, dst, message):
+    with pytest.raises(ValueError, match=message):
+        checked_runs(src, dst, 8, 8)
 
 
 def test_run_rows_one_descriptor_per_group_and_run():
     regions = (PoolRegion("main.L2", 1000, 16, 256, 0, "VRAM"), PoolRegion("index.L2", 9000, 16, 64, 0, "VRAM"))
-    rows = run_rows(PoolTable.of(regions), np.array([2, 5]), np.array([3, 1]))
-    assert rows.tolist() == [[1512, 768, 0], [2280, 256, 0], [9128, 192, 0], [9320, 64, 0]]
+    rows = run_rows(PoolTable.of(regions), (2, 5), (3, 1))
+    assert rows == [(1512, 768, 0), (2280, 256, 0), (9128, 192, 0), (9320, 64, 0)]
 
 
 _SCRIPT = textwrap.dedent("""

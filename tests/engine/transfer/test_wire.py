@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from flashpd.engine.transfer.base import checked_runs
@@ -24,7 +23,17 @@ def test_a_one_run_write_notice_is_the_classic_notice_byte_for_byte():
     runs = checked_runs(range(64), range(100, 164), 64, 256)
     fast = write_notice_bytes("r", "t.1", runs.dst_start, runs.length)
     assert fast == TransferNotice("r", "t.1", tuple(range(100, 164))).to_bytes()
-    assert isinstance(runs.dst_start, np.ndarray)
+    assert runs.dst_start == (100,) and type(runs.dst_start[0]) is int
+
+
+@pytest.mark.parametrize("request_id", ["req-7", 'a"b\\c', "tab\there", "caf\u00e9 \U0001f600", ""])
+@pytest.mark.parametrize("dst", [[4, 5, 6, 9, 1, 2], list(range(300, 1324)), [5, 3, 4, 0]])
+def test_write_notices_are_the_classic_notice_byte_for_byte(request_id, dst):
+    """The formatted notice is what json.dumps wrote before (receivers of either version read
+    it), escapes included."""
+    runs = checked_runs(list(range(len(dst))), dst, len(dst), 2048)
+    fast = write_notice_bytes(request_id, "inc-\u00e9", runs.dst_start, runs.length)
+    assert fast == TransferNotice(request_id, "inc-\u00e9", tuple(dst)).to_bytes()
 
 
 @pytest.mark.parametrize(
