@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -66,6 +67,7 @@ from flashpd.engine.speculative import (
     build_drafter,
     log_forced,
 )
+from flashpd.kernels import dispatch
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.model.model import Model, exact_replay_rows
 
@@ -88,6 +90,10 @@ class EngineConfig:
     cache_salt: str = ""
     seed: int = 0
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name  # compressed main KV (model/kv_format.py)
+    # op -> kernel implementation over the device's default (CPU: every op's torch reference;
+    # GPU: `dispatch.fastest()`), e.g. {"mhc": "ref", "indexer": "ref"}: the A/B baseline's
+    # unfused mHC and reference indexer (infra/serve.h200.baseline.yaml)
+    kernel_impls: Mapping[str, str] = field(default_factory=dict)
     num_threads: int = 0  # torch CPU threads for this process (0 = leave torch's default)
     async_scheduling: bool = True  # plan + launch step N+1 before step N's ids reach the host
     # The longest context served (None: unbounded here, the router enforces its own limit).
@@ -106,6 +112,12 @@ class EngineConfig:
             object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("speculative must be a SpeculativeConfig, a dict or None")
+        if not isinstance(self.kernel_impls, Mapping):
+            raise ValueError(f"kernel_impls must map op -> implementation, got {self.kernel_impls!r}")
+        try:
+            dispatch.check_impls(self.kernel_impls)
+        except ValueError as e:
+            raise ValueError(f"kernel_impls: {e}") from None
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
         if self.dtype not in DTYPES:

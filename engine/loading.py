@@ -98,7 +98,8 @@ def _random_gpu_model(source: RandomWeights, config: EngineConfig, fmt):
     from flashpd.engine.gpu.loading import random_gpu_model
     from flashpd.model.presets import preset_config
 
-    return random_gpu_model(preset_config(source.preset), config.device, source.seed, fmt)
+    cfg = preset_config(source.preset)
+    return random_gpu_model(cfg, config.device, source.seed, fmt, kernel_impls=config.kernel_impls)
 
 
 def _dspark(checkpoint_dir: str, config: EngineConfig, model):
@@ -146,13 +147,13 @@ def load_engine(checkpoint_dir: str, config: EngineConfig) -> LLMEngine:
     elif config.device == "cpu":
         from flashpd.model.model import load_model
 
-        model = load_model(checkpoint_dir, DTYPES[config.dtype], compressed_kv_format=fmt)
+        model = load_model(checkpoint_dir, DTYPES[config.dtype], config.kernel_impls, fmt)
     elif config.device.startswith("cuda"):
         from flashpd.engine.gpu.loading import load_gpu_model
 
         if config.dtype != "bfloat16":
             raise ValueError(f"dtype {config.dtype!r}: the GPU path computes in bfloat16")
-        model = load_gpu_model(checkpoint_dir, config.device, fmt)
+        model = load_gpu_model(checkpoint_dir, config.device, fmt, kernel_impls=config.kernel_impls)
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     tokenizer = load_tokenizer(checkpoint_dir)

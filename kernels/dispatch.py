@@ -59,6 +59,16 @@ def fastest(impl: str = "triton") -> dict[str, str]:
     return {op: impl if impl in available(op) else "ref" for op in OPS}
 
 
+def check_impls(impls: Mapping[str, str]) -> None:
+    """Raise ValueError naming the first op or implementation of `impls` (op -> name) that is
+    not registered: a config's choice, checked when it is read (before any model is built)."""
+    for op, impl in impls.items():
+        if op not in OPS:
+            raise ValueError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")
+        if impl not in available(op):
+            raise ValueError(f"no kernel {op}/{impl}; registered for {op}: {', '.join(available(op))}")
+
+
 def available(op: str) -> tuple[str, ...]:
     """Registered implementation names of `op`, sorted."""
     _check_op(op)

@@ -29,10 +29,11 @@ from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
 from flashpd.engine.speculative import BENCH_ENV, DEFAULT_MAX_BATCH, SpeculativeConfig
+from flashpd.kernels import dispatch
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.services.api import DEPLOYMENT_ROLES, ServingMode
 from flashpd.services.worker.common import WorkerConfig
@@ -241,6 +242,11 @@ class AppArgs(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     transfer_backend: Literal["nixl", "local"] = "nixl"
     kv_format: KVFormatName = DEFAULT_KV_FORMAT.name
+    kernel_impls: dict[str, str] = Field(
+        default_factory=dict,
+        description="op -> kernel implementation over the device's default (GPU: Triton where an "
+        "op has it), e.g. {mhc: ref, indexer: ref}: the torch references (the A/B baseline)",
+    )
     cache_salt: str = ""
     max_model_len: int | None = Field(None, ge=1, description="context limit (default: model's)")
     graph_width_ratio: int = Field(
@@ -306,6 +312,12 @@ class AppArgs(_Strict):
     def worker_roles(self) -> tuple[str, ...]:
         """The worker deployments this config serves with."""
         return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+
+    @field_validator("kernel_impls")
+    @classmethod
+    def _registered_kernels(cls, impls: dict[str, str]) -> dict[str, str]:
+        dispatch.check_impls(impls)  # ValueError: pydantic names the field
+        return impls
 
     @model_validator(mode="after")
     def _tls_pair(self) -> AppArgs:
@@ -401,6 +413,7 @@ class AppArgs(_Strict):
             cache_salt=self.cache_salt,
             num_threads=r.num_threads,
             kv_format=self.kv_format,
+            kernel_impls=self.kernel_impls,
             async_scheduling=self.async_scheduling,
             max_model_len=self.max_model_len,
             graph_width_ratio=self.graph_width_ratio,

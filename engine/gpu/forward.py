@@ -5,7 +5,8 @@
     weights    the checkpoint formats (engine/gpu/weights.py): FP8 E4M3 + UE8M0 32x32 tiles,
                MXFP4 experts, BF16 small tensors, dequantised in registers by the GEMM kernels
     kernels    the dispatcher's Triton implementation of every op that has one
-               (`dispatch.fastest()`), BF16 compute
+               (`dispatch.fastest()`), BF16 compute; `kernel_impls` names others for some ops
+               (the A/B baseline: {"mhc": "ref", "indexer": "ref"}, the torch references)
     KV         a paged backend: `prepare` adds `PagedTables` to the step (pool rows of every
                window key, entry write rows, key-row tables, open-group partners), the layer
                hooks below read and write packed records through them only, and `commit` moves
@@ -30,7 +31,7 @@ forward (`KVPools.for_model` sizes them).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -83,10 +84,16 @@ class GpuModel(Model):
         hasher=None,
         compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
         decode_graphs: bool | None = None,
+        kernel_impls: Mapping[str, str] | None = None,
     ):
         """decode_graphs: decode steps, W-row replays and turns through `DecodeGraphs` (None: when
-        CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager)."""
-        super().__init__(cfg, weights, torch.bfloat16, hasher, dispatch.fastest(), compressed_kv_format)
+        CUDA is present, captured as CUDA graphs; True without CUDA: the same path, eager).
+        kernel_impls: op -> registered implementation over `dispatch.fastest()` (None: none),
+        e.g. {"mhc": "ref"}: every implementation has the reference's names and signatures."""
+        impls = dict(kernel_impls or {})
+        dispatch.check_impls(impls)
+        kernels = {**dispatch.fastest(), **impls}
+        super().__init__(cfg, weights, torch.bfloat16, hasher, kernels, compressed_kv_format)
         # The launch configs: the table's entry for this GPU with the FLASHPD_* overrides (the
         # one read of them, validated), given to every kernel call through the bound ops.
         self.kernel_configs = tuning.load(self.device)

@@ -5,10 +5,15 @@
     random_gpu_model(cfg, "cuda", seed)  every tensor generated on the device (the `bench`
                                          preset's 59 GB in seconds; nothing written to disk)
 
+kernel_impls: op -> implementation over the Triton defaults (`GpuModel`), e.g. the baseline's
+torch references for mHC and the indexer.
+
 Both compile the kernels' decode-size variants before returning (`GpuModel.warmup`, on CUDA).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -31,12 +36,14 @@ def load_gpu_model(
     device: str = "cuda",
     compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
     warm: bool | None = None,
+    kernel_impls: Mapping[str, str] | None = None,
 ) -> GpuModel:
     from flashpd.model.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint_dir)
     weights = from_checkpoint_tensors(ckpt.cfg, ckpt.tensors, torch.device(device))
-    return _warmed(GpuModel(ckpt.cfg, weights, _hasher(ckpt.cfg, ckpt.tokenizer_path), compressed_kv_format), warm)
+    hasher = _hasher(ckpt.cfg, ckpt.tokenizer_path)
+    return _warmed(GpuModel(ckpt.cfg, weights, hasher, compressed_kv_format, kernel_impls=kernel_impls), warm)
 
 
 def random_gpu_model(
@@ -46,6 +53,7 @@ def random_gpu_model(
     compressed_kv_format: CompressedKVFormat | str = DEFAULT_KV_FORMAT,
     decode_graphs: bool | None = None,
     warm: bool | None = None,
+    kernel_impls: Mapping[str, str] | None = None,
 ) -> GpuModel:
     tensors = random_checkpoint_tensors(cfg, seed, torch.device(device))
     weights = from_checkpoint_tensors(cfg, tensors, torch.device(device))
@@ -53,7 +61,8 @@ def random_gpu_model(
     from flashpd.model.presets import PRESET_NAMES, tokenizer_path
 
     tokenizer = tokenizer_path(cfg.name) if cfg.name in PRESET_NAMES else None
-    return _warmed(GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format, decode_graphs), warm)
+    model = GpuModel(cfg, weights, _hasher(cfg, tokenizer), compressed_kv_format, decode_graphs, kernel_impls)
+    return _warmed(model, warm)
 
 
 def _warmed(model: GpuModel, warm: bool | None) -> GpuModel:

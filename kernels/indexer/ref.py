@@ -32,6 +32,10 @@ from flashpd.kernels.dense.ref import fp32, matmul_nt
 from flashpd.kernels.quant import ref as qref
 
 NEG_INF = float("-inf")
+# The paged scores' largest FP32 temporaries ([C, N, dI] keys, [C, h, N] products) hold at most
+# this many elements per chunk of C queries (1 GiB: a GPU model may run the references, e.g.
+# an 8K-row prefill chunk against 32K entries, `GpuModel(kernel_impls=...)`).
+_CHUNK_ELEMENTS = 1 << 28
 
 
 def index_scores(
@@ -74,10 +78,10 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, block_size: 
     padded = scores.new_full((num_q, n_blocks * block_size), NEG_INF)
     padded[:, :num_keys] = scores
     block_score = padded.reshape(num_q, n_blocks, block_size).amax(dim=-1)  # [T, nb]
-    has_visible = n_visible >= 1
-    newest = ((n_visible - 1).clamp_min(0) // block_size)[has_visible]  # [T']
-    rows = torch.arange(num_q, device=scores.device)[has_visible]
-    block_score[rows, newest] = float("inf")
+    if n_blocks:  # a scatter, not a masked index: no data-dependent shape (CUDA graph capture)
+        newest = ((n_visible.long() - 1).clamp_min(0) // block_size)[:, None]  # [T, 1]
+        forced = block_score.scatter(1, newest, float("inf"))
+        block_score = torch.where((n_visible >= 1)[:, None], forced, block_score)
     return select_topk(block_score, min(num_blocks, n_blocks))
 
 
@@ -170,18 +174,32 @@ def index_scores_paged(
     n_visible [T] -> scores [T, N] FP32 over each query's own sequence (module docstring).
     The head weights used are FP32(head_weights) * weight_scale."""
     _check_paged(q, head_weights, key_pool, key_rows, seq_of, n_visible)
-    if weight_scale != 1.0:
-        head_weights = fp32(head_weights) * weight_scale
-    num_pool_rows = key_pool.shape[0]
-    scores = torch.full((q.shape[0], key_rows.shape[1]), NEG_INF, dtype=torch.float32, device=q.device)
-    for b in range(key_rows.shape[0]):  # every query against sequence b; keep its own rows
-        rows = key_rows[b].long()  # [N]
-        usable = (rows >= 0) & (rows < num_pool_rows)
-        keys = qref.unpack_mxfp4(key_pool[torch.where(usable, rows, 0)], torch.bfloat16)
-        seq_scores = index_scores(q, head_weights, keys, n_visible)  # [T, N]
-        seq_scores = seq_scores.masked_fill(~usable[None, :], NEG_INF)
-        scores = torch.where((seq_of == b)[:, None], seq_scores, scores)
-    return scores
+    w = fp32(head_weights) * weight_scale if weight_scale != 1.0 else fp32(head_weights)
+    num_q, num_heads, head_dim = q.shape
+    num_seqs, width = key_rows.shape
+    if num_seqs == 0 or width == 0:
+        return torch.full((num_q, width), NEG_INF, dtype=torch.float32, device=q.device)
+    rows = key_rows.long()  # [B, N]
+    usable = (rows >= 0) & (rows < key_pool.shape[0])
+    # every sequence's keys unpacked once (BF16 holds the MXFP4 values exactly), one at a time
+    keys = torch.stack([qref.unpack_mxfp4(key_pool[r], torch.bfloat16) for r in torch.where(usable, rows, 0)])
+    seq = seq_of.long()
+    own = (seq >= 0) & (seq < num_seqs)
+    seq = seq.clamp(0, num_seqs - 1)
+    # each query against its own sequence's keys, in chunks of queries whose FP32 keys and
+    # products stay under _CHUNK_ELEMENTS (the index_scores arithmetic per query, batched)
+    chunk = max(1, _CHUNK_ELEMENTS // (width * max(head_dim, num_heads)))
+    parts = []
+    for t0 in range(0, num_q, chunk):
+        c = slice(t0, t0 + chunk)
+        dots = torch.bmm(fp32(q[c]), fp32(keys[seq[c]]).transpose(1, 2)).clamp_min(0)  # [C, h, N] ReLU
+        part = torch.zeros(dots.shape[0], width, dtype=torch.float32, device=q.device)
+        for h in range(num_heads):  # fixed summation order over heads (index_scores)
+            part = part + w[c, h, None] * dots[:, h, :]
+        parts.append(part)
+    scores = torch.cat(parts)  # [T, N]
+    visible = torch.arange(width, device=q.device)[None, :] < n_visible[:, None]
+    return scores.masked_fill(~(visible & own[:, None] & usable[seq]), NEG_INF)
 
 
 def index_topk_sparse_paged(
@@ -213,7 +231,8 @@ def _blocks_mask(blocks: torch.Tensor, block_size: int, num_keys: int) -> torch.
     ids = torch.where((ids < 0) | (ids >= n_blocks), n_blocks, ids)  # spare column
     kept = torch.zeros(blocks.shape[0], n_blocks + 1, dtype=torch.bool, device=blocks.device)
     kept.scatter_(1, ids, True)
-    return kept[:, :n_blocks].repeat_interleave(block_size, dim=1)[:, :num_keys]
+    each_entry = kept[:, :n_blocks, None].expand(-1, -1, block_size)  # [T, nb, block_size]
+    return each_entry.reshape(blocks.shape[0], -1)[:, :num_keys]
 
 
 def _check_paged(

@@ -31,7 +31,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     logits = fp32(logits)
     e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     c = e / e.sum(dim=-1, keepdim=True) + eps
-    eps_t = torch.tensor(eps, dtype=torch.float32, device=c.device)  # in-place ops: no rewrap
+    eps_t = c.new_full((), eps)  # in-place ops: no rewrap; a fill, not a host copy (graph capture)
     c.div_(c.sum(dim=-2, keepdim=True).add_(eps_t))
     for _ in range(iters - 1):
         c.div_(c.sum(dim=-1, keepdim=True).add_(eps_t))  # rows

@@ -35,9 +35,6 @@ _WEIGHT_AMAX_FLOOR = 2.0**-100
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
 _INV_E2M1_MAX = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
 
-# E2M1 code -> value. Bit 3 sign, bits 2-1 exponent, bit 0 mantissa.
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
 
 # ----------------------------------------------------------------------------- scalar formats
 def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
@@ -94,9 +91,16 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, low 4 bits) -> FP32 values."""
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[(codes & 0x0F).long()]
+    """E2M1 codes (uint8, low 4 bits) -> FP32 values: codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    and 8-15 their negatives (bit 3 the sign; -0.0 for 8). Exponent e (bits 2-1), mantissa m
+    (bit 0): |v| = m/2 when e = 0, else 2^(e-1) (1 + m/2). Computed, not looked up in a table
+    made on the host, so that it runs inside a CUDA graph capture (a GPU model may run the
+    references: `GpuModel(kernel_impls=...)`)."""
+    c = (codes & 0x0F).to(torch.int32)
+    e = (c >> 1) & 3
+    half_m = (c & 1).to(torch.float32) * 0.5
+    mag = torch.where(e == 0, half_m, e8m0_to_float((e + 126).to(torch.uint8)) * (1.0 + half_m))
+    return torch.where(c >= 8, -mag, mag)
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,13 @@ def test_e2m1_codes_and_sign_bit():
     )
 
 
+def test_e2m1_decode_gives_every_code_its_value_and_reads_the_low_nibble_only():
+    values = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+    got = q.e2m1_decode(torch.arange(256, dtype=torch.uint8).view(16, 16))  # high nibble ignored
+    want = f32(*values).expand(16, 16)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
 def test_e2m1_saturates_above_six():
     assert q.e2m1_decode(q.e2m1_encode(f32(7.0, -100.0))).tolist() == [6.0, -6.0]
 
