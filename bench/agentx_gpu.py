@@ -349,6 +349,8 @@ SWITCHES = {
     "affinity": {"args": {"routing": "round_robin"}},  # no session affinity / prefix-aware placement
     "graph_turns": {"env": {"FLASHPD_GRAPH_TURNS": "0"}},  # no CUDA graphs for turns after a hit
     "graph_pd": {"env": {"FLASHPD_GRAPH_PD": "0"}},  # no CUDA graphs for the P/D first-hit steps
+    "indexer": {"args": {"kernel_impls": {"indexer": "ref"}}},  # the torch indexer, not the Triton one
+    "mhc": {"args": {"kernel_impls": {"mhc": "ref"}}},  # unfused mHC: the torch reference
 }
 
 
@@ -358,7 +360,9 @@ def switched_config(src: str, switch: str) -> dict:
         raise ValueError(f"--switch-off: {switch!r} is not one of {sorted(SWITCHES)}")
     raw = yaml.safe_load(Path(src).read_text())
     (app,) = raw["applications"]
-    app["args"].update(SWITCHES[switch].get("args", {}))
+    args = app["args"]
+    for key, value in SWITCHES[switch].get("args", {}).items():  # kernel_impls: one op more
+        args[key] = {**args.get(key, {}), **value} if isinstance(value, dict) else value
     app.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(SWITCHES[switch].get("env", {}))
     return raw
 

@@ -98,7 +98,7 @@ def test_the_cpu_variant_keeps_the_switches_and_passes_the_launcher_check(tmp_pa
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw))
         cpu, h200 = check_config(str(path), num_gpus=0), check_config(str(ROOT / src), num_gpus=1)
-        for key in ("routing", "swa_bounded_replay", "kv_format", "kv_lease_s", "speculative"):
+        for key in ("routing", "swa_bounded_replay", "kv_format", "kernel_impls", "kv_lease_s", "speculative"):
             assert cpu.args.get(key) == h200.args.get(key)
         assert cpu.args["device"] == "cpu" and cpu.gpus == 0 and cpu.http_port == 8100
         assert "FLASHPD_KV_TRANSPORTS" not in cpu.env
@@ -210,7 +210,23 @@ def test_a_single_switch_sweep_turns_exactly_one_optimisation_off(tmp_path):
         assert len(changed_args) + len(changed_env) == 1, (switch, changed_args, changed_env)
         check_config(a.config, num_gpus=1)  # still a config the launcher takes
     with pytest.raises(SystemExit):
-        sweep_args("--switch-off", "indexer")  # no such switch: refused by name before any bring-up
+        sweep_args("--switch-off", "engram")  # no such switch: refused by name before any bring-up
+
+
+def test_the_kernel_switches_add_one_reference_op_to_the_configs_kernel_impls(tmp_path):
+    import yaml
+
+    src = ROOT / g.CONFIGS["flashpd"]
+    assert "kernel_impls" not in yaml.safe_load(src.read_text())["applications"][0]["args"]
+    for switch in ("indexer", "mhc"):
+        args = g.switched_config(str(src), switch)["applications"][0]["args"]
+        assert args["kernel_impls"] == {switch: "ref"}
+    raw = yaml.safe_load(src.read_text())
+    raw["applications"][0]["args"]["kernel_impls"] = {"mhc": "ref"}
+    both = tmp_path / "mhc.yaml"
+    both.write_text(yaml.safe_dump(raw))
+    args = g.switched_config(str(both), "indexer")["applications"][0]["args"]
+    assert args["kernel_impls"] == {"mhc": "ref", "indexer": "ref"}  # merged, not replaced
 
 
 def test_the_spec_config_is_flashpds_plus_forced_speculation_on_the_decode_workers(monkeypatch):

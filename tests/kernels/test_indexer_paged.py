@@ -256,3 +256,12 @@ def test_topk_with_n_visible_reads_nothing_past_the_count():
         got = it.select_topk(scores, 8, n_visible=n_vis, tuned=tuned)
         assert torch.equal(got, it.select_topk(clean, 8, tuned=tuned))
         assert torch.equal(got, iref.select_topk(scores, 8, n_visible=n_vis))
+
+
+def test_reference_paged_scores_do_not_depend_on_the_query_chunk(monkeypatch):
+    """The reference scores queries in chunks bounded in memory (a GPU model may run it at long
+    contexts); a chunk of one query gives the same scores, bit for bit, as one chunk of all."""
+    q, w, pool, key_rows, seq_of, n_vis = _batch(seed=7)
+    whole = iref.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.5)
+    monkeypatch.setattr(iref, "_CHUNK_ELEMENTS", 1)
+    assert torch.equal(iref.index_scores_paged(q, w, pool, key_rows, seq_of, n_vis, weight_scale=0.5), whole)

@@ -44,3 +44,14 @@ def test_graph_width_ratio_is_validated_and_reaches_the_engine_config(tmp_path):
             AppArgs(**base, graph_width_ratio=bad)
     with pytest.raises(ValueError, match="graph_width_tokens"):  # the old name is refused, not ignored
         AppArgs(**base, graph_width_tokens=8192)
+
+
+def test_kernel_impls_are_validated_at_load_and_reach_the_engine_config(tmp_path):
+    base = {"checkpoint": str(tmp_path), "redis_url": "redis://127.0.0.1:1"}
+    assert AppArgs(**base).worker_config("decode").engine.kernel_impls == {}
+    impls = {"indexer": "ref", "mhc": "ref"}
+    for role in ("prefill", "decode"):
+        assert AppArgs(**base, kernel_impls=impls).worker_config(role).engine.kernel_impls == impls
+    for bad, why in (({"fused_mhc": "ref"}, "unknown kernel op 'fused_mhc'"), ({"mhc": "cuda"}, "no kernel mhc/cuda")):
+        with pytest.raises(ValueError, match=f"kernel_impls(.|\n)*{why}"):
+            AppArgs(**base, kernel_impls=bad)

@@ -85,3 +85,29 @@ def test_default_kernel_impls_are_the_fastest(ckpt):
 def test_unknown_ops_and_implementations_are_refused(ckpt, impls, message):
     with pytest.raises(ValueError, match=message):
         load_gpu_model(ckpt, DEVICE, kernel_impls=impls)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs are captured on a GPU only")
+def test_decode_graphs_capture_the_reference_ops(ckpt):
+    """The baseline's GPU model decodes through CUDA graphs with the reference mHC and indexer
+    in them (no host copy or data-dependent shape in those ops): the graph's logits are the
+    eager step's."""
+    import copy
+
+    from flashpd.engine.gpu.decode_graph import DecodeGraphs
+
+    gpu = load_gpu_model(ckpt, DEVICE, kernel_impls={"mhc": "ref", "indexer": "ref"})
+    gpu.graphs = None
+    base = KVPools(gpu.cfg, 4, 1, DEVICE, window_scratch_rows=32)
+    state = PagedSeqState(base, 0, [0, 1, 2, 3], torch.bfloat16)
+    gpu.forward(torch.tensor(_prompt(13, 1), device=DEVICE), [SeqInput(state, 0, 13)])
+    logits = []
+    for use_graphs in (False, True):
+        gpu.graphs = DecodeGraphs(gpu) if use_graphs else None
+        _, s = copy.deepcopy((base, state))
+        decode = [SeqInput(s, 13, 1)]
+        assert gpu.graphs is None or gpu.graphs.eligible(decode)
+        logits.append(gpu.forward(torch.tensor([7], device=DEVICE), decode)[0].float().cpu())
+    gpu.graphs = None
+    eager, graphed = logits
+    assert (eager - graphed).abs().max() <= 1e-3 * eager.abs().max()
