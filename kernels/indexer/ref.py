@@ -32,10 +32,11 @@ from flashpd.kernels.dense.ref import fp32, matmul_nt
 from flashpd.kernels.quant import ref as qref
 
 NEG_INF = float("-inf")
-# The paged scores' largest FP32 temporaries ([C, N, dI] keys, [C, h, N] products) hold at most
-# this many elements per chunk of C queries (1 GiB: a GPU model may run the references, e.g.
-# an 8K-row prefill chunk against 32K entries, `GpuModel(kernel_impls=...)`).
-_CHUNK_ELEMENTS = 1 << 28
+# The paged scores' FP32 temporaries (unpacked keys, [C, N, dI] keys of C queries, [C, h, N]
+# products) hold at most this many elements each (512 MiB): a GPU model may run the references
+# (`GpuModel(kernel_impls=...)`), e.g. an 8K-row prefill chunk against 32K entries, or a decode
+# batch of 64 sequences at 128K.
+_CHUNK_ELEMENTS = 1 << 27
 
 
 def index_scores(
@@ -177,12 +178,15 @@ def index_scores_paged(
     w = fp32(head_weights) * weight_scale if weight_scale != 1.0 else fp32(head_weights)
     num_q, num_heads, head_dim = q.shape
     num_seqs, width = key_rows.shape
-    if num_seqs == 0 or width == 0:
+    if num_q == 0 or num_seqs == 0 or width == 0:
         return torch.full((num_q, width), NEG_INF, dtype=torch.float32, device=q.device)
     rows = key_rows.long()  # [B, N]
     usable = (rows >= 0) & (rows < key_pool.shape[0])
-    # every sequence's keys unpacked once (BF16 holds the MXFP4 values exactly), one at a time
-    keys = torch.stack([qref.unpack_mxfp4(key_pool[r], torch.bfloat16) for r in torch.where(usable, rows, 0)])
+    # every sequence's keys unpacked once, [B, N, dI] (BF16 holds the MXFP4 values exactly), in
+    # chunks of sequences whose FP32 values stay under _CHUNK_ELEMENTS
+    safe = torch.where(usable, rows, 0)
+    per = max(1, _CHUNK_ELEMENTS // (width * head_dim))
+    keys = torch.cat([qref.unpack_mxfp4(key_pool[safe[b : b + per]], torch.bfloat16) for b in range(0, num_seqs, per)])
     seq = seq_of.long()
     own = (seq >= 0) & (seq < num_seqs)
     seq = seq.clamp(0, num_seqs - 1)
