@@ -83,6 +83,7 @@ class _Run:
     posted_s: float = 0.0  # ... when the write was posted (descriptors built, NIXL called)
     trace: dict = field(default_factory=dict)  # the push's phases (TransferHandle.trace)
     inline: bool = False  # the push completed within the event loop's polls (no thread hop)
+    computed_s: float = 0.0  # time.monotonic() when the compute ended
 
 
 @dataclass
@@ -147,7 +148,7 @@ class PrefillWorker(EngineWorker):
         try:
             self._check_may_start(rid, ticket)
             ready = await (self._compute(req, run) if head is None else head.compute)
-            compute_ms = ms_since(t0)
+            compute_ms = 1e3 * (run.computed_s - t0)  # not the wait for a head start's run
             t1 = time.monotonic()
             src = _blocks_to_push(ready.kv_block_ids, ticket)
             _check_may_push(rid, run, ticket)
@@ -263,9 +264,11 @@ class PrefillWorker(EngineWorker):
             raise DeadlineExceeded("deadline passed before prefill started")
         try:
             prefix = PrefixPolicy(max_credit_tokens=req.max_prefill_credit_tokens)
-            return await asyncio.wait_for(
+            ready = await asyncio.wait_for(
                 self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining
             )
+            run.computed_s = time.monotonic()
+            return ready
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:

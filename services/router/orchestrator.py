@@ -467,7 +467,7 @@ class Orchestrator:
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
             elif computing:  # D holds every chunk: the head start computed for nobody
-                await self._abort_one(req.request_id, a.prefill, attempt.prefill)
+                self._background(self._abort_one(req.request_id, a.prefill, attempt.prefill))
             if attempt.base_tokens == 0:  # the KV the first tokens will rest on
                 progress.prefill_credit_tokens = attempt.result.prefill_cached_tokens if attempt.result else None
             placement.prefill_done(a)
