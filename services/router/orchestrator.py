@@ -10,7 +10,8 @@
   while D reserves; `P.run(req, ticket)` then takes it over (after `start` answered: the run
   never overtakes it). `start` is best effort: its failure changes nothing (the run reports
   the worker's state). When the ticket needs no prefill, or the attempt fails, the prefill leg
-  is aborted, which ends the head start and frees its blocks.
+  is aborted, which ends the head start and frees its blocks. Not while the decode worker
+  queues reserves (its last heartbeat): the ticket would come late.
 
 - Deadline: the request's absolute deadline bounds the whole producer; when it passes, both
   legs are aborted and the run fails with DeadlineExceeded. Workers see the same deadline in
@@ -457,7 +458,7 @@ class Orchestrator:
             return
         placement = self.placements[req.model]
         attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill), decode=self._endpoint(a.decode))
-        head_start = asyncio.ensure_future(self._head_start(attempt)) if self.config.overlap_reserve else None
+        head_start = asyncio.ensure_future(self._head_start(attempt)) if self._overlaps(a) else None
         try:
             started = time.perf_counter()
             attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode, RETRY_RESERVE)
@@ -532,13 +533,19 @@ class Orchestrator:
         except Unavailable as exc:
             raise _RetryElsewhere(worker, exc, died=True) from exc
 
+    def _overlaps(self, a: Assignment) -> bool:
+        """Start the prefill alongside the reserve, unless the decode worker was queueing
+        reserves at its last heartbeat: this reserve would wait too, and the head start would
+        hold the prefill's blocks (up to its lease) for a run that comes late."""
+        return self.config.overlap_reserve and a.decision.decode.stats.queued == 0
+
     async def _head_start(self, attempt: _Attempt) -> bool:
         """`P.start`: True when the prefill worker began computing. Never raises: a worker that
         cannot start fails its `run` the same way, where the retries handle it."""
         try:
             return await attempt.prefill.start(attempt.request)
         except Exception as exc:  # noqa: BLE001 - best effort, see above
-            log.info(
+            log.warning(
                 "request %s: no head start on %s (%r)", attempt.request.request_id, attempt.assignment.prefill.key, exc
             )
             return False

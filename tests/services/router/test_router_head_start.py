@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 from router_fakes import FakeDecode, FakePrefill, collect, request, router_stack
 
-from flashpd.services.api import Cancelled, InternalRequest, TransferFailed, Unavailable
+from flashpd.services.api import Cancelled, InternalRequest, TransferFailed, Unavailable, WorkerStats
 from flashpd.services.router.orchestrator import OrchestratorConfig
 
 pytestmark = pytest.mark.net
@@ -86,6 +86,25 @@ def test_switched_off_no_start_is_sent(redis_url):
     async def main():
         config = OrchestratorConfig(resume_grace_s=0.2, overlap_reserve=False)
         async with router_stack(redis_url, [p], [d], config=config) as s:
+            final = (await collect(s.orchestrator, s.orchestrator.open(request(PROMPT))))[-1]
+            assert final.prefill_worker == "p0" and p.started == [] and p.calls == [("run", "r1")]
+
+    run_async(main())
+
+
+@dataclass
+class QueueingDecode(FakeDecode):
+    """Its heartbeat says reserves are waiting in its admission queue."""
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "i0", "decode", kv_blocks_total=1000, queued=3, queue_limit=64)
+
+
+def test_no_head_start_while_the_decode_worker_queues_reserves(redis_url):
+    p, d = FakePrefill("p0"), QueueingDecode("d0")
+
+    async def main():
+        async with router_stack(redis_url, [p], [d]) as s:
             final = (await collect(s.orchestrator, s.orchestrator.open(request(PROMPT))))[-1]
             assert final.prefill_worker == "p0" and p.started == [] and p.calls == [("run", "r1")]
 
