@@ -34,7 +34,8 @@ calls `handle.method.remote(...)` and awaits it, `generate` through
   the same request takes the compute over; `abort` ends it (as an abort before the run: the
   late run is refused); one no `run` takes over frees its blocks after the worker's lease
   (`kv_lease_s`). Best effort: False when nothing was started (already started or running,
-  aborted since the request arrived); its errors change nothing (the `run` reports them).
+  aborted since the request arrived, half the engine's sequences already held by head starts);
+  its errors change nothing (the `run` reports them).
 - `PrefillServer.run(req: InternalRequest, ticket: Ticket) -> PrefillResult`
   Runs the encoder path over the chunks D lacks (bounded replay on P's own prefix hit) and
   pushes them into `ticket.dst_block_ids` (chunk `ticket.first_block_index` onwards) through

@@ -2,9 +2,10 @@
 
     start(req)        head start: compute the prompt's KV now, before the decode worker's
                       ticket exists (the router reserves meanwhile); `run` joins it. Best effort:
-                      False (nothing started) for a request already started or running here, or
-                      aborted since it arrived at the router. A head start no `run` joins within
-                      `lease_s` (or the request's deadline) frees its blocks.
+                      False (nothing started) for a request already started or running here,
+                      aborted since it arrived at the router, or with half the engine's sequences
+                      held by head starts already. One no `run` joins within `lease_s` (or the
+                      request's deadline) frees its blocks (they stay prefix-cached).
     run(req, ticket)  encoder path over the prompt (bounded replay on this worker's own prefix
                       hit; the head start's compute when there is one), then push the chunks the
                       decode worker lacks, chunk `ticket.first_block_index` onwards, into
@@ -108,6 +109,9 @@ class PrefillWorker(EngineWorker):
         self._runs: dict[str, dict[str, _Run]] = {}  # request id -> engine id -> attempt
         self._heads: dict[str, _HeadStart] = {}  # request id -> head start no run took over yet
         self._attempt_numbers = itertools.count()
+        # head starts no run took over yet hold at most half the engine's sequences, so runs
+        # whose decode worker queued their reserve never wait for them (up to the lease)
+        self._max_heads = max(1, config.engine.max_num_seqs // 2)
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # request id -> unix time
         self._pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="flashpd-push")
         self._cleanups: set[asyncio.Task] = set()
@@ -120,6 +124,8 @@ class PrefillWorker(EngineWorker):
         rid = req.request_id
         running = any(not r.cancel.is_set() for r in self._runs.get(rid, {}).values())
         if rid in self._heads or running or self._aborted_since(rid, req.arrival_unix_s):
+            return False
+        if len(self._heads) >= self._max_heads:  # a burst whose tickets come late: leave room for runs
             return False
         run = self._new_run(req)
         compute = asyncio.ensure_future(self._compute(req, run))

@@ -23,9 +23,9 @@ LONG_S = 60.0  # lease and transfer timeout: only the notices can free blocks qu
 SETTLE_S = 5.0  # bound for the workers to be idle again
 
 
-def _workers(model, prefill_lease_s: float = LONG_S) -> tuple[PrefillWorker, DecodeWorker]:
+def _workers(model, prefill_lease_s: float = LONG_S, max_seqs: int = 16) -> tuple[PrefillWorker, DecodeWorker]:
     def make(role, lease_s):
-        ec = EngineConfig(role=role, num_blocks=64, num_slots=16, model_id=MODEL_ID, max_num_seqs=16)
+        ec = EngineConfig(role=role, num_blocks=64, num_slots=16, model_id=MODEL_ID, max_num_seqs=max_seqs)
         wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=lease_s, transfer_timeout_s=LONG_S)
         return LLMEngine(model, ec), wc
 
@@ -223,6 +223,22 @@ def test_duplicate_and_late_starts_compute_nothing(model_f32):
             await p.abort("g")
             assert not await p.start(aborted)  # its abort overtook it
             assert engine.ids == ["f@p0"] and await _idle(p, d)
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
+
+
+def test_head_starts_hold_at_most_half_the_engine_s_sequences(model_f32):
+    async def main():
+        p, d = _workers(model_f32, max_seqs=4)
+        try:
+            reqs = [_req(f"k{i}", 150, 20 + i) for i in range(3)]
+            assert [await p.start(r) for r in reqs] == [True, True, False]
+            for r in reqs:  # the third computes in its run, as without a head start
+                await _turn(p, d, r)
+            assert not p._heads and await _idle(p, d)
         finally:
             await p.close()
             await d.close()
