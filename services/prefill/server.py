@@ -176,8 +176,9 @@ class PrefillWorker(EngineWorker):
         finally:
             if run.phase != "done":
                 run.cancel.set()  # a push still running aborts its transfer
-                if head is not None:
+                if head is not None and push is None:
                     head.compute.cancel()  # refused before the compute ended
+                    push = head.compute  # ... whose end the cleanup waits for
             await self._finish_shielded(req, run, push, ticket, peer)
 
     def _new_run(self, req: InternalRequest) -> _Run:
@@ -244,8 +245,9 @@ class PrefillWorker(EngineWorker):
         self, req: InternalRequest, run: _Run, push, ticket: Ticket | None = None, peer: str | None = None
     ) -> None:
         """After every run: once no write is in flight, abandon an unfinished handoff (the
-        decode worker frees its blocks now) and free this worker's blocks. Without a ticket
-        (a head start no run took over) there is no handoff to abandon."""
+        decode worker frees its blocks now) and free this worker's blocks. `push`: the push
+        (or a head start's compute) to wait for first. Without a ticket (a head start no run
+        took over) there is no handoff to abandon."""
         if push is not None:
             await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
         if ticket is not None and run.phase != "done" and not run.write_may_land:
