@@ -8,7 +8,8 @@ is `proto/flashpd.proto`; `services/router/convert.py` is the only place that ma
 
 Life of a request (all calls made by the router's orchestrator):
 
-    router --reserve(req)---------> DecodeServer   -> Ticket        (blocks for missing chunks)
+    router --start(req)-----------> PrefillServer  -> bool          (compute begins; optional,
+           --reserve(req)---------> DecodeServer   -> Ticket         concurrent with reserve)
            --run(req, ticket)-----> PrefillServer  -> PrefillResult (KV pushed into the blocks)
            --generate(req)--------> DecodeServer   -> TokenEvent* FinalEvent
            --abort(request_id)----> both, on cancel / deadline / failure (idempotent)
@@ -27,6 +28,14 @@ calls `handle.method.remote(...)` and awaits it, `generate` through
   lacks (including a trailing partial chunk) and pins the hit blocks until `lease_deadline`.
   Raises `ResourceExhausted` when the blocks do not fit, `Unavailable` while draining.
   `ticket.dst_block_ids` empty means D already holds every chunk: the router skips prefill.
+- `PrefillServer.start(req: InternalRequest) -> bool`
+  A head start: begins the encoder path before the ticket exists, so the compute overlaps the
+  reservation (the router calls it alongside `reserve` and awaits it before `run`). `run` with
+  the same request takes the compute over; `abort` ends it (as an abort before the run: the
+  late run is refused); one no `run` takes over frees its blocks after the worker's lease
+  (`kv_lease_s`). Best effort: False when nothing was started (already started or running,
+  aborted since the request arrived, half the engine's sequences already held by head starts);
+  its errors change nothing (the `run` reports them).
 - `PrefillServer.run(req: InternalRequest, ticket: Ticket) -> PrefillResult`
   Runs the encoder path over the chunks D lacks (bounded replay on P's own prefix hit) and
   pushes them into `ticket.dst_block_ids` (chunk `ticket.first_block_index` onwards) through
@@ -424,6 +433,8 @@ class WorkerStats:
 
 
 class PrefillServerApi(Protocol):
+    async def start(self, req: InternalRequest) -> bool: ...
+
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult: ...
 
     async def abort(self, request_id: str) -> bool: ...

@@ -231,6 +231,11 @@ class AppArgs(_Strict):
     )
     tls_key_file: str | None = Field(None, description="PEM key for tls_cert_file")
     routing: Literal["affinity", "random", "round_robin"] = "affinity"
+    overlap_reserve: bool = Field(
+        True,
+        description="the router starts the prefill's compute alongside the decode reservation "
+        "(the ticket is only needed for the KV push); false: reserve, then prefill",
+    )
     swa_bounded_replay: bool = True
     async_scheduling: bool = Field(
         True,

@@ -14,6 +14,10 @@ class PrefillServer(WorkerDeployment):
 
         return PrefillWorker(engine, config, ref)
 
+    async def start(self, req: InternalRequest, target_worker: str | None = None) -> bool:
+        self._check_target(target_worker)
+        return await self.worker.start(req)
+
     async def run(self, req: InternalRequest, ticket: Ticket, target_worker: str | None = None) -> PrefillResult:
         self._check_target(target_worker)
         return await self.worker.run(req, ticket)

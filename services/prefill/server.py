@@ -1,10 +1,21 @@
 """PrefillWorker: the engine in prefill role behind the `api.PrefillServerApi` contract.
 
+    start(req)        head start: compute the prompt's KV now, before the decode worker's
+                      ticket exists (the router reserves meanwhile); `run` joins it. Best effort:
+                      False (nothing started) for a request already started or running here,
+                      aborted since it arrived at the router, or with half the engine's sequences
+                      held by head starts already. One no `run` joins within `lease_s` (or the
+                      request's deadline) frees its blocks (they stay prefix-cached).
     run(req, ticket)  encoder path over the prompt (bounded replay on this worker's own prefix
-                      hit), then push the chunks the decode worker lacks, chunk
-                      `ticket.first_block_index` onwards, into `ticket.dst_block_ids`; returns
-                      once the write completed. The blocks are released right after the push.
+                      hit; the head start's compute when there is one), then push the chunks the
+                      decode worker lacks, chunk `ticket.first_block_index` onwards, into
+                      `ticket.dst_block_ids`; returns once the write completed. The blocks are
+                      released right after the push.
     abort(rid)        stops the compute (and frees its blocks), or cancels the push; idempotent
+
+The head start is a call of its own, not `run` waiting for a ticket: a run waiting in a Serve
+replica would hold one of its `max_ongoing_requests` slots, and with every slot held by runs
+waiting for tickets no ticket could get in.
 
 The transfer contract is checked when a decode worker is first connected (fail fast, no bytes
 moved); connections are kept per decode incarnation.
@@ -12,18 +23,20 @@ moved); connections are kept per decode incarnation.
 No stranded capacity: on every path that does not end in a completed write (error, deadline,
 cancel, abort, transfer timeout or failure), once no write of the request is in flight the
 decode worker gets an abandon notice, so it reuses its reserved blocks at once, and this
-worker's blocks are freed. An abort that arrives before its run leaves a tombstone: the late
-run is refused (and abandoned) instead of computing for nobody, and every connected decode worker
-gets an `abandon_all` notice: it may reuse the blocks of the tickets this worker now refuses. No write is posted after the
-ticket's lease, and none outlives `transfer_timeout_s`: the decode side's fallback for a dead
-prefill rests on that bound. Each attempt runs in the engine under `<request id>@<token>`, so a
-retry of a request id never collides with an attempt still winding down.
+worker's blocks are freed. An abort that arrives before its run (a head start alone counts as
+no run: it knows no ticket) leaves a tombstone: the late run is refused (and abandoned) instead
+of computing for nobody, and every connected decode worker gets an `abandon_all` notice: it may
+reuse the blocks of the tickets this worker now refuses. No write is posted after the ticket's
+lease, and none outlives `transfer_timeout_s`: the decode side's fallback for a dead prefill
+rests on that bound. Each attempt runs in the engine under `<request id>@p<n>` (n counts this
+worker's attempts), so a retry of a request id never collides with an attempt still winding down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -71,6 +84,18 @@ class _Run:
     posted_s: float = 0.0  # ... when the write was posted (descriptors built, NIXL called)
     trace: dict = field(default_factory=dict)  # the push's phases (TransferHandle.trace)
     inline: bool = False  # the push completed within the event loop's polls (no thread hop)
+    computed_s: float = 0.0  # time.monotonic() when the compute ended
+
+
+@dataclass
+class _HeadStart:
+    """A prefill computing before its ticket (`start`); `run` takes it over, or `expiry` drops it."""
+
+    req: InternalRequest
+    run: _Run
+    compute: asyncio.Task  # -> the engine's kv_ready output
+    started_s: float  # time.monotonic()
+    expiry: asyncio.TimerHandle | None = None
 
 
 class PrefillWorker(EngineWorker):
@@ -81,26 +106,55 @@ class PrefillWorker(EngineWorker):
         self.sender = make_sender(config.transfer_backend, self.contract, self.pools)
         self._peers: dict[bytes, str] = {}
         self._queued_tokens: dict[str, int] = {}
-        self._runs: dict[str, dict[str, _Run]] = {}  # request id -> token -> attempt
+        self._runs: dict[str, dict[str, _Run]] = {}  # request id -> engine id -> attempt
+        self._heads: dict[str, _HeadStart] = {}  # request id -> head start no run took over yet
+        self._attempt_numbers = itertools.count()
+        # head starts no run took over yet hold at most half the engine's sequences, so runs
+        # whose decode worker queued their reserve never wait for them (up to the lease)
+        self._max_heads = max(1, config.engine.max_num_seqs // 2)
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # request id -> unix time
         self._pushes = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="flashpd-push")
         self._cleanups: set[asyncio.Task] = set()
         self.transfer_failures = 0
         self.push_records: deque[dict] = deque(maxlen=PUSH_RECORDS)
 
-    async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
+    async def start(self, req: InternalRequest) -> bool:
+        """Start computing `req`'s KV before its ticket exists; `run(req, ticket)` joins it."""
         self._check_servable(req)
-        t0 = time.monotonic()
-        peer = self._connect(ticket.transfer_descriptor)
-        rid, token = req.request_id, ticket.incarnation
-        run = _Run(f"{rid}@{token}")
-        self._runs.setdefault(rid, {})[token] = run
-        self._queued_tokens[run.engine_id] = len(req.kv_prompt_ids)
+        rid = req.request_id
+        running = any(not r.cancel.is_set() for r in self._runs.get(rid, {}).values())
+        if rid in self._heads or running or self._aborted_since(rid, req.arrival_unix_s):
+            return False
+        if len(self._heads) >= self._max_heads:  # a burst whose tickets come late: leave room for runs
+            return False
+        run = self._new_run(req)
+        compute = asyncio.ensure_future(self._compute(req, run))
+        compute.add_done_callback(_consume_result)  # a dropped head start's outcome is nobody's
+        head = _HeadStart(req, run, compute, time.monotonic())
+        remaining = req.remaining_s()
+        bound = self.config.lease_s if remaining is None else min(self.config.lease_s, max(remaining, 0.0))
+        head.expiry = asyncio.get_running_loop().call_later(bound, self._expire_head, head)
+        self._heads[rid] = head
+        return True
+
+    async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
+        head = self._take_head(req)
+        try:
+            self._check_servable(req)
+            peer = self._connect(ticket.transfer_descriptor)
+        except BaseException:
+            if head is not None:
+                await self._drop_head(head)
+            raise
+        t0 = time.monotonic() if head is None else head.started_s
+        rid = req.request_id
+        run = self._new_run(req) if head is None else head.run
+        self._runs.setdefault(rid, {})[run.engine_id] = run
         push = None
         try:
             self._check_may_start(rid, ticket)
-            ready = await self._compute(req, run)
-            compute_ms = ms_since(t0)
+            ready = await (self._compute(req, run) if head is None else head.compute)
+            compute_ms = 1e3 * (run.computed_s - t0)  # not the wait for a head start's run
             t1 = time.monotonic()
             src = _blocks_to_push(ready.kv_block_ids, ticket)
             _check_may_push(rid, run, ticket)
@@ -122,7 +176,46 @@ class PrefillWorker(EngineWorker):
         finally:
             if run.phase != "done":
                 run.cancel.set()  # a push still running aborts its transfer
-            await self._finish_shielded(req, ticket, peer, run, push)
+                if head is not None and push is None:
+                    head.compute.cancel()  # refused before the compute ended
+                    push = head.compute  # ... whose end the cleanup waits for
+            await self._finish_shielded(req, run, push, ticket, peer)
+
+    def _new_run(self, req: InternalRequest) -> _Run:
+        run = _Run(f"{req.request_id}@p{next(self._attempt_numbers)}")
+        self._queued_tokens[run.engine_id] = len(req.kv_prompt_ids)
+        return run
+
+    def _take_head(self, req: InternalRequest) -> _HeadStart | None:
+        """The head start of this very request (same prompt, same credit cap), now run's; one
+        for another request under the same id is dropped."""
+        head = self._heads.pop(req.request_id, None)
+        if head is None:
+            return None
+        if head.expiry is not None:
+            head.expiry.cancel()
+        if (
+            head.req.kv_prompt_ids != req.kv_prompt_ids
+            or head.req.max_prefill_credit_tokens != req.max_prefill_credit_tokens
+        ):
+            self._spawn_cleanup(self._drop_head(head))
+            return None
+        return head
+
+    def _expire_head(self, head: _HeadStart) -> None:
+        """No run took the head start over in time (its router gave up or died): free it."""
+        if self._heads.get(head.req.request_id) is head:
+            del self._heads[head.req.request_id]
+            log.warning("head start of %s: no run within its bound; blocks freed", head.req.request_id)
+            self._spawn_cleanup(self._drop_head(head))
+
+    async def _drop_head(self, head: _HeadStart) -> None:
+        """End a head start no run owns: stop its compute and free its blocks. It knew no
+        ticket, so no decode worker expects a write from it (an abort adds the tombstone)."""
+        head.run.cancel.set()
+        head.compute.cancel()
+        await asyncio.wait([head.compute])
+        await self._finish(head.req, head.run, None)
 
     def _check_servable(self, req: InternalRequest) -> None:
         if self.draining:
@@ -136,26 +229,35 @@ class PrefillWorker(EngineWorker):
         if time.time() >= ticket.lease_deadline_unix_s:
             raise Unavailable(f"the ticket's lease for {rid} passed before prefill started")
 
-    async def _finish_shielded(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run, push) -> None:
+    async def _finish_shielded(
+        self, req: InternalRequest, run: _Run, push, ticket: Ticket | None = None, peer: str | None = None
+    ) -> None:
         """`_finish` as its own task: a second cancel of the run leaves the cleanup running."""
-        task = asyncio.ensure_future(self._finish(req, ticket, peer, run, push))
+        await asyncio.shield(self._spawn_cleanup(self._finish(req, run, push, ticket, peer)))
+
+    def _spawn_cleanup(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-        await asyncio.shield(task)
+        return task
 
-    async def _finish(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run, push) -> None:
+    async def _finish(
+        self, req: InternalRequest, run: _Run, push, ticket: Ticket | None = None, peer: str | None = None
+    ) -> None:
         """After every run: once no write is in flight, abandon an unfinished handoff (the
-        decode worker frees its blocks now) and free this worker's blocks."""
+        decode worker frees its blocks now) and free this worker's blocks. `push`: the push
+        (or a head start's compute) to wait for first. Without a ticket (a head start no run
+        took over) there is no handoff to abandon."""
         if push is not None:
             await asyncio.wait([push])  # the thread returns once the transfer ended or aborted
-        if run.phase != "done" and not run.write_may_land:
+        if ticket is not None and run.phase != "done" and not run.write_may_land:
             abandon = functools.partial(self.sender.abandon, req.request_id, ticket.incarnation, peer=peer)
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pushes, abandon)
             except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
                 log.warning("abandon notice for %s failed: %r", req.request_id, exc)
         runs = self._runs.get(req.request_id, {})
-        runs.pop(ticket.incarnation, None)
+        runs.pop(run.engine_id, None)
         if not runs:
             self._runs.pop(req.request_id, None)
         self._queued_tokens.pop(run.engine_id, None)
@@ -170,9 +272,11 @@ class PrefillWorker(EngineWorker):
             raise DeadlineExceeded("deadline passed before prefill started")
         try:
             prefix = PrefixPolicy(max_credit_tokens=req.max_prefill_credit_tokens)
-            return await asyncio.wait_for(
+            ready = await asyncio.wait_for(
                 self.engine.prefill(run.engine_id, req.kv_prompt_ids, prefix), timeout=remaining
             )
+            run.computed_s = time.monotonic()
+            return ready
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during prefill") from None
         except asyncio.CancelledError:
@@ -270,6 +374,11 @@ class PrefillWorker(EngineWorker):
         return TransferFailed(f"KV push to {ticket.decode_worker_id} failed: {exc}")
 
     async def abort(self, request_id: str) -> bool:
+        head = self._heads.pop(request_id, None)
+        if head is not None:
+            if head.expiry is not None:
+                head.expiry.cancel()
+            await asyncio.shield(self._spawn_cleanup(self._drop_head(head)))
         runs = list(self._runs.get(request_id, {}).values())
         if not runs:  # not started (or already over): refuse a run that arrives later
             now = time.time()
@@ -280,7 +389,7 @@ class PrefillWorker(EngineWorker):
                 await asyncio.get_running_loop().run_in_executor(self._pushes, self.sender.abandon_all, request_id, now)
             except Exception as exc:  # noqa: BLE001 - the decode side falls back on its lease
                 log.warning("abandon_all notice for %s failed: %r", request_id, exc)
-            return False
+            return head is not None
         for run in runs:
             run.cancel.set()
             if run.phase == "compute":
@@ -299,11 +408,22 @@ class PrefillWorker(EngineWorker):
         del self._tombstones[request_id]
         return True
 
+    def _aborted_since(self, request_id: str, since_unix_s: float) -> bool:
+        """Whether an abort of `request_id` came at or after `since_unix_s` (its arrival at the
+        router): a head start that arrives after its own abort computes nothing."""
+        aborted_at = self._tombstones.get(request_id)
+        return aborted_at is not None and aborted_at >= since_unix_s
+
     def queued_prefill_tokens(self) -> int:
         return sum(self._queued_tokens.values())
 
     async def close(self) -> None:
         self.draining = True
+        for head in self._heads.values():
+            if head.expiry is not None:
+                head.expiry.cancel()
+            self._spawn_cleanup(self._drop_head(head))
+        self._heads.clear()
         for run in [r for runs in self._runs.values() for r in runs.values()]:
             run.cancel.set()
         if self._cleanups:
@@ -311,6 +431,12 @@ class PrefillWorker(EngineWorker):
         await asyncio.to_thread(self.engine.shutdown)
         self._pushes.shutdown(wait=True)
         self.sender.close()
+
+
+def _consume_result(task: asyncio.Task) -> None:
+    """Mark a head start's outcome seen: a dropped one's error is expected, not news."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _release(e: LLMEngine, request_id: str) -> None:

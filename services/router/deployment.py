@@ -57,6 +57,9 @@ class PinnedEndpoint:
     async def reserve(self, req: InternalRequest) -> Ticket:
         return await self._handle.reserve.remote(req, **self._kw)
 
+    async def start(self, req: InternalRequest) -> bool:
+        return await self._handle.start.remote(req, **self._kw)
+
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
         return await self._handle.run.remote(req, ticket, **self._kw)
 
@@ -142,7 +145,7 @@ class Router:
     def _build_orchestrator(self, model: str) -> None:
         from flashpd.services.router.index import PrefixIndex, router_redis
         from flashpd.services.router.metrics import RouterMetrics
-        from flashpd.services.router.orchestrator import Orchestrator
+        from flashpd.services.router.orchestrator import Orchestrator, OrchestratorConfig
         from flashpd.services.router.placement import Placement
         from flashpd.services.router.policy import make_policy
 
@@ -157,7 +160,10 @@ class Router:
         )
         self.metrics = RouterMetrics(model)
         directory = PinnedDirectory(self._prefill, self._decode, self._colocated)
-        self.orchestrator = Orchestrator({model: placement}, directory, self.tokenizer, metrics=self.metrics)
+        config = OrchestratorConfig(overlap_reserve=a.get("overlap_reserve", True))
+        self.orchestrator = Orchestrator(
+            {model: placement}, directory, self.tokenizer, metrics=self.metrics, config=config
+        )
 
     async def _start_grpc(self, models: ModelTable, keys: ApiKeys, tls: TlsFiles | None) -> None:
         from flashpd.services.router.grpc_server import start_grpc_server

@@ -82,6 +82,9 @@ class ServeHandleWorker:
     async def reserve(self, req: InternalRequest) -> Ticket:
         return await self._handle.reserve.remote(req, **self._kw)
 
+    async def start(self, req: InternalRequest) -> bool:
+        return await self._handle.start.remote(req, **self._kw)
+
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
         return await self._handle.run.remote(req, ticket, **self._kw)
 

@@ -2,7 +2,16 @@
 
     open(req) -> Run ----------------------------------------------------------------------.
       producer task: place (Redis + policy) -> D.reserve -> P.run -> D.generate -> Final   |
+                                            \_ P.start (concurrent with the reserve)       |
       consumers:     stream(run, from_token) yields TokenEvent..., FinalEvent  <-----------'
+
+- Head start (`overlap_reserve`, on by default): the prefill's compute does not need the ticket,
+  only its push does, so `P.start(req)` goes out with `D.reserve(req)` and the compute runs
+  while D reserves; `P.run(req, ticket)` then takes it over (after `start` answered: the run
+  never overtakes it). `start` is best effort: its failure changes nothing (the run reports
+  the worker's state). When the ticket needs no prefill, or the attempt fails, the prefill leg
+  is aborted, which ends the head start and frees its blocks. Not while the decode worker
+  queues reserves (its last heartbeat): the ticket would come late.
 
 - Deadline: the request's absolute deadline bounds the whole producer; when it passes, both
   legs are aborted and the run fails with DeadlineExceeded. Workers see the same deadline in
@@ -105,6 +114,7 @@ class OrchestratorConfig:
     # failed worker): placed again with no worker excluded or suspected, before the failures
     # of `max_attempts` count
     max_lease_retries: int = 4
+    overlap_reserve: bool = True  # the prefill's compute starts alongside the reservation (P.start)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -448,13 +458,17 @@ class Orchestrator:
             return
         placement = self.placements[req.model]
         attempt = _Attempt(a, req, run.num_tokens, prefill=self._endpoint(a.prefill), decode=self._endpoint(a.decode))
+        head_start = asyncio.ensure_future(self._head_start(attempt)) if self._overlaps(a) else None
         try:
             started = time.perf_counter()
             attempt.ticket = await self._call(attempt.decode.reserve(req), a.decode, RETRY_RESERVE)
             run.placed = (a.prefill, a.decode)  # n > 1: the other choices follow this pair
             attempt.reserve_ms = (time.perf_counter() - started) * 1e3
+            computing = head_start is not None and await head_start
             if attempt.ticket.needs_prefill:
                 attempt.result = await self._prefill(attempt)
+            elif computing:  # D holds every chunk: the head start computed for nobody
+                self._background(self._abort_one(req.request_id, a.prefill, attempt.prefill))
             if attempt.base_tokens == 0:  # the KV the first tokens will rest on
                 progress.prefill_credit_tokens = attempt.result.prefill_cached_tokens if attempt.result else None
             placement.prefill_done(a)
@@ -465,6 +479,8 @@ class Orchestrator:
                 exc.lease_expired = self._lease_expired(run, attempt, exc)
                 if exc.lease_expired:
                     failed = None  # alive: its leg is aborted in line like the other
+            if head_start is not None:  # a start still on its way is refused after the abort
+                head_start.cancel()
             await asyncio.shield(self._abort_legs(attempt, failed))
             raise
         finally:
@@ -516,6 +532,23 @@ class Orchestrator:
             return self.directory.decode(worker)
         except Unavailable as exc:
             raise _RetryElsewhere(worker, exc, died=True) from exc
+
+    def _overlaps(self, a: Assignment) -> bool:
+        """Start the prefill alongside the reserve, unless the decode worker was queueing
+        reserves at its last heartbeat: this reserve would wait too, and the head start would
+        hold the prefill's blocks (up to its lease) for a run that comes late."""
+        return self.config.overlap_reserve and a.decision.decode.stats.queued == 0
+
+    async def _head_start(self, attempt: _Attempt) -> bool:
+        """`P.start`: True when the prefill worker began computing. Never raises: a worker that
+        cannot start fails its `run` the same way, where the retries handle it."""
+        try:
+            return await attempt.prefill.start(attempt.request)
+        except Exception as exc:  # noqa: BLE001 - best effort, see above
+            log.warning(
+                "request %s: no head start on %s (%r)", attempt.request.request_id, attempt.assignment.prefill.key, exc
+            )
+            return False
 
     async def _prefill(self, attempt: _Attempt) -> PrefillResult:
         a = attempt.assignment

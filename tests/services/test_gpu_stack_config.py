@@ -67,13 +67,14 @@ def test_baseline_config_turns_the_switchable_optimizations_off():
     base, shipped = check_config("infra/serve.h200.baseline.yaml"), check_config(CONFIG)
     assert base.replicas == shipped.replicas and base.gpus == shipped.gpus
     diff = {k for k in set(base.args) | set(shipped.args) if base.args.get(k) != shipped.args.get(k)}
-    assert diff == {"swa_bounded_replay", "kv_format", "routing", "kernel_impls"}
+    assert diff == {"swa_bounded_replay", "kv_format", "routing", "kernel_impls", "overlap_reserve"}
     assert (base.args["swa_bounded_replay"], base.args["kv_format"], base.args["routing"]) == (
         False,
         "fp8",
         "round_robin",
     )
     assert base.args["kernel_impls"] == {"indexer": "ref", "mhc": "ref"}  # the torch references
+    assert base.args["overlap_reserve"] is False and shipped.args["overlap_reserve"] is True
     extra = {k: v for k, v in base.env.items() if shipped.env.get(k) != v}
     assert extra == {"FLASHPD_MOE_FUSED_GATE": "0", "FLASHPD_GRAPH_TURNS": "0", "FLASHPD_GRAPH_PD": "0"}
 

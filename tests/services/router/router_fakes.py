@@ -200,12 +200,20 @@ class FakePrefill:
     cached_tokens: int = 0
     delay_s: float = 0.0
     error: Exception | None = None
-    calls: list[tuple[str, str]] = field(default_factory=list)
+    start_error: Exception | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)  # run and abort
     aborted: list[str] = field(default_factory=list)
     tickets: list[Ticket] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # head starts (`start`), by request id
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, "i0", "prefill")
+
+    async def start(self, req: InternalRequest) -> bool:
+        self.started.append(req.request_id)
+        if self.start_error is not None:
+            raise self.start_error
+        return True
 
     async def run(self, req: InternalRequest, ticket: Ticket) -> PrefillResult:
         self.calls.append(("run", req.request_id))

@@ -65,7 +65,7 @@ def test_orchestrator_over_handle_shaped_endpoints(redis_url):
             events = await collect(s.orchestrator, s.orchestrator.open(request(PROMPT, max_tokens=10, stop=("cd",))))
         assert "".join(e.text for e in events) == "ab" and events[-1].finish_reason == "stop"
         assert [name for name, _ in handles["d0"].calls] == ["reserve", "generate", "abort"]
-        assert [name for name, _ in handles["p0"].calls] == ["run", "abort"]
+        assert [name for name, _ in handles["p0"].calls] == ["start", "run", "abort"]  # start: head start
         assert handles["d0"].streams[0].cancelled  # stopped early: the Serve stream is cancelled
 
     asyncio.run(main())

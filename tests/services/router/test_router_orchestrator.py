@@ -49,6 +49,7 @@ def test_happy_path_streams_tokens_then_final_with_usage_and_timeline(redis_url)
             assert 0 < t.first_token_ms <= t.e2e_ms and t.route_ms > 0
             assert d.calls == [("reserve", "r1"), ("generate", "r1")]
             assert p.calls == [("run", "r1")] and p.tickets[0].dst_block_ids == (100, 101, 102, 103)
+            assert p.started == ["r1"]  # the head start went out alongside the reserve
             assert d.aborted == [] and p.aborted == []
 
     run_async(main())
@@ -94,9 +95,10 @@ def test_decode_holding_every_chunk_skips_prefill(redis_url):
     async def main():
         async with router_stack(redis_url, [p], [d]) as s:
             final = (await collect(s.orchestrator, s.orchestrator.open(request(prompt))))[-1]
-            assert p.calls == [] and final.prefill_worker == ""
+            assert final.prefill_worker == ""
             assert final.usage.cached_tokens_decode == 256
             assert final.usage.cached_tokens == 128  # D replays the last chunk itself
+        assert p.started == ["r1"] and p.calls == [("abort", "r1")]  # the head start, ended (in the background)
 
     run_async(main())
 
