@@ -47,6 +47,22 @@ def released_contract() -> TransferContract:
     return TransferContract(MODEL_ID, tuple(groups))
 
 
+LAYOUTS = ("groups", "block_major")
+
+
+def layout_contract(layout: str) -> TransferContract:
+    """The released contract ("groups": 8 pools, one descriptor per group and run), or the same
+    bytes as one group of 113,920-byte blocks ("block_major": every group of a block adjacent,
+    one descriptor per run), to measure what merging the 8 descriptors would buy."""
+    contract = released_contract()
+    if layout == "groups":
+        return contract
+    if layout != "block_major":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    block = GroupSpec("blocks", contract.bytes_per_block, "+".join(sorted({g.record_format for g in contract.groups})))
+    return TransferContract(MODEL_ID, (block,))
+
+
 def digest(pools: dict[str, torch.Tensor], block_ids: list[int]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(pools):
@@ -172,7 +188,9 @@ def render(rows: list[Row], args: argparse.Namespace, contract: TransferContract
 
 
 @contextlib.contextmanager
-def nixl_pair(receiver_target, num_blocks: int, wait_s: float, device: str = "cpu", **sender_options):
+def nixl_pair(
+    receiver_target, num_blocks: int, wait_s: float, device: str = "cpu", layout: str = "groups", **sender_options
+):
     """(sender, pipe, contract): a NixlSender over random pools of `num_blocks` blocks per group
     on `device` (VRAM pools on "cuda"), connected to a receiver process running
     `receiver_target(conn, contract_json, 2 * num_blocks, wait_s, device)`; the receiver is
@@ -181,7 +199,7 @@ def nixl_pair(receiver_target, num_blocks: int, wait_s: float, device: str = "cp
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from flashpd.engine.transfer.nixl_backend import NixlSender
 
-    contract = released_contract()
+    contract = layout_contract(layout)
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     child = ctx.Process(

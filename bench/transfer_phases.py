@@ -14,7 +14,9 @@ groups) the table gives the median over --reps pushes of:
   hop        loop -> the push thread starts (0 on the inline path: the loop posts)
   check, notice, lock, descriptors, nixl_init, nixl_post   `send`'s phases (TransferHandle.trace):
              block-id checks, the notice's bytes, the sender's lock, descriptor rows + NIXL
-             descriptor lists, NIXL initialize_xfer, NIXL transfer (the post)
+             descriptor lists, NIXL initialize_xfer, NIXL transfer (the post); descs: the
+             descriptors posted (one per group and run: 8 for the released layout's one run,
+             1 with `--layout block_major`, the same bytes as one group of 113,920-byte blocks)
   done       the post's return -> completion seen by the sender's poll (polls: how many)
   back       the push thread's return -> the loop resumes (inline: the last poll -> the loop)
   e2e        loop -> loop: what the prefill worker's `transfer_ms` measures (compute end ->
@@ -46,12 +48,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flashpd.bench.transfer_bench import digest, nixl_pair, reply
+from flashpd.bench.transfer_bench import LAYOUTS, digest, nixl_pair, reply
 from flashpd.engine.transfer import TransferContract
 from flashpd.engine.transfer.contract import CHUNK_TOKENS
 
 SIZES_TOKENS = (128, 8192, 32768, 131072)
-SEND_PHASES = ("check_ms", "notice_ms", "lock_ms", "descriptors_ms", "nixl_init_ms", "nixl_post_ms", "done_ms", "polls")
+SEND_PHASES = (
+    "check_ms",
+    "notice_ms",
+    "lock_ms",
+    "descriptors_ms",
+    "num_descriptors",
+    "nixl_init_ms",
+    "nixl_post_ms",
+    "done_ms",
+    "polls",
+)
+COUNTS = ("polls", "num_descriptors")  # columns that are counts, not ms
 
 
 def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float, device: str = "cpu") -> None:
@@ -177,18 +190,19 @@ def render(result: dict, args: argparse.Namespace) -> str:
         "",
         f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us} "
         f"--path {args.path} --device {args.device} --loop-thread {args.loop_thread} "
-        f"--bind-cuda-context {args.bind_cuda_context}{' --in-ray-actor' if args.in_ray_actor else ''}`; "
+        f"--bind-cuda-context {args.bind_cuda_context} --layout {args.layout}"
+        f"{' --in-ray-actor' if args.in_ray_actor else ''}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
         f"- medians of {args.reps} pushes per size, ms (polls: a count); definitions in the module docstring",
         "",
-        "| " + " | ".join(head) + " |",
+        "| " + " | ".join(head).replace("num_descriptors", "descs") + " |",
         "|" + "---|" * len(head),
     ]
     for tokens, size in result["sizes"].items():
         m = medians(size["rows"])
         cells = [str(tokens), f"{m['bytes'] / 1e6:.1f}"]
-        cells += [f"{m[c]:.3f}" if c in m and c != "polls" else (f"{m[c]:.0f}" if c in m else "-") for c in cols]
+        cells += [f"{m[c]:.3f}" if c in m and c not in COUNTS else (f"{m[c]:.0f}" if c in m else "-") for c in cols]
         cells += [f"{m['bytes'] / m['e2e_ms'] / 1e6:.2f}", f"{m['bytes'] / m['transport_ms'] / 1e6:.2f}"]
         cells.append("yes" if size["verified"] else "NO")
         lines.append("| " + " | ".join(cells) + " |")
@@ -199,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict:
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
     options = {"bind_cuda_context": args.bind_cuda_context == "on"}
     wait_s = args.owner_wait_us * 1e-6
-    with nixl_pair(receiver_main, max_blocks, wait_s, args.device, **options) as (sender, conn, _):
+    with nixl_pair(receiver_main, max_blocks, wait_s, args.device, args.layout, **options) as (sender, conn, _):
         pusher = Pusher(sender, conn, args.path)
         sizes = run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks)
         if args.loop_thread == "main":
@@ -258,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--bind-cuda-context", choices=("on", "off"), default="on", help="NixlSender's bind_cuda_context"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="groups",
+        help="the pools as the 8 released groups, or the same bytes block-major (one descriptor per run)",
     )
     parser.add_argument("--in-ray-actor", action="store_true", help="the sender in a Ray actor (Ray started here)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")

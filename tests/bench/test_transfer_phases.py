@@ -20,3 +20,27 @@ def test_pushes_are_timed_and_verified_from_either_thread(tmp_path, loop_thread)
     assert f"--loop-thread {loop_thread}" in table and "pools on cpu" in table
     rows = [line for line in table.splitlines() if line.startswith("| 128 ") or line.startswith("| 256 ")]
     assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows)
+    assert all("| 8 |" in row for row in rows)  # one descriptor per group (one run)
+
+
+def test_the_block_major_layout_moves_the_same_bytes_in_one_descriptor_per_run(tmp_path):
+    out = tmp_path / "phases.md"
+    argv = ["--sizes", "256", "--reps", "2", "--layout", "block_major", "--out", str(out)]
+    assert transfer_phases.main(argv) == 0
+    table = out.read_text()
+    assert "--layout block_major" in table
+    (row,) = [line for line in table.splitlines() if line.startswith("| 256 ")]
+    head = [c.strip() for c in table.splitlines()[6].strip("|").split("|")]
+    cells = dict(zip(head, (c.strip() for c in row.strip("|").split("|")), strict=True))
+    assert cells["MB"] == "0.2" and cells["verified"] == "yes"  # 2 blocks x 113,920 B
+    assert cells["descs"] == "1"  # one run of one group (the released layout: 8)
+
+
+def test_layouts_carry_the_released_bytes_per_block():
+    from flashpd.bench.transfer_bench import layout_contract
+
+    groups, block = layout_contract("groups"), layout_contract("block_major")
+    assert len(groups.groups) == 8 and len(block.groups) == 1
+    assert block.bytes_per_block == groups.bytes_per_block == 113_920
+    with pytest.raises(ValueError, match="layout"):
+        layout_contract("rows")
