@@ -685,7 +685,7 @@ def gpu_memory() -> str:
         return repr(e)
 
 
-def run_stack(out: str, config: str, budget_s: float) -> dict:
+def run_stack(out: str, config: str, budget_s: float, only: tuple[str, ...] = ()) -> dict:
     from flashpd.engine.loading import load_tokenizer
     from flashpd.services.gpu_stack import gpu_stack
 
@@ -720,6 +720,11 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
         phases.append(("http_c1", lambda: run_clients(stack, "http", 1, CONCURRENCY[1], 21700)))
         phases.append(("itl_b8", lambda: phase_itl_b8(stack)))
         phases.append(("faults", lambda: phase_faults(stack, deadline)))
+        if only:  # --only: these phases, in the usual order
+            unknown = set(only) - {name for name, _ in phases}
+            if unknown:
+                raise SystemExit(f"--only: no phase {sorted(unknown)}; phases are {[n for n, _ in phases]}")
+            phases = [(name, make) for name, make in phases if name in only]
         for name, make in phases:
             if time.monotonic() > deadline - 30:
                 res[name] = {"skipped": "time box"}
@@ -737,7 +742,7 @@ def run_stack(out: str, config: str, budget_s: float) -> dict:
                 print(f"transport: {res['transport']}", flush=True)
                 res["push_records"] = _push_records(stack)[-(1 + len(TRANSFER_PROMPTS) * TRANSFER_REPEATS) :]
                 print(f"pushes: {res['push_records']}", flush=True)
-        if time.monotonic() < deadline - AGENTX_WINDOW_S - 60:
+        if not only and time.monotonic() < deadline - AGENTX_WINDOW_S - 60:
             res["agentx"] = phase_agentx(stack, out, deadline)
             _dump(out, res)
     _dump(out, res)
@@ -810,6 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=os.path.abspath("infra/serve.h200.yaml"))
     p.add_argument("--budget-s", type=float, default=420.0)
     p.add_argument(
+        "--only", default="", help="comma-separated stack phases to run (default: all), e.g. transfer,sessions"
+    )
+    p.add_argument(
         "--end-unix", type=float, default=None, help="finish the stack phase by this unix time (overrides --budget-s)"
     )
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
@@ -828,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         run_reference(a.out, a.config)
         return 0
     budget_s = a.budget_s if a.end_unix is None else a.end_unix - time.time() - 25
-    run_stack(a.out, a.config, budget_s)
+    run_stack(a.out, a.config, budget_s, tuple(x for x in a.only.split(",") if x))
     print(json.dumps(summary(a.out, a.commit), indent=1), flush=True)
     return 0
 

@@ -9,7 +9,11 @@ asyncio queues on the caller's event loop.
     ready = await engine.prefill(rid, prompt_ids)                  # prefill role -> kv_ready
 
 `hooks` run on the loop thread once per iteration (after commands, before a step): the decode
-server polls KV-transfer completions there.
+server polls KV-transfer completions there. `output_hooks` run on the loop thread with each
+finished output of a step, before it is delivered and before the loop's own bookkeeping: the
+prefill server posts a KV push there the moment the KV is in the pools (on the loop thread,
+which holds the GIL anyway, instead of after a hop onto the event loop that contends with it).
+An output hook that raises is logged; the output is delivered all the same.
 
 Views that never wait for a step: after every iteration the loop thread stores the engine's
 `usage()` counters (`usage_now`) and moves its prefix-cache events into a queue
@@ -64,6 +68,7 @@ class AsyncLLMEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.hooks: list[Callable[[LLMEngine], None]] = []
+        self.output_hooks: list[Callable[[EngineOutput], None]] = []
         # What closing an unfinished stream does, on the loop thread (default: abort). The decode
         # worker replaces it to keep blocks that a KV write may still reach.
         self.on_unfinished_close: Callable[[LLMEngine, str], Any] = lambda e, request_id: e.abort(request_id)
@@ -245,6 +250,8 @@ class AsyncLLMEngine:
                 self._publish_views()  # what admissions and aborts changed, before a long step
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
+                        if out.finished and self.output_hooks:
+                            self._run_output_hooks(out)
                         self._deliver(out)
                     self._publish_views()
                 else:
@@ -274,6 +281,13 @@ class AsyncLLMEngine:
             else:
                 if self._hook_failures.pop(index, None) is not None and not any(self._hook_failures.values()):
                     self._hook_error = None
+
+    def _run_output_hooks(self, out: EngineOutput) -> None:
+        for hook in list(self.output_hooks):
+            try:
+                hook(out)
+            except Exception:  # noqa: BLE001 - the output is delivered; its owner sees its state
+                log.exception("output hook %r failed on %s", hook, out.request_id)
 
     def _run_commands(self) -> None:
         while True:

@@ -85,6 +85,24 @@ class _Run:
     trace: dict = field(default_factory=dict)  # the push's phases (TransferHandle.trace)
     inline: bool = False  # the push completed within the event loop's polls (no thread hop)
     computed_s: float = 0.0  # time.monotonic() when the compute ended
+    engine_post: bool = False  # the write was posted by the engine's loop thread at kv_ready
+
+
+@dataclass
+class _Armed:
+    """A run whose ticket is known, waiting for its KV: the engine's loop thread posts the write
+    at kv_ready (`PrefillWorker._on_engine_output`) and records the outcome here. Whoever takes
+    it out of `_armed` first owns it: the output hook (then `settled` is set once it posted or
+    failed) or `run` (then no write was posted for it by the hook)."""
+
+    req: InternalRequest
+    ticket: Ticket
+    peer: str
+    run: _Run
+    handle: object = None  # the posted write (TransferHandle)
+    error: BaseException | None = None  # what refused or failed the post
+    compute_end_s: float = 0.0  # time.monotonic() when the hook saw kv_ready
+    settled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -117,6 +135,10 @@ class PrefillWorker(EngineWorker):
         self._cleanups: set[asyncio.Task] = set()
         self.transfer_failures = 0
         self.push_records: deque[dict] = deque(maxlen=PUSH_RECORDS)
+        # runs armed for a push at kv_ready, by engine id; the engine's loop thread takes them
+        self._armed: dict[str, _Armed] = {}
+        self._armed_lock = threading.Lock()
+        self.engine.output_hooks.append(self._on_engine_output)
 
     async def start(self, req: InternalRequest) -> bool:
         """Start computing `req`'s KV before its ticket exists; `run(req, ticket)` joins it."""
@@ -150,16 +172,26 @@ class PrefillWorker(EngineWorker):
         rid = req.request_id
         run = self._new_run(req) if head is None else head.run
         self._runs.setdefault(rid, {})[run.engine_id] = run
-        push = None
+        push = armed = None
         try:
             self._check_may_start(rid, ticket)
-            ready = await (self._compute(req, run) if head is None else head.compute)
+            armed = self._arm(req, ticket, peer, run)
+            try:
+                ready = await (self._compute(req, run) if head is None else head.compute)
+            finally:
+                if self._disarm(armed):
+                    armed = None  # the hook never took it: no write was posted for it
             compute_ms = 1e3 * (run.computed_s - t0)  # not the wait for a head start's run
-            t1 = time.monotonic()
-            src = _blocks_to_push(ready.kv_block_ids, ticket)
-            _check_may_push(rid, run, ticket)
-            run.phase = "push"
-            stats, push = self._start_push(req, ticket, peer, src, run)
+            if armed is not None:  # posted (or refused) by the engine's loop thread at kv_ready
+                t1 = armed.compute_end_s
+                run.phase = "push"
+                stats, push = self._follow_engine_post(req, ticket, armed)
+            else:
+                t1 = time.monotonic()
+                src = _blocks_to_push(ready.kv_block_ids, ticket)
+                _check_may_push(rid, run, ticket)
+                run.phase = "push"
+                stats, push = self._start_push(req, ticket, peer, src, run)
             if push is not None:  # still moving after the inline polls: a push thread waits
                 stats = await asyncio.shield(push)
             run.phase = "done"
@@ -176,7 +208,10 @@ class PrefillWorker(EngineWorker):
         finally:
             if run.phase != "done":
                 run.cancel.set()  # a push still running aborts its transfer
-                if head is not None and push is None:
+                if armed is not None and push is None:  # the hook posted: end that write first
+                    push = asyncio.ensure_future(self._settle_engine_post(req, ticket, armed))
+                    push.add_done_callback(_consume_result)
+                elif head is not None and push is None:
                     head.compute.cancel()  # refused before the compute ended
                     push = head.compute  # ... whose end the cleanup waits for
             await self._finish_shielded(req, run, push, ticket, peer)
@@ -317,6 +352,7 @@ class PrefillWorker(EngineWorker):
                 "total_ms": 1e3 * (now - t1),
                 "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None,
                 "inline": run.inline,
+                "engine_post": run.engine_post,
                 "phases": {k: round(v, 4) for k, v in run.trace.items()},
             }
         )
@@ -334,6 +370,63 @@ class PrefillWorker(EngineWorker):
             except TransferError as exc:
                 log.warning("abandon_all notice for %s failed: %s", request_id, exc)
 
+    # ------------------------------------------------------------------ push at kv_ready
+    def _arm(self, req: InternalRequest, ticket: Ticket, peer: str, run: _Run) -> _Armed:
+        armed = _Armed(req, ticket, peer, run)
+        with self._armed_lock:
+            self._armed[run.engine_id] = armed
+        return armed
+
+    def _disarm(self, armed: _Armed) -> bool:
+        """True when `run` took it back (the hook never fired for it)."""
+        with self._armed_lock:
+            return self._armed.pop(armed.run.engine_id, None) is not None
+
+    def _on_engine_output(self, out) -> None:
+        """On the engine's loop thread, before the output is delivered: at kv_ready of an armed
+        run, post its write right away (the KV is in the pools: kv_ready waited for the step's
+        kernels). The same checks as the event loop's path; any refusal is kept for `run`."""
+        if out.finish_reason != "kv_ready":
+            return
+        with self._armed_lock:
+            armed = self._armed.pop(out.request_id, None)
+        if armed is None:
+            return
+        run = armed.run
+        try:
+            armed.compute_end_s = run.push_started_s = time.monotonic()
+            src = _blocks_to_push(out.kv_block_ids, armed.ticket)
+            _check_may_push(armed.req.request_id, run, armed.ticket)
+            handle = self.sender.send(
+                armed.req.request_id, src, armed.ticket.dst_block_ids, armed.ticket.incarnation, peer=armed.peer
+            )
+            run.posted_s, run.trace, run.engine_post = time.monotonic(), handle.trace, True
+            armed.handle = handle
+        except BaseException as exc:  # noqa: BLE001 - `run` raises it on the event loop
+            armed.error = exc
+        finally:
+            armed.settled.set()
+
+    def _follow_engine_post(self, req: InternalRequest, ticket: Ticket, armed: _Armed):
+        """After kv_ready reached `run`: the hook has settled (it ran before the output was
+        delivered). Poll its write like `_start_push` does; raise what refused it."""
+        if armed.error is not None:
+            exc = armed.error
+            if isinstance(exc, TransferError):  # nothing in flight: refused, or ended (ERR)
+                raise self._push_error(req, ticket, exc) from exc
+            raise exc
+        return self._poll_posted(req, ticket, armed.handle, armed.run)
+
+    async def _settle_engine_post(self, req: InternalRequest, ticket: Ticket, armed: _Armed) -> None:
+        """`run` ended before following the hook's write (cancelled, say): wait until the hook
+        has settled, then until its write ended (run.cancel is set: the wait aborts it), so the
+        cleanup's abandon notice never races a write still in flight."""
+        loop = asyncio.get_running_loop()
+        if not armed.settled.is_set():
+            await loop.run_in_executor(self._pushes, armed.settled.wait)
+        if armed.handle is not None:
+            await loop.run_in_executor(self._pushes, self._wait_push, req, ticket, armed.handle, armed.run)
+
     def _start_push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int], run: _Run):
         """On the event loop: post the write and poll it for up to INLINE_WAIT_S, so a push
         that completes that fast (a 128K-token prompt's 117 MB over cuda_ipc) pays no hop onto
@@ -344,10 +437,18 @@ class PrefillWorker(EngineWorker):
         run.push_started_s = time.monotonic()
         try:
             handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
-            run.posted_s = time.monotonic()
-            run.trace = handle.trace
+        except TransferError as exc:  # nothing in flight: refused
+            raise self._push_error(req, ticket, exc) from exc
+        run.posted_s = time.monotonic()
+        run.trace = handle.trace
+        return self._poll_posted(req, ticket, handle, run)
+
+    def _poll_posted(self, req: InternalRequest, ticket: Ticket, handle, run: _Run):
+        """Poll a posted write on the event loop for up to INLINE_WAIT_S; a slower one is waited
+        on by a push thread. Returns (stats, None) or (None, the waiting thread's future)."""
+        try:
             stats = self.sender.poll_briefly(handle, INLINE_WAIT_S)
-        except TransferError as exc:  # nothing in flight: refused, or ended (ERR, judged)
+        except TransferError as exc:  # nothing in flight: ended (ERR, judged)
             raise self._push_error(req, ticket, exc) from exc
         if stats is not None:
             run.inline = True

@@ -130,3 +130,32 @@ def test_usage_and_cache_events_are_read_without_waiting_for_a_step():
     finally:
         slow.release.set()
         eng.shutdown()
+
+
+def test_output_hooks_see_each_finished_output_on_the_loop_thread_before_its_consumer(model_f32):
+    """A hook runs on the engine's loop thread with the finished output before it is delivered;
+    one that raises is logged and the output still arrives."""
+    import threading
+
+    async def main():
+        eng = _engine(model_f32)
+        seen: list[tuple[str, str, bool]] = []
+        delivered: list[str] = []
+
+        def hook(out):
+            seen.append((out.request_id, threading.current_thread().name, out.request_id in delivered))
+
+        def broken(out):
+            raise RuntimeError("hook bug")
+
+        eng.output_hooks.extend([broken, hook])
+        try:
+            outs = [o async for o in eng.generate("a", _prompt(30, 3), SamplingParams(max_tokens=3, ignore_eos=True))]
+            delivered.append("a")
+            assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 3
+            assert len(seen) == 1 and seen[0][0] == "a" and not seen[0][2]
+            assert seen[0][1] != threading.current_thread().name  # the loop thread, not the caller's
+        finally:
+            eng.shutdown()
+
+    asyncio.run(main())

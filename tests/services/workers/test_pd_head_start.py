@@ -122,6 +122,8 @@ def test_ticket_before_the_compute_ends_pushes_the_head_start_s_kv(model_f32):
             engine.gate.set()
             result = await run
             assert engine.ids == ["a@p0"] and result.pushed_bytes > 0
+            push = p.push_records[-1]
+            assert push["engine_post"] and push["hop_ms"] == 0  # posted by the engine thread at kv_ready
             assert await _tokens(d, req) == expected
             assert await _idle(p, d)
         finally:
@@ -143,6 +145,7 @@ def test_ticket_after_the_compute_ended_pushes_at_once(model_f32):
             assert p.queued_prefill_tokens() == 600  # computed, holding its blocks for the push
             ticket = await d.reserve(req)
             await p.run(req, ticket)
+            assert not p.push_records[-1]["engine_post"]  # kv_ready came before the ticket: the loop posts
             assert len(engine.ids) == 1 and await _tokens(d, req) == expected
             assert await _idle(p, d)
         finally:
@@ -289,6 +292,69 @@ def test_a_retry_of_the_request_id_never_collides_with_its_head_start(model_f32)
             await p.run(retry, ticket)
             assert engine.ids == ["r@p0", "r@p1", "r@p2"]
             assert len(await _tokens(d, retry)) == 3 and await _idle(p, d)
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
+
+
+def test_a_lease_that_passed_at_kv_ready_refuses_the_engine_s_post(model_f32):
+    """The engine thread checks the ticket's lease at kv_ready as the event loop did: no write
+    after it, the run fails Unavailable (the router places it again), the prefill's blocks freed."""
+
+    async def main():
+        from flashpd.services.api import Unavailable
+
+        req = _req("lease", 600, 11)
+        p, d = _workers(model_f32)
+        engine = _Engine(p)
+        engine.gate.clear()
+        try:
+            ticket = await d.reserve(req)
+            ticket = dataclasses.replace(ticket, lease_deadline_unix_s=time.time() + 0.3)
+            run = asyncio.create_task(p.run(req, ticket))
+            await asyncio.sleep(0.5)  # the lease passes while the compute waits
+            engine.gate.set()
+            with pytest.raises(Unavailable, match="lease"):
+                await run
+            assert not p.push_records  # nothing was written
+            assert (await p.stats()).kv_blocks_used == 0  # (the decode keeps its reservation to its own lease)
+            assert await _turn(p, d, _req("after", 300, 12)) != []  # still serving
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
+
+
+def test_a_run_cancelled_after_the_engine_posted_waits_for_the_write_before_abandoning(model_f32):
+    """The engine thread posted the write, then the run is cancelled before it follows it: the
+    cleanup waits until that write ended before the abandon notice, and frees both sides."""
+
+    async def main():
+        req = _req("cut", 600, 13)
+        p, d = _workers(model_f32)
+        loop = asyncio.get_running_loop()
+        sent = []
+        send = p.sender.send
+
+        def send_then_cancel(*args, **kwargs):
+            handle = send(*args, **kwargs)
+            sent.append(handle)
+            loop.call_soon_threadsafe(run.cancel)  # lands before kv_ready reaches the run
+            return handle
+
+        p.sender.send = send_then_cancel
+        try:
+            ticket = await d.reserve(req)
+            run = asyncio.create_task(p.run(req, ticket))
+            with pytest.raises((asyncio.CancelledError, Cancelled)):
+                await run
+            assert len(sent) == 1  # the engine thread did post it
+            assert await _idle(p, d)
+            p.sender.send = send
+            assert await _turn(p, d, _req("after", 300, 14)) != []
         finally:
             await p.close()
             await d.close()
