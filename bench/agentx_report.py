@@ -39,6 +39,8 @@ from flashpd.bench.records import META_FILE, RECORDS_FILE, STOPPED_IN_FLIGHT, Ph
 from flashpd.bench.report import PLOTS_DIR, REPORT_FILE, Study, load_study, write_report
 from flashpd.bench.tiers import SUMMARY_FILE, ab_ratios, study_summary, tier_points
 
+STATUS_FILE = "status.md"  # the study's hand-written status, placed under the report's title
+
 SPECULATIVE = "spec"  # the speculative (forced-acceptance) sweep: agentx_gpu CONFIGS["spec"]
 
 SEED = {"speedup_low_concurrency": 1.9, "throughput_ratio_at_tier": {"150": 5.3}}
@@ -78,6 +80,9 @@ def write(a: argparse.Namespace) -> dict:
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     pareto = _plot_pareto(study, out / PLOTS_DIR / "pareto.png", tiers)
     lines = _summary_lines(summary, a) + [f"![pareto]({PLOTS_DIR}/{pareto.name})", ""]
+    status = out / STATUS_FILE  # hand-written (where the study stands): kept across regenerations
+    if status.exists():
+        lines[1:1] = ["", status.read_text().strip(), ""]
     (out / REPORT_FILE).write_text("\n".join(lines) + "\n" + generic.replace("# flashpd AgentX", "# Details: AgentX"))
     return summary
 

@@ -75,6 +75,7 @@ def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangu
         assert "kv_transports" in record
         roles = {"colocated"} if name == "colocated" else {"prefill", "decode"}
         assert {w["role"] for w in record["points"][-1]["workers_after"]} == roles
+    (out / "status.md").write_text("## Where the study stands\n\nhand-written, kept\n")
     report = _run(["report", str(out), "--baseline", "baseline", "--candidate", "flashpd", "--commit", "dry"], 300)
     assert report.returncode == 0, report.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -92,6 +93,7 @@ def test_every_config_sweeps_and_reports_on_the_cpu(ckpt_dir, tmp_path, rectangu
     assert s["lost_points"] == []
     _assert_the_forced_sweep_is_marked(out, s)
     text = (out / "report.md").read_text()
+    assert text.index("hand-written, kept") < text.index("## Workload")  # under the title
     for needle in (
         "| 1.9x |",
         "5.3x",
