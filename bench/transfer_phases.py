@@ -28,7 +28,11 @@ the medians. Bytes are verified after the last push of each size.
 
 `--device cuda` puts both sides' pools in VRAM (UCX's cuda_ipc on one GPU); `--loop-thread
 fresh` pushes from a thread that never touched CUDA (a Serve replica's event loop);
-`--in-ray-actor` runs the sender in a Ray actor's process. On a CPU host the copy is a CPU
+`--in-ray-actor` runs the sender in a Ray actor's process; `--ballast-gb`/`--ballast-graphs` make
+the sender's process hold what a replica's does beside its pools (device memory in many
+allocations, captured CUDA graphs), to find what slows NIXL's post there. UCX's own settings
+(UCX_MEMTYPE_CACHE, UCX_CUDA_IPC_CACHE, ...) are environment variables of the run.
+On a CPU host the copy is a CPU
 memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent part is the CPU's, the fixed
 costs (everything but `done` at large sizes) are what carries over to the GPU, where cuda_ipc
 moves 117 MB in well under a millisecond.
@@ -191,6 +195,8 @@ def render(result: dict, args: argparse.Namespace) -> str:
         f"- `python -m flashpd.bench.transfer_phases --reps {args.reps} --owner-wait-us {args.owner_wait_us} "
         f"--path {args.path} --device {args.device} --loop-thread {args.loop_thread} "
         f"--bind-cuda-context {args.bind_cuda_context} --layout {args.layout}"
+        f"{f' --ballast-gb {args.ballast_gb:g} --ballast-chunk-mb {args.ballast_chunk_mb}' if args.ballast_gb else ''}"
+        f"{f' --ballast-graphs {args.ballast_graphs}' if args.ballast_graphs else ''}"
         f"{' --in-ray-actor' if args.in_ray_actor else ''}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
@@ -209,7 +215,31 @@ def render(result: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ballast(device: str, gb: float, chunk_mb: int, graphs: int) -> list:
+    """What a Serve replica's process holds beside the pools, to reproduce its slower NIXL posts
+    (0.23-0.30 ms there against 0.03-0.13 between plain processes on the H200): `gb` GB of
+    device memory in `chunk_mb` MB allocations (the model's weights and activations through the
+    caching allocator) and `graphs` captured CUDA graphs (the engine's decode and replay graphs).
+    Returns the objects to keep alive. CPU: allocations in host memory, no graphs."""
+    keep: list = []
+    chunk = max(1, chunk_mb) * 2**20
+    for _ in range(int(gb * 1e9 // chunk)):
+        keep.append(torch.empty(chunk, dtype=torch.uint8, device=device))
+    if graphs and device == "cuda":
+        x = torch.zeros(1024, device=device)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(graphs):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=stream):
+                    x.add_(1.0).mul_(0.5)
+                keep.append(g)
+        torch.cuda.synchronize()
+    return keep
+
+
 def measure(args: argparse.Namespace) -> dict:
+    kept = ballast(args.device, args.ballast_gb, args.ballast_chunk_mb, args.ballast_graphs)  # noqa: F841
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
     options = {"bind_cuda_context": args.bind_cuda_context == "on"}
     wait_s = args.owner_wait_us * 1e-6
@@ -279,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="groups",
         help="the pools as the 8 released groups, or the same bytes block-major (one descriptor per run)",
     )
+    parser.add_argument("--ballast-gb", type=float, default=0.0, help="device memory held beside the pools (GB)")
+    parser.add_argument("--ballast-chunk-mb", type=int, default=256, help="... in allocations of this size")
+    parser.add_argument("--ballast-graphs", type=int, default=0, help="CUDA graphs captured before the pushes")
     parser.add_argument("--in-ray-actor", action="store_true", help="the sender in a Ray actor (Ray started here)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")
     parser.add_argument("--out", default="", help="write the markdown table here")

@@ -44,3 +44,12 @@ def test_layouts_carry_the_released_bytes_per_block():
     assert block.bytes_per_block == groups.bytes_per_block == 113_920
     with pytest.raises(ValueError, match="layout"):
         layout_contract("rows")
+
+
+def test_a_sender_holding_ballast_still_moves_every_byte(tmp_path):
+    out = tmp_path / "phases.md"
+    argv = ["--sizes", "128", "--reps", "2", "--ballast-gb", "0.02", "--ballast-chunk-mb", "4", "--out", str(out)]
+    assert transfer_phases.main(argv) == 0
+    table = out.read_text()
+    assert "--ballast-gb 0.02 --ballast-chunk-mb 4" in table
+    assert len(transfer_phases.ballast("cpu", 0.02, 4, 0)) == 4  # 20 MB in 4 MiB chunks
