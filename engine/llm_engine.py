@@ -556,7 +556,10 @@ class LLMEngine:
     def _may_speculate_next(self) -> bool:
         """Whether the next step could speculate: then it is not launched ahead (a verify
         needs the anchor on the host to draft from, and rolls states back after it)."""
-        return self.spec is not None and self.scheduler.num_running <= self.spec.max_batch
+        if self.spec is None or self.scheduler.num_running > self.spec.max_batch:
+            return False
+        bound = self.spec.max_context_tokens
+        return bound is None or self.scheduler.running_context_tokens() <= bound
 
     def _drafts(self, plan: StepPlan) -> dict[str, _Draft]:
         """`_propose`, contained: drafting is an optimisation, so a drafter that raises costs
@@ -573,6 +576,10 @@ class LLMEngine:
         decodes = [c for c in plan.chunks if c.needs_logits and c.num_tokens == 1]
         if len(decodes) > self.spec.max_batch:
             self.spec_stats.skipped_batch += 1
+            return {}
+        bound = self.spec.max_context_tokens
+        if bound is not None and sum(c.start + 1 for c in decodes) > bound:
+            self.spec_stats.skipped_context += 1
             return {}
         room = {c.request_id: self._draft_room(c) for c in decodes}
         chunks = [c for c in decodes if room[c.request_id] > 0]

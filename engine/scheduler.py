@@ -353,6 +353,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def running_context_tokens(self) -> int:
+        """Tokens of every running request summed (its context at its next step)."""
+        return sum(r.num_tokens for r in self._running)
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

@@ -26,7 +26,9 @@ the model's DSpark drafter (`DSparkDrafterAdapter` over model/dspark.py).
 Who speculates (`SpeculativeConfig`): a decode row whose request did not say
 `speculative="off"`, asks for no logprobs and no grammar (guided rows ride as 1-row segments:
 their mask depends on every accepted token, see README "Choices"), has room for at least one more
-token than the draft, and only while the step has at most `max_batch` decode rows.
+token than the draft, and only while the step has at most `max_batch` decode rows whose
+contexts add up to at most `max_context_tokens` (a verify row reads its whole context's KV and
+indexer keys, so long contexts move the crossover down).
 
 Forced acceptance (`bench_forced_acceptance_length`, benchmarks only): the number of accepted
 drafts follows a deterministic schedule whose mean is AL - 1, whatever the verify says, so the
@@ -60,6 +62,12 @@ BENCH_ENV = "FLASHPD_BENCH_FORCED_ACCEPTANCE"
 # total tok/s speculative / plain 1.70x at B = 1, 1.42x at 8, 1.11x at 16, 0.75x at 32, 0.58x at
 # 64. Speculation pays through 16 and loses from 32 (each verify row reads MoE experts of its own).
 DEFAULT_MAX_BATCH = 16
+# The decode rows' contexts summed, above which a step does not speculate. Two H200 measurements
+# with forced acceptance 3.51: the engine at 8K context (above) pays at 16 rows = 131K tokens and
+# loses at 32 = 262K; through the served stack on AgentX-like sessions (~38K-token contexts,
+# bench/results/agentx_h200, 5fac956) 1 / p90 ITL is 76.6 vs 63.0 tok/s/user at 4 streams =
+# ~152K tokens and 32.5 vs 47.0 at 8 = ~300K. The bound sits between what paid and what lost.
+DEFAULT_MAX_CONTEXT_TOKENS = 196_608
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_tokens: int = 5  # k: drafts per step (DSpark always drafts 5, §7)
     max_batch: int = DEFAULT_MAX_BATCH  # no speculation in a step with more decode rows
+    max_context_tokens: int | None = DEFAULT_MAX_CONTEXT_TOKENS  # ... or longer contexts in all (None: no bound)
     ngram_min: int = 1  # prompt lookup: shortest suffix n-gram matched
     ngram_max: int = 4  # longest (tried first)
     bench_forced_acceptance_length: float | None = None  # AL = 1 + accepted drafts; bench only
@@ -81,6 +90,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.num_tokens must be in [1, 16], got {self.num_tokens}")
         if self.max_batch < 0:
             raise ValueError(f"speculative.max_batch must be >= 0, got {self.max_batch}")
+        if self.max_context_tokens is not None and self.max_context_tokens < 0:
+            raise ValueError(f"speculative.max_context_tokens must be >= 0 or null, got {self.max_context_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("speculative.ngram_min must be in [1, ngram_max]")
         if self.draft_graphs not in DRAFT_GRAPH_MODES:
@@ -397,6 +408,7 @@ class SpecStats:
     emitted: int = 0  # tokens emitted by verifies (accepted + 1 each, before stop cuts)
     length_counts: dict[int, int] = field(default_factory=dict)  # AL -> verifies
     skipped_batch: int = 0  # steps not speculated: batch above max_batch
+    skipped_context: int = 0  # ... contexts summed above max_context_tokens
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verifies += 1
@@ -419,6 +431,7 @@ class SpecStats:
             "acceptance_length": self.acceptance_length,
             "length_counts": dict(self.length_counts),
             "skipped_batch": self.skipped_batch,
+            "skipped_context": self.skipped_context,
         }
 
 

@@ -32,7 +32,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashpd.engine.llm_engine import EngineConfig
-from flashpd.engine.speculative import BENCH_ENV, DEFAULT_MAX_BATCH, SpeculativeConfig
+from flashpd.engine.speculative import BENCH_ENV, DEFAULT_MAX_BATCH, DEFAULT_MAX_CONTEXT_TOKENS, SpeculativeConfig
 from flashpd.kernels import dispatch
 from flashpd.model.kv_format import DEFAULT_KV_FORMAT, KVFormatName
 from flashpd.services.api import DEPLOYMENT_ROLES, ServingMode
@@ -52,6 +52,11 @@ class SpeculativeArgs(_Strict):
         DEFAULT_MAX_BATCH,
         ge=0,
         description="no speculation in a step with more decode rows (provisional default; see the README)",
+    )
+    max_context_tokens: int | None = Field(
+        DEFAULT_MAX_CONTEXT_TOKENS,
+        ge=0,
+        description="no speculation in a step whose decode rows' contexts add up to more (null: no bound)",
     )
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)

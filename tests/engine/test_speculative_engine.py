@@ -88,8 +88,8 @@ PROMPTS = {
 }
 
 
-def _spec_engine(model, cfg_kw, reference, k=5, max_batch=64):
-    spec = SpeculativeConfig(method="ngram", num_tokens=k, max_batch=max_batch)
+def _spec_engine(model, cfg_kw, reference, k=5, max_batch=64, **spec_kw):
+    spec = SpeculativeConfig(method="ngram", num_tokens=k, max_batch=max_batch, **spec_kw)
     engine = LLMEngine(model, EngineConfig(num_blocks=64, speculative=spec, **cfg_kw))
     keyed = {tuple(PROMPTS[r]): (PROMPTS[r], ids) for r, ids in reference.items()}
     engine.drafter = OracleDrafter(k, keyed, model.cfg.vocab_size)
@@ -136,6 +136,29 @@ def test_policy_switches_off_above_max_batch(model_f32):
     assert _run(engine, PROMPTS, params) == reference
     assert seen and max(seen) <= 2  # drafted only once the batch fell to max_batch
     assert engine.spec_stats.verifies > 0
+
+
+def test_policy_switches_off_above_max_context_tokens(model_f32):
+    """A step whose decode rows' contexts add up to more than the bound does not speculate (a
+    verify row reads its whole context): here only once the four short requests have ended."""
+    params = {rid: SamplingParams(max_tokens=14 if rid in "ef" else 4) for rid in PROMPTS}
+    reference = _run(LLMEngine(model_f32, EngineConfig(num_blocks=64)), PROMPTS, params)
+
+    def contexts_when_drafting(bound):
+        engine = _spec_engine(model_f32, {}, reference, max_context_tokens=bound)
+        seen = []
+        propose = engine.drafter.propose
+        engine.drafter.propose = lambda states, anchors, positions, *a: (
+            seen.append(sum(p + 1 for p in positions)) or propose(states, anchors, positions, *a)
+        )
+        assert _run(engine, PROMPTS, params) == reference
+        assert engine.spec_stats.verifies > 0
+        return seen
+
+    assert max(contexts_when_drafting(None)) > 400  # unbounded: drafts with every row running
+    assert max(contexts_when_drafting(400)) <= 400
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        SpeculativeConfig(max_context_tokens=-1)
 
 
 def test_stops_inside_accepted_drafts_emit_nothing_after(model_f32):
