@@ -248,6 +248,7 @@ def test_the_spec_config_is_flashpds_plus_forced_speculation_on_the_decode_worke
         "method": "ngram",
         "num_tokens": 5,
         "max_batch": 16,
+        "max_context_tokens": 196_608,
         "bench_forced_acceptance_length": 3.51,
     }
     env = dict(spec["runtime_env"]["env_vars"])
