@@ -188,10 +188,8 @@ class PrefillWorker(EngineWorker):
                 stats, push = self._follow_engine_post(req, ticket, armed)
             else:
                 t1 = time.monotonic()
-                src = _blocks_to_push(ready.kv_block_ids, ticket)
-                _check_may_push(rid, run, ticket)
                 run.phase = "push"
-                stats, push = self._start_push(req, ticket, peer, src, run)
+                stats, push = self._start_push(req, ticket, peer, ready.kv_block_ids, run)
             if push is not None:  # still moving after the inline polls: a push thread waits
                 stats = await asyncio.shield(push)
             run.phase = "done"
@@ -392,16 +390,12 @@ class PrefillWorker(EngineWorker):
             armed = self._armed.pop(out.request_id, None)
         if armed is None:
             return
-        run = armed.run
         try:
-            armed.compute_end_s = run.push_started_s = time.monotonic()
-            src = _blocks_to_push(out.kv_block_ids, armed.ticket)
-            _check_may_push(armed.req.request_id, run, armed.ticket)
-            handle = self.sender.send(
-                armed.req.request_id, src, armed.ticket.dst_block_ids, armed.ticket.incarnation, peer=armed.peer
+            armed.compute_end_s = time.monotonic()
+            armed.handle = self._post(
+                armed.req, armed.ticket, armed.peer, out.kv_block_ids, armed.run, armed.compute_end_s
             )
-            run.posted_s, run.trace, run.engine_post = time.monotonic(), handle.trace, True
-            armed.handle = handle
+            armed.run.engine_post = True
         except BaseException as exc:  # noqa: BLE001 - `run` raises it on the event loop
             armed.error = exc
         finally:
@@ -427,20 +421,28 @@ class PrefillWorker(EngineWorker):
         if armed.handle is not None:
             await loop.run_in_executor(self._pushes, self._wait_push, req, ticket, armed.handle, armed.run)
 
-    def _start_push(self, req: InternalRequest, ticket: Ticket, peer: str, src: list[int], run: _Run):
+    def _post(self, req: InternalRequest, ticket: Ticket, peer: str, kv_block_ids, run: _Run, started_s: float):
+        """Check the push may go (the blocks match the ticket, not cancelled, lease not passed)
+        and post the write of the chunks the decode worker lacks; returns its handle. Raises with
+        nothing in flight. On the engine's loop thread (at kv_ready) or the event loop."""
+        run.push_started_s = started_s
+        src = _blocks_to_push(kv_block_ids, ticket)
+        _check_may_push(req.request_id, run, ticket)
+        handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
+        run.posted_s, run.trace = time.monotonic(), handle.trace
+        return handle
+
+    def _start_push(self, req: InternalRequest, ticket: Ticket, peer: str, kv_block_ids, run: _Run):
         """On the event loop: post the write and poll it for up to INLINE_WAIT_S, so a push
         that completes that fast (a 128K-token prompt's 117 MB over cuda_ipc) pays no hop onto
         a push thread and back (~0.2-0.5 ms, most of a 32K-token push); a slower one is waited
         on by a push thread. Returns (stats, None) or (None, the waiting thread's future).
         Raises with nothing in flight. A backend that copies inside the post (local, UCX cma
         between host pools) holds the loop for the copy: CPU deployments only."""
-        run.push_started_s = time.monotonic()
         try:
-            handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
+            handle = self._post(req, ticket, peer, kv_block_ids, run, time.monotonic())
         except TransferError as exc:  # nothing in flight: refused
             raise self._push_error(req, ticket, exc) from exc
-        run.posted_s = time.monotonic()
-        run.trace = handle.trace
         return self._poll_posted(req, ticket, handle, run)
 
     def _poll_posted(self, req: InternalRequest, ticket: Ticket, handle, run: _Run):
