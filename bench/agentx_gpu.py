@@ -182,7 +182,10 @@ def run_sweep(a: argparse.Namespace) -> int:
     try:
         with gpu_stack(a.config, ready_timeout_s=max(1.0, ready_timeout_s)) as stack:
             record["ready_s"] = round(time.time() - record["started_unix"], 1)
-            code = _sweep_points(a, stack, primer, end, record)
+            try:
+                code = _sweep_points(a, stack, primer, end, record)
+            finally:  # before the teardown takes the session's logs away
+                _keep_server_errors(a, stack, record)
     except BaseException as exc:
         record["error"] = repr(exc)
         raise
@@ -190,6 +193,27 @@ def run_sweep(a: argparse.Namespace) -> int:
         record["ended_unix"] = time.time()
         _write_sweep(a, record)
     return code
+
+
+SERVER_ERRORS_FILE = "server_errors.log"
+
+
+def _keep_server_errors(a: argparse.Namespace, stack, record: dict) -> None:
+    """The replicas' error excerpts (Ray's logs: the stack runs with log_to_driver off) into
+    OUT/<name>/server_errors.log, their count into the record, the first one printed: a failed
+    request's cause survives the teardown and comes back with the call's files."""
+    excerpts = _stack_fact(stack.errors)
+    if isinstance(excerpts, dict):  # the read-back failed: recorded, not raised
+        record["server_errors"] = excerpts
+        return
+    record["server_errors"] = len(excerpts)
+    if excerpts:
+        path = Path(a.out) / a.name / SERVER_ERRORS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(excerpts) + "\n")
+        first = excerpts[0].splitlines()
+        print(f"agentx {a.name}: {len(excerpts)} server error excerpt(s) in {path}; the first:", flush=True)
+        print("\n".join(first[:12] + (["..."] if len(first) > 12 else [])), flush=True)
 
 
 def _stack_fact(read):
@@ -436,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ttft-limit-s", type=float, default=5.0)
     r.add_argument("--commit", default="unknown")
     r.add_argument("--colocated", default="colocated", help="the colocated sweep (pd_vs_colocated against --candidate)")
+    r.add_argument(
+        "--switch-reference",
+        default=None,
+        help="the sweep each off-<switch> sweep is set against (default --candidate): one run at the "
+        "single-switch sweeps' commit, so that a ratio measures the switch and not the commits between",
+    )
     r.add_argument(
         "--speculative",
         default="spec",

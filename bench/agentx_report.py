@@ -55,6 +55,9 @@ def write(a: argparse.Namespace) -> dict:
     baseline, candidate, notes = _pick(study, a.baseline, a.candidate)
     generic = write_report(out, study, max(tiers), a.ttft_limit_s).read_text()
     metrics = {name: [p.metrics for p in points] for name, points in study.items()}
+    reference = getattr(a, "switch_reference", None) or candidate
+    if reference is not None and reference not in metrics:
+        raise SystemExit(f"--switch-reference: no sweep named {reference!r} in {out} (have {sorted(metrics)})")
     summary = {"commit": a.commit, "preset": "bench"}
     summary.update(
         study_summary(metrics, baseline=baseline, candidate=candidate, tiers=tiers, ttft_limit_s=a.ttft_limit_s)
@@ -69,7 +72,8 @@ def write(a: argparse.Namespace) -> dict:
             metrics, candidate, getattr(a, "colocated", "colocated"), tiers=tiers, ttft_limit_s=a.ttft_limit_s
         ),
         workload=next(iter(study.values()))[0].meta.workload,
-        single_switch=single_switch(metrics, candidate, tiers=tiers, ttft_limit_s=a.ttft_limit_s),
+        single_switch=single_switch(metrics, reference, tiers=tiers, ttft_limit_s=a.ttft_limit_s),
+        single_switch_reference=reference,
     )
     for name, points in study.items():
         spec = speculation(points)
@@ -416,7 +420,7 @@ def single_switch(metrics: dict, candidate: str | None, *, tiers, ttft_limit_s: 
     return {
         name[len(SWITCH_PREFIX) :]: ab_ratios(metrics[name], metrics[candidate], tiers, ttft_limit_s)
         for name in sorted(metrics)
-        if name.startswith(SWITCH_PREFIX)
+        if name.startswith(SWITCH_PREFIX) and name != candidate
     }
 
 
@@ -428,7 +432,8 @@ def _switch_lines(s: dict) -> list[str]:
     lines = [
         "## One optimisation at a time",
         "",
-        f"`{s['configuration']}` over itself with one switch off (`agentx_gpu sweep --switch-off`).",
+        f"`{s.get('single_switch_reference') or s['configuration']}` over each sweep with one switch off "
+        "(`agentx_gpu sweep --switch-off`), at the concurrencies both ran.",
         "",
         "| switch off | speed at concurrency 1-4 | " + " | ".join(f"throughput at {t}" for t in tiers) + " |",
         "|---|---|" + "---|" * len(tiers),

@@ -210,6 +210,10 @@ def test_single_switch_sets_the_candidate_against_each_off_sweep():
     assert set(rows) == {"replay"}  # only the off-<switch> sweeps
     assert rows["replay"]["speedup_low_concurrency"] == pytest.approx(2.0)
     assert single_switch(metrics, None, tiers=(20,), ttft_limit_s=5.0) == {}
+    # another reference (a same-commit run that is itself an off- sweep) is not set against itself
+    metrics["off-affinity"] = full
+    rows = single_switch(metrics, "off-affinity", tiers=(20, 60), ttft_limit_s=5.0)
+    assert set(rows) == {"replay"} and rows["replay"]["speedup_low_concurrency"] == pytest.approx(2.0)
 
 
 def _copy_config(study_dir, src: str, root, name: str, forced: float | None = None) -> None:
