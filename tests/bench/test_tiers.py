@@ -283,3 +283,21 @@ def test_agentx_report_without_a_speculative_sweep_keeps_the_candidate_for_every
     assert set(s["ab"]["candidate_at_tier"].values()) == {"flashpd"}
     assert all(c["forced_acceptance_length"] is None for c in s["configurations"].values())
     assert "forced" not in (root / "report.md").read_text().split("# Details")[0]
+
+
+def test_the_report_sets_the_single_switches_against_the_named_reference(study_dir, tmp_path):
+    from flashpd.bench.agentx_gpu import main
+
+    root = tmp_path / "study"
+    _copy_config(study_dir, "fast", root, "baseline")
+    _copy_config(study_dir, "base", root, "flashpd")
+    _copy_config(study_dir, "fast", root, "off-affinity")  # the same-commit reference
+    _copy_config(study_dir, "fast", root, "off-replay")
+    argv = ["report", str(root), "--baseline", "baseline", "--candidate", "flashpd"]
+    assert main([*argv, "--switch-reference", "off-affinity"]) == 0
+    s = json.loads((root / "summary.json").read_text())
+    assert s["single_switch_reference"] == "off-affinity" and set(s["single_switch"]) == {"replay"}
+    assert s["single_switch"]["replay"]["speedup_low_concurrency"] == 1.0  # copies of one sweep
+    assert "`off-affinity` over each sweep with one switch off" in (root / "report.md").read_text()
+    with pytest.raises(SystemExit, match="--switch-reference: no sweep named 'off-nothing'"):
+        main([*argv, "--switch-reference", "off-nothing"])
