@@ -248,7 +248,14 @@ def _sweep_points(a: argparse.Namespace, stack, primer: float, end: float, recor
             record["kv_transports"] = _stack_fact(stack.kv_transports)
         workers = _stack_fact(lambda: _workers(stack))
         record["points"].append(
-            {"concurrency": c, "exit": rc, "wall_s": wall_s, "prefill_tok_s": seen, "workers_after": workers}
+            {
+                "concurrency": c,
+                "exit": rc,
+                "wall_s": wall_s,
+                "prefill_tok_s": seen,
+                "workers_after": workers,
+                "gpu_memory_after": _stack_fact(gpu_memory),
+            }
         )
         print(
             f"agentx {a.name} c={c}: exit {rc} after {time.time() - t0:.0f} s (prefill {seen or '-'} tok/s)", flush=True
@@ -256,6 +263,27 @@ def _sweep_points(a: argparse.Namespace, stack, primer: float, end: float, recor
         code = code or rc
         _write_sweep(a, record)
     return code
+
+
+def gpu_memory(run=subprocess.run) -> dict | None:
+    """The GPUs' used / total MiB and each process's MiB (nvidia-smi), after a point: the two
+    replicas share one card with no cap on either's caching allocator, so a request that fails
+    for memory shows which process held it. None where nvidia-smi is missing (CPU runs)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+
+    def query(what: str) -> list[list[str]]:
+        out = run(
+            ["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+    gpus = [{"used_mib": int(u), "total_mib": int(t)} for u, t in query("gpu=memory.used,memory.total")]
+    procs = [{"pid": int(pid), "used_mib": int(m)} for pid, m in query("compute-apps=pid,used_memory")]
+    return {"gpus": gpus, "processes": procs}
 
 
 def _write_sweep(a: argparse.Namespace, record: dict) -> None:

@@ -359,3 +359,23 @@ def test_requests_the_driver_stopped_at_its_drain_are_not_server_failures():
     meta = SimpleNamespace(concurrency=64, aborted_reason=None, interrupted=False)
     e = agentx_report._errors([SimpleNamespace(records=records, meta=meta)])
     assert (e["failed"], e["cut_at_drain"], e["server_failed"]) == (2, 1, 1)
+
+
+def test_gpu_memory_reads_the_cards_and_each_process_from_nvidia_smi(monkeypatch):
+    import subprocess
+
+    answers = {
+        "--query-gpu=memory.used,memory.total": "120500, 143771\n",
+        "--query-compute-apps=pid,used_memory": "4242, 61000\n4343, 59500\n",
+    }
+
+    def run(argv, **kw):
+        return subprocess.CompletedProcess(argv, 0, stdout=answers[argv[1]], stderr="")
+
+    monkeypatch.setattr(g.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert g.gpu_memory(run) == {
+        "gpus": [{"used_mib": 120500, "total_mib": 143771}],
+        "processes": [{"pid": 4242, "used_mib": 61000}, {"pid": 4343, "used_mib": 59500}],
+    }
+    monkeypatch.setattr(g.shutil, "which", lambda name: None)
+    assert g.gpu_memory(run) is None  # a CPU machine: nothing to read
