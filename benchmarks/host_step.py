@@ -1,6 +1,12 @@
 """Host time of one graphed decode step, on the CPU, with no model compute.
 
     python benchmarks/host_step.py --batch 1 8 64 --context 8192 --out bench/results/h200/host.md
+    FLASHPD_BENCH_FORCED_ACCEPTANCE=1 python benchmarks/host_step.py --batch 1 8 --spec 3.51
+
+(--spec AL: speculative steps instead, prompt-lookup drafts of 5 with acceptance forced to AL.)
+Each batch also prints the torch ops per step outside the zeroed layers (`LaunchCounter`): on a
+GPU those on device tensors are kernel launches, the others host work; the count does not move
+with the machine's load, the CPU time does.
 
 The engine runs the `bench` preset's layer layout (40 layers, its compress ratios, kv / index /
 candidate sources, Engram layers, W=128, top-k 512) at the `tiny` preset's widths, through the
@@ -24,6 +30,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashpd.engine.gpu.forward import GpuModel
 from flashpd.engine.gpu.weights import from_checkpoint_tensors, random_checkpoint_tensors
@@ -76,9 +83,10 @@ def build_model(cfg, device: str = "cpu") -> HostOnlyModel:
     return HostOnlyModel(cfg, weights, hasher, decode_graphs=True)
 
 
-def start(model, batch: int, context: int, sampling: dict | None = None) -> LLMEngine:
+def start(model, batch: int, context: int, sampling: dict | None = None, spec=None) -> LLMEngine:
     """An engine with `batch` sequences decoding; sampling: extra SamplingParams fields of the
-    decoding requests (temperature, top_p, ...; default greedy)."""
+    decoding requests (temperature, top_p, ...; default greedy); spec: a SpeculativeConfig (its
+    verify steps are timed instead)."""
     cfg = model.cfg
     engine = LLMEngine(
         model,
@@ -90,6 +98,7 @@ def start(model, batch: int, context: int, sampling: dict | None = None) -> LLME
             max_num_batched_tokens=8192,
             max_num_seqs=batch,
             model_id="flashpd-host-bench",
+            speculative=spec,
         ),
     )
     g = torch.Generator().manual_seed(0)
@@ -108,17 +117,54 @@ def start(model, batch: int, context: int, sampling: dict | None = None) -> LLME
     return engine
 
 
-def time_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float]]:
-    """(CPU ms of this thread, wall ms) per step. The thread's CPU time is the figure: on a
-    shared machine the wall clock also counts the time other processes held the core."""
-    cpu, wall = [], []
+# aten ops that launch no device kernel (views, allocations, host scalars): not counted
+NO_KERNEL = frozenset(
+    "view unsqueeze slice select expand empty empty_like empty_strided new_empty lift_fresh "
+    "_local_scalar_dense detach alias t transpose permute squeeze _unsafe_view as_strided "
+    "_reshape_alias reshape split unbind scalar_tensor split_with_sizes unflatten flatten set_ "
+    "resize_ result_type is_nonzero".split()
+)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Torch ops that would launch a device kernel, by op name: outside the (zeroed) layers,
+    so each is host glue that a GPU step pays as a launch (~5-10 us) unless it sits in a graph.
+    Unlike the CPU time, the count does not move with the machine's load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(engine: LLMEngine, steps: int) -> tuple[float, dict[str, int]]:
+    """Torch launches per step over `steps` steps, and the ten commonest ops."""
+    with LaunchCounter() as counter:
+        for _ in range(steps):
+            engine.step()
+    top = dict(sorted(counter.counts.items(), key=lambda kv: -kv[1])[:10])
+    return sum(counter.counts.values()) / steps, top
+
+
+def time_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float], float]:
+    """(CPU ms of this thread, wall ms) per step, and the tokens per sequence per step. The
+    thread's CPU time is the figure: on a shared machine the wall clock also counts the time
+    other processes held the core."""
+    cpu, wall, tokens, rows = [], [], 0, 0
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.thread_time()
         outs = engine.step()
         cpu.append(1e3 * (time.thread_time() - c0))
         wall.append(1e3 * (time.perf_counter() - t0))
-        assert all(len(o.new_token_ids) == 1 for o in outs), "not a decode step"
-    return cpu, wall
+        assert outs and all(o.new_token_ids for o in outs), "not a decode step"
+        assert engine.spec is not None or all(len(o.new_token_ids) == 1 for o in outs), "not a decode step"
+        tokens, rows = tokens + sum(len(o.new_token_ids) for o in outs), rows + len(outs)
+    return cpu, wall, tokens / rows
 
 
 def main(argv=None) -> None:
@@ -137,14 +183,27 @@ def main(argv=None) -> None:
         "--temperature", type=float, default=0.0, help="> 0: requests draw (with --top-p) instead of greedy decoding"
     )
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument(
+        "--spec",
+        type=float,
+        default=None,
+        metavar="AL",
+        help="speculative steps instead: prompt-lookup drafts of 5, acceptance forced to AL (needs "
+        "FLASHPD_BENCH_FORCED_ACCEPTANCE=1, the benchmark flag)",
+    )
     ap.add_argument("--out", default=None, help="append a markdown table to this file")
     args = ap.parse_args(argv)
+    spec = None
+    if args.spec is not None:
+        from flashpd.engine.speculative import SpeculativeConfig
+
+        spec = SpeculativeConfig(num_tokens=5, max_batch=max(args.batch), bench_forced_acceptance_length=args.spec)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     torch.set_num_threads(args.threads)
     model = build_model(host_config(), args.device)
     rows = []
     for batch in args.batch:
-        engine = start(model, batch, args.context, sampling)
+        engine = start(model, batch, args.context, sampling, spec)
         if args.profile:
             import cProfile
             import pstats
@@ -154,17 +213,23 @@ def main(argv=None) -> None:
             time_steps(engine, args.steps)
             pr.disable()
             pstats.Stats(pr).sort_stats(os.environ.get("HOST_STEP_SORT", "tottime")).print_stats(25)
-        cpu, wall = time_steps(engine, args.steps)
+        cpu, wall, per_step = time_steps(engine, args.steps)
+        launches, top = count_launches(engine, args.steps)
         med, p10, wmed = statistics.median(cpu), sorted(cpu)[len(cpu) // 10], statistics.median(wall)
-        rows.append((batch, med, p10, wmed))
+        rows.append((batch, med, p10, wmed, per_step, launches))
         print(
             f"B={batch}: host CPU ms/step median {med:.2f} (p10 {p10:.2f}; wall median "
-            f"{wmed:.2f}) over {args.steps} steps",
+            f"{wmed:.2f}) over {args.steps} steps, {per_step:.2f} tokens per sequence per step, "
+            f"{launches:.0f} torch launches per step (top: {top})",
             flush=True,
         )
     if args.out:
-        lines = ["| B | host CPU ms/step (median) | p10 | wall ms (median) |", "|---|---|---|---|"]
-        lines += [f"| {b} | {m:.2f} | {p:.2f} | {x:.2f} |" for b, m, p, x in rows]
+        kind = f"speculative (forced AL {args.spec})" if spec is not None else "decode"
+        lines = [
+            f"| B | {kind}: host CPU ms/step (median) | p10 | wall ms (median) | tokens/seq/step | torch launches/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {b} | {m:.2f} | {p:.2f} | {x:.2f} | {t:.2f} | {n:.0f} |" for b, m, p, x, t, n in rows]
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n")

@@ -147,14 +147,24 @@ class Speculative:
     def begin_speculation(self, max_rows: int) -> None:
         raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")
 
-    def note_group_rows(self, src: int, first_pos: int, kv32: torch.Tensor, gate32: torch.Tensor) -> None:
+    def note_group_rows(
+        self, src: int, first_pos: int, kv32: torch.Tensor, gate32: torch.Tensor, owned: bool = False
+    ) -> None:
         """The ratio-2 compressor's FP32 (a, g) rows [n, c] of positions first_pos ...; kept
-        only while speculating (rows at or after the mark)."""
+        only while speculating (rows at or after the mark). The rows are copied once per call
+        (one copy of each tensor, not one per row: on a GPU each copy is a launch); owned: the
+        caller's tensors are already private copies, kept as they are."""
         mark = self._spec
         if mark is None:
             return
-        for i in range(max(0, mark.num_tokens - first_pos), kv32.shape[0]):
-            mark.group_rows[(src, first_pos + i)] = OpenGroup(kv32[i].clone(), gate32[i].clone())
+        first = max(0, mark.num_tokens - first_pos)
+        if first >= kv32.shape[0]:
+            return
+        kv, gate = kv32[first:], gate32[first:]
+        if not owned:
+            kv, gate = kv.clone(), gate.clone()
+        for i in range(kv.shape[0]):
+            mark.group_rows[(src, first_pos + first + i)] = OpenGroup(kv[i], gate[i])
 
     def truncate(self, num_tokens: int, lookback_ids: Sequence[int]) -> None:
         raise StateError(f"{type(self).__name__} cannot roll back a speculative verify")

@@ -376,7 +376,10 @@ class GpuModel(Model):
         super().commit(step)
 
     def _note_verify_rows(self, step: Step) -> None:
-        """A speculative verify's ratio-2 (a, g) rows, for its rollback (`SeqState.truncate`)."""
+        """A speculative verify's ratio-2 (a, g) rows, for its rollback (`SeqState.truncate`):
+        each source's step output copied once (it may be a graph's static buffer, overwritten
+        by the next replay), every sequence keeping views of its rows."""
+        copies: dict[int, torch.Tensor] = {}
         for key, _, open_srcs in self._source_kinds:
             for part in step.rows[key].parts:
                 state = part.seg.inp.state
@@ -384,8 +387,10 @@ class GpuModel(Model):
                     continue
                 first = part.seg.start_pos + part.seam_first
                 for src in open_srcs:
-                    ag = step.outputs[("open", src)][part.s0 : part.s1]
-                    state.note_group_rows(src, first, ag[:, 0], ag[:, 1])
+                    if src not in copies:
+                        copies[src] = step.outputs[("open", src)].clone()
+                    ag = copies[src][part.s0 : part.s1]
+                    state.note_group_rows(src, first, ag[:, 0], ag[:, 1], owned=True)
 
     # ------------------------------------------------------------------ layer hooks
     def _lin(self, x: torch.Tensor, w: Weights) -> torch.Tensor:
