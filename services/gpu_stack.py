@@ -233,7 +233,11 @@ def gpu_stack(
 # output), so a request that failed inside a replica ("INTERNAL: internal server error (request
 # id ...)") leaves its cause only in the session's log files. `error_excerpts` collects it.
 
-ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|\b[A-Z]\w*(Error|Exception): ")
+# a traceback, an ERROR record, an exception's text, or the router's note of what an INTERNAL
+# answer hid from the client (services/router/validation.py `public_message`)
+ERROR_LINE = re.compile(
+    r"Traceback \(most recent call last\)|\bERROR\b|\b[A-Z]\w*(Error|Exception): |answered with a generic message"
+)
 RECORD_START = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")  # a new log record ends an excerpt
 EXCERPT_LINES = 30
 

@@ -27,18 +27,22 @@ def _logs(tmp_path):
         TRACE.format(rid="0123456789abcdef0123456789abcdef") + TRACE.format(rid="fedcba9876543210fedcba9876543210")
     )
     (serve / "replica_flashpd_DecodeServer_b.log").write_text("INFO all well\n" * 50)
-    (tmp_path / "worker-1.err").write_text("warming up\nValueError: kernel_impls: bad op 'x'\n")
+    (tmp_path / "worker-1.err").write_text(
+        "warming up\nValueError: kernel_impls: bad op 'x'\n"
+        "WARNING router -- request r1: INTERNAL answered with a generic message: 'prefill failed'\n"
+    )
     (tmp_path / "raylet.out").write_text("ERROR not a replica or worker file\n")
     return tmp_path
 
 
 def test_each_failure_once_with_its_count_and_the_file_it_came_from(tmp_path):
     out = error_excerpts(str(_logs(tmp_path)))
-    assert len(out) == 2, out
-    trace, worker = out
+    assert len(out) == 3, out
+    trace, worker, router = out
     assert trace.startswith("--- replica_flashpd_PrefillServer_a.log\n")
     assert "torch.OutOfMemoryError: CUDA out of memory" in trace and trace.endswith("(x2)")
     assert worker == "--- worker-1.err\nValueError: kernel_impls: bad op 'x'"
+    assert "INTERNAL answered with a generic message: 'prefill failed'" in router  # what the client did not see
     assert "raylet" not in "".join(out)  # only the replicas' and workers' logs
 
 
@@ -72,10 +76,10 @@ def test_the_sweep_keeps_the_excerpts_beside_its_records_and_counts_them(tmp_pat
     a = argparse.Namespace(out=str(tmp_path), name="baseline")
     record: dict = {}
     g._keep_server_errors(a, _Stack(error_excerpts(str(_logs(tmp_path / "logs")))), record)
-    assert record["server_errors"] == 2
+    assert record["server_errors"] == 3
     text = (tmp_path / "baseline" / g.SERVER_ERRORS_FILE).read_text()
     assert "CUDA out of memory" in text and "kernel_impls: bad op" in text
-    assert "2 server error excerpt(s)" in capsys.readouterr().out
+    assert "3 server error excerpt(s)" in capsys.readouterr().out
     clean: dict = {}
     g._keep_server_errors(argparse.Namespace(out=str(tmp_path), name="flashpd"), _Stack([]), clean)
     assert clean["server_errors"] == 0 and not (tmp_path / "flashpd").exists()
