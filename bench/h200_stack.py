@@ -745,8 +745,27 @@ def run_stack(out: str, config: str, budget_s: float, only: tuple[str, ...] = ()
         if not only and time.monotonic() < deadline - AGENTX_WINDOW_S - 60:
             res["agentx"] = phase_agentx(stack, out, deadline)
             _dump(out, res)
+        res["server_errors"] = keep_server_errors(stack, out)  # before the teardown takes the logs
     _dump(out, res)
     return res
+
+
+SERVER_ERRORS_FILE = "server_errors.log"
+
+
+def keep_server_errors(stack, out: str) -> int | str:
+    """The replicas' error excerpts (`GpuStack.errors`: Ray's session logs) into
+    OUT/server_errors.log; their count (a failed read: its repr). The fault phase's kills leave
+    some by design: the file says what each failed request met."""
+    try:
+        excerpts = stack.errors()
+    except Exception as e:  # noqa: BLE001 - telemetry must not fail the bench
+        return repr(e)
+    if excerpts:
+        with open(os.path.join(out, SERVER_ERRORS_FILE), "w") as f:
+            f.write("\n\n".join(excerpts) + "\n")
+    print(f"server error excerpts: {len(excerpts)}", flush=True)
+    return len(excerpts)
 
 
 def _wait_idle(stack, timeout_s: float):

@@ -86,3 +86,13 @@ def test_the_sweep_keeps_the_excerpts_beside_its_records_and_counts_them(tmp_pat
     broken: dict = {}
     g._keep_server_errors(a, _Stack(OSError("gone")), broken)  # recorded, never raised
     assert json.dumps(broken) and "gone" in broken["server_errors"]["error"]
+
+
+def test_the_stack_bench_keeps_the_excerpts_in_its_out_folder(tmp_path):
+    from flashpd.bench.h200_stack import SERVER_ERRORS_FILE, keep_server_errors
+
+    excerpts = error_excerpts(str(_logs(tmp_path / "logs")))
+    assert keep_server_errors(_Stack(excerpts), str(tmp_path)) == 3
+    assert "CUDA out of memory" in (tmp_path / SERVER_ERRORS_FILE).read_text()
+    assert keep_server_errors(_Stack([]), str(tmp_path / "none")) == 0  # nothing written
+    assert "gone" in keep_server_errors(_Stack(OSError("gone")), str(tmp_path))
