@@ -66,7 +66,8 @@ def group_of(name: str) -> str:
     return "torch ops (index/copy/elementwise/sort)"
 
 
-def _engine(cfg, model, context: int, batch: int) -> LLMEngine:
+def _engine(cfg, model, context: int, batch: int, spec=None) -> LLMEngine:
+    """spec: a SpeculativeConfig (the profiled steps are then its verify steps)."""
     return LLMEngine(
         model,
         EngineConfig(
@@ -77,6 +78,7 @@ def _engine(cfg, model, context: int, batch: int) -> LLMEngine:
             max_num_batched_tokens=8192,
             max_num_seqs=batch,
             model_id="flashpd-profile",
+            speculative=spec,
         ),
     )
 
@@ -295,8 +297,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="rows of the load-time prefill warm-up (default: the model's; 0: none)",
     )
+    ap.add_argument(
+        "--spec",
+        type=float,
+        default=None,
+        metavar="AL",
+        help="profile speculative verify steps instead: prompt-lookup drafts of 5, acceptance forced "
+        "to AL (a benchmark mode: needs FLASHPD_BENCH_FORCED_ACCEPTANCE=1); writes verify_profile.md",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    spec = None
+    if args.spec is not None:
+        from flashpd.engine.speculative import SpeculativeConfig
+
+        spec = SpeculativeConfig(num_tokens=5, max_batch=max(args.batch), bench_forced_acceptance_length=args.spec)
     cfg = preset_config(args.preset)
     t0 = time.perf_counter()
     model = random_gpu_model(cfg, "cuda", seed=0, warm=False)
@@ -310,11 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(warm, flush=True)
     graphs = model.graphs
+    step_kind = "Decode step" if spec is None else f"Speculative verify step (5 drafts, forced AL {args.spec})"
+    command = "python -m flashpd.bench.gpu_profile --out bench/results/h200"
+    if spec is not None:
+        command = f"FLASHPD_BENCH_FORCED_ACCEPTANCE=1 {command} --spec {args.spec}"
     lines = [
-        f"# Decode step GPU time by kernel: `{args.preset}` preset, "
+        f"# {step_kind} GPU time by kernel: `{args.preset}` preset, "
         f"{args.context:,}-token context (eager, torch.profiler)",
         "",
-        "Command: `python -m flashpd.bench.gpu_profile --out bench/results/h200`",
+        f"Command: `{command}`",
         "",
         "Eager steps (graphs off, so that every kernel shows under its own name); the "
         "captured graph replays the same kernels.",
@@ -323,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     for batch in args.batch:
-        engine = _engine(cfg, model, args.context, batch)
+        engine = _engine(cfg, model, args.context, batch, spec)
         rids = _start(engine, cfg, args.context, batch, f"b{batch}_")
         host = None
         if args.host and graphs is not None:
@@ -369,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode_profile.md"), "w") as f:
+        name = "decode_profile.md" if spec is None else "verify_profile.md"
+        with open(os.path.join(args.out, name), "w") as f:
             f.write(text)
     return 0
 
