@@ -342,14 +342,32 @@ def _settle(merged: dict) -> dict:
     return merged
 
 
-def merge_sweeps(study: Path, call: Path, commit: str, study_commit: str = "unknown") -> list[str]:
+def all_failed(point: Path) -> bool:
+    """Every request of a point folder's records.jsonl failed (a broken deployment, not a
+    measurement); False for an empty or unreadable one."""
+    try:
+        rows = [json.loads(line) for line in (point / "records.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return bool(rows) and all(isinstance(r, dict) and r.get("error_type") is not None for r in rows)
+
+
+def merge_sweeps(
+    study: Path, call: Path, commit: str, study_commit: str = "unknown", *, keep_failed: bool = False, log=print
+) -> list[str]:
     """Fold the sweeps one device call left in `call` (its <name>/sweep.json and c<C> point
     folders) into `study`: point folders are copied (a concurrency run again replaces the older
     one), and <name>/sweep.json keeps every call as a run with its commit. A sweep.json of the
-    study without runs is taken as one run of `study_commit`. Returns the names merged."""
+    study without runs is taken as one run of `study_commit`. A sweep whose every point failed
+    every request (`all_failed`) is left out, and said (it would replace measured points with a
+    broken deployment's), unless keep_failed. Returns the names merged."""
     names = []
     for sweep in sorted(call.glob(f"*/{SWEEP_FILE}")):
         name, record = sweep.parent.name, json.loads(sweep.read_text())
+        points = [sweep.parent / f"c{p['concurrency']}" for p in record.get("points", [])]
+        if not keep_failed and points and all(all_failed(pt) for pt in points):
+            log(f"merge: {name} left out: every request of its points failed ({sweep.parent}; --keep-failed merges it)")
+            continue
         dest = study / name
         dest.mkdir(parents=True, exist_ok=True)
         target = dest / SWEEP_FILE
@@ -504,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("call")
     m.add_argument("--commit", required=True, help="the commit the call ran")
     m.add_argument("--study-commit", default="unknown", help="the commit of a study sweep.json without runs")
+    m.add_argument("--keep-failed", action="store_true", help="merge a sweep whose every request failed too")
     c = sub.add_parser("cpu-config")
     c.add_argument("src")
     c.add_argument("--checkpoint", required=True)
@@ -514,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "sweep":
         return run_sweep(a)
     if a.action == "merge":
-        names = merge_sweeps(Path(a.study), Path(a.call), a.commit, a.study_commit)
+        names = merge_sweeps(Path(a.study), Path(a.call), a.commit, a.study_commit, keep_failed=a.keep_failed)
         print(f"merged {', '.join(names) or 'nothing'} into {a.study}")
         return 0
     if a.action == "cpu-config":

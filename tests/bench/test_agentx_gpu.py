@@ -379,3 +379,22 @@ def test_gpu_memory_reads_the_cards_and_each_process_from_nvidia_smi(monkeypatch
     }
     monkeypatch.setattr(g.shutil, "which", lambda name: None)
     assert g.gpu_memory(run) is None  # a CPU machine: nothing to read
+
+
+def test_a_sweep_whose_every_request_failed_is_not_merged_unless_asked(tmp_path):
+    study = _call(tmp_path / "study", "baseline", {1: "measured"}, 60.0)
+    failed = '{"error_type": "InternalError"}\n{"error_type": "Cancelled"}\n'
+    call = _call(tmp_path / "a", "baseline", {1: "x", 2: "x"}, 70.0)
+    for c in (1, 2):
+        (call / "baseline" / f"c{c}" / "records.jsonl").write_text(failed)
+    said: list[str] = []
+    assert g.merge_sweeps(study, call, "bbb", log=said.append) == []
+    assert "baseline left out: every request of its points failed" in said[0]
+    assert (study / "baseline" / "c1" / "records.jsonl").read_text() == "measured\n"  # kept
+    assert g.merge_sweeps(study, call, "bbb", keep_failed=True) == ["baseline"]
+    assert (study / "baseline" / "c1" / "records.jsonl").read_text() == failed
+    # one point with a served request is a measurement: merged
+    mixed = _call(tmp_path / "b", "flashpd", {1: "x", 2: "x"}, 70.0)
+    (mixed / "flashpd" / "c1" / "records.jsonl").write_text(failed)
+    (mixed / "flashpd" / "c2" / "records.jsonl").write_text('{"error_type": null}\n')
+    assert g.merge_sweeps(study, mixed, "ccc", log=said.append) == ["flashpd"]
