@@ -32,6 +32,10 @@ fresh` pushes from a thread that never touched CUDA (a Serve replica's event loo
 the sender's process hold what a replica's does beside its pools (device memory in many
 allocations, captured CUDA graphs), to find what slows NIXL's post there. UCX's own settings
 (UCX_MEMTYPE_CACHE, UCX_CUDA_IPC_CACHE, ...) are environment variables of the run.
+`--busy-threads N` runs N Python threads in the sender's process that take the GIL in bursts
+(`--busy-burst-us` of Python, then `--busy-idle-us` blocked), as a replica's engine loop and
+Ray's threads do beside the push; `--switch-interval-us` sets the interpreter's GIL switch
+interval (sys.setswitchinterval, default 5,000 us) for the run.
 On a CPU host the copy is a CPU
 memcpy (cma, ~4 GB/s on a shared 2-core VM): the size-dependent part is the CPU's, the fixed
 costs (everything but `done` at large sizes) are what carries over to the GPU, where cuda_ipc
@@ -46,6 +50,7 @@ import math
 import os
 import queue
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -197,6 +202,8 @@ def render(result: dict, args: argparse.Namespace) -> str:
         f"--bind-cuda-context {args.bind_cuda_context} --layout {args.layout}"
         f"{f' --ballast-gb {args.ballast_gb:g} --ballast-chunk-mb {args.ballast_chunk_mb}' if args.ballast_gb else ''}"
         f"{f' --ballast-graphs {args.ballast_graphs}' if args.ballast_graphs else ''}"
+        f"{f' --busy-threads {args.busy_threads} --busy-burst-us {args.busy_burst_us} --busy-idle-us {args.busy_idle_us}' if args.busy_threads else ''}"
+        f"{f' --switch-interval-us {args.switch_interval_us}' if args.switch_interval_us else ''}"
         f"{' --in-ray-actor' if args.in_ray_actor else ''}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
@@ -238,8 +245,51 @@ def ballast(device: str, gb: float, chunk_mb: int, graphs: int) -> list:
     return keep
 
 
+class BusyThreads:
+    """`n` daemon threads that each run Python for `burst_s`, then block for `idle_s`, until
+    stopped: the GIL contention a replica's own threads put beside the push."""
+
+    def __init__(self, n: int, burst_s: float, idle_s: float):
+        self._stop = threading.Event()
+        self.bursts = 0
+        self._threads = [
+            threading.Thread(target=self._run, args=(burst_s, idle_s), daemon=True, name=f"bench-busy-{i}")
+            for i in range(n)
+        ]
+
+    def _run(self, burst_s: float, idle_s: float) -> None:
+        while not self._stop.is_set():
+            end = time.perf_counter() + burst_s
+            while time.perf_counter() < end:  # Python bytecode: holds the GIL between switches
+                pass
+            self.bursts += 1
+            if idle_s > 0:
+                self._stop.wait(idle_s)
+
+    def __enter__(self) -> BusyThreads:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
 def measure(args: argparse.Namespace) -> dict:
     kept = ballast(args.device, args.ballast_gb, args.ballast_chunk_mb, args.ballast_graphs)  # noqa: F841
+    interval = sys.getswitchinterval()
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us * 1e-6)
+    try:
+        with BusyThreads(args.busy_threads, args.busy_burst_us * 1e-6, args.busy_idle_us * 1e-6):
+            return _measure(args)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _measure(args: argparse.Namespace) -> dict:
     max_blocks = math.ceil(max(args.sizes) / CHUNK_TOKENS)
     options = {"bind_cuda_context": args.bind_cuda_context == "on"}
     wait_s = args.owner_wait_us * 1e-6
@@ -312,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ballast-gb", type=float, default=0.0, help="device memory held beside the pools (GB)")
     parser.add_argument("--ballast-chunk-mb", type=int, default=256, help="... in allocations of this size")
     parser.add_argument("--ballast-graphs", type=int, default=0, help="CUDA graphs captured before the pushes")
+    parser.add_argument("--busy-threads", type=int, default=0, help="Python threads contending for the GIL")
+    parser.add_argument("--busy-burst-us", type=int, default=2000, help="... each running Python this long")
+    parser.add_argument("--busy-idle-us", type=int, default=500, help="... then blocking this long")
+    parser.add_argument(
+        "--switch-interval-us", type=int, default=0, help="sys.setswitchinterval for the run (0: leave it)"
+    )
     parser.add_argument("--in-ray-actor", action="store_true", help="the sender in a Ray actor (Ray started here)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")
     parser.add_argument("--out", default="", help="write the markdown table here")

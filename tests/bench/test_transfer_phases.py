@@ -53,3 +53,19 @@ def test_a_sender_holding_ballast_still_moves_every_byte(tmp_path):
     table = out.read_text()
     assert "--ballast-gb 0.02 --ballast-chunk-mb 4" in table
     assert len(transfer_phases.ballast("cpu", 0.02, 4, 0)) == 4  # 20 MB in 4 MiB chunks
+
+
+def test_pushes_beside_threads_contending_for_the_gil_still_move_every_byte(tmp_path):
+    import sys
+    import time
+
+    out = tmp_path / "phases.md"
+    before = sys.getswitchinterval()
+    argv = ["--sizes", "128", "--reps", "2", "--busy-threads", "2", "--busy-burst-us", "300"]
+    assert transfer_phases.main([*argv, "--switch-interval-us", "500", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "--busy-threads 2 --busy-burst-us 300 --busy-idle-us 500 --switch-interval-us 500" in table
+    assert sys.getswitchinterval() == before  # the run's interval is put back
+    with transfer_phases.BusyThreads(1, 1e-4, 1e-4) as busy:
+        while busy.bursts < 3:  # the threads do run (and stop on exit)
+            time.sleep(0.001)
