@@ -55,6 +55,7 @@ from pathlib import Path
 import yaml
 
 from flashpd.bench.cli import parse_concurrency
+from flashpd.services.stack_logs import SERVER_ERRORS_FILE, write_excerpts
 
 PRESET = "bench"
 SEED_SPEEDUP_LOW_CONCURRENCY = 1.9  # the seed's "1.9x faster at low concurrency"
@@ -195,9 +196,6 @@ def run_sweep(a: argparse.Namespace) -> int:
     return code
 
 
-SERVER_ERRORS_FILE = "server_errors.log"
-
-
 def _keep_server_errors(a: argparse.Namespace, stack, record: dict) -> None:
     """The replicas' error excerpts (Ray's logs: the stack runs with log_to_driver off) into
     OUT/<name>/server_errors.log, their count into the record, the first one printed: a failed
@@ -209,8 +207,7 @@ def _keep_server_errors(a: argparse.Namespace, stack, record: dict) -> None:
     record["server_errors"] = len(excerpts)
     if excerpts:
         path = Path(a.out) / a.name / SERVER_ERRORS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n\n".join(excerpts) + "\n")
+        write_excerpts(excerpts, path)
         first = excerpts[0].splitlines()
         print(f"agentx {a.name}: {len(excerpts)} server error excerpt(s) in {path}; the first:", flush=True)
         print("\n".join(first[:12] + (["..."] if len(first) > 12 else [])), flush=True)

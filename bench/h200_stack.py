@@ -45,6 +45,8 @@ import subprocess
 import sys
 import time
 
+from flashpd.services.stack_logs import SERVER_ERRORS_FILE, write_excerpts
+
 CHECKPOINT = "random:bench:0"
 CHECK_PROMPTS = {"short": 300, "2k": 2048, "8k": 8192}
 CHECK_TOKENS = 32
@@ -750,9 +752,6 @@ def run_stack(out: str, config: str, budget_s: float, only: tuple[str, ...] = ()
     return res
 
 
-SERVER_ERRORS_FILE = "server_errors.log"
-
-
 def keep_server_errors(stack, out: str) -> int | str:
     """The replicas' error excerpts (`GpuStack.errors`: Ray's session logs) into
     OUT/server_errors.log; their count (a failed read: its repr). The fault phase's kills leave
@@ -761,9 +760,7 @@ def keep_server_errors(stack, out: str) -> int | str:
         excerpts = stack.errors()
     except Exception as e:  # noqa: BLE001 - telemetry must not fail the bench
         return repr(e)
-    if excerpts:
-        with open(os.path.join(out, SERVER_ERRORS_FILE), "w") as f:
-            f.write("\n\n".join(excerpts) + "\n")
+    write_excerpts(excerpts, os.path.join(out, SERVER_ERRORS_FILE))
     print(f"server error excerpts: {len(excerpts)}", flush=True)
     return len(excerpts)
 

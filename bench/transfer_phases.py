@@ -259,9 +259,9 @@ class BusyThreads:
 
     def _run(self, burst_s: float, idle_s: float) -> None:
         while not self._stop.is_set():
-            end = time.perf_counter() + burst_s
+            end, spins = time.perf_counter() + burst_s, 0
             while time.perf_counter() < end:  # Python bytecode: holds the GIL between switches
-                pass
+                spins += 1
             self.bursts += 1
             if idle_s > 0:
                 self._stop.wait(idle_s)

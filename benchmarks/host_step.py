@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+from glue_count import NO_KERNEL  # aten ops that launch no device kernel (benchmarks/, beside this script)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashpd.engine.gpu.forward import GpuModel
@@ -115,15 +116,6 @@ def start(model, batch: int, context: int, sampling: dict | None = None, spec=No
     for _ in range(3):  # the decode graph buckets (eager here) and every cache filled
         engine.step()
     return engine
-
-
-# aten ops that launch no device kernel (views, allocations, host scalars): not counted
-NO_KERNEL = frozenset(
-    "view unsqueeze slice select expand empty empty_like empty_strided new_empty lift_fresh "
-    "_local_scalar_dense detach alias t transpose permute squeeze _unsafe_view as_strided "
-    "_reshape_alias reshape split unbind scalar_tensor split_with_sizes unflatten flatten set_ "
-    "resize_ result_type is_nonzero".split()
-)
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -8,7 +8,7 @@ import argparse
 import json
 
 from flashpd.bench import agentx_gpu as g
-from flashpd.services.gpu_stack import EXCERPT_LINES, error_excerpts, ray_logs_dir
+from flashpd.services.stack_logs import EXCERPT_LINES, error_excerpts, ray_logs_dir
 
 TRACE = """INFO 12:00:01 replica -- step
 ERROR 12:00:02 replica -- request {rid} failed
