@@ -72,8 +72,14 @@ SEND_PHASES = (
     "nixl_post_ms",
     "done_ms",
     "polls",
+    "send_cpu_ms",
+    "send_vcsw",
+    "send_ivcsw",
+    "done_cpu_ms",
+    "done_vcsw",
+    "done_ivcsw",
 )
-COUNTS = ("polls", "num_descriptors")  # columns that are counts, not ms
+COUNTS = ("polls", "num_descriptors", "send_vcsw", "send_ivcsw", "done_vcsw", "done_ivcsw")  # columns that are counts, not ms
 
 
 def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float, device: str = "cpu") -> None:

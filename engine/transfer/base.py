@@ -25,6 +25,7 @@ Backends implement a handful of `_`-prefixed hooks; accounting lives here and in
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -94,8 +95,31 @@ class TransferHandle:
         # Where the push's time went, in order (diagnostics): send's "check_ms" and
         # "notice_ms", the backend's own post phases (nixl: "lock_ms", "descriptors_ms",
         # "nixl_init_ms", "nixl_post_ms", "num_descriptors"), then wait's "done_ms" (the post's return
-        # -> completion seen) and "polls".
+        # -> completion seen) and "polls". Beside the wall times, what the posting thread itself
+        # did (`thread_usage`): "send_cpu_ms" (its CPU time in `send`), "send_vcsw" / "send_ivcsw"
+        # (voluntary / involuntary context switches there: blocked, e.g. on the GIL / preempted),
+        # and the same from the post's return to completion ("done_cpu_ms", "done_vcsw",
+        # "done_ivcsw") when the same thread polled it to the end.
         self.trace: dict[str, float] = {} if trace is None else trace
+        self.post_returned_usage: tuple[int, float, int, int] | None = None  # (thread, thread_usage())
+
+
+def thread_usage() -> tuple[float, int, int]:
+    """The calling thread's (CPU seconds, voluntary, involuntary context switches): set against
+    wall time, they tell a slow phase that ran (CPU) from one that waited for the GIL or a lock
+    (voluntary switches) or was preempted (involuntary)."""
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def note_usage(trace: dict[str, float], prefix: str, before: tuple[float, int, int]) -> None:
+    cpu_s, vcsw, ivcsw = thread_usage()
+    trace[f"{prefix}_cpu_ms"] = 1e3 * (cpu_s - before[0])
+    trace[f"{prefix}_vcsw"] = vcsw - before[1]
+    trace[f"{prefix}_ivcsw"] = ivcsw - before[2]
 
 
 @dataclass(frozen=True)
@@ -427,6 +451,7 @@ class KVSender(ABC):
         `incarnation` is the fencing token the receiver expects (see KVReceiver.expect);
         `peer` may be omitted with exactly one connection.
         """
+        usage0 = thread_usage()
         t0 = time.perf_counter()
         target = self._only_peer() if peer is None else self._peer(peer)
         runs = checked_runs(src_block_ids, dst_block_ids, self.num_blocks, target.num_blocks)
@@ -438,6 +463,8 @@ class KVSender(ABC):
         num_bytes = runs.num_blocks * self._bytes_per_block
         handle = TransferHandle(request_id, target.agent_name, num_bytes, posted_at_s, xfer, trace)
         handle.post_returned_s = time.perf_counter()
+        note_usage(trace, "send", usage0)
+        handle.post_returned_usage = (threading.get_ident(), *thread_usage())
         return handle
 
     def abandon(self, request_id: str, incarnation: str, *, peer: str | None = None) -> None:
@@ -500,6 +527,9 @@ class KVSender(ABC):
         if state == "DONE":
             handle.stats = TransferStats(handle.num_bytes, now_s - handle.posted_at_s)
             handle.trace["done_ms"] = 1e3 * (now_s - handle.post_returned_s)
+            returned = handle.post_returned_usage
+            if returned is not None and returned[0] == threading.get_ident():
+                note_usage(handle.trace, "done", returned[1:])
             self._check_done(handle)
             return handle.stats, now_s
         if state != "PROC":

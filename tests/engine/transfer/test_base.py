@@ -1,5 +1,7 @@
 """KVSender's wait/abort logic, with a fake transport at the backend seam."""
 
+import threading
+
 import pytest
 import torch
 
@@ -114,6 +116,20 @@ def test_wait_records_where_the_push_went(receiver):
     assert handle.trace["polls"] == 3
     assert {"check_ms", "notice_ms", "done_ms"} <= set(handle.trace)
     assert all(v >= 0 for v in handle.trace.values())
+    # the posting thread's own account: CPU time and context switches, in send and to the end
+    usage = {f"{p}_{k}" for p in ("send", "done") for k in ("cpu_ms", "vcsw", "ivcsw")}
+    assert usage <= set(handle.trace)
+
+
+def test_completion_seen_by_another_thread_leaves_out_the_posting_threads_usage(receiver):
+    sender = ScriptedSender(["DONE"])
+    sender.connect(receiver.descriptor())
+    handle = sender.send("r", [0], [1], "p")
+    waiter = threading.Thread(target=sender.wait, args=(handle, 5))
+    waiter.start()
+    waiter.join()
+    assert handle.stats is not None and "done_ms" in handle.trace
+    assert "send_cpu_ms" in handle.trace and "done_cpu_ms" not in handle.trace
 
 
 def test_polls_spin_while_a_push_is_young_then_back_off_in_proportion():
