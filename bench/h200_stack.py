@@ -375,7 +375,8 @@ def _push_records(stack) -> list[dict]:
 
 async def _transfer_once(client, stack, n: int, seed: int) -> dict:
     """One cold prompt of n tokens: the router's timeline and the prefill's record of its push
-    (compute end -> push done = transfer_ms, the e2e figure; post -> done = wire_ms)."""
+    (compute end -> the write seen complete = transfer_ms, the e2e figure; post -> done =
+    wire_ms; compute end -> the prefill's event loop has it = handoff_ms)."""
     rec = await sdk_request(client, prompt_ids(n, seed), 2)
     r = rec.result
     if r is None:
@@ -390,6 +391,9 @@ async def _transfer_once(client, stack, n: int, seed: int) -> dict:
         "pushed_all_blocks": push.get("bytes") == num_bytes,
         "gb_s": round(num_bytes / ms / 1e6, 1) if ms else None,
         "wire_ms": round(wire_ms, 3) if wire_ms else None,
+        # compute end -> the prefill's event loop has the push done (the kv_ready output's hop
+        # included): transfer_ms before the engine thread polled its own post
+        "handoff_ms": round(push["total_ms"], 3) if isinstance(push.get("total_ms"), (int, float)) else None,
         "gb_s_transport": round(num_bytes / wire_ms / 1e6, 1) if wire_ms else None,
         "ttft_ms": round(r.timeline.get("first_token_ms", 0), 1),
         "prefill_ms": round(r.timeline.get("prefill_ms", 0), 1),
@@ -407,7 +411,7 @@ def _transfer_medians(runs: list[dict]) -> dict:
     out: dict = {"runs": runs, "repeats": len(ok), "errors": len(runs) - len(ok)}
     if not ok:
         return out
-    for key in ("transfer_ms", "gb_s", "wire_ms", "gb_s_transport", "ttft_ms", "prefill_ms", "replay_ms"):
+    for key in ("transfer_ms", "gb_s", "wire_ms", "gb_s_transport", "handoff_ms", "ttft_ms", "prefill_ms", "replay_ms"):
         values = [r[key] for r in ok if r.get(key) is not None]
         out[key] = round(statistics.median(values), 3) if values else None
     out["bytes"] = ok[0]["bytes"]
@@ -797,6 +801,7 @@ def summary(out: str, commit: str) -> dict:
         # the transport alone: post (descriptors built) -> completion seen by the sender
         "transfer_gb_s_transport": {k: _transfer_field(res, k, "gb_s_transport") for k in ("8192", "32768", "131072")},
         "transfer_ms": {k: _transfer_field(res, k, "transfer_ms") for k in ("8192", "32768", "131072")},
+        "transfer_handoff_ms": {k: _transfer_field(res, k, "handoff_ms") for k in ("8192", "32768", "131072")},
         "transfer_first_push_ms": (res.get("transfer") or {}).get("first_push_ms"),
         "push_split_ms": {k: _transfer_field(res, k, "split_ms") for k in ("8192", "32768", "131072")},
         # against the engines alone under the stack's scheme (P/D engines in one process)

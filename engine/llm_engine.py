@@ -237,6 +237,10 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
         self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
         self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
+        # Called as hook(request_id, kv_block_ids) for each kv_ready of a step BEFORE the step's
+        # kernels are waited for (the KV is not in the pools yet): a prefill worker builds the
+        # KV push there, overlapping the device's last chunk, and posts it at kv_ready.
+        self.kv_pending_hooks: list = []
         self._init_speculation(config.speculative, dspark)
 
     def _init_speculation(self, spec: SpeculativeConfig | None, dspark) -> None:
@@ -447,9 +451,19 @@ class LLMEngine:
         )
         outputs = self.scheduler.update(launched.plan, result)
         self.num_steps += 1
-        if any(o.finish_reason == FinishReason.KV_READY for o in outputs):
+        ready = [o for o in outputs if o.finish_reason == FinishReason.KV_READY]
+        if ready:
+            self._run_kv_pending_hooks(ready)
             self._wait_for_kv_writes()
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
+
+    def _run_kv_pending_hooks(self, ready) -> None:
+        for hook in list(self.kv_pending_hooks):
+            for o in ready:
+                try:
+                    hook(o.request_id, tuple(o.kv_block_ids))
+                except Exception:  # noqa: BLE001 - an optimisation: kv_ready is delivered anyway
+                    log.exception("kv-pending hook %r failed on %s", hook, o.request_id)
 
     def _wait_for_kv_writes(self) -> None:
         """kv_ready promises the KV is in the pools: wait for the step's kernels on the device.

@@ -71,6 +71,18 @@ class TransferStats:
     seconds: float  # from posting to observed completion
 
 
+class PreparedSend:
+    """A write checked and built by `KVSender.prepare`, not posted yet (see `post`)."""
+
+    def __init__(self, request_id: str, peer: str, num_bytes: int, state: Any, trace: dict[str, float]):
+        self.request_id = request_id
+        self.peer = peer
+        self.num_bytes = num_bytes
+        self.state = state  # the backend's (NIXL: an initialised transfer request)
+        self.trace = trace  # becomes the handle's
+        self.taken = False  # posted or discarded
+
+
 class TransferHandle:
     """One posted send; opaque to callers except for the fields below."""
 
@@ -451,21 +463,56 @@ class KVSender(ABC):
         `incarnation` is the fencing token the receiver expects (see KVReceiver.expect);
         `peer` may be omitted with exactly one connection.
         """
+        return self.post(self.prepare(request_id, src_block_ids, dst_block_ids, incarnation, peer=peer))
+
+    def prepare(
+        self,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        incarnation: str,
+        *,
+        peer: str | None = None,
+    ) -> PreparedSend:
+        """`send`'s work up to the post: the block checks, the notice and the backend's
+        descriptors (NIXL: the transfer request, initialised, not posted). A prefill worker
+        prepares while its last chunk's kernels still run, so that only the post is left for
+        when the KV has landed. Then `post` it once, or `discard` it; nothing moves before."""
         usage0 = thread_usage()
         t0 = time.perf_counter()
         target = self._only_peer() if peer is None else self._peer(peer)
         runs = checked_runs(src_block_ids, dst_block_ids, self.num_blocks, target.num_blocks)
         t1 = time.perf_counter()
         notice = write_notice_bytes(request_id, incarnation, runs.dst_start, runs.length)
+        t2 = time.perf_counter()
+        trace = {"check_ms": 1e3 * (t1 - t0), "notice_ms": 1e3 * (t2 - t1)}
+        state = self._prepare(target, runs, notice, trace)
+        prepared = PreparedSend(request_id, target.agent_name, runs.num_blocks * self._bytes_per_block, state, trace)
+        note_usage(trace, "prepare", usage0)
+        return prepared
+
+    def post(self, prepared: PreparedSend) -> TransferHandle:
+        """Post a prepared write (once): the transport has it when this returns."""
+        if prepared.taken:
+            raise TransferError(f"{prepared.request_id}: prepared write already posted or discarded")
+        prepared.taken = True
+        usage0 = thread_usage()
         posted_at_s = time.perf_counter()
-        trace = {"check_ms": 1e3 * (t1 - t0), "notice_ms": 1e3 * (posted_at_s - t1)}
-        xfer = self._post(target, runs, notice, trace)
-        num_bytes = runs.num_blocks * self._bytes_per_block
-        handle = TransferHandle(request_id, target.agent_name, num_bytes, posted_at_s, xfer, trace)
+        xfer = self._post_prepared(prepared.state, prepared.trace)
+        handle = TransferHandle(
+            prepared.request_id, prepared.peer, prepared.num_bytes, posted_at_s, xfer, prepared.trace
+        )
         handle.post_returned_s = time.perf_counter()
-        note_usage(trace, "send", usage0)
+        note_usage(prepared.trace, "send", usage0)
         handle.post_returned_usage = (threading.get_ident(), *thread_usage())
         return handle
+
+    def discard(self, prepared: PreparedSend) -> None:
+        """Drop a prepared write that will not be posted (idempotent; after `post`, a no-op)."""
+        if prepared.taken:
+            return
+        prepared.taken = True
+        self._discard_prepared(prepared.state)
 
     def abandon(self, request_id: str, incarnation: str, *, peer: str | None = None) -> None:
         """Tell the receiver that `request_id` (token `incarnation`) will get no write from this
@@ -572,6 +619,19 @@ class KVSender(ABC):
     @abstractmethod
     def _detach(self, peer: PeerDescriptor) -> None:
         """Forget the peer and free what _attach prepared."""
+
+    def _prepare(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]) -> Any:
+        """What `_post_prepared` posts later. Default: the arguments, posted by `_post` (a
+        backend with nothing to build ahead of the post)."""
+        return (peer, runs, notice)
+
+    def _post_prepared(self, state: Any, trace: dict[str, float]) -> Any:
+        peer, runs, notice = state
+        return self._post(peer, runs, notice, trace)
+
+    def _discard_prepared(self, state: Any) -> None:
+        """Release what `_prepare` built (default: nothing was)."""
+        del state
 
     @abstractmethod
     def _post(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]) -> Any:

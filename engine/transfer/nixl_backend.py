@@ -208,6 +208,7 @@ class NixlSender(KVSender):
         self.agent_name = agent_name or f"flashpd-send-{uuid.uuid4().hex[:12]}"
         self._lock = threading.RLock()
         self._in_flight: set = set()  # posted xfers not yet released
+        self._prepared: set = set()  # initialised xfers not posted yet (prepare -> post)
         self._proto_log = ucx_transport.enable_proto_log()
         self._required = (
             ucx_transport.required_transports() if required_transports is None else tuple(required_transports)
@@ -267,6 +268,10 @@ class NixlSender(KVSender):
         )
 
     def _post(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]):
+        return self._post_prepared(self._prepare(peer, runs, notice, trace), trace)
+
+    def _prepare(self, peer: PeerDescriptor, runs: BlockRuns, notice: bytes, trace: dict[str, float]):
+        """The descriptor lists and NIXL's transfer request (initialised, not posted)."""
         t0 = time.perf_counter()
         with self._lock:
             if self._registration is None:
@@ -281,25 +286,48 @@ class NixlSender(KVSender):
                 xfer = self._agent.initialize_xfer("WRITE", local, remote, peer.agent_name, notice, backends=[_BACKEND])
             except Exception as e:  # nixlBind raises its own exception types
                 raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
-            t3 = time.perf_counter()
-            try:
-                state = self._agent.transfer(xfer)
-            except Exception as e:  # nixlBind raises its own exception types
-                xfer.release()
-                raise TransferError(f"NIXL post to {peer.agent_name} failed: {e}") from e
-            if state == "ERR":
-                xfer.release()
-                raise TransferError(f"NIXL post to {peer.agent_name} returned ERR")
-            self._in_flight.add(xfer)
-        t4 = time.perf_counter()
+            self._prepared.add(xfer)
+        t3 = time.perf_counter()
         trace.update(
             lock_ms=1e3 * (t1 - t0),
             descriptors_ms=1e3 * (t2 - t1),
             nixl_init_ms=1e3 * (t3 - t2),
-            nixl_post_ms=1e3 * (t4 - t3),
             num_descriptors=self.last_num_descriptors,
         )
+        return (peer.agent_name, xfer)
+
+    def _post_prepared(self, state, trace: dict[str, float]):
+        peer_name, xfer = state
+        t3 = time.perf_counter()
+        with self._lock:
+            if xfer not in self._prepared:  # released by close()
+                raise TransferError("NIXL sender is closed")
+            self._prepared.discard(xfer)
+            if self._registration is None:
+                xfer.release()
+                raise TransferError("NIXL sender is closed")
+            if peer_name in self._barred:
+                xfer.release()
+                raise self._barred[peer_name]
+            self._bind_cuda()
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as e:  # nixlBind raises its own exception types
+                xfer.release()
+                raise TransferError(f"NIXL post to {peer_name} failed: {e}") from e
+            if state == "ERR":
+                xfer.release()
+                raise TransferError(f"NIXL post to {peer_name} returned ERR")
+            self._in_flight.add(xfer)
+        trace["nixl_post_ms"] = 1e3 * (time.perf_counter() - t3)
         return xfer
+
+    def _discard_prepared(self, state) -> None:
+        _, xfer = state
+        with self._lock:
+            if xfer in self._prepared:
+                self._prepared.discard(xfer)
+                xfer.release()
 
     def _check_done(self, handle) -> None:
         """The first completed WRITE to a peer: read back UCX's transport and judge it."""
@@ -352,6 +380,9 @@ class NixlSender(KVSender):
         with self._lock:
             for xfer in list(self._in_flight):
                 self._abort(xfer)
+            for xfer in list(self._prepared):
+                self._prepared.discard(xfer)
+                xfer.release()
             for peer in list(self._peers):
                 self.disconnect(peer)
             if self._registration is not None:

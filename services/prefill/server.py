@@ -61,7 +61,7 @@ from flashpd.services.api import (
     Unavailable,
     WorkerRef,
 )
-from flashpd.services.worker.common import EngineWorker, WorkerConfig, make_sender, ms_since
+from flashpd.services.worker.common import EngineWorker, WorkerConfig, make_sender
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ MAX_TOMBSTONES = 4096  # request ids aborted before their run arrived, remembere
 PUSH_RECORDS = 64  # the last pushes' timings, kept for `push_records` (diagnostics)
 PUSH_THREADS = 4  # threads that wait on KV pushes (the NIXL agent itself is serialized)
 INLINE_WAIT_S = 1e-3  # a push is polled on the event loop this long before a thread waits on it
+# ... and by the engine's loop thread right after it posted at kv_ready (a 128K-token prompt's KV
+# lands in ~0.1 ms over cuda_ipc): the completion is seen there, not after the output's hop
+ENGINE_POLL_S = 1e-3
 
 
 @dataclass
@@ -103,6 +106,10 @@ class _Armed:
     error: BaseException | None = None  # what refused or failed the post
     compute_end_s: float = 0.0  # time.monotonic() when the hook saw kv_ready
     settled: threading.Event = field(default_factory=threading.Event)
+    # built before the last chunk's kernels were waited for (`_on_kv_pending`), for these blocks
+    prepared: object = None  # PreparedSend
+    prepared_blocks: tuple[int, ...] = ()
+    done_s: float = 0.0  # time.monotonic() when the hook's polls saw the write complete
 
 
 @dataclass
@@ -139,6 +146,7 @@ class PrefillWorker(EngineWorker):
         self._armed: dict[str, _Armed] = {}
         self._armed_lock = threading.Lock()
         self.engine.output_hooks.append(self._on_engine_output)
+        self.engine.kv_pending_hooks.append(self._on_kv_pending)
 
     async def start(self, req: InternalRequest) -> bool:
         """Start computing `req`'s KV before its ticket exists; `run(req, ticket)` joins it."""
@@ -193,7 +201,11 @@ class PrefillWorker(EngineWorker):
             if push is not None:  # still moving after the inline polls: a push thread waits
                 stats = await asyncio.shield(push)
             run.phase = "done"
-            self._record_push(req.request_id, stats, t1, run)
+            # compute end -> the write seen complete: by the engine's loop thread right after
+            # its post, else here (the push's own time, not the kv_ready output's hop to here)
+            done_s = armed.done_s if armed is not None and armed.done_s else time.monotonic()
+            transfer_ms = 1e3 * (done_s - t1)
+            self._record_push(req.request_id, stats, t1, run, transfer_ms)
             return PrefillResult(
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
@@ -201,7 +213,7 @@ class PrefillWorker(EngineWorker):
                 pushed_bytes=stats.num_bytes,
                 queue_ms=0.0,
                 compute_ms=compute_ms,
-                transfer_ms=ms_since(t1),
+                transfer_ms=transfer_ms,
             )
         finally:
             if run.phase != "done":
@@ -331,12 +343,13 @@ class PrefillWorker(EngineWorker):
             self._announce_tombstones(peer)
         return peer
 
-    def _record_push(self, request_id: str, stats, t1: float, run: _Run) -> None:
+    def _record_push(self, request_id: str, stats, t1: float, run: _Run, transfer_ms: float) -> None:
         """Where a push's time went (ms after the compute ended): compute end -> the push
-        started (`hop_ms`), posting (`post_ms`: `send`, checks + descriptors + NIXL post), the
-        transport's post -> completion seen (`wire_ms` = stats.seconds, from before the
-        descriptors), compute end -> push done on the event loop (`total_ms`, what
-        PrefillResult.transfer_ms reports), and `send`/`wait`'s own phases (`phases`:
+        started (`hop_ms`), posting (`post_ms`: `send`, checks + descriptors + NIXL post; only
+        the post when the write was built ahead, `prepared`), the transport's post -> completion
+        seen (`wire_ms` = stats.seconds), compute end -> completion seen (`transfer_ms`, what
+        PrefillResult.transfer_ms reports), compute end -> push done on the event loop
+        (`total_ms`: with the kv_ready output's hop), and `send`/`wait`'s own phases (`phases`:
         TransferHandle.trace; `inline`: done within the event loop's polls, no thread hop)."""
         started, posted, now = run.push_started_s, run.posted_s, time.monotonic()
         self.push_records.append(
@@ -347,7 +360,9 @@ class PrefillWorker(EngineWorker):
                 "hop_ms": 1e3 * (started - t1) if started else None,
                 "post_ms": 1e3 * (posted - started) if posted and started else None,
                 "wire_ms": 1e3 * stats.seconds,
+                "transfer_ms": transfer_ms,
                 "total_ms": 1e3 * (now - t1),
+                "prepared": bool(run.trace.get("prepared_ahead")),
                 "gb_s_wire": stats.num_bytes / stats.seconds / 1e9 if stats.seconds > 0 else None,
                 "inline": run.inline,
                 "engine_post": run.engine_post,
@@ -376,9 +391,31 @@ class PrefillWorker(EngineWorker):
         return armed
 
     def _disarm(self, armed: _Armed) -> bool:
-        """True when `run` took it back (the hook never fired for it)."""
+        """True when `run` took it back (the hook never fired for it); a write prepared for it
+        is dropped."""
         with self._armed_lock:
-            return self._armed.pop(armed.run.engine_id, None) is not None
+            taken = self._armed.pop(armed.run.engine_id, None)
+        if taken is not None and taken.prepared is not None:
+            self.sender.discard(taken.prepared)
+        return taken is not None
+
+    def _on_kv_pending(self, engine_id: str, kv_block_ids: tuple[int, ...]) -> None:
+        """On the engine's loop thread, before it waits for the last chunk's kernels: build an
+        armed run's write (checks, descriptors, NIXL's request) so that at kv_ready only the post
+        is left. A refusal here is left for kv_ready, which checks again and raises it."""
+        with self._armed_lock:
+            armed = self._armed.get(engine_id)
+            if armed is None or armed.prepared is not None:
+                return
+            try:
+                src = _blocks_to_push(kv_block_ids, armed.ticket)
+                _check_may_push(armed.req.request_id, armed.run, armed.ticket)
+                armed.prepared = self.sender.prepare(
+                    armed.req.request_id, src, armed.ticket.dst_block_ids, armed.ticket.incarnation, peer=armed.peer
+                )
+                armed.prepared_blocks = tuple(kv_block_ids)
+            except Exception:  # noqa: BLE001 - kv_ready posts without it (and raises what refuses)
+                log.debug("push of %s not prepared ahead", engine_id, exc_info=True)
 
     def _on_engine_output(self, out) -> None:
         """On the engine's loop thread, before the output is delivered: at kv_ready of an armed
@@ -392,12 +429,18 @@ class PrefillWorker(EngineWorker):
             return
         try:
             armed.compute_end_s = time.monotonic()
+            prepared, armed.prepared = armed.prepared, None
+            if prepared is not None and armed.prepared_blocks != tuple(out.kv_block_ids):
+                self.sender.discard(prepared)  # not the blocks it was built for
+                prepared = None
             armed.handle = self._post(
-                armed.req, armed.ticket, armed.peer, out.kv_block_ids, armed.run, armed.compute_end_s
+                armed.req, armed.ticket, armed.peer, out.kv_block_ids, armed.run, armed.compute_end_s, prepared
             )
             armed.run.engine_post = True
+            if self.sender.poll_briefly(armed.handle, ENGINE_POLL_S) is not None:
+                armed.done_s = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - `run` raises it on the event loop
-            armed.error = exc
+            armed.error = exc  # a TransferError leaves nothing in flight (refused, or ended)
         finally:
             armed.settled.set()
 
@@ -421,14 +464,25 @@ class PrefillWorker(EngineWorker):
         if armed.handle is not None:
             await loop.run_in_executor(self._pushes, self._wait_push, req, ticket, armed.handle, armed.run)
 
-    def _post(self, req: InternalRequest, ticket: Ticket, peer: str, kv_block_ids, run: _Run, started_s: float):
+    def _post(
+        self, req: InternalRequest, ticket: Ticket, peer: str, kv_block_ids, run: _Run, started_s: float, prepared=None
+    ):
         """Check the push may go (the blocks match the ticket, not cancelled, lease not passed)
-        and post the write of the chunks the decode worker lacks; returns its handle. Raises with
-        nothing in flight. On the engine's loop thread (at kv_ready) or the event loop."""
+        and post the write of the chunks the decode worker lacks (`prepared`: built ahead for
+        these blocks); returns its handle. Raises with nothing in flight (a prepared write is
+        dropped). On the engine's loop thread (at kv_ready) or the event loop."""
         run.push_started_s = started_s
-        src = _blocks_to_push(kv_block_ids, ticket)
-        _check_may_push(req.request_id, run, ticket)
-        handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
+        try:
+            src = _blocks_to_push(kv_block_ids, ticket) if prepared is None else None
+            _check_may_push(req.request_id, run, ticket)
+            if prepared is not None:
+                handle = self.sender.post(prepared)
+                handle.trace["prepared_ahead"] = 1
+            else:
+                handle = self.sender.send(req.request_id, src, ticket.dst_block_ids, ticket.incarnation, peer=peer)
+        finally:
+            if prepared is not None:
+                self.sender.discard(prepared)  # a no-op once posted
         run.posted_s, run.trace = time.monotonic(), handle.trace
         return handle
 

@@ -179,3 +179,50 @@ def test_a_write_completes_while_the_receivers_owner_is_not_polling(peer, sender
     assert peer.wait_for("completed", lambda done: done) == ["r-blocked"]
     for name in CONTRACT.group_names:
         assert torch.equal(peer.call("rows", name, dst), sender.pools[name][src])
+
+
+def test_a_write_prepared_ahead_moves_nothing_until_posted_then_the_same_bytes(peer, sender):
+    """prepare builds the descriptors and NIXL's request (what a prefill worker does while its
+    last chunk computes); nothing lands before `post`, then the bytes and the notice do."""
+    src, dst = [3, 4], [9, 10]
+    before = {name: peer.call("rows", name, dst) for name in CONTRACT.group_names}
+    assert not any(torch.equal(before[name], sender.pools[name][src]) for name in CONTRACT.group_names)
+    peer.call("expect", "r-prep", dst, 60.0, "prefill-1")
+    prepared = sender.prepare("r-prep", src, dst, "prefill-1")
+    time.sleep(0.2)
+    assert peer.call("completed") == []
+    for name in CONTRACT.group_names:
+        assert torch.equal(peer.call("rows", name, dst), before[name])
+    handle = sender.post(prepared)
+    stats = sender.wait(handle, timeout_s=30)
+    assert stats.num_bytes == 2 * (256 + 64)
+    assert peer.wait_for("completed", lambda done: done) == ["r-prep"]
+    for name in CONTRACT.group_names:
+        assert torch.equal(peer.call("rows", name, dst), sender.pools[name][src])
+    assert {"descriptors_ms", "nixl_init_ms", "nixl_post_ms", "prepare_cpu_ms"} <= set(handle.trace)
+    with pytest.raises(TransferError, match="already posted"):
+        sender.post(prepared)
+    sender.discard(prepared)  # after the post: a no-op
+
+
+def test_a_discarded_prepared_write_releases_its_request_and_never_lands(peer, sender):
+    dst = [11, 12]
+    peer.call("expect", "r-drop", dst, 60.0, "prefill-1")
+    prepared = sender.prepare("r-drop", [1, 2], dst, "prefill-1")
+    sender.discard(prepared)
+    sender.discard(prepared)  # idempotent
+    with pytest.raises(TransferError, match="already posted or discarded"):
+        sender.post(prepared)
+    time.sleep(0.2)
+    assert peer.call("completed") == []
+    assert peer.call("cancel", "r-drop") is True  # nothing ever arrived for it
+
+
+def test_close_releases_a_prepared_write_that_was_never_posted(peer):
+    pools = {g.name: torch.zeros(4, g.block_bytes, dtype=torch.uint8) for g in CONTRACT.groups}
+    own = NixlSender(CONTRACT, pools)
+    own.connect(peer.descriptor)
+    prepared = own.prepare("r-closed", [0], [14], "prefill-1")
+    own.close()
+    with pytest.raises(TransferError, match="closed"):
+        own.post(prepared)

@@ -124,6 +124,9 @@ def test_ticket_before_the_compute_ends_pushes_the_head_start_s_kv(model_f32):
             assert engine.ids == ["a@p0"] and result.pushed_bytes > 0
             push = p.push_records[-1]
             assert push["engine_post"] and push["hop_ms"] == 0  # posted by the engine thread at kv_ready
+            # ... built before the last chunk's kernels were waited for: only the post was left
+            assert push["prepared"] and push["phases"]["prepared_ahead"] == 1
+            assert 0 <= push["transfer_ms"] <= push["total_ms"]
             assert await _tokens(d, req) == expected
             assert await _idle(p, d)
         finally:
@@ -337,15 +340,15 @@ def test_a_run_cancelled_after_the_engine_posted_waits_for_the_write_before_aban
         p, d = _workers(model_f32)
         loop = asyncio.get_running_loop()
         sent = []
-        send = p.sender.send
+        post = p.sender.post  # the engine thread posts the write it prepared
 
-        def send_then_cancel(*args, **kwargs):
-            handle = send(*args, **kwargs)
+        def post_then_cancel(*args, **kwargs):
+            handle = post(*args, **kwargs)
             sent.append(handle)
             loop.call_soon_threadsafe(run.cancel)  # lands before kv_ready reaches the run
             return handle
 
-        p.sender.send = send_then_cancel
+        p.sender.post = post_then_cancel
         try:
             ticket = await d.reserve(req)
             run = asyncio.create_task(p.run(req, ticket))
@@ -353,7 +356,7 @@ def test_a_run_cancelled_after_the_engine_posted_waits_for_the_write_before_aban
                 await run
             assert len(sent) == 1  # the engine thread did post it
             assert await _idle(p, d)
-            p.sender.send = send
+            p.sender.post = post
             assert await _turn(p, d, _req("after", 300, 14)) != []
         finally:
             await p.close()
