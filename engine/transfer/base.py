@@ -119,9 +119,10 @@ class TransferHandle:
 def thread_usage() -> tuple[float, int, int]:
     """The calling thread's (CPU seconds, voluntary, involuntary context switches): set against
     wall time, they tell a slow phase that ran (CPU) from one that waited for the GIL or a lock
-    (voluntary switches) or was preempted (involuntary)."""
+    (voluntary switches) or was preempted (involuntary). CPU time from the thread's clock
+    (getrusage's counts at the scheduler's tick resolution read 0 for sub-ms phases)."""
     usage = resource.getrusage(_RUSAGE_THREAD)
-    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+    return time.thread_time(), usage.ru_nvcsw, usage.ru_nivcsw
 
 
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)

@@ -192,9 +192,10 @@ def test_warm_up_forwards_run_eagerly_on_scratch_pools_of_their_own(models):
 
     _, gpu = models
     graphs = gpu.graphs = object()  # a stand-in: must be off during the warm-up, kept after it
-    seen = []
+    seen, alive = [], []  # the pools stay alive, so an id() is never reused by later pools
 
     def spy(self, ids, seqs, feed=None):
+        alive.extend(s.state.pools for s in seqs)
         seen.append(
             (self.graphs, len(ids), [(s.start_pos, s.num_tokens) for s in seqs], {id(s.state.pools) for s in seqs})
         )
