@@ -79,7 +79,14 @@ SEND_PHASES = (
     "done_vcsw",
     "done_ivcsw",
 )
-COUNTS = ("polls", "num_descriptors", "send_vcsw", "send_ivcsw", "done_vcsw", "done_ivcsw")  # columns that are counts, not ms
+COUNTS = (
+    "polls",
+    "num_descriptors",
+    "send_vcsw",
+    "send_ivcsw",
+    "done_vcsw",
+    "done_ivcsw",
+)  # columns that are counts, not ms
 
 
 def receiver_main(conn, contract_json: str, num_blocks: int, owner_wait_s: float, device: str = "cpu") -> None:
@@ -125,8 +132,11 @@ class Pusher:
     send + up to INLINE_WAIT_S of polls on the loop, a push thread waits only on a slower
     push; "thread" (before): loop -> push thread (send + wait) -> loop."""
 
-    def __init__(self, sender, conn, path: str):
+    def __init__(self, sender, conn, path: str, before=None, prepare_ahead: bool = False):
         self.sender, self.conn, self.path = sender, conn, path
+        self.before = before  # untimed work before each push (what a prefill does before kv_ready)
+        self.prepare_ahead = prepare_ahead  # build the write before that work, post at "compute end"
+        self._prepared = None
         self.threads = ThreadPoolExecutor(4, thread_name_prefix="bench-push")
         if path == "inline":  # imported here, not in the first timed push (~0.5 s of imports)
             from flashpd.services.prefill.server import INLINE_WAIT_S
@@ -142,7 +152,11 @@ class Pusher:
 
     def _push_inline(self, request_id: str, src: list[int], dst: list[int], marks: dict):
         marks["thread_s"] = time.monotonic()  # no hop: the loop itself
-        handle = self.sender.send(request_id, src, dst, "bench-prefill")
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            handle = self.sender.post(prepared)
+        else:
+            handle = self.sender.send(request_id, src, dst, "bench-prefill")
         stats = self.sender.poll_briefly(handle, self.inline_wait_s)
         marks["thread_end_s"] = time.monotonic()
         return handle, stats
@@ -152,6 +166,10 @@ class Pusher:
         reply(self.conn, "ok")
         marks: dict = {}
         loop = asyncio.get_running_loop()
+        if self.prepare_ahead and self.path == "inline":
+            self._prepared = self.sender.prepare(request_id, src, dst, "bench-prefill")
+        if self.before is not None:
+            self.before()
         t0 = time.monotonic()  # "compute end"
         if self.path == "inline":
             handle, stats = self._push_inline(request_id, src, dst, marks)
@@ -210,7 +228,9 @@ def render(result: dict, args: argparse.Namespace) -> str:
         f"{f' --ballast-graphs {args.ballast_graphs}' if args.ballast_graphs else ''}"
         f"{f' --busy-threads {args.busy_threads} --busy-burst-us {args.busy_burst_us} --busy-idle-us {args.busy_idle_us}' if args.busy_threads else ''}"
         f"{f' --switch-interval-us {args.switch_interval_us}' if args.switch_interval_us else ''}"
-        f"{' --in-ray-actor' if args.in_ray_actor else ''}`; "
+        f"{' --in-ray-actor' if args.in_ray_actor else ''}"
+        f"{f' --before-push {args.before_push} --before-push-ms {args.before_push_ms:g}' if args.before_push != 'none' else ''}"
+        f"{' --prepare-ahead' if args.prepare_ahead else ''}`; "
         f"{os.cpu_count()} CPUs shared with other jobs; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}",
         f"- first push to the peer (wire-up, not in the medians): {result['first_push_ms']} ms",
         f"- medians of {args.reps} pushes per size, ms (polls: a count); definitions in the module docstring",
@@ -249,6 +269,43 @@ def ballast(device: str, gb: float, chunk_mb: int, graphs: int) -> list:
                 keep.append(g)
         torch.cuda.synchronize()
     return keep
+
+
+def before_push(kind: str, ms: float, device: str):
+    """Untimed work before each push, as a prefill replica does before kv_ready: "cpu" runs
+    Python and sweeps a 256 MB host buffer for ~ms (the caches a prefill's host work leaves
+    cold); "gpu" queues ~ms of matmuls on the pools' device and waits for them with a stream
+    synchronize (the engine's wait for the last chunk's kernels). None for "none"."""
+    if kind == "none":
+        return None
+    if kind == "cpu":
+        buf = torch.zeros(64 * 2**20, dtype=torch.float32)
+
+        def cpu() -> None:
+            end = time.perf_counter() + ms * 1e-3
+            while time.perf_counter() < end:
+                buf.add_(1.0)
+
+        return cpu
+    if kind == "gpu":
+        if device != "cuda":
+            raise SystemExit("--before-push gpu needs --device cuda")
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.current_stream()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        stream.synchronize()
+        per_ms = max(1e-3, 1e3 * (time.perf_counter() - t0) / 20)
+        n = max(1, int(ms / per_ms))
+
+        def gpu() -> None:
+            for _ in range(n):
+                a @ a
+            stream.synchronize()
+
+        return gpu
+    raise ValueError(f"--before-push must be none, cpu or gpu, got {kind!r}")
 
 
 class BusyThreads:
@@ -300,7 +357,8 @@ def _measure(args: argparse.Namespace) -> dict:
     options = {"bind_cuda_context": args.bind_cuda_context == "on"}
     wait_s = args.owner_wait_us * 1e-6
     with nixl_pair(receiver_main, max_blocks, wait_s, args.device, args.layout, **options) as (sender, conn, _):
-        pusher = Pusher(sender, conn, args.path)
+        before = before_push(args.before_push, args.before_push_ms, args.device)
+        pusher = Pusher(sender, conn, args.path, before, args.prepare_ahead)
         sizes = run_sizes(pusher, tuple(args.sizes), args.reps, max_blocks)
         if args.loop_thread == "main":
             return asyncio.run(sizes)
@@ -373,6 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--busy-idle-us", type=int, default=500, help="... then blocking this long")
     parser.add_argument(
         "--switch-interval-us", type=int, default=0, help="sys.setswitchinterval for the run (0: leave it)"
+    )
+    parser.add_argument(
+        "--before-push",
+        choices=("none", "cpu", "gpu"),
+        default="none",
+        help="untimed work before each push: cpu (Python + a 256 MB host sweep), gpu (matmuls + a stream sync)",
+    )
+    parser.add_argument("--before-push-ms", type=float, default=30.0, help="... about this long")
+    parser.add_argument(
+        "--prepare-ahead", action="store_true", help="build each write before that work, post it after (inline path)"
     )
     parser.add_argument("--in-ray-actor", action="store_true", help="the sender in a Ray actor (Ray started here)")
     parser.add_argument("--label", default="this commit", help="names the run in the table's title")

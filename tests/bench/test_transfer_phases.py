@@ -69,3 +69,16 @@ def test_pushes_beside_threads_contending_for_the_gil_still_move_every_byte(tmp_
     with transfer_phases.BusyThreads(1, 1e-4, 1e-4) as busy:
         while busy.bursts < 3:  # the threads do run (and stop on exit)
             time.sleep(0.001)
+
+
+def test_writes_prepared_before_cache_cold_work_still_move_every_byte(tmp_path):
+    out = tmp_path / "phases.md"
+    argv = ["--sizes", "128", "1024", "--reps", "2", "--before-push", "cpu", "--before-push-ms", "2", "--prepare-ahead"]
+    assert transfer_phases.main([*argv, "--out", str(out)]) == 0  # 1 when a size's bytes differ
+    table = out.read_text()
+    assert "--before-push cpu --before-push-ms 2 --prepare-ahead" in table
+    assert "| yes |" in table and "| NO |" not in table
+    assert transfer_phases.before_push("cpu", 1, "cpu")() is None  # runs ~1 ms, returns
+    assert transfer_phases.before_push("none", 1, "cpu") is None
+    with pytest.raises(SystemExit, match="cuda"):
+        transfer_phases.before_push("gpu", 1, "cpu")
