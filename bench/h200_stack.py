@@ -829,6 +829,26 @@ def _transfer_field(res: dict, size: str, key: str):
     return entry.get(key) if isinstance(entry, dict) else None
 
 
+def config_with(src: str, settings: list[str], out: str) -> str:
+    """`src` with the application's args overridden (`--set key=value`, the value read as
+    YAML: `--set kv_push_early=true`), written to OUT/config.yaml; `src` when there is none."""
+    if not settings:
+        return src
+    import yaml
+
+    raw = yaml.safe_load(open(src).read())
+    (app,) = raw["applications"]
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants key=value, got {item!r}")
+        app["args"][key] = yaml.safe_load(value)
+    path = os.path.join(out, "config.yaml")
+    with open(path, "w") as f:
+        f.write(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashpd.bench.h200_stack")
     p.add_argument("--out", required=True)
@@ -842,11 +862,15 @@ def main(argv: list[str] | None = None) -> int:
         "--end-unix", type=float, default=None, help="finish the stack phase by this unix time (overrides --budget-s)"
     )
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
+    p.add_argument(
+        "--set", action="append", default=[], help="override one of the config's app args, key=value (YAML)"
+    )
     p.add_argument("--smoke-checkpoint", help="CPU smoke: tiny sizes, this checkpoint")
     a = p.parse_args(argv)
     if a.smoke_checkpoint:
         smoke_plan(a.smoke_checkpoint)
     os.makedirs(a.out, exist_ok=True)
+    a.config = config_with(a.config, a.set, a.out)
     if a.phase == "both":  # the reference in its own process: its GPU memory goes back
         cmd = [sys.executable, "-m", "flashpd.bench.h200_stack", "--out", a.out, "--phase", "reference"]
         cmd += ["--config", a.config]

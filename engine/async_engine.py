@@ -69,9 +69,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.hooks: list[Callable[[LLMEngine], None]] = []
         self.output_hooks: list[Callable[[EngineOutput], None]] = []
-        # hook(request_id, kv_block_ids) on the loop thread before a kv_ready step's kernels are
-        # waited for (LLMEngine.kv_pending_hooks); its output hook follows once they are
-        self.kv_pending_hooks: list[Callable[[str, tuple[int, ...]], None]] = getattr(engine, "kv_pending_hooks", [])
+        # hook(request_id, kv_block_ids, final_tokens) on the loop thread before a kv_ready
+        # step's kernels are waited for (LLMEngine.kv_pending_hooks); its output hook follows
+        self.kv_pending_hooks: list[Callable[[str, tuple[int, ...], int], None]] = getattr(
+            engine, "kv_pending_hooks", []
+        )
         # What closing an unfinished stream does, on the loop thread (default: abort). The decode
         # worker replaces it to keep blocks that a KV write may still reach.
         self.on_unfinished_close: Callable[[LLMEngine, str], Any] = lambda e, request_id: e.abort(request_id)

@@ -237,10 +237,15 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # launched ahead, applied by the next step()
         self.num_ahead_steps = 0  # steps planned and launched ahead (async scheduling)
         self.last_wait_s = 0.0  # host time the last step spent waiting for the device's ids
-        # Called as hook(request_id, kv_block_ids) for each kv_ready of a step BEFORE the step's
-        # kernels are waited for (the KV is not in the pools yet): a prefill worker builds the
-        # KV push there, overlapping the device's last chunk, and posts it at kv_ready.
+        # Called as hook(request_id, kv_block_ids, final_tokens) for each kv_ready of a step
+        # BEFORE the step's kernels are waited for: the KV of the first `final_tokens` prompt
+        # tokens (the chunks before this step's) is in the pools, the rest not yet. A prefill
+        # worker builds its KV push there, overlapping the device's last chunk, and posts it at
+        # kv_ready.
         self.kv_pending_hooks: list = []
+        # device marks after each launched step's kernels (this step's, the one before): the
+        # hooks run once the one before is reached, so `final_tokens` of KV is really written
+        self._step_marks: tuple = (None, None)
         self._init_speculation(config.speculative, dspark)
 
     def _init_speculation(self, spec: SpeculativeConfig | None, dspark) -> None:
@@ -410,6 +415,8 @@ class LLMEngine:
         known = {c.request_id: self._requests[c.request_id].token_ids for c in plan.chunks}
         self._forget_drafts(plan.freed_request_ids + plan.preempted_request_ids)
         out = self.runner.execute(plan, known, fed)
+        if self.kv_pending_hooks:
+            self._step_marks = (self._step_marks[1], self._new_step_mark())
         self._observe(out, {})
         rids = [c.request_id for c in plan.chunks if c.request_id in out.logits]
         fed_rids = tuple(c.request_id for c in plan.chunks if c.token_ids == (PENDING_TOKEN,))
@@ -453,15 +460,27 @@ class LLMEngine:
         self.num_steps += 1
         ready = [o for o in outputs if o.finish_reason == FinishReason.KV_READY]
         if ready:
-            self._run_kv_pending_hooks(ready)
+            self._run_kv_pending_hooks(ready, {c.request_id: c.start for c in launched.plan.chunks})
             self._wait_for_kv_writes()
         return failed + [self._to_output(o, samples.get(o.request_id)) for o in outputs]
 
-    def _run_kv_pending_hooks(self, ready) -> None:
+    def _new_step_mark(self):
+        """A device event after the kernels launched so far (None on the CPU: its forward ran
+        synchronously)."""
+        if not (str(self.config.device).startswith("cuda") and torch.cuda.is_available()):
+            return None
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(torch.device(self.config.device)))
+        return mark
+
+    def _run_kv_pending_hooks(self, ready, starts: dict[str, int]) -> None:
+        before = self._step_marks[0]
+        if before is not None:  # the earlier chunks' kernels (this step's may still run)
+            before.synchronize()
         for hook in list(self.kv_pending_hooks):
             for o in ready:
                 try:
-                    hook(o.request_id, tuple(o.kv_block_ids))
+                    hook(o.request_id, tuple(o.kv_block_ids), starts.get(o.request_id, 0))
                 except Exception:  # noqa: BLE001 - an optimisation: kv_ready is delivered anyway
                     log.exception("kv-pending hook %r failed on %s", hook, o.request_id)
 

@@ -275,6 +275,11 @@ class AppArgs(_Strict):
         "waits for its KV (prefill queueing included) before its blocks "
         "are freed; both roles use it",
     )
+    kv_push_early: bool = Field(
+        False,
+        description="prefill: write the KV of a prompt's chunks before its last one while the last "
+        "computes, so the push at the prompt's end moves one chunk (off: one push at the end)",
+    )
     joint_autoscaling: bool = Field(
         False, description="scaled by the application-level JointPolicy: every role needs `autoscaling` bounds"
     )
@@ -406,6 +411,7 @@ class AppArgs(_Strict):
             max_queued_requests=r.queue_limit(),
             retry_after_s=r.retry_after_s,
             speculative=None if spec is None else spec.handoff(),
+            push_early=self.kv_push_early,
         )
 
     def _engine_config(self, role: str, r: RoleArgs, spec: SpeculativeConfig | None) -> EngineConfig:

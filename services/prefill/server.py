@@ -48,7 +48,7 @@ from flashpd.engine.async_engine import EngineDead, RequestFailed
 from flashpd.engine.llm_engine import LLMEngine
 from flashpd.engine.request import PrefixPolicy
 from flashpd.engine.transfer.base import TransferCancelled, TransferError
-from flashpd.engine.transfer.contract import ContractMismatch
+from flashpd.engine.transfer.contract import CHUNK_TOKENS, ContractMismatch
 from flashpd.services.api import (
     Cancelled,
     DeadlineExceeded,
@@ -73,6 +73,9 @@ INLINE_WAIT_S = 1e-3  # a push is polled on the event loop this long before a th
 # ... and by the engine's loop thread right after it posted at kv_ready (a 128K-token prompt's KV
 # lands in ~0.1 ms over cuda_ipc): the completion is seen there, not after the output's hop
 ENGINE_POLL_S = 1e-3
+# an early write (`WorkerConfig.push_early`) is waited for this long on the engine's loop thread,
+# then aborted (the kv_ready write then moves every block): cuda_ipc moves 100 MB in ~0.1 ms
+EARLY_WAIT_S = 0.05
 
 
 @dataclass
@@ -88,6 +91,8 @@ class _Run:
     trace: dict = field(default_factory=dict)  # the push's phases (TransferHandle.trace)
     inline: bool = False  # the push completed within the event loop's polls (no thread hop)
     computed_s: float = 0.0  # time.monotonic() when the compute ended
+    early_bytes: int = 0  # written before kv_ready (the chunks whose KV was final), complete
+    early_ms: float = 0.0  # ... that write's post -> completion seen
     engine_post: bool = False  # the write was posted by the engine's loop thread at kv_ready
 
 
@@ -210,7 +215,7 @@ class PrefillWorker(EngineWorker):
                 prefill_worker_id=self.ref.worker_id,
                 prefill_cached_tokens=ready.cached_tokens,
                 computed_tokens=len(req.kv_prompt_ids) - ready.cached_tokens,
-                pushed_bytes=stats.num_bytes,
+                pushed_bytes=stats.num_bytes + run.early_bytes,
                 queue_ms=0.0,
                 compute_ms=compute_ms,
                 transfer_ms=transfer_ms,
@@ -355,7 +360,9 @@ class PrefillWorker(EngineWorker):
         self.push_records.append(
             {
                 "request_id": request_id,
-                "bytes": stats.num_bytes,
+                "bytes": stats.num_bytes + run.early_bytes,
+                "early_bytes": run.early_bytes,  # written before kv_ready (`push_early`)
+                "early_ms": run.early_ms,
                 "descriptors": int(run.trace.get("num_descriptors", 0)),
                 "hop_ms": 1e3 * (started - t1) if started else None,
                 "post_ms": 1e3 * (posted - started) if posted and started else None,
@@ -399,23 +406,52 @@ class PrefillWorker(EngineWorker):
             self.sender.discard(taken.prepared)
         return taken is not None
 
-    def _on_kv_pending(self, engine_id: str, kv_block_ids: tuple[int, ...]) -> None:
+    def _on_kv_pending(self, engine_id: str, kv_block_ids: tuple[int, ...], final_tokens: int) -> None:
         """On the engine's loop thread, before it waits for the last chunk's kernels: build an
         armed run's write (checks, descriptors, NIXL's request) so that at kv_ready only the post
-        is left. A refusal here is left for kv_ready, which checks again and raises it."""
+        is left. With `push_early`, first write the blocks whose KV is already final (those of
+        the chunks before the last: `final_tokens`) and wait for that write here, so the
+        kv_ready write moves the last chunk only, on a warm transport path. A refusal here is
+        left for kv_ready, which checks again and raises it. Under the armed lock: a run that
+        takes its armed entry back (`_disarm`) finds no write of the hook in flight."""
         with self._armed_lock:
             armed = self._armed.get(engine_id)
             if armed is None or armed.prepared is not None:
                 return
             try:
                 src = _blocks_to_push(kv_block_ids, armed.ticket)
+                dst = armed.ticket.dst_block_ids
                 _check_may_push(armed.req.request_id, armed.run, armed.ticket)
+                early = 0
+                if self.config.push_early:
+                    final_blocks = final_tokens // CHUNK_TOKENS - armed.ticket.first_block_index
+                    early = self._push_early(armed, src, dst, max(0, min(final_blocks, len(src) - 1)))
                 armed.prepared = self.sender.prepare(
-                    armed.req.request_id, src, armed.ticket.dst_block_ids, armed.ticket.incarnation, peer=armed.peer
+                    armed.req.request_id, src[early:], dst[early:], armed.ticket.incarnation, peer=armed.peer
                 )
                 armed.prepared_blocks = tuple(kv_block_ids)
             except Exception:  # noqa: BLE001 - kv_ready posts without it (and raises what refuses)
                 log.debug("push of %s not prepared ahead", engine_id, exc_info=True)
+
+    def _push_early(self, armed: _Armed, src: list[int], dst, n: int) -> int:
+        """Write the first `n` blocks now (a normal write, with its notice: the decode side
+        counts the blocks received) and wait for it; -> n, or 0 when it did not complete (it
+        was aborted: the kv_ready write then moves every block)."""
+        if n <= 0:
+            return 0
+        req, run = armed.req, armed.run
+        try:
+            handle = self.sender.send(req.request_id, src[:n], dst[:n], armed.ticket.incarnation, peer=armed.peer)
+        except TransferError:
+            return 0  # nothing in flight
+        try:
+            stats = self.sender.wait(handle, EARLY_WAIT_S, run.cancel)
+        except TransferError:
+            if handle.abort_failed:
+                run.write_may_land = True  # never send abandon: the bytes may still land
+            return 0
+        run.early_bytes, run.early_ms = stats.num_bytes, 1e3 * stats.seconds
+        return n
 
     def _on_engine_output(self, out) -> None:
         """On the engine's loop thread, before the output is delivered: at kv_ready of an armed

@@ -39,6 +39,9 @@ class WorkerConfig:
     # the application's speculative decoding (SpeculativeConfig.handoff()), for the transfer
     # contract: only decode workers draft, both sides must agree (None = off)
     speculative: dict | None = None
+    # prefill: write the KV of the chunks before a prompt's last one while the last computes
+    # (then the kv_ready write moves the last chunk only; PrefillWorker._on_kv_pending)
+    push_early: bool = False
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:

@@ -6,6 +6,8 @@ import asyncio
 import json
 import types
 
+import pytest
+
 import flashpd_sdk
 from flashpd.bench import h200_stack as hs
 
@@ -72,3 +74,25 @@ def test_transfer_phase_warms_up_then_pushes_distinct_prompts_and_reports_median
     assert s["transfer_gb_s"]["8192"] == big["gb_s"] and s["transfer_gb_s"]["32768"] is None
     assert s["transfer_gb_s_transport"]["8192"] == big["gb_s_transport"] > big["gb_s"]
     assert s["push_split_ms"]["8192"]["done_ms"] == 0.2
+
+
+def test_set_overrides_the_apps_args_in_a_copy_of_the_config(tmp_path):
+    import yaml
+
+    from flashpd.bench.h200_stack import config_with
+    from flashpd.services.app import AppArgs
+
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "infra" / "serve.h200.yaml")
+    assert config_with(src, [], str(tmp_path)) == src
+    path = config_with(src, ["kv_push_early=true", "kv_lease_s=120"], str(tmp_path))
+    (app,) = yaml.safe_load(open(path).read())["applications"]
+    assert app["args"]["kv_push_early"] is True and app["args"]["kv_lease_s"] == 120
+    (orig,) = yaml.safe_load(open(src).read())["applications"]
+    assert {k: v for k, v in app["args"].items() if k not in ("kv_push_early", "kv_lease_s")} == {
+        k: v for k, v in orig["args"].items() if k != "kv_lease_s"
+    }
+    assert AppArgs.model_validate(app["args"]).worker_config("prefill", "redis://127.0.0.1:1/0").push_early
+    with pytest.raises(SystemExit, match="key=value"):
+        config_with(src, ["kv_push_early"], str(tmp_path))

@@ -93,3 +93,11 @@ def test_flashpd_serve_refuses_the_other_modes_replica_flags():
         app_args(_cli_args("--mode", "colocated", "--prefill-replicas", "2"), "ckpt", "redis://127.0.0.1:1")
     with pytest.raises(SystemExit, match="--colocated-replicas"):
         app_args(_cli_args("--colocated-replicas", "2"), "ckpt", "redis://127.0.0.1:1")
+
+
+def test_early_kv_push_is_off_by_default_and_reaches_the_workers_when_on():
+    assert not AppArgs.model_validate(BASE).worker_config("prefill").push_early
+    args = AppArgs.model_validate({**BASE, "kv_push_early": True})
+    assert args.worker_config("prefill").push_early
+    with pytest.raises(ValueError, match="kv_push_early"):
+        AppArgs.model_validate({**BASE, "kv_push_early": "sometimes"})

@@ -363,3 +363,81 @@ def test_a_run_cancelled_after_the_engine_posted_waits_for_the_write_before_aban
             await d.close()
 
     _run(main())
+
+
+def _early_workers(model, push_early: bool, budget: int = 200) -> tuple[PrefillWorker, DecodeWorker]:
+    """Workers whose prefill computes in `budget`-token chunks (not a multiple of the 128-token
+    block: a chunk's first block is shared with the chunk before)."""
+
+    def make(role, **engine):
+        ec = EngineConfig(role=role, num_blocks=64, num_slots=16, model_id=MODEL_ID, **engine)
+        wc = WorkerConfig("unused", MODEL_ID, ec, transfer_backend="local", lease_s=LONG_S, transfer_timeout_s=LONG_S)
+        return LLMEngine(model, ec), dataclasses.replace(wc, push_early=push_early and role == "prefill")
+
+    (pe, pc), (de, dc) = make("prefill", max_num_batched_tokens=budget), make("decode")
+    return PrefillWorker(pe, pc, new_worker_ref("prefill")), DecodeWorker(de, dc, new_worker_ref("decode"))
+
+
+@pytest.mark.parametrize("n", [600, 1000])
+def test_an_early_push_writes_the_final_chunks_before_kv_ready_and_decodes_the_same(model_f32, n):
+    """push_early: the blocks of the chunks before the last one are written while the last one
+    computes; the kv_ready write moves the rest. The decode side's tokens are the same as with
+    one push at the end, and every block is freed after."""
+
+    async def main():
+        req = _req("e", n, 21, max_tokens=5)
+        p0, d0 = _early_workers(model_f32, push_early=False)
+        try:
+            expected = await _turn(p0, d0, req)
+            (whole,) = p0.push_records
+        finally:
+            await p0.close()
+            await d0.close()
+        p, d = _early_workers(model_f32, push_early=True)
+        try:
+            ticket = await d.reserve(req)
+            result = await p.run(req, ticket)
+            (push,) = p.push_records
+            # the last step computes from token 400 (n = 600) / 800 (n = 1000): blocks 0..2 / 0..5 early
+            per_block = whole["bytes"] // -(-n // 128)
+            assert push["early_bytes"] == (400 // 128 if n == 600 else 800 // 128) * per_block
+            assert push["bytes"] == result.pushed_bytes == whole["bytes"]
+            assert push["engine_post"] and push["prepared"]
+            assert await _tokens(d, req) == expected
+            assert await _idle(p, d)
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
+
+
+def test_a_run_cancelled_after_its_early_write_frees_every_block(model_f32):
+    async def main():
+        req = _req("ec", 600, 22)
+        p, d = _early_workers(model_f32, push_early=True)
+        loop = asyncio.get_running_loop()
+        early = p._push_early
+        written = []
+
+        def early_then_cancel(*args):
+            n = early(*args)
+            written.append(n)
+            loop.call_soon_threadsafe(run.cancel)  # lands before kv_ready reaches the run
+            return n
+
+        p._push_early = early_then_cancel
+        try:
+            ticket = await d.reserve(req)
+            run = asyncio.create_task(p.run(req, ticket))
+            with pytest.raises((asyncio.CancelledError, Cancelled)):
+                await run
+            assert written == [3]  # the early write completed before the cancel
+            assert await _idle(p, d)
+            p._push_early = early
+            assert await _turn(p, d, _req("after", 300, 23)) != []
+        finally:
+            await p.close()
+            await d.close()
+
+    _run(main())
