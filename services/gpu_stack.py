@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -191,6 +193,46 @@ def _http_ok(url: str) -> bool:
         return r.status == 200
 
 
+GPU_RELEASE_WAIT_S = 120.0  # a stack torn down just before may still hold its replicas' memory
+
+
+def gpu_processes(run=subprocess.run) -> list[tuple[int, int]] | None:
+    """(pid, MiB) of every process holding GPU memory (nvidia-smi); None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    procs = []
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == 2 and cells[0].isdigit() and cells[1].isdigit():
+            procs.append((int(cells[0]), int(cells[1])))
+    return procs
+
+
+def wait_gpu_released(
+    log=print, timeout_s: float = GPU_RELEASE_WAIT_S, query=gpu_processes, sleep=time.sleep, clock=time.monotonic
+) -> list[tuple[int, int]]:
+    """Wait until no process holds GPU memory (the replicas of a stack stopped just before exit
+    asynchronously, and two more copies of the weights would not fit beside theirs), at most
+    `timeout_s`; -> what is still held (logged: the stack then starts anyway, and its replicas'
+    errors will say if memory ran out)."""
+    end = clock() + timeout_s
+    held = query() or []
+    if held:
+        log(f"gpu_stack: waiting for {len(held)} process(es) to release GPU memory: {held}")
+    while held and clock() < end:
+        sleep(1.0)
+        held = query() or []
+    if held:
+        log(f"gpu_stack: WARNING: starting while GPU memory is still held after {timeout_s:.0f} s: {held}")
+    return held
+
+
 @contextlib.contextmanager
 def gpu_stack(
     config_path: str = DEFAULT_CONFIG,
@@ -210,6 +252,8 @@ def gpu_stack(
     config = check_config(config_path, gpus)
     port = http_port or config.http_port
     t0 = time.monotonic()
+    if gpus:
+        wait_gpu_released(log)
     redis_server = LocalRedis().start()
     try:
         _export_env(config, redis_server.url)

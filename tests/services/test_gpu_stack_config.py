@@ -96,3 +96,30 @@ def test_colocated_config_with_a_decode_section_is_refused_naming_it(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="decode: mode colocated"):
         check_config(str(path), num_gpus=1)
+
+
+def test_a_stack_waits_for_the_gpu_memory_that_a_previous_one_still_holds():
+    from flashpd.services.gpu_stack import gpu_processes, wait_gpu_released
+
+    held = [[(111, 60000), (112, 59000)], [(111, 60000)], []]
+    now, logged = [0.0], []
+
+    def query():
+        return held.pop(0) if len(held) > 1 else held[0]
+
+    def sleep(s):
+        now[0] += s
+
+    assert wait_gpu_released(logged.append, 120.0, query, sleep, lambda: now[0]) == []
+    assert now[0] == 2.0 and "waiting for 2 process(es)" in logged[0] and len(logged) == 1
+
+    now[0], logged[:] = 0.0, []
+    stuck = wait_gpu_released(logged.append, 5.0, lambda: [(7, 100)], sleep, lambda: now[0])
+    assert stuck == [(7, 100)] and now[0] == 5.0 and "WARNING" in logged[-1]
+    assert wait_gpu_released(logged.append, 5.0, lambda: None, sleep, lambda: now[0]) == []  # no nvidia-smi
+
+    class Out:
+        stdout = "111, 60000\n112, 59000\n[Not Supported], 3\n"
+
+    if gpu_processes(lambda *a, **k: Out()) is not None:  # nvidia-smi on this machine
+        assert gpu_processes(lambda *a, **k: Out()) == [(111, 60000), (112, 59000)]
