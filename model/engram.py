@@ -202,6 +202,13 @@ class EngramHasher:
 
     def hash_ids(self, engram_index: int, token_ids: torch.Tensor, history: list[int]) -> torch.Tensor:
         """token_ids [T] (+ up to 3 preceding ids, oldest first) -> row ids [T, C] int64."""
+        return self.hash_ids_layers([engram_index], token_ids, history)[0]
+
+    def hash_ids_layers(
+        self, engram_indices: Sequence[int], token_ids: torch.Tensor, history: list[int]
+    ) -> list[torch.Tensor]:
+        """`hash_ids` for several Engram layers at once: the ids are checked and compressed
+        once, then hashed with each layer's multipliers and primes -> [T, C] per index."""
         if len(history) > self.max_shift:
             raise ValueError(f"history holds {len(history)} ids; at most {self.max_shift}")
         if token_ids.ndim != 1:
@@ -211,7 +218,7 @@ class EngramHasher:
             raise ValueError(f"token id outside [0, {self.num_token_ids})")
         shifted = self._shifted_compressed(ids, len(history))  # [T, max_shift+1]
         consts = self._constants(shifted.device)
-        return self._rows(consts, engram_index, shifted).to(token_ids.device)
+        return [self._rows(consts, index, shifted).to(token_ids.device) for index in engram_indices]
 
     def hash_windows(self, engram_indices: Sequence[int], windows: torch.Tensor) -> list[torch.Tensor]:
         """windows [T, max_shift+1] int64: each row a token id and the max_shift ids before

@@ -697,17 +697,22 @@ class Model:
         if full:
             joined_t = torch.tensor(joined, dtype=torch.long)
             keep_t, dst_t = torch.tensor(keep), torch.tensor(dst, dtype=torch.long)
+        indices = [spec.engram_index for spec in layers]  # every layer from one pass over the ids
+        hashed = self.hasher.hash_ids_layers(indices, joined_t, []) if full else None
+        shorts = {
+            i: self.hasher.hash_ids_layers(
+                indices, token_ids[segs[i].offset : segs[i].offset + segs[i].num_tokens], lookbacks[i]
+            )
+            for i in short
+        }
         out = {}
-        for spec in layers:
+        for j, spec in enumerate(layers):
             rows = torch.empty(token_ids.shape[0], self.hasher.num_columns, dtype=torch.long)
             if full:
-                hashed = self.hasher.hash_ids(spec.engram_index, joined_t, [])
-                rows[dst_t] = hashed[keep_t]
+                rows[dst_t] = hashed[j][keep_t]
             for i in short:
                 s = segs[i]
-                rows[s.offset : s.offset + s.num_tokens] = self.hasher.hash_ids(
-                    spec.engram_index, token_ids[s.offset : s.offset + s.num_tokens], lookbacks[i]
-                )
+                rows[s.offset : s.offset + s.num_tokens] = shorts[i][j]
             out[spec.layer_id] = rows.to(self.device if device is None else device)  # [T, C]
         return out
 

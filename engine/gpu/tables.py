@@ -28,6 +28,9 @@ from flashpd.model.state import StateError
 ALIGN = 16  # byte alignment of every tensor in a pack (any dtype's view stays aligned)
 
 
+SMALL_SPAN_ROWS = 16  # seam spans up to this many rows are built from host ints (Columns.row)
+
+
 @dataclass
 class PagedTables:
     """Pool rows of one step (device tensors the forward reads) and what the commit needs."""
@@ -373,6 +376,12 @@ class TableBuilder:
             n = end - first
             if n == 1 and seg.inp.plan.replay is None:  # a decode row
                 cols.row(first // ratio if end % ratio == 0 else -1, 1, seg.inp.state.slot, seg.index)
+                continue
+            if n <= SMALL_SPAN_ROWS:  # a verify's k + 1 rows, a short turn: host ints, no tensor ops
+                slot, index = seg.inp.state.slot, seg.index
+                for p in range(first, end):
+                    entry = -1 if seg.replay is not None or (p + 1) % ratio else p // ratio
+                    cols.row(entry, int(p == first), slot, index)
                 continue
             if seg.replay is not None:  # the entries exist: nothing is written
                 entry = torch.full((n,), -1, dtype=torch.long)

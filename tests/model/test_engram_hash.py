@@ -237,3 +237,15 @@ def test_rejects_long_history_and_bad_ids(tiny_hasher):
         tiny_hasher.hash_ids(0, torch.tensor([1]), [1, 2, 3, 4])
     with pytest.raises(ValueError, match="token id"):
         tiny_hasher.hash_ids(0, torch.tensor([512]), [])
+
+
+def test_hashing_several_layers_at_once_equals_one_layer_at_a_time(tiny, tiny_hasher):
+    hasher = tiny_hasher
+    layers = sorted({spec.engram_index for spec in tiny.layers if spec.has_engram})
+    assert layers
+    ids = torch.randint(0, hasher.num_token_ids, (37,), generator=torch.Generator().manual_seed(4))
+    for history in ([], [5], [1, 2, 3]):
+        together = hasher.hash_ids_layers(layers * 2, ids, history)
+        assert len(together) == 2 * len(layers)
+        for index, rows in zip(layers * 2, together, strict=True):
+            assert torch.equal(rows, hasher.hash_ids(index, ids, history))
