@@ -386,7 +386,7 @@ class PagedSeqState(TokenCounter, SeqState):
             self._common,
             None if self._per_layer is None else list(self._per_layer),
             rows,
-            self.pools.window[:, rows].clone(),
+            self.pools.window[:, rows],  # advanced indexing: already a copy
             self.pools.open[self.slot].clone(),
             dict(self._open_set),
         )
@@ -417,8 +417,8 @@ class PagedSeqState(TokenCounter, SeqState):
         self._set_tokens(num_tokens, lookback_ids)
 
     def _ring_rows(self, first: int, end: int) -> torch.Tensor:
-        rows = self.slot * self._keep + torch.arange(first, end) % self._keep
-        return rows.to(self.pools.window.device)
+        base, keep = self.slot * self._keep, self._keep  # host ints, one copy to the device
+        return torch.tensor([base + p % keep for p in range(first, end)], device=self.pools.window.device)
 
     def global_state(self) -> GlobalKV:
         return GlobalKV(self._num_tokens, self._lookback, {s: self.entries(s) for s in self._n_entries})
