@@ -862,9 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         "--end-unix", type=float, default=None, help="finish the stack phase by this unix time (overrides --budget-s)"
     )
     p.add_argument("--commit", default=os.environ.get("FLASHPD_COMMIT", "unknown"))
-    p.add_argument(
-        "--set", action="append", default=[], help="override one of the config's app args, key=value (YAML)"
-    )
+    p.add_argument("--set", action="append", default=[], help="override one of the config's app args, key=value (YAML)")
     p.add_argument("--smoke-checkpoint", help="CPU smoke: tiny sizes, this checkpoint")
     a = p.parse_args(argv)
     if a.smoke_checkpoint:

@@ -77,12 +77,12 @@ def test_transfer_phase_warms_up_then_pushes_distinct_prompts_and_reports_median
 
 
 def test_set_overrides_the_apps_args_in_a_copy_of_the_config(tmp_path):
+    from pathlib import Path
+
     import yaml
 
     from flashpd.bench.h200_stack import config_with
     from flashpd.services.app import AppArgs
-
-    from pathlib import Path
 
     src = str(Path(__file__).resolve().parents[2] / "infra" / "serve.h200.yaml")
     assert config_with(src, [], str(tmp_path)) == src
