@@ -29,6 +29,7 @@ ALIGN = 16  # byte alignment of every tensor in a pack (any dtype's view stays a
 
 
 SMALL_SPAN_ROWS = 16  # seam spans up to this many rows are built from host ints (Columns.row)
+SMALL_TABLE_ROWS = 64  # seam tables up to this many rows (all host ints) are mapped on the host
 
 
 @dataclass
@@ -133,6 +134,10 @@ class Columns:
         """The last span's [num_cols, n] block (writable)."""
         return self._pieces[-1]
 
+    def host_rows(self) -> list[tuple[int, ...]] | None:
+        """Every row so far as host ints when no span was added (else None)."""
+        return None if self._pieces else self._rows
+
     def tensor(self) -> torch.Tensor:
         self._flush()
         if not self._pieces:
@@ -180,6 +185,7 @@ class TableBuilder:
         key_width_tokens: every key table at least as wide as a context of that many tokens
         needs (one table shape for every context up to it: a width-agnostic graph)."""
         self.cfg, self.pools, self.step, self.kinds = cfg, pools, step, kinds
+        self._bt_rows: tuple | None = None  # (block table, its rows as host lists)
         self.num_rows = step.token_ids.shape[0]
         self.num_tables = max(min_tables, len(step.segs) + self.num_rows - sum(s.num_tokens for s in step.segs))
         self.width_step = key_width_step
@@ -391,12 +397,28 @@ class TableBuilder:
             cols.span(entry, 0, seg.inp.state.slot, seg.index)
             cols.last()[1, 0] = 1
         pad = rows.num_seam - cols.num_rows
+        host = cols.host_rows()
+        if host is not None and rows.num_seam <= SMALL_TABLE_ROWS:  # a verify, a decode batch
+            return self._entry_rows_host(host, pad, epb, bt)
         if pad:
             cols.span(torch.full((pad,), -1, dtype=torch.long), 0, 0, 0)
         entry_t, stored_t, slots_t, b = cols.tensor()
         safe = entry_t.clamp(min=0)
         picked = bt[b, (safe // epb).clamp(max=bt.shape[1] - 1)] * epb + safe % epb
         return (torch.where(entry_t >= 0, picked, -1), stored_t.bool(), slots_t)
+
+    def _entry_rows_host(self, host: list[tuple[int, ...]], pad: int, epb: int, bt: torch.Tensor):
+        """`_entry_rows` from host ints (three tensors made, not a dozen ops): each row's entry
+        mapped through the block table, -1 where it closes none; `pad` rows of nothing after."""
+        if self._bt_rows is None or self._bt_rows[0] is not bt:
+            self._bt_rows = (bt, bt.tolist())
+        table, last = self._bt_rows[1], bt.shape[1] - 1
+        entries = [-1 if e < 0 else table[b][min(e // epb, last)] * epb + e % epb for e, _, _, b in host]
+        return (
+            torch.tensor(entries + [-1] * pad, dtype=torch.long),
+            torch.tensor([bool(st) for _, st, _, _ in host] + [False] * pad, dtype=torch.bool),
+            torch.tensor([sl for _, _, sl, _ in host] + [0] * pad, dtype=torch.long),
+        )
 
     def _open_keep(self, rows: LayerRows) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, seam rows) of the sequences whose last token leaves a ratio-2 group open."""
