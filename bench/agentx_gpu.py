@@ -278,8 +278,10 @@ def gpu_memory(run=subprocess.run) -> dict | None:
         )
         return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
+    from flashpd.services.gpu_stack import gpu_processes  # the per-process query the stack waits on
+
     gpus = [{"used_mib": int(u), "total_mib": int(t)} for u, t in query("gpu=memory.used,memory.total")]
-    procs = [{"pid": int(pid), "used_mib": int(m)} for pid, m in query("compute-apps=pid,used_memory")]
+    procs = [{"pid": pid, "used_mib": mib} for pid, mib in gpu_processes(run) or []]
     return {"gpus": gpus, "processes": procs}
 
 

@@ -128,11 +128,13 @@ def thread_usage() -> tuple[float, int, int]:
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
-def note_usage(trace: dict[str, float], prefix: str, before: tuple[float, int, int]) -> None:
-    cpu_s, vcsw, ivcsw = thread_usage()
+def note_usage(trace: dict[str, float], prefix: str, before: tuple[float, int, int]) -> tuple[float, int, int]:
+    """The thread's usage since `before` into `trace` under `prefix`; -> the usage now."""
+    now = cpu_s, vcsw, ivcsw = thread_usage()
     trace[f"{prefix}_cpu_ms"] = 1e3 * (cpu_s - before[0])
     trace[f"{prefix}_vcsw"] = vcsw - before[1]
     trace[f"{prefix}_ivcsw"] = ivcsw - before[2]
+    return now
 
 
 @dataclass(frozen=True)
@@ -504,8 +506,7 @@ class KVSender(ABC):
             prepared.request_id, prepared.peer, prepared.num_bytes, posted_at_s, xfer, prepared.trace
         )
         handle.post_returned_s = time.perf_counter()
-        note_usage(prepared.trace, "send", usage0)
-        handle.post_returned_usage = (threading.get_ident(), *thread_usage())
+        handle.post_returned_usage = (threading.get_ident(), *note_usage(prepared.trace, "send", usage0))
         return handle
 
     def discard(self, prepared: PreparedSend) -> None:
